@@ -1,0 +1,150 @@
+"""Config: strict ConfigDict, files with _base_, overrides, dump round trips, error texts."""
+import copy
+import json
+import pickle
+
+import pytest
+
+from stratagem.config import Config, ConfigDict, ConfigError, merge_dicts, parse_cfg_options
+
+
+def test_configdict_strict_reads():
+    cfg = ConfigDict(model=dict(type='MLP', depth=2), layers=[dict(a=1)])
+    assert cfg.model.depth == 2 and cfg['model']['type'] == 'MLP'
+    assert isinstance(cfg.layers[0], ConfigDict) and cfg.layers[0].a == 1
+    with pytest.raises(AttributeError, match="config has no key 'modle'; keys here: 'model'"):
+        cfg.modle
+    with pytest.raises(KeyError, match="config has no key 'x'"):
+        cfg['x']
+    assert not hasattr(cfg, 'x')
+    assert 'x' not in cfg  # reading did not create it
+    assert cfg.get('x', 7) == 7 and 'x' not in cfg
+    cfg.new = dict(b=2)
+    assert isinstance(cfg.new, ConfigDict) and cfg.new.b == 2
+
+
+def test_configdict_copy_pickle_and_plain():
+    cfg = ConfigDict(a=dict(b=[1, 2]))
+    deep = copy.deepcopy(cfg)
+    deep.a.b.append(3)
+    assert cfg.a.b == [1, 2]
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    plain = cfg.to_dict()
+    assert type(plain) is dict and type(plain['a']) is dict and plain == {'a': {'b': [1, 2]}}
+    with pytest.raises(KeyError, match="no key 'zz'"):
+        cfg.pop('zz')
+
+
+def test_merge_and_delete():
+    base = {'a': {'x': 1, 'y': 2}, 'b': 1}
+    out = merge_dicts(base, {'a': {'y': 3, 'z': 4}, 'c': 5})
+    assert out == {'a': {'x': 1, 'y': 3, 'z': 4}, 'b': 1, 'c': 5}
+    out = merge_dicts(base, {'a': {'_delete_': True, 'q': 0}})
+    assert out == {'a': {'q': 0}, 'b': 1}
+    assert base == {'a': {'x': 1, 'y': 2}, 'b': 1}
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_fromfile_py_with_bases(tmp_path):
+    _write(tmp_path / 'base_model.py', "model = dict(type='MLP', depth=2, width=8)\n")
+    _write(tmp_path / 'base_optim.yaml', 'optim_wrapper:\n  optimizer: {type: SGD, lr: 0.1}\n')
+    cfg_path = _write(tmp_path / 'exp.py', (
+        "_base_ = ['base_model.py', 'base_optim.yaml']\n"
+        "import math\n"
+        "model = dict(depth=4)\n"
+        "optim_wrapper = dict(optimizer=dict(_delete_=True, type='AdamW', lr=math.sqrt(4) / 1e3))\n"
+        "def helper():\n    return 1\n"))
+    cfg = Config.fromfile(cfg_path)
+    assert cfg.model == {'type': 'MLP', 'depth': 4, 'width': 8}
+    assert cfg.optim_wrapper.optimizer == {'type': 'AdamW', 'lr': 0.002}
+    assert 'math' not in cfg and 'helper' not in cfg and '_base_' not in cfg
+    assert cfg.filename == str(cfg_path)
+
+
+def test_fromfile_json_single_base_string(tmp_path):
+    _write(tmp_path / 'base.json', json.dumps({'a': {'b': 1, 'c': 2}}))
+    path = _write(tmp_path / 'cfg.json', json.dumps({'_base_': 'base.json', 'a': {'c': 3}}))
+    assert Config.fromfile(path).to_dict() == {'a': {'b': 1, 'c': 3}}
+
+
+def test_base_key_defined_twice_is_an_error(tmp_path):
+    _write(tmp_path / 'a.py', 'x = 1\n')
+    _write(tmp_path / 'b.py', 'x = 2\n')
+    path = _write(tmp_path / 'c.py', "_base_ = ['a.py', 'b.py']\n")
+    with pytest.raises(ConfigError, match=r"keys \['x'\] are defined in more than one _base_"):
+        Config.fromfile(path)
+
+
+def test_circular_base(tmp_path):
+    _write(tmp_path / 'a.py', "_base_ = 'b.py'\n")
+    _write(tmp_path / 'b.py', "_base_ = 'a.py'\n")
+    with pytest.raises(ConfigError, match='circular _base_'):
+        Config.fromfile(tmp_path / 'a.py')
+
+
+def test_bad_files_name_path_and_line(tmp_path):
+    bad_py = _write(tmp_path / 'bad.py', 'a = 1\nb = (\n')
+    with pytest.raises(ConfigError) as info:
+        Config.fromfile(bad_py)
+    assert f'{bad_py}:' in str(info.value) and 'syntax error' in str(info.value)
+    raising = _write(tmp_path / 'raise.py', 'a = 1\nb = 1 / 0\n')
+    with pytest.raises(ConfigError, match=r'raise.py:2: error while executing config: '
+                                          r'ZeroDivisionError'):
+        Config.fromfile(raising)
+    bad_json = _write(tmp_path / 'bad.json', '{"a": 1,\n "b": }')
+    with pytest.raises(ConfigError, match=r'bad.json:2:7: invalid JSON'):
+        Config.fromfile(bad_json)
+    bad_yaml = _write(tmp_path / 'bad.yaml', 'a: [1, 2\nb: 3\n')
+    with pytest.raises(ConfigError, match=r'bad.yaml:\d+:\d+: invalid YAML'):
+        Config.fromfile(bad_yaml)
+    toml = _write(tmp_path / 'cfg.toml', 'a = 1\n')
+    with pytest.raises(ConfigError, match=r"cfg.toml: unsupported config extension '.toml'; "
+                                          r'use one of .py, .json, .yaml, .yml'):
+        Config.fromfile(toml)
+    with pytest.raises(FileNotFoundError, match='config file not found: .*missing.py'):
+        Config.fromfile(tmp_path / 'missing.py')
+    listy = _write(tmp_path / 'list.yaml', '- 1\n- 2\n')
+    with pytest.raises(ConfigError, match='must hold a mapping'):
+        Config.fromfile(listy)
+
+
+def test_cfg_options_parser_and_merge_from_dict():
+    opts = parse_cfg_options(['a.b=1', 'c=[1,2]', 'd=xyz', 'e=true', 'f=None', 'g=0.5',
+                              'h=1,2', "i=(3, 4)", "j={'k': 1}"])
+    assert opts == {'a.b': 1, 'c': [1, 2], 'd': 'xyz', 'e': True, 'f': None, 'g': 0.5,
+                    'h': [1, 2], 'i': (3, 4), 'j': {'k': 1}}
+    with pytest.raises(ConfigError, match="bad --cfg-options item 'novalue'"):
+        parse_cfg_options(['novalue'])
+    cfg = Config({'a': {'b': 0, 'keep': 1}, 'sched': [{'lr': 1}, {'lr': 2}]})
+    cfg.merge_from_dict({'a.b': 5, 'sched.1.lr': 9, 'new.deep.key': 'x'})
+    assert cfg.a == {'b': 5, 'keep': 1}
+    assert cfg.sched[1].lr == 9 and cfg.new.deep.key == 'x'
+    with pytest.raises(ConfigError, match="index 5 is out of range for a list of length 2"):
+        cfg.merge_from_dict({'sched.5.lr': 1})
+    with pytest.raises(ConfigError, match="'a.b' is a int, not a dict"):
+        cfg.merge_from_dict({'a.b.c': 1})
+
+
+@pytest.mark.parametrize('suffix', ['.py', '.json', '.yaml'])
+def test_dump_round_trip(tmp_path, suffix):
+    cfg = Config({'model': {'type': 'MLP', 'dims': [1, 2], 'flag': True, 'none': None},
+                  'lr': 0.1, 'name': "it's"})
+    out = tmp_path / f'dumped{suffix}'
+    cfg.dump(out)
+    assert Config.fromfile(out).to_dict() == cfg.to_dict()
+
+
+def test_dump_rejects_non_literals(tmp_path):
+    cfg = Config({'optimizer': {'type': dict}})
+    with pytest.raises(ConfigError, match="cannot dump config key 'optimizer.type'"):
+        cfg.dump(tmp_path / 'x.py')
+
+
+def test_repr_is_readable(tmp_path):
+    cfg = Config({'a': {'b': 1}}, filename='x.py')
+    text = repr(cfg)
+    assert text.startswith('Config (path: x.py):') and "a = {'b': 1}" in text
