@@ -2,10 +2,6 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'benchmarks'))
-import import_time  # noqa: E402
 
 PROBE = r'''
 import json, logging, os, sys
@@ -41,7 +37,12 @@ def test_public_names_resolve_lazily():
 
 
 def test_import_overhead_over_torch_is_small():
-    # The goal is < 0.1 s (benchmarks/import_time.py measures it); a generous margin keeps
-    # this from flaking on a busy CI machine while still catching an eager heavy import.
-    base, both = import_time.measure(runs=3)
-    assert both - base < 0.5, f'import stratagem adds {both - base:.3f}s to import torch'
+    # The goal is < 0.1 s (benchmarks/import_time.py measures it against fresh interpreters).
+    # Here: the time `import stratagem` takes once torch is loaded, in the same process, so
+    # the variance of torch's own import does not enter; the margin absorbs a busy machine.
+    probe = ('import time, torch; t = time.perf_counter(); import stratagem; '
+             'print(time.perf_counter() - t)')
+    times = sorted(float(subprocess.run([sys.executable, '-c', probe], check=True,
+                                        capture_output=True, text=True).stdout.split()[-1])
+                   for _ in range(3))
+    assert times[1] < 0.25, f'import stratagem after torch takes {times[1]:.3f}s (median of 3)'

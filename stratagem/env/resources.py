@@ -1,0 +1,92 @@
+"""Process resources: the open-file limit and multi-processing / thread settings."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import platform
+
+logger = logging.getLogger(__name__)
+
+_THREAD_VARS = ('OMP_NUM_THREADS', 'MKL_NUM_THREADS')
+
+
+def set_resource_limit(nofile: int) -> int | None:
+    """Raise the soft ``RLIMIT_NOFILE`` (open files) to ``min(nofile, hard limit)``.
+
+    Data loaders that share tensors through file descriptors exhaust the usual soft
+    limit of 1024. Never lowers the limit. Returns the soft limit in effect afterwards,
+    or ``None`` where the ``resource`` module does not exist (Windows).
+    """
+    if isinstance(nofile, bool) or not isinstance(nofile, int) or nofile <= 0:
+        raise ValueError(f'nofile must be a positive int (number of open files), got {nofile!r}')
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    unlimited = resource.RLIM_INFINITY
+    if soft == unlimited:
+        return soft
+    target = nofile if hard == unlimited else min(nofile, hard)
+    if target <= soft:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        # macOS caps below the reported hard limit (kern.maxfilesperproc); keep going.
+        logger.warning('could not raise RLIMIT_NOFILE from %d to %d: %s', soft, target, exc)
+        return soft
+    logger.info('raised RLIMIT_NOFILE soft limit from %d to %d (hard %s)', soft, target,
+                'unlimited' if hard == unlimited else hard)
+    return target
+
+
+def setup_multi_processing(mp_start_method: str | None = None, opencv_num_threads: int | None = 0,
+                           distributed: bool = False) -> dict[str, object]:
+    """Set the multi-processing start method and thread counts (mmengine's semantics).
+
+    Args:
+        mp_start_method: 'fork', 'spawn' or 'forkserver' for torch.multiprocessing (data
+            loader workers); changed, with a warning, if another one is already set.
+            Default ``None``: leave it. Ignored on Windows (only 'spawn' exists there).
+        opencv_num_threads: threads for OpenCV, if ``cv2`` is installed. Default 0: no
+            extra threads, so workers do not oversubscribe the cores. ``None``: leave it.
+        distributed: when true, set ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` to 1 if
+            unset, as torchrun does, so N processes on a node do not each start one thread
+            per core. The variables reach child processes (loader workers) and libraries that
+            read them late; a value the user set is never changed.
+
+    Returns what changed: ``{name: new value}``, with names 'mp_start_method',
+    'opencv_num_threads', 'OMP_NUM_THREADS', 'MKL_NUM_THREADS'.
+    """
+    changed: dict[str, object] = {}
+    if mp_start_method is not None and platform.system() != 'Windows':
+        import torch.multiprocessing as mp
+
+        valid = mp.get_all_start_methods()
+        if mp_start_method not in valid:
+            raise ValueError(f'unknown mp_start_method {mp_start_method!r}; valid on this '
+                             f'platform: {", ".join(map(repr, valid))}')
+        current = mp.get_start_method(allow_none=True)
+        if current != mp_start_method:
+            if current is not None:
+                logger.warning('multi-processing start method was %r; forcing it to %r '
+                               '(mp_start_method)', current, mp_start_method)
+            mp.set_start_method(mp_start_method, force=True)
+            changed['mp_start_method'] = mp_start_method
+    if opencv_num_threads is not None and importlib.util.find_spec('cv2') is not None:
+        import cv2
+
+        cv2.setNumThreads(opencv_num_threads)
+        changed['opencv_num_threads'] = opencv_num_threads
+    if distributed:
+        for name in _THREAD_VARS:
+            if name not in os.environ:
+                os.environ[name] = '1'
+                changed[name] = '1'
+                logger.warning('set %s=1 for each process to avoid overloading the machine; '
+                               'set it yourself to tune', name)
+    if changed:
+        logger.info('multi-processing setup changed: %s', changed)
+    return changed

@@ -1,0 +1,207 @@
+"""The parameter-scheduler base class: windows, chaining, state and epoch→iter conversion.
+
+A scheduler owns one hyper-parameter (``lr``, ``momentum``, ...) of every param
+group of one optimizer. Each :meth:`_ParamScheduler.step` it writes a new value
+computed from the *current* value (the chainable form), so several schedulers
+on the same parameter compose by multiplication step by step, exactly as
+mmengine's ``mmengine.optim.scheduler`` do: that is the user contract.
+
+Call sequence (what a training loop does):
+
+1. Build the optimizer (or optim wrapper), then the schedulers, in config order.
+   Building records ``initial_<param>`` in each param group (first builder
+   wins) and applies step 0 at once.
+2. After each optimizer step (``by_epoch=False``) or after each epoch
+   (``by_epoch=True``), call ``scheduler.step()`` on every scheduler, in order.
+3. To resume: build as in 1, load the optimizer state (it carries the param
+   group values), then ``scheduler.load_state_dict(saved)``.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ['INF', '_ParamScheduler', 'check_optimizer', 'raw_optimizer', 'per_group']
+
+# mmengine's "no end" value; an int so that state dicts stay plain
+INF = int(1e9)
+
+
+def check_optimizer(optimizer: Any, owner: str) -> None:
+    """Raise TypeError unless ``optimizer`` is a torch Optimizer or an optim wrapper.
+
+    An optim wrapper is recognised by duck typing (its ``.optimizer`` is a torch
+    Optimizer and it has ``.param_groups``), so this package never imports
+    ``stratagem.optim``.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return
+    try:  # a dict of wrappers may raise something other than AttributeError here
+        inner = getattr(optimizer, 'optimizer', None)
+    except Exception:
+        inner = None
+    if isinstance(inner, torch.optim.Optimizer) and hasattr(optimizer, 'param_groups'):
+        return
+    raise TypeError(f'{owner}: optimizer should be an Optimizer (a torch.optim.Optimizer or an '
+                    'optim wrapper whose .optimizer is one), but got '
+                    f'{type(optimizer).__name__}: {optimizer!r:.80}')
+
+
+def raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch Optimizer behind ``optimizer`` (itself, or a wrapper's ``.optimizer``)."""
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with containers turned into plain list/dict (weights_only-loadable)."""
+    if isinstance(value, dict):  # Counter, OrderedDict, ... become dict
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+class _ParamScheduler:
+    """Base class of the schedulers of one parameter of every param group.
+
+    Subclasses set their own attributes, then call ``super().__init__`` (which
+    applies step 0), and implement :meth:`_get_value` in chainable form.
+
+    Args:
+        optimizer: A ``torch.optim.Optimizer`` or an optim wrapper.
+        param_name: The param-group key to schedule, e.g. ``'lr'``, ``'momentum'``.
+        begin: First step (inclusive) at which this scheduler changes the value.
+            Steps are epochs if ``by_epoch`` else iterations. Defaults to 0.
+        end: Step (exclusive) at which it stops. Defaults to :data:`INF`.
+        last_step: Index of the last step taken; -1 (default) for a fresh start.
+            Any other value needs ``initial_<param_name>`` in every param group.
+        by_epoch: Whether :meth:`step` is called once per epoch (True, the
+            default) or once per iteration.
+        verbose: Print every value change. Defaults to False.
+    """
+
+    def __init__(self, optimizer: Any, param_name: str, begin: int = 0, end: int = INF,
+                 last_step: int = -1, by_epoch: bool = True, verbose: bool = False) -> None:
+        name = type(self).__name__
+        check_optimizer(optimizer, name)
+        if end <= begin:
+            raise ValueError(f'{name}: end ({end}) must be greater than begin ({begin}); '
+                             'the scheduler acts on steps in [begin, end)')
+        if not isinstance(last_step, int) or last_step < -1:
+            raise ValueError(f'{name}: last_step must be an int >= -1, got {last_step!r}')
+        self.optimizer = optimizer
+        self.param_name = param_name
+        self.begin = begin
+        self.end = end
+        self.by_epoch = by_epoch
+        self.verbose = verbose
+        groups = optimizer.param_groups
+        for i, group in enumerate(groups):
+            if param_name not in group:
+                raise KeyError(f"{name}: param_groups[{i}] has no {param_name!r}; keys: "
+                               f"{sorted(k for k in group if k != 'params')}")
+        key = f'initial_{param_name}'
+        if last_step == -1:
+            for group in groups:
+                # the first scheduler of this parameter records the value it starts from
+                group.setdefault(key, group[param_name])
+        else:
+            for i, group in enumerate(groups):
+                if key not in group:
+                    raise KeyError(f'{name}: param_groups[{i}] has no {key!r}, which resuming '
+                                   f'with last_step={last_step} needs; load the optimizer '
+                                   'state first or pass last_step=-1')
+        self.base_values = [group[key] for group in groups]
+        self.last_step = last_step
+        # steps seen so far, counted from the first (-1: none yet); compared with [begin, end)
+        self._global_step = -1
+        self.step()
+
+    @classmethod
+    def build_iter_from_epoch(cls, *args: Any, begin: float = 0, end: float = INF,
+                              by_epoch: bool = True, epoch_length: int | None = None,
+                              **kwargs: Any) -> '_ParamScheduler':
+        """Build an iteration-based instance from an epoch-based config.
+
+        ``begin``/``end`` and the scheduler's own lengths (``step_size``,
+        ``milestones``, ``T_max``, ``periods``, ``total_steps``) are multiplied by
+        ``epoch_length`` (iterations per epoch); ``end=INF`` stays INF. This is
+        what ``convert_to_iter_based=True`` in a config means.
+        """
+        name = cls.__name__
+        if not by_epoch:
+            raise ValueError(f'{name}: convert_to_iter_based needs an epoch-based config '
+                             '(by_epoch=True), got by_epoch=False')
+        if epoch_length is None or not isinstance(epoch_length, int) or epoch_length <= 0:
+            raise ValueError(f'{name}: convert_to_iter_based=True needs epoch_length, the number '
+                             f'of iterations per epoch (a positive int), got {epoch_length!r}; '
+                             'pass epoch_length= (e.g. len(train_dataloader))')
+        begin = int(begin * epoch_length)
+        if end != INF:
+            end = int(end * epoch_length)
+        kwargs = cls._epoch_args_to_iters(kwargs, epoch_length)
+        return cls(*args, begin=begin, end=end, by_epoch=False, **kwargs)
+
+    @classmethod
+    def _epoch_args_to_iters(cls, kwargs: dict, epoch_length: int) -> dict:
+        """Hook: convert this scheduler's epoch-valued arguments to iterations."""
+        return kwargs
+
+    def _get_value(self) -> list:
+        """The new value of every param group, from the current ones (chainable form)."""
+        raise NotImplementedError
+
+    def step(self) -> None:
+        """Advance one step (an epoch or an iteration) and write the new values.
+
+        Outside ``[begin, end)`` the values are left as they are.
+        """
+        self._global_step += 1
+        if self.begin <= self._global_step < self.end:
+            self.last_step += 1
+            values = self._get_value()
+            for i, (group, value) in enumerate(zip(self.optimizer.param_groups, values)):
+                group[self.param_name] = value
+                self.print_value(self.verbose, i, value)
+        self._last_value = [group[self.param_name] for group in self.optimizer.param_groups]
+
+    def get_last_value(self) -> list:
+        """The values of every param group after the last :meth:`step`."""
+        return self._last_value
+
+    def print_value(self, is_verbose: bool, group: int, value: float) -> None:
+        """Print the new value of ``group`` when ``is_verbose``."""
+        if is_verbose:
+            print(f'{type(self).__name__}: adjusting {self.param_name} of group {group} '
+                  f'to {value:.4e}.')
+
+    def state_dict(self) -> dict:
+        """Every attribute but the optimizer, as tensors and plain Python values.
+
+        The result loads with ``torch.load(weights_only=True)``.
+        """
+        return {key: _plain(copy.deepcopy(value)) for key, value in self.__dict__.items()
+                if key != 'optimizer' and not callable(value)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the attributes saved by :meth:`state_dict`."""
+        self.__dict__.update({k: v for k, v in state_dict.items() if k != 'optimizer'})
+
+    def __repr__(self) -> str:
+        return (f'{type(self).__name__}(param_name={self.param_name!r}, begin={self.begin}, '
+                f'end={self.end}, by_epoch={self.by_epoch}, last_step={self.last_step})')
+
+
+def per_group(value: Any, n_groups: int, owner: str, arg: str) -> list:
+    """``value`` repeated per param group, or checked to have one entry per group."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != n_groups:
+            raise ValueError(f'{owner}: {arg} has {len(value)} values but the optimizer has '
+                             f'{n_groups} param groups; give one value or one per group')
+        return list(value)
+    return [value] * n_groups

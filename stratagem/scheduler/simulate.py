@@ -1,0 +1,143 @@
+"""Preview a schedule: the lr and momentum of every iteration, without a model or data.
+
+:func:`simulate` builds the optimizer on dummy parameters, builds the schedulers
+as a strategy would, and steps them the way mmengine's ``ParamSchedulerHook``
+does: iteration-based schedulers after every iteration, epoch-based ones after
+every epoch, ``ReduceOnPlateau`` with the given validation metrics.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stratagem.registry import OPTIMIZERS
+
+from .builder import build_param_schedulers
+
+__all__ = ['ScheduleTrace', 'simulate', 'optimizer_cfg_of']
+
+
+@dataclass
+class ScheduleTrace:
+    """Per-iteration values of a simulated run.
+
+    Attributes:
+        lr: ``lr[g][i]``: learning rate of param group ``g`` during iteration ``i``.
+        momentum: Same layout for momentum (``betas[0]`` for Adam-family
+            optimizers); None when the optimizer has neither.
+        epoch_length: Iterations per epoch (epoch ticks); None for a purely
+            iteration-based run.
+        num_iters: Number of iterations simulated.
+        scheduler_names: Class names of the schedulers, in build order.
+    """
+
+    lr: list[list[float]]
+    momentum: list[list[float]] | None
+    epoch_length: int | None
+    num_iters: int
+    scheduler_names: list[str] = field(default_factory=list)
+
+
+def optimizer_cfg_of(cfg: Mapping[str, Any]) -> dict:
+    """The optimizer config inside an optim-wrapper config, or ``cfg`` itself."""
+    if isinstance(cfg.get('optimizer', None), Mapping):
+        return dict(cfg['optimizer'])
+    return dict(cfg)
+
+
+def _momentum(group: Mapping[str, Any]) -> float | None:
+    if 'betas' in group:
+        return float(group['betas'][0])
+    if 'momentum' in group:
+        return float(group['momentum'])
+    return None
+
+
+def simulate(param_scheduler_cfgs: Any, optimizer_cfg: Mapping[str, Any],
+             max_epochs: int | None = None, max_iters: int | None = None,
+             epoch_length: int | None = None,
+             param_groups: Sequence[Mapping[str, Any]] | None = None,
+             metrics: Sequence[Mapping[str, float]] | None = None) -> ScheduleTrace:
+    """Step the schedulers of a config and record lr/momentum of every iteration.
+
+    Args:
+        param_scheduler_cfgs: The ``param_scheduler`` config (dict or list).
+        optimizer_cfg: Optimizer config (``dict(type='SGD', lr=0.1, ...)``) or an
+            optim-wrapper config holding one under ``optimizer``.
+        max_epochs: Length of an epoch-based run. With ``max_iters`` too, the
+            run is epoch-based and cut after ``max_iters`` iterations.
+        max_iters: Length of an iteration-based run (when ``max_epochs`` is None).
+        epoch_length: Iterations per epoch. Needed when an epoch-based run has
+            iteration-based schedulers, when ``convert_to_iter_based`` is used,
+            and when an iteration-based run has epoch-based schedulers. An
+            epoch-based run of epoch-based schedulers alone defaults to 1 (one
+            value per epoch).
+        param_groups: Per-group overrides of the optimizer config, e.g.
+            ``[{}, {'lr': 0.01}]`` for two groups. Defaults to one group.
+        metrics: Validation results after each epoch, for ``ReduceOnPlateau``.
+
+    Returns:
+        A :class:`ScheduleTrace`.
+    """
+    if max_epochs is None and max_iters is None:
+        raise ValueError('simulate: give max_epochs (epoch-based run) or max_iters '
+                         '(iteration-based run)')
+    if epoch_length is not None and (not isinstance(epoch_length, int) or epoch_length <= 0):
+        raise ValueError(f'simulate: epoch_length must be a positive int, got {epoch_length!r}')
+    by_epoch_run = max_epochs is not None
+    groups = [dict(g) for g in (param_groups or [{}])]
+    for g in groups:
+        g['params'] = [torch.nn.Parameter(torch.zeros(1))]
+    optimizer = OPTIMIZERS.build(optimizer_cfg_of(optimizer_cfg), default_args={'params': groups})
+
+    run_epoch_length = epoch_length if epoch_length is not None else (1 if by_epoch_run else None)
+    if by_epoch_run:
+        total = max_epochs * run_epoch_length
+        build_epochs, build_iters = max_epochs, total
+        if max_iters is not None:
+            total = min(total, max_iters)
+    else:
+        total = max_iters
+        build_iters = max_iters
+        build_epochs = math.ceil(max_iters / epoch_length) if epoch_length else None
+    schedulers = build_param_schedulers(param_scheduler_cfgs, optimizer,
+                                        epoch_length=epoch_length, max_epochs=build_epochs,
+                                        max_iters=build_iters)
+    for s in schedulers:
+        name = type(s).__name__
+        if by_epoch_run and epoch_length is None and not s.by_epoch:
+            raise ValueError(f'simulate: {name} is iteration-based (by_epoch=False); an '
+                             'epoch-based run needs epoch_length (iterations per epoch) to place '
+                             'its steps; pass epoch_length= / --epoch-length')
+        if not by_epoch_run and epoch_length is None and s.by_epoch:
+            raise ValueError(f'simulate: {name} is epoch-based (by_epoch=True) but the run is '
+                             'iteration-based; pass epoch_length= / --epoch-length to say when '
+                             'an epoch ends')
+
+    has_momentum = _momentum(optimizer.param_groups[0]) is not None
+    lrs: list[list[float]] = [[] for _ in optimizer.param_groups]
+    moms: list[list[float]] = [[] for _ in optimizer.param_groups]
+    for it in range(total):
+        for g, group in enumerate(optimizer.param_groups):
+            lrs[g].append(float(group['lr']))
+            if has_momentum:
+                moms[g].append(_momentum(group))
+        for s in schedulers:
+            if not s.by_epoch:
+                s.step()
+        if run_epoch_length is not None and (it + 1) % run_epoch_length == 0:
+            epoch = (it + 1) // run_epoch_length - 1
+            for s in schedulers:
+                if s.by_epoch:
+                    s.step()
+            if metrics is not None and epoch < len(metrics):
+                for s in schedulers:
+                    if getattr(s, 'need_val_args', False):
+                        s.step(metrics[epoch])
+    return ScheduleTrace(lr=lrs, momentum=moms if has_momentum else None,
+                         epoch_length=run_epoch_length, num_iters=total,
+                         scheduler_names=[type(s).__name__ for s in schedulers])

@@ -1,0 +1,125 @@
+"""get_logger: rank-aware levels, no duplicate handlers, file handlers; print_log."""
+import contextlib
+import logging
+import uuid
+
+import pytest
+
+from stratagem.env import get_logger, print_log
+
+
+@pytest.fixture
+def name():
+    """A fresh logger name per test; its handlers are closed afterwards."""
+    name = f'stratagem_test_{uuid.uuid4().hex[:8]}'
+    yield name
+    for logger in (logging.getLogger(name), logging.getLogger(f'{name}.child')):
+        for handler in list(logger.handlers):
+            handler.close()
+            logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def bare_root():
+    """An unconfigured root logger: pytest's capture handlers set aside for the block.
+
+    A context manager used inside the test, because pytest adds its handlers to the root
+    when the test's call phase starts, after fixtures ran.
+    """
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers.clear()
+    try:
+        yield
+    finally:
+        root.handlers[:] = saved
+
+
+def test_no_duplicate_handlers(clean_env, name, tmp_path):
+    with bare_root():
+        root_level = logging.getLogger().level
+        logger = get_logger(name, log_file=tmp_path / 'a.log')
+        assert get_logger(name, log_file=tmp_path / 'a.log') is logger
+        get_logger(name)
+        assert [type(h) for h in logger.handlers] == [logging.StreamHandler,
+                                                      logging.FileHandler]
+        assert not logger.propagate  # root has no handlers: ours print, nothing twice
+        get_logger(name, log_file=tmp_path / 'b.log')
+        assert len(logger.handlers) == 3
+        child = get_logger(f'{name}.child')  # the parent prints its records: no second copy
+        assert child.handlers == [] and child.propagate
+        assert logging.getLogger().handlers == [] and logging.getLogger().level == root_level
+
+
+def test_configured_root_gets_the_records(clean_env, name, caplog):
+    # pytest's caplog handler sits on the root: an application that configured logging.
+    logger = get_logger(name)
+    assert logger.handlers == [] and logger.propagate
+    logger.info('hello %s', 'there')
+    assert 'hello there' in caplog.text
+
+
+@pytest.mark.parametrize('env, level', [
+    ({}, logging.INFO), ({'RANK': '0'}, logging.INFO), ({'RANK': '1'}, logging.WARNING),
+    ({'SLURM_PROCID': '3'}, logging.WARNING), ({'OMPI_COMM_WORLD_RANK': '2'}, logging.WARNING),
+])
+def test_rank_aware_level(clean_env, name, env, level):
+    clean_env.update(env)
+    assert get_logger(name).level == level
+
+
+def test_explicit_level_wins_and_sticks(clean_env, name):
+    clean_env['RANK'] = '1'
+    assert get_logger(name, log_level='debug').level == logging.DEBUG
+    assert get_logger(name).level == logging.DEBUG  # a later plain call keeps it
+    assert get_logger(name, log_level=logging.ERROR).level == logging.ERROR
+    with pytest.raises(ValueError, match="unknown log_level 'LOUD'"):
+        get_logger(name, log_level='LOUD')
+    with pytest.raises(ValueError, match="file_mode must be 'w' or 'a', got 'x'"):
+        get_logger(name, file_mode='x')
+
+
+def test_file_handler_writes_rank0_file_and_rank_suffix(clean_env, name, tmp_path):
+    log_file = tmp_path / 'logs' / 'run.log'
+    logger = get_logger(name, log_file=log_file)
+    logger.info('step %d', 7)
+    logger.debug('hidden')
+    for handler in logger.handlers:
+        handler.flush()
+    text = log_file.read_text()
+    assert 'step 7' in text and 'INFO' in text and 'hidden' not in text
+
+    other = f'{name}.rank1'
+    clean_env['RANK'] = '1'
+    rank1 = get_logger(other, log_file=log_file)
+    rank1.info('quiet')
+    assert not (tmp_path / 'logs' / 'run_rank1.log').exists()  # created on the first record
+    rank1.warning('loud')
+    for handler in rank1.handlers:
+        handler.flush()
+    assert '[rank 1]' in (tmp_path / 'logs' / 'run_rank1.log').read_text()
+    for handler in list(rank1.handlers):
+        handler.close()
+        rank1.removeHandler(handler)
+
+
+def test_file_mode_append(clean_env, name, tmp_path):
+    log_file = tmp_path / 'run.log'
+    log_file.write_text('old line\n')
+    logger = get_logger(name, log_file=log_file, file_mode='a')
+    logger.warning('new line')
+    for handler in logger.handlers:
+        handler.flush()
+    assert log_file.read_text().startswith('old line\n') and 'new line' in log_file.read_text()
+
+
+def test_print_log(clean_env, name, capsys, caplog):
+    print_log('to stdout')
+    assert capsys.readouterr().out == 'to stdout\n'
+    print_log('dropped', logger='silent')
+    print_log('by name', logger=name, level=logging.WARNING)
+    print_log('by logger', logger=logging.getLogger(name))
+    assert 'by name' in caplog.text and 'by logger' in caplog.text
+    assert 'dropped' not in caplog.text + capsys.readouterr().out
+    with pytest.raises(TypeError, match="logger must be a logging.Logger, a logger name"):
+        print_log('x', logger=3)
