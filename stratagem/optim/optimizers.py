@@ -1,5 +1,8 @@
 """Register every ``torch.optim`` optimizer (and ZeroRedundancyOptimizer) in OPTIMIZERS.
 
+``ZeroRedundancyOptimizer`` is :class:`stratagem.optim.zero.ZeroRedundancyOptimizer`
+(mmengine's signature: ``optimizer_type='AdamW'``), imported on first use.
+
 Imported by the OPTIMIZERS registry on its first lookup, so ``import stratagem``
 stays cheap.
 """
@@ -28,4 +31,4 @@ def register_torch_optimizers() -> list[str]:
 
 TORCH_OPTIMIZERS = register_torch_optimizers()
 OPTIMIZERS.register_lazy('ZeroRedundancyOptimizer',
-                         'torch.distributed.optim:ZeroRedundancyOptimizer', force=True)
+                         'stratagem.optim.zero:ZeroRedundancyOptimizer', force=True)

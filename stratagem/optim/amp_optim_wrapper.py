@@ -1,0 +1,167 @@
+"""``AmpOptimWrapper``: automatic mixed precision (``torch.autocast`` + ``GradScaler``).
+
+mmengine-compatible (``mmengine.optim.AmpOptimWrapper``) with these differences:
+
+* any device type with autocast works, CPU included; the device is that of the optimizer's
+  parameters (and, in ``optim_context``, of the model's first parameter);
+* ``dtype=None`` means the device's autocast default (float16 on CUDA, bfloat16 on CPU);
+* bfloat16 uses **no** GradScaler: bf16 has float32's exponent range, so loss scaling only
+  costs a host sync per step (mmengine kept a scaler under bf16, see its PR #1553). A
+  ``loss_scale`` given with bf16 is ignored with a warning;
+* steps skipped by the scaler because of inf/nan gradients are counted in
+  :attr:`AmpOptimWrapper.skipped_steps`, kept as a tensor until read (no extra host sync).
+
+Call sequence of :meth:`AmpOptimWrapper.step`: ``unscale_`` (only when clipping) → clip →
+``scaler.step`` (skips the update on inf/nan; parameters stay untouched) → count skipped →
+``scaler.update``. ``state_dict()`` adds ``'loss_scaler'`` (GradScaler's plain-value state,
+as mmengine does) and ``'skipped_steps'`` (int) to :class:`OptimWrapper`'s.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.registry import OPTIM_WRAPPERS
+
+from .optim_wrapper import OptimWrapper
+
+__all__ = ['AmpOptimWrapper', 'resolve_dtype']
+
+_DTYPES = {'float16': torch.float16, 'half': torch.float16, 'fp16': torch.float16,
+           'bfloat16': torch.bfloat16, 'bf16': torch.bfloat16, 'float32': torch.float32}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``'float16'``/``'bfloat16'``/a ``torch.dtype``/``None`` → ``torch.dtype`` or ``None``."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype {dtype!r} is not supported; use 'float16', 'bfloat16', "
+                     f'a torch.dtype or None (the device\'s autocast default)')
+
+
+def _params_device_type(params: Iterator[torch.Tensor], default: str) -> str:
+    for p in params:
+        return p.device.type
+    return default
+
+
+@contextlib.contextmanager
+def _nested(outer: contextlib.AbstractContextManager,
+            inner: contextlib.AbstractContextManager) -> Iterator[None]:
+    with outer, inner:
+        yield
+
+
+@OPTIM_WRAPPERS.register_module()
+class AmpOptimWrapper(OptimWrapper):
+    """Optimizer wrapper for automatic mixed precision training.
+
+    Args:
+        loss_scale: ``'dynamic'`` (default; GradScaler defaults), a float (static scale,
+            never updated) or a dict of ``torch.amp.GradScaler`` kwargs. Used for float16.
+        dtype: Autocast dtype: ``'float16'``, ``'bfloat16'``, a ``torch.dtype``, or ``None``
+            (the device's autocast default).
+        **kwargs: :class:`OptimWrapper` arguments (``optimizer``, ``accumulative_counts``,
+            ``clip_grad``).
+    """
+
+    def __init__(self, loss_scale: str | float | dict = 'dynamic',
+                 dtype: str | torch.dtype | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.device_type = _params_device_type(
+            (p for g in self.optimizer.param_groups for p in g['params']),
+            'cuda' if torch.cuda.is_available() else 'cpu')
+        dtype = resolve_dtype(dtype)
+        self.cast_dtype = dtype if dtype is not None else torch.get_autocast_dtype(self.device_type)
+        self._scale_update_param: float | None = None
+        self.loss_scaler: torch.amp.GradScaler | None = None
+        if self.cast_dtype == torch.float16:
+            self.loss_scaler = self._build_scaler(loss_scale)
+        elif loss_scale != 'dynamic':
+            warnings.warn(f'loss_scale={loss_scale!r} is ignored with dtype {self.cast_dtype}: '
+                          f'only float16 needs loss scaling', stacklevel=2)
+        self._skipped = torch.zeros((), dtype=torch.int64)
+
+    def _build_scaler(self, loss_scale: str | float | dict) -> torch.amp.GradScaler:
+        if loss_scale == 'dynamic':
+            return torch.amp.GradScaler(self.device_type)
+        if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+            self._scale_update_param = float(loss_scale)
+            return torch.amp.GradScaler(self.device_type, init_scale=float(loss_scale))
+        if isinstance(loss_scale, Mapping):
+            return torch.amp.GradScaler(self.device_type, **loss_scale)
+        raise TypeError(f"loss_scale must be 'dynamic', a float (static scale) or a dict of "
+                        f'torch.amp.GradScaler arguments, got {loss_scale!r}')
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backward the (scaled, for float16) loss and count the micro-batch."""
+        if self.loss_scaler is not None:
+            loss = self.loss_scaler.scale(loss)
+        loss.backward(**kwargs)
+        self._inner_count += 1
+
+    def step(self, **kwargs: Any) -> None:
+        """Unscale and clip (if configured), step unless grads are inf/nan, update the scale."""
+        scaler = self.loss_scaler
+        if scaler is None:
+            super().step(**kwargs)
+            return
+        if self._clip_func is not None:
+            scaler.unscale_(self.optimizer)
+            self._clip_grad()
+        scaler.step(self.optimizer, **kwargs)
+        self._count_skipped(scaler)
+        scaler.update(self._scale_update_param)
+
+    def _count_skipped(self, scaler: torch.amp.GradScaler) -> None:
+        # GradScaler keeps found_inf per optimizer until update(); summing it on device
+        # avoids a second host sync.
+        opt_state = getattr(scaler, '_per_optimizer_states', {}).get(id(self.optimizer), {})
+        found = opt_state.get('found_inf_per_device', {})
+        for v in found.values():
+            if self._skipped.device != v.device:
+                self._skipped = self._skipped.to(v.device)
+            self._skipped += v.to(torch.int64)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Updates skipped because of inf/nan gradients (reading it syncs with the device)."""
+        return int(self._skipped)
+
+    def optim_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Gradient-sync control of :class:`OptimWrapper` plus ``torch.autocast``."""
+        device_type = _params_device_type(model.parameters(), self.device_type)
+        autocast = torch.autocast(device_type, dtype=self.cast_dtype)
+        if not self.should_sync() and hasattr(model, 'no_sync'):
+            return _nested(model.no_sync(), autocast)
+        return autocast
+
+    def state_dict(self) -> dict:
+        """:class:`OptimWrapper` state + ``'loss_scaler'`` (float16) + ``'skipped_steps'``."""
+        state_dict = super().state_dict()
+        if self.loss_scaler is not None:
+            state_dict['loss_scaler'] = self.loss_scaler.state_dict()
+        state_dict['skipped_steps'] = self.skipped_steps
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load :meth:`state_dict` output (mmengine's AmpOptimWrapper state_dict too)."""
+        state_dict = dict(state_dict)
+        scaler_state = state_dict.pop('loss_scaler', None)
+        skipped = state_dict.pop('skipped_steps', None)
+        if scaler_state is not None and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(scaler_state)
+        if skipped is not None:
+            self._skipped = torch.tensor(int(skipped), dtype=torch.int64,
+                                         device=self._skipped.device)
+        super().load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f', dtype={self.cast_dtype})'

@@ -1,0 +1,304 @@
+"""``OptimWrapper``: gradient accumulation and clipping around a ``torch.optim.Optimizer``.
+
+mmengine-compatible (``mmengine.optim.OptimWrapper``): same constructor, methods and
+call sequence. ``update_params(loss)`` is, per call:
+
+1. ``scale_loss(loss)``: divide by the length of the current accumulation window (only when
+   that length is > 1, so no ``loss / 1`` is ever computed),
+2. ``backward(loss)``: ``loss.backward()``, then ``inner_count += 1``,
+3. if ``should_update()``: ``step()`` (clip first, if configured) and ``zero_grad()``.
+
+Accumulation windows are aligned to absolute iteration counts: window ``j`` covers
+iterations ``[j*k, (j+1)*k)``. After ``initialize_count_status(model, init_counts,
+max_counts)`` the last, incomplete window ``[max_counts // k * k, max_counts)`` is averaged
+over its real length. mmengine compares the absolute count with a boundary computed from
+``max_counts - init_counts``, so after a resume from ``init_counts > 0`` it divides some
+windows by the wrong length; here the boundary is absolute, so a resumed run scales every
+loss exactly as the uninterrupted run did.
+
+Resume in the middle of a window: ``state_dict()`` holds, next to the optimizer's own
+``state`` and ``param_groups``, a key ``'optim_wrapper'`` with plain values
+(``inner_count``, ``max_counts``, ``accumulative_counts``) and, only while a window is open
+(``inner_count`` not on a window boundary), ``'pending_grads'``: ``{flat param index:
+grad tensor}`` in the optimizer's parameter order (the order ``Optimizer.state_dict`` numbers
+parameters in). ``load_state_dict`` restores the counters and those gradients, so the next
+``update_params`` continues the window exactly. The same gradients are available on their
+own through :meth:`OptimWrapper.grad_state_dict` / :meth:`OptimWrapper.load_grad_state_dict`.
+Under DDP with ``no_sync`` the pending gradients are rank-local: an exact resume then needs
+each rank's own ``grad_state_dict()``. Only tensors and plain Python values are stored, so a
+checkpoint loads with ``torch.load(weights_only=True)``; ``torch.optim`` and mmengine ignore
+the extra keys, so the dict stays loadable by a bare optimizer.
+
+Hot path: no host sync; the last clipping norm is kept as a tensor in ``last_grad_norm``.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from stratagem.registry import OPTIM_WRAPPERS
+
+from .base import BaseOptimWrapper
+
+__all__ = ['OptimWrapper', 'parse_clip_grad']
+
+_NULL_CONTEXT = contextlib.nullcontext()
+
+# type -> (function, log name, required keys, optional keys)
+_CLIP_TYPES = {
+    'norm': (torch.nn.utils.clip_grad_norm_, 'grad_norm', ('max_norm',),
+             ('norm_type', 'error_if_nonfinite', 'foreach')),
+    'value': (torch.nn.utils.clip_grad_value_, 'grad_value', ('clip_value',), ('foreach',)),
+}
+
+
+def parse_clip_grad(clip_grad: Mapping | None) -> tuple[Any, str, dict]:
+    """Validate ``clip_grad`` → ``(clip function or None, log name, kwargs)``; never mutates it."""
+    if clip_grad is None:
+        return None, 'grad_norm', {}
+    if not isinstance(clip_grad, Mapping) or not clip_grad:
+        raise TypeError(
+            f'clip_grad must be None or a non-empty dict, got {clip_grad!r}; use '
+            f"dict(type='norm', max_norm=1.0[, norm_type=2]) or dict(type='value', clip_value=1.0)")
+    kwargs = dict(clip_grad)
+    clip_type = kwargs.pop('type', 'norm')
+    if clip_type not in _CLIP_TYPES:
+        raise ValueError(
+            f"clip_grad type {clip_type!r} is unknown (clip_grad={dict(clip_grad)!r}); type must "
+            f"be 'norm' (torch.nn.utils.clip_grad_norm_, needs max_norm) or 'value' "
+            f'(torch.nn.utils.clip_grad_value_, needs clip_value)')
+    func, name, required, optional = _CLIP_TYPES[clip_type]
+    missing = [k for k in required if k not in kwargs]
+    unexpected = [k for k in kwargs if k not in required + optional]
+    if missing or unexpected:
+        raise ValueError(
+            f"clip_grad={dict(clip_grad)!r}: type '{clip_type}' takes "
+            f"{', '.join(required + optional)} ({', '.join(required)} required); "
+            + (f"missing {', '.join(missing)}" if missing else f"unexpected {', '.join(unexpected)}"))
+    return func, name, kwargs
+
+
+def _check_count(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f'{name} must be an int >= {minimum}, got {value!r}')
+    return value
+
+
+@OPTIM_WRAPPERS.register_module()
+class OptimWrapper(BaseOptimWrapper):
+    """Optimizer wrapper with gradient accumulation and clipping.
+
+    Args:
+        optimizer: The optimizer to drive.
+        accumulative_counts: Micro-batches per parameter update (default 1: no accumulation).
+        clip_grad: ``None`` (default), ``dict(type='norm', max_norm, norm_type=2,
+            error_if_nonfinite=False)`` or ``dict(type='value', clip_value)``.
+            ``type`` defaults to ``'norm'``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, accumulative_counts: int = 1,
+                 clip_grad: dict | None = None) -> None:
+        super().__init__(optimizer)
+        self._accumulative_counts = _check_count(accumulative_counts, 'accumulative_counts', 1)
+        self._clip_func, self.grad_name, self.clip_grad_kwargs = parse_clip_grad(clip_grad)
+        self.last_grad_norm: torch.Tensor | None = None
+        self._inner_count = 0
+        self._max_counts = -1
+        self._tail_start = -1  # first count of the last, incomplete window (absolute)
+        self._tail_len = 0
+        self._restored_count: int | None = None  # inner_count whose pending grads were loaded
+
+    # ---- the training step -------------------------------------------------------------
+    def update_params(self, loss: torch.Tensor, step_kwargs: dict | None = None,
+                      zero_kwargs: dict | None = None) -> None:
+        """Scale and backward ``loss``; when the window is complete, step and zero_grad."""
+        loss = self.scale_loss(loss)
+        self.backward(loss)
+        if self.should_update():
+            if step_kwargs:
+                self.step(**step_kwargs)
+            else:
+                self.step()
+            if zero_kwargs:
+                self.zero_grad(**zero_kwargs)
+            else:
+                self.zero_grad()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` divided by the current window's length; ``loss`` itself when that is 1."""
+        k = self._accumulative_counts
+        if k == 1:
+            return loss
+        if self._max_counts != -1 and self._inner_count >= self._tail_start:
+            if self._inner_count >= self._max_counts:
+                raise ValueError(
+                    f'inner_count {self._inner_count} reached max_counts {self._max_counts} '
+                    f'set by initialize_count_status; call it with the real number of '
+                    f'iterations of this run')
+            k = self._tail_len
+            if k == 1:
+                return loss
+        return loss / k
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward(**kwargs)``, then count the micro-batch."""
+        loss.backward(**kwargs)
+        self._inner_count += 1
+
+    def step(self, **kwargs: Any) -> None:
+        """Clip the gradients (if configured), then ``optimizer.step(**kwargs)``."""
+        if self._clip_func is not None:
+            self._clip_grad()
+        self.optimizer.step(**kwargs)
+
+    def zero_grad(self, **kwargs: Any) -> None:
+        """``optimizer.zero_grad(**kwargs)`` (``set_to_none=True`` by torch's default)."""
+        self.optimizer.zero_grad(**kwargs)
+
+    def _clip_grad(self) -> None:
+        params = [p for group in self.optimizer.param_groups for p in group['params']
+                  if p.grad is not None]
+        if params:
+            self.last_grad_norm = self._clip_func(params, **self.clip_grad_kwargs)
+
+    # ---- accumulation bookkeeping -------------------------------------------------------
+    def should_update(self) -> bool:
+        """True after the backward that completes a window (or reaches ``max_counts``)."""
+        return (self._inner_count % self._accumulative_counts == 0
+                or self._inner_count == self._max_counts)
+
+    def should_sync(self) -> bool:
+        """True when the coming backward completes a window, so gradients must be synced."""
+        nxt = self._inner_count + 1
+        return nxt % self._accumulative_counts == 0 or nxt == self._max_counts
+
+    def optim_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """``model.no_sync()`` on iterations that do not update (when it has one), else a no-op."""
+        if not self.should_sync() and hasattr(model, 'no_sync'):
+            return model.no_sync()
+        return _NULL_CONTEXT
+
+    def initialize_count_status(self, model: nn.Module, init_counts: int,
+                                max_counts: int) -> None:
+        """Set the counters at the start (or resume) of training.
+
+        Args:
+            model: The trained model (checked for BatchNorm, which accumulation changes).
+            init_counts: Iterations already done (0 for a fresh run).
+            max_counts: Total iterations of the run; the last window ends there.
+        """
+        _check_count(init_counts, 'init_counts', 0)
+        _check_count(max_counts, 'max_counts', 1)
+        if init_counts > max_counts:
+            raise ValueError(f'init_counts ({init_counts}) must be <= max_counts ({max_counts})')
+        self._inner_count = init_counts
+        self._set_max_counts(max_counts)
+        k = self._accumulative_counts
+        if init_counts % k != 0 and self._restored_count != init_counts:
+            warnings.warn(
+                f'resuming at iteration {init_counts}, inside an accumulation window of '
+                f'{k}: the gradients of its first {init_counts % k} micro-batches are lost. '
+                f'Load a state_dict saved at that iteration (it holds them) for an exact resume.',
+                stacklevel=2)
+        if k > 1 and any(isinstance(m, _BatchNorm) for m in model.modules()):
+            warnings.warn('gradient accumulation with BatchNorm layers: the running statistics '
+                          'see micro-batches, not the accumulated batch', stacklevel=2)
+
+    def _set_max_counts(self, max_counts: int) -> None:
+        k = self._accumulative_counts
+        self._max_counts = max_counts
+        self._tail_start = max_counts // k * k
+        self._tail_len = max_counts - self._tail_start
+
+    @property
+    def inner_count(self) -> int:
+        """Micro-batches backpropagated so far (absolute, counted from the start of training)."""
+        return self._inner_count
+
+    @property
+    def max_counts(self) -> int:
+        """Total iterations set by :meth:`initialize_count_status` (``-1``: not set)."""
+        return self._max_counts
+
+    @property
+    def accumulative_counts(self) -> int:
+        return self._accumulative_counts
+
+    def _window_open(self) -> bool:
+        return not self.should_update()
+
+    # ---- state ---------------------------------------------------------------------------
+    def _grad_holders(self) -> list[torch.Tensor]:
+        """Tensors whose ``.grad`` accumulates, in the optimizer's flat parameter order."""
+        return [p for group in self.optimizer.param_groups for p in group['params']]
+
+    def grad_state_dict(self) -> dict:
+        """``{'inner_count': int, 'grads': {flat index: grad}}`` (references, not copies)."""
+        grads = {i: p.grad.detach() for i, p in enumerate(self._grad_holders())
+                 if p.grad is not None}
+        return {'inner_count': self._inner_count, 'grads': grads}
+
+    def load_grad_state_dict(self, state_dict: Mapping) -> None:
+        """Restore gradients (and ``inner_count``) saved by :meth:`grad_state_dict`."""
+        holders = self._grad_holders()
+        grads = state_dict['grads']
+        bad = [i for i in grads if not (isinstance(i, int) and 0 <= i < len(holders))]
+        if bad:
+            raise ValueError(f'grad state_dict has indices {bad} but the optimizer has '
+                             f'{len(holders)} parameters; it was saved for another model/optimizer')
+        for i, g in grads.items():
+            if tuple(g.shape) != tuple(holders[i].shape):
+                raise ValueError(f'grad state_dict entry {i} has shape {tuple(g.shape)} but '
+                                 f'parameter {i} has shape {tuple(holders[i].shape)}')
+        for i, p in enumerate(holders):
+            g = grads.get(i)
+            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype, copy=True)
+        self._inner_count = int(state_dict['inner_count'])
+        self._restored_count = self._inner_count
+
+    def state_dict(self) -> dict:
+        """Optimizer state + ``'optim_wrapper'`` counters (+ pending grads mid-window)."""
+        state_dict = self.optimizer.state_dict()
+        wrapper_state = {'inner_count': self._inner_count, 'max_counts': self._max_counts,
+                         'accumulative_counts': self._accumulative_counts}
+        if self._window_open():
+            wrapper_state['pending_grads'] = self.grad_state_dict()['grads']
+        state_dict['optim_wrapper'] = wrapper_state
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load :meth:`state_dict` output (or an mmengine / bare optimizer state_dict)."""
+        state_dict = dict(state_dict)
+        wrapper_state = state_dict.pop('optim_wrapper', None)
+        state_dict.pop('base_param_settings', None)  # mmengine's placeholder group
+        self._load_optimizer_state(state_dict)
+        if wrapper_state is None:
+            return
+        saved_k = wrapper_state.get('accumulative_counts', self._accumulative_counts)
+        if saved_k != self._accumulative_counts and 'pending_grads' in wrapper_state:
+            raise ValueError(
+                f'the state_dict was saved inside an accumulation window with '
+                f'accumulative_counts={saved_k}, but this wrapper has '
+                f'accumulative_counts={self._accumulative_counts}; resume with {saved_k}')
+        max_counts = wrapper_state.get('max_counts', -1)
+        if max_counts != -1:
+            self._set_max_counts(max_counts)
+        self._inner_count = wrapper_state.get('inner_count', 0)
+        if 'pending_grads' in wrapper_state:
+            self.load_grad_state_dict({'inner_count': self._inner_count,
+                                       'grads': wrapper_state['pending_grads']})
+
+    def _load_optimizer_state(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        extra = f', accumulative_counts={self._accumulative_counts}'
+        if self._clip_func is not None:
+            extra += f', clip_grad={self.clip_grad_kwargs}'
+        return f'{type(self).__name__}(optimizer={self.optimizer!r}{extra})'

@@ -1,0 +1,309 @@
+import contextlib
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from stratagem.optim import OptimWrapper, build_optim_wrapper
+
+K_FEATURES = 5
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(K_FEATURES, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+
+def make_data(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, K_FEATURES, generator=g, dtype=torch.float64), \
+        torch.randn(n, 1, generator=g, dtype=torch.float64)
+
+
+def mse(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_params_close(a, b, atol=1e-6):
+    for pa, pb in zip(a, b):
+        torch.testing.assert_close(pa, pb, atol=atol, rtol=0)
+
+
+def run_wrapper(wrapper, model, x, y, micro, iters, start=0):
+    for i in range(start, start + iters):
+        xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
+        with wrapper.optim_context(model):
+            loss = mse(model, xs, ys)
+        wrapper.update_params(loss)
+
+
+def test_accumulation_equals_one_big_batch():
+    k, micro, windows = 4, 2, 3
+    x, y = make_data(k * micro * windows)
+    ref = make_model()
+    ref_opt = sgd(ref)
+    for w in range(windows):  # the oracle: one step per k*micro batch
+        xs, ys = x[w * k * micro:(w + 1) * k * micro], y[w * k * micro:(w + 1) * k * micro]
+        ref_opt.zero_grad()
+        mse(ref, xs, ys).backward()
+        ref_opt.step()
+    model = make_model()
+    wrapper = OptimWrapper(sgd(model), accumulative_counts=k)
+    run_wrapper(wrapper, model, x, y, micro, k * windows)
+    assert wrapper.inner_count == k * windows
+    assert_params_close(params_of(model), params_of(ref))
+
+
+def hand_loop_windows(model, opt, x, y, micro, windows):
+    """Oracle: each window's micro-batch losses averaged over the window's real length."""
+    i = 0
+    for length in windows:
+        opt.zero_grad()
+        losses = [mse(model, x[(i + j) * micro:(i + j + 1) * micro],
+                      y[(i + j) * micro:(i + j + 1) * micro]) for j in range(length)]
+        (sum(losses) / length).backward()
+        opt.step()
+        i += length
+
+
+def test_tail_window_is_averaged_over_its_real_length():
+    k, micro, max_iters = 4, 3, 10  # windows 4, 4, 2
+    x, y = make_data(micro * max_iters)
+    ref = make_model()
+    hand_loop_windows(ref, sgd(ref), x, y, micro, [4, 4, 2])
+    model = make_model()
+    wrapper = OptimWrapper(sgd(model), accumulative_counts=k)
+    wrapper.initialize_count_status(model, 0, max_iters)
+    updates = []
+    for i in range(max_iters):
+        with wrapper.optim_context(model):
+            loss = mse(model, x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])
+        wrapper.update_params(loss)
+        updates.append(wrapper.should_update())
+    assert updates == [False, False, False, True] * 2 + [False, True]
+    assert_params_close(params_of(model), params_of(ref))
+    with pytest.raises(ValueError, match='max_counts'):
+        wrapper.scale_loss(torch.ones(()))
+
+
+def test_resume_mid_window_gives_identical_next_steps(weights_only_roundtrip):
+    k, micro, max_iters, stop = 4, 2, 10, 6
+    x, y = make_data(micro * max_iters)
+    full = make_model()
+    full_w = OptimWrapper(sgd(full), accumulative_counts=k, clip_grad=dict(max_norm=0.5))
+    full_w.initialize_count_status(full, 0, max_iters)
+    run_wrapper(full_w, full, x, y, micro, max_iters)
+
+    first = make_model()
+    first_w = OptimWrapper(sgd(first), accumulative_counts=k, clip_grad=dict(max_norm=0.5))
+    first_w.initialize_count_status(first, 0, max_iters)
+    run_wrapper(first_w, first, x, y, micro, stop)
+    ckpt = weights_only_roundtrip({'model': first.state_dict(), 'optim': first_w.state_dict()})
+    assert ckpt['optim']['optim_wrapper']['inner_count'] == stop
+    assert set(ckpt['optim']['optim_wrapper']['pending_grads']) == {0, 1, 2, 3}
+
+    resumed = make_model(seed=123)
+    resumed.load_state_dict(ckpt['model'])
+    resumed_w = OptimWrapper(sgd(resumed), accumulative_counts=k, clip_grad=dict(max_norm=0.5))
+    resumed_w.load_state_dict(ckpt['optim'])
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        resumed_w.initialize_count_status(resumed, stop, max_iters)
+    run_wrapper(resumed_w, resumed, x, y, micro, max_iters - stop, start=stop)
+    for a, b in zip(resumed.parameters(), full.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_state_dict_on_window_boundary_has_no_pending_grads_and_loads_in_torch():
+    model = make_model()
+    wrapper = OptimWrapper(sgd(model), accumulative_counts=2)
+    x, y = make_data(8)
+    run_wrapper(wrapper, model, x, y, 2, 2)
+    sd = wrapper.state_dict()
+    assert sd['optim_wrapper'] == {'inner_count': 2, 'max_counts': -1, 'accumulative_counts': 2}
+    sgd(make_model()).load_state_dict(sd)  # a bare optimizer ignores the extra key
+
+
+def test_grad_state_dict_round_trip():
+    model = make_model()
+    wrapper = OptimWrapper(sgd(model), accumulative_counts=3)
+    x, y = make_data(4)
+    run_wrapper(wrapper, model, x, y, 2, 2)
+    gsd = wrapper.grad_state_dict()
+    assert gsd['inner_count'] == 2
+    other = make_model()
+    other_w = OptimWrapper(sgd(other), accumulative_counts=3)
+    other_w.load_grad_state_dict(gsd)
+    assert other_w.inner_count == 2
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a.grad, b.grad) and a.grad is not b.grad
+    with pytest.raises(ValueError, match='shape'):
+        OptimWrapper(sgd(nn.Linear(2, 2).double())).load_grad_state_dict(
+            {'inner_count': 1, 'grads': {0: torch.zeros(3, 3)}})
+
+
+def test_clip_grad_norm_matches_hand_loop_and_keeps_a_tensor():
+    x, y = make_data(16)
+    ref = make_model()
+    ref_opt = sgd(ref)
+    norms = []
+    for i in range(4):
+        ref_opt.zero_grad()
+        (mse(ref, x[4 * i:4 * i + 4], y[4 * i:4 * i + 4]) * 10).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.3))
+        ref_opt.step()
+    model = make_model()
+    wrapper = OptimWrapper(sgd(model), clip_grad=dict(type='norm', max_norm=0.3))
+    for i in range(4):
+        wrapper.update_params(mse(model, x[4 * i:4 * i + 4], y[4 * i:4 * i + 4]) * 10)
+    assert isinstance(wrapper.last_grad_norm, torch.Tensor)
+    torch.testing.assert_close(wrapper.last_grad_norm, norms[-1])
+    assert norms[-1] > 0.3  # the clip was active
+    assert_params_close(params_of(model), params_of(ref), atol=1e-12)
+
+
+def test_clip_grad_value():
+    model = nn.Linear(3, 1, bias=False).double()
+    nn.init.zeros_(model.weight)
+    wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=1.0),
+                           clip_grad=dict(type='value', clip_value=0.1))
+    x = torch.tensor([[1.0, -50.0, 0.05]], dtype=torch.float64)
+    wrapper.update_params(model(x).sum())  # grad = x
+    torch.testing.assert_close(model.weight.detach(),
+                               torch.tensor([[-0.1, 0.1, -0.05]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize('clip_grad, match', [
+    (dict(type='nrom', max_norm=1), "'norm'.*'value'"),
+    (dict(type='norm'), 'missing max_norm'),
+    (dict(type='value', clip_value=1, max_norm=2), 'unexpected max_norm'),
+    ([1.0], 'non-empty dict'),
+])
+def test_clip_grad_errors(clip_grad, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        OptimWrapper(sgd(make_model()), clip_grad=clip_grad)
+
+
+def test_clip_grad_cfg_not_mutated():
+    cfg = dict(type='norm', max_norm=1.0)
+    OptimWrapper(sgd(make_model()), clip_grad=cfg)
+    assert cfg == dict(type='norm', max_norm=1.0)
+
+
+def test_hot_path_has_no_host_sync_and_no_loss_division(monkeypatch):
+    model = make_model()
+    # SGD: torch's own single-tensor Adam reads its CPU step counter with .item()
+    wrapper = OptimWrapper(sgd(model), clip_grad=dict(max_norm=1.0))
+    loss = mse(model, *make_data(4))
+    assert wrapper.scale_loss(loss) is loss
+
+    def no_sync(*a, **k):
+        raise AssertionError('host sync in the hot path')
+    for name in ('item', '__float__', '__bool__', 'tolist', 'cpu'):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    for _ in range(2):
+        with wrapper.optim_context(model):
+            loss = mse(model, *make_data(4))
+        wrapper.update_params(loss)
+
+
+def test_scale_loss_divides_only_when_accumulating():
+    wrapper = OptimWrapper(sgd(make_model()), accumulative_counts=4)
+    wrapper.initialize_count_status(make_model(), 0, 9)  # windows 4, 4, 1
+    loss = torch.tensor(8.0)
+    factors = []
+    for _ in range(9):
+        scaled = wrapper.scale_loss(loss)
+        factors.append(None if scaled is loss else float(loss / scaled))
+        wrapper._inner_count += 1
+    assert factors == [4.0] * 8 + [None]
+
+
+class FakeDDP(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.no_sync_calls = 0
+
+    def forward(self, x):
+        return self.module(x)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.no_sync_calls += 1
+        yield
+
+
+def test_optim_context_uses_no_sync_on_non_update_iterations():
+    model = FakeDDP(make_model())
+    wrapper = OptimWrapper(sgd(model), accumulative_counts=3)
+    wrapper.initialize_count_status(model, 0, 7)  # windows 3, 3, 1
+    syncs = []
+    for _ in range(7):
+        syncs.append(wrapper.should_sync())
+        with wrapper.optim_context(model):
+            loss = mse(model, *make_data(2))
+        wrapper.update_params(loss)
+    assert syncs == [False, False, True, False, False, True, True]
+    assert model.no_sync_calls == 4
+
+
+def test_get_lr_and_momentum():
+    model = make_model()
+    adam = OptimWrapper(torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.99)))
+    assert adam.get_lr() == {'lr': [0.01]}
+    assert adam.get_momentum() == {'momentum': [0.8]}
+    sgd_w = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.7))
+    assert sgd_w.get_momentum() == {'momentum': [0.7]}
+    rprop = OptimWrapper(torch.optim.Rprop(model.parameters(), lr=0.1))
+    assert rprop.get_momentum() == {'momentum': [0]}
+    assert adam.param_groups is adam.optimizer.param_groups
+    assert adam.defaults['lr'] == 0.01
+
+
+def test_initialize_count_status_warnings():
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    wrapper = OptimWrapper(sgd(model), accumulative_counts=2)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter('always')
+        wrapper.initialize_count_status(model, 3, 10)
+    messages = ' | '.join(str(r.message) for r in record)
+    assert 'first 1 micro-batches are lost' in messages and 'BatchNorm' in messages
+    assert wrapper.inner_count == 3 and wrapper.max_counts == 10
+    with pytest.raises(ValueError, match='init_counts'):
+        wrapper.initialize_count_status(model, 11, 10)
+
+
+def test_constructor_errors():
+    with pytest.raises(TypeError, match='torch.optim.Optimizer'):
+        OptimWrapper(object())
+    with pytest.raises(ValueError, match='accumulative_counts must be an int >= 1, got 0'):
+        OptimWrapper(sgd(make_model()), accumulative_counts=0)
+
+
+def test_step_and_zero_kwargs_are_forwarded():
+    model = make_model()
+    wrapper = OptimWrapper(sgd(model))
+    wrapper.update_params(mse(model, *make_data(2)), zero_kwargs=dict(set_to_none=False))
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_built_from_cfg_equals_direct():
+    model = make_model()
+    cfg = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9), accumulative_counts=2,
+               clip_grad=dict(max_norm=1.0))
+    before = copy.deepcopy(cfg)
+    wrapper = build_optim_wrapper(model, cfg)
+    assert cfg == before
+    assert type(wrapper) is OptimWrapper and wrapper.accumulative_counts == 2
+    assert wrapper.clip_grad_kwargs == {'max_norm': 1.0}
