@@ -5,7 +5,7 @@ model = dict(type='MLPClassifier', in_features=16, num_classes=4, hidden=64, num
 
 train_dataloader = dict(
     dataset=dict(type='SyntheticClassification', num_samples=2048, num_features=16,
-                 num_classes=4, noise=1.5, seed=0),
+                 num_classes=4, noise=5.0, seed=0),
     batch_size=32,
     shuffle=True,
     num_workers=0,

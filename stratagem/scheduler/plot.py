@@ -197,7 +197,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = Config.fromfile(args.config)
-        traces = traces_from_config(cfg, epoch_length=args.epoch_length, max_iters=args.max_iters)
+        epoch_length = args.epoch_length
+        if epoch_length is None:
+            # the reference loop's data config knows it: one process, as `stratagem train`
+            from stratagem.loop import epoch_length_from_config
+            epoch_length = epoch_length_from_config(cfg)
+        traces = traces_from_config(cfg, epoch_length=epoch_length, max_iters=args.max_iters)
     except (ValueError, KeyError, TypeError, OSError) as e:
         print(f'stratagem plot-schedule: error: {e}', file=sys.stderr)
         return 2

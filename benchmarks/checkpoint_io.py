@@ -1,0 +1,168 @@
+"""Checkpoint I/O: stratagem's atomic save / verified load against raw torch.save / torch.load.
+
+A ~100M-parameter model (Linear layers) with SGD momentum state (~0.8 GB file):
+
+- save: ``save_checkpoint`` (sha256 while writing, fsync, manifest, rename, dir fsync, pointer;
+  default ``zip_crc32=True``) vs ``torch.save(path)`` + fsync of the file;
+- load: ``load_checkpoint_file`` (size + sha256 check before unpickling, then a memory-mapped
+  ``torch.load(weights_only=True)``) vs ``torch.load(path, weights_only=True)``, both followed
+  by ``model.load_state_dict`` + ``optimizer.load_state_dict`` so lazily mapped bytes are
+  paid for; with the file in the page cache (warm) and evicted first (cold, posix_fadvise).
+
+Runs are interleaved (ABAB / BABA), the median of each is reported with ratios. The
+verified-hash cache is cleared before each of our loads, so every load hashes the file.
+Files go to a temp directory under ``work_dirs/bench`` (same filesystem as the repo), removed
+at the end.
+
+    python benchmarks/checkpoint_io.py [--params-millions 100] [--runs 5]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from stratagem.checkpoint import load_checkpoint_file, save_checkpoint  # noqa: E402
+from stratagem.checkpoint import manifest as _manifest  # noqa: E402
+
+
+def build(params_millions: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    width = 4096
+    layers = max(1, round(params_millions * 1e6 / (width * width + width)))
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    for p in model.parameters():  # one step without a forward pass: creates momentum buffers
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    return {'meta': {'epoch': 1, 'iter': 1000}, 'state_dict': model.state_dict(),
+            'optimizer': optimizer.state_dict()}
+
+
+def raw_save(checkpoint: dict, path: Path) -> None:
+    torch.save(checkpoint, path)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def ours_save(checkpoint: dict, path: Path) -> None:
+    save_checkpoint(checkpoint, path, step=1000)
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+def raw_load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    checkpoint = torch.load(path, map_location='cpu', weights_only=True)
+    model.load_state_dict(checkpoint['state_dict'])
+    optimizer.load_state_dict(checkpoint['optimizer'])
+
+
+def ours_load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    _manifest._VERIFIED.clear()  # measure a full hash every time
+    checkpoint = load_checkpoint_file(path, map_location='cpu')
+    model.load_state_dict(checkpoint['state_dict'])
+    optimizer.load_state_dict(checkpoint['optimizer'])
+
+
+def timed(fn, *args) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def interleave(runs: int, a, b) -> tuple[list[float], list[float]]:
+    """Run ``a`` and ``b`` (callables returning seconds) alternately, ABAB then BABA."""
+    ta, tb = [], []
+    for i in range(runs):
+        if i % 2 == 0:
+            ta.append(a())
+            tb.append(b())
+        else:
+            tb.append(b())
+            ta.append(a())
+    return ta, tb
+
+
+def report(name: str, ours: list[float], raw: list[float], raw_name: str) -> None:
+    mo, mr = statistics.median(ours), statistics.median(raw)
+    print(f'{name:<11} median: ours {mo:6.3f}s  {raw_name} {mr:6.3f}s  ratio {mo / mr:4.2f}x  | '
+          f'min: ours {min(ours):6.3f}s  raw {min(raw):6.3f}s  ratio {min(ours) / min(raw):4.2f}x')
+    print(f'{"":<11} runs: ours {" ".join(f"{t:.2f}" for t in ours)}; '
+          f'raw {" ".join(f"{t:.2f}" for t in raw)}')
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--params-millions', type=float, default=100.0)
+    parser.add_argument('--runs', type=int, default=5)
+    args = parser.parse_args()
+
+    model, optimizer = build(args.params_millions)
+    numel = sum(p.numel() for p in model.parameters())
+    checkpoint = state(model, optimizer)
+    root = Path(__file__).resolve().parents[1] / 'work_dirs' / 'bench'
+    root.mkdir(parents=True, exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix='checkpoint_io-', dir=root))
+    try:
+        raw_path, ours_path = directory / 'raw.pth', directory / 'ours.pth'
+
+        def save_a() -> float:
+            ours_path.unlink(missing_ok=True)
+            return timed(ours_save, checkpoint, ours_path)
+
+        def save_b() -> float:
+            raw_path.unlink(missing_ok=True)
+            return timed(raw_save, checkpoint, raw_path)
+
+        save_a(), save_b()  # warm-up: allocator, page cache, thread pools
+        ours_s, raw_s = interleave(args.runs, save_a, save_b)
+        size = ours_path.stat().st_size
+        print(f'model: {numel / 1e6:.1f}M params + SGD momentum; file {size / 2**20:.0f} MiB; '
+              f'{args.runs} interleaved runs each, medians; torch {torch.__version__}, '
+              f'{os.cpu_count()} CPUs')
+        report('save', ours_s, raw_s, 'torch.save+fsync')
+        mbps = size / 2**20 / statistics.median(ours_s)
+        print(f'            ours {mbps:.0f} MiB/s including sha256, fsync and manifest')
+
+        for cold in (False, True):
+            def load_a() -> float:
+                if cold:
+                    evict(ours_path)
+                return timed(ours_load, ours_path, model, optimizer)
+
+            def load_b() -> float:
+                if cold:
+                    evict(raw_path)
+                return timed(raw_load, raw_path, model, optimizer)
+
+            load_a(), load_b()
+            ours_l, raw_l = interleave(args.runs, load_a, load_b)
+            report(f'load {"cold" if cold else "warm"}', ours_l, raw_l, 'torch.load  ')
+        del checkpoint
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,105 @@
+"""DDP throughput: DDPStrategy + OptimWrapper versus a raw torch DDP loop.
+
+2 processes, gloo, 1 thread each, a 4×Linear(1024, 1024) MLP, batch 64 per rank,
+Adam. Both loops run in the same processes and process group, interleaved
+(raw block, stratagem block, raw block, ...), so machine noise hits both alike.
+Prints the median ms/step of each and the time ratio stratagem / raw.
+
+    python benchmarks/ddp_throughput.py [--rounds 15] [--steps 10]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+
+def _mlp() -> nn.Module:
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _worker(rank: int, world: int, port: int, rounds: int, steps: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR='127.0.0.1',
+                      MASTER_PORT=str(port), OMP_NUM_THREADS='1')
+    torch.set_num_threads(1)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from stratagem import env
+    from stratagem.strategies import DDPStrategy
+
+    strategy = DDPStrategy(work_dir=tempfile.mkdtemp(prefix='ddp-bench-'),
+                           env_kwargs=dict(randomness=dict(seed=0)),
+                           log_kwargs=dict(log_level='WARNING'))
+    torch.manual_seed(0)
+    raw = DDP(_mlp())
+    raw_opt = torch.optim.Adam(raw.parameters(), lr=1e-4)
+    model, optim_wrapper = strategy.prepare(_mlp(), optim_wrapper=dict(
+        optimizer=dict(type='Adam', lr=1e-4)))
+    batches = [torch.randn(64, 1024) for _ in range(4)]
+
+    def raw_step(x: torch.Tensor) -> None:
+        raw_opt.zero_grad()
+        loss = raw(x).square().mean()
+        loss.backward()
+        raw_opt.step()
+
+    def ours_step(x: torch.Tensor) -> None:
+        with optim_wrapper.optim_context(model):
+            loss = model(x).square().mean()
+        optim_wrapper.update_params(loss)
+
+    def block(step) -> float:
+        env.barrier()
+        t = time.perf_counter()
+        for i in range(steps):
+            step(batches[i % len(batches)])
+        env.barrier()
+        return (time.perf_counter() - t) / steps
+
+    for fn in (raw_step, ours_step):  # warm-up: allocator, DDP buckets
+        block(fn)
+    raw_t, ours_t, ratios = [], [], []
+    for r in range(rounds):
+        order = (raw_step, ours_step) if r % 2 == 0 else (ours_step, raw_step)
+        times = {fn: block(fn) for fn in order}
+        raw_t.append(times[raw_step])
+        ours_t.append(times[ours_step])
+        ratios.append(times[ours_step] / times[raw_step])
+    if rank == 0:
+        raw_m, ours_m = statistics.median(raw_t), statistics.median(ours_t)
+        print(f'DDP, 2 ranks x gloo x 1 thread, 4xLinear(1024,1024), batch 64/rank, Adam; '
+              f'{rounds} interleaved rounds x {steps} steps')
+        print(f'raw torch DDP loop        median {raw_m * 1e3:8.2f} ms/step  '
+              f'({1 / raw_m:6.2f} steps/s)')
+        print(f'DDPStrategy+OptimWrapper  median {ours_m * 1e3:8.2f} ms/step  '
+              f'({1 / ours_m:6.2f} steps/s)')
+        print(f'time ratio stratagem/raw: {ours_m / raw_m:.3f}x (ratio of medians), '
+              f'{statistics.median(ratios):.3f}x (median of per-round ratios)')
+    env.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--rounds', type=int, default=15)
+    parser.add_argument('--steps', type=int, default=10)
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(2, port, args.rounds, args.steps), nprocs=2)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,105 @@
+"""Filesystem primitives for the commit protocol: temp names, fsync, atomic replace.
+
+Every temporary entry we create is named ``.{final name}.tmp-{pid}-{8 hex}`` in the directory
+of its final name, so that ``os.replace`` is a same-filesystem rename and so that retention can
+recognise (and only ever delete) what a crashed save of ours left behind.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import re
+import secrets
+from pathlib import Path
+
+TEMP_RE = re.compile(r'^\.(?P<final>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$')
+
+
+def temp_name(final: Path) -> Path:
+    """A fresh temp path next to ``final`` (same directory, hence same filesystem)."""
+    return final.with_name(f'.{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}')
+
+
+def is_temp_name(name: str) -> bool:
+    return TEMP_RE.match(name) is not None
+
+
+def temp_pid(name: str) -> int | None:
+    match = TEMP_RE.match(name)
+    return int(match['pid']) if match else None
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make renames and creations in ``directory`` durable (a no-op where unsupported)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, 'O_DIRECTORY', 0))
+    except OSError:  # e.g. Windows cannot open directories; renames there are durable anyway
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(final: Path, data: bytes) -> None:
+    """Write ``data`` to ``final`` by temp + fsync + rename: readers see old or new, never part."""
+    tmp = temp_name(final)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_renameat2 = None
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    Returns False where the platform, libc or filesystem cannot, so the caller falls back.
+    """
+    global _renameat2
+    if _renameat2 is None:
+        _renameat2 = False
+        libc_name = ctypes.util.find_library('c') if os.name == 'posix' else None
+        if libc_name:
+            libc = ctypes.CDLL(libc_name, use_errno=True)
+            func = getattr(libc, 'renameat2', None)
+            if func is not None:
+                func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                                 ctypes.c_uint]
+                func.restype = ctypes.c_int
+                _renameat2 = func
+    if not _renameat2:
+        return False
+    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0

@@ -1,0 +1,289 @@
+"""Atomic saves: a checkpoint exists completely under its final name, or not at all.
+
+Single file, ``save_checkpoint(checkpoint, filename, step=...)`` (rank 0 only):
+
+1. Validate the content (tensors and plain values only) and ``extra_manifest``; a bad state
+   raises ``TypeError`` with the key path before any byte is written.
+2. ``torch.save`` into ``.{name}.tmp-{pid}-{rand}`` in the same directory through a writer
+   that computes the sha256 while writing and starts disk writeback as it goes; fsync.
+3. Write the sidecar manifest ``{name}.manifest.json`` (size, sha256, step, versions, extras)
+   by temp + fsync + rename; fsync the directory. If a file of the same name exists, the new
+   manifest also records the old one (``replaces``), so the old file stays verifiable.
+4. Rename the temp file to ``name``; fsync the directory. The checkpoint now exists.
+5. Update ``last_checkpoint`` (the absolute path, mmengine's format) by temp + rename.
+6. The caller may now call ``apply_retention``.
+
+A crash before 4 leaves the previous checkpoints and pointer as they were, plus a temp file
+(and possibly a manifest without its file) that ``apply_retention`` removes later; a crash
+after 4 leaves the new checkpoint committed with the pointer on the old one or the new one.
+
+Directory (sharded backends), across ranks:
+
+1. Rank 0: ``staging = new_staging_dir(final_dir)``; all ranks agree on it
+   (``agree_on_path``).
+2. Every rank writes its files into ``staging`` and fsyncs them (or leaves that to step 4).
+3. Barrier.
+4. Rank 0: ``finalize_directory(staging, final_dir, step=...)``: fsync and hash every file,
+   write ``manifest.json`` inside, rename ``staging`` to ``final_dir`` (an atomic exchange if
+   ``final_dir`` exists), fsync the parent, update the pointer.
+5. Barrier.
+
+Single process: ``with commit_directory(final_dir, step=...) as staging: ...write files...``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from . import _fs
+from .content import validate_checkpoint_content
+from .latest import update_pointer as _update_pointer
+from .manifest import (DIR_MANIFEST, SIDECAR_SUFFIX, HashingWriter, build_manifest,
+                       check_extra_manifest, dump_manifest, hash_file, read_manifest,
+                       remember_verified)
+
+PathLike = str | os.PathLike
+
+
+def save_checkpoint(checkpoint: dict, filename: PathLike, *, step: int | None = None,
+                    extra_manifest: dict | None = None, update_pointer: bool = True,
+                    zip_crc32: bool = True) -> Path:
+    """Atomically save ``checkpoint`` to ``filename`` with a sidecar manifest; see module doc.
+
+    Args:
+        checkpoint: a dict of tensors and plain values (``validate_checkpoint_content``).
+        filename: the final path; parent directories are created. Relative paths are made
+            absolute against the current directory.
+        step: the training step (or epoch) recorded in the manifest; orders checkpoints for
+            ``find_latest_checkpoint`` and ``apply_retention``. None if unknown.
+        extra_manifest: JSON-serialisable extras merged into the manifest, e.g.
+            ``{'world_size': 8, 'strategy': 'DDPStrategy'}``; reserved keys are refused.
+        update_pointer: write ``last_checkpoint`` in the same directory after committing.
+        zip_crc32: let torch compute the zip format's per-record CRC32 (default True, so
+            the file stays a valid zip for every reader, older torch versions included).
+            False skips it (~0.25 s/GB faster; the manifest's sha256 still covers every byte),
+            but zip tools (``unzip -t``, ``zipfile``) then report CRC errors.
+
+    Returns:
+        The absolute path of the committed checkpoint.
+    """
+    if not isinstance(checkpoint, dict):
+        raise TypeError(f'checkpoint must be a dict, got {type(checkpoint).__name__}')
+    _check_step(step)
+    check_extra_manifest(extra_manifest)
+    validate_checkpoint_content(checkpoint)
+    final = _check_final_name(filename)
+    if final.is_dir():
+        raise IsADirectoryError(f'cannot save checkpoint file {final}: a directory has that name')
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return _save_file(checkpoint, final, step, extra_manifest, update_pointer, zip_crc32)
+
+
+def _save_file(checkpoint: dict, final: Path, step: int | None, extra: dict | None,
+               update_pointer: bool, zip_crc32: bool) -> Path:
+    tmp = _fs.temp_name(final)
+    try:
+        size, sha256 = _write_torch_file(checkpoint, tmp, zip_crc32)
+        old = _old_manifest(final)
+        manifest = build_manifest('file', final.name,
+                                  [{'path': final.name, 'size': size, 'sha256': sha256}],
+                                  step, extra)
+        sidecar = final.with_name(final.name + SIDECAR_SUFFIX)
+        if old is not None:
+            _fs.write_atomic(sidecar, dump_manifest({**manifest, 'replaces': old}))
+        else:
+            _fs.write_atomic(sidecar, dump_manifest(manifest))
+        # The manifest must be durable before the file it describes appears under its name.
+        _fs.fsync_dir(final.parent)
+        os.replace(tmp, final)
+    except BaseException:
+        _fs._unlink_quietly(tmp)
+        raise
+    _fs.fsync_dir(final.parent)
+    remember_verified(final, sha256)
+    if old is not None:  # committed: the old file is gone, so drop its record
+        _fs.write_atomic(sidecar, dump_manifest(manifest))
+    if update_pointer:
+        _update_pointer(final.parent, final)
+    return final
+
+
+def _write_torch_file(checkpoint: dict, path: Path, zip_crc32: bool) -> tuple[int, str]:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool, \
+                _crc32_option(zip_crc32):
+            writer = HashingWriter(fd, pool)
+            torch.save(checkpoint, writer)
+        writer.flush()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return writer.size, writer.sha256.hexdigest()
+
+
+_CRC32_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _crc32_option(enabled: bool) -> Iterator[None]:
+    """torch's per-record zip CRC32 costs ~0.25 s per GB and duplicates our sha256; it is a
+    process-wide torch setting, so it is switched under a lock and always restored."""
+    get = getattr(torch.serialization, 'get_crc32_options', None)
+    set_ = getattr(torch.serialization, 'set_crc32_options', None)
+    if enabled or get is None or set_ is None:  # torch < 2.6 always computes it
+        yield
+        return
+    with _CRC32_LOCK:
+        previous = get()
+        set_(False)
+        try:
+            yield
+        finally:
+            set_(previous)
+
+
+def _old_manifest(final: Path) -> dict | None:
+    """The manifest of the committed file we are about to replace, if any (else None)."""
+    if not final.exists():
+        return None
+    try:
+        old = read_manifest(final.with_name(final.name + SIDECAR_SUFFIX))
+    except ValueError:
+        return None
+    if old is None:
+        return None
+    old.pop('replaces', None)
+    return old
+
+
+def new_staging_dir(final_dir: PathLike) -> Path:
+    """Create and return an empty staging directory next to ``final_dir`` (rank 0 only).
+
+    Its name (``.{name}.tmp-{pid}-{rand}``) marks it as ours, so a crash leaves nothing that
+    looks committed and retention can remove it later.
+    """
+    final = _check_final_name(final_dir)
+    if final.exists() and not final.is_dir():
+        raise FileExistsError(f'cannot commit directory checkpoint {final}: a file has that name')
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = _fs.temp_name(final)
+    staging.mkdir()
+    return staging
+
+
+def finalize_directory(staging_dir: PathLike, final_dir: PathLike, *, step: int | None = None,
+                       extra_manifest: dict | None = None, update_pointer: bool = True) -> Path:
+    """Commit a staging directory filled by the strategy (rank 0 only, after a barrier).
+
+    Fsyncs and hashes every file under ``staging_dir``, writes ``manifest.json`` inside,
+    renames it to ``final_dir`` (atomically exchanging with an existing one where the OS can,
+    then deleting the old), fsyncs the parent and updates ``last_checkpoint``. Returns the
+    absolute final path.
+    """
+    staging = Path(staging_dir).absolute()
+    final = _check_final_name(final_dir)
+    _check_step(step)
+    check_extra_manifest(extra_manifest)
+    if not staging.is_dir() or staging.parent != final.parent or \
+            _fs.TEMP_RE.match(staging.name) is None:
+        raise ValueError(f'staging_dir {staging} is not a staging directory for {final}; '
+                         f'create it with new_staging_dir({str(final)!r})')
+    if (staging / DIR_MANIFEST).exists():
+        raise ValueError(f'{staging / DIR_MANIFEST} exists: the name {DIR_MANIFEST!r} is '
+                         f'reserved for the checkpoint manifest; rename that file')
+    if final.exists() and not final.is_dir():
+        raise FileExistsError(f'cannot commit directory checkpoint {final}: a file has that name')
+    files = _hash_tree(staging)
+    if not files:
+        raise ValueError(f'staging directory {staging} is empty; nothing to commit for {final}')
+    manifest = build_manifest('directory', final.name, files, step, extra_manifest)
+    _fs.write_atomic(staging / DIR_MANIFEST, dump_manifest(manifest))
+    _fs.fsync_dir(staging)
+    _rename_dir_into_place(staging, final)
+    if update_pointer:
+        _update_pointer(final.parent, final)
+    return final
+
+
+@contextlib.contextmanager
+def commit_directory(final_dir: PathLike, *, step: int | None = None,
+                     extra_manifest: dict | None = None,
+                     update_pointer: bool = True) -> Iterator[Path]:
+    """Single-process directory commit: yields a staging dir; commits it if the block succeeds,
+    removes it if the block raises."""
+    check_extra_manifest(extra_manifest)
+    _check_step(step)
+    staging = new_staging_dir(final_dir)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    try:
+        finalize_directory(staging, final_dir, step=step, extra_manifest=extra_manifest,
+                           update_pointer=update_pointer)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _hash_tree(root: Path) -> list[dict]:
+    files = []
+    with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for name in sorted(filenames):
+                path = Path(dirpath, name)
+                if path.is_symlink():
+                    raise ValueError(f'{path} is a symlink; a checkpoint directory holds only '
+                                     f'regular files')
+                _fs.fsync_file(path)
+                size, sha256 = hash_file(path, pool)
+                files.append({'path': path.relative_to(root).as_posix(), 'size': size,
+                              'sha256': sha256})
+            _fs.fsync_dir(Path(dirpath))
+    return files
+
+
+def _rename_dir_into_place(staging: Path, final: Path) -> None:
+    if not final.exists():
+        os.replace(staging, final)
+        _fs.fsync_dir(final.parent)
+        return
+    if _fs.exchange(staging, final):
+        # `staging` now holds the old checkpoint under a temp name: retention would also
+        # clean it up if we died here.
+        _fs.fsync_dir(final.parent)
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    # No atomic exchange on this platform: a crash between these two renames leaves the old
+    # and the new checkpoint under temp names. Prefer unique names per step for directories.
+    old = _fs.temp_name(final)
+    os.replace(final, old)
+    os.replace(staging, final)
+    _fs.fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_step(step: Any) -> None:
+    if step is not None and (type(step) is not int or step < 0):
+        raise TypeError(f'step must be a non-negative int or None, got {step!r}')
+
+
+def _check_final_name(path: PathLike) -> Path:
+    final = Path(os.fspath(path)).absolute()
+    name = final.name
+    if not name or name in ('.', '..'):
+        raise ValueError(f'checkpoint path {str(path)!r} has no file name')
+    if name == 'last_checkpoint' or name.endswith(SIDECAR_SUFFIX) or _fs.is_temp_name(name):
+        raise ValueError(f'checkpoint name {name!r} is reserved (the pointer file, a manifest, or '
+                         f'a temp name); choose another, e.g. "epoch_3.pth"')
+    return final

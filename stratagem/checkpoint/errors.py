@@ -1,0 +1,40 @@
+"""Errors and warnings raised by ``stratagem.checkpoint``.
+
+Every error names the file it is about, so a log line alone says which checkpoint to look at.
+"""
+from __future__ import annotations
+
+import pickle
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint's bytes do not match its manifest (size or sha256), or cannot be read.
+
+    Raised before anything is unpickled.
+    """
+
+
+class NotACheckpointError(ValueError):
+    """The file is not a PyTorch checkpoint (a text file, random bytes, another archive)."""
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """``torch.load(weights_only=True)`` refused the file: it references Python globals
+    (classes, functions) outside the allowlist, so unpickling it could run code.
+
+    A subclass of ``pickle.UnpicklingError`` so that code catching torch's own error keeps
+    working. ``globals`` lists the offending names found in torch's message (may be empty).
+    """
+
+    def __init__(self, message: str, globals: tuple[str, ...] = ()) -> None:  # noqa: A002
+        super().__init__(message)
+        self.globals = tuple(globals)
+
+
+class CheckpointWarning(UserWarning):
+    """Something about a checkpoint directory needed a fallback (pointer, manifest)."""
+
+
+class UnverifiedCheckpointWarning(CheckpointWarning):
+    """A checkpoint has no manifest (written by mmengine or plain ``torch.save``), so its
+    integrity cannot be verified before loading."""

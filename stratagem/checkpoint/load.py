@@ -1,0 +1,131 @@
+"""Loading one checkpoint file: verify the bytes, then ``torch.load(weights_only=True)``.
+
+1. The file must exist (``FileNotFoundError`` naming it).
+2. If a manifest covers it, check size and sha256 before anything is unpickled
+   (``CheckpointCorruptError``). Without one, warn ``UnverifiedCheckpointWarning`` and go on:
+   mmengine and plain ``torch.save`` checkpoints load as before.
+3. Check the first bytes: a zip archive (torch >= 1.6) or a pickle stream (legacy format);
+   anything else is ``NotACheckpointError``.
+4. ``torch.load(weights_only=True)``, memory-mapped for zip files (the bytes were just read to
+   hash them, so mapping them is cheaper than copying them again). A refusal by the
+   weights-only unpickler becomes ``UnsafeCheckpointError`` naming the globals;
+   ``trust_pickled_code=True`` loads with ``weights_only=False`` instead.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import (CheckpointCorruptError, NotACheckpointError, UnsafeCheckpointError,
+                     UnverifiedCheckpointWarning)
+from .manifest import find_manifest, verify_file
+
+_ZIP_MAGIC = b'PK\x03\x04'
+_PICKLE_PROTO = 0x80
+_GLOBAL_RE = re.compile(r'GLOBAL (\S+)')
+_READ_ERROR_RE = re.compile(r'PytorchStreamReader|zip archive|central directory|magic number|'
+                            r'load key|EOF', re.I)
+_FUNC_RE = re.compile(r'unrecognized function (.+?)(?: which belongs|$)', re.M)
+
+
+def load_checkpoint_file(filename: str | os.PathLike, map_location: Any = 'cpu', *,
+                         verify: bool = True, trust_pickled_code: bool = False,
+                         mmap: bool | None = None) -> Any:
+    """Load a checkpoint file safely; see the module docstring for the sequence.
+
+    Args:
+        filename: a single-file checkpoint, or one file inside a directory checkpoint (it is
+            checked against that directory's manifest entry).
+        map_location: anything ``torch.load`` accepts (str, ``torch.device``, dict, callable,
+            None). Default ``'cpu'``.
+        verify: check size and sha256 against the manifest (default True). With False only the
+            size is checked (free) and a missing manifest is not reported.
+        trust_pickled_code: unpickle with ``weights_only=False``, which can run arbitrary code
+            from the file. Only for files you trust; default False.
+        mmap: memory-map tensor storages (zip files only). None (default) maps whenever the
+            file is a zip archive. Mapped tensors are copy-on-write views of the file.
+
+    Returns:
+        What was saved, usually a dict.
+    """
+    path = Path(os.fspath(filename)).absolute()
+    if not path.exists():
+        raise FileNotFoundError(f'checkpoint not found: {path}')
+    if path.is_dir():
+        raise IsADirectoryError(f'{path} is a directory checkpoint; verify it with '
+                                f'verify_checkpoint() and load its files one by one')
+    _verify_before_load(path, verify)
+    is_zip = _sniff(path)
+    use_mmap = is_zip if mmap is None else bool(mmap and is_zip)
+    return _torch_load(path, map_location, trust_pickled_code, use_mmap, is_zip)
+
+
+def _verify_before_load(path: Path, verify: bool) -> None:
+    found = find_manifest(path)
+    if found is None:
+        if verify:
+            warnings.warn(f'{path} has no stratagem manifest (written by mmengine or plain '
+                          f'torch.save?), so its integrity cannot be verified; loading it anyway',
+                          UnverifiedCheckpointWarning, stacklevel=3)
+        return
+    manifest, entry, mfile = found
+    try:
+        verify_file(path, entry, mfile, hash_bytes=verify)
+    except CheckpointCorruptError:
+        old = manifest.get('replaces')  # a same-name save died before its rename
+        if not (isinstance(old, dict) and old.get('files')):
+            raise
+        verify_file(path, old['files'][0], mfile, hash_bytes=verify)
+
+
+def _sniff(path: Path) -> bool:
+    """True for a zip checkpoint, False for a legacy pickle one; raise if neither."""
+    with open(path, 'rb') as file:
+        head = file.read(4)
+    if head == _ZIP_MAGIC:
+        return True
+    if head[:1] and head[0] == _PICKLE_PROTO:
+        return False
+    raise NotACheckpointError(
+        f'{path} is not a PyTorch checkpoint: it starts with {head!r}, not a zip archive '
+        f'(torch.save) or a pickle stream. Is it a text file, a log, or a partial download?')
+
+
+def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: bool) -> Any:
+    try:
+        return torch.load(path, map_location=map_location, weights_only=not trust, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        message = str(err)
+        if 'Weights only load failed' not in message:
+            raise NotACheckpointError(f'{path} is not a readable PyTorch checkpoint: '
+                                      f'{_last_line(message)}') from err
+        names = tuple(dict.fromkeys(_GLOBAL_RE.findall(message) + _FUNC_RE.findall(message)))
+        what = (f'references {", ".join(names)}' if names else
+                f'uses pickle features the safe loader refuses ({_last_line(message)})')
+        raise UnsafeCheckpointError(
+            f'refusing to load {path}: it {what}, which torch.load(weights_only=True) does not '
+            f'allow because unpickling it can run code. Load it with trust_pickled_code=True '
+            f'only if you trust its source, or allowlist a class you trust with '
+            f'torch.serialization.add_safe_globals([...]).', names) from None
+    except (RuntimeError, EOFError, OSError) as err:
+        if isinstance(err, RuntimeError) and not _READ_ERROR_RE.search(str(err)):
+            raise  # e.g. a map_location to a device this machine lacks: not about the file
+        if isinstance(err, OSError) and err.errno != errno.EINVAL:
+            raise  # a real I/O error (permissions, EIO); a truncated zip gives EINVAL (seek)
+        kind = 'looks like a zip checkpoint but is damaged or truncated' if is_zip else \
+            'is not a readable PyTorch checkpoint'
+        error = CheckpointCorruptError if is_zip else NotACheckpointError
+        raise error(f'{path} {kind}: {_last_line(str(err))}') from err
+
+
+def _last_line(message: str) -> str:
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    useful = [line for line in lines if not line.startswith('Check the documentation')]
+    return (useful or lines or [''])[-1][:300]

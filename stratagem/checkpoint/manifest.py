@@ -1,0 +1,328 @@
+"""Manifests: what a committed checkpoint holds, and how to check its bytes before unpickling.
+
+Where a manifest lives:
+- a single-file checkpoint ``DIR/NAME`` has a sidecar ``DIR/NAME.manifest.json``; the
+  checkpoint itself stays a plain ``torch.save`` file any tool can read;
+- a directory checkpoint ``DIR/NAME/`` holds ``DIR/NAME/manifest.json``.
+
+A manifest is a JSON object::
+
+    {"format": "stratagem-checkpoint", "format_version": 1, "kind": "file" | "directory",
+     "name": "epoch_3.pth", "step": 3 | null, "created": "2025-01-01T00:00:00Z",
+     "created_unix": 1735689600.0, "stratagem_version": "...", "torch_version": "...",
+     "python_version": "3.11.9",
+     "files": [{"path": "epoch_3.pth", "size": 123, "sha256": "..."}],
+     ...extra_manifest keys (e.g. "world_size", "strategy")}
+
+``files[*].path`` is relative to the checkpoint's parent directory for a file checkpoint and
+relative to the checkpoint directory for a directory checkpoint. While a single-file checkpoint
+replaces one of the same name, its manifest also carries ``"replaces": <the old manifest>`` so
+the old file still verifies if the process dies between the manifest and the file rename.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..version import __version__
+from .errors import CheckpointCorruptError
+
+FORMAT = 'stratagem-checkpoint'
+FORMAT_VERSION = 1
+SIDECAR_SUFFIX = '.manifest.json'
+DIR_MANIFEST = 'manifest.json'
+RESERVED_KEYS = frozenset(('format', 'format_version', 'kind', 'name', 'step', 'created',
+                           'created_unix', 'stratagem_version', 'torch_version',
+                           'python_version', 'files', 'replaces'))
+
+_READ_CHUNK = 16 << 20
+_SMALL_WRITE_BUFFER = 1 << 20
+_WRITEBACK_BYTES = 8 << 20
+
+
+def manifest_path(checkpoint: Path) -> Path:
+    """Where the manifest of ``checkpoint`` lives (it may not exist)."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.is_dir():
+        return checkpoint / DIR_MANIFEST
+    return checkpoint.with_name(checkpoint.name + SIDECAR_SUFFIX)
+
+
+def build_manifest(kind: str, name: str, files: list[dict], step: int | None,
+                   extra: dict | None) -> dict:
+    now = time.time()
+    manifest = {
+        'format': FORMAT, 'format_version': FORMAT_VERSION, 'kind': kind, 'name': name,
+        'step': step,
+        'created': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now)), 'created_unix': now,
+        'stratagem_version': __version__, 'torch_version': torch.__version__,
+        'python_version': platform.python_version(),
+        'files': files,
+    }
+    manifest.update(extra or {})
+    return manifest
+
+
+def check_extra_manifest(extra: dict | None) -> None:
+    """Precondition for ``extra_manifest``: str keys, not reserved, JSON-serialisable."""
+    if extra is None:
+        return
+    if not isinstance(extra, dict):
+        raise TypeError(f'extra_manifest must be a dict or None, got {type(extra).__name__}')
+    clash = sorted(k for k in extra if k in RESERVED_KEYS)
+    if clash:
+        raise ValueError(f'extra_manifest keys {clash} are reserved by the manifest; '
+                         f'reserved: {sorted(RESERVED_KEYS)}')
+    try:
+        json.dumps(extra, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f'extra_manifest must be JSON-serialisable (str keys, plain values): '
+                        f'{err}') from None
+
+
+def dump_manifest(manifest: dict) -> bytes:
+    return (json.dumps(manifest, indent=1, sort_keys=False) + '\n').encode()
+
+
+def read_manifest(path: Path) -> dict | None:
+    """The manifest at ``path``; None if absent. Raises CheckpointCorruptError if unreadable."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        manifest = json.loads(raw)
+    except ValueError as err:
+        raise CheckpointCorruptError(f'manifest {path} is not valid JSON ({err}); '
+                                     f'the checkpoint it describes cannot be verified') from None
+    if not isinstance(manifest, dict) or manifest.get('format') != FORMAT:
+        raise CheckpointCorruptError(f'{path} is not a stratagem manifest '
+                                     f'(expected "format": "{FORMAT}")')
+    if not isinstance(manifest.get('files'), list) or not all(
+            isinstance(f, dict) and {'path', 'size', 'sha256'} <= f.keys()
+            for f in manifest['files']):
+        raise CheckpointCorruptError(f'manifest {path} has no valid "files" list')
+    return manifest
+
+
+class HashingWriter:
+    """A write-only file object for ``torch.save`` that hashes the bytes as they are written,
+    so the sha256 of a checkpoint costs no second read.
+
+    Small writes (zip headers) are buffered. A large write (a tensor storage) is hashed on
+    ``pool``'s worker while this thread writes it (both release the GIL). Every
+    ``_WRITEBACK_BYTES``, disk writeback of the range written is started (Linux
+    ``sync_file_range``), so the disk works while we hash and serialise the rest and the final
+    fsync only waits for the tail. Measured on 0.8 GB (benchmarks/checkpoint_io.py): without
+    the early writeback, or hashing inline, the save took ~0.3 s longer.
+    """
+
+    def __init__(self, fd: int, pool: ThreadPoolExecutor | None = None) -> None:
+        self._fd = fd
+        self._pool = pool
+        self._buffer = bytearray()
+        self._synced = 0
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.format != 'B' or view.ndim != 1:
+            view = view.cast('B')
+        nbytes = view.nbytes
+        if nbytes >= _SMALL_WRITE_BUFFER:
+            self._flush_buffer()
+            if self._pool is not None:
+                hashed = self._pool.submit(self.sha256.update, view)
+                _write_all(self._fd, view)
+                hashed.result()  # before returning: torch may reuse the memory afterwards
+            else:
+                self.sha256.update(view)
+                _write_all(self._fd, view)
+        else:
+            self.sha256.update(view)
+            self._buffer += view
+            if len(self._buffer) >= _SMALL_WRITE_BUFFER:
+                self._flush_buffer()
+        self.size += nbytes
+        if self.size - self._synced >= _WRITEBACK_BYTES:
+            self._flush_buffer()
+            start_writeback(self._fd, self._synced, self.size - self._synced)
+            self._synced = self.size
+        return nbytes
+
+    def flush(self) -> None:
+        self._flush_buffer()
+
+    def _flush_buffer(self) -> None:
+        if self._buffer:
+            _write_all(self._fd, memoryview(self._buffer))
+            self._buffer = bytearray()
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range = None
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing a range to disk without waiting (a hint; Linux only)."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        _sync_file_range = False
+        if sys.platform.startswith('linux'):
+            name = ctypes.util.find_library('c')
+            func = getattr(ctypes.CDLL(name), 'sync_file_range', None) if name else None
+            if func is not None:
+                func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                func.restype = ctypes.c_int
+                _sync_file_range = func
+    if _sync_file_range:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # errors: hint ignored
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def hash_file(path: Path, pool: ThreadPoolExecutor | None = None) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of ``path``; reads the next chunk while hashing this one."""
+    digest = hashlib.sha256()
+    size = 0
+    buffers = [bytearray(_READ_CHUNK), bytearray(_READ_CHUNK)]
+    own_pool = pool is None
+    pool = pool or ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash')
+    try:
+        with open(path, 'rb', buffering=0) as file:
+            pending = None
+            turn = 0
+            while True:
+                view = memoryview(buffers[turn])
+                count = file.readinto(view)
+                if pending is not None:
+                    pending.result()
+                if not count:
+                    break
+                pending = pool.submit(digest.update, view[:count])
+                size += count
+                turn ^= 1
+    finally:
+        if own_pool:
+            pool.shutdown()
+    return size, digest.hexdigest()
+
+
+# Verified (device, inode, size, mtime_ns) -> sha256. We never modify a committed file in place
+# (a save renames a new inode over it), so this identity changing means the content may have;
+# it lets `find_latest_checkpoint` + `load_checkpoint_file` hash a file once, not twice.
+_VERIFIED: OrderedDict[tuple, str] = OrderedDict()
+_VERIFIED_MAX = 32
+
+
+def _identity(path: Path) -> tuple:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def remember_verified(path: Path, sha256: str) -> None:
+    _VERIFIED[_identity(path)] = sha256
+    _VERIFIED.move_to_end(_identity(path))
+    while len(_VERIFIED) > _VERIFIED_MAX:
+        _VERIFIED.popitem(last=False)
+
+
+def verify_file(path: Path, entry: dict, manifest_file: Path, *, hash_bytes: bool = True) -> None:
+    """Check ``path`` against one ``files`` entry; raise CheckpointCorruptError naming both."""
+    try:
+        identity = _identity(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f'checkpoint file {path} listed in {manifest_file} is missing') \
+            from None
+    size = identity[2]
+    if size != entry['size']:
+        raise CheckpointCorruptError(
+            f'checkpoint {path} is damaged: size is {size} bytes, its manifest {manifest_file} '
+            f'says {entry["size"]} (truncated or overwritten); it was not loaded')
+    if not hash_bytes or _VERIFIED.get(identity) == entry['sha256']:
+        return
+    _, actual = hash_file(path)
+    if actual != entry['sha256']:
+        raise CheckpointCorruptError(
+            f'checkpoint {path} is damaged: sha256 is {actual}, its manifest {manifest_file} '
+            f'says {entry["sha256"]}; it was not loaded')
+    remember_verified(path, actual)
+
+
+def find_manifest(path: Path) -> tuple[dict, dict, Path] | None:
+    """(manifest, the entry for ``path``, manifest file) that covers the file ``path``; None
+    if no manifest does (a foreign checkpoint). Looks at the sidecar, then at the manifest of a
+    directory checkpoint up to three levels above (a shard inside a sharded checkpoint)."""
+    path = Path(path).absolute()
+    sidecar = path.with_name(path.name + SIDECAR_SUFFIX)
+    manifest = read_manifest(sidecar)
+    if manifest is not None:
+        entry = next((f for f in manifest['files'] if f['path'] == path.name), None)
+        if entry is None:
+            raise CheckpointCorruptError(f'manifest {sidecar} does not list {path.name}')
+        return manifest, entry, sidecar
+    for parent in list(path.parents)[:3]:
+        manifest = read_manifest(parent / DIR_MANIFEST)
+        if manifest is not None and manifest.get('kind') == 'directory':
+            rel = path.relative_to(parent).as_posix()
+            entry = next((f for f in manifest['files'] if f['path'] == rel), None)
+            if entry is not None:
+                return manifest, entry, parent / DIR_MANIFEST
+    return None
+
+
+def verify_checkpoint(checkpoint: str | os.PathLike, *, hash_bytes: bool = True) -> dict | None:
+    """Verify a committed checkpoint (file or directory) against its manifest.
+
+    Returns the manifest that the bytes on disk match, or None if ``checkpoint`` has no
+    manifest (foreign: mmengine, plain ``torch.save``). Raises ``FileNotFoundError`` if it does
+    not exist and ``CheckpointCorruptError`` (naming the file, expected vs actual size/sha256)
+    if a byte differs. ``hash_bytes=False`` checks sizes only (no read).
+    """
+    checkpoint = Path(checkpoint).absolute()
+    if not checkpoint.exists():
+        raise FileNotFoundError(f'checkpoint not found: {checkpoint}')
+    if checkpoint.is_dir():
+        mfile = checkpoint / DIR_MANIFEST
+        manifest = read_manifest(mfile)
+        if manifest is None:
+            return None
+        for entry in manifest['files']:
+            verify_file(checkpoint / entry['path'], entry, mfile, hash_bytes=hash_bytes)
+        return manifest
+    found = find_manifest(checkpoint)
+    if found is None:
+        return None
+    manifest, entry, mfile = found
+    try:
+        verify_file(checkpoint, entry, mfile, hash_bytes=hash_bytes)
+        return manifest
+    except CheckpointCorruptError:
+        # A save of the same name died between writing the new manifest and renaming the new
+        # file into place: the old file is intact and matches the manifest it replaces.
+        old = manifest.get('replaces')
+        if not isinstance(old, dict) or not old.get('files'):
+            raise
+        try:
+            verify_file(checkpoint, old['files'][0], mfile, hash_bytes=hash_bytes)
+        except CheckpointCorruptError:
+            pass
+        else:
+            return old
+        raise

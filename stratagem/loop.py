@@ -1,0 +1,279 @@
+"""The reference loop behind ``stratagem train``: small on purpose, not a framework.
+
+It reads ``model``, ``strategy``, ``optim_wrapper``, ``param_scheduler``,
+``train_dataloader``, ``train_cfg`` and ``randomness`` from a config, lets the
+strategy prepare everything, and runs iterations: forward under
+``optim_context``, ``update_params``, schedulers (iteration-based ones every
+iteration, epoch-based ones at epoch ends, as mmengine's ParamSchedulerHook
+does), a progress bar on rank 0, and checkpoints every ``checkpoint_interval``
+iterations and at the end. A resumed run continues from the same sample and the
+same RNG state, so it ends where an uninterrupted run would.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import os.path as osp
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from stratagem import checkpoint as ckpt
+from stratagem.config import Config, check_keys
+from stratagem.registry import DATASETS
+
+_TRAIN_CFG_KEYS = {'max_epochs', 'max_iters', 'checkpoint_interval', 'max_keep_ckpts',
+                   'log_interval', 'by_epoch'}
+_LOADER_KEYS = {'dataset', 'batch_size', 'shuffle', 'num_workers', 'drop_last', 'pin_memory',
+                'collate_fn', 'persistent_workers'}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('config', help='config file (.py, .json, .yaml)')
+    parser.add_argument('--work-dir', help='where logs and checkpoints go (default: the '
+                        "config's work_dir, else work_dirs/<config name>)")
+    parser.add_argument('--resume', nargs='?', const='auto', default=None, metavar='PATH',
+                        help='resume from PATH, or from the latest checkpoint in work_dir')
+    parser.add_argument('--load-from', help='load model weights (not the training state) first')
+    parser.add_argument('--cfg-options', nargs='+', default=[], metavar='KEY=VALUE',
+                        help='override config keys, e.g. optim_wrapper.optimizer.lr=0.01')
+    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default=None,
+                        help='job launcher (default: inferred from the environment)')
+    parser.add_argument('--nproc', type=int, default=1,
+                        help='processes on this machine; > 1 re-launches with torchrun')
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nproc > 1 and 'LOCAL_RANK' not in os.environ:
+        return _relaunch_with_torchrun(args)
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options:
+        from stratagem.config import parse_cfg_options
+        cfg.merge_from_dict(parse_cfg_options(args.cfg_options))
+    if args.work_dir:
+        cfg['work_dir'] = args.work_dir
+    elif 'work_dir' not in cfg:
+        cfg['work_dir'] = osp.join('work_dirs', osp.splitext(osp.basename(args.config))[0])
+    if args.launcher:
+        strategy = dict(cfg.get('strategy') or {'type': 'auto'})
+        strategy['env_kwargs'] = {**dict(strategy.get('env_kwargs') or {}),
+                                  'launcher': args.launcher}
+        cfg['strategy'] = strategy
+    resume: bool | str = False
+    if args.resume == 'auto':
+        resume = True
+    elif args.resume:
+        resume = args.resume
+    train(cfg, resume=resume, load_from=args.load_from)
+    return 0
+
+
+def _relaunch_with_torchrun(args: argparse.Namespace) -> int:
+    """Run this same command in ``args.nproc`` local processes under torchrun."""
+    argv = [a for a in sys.argv[1:]]
+    # drop --nproc N / --nproc=N so the children do not relaunch
+    cleaned, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == '--nproc':
+            skip = True
+            continue
+        if a.startswith('--nproc='):
+            continue
+        cleaned.append(a)
+    if cleaned and cleaned[0] == 'train':
+        cleaned = cleaned[1:]
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone',
+           f'--nproc-per-node={args.nproc}', '-m', 'stratagem', 'train', *cleaned]
+    if '--launcher' not in cleaned:
+        cmd += ['--launcher', 'pytorch']
+    return subprocess.call(cmd)
+
+
+def build_dataset(cfg: Any) -> Dataset:
+    """A Dataset instance as is, a DATASETS cfg, or a zero-argument callable returning one."""
+    if isinstance(cfg, Mapping):
+        return DATASETS.build(cfg)
+    if isinstance(cfg, Dataset):
+        return cfg
+    if callable(cfg):
+        return cfg()
+    raise TypeError('train_dataloader.dataset should be a DATASETS cfg dict, a Dataset or a '
+                    f'callable returning one; got {type(cfg).__name__}')
+
+
+def epoch_length_from_config(cfg: Mapping, world_size: int = 1) -> int | None:
+    """Iterations per epoch of ``cfg.train_dataloader`` (building its dataset), or None."""
+    loader = cfg.get('train_dataloader')
+    if not isinstance(loader, Mapping) or 'dataset' not in loader:
+        return None
+    n = len(build_dataset(loader['dataset']))
+    per_rank = n // world_size if loader.get('drop_last') else math.ceil(n / world_size)
+    batch = int(loader.get('batch_size', 1))
+    return per_rank // batch if loader.get('drop_last') else math.ceil(per_rank / batch)
+
+
+def _parse_loss(output: Any) -> torch.Tensor:
+    """A tensor loss, or the sum of the ``loss*`` entries of a dict (mmengine's convention)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        losses = [v if isinstance(v, torch.Tensor) else sum(v)
+                  for k, v in output.items() if 'loss' in k]
+        if not losses:
+            raise ValueError(f'the model returned a dict without a loss entry: keys '
+                             f'{sorted(output)}; return a tensor or a dict with a "loss" key')
+        return sum(losses)
+    raise TypeError(f'the model should return a loss tensor or a dict of losses in training, '
+                    f'got {type(output).__name__}')
+
+
+def _forward(model: torch.nn.Module, batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                        for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        return model(*[b.to(device) if isinstance(b, torch.Tensor) else b for b in batch])
+    return model(batch.to(device))
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device('cpu')
+
+
+def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str | None = None,
+          progress: bool = True) -> dict[str, Any]:
+    """Train from ``cfg``; returns ``{'strategy', 'losses' (per logged iteration), 'iter'}``."""
+    from stratagem.data import ResumableSampler
+    from stratagem.strategies import build_strategy
+
+    cfg = cfg if isinstance(cfg, Config) else Config(cfg)
+    train_cfg = dict(cfg.get('train_cfg') or {})
+    check_keys(train_cfg, _TRAIN_CFG_KEYS, 'train_cfg')
+    loader_cfg = dict(cfg.train_dataloader)
+    check_keys(loader_cfg, _LOADER_KEYS, 'train_dataloader')
+
+    strategy_cfg = dict(cfg.get('strategy') or {'type': 'auto'})
+    strategy_cfg.setdefault('work_dir', cfg.get('work_dir', 'work_dirs'))
+    env_kwargs = dict(strategy_cfg.get('env_kwargs') or {})
+    if cfg.get('randomness') is not None:
+        env_kwargs.setdefault('randomness', dict(cfg.randomness))
+    strategy_cfg['env_kwargs'] = env_kwargs
+    strategy = build_strategy(strategy_cfg)
+    log = strategy.logger
+
+    dataset = build_dataset(loader_cfg.pop('dataset'))
+    batch_size = int(loader_cfg.pop('batch_size', 1))
+    sampler = ResumableSampler(len(dataset), strategy.rank, strategy.world_size,
+                               shuffle=loader_cfg.pop('shuffle', True), seed=strategy.seed,
+                               drop_last=loader_cfg.get('drop_last', False))
+    # a private generator: creating a loader iterator must not draw from the global RNG,
+    # or a resumed run's random stream would drift from an uninterrupted one
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                        generator=torch.Generator(), **loader_cfg)
+    epoch_length = len(loader)
+    if 'max_iters' in train_cfg:
+        max_iters = int(train_cfg['max_iters'])
+        max_epochs = None
+    elif 'max_epochs' in train_cfg:
+        max_epochs = int(train_cfg['max_epochs'])
+        max_iters = max_epochs * epoch_length
+    else:
+        raise ValueError("train_cfg needs max_epochs or max_iters, e.g. train_cfg=dict("
+                         "max_epochs=4)")
+    prepared = strategy.prepare(
+        cfg.model, optim_wrapper=cfg.optim_wrapper, param_scheduler=cfg.get('param_scheduler'),
+        dispatch_kwargs=dict(max_iters=max_iters, max_epochs=max_epochs,
+                             epoch_length=epoch_length,
+                             train_micro_batch_size_per_gpu=batch_size))
+    model, optim_wrapper = prepared[0], prepared[1]
+    schedulers = prepared[2] if len(prepared) > 2 else []
+    scheduler_list = _flatten(schedulers)
+
+    start_iter = 0
+    checkpoint = strategy.load_or_resume(load_from=load_from, resume=resume)
+    if checkpoint is not None and (resume or isinstance(resume, str)):
+        start_iter = int(checkpoint['meta'].get('iter', 0))
+    interval = int(train_cfg.get('checkpoint_interval', 0) or 0)
+    max_keep = train_cfg.get('max_keep_ckpts')
+    log_interval = max(1, int(train_cfg.get('log_interval', 10)))
+    device = _model_device(model)
+    main = strategy.rank == 0
+    bar = None
+    if progress and main:
+        from tqdm import tqdm
+        bar = tqdm(total=max_iters, initial=start_iter, desc='train', dynamic_ncols=True,
+                   file=sys.stderr, mininterval=0.5)
+    losses: list[tuple[int, float]] = []
+    model.train()
+    it = start_iter
+    t0 = time.perf_counter()
+    data_iter = None
+    loss_sum = torch.zeros((), device=device)
+    last_logged = start_iter
+    redirect = contextlib.nullcontext()
+    if bar is not None:
+        from tqdm.contrib.logging import logging_redirect_tqdm
+        redirect = logging_redirect_tqdm(loggers=[log])  # log lines print above the bar
+    redirect.__enter__()
+    while it < max_iters:
+        epoch, pos = divmod(it, epoch_length)
+        if data_iter is None or pos == 0:
+            sampler.set_epoch(epoch)
+            sampler.skip(pos * batch_size)
+            data_iter = iter(loader)
+        batch = next(data_iter)
+        with optim_wrapper.optim_context(model):
+            loss = _parse_loss(_forward(model, batch, device))
+        optim_wrapper.update_params(loss)
+        loss_sum.add_(loss.detach())  # in place, no host sync: read only when logging
+        for s in scheduler_list:
+            if not s.by_epoch:
+                s.step()
+        it += 1
+        if it % epoch_length == 0:
+            for s in scheduler_list:
+                if s.by_epoch:
+                    s.step()
+        if it % log_interval == 0 or it == max_iters:
+            # mean over the iterations since the last log: the one host sync
+            value = float(loss_sum) / (it - last_logged)
+            loss_sum.zero_()
+            last_logged = it
+            losses.append((it, value))
+            lr = optim_wrapper.get_lr()
+            lr0 = next(iter(lr.values()))[0]
+            if bar is not None:
+                bar.set_postfix(loss=f'{value:.4f}', lr=f'{lr0:.3g}', epoch=epoch)
+            log.info(f'iter {it}/{max_iters} epoch {epoch} loss {value:.4f} lr {lr0:.4g} '
+                     f'{(it - start_iter) / (time.perf_counter() - t0):.1f} it/s')
+        if bar is not None:
+            bar.update(1)
+        if (interval and it % interval == 0) or it == max_iters:
+            path = strategy.save_checkpoint(
+                f'iter_{it}.pth', extra_ckpt={'meta': {'iter': it, 'epoch': it // epoch_length}})
+            if main and max_keep:
+                protect = [strategy.resumed_from] if strategy.resumed_from else []
+                ckpt.apply_retention(strategy.work_dir, int(max_keep), protect=protect)
+            log.debug(f'saved {path}')
+    redirect.__exit__(None, None, None)
+    if bar is not None:
+        bar.close()
+    return {'strategy': strategy, 'losses': losses, 'iter': it}
+
+
+def _flatten(schedulers: Any) -> list:
+    if isinstance(schedulers, Mapping):
+        return [s for v in schedulers.values() for s in v]
+    return list(schedulers or [])

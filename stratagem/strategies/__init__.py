@@ -1,0 +1,40 @@
+"""Training strategies: one backend per file behind ``BaseStrategy``; built by ``build_strategy``."""
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from stratagem.registry import STRATEGIES
+
+from .base import BaseStrategy
+from .ddp import DDPStrategy
+from .single_device import SingleDeviceStrategy
+
+__all__ = ['BaseStrategy', 'SingleDeviceStrategy', 'DDPStrategy', 'build_strategy']
+
+
+def build_strategy(cfg: Mapping | BaseStrategy) -> BaseStrategy:
+    """Build a strategy from ``cfg`` (``type`` a STRATEGIES name, a class, or ``'auto'``).
+
+    ``type='auto'`` (also the default when ``type`` is missing) picks
+    SingleDeviceStrategy for a single process and DDPStrategy when the launch
+    environment (``env_kwargs.launcher`` or the inferred launcher) is distributed.
+    The caller's cfg is not mutated.
+    """
+    if isinstance(cfg, BaseStrategy):
+        return cfg
+    if not isinstance(cfg, Mapping):
+        raise TypeError(f'strategy cfg should be a dict, got {type(cfg).__name__}: {cfg!r}')
+    cfg = copy.deepcopy(dict(cfg))
+    if cfg.get('type', 'auto') == 'auto':
+        cfg['type'] = _auto_strategy(cfg)
+    return STRATEGIES.build(cfg)
+
+
+def _auto_strategy(cfg: Mapping[str, Any]) -> str:
+    from stratagem.env import infer_launcher, is_distributed
+    launcher = (cfg.get('env_kwargs') or {}).get('launcher') or infer_launcher()
+    if launcher == 'none' and not is_distributed():
+        return 'SingleDeviceStrategy'
+    return 'DDPStrategy'

@@ -1,0 +1,569 @@
+"""BaseStrategy: the sequence around a training loop that is not the model's maths.
+
+mmengine's ``BaseStrategy`` API (``mmengine._strategy``) is the contract; the
+work is done by ``env/``, ``optim/``, ``scheduler/`` and ``checkpoint/``.
+
+Construction
+    1. ``_setup_env``: launcher → distributed init (an existing process group is
+       used, not re-created), multiprocessing settings, file-descriptor limit,
+       randomness (seed agreed across ranks), timestamp agreed across ranks.
+    2. the logger (rank-aware; a log file under ``log_dir``).
+
+``prepare(model, optim_wrapper=, param_scheduler=, compile=, dispatch_kwargs=)``
+    1. ``build_model``: a registry cfg or an ``nn.Module``.
+    2. ``_wrap_model``  — **backend hook**: move to the device, convert norms,
+       wrap (DDP, FSDP, ...). Returns the model the loop calls.
+    3. ``compile_model``: ``torch.compile`` of the model or one of its methods.
+    4. ``build_optim_wrapper`` over the wrapped model's parameters, then
+       ``_scale_lr`` once (never again on resume).
+    5. ``initialize_count_status`` when accumulating (needs ``max_iters``).
+    6. ``build_param_scheduler`` (default ``end`` from ``max_epochs``/``max_iters``).
+
+Checkpoint hooks (what a backend overrides)
+    - ``_unwrap_model()``: the plain module behind the backend's wrapper.
+    - ``model_state_dict()`` / ``load_model_state_dict()``: the model's state.
+    - ``optim_state_dict()`` / ``load_optim_state_dict()``: the optimizer's state.
+    - ``_save_checkpoint_files(checkpoint, filename)`` /
+      ``_load_checkpoint_files(filename, map_location)``: the on-disk layout
+      (default: one file written by rank 0 through ``checkpoint.save_checkpoint``).
+    The no-sync context belongs to the optim wrapper (``optim_context``), which
+    uses the wrapped model's ``no_sync`` when it has one.
+
+``save_checkpoint`` (every rank calls it)
+    1. rank 0 picks the file name; it is broadcast. 2. every rank's RNG state
+    (and, mid accumulation window, its partial gradients) is gathered. 3. rank 0
+    writes through ``checkpoint/`` (temp, fsync, manifest, rename, pointer). 4. barrier.
+
+``resume`` restores, in order: model, optimizer (its counters, scaler and
+partial gradients included), schedulers, then every RNG state last.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import os.path as osp
+import time
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem import checkpoint as ckpt
+from stratagem import env
+from stratagem.config import check_keys
+from stratagem.registry import MODELS
+from stratagem.version import __version__
+
+__all__ = ['BaseStrategy']
+
+_ENV_KEYS = {'launcher', 'cudnn_benchmark', 'mp_cfg', 'dist_cfg', 'resource_limit', 'randomness'}
+_RANDOMNESS_KEYS = {'seed', 'deterministic', 'diff_rank_seed'}
+
+
+class BaseStrategy(ABC):
+    """Owns environment, components and checkpoints around any training loop.
+
+    Args:
+        work_dir: Where logs and checkpoints go. Defaults to ``'work_dirs'``.
+        experiment_name: Name of the run; defaults to the (rank-agreed) timestamp.
+        env_kwargs: ``launcher`` ('none' | 'pytorch' | 'slurm' | 'mpi'; default:
+            inferred from the environment), ``cudnn_benchmark`` (bool),
+            ``mp_cfg`` (``setup_multi_processing`` kwargs), ``dist_cfg``
+            (``init_dist`` kwargs, e.g. ``backend``, ``timeout`` in seconds),
+            ``resource_limit`` (RLIMIT_NOFILE soft limit to raise to; default
+            4096), ``randomness`` (``seed``, ``deterministic``, ``diff_rank_seed``).
+        log_kwargs: ``get_logger`` kwargs (``log_level``, ``file_mode``, ...).
+        auto_scale_lr: ``dict(enable=True, base_batch_size=N)`` scales every
+            param group's lr by real batch / N once, at ``prepare``. The real
+            batch is world_size × micro batch × accumulative_counts — unlike
+            mmengine, which ignores gradient accumulation.
+    """
+
+    model: nn.Module
+    optim_wrapper: Any
+    param_schedulers: Any
+
+    def __init__(self, *, work_dir: str = 'work_dirs', experiment_name: str | None = None,
+                 env_kwargs: Mapping | None = None, log_kwargs: Mapping | None = None,
+                 auto_scale_lr: Mapping | None = None) -> None:
+        env_kwargs = dict(env_kwargs or {})
+        check_keys(env_kwargs, _ENV_KEYS, 'env_kwargs')
+        randomness = dict(env_kwargs.get('randomness') or {})
+        check_keys(randomness, _RANDOMNESS_KEYS, 'env_kwargs.randomness')
+        if auto_scale_lr is not None:
+            auto_scale_lr = dict(auto_scale_lr)
+            check_keys(auto_scale_lr, {'enable', 'base_batch_size'}, 'auto_scale_lr')
+        self._work_dir = osp.abspath(work_dir)
+        self._env_kwargs = env_kwargs
+        self._randomness = randomness
+        self._auto_scale_lr = auto_scale_lr
+        self._lr_scaled = False
+        self._prepared = False
+        self.dispatch_kwargs: dict[str, Any] = {}
+        self.resumed_from: str | None = None
+        self._setup_env(**env_kwargs)
+        self._experiment_name = experiment_name or self._timestamp
+        self._log_dir = osp.join(self._work_dir, self._timestamp)
+        self.logger = self._build_logger(**dict(log_kwargs or {}))
+
+    # ---------------------------------------------------------------- environment
+    def _setup_env(self, *, launcher: str | None = None, cudnn_benchmark: bool = False,
+                   mp_cfg: Mapping | None = None, dist_cfg: Mapping | None = None,
+                   resource_limit: int = 4096, randomness: Mapping | None = None) -> None:
+        """Launcher, distributed init, processes/threads, rlimit, seed and timestamp."""
+        self._launcher = launcher or env.infer_launcher()
+        if self._launcher != 'none' or env.is_distributed():
+            env.init_dist(self._launcher, **dict(dist_cfg or {}))
+        self._distributed = env.is_distributed()
+        if cudnn_benchmark:
+            torch.backends.cudnn.benchmark = True
+        env.setup_multi_processing(**dict(mp_cfg or {}), distributed=self._distributed)
+        env.set_resource_limit(resource_limit)
+        self._set_randomness(**self._randomness)
+        self._timestamp = env.broadcast_object(time.strftime('%Y%m%d_%H%M%S'))
+
+    def _set_randomness(self, seed: int | None = None, deterministic: bool = False,
+                        diff_rank_seed: bool = False) -> None:
+        self._seed = env.set_random_seed(seed, deterministic=deterministic,
+                                         diff_rank_seed=diff_rank_seed)
+        self._randomness.update(seed=self._seed)
+
+    def _build_logger(self, **log_kwargs: Any) -> logging.Logger:
+        """The 'stratagem' logger, writing to ``log_dir/<timestamp>.log`` for this run."""
+        if 'log_file' not in log_kwargs:
+            log_kwargs['log_file'] = osp.join(self._log_dir, f'{self._timestamp}.log')
+            # one run, one file: a previous strategy's file handler in this process goes
+            shared = logging.getLogger('stratagem')
+            for handler in list(shared.handlers):
+                if str(getattr(handler, '_stratagem_handler', '')).startswith('file:'):
+                    shared.removeHandler(handler)
+                    handler.close()
+        logger = env.get_logger('stratagem', **log_kwargs)
+        logger.info(f'{type(self).__name__}: launcher {self._launcher}, world size '
+                    f'{env.get_world_size()}, seed {self._seed}, work_dir {self._work_dir}')
+        return logger
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def work_dir(self) -> str:
+        return self._work_dir
+
+    @property
+    def log_dir(self) -> str:
+        return self._log_dir
+
+    @property
+    def experiment_name(self) -> str:
+        return self._experiment_name
+
+    @property
+    def launcher(self) -> str:
+        return self._launcher
+
+    @property
+    def distributed(self) -> bool:
+        return self._distributed
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    @property
+    def rank(self) -> int:
+        return env.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return env.get_world_size()
+
+    @property
+    def timestamp(self) -> str:
+        return self._timestamp
+
+    @property
+    def randomness(self) -> dict:
+        return dict(self._randomness)
+
+    # --------------------------------------------------------------------- prepare
+    def prepare(self, model: nn.Module | Mapping, *, optim_wrapper: Any = None,
+                param_scheduler: Any = None, compile: bool | Mapping = False,
+                dispatch_kwargs: Mapping | None = None) -> Any:
+        """Build and wrap the components; see the module docstring for the sequence.
+
+        Returns the model alone, ``[model, optim_wrapper]``, or
+        ``[model, optim_wrapper, param_schedulers]`` (mmengine's shapes), and
+        keeps them as ``self.model`` / ``self.optim_wrapper`` /
+        ``self.param_schedulers``. A second call returns what the first built.
+
+        ``dispatch_kwargs``: ``max_iters`` / ``max_epochs`` / ``epoch_length``
+        (iterations per epoch) for schedulers and accumulation;
+        ``train_micro_batch_size_per_gpu`` for ``auto_scale_lr``.
+        """
+        if self._prepared:
+            return self._prepared_components()
+        if param_scheduler is not None and optim_wrapper is None:
+            raise ValueError('param_scheduler was given without optim_wrapper: schedulers drive '
+                             "an optimizer's param groups; pass optim_wrapper=dict(optimizer=...)")
+        if dispatch_kwargs is not None:
+            self.dispatch_kwargs.update(dispatch_kwargs)
+        model = self.build_model(model)
+        model = self._wrap_model(model)
+        model = self.compile_model(model, compile=compile)
+        self.model = model
+        if optim_wrapper is not None:
+            self.optim_wrapper = self.build_optim_wrapper(optim_wrapper, model)
+            self._scale_lr()
+            self._initialize_accumulation()
+        if param_scheduler is not None:
+            self.param_schedulers = self.build_param_scheduler(param_scheduler,
+                                                               self.optim_wrapper)
+        self._prepared = True
+        return self._prepared_components()
+
+    def _prepared_components(self) -> Any:
+        if not hasattr(self, 'optim_wrapper'):
+            return self.model
+        if not hasattr(self, 'param_schedulers'):
+            return [self.model, self.optim_wrapper]
+        return [self.model, self.optim_wrapper, self.param_schedulers]
+
+    def build_model(self, model: nn.Module | Mapping) -> nn.Module:
+        """An ``nn.Module`` as is, or one built from a MODELS cfg."""
+        if isinstance(model, nn.Module):
+            return model
+        if isinstance(model, Mapping):
+            built = MODELS.build(model)
+            if not isinstance(built, nn.Module):
+                raise TypeError(f'model cfg {dict(model)!r} built a {type(built).__name__}, '
+                                'not an nn.Module')
+            return built
+        raise TypeError(f'model should be an nn.Module or a MODELS cfg dict, '
+                        f'got {type(model).__name__}')
+
+    @abstractmethod
+    def _wrap_model(self, model: nn.Module) -> nn.Module:
+        """Backend hook: place and wrap ``model``; return what the loop will call."""
+
+    def _unwrap_model(self) -> nn.Module:
+        """Backend hook: the plain module behind the wrapper (default: ``model.module``)."""
+        model = self.model
+        return getattr(model, 'module', model)
+
+    def compile_model(self, model: nn.Module, compile: bool | Mapping = False) -> nn.Module:
+        """``torch.compile`` the model (``compile=True``) or a method of it.
+
+        ``compile=dict(target='forward', **torch.compile kwargs)`` compiles
+        ``model.<target>`` in place (mmengine's semantics); ``False`` does nothing.
+        """
+        if not compile:
+            return model
+        kwargs = {} if compile is True else dict(compile)
+        target = kwargs.pop('target', None)
+        if target is None:
+            return torch.compile(model, **kwargs)
+        func = getattr(model, target, None)
+        if func is None or not callable(func):
+            raise ValueError(f"compile target {target!r} is not a method of "
+                             f'{type(model).__name__}')
+        setattr(model, target, torch.compile(func, **kwargs))
+        return model
+
+    def build_optim_wrapper(self, optim_wrapper: Any, model: nn.Module | None = None) -> Any:
+        """An optim wrapper as is, or one built from a cfg over ``model``'s parameters."""
+        from stratagem.optim import BaseOptimWrapper, OptimWrapperDict, build_optim_wrapper
+        if isinstance(optim_wrapper, (BaseOptimWrapper, OptimWrapperDict)):
+            return optim_wrapper
+        if not isinstance(optim_wrapper, Mapping):
+            raise TypeError('optim_wrapper should be an optim wrapper or a cfg dict, got '
+                            f'{type(optim_wrapper).__name__}')
+        model = self.model if model is None else model
+        return build_optim_wrapper(model, copy.deepcopy(optim_wrapper))
+
+    def _wrappers(self) -> list[Any]:
+        from stratagem.optim import OptimWrapperDict
+        ow = self.optim_wrapper
+        return list(ow.values()) if isinstance(ow, OptimWrapperDict) else [ow]
+
+    def _scale_lr(self) -> None:
+        """Scale every lr by real batch / ``base_batch_size`` once (``auto_scale_lr``).
+
+        Real batch = world_size × ``train_micro_batch_size_per_gpu`` ×
+        accumulative_counts (mmengine leaves accumulation out, which under-scales
+        an accumulating run). Applied once per strategy; a resumed optimizer
+        state already holds the scaled values.
+        """
+        cfg = self._auto_scale_lr
+        if self._lr_scaled or not cfg or not cfg.get('enable', False):
+            return
+        if 'base_batch_size' not in cfg:
+            raise ValueError("auto_scale_lr needs 'base_batch_size' (the batch the lr was tuned "
+                             'for), e.g. auto_scale_lr=dict(enable=True, base_batch_size=256)')
+        micro = self.dispatch_kwargs.get('train_micro_batch_size_per_gpu')
+        if micro is None:
+            raise ValueError("auto_scale_lr needs dispatch_kwargs['train_micro_batch_size_per_gpu']"
+                             ' (the per-process batch size) to compute the real batch size')
+        for wrapper in self._wrappers():
+            acc = getattr(wrapper, '_accumulative_counts', 1)
+            ratio = self.world_size * micro * acc / cfg['base_batch_size']
+            for group in wrapper.param_groups:
+                group['lr'] = group['lr'] * ratio
+        self._lr_scaled = True
+
+    def _initialize_accumulation(self, done_iters: int | None = 0) -> None:
+        """Tell accumulating wrappers where training stands and where it ends (this run's
+        ``max_iters``, which wins over a resumed checkpoint's, so a run can be extended)."""
+        for wrapper in self._wrappers():
+            if getattr(wrapper, '_accumulative_counts', 1) > 1:
+                max_iters = self._max_iters()
+                if max_iters is None:
+                    raise ValueError(
+                        'accumulative_counts > 1 needs the training length to average the last '
+                        "window: pass dispatch_kwargs=dict(max_iters=N) (or max_epochs and "
+                        'epoch_length)')
+                done = wrapper.inner_count if done_iters is None else done_iters
+                wrapper.initialize_count_status(self.model, done, max_iters)
+
+    def _max_iters(self) -> int | None:
+        d = self.dispatch_kwargs
+        if d.get('max_iters') is not None:
+            return int(d['max_iters'])
+        if d.get('max_epochs') is not None and d.get('epoch_length') is not None:
+            return int(d['max_epochs']) * int(d['epoch_length'])
+        return None
+
+    def build_param_scheduler(self, scheduler: Any, optim_wrapper: Any) -> Any:
+        """A list of schedulers (a dict of lists for an OptimWrapperDict) from cfgs.
+
+        A scheduler cfg without ``end`` ends at ``max_epochs`` (by epoch) or
+        ``max_iters`` (by iteration) from ``dispatch_kwargs``.
+        """
+        from stratagem.scheduler import build_param_schedulers
+        d = self.dispatch_kwargs
+        return build_param_schedulers(scheduler, optim_wrapper,
+                                      epoch_length=d.get('epoch_length'),
+                                      max_epochs=d.get('max_epochs'),
+                                      max_iters=d.get('max_iters'))
+
+    # ----------------------------------------------------------------- state dicts
+    def model_state_dict(self) -> dict:
+        """The unwrapped model's state dict (tensors kept on their device)."""
+        return self._unwrap_model().state_dict()
+
+    def optim_state_dict(self) -> dict:
+        """The optim wrapper's state dict (optimizer, counters, scaler)."""
+        return self.optim_wrapper.state_dict()
+
+    def scheduler_state_dict(self) -> list | dict:
+        """Each scheduler's state dict, in the shape ``param_schedulers`` has."""
+        scheds = self.param_schedulers
+        if isinstance(scheds, Mapping):
+            return {k: [s.state_dict() for s in v] for k, v in scheds.items()}
+        return [s.state_dict() for s in scheds]
+
+    def load_model_state_dict(self, state_dict: Mapping, *, strict: bool = False,
+                              revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)
+                              ) -> Any:
+        """Load weights into the unwrapped model; mismatches reported in one message."""
+        state_dict = ckpt.revise_keys(state_dict, list(revise_keys))
+        return ckpt.load_state_dict(self._unwrap_model(), state_dict, strict=strict,
+                                    logger=self.logger)
+
+    def load_optim_state_dict(self, state_dict: Mapping) -> None:
+        self.optim_wrapper.load_state_dict(state_dict)
+
+    def load_scheduler_state_dict(self, state_dict: list | dict) -> None:
+        scheds = self.param_schedulers
+        if isinstance(scheds, Mapping):
+            for name, states in state_dict.items():
+                self._load_scheduler_list(scheds[name], states)
+        else:
+            self._load_scheduler_list(scheds, state_dict)
+
+    @staticmethod
+    def _load_scheduler_list(scheds: Sequence, states: Sequence) -> None:
+        if len(scheds) != len(states):
+            raise ValueError(f'checkpoint holds {len(states)} param scheduler state(s) but '
+                             f'{len(scheds)} scheduler(s) were built; the param_scheduler config '
+                             'changed since the checkpoint was saved')
+        for sched, state in zip(scheds, states):
+            sched.load_state_dict(state)
+
+    # ----------------------------------------------------------------- checkpoints
+    def _resolve_map_location(self, map_location: Any) -> Any:
+        if map_location == 'default':
+            if torch.cuda.is_available():
+                return f'cuda:{torch.cuda.current_device()}'
+            return 'cpu'
+        return map_location
+
+    def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
+        """Backend hook: read a checkpoint (default: one verified file, weights_only)."""
+        return ckpt.load_checkpoint_file(filename, map_location=map_location)
+
+    def load_checkpoint(self, filename: str, *, map_location: Any = 'cpu', strict: bool = False,
+                        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
+                        callback: Callable[[dict], None] | None = None) -> dict:
+        """Load model weights from ``filename``; returns the whole checkpoint dict.
+
+        ``callback(checkpoint)`` runs after reading and before loading, and may
+        edit the dict in place. A checkpoint without ``state_dict`` is treated as
+        a bare state dict.
+        """
+        checkpoint = self._load_checkpoint_files(str(filename),
+                                                 self._resolve_map_location(map_location))
+        if callback is not None:
+            callback(checkpoint)
+        state_dict = checkpoint.get('state_dict', checkpoint)
+        self.load_model_state_dict(state_dict, strict=strict, revise_keys=revise_keys)
+        self.logger.info(f'loaded weights from {filename}')
+        return checkpoint
+
+    def resume(self, filename: str, *, resume_optimizer: bool = True,
+               resume_param_scheduler: bool = True, map_location: Any = 'default',
+               callback: Callable[[dict], None] | None = None) -> dict:
+        """Continue exactly where ``filename`` stopped; returns the checkpoint (``meta`` has iter).
+
+        Restores model, optimizer (with counters, scaler, partial gradients),
+        schedulers, then every rank's RNG state last. Call after ``prepare``.
+        """
+        if not self._prepared:
+            raise RuntimeError('resume() needs the prepared components: call strategy.prepare('
+                               'model, optim_wrapper=..., param_scheduler=...) first')
+        checkpoint = self.load_checkpoint(filename, map_location=map_location, strict=True,
+                                          callback=callback)
+        if resume_optimizer and hasattr(self, 'optim_wrapper'):
+            if 'optimizer' not in checkpoint:
+                raise KeyError(f"{filename} has no 'optimizer' state (saved with "
+                               'save_optimizer=False?); pass resume_optimizer=False to load '
+                               'only the rest')
+            self.load_optim_state_dict(checkpoint['optimizer'])
+            self._load_partial_grads(checkpoint)
+            self._initialize_accumulation(checkpoint['meta'].get('iter'))
+        if resume_param_scheduler and hasattr(self, 'param_schedulers'):
+            if 'param_schedulers' not in checkpoint:
+                raise KeyError(f"{filename} has no 'param_schedulers' state; pass "
+                               'resume_param_scheduler=False to load only the rest')
+            self.load_scheduler_state_dict(checkpoint['param_schedulers'])
+        self._restore_randomness(checkpoint, filename)
+        self.resumed_from = osp.abspath(filename)
+        self.logger.info(f'resumed from {filename} (iter {checkpoint["meta"].get("iter")})')
+        return checkpoint
+
+    def _load_partial_grads(self, checkpoint: Mapping) -> None:
+        grads = checkpoint.get('partial_grads')
+        if not grads:
+            return
+        world = checkpoint['meta'].get('world_size', 1)
+        if world != self.world_size:
+            warnings.warn(f'the checkpoint was taken mid accumulation window with world size '
+                          f'{world}; this run has {self.world_size}, so the partial gradients '
+                          'are dropped and the window restarts', stacklevel=3)
+            return
+        self.optim_wrapper.load_grad_state_dict(grads[self.rank])
+
+    def _restore_randomness(self, checkpoint: Mapping, filename: str) -> None:
+        meta = checkpoint.get('meta', {})
+        states = checkpoint.get('rng_states')
+        world = meta.get('world_size', 1)
+        if states and world == self.world_size:
+            self._seed = meta.get('seed', self._seed)
+            self._randomness.update(seed=self._seed)
+            env.set_rng_state(states[self.rank])
+            return
+        seed = meta.get('seed', self._seed)
+        if states:
+            warnings.warn(f'{filename} was saved with world size {world}, this run has '
+                          f'{self.world_size}: per-rank RNG streams cannot be restored, so every '
+                          f'rank is re-seeded from seed {seed}', stacklevel=3)
+        self._set_randomness(**{**self._randomness, 'seed': seed})
+
+    def load_or_resume(self, load_from: str | None = None, resume: bool | str = False) -> dict | None:
+        """mmengine's runner logic: resume (latest in work_dir, or a path) or just load weights.
+
+        ``resume=True`` with no ``load_from`` resumes from the newest committed
+        checkpoint in ``work_dir`` (none found: starts fresh, with a log line);
+        ``resume='path'`` or ``resume=True`` with ``load_from`` resumes from that
+        file; ``load_from`` alone loads weights only. Returns the checkpoint or None.
+        """
+        if isinstance(resume, str):
+            return self.resume(resume)
+        if resume and load_from is None:
+            latest = ckpt.find_latest_checkpoint(self._work_dir)
+            if latest is None:
+                self.logger.info(f'no checkpoint in {self._work_dir} to resume from; '
+                                 'training starts from scratch')
+                return None
+            return self.resume(str(latest))
+        if resume:
+            return self.resume(load_from)
+        if load_from is not None:
+            return self.load_checkpoint(load_from)
+        return None
+
+    def _meta(self, extra_meta: Mapping | None) -> dict:
+        meta = {'seed': self._seed, 'time': time.strftime('%Y%m%d_%H%M%S'),
+                'experiment_name': self._experiment_name, 'world_size': self.world_size,
+                'strategy': type(self).__name__, 'stratagem_version': __version__,
+                'torch_version': str(torch.__version__), 'auto_scale_lr_applied': self._lr_scaled}
+        meta.update(extra_meta or {})
+        return meta
+
+    def save_checkpoint(self, filename: str, *, save_optimizer: bool = True,
+                        save_param_scheduler: bool = True, extra_ckpt: Mapping | None = None,
+                        callback: Callable[[dict], None] | None = None) -> str:
+        """Save model (+ optimizer, schedulers, RNG states) atomically; every rank calls it.
+
+        ``filename`` is a path; relative paths are under ``work_dir``.
+        ``extra_ckpt['meta']`` (e.g. ``iter``/``epoch``) merges into ``meta``;
+        other ``extra_ckpt`` keys are stored as they are (tensors and plain values
+        only). ``callback(checkpoint)`` may edit the dict before it is written.
+        Returns the final path.
+        """
+        extra = dict(extra_ckpt or {})
+        path = filename if osp.isabs(filename) else osp.join(self._work_dir, filename)
+        path = env.broadcast_object(osp.abspath(path))
+        checkpoint: dict[str, Any] = {'meta': self._meta(extra.pop('meta', None)),
+                                      'state_dict': self.model_state_dict()}
+        has_optim = hasattr(self, 'optim_wrapper')
+        if save_optimizer and has_optim:
+            checkpoint['optimizer'] = self.optim_state_dict()
+            # mid accumulation window under no_sync, each rank holds its own partial
+            # gradients; the optimizer state carries only this rank's, so gather them all
+            if self.world_size > 1 and hasattr(self.optim_wrapper, 'grad_state_dict'):
+                grads = self.optim_wrapper.grad_state_dict()
+                gathered = env.all_gather_object(grads if grads['grads'] else None)
+                if any(g is not None for g in gathered):
+                    checkpoint['partial_grads'] = gathered
+        if save_param_scheduler and hasattr(self, 'param_schedulers'):
+            checkpoint['param_schedulers'] = self.scheduler_state_dict()
+        checkpoint['rng_states'] = env.all_gather_object(env.get_rng_state())
+        checkpoint.update(extra)
+        if callback is not None:
+            callback(checkpoint)
+        self._save_checkpoint_files(checkpoint, path)
+        env.barrier()
+        return path
+
+    def _save_checkpoint_files(self, checkpoint: dict, filename: str) -> None:
+        """Backend hook: write ``checkpoint`` (default: rank 0 writes one atomic file)."""
+        if env.is_main_process():
+            ckpt.save_checkpoint(checkpoint, filename, step=checkpoint['meta'].get('iter'),
+                                 extra_manifest={'world_size': self.world_size,
+                                                 'strategy': type(self).__name__})
+
+    def collect_env(self) -> dict:
+        """The environment (python, torch, CUDA, extras) plus this strategy's settings."""
+        info = dict(env.collect_env())
+        info.update({'launcher': self._launcher, 'distributed': self._distributed,
+                     'world_size': self.world_size, 'seed': self._seed,
+                     'deterministic': self._randomness.get('deterministic', False)})
+        return info
+
+    def __repr__(self) -> str:
+        return (f'{type(self).__name__}(work_dir={self._work_dir!r}, launcher={self._launcher!r}, '
+                f'world_size={self.world_size}, seed={self._seed})')
+

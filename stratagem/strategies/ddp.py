@@ -1,0 +1,85 @@
+"""DDPStrategy: torch DistributedDataParallel over gloo (CPU) or nccl (CUDA)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from stratagem import env
+from stratagem.registry import STRATEGIES
+
+from .base import BaseStrategy
+from .sync_bn import convert_sync_batchnorm
+
+_DDP_TYPES = ('DistributedDataParallel', 'MMDistributedDataParallel')
+
+
+@STRATEGIES.register_module()
+class DDPStrategy(BaseStrategy):
+    """Data-parallel training with torch ``DistributedDataParallel``.
+
+    Works on a CPU-only machine (gloo, no CUDA call) — mmengine's DDPStrategy
+    calls ``torch.cuda.set_device`` and fails there.
+
+    Args:
+        model_wrapper: kwargs for ``DistributedDataParallel``
+            (``find_unused_parameters``, ``broadcast_buffers``, ``bucket_cap_mb``,
+            ``gradient_as_bucket_view``, ``static_graph``, ...). An mmengine-style
+            ``type='MMDistributedDataParallel'`` is accepted and means the same.
+            ``device_ids`` is set for you on CUDA and must not be given on CPU.
+        sync_bn: ``'torch'`` converts BatchNorm layers to torch's SyncBatchNorm on
+            CUDA and to :class:`~stratagem.strategies.sync_bn.CPUSyncBatchNorm` on CPU
+            (torch's refuses CPU tensors).
+        **kwargs: BaseStrategy's (``work_dir``, ``env_kwargs``, ...). The launcher
+            defaults to the inferred one, else ``'pytorch'``.
+    """
+
+    def __init__(self, *, model_wrapper: Mapping | None = None, sync_bn: str | None = None,
+                 **kwargs: Any) -> None:
+        wrapper = dict(model_wrapper or {})
+        wrapper_type = wrapper.pop('type', 'DistributedDataParallel')
+        if wrapper_type not in _DDP_TYPES:
+            raise ValueError(f'DDPStrategy: model_wrapper type {wrapper_type!r} is not supported;'
+                             f' use one of {list(_DDP_TYPES)} (or leave type out)')
+        if sync_bn not in (None, 'torch'):
+            raise ValueError(f"DDPStrategy: sync_bn={sync_bn!r} is not supported; use 'torch' "
+                             'or None')
+        self.model_wrapper = wrapper
+        self.sync_bn = sync_bn
+        env_kwargs = dict(kwargs.pop('env_kwargs', None) or {})
+        if env_kwargs.get('launcher') in (None, 'none') and not env.is_distributed():
+            inferred = env.infer_launcher()
+            if inferred == 'none':
+                raise RuntimeError(
+                    'DDPStrategy needs a distributed launch: start with torchrun (or '
+                    '`stratagem train CONFIG --nproc N`), slurm or mpirun, or initialise '
+                    'torch.distributed yourself before building the strategy')
+            env_kwargs['launcher'] = inferred
+        super().__init__(env_kwargs=env_kwargs, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device('cuda', env.get_local_rank())
+        return torch.device('cpu')
+
+    def _wrap_model(self, model: nn.Module) -> nn.Module:
+        if self.sync_bn == 'torch':
+            model, n = convert_sync_batchnorm(model, self.device.type)
+            self.logger.info(f'DDPStrategy: {n} BatchNorm layer(s) synchronised across ranks'
+                             + ('' if self.device.type == 'cuda' else ' (CPUSyncBatchNorm)'))
+        model = model.to(self.device)
+        kwargs = dict(self.model_wrapper)
+        if self.device.type == 'cuda':
+            kwargs.setdefault('device_ids', [self.device.index])
+        elif kwargs.get('device_ids'):
+            raise ValueError(f"DDPStrategy: model_wrapper.device_ids={kwargs['device_ids']} "
+                             'only applies to CUDA; remove it on CPU')
+        return DistributedDataParallel(model, **kwargs)
+
+    def _unwrap_model(self) -> nn.Module:
+        model = getattr(self.model, '_orig_mod', self.model)
+        return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,84 @@
+"""SyncBatchNorm for CPU processes (gloo), where torch's SyncBatchNorm refuses to run.
+
+torch's ``nn.SyncBatchNorm`` raises "SyncBatchNorm layers only work with GPU
+modules" on CPU. :class:`CPUSyncBatchNorm` computes the same statistics —
+batch mean and variance over every rank's samples — with a differentiable
+all-reduce of (count, sum, sum of squares), so gradients flow through the
+global statistics exactly as in torch's CUDA kernel.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
+from torch.nn import functional as F
+
+
+class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """Batch norm whose training statistics span all ranks (any input rank >= 2, channels dim 1)."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f'expected at least 2D input (got {input.dim()}D input)')
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        use_batch_stats = self.training or not self.track_running_stats
+        if not use_batch_stats or not (dist.is_available() and dist.is_initialized()):
+            return super().forward(input)
+        dims = [0] + list(range(2, input.dim()))
+        x = input.float()
+        count = torch.tensor([input.numel() / input.shape[1]], dtype=torch.float32)
+        stats = torch.cat([count, x.sum(dims), (x * x).sum(dims)])
+        stats = differentiable_all_reduce(stats)
+        n = stats[0]
+        c = self.num_features
+        mean = stats[1:1 + c] / n
+        var = (stats[1 + c:] / n - mean * mean).clamp_min(0)
+        if self.training and self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                            else self.momentum)
+                unbiased = var * (n / (n - 1).clamp_min(1))
+                self.running_mean.mul_(1 - momentum).add_(mean * momentum)
+                self.running_var.mul_(1 - momentum).add_(unbiased * momentum)
+        shape = [1, c] + [1] * (input.dim() - 2)
+        out = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out.to(input.dtype)
+
+
+def convert_sync_batchnorm(module: nn.Module, device_type: str) -> tuple[nn.Module, int]:
+    """BatchNorm layers → torch SyncBatchNorm on CUDA, :class:`CPUSyncBatchNorm` otherwise.
+
+    Returns the converted module and the number of layers converted. State
+    (affine parameters, running statistics) is carried over.
+    """
+    if device_type == 'cuda':
+        converted = nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        return converted, sum(isinstance(m, nn.SyncBatchNorm) for m in converted.modules())
+    return _convert_cpu(module)
+
+
+def _convert_cpu(module: nn.Module) -> tuple[nn.Module, int]:
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
+            module, CPUSyncBatchNorm):
+        new = CPUSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                               module.track_running_stats)
+        if module.affine:
+            new.weight, new.bias = module.weight, module.bias
+        if module.track_running_stats:
+            new.running_mean, new.running_var = module.running_mean, module.running_var
+            new.num_batches_tracked = module.num_batches_tracked
+        new.training = module.training
+        return new, 1
+    count = 0
+    for name, child in module.named_children():
+        new_child, n = _convert_cpu(child)
+        if new_child is not child:
+            setattr(module, name, new_child)
+        count += n
+    return module, count

@@ -1,0 +1,70 @@
+"""Fault-injection helper: a zygote that forks writer children for the test to SIGKILL.
+
+Importing torch takes seconds, so the zygote imports it once and forks a child per round.
+Protocol on stdin/stdout, one line each:
+    "go BASE" -> fork a child that saves forever with counters BASE, BASE+1, ...; reply its pid
+    "reap"    -> wait for that child; reply "reaped SIGNAL EXITCODE"
+    "exit"    -> quit
+A child saves ``iter_{c}.pth`` (step c) every round, also overwrites ``latest.pth`` every third
+round, then keeps the newest 3 ``iter_*`` checkpoints. Every tensor holds the value c.
+"""
+import os
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+from stratagem.checkpoint import apply_retention, save_checkpoint  # noqa: E402
+
+NUMEL = 1 << 18  # 1 MiB of float32 per tensor, 4 tensors + momentum: ~6 MiB per file
+
+
+def state(counter: int) -> dict:
+    value = float(counter)
+    return {
+        'meta': {'counter': counter, 'note': 'x' * 100},
+        'state_dict': {f'layer{i}.weight': torch.full((NUMEL,), value) for i in range(4)},
+        'optimizer': {'state': {0: {'momentum_buffer': torch.full((NUMEL // 2,), value)}},
+                      'param_groups': [{'lr': 0.1, 'params': [0]}]},
+    }
+
+
+def child(directory: str, base: int) -> None:
+    counter = base
+    try:
+        while True:
+            save_checkpoint(state(counter), os.path.join(directory, f'iter_{counter}.pth'),
+                            step=counter)
+            if counter % 3 == 0:
+                save_checkpoint(state(counter), os.path.join(directory, 'latest.pth'),
+                                step=counter)
+            apply_retention(directory, 3, pattern='iter_*.pth')
+            counter += 1
+    except BaseException as err:  # never reached under SIGKILL: report and fail the round
+        print(f'child error: {err!r}', file=sys.stderr, flush=True)
+        os._exit(3)
+
+
+def main() -> None:
+    directory = sys.argv[1]
+    pid = None
+    print('ready', flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == 'go':
+            pid = os.fork()
+            if pid == 0:
+                child(directory, int(cmd[1]))
+            print(pid, flush=True)
+        elif cmd[0] == 'reap':
+            _, status = os.waitpid(pid, 0)
+            signal = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -1
+            print(f'reaped {signal} {code}', flush=True)
+        elif cmd[0] == 'exit':
+            return
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,177 @@
+"""save_checkpoint / commit_directory: round trip, manifest, validation, atomic replace."""
+import json
+import os
+
+import pytest
+import torch
+
+from stratagem.checkpoint import (POINTER_NAME, commit_directory, finalize_directory,
+                                  load_checkpoint_file, manifest_path, new_staging_dir,
+                                  save_checkpoint, verify_checkpoint)
+from stratagem.checkpoint.manifest import hash_file
+from stratagem.version import __version__
+
+from conftest import make_state
+
+
+def _assert_same(a, b):
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            _assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_round_trip_equal(tmp_path, state):
+    path = save_checkpoint(state, tmp_path / 'epoch_3.pth', step=3)
+    assert path == (tmp_path / 'epoch_3.pth').absolute()
+    for mmap in (None, False):
+        loaded = load_checkpoint_file(path, mmap=mmap)
+        _assert_same(state, loaded)
+    # a plain torch.load reads it too: the file is an ordinary torch.save archive
+    _assert_same(state, torch.load(path, weights_only=True))
+
+
+def test_manifest_content(tmp_path, state):
+    path = save_checkpoint(state, tmp_path / 'iter_120.pth', step=120,
+                           extra_manifest={'world_size': 4, 'strategy': 'DDPStrategy'})
+    sidecar = tmp_path / 'iter_120.pth.manifest.json'
+    assert manifest_path(path) == sidecar
+    manifest = json.loads(sidecar.read_text())
+    size, sha = hash_file(path)
+    assert manifest['format'] == 'stratagem-checkpoint' and manifest['format_version'] == 1
+    assert manifest['kind'] == 'file' and manifest['name'] == 'iter_120.pth'
+    assert manifest['files'] == [{'path': 'iter_120.pth', 'size': size, 'sha256': sha}]
+    assert size == os.path.getsize(path)
+    assert manifest['step'] == 120
+    assert manifest['world_size'] == 4 and manifest['strategy'] == 'DDPStrategy'
+    assert manifest['stratagem_version'] == __version__
+    assert manifest['torch_version'] == torch.__version__
+    assert 'replaces' not in manifest
+    assert (tmp_path / POINTER_NAME).read_text() == str(path)
+    assert verify_checkpoint(path) == manifest
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [POINTER_NAME, 'iter_120.pth', 'iter_120.pth.manifest.json'])  # no temp left
+
+
+def test_bad_content_fails_before_writing(tmp_path, state):
+    good = save_checkpoint(state, tmp_path / 'a.pth', step=1)
+    before = sorted(os.listdir(tmp_path))
+    bad = make_state()
+    bad['meta']['cfg'] = {'fn': lambda x: x}
+    with pytest.raises(TypeError, match=r"checkpoint\['meta'\]\['cfg'\]\['fn'\] is a function"
+                                        r".*weights_only=True"):
+        save_checkpoint(bad, tmp_path / 'a.pth', step=2)
+    assert sorted(os.listdir(tmp_path)) == before
+    assert verify_checkpoint(good)['step'] == 1
+
+
+@pytest.mark.parametrize('value, fragment', [
+    (torch.nn.Linear(2, 2), 'state_dict()'),
+    (__import__('collections').defaultdict(list), 'plain dict'),
+    (frozenset([1]), 'frozenset'),
+    (object(), 'builtins.object'),
+])
+def test_bad_values_named(tmp_path, value, fragment):
+    with pytest.raises(TypeError, match=r"checkpoint\['x'\]\[1\]") as info:
+        save_checkpoint({'x': [0, value]}, tmp_path / 'a.pth')
+    assert fragment in str(info.value)
+    assert not any(tmp_path.iterdir())
+
+
+def test_bad_arguments(tmp_path, state):
+    with pytest.raises(ValueError, match='reserved'):
+        save_checkpoint(state, tmp_path / 'a.pth', extra_manifest={'step': 1})
+    with pytest.raises(TypeError, match='JSON'):
+        save_checkpoint(state, tmp_path / 'a.pth', extra_manifest={'x': object()})
+    with pytest.raises(TypeError, match='step'):
+        save_checkpoint(state, tmp_path / 'a.pth', step=-1)
+    with pytest.raises(ValueError, match='reserved'):
+        save_checkpoint(state, tmp_path / POINTER_NAME)
+    with pytest.raises(TypeError, match='dict'):
+        save_checkpoint([1], tmp_path / 'a.pth')
+    assert not any(tmp_path.iterdir())
+
+
+def test_same_name_replace(tmp_path):
+    path = save_checkpoint(make_state(1.0), tmp_path / 'latest.pth', step=1)
+    save_checkpoint(make_state(2.0), path, step=2)
+    manifest = verify_checkpoint(path)
+    assert manifest['step'] == 2 and 'replaces' not in manifest
+    assert load_checkpoint_file(path)['state_dict']['fc.bias'][0].item() == 2.0
+
+
+def test_same_name_crash_window_keeps_old_verifiable(tmp_path, monkeypatch):
+    """Die after the new manifest is in place but before the rename: the old file verifies."""
+    path = save_checkpoint(make_state(1.0), tmp_path / 'latest.pth', step=1)
+
+    def die(src, dst):
+        raise KeyboardInterrupt('simulated crash')
+
+    real_replace = os.replace
+    monkeypatch.setattr(os, 'replace',
+                        lambda s, d: die(s, d) if str(d) == str(path) else real_replace(s, d))
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(make_state(2.0), path, step=2)
+    monkeypatch.undo()
+    manifest = json.loads((tmp_path / 'latest.pth.manifest.json').read_text())
+    assert manifest['step'] == 2 and manifest['replaces']['step'] == 1
+    assert verify_checkpoint(path)['step'] == 1
+    assert load_checkpoint_file(path)['state_dict']['fc.bias'][0].item() == 1.0
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith('.')] == []
+
+
+def test_commit_directory(tmp_path, state):
+    final = tmp_path / 'iter_10'
+    with commit_directory(final, step=10, extra_manifest={'world_size': 2}) as staging:
+        assert staging.parent == tmp_path and staging.name.startswith('.iter_10.tmp-')
+        assert not final.exists()
+        for rank in range(2):
+            torch.save(make_state(float(rank)), staging / f'rank{rank}.pt')
+        (staging / 'sub').mkdir()
+        (staging / 'sub' / 'meta.txt').write_text('x')
+    manifest = verify_checkpoint(final)
+    assert manifest['kind'] == 'directory' and manifest['world_size'] == 2
+    assert [f['path'] for f in manifest['files']] == ['rank0.pt', 'rank1.pt', 'sub/meta.txt']
+    assert (tmp_path / POINTER_NAME).read_text() == str(final)
+    # a shard verifies against the directory manifest entry
+    assert load_checkpoint_file(final / 'rank1.pt')['state_dict']['fc.bias'][0].item() == 1.0
+    # overwrite the same directory atomically
+    staging = new_staging_dir(final)
+    torch.save(make_state(5.0), staging / 'rank0.pt')
+    finalize_directory(staging, final, step=11)
+    assert verify_checkpoint(final)['step'] == 11
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['iter_10', POINTER_NAME]
+
+
+def test_commit_directory_failure_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError, match='boom'):
+        with commit_directory(tmp_path / 'iter_1', step=1) as staging:
+            (staging / 'x.pt').write_bytes(b'x')
+            raise RuntimeError('boom')
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match='empty'):
+        with commit_directory(tmp_path / 'iter_1', step=1):
+            pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_zip_crc32_option_and_restore(tmp_path, state):
+    import zipfile
+    before = torch.serialization.get_crc32_options()
+    fast = save_checkpoint(state, tmp_path / 'fast.pth', zip_crc32=False)
+    assert torch.serialization.get_crc32_options() == before  # the global is restored
+    full = save_checkpoint(state, tmp_path / 'full.pth')  # default: valid zip CRCs
+    with zipfile.ZipFile(full) as archive:
+        assert archive.testzip() is None  # valid CRCs for zip tools
+    with zipfile.ZipFile(fast) as archive:
+        assert any(name.endswith('data.pkl') for name in archive.namelist())
+    _assert_same(torch.load(fast, weights_only=True), torch.load(full, weights_only=True))

@@ -1,0 +1,92 @@
+"""apply_retention: keep the newest N and the protected, delete only what we wrote."""
+import os
+import time
+
+import pytest
+import torch
+
+from stratagem.checkpoint import (POINTER_NAME, apply_retention, commit_directory,
+                                  list_checkpoints, save_checkpoint)
+
+from conftest import make_state
+
+
+def _save(directory, step, name=None, **kwargs):
+    return save_checkpoint(make_state(float(step), size=4), directory / (name or f'epoch_{step}.pth'),
+                           step=step, **kwargs)
+
+
+def test_keeps_newest_n_and_protected(tmp_path):
+    paths = [_save(tmp_path, s) for s in range(1, 7)]
+    foreign = tmp_path / 'epoch_0.pth'  # mmengine's, no manifest: never ours to delete
+    torch.save({'x': 1}, foreign)
+    (tmp_path / 'notes.txt').write_text('keep me')
+    removed = apply_retention(tmp_path, 2, protect=[paths[1]])
+    assert sorted(removed) == sorted([paths[0], paths[2], paths[3]])
+    names = sorted(os.listdir(tmp_path))
+    assert names == sorted([POINTER_NAME, 'epoch_0.pth', 'notes.txt',
+                            'epoch_2.pth', 'epoch_2.pth.manifest.json',
+                            'epoch_5.pth', 'epoch_5.pth.manifest.json',
+                            'epoch_6.pth', 'epoch_6.pth.manifest.json'])
+
+
+def test_keep_all_and_bad_argument(tmp_path):
+    paths = [_save(tmp_path, s) for s in range(1, 4)]
+    assert apply_retention(tmp_path, -1) == []
+    assert apply_retention(tmp_path, 0) == []
+    assert [c.path for c in list_checkpoints(tmp_path)] == paths[::-1]
+    with pytest.raises(TypeError, match='max_keep_ckpts'):
+        apply_retention(tmp_path, 2.0)
+    with pytest.raises(NotADirectoryError):
+        apply_retention(tmp_path / 'absent', 2)
+
+
+def test_never_the_pointed_one(tmp_path):
+    paths = [_save(tmp_path, s) for s in range(1, 5)]
+    (tmp_path / POINTER_NAME).write_text(str(paths[0]))  # e.g. a resume target
+    removed = apply_retention(tmp_path, 1)
+    assert sorted(removed) == sorted(paths[1:3])
+    assert paths[0].exists() and paths[3].exists()
+
+
+def test_pattern_limits_the_series(tmp_path):
+    best = _save(tmp_path, 1, name='best_acc_1.pth')
+    paths = [_save(tmp_path, s) for s in range(2, 5)]
+    removed = apply_retention(tmp_path, 1, pattern='epoch_*.pth')
+    assert sorted(removed) == sorted(paths[:2]) and best.exists()
+
+
+def test_directory_checkpoints(tmp_path):
+    for step in range(1, 4):
+        with commit_directory(tmp_path / f'iter_{step}', step=step) as staging:
+            (staging / 'shard0.pt').write_bytes(b'x' * step)
+    removed = apply_retention(tmp_path, 1)
+    assert sorted(p.name for p in removed) == ['iter_1', 'iter_2']
+    assert sorted(os.listdir(tmp_path)) == ['iter_3', POINTER_NAME]
+
+
+def test_removes_only_our_stale_debris(tmp_path):
+    old = time.time() - 3600
+    debris = [tmp_path / '.epoch_9.pth.tmp-999999-0123abcd',  # a crashed save's temp file
+              tmp_path / '.last_checkpoint.tmp-999999-89abcdef',
+              tmp_path / '.iter_9.tmp-999999-deadbeef']        # a crashed staging dir
+    debris[0].write_bytes(b'partial')
+    debris[1].write_bytes(b'/x')
+    debris[2].mkdir()
+    (debris[2] / 'shard.pt').write_bytes(b'partial')
+    orphan = tmp_path / 'epoch_8.pth.manifest.json'  # manifest written, file never renamed
+    keep = [tmp_path / '.epoch_9.pth.tmp-abc-0123abcd',  # not our pattern
+            tmp_path / '.hidden', tmp_path / f'.epoch_7.pth.tmp-{os.getpid()}-0123abcd',
+            tmp_path / 'x.manifest.json']  # not a stratagem manifest
+    for path in keep:
+        path.write_bytes(b'{}')
+    fresh = tmp_path / '.epoch_10.pth.tmp-999998-00000000'  # newer than the last commit
+    paths = [_save(tmp_path, s) for s in (1, 2)]
+    os.replace(paths[0].with_name(paths[0].name + '.manifest.json'), orphan)
+    for path in debris + keep + [orphan]:
+        os.utime(path, (old, old))
+    fresh.write_bytes(b'in flight')
+    removed = apply_retention(tmp_path, 5)
+    assert sorted(removed) == sorted(debris + [orphan])
+    assert all(p.exists() for p in keep + [fresh, paths[1]])
+    assert paths[0].exists()  # lost its manifest: not ours any more, so not deleted

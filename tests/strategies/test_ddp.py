@@ -1,0 +1,265 @@
+"""DDPStrategy on 2 gloo processes (CPU): equivalence, no_sync, sync_bn, exact resume across ranks.
+
+Processes are started twice for the whole module: once for the checks and the first half of
+a run, once to resume it in new processes.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dist_harness import RankFailure, run_distributed  # noqa: E402
+
+from stratagem.strategies import SingleDeviceStrategy  # noqa: E402
+
+MAX_ITERS = 10
+STOP = 5  # mid accumulation window (windows of 3: [0,3), [3,6), ...)
+
+
+def _net(dropout: float = 0.0) -> nn.Module:
+    layers = [nn.Linear(6, 16), nn.ReLU()]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    return nn.Sequential(*layers, nn.Linear(16, 2))
+
+
+def _strategy(work_dir, **kwargs):
+    from stratagem.strategies import build_strategy
+    kwargs.setdefault('env_kwargs', dict(randomness=dict(seed=11)))
+    return build_strategy(dict(type='auto', work_dir=str(work_dir), **kwargs))
+
+
+def _resume_run(work_dir, stop, resume=None):
+    """Accumulation 3, dropout, per-rank seeds, per-rank batches from the global RNG."""
+    from torch.nn import functional as F
+    s = _strategy(work_dir, env_kwargs=dict(randomness=dict(seed=5, diff_rank_seed=True)))
+    model, ow, scheds = s.prepare(
+        _net(dropout=0.25),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
+                           accumulative_counts=3, clip_grad=dict(type='norm', max_norm=1.0)),
+        param_scheduler=[dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=4),
+                         dict(type='CosineAnnealingLR', by_epoch=False, begin=4, T_max=6)],
+        dispatch_kwargs=dict(max_iters=MAX_ITERS))
+    start = s.resume(resume)['meta']['iter'] if resume else 0
+    for _ in range(start, stop):
+        x, y = torch.randn(4, 6), torch.randint(2, (4,))
+        with ow.optim_context(model):
+            loss = F.cross_entropy(model(x), y)
+        ow.update_params(loss)
+        for sch in scheds:
+            sch.step()
+    path = None
+    if stop < MAX_ITERS:
+        path = s.save_checkpoint(f'iter_{stop}.pth', extra_ckpt={'meta': {'iter': stop}})
+    return {k: v.clone() for k, v in s.model.module.state_dict().items()}, torch.rand(3), path
+
+
+def _checks(tmp):
+    """Runs in each of 2 ranks; returns a dict of measured values."""
+    import torch.distributed as dist
+    from torch.nn import functional as F
+    from stratagem import env
+    from stratagem.strategies import DDPStrategy
+    out = {}
+    # -- 1. DDP training equals one process on the concatenated batch
+    s = _strategy(os.path.join(tmp, 'eq'))
+    out['type'] = type(s).__name__
+    out['seed'], out['timestamp'] = s.seed, s.timestamp
+    rank, world = s.rank, s.world_size
+    torch.manual_seed(0)
+    ref = _net()
+    init = {k: v.clone() for k, v in ref.state_dict().items()}
+    model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.5,
+                                                                     momentum=0.9)))
+    s.model.module.load_state_dict(init)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(8, 6, generator=g), torch.randint(2, (8,), generator=g)
+        half = slice(rank * 4, rank * 4 + 4)
+        with ow.optim_context(model):
+            loss = F.cross_entropy(model(x[half]), y[half])
+        ow.update_params(loss)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    out['max_diff'] = max((a - b).abs().max().item() for a, b in
+                          zip(s.model.module.parameters(), ref.parameters()))
+
+    # -- 2. no_sync accumulation: one all-reduce per update iteration
+    s2 = _strategy(os.path.join(tmp, 'acc'), model_wrapper=dict(bucket_cap_mb=100))
+    model, ow = s2.prepare(_net(), optim_wrapper=dict(
+        optimizer=dict(type='SGD', lr=0.1), accumulative_counts=2),
+        dispatch_kwargs=dict(max_iters=6))
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(1)
+        fut = dist.all_reduce(bucket.buffer().div_(world), async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    model.register_comm_hook(None, counting_hook)
+    per_iter = []
+    for _ in range(6):
+        before = len(calls)
+        with ow.optim_context(model):
+            loss = model(torch.randn(3, 6)).sum()
+        ow.update_params(loss)
+        per_iter.append(len(calls) - before)
+    out['allreduce_per_iter'] = per_iter
+
+    # -- 3. sync_bn: statistics over both ranks' data
+    s3 = DDPStrategy(work_dir=os.path.join(tmp, 'bn'), sync_bn='torch')
+    bn_model = s3.prepare(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+    out['sync_bn_type'] = type(s3.model.module[1]).__name__
+    with torch.no_grad():
+        s3.model.module[0].weight.copy_(torch.eye(3))
+        s3.model.module[0].bias.zero_()
+    data = torch.full((4, 3), float(rank + 1))  # rank 0: ones, rank 1: twos -> mean 1.5
+    bn_model(data)
+    out['bn_running_mean'] = s3.model.module[1].running_mean.tolist()
+
+    # -- 4. a checkpoint written by rank 0, loadable on every rank
+    path = s.save_checkpoint('ddp.pth', extra_ckpt={'meta': {'iter': 4}})
+    out['path'] = path
+    ck = torch.load(path, weights_only=True)
+    out['ckpt_world_size'] = ck['meta']['world_size']
+    out['n_rng_states'] = len(ck['rng_states'])
+    out['state_keys_plain'] = all(not k.startswith('module.') for k in ck['state_dict'])
+
+    # -- 5. ZeroRedundancyOptimizer from config: same steps as a plain Adam under DDP
+    sz = _strategy(os.path.join(tmp, 'zero'))
+    zmodel, zow = sz.prepare(_net(), optim_wrapper=dict(optimizer=dict(
+        type='ZeroRedundancyOptimizer', optimizer_type='Adam', lr=0.01)))
+    sp = _strategy(os.path.join(tmp, 'plain'))
+    pmodel, pow_ = sp.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.01)))
+    sp.model.module.load_state_dict(sz.model.module.state_dict())
+    for i in range(3):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(10 * i + rank))
+        for m, o in ((zmodel, zow), (pmodel, pow_)):
+            with o.optim_context(m):
+                loss = m(x).square().mean()
+            o.update_params(loss)
+    out['zero_type'] = type(zow.optimizer).__name__
+    out['zero_max_diff'] = max((a - b).abs().max().item() for a, b in zip(
+        sz.model.module.parameters(), sp.model.module.parameters()))
+    zpath = sz.save_checkpoint('zero.pth')  # consolidates the shards: a collective
+    out['zero_ckpt_has_state'] = bool(torch.load(zpath, weights_only=True)['optimizer']['state'])
+
+    # -- 6. the first half of the resume run (fresh strategy, same process group)
+    weights, _, path = _resume_run(os.path.join(tmp, 'resume'), STOP)
+    out['resume_ckpt'] = path
+    full, draw, _ = _resume_run(os.path.join(tmp, 'full'), MAX_ITERS)
+    torch.save({'weights': full, 'draw': draw}, os.path.join(tmp, f'full_rank{rank}.pt'))
+    out['world'] = env.get_world_size()
+    return out
+
+
+def _resume_second_half(tmp, ckpt_path):
+    from stratagem import env
+    weights, draw, _ = _resume_run(os.path.join(tmp, 'resume'), MAX_ITERS, resume=ckpt_path)
+    full = torch.load(os.path.join(tmp, f'full_rank{env.get_rank()}.pt'), weights_only=True)
+    equal = all(torch.equal(weights[k], full['weights'][k]) for k in weights)
+    return {'weights_equal': equal, 'draw_equal': torch.equal(draw, full['draw'])}
+
+
+@pytest.fixture(scope='module')
+def results(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp('ddp'))
+    return tmp, run_distributed(_checks, nproc=2, args=(tmp,), timeout=180)
+
+
+def test_auto_builds_ddp_with_agreed_seed_and_timestamp(results):
+    _, (r0, r1) = results
+    assert r0['type'] == r1['type'] == 'DDPStrategy'
+    assert r0['seed'] == r1['seed'] == 11 and r0['timestamp'] == r1['timestamp']
+
+
+def test_two_process_ddp_equals_one_process_on_concatenated_batch(results):
+    _, ranks = results
+    for r in ranks:
+        assert r['max_diff'] < 1e-5
+
+
+def test_no_sync_accumulation_one_allreduce_per_update(results):
+    _, ranks = results
+    for r in ranks:
+        assert r['allreduce_per_iter'] == [0, 1, 0, 1, 0, 1]
+
+
+def test_sync_bn_uses_both_ranks(results):
+    _, ranks = results
+    for r in ranks:
+        assert r['sync_bn_type'] == 'CPUSyncBatchNorm'  # torch's refuses CPU tensors
+        # momentum 0.1: 0.9 * 0 + 0.1 * 1.5
+        assert r['bn_running_mean'] == pytest.approx([0.15] * 3)
+
+
+def test_zero_redundancy_optimizer_matches_plain_adam(results):
+    _, ranks = results
+    for r in ranks:
+        assert r['zero_type'] == 'ZeroRedundancyOptimizer'
+        assert r['zero_max_diff'] < 1e-6
+    assert ranks[0]['zero_ckpt_has_state']
+
+
+def test_checkpoint_from_rank0_holds_every_ranks_rng(results):
+    _, (r0, r1) = results
+    assert r0['path'] == r1['path'] and os.path.isfile(r0['path'])
+    assert r0['ckpt_world_size'] == 2 and r0['n_rng_states'] == 2 and r0['state_keys_plain']
+
+
+def test_resume_in_new_processes_is_exact_per_rank(results):
+    tmp, (r0, _) = results
+    ck = torch.load(r0['resume_ckpt'], weights_only=True)
+    assert 'partial_grads' in ck and len(ck['partial_grads']) == 2  # saved mid-window
+    second = run_distributed(_resume_second_half, nproc=2, args=(tmp, r0['resume_ckpt']),
+                             timeout=120)
+    assert second == [{'weights_equal': True, 'draw_equal': True}] * 2
+
+
+def test_ddp_checkpoint_loads_in_single_device_with_world_size_warning(results, tmp_path):
+    _, (r0, _) = results
+    s = SingleDeviceStrategy(work_dir=str(tmp_path))
+    s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.5, momentum=0.9)))
+    with pytest.warns(UserWarning, match='world size 2.*has 1'):
+        ck = s.resume(r0['path'])
+    want = torch.load(r0['path'], weights_only=True)['state_dict']
+    for k, v in s.model.state_dict().items():
+        assert torch.equal(v, want[k])
+    assert ck['meta']['iter'] == 4
+
+
+def _raise_on_rank1():
+    from stratagem import env
+    env.init_dist('pytorch')
+    if env.get_rank() == 1:
+        raise ValueError('rank 1 broke on purpose')
+    env.barrier()  # rank 0 would wait here forever without the harness
+    return 'unreachable'
+
+
+def test_a_failing_rank_ends_all_ranks_and_shows_its_error():
+    with pytest.raises(RankFailure, match='^rank 1 raised') as info:
+        run_distributed(_raise_on_rank1, nproc=2, timeout=60, grace=2)
+    assert 'rank 1 broke on purpose' in str(info.value) + info.value.output
+
+
+def test_stratagem_train_nproc_2(tmp_path):
+    cfg = Path(__file__).resolve().parents[2] / 'examples' / 'configs' / 'classifier.py'
+    work = tmp_path / 'work'
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    proc = subprocess.run(
+        [sys.executable, '-m', 'stratagem', 'train', str(cfg), '--nproc', '2', '--work-dir',
+         str(work), '--cfg-options', 'train_cfg.max_iters=12', 'train_cfg.checkpoint_interval=6',
+         'train_dataloader.dataset.num_samples=256'],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ck = torch.load(work / 'iter_12.pth', weights_only=True)
+    assert ck['meta']['world_size'] == 2 and ck['meta']['strategy'] == 'DDPStrategy'
+    assert len(ck['rng_states']) == 2 and (work / 'iter_6.pth').is_file()

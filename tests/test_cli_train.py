@@ -1,0 +1,104 @@
+"""`stratagem train` end to end, `--resume` continuing exactly, and the CLI's errors."""
+import os
+import shutil
+
+import pytest
+import torch
+
+from stratagem import checkpoint as ckpt
+from stratagem.cli import main
+
+CONFIG = '''
+model = dict(type='MLPClassifier', in_features=8, num_classes=3, hidden=16, dropout=0.2)
+train_dataloader = dict(dataset=dict(type='SyntheticClassification', num_samples=96,
+                                     num_features=8, num_classes=3, noise=2.0),
+                        batch_size=16, shuffle=True)
+optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.05, momentum=0.9), accumulative_counts=2)
+param_scheduler = [dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=5),
+                   dict(type='CosineAnnealingLR', by_epoch=True, begin=0, T_max=4,
+                        convert_to_iter_based=True)]
+train_cfg = dict(max_epochs=4, checkpoint_interval=5, log_interval=4)
+randomness = dict(seed=3)
+'''
+
+
+@pytest.fixture()
+def config(tmp_path):
+    path = tmp_path / 'cfg.py'
+    path.write_text(CONFIG)
+    return str(path)
+
+
+def _final_weights(work_dir, it=24):
+    return torch.load(os.path.join(work_dir, f'iter_{it}.pth'), weights_only=True)['state_dict']
+
+
+def test_train_end_to_end_and_resume_is_exact(tmp_path, config):
+    full = str(tmp_path / 'full')
+    assert main(['train', config, '--work-dir', full]) == 0
+    names = sorted(os.listdir(full))
+    # 96 samples / 16 = 6 iterations per epoch, 24 in all; a checkpoint every 5 and at the end
+    for it in (5, 10, 15, 20, 24):
+        assert f'iter_{it}.pth' in names
+    assert ckpt.find_latest_checkpoint(full).name == 'iter_24.pth'
+    meta = torch.load(os.path.join(full, 'iter_24.pth'), weights_only=True)['meta']
+    assert (meta['iter'], meta['epoch'], meta['seed']) == (24, 4, 3)
+
+    # an interrupted run: same training, but only the checkpoints up to iteration 15 survive
+    part = str(tmp_path / 'part')
+    shutil.copytree(full, part)
+    for it in (20, 24):
+        os.remove(os.path.join(part, f'iter_{it}.pth'))
+    os.remove(os.path.join(part, ckpt.POINTER_NAME))
+    with pytest.warns(UserWarning):  # no pointer: fall back to the newest, with a warning
+        assert main(['train', config, '--work-dir', part, '--resume']) == 0
+    # iteration 15 is mid-epoch (epoch 2, batch 3) and mid accumulation window
+    want, got = _final_weights(full), _final_weights(part)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_train_with_cfg_options_and_load_from(tmp_path, config):
+    a = str(tmp_path / 'a')
+    assert main(['train', config, '--work-dir', a, '--cfg-options', 'train_cfg.max_epochs=1',
+                 'train_cfg.checkpoint_interval=0']) == 0
+    assert sorted(p for p in os.listdir(a) if p.endswith('.pth')) == ['iter_6.pth']
+    b = str(tmp_path / 'b')
+    assert main(['train', config, '--work-dir', b, '--load-from', os.path.join(a, 'iter_6.pth'),
+                 '--cfg-options', 'train_cfg.max_iters=1']) == 0
+    assert torch.load(os.path.join(b, 'iter_1.pth'), weights_only=True)['meta']['iter'] == 1
+
+
+def test_train_retention_keeps_newest(tmp_path, config):
+    d = str(tmp_path / 'keep')
+    assert main(['train', config, '--work-dir', d, '--cfg-options',
+                 'train_cfg.max_keep_ckpts=2']) == 0
+    assert sorted(p for p in os.listdir(d) if p.endswith('.pth')) == ['iter_20.pth',
+                                                                      'iter_24.pth']
+
+
+def test_train_bad_config_keys(tmp_path, config):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['max_epoch'\] in train_cfg"):
+        main(['train', config, '--work-dir', str(tmp_path / 'x'), '--cfg-options',
+              'train_cfg.max_epoch=2'])
+    with pytest.raises(KeyError, match="unknown type 'MLPClassifer'.*did you mean "
+                                       "'MLPClassifier'"):
+        main(['train', config, '--work-dir', str(tmp_path / 'y'), '--cfg-options',
+              'model.type=MLPClassifer'])
+    with pytest.raises(FileNotFoundError, match='nope.py'):
+        main(['train', str(tmp_path / 'nope.py')])
+
+
+def test_cli_help_and_unknown_command(capsys):
+    assert main(['--help']) == 0
+    assert 'plot-schedule' in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        main(['trian'])
+    assert info.value.code == 2
+
+
+def test_plot_schedule_takes_epoch_length_from_the_dataloader(tmp_path, config, capsys):
+    # 96 samples / batch 16 = 6 iterations per epoch, 4 epochs; no --epoch-length needed
+    assert main(['plot-schedule', config, '--ascii']) == 0
+    out = capsys.readouterr().out
+    assert '24 iterations, 4 epochs of 6' in out and 'learning rate' in out
