@@ -5,7 +5,7 @@ Adam. Both loops run in the same processes and process group, interleaved
 (raw block, stratagem block, raw block, ...), so machine noise hits both alike.
 Prints the median ms/step of each and the time ratio stratagem / raw.
 
-    python benchmarks/ddp_throughput.py [--rounds 15] [--steps 10]
+    python benchmarks/ddp_throughput.py [--rounds 15] [--steps 10] [--order raw-first]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _mlp() -> nn.Module:
     return nn.Sequential(*layers[:-1])
 
 
-def _worker(rank: int, world: int, port: int, rounds: int, steps: int) -> None:
+def _worker(rank: int, world: int, port: int, rounds: int, steps: int, order: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR='127.0.0.1',
                       MASTER_PORT=str(port), OMP_NUM_THREADS='1')
@@ -42,10 +42,16 @@ def _worker(rank: int, world: int, port: int, rounds: int, steps: int) -> None:
                            env_kwargs=dict(randomness=dict(seed=0)),
                            log_kwargs=dict(log_level='WARNING'))
     torch.manual_seed(0)
-    raw = DDP(_mlp())
-    raw_opt = torch.optim.Adam(raw.parameters(), lr=1e-4)
+    # which model is allocated first shifts step time by a few % on CPU (memory placement);
+    # --order picks it, and the control below separates placement from wrapper overhead
+    if order == 'raw-first':
+        raw = DDP(_mlp())
     model, optim_wrapper = strategy.prepare(_mlp(), optim_wrapper=dict(
         optimizer=dict(type='Adam', lr=1e-4)))
+    if order == 'ours-first':
+        raw = DDP(_mlp())
+    raw_opt = torch.optim.Adam(raw.parameters(), lr=1e-4)
+    inner = optim_wrapper.optimizer
     batches = [torch.randn(64, 1024) for _ in range(4)]
 
     def raw_step(x: torch.Tensor) -> None:
@@ -59,6 +65,12 @@ def _worker(rank: int, world: int, port: int, rounds: int, steps: int) -> None:
             loss = model(x).square().mean()
         optim_wrapper.update_params(loss)
 
+    def raw_on_ours_step(x: torch.Tensor) -> None:  # control: a raw loop, our model+optimizer
+        inner.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        inner.step()
+
     def block(step) -> float:
         env.barrier()
         t = time.perf_counter()
@@ -69,23 +81,26 @@ def _worker(rank: int, world: int, port: int, rounds: int, steps: int) -> None:
 
     for fn in (raw_step, ours_step):  # warm-up: allocator, DDP buckets
         block(fn)
-    raw_t, ours_t, ratios = [], [], []
+    raw_t, ours_t, ratios, control_ratios = [], [], [], []
+    fns = [raw_step, ours_step, raw_on_ours_step]
     for r in range(rounds):
-        order = (raw_step, ours_step) if r % 2 == 0 else (ours_step, raw_step)
-        times = {fn: block(fn) for fn in order}
+        times = {fn: block(fn) for fn in (fns if r % 2 == 0 else fns[::-1])}
         raw_t.append(times[raw_step])
         ours_t.append(times[ours_step])
         ratios.append(times[ours_step] / times[raw_step])
+        control_ratios.append(times[ours_step] / times[raw_on_ours_step])
     if rank == 0:
         raw_m, ours_m = statistics.median(raw_t), statistics.median(ours_t)
         print(f'DDP, 2 ranks x gloo x 1 thread, 4xLinear(1024,1024), batch 64/rank, Adam; '
-              f'{rounds} interleaved rounds x {steps} steps')
+              f'{rounds} interleaved rounds x {steps} steps; models built {order}')
         print(f'raw torch DDP loop        median {raw_m * 1e3:8.2f} ms/step  '
               f'({1 / raw_m:6.2f} steps/s)')
         print(f'DDPStrategy+OptimWrapper  median {ours_m * 1e3:8.2f} ms/step  '
               f'({1 / ours_m:6.2f} steps/s)')
         print(f'time ratio stratagem/raw: {ours_m / raw_m:.3f}x (ratio of medians), '
               f'{statistics.median(ratios):.3f}x (median of per-round ratios)')
+        print(f'wrapper alone (same model+optimizer driven by a raw loop): '
+              f'{statistics.median(control_ratios):.3f}x')
     env.barrier()
     torch.distributed.destroy_process_group()
 
@@ -94,11 +109,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--rounds', type=int, default=15)
     parser.add_argument('--steps', type=int, default=10)
+    parser.add_argument('--order', choices=['raw-first', 'ours-first'], default='raw-first',
+                        help='which model is allocated first')
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, args.rounds, args.steps), nprocs=2)
+    mp.spawn(_worker, args=(2, port, args.rounds, args.steps, args.order), nprocs=2)
 
 
 if __name__ == '__main__':
