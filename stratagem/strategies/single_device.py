@@ -7,42 +7,7 @@ from torch import nn
 from stratagem.registry import STRATEGIES
 
 from .base import BaseStrategy
-
-
-def revert_sync_batchnorm(module: nn.Module) -> tuple[nn.Module, int]:
-    """Replace every SyncBatchNorm in ``module`` by a BatchNorm with the same state.
-
-    Returns the (possibly new) module and how many layers were reverted.
-    """
-    count = 0
-    if isinstance(module, nn.SyncBatchNorm):
-        # SyncBatchNorm accepts any input rank; BatchNorm1d/2d/3d check theirs, so the
-        # generic _BatchNorm base (no rank check) keeps the module usable as it was.
-        new = _AnyRankBatchNorm(module.num_features, module.eps, module.momentum,
-                                module.affine, module.track_running_stats)
-        if module.affine:
-            with torch.no_grad():
-                new.weight = module.weight
-                new.bias = module.bias
-        new.running_mean = module.running_mean
-        new.running_var = module.running_var
-        new.num_batches_tracked = module.num_batches_tracked
-        new.training = module.training
-        return new, 1
-    for name, child in module.named_children():
-        new_child, n = revert_sync_batchnorm(child)
-        if new_child is not child:
-            setattr(module, name, new_child)
-        count += n
-    return module, count
-
-
-class _AnyRankBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm over dim 1 for inputs of any rank >= 2 (what SyncBatchNorm accepts)."""
-
-    def _check_input_dim(self, input: torch.Tensor) -> None:
-        if input.dim() < 2:
-            raise ValueError(f'expected at least 2D input (got {input.dim()}D input)')
+from .sync_bn import revert_sync_batchnorm
 
 
 @STRATEGIES.register_module()

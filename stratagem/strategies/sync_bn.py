@@ -1,4 +1,4 @@
-"""SyncBatchNorm for CPU processes (gloo), where torch's SyncBatchNorm refuses to run.
+"""Synchronised batch norm: a CPU (gloo) SyncBatchNorm, and converting norms both ways.
 
 torch's ``nn.SyncBatchNorm`` raises "SyncBatchNorm layers only work with GPU
 modules" on CPU. :class:`CPUSyncBatchNorm` computes the same statistics —
@@ -8,6 +8,8 @@ global statistics exactly as in torch's CUDA kernel.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -15,12 +17,16 @@ from torch.distributed.nn.functional import all_reduce as differentiable_all_red
 from torch.nn import functional as F
 
 
-class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """Batch norm whose training statistics span all ranks (any input rank >= 2, channels dim 1)."""
+class AnyRankBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm over dim 1 for inputs of any rank >= 2, as SyncBatchNorm accepts them."""
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f'expected at least 2D input (got {input.dim()}D input)')
+
+
+class CPUSyncBatchNorm(AnyRankBatchNorm):
+    """Batch norm whose training statistics span all ranks (any input rank >= 2, channels dim 1)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
@@ -60,14 +66,29 @@ def convert_sync_batchnorm(module: nn.Module, device_type: str) -> tuple[nn.Modu
     if device_type == 'cuda':
         converted = nn.SyncBatchNorm.convert_sync_batchnorm(module)
         return converted, sum(isinstance(m, nn.SyncBatchNorm) for m in converted.modules())
-    return _convert_cpu(module)
+    return replace_batchnorms(
+        module, lambda m: not isinstance(m, (CPUSyncBatchNorm, nn.SyncBatchNorm)),
+        CPUSyncBatchNorm)
 
 
-def _convert_cpu(module: nn.Module) -> tuple[nn.Module, int]:
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
-            module, CPUSyncBatchNorm):
-        new = CPUSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                               module.track_running_stats)
+def revert_sync_batchnorm(module: nn.Module) -> tuple[nn.Module, int]:
+    """Every SyncBatchNorm (torch's or ours) → a BatchNorm with the same state, for one process.
+
+    The replacement accepts any input rank >= 2, as SyncBatchNorm did.
+    """
+    return replace_batchnorms(
+        module, lambda m: isinstance(m, (nn.SyncBatchNorm, CPUSyncBatchNorm)), AnyRankBatchNorm)
+
+
+def replace_batchnorms(module: nn.Module, match: Callable[[nn.Module], bool],
+                       new_cls: type[nn.modules.batchnorm._BatchNorm]) -> tuple[nn.Module, int]:
+    """Replace each BatchNorm-like layer for which ``match`` holds by ``new_cls``, sharing state.
+
+    Returns the (possibly new) root module and the number of layers replaced.
+    """
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and match(module):
+        new = new_cls(module.num_features, module.eps, module.momentum, module.affine,
+                      module.track_running_stats)
         if module.affine:
             new.weight, new.bias = module.weight, module.bias
         if module.track_running_stats:
@@ -77,7 +98,7 @@ def _convert_cpu(module: nn.Module) -> tuple[nn.Module, int]:
         return new, 1
     count = 0
     for name, child in module.named_children():
-        new_child, n = _convert_cpu(child)
+        new_child, n = replace_batchnorms(child, match, new_cls)
         if new_child is not child:
             setattr(module, name, new_child)
         count += n
