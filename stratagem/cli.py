@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = argparse.ArgumentParser(prog=f'stratagem {name}', description=help_)
     module.add_arguments(sub)
     args = sub.parse_args(rest)
+    args.cli_argv = rest  # for a sub-command that re-launches itself (train --nproc)
     return int(module.run(args) or 0)
 
 

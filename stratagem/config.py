@@ -198,9 +198,28 @@ def _parse_value(text: str) -> Any:
     else:
         # bare "1,2" reads as a tuple in python; mmengine's overrides make it a list
         return list(value) if isinstance(value, tuple) and not text.startswith('(') else value
-    if ',' in text and not text.startswith(('[', '(')):
-        return [_parse_value(part) for part in text.split(',') if part != '']
+    if len(text) >= 2 and text[0] + text[-1] in ('[]', '()'):
+        # bare words in brackets, e.g. [cat,dog] or [a,[1,b]] (mmengine's DictAction)
+        items = [_parse_value(part.strip()) for part in _split_top_level(text[1:-1]) if part]
+        return items if text[0] == '[' else tuple(items)
+    if ',' in text:
+        return [_parse_value(part) for part in _split_top_level(text) if part != '']
     return text
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are not inside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in '[(':
+            depth += 1
+        elif ch in '])':
+            depth -= 1
+        elif ch == ',' and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
 
 
 def parse_cfg_options(options: Iterable[str]) -> dict[str, Any]:

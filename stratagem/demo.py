@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import os.path as osp
+import re
 import shutil
 import statistics
 from pathlib import Path
@@ -17,6 +19,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='where the demo writes logs and checkpoints (emptied first)')
 
 
+_OURS = re.compile(r'^(last_checkpoint|.*\.pth(\.manifest\.json)?|\d{8}_\d{6})$')
+
+
+def _clear_previous_demo(work_dir: str) -> None:
+    """Empty ``work_dir`` of an earlier demo's files; refuse to touch anything else."""
+    if not osp.isdir(work_dir):
+        return
+    foreign = sorted(name for name in os.listdir(work_dir) if not _OURS.match(name))
+    if foreign:
+        raise FileExistsError(f'demo work dir {work_dir} holds files the demo did not write '
+                              f'({", ".join(foreign[:5])}); choose another --work-dir')
+    shutil.rmtree(work_dir)
+
+
 def run(args: argparse.Namespace) -> int:
     from stratagem.config import Config
     from stratagem.loop import train
@@ -25,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f'demo config not found: {args.config}')
     cfg = Config.fromfile(args.config)
     cfg['work_dir'] = args.work_dir
-    shutil.rmtree(args.work_dir, ignore_errors=True)
+    _clear_previous_demo(args.work_dir)
     print(f'stratagem demo: training {cfg.model.type} from {args.config}')
     result = train(cfg)
     losses = [v for _, v in result['losses']]

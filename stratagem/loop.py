@@ -77,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _relaunch_with_torchrun(args: argparse.Namespace) -> int:
     """Run this same command in ``args.nproc`` local processes under torchrun."""
-    argv = [a for a in sys.argv[1:]]
+    # the sub-command's own arguments, as cli.main received them (not sys.argv: main() may
+    # be called from code)
+    argv = list(getattr(args, 'cli_argv', sys.argv[2:]))
     # drop --nproc N / --nproc=N so the children do not relaunch
     cleaned, skip = [], False
     for a in argv:
@@ -90,11 +92,9 @@ def _relaunch_with_torchrun(args: argparse.Namespace) -> int:
         if a.startswith('--nproc='):
             continue
         cleaned.append(a)
-    if cleaned and cleaned[0] == 'train':
-        cleaned = cleaned[1:]
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone',
            f'--nproc-per-node={args.nproc}', '-m', 'stratagem', 'train', *cleaned]
-    if '--launcher' not in cleaned:
+    if not any(a == '--launcher' or a.startswith('--launcher=') for a in cleaned):
         cmd += ['--launcher', 'pytorch']
     return subprocess.call(cmd)
 
@@ -176,13 +176,18 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
     dataset = build_dataset(loader_cfg.pop('dataset'))
     batch_size = int(loader_cfg.pop('batch_size', 1))
     sampler = ResumableSampler(len(dataset), strategy.rank, strategy.world_size,
-                               shuffle=loader_cfg.pop('shuffle', True), seed=strategy.seed,
+                               shuffle=loader_cfg.pop('shuffle', True),
                                drop_last=loader_cfg.get('drop_last', False))
     # a private generator: creating a loader iterator must not draw from the global RNG,
     # or a resumed run's random stream would drift from an uninterrupted one
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                         generator=torch.Generator(), **loader_cfg)
     epoch_length = len(loader)
+    if epoch_length == 0:
+        raise ValueError(f'train_dataloader yields no batch per epoch: {len(dataset)} samples '
+                         f'over {strategy.world_size} process(es) with batch_size={batch_size} '
+                         f"and drop_last={loader_cfg.get('drop_last', False)}; use a smaller "
+                         'batch_size or drop_last=False')
     if 'max_iters' in train_cfg:
         max_iters = int(train_cfg['max_iters'])
         max_epochs = None
@@ -203,8 +208,12 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
 
     start_iter = 0
     checkpoint = strategy.load_or_resume(load_from=load_from, resume=resume)
-    if checkpoint is not None and (resume or isinstance(resume, str)):
-        start_iter = int(checkpoint['meta'].get('iter', 0))
+    if checkpoint is not None and resume:
+        start_iter = int((checkpoint.get('meta') or {}).get('iter', 0))
+    # the shuffle seed is the run's configured seed (the same on every rank, also under
+    # diff_rank_seed), read after a resume has restored it
+    data_seed = strategy.randomness['seed']
+    sampler.seed = data_seed
     interval = int(train_cfg.get('checkpoint_interval', 0) or 0)
     max_keep = train_cfg.get('max_keep_ckpts')
     log_interval = max(1, int(train_cfg.get('log_interval', 10)))
@@ -222,54 +231,55 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
     data_iter = None
     loss_sum = torch.zeros((), device=device)
     last_logged = start_iter
-    redirect = contextlib.nullcontext()
+    stack = contextlib.ExitStack()
     if bar is not None:
         from tqdm.contrib.logging import logging_redirect_tqdm
-        redirect = logging_redirect_tqdm(loggers=[log])  # log lines print above the bar
-    redirect.__enter__()
-    while it < max_iters:
-        epoch, pos = divmod(it, epoch_length)
-        if data_iter is None or pos == 0:
-            sampler.set_epoch(epoch)
-            sampler.skip(pos * batch_size)
-            data_iter = iter(loader)
-        batch = next(data_iter)
-        with optim_wrapper.optim_context(model):
-            loss = _parse_loss(_forward(model, batch, device))
-        optim_wrapper.update_params(loss)
-        loss_sum.add_(loss.detach())  # in place, no host sync: read only when logging
-        for s in scheduler_list:
-            if not s.by_epoch:
-                s.step()
-        it += 1
-        if it % epoch_length == 0:
+        stack.enter_context(logging_redirect_tqdm(loggers=[log]))  # logs print above the bar
+        stack.callback(bar.close)
+    with stack:  # closes the bar and the log redirection however the loop ends
+        while it < max_iters:
+            epoch, pos = divmod(it, epoch_length)
+            if data_iter is None or pos == 0:
+                sampler.set_epoch(epoch)
+                sampler.skip(pos * batch_size)
+                # worker seeds come from this generator: fix them per epoch, so a resumed
+                # epoch's workers are seeded as the uninterrupted run's were
+                loader.generator.manual_seed(data_seed + epoch)
+                data_iter = iter(loader)
+            batch = next(data_iter)
+            with optim_wrapper.optim_context(model):
+                loss = _parse_loss(_forward(model, batch, device))
+            optim_wrapper.update_params(loss)
+            loss_sum.add_(loss.detach())  # in place, no host sync: read only when logging
             for s in scheduler_list:
-                if s.by_epoch:
+                if not s.by_epoch:
                     s.step()
-        if it % log_interval == 0 or it == max_iters:
-            # mean over the iterations since the last log: the one host sync
-            value = float(loss_sum) / (it - last_logged)
-            loss_sum.zero_()
-            last_logged = it
-            losses.append((it, value))
-            lr = optim_wrapper.get_lr()
-            lr0 = next(iter(lr.values()))[0]
+            it += 1
+            if it % epoch_length == 0:
+                for s in scheduler_list:
+                    if s.by_epoch:
+                        s.step()
+            if it % log_interval == 0 or it == max_iters:
+                # mean over the iterations since the last log: the one host sync
+                value = float(loss_sum) / (it - last_logged)
+                loss_sum.zero_()
+                last_logged = it
+                losses.append((it, value))
+                lr = optim_wrapper.get_lr()
+                lr0 = next(iter(lr.values()))[0]
+                if bar is not None:
+                    bar.set_postfix(loss=f'{value:.4f}', lr=f'{lr0:.3g}', epoch=epoch)
+                log.info(f'iter {it}/{max_iters} epoch {epoch} loss {value:.4f} lr {lr0:.4g} '
+                         f'{(it - start_iter) / (time.perf_counter() - t0):.1f} it/s')
             if bar is not None:
-                bar.set_postfix(loss=f'{value:.4f}', lr=f'{lr0:.3g}', epoch=epoch)
-            log.info(f'iter {it}/{max_iters} epoch {epoch} loss {value:.4f} lr {lr0:.4g} '
-                     f'{(it - start_iter) / (time.perf_counter() - t0):.1f} it/s')
-        if bar is not None:
-            bar.update(1)
-        if (interval and it % interval == 0) or it == max_iters:
-            path = strategy.save_checkpoint(
-                f'iter_{it}.pth', extra_ckpt={'meta': {'iter': it, 'epoch': it // epoch_length}})
-            if main and max_keep:
-                protect = [strategy.resumed_from] if strategy.resumed_from else []
-                ckpt.apply_retention(strategy.work_dir, int(max_keep), protect=protect)
-            log.debug(f'saved {path}')
-    redirect.__exit__(None, None, None)
-    if bar is not None:
-        bar.close()
+                bar.update(1)
+            if (interval and it % interval == 0) or it == max_iters:
+                meta = {'iter': it, 'epoch': it // epoch_length}
+                path = strategy.save_checkpoint(f'iter_{it}.pth', extra_ckpt={'meta': meta})
+                if main and max_keep:
+                    protect = [strategy.resumed_from] if strategy.resumed_from else []
+                    ckpt.apply_retention(strategy.work_dir, int(max_keep), protect=protect)
+                log.debug('saved %s', path)
     return {'strategy': strategy, 'losses': losses, 'iter': it}
 
 

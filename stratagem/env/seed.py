@@ -102,13 +102,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
         raise ValueError(f'unknown RNG state keys {unknown}; valid keys: {list(_RNG_KEYS)}')
     if 'python' in state:
         py = state['python']
-        internal = tuple(int(v) for v in torch.as_tensor(py['state']).tolist())
+        # .cpu(): a checkpoint loaded with map_location='cuda' puts these tensors on the GPU
+        internal = tuple(int(v) for v in torch.as_tensor(py['state']).cpu().tolist())
         random.setstate((int(py['version']), internal, py['gauss_next']))
     if 'numpy' in state:
         import numpy as np
 
         npy = state['numpy']
-        key = torch.as_tensor(npy['key']).numpy().astype(np.uint32)
+        key = torch.as_tensor(npy['key']).cpu().numpy().astype(np.uint32)
         np.random.set_state((npy['bit_generator'], key, int(npy['pos']),
                              int(npy['has_gauss']), float(npy['gauss'])))
     if 'torch' in state:

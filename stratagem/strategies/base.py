@@ -39,7 +39,6 @@ partial gradients included), schedulers, then every RNG state last.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import os.path as osp
@@ -128,9 +127,12 @@ class BaseStrategy(ABC):
 
     def _set_randomness(self, seed: int | None = None, deterministic: bool = False,
                         diff_rank_seed: bool = False) -> None:
+        """Seed every RNG; ``seed`` (this rank's, as mmengine's) includes the rank under
+        ``diff_rank_seed``, ``randomness['seed']`` stays the configured, rank-agreed one."""
         self._seed = env.set_random_seed(seed, deterministic=deterministic,
                                          diff_rank_seed=diff_rank_seed)
-        self._randomness.update(seed=self._seed)
+        base = self._seed - env.get_rank() if diff_rank_seed else self._seed
+        self._randomness.update(seed=base)
 
     def _build_logger(self, **log_kwargs: Any) -> logging.Logger:
         """The 'stratagem' logger, writing to ``log_dir/<timestamp>.log`` for this run."""
@@ -211,6 +213,7 @@ class BaseStrategy(ABC):
         if dispatch_kwargs is not None:
             self.dispatch_kwargs.update(dispatch_kwargs)
         model = self.build_model(model)
+        model = self._init_model_weights(model)
         model = self._wrap_model(model)
         model = self.compile_model(model, compile=compile)
         self.model = model
@@ -244,14 +247,21 @@ class BaseStrategy(ABC):
         raise TypeError(f'model should be an nn.Module or a MODELS cfg dict, '
                         f'got {type(model).__name__}')
 
+    def _init_model_weights(self, model: nn.Module) -> nn.Module:
+        """Call ``model.init_weights()`` when it has one (mmengine's BaseModule, pretrained
+        ``init_cfg``). Under DDP the wrapper then gives every rank rank 0's weights."""
+        init = getattr(model, 'init_weights', None)
+        if callable(init):
+            init()
+        return model
+
     @abstractmethod
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         """Backend hook: place and wrap ``model``; return what the loop will call."""
 
     def _unwrap_model(self) -> nn.Module:
-        """Backend hook: the plain module behind the wrapper (default: ``model.module``)."""
-        model = self.model
-        return getattr(model, 'module', model)
+        """Backend hook: the plain module behind DDP / DataParallel / ``torch.compile``."""
+        return ckpt.unwrap_model(self.model)
 
     def compile_model(self, model: nn.Module, compile: bool | Mapping = False) -> nn.Module:
         """``torch.compile`` the model (``compile=True``) or a method of it.
@@ -281,7 +291,9 @@ class BaseStrategy(ABC):
             raise TypeError('optim_wrapper should be an optim wrapper or a cfg dict, got '
                             f'{type(optim_wrapper).__name__}')
         model = self.model if model is None else model
-        return build_optim_wrapper(model, copy.deepcopy(optim_wrapper))
+        # no deep copy: the builder never mutates the cfg, and a cfg may hold a built
+        # optimizer whose parameters must stay the model's
+        return build_optim_wrapper(model, optim_wrapper)
 
     def _wrappers(self) -> list[Any]:
         from stratagem.optim import OptimWrapperDict
@@ -394,11 +406,13 @@ class BaseStrategy(ABC):
 
     # ----------------------------------------------------------------- checkpoints
     def _resolve_map_location(self, map_location: Any) -> Any:
-        if map_location == 'default':
-            if torch.cuda.is_available():
-                return f'cuda:{torch.cuda.current_device()}'
-            return 'cpu'
-        return map_location
+        """mmengine's ``'default'``: this strategy's device (CUDA's current one, else cpu)."""
+        if map_location != 'default':
+            return map_location
+        device = getattr(self, 'device', None)
+        if device is not None:
+            return str(device)
+        return f'cuda:{torch.cuda.current_device()}' if torch.cuda.is_available() else 'cpu'
 
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
         """Backend hook: read a checkpoint (default: one verified file, weights_only)."""
@@ -413,14 +427,26 @@ class BaseStrategy(ABC):
         edit the dict in place. A checkpoint without ``state_dict`` is treated as
         a bare state dict.
         """
+        checkpoint = self._read_checkpoint(filename, map_location, callback)
+        self._load_weights(checkpoint, filename, strict=strict, revise_keys=revise_keys)
+        return checkpoint
+
+    def _read_checkpoint(self, filename: str, map_location: Any,
+                         callback: Callable[[dict], None] | None) -> dict:
         checkpoint = self._load_checkpoint_files(str(filename),
                                                  self._resolve_map_location(map_location))
+        if not isinstance(checkpoint, dict):
+            raise ValueError(f'{filename} holds a {type(checkpoint).__name__}, not a checkpoint '
+                             "dict (expected keys like 'state_dict', 'meta', 'optimizer')")
         if callback is not None:
             callback(checkpoint)
+        return checkpoint
+
+    def _load_weights(self, checkpoint: dict, filename: str, *, strict: bool,
+                      revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)) -> None:
         state_dict = checkpoint.get('state_dict', checkpoint)
         self.load_model_state_dict(state_dict, strict=strict, revise_keys=revise_keys)
         self.logger.info(f'loaded weights from {filename}')
-        return checkpoint
 
     def resume(self, filename: str, *, resume_optimizer: bool = True,
                resume_param_scheduler: bool = True, map_location: Any = 'default',
@@ -433,53 +459,69 @@ class BaseStrategy(ABC):
         if not self._prepared:
             raise RuntimeError('resume() needs the prepared components: call strategy.prepare('
                                'model, optim_wrapper=..., param_scheduler=...) first')
-        checkpoint = self.load_checkpoint(filename, map_location=map_location, strict=True,
-                                          callback=callback)
-        if resume_optimizer and hasattr(self, 'optim_wrapper'):
-            if 'optimizer' not in checkpoint:
-                raise KeyError(f"{filename} has no 'optimizer' state (saved with "
-                               'save_optimizer=False?); pass resume_optimizer=False to load '
-                               'only the rest')
+        checkpoint = self._read_checkpoint(filename, map_location, callback)
+        want_optim = resume_optimizer and hasattr(self, 'optim_wrapper')
+        want_sched = resume_param_scheduler and hasattr(self, 'param_schedulers')
+        missing = [key for key, wanted in (('state_dict', True), ('optimizer', want_optim),
+                                          ('param_schedulers', want_sched))
+                   if wanted and key not in checkpoint]
+        if missing:  # checked before anything is loaded, so a failed resume changes nothing
+            raise KeyError(f"{filename} cannot be resumed: it has no {missing} (keys: "
+                           f"{sorted(checkpoint)}); load weights only with load_checkpoint(), or "
+                           'pass resume_optimizer=False / resume_param_scheduler=False')
+        meta = checkpoint.get('meta') or {}
+        # mmengine resumes non-strictly too; mismatches are reported in one warning
+        self._load_weights(checkpoint, filename, strict=False)
+        if want_optim:
             self.load_optim_state_dict(checkpoint['optimizer'])
-            self._load_partial_grads(checkpoint)
-            self._initialize_accumulation(checkpoint['meta'].get('iter'))
-        if resume_param_scheduler and hasattr(self, 'param_schedulers'):
-            if 'param_schedulers' not in checkpoint:
-                raise KeyError(f"{filename} has no 'param_schedulers' state; pass "
-                               'resume_param_scheduler=False to load only the rest')
+            self._load_partial_grads(checkpoint, meta)
+        if hasattr(self, 'optim_wrapper'):
+            self._initialize_accumulation(meta.get('iter'))
+        if want_sched:
             self.load_scheduler_state_dict(checkpoint['param_schedulers'])
-        self._restore_randomness(checkpoint, filename)
+        self._restore_randomness(checkpoint, meta, filename)
         self.resumed_from = osp.abspath(filename)
-        self.logger.info(f'resumed from {filename} (iter {checkpoint["meta"].get("iter")})')
+        self.logger.info(f'resumed from {filename} (iter {meta.get("iter")})')
         return checkpoint
 
-    def _load_partial_grads(self, checkpoint: Mapping) -> None:
+    def _load_partial_grads(self, checkpoint: Mapping, meta: Mapping) -> None:
+        """Each rank's own partial gradients (saved mid accumulation window under DDP)."""
         grads = checkpoint.get('partial_grads')
         if not grads:
             return
-        world = checkpoint['meta'].get('world_size', 1)
-        if world != self.world_size:
-            warnings.warn(f'the checkpoint was taken mid accumulation window with world size '
-                          f'{world}; this run has {self.world_size}, so the partial gradients '
-                          'are dropped and the window restarts', stacklevel=3)
+        world = meta.get('world_size', len(grads))
+        if world == self.world_size:
+            mine = grads[self.rank]
+        else:  # DDP would have averaged the ranks' accumulated gradients at the window's end
+            mine = [None if per_rank[0] is None else
+                    {**per_rank[0], 'grads': {i: sum(st['grads'][i] for st in per_rank) / world
+                                              for i in per_rank[0]['grads']}}
+                    for per_rank in zip(*grads)]
+        for wrapper, state in zip(self._wrappers(), mine):
+            if state is not None:
+                wrapper.load_grad_state_dict(state)
+        if world == self.world_size:
             return
-        self.optim_wrapper.load_grad_state_dict(grads[self.rank])
+        warnings.warn(f'the checkpoint was taken mid accumulation window with world size '
+                      f'{world}; this run has {self.world_size}, so every rank continues the '
+                      f'window from the mean of the {world} ranks\' partial gradients',
+                      stacklevel=3)
 
-    def _restore_randomness(self, checkpoint: Mapping, filename: str) -> None:
-        meta = checkpoint.get('meta', {})
+    def _restore_randomness(self, checkpoint: Mapping, meta: Mapping, filename: str) -> None:
+        """Every rank's RNG state (same world size), else a re-seed from the saved seed."""
         states = checkpoint.get('rng_states')
         world = meta.get('world_size', 1)
+        base = meta.get('seed', self._seed)  # rank 0's seed: the configured one
         if states and world == self.world_size:
-            self._seed = meta.get('seed', self._seed)
-            self._randomness.update(seed=self._seed)
+            self._seed = base + self.rank if self._randomness.get('diff_rank_seed') else base
+            self._randomness.update(seed=base)
             env.set_rng_state(states[self.rank])
             return
-        seed = meta.get('seed', self._seed)
         if states:
             warnings.warn(f'{filename} was saved with world size {world}, this run has '
                           f'{self.world_size}: per-rank RNG streams cannot be restored, so every '
-                          f'rank is re-seeded from seed {seed}', stacklevel=3)
-        self._set_randomness(**{**self._randomness, 'seed': seed})
+                          f'rank is re-seeded from seed {base}', stacklevel=3)
+        self._set_randomness(**{**self._randomness, 'seed': base})
 
     def load_or_resume(self, load_from: str | None = None, resume: bool | str = False) -> dict | None:
         """mmengine's runner logic: resume (latest in work_dir, or a path) or just load weights.
@@ -505,7 +547,7 @@ class BaseStrategy(ABC):
         return None
 
     def _meta(self, extra_meta: Mapping | None) -> dict:
-        meta = {'seed': self._seed, 'time': time.strftime('%Y%m%d_%H%M%S'),
+        meta = {'seed': self._randomness['seed'], 'time': time.strftime('%Y%m%d_%H%M%S'),
                 'experiment_name': self._experiment_name, 'world_size': self.world_size,
                 'strategy': type(self).__name__, 'stratagem_version': __version__,
                 'torch_version': str(torch.__version__), 'auto_scale_lr_applied': self._lr_scaled}
@@ -528,25 +570,51 @@ class BaseStrategy(ABC):
         path = env.broadcast_object(osp.abspath(path))
         checkpoint: dict[str, Any] = {'meta': self._meta(extra.pop('meta', None)),
                                       'state_dict': self.model_state_dict()}
-        has_optim = hasattr(self, 'optim_wrapper')
-        if save_optimizer and has_optim:
+        if save_optimizer and hasattr(self, 'optim_wrapper'):
             checkpoint['optimizer'] = self.optim_state_dict()
-            # mid accumulation window under no_sync, each rank holds its own partial
-            # gradients; the optimizer state carries only this rank's, so gather them all
-            if self.world_size > 1 and hasattr(self.optim_wrapper, 'grad_state_dict'):
-                grads = self.optim_wrapper.grad_state_dict()
-                gathered = env.all_gather_object(grads if grads['grads'] else None)
-                if any(g is not None for g in gathered):
-                    checkpoint['partial_grads'] = gathered
+            partial = self._partial_grad_states()
+            if partial is not None:
+                checkpoint['partial_grads'] = partial
         if save_param_scheduler and hasattr(self, 'param_schedulers'):
             checkpoint['param_schedulers'] = self.scheduler_state_dict()
         checkpoint['rng_states'] = env.all_gather_object(env.get_rng_state())
         checkpoint.update(extra)
         if callback is not None:
             callback(checkpoint)
-        self._save_checkpoint_files(checkpoint, path)
-        env.barrier()
+        # every rank checks the content, so a bad value fails on all ranks alike instead of
+        # leaving the others waiting for rank 0
+        ckpt.validate_checkpoint_content(checkpoint)
+        error = None
+        try:
+            self._save_checkpoint_files(checkpoint, path)
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error = e
+        errors = env.all_gather_object(None if error is None else f'{type(error).__name__}: '
+                                                                   f'{error}')
+        if error is not None:
+            raise error
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise RuntimeError(f'saving {path} failed on rank {failed[0][0]}: {failed[0][1]}')
         return path
+
+    def _partial_grad_states(self) -> list | None:
+        """Under DDP, mid accumulation window: every rank's partial gradients, per wrapper.
+
+        Under ``no_sync`` each rank accumulates its own gradients and the optimizer state
+        holds only the saving rank's, so they are gathered (on CPU). Collective; the
+        window is open on all ranks alike, so all ranks take the same branch.
+        """
+        if self.world_size == 1:
+            return None  # the optimizer state's pending gradients are the whole story
+        states = [w.grad_state_dict() if hasattr(w, 'grad_state_dict') and not w.should_update()
+                  else None for w in self._wrappers()]
+        if all(st is None for st in states):
+            return None
+        on_cpu = [None if st is None else {**st, 'grads': {i: g.cpu() for i, g in
+                                                           st['grads'].items()}}
+                  for st in states]
+        return env.all_gather_object(on_cpu)
 
     def _save_checkpoint_files(self, checkpoint: dict, filename: str) -> None:
         """Backend hook: write ``checkpoint`` (default: rank 0 writes one atomic file)."""
@@ -555,13 +623,13 @@ class BaseStrategy(ABC):
                                  extra_manifest={'world_size': self.world_size,
                                                  'strategy': type(self).__name__})
 
-    def collect_env(self) -> dict:
-        """The environment (python, torch, CUDA, extras) plus this strategy's settings."""
-        info = dict(env.collect_env())
-        info.update({'launcher': self._launcher, 'distributed': self._distributed,
-                     'world_size': self.world_size, 'seed': self._seed,
-                     'deterministic': self._randomness.get('deterministic', False)})
-        return info
+    def collect_env(self) -> tuple[dict, dict]:
+        """``(system_env, runtime_env)`` as mmengine returns them: python, torch, CUDA and
+        extras; then this run's launcher, distribution, seed and determinism."""
+        runtime = {'launcher': self._launcher, 'distributed': self._distributed,
+                   'world_size': self.world_size, 'seed': self._seed,
+                   'deterministic': self._randomness.get('deterministic', False)}
+        return dict(env.collect_env()), runtime
 
     def __repr__(self) -> str:
         return (f'{type(self).__name__}(work_dir={self._work_dir!r}, launcher={self._launcher!r}, '

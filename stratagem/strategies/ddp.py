@@ -1,6 +1,7 @@
 """DDPStrategy: torch DistributedDataParallel over gloo (CPU) or nccl (CUDA)."""
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +15,7 @@ from stratagem.registry import STRATEGIES
 from .base import BaseStrategy
 from .sync_bn import convert_sync_batchnorm
 
-_DDP_TYPES = ('DistributedDataParallel', 'MMDistributedDataParallel')
+_MM_WRAPPER = 'MMDistributedDataParallel'
 
 
 @STRATEGIES.register_module()
@@ -26,10 +27,13 @@ class DDPStrategy(BaseStrategy):
 
     Args:
         model_wrapper: kwargs for ``DistributedDataParallel``
-            (``find_unused_parameters``, ``broadcast_buffers``, ``bucket_cap_mb``,
-            ``gradient_as_bucket_view``, ``static_graph``, ...). An mmengine-style
-            ``type='MMDistributedDataParallel'`` is accepted and means the same.
-            ``device_ids`` is set for you on CUDA and must not be given on CPU.
+            (``find_unused_parameters``, ``broadcast_buffers`` — default False, as
+            mmengine's runner sets it —, ``bucket_cap_mb``, ``gradient_as_bucket_view``,
+            ``static_graph``, ...). ``type`` may be ``'DistributedDataParallel'`` or left
+            out; mmengine's ``MMDistributedDataParallel`` (which adds train_step/val_step
+            to the model) is refused with a message. ``device_ids`` is set for you on
+            CUDA and must not be given on CPU. A model that is already wrapped in DDP
+            (by a host trainer) is used as it is.
         sync_bn: ``'torch'`` converts BatchNorm layers to torch's SyncBatchNorm on
             CUDA and to :class:`~stratagem.strategies.sync_bn.CPUSyncBatchNorm` on CPU
             (torch's refuses CPU tensors).
@@ -41,9 +45,16 @@ class DDPStrategy(BaseStrategy):
                  **kwargs: Any) -> None:
         wrapper = dict(model_wrapper or {})
         wrapper_type = wrapper.pop('type', 'DistributedDataParallel')
-        if wrapper_type not in _DDP_TYPES:
-            raise ValueError(f'DDPStrategy: model_wrapper type {wrapper_type!r} is not supported;'
-                             f' use one of {list(_DDP_TYPES)} (or leave type out)')
+        if wrapper_type in (_MM_WRAPPER, DistributedDataParallel):
+            wrapper_type = 'DistributedDataParallel' if wrapper_type is DistributedDataParallel \
+                else wrapper_type
+        if wrapper_type != 'DistributedDataParallel':
+            extra = (' (it adds mmengine\'s train_step/val_step model API, which stratagem '
+                     'leaves to your loop)' if wrapper_type == _MM_WRAPPER else '')
+            raise ValueError(f'DDPStrategy: model_wrapper type {wrapper_type!r} is not '
+                             f"supported{extra}; use type='DistributedDataParallel' or leave "
+                             'type out')
+        wrapper.setdefault('broadcast_buffers', False)
         if sync_bn not in (None, 'torch'):
             raise ValueError(f"DDPStrategy: sync_bn={sync_bn!r} is not supported; use 'torch' "
                              'or None')
@@ -62,11 +73,19 @@ class DDPStrategy(BaseStrategy):
 
     @property
     def device(self) -> torch.device:
+        """``cuda:LOCAL_RANK`` (or the current CUDA device when a host trainer started the
+        processes without LOCAL_RANK), else ``cpu``."""
         if torch.cuda.is_available():
-            return torch.device('cuda', env.get_local_rank())
+            if 'LOCAL_RANK' in os.environ:
+                return torch.device('cuda', env.get_local_rank())
+            return torch.device('cuda', torch.cuda.current_device())
         return torch.device('cpu')
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
+        if isinstance(model, DistributedDataParallel):
+            self.logger.info('DDPStrategy: the model is already wrapped in '
+                             'DistributedDataParallel; using it as it is')
+            return model
         if self.sync_bn == 'torch':
             model, n = convert_sync_batchnorm(model, self.device.type)
             self.logger.info(f'DDPStrategy: {n} BatchNorm layer(s) synchronised across ranks'
@@ -79,7 +98,3 @@ class DDPStrategy(BaseStrategy):
             raise ValueError(f"DDPStrategy: model_wrapper.device_ids={kwargs['device_ids']} "
                              'only applies to CUDA; remove it on CPU')
         return DistributedDataParallel(model, **kwargs)
-
-    def _unwrap_model(self) -> nn.Module:
-        model = getattr(self.model, '_orig_mod', self.model)
-        return model.module if isinstance(model, DistributedDataParallel) else model

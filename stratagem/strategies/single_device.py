@@ -30,8 +30,3 @@ class SingleDeviceStrategy(BaseStrategy):
             self.logger.info(f'SingleDeviceStrategy: reverted {reverted} SyncBatchNorm layer(s) '
                              'to BatchNorm (one process has nothing to sync)')
         return model.to(self.device)
-
-    def _unwrap_model(self) -> nn.Module:
-        model = self.model
-        # torch.compile wraps the module; its state dict keys must stay the plain ones
-        return getattr(model, '_orig_mod', model)

@@ -13,8 +13,28 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.nn import functional as F
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks, differentiable: each input's gradient is the sum of the ranks'
+    output gradients (every rank's output depends on every rank's input)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+def differentiable_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    return _AllReduceSum.apply(tensor)
 
 
 class AnyRankBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -30,19 +50,22 @@ class CPUSyncBatchNorm(AnyRankBatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        use_batch_stats = self.training or not self.track_running_stats
-        if not use_batch_stats or not (dist.is_available() and dist.is_initialized()):
+        # as torch's SyncBatchNorm: synchronise only in training (eval may run on one rank)
+        if not self.training or not (dist.is_available() and dist.is_initialized()):
             return super().forward(input)
         dims = [0] + list(range(2, input.dim()))
         x = input.float()
-        count = torch.tensor([input.numel() / input.shape[1]], dtype=torch.float32)
-        stats = torch.cat([count, x.sum(dims), (x * x).sum(dims)])
-        stats = differentiable_all_reduce(stats)
-        n = stats[0]
         c = self.num_features
-        mean = stats[1:1 + c] / n
-        var = (stats[1 + c:] / n - mean * mean).clamp_min(0)
-        if self.training and self.track_running_stats:
+        count = torch.full((1,), input.numel() / c, dtype=torch.float32)
+        # two passes (mean, then squared deviations) rather than E[x^2] - mean^2, which
+        # cancels catastrophically in float32 when |mean| >> std
+        first = differentiable_all_reduce(torch.cat([count, x.sum(dims)]))
+        n = first[0]
+        mean = first[1:] / n
+        shape = [1, c] + [1] * (input.dim() - 2)
+        centred = x - mean.view(shape)
+        var = differentiable_all_reduce((centred * centred).sum(dims)) / n
+        if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 momentum = (1.0 / float(self.num_batches_tracked) if self.momentum is None
@@ -50,8 +73,7 @@ class CPUSyncBatchNorm(AnyRankBatchNorm):
                 unbiased = var * (n / (n - 1).clamp_min(1))
                 self.running_mean.mul_(1 - momentum).add_(mean * momentum)
                 self.running_var.mul_(1 - momentum).add_(unbiased * momentum)
-        shape = [1, c] + [1] * (input.dim() - 2)
-        out = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        out = centred * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             out = out * self.weight.view(shape) + self.bias.view(shape)
         return out.to(input.dtype)
