@@ -117,6 +117,8 @@ def test_cfg_options_parser_and_merge_from_dict():
                               'h=1,2', "i=(3, 4)", "j={'k': 1}"])
     assert opts == {'a.b': 1, 'c': [1, 2], 'd': 'xyz', 'e': True, 'f': None, 'g': 0.5,
                     'h': [1, 2], 'i': (3, 4), 'j': {'k': 1}}
+    assert parse_cfg_options(['a=[cat,dog]', 'b=[x,[1,y]]', 'c=(u,2)']) == {
+        'a': ['cat', 'dog'], 'b': ['x', [1, 'y']], 'c': ('u', 2)}
     with pytest.raises(ConfigError, match="bad --cfg-options item 'novalue'"):
         parse_cfg_options(['novalue'])
     cfg = Config({'a': {'b': 0, 'keep': 1}, 'sched': [{'lr': 1}, {'lr': 2}]})

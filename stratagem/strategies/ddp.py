@@ -1,6 +1,7 @@
 """DDPStrategy: torch DistributedDataParallel over gloo (CPU) or nccl (CUDA)."""
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -16,6 +17,9 @@ from .base import BaseStrategy
 from .sync_bn import convert_sync_batchnorm
 
 _MM_WRAPPER = 'MMDistributedDataParallel'
+_NO_FORWARD_BUFFER_SYNC = ('forward_sync_buffers' if 'forward_sync_buffers' in
+                           inspect.signature(DistributedDataParallel.__init__).parameters
+                           else 'broadcast_buffers')
 
 
 @STRATEGIES.register_module()
@@ -27,8 +31,8 @@ class DDPStrategy(BaseStrategy):
 
     Args:
         model_wrapper: kwargs for ``DistributedDataParallel``
-            (``find_unused_parameters``, ``broadcast_buffers`` — default False, as
-            mmengine's runner sets it —, ``bucket_cap_mb``, ``gradient_as_bucket_view``,
+            (``find_unused_parameters``, ``broadcast_buffers`` / ``forward_sync_buffers``
+            — default False, as mmengine's runner sets it —, ``bucket_cap_mb``, ``gradient_as_bucket_view``,
             ``static_graph``, ...). ``type`` may be ``'DistributedDataParallel'`` or left
             out; mmengine's ``MMDistributedDataParallel`` (which adds train_step/val_step
             to the model) is refused with a message. ``device_ids`` is set for you on
@@ -54,7 +58,10 @@ class DDPStrategy(BaseStrategy):
             raise ValueError(f'DDPStrategy: model_wrapper type {wrapper_type!r} is not '
                              f"supported{extra}; use type='DistributedDataParallel' or leave "
                              'type out')
-        wrapper.setdefault('broadcast_buffers', False)
+        if 'broadcast_buffers' not in wrapper and 'forward_sync_buffers' not in wrapper:
+            # mmengine's runner default: buffers are not re-broadcast every forward (newer
+            # torch spells it forward_sync_buffers and deprecates broadcast_buffers)
+            wrapper[_NO_FORWARD_BUFFER_SYNC] = False
         if sync_bn not in (None, 'torch'):
             raise ValueError(f"DDPStrategy: sync_bn={sync_bn!r} is not supported; use 'torch' "
                              'or None')

@@ -18,6 +18,7 @@ from dist_harness import RankFailure, run_distributed  # noqa: E402
 from stratagem.strategies import SingleDeviceStrategy  # noqa: E402
 
 MAX_ITERS = 10
+_SEEDS = []  # (this rank's seed, the configured seed) of each _resume_run, per process
 STOP = 5  # mid accumulation window (windows of 3: [0,3), [3,6), ...)
 
 
@@ -56,6 +57,7 @@ def _resume_run(work_dir, stop, resume=None):
     path = None
     if stop < MAX_ITERS:
         path = s.save_checkpoint(f'iter_{stop}.pth', extra_ckpt={'meta': {'iter': stop}})
+    _SEEDS.append((s.seed, s.randomness['seed']))
     return {k: v.clone() for k, v in s.model.module.state_dict().items()}, torch.rand(3), path
 
 
@@ -123,6 +125,32 @@ def _checks(tmp):
     data = torch.full((4, 3), float(rank + 1))  # rank 0: ones, rank 1: twos -> mean 1.5
     bn_model(data)
     out['bn_running_mean'] = s3.model.module[1].running_mean.tolist()
+    out['buffers_resynced'] = s3.model.will_sync_module_buffers()
+    # gradients through the global statistics equal one process on the whole batch
+    s4 = DDPStrategy(work_dir=os.path.join(tmp, 'bn2'), sync_bn='torch')
+    torch.manual_seed(3)
+    plain = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    ref = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    ref.load_state_dict(plain.state_dict())
+    bn2 = s4.prepare(plain)
+    g = torch.Generator().manual_seed(4)
+    full, target = torch.randn(8, 3, generator=g), torch.randn(8, 3, generator=g)
+    half = slice(rank * 4, rank * 4 + 4)
+    (bn2(full[half]) * target[half]).mean().backward()
+    (ref(full) * target).mean().backward()
+    out['sync_bn_grad_diff'] = max((a.grad - b.grad).abs().max().item() for a, b in
+                                   zip(s4.model.module.parameters(), ref.parameters()))
+    # far from zero mean, statistics in float32 must not cancel: compare with float64
+    s5 = DDPStrategy(work_dir=os.path.join(tmp, 'bn3'), sync_bn='torch')
+    bn3 = s5.prepare(nn.BatchNorm1d(3))  # weight 1, bias 0: the plain normalisation
+    far = torch.randn(8, 3, generator=g) * 0.5 + 1000.0
+    x64 = far.double()
+    want = (x64 - x64.mean(0)) / (x64.var(0, unbiased=False) + 1e-5).sqrt()
+    out['sync_bn_far_diff'] = (bn3(far[half]).double() - want[half]).abs().max().item()
+    # a model a host trainer already wrapped is used as it is
+    from torch.nn.parallel import DistributedDataParallel
+    pre = DistributedDataParallel(nn.Linear(2, 2))
+    out['prewrapped_kept'] = DDPStrategy(work_dir=os.path.join(tmp, 'pre')).prepare(pre) is pre
 
     # -- 4. a checkpoint written by rank 0, loadable on every rank
     path = s.save_checkpoint('ddp.pth', extra_ckpt={'meta': {'iter': 4}})
@@ -151,12 +179,41 @@ def _checks(tmp):
     zpath = sz.save_checkpoint('zero.pth')  # consolidates the shards: a collective
     out['zero_ckpt_has_state'] = bool(torch.load(zpath, weights_only=True)['optimizer']['state'])
 
-    # -- 6. the first half of the resume run (fresh strategy, same process group)
+    # -- 6. two optim wrappers, saved mid accumulation window: every rank's own grads back
+    def two_heads():
+        torch.manual_seed(9)
+        return nn.ModuleDict(dict(a=nn.Linear(3, 1), b=nn.Linear(3, 1)))
+
+    def build_two(sub):
+        st = _strategy(os.path.join(tmp, sub))
+        m, o = st.prepare(two_heads(), optim_wrapper=dict(
+            a=dict(optimizer=dict(type='SGD', lr=0.1), accumulative_counts=2),
+            b=dict(optimizer=dict(type='SGD', lr=0.1), accumulative_counts=2)),
+            dispatch_kwargs=dict(max_iters=4))
+        return st, m, o
+    st, m, o = build_two('two')
+    x = torch.full((2, 3), float(rank + 1))
+    with m.no_sync():
+        (m.module['a'](x).sum() + m.module['b'](x).sum()).backward()
+    for w in o.values():
+        w._inner_count = 1  # one micro-batch of the window done (the loop's update_params)
+    own = {k: [p.grad.clone() for p in m.module[k].parameters()] for k in 'ab'}
+    two_path = st.save_checkpoint('two.pth', extra_ckpt={'meta': {'iter': 1}})
+    st2, m2, o2 = build_two('two')
+    st2.resume(two_path)
+    out['two_grads_restored'] = all(torch.equal(p.grad, g) for k in 'ab' for p, g in
+                                    zip(m2.module[k].parameters(), own[k]))
+    out['two_inner'] = [w.inner_count for w in o2.values()]
+    out['two_path'] = two_path
+    out['seeds'] = (s.seed, s.randomness['seed'])
+
+    # -- 7. the first half of the resume run (fresh strategy, same process group)
     weights, _, path = _resume_run(os.path.join(tmp, 'resume'), STOP)
     out['resume_ckpt'] = path
     full, draw, _ = _resume_run(os.path.join(tmp, 'full'), MAX_ITERS)
     torch.save({'weights': full, 'draw': draw}, os.path.join(tmp, f'full_rank{rank}.pt'))
     out['world'] = env.get_world_size()
+    out['diff_rank_seeds'] = _SEEDS[-1]
     return out
 
 
@@ -198,6 +255,57 @@ def test_sync_bn_uses_both_ranks(results):
         assert r['sync_bn_type'] == 'CPUSyncBatchNorm'  # torch's refuses CPU tensors
         # momentum 0.1: 0.9 * 0 + 0.1 * 1.5
         assert r['bn_running_mean'] == pytest.approx([0.15] * 3)
+
+
+def test_sync_bn_gradients_match_one_process_and_stay_exact_far_from_zero(results):
+    _, ranks = results
+    for r in ranks:
+        assert r['buffers_resynced'] is False  # mmengine's runner default
+        assert r['sync_bn_grad_diff'] < 1e-6
+        assert r['sync_bn_far_diff'] < 1e-3  # E[x^2]-mean^2 in float32 is off by > 1 here
+        assert r['prewrapped_kept']
+
+
+def test_two_optim_wrappers_mid_window_restore_each_ranks_grads(results):
+    _, ranks = results
+    for r in ranks:
+        assert r['two_grads_restored'] and r['two_inner'] == [1, 1]
+    ck = torch.load(ranks[0]['two_path'], weights_only=True)
+    grads = ck['partial_grads']  # [rank][wrapper]
+    assert len(grads) == 2 and len(grads[0]) == 2
+    assert not torch.equal(grads[0][0]['grads'][0], grads[1][0]['grads'][0])
+
+
+def test_diff_rank_seed_keeps_a_shared_configured_seed(results):
+    _, (r0, r1) = results
+    assert r0['diff_rank_seeds'] == (5, 5) and r1['diff_rank_seeds'] == (6, 5)
+
+
+def test_world_size_change_mid_window_continues_from_mean_grads(results, tmp_path):
+    from stratagem.optim import OptimWrapper
+    _, (r0, _) = results
+    ck = torch.load(r0['resume_ckpt'], weights_only=True)
+    s = SingleDeviceStrategy(work_dir=str(tmp_path))
+    model, ow, _ = s.prepare(
+        _net(dropout=0.25),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
+                           accumulative_counts=3, clip_grad=dict(type='norm', max_norm=1.0)),
+        param_scheduler=[dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=4),
+                         dict(type='CosineAnnealingLR', by_epoch=False, begin=4, T_max=6)],
+        dispatch_kwargs=dict(max_iters=MAX_ITERS))
+    assert isinstance(ow, OptimWrapper)
+    with pytest.warns(UserWarning, match='mean of the 2 ranks'):
+        s.resume(r0['resume_ckpt'])
+    per_rank = [g[0]['grads'] for g in ck['partial_grads']]
+    for i, p in enumerate(model.parameters()):
+        assert torch.allclose(p.grad, (per_rank[0][i] + per_rank[1][i]) / 2)
+    assert ow.inner_count == STOP
+
+
+def test_mmengine_wrapper_type_is_refused_with_a_reason():
+    from stratagem.strategies import DDPStrategy
+    with pytest.raises(ValueError, match="MMDistributedDataParallel.*train_step"):
+        DDPStrategy(model_wrapper=dict(type='MMDistributedDataParallel'))
 
 
 def test_zero_redundancy_optimizer_matches_plain_adam(results):

@@ -175,3 +175,90 @@ def test_load_or_resume_latest(tmp_path):
     ckpt = s2.load_or_resume(resume=True)
     assert ckpt['meta']['iter'] == 2 and torch.equal(model2.weight, model.weight)
     assert s2.resumed_from == str(tmp_path / 'iter_2.pth')
+
+
+def test_prebuilt_optimizer_stays_connected_to_the_model(tmp_path):
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = make_strategy(tmp_path)
+    model, ow = s.prepare(model, optim_wrapper=dict(optimizer=opt))
+    assert ow.optimizer is opt
+    before = model.weight.detach().clone()
+    ow.update_params(model(torch.ones(1, 2)).sum())
+    assert torch.allclose(model.weight, before - 0.1)
+
+
+def test_resume_without_optimizer_still_aligns_accumulation(tmp_path):
+    def build():
+        s = make_strategy(tmp_path)
+        model, ow = s.prepare(nn.Linear(2, 1, bias=False),
+                              optim_wrapper=dict(OPTIM, accumulative_counts=2),
+                              dispatch_kwargs=dict(max_iters=5))
+        return s, model, ow
+    s, model, ow = build()
+    for _ in range(2):
+        ow.update_params(model(torch.ones(1, 2)).sum())
+    path = s.save_checkpoint('a.pth', extra_ckpt={'meta': {'iter': 2}})
+    s2, model2, ow2 = build()
+    s2.resume(path, resume_optimizer=False)
+    assert ow2.inner_count == 2
+    for _ in range(3):  # iterations 2, 3 (a full window) and 4 (the 1-long tail): all stepped
+        ow2.update_params(model2(torch.ones(1, 2)).sum())
+    assert all(p.grad is None for p in model2.parameters())
+
+
+def test_resume_checks_keys_before_loading_anything(tmp_path):
+    s = make_strategy(tmp_path)
+    model, _ = s.prepare(nn.Linear(2, 2), optim_wrapper=OPTIM)
+    torch.save({'state_dict': {k: v + 1 for k, v in model.state_dict().items()}},
+               tmp_path / 'weights_only.pth')
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning), pytest.raises(KeyError, match=r"has no \['optimizer'\]"):
+        s.resume(str(tmp_path / 'weights_only.pth'))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # an mmengine-style checkpoint without 'meta' resumes when the parts asked for are there
+    torch.save({'state_dict': model.state_dict(), 'optimizer': s.optim_state_dict()},
+               tmp_path / 'nometa.pth')
+    with pytest.warns(UserWarning):
+        ck = s.resume(str(tmp_path / 'nometa.pth'))
+    assert 'meta' not in ck
+
+
+def test_bad_checkpoint_content_fails_before_writing(tmp_path):
+    s = make_strategy(tmp_path)
+    s.prepare(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"checkpoint\['meta'\]\['fn'\] is a function"):
+        s.save_checkpoint('bad.pth', extra_ckpt={'meta': {'fn': lambda: 1}})
+    assert not (tmp_path / 'bad.pth').exists()
+
+
+class WithInitWeights(nn.Linear):
+    def init_weights(self):
+        with torch.no_grad():
+            self.weight.fill_(0.25)
+
+
+def test_prepare_calls_init_weights_and_collect_env_shape(tmp_path):
+    s = make_strategy(tmp_path)
+    model = s.prepare(WithInitWeights(3, 3))
+    assert torch.equal(model.weight, torch.full((3, 3), 0.25))
+    system, runtime = s.collect_env()
+    assert 'Python' in ' '.join(system) or any('python' in k.lower() for k in system)
+    assert runtime['seed'] == 7 and runtime['world_size'] == 1
+
+
+def test_whole_model_compile_keeps_plain_checkpoint_keys(tmp_path):
+    s = make_strategy(tmp_path)
+    s.prepare(nn.Linear(2, 2), compile=dict(backend='eager'))
+    path = s.save_checkpoint('c.pth')
+    assert sorted(torch.load(path, weights_only=True)['state_dict']) == ['bias', 'weight']
+
+
+def test_demo_refuses_a_work_dir_with_foreign_files(tmp_path):
+    from stratagem.cli import main
+    precious = tmp_path / 'precious'
+    precious.mkdir()
+    (precious / 'my_notes.txt').write_text('data')
+    with pytest.raises(FileExistsError, match='my_notes.txt'):
+        main(['demo', '--work-dir', str(precious)])
+    assert (precious / 'my_notes.txt').read_text() == 'data'
