@@ -53,8 +53,6 @@ def state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
             'optimizer': optimizer.state_dict()}
 
 
-ZIP_CRC32 = False  # save_checkpoint's default; --zip-crc32 turns it on
-
 
 def raw_save(checkpoint: dict, path: Path) -> None:
     torch.save(checkpoint, path)
@@ -63,8 +61,8 @@ def raw_save(checkpoint: dict, path: Path) -> None:
     os.close(fd)
 
 
-def ours_save(checkpoint: dict, path: Path) -> None:
-    save_checkpoint(checkpoint, path, step=1000, zip_crc32=ZIP_CRC32)
+def ours_save(checkpoint: dict, path: Path, zip_crc32: bool = False) -> None:
+    save_checkpoint(checkpoint, path, step=1000, zip_crc32=zip_crc32)
 
 
 def evict(path: Path) -> None:
@@ -122,8 +120,6 @@ def main() -> None:
     parser.add_argument('--zip-crc32', action='store_true',
                         help='save with the zip CRC32 too (as raw torch.save does)')
     args = parser.parse_args()
-    global ZIP_CRC32
-    ZIP_CRC32 = args.zip_crc32
 
     model, optimizer = build(args.params_millions)
     numel = sum(p.numel() for p in model.parameters())
@@ -136,7 +132,7 @@ def main() -> None:
 
         def save_a() -> float:
             ours_path.unlink(missing_ok=True)
-            return timed(ours_save, checkpoint, ours_path)
+            return timed(ours_save, checkpoint, ours_path, args.zip_crc32)
 
         def save_b() -> float:
             raw_path.unlink(missing_ok=True)
@@ -166,7 +162,7 @@ def main() -> None:
             load_a(), load_b()
             ours_l, raw_l = interleave(args.runs, load_a, load_b)
             report(f'load {"cold" if cold else "warm"}', ours_l, raw_l, 'torch.load  ')
-        del checkpoint
+        checkpoint.clear()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

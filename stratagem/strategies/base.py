@@ -11,16 +11,19 @@ Construction
 
 ``prepare(model, optim_wrapper=, param_scheduler=, compile=, dispatch_kwargs=)``
     1. ``build_model``: a registry cfg or an ``nn.Module``.
-    2. ``_wrap_model``  — **backend hook**: move to the device, convert norms,
+    2. ``_init_model_weights``: ``model.init_weights()`` when the model has one.
+    3. ``_wrap_model``  — **backend hook**: move to the device, convert norms,
        wrap (DDP, FSDP, ...). Returns the model the loop calls.
-    3. ``compile_model``: ``torch.compile`` of the model or one of its methods.
-    4. ``build_optim_wrapper`` over the wrapped model's parameters, then
+    4. ``compile_model``: ``torch.compile`` of the model or one of its methods.
+    5. ``build_optim_wrapper`` over the wrapped model's parameters, then
        ``_scale_lr`` once (never again on resume).
-    5. ``initialize_count_status`` when accumulating (needs ``max_iters``).
-    6. ``build_param_scheduler`` (default ``end`` from ``max_epochs``/``max_iters``).
+    6. ``initialize_count_status`` when accumulating (needs ``max_iters``).
+    7. ``build_param_scheduler`` (default ``end`` from ``max_epochs``/``max_iters``).
 
-Checkpoint hooks (what a backend overrides)
-    - ``_unwrap_model()``: the plain module behind the backend's wrapper.
+Backend hooks (what a backend overrides)
+    - ``_wrap_model(model)`` (abstract): placement and wrapping, above.
+    - ``_unwrap_model()``: the plain module behind the wrapper (default: through
+      DDP / DataParallel / ``torch.compile``).
     - ``model_state_dict()`` / ``load_model_state_dict()``: the model's state.
     - ``optim_state_dict()`` / ``load_optim_state_dict()``: the optimizer's state.
     - ``_save_checkpoint_files(checkpoint, filename)`` /
@@ -29,23 +32,17 @@ Checkpoint hooks (what a backend overrides)
     The no-sync context belongs to the optim wrapper (``optim_context``), which
     uses the wrapped model's ``no_sync`` when it has one.
 
-``save_checkpoint`` (every rank calls it)
-    1. rank 0 picks the file name; it is broadcast. 2. every rank's RNG state
-    (and, mid accumulation window, its partial gradients) is gathered. 3. rank 0
-    writes through ``checkpoint/`` (temp, fsync, manifest, rename, pointer). 4. barrier.
-
-``resume`` restores, in order: model, optimizer (its counters, scaler and
-partial gradients included), schedulers, then every RNG state last.
+The checkpoint sequence (``save_checkpoint``, ``load_checkpoint``, ``resume``,
+``load_or_resume`` and the state-dict methods) lives in ``checkpointing.py``,
+whose docstring numbers its steps; BaseStrategy mixes it in.
 """
 from __future__ import annotations
 
 import logging
-import os
 import os.path as osp
 import time
-import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -55,7 +52,8 @@ from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.config import check_keys
 from stratagem.registry import MODELS
-from stratagem.version import __version__
+
+from .checkpointing import CheckpointMixin
 
 __all__ = ['BaseStrategy']
 
@@ -63,7 +61,7 @@ _ENV_KEYS = {'launcher', 'cudnn_benchmark', 'mp_cfg', 'dist_cfg', 'resource_limi
 _RANDOMNESS_KEYS = {'seed', 'deterministic', 'diff_rank_seed'}
 
 
-class BaseStrategy(ABC):
+class BaseStrategy(CheckpointMixin, ABC):
     """Owns environment, components and checkpoints around any training loop.
 
     Args:
@@ -359,269 +357,6 @@ class BaseStrategy(ABC):
                                       epoch_length=d.get('epoch_length'),
                                       max_epochs=d.get('max_epochs'),
                                       max_iters=d.get('max_iters'))
-
-    # ----------------------------------------------------------------- state dicts
-    def model_state_dict(self) -> dict:
-        """The unwrapped model's state dict (tensors kept on their device)."""
-        return self._unwrap_model().state_dict()
-
-    def optim_state_dict(self) -> dict:
-        """The optim wrapper's state dict (optimizer, counters, scaler)."""
-        return self.optim_wrapper.state_dict()
-
-    def scheduler_state_dict(self) -> list | dict:
-        """Each scheduler's state dict, in the shape ``param_schedulers`` has."""
-        scheds = self.param_schedulers
-        if isinstance(scheds, Mapping):
-            return {k: [s.state_dict() for s in v] for k, v in scheds.items()}
-        return [s.state_dict() for s in scheds]
-
-    def load_model_state_dict(self, state_dict: Mapping, *, strict: bool = False,
-                              revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)
-                              ) -> Any:
-        """Load weights into the unwrapped model; mismatches reported in one message."""
-        state_dict = ckpt.revise_keys(state_dict, list(revise_keys))
-        return ckpt.load_state_dict(self._unwrap_model(), state_dict, strict=strict,
-                                    logger=self.logger)
-
-    def load_optim_state_dict(self, state_dict: Mapping) -> None:
-        self.optim_wrapper.load_state_dict(state_dict)
-
-    def load_scheduler_state_dict(self, state_dict: list | dict) -> None:
-        scheds = self.param_schedulers
-        if isinstance(scheds, Mapping):
-            for name, states in state_dict.items():
-                self._load_scheduler_list(scheds[name], states)
-        else:
-            self._load_scheduler_list(scheds, state_dict)
-
-    @staticmethod
-    def _load_scheduler_list(scheds: Sequence, states: Sequence) -> None:
-        if len(scheds) != len(states):
-            raise ValueError(f'checkpoint holds {len(states)} param scheduler state(s) but '
-                             f'{len(scheds)} scheduler(s) were built; the param_scheduler config '
-                             'changed since the checkpoint was saved')
-        for sched, state in zip(scheds, states):
-            sched.load_state_dict(state)
-
-    # ----------------------------------------------------------------- checkpoints
-    def _resolve_map_location(self, map_location: Any) -> Any:
-        """mmengine's ``'default'``: this strategy's device (CUDA's current one, else cpu)."""
-        if map_location != 'default':
-            return map_location
-        device = getattr(self, 'device', None)
-        if device is not None:
-            return str(device)
-        return f'cuda:{torch.cuda.current_device()}' if torch.cuda.is_available() else 'cpu'
-
-    def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
-        """Backend hook: read a checkpoint (default: one verified file, weights_only)."""
-        return ckpt.load_checkpoint_file(filename, map_location=map_location)
-
-    def load_checkpoint(self, filename: str, *, map_location: Any = 'cpu', strict: bool = False,
-                        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
-                        callback: Callable[[dict], None] | None = None) -> dict:
-        """Load model weights from ``filename``; returns the whole checkpoint dict.
-
-        ``callback(checkpoint)`` runs after reading and before loading, and may
-        edit the dict in place. A checkpoint without ``state_dict`` is treated as
-        a bare state dict.
-        """
-        checkpoint = self._read_checkpoint(filename, map_location, callback)
-        self._load_weights(checkpoint, filename, strict=strict, revise_keys=revise_keys)
-        return checkpoint
-
-    def _read_checkpoint(self, filename: str, map_location: Any,
-                         callback: Callable[[dict], None] | None) -> dict:
-        checkpoint = self._load_checkpoint_files(str(filename),
-                                                 self._resolve_map_location(map_location))
-        if not isinstance(checkpoint, dict):
-            raise ValueError(f'{filename} holds a {type(checkpoint).__name__}, not a checkpoint '
-                             "dict (expected keys like 'state_dict', 'meta', 'optimizer')")
-        if callback is not None:
-            callback(checkpoint)
-        return checkpoint
-
-    def _load_weights(self, checkpoint: dict, filename: str, *, strict: bool,
-                      revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)) -> None:
-        state_dict = checkpoint.get('state_dict', checkpoint)
-        self.load_model_state_dict(state_dict, strict=strict, revise_keys=revise_keys)
-        self.logger.info(f'loaded weights from {filename}')
-
-    def resume(self, filename: str, *, resume_optimizer: bool = True,
-               resume_param_scheduler: bool = True, map_location: Any = 'default',
-               callback: Callable[[dict], None] | None = None) -> dict:
-        """Continue exactly where ``filename`` stopped; returns the checkpoint (``meta`` has iter).
-
-        Restores model, optimizer (with counters, scaler, partial gradients),
-        schedulers, then every rank's RNG state last. Call after ``prepare``.
-        """
-        if not self._prepared:
-            raise RuntimeError('resume() needs the prepared components: call strategy.prepare('
-                               'model, optim_wrapper=..., param_scheduler=...) first')
-        checkpoint = self._read_checkpoint(filename, map_location, callback)
-        want_optim = resume_optimizer and hasattr(self, 'optim_wrapper')
-        want_sched = resume_param_scheduler and hasattr(self, 'param_schedulers')
-        missing = [key for key, wanted in (('state_dict', True), ('optimizer', want_optim),
-                                          ('param_schedulers', want_sched))
-                   if wanted and key not in checkpoint]
-        if missing:  # checked before anything is loaded, so a failed resume changes nothing
-            raise KeyError(f"{filename} cannot be resumed: it has no {missing} (keys: "
-                           f"{sorted(checkpoint)}); load weights only with load_checkpoint(), or "
-                           'pass resume_optimizer=False / resume_param_scheduler=False')
-        meta = checkpoint.get('meta') or {}
-        # mmengine resumes non-strictly too; mismatches are reported in one warning
-        self._load_weights(checkpoint, filename, strict=False)
-        if want_optim:
-            self.load_optim_state_dict(checkpoint['optimizer'])
-            self._load_partial_grads(checkpoint, meta)
-        if hasattr(self, 'optim_wrapper'):
-            self._initialize_accumulation(meta.get('iter'))
-        if want_sched:
-            self.load_scheduler_state_dict(checkpoint['param_schedulers'])
-        self._restore_randomness(checkpoint, meta, filename)
-        self.resumed_from = osp.abspath(filename)
-        self.logger.info(f'resumed from {filename} (iter {meta.get("iter")})')
-        return checkpoint
-
-    def _load_partial_grads(self, checkpoint: Mapping, meta: Mapping) -> None:
-        """Each rank's own partial gradients (saved mid accumulation window under DDP)."""
-        grads = checkpoint.get('partial_grads')
-        if not grads:
-            return
-        world = meta.get('world_size', len(grads))
-        if world == self.world_size:
-            mine = grads[self.rank]
-        else:  # DDP would have averaged the ranks' accumulated gradients at the window's end
-            mine = [None if per_rank[0] is None else
-                    {**per_rank[0], 'grads': {i: sum(st['grads'][i] for st in per_rank) / world
-                                              for i in per_rank[0]['grads']}}
-                    for per_rank in zip(*grads)]
-        for wrapper, state in zip(self._wrappers(), mine):
-            if state is not None:
-                wrapper.load_grad_state_dict(state)
-        if world == self.world_size:
-            return
-        warnings.warn(f'the checkpoint was taken mid accumulation window with world size '
-                      f'{world}; this run has {self.world_size}, so every rank continues the '
-                      f'window from the mean of the {world} ranks\' partial gradients',
-                      stacklevel=3)
-
-    def _restore_randomness(self, checkpoint: Mapping, meta: Mapping, filename: str) -> None:
-        """Every rank's RNG state (same world size), else a re-seed from the saved seed."""
-        states = checkpoint.get('rng_states')
-        world = meta.get('world_size', 1)
-        base = meta.get('seed', self._seed)  # rank 0's seed: the configured one
-        if states and world == self.world_size:
-            self._seed = base + self.rank if self._randomness.get('diff_rank_seed') else base
-            self._randomness.update(seed=base)
-            env.set_rng_state(states[self.rank])
-            return
-        if states:
-            warnings.warn(f'{filename} was saved with world size {world}, this run has '
-                          f'{self.world_size}: per-rank RNG streams cannot be restored, so every '
-                          f'rank is re-seeded from seed {base}', stacklevel=3)
-        self._set_randomness(**{**self._randomness, 'seed': base})
-
-    def load_or_resume(self, load_from: str | None = None, resume: bool | str = False) -> dict | None:
-        """mmengine's runner logic: resume (latest in work_dir, or a path) or just load weights.
-
-        ``resume=True`` with no ``load_from`` resumes from the newest committed
-        checkpoint in ``work_dir`` (none found: starts fresh, with a log line);
-        ``resume='path'`` or ``resume=True`` with ``load_from`` resumes from that
-        file; ``load_from`` alone loads weights only. Returns the checkpoint or None.
-        """
-        if isinstance(resume, str):
-            return self.resume(resume)
-        if resume and load_from is None:
-            latest = ckpt.find_latest_checkpoint(self._work_dir)
-            if latest is None:
-                self.logger.info(f'no checkpoint in {self._work_dir} to resume from; '
-                                 'training starts from scratch')
-                return None
-            return self.resume(str(latest))
-        if resume:
-            return self.resume(load_from)
-        if load_from is not None:
-            return self.load_checkpoint(load_from)
-        return None
-
-    def _meta(self, extra_meta: Mapping | None) -> dict:
-        meta = {'seed': self._randomness['seed'], 'time': time.strftime('%Y%m%d_%H%M%S'),
-                'experiment_name': self._experiment_name, 'world_size': self.world_size,
-                'strategy': type(self).__name__, 'stratagem_version': __version__,
-                'torch_version': str(torch.__version__), 'auto_scale_lr_applied': self._lr_scaled}
-        meta.update(extra_meta or {})
-        return meta
-
-    def save_checkpoint(self, filename: str, *, save_optimizer: bool = True,
-                        save_param_scheduler: bool = True, extra_ckpt: Mapping | None = None,
-                        callback: Callable[[dict], None] | None = None) -> str:
-        """Save model (+ optimizer, schedulers, RNG states) atomically; every rank calls it.
-
-        ``filename`` is a path; relative paths are under ``work_dir``.
-        ``extra_ckpt['meta']`` (e.g. ``iter``/``epoch``) merges into ``meta``;
-        other ``extra_ckpt`` keys are stored as they are (tensors and plain values
-        only). ``callback(checkpoint)`` may edit the dict before it is written.
-        Returns the final path.
-        """
-        extra = dict(extra_ckpt or {})
-        path = filename if osp.isabs(filename) else osp.join(self._work_dir, filename)
-        path = env.broadcast_object(osp.abspath(path))
-        checkpoint: dict[str, Any] = {'meta': self._meta(extra.pop('meta', None)),
-                                      'state_dict': self.model_state_dict()}
-        if save_optimizer and hasattr(self, 'optim_wrapper'):
-            checkpoint['optimizer'] = self.optim_state_dict()
-            partial = self._partial_grad_states()
-            if partial is not None:
-                checkpoint['partial_grads'] = partial
-        if save_param_scheduler and hasattr(self, 'param_schedulers'):
-            checkpoint['param_schedulers'] = self.scheduler_state_dict()
-        checkpoint['rng_states'] = env.all_gather_object(env.get_rng_state())
-        checkpoint.update(extra)
-        if callback is not None:
-            callback(checkpoint)
-        # every rank checks the content, so a bad value fails on all ranks alike instead of
-        # leaving the others waiting for rank 0
-        ckpt.validate_checkpoint_content(checkpoint)
-        error = None
-        try:
-            self._save_checkpoint_files(checkpoint, path)
-        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
-            error = e
-        errors = env.all_gather_object(None if error is None else f'{type(error).__name__}: '
-                                                                   f'{error}')
-        if error is not None:
-            raise error
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if failed:
-            raise RuntimeError(f'saving {path} failed on rank {failed[0][0]}: {failed[0][1]}')
-        return path
-
-    def _partial_grad_states(self) -> list | None:
-        """Under DDP, mid accumulation window: every rank's partial gradients, per wrapper.
-
-        Under ``no_sync`` each rank accumulates its own gradients and the optimizer state
-        holds only the saving rank's, so they are gathered (on CPU). Collective; the
-        window is open on all ranks alike, so all ranks take the same branch.
-        """
-        if self.world_size == 1:
-            return None  # the optimizer state's pending gradients are the whole story
-        states = [w.grad_state_dict() if hasattr(w, 'grad_state_dict') and not w.should_update()
-                  else None for w in self._wrappers()]
-        if all(st is None for st in states):
-            return None
-        on_cpu = [None if st is None else {**st, 'grads': {i: g.cpu() for i, g in
-                                                           st['grads'].items()}}
-                  for st in states]
-        return env.all_gather_object(on_cpu)
-
-    def _save_checkpoint_files(self, checkpoint: dict, filename: str) -> None:
-        """Backend hook: write ``checkpoint`` (default: rank 0 writes one atomic file)."""
-        if env.is_main_process():
-            ckpt.save_checkpoint(checkpoint, filename, step=checkpoint['meta'].get('iter'),
-                                 extra_manifest={'world_size': self.world_size,
-                                                 'strategy': type(self).__name__})
 
     def collect_env(self) -> tuple[dict, dict]:
         """``(system_env, runtime_env)`` as mmengine returns them: python, torch, CUDA and

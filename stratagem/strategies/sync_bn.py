@@ -13,7 +13,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
 
 class _AllReduceSum(torch.autograd.Function):
