@@ -253,10 +253,14 @@ def _tail(text: str, lines: int = 30) -> str:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """Kill a rank and whatever it started (its own session), then reap it."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    """Kill a rank and whatever it started (its own session), then reap it.
+
+    The group is killed even when the rank itself has exited: processes it started (data
+    loader workers, helpers) stay in its group and would outlive the test otherwise. The
+    group id cannot be reused while any member is alive, so this hits only ours.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
 

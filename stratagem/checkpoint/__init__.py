@@ -6,13 +6,29 @@ strategy decides what is in it. The save protocol is numbered in ``commit.py``, 
 sequence in ``load.py``, where manifests live in ``manifest.py``. Importing it imports torch
 and the standard library only.
 """
-from .commit import commit_directory, finalize_directory, new_staging_dir, save_checkpoint
+from .commit import (
+                     commit_directory,
+                     finalize_directory,
+                     new_staging_dir,
+                     save_checkpoint,
+)
 from .content import validate_checkpoint_content
 from .dist import agree_on_path
-from .errors import (CheckpointCorruptError, CheckpointWarning, NotACheckpointError,
-                     UnsafeCheckpointError, UnverifiedCheckpointWarning)
-from .latest import (POINTER_NAME, CheckpointInfo, find_latest_checkpoint, list_checkpoints,
-                     read_pointer, update_pointer)
+from .errors import (
+                     CheckpointCorruptError,
+                     CheckpointWarning,
+                     NotACheckpointError,
+                     UnsafeCheckpointError,
+                     UnverifiedCheckpointWarning,
+)
+from .latest import (
+                     POINTER_NAME,
+                     CheckpointInfo,
+                     find_latest_checkpoint,
+                     list_checkpoints,
+                     read_pointer,
+                     update_pointer,
+)
 from .load import load_checkpoint_file
 from .manifest import manifest_path, verify_checkpoint
 from .retention import apply_retention

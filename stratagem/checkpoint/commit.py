@@ -45,9 +45,18 @@ import torch
 from . import _fs
 from .content import validate_checkpoint_content
 from .latest import update_pointer as _update_pointer
-from .manifest import (DIR_MANIFEST, SIDECAR_SUFFIX, HashingWriter, build_manifest,
-                       check_extra_manifest, dump_manifest, hash_file, read_manifest,
-                       remember_verified)
+from .manifest import (
+    DIR_MANIFEST,
+    SIDECAR_SUFFIX,
+    HashingWriter,
+    _identity,
+    build_manifest,
+    check_extra_manifest,
+    dump_manifest,
+    hash_file,
+    read_manifest,
+    remember_verified,
+)
 
 PathLike = str | os.PathLike
 
@@ -91,25 +100,38 @@ def save_checkpoint(checkpoint: dict, filename: PathLike, *, step: int | None = 
 def _save_file(checkpoint: dict, final: Path, step: int | None, extra: dict | None,
                update_pointer: bool, zip_crc32: bool) -> Path:
     tmp = _fs.temp_name(final)
+    sidecar = final.with_name(final.name + SIDECAR_SUFFIX)
+    previous_sidecar = None  # bytes of the sidecar we overwrite, restored if we fail
+    sidecar_written = False
     try:
         size, sha256 = _write_torch_file(checkpoint, tmp, zip_crc32)
         old = _old_manifest(final)
         manifest = build_manifest('file', final.name,
                                   [{'path': final.name, 'size': size, 'sha256': sha256}],
                                   step, extra)
-        sidecar = final.with_name(final.name + SIDECAR_SUFFIX)
+        try:
+            previous_sidecar = sidecar.read_bytes()
+        except FileNotFoundError:
+            previous_sidecar = None
+        sidecar_written = True
         if old is not None:
             _fs.write_atomic(sidecar, dump_manifest({**manifest, 'replaces': old}))
         else:
             _fs.write_atomic(sidecar, dump_manifest(manifest))
         # The manifest must be durable before the file it describes appears under its name.
         _fs.fsync_dir(final.parent)
+        identity = _identity(tmp)  # a rename keeps it; taken now, it is surely our file's
         os.replace(tmp, final)
     except BaseException:
         _fs._unlink_quietly(tmp)
+        if sidecar_written:  # the old file is still in place: give it back its manifest
+            if previous_sidecar is None:
+                _fs._unlink_quietly(sidecar)
+            else:
+                _fs.write_atomic(sidecar, previous_sidecar)
         raise
     _fs.fsync_dir(final.parent)
-    remember_verified(final, sha256)
+    remember_verified(final, sha256, identity)
     if old is not None:  # committed: the old file is gone, so drop its record
         _fs.write_atomic(sidecar, dump_manifest(manifest))
     if update_pointer:
@@ -153,17 +175,36 @@ def _crc32_option(enabled: bool) -> Iterator[None]:
 
 
 def _old_manifest(final: Path) -> dict | None:
-    """The manifest of the committed file we are about to replace, if any (else None)."""
-    if not final.exists():
+    """A manifest that describes the file now at ``final`` (the one a save will replace).
+
+    Recorded as ``replaces`` in the new manifest, so that if we die before our rename the
+    file still on disk verifies. Of the current sidecar and its own ``replaces`` (left by an
+    earlier save that died) we keep the one matching the file; a file without a manifest
+    (mmengine, plain torch.save) is hashed and described afresh. None if no file is there.
+    """
+    if not final.is_file():
         return None
     try:
-        old = read_manifest(final.with_name(final.name + SIDECAR_SUFFIX))
+        current = read_manifest(final.with_name(final.name + SIDECAR_SUFFIX))
     except ValueError:
-        return None
-    if old is None:
-        return None
-    old.pop('replaces', None)
-    return old
+        current = None
+    candidates = []
+    if current is not None:
+        nested = current.pop('replaces', None)
+        candidates = [current] + ([nested] if isinstance(nested, dict) else [])
+    size = final.stat().st_size
+    matching = [m for m in candidates
+                if any(f.get('path') == final.name and f.get('size') == size
+                       for f in m.get('files', []))]
+    if len(matching) == 1:
+        return matching[0]
+    actual_size, sha256 = hash_file(final)
+    for m in matching:
+        if any(f.get('sha256') == sha256 for f in m.get('files', [])):
+            return m
+    return build_manifest('file', final.name,
+                          [{'path': final.name, 'size': actual_size, 'sha256': sha256}], None,
+                          None)
 
 
 def new_staging_dir(final_dir: PathLike) -> Path:

@@ -90,6 +90,10 @@ def read_pointer(directory: str | os.PathLike) -> Path | None:
             or '\ufffd' in text:
         raise ValueError(f'{pointer} does not hold a checkpoint path: {text[:80]!r}')
     target = Path(text)
+    name = target.name
+    if (not name or name in ('.', '..', POINTER_NAME) or name.endswith(SIDECAR_SUFFIX)
+            or _fs.is_temp_name(name) or target.absolute() == directory):
+        raise ValueError(f'{pointer} does not name a checkpoint: {text[:80]!r}')
     # A work dir copied elsewhere keeps a pointer to the old location: the same name here wins.
     local = directory / target.name
     if target.parent != directory and local.exists():
@@ -98,6 +102,15 @@ def read_pointer(directory: str | os.PathLike) -> Path | None:
         return target
     # mmengine writes the path relative to the launch directory; try that, then the work dir.
     return target.absolute() if target.exists() else directory / target
+
+
+def _plausible_foreign(path: Path) -> bool:
+    """A manifest-less pointer target is accepted only if it looks like a torch.save file."""
+    if not path.is_file():
+        return False
+    with open(path, 'rb') as file:
+        head = file.read(4)
+    return head == b'PK\x03\x04' or (len(head) > 0 and head[0] == 0x80)
 
 
 def find_latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -121,7 +134,9 @@ def find_latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         target, reason = None, f'{err}'
     if target is not None:
         try:
-            verify_checkpoint(target)
+            if verify_checkpoint(target) is None and not _plausible_foreign(target):
+                raise ValueError(f'{target} is not a checkpoint (no manifest, and not a '
+                                 'torch.save file)')
             return target
         except FileNotFoundError:
             reason = f'{directory / POINTER_NAME} points to {target}, which does not exist'

@@ -14,17 +14,24 @@
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import pickle
 import re
+import struct
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .errors import (CheckpointCorruptError, NotACheckpointError, UnsafeCheckpointError,
-                     UnverifiedCheckpointWarning)
+from .errors import (
+    CheckpointCorruptError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+    UnverifiedCheckpointWarning,
+)
 from .manifest import find_manifest, verify_file
 
 _ZIP_MAGIC = b'PK\x03\x04'
@@ -32,6 +39,7 @@ _PICKLE_PROTO = 0x80
 _GLOBAL_RE = re.compile(r'GLOBAL (\S+)')
 _READ_ERROR_RE = re.compile(r'PytorchStreamReader|zip archive|central directory|magic number|'
                             r'load key|EOF', re.I)
+_DEVICE_ERROR_RE = re.compile(r'cuda|device|map_location|out of memory', re.I)
 _FUNC_RE = re.compile(r'unrecognized function (.+?)(?: which belongs|$)', re.M)
 
 
@@ -55,6 +63,9 @@ def load_checkpoint_file(filename: str | os.PathLike, map_location: Any = 'cpu',
     Returns:
         What was saved, usually a dict.
     """
+    if type(trust_pickled_code) is not bool:  # 'false' from a config must not mean True
+        raise TypeError(f'trust_pickled_code must be True or False, got '
+                        f'{trust_pickled_code!r}')
     path = Path(os.fspath(filename)).absolute()
     if not path.exists():
         raise FileNotFoundError(f'checkpoint not found: {path}')
@@ -107,6 +118,11 @@ def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: 
             raise NotACheckpointError(f'{path} is not a readable PyTorch checkpoint: '
                                       f'{_last_line(message)}') from err
         names = tuple(dict.fromkeys(_GLOBAL_RE.findall(message) + _FUNC_RE.findall(message)))
+        missing = [n for n in names if not _importable(n)]
+        if missing:  # a flipped byte in a global's name, not a hostile file
+            raise CheckpointCorruptError(
+                f'{path} is damaged: it references {", ".join(missing)}, which does not '
+                'exist; it was not loaded') from None
         what = (f'references {", ".join(names)}' if names else
                 f'uses pickle features the safe loader refuses ({_last_line(message)})')
         raise UnsafeCheckpointError(
@@ -115,7 +131,8 @@ def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: 
             f'only if you trust its source, or allowlist a class you trust with '
             f'torch.serialization.add_safe_globals([...]).', names) from None
     except (RuntimeError, EOFError, OSError) as err:
-        if isinstance(err, RuntimeError) and not _READ_ERROR_RE.search(str(err)):
+        if isinstance(err, RuntimeError) and _DEVICE_ERROR_RE.search(str(err)) \
+                and not _READ_ERROR_RE.search(str(err)):
             raise  # e.g. a map_location to a device this machine lacks: not about the file
         if isinstance(err, OSError) and err.errno != errno.EINVAL:
             raise  # a real I/O error (permissions, EIO); a truncated zip gives EINVAL (seek)
@@ -123,6 +140,27 @@ def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: 
             'is not a readable PyTorch checkpoint'
         error = CheckpointCorruptError if is_zip else NotACheckpointError
         raise error(f'{path} {kind}: {_last_line(str(err))}') from err
+    except (UnicodeDecodeError, struct.error, IndexError, KeyError, AssertionError, ValueError,
+            TypeError, AttributeError, MemoryError, OverflowError) as err:
+        # what a damaged pickle stream makes the unpickler raise: always name the file
+        raise CheckpointCorruptError(f'{path} is damaged or not a PyTorch checkpoint: '
+                                     f'{type(err).__name__}: {_last_line(str(err))}') from err
+
+
+def _importable(dotted: str) -> bool:
+    """Whether ``module.attr`` could name something real, without importing anything the
+    file names (an import runs code): a loaded module must have the attribute; otherwise
+    the top-level package must be installed."""
+    module, _, attr = dotted.rpartition('.')
+    if not module or not attr:
+        return False
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        return hasattr(loaded, attr)
+    try:
+        return importlib.util.find_spec(module.split('.')[0]) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _last_line(message: str) -> str:

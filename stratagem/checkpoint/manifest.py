@@ -236,9 +236,13 @@ def _identity(path: Path) -> tuple:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def remember_verified(path: Path, sha256: str) -> None:
-    _VERIFIED[_identity(path)] = sha256
-    _VERIFIED.move_to_end(_identity(path))
+def remember_verified(path: Path, sha256: str, identity: tuple | None = None) -> None:
+    """Record that ``path`` (or the file whose ``_identity`` is ``identity``) hashes to
+    ``sha256``. A writer passes the identity of its temp file taken before the rename (a
+    rename keeps it), so a concurrent writer's file can never be recorded under our hash."""
+    identity = _identity(path) if identity is None else identity
+    _VERIFIED[identity] = sha256
+    _VERIFIED.move_to_end(identity)
     while len(_VERIFIED) > _VERIFIED_MAX:
         _VERIFIED.popitem(last=False)
 
@@ -278,7 +282,10 @@ def find_manifest(path: Path) -> tuple[dict, dict, Path] | None:
             raise CheckpointCorruptError(f'manifest {sidecar} does not list {path.name}')
         return manifest, entry, sidecar
     for parent in list(path.parents)[:3]:
-        manifest = read_manifest(parent / DIR_MANIFEST)
+        try:
+            manifest = read_manifest(parent / DIR_MANIFEST)
+        except CheckpointCorruptError:
+            continue  # someone else's manifest.json (a project file): not ours, not a shard's
         if manifest is not None and manifest.get('kind') == 'directory':
             rel = path.relative_to(parent).as_posix()
             entry = next((f for f in manifest['files'] if f['path'] == rel), None)

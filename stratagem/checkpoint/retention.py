@@ -88,28 +88,65 @@ def _delete_checkpoint(path: Path) -> None:
 
 
 def _remove_debris(directory: Path, stale_before: float) -> list[Path]:
+    """Temp entries of dead writers and orphan sidecars, last modified before ``stale_before``.
+
+    A temp entry whose writer (the pid in its name) is alive on this machine is never
+    removed, however old: a sharded save can write into its staging directory for long.
+    Directories are aged by the newest mtime anywhere inside them. (On a filesystem shared
+    between machines a pid says nothing about another machine's writer; there only the age
+    protects it.)
+    """
     removed = []
     me = os.getpid()
-    with os.scandir(directory) as entries:
-        for entry in entries:
-            try:
-                mtime = entry.stat(follow_symlinks=False).st_mtime
-            except OSError:
+    with os.scandir(directory) as scan:
+        entries = list(scan)
+    live_targets = {m['final'] for e in entries if (m := _fs.TEMP_RE.match(e.name))
+                    and _pid_alive(int(m['pid']))}
+    for entry in entries:
+        path = Path(entry.path)
+        pid = _fs.temp_pid(entry.name)
+        if pid is not None:
+            if pid == me or _pid_alive(pid) or _newest_mtime(path) >= stale_before:
                 continue
-            if mtime >= stale_before:
-                continue
-            path = Path(entry.path)
-            pid = _fs.temp_pid(entry.name)
-            if pid is not None and pid != me:  # our own pid: a save may be in flight
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    _fs._unlink_quietly(path)
-                removed.append(path)
-            elif entry.name.endswith(SIDECAR_SUFFIX) and _is_orphan_manifest(path):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                _fs._unlink_quietly(path)
+            removed.append(path)
+        elif entry.name.endswith(SIDECAR_SUFFIX):
+            target = entry.name[:-len(SIDECAR_SUFFIX)]
+            if target in live_targets or _newest_mtime(path) >= stale_before:
+                continue  # a live save wrote it and is about to rename its file into place
+            if _is_orphan_manifest(path):
                 _fs._unlink_quietly(path)
                 removed.append(path)
     return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists (another user's), or we cannot tell: keep its files
+    return True
+
+
+def _newest_mtime(path: Path) -> float:
+    try:
+        newest = path.stat(follow_symlinks=False).st_mtime
+    except OSError:
+        return float('inf')  # vanished or unreadable: not ours to judge now
+    if path.is_dir() and not path.is_symlink():
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                try:
+                    newest = max(newest, os.stat(os.path.join(root, name),
+                                                 follow_symlinks=False).st_mtime)
+                except OSError:
+                    continue
+    return newest
 
 
 def _is_orphan_manifest(path: Path) -> bool:

@@ -34,6 +34,10 @@ def get_logger(name: str = 'stratagem', log_file: str | os.PathLike | None = Non
     """
     if file_mode not in ('w', 'a'):
         raise ValueError(f"file_mode must be 'w' or 'a', got {file_mode!r}")
+    if name.startswith('stratagem.'):
+        # the package's own loggers print through 'stratagem' (and its file handler, added
+        # now or later): configure that one, and let the child propagate to it
+        get_logger('stratagem')
     logger = logging.getLogger(name)
     rank = _rank()
     if log_level is not None:

@@ -109,23 +109,38 @@ def test_same_name_replace(tmp_path):
     assert load_checkpoint_file(path)['state_dict']['fc.bias'][0].item() == 2.0
 
 
-def test_same_name_crash_window_keeps_old_verifiable(tmp_path, monkeypatch):
-    """Die after the new manifest is in place but before the rename: the old file verifies."""
-    path = save_checkpoint(make_state(1.0), tmp_path / 'latest.pth', step=1)
+@pytest.mark.parametrize('first', ['ours', 'foreign'])
+def test_same_name_crash_window_keeps_old_verifiable(tmp_path, monkeypatch, first):
+    """At the instant between the new manifest and the rename (where a SIGKILL may land) the
+    old file verifies; a caught exception there rolls the manifest back. Twice in a row, and
+    also when the old file had no manifest (mmengine / torch.save)."""
+    path = tmp_path / 'latest.pth'
+    if first == 'ours':
+        save_checkpoint(make_state(1.0), path, step=1)
+    else:
+        torch.save(make_state(1.0), path)
+    seen = []
 
     def die(src, dst):
+        manifest = json.loads((tmp_path / 'latest.pth.manifest.json').read_text())
+        seen.append((manifest['step'], verify_checkpoint(path)['files'][0]['size']))
         raise KeyboardInterrupt('simulated crash')
 
     real_replace = os.replace
     monkeypatch.setattr(os, 'replace',
                         lambda s, d: die(s, d) if str(d) == str(path) else real_replace(s, d))
-    with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(make_state(2.0), path, step=2)
+    for step in (2, 3):
+        with pytest.raises(KeyboardInterrupt):
+            save_checkpoint(make_state(float(step)), path, step=step)
     monkeypatch.undo()
-    manifest = json.loads((tmp_path / 'latest.pth.manifest.json').read_text())
-    assert manifest['step'] == 2 and manifest['replaces']['step'] == 1
-    assert verify_checkpoint(path)['step'] == 1
-    assert load_checkpoint_file(path)['state_dict']['fc.bias'][0].item() == 1.0
+    size = path.stat().st_size
+    assert seen == [(2, size), (3, size)]  # the old file verified inside each crash window
+    if first == 'ours':
+        assert verify_checkpoint(path)['step'] == 1  # the old manifest is back
+    else:
+        assert not (tmp_path / 'latest.pth.manifest.json').exists()
+    loaded = load_checkpoint_file(path, verify=first == 'ours')
+    assert loaded['state_dict']['fc.bias'][0].item() == 1.0
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith('.')] == []
 
 

@@ -124,3 +124,13 @@ def test_moved_work_dir_uses_local_name(tmp_path):
     _series(old)
     os.rename(old, new)
     assert _quiet_latest(new) == new / 'epoch_3.pth'
+
+
+@pytest.mark.parametrize('pointer', ['.', '/', 'last_checkpoint', 'iter_1.pth.manifest.json',
+                                     '/etc/passwd', 'notes.txt'])
+def test_review_garbage_pointer_falls_back_with_a_warning(tmp_path, pointer):
+    committed = save_checkpoint({'w': torch.ones(1)}, tmp_path / 'iter_1.pth', step=1)
+    (tmp_path / 'notes.txt').write_text('not a checkpoint')
+    (tmp_path / 'last_checkpoint').write_text(pointer)
+    with pytest.warns(UserWarning):
+        assert find_latest_checkpoint(tmp_path) == committed

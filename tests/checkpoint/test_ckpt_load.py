@@ -176,3 +176,45 @@ def test_missing_device_error_is_not_called_corrupt(tmp_path, state):
 def test_directory_is_refused(tmp_path):
     with pytest.raises(IsADirectoryError, match='directory checkpoint'):
         load_checkpoint_file(tmp_path)
+
+
+def test_review_project_manifest_json_above_a_foreign_checkpoint_is_ignored(tmp_path):
+    (tmp_path / 'manifest.json').write_text('{"name": "my-project"}')
+    work = tmp_path / 'work_dirs' / 'exp'
+    work.mkdir(parents=True)
+    torch.save({'state_dict': {'w': torch.ones(2)}}, work / 'epoch_1.pth')
+    with pytest.warns(UserWarning, match='no stratagem manifest'):
+        loaded = load_checkpoint_file(work / 'epoch_1.pth')
+    assert torch.equal(loaded['state_dict']['w'], torch.ones(2))
+
+
+def test_review_trust_flag_must_be_a_bool(tmp_path):
+    torch.save({'a': torch.ones(1)}, tmp_path / 'x.pth')
+    with pytest.raises(TypeError, match="trust_pickled_code must be True or False, got 'false'"):
+        load_checkpoint_file(tmp_path / 'x.pth', trust_pickled_code='false')
+
+
+def test_review_damaged_foreign_files_always_name_the_file(tmp_path):
+    import random
+    import warnings
+    from stratagem.checkpoint import CheckpointCorruptError, NotACheckpointError
+    good = tmp_path / 'good.pth'
+    torch.save({'state_dict': {'w': torch.arange(64.)}}, good, _use_new_zipfile_serialization=False)
+    data = good.read_bytes()
+    rng = random.Random(0)
+    outcomes = set()
+    for i in range(60):
+        bad = bytearray(data)
+        for _ in range(3):
+            bad[rng.randrange(len(bad))] = rng.randrange(256)
+        path = tmp_path / f'bad{i}.pth'
+        path.write_bytes(bytes(bad))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter('ignore')
+                load_checkpoint_file(path)
+            outcomes.add('loaded')
+        except (CheckpointCorruptError, NotACheckpointError, UnsafeCheckpointError) as err:
+            assert str(path) in str(err)
+            outcomes.add(type(err).__name__)
+    assert outcomes - {'loaded'}  # some flips were caught, each naming the file

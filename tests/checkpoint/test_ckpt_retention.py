@@ -90,3 +90,24 @@ def test_removes_only_our_stale_debris(tmp_path):
     assert sorted(removed) == sorted(debris + [orphan])
     assert all(p.exists() for p in keep + [fresh, paths[1]])
     assert paths[0].exists()  # lost its manifest: not ours any more, so not deleted
+
+
+def test_review_live_writers_temp_entries_survive_retention(tmp_path):
+    import subprocess
+    import sys
+    dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
+                          capture_output=True, text=True).stdout.strip()
+    live = str(os.getppid())  # pytest's parent: alive, and not this process
+    old = time.time() - 3600
+    entries = {}
+    for who, pid in (('live', live), ('dead', dead)):
+        staging = tmp_path / f'.sharded_{who}.tmp-{pid}-0123abcd'
+        staging.mkdir()
+        (staging / 'rank0.pt').write_bytes(b'x' * 10)
+        for p in (staging / 'rank0.pt', staging):
+            os.utime(p, (old, old))
+        entries[who] = staging
+    save_checkpoint({'w': torch.ones(1)}, tmp_path / 'iter_1.pth', step=1)
+    removed = apply_retention(tmp_path, 3)
+    assert entries['live'].is_dir() and not entries['dead'].exists()
+    assert removed == [entries['dead']]

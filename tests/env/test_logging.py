@@ -123,3 +123,24 @@ def test_print_log(clean_env, name, capsys, caplog):
     assert 'dropped' not in caplog.text + capsys.readouterr().out
     with pytest.raises(TypeError, match="logger must be a logging.Logger, a logger name"):
         print_log('x', logger=3)
+
+
+def test_package_child_logger_made_first_still_reaches_the_run_file(clean_env, tmp_path):
+    child_name = f'stratagem.review_{uuid.uuid4().hex[:8]}'
+    top = logging.getLogger('stratagem')
+    saved = (top.handlers[:], top.propagate, top.level)
+    try:
+        with bare_root():
+            child = get_logger(child_name)
+            assert child.propagate and not child.handlers  # prints through 'stratagem'
+            get_logger('stratagem', log_file=tmp_path / 'run.log')
+            child.warning('from child')
+        for handler in top.handlers:
+            handler.flush()
+        assert 'from child' in (tmp_path / 'run.log').read_text()
+    finally:
+        for handler in top.handlers[:]:
+            if handler not in saved[0]:
+                handler.close()
+                top.removeHandler(handler)
+        top.propagate, top.level = saved[1], saved[2]
