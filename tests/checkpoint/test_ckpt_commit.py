@@ -11,7 +11,7 @@ from stratagem.checkpoint import (POINTER_NAME, commit_directory, finalize_direc
 from stratagem.checkpoint.manifest import hash_file
 from stratagem.version import __version__
 
-from conftest import make_state
+from ckpt_helpers import make_state
 
 
 def _assert_same(a, b):

@@ -10,7 +10,7 @@ from stratagem.checkpoint import (POINTER_NAME, CheckpointWarning, find_latest_c
                                   list_checkpoints, read_pointer, save_checkpoint)
 from stratagem.checkpoint.manifest import _VERIFIED
 
-from conftest import make_state
+from ckpt_helpers import make_state
 
 
 def _series(tmp_path, steps=(1, 2, 3)):

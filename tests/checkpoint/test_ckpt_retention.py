@@ -8,7 +8,7 @@ import torch
 from stratagem.checkpoint import (POINTER_NAME, apply_retention, commit_directory,
                                   list_checkpoints, save_checkpoint)
 
-from conftest import make_state
+from ckpt_helpers import make_state
 
 
 def _save(directory, step, name=None, **kwargs):
