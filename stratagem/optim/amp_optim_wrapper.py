@@ -73,7 +73,16 @@ class AmpOptimWrapper(OptimWrapper):
     """
 
     def __init__(self, loss_scale: str | float | dict = 'dynamic',
-                 dtype: str | torch.dtype | None = None, **kwargs: Any) -> None:
+                 dtype: str | torch.dtype | None = None, use_fsdp: bool = False,
+                 **kwargs: Any) -> None:
+        if use_fsdp:
+            raise ValueError('AmpOptimWrapper(use_fsdp=True) needs FSDP\'s sharded grad scaler, '
+                             'and stratagem has no FSDP backend yet; leave use_fsdp out')
+        if not (loss_scale == 'dynamic' or isinstance(loss_scale, Mapping) or (
+                isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
+                and loss_scale > 0)):
+            raise TypeError(f"loss_scale must be 'dynamic', a positive float (static scale) or "
+                            f'a dict of torch.amp.GradScaler arguments, got {loss_scale!r}')
         super().__init__(**kwargs)
         self.device_type = _params_device_type(
             (p for g in self.optimizer.param_groups for p in g['params']),
@@ -87,7 +96,8 @@ class AmpOptimWrapper(OptimWrapper):
         elif loss_scale != 'dynamic':
             warnings.warn(f'loss_scale={loss_scale!r} is ignored with dtype {self.cast_dtype}: '
                           f'only float16 needs loss scaling', stacklevel=2)
-        self._skipped = torch.zeros((), dtype=torch.int64)
+        # float32 like GradScaler's found_inf, so counting is one in-place add per step
+        self._skipped = torch.zeros((), dtype=torch.float32)
 
     def _build_scaler(self, loss_scale: str | float | dict) -> torch.amp.GradScaler:
         if loss_scale == 'dynamic':
@@ -128,12 +138,15 @@ class AmpOptimWrapper(OptimWrapper):
         for v in found.values():
             if self._skipped.device != v.device:
                 self._skipped = self._skipped.to(v.device)
-            self._skipped += v.to(torch.int64)
+            self._skipped.add_(v)
 
     @property
     def skipped_steps(self) -> int:
         """Updates skipped because of inf/nan gradients (reading it syncs with the device)."""
         return int(self._skipped)
+
+    def _grad_scale(self) -> float:
+        return float(self.loss_scaler.get_scale()) if self.loss_scaler is not None else 1.0
 
     def optim_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Gradient-sync control of :class:`OptimWrapper` plus ``torch.autocast``."""
@@ -159,7 +172,7 @@ class AmpOptimWrapper(OptimWrapper):
         if scaler_state is not None and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(scaler_state)
         if skipped is not None:
-            self._skipped = torch.tensor(int(skipped), dtype=torch.int64,
+            self._skipped = torch.tensor(float(int(skipped)), dtype=torch.float32,
                                          device=self._skipped.device)
         super().load_state_dict(state_dict)
 

@@ -11,10 +11,10 @@ call sequence. ``update_params(loss)`` is, per call:
 Accumulation windows are aligned to absolute iteration counts: window ``j`` covers
 iterations ``[j*k, (j+1)*k)``. After ``initialize_count_status(model, init_counts,
 max_counts)`` the last, incomplete window ``[max_counts // k * k, max_counts)`` is averaged
-over its real length. mmengine compares the absolute count with a boundary computed from
-``max_counts - init_counts``, so after a resume from ``init_counts > 0`` it divides some
-windows by the wrong length; here the boundary is absolute, so a resumed run scales every
-loss exactly as the uninterrupted run did.
+over its real length. The boundary is computed from absolute counts only, so a run resumed
+anywhere — on a window boundary or inside a window — scales every loss exactly as the
+uninterrupted run did. (mmengine versions that derive the tail from ``max_counts -
+init_counts`` agree on a boundary but mis-size the tail after a mid-window resume.)
 
 Resume in the middle of a window: ``state_dict()`` holds, next to the optimizer's own
 ``state`` and ``param_groups``, a key ``'optim_wrapper'`` with plain values
@@ -81,6 +81,11 @@ def parse_clip_grad(clip_grad: Mapping | None) -> tuple[Any, str, dict]:
             f"clip_grad={dict(clip_grad)!r}: type '{clip_type}' takes "
             f"{', '.join(required + optional)} ({', '.join(required)} required); "
             + (f"missing {', '.join(missing)}" if missing else f"unexpected {', '.join(unexpected)}"))
+    for key in required:
+        value = kwargs[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f'clip_grad={dict(clip_grad)!r}: {key} must be a positive number, '
+                             f'got {value!r}')
     return func, name, kwargs
 
 
@@ -239,10 +244,12 @@ class OptimWrapper(BaseOptimWrapper):
         return [p for group in self.optimizer.param_groups for p in group['params']]
 
     def grad_state_dict(self) -> dict:
-        """``{'inner_count': int, 'grads': {flat index: grad}}`` (references, not copies)."""
+        """``{'inner_count': int, 'grads': {flat index: grad}, 'scale': float}`` (references,
+        not copies); ``scale`` is the loss scale the gradients carry (1 without one)."""
         grads = {i: p.grad.detach() for i, p in enumerate(self._grad_holders())
                  if p.grad is not None}
-        return {'inner_count': self._inner_count, 'grads': grads}
+        return {'inner_count': self._inner_count, 'grads': grads,
+                'scale': self._grad_scale() if grads else 1.0}
 
     def load_grad_state_dict(self, state_dict: Mapping) -> None:
         """Restore gradients (and ``inner_count``) saved by :meth:`grad_state_dict`."""
@@ -256,9 +263,16 @@ class OptimWrapper(BaseOptimWrapper):
             if tuple(g.shape) != tuple(holders[i].shape):
                 raise ValueError(f'grad state_dict entry {i} has shape {tuple(g.shape)} but '
                                  f'parameter {i} has shape {tuple(holders[i].shape)}')
+        # gradients saved under another loss scale (or none) are brought to this one
+        factor = self._grad_scale() / float(state_dict.get('scale', 1.0)) if grads else 1.0
         for i, p in enumerate(holders):
             g = grads.get(i)
-            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype, copy=True)
+            if g is None:
+                p.grad = None
+                continue
+            p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)
+            if factor != 1.0:
+                p.grad.mul_(factor)
         self._inner_count = int(state_dict['inner_count'])
         self._restored_count = self._inner_count
 
@@ -268,7 +282,9 @@ class OptimWrapper(BaseOptimWrapper):
         wrapper_state = {'inner_count': self._inner_count, 'max_counts': self._max_counts,
                          'accumulative_counts': self._accumulative_counts}
         if self._window_open():
-            wrapper_state['pending_grads'] = self.grad_state_dict()['grads']
+            pending = self.grad_state_dict()
+            wrapper_state['pending_grads'] = pending['grads']
+            wrapper_state['pending_grads_scale'] = pending['scale']
         state_dict['optim_wrapper'] = wrapper_state
         return state_dict
 
@@ -290,9 +306,15 @@ class OptimWrapper(BaseOptimWrapper):
         if max_counts != -1:
             self._set_max_counts(max_counts)
         self._inner_count = wrapper_state.get('inner_count', 0)
-        if 'pending_grads' in wrapper_state:
-            self.load_grad_state_dict({'inner_count': self._inner_count,
-                                       'grads': wrapper_state['pending_grads']})
+        # saved between windows, the state has no gradients: clear any this wrapper holds
+        # (a roll-back in the same process), or they would leak into the next window
+        self.load_grad_state_dict({'inner_count': self._inner_count,
+                                   'grads': wrapper_state.get('pending_grads', {}),
+                                   'scale': wrapper_state.get('pending_grads_scale', 1.0)})
+
+    def _grad_scale(self) -> float:
+        """The factor the gradients carry (a loss scaler's scale under AMP float16; else 1)."""
+        return 1.0
 
     def _load_optimizer_state(self, state_dict: dict) -> None:
         self.optimizer.load_state_dict(state_dict)

@@ -73,6 +73,10 @@ class OneCycleParamScheduler(_ParamScheduler):
                     raise ValueError(f'{name}: {arg} must be a positive int when total_steps '
                                      f'is not given, got {v!r}')
             total_steps = epochs * steps_per_epoch
+        elif end == INF:
+            raise ValueError(f'{name}: the cycle length is unknown; give total_steps, '
+                             'epochs and steps_per_epoch, or a finite end (the builder sets '
+                             'end to max_iters / max_epochs)')
         else:
             total_steps = end - begin
         if not isinstance(pct_start, (int, float)) or not 0 <= pct_start <= 1:

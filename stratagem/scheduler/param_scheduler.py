@@ -48,6 +48,8 @@ class StepParamScheduler(_ParamScheduler):
     def __init__(self, optimizer: Any, param_name: str, step_size: int, gamma: float = 0.1,
                  begin: int = 0, end: int = INF, last_step: int = -1, by_epoch: bool = True,
                  verbose: bool = False) -> None:
+        if isinstance(step_size, float) and step_size.is_integer():
+            step_size = int(step_size)  # mmengine accepts 2.0 for 2
         _check_positive_int(type(self).__name__, 'step_size', step_size)
         self.step_size = step_size
         self.gamma = gamma

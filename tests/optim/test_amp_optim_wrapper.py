@@ -152,8 +152,35 @@ def test_argument_errors():
     opt = torch.optim.SGD(make_model().parameters(), lr=0.1)
     with pytest.raises(ValueError, match="'float16', 'bfloat16'"):
         AmpOptimWrapper(optimizer=opt, dtype='float8')
-    with pytest.raises(TypeError, match="'dynamic', a float"):
+    with pytest.raises(TypeError, match="'dynamic', a positive float"):
         AmpOptimWrapper(optimizer=opt, dtype='float16', loss_scale='static')
+    # a typo is an error even where the scale would be ignored (bf16)
+    with pytest.raises(TypeError, match="got 'dynamc'"):
+        AmpOptimWrapper(optimizer=opt, dtype='bfloat16', loss_scale='dynamc')
+    with pytest.raises(ValueError, match='use_fsdp=True'):
+        AmpOptimWrapper(optimizer=opt, use_fsdp=True)
+    AmpOptimWrapper(optimizer=opt, use_fsdp=False)  # mmengine configs pass it
+
+
+def test_pending_grads_change_scale_between_fp16_and_bf16():
+    torch.manual_seed(0)
+    model = make_model()
+    x = torch.randn(4, model[0].in_features)
+    fp16 = AmpOptimWrapper(optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                           dtype='float16', loss_scale=1024.0, accumulative_counts=2)
+    with fp16.optim_context(model):
+        loss = model(x).float().square().mean()
+    fp16.update_params(loss)
+    scaled = [p.grad.clone() for p in model.parameters()]
+    state = fp16.state_dict()
+    assert state['optim_wrapper']['pending_grads_scale'] == 1024.0
+    for p in model.parameters():
+        p.grad = None
+    bf16 = AmpOptimWrapper(optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                           dtype='bfloat16', accumulative_counts=2)
+    bf16.load_state_dict(state)
+    for p, g in zip(model.parameters(), scaled):
+        assert torch.allclose(p.grad, g / 1024.0)  # unscaled: bf16 has no scaler
 
 
 def test_mmengine_state_dict_without_counters_loads():

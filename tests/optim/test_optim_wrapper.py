@@ -307,3 +307,24 @@ def test_built_from_cfg_equals_direct():
     assert cfg == before
     assert type(wrapper) is OptimWrapper and wrapper.accumulative_counts == 2
     assert wrapper.clip_grad_kwargs == {'max_norm': 1.0}
+
+
+def test_loading_a_between_windows_state_clears_current_grads():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), accumulative_counts=2)
+    for _ in range(2):
+        wrapper.update_params(model(torch.ones(1, 2)).sum())
+    saved = wrapper.state_dict()
+    wrapper.update_params(model(torch.ones(1, 2)).sum())  # opens a window: grads present
+    assert model.weight.grad is not None
+    wrapper.load_state_dict(saved)  # roll back to the boundary
+    assert model.weight.grad is None and wrapper.inner_count == 2
+
+
+def test_clip_grad_values_must_be_positive_numbers():
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="max_norm must be a positive number, got '1'"):
+        OptimWrapper(opt, clip_grad=dict(max_norm='1'))
+    with pytest.raises(ValueError, match='clip_value must be a positive number, got -1'):
+        OptimWrapper(opt, clip_grad=dict(type='value', clip_value=-1))

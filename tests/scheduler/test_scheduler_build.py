@@ -123,3 +123,17 @@ def test_simulate_needs_epoch_length():
     tr = simulate([dict(type='StepLR', step_size=1, gamma=0.5)], dict(type='Adam', lr=0.1),
                   max_epochs=3)  # epoch-based only: one value per epoch
     assert tr.lr[0] == pytest.approx([0.1, 0.05, 0.025]) and tr.momentum[0] == [0.9] * 3
+
+
+def test_review_one_cycle_without_a_length_and_float_step_size():
+    import torch
+    from stratagem.scheduler import OneCycleLR, StepLR
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    with pytest.raises(ValueError, match='OneCycleLR: the cycle length is unknown'):
+        OneCycleLR(opt, eta_max=0.1, by_epoch=False)
+    sched = StepLR(opt, step_size=2.0, gamma=0.5)
+    values = []
+    for _ in range(5):
+        values.append(opt.param_groups[0]['lr'])
+        sched.step()
+    assert values == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025])
