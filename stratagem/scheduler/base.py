@@ -147,9 +147,19 @@ class _ParamScheduler:
         kwargs = cls._epoch_args_to_iters(kwargs, epoch_length)
         return cls(*args, begin=begin, end=end, by_epoch=False, **kwargs)
 
+    #: names of this scheduler's arguments counted in epochs (a number or a list of
+    #: numbers), multiplied by the epoch length by ``build_iter_from_epoch``
+    _epoch_args: tuple[str, ...] = ()
+
     @classmethod
     def _epoch_args_to_iters(cls, kwargs: dict, epoch_length: int) -> dict:
-        """Hook: convert this scheduler's epoch-valued arguments to iterations."""
+        """Convert the arguments named in ``_epoch_args`` from epochs to iterations."""
+        for name in cls._epoch_args:
+            value = kwargs.get(name)
+            if value is None:
+                continue
+            kwargs[name] = ([v * epoch_length for v in value] if isinstance(value, (list, tuple))
+                            else value * epoch_length)
         return kwargs
 
     def _get_value(self) -> list:

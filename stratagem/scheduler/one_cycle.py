@@ -112,11 +112,7 @@ class OneCycleParamScheduler(_ParamScheduler):
         super().__init__(optimizer, param_name, begin=begin, end=end, last_step=last_step,
                          by_epoch=by_epoch, verbose=verbose)
 
-    @classmethod
-    def _epoch_args_to_iters(cls, kwargs: dict, epoch_length: int) -> dict:
-        if kwargs.get('total_steps') is not None:
-            kwargs['total_steps'] = kwargs['total_steps'] * epoch_length
-        return kwargs
+    _epoch_args = ('total_steps',)
 
     def _get_value(self) -> list:
         step = self.last_step

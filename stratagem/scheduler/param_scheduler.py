@@ -56,11 +56,7 @@ class StepParamScheduler(_ParamScheduler):
         super().__init__(optimizer, param_name, begin=begin, end=end, last_step=last_step,
                          by_epoch=by_epoch, verbose=verbose)
 
-    @classmethod
-    def _epoch_args_to_iters(cls, kwargs: dict, epoch_length: int) -> dict:
-        if 'step_size' in kwargs:
-            kwargs['step_size'] = kwargs['step_size'] * epoch_length
-        return kwargs
+    _epoch_args = ('step_size',)
 
     def _get_value(self) -> list:
         groups = self.optimizer.param_groups
@@ -96,11 +92,7 @@ class MultiStepParamScheduler(_ParamScheduler):
         super().__init__(optimizer, param_name, begin=begin, end=end, last_step=last_step,
                          by_epoch=by_epoch, verbose=verbose)
 
-    @classmethod
-    def _epoch_args_to_iters(cls, kwargs: dict, epoch_length: int) -> dict:
-        if 'milestones' in kwargs:
-            kwargs['milestones'] = [m * epoch_length for m in kwargs['milestones']]
-        return kwargs
+    _epoch_args = ('milestones',)
 
     def _get_value(self) -> list:
         groups = self.optimizer.param_groups
@@ -199,11 +191,7 @@ class CosineAnnealingParamScheduler(_ParamScheduler):
         super().__init__(optimizer, param_name, begin=begin, end=end, last_step=last_step,
                          by_epoch=by_epoch, verbose=verbose)
 
-    @classmethod
-    def _epoch_args_to_iters(cls, kwargs: dict, epoch_length: int) -> dict:
-        if kwargs.get('T_max') is not None:
-            kwargs['T_max'] = kwargs['T_max'] * epoch_length
-        return kwargs
+    _epoch_args = ('T_max',)
 
     def _get_value(self) -> list:
         groups = self.optimizer.param_groups
@@ -323,11 +311,7 @@ class CosineRestartParamScheduler(_ParamScheduler):
         super().__init__(optimizer, param_name, begin=begin, end=end, last_step=last_step,
                          by_epoch=by_epoch, verbose=verbose)
 
-    @classmethod
-    def _epoch_args_to_iters(cls, kwargs: dict, epoch_length: int) -> dict:
-        if 'periods' in kwargs:
-            kwargs['periods'] = [p * epoch_length for p in kwargs['periods']]
-        return kwargs
+    _epoch_args = ('periods',)
 
     @staticmethod
     def get_position_from_periods(iteration: int, cumulative_periods: list[int]) -> int | None:
