@@ -19,6 +19,13 @@ from stratagem.strategies import SingleDeviceStrategy  # noqa: E402
 
 MAX_ITERS = 10
 _SEEDS = []  # (this rank's seed, the configured seed) of each _resume_run, per process
+# accumulation 3, clipping, warmup then cosine by iteration: the resume run's components
+_RESUME_COMPONENTS = dict(
+    optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
+                       accumulative_counts=3, clip_grad=dict(type='norm', max_norm=1.0)),
+    param_scheduler=[dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=4),
+                     dict(type='CosineAnnealingLR', by_epoch=False, begin=4, T_max=6)],
+    dispatch_kwargs=dict(max_iters=MAX_ITERS))
 STOP = 5  # mid accumulation window (windows of 3: [0,3), [3,6), ...)
 
 
@@ -39,13 +46,7 @@ def _resume_run(work_dir, stop, resume=None):
     """Accumulation 3, dropout, per-rank seeds, per-rank batches from the global RNG."""
     from torch.nn import functional as F
     s = _strategy(work_dir, env_kwargs=dict(randomness=dict(seed=5, diff_rank_seed=True)))
-    model, ow, scheds = s.prepare(
-        _net(dropout=0.25),
-        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
-                           accumulative_counts=3, clip_grad=dict(type='norm', max_norm=1.0)),
-        param_scheduler=[dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=4),
-                         dict(type='CosineAnnealingLR', by_epoch=False, begin=4, T_max=6)],
-        dispatch_kwargs=dict(max_iters=MAX_ITERS))
+    model, ow, scheds = s.prepare(_net(dropout=0.25), **_RESUME_COMPONENTS)
     start = s.resume(resume)['meta']['iter'] if resume else 0
     for _ in range(start, stop):
         x, y = torch.randn(4, 6), torch.randint(2, (4,))
@@ -286,13 +287,7 @@ def test_world_size_change_mid_window_continues_from_mean_grads(results, tmp_pat
     _, (r0, _) = results
     ck = torch.load(r0['resume_ckpt'], weights_only=True)
     s = SingleDeviceStrategy(work_dir=str(tmp_path))
-    model, ow, _ = s.prepare(
-        _net(dropout=0.25),
-        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
-                           accumulative_counts=3, clip_grad=dict(type='norm', max_norm=1.0)),
-        param_scheduler=[dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=4),
-                         dict(type='CosineAnnealingLR', by_epoch=False, begin=4, T_max=6)],
-        dispatch_kwargs=dict(max_iters=MAX_ITERS))
+    model, ow, _ = s.prepare(_net(dropout=0.25), **_RESUME_COMPONENTS)
     assert isinstance(ow, OptimWrapper)
     with pytest.warns(UserWarning, match='mean of the 2 ranks'):
         s.resume(r0['resume_ckpt'])
