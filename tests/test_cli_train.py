@@ -111,3 +111,17 @@ def test_plot_schedule_takes_epoch_length_from_the_dataloader(tmp_path, config, 
     assert main(['plot-schedule', config, '--ascii']) == 0
     out = capsys.readouterr().out
     assert '24 iterations, 4 epochs of 6' in out and 'learning rate' in out
+
+
+def test_nproc_relaunch_uses_the_arguments_main_received(monkeypatch, config):
+    import subprocess
+    calls = []
+    monkeypatch.setattr(subprocess, 'call', lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.delenv('LOCAL_RANK', raising=False)
+    assert main(['train', config, '--nproc=2', '--launcher=pytorch', '--cfg-options',
+                 'train_cfg.max_iters=3']) == 0
+    (cmd,) = calls
+    assert cmd[1:6] == ['-m', 'torch.distributed.run', '--standalone', '--nproc-per-node=2',
+                        '-m']
+    assert cmd[6:] == ['stratagem', 'train', config, '--launcher=pytorch', '--cfg-options',
+                       'train_cfg.max_iters=3']  # no --nproc, no second --launcher

@@ -80,3 +80,35 @@ def test_local_functions_are_refused():
         return 1
     with pytest.raises(ValueError, match='must be a function defined at module level'):
         run_distributed(local)
+
+
+def _start_a_child_and_return():
+    import subprocess
+    import sys
+    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+    return child.pid
+
+
+def test_processes_a_finished_rank_started_are_killed():
+    import time
+    pids = run_distributed(_start_a_child_and_return, nproc=2, timeout=60)
+    deadline = time.monotonic() + 10
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _alive(pid)]
+        time.sleep(0.1)
+    assert alive == []
+
+
+def _alive(pid):
+    import os
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (killed, not yet reaped by init) counts as gone
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().split()[2] != 'Z'
+    except OSError:
+        return False
