@@ -138,7 +138,9 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
     message = f'the state dict does not match {type(module).__name__}:\n{report}'
     if strict:
         raise RuntimeError(message)
-    (logger or logging.getLogger('stratagem.checkpoint')).warning(message)
+    from stratagem.env.logging import log_rank_zero  # every rank loads the same state
+    log_rank_zero(logger or logging.getLogger('stratagem.checkpoint'), logging.WARNING, '%s',
+                  message)
     return report
 
 
