@@ -154,6 +154,7 @@ def _from_torchrun(env_rendezvous: bool) -> tuple[int, int, int]:
     if env_rendezvous:
         _require_env(('MASTER_ADDR', 'MASTER_PORT'), 'pytorch',
                      'start the script with torchrun or pass init_method=/store=')
+        _port(os.environ['MASTER_PORT'], 'MASTER_PORT')
     return _env_int('RANK'), _env_int('WORLD_SIZE'), _env_int('LOCAL_RANK')
 
 
@@ -221,21 +222,31 @@ def _mpi_family() -> tuple | None:
     return None
 
 
-def _check_master(where: str, nodes: int) -> None:
-    """Fail now, naming the host and its origin, where the rendezvous would time out."""
-    host, port = os.environ['MASTER_ADDR'], os.environ['MASTER_PORT']
+def resolve_master(host: str, port: int, where: str, nodes: int = 1) -> None:
+    """Check that the rendezvous host ``host`` resolves, before anything waits on it.
+
+    ``where`` names the host's origin in the error (a variable, a node list, a command-line
+    option). With ``nodes`` > 1, a host that resolves only to loopback addresses is an
+    error too: the other nodes would wait for their own machine. ValueError otherwise.
+    """
     try:
         infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
         raise ValueError(f'the master host {host!r} (from {where}) does not resolve: {exc}; '
-                         'set MASTER_ADDR to a name or address of the rank-0 node that every '
-                         'node can resolve') from None
+                         'give a name or address of the rank-0 node that every node can '
+                         'resolve') from None
     if nodes > 1 and all(ipaddress.ip_address(i[4][0].split('%')[0]).is_loopback
                          for i in infos):
         raise ValueError(f'the master host {host!r} (from {where}) is a loopback address, '
                          f'but the job step spans {nodes} nodes, which cannot reach it; unset '
-                         "MASTER_ADDR (the first host of the node list is used) or set it to "
-                         'the rank-0 node\'s name')
+                         'MASTER_ADDR (the first host of the node list is used) or set it to '
+                         "the rank-0 node's name")
+
+
+def _check_master(where: str, nodes: int) -> None:
+    """Fail now, naming the host and its origin, where the rendezvous would time out."""
+    host, port = os.environ['MASTER_ADDR'], os.environ['MASTER_PORT']
+    resolve_master(host, int(port), where, nodes)
     logger.info('rendezvous at %s:%s (%s)', host, port, where)
 
 
