@@ -92,7 +92,8 @@ def init_dist(launcher: str, backend: str | None = None,
             ``store``, ...). For ``'slurm'``, ``port`` sets ``MASTER_PORT``.
 
     Sets the environment variables ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
-    ``LOCAL_SIZE`` for 'slurm' and 'mpi' (torchrun already did for 'pytorch'), and binds
+    ``LOCAL_SIZE`` for 'slurm' and 'mpi' (torchrun already did for 'pytorch'), only once
+    every check below has passed (an error changes nothing), and binds
     the process to ``cuda:LOCAL_RANK`` only when CUDA is available. A group that a host
     trainer already initialised is used as it is, whatever ``launcher`` says ('none'
     included); without one, 'none' is an error.
@@ -125,22 +126,30 @@ def init_dist(launcher: str, backend: str | None = None,
     if timeout is not None:
         kwargs['timeout'] = _as_timedelta(timeout)
     env_rendezvous = kwargs.get('init_method') in (None, 'env://') and kwargs.get('store') is None
+    # each reader returns the variables to export; nothing changes until every check passed
     if launcher == 'pytorch':
         rank, world_size, local_rank = _from_torchrun(env_rendezvous)
+        exports: dict[str, str] = {}
         where, nodes = 'MASTER_ADDR, set by torchrun (--master-addr / --rdzv-endpoint)', 1
     elif launcher == 'slurm':
-        rank, world_size, local_rank, where = _from_slurm(kwargs.pop('port', None))
+        rank, world_size, local_rank, exports, where = _from_slurm(kwargs.pop('port', None))
         nodes = _slurm.num_nodes()
     else:
-        rank, world_size, local_rank, where = _from_mpi(env_rendezvous)
+        rank, world_size, local_rank, exports, where = _from_mpi(env_rendezvous)
         nodes = 1
     if env_rendezvous:
-        _check_master(where, nodes)
-    if torch.cuda.is_available():
+        merged = {**os.environ, **exports}
+        resolve_master(merged['MASTER_ADDR'], int(merged['MASTER_PORT']), where, nodes)
+        logger.info('rendezvous at %s:%s (%s)', merged['MASTER_ADDR'], merged['MASTER_PORT'],
+                    where)
+    cuda = torch.cuda.is_available()
+    if cuda and local_rank >= torch.cuda.device_count():
         count = torch.cuda.device_count()
-        if local_rank >= count:
-            raise ValueError(f'local rank {local_rank} has no GPU: {count} visible; start at '
-                             f'most {count} processes per node or set CUDA_VISIBLE_DEVICES')
+        raise ValueError(f'local rank {local_rank} has no GPU: {count} visible; start at '
+                         f'most {count} processes per node or set CUDA_VISIBLE_DEVICES')
+    # code after init_dist (and torch's env:// rendezvous) reads the torchrun names
+    os.environ.update(exports)
+    if cuda:
         torch.cuda.set_device(local_rank)
     kwargs.setdefault('rank', rank)
     kwargs.setdefault('world_size', world_size)
@@ -158,7 +167,7 @@ def _from_torchrun(env_rendezvous: bool) -> tuple[int, int, int]:
     return _env_int('RANK'), _env_int('WORLD_SIZE'), _env_int('LOCAL_RANK')
 
 
-def _from_slurm(port: int | None) -> tuple[int, int, int, str]:
+def _from_slurm(port: int | None) -> tuple[int, int, int, dict[str, str], str]:
     if not _slurm.is_srun_step():
         if 'SLURM_PROCID' in os.environ and _slurm.step_ntasks() > 1:
             raise _slurm.batch_step_error()
@@ -173,24 +182,25 @@ def _from_slurm(port: int | None) -> tuple[int, int, int, str]:
         # mmengine uses rank % num_gpus, which divides by zero on CPU-only nodes.
         local_rank = rank % local_size
     # A user's MASTER_ADDR wins over the node list (e.g. rank 0's fast interface); a stale
-    # one inherited from the submitting shell is caught by _check_master when it is a
+    # one inherited from the submitting shell is caught by resolve_master when it is a
     # loopback address or does not resolve.
+    exports = _rank_vars(rank, world_size, local_rank, local_size)
     if 'MASTER_ADDR' in os.environ:
         where = 'MASTER_ADDR, set in the environment of the job step'
     else:
-        os.environ['MASTER_ADDR'] = _slurm.first_host(nodes)
+        exports['MASTER_ADDR'] = _slurm.first_host(nodes)
         where = f'the first host of {source}={nodes!r}'
     if port is not None:
-        os.environ['MASTER_PORT'] = str(_port(port, 'init_dist(port=...)'))
-    elif 'MASTER_PORT' not in os.environ:
+        exports['MASTER_PORT'] = str(_port(port, 'init_dist(port=...)'))
+    elif 'MASTER_PORT' in os.environ:
+        _port(os.environ['MASTER_PORT'], 'MASTER_PORT')
+    else:
         job = os.environ.get('SLURM_JOB_ID') or os.environ.get('SLURM_JOBID')
-        os.environ['MASTER_PORT'] = str(_slurm.master_port(job) if job else DEFAULT_PORT)
-    _port(os.environ['MASTER_PORT'], 'MASTER_PORT')
-    _export(rank, world_size, local_rank, local_size)
-    return rank, world_size, local_rank, where
+        exports['MASTER_PORT'] = str(_slurm.master_port(job) if job else DEFAULT_PORT)
+    return rank, world_size, local_rank, exports, where
 
 
-def _from_mpi(env_rendezvous: bool) -> tuple[int, int, int, str]:
+def _from_mpi(env_rendezvous: bool) -> tuple[int, int, int, dict[str, str], str]:
     family = _mpi_family()
     if family is None:
         names = '; '.join(f'{f[0]}: {f[1]}, {f[2]}' for f in _MPI_FAMILIES)
@@ -205,13 +215,15 @@ def _from_mpi(env_rendezvous: bool) -> tuple[int, int, int, str]:
     if env_rendezvous:
         _require_env(('MASTER_ADDR',), 'mpi',
                      f'export MASTER_ADDR=<host of rank 0> and {_PASS_MASTER}')
-    os.environ.setdefault('MASTER_PORT', str(DEFAULT_PORT))
-    _port(os.environ['MASTER_PORT'], 'MASTER_PORT')
     rank, world_size, local_rank = _env_int(rank_var), _env_int(size_var), _env_int(local_var)
     size_var = next((v for v in size_vars if v in os.environ), None)
     local_size = _env_int(size_var) if size_var else world_size
-    _export(rank, world_size, local_rank, local_size)
-    return rank, world_size, local_rank, f'MASTER_ADDR, exported to the {name} ranks'
+    exports = _rank_vars(rank, world_size, local_rank, local_size)
+    if 'MASTER_PORT' in os.environ:
+        _port(os.environ['MASTER_PORT'], 'MASTER_PORT')
+    else:
+        exports['MASTER_PORT'] = str(DEFAULT_PORT)
+    return rank, world_size, local_rank, exports, f'MASTER_ADDR, exported to the {name} ranks'
 
 
 def _mpi_family() -> tuple | None:
@@ -243,13 +255,6 @@ def resolve_master(host: str, port: int, where: str, nodes: int = 1) -> None:
                          "the rank-0 node's name")
 
 
-def _check_master(where: str, nodes: int) -> None:
-    """Fail now, naming the host and its origin, where the rendezvous would time out."""
-    host, port = os.environ['MASTER_ADDR'], os.environ['MASTER_PORT']
-    resolve_master(host, int(port), where, nodes)
-    logger.info('rendezvous at %s:%s (%s)', host, port, where)
-
-
 def _port(value: Any, name: str) -> int:
     try:
         port = int(value)
@@ -260,10 +265,10 @@ def _port(value: Any, name: str) -> int:
     return port
 
 
-def _export(rank: int, world_size: int, local_rank: int, local_size: int) -> None:
-    # Code after init_dist (and torch's env:// rendezvous) reads the torchrun names.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-                      LOCAL_SIZE=str(local_size), LOCAL_WORLD_SIZE=str(local_size))
+def _rank_vars(rank: int, world_size: int, local_rank: int, local_size: int) -> dict[str, str]:
+    """The torchrun names of a rank's place, for code that reads them after init_dist."""
+    return dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+                LOCAL_SIZE=str(local_size), LOCAL_WORLD_SIZE=str(local_size))
 
 
 def _resolve_backend(backend: str | None) -> str:

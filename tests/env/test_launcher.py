@@ -211,6 +211,8 @@ def test_unresolvable_master_names_the_host_and_its_origin(clean_env, fake_group
                                          r"SLURM_STEP_NODELIST='gpu-x\[01-02\]'\) does not "
                                          r'resolve: .*Name or service not known'):
         init_dist('slurm')
+    # checked before anything changed: no variable exported, no rendezvous attempted
+    assert not {'RANK', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT'} & set(os.environ)
     clean_env['MASTER_ADDR'] = 'typo-head'
     with pytest.raises(ValueError, match=r"'typo-head' \(from MASTER_ADDR, set in the "
                                          'environment of the job step'):
