@@ -162,6 +162,52 @@ class _ParamScheduler:
                             else value * epoch_length)
         return kwargs
 
+    def rescaled_state_dict(self, state: dict, ratio: Any, done_iters: int) -> dict:
+        """``state`` (this class's :meth:`state_dict`) moved to iterations of another length.
+
+        Used when a run resumes at another world size: an iteration then holds another
+        number of samples, so every step count of an iteration-based scheduler (``begin``,
+        ``end``, the lengths in ``_epoch_args``) is multiplied by ``ratio`` (new iterations per
+        old iteration, a ``fractions.Fraction``) and the position becomes ``done_iters``;
+        ``last_step`` and derived tables follow. Epoch-based states are returned unchanged.
+        Raises ``ValueError`` naming the field when a count does not convert to a whole
+        number of iterations (the schedule could not continue exactly).
+        """
+        if state.get('by_epoch', self.by_epoch):
+            return state
+        name = type(self).__name__
+        out = dict(state)
+
+        def convert(field: str, value: Any) -> int:
+            if value == INF:
+                return value
+            new = value * ratio
+            if new.denominator != 1:
+                raise ValueError(f'{name}.{field}={value} iterations is {float(new):g} '
+                                 'iterations at the new world size, not a whole number')
+            return int(new)
+
+        out['begin'] = convert('begin', state['begin'])
+        out['end'] = convert('end', state['end'])
+        for field in type(self)._epoch_args:
+            value = state.get(field)
+            if isinstance(value, dict):  # milestones: {iteration: count}
+                out[field] = {convert(field, k): v for k, v in value.items()}
+            elif isinstance(value, (list, tuple)):
+                out[field] = [convert(field, v) for v in value]
+            elif value is not None:
+                out[field] = convert(field, value)
+        if 'total_iters' in state:  # Linear / Poly / Constant: end - begin - 1, mmengine's
+            out['total_iters'] = out['end'] - out['begin'] - 1
+        out['_global_step'] = done_iters
+        out['last_step'] = min(max(done_iters - out['begin'] + 1, 0),
+                               out['end'] - out['begin']) - 1
+        return self._rescale_derived(out, ratio)
+
+    def _rescale_derived(self, state: dict, ratio: Any) -> dict:
+        """Recompute tables derived from the rescaled lengths (subclasses that keep any)."""
+        return state
+
     def _get_value(self) -> list:
         """The new value of every param group, from the current ones (chainable form)."""
         raise NotImplementedError

@@ -31,6 +31,8 @@ from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.version import __version__
 
+from .world_change import plan_world_size_change
+
 __all__ = ['CheckpointMixin']
 
 
@@ -72,14 +74,18 @@ class CheckpointMixin:
         else:
             self._load_scheduler_list(scheds, state_dict)
 
+    @classmethod
+    def _load_scheduler_list(cls, scheds: Sequence, states: Sequence) -> None:
+        cls._check_scheduler_count(scheds, states)
+        for sched, state in zip(scheds, states):
+            sched.load_state_dict(state)
+
     @staticmethod
-    def _load_scheduler_list(scheds: Sequence, states: Sequence) -> None:
+    def _check_scheduler_count(scheds: Sequence, states: Sequence) -> None:
         if len(scheds) != len(states):
             raise ValueError(f'checkpoint holds {len(states)} param scheduler state(s) but '
                              f'{len(scheds)} scheduler(s) were built; the param_scheduler config '
                              'changed since the checkpoint was saved')
-        for sched, state in zip(scheds, states):
-            sched.load_state_dict(state)
 
     # ----------------------------------------------------------------- checkpoints
     def _resolve_map_location(self, map_location: Any) -> Any:
@@ -104,9 +110,14 @@ class CheckpointMixin:
         edit the dict in place. A checkpoint without ``state_dict`` is treated as
         a bare state dict.
         """
+        filename = self._agree_on_checkpoint(filename)
         checkpoint = self._read_checkpoint(filename, map_location, callback)
         self._load_weights(checkpoint, filename, strict=strict, revise_keys=revise_keys)
         return checkpoint
+
+    def _agree_on_checkpoint(self, filename: str) -> str:
+        """Rank 0's ``filename``, verified to be the same bytes on every rank (collective)."""
+        return str(ckpt.agree_on_checkpoint(filename))
 
     def _read_checkpoint(self, filename: str, map_location: Any,
                          callback: Callable[[dict], None] | None) -> dict:
@@ -136,6 +147,7 @@ class CheckpointMixin:
         if not self._prepared:
             raise RuntimeError('resume() needs the prepared components: call strategy.prepare('
                                'model, optim_wrapper=..., param_scheduler=...) first')
+        filename = self._agree_on_checkpoint(filename)
         checkpoint = self._read_checkpoint(filename, map_location, callback)
         want_optim = resume_optimizer and hasattr(self, 'optim_wrapper')
         want_sched = resume_param_scheduler and hasattr(self, 'param_schedulers')
@@ -147,19 +159,89 @@ class CheckpointMixin:
                            f"{sorted(checkpoint)}); load weights only with load_checkpoint(), or "
                            'pass resume_optimizer=False / resume_param_scheduler=False')
         meta = checkpoint.get('meta') or {}
+        # everything that can refuse a world-size change runs before anything is loaded
+        change = plan_world_size_change(meta, self.dispatch_kwargs, self.world_size,
+                                        self._max_accumulation(), filename)
+        sched_states = checkpoint.get('param_schedulers') if want_sched else None
+        if want_sched and change is not None and change.new_iter is not None:
+            sched_states = self._rescaled_scheduler_states(sched_states, change, filename)
         # mmengine resumes non-strictly too; mismatches are reported in one warning
         self._load_weights(checkpoint, filename, strict=False)
         if want_optim:
             self.load_optim_state_dict(checkpoint['optimizer'])
             self._load_partial_grads(checkpoint, meta)
+        done = meta.get('iter')
+        if change is not None and change.new_iter is not None:
+            done = change.new_iter
+            if change.max_iters is not None:
+                self.dispatch_kwargs['max_iters'] = change.max_iters[1]
         if hasattr(self, 'optim_wrapper'):
-            self._initialize_accumulation(meta.get('iter'))
+            self._initialize_accumulation(done)
         if want_sched:
-            self.load_scheduler_state_dict(checkpoint['param_schedulers'])
+            self.load_scheduler_state_dict(sched_states)
         self._restore_randomness(checkpoint, meta, filename)
+        if change is not None:
+            checkpoint['meta'] = meta = {**meta, 'iter': done,
+                                         'world_size_change': change.as_meta()}
+            self._report_world_size_change(change, filename)
+        self._check_same_step(meta.get('iter'), filename)
         self.resumed_from = osp.abspath(filename)
         self.logger.info(f'resumed from {filename} (iter {meta.get("iter")})')
         return checkpoint
+
+    def _max_accumulation(self) -> int:
+        if not hasattr(self, 'optim_wrapper'):
+            return 1
+        return max(getattr(w, '_accumulative_counts', 1) for w in self._wrappers())
+
+    def _rescaled_scheduler_states(self, states: Any, change: Any, filename: str) -> Any:
+        """The saved scheduler states in this run's iteration units (see world_change.py)."""
+        def convert(scheds: Sequence, saved: Sequence) -> list:
+            self._check_scheduler_count(scheds, saved)
+            try:
+                return [s.rescaled_state_dict(st, change.ratio, change.new_iter)
+                        for s, st in zip(scheds, saved)]
+            except ValueError as err:
+                raise ValueError(
+                    f'cannot resume {filename} exactly at world size {change.new_world} (saved '
+                    f'at {change.old_world}): {err}. Schedule by epoch (by_epoch=True or '
+                    'convert_to_iter_based=True), choose iteration counts that convert, or '
+                    f'resume at world size {change.old_world}') from None
+        scheds = self.param_schedulers
+        if isinstance(scheds, Mapping):
+            return {k: convert(scheds[k], v) for k, v in states.items()}
+        return convert(scheds, states)
+
+    def _report_world_size_change(self, change: Any, filename: str) -> None:
+        """One message (rank 0) saying what the world-size change did to the run."""
+        if self.rank != 0:
+            return
+        text = (f'{filename} was saved with world size {change.old_world}; this run has '
+                f'{change.new_world}.')
+        if change.new_iter is not None:
+            text += (f' Samples per iteration {change.old_samples_per_iter} -> '
+                     f'{change.new_samples_per_iter}: iteration {change.saved_iter} is '
+                     f'iteration {change.new_iter} here, and iteration-based schedulers are '
+                     f'converted (x{change.ratio}).')
+        if change.max_iters is not None:
+            text += f' max_iters {change.max_iters[0]} -> {change.max_iters[1]}.'
+        cfg = self._auto_scale_lr or {}
+        if cfg.get('enable') and change.new_samples_per_iter:
+            text += (f' auto_scale_lr scaled the lr once, for the saving run\'s batch; the '
+                     f'resumed lr keeps that scaling (the linear rule would multiply it by '
+                     f'{change.new_samples_per_iter}/{change.old_samples_per_iter} for the new '
+                     'batch: scale the optimizer lr yourself if you want that).')
+        for note in change.notes:
+            text += f' Note: {note}.'
+        self.logger.warning(text)
+
+    def _check_same_step(self, step: Any, filename: str) -> None:
+        """After a resume every rank must stand at the same iteration (collective)."""
+        steps = env.all_gather_object(step)
+        if len(set(map(repr, steps))) > 1:
+            raise RuntimeError(f'after resuming {filename} the ranks disagree on the iteration: '
+                               f'{steps} (rank order); every rank must resume the same '
+                               'checkpoint')
 
     def _load_partial_grads(self, checkpoint: Mapping, meta: Mapping) -> None:
         """Each rank's own partial gradients (saved mid accumulation window under DDP)."""
@@ -211,7 +293,10 @@ class CheckpointMixin:
         if isinstance(resume, str):
             return self.resume(resume)
         if resume and load_from is None:
-            latest = ckpt.find_latest_checkpoint(self._work_dir)
+            # rank 0 decides (other ranks may not see this work_dir, or see another one);
+            # resume() then checks every rank reads that same checkpoint
+            latest = ckpt.find_latest_checkpoint(self._work_dir) if self.rank == 0 else None
+            latest = env.broadcast_object(None if latest is None else str(latest))
             if latest is None:
                 self.logger.info(f'no checkpoint in {self._work_dir} to resume from; '
                                  'training starts from scratch')
@@ -228,6 +313,10 @@ class CheckpointMixin:
                 'experiment_name': self._experiment_name, 'world_size': self.world_size,
                 'strategy': type(self).__name__, 'stratagem_version': __version__,
                 'torch_version': str(torch.__version__), 'auto_scale_lr_applied': self._lr_scaled}
+        # what a resume at another world size needs to convert iteration counts
+        for key in ('train_micro_batch_size_per_gpu', 'epoch_length'):
+            if self.dispatch_kwargs.get(key) is not None:
+                meta[key] = int(self.dispatch_kwargs[key])
         meta.update(extra_meta or {})
         return meta
 
