@@ -165,6 +165,12 @@ class CheckpointMixin:
         sched_states = checkpoint.get('param_schedulers') if want_sched else None
         if want_sched and change is not None and change.new_iter is not None:
             sched_states = self._rescaled_scheduler_states(sched_states, change, filename)
+            if self.dispatch_kwargs.get('epoch_length') is None and any(
+                    st.get('by_epoch') for sts in (sched_states.values() if isinstance(
+                        sched_states, Mapping) else [sched_states]) for st in sts):
+                raise ValueError(f'resuming {filename} at world size {self.world_size} (saved '
+                                 f'at {change.old_world}) replays the schedule, which needs '
+                                 "dispatch_kwargs['epoch_length'] for epoch-based schedulers")
         # mmengine resumes non-strictly too; mismatches are reported in one warning
         self._load_weights(checkpoint, filename, strict=False)
         if want_optim:
@@ -179,6 +185,8 @@ class CheckpointMixin:
             self._initialize_accumulation(done)
         if want_sched:
             self.load_scheduler_state_dict(sched_states)
+            if change is not None and change.new_iter is not None:
+                self._replay_schedulers(done)
         self._restore_randomness(checkpoint, meta, filename)
         if change is not None:
             checkpoint['meta'] = meta = {**meta, 'iter': done,
@@ -211,6 +219,14 @@ class CheckpointMixin:
         if isinstance(scheds, Mapping):
             return {k: convert(scheds[k], v) for k, v in states.items()}
         return convert(scheds, states)
+
+    def _replay_schedulers(self, done: int) -> None:
+        """Scheduled values as a run in this run's units from the start would have them."""
+        from stratagem.scheduler.base import replay_schedulers
+        scheds = self.param_schedulers
+        groups = scheds.values() if isinstance(scheds, Mapping) else [scheds]
+        for group in groups:
+            replay_schedulers(list(group), done, self.dispatch_kwargs.get('epoch_length'))
 
     def _report_world_size_change(self, change: Any, filename: str) -> None:
         """One message (rank 0) saying what the world-size change did to the run."""
