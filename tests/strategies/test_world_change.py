@@ -109,7 +109,7 @@ def test_rescaled_and_replayed_schedule_equals_one_run_in_the_new_units(ratio):
 def test_a_count_that_does_not_convert_names_the_scheduler_and_field():
     opt, scheds = _schedulers(5, 20)
     lin = scheds[0]
-    with pytest.raises(ValueError, match=r'LinearParamScheduler.end=5 iterations is 2.5'):
+    with pytest.raises(ValueError, match=r'LinearLR.end=5 iterations is 2.5'):
         lin.rescaled_state_dict(lin.state_dict(), Fraction(1, 2), 4)
 
 
