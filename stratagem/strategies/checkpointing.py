@@ -163,21 +163,18 @@ class CheckpointMixin:
         change = plan_world_size_change(meta, self.dispatch_kwargs, self.world_size,
                                         self._max_accumulation(), filename)
         sched_states = checkpoint.get('param_schedulers') if want_sched else None
-        if want_sched and change is not None and change.new_iter is not None:
-            sched_states = self._rescaled_scheduler_states(sched_states, change, filename)
-            if self.dispatch_kwargs.get('epoch_length') is None and any(
-                    st.get('by_epoch') for sts in (sched_states.values() if isinstance(
-                        sched_states, Mapping) else [sched_states]) for st in sts):
-                raise ValueError(f'resuming {filename} at world size {self.world_size} (saved '
-                                 f'at {change.old_world}) replays the schedule, which needs '
-                                 "dispatch_kwargs['epoch_length'] for epoch-based schedulers")
+        converting = change is not None and change.new_iter is not None
+        if want_sched and converting:
+            sched_states = change.rescale_schedulers(
+                self.param_schedulers, sched_states, self.dispatch_kwargs.get('epoch_length'),
+                filename)
         # mmengine resumes non-strictly too; mismatches are reported in one warning
         self._load_weights(checkpoint, filename, strict=False)
         if want_optim:
             self.load_optim_state_dict(checkpoint['optimizer'])
             self._load_partial_grads(checkpoint, meta)
         done = meta.get('iter')
-        if change is not None and change.new_iter is not None:
+        if converting:
             done = change.new_iter
             if change.max_iters is not None:
                 self.dispatch_kwargs['max_iters'] = change.max_iters[1]
@@ -185,8 +182,9 @@ class CheckpointMixin:
             self._initialize_accumulation(done)
         if want_sched:
             self.load_scheduler_state_dict(sched_states)
-            if change is not None and change.new_iter is not None:
-                self._replay_schedulers(done)
+            if converting:
+                change.replay_schedulers(self.param_schedulers,
+                                         self.dispatch_kwargs.get('epoch_length'))
         self._restore_randomness(checkpoint, meta, filename)
         if change is not None:
             checkpoint['meta'] = meta = {**meta, 'iter': done,
@@ -202,54 +200,10 @@ class CheckpointMixin:
             return 1
         return max(getattr(w, '_accumulative_counts', 1) for w in self._wrappers())
 
-    def _rescaled_scheduler_states(self, states: Any, change: Any, filename: str) -> Any:
-        """The saved scheduler states in this run's iteration units (see world_change.py)."""
-        def convert(scheds: Sequence, saved: Sequence) -> list:
-            self._check_scheduler_count(scheds, saved)
-            try:
-                return [s.rescaled_state_dict(st, change.ratio, change.new_iter)
-                        for s, st in zip(scheds, saved)]
-            except ValueError as err:
-                raise ValueError(
-                    f'cannot resume {filename} exactly at world size {change.new_world} (saved '
-                    f'at {change.old_world}): {err}. Schedule by epoch (by_epoch=True or '
-                    'convert_to_iter_based=True), choose iteration counts that convert, or '
-                    f'resume at world size {change.old_world}') from None
-        scheds = self.param_schedulers
-        if isinstance(scheds, Mapping):
-            return {k: convert(scheds[k], v) for k, v in states.items()}
-        return convert(scheds, states)
-
-    def _replay_schedulers(self, done: int) -> None:
-        """Scheduled values as a run in this run's units from the start would have them."""
-        from stratagem.scheduler.base import replay_schedulers
-        scheds = self.param_schedulers
-        groups = scheds.values() if isinstance(scheds, Mapping) else [scheds]
-        for group in groups:
-            replay_schedulers(list(group), done, self.dispatch_kwargs.get('epoch_length'))
-
     def _report_world_size_change(self, change: Any, filename: str) -> None:
-        """One message (rank 0) saying what the world-size change did to the run."""
-        if self.rank != 0:
-            return
-        text = (f'{filename} was saved with world size {change.old_world}; this run has '
-                f'{change.new_world}.')
-        if change.new_iter is not None:
-            text += (f' Samples per iteration {change.old_samples_per_iter} -> '
-                     f'{change.new_samples_per_iter}: iteration {change.saved_iter} is '
-                     f'iteration {change.new_iter} here, and iteration-based schedulers are '
-                     f'converted (x{change.ratio}).')
-        if change.max_iters is not None:
-            text += f' max_iters {change.max_iters[0]} -> {change.max_iters[1]}.'
-        cfg = self._auto_scale_lr or {}
-        if cfg.get('enable') and change.new_samples_per_iter:
-            text += (f' auto_scale_lr scaled the lr once, for the saving run\'s batch; the '
-                     f'resumed lr keeps that scaling (the linear rule would multiply it by '
-                     f'{change.new_samples_per_iter}/{change.old_samples_per_iter} for the new '
-                     'batch: scale the optimizer lr yourself if you want that).')
-        for note in change.notes:
-            text += f' Note: {note}.'
-        self.logger.warning(text)
+        if self.rank == 0:  # the same on every rank: said once
+            enabled = bool((self._auto_scale_lr or {}).get('enable'))
+            self.logger.warning(change.describe(filename, auto_scale_lr=enabled))
 
     def _check_same_step(self, step: Any, filename: str) -> None:
         """After a resume every rank must stand at the same iteration (collective)."""

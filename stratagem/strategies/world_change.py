@@ -45,6 +45,62 @@ class WorldSizeChange:
     max_iters: tuple[int, int] | None = None
     notes: list[str] = field(default_factory=list)
 
+    def rescale_schedulers(self, schedulers: Any, states: Any, epoch_length: int | None,
+                           filename: str) -> Any:
+        """The saved scheduler ``states`` (a list, or a dict of lists, shaped like
+        ``schedulers``) converted to this run's iteration units, ready to load and then
+        :meth:`replay_schedulers`. Raises ``ValueError`` before anything is loaded when a
+        count does not convert or the replay would need an unknown epoch length."""
+        def convert(scheds: list, saved: list) -> list:
+            if len(scheds) != len(saved):
+                raise ValueError(f'{filename} holds {len(saved)} param scheduler state(s) but '
+                                 f'{len(scheds)} scheduler(s) were built; the param_scheduler '
+                                 'config changed since the checkpoint was saved')
+            if epoch_length is None and any(st.get('by_epoch') for st in saved):
+                raise ValueError(f'resuming {filename} at world size {self.new_world} (saved '
+                                 f'at {self.old_world}) replays the schedule, which needs '
+                                 "dispatch_kwargs['epoch_length'] for epoch-based schedulers")
+            try:
+                return [s.rescaled_state_dict(st, self.ratio, self.new_iter)
+                        for s, st in zip(scheds, saved)]
+            except ValueError as err:
+                raise ValueError(
+                    f'cannot resume {filename} exactly at world size {self.new_world} (saved '
+                    f'at {self.old_world}): {err}. Schedule by epoch (by_epoch=True or '
+                    'convert_to_iter_based=True), choose iteration counts that convert, or '
+                    f'resume at world size {self.old_world}') from None
+        if isinstance(schedulers, Mapping):
+            return {k: convert(list(schedulers[k]), list(v)) for k, v in states.items()}
+        return convert(list(schedulers), list(states))
+
+    def replay_schedulers(self, schedulers: Any, epoch_length: int | None) -> None:
+        """Recompute the scheduled values as a run in the new units from its start would
+        have them at ``new_iter`` (after the converted states were loaded)."""
+        from stratagem.scheduler.base import replay_schedulers
+        groups = schedulers.values() if isinstance(schedulers, Mapping) else [schedulers]
+        for group in groups:
+            replay_schedulers(list(group), self.new_iter, epoch_length)
+
+    def describe(self, filename: str, auto_scale_lr: bool = False) -> str:
+        """One message saying what the change did to the run."""
+        text = (f'{filename} was saved with world size {self.old_world}; this run has '
+                f'{self.new_world}.')
+        if self.new_iter is not None:
+            text += (f' Samples per iteration {self.old_samples_per_iter} -> '
+                     f'{self.new_samples_per_iter}: iteration {self.saved_iter} is iteration '
+                     f'{self.new_iter} here, and iteration-based schedulers are converted '
+                     f'(x{self.ratio}).')
+        if self.max_iters is not None:
+            text += f' max_iters {self.max_iters[0]} -> {self.max_iters[1]}.'
+        if auto_scale_lr and self.new_samples_per_iter:
+            text += (" auto_scale_lr scaled the lr once, for the saving run's batch; the "
+                     'resumed lr keeps that scaling (the linear rule would multiply it by '
+                     f'{self.new_samples_per_iter}/{self.old_samples_per_iter} for the new '
+                     'batch: scale the optimizer lr yourself if you want that).')
+        for note in self.notes:
+            text += f' Note: {note}.'
+        return text
+
     def as_meta(self) -> dict:
         """A JSON-able record for the returned checkpoint's ``meta['world_size_change']``."""
         return {'world_size': [self.old_world, self.new_world],
