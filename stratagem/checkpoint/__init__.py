@@ -13,7 +13,7 @@ from .commit import (
                      save_checkpoint,
 )
 from .content import validate_checkpoint_content
-from .dist import agree_on_path
+from .dist import CheckpointNotShared, agree_on_checkpoint, agree_on_path, checkpoint_identity
 from .errors import (
                      CheckpointCorruptError,
                      CheckpointWarning,
@@ -36,7 +36,8 @@ from .state_dict import LoadReport, load_state_dict, revise_keys, unwrap_model
 
 __all__ = [
     'save_checkpoint', 'commit_directory', 'new_staging_dir', 'finalize_directory',
-    'agree_on_path', 'validate_checkpoint_content',
+    'agree_on_path', 'agree_on_checkpoint', 'checkpoint_identity', 'CheckpointNotShared',
+    'validate_checkpoint_content',
     'load_checkpoint_file', 'verify_checkpoint', 'manifest_path',
     'find_latest_checkpoint', 'list_checkpoints', 'read_pointer', 'update_pointer',
     'POINTER_NAME', 'CheckpointInfo', 'apply_retention',
