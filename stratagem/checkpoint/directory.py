@@ -20,8 +20,8 @@ that can also be called one by one (an asynchronous saver runs step 2 in a backg
    not ``KeyboardInterrupt``/``SystemExit``), is caught and returned as a failed result.
 3. ``finish_directory_save(staging, final_dir, written, step=..., extra_manifest=...)``:
    (a) the ranks exchange their results; if any rank failed, rank 0 removes the staging dir
-   and every rank raises (this rank's own exception, or a ``RuntimeError`` naming the first
-   failing rank and its error). (b) rank 0 runs ``finalize_directory``: it writes
+   and every rank raises (this rank's own ``Exception``, or a ``RuntimeError`` naming the
+   first failing rank and its error, chained to this rank's ``BaseException`` if it had one). (b) rank 0 runs ``finalize_directory``: it writes
    ``manifest.json`` (files with size and sha256, step, versions, ``world_size`` and the
    caller's ``extra_manifest``, e.g. the strategy), renames the staging dir to ``final_dir``,
    fsyncs the parent and updates ``last_checkpoint``. (c) rank 0's outcome is broadcast, so a
@@ -108,10 +108,12 @@ def _raise_first(outcomes: list[str | None], mine: BaseException | None, what: s
     failed = [(rank, msg) for rank, msg in enumerate(outcomes) if msg is not None]
     if not failed:
         return
-    if mine is not None:
+    if isinstance(mine, Exception):
         raise mine
     rank, msg = failed[0]
-    raise error_type(f'{what} failed on rank {rank}: {msg}')
+    # a BaseException (DCP's CheckpointException) becomes an Exception, so that callers'
+    # `except Exception` error exchange sees it on this rank as on the others
+    raise error_type(f'{what} failed on rank {rank}: {msg}') from mine
 
 
 # ---------------------------------------------------------------------------- save: 3 steps
