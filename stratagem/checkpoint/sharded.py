@@ -126,9 +126,11 @@ def read_sharded_checkpoint(path: str | os.PathLike, *, collective: bool = False
 def _read_dcp_full(path: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     state: dict = {}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path),
-             planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    # as format_utils.dcp_to_torch_save does: the public dcp.load only fills existing keys
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(path),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state
 
 

@@ -169,11 +169,11 @@ class FSDPStrategy(BaseStrategy):
         wrapper = self.optim_wrapper
         state = get_optimizer_state_dict(self.model, wrapper.optimizer,
                                          options=self._options(self._full))
-        if self._full:
+        if self._full and state:  # rank 0 only: the others get {} (cpu_offload)
             state = ckpt.optim_state_to_index(state)
         extra = wrapper.state_dict()
         return {**{k: v for k, v in extra.items() if k not in ('state', 'param_groups')},
-                'state': state.get('state', {}), 'param_groups': state['param_groups']}
+                'state': state.get('state', {}), 'param_groups': state.get('param_groups', [])}
 
     def load_model_state_dict(self, state_dict: Mapping, *, strict: bool = False,
                               revise_keys: Any = ((r'^module\.', ''),)) -> Any:
@@ -303,37 +303,39 @@ def _to_local(obj: Any) -> Any:
     return obj
 
 
-def _fsdp_params(model: nn.Module) -> list[Any]:
+def _fsdp_params(model: nn.Module) -> list[tuple[str, Any]]:
+    """(clean FQN, FSDPParam) of every sharded parameter."""
+    names = {id(p): _clean(n) for n, p in model.named_parameters()}
     out = []
     for module in model.modules():
         state = getattr(module, '_get_fsdp_state', None)
         group = state()._fsdp_param_group if state is not None else None
         if group is not None:
-            out += group.fsdp_params
+            out += [(names[id(fp.sharded_param)], fp) for fp in group.fsdp_params]
     return out
 
 
 def _pending_grads(model: nn.Module) -> dict:
     """This rank's gradients accumulated with sync off (FSDP2 keeps them unsharded)."""
     grads = {}
-    for fp in _fsdp_params(model):
+    for name, fp in _fsdp_params(model):
         g = fp.unsharded_accumulated_grad
         if g is None and hasattr(fp, '_unsharded_param'):
             g = fp._unsharded_param.grad
         if g is not None:
-            grads[_clean(fp._param_fqn)] = g.detach().clone()
+            grads[name] = g.detach().clone()
     return grads
 
 
 def _set_pending_grads(model: nn.Module, grads: Mapping) -> None:
     from torch.distributed.fsdp import FSDPModule
-    if any(not hasattr(fp, '_unsharded_param') for fp in _fsdp_params(model)):
+    if any(not hasattr(fp, '_unsharded_param') for _, fp in _fsdp_params(model)):
         for module in model.modules():  # FSDP2 creates the unsharded parameters lazily
             if isinstance(module, FSDPModule):
                 module.unshard()
                 module.reshard()
-    for fp in _fsdp_params(model):
-        g = grads.get(_clean(fp._param_fqn))
+    for name, fp in _fsdp_params(model):
+        g = grads.get(name)
         if g is None:
             continue
         param = fp._unsharded_param
