@@ -115,6 +115,8 @@ def read_sharded_checkpoint(path: str | os.PathLike, *, collective: bool = False
         optim = {**full['optimizer'], **extra.pop('optimizer_extra', {})}
         if manifest.get('optimizer_keys', 'fqn') == 'fqn':
             optim = optim_state_to_index(optim)
+        else:  # DCP flattening turned the int keys into strings
+            optim['state'] = {int(k): v for k, v in optim.get('state', {}).items()}
         checkpoint['optimizer'] = optim
     partial = read_partial_grads(path)
     if partial:

@@ -290,8 +290,9 @@ def test_mmengine_config_builds():
                               min_num_params=60)))
     assert cfg.reshard_after_forward is False and cfg.cpu_offload is True
     assert cfg.mp_policy.param_dtype == torch.bfloat16
-    targets = cfg.targets(_net())  # Linear(6,8)=56, Block=72, Block=72, Linear(8,2)=18
-    assert [type(m).__name__ for m in targets] == ['Block', 'Block']
+    net = _net()  # Linear(6,8)=56, Block.fc=72 (x2), Linear(8,2)=18: bottom-up, like FSDP1
+    targets = {id(m) for m in cfg.targets(net)}
+    assert [n for n, m in net.named_modules() if id(m) in targets] == ['1.fc', '2.fc']
     assert parse_state_dict_cfg(None, 'local') == 'sharded'
     assert parse_state_dict_cfg(None, dict(state_dict_type='FULL_STATE_DICT')) == 'full'
     for bad, match in ((dict(sharding_strategy='NO_SHARD'), 'DDPStrategy'),
