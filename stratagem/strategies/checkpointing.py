@@ -97,8 +97,17 @@ class CheckpointMixin:
         return f'cuda:{torch.cuda.current_device()}' if torch.cuda.is_available() else 'cpu'
 
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
-        """Backend hook: read a checkpoint (default: one verified file, weights_only)."""
+        """Backend hook: read a checkpoint (default: one verified file, weights_only; a
+        sharded directory, e.g. FSDPStrategy's, is verified and read unsharded)."""
+        if ckpt.is_sharded_checkpoint(filename):
+            checkpoint = ckpt.read_sharded_checkpoint(filename)
+            return _move(checkpoint, map_location)
         return ckpt.load_checkpoint_file(filename, map_location=map_location)
+
+    def _validate_checkpoint(self, checkpoint: dict) -> None:
+        """Backend hook: check the content is loadable with weights_only (tensors, plain
+        values); a sharding backend validates its shards' local tensors."""
+        ckpt.validate_checkpoint_content(checkpoint)
 
     def load_checkpoint(self, filename: str, *, map_location: Any = 'cpu', strict: bool = False,
                         revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
@@ -318,7 +327,7 @@ class CheckpointMixin:
             callback(checkpoint)
         # every rank checks the content, so a bad value fails on all ranks alike instead of
         # leaving the others waiting for rank 0
-        ckpt.validate_checkpoint_content(checkpoint)
+        self._validate_checkpoint(checkpoint)
         error = None
         try:
             self._save_checkpoint_files(checkpoint, path)
@@ -357,3 +366,16 @@ class CheckpointMixin:
             ckpt.save_checkpoint(checkpoint, filename, step=checkpoint['meta'].get('iter'),
                                  extra_manifest={'world_size': self.world_size,
                                                  'strategy': type(self).__name__})
+
+
+def _move(obj: Any, map_location: Any) -> Any:
+    """Tensors of a checkpoint read on CPU, moved where ``map_location`` (a device) says."""
+    if map_location in (None, 'cpu') or not isinstance(map_location, (str, torch.device)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(map_location)
+    if isinstance(obj, dict):
+        return {k: _move(v, map_location) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_move(v, map_location) for v in obj]
+    return obj
