@@ -32,7 +32,17 @@ from .latest import (
 from .load import load_checkpoint_file
 from .manifest import manifest_path, verify_checkpoint
 from .retention import apply_retention
-from .state_dict import LoadReport, load_state_dict, revise_keys, unwrap_model
+from .state_dict import (
+                         WEIGHT_ENTRIES,
+                         LoadReport,
+                         PartialLoadWarning,
+                         StateDictMismatchError,
+                         describe_keys,
+                         find_model_weights,
+                         load_state_dict,
+                         revise_keys,
+                         unwrap_model,
+)
 
 __all__ = [
     'save_checkpoint', 'commit_directory', 'new_staging_dir', 'finalize_directory',
@@ -40,7 +50,8 @@ __all__ = [
     'load_checkpoint_file', 'verify_checkpoint', 'manifest_path',
     'find_latest_checkpoint', 'list_checkpoints', 'read_pointer', 'update_pointer',
     'POINTER_NAME', 'CheckpointInfo', 'apply_retention',
-    'revise_keys', 'load_state_dict', 'unwrap_model', 'LoadReport',
+    'revise_keys', 'load_state_dict', 'unwrap_model', 'LoadReport', 'StateDictMismatchError',
+    'PartialLoadWarning',    'find_model_weights', 'describe_keys', 'WEIGHT_ENTRIES',
     'CheckpointCorruptError', 'NotACheckpointError', 'UnsafeCheckpointError',
     'CheckpointWarning', 'UnverifiedCheckpointWarning',
 ]

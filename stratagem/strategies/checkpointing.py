@@ -101,8 +101,12 @@ class CheckpointMixin:
         """Load model weights from ``filename``; returns the whole checkpoint dict.
 
         ``callback(checkpoint)`` runs after reading and before loading, and may
-        edit the dict in place. A checkpoint without ``state_dict`` is treated as
-        a bare state dict.
+        edit the dict in place. Foreign layouts are recognised: the weights are taken
+        from ``state_dict``, ``model_state_dict``, ``model`` or ``module``, else the
+        file is read as a bare state dict (``module.`` prefixes are stripped by the
+        default ``revise_keys``). A file whose weights match none of the model's keys
+        is an error even when not ``strict`` (mmengine loads nothing and goes on); a
+        failed load leaves the model unchanged.
         """
         checkpoint = self._read_checkpoint(filename, map_location, callback)
         self._load_weights(checkpoint, filename, strict=strict, revise_keys=revise_keys)
@@ -119,11 +123,41 @@ class CheckpointMixin:
             callback(checkpoint)
         return checkpoint
 
+    # below this share of the model's tensors found in the file, a load warns loudly
+    MIN_LOADED_SHARE = 0.5
+
     def _load_weights(self, checkpoint: dict, filename: str, *, strict: bool,
                       revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)) -> None:
-        state_dict = checkpoint.get('state_dict', checkpoint)
-        self.load_model_state_dict(state_dict, strict=strict, revise_keys=revise_keys)
-        self.logger.info(f'loaded weights from {filename}')
+        """Find the weights (``state_dict``, or a foreign layout: ``model_state_dict``,
+        ``model``, ``module``, a bare state dict) and load them; nothing changes on an error.
+
+        No layout found, no key matching, or a strict mismatch raises
+        ``StateDictMismatchError`` naming the file and what it holds; fewer than
+        ``MIN_LOADED_SHARE`` of the model's tensors loaded warns ``PartialLoadWarning``.
+        """
+        where = None
+        try:
+            state_dict, where = ckpt.find_model_weights(checkpoint)
+            report = self.load_model_state_dict(state_dict, strict=strict,
+                                                revise_keys=revise_keys)
+        except ckpt.StateDictMismatchError as err:
+            raise ckpt.StateDictMismatchError(
+                f'{filename} {err}' if where is None else
+                f'{filename} ({where}): {err}\nthe file holds {ckpt.describe_keys(checkpoint)}'
+            ) from None
+        counts = ''
+        if isinstance(report, ckpt.LoadReport) and report.total:
+            counts = f', {report.loaded} of {report.total} tensors'
+            if report.loaded < self.MIN_LOADED_SHARE * report.total:
+                warnings.warn(
+                    f'{filename} ({where}): only {report.loaded} of the {report.total} '
+                    f'tensors of {type(self._unwrap_model()).__name__} were found and loaded; '
+                    f'missing: {", ".join(report.missing_keys[:10])}'
+                    f'{", ..." if len(report.missing_keys) > 10 else ""}. The file holds '
+                    f'{ckpt.describe_keys(checkpoint)}. Fine for a partial (e.g. backbone) '
+                    'load; otherwise check the checkpoint and revise_keys',
+                    ckpt.PartialLoadWarning, stacklevel=3)
+        self.logger.info(f'loaded weights from {filename} ({where}{counts})')
 
     def resume(self, filename: str, *, resume_optimizer: bool = True,
                resume_param_scheduler: bool = True, map_location: Any = 'default',

@@ -81,7 +81,9 @@ def test_custom_logger_and_bad_input():
     handler.emit = records.append
     logger.addHandler(handler)
     try:
-        report = load_state_dict(Net(), {'nope': torch.ones(1)}, logger=logger)
+        sd = Net().state_dict()
+        sd['nope'] = torch.ones(1)
+        report = load_state_dict(Net(), sd, logger=logger)
     finally:
         logger.removeHandler(handler)
     assert isinstance(report, LoadReport) and not report.ok and len(records) == 1
