@@ -19,6 +19,7 @@ schedulers, and every RNG state last.
 """
 from __future__ import annotations
 
+import os
 import os.path as osp
 import time
 import warnings
@@ -32,6 +33,8 @@ from stratagem import env
 from stratagem.version import __version__
 
 __all__ = ['CheckpointMixin']
+
+_CHECKPOINT_SUFFIXES = ('.pth', '.pt', '.ckpt', '.bin', '.safetensors', '.manifest.json')
 
 
 class CheckpointMixin:
@@ -238,7 +241,9 @@ class CheckpointMixin:
         """mmengine's runner logic: resume (latest in work_dir, or a path) or just load weights.
 
         ``resume=True`` with no ``load_from`` resumes from the newest committed
-        checkpoint in ``work_dir`` (none found: starts fresh, with a log line);
+        checkpoint in ``work_dir`` (none, in a work dir that never held one: starts fresh,
+        with a log line; none, in a work dir whose pointer or checkpoint files show an
+        earlier run: ``FileNotFoundError``, before anything is written);
         ``resume='path'`` or ``resume=True`` with ``load_from`` resumes from that
         file; ``load_from`` alone loads weights only. Returns the checkpoint or None.
         """
@@ -247,6 +252,15 @@ class CheckpointMixin:
         if resume and load_from is None:
             latest = ckpt.find_latest_checkpoint(self._work_dir)
             if latest is None:
+                # a previous run left traces but nothing resumable: starting fresh would
+                # overwrite its files, so stop before anything is written
+                traces = _previous_run_traces(self._work_dir)
+                if traces:
+                    raise FileNotFoundError(
+                        f'cannot resume from work_dir {self._work_dir}: {traces}, but no '
+                        'committed checkpoint there verifies; nothing was changed. Resume '
+                        'from a file with --resume PATH (API: resume=PATH), or start from '
+                        f'scratch in a new --work-dir (or after removing {ckpt.POINTER_NAME})')
                 self.logger.info(f'no checkpoint in {self._work_dir} to resume from; '
                                  'training starts from scratch')
                 return None
@@ -333,3 +347,26 @@ class CheckpointMixin:
             ckpt.save_checkpoint(checkpoint, filename, step=checkpoint['meta'].get('iter'),
                                  extra_manifest={'world_size': self.world_size,
                                                  'strategy': type(self).__name__})
+
+
+def _previous_run_traces(work_dir: str) -> str | None:
+    """What in ``work_dir`` shows an earlier run left checkpoints (a ``last_checkpoint``
+    pointer, checkpoint files or manifests), described for an error; None when nothing."""
+    pointer = osp.join(work_dir, ckpt.POINTER_NAME)
+    if osp.isfile(pointer):
+        try:
+            target = ckpt.read_pointer(work_dir)
+        except (ValueError, OSError) as err:
+            return f'its {ckpt.POINTER_NAME} is unreadable ({err})'
+        state = 'is damaged' if target is not None and osp.exists(target) else \
+            'does not exist'
+        return f'its {ckpt.POINTER_NAME} points to {target}, which {state}'
+    try:
+        names = sorted(os.listdir(work_dir))
+    except OSError:
+        return None
+    found = [n for n in names if n.endswith(_CHECKPOINT_SUFFIXES) and not n.startswith('.')]
+    if found:
+        shown = ', '.join(found[:5]) + (', ...' if len(found) > 5 else '')
+        return f'it holds checkpoint file(s) {shown}'
+    return None
