@@ -19,6 +19,8 @@ import pickle
 import sys
 import warnings
 
+from stratagem.config import ConfigAttributeError
+
 # name -> (module, one-line help)
 COMMANDS = {
     'train': ('stratagem.loop', 'train a model from a config file with the reference loop'),
@@ -31,11 +33,12 @@ COMMANDS = {
 
 DEBUG_ENV = 'STRATAGEM_DEBUG'
 DEBUG_FLAG = '--debug'
-# what bad input raises: config and registry errors (ValueError, TypeError, KeyError), files
+# what bad input raises: config and registry errors (ValueError, TypeError, KeyError, a missing
+# key read as an attribute), files
 # (OSError), checkpoints (ValueError, UnpicklingError), torch's complaints about shapes and
 # devices (RuntimeError), a missing extra (ImportError)
 USER_ERRORS = (ValueError, TypeError, KeyError, OSError, RuntimeError, ImportError,
-               pickle.UnpicklingError)
+               pickle.UnpicklingError, ConfigAttributeError)
 
 
 def debug_enabled(argv: list[str] | None = None) -> bool:

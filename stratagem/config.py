@@ -33,7 +33,8 @@ from typing import Any
 
 from addict import Dict
 
-__all__ = ['ConfigDict', 'Config', 'ConfigError', 'ConfigKeyError', 'ConfigWarning',
+__all__ = ['ConfigDict', 'Config', 'ConfigError', 'ConfigKeyError', 'ConfigAttributeError',
+           'ConfigWarning',
            'check_keys', 'parse_cfg_options', 'merge_dicts', 'normalize_numbers', 'NUMERIC_KEYS']
 
 BASE_KEY = '_base_'
@@ -48,6 +49,10 @@ class ConfigError(ValueError):
 class ConfigWarning(UserWarning):
     """A config value was accepted after a fix (a number given as a string); the message says
     which key and how to write it."""
+
+
+class ConfigAttributeError(AttributeError):
+    """A missing config key read as an attribute (``cfg.modle``); the message names it."""
 
 
 class ConfigKeyError(KeyError):
@@ -75,7 +80,7 @@ class ConfigDict(Dict):
         except KeyError:
             if name.startswith('__') and name.endswith('__'):
                 raise AttributeError(name) from None
-            raise AttributeError(_missing_message(self, name)) from None
+            raise ConfigAttributeError(_missing_message(self, name)) from None
 
     # addict hands a parent reference to missing children so that ``d.a.b = 1``
     # creates ``a``; with strict reads there are no such children, and the
@@ -148,6 +153,31 @@ class ConfigDict(Dict):
 
     def __repr__(self) -> str:
         return f'ConfigDict({pprint.pformat(self.to_dict(), sort_dicts=False)})'
+
+
+def _dotted_keys(obj: Any, prefix: str = '') -> set[str]:
+    """Every dotted path in a config (dict keys and list indices), e.g. 'a', 'a.b', 'a.0'."""
+    out: set[str] = set()
+    items = obj.items() if isinstance(obj, Mapping) else \
+        enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        path = f'{prefix}{k}'
+        out.add(path)
+        out |= _dotted_keys(v, path + '.')
+    return out
+
+
+def _did_you_mean(key: str, known: set[str]) -> str:
+    """Existing keys ``key`` was probably meant to be: the same last name elsewhere
+    (``lr`` for ``optim_wrapper.optimizer.lr``), else a near spelling beside it."""
+    import difflib
+    parent, _, leaf = key.rpartition('.')
+    close = sorted(k for k in known if k.rsplit('.', 1)[-1] == leaf)
+    if not close:
+        siblings = {k.rsplit('.', 1)[-1]: k for k in known if k.rpartition('.')[0] == parent}
+        close = [siblings[n] for n in difflib.get_close_matches(leaf, list(siblings), n=3,
+                                                                cutoff=0.75)]
+    return f'did you mean {" or ".join(repr(k) for k in close[:3])}?' if close else ''
 
 
 def _missing_message(d: Mapping, name: Any) -> str:
@@ -405,6 +435,11 @@ class Config:
 
     @staticmethod
     def _read_file(path: Path) -> dict:
+        if path.is_dir():
+            found = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _SUFFIXES)
+            raise ConfigError(f'{path} is a directory, not a config file; give a '
+                              f'{"/".join(_SUFFIXES)} file' +
+                              (f', e.g. {path / found[0]}' if found else ''))
         if not path.is_file():
             raise FileNotFoundError(f'config file not found: {path}')
         suffix = path.suffix.lower()
@@ -498,9 +533,14 @@ class Config:
         # applied to a copy, swapped in only when every override (and the numbers rule) passed:
         # a bad override leaves the config as it was
         work = copy.deepcopy(self._cfg_dict)
+        known = _dotted_keys(self._cfg_dict)
+        added = []
         for full_key, value in options.items():
             parts = str(full_key).split('.')
             node: Any = work
+            if str(full_key) not in known and not any(k.startswith(f'{full_key}.')
+                                                      for k in known):
+                added.append(str(full_key))
             for i, part in enumerate(parts):
                 last = i == len(parts) - 1
                 if isinstance(node, list):
@@ -531,6 +571,12 @@ class Config:
                     node = node[part]
         normalize_numbers(work, 'the overrides')
         object.__setattr__(self, '_cfg_dict', work)
+        for key in added:  # mmengine adds them silently: a typo would then change nothing
+            hint = _did_you_mean(key, known)
+            if hint:  # adding a key (clip_grad=...) is fine; one that looks like a typo warns
+                warnings.warn(f'override {key!r} adds a key the config did not have, so it '
+                              f'changes nothing unless something reads it; {hint}',
+                              ConfigWarning, stacklevel=2)
 
     # ---- output --------------------------------------------------------------------------
     def dump(self, file: str | os.PathLike | None = None) -> str | None:

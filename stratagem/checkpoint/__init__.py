@@ -37,6 +37,7 @@ from .state_dict import (
                          LoadReport,
                          PartialLoadWarning,
                          StateDictMismatchError,
+                         check_state_dict,
                          describe_keys,
                          find_model_weights,
                          load_state_dict,
@@ -51,7 +52,8 @@ __all__ = [
     'find_latest_checkpoint', 'list_checkpoints', 'read_pointer', 'update_pointer',
     'POINTER_NAME', 'CheckpointInfo', 'apply_retention',
     'revise_keys', 'load_state_dict', 'unwrap_model', 'LoadReport', 'StateDictMismatchError',
-    'PartialLoadWarning',    'find_model_weights', 'describe_keys', 'WEIGHT_ENTRIES',
+    'PartialLoadWarning', 'find_model_weights', 'describe_keys', 'check_state_dict',
+    'WEIGHT_ENTRIES',
     'CheckpointCorruptError', 'NotACheckpointError', 'UnsafeCheckpointError',
     'CheckpointWarning', 'UnverifiedCheckpointWarning',
 ]

@@ -190,6 +190,36 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
         raise TypeError(f'state_dict must be a mapping of names to tensors, got '
                         f'{type(state_dict).__name__}; pass checkpoint["state_dict"]?')
     module = unwrap_model(module)
+    report, loadable, own = _compare(module, state_dict)
+    name = type(module).__name__
+    if strict and not report.ok:
+        raise StateDictMismatchError(f'the state dict does not match {name} (strict load; '
+                                     f'nothing was loaded):\n{report}')
+    if own and not report.loaded:
+        hint = _prefix_hint(report.missing_keys, report.unexpected_keys)
+        raise StateDictMismatchError(
+            f'none of its {len(state_dict)} entries matches {name}, so nothing was loaded: '
+            f'the model has {_clip(list(own), 5)}; the state dict has '
+            f'{_clip(list(state_dict), 5)}.' + (f' {hint}' if hint else
+                                                 ' Is it the weights of another model?'))
+    result = module.load_state_dict(loadable, strict=False)
+    # torch's own accounting is the truth for what was left out (e.g. modules that fill keys)
+    skipped = {key for key, *_ in report.shape_mismatches + report.type_mismatches}
+    report.missing_keys = [k for k in result.missing_keys if k not in skipped]
+    report.unexpected_keys = list(result.unexpected_keys)
+    if not report.ok:
+        (logger or logging.getLogger('stratagem.checkpoint')).warning(
+            f'the state dict does not match {name}:\n{report}')
+    return report
+
+
+def check_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> LoadReport:
+    """What :func:`load_state_dict` would report, without changing ``module``."""
+    return _compare(unwrap_model(module), state_dict)[0]
+
+
+def _compare(module: nn.Module, state_dict: Mapping) -> tuple[LoadReport, OrderedDict, dict]:
+    """(report, the entries that fit, the module's own state dict); nothing is copied."""
     own = module.state_dict()
     metadata = getattr(state_dict, '_metadata', None)
     loadable: OrderedDict = OrderedDict()
@@ -202,6 +232,8 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
             shapes.append((key, tuple(value.shape), tuple(mine.shape)))
         else:
             loadable[key] = value
+    if metadata is not None:
+        loadable._metadata = metadata
     skipped = {key for key, *_ in shapes + types}
     report = LoadReport(
         missing_keys=[k for k in own if k not in state_dict and k not in skipped
@@ -209,27 +241,7 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
         unexpected_keys=[k for k in state_dict if k not in own],
         shape_mismatches=shapes, type_mismatches=types,
         loaded=sum(k in loadable for k in own), total=len(own))
-    name = type(module).__name__
-    if strict and not report.ok:
-        raise StateDictMismatchError(f'the state dict does not match {name} (strict load; '
-                                     f'nothing was loaded):\n{report}')
-    if own and not report.loaded:
-        hint = _prefix_hint(report.missing_keys, report.unexpected_keys)
-        raise StateDictMismatchError(
-            f'none of its {len(state_dict)} entries matches {name}, so nothing was loaded: '
-            f'the model has {_clip(list(own), 5)}; the state dict has '
-            f'{_clip(list(state_dict), 5)}.' + (f' {hint}' if hint else
-                                                 ' Is it the weights of another model?'))
-    if metadata is not None:
-        loadable._metadata = metadata
-    result = module.load_state_dict(loadable, strict=False)
-    # torch's own accounting is the truth for what was left out (e.g. modules that fill keys)
-    report.missing_keys = [k for k in result.missing_keys if k not in skipped]
-    report.unexpected_keys = list(result.unexpected_keys)
-    if not report.ok:
-        (logger or logging.getLogger('stratagem.checkpoint')).warning(
-            f'the state dict does not match {name}:\n{report}')
-    return report
+    return report, loadable, own
 
 
 def _filled_on_load(module: nn.Module, key: str, metadata: Mapping | None) -> bool:

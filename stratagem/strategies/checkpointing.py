@@ -19,7 +19,6 @@ schedulers, and every RNG state last.
 """
 from __future__ import annotations
 
-import os
 import os.path as osp
 import time
 import warnings
@@ -32,9 +31,9 @@ from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.version import __version__
 
-__all__ = ['CheckpointMixin']
+from .preflight import check_resumable, previous_run_traces
 
-_CHECKPOINT_SUFFIXES = ('.pth', '.pt', '.ckpt', '.bin', '.safetensors', '.manifest.json')
+__all__ = ['CheckpointMixin']
 
 
 class CheckpointMixin:
@@ -152,11 +151,13 @@ class CheckpointMixin:
         if isinstance(report, ckpt.LoadReport) and report.total:
             counts = f', {report.loaded} of {report.total} tensors'
             if report.loaded < self.MIN_LOADED_SHARE * report.total:
+                left_out = report.missing_keys + [k for k, *_ in report.shape_mismatches +
+                                                  report.type_mismatches]
                 warnings.warn(
                     f'{filename} ({where}): only {report.loaded} of the {report.total} '
                     f'tensors of {type(self._unwrap_model()).__name__} were found and loaded; '
-                    f'missing: {", ".join(report.missing_keys[:10])}'
-                    f'{", ..." if len(report.missing_keys) > 10 else ""}. The file holds '
+                    f'not loaded: {", ".join(left_out[:10])}'
+                    f'{", ..." if len(left_out) > 10 else ""}. The file holds '
                     f'{ckpt.describe_keys(checkpoint)}. Fine for a partial (e.g. backbone) '
                     'load; otherwise check the checkpoint and revise_keys',
                     ckpt.PartialLoadWarning, stacklevel=3)
@@ -183,6 +184,7 @@ class CheckpointMixin:
             raise KeyError(f"{filename} cannot be resumed: it has no {missing} (keys: "
                            f"{sorted(checkpoint)}); load weights only with load_checkpoint(), or "
                            'pass resume_optimizer=False / resume_param_scheduler=False')
+        check_resumable(self, checkpoint, filename, optimizer=want_optim, schedulers=want_sched)
         meta = checkpoint.get('meta') or {}
         # mmengine resumes non-strictly too; mismatches are reported in one warning
         self._load_weights(checkpoint, filename, strict=False)
@@ -254,7 +256,7 @@ class CheckpointMixin:
             if latest is None:
                 # a previous run left traces but nothing resumable: starting fresh would
                 # overwrite its files, so stop before anything is written
-                traces = _previous_run_traces(self._work_dir)
+                traces = previous_run_traces(self._work_dir)
                 if traces:
                     raise FileNotFoundError(
                         f'cannot resume from work_dir {self._work_dir}: {traces}, but no '
@@ -348,25 +350,3 @@ class CheckpointMixin:
                                  extra_manifest={'world_size': self.world_size,
                                                  'strategy': type(self).__name__})
 
-
-def _previous_run_traces(work_dir: str) -> str | None:
-    """What in ``work_dir`` shows an earlier run left checkpoints (a ``last_checkpoint``
-    pointer, checkpoint files or manifests), described for an error; None when nothing."""
-    pointer = osp.join(work_dir, ckpt.POINTER_NAME)
-    if osp.isfile(pointer):
-        try:
-            target = ckpt.read_pointer(work_dir)
-        except (ValueError, OSError) as err:
-            return f'its {ckpt.POINTER_NAME} is unreadable ({err})'
-        state = 'is damaged' if target is not None and osp.exists(target) else \
-            'does not exist'
-        return f'its {ckpt.POINTER_NAME} points to {target}, which {state}'
-    try:
-        names = sorted(os.listdir(work_dir))
-    except OSError:
-        return None
-    found = [n for n in names if n.endswith(_CHECKPOINT_SUFFIXES) and not n.startswith('.')]
-    if found:
-        shown = ', '.join(found[:5]) + (', ...' if len(found) > 5 else '')
-        return f'it holds checkpoint file(s) {shown}'
-    return None
