@@ -261,7 +261,8 @@ def test_demo_refuses_a_work_dir_with_foreign_files(tmp_path, capsys):
     (precious / 'my_notes.txt').write_text('data')
     assert main(['demo', '--work-dir', str(precious)]) == 1  # the CLI prints the error
     err = capsys.readouterr().err
-    assert err.startswith('stratagem: error: ') and 'my_notes.txt' in err and 'FileExistsError' in err
+    assert err.startswith('stratagem: error: ') and 'my_notes.txt' in err
+    assert 'FileExistsError' in err
     assert (precious / 'my_notes.txt').read_text() == 'data'
 
 
