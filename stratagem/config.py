@@ -211,7 +211,7 @@ _INT_KEYS = frozenset({
     'total_steps', 'steps_per_epoch', 'epochs', 'patience', 'cooldown', 'periods',
     'max_epochs', 'max_iters', 'checkpoint_interval', 'max_keep_ckpts', 'log_interval',
     'val_interval', 'batch_size', 'num_workers', 'prefetch_factor', 'seed', 'base_batch_size',
-    'num_decays', 'warmup_length', 'resource_limit', 'timeout'})
+    'num_decays', 'warmup_length', 'resource_limit', 'timeout', 'min_num_params'})
 _FLOAT_KEYS = frozenset({
     'lr', 'weight_decay', 'momentum', 'betas', 'eps', 'dampening', 'alpha', 'lr_decay',
     'initial_accumulator_value', 'rho', 'lambd', 't0', 'momentum_decay', 'max_norm',

@@ -149,6 +149,19 @@ def test_resume_that_cannot_resume_stops_before_writing(tmp_path):
     assert f'last_checkpoint points to {path}, which does not exist' in message
     assert 'nothing was changed' in message and '--resume PATH' in message
     assert_unchanged(work, before)
+    # the pointer names a file whose bytes no longer match its manifest
+    s5, _, _ = _prepared(work)
+    path = s5.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
+    with open(path, 'r+b') as file:
+        file.seek(100)
+        byte = file.read(1)
+        file.seek(100)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    before = snapshot(work)
+    with pytest.warns(ckpt.CheckpointWarning, match='damaged'):
+        with pytest.raises(FileNotFoundError, match=f'points to {path}, which is damaged'):
+            _prepared(work)[0].load_or_resume(resume=True)
+    assert_unchanged(work, before)
     # a work dir with only foreign checkpoint files is not a fresh start either
     foreign = tmp_path / 'foreign'
     foreign.mkdir()
