@@ -2,6 +2,7 @@
 its errors, and two "nodes" on localhost (two commands started at once) training to the end."""
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -69,10 +70,11 @@ def test_multi_node_command(config, calls):
     (['--nproc', '0', '--nnodes', '2', '--master-addr', 'localhost'],
      '--nproc and --nnodes must be >= 1'),
 ])
-def test_multi_node_errors_before_launching(config, calls, argv, message):
-    with pytest.raises(ValueError, match=message):
-        main(['train', config, *argv])
-    assert calls == []
+def test_multi_node_errors_before_launching(config, calls, capsys, argv, message):
+    assert main(['train', config, *argv]) == 1
+    err = capsys.readouterr().err
+    assert re.search(f'stratagem: error: .*{message}', err), err
+    assert 'ValueError' in err and calls == []
 
 
 def _node_env(tmp_path):
