@@ -171,7 +171,7 @@ class CheckpointMixin:
             if report.loaded < self.MIN_LOADED_SHARE * report.total:
                 left_out = report.missing_keys + [k for k, *_ in report.shape_mismatches +
                                                   report.type_mismatches]
-                warnings.warn(
+                env.warn_rank_zero(  # every rank loads the same file: said once
                     f'{filename} ({where}): only {report.loaded} of the {report.total} '
                     f'tensors of {type(self._unwrap_model()).__name__} were found and loaded; '
                     f'not loaded: {", ".join(left_out[:10])}'
