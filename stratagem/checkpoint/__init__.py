@@ -12,7 +12,7 @@ from .commit import (
                      new_staging_dir,
                      save_checkpoint,
 )
-from .content import validate_checkpoint_content
+from .content import add_safe_globals, get_safe_globals, safe_globals, validate_checkpoint_content
 from .dist import agree_on_path
 from .errors import (
                      CheckpointCorruptError,
@@ -37,6 +37,7 @@ from .state_dict import LoadReport, load_state_dict, revise_keys, unwrap_model
 __all__ = [
     'save_checkpoint', 'commit_directory', 'new_staging_dir', 'finalize_directory',
     'agree_on_path', 'validate_checkpoint_content',
+    'add_safe_globals', 'get_safe_globals', 'safe_globals',
     'load_checkpoint_file', 'verify_checkpoint', 'manifest_path',
     'find_latest_checkpoint', 'list_checkpoints', 'read_pointer', 'update_pointer',
     'POINTER_NAME', 'CheckpointInfo', 'apply_retention',
