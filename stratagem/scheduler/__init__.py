@@ -4,7 +4,7 @@ Importing this package registers every scheduler in ``PARAM_SCHEDULERS`` (the
 registry imports it on its first lookup). matplotlib is imported only by
 ``stratagem.scheduler.plot`` when a PNG is drawn.
 """
-from .base import INF, _ParamScheduler
+from .base import INF, SchedulerArgumentError, _ParamScheduler
 from .builder import (build_param_scheduler, build_param_scheduler_dict, build_param_schedulers,
                       build_scheduler_from_cfg)
 from .multiplier import LRMultiplier, build_lr_scheduler
@@ -25,7 +25,7 @@ from .variants import (ConstantLR, ConstantMomentum, CosineAnnealingLR, CosineAn
                        ReduceOnPlateauLR, ReduceOnPlateauMomentum, StepLR, StepMomentum)
 
 __all__ = [
-    'INF', '_ParamScheduler',
+    'INF', '_ParamScheduler', 'SchedulerArgumentError',
     # generic
     'ConstantParamScheduler', 'CosineAnnealingParamScheduler', 'CosineRestartParamScheduler',
     'ExponentialParamScheduler', 'LinearParamScheduler', 'MultiStepParamScheduler',
