@@ -16,7 +16,8 @@ from .param_scheduler import (ConstantParamScheduler, CosineAnnealingParamSchedu
 from .plateau import ReduceOnPlateauParamScheduler
 from .schedules import (CompositeSchedule, ConstantSchedule, CosineSchedule, ExponentialSchedule,
                         LinearSchedule, MultiStepSchedule, PolynomialDecaySchedule, Schedule,
-                        StepSchedule, StepWithFixedGammaSchedule, WarmupSchedule)
+                        ScheduleEndedError, ScheduleRangeError, StepSchedule,
+                        StepWithFixedGammaSchedule, WarmupSchedule)
 from .simulate import ScheduleTrace, simulate
 from .variants import (ConstantLR, ConstantMomentum, CosineAnnealingLR, CosineAnnealingMomentum,
                        CosineRestartLR, CosineRestartMomentum, ExponentialLR, ExponentialMomentum,
@@ -39,7 +40,7 @@ __all__ = [
     'CosineRestartMomentum', 'ExponentialMomentum', 'LinearMomentum', 'MultiStepMomentum',
     'PolyMomentum', 'ReduceOnPlateauMomentum', 'StepMomentum',
     # progress schedules and their adapter
-    'Schedule', 'ConstantSchedule', 'CosineSchedule', 'ExponentialSchedule', 'LinearSchedule',
+    'Schedule', 'ScheduleRangeError', 'ScheduleEndedError', 'ConstantSchedule', 'CosineSchedule', 'ExponentialSchedule', 'LinearSchedule',
     'MultiStepSchedule', 'PolynomialDecaySchedule', 'StepSchedule', 'StepWithFixedGammaSchedule',
     'CompositeSchedule', 'WarmupSchedule', 'LRMultiplier', 'build_lr_scheduler',
     # building and previewing
