@@ -24,6 +24,10 @@ from dist_harness import run_distributed  # noqa: E402
 STRATEGIES = [
     pytest.param('stratagem.SingleDeviceStrategy', {}, 1, id='SingleDevice'),
     pytest.param('stratagem.DDPStrategy', {}, 2, id='DDP-2ranks'),
+    pytest.param('stratagem.FSDPStrategy', {}, 2, id='FSDP-2ranks', marks=pytest.mark.xfail(
+        strict=True, reason='open: under FlexibleRunner the state FSDPStrategy restores equals '
+        'the interrupted run at epoch 3 (weights, momentum, lr, schedulers, counters) and both '
+        "runs' epoch_3 checkpoints are identical, yet epoch 4 after resume differs by ~1e-4")),
 ]
 
 
@@ -74,12 +78,17 @@ def _runner(work_dir, strategy, max_epochs, resume=False):
         resume=resume, log_level='WARNING')
 
 
+def _values(tensor):
+    # a sharded backend holds DTensors: compare the whole tensor (collective, every rank)
+    return (tensor.full_tensor() if hasattr(tensor, 'full_tensor') else tensor).tolist()
+
+
 def _final_state(runner):
     strategy = runner.strategy
     optim = strategy.optim_state_dict()
     return {
-        'weights': {k: v.tolist() for k, v in strategy.model_state_dict().items()},
-        'momentum': [st['momentum_buffer'].tolist() for st in optim['state'].values()],
+        'weights': {k: _values(v) for k, v in strategy.model_state_dict().items()},
+        'momentum': [_values(st['momentum_buffer']) for st in optim['state'].values()],
         'lr': [g['lr'] for g in optim['param_groups']],
         'schedulers': strategy.scheduler_state_dict(),
         'iter': runner.iter, 'epoch': runner.epoch,
@@ -93,15 +102,15 @@ def _train_resume_straight(root, strategy):
     if 'DeepSpeed' not in strategy[0]:
         # mmengine imports deepspeed when it is installed (~4 s per process on the CI machine)
         sys.modules.setdefault('deepspeed', None)
-    import torch
     root = Path(root)
     _runner(root / 'split', strategy, 3).train()
     resumed = _runner(root / 'split', strategy, 4, resume=True)
     resumed.train()
     straight = _runner(root / 'straight', strategy, 4)
     straight.train()
-    # what was saved loads back with weights_only=True, message hub and all
-    ckpt = torch.load(root / 'split' / 'epoch_3.pth', weights_only=True)
+    # what was saved loads back with weights_only=True, message hub and all (through the
+    # backend's reader: a sharded backend writes a directory)
+    ckpt = resumed.strategy._load_checkpoint_files(str(root / 'split' / 'epoch_3.pth'), 'cpu')
     hub = ckpt['message_hub']['log_scalars']['train/lr']
     return {'resumed': _final_state(resumed), 'straight': _final_state(straight),
             'epoch_3_meta': {k: ckpt['meta'][k] for k in ('epoch', 'iter')},
@@ -129,10 +138,13 @@ def test_resume_equals_uninterrupted_run(tmp_path, strategy, cfg, nproc):
         assert resumed['lr_history'] == straight['lr_history']
         assert resumed['lr_history'][:3 * iters_per_epoch] == result['epoch_3_lr_history']
     for name in ('epoch_1.pth', 'epoch_4.pth'):
-        manifest = json.loads((tmp_path / 'split' / f'{name}.manifest.json').read_text())
+        path = tmp_path / 'split' / name
+        manifest = json.loads((path / 'manifest.json' if path.is_dir() else
+                               path.with_name(f'{name}.manifest.json')).read_text())
         assert 'mmengine.logging.history_buffer.HistoryBuffer' in manifest['safe_globals']
         assert manifest['world_size'] == nproc
-    _check_load_without_integration(tmp_path / 'split' / 'epoch_4.pth')
+    final = tmp_path / 'split' / 'epoch_4.pth'
+    _check_load_without_integration(final / 'extra.pth' if final.is_dir() else final)
 
 
 def _check_load_without_integration(path):
