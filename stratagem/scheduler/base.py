@@ -49,6 +49,9 @@ class SchedulerArgumentError(ValueError, AssertionError):
 _WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+_ORDER_CHECK = {'on': True}  # off while replay_schedulers steps without an optimizer
+
+
 def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     entry = _WATCHED.get(optimizer)
     if entry is not None:
@@ -265,7 +268,7 @@ class _ParamScheduler:
 
     def _check_step_order(self) -> None:
         entry = _WATCHED.get(raw_optimizer(self.optimizer))
-        if entry is None:  # a scheduler restored without its constructor
+        if entry is None or not _ORDER_CHECK['on']:  # restored without its constructor; replay
             return
         name = type(self).__name__
         if _step_func(self.optimizer) is not entry['step']:
@@ -361,14 +364,18 @@ def replay_schedulers(schedulers: Sequence['_ParamScheduler'], num_iters: int,
     for sched in schedulers:
         for group in sched.optimizer.param_groups:
             group[sched.param_name] = group[f'initial_{sched.param_name}']
-    for sched in schedulers:
-        sched.last_step, sched._global_step = -1, -1
-        sched.step()  # the step a scheduler takes when it is built
-    for it in range(1, num_iters + 1):
+    _ORDER_CHECK['on'] = False  # no optimizer steps here, by design: no order warning
+    try:
         for sched in schedulers:
-            if not sched.by_epoch:
-                sched.step()
-        if epoch_length and it % epoch_length == 0:
+            sched.last_step, sched._global_step = -1, -1
+            sched.step()  # the step a scheduler takes when it is built
+        for it in range(1, num_iters + 1):
             for sched in schedulers:
-                if sched.by_epoch:
+                if not sched.by_epoch:
                     sched.step()
+            if epoch_length and it % epoch_length == 0:
+                for sched in schedulers:
+                    if sched.by_epoch:
+                        sched.step()
+    finally:
+        _ORDER_CHECK['on'] = True

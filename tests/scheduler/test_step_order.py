@@ -74,3 +74,13 @@ def test_argument_errors_are_value_and_assertion_errors():
         assert isinstance(info.value, ValueError) and isinstance(info.value, AssertionError)
     with pytest.raises(KeyError, match="param 'initial_lr' is not specified in param_groups"):
         StepLR(_sgd()[1], step_size=1, last_step=3)
+
+
+def test_replaying_schedules_on_resume_does_not_warn():
+    from stratagem.scheduler.base import replay_schedulers
+    _, opt = _sgd()
+    sched = StepLR(opt, step_size=2, gamma=0.5, by_epoch=False)
+    _no_warning(lambda: replay_schedulers([sched], num_iters=5))
+    assert opt.param_groups[0]['lr'] == pytest.approx(0.1 * 0.5 ** 2)
+    with pytest.warns(UserWarning, match=LINK):  # the check is back on afterwards
+        StepLR(opt, step_size=1).step()
