@@ -267,7 +267,8 @@ def _fix(obj: Any) -> str:
                 'or import stratagem.integrations.mmengine, which allow-lists numpy arrays, '
                 'scalars and dtypes.')
     if isinstance(obj, torch.Tensor):
-        return 'Fix: store a plain tensor (e.g. tensor.as_subclass(torch.Tensor)) or the local shard.'
+        return ('Fix: store a plain tensor (e.g. tensor.as_subclass(torch.Tensor)) or the '
+                'local shard.')
     if hasattr(obj, 'state_dict') and callable(obj.state_dict):
         return 'Fix: store obj.state_dict() instead of the object.'
     if isinstance(obj, dict):
