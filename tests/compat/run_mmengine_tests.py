@@ -8,8 +8,8 @@ the network.
 Usage (from the repository root)::
 
     python tests/compat/run_mmengine_tests.py                      # GitHub, tag v0.10.7
-    python tests/compat/run_mmengine_tests.py --source ~/mmengine  # a git clone, bare or not (git show TAG:...)
-    python tests/compat/run_mmengine_tests.py --source DIR         # a checkout: DIR/tests/test_optim/...
+    python tests/compat/run_mmengine_tests.py --source ~/mmengine  # a git clone, bare or not
+    python tests/compat/run_mmengine_tests.py --source DIR         # a checkout (DIR/tests/...)
     python tests/compat/run_mmengine_tests.py -- -k plateau -x     # after --: pytest's arguments
 
 Exit status: pytest's (0 when every test passed). The last line is pytest's summary.

@@ -29,7 +29,8 @@ def _no_warning(fn):
 def test_scheduler_before_optimizer_warns_once():
     _, opt = _sgd()
     sched = StepLR(opt, step_size=1, gamma=0.5)
-    with pytest.warns(UserWarning, match=f'StepLR.step\\(\\) was called before optimizer.step\\(\\).*{LINK}'):
+    with pytest.warns(UserWarning,
+                      match=f'StepLR.step\\(\\) was called before optimizer.step\\(\\).*{LINK}'):
         sched.step()
     _no_warning(sched.step)  # only the first step is checked
     assert opt.param_groups[0]['lr'] == pytest.approx(0.025)
