@@ -9,9 +9,11 @@ from stratagem.registry import STRATEGIES
 
 from .base import BaseStrategy
 from .ddp import DDPStrategy
+from .sharded_ddp import ShardedDDPStrategy
 from .single_device import SingleDeviceStrategy
 
-__all__ = ['BaseStrategy', 'SingleDeviceStrategy', 'DDPStrategy', 'build_strategy']
+__all__ = ['BaseStrategy', 'SingleDeviceStrategy', 'DDPStrategy', 'ShardedDDPStrategy',
+           'build_strategy']
 
 
 def build_strategy(cfg: Mapping | BaseStrategy) -> BaseStrategy:
