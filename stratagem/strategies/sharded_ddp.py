@@ -20,6 +20,13 @@ How ``prepare`` differs from BaseStrategy's sequence (see ``base.py``):
 Checkpoints: the optimizer state is gathered on rank 0 into the usual single file (a plain
 torch optimizer state), so it loads in SingleDeviceStrategy and DDPStrategy, and their
 checkpoints load here; ``OSS.load_state_dict`` re-shards for any world size.
+
+Fixed against fairscale 0.4.13 (see :mod:`stratagem.optim.oss` for OSS's own):
+``ShardedDataParallel.no_sync`` only holds while its context is open, so mmengine's loop
+order (forward inside ``optim_context``, backward after it) reduced every micro-batch and
+accumulation was wrong (4e-2 off DDP after 5 steps); here the forward decides, as in torch
+DDP. After a resume in a process that already ran forwards, the reduce buckets are rebuilt
+around the restored gradients.
 """
 from __future__ import annotations
 
@@ -196,10 +203,16 @@ class ShardedDDPStrategy(BaseStrategy):
             raise ValueError("optim_wrapper.optimizer type 'ZeroRedundancyOptimizer' under "
                              'ShardedDDPStrategy: the strategy already shards the state with '
                              "OSS; give the plain optimizer, e.g. type='AdamW'")
-        from stratagem.optim.amp_optim_wrapper import AmpOptimWrapper, resolve_dtype
+        from stratagem.optim import AmpOptimWrapper, Fp16MasterWeightsOptimWrapper
+        from stratagem.optim.amp_optim_wrapper import resolve_dtype
         from stratagem.registry import OPTIM_WRAPPERS
         wrapper_type = cfg.get('type', 'OptimWrapper')
         cls = OPTIM_WRAPPERS.get(wrapper_type) if isinstance(wrapper_type, str) else wrapper_type
+        if isinstance(cls, type) and issubclass(cls, Fp16MasterWeightsOptimWrapper):
+            raise TypeError(f'optim_wrapper type {cls.__name__!r} under ShardedDDPStrategy: its '
+                            'optimizer updates fp32 master copies, not the parameters whose '
+                            'gradients ShardedDataParallel reduces; use OptimWrapper or '
+                            "AmpOptimWrapper (dtype='bfloat16' on CPU)")
         if isinstance(cls, type) and issubclass(cls, AmpOptimWrapper):
             if resolve_dtype(cfg.get('dtype')) == torch.float16 and self.device.type != 'cuda':
                 raise ValueError("AmpOptimWrapper dtype='float16' under ShardedDDPStrategy needs "

@@ -300,7 +300,7 @@ def test_bad_configs_are_refused_before_anything_is_built(one_rank_group, tmp_pa
            (dict(type='AmpOptimWrapper', dtype='float16', optimizer=dict(ADAM)), ValueError,
             "dtype='bfloat16'"),
            (dict(type='Fp16MasterWeightsOptimWrapper', optimizer=dict(ADAM)), TypeError,
-            "not an OSS over the model's own parameters")]
+            'master copies')]
     for cfg, exc, match in bad:
         with pytest.raises(exc, match=match):
             s.prepare(model, optim_wrapper=cfg)
