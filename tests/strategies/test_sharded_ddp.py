@@ -39,7 +39,7 @@ def _batch(i, rank=None):
     return x[rank * 4:rank * 4 + 4], y[rank * 4:rank * 4 + 4]
 
 
-def _train(model, ow, start, stop, rank=None):
+def _train(model, ow, start, stop, rank=None, scheds=()):
     """Wrapper-driven steps; returns each update's clipping norm (None without clipping)."""
     norms = []
     for i in range(start, stop):
@@ -47,18 +47,27 @@ def _train(model, ow, start, stop, rank=None):
         with ow.optim_context(model):
             loss = F.mse_loss(model(x), y)
         ow.update_params(loss)
+        for sch in scheds:
+            sch.step()
         norm = getattr(ow, 'last_grad_norm', None)
         norms.append(None if norm is None else float(norm))
     return norms
 
 
-def _build(kind, work_dir, optimizer=ADAM, **wrapper):
+def _build(kind, work_dir, optimizer=ADAM, sched=False, **wrapper):
+    """A strategy and its prepared model and wrapper (+ a warmup scheduler with ``sched``,
+    kept in ``s.param_schedulers``)."""
     from stratagem.strategies import build_strategy
     s = build_strategy(dict(type=kind, work_dir=str(work_dir), log_kwargs=dict(
         log_level='WARNING'), env_kwargs=dict(randomness=dict(seed=1))))
-    model, ow = s.prepare(_model(), optim_wrapper=dict(optimizer=dict(optimizer), **wrapper),
-                          dispatch_kwargs=dict(max_iters=END))
+    warmup = [dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=4)] if sched else None
+    model, ow, *_ = s.prepare(_model(), optim_wrapper=dict(optimizer=dict(optimizer), **wrapper),
+                              param_scheduler=warmup, dispatch_kwargs=dict(max_iters=END))
     return s, model, ow
+
+
+def _scheds(s):
+    return getattr(s, 'param_schedulers', ())
 
 
 def _weights(s):
@@ -80,13 +89,14 @@ def _checks(tmp):
     wd = lambda name: os.path.join(tmp, name)  # noqa: E731
 
     # -- 1. equal to DDP: Adam, accumulation 2, clipping, bf16 autocast
-    cases = {'adam': {}, 'acc2': dict(accumulative_counts=2),
+    cases = {'adam': {}, 'acc2': dict(accumulative_counts=2, sched=True),
              'clip': dict(clip_grad=dict(max_norm=0.05)),
              'bf16': dict(type='AmpOptimWrapper', dtype='bfloat16')}
     for name, extra in cases.items():
         ds, dm, dow = _build('DDPStrategy', wd(f'ddp_{name}'), **extra)
         ss, sm, sow = _build('ShardedDDPStrategy', wd(f'sdp_{name}'), **extra)
-        out[f'{name}_norms'] = (_train(dm, dow, 0, STOP, rank), _train(sm, sow, 0, STOP, rank))
+        out[f'{name}_norms'] = (_train(dm, dow, 0, STOP, rank, _scheds(ds)),
+                                _train(sm, sow, 0, STOP, rank, _scheds(ss)))
         out[f'{name}_diff'] = _max_diff(_weights(ds), _weights(ss))
         if name == 'adam':
             out['types'] = (isinstance(sm, ShardedDataParallel), type(sow.optimizer).__name__,
@@ -132,21 +142,22 @@ def _checks(tmp):
         out[name] = _max_diff(got, ddp_at_stop)
 
     # -- 3. save mid accumulation window, resume in a fresh strategy: exact
-    _, fm, fow = _build('ShardedDDPStrategy', wd('acc_full'), accumulative_counts=2)
-    _train(fm, fow, 0, END, rank)
+    fs, fm, fow = _build('ShardedDDPStrategy', wd('acc_full'), accumulative_counts=2, sched=True)
+    _train(fm, fow, 0, END, rank, _scheds(fs))
     full_w = {k: v.detach().clone() for k, v in fm.module.state_dict().items()}
-    ps, pm, pow_ = _build('ShardedDDPStrategy', wd('acc_part'), accumulative_counts=2)
-    _train(pm, pow_, 0, 3, rank)  # windows [0,2), [2,4): 3 is inside one
+    ps, pm, pow_ = _build('ShardedDDPStrategy', wd('acc_part'), accumulative_counts=2, sched=True)
+    _train(pm, pow_, 0, 3, rank, _scheds(ps))  # windows [0,2), [2,4): 3 is inside one
     mid = ps.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
-    rs, rm, row = _build('ShardedDDPStrategy', wd('acc_part'), accumulative_counts=2)
+    rs, rm, row = _build('ShardedDDPStrategy', wd('acc_part'), accumulative_counts=2, sched=True)
     rs.resume(mid)
-    _train(rm, row, 3, END, rank)
+    _train(rm, row, 3, END, rank, _scheds(rs))
     out['mid_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in _weights(rs).items())
     # a roll-back in the same process, after forwards built the reduce buckets
-    rs2, rm2, row2 = _build('ShardedDDPStrategy', wd('acc_part'), accumulative_counts=2)
-    _train(rm2, row2, 0, 3, rank)  # buckets built, a window open: all to be replaced
+    rs2, rm2, row2 = _build('ShardedDDPStrategy', wd('acc_part'), accumulative_counts=2,
+                            sched=True)
+    _train(rm2, row2, 0, 3, rank, _scheds(rs2))  # buckets built, a window open: replaced
     rs2.resume(mid)
-    _train(rm2, row2, 3, END, rank)
+    _train(rm2, row2, 3, END, rank, _scheds(rs2))
     out['rollback_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in
                                        _weights(rs2).items())
     out['mid_ckpt'] = mid
