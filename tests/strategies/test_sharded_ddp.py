@@ -300,7 +300,7 @@ def test_bad_configs_are_refused_before_anything_is_built(one_rank_group, tmp_pa
         ShardedDDPStrategy(model_wrapper=dict(type='FullyShardedDataParallel'))
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['bucket_cap_mb'\]"):
         ShardedDDPStrategy(model_wrapper=dict(bucket_cap_mb=25))
-    s = ShardedDDPStrategy(work_dir=str(tmp_path), log_kwargs=dict(log_level='WARNING'))
+    s = ShardedDDPStrategy(work_dir=str(tmp_path))
     model = _model()
     bad = [(None, ValueError, 'needs optim_wrapper'),
            (dict(optimizer=torch.optim.SGD(model.parameters(), lr=0.1)), ValueError,
