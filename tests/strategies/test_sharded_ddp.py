@@ -180,6 +180,17 @@ def _checks(tmp):
     out['oss_ddp_diff'] = _max_diff(_weights(ds), _weights(ps))
     out['oss_ddp_ckpt'] = ds.save_checkpoint('oss.pth', extra_ckpt={'meta': {'iter': STOP}})
     out['adamw_ddp_state'] = pow_.optimizer.state_dict()['state']
+
+    # -- 6. sync_bn: statistics over both ranks' samples, as under DDPStrategy
+    from stratagem.strategies import ShardedDDPStrategy
+    bs = ShardedDDPStrategy(work_dir=wd('bn'), sync_bn='torch')
+    bn_model, _ = bs.prepare(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)),
+                             optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)))
+    with torch.no_grad():
+        bn_model.module[0].weight.copy_(torch.eye(3))
+        bn_model.module[0].bias.zero_()
+    bn_model(torch.full((4, 3), float(rank + 1)))  # rank 0: ones, rank 1: twos
+    out['bn'] = (type(bn_model.module[1]).__name__, bn_model.module[1].running_mean.tolist())
     return out
 
 
@@ -283,6 +294,12 @@ def test_oss_optimizer_cfg_under_ddp(results, tmp_path):
     s.prepare(_model(), optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01)))
     with pytest.warns(UserWarning, match='world size 2'):
         s.resume(results[0]['oss_ddp_ckpt'])
+
+
+def test_sync_bn_uses_both_ranks(results):
+    for r in results:
+        name, mean = r['bn']
+        assert name == 'CPUSyncBatchNorm' and mean == pytest.approx([0.15] * 3)  # 0.1 * 1.5
 
 
 # ---------------------------------------------------------------- single process
