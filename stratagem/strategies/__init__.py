@@ -13,7 +13,16 @@ from .sharded_ddp import ShardedDDPStrategy
 from .single_device import SingleDeviceStrategy
 
 __all__ = ['BaseStrategy', 'SingleDeviceStrategy', 'DDPStrategy', 'ShardedDDPStrategy',
-           'build_strategy']
+           'FSDPStrategy', 'build_strategy']
+
+STRATEGIES.register_lazy('FSDPStrategy', 'stratagem.strategies.fsdp:FSDPStrategy')
+
+
+def __getattr__(name: str) -> Any:
+    if name == 'FSDPStrategy':  # torch.distributed.fsdp is imported only when used
+        from .fsdp import FSDPStrategy
+        return FSDPStrategy
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
 def build_strategy(cfg: Mapping | BaseStrategy) -> BaseStrategy:
