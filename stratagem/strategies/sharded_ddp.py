@@ -18,8 +18,9 @@ How ``prepare`` differs from BaseStrategy's sequence (see ``base.py``):
        ``ShardedGradScaler`` (CUDA; on CPU use bfloat16, which needs no scaler).
 
 Checkpoints: the optimizer state is gathered on rank 0 into the usual single file (a plain
-torch optimizer state), so it loads in SingleDeviceStrategy and DDPStrategy, and their
-checkpoints load here; ``OSS.load_state_dict`` re-shards for any world size.
+torch optimizer state), so it loads in SingleDeviceStrategy, DDPStrategy and FSDPStrategy,
+and theirs (FSDP's sharded directories too) load here; ``OSS.load_state_dict`` re-shards
+for any world size.
 
 Fixed against fairscale 0.4.13 (see :mod:`stratagem.optim.oss` for OSS's own):
 ``ShardedDataParallel.no_sync`` only holds while its context is open, so mmengine's loop

@@ -171,6 +171,21 @@ def _checks(tmp):
         _train(m, o, STOP, END, rank)
         out[name] = _max_diff(_weights(s), out[want])
 
+    # -- 4b. FSDPStrategy resumes the SDP checkpoint and writes a sharded directory at STOP,
+    # which SDP resumes: both continue to the 2-rank SDP run's END weights
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    fs, fm, fow = _build('FSDPStrategy', wd('sdp_to_fsdp'))
+    fs.resume(out['sdp_ckpt'])
+    fsdp_dir = fs.save_checkpoint('fsdp_5', extra_ckpt={'meta': {'iter': STOP}})
+    _train(fm, fow, STOP, END, rank)
+    full = get_model_state_dict(fm, options=StateDictOptions(full_state_dict=True))
+    out['sdp_to_fsdp'] = _max_diff({k: v.detach() for k, v in full.items()}, out['sdp_end'])
+    s, m, o = _build('ShardedDDPStrategy', wd('fsdp_to_sdp'))
+    s.resume(fsdp_dir)
+    _train(m, o, STOP, END, rank)
+    out['fsdp_to_sdp'] = _max_diff(_weights(s), out['sdp_end'])
+    out['fsdp_is_dir'] = os.path.isdir(fsdp_dir)
+
     # -- 5. OSS in an optim wrapper cfg under DDPStrategy
     ds, dm, dow = _build('DDPStrategy', wd('oss_ddp'), dict(type='OSS', optim='AdamW', lr=0.01))
     ps, pm, pow_ = _build('DDPStrategy', wd('adamw_ddp'), dict(type='AdamW', lr=0.01))
@@ -244,6 +259,12 @@ def test_resume_mid_window_is_exact_also_after_a_rollback(results):
 def test_checkpoints_cross_between_ddp_and_sharded_ddp(results):
     for r in results:
         assert r['sdp_to_ddp'] < 1e-6 and r['ddp_to_sdp'] < 1e-6
+
+
+def test_checkpoints_cross_between_fsdp_and_sharded_ddp(results):
+    for r in results:
+        assert r['fsdp_is_dir']  # FSDP's sharded directory layout, read back by ShardedDDP
+        assert r['sdp_to_fsdp'] < 1e-6 and r['fsdp_to_sdp'] < 1e-6
 
 
 def test_checkpoint_loads_in_single_device_equal_to_ddps_state(results, tmp_path):
