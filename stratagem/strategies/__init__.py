@@ -9,10 +9,11 @@ from stratagem.registry import STRATEGIES
 
 from .base import BaseStrategy
 from .ddp import DDPStrategy
+from .sharded_ddp import ShardedDDPStrategy
 from .single_device import SingleDeviceStrategy
 
-__all__ = ['BaseStrategy', 'SingleDeviceStrategy', 'DDPStrategy', 'FSDPStrategy',
-           'build_strategy']
+__all__ = ['BaseStrategy', 'SingleDeviceStrategy', 'DDPStrategy', 'ShardedDDPStrategy',
+           'FSDPStrategy', 'build_strategy']
 
 STRATEGIES.register_lazy('FSDPStrategy', 'stratagem.strategies.fsdp:FSDPStrategy')
 
