@@ -11,7 +11,18 @@ from .base import BaseStrategy
 from .ddp import DDPStrategy
 from .single_device import SingleDeviceStrategy
 
-__all__ = ['BaseStrategy', 'SingleDeviceStrategy', 'DDPStrategy', 'build_strategy']
+__all__ = ['BaseStrategy', 'SingleDeviceStrategy', 'DDPStrategy', 'DeepSpeedStrategy',
+           'build_strategy']
+
+# imported on first use: DeepSpeed is an optional extra and slow to import
+STRATEGIES.register_lazy('DeepSpeedStrategy', 'stratagem.strategies.deepspeed:DeepSpeedStrategy')
+
+
+def __getattr__(name: str) -> Any:
+    if name == 'DeepSpeedStrategy':
+        from .deepspeed import DeepSpeedStrategy
+        return DeepSpeedStrategy
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
 def build_strategy(cfg: Mapping | BaseStrategy) -> BaseStrategy:

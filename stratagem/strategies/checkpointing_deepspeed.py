@@ -1,0 +1,250 @@
+"""The checkpoint half of DeepSpeedStrategy: DeepSpeed's files on stratagem's directory protocol.
+
+``save_checkpoint(filename)`` (every rank calls it)
+    1. Refused inside an accumulation window (DeepSpeed's files cannot hold the partial
+       gradients: a resume would be off by them), before anything is written.
+    2. Our state (meta, schedulers, wrapper counters, every rank's RNG, ``extra_ckpt``) is
+       gathered and validated (tensors and plain values only).
+    3. Rank 0 creates a fresh staging directory next to ``filename``; all ranks agree on it.
+    4. The engine writes into it (``save_checkpoint(staging, tag='deepspeed',
+       save_latest=False)``: no ``latest`` file, nothing outside the staging directory);
+       rank 0 writes ``stratagem_state.pth``. The ranks exchange success or the error.
+    5. Rank 0 commits: fsync and hash every file, ``manifest.json``, rename to ``filename``,
+       ``last_checkpoint``. A crash before the rename leaves no checkpoint under that name.
+
+``resume`` / ``load_checkpoint`` of a directory
+    1. Rank 0 hashes every file against the manifest (DeepSpeed unpickles with
+       ``weights_only=False``: a tampered or foreign file must be refused before that); the
+       other ranks check they see the same manifest and sizes. Any failure raises on all.
+    2. ``stratagem_state.pth`` loads with ``weights_only=True``; the keys asked for are
+       checked before anything is restored.
+    3. Same world size: ``engine.load_checkpoint`` (model, optimizer partitions, engine
+       counters). Another world size: the checkpoint is converted to DeepSpeed's universal
+       format next to it and loaded from there (resharding the optimizer state).
+    4. Counters, schedulers, then RNG states last (BaseStrategy's helpers).
+``load_checkpoint`` loads weights only: a directory is consolidated to full fp32 weights
+(``checkpoint.zero``), a file is read safely; both go through ``load_model_state_dict``,
+which refreshes DeepSpeed's fp32 master copy so the next update starts from them.
+"""
+from __future__ import annotations
+
+import os.path as osp
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from stratagem import checkpoint as ckpt
+from stratagem import env
+from stratagem.checkpoint.zero import (DEEPSPEED_TAG, STATE_FILE, is_zero_checkpoint,
+                                       verify_zero_checkpoint, zero_to_state_dict)
+
+__all__ = ['DeepSpeedCheckpointMixin']
+
+
+def _raise_everywhere(error: BaseException | None, what: str) -> None:
+    """Collective: every rank raises if any rank failed (its own error, else rank r's)."""
+    errors = env.all_gather_object(None if error is None else f'{type(error).__name__}: '
+                                                               f'{error}')
+    if error is not None:
+        raise error
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise RuntimeError(f'{what} failed on rank {failed[0][0]}: {failed[0][1]}')
+
+
+class DeepSpeedCheckpointMixin:
+    """State dicts, save, load and resume for :class:`DeepSpeedStrategy`."""
+
+    # ----------------------------------------------------------------- state dicts
+    def model_state_dict(self) -> dict:
+        """The full model state dict. Under ZeRO-3 the parameters are gathered first, so
+        every rank must call it."""
+        module = self._unwrap_model()
+        if self.zero_stage != 3:
+            return module.state_dict()
+        from deepspeed import zero
+        with zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def load_model_state_dict(self, state_dict: Mapping, *, strict: bool = False,
+                              revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)
+                              ) -> Any:
+        """Load full weights into the engine's module (every rank, same ``state_dict``) and
+        refresh DeepSpeed's fp32 master weights from them."""
+        state_dict = ckpt.revise_keys(state_dict, list(revise_keys))
+        module = self._unwrap_model()
+        if self.zero_stage == 3:
+            from deepspeed import zero
+            with zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+                report = ckpt.load_state_dict(module, state_dict, strict=strict,
+                                              logger=self.logger)
+        else:
+            report = ckpt.load_state_dict(module, state_dict, strict=strict, logger=self.logger)
+        refresh = getattr(self.model.optimizer, 'refresh_fp32_params', None)
+        if callable(refresh):  # ZeRO / bf16 optimizers update from their fp32 copies
+            refresh()
+        return report
+
+    def optim_state_dict(self) -> dict:
+        """The wrapper's counters; the optimizer's tensors are in DeepSpeed's files."""
+        return self.optim_wrapper.state_dict()
+
+    # ----------------------------------------------------------------------- save
+    def save_checkpoint(self, filename: str, *, save_optimizer: bool = True,
+                        save_param_scheduler: bool = True, extra_ckpt: Mapping | None = None,
+                        callback: Callable[[dict], None] | None = None) -> str:
+        """Commit a DeepSpeed checkpoint directory at ``filename`` (relative: under
+        ``work_dir``); every rank calls it. See the module docstring for the steps.
+
+        ``save_optimizer=False`` leaves the counters out of our state (a resume then needs
+        ``resume_optimizer=False``); DeepSpeed still writes its optimizer partitions, since
+        its layout has no weights-only form that every ZeRO stage reloads.
+        """
+        extra = dict(extra_ckpt or {})
+        path = filename if osp.isabs(filename) else osp.join(self._work_dir, filename)
+        path = Path(env.broadcast_object(osp.abspath(path)))
+        wrapper = getattr(self, 'optim_wrapper', None)
+        if wrapper is not None and not wrapper.should_update():
+            raise ValueError(f'{path}: {wrapper.mid_window_message()}')
+        state: dict[str, Any] = {'meta': self._meta(extra.pop('meta', None))}
+        state['meta']['zero_stage'] = self.zero_stage
+        if save_optimizer and wrapper is not None:
+            state['optimizer'] = wrapper.state_dict()
+        if save_param_scheduler and hasattr(self, 'param_schedulers'):
+            state['param_schedulers'] = self.scheduler_state_dict()
+        state['rng_states'] = env.all_gather_object(env.get_rng_state())
+        state.update(extra)
+        if callback is not None:
+            callback(state)
+        ckpt.validate_checkpoint_content(state)
+        step = state['meta'].get('iter')
+        self._commit_directory(path, state, step if type(step) is int else None)
+        return str(path)
+
+    def _commit_directory(self, path: Path, state: dict, step: int | None) -> None:
+        staging, error = None, None
+        if env.is_main_process():
+            try:
+                staging = ckpt.new_staging_dir(path)
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                error = e
+        _raise_everywhere(error, f'creating a staging directory for {path}')
+        staging = Path(env.broadcast_object(None if staging is None else str(staging)))
+        try:
+            self.model.save_checkpoint(str(staging), tag=DEEPSPEED_TAG, client_state={},
+                                       save_latest=False,
+                                       exclude_frozen_parameters=self.exclude_frozen_parameters)
+            if env.is_main_process():
+                import torch
+                torch.save(state, staging / STATE_FILE)
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            error = e
+        try:
+            _raise_everywhere(error, f'saving {path}')
+            if env.is_main_process():
+                try:
+                    ckpt.finalize_directory(staging, path, step=step, extra_manifest={
+                        'world_size': self.world_size, 'strategy': type(self).__name__,
+                        'zero_stage': self.zero_stage})
+                except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                    error = e
+            _raise_everywhere(error, f'committing {path}')
+        except BaseException:
+            if env.is_main_process():
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    # ----------------------------------------------------------------------- load
+    def _verify_directory(self, filename: str) -> tuple[Path, dict]:
+        """Collective: rank 0 hashes every file; the others check the same manifest."""
+        path = Path(env.broadcast_object(osp.abspath(filename)))
+        manifest, error = None, None
+        if env.is_main_process():
+            try:
+                manifest = verify_zero_checkpoint(path)
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                error = e
+        _raise_everywhere(error, f'verifying {path}')
+        manifest = env.broadcast_object(manifest)
+        if not env.is_main_process():
+            try:
+                mine = verify_zero_checkpoint(path, hash_bytes=False)
+                if mine['files'] != manifest['files']:
+                    raise ckpt.CheckpointCorruptError(
+                        f'rank {self.rank} sees another manifest in {path} than rank 0')
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                error = e
+        _raise_everywhere(error, f'checking {path}')
+        return path, manifest
+
+    def _read_state(self, path: Path) -> dict:
+        # rank 0 just hashed it; the other ranks re-hash this small file on their own
+        return ckpt.load_checkpoint_file(path / STATE_FILE, map_location='cpu')
+
+    def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
+        """A DeepSpeed directory: our state plus consolidated fp32 weights (``state_dict``);
+        a single file: BaseStrategy's safe load."""
+        if not osp.isdir(filename):
+            return super()._load_checkpoint_files(filename, map_location)
+        path, _ = self._verify_directory(filename)
+        state = self._read_state(path)
+        state['state_dict'] = zero_to_state_dict(
+            path, verify=False, exclude_frozen_parameters=self.exclude_frozen_parameters)
+        return state
+
+    def resume(self, filename: str, *, resume_optimizer: bool = True,
+               resume_param_scheduler: bool = True, map_location: Any = 'default',
+               callback: Callable[[dict], None] | None = None) -> dict:
+        """Continue exactly where the DeepSpeed checkpoint ``filename`` stopped.
+
+        Returns our state (``meta`` has ``iter``). ``map_location`` is accepted for
+        mmengine's signature; DeepSpeed places its tensors on the engine's device.
+        """
+        if not self._prepared:
+            raise RuntimeError('resume() needs the prepared components: call strategy.prepare('
+                               'model, optim_wrapper=..., param_scheduler=...) first')
+        if not (osp.isdir(filename) and is_zero_checkpoint(filename)):
+            raise ValueError(f'{filename} is not a DeepSpeed checkpoint directory (written by '
+                             'DeepSpeedStrategy.save_checkpoint); load weights from other '
+                             'checkpoints with load_checkpoint()')
+        path, manifest = self._verify_directory(filename)
+        state = self._read_state(path)
+        if callback is not None:
+            callback(state)
+        want_optim = resume_optimizer and hasattr(self, 'optim_wrapper')
+        want_sched = resume_param_scheduler and hasattr(self, 'param_schedulers')
+        missing = [key for key, wanted in (('optimizer', want_optim),
+                                          ('param_schedulers', want_sched))
+                   if wanted and key not in state]
+        if missing:
+            raise KeyError(f'{path} cannot be resumed: it has no {missing} (keys: '
+                           f'{sorted(state)}); pass resume_optimizer=False / '
+                           'resume_param_scheduler=False')
+        meta = state.get('meta') or {}
+        saved_world = int(manifest.get('world_size', meta.get('world_size', self.world_size)))
+        if saved_world == self.world_size:
+            self._engine_load(path, DEEPSPEED_TAG, want_optim)
+        else:
+            self._load_resharded(path, saved_world, want_optim)
+        if want_optim:
+            self.optim_wrapper.load_state_dict(state['optimizer'])
+        if hasattr(self, 'optim_wrapper'):
+            self._initialize_accumulation(meta.get('iter'))
+        if want_sched:
+            self.load_scheduler_state_dict(state['param_schedulers'])
+        self._restore_randomness(state, meta, str(path))
+        self.resumed_from = str(path)
+        self.logger.info(f'resumed from {path} (iter {meta.get("iter")})')
+        return state
+
+    def _engine_load(self, directory: Path, tag: str, optimizer: bool) -> None:
+        loaded, _ = self.model.load_checkpoint(
+            str(directory), tag=tag, load_optimizer_states=optimizer,
+            load_lr_scheduler_states=False,
+            load_module_strict=not self.exclude_frozen_parameters)
+        if loaded is None:  # DeepSpeed only warns when it finds nothing
+            raise FileNotFoundError(f'DeepSpeed found no checkpoint in {directory / tag}')
+
+    def _load_resharded(self, path: Path, saved_world: int, optimizer: bool) -> None:
+        raise NotImplementedError  # replaced below
