@@ -3,7 +3,8 @@ putting a state dict into a module.
 
 This package decides how a checkpoint is written, committed, verified, found and loaded; the
 strategy decides what is in it. The save protocol is numbered in ``commit.py``, the load
-sequence in ``load.py``, where manifests live in ``manifest.py``. Importing it imports torch
+sequence in ``load.py``, the multi-rank directory protocol in
+``directory.py``, where manifests live in ``manifest.py``. Importing it imports torch
 and the standard library only.
 """
 from .commit import (
@@ -13,6 +14,14 @@ from .commit import (
                      save_checkpoint,
 )
 from .content import validate_checkpoint_content
+from .directory import (
+                        DirectoryWriteResult,
+                        begin_directory_save,
+                        finish_directory_save,
+                        save_directory,
+                        verify_directory,
+                        write_directory_files,
+)
 from .dist import agree_on_path
 from .errors import (
                      CheckpointCorruptError,
@@ -37,6 +46,8 @@ from .state_dict import LoadReport, load_state_dict, revise_keys, unwrap_model
 __all__ = [
     'save_checkpoint', 'commit_directory', 'new_staging_dir', 'finalize_directory',
     'agree_on_path', 'validate_checkpoint_content',
+    'save_directory', 'begin_directory_save', 'write_directory_files', 'finish_directory_save',
+    'verify_directory', 'DirectoryWriteResult',
     'load_checkpoint_file', 'verify_checkpoint', 'manifest_path',
     'find_latest_checkpoint', 'list_checkpoints', 'read_pointer', 'update_pointer',
     'POINTER_NAME', 'CheckpointInfo', 'apply_retention',
