@@ -20,15 +20,16 @@ from __future__ import annotations
 import glob
 import os
 from pathlib import Path
+
 import torch
 
 from .commit import save_checkpoint
+from .directory import verify_directory
 from .errors import CheckpointCorruptError
 from .load import load_checkpoint_file
-from .manifest import verify_checkpoint
 
-__all__ = ['DEEPSPEED_TAG', 'STATE_FILE', 'verify_zero_checkpoint', 'zero_to_state_dict',
-           'convert_zero_checkpoint', 'is_zero_checkpoint']
+__all__ = ['DEEPSPEED_TAG', 'STATE_FILE', 'verify_zero_checkpoint', 'check_zero_layout',
+           'zero_to_state_dict', 'convert_zero_checkpoint', 'is_zero_checkpoint']
 
 DEEPSPEED_TAG = 'deepspeed'
 STATE_FILE = 'stratagem_state.pth'
@@ -40,27 +41,24 @@ def is_zero_checkpoint(path: str | os.PathLike) -> bool:
     return path.is_dir() and (path / STATE_FILE).is_file() and (path / DEEPSPEED_TAG).is_dir()
 
 
-def verify_zero_checkpoint(path: str | os.PathLike, *, hash_bytes: bool = True) -> dict:
-    """Verify a DeepSpeed checkpoint directory against its manifest; return the manifest.
+def check_zero_layout(path: str | os.PathLike) -> None:
+    """Raise ``CheckpointCorruptError`` unless the committed directory ``path`` is laid out as
+    a DeepSpeedStrategy checkpoint."""
+    if not is_zero_checkpoint(path):
+        raise CheckpointCorruptError(f'{path} is a stratagem checkpoint but not a DeepSpeed one '
+                                     f'(no {STATE_FILE} and {DEEPSPEED_TAG}/)')
+
+
+def verify_zero_checkpoint(path: str | os.PathLike) -> dict:
+    """Verify a DeepSpeed checkpoint directory in this process (sizes and sha256 of every
+    file, ``verify_directory(collective=False)``); return its manifest.
 
     Raises ``FileNotFoundError`` if it is missing, ``CheckpointCorruptError`` naming the file
     if a byte differs or no stratagem manifest covers the directory (a DeepSpeed checkpoint
     written by mmengine or DeepSpeed itself cannot be verified, and is not unpickled).
     """
-    path = Path(path).absolute()
-    if not path.is_dir():
-        if path.exists():
-            raise NotADirectoryError(f'{path} is a file, not a DeepSpeed checkpoint directory')
-        raise FileNotFoundError(f'DeepSpeed checkpoint not found: {path}')
-    manifest = verify_checkpoint(path, hash_bytes=hash_bytes)
-    if manifest is None:
-        raise CheckpointCorruptError(
-            f'{path} has no stratagem manifest, so its files cannot be verified; DeepSpeed '
-            'would unpickle them with weights_only=False (arbitrary code), so they are not '
-            'loaded. Only directories committed by DeepSpeedStrategy.save_checkpoint load.')
-    if not is_zero_checkpoint(path):
-        raise CheckpointCorruptError(f'{path} is a stratagem checkpoint but not a DeepSpeed one '
-                                     f'(no {STATE_FILE} and {DEEPSPEED_TAG}/)')
+    manifest = verify_directory(path, collective=False)
+    check_zero_layout(path)
     return manifest
 
 

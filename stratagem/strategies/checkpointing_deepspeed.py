@@ -5,17 +5,18 @@
        gradients: a resume would be off by them), before anything is written.
     2. Our state (meta, schedulers, wrapper counters, every rank's RNG, ``extra_ckpt``) is
        gathered and validated (tensors and plain values only).
-    3. Rank 0 creates a fresh staging directory next to ``filename``; all ranks agree on it.
-    4. The engine writes into it (``save_checkpoint(staging, tag='deepspeed',
-       save_latest=False)``: no ``latest`` file, nothing outside the staging directory);
-       rank 0 writes ``stratagem_state.pth``. The ranks exchange success or the error.
-    5. Rank 0 commits: fsync and hash every file, ``manifest.json``, rename to ``filename``,
-       ``last_checkpoint``. A crash before the rename leaves no checkpoint under that name.
+    3. ``checkpoint.save_directory`` (the directory protocol): rank 0 creates a fresh
+       staging directory beside ``filename``; the engine writes into it on every rank
+       (``save_checkpoint(staging, tag='deepspeed', save_latest=False)``: no ``latest``
+       file, nothing outside the staging directory) and rank 0 adds
+       ``stratagem_state.pth``; the ranks exchange success or the error; rank 0 fsyncs and
+       hashes every file, writes ``manifest.json``, renames the directory to ``filename``
+       and updates ``last_checkpoint``. Before that rename no checkpoint has that name.
 
 ``resume`` / ``load_checkpoint`` of a directory
-    1. Rank 0 hashes every file against the manifest (DeepSpeed unpickles with
-       ``weights_only=False``: a tampered or foreign file must be refused before that); the
-       other ranks check they see the same manifest and sizes. Any failure raises on all.
+    1. ``checkpoint.verify_directory``: every size on every rank, every sha256 on one rank,
+       the same manifest everywhere (DeepSpeed unpickles with ``weights_only=False``: a
+       tampered or foreign file must be refused before that). Any failure raises on all.
     2. ``stratagem_state.pth`` loads with ``weights_only=True``; the keys asked for are
        checked before anything is restored.
     3. Same world size: ``engine.load_checkpoint`` (model, optimizer partitions, engine
@@ -34,23 +35,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from stratagem import checkpoint as ckpt
 from stratagem import env
-from stratagem.checkpoint.zero import (DEEPSPEED_TAG, STATE_FILE, is_zero_checkpoint,
-                                       verify_zero_checkpoint, zero_to_state_dict)
+from stratagem.checkpoint.zero import (DEEPSPEED_TAG, STATE_FILE, check_zero_layout,
+                                       is_zero_checkpoint, zero_to_state_dict)
 
 __all__ = ['DeepSpeedCheckpointMixin']
-
-
-def _raise_everywhere(error: BaseException | None, what: str) -> None:
-    """Collective: every rank raises if any rank failed (its own error, else rank r's)."""
-    errors = env.all_gather_object(None if error is None else f'{type(error).__name__}: '
-                                                               f'{error}')
-    if error is not None:
-        raise error
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        raise RuntimeError(f'{what} failed on rank {failed[0][0]}: {failed[0][1]}')
 
 
 class DeepSpeedCheckpointMixin:
@@ -123,59 +115,24 @@ class DeepSpeedCheckpointMixin:
         return str(path)
 
     def _commit_directory(self, path: Path, state: dict, step: int | None) -> None:
-        staging, error = None, None
-        if env.is_main_process():
-            try:
-                staging = ckpt.new_staging_dir(path)
-            except Exception as e:  # noqa: BLE001 - raised below, on every rank
-                error = e
-        _raise_everywhere(error, f'creating a staging directory for {path}')
-        staging = Path(env.broadcast_object(None if staging is None else str(staging)))
-        try:
+        def write(staging: Path) -> None:
+            # every rank writes its DeepSpeed files (a collective); rank 0 hashes them all
             self.model.save_checkpoint(str(staging), tag=DEEPSPEED_TAG, client_state={},
                                        save_latest=False,
                                        exclude_frozen_parameters=self.exclude_frozen_parameters)
             if env.is_main_process():
-                import torch
                 torch.save(state, staging / STATE_FILE)
-        except Exception as e:  # noqa: BLE001 - raised below, on every rank
-            error = e
-        try:
-            _raise_everywhere(error, f'saving {path}')
-            if env.is_main_process():
-                try:
-                    ckpt.finalize_directory(staging, path, step=step, extra_manifest={
-                        'world_size': self.world_size, 'strategy': type(self).__name__,
-                        'zero_stage': self.zero_stage})
-                except Exception as e:  # noqa: BLE001 - raised below, on every rank
-                    error = e
-            _raise_everywhere(error, f'committing {path}')
-        except BaseException:
-            if env.is_main_process():
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
+
+        ckpt.save_directory(path, write, step=step, extra_manifest={
+            'strategy': type(self).__name__, 'zero_stage': self.zero_stage})
 
     # ----------------------------------------------------------------------- load
     def _verify_directory(self, filename: str) -> tuple[Path, dict]:
-        """Collective: rank 0 hashes every file; the others check the same manifest."""
+        """Collective: every file's size on every rank, its sha256 on one rank, the same
+        manifest everywhere; then the DeepSpeed layout. Raises on every rank."""
         path = Path(env.broadcast_object(osp.abspath(filename)))
-        manifest, error = None, None
-        if env.is_main_process():
-            try:
-                manifest = verify_zero_checkpoint(path)
-            except Exception as e:  # noqa: BLE001 - raised below, on every rank
-                error = e
-        _raise_everywhere(error, f'verifying {path}')
-        manifest = env.broadcast_object(manifest)
-        if not env.is_main_process():
-            try:
-                mine = verify_zero_checkpoint(path, hash_bytes=False)
-                if mine['files'] != manifest['files']:
-                    raise ckpt.CheckpointCorruptError(
-                        f'rank {self.rank} sees another manifest in {path} than rank 0')
-            except Exception as e:  # noqa: BLE001 - raised below, on every rank
-                error = e
-        _raise_everywhere(error, f'checking {path}')
+        manifest = ckpt.verify_directory(path, collective=True)
+        check_zero_layout(path)
         return path, manifest
 
     def _read_state(self, path: Path) -> dict:
@@ -247,4 +204,50 @@ class DeepSpeedCheckpointMixin:
             raise FileNotFoundError(f'DeepSpeed found no checkpoint in {directory / tag}')
 
     def _load_resharded(self, path: Path, saved_world: int, optimizer: bool) -> None:
-        raise NotImplementedError  # replaced below
+        """Resume a checkpoint of ``saved_world`` ranks in this world: rank 0 converts it to
+        DeepSpeed's universal format (``ds_to_universal --inject_missing_state``) in a
+        temporary directory beside it, every rank loads from there with
+        ``load_universal``, the directory is removed. DeepSpeed refuses a plain load at
+        another world size."""
+        self.logger.info(f'{path} was saved by {saved_world} ranks, this run has '
+                         f'{self.world_size}: resharding through a universal checkpoint')
+        universal, error = None, None
+        if env.is_main_process():
+            try:
+                universal = ckpt.new_staging_dir(path.with_name(path.name + '.universal'))
+                _to_universal(path / DEEPSPEED_TAG, universal / DEEPSPEED_TAG)
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                error = e
+        failures = env.all_gather_object(None if error is None else f'{error!r}')
+        universal = env.broadcast_object(None if universal is None else str(universal))
+        try:
+            if error is not None:
+                raise error
+            if failures[0] is not None:
+                raise RuntimeError(f'converting {path} to a universal checkpoint failed on '
+                                   f'rank 0: {failures[0]}')
+            config = self.model._config
+            # a config flag DeepSpeed reads at load time; the engine is built without it
+            config.load_universal_checkpoint = True
+            try:
+                self._engine_load(Path(universal), DEEPSPEED_TAG, optimizer)
+            finally:
+                config.load_universal_checkpoint = False
+            env.barrier()
+        finally:
+            if env.is_main_process() and universal is not None:
+                shutil.rmtree(universal, ignore_errors=True)
+
+
+def _to_universal(src: Path, dst: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` on a verified checkpoint, in this process."""
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint import ds_to_universal
+    args = argparse.Namespace(input_folder=str(src), output_folder=str(dst),
+                              num_extract_workers=1, num_merge_workers=1,
+                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
+        ds_to_universal.main(args)

@@ -202,21 +202,33 @@ def _checks(tmp):
     _train(c, model, ow, [], 0, 1, c.rank)
     out['load_only'] = (_max_diff(loaded, out['resume2']['saved']),
                         _max_diff(_full_weights(c), out['resume2']['saved']))
-    # -- 7. tampering: a shard replaced by a pickle that runs code is refused unread
-    bad = os.path.join(tmp, 'tampered')
-    marker = os.path.join(tmp, f'pwned{a.rank}')
+    # -- 7. tampering: refused on every rank before DeepSpeed unpickles anything
+    src = out['resume2']['path']
+    cases = {'flipped': os.path.join(tmp, 'flipped'), 'payload': os.path.join(tmp, 'payload'),
+             'foreign': os.path.join(tmp, 'foreign')}
     if a.rank == 0:
-        shutil.copytree(out['resume2']['path'], bad)
-        shard = sorted(Path(bad, 'deepspeed').glob('*optim_states.pt'))[0]
+        for where in cases.values():
+            shutil.copytree(src, where)
+        shard = sorted(Path(cases['flipped'], 'deepspeed').glob('*optim_states.pt'))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01  # one bit, same size
+        shard.write_bytes(bytes(data))
+        # a shard replaced by a pickle whose loading runs code (creates a file)
+        shard = sorted(Path(cases['payload'], 'deepspeed').glob('*optim_states.pt'))[0]
         shard.write_bytes(pickle.dumps(_Boom(os.path.join(tmp, 'pwned'))))
+        os.remove(os.path.join(cases['foreign'], 'manifest.json'))  # DeepSpeed's files only
     torch.distributed.barrier()
     d = _strategy(os.path.join(tmp, 'tamper'), zero_optimization=dict(stage=2))
     d.prepare(_net(), **_COMPONENTS)
-    try:
-        d.resume(bad)
-    except (CheckpointCorruptError, RuntimeError) as e:
-        out['tampered'] = (type(e).__name__, str(e))
-    out['pwned'] = any(n.startswith('pwned') for n in os.listdir(tmp)) or os.path.exists(marker)
+    out['tampered'] = {}
+    for case, where in cases.items():
+        for call in ('resume', 'load_checkpoint'):
+            try:
+                getattr(d, call)(where)
+                out['tampered'][case, call] = None
+            except CheckpointCorruptError as e:
+                out['tampered'][case, call] = str(e)
+    out['pwned'] = os.path.exists(os.path.join(tmp, 'pwned'))
     out['deepspeed_version'] = deepspeed.__version__
     return out
 
@@ -324,9 +336,8 @@ def test_save_resume_exact_at_two_ranks(results, stage):
         assert r['updates'] == 4
         assert {'manifest.json', 'stratagem_state.pth', 'deepspeed'} <= set(r['listing'])
         # nothing written outside the checkpoint: no 'latest', no recovery scripts
-        assert set(r['work_listing']) <= {f'iter_{SAVE_AT}.pth', 'last_checkpoint',
-                                          out[f'resume{stage}']['work_listing'][0]} | \
-            {n for n in r['work_listing'] if n[:1].isdigit()}  # log folders
+        logs = {n for n in r['work_listing'] if n[:8].isdigit()}  # the runs' log folders
+        assert set(r['work_listing']) - logs == {f'iter_{SAVE_AT}.pth', 'last_checkpoint'}
         msg, listing = out[f'midwindow{stage}']
         assert 'iteration 4' in msg and 'accumulative_counts=3' in msg
         assert not any(n.startswith('iter_') or n.startswith('.iter') for n in listing)
@@ -341,9 +352,14 @@ def test_load_checkpoint_refreshes_master_weights(results):
 
 def test_tampered_shard_refused_before_unpickling(results):
     for out in results[1]:
-        kind, msg = out['tampered']
-        assert 'optim_states.pt' in msg or 'rank 0' in msg
-        assert out['pwned'] is False
+        for call in ('resume', 'load_checkpoint'):
+            msg = out['tampered']['flipped', call]
+            assert 'optim_states.pt is damaged: sha256' in msg, msg
+            msg = out['tampered']['payload', call]
+            assert 'optim_states.pt is damaged: size' in msg, msg
+            msg = out['tampered']['foreign', call]
+            assert 'no manifest.json' in msg, msg
+        assert out['pwned'] is False  # the payload never ran
 
 
 def test_resume_at_another_world_size(results):
