@@ -384,3 +384,100 @@ def test_convert_to_single_file_loads_in_single_device(results, tmp_path):
         want = outs[0][f'resume{stage}']['saved']
         assert all(torch.equal(got[k], want[k]) for k in want)
         assert torch.load(dst, weights_only=True)['meta']['iter'] == SAVE_AT
+
+
+# ---------------------------------------------------------------- one process, no DeepSpeed engine
+def test_wrapper_refuses_what_deepspeed_cannot_do():
+    from stratagem.optim import DeepSpeedOptimWrapper
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match='clips by value'):
+        DeepSpeedOptimWrapper(opt, clip_grad=dict(type='value', clip_value=1.0))
+    with pytest.raises(ValueError, match='norm_type 1'):
+        DeepSpeedOptimWrapper(opt, clip_grad=dict(max_norm=1.0, norm_type=1))
+    w = DeepSpeedOptimWrapper(opt, accumulative_counts=2, clip_grad=dict(max_norm=2.5))
+    assert (w.max_norm, w.accumulative_counts) == (2.5, 2)
+    assert DeepSpeedOptimWrapper(opt).max_norm == 0.0
+    with pytest.raises(RuntimeError, match='no DeepSpeed engine'):
+        w.backward(torch.zeros((), requires_grad=True))
+    w._inner_count = 3  # mid window
+    with pytest.raises(RuntimeError, match='inside an accumulation window of 2'):
+        w.state_dict()
+    w._inner_count = 4
+    w.load_state_dict({'optim_wrapper': {'inner_count': 6, 'max_counts': 9,
+                                         'accumulative_counts': 2}})
+    assert (w.inner_count, w.max_counts) == (6, 9)
+    assert w.state_dict() == {'optim_wrapper': {'inner_count': 6, 'max_counts': 9,
+                                                'accumulative_counts': 2}}
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(config=dict(optimizer=dict(type='Adam'))), "a 'optimizer' section"),
+    (dict(config=dict(scheduler=dict(type='WarmupLR'))), "a 'scheduler' section"),
+    (dict(fp16=dict(enabled=True)), 'needs CUDA'),
+    (dict(config=dict(gradient_clipping=1.0), gradient_clipping=2.0),
+     'gradient_clipping=2.0 disagrees with the DeepSpeed config'),
+    (dict(zero_optimization=dict(stage=4)), 'stage=4'),
+    (dict(config=dict(managed_gradient_accumulation=True)), 'managed_gradient_accumulation'),
+    (dict(config='/no/such/ds_config.json'), 'does not exist'),
+])
+def test_bad_config_raises_before_any_set_up(kwargs, match):
+    if 'fp16' in kwargs and torch.cuda.is_available():
+        pytest.skip('fp16 is refused only without CUDA')
+    from stratagem.strategies import DeepSpeedStrategy
+    before = dict(os.environ)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        DeepSpeedStrategy(**kwargs)
+    assert dict(os.environ) == before and not torch.distributed.is_initialized()
+
+
+def test_json_config_file(tmp_path):
+    from stratagem.strategies.deepspeed import _parse_config
+    path = tmp_path / 'ds.json'
+    path.write_text('{"zero_optimization": {"stage": 3}, "bf16": {"enabled": true}}')
+    assert _parse_config(str(path)) == {'zero_optimization': {'stage': 3},
+                                        'bf16': {'enabled': True}}
+    path.write_text('{"zero_optimization": ')
+    with pytest.raises(ValueError, match='not valid JSON'):
+        _parse_config(str(path))
+
+
+def test_importing_strategies_does_not_import_deepspeed():
+    import subprocess
+    probe = ('import sys, stratagem.strategies, stratagem.optim, stratagem.checkpoint.zero; '
+             'from stratagem.registry import STRATEGIES; '
+             "print('deepspeed' in sys.modules, 'DeepSpeedStrategy' in STRATEGIES)")
+    out = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ['False', 'True']
+    # without DeepSpeed the error names the extra
+    missing = ("import sys; sys.modules['deepspeed'] = None\n"
+               'from stratagem.strategies import build_strategy\n'
+               "try:\n    build_strategy(dict(type='DeepSpeedStrategy'))\n"
+               'except ImportError as e:\n    print(e)')
+    out = subprocess.run([sys.executable, '-c', missing], capture_output=True, text=True,
+                         check=True).stdout
+    assert 'pip install "stratagem[deepspeed]"' in out
+
+
+# ------------------------------------------------------------ stratagem train --nproc 2, resume
+def test_train_config_with_two_processes_and_resume(tmp_path):
+    """The example config under `stratagem train --nproc 2`; a resume from the middle ends
+    on the same weights as the uninterrupted run."""
+    from stratagem import checkpoint as ckpt
+    from stratagem.checkpoint.zero import zero_to_state_dict
+    from stratagem.cli import main
+    config = str(Path(__file__).resolve().parents[2] / 'examples' / 'configs' /
+                 'classifier_deepspeed.py')
+    opts = ['--cfg-options', 'train_cfg.max_epochs=1', 'train_cfg.max_keep_ckpts=None']
+    full, part = tmp_path / 'full', tmp_path / 'part'
+    assert main(['train', config, '--nproc', '2', '--work-dir', str(full), *opts]) == 0
+    assert sorted(n for n in os.listdir(full) if n.startswith('iter_')) == \
+        ['iter_16.pth', 'iter_32.pth']
+    assert ckpt.verify_directory(full / 'iter_32.pth', collective=False)['world_size'] == 2
+    part.mkdir()
+    shutil.copytree(full / 'iter_16.pth', part / 'iter_16.pth')
+    assert main(['train', config, '--nproc', '2', '--work-dir', str(part), '--resume',
+                 str(part / 'iter_16.pth'), *opts]) == 0
+    want = zero_to_state_dict(full / 'iter_32.pth')
+    got = zero_to_state_dict(part / 'iter_32.pth')
+    assert all(torch.equal(want[k], got[k]) for k in want)
