@@ -459,25 +459,23 @@ def test_importing_strategies_does_not_import_deepspeed():
     assert 'pip install "stratagem[deepspeed]"' in out
 
 
-# ------------------------------------------------------------ stratagem train --nproc 2, resume
-def test_train_config_with_two_processes_and_resume(tmp_path):
-    """The example config under `stratagem train --nproc 2`; a resume from the middle ends
-    on the same weights as the uninterrupted run."""
+# ---------------------------------------------------------------- stratagem train --nproc 2
+def test_train_config_with_two_processes(tmp_path):
+    """The example config under `stratagem train --nproc 2` (torchrun): it trains, and its
+    directory checkpoints commit with a manifest and consolidate to the trained weights.
+    (Exact resume is checked in-process above; one launch keeps this test short.)"""
     from stratagem import checkpoint as ckpt
     from stratagem.checkpoint.zero import zero_to_state_dict
     from stratagem.cli import main
     config = str(Path(__file__).resolve().parents[2] / 'examples' / 'configs' /
                  'classifier_deepspeed.py')
-    opts = ['--cfg-options', 'train_cfg.max_epochs=1', 'train_cfg.max_keep_ckpts=None']
-    full, part = tmp_path / 'full', tmp_path / 'part'
-    assert main(['train', config, '--nproc', '2', '--work-dir', str(full), *opts]) == 0
-    assert sorted(n for n in os.listdir(full) if n.startswith('iter_')) == \
+    work = tmp_path / 'w'
+    assert main(['train', config, '--nproc', '2', '--work-dir', str(work), '--cfg-options',
+                 'train_cfg.max_epochs=1', 'train_cfg.max_keep_ckpts=None']) == 0
+    assert sorted(n for n in os.listdir(work) if n.startswith('iter_')) == \
         ['iter_16.pth', 'iter_32.pth']
-    assert ckpt.verify_directory(full / 'iter_32.pth', collective=False)['world_size'] == 2
-    part.mkdir()
-    shutil.copytree(full / 'iter_16.pth', part / 'iter_16.pth')
-    assert main(['train', config, '--nproc', '2', '--work-dir', str(part), '--resume',
-                 str(part / 'iter_16.pth'), *opts]) == 0
-    want = zero_to_state_dict(full / 'iter_32.pth')
-    got = zero_to_state_dict(part / 'iter_32.pth')
-    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert ckpt.find_latest_checkpoint(work).name == 'iter_32.pth'
+    manifest = ckpt.verify_directory(work / 'iter_32.pth', collective=False)
+    assert (manifest['world_size'], manifest['zero_stage'], manifest['step']) == (2, 2, 32)
+    first, last = (zero_to_state_dict(work / f'iter_{i}.pth') for i in (16, 32))
+    assert set(first) == set(last) and any(not torch.equal(first[k], last[k]) for k in first)
