@@ -4,8 +4,10 @@ One source of truth: the wrapper's ``accumulative_counts`` and ``clip_grad`` dec
 accumulation and clipping; :class:`~stratagem.strategies.DeepSpeedStrategy` writes them into
 DeepSpeed's config (``gradient_accumulation_steps``, ``gradient_clipping`` — 0 when
 ``clip_grad`` is None, because DeepSpeed's own default 1.0 would clip silently) and refuses a
-config value that disagrees. The engine runs with ``managed_gradient_accumulation: false``:
-this wrapper owns the accumulation boundary exactly as :class:`OptimWrapper` does, so
+config value that disagrees. When accumulating, the engine runs with
+``managed_gradient_accumulation: false``: this wrapper owns the accumulation boundary exactly
+as :class:`OptimWrapper` does (without accumulation every step is a boundary and DeepSpeed's
+default mode is kept), so
 
 1. ``scale_loss``: the loss is divided by the length of the current window (the last,
    incomplete window by its real length, after ``initialize_count_status``),
@@ -151,8 +153,8 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         self._clear = True
 
     def optim_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """A no-op: the engine reduces only in ``step()`` (``managed_gradient_accumulation``
-        is off), so there is no per-iteration sync to suppress."""
+        """A no-op: when accumulating, the engine reduces only in ``step()``
+        (``managed_gradient_accumulation`` off), so there is no sync to suppress."""
         return _NULL_CONTEXT
 
     @property

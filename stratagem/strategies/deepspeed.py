@@ -213,8 +213,11 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
                    'optim_wrapper.accumulative_counts')
             _agree(cfg, 'gradient_clipping', wrapper.max_norm, 'optim_wrapper.clip_grad.max_norm'
                    ' (0 without clip_grad)')
-            # the wrapper owns the boundary: backward accumulates, step() reduces + updates
-            cfg['managed_gradient_accumulation'] = False
+            if wrapper.accumulative_counts > 1:
+                # the wrapper owns the boundary: backward accumulates, step() reduces and
+                # updates, so the last window can be shorter (with 1 every step is a
+                # boundary, and DeepSpeed's default mode is the one its own loop runs)
+                cfg['managed_gradient_accumulation'] = False
             if self.zero_stage > 0 and type(wrapper.optimizer).__name__ not in _ADAM_FAMILY:
                 # DeepSpeed's guard against optimizers it has not tested with ZeRO; torch's
                 # optimizers only see the flat fp32 partitions, which is what ZeRO tests
