@@ -115,6 +115,8 @@ def read_sharded_checkpoint(path: str | os.PathLike, *, collective: bool = False
         optim = {**full['optimizer'], **extra.pop('optimizer_extra', {})}
         if manifest.get('optimizer_keys', 'fqn') == 'fqn':
             optim = optim_state_to_index(optim)
+        else:  # DCP flattening turned the int keys into strings
+            optim['state'] = {int(k): v for k, v in optim.get('state', {}).items()}
         checkpoint['optimizer'] = optim
     partial = read_partial_grads(path)
     if partial:
@@ -126,9 +128,11 @@ def read_sharded_checkpoint(path: str | os.PathLike, *, collective: bool = False
 def _read_dcp_full(path: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     state: dict = {}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path),
-             planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    # as format_utils.dcp_to_torch_save does: the public dcp.load only fills existing keys
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(path),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state
 
 

@@ -29,7 +29,8 @@ from .errors import CheckpointCorruptError
 from .load import load_checkpoint_file
 
 __all__ = ['DEEPSPEED_TAG', 'STATE_FILE', 'verify_zero_checkpoint', 'check_zero_layout',
-           'zero_to_state_dict', 'convert_zero_checkpoint', 'is_zero_checkpoint']
+           'zero_to_state_dict', 'read_zero_checkpoint', 'convert_zero_checkpoint',
+           'is_zero_checkpoint']
 
 DEEPSPEED_TAG = 'deepspeed'
 STATE_FILE = 'stratagem_state.pth'
@@ -90,27 +91,33 @@ def zero_to_state_dict(path: str | os.PathLike, *, verify: bool = True,
     return {k: v.detach().clone() for k, v in state.items()}
 
 
+def read_zero_checkpoint(path: str | os.PathLike) -> dict:
+    """A DeepSpeed checkpoint directory as one mmengine-layout dict, verified first:
+    ``{'meta': <the run's meta + where it came from>, 'state_dict': <full fp32 weights>}``.
+
+    The optimizer is not carried over: its sharded state has no single-process form that
+    every backend reads (resume at another world size goes through DeepSpeedStrategy).
+    """
+    path = Path(path).absolute()
+    manifest = verify_zero_checkpoint(path)
+    ours = load_checkpoint_file(path / STATE_FILE)
+    meta = dict(ours.get('meta') or {})
+    meta.update(converted_from=str(path), converted_from_strategy=manifest.get('strategy'),
+                converted_from_world_size=manifest.get('world_size'))
+    return {'meta': meta, 'state_dict': zero_to_state_dict(path, verify=False)}
+
+
 def convert_zero_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *,
                             update_pointer: bool = False) -> Path:
-    """Convert a DeepSpeed checkpoint directory into one single-file stratagem checkpoint.
-
-    ``dst`` gets ``{'meta': <the source's meta>, 'state_dict': <full fp32 weights>}``,
-    committed atomically with its manifest; SingleDeviceStrategy, DDPStrategy and
-    FSDPStrategy load it with ``load_checkpoint``. The optimizer is not carried over (its
-    sharded state has no single-process form that every backend reads). Returns ``dst``.
-    """
+    """Convert a DeepSpeed checkpoint directory into one single-file stratagem checkpoint
+    (:func:`read_zero_checkpoint`'s dict, committed atomically with its manifest), which
+    SingleDeviceStrategy, DDPStrategy and FSDPStrategy load with ``load_checkpoint``.
+    ``stratagem convert SRC DST`` does the same. Returns ``dst``."""
     src, dst = Path(src).absolute(), Path(dst).absolute()
     if dst == src or src in dst.parents:
         raise ValueError(f'convert_zero_checkpoint: dst {dst} must lie outside src {src}')
-    manifest = verify_zero_checkpoint(src)
-    ours = load_checkpoint_file(src / STATE_FILE)
-    meta = dict(ours.get('meta') or {})
-    meta.update(converted_from=str(src), converted_from_strategy=manifest.get('strategy'),
-                converted_from_world_size=manifest.get('world_size'))
-    state_dict = zero_to_state_dict(src, verify=False)
-    step = manifest.get('step')
-    return save_checkpoint({'meta': meta, 'state_dict': state_dict}, dst,
-                           step=step if isinstance(step, int) else None,
+    checkpoint = read_zero_checkpoint(src)
+    step = checkpoint['meta'].get('iter')
+    return save_checkpoint(checkpoint, dst, step=step if type(step) is int else None,
                            extra_manifest={'world_size': 1, 'strategy': 'converted'},
                            update_pointer=update_pointer)
-

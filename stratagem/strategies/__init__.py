@@ -11,14 +11,18 @@ from .base import BaseStrategy
 from .ddp import DDPStrategy
 from .single_device import SingleDeviceStrategy
 
-__all__ = ['BaseStrategy', 'SingleDeviceStrategy', 'DDPStrategy', 'DeepSpeedStrategy',
-           'build_strategy']
+__all__ = ['BaseStrategy', 'SingleDeviceStrategy', 'DDPStrategy', 'FSDPStrategy',
+           'DeepSpeedStrategy', 'build_strategy']
 
+STRATEGIES.register_lazy('FSDPStrategy', 'stratagem.strategies.fsdp:FSDPStrategy')
 # imported on first use: DeepSpeed is an optional extra and slow to import
 STRATEGIES.register_lazy('DeepSpeedStrategy', 'stratagem.strategies.deepspeed:DeepSpeedStrategy')
 
 
 def __getattr__(name: str) -> Any:
+    if name == 'FSDPStrategy':  # torch.distributed.fsdp is imported only when used
+        from .fsdp import FSDPStrategy
+        return FSDPStrategy
     if name == 'DeepSpeedStrategy':
         from .deepspeed import DeepSpeedStrategy
         return DeepSpeedStrategy

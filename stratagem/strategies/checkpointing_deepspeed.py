@@ -19,10 +19,12 @@
        tampered or foreign file must be refused before that). Any failure raises on all.
     2. ``stratagem_state.pth`` loads with ``weights_only=True``; the keys asked for are
        checked before anything is restored.
-    3. Same world size: ``engine.load_checkpoint`` (model, optimizer partitions, engine
+    3. Another world size: BaseStrategy's plan (``world_change.py``) converts iteration
+       counts and schedulers, or refuses, before anything is loaded.
+    4. Same world size: ``engine.load_checkpoint`` (model, optimizer partitions, engine
        counters). Another world size: the checkpoint is converted to DeepSpeed's universal
-       format next to it and loaded from there (resharding the optimizer state).
-    4. Counters, schedulers, then RNG states last (BaseStrategy's helpers).
+       format beside it and loaded from there (resharding the optimizer state).
+    5. Counters, schedulers, then RNG states last (BaseStrategy's helpers).
 ``load_checkpoint`` loads weights only: a directory is consolidated to full fp32 weights
 (``checkpoint.zero``), a file is read safely; both go through ``load_model_state_dict``,
 which refreshes DeepSpeed's fp32 master copy so the next update starts from them.
@@ -41,6 +43,8 @@ from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.zero import (DEEPSPEED_TAG, STATE_FILE, check_zero_layout,
                                        is_zero_checkpoint, zero_to_state_dict)
+
+from .world_change import plan_world_size_change
 
 __all__ = ['DeepSpeedCheckpointMixin']
 
@@ -179,6 +183,16 @@ class DeepSpeedCheckpointMixin:
                            f'{sorted(state)}); pass resume_optimizer=False / '
                            'resume_param_scheduler=False')
         meta = state.get('meta') or {}
+        # BaseStrategy's world-size plan: iteration units, schedulers, windows; anything it
+        # refuses is refused before anything is loaded
+        change = plan_world_size_change(meta, self.dispatch_kwargs, self.world_size,
+                                        self._max_accumulation(), str(path))
+        converting = change is not None and change.new_iter is not None
+        sched_states = state.get('param_schedulers') if want_sched else None
+        if want_sched and converting:
+            sched_states = change.rescale_schedulers(
+                self.param_schedulers, sched_states, self.dispatch_kwargs.get('epoch_length'),
+                str(path))
         saved_world = int(manifest.get('world_size', meta.get('world_size', self.world_size)))
         if saved_world == self.world_size:
             self._engine_load(path, DEEPSPEED_TAG, want_optim)
@@ -186,11 +200,23 @@ class DeepSpeedCheckpointMixin:
             self._load_resharded(path, saved_world, want_optim)
         if want_optim:
             self.optim_wrapper.load_state_dict(state['optimizer'])
+        done = meta.get('iter')
+        if converting:
+            done = change.new_iter
+            if change.max_iters is not None:
+                self.dispatch_kwargs['max_iters'] = change.max_iters[1]
         if hasattr(self, 'optim_wrapper'):
-            self._initialize_accumulation(meta.get('iter'))
+            self._initialize_accumulation(done)
         if want_sched:
-            self.load_scheduler_state_dict(state['param_schedulers'])
+            self.load_scheduler_state_dict(sched_states)
+            if converting:
+                change.replay_schedulers(self.param_schedulers,
+                                         self.dispatch_kwargs.get('epoch_length'))
         self._restore_randomness(state, meta, str(path))
+        if change is not None:
+            state['meta'] = meta = {**meta, 'iter': done, 'world_size_change': change.as_meta()}
+            self._report_world_size_change(change, str(path))
+        self._check_same_step(meta.get('iter'), str(path))
         self.resumed_from = str(path)
         self.logger.info(f'resumed from {path} (iter {meta.get("iter")})')
         return state

@@ -374,9 +374,14 @@ def test_convert_to_single_file_loads_in_single_device(results, tmp_path):
     from stratagem.checkpoint.zero import convert_zero_checkpoint
     from stratagem.strategies import SingleDeviceStrategy
     _, outs, _ = results
+    from stratagem.cli import main
     for stage in (2, 3):
         src = outs[0][f'resume{stage}']['path']
-        dst = convert_zero_checkpoint(src, tmp_path / f'single{stage}.pth')
+        dst = tmp_path / f'single{stage}.pth'
+        if stage == 2:  # the command and the function
+            assert main(['convert', src, str(dst)]) == 0
+        else:
+            convert_zero_checkpoint(src, dst)
         s = SingleDeviceStrategy(work_dir=str(tmp_path / f'w{stage}'))
         s.prepare(_net())
         s.load_checkpoint(str(dst), strict=True)
