@@ -119,7 +119,8 @@ def _worker(rank: int, world: int, port: int, rounds: int, steps: int,
                   f'{med["ours_step"] * 1e3:8.2f} ms/step')
             print(f'ZeRO-{stage}: raw torch DDP (context)     median '
                   f'{med["ddp_step"] * 1e3:8.2f} ms/step')
-            print(f'ZeRO-{stage}: stratagem/raw DeepSpeed {med["ours_step"] / med["raw_step"]:.3f}x '
+            ratio_of_medians = med['ours_step'] / med['raw_step']
+            print(f'ZeRO-{stage}: stratagem/raw DeepSpeed {ratio_of_medians:.3f}x '
                   f'(ratio of medians), {ratio:.3f}x (median of per-round ratios); raw '
                   f'DeepSpeed/DDP {med["raw_step"] / med["ddp_step"]:.2f}x')
     env.barrier()

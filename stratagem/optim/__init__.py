@@ -19,7 +19,8 @@ from .param_groups import get_default_optimizer_params, reduce_param_groups
 
 __all__ = [
     'BaseOptimWrapper', 'OptimWrapper', 'AmpOptimWrapper', 'OptimWrapperDict',
-    'Fp16MasterWeightsOptimWrapper', 'DeepSpeedOptimWrapper', 'build_optim_wrapper', 'DefaultOptimWrapperConstructor',
+    'Fp16MasterWeightsOptimWrapper', 'DeepSpeedOptimWrapper', 'build_optim_wrapper',
+    'DefaultOptimWrapperConstructor',
     'MultiOptimWrapperConstructor', 'get_default_optimizer_params', 'reduce_param_groups',
     'ZeroRedundancyOptimizer', 'cast_tensor_type', 'auto_fp16', 'force_fp32',
     'wrap_fp16_model', 'patch_norm_fp32', 'patch_forward_method', 'LossScaler',

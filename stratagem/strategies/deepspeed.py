@@ -23,9 +23,7 @@ DeepSpeed config → ``deepspeed.initialize`` with the torch optimizer → sched
 from __future__ import annotations
 
 import copy
-import json
 import os
-import os.path as osp
 import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -37,6 +35,7 @@ from stratagem import env
 
 from .base import BaseStrategy
 from .checkpointing_deepspeed import DeepSpeedCheckpointMixin
+from .deepspeed_config import agree, check_config, parse_config
 
 __all__ = ['DeepSpeedStrategy', 'import_deepspeed']
 
@@ -56,10 +55,6 @@ def import_deepspeed() -> Any:
         raise ImportError(f'DeepSpeedStrategy needs DeepSpeed, which is not installed ({err}); '
                           f'install it with: {_INSTALL}') from err
     return deepspeed
-
-
-def _enabled(section: Any) -> bool:
-    return isinstance(section, Mapping) and bool(section.get('enabled', False))
 
 
 class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
@@ -98,7 +93,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
                  steps_per_print: int | None = None,
                  exclude_frozen_parameters: bool | None = None, **kwargs: Any) -> None:
         import_deepspeed()  # before anything changes
-        cfg = _parse_config(config)
+        cfg = parse_config(config)
         given = dict(zero_optimization=zero_optimization, gradient_clipping=gradient_clipping,
                      fp16=fp16, bf16=bf16, amp=amp,
                      activation_checkpointing=activation_checkpointing, aio=aio,
@@ -114,7 +109,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
             cfg[key] = copy.deepcopy(value)
         cfg['steps_per_print'] = steps_per_print if steps_per_print is not None else \
             cfg.get('steps_per_print', 10 ** 13)
-        _check_config(cfg)
+        check_config(cfg)
         self.config = cfg
         self._inputs_to_half = list(inputs_to_half) if inputs_to_half is not None else None
         self.exclude_frozen_parameters = bool(exclude_frozen_parameters)
@@ -209,9 +204,9 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
         """DeepSpeed's config, with the wrapper's accumulation and clipping written in."""
         cfg = copy.deepcopy(self.config)
         if wrapper is not None:
-            _agree(cfg, 'gradient_accumulation_steps', wrapper.accumulative_counts,
+            agree(cfg, 'gradient_accumulation_steps', wrapper.accumulative_counts,
                    'optim_wrapper.accumulative_counts')
-            _agree(cfg, 'gradient_clipping', wrapper.max_norm, 'optim_wrapper.clip_grad.max_norm'
+            agree(cfg, 'gradient_clipping', wrapper.max_norm, 'optim_wrapper.clip_grad.max_norm'
                    ' (0 without clip_grad)')
             if wrapper.accumulative_counts > 1:
                 # the wrapper owns the boundary: backward accumulates, step() reduces and
@@ -255,59 +250,6 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, Mapping):
         return {k: _cast(v, dtype) for k, v in value.items()}
     return value
-
-
-def _agree(cfg: dict, key: str, value: float, source: str) -> None:
-    given = cfg.get(key)
-    if given is not None and float(given) != float(value):
-        raise ValueError(
-            f'DeepSpeed {key}={given!r} disagrees with {source}={value!r}: stratagem derives '
-            f"DeepSpeed's {key} from the optim wrapper (one source of truth); remove {key} from "
-            f'the strategy / DeepSpeed config, or set the optim wrapper to match')
-    cfg[key] = type(value)(value)
-
-
-def _parse_config(config: str | Mapping | None) -> dict:
-    if config is None:
-        return {}
-    if isinstance(config, Mapping):
-        return copy.deepcopy(dict(config))
-    if isinstance(config, (str, os.PathLike)):
-        if not osp.isfile(config):
-            raise FileNotFoundError(f'DeepSpeedStrategy: config file {config!r} does not exist; '
-                                    'pass a DeepSpeed config dict or the path of a JSON file')
-        try:
-            with open(config) as file:
-                loaded = json.load(file)
-        except ValueError as err:
-            raise ValueError(f'DeepSpeedStrategy: config file {config!r} is not valid JSON: '
-                             f'{err}') from None
-        if not isinstance(loaded, dict):
-            raise ValueError(f'DeepSpeedStrategy: config file {config!r} holds a '
-                             f'{type(loaded).__name__}, not a JSON object')
-        return loaded
-    raise TypeError(f'DeepSpeedStrategy: config must be a dict, a JSON file path or None, '
-                    f'got {type(config).__name__}')
-
-
-def _check_config(cfg: dict) -> None:
-    for key, use in (('optimizer', "optim_wrapper=dict(optimizer=dict(type='AdamW', ...))"),
-                     ('scheduler', 'param_scheduler=[...]')):
-        if key in cfg:
-            raise ValueError(f'DeepSpeedStrategy: the DeepSpeed config has a {key!r} section '
-                             f'({cfg[key]!r}); stratagem builds it from {use} (one source of '
-                             f'truth, and torch optimizers need no JIT build): remove it')
-    if cfg.get('managed_gradient_accumulation', False) is not False:
-        raise ValueError('DeepSpeedStrategy: managed_gradient_accumulation must not be set: '
-                         'the optim wrapper owns the accumulation boundary (it is set to false)')
-    if _enabled(cfg.get('fp16')) and not torch.cuda.is_available():
-        raise ValueError("DeepSpeedStrategy: fp16=dict(enabled=True) needs CUDA (DeepSpeed's "
-                         'CPU accelerator refuses fp16); use bf16=dict(enabled=True) on CPU')
-    if _enabled(cfg.get('fp16')) and _enabled(cfg.get('bf16')):
-        raise ValueError('DeepSpeedStrategy: fp16 and bf16 are both enabled; enable one')
-    stage = (cfg.get('zero_optimization') or {}).get('stage', 0)
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f'DeepSpeedStrategy: zero_optimization.stage={stage!r}; valid: 0-3')
 
 
 def _launcher_or_single_process() -> str:

@@ -436,7 +436,7 @@ def test_bad_config_raises_before_any_set_up(kwargs, match):
 
 
 def test_json_config_file(tmp_path):
-    from stratagem.strategies.deepspeed import _parse_config
+    from stratagem.strategies.deepspeed_config import parse_config as _parse_config
     path = tmp_path / 'ds.json'
     path.write_text('{"zero_optimization": {"stage": 3}, "bf16": {"enabled": true}}')
     assert _parse_config(str(path)) == {'zero_optimization': {'stage': 3},
