@@ -135,6 +135,16 @@ def _checks(tmp):
                                   updates=s.model.global_steps, lrs=lrs, norms=norms,
                                   inner=ow.inner_count)
     out['oracle'] = dict(lrs=want_lrs, norms=want_norms)
+    # auto_scale_lr (mmengine's DeepSpeedStrategy never applies it): real batch 2 ranks x 4 x 3
+    s = _strategy(os.path.join(tmp, 'scale'), zero_optimization=dict(stage=1),
+                  auto_scale_lr=dict(enable=True, base_batch_size=8))
+    model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05),
+                                                     accumulative_counts=3),
+                          dispatch_kwargs=dict(max_iters=3, train_micro_batch_size_per_gpu=4))
+    used = []
+    ow.optimizer.register_step_pre_hook(lambda o, *a: used.append(o.param_groups[0]['lr']))
+    _train(s, model, ow, [], 0, 3, s.rank)
+    out['scaled_lr'] = (ow.get_lr()['lr'][0], used)
     # -- 4. disagreeing DeepSpeed settings raise, naming both values
     errors = {}
     for key, kwargs, wrapper in (
@@ -310,6 +320,12 @@ def test_accumulation_clipping_schedulers_equal_optim_wrapper(results, stage):
         # pre-clip global norms, as clip_grad_norm_ returns them on the whole batch
         assert acc['norms'] == pytest.approx(oracle['norms'], rel=1e-5)
         assert max(acc['norms']) > 0.5  # clipping was active
+
+
+def test_auto_scale_lr_applies(results):
+    for out in results[1]:
+        lr, used = out['scaled_lr']
+        assert lr == pytest.approx(0.15) and used == [pytest.approx(0.15)]
 
 
 def test_disagreeing_settings_raise_naming_both(results):
