@@ -141,15 +141,23 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         self._clear = True
 
     def zero_grad(self, **kwargs: Any) -> None:
-        """Clear the gradients. After :meth:`step` the engine already did (free); otherwise
-        (dropping a partial window) the engine's optimizer clears them."""
+        """Clear the gradients. After :meth:`step` the engine already did (free).
+
+        Dropping the gradients of an unfinished window works without ZeRO in fp32 (they are
+        ``p.grad``); under ZeRO or reduced precision it raises: DeepSpeed keeps them in
+        its own reduced buffers, which only its update clears (measured: ZeRO-2's
+        ``optimizer.zero_grad()`` leaves them, and the next update uses them).
+        """
         if self._clear:
             return
         engine = self.engine
         if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
-            engine.optimizer.zero_grad()
-        else:
-            engine.zero_grad()
+            raise RuntimeError(
+                f'DeepSpeedOptimWrapper.zero_grad() inside an accumulation window (iteration '
+                f'{self._inner_count}) under ZeRO stage {engine.zero_optimization_stage()} / '
+                'reduced precision: DeepSpeed holds the partial gradients in its own buffers '
+                'and clears them only at the update; finish the window with update_params()')
+        engine.zero_grad()
         self._clear = True
 
     def optim_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
@@ -168,14 +176,21 @@ class DeepSpeedOptimWrapper(OptimWrapper):
 
     @last_grad_norm.setter
     def last_grad_norm(self, value: Any) -> None:
-        # OptimWrapper.__init__ assigns None; the norm is the engine's
-        pass
+        # the value reported where the engine keeps no norm (OptimWrapper.__init__ sets None)
+        self._own_norm = value
 
     # ---- state -------------------------------------------------------------------------
     def grad_state_dict(self) -> dict:
-        raise NotImplementedError(
-            'DeepSpeedOptimWrapper: partial gradients live in DeepSpeed\'s partitions and are '
-            'not saved; checkpoints are taken between accumulation windows')
+        """Refused: partial gradients live in DeepSpeed's buffers and partitions, not in
+        ``p.grad``; checkpoints are taken between accumulation windows."""
+        raise RuntimeError('DeepSpeedOptimWrapper has no partial gradients to hand out: '
+                           'DeepSpeed accumulates them in its own buffers and partitions; '
+                           'checkpoints are taken between accumulation windows')
+
+    def load_grad_state_dict(self, state_dict: Mapping) -> None:
+        """Refused: DeepSpeed's gradient buffers cannot be filled from outside."""
+        raise RuntimeError('DeepSpeedOptimWrapper cannot load partial gradients (DeepSpeed '
+                           'accumulates in its own buffers); resume from a window boundary')
 
     def state_dict(self) -> dict:
         """``{'optim_wrapper': counters}``; the optimizer's tensors are in DeepSpeed's files.

@@ -135,6 +135,31 @@ def _checks(tmp):
                                   updates=s.model.global_steps, lrs=lrs, norms=norms,
                                   inner=ow.inner_count)
     out['oracle'] = dict(lrs=want_lrs, norms=want_norms)
+    # zero_grad inside a window drops its partial gradients, as OptimWrapper's does
+    from torch.nn import functional as F
+    from stratagem.optim import OptimWrapper
+    ref_model = _net()
+    ref_ow = OptimWrapper(torch.optim.Adam(ref_model.parameters(), lr=0.05),
+                          accumulative_counts=3)
+    ref_ow.initialize_count_status(ref_model, 0, 3)
+    for stage in (0, 2, 3):
+        s = _strategy(os.path.join(tmp, f'zg{stage}'), zero_optimization=dict(stage=stage))
+        model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05),
+                                                         accumulative_counts=3),
+                              dispatch_kwargs=dict(max_iters=3, train_micro_batch_size_per_gpu=4))
+        pairs = [(model, ow, slice(s.rank * 4, s.rank * 4 + 4))]
+        if stage == 0:
+            pairs.append((ref_model, ref_ow, slice(None)))
+        for it in range(3):
+            x, y = _batch(it)
+            for m, o, part in pairs:
+                o.update_params(F.cross_entropy(m(x[part]), y[part]))
+                if it == 0:
+                    try:
+                        o.zero_grad()
+                    except RuntimeError as e:  # refused under ZeRO: DeepSpeed's buffers
+                        out[f'zero_grad{stage}'] = str(e)
+        out.setdefault(f'zero_grad{stage}', _max_diff(_full_weights(s), ref_model.state_dict()))
     # auto_scale_lr (mmengine's DeepSpeedStrategy never applies it): real batch 2 ranks x 4 x 3
     s = _strategy(os.path.join(tmp, 'scale'), zero_optimization=dict(stage=1),
                   auto_scale_lr=dict(enable=True, base_batch_size=8))
@@ -326,6 +351,15 @@ def test_auto_scale_lr_applies(results):
     for out in results[1]:
         lr, used = out['scaled_lr']
         assert lr == pytest.approx(0.15) and used == [pytest.approx(0.15)]
+
+
+def test_zero_grad_inside_a_window_drops_or_refuses(results):
+    for out in results[1]:
+        # without ZeRO the window's gradients are p.grad: dropped, as OptimWrapper drops them
+        assert out['zero_grad0'] < 1e-6, out['zero_grad0']
+        # under ZeRO they sit in DeepSpeed's reduced buffers: refused, never silently kept
+        for stage in (2, 3):
+            assert 'inside an accumulation window (iteration 1)' in out[f'zero_grad{stage}']
 
 
 def test_disagreeing_settings_raise_naming_both(results):
