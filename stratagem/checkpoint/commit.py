@@ -2,8 +2,9 @@
 
 Single file, ``save_checkpoint(checkpoint, filename, step=...)`` (rank 0 only):
 
-1. Validate the content (tensors and plain values only) and ``extra_manifest``; a bad state
-   raises ``TypeError`` with the key path before any byte is written.
+1. Validate the content (tensors, plain values, allow-listed classes) and ``extra_manifest``;
+   a bad state raises ``TypeError`` with the key path before any byte is written. The
+   allow-listed globals the content references go into the manifest as ``safe_globals``.
 2. ``torch.save`` into ``.{name}.tmp-{pid}-{rand}`` in the same directory through a writer
    that computes the sha256 while writing and starts disk writeback as it goes; fsync.
 3. Write the sidecar manifest ``{name}.manifest.json`` (size, sha256, step, versions, extras)
@@ -43,7 +44,7 @@ from typing import Any, Iterator
 import torch
 
 from . import _fs
-from .content import validate_checkpoint_content
+from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
 from .latest import update_pointer as _update_pointer
 from .manifest import (
     DIR_MANIFEST,
@@ -89,7 +90,9 @@ def save_checkpoint(checkpoint: dict, filename: PathLike, *, step: int | None = 
         raise TypeError(f'checkpoint must be a dict, got {type(checkpoint).__name__}')
     _check_step(step)
     check_extra_manifest(extra_manifest)
-    validate_checkpoint_content(checkpoint)
+    held = validate_checkpoint_content(checkpoint)
+    if held:  # a loader lacking one of these can then name it (load.py)
+        extra_manifest = {**(extra_manifest or {}), SAFE_GLOBALS_KEY: held}
     final = _check_final_name(filename)
     if final.is_dir():
         raise IsADirectoryError(f'cannot save checkpoint file {final}: a directory has that name')
