@@ -41,6 +41,7 @@ import torch
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
+from stratagem.checkpoint.content import SAFE_GLOBALS_KEY
 from stratagem.checkpoint.zero import (DEEPSPEED_TAG, STATE_FILE, check_zero_layout,
                                        is_zero_checkpoint, zero_to_state_dict)
 
@@ -113,12 +114,15 @@ class DeepSpeedCheckpointMixin:
         state.update(extra)
         if callback is not None:
             callback(state)
-        ckpt.validate_checkpoint_content(state)
+        # every rank validates, so a bad value fails on all alike; allow-listed classes (a
+        # host trainer's) are named in the manifest for a loader that lacks them
+        held = ckpt.validate_checkpoint_content(state)
         step = state['meta'].get('iter')
-        self._commit_directory(path, state, step if type(step) is int else None)
+        self._commit_directory(path, state, step if type(step) is int else None, held)
         return str(path)
 
-    def _commit_directory(self, path: Path, state: dict, step: int | None) -> None:
+    def _commit_directory(self, path: Path, state: dict, step: int | None,
+                          held: list[str]) -> None:
         def write(staging: Path) -> None:
             # every rank writes its DeepSpeed files (a collective); rank 0 hashes them all
             self.model.save_checkpoint(str(staging), tag=DEEPSPEED_TAG, client_state={},
@@ -127,8 +131,10 @@ class DeepSpeedCheckpointMixin:
             if env.is_main_process():
                 torch.save(state, staging / STATE_FILE)
 
-        ckpt.save_directory(path, write, step=step, extra_manifest={
-            'strategy': type(self).__name__, 'zero_stage': self.zero_stage})
+        extra = {'strategy': type(self).__name__, 'zero_stage': self.zero_stage}
+        if held:
+            extra[SAFE_GLOBALS_KEY] = held
+        ckpt.save_directory(path, write, step=step, extra_manifest=extra)
 
     # ----------------------------------------------------------------------- load
     def _verify_directory(self, filename: str) -> tuple[Path, dict]:
