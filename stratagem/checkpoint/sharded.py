@@ -17,14 +17,19 @@ ever sees files whose hashes matched.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .commit import write_torch_file
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
 from .directory import save_directory, verify_directory
 from .load import load_checkpoint_file
@@ -37,6 +42,7 @@ EXTRA_FILE = 'extra.pth'
 PARTIAL_DIR = 'partial_grads'
 DCP_KEYS = ('state_dict', 'optimizer')
 _OPTIM_TENSOR_KEYS = ('state', 'param_groups')
+_OVERLAP_BYTES = 1 << 20  # writes this large are hashed on a helper thread meanwhile
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -67,21 +73,27 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
     if optimizer:
         extra['optimizer_extra'] = optimizer
 
-    def write(staging: Path) -> list[Path]:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging, thread_count=1),
-                 no_dist=not collective)
-        mine = [p for p in staging.iterdir() if re.fullmatch(rf'__{rank}_\d+\.distcp', p.name)]
+    def write(staging: Path) -> list[dict]:
+        # every file is hashed as it is written and fsynced once: no second read
+        writer = dcp.FileSystemWriter(staging, thread_count=1)
+        with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool:
+            writer.fs = fs = _hashing_fs(pool)
+            dcp.save(tensors, storage_writer=writer, no_dist=not collective)
+        mine = [_entry(p, *fs.written[os.fspath(p)]) for p in staging.iterdir()
+                if re.fullmatch(rf'__{rank}_\d+\.distcp', p.name)
+                or (rank == 0 and p.name == '.metadata')]
         if partial_grads is not None:
             (staging / PARTIAL_DIR).mkdir(exist_ok=True)
-            mine.append(staging / PARTIAL_DIR / f'rank_{rank}.pth')
-            torch.save(partial_grads, mine[-1])
+            path = staging / PARTIAL_DIR / f'rank_{rank}.pth'
+            mine.append(_entry(path, *write_torch_file(partial_grads, path)))
         if rank == 0:
-            torch.save(extra, staging / EXTRA_FILE)
-            mine += [staging / '.metadata', staging / EXTRA_FILE]
+            mine.append(_entry(staging / EXTRA_FILE,
+                               *write_torch_file(extra, staging / EXTRA_FILE)))
         return mine
 
     held = validate_checkpoint_content(extra)  # allow-listed classes: named to a loader lacking one
     manifest = {'state_dict_type': 'sharded', 'optimizer_keys': optimizer_keys,
+                'dcp_keys': sorted(tensors),
                 **({SAFE_GLOBALS_KEY: held} if held else {}), **(extra_manifest or {})}
     if collective:
         return save_directory(final_dir, write, step=step, extra_manifest=manifest)
@@ -90,6 +102,77 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
             as staging:
         write(staging)
     return Path(final_dir).absolute()
+
+
+def _entry(path: Path, size: int, sha256: str) -> dict:
+    return {'path': path, 'size': size, 'sha256': sha256}
+
+
+class _HashingStream(io.RawIOBase):
+    """A write-only stream over a DCP file that hashes the bytes on their way to it; a large
+    write (a tensor's storage) is hashed on ``pool``'s thread while this one writes it (both
+    release the GIL), as ``manifest.HashingWriter`` does for single files."""
+
+    def __init__(self, raw: Any, pool: ThreadPoolExecutor) -> None:
+        super().__init__()
+        self._raw, self._pool, self.sha256, self.size = raw, pool, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.format != 'B' or view.ndim != 1:
+            view = view.cast('B')
+        if view.nbytes >= _OVERLAP_BYTES:
+            hashed = self._pool.submit(self.sha256.update, view)
+            self._raw.write(view)  # a buffered file: writes it all
+            hashed.result()  # before returning: the caller may reuse the memory
+        else:
+            self.sha256.update(view)
+            self._raw.write(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:  # DCP records item offsets
+        return self._raw.tell()
+
+    def fileno(self) -> int:  # DCP fsyncs its files
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+def _hashing_fs(pool: ThreadPoolExecutor) -> Any:
+    """A new HashingFileSystem (the class is defined on first use: importing DCP is not
+    cheap)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        """DCP's file system, recording ``{path: (size, sha256)}`` of every file written."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.written: dict[str, tuple[int, str]] = {}
+
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if 'w' not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with super().create_stream(path, mode) as raw:
+                stream = _HashingStream(raw, pool)
+                yield stream
+                raw.flush()
+            self.written[os.fspath(path)] = (stream.size, stream.sha256.hexdigest())
+
+        def rename(self, path: Any, new_path: Any) -> None:  # .metadata.tmp -> .metadata
+            super().rename(path, new_path)
+            if os.fspath(path) in self.written:
+                self.written[os.fspath(new_path)] = self.written.pop(os.fspath(path))
+    return HashingFileSystem()
 
 
 def _rank() -> int:

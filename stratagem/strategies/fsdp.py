@@ -259,7 +259,7 @@ class FSDPStrategy(BaseStrategy):
         model_sd, optim_sd = get_state_dict(self.model, [self.optim_wrapper.optimizer]
                                             if want_optim else [])
         state = {'state_dict': model_sd}
-        if want_optim and 'optimizer' in _dcp_top_keys(filename):
+        if want_optim and 'optimizer' in (manifest.get('dcp_keys') or _dcp_top_keys(filename)):
             state['optimizer'] = optim_sd
         extra = ckpt.load_dcp_into(filename, state)
         checkpoint = {'meta': extra.pop('meta', {}), 'state_dict': state['state_dict']}

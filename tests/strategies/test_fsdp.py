@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_harness import run_distributed  # noqa: E402
 
 MAX_ITERS = 8
+EXAMPLE = Path(__file__).resolve().parents[2] / 'examples' / 'configs' / 'transformer_fsdp.py'
 COMPONENTS = dict(
     optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01), accumulative_counts=3,
                        clip_grad=dict(type='norm', max_norm=1.0)),
@@ -197,8 +198,18 @@ def _resume(work_dir, name, world, stop=MAX_ITERS, save=None):
 
 
 def _resume_two(work_dir):
-    return {name: _resume(work_dir, name, 2) for name in ('iter_3', 'iter_4', 'iter_3_full.pth',
-                                                          'single.pth', 'one_rank')}
+    out = {name: _resume(work_dir, name, 2) for name in ('iter_3', 'iter_4', 'iter_3_full.pth',
+                                                         'single.pth', 'one_rank')}
+    # the example transformer config, resumed by the reference loop from the checkpoint that
+    # `stratagem train --nproc 2` wrote at iter 4, into another work dir
+    from stratagem.config import Config
+    from stratagem.loop import train
+    cfg = Config.fromfile(str(EXAMPLE))
+    cfg.merge_from_dict(dict(train_cfg=dict(max_iters=8, checkpoint_interval=4),
+                             work_dir=str(Path(work_dir) / 'lm_resumed')))
+    result = train(cfg, resume=str(Path(work_dir) / 'lm' / 'iter_4.pth'), progress=False)
+    out['lm_iter'] = result['iter']
+    return out
 
 
 def _assert_equal_states(a, b):
@@ -223,8 +234,13 @@ def runs(tmp_path_factory):
     sd_ckpt = single.load_checkpoint(str(work / 'iter_3'))
     single.resume(str(work / 'iter_3'))
     single.save_checkpoint(str(work / 'single.pth'), extra_ckpt={'meta': {'iter': 3}})
+    # the example config end to end under torchrun; _resume_two resumes it
+    from stratagem.cli import main
+    cli = main(['train', str(EXAMPLE), '--nproc', '2', '--work-dir', str(work / 'lm'),
+                '--cfg-options', 'train_cfg.max_iters=8', 'train_cfg.checkpoint_interval=4'])
     second = run_distributed(_resume_two, nproc=2, args=(str(work),), timeout=300)
-    return dict(work=work, first=first, one=one, second=second, single=single, sd=sd_ckpt)
+    return dict(work=work, first=first, one=one, second=second, single=single, sd=sd_ckpt,
+                cli=cli)
 
 
 def test_training_equals_one_process(runs):
@@ -307,3 +323,34 @@ def test_needs_distributed_launch():
     from stratagem.strategies import build_strategy
     with pytest.raises(RuntimeError, match='torchrun'):
         build_strategy(dict(type='FSDPStrategy'))
+
+
+def test_train_transformer_config_end_to_end(runs):
+    """`stratagem train examples/configs/transformer_fsdp.py --nproc 2`: committed sharded
+    directories, and a resume from iter 4 ends bit-exact where the uninterrupted run did."""
+    from stratagem import checkpoint as ckpt
+    work = runs['work']
+    assert runs['cli'] == 0
+    assert sorted(p.name for p in (work / 'lm').glob('iter_*')) == ['iter_4.pth', 'iter_8.pth']
+    assert ckpt.find_latest_checkpoint(work / 'lm') == work / 'lm' / 'iter_8.pth'
+    for it in (4, 8):
+        path = work / 'lm' / f'iter_{it}.pth'
+        assert ckpt.is_sharded_checkpoint(path)
+        manifest = ckpt.verify_directory(path, collective=False)
+        assert (manifest['step'], manifest['world_size'], manifest['strategy']) == \
+            (it, 2, 'FSDPStrategy')
+        assert {'.metadata', '__0_0.distcp', '__1_0.distcp', 'extra.pth'} <= \
+            {f['path'] for f in manifest['files']}
+    assert [out['lm_iter'] for out in runs['second']] == [8, 8]
+    first = ckpt.read_sharded_checkpoint(work / 'lm' / 'iter_8.pth')
+    resumed = ckpt.read_sharded_checkpoint(work / 'lm_resumed' / 'iter_8.pth')
+    start = ckpt.read_sharded_checkpoint(work / 'lm' / 'iter_4.pth')
+    model = first['state_dict']
+    assert sorted(model) == sorted(resumed['state_dict']) and 'blocks.3.qkv.weight' in model
+    assert all(torch.equal(model[k], resumed['state_dict'][k]) for k in model)
+    assert any(not torch.equal(model[k], start['state_dict'][k]) for k in model)  # it trained
+    for index, state in first['optimizer']['state'].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value),
+                               torch.as_tensor(resumed['optimizer']['state'][index][key]))
+    assert first['meta']['iter'] == resumed['meta']['iter'] == 8
