@@ -34,7 +34,8 @@ from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
 from .directory import save_directory, verify_directory
 from .load import load_checkpoint_file
 
-__all__ = ['save_sharded_checkpoint', 'read_sharded_checkpoint', 'load_dcp_into',
+__all__ = ['save_sharded_checkpoint', 'read_sharded_checkpoint', 'load_sharded_checkpoint',
+           'local_tensors',
            'is_sharded_checkpoint', 'optim_state_to_fqn', 'optim_state_to_index',
            'EXTRA_FILE', 'DCP_KEYS']
 
@@ -193,6 +194,10 @@ def read_sharded_checkpoint(path: str | os.PathLike, *, collective: bool = False
     manifest = verify_directory(path, collective=collective)
     if progress is not None:
         progress(len(manifest['files']), len(manifest['files']))
+    return _read_full(path, manifest)
+
+
+def _read_full(path: Path, manifest: dict) -> dict:
     full = _read_dcp_full(path)
     extra = _read_extra(path)
     checkpoint = {'meta': extra.pop('meta', {}), 'state_dict': full.get('state_dict', {})}
@@ -236,13 +241,55 @@ def read_partial_grads(path: str | os.PathLike) -> list[dict]:
     return [load_checkpoint_file(f, map_location='cpu', verify=False) for f in files]
 
 
-def load_dcp_into(path: str | os.PathLike, state: dict) -> dict:
-    """Load the DCP part of a verified directory in place into ``state`` (whose DTensors
-    give the current sharding: this reshards N → M ranks). Collective. Returns
-    ``extra.pth``'s dict."""
+def load_sharded_checkpoint(path: str | os.PathLike, model_state: dict,
+                            optim_state: dict | None = None) -> dict:
+    """Verify a sharded directory (collective), then load it into the current sharding.
+
+    ``model_state`` / ``optim_state``: this rank's sharded (DTensor) state dicts, FQN-keyed
+    (``get_state_dict``); DCP fills them in place, resharding N → M ranks. Returns
+    mmengine's layout: ``meta``, ``state_dict`` (= ``model_state``), ``optimizer`` (=
+    ``optim_state`` plus the wrapper's counters; only if asked for and saved),
+    ``partial_grads_fqn`` (every saving rank's pending gradients, if any) and the other keys
+    of ``extra.pth``. A checkpoint converted from a single file (index-keyed optimizer) is
+    read in full instead (``read_sharded_checkpoint``'s result).
+    """
     import torch.distributed.checkpoint as dcp
-    dcp.load(state, storage_reader=dcp.FileSystemReader(Path(path)))
-    return _read_extra(Path(path))
+    path = Path(path).absolute()
+    manifest = verify_directory(path)
+    if manifest.get('optimizer_keys', 'fqn') != 'fqn':
+        return _read_full(path, manifest)
+    state = {'state_dict': model_state}
+    if optim_state is not None and 'optimizer' in (manifest.get('dcp_keys') or _dcp_keys(path)):
+        state['optimizer'] = optim_state
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    extra = _read_extra(path)
+    checkpoint = {'meta': extra.pop('meta', {}), 'state_dict': state['state_dict']}
+    if 'optimizer' in state:
+        checkpoint['optimizer'] = {**state['optimizer'], **extra.pop('optimizer_extra', {})}
+    partial = read_partial_grads(path)
+    if partial:
+        checkpoint['partial_grads_fqn'] = partial
+    checkpoint.update(extra)
+    return checkpoint
+
+
+def _dcp_keys(path: Path) -> set[str]:
+    """Top-level keys of the DCP state (a checkpoint whose manifest predates ``dcp_keys``)."""
+    import torch.distributed.checkpoint as dcp
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    return {key.split('.', 1)[0] for key in metadata.state_dict_metadata}
+
+
+def local_tensors(obj: Any) -> Any:
+    """``obj`` with every DTensor replaced by this rank's local shard (for validation)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, dict):  # an OrderedDict stays one (validation checks the type)
+        return type(obj)((k, local_tensors(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(local_tensors(v) for v in obj)
+    return obj
 
 
 def optim_state_to_index(optim: Mapping) -> dict:
