@@ -24,9 +24,9 @@ that can also be called one by one (an asynchronous saver runs step 2 in a backg
 3. ``finish_directory_save(staging, final_dir, written, step=..., extra_manifest=...)``:
    (a) the ranks exchange their results; if any rank failed, rank 0 removes the staging dir
    and every rank raises (this rank's own ``Exception``, or a ``RuntimeError`` naming the
-   first failing rank and its error, chained to this rank's ``BaseException`` if it had one). (b) rank 0 runs ``finalize_directory``: it writes
-   ``manifest.json`` (files with size, sha256 and the writing ``rank``, step, versions,
-   ``world_size`` and the
+   first failing rank and its error, chained to this rank's ``BaseException`` if it had
+   one). (b) rank 0 runs ``finalize_directory``: it writes ``manifest.json`` (files with
+   size, sha256 and the writing ``rank``, step, versions, ``world_size`` and the
    caller's ``extra_manifest``, e.g. the strategy), renames the staging dir to ``final_dir``,
    fsyncs the parent and updates ``last_checkpoint``. (c) rank 0's outcome is broadcast, so a
    failed commit also raises on every rank; the previous checkpoint and pointer are unchanged.

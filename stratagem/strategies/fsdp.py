@@ -198,7 +198,8 @@ class FSDPStrategy(BaseStrategy):
     def load_optim_state_dict(self, state_dict: Mapping) -> None:
         """Load an FQN-keyed (sharded or full) or index-keyed (a single-file checkpoint of
         any strategy) optimizer state, then the optim wrapper's counters."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_optimizer_state_dict)
         from torch.distributed.tensor import DTensor
         wrapper = self.optim_wrapper
         state = dict(state_dict)
