@@ -3,6 +3,8 @@ the manifest, named when missing; everything else refused at save, arbitrary pic
 import json
 import os
 import pickle
+import timeit
+import types
 from collections import defaultdict
 
 import pytest
@@ -121,11 +123,20 @@ def test_malicious_pickle_executes_nothing_with_an_allow_list_active(tmp_path):
     (eval, ValueError, 'refuses builtins.eval'),
     (pickle.loads, ValueError, 'refuses'),
     ((getattr, 'x.y'), ValueError, 'refuses x.y'),
+    (types.FunctionType, ValueError, 'refuses builtins.function'),  # bytecode -> function
+    (types.CodeType, ValueError, 'refuses builtins.code'),
+    (types.ModuleType, ValueError, 'refuses builtins.module'),
+    (timeit.timeit, ValueError, 'refuses timeit.timeit'),  # runs a string of code
+    ((Point, 'builtins.int'), None, None),  # a plain class under another name: fine
     (Point(1, 2), TypeError, 'not a class or function'),
     ((Point, 3), TypeError, "'module.name') pair"),
 ])
 def test_add_safe_globals_refuses_what_would_run_code(bad, error, fragment):
     before = get_safe_globals()
+    if error is None:
+        with safe_globals([bad]):
+            assert 'builtins.int' in get_safe_globals()
+        return
     with pytest.raises(error, match=fragment.replace('(', r'\(').replace(')', r'\)')):
         add_safe_globals([Point, bad])
     assert get_safe_globals() == before  # checked before anything was added
