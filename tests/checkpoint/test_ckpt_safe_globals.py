@@ -142,3 +142,27 @@ def test_add_safe_globals_refuses_what_would_run_code(bad, error, fragment):
     assert get_safe_globals() == before  # checked before anything was added
     with pytest.raises(TypeError, match='a list of classes'):
         add_safe_globals(Point)
+
+
+def test_loader_without_the_package_says_it_is_not_installed(tmp_path, monkeypatch):
+    """A verified file holding a class of a package this environment lacks (an mmengine
+    checkpoint read where mmengine is not installed) is not called damaged."""
+    import sys
+    import types as _types
+    module = _types.ModuleType('rev1_absent_pkg')
+
+    class Stat:
+        def __init__(self, n):
+            self.n = n
+    Stat.__module__, Stat.__qualname__ = module.__name__, 'Stat'
+    module.Stat = Stat
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with safe_globals([Stat]):
+        path = save_checkpoint({'hub': Stat(3)}, tmp_path / 'a.pth')
+    monkeypatch.delitem(sys.modules, module.__name__)  # not installed in the loading process
+    with pytest.raises(UnsafeCheckpointError) as info:
+        load_checkpoint_file(path)
+    message = str(info.value)
+    assert 'damaged:' not in message
+    assert 'rev1_absent_pkg are not installed here' in message
+    assert 'rev1_absent_pkg.Stat' in message
