@@ -154,12 +154,32 @@ def read_partial_grads(path: str | os.PathLike) -> list[dict]:
 
 
 def load_dcp_into(path: str | os.PathLike, state: dict) -> dict:
-    """Load the DCP part of a verified directory in place into ``state`` (whose DTensors
-    give the current sharding: this reshards N → M ranks). Collective. Returns
-    ``extra.pth``'s dict."""
+    """Load the DCP part of a verified directory into ``state`` (whose DTensors give the
+    current sharding: this reshards N → M ranks). Collective. Returns ``extra.pth``'s dict.
+
+    Each value of ``state`` is replaced by a copy that is loaded; the tensors it held are
+    left as they were. They are usually the live model's parameters and the optimizer's
+    buffers (``get_state_dict``), and DCP loads in place: reading a checkpoint would
+    otherwise change the model before (or without) loading it, e.g. a run's weights
+    rolled back to the file's by a look at an old checkpoint, or by a resume refused
+    after reading.
+    """
     import torch.distributed.checkpoint as dcp
+    for key in list(state):
+        state[key] = _copy_tensors(state[key])
     dcp.load(state, storage_reader=dcp.FileSystemReader(Path(path)))
     return _read_extra(Path(path))
+
+
+def _copy_tensors(obj: Any) -> Any:
+    """``obj`` with every tensor (DTensors keep their sharding) replaced by a copy."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, _copy_tensors(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_copy_tensors(v) for v in obj)
+    return obj
 
 
 def optim_state_to_index(optim: Mapping) -> dict:
