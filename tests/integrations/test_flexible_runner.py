@@ -135,9 +135,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, strategy, cfg, nproc):
         assert resumed['resumed_from'] == str(tmp_path / 'split' / 'epoch_3.pth')
         assert straight['resumed_from'] is None
         for run in (resumed, straight):
-            # open for DeepSpeed: its engine forwards train_step to the module (no
-            # expose_model_api in DeepSpeedStrategy.prepare), so engine.forward is skipped
-            assert run['step_on_wrapper'] or 'DeepSpeed' in strategy, 'step_on_wrapper'
+            assert run['step_on_wrapper'], 'step_on_wrapper'
             assert run['grads_left'] == [], 'grads_left'
         assert result['epoch_3_meta'] == {'epoch': 3, 'iter': 3 * iters_per_epoch}
         assert (resumed['iter'], resumed['epoch']) == (4 * iters_per_epoch, 4)
