@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from stratagem import env
-
 from stratagem.integrations.model_api import expose_model_api
 
 from .base import BaseStrategy
