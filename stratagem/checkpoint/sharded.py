@@ -246,9 +246,13 @@ def load_sharded_checkpoint(path: str | os.PathLike, model_state: dict,
     """Verify a sharded directory (collective), then load it into the current sharding.
 
     ``model_state`` / ``optim_state``: this rank's sharded (DTensor) state dicts, FQN-keyed
-    (``get_state_dict``); DCP fills them in place, resharding N → M ranks. Returns
-    mmengine's layout: ``meta``, ``state_dict`` (= ``model_state``), ``optimizer`` (=
-    ``optim_state`` plus the wrapper's counters; only if asked for and saved),
+    (``get_state_dict``), which give the current sharding: this reshards N → M ranks. DCP
+    loads in place, so it loads into copies: the tensors they hold (usually the live model's
+    parameters and the optimizer's buffers) are left as they were, and reading a checkpoint
+    never changes the model before (or without) loading it, e.g. when a resume is refused
+    after reading. Returns mmengine's layout: ``meta``, ``state_dict`` (loaded copies of
+    ``model_state``), ``optimizer`` (of ``optim_state``, plus the wrapper's counters; only if
+    asked for and saved),
     ``partial_grads_fqn`` (every saving rank's pending gradients, if any) and the other keys
     of ``extra.pth``. A checkpoint converted from a single file (index-keyed optimizer) is
     read in full instead (``read_sharded_checkpoint``'s result).
@@ -258,9 +262,9 @@ def load_sharded_checkpoint(path: str | os.PathLike, model_state: dict,
     manifest = verify_directory(path)
     if manifest.get('optimizer_keys', 'fqn') != 'fqn':
         return _read_full(path, manifest)
-    state = {'state_dict': model_state}
+    state = {'state_dict': _copy_tensors(model_state)}
     if optim_state is not None and 'optimizer' in (manifest.get('dcp_keys') or _dcp_keys(path)):
-        state['optimizer'] = optim_state
+        state['optimizer'] = _copy_tensors(optim_state)
     dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     extra = _read_extra(path)
     checkpoint = {'meta': extra.pop('meta', {}), 'state_dict': state['state_dict']}
@@ -289,6 +293,17 @@ def local_tensors(obj: Any) -> Any:
         return type(obj)((k, local_tensors(v)) for k, v in obj.items())
     if type(obj) in (list, tuple):
         return type(obj)(local_tensors(v) for v in obj)
+    return obj
+
+
+def _copy_tensors(obj: Any) -> Any:
+    """``obj`` with every tensor (DTensors keep their sharding) replaced by a copy."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, _copy_tensors(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_copy_tensors(v) for v in obj)
     return obj
 
 
