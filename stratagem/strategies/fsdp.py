@@ -8,6 +8,7 @@ bottom-up, root last → optimizer built over the sharded parameters → schedul
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -174,8 +175,9 @@ class FSDPStrategy(BaseStrategy):
         the optim wrapper's counters."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         wrapper = self.optim_wrapper
-        state = get_optimizer_state_dict(self.model, wrapper.optimizer,
-                                         options=self._options(self._full))
+        with _keep_fresh([wrapper.optimizer]):
+            state = get_optimizer_state_dict(self.model, wrapper.optimizer,
+                                             options=self._options(self._full))
         if self._full and state:  # rank 0 only: the others get {} (cpu_offload)
             state = ckpt.optim_state_to_index(state)
         extra = wrapper.state_dict()
@@ -261,8 +263,10 @@ class FSDPStrategy(BaseStrategy):
             return super()._load_checkpoint_files(filename, map_location)
         from torch.distributed.checkpoint.state_dict import get_state_dict
         optimizers = [self.optim_wrapper.optimizer] if hasattr(self, 'optim_wrapper') else []
-        model_sd, optim_sd = get_state_dict(self.model, optimizers)
-        return ckpt.load_sharded_checkpoint(filename, model_sd, optim_sd if optimizers else None)
+        with _keep_fresh(optimizers):
+            model_sd, optim_sd = get_state_dict(self.model, optimizers)
+            return ckpt.load_sharded_checkpoint(filename, model_sd,
+                                                optim_sd if optimizers else None)
 
     def _load_partial_grads(self, checkpoint: Mapping, meta: Mapping) -> None:
         per_rank = checkpoint.get('partial_grads_fqn') or checkpoint.get('partial_grads')
@@ -272,3 +276,16 @@ class FSDPStrategy(BaseStrategy):
             {k: sum(g[k] for g in per_rank) / len(per_rank) for k in per_rank[0]}
         set_pending_grads(self.model, mine)
 
+
+@contextlib.contextmanager
+def _keep_fresh(optimizers: list) -> Any:
+    """torch's ``get_*state_dict`` creates a missing optimizer state by a zero-lr step, which
+    leaves Adam's step count at 1 (a wrong bias correction for the first real step, e.g.
+    after loading pretrained weights into a fresh run): an optimizer that had no state gets
+    none back afterwards."""
+    fresh = [o for o in optimizers if not o.state]
+    try:
+        yield
+    finally:
+        for optimizer in fresh:
+            optimizer.state.clear()

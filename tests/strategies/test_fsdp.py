@@ -282,6 +282,9 @@ def _skip_init_checks(work_dir):
            'full_numel': sum(p.numel() for p in model_b.parameters())}
     TransformerLM.init_weights = original
     b.load_checkpoint(str(Path(work_dir) / 'lm_init'))
+    # reading a checkpoint (or saving one) before the first step leaves no optimizer state
+    # behind: torch creates it with a zero-lr step that would set Adam's step count to 1
+    out['fresh_state'] = (len(ow_a.optimizer.state), len(ow_b.optimizer.state))
     sa, sb = _full_state(a), _full_state(b)  # collectives: once each, on every rank
     out['loaded_equal'] = sa[0].keys() == sb[0].keys() and all(
         torch.equal(sa[0][k], sb[0][k]) for k in sa[0])
@@ -396,6 +399,7 @@ def test_skip_init_weights(runs):
         assert not out['meta']
         assert out['local_numel'] * 2 == pytest.approx(out['full_numel'], rel=0.01)
         assert out['loaded_equal'] and out['trained_equal']
+        assert out['fresh_state'] == (0, 0)
 
 
 def test_sharded_save_reads_nothing_back(runs):
