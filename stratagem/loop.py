@@ -82,13 +82,6 @@ def run(args: argparse.Namespace) -> int:
     elif args.resume:
         resume = args.resume
     train(cfg, resume=resume, load_from=args.load_from)
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        # leave the group while the interpreter is whole: a gloo group left to process exit
-        # sometimes aborts a rank ("terminate called without an active exception", exit code
-        # -6) after a finished run, and torchrun then reports the whole run as failed
-        dist.barrier()
-        dist.destroy_process_group()
     return 0
 
 
