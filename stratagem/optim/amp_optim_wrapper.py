@@ -28,7 +28,7 @@ from torch import nn
 
 from stratagem.registry import OPTIM_WRAPPERS
 
-from .optim_wrapper import OptimWrapper
+from .optim_wrapper import OptimWrapper, has_no_sync
 
 __all__ = ['AmpOptimWrapper', 'resolve_dtype']
 
@@ -152,7 +152,7 @@ class AmpOptimWrapper(OptimWrapper):
         self._stale_grads = None  # the step starts: release the last update's gradients
         device_type = _params_device_type(model.parameters(), self.device_type)
         autocast = torch.autocast(device_type, dtype=self.cast_dtype)
-        if not self.should_sync() and hasattr(model, 'no_sync'):
+        if not self.should_sync() and has_no_sync(model):
             return _nested(model.no_sync(), autocast)
         return autocast
 

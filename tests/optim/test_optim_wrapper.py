@@ -423,3 +423,12 @@ def test_gradient_memory_is_released_at_the_next_step_start():
     wrapper.zero_grad(set_to_none=False)  # zeroed in place and kept: nothing to release later
     assert wrapper._stale_grads is None
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+
+
+def test_optim_context_finds_no_sync_set_on_the_instance():
+    model, calls = make_model(), []
+    model.no_sync = lambda: calls.append(1) or contextlib.nullcontext()
+    wrapper = OptimWrapper(sgd(model), accumulative_counts=2)
+    with wrapper.optim_context(model):  # the first of a window of 2: no sync
+        pass
+    assert calls == [1]
