@@ -3,7 +3,8 @@ putting a state dict into a module.
 
 This package decides how a checkpoint is written, committed, verified, found and loaded; the
 strategy decides what is in it. The save protocol is numbered in ``commit.py``, the load
-sequence in ``load.py``, where manifests live in ``manifest.py``. Importing it imports torch
+sequence in ``load.py``, the multi-rank directory protocol in
+``directory.py``, where manifests live in ``manifest.py``. Importing it imports torch
 and the standard library only.
 """
 from .commit import (
@@ -12,8 +13,16 @@ from .commit import (
                      new_staging_dir,
                      save_checkpoint,
 )
-from .content import validate_checkpoint_content
-from .dist import agree_on_path
+from .content import add_safe_globals, get_safe_globals, safe_globals, validate_checkpoint_content
+from .directory import (
+                        DirectoryWriteResult,
+                        begin_directory_save,
+                        finish_directory_save,
+                        save_directory,
+                        verify_directory,
+                        write_directory_files,
+)
+from .dist import CheckpointNotShared, agree_on_checkpoint, agree_on_path, checkpoint_identity
 from .errors import (
                      CheckpointCorruptError,
                      CheckpointWarning,
@@ -32,15 +41,43 @@ from .latest import (
 from .load import load_checkpoint_file
 from .manifest import manifest_path, verify_checkpoint
 from .retention import apply_retention
-from .state_dict import LoadReport, load_state_dict, revise_keys, unwrap_model
+from .sharded import (
+                      is_sharded_checkpoint,
+                      load_dcp_into,
+                      optim_state_to_fqn,
+                      optim_state_to_index,
+                      read_partial_grads,
+                      read_sharded_checkpoint,
+                      save_sharded_checkpoint,
+)
+from .state_dict import (
+                         WEIGHT_ENTRIES,
+                         LoadReport,
+                         PartialLoadWarning,
+                         StateDictMismatchError,
+                         check_state_dict,
+                         describe_keys,
+                         find_model_weights,
+                         load_state_dict,
+                         revise_keys,
+                         unwrap_model,
+)
 
 __all__ = [
     'save_checkpoint', 'commit_directory', 'new_staging_dir', 'finalize_directory',
-    'agree_on_path', 'validate_checkpoint_content',
+    'agree_on_path', 'agree_on_checkpoint', 'checkpoint_identity', 'CheckpointNotShared',
+    'validate_checkpoint_content',
+    'save_directory', 'begin_directory_save', 'write_directory_files', 'finish_directory_save',
+    'verify_directory', 'DirectoryWriteResult',
+    'save_sharded_checkpoint', 'read_sharded_checkpoint', 'load_dcp_into', 'read_partial_grads',
+    'is_sharded_checkpoint', 'optim_state_to_fqn', 'optim_state_to_index',
+    'add_safe_globals', 'get_safe_globals', 'safe_globals',
     'load_checkpoint_file', 'verify_checkpoint', 'manifest_path',
     'find_latest_checkpoint', 'list_checkpoints', 'read_pointer', 'update_pointer',
     'POINTER_NAME', 'CheckpointInfo', 'apply_retention',
-    'revise_keys', 'load_state_dict', 'unwrap_model', 'LoadReport',
+    'revise_keys', 'load_state_dict', 'unwrap_model', 'LoadReport', 'StateDictMismatchError',
+    'PartialLoadWarning', 'find_model_weights', 'describe_keys', 'check_state_dict',
+    'WEIGHT_ENTRIES',
     'CheckpointCorruptError', 'NotACheckpointError', 'UnsafeCheckpointError',
     'CheckpointWarning', 'UnverifiedCheckpointWarning',
 ]

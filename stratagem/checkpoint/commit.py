@@ -2,8 +2,9 @@
 
 Single file, ``save_checkpoint(checkpoint, filename, step=...)`` (rank 0 only):
 
-1. Validate the content (tensors and plain values only) and ``extra_manifest``; a bad state
-   raises ``TypeError`` with the key path before any byte is written.
+1. Validate the content (tensors, plain values, allow-listed classes) and ``extra_manifest``;
+   a bad state raises ``TypeError`` with the key path before any byte is written. The
+   allow-listed globals the content references go into the manifest as ``safe_globals``.
 2. ``torch.save`` into ``.{name}.tmp-{pid}-{rand}`` in the same directory through a writer
    that computes the sha256 while writing and starts disk writeback as it goes; fsync.
 3. Write the sidecar manifest ``{name}.manifest.json`` (size, sha256, step, versions, extras)
@@ -43,7 +44,7 @@ from typing import Any, Iterator
 import torch
 
 from . import _fs
-from .content import validate_checkpoint_content
+from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
 from .latest import update_pointer as _update_pointer
 from .manifest import (
     DIR_MANIFEST,
@@ -89,7 +90,9 @@ def save_checkpoint(checkpoint: dict, filename: PathLike, *, step: int | None = 
         raise TypeError(f'checkpoint must be a dict, got {type(checkpoint).__name__}')
     _check_step(step)
     check_extra_manifest(extra_manifest)
-    validate_checkpoint_content(checkpoint)
+    held = validate_checkpoint_content(checkpoint)
+    if held:  # a loader lacking one of these can then name it (load.py)
+        extra_manifest = {**(extra_manifest or {}), SAFE_GLOBALS_KEY: held}
     final = _check_final_name(filename)
     if final.is_dir():
         raise IsADirectoryError(f'cannot save checkpoint file {final}: a directory has that name')
@@ -223,13 +226,18 @@ def new_staging_dir(final_dir: PathLike) -> Path:
 
 
 def finalize_directory(staging_dir: PathLike, final_dir: PathLike, *, step: int | None = None,
-                       extra_manifest: dict | None = None, update_pointer: bool = True) -> Path:
+                       extra_manifest: dict | None = None, update_pointer: bool = True,
+                       known_files: list[dict] | None = None) -> Path:
     """Commit a staging directory filled by the strategy (rank 0 only, after a barrier).
 
     Fsyncs and hashes every file under ``staging_dir``, writes ``manifest.json`` inside,
     renames it to ``final_dir`` (atomically exchanging with an existing one where the OS can,
     then deleting the old), fsyncs the parent and updates ``last_checkpoint``. Returns the
     absolute final path.
+
+    ``known_files``: ``{'path', 'size', 'sha256'}`` entries (paths relative to the staging
+    dir) already fsynced and hashed by the ranks that wrote them; those are not read again
+    (their size is still checked), every other file is fsynced and hashed here.
     """
     staging = Path(staging_dir).absolute()
     final = _check_final_name(final_dir)
@@ -244,7 +252,7 @@ def finalize_directory(staging_dir: PathLike, final_dir: PathLike, *, step: int 
                          f'reserved for the checkpoint manifest; rename that file')
     if final.exists() and not final.is_dir():
         raise FileExistsError(f'cannot commit directory checkpoint {final}: a file has that name')
-    files = _hash_tree(staging)
+    files = _hash_tree(staging, {e['path']: e for e in known_files or ()})
     if not files:
         raise ValueError(f'staging directory {staging} is empty; nothing to commit for {final}')
     manifest = build_manifest('directory', final.name, files, step, extra_manifest)
@@ -278,7 +286,8 @@ def commit_directory(final_dir: PathLike, *, step: int | None = None,
         raise
 
 
-def _hash_tree(root: Path) -> list[dict]:
+def _hash_tree(root: Path, known: dict[str, dict] | None = None) -> list[dict]:
+    known = known or {}
     files = []
     with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool:
         for dirpath, dirnames, filenames in os.walk(root):
@@ -288,10 +297,18 @@ def _hash_tree(root: Path) -> list[dict]:
                 if path.is_symlink():
                     raise ValueError(f'{path} is a symlink; a checkpoint directory holds only '
                                      f'regular files')
+                rel = path.relative_to(root).as_posix()
+                entry = known.get(rel)
+                if entry is not None:
+                    size = path.stat().st_size
+                    if size != entry['size']:
+                        raise ValueError(f'{path} has {size} bytes but the rank that wrote it '
+                                         f'hashed {entry["size"]}; it changed after being written')
+                    files.append({'path': rel, 'size': size, 'sha256': entry['sha256']})
+                    continue
                 _fs.fsync_file(path)
                 size, sha256 = hash_file(path, pool)
-                files.append({'path': path.relative_to(root).as_posix(), 'size': size,
-                              'sha256': sha256})
+                files.append({'path': rel, 'size': size, 'sha256': sha256})
             _fs.fsync_dir(Path(dirpath))
     return files
 

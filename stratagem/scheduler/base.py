@@ -19,15 +19,48 @@ Call sequence (what a training loop does):
 from __future__ import annotations
 
 import copy
+import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ['INF', '_ParamScheduler', 'check_optimizer', 'raw_optimizer', 'per_group']
+__all__ = ['INF', '_ParamScheduler', 'SchedulerArgumentError', 'check_optimizer',
+           'raw_optimizer', 'per_group', 'replay_schedulers']
 
 # mmengine's "no end" value; an int so that state dicts stay plain
 INF = int(1e9)
+_ORDER_DOC = 'https://pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate'
+
+
+class SchedulerArgumentError(ValueError, AssertionError):
+    """A scheduler argument outside its domain (our message says which and why).
+
+    A ``ValueError``, and an ``AssertionError`` too because mmengine checks these arguments
+    with ``assert``: code written against mmengine (its own tests included) catches that.
+    """
+
+
+# Optimizer -> what the newest scheduler built on it needs to tell whether it stepped before
+# the scheduler's first step(): torch's step post-hook counts raw steps (no patching of
+# optimizer.step), an optim wrapper's inner_count counts update_params calls (so a step that
+# accumulates, or that AMP skips for inf grads, is not mistaken for a missing one).
+_WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+_ORDER_CHECK = {'on': True}  # off while replay_schedulers steps without an optimizer
+
+
+def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    entry = _WATCHED.get(optimizer)
+    if entry is not None:
+        entry['steps'] += 1
+
+
+def _step_func(optimizer: Any) -> Any:
+    step = getattr(optimizer, 'step', None)
+    return getattr(step, '__func__', step)
 
 
 def check_optimizer(optimizer: Any, owner: str) -> None:
@@ -89,11 +122,7 @@ class _ParamScheduler:
                  last_step: int = -1, by_epoch: bool = True, verbose: bool = False) -> None:
         name = type(self).__name__
         check_optimizer(optimizer, name)
-        if end <= begin:
-            raise ValueError(f'{name}: end ({end}) must be greater than begin ({begin}); '
-                             'the scheduler acts on steps in [begin, end)')
-        if not isinstance(last_step, int) or last_step < -1:
-            raise ValueError(f'{name}: last_step must be an int >= -1, got {last_step!r}')
+        check_window(name, begin, end, last_step)
         self.optimizer = optimizer
         self.param_name = param_name
         self.begin = begin
@@ -111,15 +140,12 @@ class _ParamScheduler:
                 # the first scheduler of this parameter records the value it starts from
                 group.setdefault(key, group[param_name])
         else:
-            for i, group in enumerate(groups):
-                if key not in group:
-                    raise KeyError(f'{name}: param_groups[{i}] has no {key!r}, which resuming '
-                                   f'with last_step={last_step} needs; load the optimizer '
-                                   'state first or pass last_step=-1')
+            check_initial_values(name, groups, param_name, last_step)
         self.base_values = [group[key] for group in groups]
         self.last_step = last_step
         # steps seen so far, counted from the first (-1: none yet); compared with [begin, end)
         self._global_step = -1
+        self._watch_optimizer_steps()
         self.step()
 
     @classmethod
@@ -135,10 +161,11 @@ class _ParamScheduler:
         """
         name = cls.__name__
         if not by_epoch:
-            raise ValueError(f'{name}: convert_to_iter_based needs an epoch-based config '
-                             '(by_epoch=True), got by_epoch=False')
+            raise SchedulerArgumentError(f'{name}: convert_to_iter_based needs an epoch-based '
+                                         'config (by_epoch=True), got by_epoch=False')
         if epoch_length is None or not isinstance(epoch_length, int) or epoch_length <= 0:
-            raise ValueError(f'{name}: convert_to_iter_based=True needs epoch_length, the number '
+            raise SchedulerArgumentError(
+                f'{name}: convert_to_iter_based=True needs epoch_length, the number '
                              f'of iterations per epoch (a positive int), got {epoch_length!r}; '
                              'pass epoch_length= (e.g. len(train_dataloader))')
         begin = int(begin * epoch_length)
@@ -162,6 +189,52 @@ class _ParamScheduler:
                             else value * epoch_length)
         return kwargs
 
+    def rescaled_state_dict(self, state: dict, ratio: Any, done_iters: int) -> dict:
+        """``state`` (this class's :meth:`state_dict`) moved to iterations of another length.
+
+        Used when a run resumes at another world size: an iteration then holds another
+        number of samples, so every step count of an iteration-based scheduler (``begin``,
+        ``end``, the lengths in ``_epoch_args``) is multiplied by ``ratio`` (new iterations per
+        old iteration, a ``fractions.Fraction``) and the position becomes ``done_iters``;
+        ``last_step`` and derived tables follow. Epoch-based states are returned unchanged.
+        Raises ``ValueError`` naming the field when a count does not convert to a whole
+        number of iterations (the schedule could not continue exactly).
+        """
+        if state.get('by_epoch', self.by_epoch):
+            return state
+        name = type(self).__name__
+        out = dict(state)
+
+        def convert(field: str, value: Any) -> int:
+            if value == INF:
+                return value
+            new = value * ratio
+            if new.denominator != 1:
+                raise ValueError(f'{name}.{field}={value} iterations is {float(new):g} '
+                                 'iterations at the new world size, not a whole number')
+            return int(new)
+
+        out['begin'] = convert('begin', state['begin'])
+        out['end'] = convert('end', state['end'])
+        for field in type(self)._epoch_args:
+            value = state.get(field)
+            if isinstance(value, dict):  # milestones: {iteration: count}
+                out[field] = {convert(field, k): v for k, v in value.items()}
+            elif isinstance(value, (list, tuple)):
+                out[field] = [convert(field, v) for v in value]
+            elif value is not None:
+                out[field] = convert(field, value)
+        if 'total_iters' in state:  # Linear / Poly / Constant: end - begin - 1, mmengine's
+            out['total_iters'] = out['end'] - out['begin'] - 1
+        out['_global_step'] = done_iters
+        out['last_step'] = min(max(done_iters - out['begin'] + 1, 0),
+                               out['end'] - out['begin']) - 1
+        return self._rescale_derived(out, ratio)
+
+    def _rescale_derived(self, state: dict, ratio: Any) -> dict:
+        """Recompute tables derived from the rescaled lengths (subclasses that keep any)."""
+        return state
+
     def _get_value(self) -> list:
         """The new value of every param group, from the current ones (chainable form)."""
         raise NotImplementedError
@@ -169,8 +242,12 @@ class _ParamScheduler:
     def step(self) -> None:
         """Advance one step (an epoch or an iteration) and write the new values.
 
-        Outside ``[begin, end)`` the values are left as they are.
+        Outside ``[begin, end)`` the values are left as they are. The first call after
+        construction warns (``UserWarning``, as torch and mmengine do) if the optimizer has not
+        stepped since the scheduler was built, or if its ``step`` was replaced since.
         """
+        if self._global_step == 0:
+            self._check_step_order()
         self._global_step += 1
         if self.begin <= self._global_step < self.end:
             self.last_step += 1
@@ -179,6 +256,35 @@ class _ParamScheduler:
                 group[self.param_name] = value
                 self.print_value(self.verbose, i, value)
         self._last_value = [group[self.param_name] for group in self.optimizer.param_groups]
+
+    def _watch_optimizer_steps(self) -> None:
+        """Start counting the optimizer's steps (from now: the newest scheduler resets the
+        count, as in mmengine); see ``_check_step_order``."""
+        raw = raw_optimizer(self.optimizer)
+        if raw not in _WATCHED:
+            raw.register_step_post_hook(_count_step)
+        _WATCHED[raw] = {'steps': 0, 'inner_count': getattr(self.optimizer, 'inner_count', None),
+                         'step': _step_func(self.optimizer)}
+
+    def _check_step_order(self) -> None:
+        entry = _WATCHED.get(raw_optimizer(self.optimizer))
+        if entry is None or not _ORDER_CHECK['on']:  # restored without its constructor; replay
+            return
+        name = type(self).__name__
+        if _step_func(self.optimizer) is not entry['step']:
+            warnings.warn(f'{name}: optimizer.step() was replaced after the scheduler was built, '
+                          'so it cannot check that the optimizer stepped first; make sure to '
+                          f'call optimizer.step() before scheduler.step(). See {_ORDER_DOC}',
+                          UserWarning, stacklevel=3)
+            return
+        inner = getattr(self.optimizer, 'inner_count', None)
+        updated = inner is not None and entry['inner_count'] is not None \
+            and inner > entry['inner_count']
+        if entry['steps'] == 0 and not updated:
+            warnings.warn(f'{name}.step() was called before optimizer.step(), which skips the '
+                          'first value of the schedule; call optimizer.step() (or '
+                          'optim_wrapper.update_params(loss)) before scheduler.step(). '
+                          f'See {_ORDER_DOC}', UserWarning, stacklevel=3)
 
     def get_last_value(self) -> list:
         """The values of every param group after the last :meth:`step`."""
@@ -207,6 +313,28 @@ class _ParamScheduler:
                 f'end={self.end}, by_epoch={self.by_epoch}, last_step={self.last_step})')
 
 
+def check_window(name: str, begin: Any, end: Any, last_step: Any) -> None:
+    """``begin < end`` (``ValueError``, mmengine's phrase), ``last_step`` an int >= -1."""
+    if end <= begin:
+        raise ValueError(f'{name}: end ({end}) must be greater than begin ({begin}) (end '
+                         'should be larger than begin): the scheduler acts on steps in '
+                         '[begin, end)')
+    if type(last_step) is not int or last_step < -1:
+        raise SchedulerArgumentError(f'{name}: last_step must be an int >= -1 (-1: a fresh '
+                                     f'start), got {last_step!r}')
+
+
+def check_initial_values(name: str, groups: Sequence[dict], param_name: str,
+                         last_step: int) -> None:
+    """Resuming with ``last_step`` needs ``initial_<param_name>`` in every param group."""
+    key = f'initial_{param_name}'
+    for i, group in enumerate(groups):
+        if key not in group:
+            raise KeyError(f"{name}: param {key!r} is not specified in param_groups[{i}], "
+                           f'which resuming with last_step={last_step} needs; load the '
+                           'optimizer state first or pass last_step=-1')
+
+
 def per_group(value: Any, n_groups: int, owner: str, arg: str) -> list:
     """``value`` repeated per param group, or checked to have one entry per group."""
     if isinstance(value, Sequence) and not isinstance(value, str):
@@ -215,3 +343,39 @@ def per_group(value: Any, n_groups: int, owner: str, arg: str) -> list:
                              f'{n_groups} param groups; give one value or one per group')
         return list(value)
     return [value] * n_groups
+
+
+def replay_schedulers(schedulers: Sequence['_ParamScheduler'], num_iters: int,
+                      epoch_length: int | None = None) -> None:
+    """Recompute the scheduled values from scratch up to ``num_iters`` iterations done.
+
+    Every scheduled parameter of every param group goes back to its ``initial_<param>``,
+    each scheduler back to its first step, and then the schedulers are stepped as a training
+    loop steps them (mmengine's ParamSchedulerHook): iteration-based ones after every
+    iteration, epoch-based ones after every ``epoch_length`` iterations, in list order. Their
+    lengths (``begin``, ``end``, ``T_max`` ...) are kept, so after a world-size change (each
+    converted by :meth:`_ParamScheduler.rescaled_state_dict`) the values are exactly those
+    of a run that used the new units from its start, and the chainable forms continue from
+    them consistently to the schedule's end.
+    """
+    if epoch_length is None and any(s.by_epoch for s in schedulers):
+        raise ValueError('replaying epoch-based schedulers needs epoch_length (iterations per '
+                         'epoch)')
+    for sched in schedulers:
+        for group in sched.optimizer.param_groups:
+            group[sched.param_name] = group[f'initial_{sched.param_name}']
+    _ORDER_CHECK['on'] = False  # no optimizer steps here, by design: no order warning
+    try:
+        for sched in schedulers:
+            sched.last_step, sched._global_step = -1, -1
+            sched.step()  # the step a scheduler takes when it is built
+        for it in range(1, num_iters + 1):
+            for sched in schedulers:
+                if not sched.by_epoch:
+                    sched.step()
+            if epoch_length and it % epoch_length == 0:
+                for sched in schedulers:
+                    if sched.by_epoch:
+                        sched.step()
+    finally:
+        _ORDER_CHECK['on'] = True

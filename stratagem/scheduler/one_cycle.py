@@ -10,7 +10,7 @@ from typing import Any
 
 from stratagem.registry import PARAM_SCHEDULERS
 
-from .base import INF, _ParamScheduler, per_group
+from .base import INF, SchedulerArgumentError, _ParamScheduler, per_group
 
 __all__ = ['OneCycleParamScheduler']
 
@@ -61,8 +61,9 @@ class OneCycleParamScheduler(_ParamScheduler):
                  steps_per_epoch: int | None = None) -> None:
         name = type(self).__name__
         if param_name != 'lr':
-            raise ValueError(f"{name}: param_name must be 'lr' (1cycle schedules the learning "
-                             f'rate only), got {param_name!r}')
+            raise SchedulerArgumentError(
+                f"{name}: param_name must be 'lr' (1cycle schedules the learning "
+                f'rate only), got {param_name!r}')
         if total_steps is not None:
             if not isinstance(total_steps, int) or total_steps <= 0:
                 raise ValueError(f'{name}: total_steps must be a positive int, got '
@@ -113,6 +114,16 @@ class OneCycleParamScheduler(_ParamScheduler):
                          by_epoch=by_epoch, verbose=verbose)
 
     _epoch_args = ('total_steps',)
+
+    def _rescale_derived(self, state: dict, ratio: Any) -> dict:
+        # phase ends are pct * total_steps - 1 (and 2 * pct * total - 2): scale pct * total
+        phases = [dict(ph) for ph in state['_schedule_phases']]
+        warm = (phases[0]['end_step'] + 1) * ratio
+        phases[0]['end_step'] = float(warm) - 1
+        if len(phases) == 3:
+            phases[1]['end_step'] = float(2 * warm) - 2
+        phases[-1]['end_step'] = state['total_steps'] - 1
+        return {**state, '_schedule_phases': phases}
 
     def _get_value(self) -> list:
         step = self.last_step

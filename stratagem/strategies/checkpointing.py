@@ -31,6 +31,9 @@ from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.version import __version__
 
+from .preflight import check_resumable, previous_run_traces
+from .world_change import plan_world_size_change
+
 __all__ = ['CheckpointMixin']
 
 
@@ -72,14 +75,18 @@ class CheckpointMixin:
         else:
             self._load_scheduler_list(scheds, state_dict)
 
+    @classmethod
+    def _load_scheduler_list(cls, scheds: Sequence, states: Sequence) -> None:
+        cls._check_scheduler_count(scheds, states)
+        for sched, state in zip(scheds, states):
+            sched.load_state_dict(state)
+
     @staticmethod
-    def _load_scheduler_list(scheds: Sequence, states: Sequence) -> None:
+    def _check_scheduler_count(scheds: Sequence, states: Sequence) -> None:
         if len(scheds) != len(states):
             raise ValueError(f'checkpoint holds {len(states)} param scheduler state(s) but '
                              f'{len(scheds)} scheduler(s) were built; the param_scheduler config '
                              'changed since the checkpoint was saved')
-        for sched, state in zip(scheds, states):
-            sched.load_state_dict(state)
 
     # ----------------------------------------------------------------- checkpoints
     def _resolve_map_location(self, map_location: Any) -> Any:
@@ -92,8 +99,17 @@ class CheckpointMixin:
         return f'cuda:{torch.cuda.current_device()}' if torch.cuda.is_available() else 'cpu'
 
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
-        """Backend hook: read a checkpoint (default: one verified file, weights_only)."""
+        """Backend hook: read a checkpoint (default: one verified file, weights_only; a
+        sharded directory, e.g. FSDPStrategy's, is verified and read unsharded)."""
+        if ckpt.is_sharded_checkpoint(filename):
+            checkpoint = ckpt.read_sharded_checkpoint(filename)
+            return _move(checkpoint, map_location)
         return ckpt.load_checkpoint_file(filename, map_location=map_location)
+
+    def _validate_checkpoint(self, checkpoint: dict) -> None:
+        """Backend hook: check the content is loadable with weights_only (tensors, plain
+        values); a sharding backend validates its shards' local tensors."""
+        ckpt.validate_checkpoint_content(checkpoint)
 
     def load_checkpoint(self, filename: str, *, map_location: Any = 'cpu', strict: bool = False,
                         revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
@@ -101,12 +117,21 @@ class CheckpointMixin:
         """Load model weights from ``filename``; returns the whole checkpoint dict.
 
         ``callback(checkpoint)`` runs after reading and before loading, and may
-        edit the dict in place. A checkpoint without ``state_dict`` is treated as
-        a bare state dict.
+        edit the dict in place. Foreign layouts are recognised: the weights are taken
+        from ``state_dict``, ``model_state_dict``, ``model`` or ``module``, else the
+        file is read as a bare state dict (``module.`` prefixes are stripped by the
+        default ``revise_keys``). A file whose weights match none of the model's keys
+        is an error even when not ``strict`` (mmengine loads nothing and goes on); a
+        failed load leaves the model unchanged.
         """
+        filename = self._agree_on_checkpoint(filename)
         checkpoint = self._read_checkpoint(filename, map_location, callback)
         self._load_weights(checkpoint, filename, strict=strict, revise_keys=revise_keys)
         return checkpoint
+
+    def _agree_on_checkpoint(self, filename: str) -> str:
+        """Rank 0's ``filename``, verified to be the same bytes on every rank (collective)."""
+        return str(ckpt.agree_on_checkpoint(filename))
 
     def _read_checkpoint(self, filename: str, map_location: Any,
                          callback: Callable[[dict], None] | None) -> dict:
@@ -119,11 +144,43 @@ class CheckpointMixin:
             callback(checkpoint)
         return checkpoint
 
+    # below this share of the model's tensors found in the file, a load warns loudly
+    MIN_LOADED_SHARE = 0.5
+
     def _load_weights(self, checkpoint: dict, filename: str, *, strict: bool,
                       revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)) -> None:
-        state_dict = checkpoint.get('state_dict', checkpoint)
-        self.load_model_state_dict(state_dict, strict=strict, revise_keys=revise_keys)
-        self.logger.info(f'loaded weights from {filename}')
+        """Find the weights (``state_dict``, or a foreign layout: ``model_state_dict``,
+        ``model``, ``module``, a bare state dict) and load them; nothing changes on an error.
+
+        No layout found, no key matching, or a strict mismatch raises
+        ``StateDictMismatchError`` naming the file and what it holds; fewer than
+        ``MIN_LOADED_SHARE`` of the model's tensors loaded warns ``PartialLoadWarning``.
+        """
+        where = None
+        try:
+            state_dict, where = ckpt.find_model_weights(checkpoint)
+            report = self.load_model_state_dict(state_dict, strict=strict,
+                                                revise_keys=revise_keys)
+        except ckpt.StateDictMismatchError as err:
+            raise ckpt.StateDictMismatchError(
+                f'{filename} {err}' if where is None else
+                f'{filename} ({where}): {err}\nthe file holds {ckpt.describe_keys(checkpoint)}'
+            ) from None
+        counts = ''
+        if isinstance(report, ckpt.LoadReport) and report.total:
+            counts = f', {report.loaded} of {report.total} tensors'
+            if report.loaded < self.MIN_LOADED_SHARE * report.total:
+                left_out = report.missing_keys + [k for k, *_ in report.shape_mismatches +
+                                                  report.type_mismatches]
+                warnings.warn(
+                    f'{filename} ({where}): only {report.loaded} of the {report.total} '
+                    f'tensors of {type(self._unwrap_model()).__name__} were found and loaded; '
+                    f'not loaded: {", ".join(left_out[:10])}'
+                    f'{", ..." if len(left_out) > 10 else ""}. The file holds '
+                    f'{ckpt.describe_keys(checkpoint)}. Fine for a partial (e.g. backbone) '
+                    'load; otherwise check the checkpoint and revise_keys',
+                    ckpt.PartialLoadWarning, stacklevel=3)
+        self.logger.info(f'loaded weights from {filename} ({where}{counts})')
 
     def resume(self, filename: str, *, resume_optimizer: bool = True,
                resume_param_scheduler: bool = True, map_location: Any = 'default',
@@ -136,6 +193,7 @@ class CheckpointMixin:
         if not self._prepared:
             raise RuntimeError('resume() needs the prepared components: call strategy.prepare('
                                'model, optim_wrapper=..., param_scheduler=...) first')
+        filename = self._agree_on_checkpoint(filename)
         checkpoint = self._read_checkpoint(filename, map_location, callback)
         want_optim = resume_optimizer and hasattr(self, 'optim_wrapper')
         want_sched = resume_param_scheduler and hasattr(self, 'param_schedulers')
@@ -146,20 +204,61 @@ class CheckpointMixin:
             raise KeyError(f"{filename} cannot be resumed: it has no {missing} (keys: "
                            f"{sorted(checkpoint)}); load weights only with load_checkpoint(), or "
                            'pass resume_optimizer=False / resume_param_scheduler=False')
+        check_resumable(self, checkpoint, filename, optimizer=want_optim, schedulers=want_sched)
         meta = checkpoint.get('meta') or {}
+        # everything that can refuse a world-size change runs before anything is loaded
+        change = plan_world_size_change(meta, self.dispatch_kwargs, self.world_size,
+                                        self._max_accumulation(), filename)
+        sched_states = checkpoint.get('param_schedulers') if want_sched else None
+        converting = change is not None and change.new_iter is not None
+        if want_sched and converting:
+            sched_states = change.rescale_schedulers(
+                self.param_schedulers, sched_states, self.dispatch_kwargs.get('epoch_length'),
+                filename)
         # mmengine resumes non-strictly too; mismatches are reported in one warning
         self._load_weights(checkpoint, filename, strict=False)
         if want_optim:
             self.load_optim_state_dict(checkpoint['optimizer'])
             self._load_partial_grads(checkpoint, meta)
+        done = meta.get('iter')
+        if converting:
+            done = change.new_iter
+            if change.max_iters is not None:
+                self.dispatch_kwargs['max_iters'] = change.max_iters[1]
         if hasattr(self, 'optim_wrapper'):
-            self._initialize_accumulation(meta.get('iter'))
+            self._initialize_accumulation(done)
         if want_sched:
-            self.load_scheduler_state_dict(checkpoint['param_schedulers'])
+            self.load_scheduler_state_dict(sched_states)
+            if converting:
+                change.replay_schedulers(self.param_schedulers,
+                                         self.dispatch_kwargs.get('epoch_length'))
         self._restore_randomness(checkpoint, meta, filename)
+        if change is not None:
+            checkpoint['meta'] = meta = {**meta, 'iter': done,
+                                         'world_size_change': change.as_meta()}
+            self._report_world_size_change(change, filename)
+        self._check_same_step(meta.get('iter'), filename)
         self.resumed_from = osp.abspath(filename)
         self.logger.info(f'resumed from {filename} (iter {meta.get("iter")})')
         return checkpoint
+
+    def _max_accumulation(self) -> int:
+        if not hasattr(self, 'optim_wrapper'):
+            return 1
+        return max(getattr(w, '_accumulative_counts', 1) for w in self._wrappers())
+
+    def _report_world_size_change(self, change: Any, filename: str) -> None:
+        if self.rank == 0:  # the same on every rank: said once
+            enabled = bool((self._auto_scale_lr or {}).get('enable'))
+            self.logger.warning(change.describe(filename, auto_scale_lr=enabled))
+
+    def _check_same_step(self, step: Any, filename: str) -> None:
+        """After a resume every rank must stand at the same iteration (collective)."""
+        steps = env.all_gather_object(step)
+        if len(set(map(repr, steps))) > 1:
+            raise RuntimeError(f'after resuming {filename} the ranks disagree on the iteration: '
+                               f'{steps} (rank order); every rank must resume the same '
+                               'checkpoint')
 
     def _load_partial_grads(self, checkpoint: Mapping, meta: Mapping) -> None:
         """Each rank's own partial gradients (saved mid accumulation window under DDP)."""
@@ -204,15 +303,30 @@ class CheckpointMixin:
         """mmengine's runner logic: resume (latest in work_dir, or a path) or just load weights.
 
         ``resume=True`` with no ``load_from`` resumes from the newest committed
-        checkpoint in ``work_dir`` (none found: starts fresh, with a log line);
+        checkpoint in ``work_dir`` (none, in a work dir that never held one: starts fresh,
+        with a log line; none, in a work dir whose pointer or checkpoint files show an
+        earlier run: ``FileNotFoundError``, before anything is written);
         ``resume='path'`` or ``resume=True`` with ``load_from`` resumes from that
         file; ``load_from`` alone loads weights only. Returns the checkpoint or None.
         """
         if isinstance(resume, str):
             return self.resume(resume)
         if resume and load_from is None:
-            latest = ckpt.find_latest_checkpoint(self._work_dir)
+            # rank 0 decides (other ranks may not see this work_dir, or see another one);
+            # resume() then checks every rank reads that same checkpoint
+            latest = ckpt.find_latest_checkpoint(self._work_dir) if self.rank == 0 else None
+            latest = env.broadcast_object(None if latest is None else str(latest))
             if latest is None:
+                # a previous run left traces but nothing resumable: starting fresh would
+                # overwrite its files, so stop before anything is written
+                traces = env.broadcast_object(previous_run_traces(self._work_dir)
+                                              if self.rank == 0 else None)
+                if traces:
+                    raise FileNotFoundError(
+                        f'cannot resume from work_dir {self._work_dir}: {traces}, but no '
+                        'committed checkpoint there verifies; nothing was changed. Resume '
+                        'from a file with --resume PATH (API: resume=PATH), or start from '
+                        f'scratch in a new --work-dir (or after removing {ckpt.POINTER_NAME})')
                 self.logger.info(f'no checkpoint in {self._work_dir} to resume from; '
                                  'training starts from scratch')
                 return None
@@ -228,6 +342,10 @@ class CheckpointMixin:
                 'experiment_name': self._experiment_name, 'world_size': self.world_size,
                 'strategy': type(self).__name__, 'stratagem_version': __version__,
                 'torch_version': str(torch.__version__), 'auto_scale_lr_applied': self._lr_scaled}
+        # what a resume at another world size needs to convert iteration counts
+        for key in ('train_micro_batch_size_per_gpu', 'epoch_length'):
+            if self.dispatch_kwargs.get(key) is not None:
+                meta[key] = int(self.dispatch_kwargs[key])
         meta.update(extra_meta or {})
         return meta
 
@@ -260,7 +378,7 @@ class CheckpointMixin:
             callback(checkpoint)
         # every rank checks the content, so a bad value fails on all ranks alike instead of
         # leaving the others waiting for rank 0
-        ckpt.validate_checkpoint_content(checkpoint)
+        self._validate_checkpoint(checkpoint)
         error = None
         try:
             self._save_checkpoint_files(checkpoint, path)
@@ -299,3 +417,16 @@ class CheckpointMixin:
             ckpt.save_checkpoint(checkpoint, filename, step=checkpoint['meta'].get('iter'),
                                  extra_manifest={'world_size': self.world_size,
                                                  'strategy': type(self).__name__})
+
+
+def _move(obj: Any, map_location: Any) -> Any:
+    """Tensors of a checkpoint read on CPU, moved where ``map_location`` (a device) says."""
+    if map_location in (None, 'cpu') or not isinstance(map_location, (str, torch.device)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(map_location)
+    if isinstance(obj, dict):
+        return {k: _move(v, map_location) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_move(v, map_location) for v in obj]
+    return obj
