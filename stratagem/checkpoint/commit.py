@@ -142,6 +142,11 @@ def _save_file(checkpoint: dict, final: Path, step: int | None, extra: dict | No
     return final
 
 
+def write_torch_file(checkpoint: Any, path: Path, zip_crc32: bool = False) -> tuple[int, str]:
+    """``torch.save`` to a new file at ``path``, hashed as written, fsynced; (size, sha256)."""
+    return _write_torch_file(checkpoint, Path(path), zip_crc32)
+
+
 def _write_torch_file(checkpoint: dict, path: Path, zip_crc32: bool) -> tuple[int, str]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -235,9 +240,10 @@ def finalize_directory(staging_dir: PathLike, final_dir: PathLike, *, step: int 
     then deleting the old), fsyncs the parent and updates ``last_checkpoint``. Returns the
     absolute final path.
 
-    ``known_files``: ``{'path', 'size', 'sha256'}`` entries (paths relative to the staging
-    dir) already fsynced and hashed by the ranks that wrote them; those are not read again
-    (their size is still checked), every other file is fsynced and hashed here.
+    ``known_files``: ``{'path', 'size', 'sha256'[, 'rank']}`` entries (paths relative to the
+    staging dir) already fsynced and hashed by the ranks that wrote them; those are not read
+    again (their size is still checked; ``rank``, the writer, is kept in the manifest), every
+    other file is fsynced and hashed here.
     """
     staging = Path(staging_dir).absolute()
     final = _check_final_name(final_dir)
@@ -304,7 +310,8 @@ def _hash_tree(root: Path, known: dict[str, dict] | None = None) -> list[dict]:
                     if size != entry['size']:
                         raise ValueError(f'{path} has {size} bytes but the rank that wrote it '
                                          f'hashed {entry["size"]}; it changed after being written')
-                    files.append({'path': rel, 'size': size, 'sha256': entry['sha256']})
+                    files.append({'path': rel, 'size': size, 'sha256': entry['sha256'],
+                                  **({'rank': entry['rank']} if 'rank' in entry else {})})
                     continue
                 _fs.fsync_file(path)
                 size, sha256 = hash_file(path, pool)

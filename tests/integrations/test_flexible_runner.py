@@ -24,13 +24,8 @@ from dist_harness import run_distributed  # noqa: E402
 STRATEGIES = [
     pytest.param('stratagem.SingleDeviceStrategy', {}, 1, id='SingleDevice'),
     pytest.param('stratagem.DDPStrategy', {}, 2, id='DDP-2ranks'),
-    pytest.param('stratagem.FSDPStrategy', {}, 2, id='FSDP-2ranks', marks=pytest.mark.xfail(
-        strict=True, reason='open: under FlexibleRunner the state FSDPStrategy restores equals '
-        'the interrupted run at epoch 3 (weights, momentum, lr, schedulers, counters) and both '
-        "runs' epoch_3 checkpoints are identical, yet epoch 4 after resume differs by ~1e-4")),
-    pytest.param('stratagem.ShardedDDPStrategy', {}, 2, id='ShardedDDP-2ranks',
-                 marks=pytest.mark.xfail(strict=True, reason='open: as FSDP, epoch 4 after a '
-                                         'FlexibleRunner resume differs (~1e-3)')),
+    pytest.param('stratagem.FSDPStrategy', {}, 2, id='FSDP-2ranks'),
+    pytest.param('stratagem.ShardedDDPStrategy', {}, 2, id='ShardedDDP-2ranks'),
     pytest.param('stratagem.DeepSpeedStrategy', dict(zero_optimization=dict(stage=2)), 2,
                  id='DeepSpeed-ZeRO2-2ranks'),
 ]
@@ -101,6 +96,11 @@ def _final_state(runner):
         'iter': runner.iter, 'epoch': runner.epoch,
         'lr_history': runner.message_hub.get_scalar('train/lr').data[0].tolist(),
         'resumed_from': strategy.resumed_from,
+        # the loop's train_step ran on the wrapper (forward through it: gradient hooks),
+        # and the step's zero_grad left no gradient behind
+        'step_on_wrapper': getattr(runner.model.train_step, '__self__', None) is runner.model,
+        'grads_left': [n for n, p in runner.model.named_parameters()
+                       if p.grad is not None and bool(p.grad.count_nonzero())],
     }
 
 
@@ -134,6 +134,9 @@ def test_resume_equals_uninterrupted_run(tmp_path, strategy, cfg, nproc):
         assert result['rank'] == rank
         assert resumed['resumed_from'] == str(tmp_path / 'split' / 'epoch_3.pth')
         assert straight['resumed_from'] is None
+        for run in (resumed, straight):
+            assert run['step_on_wrapper'], 'step_on_wrapper'
+            assert run['grads_left'] == [], 'grads_left'
         assert result['epoch_3_meta'] == {'epoch': 3, 'iter': 3 * iters_per_epoch}
         assert (resumed['iter'], resumed['epoch']) == (4 * iters_per_epoch, 4)
         # bit-exact: weights, momentum buffers, lr, scheduler states, counters
