@@ -81,8 +81,33 @@ def run(args: argparse.Namespace) -> int:
         resume = True
     elif args.resume:
         resume = args.resume
-    train(cfg, resume=resume, load_from=args.load_from)
+    result = train(cfg, resume=resume, load_from=args.load_from)
+    if os.environ.get('TORCHELASTIC_RUN_ID') is not None:
+        _exit_torchrun_worker(result['strategy'])
     return 0
+
+
+def _exit_torchrun_worker(strategy: Any) -> None:
+    """End a torchrun worker whose run succeeded, without interpreter teardown.
+
+    With gloo, a worker that returned normally was sometimes killed at exit by
+    ``terminate called without an active exception`` (SIGABRT) while the process group was
+    torn down in interpreter finalisation, and torchrun then reported the finished run as
+    failed. So: wait for pending checkpoints, wait for every rank, flush, and leave with
+    ``os._exit(0)``; the OS closes the sockets.
+    """
+    import logging
+
+    from stratagem import env
+    wait = getattr(strategy, 'wait_for_checkpoints', None)
+    if callable(wait):
+        wait()
+    with contextlib.suppress(Exception):
+        env.barrier()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _relaunch_with_torchrun(args: argparse.Namespace) -> int:
