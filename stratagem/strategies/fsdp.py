@@ -60,16 +60,8 @@ class FSDPStrategy(BaseStrategy):
         self.ac_check = parse_activation_checkpointing(activation_checkpointing)
         self.skip_init_weights = bool(skip_init_weights)
         self._block_compile: dict | None = None
-        env_kwargs = dict(kwargs.pop('env_kwargs', None) or {})
-        if env_kwargs.get('launcher') in (None, 'none') and not env.is_distributed():
-            inferred = env.infer_launcher()
-            if inferred == 'none':
-                raise RuntimeError(
-                    'FSDPStrategy needs a distributed launch (it shards across processes): start '
-                    'with torchrun --nproc-per-node N, `stratagem train CONFIG --nproc N`, slurm '
-                    'or mpirun, or initialise torch.distributed first; for one process use '
-                    "SingleDeviceStrategy (type='auto')")
-            env_kwargs['launcher'] = inferred
+        env_kwargs = self._distributed_env_kwargs(
+            kwargs, 'FSDPStrategy', "; for one process use SingleDeviceStrategy (type='auto')")
         super().__init__(env_kwargs=env_kwargs, **kwargs)
 
     @property
