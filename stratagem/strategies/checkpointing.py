@@ -206,19 +206,34 @@ class CheckpointMixin:
         check_resumable(self, checkpoint, filename, optimizer=want_optim, schedulers=want_sched)
         meta = checkpoint.get('meta') or {}
         # everything that can refuse a world-size change runs before anything is loaded
-        change = plan_world_size_change(meta, self.dispatch_kwargs, self.world_size,
-                                        self._max_accumulation(), filename)
-        sched_states = checkpoint.get('param_schedulers') if want_sched else None
-        converting = change is not None and change.new_iter is not None
-        if want_sched and converting:
-            sched_states = change.rescale_schedulers(
-                self.param_schedulers, sched_states, self.dispatch_kwargs.get('epoch_length'),
-                filename)
+        change, sched_states = self._plan_resume(checkpoint, meta, want_sched, filename)
         # mmengine resumes non-strictly too; mismatches are reported in one warning
         self._load_weights(checkpoint, filename, strict=False)
         if want_optim:
             self.load_optim_state_dict(checkpoint['optimizer'])
             self._load_partial_grads(checkpoint, meta)
+        self._finish_resume(checkpoint, meta, change, sched_states, want_sched, filename)
+        return checkpoint
+
+    def _plan_resume(self, checkpoint: dict, meta: Mapping, want_sched: bool,
+                     filename: str) -> tuple[Any, Any]:
+        """The world-size change (None if none) and the scheduler states to load, converted
+        to this run's units; raises before anything is loaded when it cannot be exact."""
+        change = plan_world_size_change(meta, self.dispatch_kwargs, self.world_size,
+                                        self._max_accumulation(), filename)
+        sched_states = checkpoint.get('param_schedulers') if want_sched else None
+        if want_sched and change is not None and change.new_iter is not None:
+            sched_states = change.rescale_schedulers(
+                self.param_schedulers, sched_states, self.dispatch_kwargs.get('epoch_length'),
+                filename)
+        return change, sched_states
+
+    def _finish_resume(self, checkpoint: dict, meta: Mapping, change: Any, sched_states: Any,
+                       want_sched: bool, filename: str) -> None:
+        """After model and optimizer: counters, schedulers, RNG states last; then every rank
+        checks it stands at the same iteration (``checkpoint['meta']`` gets the converted
+        iteration and ``world_size_change`` when the world size changed)."""
+        converting = change is not None and change.new_iter is not None
         done = meta.get('iter')
         if converting:
             done = change.new_iter
@@ -239,7 +254,6 @@ class CheckpointMixin:
         self._check_same_step(meta.get('iter'), filename)
         self.resumed_from = osp.abspath(filename)
         self.logger.info(f'resumed from {filename} (iter {meta.get("iter")})')
-        return checkpoint
 
     def _max_accumulation(self) -> int:
         if not hasattr(self, 'optim_wrapper'):

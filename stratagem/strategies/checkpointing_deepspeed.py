@@ -45,7 +45,6 @@ from stratagem.checkpoint.content import SAFE_GLOBALS_KEY
 from stratagem.checkpoint.zero import (DEEPSPEED_TAG, STATE_FILE, check_zero_layout,
                                        is_zero_checkpoint, zero_to_state_dict)
 
-from .world_change import plan_world_size_change
 
 __all__ = ['DeepSpeedCheckpointMixin']
 
@@ -191,14 +190,7 @@ class DeepSpeedCheckpointMixin:
         meta = state.get('meta') or {}
         # BaseStrategy's world-size plan: iteration units, schedulers, windows; anything it
         # refuses is refused before anything is loaded
-        change = plan_world_size_change(meta, self.dispatch_kwargs, self.world_size,
-                                        self._max_accumulation(), str(path))
-        converting = change is not None and change.new_iter is not None
-        sched_states = state.get('param_schedulers') if want_sched else None
-        if want_sched and converting:
-            sched_states = change.rescale_schedulers(
-                self.param_schedulers, sched_states, self.dispatch_kwargs.get('epoch_length'),
-                str(path))
+        change, sched_states = self._plan_resume(state, meta, want_sched, str(path))
         saved_world = int(manifest.get('world_size', meta.get('world_size', self.world_size)))
         if saved_world == self.world_size:
             self._engine_load(path, DEEPSPEED_TAG, want_optim)
@@ -206,25 +198,7 @@ class DeepSpeedCheckpointMixin:
             self._load_resharded(path, saved_world, want_optim)
         if want_optim:
             self.optim_wrapper.load_state_dict(state['optimizer'])
-        done = meta.get('iter')
-        if converting:
-            done = change.new_iter
-            if change.max_iters is not None:
-                self.dispatch_kwargs['max_iters'] = change.max_iters[1]
-        if hasattr(self, 'optim_wrapper'):
-            self._initialize_accumulation(done)
-        if want_sched:
-            self.load_scheduler_state_dict(sched_states)
-            if converting:
-                change.replay_schedulers(self.param_schedulers,
-                                         self.dispatch_kwargs.get('epoch_length'))
-        self._restore_randomness(state, meta, str(path))
-        if change is not None:
-            state['meta'] = meta = {**meta, 'iter': done, 'world_size_change': change.as_meta()}
-            self._report_world_size_change(change, str(path))
-        self._check_same_step(meta.get('iter'), str(path))
-        self.resumed_from = str(path)
-        self.logger.info(f'resumed from {path} (iter {meta.get("iter")})')
+        self._finish_resume(state, meta, change, sched_states, want_sched, str(path))
         return state
 
     def _engine_load(self, directory: Path, tag: str, optimizer: bool) -> None:
