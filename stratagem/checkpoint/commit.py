@@ -125,7 +125,7 @@ def save_checkpoint(checkpoint: dict, filename: PathLike, *, step: int | None = 
 
 
 # zip headers, pickle stream, alignment padding and the manifest, on top of the tensor bytes
-_OVERHEAD_BYTES = 4 << 20
+_OVERHEAD_BYTES = 1 << 20
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _WRITE_ERRNOS = _FULL_ERRNOS + (errno.EIO, errno.EROFS)
 
@@ -239,7 +239,12 @@ def _write_torch_file(checkpoint: dict, path: Path, zip_crc32: bool) -> tuple[in
         with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool, \
                 _crc32_option(zip_crc32):
             writer = HashingWriter(fd, pool)
-            torch.save(checkpoint, writer)
+            try:
+                torch.save(checkpoint, writer)
+            except Exception:
+                if writer.error is not None:  # the real cause (ENOSPC, EIO), not torch's echo
+                    raise writer.error from None
+                raise
         writer.flush()
         os.fsync(fd)
     finally:

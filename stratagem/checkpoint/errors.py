@@ -48,3 +48,6 @@ class CheckpointWriteError(OSError):
     and free. Raised after the save removed what it had written: the previous checkpoint, its
     manifest and ``last_checkpoint`` are as they were.
     """
+
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28]" prefix
+        return self.strerror or super().__str__()

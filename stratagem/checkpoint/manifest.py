@@ -181,8 +181,16 @@ class HashingWriter:
         self.algo = HASH_ALGO
         self.hasher = new_hasher(self.algo)
         self.size = 0
+        self.error: OSError | None = None  # torch turns our OSError into "unexpected pos"
 
     def write(self, data: Any) -> int:
+        try:
+            return self._write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def _write(self, data: Any) -> int:
         view = memoryview(data)
         if view.format != 'B' or view.ndim != 1:
             view = view.cast('B')
