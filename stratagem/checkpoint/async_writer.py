@@ -87,15 +87,15 @@ class AsyncCheckpointWriter:
         self._staging = used  # buffers of keys that disappeared are freed here
         return copied
 
-    def submit(self, job: Callable[..., Any], *args: Any) -> Future:
-        """Run ``job(*args)`` on the writer thread; ``wait()`` collects it."""
+    def submit(self, job: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Run ``job(*args, **kwargs)`` on the writer thread; ``wait()`` collects it."""
         with self._lock:
             if self._pending is not None:
                 raise RuntimeError('a save is still pending; call wait() before submitting '
                                    'the next one')
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix='stratagem-ckpt-writer')
-            self._pending = self._pool.submit(job, *args)
+            self._pending = self._pool.submit(job, *args, **kwargs)
             return self._pending
 
     def release(self) -> None:
