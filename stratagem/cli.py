@@ -17,6 +17,8 @@ COMMANDS = {
     'plot-schedule': ('stratagem.scheduler.plot',
                       'preview the lr / momentum schedule of a config (PNG or terminal chart)'),
     'env': ('stratagem.env.collect', 'print the environment (python, torch, CUDA, extras)'),
+    'convert': ('stratagem.checkpoint.convert',
+                'convert a checkpoint: sharded directory <-> single file (--to sharded)'),
     'doctor': ('stratagem.doctor', 'check a config against this machine before a run (no '
                'training); exit 1 with findings'),
 }

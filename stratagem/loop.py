@@ -209,7 +209,10 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
     start_iter = 0
     checkpoint = strategy.load_or_resume(load_from=load_from, resume=resume)
     if checkpoint is not None and resume:
+        # in this run's units: a resume at another world size converts the position (and an
+        # iteration-counted max_iters) so that exactly the samples left are read
         start_iter = int((checkpoint.get('meta') or {}).get('iter', 0))
+        max_iters = int(strategy.dispatch_kwargs.get('max_iters') or max_iters)
     # the shuffle seed is the run's configured seed (the same on every rank, also under
     # diff_rank_seed), read after a resume has restored it
     data_seed = strategy.randomness['seed']

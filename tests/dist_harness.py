@@ -279,12 +279,13 @@ def _child_main(workdir: str, rank: int) -> None:
             blob = pickle.dumps(exc)
         except Exception:  # noqa: BLE001
             blob = None
-    finally:
-        _destroy_process_group()
+    # the result file first: its mtime orders the failures, and destroying the group makes
+    # the other ranks fail ("connection closed") at once, which must not look earlier
     tmp = os.path.join(workdir, f'rank{rank}.result.tmp')
     with open(tmp, 'wb') as f:
         pickle.dump((status, blob, tb), f)
     os.replace(tmp, os.path.join(workdir, f'rank{rank}.result'))
+    _destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: a stuck gloo/NCCL thread must not keep a rank alive.

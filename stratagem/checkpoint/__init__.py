@@ -3,7 +3,8 @@ putting a state dict into a module.
 
 This package decides how a checkpoint is written, committed, verified, found and loaded; the
 strategy decides what is in it. The save protocol is numbered in ``commit.py``, the load
-sequence in ``load.py``, where manifests live in ``manifest.py``. Importing it imports torch,
+sequence in ``load.py``, the multi-rank directory protocol in
+``directory.py``, where manifests live in ``manifest.py``. Importing it imports torch,
 xxhash and the standard library only.
 """
 from .commit import (
@@ -13,7 +14,15 @@ from .commit import (
                      save_checkpoint,
 )
 from .content import validate_checkpoint_content
-from .dist import agree_on_path
+from .directory import (
+                        DirectoryWriteResult,
+                        begin_directory_save,
+                        finish_directory_save,
+                        save_directory,
+                        verify_directory,
+                        write_directory_files,
+)
+from .dist import CheckpointNotShared, agree_on_checkpoint, agree_on_path, checkpoint_identity
 from .errors import (
                      CheckpointCorruptError,
                      CheckpointWarning,
@@ -32,11 +41,25 @@ from .latest import (
 from .load import load_checkpoint_file
 from .manifest import manifest_path, verify_checkpoint
 from .retention import apply_retention
+from .sharded import (
+                      is_sharded_checkpoint,
+                      load_dcp_into,
+                      optim_state_to_fqn,
+                      optim_state_to_index,
+                      read_partial_grads,
+                      read_sharded_checkpoint,
+                      save_sharded_checkpoint,
+)
 from .state_dict import LoadReport, load_state_dict, revise_keys, unwrap_model
 
 __all__ = [
     'save_checkpoint', 'commit_directory', 'new_staging_dir', 'finalize_directory',
-    'agree_on_path', 'validate_checkpoint_content',
+    'agree_on_path', 'agree_on_checkpoint', 'checkpoint_identity', 'CheckpointNotShared',
+    'validate_checkpoint_content',
+    'save_directory', 'begin_directory_save', 'write_directory_files', 'finish_directory_save',
+    'verify_directory', 'DirectoryWriteResult',
+    'save_sharded_checkpoint', 'read_sharded_checkpoint', 'load_dcp_into', 'read_partial_grads',
+    'is_sharded_checkpoint', 'optim_state_to_fqn', 'optim_state_to_index',
     'load_checkpoint_file', 'verify_checkpoint', 'manifest_path',
     'find_latest_checkpoint', 'list_checkpoints', 'read_pointer', 'update_pointer',
     'POINTER_NAME', 'CheckpointInfo', 'apply_retention',

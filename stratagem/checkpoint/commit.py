@@ -328,13 +328,18 @@ def new_staging_dir(final_dir: PathLike) -> Path:
 
 
 def finalize_directory(staging_dir: PathLike, final_dir: PathLike, *, step: int | None = None,
-                       extra_manifest: dict | None = None, update_pointer: bool = True) -> Path:
+                       extra_manifest: dict | None = None, update_pointer: bool = True,
+                       known_files: list[dict] | None = None) -> Path:
     """Commit a staging directory filled by the strategy (rank 0 only, after a barrier).
 
     Fsyncs and hashes every file under ``staging_dir``, writes ``manifest.json`` inside,
     renames it to ``final_dir`` (atomically exchanging with an existing one where the OS can,
     then deleting the old), fsyncs the parent and updates ``last_checkpoint``. Returns the
     absolute final path.
+
+    ``known_files``: ``{'path', 'size', <digest>}`` entries (``file_entry``) (paths relative to the staging
+    dir) already fsynced and hashed by the ranks that wrote them; those are not read again
+    (their size is still checked), every other file is fsynced and hashed here.
     """
     staging = Path(staging_dir).absolute()
     final = _check_final_name(final_dir)
@@ -349,7 +354,7 @@ def finalize_directory(staging_dir: PathLike, final_dir: PathLike, *, step: int 
                          f'reserved for the checkpoint manifest; rename that file')
     if final.exists() and not final.is_dir():
         raise FileExistsError(f'cannot commit directory checkpoint {final}: a file has that name')
-    files = _hash_tree(staging)
+    files = _hash_tree(staging, {e['path']: e for e in known_files or ()})
     if not files:
         raise ValueError(f'staging directory {staging} is empty; nothing to commit for {final}')
     manifest = build_manifest('directory', final.name, files, step, extra_manifest)
@@ -383,7 +388,8 @@ def commit_directory(final_dir: PathLike, *, step: int | None = None,
         raise
 
 
-def _hash_tree(root: Path) -> list[dict]:
+def _hash_tree(root: Path, known: dict[str, dict] | None = None) -> list[dict]:
+    known = known or {}
     files = []
     with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool:
         for dirpath, dirnames, filenames in os.walk(root):
@@ -393,9 +399,19 @@ def _hash_tree(root: Path) -> list[dict]:
                 if path.is_symlink():
                     raise ValueError(f'{path} is a symlink; a checkpoint directory holds only '
                                      f'regular files')
+                rel = path.relative_to(root).as_posix()
+                entry = known.get(rel)
+                if entry is not None:
+                    size = path.stat().st_size
+                    if size != entry['size']:
+                        raise ValueError(f'{path} has {size} bytes but the rank that wrote it '
+                                         f'hashed {entry["size"]}; it changed after being written')
+                    algo, digest = entry_digest(entry)
+                    files.append(file_entry(rel, size, digest, algo))
+                    continue
                 _fs.fsync_file(path)
                 size, digest = hash_file(path, pool)
-                files.append(file_entry(path.relative_to(root).as_posix(), size, digest))
+                files.append(file_entry(rel, size, digest))
             _fs.fsync_dir(Path(dirpath))
     return files
 

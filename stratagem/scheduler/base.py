@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-__all__ = ['INF', '_ParamScheduler', 'check_optimizer', 'raw_optimizer', 'per_group']
+__all__ = ['INF', '_ParamScheduler', 'check_optimizer', 'raw_optimizer', 'per_group',
+           'replay_schedulers']
 
 # mmengine's "no end" value; an int so that state dicts stay plain
 INF = int(1e9)
@@ -162,6 +163,52 @@ class _ParamScheduler:
                             else value * epoch_length)
         return kwargs
 
+    def rescaled_state_dict(self, state: dict, ratio: Any, done_iters: int) -> dict:
+        """``state`` (this class's :meth:`state_dict`) moved to iterations of another length.
+
+        Used when a run resumes at another world size: an iteration then holds another
+        number of samples, so every step count of an iteration-based scheduler (``begin``,
+        ``end``, the lengths in ``_epoch_args``) is multiplied by ``ratio`` (new iterations per
+        old iteration, a ``fractions.Fraction``) and the position becomes ``done_iters``;
+        ``last_step`` and derived tables follow. Epoch-based states are returned unchanged.
+        Raises ``ValueError`` naming the field when a count does not convert to a whole
+        number of iterations (the schedule could not continue exactly).
+        """
+        if state.get('by_epoch', self.by_epoch):
+            return state
+        name = type(self).__name__
+        out = dict(state)
+
+        def convert(field: str, value: Any) -> int:
+            if value == INF:
+                return value
+            new = value * ratio
+            if new.denominator != 1:
+                raise ValueError(f'{name}.{field}={value} iterations is {float(new):g} '
+                                 'iterations at the new world size, not a whole number')
+            return int(new)
+
+        out['begin'] = convert('begin', state['begin'])
+        out['end'] = convert('end', state['end'])
+        for field in type(self)._epoch_args:
+            value = state.get(field)
+            if isinstance(value, dict):  # milestones: {iteration: count}
+                out[field] = {convert(field, k): v for k, v in value.items()}
+            elif isinstance(value, (list, tuple)):
+                out[field] = [convert(field, v) for v in value]
+            elif value is not None:
+                out[field] = convert(field, value)
+        if 'total_iters' in state:  # Linear / Poly / Constant: end - begin - 1, mmengine's
+            out['total_iters'] = out['end'] - out['begin'] - 1
+        out['_global_step'] = done_iters
+        out['last_step'] = min(max(done_iters - out['begin'] + 1, 0),
+                               out['end'] - out['begin']) - 1
+        return self._rescale_derived(out, ratio)
+
+    def _rescale_derived(self, state: dict, ratio: Any) -> dict:
+        """Recompute tables derived from the rescaled lengths (subclasses that keep any)."""
+        return state
+
     def _get_value(self) -> list:
         """The new value of every param group, from the current ones (chainable form)."""
         raise NotImplementedError
@@ -215,3 +262,35 @@ def per_group(value: Any, n_groups: int, owner: str, arg: str) -> list:
                              f'{n_groups} param groups; give one value or one per group')
         return list(value)
     return [value] * n_groups
+
+
+def replay_schedulers(schedulers: Sequence['_ParamScheduler'], num_iters: int,
+                      epoch_length: int | None = None) -> None:
+    """Recompute the scheduled values from scratch up to ``num_iters`` iterations done.
+
+    Every scheduled parameter of every param group goes back to its ``initial_<param>``,
+    each scheduler back to its first step, and then the schedulers are stepped as a training
+    loop steps them (mmengine's ParamSchedulerHook): iteration-based ones after every
+    iteration, epoch-based ones after every ``epoch_length`` iterations, in list order. Their
+    lengths (``begin``, ``end``, ``T_max`` ...) are kept, so after a world-size change (each
+    converted by :meth:`_ParamScheduler.rescaled_state_dict`) the values are exactly those
+    of a run that used the new units from its start, and the chainable forms continue from
+    them consistently to the schedule's end.
+    """
+    if epoch_length is None and any(s.by_epoch for s in schedulers):
+        raise ValueError('replaying epoch-based schedulers needs epoch_length (iterations per '
+                         'epoch)')
+    for sched in schedulers:
+        for group in sched.optimizer.param_groups:
+            group[sched.param_name] = group[f'initial_{sched.param_name}']
+    for sched in schedulers:
+        sched.last_step, sched._global_step = -1, -1
+        sched.step()  # the step a scheduler takes when it is built
+    for it in range(1, num_iters + 1):
+        for sched in schedulers:
+            if not sched.by_epoch:
+                sched.step()
+        if epoch_length and it % epoch_length == 0:
+            for sched in schedulers:
+                if sched.by_epoch:
+                    sched.step()

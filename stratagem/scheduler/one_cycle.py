@@ -114,6 +114,16 @@ class OneCycleParamScheduler(_ParamScheduler):
 
     _epoch_args = ('total_steps',)
 
+    def _rescale_derived(self, state: dict, ratio: Any) -> dict:
+        # phase ends are pct * total_steps - 1 (and 2 * pct * total - 2): scale pct * total
+        phases = [dict(ph) for ph in state['_schedule_phases']]
+        warm = (phases[0]['end_step'] + 1) * ratio
+        phases[0]['end_step'] = float(warm) - 1
+        if len(phases) == 3:
+            phases[1]['end_step'] = float(2 * warm) - 2
+        phases[-1]['end_step'] = state['total_steps'] - 1
+        return {**state, '_schedule_phases': phases}
+
     def _get_value(self) -> list:
         step = self.last_step
         if step > self.total_steps:

@@ -313,6 +313,11 @@ class CosineRestartParamScheduler(_ParamScheduler):
 
     _epoch_args = ('periods',)
 
+    def _rescale_derived(self, state: dict, ratio: Any) -> dict:
+        periods = state['periods']
+        return {**state, 'cumulative_periods': [sum(periods[:i + 1])
+                                                for i in range(len(periods))]}
+
     @staticmethod
     def get_position_from_periods(iteration: int, cumulative_periods: list[int]) -> int | None:
         """Index of the first cumulative period end beyond ``iteration``, or None."""

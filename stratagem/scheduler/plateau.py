@@ -102,6 +102,15 @@ class ReduceOnPlateauParamScheduler(_ParamScheduler):
         self.num_bad_epochs = 0
         self._last_value = [g[param_name] for g in optimizer.param_groups]
 
+    def rescaled_state_dict(self, state: dict, ratio: Any, done_iters: int) -> dict:
+        """Epoch-based: unchanged. By iteration, patience and cooldown count iterations of
+        validation, which a world-size change cannot convert: refused."""
+        if state.get('by_epoch', self.by_epoch):
+            return state
+        raise ValueError(f'{type(self).__name__} stepped by iteration counts validations '
+                         '(patience, cooldown) in iterations, which cannot be converted to '
+                         'another world size')
+
     def step(self, metrics: Mapping[str, Any] | None = None) -> None:  # type: ignore[override]
         """Count an epoch (no ``metrics``) or react to a validation result.
 

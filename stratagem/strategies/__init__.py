@@ -11,7 +11,17 @@ from .base import BaseStrategy
 from .ddp import DDPStrategy
 from .single_device import SingleDeviceStrategy
 
-__all__ = ['BaseStrategy', 'SingleDeviceStrategy', 'DDPStrategy', 'build_strategy']
+__all__ = ['BaseStrategy', 'SingleDeviceStrategy', 'DDPStrategy', 'FSDPStrategy',
+           'build_strategy']
+
+STRATEGIES.register_lazy('FSDPStrategy', 'stratagem.strategies.fsdp:FSDPStrategy')
+
+
+def __getattr__(name: str) -> Any:
+    if name == 'FSDPStrategy':  # torch.distributed.fsdp is imported only when used
+        from .fsdp import FSDPStrategy
+        return FSDPStrategy
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
 def build_strategy(cfg: Mapping | BaseStrategy) -> BaseStrategy:

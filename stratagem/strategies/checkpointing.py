@@ -38,6 +38,8 @@ from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.vote import CheckpointVoteError, SaveVote
 from stratagem.version import __version__
 
+from .world_change import plan_world_size_change
+
 __all__ = ['CheckpointMixin']
 
 
@@ -86,14 +88,18 @@ class CheckpointMixin:
         else:
             self._load_scheduler_list(scheds, state_dict)
 
+    @classmethod
+    def _load_scheduler_list(cls, scheds: Sequence, states: Sequence) -> None:
+        cls._check_scheduler_count(scheds, states)
+        for sched, state in zip(scheds, states):
+            sched.load_state_dict(state)
+
     @staticmethod
-    def _load_scheduler_list(scheds: Sequence, states: Sequence) -> None:
+    def _check_scheduler_count(scheds: Sequence, states: Sequence) -> None:
         if len(scheds) != len(states):
             raise ValueError(f'checkpoint holds {len(states)} param scheduler state(s) but '
                              f'{len(scheds)} scheduler(s) were built; the param_scheduler config '
                              'changed since the checkpoint was saved')
-        for sched, state in zip(scheds, states):
-            sched.load_state_dict(state)
 
     # ----------------------------------------------------------------- checkpoints
     def _resolve_map_location(self, map_location: Any) -> Any:
@@ -114,8 +120,17 @@ class CheckpointMixin:
             writer.wait()
 
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
-        """Backend hook: read a checkpoint (default: one verified file, weights_only)."""
+        """Backend hook: read a checkpoint (default: one verified file, weights_only; a
+        sharded directory, e.g. FSDPStrategy's, is verified and read unsharded)."""
+        if ckpt.is_sharded_checkpoint(filename):
+            checkpoint = ckpt.read_sharded_checkpoint(filename)
+            return _move(checkpoint, map_location)
         return ckpt.load_checkpoint_file(filename, map_location=map_location)
+
+    def _validate_checkpoint(self, checkpoint: dict) -> None:
+        """Backend hook: check the content is loadable with weights_only (tensors, plain
+        values); a sharding backend validates its shards' local tensors."""
+        ckpt.validate_checkpoint_content(checkpoint)
 
     def load_checkpoint(self, filename: str, *, map_location: Any = 'cpu', strict: bool = False,
                         revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
@@ -126,9 +141,14 @@ class CheckpointMixin:
         edit the dict in place. A checkpoint without ``state_dict`` is treated as
         a bare state dict.
         """
+        filename = self._agree_on_checkpoint(filename)
         checkpoint = self._read_checkpoint(filename, map_location, callback)
         self._load_weights(checkpoint, filename, strict=strict, revise_keys=revise_keys)
         return checkpoint
+
+    def _agree_on_checkpoint(self, filename: str) -> str:
+        """Rank 0's ``filename``, verified to be the same bytes on every rank (collective)."""
+        return str(ckpt.agree_on_checkpoint(filename))
 
     def _read_checkpoint(self, filename: str, map_location: Any,
                          callback: Callable[[dict], None] | None) -> dict:
@@ -159,6 +179,7 @@ class CheckpointMixin:
         if not self._prepared:
             raise RuntimeError('resume() needs the prepared components: call strategy.prepare('
                                'model, optim_wrapper=..., param_scheduler=...) first')
+        filename = self._agree_on_checkpoint(filename)
         checkpoint = self._read_checkpoint(filename, map_location, callback)
         want_optim = resume_optimizer and hasattr(self, 'optim_wrapper')
         want_sched = resume_param_scheduler and hasattr(self, 'param_schedulers')
@@ -170,19 +191,59 @@ class CheckpointMixin:
                            f"{sorted(checkpoint)}); load weights only with load_checkpoint(), or "
                            'pass resume_optimizer=False / resume_param_scheduler=False')
         meta = checkpoint.get('meta') or {}
+        # everything that can refuse a world-size change runs before anything is loaded
+        change = plan_world_size_change(meta, self.dispatch_kwargs, self.world_size,
+                                        self._max_accumulation(), filename)
+        sched_states = checkpoint.get('param_schedulers') if want_sched else None
+        converting = change is not None and change.new_iter is not None
+        if want_sched and converting:
+            sched_states = change.rescale_schedulers(
+                self.param_schedulers, sched_states, self.dispatch_kwargs.get('epoch_length'),
+                filename)
         # mmengine resumes non-strictly too; mismatches are reported in one warning
         self._load_weights(checkpoint, filename, strict=False)
         if want_optim:
             self.load_optim_state_dict(checkpoint['optimizer'])
             self._load_partial_grads(checkpoint, meta)
+        done = meta.get('iter')
+        if converting:
+            done = change.new_iter
+            if change.max_iters is not None:
+                self.dispatch_kwargs['max_iters'] = change.max_iters[1]
         if hasattr(self, 'optim_wrapper'):
-            self._initialize_accumulation(meta.get('iter'))
+            self._initialize_accumulation(done)
         if want_sched:
-            self.load_scheduler_state_dict(checkpoint['param_schedulers'])
+            self.load_scheduler_state_dict(sched_states)
+            if converting:
+                change.replay_schedulers(self.param_schedulers,
+                                         self.dispatch_kwargs.get('epoch_length'))
         self._restore_randomness(checkpoint, meta, filename)
+        if change is not None:
+            checkpoint['meta'] = meta = {**meta, 'iter': done,
+                                         'world_size_change': change.as_meta()}
+            self._report_world_size_change(change, filename)
+        self._check_same_step(meta.get('iter'), filename)
         self.resumed_from = osp.abspath(filename)
         self.logger.info(f'resumed from {filename} (iter {meta.get("iter")})')
         return checkpoint
+
+    def _max_accumulation(self) -> int:
+        if not hasattr(self, 'optim_wrapper'):
+            return 1
+        return max(getattr(w, '_accumulative_counts', 1) for w in self._wrappers())
+
+    def _report_world_size_change(self, change: Any, filename: str) -> None:
+        if self.rank == 0:  # the same on every rank: said once
+            enabled = bool((self._auto_scale_lr or {}).get('enable'))
+            self.logger.warning(change.describe(filename, auto_scale_lr=enabled))
+
+    def _check_same_step(self, step: Any, filename: str) -> None:
+        """After a resume every rank must stand at the same iteration (collective)."""
+        steps = env.all_gather_object(step)
+        if len(set(map(repr, steps))) > 1:
+            raise RuntimeError(f'after resuming {filename} the ranks disagree on the iteration: '
+                               f'{steps} (rank order); every rank must resume the same '
+                               'checkpoint')
 
     def _load_partial_grads(self, checkpoint: Mapping, meta: Mapping) -> None:
         """Each rank's own partial gradients (saved mid accumulation window under DDP)."""
@@ -235,7 +296,10 @@ class CheckpointMixin:
         if isinstance(resume, str):
             return self.resume(resume)
         if resume and load_from is None:
-            latest = ckpt.find_latest_checkpoint(self._work_dir)
+            # rank 0 decides (other ranks may not see this work_dir, or see another one);
+            # resume() then checks every rank reads that same checkpoint
+            latest = ckpt.find_latest_checkpoint(self._work_dir) if self.rank == 0 else None
+            latest = env.broadcast_object(None if latest is None else str(latest))
             if latest is None:
                 self.logger.info(f'no checkpoint in {self._work_dir} to resume from; '
                                  'training starts from scratch')
@@ -252,6 +316,10 @@ class CheckpointMixin:
                 'experiment_name': self._experiment_name, 'world_size': self.world_size,
                 'strategy': type(self).__name__, 'stratagem_version': __version__,
                 'torch_version': str(torch.__version__), 'auto_scale_lr_applied': self._lr_scaled}
+        # what a resume at another world size needs to convert iteration counts
+        for key in ('train_micro_batch_size_per_gpu', 'epoch_length'):
+            if self.dispatch_kwargs.get(key) is not None:
+                meta[key] = int(self.dispatch_kwargs[key])
         meta.update(extra_meta or {})
         return meta
 
@@ -286,9 +354,9 @@ class CheckpointMixin:
             callback(checkpoint)
         # every rank checks the content, so a bad value fails on all ranks alike instead of
         # leaving the others waiting for rank 0
-        ckpt.validate_checkpoint_content(checkpoint)
+        self._validate_checkpoint(checkpoint)
         vote = SaveVote.open(self.checkpoint_timeout, f'saving {path}')
-        if not self.async_checkpoint:
+        if not (self.async_checkpoint and self._async_capable()):
             self._write_and_agree(checkpoint, path, vote)
             return path
         if self._async_writer is None:
@@ -307,6 +375,13 @@ class CheckpointMixin:
         del checkpoint  # the live tensors may change from here on
         self._async_writer.submit(self._write_and_agree, staged, path, vote)
         return path
+
+    def _async_capable(self) -> bool:
+        """Backend hook: whether this save's write step can run on the writer thread. A
+        layout whose writer issues collectives (DCP's planning, the directory helper's
+        exchange) returns False until those run on a group of the writer's own; such saves
+        stay synchronous, with a one-time warning, rather than risk a deadlock."""
+        return True
 
     def _write_and_agree(self, checkpoint: dict | None, path: str, vote: SaveVote | None
                          ) -> None:
@@ -381,3 +456,16 @@ class CheckpointMixin:
                                  extra_manifest={'world_size': self.world_size,
                                                  'strategy': type(self).__name__},
                                  before_commit=self._commit_gate)
+
+
+def _move(obj: Any, map_location: Any) -> Any:
+    """Tensors of a checkpoint read on CPU, moved where ``map_location`` (a device) says."""
+    if map_location in (None, 'cpu') or not isinstance(map_location, (str, torch.device)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(map_location)
+    if isinstance(obj, dict):
+        return {k: _move(v, map_location) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_move(v, map_location) for v in obj]
+    return obj

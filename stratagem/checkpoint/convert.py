@@ -1,0 +1,95 @@
+"""``stratagem convert SRC DST``: a checkpoint from one layout to another, in one process.
+
+Dispatch on the detected source format (``SOURCES``: a predicate and a reader returning one
+full mmengine-layout dict); the DeepSpeed backend adds its ZeRO source beside ours. Targets:
+``file`` (one verified single-file checkpoint with its manifest) or ``sharded`` (a directory of
+DCP files, committed with a manifest). No process group is needed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from .commit import save_checkpoint
+from .errors import NotACheckpointError
+from .load import load_checkpoint_file
+from .sharded import is_sharded_checkpoint, read_sharded_checkpoint, save_sharded_checkpoint
+
+__all__ = ['convert_checkpoint', 'SOURCES', 'add_arguments', 'run']
+
+Reader = Callable[[Path, Callable[[int, int], None] | None], dict]
+
+
+def _read_file(path: Path, progress: Callable[[int, int], None] | None) -> dict:
+    checkpoint = load_checkpoint_file(path, map_location='cpu')
+    if not isinstance(checkpoint, dict):
+        raise NotACheckpointError(f'{path} holds a {type(checkpoint).__name__}, not a checkpoint '
+                                  "dict (expected keys like 'state_dict', 'meta')")
+    return checkpoint
+
+
+# name -> (detect(path) -> bool, read(path, progress) -> dict); first match wins
+SOURCES: dict[str, tuple[Callable[[Path], bool], Reader]] = {
+    'sharded': (is_sharded_checkpoint,
+                lambda p, progress: read_sharded_checkpoint(p, progress=progress)),
+    'file': (Path.is_file, _read_file),
+}
+
+
+def detect_source(path: Path) -> str:
+    for name, (detect, _) in SOURCES.items():
+        if detect(path):
+            return name
+    if not path.exists():
+        raise FileNotFoundError(f'checkpoint not found: {path}')
+    raise NotACheckpointError(f'{path} is not a checkpoint this command can read (formats: '
+                              f'{", ".join(SOURCES)}); a directory needs DCP .metadata and '
+                              f'a stratagem manifest.json')
+
+
+def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: str = 'file',
+                       progress: Callable[[int, int], None] | None = None) -> Path:
+    """Convert ``src`` (any format in ``SOURCES``) to ``dst`` (``to='file'`` or ``'sharded'``)."""
+    if to not in ('file', 'sharded'):
+        raise ValueError(f"convert: to={to!r}; use 'file' or 'sharded'")
+    src, dst = Path(src).absolute(), Path(dst).absolute()
+    if dst.exists():
+        raise FileExistsError(f'convert: {dst} exists; choose a new name (a conversion never '
+                              f'overwrites a checkpoint)')
+    source = detect_source(src)
+    checkpoint = SOURCES[source][1](src, progress)
+    step = (checkpoint.get('meta') or {}).get('iter')
+    step = step if type(step) is int else None
+    extra = {'converted_from': str(src), 'source_format': source}
+    if to == 'file':
+        checkpoint.pop('partial_grads_fqn', None)  # per-rank, meaningful only sharded
+        return save_checkpoint(checkpoint, dst, step=step, extra_manifest=extra,
+                               update_pointer=False)
+    return save_sharded_checkpoint(dst, checkpoint, step=step, extra_manifest=extra,
+                                   optimizer_keys='index', collective=False)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('src', help='the checkpoint to convert (a file or a sharded directory)')
+    parser.add_argument('dst', help='the new checkpoint (must not exist)')
+    parser.add_argument('--to', choices=('file', 'sharded'), default='file',
+                        help='target layout (default: one file)')
+
+
+def run(args: argparse.Namespace) -> int:
+    def progress(done: int, total: int) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        sys.stderr.write(f'\rverifying [{"#" * filled}{"." * (width - filled)}] {done}/{total}')
+        if done >= total:
+            sys.stderr.write('\n')
+    try:
+        out = convert_checkpoint(args.src, args.dst, to=args.to, progress=progress)
+    except (OSError, ValueError) as err:
+        print(f'stratagem convert: {err}', file=sys.stderr)
+        return 1
+    print(f'wrote {out}')
+    return 0

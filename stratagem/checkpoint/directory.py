@@ -1,0 +1,295 @@
+"""Directory checkpoints across ranks: every rank writes files, one atomic commit, one manifest.
+
+A backend that writes a checkpoint as several files (FSDP's DCP shards, DeepSpeed's per-rank
+files) hands this module a write function and gets the protocol of ``DESIGN.md``. Collective:
+every rank of the default process group calls the same functions in the same order; without a
+process group the same calls work in one process.
+
+Save, ``save_directory(final_dir, write_fn, step=..., extra_manifest=...)``, is three steps
+that can also be called one by one (an asynchronous saver runs step 2 in a background writer):
+
+1. ``staging = begin_directory_save(final_dir)``: rank 0 checks the name and creates a fresh
+   staging directory ``.{name}.tmp-{pid}-{rand}`` beside ``final_dir``; every rank gets its
+   path (a failure there raises on every rank). Nothing is ever written into an existing
+   checkpoint directory: a committed one is replaced only by the rename of step 3.
+2. ``written = write_directory_files(staging, write_fn)`` (local, no collective): runs
+   ``write_fn(staging)`` on this rank. It returns the paths it wrote (absolute or relative to
+   ``staging``), which are fsynced and hashed here, so ranks hash their own files in parallel;
+   or None, in which case rank 0 fsyncs and hashes every unclaimed file in step 3. Any
+   exception, ``BaseException`` subclasses such as DCP's ``CheckpointException`` included (but
+   not ``KeyboardInterrupt``/``SystemExit``), is caught and returned as a failed result.
+3. ``finish_directory_save(staging, final_dir, written, step=..., extra_manifest=...)``:
+   (a) the ranks exchange their results; if any rank failed, rank 0 removes the staging dir
+   and every rank raises (this rank's own ``Exception``, or a ``RuntimeError`` naming the
+   first failing rank and its error, chained to this rank's ``BaseException`` if it had one). (b) rank 0 runs ``finalize_directory``: it writes
+   ``manifest.json`` (files with size and digest, step, versions, ``world_size`` and the
+   caller's ``extra_manifest``, e.g. the strategy), renames the staging dir to ``final_dir``,
+   fsyncs the parent and updates ``last_checkpoint``. (c) rank 0's outcome is broadcast, so a
+   failed commit also raises on every rank; the previous checkpoint and pointer are unchanged.
+
+Load, ``verify_directory(path)`` then the backend's own reader: the manifest is read first
+(none: ``CheckpointCorruptError``, the directory was never committed); every listed file's
+size is checked on every rank and its digest by one rank (files are dealt round-robin, so the
+ranks hash in parallel); a missing or altered file raises on every rank naming the file.
+Every rank must also see the same manifest. Retention of whole directories is
+``apply_retention``'s, which already treats a directory with a manifest as one checkpoint.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .commit import finalize_directory, new_staging_dir
+from .errors import CheckpointCorruptError, CheckpointWarning
+from .manifest import (DIR_MANIFEST, check_extra_manifest, file_entry, hash_file, read_manifest,
+                       verify_file)
+
+__all__ = ['begin_directory_save', 'write_directory_files', 'finish_directory_save',
+           'save_directory', 'verify_directory', 'DirectoryWriteResult']
+
+PathLike = str | os.PathLike
+WriteFn = Callable[[Path], 'Iterable[PathLike] | None']
+_NOT_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+@dataclass
+class DirectoryWriteResult:
+    """What step 2 returns on one rank: the files it hashed, or the error it hit."""
+
+    files: list[dict] = field(default_factory=list)
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+# ---------------------------------------------------------------- collectives (torch.distributed)
+def _dist() -> Any:
+    import torch.distributed as dist
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank_world() -> tuple[int, int]:
+    dist = _dist()
+    return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+
+
+def _gather(obj: Any) -> list[Any]:
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any) -> Any:
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, 0)
+    return box[0]
+
+
+def _describe(error: BaseException) -> str:
+    return f'{type(error).__name__}: {error}'
+
+
+def _raise_first(outcomes: list[str | None], mine: BaseException | None, what: str,
+                 error_type: type[Exception] = RuntimeError) -> None:
+    """Raise on every rank if any rank failed: this rank's own error, else one naming the rank."""
+    failed = [(rank, msg) for rank, msg in enumerate(outcomes) if msg is not None]
+    if not failed:
+        return
+    if isinstance(mine, Exception):
+        raise mine
+    rank, msg = failed[0]
+    # a BaseException (DCP's CheckpointException) becomes an Exception, so that callers'
+    # `except Exception` error exchange sees it on this rank as on the others
+    raise error_type(f'{what} failed on rank {rank}: {msg}') from mine
+
+
+# ---------------------------------------------------------------------------- save: 3 steps
+def begin_directory_save(final_dir: PathLike) -> Path:
+    """Step 1 (collective): rank 0 creates a staging dir beside ``final_dir``; all get its path."""
+    rank, _ = _rank_world()
+    path, error = None, None
+    if rank == 0:
+        try:
+            path = os.fspath(new_staging_dir(final_dir))
+        except Exception as err:  # noqa: BLE001 - raised below, on every rank
+            error = err
+    path, message = _broadcast((path, None if error is None else _describe(error)))
+    if error is not None:
+        raise error
+    if message is not None:
+        raise RuntimeError(f'creating the staging directory for {final_dir} failed on rank 0: '
+                           f'{message}')
+    return Path(path)
+
+
+def write_directory_files(staging: PathLike, write_fn: WriteFn) -> DirectoryWriteResult:
+    """Step 2 (this rank only): run ``write_fn(staging)``; fsync and hash the files it returns.
+
+    Never raises for a failed write (the error is returned, so step 3 can tell every rank).
+    """
+    staging = Path(staging)
+    try:
+        written = write_fn(staging)
+        if written is None:
+            return DirectoryWriteResult()
+        return DirectoryWriteResult(files=[_hash_written(staging, p) for p in written])
+    except _NOT_CAUGHT:
+        raise
+    except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        return DirectoryWriteResult(error=err)
+
+
+def _hash_written(staging: Path, path: PathLike) -> dict:
+    path = Path(path)
+    full = path if path.is_absolute() else staging / path
+    try:
+        rel = full.relative_to(staging).as_posix()
+    except ValueError:
+        raise ValueError(f'write_fn returned {full}, which is not inside the staging directory '
+                         f'{staging}; write every file of the checkpoint there') from None
+    fd = os.open(full, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    size, digest = hash_file(full)
+    return file_entry(rel, size, digest)
+
+
+def finish_directory_save(staging: PathLike, final_dir: PathLike, written: DirectoryWriteResult,
+                          *, step: int | None = None, extra_manifest: dict | None = None,
+                          update_pointer: bool = True) -> Path:
+    """Step 3 (collective): exchange errors, rank 0 commits, everyone learns the outcome.
+
+    Returns the committed directory's absolute path on every rank.
+    """
+    rank, world = _rank_world()
+    staging = Path(staging)
+    outcomes = _gather((None if written.ok else _describe(written.error), written.files))
+    errors = [err for err, _ in outcomes]
+    if any(err is not None for err in errors):
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        _raise_first(errors, written.error, f'saving checkpoint directory {final_dir}')
+    error, final = None, None
+    if rank == 0:
+        known = [entry for _, files in outcomes for entry in files]
+        try:
+            final = os.fspath(finalize_directory(
+                staging, final_dir, step=step, update_pointer=update_pointer, known_files=known,
+                extra_manifest={'world_size': world, **(extra_manifest or {})}))
+        except Exception as err:  # noqa: BLE001 - raised below, on every rank
+            error = err
+            shutil.rmtree(staging, ignore_errors=True)
+    final, message = _broadcast((final, None if error is None else _describe(error)))
+    if error is not None:
+        raise error
+    if message is not None:
+        raise RuntimeError(f'committing checkpoint directory {final_dir} failed on rank 0: '
+                           f'{message}')
+    return Path(final)
+
+
+def save_directory(final_dir: PathLike, write_fn: WriteFn, *, step: int | None = None,
+                   extra_manifest: dict | None = None, update_pointer: bool = True) -> Path:
+    """Collective atomic save of a multi-file checkpoint; steps 1-3 of the module docstring.
+
+    Args:
+        final_dir: the checkpoint directory's final path (must be the same on every rank;
+            rank 0's is used).
+        write_fn: ``write_fn(staging: Path)``, run on every rank, writes this rank's files
+            into ``staging`` and returns the paths it wrote (fsynced and hashed by this rank)
+            or None (rank 0 then fsyncs and hashes them). It must not write ``manifest.json``.
+        step: training step (or epoch) recorded in the manifest; orders checkpoints.
+        extra_manifest: JSON-able extras for the manifest (e.g. ``{'strategy': 'FSDP...'}``);
+            ``world_size`` is added for you.
+        update_pointer: point ``last_checkpoint`` at the new directory.
+
+    Returns:
+        The committed directory's absolute path, on every rank.
+    """
+    if step is not None and (type(step) is not int or step < 0):
+        raise TypeError(f'step must be a non-negative int or None, got {step!r}')
+    check_extra_manifest(extra_manifest)
+    staging = begin_directory_save(final_dir)
+    written = write_directory_files(staging, write_fn)
+    return finish_directory_save(staging, final_dir, written, step=step,
+                                 extra_manifest=extra_manifest, update_pointer=update_pointer)
+
+
+# -------------------------------------------------------------------------------------- load
+def verify_directory(path: PathLike, *, hash_bytes: bool = True, collective: bool = True) -> dict:
+    """Verify a committed directory checkpoint before reading it; returns its manifest.
+
+    ``collective=True`` (every rank calls it): each rank checks every size and hashes its
+    round-robin share of the files; errors are exchanged, so all ranks raise the same error
+    naming the missing or altered file. ``collective=False`` verifies everything here.
+    Raises ``FileNotFoundError`` (no such directory, or a listed file missing),
+    ``NotADirectoryError``, or ``CheckpointCorruptError`` (no or unreadable manifest, a size or
+    sha256 mismatch, ranks seeing different manifests). Files present but not listed are
+    reported with a ``CheckpointWarning`` (something wrote into a committed checkpoint).
+    """
+    rank, world = _rank_world() if collective else (0, 1)
+    directory = Path(path).absolute()
+    manifest, digest, error = None, None, None
+    try:
+        manifest, digest = _read_dir_manifest(directory)
+        mfile = directory / DIR_MANIFEST
+        for i, entry in enumerate(manifest['files']):
+            verify_file(directory / entry['path'], entry, mfile,
+                        hash_bytes=hash_bytes and i % world == rank)
+    except Exception as err:  # noqa: BLE001 - exchanged, raised on every rank
+        error = err
+    outcomes = _gather((digest, None if error is None else _describe(error))) if collective \
+        else [(digest, None if error is None else _describe(error))]
+    _raise_first([msg for _, msg in outcomes], error, f'verifying {directory}',
+                 CheckpointCorruptError)
+    if len({d for d, _ in outcomes}) > 1:
+        raise CheckpointCorruptError(f'ranks read different manifests in {directory} (the '
+                                     f'directory changed while loading, or ranks see different '
+                                     f'filesystems); it was not loaded')
+    if rank == 0:
+        _warn_unlisted(directory, manifest)
+    return manifest
+
+
+def _read_dir_manifest(directory: Path) -> tuple[dict, str]:
+    if not directory.exists():
+        raise FileNotFoundError(f'checkpoint directory not found: {directory}')
+    if not directory.is_dir():
+        raise NotADirectoryError(f'{directory} is not a directory checkpoint')
+    mfile = directory / DIR_MANIFEST
+    manifest = read_manifest(mfile)
+    if manifest is None:
+        raise CheckpointCorruptError(
+            f'{directory} has no {DIR_MANIFEST}: it is not a committed stratagem checkpoint '
+            f'(a save that died before its commit, or written by another tool); it was not '
+            f'loaded')
+    if manifest.get('kind') != 'directory':
+        raise CheckpointCorruptError(f'{mfile} describes a {manifest.get("kind")!r} checkpoint, '
+                                     f'not a directory')
+    return manifest, hashlib.sha256(mfile.read_bytes()).hexdigest()
+
+
+def _warn_unlisted(directory: Path, manifest: dict) -> None:
+    listed = {entry['path'] for entry in manifest['files']} | {DIR_MANIFEST}
+    extra = sorted(p.relative_to(directory).as_posix() for p in directory.rglob('*')
+                   if p.is_file() and p.relative_to(directory).as_posix() not in listed)
+    if extra:
+        warnings.warn(f'{directory} holds files its manifest does not list: {extra[:5]}'
+                      f'{" ..." if len(extra) > 5 else ""}; they were written after the commit '
+                      f'and are ignored', CheckpointWarning, stacklevel=3)

@@ -1,0 +1,199 @@
+"""save_directory / verify_directory: the multi-rank directory-checkpoint protocol.
+
+Single-process checks first, then one 2-rank gloo spawn for the collective paths (success,
+a failure on one rank after the shards are written, a BaseException from the writer, a
+corrupt shard refused on every rank).
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dist_harness import run_distributed  # noqa: E402
+
+from stratagem.checkpoint import (POINTER_NAME, CheckpointCorruptError, CheckpointWarning,  # noqa: E402
+                                  apply_retention, begin_directory_save, find_latest_checkpoint,
+                                  finish_directory_save, read_pointer, save_directory,
+                                  verify_directory, write_directory_files)
+from stratagem.checkpoint.manifest import hash_file  # noqa: E402
+
+
+class _FakeCheckpointException(BaseException):
+    """Stands in for DCP's CheckpointException, which is a BaseException."""
+
+
+def _writer(payload: bytes, names=('a.bin', 'sub/b.bin'), claim=True, fail=None):
+    def write(staging: Path):
+        for name in names:
+            p = staging / name
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(payload + name.encode())
+        if fail is not None:
+            raise fail
+        return [staging / n for n in names] if claim else None
+    return write
+
+
+def test_save_commits_with_manifest_and_pointer(tmp_path):
+    final = save_directory(tmp_path / 'iter_2', _writer(b'x' * 100), step=2,
+                           extra_manifest={'strategy': 'Test'})
+    assert final == (tmp_path / 'iter_2').absolute()
+    manifest = json.loads((final / 'manifest.json').read_text())
+    assert manifest['kind'] == 'directory' and manifest['step'] == 2
+    assert manifest['world_size'] == 1 and manifest['strategy'] == 'Test'
+    files = {f['path']: f for f in manifest['files']}
+    assert set(files) == {'a.bin', 'sub/b.bin'}
+    for rel, entry in files.items():
+        assert (entry['size'], entry['xxh3_128']) == hash_file(final / rel)
+    assert read_pointer(tmp_path) == final
+    assert verify_directory(final)['step'] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['iter_2', POINTER_NAME]
+
+
+def test_unclaimed_files_are_hashed_by_rank0(tmp_path):
+    final = save_directory(tmp_path / 'd', _writer(b'y' * 10, claim=False), step=None)
+    manifest = verify_directory(final)
+    assert sorted(f['path'] for f in manifest['files']) == ['a.bin', 'sub/b.bin']
+    assert all(f['xxh3_128'] == hash_file(final / f['path'])[1] for f in manifest['files'])
+
+
+def test_failed_write_leaves_previous_checkpoint_latest(tmp_path):
+    good = save_directory(tmp_path / 'iter_1', _writer(b'1'), step=1)
+    for error in (OSError('disk full'), _FakeCheckpointException('shard 0 failed')):
+        expected = OSError if isinstance(error, Exception) else RuntimeError
+        with pytest.raises(expected, match=str(error)):
+            save_directory(tmp_path / 'iter_2', _writer(b'2', fail=error), step=2)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ['iter_1', POINTER_NAME]
+        assert read_pointer(tmp_path) == good
+        assert find_latest_checkpoint(tmp_path) == good
+
+
+def test_steps_one_by_one_and_replacing_a_committed_dir(tmp_path):
+    save_directory(tmp_path / 'ck', _writer(b'old'), step=1)
+    staging = begin_directory_save(tmp_path / 'ck')
+    assert staging.parent == tmp_path and staging.name.startswith('.ck.tmp-')
+    assert list(staging.iterdir()) == []  # fresh: nothing of the old checkpoint in it
+    written = write_directory_files(staging, _writer(b'new'))
+    assert written.ok and {f['path'] for f in written.files} == {'a.bin', 'sub/b.bin'}
+    final = finish_directory_save(staging, tmp_path / 'ck', written, step=2)
+    assert (final / 'a.bin').read_bytes() == b'newa.bin'
+    assert verify_directory(final)['step'] == 2 and not staging.exists()
+
+
+def test_write_fn_paths_outside_staging_are_refused(tmp_path):
+    outside = tmp_path / 'elsewhere.bin'
+    outside.write_bytes(b'z')
+    with pytest.raises(ValueError, match='not inside the staging directory'):
+        save_directory(tmp_path / 'd', lambda staging: [outside])
+    assert not (tmp_path / 'd').exists()
+
+
+def test_manifest_name_reserved_and_empty_refused(tmp_path):
+    with pytest.raises(ValueError, match='reserved'):
+        save_directory(tmp_path / 'd', _writer(b'', names=('manifest.json',)))
+    with pytest.raises(ValueError, match='empty'):
+        save_directory(tmp_path / 'd', lambda staging: [])
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+@pytest.mark.parametrize('damage', ['missing', 'altered', 'truncated', 'no_manifest'])
+def test_verify_names_the_damaged_file(tmp_path, damage):
+    final = save_directory(tmp_path / 'd', _writer(b'q' * 64))
+    target = final / 'sub' / 'b.bin'
+    if damage == 'missing':
+        target.unlink()
+        err, match = FileNotFoundError, 'sub/b.bin.*missing'
+    elif damage == 'altered':
+        data = bytearray(target.read_bytes())
+        data[3] ^= 1
+        target.write_bytes(bytes(data))
+        err, match = CheckpointCorruptError, 'sub/b.bin.*xxh3_128'
+    elif damage == 'truncated':
+        target.write_bytes(target.read_bytes()[:-1])
+        err, match = CheckpointCorruptError, 'sub/b.bin.*size'
+    else:
+        (final / 'manifest.json').unlink()
+        err, match = CheckpointCorruptError, 'no manifest.json'
+    with pytest.raises(err, match=match):
+        verify_directory(final)
+
+
+def test_verify_warns_on_unlisted_files_and_retention_removes_whole_dirs(tmp_path):
+    dirs = [save_directory(tmp_path / f'iter_{i}', _writer(bytes([i])), step=i) for i in range(3)]
+    (dirs[2] / 'stray.txt').write_text('late')
+    with pytest.warns(CheckpointWarning, match='stray.txt'):
+        verify_directory(dirs[2])
+    removed = apply_retention(tmp_path, 1, protect=[dirs[0]])
+    assert removed == [dirs[1]]
+    assert dirs[0].is_dir() and dirs[2].is_dir() and not dirs[1].exists()
+
+
+# ------------------------------------------------------------------------- 2 ranks, gloo
+def _dist_checks(root):
+    from stratagem.env import init_dist
+    init_dist('pytorch')
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    root = Path(root)
+    out = {}
+
+    def per_rank(tag, fail_rank=None, error=None):
+        def write(staging):
+            p = staging / f'shard_{rank}.bin'
+            p.write_bytes(f'{tag}-{rank}'.encode() * 50)
+            if rank == fail_rank:
+                raise error
+            return [p.name]
+        return write
+
+    good = save_directory(root / 'iter_1', per_rank('one'), step=1,
+                          extra_manifest={'strategy': 'T'})
+    manifest = verify_directory(good)
+    out['files'] = sorted(f['path'] for f in manifest['files'])
+    out['world'] = manifest['world_size']
+    out['final'] = str(good)
+    # a failure on rank 1 after every rank wrote its shard: raised on both, rank 1 named
+    for error in (OSError('disk full'), _FakeCheckpointException('dcp failed')):
+        try:
+            save_directory(root / 'iter_2', per_rank('two', 1, error), step=2)
+        except BaseException as err:  # noqa: BLE001
+            out.setdefault('errors', []).append(f'{type(err).__name__}: {err}')
+        dist.barrier()
+        out.setdefault('listing', []).append(sorted(p.name for p in root.iterdir()))
+        out.setdefault('latest', []).append(str(find_latest_checkpoint(root)))
+    # a shard altered after the commit is refused on both ranks, naming the file
+    dist.barrier()
+    if rank == 0:
+        p = good / 'shard_1.bin'
+        p.write_bytes(p.read_bytes()[:-1] + b'X')
+    dist.barrier()
+    try:
+        verify_directory(good)
+    except CheckpointCorruptError as err:
+        out['verify'] = str(err)
+    return out
+
+
+def test_two_ranks(tmp_path):
+    res = run_distributed(_dist_checks, nproc=2, args=(str(tmp_path),), timeout=120)
+    for rank, out in enumerate(res):
+        assert out['files'] == ['shard_0.bin', 'shard_1.bin'] and out['world'] == 2
+        assert out['final'] == str(tmp_path / 'iter_1')
+        assert out['listing'] == [['iter_1', POINTER_NAME]] * 2
+        assert out['latest'] == [str(tmp_path / 'iter_1')] * 2
+        if rank == 1:  # the failing rank re-raises its own error
+            assert out['errors'] == [
+                'OSError: disk full',  # its own error; a BaseException becomes a RuntimeError
+                'RuntimeError: saving checkpoint directory '
+                f'{tmp_path / "iter_2"} failed on rank 1: _FakeCheckpointException: dcp failed']
+        else:
+            assert out['errors'] == [
+                'RuntimeError: saving checkpoint directory '
+                f'{tmp_path / "iter_2"} failed on rank 1: OSError: disk full',
+                'RuntimeError: saving checkpoint directory '
+                f'{tmp_path / "iter_2"} failed on rank 1: _FakeCheckpointException: dcp failed']
+        assert 'shard_1.bin' in out['verify'] and 'xxh3_128' in out['verify']

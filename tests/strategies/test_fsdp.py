@@ -1,0 +1,309 @@
+"""FSDPStrategy on 2 gloo processes (CPU): equivalence, accumulation, clipping, bf16, activation
+checkpointing, sharded checkpoints resumed exactly on 2 ranks, 2→1, 1→2, and across strategies.
+
+Processes are started three times for the whole module: the training checks and the first
+half of a run (2 ranks), its resume in new processes (2 ranks), and a 1-rank FSDP resume.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dist_harness import run_distributed  # noqa: E402
+
+MAX_ITERS = 8
+COMPONENTS = dict(
+    optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01), accumulative_counts=3,
+                       clip_grad=dict(type='norm', max_norm=1.0)),
+    param_scheduler=[dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=4),
+                     dict(type='CosineAnnealingLR', by_epoch=False, begin=4, T_max=4)],
+    dispatch_kwargs=dict(max_iters=MAX_ITERS))
+
+
+class Block(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) + x
+
+
+def _net():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 8), Block(), Block(), nn.Linear(8, 2))
+
+
+def _strategy(work_dir, **kwargs):
+    from stratagem.strategies import build_strategy
+    kwargs.setdefault('model_wrapper', dict(auto_wrap_policy=['Block', 'Linear']))
+    return build_strategy(dict(type='FSDPStrategy', work_dir=str(work_dir),
+                               env_kwargs=dict(randomness=dict(seed=7)), **kwargs))
+
+
+def _batch(it, rank, world):
+    g = torch.Generator().manual_seed(100 + it)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(2, (8,), generator=g)
+    per = 8 // world
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def _full_state(s):
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    opts = StateDictOptions(full_state_dict=True)
+    model = {k: v.clone() for k, v in get_model_state_dict(s.model, options=opts).items()}
+    optim = get_optimizer_state_dict(s.model, s.optim_wrapper.optimizer, options=opts)
+    return model, {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
+                   for k, v in optim['state'].items()}
+
+
+def _train(s, model, ow, scheds, start, stop, world):
+    from torch.nn import functional as F
+    for it in range(start, stop):
+        x, y = _batch(it, s.rank, world)
+        with ow.optim_context(model):
+            loss = F.cross_entropy(model(x), y)
+        ow.update_params(loss)
+        for sch in scheds:
+            sch.step()
+
+
+def _reference(steps, accumulate=1, clip=None, momentum=0.9):
+    """One process, concatenated batch: the numerical oracle."""
+    from torch.nn import functional as F
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=momentum)
+    norms = []
+    for it in range(steps):
+        x, y = _batch(it, 0, 1)
+        (F.cross_entropy(net(x), y) / accumulate).backward()
+        if (it + 1) % accumulate == 0:
+            if clip:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip)))
+            opt.step()
+            opt.zero_grad()
+    return net.state_dict(), norms
+
+
+def _close(a, b, tol):
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in b) <= tol
+
+
+def _checks(work_dir):
+    import torch.distributed as dist
+    from torch.nn import functional as F
+    out = {}
+    # 1. SGD + momentum, accumulation 3, clipping: equal to one process on the whole batch
+    calls = []
+    original = dist.reduce_scatter_single
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+    dist.reduce_scatter_single = counting
+    for acc, clip in ((1, None), (3, 0.05)):
+        s = _strategy(work_dir)
+        model, ow = s.prepare(_net(), optim_wrapper=dict(
+            optimizer=dict(type='SGD', lr=0.1, momentum=0.9), accumulative_counts=acc,
+            clip_grad=None if clip is None else dict(type='norm', max_norm=clip)),
+            dispatch_kwargs=dict(max_iters=6))
+        calls.clear()
+        norms = []
+        for it in range(6):
+            x, y = _batch(it, s.rank, 2)
+            with ow.optim_context(model):
+                loss = F.cross_entropy(model(x), y)
+            ow.update_params(loss)
+            if clip and ow.should_update():
+                norms.append(float(ow.last_grad_norm.full_tensor()
+                                   if hasattr(ow.last_grad_norm, 'full_tensor')
+                                   else ow.last_grad_norm))
+        ref, ref_norms = _reference(6, acc, clip)
+        out[f'equal_acc{acc}'] = _close(_full_state(s)[0], ref, 1e-6)
+        out[f'reduce_scatters_acc{acc}'] = len(calls)
+        if clip:
+            out['norms'] = (norms, ref_norms)
+    dist.reduce_scatter_single = original
+    # 2. bf16 parameters (fp32 reduce) and activation checkpointing, against fp32
+    for key, kw in (('bf16', dict(model_wrapper=dict(auto_wrap_policy=['Block'], mixed_precision=dict(
+                        param_dtype='bfloat16', reduce_dtype='float32')))),
+                    ('ac', dict(activation_checkpointing=['Block'])),
+                    ('offload', dict(model_wrapper=dict(auto_wrap_policy=['Block'],
+                                                        cpu_offload=True)))):
+        s = _strategy(work_dir, **kw)
+        model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1,
+                                                                        momentum=0.9)))
+        _train(s, model, ow, [], 0, 3, 2)
+        ref, _ = _reference(3)
+        out[key] = max(float((_full_state(s)[0][k].float() - ref[k]).abs().max()) for k in ref)
+    # 3. errors
+    for name, build in (
+            ('wrap_class', lambda: _strategy(work_dir, model_wrapper=dict(
+                auto_wrap_policy=['Blok'])).prepare(_net())),
+            ('prebuilt', lambda: _strategy(work_dir).prepare(
+                net := _net(), optim_wrapper=dict(optimizer=torch.optim.SGD(net.parameters(),
+                                                                            lr=0.1))))):
+        try:
+            build()
+        except ValueError as err:
+            out[f'err_{name}'] = str(err)
+    # 4. first half of the resumed run: checkpoints on a boundary (3) and mid-window (4)
+    s = _strategy(work_dir)
+    model, ow, scheds = s.prepare(_net(), **COMPONENTS)
+    _train(s, model, ow, scheds, 0, 3, 2)
+    s.save_checkpoint('iter_3', extra_ckpt={'meta': {'iter': 3}})
+    out['state_3'] = _full_state(s)
+    s.state_dict_type = 'full'
+    s.save_checkpoint('iter_3_full.pth', extra_ckpt={'meta': {'iter': 3}})
+    s.state_dict_type = 'sharded'
+    _train(s, model, ow, scheds, 3, 4, 2)
+    s.save_checkpoint('iter_4', extra_ckpt={'meta': {'iter': 4}})
+    # a save that fails after the shards are written leaves iter_4 as the latest
+    from stratagem.checkpoint import directory
+    real = directory.finalize_directory
+
+    def failing(*args, **kwargs):
+        raise OSError('injected: disk full at commit')
+    directory.finalize_directory = failing
+    try:
+        s.save_checkpoint('iter_4b', extra_ckpt={'meta': {'iter': 4}})
+    except Exception as err:  # noqa: BLE001
+        out['failed_save'] = f'{type(err).__name__}: {err}'
+    directory.finalize_directory = real
+    from stratagem.checkpoint import find_latest_checkpoint
+    out['latest_after_fail'] = str(find_latest_checkpoint(work_dir))
+    out['listing'] = sorted(p.name for p in Path(work_dir).iterdir())
+    _train(s, model, ow, scheds, 4, MAX_ITERS, 2)
+    out['final'] = _full_state(s)
+    out['lr'] = [g['lr'] for g in ow.param_groups]
+    return out
+
+
+def _resume(work_dir, name, world, stop=MAX_ITERS, save=None):
+    s = _strategy(work_dir)
+    model, ow, scheds = s.prepare(_net(), **COMPONENTS)
+    ckpt = s.resume(str(Path(work_dir) / name))
+    out = {'loaded': _full_state(s), 'iter': ckpt['meta']['iter']}
+    _train(s, model, ow, scheds, ckpt['meta']['iter'], stop, world)
+    out['final'] = _full_state(s)
+    out['lr'] = [g['lr'] for g in ow.param_groups]
+    if save:
+        s.save_checkpoint(save, extra_ckpt={'meta': {'iter': stop}})
+    return out
+
+
+def _resume_two(work_dir):
+    return {name: _resume(work_dir, name, 2) for name in ('iter_3', 'iter_4', 'iter_3_full.pth',
+                                                          'single.pth', 'one_rank')}
+
+
+def _assert_equal_states(a, b):
+    (ma, oa), (mb, ob) = a, b
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+    assert oa.keys() == ob.keys()
+    for k in oa:
+        assert all(torch.equal(torch.as_tensor(oa[k][n]), torch.as_tensor(ob[k][n]))
+                   for n in oa[k])
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp('fsdp')
+    first = run_distributed(_checks, nproc=2, args=(str(work),), timeout=300)
+    one = run_distributed(_resume, nproc=1, args=(str(work), 'iter_3', 1, 5, 'one_rank'),
+                          timeout=200)[0]
+    # a SingleDeviceStrategy checkpoint for FSDP to load
+    from stratagem.strategies import SingleDeviceStrategy
+    single = SingleDeviceStrategy(work_dir=str(work / 'single_run'))
+    single.prepare(_net(), **COMPONENTS)
+    sd_ckpt = single.load_checkpoint(str(work / 'iter_3'))
+    single.resume(str(work / 'iter_3'))
+    single.save_checkpoint(str(work / 'single.pth'), extra_ckpt={'meta': {'iter': 3}})
+    second = run_distributed(_resume_two, nproc=2, args=(str(work),), timeout=300)
+    return dict(work=work, first=first, one=one, second=second, single=single, sd=sd_ckpt)
+
+
+def test_training_equals_one_process(runs):
+    for out in runs['first']:
+        assert out['equal_acc1'] and out['equal_acc3']
+        # one reduce-scatter per sharded group per update: 6 updates vs 2 updates
+        assert out['reduce_scatters_acc3'] * 3 == out['reduce_scatters_acc1'] > 0
+        norms, ref = out['norms']
+        assert len(norms) == 2 and norms == pytest.approx(ref, rel=1e-5)
+        assert out['bf16'] < 3e-2  # bf16 parameters: ~3 significant digits
+        assert out['ac'] < 1e-6 and out['offload'] < 1e-6
+
+
+def test_errors(runs):
+    out = runs['first'][0]
+    assert "['Blok']" in out['err_wrap_class'] and "'Block'" in out['err_wrap_class']
+    assert 'before prepare() sharded' in out['err_prebuilt']
+    assert 'injected: disk full' in out['failed_save']
+    for out in runs['first']:
+        assert out['failed_save'].startswith(('OSError', 'RuntimeError'))
+    for out in runs['first']:
+        assert out['latest_after_fail'] == str(runs['work'] / 'iter_4')
+        assert [n for n in out['listing'] if 'iter_4' in n] == ['iter_4']  # no staging left
+
+
+def test_resume_two_ranks_bit_exact(runs):
+    for rank, out in enumerate(runs['second']):
+        ref = runs['first'][rank]
+        for name in ('iter_3', 'iter_4', 'iter_3_full.pth'):
+            _assert_equal_states(out[name]['final'], ref['final'])
+            assert out[name]['lr'] == ref['lr']
+        _assert_equal_states(out['iter_3']['loaded'], ref['state_3'])
+
+
+def test_two_to_one_and_one_to_two(runs):
+    ref = runs['first'][0]['state_3']
+    _assert_equal_states(runs['one']['loaded'], ref)
+    one_final = runs['one']['final']
+    for out in runs['second']:
+        _assert_equal_states(out['one_rank']['loaded'], one_final)
+
+
+def test_cross_strategy(runs):
+    ref_model, ref_optim = runs['first'][0]['state_3']
+    single = runs['single']
+    sd = single.model.state_dict()
+    assert all(torch.equal(sd[k], ref_model[k]) for k in ref_model)
+    names = [n for n, _ in single.model.named_parameters()]
+    state = single.optim_wrapper.optimizer.state_dict()['state']
+    for i, name in enumerate(names):
+        for key, value in ref_optim[name].items():
+            assert torch.equal(torch.as_tensor(state[i][key]), torch.as_tensor(value))
+    for out in runs['second']:  # FSDP loaded the SingleDeviceStrategy file
+        _assert_equal_states(out['single.pth']['loaded'], runs['first'][0]['state_3'])
+
+
+def test_mmengine_config_builds():
+    from stratagem.strategies.fsdp_config import parse_model_wrapper, parse_state_dict_cfg
+    cfg = parse_model_wrapper(dict(
+        type='MMFullyShardedDataParallel', sharding_strategy='SHARD_GRAD_OP', use_orig_params=True,
+        cpu_offload=dict(offload_params=True), mixed_precision=dict(param_dtype='bfloat16'),
+        auto_wrap_policy=dict(type='torch.distributed.fsdp.wrap.size_based_auto_wrap_policy',
+                              min_num_params=60)))
+    assert cfg.reshard_after_forward is False and cfg.cpu_offload is True
+    assert cfg.mp_policy.param_dtype == torch.bfloat16
+    net = _net()  # Linear(6,8)=56, Block.fc=72 (x2), Linear(8,2)=18: bottom-up, like FSDP1
+    targets = {id(m) for m in cfg.targets(net)}
+    assert [n for n, m in net.named_modules() if id(m) in targets] == ['1.fc', '2.fc']
+    assert parse_state_dict_cfg(None, 'local') == 'sharded'
+    assert parse_state_dict_cfg(None, dict(state_dict_type='FULL_STATE_DICT')) == 'full'
+    for bad, match in ((dict(sharding_strategy='NO_SHARD'), 'DDPStrategy'),
+                       (dict(backward_prefetch='BACKWARD_PRE'), 'backward_prefetch'),
+                       (dict(mixed_precision=dict(buffer_dtype='float16')), 'buffer_dtype'),
+                       (dict(auto_wrap=1), 'unknown model_wrapper key')):
+        with pytest.raises(ValueError, match=match):
+            parse_model_wrapper(bad)
+
+
+def test_needs_distributed_launch():
+    from stratagem.strategies import build_strategy
+    with pytest.raises(RuntimeError, match='torchrun'):
+        build_strategy(dict(type='FSDPStrategy'))
