@@ -116,10 +116,12 @@ def load_in_new_process(which: str, path: Path, params_millions: float) -> tuple
     """(seconds of the load call, seconds including load_state_dict) in a fresh interpreter."""
     import subprocess
     here = Path(__file__).resolve().parent
-    out = subprocess.run([sys.executable, '-c', _CHILD, which, str(path), str(params_millions),
-                          str(here.parent), str(here)], check=True, capture_output=True,
-                         text=True).stdout.split()
-    return float(out[0]), float(out[1])
+    proc = subprocess.run([sys.executable, '-c', _CHILD, which, str(path), str(params_millions),
+                           str(here.parent), str(here)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f'the {which} load in a new process failed:\n{proc.stderr[-3000:]}')
+    out = proc.stdout.split()
+    return float(out[-2]), float(out[-1])
 
 
 class AsyncSaver:
