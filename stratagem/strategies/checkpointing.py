@@ -147,7 +147,9 @@ class CheckpointMixin:
         return checkpoint
 
     def _agree_on_checkpoint(self, filename: str) -> str:
-        """Rank 0's ``filename``, verified to be the same bytes on every rank (collective)."""
+        """Rank 0's ``filename``, verified to be the same bytes on every rank (collective).
+        A pending asynchronous save is committed first (it may be that very file)."""
+        self.wait_for_checkpoints()
         return str(ckpt.agree_on_checkpoint(filename))
 
     def _read_checkpoint(self, filename: str, map_location: Any,
