@@ -5,14 +5,19 @@ knows nothing about strategies or layouts. A save goes:
 
 1. ``wait()``: the previous save finishes (and its error, if any, is raised here), because its
    writer still reads the staging buffers the next snapshot fills.
-2. ``snapshot(checkpoint)``: every tensor is copied into a CPU staging buffer kept from the
-   previous save when shape and dtype match (pinned memory for CUDA tensors, one device
-   synchronisation at the end); containers are rebuilt, plain values shared (immutable) or
-   copied (``bytearray``). Tensors that alias the same memory stay one tensor. The caller
-   may change the live state as soon as this returns.
-3. ``submit(job, *args)``: ``job`` (serialise, hash, fsync, manifest, rename, pointer: the
-   same steps and order as a synchronous save; a directory save's file writes and
-   ``finalize_directory`` likewise) runs on the single writer thread.
+2. ``snapshot(checkpoint, defer=...)``: every tensor is copied into a CPU staging buffer kept
+   from the previous save when shape and dtype match (pinned memory for CUDA tensors, one
+   device synchronisation at the end); containers are rebuilt, plain values shared
+   (immutable) or copied (``bytearray``). Tensors that alias the same memory stay one tensor.
+   Tensors for which ``defer(tensor)`` is true (a strategy passes its parameters and
+   optimizer state) get their buffer now but are copied by the writer thread, before it
+   serialises anything, while the caller's forward and backward passes (which only read
+   them) run; ``wait_staged()`` blocks until that copy is done, and the strategy calls it
+   from an optimizer step pre-hook, the first thing that writes them. Everything else
+   may change as soon as ``snapshot`` returns.
+3. ``submit(job, *args)``: the deferred copies, then ``job`` (serialise, hash, fsync,
+   manifest, rename, pointer: the same steps and order as a synchronous save; a directory
+   save's file writes and ``finalize_directory`` likewise) run on the single writer thread.
 4. The next ``wait()`` (the next save, ``resume``, ``wait_for_checkpoints``) raises the job's
    error. At interpreter exit pending jobs still finish (the thread pool joins them), and an
    error nobody collected is logged rather than lost.
@@ -23,6 +28,7 @@ saves so the copy never page-faults after the first; ``release()`` frees it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 import weakref
@@ -42,10 +48,14 @@ class AsyncCheckpointWriter:
     """One background writer thread and the staging buffers it reads (see module doc)."""
 
     def __init__(self) -> None:
+        self._defer: Callable[[torch.Tensor], bool] | None = None
         self._staging: dict[str, torch.Tensor] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._lock = threading.Lock()
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, live source)
+        self._staged = threading.Event()
+        self._staged.set()
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ public
@@ -70,8 +80,15 @@ class AsyncCheckpointWriter:
             return None
         return future.result()
 
-    def snapshot(self, checkpoint: Any) -> Any:
-        """A copy of ``checkpoint`` whose tensors live in this writer's CPU staging buffers.
+    def wait_staged(self) -> None:
+        """Block until the deferred copies of the pending save are done (at once if none)."""
+        self._staged.wait()
+
+    def snapshot(self, checkpoint: Any,
+                 defer: Callable[[torch.Tensor], bool] | None = None) -> Any:
+        """A copy of ``checkpoint`` whose tensors live in this writer's CPU staging buffers;
+        tensors selected by ``defer`` are filled by the writer thread (see module doc), so
+        the next ``submit`` must follow.
 
         Call ``wait()`` first: the buffers of the previous save are overwritten.
         """
@@ -81,7 +98,14 @@ class AsyncCheckpointWriter:
         used: dict[str, torch.Tensor] = {}
         aliases: dict[tuple, torch.Tensor] = {}
         cuda = [False]
-        copied = self._copy(checkpoint, 'ckpt', used, aliases, cuda)
+        self._deferred = []
+        self._defer = defer
+        try:
+            copied = self._copy(checkpoint, 'ckpt', used, aliases, cuda)
+        finally:
+            self._defer = None
+        if self._deferred:
+            self._staged.clear()
         if cuda[0]:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies must land
         self._staging = used  # buffers of keys that disappeared are freed here
@@ -95,8 +119,23 @@ class AsyncCheckpointWriter:
                                    'the next one')
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix='stratagem-ckpt-writer')
-            self._pending = self._pool.submit(job, *args, **kwargs)
+            deferred, self._deferred = self._deferred, []
+            self._pending = self._pool.submit(self._run, deferred, job, args, kwargs)
             return self._pending
+
+    def _run(self, deferred: list, job: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        try:
+            if deferred:
+                cuda = any(src.device.type == 'cuda' for _, src in deferred)
+                stream = torch.cuda.Stream() if cuda else None
+                with torch.cuda.stream(stream) if cuda else _null():
+                    for buffer, src in deferred:
+                        buffer.copy_(src, non_blocking=src.device.type == 'cuda')
+                if cuda:
+                    stream.synchronize()
+        finally:
+            self._staged.set()  # (a failed copy fails the job below; training must go on)
+        return job(*args, **kwargs)
 
     def release(self) -> None:
         """Wait for the pending job (raising its error) and free the staging buffers."""
@@ -138,11 +177,18 @@ class AsyncCheckpointWriter:
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device='cpu',
                                  pin_memory=on_cuda)
-        buffer.copy_(tensor, non_blocking=on_cuda)
-        cuda[0] = cuda[0] or on_cuda
+        if self._defer is not None and self._defer(tensor):
+            self._deferred.append((buffer, tensor))
+        else:
+            buffer.copy_(tensor, non_blocking=on_cuda)
+            cuda[0] = cuda[0] or on_cuda
         used[key] = buffer
         aliases[alias] = buffer
         return buffer
+
+
+def _null() -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 @atexit.register

@@ -366,7 +366,8 @@ class CheckpointMixin:
         # only ranks that write need the state; the others take part in the vote
         writes = self._checkpoint_all_ranks_write or env.is_main_process()
         try:
-            staged = self._async_writer.snapshot(checkpoint) if writes else None
+            staged = self._async_writer.snapshot(checkpoint, self._deferrable()) \
+                if writes else None
         except BaseException:
             if vote is not None:  # tell the others, who would otherwise wait for the vote
                 vote.ready(f'snapshot failed on rank {self.rank}')
@@ -377,6 +378,33 @@ class CheckpointMixin:
         del checkpoint  # the live tensors may change from here on
         self._async_writer.submit(self._write_and_agree, staged, path, vote)
         return path
+
+    def _deferrable(self) -> Callable[[torch.Tensor], bool] | None:
+        """Which tensors of an async snapshot the writer thread may copy after
+        ``save_checkpoint`` returns: the model's parameters and the optimizer state, which
+        only an optimizer step writes. A step pre-hook on every optimizer waits for that copy,
+        so the copy overlaps the next forward and backward; buffers (BatchNorm statistics
+        change in forward), RNG states and everything else are copied at once. Code that
+        writes parameters in place outside ``optimizer.step`` between a save and the next
+        step (rare: EMA of the same model, manual surgery) must call
+        ``wait_for_checkpoints()`` first."""
+        if not hasattr(self, 'optim_wrapper'):
+            return None
+        live: set[int] = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        for wrapper in self._wrappers():
+            optimizer = wrapper.optimizer
+            if not getattr(optimizer, '_stratagem_snapshot_guard', False):
+                optimizer.register_step_pre_hook(self._wait_staged_hook)
+                optimizer._stratagem_snapshot_guard = True
+            for state in optimizer.state.values():
+                live.update(t.untyped_storage().data_ptr() for t in state.values()
+                            if isinstance(t, torch.Tensor) and t.numel() > 1)
+        live.discard(0)
+        return lambda tensor: tensor.untyped_storage().data_ptr() in live
+
+    def _wait_staged_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._async_writer is not None:
+            self._async_writer.wait_staged()
 
     def _async_capable(self) -> bool:
         """Backend hook: whether this save's write step can run on the writer thread. A

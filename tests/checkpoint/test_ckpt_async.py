@@ -174,3 +174,48 @@ def test_strategy_options_are_validated(tmp_path):
         SingleDeviceStrategy(work_dir=str(tmp_path), async_checkpoint='yes')
     with pytest.raises(ValueError, match='checkpoint_timeout must be a positive number'):
         SingleDeviceStrategy(work_dir=str(tmp_path), checkpoint_timeout=0)
+
+
+def test_deferred_copy_of_parameters_is_guarded_by_the_optimizer_step(tmp_path, monkeypatch):
+    """Parameters and optimizer state are copied by the writer thread after save_checkpoint
+    returns; the next optimizer step waits for that copy, so the checkpoint holds the state
+    at the save even though training went on."""
+    s = _strategy(tmp_path, async_checkpoint=True)
+    _step(s, 2)
+    gate, real_run = threading.Event(), AsyncCheckpointWriter._run
+    monkeypatch.setattr(AsyncCheckpointWriter, '_run',
+                        lambda self, *a: (gate.wait(30), real_run(self, *a))[1])
+    expected = {k: v.clone() for k, v in s.model.state_dict().items()}
+    momentum = [st['momentum_buffer'].clone() for st in s.optim_wrapper.optimizer.state.values()]
+    s.save_checkpoint('iter_2.pth', extra_ckpt={'meta': {'iter': 2}})
+    writer = s._async_writer
+    assert not writer._staged.is_set()  # the parameters are not copied yet
+    # what save_checkpoint copied at once: buffers, RNG; the deferred: params + momentum
+    stepper = threading.Thread(target=_step, args=(s, 1))
+    stepper.start()
+    stepper.join(0.5)
+    assert stepper.is_alive()  # blocked in the step pre-hook until the copy is done
+    assert all(torch.equal(v, expected[k]) for k, v in s.model.state_dict().items())
+    gate.set()
+    stepper.join(30)
+    s.wait_for_checkpoints()
+    saved = load_checkpoint_file(tmp_path / 'iter_2.pth')
+    for k, v in expected.items():
+        assert torch.equal(saved['state_dict'][k], v), k
+    assert [st['momentum_buffer'] for st in saved['optimizer']['state'].values()] != []
+    for a, b in zip(saved['optimizer']['state'].values(), momentum):
+        assert torch.equal(a['momentum_buffer'], b)
+    assert not torch.equal(s.model[0].weight, expected['0.weight'])  # training went on
+
+
+def test_snapshot_defer_copies_in_the_writer():
+    w = AsyncCheckpointWriter()
+    live, other = torch.zeros(4), torch.zeros(3)
+    snap = w.snapshot({'p': live, 'b': other}, defer=lambda t: t.data_ptr() == live.data_ptr())
+    live.fill_(7)   # before the writer copies: the deferred tensor takes this value
+    other.fill_(7)  # copied at once: keeps 0
+    assert not w._staged.is_set()
+    w.submit(lambda: None)
+    w.wait()
+    assert w._staged.is_set()
+    assert torch.equal(snap['p'], torch.full((4,), 7.0)) and torch.equal(snap['b'], torch.zeros(3))
