@@ -3,12 +3,23 @@
 Each sub-command lives in the module that owns its work and exposes
 ``add_arguments(parser)`` and ``run(args) -> int``; this file only routes, and
 imports a sub-command's module only when that sub-command runs.
+
+Errors a user can act on (a bad config key or value, a missing or damaged file, a checkpoint
+that does not fit) print as ``stratagem: error: <message>`` plus one line of advice, and the
+command exits with status 1; ``--debug`` anywhere on the command line, or the environment
+variable ``STRATAGEM_DEBUG=1``, shows the full traceback instead. Other exceptions
+(``AttributeError``, ``AssertionError``, ...) are bugs and always show their traceback.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import pickle
 import sys
+import warnings
+
+from stratagem.config import ConfigAttributeError
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -24,6 +35,36 @@ COMMANDS = {
 }
 
 
+DEBUG_ENV = 'STRATAGEM_DEBUG'
+DEBUG_FLAG = '--debug'
+# what bad input raises: config and registry errors (ValueError, TypeError, KeyError, a missing
+# key read as an attribute), files
+# (OSError), checkpoints (ValueError, UnpicklingError), torch's complaints about shapes and
+# devices (RuntimeError), a missing extra (ImportError)
+USER_ERRORS = (ValueError, TypeError, KeyError, OSError, RuntimeError, ImportError,
+               pickle.UnpicklingError, ConfigAttributeError)
+
+
+def debug_enabled(argv: list[str] | None = None) -> bool:
+    """Whether tracebacks are wanted: ``--debug`` in ``argv`` or ``STRATAGEM_DEBUG`` set."""
+    if argv is not None and DEBUG_FLAG in argv:
+        return True
+    return os.environ.get(DEBUG_ENV, '').strip().lower() not in ('', '0', 'false', 'no')
+
+
+def format_error(err: BaseException) -> str:
+    """``stratagem: error: <message>`` and a line naming the error type and ``--debug``."""
+    if isinstance(err, KeyError) and len(err.args) == 1 and isinstance(err.args[0], str):
+        message = err.args[0]  # str(KeyError) would wrap the message in quotes
+    else:
+        message = str(err) or repr(err)
+    rank = os.environ.get('RANK')
+    who = f' (rank {rank})' if rank is not None and os.environ.get('WORLD_SIZE', '1') != '1' \
+        else ''
+    return (f'stratagem: error{who}: {message}\n'
+            f'({type(err).__name__}; run with {DEBUG_FLAG} or {DEBUG_ENV}=1 for the traceback)')
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser; sub-command arguments are added when that sub-command is chosen."""
     parser = argparse.ArgumentParser(prog='stratagem', description=__doc__.splitlines()[0])
@@ -32,8 +73,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``stratagem`` and ``python -m stratagem``; returns the exit code."""
+    """Entry point of ``stratagem`` and ``python -m stratagem``; returns the exit code.
+
+    0 on success, 1 after an error a user can act on (printed as ``stratagem: error: ...``),
+    2 for a usage error, 130 on Ctrl-C.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = debug_enabled(argv)
+    # warnings print as one line each, without python's source-line echo; formatwarning (not
+    # showwarning) so that a caller recording warnings (pytest.warns) still sees them
+    saved_format = warnings.formatwarning
+    if not debug:
+        warnings.formatwarning = _format_warning
+    try:
+        return _dispatch(argv)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print('stratagem: interrupted', file=sys.stderr)
+        return 130
+    except USER_ERRORS as err:
+        if debug:
+            raise
+        print(format_error(err), file=sys.stderr)
+        return 1
+    finally:
+        warnings.formatwarning = saved_format
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001
+    return f'stratagem: warning: {message} [{category.__name__}]\n'
+
+
+def _dispatch(argv: list[str]) -> int:
+    debug = DEBUG_FLAG in argv
+    argv = [a for a in argv if a != DEBUG_FLAG]
     if not argv or argv[0] in ('-h', '--help'):
         build_parser().print_help()
         print('\nsub-commands:')
@@ -48,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = argparse.ArgumentParser(prog=f'stratagem {name}', description=help_)
     module.add_arguments(sub)
     args = sub.parse_args(rest)
-    args.cli_argv = rest  # for a sub-command that re-launches itself (train --nproc)
+    # for a sub-command that re-launches itself (train --nproc); keeps --debug for the children
+    args.cli_argv = [*rest, DEBUG_FLAG] if debug else rest
     return int(module.run(args) or 0)
 
 

@@ -5,6 +5,18 @@ reading a missing key raises (``AttributeError`` / ``KeyError`` naming the key)
 instead of silently creating an empty dict. :class:`Config` loads ``.py``,
 ``.json`` and ``.yaml``/``.yml`` files with ``_base_`` inheritance, applies
 ``--cfg-options`` style overrides and dumps back to any of those formats.
+
+Numbers given as strings. PyYAML follows YAML 1.1, which reads ``1e-3`` (no dot) as the
+string ``'1e-3'``; JSON configs and hand-written dicts can quote numbers too. The rule: in the
+sections stratagem builds (``optim_wrapper``, ``param_scheduler``, ``train_cfg``,
+``train_dataloader`` except its ``dataset``, ``randomness``, ``auto_scale_lr``,
+``strategy``), a key that takes a number (``lr``, ``weight_decay``, ``momentum``, ``betas``,
+``eps``, ``max_norm``, ``milestones``, ``T_max``, ``*_mult``, ...; see ``NUMERIC_KEYS``)
+whose value is a string that Python's ``int``/``float`` reads is **converted**, with a
+:class:`ConfigWarning` naming the key, the value and the file; a string there that is not a
+number is **refused** with a :class:`ConfigError` naming the key. This runs whenever a
+:class:`Config` is built and after ``merge_from_dict``. A model's or a dataset's own
+arguments are left alone: their types are the user's.
 """
 from __future__ import annotations
 
@@ -14,14 +26,16 @@ import json
 import os
 import pprint
 import types
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from addict import Dict
 
-__all__ = ['ConfigDict', 'Config', 'ConfigError', 'ConfigKeyError', 'check_keys',
-           'parse_cfg_options', 'merge_dicts']
+__all__ = ['ConfigDict', 'Config', 'ConfigError', 'ConfigKeyError', 'ConfigAttributeError',
+           'ConfigWarning',
+           'check_keys', 'parse_cfg_options', 'merge_dicts', 'normalize_numbers', 'NUMERIC_KEYS']
 
 BASE_KEY = '_base_'
 DELETE_KEY = '_delete_'
@@ -30,6 +44,15 @@ _SUFFIXES = ('.py', '.json', '.yaml', '.yml')
 
 class ConfigError(ValueError):
     """A config file that cannot be read, or a bad override; the message names the file/key."""
+
+
+class ConfigWarning(UserWarning):
+    """A config value was accepted after a fix (a number given as a string); the message says
+    which key and how to write it."""
+
+
+class ConfigAttributeError(AttributeError):
+    """A missing config key read as an attribute (``cfg.modle``); the message names it."""
 
 
 class ConfigKeyError(KeyError):
@@ -57,7 +80,7 @@ class ConfigDict(Dict):
         except KeyError:
             if name.startswith('__') and name.endswith('__'):
                 raise AttributeError(name) from None
-            raise AttributeError(_missing_message(self, name)) from None
+            raise ConfigAttributeError(_missing_message(self, name)) from None
 
     # addict hands a parent reference to missing children so that ``d.a.b = 1``
     # creates ``a``; with strict reads there are no such children, and the
@@ -132,6 +155,31 @@ class ConfigDict(Dict):
         return f'ConfigDict({pprint.pformat(self.to_dict(), sort_dicts=False)})'
 
 
+def _dotted_keys(obj: Any, prefix: str = '') -> set[str]:
+    """Every dotted path in a config (dict keys and list indices), e.g. 'a', 'a.b', 'a.0'."""
+    out: set[str] = set()
+    items = obj.items() if isinstance(obj, Mapping) else \
+        enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        path = f'{prefix}{k}'
+        out.add(path)
+        out |= _dotted_keys(v, path + '.')
+    return out
+
+
+def _did_you_mean(key: str, known: set[str]) -> str:
+    """Existing keys ``key`` was probably meant to be: the same last name elsewhere
+    (``lr`` for ``optim_wrapper.optimizer.lr``), else a near spelling beside it."""
+    import difflib
+    parent, _, leaf = key.rpartition('.')
+    close = sorted(k for k in known if k.rsplit('.', 1)[-1] == leaf)
+    if not close:
+        siblings = {k.rsplit('.', 1)[-1]: k for k in known if k.rpartition('.')[0] == parent}
+        close = [siblings[n] for n in difflib.get_close_matches(leaf, list(siblings), n=3,
+                                                                cutoff=0.75)]
+    return f'did you mean {" or ".join(repr(k) for k in close[:3])}?' if close else ''
+
+
 def _missing_message(d: Mapping, name: Any) -> str:
     keys = ', '.join(repr(k) for k in d.keys()) or '(none)'
     return f'config has no key {name!r}; keys here: {keys}'
@@ -153,6 +201,111 @@ def check_keys(given: Mapping, allowed: Iterable[str], where: str) -> None:
     unknown = sorted(set(given) - allowed, key=str)
     if unknown:
         raise ValueError(f'unknown key(s) {unknown} in {where}; valid keys: {sorted(allowed)}')
+
+
+# Keys that take a number (or a list of numbers) in the sections stratagem builds. A value
+# that may also be a word (loss_scale='dynamic', seed=None) is converted when it reads as a
+# number and otherwise left to its component.
+_INT_KEYS = frozenset({
+    'accumulative_counts', 'max_iter', 'begin', 'end', 'T_max', 'milestones', 'step_size',
+    'total_steps', 'steps_per_epoch', 'epochs', 'patience', 'cooldown', 'periods',
+    'max_epochs', 'max_iters', 'checkpoint_interval', 'max_keep_ckpts', 'log_interval',
+    'val_interval', 'batch_size', 'num_workers', 'prefetch_factor', 'seed', 'base_batch_size',
+    'num_decays', 'warmup_length', 'resource_limit', 'timeout', 'min_num_params'})
+_FLOAT_KEYS = frozenset({
+    'lr', 'weight_decay', 'momentum', 'betas', 'eps', 'dampening', 'alpha', 'lr_decay',
+    'initial_accumulator_value', 'rho', 'lambd', 't0', 'momentum_decay', 'max_norm',
+    'norm_type', 'clip_value', 'gamma', 'eta_min', 'eta_max', 'eta_min_ratio', 'start_factor',
+    'end_factor', 'factor', 'power', 'restart_weights', 'pct_start', 'div_factor',
+    'final_div_factor', 'threshold', 'min_value', 'start_value', 'end_value', 'warmup_factor',
+    'base_lr', 'max_lr', 'min_lr', 'growth_factor', 'backoff_factor', 'init_scale'})
+NUMERIC_KEYS = _INT_KEYS | _FLOAT_KEYS  # plus every key ending in '_mult' (paramwise_cfg)
+_WORD_OK = frozenset({'seed', 'loss_scale', 'timeout'})  # a non-number string may be valid
+_NUMERIC_SECTIONS = ('optim_wrapper', 'param_scheduler', 'train_cfg', 'train_dataloader',
+                     'randomness', 'auto_scale_lr', 'strategy')
+_USER_SUBTREES = frozenset({'dataset', 'model', 'collate_fn', 'sampler'})
+
+
+def _is_numeric_key(key: Any) -> bool:
+    return isinstance(key, str) and (key in NUMERIC_KEYS or key == 'loss_scale'
+                                     or key.endswith('_mult'))
+
+
+def _as_number(text: str) -> int | float | None:
+    """``text`` as an int (if it reads as one) or a float, else None ('nan' stays a word)."""
+    if text.strip().lower() in ('nan', '+nan', '-nan'):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def normalize_numbers(cfg: Any, filename: str | None = None) -> list[str]:
+    """Apply the numbers-as-strings rule (module docstring) to ``cfg`` in place.
+
+    Returns the dotted keys that were converted (each also warned once with
+    :class:`ConfigWarning`). Raises :class:`ConfigError` naming the key when a numeric key
+    holds a string that is not a number.
+    """
+    converted: list[tuple[str, str]] = []
+    where = f' in {filename}' if filename else ''
+    for section in _NUMERIC_SECTIONS:
+        if isinstance(cfg, Mapping) and section in cfg:
+            _walk_numbers(cfg, section, section, None, where, converted)
+    if converted:
+        yaml_hint = any('e' in v.lower() and '.' not in v for _, v in converted)
+        listed = ', '.join(f'{k}={v!r}' for k, v in converted)
+        warnings.warn(
+            f'{filename or "config"}: number(s) given as strings were converted: {listed}. '
+            'Write numbers without quotes' + (
+                '; in YAML a float with an exponent needs a dot and a signed exponent '
+                '(1.0e-3, not 1e-3), else PyYAML reads it as a string' if yaml_hint else ''),
+            ConfigWarning, stacklevel=3)
+    return [k for k, _ in converted]
+
+
+def _walk_numbers(parent: Any, key: Any, path: str, numeric_key: str | None, where: str,
+                  converted: list[tuple[str, str]]) -> None:
+    value = parent[key]
+    if isinstance(value, Mapping):
+        for k in list(value.keys()):
+            if k in _USER_SUBTREES:
+                continue
+            _walk_numbers(value, k, f'{path}.{k}', k if _is_numeric_key(k) else None, where,
+                          converted)
+    elif isinstance(value, list):
+        for i in range(len(value)):
+            _walk_numbers(value, i, f'{path}.{i}', numeric_key, where, converted)
+    elif isinstance(value, tuple):
+        items = list(value)
+        for i in range(len(items)):
+            _walk_numbers(items, i, f'{path}.{i}', numeric_key, where, converted)
+        if items != list(value):
+            _set(parent, key, tuple(items))
+    elif isinstance(value, str) and numeric_key is not None:
+        number = _as_number(value)
+        if number is None:
+            if numeric_key in _WORD_OK:
+                return
+            raise ConfigError(f'{path}={value!r}{where} must be a number (e.g. '
+                              f'{path.rsplit(".", 1)[-1]}=0.01), not the string {value!r}')
+        if numeric_key in _INT_KEYS and isinstance(number, float) and number.is_integer():
+            number = int(number)
+        _set(parent, key, number)
+        converted.append((path, value))
+
+
+def _set(parent: Any, key: Any, value: Any) -> None:
+    # dict.__setitem__: a ConfigDict's own hook would re-wrap values; numbers need none
+    if isinstance(parent, dict):
+        dict.__setitem__(parent, key, value)
+    else:
+        parent[key] = value
 
 
 def merge_dicts(base: Mapping, override: Mapping, *, where: str = '') -> dict:
@@ -249,6 +402,7 @@ class Config:
             raise TypeError(f'cfg_dict must be a dict, got {type(cfg_dict).__name__}')
         object.__setattr__(self, '_cfg_dict', ConfigDict(cfg_dict))
         object.__setattr__(self, '_filename', str(filename) if filename is not None else None)
+        normalize_numbers(self._cfg_dict, self._filename)
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
@@ -281,6 +435,11 @@ class Config:
 
     @staticmethod
     def _read_file(path: Path) -> dict:
+        if path.is_dir():
+            found = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _SUFFIXES)
+            raise ConfigError(f'{path} is a directory, not a config file; give a '
+                              f'{"/".join(_SUFFIXES)} file' +
+                              (f', e.g. {path / found[0]}' if found else ''))
         if not path.is_file():
             raise FileNotFoundError(f'config file not found: {path}')
         suffix = path.suffix.lower()
@@ -368,11 +527,20 @@ class Config:
 
         Intermediate dicts are created as needed; indexing past a list's end, or
         descending into a value that is neither a dict nor a list, raises a
-        ConfigError naming the full key.
+        ConfigError naming the full key, and leaves the config unchanged. Numbers given
+        as strings follow the module's rule.
         """
+        # applied to a copy, swapped in only when every override (and the numbers rule) passed:
+        # a bad override leaves the config as it was
+        work = copy.deepcopy(self._cfg_dict)
+        known = _dotted_keys(self._cfg_dict)
+        added = []
         for full_key, value in options.items():
             parts = str(full_key).split('.')
-            node: Any = self._cfg_dict
+            node: Any = work
+            if str(full_key) not in known and not any(k.startswith(f'{full_key}.')
+                                                      for k in known):
+                added.append(str(full_key))
             for i, part in enumerate(parts):
                 last = i == len(parts) - 1
                 if isinstance(node, list):
@@ -401,6 +569,14 @@ class Config:
                     if part not in node:
                         node[part] = ConfigDict()
                     node = node[part]
+        normalize_numbers(work, 'the overrides')
+        object.__setattr__(self, '_cfg_dict', work)
+        for key in added:  # mmengine adds them silently: a typo would then change nothing
+            hint = _did_you_mean(key, known)
+            if hint:  # adding a key (clip_grad=...) is fine; one that looks like a typo warns
+                warnings.warn(f'override {key!r} adds a key the config did not have, so it '
+                              f'changes nothing unless something reads it; {hint}',
+                              ConfigWarning, stacklevel=2)
 
     # ---- output --------------------------------------------------------------------------
     def dump(self, file: str | os.PathLike | None = None) -> str | None:

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from stratagem import checkpoint as ckpt
-from stratagem.config import Config, check_keys
+from stratagem.config import Config, ConfigError, check_keys
 from stratagem.registry import DATASETS
 
 _TRAIN_CFG_KEYS = {'max_epochs', 'max_iters', 'checkpoint_interval', 'max_keep_ckpts',
@@ -159,6 +159,13 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
     from stratagem.strategies import build_strategy
 
     cfg = cfg if isinstance(cfg, Config) else Config(cfg)
+    lacking = [k for k in ('model', 'optim_wrapper', 'train_dataloader') if k not in cfg]
+    if lacking:
+        raise ConfigError(f'config {cfg.filename or ""} has no {", ".join(lacking)}; '
+                          'stratagem train needs model, optim_wrapper, train_dataloader and '
+                          'train_cfg' + (". mmcv's top-level optimizer=dict(...) goes in "
+                                         'optim_wrapper=dict(optimizer=dict(...))'
+                                         if 'optimizer' in cfg else ''))
     train_cfg = dict(cfg.get('train_cfg') or {})
     check_keys(train_cfg, _TRAIN_CFG_KEYS, 'train_cfg')
     loader_cfg = dict(cfg.train_dataloader)

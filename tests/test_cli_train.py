@@ -80,22 +80,31 @@ def test_train_retention_keeps_newest(tmp_path, config):
                                                                       'iter_24.pth']
 
 
-def test_train_bad_config_keys(tmp_path, config):
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['max_epoch'\] in train_cfg"):
-        main(['train', config, '--work-dir', str(tmp_path / 'x'), '--cfg-options',
-              'train_cfg.max_epoch=2'])
-    with pytest.raises(KeyError, match="unknown type 'MLPClassifer'.*did you mean "
-                                       "'MLPClassifier'"):
-        main(['train', config, '--work-dir', str(tmp_path / 'y'), '--cfg-options',
-              'model.type=MLPClassifer'])
-    with pytest.raises(FileNotFoundError, match='nope.py'):
-        main(['train', str(tmp_path / 'nope.py')])
+def _cli_error(capsys, argv):
+    """Run the CLI expecting a user error: exit status 1 and a short message, no traceback."""
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert 'stratagem: error: ' in err and 'Traceback' not in err
+    return err
 
 
-def test_train_with_no_batch_per_epoch_says_why(tmp_path, config):
-    with pytest.raises(ValueError, match='yields no batch per epoch: 96 samples.*batch_size=128'):
-        main(['train', config, '--work-dir', str(tmp_path / 'z'), '--cfg-options',
-              'train_dataloader.batch_size=128', 'train_dataloader.drop_last=True'])
+def test_train_bad_config_keys(tmp_path, config, capsys):
+    err = _cli_error(capsys, ['train', config, '--work-dir', str(tmp_path / 'x'),
+                              '--cfg-options', 'train_cfg.max_epoch=2'])
+    assert "unknown key(s) ['max_epoch'] in train_cfg" in err and '(ValueError;' in err
+    err = _cli_error(capsys, ['train', config, '--work-dir', str(tmp_path / 'y'),
+                              '--cfg-options', 'model.type=MLPClassifer'])
+    assert "unknown type 'MLPClassifer'" in err and "did you mean 'MLPClassifier'" in err
+    assert "error: 'unknown" not in err  # a KeyError's message without repr quotes
+    err = _cli_error(capsys, ['train', str(tmp_path / 'nope.py')])
+    assert 'config file not found' in err and 'nope.py' in err
+
+
+def test_train_with_no_batch_per_epoch_says_why(tmp_path, config, capsys):
+    err = _cli_error(capsys, ['train', config, '--work-dir', str(tmp_path / 'z'),
+                              '--cfg-options', 'train_dataloader.batch_size=128',
+                              'train_dataloader.drop_last=True'])
+    assert 'yields no batch per epoch: 96 samples' in err and 'batch_size=128' in err
 
 
 def test_cli_help_and_unknown_command(capsys):

@@ -150,3 +150,77 @@ def test_repr_is_readable(tmp_path):
     cfg = Config({'a': {'b': 1}}, filename='x.py')
     text = repr(cfg)
     assert text.startswith('Config (path: x.py):') and "a = {'b': 1}" in text
+
+
+# ---- numbers given as strings (#15): converted with a warning naming the key, else refused
+def test_yaml_exponent_numbers_are_converted_naming_the_key(tmp_path):
+    import yaml
+    from stratagem.config import ConfigWarning
+    path = tmp_path / 'cfg.yaml'
+    path.write_text('model: {type: Net, eps: 1e-5}\n'
+                    'optim_wrapper:\n  optimizer: {type: AdamW, lr: 1e-3, betas: [0.9, "0.999"],'
+                    ' eps: 1e-8}\n  clip_grad: {max_norm: "5"}\n'
+                    '  paramwise_cfg: {custom_keys: {head: {lr_mult: "10"}}}\n'
+                    'param_scheduler: [{type: MultiStepLR, milestones: ["3", 6], gamma: .1}]\n'
+                    'train_cfg: {max_iters: 1e3}\n'
+                    'train_dataloader: {batch_size: "8", dataset: {type: D, size: "7"}}\n')
+    assert yaml.safe_load(path.read_text())['optim_wrapper']['optimizer']['lr'] == '1e-3'
+    with pytest.warns(ConfigWarning) as record:
+        cfg = Config.fromfile(path)
+    (warning,) = record
+    text = str(warning.message)
+    for key in ("optim_wrapper.optimizer.lr='1e-3'", "optim_wrapper.optimizer.betas.1='0.999'",
+                "optim_wrapper.optimizer.eps='1e-8'", "optim_wrapper.clip_grad.max_norm='5'",
+                'paramwise_cfg.custom_keys.head.lr_mult', "param_scheduler.0.milestones.0='3'",
+                "train_cfg.max_iters='1e3'", "train_dataloader.batch_size='8'", str(path),
+                '1.0e-3, not 1e-3'):
+        assert key in text, key
+    opt = cfg.optim_wrapper.optimizer
+    assert (opt.lr, opt.betas, opt.eps) == (0.001, [0.9, 0.999], 1e-8)
+    assert cfg.optim_wrapper.clip_grad.max_norm == 5
+    assert cfg.optim_wrapper.paramwise_cfg.custom_keys.head.lr_mult == 10
+    assert cfg.param_scheduler[0].milestones == [3, 6]
+    assert type(cfg.train_cfg.max_iters) is int and cfg.train_cfg.max_iters == 1000
+    assert cfg.train_dataloader.batch_size == 8
+    # a model's and a dataset's own arguments are the user's: left as they are
+    assert cfg.model.eps == '1e-5' and cfg.train_dataloader.dataset.size == '7'
+
+
+def test_a_string_that_is_not_a_number_is_refused_naming_the_key(tmp_path):
+    path = tmp_path / 'cfg.json'
+    path.write_text(json.dumps({'optim_wrapper': {'optimizer': {'type': 'SGD', 'lr': 'fast'}}}))
+    with pytest.raises(ConfigError, match=r"optim_wrapper\.optimizer\.lr='fast' in "
+                                          rf"{path}.* must be a number \(e\.g\. lr=0\.01\)"):
+        Config.fromfile(path)
+    # words some numeric settings accept stay words
+    cfg = Config(dict(optim_wrapper=dict(loss_scale='dynamic'), randomness=dict(seed=None)))
+    assert cfg.optim_wrapper.loss_scale == 'dynamic' and cfg.randomness.seed is None
+
+
+def test_bad_override_changes_nothing_and_typos_warn():
+    from stratagem.config import ConfigWarning
+    cfg = Config(dict(optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))))
+    before = copy.deepcopy(cfg.to_dict())
+    with pytest.raises(ConfigError, match=r"optim_wrapper\.optimizer\.momentum='fast' in the "
+                                          'overrides must be a number'):
+        cfg.merge_from_dict(parse_cfg_options(['optim_wrapper.optimizer.lr=0.5',
+                                               'optim_wrapper.optimizer.momentum=fast']))
+    assert cfg.to_dict() == before  # the good override before the bad one was not applied
+    with pytest.warns(ConfigWarning) as record:
+        cfg.merge_from_dict({'lr': 0.5, 'optim_wrapper.optimizer.mometum': 0.5,
+                             'optim_wrapper.clip_grad.max_norm': 1.0})
+    texts = [str(w.message) for w in record]
+    assert len(texts) == 2  # adding clip_grad is not a typo: no warning
+    assert "override 'lr' adds a key" in texts[0]
+    assert "did you mean 'optim_wrapper.optimizer.lr'?" in texts[0]
+    assert "did you mean 'optim_wrapper.optimizer.momentum'?" in texts[1]
+
+
+def test_config_errors_name_the_file(tmp_path):
+    (tmp_path / 'a.yaml').write_text('x: 1\n')
+    with pytest.raises(ConfigError, match=rf'{tmp_path} is a directory, not a config file; '
+                                          rf'.*e\.g\. {tmp_path / "a.yaml"}'):
+        Config.fromfile(tmp_path)
+    from stratagem.config import ConfigAttributeError
+    with pytest.raises(ConfigAttributeError, match="no key 'optim_wrappr'"):
+        Config(dict(optim_wrapper={})).optim_wrappr

@@ -50,7 +50,18 @@ from .sharded import (
                       read_sharded_checkpoint,
                       save_sharded_checkpoint,
 )
-from .state_dict import LoadReport, load_state_dict, revise_keys, unwrap_model
+from .state_dict import (
+                         WEIGHT_ENTRIES,
+                         LoadReport,
+                         PartialLoadWarning,
+                         StateDictMismatchError,
+                         check_state_dict,
+                         describe_keys,
+                         find_model_weights,
+                         load_state_dict,
+                         revise_keys,
+                         unwrap_model,
+)
 
 __all__ = [
     'save_checkpoint', 'commit_directory', 'new_staging_dir', 'finalize_directory',
@@ -63,7 +74,9 @@ __all__ = [
     'load_checkpoint_file', 'verify_checkpoint', 'manifest_path',
     'find_latest_checkpoint', 'list_checkpoints', 'read_pointer', 'update_pointer',
     'POINTER_NAME', 'CheckpointInfo', 'apply_retention',
-    'revise_keys', 'load_state_dict', 'unwrap_model', 'LoadReport',
+    'revise_keys', 'load_state_dict', 'unwrap_model', 'LoadReport', 'StateDictMismatchError',
+    'PartialLoadWarning', 'find_model_weights', 'describe_keys', 'check_state_dict',
+    'WEIGHT_ENTRIES',
     'CheckpointCorruptError', 'NotACheckpointError', 'UnsafeCheckpointError',
     'CheckpointWarning', 'UnverifiedCheckpointWarning',
 ]

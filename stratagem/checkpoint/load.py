@@ -71,12 +71,34 @@ def load_checkpoint_file(filename: str | os.PathLike, map_location: Any = 'cpu',
     if not path.exists():
         raise FileNotFoundError(f'checkpoint not found: {path}')
     if path.is_dir():
-        raise IsADirectoryError(f'{path} is a directory checkpoint; verify it with '
-                                f'verify_checkpoint() and load its files one by one')
+        raise IsADirectoryError(_directory_message(path))
     _verify_before_load(path, verify)
     is_zip = _sniff(path)
     use_mmap = is_zip if mmap is None else bool(mmap and is_zip)
     return _torch_load(path, map_location, trust_pickled_code, use_mmap, is_zip)
+
+
+def _directory_message(path: Path) -> str:
+    """Why a directory cannot be loaded as one file, and what to pass instead."""
+    from .latest import POINTER_NAME, list_checkpoints, read_pointer
+    from .manifest import DIR_MANIFEST
+    if (path / DIR_MANIFEST).is_file():
+        return (f'{path} is a directory checkpoint; verify it with verify_checkpoint() and '
+                'load its files one by one')
+    try:
+        pointed = read_pointer(path)
+    except (ValueError, OSError):
+        pointed = None
+    newest = list_checkpoints(path)
+    example = pointed if pointed is not None and pointed.exists() else \
+        (newest[0].path if newest else None)
+    if example is None and not (path / POINTER_NAME).exists():
+        return (f'{path} is a directory, not a checkpoint file, and holds no checkpoint; '
+                'give the path of a .pth file')
+    return (f'{path} is a work directory, not a checkpoint file. Give a checkpoint file'
+            + (f' (e.g. {example})' if example else '') + '; to resume the newest checkpoint '
+            f'of this work dir, resume without a path: --work-dir {path} --resume on the '
+            f'command line, resume=True with work_dir={str(path)!r} in the API')
 
 
 def _verify_before_load(path: Path, verify: bool) -> None:
@@ -137,6 +159,12 @@ def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: 
             raise  # e.g. a map_location to a device this machine lacks: not about the file
         if isinstance(err, OSError) and err.errno != errno.EINVAL:
             raise  # a real I/O error (permissions, EIO); a truncated zip gives EINVAL (seek)
+        if is_zip and not _has_zip_end(path):
+            raise CheckpointCorruptError(
+                f'{path} is truncated: it is {path.stat().st_size} bytes and lacks the '
+                'end-of-archive record every complete torch.save file ends with (an '
+                'interrupted copy, download or save). Copy it again, or use an earlier '
+                'checkpoint') from err
         kind = 'looks like a zip checkpoint but is damaged or truncated' if is_zip else \
             'is not a readable PyTorch checkpoint'
         error = CheckpointCorruptError if is_zip else NotACheckpointError
@@ -146,6 +174,14 @@ def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: 
         # what a damaged pickle stream makes the unpickler raise: always name the file
         raise CheckpointCorruptError(f'{path} is damaged or not a PyTorch checkpoint: '
                                      f'{type(err).__name__}: {_last_line(str(err))}') from err
+
+
+def _has_zip_end(path: Path) -> bool:
+    """Whether the file's tail holds a zip end-of-central-directory record (a complete
+    archive has one within its last 64 KiB + 22 bytes)."""
+    with open(path, 'rb') as file:
+        file.seek(max(0, path.stat().st_size - (1 << 16) - 22))
+        return b'PK\x05\x06' in file.read()
 
 
 def _importable(dotted: str) -> bool:

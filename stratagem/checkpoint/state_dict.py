@@ -1,8 +1,13 @@
-"""Putting a state dict into a module: key revision and one readable mismatch report.
+"""Putting a state dict into a module: key revision, finding the weights in a foreign file,
+and one readable mismatch report.
 
 Semantics follow mmengine's ``_load_checkpoint_to_model`` and ``load_state_dict``: keys are
 revised by regex substitution in order (default: strip a leading ``module.``), parameters whose
 shapes differ are skipped and reported, and missing / unexpected keys are reported together.
+Two mmengine (and ``nn.Module.load_state_dict``) behaviours are fixed: a strict load that fails
+has already copied the matching tensors (here everything is checked first, and a failed load
+changes nothing), and a non-strict load that matches no key "succeeds" having loaded nothing
+(here it is an error).
 """
 from __future__ import annotations
 
@@ -15,7 +20,65 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
+from .errors import CheckpointWarning
+
 DEFAULT_REVISE_KEYS = ((r'^module\.', ''),)
+# where checkpoints written by other tools keep the model's weights, in the order tried:
+# mmengine / stratagem, the PyTorch tutorials, plain "{'model': ...}", DeepSpeed
+WEIGHT_ENTRIES = ('state_dict', 'model_state_dict', 'model', 'module')
+
+
+class PartialLoadWarning(CheckpointWarning):
+    """Fewer than a stated share of a model's tensors were found in the weights loaded into
+    it; the message lists the missing keys and what the file holds."""
+
+
+class StateDictMismatchError(RuntimeError, ValueError):
+    """A state dict does not fit a module (strict load) or matches none of its keys.
+
+    Raised before anything is copied: the module is unchanged. A ``RuntimeError`` like
+    torch's strict-load error, and a ``ValueError`` like every other bad-input error here.
+    """
+
+
+def find_model_weights(checkpoint: Mapping) -> tuple[Mapping, str]:
+    """The model's state dict inside a loaded checkpoint, and where it was found.
+
+    Tries the entries in ``WEIGHT_ENTRIES`` (a mapping holding at least one tensor), then the
+    checkpoint itself as a bare state dict (most values tensors). Returns ``(state_dict,
+    description)``, e.g. ``(..., "its 'model_state_dict' entry")``. Raises
+    ``StateDictMismatchError`` listing the top-level keys and their types when neither fits.
+    """
+    for key in WEIGHT_ENTRIES:
+        value = checkpoint.get(key)
+        if isinstance(value, Mapping) and _count_tensors(value) > 0:
+            return value, f'its {key!r} entry'
+    if checkpoint and _count_tensors(checkpoint) * 2 >= len(checkpoint):
+        return checkpoint, 'a bare state dict'
+    raise StateDictMismatchError(
+        f'holds no model weights in a layout stratagem recognises: top-level keys '
+        f'{describe_keys(checkpoint)}. Expected an entry {", ".join(map(repr, WEIGHT_ENTRIES))} '
+        f'holding tensors, or a bare state dict (names -> tensors). If the weights are under '
+        f'another key, pass callback=lambda ckpt: ckpt.update(state_dict=ckpt["<key>"])')
+
+
+def describe_keys(mapping: Mapping, limit: int = 12) -> str:
+    """``'a' (Tensor), 'b' (dict of 5), ...``: what a checkpoint holds, for messages."""
+    parts = []
+    for key, value in list(mapping.items())[:limit]:
+        if isinstance(value, torch.Tensor):
+            kind = f'Tensor{list(value.shape)}'
+        elif isinstance(value, Mapping):
+            kind = f'dict of {len(value)}'
+        else:
+            kind = type(value).__name__
+        parts.append(f'{key!r} ({kind})')
+    more = f', ... ({len(mapping) - limit} more)' if len(mapping) > limit else ''
+    return '[' + ', '.join(parts) + more + ']' if parts else '[] (empty)'
+
+
+def _count_tensors(mapping: Mapping) -> int:
+    return sum(isinstance(v, torch.Tensor) for v in mapping.values())
 
 
 def revise_keys(state_dict: Mapping[str, torch.Tensor],
@@ -63,10 +126,15 @@ class LoadReport:
     unexpected_keys: list[str] = field(default_factory=list)
     # (key, shape in the checkpoint, shape in the model)
     shape_mismatches: list[tuple[str, tuple, tuple]] = field(default_factory=list)
+    # (key, type in the checkpoint) where the model holds a tensor
+    type_mismatches: list[tuple[str, str]] = field(default_factory=list)
+    loaded: int = 0  # entries of the module's state dict that were loaded
+    total: int = 0   # entries of the module's state dict
 
     @property
     def ok(self) -> bool:
-        return not (self.missing_keys or self.unexpected_keys or self.shape_mismatches)
+        return not (self.missing_keys or self.unexpected_keys or self.shape_mismatches
+                    or self.type_mismatches)
 
     def __str__(self) -> str:
         if self.ok:
@@ -76,6 +144,9 @@ class LoadReport:
             lines.append(f'{len(self.shape_mismatches)} shape mismatch(es), not loaded '
                          f'(checkpoint -> model):')
             lines += [f'  {k}: {tuple(a)} -> {tuple(b)}' for k, a, b in self.shape_mismatches]
+        if self.type_mismatches:
+            lines.append(f'{len(self.type_mismatches)} value(s) that are not tensors, not '
+                         f'loaded: ' + ', '.join(f'{k} ({t})' for k, t in self.type_mismatches))
         if self.missing_keys:
             lines.append(f'{len(self.missing_keys)} missing key(s) (in the model, not in the '
                          f'checkpoint): {_clip(self.missing_keys)}')
@@ -85,6 +156,8 @@ class LoadReport:
         hint = _prefix_hint(self.missing_keys, self.unexpected_keys)
         if hint:
             lines.append(hint)
+        if self.total:
+            lines.append(f'{self.loaded} of the model\'s {self.total} tensors matched')
         return '\n'.join(lines)
 
 
@@ -104,10 +177,12 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
     """Load ``state_dict`` into ``module`` (unwrapped from DDP/DP/compile), skipping tensors
     whose shape differs, and return a ``LoadReport``.
 
-    With ``strict=True`` any mismatch raises ``RuntimeError`` with the report; the matching
-    tensors have been loaded by then, as with ``nn.Module.load_state_dict``. Otherwise a
-    non-empty report is logged as a warning to ``logger`` (default: the
-    ``stratagem.checkpoint`` logger).
+    Everything is compared before anything is copied. With ``strict=True`` any mismatch
+    raises :class:`StateDictMismatchError` (a ``RuntimeError``) with the report, and the
+    module is unchanged (``nn.Module.load_state_dict`` and mmengine copy the matching tensors
+    first). A state dict that matches none of the module's entries raises it too, strict or
+    not, naming keys on both sides. Otherwise a non-empty report is logged as a warning to
+    ``logger`` (default: the ``stratagem.checkpoint`` logger) and the matching tensors load.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f'module must be an nn.Module, got {type(module).__name__}')
@@ -115,31 +190,74 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
         raise TypeError(f'state_dict must be a mapping of names to tensors, got '
                         f'{type(state_dict).__name__}; pass checkpoint["state_dict"]?')
     module = unwrap_model(module)
+    report, loadable, own = _compare(module, state_dict)
+    name = type(module).__name__
+    if strict and not report.ok:
+        raise StateDictMismatchError(f'the state dict does not match {name} (strict load; '
+                                     f'nothing was loaded):\n{report}')
+    if own and not report.loaded:
+        hint = _prefix_hint(report.missing_keys, report.unexpected_keys)
+        raise StateDictMismatchError(
+            f'none of its {len(state_dict)} entries matches {name}, so nothing was loaded: '
+            f'the model has {_clip(list(own), 5)}; the state dict has '
+            f'{_clip(list(state_dict), 5)}.' + (f' {hint}' if hint else
+                                                 ' Is it the weights of another model?'))
+    result = module.load_state_dict(loadable, strict=False)
+    # torch's own accounting is the truth for what was left out (e.g. modules that fill keys)
+    skipped = {key for key, *_ in report.shape_mismatches + report.type_mismatches}
+    report.missing_keys = [k for k in result.missing_keys if k not in skipped]
+    report.unexpected_keys = list(result.unexpected_keys)
+    if not report.ok:
+        (logger or logging.getLogger('stratagem.checkpoint')).warning(
+            f'the state dict does not match {name}:\n{report}')
+    return report
+
+
+def check_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> LoadReport:
+    """What :func:`load_state_dict` would report, without changing ``module``."""
+    return _compare(unwrap_model(module), state_dict)[0]
+
+
+def _compare(module: nn.Module, state_dict: Mapping) -> tuple[LoadReport, OrderedDict, dict]:
+    """(report, the entries that fit, the module's own state dict); nothing is copied."""
     own = module.state_dict()
+    metadata = getattr(state_dict, '_metadata', None)
     loadable: OrderedDict = OrderedDict()
-    mismatches = []
+    shapes, types = [], []
     for key, value in state_dict.items():
         mine = own.get(key)
-        if isinstance(mine, torch.Tensor) and isinstance(value, torch.Tensor) \
-                and mine.shape != value.shape:
-            mismatches.append((key, tuple(value.shape), tuple(mine.shape)))
+        if isinstance(mine, torch.Tensor) and not isinstance(value, torch.Tensor):
+            types.append((key, type(value).__name__))
+        elif isinstance(mine, torch.Tensor) and mine.shape != value.shape:
+            shapes.append((key, tuple(value.shape), tuple(mine.shape)))
         else:
             loadable[key] = value
-    metadata = getattr(state_dict, '_metadata', None)
     if metadata is not None:
         loadable._metadata = metadata
-    result = module.load_state_dict(loadable, strict=False)
-    skipped = {key for key, _, _ in mismatches}
-    report = LoadReport(missing_keys=[k for k in result.missing_keys if k not in skipped],
-                        unexpected_keys=list(result.unexpected_keys),
-                        shape_mismatches=mismatches)
-    if report.ok:
-        return report
-    message = f'the state dict does not match {type(module).__name__}:\n{report}'
-    if strict:
-        raise RuntimeError(message)
-    (logger or logging.getLogger('stratagem.checkpoint')).warning(message)
-    return report
+    skipped = {key for key, *_ in shapes + types}
+    report = LoadReport(
+        missing_keys=[k for k in own if k not in state_dict and k not in skipped
+                      and not _filled_on_load(module, k, metadata)],
+        unexpected_keys=[k for k in state_dict if k not in own],
+        shape_mismatches=shapes, type_mismatches=types,
+        loaded=sum(k in loadable for k in own), total=len(own))
+    return report, loadable, own
+
+
+def _filled_on_load(module: nn.Module, key: str, metadata: Mapping | None) -> bool:
+    """Whether ``module`` supplies ``key`` itself when a state dict lacks it: BatchNorm fills
+    ``num_batches_tracked`` for state dicts saved before it existed (version < 2)."""
+    prefix, _, leaf = key.rpartition('.')
+    if leaf != 'num_batches_tracked':
+        return False
+    try:
+        owner = module.get_submodule(prefix) if prefix else module
+    except AttributeError:
+        return False
+    if not isinstance(owner, nn.modules.batchnorm._BatchNorm):
+        return False
+    version = ((metadata or {}).get(prefix) or {}).get('version')
+    return version is None or version < 2
 
 
 def _clip(keys: list[str], limit: int = 20) -> str:

@@ -38,6 +38,7 @@ from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.vote import CheckpointVoteError, SaveVote
 from stratagem.version import __version__
 
+from .preflight import check_resumable, previous_run_traces
 from .world_change import plan_world_size_change
 
 __all__ = ['CheckpointMixin']
@@ -138,8 +139,12 @@ class CheckpointMixin:
         """Load model weights from ``filename``; returns the whole checkpoint dict.
 
         ``callback(checkpoint)`` runs after reading and before loading, and may
-        edit the dict in place. A checkpoint without ``state_dict`` is treated as
-        a bare state dict.
+        edit the dict in place. Foreign layouts are recognised: the weights are taken
+        from ``state_dict``, ``model_state_dict``, ``model`` or ``module``, else the
+        file is read as a bare state dict (``module.`` prefixes are stripped by the
+        default ``revise_keys``). A file whose weights match none of the model's keys
+        is an error even when not ``strict`` (mmengine loads nothing and goes on); a
+        failed load leaves the model unchanged.
         """
         filename = self._agree_on_checkpoint(filename)
         checkpoint = self._read_checkpoint(filename, map_location, callback)
@@ -164,11 +169,43 @@ class CheckpointMixin:
             callback(checkpoint)
         return checkpoint
 
+    # below this share of the model's tensors found in the file, a load warns loudly
+    MIN_LOADED_SHARE = 0.5
+
     def _load_weights(self, checkpoint: dict, filename: str, *, strict: bool,
                       revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)) -> None:
-        state_dict = checkpoint.get('state_dict', checkpoint)
-        self.load_model_state_dict(state_dict, strict=strict, revise_keys=revise_keys)
-        self.logger.info(f'loaded weights from {filename}')
+        """Find the weights (``state_dict``, or a foreign layout: ``model_state_dict``,
+        ``model``, ``module``, a bare state dict) and load them; nothing changes on an error.
+
+        No layout found, no key matching, or a strict mismatch raises
+        ``StateDictMismatchError`` naming the file and what it holds; fewer than
+        ``MIN_LOADED_SHARE`` of the model's tensors loaded warns ``PartialLoadWarning``.
+        """
+        where = None
+        try:
+            state_dict, where = ckpt.find_model_weights(checkpoint)
+            report = self.load_model_state_dict(state_dict, strict=strict,
+                                                revise_keys=revise_keys)
+        except ckpt.StateDictMismatchError as err:
+            raise ckpt.StateDictMismatchError(
+                f'{filename} {err}' if where is None else
+                f'{filename} ({where}): {err}\nthe file holds {ckpt.describe_keys(checkpoint)}'
+            ) from None
+        counts = ''
+        if isinstance(report, ckpt.LoadReport) and report.total:
+            counts = f', {report.loaded} of {report.total} tensors'
+            if report.loaded < self.MIN_LOADED_SHARE * report.total:
+                left_out = report.missing_keys + [k for k, *_ in report.shape_mismatches +
+                                                  report.type_mismatches]
+                warnings.warn(
+                    f'{filename} ({where}): only {report.loaded} of the {report.total} '
+                    f'tensors of {type(self._unwrap_model()).__name__} were found and loaded; '
+                    f'not loaded: {", ".join(left_out[:10])}'
+                    f'{", ..." if len(left_out) > 10 else ""}. The file holds '
+                    f'{ckpt.describe_keys(checkpoint)}. Fine for a partial (e.g. backbone) '
+                    'load; otherwise check the checkpoint and revise_keys',
+                    ckpt.PartialLoadWarning, stacklevel=3)
+        self.logger.info(f'loaded weights from {filename} ({where}{counts})')
 
     def resume(self, filename: str, *, resume_optimizer: bool = True,
                resume_param_scheduler: bool = True, map_location: Any = 'default',
@@ -192,6 +229,7 @@ class CheckpointMixin:
             raise KeyError(f"{filename} cannot be resumed: it has no {missing} (keys: "
                            f"{sorted(checkpoint)}); load weights only with load_checkpoint(), or "
                            'pass resume_optimizer=False / resume_param_scheduler=False')
+        check_resumable(self, checkpoint, filename, optimizer=want_optim, schedulers=want_sched)
         meta = checkpoint.get('meta') or {}
         # everything that can refuse a world-size change runs before anything is loaded
         change = plan_world_size_change(meta, self.dispatch_kwargs, self.world_size,
@@ -290,7 +328,9 @@ class CheckpointMixin:
         """mmengine's runner logic: resume (latest in work_dir, or a path) or just load weights.
 
         ``resume=True`` with no ``load_from`` resumes from the newest committed
-        checkpoint in ``work_dir`` (none found: starts fresh, with a log line);
+        checkpoint in ``work_dir`` (none, in a work dir that never held one: starts fresh,
+        with a log line; none, in a work dir whose pointer or checkpoint files show an
+        earlier run: ``FileNotFoundError``, before anything is written);
         ``resume='path'`` or ``resume=True`` with ``load_from`` resumes from that
         file; ``load_from`` alone loads weights only. Returns the checkpoint or None.
         """
@@ -303,6 +343,16 @@ class CheckpointMixin:
             latest = ckpt.find_latest_checkpoint(self._work_dir) if self.rank == 0 else None
             latest = env.broadcast_object(None if latest is None else str(latest))
             if latest is None:
+                # a previous run left traces but nothing resumable: starting fresh would
+                # overwrite its files, so stop before anything is written
+                traces = env.broadcast_object(previous_run_traces(self._work_dir)
+                                              if self.rank == 0 else None)
+                if traces:
+                    raise FileNotFoundError(
+                        f'cannot resume from work_dir {self._work_dir}: {traces}, but no '
+                        'committed checkpoint there verifies; nothing was changed. Resume '
+                        'from a file with --resume PATH (API: resume=PATH), or start from '
+                        f'scratch in a new --work-dir (or after removing {ckpt.POINTER_NAME})')
                 self.logger.info(f'no checkpoint in {self._work_dir} to resume from; '
                                  'training starts from scratch')
                 return None

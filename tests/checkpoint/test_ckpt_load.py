@@ -72,10 +72,12 @@ def test_truncated_foreign_zip_is_corrupt(tmp_path, state):
     path = tmp_path / 'foreign.pth'
     torch.save(state, path)
     path.write_bytes(path.read_bytes()[:-200])
+    size = path.stat().st_size
     with pytest.warns(UnverifiedCheckpointWarning):
-        with pytest.raises(CheckpointCorruptError, match='damaged or truncated') as info:
+        with pytest.raises(CheckpointCorruptError, match=f'is truncated: it is {size} bytes '
+                                                         'and lacks the end-of-archive') as info:
             load_checkpoint_file(path)
-    assert str(path) in str(info.value)
+    assert str(path) in str(info.value) and 'Errno' not in str(info.value)
 
 
 class _Touch:
@@ -173,9 +175,26 @@ def test_missing_device_error_is_not_called_corrupt(tmp_path, state):
     assert not isinstance(info.value, ValueError)
 
 
-def test_directory_is_refused(tmp_path):
+def test_directory_is_refused_with_advice(tmp_path):
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    with pytest.raises(IsADirectoryError, match='is a directory, not a checkpoint file, and '
+                                                'holds no checkpoint'):
+        load_checkpoint_file(empty)
+    shards = tmp_path / 'shards'
+    shards.mkdir()
+    (shards / 'manifest.json').write_text('{}')
     with pytest.raises(IsADirectoryError, match='directory checkpoint'):
-        load_checkpoint_file(tmp_path)
+        load_checkpoint_file(shards)
+    # a work dir given where a file was meant: name its newest checkpoint and the resume flag
+    work = tmp_path / 'work'
+    work.mkdir()
+    save_checkpoint({'w': torch.ones(1)}, work / 'iter_3.pth', step=3)
+    with pytest.raises(IsADirectoryError) as info:
+        load_checkpoint_file(work)
+    message = str(info.value)
+    assert f'{work} is a work directory' in message and str(work / 'iter_3.pth') in message
+    assert f'--work-dir {work} --resume' in message
 
 
 def test_review_project_manifest_json_above_a_foreign_checkpoint_is_ignored(tmp_path):

@@ -254,11 +254,29 @@ def test_whole_model_compile_keeps_plain_checkpoint_keys(tmp_path):
     assert sorted(torch.load(path, weights_only=True)['state_dict']) == ['bias', 'weight']
 
 
-def test_demo_refuses_a_work_dir_with_foreign_files(tmp_path):
+def test_demo_refuses_a_work_dir_with_foreign_files(tmp_path, capsys):
     from stratagem.cli import main
     precious = tmp_path / 'precious'
     precious.mkdir()
     (precious / 'my_notes.txt').write_text('data')
-    with pytest.raises(FileExistsError, match='my_notes.txt'):
-        main(['demo', '--work-dir', str(precious)])
+    assert main(['demo', '--work-dir', str(precious)]) == 1  # the CLI prints the error
+    err = capsys.readouterr().err
+    assert err.startswith('stratagem: error: ') and 'my_notes.txt' in err
+    assert 'FileExistsError' in err
     assert (precious / 'my_notes.txt').read_text() == 'data'
+
+
+def test_a_device_this_machine_lacks_is_refused_before_setup(tmp_path):
+    work = tmp_path / 'never_created'
+    with pytest.raises(ValueError) as info:
+        SingleDeviceStrategy(device='gpu', work_dir=str(work))
+    message = str(info.value)
+    assert "device='gpu' is not a device name (did you mean 'cuda'?)" in message
+    assert "'cpu', 'cuda', 'cuda:N' or 'mps'" in message and 'this machine has: cpu' in message
+    beyond = f'cuda:{torch.cuda.device_count()}'
+    pattern = (f"device='{beyond}': there are only" if torch.cuda.is_available() else
+               f"device='{beyond}', but (this torch was built without CUDA|torch .* sees no GPU)")
+    with pytest.raises(ValueError, match=pattern):
+        SingleDeviceStrategy(device=beyond, work_dir=str(work))
+    assert not work.exists()  # refused before the environment, the logger or any file
+    assert SingleDeviceStrategy(device='cpu', work_dir=str(tmp_path)).device.type == 'cpu'

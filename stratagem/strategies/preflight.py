@@ -1,0 +1,104 @@
+"""Checks a resume makes before it changes anything, so a failed one loses nothing.
+
+``check_resumable`` compares a loaded checkpoint with the prepared components (model
+shapes, optimizer param groups, scheduler count); ``previous_run_traces`` tells a work
+dir that never held a checkpoint from one whose checkpoints cannot be resumed. Both only
+read; the strategy raises before it loads, writes or re-seeds anything.
+"""
+from __future__ import annotations
+
+import os
+import os.path as osp
+from collections.abc import Mapping
+from typing import Any
+
+from stratagem import checkpoint as ckpt
+
+__all__ = ['check_resumable', 'previous_run_traces']
+
+_CHECKPOINT_SUFFIXES = ('.pth', '.pt', '.ckpt', '.bin', '.safetensors', '.manifest.json')
+
+
+def previous_run_traces(work_dir: str) -> str | None:
+    """What in ``work_dir`` shows that an earlier run left checkpoints (a ``last_checkpoint``
+    pointer, checkpoint files or manifests), worded for an error; None when nothing does."""
+    if osp.isfile(osp.join(work_dir, ckpt.POINTER_NAME)):
+        try:
+            target = ckpt.read_pointer(work_dir)
+        except (ValueError, OSError) as err:
+            return f'its {ckpt.POINTER_NAME} is unreadable ({err})'
+        state = 'is damaged' if target is not None and osp.exists(target) else 'does not exist'
+        return f'its {ckpt.POINTER_NAME} points to {target}, which {state}'
+    try:
+        names = sorted(os.listdir(work_dir))
+    except OSError:
+        return None
+    found = [n for n in names if n.endswith(_CHECKPOINT_SUFFIXES) and not n.startswith('.')]
+    if found:
+        return 'it holds checkpoint file(s) ' + ', '.join(found[:5]) + \
+            (', ...' if len(found) > 5 else '')
+    return None
+
+
+def check_resumable(strategy: Any, checkpoint: Mapping, filename: str, *, optimizer: bool,
+                    schedulers: bool) -> None:
+    """Raise ``ValueError`` (``StateDictMismatchError`` for the model) naming ``filename`` when
+    ``checkpoint`` cannot continue ``strategy``'s prepared run: model tensors of another
+    shape or none matching, optimizer param groups of other sizes, another number of
+    schedulers. Missing or extra model keys only warn later, as in mmengine."""
+    state_dict = ckpt.revise_keys(checkpoint['state_dict'])
+    model = strategy._unwrap_model()
+    report = ckpt.check_state_dict(model, state_dict)
+    if report.shape_mismatches or report.type_mismatches or (report.total and
+                                                              not report.loaded):
+        raise ckpt.StateDictMismatchError(
+            f'cannot resume {filename}: its weights do not fit {type(model).__name__} (it is '
+            f'from another model or config); nothing was changed:\n{report}')
+    if optimizer:
+        want = _current_sizes(strategy.optim_wrapper)
+        have = _saved_sizes(checkpoint['optimizer'], want)
+        if _differs(want, have):
+            raise ValueError(f'cannot resume {filename}: its optimizer has param groups of '
+                             f'sizes {have}, this run builds {want} (the model or '
+                             f'optim_wrapper.paramwise_cfg changed); nothing was changed')
+    if schedulers:
+        want, have = _count(strategy.scheduler_state_dict()), _count(checkpoint['param_schedulers'])
+        if want != have:
+            raise ValueError(f'cannot resume {filename}: it holds {have} param scheduler '
+                             f'state(s), this run builds {want} (the param_scheduler config '
+                             'changed); nothing was changed')
+
+
+def _current_sizes(wrapper: Any) -> Any:
+    """Param-group sizes of the built optimizer(s): a list, a dict of them for an
+    OptimWrapperDict, None where they cannot be compared (a sharded optimizer)."""
+    if hasattr(wrapper, 'optim_wrappers'):
+        return {k: _current_sizes(v) for k, v in wrapper.optim_wrappers.items()}
+    optimizer = getattr(wrapper, 'optimizer', None)
+    if optimizer is None or type(optimizer).__name__ == 'ZeroRedundancyOptimizer':
+        return None
+    return [len(g['params']) for g in optimizer.param_groups]
+
+
+def _saved_sizes(state: Any, like: Any) -> Any:
+    """The same shape as ``like``, read from a saved optimizer state dict."""
+    if isinstance(like, dict):
+        return {k: _saved_sizes(state.get(k) if isinstance(state, Mapping) else None, v)
+                for k, v in like.items()}
+    if like is None or not isinstance(state, Mapping) or \
+            not isinstance(state.get('param_groups'), list):
+        return None
+    return [len(g.get('params', ())) if isinstance(g, Mapping) else 0
+            for g in state['param_groups']]
+
+
+def _differs(want: Any, have: Any) -> bool:
+    if isinstance(want, dict):
+        return any(_differs(v, have.get(k)) for k, v in want.items())
+    return want is not None and have is not None and want != have
+
+
+def _count(states: Any) -> Any:
+    if isinstance(states, Mapping):
+        return {k: len(v) for k, v in states.items()}
+    return len(states) if isinstance(states, (list, tuple)) else None
