@@ -165,6 +165,7 @@ def _dist_checks(root):
         dist.barrier()
         out.setdefault('listing', []).append(sorted(p.name for p in root.iterdir()))
         out.setdefault('latest', []).append(str(find_latest_checkpoint(root)))
+        dist.barrier()  # both ranks listed before rank 0 creates the next staging dir
     # a shard altered after the commit is refused on both ranks, naming the file
     dist.barrier()
     if rank == 0:
