@@ -49,9 +49,13 @@ def child_async(directory: str, base: int) -> None:
     try:
         while True:
             writer.wait()
-            staged = writer.snapshot(live)
+            # the tensors are copied by the writer thread (deferred), as a strategy's
+            # parameters are; the live state changes only once that copy is done, as the
+            # optimizer step pre-hook ensures in a strategy
+            staged = writer.snapshot(live, defer=lambda tensor: True)
             writer.submit(_save_round, directory, staged, counter)
             counter += 1
+            writer.wait_staged()
             # training goes on: the live state changes while the save is written
             live['meta']['counter'] = counter
             for tensor in live['state_dict'].values():
