@@ -24,6 +24,9 @@ __all__ = [
 ]
 
 
+SCOPE = 'stratagem.'  # names may carry it, as mmengine's scoped names do ('stratagem.DDPStrategy')
+
+
 class RegistryError(KeyError):
     """An unknown name or a cfg that cannot be built; a KeyError with a readable message."""
 
@@ -199,6 +202,8 @@ class Registry:
         ImportError propagates (it usually says which extra to install).
         """
         self._import_locations()
+        if name.startswith(SCOPE) and name not in self._module_dict and name not in self._lazy:
+            name = name[len(SCOPE):]  # 'stratagem.X', as mmengine's registries know it
         if name in self._module_dict:
             return self._module_dict[name]
         if name in self._lazy:

@@ -13,7 +13,7 @@ from .commit import (
                      new_staging_dir,
                      save_checkpoint,
 )
-from .content import validate_checkpoint_content
+from .content import add_safe_globals, get_safe_globals, safe_globals, validate_checkpoint_content
 from .directory import (
                         DirectoryWriteResult,
                         begin_directory_save,
@@ -71,6 +71,7 @@ __all__ = [
     'verify_directory', 'DirectoryWriteResult',
     'save_sharded_checkpoint', 'read_sharded_checkpoint', 'load_dcp_into', 'read_partial_grads',
     'is_sharded_checkpoint', 'optim_state_to_fqn', 'optim_state_to_index',
+    'add_safe_globals', 'get_safe_globals', 'safe_globals',
     'load_checkpoint_file', 'verify_checkpoint', 'manifest_path',
     'find_latest_checkpoint', 'list_checkpoints', 'read_pointer', 'update_pointer',
     'POINTER_NAME', 'CheckpointInfo', 'apply_retention',

@@ -2,10 +2,11 @@
 
 Single file, ``save_checkpoint(checkpoint, filename, step=...)`` (rank 0 only):
 
-1. Validate the content (tensors and plain values only) and ``extra_manifest``; a bad state
-   raises ``TypeError`` with the key path before any byte is written. Check the free space
-   of the target filesystem against the tensors' size: too little raises
-   ``CheckpointWriteError`` (ENOSPC) before anything is touched.
+1. Validate the content (tensors, plain values, allow-listed classes) and ``extra_manifest``;
+   a bad state raises ``TypeError`` with the key path before any byte is written. The
+   allow-listed globals the content references go into the manifest as ``safe_globals``.
+   Check the free space of the target filesystem against the tensors' size: too little
+   raises ``CheckpointWriteError`` (ENOSPC) before anything is touched.
 2. ``torch.save`` into ``.{name}.tmp-{pid}-{rand}`` in the same directory through a writer
    that computes the digest while writing and starts disk writeback as it goes; fsync.
    ``before_commit()`` (if given) runs now: under a process group, the vote that every rank
@@ -51,7 +52,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import _fs
-from .content import validate_checkpoint_content
+from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
 from .errors import CheckpointWriteError
 from .latest import update_pointer as _update_pointer
 from .manifest import (
@@ -107,7 +108,9 @@ def save_checkpoint(checkpoint: dict, filename: PathLike, *, step: int | None = 
         raise TypeError(f'checkpoint must be a dict, got {type(checkpoint).__name__}')
     _check_step(step)
     check_extra_manifest(extra_manifest)
-    validate_checkpoint_content(checkpoint)
+    held = validate_checkpoint_content(checkpoint)
+    if held:  # a loader lacking one of these can then name it (load.py)
+        extra_manifest = {**(extra_manifest or {}), SAFE_GLOBALS_KEY: held}
     final = _check_final_name(filename)
     if final.is_dir():
         raise IsADirectoryError(f'cannot save checkpoint file {final}: a directory has that name')

@@ -9,8 +9,10 @@
    anything else is ``NotACheckpointError``.
 4. ``torch.load(weights_only=True)``, memory-mapped for zip files (the bytes were just read to
    hash them, so mapping them is cheaper than copying them again). A refusal by the
-   weights-only unpickler becomes ``UnsafeCheckpointError`` naming the globals;
-   ``trust_pickled_code=True`` loads with ``weights_only=False`` instead.
+   weights-only unpickler becomes ``UnsafeCheckpointError`` naming the globals (when the
+   manifest lists them as allow-listed at save, the error says which import or
+   ``add_safe_globals`` call this process lacks); ``trust_pickled_code=True`` loads with
+   ``weights_only=False`` instead.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from .errors import (
     UnsafeCheckpointError,
     UnverifiedCheckpointWarning,
 )
+from .content import SAFE_GLOBALS_KEY, get_safe_globals
 from .manifest import find_manifest, verify_file
 
 _ZIP_MAGIC = b'PK\x03\x04'
@@ -42,6 +45,9 @@ _READ_ERROR_RE = re.compile(r'PytorchStreamReader|zip archive|central directory|
                             r'load key|EOF', re.I)
 _DEVICE_ERROR_RE = re.compile(r'cuda|device|map_location|out of memory', re.I)
 _FUNC_RE = re.compile(r'unrecognized function (.+?)(?: which belongs|$)', re.M)
+# top-level package -> the stratagem module that allow-lists what it stores in checkpoints
+_INTEGRATIONS = {'mmengine': 'stratagem.integrations.mmengine',
+                 'numpy': 'stratagem.integrations.mmengine'}
 
 
 def load_checkpoint_file(filename: str | os.PathLike, map_location: Any = 'cpu', *,
@@ -146,13 +152,19 @@ def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: 
             raise CheckpointCorruptError(
                 f'{path} is damaged: it references {", ".join(missing)}, which does not '
                 'exist; it was not loaded') from None
+        lacking = _allow_listed_when_saved(path, names)
+        if lacking:
+            raise UnsafeCheckpointError(
+                f'cannot load {path} in this process yet: it holds {", ".join(lacking)}, '
+                f'allow-listed by the process that saved it (its manifest lists '
+                f'{SAFE_GLOBALS_KEY}) but not here. {_allow_hint(lacking)}', names) from None
         what = (f'references {", ".join(names)}' if names else
                 f'uses pickle features the safe loader refuses ({_last_line(message)})')
         raise UnsafeCheckpointError(
             f'refusing to load {path}: it {what}, which torch.load(weights_only=True) does not '
             f'allow because unpickling it can run code. Load it with trust_pickled_code=True '
-            f'only if you trust its source, or allowlist a class you trust with '
-            f'torch.serialization.add_safe_globals([...]).', names) from None
+            f'only if you trust its source, or allow-list a class you trust with '
+            f'stratagem.checkpoint.add_safe_globals([...]).', names) from None
     except (RuntimeError, EOFError, OSError) as err:
         if isinstance(err, RuntimeError) and _DEVICE_ERROR_RE.search(str(err)) \
                 and not _READ_ERROR_RE.search(str(err)):
@@ -174,6 +186,33 @@ def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: 
         # what a damaged pickle stream makes the unpickler raise: always name the file
         raise CheckpointCorruptError(f'{path} is damaged or not a PyTorch checkpoint: '
                                      f'{type(err).__name__}: {_last_line(str(err))}') from err
+
+
+def _allow_listed_when_saved(path: Path, refused: tuple[str, ...]) -> list[str]:
+    """The manifest's allow-listed globals that this process lacks (the refused ones first)."""
+    try:
+        found = find_manifest(path)
+    except (OSError, ValueError):
+        return []
+    held = found[0].get(SAFE_GLOBALS_KEY) if found else None
+    if not isinstance(held, list) or not all(isinstance(n, str) for n in held):
+        return []
+    allowed = set(get_safe_globals())
+    lacking = [n for n in held if n not in allowed]
+    if refused and not set(refused) & set(lacking):
+        return []  # refused for a global nobody allow-listed: not a missing import
+    return sorted(lacking, key=lambda n: (n not in refused, n))
+
+
+def _allow_hint(names: list[str]) -> str:
+    """Which import allow-lists ``names`` (an integration we ship), else the generic call."""
+    imports = sorted({_INTEGRATIONS[n.split('.')[0]] for n in names
+                      if n.split('.')[0] in _INTEGRATIONS})
+    call = (f'stratagem.checkpoint.add_safe_globals([...]) with '
+            f'{", ".join(n.rsplit(".", 1)[-1] for n in names)}')
+    if imports:
+        return f'Fix: import {" and ".join(imports)} before loading, or call {call}.'
+    return f'Fix: call {call} (the classes you trust) before loading.'
 
 
 def _has_zip_end(path: Path) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
 from .directory import save_directory, verify_directory
 from .load import load_checkpoint_file
 
@@ -79,8 +80,9 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
             mine += [staging / '.metadata', staging / EXTRA_FILE]
         return mine
 
+    held = validate_checkpoint_content(extra)  # allow-listed classes: named to a loader lacking one
     manifest = {'state_dict_type': 'sharded', 'optimizer_keys': optimizer_keys,
-                **(extra_manifest or {})}
+                **({SAFE_GLOBALS_KEY: held} if held else {}), **(extra_manifest or {})}
     if collective:
         return save_directory(final_dir, write, step=step, extra_manifest=manifest)
     from .commit import commit_directory

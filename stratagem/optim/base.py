@@ -45,6 +45,11 @@ class BaseOptimWrapper(metaclass=ABCMeta):
     :meth:`zero_grad` and :meth:`optim_context`; the optimizer-facing accessors live here.
     """
 
+    #: mmengine appends a placeholder group holding the optimizer's defaults to
+    #: ``param_groups`` when there are several groups, and names it here; stratagem appends
+    #: none (schedulers see exactly the optimizer's groups), so this is always None.
+    base_param_settings: dict | None = None
+
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         check_optimizer(optimizer, type(self).__name__)
         self.optimizer = optimizer

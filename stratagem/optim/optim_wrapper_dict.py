@@ -1,9 +1,12 @@
 """``OptimWrapperDict``: several named optimizer wrappers (GANs, multi-part models).
 
-mmengine-compatible (``mmengine.optim.OptimWrapperDict``). Each wrapper is updated on its
-own (``optim_wrapper['generator'].update_params(loss_g)``); the dict only fans out
-``step``/``zero_grad``/``initialize_count_status`` and merges logging and state:
-``get_lr()`` → ``{'<name>.lr': [...]}``, ``state_dict()`` → ``{name: wrapper state}``.
+mmengine-compatible (``mmengine.optim.OptimWrapperDict``, whose own unit tests pass against
+this class). Each wrapper is updated on its own
+(``optim_wrapper['generator'].update_params(loss_g)``): ``update_params``, ``backward``,
+``step`` and ``optim_context`` raise ``NotImplementedError`` naming the wrappers to call
+instead, as mmengine's do. The dict fans out ``zero_grad`` / ``initialize_count_status`` and
+merges logging and state: ``get_lr()`` → ``{'<name>.lr': [...]}``, ``state_dict()`` →
+``{name: wrapper state}``.
 """
 from __future__ import annotations
 
@@ -18,7 +21,12 @@ from stratagem.registry import OPTIM_WRAPPERS
 
 from .base import BaseOptimWrapper
 
-__all__ = ['OptimWrapperDict']
+__all__ = ['OptimWrapperDict', 'OptimWrapperTypeError']
+
+
+class OptimWrapperTypeError(TypeError, AssertionError):
+    """A value that is not an optimizer wrapper. A ``TypeError``, and an ``AssertionError``
+    too because mmengine checks it with ``assert`` (code written for mmengine catches that)."""
 
 
 @OPTIM_WRAPPERS.register_module()
@@ -32,16 +40,18 @@ class OptimWrapperDict(BaseOptimWrapper):
     def __init__(self, **optim_wrappers: BaseOptimWrapper) -> None:
         for name, wrapper in optim_wrappers.items():
             if not isinstance(wrapper, BaseOptimWrapper):
-                raise TypeError(f'OptimWrapperDict values must be optimizer wrappers, got '
-                                f'{name}={type(wrapper).__name__}; build it with '
-                                f'build_optim_wrapper(model.{name}, cfg) first')
+                raise OptimWrapperTypeError(
+                    f'`OptimWrapperDict` only accepts optimizer wrappers (BaseOptimWrapper), '
+                    f'got {name}={type(wrapper).__name__}; wrap it first, e.g. '
+                    f'OptimWrapper({name}_optimizer) or build_optim_wrapper(model.{name}, cfg)')
         self.optim_wrappers: dict[str, BaseOptimWrapper] = dict(optim_wrappers)
 
     def _no_joint(self, what: str) -> NotImplementedError:
         first = next(iter(self.optim_wrappers), 'generator')
         return NotImplementedError(
-            f'OptimWrapperDict has no {what} of its own: call it on each wrapper, e.g. '
-            f"optim_wrapper[{first!r}].{what}(...); names: {', '.join(self.optim_wrappers)}")
+            f'`{what}` should be called by each optimizer wrapper separately (OptimWrapperDict '
+            f"has no joint {what}): e.g. optim_wrapper[{first!r}].{what}(...); names: "
+            f"{', '.join(self.optim_wrappers)}")
 
     def update_params(self, loss: torch.Tensor, step_kwargs: dict | None = None,
                       zero_kwargs: dict | None = None) -> None:
@@ -57,9 +67,8 @@ class OptimWrapperDict(BaseOptimWrapper):
         raise self._no_joint('optim_context')
 
     def step(self, **kwargs: Any) -> None:
-        """``step`` every wrapper."""
-        for wrapper in self.optim_wrappers.values():
-            wrapper.step(**kwargs)
+        """Not joint (as in mmengine): raises, naming the wrappers to call instead."""
+        raise self._no_joint('step')
 
     def zero_grad(self, **kwargs: Any) -> None:
         """``zero_grad`` every wrapper."""
@@ -129,5 +138,6 @@ class OptimWrapperDict(BaseOptimWrapper):
         return self.optim_wrappers.items()
 
     def __repr__(self) -> str:
-        body = ''.join(f'\n{name}: {w!r}' for name, w in self.optim_wrappers.items())
+        """One ``name: <name>`` line, then the wrapper's repr, per wrapper (mmengine's form)."""
+        body = ''.join(f'\nname: {name}\n{w!r}' for name, w in self.optim_wrappers.items())
         return f'{type(self).__name__}({body}\n)'

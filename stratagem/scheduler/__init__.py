@@ -4,7 +4,7 @@ Importing this package registers every scheduler in ``PARAM_SCHEDULERS`` (the
 registry imports it on its first lookup). matplotlib is imported only by
 ``stratagem.scheduler.plot`` when a PNG is drawn.
 """
-from .base import INF, _ParamScheduler
+from .base import INF, SchedulerArgumentError, _ParamScheduler
 from .builder import (build_param_scheduler, build_param_scheduler_dict, build_param_schedulers,
                       build_scheduler_from_cfg)
 from .multiplier import LRMultiplier, build_lr_scheduler
@@ -16,7 +16,8 @@ from .param_scheduler import (ConstantParamScheduler, CosineAnnealingParamSchedu
 from .plateau import ReduceOnPlateauParamScheduler
 from .schedules import (CompositeSchedule, ConstantSchedule, CosineSchedule, ExponentialSchedule,
                         LinearSchedule, MultiStepSchedule, PolynomialDecaySchedule, Schedule,
-                        StepSchedule, StepWithFixedGammaSchedule, WarmupSchedule)
+                        ScheduleEndedError, ScheduleRangeError, StepSchedule,
+                        StepWithFixedGammaSchedule, WarmupSchedule)
 from .simulate import ScheduleTrace, simulate
 from .variants import (ConstantLR, ConstantMomentum, CosineAnnealingLR, CosineAnnealingMomentum,
                        CosineRestartLR, CosineRestartMomentum, ExponentialLR, ExponentialMomentum,
@@ -25,7 +26,7 @@ from .variants import (ConstantLR, ConstantMomentum, CosineAnnealingLR, CosineAn
                        ReduceOnPlateauLR, ReduceOnPlateauMomentum, StepLR, StepMomentum)
 
 __all__ = [
-    'INF', '_ParamScheduler',
+    'INF', '_ParamScheduler', 'SchedulerArgumentError',
     # generic
     'ConstantParamScheduler', 'CosineAnnealingParamScheduler', 'CosineRestartParamScheduler',
     'ExponentialParamScheduler', 'LinearParamScheduler', 'MultiStepParamScheduler',
@@ -39,7 +40,7 @@ __all__ = [
     'CosineRestartMomentum', 'ExponentialMomentum', 'LinearMomentum', 'MultiStepMomentum',
     'PolyMomentum', 'ReduceOnPlateauMomentum', 'StepMomentum',
     # progress schedules and their adapter
-    'Schedule', 'ConstantSchedule', 'CosineSchedule', 'ExponentialSchedule', 'LinearSchedule',
+    'Schedule', 'ScheduleRangeError', 'ScheduleEndedError', 'ConstantSchedule', 'CosineSchedule', 'ExponentialSchedule', 'LinearSchedule',
     'MultiStepSchedule', 'PolynomialDecaySchedule', 'StepSchedule', 'StepWithFixedGammaSchedule',
     'CompositeSchedule', 'WarmupSchedule', 'LRMultiplier', 'build_lr_scheduler',
     # building and previewing

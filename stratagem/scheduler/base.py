@@ -19,16 +19,48 @@ Call sequence (what a training loop does):
 from __future__ import annotations
 
 import copy
+import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ['INF', '_ParamScheduler', 'check_optimizer', 'raw_optimizer', 'per_group',
-           'replay_schedulers']
+__all__ = ['INF', '_ParamScheduler', 'SchedulerArgumentError', 'check_optimizer',
+           'raw_optimizer', 'per_group', 'replay_schedulers']
 
 # mmengine's "no end" value; an int so that state dicts stay plain
 INF = int(1e9)
+_ORDER_DOC = 'https://pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate'
+
+
+class SchedulerArgumentError(ValueError, AssertionError):
+    """A scheduler argument outside its domain (our message says which and why).
+
+    A ``ValueError``, and an ``AssertionError`` too because mmengine checks these arguments
+    with ``assert``: code written against mmengine (its own tests included) catches that.
+    """
+
+
+# Optimizer -> what the newest scheduler built on it needs to tell whether it stepped before
+# the scheduler's first step(): torch's step post-hook counts raw steps (no patching of
+# optimizer.step), an optim wrapper's inner_count counts update_params calls (so a step that
+# accumulates, or that AMP skips for inf grads, is not mistaken for a missing one).
+_WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+_ORDER_CHECK = {'on': True}  # off while replay_schedulers steps without an optimizer
+
+
+def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    entry = _WATCHED.get(optimizer)
+    if entry is not None:
+        entry['steps'] += 1
+
+
+def _step_func(optimizer: Any) -> Any:
+    step = getattr(optimizer, 'step', None)
+    return getattr(step, '__func__', step)
 
 
 def check_optimizer(optimizer: Any, owner: str) -> None:
@@ -90,11 +122,7 @@ class _ParamScheduler:
                  last_step: int = -1, by_epoch: bool = True, verbose: bool = False) -> None:
         name = type(self).__name__
         check_optimizer(optimizer, name)
-        if end <= begin:
-            raise ValueError(f'{name}: end ({end}) must be greater than begin ({begin}); '
-                             'the scheduler acts on steps in [begin, end)')
-        if not isinstance(last_step, int) or last_step < -1:
-            raise ValueError(f'{name}: last_step must be an int >= -1, got {last_step!r}')
+        check_window(name, begin, end, last_step)
         self.optimizer = optimizer
         self.param_name = param_name
         self.begin = begin
@@ -112,15 +140,12 @@ class _ParamScheduler:
                 # the first scheduler of this parameter records the value it starts from
                 group.setdefault(key, group[param_name])
         else:
-            for i, group in enumerate(groups):
-                if key not in group:
-                    raise KeyError(f'{name}: param_groups[{i}] has no {key!r}, which resuming '
-                                   f'with last_step={last_step} needs; load the optimizer '
-                                   'state first or pass last_step=-1')
+            check_initial_values(name, groups, param_name, last_step)
         self.base_values = [group[key] for group in groups]
         self.last_step = last_step
         # steps seen so far, counted from the first (-1: none yet); compared with [begin, end)
         self._global_step = -1
+        self._watch_optimizer_steps()
         self.step()
 
     @classmethod
@@ -136,10 +161,11 @@ class _ParamScheduler:
         """
         name = cls.__name__
         if not by_epoch:
-            raise ValueError(f'{name}: convert_to_iter_based needs an epoch-based config '
-                             '(by_epoch=True), got by_epoch=False')
+            raise SchedulerArgumentError(f'{name}: convert_to_iter_based needs an epoch-based '
+                                         'config (by_epoch=True), got by_epoch=False')
         if epoch_length is None or not isinstance(epoch_length, int) or epoch_length <= 0:
-            raise ValueError(f'{name}: convert_to_iter_based=True needs epoch_length, the number '
+            raise SchedulerArgumentError(
+                f'{name}: convert_to_iter_based=True needs epoch_length, the number '
                              f'of iterations per epoch (a positive int), got {epoch_length!r}; '
                              'pass epoch_length= (e.g. len(train_dataloader))')
         begin = int(begin * epoch_length)
@@ -216,8 +242,12 @@ class _ParamScheduler:
     def step(self) -> None:
         """Advance one step (an epoch or an iteration) and write the new values.
 
-        Outside ``[begin, end)`` the values are left as they are.
+        Outside ``[begin, end)`` the values are left as they are. The first call after
+        construction warns (``UserWarning``, as torch and mmengine do) if the optimizer has not
+        stepped since the scheduler was built, or if its ``step`` was replaced since.
         """
+        if self._global_step == 0:
+            self._check_step_order()
         self._global_step += 1
         if self.begin <= self._global_step < self.end:
             self.last_step += 1
@@ -226,6 +256,35 @@ class _ParamScheduler:
                 group[self.param_name] = value
                 self.print_value(self.verbose, i, value)
         self._last_value = [group[self.param_name] for group in self.optimizer.param_groups]
+
+    def _watch_optimizer_steps(self) -> None:
+        """Start counting the optimizer's steps (from now: the newest scheduler resets the
+        count, as in mmengine); see ``_check_step_order``."""
+        raw = raw_optimizer(self.optimizer)
+        if raw not in _WATCHED:
+            raw.register_step_post_hook(_count_step)
+        _WATCHED[raw] = {'steps': 0, 'inner_count': getattr(self.optimizer, 'inner_count', None),
+                         'step': _step_func(self.optimizer)}
+
+    def _check_step_order(self) -> None:
+        entry = _WATCHED.get(raw_optimizer(self.optimizer))
+        if entry is None or not _ORDER_CHECK['on']:  # restored without its constructor; replay
+            return
+        name = type(self).__name__
+        if _step_func(self.optimizer) is not entry['step']:
+            warnings.warn(f'{name}: optimizer.step() was replaced after the scheduler was built, '
+                          'so it cannot check that the optimizer stepped first; make sure to '
+                          f'call optimizer.step() before scheduler.step(). See {_ORDER_DOC}',
+                          UserWarning, stacklevel=3)
+            return
+        inner = getattr(self.optimizer, 'inner_count', None)
+        updated = inner is not None and entry['inner_count'] is not None \
+            and inner > entry['inner_count']
+        if entry['steps'] == 0 and not updated:
+            warnings.warn(f'{name}.step() was called before optimizer.step(), which skips the '
+                          'first value of the schedule; call optimizer.step() (or '
+                          'optim_wrapper.update_params(loss)) before scheduler.step(). '
+                          f'See {_ORDER_DOC}', UserWarning, stacklevel=3)
 
     def get_last_value(self) -> list:
         """The values of every param group after the last :meth:`step`."""
@@ -252,6 +311,28 @@ class _ParamScheduler:
     def __repr__(self) -> str:
         return (f'{type(self).__name__}(param_name={self.param_name!r}, begin={self.begin}, '
                 f'end={self.end}, by_epoch={self.by_epoch}, last_step={self.last_step})')
+
+
+def check_window(name: str, begin: Any, end: Any, last_step: Any) -> None:
+    """``begin < end`` (``ValueError``, mmengine's phrase), ``last_step`` an int >= -1."""
+    if end <= begin:
+        raise ValueError(f'{name}: end ({end}) must be greater than begin ({begin}) (end '
+                         'should be larger than begin): the scheduler acts on steps in '
+                         '[begin, end)')
+    if type(last_step) is not int or last_step < -1:
+        raise SchedulerArgumentError(f'{name}: last_step must be an int >= -1 (-1: a fresh '
+                                     f'start), got {last_step!r}')
+
+
+def check_initial_values(name: str, groups: Sequence[dict], param_name: str,
+                         last_step: int) -> None:
+    """Resuming with ``last_step`` needs ``initial_<param_name>`` in every param group."""
+    key = f'initial_{param_name}'
+    for i, group in enumerate(groups):
+        if key not in group:
+            raise KeyError(f"{name}: param {key!r} is not specified in param_groups[{i}], "
+                           f'which resuming with last_step={last_step} needs; load the '
+                           'optimizer state first or pass last_step=-1')
 
 
 def per_group(value: Any, n_groups: int, owner: str, arg: str) -> list:
@@ -283,14 +364,18 @@ def replay_schedulers(schedulers: Sequence['_ParamScheduler'], num_iters: int,
     for sched in schedulers:
         for group in sched.optimizer.param_groups:
             group[sched.param_name] = group[f'initial_{sched.param_name}']
-    for sched in schedulers:
-        sched.last_step, sched._global_step = -1, -1
-        sched.step()  # the step a scheduler takes when it is built
-    for it in range(1, num_iters + 1):
+    _ORDER_CHECK['on'] = False  # no optimizer steps here, by design: no order warning
+    try:
         for sched in schedulers:
-            if not sched.by_epoch:
-                sched.step()
-        if epoch_length and it % epoch_length == 0:
+            sched.last_step, sched._global_step = -1, -1
+            sched.step()  # the step a scheduler takes when it is built
+        for it in range(1, num_iters + 1):
             for sched in schedulers:
-                if sched.by_epoch:
+                if not sched.by_epoch:
                     sched.step()
+            if epoch_length and it % epoch_length == 0:
+                for sched in schedulers:
+                    if sched.by_epoch:
+                        sched.step()
+    finally:
+        _ORDER_CHECK['on'] = True

@@ -10,7 +10,7 @@ from typing import Any
 
 from stratagem.registry import PARAM_SCHEDULERS
 
-from .base import INF, _ParamScheduler, per_group
+from .base import INF, SchedulerArgumentError, _ParamScheduler, per_group
 
 __all__ = ['OneCycleParamScheduler']
 
@@ -61,8 +61,9 @@ class OneCycleParamScheduler(_ParamScheduler):
                  steps_per_epoch: int | None = None) -> None:
         name = type(self).__name__
         if param_name != 'lr':
-            raise ValueError(f"{name}: param_name must be 'lr' (1cycle schedules the learning "
-                             f'rate only), got {param_name!r}')
+            raise SchedulerArgumentError(
+                f"{name}: param_name must be 'lr' (1cycle schedules the learning "
+                f'rate only), got {param_name!r}')
         if total_steps is not None:
             if not isinstance(total_steps, int) or total_steps <= 0:
                 raise ValueError(f'{name}: total_steps must be a positive int, got '

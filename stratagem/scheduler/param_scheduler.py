@@ -14,7 +14,7 @@ from typing import Any
 
 from stratagem.registry import PARAM_SCHEDULERS
 
-from .base import INF, _ParamScheduler
+from .base import INF, SchedulerArgumentError, _ParamScheduler
 
 __all__ = [
     'StepParamScheduler', 'MultiStepParamScheduler', 'ConstantParamScheduler',
@@ -183,8 +183,9 @@ class CosineAnnealingParamScheduler(_ParamScheduler):
         if eta_min is None and eta_min_ratio is None:
             eta_min = 0.
         if eta_min is not None and eta_min_ratio is not None:
-            raise ValueError(f'{type(self).__name__}: give eta_min or eta_min_ratio, not both '
-                             f'(got eta_min={eta_min}, eta_min_ratio={eta_min_ratio})')
+            raise SchedulerArgumentError(
+                f'{type(self).__name__}: give eta_min or eta_min_ratio, not both '
+                f'(got eta_min={eta_min}, eta_min_ratio={eta_min_ratio})')
         self.T_max = T_max or (end - begin)
         self.eta_min = eta_min
         self.eta_min_ratio = eta_min_ratio
@@ -296,11 +297,13 @@ class CosineRestartParamScheduler(_ParamScheduler):
                  last_step: int = -1, by_epoch: bool = True, verbose: bool = False) -> None:
         name = type(self).__name__
         if (eta_min is None) == (eta_min_ratio is None):
-            raise ValueError(f'{name}: give exactly one of eta_min and eta_min_ratio (got '
-                             f'eta_min={eta_min}, eta_min_ratio={eta_min_ratio})')
+            raise SchedulerArgumentError(
+                f'{name}: give exactly one of eta_min and eta_min_ratio (got '
+                f'eta_min={eta_min}, eta_min_ratio={eta_min_ratio})')
         if len(periods) != len(restart_weights):
-            raise ValueError(f'{name}: periods ({len(periods)} values) and restart_weights '
-                             f'({len(restart_weights)} values) must have the same length')
+            raise SchedulerArgumentError(
+                f'{name}: periods ({len(periods)} values) and restart_weights '
+                f'({len(restart_weights)} values) must have the same length')
         for p in periods:
             _check_positive_int(name, 'periods', p)
         self.periods = list(periods)

@@ -11,7 +11,8 @@ from typing import Any
 
 from stratagem.registry import PARAM_SCHEDULERS
 
-from .base import INF, _ParamScheduler, check_optimizer, raw_optimizer
+from .base import (INF, SchedulerArgumentError, _ParamScheduler, check_initial_values,
+                   check_optimizer, check_window, raw_optimizer)
 
 __all__ = ['ReduceOnPlateauParamScheduler']
 
@@ -36,7 +37,8 @@ class ReduceOnPlateauParamScheduler(_ParamScheduler):
         eps: Reductions smaller than this are skipped. Defaults to 1e-8.
         begin, end: Window in epochs (counted by plain ``step()`` calls).
         last_step, verbose: See :class:`_ParamScheduler`.
-        by_epoch: Must be True.
+        by_epoch: Must be True (``SchedulerArgumentError``, a ValueError and an
+            AssertionError as mmengine's assert raises, otherwise).
     """
 
     need_val_args = True
@@ -49,11 +51,12 @@ class ReduceOnPlateauParamScheduler(_ParamScheduler):
                  verbose: bool = False) -> None:
         name = type(self).__name__
         check_optimizer(optimizer, name)
-        if end <= begin:
-            raise ValueError(f'{name}: end ({end}) must be greater than begin ({begin})')
+        check_window(name, begin, end, last_step)
         if not by_epoch:
-            raise ValueError(f'{name}: by_epoch must be True (it reacts to validation metrics, '
-                             'once per epoch), got by_epoch=False')
+            raise SchedulerArgumentError(
+                f'{name}: by_epoch must be True (it reacts to validation metrics, once per '
+                'validation, and begin/end count epochs), got by_epoch=False; to react more '
+                'often, validate more often (val_interval)')
         if factor >= 1.0:
             raise ValueError(f'{name}: factor must be < 1, got {factor}')
         if threshold < 0:
@@ -63,18 +66,15 @@ class ReduceOnPlateauParamScheduler(_ParamScheduler):
         if threshold_rule not in ('rel', 'abs'):
             raise ValueError(f"{name}: threshold_rule must be 'rel' or 'abs', got "
                              f'{threshold_rule!r}')
-        if not isinstance(last_step, int) or last_step < -1:
-            raise ValueError(f'{name}: last_step must be an int >= -1, got {last_step!r}')
         self.optimizer = optimizer
         self.param_name = param_name
         self.begin, self.end, self.by_epoch, self.verbose = begin, end, by_epoch, verbose
         key = f'initial_{param_name}'
-        for i, group in enumerate(optimizer.param_groups):
-            if last_step == -1:
+        if last_step == -1:
+            for group in optimizer.param_groups:
                 group.setdefault(key, group[param_name])
-            elif key not in group:
-                raise KeyError(f'{name}: param_groups[{i}] has no {key!r}, which resuming with '
-                               f'last_step={last_step} needs')
+        else:
+            check_initial_values(name, optimizer.param_groups, param_name, last_step)
         self.last_step = last_step
         # epochs counted by plain step() calls; no step is applied at construction
         self._global_step = 0

@@ -4,6 +4,20 @@ A :class:`Schedule` maps ``where`` in [0, 1) (the fraction of training done) to 
 value, usually a multiplier of the base learning rate. Schedules hold no
 optimizer and no step counter, so they need no state; :class:`LRMultiplier`
 (in ``multiplier.py``) turns one into an optimizer scheduler.
+
+Porting fvcore / detectron2 code: fvcore's ``XParamScheduler`` (``fvcore.common.
+param_scheduler``) is ``XSchedule`` here, because mmengine owns the ``*ParamScheduler``
+names (``stratagem.scheduler.StepParamScheduler`` is mmengine's optimizer scheduler, not
+fvcore's schedule): ``ConstantParamScheduler`` → :class:`ConstantSchedule`,
+``CosineParamScheduler`` → :class:`CosineSchedule`, ``StepParamScheduler`` →
+:class:`StepSchedule`, ``MultiStepParamScheduler`` → :class:`MultiStepSchedule`, and so on
+(``CompositeParamScheduler`` → :class:`CompositeSchedule`; detectron2's
+``WarmupParamScheduler`` → :class:`WarmupSchedule`). Arguments and values are fvcore's,
+and so are the exceptions a schedule evaluated outside its range raises, so ported code that
+catches them keeps working: ``RuntimeError`` from the constant and multi-step schedules
+(``where`` ≥ 1, resp. > 1), ``IndexError`` from the step schedules at their end (``where``
+≥ 1: detectron2's guard against an ``LRMultiplier`` stepped past ``max_iter``). Both are
+also ``ValueError`` and say what is wrong; nothing is clamped.
 """
 from __future__ import annotations
 
@@ -12,10 +26,20 @@ import math
 from collections.abc import Sequence
 
 __all__ = [
-    'Schedule', 'ConstantSchedule', 'CosineSchedule', 'ExponentialSchedule', 'LinearSchedule',
+    'ScheduleRangeError', 'ScheduleEndedError', 'Schedule', 'ConstantSchedule', 'CosineSchedule', 'ExponentialSchedule', 'LinearSchedule',
     'MultiStepSchedule', 'PolynomialDecaySchedule', 'StepSchedule',
     'StepWithFixedGammaSchedule', 'CompositeSchedule', 'WarmupSchedule',
 ]
+
+
+class ScheduleRangeError(ValueError, RuntimeError):
+    """``where`` outside a schedule's range: the ``RuntimeError`` fvcore raises, and a
+    ``ValueError``."""
+
+
+class ScheduleEndedError(ValueError, IndexError):
+    """A step schedule evaluated at or past its end: the ``IndexError`` fvcore's gives (its
+    value list runs out), and a ``ValueError``."""
 
 
 class Schedule:
@@ -36,7 +60,7 @@ class ConstantSchedule(Schedule):
 
     def __call__(self, where: float) -> float:
         if where >= 1.0:
-            raise ValueError(f'ConstantSchedule: where must be in [0, 1), got {where}')
+            raise ScheduleRangeError(f'ConstantSchedule: where must be in [0, 1), got {where}')
         return self.value
 
 
@@ -123,7 +147,8 @@ class MultiStepSchedule(Schedule):
 
     def __call__(self, where: float) -> float:
         if where > 1.0:
-            raise ValueError(f'{type(self).__name__}: where must be in [0, 1], got {where}')
+            raise ScheduleRangeError(f'{type(self).__name__}: where must be in [0, 1], got '
+                                     f'{where}')
         update = int((where + self.WHERE_EPSILON) * self.num_updates)
         return self.values[bisect.bisect_right(self.milestones, update)]
 
@@ -151,8 +176,12 @@ class StepSchedule(Schedule):
 
     def __call__(self, where: float) -> float:
         index = int((where + self.WHERE_EPSILON) * len(self.values))
-        # where == 1.0 (the step after the last update) keeps the last value
-        return self.values[min(index, len(self.values) - 1)]
+        if not 0 <= index < len(self.values):
+            raise ScheduleEndedError(
+                f'{type(self).__name__}: where must be in [0, 1), got {where}: the schedule '
+                f'has {len(self.values)} values and ended (an LRMultiplier stepped past its '
+                'max_iter? stop stepping at the last iteration or raise max_iter)')
+        return self.values[index]
 
 
 class StepWithFixedGammaSchedule(Schedule):
@@ -177,7 +206,11 @@ class StepWithFixedGammaSchedule(Schedule):
                                    [base_value * gamma ** k for k in range(num_decays + 1)])
 
     def __call__(self, where: float) -> float:
-        return self._steps(where)
+        try:
+            return self._steps(where)
+        except ScheduleEndedError as err:  # name this schedule, not its inner one
+            raise ScheduleEndedError(str(err).replace('StepSchedule', type(self).__name__)) \
+                from None
 
 
 class CompositeSchedule(Schedule):

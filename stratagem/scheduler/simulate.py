@@ -118,6 +118,9 @@ def simulate(param_scheduler_cfgs: Any, optimizer_cfg: Mapping[str, Any],
                              'iteration-based; pass epoch_length= / --epoch-length to say when '
                              'an epoch ends')
 
+    # a dry step (no gradients: nothing changes) so the schedulers know the optimizer went
+    # first, as in training, and do not warn about the order
+    optimizer.step()
     has_momentum = _momentum(optimizer.param_groups[0]) is not None
     lrs: list[list[float]] = [[] for _ in optimizer.param_groups]
     moms: list[list[float]] = [[] for _ in optimizer.param_groups]

@@ -46,8 +46,9 @@ class MomentumSchedulerMixin:
         if 'momentum' not in defaults:
             if 'betas' not in defaults:
                 raise ValueError(f'{name}: the optimizer has neither momentum nor betas to '
-                                 f'schedule ({type(raw_optimizer(optimizer)).__name__}); use an '
-                                 'optimizer with momentum (SGD, RMSprop) or betas (Adam family)')
+                                 f'schedule ({type(raw_optimizer(optimizer)).__name__}): '
+                                 'optimizer must support momentum when using momentum scheduler; '
+                                 'use one with momentum (SGD, RMSprop) or betas (Adam family)')
             self.use_betas = True
             for group in optimizer.param_groups:
                 if 'betas' in group:

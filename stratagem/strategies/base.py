@@ -14,6 +14,9 @@ Construction
     2. ``_init_model_weights``: ``model.init_weights()`` when the model has one.
     3. ``_wrap_model``  — **backend hook**: move to the device, convert norms,
        wrap (DDP, FSDP, ...). Returns the model the loop calls.
+       A wrapper gets the inner module's ``train_step`` / ``val_step`` /
+       ``test_step`` (``integrations.model_api``), as a host trainer's loop
+       (mmengine's) calls them on ``strategy.model``.
     4. ``compile_model``: ``torch.compile`` of the model or one of its methods.
     5. ``build_optim_wrapper`` over the wrapped model's parameters, then
        ``_scale_lr`` once (never again on resume).
@@ -51,6 +54,7 @@ from torch import nn
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.config import check_keys
+from stratagem.integrations.model_api import expose_model_api
 from stratagem.registry import MODELS
 
 from .checkpointing import CheckpointMixin
@@ -232,6 +236,7 @@ class BaseStrategy(CheckpointMixin, ABC):
         model = self.build_model(model)
         model = self._init_model_weights(model)
         model = self._wrap_model(model)
+        expose_model_api(model, ckpt.unwrap_model(model))
         model = self.compile_model(model, compile=compile)
         self.model = model
         if optim_wrapper is not None:

@@ -41,7 +41,12 @@ def test_step_and_zero_grad_over_all():
     x = torch.randn(2, 3)
     gan.discriminator(gan.generator(x)).sum().backward()
     before = [p.detach().clone() for p in gan.parameters()]
-    wrappers.step()
+    with pytest.raises(NotImplementedError, match=r"`step` should be called by each.*"
+                                                  r"optim_wrapper\['generator'\].step"):
+        wrappers.step()  # as in mmengine: each wrapper steps on its own
+    assert all(torch.equal(a, b) for a, b in zip(gan.parameters(), before))
+    for wrapper in wrappers.values():
+        wrapper.step()
     assert all(not torch.equal(a, b) for a, b in zip(gan.parameters(), before))
     wrappers.zero_grad()
     assert all(p.grad is None for p in gan.parameters())
@@ -59,7 +64,8 @@ def test_optim_context_and_update_params_point_to_each_wrapper():
 def test_state_dict_per_name_round_trip(weights_only_roundtrip):
     gan, wrappers = make_dict()
     gan.discriminator(gan.generator(torch.randn(2, 3))).sum().backward()
-    wrappers.step()
+    for wrapper in wrappers.values():
+        wrapper.step()
     sd = weights_only_roundtrip(wrappers.state_dict())
     assert set(sd) == {'generator', 'discriminator'}
     _, other = make_dict()

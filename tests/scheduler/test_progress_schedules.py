@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from stratagem.scheduler import (CompositeSchedule, ConstantSchedule, CosineSchedule,
+                                 ScheduleEndedError, ScheduleRangeError, StepSchedule,
                                  ExponentialSchedule, LinearSchedule, LRMultiplier,
                                  MultiStepSchedule, PolynomialDecaySchedule,
                                  StepWithFixedGammaSchedule, WarmupSchedule, build_lr_scheduler)
@@ -142,9 +143,33 @@ def test_build_lr_scheduler_fixed_gamma_and_errors():
     opt = make_opt()
     solver = _solver(LR_SCHEDULER_NAME='WarmupStepWithFixedGammaLR', GAMMA=0.5, NUM_DECAYS=3,
                      MAX_ITER=12, WARMUP_ITERS=0)
-    got = [row[0] for row in run(build_lr_scheduler(solver, opt), opt, 13)]
-    assert got == pytest.approx([0.1 * 0.5 ** min(t // 3, 3) for t in range(13)])
+    sched = build_lr_scheduler(solver, opt)
+    got = [row[0] for row in run(sched, opt, 11)] + [opt.param_groups[0]['lr']]
+    assert got == pytest.approx([0.1 * 0.5 ** min(t // 3, 3) for t in range(12)])
+    # the step after the last iteration evaluates where=1: fvcore's IndexError (detectron2's
+    # guard against stepping past MAX_ITER), as a ScheduleEndedError naming the schedule
+    with pytest.raises(IndexError, match='StepWithFixedGammaSchedule: where must be in '
+                                         r'\[0, 1\), got 1.0') as info:
+        sched.step()
+    assert isinstance(info.value, ScheduleEndedError) and isinstance(info.value, ValueError)
     with pytest.raises(ValueError, match="unknown SOLVER.LR_SCHEDULER_NAME 'WarmupPolyLR'"):
         build_lr_scheduler(_solver(LR_SCHEDULER_NAME='WarmupPolyLR'), make_opt())
     with pytest.raises(KeyError, match='MAX_ITER'):
         build_lr_scheduler({'LR_SCHEDULER_NAME': 'WarmupCosineLR'}, make_opt())
+
+
+def test_out_of_range_raises_fvcores_exception_types():
+    # fvcore: RuntimeError from the constant (where >= 1) and multi-step (where > 1) schedules
+    with pytest.raises(RuntimeError, match=r'ConstantSchedule: where must be in \[0, 1\), got 1.0'):
+        ConstantSchedule(0.3)(1.0)
+    multi = MultiStepSchedule([1, 0.1], num_updates=4, milestones=[2])
+    assert multi(1.0) == 0.1  # the end itself is in range, as in fvcore
+    with pytest.raises(ScheduleRangeError, match='got 1.5'):
+        multi(1.5)
+    # ... and the IndexError of a step schedule whose values ran out; no clamping
+    steps = StepSchedule(num_updates=4, values=[1, 0.5])
+    assert [steps(w) for w in (0, 0.25, 0.5, 0.75)] == [1, 1, 0.5, 0.5]
+    with pytest.raises(IndexError, match='StepSchedule: where must be in'):
+        steps(1.0)
+    for err in (ScheduleRangeError('x'), ScheduleEndedError('x')):
+        assert isinstance(err, ValueError)

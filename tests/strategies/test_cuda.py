@@ -46,3 +46,50 @@ def test_fp16_resume_on_cuda_with_default_map_location_is_exact(tmp_path):
     for k, v in m2.state_dict().items():
         assert torch.equal(v, want[k]), k
     assert torch.equal(torch.rand(3, device='cuda'), want_draw)
+
+
+def _ddp_nccl_one_rank(work_dir):
+    """DDPStrategy on CUDA with nccl (one rank: the device has one GPU), fp16 AMP with a
+    GradScaler, torch SyncBatchNorm; compared with the same steps on a plain CUDA model."""
+    import copy
+
+    from stratagem.strategies import DDPStrategy
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    ref = copy.deepcopy(net).cuda()
+    s = DDPStrategy(work_dir=work_dir, sync_bn='torch', env_kwargs=dict(
+        dist_cfg=dict(backend='nccl'), randomness=dict(seed=1)))
+    model, ow = s.prepare(net, optim_wrapper=dict(
+        type='AmpOptimWrapper', dtype='float16', optimizer=dict(type='SGD', lr=0.1)))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler('cuda')
+    g = torch.Generator(device='cuda').manual_seed(0)
+    for _ in range(4):
+        x = torch.randn(8, 6, device='cuda', generator=g)
+        y = torch.randint(2, (8,), device='cuda', generator=g)
+        with ow.optim_context(model):
+            loss = F.cross_entropy(model(x).float(), y)
+        ow.update_params(loss)
+        with torch.autocast('cuda', dtype=torch.float16):
+            ref_loss = F.cross_entropy(ref(x).float(), y)
+        scaler.scale(ref_loss).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad()
+    inner = model.module
+    diff = max((a.float() - b.float()).abs().max().item()
+               for a, b in zip(inner.parameters(), ref.parameters()))
+    path = s.save_checkpoint('iter_4.pth', extra_ckpt={'meta': {'iter': 4}})
+    return {'backend': torch.distributed.get_backend(), 'device': str(next(
+        inner.parameters()).device), 'sync_bn': type(inner[1]).__name__, 'diff': diff,
+        'path': path}
+
+
+def test_ddp_with_nccl_fp16_and_sync_bn_matches_a_plain_cuda_loop(tmp_path):
+    from dist_harness import run_distributed
+    (r,) = run_distributed(_ddp_nccl_one_rank, nproc=1, args=(str(tmp_path),), timeout=180)
+    assert r['backend'] == 'nccl' and r['device'] == 'cuda:0'
+    assert r['sync_bn'] == 'SyncBatchNorm'
+    assert r['diff'] < 1e-3
+    ck = torch.load(r['path'], weights_only=True)
+    assert ck['meta']['strategy'] == 'DDPStrategy' and 'optimizer' in ck

@@ -1,0 +1,115 @@
+"""stratagem inside mmengine's ``FlexibleRunner``: ``import stratagem.integrations.mmengine``.
+
+Importing this module (the only one in stratagem that imports mmengine) does three things:
+
+1. **Allow-lists what mmengine's runner puts in a checkpoint**, so stratagem saves it and
+   loads it back with ``torch.load(weights_only=True)``: the message hub's
+   ``HistoryBuffer`` and the numpy arrays, scalars and dtypes it and the runtime info hold
+   (``stratagem.checkpoint.add_safe_globals``). ``HistoryBuffer.__getstate__`` stores its
+   class's statistics methods, which pickle as calls of ``builtins.getattr``, a global the
+   weights-only unpickler rightly never allows; a ``copyreg`` reducer pickles a buffer as
+   its constructor call with its arrays instead (custom statistics are registered on the
+   class at import, so nothing is lost). mmengine's own strategies cannot resume on
+   torch >= 2.6 for this reason; checkpoints written with this module imported can.
+2. **Registers stratagem's strategies, optim wrappers and parameter schedulers in
+   mmengine's registries** under the scope ``stratagem`` (a child registry, mmengine's
+   mechanism for other packages' names), so a config names them without clashing with
+   mmengine's own: ``strategy=dict(type='stratagem.DDPStrategy')``,
+   ``optim_wrapper=dict(type='stratagem.AmpOptimWrapper', ...)``. stratagem's own
+   registries accept the ``stratagem.`` prefix too. Strategies that stratagem registers
+   lazily (heavy backends) are registered as builder functions, imported on first build.
+3. Nothing else: a strategy's wrapped model already carries the inner module's
+   ``train_step`` / ``val_step`` / ``test_step`` (``stratagem.integrations.model_api``),
+   which mmengine's loops call.
+
+Switching an mmengine config to stratagem: ``import stratagem.integrations.mmengine`` (or
+``custom_imports=dict(imports=['stratagem.integrations.mmengine'])`` in the config), build a
+``FlexibleRunner`` and set ``strategy=dict(type='stratagem.SingleDeviceStrategy')`` (or
+``'stratagem.DDPStrategy'``, ...); ``optim_wrapper`` and ``param_scheduler`` keep mmengine's
+keys. On a CPU-only machine pass ``env_cfg=dict(dist_cfg=dict(backend='gloo'))``.
+"""
+from __future__ import annotations
+
+import copyreg
+from typing import Any
+
+try:
+    import mmengine  # noqa: F401
+    from mmengine.logging import HistoryBuffer
+    from mmengine.registry import OPTIM_WRAPPERS as MM_OPTIM_WRAPPERS
+    from mmengine.registry import PARAM_SCHEDULERS as MM_PARAM_SCHEDULERS
+    from mmengine.registry import STRATEGIES as MM_STRATEGIES
+    from mmengine.registry import Registry as MMRegistry
+except ImportError as err:  # pragma: no cover - exercised only without mmengine
+    raise ImportError('stratagem.integrations.mmengine needs mmengine: pip install '
+                      '"stratagem[mmengine]" (mmengine>=0.10.7)') from err
+import numpy as np
+
+from stratagem import registry as ours
+from stratagem.checkpoint import add_safe_globals
+
+__all__ = ['SCOPE', 'numpy_safe_globals', 'mmengine_safe_globals', 'STRATEGIES',
+           'OPTIM_WRAPPERS', 'PARAM_SCHEDULERS']
+
+SCOPE = 'stratagem'
+
+
+# ---------------------------------------------------------------- 1. the allow-list
+def _reduce_history_buffer(buffer: HistoryBuffer) -> tuple:
+    # the constructor copies the arrays and restores the default statistics methods
+    return HistoryBuffer, (buffer._log_history, buffer._count_history, buffer.max_length)
+
+
+def numpy_safe_globals() -> list:
+    """What a numpy array, scalar or dtype pickles as (torch's documented numpy set), also
+    under the other numpy major's module names, so a file from numpy 1 loads under numpy 2
+    and back."""
+    core = np._core if hasattr(np, '_core') else np.core  # numpy 2 / numpy 1
+    entries: list[Any] = [np.ndarray, np.dtype, core.multiarray._reconstruct,
+                          core.multiarray.scalar]
+    entries += sorted({type(np.dtype(code)) for code in np.typecodes['All']},
+                      key=lambda t: t.__qualname__)
+    for other in ('numpy.core.multiarray', 'numpy._core.multiarray'):
+        for func in (core.multiarray._reconstruct, core.multiarray.scalar):
+            if func.__module__ != other:
+                entries.append((func, f'{other}.{func.__name__}'))
+    return entries
+
+
+def mmengine_safe_globals() -> list:
+    """mmengine's classes that its runner stores in a checkpoint (the message hub's)."""
+    return [HistoryBuffer]
+
+
+copyreg.pickle(HistoryBuffer, _reduce_history_buffer)
+add_safe_globals(numpy_safe_globals() + mmengine_safe_globals())
+
+
+# ------------------------------------------------------------ 2. mmengine registries
+def _child(parent: MMRegistry, name: str) -> MMRegistry:
+    existing = parent._children.get(SCOPE)  # a reload of this module keeps the first one
+    return existing if existing is not None else MMRegistry(name, parent=parent, scope=SCOPE)
+
+
+def _builder(registry: ours.Registry, name: str):
+    def build(**kwargs: Any) -> Any:
+        return registry.build(dict(type=name, **kwargs))
+    build.__name__ = build.__qualname__ = name
+    build.__doc__ = f"Builds stratagem's {name} (imported on first use)."
+    return build
+
+
+def _mirror(source: ours.Registry, target: MMRegistry) -> None:
+    loaded = source.module_dict  # eager entries: the classes themselves
+    for name in source.names():
+        obj = loaded.get(name)
+        target.register_module(name=name, module=obj if obj is not None else
+                               _builder(source, name), force=True)
+
+
+STRATEGIES = _child(MM_STRATEGIES, 'strategy')
+OPTIM_WRAPPERS = _child(MM_OPTIM_WRAPPERS, 'optim_wrapper')
+PARAM_SCHEDULERS = _child(MM_PARAM_SCHEDULERS, 'parameter scheduler')
+_mirror(ours.STRATEGIES, STRATEGIES)
+_mirror(ours.OPTIM_WRAPPERS, OPTIM_WRAPPERS)
+_mirror(ours.PARAM_SCHEDULERS, PARAM_SCHEDULERS)

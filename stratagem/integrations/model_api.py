@@ -1,0 +1,71 @@
+"""A wrapped model keeps the model API a host trainer's loop calls on it.
+
+mmengine's loops call ``runner.model.train_step(data, optim_wrapper=...)``, ``val_step`` and
+``test_step``. mmengine gives its backend wrappers these methods (``MMDistributedDataParallel``,
+``MMFullyShardedDataParallel``, ...); stratagem's backends wrap with the backend's own class
+(torch ``DistributedDataParallel``, FSDP, DeepSpeed's engine), so
+:func:`expose_model_api` adds them to the wrapper instance when the inner module has them.
+The methods mirror mmengine's wrappers: ``train_step`` runs the inner module's data
+preprocessor and loss parsing around a forward *through the wrapper* (so gradient sync and
+sharding hooks run) and calls ``optim_wrapper.update_params``; ``val_step`` / ``test_step``
+call the inner module's. Nothing here imports mmengine: it is duck-typed on the module.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from torch import nn
+
+__all__ = ['expose_model_api']
+
+_API = ('train_step', 'val_step', 'test_step')
+
+
+def expose_model_api(wrapped: nn.Module, module: nn.Module) -> list[str]:
+    """Give ``wrapped`` (a backend's wrapper around ``module``) the model API ``module``
+    has and the wrapper lacks; returns the names added (none when ``wrapped is module``)."""
+    if wrapped is module:
+        return []
+    added = []
+    for name in _API:
+        if callable(getattr(module, name, None)) and not hasattr(type(wrapped), name) \
+                and name not in wrapped.__dict__:
+            step = _train_step if name == 'train_step' else _delegate(name)
+            # an instance attribute, not a class change: the wrapper stays the backend's class
+            object.__setattr__(wrapped, name, types.MethodType(step, wrapped))
+            added.append(name)
+    return added
+
+
+def _inner(wrapped: nn.Module) -> nn.Module:
+    return getattr(wrapped, 'module', wrapped)
+
+
+def _train_step(self: nn.Module, data: Any, optim_wrapper: Any) -> dict:
+    """Preprocess, forward through the wrapper in ``mode='loss'``, parse the losses, update
+    the parameters; returns the log variables (mmengine's ``train_step`` contract)."""
+    module = _inner(self)
+    with optim_wrapper.optim_context(self):
+        data = module.data_preprocessor(data, training=True)
+        losses = _run_forward(self, data, 'loss')
+    parsed_loss, log_vars = module.parse_losses(losses)
+    optim_wrapper.update_params(parsed_loss)
+    return log_vars
+
+
+def _run_forward(model: nn.Module, data: Any, mode: str) -> Any:
+    if isinstance(data, dict):
+        return model(**data, mode=mode)
+    if isinstance(data, (list, tuple)):
+        return model(*data, mode=mode)
+    raise TypeError(f'the data preprocessor should return a dict, list or tuple, got '
+                    f'{type(data).__name__}')
+
+
+def _delegate(name: str):
+    def step(self: nn.Module, data: Any) -> Any:
+        return getattr(_inner(self), name)(data)
+    step.__name__ = step.__qualname__ = name
+    step.__doc__ = f'``module.{name}(data)`` of the module inside the wrapper.'
+    return step

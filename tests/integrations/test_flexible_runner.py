@@ -1,0 +1,165 @@
+"""mmengine's FlexibleRunner drives stratagem's strategies: train 3 epochs, resume to 4, and
+land exactly where an uninterrupted 4-epoch run lands.
+
+One parametrised test per strategy; each starts its processes once (the three runs happen
+inside them). A strategy that lands later is one more line in ``STRATEGIES``.
+"""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# not importorskip: the ranks import this module, and must not import mmengine before
+# _train_resume_straight has decided about deepspeed
+pytestmark = pytest.mark.skipif(importlib.util.find_spec('mmengine') is None,
+                                reason='mmengine is not installed (pip install "stratagem[test]")')
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dist_harness import run_distributed  # noqa: E402
+
+# (strategy type as an mmengine config names it, its extra cfg, number of processes)
+STRATEGIES = [
+    pytest.param('stratagem.SingleDeviceStrategy', {}, 1, id='SingleDevice'),
+    pytest.param('stratagem.DDPStrategy', {}, 2, id='DDP-2ranks'),
+    pytest.param('stratagem.FSDPStrategy', {}, 2, id='FSDP-2ranks', marks=pytest.mark.xfail(
+        strict=True, reason='open: under FlexibleRunner the state FSDPStrategy restores equals '
+        'the interrupted run at epoch 3 (weights, momentum, lr, schedulers, counters) and both '
+        "runs' epoch_3 checkpoints are identical, yet epoch 4 after resume differs by ~1e-4")),
+]
+
+
+def _model():
+    import torch
+    from mmengine.model import BaseModel
+    from torch import nn
+
+    class ToyModel(BaseModel):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 8)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, inputs, labels, mode='tensor'):
+            out = self.head(torch.relu(self.linear(inputs)))
+            if mode == 'loss':
+                return {'loss': ((out - labels) ** 2).mean()}
+            return out
+
+    torch.manual_seed(0)  # the same initial weights in every run and rank
+    return ToyModel()
+
+
+def _dataset():
+    import torch
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 4, generator=g), torch.randn(32, 2, generator=g)
+    return [dict(inputs=x[i], labels=y[i]) for i in range(32)]
+
+
+def _runner(work_dir, strategy, max_epochs, resume=False):
+    from mmengine.runner import FlexibleRunner
+
+    import stratagem.integrations.mmengine  # noqa: F401  (allow-list, scoped names)
+    distributed = strategy[2] > 1
+    return FlexibleRunner(
+        model=_model(), work_dir=str(work_dir), strategy=dict(type=strategy[0], **strategy[1]),
+        launcher='pytorch' if distributed else 'none',
+        env_cfg=dict(dist_cfg=dict(backend='gloo')), randomness=dict(seed=3),
+        train_dataloader=dict(dataset=_dataset(), batch_size=4, collate_fn=dict(
+            type='default_collate'), sampler=dict(type='DefaultSampler', shuffle=True)),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.05, momentum=0.9)),
+        param_scheduler=dict(type='MultiStepLR', milestones=[2, 3], end=4),
+        train_cfg=dict(by_epoch=True, max_epochs=max_epochs),
+        default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=1),
+                           logger=dict(type='LoggerHook', interval=2)),
+        resume=resume, log_level='WARNING')
+
+
+def _values(tensor):
+    # a sharded backend holds DTensors: compare the whole tensor (collective, every rank)
+    return (tensor.full_tensor() if hasattr(tensor, 'full_tensor') else tensor).tolist()
+
+
+def _final_state(runner):
+    strategy = runner.strategy
+    optim = strategy.optim_state_dict()
+    return {
+        'weights': {k: _values(v) for k, v in strategy.model_state_dict().items()},
+        'momentum': [_values(st['momentum_buffer']) for st in optim['state'].values()],
+        'lr': [g['lr'] for g in optim['param_groups']],
+        'schedulers': strategy.scheduler_state_dict(),
+        'iter': runner.iter, 'epoch': runner.epoch,
+        'lr_history': runner.message_hub.get_scalar('train/lr').data[0].tolist(),
+        'resumed_from': strategy.resumed_from,
+    }
+
+
+def _train_resume_straight(root, strategy):
+    """Every rank: 3 epochs, then a new runner resumes to 4; then 4 epochs in one go."""
+    if 'DeepSpeed' not in strategy[0]:
+        # mmengine imports deepspeed when it is installed (~4 s per process on the CI machine)
+        sys.modules.setdefault('deepspeed', None)
+    root = Path(root)
+    _runner(root / 'split', strategy, 3).train()
+    resumed = _runner(root / 'split', strategy, 4, resume=True)
+    resumed.train()
+    straight = _runner(root / 'straight', strategy, 4)
+    straight.train()
+    # what was saved loads back with weights_only=True, message hub and all (through the
+    # backend's reader: a sharded backend writes a directory)
+    ckpt = resumed.strategy._load_checkpoint_files(str(root / 'split' / 'epoch_3.pth'), 'cpu')
+    hub = ckpt['message_hub']['log_scalars']['train/lr']
+    return {'resumed': _final_state(resumed), 'straight': _final_state(straight),
+            'epoch_3_meta': {k: ckpt['meta'][k] for k in ('epoch', 'iter')},
+            'epoch_3_lr_history': hub.data[0].tolist(), 'rank': resumed.rank}
+
+
+@pytest.mark.parametrize('strategy, cfg, nproc', STRATEGIES)
+def test_resume_equals_uninterrupted_run(tmp_path, strategy, cfg, nproc):
+    results = run_distributed(_train_resume_straight, nproc=nproc, timeout=240,
+                              args=(str(tmp_path), (strategy, cfg, nproc)))
+    iters_per_epoch = 32 // 4 // nproc
+    for rank, result in enumerate(results):
+        resumed, straight = result['resumed'], result['straight']
+        assert result['rank'] == rank
+        assert resumed['resumed_from'] == str(tmp_path / 'split' / 'epoch_3.pth')
+        assert straight['resumed_from'] is None
+        assert result['epoch_3_meta'] == {'epoch': 3, 'iter': 3 * iters_per_epoch}
+        assert (resumed['iter'], resumed['epoch']) == (4 * iters_per_epoch, 4)
+        # bit-exact: weights, momentum buffers, lr, scheduler states, counters
+        for key in ('weights', 'momentum', 'lr', 'schedulers', 'iter', 'epoch'):
+            assert resumed[key] == straight[key], key
+        assert resumed['lr'] == [pytest.approx(0.05 * 0.1 * 0.1)]  # both milestones passed
+        # the message hub's history came back through the checkpoint and went on
+        assert len(result['epoch_3_lr_history']) == 3 * iters_per_epoch
+        assert resumed['lr_history'] == straight['lr_history']
+        assert resumed['lr_history'][:3 * iters_per_epoch] == result['epoch_3_lr_history']
+    for name in ('epoch_1.pth', 'epoch_4.pth'):
+        path = tmp_path / 'split' / name
+        manifest = json.loads((path / 'manifest.json' if path.is_dir() else
+                               path.with_name(f'{name}.manifest.json')).read_text())
+        assert 'mmengine.logging.history_buffer.HistoryBuffer' in manifest['safe_globals']
+        assert manifest['world_size'] == nproc
+    final = tmp_path / 'split' / 'epoch_4.pth'
+    _check_load_without_integration(final / 'extra.pth' if final.is_dir() else final)
+
+
+def _check_load_without_integration(path):
+    """A process that has not imported the integration names what it lacks."""
+    from stratagem.checkpoint import UnsafeCheckpointError, get_safe_globals, load_checkpoint_file
+    if 'mmengine.logging.history_buffer.HistoryBuffer' in get_safe_globals():
+        probe = ('from stratagem.checkpoint import load_checkpoint_file\n'
+                 f'try:\n    load_checkpoint_file({str(path)!r})\n'
+                 'except Exception as e:\n    print(type(e).__name__, e)')
+        out = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True,
+                             check=True).stdout
+    else:  # this process has not: check here, which saves starting an interpreter
+        with pytest.raises(UnsafeCheckpointError) as info:
+            load_checkpoint_file(path)
+        out = f'{type(info.value).__name__} {info.value}'
+    assert out.startswith('UnsafeCheckpointError')
+    assert 'holds mmengine.logging.history_buffer.HistoryBuffer' in out
+    assert 'import stratagem.integrations.mmengine' in out
