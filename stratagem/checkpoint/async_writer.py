@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import logging
 import threading
 import weakref
@@ -41,6 +42,8 @@ import torch
 __all__ = ['AsyncCheckpointWriter']
 
 _log = logging.getLogger('stratagem.checkpoint')
+_IMMUTABLE = frozenset((type(None), bool, int, float, complex, str, bytes, torch.dtype,
+                        torch.device, torch.Size))
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -161,7 +164,11 @@ class AsyncCheckpointWriter:
             return set(obj)  # members are hashable plain values (validated by the caller)
         if kind is bytearray:
             return bytearray(obj)
-        return obj  # immutable plain values; anything else was refused by validation
+        if kind in _IMMUTABLE:
+            return obj
+        # an allow-listed class instance (e.g. mmengine's HistoryBuffer): training may change
+        # it after save_checkpoint returns, so the writer gets its own copy
+        return copy.deepcopy(obj)
 
     def _copy_tensor(self, tensor: torch.Tensor, key: str, used: dict, aliases: dict,
                      cuda: list) -> torch.Tensor:

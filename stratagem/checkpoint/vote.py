@@ -5,6 +5,9 @@ process group: a background writer that issued collectives on the training group
 interleave with the training loop's collectives and deadlock (DCP's thread mode does), and a
 collective with a dead peer fails without saying which peer. With the store:
 
+The store is a client connection of its own to the group's store server (``_own_store``),
+so the vote never shares a socket with the training thread.
+
 1. Every rank starts a heartbeat (a counter it bumps every ``timeout / 8`` s, at most 1 s)
    for as long as it takes part in the save.
 2. Every rank posts ``ready/{rank}``: ``ok`` once its files are written, or its error.
@@ -29,6 +32,53 @@ __all__ = ['SaveVote', 'CheckpointVoteError']
 _OK = 'ok'
 _SAVES = itertools.count()  # every rank saves in the same order, so the ids agree
 _POLL = 0.02
+
+
+_STORE: '_LockedStore | None' = None
+_STORE_LOCK = threading.Lock()
+
+
+class _LockedStore:
+    """One store client shared by this process's vote threads, one request at a time (a
+    store client is a single socket: requests from two threads must not interleave)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store, self._lock = store, threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+
+        def locked(*args: Any) -> Any:
+            with self._lock:
+                return method(*args)
+        return locked
+
+
+def _own_store() -> _LockedStore:
+    """A client of the process group's store that is ours alone: a new connection to the same
+    TCPStore server (the training thread may use the default client meanwhile), or the
+    default store itself when it is not a TCPStore (FileStore, HashStore)."""
+    global _STORE
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+    with _STORE_LOCK:
+        base = _get_default_store()
+        inner = base
+        while hasattr(inner, 'underlying_store'):  # PrefixStore layers
+            inner = inner.underlying_store
+        key = (getattr(inner, 'host', None), getattr(inner, 'port', None), id(inner))
+        if _STORE is None or getattr(_STORE, '_key', None) != key:
+            if isinstance(inner, dist.TCPStore):
+                store = dist.TCPStore(inner.host, inner.port, is_master=False,
+                                      wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=300))
+            else:
+                store = base
+            _STORE = _LockedStore(store)
+            _STORE.__dict__['_key'] = key
+        return _STORE
 
 
 class CheckpointVoteError(RuntimeError):
@@ -57,9 +107,8 @@ class SaveVote:
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
-        from torch.distributed.distributed_c10d import _get_default_store
         prefix = f'stratagem/ckpt/{next(_SAVES)}/'
-        return cls(_get_default_store(), prefix, dist.get_rank(), dist.get_world_size(),
+        return cls(_own_store(), prefix, dist.get_rank(), dist.get_world_size(),
                    float(timeout), what)
 
     # ------------------------------------------------------------------ steps

@@ -219,3 +219,16 @@ def test_snapshot_defer_copies_in_the_writer():
     w.wait()
     assert w._staged.is_set()
     assert torch.equal(snap['p'], torch.full((4,), 7.0)) and torch.equal(snap['b'], torch.zeros(3))
+
+
+class _Counter:  # stands for an allow-listed class (a host trainer's, e.g. HistoryBuffer)
+    def __init__(self):
+        self.values = [1]
+
+
+def test_snapshot_copies_objects_of_other_classes():
+    w = AsyncCheckpointWriter()
+    obj = _Counter()
+    snap = w.snapshot({'hist': obj, 'n': 3})
+    obj.values.append(2)
+    assert snap['hist'] is not obj and snap['hist'].values == [1] and snap['n'] == 3
