@@ -340,7 +340,7 @@ def finalize_directory(staging_dir: PathLike, final_dir: PathLike, *, step: int 
     then deleting the old), fsyncs the parent and updates ``last_checkpoint``. Returns the
     absolute final path.
 
-    ``known_files``: ``{'path', 'size', <digest>}`` entries (``file_entry``) (paths relative to the staging
+    ``known_files``: ``file_entry`` dicts (path, size, digest; paths relative to the staging
     dir) already fsynced and hashed by the ranks that wrote them; those are not read again
     (their size is still checked), every other file is fsynced and hashed here.
     """

@@ -282,7 +282,7 @@ def hash_file(path: Path, pool: ThreadPoolExecutor | None = None,
 
 # Verified (device, inode, size, mtime_ns) -> 'algo:digest'. We never modify a committed file
 # in place (a save renames a new inode over it), so this identity changing means the content may
-# have changed; it lets `find_latest_checkpoint` + `load_checkpoint_file` hash a file once, not twice.
+# have changed; it lets `find_latest_checkpoint` + `load_checkpoint_file` hash a file once.
 _VERIFIED: OrderedDict[tuple, str] = OrderedDict()
 _VERIFIED_MAX = 32
 
