@@ -1,9 +1,11 @@
-"""DDP throughput: DDPStrategy + OptimWrapper versus a raw torch DDP loop.
+"""DDP throughput: DDPStrategy and ShardedDDPStrategy versus a raw torch DDP loop.
 
 2 processes, gloo, 1 thread each, a 4×Linear(1024, 1024) MLP, batch 64 per rank,
-Adam. Both loops run in the same processes and process group, interleaved
-(raw block, stratagem block, raw block, ...), so machine noise hits both alike.
-Prints the median ms/step of each and the time ratio stratagem / raw.
+Adam. All loops run in the same processes and process group, interleaved
+(raw block, stratagem block, sharded block, ...), so machine noise hits them alike.
+Prints the median ms/step of each, the time ratios to raw, and each rank's
+optimizer-state bytes (ShardedDDP keeps only its shard: fairscale OSS +
+ShardedDataParallel; its rows are left out when fairscale is not installed).
 
     python benchmarks/ddp_throughput.py [--rounds 15] [--steps 10] [--order raw-first]
 """
@@ -36,7 +38,7 @@ def _worker(rank: int, world: int, port: int, rounds: int, steps: int, order: st
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from stratagem import env
-    from stratagem.strategies import DDPStrategy
+    from stratagem.strategies import DDPStrategy, build_strategy
 
     strategy = DDPStrategy(work_dir=tempfile.mkdtemp(prefix='ddp-bench-'),
                            env_kwargs=dict(randomness=dict(seed=0)),
@@ -52,6 +54,16 @@ def _worker(rank: int, world: int, port: int, rounds: int, steps: int, order: st
         raw = DDP(_mlp())
     raw_opt = torch.optim.Adam(raw.parameters(), lr=1e-4)
     inner = optim_wrapper.optimizer
+    try:
+        import fairscale  # noqa: F401
+    except ImportError:
+        sharded = None
+    else:
+        sharded = build_strategy(dict(type='ShardedDDPStrategy',
+                                      work_dir=tempfile.mkdtemp(prefix='sdp-bench-'),
+                                      log_kwargs=dict(log_level='WARNING')))
+        s_model, s_wrapper = sharded.prepare(_mlp(), optim_wrapper=dict(
+            optimizer=dict(type='Adam', lr=1e-4)))
     batches = [torch.randn(64, 1024) for _ in range(4)]
 
     def raw_step(x: torch.Tensor) -> None:
@@ -64,6 +76,11 @@ def _worker(rank: int, world: int, port: int, rounds: int, steps: int, order: st
         with optim_wrapper.optim_context(model):
             loss = model(x).square().mean()
         optim_wrapper.update_params(loss)
+
+    def sharded_step(x: torch.Tensor) -> None:
+        with s_wrapper.optim_context(s_model):
+            loss = s_model(x).square().mean()
+        s_wrapper.update_params(loss)
 
     def raw_on_ours_step(x: torch.Tensor) -> None:  # control: a raw loop, our model+optimizer
         inner.zero_grad()
@@ -79,16 +96,24 @@ def _worker(rank: int, world: int, port: int, rounds: int, steps: int, order: st
         env.barrier()
         return (time.perf_counter() - t) / steps
 
-    for fn in (raw_step, ours_step):  # warm-up: allocator, DDP buckets
+    fns = [raw_step, ours_step, raw_on_ours_step] + ([sharded_step] if sharded else [])
+    for fn in fns:  # warm-up: allocator, DDP buckets, optimizer state
         block(fn)
-    raw_t, ours_t, ratios, control_ratios = [], [], [], []
-    fns = [raw_step, ours_step, raw_on_ours_step]
+    raw_t, ours_t, sdp_t, ratios, control_ratios, sdp_ratios = [], [], [], [], [], []
     for r in range(rounds):
         times = {fn: block(fn) for fn in (fns if r % 2 == 0 else fns[::-1])}
         raw_t.append(times[raw_step])
         ours_t.append(times[ours_step])
         ratios.append(times[ours_step] / times[raw_step])
         control_ratios.append(times[ours_step] / times[raw_on_ours_step])
+        if sharded:
+            sdp_t.append(times[sharded_step])
+            sdp_ratios.append(times[sharded_step] / times[raw_step])
+    states = []
+    if sharded:  # the byte counter lives with OSS (it imports fairscale)
+        from stratagem.optim.oss import optimizer_state_bytes
+        states = env.all_gather_object([optimizer_state_bytes(raw_opt),
+                                        optimizer_state_bytes(s_wrapper.optimizer)])
     if rank == 0:
         raw_m, ours_m = statistics.median(raw_t), statistics.median(ours_t)
         print(f'DDP, 2 ranks x gloo x 1 thread, 4xLinear(1024,1024), batch 64/rank, Adam; '
@@ -101,6 +126,16 @@ def _worker(rank: int, world: int, port: int, rounds: int, steps: int, order: st
               f'{statistics.median(ratios):.3f}x (median of per-round ratios)')
         print(f'wrapper alone (same model+optimizer driven by a raw loop): '
               f'{statistics.median(control_ratios):.3f}x')
+        if sharded:
+            sdp_m = statistics.median(sdp_t)
+            print(f'ShardedDDPStrategy (OSS)  median {sdp_m * 1e3:8.2f} ms/step  '
+                  f'({1 / sdp_m:6.2f} steps/s)')
+            print(f'time ratio sharded/raw DDP: {sdp_m / raw_m:.3f}x (ratio of medians), '
+                  f'{statistics.median(sdp_ratios):.3f}x (median of per-round ratios); '
+                  f'sharded/DDPStrategy: {sdp_m / ours_m:.3f}x')
+        for r, (full, shard) in enumerate(states):
+            print(f'rank {r} optimizer state: DDP (Adam) {full / 2**20:7.2f} MiB, ShardedDDP '
+                  f'(OSS shard) {shard / 2**20:7.2f} MiB ({shard / full:.2f}x)')
     env.barrier()
     torch.distributed.destroy_process_group()
 

@@ -23,6 +23,11 @@ __all__ = ['convert_checkpoint', 'SOURCES', 'add_arguments', 'run']
 Reader = Callable[[Path, Callable[[int, int], None] | None], dict]
 
 
+def _is_zero(path: Path) -> bool:
+    from .zero import is_zero_checkpoint
+    return is_zero_checkpoint(path)
+
+
 def _read_file(path: Path, progress: Callable[[int, int], None] | None) -> dict:
     checkpoint = load_checkpoint_file(path, map_location='cpu')
     if not isinstance(checkpoint, dict):
@@ -31,8 +36,14 @@ def _read_file(path: Path, progress: Callable[[int, int], None] | None) -> dict:
     return checkpoint
 
 
+def _read_zero(path: Path, progress: Callable[[int, int], None] | None) -> dict:
+    from .zero import read_zero_checkpoint  # DeepSpeed is imported only for its shards
+    return read_zero_checkpoint(path)
+
+
 # name -> (detect(path) -> bool, read(path, progress) -> dict); first match wins
 SOURCES: dict[str, tuple[Callable[[Path], bool], Reader]] = {
+    'zero': (_is_zero, _read_zero),  # DeepSpeedStrategy's directories
     'sharded': (is_sharded_checkpoint,
                 lambda p, progress: read_sharded_checkpoint(p, progress=progress)),
     'file': (Path.is_file, _read_file),
@@ -73,7 +84,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument('src', help='the checkpoint to convert (a file or a sharded directory)')
+    parser.add_argument('src', help='the checkpoint to convert (a file, a sharded directory or '
+                        'a DeepSpeed (ZeRO) directory)')
     parser.add_argument('dst', help='the new checkpoint (must not exist)')
     parser.add_argument('--to', choices=('file', 'sharded'), default='file',
                         help='target layout (default: one file)')

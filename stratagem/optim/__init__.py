@@ -8,6 +8,7 @@ from . import optimizers  # noqa: F401  (registers torch.optim in OPTIMIZERS)
 from .amp_optim_wrapper import AmpOptimWrapper
 from .base import BaseOptimWrapper
 from .builder import MultiOptimWrapperConstructor, build_optim_wrapper
+from .deepspeed_optim_wrapper import DeepSpeedOptimWrapper
 from .default_constructor import DefaultOptimWrapperConstructor
 from .fp16 import (LossScaler, auto_fp16, cast_tensor_type, force_fp32, patch_forward_method,
                    patch_norm_fp32, wrap_fp16_model)
@@ -18,7 +19,8 @@ from .param_groups import get_default_optimizer_params, reduce_param_groups
 
 __all__ = [
     'BaseOptimWrapper', 'OptimWrapper', 'AmpOptimWrapper', 'OptimWrapperDict',
-    'Fp16MasterWeightsOptimWrapper', 'build_optim_wrapper', 'DefaultOptimWrapperConstructor',
+    'Fp16MasterWeightsOptimWrapper', 'DeepSpeedOptimWrapper', 'build_optim_wrapper',
+    'DefaultOptimWrapperConstructor',
     'MultiOptimWrapperConstructor', 'get_default_optimizer_params', 'reduce_param_groups',
     'ZeroRedundancyOptimizer', 'cast_tensor_type', 'auto_fp16', 'force_fp32',
     'wrap_fp16_model', 'patch_norm_fp32', 'patch_forward_method', 'LossScaler',

@@ -1,7 +1,9 @@
-"""Register every ``torch.optim`` optimizer (and ZeroRedundancyOptimizer) in OPTIMIZERS.
+"""Register every ``torch.optim`` optimizer (and ZeroRedundancyOptimizer, OSS) in OPTIMIZERS.
 
 ``ZeroRedundancyOptimizer`` is :class:`stratagem.optim.zero.ZeroRedundancyOptimizer`
-(mmengine's signature: ``optimizer_type='AdamW'``), imported on first use.
+(mmengine's signature: ``optimizer_type='AdamW'``), imported on first use; ``OSS`` is
+:class:`stratagem.optim.oss.OSS` (fairscale's, ``optim='AdamW'``), which imports fairscale
+only when first built.
 
 Imported by the OPTIMIZERS registry on its first lookup, so ``import stratagem``
 stays cheap.
@@ -32,3 +34,4 @@ def register_torch_optimizers() -> list[str]:
 TORCH_OPTIMIZERS = register_torch_optimizers()
 OPTIMIZERS.register_lazy('ZeroRedundancyOptimizer',
                          'stratagem.optim.zero:ZeroRedundancyOptimizer', force=True)
+OPTIMIZERS.register_lazy('OSS', 'stratagem.optim.oss:OSS', force=True)

@@ -9,18 +9,24 @@ from stratagem.registry import STRATEGIES
 
 from .base import BaseStrategy
 from .ddp import DDPStrategy
+from .sharded_ddp import ShardedDDPStrategy
 from .single_device import SingleDeviceStrategy
 
-__all__ = ['BaseStrategy', 'SingleDeviceStrategy', 'DDPStrategy', 'FSDPStrategy',
-           'build_strategy']
+__all__ = ['BaseStrategy', 'SingleDeviceStrategy', 'DDPStrategy', 'ShardedDDPStrategy',
+           'FSDPStrategy', 'DeepSpeedStrategy', 'build_strategy']
 
 STRATEGIES.register_lazy('FSDPStrategy', 'stratagem.strategies.fsdp:FSDPStrategy')
+# imported on first use: DeepSpeed is an optional extra and slow to import
+STRATEGIES.register_lazy('DeepSpeedStrategy', 'stratagem.strategies.deepspeed:DeepSpeedStrategy')
 
 
 def __getattr__(name: str) -> Any:
     if name == 'FSDPStrategy':  # torch.distributed.fsdp is imported only when used
         from .fsdp import FSDPStrategy
         return FSDPStrategy
+    if name == 'DeepSpeedStrategy':
+        from .deepspeed import DeepSpeedStrategy
+        return DeepSpeedStrategy
     raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 

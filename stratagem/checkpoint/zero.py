@@ -1,0 +1,123 @@
+"""DeepSpeed (ZeRO) directory checkpoints: verify, consolidate, convert to one file.
+
+A DeepSpeed checkpoint written by :class:`~stratagem.strategies.DeepSpeedStrategy` is a
+directory committed by stratagem's protocol::
+
+    iter_100.pth/
+        manifest.json            stratagem's: every file's size and sha256, world size, stage
+        stratagem_state.pth      meta, schedulers, counters, every rank's RNG (weights_only)
+        deepspeed/               DeepSpeed's own files (tag 'deepspeed'): model states and,
+            mp_rank_00_model_states.pt, *_optim_states.pt   under ZeRO, the optimizer shards
+        zero_to_fp32.py ...      DeepSpeed's recovery scripts
+
+DeepSpeed reads its files with ``torch.load(weights_only=False)``, which runs any code a
+file carries. Every function here therefore verifies the manifest (sizes and sha256 of every
+file) *before* DeepSpeed unpickles anything; a directory without a manifest, or with a
+changed byte, is refused.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+import torch
+
+from .commit import save_checkpoint
+from .directory import verify_directory
+from .errors import CheckpointCorruptError
+from .load import load_checkpoint_file
+
+__all__ = ['DEEPSPEED_TAG', 'STATE_FILE', 'verify_zero_checkpoint', 'check_zero_layout',
+           'zero_to_state_dict', 'read_zero_checkpoint', 'convert_zero_checkpoint',
+           'is_zero_checkpoint']
+
+DEEPSPEED_TAG = 'deepspeed'
+STATE_FILE = 'stratagem_state.pth'
+
+
+def is_zero_checkpoint(path: str | os.PathLike) -> bool:
+    """True if ``path`` is a directory laid out as above (manifest not checked)."""
+    path = Path(path)
+    return path.is_dir() and (path / STATE_FILE).is_file() and (path / DEEPSPEED_TAG).is_dir()
+
+
+def check_zero_layout(path: str | os.PathLike) -> None:
+    """Raise ``CheckpointCorruptError`` unless the committed directory ``path`` is laid out as
+    a DeepSpeedStrategy checkpoint."""
+    if not is_zero_checkpoint(path):
+        raise CheckpointCorruptError(f'{path} is a stratagem checkpoint but not a DeepSpeed one '
+                                     f'(no {STATE_FILE} and {DEEPSPEED_TAG}/)')
+
+
+def verify_zero_checkpoint(path: str | os.PathLike) -> dict:
+    """Verify a DeepSpeed checkpoint directory in this process (sizes and sha256 of every
+    file, ``verify_directory(collective=False)``); return its manifest.
+
+    Raises ``FileNotFoundError`` if it is missing, ``CheckpointCorruptError`` naming the file
+    if a byte differs or no stratagem manifest covers the directory (a DeepSpeed checkpoint
+    written by mmengine or DeepSpeed itself cannot be verified, and is not unpickled).
+    """
+    manifest = verify_directory(path, collective=False)
+    check_zero_layout(path)
+    return manifest
+
+
+def zero_to_state_dict(path: str | os.PathLike, *, verify: bool = True,
+                       exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+    """The model's full fp32 state dict from a DeepSpeed checkpoint directory, on CPU.
+
+    Needs no process group. ZeRO 1–3 (and bf16) shards are consolidated with DeepSpeed's
+    ``get_fp32_state_dict_from_zero_checkpoint``; a stage-0 fp32 checkpoint holds the full
+    weights in its model-states file. ``verify`` hashes every file first (pass False only
+    right after a verification of the same directory).
+    """
+    path = Path(path).absolute()
+    if verify:
+        verify_zero_checkpoint(path)
+    tag_dir = path / DEEPSPEED_TAG
+    if glob.glob(str(tag_dir / '*optim_states.pt')):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        state = get_fp32_state_dict_from_zero_checkpoint(
+            str(path), tag=DEEPSPEED_TAG, exclude_frozen_parameters=exclude_frozen_parameters)
+    else:
+        files = sorted(glob.glob(str(tag_dir / 'mp_rank_*_model_states.pt')))
+        if len(files) != 1:
+            raise CheckpointCorruptError(f'{tag_dir} holds neither ZeRO optimizer shards nor '
+                                         f'one model-states file (found {files})')
+        # verified above; DeepSpeed's file holds its config objects, hence not weights_only
+        module = torch.load(files[0], map_location='cpu', weights_only=False)['module']
+        state = {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def read_zero_checkpoint(path: str | os.PathLike) -> dict:
+    """A DeepSpeed checkpoint directory as one mmengine-layout dict, verified first:
+    ``{'meta': <the run's meta + where it came from>, 'state_dict': <full fp32 weights>}``.
+
+    The optimizer is not carried over: its sharded state has no single-process form that
+    every backend reads (resume at another world size goes through DeepSpeedStrategy).
+    """
+    path = Path(path).absolute()
+    manifest = verify_zero_checkpoint(path)
+    ours = load_checkpoint_file(path / STATE_FILE)
+    meta = dict(ours.get('meta') or {})
+    meta.update(converted_from=str(path), converted_from_strategy=manifest.get('strategy'),
+                converted_from_world_size=manifest.get('world_size'))
+    return {'meta': meta, 'state_dict': zero_to_state_dict(path, verify=False)}
+
+
+def convert_zero_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *,
+                            update_pointer: bool = False) -> Path:
+    """Convert a DeepSpeed checkpoint directory into one single-file stratagem checkpoint
+    (:func:`read_zero_checkpoint`'s dict, committed atomically with its manifest), which
+    SingleDeviceStrategy, DDPStrategy and FSDPStrategy load with ``load_checkpoint``.
+    ``stratagem convert SRC DST`` does the same. Returns ``dst``."""
+    src, dst = Path(src).absolute(), Path(dst).absolute()
+    if dst == src or src in dst.parents:
+        raise ValueError(f'convert_zero_checkpoint: dst {dst} must lie outside src {src}')
+    checkpoint = read_zero_checkpoint(src)
+    step = checkpoint['meta'].get('iter')
+    return save_checkpoint(checkpoint, dst, step=step if type(step) is int else None,
+                           extra_manifest={'world_size': 1, 'strategy': 'converted'},
+                           update_pointer=update_pointer)

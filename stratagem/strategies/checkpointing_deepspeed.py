@@ -1,0 +1,289 @@
+"""The checkpoint half of DeepSpeedStrategy: DeepSpeed's files on stratagem's directory protocol.
+
+``save_checkpoint(filename)`` (every rank calls it)
+    1. Refused inside an accumulation window (DeepSpeed's files cannot hold the partial
+       gradients: a resume would be off by them), before anything is written.
+    2. Our state (meta, schedulers, wrapper counters, every rank's RNG, ``extra_ckpt``) is
+       gathered and validated (tensors and plain values only).
+    3. ``checkpoint.save_directory`` (the directory protocol): rank 0 creates a fresh
+       staging directory beside ``filename``; the engine writes into it on every rank
+       (``save_checkpoint(staging, tag='deepspeed', save_latest=False)``: no ``latest``
+       file, nothing outside the staging directory) and rank 0 adds
+       ``stratagem_state.pth``; the ranks exchange success or the error; rank 0 fsyncs and
+       hashes every file, writes ``manifest.json``, renames the directory to ``filename``
+       and updates ``last_checkpoint``. Before that rename no checkpoint has that name.
+
+``resume`` / ``load_checkpoint`` of a directory
+    1. ``checkpoint.verify_directory``: every size on every rank, every sha256 on one rank,
+       the same manifest everywhere (DeepSpeed unpickles with ``weights_only=False``: a
+       tampered or foreign file must be refused before that). Any failure raises on all.
+    2. ``stratagem_state.pth`` loads with ``weights_only=True``; the keys asked for are
+       checked before anything is restored.
+    3. Another world size: BaseStrategy's plan (``world_change.py``) converts iteration
+       counts and schedulers, or refuses, before anything is loaded.
+    4. Same world size: ``engine.load_checkpoint`` (model, optimizer partitions, engine
+       counters). Another world size: the checkpoint is converted to DeepSpeed's universal
+       format beside it and loaded from there (resharding the optimizer state).
+    5. Counters, schedulers, then RNG states last (BaseStrategy's helpers).
+``load_checkpoint`` loads weights only: a directory is consolidated to full fp32 weights
+(``checkpoint.zero``), a file is read safely; both go through ``load_model_state_dict``,
+which refreshes DeepSpeed's fp32 master copy so the next update starts from them.
+"""
+from __future__ import annotations
+
+import os.path as osp
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stratagem import checkpoint as ckpt
+from stratagem import env
+from stratagem.checkpoint.content import SAFE_GLOBALS_KEY
+from stratagem.checkpoint.zero import (DEEPSPEED_TAG, STATE_FILE, check_zero_layout,
+                                       is_zero_checkpoint, zero_to_state_dict)
+
+from .world_change import plan_world_size_change
+
+__all__ = ['DeepSpeedCheckpointMixin']
+
+
+class DeepSpeedCheckpointMixin:
+    """State dicts, save, load and resume for :class:`DeepSpeedStrategy`."""
+
+    # ----------------------------------------------------------------- state dicts
+    def model_state_dict(self) -> dict:
+        """The full model state dict. Under ZeRO-3 the parameters are gathered first, so
+        every rank must call it."""
+        module = self._unwrap_model()
+        if self.zero_stage != 3:
+            return module.state_dict()
+        from deepspeed import zero
+        with zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def load_model_state_dict(self, state_dict: Mapping, *, strict: bool = False,
+                              revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)
+                              ) -> Any:
+        """Load full weights into the engine's module (every rank, same ``state_dict``) and
+        refresh DeepSpeed's fp32 master weights from them."""
+        state_dict = ckpt.revise_keys(state_dict, list(revise_keys))
+        module = self._unwrap_model()
+        if self.zero_stage == 3:
+            from deepspeed import zero
+            with zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+                report = ckpt.load_state_dict(module, state_dict, strict=strict,
+                                              logger=self.logger)
+        else:
+            report = ckpt.load_state_dict(module, state_dict, strict=strict, logger=self.logger)
+        refresh = getattr(self.model.optimizer, 'refresh_fp32_params', None)
+        if callable(refresh):  # ZeRO / bf16 optimizers update from their fp32 copies
+            refresh()
+        return report
+
+    def optim_state_dict(self) -> dict:
+        """The wrapper's counters; the optimizer's tensors are in DeepSpeed's files."""
+        return self.optim_wrapper.state_dict()
+
+    # ----------------------------------------------------------------------- save
+    def save_checkpoint(self, filename: str, *, save_optimizer: bool = True,
+                        save_param_scheduler: bool = True, extra_ckpt: Mapping | None = None,
+                        callback: Callable[[dict], None] | None = None) -> str:
+        """Commit a DeepSpeed checkpoint directory at ``filename`` (relative: under
+        ``work_dir``); every rank calls it. See the module docstring for the steps.
+
+        ``save_optimizer=False`` leaves the counters out of our state (a resume then needs
+        ``resume_optimizer=False``); DeepSpeed still writes its optimizer partitions, since
+        its layout has no weights-only form that every ZeRO stage reloads.
+        """
+        if self.async_checkpoint and not getattr(self, '_warned_async', False):
+            self._warned_async = True  # DeepSpeed's engine writes through collectives
+            self.logger.warning('DeepSpeedStrategy: async_checkpoint is not supported for '
+                                "DeepSpeed's checkpoint directories; saving synchronously")
+        extra = dict(extra_ckpt or {})
+        path = filename if osp.isabs(filename) else osp.join(self._work_dir, filename)
+        path = Path(env.broadcast_object(osp.abspath(path)))
+        wrapper = getattr(self, 'optim_wrapper', None)
+        if wrapper is not None and not wrapper.should_update():
+            raise ValueError(f'{path}: {wrapper.mid_window_message()}')
+        state: dict[str, Any] = {'meta': self._meta(extra.pop('meta', None))}
+        state['meta']['zero_stage'] = self.zero_stage
+        if save_optimizer and wrapper is not None:
+            state['optimizer'] = wrapper.state_dict()
+        if save_param_scheduler and hasattr(self, 'param_schedulers'):
+            state['param_schedulers'] = self.scheduler_state_dict()
+        state['rng_states'] = env.all_gather_object(env.get_rng_state())
+        state.update(extra)
+        if callback is not None:
+            callback(state)
+        # every rank validates, so a bad value fails on all alike; allow-listed classes (a
+        # host trainer's) are named in the manifest for a loader that lacks them
+        held = ckpt.validate_checkpoint_content(state)
+        step = state['meta'].get('iter')
+        self._commit_directory(path, state, step if type(step) is int else None, held)
+        return str(path)
+
+    def _commit_directory(self, path: Path, state: dict, step: int | None,
+                          held: list[str]) -> None:
+        def write(staging: Path) -> None:
+            # every rank writes its DeepSpeed files (a collective); rank 0 hashes them all
+            self.model.save_checkpoint(str(staging), tag=DEEPSPEED_TAG, client_state={},
+                                       save_latest=False,
+                                       exclude_frozen_parameters=self.exclude_frozen_parameters)
+            if env.is_main_process():
+                torch.save(state, staging / STATE_FILE)
+
+        extra = {'strategy': type(self).__name__, 'zero_stage': self.zero_stage}
+        if held:
+            extra[SAFE_GLOBALS_KEY] = held
+        ckpt.save_directory(path, write, step=step, extra_manifest=extra)
+
+    # ----------------------------------------------------------------------- load
+    def _verify_directory(self, filename: str) -> tuple[Path, dict]:
+        """Collective: every file's size on every rank, its sha256 on one rank, the same
+        manifest everywhere; then the DeepSpeed layout. Raises on every rank."""
+        path = Path(env.broadcast_object(osp.abspath(filename)))
+        manifest = ckpt.verify_directory(path, collective=True)
+        check_zero_layout(path)
+        return path, manifest
+
+    def _read_state(self, path: Path) -> dict:
+        # rank 0 just hashed it; the other ranks re-hash this small file on their own
+        return ckpt.load_checkpoint_file(path / STATE_FILE, map_location='cpu')
+
+    def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
+        """A DeepSpeed directory: our state plus consolidated fp32 weights (``state_dict``);
+        a single file: BaseStrategy's safe load."""
+        if not osp.isdir(filename):
+            return super()._load_checkpoint_files(filename, map_location)
+        path, _ = self._verify_directory(filename)
+        state = self._read_state(path)
+        state['state_dict'] = zero_to_state_dict(
+            path, verify=False, exclude_frozen_parameters=self.exclude_frozen_parameters)
+        return state
+
+    def resume(self, filename: str, *, resume_optimizer: bool = True,
+               resume_param_scheduler: bool = True, map_location: Any = 'default',
+               callback: Callable[[dict], None] | None = None) -> dict:
+        """Continue exactly where the DeepSpeed checkpoint ``filename`` stopped.
+
+        Returns our state (``meta`` has ``iter``). ``map_location`` is accepted for
+        mmengine's signature; DeepSpeed places its tensors on the engine's device.
+        """
+        if not self._prepared:
+            raise RuntimeError('resume() needs the prepared components: call strategy.prepare('
+                               'model, optim_wrapper=..., param_scheduler=...) first')
+        if not (osp.isdir(filename) and is_zero_checkpoint(filename)):
+            raise ValueError(f'{filename} is not a DeepSpeed checkpoint directory (written by '
+                             'DeepSpeedStrategy.save_checkpoint); load weights from other '
+                             'checkpoints with load_checkpoint()')
+        path, manifest = self._verify_directory(filename)
+        state = self._read_state(path)
+        if callback is not None:
+            callback(state)
+        want_optim = resume_optimizer and hasattr(self, 'optim_wrapper')
+        want_sched = resume_param_scheduler and hasattr(self, 'param_schedulers')
+        missing = [key for key, wanted in (('optimizer', want_optim),
+                                          ('param_schedulers', want_sched))
+                   if wanted and key not in state]
+        if missing:
+            raise KeyError(f'{path} cannot be resumed: it has no {missing} (keys: '
+                           f'{sorted(state)}); pass resume_optimizer=False / '
+                           'resume_param_scheduler=False')
+        meta = state.get('meta') or {}
+        # BaseStrategy's world-size plan: iteration units, schedulers, windows; anything it
+        # refuses is refused before anything is loaded
+        change = plan_world_size_change(meta, self.dispatch_kwargs, self.world_size,
+                                        self._max_accumulation(), str(path))
+        converting = change is not None and change.new_iter is not None
+        sched_states = state.get('param_schedulers') if want_sched else None
+        if want_sched and converting:
+            sched_states = change.rescale_schedulers(
+                self.param_schedulers, sched_states, self.dispatch_kwargs.get('epoch_length'),
+                str(path))
+        saved_world = int(manifest.get('world_size', meta.get('world_size', self.world_size)))
+        if saved_world == self.world_size:
+            self._engine_load(path, DEEPSPEED_TAG, want_optim)
+        else:
+            self._load_resharded(path, saved_world, want_optim)
+        if want_optim:
+            self.optim_wrapper.load_state_dict(state['optimizer'])
+        done = meta.get('iter')
+        if converting:
+            done = change.new_iter
+            if change.max_iters is not None:
+                self.dispatch_kwargs['max_iters'] = change.max_iters[1]
+        if hasattr(self, 'optim_wrapper'):
+            self._initialize_accumulation(done)
+        if want_sched:
+            self.load_scheduler_state_dict(sched_states)
+            if converting:
+                change.replay_schedulers(self.param_schedulers,
+                                         self.dispatch_kwargs.get('epoch_length'))
+        self._restore_randomness(state, meta, str(path))
+        if change is not None:
+            state['meta'] = meta = {**meta, 'iter': done, 'world_size_change': change.as_meta()}
+            self._report_world_size_change(change, str(path))
+        self._check_same_step(meta.get('iter'), str(path))
+        self.resumed_from = str(path)
+        self.logger.info(f'resumed from {path} (iter {meta.get("iter")})')
+        return state
+
+    def _engine_load(self, directory: Path, tag: str, optimizer: bool) -> None:
+        loaded, _ = self.model.load_checkpoint(
+            str(directory), tag=tag, load_optimizer_states=optimizer,
+            load_lr_scheduler_states=False,
+            load_module_strict=not self.exclude_frozen_parameters)
+        if loaded is None:  # DeepSpeed only warns when it finds nothing
+            raise FileNotFoundError(f'DeepSpeed found no checkpoint in {directory / tag}')
+
+    def _load_resharded(self, path: Path, saved_world: int, optimizer: bool) -> None:
+        """Resume a checkpoint of ``saved_world`` ranks in this world: rank 0 converts it to
+        DeepSpeed's universal format (``ds_to_universal --inject_missing_state``) in a
+        temporary directory beside it, every rank loads from there with
+        ``load_universal``, the directory is removed. DeepSpeed refuses a plain load at
+        another world size."""
+        self.logger.info(f'{path} was saved by {saved_world} ranks, this run has '
+                         f'{self.world_size}: resharding through a universal checkpoint')
+        universal, error = None, None
+        if env.is_main_process():
+            try:
+                universal = ckpt.new_staging_dir(path.with_name(path.name + '.universal'))
+                _to_universal(path / DEEPSPEED_TAG, universal / DEEPSPEED_TAG)
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                error = e
+        failures = env.all_gather_object(None if error is None else f'{error!r}')
+        universal = env.broadcast_object(None if universal is None else str(universal))
+        try:
+            if error is not None:
+                raise error
+            if failures[0] is not None:
+                raise RuntimeError(f'converting {path} to a universal checkpoint failed on '
+                                   f'rank 0: {failures[0]}')
+            config = self.model._config
+            # a config flag DeepSpeed reads at load time; the engine is built without it
+            config.load_universal_checkpoint = True
+            try:
+                self._engine_load(Path(universal), DEEPSPEED_TAG, optimizer)
+            finally:
+                config.load_universal_checkpoint = False
+            env.barrier()
+        finally:
+            if env.is_main_process() and universal is not None:
+                shutil.rmtree(universal, ignore_errors=True)
+
+
+def _to_universal(src: Path, dst: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` on a verified checkpoint, in this process."""
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint import ds_to_universal
+    args = argparse.Namespace(input_folder=str(src), output_folder=str(dst),
+                              num_extract_workers=1, num_merge_workers=1,
+                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
+        ds_to_universal.main(args)

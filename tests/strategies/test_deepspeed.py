@@ -1,0 +1,536 @@
+"""DeepSpeedStrategy on 2 gloo processes (CPU): ZeRO 0-3 against one process, accumulation,
+clipping and schedulers against the OptimWrapper oracle, checkpoints (exact resume, 2 -> 1,
+tampering, conversion).
+
+Processes start twice for the module (2 ranks, then 1 rank to resume at another world size),
+and every check runs inside them, several engines per process: DeepSpeed JIT-builds its shm
+communication op once per machine (~30-60 s cold, cached in ~/.cache/torch_extensions).
+Optimizers are torch's (a DeepSpeed-config optimizer would JIT-build fused_adam).
+"""
+import os
+import pickle
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip('deepspeed', reason='DeepSpeed is an optional extra (stratagem[deepspeed])')
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dist_harness import RankFailure, run_distributed  # noqa: E402
+
+MAX_ITERS = 10
+SAVE_AT = 6  # a window boundary (windows of 3: [0,3) [3,6) [6,9) [9,10))
+_COMPONENTS = dict(
+    optim_wrapper=dict(type='DeepSpeedOptimWrapper', optimizer=dict(type='Adam', lr=0.05),
+                       accumulative_counts=3, clip_grad=dict(type='norm', max_norm=0.5)),
+    param_scheduler=[dict(type='LinearLR', start_factor=0.25, by_epoch=False, end=4),
+                     dict(type='CosineAnnealingLR', by_epoch=False, begin=4, T_max=6)],
+    dispatch_kwargs=dict(max_iters=MAX_ITERS, train_micro_batch_size_per_gpu=4))
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _batch(it: int, world: int = 2):
+    """The global batch of iteration ``it``: 4 samples per rank of a 2-rank run."""
+    g = torch.Generator().manual_seed(1000 + it)
+    return torch.randn(4 * world, 6, generator=g), torch.randint(3, (4 * world,), generator=g)
+
+
+def _strategy(work_dir, **kwargs):
+    from stratagem.strategies import build_strategy
+    kwargs.setdefault('env_kwargs', dict(randomness=dict(seed=7)))
+    return build_strategy(dict(type='DeepSpeedStrategy', work_dir=str(work_dir), **kwargs))
+
+
+def _full_weights(s):
+    return {k: v.detach().float().clone() for k, v in s.model_state_dict().items()}
+
+
+def _max_diff(a, b):
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _oracle(iters, accumulative_counts=1, clip=None, lr=0.05, schedulers=True, start=None):
+    """One process, the whole batch, stratagem's OptimWrapper: the numerical reference.
+    Returns (weights, lrs used at each update, pre-clip norms at each update)."""
+    from torch.nn import functional as F
+    from stratagem.optim import OptimWrapper
+    from stratagem.scheduler import build_param_schedulers
+    model = _net()
+    if start is not None:
+        model.load_state_dict(start)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    ow = OptimWrapper(opt, accumulative_counts=accumulative_counts,
+                      clip_grad=None if clip is None else dict(max_norm=clip))
+    ow.initialize_count_status(model, 0, iters)
+    scheds = build_param_schedulers(_COMPONENTS['param_scheduler'], ow, max_iters=iters) \
+        if schedulers else []
+    lrs, norms = [], []
+    opt.register_step_pre_hook(lambda o, *a: lrs.append(o.param_groups[0]['lr']))
+    for it in range(iters):
+        x, y = _batch(it)
+        ow.update_params(F.cross_entropy(model(x), y))
+        if ow.should_update() and ow.last_grad_norm is not None:
+            norms.append(float(ow.last_grad_norm))
+        for s in scheds:
+            s.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, lrs, norms
+
+
+def _train(s, model, ow, scheds, start, stop, rank, updates=None):
+    from torch.nn import functional as F
+    for it in range(start, stop):
+        x, y = _batch(it)
+        half = slice(rank * 4, rank * 4 + 4)
+        with ow.optim_context(model):
+            loss = F.cross_entropy(model(x[half]), y[half])
+        ow.update_params(loss)
+        if updates is not None and ow.should_update():
+            updates.append(float(ow.last_grad_norm))
+        for sch in scheds:
+            sch.step()
+
+
+def _checks(tmp):
+    """Runs in each of 2 ranks; returns measured values."""
+    import deepspeed
+    from stratagem.checkpoint import CheckpointCorruptError
+    out = {}
+    # -- 1. ZeRO 0-3, fp32, torch Adam: equal to one process on the whole batch
+    ref, _, _ = _oracle(3, schedulers=False)
+    for stage in (0, 1, 2, 3):
+        s = _strategy(os.path.join(tmp, f'z{stage}'), zero_optimization=dict(stage=stage))
+        model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05)),
+                              dispatch_kwargs=dict(train_micro_batch_size_per_gpu=4))
+        _train(s, model, ow, [], 0, 3, s.rank)
+        out[f'zero{stage}_diff'] = _max_diff(_full_weights(s), ref)
+        out[f'zero{stage}_gas_clip'] = (s.model.gradient_accumulation_steps(),
+                                        s.model.gradient_clipping())
+        out['rank'], out['world'] = s.rank, s.world_size
+    # -- 2. bf16 (ZeRO-2) runs, close to fp32
+    s = _strategy(os.path.join(tmp, 'bf16'), zero_optimization=dict(stage=2),
+                  bf16=dict(enabled=True), inputs_to_half=[0])
+    model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05)),
+                          dispatch_kwargs=dict(train_micro_batch_size_per_gpu=4))
+    _train(s, model, ow, [], 0, 3, s.rank)
+    out['bf16_dtype'] = str(next(s.model.module.parameters()).dtype)
+    out['bf16_diff'] = _max_diff(_full_weights(s), ref)
+    # -- 3. accumulation 3 with a tail window, clipping, schedulers: the OptimWrapper oracle
+    want, want_lrs, want_norms = _oracle(MAX_ITERS, 3, clip=0.5)
+    for stage in (0, 2, 3):
+        s = _strategy(os.path.join(tmp, f'acc{stage}'), zero_optimization=dict(stage=stage))
+        model, ow, scheds = s.prepare(_net(), **_COMPONENTS)
+        lrs = []
+        ow.optimizer.register_step_pre_hook(lambda o, *a: lrs.append(o.param_groups[0]['lr']))
+        norms = []
+        _train(s, model, ow, scheds, 0, MAX_ITERS, s.rank, norms)
+        out[f'acc{stage}'] = dict(diff=_max_diff(_full_weights(s), want),
+                                  updates=s.model.global_steps, lrs=lrs, norms=norms,
+                                  inner=ow.inner_count)
+    out['oracle'] = dict(lrs=want_lrs, norms=want_norms)
+    # zero_grad inside a window drops its partial gradients, as OptimWrapper's does
+    from torch.nn import functional as F
+    from stratagem.optim import OptimWrapper
+    ref_model = _net()
+    ref_ow = OptimWrapper(torch.optim.Adam(ref_model.parameters(), lr=0.05),
+                          accumulative_counts=3)
+    ref_ow.initialize_count_status(ref_model, 0, 3)
+    for stage in (0, 2, 3):
+        s = _strategy(os.path.join(tmp, f'zg{stage}'), zero_optimization=dict(stage=stage))
+        model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05),
+                                                         accumulative_counts=3),
+                              dispatch_kwargs=dict(max_iters=3, train_micro_batch_size_per_gpu=4))
+        pairs = [(model, ow, slice(s.rank * 4, s.rank * 4 + 4))]
+        if stage == 0:
+            pairs.append((ref_model, ref_ow, slice(None)))
+        for it in range(3):
+            x, y = _batch(it)
+            for m, o, part in pairs:
+                o.update_params(F.cross_entropy(m(x[part]), y[part]))
+                if it == 0:
+                    try:
+                        o.zero_grad()
+                    except RuntimeError as e:  # refused under ZeRO: DeepSpeed's buffers
+                        out[f'zero_grad{stage}'] = str(e)
+        out.setdefault(f'zero_grad{stage}', _max_diff(_full_weights(s), ref_model.state_dict()))
+    # auto_scale_lr (mmengine's DeepSpeedStrategy never applies it): real batch 2 ranks x 4 x 3
+    s = _strategy(os.path.join(tmp, 'scale'), zero_optimization=dict(stage=1),
+                  auto_scale_lr=dict(enable=True, base_batch_size=8))
+    model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05),
+                                                     accumulative_counts=3),
+                          dispatch_kwargs=dict(max_iters=3, train_micro_batch_size_per_gpu=4))
+    used = []
+    ow.optimizer.register_step_pre_hook(lambda o, *a: used.append(o.param_groups[0]['lr']))
+    _train(s, model, ow, [], 0, 3, s.rank)
+    out['scaled_lr'] = (ow.get_lr()['lr'][0], used)
+    # -- 4. disagreeing DeepSpeed settings raise, naming both values
+    errors = {}
+    for key, kwargs, wrapper in (
+            ('gas', dict(gradient_accumulation_steps=2), dict(accumulative_counts=3)),
+            ('clip', dict(config=dict(gradient_clipping=1.0)), {}),
+            ('clip2', dict(gradient_clipping=0.3), dict(clip_grad=dict(max_norm=0.5))),
+            ('micro', dict(train_micro_batch_size_per_gpu=8), {}),
+            ('type', {}, dict(type='AmpOptimWrapper'))):
+        s = _strategy(os.path.join(tmp, 'bad'), zero_optimization=dict(stage=2), **kwargs)
+        try:
+            s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.1), **wrapper),
+                      dispatch_kwargs=dict(max_iters=4, train_micro_batch_size_per_gpu=4))
+        except (ValueError, TypeError) as e:
+            errors[key] = str(e)
+    out['errors'] = errors
+    # -- 5. an mmengine DeepSpeedStrategy config builds (fp16 -> bf16 on this CPU) and trains
+    s = _strategy(os.path.join(tmp, 'mm'), bf16=dict(enabled=True), inputs_to_half=[0],
+                  zero_optimization=dict(stage=3, allgather_partitions=True,
+                                         reduce_scatter=True, allgather_bucket_size=50000000,
+                                         reduce_bucket_size=50000000, overlap_comm=True,
+                                         contiguous_gradients=True, cpu_offload=False),
+                  gradient_accumulation_steps=2, steps_per_print=100,
+                  exclude_frozen_parameters=False)
+    model, ow = s.prepare(_net(), optim_wrapper=dict(
+        type='DeepSpeedOptimWrapper', optimizer=dict(type='AdamW', lr=1e-3),
+        accumulative_counts=2), dispatch_kwargs=dict(max_iters=4))
+    _train(s, model, ow, [], 0, 4, s.rank)
+    out['mm_updates'] = s.model.global_steps
+
+    # -- 6. checkpoints: run A trains to MAX_ITERS, saving at SAVE_AT; run B resumes there
+    for stage in (2, 3):
+        work = os.path.join(tmp, f'ck{stage}')
+        a = _strategy(work, zero_optimization=dict(stage=stage))
+        model, ow, scheds = a.prepare(_net(), **_COMPONENTS)
+        _train(a, model, ow, scheds, 0, 4, a.rank)
+        try:  # mid window: refused before anything is written
+            a.save_checkpoint('iter_4.pth', extra_ckpt={'meta': {'iter': 4}})
+        except ValueError as e:
+            out[f'midwindow{stage}'] = (str(e), sorted(os.listdir(work)))
+        _train(a, model, ow, scheds, 4, SAVE_AT, a.rank)
+        path = a.save_checkpoint(f'iter_{SAVE_AT}.pth', extra_ckpt={'meta': {'iter': SAVE_AT}})
+        saved = _full_weights(a)
+        rng_after_save = torch.rand(2)
+        _train(a, model, ow, scheds, SAVE_AT, MAX_ITERS, a.rank)
+        final_a = _full_weights(a)
+        torch.manual_seed(1234)  # a resumed run must get its RNG back from the checkpoint
+        b = _strategy(work, zero_optimization=dict(stage=stage))
+        model, ow, scheds = b.prepare(_net(), **_COMPONENTS)
+        state = b.resume(path)
+        rng_resumed = torch.rand(2)
+        _train(b, model, ow, scheds, SAVE_AT, MAX_ITERS, b.rank)
+        out[f'resume{stage}'] = dict(
+            path=path, iter=state['meta']['iter'], listing=sorted(os.listdir(path)),
+            exact=all(torch.equal(final_a[k], v) for k, v in _full_weights(b).items()),
+            rng=torch.equal(rng_after_save, rng_resumed), lr=ow.get_lr()['lr'][0],
+            updates=b.model.global_steps, saved=saved, final=final_a,
+            work_listing=sorted(os.listdir(work)))
+    # weights only, from the directory, into a fresh ZeRO-2 engine: the fp32 master copy
+    # follows (an update with lr 0 keeps them)
+    c = _strategy(os.path.join(tmp, 'load'), zero_optimization=dict(stage=2))
+    model, ow = c.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.0)),
+                          dispatch_kwargs=dict(train_micro_batch_size_per_gpu=4))
+    c.load_checkpoint(out['resume2']['path'])
+    loaded = _full_weights(c)
+    _train(c, model, ow, [], 0, 1, c.rank)
+    out['load_only'] = (_max_diff(loaded, out['resume2']['saved']),
+                        _max_diff(_full_weights(c), out['resume2']['saved']))
+    # -- 7. tampering: refused on every rank before DeepSpeed unpickles anything
+    src = out['resume2']['path']
+    cases = {'flipped': os.path.join(tmp, 'flipped'), 'payload': os.path.join(tmp, 'payload'),
+             'foreign': os.path.join(tmp, 'foreign')}
+    if a.rank == 0:
+        for where in cases.values():
+            shutil.copytree(src, where)
+        shard = sorted(Path(cases['flipped'], 'deepspeed').glob('*optim_states.pt'))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01  # one bit, same size
+        shard.write_bytes(bytes(data))
+        # a shard replaced by a pickle whose loading runs code (creates a file)
+        shard = sorted(Path(cases['payload'], 'deepspeed').glob('*optim_states.pt'))[0]
+        shard.write_bytes(pickle.dumps(_Boom(os.path.join(tmp, 'pwned'))))
+        os.remove(os.path.join(cases['foreign'], 'manifest.json'))  # DeepSpeed's files only
+    torch.distributed.barrier()
+    d = _strategy(os.path.join(tmp, 'tamper'), zero_optimization=dict(stage=2))
+    d.prepare(_net(), **_COMPONENTS)
+    out['tampered'] = {}
+    for case, where in cases.items():
+        for call in ('resume', 'load_checkpoint'):
+            try:
+                getattr(d, call)(where)
+                out['tampered'][case, call] = None
+            except CheckpointCorruptError as e:
+                out['tampered'][case, call] = str(e)
+    out['pwned'] = os.path.exists(os.path.join(tmp, 'pwned'))
+    out['deepspeed_version'] = deepspeed.__version__
+    return out
+
+
+class _Boom:
+    """Unpickling this creates a file: proof that a loader ran the payload."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, 'w'))
+
+
+def _resume_one_rank(path, work):
+    """Runs in 1 rank: resume the 2-rank ZeRO-2 checkpoint, finish the run on the whole batch."""
+    from torch.nn import functional as F
+    b = _strategy(work, zero_optimization=dict(stage=2))
+    comps = dict(_COMPONENTS, dispatch_kwargs=dict(max_iters=MAX_ITERS,
+                                                   train_micro_batch_size_per_gpu=8))
+    model, ow, scheds = b.prepare(_net(), **comps)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        state = b.resume(path)
+    for it in range(SAVE_AT, MAX_ITERS):
+        x, y = _batch(it)
+        ow.update_params(F.cross_entropy(model(x), y))
+        for sch in scheds:
+            sch.step()
+    return dict(iter=state['meta']['iter'], final=_full_weights(b), updates=b.model.global_steps,
+                warnings=[str(w.message) for w in caught])
+
+
+@pytest.fixture(scope='module')
+def results(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp('deepspeed'))
+    try:
+        outs = run_distributed(_checks, nproc=2, args=(tmp,), timeout=420)
+    except RankFailure as e:
+        pytest.fail(f'{e}\n{e.output[-4000:]}')
+    try:
+        one = run_distributed(_resume_one_rank, nproc=1,
+                              args=(outs[0]['resume2']['path'], os.path.join(tmp, 'one')),
+                              timeout=240)[0]
+    except RankFailure as e:  # reported by the test that needs it
+        one = e
+    return tmp, outs, one
+
+
+def test_zero_stages_equal_one_process(results):
+    _, outs, _ = results
+    for out in outs:
+        assert (out['rank'], out['world']) in ((0, 2), (1, 2))
+        for stage in (0, 1, 2, 3):
+            assert out[f'zero{stage}_diff'] < 1e-6, (stage, out[f'zero{stage}_diff'])
+            # written explicitly: DeepSpeed's default gradient_clipping=1.0 would clip
+            assert out[f'zero{stage}_gas_clip'] == (1, 0.0)
+
+
+def test_bf16_runs_within_tolerance(results):
+    for out in results[1]:
+        assert out['bf16_dtype'] == 'torch.bfloat16'
+        # bf16 weights (8 bits of mantissa) after 3 Adam steps of lr 0.05: ~1e-2 of fp32
+        assert 0 < out['bf16_diff'] < 2e-2, out['bf16_diff']
+
+
+@pytest.mark.parametrize('stage', [0, 2, 3])
+def test_accumulation_clipping_schedulers_equal_optim_wrapper(results, stage):
+    _, outs, _ = results
+    oracle = outs[0]['oracle']
+    assert len(oracle['lrs']) == 4  # ceil(10 / 3) updates, the last over 1 micro-batch
+    for out in outs:
+        acc = out[f'acc{stage}']
+        assert acc['diff'] < 1e-6, acc['diff']
+        assert acc['updates'] == 4 and acc['inner'] == MAX_ITERS
+        # the client optimizer stepped once per update, with the oracle's scheduled lrs
+        assert acc['lrs'] == pytest.approx(oracle['lrs'], rel=1e-12)
+        # pre-clip global norms, as clip_grad_norm_ returns them on the whole batch
+        assert acc['norms'] == pytest.approx(oracle['norms'], rel=1e-5)
+        assert max(acc['norms']) > 0.5  # clipping was active
+
+
+def test_auto_scale_lr_applies(results):
+    for out in results[1]:
+        lr, used = out['scaled_lr']
+        assert lr == pytest.approx(0.15) and used == [pytest.approx(0.15)]
+
+
+def test_zero_grad_inside_a_window_drops_or_refuses(results):
+    for out in results[1]:
+        # without ZeRO the window's gradients are p.grad: dropped, as OptimWrapper drops them
+        assert out['zero_grad0'] < 1e-6, out['zero_grad0']
+        # under ZeRO they sit in DeepSpeed's reduced buffers: refused, never silently kept
+        for stage in (2, 3):
+            assert 'inside an accumulation window (iteration 1)' in out[f'zero_grad{stage}']
+
+
+def test_disagreeing_settings_raise_naming_both(results):
+    errors = results[1][0]['errors']
+    assert 'gradient_accumulation_steps=2' in errors['gas']
+    assert 'accumulative_counts=3' in errors['gas']
+    assert 'gradient_clipping=1.0' in errors['clip'] and '0.0' in errors['clip']
+    assert 'gradient_clipping=0.3' in errors['clip2'] and '0.5' in errors['clip2']
+    assert 'train_micro_batch_size_per_gpu=8' in errors['micro'] and ' 4 ' in errors['micro']
+    assert 'AmpOptimWrapper' in errors['type']
+
+
+def test_mmengine_config_builds_and_trains(results):
+    for out in results[1]:
+        assert out['mm_updates'] == 2
+
+
+@pytest.mark.parametrize('stage', [2, 3])
+def test_save_resume_exact_at_two_ranks(results, stage):
+    _, outs, _ = results
+    for out in outs:
+        r = out[f'resume{stage}']
+        assert r['iter'] == SAVE_AT and r['exact'] and r['rng']
+        assert r['updates'] == 4
+        assert {'manifest.json', 'stratagem_state.pth', 'deepspeed'} <= set(r['listing'])
+        # nothing written outside the checkpoint: no 'latest', no recovery scripts
+        logs = {n for n in r['work_listing'] if n[:8].isdigit()}  # the runs' log folders
+        assert set(r['work_listing']) - logs == {f'iter_{SAVE_AT}.pth', 'last_checkpoint'}
+        msg, listing = out[f'midwindow{stage}']
+        assert 'iteration 4' in msg and 'accumulative_counts=3' in msg
+        assert not any(n.startswith('iter_') or n.startswith('.iter') for n in listing)
+    assert outs[0][f'resume{stage}']['exact'] == outs[1][f'resume{stage}']['exact']
+
+
+def test_load_checkpoint_refreshes_master_weights(results):
+    for out in results[1]:
+        loaded, after_zero_lr_step = out['load_only']
+        assert loaded < 1e-6 and after_zero_lr_step < 1e-6
+
+
+def test_tampered_shard_refused_before_unpickling(results):
+    for out in results[1]:
+        for call in ('resume', 'load_checkpoint'):
+            msg = out['tampered']['flipped', call]
+            assert 'optim_states.pt is damaged: sha256' in msg, msg
+            msg = out['tampered']['payload', call]
+            assert 'optim_states.pt is damaged: size' in msg, msg
+            msg = out['tampered']['foreign', call]
+            assert 'no manifest.json' in msg, msg
+        assert out['pwned'] is False  # the payload never ran
+
+
+def test_resume_at_another_world_size(results):
+    _, outs, one = results
+    if isinstance(one, Exception):
+        pytest.fail(f'{one}\n{one.output[-4000:]}')
+    assert one['iter'] == SAVE_AT and one['updates'] == 4
+    assert _max_diff(one['final'], outs[0]['resume2']['final']) < 1e-6
+
+
+def test_convert_to_single_file_loads_in_single_device(results, tmp_path):
+    from stratagem.checkpoint.zero import convert_zero_checkpoint
+    from stratagem.strategies import SingleDeviceStrategy
+    _, outs, _ = results
+    from stratagem.cli import main
+    for stage in (2, 3):
+        src = outs[0][f'resume{stage}']['path']
+        dst = tmp_path / f'single{stage}.pth'
+        if stage == 2:  # the command and the function
+            assert main(['convert', src, str(dst)]) == 0
+        else:
+            convert_zero_checkpoint(src, dst)
+        s = SingleDeviceStrategy(work_dir=str(tmp_path / f'w{stage}'))
+        s.prepare(_net())
+        s.load_checkpoint(str(dst), strict=True)
+        got = s.model.state_dict()
+        want = outs[0][f'resume{stage}']['saved']
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert torch.load(dst, weights_only=True)['meta']['iter'] == SAVE_AT
+
+
+# ---------------------------------------------------------------- one process, no DeepSpeed engine
+def test_wrapper_refuses_what_deepspeed_cannot_do():
+    from stratagem.optim import DeepSpeedOptimWrapper
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match='clips by value'):
+        DeepSpeedOptimWrapper(opt, clip_grad=dict(type='value', clip_value=1.0))
+    with pytest.raises(ValueError, match='norm_type 1'):
+        DeepSpeedOptimWrapper(opt, clip_grad=dict(max_norm=1.0, norm_type=1))
+    w = DeepSpeedOptimWrapper(opt, accumulative_counts=2, clip_grad=dict(max_norm=2.5))
+    assert (w.max_norm, w.accumulative_counts) == (2.5, 2)
+    assert DeepSpeedOptimWrapper(opt).max_norm == 0.0
+    with pytest.raises(RuntimeError, match='no DeepSpeed engine'):
+        w.backward(torch.zeros((), requires_grad=True))
+    w._inner_count = 3  # mid window
+    with pytest.raises(RuntimeError, match='inside an accumulation window of 2'):
+        w.state_dict()
+    w._inner_count = 4
+    w.load_state_dict({'optim_wrapper': {'inner_count': 6, 'max_counts': 9,
+                                         'accumulative_counts': 2}})
+    assert (w.inner_count, w.max_counts) == (6, 9)
+    assert w.state_dict() == {'optim_wrapper': {'inner_count': 6, 'max_counts': 9,
+                                                'accumulative_counts': 2}}
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(config=dict(optimizer=dict(type='Adam'))), "a 'optimizer' section"),
+    (dict(config=dict(scheduler=dict(type='WarmupLR'))), "a 'scheduler' section"),
+    (dict(fp16=dict(enabled=True)), 'needs CUDA'),
+    (dict(config=dict(gradient_clipping=1.0), gradient_clipping=2.0),
+     'gradient_clipping=2.0 disagrees with the DeepSpeed config'),
+    (dict(zero_optimization=dict(stage=4)), 'stage=4'),
+    (dict(config=dict(managed_gradient_accumulation=True)), 'managed_gradient_accumulation'),
+    (dict(config='/no/such/ds_config.json'), 'does not exist'),
+])
+def test_bad_config_raises_before_any_set_up(kwargs, match):
+    if 'fp16' in kwargs and torch.cuda.is_available():
+        pytest.skip('fp16 is refused only without CUDA')
+    from stratagem.strategies import DeepSpeedStrategy
+    before = dict(os.environ)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        DeepSpeedStrategy(**kwargs)
+    assert dict(os.environ) == before and not torch.distributed.is_initialized()
+
+
+def test_json_config_file(tmp_path):
+    from stratagem.strategies.deepspeed_config import parse_config as _parse_config
+    path = tmp_path / 'ds.json'
+    path.write_text('{"zero_optimization": {"stage": 3}, "bf16": {"enabled": true}}')
+    assert _parse_config(str(path)) == {'zero_optimization': {'stage': 3},
+                                        'bf16': {'enabled': True}}
+    path.write_text('{"zero_optimization": ')
+    with pytest.raises(ValueError, match='not valid JSON'):
+        _parse_config(str(path))
+
+
+def test_importing_strategies_does_not_import_deepspeed():
+    import subprocess
+    probe = ('import sys, stratagem.strategies, stratagem.optim, stratagem.checkpoint.zero; '
+             'from stratagem.registry import STRATEGIES; '
+             "print('deepspeed' in sys.modules, 'DeepSpeedStrategy' in STRATEGIES)")
+    out = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ['False', 'True']
+    # without DeepSpeed the error names the extra
+    missing = ("import sys; sys.modules['deepspeed'] = None\n"
+               'from stratagem.strategies import build_strategy\n'
+               "try:\n    build_strategy(dict(type='DeepSpeedStrategy'))\n"
+               'except ImportError as e:\n    print(e)')
+    out = subprocess.run([sys.executable, '-c', missing], capture_output=True, text=True,
+                         check=True).stdout
+    assert 'pip install "stratagem[deepspeed]"' in out
+
+
+# ---------------------------------------------------------------- stratagem train --nproc 2
+def test_train_config_with_two_processes(tmp_path):
+    """The example config under `stratagem train --nproc 2` (torchrun): it trains, and its
+    directory checkpoints commit with a manifest and consolidate to the trained weights.
+    (Exact resume is checked in-process above; one launch keeps this test short.)"""
+    from stratagem import checkpoint as ckpt
+    from stratagem.checkpoint.zero import zero_to_state_dict
+    from stratagem.cli import main
+    config = str(Path(__file__).resolve().parents[2] / 'examples' / 'configs' /
+                 'classifier_deepspeed.py')
+    work = tmp_path / 'w'
+    assert main(['train', config, '--nproc', '2', '--work-dir', str(work), '--cfg-options',
+                 'train_cfg.max_epochs=1', 'train_cfg.max_keep_ckpts=None']) == 0
+    assert sorted(n for n in os.listdir(work) if n.startswith('iter_')) == \
+        ['iter_16.pth', 'iter_32.pth']
+    assert ckpt.find_latest_checkpoint(work).name == 'iter_32.pth'
+    manifest = ckpt.verify_directory(work / 'iter_32.pth', collective=False)
+    assert (manifest['world_size'], manifest['zero_stage'], manifest['step']) == (2, 2, 32)
+    first, last = (zero_to_state_dict(work / f'iter_{i}.pth') for i in (16, 32))
+    assert set(first) == set(last) and any(not torch.equal(first[k], last[k]) for k in first)

@@ -1,0 +1,441 @@
+"""ShardedDDPStrategy (fairscale OSS + ShardedDataParallel) and the OSS optimizer.
+
+2 gloo ranks on CPU, started once for the module (``_checks``); the assertions run here.
+DDPStrategy with a plain optimizer is the oracle: each rank trains on its half of a global
+batch, and a single process on the whole batch continues a 2-rank checkpoint.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dist_harness import run_distributed  # noqa: E402
+
+pytest.importorskip('fairscale', reason='fairscale is not installed (stratagem[fairscale])')
+
+STOP, END = 5, 8  # checkpoint after STOP steps, runs end at END
+ADAM = dict(type='Adam', lr=0.01)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _batch(i, rank=None):
+    """Global batch ``i`` (8 samples); with ``rank``, that rank's half."""
+    g = torch.Generator().manual_seed(100 + i)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    if rank is None:
+        return x, y
+    return x[rank * 4:rank * 4 + 4], y[rank * 4:rank * 4 + 4]
+
+
+def _train(model, ow, start, stop, rank=None, scheds=()):
+    """Wrapper-driven steps; returns each update's clipping norm (None without clipping)."""
+    norms = []
+    for i in range(start, stop):
+        x, y = _batch(i, rank)
+        with ow.optim_context(model):
+            loss = F.mse_loss(model(x), y)
+        ow.update_params(loss)
+        for sch in scheds:
+            sch.step()
+        norm = getattr(ow, 'last_grad_norm', None)
+        norms.append(None if norm is None else float(norm))
+    return norms
+
+
+def _build(kind, work_dir, optimizer=ADAM, sched=False, **wrapper):
+    """A strategy and its prepared model and wrapper (+ a warmup scheduler with ``sched``,
+    kept in ``s.param_schedulers``)."""
+    from stratagem.strategies import build_strategy
+    s = build_strategy(dict(type=kind, work_dir=str(work_dir), log_kwargs=dict(
+        log_level='WARNING'), env_kwargs=dict(randomness=dict(seed=1))))
+    warmup = [dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=4)] if sched else None
+    model, ow, *_ = s.prepare(_model(), optim_wrapper=dict(optimizer=dict(optimizer), **wrapper),
+                              param_scheduler=warmup, dispatch_kwargs=dict(max_iters=END))
+    return s, model, ow
+
+
+def _scheds(s):
+    return getattr(s, 'param_schedulers', ())
+
+
+def _weights(s):
+    return {k: v.detach().clone() for k, v in s.model_state_dict().items()}
+
+
+def _max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _checks(tmp):
+    """Runs in each of 2 ranks; returns measured values."""
+    from fairscale.nn.data_parallel import ShardedDataParallel
+    from fairscale.optim import OSS as FairscaleOSS
+
+    from stratagem.optim.oss import optimizer_state_bytes
+    out = {}
+    rank = int(os.environ['RANK'])
+    wd = lambda name: os.path.join(tmp, name)  # noqa: E731
+
+    # -- 1. equal to DDP: Adam, accumulation 2, clipping, bf16 autocast
+    cases = {'adam': {}, 'acc2': dict(accumulative_counts=2, sched=True),
+             'clip': dict(clip_grad=dict(max_norm=0.05)),
+             'bf16': dict(type='AmpOptimWrapper', dtype='bfloat16')}
+    for name, extra in cases.items():
+        ds, dm, dow = _build('DDPStrategy', wd(f'ddp_{name}'), **extra)
+        ss, sm, sow = _build('ShardedDDPStrategy', wd(f'sdp_{name}'), **extra)
+        out[f'{name}_norms'] = (_train(dm, dow, 0, STOP, rank, _scheds(ds)),
+                                _train(sm, sow, 0, STOP, rank, _scheds(ss)))
+        out[f'{name}_diff'] = _max_diff(_weights(ds), _weights(ss))
+        if name == 'adam':
+            out['types'] = (isinstance(sm, ShardedDataParallel), type(sow.optimizer).__name__,
+                            type(sow.optimizer.optim).__name__)
+            ddp_at_stop = _weights(ds)
+            # -- per-rank optimizer state: this rank's shard against DDP's whole state
+            out['state_bytes'] = (optimizer_state_bytes(sow.optimizer),
+                                  optimizer_state_bytes(dow.optimizer))
+            # -- checkpoints after STOP steps; both runs then continue to END
+            out['sdp_ckpt'] = ss.save_checkpoint('sdp.pth', extra_ckpt={'meta': {'iter': STOP}})
+            out['ddp_ckpt'] = ds.save_checkpoint('ddp.pth', extra_ckpt={'meta': {'iter': STOP}})
+            out['all_states_kept'] = len(sow.optimizer._all_states)
+            # rank 0's consolidated copy: only the other ranks' shards are new tensors
+            live = {t.untyped_storage().data_ptr() for st in sow.optimizer.optim.state.values()
+                    for t in st.values() if torch.is_tensor(t)}
+            full = sow.optimizer.state_dict()
+            out['new_bytes'] = sum(t.untyped_storage().nbytes() for st in
+                                   full.get('state', {}).values() for t in st.values()
+                                   if torch.is_tensor(t) and t.untyped_storage().data_ptr()
+                                   not in live)
+            out['shard_bytes'] = [None, None]
+            dist.all_gather_object(out['shard_bytes'], optimizer_state_bytes(sow.optimizer))
+            _train(dm, dow, STOP, END, rank)
+            _train(sm, sow, STOP, END, rank)
+            out['ddp_end'], out['sdp_end'] = _weights(ds), _weights(ss)
+
+    # -- 2. the zero-grad trap: fairscale's OSS.zero_grad() (set_to_none) under its
+    # ShardedDataParallel, against ours driven the same raw way
+    for name, oss_cls in (('trap_fairscale', FairscaleOSS), ('trap_ours', None)):
+        model = _model()
+        if oss_cls is None:
+            _, model, ow = _build('ShardedDDPStrategy', wd(name))
+            opt = ow.optimizer
+        else:
+            opt = oss_cls(model.parameters(), optim=torch.optim.Adam, lr=0.01)
+            model = ShardedDataParallel(model, opt, broadcast_buffers=False)
+        for i in range(STOP):
+            x, y = _batch(i, rank)
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        got = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+        out[name] = _max_diff(got, ddp_at_stop)
+
+    # -- 3. save mid accumulation window, resume in a fresh strategy: exact
+    fs, fm, fow = _build('ShardedDDPStrategy', wd('acc_full'), accumulative_counts=2, sched=True)
+    _train(fm, fow, 0, END, rank, _scheds(fs))
+    full_w = {k: v.detach().clone() for k, v in fm.module.state_dict().items()}
+    ps, pm, pow_ = _build('ShardedDDPStrategy', wd('acc_part'), accumulative_counts=2, sched=True)
+    _train(pm, pow_, 0, 3, rank, _scheds(ps))  # windows [0,2), [2,4): 3 is inside one
+    mid = ps.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
+    rs, rm, row = _build('ShardedDDPStrategy', wd('acc_part'), accumulative_counts=2, sched=True)
+    rs.resume(mid)
+    _train(rm, row, 3, END, rank, _scheds(rs))
+    out['mid_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in _weights(rs).items())
+    # a roll-back in the same process, after forwards built the reduce buckets
+    rs2, rm2, row2 = _build('ShardedDDPStrategy', wd('acc_part'), accumulative_counts=2,
+                            sched=True)
+    _train(rm2, row2, 0, 3, rank, _scheds(rs2))  # buckets built, a window open: replaced
+    rs2.resume(mid)
+    _train(rm2, row2, 3, END, rank, _scheds(rs2))
+    out['rollback_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in
+                                       _weights(rs2).items())
+    out['mid_ckpt'] = mid
+
+    # -- 4. across strategies: SDP checkpoint into DDP, DDP checkpoint into SDP
+    for name, kind, path, want in (('sdp_to_ddp', 'DDPStrategy', out['sdp_ckpt'], 'sdp_end'),
+                                   ('ddp_to_sdp', 'ShardedDDPStrategy', out['ddp_ckpt'],
+                                    'ddp_end')):
+        s, m, o = _build(kind, wd(name))
+        s.resume(path)
+        _train(m, o, STOP, END, rank)
+        out[name] = _max_diff(_weights(s), out[want])
+
+    # -- 4b. FSDPStrategy resumes the SDP checkpoint and writes a sharded directory at STOP,
+    # which SDP resumes: both continue to the 2-rank SDP run's END weights
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    fs, fm, fow = _build('FSDPStrategy', wd('sdp_to_fsdp'))
+    fs.resume(out['sdp_ckpt'])
+    fsdp_dir = fs.save_checkpoint('fsdp_5', extra_ckpt={'meta': {'iter': STOP}})
+    _train(fm, fow, STOP, END, rank)
+    full = get_model_state_dict(fm, options=StateDictOptions(full_state_dict=True))
+    out['sdp_to_fsdp'] = _max_diff({k: v.detach() for k, v in full.items()}, out['sdp_end'])
+    s, m, o = _build('ShardedDDPStrategy', wd('fsdp_to_sdp'))
+    s.resume(fsdp_dir)
+    _train(m, o, STOP, END, rank)
+    out['fsdp_to_sdp'] = _max_diff(_weights(s), out['sdp_end'])
+    out['fsdp_is_dir'] = os.path.isdir(fsdp_dir)
+
+    # -- 5. OSS in an optim wrapper cfg under DDPStrategy
+    ds, dm, dow = _build('DDPStrategy', wd('oss_ddp'), dict(type='OSS', optim='AdamW', lr=0.01))
+    ps, pm, pow_ = _build('DDPStrategy', wd('adamw_ddp'), dict(type='AdamW', lr=0.01))
+    _train(dm, dow, 0, STOP, rank)
+    _train(pm, pow_, 0, STOP, rank)
+    out['oss_ddp_type'] = type(dow.optimizer).__name__
+    out['oss_ddp_diff'] = _max_diff(_weights(ds), _weights(ps))
+    out['oss_ddp_ckpt'] = ds.save_checkpoint('oss.pth', extra_ckpt={'meta': {'iter': STOP}})
+    out['adamw_ddp_state'] = pow_.optimizer.state_dict()['state']
+
+    # -- 6. sync_bn: statistics over both ranks' samples, as under DDPStrategy
+    from stratagem.strategies import ShardedDDPStrategy
+    bs = ShardedDDPStrategy(work_dir=wd('bn'), sync_bn='torch')
+    bn_model, _ = bs.prepare(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)),
+                             optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)))
+    with torch.no_grad():
+        bn_model.module[0].weight.copy_(torch.eye(3))
+        bn_model.module[0].bias.zero_()
+    bn_model(torch.full((4, 3), float(rank + 1)))  # rank 0: ones, rank 1: twos
+    out['bn'] = (type(bn_model.module[1]).__name__, bn_model.module[1].running_mean.tolist())
+    return out
+
+
+@pytest.fixture(scope='module')
+def results(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp('sdp'))
+    return run_distributed(_checks, nproc=2, args=(tmp,), timeout=240)
+
+
+def test_sharded_ddp_builds_oss_and_sharded_data_parallel(results):
+    for r in results:
+        assert r['types'] == (True, 'OSS', 'Adam')
+
+
+@pytest.mark.parametrize('case', ['adam', 'acc2', 'clip', 'bf16'])
+def test_training_equals_ddp(results, case):
+    for r in results:
+        assert r[f'{case}_diff'] < 1e-6, r[f'{case}_diff']
+        ddp_norms, sdp_norms = r[f'{case}_norms']
+        if case == 'clip':  # OSS's collective norm is DDP's norm, and clipping was active
+            assert all(n > 0.05 for n in ddp_norms)
+            assert sdp_norms == pytest.approx(ddp_norms, rel=1e-6)
+
+
+def test_wrapper_never_hits_the_zero_grad_trap(results):
+    for r in results:
+        assert r['trap_fairscale'] > 1e-3  # fairscale's OSS.zero_grad(): wrong from step 2
+        assert r['trap_ours'] < 1e-6       # ours, zeroed the same raw way, equals DDP
+
+
+def test_per_rank_optimizer_state_is_about_half_of_ddps(results):
+    shards = [r['state_bytes'][0] for r in results]
+    ddp = results[0]['state_bytes'][1]
+    assert sum(shards) == ddp  # every state tensor lives on exactly one rank
+    for shard in shards:
+        assert 0.4 < shard / ddp < 0.6, (shard, ddp)
+
+
+def test_consolidation_keeps_no_copy_and_makes_at_most_one(results):
+    r0, r1 = results
+    assert r0['all_states_kept'] == r1['all_states_kept'] == 0
+    # rank 0's state dict aliases its own shard; only rank 1's shard was copied
+    assert r0['new_bytes'] == r0['shard_bytes'][1] < r0['state_bytes'][1]
+
+
+def test_resume_mid_window_is_exact_also_after_a_rollback(results):
+    for r in results:
+        assert r['mid_resume_equal'] and r['rollback_resume_equal']
+
+
+def test_checkpoints_cross_between_ddp_and_sharded_ddp(results):
+    for r in results:
+        assert r['sdp_to_ddp'] < 1e-6 and r['ddp_to_sdp'] < 1e-6
+
+
+def test_checkpoints_cross_between_fsdp_and_sharded_ddp(results):
+    for r in results:
+        assert r['fsdp_is_dir']  # FSDP's sharded directory layout, read back by ShardedDDP
+        assert r['sdp_to_fsdp'] < 1e-6 and r['fsdp_to_sdp'] < 1e-6
+
+
+def test_checkpoint_loads_in_single_device_equal_to_ddps_state(results, tmp_path):
+    from stratagem.strategies import SingleDeviceStrategy
+    r0 = results[0]
+    sdp_ck = torch.load(r0['sdp_ckpt'], weights_only=True)
+    ddp_ck = torch.load(r0['ddp_ckpt'], weights_only=True)
+    assert sdp_ck['meta']['strategy'] == 'ShardedDDPStrategy'
+    assert sorted(sdp_ck['optimizer']['state']) == sorted(ddp_ck['optimizer']['state'])
+    for i, st in ddp_ck['optimizer']['state'].items():
+        for key, value in st.items():
+            torch.testing.assert_close(sdp_ck['optimizer']['state'][i][key], value,
+                                       rtol=0, atol=1e-6)
+    s = SingleDeviceStrategy(work_dir=str(tmp_path))
+    model, ow = s.prepare(_model(), optim_wrapper=dict(optimizer=dict(ADAM)))
+    with pytest.warns(UserWarning, match='world size 2'):
+        s.resume(r0['sdp_ckpt'])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, sdp_ck['state_dict'][k])
+    loaded = ow.optimizer.state_dict()['state']
+    for i, st in sdp_ck['optimizer']['state'].items():
+        for key, value in st.items():
+            assert torch.equal(loaded[i][key], value)
+
+
+def test_two_to_one_resume_continues_the_two_rank_run(results, tmp_path):
+    from stratagem.strategies import SingleDeviceStrategy
+    r0 = results[0]
+    s = SingleDeviceStrategy(work_dir=str(tmp_path))
+    model, ow = s.prepare(_model(), optim_wrapper=dict(optimizer=dict(ADAM)))
+    with pytest.warns(UserWarning, match='world size 2'):
+        s.resume(r0['sdp_ckpt'])
+    _train(model, ow, STOP, END)  # whole batches: the mean of the two halves' losses
+    assert _max_diff(_weights(s), r0['sdp_end']) < 1e-6
+
+
+def test_oss_optimizer_cfg_under_ddp(results, tmp_path):
+    from stratagem.strategies import SingleDeviceStrategy
+    for r in results:
+        assert r['oss_ddp_type'] == 'OSS' and r['oss_ddp_diff'] < 1e-6
+    ck = torch.load(results[0]['oss_ddp_ckpt'], weights_only=True)
+    want = results[0]['adamw_ddp_state']
+    assert len(ck['optimizer']['state']) == len(want) == 8
+    for i, st in want.items():
+        torch.testing.assert_close(ck['optimizer']['state'][i]['exp_avg'], st['exp_avg'],
+                                   rtol=0, atol=1e-6)
+    s = SingleDeviceStrategy(work_dir=str(tmp_path))
+    s.prepare(_model(), optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01)))
+    with pytest.warns(UserWarning, match='world size 2'):
+        s.resume(results[0]['oss_ddp_ckpt'])
+
+
+def test_sync_bn_uses_both_ranks(results):
+    for r in results:
+        name, mean = r['bn']
+        assert name == 'CPUSyncBatchNorm' and mean == pytest.approx([0.15] * 3)  # 0.1 * 1.5
+
+
+# ---------------------------------------------------------------- single process
+@pytest.fixture
+def one_rank_group(tmp_path, monkeypatch):
+    store = dist.FileStore(str(tmp_path / 'store'), 1)
+    dist.init_process_group('gloo', store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_bad_configs_are_refused_before_anything_is_built(one_rank_group, tmp_path):
+    from stratagem.strategies import ShardedDDPStrategy
+    with pytest.raises(ValueError, match="KeyError: 'all_gather'.*FSDPStrategy"):
+        ShardedDDPStrategy(model_wrapper=dict(type='FullyShardedDataParallel'))
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['bucket_cap_mb'\]"):
+        ShardedDDPStrategy(model_wrapper=dict(bucket_cap_mb=25))
+    s = ShardedDDPStrategy(work_dir=str(tmp_path))
+    model = _model()
+    bad = [(None, ValueError, 'needs optim_wrapper'),
+           (dict(optimizer=torch.optim.SGD(model.parameters(), lr=0.1)), ValueError,
+            'built SGD'),
+           (dict(a=dict(optimizer=dict(ADAM))), ValueError, 'dict of named wrappers'),
+           (dict(optimizer=dict(type='ZeroRedundancyOptimizer', optimizer_type='Adam')),
+            ValueError, 'already shards'),
+           (dict(type='AmpOptimWrapper', dtype='float16', optimizer=dict(ADAM)), ValueError,
+            "dtype='bfloat16'"),
+           (dict(type='Fp16MasterWeightsOptimWrapper', optimizer=dict(ADAM)), TypeError,
+            'master copies')]
+    for cfg, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            s.prepare(model, optim_wrapper=cfg)
+        assert not s._prepared
+    m, ow = s.prepare(model, optim_wrapper=dict(optimizer=dict(ADAM)))  # one rank works too
+    x, y = _batch(0)
+    with ow.optim_context(m):
+        loss = F.mse_loss(m(x), y)
+    ow.update_params(loss)
+    assert ow.optimizer.state_dict()['state'][0]['step'] == 1
+
+
+def test_oss_arguments_are_checked(one_rank_group):
+    from stratagem.optim.oss import OSS
+    params = list(_model().parameters())
+    with pytest.raises(ValueError, match="optim='AdamW'"):
+        OSS(params, lr=0.1)
+    with pytest.raises(KeyError, match="did you mean 'AdamW'"):
+        OSS(params, optim='AdamWW', lr=0.1)
+    with pytest.raises(TypeError, match='not OSS itself'):
+        OSS(params, optim=OSS)
+    opt = OSS(params, optim='SGD', lr=0.1)
+    with pytest.raises(ValueError, match='2 param group.*another model'):
+        opt.load_state_dict({'state': {}, 'param_groups': [{'params': [0]}, {'params': [1]}]})
+    with pytest.raises(ValueError, match='recipient_rank=3'):
+        opt.consolidate_state_dict(recipient_rank=3)
+
+
+def test_oss_needs_a_process_group():
+    from stratagem.optim.oss import OSS
+    if dist.is_initialized():
+        pytest.skip('a process group is already initialised in this process')
+    with pytest.raises(RuntimeError, match='initialised process group'):
+        OSS(list(_model().parameters()), optim='SGD', lr=0.1)
+
+
+def test_fairscale_is_lazy_and_its_absence_names_the_extra():
+    probe = (
+        'import sys\n'
+        'import stratagem.strategies, stratagem.optim\n'
+        'from stratagem.registry import OPTIMIZERS\n'
+        'assert "OSS" in OPTIMIZERS\n'
+        'print("fairscale" in sys.modules)\n'
+        'sys.modules["fairscale"] = None\n'
+        'for make in (lambda: OPTIMIZERS.get("OSS"),\n'
+        '             lambda: stratagem.strategies.ShardedDDPStrategy()):\n'
+        '    try:\n'
+        '        make()\n'
+        '    except ImportError as e:\n'
+        '        print(str(e).split(" (")[0])\n')
+    out = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.splitlines()
+    assert out == ['False',
+                   'OSS and ShardedDDPStrategy need fairscale: pip install "stratagem[fairscale]"',
+                   'ShardedDDPStrategy needs fairscale: pip install "stratagem[fairscale]"']
+
+
+# ---------------------------------------------------------------- CUDA (run on a device)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
+def test_fp16_uses_the_sharded_grad_scaler_on_cuda(tmp_path):
+    """One NCCL rank: float16 AMP through ShardedGradScaler equals SingleDeviceStrategy's."""
+    from fairscale.optim.grad_scaler import ShardedGradScaler
+
+    from stratagem.strategies import ShardedDDPStrategy, SingleDeviceStrategy
+    store = dist.FileStore(str(tmp_path / 'store'), 1)
+    dist.init_process_group('nccl', store=store, rank=0, world_size=1)
+    try:
+        cfg = dict(type='AmpOptimWrapper', dtype='float16', optimizer=dict(ADAM),
+                   clip_grad=dict(max_norm=0.05), loss_scale=dict(init_scale=1024.0))
+        runs = []
+        for cls in (SingleDeviceStrategy, ShardedDDPStrategy):
+            s = cls(work_dir=str(tmp_path / cls.__name__), env_kwargs=dict(
+                randomness=dict(seed=1)))
+            model, ow = s.prepare(_model(), optim_wrapper=cfg)
+            for i in range(STOP):
+                x, y = (t.cuda() for t in _batch(i))
+                with ow.optim_context(model):
+                    loss = F.mse_loss(model(x).float(), y)
+                ow.update_params(loss)
+            runs.append((s, ow))
+        (single, _), (sharded, sow) = runs
+        assert isinstance(sow.loss_scaler, ShardedGradScaler)
+        assert sow.loss_scaler.get_scale() == runs[0][1].loss_scaler.get_scale()
+        assert _max_diff(_weights(single), _weights(sharded)) < 1e-5
+        path = sharded.save_checkpoint('fp16.pth')
+        assert torch.load(path, weights_only=True)['optimizer']['loss_scaler']['scale'] > 0
+    finally:
+        dist.destroy_process_group()
