@@ -15,7 +15,9 @@ so the vote never shares a socket with the training thread.
    heartbeat stood still for ``timeout`` s without posting is named as dead or stuck, a rank
    that posted an error is named with it. Either way rank 0 does not commit.
 4. Rank 0 posts ``outcome``: ``ok`` or its error. The other ranks wait for it
-   (``wait_outcome``) under the same heartbeat rule for rank 0, and raise rank 0's error.
+   (``wait_outcome``) under the same heartbeat rule for rank 0, post ``read/{rank}`` and
+   raise rank 0's error; rank 0 returns once every live rank has read it (its process hosts
+   the store and may exit right after the last save).
 
 So an error on any rank, or a rank that died, ends the save on every surviving rank within
 about ``timeout`` s of the last sign of life, with the rank named, and nothing is committed.
@@ -95,6 +97,7 @@ class SaveVote:
         self.rank, self.world_size, self.timeout, self.what = rank, world_size, timeout, what
         self._beat = max(0.05, min(1.0, timeout / 8))
         self._seen: dict[int, tuple[int | None, float]] = {}  # rank -> (beats, when seen)
+        self._dead: set[int] = set()  # ranks found dead: nobody waits for them again
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, daemon=True,
                                         name='stratagem-ckpt-heartbeat')
@@ -132,8 +135,19 @@ class SaveVote:
                 time.sleep(_POLL)
 
     def post_outcome(self, error: str | None) -> None:
-        """Step 4 (rank 0): the commit happened (``error`` None) or not."""
+        """Step 4 (rank 0): the commit happened (``error`` None) or not. Returns once every
+        live rank has read it: the store's server runs in rank 0's process, which may exit
+        right after the save, and a rank still polling would lose the outcome with it."""
         self._set('outcome', _OK if error is None else error)
+        pending = set(range(1, self.world_size)) - self._dead
+        while pending:
+            pending = {r for r in pending if not self._has(f'read/{r}')}
+            if pending:
+                try:
+                    self._check_alive(pending, 'read the outcome')
+                except CheckpointVoteError:
+                    return  # a rank died meanwhile: nobody is left to tell
+                time.sleep(_POLL)
 
     def wait_outcome(self) -> None:
         """Step 4 (other ranks): return once rank 0 committed; raise its error otherwise."""
@@ -141,6 +155,7 @@ class SaveVote:
             self._check_alive({0}, 'commit')
             time.sleep(_POLL)
         value = self._get('outcome')
+        self._set(f'read/{self.rank}', _OK)
         if value != _OK:
             raise CheckpointVoteError(value if value.startswith(self.what) else
                                       f'{self.what} failed on rank 0: {value}')
@@ -171,6 +186,7 @@ class SaveVote:
                 seen[rank] = (count, now)
         stalled = sorted(r for r in ranks if now - seen[r][1] >= self.timeout)
         if stalled:
+            self._dead.update(stalled)
             names = ', '.join(f'rank {r}' for r in stalled)
             raise CheckpointVoteError(
                 f'{self.what} failed: {names} did not {doing} and showed no sign of life for '
