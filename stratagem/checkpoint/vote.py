@@ -70,8 +70,9 @@ def _own_store() -> _LockedStore:
         inner = base
         while hasattr(inner, 'underlying_store'):  # PrefixStore layers
             inner = inner.underlying_store
-        key = (getattr(inner, 'host', None), getattr(inner, 'port', None), id(inner))
-        if _STORE is None or getattr(_STORE, '_key', None) != key:
+        # the default store object itself is the key (held, so its id is never reused): a
+        # process group destroyed and created again gets a client of the new server
+        if _STORE is None or _STORE.__dict__.get('_inner') is not inner:
             if isinstance(inner, dist.TCPStore):
                 store = dist.TCPStore(inner.host, inner.port, is_master=False,
                                       wait_for_workers=False,
@@ -79,7 +80,7 @@ def _own_store() -> _LockedStore:
             else:
                 store = base
             _STORE = _LockedStore(store)
-            _STORE.__dict__['_key'] = key
+            _STORE.__dict__['_inner'] = inner
         return _STORE
 
 
