@@ -162,7 +162,13 @@ class SaveVote:
                                       f'{self.what} failed on rank 0: {value}')
 
     def close(self) -> None:
-        """Stop this rank's heartbeat."""
+        """Leave the vote: a rank other than 0 marks the outcome read (also when it failed on
+        its own and never waited for it), then this rank's heartbeat stops."""
+        if self.rank != 0:
+            try:
+                self._set(f'read/{self.rank}', _OK)
+            except Exception:  # noqa: BLE001 - the store is gone: rank 0 is not waiting
+                pass
         self._stop.set()
         self._thread.join()
 
