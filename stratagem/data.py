@@ -1,4 +1,4 @@
-"""Data for the reference loop: a synthetic dataset (no downloads) and a resumable sampler.
+"""Data for the reference loop: synthetic datasets (no downloads) and a resumable sampler.
 
 Registered in DATASETS. The sampler shards indices across ranks like
 ``torch.utils.data.DistributedSampler`` and can start mid-epoch, so a resumed
@@ -44,6 +44,47 @@ class SyntheticClassification(Dataset):
 
     def __getitem__(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inputs[idx], self.targets[idx]
+
+
+@DATASETS.register_module()
+class SyntheticLanguageModeling(Dataset):
+    """Token sequences from a fixed random Markov chain, for next-token prediction.
+
+    Each token has ``branching`` possible successors (drawn uniformly), so a model can learn
+    the chain: the loss falls from ``ln(vocab_size)`` towards ``ln(branching)``. Deterministic
+    for a given ``seed`` (a private generator; the global RNG is not touched).
+
+    Args:
+        num_samples: Dataset length.
+        seq_len: Tokens per input (the target is the input shifted by one).
+        vocab_size: Number of token ids.
+        branching: Successors per token (1 makes the sequence fully predictable).
+        seed: Seed of the chain and of the sequences.
+
+    Items are ``(inputs, targets)``: two int64 tensors of shape ``(seq_len,)``.
+    """
+
+    def __init__(self, num_samples: int = 1024, seq_len: int = 32, vocab_size: int = 64,
+                 branching: int = 2, seed: int = 0) -> None:
+        if num_samples < 1 or seq_len < 1 or vocab_size < 2 or not 1 <= branching <= vocab_size:
+            raise ValueError('SyntheticLanguageModeling: need num_samples >= 1, seq_len >= 1, '
+                             'vocab_size >= 2 and 1 <= branching <= vocab_size, got '
+                             f'{num_samples}, {seq_len}, {vocab_size}, {branching}')
+        g = torch.Generator().manual_seed(seed)
+        successors = torch.stack([torch.randperm(vocab_size, generator=g)[:branching]
+                                  for _ in range(vocab_size)])
+        tokens = torch.empty(num_samples, seq_len + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(vocab_size, (num_samples,), generator=g)
+        choice = torch.randint(branching, (num_samples, seq_len), generator=g)
+        for t in range(seq_len):
+            tokens[:, t + 1] = successors[tokens[:, t], choice[:, t]]
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tokens[idx, :-1], self.tokens[idx, 1:]
 
 
 class ResumableSampler(Sampler[int]):

@@ -231,9 +231,9 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
     main = strategy.rank == 0
     bar = None
     if progress and main:
-        from tqdm import tqdm
-        bar = tqdm(total=max_iters, initial=start_iter, desc='train', dynamic_ncols=True,
-                   file=sys.stderr, mininterval=0.5)
+        # a bar on a terminal; whole lines every 30 s when stderr is a file or a pipe
+        from stratagem.progress import progress_bar
+        bar = progress_bar(max_iters, start_iter, file=sys.stderr)
     losses: list[tuple[int, float]] = []
     model.train()
     it = start_iter
@@ -243,8 +243,8 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
     last_logged = start_iter
     stack = contextlib.ExitStack()
     if bar is not None:
-        from tqdm.contrib.logging import logging_redirect_tqdm
-        stack.enter_context(logging_redirect_tqdm(loggers=[log]))  # logs print above the bar
+        from stratagem.progress import logging_above
+        stack.enter_context(logging_above(bar, log))  # logs print above a bar
         stack.callback(bar.close)
     with stack:  # closes the bar and the log redirection however the loop ends
         while it < max_iters:

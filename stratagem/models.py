@@ -53,3 +53,93 @@ class MLPClassifier(nn.Module):
         loss = F.cross_entropy(logits.float(), targets)
         acc = (logits.detach().argmax(dim=1) == targets).float().mean()
         return {'loss': loss, 'acc': acc}
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm decoder block: causal self-attention then an MLP, each with a residual.
+
+    The unit that ``FSDPStrategy``'s ``auto_wrap_policy=['TransformerBlock']`` shards (and
+    ``activation_checkpointing=['TransformerBlock']`` recomputes).
+
+    Args:
+        dim: Model width.
+        heads: Attention heads (must divide ``dim``).
+        mlp_ratio: MLP hidden width as a multiple of ``dim``.
+        dropout: Dropout probability on attention weights and block outputs (0 disables).
+    """
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f'TransformerBlock: heads={heads} must divide dim={dim}')
+        self.heads, self.dropout = heads, dropout
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(),
+                                 nn.Linear(mlp_ratio * dim, dim))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: (batch, time, dim) → same shape."""
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True,
+                                             dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+@MODELS.register_module()
+class TransformerLM(nn.Module):
+    """A small GPT-style causal language model: token + learned position embeddings,
+    ``depth`` :class:`TransformerBlock` s, a final LayerNorm and an (untied) output head.
+
+    Args:
+        vocab_size: Number of token ids.
+        dim: Model width.
+        depth: Number of blocks.
+        heads: Attention heads per block.
+        max_len: Longest sequence (size of the position table).
+        mlp_ratio: MLP hidden width as a multiple of ``dim``.
+        dropout: Dropout probability (0 disables).
+    """
+
+    def __init__(self, vocab_size: int = 64, dim: int = 64, depth: int = 2, heads: int = 4,
+                 max_len: int = 64, mlp_ratio: int = 4, dropout: float = 0.0) -> None:
+        super().__init__()
+        if vocab_size < 2 or depth < 1 or max_len < 1:
+            raise ValueError(f'TransformerLM: need vocab_size >= 2, depth >= 1 and max_len >= 1, '
+                             f'got {vocab_size}, {depth}, {max_len}')
+        self.max_len = max_len
+        self.tok = nn.Embedding(vocab_size, dim)
+        self.pos = nn.Embedding(max_len, dim)
+        self.blocks = nn.ModuleList(TransformerBlock(dim, heads, mlp_ratio, dropout)
+                                    for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size)
+
+    def init_weights(self) -> None:
+        """GPT-2's: normal(0, 0.02) for embeddings and linear weights, zero biases."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """``inputs``: (batch, time) token ids, time <= ``max_len``. Logits (batch, time,
+        vocab) when ``targets`` is None, else ``{'loss': next-token cross entropy}``."""
+        t = inputs.shape[1]
+        if t > self.max_len:
+            raise ValueError(f'TransformerLM: sequence length {t} > max_len={self.max_len}')
+        x = self.tok(inputs) + self.pos(torch.arange(t, device=inputs.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        if targets is None:
+            return logits
+        return {'loss': F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())}

@@ -47,3 +47,21 @@ def test_set_epoch_reshuffles_and_skip_resumes_mid_epoch():
         again.skip(11)
     with pytest.raises(ValueError, match=r'rank 2 not in \[0, world_size=2\)'):
         ResumableSampler(4, rank=2, world_size=2)
+
+
+def test_synthetic_language_modeling_follows_its_chain():
+    from stratagem.data import SyntheticLanguageModeling
+    state = torch.get_rng_state()
+    a = SyntheticLanguageModeling(num_samples=40, seq_len=12, vocab_size=10, branching=2, seed=3)
+    b = DATASETS.build(dict(type='SyntheticLanguageModeling', num_samples=40, seq_len=12,
+                            vocab_size=10, branching=2, seed=3))
+    assert torch.equal(torch.get_rng_state(), state)  # the global RNG was not touched
+    assert len(a) == 40 and torch.equal(a.tokens, b.tokens)
+    x, y = a[5]
+    assert x.shape == y.shape == (12,) and x.dtype == torch.long
+    assert torch.equal(x[1:], y[:-1])  # the target is the input shifted by one
+    # every token is followed by at most `branching` distinct tokens
+    pairs = torch.stack([a.tokens[:, :-1].flatten(), a.tokens[:, 1:].flatten()], 1).unique(dim=0)
+    assert pairs[:, 0].bincount(minlength=10).max() == 2
+    with pytest.raises(ValueError, match='branching <= vocab_size'):
+        SyntheticLanguageModeling(vocab_size=4, branching=5)

@@ -3,13 +3,19 @@ import json
 import subprocess
 import sys
 
+# Optional or heavy packages that importing stratagem, or building a SingleDeviceStrategy and
+# training a step, must not import: each costs tens of ms and MiB of RSS to users who never
+# touch it. A backend that needs one imports it inside the strategy that uses it.
+FORBIDDEN = ('deepspeed', 'fairscale', 'mmengine', 'mmcv', 'cv2', 'matplotlib', 'tqdm', 'yaml',
+             'accelerate', 'lightning', 'transformers')
+
 PROBE = r'''
 import json, logging, os, sys
 env_before = dict(os.environ)
 root_handlers = list(logging.getLogger().handlers)
 root_level = logging.getLogger().level
 import stratagem
-heavy = [m for m in ('deepspeed', 'fairscale', 'matplotlib', 'mmengine') if m in sys.modules]
+heavy = [m for m in FORBIDDEN if m in sys.modules]
 print(json.dumps({
     'heavy': heavy,
     'env_changed': sorted(set(os.environ.items()) ^ set(env_before.items())),
@@ -21,8 +27,8 @@ print(json.dumps({
 
 
 def test_import_has_no_side_effects():
-    out = subprocess.run([sys.executable, '-c', PROBE], check=True, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run([sys.executable, '-c', f'FORBIDDEN = {FORBIDDEN!r}\n{PROBE}'],
+                         check=True, capture_output=True, text=True).stdout
     report = json.loads(out.strip().splitlines()[-1])
     assert report == {'heavy': [], 'env_changed': [], 'root_handlers_changed': False,
                       'root_level_changed': False, 'version': report['version']}
@@ -46,3 +52,35 @@ def test_import_overhead_over_torch_is_small():
                                         capture_output=True, text=True).stdout.split()[-1])
                    for _ in range(3))
     assert times[1] < 0.25, f'import stratagem after torch takes {times[1]:.3f}s (median of 3)'
+
+
+USE_PROBE = r'''
+import json, sys, tempfile
+loaded = lambda: {m for m in FORBIDDEN if m in sys.modules}
+import torch
+from_torch = loaded()  # what torch itself brings (tqdm, through torch.hub) is not ours
+import stratagem.strategies, stratagem.optim, stratagem.scheduler, stratagem.checkpoint
+import stratagem.env, stratagem.config
+after_import = loaded() - from_torch
+from stratagem.strategies import SingleDeviceStrategy
+with tempfile.TemporaryDirectory() as work_dir:
+    strategy = SingleDeviceStrategy(work_dir=work_dir)
+    model, optim_wrapper = strategy.prepare(
+        torch.nn.Linear(4, 2), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)))
+    with optim_wrapper.optim_context(model):
+        loss = model(torch.ones(3, 4)).sum()
+    optim_wrapper.update_params(loss)
+    strategy.save_checkpoint('one.pth')
+    strategy.load_checkpoint(work_dir + '/one.pth')
+print(json.dumps({'after_import': sorted(after_import),
+                  'after_use': sorted(loaded() - from_torch)}))
+'''
+
+
+def test_import_and_single_device_use_load_no_optional_package():
+    """`import stratagem.strategies` (and optim, scheduler, checkpoint, env, config), then a
+    SingleDeviceStrategy's prepare, one step and a checkpoint round trip, import none of
+    FORBIDDEN (cv2 included when OpenCV is installed; torch's own imports excepted)."""
+    out = subprocess.run([sys.executable, '-c', f'FORBIDDEN = {FORBIDDEN!r}\n{USE_PROBE}'],
+                         check=True, capture_output=True, text=True, timeout=120).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == {'after_import': [], 'after_use': []}

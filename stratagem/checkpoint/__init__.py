@@ -43,7 +43,8 @@ from .manifest import manifest_path, verify_checkpoint
 from .retention import apply_retention
 from .sharded import (
                       is_sharded_checkpoint,
-                      load_dcp_into,
+                      load_sharded_checkpoint,
+                      local_tensors,
                       optim_state_to_fqn,
                       optim_state_to_index,
                       read_partial_grads,
@@ -69,7 +70,8 @@ __all__ = [
     'validate_checkpoint_content',
     'save_directory', 'begin_directory_save', 'write_directory_files', 'finish_directory_save',
     'verify_directory', 'DirectoryWriteResult',
-    'save_sharded_checkpoint', 'read_sharded_checkpoint', 'load_dcp_into', 'read_partial_grads',
+    'save_sharded_checkpoint', 'read_sharded_checkpoint', 'load_sharded_checkpoint',
+    'local_tensors', 'read_partial_grads',
     'is_sharded_checkpoint', 'optim_state_to_fqn', 'optim_state_to_index',
     'add_safe_globals', 'get_safe_globals', 'safe_globals',
     'load_checkpoint_file', 'verify_checkpoint', 'manifest_path',

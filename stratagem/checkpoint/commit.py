@@ -236,7 +236,14 @@ def _save_file(checkpoint: dict, final: Path, step: int | None, extra: dict | No
     return final
 
 
-def _write_torch_file(checkpoint: dict, path: Path, zip_crc32: bool) -> tuple[int, str, str]:
+def write_torch_file(checkpoint: Any, path: Path, zip_crc32: bool = False) -> dict:
+    """``torch.save`` to a new file at ``path``, hashed as written, fsynced; its manifest
+    entry (``file_entry``: path as given, size, digest)."""
+    size, digest, algo = _write_torch_file(checkpoint, Path(path), zip_crc32)
+    return file_entry(str(path), size, digest, algo)
+
+
+def _write_torch_file(checkpoint: Any, path: Path, zip_crc32: bool) -> tuple[int, str, str]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool, \
@@ -340,9 +347,10 @@ def finalize_directory(staging_dir: PathLike, final_dir: PathLike, *, step: int 
     then deleting the old), fsyncs the parent and updates ``last_checkpoint``. Returns the
     absolute final path.
 
-    ``known_files``: ``file_entry`` dicts (path, size, digest; paths relative to the staging
-    dir) already fsynced and hashed by the ranks that wrote them; those are not read again
-    (their size is still checked), every other file is fsynced and hashed here.
+    ``known_files``: ``file_entry`` dicts (path, size, digest[, 'rank']; paths relative to
+    the staging dir) already fsynced and hashed by the ranks that wrote them; those are not
+    read again (their size is still checked; ``rank``, the writer, is kept in the manifest),
+    every other file is fsynced and hashed here.
     """
     staging = Path(staging_dir).absolute()
     final = _check_final_name(final_dir)
@@ -410,7 +418,8 @@ def _hash_tree(root: Path, known: dict[str, dict] | None = None) -> list[dict]:
                         raise ValueError(f'{path} has {size} bytes but the rank that wrote it '
                                          f'hashed {entry["size"]}; it changed after being written')
                     algo, digest = entry_digest(entry)
-                    files.append(file_entry(rel, size, digest, algo))
+                    files.append({**file_entry(rel, size, digest, algo),
+                                  **({'rank': entry['rank']} if 'rank' in entry else {})})
                     continue
                 _fs.fsync_file(path)
                 size, digest = hash_file(path, pool)

@@ -19,6 +19,7 @@ import io
 import pickle
 import pickletools
 import re
+import types
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -38,7 +39,18 @@ _RULE = ('checkpoints hold only tensors, plain values and allow-listed classes s
 # one of them would make "weights_only" meaningless, so add_safe_globals refuses them.
 _NEVER_SAFE_MODULES = ('builtins', 'os', 'posix', 'nt', 'subprocess', 'sys', 'importlib',
                        'pickle', '_pickle', 'marshal', 'shutil', 'runpy', 'code', 'codeop',
-                       'ctypes', 'socket', 'pty', 'webbrowser', 'io', '_io', 'pathlib')
+                       'ctypes', 'socket', 'pty', 'webbrowser', 'io', '_io', 'pathlib',
+                       # these run a string of code or a command given as an argument
+                       'timeit', 'cProfile', 'profile', 'pdb', 'bdb', 'trace', 'pydoc',
+                       'doctest', '_posixsubprocess', 'multiprocessing', 'zipimport')
+# builtins classes that build code, functions, methods or modules, or reach any attribute
+# (types.FunctionType / CodeType are 'builtins.function' / 'builtins.code'): allowed, a
+# pickle could build a function from bytecode and plant it where trusted code calls it
+_NEVER_SAFE_TYPES = frozenset((
+    type, object, super, property, classmethod, staticmethod, types.FunctionType,
+    types.CodeType, types.MethodType, types.BuiltinFunctionType, types.ModuleType,
+    types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType,
+    types.ClassMethodDescriptorType, types.CellType, types.FrameType, types.TracebackType))
 _REFUSED_GLOBAL_RE = re.compile(r'GLOBAL (\S+) was not|unrecognized function (\S+)|'
                                 r'allowlisted via `add_safe_globals`,? but got (<[^>]+>)')
 
@@ -107,7 +119,7 @@ def _global_name(item: Any) -> str:
         obj, name = item, f'{item.__module__}.{item.__qualname__}'
     module = getattr(obj, '__module__', None) or ''
     if module.split('.')[0] in _NEVER_SAFE_MODULES and not (
-            isinstance(obj, type) and module == 'builtins' and obj not in (type, object)):
+            isinstance(obj, type) and module == 'builtins' and obj not in _NEVER_SAFE_TYPES):
         raise ValueError(f'add_safe_globals refuses {name}: a pickle allowed to call it could '
                          'run arbitrary code, which weights_only exists to prevent')
     return name

@@ -15,22 +15,27 @@ that can also be called one by one (an asynchronous saver runs step 2 in a backg
 2. ``written = write_directory_files(staging, write_fn)`` (local, no collective): runs
    ``write_fn(staging)`` on this rank. It returns the paths it wrote (absolute or relative to
    ``staging``), which are fsynced and hashed here, so ranks hash their own files in parallel;
-   or None, in which case rank 0 fsyncs and hashes every unclaimed file in step 3. Any
+   or, for files the writer already fsynced and hashed while writing them (no second read),
+   ``file_entry`` dicts (path, size, digest); or None, in which case rank 0 fsyncs and hashes
+   every unclaimed file in step 3. This process remembers the hashes of the files it wrote,
+   so verifying them again in this process (a resume) reads nothing. Any
    exception, ``BaseException`` subclasses such as DCP's ``CheckpointException`` included (but
    not ``KeyboardInterrupt``/``SystemExit``), is caught and returned as a failed result.
 3. ``finish_directory_save(staging, final_dir, written, step=..., extra_manifest=...)``:
    (a) the ranks exchange their results; if any rank failed, rank 0 removes the staging dir
    and every rank raises (this rank's own ``Exception``, or a ``RuntimeError`` naming the
-   first failing rank and its error, chained to this rank's ``BaseException`` if it had one). (b) rank 0 runs ``finalize_directory``: it writes
-   ``manifest.json`` (files with size and digest, step, versions, ``world_size`` and the
+   first failing rank and its error, chained to this rank's ``BaseException`` if it had
+   one). (b) rank 0 runs ``finalize_directory``: it writes ``manifest.json`` (files with
+   size, digest and the writing ``rank``, step, versions, ``world_size`` and the
    caller's ``extra_manifest``, e.g. the strategy), renames the staging dir to ``final_dir``,
    fsyncs the parent and updates ``last_checkpoint``. (c) rank 0's outcome is broadcast, so a
    failed commit also raises on every rank; the previous checkpoint and pointer are unchanged.
 
 Load, ``verify_directory(path)`` then the backend's own reader: the manifest is read first
 (none: ``CheckpointCorruptError``, the directory was never committed); every listed file's
-size is checked on every rank and its digest by one rank (files are dealt round-robin, so the
-ranks hash in parallel); a missing or altered file raises on every rank naming the file.
+size is checked on every rank and its digest by one rank (at the same world size, the rank
+that wrote it; otherwise files are dealt round-robin; so the ranks hash in parallel); a
+missing or altered file raises on every rank naming the file.
 Every rank must also see the same manifest. Retention of whole directories is
 ``apply_retention``'s, which already treats a directory with a manifest as one checkpoint.
 """
@@ -47,14 +52,14 @@ from typing import Any
 
 from .commit import finalize_directory, new_staging_dir
 from .errors import CheckpointCorruptError, CheckpointWarning
-from .manifest import (DIR_MANIFEST, check_extra_manifest, file_entry, hash_file, read_manifest,
-                       verify_file)
+from .manifest import (DIR_MANIFEST, HASH_ALGO, _identity, check_extra_manifest, entry_digest,
+                       file_entry, hash_file, read_manifest, remember_verified, verify_file)
 
 __all__ = ['begin_directory_save', 'write_directory_files', 'finish_directory_save',
            'save_directory', 'verify_directory', 'DirectoryWriteResult']
 
 PathLike = str | os.PathLike
-WriteFn = Callable[[Path], 'Iterable[PathLike] | None']
+WriteFn = Callable[[Path], 'Iterable[PathLike | dict] | None']
 _NOT_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
@@ -153,21 +158,31 @@ def write_directory_files(staging: PathLike, write_fn: WriteFn) -> DirectoryWrit
         return DirectoryWriteResult(error=err)
 
 
-def _hash_written(staging: Path, path: PathLike) -> dict:
-    path = Path(path)
+def _hash_written(staging: Path, item: PathLike | dict) -> dict:
+    """A written file's manifest entry: hashed here, or the writer's own (size checked)."""
+    path = Path(item['path'] if isinstance(item, dict) else item)
     full = path if path.is_absolute() else staging / path
     try:
         rel = full.relative_to(staging).as_posix()
     except ValueError:
         raise ValueError(f'write_fn returned {full}, which is not inside the staging directory '
                          f'{staging}; write every file of the checkpoint there') from None
-    fd = os.open(full, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    size, digest = hash_file(full)
-    return file_entry(rel, size, digest)
+    if isinstance(item, dict):  # fsynced and hashed by the writer as it wrote the bytes
+        identity = _identity(full)
+        if identity[2] != item['size']:
+            raise ValueError(f'{full} has {identity[2]} bytes but its writer hashed '
+                             f'{item["size"]}; it changed after being written')
+        algo, digest = entry_digest(item)
+    else:
+        fd = os.open(full, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        identity = _identity(full)
+        algo, (_, digest) = HASH_ALGO, hash_file(full)
+    remember_verified(full, digest, identity, algo)  # the directory's rename keeps the identity
+    return file_entry(rel, identity[2], digest, algo)
 
 
 def finish_directory_save(staging: PathLike, final_dir: PathLike, written: DirectoryWriteResult,
@@ -187,7 +202,8 @@ def finish_directory_save(staging: PathLike, final_dir: PathLike, written: Direc
         _raise_first(errors, written.error, f'saving checkpoint directory {final_dir}')
     error, final = None, None
     if rank == 0:
-        known = [entry for _, files in outcomes for entry in files]
+        known = [{**entry, 'rank': r} for r, (_, files) in enumerate(outcomes)
+                 for entry in files]
         try:
             final = os.fspath(finalize_directory(
                 staging, final_dir, step=step, update_pointer=update_pointer, known_files=known,
@@ -249,9 +265,13 @@ def verify_directory(path: PathLike, *, hash_bytes: bool = True, collective: boo
     try:
         manifest, digest = _read_dir_manifest(directory)
         mfile = directory / DIR_MANIFEST
+        # at the same world size each rank hashes what it wrote (in this process: nothing
+        # to read, its hashes are remembered); otherwise round-robin
+        own = manifest.get('world_size') == world
         for i, entry in enumerate(manifest['files']):
+            owner = entry.get('rank', i) if own else i
             verify_file(directory / entry['path'], entry, mfile,
-                        hash_bytes=hash_bytes and i % world == rank)
+                        hash_bytes=hash_bytes and owner % world == rank)
     except Exception as err:  # noqa: BLE001 - exchanged, raised on every rank
         error = err
     outcomes = _gather((digest, None if error is None else _describe(error))) if collective \

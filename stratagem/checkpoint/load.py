@@ -147,11 +147,21 @@ def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: 
             raise NotACheckpointError(f'{path} is not a readable PyTorch checkpoint: '
                                       f'{_last_line(message)}') from err
         names = tuple(dict.fromkeys(_GLOBAL_RE.findall(message) + _FUNC_RE.findall(message)))
+        absent = sorted({n.split('.')[0] for n in names if not _package_installed(n)})
+        if absent:  # e.g. an mmengine checkpoint read where mmengine is not installed
+            ours = [n for n in names if n.split('.')[0] in _INTEGRATIONS]
+            raise UnsafeCheckpointError(
+                f'cannot load {path}: it holds {", ".join(names)}, and package(s) '
+                f'{", ".join(absent)} are not installed here (were the name no package at '
+                f'all, the file would be damaged); nothing was loaded. Install '
+                f'{", ".join(absent)}' + (f'; then {_allow_hint(ours)}' if ours else '.'),
+                names) from None
         missing = [n for n in names if not _importable(n)]
         if missing:  # a flipped byte in a global's name, not a hostile file
             raise CheckpointCorruptError(
                 f'{path} is damaged: it references {", ".join(missing)}, which does not '
-                'exist; it was not loaded') from None
+                'exist (or the file comes from another version of its package); it was not '
+                'loaded') from None
         lacking = _allow_listed_when_saved(path, names)
         if lacking:
             raise UnsafeCheckpointError(
@@ -221,6 +231,18 @@ def _has_zip_end(path: Path) -> bool:
     with open(path, 'rb') as file:
         file.seek(max(0, path.stat().st_size - (1 << 16) - 22))
         return b'PK\x05\x06' in file.read()
+
+
+def _package_installed(dotted: str) -> bool:
+    """Whether the top-level package of ``module.attr`` is loaded or installed (nothing
+    the file names is imported)."""
+    top = dotted.split('.')[0]
+    if not top or top in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return True  # cannot tell: let _importable decide
 
 
 def _importable(dotted: str) -> bool:

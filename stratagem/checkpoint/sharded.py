@@ -17,19 +17,25 @@ ever sees files whose hashes matched.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .commit import write_torch_file
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
 from .directory import save_directory, verify_directory
 from .load import load_checkpoint_file
+from .manifest import file_entry, new_hasher
 
-__all__ = ['save_sharded_checkpoint', 'read_sharded_checkpoint', 'load_dcp_into',
+__all__ = ['save_sharded_checkpoint', 'read_sharded_checkpoint', 'load_sharded_checkpoint',
+           'local_tensors',
            'is_sharded_checkpoint', 'optim_state_to_fqn', 'optim_state_to_index',
            'EXTRA_FILE', 'DCP_KEYS']
 
@@ -37,6 +43,7 @@ EXTRA_FILE = 'extra.pth'
 PARTIAL_DIR = 'partial_grads'
 DCP_KEYS = ('state_dict', 'optimizer')
 _OPTIM_TENSOR_KEYS = ('state', 'param_groups')
+_OVERLAP_BYTES = 1 << 20  # writes this large are hashed on a helper thread meanwhile
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -67,21 +74,27 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
     if optimizer:
         extra['optimizer_extra'] = optimizer
 
-    def write(staging: Path) -> list[Path]:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging, thread_count=1),
-                 no_dist=not collective)
-        mine = [p for p in staging.iterdir() if re.fullmatch(rf'__{rank}_\d+\.distcp', p.name)]
+    def write(staging: Path) -> list[dict]:
+        # every file is hashed as it is written and fsynced once: no second read
+        writer = dcp.FileSystemWriter(staging, thread_count=1)
+        with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool:
+            writer.fs = fs = _hashing_fs(pool)
+            dcp.save(tensors, storage_writer=writer, no_dist=not collective)
+        mine = [_entry(p, *fs.written[os.fspath(p)]) for p in staging.iterdir()
+                if re.fullmatch(rf'__{rank}_\d+\.distcp', p.name)
+                or (rank == 0 and p.name == '.metadata')]
         if partial_grads is not None:
             (staging / PARTIAL_DIR).mkdir(exist_ok=True)
-            mine.append(staging / PARTIAL_DIR / f'rank_{rank}.pth')
-            torch.save(partial_grads, mine[-1])
+            path = staging / PARTIAL_DIR / f'rank_{rank}.pth'
+            mine.append({**write_torch_file(partial_grads, path), 'path': path})
         if rank == 0:
-            torch.save(extra, staging / EXTRA_FILE)
-            mine += [staging / '.metadata', staging / EXTRA_FILE]
+            mine.append({**write_torch_file(extra, staging / EXTRA_FILE),
+                         'path': staging / EXTRA_FILE})
         return mine
 
     held = validate_checkpoint_content(extra)  # allow-listed classes: named to a loader lacking one
     manifest = {'state_dict_type': 'sharded', 'optimizer_keys': optimizer_keys,
+                'dcp_keys': sorted(tensors),
                 **({SAFE_GLOBALS_KEY: held} if held else {}), **(extra_manifest or {})}
     if collective:
         return save_directory(final_dir, write, step=step, extra_manifest=manifest)
@@ -90,6 +103,77 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
             as staging:
         write(staging)
     return Path(final_dir).absolute()
+
+
+def _entry(path: Path, size: int, digest: str) -> dict:
+    return file_entry(path, size, digest)
+
+
+class _HashingStream(io.RawIOBase):
+    """A write-only stream over a DCP file that hashes the bytes on their way to it; a large
+    write (a tensor's storage) is hashed on ``pool``'s thread while this one writes it (both
+    release the GIL), as ``manifest.HashingWriter`` does for single files."""
+
+    def __init__(self, raw: Any, pool: ThreadPoolExecutor) -> None:
+        super().__init__()
+        self._raw, self._pool, self.hasher, self.size = raw, pool, new_hasher(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.format != 'B' or view.ndim != 1:
+            view = view.cast('B')
+        if view.nbytes >= _OVERLAP_BYTES:
+            hashed = self._pool.submit(self.hasher.update, view)
+            self._raw.write(view)  # a buffered file: writes it all
+            hashed.result()  # before returning: the caller may reuse the memory
+        else:
+            self.hasher.update(view)
+            self._raw.write(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:  # DCP records item offsets
+        return self._raw.tell()
+
+    def fileno(self) -> int:  # DCP fsyncs its files
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+def _hashing_fs(pool: ThreadPoolExecutor) -> Any:
+    """A new HashingFileSystem (the class is defined on first use: importing DCP is not
+    cheap)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        """DCP's file system, recording ``{path: (size, digest)}`` of every file written."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.written: dict[str, tuple[int, str]] = {}
+
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if 'w' not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with super().create_stream(path, mode) as raw:
+                stream = _HashingStream(raw, pool)
+                yield stream
+                raw.flush()
+            self.written[os.fspath(path)] = (stream.size, stream.hasher.hexdigest())
+
+        def rename(self, path: Any, new_path: Any) -> None:  # .metadata.tmp -> .metadata
+            super().rename(path, new_path)
+            if os.fspath(path) in self.written:
+                self.written[os.fspath(new_path)] = self.written.pop(os.fspath(path))
+    return HashingFileSystem()
 
 
 def _rank() -> int:
@@ -110,6 +194,10 @@ def read_sharded_checkpoint(path: str | os.PathLike, *, collective: bool = False
     manifest = verify_directory(path, collective=collective)
     if progress is not None:
         progress(len(manifest['files']), len(manifest['files']))
+    return _read_full(path, manifest)
+
+
+def _read_full(path: Path, manifest: dict) -> dict:
     full = _read_dcp_full(path)
     extra = _read_extra(path)
     checkpoint = {'meta': extra.pop('meta', {}), 'state_dict': full.get('state_dict', {})}
@@ -153,13 +241,70 @@ def read_partial_grads(path: str | os.PathLike) -> list[dict]:
     return [load_checkpoint_file(f, map_location='cpu', verify=False) for f in files]
 
 
-def load_dcp_into(path: str | os.PathLike, state: dict) -> dict:
-    """Load the DCP part of a verified directory in place into ``state`` (whose DTensors
-    give the current sharding: this reshards N → M ranks). Collective. Returns
-    ``extra.pth``'s dict."""
+def load_sharded_checkpoint(path: str | os.PathLike, model_state: dict,
+                            optim_state: dict | None = None) -> dict:
+    """Verify a sharded directory (collective), then load it into the current sharding.
+
+    ``model_state`` / ``optim_state``: this rank's sharded (DTensor) state dicts, FQN-keyed
+    (``get_state_dict``), which give the current sharding: this reshards N → M ranks. DCP
+    loads in place, so it loads into copies: the tensors they hold (usually the live model's
+    parameters and the optimizer's buffers) are left as they were, and reading a checkpoint
+    never changes the model before (or without) loading it, e.g. when a resume is refused
+    after reading. Returns mmengine's layout: ``meta``, ``state_dict`` (loaded copies of
+    ``model_state``), ``optimizer`` (of ``optim_state``, plus the wrapper's counters; only if
+    asked for and saved),
+    ``partial_grads_fqn`` (every saving rank's pending gradients, if any) and the other keys
+    of ``extra.pth``. A checkpoint converted from a single file (index-keyed optimizer) is
+    read in full instead (``read_sharded_checkpoint``'s result).
+    """
     import torch.distributed.checkpoint as dcp
-    dcp.load(state, storage_reader=dcp.FileSystemReader(Path(path)))
-    return _read_extra(Path(path))
+    path = Path(path).absolute()
+    manifest = verify_directory(path)
+    if manifest.get('optimizer_keys', 'fqn') != 'fqn':
+        return _read_full(path, manifest)
+    state = {'state_dict': _copy_tensors(model_state)}
+    if optim_state is not None and 'optimizer' in (manifest.get('dcp_keys') or _dcp_keys(path)):
+        state['optimizer'] = _copy_tensors(optim_state)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    extra = _read_extra(path)
+    checkpoint = {'meta': extra.pop('meta', {}), 'state_dict': state['state_dict']}
+    if 'optimizer' in state:
+        checkpoint['optimizer'] = {**state['optimizer'], **extra.pop('optimizer_extra', {})}
+    partial = read_partial_grads(path)
+    if partial:
+        checkpoint['partial_grads_fqn'] = partial
+    checkpoint.update(extra)
+    return checkpoint
+
+
+def _dcp_keys(path: Path) -> set[str]:
+    """Top-level keys of the DCP state (a checkpoint whose manifest predates ``dcp_keys``)."""
+    import torch.distributed.checkpoint as dcp
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    return {key.split('.', 1)[0] for key in metadata.state_dict_metadata}
+
+
+def local_tensors(obj: Any) -> Any:
+    """``obj`` with every DTensor replaced by this rank's local shard (for validation)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, dict):  # an OrderedDict stays one (validation checks the type)
+        return type(obj)((k, local_tensors(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(local_tensors(v) for v in obj)
+    return obj
+
+
+def _copy_tensors(obj: Any) -> Any:
+    """``obj`` with every tensor (DTensors keep their sharding) replaced by a copy."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, _copy_tensors(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_copy_tensors(v) for v in obj)
+    return obj
 
 
 def optim_state_to_index(optim: Mapping) -> dict:

@@ -60,6 +60,31 @@ def _reduce_history_buffer(buffer: HistoryBuffer) -> tuple:
     return HistoryBuffer, (buffer._log_history, buffer._count_history, buffer.max_length)
 
 
+_HISTORY_BUFFER_NAME = f'{HistoryBuffer.__module__}.{HistoryBuffer.__qualname__}'
+
+
+class _LoadedHistoryBuffer(HistoryBuffer):
+    """What a checkpoint's ``HistoryBuffer`` loads as (allow-listed under mmengine's name).
+
+    ``HistoryBuffer.__setstate__`` merges a pickled ``statistics_methods`` dict into the
+    *class-level* method table, and the weights-only unpickler calls ``__setstate__`` for
+    any allow-listed class: a crafted file could replace ``mean`` / ``max`` ... of every
+    buffer in the process with another allow-listed callable. Our files never carry a state
+    (the reducer pickles the constructor call); a state given anyway may set the arrays
+    only.
+    """
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict):
+            raise TypeError('HistoryBuffer state must be a dict')
+        HistoryBuffer.__init__(self, state.get('_log_history', []),
+                               state.get('_count_history', []),
+                               state.get('max_length', 1000000))
+
+    def __reduce__(self) -> tuple:
+        return _reduce_history_buffer(self)
+
+
 def numpy_safe_globals() -> list:
     """What a numpy array, scalar or dtype pickles as (torch's documented numpy set), also
     under the other numpy major's module names, so a file from numpy 1 loads under numpy 2
@@ -77,11 +102,13 @@ def numpy_safe_globals() -> list:
 
 
 def mmengine_safe_globals() -> list:
-    """mmengine's classes that its runner stores in a checkpoint (the message hub's)."""
-    return [HistoryBuffer]
+    """mmengine's classes that its runner stores in a checkpoint (the message hub's);
+    ``HistoryBuffer`` loads as a subclass whose ``__setstate__`` cannot touch the class."""
+    return [(_LoadedHistoryBuffer, _HISTORY_BUFFER_NAME)]
 
 
 copyreg.pickle(HistoryBuffer, _reduce_history_buffer)
+copyreg.pickle(_LoadedHistoryBuffer, _reduce_history_buffer)
 add_safe_globals(numpy_safe_globals() + mmengine_safe_globals())
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from stratagem.registry import OPTIM_WRAPPERS
 
-from .optim_wrapper import OptimWrapper
+from .optim_wrapper import OptimWrapper, has_no_sync
 
 __all__ = ['AmpOptimWrapper', 'resolve_dtype']
 
@@ -114,8 +114,7 @@ class AmpOptimWrapper(OptimWrapper):
         """Backward the (scaled, for float16) loss and count the micro-batch."""
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale(loss)
-        loss.backward(**kwargs)
-        self._inner_count += 1
+        super().backward(loss, **kwargs)
 
     def step(self, **kwargs: Any) -> None:
         """Unscale and clip (if configured), step unless grads are inf/nan, update the scale."""
@@ -150,9 +149,10 @@ class AmpOptimWrapper(OptimWrapper):
 
     def optim_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Gradient-sync control of :class:`OptimWrapper` plus ``torch.autocast``."""
+        self._stale_grads = None  # the step starts: release the last update's gradients
         device_type = _params_device_type(model.parameters(), self.device_type)
         autocast = torch.autocast(device_type, dtype=self.cast_dtype)
-        if not self.should_sync() and hasattr(model, 'no_sync'):
+        if not self.should_sync() and has_no_sync(model):
             return _nested(model.no_sync(), autocast)
         return autocast
 

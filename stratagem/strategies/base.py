@@ -18,7 +18,8 @@ Construction
        ``test_step`` (``integrations.model_api``), as a host trainer's loop
        (mmengine's) calls them on ``strategy.model``.
     4. ``compile_model``: ``torch.compile`` of the model or one of its methods.
-    5. ``build_optim_wrapper`` over the wrapped model's parameters, then
+    5. ``build_optim_wrapper`` over the wrapped model's parameters (a backend may wrap
+       the model here instead, ShardedDDP: the new wrapper gets the model API too), then
        ``_scale_lr`` once (never again on resume).
     6. ``initialize_count_status`` when accumulating (needs ``max_iters``).
     7. ``build_param_scheduler`` (default ``end`` from ``max_epochs``/``max_iters``).
@@ -241,6 +242,11 @@ class BaseStrategy(CheckpointMixin, ABC):
         self.model = model
         if optim_wrapper is not None:
             self.optim_wrapper = self.build_optim_wrapper(optim_wrapper, model)
+            if self.model is not model:
+                # a backend that wraps once the optimizer exists (ShardedDDP) replaced the
+                # model: the host's loop calls train_step on the new wrapper, which must
+                # forward through it (else its gradient hooks never run; see model_api)
+                expose_model_api(self.model, self._unwrap_model())
             self._scale_lr()
             self._initialize_accumulation()
         if param_scheduler is not None:

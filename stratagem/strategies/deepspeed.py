@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from stratagem import env
+from stratagem.integrations.model_api import expose_model_api
 
 from .base import BaseStrategy
 from .checkpointing_deepspeed import DeepSpeedCheckpointMixin
@@ -170,6 +171,8 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
         if self._inputs_to_half:
             engine.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
         self.model = engine
+        # a host trainer's loop (mmengine) calls train_step on the engine: forward through it
+        expose_model_api(engine, engine.module)
         if wrapper is not None:
             self._initialize_accumulation()
         if param_scheduler is not None:

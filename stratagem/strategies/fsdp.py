@@ -20,8 +20,8 @@ from stratagem import env
 
 from .base import BaseStrategy
 from .fsdp_config import parse_activation_checkpointing, parse_model_wrapper, parse_state_dict_cfg
-
-_PREFIXES = ('_checkpoint_wrapped_module.', '_orig_mod.')
+from .fsdp_parts import (adapt_optim_wrapper, clean_name, pending_grads, set_pending_grads,
+                         with_no_sync)
 
 
 class FSDPStrategy(BaseStrategy):
@@ -58,7 +58,7 @@ class FSDPStrategy(BaseStrategy):
         self.state_dict_type = parse_state_dict_cfg(state_dict_type, state_dict_cfg)
         self.ac_check = parse_activation_checkpointing(activation_checkpointing)
         self.skip_init_weights = bool(skip_init_weights)
-        self._block_compile: Any = False
+        self._block_compile: dict | None = None
         env_kwargs = dict(kwargs.pop('env_kwargs', None) or {})
         if env_kwargs.get('launcher') in (None, 'none') and not env.is_distributed():
             inferred = env.infer_launcher()
@@ -81,7 +81,11 @@ class FSDPStrategy(BaseStrategy):
     def prepare(self, model: Any, *, compile: bool | Mapping = False, **kwargs: Any) -> Any:
         """BaseStrategy's ``prepare``; ``compile`` compiles each sharded block (before
         sharding) instead of the whole model."""
-        self._block_compile = compile
+        kw = None if not compile else {} if compile is True else dict(compile)
+        if kw is not None and kw.pop('target', 'forward') != 'forward':
+            raise ValueError(f"FSDPStrategy compiles each sharded block's forward; "
+                             f'compile={compile!r} names another target; leave target out')
+        self._block_compile = kw
         return super().prepare(model, compile=False, **kwargs)
 
     def build_model(self, model: nn.Module | Mapping) -> nn.Module:
@@ -98,7 +102,7 @@ class FSDPStrategy(BaseStrategy):
         from torch.distributed.fsdp import FSDPModule, fully_shard
         if isinstance(model, FSDPModule):
             self.logger.info('FSDPStrategy: the model is already sharded; using it as it is')
-            return _with_no_sync(model)
+            return with_no_sync(model)
         cfg = self.wrap_cfg
         on_meta = any(p.is_meta for p in model.parameters())
         if not on_meta:
@@ -115,10 +119,9 @@ class FSDPStrategy(BaseStrategy):
             outer = {id(m._checkpoint_wrapped_module): m for m in model.modules()
                      if isinstance(m, CheckpointWrapper)}
             targets = [outer.get(id(m), m) for m in targets]
-        if self._block_compile:
-            kw = {} if self._block_compile is True else dict(self._block_compile)
+        if self._block_compile is not None:
             for block in targets or [model]:
-                block.compile(**kw)
+                block.compile(**self._block_compile)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         kwargs = cfg.shard_kwargs(mesh, self.device)
         for block in reversed(targets):  # children before parents
@@ -126,9 +129,14 @@ class FSDPStrategy(BaseStrategy):
         fully_shard(model, **kwargs, ignored_params=ignored or None)
         if on_meta:
             model.to_empty(device=self.device)
+            unsaved = [f'{n}.{b}' if n else b for n, m in model.named_modules()
+                       for b in getattr(m, '_non_persistent_buffers_set', ())]
+            if unsaved:  # a checkpoint will not fill them
+                self.logger.warning(f'skip_init_weights: non-persistent buffers {unsaved} are '
+                                    'uninitialised memory; set them after prepare()')
         self.logger.info(f'FSDPStrategy: {len(targets)} block(s) + root sharded over '
                          f'{self.world_size} ranks ({self.device.type})')
-        return _with_no_sync(model)
+        return with_no_sync(model)
 
     def build_optim_wrapper(self, optim_wrapper: Any, model: nn.Module | None = None) -> Any:
         """Refuse an optimizer built before sharding: it would hold the old parameters and
@@ -146,7 +154,7 @@ class FSDPStrategy(BaseStrategy):
                     "its cfg instead: optim_wrapper=dict(optimizer=dict(type='AdamW', lr=...))")
         wrapper = super().build_optim_wrapper(optim_wrapper, model)
         for w in (wrapper.values() if hasattr(wrapper, 'values') else [wrapper]):
-            _adapt_amp(w)
+            adapt_optim_wrapper(w)
         return wrapper
 
     def _unwrap_model(self) -> nn.Module:
@@ -167,8 +175,9 @@ class FSDPStrategy(BaseStrategy):
         the optim wrapper's counters."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         wrapper = self.optim_wrapper
-        state = get_optimizer_state_dict(self.model, wrapper.optimizer,
-                                         options=self._options(self._full))
+        with _keep_fresh([wrapper.optimizer]):
+            state = get_optimizer_state_dict(self.model, wrapper.optimizer,
+                                             options=self._options(self._full))
         if self._full and state:  # rank 0 only: the others get {} (cpu_offload)
             state = ckpt.optim_state_to_index(state)
         extra = wrapper.state_dict()
@@ -191,7 +200,8 @@ class FSDPStrategy(BaseStrategy):
     def load_optim_state_dict(self, state_dict: Mapping) -> None:
         """Load an FQN-keyed (sharded or full) or index-keyed (a single-file checkpoint of
         any strategy) optimizer state, then the optim wrapper's counters."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_optimizer_state_dict)
         from torch.distributed.tensor import DTensor
         wrapper = self.optim_wrapper
         state = dict(state_dict)
@@ -217,7 +227,7 @@ class FSDPStrategy(BaseStrategy):
             del wrapper._load_optimizer_state
 
     def _param_names(self) -> list[list[str]]:
-        names = {id(p): _clean(n) for n, p in self.model.named_parameters()}
+        names = {id(p): clean_name(n) for n, p in self.model.named_parameters()}
         return [[names[id(p)] for p in g['params']] for g in self.optim_wrapper.param_groups]
 
     @property
@@ -226,13 +236,13 @@ class FSDPStrategy(BaseStrategy):
 
     # -------------------------------------------------------------------- checkpoints
     def _validate_checkpoint(self, checkpoint: dict) -> None:
-        ckpt.validate_checkpoint_content(_to_local(checkpoint))
+        ckpt.validate_checkpoint_content(ckpt.local_tensors(checkpoint))
 
     def _partial_grad_states(self) -> Any:
         """Mid accumulation window: this rank's unsynchronised (unsharded) gradients."""
         if all(w.should_update() for w in self._wrappers()):
             return None
-        grads = _pending_grads(self.model)
+        grads = pending_grads(self.model)
         if self._full:
             return env.all_gather_object({k: v.cpu() for k, v in grads.items()})
         return grads
@@ -261,25 +271,12 @@ class FSDPStrategy(BaseStrategy):
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
         if not ckpt.is_sharded_checkpoint(filename):
             return super()._load_checkpoint_files(filename, map_location)
-        manifest = ckpt.verify_directory(filename)
-        if manifest.get('optimizer_keys', 'fqn') != 'fqn':
-            return ckpt.read_sharded_checkpoint(filename)  # converted from a file: full load
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        want_optim = hasattr(self, 'optim_wrapper')
-        model_sd, optim_sd = get_state_dict(self.model, [self.optim_wrapper.optimizer]
-                                            if want_optim else [])
-        state = {'state_dict': model_sd}
-        if want_optim and 'optimizer' in _dcp_top_keys(filename):
-            state['optimizer'] = optim_sd
-        extra = ckpt.load_dcp_into(filename, state)
-        checkpoint = {'meta': extra.pop('meta', {}), 'state_dict': state['state_dict']}
-        if 'optimizer' in state:
-            checkpoint['optimizer'] = {**state['optimizer'], **extra.pop('optimizer_extra', {})}
-        partial = ckpt.read_partial_grads(filename)
-        if partial:
-            checkpoint['partial_grads_fqn'] = partial
-        checkpoint.update(extra)
-        return checkpoint
+        optimizers = [self.optim_wrapper.optimizer] if hasattr(self, 'optim_wrapper') else []
+        with _keep_fresh(optimizers):
+            model_sd, optim_sd = get_state_dict(self.model, optimizers)
+            return ckpt.load_sharded_checkpoint(filename, model_sd,
+                                                optim_sd if optimizers else None)
 
     def _load_partial_grads(self, checkpoint: Mapping, meta: Mapping) -> None:
         per_rank = checkpoint.get('partial_grads_fqn') or checkpoint.get('partial_grads')
@@ -287,112 +284,18 @@ class FSDPStrategy(BaseStrategy):
             return
         mine = per_rank[self.rank] if len(per_rank) == self.world_size else \
             {k: sum(g[k] for g in per_rank) / len(per_rank) for k in per_rank[0]}
-        _set_pending_grads(self.model, mine)
+        set_pending_grads(self.model, mine)
 
 
-def _dcp_top_keys(path: str) -> set[str]:
-    import torch.distributed.checkpoint as dcp
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    return {key.split('.', 1)[0] for key in metadata.state_dict_metadata}
-
-
-def _clean(name: str) -> str:
-    for prefix in _PREFIXES:
-        name = name.replace(prefix, '')
-    return name
-
-
-def _to_local(obj: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-    if isinstance(obj, DTensor):
-        return obj.to_local()
-    if isinstance(obj, dict):  # an OrderedDict stays one (validation checks the type)
-        return type(obj)((k, _to_local(v)) for k, v in obj.items())
-    if type(obj) in (list, tuple):
-        return type(obj)(_to_local(v) for v in obj)
-    return obj
-
-
-def _fsdp_params(model: nn.Module) -> list[tuple[str, Any]]:
-    """(clean FQN, FSDPParam) of every sharded parameter."""
-    names = {id(p): _clean(n) for n, p in model.named_parameters()}
-    out = []
-    for module in model.modules():
-        state = getattr(module, '_get_fsdp_state', None)
-        group = state()._fsdp_param_group if state is not None else None
-        if group is not None:
-            out += [(names[id(fp.sharded_param)], fp) for fp in group.fsdp_params]
-    return out
-
-
-def _pending_grads(model: nn.Module) -> dict:
-    """This rank's gradients accumulated with sync off (FSDP2 keeps them unsharded)."""
-    grads = {}
-    for name, fp in _fsdp_params(model):
-        g = fp.unsharded_accumulated_grad
-        if g is None and hasattr(fp, '_unsharded_param'):
-            g = fp._unsharded_param.grad
-        if g is not None:
-            grads[name] = g.detach().clone()
-    return grads
-
-
-def _set_pending_grads(model: nn.Module, grads: Mapping) -> None:
-    from torch.distributed.fsdp import FSDPModule
-    if any(not hasattr(fp, '_unsharded_param') for _, fp in _fsdp_params(model)):
-        for module in model.modules():  # FSDP2 creates the unsharded parameters lazily
-            if isinstance(module, FSDPModule):
-                module.unshard()
-                module.reshard()
-    for name, fp in _fsdp_params(model):
-        g = grads.get(name)
-        if g is None:
-            continue
-        param = fp._unsharded_param
-        if fp.reduce_dtype is not None and fp.reduce_dtype != param.dtype:
-            fp.unsharded_accumulated_grad = g.to(param.device, fp.reduce_dtype, copy=True)
-        else:
-            param.grad = g.to(param.device, param.dtype, copy=True)
-
-
-class _NoSync:
-    """``model.no_sync()`` for FSDP2, so the optim wrapper's ``optim_context`` skips the
-    reduce-scatter on non-update iterations. FSDP2 reads its flag during backward, which runs
-    after the context exits, so the flag stays off until the next forward outside a
-    ``no_sync`` block turns it back on (a forward pre-hook on the root)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self._model = model
-        self._inside = False
-        self._synced = True
-        model.register_forward_pre_hook(self._pre_forward)
-
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if not self._inside and not self._synced:
-            self._model.set_requires_gradient_sync(True)
-            self._synced = True
-
-    @contextlib.contextmanager
-    def __call__(self) -> Any:
-        if self._synced:
-            self._model.set_requires_gradient_sync(False)
-            self._synced = False
-        self._inside = True
-        try:
-            yield
-        finally:
-            self._inside = False
-
-
-def _with_no_sync(model: nn.Module) -> nn.Module:
-    if not hasattr(model, 'no_sync'):
-        object.__setattr__(model, 'no_sync', _NoSync(model))
-    return model
-
-
-def _adapt_amp(wrapper: Any) -> None:
-    """Precision comes from ``mixed_precision``: an AmpOptimWrapper does not autocast again
-    (its GradScaler, float16 only, stays)."""
-    if hasattr(wrapper, 'cast_dtype'):
-        wrapper.optim_context = lambda model: (model.no_sync() if not wrapper.should_sync()
-                                               else contextlib.nullcontext())
+@contextlib.contextmanager
+def _keep_fresh(optimizers: list) -> Any:
+    """torch's ``get_*state_dict`` creates a missing optimizer state by a zero-lr step, which
+    leaves Adam's step count at 1 (a wrong bias correction for the first real step, e.g.
+    after loading pretrained weights into a fresh run): an optimizer that had no state gets
+    none back afterwards."""
+    fresh = [o for o in optimizers if not o.state]
+    try:
+        yield
+    finally:
+        for optimizer in fresh:
+            optimizer.state.clear()

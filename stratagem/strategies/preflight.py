@@ -61,6 +61,12 @@ def check_resumable(strategy: Any, checkpoint: Mapping, filename: str, *, optimi
             raise ValueError(f'cannot resume {filename}: its optimizer has param groups of '
                              f'sizes {have}, this run builds {want} (the model or '
                              f'optim_wrapper.paramwise_cfg changed); nothing was changed')
+        lacking = _lacking_hyperparameters(strategy.optim_wrapper, checkpoint['optimizer'])
+        if lacking:
+            raise ValueError(f'cannot resume {filename}: its optimizer param groups lack '
+                             f'{lacking}, which this run\'s optimizer needs: it was saved with '
+                             'another optimizer type; nothing was changed. Load the weights '
+                             'only (load_checkpoint, load_from) or pass resume_optimizer=False')
     if schedulers:
         want, have = _count(strategy.scheduler_state_dict()), _count(checkpoint['param_schedulers'])
         if want != have:
@@ -78,6 +84,29 @@ def _current_sizes(wrapper: Any) -> Any:
     if optimizer is None or type(optimizer).__name__ == 'ZeroRedundancyOptimizer':
         return None
     return [len(g['params']) for g in optimizer.param_groups]
+
+
+def _lacking_hyperparameters(wrapper: Any, state: Any) -> list[str]:
+    """Hyperparameters the built torch optimizer needs that the saved param groups lack even
+    after the optimizer's own ``__setstate__`` filled its defaults (SGD saved, AdamW built:
+    'betas', 'eps'); torch would load them and fail at the first step with KeyError."""
+    if hasattr(wrapper, 'optim_wrappers'):
+        return sorted({k for name, w in wrapper.optim_wrappers.items() for k in
+                       _lacking_hyperparameters(w, state.get(name) if isinstance(state, Mapping)
+                                                else None)})
+    optimizer = getattr(wrapper, 'optimizer', None)
+    cls = type(optimizer)
+    if optimizer is None or not cls.__module__.startswith('torch.optim') or \
+            not isinstance(state, Mapping) or not isinstance(state.get('param_groups'), list):
+        return []
+    groups = [dict(g) for g in state['param_groups'] if isinstance(g, Mapping)]
+    try:  # a bare instance: only __setstate__'s defaulting runs, nothing is built
+        probe = cls.__new__(cls)
+        cls.__setstate__(probe, {'defaults': dict(optimizer.defaults), 'state': {},
+                                 'param_groups': groups})
+    except Exception:  # noqa: BLE001 - cannot tell: torch's own load decides
+        return []
+    return sorted({k for g in probe.param_groups for k in optimizer.defaults if k not in g})
 
 
 def _saved_sizes(state: Any, like: Any) -> Any:

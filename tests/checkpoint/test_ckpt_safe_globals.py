@@ -3,6 +3,8 @@ the manifest, named when missing; everything else refused at save, arbitrary pic
 import json
 import os
 import pickle
+import timeit
+import types
 from collections import defaultdict
 
 import pytest
@@ -121,13 +123,46 @@ def test_malicious_pickle_executes_nothing_with_an_allow_list_active(tmp_path):
     (eval, ValueError, 'refuses builtins.eval'),
     (pickle.loads, ValueError, 'refuses'),
     ((getattr, 'x.y'), ValueError, 'refuses x.y'),
+    (types.FunctionType, ValueError, 'refuses builtins.function'),  # bytecode -> function
+    (types.CodeType, ValueError, 'refuses builtins.code'),
+    (types.ModuleType, ValueError, 'refuses builtins.module'),
+    (timeit.timeit, ValueError, 'refuses timeit.timeit'),  # runs a string of code
+    ((Point, 'builtins.int'), None, None),  # a plain class under another name: fine
     (Point(1, 2), TypeError, 'not a class or function'),
     ((Point, 3), TypeError, "'module.name') pair"),
 ])
 def test_add_safe_globals_refuses_what_would_run_code(bad, error, fragment):
     before = get_safe_globals()
+    if error is None:
+        with safe_globals([bad]):
+            assert 'builtins.int' in get_safe_globals()
+        return
     with pytest.raises(error, match=fragment.replace('(', r'\(').replace(')', r'\)')):
         add_safe_globals([Point, bad])
     assert get_safe_globals() == before  # checked before anything was added
     with pytest.raises(TypeError, match='a list of classes'):
         add_safe_globals(Point)
+
+
+def test_loader_without_the_package_says_it_is_not_installed(tmp_path, monkeypatch):
+    """A verified file holding a class of a package this environment lacks (an mmengine
+    checkpoint read where mmengine is not installed) is not called damaged."""
+    import sys
+    import types as _types
+    module = _types.ModuleType('rev1_absent_pkg')
+
+    class Stat:
+        def __init__(self, n):
+            self.n = n
+    Stat.__module__, Stat.__qualname__ = module.__name__, 'Stat'
+    module.Stat = Stat
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with safe_globals([Stat]):
+        path = save_checkpoint({'hub': Stat(3)}, tmp_path / 'a.pth')
+    monkeypatch.delitem(sys.modules, module.__name__)  # not installed in the loading process
+    with pytest.raises(UnsafeCheckpointError) as info:
+        load_checkpoint_file(path)
+    message = str(info.value)
+    assert 'damaged:' not in message
+    assert 'rev1_absent_pkg are not installed here' in message
+    assert 'rev1_absent_pkg.Stat' in message

@@ -4,6 +4,7 @@ Single-process checks first, then one 2-rank gloo spawn for the collective paths
 a failure on one rank after the shards are written, a BaseException from the writer, a
 corrupt shard refused on every rank).
 """
+import hashlib
 import json
 import os
 import sys
@@ -84,6 +85,31 @@ def test_steps_one_by_one_and_replacing_a_committed_dir(tmp_path):
     assert verify_directory(final)['step'] == 2 and not staging.exists()
 
 
+def test_prehashed_entries_are_not_read_again(tmp_path, monkeypatch):
+    """A writer that hashed its bytes while writing returns entries: nothing re-reads them,
+    and this process remembers them, so verifying here reads nothing either."""
+    from stratagem.checkpoint import commit, directory, manifest
+
+    def write(staging, size_delta=0):
+        (staging / 'a.bin').write_bytes(b'abc' * 10)
+        size, sha256 = hash_file(staging / 'a.bin')
+        return [{'path': 'a.bin', 'size': size + size_delta, 'sha256': sha256}]
+
+    expected = (30, hashlib.sha256(b'abc' * 10).hexdigest())
+
+    def boom(*args, **kwargs):
+        raise AssertionError('a file was read again')
+    for module in (commit, directory):
+        monkeypatch.setattr(module, 'hash_file', boom)
+    final = save_directory(tmp_path / 'd', write)
+    monkeypatch.setattr(manifest, 'hash_file', boom)
+    entries = verify_directory(final)['files']
+    assert entries == [{'path': 'a.bin', 'size': expected[0], 'sha256': expected[1], 'rank': 0}]
+    with pytest.raises(ValueError, match='changed after being written'):
+        save_directory(tmp_path / 'e', lambda staging: write(staging, 1))
+    assert not (tmp_path / 'e').exists()
+
+
 def test_write_fn_paths_outside_staging_are_refused(tmp_path):
     outside = tmp_path / 'elsewhere.bin'
     outside.write_bytes(b'z')
@@ -154,6 +180,7 @@ def _dist_checks(root):
                           extra_manifest={'strategy': 'T'})
     manifest = verify_directory(good)
     out['files'] = sorted(f['path'] for f in manifest['files'])
+    out['writers'] = {f['path']: f['rank'] for f in manifest['files']}
     out['world'] = manifest['world_size']
     out['final'] = str(good)
     # a failure on rank 1 after every rank wrote its shard: raised on both, rank 1 named
@@ -183,6 +210,7 @@ def test_two_ranks(tmp_path):
     res = run_distributed(_dist_checks, nproc=2, args=(str(tmp_path),), timeout=120)
     for rank, out in enumerate(res):
         assert out['files'] == ['shard_0.bin', 'shard_1.bin'] and out['world'] == 2
+        assert out['writers'] == {'shard_0.bin': 0, 'shard_1.bin': 1}
         assert out['final'] == str(tmp_path / 'iter_1')
         assert out['listing'] == [['iter_1', POINTER_NAME]] * 2
         assert out['latest'] == [str(tmp_path / 'iter_1')] * 2

@@ -1,6 +1,7 @@
 """set_resource_limit and setup_multi_processing."""
 import logging
 import os
+import sys
 
 import pytest
 import torch.multiprocessing as mp
@@ -98,11 +99,41 @@ def test_mp_start_method(monkeypatch, caplog):
         setup_multi_processing('thread')
 
 
-def test_opencv_threads_when_cv2_present(monkeypatch):
-    import sys
-    import types
-    seen = []
-    fake_cv2 = types.SimpleNamespace(setNumThreads=seen.append)
-    monkeypatch.setitem(sys.modules, 'cv2', fake_cv2)
-    monkeypatch.setattr(resources.importlib.util, 'find_spec', lambda name: object())
-    assert setup_multi_processing() == {'opencv_num_threads': 0} and seen == [0]
+@pytest.fixture
+def fake_cv2(tmp_path, monkeypatch):
+    """An importable ``cv2`` package that records its setNumThreads calls."""
+    pkg = tmp_path / 'cv2'
+    pkg.mkdir()
+    (pkg / '__init__.py').write_text('calls = []\nsetNumThreads = calls.append\n')
+    monkeypatch.delitem(sys.modules, 'cv2', raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield sys.modules
+    sys.modules.pop('cv2', None)
+
+
+def test_opencv_never_imported_by_default(fake_cv2):
+    assert setup_multi_processing() == {}
+    assert 'cv2' not in fake_cv2  # installed but unused: not imported, no 20-40 ms, ~25 MiB
+    import cv2  # the user's code imports it: then its threads are set to 0
+    assert setup_multi_processing() == {'opencv_num_threads': 0} and cv2.calls == [0]
+    assert setup_multi_processing(opencv_num_threads=None) == {} and cv2.calls == [0]
+
+
+def test_opencv_threads_when_the_config_asks(fake_cv2):
+    assert setup_multi_processing(opencv_num_threads=2) == {'opencv_num_threads': 2}
+    assert fake_cv2['cv2'].calls == [2]
+    fake_cv2.pop('cv2')
+    assert setup_multi_processing(opencv_num_threads=0) == {'opencv_num_threads': 0}
+    assert fake_cv2['cv2'].calls == [0]  # explicit 0 (mmengine configs' mp_cfg) imports it too
+
+
+def test_opencv_threads_explicit_without_opencv(monkeypatch):
+    monkeypatch.delitem(sys.modules, 'cv2', raising=False)
+    monkeypatch.setattr(resources.importlib.util, 'find_spec', lambda name: None)
+    assert setup_multi_processing(opencv_num_threads=0) == {}
+
+
+@pytest.mark.parametrize('bad', [-1, 1.5, True, '0'])
+def test_opencv_threads_rejects(bad):
+    with pytest.raises(ValueError, match='opencv_num_threads must be an int >= 0'):
+        setup_multi_processing(opencv_num_threads=bad)

@@ -328,3 +328,107 @@ def test_clip_grad_values_must_be_positive_numbers():
         OptimWrapper(opt, clip_grad=dict(max_norm='1'))
     with pytest.raises(ValueError, match='clip_value must be a positive number, got -1'):
         OptimWrapper(opt, clip_grad=dict(type='value', clip_value=-1))
+
+
+class WithUnused(nn.Module):
+    """A model with a parameter the forward never uses: its grad stays None, which an
+    optimizer (AdamW here) must see as None, not as zeros, to leave it untouched."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(K_FEATURES, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize('opt', ['SGD', 'AdamW'])
+@pytest.mark.parametrize('accumulate, clip', [(1, None), (3, 0.05)], ids=['plain', 'acc3-clip'])
+@pytest.mark.parametrize('amp', [False, True], ids=['fp32', 'bf16'])
+def test_results_are_bit_identical_to_a_hand_written_loop(opt, accumulate, clip, amp):
+    from stratagem.optim import AmpOptimWrapper
+    x, y = (t.float() for t in make_data(40))
+    iters = 8  # windows of 3: two complete, then a tail of 2 averaged over its real length
+    kwargs = dict(lr=0.05, momentum=0.9) if opt == 'SGD' else dict(lr=0.01, weight_decay=0.1)
+
+    def autocast():
+        return torch.autocast('cpu', dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+
+    ref = WithUnused()
+    ref_opt = getattr(torch.optim, opt)(ref.parameters(), **kwargs)
+    ref_params = []
+    for i in range(iters):
+        window = accumulate if i < iters // accumulate * accumulate else iters % accumulate
+        with autocast():
+            loss = ((ref(x[4 * i:4 * i + 4]).float() - y[4 * i:4 * i + 4]) ** 2).mean()
+        (loss / window if window > 1 else loss).backward()
+        if (i + 1) % accumulate == 0 or i + 1 == iters:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_params.append(params_of(ref))
+
+    model = WithUnused()
+    optimizer = getattr(torch.optim, opt)(model.parameters(), **kwargs)
+    clip_grad = dict(max_norm=clip) if clip is not None else None
+    wrapper = (AmpOptimWrapper(optimizer=optimizer, dtype='bfloat16', accumulative_counts=accumulate,
+                               clip_grad=clip_grad) if amp else
+               OptimWrapper(optimizer, accumulative_counts=accumulate, clip_grad=clip_grad))
+    wrapper.initialize_count_status(model, 0, iters)
+    got = []
+    for i in range(iters):
+        with wrapper.optim_context(model):
+            loss = ((model(x[4 * i:4 * i + 4]).float() - y[4 * i:4 * i + 4]) ** 2).mean()
+        wrapper.update_params(loss)
+        if wrapper.should_update():
+            assert all(p.grad is None for p in model.parameters())  # as after zero_grad()
+            got.append(params_of(model))
+    assert len(got) == len(ref_params) == -(-iters // accumulate)
+    for step, (a, b) in enumerate(zip(got, ref_params)):
+        for n, (pa, pb) in enumerate(zip(a, b)):
+            assert torch.equal(pa, pb), f'update {step}, parameter {n}'
+    assert torch.equal(model.unused.weight, WithUnused().unused.weight)  # never stepped
+    for sa, sb in zip(optimizer.state_dict()['state'].values(),
+                      ref_opt.state_dict()['state'].values()):
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert len(optimizer.state) == len(ref_opt.state) == 4  # no state for the unused layer
+
+
+def test_gradient_memory_is_released_at_the_next_step_start():
+    """zero_grad leaves p.grad None at once; the CPU gradients' memory goes when the next
+    step starts (optim_context, or backward without one), where a hand-written loop's
+    zero_grad() frees it, so the allocator sees the raw loop's order (benchmarks/overhead.py)."""
+    import weakref
+    x, y = make_data(8)
+    model = make_model()
+    wrapper = OptimWrapper(sgd(model))
+    wrapper.update_params(mse(model, x[:4], y[:4]))
+    assert all(p.grad is None for p in model.parameters())
+    wrapper.update_params(mse(model, x[4:], y[4:]))
+    # the gradients of the last update: None on the parameters, memory not yet released
+    stale = [weakref.ref(g) for g in wrapper._stale_grads]
+    assert len(stale) == 4 and all(r() is not None for r in stale)
+    with wrapper.optim_context(model):
+        assert all(r() is None for r in stale)
+        loss = mse(model, x[:4], y[:4])
+    wrapper.update_params(loss)
+    stale = [weakref.ref(g) for g in wrapper._stale_grads]
+    loss = mse(model, x[:4], y[:4])  # a loop without optim_context: released at backward
+    assert all(r() is not None for r in stale)
+    wrapper.backward(loss)
+    assert all(r() is None for r in stale)
+    wrapper.zero_grad(set_to_none=False)  # zeroed in place and kept: nothing to release later
+    assert wrapper._stale_grads is None
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+
+
+def test_optim_context_finds_no_sync_set_on_the_instance():
+    model, calls = make_model(), []
+    model.no_sync = lambda: calls.append(1) or contextlib.nullcontext()
+    wrapper = OptimWrapper(sgd(model), accumulative_counts=2)
+    with wrapper.optim_context(model):  # the first of a window of 2: no sync
+        pass
+    assert calls == [1]

@@ -1,8 +1,10 @@
 """FSDPStrategy on 2 gloo processes (CPU): equivalence, accumulation, clipping, bf16, activation
 checkpointing, sharded checkpoints resumed exactly on 2 ranks, 2→1, 1→2, and across strategies.
 
-Processes are started three times for the whole module: the training checks and the first
-half of a run (2 ranks), its resume in new processes (2 ranks), and a 1-rank FSDP resume.
+Processes are started four times for the whole module: the training checks (also compile,
+ignored_modules, skip_init_weights) and the first half of a run (2 ranks), a 1-rank FSDP
+resume, `stratagem train examples/configs/transformer_fsdp.py --nproc 2` (torchrun), and the
+resumes in new processes (2 ranks, also the example config's, through the reference loop).
 """
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_harness import run_distributed  # noqa: E402
 
 MAX_ITERS = 8
+EXAMPLE = Path(__file__).resolve().parents[2] / 'examples' / 'configs' / 'transformer_fsdp.py'
 COMPONENTS = dict(
     optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01), accumulative_counts=3,
                        clip_grad=dict(type='norm', max_norm=1.0)),
@@ -151,11 +154,22 @@ def _checks(work_dir):
             build()
         except ValueError as err:
             out[f'err_{name}'] = str(err)
+    out.update(_compile_checks(work_dir))
+    out.update(_ignored_checks(work_dir))
+    out.update(_skip_init_checks(work_dir))
     # 4. first half of the resumed run: checkpoints on a boundary (3) and mid-window (4)
     s = _strategy(work_dir)
     model, ow, scheds = s.prepare(_net(), **COMPONENTS)
     _train(s, model, ow, scheds, 0, 3, 2)
+    from stratagem.checkpoint import commit, directory, manifest
+    reads = []
+    hashers = {m: m.hash_file for m in (commit, directory, manifest)}
+    for module, func in hashers.items():  # count re-reads of written files
+        module.hash_file = lambda *a, _f=func, **k: reads.append(a[0]) or _f(*a, **k)
     s.save_checkpoint('iter_3', extra_ckpt={'meta': {'iter': 3}})
+    out['reread_after_write'] = [str(p) for p in reads]
+    for module, func in hashers.items():
+        module.hash_file = func
     out['state_3'] = _full_state(s)
     s.state_dict_type = 'full'
     s.save_checkpoint('iter_3_full.pth', extra_ckpt={'meta': {'iter': 3}})
@@ -183,6 +197,107 @@ def _checks(work_dir):
     return out
 
 
+def _compile_checks(work_dir):
+    """compile=True compiles each sharded block (before sharding), not the root."""
+    graphs = []
+
+    def backend(gm, inputs):  # counts what dynamo hands over, runs it as traced
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+    s = _strategy(work_dir, model_wrapper=dict(auto_wrap_policy=['Block']))
+    model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1,
+                                                                    momentum=0.9)),
+                          compile=dict(backend=backend))
+    compiled = [name for name, m in model.named_modules()
+                if getattr(m, '_compiled_call_impl', None) is not None]
+    _train(s, model, ow, [], 0, 3, 2)
+    ref, _ = _reference(3)
+    out = {'compiled': compiled, 'graphs': len(graphs),
+           'compile_err': max(float((_full_state(s)[0][k] - ref[k]).abs().max()) for k in ref)}
+    try:
+        _strategy(work_dir).prepare(_net(), compile=dict(target='train_step'))
+    except ValueError as err:
+        out['err_compile_target'] = str(err)
+    return out
+
+
+def _ignored_checks(work_dir):
+    """ignored_modules stay plain, full-size and unreduced; clipping over the mix of sharded
+    and plain gradients gives the unsharded norm, the same factor on every rank."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.nn import functional as F
+    out = {}
+    for case in ('same_data', 'own_data'):
+        s = _strategy(work_dir, model_wrapper=dict(
+            auto_wrap_policy=['Block'],
+            ignored_modules=lambda m: isinstance(m, nn.Linear) and m.out_features == 2))
+        model, ow = s.prepare(_net(), optim_wrapper=dict(
+            optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
+            clip_grad=dict(type='norm', max_norm=0.05)))
+        norms = []
+        for it in range(3):
+            x, y = _batch(it, 0, 1) if case == 'same_data' else _batch(it, s.rank, 2)
+            with ow.optim_context(model):
+                loss = F.cross_entropy(model(x), y)
+            ow.update_params(loss)
+            norms.append(float(ow.last_grad_norm))
+        kinds = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
+        head = model[3].weight.detach().clone()
+        out[case] = dict(kinds=kinds, norms=norms, head_shape=tuple(head.shape),
+                         heads=_gather(head))
+        if case == 'same_data':
+            ref, ref_norms = _reference(3, clip=0.05)
+            state = _full_state(s)[0]
+            out[case]['err'] = max(float((state[k] - ref[k]).abs().max()) for k in ref)
+            out[case]['ref_norms'] = ref_norms
+        dist.barrier()
+    return out
+
+
+def _gather(tensor):
+    from stratagem import env
+    return env.all_gather_object(tensor)
+
+
+def _skip_init_checks(work_dir):
+    """skip_init_weights: a cfg model is built on the meta device, init_weights is not run,
+    only this rank's shards are allocated; a loaded checkpoint then trains as the original."""
+    from stratagem.models import TransformerLM
+    calls = []
+    original = TransformerLM.init_weights
+    TransformerLM.init_weights = lambda self: calls.append(1) or original(self)
+    cfg = dict(type='TransformerLM', vocab_size=16, dim=16, depth=2, heads=2, max_len=8)
+    optim = dict(optimizer=dict(type='AdamW', lr=0.01))
+    wrap = dict(auto_wrap_policy=['TransformerBlock'])
+    a = _strategy(work_dir, model_wrapper=wrap)
+    model_a, ow_a = a.prepare(dict(cfg), optim_wrapper=optim)
+    a.save_checkpoint('lm_init')
+    calls_normal = len(calls)
+    b = _strategy(work_dir, model_wrapper=wrap, skip_init_weights=True)
+    model_b, ow_b = b.prepare(dict(cfg), optim_wrapper=optim)
+    out = {'init_calls': (calls_normal, len(calls) - calls_normal),
+           'meta': any(p.is_meta or p.to_local().is_meta for p in model_b.parameters()),
+           'local_numel': sum(p.to_local().numel() for p in model_b.parameters()),
+           'full_numel': sum(p.numel() for p in model_b.parameters())}
+    TransformerLM.init_weights = original
+    b.load_checkpoint(str(Path(work_dir) / 'lm_init'))
+    # reading a checkpoint (or saving one) before the first step leaves no optimizer state
+    # behind: torch creates it with a zero-lr step that would set Adam's step count to 1
+    out['fresh_state'] = (len(ow_a.optimizer.state), len(ow_b.optimizer.state))
+    sa, sb = _full_state(a), _full_state(b)  # collectives: once each, on every rank
+    out['loaded_equal'] = sa[0].keys() == sb[0].keys() and all(
+        torch.equal(sa[0][k], sb[0][k]) for k in sa[0])
+    g = torch.Generator().manual_seed(5 + a.rank)
+    for _ in range(2):
+        x = torch.randint(16, (2, 8), generator=g)
+        for model, ow in ((model_a, ow_a), (model_b, ow_b)):
+            ow.update_params(model(x, x)['loss'])
+    sa, sb = _full_state(a), _full_state(b)
+    out['trained_equal'] = all(torch.equal(sa[0][k], sb[0][k]) for k in sa[0])
+    return out
+
+
 def _resume(work_dir, name, world, stop=MAX_ITERS, save=None):
     s = _strategy(work_dir)
     model, ow, scheds = s.prepare(_net(), **COMPONENTS)
@@ -197,8 +312,18 @@ def _resume(work_dir, name, world, stop=MAX_ITERS, save=None):
 
 
 def _resume_two(work_dir):
-    return {name: _resume(work_dir, name, 2) for name in ('iter_3', 'iter_4', 'iter_3_full.pth',
-                                                          'single.pth', 'one_rank')}
+    out = {name: _resume(work_dir, name, 2) for name in ('iter_3', 'iter_4', 'iter_3_full.pth',
+                                                         'single.pth', 'one_rank')}
+    # the example transformer config, resumed by the reference loop from the checkpoint that
+    # `stratagem train --nproc 2` wrote at iter 4, into another work dir
+    from stratagem.config import Config
+    from stratagem.loop import train
+    cfg = Config.fromfile(str(EXAMPLE))
+    cfg.merge_from_dict(dict(train_cfg=dict(max_iters=8, checkpoint_interval=4),
+                             work_dir=str(Path(work_dir) / 'lm_resumed')))
+    result = train(cfg, resume=str(Path(work_dir) / 'lm' / 'iter_4.pth'), progress=False)
+    out['lm_iter'] = result['iter']
+    return out
 
 
 def _assert_equal_states(a, b):
@@ -223,8 +348,13 @@ def runs(tmp_path_factory):
     sd_ckpt = single.load_checkpoint(str(work / 'iter_3'))
     single.resume(str(work / 'iter_3'))
     single.save_checkpoint(str(work / 'single.pth'), extra_ckpt={'meta': {'iter': 3}})
+    # the example config end to end under torchrun; _resume_two resumes it
+    from stratagem.cli import main
+    cli = main(['train', str(EXAMPLE), '--nproc', '2', '--work-dir', str(work / 'lm'),
+                '--cfg-options', 'train_cfg.max_iters=8', 'train_cfg.checkpoint_interval=4'])
     second = run_distributed(_resume_two, nproc=2, args=(str(work),), timeout=300)
-    return dict(work=work, first=first, one=one, second=second, single=single, sd=sd_ckpt)
+    return dict(work=work, first=first, one=one, second=second, single=single, sd=sd_ckpt,
+                cli=cli)
 
 
 def test_training_equals_one_process(runs):
@@ -236,6 +366,45 @@ def test_training_equals_one_process(runs):
         assert len(norms) == 2 and norms == pytest.approx(ref, rel=1e-5)
         assert out['bf16'] < 3e-2  # bf16 parameters: ~3 significant digits
         assert out['ac'] < 1e-6 and out['offload'] < 1e-6
+
+
+def test_compile_per_block(runs):
+    for out in runs['first']:
+        assert out['compiled'] == ['1', '2']  # the two Blocks, not the root or the Linears
+        assert out['graphs'] >= 1 and out['compile_err'] < 1e-6
+        assert "names another target" in out['err_compile_target']
+
+
+def test_ignored_modules(runs):
+    outs = runs['first']
+    for out in outs:
+        same, own = out['same_data'], out['own_data']
+        assert same['kinds'] == {'0.weight': True, '0.bias': True, '1.fc.weight': True,
+                                 '1.fc.bias': True, '2.fc.weight': True, '2.fc.bias': True,
+                                 '3.weight': False, '3.bias': False}
+        assert same['head_shape'] == (2, 8)  # not sharded
+        # same batch on both ranks: equal to one process, clipped norms included
+        assert same['err'] < 1e-6 and same['norms'] == pytest.approx(same['ref_norms'],
+                                                                      rel=1e-5)
+        assert torch.equal(same['heads'][0], same['heads'][1])
+        # own batches: the ignored head is not reduced (the ranks differ), yet both ranks
+        # clip by the same norm
+        assert not torch.equal(own['heads'][0], own['heads'][1])
+    assert outs[0]['own_data']['norms'] == outs[1]['own_data']['norms']
+
+
+def test_skip_init_weights(runs):
+    for out in runs['first']:
+        assert out['init_calls'] == (1, 0)
+        assert not out['meta']
+        assert out['local_numel'] * 2 == pytest.approx(out['full_numel'], rel=0.01)
+        assert out['loaded_equal'] and out['trained_equal']
+        assert out['fresh_state'] == (0, 0)
+
+
+def test_sharded_save_reads_nothing_back(runs):
+    for out in runs['first']:
+        assert out['reread_after_write'] == []
 
 
 def test_errors(runs):
@@ -307,3 +476,34 @@ def test_needs_distributed_launch():
     from stratagem.strategies import build_strategy
     with pytest.raises(RuntimeError, match='torchrun'):
         build_strategy(dict(type='FSDPStrategy'))
+
+
+def test_train_transformer_config_end_to_end(runs):
+    """`stratagem train examples/configs/transformer_fsdp.py --nproc 2`: committed sharded
+    directories, and a resume from iter 4 ends bit-exact where the uninterrupted run did."""
+    from stratagem import checkpoint as ckpt
+    work = runs['work']
+    assert runs['cli'] == 0
+    assert sorted(p.name for p in (work / 'lm').glob('iter_*')) == ['iter_4.pth', 'iter_8.pth']
+    assert ckpt.find_latest_checkpoint(work / 'lm') == work / 'lm' / 'iter_8.pth'
+    for it in (4, 8):
+        path = work / 'lm' / f'iter_{it}.pth'
+        assert ckpt.is_sharded_checkpoint(path)
+        manifest = ckpt.verify_directory(path, collective=False)
+        assert (manifest['step'], manifest['world_size'], manifest['strategy']) == \
+            (it, 2, 'FSDPStrategy')
+        assert {'.metadata', '__0_0.distcp', '__1_0.distcp', 'extra.pth'} <= \
+            {f['path'] for f in manifest['files']}
+    assert [out['lm_iter'] for out in runs['second']] == [8, 8]
+    first = ckpt.read_sharded_checkpoint(work / 'lm' / 'iter_8.pth')
+    resumed = ckpt.read_sharded_checkpoint(work / 'lm_resumed' / 'iter_8.pth')
+    start = ckpt.read_sharded_checkpoint(work / 'lm' / 'iter_4.pth')
+    model = first['state_dict']
+    assert sorted(model) == sorted(resumed['state_dict']) and 'blocks.3.qkv.weight' in model
+    assert all(torch.equal(model[k], resumed['state_dict'][k]) for k in model)
+    assert any(not torch.equal(model[k], start['state_dict'][k]) for k in model)  # it trained
+    for index, state in first['optimizer']['state'].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value),
+                               torch.as_tensor(resumed['optimizer']['state'][index][key]))
+    assert first['meta']['iter'] == resumed['meta']['iter'] == 8

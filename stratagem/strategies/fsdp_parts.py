@@ -1,0 +1,123 @@
+"""Pieces FSDPStrategy composes around an FSDP2 model: the no-sync context that the optim
+wrapper drives, an optim wrapper adapted to sharded gradients, and the pending (unsynced)
+gradients of an open accumulation window, read for a checkpoint and put back on resume.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+_PREFIXES = ('_checkpoint_wrapped_module.', '_orig_mod.')
+
+
+def clean_name(name: str) -> str:
+    """A parameter's FQN without the wrappers' prefixes (activation checkpointing, compile)."""
+    for prefix in _PREFIXES:
+        name = name.replace(prefix, '')
+    return name
+
+
+class NoSync:
+    """``model.no_sync()`` for FSDP2, so the optim wrapper's ``optim_context`` skips the
+    reduce-scatter on non-update iterations. FSDP2 reads its flag during backward, which runs
+    after the context exits, so the flag stays off until the next forward outside a
+    ``no_sync`` block turns it back on (a forward pre-hook on the root)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._inside = False
+        self._synced = True
+        model.register_forward_pre_hook(self._pre_forward)
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not self._inside and not self._synced:
+            self._model.set_requires_gradient_sync(True)
+            self._synced = True
+
+    @contextlib.contextmanager
+    def __call__(self) -> Any:
+        if self._synced:
+            self._model.set_requires_gradient_sync(False)
+            self._synced = False
+        self._inside = True
+        try:
+            yield
+        finally:
+            self._inside = False
+
+
+def with_no_sync(model: nn.Module) -> nn.Module:
+    """Give an FSDP2 model a ``no_sync()`` context (once)."""
+    if not hasattr(model, 'no_sync'):
+        object.__setattr__(model, 'no_sync', NoSync(model))
+    return model
+
+
+def adapt_optim_wrapper(wrapper: Any) -> None:
+    """Fit an optim wrapper to a sharded model.
+
+    - Precision comes from ``mixed_precision``: an AmpOptimWrapper does not autocast again
+      (its GradScaler, float16 only, stays: ``unscale_`` on DTensor gradients reduces
+      ``found_inf`` over the mesh, so every rank skips the same steps).
+    - Clipping over a mix of sharded and plain parameters (``ignored_modules``), which
+      torch's clip functions refuse, goes through ``optim.sharded_clip``.
+    """
+    if hasattr(wrapper, 'cast_dtype'):
+        wrapper.optim_context = lambda m: (m.no_sync() if not wrapper.should_sync()
+                                           else contextlib.nullcontext())
+    func = getattr(wrapper, '_clip_func', None)
+    if func is None:
+        return
+    from torch.distributed.tensor import DTensor
+    kinds = {isinstance(p, DTensor) for g in wrapper.optimizer.param_groups for p in g['params']}
+    if len(kinds) == 2:
+        from stratagem.optim.sharded_clip import clip_grad_norm_mixed, clip_grad_value_mixed
+        wrapper._clip_func = clip_grad_norm_mixed if func is torch.nn.utils.clip_grad_norm_ \
+            else clip_grad_value_mixed
+
+
+def _fsdp_params(model: nn.Module) -> list[tuple[str, Any]]:
+    """(clean FQN, FSDPParam) of every sharded parameter."""
+    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    out = []
+    for module in model.modules():
+        state = getattr(module, '_get_fsdp_state', None)
+        group = state()._fsdp_param_group if state is not None else None
+        if group is not None:
+            out += [(names[id(fp.sharded_param)], fp) for fp in group.fsdp_params]
+    return out
+
+
+def pending_grads(model: nn.Module) -> dict:
+    """This rank's gradients accumulated with sync off (FSDP2 keeps them unsharded)."""
+    grads = {}
+    for name, fp in _fsdp_params(model):
+        g = fp.unsharded_accumulated_grad
+        if g is None and hasattr(fp, '_unsharded_param'):
+            g = fp._unsharded_param.grad
+        if g is not None:
+            grads[name] = g.detach().clone()
+    return grads
+
+
+def set_pending_grads(model: nn.Module, grads: Mapping) -> None:
+    """Put back gradients read by :func:`pending_grads` (by FQN), as FSDP2 keeps them."""
+    from torch.distributed.fsdp import FSDPModule
+    if any(not hasattr(fp, '_unsharded_param') for _, fp in _fsdp_params(model)):
+        for module in model.modules():  # FSDP2 creates the unsharded parameters lazily
+            if isinstance(module, FSDPModule):
+                module.unshard()
+                module.reshard()
+    for name, fp in _fsdp_params(model):
+        g = grads.get(name)
+        if g is None:
+            continue
+        param = fp._unsharded_param
+        if fp.reduce_dtype is not None and fp.reduce_dtype != param.dtype:
+            fp.unsharded_accumulated_grad = g.to(param.device, fp.reduce_dtype, copy=True)
+        else:
+            param.grad = g.to(param.device, param.dtype, copy=True)
