@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_harness import run_distributed  # noqa: E402
@@ -92,10 +93,10 @@ def test_prehashed_entries_are_not_read_again(tmp_path, monkeypatch):
 
     def write(staging, size_delta=0):
         (staging / 'a.bin').write_bytes(b'abc' * 10)
-        size, sha256 = hash_file(staging / 'a.bin')
-        return [{'path': 'a.bin', 'size': size + size_delta, 'sha256': sha256}]
+        size, digest = hash_file(staging / 'a.bin')
+        return [{'path': 'a.bin', 'size': size + size_delta, 'xxh3_128': digest}]
 
-    expected = (30, hashlib.sha256(b'abc' * 10).hexdigest())
+    expected = (30, xxhash.xxh3_128(b'abc' * 10).hexdigest())
 
     def boom(*args, **kwargs):
         raise AssertionError('a file was read again')
@@ -104,7 +105,8 @@ def test_prehashed_entries_are_not_read_again(tmp_path, monkeypatch):
     final = save_directory(tmp_path / 'd', write)
     monkeypatch.setattr(manifest, 'hash_file', boom)
     entries = verify_directory(final)['files']
-    assert entries == [{'path': 'a.bin', 'size': expected[0], 'sha256': expected[1], 'rank': 0}]
+    assert entries == [{'path': 'a.bin', 'size': expected[0], 'xxh3_128': expected[1],
+                        'rank': 0}]
     with pytest.raises(ValueError, match='changed after being written'):
         save_directory(tmp_path / 'e', lambda staging: write(staging, 1))
     assert not (tmp_path / 'e').exists()
