@@ -4,7 +4,6 @@ Single-process checks first, then one 2-rank gloo spawn for the collective paths
 a failure on one rank after the shards are written, a BaseException from the writer, a
 corrupt shard refused on every rank).
 """
-import hashlib
 import json
 import os
 import sys
