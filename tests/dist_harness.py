@@ -16,7 +16,7 @@ What each rank gets, as torchrun gives it: a new ``python`` process whose enviro
 holds ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
 ``ROLE_RANK``, ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT=<a free port>``, plus
 ``OMP_NUM_THREADS=1`` and ``GLOO_SOCKET_IFNAME=lo`` (when a loopback ``lo`` exists), and
-none of the Slurm / Open MPI / torchelastic variables of the calling shell. ``sys.path``
+none of the Slurm / MPI / torchelastic variables of the calling shell. ``sys.path``
 is the caller's (through ``PYTHONPATH``), so the function's module and its arguments
 unpickle in the child.
 
@@ -50,7 +50,7 @@ from typing import Any, Callable, Mapping, Sequence
 __all__ = ['run_distributed', 'RankFailure', 'free_port', 'torchrun_env']
 
 # Variables of other launchers that would make the child believe it runs under them.
-_SCRUB_PREFIXES = ('SLURM_', 'OMPI_', 'PMI_', 'PMIX_', 'TORCHELASTIC_')
+_SCRUB_PREFIXES = ('SLURM_', 'OMPI_', 'PMI_', 'PMIX_', 'MV2_', 'MPI_LOCAL', 'TORCHELASTIC_')
 _SCRUB_NAMES = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'LOCAL_SIZE',
                 'GROUP_RANK', 'GROUP_WORLD_SIZE', 'ROLE_RANK', 'ROLE_WORLD_SIZE', 'ROLE_NAME',
                 'MASTER_ADDR', 'MASTER_PORT')
@@ -105,7 +105,7 @@ def torchrun_env(rank: int, nproc: int, port: int, base: Mapping[str, str] | Non
 
 def run_distributed(fn: Callable[..., Any], nproc: int = 2, *, args: Sequence[Any] = (),
                     kwargs: Mapping[str, Any] | None = None, timeout: float = 60.0,
-                    env: Mapping[str, str | None] | None = None, grace: float = 3.0
+                    env: Mapping[str, Any] | None = None, grace: float = 3.0
                     ) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` in ``nproc`` processes; return their results by rank.
 
@@ -114,7 +114,8 @@ def run_distributed(fn: Callable[..., Any], nproc: int = 2, *, args: Sequence[An
         nproc: number of ranks, all on this machine.
         args, kwargs: passed to ``fn`` in every rank; they must pickle.
         timeout: seconds for the whole run, interpreter start-up included.
-        env: extra environment variables for every rank; a ``None`` value removes one.
+        env: extra environment variables for every rank; a ``None`` value removes one, a
+            callable value is called with the rank (``str`` gives each rank its number).
         grace: seconds the other ranks get to finish after one fails.
     """
     if nproc < 1:
@@ -135,7 +136,7 @@ def run_distributed(fn: Callable[..., Any], nproc: int = 2, *, args: Sequence[An
     raise AssertionError('unreachable')
 
 
-def _run_once(payload: bytes, nproc: int, timeout: float, extra: Mapping[str, str | None],
+def _run_once(payload: bytes, nproc: int, timeout: float, extra: Mapping[str, Any],
               grace: float) -> list[Any]:
     workdir = tempfile.mkdtemp(prefix='stratagem-dist-')
     procs: list[subprocess.Popen] = []
@@ -148,6 +149,8 @@ def _run_once(payload: bytes, nproc: int, timeout: float, extra: Mapping[str, st
             env = torchrun_env(rank, nproc, port)
             env['PYTHONPATH'] = os.pathsep.join(p for p in pythonpath if os.path.exists(p))
             for key, value in extra.items():
+                if callable(value):
+                    value = value(rank)
                 if value is None:
                     env.pop(key, None)
                 else:

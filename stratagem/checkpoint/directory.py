@@ -44,7 +44,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -309,7 +308,8 @@ def _warn_unlisted(directory: Path, manifest: dict) -> None:
     listed = {entry['path'] for entry in manifest['files']} | {DIR_MANIFEST}
     extra = sorted(p.relative_to(directory).as_posix() for p in directory.rglob('*')
                    if p.is_file() and p.relative_to(directory).as_posix() not in listed)
-    if extra:
-        warnings.warn(f'{directory} holds files its manifest does not list: {extra[:5]}'
-                      f'{" ..." if len(extra) > 5 else ""}; they were written after the commit '
-                      f'and are ignored', CheckpointWarning, stacklevel=3)
+    if extra:  # every rank verifies the same directory: warn once
+        from stratagem.env.logging import warn_rank_zero
+        warn_rank_zero(f'{directory} holds files its manifest does not list: {extra[:5]}'
+                       f'{" ..." if len(extra) > 5 else ""}; they were written after the '
+                       f'commit and are ignored', CheckpointWarning, stacklevel=3)

@@ -2,14 +2,14 @@
 
 The pointer is mmengine's: a text file ``last_checkpoint`` in the work directory whose content
 is the checkpoint's path (we write it absolute, without a newline). Fallbacks are reported with
-``warnings.warn(..., CheckpointWarning)`` so tests can assert them and a host trainer can route
+``warnings.warn(..., CheckpointWarning)``, on global rank 0 only (every rank would say the
+same), so tests can assert them and a host trainer can route
 them to its logger (``logging.captureWarnings``).
 """
 from __future__ import annotations
 
 import math
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +123,8 @@ def find_latest_checkpoint(directory: str | os.PathLike) -> Path | None:
        ``CheckpointWarning`` and return the newest committed checkpoint that verifies, trying
        them newest first and hashing only until one passes (each failure also warns).
     """
+    from stratagem.env.logging import warn_rank_zero
+
     directory = Path(directory).absolute()
     if not directory.is_dir():
         return None
@@ -150,14 +152,14 @@ def find_latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         try:
             verify_checkpoint(candidate.path)
         except (ValueError, OSError) as err:
-            warnings.warn(f'skipping checkpoint {candidate.path}: {err}', CheckpointWarning,
-                          stacklevel=2)
+            warn_rank_zero(f'skipping checkpoint {candidate.path}: {err}', CheckpointWarning,
+                           stacklevel=2)
             continue
-        warnings.warn(f'{reason}; resuming from the newest committed checkpoint '
-                      f'{candidate.path} (step {candidate.step})', CheckpointWarning,
-                      stacklevel=2)
+        warn_rank_zero(f'{reason}; resuming from the newest committed checkpoint '
+                       f'{candidate.path} (step {candidate.step})', CheckpointWarning,
+                       stacklevel=2)
         return candidate.path
     if reason is not None:
-        warnings.warn(f'{reason}, and {directory} holds no other committed checkpoint',
-                      CheckpointWarning, stacklevel=2)
+        warn_rank_zero(f'{reason}, and {directory} holds no other committed checkpoint',
+                       CheckpointWarning, stacklevel=2)
     return None

@@ -110,10 +110,11 @@ def _directory_message(path: Path) -> str:
 def _verify_before_load(path: Path, verify: bool) -> None:
     found = find_manifest(path)
     if found is None:
-        if verify:
-            warnings.warn(f'{path} has no stratagem manifest (written by mmengine or plain '
-                          f'torch.save?), so its integrity cannot be verified; loading it anyway',
-                          UnverifiedCheckpointWarning, stacklevel=3)
+        if verify:  # every rank loads the same file: warn once
+            from stratagem.env.logging import warn_rank_zero
+            warn_rank_zero(f'{path} has no stratagem manifest (written by mmengine or plain '
+                           f'torch.save?), so its integrity cannot be verified; loading it '
+                           'anyway', UnverifiedCheckpointWarning, stacklevel=3)
         return
     manifest, entry, mfile = found
     try:

@@ -208,8 +208,9 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
     report.missing_keys = [k for k in result.missing_keys if k not in skipped]
     report.unexpected_keys = list(result.unexpected_keys)
     if not report.ok:
-        (logger or logging.getLogger('stratagem.checkpoint')).warning(
-            f'the state dict does not match {name}:\n{report}')
+        from stratagem.env.logging import log_rank_zero  # every rank loads the same state
+        log_rank_zero(logger or logging.getLogger('stratagem.checkpoint'), logging.WARNING,
+                      'the state dict does not match %s:\n%s', name, report)
     return report
 
 

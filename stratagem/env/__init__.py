@@ -11,7 +11,8 @@ from .dist import (all_gather_object, all_reduce, barrier, broadcast, broadcast_
                    get_dist_info, get_local_rank, get_rank, get_world_size, is_distributed,
                    is_main_process, master_only)
 from .launcher import LAUNCHERS, infer_launcher, init_dist
-from .logging import get_logger, print_log
+from .logging import (get_logger, log_rank_zero, print_log, rank_prefix, warn_per_rank,
+                      warn_rank_zero)
 from .resources import set_resource_limit, setup_multi_processing
 from .seed import get_rng_state, set_random_seed, set_rng_state
 
@@ -22,7 +23,7 @@ __all__ = [
     'all_gather_object',
     'set_random_seed', 'get_rng_state', 'set_rng_state',
     'set_resource_limit', 'setup_multi_processing',
-    'get_logger', 'print_log',
+    'get_logger', 'print_log', 'log_rank_zero', 'warn_rank_zero', 'warn_per_rank', 'rank_prefix',
     'collect_env',
 ]
 

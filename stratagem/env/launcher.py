@@ -3,18 +3,32 @@
 ``infer_launcher`` reads the environment a launcher leaves behind; ``init_dist`` turns
 that environment into an initialised ``torch.distributed`` default group. Both are
 safe on a CPU-only machine: CUDA is touched only after ``torch.cuda.is_available()``.
+
+Launchers and the variables read (first match wins, in this order):
+
+=========  ===========================================================================
+pytorch    torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR/PORT``
+slurm      an ``srun`` task: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` (> 1),
+           ``SLURM_LOCALID``, ``SLURM_STEP_NODELIST`` (see :mod:`stratagem.env.slurm`)
+mpi        Open MPI ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``, MVAPICH
+           ``MV2_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``, MPICH / Intel MPI
+           ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``
+=========  ===========================================================================
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
-import re
-import subprocess
+import socket
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from . import slurm as _slurm
+from .slurm import expand_slurm_nodelist  # noqa: F401 - public here since the first release
 
 logger = logging.getLogger(__name__)
 
@@ -22,24 +36,46 @@ LAUNCHERS = ('pytorch', 'slurm', 'mpi')
 DEFAULT_PORT = 29500
 # torchrun / torch.distributed.run sets all three for every worker.
 _TORCHRUN_VARS = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK')
-_OMPI_VARS = ('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE', 'OMPI_COMM_WORLD_LOCAL_RANK')
+# (implementation, rank, size, local rank candidates, local size candidates)
+_MPI_FAMILIES = (
+    ('Open MPI', 'OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
+     ('OMPI_COMM_WORLD_LOCAL_RANK',), ('OMPI_COMM_WORLD_LOCAL_SIZE',)),
+    ('MVAPICH', 'MV2_COMM_WORLD_RANK', 'MV2_COMM_WORLD_SIZE',
+     ('MV2_COMM_WORLD_LOCAL_RANK',), ('MV2_COMM_WORLD_LOCAL_SIZE',)),
+    # Hydra (MPICH's and Intel MPI's mpiexec) sets MPI_LOCALRANKID; some PMI builds PMI_LOCAL_*
+    ('MPICH / Intel MPI', 'PMI_RANK', 'PMI_SIZE',
+     ('MPI_LOCALRANKID', 'PMI_LOCAL_RANK'), ('MPI_LOCALNRANKS', 'PMI_LOCAL_SIZE')),
+)
+_PASS_MASTER = ('pass it to every rank: mpirun -x MASTER_ADDR -x MASTER_PORT (Open MPI), '
+                '-genv MASTER_ADDR <host> (MPICH, Intel MPI), MASTER_ADDR=<host> on the '
+                'mpirun_rsh line (MVAPICH)')
 
 
 def infer_launcher() -> str:
     """Name the launcher that started this process, from its environment variables.
 
     Returns ``'pytorch'`` when torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` are
-    all set; ``'slurm'`` when ``SLURM_NTASKS`` > 1 and ``SLURM_PROCID`` is set; ``'mpi'``
-    when Open MPI's ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK}`` are set; else ``'none'``.
-    The order matters: torchrun inside a Slurm allocation is a torchrun job.
+    all set; ``'slurm'`` for a task of an ``srun`` step with more than one task; ``'mpi'``
+    when an MPI launcher's rank and size are set (Open MPI, MVAPICH, MPICH / Intel MPI);
+    else ``'none'``. The order matters: torchrun inside a Slurm allocation is a torchrun
+    job; an mpirun whose daemons Slurm started (the srun step's size differs from the MPI
+    world's) is an MPI job.
+
+    Raises RuntimeError in the batch script of a Slurm job with ``SLURM_NTASKS`` > 1 and
+    no srun step: that one process would wait for tasks that were never started.
     """
     env = os.environ
     if all(k in env for k in _TORCHRUN_VARS):
         return 'pytorch'
-    if 'SLURM_PROCID' in env and _int_or(env.get('SLURM_NTASKS'), 1) > 1:
+    family = _mpi_family()
+    if _slurm.is_srun_step() and _slurm.step_ntasks() > 1:
+        if family is not None and _int_or(env.get(family[2]), 0) != _slurm.step_ntasks():
+            return 'mpi'
         return 'slurm'
-    if all(k in env for k in _OMPI_VARS):
+    if family is not None:
         return 'mpi'
+    if 'SLURM_PROCID' in env and _slurm.step_ntasks() > 1:
+        raise _slurm.batch_step_error()
     return 'none'
 
 
@@ -53,14 +89,22 @@ def init_dist(launcher: str, backend: str | None = None,
             available, ``'gloo'`` otherwise.
         timeout: collective timeout, in seconds or as a ``timedelta``. Default: torch's.
         **kwargs: passed to ``torch.distributed.init_process_group`` (``init_method``,
-            ``store``, ...). For ``'slurm'``, ``port`` sets ``MASTER_PORT``
-            (default: the existing ``MASTER_PORT``, else 29500).
+            ``store``, ...). For ``'slurm'``, ``port`` sets ``MASTER_PORT``.
 
     Sets the environment variables ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
-    ``LOCAL_SIZE`` for 'slurm' and 'mpi' (torchrun already did for 'pytorch'), and binds
+    ``LOCAL_SIZE`` for 'slurm' and 'mpi' (torchrun already did for 'pytorch'), only once
+    every check below has passed (an error changes nothing), and binds
     the process to ``cuda:LOCAL_RANK`` only when CUDA is available. A group that a host
     trainer already initialised is used as it is, whatever ``launcher`` says ('none'
     included); without one, 'none' is an error.
+
+    The master (rank 0's host) for the ``env://`` rendezvous: a ``MASTER_ADDR`` /
+    ``MASTER_PORT`` already set is respected by every launcher. Under Slurm, the address
+    defaults to the first host of the step's node list and the port to
+    :func:`stratagem.env.slurm.master_port` of ``SLURM_JOB_ID`` (15000-29999; 29500
+    without a job id); under mpirun, ``MASTER_ADDR`` must be exported (port default
+    29500). A host that does not resolve fails here, naming where it came from, instead
+    of timing out in the rendezvous; so does a loopback master in a multi-node Slurm step.
     """
     if launcher not in LAUNCHERS + ('none',):
         raise ValueError(f'unknown launcher {launcher!r}; valid launchers: '
@@ -81,17 +125,31 @@ def init_dist(launcher: str, backend: str | None = None,
     backend = _resolve_backend(backend)
     if timeout is not None:
         kwargs['timeout'] = _as_timedelta(timeout)
+    env_rendezvous = kwargs.get('init_method') in (None, 'env://') and kwargs.get('store') is None
+    # each reader returns the variables to export; nothing changes until every check passed
     if launcher == 'pytorch':
-        rank, world_size, local_rank = _from_torchrun(kwargs)
+        rank, world_size, local_rank = _from_torchrun(env_rendezvous)
+        exports: dict[str, str] = {}
+        where, nodes = 'MASTER_ADDR, set by torchrun (--master-addr / --rdzv-endpoint)', 1
     elif launcher == 'slurm':
-        rank, world_size, local_rank = _from_slurm(kwargs.pop('port', None))
+        rank, world_size, local_rank, exports, where = _from_slurm(kwargs.pop('port', None))
+        nodes = _slurm.num_nodes()
     else:
-        rank, world_size, local_rank = _from_mpi()
-    if torch.cuda.is_available():
+        rank, world_size, local_rank, exports, where = _from_mpi(env_rendezvous)
+        nodes = 1
+    if env_rendezvous:
+        merged = {**os.environ, **exports}
+        resolve_master(merged['MASTER_ADDR'], int(merged['MASTER_PORT']), where, nodes)
+        logger.info('rendezvous at %s:%s (%s)', merged['MASTER_ADDR'], merged['MASTER_PORT'],
+                    where)
+    cuda = torch.cuda.is_available()
+    if cuda and local_rank >= torch.cuda.device_count():
         count = torch.cuda.device_count()
-        if local_rank >= count:
-            raise ValueError(f'local rank {local_rank} has no GPU: {count} visible; start at '
-                             f'most {count} processes per node or set CUDA_VISIBLE_DEVICES')
+        raise ValueError(f'local rank {local_rank} has no GPU: {count} visible; start at '
+                         f'most {count} processes per node or set CUDA_VISIBLE_DEVICES')
+    # code after init_dist (and torch's env:// rendezvous) reads the torchrun names
+    os.environ.update(exports)
+    if cuda:
         torch.cuda.set_device(local_rank)
     kwargs.setdefault('rank', rank)
     kwargs.setdefault('world_size', world_size)
@@ -100,138 +158,117 @@ def init_dist(launcher: str, backend: str | None = None,
                 '(local rank %d)', launcher, backend, rank, world_size, local_rank)
 
 
-def expand_slurm_nodelist(nodelist: str) -> list[str]:
-    """Expand a Slurm host list such as ``'node[01-03,07],gpu5'`` into host names.
-
-    Zero padding is kept (``node[08-10]`` → ``node08, node09, node10``) and several
-    bracket groups in one name expand as a product (``r[1-2]n[1-2]``). This is the
-    fallback for machines without ``scontrol``; it covers the forms Slurm prints.
-    """
-    if not nodelist or not nodelist.strip():
-        raise ValueError(f'empty Slurm node list {nodelist!r}; expected e.g. "node[01-03],gpu5"')
-    hosts: list[str] = []
-    for item in _split_top_level(nodelist.strip(), nodelist):
-        hosts.extend(_expand_host(item, nodelist))
-    return hosts
-
-
-def _split_top_level(text: str, original: str) -> list[str]:
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch == '[':
-            depth += 1
-        elif ch == ']':
-            depth -= 1
-        elif ch == ',' and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-        if depth not in (0, 1):
-            raise ValueError(f'unbalanced brackets in Slurm node list {original!r}')
-    if depth:
-        raise ValueError(f'unbalanced brackets in Slurm node list {original!r}')
-    items.append(text[start:])
-    if any(not item for item in items):
-        raise ValueError(f'empty host name in Slurm node list {original!r}')
-    return items
-
-
-def _expand_host(item: str, original: str) -> list[str]:
-    match = re.search(r'\[([^\[\]]*)\]', item)
-    if match is None:
-        return [item]
-    prefix, suffixes = item[:match.start()], _expand_host(item[match.end():], original)
-    names = []
-    for part in match.group(1).split(','):
-        bounds = part.split('-')
-        if not all(b.isdigit() for b in bounds) or len(bounds) > 2:
-            raise ValueError(f'bad range {part!r} in Slurm node list {original!r}; '
-                             'expected numbers like 01-03 or 7')
-        lo, hi = int(bounds[0]), int(bounds[-1])
-        if lo > hi:
-            raise ValueError(f'descending range {part!r} in Slurm node list {original!r}')
-        width = len(bounds[0])
-        names.extend(f'{prefix}{i:0{width}d}{suffix}'
-                     for i in range(lo, hi + 1) for suffix in suffixes)
-    return names
-
-
-def _slurm_first_host(nodelist: str) -> str:
-    """First host of the allocation: ``scontrol`` is authoritative; the parser is a fallback."""
-    try:
-        out = subprocess.run(['scontrol', 'show', 'hostnames', nodelist], capture_output=True,
-                             text=True, timeout=10, check=True).stdout.split()
-        if out:
-            return out[0]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return expand_slurm_nodelist(nodelist)[0]
-
-
-def _from_torchrun(kwargs: dict) -> tuple[int, int, int]:
+def _from_torchrun(env_rendezvous: bool) -> tuple[int, int, int]:
     _require_env(_TORCHRUN_VARS, 'pytorch', 'start the script with torchrun')
-    if kwargs.get('init_method') in (None, 'env://') and kwargs.get('store') is None:
+    if env_rendezvous:
         _require_env(('MASTER_ADDR', 'MASTER_PORT'), 'pytorch',
                      'start the script with torchrun or pass init_method=/store=')
+        _port(os.environ['MASTER_PORT'], 'MASTER_PORT')
     return _env_int('RANK'), _env_int('WORLD_SIZE'), _env_int('LOCAL_RANK')
 
 
-def _from_slurm(port: int | None) -> tuple[int, int, int]:
-    _require_env(('SLURM_PROCID', 'SLURM_NTASKS'), 'slurm', 'start the script with srun')
-    nodelist = os.environ.get('SLURM_STEP_NODELIST') or os.environ.get('SLURM_JOB_NODELIST') \
-        or os.environ.get('SLURM_NODELIST')
-    if not nodelist:
-        raise ValueError("launcher 'slurm' needs SLURM_JOB_NODELIST (or SLURM_NODELIST) to "
-                         'find the master node; start the script with srun')
-    rank, world_size = _env_int('SLURM_PROCID'), _env_int('SLURM_NTASKS')
-    local_size = _slurm_local_size(world_size)
+def _from_slurm(port: int | None) -> tuple[int, int, int, dict[str, str], str]:
+    if not _slurm.is_srun_step():
+        if 'SLURM_PROCID' in os.environ and _slurm.step_ntasks() > 1:
+            raise _slurm.batch_step_error()
+        _require_env(('SLURM_PROCID', 'SLURM_STEP_ID'), 'slurm',
+                     'start the tasks with srun (`srun python train.py ...`)')
+    nodes, source = _slurm.nodelist()
+    rank, world_size = _env_int('SLURM_PROCID'), _slurm.step_ntasks()
+    local_size = _slurm.local_size(world_size)
     if 'SLURM_LOCALID' in os.environ:
         local_rank = _env_int('SLURM_LOCALID')
     else:
         # mmengine uses rank % num_gpus, which divides by zero on CPU-only nodes.
         local_rank = rank % local_size
-    # The node list is the job's truth; a MASTER_ADDR inherited from the submitting shell
-    # would point every node at the wrong host.
-    os.environ['MASTER_ADDR'] = _slurm_first_host(nodelist)
-    if port is not None:
-        os.environ['MASTER_PORT'] = str(int(port))
+    # A user's MASTER_ADDR wins over the node list (e.g. rank 0's fast interface); a stale
+    # one inherited from the submitting shell is caught by resolve_master when it is a
+    # loopback address or does not resolve.
+    exports = _rank_vars(rank, world_size, local_rank, local_size)
+    if 'MASTER_ADDR' in os.environ:
+        where = 'MASTER_ADDR, set in the environment of the job step'
     else:
-        os.environ.setdefault('MASTER_PORT', str(DEFAULT_PORT))
-    _export(rank, world_size, local_rank, local_size)
-    return rank, world_size, local_rank
+        exports['MASTER_ADDR'] = _slurm.first_host(nodes)
+        where = f'the first host of {source}={nodes!r}'
+    if port is not None:
+        exports['MASTER_PORT'] = str(_port(port, 'init_dist(port=...)'))
+    elif 'MASTER_PORT' in os.environ:
+        _port(os.environ['MASTER_PORT'], 'MASTER_PORT')
+    else:
+        job = os.environ.get('SLURM_JOB_ID') or os.environ.get('SLURM_JOBID')
+        exports['MASTER_PORT'] = str(_slurm.master_port(job) if job else DEFAULT_PORT)
+    return rank, world_size, local_rank, exports, where
 
 
-def _slurm_local_size(world_size: int) -> int:
-    """Tasks on this node, from ``SLURM_TASKS_PER_NODE`` (e.g. ``'2(x3),1'``) and the node id."""
-    spec = os.environ.get('SLURM_TASKS_PER_NODE', '')
-    counts: list[int] = []
-    for part in filter(None, spec.split(',')):
-        match = re.fullmatch(r'(\d+)(?:\(x(\d+)\))?', part.strip())
-        if match is None:
-            counts = []
-            break
-        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
-    node_id = _int_or(os.environ.get('SLURM_NODEID'), 0)
-    if node_id < len(counts):
-        return counts[node_id]
-    nnodes = _int_or(os.environ.get('SLURM_NNODES') or os.environ.get('SLURM_JOB_NUM_NODES'), 1)
-    return max(1, world_size // max(1, nnodes))
+def _from_mpi(env_rendezvous: bool) -> tuple[int, int, int, dict[str, str], str]:
+    family = _mpi_family()
+    if family is None:
+        names = '; '.join(f'{f[0]}: {f[1]}, {f[2]}' for f in _MPI_FAMILIES)
+        raise ValueError("launcher 'mpi' needs the rank and size an MPI launcher sets, and "
+                         f'none are set ({names}); start the script with mpirun / mpiexec')
+    name, rank_var, size_var, local_vars, size_vars = family
+    local_var = next((v for v in local_vars if v in os.environ), None)
+    if local_var is None:
+        raise ValueError(f"launcher 'mpi' ({name}: {rank_var}, {size_var} are set) needs the "
+                         f'rank on the node from {" or ".join(local_vars)}, which is not set; '
+                         "start the script with the implementation's own mpirun / mpiexec")
+    if env_rendezvous:
+        _require_env(('MASTER_ADDR',), 'mpi',
+                     f'export MASTER_ADDR=<host of rank 0> and {_PASS_MASTER}')
+    rank, world_size, local_rank = _env_int(rank_var), _env_int(size_var), _env_int(local_var)
+    size_var = next((v for v in size_vars if v in os.environ), None)
+    local_size = _env_int(size_var) if size_var else world_size
+    exports = _rank_vars(rank, world_size, local_rank, local_size)
+    if 'MASTER_PORT' in os.environ:
+        _port(os.environ['MASTER_PORT'], 'MASTER_PORT')
+    else:
+        exports['MASTER_PORT'] = str(DEFAULT_PORT)
+    return rank, world_size, local_rank, exports, f'MASTER_ADDR, exported to the {name} ranks'
 
 
-def _from_mpi() -> tuple[int, int, int]:
-    _require_env(_OMPI_VARS, 'mpi', 'start the script with mpirun')
-    _require_env(('MASTER_ADDR',), 'mpi', 'export MASTER_ADDR=<host of rank 0> before mpirun')
-    os.environ.setdefault('MASTER_PORT', str(DEFAULT_PORT))
-    rank, world_size = _env_int('OMPI_COMM_WORLD_RANK'), _env_int('OMPI_COMM_WORLD_SIZE')
-    local_rank = _env_int('OMPI_COMM_WORLD_LOCAL_RANK')
-    local_size = _int_or(os.environ.get('OMPI_COMM_WORLD_LOCAL_SIZE'), world_size)
-    _export(rank, world_size, local_rank, local_size)
-    return rank, world_size, local_rank
+def _mpi_family() -> tuple | None:
+    """The first MPI implementation whose rank and size variables are both set."""
+    for family in _MPI_FAMILIES:
+        if family[1] in os.environ and family[2] in os.environ:
+            return family
+    return None
 
 
-def _export(rank: int, world_size: int, local_rank: int, local_size: int) -> None:
-    # Code after init_dist (and torch's env:// rendezvous) reads the torchrun names.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-                      LOCAL_SIZE=str(local_size), LOCAL_WORLD_SIZE=str(local_size))
+def resolve_master(host: str, port: int, where: str, nodes: int = 1) -> None:
+    """Check that the rendezvous host ``host`` resolves, before anything waits on it.
+
+    ``where`` names the host's origin in the error (a variable, a node list, a command-line
+    option). With ``nodes`` > 1, a host that resolves only to loopback addresses is an
+    error too: the other nodes would wait for their own machine. ValueError otherwise.
+    """
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f'the master host {host!r} (from {where}) does not resolve: {exc}; '
+                         'give a name or address of the rank-0 node that every node can '
+                         'resolve') from None
+    if nodes > 1 and all(ipaddress.ip_address(i[4][0].split('%')[0]).is_loopback
+                         for i in infos):
+        raise ValueError(f'the master host {host!r} (from {where}) is a loopback address, '
+                         f'but the job step spans {nodes} nodes, which cannot reach it; unset '
+                         'MASTER_ADDR (the first host of the node list is used) or set it to '
+                         "the rank-0 node's name")
+
+
+def _port(value: Any, name: str) -> int:
+    try:
+        port = int(value)
+    except (TypeError, ValueError):
+        port = -1
+    if not 0 < port < 65536:
+        raise ValueError(f'{name}={value!r} is not a TCP port; give an integer in 1-65535')
+    return port
+
+
+def _rank_vars(rank: int, world_size: int, local_rank: int, local_size: int) -> dict[str, str]:
+    """The torchrun names of a rank's place, for code that reads them after init_dist."""
+    return dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+                LOCAL_SIZE=str(local_size), LOCAL_WORLD_SIZE=str(local_size))
 
 
 def _resolve_backend(backend: str | None) -> str:

@@ -5,18 +5,32 @@ logs under (``logging.getLogger(__name__)``). The root logger is never touched: 
 application configured it (or any other ancestor; it has handlers), our records propagate
 there and we add no console handler of our own; otherwise we add one and stop
 propagation, so nothing prints twice.
+
+Messages in a run of several processes are of two kinds. One that every rank would print
+identically (a setting, a checkpoint's world size) is printed once, by global rank 0:
+:func:`log_rank_zero`, :func:`warn_rank_zero`. One about this rank only (its host, its
+files, its device) names the rank: records of ranks > 0 are prefixed ``[rank r]`` by our
+handlers, and :func:`rank_prefix` / :func:`warn_per_rank` put it into a message that
+leaves through another route (``warnings``, an exception, rank 0's own lines).
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
-from .dist import get_rank, is_distributed
+from .dist import get_rank, get_world_size, is_distributed
 
 _FORMAT = '%(asctime)s %(name)s %(levelname)s: %(message)s'
 _MARK = '_stratagem_handler'  # attribute naming the handlers this module added
+# Before init_dist, the launcher's own variables tell the rank and the size (torchrun first;
+# an MPI launcher's before SLURM_PROCID, which under an mpirun that Slurm started is the
+# daemon's task id, not the rank).
+_RANK_VARS = ('RANK', 'OMPI_COMM_WORLD_RANK', 'MV2_COMM_WORLD_RANK', 'PMI_RANK', 'SLURM_PROCID')
+_SIZE_VARS = ('WORLD_SIZE', 'OMPI_COMM_WORLD_SIZE', 'MV2_COMM_WORLD_SIZE', 'PMI_SIZE',
+              'SLURM_STEP_NUM_TASKS')
 
 
 def get_logger(name: str = 'stratagem', log_file: str | os.PathLike | None = None,
@@ -45,13 +59,12 @@ def get_logger(name: str = 'stratagem', log_file: str | os.PathLike | None = Non
         setattr(logger, '_stratagem_level_set', True)
     elif not getattr(logger, '_stratagem_level_set', False):
         logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    fmt = _FORMAT if rank == 0 else f'[rank {rank}] {_FORMAT}'
     ours = [getattr(h, _MARK) for h in logger.handlers if hasattr(h, _MARK)]
     # A configured ancestor (the root, or 'stratagem' for 'stratagem.x') already prints.
     parent = logger.parent
     if 'console' not in ours and not (parent is not None and parent.hasHandlers()):
         console = logging.StreamHandler(sys.stderr)
-        console.setFormatter(logging.Formatter(fmt))
+        console.setFormatter(_RankFormatter(rank))
         setattr(console, _MARK, 'console')
         logger.addHandler(console)
         logger.propagate = False
@@ -63,7 +76,7 @@ def get_logger(name: str = 'stratagem', log_file: str | os.PathLike | None = Non
         if f'file:{path}' not in ours:
             path.parent.mkdir(parents=True, exist_ok=True)
             handler = logging.FileHandler(path, mode=file_mode, encoding='utf-8', delay=True)
-            handler.setFormatter(logging.Formatter(fmt))
+            handler.setFormatter(_RankFormatter(rank))
             setattr(handler, _MARK, f'file:{path}')
             logger.addHandler(handler)
     return logger
@@ -88,6 +101,51 @@ def print_log(msg: object, logger: logging.Logger | str | None = None,
                         f'got {type(logger).__name__}')
 
 
+def log_rank_zero(logger: logging.Logger, level: int, msg: str, *args: object) -> None:
+    """Log ``msg % args`` on global rank 0 only: for a line every rank would print alike.
+
+    Before ``init_dist`` the rank comes from the launcher's variables (``RANK``,
+    ``OMPI_COMM_WORLD_RANK``, ``MV2_COMM_WORLD_RANK``, ``PMI_RANK``, ``SLURM_PROCID``).
+    """
+    if _rank() == 0:
+        logger.log(level, msg, *args, stacklevel=2)
+
+
+def warn_rank_zero(message: str, category: type[Warning] = UserWarning,
+                   stacklevel: int = 1) -> None:
+    """``warnings.warn`` on global rank 0 only: for a warning every rank would raise alike
+    (the same checkpoint, the same world-size change). Same arguments as ``warnings.warn``;
+    ``stacklevel`` counts from the caller, as there."""
+    if _rank() == 0:
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+
+def warn_per_rank(message: str, category: type[Warning] = UserWarning,
+                  stacklevel: int = 1) -> None:
+    """``warnings.warn`` on this rank, the message prefixed ``[rank r] `` when several
+    processes run: for a warning about this rank only."""
+    warnings.warn(rank_prefix() + message, category, stacklevel=stacklevel + 1)
+
+
+def rank_prefix() -> str:
+    """``'[rank r] '`` in a run of several processes, ``''`` in a single process."""
+    return f'[rank {_rank()}] ' if _world_size() > 1 else ''
+
+
+class _RankFormatter(logging.Formatter):
+    """``[rank r] `` before every line of a rank > 0, unless the message names it already."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(_FORMAT)
+        self.rank = rank
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if self.rank == 0 or record.getMessage().startswith('[rank '):
+            return text
+        return f'[rank {self.rank}] {text}'
+
+
 def _level(level: int | str) -> int:
     if isinstance(level, int) and not isinstance(level, bool):
         return level
@@ -101,8 +159,19 @@ def _rank() -> int:
     """Global rank, also before init_dist: loggers are usually made before the group."""
     if is_distributed():
         return get_rank()
-    for var in ('RANK', 'SLURM_PROCID', 'OMPI_COMM_WORLD_RANK'):
+    for var in _RANK_VARS:
         value = os.environ.get(var)
         if value is not None and value.isdigit():
             return int(value)
     return 0
+
+
+def _world_size() -> int:
+    """World size, also before init_dist (from the launcher's variables); 1 when unknown."""
+    if is_distributed():
+        return get_world_size()
+    for var in _SIZE_VARS:
+        value = os.environ.get(var)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 1

@@ -8,6 +8,8 @@ import os
 import platform
 import sys
 
+from .logging import log_rank_zero, rank_prefix
+
 logger = logging.getLogger(__name__)
 
 _THREAD_VARS = ('OMP_NUM_THREADS', 'MKL_NUM_THREADS')
@@ -47,7 +49,8 @@ def set_resource_limit(nofile: int) -> int | None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     except (ValueError, OSError) as exc:
         # macOS caps below the reported hard limit (kern.maxfilesperproc); keep going.
-        logger.warning('could not raise RLIMIT_NOFILE from %d to %d: %s', soft, target, exc)
+        logger.warning('%scould not raise RLIMIT_NOFILE from %d to %d: %s', rank_prefix(), soft,
+                       target, exc)
         return soft
     logger.info('raised RLIMIT_NOFILE soft limit from %d to %d (hard %s)', soft, target,
                 'unlimited' if hard == unlimited else hard)
@@ -93,8 +96,8 @@ def setup_multi_processing(mp_start_method: str | None = None,
         current = mp.get_start_method(allow_none=True)
         if current != mp_start_method:
             if current is not None:
-                logger.warning('multi-processing start method was %r; forcing it to %r '
-                               '(mp_start_method)', current, mp_start_method)
+                log_rank_zero(logger, logging.WARNING, 'multi-processing start method was %r; '
+                              'forcing it to %r (mp_start_method)', current, mp_start_method)
             mp.set_start_method(mp_start_method, force=True)
             changed['mp_start_method'] = mp_start_method
     if opencv_num_threads is not None and (cv2 := _opencv(
@@ -106,10 +109,13 @@ def setup_multi_processing(mp_start_method: str | None = None,
             if name not in os.environ:
                 os.environ[name] = '1'
                 changed[name] = '1'
-                logger.warning('set %s=1 for each process to avoid overloading the machine; '
-                               'set it yourself to tune', name)
+        unset = [name for name in _THREAD_VARS if name in changed]
+        if unset:  # the same on every rank: printed once
+            log_rank_zero(logger, logging.WARNING, 'set %s=1 in each process to avoid '
+                          'overloading the machine; set it yourself to tune',
+                          '=1 and '.join(unset))
     if changed:
-        logger.info('multi-processing setup changed: %s', changed)
+        log_rank_zero(logger, logging.INFO, 'multi-processing setup changed: %s', changed)
     return changed
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .dist import broadcast_object, get_rank
+from .logging import log_rank_zero, rank_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,8 @@ def set_random_seed(seed: int | None = None, deterministic: bool = False,
 
 def _enable_determinism() -> None:
     if torch.backends.cudnn.benchmark:
-        logger.warning('deterministic=True turns off torch.backends.cudnn.benchmark, '
-                       'which may slow training down')
+        log_rank_zero(logger, logging.WARNING, 'deterministic=True turns off '
+                      'torch.backends.cudnn.benchmark, which may slow training down')
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     if torch.cuda.is_available() and 'CUBLAS_WORKSPACE_CONFIG' not in os.environ:
@@ -118,9 +119,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if cuda_states:
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if available != len(cuda_states):
-            logger.warning('RNG state holds %d CUDA device states but %d devices are '
-                           'available; restoring the first %d', len(cuda_states), available,
-                           min(available, len(cuda_states)))
+            logger.warning('%sRNG state holds %d CUDA device states but %d devices are '
+                           'available; restoring the first %d', rank_prefix(), len(cuda_states),
+                           available, min(available, len(cuda_states)))
         for index, cuda_state in enumerate(cuda_states[:available]):
             torch.cuda.set_rng_state(torch.as_tensor(cuda_state, dtype=torch.uint8).cpu(),
                                      device=index)

@@ -147,6 +147,22 @@ class BaseStrategy(CheckpointMixin, ABC):
         self._set_randomness(**self._randomness)
         self._timestamp = env.broadcast_object(time.strftime('%Y%m%d_%H%M%S'))
 
+    @staticmethod
+    def _distributed_env_kwargs(kwargs: dict, name: str, hint: str = '') -> dict:
+        """``kwargs['env_kwargs']`` (popped) with the launcher a multi-process backend needs:
+        the given one, else the inferred one; none at all (and no process group) is an error
+        saying how to launch. An initialised process group (a host trainer's) is used."""
+        env_kwargs = dict(kwargs.pop('env_kwargs', None) or {})
+        if env_kwargs.get('launcher') in (None, 'none') and not env.is_distributed():
+            inferred = env.infer_launcher()
+            if inferred == 'none':
+                raise RuntimeError(
+                    f'{name} needs a distributed launch: start with torchrun (or `stratagem '
+                    'train CONFIG --nproc N`), slurm or mpirun, or initialise torch.distributed '
+                    f'yourself before building the strategy{hint}')
+            env_kwargs['launcher'] = inferred
+        return env_kwargs
+
     def _set_randomness(self, seed: int | None = None, deterministic: bool = False,
                         diff_rank_seed: bool = False) -> None:
         """Seed every RNG; ``seed`` (this rank's, as mmengine's) includes the rank under

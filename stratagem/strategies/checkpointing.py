@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os.path as osp
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -197,7 +196,7 @@ class CheckpointMixin:
             if report.loaded < self.MIN_LOADED_SHARE * report.total:
                 left_out = report.missing_keys + [k for k, *_ in report.shape_mismatches +
                                                   report.type_mismatches]
-                warnings.warn(
+                env.warn_rank_zero(  # every rank loads the same file: said once
                     f'{filename} ({where}): only {report.loaded} of the {report.total} '
                     f'tensors of {type(self._unwrap_model()).__name__} were found and loaded; '
                     f'not loaded: {", ".join(left_out[:10])}'
@@ -303,10 +302,10 @@ class CheckpointMixin:
                 wrapper.load_grad_state_dict(state)
         if world == self.world_size:
             return
-        warnings.warn(f'the checkpoint was taken mid accumulation window with world size '
-                      f'{world}; this run has {self.world_size}, so every rank continues the '
-                      f'window from the mean of the {world} ranks\' partial gradients',
-                      stacklevel=3)
+        env.warn_rank_zero(f'the checkpoint was taken mid accumulation window with world '
+                           f'size {world}; this run has {self.world_size}, so every rank '
+                           f'continues the window from the mean of the {world} ranks\' '
+                           'partial gradients', stacklevel=3)
 
     def _restore_randomness(self, checkpoint: Mapping, meta: Mapping, filename: str) -> None:
         """Every rank's RNG state (same world size), else a re-seed from the saved seed."""
@@ -319,9 +318,9 @@ class CheckpointMixin:
             env.set_rng_state(states[self.rank])
             return
         if states:
-            warnings.warn(f'{filename} was saved with world size {world}, this run has '
-                          f'{self.world_size}: per-rank RNG streams cannot be restored, so every '
-                          f'rank is re-seeded from seed {base}', stacklevel=3)
+            env.warn_rank_zero(f'{filename} was saved with world size {world}, this run has '
+                               f'{self.world_size}: per-rank RNG streams cannot be restored, so '
+                               f'every rank is re-seeded from seed {base}', stacklevel=3)
         self._set_randomness(**{**self._randomness, 'seed': base})
 
     def load_or_resume(self, load_from: str | None = None, resume: bool | str = False) -> dict | None:

@@ -67,15 +67,7 @@ class DDPStrategy(BaseStrategy):
                              'or None')
         self.model_wrapper = wrapper
         self.sync_bn = sync_bn
-        env_kwargs = dict(kwargs.pop('env_kwargs', None) or {})
-        if env_kwargs.get('launcher') in (None, 'none') and not env.is_distributed():
-            inferred = env.infer_launcher()
-            if inferred == 'none':
-                raise RuntimeError(
-                    'DDPStrategy needs a distributed launch: start with torchrun (or '
-                    '`stratagem train CONFIG --nproc N`), slurm or mpirun, or initialise '
-                    'torch.distributed yourself before building the strategy')
-            env_kwargs['launcher'] = inferred
+        env_kwargs = self._distributed_env_kwargs(kwargs, 'DDPStrategy')
         super().__init__(env_kwargs=env_kwargs, **kwargs)
 
     @property

@@ -9,6 +9,7 @@ bottom-up, root last → optimizer built over the sharded parameters → schedul
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,16 +60,8 @@ class FSDPStrategy(BaseStrategy):
         self.ac_check = parse_activation_checkpointing(activation_checkpointing)
         self.skip_init_weights = bool(skip_init_weights)
         self._block_compile: dict | None = None
-        env_kwargs = dict(kwargs.pop('env_kwargs', None) or {})
-        if env_kwargs.get('launcher') in (None, 'none') and not env.is_distributed():
-            inferred = env.infer_launcher()
-            if inferred == 'none':
-                raise RuntimeError(
-                    'FSDPStrategy needs a distributed launch (it shards across processes): start '
-                    'with torchrun --nproc-per-node N, `stratagem train CONFIG --nproc N`, slurm '
-                    'or mpirun, or initialise torch.distributed first; for one process use '
-                    "SingleDeviceStrategy (type='auto')")
-            env_kwargs['launcher'] = inferred
+        env_kwargs = self._distributed_env_kwargs(
+            kwargs, 'FSDPStrategy', "; for one process use SingleDeviceStrategy (type='auto')")
         super().__init__(env_kwargs=env_kwargs, **kwargs)
 
     @property
@@ -193,8 +186,9 @@ class FSDPStrategy(BaseStrategy):
         result = set_model_state_dict(self.model, dict(state_dict), options=StateDictOptions(
             full_state_dict=full, strict=strict))
         if result.missing_keys or result.unexpected_keys:
-            self.logger.warning(f'loading weights: missing keys {list(result.missing_keys)}, '
-                                f'unexpected keys {list(result.unexpected_keys)}')
+            env.log_rank_zero(self.logger, logging.WARNING, 'loading weights: missing keys %s, '
+                              'unexpected keys %s', list(result.missing_keys),
+                              list(result.unexpected_keys))
         return result
 
     def load_optim_state_dict(self, state_dict: Mapping) -> None:

@@ -1,11 +1,14 @@
-"""get_logger: rank-aware levels, no duplicate handlers, file handlers; print_log."""
+"""get_logger: rank-aware levels, no duplicate handlers, file handlers; print_log; messages
+printed once (rank 0) or naming their rank."""
 import contextlib
 import logging
 import uuid
+import warnings
 
 import pytest
 
-from stratagem.env import get_logger, print_log
+from stratagem.env import (get_logger, log_rank_zero, print_log, rank_prefix, warn_per_rank,
+                           warn_rank_zero)
 
 
 @pytest.fixture
@@ -144,3 +147,49 @@ def test_package_child_logger_made_first_still_reaches_the_run_file(clean_env, t
                 handler.close()
                 top.removeHandler(handler)
         top.propagate, top.level = saved[1], saved[2]
+
+
+@pytest.mark.parametrize('env, rank_zero', [
+    ({}, True), ({'RANK': '0', 'WORLD_SIZE': '2'}, True), ({'RANK': '1', 'WORLD_SIZE': '2'}, False),
+    ({'PMI_RANK': '1', 'PMI_SIZE': '2'}, False), ({'MV2_COMM_WORLD_RANK': '1'}, False),
+    # mpirun whose daemons srun started: SLURM_PROCID is the daemon's task, not the rank
+    ({'SLURM_PROCID': '0', 'OMPI_COMM_WORLD_RANK': '3'}, False),
+])
+def test_rank_zero_messages(clean_env, name, env, rank_zero, caplog):
+    clean_env.update(env)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        warn_rank_zero('same on every rank', DeprecationWarning)
+    assert [(str(w.message), w.category, w.filename) for w in caught] == (
+        [('same on every rank', DeprecationWarning, __file__)] if rank_zero else [])
+    logger = logging.getLogger(name)
+    with caplog.at_level(logging.INFO, logger=name):
+        log_rank_zero(logger, logging.WARNING, 'set %s=1', 'X')
+    assert caplog.messages == (['set X=1'] if rank_zero else [])
+
+
+@pytest.mark.parametrize('env, prefix', [
+    ({}, ''), ({'RANK': '0', 'WORLD_SIZE': '1'}, ''),
+    ({'RANK': '0', 'WORLD_SIZE': '2'}, '[rank 0] '),
+    ({'SLURM_PROCID': '3', 'SLURM_STEP_NUM_TASKS': '4'}, '[rank 3] '),
+    ({'OMPI_COMM_WORLD_RANK': '1', 'OMPI_COMM_WORLD_SIZE': '2'}, '[rank 1] '),
+])
+def test_per_rank_messages_name_the_rank(clean_env, env, prefix):
+    clean_env.update(env)
+    assert rank_prefix() == prefix
+    with pytest.warns(UserWarning) as caught:
+        warn_per_rank('cannot read /nfs/ckpt')
+    assert str(caught[0].message) == f'{prefix}cannot read /nfs/ckpt'
+
+
+def test_rank_prefix_is_not_doubled(clean_env, name, tmp_path):
+    clean_env.update(RANK='2', WORLD_SIZE='4')
+    with bare_root():
+        logger = get_logger(name, log_file=tmp_path / 'run.log')
+        logger.warning('plain')
+        logger.warning('%shost-specific', rank_prefix())
+    for handler in logger.handlers:
+        handler.flush()
+    lines = (tmp_path / 'run_rank2.log').read_text().splitlines()
+    assert lines[0].startswith('[rank 2] ') and lines[0].endswith('WARNING: plain')
+    assert lines[1].endswith('WARNING: [rank 2] host-specific') and lines[1].count('[rank') == 1
