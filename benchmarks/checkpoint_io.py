@@ -2,12 +2,19 @@
 
 A ~100M-parameter model (Linear layers) with SGD momentum state (~0.8 GB file):
 
-- save: ``save_checkpoint`` (sha256 while writing, fsync, manifest, rename, dir fsync, pointer;
-  default ``zip_crc32=False``) vs ``torch.save(path)`` + fsync of the file;
-- load: ``load_checkpoint_file`` (size + sha256 check before unpickling, then a memory-mapped
-  ``torch.load(weights_only=True)``) vs ``torch.load(path, weights_only=True)``, both followed
-  by ``model.load_state_dict`` + ``optimizer.load_state_dict`` so lazily mapped bytes are
-  paid for; with the file in the page cache (warm) and evicted first (cold, posix_fadvise).
+- save: ``save_checkpoint`` (xxh3 digest while writing, fsync, manifest, rename, dir fsync,
+  pointer; default ``zip_crc32=False``) vs ``torch.save(path)`` + fsync of the file;
+- async save: what a strategy with ``async_checkpoint=True`` does (``AsyncCheckpointWriter``:
+  wait for the previous save, snapshot into reused CPU staging buffers, submit
+  ``save_checkpoint``, parameters and momentum copied by the writer thread): the time the
+  caller is blocked, the time until the deferred copy is done (when the next optimizer step
+  may run), and the time until the checkpoint is committed, vs the same raw baseline;
+- load in a new process (nothing cached: no verified-hash cache, no Python-level state):
+  ``load_checkpoint_file`` (size + digest over a memory map, then a memory-mapped
+  ``torch.load(weights_only=True)``) vs ``torch.load(path, weights_only=True)``, timing the
+  call alone and then ``model.load_state_dict`` + ``optimizer.load_state_dict`` after it, so
+  lazily mapped bytes are paid for; file in the page cache;
+- load in this process, warm and cold (evicted first with posix_fadvise), the same pair.
 
 Runs are interleaved (ABAB / BABA), the median of each is reported with ratios. The
 verified-hash cache is cleared before each of our loads, so every load hashes the file.
@@ -34,6 +41,27 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stratagem.checkpoint import load_checkpoint_file, save_checkpoint  # noqa: E402
 from stratagem.checkpoint import manifest as _manifest  # noqa: E402
+from stratagem.checkpoint.async_writer import AsyncCheckpointWriter  # noqa: E402
+
+_CHILD = '''
+import gc, sys, time
+sys.path.insert(0, sys.argv[4])
+import torch
+from stratagem.checkpoint import load_checkpoint_file
+sys.path.insert(0, sys.argv[5])
+from checkpoint_io import build
+model, optimizer = build(float(sys.argv[3]))
+gc.collect()
+start = time.perf_counter()
+if sys.argv[1] == 'ours':
+    checkpoint = load_checkpoint_file(sys.argv[2], map_location='cpu')
+else:
+    checkpoint = torch.load(sys.argv[2], map_location='cpu', weights_only=True)
+loaded = time.perf_counter()
+model.load_state_dict(checkpoint['state_dict'])
+optimizer.load_state_dict(checkpoint['optimizer'])
+print(loaded - start, time.perf_counter() - start)
+'''
 
 
 def build(params_millions: float) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -85,6 +113,44 @@ def ours_load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) ->
     optimizer.load_state_dict(checkpoint['optimizer'])
 
 
+def load_in_new_process(which: str, path: Path, params_millions: float) -> tuple[float, float]:
+    """(seconds of the load call, seconds including load_state_dict) in a fresh interpreter."""
+    import subprocess
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, '-c', _CHILD, which, str(path), str(params_millions),
+                           str(here.parent), str(here)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f'the {which} load in a new process failed:\n{proc.stderr[-3000:]}')
+    out = proc.stdout.split()
+    return float(out[-2]), float(out[-1])
+
+
+class AsyncSaver:
+    """A strategy's async save sequence, timed: blocked (wait + snapshot + submit; the
+    parameters and momentum deferred to the writer thread, as the strategy does), staged
+    (the deferred copy done: a training step that came at once would wait until then; a real
+    step first runs its forward and backward) and committed."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.writer = AsyncCheckpointWriter()
+        live = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        live |= {t.untyped_storage().data_ptr() for st in optimizer.state.values()
+                 for t in st.values() if isinstance(t, torch.Tensor)}
+        self.defer = lambda t: t.untyped_storage().data_ptr() in live
+
+    def __call__(self, checkpoint: dict, path: Path) -> tuple[float, float, float]:
+        gc.collect()
+        start = time.perf_counter()
+        self.writer.wait()
+        staged = self.writer.snapshot(checkpoint, self.defer)
+        self.writer.submit(save_checkpoint, staged, path, step=1000)
+        blocked = time.perf_counter() - start
+        self.writer.wait_staged()
+        copied = time.perf_counter() - start
+        self.writer.wait()
+        return blocked, copied, time.perf_counter() - start
+
+
 def timed(fn, *args) -> float:
     gc.collect()
     start = time.perf_counter()
@@ -119,6 +185,8 @@ def main() -> None:
     parser.add_argument('--runs', type=int, default=5)
     parser.add_argument('--zip-crc32', action='store_true',
                         help='save with the zip CRC32 too (as raw torch.save does)')
+    parser.add_argument('--skip-new-process', action='store_true',
+                        help='skip the loads in fresh interpreters (each imports torch)')
     args = parser.parse_args()
 
     model, optimizer = build(args.params_millions)
@@ -146,7 +214,45 @@ def main() -> None:
               f'{os.cpu_count()} CPUs')
         report('save', ours_s, raw_s, 'torch.save+fsync')
         mbps = size / 2**20 / statistics.median(ours_s)
-        print(f'            ours {mbps:.0f} MiB/s including sha256, fsync and manifest')
+        print(f'            ours {mbps:.0f} MiB/s including xxh3, fsync and manifest')
+
+        saver, timings = AsyncSaver(model, optimizer), []
+        async_path = directory / 'async.pth'
+
+        def async_a() -> float:
+            async_path.unlink(missing_ok=True)
+            timings.append(saver(checkpoint, async_path))
+            return timings[-1][0]
+
+        async_a(), save_b()  # warm-up: the first snapshot allocates the staging buffers
+        timings.clear()
+        blocked, raw_a = interleave(args.runs, async_a, save_b)
+        report('async block', blocked, raw_a, 'torch.save+fsync')
+        report('async staged', [t[1] for t in timings], raw_a, 'torch.save+fsync')
+        report('async commit', [t[2] for t in timings], raw_a, 'torch.save+fsync')
+        print(f'            staging buffers: {saver.writer.staged_bytes / 2**20:.0f} MiB '
+              f'(one copy of the tensors, reused)')
+        saver.writer.release()
+
+        if not args.skip_new_process:
+            pairs = []
+
+            def child_a() -> float:
+                pairs.append(('ours', load_in_new_process('ours', ours_path,
+                                                          args.params_millions)))
+                return pairs[-1][1][0]
+
+            def child_b() -> float:
+                pairs.append(('raw', load_in_new_process('raw', raw_path,
+                                                         args.params_millions)))
+                return pairs[-1][1][0]
+
+            child_a(), child_b()
+            pairs.clear()
+            ours_c, raw_c = interleave(args.runs, child_a, child_b)
+            report('load new', ours_c, raw_c, 'torch.load  ')
+            report('  +apply', [t for w, (_, t) in pairs if w == 'ours'],
+                   [t for w, (_, t) in pairs if w == 'raw'], 'torch.load  ')
 
         for cold in (False, True):
             def load_a() -> float:

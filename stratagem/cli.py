@@ -30,6 +30,8 @@ COMMANDS = {
     'env': ('stratagem.env.collect', 'print the environment (python, torch, CUDA, extras)'),
     'convert': ('stratagem.checkpoint.convert',
                 'convert a checkpoint: sharded directory <-> single file (--to sharded)'),
+    'doctor': ('stratagem.doctor', 'check a config against this machine before a run (no '
+               'training); exit 1 with findings'),
 }
 
 

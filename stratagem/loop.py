@@ -354,6 +354,10 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
                     protect = [strategy.resumed_from] if strategy.resumed_from else []
                     ckpt.apply_retention(strategy.work_dir, int(max_keep), protect=protect)
                 log.debug('saved %s', path)
+    strategy.wait_for_checkpoints()  # async saves: the last one committed, or its error
+    if main and max_keep and strategy.async_checkpoint:  # the retention the last save missed
+        protect = [strategy.resumed_from] if strategy.resumed_from else []
+        ckpt.apply_retention(strategy.work_dir, int(max_keep), protect=protect)
     return {'strategy': strategy, 'losses': losses, 'iter': it}
 
 

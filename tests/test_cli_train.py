@@ -72,12 +72,15 @@ def test_train_with_cfg_options_and_load_from(tmp_path, config):
     assert torch.load(os.path.join(b, 'iter_1.pth'), weights_only=True)['meta']['iter'] == 1
 
 
-def test_train_retention_keeps_newest(tmp_path, config):
+@pytest.mark.parametrize('async_checkpoint', [False, True], ids=['sync', 'async'])
+def test_train_retention_keeps_newest(tmp_path, config, async_checkpoint):
     d = str(tmp_path / 'keep')
+    extra = ['strategy.async_checkpoint=True'] if async_checkpoint else []
     assert main(['train', config, '--work-dir', d, '--cfg-options',
-                 'train_cfg.max_keep_ckpts=2']) == 0
+                 'train_cfg.max_keep_ckpts=2', *extra]) == 0
     assert sorted(p for p in os.listdir(d) if p.endswith('.pth')) == ['iter_20.pth',
                                                                       'iter_24.pth']
+    assert ckpt.verify_checkpoint(ckpt.find_latest_checkpoint(d))['step'] == 24
 
 
 def _cli_error(capsys, argv):

@@ -4,8 +4,8 @@ putting a state dict into a module.
 This package decides how a checkpoint is written, committed, verified, found and loaded; the
 strategy decides what is in it. The save protocol is numbered in ``commit.py``, the load
 sequence in ``load.py``, the multi-rank directory protocol in
-``directory.py``, where manifests live in ``manifest.py``. Importing it imports torch
-and the standard library only.
+``directory.py``, where manifests live in ``manifest.py``. Importing it imports torch,
+xxhash and the standard library only.
 """
 from .commit import (
                      commit_directory,

@@ -5,9 +5,13 @@ Single file, ``save_checkpoint(checkpoint, filename, step=...)`` (rank 0 only):
 1. Validate the content (tensors, plain values, allow-listed classes) and ``extra_manifest``;
    a bad state raises ``TypeError`` with the key path before any byte is written. The
    allow-listed globals the content references go into the manifest as ``safe_globals``.
+   Check the free space of the target filesystem against the tensors' size: too little
+   raises ``CheckpointWriteError`` (ENOSPC) before anything is touched.
 2. ``torch.save`` into ``.{name}.tmp-{pid}-{rand}`` in the same directory through a writer
-   that computes the sha256 while writing and starts disk writeback as it goes; fsync.
-3. Write the sidecar manifest ``{name}.manifest.json`` (size, sha256, step, versions, extras)
+   that computes the digest while writing and starts disk writeback as it goes; fsync.
+   ``before_commit()`` (if given) runs now: under a process group, the vote that every rank
+   is still there; if it raises, the save is abandoned.
+3. Write the sidecar manifest ``{name}.manifest.json`` (size, digest, step, versions, extras)
    by temp + fsync + rename; fsync the directory. If a file of the same name exists, the new
    manifest also records the old one (``replaces``), so the old file stays verifiable.
 4. Rename the temp file to ``name``; fsync the directory. The checkpoint now exists.
@@ -17,6 +21,9 @@ Single file, ``save_checkpoint(checkpoint, filename, step=...)`` (rank 0 only):
 A crash before 4 leaves the previous checkpoints and pointer as they were, plus a temp file
 (and possibly a manifest without its file) that ``apply_retention`` removes later; a crash
 after 4 leaves the new checkpoint committed with the pointer on the old one or the new one.
+A write error (ENOSPC, EDQUOT, EIO) before 4 removes the temp file, restores the previous
+manifest and raises ``CheckpointWriteError`` naming the file, the cause and, for a full disk,
+the space needed and free.
 
 Directory (sharded backends), across ranks:
 
@@ -34,17 +41,19 @@ Single process: ``with commit_directory(final_dir, step=...) as staging: ...writ
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from . import _fs
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
+from .errors import CheckpointWriteError
 from .latest import update_pointer as _update_pointer
 from .manifest import (
     DIR_MANIFEST,
@@ -54,6 +63,8 @@ from .manifest import (
     build_manifest,
     check_extra_manifest,
     dump_manifest,
+    entry_digest,
+    file_entry,
     hash_file,
     read_manifest,
     remember_verified,
@@ -64,7 +75,8 @@ PathLike = str | os.PathLike
 
 def save_checkpoint(checkpoint: dict, filename: PathLike, *, step: int | None = None,
                     extra_manifest: dict | None = None, update_pointer: bool = True,
-                    zip_crc32: bool = False) -> Path:
+                    zip_crc32: bool = False, before_commit: Callable[[], None] | None = None
+                    ) -> Path:
     """Atomically save ``checkpoint`` to ``filename`` with a sidecar manifest; see module doc.
 
     Args:
@@ -77,14 +89,20 @@ def save_checkpoint(checkpoint: dict, filename: PathLike, *, step: int | None = 
             ``{'world_size': 8, 'strategy': 'DDPStrategy'}``; reserved keys are refused.
         update_pointer: write ``last_checkpoint`` in the same directory after committing.
         zip_crc32: let torch compute the zip format's per-record CRC32. Default False: the
-            manifest's sha256 already covers every byte, and skipping the CRC saves about
+            manifest's digest already covers every byte, and skipping the CRC saves about
             0.25 s/GB. Every torch version reads such files (torch builds miniz with
             ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``, so its reader never checks the CRC);
             only zip tools (``unzip -t``, ``zipfile.testzip``) report CRC errors. Pass True
             for files that other zip readers must accept.
+        before_commit: called once the file is written and fsynced, before its manifest and
+            rename; raising abandons the save (the temp file is removed, nothing changes).
 
     Returns:
         The absolute path of the committed checkpoint.
+
+    Raises:
+        CheckpointWriteError: the filesystem refused the write (checked up front for free
+            space; ENOSPC, EDQUOT, EIO while writing); nothing of this save remains.
     """
     if not isinstance(checkpoint, dict):
         raise TypeError(f'checkpoint must be a dict, got {type(checkpoint).__name__}')
@@ -97,36 +115,112 @@ def save_checkpoint(checkpoint: dict, filename: PathLike, *, step: int | None = 
     if final.is_dir():
         raise IsADirectoryError(f'cannot save checkpoint file {final}: a directory has that name')
     final.parent.mkdir(parents=True, exist_ok=True)
-    return _save_file(checkpoint, final, step, extra_manifest, update_pointer, zip_crc32)
+    needed = payload_bytes(checkpoint) + _OVERHEAD_BYTES
+    check_free_space(final, needed)
+    try:
+        return _save_file(checkpoint, final, step, extra_manifest, update_pointer, zip_crc32,
+                          before_commit)
+    except OSError as err:
+        converted = write_error(err, final, needed)
+        if converted is err:
+            raise
+        raise converted from err
+
+
+# zip headers, pickle stream, alignment padding and the manifest, on top of the tensor bytes
+_OVERHEAD_BYTES = 1 << 20
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_WRITE_ERRNOS = _FULL_ERRNOS + (errno.EIO, errno.EROFS)
+
+
+def payload_bytes(obj: Any) -> int:
+    """Bytes of tensor storage that ``torch.save(obj)`` writes (each storage once, whole)."""
+    seen: dict[tuple, int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            seen[(item.device, storage.data_ptr())] = storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set)):
+            stack.extend(item)
+    return sum(seen.values())
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem holding ``path``."""
+    st = os.statvfs(path if path.is_dir() else path.parent)
+    return st.f_bavail * st.f_frsize
+
+
+def check_free_space(final: Path, needed: int) -> None:
+    """Raise ``CheckpointWriteError`` (ENOSPC) if ``final``'s filesystem has less than
+    ``needed`` bytes free; called before anything of a save is written."""
+    try:
+        free = free_bytes(final.parent)
+    except OSError:
+        return  # statvfs unsupported here: the write itself will tell
+    if free < needed:
+        raise CheckpointWriteError(errno.ENOSPC, _full_message(final, needed, free) +
+                                   '; nothing was written: free space or lower max_keep_ckpts')
+
+
+def _full_message(path: Path, needed: int, free: int) -> str:
+    return (f'no space left on device writing {path} (needed ~{needed / 2**20:.0f} MB, free '
+            f'{free / 2**20:.0f} MB)')
+
+
+def write_error(err: OSError, path: Path, needed: int | None = None) -> OSError:
+    """The error to raise for ``err`` while writing checkpoint ``path``: a filesystem failure
+    (full, quota, EIO, read-only) becomes ``CheckpointWriteError`` naming the path and the
+    cause; anything else is returned as it is."""
+    if isinstance(err, CheckpointWriteError) or err.errno not in _WRITE_ERRNOS:
+        return err
+    cause = os.strerror(err.errno)
+    if err.errno in _FULL_ERRNOS:
+        try:
+            free = free_bytes(path.parent)
+        except OSError:
+            free = 0
+        message = (_full_message(path, needed or 0, free) if err.errno == errno.ENOSPC else
+                   f'{cause.lower()} writing {path} (needed ~{(needed or 0) / 2**20:.0f} MB, '
+                   f'free {free / 2**20:.0f} MB)')
+    else:
+        message = f'{cause} writing {path} (errno {errno.errorcode.get(err.errno, err.errno)})'
+    return CheckpointWriteError(err.errno, message + '; the previous checkpoint is unchanged')
 
 
 def _save_file(checkpoint: dict, final: Path, step: int | None, extra: dict | None,
-               update_pointer: bool, zip_crc32: bool) -> Path:
+               update_pointer: bool, zip_crc32: bool,
+               before_commit: Callable[[], None] | None) -> Path:
     tmp = _fs.temp_name(final)
     sidecar = final.with_name(final.name + SIDECAR_SUFFIX)
     previous_sidecar = None  # bytes of the sidecar we overwrite, restored if we fail
     sidecar_written = False
     try:
-        size, sha256 = _write_torch_file(checkpoint, tmp, zip_crc32)
+        size, digest, algo = _write_torch_file(checkpoint, tmp, zip_crc32)
+        if before_commit is not None:
+            before_commit()
         old = _old_manifest(final)
-        manifest = build_manifest('file', final.name,
-                                  [{'path': final.name, 'size': size, 'sha256': sha256}],
+        manifest = build_manifest('file', final.name, [file_entry(final.name, size, digest, algo)],
                                   step, extra)
         try:
             previous_sidecar = sidecar.read_bytes()
         except FileNotFoundError:
             previous_sidecar = None
-        sidecar_written = True
         if old is not None:
             _fs.write_atomic(sidecar, dump_manifest({**manifest, 'replaces': old}))
         else:
             _fs.write_atomic(sidecar, dump_manifest(manifest))
+        sidecar_written = True  # (write_atomic leaves the old sidecar in place if it fails)
         # The manifest must be durable before the file it describes appears under its name.
         _fs.fsync_dir(final.parent)
         identity = _identity(tmp)  # a rename keeps it; taken now, it is surely our file's
         os.replace(tmp, final)
     except BaseException:
-        _fs._unlink_quietly(tmp)
+        _fs._unlink_quietly(tmp)  # first: frees the space a restore below may need
         if sidecar_written:  # the old file is still in place: give it back its manifest
             if previous_sidecar is None:
                 _fs._unlink_quietly(sidecar)
@@ -134,7 +228,7 @@ def _save_file(checkpoint: dict, final: Path, step: int | None, extra: dict | No
                 _fs.write_atomic(sidecar, previous_sidecar)
         raise
     _fs.fsync_dir(final.parent)
-    remember_verified(final, sha256, identity)
+    remember_verified(final, digest, identity, algo)
     if old is not None:  # committed: the old file is gone, so drop its record
         _fs.write_atomic(sidecar, dump_manifest(manifest))
     if update_pointer:
@@ -142,23 +236,30 @@ def _save_file(checkpoint: dict, final: Path, step: int | None, extra: dict | No
     return final
 
 
-def write_torch_file(checkpoint: Any, path: Path, zip_crc32: bool = False) -> tuple[int, str]:
-    """``torch.save`` to a new file at ``path``, hashed as written, fsynced; (size, sha256)."""
-    return _write_torch_file(checkpoint, Path(path), zip_crc32)
+def write_torch_file(checkpoint: Any, path: Path, zip_crc32: bool = False) -> dict:
+    """``torch.save`` to a new file at ``path``, hashed as written, fsynced; its manifest
+    entry (``file_entry``: path as given, size, digest)."""
+    size, digest, algo = _write_torch_file(checkpoint, Path(path), zip_crc32)
+    return file_entry(str(path), size, digest, algo)
 
 
-def _write_torch_file(checkpoint: dict, path: Path, zip_crc32: bool) -> tuple[int, str]:
+def _write_torch_file(checkpoint: Any, path: Path, zip_crc32: bool) -> tuple[int, str, str]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool, \
                 _crc32_option(zip_crc32):
             writer = HashingWriter(fd, pool)
-            torch.save(checkpoint, writer)
+            try:
+                torch.save(checkpoint, writer)
+            except Exception:
+                if writer.error is not None:  # the real cause (ENOSPC, EIO), not torch's echo
+                    raise writer.error from None
+                raise
         writer.flush()
         os.fsync(fd)
     finally:
         os.close(fd)
-    return writer.size, writer.sha256.hexdigest()
+    return writer.size, writer.hasher.hexdigest(), writer.algo
 
 
 _CRC32_LOCK = threading.Lock()
@@ -166,7 +267,7 @@ _CRC32_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def _crc32_option(enabled: bool) -> Iterator[None]:
-    """torch's per-record zip CRC32 costs ~0.25 s per GB and duplicates our sha256; it is a
+    """torch's per-record zip CRC32 costs ~0.25 s per GB and duplicates our digest; it is a
     process-wide torch setting, so it is switched under a lock and always restored."""
     get = getattr(torch.serialization, 'get_crc32_options', None)
     set_ = getattr(torch.serialization, 'set_crc32_options', None)
@@ -206,13 +307,19 @@ def _old_manifest(final: Path) -> dict | None:
                        for f in m.get('files', []))]
     if len(matching) == 1:
         return matching[0]
-    actual_size, sha256 = hash_file(final)
+    digests: dict[str, str] = {}  # per algorithm: the old manifests may use either
     for m in matching:
-        if any(f.get('sha256') == sha256 for f in m.get('files', [])):
-            return m
-    return build_manifest('file', final.name,
-                          [{'path': final.name, 'size': actual_size, 'sha256': sha256}], None,
-                          None)
+        for f in m.get('files', []):
+            if f.get('path') != final.name:
+                continue
+            algo, expected = entry_digest(f)
+            if algo not in digests:
+                digests[algo] = hash_file(final, algo=algo)[1]
+            if digests[algo] == expected:
+                return m
+    actual_size, digest = hash_file(final)
+    return build_manifest('file', final.name, [file_entry(final.name, actual_size, digest)],
+                          None, None)
 
 
 def new_staging_dir(final_dir: PathLike) -> Path:
@@ -240,10 +347,10 @@ def finalize_directory(staging_dir: PathLike, final_dir: PathLike, *, step: int 
     then deleting the old), fsyncs the parent and updates ``last_checkpoint``. Returns the
     absolute final path.
 
-    ``known_files``: ``{'path', 'size', 'sha256'[, 'rank']}`` entries (paths relative to the
-    staging dir) already fsynced and hashed by the ranks that wrote them; those are not read
-    again (their size is still checked; ``rank``, the writer, is kept in the manifest), every
-    other file is fsynced and hashed here.
+    ``known_files``: ``file_entry`` dicts (path, size, digest[, 'rank']; paths relative to
+    the staging dir) already fsynced and hashed by the ranks that wrote them; those are not
+    read again (their size is still checked; ``rank``, the writer, is kept in the manifest),
+    every other file is fsynced and hashed here.
     """
     staging = Path(staging_dir).absolute()
     final = _check_final_name(final_dir)
@@ -310,12 +417,13 @@ def _hash_tree(root: Path, known: dict[str, dict] | None = None) -> list[dict]:
                     if size != entry['size']:
                         raise ValueError(f'{path} has {size} bytes but the rank that wrote it '
                                          f'hashed {entry["size"]}; it changed after being written')
-                    files.append({'path': rel, 'size': size, 'sha256': entry['sha256'],
+                    algo, digest = entry_digest(entry)
+                    files.append({**file_entry(rel, size, digest, algo),
                                   **({'rank': entry['rank']} if 'rank' in entry else {})})
                     continue
                 _fs.fsync_file(path)
-                size, sha256 = hash_file(path, pool)
-                files.append({'path': rel, 'size': size, 'sha256': sha256})
+                size, digest = hash_file(path, pool)
+                files.append(file_entry(rel, size, digest))
             _fs.fsync_dir(Path(dirpath))
     return files
 

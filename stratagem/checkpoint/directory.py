@@ -16,7 +16,7 @@ that can also be called one by one (an asynchronous saver runs step 2 in a backg
    ``write_fn(staging)`` on this rank. It returns the paths it wrote (absolute or relative to
    ``staging``), which are fsynced and hashed here, so ranks hash their own files in parallel;
    or, for files the writer already fsynced and hashed while writing them (no second read),
-   ``{'path', 'size', 'sha256'}`` entries; or None, in which case rank 0 fsyncs and hashes
+   ``file_entry`` dicts (path, size, digest); or None, in which case rank 0 fsyncs and hashes
    every unclaimed file in step 3. This process remembers the hashes of the files it wrote,
    so verifying them again in this process (a resume) reads nothing. Any
    exception, ``BaseException`` subclasses such as DCP's ``CheckpointException`` included (but
@@ -26,14 +26,14 @@ that can also be called one by one (an asynchronous saver runs step 2 in a backg
    and every rank raises (this rank's own ``Exception``, or a ``RuntimeError`` naming the
    first failing rank and its error, chained to this rank's ``BaseException`` if it had
    one). (b) rank 0 runs ``finalize_directory``: it writes ``manifest.json`` (files with
-   size, sha256 and the writing ``rank``, step, versions, ``world_size`` and the
+   size, digest and the writing ``rank``, step, versions, ``world_size`` and the
    caller's ``extra_manifest``, e.g. the strategy), renames the staging dir to ``final_dir``,
    fsyncs the parent and updates ``last_checkpoint``. (c) rank 0's outcome is broadcast, so a
    failed commit also raises on every rank; the previous checkpoint and pointer are unchanged.
 
 Load, ``verify_directory(path)`` then the backend's own reader: the manifest is read first
 (none: ``CheckpointCorruptError``, the directory was never committed); every listed file's
-size is checked on every rank and its sha256 by one rank (at the same world size, the rank
+size is checked on every rank and its digest by one rank (at the same world size, the rank
 that wrote it; otherwise files are dealt round-robin; so the ranks hash in parallel); a
 missing or altered file raises on every rank naming the file.
 Every rank must also see the same manifest. Retention of whole directories is
@@ -51,8 +51,8 @@ from typing import Any
 
 from .commit import finalize_directory, new_staging_dir
 from .errors import CheckpointCorruptError, CheckpointWarning
-from .manifest import (DIR_MANIFEST, _identity, check_extra_manifest, hash_file, read_manifest,
-                       remember_verified, verify_file)
+from .manifest import (DIR_MANIFEST, HASH_ALGO, _identity, check_extra_manifest, entry_digest,
+                       file_entry, hash_file, read_manifest, remember_verified, verify_file)
 
 __all__ = ['begin_directory_save', 'write_directory_files', 'finish_directory_save',
            'save_directory', 'verify_directory', 'DirectoryWriteResult']
@@ -171,7 +171,7 @@ def _hash_written(staging: Path, item: PathLike | dict) -> dict:
         if identity[2] != item['size']:
             raise ValueError(f'{full} has {identity[2]} bytes but its writer hashed '
                              f'{item["size"]}; it changed after being written')
-        sha256 = item['sha256']
+        algo, digest = entry_digest(item)
     else:
         fd = os.open(full, os.O_RDONLY)
         try:
@@ -179,9 +179,9 @@ def _hash_written(staging: Path, item: PathLike | dict) -> dict:
         finally:
             os.close(fd)
         identity = _identity(full)
-        _, sha256 = hash_file(full)
-    remember_verified(full, sha256, identity)  # the directory's rename keeps the identity
-    return {'path': rel, 'size': identity[2], 'sha256': sha256}
+        algo, (_, digest) = HASH_ALGO, hash_file(full)
+    remember_verified(full, digest, identity, algo)  # the directory's rename keeps the identity
+    return file_entry(rel, identity[2], digest, algo)
 
 
 def finish_directory_save(staging: PathLike, final_dir: PathLike, written: DirectoryWriteResult,

@@ -39,14 +39,14 @@ _PROBE = 1 << 16  # bytes hashed at each end of a file that has no manifest
 def checkpoint_identity(path: str | os.PathLike) -> dict:
     """What makes ``path`` the same checkpoint on every node, cheaply.
 
-    A file with a manifest: its size and the manifest's sha256 (no read of the file). A
+    A file with a manifest: its size and the manifest's digest (no read of the file). A
     directory checkpoint: the sha256 of its ``manifest.json`` (which lists every file's hash).
     A foreign file (no manifest): its size and a digest of its first and last 64 KiB. Raises
     ``FileNotFoundError`` / ``OSError`` when ``path`` cannot be read.
     """
     import hashlib
 
-    from .manifest import DIR_MANIFEST, find_manifest
+    from .manifest import DIR_MANIFEST, entry_digest, find_manifest
 
     p = Path(path).absolute()
     if p.is_dir():
@@ -56,7 +56,7 @@ def checkpoint_identity(path: str | os.PathLike) -> dict:
     size = os.stat(p).st_size
     found = find_manifest(p)
     if found is not None:
-        return {'kind': 'file', 'size': size, 'sha256': found[1]['sha256']}
+        return {'kind': 'file', 'size': size, 'digest': ':'.join(entry_digest(found[1]))}
     digest = hashlib.sha256()
     with open(p, 'rb') as file:
         digest.update(file.read(_PROBE))

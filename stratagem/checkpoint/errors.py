@@ -38,3 +38,16 @@ class CheckpointWarning(UserWarning):
 class UnverifiedCheckpointWarning(CheckpointWarning):
     """A checkpoint has no manifest (written by mmengine or plain ``torch.save``), so its
     integrity cannot be verified before loading."""
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed in the filesystem (no space, quota, I/O error).
+
+    An ``OSError`` with the cause's ``errno``, so ``except OSError`` and errno checks keep
+    working; the message names the file and the cause, and for a full disk the space needed
+    and free. Raised after the save removed what it had written: the previous checkpoint, its
+    manifest and ``last_checkpoint`` are as they were.
+    """
+
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28]" prefix
+        return self.strerror or super().__str__()

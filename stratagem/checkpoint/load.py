@@ -1,7 +1,8 @@
 """Loading one checkpoint file: verify the bytes, then ``torch.load(weights_only=True)``.
 
 1. The file must exist (``FileNotFoundError`` naming it).
-2. If a manifest covers it, check size and sha256 before anything is unpickled
+2. If a manifest covers it, check size and digest (xxh3_128, or sha256 for older manifests)
+   before anything is unpickled, hashing through a memory map of the file
    (``CheckpointCorruptError``). Without one, warn ``UnverifiedCheckpointWarning`` and go on:
    mmengine and plain ``torch.save`` checkpoints load as before.
 3. Check the first bytes: a zip archive (torch >= 1.6) or a pickle stream (legacy format);
@@ -59,7 +60,7 @@ def load_checkpoint_file(filename: str | os.PathLike, map_location: Any = 'cpu',
             checked against that directory's manifest entry).
         map_location: anything ``torch.load`` accepts (str, ``torch.device``, dict, callable,
             None). Default ``'cpu'``.
-        verify: check size and sha256 against the manifest (default True). With False only the
+        verify: check size and digest against the manifest (default True). With False only the
             size is checked (free) and a missing manifest is not reported.
         trust_pickled_code: unpickle with ``weights_only=False``, which can run arbitrary code
             from the file. Only for files you trust; default False.

@@ -1,6 +1,6 @@
 """Sharded (DCP) checkpoints: one directory, committed through ``directory.py``'s protocol.
 
-Layout of ``NAME/`` (every file listed in ``NAME/manifest.json`` with size and sha256):
+Layout of ``NAME/`` (every file listed in ``NAME/manifest.json`` with size and digest):
 
 - ``.metadata``, ``__{rank}_{i}.distcp``: ``torch.distributed.checkpoint`` (DCP) files of
   ``{'state_dict': model, 'optimizer': {'state', 'param_groups'}}``, keyed by parameter FQN
@@ -18,7 +18,6 @@ ever sees files whose hashes matched.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import re
@@ -33,6 +32,7 @@ from .commit import write_torch_file
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
 from .directory import save_directory, verify_directory
 from .load import load_checkpoint_file
+from .manifest import file_entry, new_hasher
 
 __all__ = ['save_sharded_checkpoint', 'read_sharded_checkpoint', 'load_sharded_checkpoint',
            'local_tensors',
@@ -86,10 +86,10 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
         if partial_grads is not None:
             (staging / PARTIAL_DIR).mkdir(exist_ok=True)
             path = staging / PARTIAL_DIR / f'rank_{rank}.pth'
-            mine.append(_entry(path, *write_torch_file(partial_grads, path)))
+            mine.append({**write_torch_file(partial_grads, path), 'path': path})
         if rank == 0:
-            mine.append(_entry(staging / EXTRA_FILE,
-                               *write_torch_file(extra, staging / EXTRA_FILE)))
+            mine.append({**write_torch_file(extra, staging / EXTRA_FILE),
+                         'path': staging / EXTRA_FILE})
         return mine
 
     held = validate_checkpoint_content(extra)  # allow-listed classes: named to a loader lacking one
@@ -105,8 +105,8 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
     return Path(final_dir).absolute()
 
 
-def _entry(path: Path, size: int, sha256: str) -> dict:
-    return {'path': path, 'size': size, 'sha256': sha256}
+def _entry(path: Path, size: int, digest: str) -> dict:
+    return file_entry(path, size, digest)
 
 
 class _HashingStream(io.RawIOBase):
@@ -116,7 +116,7 @@ class _HashingStream(io.RawIOBase):
 
     def __init__(self, raw: Any, pool: ThreadPoolExecutor) -> None:
         super().__init__()
-        self._raw, self._pool, self.sha256, self.size = raw, pool, hashlib.sha256(), 0
+        self._raw, self._pool, self.hasher, self.size = raw, pool, new_hasher(), 0
 
     def writable(self) -> bool:
         return True
@@ -126,11 +126,11 @@ class _HashingStream(io.RawIOBase):
         if view.format != 'B' or view.ndim != 1:
             view = view.cast('B')
         if view.nbytes >= _OVERLAP_BYTES:
-            hashed = self._pool.submit(self.sha256.update, view)
+            hashed = self._pool.submit(self.hasher.update, view)
             self._raw.write(view)  # a buffered file: writes it all
             hashed.result()  # before returning: the caller may reuse the memory
         else:
-            self.sha256.update(view)
+            self.hasher.update(view)
             self._raw.write(view)
         self.size += view.nbytes
         return view.nbytes
@@ -151,7 +151,7 @@ def _hashing_fs(pool: ThreadPoolExecutor) -> Any:
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class HashingFileSystem(FileSystem):
-        """DCP's file system, recording ``{path: (size, sha256)}`` of every file written."""
+        """DCP's file system, recording ``{path: (size, digest)}`` of every file written."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -167,7 +167,7 @@ def _hashing_fs(pool: ThreadPoolExecutor) -> Any:
                 stream = _HashingStream(raw, pool)
                 yield stream
                 raw.flush()
-            self.written[os.fspath(path)] = (stream.size, stream.sha256.hexdigest())
+            self.written[os.fspath(path)] = (stream.size, stream.hasher.hexdigest())
 
         def rename(self, path: Any, new_path: Any) -> None:  # .metadata.tmp -> .metadata
             super().rename(path, new_path)

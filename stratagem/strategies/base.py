@@ -83,6 +83,15 @@ class BaseStrategy(CheckpointMixin, ABC):
             param group's lr by real batch / N once, at ``prepare``. The real
             batch is world_size × micro batch × accumulative_counts — unlike
             mmengine, which ignores gradient accumulation.
+        async_checkpoint: ``save_checkpoint`` returns once the state is copied to
+            CPU staging buffers; a background thread writes and commits it (same
+            steps and order as a synchronous save). Errors surface at the next save,
+            ``resume`` or ``wait_for_checkpoints()``, on every rank. Extra memory:
+            one staged copy of the checkpoint's tensors (on the ranks that write),
+            kept between saves. Default False (mmengine's behaviour).
+        checkpoint_timeout: seconds a rank may show no sign of life during a
+            distributed save before the others give up on it, naming it, without
+            committing. Default 600.
     """
 
     model: nn.Module
@@ -91,7 +100,8 @@ class BaseStrategy(CheckpointMixin, ABC):
 
     def __init__(self, *, work_dir: str = 'work_dirs', experiment_name: str | None = None,
                  env_kwargs: Mapping | None = None, log_kwargs: Mapping | None = None,
-                 auto_scale_lr: Mapping | None = None) -> None:
+                 auto_scale_lr: Mapping | None = None, async_checkpoint: bool = False,
+                 checkpoint_timeout: float = 600.0) -> None:
         env_kwargs = dict(env_kwargs or {})
         check_keys(env_kwargs, _ENV_KEYS, 'env_kwargs')
         randomness = dict(env_kwargs.get('randomness') or {})
@@ -99,6 +109,15 @@ class BaseStrategy(CheckpointMixin, ABC):
         if auto_scale_lr is not None:
             auto_scale_lr = dict(auto_scale_lr)
             check_keys(auto_scale_lr, {'enable', 'base_batch_size'}, 'auto_scale_lr')
+        if type(async_checkpoint) is not bool:
+            raise TypeError(f'async_checkpoint must be True or False, got {async_checkpoint!r}')
+        if isinstance(checkpoint_timeout, bool) or not isinstance(checkpoint_timeout,
+                                                                  (int, float)) \
+                or not checkpoint_timeout > 0:
+            raise ValueError(f'checkpoint_timeout must be a positive number of seconds, got '
+                             f'{checkpoint_timeout!r}')
+        self.async_checkpoint = async_checkpoint
+        self.checkpoint_timeout = float(checkpoint_timeout)
         self._work_dir = osp.abspath(work_dir)
         self._env_kwargs = env_kwargs
         self._randomness = randomness

@@ -7,11 +7,16 @@ only class that mixes it in, and the methods use what it provides
 ``_set_randomness``, ``_randomness``, ``_seed``, ``_work_dir``, ``_prepared``).
 
 ``save_checkpoint`` (every rank calls it, as mmengine's CheckpointHook does)
+    0. the previous save (asynchronous) is waited for; its error is raised here.
     1. rank 0 picks the path; it is broadcast. 2. every rank's RNG state (and, mid
     accumulation window under DDP, its partial gradients) is gathered. 3. every rank
-    validates the content (tensors and plain values only). 4. rank 0 writes through
-    ``checkpoint/`` (temp, fsync, manifest, rename, pointer). 5. the ranks exchange
-    success or the error, so a failure raises everywhere instead of hanging.
+    validates the content (tensors and plain values only). With ``async_checkpoint``
+    the writing ranks snapshot the state to CPU staging buffers and ``save_checkpoint``
+    returns; steps 4-5 run on a background writer thread. 4. rank 0 writes through
+    ``checkpoint/`` (temp, fsync; then the commit vote: every rank alive and done;
+    then manifest, rename, pointer). 5. the ranks learn the outcome through the vote
+    (``checkpoint/vote.py``: the process group's store, no collective), so a failure or
+    a dead rank raises on every rank, naming it, instead of hanging.
 
 ``resume`` checks the checkpoint has what was asked for, then restores, in order:
 model, optimizer (counters, scaler, partial gradients), accumulation counters,
@@ -28,6 +33,8 @@ import torch
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
+from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
+from stratagem.checkpoint.vote import CheckpointVoteError, SaveVote
 from stratagem.version import __version__
 
 from .preflight import check_resumable, previous_run_traces
@@ -38,6 +45,13 @@ __all__ = ['CheckpointMixin']
 
 class CheckpointMixin:
     """State dicts and the checkpoint sequence of :class:`~stratagem.strategies.BaseStrategy`."""
+
+    async_checkpoint: bool = False
+    checkpoint_timeout: float = 600.0
+    _async_writer: AsyncCheckpointWriter | None = None
+    _commit_gate: Callable[[], None] | None = None
+    # a backend whose every rank writes files (sharded) sets this: every rank snapshots
+    _checkpoint_all_ranks_write = False
 
     # ----------------------------------------------------------------- state dicts
     def model_state_dict(self) -> dict:
@@ -97,6 +111,14 @@ class CheckpointMixin:
             return str(device)
         return f'cuda:{torch.cuda.current_device()}' if torch.cuda.is_available() else 'cpu'
 
+    def wait_for_checkpoints(self) -> None:
+        """Block until every pending (asynchronous) save is committed; raise its error if it
+        failed, on every rank. A no-op when nothing is pending. ``save_checkpoint``,
+        ``resume``, ``load_checkpoint`` and ``load_or_resume`` call it first."""
+        writer = getattr(self, '_async_writer', None)
+        if writer is not None:
+            writer.wait()
+
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
         """Backend hook: read a checkpoint (default: one verified file, weights_only; a
         sharded directory, e.g. FSDPStrategy's, is verified and read unsharded)."""
@@ -129,11 +151,14 @@ class CheckpointMixin:
         return checkpoint
 
     def _agree_on_checkpoint(self, filename: str) -> str:
-        """Rank 0's ``filename``, verified to be the same bytes on every rank (collective)."""
+        """Rank 0's ``filename``, verified to be the same bytes on every rank (collective).
+        A pending asynchronous save is committed first (it may be that very file)."""
+        self.wait_for_checkpoints()
         return str(ckpt.agree_on_checkpoint(filename))
 
     def _read_checkpoint(self, filename: str, map_location: Any,
                          callback: Callable[[dict], None] | None) -> dict:
+        self.wait_for_checkpoints()
         checkpoint = self._load_checkpoint_files(str(filename),
                                                  self._resolve_map_location(map_location))
         if not isinstance(checkpoint, dict):
@@ -322,6 +347,7 @@ class CheckpointMixin:
         ``resume='path'`` or ``resume=True`` with ``load_from`` resumes from that
         file; ``load_from`` alone loads weights only. Returns the checkpoint or None.
         """
+        self.wait_for_checkpoints()
         if isinstance(resume, str):
             return self.resume(resume)
         if resume and load_from is None:
@@ -371,8 +397,10 @@ class CheckpointMixin:
         ``extra_ckpt['meta']`` (e.g. ``iter``/``epoch``) merges into ``meta``;
         other ``extra_ckpt`` keys are stored as they are (tensors and plain values
         only). ``callback(checkpoint)`` may edit the dict before it is written.
-        Returns the final path.
+        Returns the final path (with ``async_checkpoint``, where the checkpoint will
+        be once committed; ``wait_for_checkpoints`` waits for that).
         """
+        self.wait_for_checkpoints()
         extra = dict(extra_ckpt or {})
         path = filename if osp.isabs(filename) else osp.join(self._work_dir, filename)
         path = env.broadcast_object(osp.abspath(path))
@@ -392,19 +420,102 @@ class CheckpointMixin:
         # every rank checks the content, so a bad value fails on all ranks alike instead of
         # leaving the others waiting for rank 0
         self._validate_checkpoint(checkpoint)
+        vote = SaveVote.open(self.checkpoint_timeout, f'saving {path}')
+        if not (self.async_checkpoint and self._async_capable()):
+            self._write_and_agree(checkpoint, path, vote)
+            return path
+        if self._async_writer is None:
+            self._async_writer = AsyncCheckpointWriter()
+        # only ranks that write need the state; the others take part in the vote
+        writes = self._checkpoint_all_ranks_write or env.is_main_process()
+        try:
+            staged = self._async_writer.snapshot(checkpoint, self._deferrable()) \
+                if writes else None
+        except BaseException:
+            if vote is not None:  # tell the others, who would otherwise wait for the vote
+                vote.ready(f'snapshot failed on rank {self.rank}')
+                if self.rank == 0:
+                    vote.post_outcome(f'snapshot failed on rank {self.rank}')
+                vote.close()
+            raise
+        del checkpoint  # the live tensors may change from here on
+        self._async_writer.submit(self._write_and_agree, staged, path, vote)
+        return path
+
+    def _deferrable(self) -> Callable[[torch.Tensor], bool] | None:
+        """Which tensors of an async snapshot the writer thread may copy after
+        ``save_checkpoint`` returns: the model's parameters and the optimizer state, which
+        only an optimizer step writes. A step pre-hook on every optimizer waits for that copy,
+        so the copy overlaps the next forward and backward; buffers (BatchNorm statistics
+        change in forward), RNG states and everything else are copied at once. Code that
+        writes parameters in place outside ``optimizer.step`` between a save and the next
+        step (rare: EMA of the same model, manual surgery) must call
+        ``wait_for_checkpoints()`` first."""
+        if not hasattr(self, 'optim_wrapper'):
+            return None
+        live: set[int] = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        for wrapper in self._wrappers():
+            optimizer = wrapper.optimizer
+            if not getattr(optimizer, '_stratagem_snapshot_guard', False):
+                optimizer.register_step_pre_hook(self._wait_staged_hook)
+                optimizer._stratagem_snapshot_guard = True
+            for state in optimizer.state.values():
+                live.update(t.untyped_storage().data_ptr() for t in state.values()
+                            if isinstance(t, torch.Tensor) and t.numel() > 1)
+        live.discard(0)
+        return lambda tensor: tensor.untyped_storage().data_ptr() in live
+
+    def _wait_staged_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._async_writer is not None:
+            self._async_writer.wait_staged()
+
+    def _async_capable(self) -> bool:
+        """Backend hook: whether this save's write step can run on the writer thread. A
+        layout whose writer issues collectives (DCP's planning, the directory helper's
+        exchange) returns False until those run on a group of the writer's own; such saves
+        stay synchronous, with a one-time warning, rather than risk a deadlock."""
+        return True
+
+    def _write_and_agree(self, checkpoint: dict | None, path: str, vote: SaveVote | None
+                         ) -> None:
+        """Steps 4-5 of ``save_checkpoint``: write, vote, commit, learn the outcome."""
+        reached = []
+
+        def gate() -> None:  # between "every rank's files are written" and the commit
+            reached.append(True)
+            if vote is not None:
+                vote.ready()
+                if self.rank == 0:
+                    vote.wait_ready()
+
+        self._commit_gate = gate
         error = None
         try:
             self._save_checkpoint_files(checkpoint, path)
+            if not reached:  # a rank with nothing to commit, or a backend without the gate
+                gate()
         except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
             error = e
-        errors = env.all_gather_object(None if error is None else f'{type(error).__name__}: '
-                                                                   f'{error}')
-        if error is not None:
-            raise error
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if failed:
-            raise RuntimeError(f'saving {path} failed on rank {failed[0][0]}: {failed[0][1]}')
-        return path
+        finally:
+            self._commit_gate = None
+        if vote is None:
+            if error is not None:
+                raise error
+            return
+        message = None if error is None else (
+            str(error) if isinstance(error, CheckpointVoteError) else
+            f'{type(error).__name__}: {error}')
+        try:
+            if not reached:
+                vote.ready(message)
+            if self.rank == 0:
+                vote.post_outcome(message)
+            if error is not None:
+                raise error
+            if self.rank != 0:
+                vote.wait_outcome()
+        finally:
+            vote.close()
 
     def _partial_grad_states(self) -> list | None:
         """Under DDP, mid accumulation window: every rank's partial gradients, per wrapper.
@@ -425,11 +536,19 @@ class CheckpointMixin:
         return env.all_gather_object(on_cpu)
 
     def _save_checkpoint_files(self, checkpoint: dict, filename: str) -> None:
-        """Backend hook: write ``checkpoint`` (default: rank 0 writes one atomic file)."""
+        """Backend hook: write ``checkpoint`` (default: rank 0 writes one atomic file).
+
+        Runs on the writer thread under ``async_checkpoint``, with a CPU snapshot (None on
+        ranks that do not write, unless ``_checkpoint_all_ranks_write``). A backend calls
+        ``self._commit_gate()`` once its files are written and before it commits (for a
+        directory: after the ranks' files, before ``finalize_directory``): that is the vote
+        that every rank is alive and done; it raises if not, and the save must not commit.
+        """
         if env.is_main_process():
             ckpt.save_checkpoint(checkpoint, filename, step=checkpoint['meta'].get('iter'),
                                  extra_manifest={'world_size': self.world_size,
-                                                 'strategy': type(self).__name__})
+                                                 'strategy': type(self).__name__},
+                                 before_commit=self._commit_gate)
 
 
 def _move(obj: Any, map_location: Any) -> Any:

@@ -97,6 +97,10 @@ class DeepSpeedCheckpointMixin:
         ``resume_optimizer=False``); DeepSpeed still writes its optimizer partitions, since
         its layout has no weights-only form that every ZeRO stage reloads.
         """
+        if self.async_checkpoint and not getattr(self, '_warned_async', False):
+            self._warned_async = True  # DeepSpeed's engine writes through collectives
+            self.logger.warning('DeepSpeedStrategy: async_checkpoint is not supported for '
+                                "DeepSpeed's checkpoint directories; saving synchronously")
         extra = dict(extra_ckpt or {})
         path = filename if osp.isabs(filename) else osp.join(self._work_dir, filename)
         path = Path(env.broadcast_object(osp.abspath(path)))

@@ -241,6 +241,16 @@ class FSDPStrategy(BaseStrategy):
             return env.all_gather_object({k: v.cpu() for k, v in grads.items()})
         return grads
 
+    def _async_capable(self) -> bool:
+        """A full-state file saves asynchronously; a sharded directory (dcp.save and the
+        directory helper run collectives on the default group) is saved synchronously."""
+        if not self._full and not getattr(self, '_warned_async', False):
+            self._warned_async = True
+            self.logger.warning('FSDPStrategy: async_checkpoint applies to '
+                                "state_dict_type='full' saves; sharded directory saves are "
+                                'written synchronously (their writer issues collectives)')
+        return self._full
+
     def _save_checkpoint_files(self, checkpoint: dict, filename: str) -> None:
         if self._full:  # one consolidated file through the base path (rank 0 holds it)
             if 'partial_grads' in checkpoint:  # every rank's, by FQN

@@ -2,7 +2,11 @@
 
 Importing torch takes seconds, so the zygote imports it once and forks a child per round.
 Protocol on stdin/stdout, one line each:
-    "go BASE" -> fork a child that saves forever with counters BASE, BASE+1, ...; reply its pid
+    "go BASE [sync|async]" -> fork a child that saves forever with counters BASE, BASE+1, ...;
+                 reply its pid. ``async``: each save is snapshotted and written by an
+                 ``AsyncCheckpointWriter`` thread (retention runs after the commit, on that
+                 thread), while the main thread already overwrites the live tensors with the
+                 next counter, so a snapshot that leaked live memory would show mixed values.
     "reap"    -> wait for that child; reply "reaped SIGNAL EXITCODE"
     "exit"    -> quit
 A child saves ``iter_{c}.pth`` (step c) every round, also overwrites ``latest.pth`` every third
@@ -16,6 +20,7 @@ import torch
 torch.set_num_threads(1)
 
 from stratagem.checkpoint import apply_retention, save_checkpoint  # noqa: E402
+from stratagem.checkpoint.async_writer import AsyncCheckpointWriter  # noqa: E402
 
 NUMEL = 1 << 18  # 1 MiB of float32 per tensor, 4 tensors + momentum: ~6 MiB per file
 
@@ -28,6 +33,37 @@ def state(counter: int) -> dict:
         'optimizer': {'state': {0: {'momentum_buffer': torch.full((NUMEL // 2,), value)}},
                       'param_groups': [{'lr': 0.1, 'params': [0]}]},
     }
+
+
+def _save_round(directory: str, checkpoint: dict, counter: int) -> None:
+    save_checkpoint(checkpoint, os.path.join(directory, f'iter_{counter}.pth'), step=counter)
+    if counter % 3 == 0:
+        save_checkpoint(checkpoint, os.path.join(directory, 'latest.pth'), step=counter)
+    apply_retention(directory, 3, pattern='iter_*.pth')
+
+
+def child_async(directory: str, base: int) -> None:
+    counter = base
+    writer = AsyncCheckpointWriter()
+    live = state(counter)
+    try:
+        while True:
+            writer.wait()
+            # the tensors are copied by the writer thread (deferred), as a strategy's
+            # parameters are; the live state changes only once that copy is done, as the
+            # optimizer step pre-hook ensures in a strategy
+            staged = writer.snapshot(live, defer=lambda tensor: True)
+            writer.submit(_save_round, directory, staged, counter)
+            counter += 1
+            writer.wait_staged()
+            # training goes on: the live state changes while the save is written
+            live['meta']['counter'] = counter
+            for tensor in live['state_dict'].values():
+                tensor.fill_(float(counter))
+            live['optimizer']['state'][0]['momentum_buffer'].fill_(float(counter))
+    except BaseException as err:  # never reached under SIGKILL: report and fail the round
+        print(f'child error: {err!r}', file=sys.stderr, flush=True)
+        os._exit(3)
 
 
 def child(directory: str, base: int) -> None:
@@ -55,7 +91,8 @@ def main() -> None:
         if cmd[0] == 'go':
             pid = os.fork()
             if pid == 0:
-                child(directory, int(cmd[1]))
+                mode = cmd[2] if len(cmd) > 2 else 'sync'
+                (child_async if mode == 'async' else child)(directory, int(cmd[1]))
             print(pid, flush=True)
         elif cmd[0] == 'reap':
             _, status = os.waitpid(pid, 0)

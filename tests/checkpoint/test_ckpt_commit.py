@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import xxhash
 
 from stratagem.checkpoint import (POINTER_NAME, commit_directory, finalize_directory,
                                   load_checkpoint_file, manifest_path, new_staging_dir,
@@ -46,10 +47,11 @@ def test_manifest_content(tmp_path, state):
     sidecar = tmp_path / 'iter_120.pth.manifest.json'
     assert manifest_path(path) == sidecar
     manifest = json.loads(sidecar.read_text())
-    size, sha = hash_file(path)
-    assert manifest['format'] == 'stratagem-checkpoint' and manifest['format_version'] == 1
+    size, digest = hash_file(path)
+    assert manifest['format'] == 'stratagem-checkpoint' and manifest['format_version'] == 2
     assert manifest['kind'] == 'file' and manifest['name'] == 'iter_120.pth'
-    assert manifest['files'] == [{'path': 'iter_120.pth', 'size': size, 'sha256': sha}]
+    assert manifest['files'] == [{'path': 'iter_120.pth', 'size': size, 'xxh3_128': digest}]
+    assert digest == xxhash.xxh3_128(path.read_bytes()).hexdigest()
     assert size == os.path.getsize(path)
     assert manifest['step'] == 120
     assert manifest['world_size'] == 4 and manifest['strategy'] == 'DDPStrategy'

@@ -49,7 +49,7 @@ def test_damaged_or_foreign_source_named(tmp_path, capsys):
     shard.write_bytes(bytes(data))
     assert main(['convert', str(tmp_path / 'sharded'), str(tmp_path / 'x.pth')]) == 1
     err = capsys.readouterr().err
-    assert shard.name in err and 'sha256' in err and not (tmp_path / 'x.pth').exists()
+    assert shard.name in err and 'xxh3_128' in err and not (tmp_path / 'x.pth').exists()
     (tmp_path / 'foreign').mkdir()
     (tmp_path / 'foreign' / 'a.txt').write_text('hi')
     assert main(['convert', str(tmp_path / 'foreign'), str(tmp_path / 'y.pth')]) == 1

@@ -4,7 +4,6 @@ Single-process checks first, then one 2-rank gloo spawn for the collective paths
 a failure on one rank after the shards are written, a BaseException from the writer, a
 corrupt shard refused on every rank).
 """
-import hashlib
 import json
 import os
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_harness import run_distributed  # noqa: E402
@@ -49,7 +49,7 @@ def test_save_commits_with_manifest_and_pointer(tmp_path):
     files = {f['path']: f for f in manifest['files']}
     assert set(files) == {'a.bin', 'sub/b.bin'}
     for rel, entry in files.items():
-        assert (entry['size'], entry['sha256']) == hash_file(final / rel)
+        assert (entry['size'], entry['xxh3_128']) == hash_file(final / rel)
     assert read_pointer(tmp_path) == final
     assert verify_directory(final)['step'] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ['iter_2', POINTER_NAME]
@@ -59,7 +59,7 @@ def test_unclaimed_files_are_hashed_by_rank0(tmp_path):
     final = save_directory(tmp_path / 'd', _writer(b'y' * 10, claim=False), step=None)
     manifest = verify_directory(final)
     assert sorted(f['path'] for f in manifest['files']) == ['a.bin', 'sub/b.bin']
-    assert all(f['sha256'] == hash_file(final / f['path'])[1] for f in manifest['files'])
+    assert all(f['xxh3_128'] == hash_file(final / f['path'])[1] for f in manifest['files'])
 
 
 def test_failed_write_leaves_previous_checkpoint_latest(tmp_path):
@@ -92,10 +92,10 @@ def test_prehashed_entries_are_not_read_again(tmp_path, monkeypatch):
 
     def write(staging, size_delta=0):
         (staging / 'a.bin').write_bytes(b'abc' * 10)
-        size, sha256 = hash_file(staging / 'a.bin')
-        return [{'path': 'a.bin', 'size': size + size_delta, 'sha256': sha256}]
+        size, digest = hash_file(staging / 'a.bin')
+        return [{'path': 'a.bin', 'size': size + size_delta, 'xxh3_128': digest}]
 
-    expected = (30, hashlib.sha256(b'abc' * 10).hexdigest())
+    expected = (30, xxhash.xxh3_128(b'abc' * 10).hexdigest())
 
     def boom(*args, **kwargs):
         raise AssertionError('a file was read again')
@@ -104,7 +104,8 @@ def test_prehashed_entries_are_not_read_again(tmp_path, monkeypatch):
     final = save_directory(tmp_path / 'd', write)
     monkeypatch.setattr(manifest, 'hash_file', boom)
     entries = verify_directory(final)['files']
-    assert entries == [{'path': 'a.bin', 'size': expected[0], 'sha256': expected[1], 'rank': 0}]
+    assert entries == [{'path': 'a.bin', 'size': expected[0], 'xxh3_128': expected[1],
+                        'rank': 0}]
     with pytest.raises(ValueError, match='changed after being written'):
         save_directory(tmp_path / 'e', lambda staging: write(staging, 1))
     assert not (tmp_path / 'e').exists()
@@ -137,7 +138,7 @@ def test_verify_names_the_damaged_file(tmp_path, damage):
         data = bytearray(target.read_bytes())
         data[3] ^= 1
         target.write_bytes(bytes(data))
-        err, match = CheckpointCorruptError, 'sub/b.bin.*sha256'
+        err, match = CheckpointCorruptError, 'sub/b.bin.*xxh3_128'
     elif damage == 'truncated':
         target.write_bytes(target.read_bytes()[:-1])
         err, match = CheckpointCorruptError, 'sub/b.bin.*size'
@@ -192,6 +193,7 @@ def _dist_checks(root):
         dist.barrier()
         out.setdefault('listing', []).append(sorted(p.name for p in root.iterdir()))
         out.setdefault('latest', []).append(str(find_latest_checkpoint(root)))
+        dist.barrier()  # both ranks listed before rank 0 creates the next staging dir
     # a shard altered after the commit is refused on both ranks, naming the file
     dist.barrier()
     if rank == 0:
@@ -224,4 +226,4 @@ def test_two_ranks(tmp_path):
                 f'{tmp_path / "iter_2"} failed on rank 1: OSError: disk full',
                 'RuntimeError: saving checkpoint directory '
                 f'{tmp_path / "iter_2"} failed on rank 1: _FakeCheckpointException: dcp failed']
-        assert 'shard_1.bin' in out['verify'] and 'sha256' in out['verify']
+        assert 'shard_1.bin' in out['verify'] and 'xxh3_128' in out['verify']

@@ -1,0 +1,211 @@
+"""The commit vote of a distributed save: every rank alive and done before rank 0 commits.
+
+Runs on the process group's key-value store under its own prefix, never as a collective on a
+process group: a background writer that issued collectives on the training group would
+interleave with the training loop's collectives and deadlock (DCP's thread mode does), and a
+collective with a dead peer fails without saying which peer. With the store:
+
+The store is a client connection of its own to the group's store server (``_own_store``),
+so the vote never shares a socket with the training thread.
+
+1. Every rank starts a heartbeat (a counter it bumps every ``timeout / 8`` s, at most 1 s)
+   for as long as it takes part in the save.
+2. Every rank posts ``ready/{rank}``: ``ok`` once its files are written, or its error.
+3. Rank 0, before committing (``wait_ready``): waits for every ``ready``; a rank whose
+   heartbeat stood still for ``timeout`` s without posting is named as dead or stuck, a rank
+   that posted an error is named with it. Either way rank 0 does not commit.
+4. Rank 0 posts ``outcome``: ``ok`` or its error. The other ranks wait for it
+   (``wait_outcome``) under the same heartbeat rule for rank 0, post ``read/{rank}`` and
+   raise rank 0's error; rank 0 returns once every live rank has read it (its process hosts
+   the store and may exit right after the last save).
+
+So an error on any rank, or a rank that died, ends the save on every surviving rank within
+about ``timeout`` s of the last sign of life, with the rank named, and nothing is committed.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+__all__ = ['SaveVote', 'CheckpointVoteError']
+
+_OK = 'ok'
+_SAVES = itertools.count()  # every rank saves in the same order, so the ids agree
+_POLL = 0.02
+
+
+_STORE: '_LockedStore | None' = None
+_STORE_LOCK = threading.Lock()
+
+
+class _LockedStore:
+    """One store client shared by this process's vote threads, one request at a time (a
+    store client is a single socket: requests from two threads must not interleave)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store, self._lock = store, threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+
+        def locked(*args: Any) -> Any:
+            with self._lock:
+                return method(*args)
+        return locked
+
+
+def _own_store() -> _LockedStore:
+    """A client of the process group's store that is ours alone: a new connection to the same
+    TCPStore server (the training thread may use the default client meanwhile), or the
+    default store itself when it is not a TCPStore (FileStore, HashStore)."""
+    global _STORE
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+    with _STORE_LOCK:
+        base = _get_default_store()
+        inner = base
+        while hasattr(inner, 'underlying_store'):  # PrefixStore layers
+            inner = inner.underlying_store
+        # the default store object itself is the key (held, so its id is never reused): a
+        # process group destroyed and created again gets a client of the new server
+        if _STORE is None or _STORE.__dict__.get('_inner') is not inner:
+            if isinstance(inner, dist.TCPStore):
+                store = dist.TCPStore(inner.host, inner.port, is_master=False,
+                                      wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=300))
+            else:
+                store = base
+            _STORE = _LockedStore(store)
+            _STORE.__dict__['_inner'] = inner
+        return _STORE
+
+
+class CheckpointVoteError(RuntimeError):
+    """A distributed save did not reach agreement: a rank died, stalled or failed."""
+
+
+class SaveVote:
+    """One distributed save's vote (see module doc). ``open`` returns None without a
+    process group, so callers need no branch for a single process."""
+
+    def __init__(self, store: Any, prefix: str, rank: int, world_size: int, timeout: float,
+                 what: str) -> None:
+        self._store, self._prefix = store, prefix
+        self.rank, self.world_size, self.timeout, self.what = rank, world_size, timeout, what
+        self._beat = max(0.05, min(1.0, timeout / 8))
+        self._seen: dict[int, tuple[int | None, float]] = {}  # rank -> (beats, when seen)
+        self._dead: set[int] = set()  # ranks found dead: nobody waits for them again
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat, daemon=True,
+                                        name='stratagem-ckpt-heartbeat')
+        self._thread.start()
+
+    @classmethod
+    def open(cls, timeout: float, what: str) -> 'SaveVote | None':
+        """Start the vote of the next save (every rank, same order); None outside a group."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        prefix = f'stratagem/ckpt/{next(_SAVES)}/'
+        return cls(_own_store(), prefix, dist.get_rank(), dist.get_world_size(),
+                   float(timeout), what)
+
+    # ------------------------------------------------------------------ steps
+    def ready(self, error: str | None = None) -> None:
+        """Step 2: this rank's files are written (``error`` None) or it failed."""
+        self._set(f'ready/{self.rank}', _OK if error is None else error)
+
+    def wait_ready(self) -> None:
+        """Step 3 (rank 0): raise ``CheckpointVoteError`` unless every rank posted ``ok``."""
+        pending = set(range(self.world_size))
+        while pending:
+            for rank in sorted(pending):
+                if self._has(f'ready/{rank}'):
+                    pending.discard(rank)
+                    value = self._get(f'ready/{rank}')
+                    if value != _OK:
+                        raise CheckpointVoteError(f'{self.what} failed on rank {rank}: {value}; '
+                                                  'nothing was committed')
+            if pending:
+                self._check_alive(pending, 'finish writing')
+                time.sleep(_POLL)
+
+    def post_outcome(self, error: str | None) -> None:
+        """Step 4 (rank 0): the commit happened (``error`` None) or not. Returns once every
+        live rank has read it: the store's server runs in rank 0's process, which may exit
+        right after the save, and a rank still polling would lose the outcome with it."""
+        self._set('outcome', _OK if error is None else error)
+        pending = set(range(1, self.world_size)) - self._dead
+        while pending:
+            pending = {r for r in pending if not self._has(f'read/{r}')}
+            if pending:
+                try:
+                    self._check_alive(pending, 'read the outcome')
+                except CheckpointVoteError:
+                    return  # a rank died meanwhile: nobody is left to tell
+                time.sleep(_POLL)
+
+    def wait_outcome(self) -> None:
+        """Step 4 (other ranks): return once rank 0 committed; raise its error otherwise."""
+        while not self._has('outcome'):
+            self._check_alive({0}, 'commit')
+            time.sleep(_POLL)
+        value = self._get('outcome')
+        self._set(f'read/{self.rank}', _OK)
+        if value != _OK:
+            raise CheckpointVoteError(value if value.startswith(self.what) else
+                                      f'{self.what} failed on rank 0: {value}')
+
+    def close(self) -> None:
+        """Leave the vote: a rank other than 0 marks the outcome read (also when it failed on
+        its own and never waited for it), then this rank's heartbeat stops."""
+        if self.rank != 0:
+            try:
+                self._set(f'read/{self.rank}', _OK)
+            except Exception:  # noqa: BLE001 - the store is gone: rank 0 is not waiting
+                pass
+        self._stop.set()
+        self._thread.join()
+
+    # --------------------------------------------------------------- internals
+    def _heartbeat(self) -> None:
+        key = f'{self._prefix}alive/{self.rank}'
+        while not self._stop.is_set():
+            try:
+                self._store.add(key, 1)
+            except Exception:  # noqa: BLE001 - the store went away: the waits report it
+                return
+            self._stop.wait(self._beat)
+
+    def _check_alive(self, ranks: set, doing: str) -> None:
+        """Raise naming the ranks among ``ranks`` whose heartbeat stood still for timeout s."""
+        now = time.monotonic()
+        seen = self._seen
+        for rank in ranks:
+            count = self._store.add(f'{self._prefix}alive/{rank}', 0)
+            last_count, since = seen.get(rank, (None, now))
+            if count != last_count:
+                seen[rank] = (count, now)
+        stalled = sorted(r for r in ranks if now - seen[r][1] >= self.timeout)
+        if stalled:
+            self._dead.update(stalled)
+            names = ', '.join(f'rank {r}' for r in stalled)
+            raise CheckpointVoteError(
+                f'{self.what} failed: {names} did not {doing} and showed no sign of life for '
+                f'{self.timeout:g} s (dead or stuck); nothing was committed. Raise '
+                'checkpoint_timeout if saves are this slow; otherwise resume from the previous '
+                'checkpoint')
+
+    def _set(self, key: str, value: str) -> None:
+        self._store.set(self._prefix + key, value)
+
+    def _has(self, key: str) -> bool:
+        return self._store.check([self._prefix + key])
+
+    def _get(self, key: str) -> str:
+        return self._store.get(self._prefix + key).decode()

@@ -1,0 +1,480 @@
+"""``stratagem doctor CONFIG [--nproc N]``: pre-flight checks of a config against this machine.
+
+Runs no training and builds nothing heavy: no process group, no dataset, no optimizer. The
+model is instantiated on the ``meta`` device (no memory, no weights) only to count parameters
+and list module classes; a model that cannot be built that way is reported and those checks
+skipped. Each check reads the config (and the machine: devices, packages, free disk, one
+32 MiB write to time the disk) and adds findings, each with its fix:
+
+1. keys: unknown or misspelt keys anywhere the config is read (top level, ``train_cfg``,
+   ``train_dataloader``, ``strategy`` and its ``env_kwargs``/``randomness``, the model,
+   dataset, optimizer, optim wrapper and scheduler arguments, by their signatures), and
+   ``type`` names no registry knows;
+2. batch: world size × micro batch × accumulation against ``auto_scale_lr.base_batch_size``
+   and DeepSpeed's ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` /
+   ``gradient_accumulation_steps``;
+3. precision: bf16 with a GradScaler (``loss_scale``), fp16 or bf16 on a device without it;
+4. sharding: FSDP wrap-policy class names that match no module of the model; activation
+   checkpointing without a wrap policy;
+5. schedulers: an ``end`` past the run; windows of two absolute schedules of the same
+   parameter that overlap (mmengine multiplies them; a warmup over a main schedule is the
+   expected overlap and not reported);
+6. checkpoints: the estimated save stall against the run (synchronous saves), free disk for
+   ``max_keep_ckpts`` (+1 being written) checkpoints;
+7. packages the chosen strategy needs but this environment lacks.
+
+Exit code 0 when there is no finding, 1 otherwise (2 for a config that cannot be read).
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib.util
+import inspect
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ['Finding', 'diagnose', 'add_arguments', 'run']
+
+_TOP_KEYS = {'model', 'train_dataloader', 'optim_wrapper', 'param_scheduler', 'train_cfg',
+             'strategy', 'randomness', 'work_dir', 'load_from', 'resume', 'auto_scale_lr',
+             'default_scope', 'env_cfg', 'log_level', 'default_hooks', 'custom_hooks',
+             'val_dataloader', 'val_cfg', 'val_evaluator', 'test_dataloader', 'test_cfg',
+             'test_evaluator', 'visualizer', 'vis_backends', 'log_processor', 'launcher',
+             'experiment_name', 'compile', 'model_wrapper_cfg', 'data_preprocessor'}
+_WARMUPS = {'LinearLR', 'ConstantLR', 'LinearMomentum', 'ConstantMomentum',
+            'LinearParamScheduler', 'ConstantParamScheduler'}
+_STRATEGY_PACKAGES = {'DeepSpeedStrategy': 'deepspeed', 'ColossalAIStrategy': 'colossalai',
+                      'FairScaleStrategy': 'fairscale'}
+_OPTIM_STATE_COPIES = {'SGD': 1, 'Adam': 2, 'AdamW': 2, 'Adamax': 2, 'NAdam': 2, 'RAdam': 2,
+                       'Adagrad': 1, 'RMSprop': 1, 'Adadelta': 2, 'Lion': 1, 'Adafactor': 1}
+_PROBE_BYTES = 32 << 20
+_find_spec = importlib.util.find_spec  # looks a package up without importing it
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem: where in the config, what is wrong, and how to fix it."""
+
+    where: str
+    problem: str
+    fix: str
+
+
+class _Doctor:
+    def __init__(self, cfg: Mapping, nproc: int, probe_disk: bool = True) -> None:
+        self.cfg, self.nproc, self.probe_disk = cfg, nproc, probe_disk
+        self.findings: list[Finding] = []
+        self.notes: list[str] = []
+        self.model = None
+        self.max_iters: int | None = None
+        self.epoch_length: int | None = None
+
+    def add(self, where: str, problem: str, fix: str) -> None:
+        self.findings.append(Finding(where, problem, fix))
+
+    # ----------------------------------------------------------------- 1. keys
+    def check_keys(self) -> None:
+        from stratagem.loop import _LOADER_KEYS, _TRAIN_CFG_KEYS
+        from stratagem.strategies.base import _ENV_KEYS, _RANDOMNESS_KEYS
+        cfg = self.cfg
+        for key in cfg:
+            close = difflib.get_close_matches(str(key), sorted(_TOP_KEYS), n=1, cutoff=0.8)
+            if key not in _TOP_KEYS and close:
+                self.add(str(key), f'unknown top-level key {key!r} (nothing reads it)',
+                         f'did you mean {close[0]!r}? rename it')
+        self._keys(cfg.get('train_cfg') or {}, _TRAIN_CFG_KEYS, 'train_cfg')
+        loader = cfg.get('train_dataloader') or {}
+        self._keys(loader, _LOADER_KEYS, 'train_dataloader')
+        if isinstance(loader.get('dataset'), Mapping):
+            self._typed(loader['dataset'], 'DATASETS', 'train_dataloader.dataset')
+        strategy = dict(cfg.get('strategy') or {})
+        if strategy.get('type', 'auto') != 'auto':
+            self._typed(strategy, 'STRATEGIES', 'strategy')
+        env_kwargs = strategy.get('env_kwargs') or {}
+        self._keys(env_kwargs, _ENV_KEYS, 'strategy.env_kwargs')
+        self._keys(env_kwargs.get('randomness') or {}, _RANDOMNESS_KEYS,
+                   'strategy.env_kwargs.randomness')
+        self._keys(cfg.get('randomness') or {}, _RANDOMNESS_KEYS, 'randomness')
+        if isinstance(cfg.get('model'), Mapping):
+            self._typed(cfg['model'], 'MODELS', 'model')
+        self._check_optim_wrapper(cfg.get('optim_wrapper'))
+        for i, sched in enumerate(self._schedulers()):
+            self._typed(sched, 'PARAM_SCHEDULERS', f'param_scheduler[{i}]',
+                        drop=('optimizer', 'convert_to_iter_based'))
+        if 'auto_scale_lr' in cfg and 'auto_scale_lr' not in strategy:
+            self.add('auto_scale_lr', 'a top-level auto_scale_lr is not read by stratagem '
+                     '(the strategy scales the lr)', 'move it into strategy=dict('
+                     'auto_scale_lr=dict(enable=True, base_batch_size=N))')
+
+    def _check_optim_wrapper(self, ow: Any) -> None:
+        if not isinstance(ow, Mapping):
+            return
+        from stratagem.optim.default_constructor import DefaultOptimWrapperConstructor
+        if not any(k in ow for k in ('type', 'optimizer', 'constructor')):
+            for name, sub in ow.items():  # several optimizers: one wrapper cfg per submodule
+                self._check_optim_wrapper({**sub, '_where': f'optim_wrapper.{name}'}
+                                          if isinstance(sub, Mapping) else None)
+            return
+        where = ow.get('_where', 'optim_wrapper')
+        wrapper = {k: v for k, v in ow.items() if k not in ('constructor', 'paramwise_cfg',
+                                                            '_where')}
+        wrapper.setdefault('type', 'OptimWrapper')
+        self._typed(wrapper, 'OPTIM_WRAPPERS', where, drop=('optimizer',))
+        if isinstance(ow.get('optimizer'), Mapping):
+            self._typed(ow['optimizer'], 'OPTIMIZERS', f'{where}.optimizer', drop=('params',))
+        self._keys(ow.get('paramwise_cfg') or {}, DefaultOptimWrapperConstructor.PARAMWISE_KEYS,
+                   f'{where}.paramwise_cfg')
+
+    def _keys(self, given: Mapping, allowed: Any, where: str) -> None:
+        for key in given:
+            if key not in allowed:
+                close = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+                self.add(f'{where}.{key}', f'unknown key {key!r}',
+                         (f'did you mean {close[0]!r}? ' if close else '') +
+                         f'valid keys: {", ".join(sorted(allowed))}')
+
+    def _typed(self, cfg: Mapping, registry_name: str, where: str, drop: tuple = ()) -> Any:
+        """Look ``cfg['type']`` up (importing its module, building nothing); check its keys
+        against the signatures along the class's ``__init__`` chain. Returns the class."""
+        import stratagem.registry as registries
+        registry = getattr(registries, registry_name)
+        name = cfg.get('type')
+        if not isinstance(name, str):
+            return name if isinstance(name, type) else None
+        try:
+            cls = registry.get(name)
+        except ImportError as err:
+            self.add(f'{where}.type', f'{name!r} needs a package that is not installed: {err}',
+                     _install_hint(name))
+            return None
+        if cls is None:
+            self.add(f'{where}.type', str(registry.unknown_name_error(name)),
+                     'use one of the registered names above')
+            return None
+        accepted = _accepted_chain(cls)
+        if accepted is None:  # takes arbitrary keywords: nothing to check
+            return cls
+        for key in cfg:
+            if key != 'type' and key not in drop and key not in accepted:
+                close = difflib.get_close_matches(str(key), sorted(accepted), n=1)
+                self.add(f'{where}.{key}', f'{name} has no argument {key!r}',
+                         (f'did you mean {close[0]!r}? ' if close else '') +
+                         f'accepted: {", ".join(sorted(accepted - {"self"}))}')
+        return cls
+
+    def _schedulers(self) -> list[Mapping]:
+        scheds = self.cfg.get('param_scheduler') or []
+        if isinstance(scheds, Mapping):
+            scheds = [scheds] if 'type' in scheds else [s for v in scheds.values()
+                                                          for s in (v if isinstance(v, list)
+                                                                    else [v])]
+        return [s for s in scheds if isinstance(s, Mapping)]
+
+    # ---------------------------------------------------------------- 2. batch
+    def check_batch(self) -> None:
+        cfg, strategy = self.cfg, dict(self.cfg.get('strategy') or {})
+        micro = int((cfg.get('train_dataloader') or {}).get('batch_size', 1))
+        acc = int((cfg.get('optim_wrapper') or {}).get('accumulative_counts', 1))
+        real = self.nproc * micro * acc
+        self.notes.append(f'real batch = {self.nproc} process(es) x {micro} micro batch x '
+                          f'{acc} accumulation = {real}')
+        scale = strategy.get('auto_scale_lr') or cfg.get('auto_scale_lr') or {}
+        base = scale.get('base_batch_size')
+        if base and real != base and not scale.get('enable', False):
+            self.add('auto_scale_lr', f'the lr was tuned for base_batch_size={base} but the '
+                     f'real batch is {real}; auto_scale_lr is off, so the lr is not scaled',
+                     f'set auto_scale_lr.enable=True (lr x {real / base:g}) or tune the lr')
+        elif base and real != base:
+            self.notes.append(f'auto_scale_lr scales every lr by {real}/{base} = '
+                              f'{real / base:g}')
+        ds = strategy.get('config') if isinstance(strategy.get('config'), Mapping) else strategy
+        for key, ours in (('train_batch_size', real), ('train_micro_batch_size_per_gpu', micro),
+                          ('gradient_accumulation_steps', acc)):
+            if ds.get(key) not in (None, 'auto') and int(ds[key]) != ours:
+                self.add(f'strategy.config.{key}', f'DeepSpeed {key}={ds[key]} disagrees with '
+                         f'the config: {ours} (world {self.nproc} x micro {micro} x '
+                         f'accumulation {acc})', f"remove it (stratagem derives it) or set "
+                         f"it to {ours}")
+
+    # ------------------------------------------------------------ 3. precision
+    def check_precision(self) -> None:
+        import torch
+        ow = self.cfg.get('optim_wrapper') or {}
+        if not isinstance(ow, Mapping) or ow.get('type') != 'AmpOptimWrapper':
+            return
+        dtype = str(ow.get('dtype') or 'float16').replace('torch.', '')
+        cuda = torch.cuda.is_available()
+        if dtype == 'bfloat16' and 'loss_scale' in ow:
+            self.add('optim_wrapper.loss_scale', 'bf16 with a GradScaler: bf16 has fp32\'s '
+                     'range, so loss scaling only costs time', 'remove loss_scale')
+        if dtype == 'float16' and not cuda:
+            self.add('optim_wrapper.dtype', 'fp16 autocast on a machine without CUDA (CPU '
+                     'fp16 autocast is slow and loss scaling is CUDA-only)',
+                     "use dtype='bfloat16' on CPU, or run on a CUDA device")
+        if dtype == 'bfloat16' and cuda and not torch.cuda.is_bf16_supported():
+            self.add('optim_wrapper.dtype', f'bf16 on {torch.cuda.get_device_name()}, which '
+                     'lacks native bf16', "use dtype='float16' with loss_scale='dynamic'")
+
+    # ------------------------------------------------------------- 4. sharding
+    def build_meta_model(self) -> None:
+        model_cfg = self.cfg.get('model')
+        if not isinstance(model_cfg, Mapping):
+            return
+        import torch
+        from stratagem.registry import MODELS
+        try:
+            with torch.device('meta'):
+                self.model = MODELS.build(dict(model_cfg))
+        except Exception as err:  # noqa: BLE001 - a finding of its own, checks go on
+            if any(f.where.startswith('model') for f in self.findings):
+                return  # already reported as a key finding
+            self.add('model', f'cannot instantiate the model on the meta device to count '
+                     f'its parameters: {type(err).__name__}: {err}', 'fix the model config; '
+                     'the checks that need the parameter count were skipped')
+
+    def check_sharding(self) -> None:
+        strategy = dict(self.cfg.get('strategy') or {})
+        wrapper = dict(strategy.get('model_wrapper') or {})
+        policy = wrapper.get('auto_wrap_policy')
+        if strategy.get('activation_checkpointing') and not policy:
+            self.add('strategy.activation_checkpointing', 'activation checkpointing without '
+                     'an auto_wrap_policy: FSDP wraps the whole model as one unit, so nothing '
+                     'is sharded per layer', "add model_wrapper.auto_wrap_policy (e.g. "
+                     "transformer_layer_cls=['Block'])")
+        names = _policy_class_names(policy)
+        if not names or self.model is None:
+            return
+        present = {type(m).__name__ for m in self.model.modules()}
+        for name in names:
+            if name not in present:
+                close = difflib.get_close_matches(name, sorted(present), n=1)
+                self.add('strategy.model_wrapper.auto_wrap_policy', f'wrap class {name!r} '
+                         f'matches no module of the model', (f'did you mean {close[0]!r}? '
+                                                             if close else '') +
+                         f'module classes: {", ".join(sorted(present))}')
+
+    # ----------------------------------------------------------- 5. schedulers
+    def check_schedulers(self) -> None:
+        train = self.cfg.get('train_cfg') or {}
+        max_epochs, self.max_iters = train.get('max_epochs'), train.get('max_iters')
+        loader = self.cfg.get('train_dataloader') or {}
+        samples = (loader.get('dataset') or {}).get('num_samples')
+        if samples and loader.get('batch_size'):
+            per_rank = -(-int(samples) // self.nproc)
+            batches = per_rank // int(loader['batch_size']) if loader.get('drop_last') \
+                else -(-per_rank // int(loader['batch_size']))
+            self.epoch_length = max(1, batches)
+            if self.max_iters is None and max_epochs:
+                self.max_iters = int(max_epochs) * self.epoch_length
+        windows = []
+        for i, s in enumerate(self._schedulers()):
+            by_epoch = s.get('by_epoch', True)
+            begin, end = s.get('begin', 0), s.get('end')
+            limit, unit = (max_epochs, 'epochs') if by_epoch else (self.max_iters, 'iterations')
+            if end is not None and limit is not None and end > limit:
+                self.add(f'param_scheduler[{i}].end', f'{s.get("type")} ends at {end} but the '
+                         f'run has {limit} {unit}: the schedule is cut short', f'set end={limit}'
+                         ' or leave end out (it defaults to the run\'s length)')
+            end = limit if end is None else end
+            if by_epoch and self.epoch_length:  # compare in iterations
+                begin, end = begin * self.epoch_length, (None if end is None
+                                                         else end * self.epoch_length)
+            elif by_epoch:
+                continue  # unknown epoch length: cannot compare with iteration windows
+            if end is not None:
+                windows.append((i, s.get('type'), _param_of(s.get('type')), begin, end))
+        for a in range(len(windows)):
+            for b in range(a + 1, len(windows)):
+                (i, ta, pa, ba, ea), (j, tb, pb, bb, eb) = windows[a], windows[b]
+                if pa != pb or max(ba, bb) >= min(ea, eb) or ((ta in _WARMUPS) != (tb in
+                                                                                 _WARMUPS)):
+                    continue
+                self.add(f'param_scheduler[{i}], [{j}]', f'{ta} [{ba}, {ea}) and {tb} [{bb}, '
+                         f'{eb}) overlap (iterations): their factors multiply',
+                         f'start the second where the first ends (begin={ea})')
+
+    # ---------------------------------------------------------- 6. checkpoints
+    def check_checkpoints(self) -> None:
+        if self.model is None:
+            return
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
+        opt = ((self.cfg.get('optim_wrapper') or {}).get('optimizer') or {})
+        copies = _OPTIM_STATE_COPIES.get(opt.get('type'), 2)
+        if opt.get('type') == 'SGD' and not opt.get('momentum'):
+            copies = 0
+        size = params * (1 + copies) + buffers + (1 << 20)
+        self.notes.append(f'estimated checkpoint: {size / 2**20:.0f} MiB ({params // 4:,} '
+                          f'fp32 parameters, {copies} optimizer state copies)')
+        train = self.cfg.get('train_cfg') or {}
+        interval, keep = train.get('checkpoint_interval') or 0, train.get('max_keep_ckpts')
+        saves = 1 + (self.max_iters // interval if interval and self.max_iters else 0)
+        work_dir = Path(self.cfg.get('work_dir') or 'work_dirs').absolute()
+        existing = next(p for p in [work_dir, *work_dir.parents] if p.exists())
+        free = shutil.disk_usage(existing).free
+        kept = min(saves, keep + 1) if keep and keep > 0 else saves
+        if free < kept * size:
+            self.add('train_cfg.max_keep_ckpts', f'{kept} checkpoint(s) of ~{size / 2**20:.0f}'
+                     f' MiB need {kept * size / 2**30:.1f} GiB; {existing} has '
+                     f'{free / 2**30:.1f} GiB free', 'free disk space, lower max_keep_ckpts, '
+                     'or set work_dir on a larger filesystem')
+        async_on = bool((self.cfg.get('strategy') or {}).get('async_checkpoint'))
+        if not self.probe_disk or saves < 2 or async_on:
+            return
+        speed = _disk_write_speed(existing)
+        stall = size / speed
+        self.notes.append(f'disk writes ~{speed / 2**20:.0f} MiB/s: a save stalls training '
+                          f'~{stall:.1f} s, {saves} saves ~{saves * stall:.0f} s')
+        if saves * stall > 60:
+            self.add('train_cfg.checkpoint_interval', f'{saves} synchronous saves stall '
+                     f'training ~{saves * stall:.0f} s in total (~{stall:.1f} s each at '
+                     f'{speed / 2**20:.0f} MiB/s)', 'set strategy.async_checkpoint=True (blocks '
+                     'only for a copy to memory) or raise checkpoint_interval')
+
+    # ------------------------------------------------------------ 7. packages
+    def check_packages(self) -> None:
+        stype = str((self.cfg.get('strategy') or {}).get('type', 'auto'))
+        needs = [_STRATEGY_PACKAGES[stype]] if stype in _STRATEGY_PACKAGES else []
+        needs.append('xxhash')  # checkpoint digests (sha256 fallback is ~10x slower)
+        if self.cfg.get('optim_wrapper', {}).get('type') == 'ZeroRedundancyOptimizer':
+            needs.append('torch.distributed.optim')
+        for package in needs:
+            if _find_spec(package.split('.')[0]) is None:
+                self.add('strategy.type' if package != 'xxhash' else 'environment',
+                         f'{stype if package != "xxhash" else "checkpoints"} need(s) the '
+                         f'{package!r} package, which is not installed',
+                         f'pip install {package} (or "stratagem[{package}]")')
+
+
+def _accepted_chain(cls: type) -> set[str] | None:
+    """Keyword names ``cls(...)`` accepts, following ``**kwargs`` up the ``__init__`` chain
+    (``DDPStrategy(**kwargs)`` -> ``BaseStrategy``); None if the chain accepts anything."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get('__init__')
+        if init is None:
+            continue
+        if klass is object:
+            return names
+        try:
+            params = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        names.update(p.name for p in params
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return names
+    return None
+
+
+def _install_hint(name: str) -> str:
+    package = _STRATEGY_PACKAGES.get(name)
+    return f'pip install "stratagem[{package}]"' if package else 'install the missing package'
+
+
+def _param_of(sched_type: Any) -> str:
+    name = str(sched_type)
+    return 'momentum' if 'Momentum' in name else 'lr'
+
+
+def _policy_class_names(policy: Any) -> list[str]:
+    """Class names a wrap policy config names (``transformer_layer_cls`` / ``module_classes``)."""
+    if not isinstance(policy, Mapping):
+        return []
+    names = []
+    for key in ('transformer_layer_cls', 'module_classes', 'layer_cls'):
+        value = policy.get(key)
+        for item in (value if isinstance(value, (list, tuple, set)) else [value]):
+            if item is not None:
+                names.append(item if isinstance(item, str) else getattr(item, '__name__',
+                                                                        str(item)))
+    return [n.rsplit('.', 1)[-1] for n in names]
+
+
+def _disk_write_speed(directory: Path) -> float:
+    """Bytes/s of one 32 MiB write + fsync into ``directory`` (removed afterwards)."""
+    data = os.urandom(1 << 20)
+    fd, name = tempfile.mkstemp(prefix='.stratagem-doctor-', dir=directory)
+    try:
+        start = time.perf_counter()
+        for _ in range(_PROBE_BYTES >> 20):
+            os.write(fd, data)
+        os.fsync(fd)
+        return _PROBE_BYTES / max(time.perf_counter() - start, 1e-6)
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
+def diagnose(cfg: Mapping, nproc: int = 1, *, probe_disk: bool = True
+             ) -> tuple[list[Finding], list[str]]:
+    """All findings for ``cfg`` run on ``nproc`` processes, and informational notes."""
+    doctor = _Doctor(cfg, nproc, probe_disk)
+    doctor.check_keys()
+    doctor.check_batch()
+    doctor.check_precision()
+    doctor.build_meta_model()
+    doctor.check_sharding()
+    doctor.check_schedulers()
+    doctor.check_checkpoints()
+    doctor.check_packages()
+    return doctor.findings, doctor.notes
+
+
+def format_table(findings: list[Finding]) -> str:
+    """Findings as a plain-text table: #, where, problem, fix (long cells wrap)."""
+    import textwrap
+    width = max(80, min(shutil.get_terminal_size((120, 20)).columns, 160))
+    cols = [3, 28, (width - 38) // 2, (width - 38) - (width - 38) // 2]
+    head = ('#', 'where', 'problem', 'fix')
+    rows = [head] + [(str(i), f.where, f.problem, f.fix) for i, f in enumerate(findings, 1)]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [textwrap.wrap(c, w) or [''] for c, w in zip(row, cols)]
+        for k in range(max(len(c) for c in cells)):
+            lines.append('  '.join((c[k] if k < len(c) else '').ljust(w)
+                                   for c, w in zip(cells, cols)).rstrip())
+        if n == 0:
+            lines.append('  '.join('-' * w for w in cols))
+    return '\n'.join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('config', help='config file (.py, .json, .yaml)')
+    parser.add_argument('--nproc', type=int, default=int(os.environ.get('WORLD_SIZE', 1)),
+                        help='processes the run will use (default: $WORLD_SIZE or 1)')
+    parser.add_argument('--cfg-options', nargs='+', default=[], metavar='KEY=VALUE',
+                        help='overrides, as for stratagem train')
+    parser.add_argument('--no-disk-probe', action='store_true',
+                        help='do not time a 32 MiB write to estimate the save stall')
+
+
+def run(args: argparse.Namespace) -> int:
+    from stratagem.config import Config, parse_cfg_options
+    if args.nproc < 1:
+        print(f'stratagem doctor: --nproc must be >= 1, got {args.nproc}', file=sys.stderr)
+        return 2
+    try:
+        cfg = Config.fromfile(args.config)
+        if args.cfg_options:
+            cfg.merge_from_dict(parse_cfg_options(args.cfg_options))
+    except Exception as err:  # noqa: BLE001 - reported as the one finding that stops us
+        print(f'stratagem doctor: cannot read {args.config}: {err}', file=sys.stderr)
+        return 2
+    findings, notes = diagnose(cfg.to_dict(), args.nproc, probe_disk=not args.no_disk_probe)
+    print(f'stratagem doctor: {args.config} on {args.nproc} process(es)')
+    for note in notes:
+        print(f'  - {note}')
+    if not findings:
+        print('no findings: the config looks ready to run')
+        return 0
+    print(f'\n{len(findings)} finding(s):\n')
+    print(format_table(findings))
+    return 1
