@@ -135,11 +135,29 @@ class OptimWrapper(BaseOptimWrapper):
         self._restored_count: int | None = None  # inner_count whose pending grads were loaded
         # gradients set to None by zero_grad whose memory is released at the next step's start
         self._stale_grads: list[torch.Tensor] | None = None
+        cls = type(self)
+        self._plain_step = accumulative_counts == 1 and all(
+            getattr(cls, name) is getattr(OptimWrapper, name)
+            for name in ('scale_loss', 'backward', 'step', 'zero_grad', 'should_update'))
 
     # ---- the training step -------------------------------------------------------------
     def update_params(self, loss: torch.Tensor, step_kwargs: dict | None = None,
                       zero_kwargs: dict | None = None) -> None:
         """Scale and backward ``loss``; when the window is complete, step and zero_grad."""
+        if self._plain_step and not step_kwargs and not zero_kwargs:
+            # no accumulation, methods not overridden: what the calls below do, inlined (the
+            # hot path of most runs; each call layer costs a hand-written loop nothing)
+            self._stale_grads = None
+            loss.backward()
+            self._inner_count += 1
+            if self._clip_func is not None:
+                self._clip_grad()
+            optimizer = self.optimizer
+            optimizer.step()
+            self._stale_grads = [p.grad for group in optimizer.param_groups
+                                 for p in group['params'] if p.grad is not None and p.grad.is_cpu]
+            optimizer.zero_grad()
+            return
         loss = self.scale_loss(loss)
         self.backward(loss)
         if self.should_update():
