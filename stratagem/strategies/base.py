@@ -245,11 +245,7 @@ class BaseStrategy(CheckpointMixin, ABC):
         """
         if self._prepared:
             return self._prepared_components()
-        if param_scheduler is not None and optim_wrapper is None:
-            raise ValueError('param_scheduler was given without optim_wrapper: schedulers drive '
-                             "an optimizer's param groups; pass optim_wrapper=dict(optimizer=...)")
-        if dispatch_kwargs is not None:
-            self.dispatch_kwargs.update(dispatch_kwargs)
+        self._check_prepare_args(optim_wrapper, param_scheduler, dispatch_kwargs)
         model = self.build_model(model)
         model = self._init_model_weights(model)
         model = self._wrap_model(model)
@@ -270,6 +266,15 @@ class BaseStrategy(CheckpointMixin, ABC):
                                                                self.optim_wrapper)
         self._prepared = True
         return self._prepared_components()
+
+    def _check_prepare_args(self, optim_wrapper: Any, param_scheduler: Any,
+                            dispatch_kwargs: Mapping | None) -> None:
+        """What every backend's ``prepare`` checks first; records ``dispatch_kwargs``."""
+        if param_scheduler is not None and optim_wrapper is None:
+            raise ValueError('param_scheduler was given without optim_wrapper: schedulers drive '
+                             "an optimizer's param groups; pass optim_wrapper=dict(optimizer=...)")
+        if dispatch_kwargs is not None:
+            self.dispatch_kwargs.update(dispatch_kwargs)
 
     def _prepared_components(self) -> Any:
         if not hasattr(self, 'optim_wrapper'):

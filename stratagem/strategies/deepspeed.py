@@ -139,11 +139,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
         """
         if self._prepared:
             return self._prepared_components()
-        if param_scheduler is not None and optim_wrapper is None:
-            raise ValueError('param_scheduler was given without optim_wrapper: schedulers drive '
-                             "an optimizer's param groups; pass optim_wrapper=dict(optimizer=...)")
-        if dispatch_kwargs is not None:
-            self.dispatch_kwargs.update(dispatch_kwargs)
+        self._check_prepare_args(optim_wrapper, param_scheduler, dispatch_kwargs)
         self._agree_micro_batch()
         module = self._wrap_model(self._init_model_weights(self.build_model(model)))
         if compile:
