@@ -263,24 +263,32 @@ def _write_torch_file(checkpoint: Any, path: Path, zip_crc32: bool) -> tuple[int
 
 
 _CRC32_LOCK = threading.Lock()
+_CRC32_OFF = [0, None]  # [saves in progress that switched it off, the setting before them]
 
 
 @contextlib.contextmanager
 def _crc32_option(enabled: bool) -> Iterator[None]:
     """torch's per-record zip CRC32 costs ~0.25 s per GB and duplicates our digest; it is a
-    process-wide torch setting, so it is switched under a lock and always restored."""
+    process-wide torch setting, so it is switched off while at least one of our saves runs
+    (counted under a lock: overlapping saves, e.g. DCP's shards and extra.pth on two
+    threads, share the switch) and restored after the last."""
     get = getattr(torch.serialization, 'get_crc32_options', None)
     set_ = getattr(torch.serialization, 'set_crc32_options', None)
     if enabled or get is None or set_ is None:  # torch < 2.6 always computes it
         yield
         return
     with _CRC32_LOCK:
-        previous = get()
-        set_(False)
-        try:
-            yield
-        finally:
-            set_(previous)
+        if _CRC32_OFF[0] == 0:
+            _CRC32_OFF[1] = get()
+            set_(False)
+        _CRC32_OFF[0] += 1
+    try:
+        yield
+    finally:
+        with _CRC32_LOCK:
+            _CRC32_OFF[0] -= 1
+            if _CRC32_OFF[0] == 0:
+                set_(_CRC32_OFF[1])
 
 
 def _old_manifest(final: Path) -> dict | None:
@@ -424,7 +432,8 @@ def _hash_tree(root: Path, known: dict[str, dict] | None = None) -> list[dict]:
                 _fs.fsync_file(path)
                 size, digest = hash_file(path, pool)
                 files.append(file_entry(rel, size, digest))
-            _fs.fsync_dir(Path(dirpath))
+            if Path(dirpath) != root:  # the root is fsynced once its manifest is in it
+                _fs.fsync_dir(Path(dirpath))
     return files
 
 

@@ -6,12 +6,16 @@ every rank of the default process group calls the same functions in the same ord
 process group the same calls work in one process.
 
 Save, ``save_directory(final_dir, write_fn, step=..., extra_manifest=...)``, is three steps
-that can also be called one by one (an asynchronous saver runs step 2 in a background writer):
+that can also be called one by one (an asynchronous saver runs them on its writer thread).
+Under a process group the ranks agree through a ``SaveVote`` (``vote.py``: the process
+group's store, no collective; a rank that dies or stalls is named within the vote's timeout),
+which the caller passes (a strategy opens one per save) or ``save_directory`` opens:
 
-1. ``staging = begin_directory_save(final_dir)``: rank 0 checks the name and creates a fresh
-   staging directory ``.{name}.tmp-{pid}-{rand}`` beside ``final_dir``; every rank gets its
-   path (a failure there raises on every rank). Nothing is ever written into an existing
-   checkpoint directory: a committed one is replaced only by the rename of step 3.
+1. ``staging = begin_directory_save(final_dir, vote)``: rank 0 checks the name and creates a
+   fresh staging directory ``.{name}.tmp-{pid}-{rand}`` beside ``final_dir`` and publishes
+   it; every rank gets its path (a failure there raises on every rank). Nothing is ever
+   written into an existing checkpoint directory: an old checkpoint of the same name is only
+   replaced, whole, by the rename of step 3.
 2. ``written = write_directory_files(staging, write_fn)`` (local, no collective): runs
    ``write_fn(staging)`` on this rank. It returns the paths it wrote (absolute or relative to
    ``staging``), which are fsynced and hashed here, so ranks hash their own files in parallel;
@@ -21,15 +25,16 @@ that can also be called one by one (an asynchronous saver runs step 2 in a backg
    so verifying them again in this process (a resume) reads nothing. Any
    exception, ``BaseException`` subclasses such as DCP's ``CheckpointException`` included (but
    not ``KeyboardInterrupt``/``SystemExit``), is caught and returned as a failed result.
-3. ``finish_directory_save(staging, final_dir, written, step=..., extra_manifest=...)``:
-   (a) the ranks exchange their results; if any rank failed, rank 0 removes the staging dir
-   and every rank raises (this rank's own ``Exception``, or a ``RuntimeError`` naming the
-   first failing rank and its error, chained to this rank's ``BaseException`` if it had
-   one). (b) rank 0 runs ``finalize_directory``: it writes ``manifest.json`` (files with
-   size, digest and the writing ``rank``, step, versions, ``world_size`` and the
-   caller's ``extra_manifest``, e.g. the strategy), renames the staging dir to ``final_dir``,
-   fsyncs the parent and updates ``last_checkpoint``. (c) rank 0's outcome is broadcast, so a
-   failed commit also raises on every rank; the previous checkpoint and pointer are unchanged.
+3. ``finish_directory_save(staging, final_dir, written, vote, step=..., extra_manifest=...)``:
+   (a) every rank posts its result (its files' entries, or its error); rank 0 waits for all
+   of them; if any rank failed, died or stalled, rank 0 removes the staging dir and every
+   rank raises (the failing rank its own ``Exception``, or a ``RuntimeError`` chained to its
+   ``BaseException``; the others a ``CheckpointVoteError`` naming the rank and its error).
+   (b) rank 0 runs ``finalize_directory``: it writes ``manifest.json`` (files with size,
+   digest and the writing ``rank``, step, versions, ``world_size`` and the caller's
+   ``extra_manifest``, e.g. the strategy), renames the staging dir to ``final_dir``, fsyncs
+   the parent and updates ``last_checkpoint``. (c) rank 0 posts the outcome, so a failed
+   commit also raises on every rank; the previous checkpoint and pointer are unchanged.
 
 Load, ``verify_directory(path)`` then the backend's own reader: the manifest is read first
 (none: ``CheckpointCorruptError``, the directory was never committed); every listed file's
@@ -42,6 +47,7 @@ Every rank must also see the same manifest. Retention of whole directories is
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterable
@@ -49,8 +55,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._fs import TEMP_RE
 from .commit import finalize_directory, new_staging_dir
 from .errors import CheckpointCorruptError, CheckpointWarning
+from .vote import CheckpointVoteError, SaveVote
 from .manifest import (DIR_MANIFEST, HASH_ALGO, _identity, check_extra_manifest, entry_digest,
                        file_entry, hash_file, read_manifest, remember_verified, verify_file)
 
@@ -94,15 +102,6 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
-def _broadcast(obj: Any) -> Any:
-    dist = _dist()
-    if dist is None or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, 0)
-    return box[0]
-
-
 def _describe(error: BaseException) -> str:
     return f'{type(error).__name__}: {error}'
 
@@ -122,22 +121,34 @@ def _raise_first(outcomes: list[str | None], mine: BaseException | None, what: s
 
 
 # ---------------------------------------------------------------------------- save: 3 steps
-def begin_directory_save(final_dir: PathLike) -> Path:
-    """Step 1 (collective): rank 0 creates a staging dir beside ``final_dir``; all get its path."""
-    rank, _ = _rank_world()
-    path, error = None, None
-    if rank == 0:
-        try:
-            path = os.fspath(new_staging_dir(final_dir))
-        except Exception as err:  # noqa: BLE001 - raised below, on every rank
-            error = err
-    path, message = _broadcast((path, None if error is None else _describe(error)))
-    if error is not None:
-        raise error
-    if message is not None:
-        raise RuntimeError(f'creating the staging directory for {final_dir} failed on rank 0: '
-                           f'{message}')
-    return Path(path)
+def _check_vote(vote: SaveVote | None, what: str) -> None:
+    if vote is None and _rank_world()[1] > 1:
+        raise ValueError(f'{what} under a process group needs the SaveVote of this save: pass '
+                         f'vote=SaveVote.open(timeout, what), opened on every rank in the same '
+                         f'order, or call save_directory, which opens one')
+
+
+def begin_directory_save(final_dir: PathLike, vote: SaveVote | None = None) -> Path:
+    """Step 1: rank 0 creates a staging dir beside ``final_dir`` and hands it to the others
+    through ``vote`` (required under a process group); every rank returns its path."""
+    _check_vote(vote, 'begin_directory_save')
+    if vote is not None and vote.rank != 0:
+        shared = json.loads(vote.receive('staging'))
+        if 'error' in shared:
+            vote.concluded = True  # rank 0 gave up: there is nothing to vote on
+            raise RuntimeError(f'creating the staging directory for {final_dir} failed on '
+                               f'rank 0: {shared["error"]}')
+        return Path(shared['staging'])
+    try:
+        path = new_staging_dir(final_dir)
+    except Exception as err:
+        if vote is not None:
+            vote.publish('staging', json.dumps({'error': _describe(err)}))
+            vote.concluded = True
+        raise
+    if vote is not None:
+        vote.publish('staging', json.dumps({'staging': os.fspath(path)}))
+    return path
 
 
 def write_directory_files(staging: PathLike, write_fn: WriteFn) -> DirectoryWriteResult:
@@ -185,42 +196,66 @@ def _hash_written(staging: Path, item: PathLike | dict) -> dict:
 
 
 def finish_directory_save(staging: PathLike, final_dir: PathLike, written: DirectoryWriteResult,
-                          *, step: int | None = None, extra_manifest: dict | None = None,
+                          vote: SaveVote | None = None, *, step: int | None = None,
+                          extra_manifest: dict | None = None,
                           update_pointer: bool = True) -> Path:
-    """Step 3 (collective): exchange errors, rank 0 commits, everyone learns the outcome.
-
-    Returns the committed directory's absolute path on every rank.
-    """
-    rank, world = _rank_world()
+    """Step 3: post this rank's result, rank 0 commits, everyone learns the outcome
+    (``vote``: required under a process group). Returns the committed directory's absolute
+    path on every rank."""
+    _check_vote(vote, 'finish_directory_save')
     staging = Path(staging)
-    outcomes = _gather((None if written.ok else _describe(written.error), written.files))
-    errors = [err for err, _ in outcomes]
-    if any(err is not None for err in errors):
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        _raise_first(errors, written.error, f'saving checkpoint directory {final_dir}')
-    error, final = None, None
-    if rank == 0:
-        known = [{**entry, 'rank': r} for r, (_, files) in enumerate(outcomes)
-                 for entry in files]
+    what = f'saving checkpoint directory {final_dir}'
+    if vote is None:
         try:
-            final = os.fspath(finalize_directory(
-                staging, final_dir, step=step, update_pointer=update_pointer, known_files=known,
-                extra_manifest={'world_size': world, **(extra_manifest or {})}))
-        except Exception as err:  # noqa: BLE001 - raised below, on every rank
-            error = err
+            if not written.ok:
+                _raise_own(written.error, what)
+            return _commit(staging, final_dir, [written.files], 1, step, extra_manifest,
+                           update_pointer)
+        except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
-    final, message = _broadcast((final, None if error is None else _describe(error)))
-    if error is not None:
+            raise
+    vote.ready(None if written.ok else _describe(written.error),
+               json.dumps(written.files) if written.ok else None)
+    if vote.rank != 0:
+        if not written.ok:
+            vote.concluded = True  # rank 0 learns it from the vote; close() acknowledges
+            _raise_own(written.error, what)
+        vote.wait_outcome()
+        return staging.parent / TEMP_RE.match(staging.name)['final']  # rank 0's final name
+    try:
+        payloads = vote.wait_ready() if written.ok else None
+        if not written.ok:
+            _raise_own(written.error, what)
+        final = _commit(staging, final_dir, [json.loads(p) for p in payloads],
+                        vote.world_size, step, extra_manifest, update_pointer)
+    except BaseException as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        vote.post_outcome(str(err) if isinstance(err, CheckpointVoteError) else _describe(err))
+        raise
+    vote.post_outcome(None)
+    return final
+
+
+def _raise_own(error: BaseException, what: str) -> None:
+    if isinstance(error, Exception):
         raise error
-    if message is not None:
-        raise RuntimeError(f'committing checkpoint directory {final_dir} failed on rank 0: '
-                           f'{message}')
-    return Path(final)
+    # a BaseException (DCP's CheckpointException) becomes an Exception, so that callers'
+    # `except Exception` sees it on this rank as on the others
+    raise RuntimeError(f'{what} failed on rank {_rank_world()[0]}: {_describe(error)}') \
+        from error
+
+
+def _commit(staging: Path, final_dir: PathLike, per_rank: list[list[dict]], world: int,
+            step: int | None, extra_manifest: dict | None, update_pointer: bool) -> Path:
+    known = [{**entry, 'rank': r} for r, files in enumerate(per_rank) for entry in files]
+    return finalize_directory(staging, final_dir, step=step, update_pointer=update_pointer,
+                              known_files=known,
+                              extra_manifest={'world_size': world, **(extra_manifest or {})})
 
 
 def save_directory(final_dir: PathLike, write_fn: WriteFn, *, step: int | None = None,
-                   extra_manifest: dict | None = None, update_pointer: bool = True) -> Path:
+                   extra_manifest: dict | None = None, update_pointer: bool = True,
+                   vote: SaveVote | None = None, timeout: float = 600.0) -> Path:
     """Collective atomic save of a multi-file checkpoint; steps 1-3 of the module docstring.
 
     Args:
@@ -233,6 +268,10 @@ def save_directory(final_dir: PathLike, write_fn: WriteFn, *, step: int | None =
         extra_manifest: JSON-able extras for the manifest (e.g. ``{'strategy': 'FSDP...'}``);
             ``world_size`` is added for you.
         update_pointer: point ``last_checkpoint`` at the new directory.
+        vote: this save's ``SaveVote`` (a strategy's, opened for the whole save); by default
+            one is opened (and closed) here under a process group, every rank in the same
+            order, with ``timeout``: seconds a rank may show no sign of life before the
+            others give up on the save, naming it.
 
     Returns:
         The committed directory's absolute path, on every rank.
@@ -240,10 +279,17 @@ def save_directory(final_dir: PathLike, write_fn: WriteFn, *, step: int | None =
     if step is not None and (type(step) is not int or step < 0):
         raise TypeError(f'step must be a non-negative int or None, got {step!r}')
     check_extra_manifest(extra_manifest)
-    staging = begin_directory_save(final_dir)
-    written = write_directory_files(staging, write_fn)
-    return finish_directory_save(staging, final_dir, written, step=step,
-                                 extra_manifest=extra_manifest, update_pointer=update_pointer)
+    own = SaveVote.open(timeout, f'saving {final_dir}') if vote is None else None
+    vote = vote or own
+    try:
+        staging = begin_directory_save(final_dir, vote)
+        written = write_directory_files(staging, write_fn)
+        return finish_directory_save(staging, final_dir, written, vote, step=step,
+                                     extra_manifest=extra_manifest,
+                                     update_pointer=update_pointer)
+    finally:
+        if own is not None:
+            own.close()
 
 
 # -------------------------------------------------------------------------------------- load

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .commit import write_torch_file
+from .commit import _crc32_option, write_torch_file
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
 from .directory import save_directory, verify_directory
 from .load import load_checkpoint_file
@@ -54,14 +54,18 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
 def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *,
                             step: int | None = None, extra_manifest: dict | None = None,
                             partial_grads: dict | None = None, optimizer_keys: str = 'fqn',
-                            collective: bool = True) -> Path:
+                            collective: bool = True, vote: Any = None,
+                            process_group: Any = None) -> Path:
     """Collectively save ``checkpoint`` (mmengine's layout) as a sharded directory.
 
     ``checkpoint['state_dict']`` and ``checkpoint['optimizer']``'s ``state``/``param_groups``
     go to DCP (DTensors are saved shard by shard); everything else to ``extra.pth`` (rank 0).
     ``partial_grads``: this rank's pending gradients, written to its own file. Every rank
     calls this (``collective=False``: a single process without a process group, as
-    ``stratagem convert`` does). Returns the committed path.
+    ``stratagem convert`` does). ``vote``: the save's ``SaveVote`` (else ``save_directory``
+    opens one); ``process_group``: the group DCP's planning runs on (default: the default
+    group; an asynchronous save passes a group of its writer's own). Returns the committed
+    path.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -75,21 +79,28 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
         extra['optimizer_extra'] = optimizer
 
     def write(staging: Path) -> list[dict]:
-        # every file is hashed as it is written and fsynced once: no second read
+        # every file is hashed as it is written and fsynced once: no second read. torch's
+        # per-record zip CRC32 (DCP torch.saves each tensor) is off: our digest covers every
+        # byte. Rank 0's extra.pth (and a rank's pending gradients) are written on a thread
+        # meanwhile, mostly overlapping DCP's planning collectives and its fsync.
         writer = dcp.FileSystemWriter(staging, thread_count=1)
-        with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool:
-            writer.fs = fs = _hashing_fs(pool)
-            dcp.save(tensors, storage_writer=writer, no_dist=not collective)
-        mine = [_entry(p, *fs.written[os.fspath(p)]) for p in staging.iterdir()
-                if re.fullmatch(rf'__{rank}_\d+\.distcp', p.name)
-                or (rank == 0 and p.name == '.metadata')]
+        side = []
         if partial_grads is not None:
             (staging / PARTIAL_DIR).mkdir(exist_ok=True)
-            path = staging / PARTIAL_DIR / f'rank_{rank}.pth'
-            mine.append({**write_torch_file(partial_grads, path), 'path': path})
+            side.append((partial_grads, staging / PARTIAL_DIR / f'rank_{rank}.pth'))
         if rank == 0:
-            mine.append({**write_torch_file(extra, staging / EXTRA_FILE),
-                         'path': staging / EXTRA_FILE})
+            side.append((extra, staging / EXTRA_FILE))
+        with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool, \
+                ThreadPoolExecutor(1, thread_name_prefix='stratagem-extra') as aside:
+            pending = [aside.submit(write_torch_file, obj, path) for obj, path in side]
+            writer.fs = fs = _hashing_fs(pool)
+            with _crc32_option(False):
+                dcp.save(tensors, storage_writer=writer, no_dist=not collective,
+                         process_group=process_group)
+            mine = [_entry(p, *fs.written[os.fspath(p)]) for p in staging.iterdir()
+                    if re.fullmatch(rf'__{rank}_\d+\.distcp', p.name)
+                    or (rank == 0 and p.name == '.metadata')]
+            mine += [{**job.result(), 'path': path} for job, (_, path) in zip(pending, side)]
         return mine
 
     held = validate_checkpoint_content(extra)  # allow-listed classes: named to a loader lacking one
@@ -97,7 +108,7 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
                 'dcp_keys': sorted(tensors),
                 **({SAFE_GLOBALS_KEY: held} if held else {}), **(extra_manifest or {})}
     if collective:
-        return save_directory(final_dir, write, step=step, extra_manifest=manifest)
+        return save_directory(final_dir, write, step=step, extra_manifest=manifest, vote=vote)
     from .commit import commit_directory
     with commit_directory(final_dir, step=step, extra_manifest={'world_size': 1, **manifest}) \
             as staging:
@@ -247,11 +258,13 @@ def load_sharded_checkpoint(path: str | os.PathLike, model_state: dict,
 
     ``model_state`` / ``optim_state``: this rank's sharded (DTensor) state dicts, FQN-keyed
     (``get_state_dict``), which give the current sharding: this reshards N → M ranks. DCP
-    loads in place, so it loads into copies: the tensors they hold (usually the live model's
-    parameters and the optimizer's buffers) are left as they were, and reading a checkpoint
-    never changes the model before (or without) loading it, e.g. when a resume is refused
-    after reading. Returns mmengine's layout: ``meta``, ``state_dict`` (loaded copies of
-    ``model_state``), ``optimizer`` (of ``optim_state``, plus the wrapper's counters; only if
+    loads in place, so it loads into new tensors of the same sharding (one extra copy of
+    this rank's shards, held until the caller loads them): the tensors the state dicts hold
+    (usually the live model's parameters and the optimizer's buffers) are left as they were,
+    and reading a checkpoint never changes the model before (or without) loading it, e.g.
+    when a resume is refused after reading. Returns mmengine's layout: ``meta``,
+    ``state_dict`` (shaped like ``model_state``), ``optimizer`` (like ``optim_state``, plus
+    the wrapper's counters; only if
     asked for and saved),
     ``partial_grads_fqn`` (every saving rank's pending gradients, if any) and the other keys
     of ``extra.pth``. A checkpoint converted from a single file (index-keyed optimizer) is
@@ -262,9 +275,9 @@ def load_sharded_checkpoint(path: str | os.PathLike, model_state: dict,
     manifest = verify_directory(path)
     if manifest.get('optimizer_keys', 'fqn') != 'fqn':
         return _read_full(path, manifest)
-    state = {'state_dict': _copy_tensors(model_state)}
+    state = {'state_dict': _fresh_tensors(model_state)}
     if optim_state is not None and 'optimizer' in (manifest.get('dcp_keys') or _dcp_keys(path)):
-        state['optimizer'] = _copy_tensors(optim_state)
+        state['optimizer'] = _fresh_tensors(optim_state)
     dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     extra = _read_extra(path)
     checkpoint = {'meta': extra.pop('meta', {}), 'state_dict': state['state_dict']}
@@ -296,14 +309,16 @@ def local_tensors(obj: Any) -> Any:
     return obj
 
 
-def _copy_tensors(obj: Any) -> Any:
-    """``obj`` with every tensor (DTensors keep their sharding) replaced by a copy."""
+def _fresh_tensors(obj: Any) -> Any:
+    """``obj`` with every tensor (DTensors keep their sharding) replaced by a new,
+    uninitialised one of the same shape and dtype: DCP's load overwrites each of them whole
+    (a key the checkpoint lacks is an error), so copying the old values would be wasted."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+        return torch.empty_like(obj.detach())
     if isinstance(obj, dict):
-        return type(obj)((k, _copy_tensors(v)) for k, v in obj.items())
+        return type(obj)((k, _fresh_tensors(v)) for k, v in obj.items())
     if type(obj) in (list, tuple):
-        return type(obj)(_copy_tensors(v) for v in obj)
+        return type(obj)(_fresh_tensors(v) for v in obj)
     return obj
 
 

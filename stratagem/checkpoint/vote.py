@@ -5,12 +5,16 @@ process group: a background writer that issued collectives on the training group
 interleave with the training loop's collectives and deadlock (DCP's thread mode does), and a
 collective with a dead peer fails without saying which peer. With the store:
 
-The store is a client connection of its own to the group's store server (``_own_store``),
-so the vote never shares a socket with the training thread.
+The vote talks to the group's store server over connections of its own (``_own_store``),
+so it never shares a socket with the training thread. Waits block on the store
+(``store.wait``), so each step starts as soon as the previous one is posted: the vote adds a
+few store round trips (well under a millisecond each) to a save, no polling delay.
 
 1. Every rank starts a heartbeat (a counter it bumps every ``timeout / 8`` s, at most 1 s)
    for as long as it takes part in the save.
-2. Every rank posts ``ready/{rank}``: ``ok`` once its files are written, or its error.
+2. Every rank posts ``ready/{rank}``: ``ok`` once its files are written (with a payload for
+   rank 0, e.g. the manifest entries of its files), or its error. A directory save also
+   uses ``publish``/``receive`` first, for rank 0 to hand the staging directory out.
 3. Rank 0, before committing (``wait_ready``): waits for every ``ready``; a rank whose
    heartbeat stood still for ``timeout`` s without posting is named as dead or stuck, a rank
    that posted an error is named with it. Either way rank 0 does not commit.
@@ -24,6 +28,7 @@ about ``timeout`` s of the last sign of life, with the rank named, and nothing i
 """
 from __future__ import annotations
 
+import datetime
 import itertools
 import threading
 import time
@@ -32,11 +37,11 @@ from typing import Any
 __all__ = ['SaveVote', 'CheckpointVoteError']
 
 _OK = 'ok'
+_OK_MARK, _ERROR_MARK = '+', '-'  # a ready value: '+payload' or '-error'
 _SAVES = itertools.count()  # every rank saves in the same order, so the ids agree
-_POLL = 0.02
 
 
-_STORE: '_LockedStore | None' = None
+_STORES: 'tuple[Any, _LockedStore, _LockedStore | Any] | None' = None  # (inner, rw, waiter)
 _STORE_LOCK = threading.Lock()
 
 
@@ -56,13 +61,13 @@ class _LockedStore:
         return locked
 
 
-def _own_store() -> _LockedStore:
-    """A client of the process group's store that is ours alone: a new connection to the same
-    TCPStore server (the training thread may use the default client meanwhile), or the
-    default store itself when it is not a TCPStore (FileStore, HashStore)."""
-    global _STORE
-    import datetime
-
+def _own_store() -> tuple[_LockedStore, Any]:
+    """Two clients of the process group's store that are ours alone: new connections to the
+    same TCPStore server (the training thread may use the default client meanwhile), one
+    for requests (heartbeats, posts) and one for the blocking waits, so a wait never holds
+    up a heartbeat; or the default store itself when it is not a TCPStore (FileStore,
+    HashStore: thread-safe, no socket to share)."""
+    global _STORES
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
     with _STORE_LOCK:
@@ -71,17 +76,16 @@ def _own_store() -> _LockedStore:
         while hasattr(inner, 'underlying_store'):  # PrefixStore layers
             inner = inner.underlying_store
         # the default store object itself is the key (held, so its id is never reused): a
-        # process group destroyed and created again gets a client of the new server
-        if _STORE is None or _STORE.__dict__.get('_inner') is not inner:
+        # process group destroyed and created again gets clients of the new server
+        if _STORES is None or _STORES[0] is not inner:
             if isinstance(inner, dist.TCPStore):
-                store = dist.TCPStore(inner.host, inner.port, is_master=False,
-                                      wait_for_workers=False,
-                                      timeout=datetime.timedelta(seconds=300))
+                rw, waiter = (_LockedStore(dist.TCPStore(
+                    inner.host, inner.port, is_master=False, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=300))) for _ in range(2))
             else:
-                store = base
-            _STORE = _LockedStore(store)
-            _STORE.__dict__['_inner'] = inner
-        return _STORE
+                rw, waiter = _LockedStore(base), base
+            _STORES = (inner, rw, waiter)
+        return _STORES[1], _STORES[2]
 
 
 class CheckpointVoteError(RuntimeError):
@@ -90,15 +94,23 @@ class CheckpointVoteError(RuntimeError):
 
 class SaveVote:
     """One distributed save's vote (see module doc). ``open`` returns None without a
-    process group, so callers need no branch for a single process."""
+    process group, so callers need no branch for a single process.
+
+    Every wait blocks on the store (``store.wait``) for at most one heartbeat interval at a
+    time, so it returns as soon as the awaited key is posted (no polling delay on the
+    save's critical path) and checks the peers' heartbeats in between.
+    """
 
     def __init__(self, store: Any, prefix: str, rank: int, world_size: int, timeout: float,
-                 what: str) -> None:
+                 what: str, waiter: Any | None = None) -> None:
         self._store, self._prefix = store, prefix
+        self._waiter = waiter if waiter is not None else store
         self.rank, self.world_size, self.timeout, self.what = rank, world_size, timeout, what
         self._beat = max(0.05, min(1.0, timeout / 8))
         self._seen: dict[int, tuple[int | None, float]] = {}  # rank -> (beats, when seen)
         self._dead: set[int] = set()  # ranks found dead: nobody waits for them again
+        self.ready_posted = False  # step 2 done on this rank
+        self.concluded = False  # step 4 done on this rank: the outcome is known (or posted)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, daemon=True,
                                         name='stratagem-ckpt-heartbeat')
@@ -112,49 +124,57 @@ class SaveVote:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
         prefix = f'stratagem/ckpt/{next(_SAVES)}/'
-        return cls(_own_store(), prefix, dist.get_rank(), dist.get_world_size(),
-                   float(timeout), what)
+        store, waiter = _own_store()
+        return cls(store, prefix, dist.get_rank(), dist.get_world_size(), float(timeout), what,
+                   waiter)
 
     # ------------------------------------------------------------------ steps
-    def ready(self, error: str | None = None) -> None:
-        """Step 2: this rank's files are written (``error`` None) or it failed."""
-        self._set(f'ready/{self.rank}', _OK if error is None else error)
+    def publish(self, name: str, value: str) -> None:
+        """Rank 0 shares ``value`` (e.g. the staging directory) with the other ranks."""
+        self._set(f'share/{name}', value)
 
-    def wait_ready(self) -> None:
-        """Step 3 (rank 0): raise ``CheckpointVoteError`` unless every rank posted ``ok``."""
-        pending = set(range(self.world_size))
-        while pending:
-            for rank in sorted(pending):
-                if self._has(f'ready/{rank}'):
-                    pending.discard(rank)
-                    value = self._get(f'ready/{rank}')
-                    if value != _OK:
-                        raise CheckpointVoteError(f'{self.what} failed on rank {rank}: {value}; '
-                                                  'nothing was committed')
-            if pending:
-                self._check_alive(pending, 'finish writing')
-                time.sleep(_POLL)
+    def receive(self, name: str) -> str:
+        """Another rank: rank 0's ``publish``ed value (waits for it, watching rank 0)."""
+        self._await([f'share/{name}'], {0}, f'share {name}')
+        return self._get(f'share/{name}')
+
+    def ready(self, error: str | None = None, payload: str | None = None) -> None:
+        """Step 2: this rank's files are written (``error`` None; ``payload``, e.g. their
+        manifest entries, goes to rank 0) or it failed."""
+        self._set(f'ready/{self.rank}', _OK_MARK + (payload or '') if error is None
+                  else _ERROR_MARK + error)
+        self.ready_posted = True
+
+    def wait_ready(self) -> list[str]:
+        """Step 3 (rank 0): every rank's ``ready`` payload, in rank order; raise
+        ``CheckpointVoteError`` naming the first rank that failed, died or stalled."""
+        keys = [f'ready/{r}' for r in range(self.world_size)]
+        self._await(keys, set(range(self.world_size)), 'finish writing')
+        payloads = []
+        for rank, key in enumerate(keys):
+            value = self._get(key)
+            if value.startswith(_ERROR_MARK):
+                raise CheckpointVoteError(f'{self.what} failed on rank {rank}: '
+                                          f'{value[len(_ERROR_MARK):]}; nothing was committed')
+            payloads.append(value[len(_OK_MARK):])
+        return payloads
 
     def post_outcome(self, error: str | None) -> None:
         """Step 4 (rank 0): the commit happened (``error`` None) or not. Returns once every
         live rank has read it: the store's server runs in rank 0's process, which may exit
         right after the save, and a rank still polling would lose the outcome with it."""
+        self.concluded = True
         self._set('outcome', _OK if error is None else error)
         pending = set(range(1, self.world_size)) - self._dead
-        while pending:
-            pending = {r for r in pending if not self._has(f'read/{r}')}
-            if pending:
-                try:
-                    self._check_alive(pending, 'read the outcome')
-                except CheckpointVoteError:
-                    return  # a rank died meanwhile: nobody is left to tell
-                time.sleep(_POLL)
+        try:
+            self._await([f'read/{r}' for r in sorted(pending)], pending, 'read the outcome')
+        except CheckpointVoteError:
+            return  # a rank died meanwhile: nobody is left to tell
 
     def wait_outcome(self) -> None:
         """Step 4 (other ranks): return once rank 0 committed; raise its error otherwise."""
-        while not self._has('outcome'):
-            self._check_alive({0}, 'commit')
-            time.sleep(_POLL)
+        self.concluded = True
+        self._await(['outcome'], {0}, 'commit')
         value = self._get('outcome')
         self._set(f'read/{self.rank}', _OK)
         if value != _OK:
@@ -164,6 +184,7 @@ class SaveVote:
     def close(self) -> None:
         """Leave the vote: a rank other than 0 marks the outcome read (also when it failed on
         its own and never waited for it), then this rank's heartbeat stops."""
+        self.concluded = True
         if self.rank != 0:
             try:
                 self._set(f'read/{self.rank}', _OK)
@@ -181,6 +202,34 @@ class SaveVote:
             except Exception:  # noqa: BLE001 - the store went away: the waits report it
                 return
             self._stop.wait(self._beat)
+
+    def _await(self, keys: list[str], watch: set, doing: str) -> None:
+        """Block until every key in ``keys`` is posted. Between waits of one heartbeat
+        interval: raise if a rank in ``watch`` that has not posted its key stalled for
+        ``timeout`` s; a non-zero rank also stops early on an error outcome of rank 0's
+        (it gave up on this save, e.g. before publishing)."""
+        if not keys:
+            return
+        full = [self._prefix + k for k in keys]
+        while True:
+            try:
+                self._waiter.wait(full, datetime.timedelta(seconds=self._beat))
+                return
+            except Exception:  # noqa: BLE001 - a timeout; a lost store fails in the checks below
+                pass
+            missing = {k for k, f in zip(keys, full) if not self._store.check([f])}
+            if not missing:
+                return
+            if self.rank != 0 and 'outcome' not in keys and self._store.check(
+                    [self._prefix + 'outcome']):
+                value = self._get('outcome')
+                if value != _OK:
+                    raise CheckpointVoteError(value if value.startswith(self.what) else
+                                              f'{self.what} failed on rank 0: {value}')
+            # the rank that owes a key is its last part (ready/3, read/1); rank 0 owes the rest
+            owing = {int(k.rsplit('/', 1)[1]) if k.rsplit('/', 1)[1].isdigit() else 0
+                     for k in missing}
+            self._check_alive(owing & watch or watch, doing)
 
     def _check_alive(self, ranks: set, doing: str) -> None:
         """Raise naming the ranks among ``ranks`` whose heartbeat stood still for timeout s."""

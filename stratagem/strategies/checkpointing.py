@@ -50,6 +50,8 @@ class CheckpointMixin:
     checkpoint_timeout: float = 600.0
     _async_writer: AsyncCheckpointWriter | None = None
     _commit_gate: Callable[[], None] | None = None
+    # the save's vote, for a backend whose directory protocol runs all of it (steps 2-4)
+    _commit_vote: SaveVote | None = None
     # a backend whose every rank writes files (sharded) sets this: every rank snapshots
     _checkpoint_all_ranks_write = False
 
@@ -403,7 +405,9 @@ class CheckpointMixin:
         self.wait_for_checkpoints()
         extra = dict(extra_ckpt or {})
         path = filename if osp.isabs(filename) else osp.join(self._work_dir, filename)
-        path = env.broadcast_object(osp.abspath(path))
+        # one collective: rank 0's path for every rank, and every rank's RNG state
+        gathered = env.all_gather_object((osp.abspath(path), env.get_rng_state()))
+        path = gathered[0][0]
         checkpoint: dict[str, Any] = {'meta': self._meta(extra.pop('meta', None)),
                                       'state_dict': self.model_state_dict()}
         if save_optimizer and hasattr(self, 'optim_wrapper'):
@@ -413,7 +417,7 @@ class CheckpointMixin:
                 checkpoint['partial_grads'] = partial
         if save_param_scheduler and hasattr(self, 'param_schedulers'):
             checkpoint['param_schedulers'] = self.scheduler_state_dict()
-        checkpoint['rng_states'] = env.all_gather_object(env.get_rng_state())
+        checkpoint['rng_states'] = [rng for _, rng in gathered]
         checkpoint.update(extra)
         if callback is not None:
             callback(checkpoint)
@@ -488,17 +492,19 @@ class CheckpointMixin:
                 if self.rank == 0:
                     vote.wait_ready()
 
-        self._commit_gate = gate
+        self._commit_gate, self._commit_vote = gate, vote
         error = None
         try:
             self._save_checkpoint_files(checkpoint, path)
-            if not reached:  # a rank with nothing to commit, or a backend without the gate
-                gate()
+            if not reached and not (vote is not None and vote.ready_posted):
+                gate()  # a rank with nothing to commit, or a backend without the gate
         except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
             error = e
         finally:
-            self._commit_gate = None
-        if vote is None:
+            self._commit_gate = self._commit_vote = None
+        if vote is None or vote.concluded:  # a directory save ran the whole vote itself
+            if vote is not None:
+                vote.close()
             if error is not None:
                 raise error
             return
@@ -506,7 +512,7 @@ class CheckpointMixin:
             str(error) if isinstance(error, CheckpointVoteError) else
             f'{type(error).__name__}: {error}')
         try:
-            if not reached:
+            if not reached and not vote.ready_posted:
                 vote.ready(message)
             if self.rank == 0:
                 vote.post_outcome(message)

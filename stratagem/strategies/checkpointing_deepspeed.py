@@ -137,7 +137,8 @@ class DeepSpeedCheckpointMixin:
         extra = {'strategy': type(self).__name__, 'zero_stage': self.zero_stage}
         if held:
             extra[SAFE_GLOBALS_KEY] = held
-        ckpt.save_directory(path, write, step=step, extra_manifest=extra)
+        ckpt.save_directory(path, write, step=step, extra_manifest=extra,
+                            timeout=self.checkpoint_timeout)
 
     # ----------------------------------------------------------------------- load
     def _verify_directory(self, filename: str) -> tuple[Path, dict]:

@@ -259,7 +259,7 @@ class FSDPStrategy(BaseStrategy):
             return
         partial = checkpoint.pop('partial_grads', None)
         ckpt.save_sharded_checkpoint(filename, checkpoint, step=checkpoint['meta'].get('iter'),
-                                     partial_grads=partial,
+                                     partial_grads=partial, vote=self._commit_vote,
                                      extra_manifest={'strategy': type(self).__name__})
 
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:

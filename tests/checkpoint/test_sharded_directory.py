@@ -221,9 +221,9 @@ def test_two_ranks(tmp_path):
                 'RuntimeError: saving checkpoint directory '
                 f'{tmp_path / "iter_2"} failed on rank 1: _FakeCheckpointException: dcp failed']
         else:
-            assert out['errors'] == [
-                'RuntimeError: saving checkpoint directory '
-                f'{tmp_path / "iter_2"} failed on rank 1: OSError: disk full',
-                'RuntimeError: saving checkpoint directory '
-                f'{tmp_path / "iter_2"} failed on rank 1: _FakeCheckpointException: dcp failed']
+            assert out['errors'] == [  # named by the vote: the rank and its error
+                f'CheckpointVoteError: saving {tmp_path / "iter_2"} failed on rank 1: '
+                'OSError: disk full; nothing was committed',
+                f'CheckpointVoteError: saving {tmp_path / "iter_2"} failed on rank 1: '
+                '_FakeCheckpointException: dcp failed; nothing was committed']
         assert 'shard_1.bin' in out['verify'] and 'xxh3_128' in out['verify']
