@@ -9,6 +9,7 @@ knows nothing about strategies or layouts. A save goes:
    from the previous save when shape and dtype match (pinned memory for CUDA tensors, one
    device synchronisation at the end); containers are rebuilt, plain values shared
    (immutable) or copied (``bytearray``). Tensors that alias the same memory stay one tensor.
+   A DTensor (FSDP's shards) stages its local shard and keeps its sharding spec.
    Tensors for which ``defer(tensor)`` is true (a strategy passes its parameters and
    optimizer state) get their buffer now but are copied by the writer thread, before it
    serialises anything, while the caller's forward and backward passes (which only read
@@ -151,6 +152,12 @@ class AsyncCheckpointWriter:
     def _copy(self, obj: Any, key: str, used: dict, aliases: dict, cuda: list) -> Any:
         kind = type(obj)
         if isinstance(obj, torch.Tensor):
+            dtensor = _dtensor_type()
+            if dtensor is not None and isinstance(obj, dtensor):
+                # this rank's shard is staged; the copy keeps the sharding (spec: mesh,
+                # placements, global shape), which is all DCP plans and writes from
+                local = self._copy_tensor(obj._local_tensor, key, used, aliases, cuda)
+                return dtensor(local, obj._spec, requires_grad=False)
             return self._copy_tensor(obj, key, used, aliases, cuda)
         if kind in (dict, OrderedDict):
             out = kind()
@@ -192,6 +199,15 @@ class AsyncCheckpointWriter:
         used[key] = buffer
         aliases[alias] = buffer
         return buffer
+
+
+def _dtensor_type() -> type | None:
+    """``torch.distributed.tensor.DTensor``, or None where torch.distributed is absent."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed: there are no DTensors
+        return None
+    return DTensor
 
 
 def _null() -> contextlib.AbstractContextManager:

@@ -457,27 +457,29 @@ class CheckpointMixin:
         ``wait_for_checkpoints()`` first."""
         if not hasattr(self, 'optim_wrapper'):
             return None
-        live: set[int] = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        live: set[int] = {_storage_ptr(p) for p in self.model.parameters()}
         for wrapper in self._wrappers():
             optimizer = wrapper.optimizer
             if not getattr(optimizer, '_stratagem_snapshot_guard', False):
                 optimizer.register_step_pre_hook(self._wait_staged_hook)
                 optimizer._stratagem_snapshot_guard = True
             for state in optimizer.state.values():
-                live.update(t.untyped_storage().data_ptr() for t in state.values()
+                live.update(_storage_ptr(t) for t in state.values()
                             if isinstance(t, torch.Tensor) and t.numel() > 1)
         live.discard(0)
-        return lambda tensor: tensor.untyped_storage().data_ptr() in live
+        return lambda tensor: _storage_ptr(tensor) in live
 
     def _wait_staged_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._async_writer is not None:
             self._async_writer.wait_staged()
 
     def _async_capable(self) -> bool:
-        """Backend hook: whether this save's write step can run on the writer thread. A
-        layout whose writer issues collectives (DCP's planning, the directory helper's
-        exchange) returns False until those run on a group of the writer's own; such saves
-        stay synchronous, with a one-time warning, rather than risk a deadlock."""
+        """Backend hook (every rank, on the training thread, before the snapshot): whether
+        this save's write step can run on the writer thread. The writer agrees with the
+        other ranks through the store vote, never on the default group; a layout whose
+        writer still issues collectives (DCP's planning) creates a group of the writer's own
+        here (FSDPStrategy), or returns False to stay synchronous rather than risk a
+        deadlock."""
         return True
 
     def _write_and_agree(self, checkpoint: dict | None, path: str, vote: SaveVote | None
@@ -555,6 +557,12 @@ class CheckpointMixin:
                                  extra_manifest={'world_size': self.world_size,
                                                  'strategy': type(self).__name__},
                                  before_commit=self._commit_gate)
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    """Address of the memory ``tensor`` lives in (a DTensor's: its local shard's)."""
+    local = getattr(tensor, '_local_tensor', None)  # a DTensor (FSDP's sharded parameters)
+    return (tensor if local is None else local).untyped_storage().data_ptr()
 
 
 def _move(obj: Any, map_location: Any) -> Any:

@@ -43,6 +43,8 @@ class FSDPStrategy(BaseStrategy):
         state_dict_type: ``'sharded'`` (default; a directory, DCP shards, reshards across
             world sizes) or ``'full'`` (one consolidated file written by rank 0). mmengine's
             ``state_dict_cfg='local' | 'full' | dict(state_dict_type=...)`` is accepted.
+            With ``async_checkpoint=True`` (BaseStrategy) both kinds save in the background;
+            a sharded save stages this rank's shards and runs DCP on a gloo group of its own.
         activation_checkpointing: module class names / classes, or ``dict(check_fn=...)``;
             applied before sharding.
         skip_init_weights: build a cfg model on the meta device, skip ``init_weights`` and
@@ -60,6 +62,7 @@ class FSDPStrategy(BaseStrategy):
         self.ac_check = parse_activation_checkpointing(activation_checkpointing)
         self.skip_init_weights = bool(skip_init_weights)
         self._block_compile: dict | None = None
+        self._writer_group: Any = None  # the async writer's gloo group (first async save)
         env_kwargs = self._distributed_env_kwargs(
             kwargs, 'FSDPStrategy', "; for one process use SingleDeviceStrategy (type='auto')")
         super().__init__(env_kwargs=env_kwargs, **kwargs)
@@ -241,15 +244,19 @@ class FSDPStrategy(BaseStrategy):
             return env.all_gather_object({k: v.cpu() for k, v in grads.items()})
         return grads
 
+    @property
+    def _checkpoint_all_ranks_write(self) -> bool:  # every rank writes its own shards
+        return not self._full
+
     def _async_capable(self) -> bool:
-        """A full-state file saves asynchronously; a sharded directory (dcp.save and the
-        directory helper run collectives on the default group) is saved synchronously."""
-        if not self._full and not getattr(self, '_warned_async', False):
-            self._warned_async = True
-            self.logger.warning('FSDPStrategy: async_checkpoint applies to '
-                                "state_dict_type='full' saves; sharded directory saves are "
-                                'written synchronously (their writer issues collectives)')
-        return self._full
+        """Every save can be asynchronous. A sharded one runs DCP's planning collectives on
+        the writer thread, so they get a gloo group of their own, created here (every rank
+        calls ``save_checkpoint``, in the same order): on the default group they would
+        interleave with the training loop's collectives and deadlock."""
+        if not self._full and self._writer_group is None:
+            import torch.distributed as dist
+            self._writer_group = dist.new_group(backend='gloo')
+        return True
 
     def _save_checkpoint_files(self, checkpoint: dict, filename: str) -> None:
         if self._full:  # one consolidated file through the base path (rank 0 holds it)
@@ -260,6 +267,7 @@ class FSDPStrategy(BaseStrategy):
         partial = checkpoint.pop('partial_grads', None)
         ckpt.save_sharded_checkpoint(filename, checkpoint, step=checkpoint['meta'].get('iter'),
                                      partial_grads=partial, vote=self._commit_vote,
+                                     process_group=self._writer_group,
                                      extra_manifest={'strategy': type(self).__name__})
 
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:

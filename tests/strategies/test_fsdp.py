@@ -157,6 +157,7 @@ def _checks(work_dir):
     out.update(_compile_checks(work_dir))
     out.update(_ignored_checks(work_dir))
     out.update(_skip_init_checks(work_dir))
+    out.update(_async_checks(work_dir))
     # 4. first half of the resumed run: checkpoints on a boundary (3) and mid-window (4)
     s = _strategy(work_dir)
     model, ow, scheds = s.prepare(_net(), **COMPONENTS)
@@ -194,6 +195,63 @@ def _checks(work_dir):
     _train(s, model, ow, scheds, 4, MAX_ITERS, 2)
     out['final'] = _full_state(s)
     out['lr'] = [g['lr'] for g in ow.param_groups]
+    return out
+
+
+def _async_checks(work_dir):
+    """async_checkpoint=True with sharded saves: the writer thread runs DCP (its planning
+    collectives on a gloo group of its own) while training goes on with FSDP's collectives
+    on the default group; the checkpoint holds the state at the save, and errors surface."""
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    from stratagem.checkpoint import directory
+    sync, asyn = _strategy(work_dir), _strategy(work_dir, async_checkpoint=True)
+    comps = {k: v for k, v in COMPONENTS.items() if k != 'optim_wrapper'}
+    comps['optim_wrapper'] = dict(optimizer=dict(type='AdamW', lr=0.01))
+    built = [(s, *s.prepare(_net(), **comps)) for s in (sync, asyn)]
+    for s, model, ow, scheds in built:
+        _train(s, model, ow, scheds, 0, 3, 2)
+    real_save = dcp.save
+
+    def slow_save(*args, **kwargs):  # the training below overlaps the whole write
+        time.sleep(0.3)
+        return real_save(*args, **kwargs)
+    out = {'async_state_3': _full_state(asyn)}
+    sync.save_checkpoint('sync_3', extra_ckpt={'meta': {'iter': 3}})
+    dcp.save = slow_save
+    try:
+        started = time.perf_counter()
+        asyn.save_checkpoint('async_3', extra_ckpt={'meta': {'iter': 3}})
+        out['async_returned_s'] = time.perf_counter() - started
+        for s, model, ow, scheds in built:  # collectives on the default group meanwhile
+            _train(s, model, ow, scheds, 3, 5, 2)
+        out['pending_after_training'] = asyn._async_writer.pending
+        asyn.wait_for_checkpoints()
+    finally:
+        dcp.save = real_save
+    out['trained_5'] = (_full_state(sync), _full_state(asyn))
+    reader = _strategy(work_dir)
+    reader.prepare(_net(), **comps)
+    out['async_iter'] = reader.resume(str(Path(work_dir) / 'async_3'))['meta']['iter']
+    out['async_loaded'] = _full_state(reader)
+    reader.resume(str(Path(work_dir) / 'sync_3'))
+    out['sync_loaded'] = _full_state(reader)
+    # an error on the writer thread reaches every rank at the next wait; nothing committed
+    real_finalize = directory.finalize_directory
+
+    def failing(*args, **kwargs):
+        raise OSError('injected: async commit failed')
+    directory.finalize_directory = failing
+    try:
+        asyn.save_checkpoint('async_fail', extra_ckpt={'meta': {'iter': 5}})
+        asyn.wait_for_checkpoints()
+    except Exception as err:  # noqa: BLE001
+        out['async_failed'] = f'{type(err).__name__}: {err}'
+    finally:
+        directory.finalize_directory = real_finalize
+    out['async_fail_exists'] = (Path(work_dir) / 'async_fail').exists()
     return out
 
 
@@ -405,6 +463,21 @@ def test_skip_init_weights(runs):
 def test_sharded_save_reads_nothing_back(runs):
     for out in runs['first']:
         assert out['reread_after_write'] == []
+
+
+def test_async_sharded_save(runs):
+    for rank, out in enumerate(runs['first']):
+        assert out['pending_after_training']  # the write overlapped two training steps
+        assert out['async_returned_s'] < 0.3  # returned before the (slowed) write
+        assert out['async_iter'] == 3
+        _assert_equal_states(out['async_loaded'], out['async_state_3'])  # the state at save
+        _assert_equal_states(out['async_loaded'], out['sync_loaded'])
+        _assert_equal_states(*out['trained_5'])  # training went on undisturbed
+        assert not out['async_fail_exists']
+    assert runs['first'][0]['async_failed'] == 'OSError: injected: async commit failed'
+    assert runs['first'][1]['async_failed'].startswith('CheckpointVoteError: saving ')
+    assert 'failed on rank 0: OSError: injected: async commit failed' in \
+        runs['first'][1]['async_failed']
 
 
 def test_errors(runs):
