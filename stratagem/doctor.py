@@ -6,10 +6,10 @@ and list module classes; a model that cannot be built that way is reported and t
 skipped. Each check reads the config (and the machine: devices, packages, free disk, one
 32 MiB write to time the disk) and adds findings, each with its fix:
 
-1. keys (``doctor_keys.py``): unknown or misspelt keys anywhere the config is read (top level, ``train_cfg``,
-   ``train_dataloader``, ``strategy`` and its ``env_kwargs``/``randomness``, the model,
-   dataset, optimizer, optim wrapper and scheduler arguments, by their signatures), and
-   ``type`` names no registry knows;
+1. keys (``doctor_keys.py``): unknown or misspelt keys anywhere the config is read (top
+   level, ``train_cfg``, ``train_dataloader``, ``strategy`` and its
+   ``env_kwargs``/``randomness``, the model, dataset, optimizer, optim wrapper and scheduler
+   arguments, by their signatures), and ``type`` names no registry knows;
 2. batch: world size × micro batch × accumulation against ``auto_scale_lr.base_batch_size``
    and DeepSpeed's ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` /
    ``gradient_accumulation_steps``;
