@@ -204,6 +204,21 @@ def _dist_checks(root):
         verify_directory(good)
     except CheckpointCorruptError as err:
         out['verify'] = str(err)
+    # a slow rank is waited for, not declared dead: with timeout 8 s the vote's waits time
+    # out every second (the heartbeat interval) while rank 1 writes for 2.5 s, and the store
+    # connections stay usable afterwards (the next save right after commits at once)
+    import time
+
+    def slow(staging):
+        if rank == 1:
+            time.sleep(2.5)
+        return per_rank('slow')(staging)
+    start = time.monotonic()
+    slow_dir = save_directory(root / 'iter_3', slow, step=3, timeout=8.0)
+    out['slow_s'] = time.monotonic() - start
+    out['slow_step'] = verify_directory(slow_dir)['step']
+    out['after_slow'] = verify_directory(save_directory(root / 'iter_4', per_rank('four'),
+                                                        step=4, timeout=8.0))['step']
     return out
 
 
@@ -227,3 +242,5 @@ def test_two_ranks(tmp_path):
                 f'CheckpointVoteError: saving {tmp_path / "iter_2"} failed on rank 1: '
                 '_FakeCheckpointException: dcp failed; nothing was committed']
         assert 'shard_1.bin' in out['verify'] and 'xxh3_128' in out['verify']
+        assert out['slow_step'] == 3 and out['after_slow'] == 4
+        assert 2.5 <= out['slow_s'] < 8.0, out['slow_s']
