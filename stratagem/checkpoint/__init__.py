@@ -44,11 +44,13 @@ from .retention import apply_retention
 from .sharded import (
                       is_sharded_checkpoint,
                       load_sharded_checkpoint,
+                      load_sharded_in_place,
                       local_tensors,
                       optim_state_to_fqn,
                       optim_state_to_index,
                       read_partial_grads,
                       read_sharded_checkpoint,
+                      read_sharded_header,
                       save_sharded_checkpoint,
 )
 from .state_dict import (
@@ -71,6 +73,7 @@ __all__ = [
     'save_directory', 'begin_directory_save', 'write_directory_files', 'finish_directory_save',
     'verify_directory', 'DirectoryWriteResult',
     'save_sharded_checkpoint', 'read_sharded_checkpoint', 'load_sharded_checkpoint',
+    'read_sharded_header', 'load_sharded_in_place',
     'local_tensors', 'read_partial_grads',
     'is_sharded_checkpoint', 'optim_state_to_fqn', 'optim_state_to_index',
     'add_safe_globals', 'get_safe_globals', 'safe_globals',

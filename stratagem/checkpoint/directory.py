@@ -103,6 +103,19 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def _describe(error: BaseException) -> str:
+    return describe_error(error)
+
+
+def describe_error(error: BaseException) -> str:
+    """``Type: message``; DCP's ``CheckpointException`` (whose message lists only rank
+    numbers) with its first rank's own error."""
+    failures = getattr(error, 'failures', None)
+    if isinstance(failures, dict) and failures:
+        rank, cause = sorted(failures.items())[0]
+        if isinstance(cause, tuple):  # (exception, traceback)
+            cause = cause[0]
+        more = f' (ranks {sorted(failures)})' if len(failures) > 1 else ''
+        return f'{type(error).__name__}: rank {rank}: {type(cause).__name__}: {cause}{more}'
     return f'{type(error).__name__}: {error}'
 
 

@@ -30,16 +30,18 @@ import torch
 
 from .commit import _OVERHEAD_BYTES, _crc32_option, check_free_space, payload_bytes, write_torch_file
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
-from .directory import save_directory, verify_directory
+from .directory import describe_error, save_directory, verify_directory
 from .load import load_checkpoint_file
 from .manifest import file_entry, new_hasher
 
 __all__ = ['save_sharded_checkpoint', 'read_sharded_checkpoint', 'load_sharded_checkpoint',
+           'read_sharded_header', 'load_sharded_in_place',
            'local_tensors',
            'is_sharded_checkpoint', 'optim_state_to_fqn', 'optim_state_to_index',
            'EXTRA_FILE', 'DCP_KEYS']
 
 EXTRA_FILE = 'extra.pth'
+GROUPS_KEY = 'optimizer_param_groups'  # extra.pth: a copy of the param groups (small)
 PARTIAL_DIR = 'partial_grads'
 DCP_KEYS = ('state_dict', 'optimizer')
 _OPTIM_TENSOR_KEYS = ('state', 'param_groups')
@@ -77,6 +79,8 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
     extra = {k: v for k, v in checkpoint.items() if k not in DCP_KEYS}
     if optimizer:
         extra['optimizer_extra'] = optimizer
+    if 'param_groups' in tensors.get('optimizer', {}):  # checked before an in-place resume
+        extra[GROUPS_KEY] = tensors['optimizer']['param_groups']
 
     side_objects = ([partial_grads] if partial_grads is not None else []) + \
         ([extra] if rank == 0 else [])
@@ -260,10 +264,72 @@ def _read_dcp_full(path: Path) -> dict:
     return state
 
 
-def _read_extra(path: Path) -> dict:
+def _read_extra(path: Path, groups: list | None = None) -> dict:
+    """``extra.pth`` (already verified); the param groups' copy goes to ``groups``."""
     if not (path / EXTRA_FILE).is_file():
         return {}
-    return dict(load_checkpoint_file(path / EXTRA_FILE, map_location='cpu', verify=False))
+    extra = dict(load_checkpoint_file(path / EXTRA_FILE, map_location='cpu', verify=False))
+    saved = extra.pop(GROUPS_KEY, None)
+    if groups is not None and saved is not None:
+        groups.extend(saved)
+    return extra
+
+
+def read_sharded_header(path: str | os.PathLike, *, optimizer: bool) -> dict | None:
+    """Verify a sharded directory (collective) and read all of it but the tensors, for a
+    resume that reads them in place later (``load_sharded_in_place``), once every check
+    passed: ``state_dict`` holds a ``meta``-device tensor of each saved shape and dtype (from
+    DCP's metadata), ``optimizer`` the saved param groups and the wrapper's counters (no
+    ``state``); everything else is read as ``load_sharded_checkpoint`` reads it. None when
+    the checkpoint cannot be read that way (converted from a single file, saved before the
+    param groups were kept in ``extra.pth``, or a model entry that is not a tensor): read it
+    with ``load_sharded_checkpoint`` then."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    path = Path(path).absolute()
+    manifest = verify_directory(path)
+    if manifest.get('optimizer_keys', 'fqn') != 'fqn':
+        return None
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    weights = {}
+    for key, item in metadata.items():
+        if key.startswith('state_dict.'):
+            if not isinstance(item, TensorStorageMetadata):
+                return None
+            weights[key[len('state_dict.'):]] = torch.empty(
+                item.size, dtype=item.properties.dtype, device='meta')
+    groups: list = []
+    extra = _read_extra(path, groups)
+    saved_optimizer = any(key.startswith('optimizer.') for key in metadata)
+    if optimizer and saved_optimizer and not groups:
+        return None
+    checkpoint = {'meta': extra.pop('meta', {}), 'state_dict': weights}
+    if saved_optimizer:
+        checkpoint['optimizer'] = {**extra.pop('optimizer_extra', {}), 'param_groups': groups,
+                                   'state': {}}
+    partial = read_partial_grads(path)
+    if partial:
+        checkpoint['partial_grads_fqn'] = partial
+    checkpoint.update(extra)
+    return checkpoint
+
+
+def load_sharded_in_place(path: str | os.PathLike, state: dict) -> None:
+    """DCP-read a verified sharded directory into ``state`` (``{'state_dict': ...,
+    'optimizer': ...}``, this rank's live sharded state dicts) in place (collective).
+
+    DCP plans the whole read before it reads a byte: a key or shape the checkpoint lacks
+    fails there, with nothing changed. A read error after that (the files changed since they
+    were verified, a failing disk) leaves the state partly read."""
+    import torch.distributed.checkpoint as dcp
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(Path(path).absolute()))
+    except BaseException as err:
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        # DCP's CheckpointException is a BaseException and names no file: say which
+        raise RuntimeError(f'reading {path} into the model failed: {describe_error(err)}') \
+            from err
 
 
 def read_partial_grads(path: str | os.PathLike) -> list[dict]:

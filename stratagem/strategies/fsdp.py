@@ -8,7 +8,6 @@ bottom-up, root last → optimizer built over the sharded parameters → schedul
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -21,8 +20,8 @@ from stratagem import env
 
 from .base import BaseStrategy
 from .fsdp_config import parse_activation_checkpointing, parse_model_wrapper, parse_state_dict_cfg
-from .fsdp_parts import (adapt_optim_wrapper, clean_name, pending_grads, set_pending_grads,
-                         with_no_sync)
+from .fsdp_parts import (adapt_optim_wrapper, clean_name, keep_fresh, pending_grads,
+                         set_pending_grads, with_no_sync)
 
 
 class FSDPStrategy(BaseStrategy):
@@ -63,6 +62,8 @@ class FSDPStrategy(BaseStrategy):
         self.skip_init_weights = bool(skip_init_weights)
         self._block_compile: dict | None = None
         self._writer_group: Any = None  # the async writer's gloo group (first async save)
+        self._in_place: bool | None = None  # resume(): read in place (and the optimizer?)
+        self._pending_read: tuple | None = None  # (path, checkpoint) read after the checks
         env_kwargs = self._distributed_env_kwargs(
             kwargs, 'FSDPStrategy', "; for one process use SingleDeviceStrategy (type='auto')")
         super().__init__(env_kwargs=env_kwargs, **kwargs)
@@ -171,7 +172,7 @@ class FSDPStrategy(BaseStrategy):
         the optim wrapper's counters."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         wrapper = self.optim_wrapper
-        with _keep_fresh([wrapper.optimizer]):
+        with keep_fresh([wrapper.optimizer]):
             state = get_optimizer_state_dict(self.model, wrapper.optimizer,
                                              options=self._options(self._full))
         if self._full and state:  # rank 0 only: the others get {} (cpu_offload)
@@ -184,6 +185,8 @@ class FSDPStrategy(BaseStrategy):
                               revise_keys: Any = ((r'^module\.', ''),)) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.tensor import DTensor
+        if self._pending_read is not None:  # a resume's checks passed: read in place now
+            state_dict = self._read_in_place()
         state_dict = ckpt.revise_keys(state_dict, list(revise_keys))
         full = not any(isinstance(v, DTensor) for v in state_dict.values())
         result = set_model_state_dict(self.model, dict(state_dict), options=StateDictOptions(
@@ -270,12 +273,52 @@ class FSDPStrategy(BaseStrategy):
                                      process_group=self._writer_group,
                                      extra_manifest={'strategy': type(self).__name__})
 
+    def resume(self, filename: str, *, resume_optimizer: bool = True,
+               callback: Any = None, **kwargs: Any) -> dict:
+        """BaseStrategy's ``resume``. A sharded directory resumed without a ``callback`` is
+        read in place, like a raw ``dcp.load``: everything but the tensors first, then every
+        check (keys, shapes, param groups, schedulers, world size), and only then DCP reads
+        the shards straight into the model's and optimizer's own tensors (no second copy).
+        A refused resume changes nothing; a read error after the checks (the files changed
+        since they were verified) leaves the model partly read, and the resume raises. With
+        a ``callback`` (it may read or edit the tensors) they are read into new tensors
+        first."""
+        self._in_place = None if callback is not None else bool(
+            resume_optimizer and hasattr(self, 'optim_wrapper'))
+        try:
+            return super().resume(filename, resume_optimizer=resume_optimizer,
+                                  callback=callback, **kwargs)
+        finally:
+            self._in_place = self._pending_read = None
+
+    def _read_in_place(self) -> dict:
+        """The pending resume's DCP read, into the live state dicts; the checkpoint dict the
+        resume holds gets them (its ``optimizer`` too, when resumed). Returns the weights."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        (path, checkpoint), self._pending_read = self._pending_read, None
+        optimizers = [self.optim_wrapper.optimizer] if self._in_place else []
+        with keep_fresh(optimizers):
+            model_sd, optim_sd = get_state_dict(self.model, optimizers)
+        state = {'state_dict': model_sd, **({'optimizer': optim_sd} if optimizers else {})}
+        ckpt.load_sharded_in_place(path, state)
+        checkpoint['state_dict'] = state['state_dict']
+        if optimizers:
+            counters = {k: v for k, v in checkpoint['optimizer'].items()
+                        if k not in ('state', 'param_groups')}
+            checkpoint['optimizer'] = {**state['optimizer'], **counters}
+        return state['state_dict']
+
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
         if not ckpt.is_sharded_checkpoint(filename):
             return super()._load_checkpoint_files(filename, map_location)
+        if self._in_place is not None:
+            header = ckpt.read_sharded_header(filename, optimizer=self._in_place)
+            if header is not None:
+                self._pending_read = (filename, header)
+                return header
         from torch.distributed.checkpoint.state_dict import get_state_dict
         optimizers = [self.optim_wrapper.optimizer] if hasattr(self, 'optim_wrapper') else []
-        with _keep_fresh(optimizers):
+        with keep_fresh(optimizers):
             model_sd, optim_sd = get_state_dict(self.model, optimizers)
             return ckpt.load_sharded_checkpoint(filename, model_sd,
                                                 optim_sd if optimizers else None)
@@ -287,17 +330,3 @@ class FSDPStrategy(BaseStrategy):
         mine = per_rank[self.rank] if len(per_rank) == self.world_size else \
             {k: sum(g[k] for g in per_rank) / len(per_rank) for k in per_rank[0]}
         set_pending_grads(self.model, mine)
-
-
-@contextlib.contextmanager
-def _keep_fresh(optimizers: list) -> Any:
-    """torch's ``get_*state_dict`` creates a missing optimizer state by a zero-lr step, which
-    leaves Adam's step count at 1 (a wrong bias correction for the first real step, e.g.
-    after loading pretrained weights into a fresh run): an optimizer that had no state gets
-    none back afterwards."""
-    fresh = [o for o in optimizers if not o.state]
-    try:
-        yield
-    finally:
-        for optimizer in fresh:
-            optimizer.state.clear()

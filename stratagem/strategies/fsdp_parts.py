@@ -121,3 +121,17 @@ def set_pending_grads(model: nn.Module, grads: Mapping) -> None:
             fp.unsharded_accumulated_grad = g.to(param.device, fp.reduce_dtype, copy=True)
         else:
             param.grad = g.to(param.device, param.dtype, copy=True)
+
+
+@contextlib.contextmanager
+def keep_fresh(optimizers: list) -> Any:
+    """torch's ``get_*state_dict`` creates a missing optimizer state by a zero-lr step, which
+    leaves Adam's step count at 1 (a wrong bias correction for the first real step, e.g.
+    after loading pretrained weights into a fresh run): an optimizer that had no state gets
+    none back afterwards."""
+    fresh = [o for o in optimizers if not o.state]
+    try:
+        yield
+    finally:
+        for optimizer in fresh:
+            optimizer.state.clear()

@@ -266,3 +266,15 @@ def test_two_ranks(tmp_path):
         assert out['agree_differs'].startswith(
             f"rank 1 (host {socket.gethostname()}) cannot use the checkpoint that rank 0 (host "
             f"{socket.gethostname()}) chose, {tmp_path / 'iter_3'}: sees different bytes there")
+
+
+def test_dcp_errors_are_described_by_their_first_rank():
+    """DCP's CheckpointException prints only rank numbers; messages carry the rank's error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from stratagem.checkpoint.directory import describe_error
+    err = CheckpointException('save', {1: (OSError(28, 'No space left on device'), None),
+                                       0: (KeyError('state_dict.w'), None)})
+    assert describe_error(err) == ("CheckpointException: rank 0: KeyError: 'state_dict.w' "
+                                   '(ranks [0, 1])')
+    assert describe_error(OSError('disk')) == 'OSError: disk'

@@ -177,6 +177,7 @@ def _checks(work_dir):
     s.state_dict_type = 'sharded'
     _train(s, model, ow, scheds, 3, 4, 2)
     s.save_checkpoint('iter_4', extra_ckpt={'meta': {'iter': 4}})
+    out.update(_in_place_checks(work_dir, out['state_3']))
     # a save that fails after the shards are written leaves iter_4 as the latest
     from stratagem.checkpoint import directory
     real = directory.finalize_directory
@@ -196,6 +197,52 @@ def _checks(work_dir):
     out['final'] = _full_state(s)
     out['lr'] = [g['lr'] for g in ow.param_groups]
     return out
+
+
+def _in_place_checks(work_dir, state_3):
+    """resume() reads a sharded directory in place, after its checks: a refused resume
+    changes nothing; resume_optimizer=False keeps the optimizer; a callback sees the values
+    (read into new tensors first)."""
+    path = str(Path(work_dir) / 'iter_3')
+    out = {}
+
+    def trained(**overrides):
+        s = _strategy(work_dir)
+        model, ow, scheds = s.prepare(_net(), **{**COMPONENTS, **overrides})
+        _train(s, model, ow, scheds, 0, 2, 2)  # its own state, unlike iter_3's
+        return s
+
+    def refused(s):
+        before = _full_state(s)
+        try:
+            s.resume(path)
+        except (ValueError, KeyError) as err:
+            out.setdefault('refused', []).append(str(err))
+        out.setdefault('refused_unchanged', []).append(_state_equal(before, _full_state(s)))
+    refused(trained(param_scheduler=[dict(type='LinearLR', start_factor=0.2, by_epoch=False,
+                                          end=4)]))
+    refused(trained(optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
+                                       accumulative_counts=3)))
+    s = trained()
+    before = _full_state(s)
+    s.resume(path, resume_optimizer=False)
+    after = _full_state(s)
+    out['weights_only_model'] = _state_equal((after[0], {}), (state_3[0], {}))
+    out['weights_only_optim_kept'] = _state_equal(({}, after[1]), ({}, before[1]))
+    seen = []
+    s = trained()
+    s.resume(path, callback=lambda c: seen.append(
+        float(sum(v.full_tensor().double().sum() for v in c['state_dict'].values()))))
+    out['callback_saw'] = (seen, float(sum(v.double().sum() for v in state_3[0].values())))
+    return out
+
+
+def _state_equal(a, b):
+    (ma, oa), (mb, ob) = a, b
+    return ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma) and \
+        oa.keys() == ob.keys() and all(
+            torch.equal(torch.as_tensor(oa[k][n]), torch.as_tensor(ob[k][n]))
+            for k in oa for n in oa[k])
 
 
 def _async_checks(work_dir):
@@ -463,6 +510,19 @@ def test_skip_init_weights(runs):
 def test_sharded_save_reads_nothing_back(runs):
     for out in runs['first']:
         assert out['reread_after_write'] == []
+
+
+def test_resume_reads_in_place_after_its_checks(runs):
+    for out in runs['first']:
+        assert out['refused_unchanged'] == [True, True], out['refused']
+        assert 'param scheduler' in out['refused'][0] and 'nothing was changed' in \
+            out['refused'][0]
+        # the param groups are checked from extra.pth's copy, before any shard is read
+        assert 'its optimizer param groups lack' in out['refused'][1] and \
+            "'momentum'" in out['refused'][1], out['refused'][1]
+        assert out['weights_only_model'] and out['weights_only_optim_kept']
+        seen, expected = out['callback_saw']
+        assert seen == [expected]
 
 
 def test_async_sharded_save(runs):
