@@ -152,6 +152,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str
                                   'raw_load2')):
             print(f'{what} ms: raw dcp {med[base]:.1f}, ours {med[ours]:.1f}, ratio '
                   f'{med[ours] / med[base]:.3f} (medians of {args.ckpt_rounds})')
+    dist.barrier()  # both ranks done before gloo tears down (a peer gone mid-teardown aborts)
     dist.destroy_process_group()
 
 

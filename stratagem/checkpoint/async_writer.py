@@ -32,6 +32,7 @@ import atexit
 import contextlib
 import copy
 import logging
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -209,12 +210,10 @@ class AsyncCheckpointWriter:
 
 
 def _dtensor_type() -> type | None:
-    """``torch.distributed.tensor.DTensor``, or None where torch.distributed is absent."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch build without distributed: there are no DTensors
-        return None
-    return DTensor
+    """``torch.distributed.tensor.DTensor`` if that module is loaded, else None: no DTensor
+    can exist before it is (and importing it costs seconds)."""
+    module = sys.modules.get('torch.distributed.tensor')
+    return getattr(module, 'DTensor', None)
 
 
 def _null() -> contextlib.AbstractContextManager:

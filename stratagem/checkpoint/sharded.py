@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .commit import _crc32_option, write_torch_file
+from .commit import _OVERHEAD_BYTES, _crc32_option, check_free_space, payload_bytes, write_torch_file
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
 from .directory import save_directory, verify_directory
 from .load import load_checkpoint_file
@@ -78,11 +78,17 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
     if optimizer:
         extra['optimizer_extra'] = optimizer
 
+    side_objects = ([partial_grads] if partial_grads is not None else []) + \
+        ([extra] if rank == 0 else [])
+
     def write(staging: Path) -> list[dict]:
         # every file is hashed as it is written and fsynced once: no second read. torch's
         # per-record zip CRC32 (DCP torch.saves each tensor) is off: our digest covers every
         # byte. Rank 0's extra.pth (and a rank's pending gradients) are written on a thread
         # meanwhile, mostly overlapping DCP's planning collectives and its fsync.
+        # a full disk is refused before anything is written (the staging dir is still empty)
+        check_free_space(Path(final_dir).absolute(),
+                         _bytes_needed(tensors, side_objects) * _ranks_sharing_disk())
         writer = dcp.FileSystemWriter(staging, thread_count=1)
         side = []
         if partial_grads is not None:
@@ -114,6 +120,23 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
             as staging:
         write(staging)
     return Path(final_dir).absolute()
+
+
+def _bytes_needed(tensors: Mapping, side: list) -> int:
+    """This rank's bytes of a sharded save: its shards, its side files, file overheads."""
+    return payload_bytes(local_tensors(tensors)) + sum(map(payload_bytes, side)) + \
+        _OVERHEAD_BYTES * (1 + len(side))
+
+
+def _ranks_sharing_disk() -> int:
+    """How many ranks write to the disk this rank writes to, as far as it can tell: the
+    ranks on its node (``LOCAL_WORLD_SIZE``), whose shards are about as large as its own. A
+    filesystem shared by several nodes is assumed large enough for the other nodes' part;
+    a shortfall there is still caught by the write (``CheckpointWriteError``)."""
+    try:
+        return max(1, int(os.environ.get('LOCAL_WORLD_SIZE', '1')))
+    except ValueError:
+        return 1
 
 
 def _entry(path: Path, size: int, digest: str) -> dict:

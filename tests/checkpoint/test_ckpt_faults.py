@@ -138,3 +138,28 @@ def test_real_full_tmpfs(tmp_path):
     assert lines['WRITE'].startswith(f'{errno.ENOSPC} no space left on device writing {target} '
                                      '(needed ~4 MB, free '), lines
     assert lines['UNCHANGED'] == 'True True 1', lines
+
+
+def test_sharded_directory_free_space_checked_before_writing(tmp_path, monkeypatch):
+    """A sharded (DCP) directory save checks its shards' size first: a full disk is refused
+    naming the checkpoint and the sizes; no staging dir is left, the previous one stays."""
+    from stratagem.checkpoint import save_sharded_checkpoint
+    from stratagem.checkpoint import sharded as sharded_mod
+    first = save_sharded_checkpoint(tmp_path / 'iter_1', {'state_dict': {'w': torch.ones(4)},
+                                                          'meta': {'iter': 1}},
+                                    step=1, collective=False)
+    before = snapshot_dir(tmp_path)
+    monkeypatch.setattr(commit_mod, 'free_bytes', lambda path: 3 * MB)
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '2')  # two ranks on this disk: twice the shards
+    weights = {'w': torch.zeros(1024, 1024)}  # 4 MiB of shards, 8 MiB for two ranks
+    checkpoint = {'state_dict': weights, 'meta': {'iter': 2}}
+    with pytest.raises(CheckpointWriteError) as info:
+        save_sharded_checkpoint(tmp_path / 'iter_2', checkpoint, step=2, collective=False)
+    needed = 2 * sharded_mod._bytes_needed({'state_dict': weights}, [{'meta': {'iter': 2}}])
+    assert needed > 8 * MB
+    assert str(info.value) == (
+        f'no space left on device writing {tmp_path / "iter_2"} (needed ~{needed / MB:.0f} MB, '
+        'free 3 MB); nothing was written: free space or lower max_keep_ckpts')
+    assert info.value.errno == errno.ENOSPC
+    assert snapshot_dir(tmp_path) == before  # no staging dir, no pointer change
+    assert find_latest_checkpoint(tmp_path) == first
