@@ -6,12 +6,14 @@ that engine for a :class:`CapturingCheckpointEngine` (``installed_on(engine)``) 
 DeepSpeed's collectives where they are (the calling thread) and gives us every file:
 
 1. ``save(state_dict, path)``, called by DeepSpeed on the training thread, either writes the
-   file at once with ``write_torch_file`` (no ``writer``: hashed as written and fsynced, no
-   second read) or copies ``state_dict`` into the ``writer``'s CPU staging buffers
-   (``AsyncCheckpointWriter.snapshot``, one key per file so each file's buffers are reused
-   by the next save) and records the path. The caller may add its own files the same way.
-2. ``write()`` (the caller's writer thread, or at once) writes what was staged and returns
-   every file's manifest entry (path, size, digest), for ``write_directory_files``.
+   file at once with ``write_torch_file`` (no ``writer``: free space checked first, hashed
+   as written and fsynced, no second read) or copies ``state_dict`` into the ``writer``'s
+   CPU staging buffers (``AsyncCheckpointWriter.snapshot``, one key per file so each file's
+   buffers are reused by the next save) and records the path. The caller may add its own files the same way.
+2. ``write()`` (the caller's writer thread, or at once) checks the free space for all staged
+   files, writes them and returns every file's manifest entry (path, size, digest), for
+   ``write_directory_files``. A filesystem failure raises ``CheckpointWriteError`` naming
+   the file and the cause.
 
 A failure in step 1 does not raise inside DeepSpeed (its other ranks would wait at its next
 barrier forever): it is kept, the later files of the save are skipped, and ``write()``
@@ -29,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .commit import write_torch_file
+from .commit import _OVERHEAD_BYTES, check_free_space, payload_bytes, write_error, write_torch_file
 
 __all__ = ['CapturingCheckpointEngine']
 
@@ -64,7 +66,7 @@ class CapturingCheckpointEngine:
             return  # the save already failed: the vote reports it, nothing more is written
         try:
             if self._writer is None:
-                self._entries.append(write_torch_file(state_dict, Path(path)))
+                self._entries.append(_write(state_dict, Path(path), check_space=True))
             else:
                 path = Path(path)
                 try:
@@ -108,9 +110,12 @@ class CapturingCheckpointEngine:
         ``write_fn`` of ``write_directory_files``."""
         if self.error is not None:
             raise self.error
+        if self._staged:  # a full disk is refused before the first byte of this rank's files
+            check_free_space(self._staged[0][1], sum(payload_bytes(state) + _OVERHEAD_BYTES
+                                                     for state, _ in self._staged))
         while self._staged:
             state, path = self._staged.pop(0)
-            self._entries.append(write_torch_file(state, path))
+            self._entries.append(_write(state, path))
         return list(self._entries)
 
     @contextlib.contextmanager
@@ -122,3 +127,19 @@ class CapturingCheckpointEngine:
             yield self
         finally:
             engine.checkpoint_engine = self._original
+
+
+def _write(state: Any, path: Path, check_space: bool = False) -> dict:
+    """``write_torch_file``; a filesystem failure (full, EIO, ...) becomes
+    ``CheckpointWriteError`` naming the file and the cause. ``check_space``: refuse a full
+    disk before writing."""
+    needed = payload_bytes(state) + _OVERHEAD_BYTES
+    if check_space:
+        check_free_space(path, needed)
+    try:
+        return write_torch_file(state, path)
+    except OSError as err:
+        converted = write_error(err, path, needed)
+        if converted is err:
+            raise
+        raise converted from err
