@@ -6,20 +6,19 @@
        gradients: a resume would be off by them), before anything is written.
     2. Our state (meta, schedulers, wrapper counters, every rank's RNG, ``extra_ckpt``) is
        gathered and validated (tensors and plain values only).
-    3. The directory protocol (``checkpoint/directory.py``), its vote opened on every rank:
-       rank 0 creates a fresh staging directory beside ``filename`` and hands it out.
+    3. The directory protocol (``checkpoint/directory.py``; its store vote opened on every
+       rank): rank 0 creates a fresh staging directory beside ``filename``.
     4. DeepSpeed's ``save_checkpoint(staging, tag='deepspeed', save_latest=False)`` runs on
-       every rank, in the foreground (its collectives and barriers stay on the training
-       thread), with ``engine.checkpoint_engine`` swapped for a capturing engine
-       (``checkpoint/capture.py``): each file DeepSpeed saves is written at once, hashed as
-       written and fsynced, or, with ``async_checkpoint``, copied to CPU staging buffers;
-       rank 0 adds ``stratagem_state.pth`` the same way. No ``latest`` file, nothing
-       outside the staging directory.
-    5. (With ``async_checkpoint`` on the writer thread, no collective there.) The staged
-       files are written; the ranks post success or their error through the store vote;
-       rank 0 hashes the few files DeepSpeed wrote itself (its ``zero_to_fp32.py``),
-       writes ``manifest.json``, renames the directory to ``filename`` and updates
-       ``last_checkpoint``. Before that rename no checkpoint has that name.
+       every rank in the foreground (its collectives stay on the training thread), with
+       ``engine.checkpoint_engine`` swapped for a capturing one (``checkpoint/capture.py``):
+       each file is written at once (hashed as written, fsynced) or, with
+       ``async_checkpoint``, copied to CPU staging buffers; rank 0 adds
+       ``stratagem_state.pth`` the same way. No ``latest`` file, nothing outside staging.
+    5. (With ``async_checkpoint``: on the writer thread, no collective.) Staged files are
+       written; the ranks post success or their error through the vote; rank 0 hashes what
+       DeepSpeed wrote itself (``zero_to_fp32.py``), writes ``manifest.json``, renames the
+       directory to ``filename``, updates ``last_checkpoint``. Before that rename no
+       checkpoint has that name.
 
 ``resume`` / ``load_checkpoint`` of a directory
     1. ``checkpoint.verify_directory``: every size on every rank, every sha256 on one rank,
@@ -105,14 +104,13 @@ class DeepSpeedCheckpointMixin:
         """Commit a DeepSpeed checkpoint directory at ``filename`` (relative: under
         ``work_dir``); every rank calls it. See the module docstring for the steps.
 
-        With ``async_checkpoint=True`` it returns once DeepSpeed's engine has handed over
-        its files (it runs in the foreground: its collectives need the training thread)
-        and they are copied to CPU staging buffers; writing, hashing, fsync and the commit
-        run on the writer thread (``wait_for_checkpoints`` waits for them and raises their
-        error). Peak extra memory: one CPU copy of this rank's files' tensors (its
-        optimizer partition, rank 0's model states and our state), kept for the next save.
-        Nothing is deferred past the return: DeepSpeed's optimizer step writes its fp32
-        partitions in place, so every tensor is copied before ``save_checkpoint`` returns.
+        With ``async_checkpoint=True`` it returns once DeepSpeed's engine (in the
+        foreground: its collectives need the training thread) has handed over its files and
+        they are copied to CPU staging buffers; writing, hashing, fsync and the commit run
+        on the writer thread (``wait_for_checkpoints`` waits and raises their error). Peak
+        extra memory: one CPU copy of this rank's files' tensors (its optimizer partition,
+        rank 0's model states and our state), kept for the next save. No copy is deferred
+        past the return (DeepSpeed's step writes its fp32 partitions in place).
 
         ``save_optimizer=False`` leaves the counters out of our state (a resume then needs
         ``resume_optimizer=False``); DeepSpeed still writes its optimizer partitions, since
