@@ -1,16 +1,16 @@
 """FSDP throughput and sharded checkpoint I/O: FSDPStrategy versus raw ``fully_shard`` / DCP.
 
-2 processes, gloo, 1 thread each, a 4×Linear(1024, 1024) MLP sharded per layer, batch 64 per
-rank, AdamW. Step time: FSDPStrategy + OptimWrapper versus a raw ``fully_shard`` loop in the
-same processes, interleaved blocks (raw, ours, raw, ...). Checkpoints: ``save_checkpoint`` /
-``resume`` of a sharded directory (atomic commit, manifest, sha256, verification) versus raw
-``get_state_dict`` + ``dcp.save`` / ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``
-of the same model + optimizer state, interleaved. Loads are timed twice: in the saving
-process (which remembers the hashes of the files it wrote) and cold (that memory cleared, so
-every file is hashed before it is read, as in a new process). Prints medians (ms) and
-ratios ours / raw.
+2 processes, gloo, 1 thread each, a 4×Linear(1024, 1024) MLP (``--width``) sharded per layer,
+batch 64 per rank, AdamW. Step time: FSDPStrategy + OptimWrapper versus a raw ``fully_shard``
+loop in the same processes, interleaved blocks (raw, ours, raw, ...). Checkpoints:
+``save_checkpoint`` / ``resume`` of a sharded directory (atomic commit, manifest, xxh3
+digests, verification, the store vote) versus raw ``get_state_dict`` + ``dcp.save`` /
+``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` of the same model + optimizer state,
+interleaved. Loads are timed twice: in the saving process (which remembers the hashes of the
+files it wrote) and cold (that memory cleared, so every file is hashed before it is read, as
+in a new process). Prints medians (ms) and ratios ours / raw.
 
-    python benchmarks/fsdp_throughput.py [--rounds 9] [--steps 10] [--ckpt-rounds 5]
+    python benchmarks/fsdp_throughput.py [--rounds 9] [--steps 10] [--ckpt-rounds 5] [--width 1024]
 """
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 
-def _mlp() -> nn.Module:
+def _mlp(width: int = 1024) -> nn.Module:
     torch.manual_seed(0)
     layers = []
     for _ in range(4):
-        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+        layers += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
 
 
@@ -51,16 +51,16 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str
     strategy = build_strategy(dict(type='FSDPStrategy', work_dir=tmp,
                                    model_wrapper=dict(auto_wrap_policy=['Linear']),
                                    log_kwargs=dict(log_level='WARNING')))
-    model, ow = strategy.prepare(_mlp(), optim_wrapper=dict(optimizer=dict(type='AdamW',
+    model, ow = strategy.prepare(_mlp(args.width), optim_wrapper=dict(optimizer=dict(type='AdamW',
                                                                            lr=1e-4)))
-    raw = _mlp()
+    raw = _mlp(args.width)
     mesh = init_device_mesh('cpu', (world,))
     for layer in raw:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(raw, mesh=mesh)
     raw_opt = torch.optim.AdamW(raw.parameters(), lr=1e-4)
-    x, y = torch.randn(64, 1024), torch.randn(64, 1024)
+    x, y = torch.randn(64, args.width), torch.randn(64, args.width)
 
     def ours() -> None:
         with ow.optim_context(model):
@@ -161,6 +161,8 @@ def main() -> None:
     parser.add_argument('--rounds', type=int, default=9)
     parser.add_argument('--steps', type=int, default=10)
     parser.add_argument('--ckpt-rounds', type=int, default=5)
+    parser.add_argument('--width', type=int, default=1024,
+                        help='Linear width (2048: 4x the state, fixed costs amortised)')
     args = parser.parse_args()
     with socket.socket() as sock:
         sock.bind(('127.0.0.1', 0))

@@ -13,9 +13,10 @@ knows nothing about strategies or layouts. A save goes:
    Tensors for which ``defer(tensor)`` is true (a strategy passes its parameters and
    optimizer state) get their buffer now but are copied by the writer thread, before it
    serialises anything, while the caller's forward and backward passes (which only read
-   them) run; ``wait_staged()`` blocks until that copy is done, and the strategy calls it
-   from an optimizer step pre-hook, the first thing that writes them. Everything else
-   may change as soon as ``snapshot`` returns.
+   them) run; ``wait_staged()`` blocks until that copy is done (copying what the writer
+   has not reached yet itself, so two threads copy), and the strategy calls it from an
+   optimizer step pre-hook, the first thing that writes them. Everything else may change
+   as soon as ``snapshot`` returns.
 3. ``submit(job, *args)``: the deferred copies, then ``job`` (serialise, hash, fsync,
    manifest, rename, pointer: the same steps and order as a synchronous save; a directory
    save's file writes and ``finalize_directory`` likewise) run on the single writer thread.
@@ -29,7 +30,6 @@ saves so the copy never page-faults after the first; ``release()`` frees it.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import copy
 import logging
 import sys
@@ -59,8 +59,7 @@ class AsyncCheckpointWriter:
         self._pending: Future | None = None
         self._lock = threading.Lock()
         self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, live source)
-        self._staged = threading.Event()
-        self._staged.set()
+        self._copies: _DeferredCopies | None = None  # the pending save's deferred copies
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ public
@@ -86,8 +85,15 @@ class AsyncCheckpointWriter:
         return future.result()
 
     def wait_staged(self) -> None:
-        """Block until the deferred copies of the pending save are done (at once if none)."""
-        self._staged.wait()
+        """Block until the deferred copies of the pending save are done (at once if none).
+
+        The caller helps: CPU tensors not yet claimed by the writer thread are copied on this
+        thread meanwhile, so both copy at once and the wait (an optimizer step's) is about
+        halved. A copy that fails here is left to the writer's job to report."""
+        copies = self._copies
+        if copies is not None:
+            copies.help()
+            copies.done.wait()
 
     def snapshot(self, checkpoint: Any,
                  defer: Callable[[torch.Tensor], bool] | None = None, *,
@@ -113,8 +119,7 @@ class AsyncCheckpointWriter:
             copied = self._copy(checkpoint, key, used, aliases, cuda)
         finally:
             self._defer = None
-        if self._deferred:
-            self._staged.clear()
+        self._copies = _DeferredCopies(self._deferred) if self._deferred else None
         if cuda[0]:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies must land
         # this key's buffers that the state no longer has are freed here
@@ -131,22 +136,20 @@ class AsyncCheckpointWriter:
                                    'the next one')
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix='stratagem-ckpt-writer')
-            deferred, self._deferred = self._deferred, []
-            self._pending = self._pool.submit(self._run, deferred, job, args, kwargs)
+            self._deferred = []
+            copies = self._copies
+            if copies is not None:
+                copies.submitted = True
+            self._pending = self._pool.submit(self._run, copies, job, args, kwargs)
             return self._pending
 
-    def _run(self, deferred: list, job: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        try:
-            if deferred:
-                cuda = any(src.device.type == 'cuda' for _, src in deferred)
-                stream = torch.cuda.Stream() if cuda else None
-                with torch.cuda.stream(stream) if cuda else _null():
-                    for buffer, src in deferred:
-                        buffer.copy_(src, non_blocking=src.device.type == 'cuda')
-                if cuda:
-                    stream.synchronize()
-        finally:
-            self._staged.set()  # (a failed copy fails the job below; training must go on)
+    def _run(self, copies: '_DeferredCopies | None', job: Callable[..., Any], args: tuple,
+             kwargs: dict) -> Any:
+        if copies is not None:
+            copies.run()
+            copies.done.wait()  # the caller's share too: every buffer is filled from here
+            if copies.error is not None:  # training went on; this save fails
+                raise copies.error
         return job(*args, **kwargs)
 
     def release(self) -> None:
@@ -209,15 +212,66 @@ class AsyncCheckpointWriter:
         return buffer
 
 
+class _DeferredCopies:
+    """The deferred copies of one snapshot, claimed one tensor at a time by the writer
+    thread (``run``) and by a thread waiting for them (``help``: CPU sources only; CUDA
+    copies stay on the writer's side stream). ``done`` is set once every copy has finished
+    or failed (``error``: the first failure; the writer's job raises it)."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.pairs, self.submitted = pairs, False
+        self.cuda = any(src.device.type == 'cuda' for _, src in pairs)
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._next = 0
+        self._left = len(pairs)
+
+    def run(self) -> None:
+        """The writer thread's share (all of it for CUDA sources, on a side stream)."""
+        if not self.cuda:
+            self._copy_claimed()
+            return
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            self._copy_claimed(non_blocking=True, sync=stream.synchronize)
+
+    def help(self) -> None:
+        """A waiting thread's share: CPU copies, or every copy if nothing was submitted (the
+        writer will never run them)."""
+        if not self.cuda or not self.submitted:
+            self._copy_claimed()
+
+    def _copy_claimed(self, non_blocking: bool = False,
+                      sync: Callable[[], None] | None = None) -> None:
+        claimed = 0
+        while True:
+            with self._lock:
+                index, self._next = self._next, self._next + 1
+            if index >= len(self.pairs):
+                break
+            buffer, src = self.pairs[index]
+            try:
+                buffer.copy_(src, non_blocking=non_blocking and src.device.type == 'cuda')
+            except BaseException as err:  # noqa: BLE001 - reported by the writer's job
+                self.error = self.error or err
+            claimed += 1
+        if sync is not None and claimed:
+            try:
+                sync()  # the non-blocking device-to-host copies must land
+            except BaseException as err:  # noqa: BLE001
+                self.error = self.error or err
+        with self._lock:
+            self._left -= claimed
+            if self._left <= 0:
+                self.done.set()
+
+
 def _dtensor_type() -> type | None:
     """``torch.distributed.tensor.DTensor`` if that module is loaded, else None: no DTensor
     can exist before it is (and importing it costs seconds)."""
     module = sys.modules.get('torch.distributed.tensor')
     return getattr(module, 'DTensor', None)
-
-
-def _null() -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
 
 
 @atexit.register

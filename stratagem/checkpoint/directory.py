@@ -223,9 +223,13 @@ def finish_directory_save(staging: PathLike, final_dir: PathLike, written: Direc
         vote.wait_outcome()
         return staging.parent / TEMP_RE.match(staging.name)['final']  # rank 0's final name
     try:
-        payloads = vote.wait_ready() if written.ok else None
         if not written.ok:
+            try:
+                vote.wait_others()  # a peer that died is named (it may be why this rank failed)
+            except CheckpointVoteError as err:
+                raise err from written.error
             _raise_own(written.error, what)
+        payloads = vote.wait_ready()
         final = _commit(staging, final_dir, [json.loads(p) for p in payloads],
                         vote.world_size, step, extra_manifest, update_pointer)
     except BaseException as err:

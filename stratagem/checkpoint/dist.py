@@ -70,64 +70,67 @@ def agree_on_checkpoint(path: str | os.PathLike | None, *, what: str = 'checkpoi
                         group: Any = None) -> Path | None:
     """Rank 0's choice of checkpoint, checked to be the same file on every rank.
 
-    1. Rank 0 makes its ``path`` absolute and takes its :func:`checkpoint_identity`; both are
-       broadcast (None: there is nothing to load, and every rank gets None).
-    2. Every rank takes the identity of that same absolute path.
-    3. The results are gathered. If any rank cannot read the path or sees different bytes,
-       :class:`CheckpointNotShared` is raised on every rank, naming the rank, its host, the
-       path and the fix, before anything is loaded. Otherwise the path is returned.
+    1. Every rank makes its ``path`` absolute and takes its :func:`checkpoint_identity` (or
+       notes why it cannot); the results are gathered, in one collective. Rank 0's path is
+       the choice (None: there is nothing to load, and every rank gets None).
+    2. A rank whose own path is another one (or None) takes the identity of rank 0's path
+       in a second round (rare: ranks normally pass the same path).
+    3. If any rank cannot read the path or sees different bytes, :class:`CheckpointNotShared`
+       is raised on every rank, naming the rank, its host, the path and the fix, before
+       anything is loaded. Otherwise the path is returned.
 
-    Other ranks' ``path`` is ignored. Without a process group (or with one process) this only
-    checks that ``path`` exists.
+    Without a process group (or with one process) this only checks that ``path`` exists.
     """
     import socket
 
     import torch.distributed as dist
-
     distributed = dist.is_available() and dist.is_initialized() and \
         dist.get_world_size(group) > 1
-    rank = dist.get_rank(group) if distributed else 0
-    choice = None
-    if rank == 0 and path is not None:
-        target = Path(path).absolute()
-        try:
-            choice = (os.fspath(target), checkpoint_identity(target), None)
-        except OSError as err:
-            choice = (os.fspath(target), None, _reason(err))
-    if distributed:
-        box = [choice]
-        dist.broadcast_object_list(box, src=0, group=group)
-        choice = box[0]
-    if choice is None:
-        return None
-    target, expected, error0 = choice
-    mine: tuple[str, str | None] = (socket.gethostname(), error0 if rank == 0 else None)
-    if rank != 0:
-        try:
-            seen = checkpoint_identity(target)
-            if seen != expected:
-                mine = (mine[0], f'sees different bytes there ({_describe(seen)}; rank 0 sees '
-                                 f'{_describe(expected)})')
-        except OSError as err:
-            mine = (mine[0], _reason(err))
+    host = socket.gethostname()
+    mine = (host, None, None, None)  # host, absolute path, identity, why it cannot be read
+    if path is not None:
+        mine = (host, *_look(Path(path).absolute()))
     views = [mine]
     if distributed:
         views = [None] * dist.get_world_size(group)
         dist.all_gather_object(views, mine, group=group)
-    bad = [(r, host, err) for r, (host, err) in enumerate(views) if err is not None]
+    _, target, expected, error0 = views[0]
+    if target is None:
+        return None
+    if any(view[1] != target for view in views):  # round 2: those ranks look at rank 0's
+        rank = dist.get_rank(group)
+        if views[rank][1] != target:
+            mine = (host, *_look(Path(target)))
+        views = [None] * dist.get_world_size(group)
+        dist.all_gather_object(views, mine, group=group)
+        views[0] = (views[0][0], target, expected, error0)
+    problems = [(host, error0)] + [
+        (h, err if err is not None else
+         None if seen == expected else
+         f'sees different bytes there ({_describe(seen)}; rank 0 sees {_describe(expected)})')
+        for h, _, seen, err in views[1:]]
+    bad = [(r, h, err) for r, (h, err) in enumerate(problems) if err is not None]
     if bad:
-        r, host, err = bad[0]
+        r, h, err = bad[0]
         others = f' (and {len(bad) - 1} more rank(s))' if len(bad) > 1 else ''
         if r == 0:
             raise FileNotFoundError(f'{what} {target}: {err}') if 'no such' in err else \
                 CheckpointNotShared(f'{what} {target} cannot be read on rank 0: {err}')
         raise CheckpointNotShared(
-            f'rank {r} (host {host}){others} cannot use the {what} that rank 0 (host '
-            f'{views[0][0]}) chose, {target}: {err}. Every rank must read the same '
+            f'rank {r} (host {h}){others} cannot use the {what} that rank 0 (host '
+            f'{problems[0][0]}) chose, {target}: {err}. Every rank must read the same '
             f'{what}: put work_dir on a filesystem that all nodes share, or copy the '
             'checkpoint to this same path on every node and pass it explicitly (stratagem '
             "train --resume PATH, or strategy.resume('PATH')). Nothing was loaded or written.")
     return Path(target)
+
+
+def _look(target: Path) -> tuple[str, dict | None, str | None]:
+    """``(absolute path, identity, None)``, or ``(path, None, why it cannot be read)``."""
+    try:
+        return os.fspath(target), checkpoint_identity(target), None
+    except OSError as err:
+        return os.fspath(target), None, _reason(err)
 
 
 def _reason(err: OSError) -> str:

@@ -159,6 +159,14 @@ class SaveVote:
             payloads.append(value[len(_OK_MARK):])
         return payloads
 
+    def wait_others(self) -> None:
+        """A rank whose own part failed: wait until every other rank posted ``ready`` (ok or
+        its error); raise ``CheckpointVoteError`` naming those that died or stalled instead
+        (e.g. a peer killed in the middle of a collective write, which made this rank's part
+        fail first with a bare connection error)."""
+        others = set(range(self.world_size)) - {self.rank}
+        self._await([f'ready/{r}' for r in sorted(others)], others, 'finish writing')
+
     def post_outcome(self, error: str | None) -> None:
         """Step 4 (rank 0): the commit happened (``error`` None) or not. Returns once every
         live rank has read it: the store's server runs in rank 0's process, which may exit

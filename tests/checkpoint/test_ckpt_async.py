@@ -189,15 +189,15 @@ def test_deferred_copy_of_parameters_is_guarded_by_the_optimizer_step(tmp_path, 
     momentum = [st['momentum_buffer'].clone() for st in s.optim_wrapper.optimizer.state.values()]
     s.save_checkpoint('iter_2.pth', extra_ckpt={'meta': {'iter': 2}})
     writer = s._async_writer
-    assert not writer._staged.is_set()  # the parameters are not copied yet
-    # what save_checkpoint copied at once: buffers, RNG; the deferred: params + momentum
+    assert not writer._copies.done.is_set()  # the parameters are not copied yet
+    # what save_checkpoint copied at once: buffers, RNG; the deferred: params + momentum.
+    # The writer is stuck: the step pre-hook copies them itself, then the step runs.
     stepper = threading.Thread(target=_step, args=(s, 1))
     stepper.start()
-    stepper.join(0.5)
-    assert stepper.is_alive()  # blocked in the step pre-hook until the copy is done
-    assert all(torch.equal(v, expected[k]) for k, v in s.model.state_dict().items())
-    gate.set()
     stepper.join(30)
+    assert not stepper.is_alive() and writer._copies.done.is_set()
+    assert writer.pending  # the write itself has not started
+    gate.set()
     s.wait_for_checkpoints()
     saved = load_checkpoint_file(tmp_path / 'iter_2.pth')
     for k, v in expected.items():
@@ -214,11 +214,36 @@ def test_snapshot_defer_copies_in_the_writer():
     snap = w.snapshot({'p': live, 'b': other}, defer=lambda t: t.data_ptr() == live.data_ptr())
     live.fill_(7)   # before the writer copies: the deferred tensor takes this value
     other.fill_(7)  # copied at once: keeps 0
-    assert not w._staged.is_set()
+    assert not w._copies.done.is_set()
     w.submit(lambda: None)
     w.wait()
-    assert w._staged.is_set()
+    assert w._copies.done.is_set()
     assert torch.equal(snap['p'], torch.full((4,), 7.0)) and torch.equal(snap['b'], torch.zeros(3))
+
+
+def test_a_waiting_thread_copies_what_the_writer_has_not_reached(monkeypatch):
+    """wait_staged() claims the deferred copies the writer thread has not started: the two
+    share them, and the writer's job starts only once every buffer is filled."""
+    w = AsyncCheckpointWriter()
+    live = [torch.full((5,), float(i)) for i in range(6)]
+    snap = w.snapshot({'t': live}, defer=lambda t: True)
+    gate, real_run = threading.Event(), AsyncCheckpointWriter._run
+    monkeypatch.setattr(AsyncCheckpointWriter, '_run',
+                        lambda self, *a: (gate.wait(30), real_run(self, *a))[1])
+    seen = []
+    w.submit(lambda: seen.append([t.clone() for t in snap['t']]))
+    w.wait_staged()  # the writer is held at the gate: this thread copied all six
+    assert w._copies.done.is_set() and w.pending and not seen
+    for t in live:
+        t.add_(100)  # training goes on: the staged copies keep the values at the save
+    gate.set()
+    w.wait()
+    assert [float(t[0]) for t in seen[0]] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    # the same with no help: a snapshot submitted and waited for copies in the writer
+    snap = w.snapshot({'t': live}, defer=lambda t: True)
+    w.submit(lambda: None)
+    w.wait()
+    assert [float(t[0]) for t in snap['t']] == [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]
 
 
 class _Counter:  # stands for an allow-listed class (a host trainer's, e.g. HistoryBuffer)

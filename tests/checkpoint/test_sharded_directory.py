@@ -6,6 +6,7 @@ corrupt shard refused on every rank).
 """
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -204,6 +205,37 @@ def _dist_checks(root):
         verify_directory(good)
     except CheckpointCorruptError as err:
         out['verify'] = str(err)
+    # a slow rank is waited for, not declared dead: with timeout 8 s the vote's waits time
+    # out every second (the heartbeat interval) while rank 1 writes for 2.5 s, and the store
+    # connections stay usable afterwards (the next save right after commits at once)
+    import time
+
+    def slow(staging):
+        if rank == 1:
+            time.sleep(2.5)
+        return per_rank('slow')(staging)
+    start = time.monotonic()
+    slow_dir = save_directory(root / 'iter_3', slow, step=3, timeout=8.0)
+    out['slow_s'] = time.monotonic() - start
+    out['slow_step'] = verify_directory(slow_dir)['step']
+    out['after_slow'] = verify_directory(save_directory(root / 'iter_4', per_rank('four'),
+                                                        step=4, timeout=8.0))['step']
+    # agreeing on a checkpoint: rank 0's path wins; a rank that passed another path (or
+    # none) checks rank 0's in a second round; bytes that differ are refused on both
+    from stratagem.checkpoint import CheckpointNotShared, agree_on_checkpoint
+    from stratagem.checkpoint import dist as dist_mod
+    out['agree_same'] = str(agree_on_checkpoint(root / 'iter_3'))
+    out['agree_other'] = str(agree_on_checkpoint(root / ('iter_3' if rank == 0 else 'iter_4')))
+    out['agree_none'] = str(agree_on_checkpoint(root / 'iter_3' if rank == 0 else None))
+    if rank == 1:  # rank 1 sees other bytes at that path than rank 0 (a node-local copy)
+        real_identity = dist_mod.checkpoint_identity
+        dist_mod.checkpoint_identity = lambda p: {**real_identity(p), 'digest': 'other'}
+    try:
+        agree_on_checkpoint(root / 'iter_3')
+    except CheckpointNotShared as err:
+        out['agree_differs'] = str(err)
+    if rank == 1:
+        dist_mod.checkpoint_identity = real_identity
     return out
 
 
@@ -227,3 +259,10 @@ def test_two_ranks(tmp_path):
                 f'CheckpointVoteError: saving {tmp_path / "iter_2"} failed on rank 1: '
                 '_FakeCheckpointException: dcp failed; nothing was committed']
         assert 'shard_1.bin' in out['verify'] and 'xxh3_128' in out['verify']
+        assert out['slow_step'] == 3 and out['after_slow'] == 4
+        assert 2.5 <= out['slow_s'] < 8.0, out['slow_s']
+        assert out['agree_same'] == out['agree_other'] == out['agree_none'] == \
+            str(tmp_path / 'iter_3')
+        assert out['agree_differs'].startswith(
+            f"rank 1 (host {socket.gethostname()}) cannot use the checkpoint that rank 0 (host "
+            f"{socket.gethostname()}) chose, {tmp_path / 'iter_3'}: sees different bytes there")

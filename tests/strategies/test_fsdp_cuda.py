@@ -3,7 +3,9 @@
 bf16 parameters through ``MixedPrecisionPolicy`` (fp32 sharded master weights, fp32 reduce),
 and fp16 parameters with an AmpOptimWrapper whose GradScaler works on sharded (DTensor)
 gradients: overflowing steps are skipped, the scale backs off, training matches fp32, and a
-sharded checkpoint taken mid-run resumes exactly. Run on a machine with a GPU:
+sharded checkpoint taken mid-run resumes exactly; an asynchronous sharded save (pinned
+staging, DCP on the writer's gloo group) holds the state at the save. Run on a machine with a
+GPU:
 
     PYTHONPATH=$PWD python -m pytest -q -m gpu tests/strategies/test_fsdp_cuda.py
 """
@@ -41,9 +43,9 @@ def _batch(it):
     return torch.randn(16, 6, generator=g).cuda(), torch.randint(3, (16,), generator=g).cuda()
 
 
-def _build(work, dtype, amp):
+def _build(work, dtype, amp, **kwargs):
     from stratagem.strategies import build_strategy
-    s = build_strategy(dict(type='FSDPStrategy', work_dir=work,
+    s = build_strategy(dict(type='FSDPStrategy', work_dir=work, **kwargs,
                             model_wrapper=dict(auto_wrap_policy=['Block'], mixed_precision=dict(
                                 param_dtype=dtype, reduce_dtype='float32')),
                             env_kwargs=dict(dist_cfg=dict(backend='nccl'),
@@ -122,6 +124,22 @@ def _cuda_checks(work):
     resumed = _full(s2)
     out['fp16']['resume_exact'] = all(torch.equal(resumed[k], final[k]) for k in final)
     out['sharded'] = all(isinstance(q, DTensor) for q in m2.parameters())
+    # async sharded save on CUDA: the shards are staged in pinned memory (the copy of the
+    # parameters deferred to the writer's side stream, guarded by the next step) and DCP
+    # runs on a gloo group of the writer's own while training goes on under nccl
+    s3, m3, o3 = _build(work + '/async', 'float16', amp=True, async_checkpoint=True)
+    _train(s3, m3, o3, 0, SAVE_AT)
+    at_save = _full(s3)
+    path = s3.save_checkpoint(f'iter_{SAVE_AT}', extra_ckpt={'meta': {'iter': SAVE_AT}})
+    _train(s3, m3, o3, SAVE_AT, STEPS)
+    s3.wait_for_checkpoints()
+    staged = s3._async_writer._staging.values()
+    out['async'] = dict(pinned=all(t.is_pinned() for t in staged if t.numel()),
+                        final_exact=all(torch.equal(_full(s3)[k], final[k]) for k in final))
+    s4, m4, o4 = _build(work + '/async', 'float16', amp=True)
+    s4.resume(path)
+    loaded = _full(s4)
+    out['async']['saved_exact'] = all(torch.equal(loaded[k], at_save[k]) for k in at_save)
     return out
 
 
@@ -158,3 +176,4 @@ def test_fsdp_bf16_and_fp16_gradscaler_on_cuda(tmp_path):
     assert fp16['err'] < 2e-2, fp16['err']
     assert fp16['resumed_scale'] == fp16['scale_at_save']
     assert fp16['resume_exact'] and out['sharded']
+    assert out['async'] == dict(pinned=True, final_exact=True, saved_exact=True), out['async']
