@@ -104,7 +104,8 @@ class AsyncCheckpointWriter:
 
         ``key`` names this snapshot's buffers: a save of several files snapshots each under
         its own key (e.g. its file name), so their buffers coexist and each is reused by the
-        next save's snapshot under the same key; buffers under other keys are kept.
+        next save's snapshot under the same key; buffers under other keys are kept. A save
+        that defers copies takes one snapshot (a second one would drop them).
         Call ``wait()`` first: the buffers of the previous save are overwritten.
         """
         if self._pending is not None:

@@ -401,9 +401,11 @@ def _async_checks(tmp):
 
     def failing_snapshot(*args, **kwargs):
         raise MemoryError('injected: no memory for staging')
-    errors['snapshot_rank1'] = attempt(  # before anything reaches the writer thread
-        'fail_snapshot', lambda: asyn.rank == 1 and setattr(writer, 'snapshot', failing_snapshot),
-        lambda: writer.__dict__.pop('snapshot', None))
+    for bad in (1, 0):  # before anything reaches this rank's writer thread
+        errors[f'snapshot_rank{bad}'] = attempt(
+            f'fail_snapshot{bad}',
+            lambda: asyn.rank == bad and setattr(writer, 'snapshot', failing_snapshot),
+            lambda: writer.__dict__.pop('snapshot', None))
     errors['after'] = attempt('after_errors', lambda: None, lambda: None)
     out['errors'] = errors
     return out
@@ -577,7 +579,7 @@ def test_async_errors_reach_every_rank(results):
     outs = results[1]
     for out in outs:
         errors = out['async']['errors']
-        for name in ('commit_rank0', 'write_rank1', 'snapshot_rank1'):
+        for name in ('commit_rank0', 'write_rank1', 'snapshot_rank1', 'snapshot_rank0'):
             e = errors[name]
             assert e['error'] is not None and not e['exists'], (name, e)
             assert e['latest'].endswith('async_6') and e['temps'] == [], (name, e)
@@ -603,6 +605,10 @@ def test_async_errors_reach_every_rank(results):
     assert one['snapshot_rank1']['error'] == 'MemoryError: injected: no memory for staging'
     assert zero['snapshot_rank1']['where'] == 'wait'
     assert 'failed on rank 1: MemoryError: injected' in zero['snapshot_rank1']['error']
+    assert zero['snapshot_rank0']['where'] == 'save'
+    assert zero['snapshot_rank0']['error'] == 'MemoryError: injected: no memory for staging'
+    assert one['snapshot_rank0']['where'] == 'wait'
+    assert 'failed on rank 0: MemoryError: injected' in one['snapshot_rank0']['error']
 
 
 def test_resume_at_another_world_size(results):
