@@ -96,11 +96,16 @@ class AsyncCheckpointWriter:
             copies.done.wait()
 
     def snapshot(self, checkpoint: Any,
-                 defer: Callable[[torch.Tensor], bool] | None = None) -> Any:
+                 defer: Callable[[torch.Tensor], bool] | None = None, *,
+                 key: str = 'ckpt') -> Any:
         """A copy of ``checkpoint`` whose tensors live in this writer's CPU staging buffers;
         tensors selected by ``defer`` are filled by the writer thread (see module doc), so
         the next ``submit`` must follow.
 
+        ``key`` names this snapshot's buffers: a save of several files snapshots each under
+        its own key (e.g. its file name), so their buffers coexist and each is reused by the
+        next save's snapshot under the same key; buffers under other keys are kept. A save
+        that defers copies takes one snapshot (a second one would drop them).
         Call ``wait()`` first: the buffers of the previous save are overwritten.
         """
         if self._pending is not None:
@@ -112,13 +117,16 @@ class AsyncCheckpointWriter:
         self._deferred = []
         self._defer = defer
         try:
-            copied = self._copy(checkpoint, 'ckpt', used, aliases, cuda)
+            copied = self._copy(checkpoint, key, used, aliases, cuda)
         finally:
             self._defer = None
         self._copies = _DeferredCopies(self._deferred) if self._deferred else None
         if cuda[0]:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies must land
-        self._staging = used  # buffers of keys that disappeared are freed here
+        # this key's buffers that the state no longer has are freed here
+        self._staging = {k: v for k, v in self._staging.items()
+                         if k != key and not k.startswith(key + '/')}
+        self._staging.update(used)
         return copied
 
     def submit(self, job: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:

@@ -1,17 +1,24 @@
 """The checkpoint half of DeepSpeedStrategy: DeepSpeed's files on stratagem's directory protocol.
 
 ``save_checkpoint(filename)`` (every rank calls it)
+    0. A pending asynchronous save is waited for; its error is raised here.
     1. Refused inside an accumulation window (DeepSpeed's files cannot hold the partial
        gradients: a resume would be off by them), before anything is written.
     2. Our state (meta, schedulers, wrapper counters, every rank's RNG, ``extra_ckpt``) is
        gathered and validated (tensors and plain values only).
-    3. ``checkpoint.save_directory`` (the directory protocol): rank 0 creates a fresh
-       staging directory beside ``filename``; the engine writes into it on every rank
-       (``save_checkpoint(staging, tag='deepspeed', save_latest=False)``: no ``latest``
-       file, nothing outside the staging directory) and rank 0 adds
-       ``stratagem_state.pth``; the ranks exchange success or the error; rank 0 fsyncs and
-       hashes every file, writes ``manifest.json``, renames the directory to ``filename``
-       and updates ``last_checkpoint``. Before that rename no checkpoint has that name.
+    3. The directory protocol (``checkpoint/directory.py``; its store vote opened on every
+       rank): rank 0 creates a fresh staging directory beside ``filename``.
+    4. DeepSpeed's ``save_checkpoint(staging, tag='deepspeed', save_latest=False)`` runs on
+       every rank in the foreground (its collectives stay on the training thread), with
+       ``engine.checkpoint_engine`` swapped for a capturing one (``checkpoint/capture.py``):
+       each file is written at once (hashed as written, fsynced) or, with
+       ``async_checkpoint``, copied to CPU staging buffers; rank 0 adds
+       ``stratagem_state.pth`` the same way. No ``latest`` file, nothing outside staging.
+    5. (With ``async_checkpoint``: on the writer thread, no collective.) Staged files are
+       written; the ranks post success or their error through the vote; rank 0 hashes what
+       DeepSpeed wrote itself (``zero_to_fp32.py``), writes ``manifest.json``, renames the
+       directory to ``filename``, updates ``last_checkpoint``. Before that rename no
+       checkpoint has that name.
 
 ``resume`` / ``load_checkpoint`` of a directory
     1. ``checkpoint.verify_directory``: every size on every rank, every sha256 on one rank,
@@ -31,6 +38,7 @@ which refreshes DeepSpeed's fp32 master copy so the next update starts from them
 """
 from __future__ import annotations
 
+import functools
 import os.path as osp
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -41,7 +49,10 @@ import torch
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
+from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
+from stratagem.checkpoint.capture import CapturingCheckpointEngine
 from stratagem.checkpoint.content import SAFE_GLOBALS_KEY
+from stratagem.checkpoint.vote import SaveVote
 from stratagem.checkpoint.zero import (DEEPSPEED_TAG, STATE_FILE, check_zero_layout,
                                        is_zero_checkpoint, zero_to_state_dict)
 
@@ -93,14 +104,19 @@ class DeepSpeedCheckpointMixin:
         """Commit a DeepSpeed checkpoint directory at ``filename`` (relative: under
         ``work_dir``); every rank calls it. See the module docstring for the steps.
 
+        With ``async_checkpoint=True`` it returns once DeepSpeed's engine (in the
+        foreground: its collectives need the training thread) has handed over its files and
+        they are copied to CPU staging buffers; writing, hashing, fsync and the commit run
+        on the writer thread (``wait_for_checkpoints`` waits and raises their error). Peak
+        extra memory: one CPU copy of this rank's files' tensors (its optimizer partition,
+        rank 0's model states and our state), kept for the next save. No copy is deferred
+        past the return (DeepSpeed's step writes its fp32 partitions in place).
+
         ``save_optimizer=False`` leaves the counters out of our state (a resume then needs
         ``resume_optimizer=False``); DeepSpeed still writes its optimizer partitions, since
         its layout has no weights-only form that every ZeRO stage reloads.
         """
-        if self.async_checkpoint and not getattr(self, '_warned_async', False):
-            self._warned_async = True  # DeepSpeed's engine writes through collectives
-            self.logger.warning('DeepSpeedStrategy: async_checkpoint is not supported for '
-                                "DeepSpeed's checkpoint directories; saving synchronously")
+        self.wait_for_checkpoints()
         extra = dict(extra_ckpt or {})
         path = filename if osp.isabs(filename) else osp.join(self._work_dir, filename)
         path = Path(env.broadcast_object(osp.abspath(path)))
@@ -126,19 +142,51 @@ class DeepSpeedCheckpointMixin:
 
     def _commit_directory(self, path: Path, state: dict, step: int | None,
                           held: list[str]) -> None:
-        def write(staging: Path) -> None:
-            # every rank writes its DeepSpeed files (a collective); rank 0 hashes them all
-            self.model.save_checkpoint(str(staging), tag=DEEPSPEED_TAG, client_state={},
-                                       save_latest=False,
-                                       exclude_frozen_parameters=self.exclude_frozen_parameters)
-            if env.is_main_process():
-                torch.save(state, staging / STATE_FILE)
-
+        """Steps 3-5 of the module docstring; step 5 on the writer thread when async."""
         extra = {'strategy': type(self).__name__, 'zero_stage': self.zero_stage}
         if held:
             extra[SAFE_GLOBALS_KEY] = held
-        ckpt.save_directory(path, write, step=step, extra_manifest=extra,
-                            timeout=self.checkpoint_timeout)
+        writer = None
+        if self.async_checkpoint:
+            if self._async_writer is None:
+                self._async_writer = AsyncCheckpointWriter()
+            writer = self._async_writer
+        vote = SaveVote.open(self.checkpoint_timeout, f'saving {path}')
+        try:
+            staging = ckpt.begin_directory_save(path, vote)  # raises on every rank
+        except BaseException:
+            if vote is not None:
+                vote.close()
+            raise
+        # from here on the vote ends in _finish_directory, on every path
+        capture = CapturingCheckpointEngine(self.model.checkpoint_engine, staging, writer)
+        try:
+            with capture.installed_on(self.model):
+                self.model.save_checkpoint(
+                    str(staging), tag=DEEPSPEED_TAG, client_state={}, save_latest=False,
+                    exclude_frozen_parameters=self.exclude_frozen_parameters)
+            if env.is_main_process():
+                capture.save(state, staging / STATE_FILE)
+        except BaseException as err:  # noqa: BLE001 - reported through the vote below
+            capture.fail(err)
+        finish = functools.partial(self._finish_directory, staging, path, capture, vote,
+                                   step, extra)
+        if writer is not None and capture.error is None:
+            writer.submit(finish)
+        else:  # synchronous, or failed before anything was handed to the writer
+            finish()
+
+    @staticmethod
+    def _finish_directory(staging: Path, path: Path, capture: CapturingCheckpointEngine,
+                          vote: SaveVote | None, step: int | None, extra: dict) -> None:
+        """Step 5: write what was staged, agree, commit; the vote ends here (no collective)."""
+        try:
+            written = ckpt.write_directory_files(staging, capture.write)
+            ckpt.finish_directory_save(staging, path, written, vote, step=step,
+                                       extra_manifest=extra)
+        finally:
+            if vote is not None:
+                vote.close()
 
     # ----------------------------------------------------------------------- load
     def _verify_directory(self, filename: str) -> tuple[Path, dict]:
@@ -175,6 +223,7 @@ class DeepSpeedCheckpointMixin:
         if not self._prepared:
             raise RuntimeError('resume() needs the prepared components: call strategy.prepare('
                                'model, optim_wrapper=..., param_scheduler=...) first')
+        self.wait_for_checkpoints()  # a pending save may be that very directory
         if not (osp.isdir(filename) and is_zero_checkpoint(filename)):
             raise ValueError(f'{filename} is not a DeepSpeed checkpoint directory (written by '
                              'DeepSpeedStrategy.save_checkpoint); load weights from other '

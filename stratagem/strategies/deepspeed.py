@@ -14,7 +14,8 @@ DeepSpeedStrategy``, each a fix:
 - Schedulers are ours, built on the client optimizer whose ``param_groups`` the ZeRO
   optimizer shares; they step as the loop steps them and the engine reads the lr at each
   update only (DeepSpeed-config ``optimizer`` / ``scheduler`` sections are refused).
-- Checkpoints follow stratagem's directory protocol (``checkpointing_deepspeed.py``).
+- Checkpoints follow stratagem's directory protocol (``checkpointing_deepspeed.py``),
+  asynchronously too (``async_checkpoint=True``).
 
 Prepare sequence: build model → ``init_weights`` → device → (compile ``forward`` in place) →
 build the optim wrapper over the plain module → ``auto_scale_lr`` → derive and check the

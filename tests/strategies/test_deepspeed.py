@@ -265,6 +265,149 @@ def _checks(tmp):
                 out['tampered'][case, call] = str(e)
     out['pwned'] = os.path.exists(os.path.join(tmp, 'pwned'))
     out['deepspeed_version'] = deepspeed.__version__
+    out['async'] = _async_checks(tmp)
+    return out
+
+
+def _optim_values(s):
+    """DeepSpeed's optimizer state per parameter, gathered and without the partitions'
+    padding (uninitialised memory; collective under ZeRO-3): fp32 master weights and Adam's
+    moments, then the step count of each partition."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    link = getattr(s.model.optimizer, '_lazy_init_hp_params_optimizer_state', None)
+    if link is not None:  # ZeRO-1/2 make these views at the first step; a resumed engine
+        link()            # has not stepped yet (so a reader resumes only once)
+    found = []
+    for param in s.model.module.parameters():
+        found.append(safe_get_full_fp32_param(param).clone())
+        found += [safe_get_full_optimizer_state(param, key).clone()
+                  for key in ('exp_avg', 'exp_avg_sq')]
+    return found + [float(state['step']) for state in s.model.optimizer.optimizer.state.values()]
+
+
+def _snap(s):
+    """What a resume must restore: weights, optimizer state, schedulers, counters (every
+    rank; ZeRO-3 gathers the weights)."""
+    return dict(weights=_full_weights(s), optim=_optim_values(s),
+                sched=s.scheduler_state_dict(), wrapper=s.optim_wrapper.state_dict(),
+                steps=(s.model.global_steps, s.model.global_samples),
+                lr=[g['lr'] for g in s.optim_wrapper.param_groups])
+
+
+def _diff(a, b):
+    """The parts of two ``_snap``s that differ (bit-exact); [] when equal."""
+    bad = [k for k in a['weights'] if not torch.equal(a['weights'][k], b['weights'][k])]
+    if len(a['optim']) != len(b['optim']):
+        bad.append(f"optim: {len(a['optim'])} != {len(b['optim'])} values")
+    for i, (x, y) in enumerate(zip(a['optim'], b['optim'])):
+        if type(x) is not type(y) or not (torch.equal(x, y) if isinstance(x, torch.Tensor)
+                                          else x == y):
+            bad.append(f'optim[{i}]: {x!r} != {y!r}'[:300])
+    return bad + [k for k in ('sched', 'wrapper', 'steps', 'lr') if a[k] != b[k]]
+
+
+def _async_checks(tmp):
+    """async_checkpoint=True: DeepSpeed's engine hands its files over in the foreground, the
+    writer thread writes and commits them while training (DeepSpeed's collectives on the
+    default group) goes on; the checkpoint holds the state at the save, exactly as a sync
+    save's; errors on the writer thread or before it reach every rank."""
+    import errno
+    import threading
+
+    from stratagem.checkpoint import capture, directory, find_latest_checkpoint
+    out = {}
+    for stage in (1, 3):
+        runs = []
+        for kind in ('sync', 'async'):
+            s = _strategy(os.path.join(tmp, f'async{stage}_{kind}'),
+                          zero_optimization=dict(stage=stage),
+                          async_checkpoint=kind == 'async')
+            runs.append((s, *s.prepare(_net(), **_COMPONENTS)))
+            _train(*runs[-1], 0, SAVE_AT, s.rank)
+        sync, asyn = runs[0][0], runs[1][0]
+        at_save = _snap(asyn)
+        meta = {'meta': {'iter': SAVE_AT}}
+        sync_path = sync.save_checkpoint('sync_6', extra_ckpt=meta)
+        gate, written, real = threading.Event(), [], capture.write_torch_file
+
+        def held(state, path, _real=real):  # the writer waits until training went on
+            gate.wait(120)
+            written.append(path)
+            return _real(state, path)
+        capture.write_torch_file = held
+        try:
+            path = asyn.save_checkpoint('async_6', extra_ckpt=meta)
+            for s, model, ow, scheds in runs:  # an update (iteration 8) while it is written
+                _train(s, model, ow, scheds, SAVE_AT, SAVE_AT + 3, s.rank)
+            r = dict(pending=asyn._async_writer.pending, written_meanwhile=len(written),
+                     exists_meanwhile=os.path.exists(path),
+                     trained=_diff(_snap(asyn), at_save) != [],
+                     same_training=_diff(_snap(sync), _snap(asyn)))
+            gate.set()
+            asyn.wait_for_checkpoints()
+        finally:
+            gate.set()
+            capture.write_torch_file = real
+        r.update(written=len(written), latest=str(find_latest_checkpoint(Path(path).parent)),
+                 listing=sorted(os.listdir(path)),
+                 staged_bytes=asyn._async_writer.staged_bytes)
+        resumed = []
+        for name, where in (('async', path), ('sync', sync_path)):
+            reader = _strategy(os.path.join(tmp, f'async{stage}_r{name}'),
+                               zero_optimization=dict(stage=stage))
+            reader.prepare(_net(), **_COMPONENTS)
+            r[f'iter_{name}'] = reader.resume(where)['meta']['iter']
+            resumed.append(_snap(reader))
+        r['vs_save'] = _diff(resumed[0], at_save)
+        r['vs_sync'] = _diff(resumed[0], resumed[1])
+        out[stage] = r
+    # errors (ZeRO-3, the async strategy above, at iteration 9: a window boundary)
+    work = Path(asyn._work_dir)
+    meta = {'meta': {'iter': SAVE_AT + 3}}
+
+    def attempt(name, patch, undo):
+        patch()
+        where, error = 'save', None  # the call that raised
+        try:
+            asyn.save_checkpoint(name, extra_ckpt=meta)
+            where = 'wait'
+            asyn.wait_for_checkpoints()
+            where = None
+        except Exception as err:  # noqa: BLE001
+            error = f'{type(err).__name__}: {err}'
+        finally:
+            undo()
+        # a rank that failed on its own returns before rank 0 has removed the staging dir
+        torch.distributed.barrier()
+        return dict(where=where, error=error, exists=(work / name).exists(),
+                    latest=str(find_latest_checkpoint(work)),
+                    temps=[n for n in os.listdir(work) if '.tmp-' in n])
+    real_finalize, real_write = directory.finalize_directory, capture.write_torch_file
+
+    def failing_finalize(*args, **kwargs):
+        raise OSError('injected: commit failed')
+
+    def failing_write(state, path):
+        raise OSError(errno.ENOSPC, 'injected: no space left', str(path))
+    errors = {}
+    errors['commit_rank0'] = attempt(  # rank 0 alone calls finalize_directory
+        'fail_commit', lambda: setattr(directory, 'finalize_directory', failing_finalize),
+        lambda: setattr(directory, 'finalize_directory', real_finalize))
+    errors['write_rank1'] = attempt(
+        'fail_write', lambda: setattr(capture, 'write_torch_file',
+                                      failing_write if asyn.rank == 1 else real_write),
+        lambda: setattr(capture, 'write_torch_file', real_write))
+    writer = asyn._async_writer
+
+    def failing_snapshot(*args, **kwargs):
+        raise MemoryError('injected: no memory for staging')
+    for bad in (1, 0):  # before anything reaches this rank's writer thread
+        errors[f'snapshot_rank{bad}'] = attempt(
+            f'fail_snapshot{bad}',
+            lambda: asyn.rank == bad and setattr(writer, 'snapshot', failing_snapshot),
+            lambda: writer.__dict__.pop('snapshot', None))
+    errors['after'] = attempt('after_errors', lambda: None, lambda: None)
+    out['errors'] = errors
     return out
 
 
@@ -410,6 +553,62 @@ def test_tampered_shard_refused_before_unpickling(results):
             msg = out['tampered']['foreign', call]
             assert 'no manifest.json' in msg, msg
         assert out['pwned'] is False  # the payload never ran
+
+
+@pytest.mark.parametrize('stage', [1, 3])
+def test_async_save_overlaps_training_and_resumes_exactly(results, stage):
+    for out in results[1]:
+        r = out['async'][stage]
+        # save_checkpoint returned and 3 iterations (one update) ran before the writer
+        # wrote a single file: the state changed under a pending save
+        assert r['pending'] and r['written_meanwhile'] == 0 and not r['exists_meanwhile']
+        assert r['trained'] and r['same_training'] == []
+        # this rank's files: its optimizer partition; rank 0's model states (ZeRO-3: every
+        # rank's) and rank 0's stratagem_state.pth
+        assert r['written'] == {1: (3, 1), 3: (3, 2)}[stage][out['rank']]
+        assert r['staged_bytes'] > 0
+        assert r['latest'].endswith('async_6')
+        assert r['iter_async'] == r['iter_sync'] == SAVE_AT
+        assert {'manifest.json', 'stratagem_state.pth', 'deepspeed'} <= set(r['listing'])
+        # bit-exact: weights, optimizer partitions, schedulers, counters as at the save, and
+        # as a synchronous save of the same state resumes them
+        assert r['vs_save'] == [] and r['vs_sync'] == []
+
+
+def test_async_errors_reach_every_rank(results):
+    outs = results[1]
+    for out in outs:
+        errors = out['async']['errors']
+        for name in ('commit_rank0', 'write_rank1', 'snapshot_rank1', 'snapshot_rank0'):
+            e = errors[name]
+            assert e['error'] is not None and not e['exists'], (name, e)
+            assert e['latest'].endswith('async_6') and e['temps'] == [], (name, e)
+        after = errors['after']  # the writer goes on after a failed save
+        assert after['error'] is None and after['exists']
+        assert after['latest'].endswith('after_errors')
+    zero, one = (out['async']['errors'] for out in outs)
+    # a failure on the writer thread surfaces at the next wait, on every rank
+    assert zero['commit_rank0']['where'] == one['commit_rank0']['where'] == 'wait'
+    assert zero['commit_rank0']['error'] == 'OSError: injected: commit failed'
+    assert one['commit_rank0']['error'].startswith('CheckpointVoteError: ')
+    assert 'failed on rank 0: OSError: injected: commit failed' in one['commit_rank0']['error']
+    # a full disk on rank 1's writer: named with the file on rank 1, and by rank 0
+    assert zero['write_rank1']['where'] == one['write_rank1']['where'] == 'wait'
+    assert one['write_rank1']['error'].startswith(
+        'CheckpointWriteError: no space left on device writing ')
+    assert '/deepspeed/zero_pp_rank_1_mp_rank_00_' in one['write_rank1']['error']
+    assert one['write_rank1']['error'].endswith('the previous checkpoint is unchanged')
+    assert 'failed on rank 1: CheckpointWriteError: no space left on device writing ' in \
+        zero['write_rank1']['error']
+    # a failed snapshot raises at once on its rank; the others learn it at the next wait
+    assert one['snapshot_rank1']['where'] == 'save'
+    assert one['snapshot_rank1']['error'] == 'MemoryError: injected: no memory for staging'
+    assert zero['snapshot_rank1']['where'] == 'wait'
+    assert 'failed on rank 1: MemoryError: injected' in zero['snapshot_rank1']['error']
+    assert zero['snapshot_rank0']['where'] == 'save'
+    assert zero['snapshot_rank0']['error'] == 'MemoryError: injected: no memory for staging'
+    assert one['snapshot_rank0']['where'] == 'wait'
+    assert 'failed on rank 0: MemoryError: injected' in one['snapshot_rank0']['error']
 
 
 def test_resume_at_another_world_size(results):

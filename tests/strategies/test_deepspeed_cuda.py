@@ -1,4 +1,5 @@
-"""DeepSpeedStrategy on CUDA: fp16 (refused on CPU) with ZeRO-2, exact resume (GPU only).
+"""DeepSpeedStrategy on CUDA: fp16 (refused on CPU) with ZeRO-2, exact resume, also from an
+asynchronous save staged from GPU memory (GPU only).
 
 Run on a machine with a GPU:
     PYTHONPATH=$PWD python -m pytest -q -m gpu tests/strategies/test_deepspeed_cuda.py
@@ -26,12 +27,12 @@ def _net():
     return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
 
 
-def _run(work, start, stop, resume=None):
+def _run(work, start, stop, resume=None, async_checkpoint=False):
     from torch.nn import functional as F
     from stratagem.strategies import build_strategy
     s = build_strategy(dict(type='DeepSpeedStrategy', work_dir=work, inputs_to_half=[0],
                             fp16=dict(enabled=True, initial_scale_power=8),
-                            zero_optimization=dict(stage=2),
+                            zero_optimization=dict(stage=2), async_checkpoint=async_checkpoint,
                             env_kwargs=dict(randomness=dict(seed=3))))
     model, ow, scheds = s.prepare(_net(), optim_wrapper=dict(
         optimizer=dict(type='AdamW', lr=1e-2), accumulative_counts=2,
@@ -40,14 +41,21 @@ def _run(work, start, stop, resume=None):
         dispatch_kwargs=dict(max_iters=MAX_ITERS, train_micro_batch_size_per_gpu=8))
     if resume:
         s.resume(resume)
-    for it in range(start, stop):
-        g = torch.Generator().manual_seed(it)
-        x, y = torch.randn(8, 6, generator=g).cuda(), torch.randint(3, (8,), generator=g).cuda()
-        ow.update_params(F.cross_entropy(model(x).float(), y))
-        for sch in scheds:
-            sch.step()
+
+    def train(first, last):
+        for it in range(first, last):
+            g = torch.Generator().manual_seed(it)
+            x = torch.randn(8, 6, generator=g).cuda()
+            y = torch.randint(3, (8,), generator=g).cuda()
+            ow.update_params(F.cross_entropy(model(x).float(), y))
+            for sch in scheds:
+                sch.step()
+    train(start, stop)
     path = s.save_checkpoint(f'iter_{stop}.pth', extra_ckpt={'meta': {'iter': stop}})
     weights = {k: v.float().cpu() for k, v in s.model_state_dict().items()}
+    if async_checkpoint:  # the GPU state changes while the staged copy is written
+        train(stop, stop + 2)
+        s.wait_for_checkpoints()
     return path, weights, str(next(s.model.module.parameters()).dtype), s.model.global_steps
 
 
@@ -56,8 +64,11 @@ def _checks(tmp):
     path, _, _, _ = _run(os.path.join(tmp, 'b'), 0, SAVE_AT)
     _, resumed, _, resumed_updates = _run(os.path.join(tmp, 'c'), SAVE_AT, MAX_ITERS,
                                           resume=path)
+    path, _, _, _ = _run(os.path.join(tmp, 'd'), 0, SAVE_AT, async_checkpoint=True)
+    _, from_async, _, _ = _run(os.path.join(tmp, 'e'), SAVE_AT, MAX_ITERS, resume=path)
     return dict(dtype=dtype, updates=(updates, resumed_updates),
-                exact=all(torch.equal(full[k], resumed[k]) for k in full))
+                exact=all(torch.equal(full[k], resumed[k]) for k in full),
+                exact_async=all(torch.equal(full[k], from_async[k]) for k in full))
 
 
 def test_fp16_zero2_trains_and_resumes_exactly(tmp_path):
@@ -67,4 +78,4 @@ def test_fp16_zero2_trains_and_resumes_exactly(tmp_path):
         pytest.fail(f'{e}\n{e.output[-4000:]}')
     assert out['dtype'] == 'torch.float16'
     assert out['updates'] == (MAX_ITERS // 2, MAX_ITERS // 2)
-    assert out['exact']
+    assert out['exact'] and out['exact_async']
