@@ -26,7 +26,6 @@ import argparse
 import logging
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,8 +34,9 @@ import types
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
+
+from _spawn import spawn_ranks  # benchmarks/, on the path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -189,14 +189,7 @@ def main() -> None:
     args = parser.parse_args()
     base = ROOT / 'work_dirs' / 'bench'
     base.mkdir(parents=True, exist_ok=True)
-    out_dir = tempfile.mkdtemp(prefix='ds-ckpt-', dir=base)
-    with socket.socket() as sock:
-        sock.bind(('127.0.0.1', 0))
-        port = sock.getsockname()[1]
-    try:
-        mp.spawn(_worker, args=(2, port, args, out_dir), nprocs=2)
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
+    spawn_ranks(_worker, args, prefix='ds-ckpt-', base=str(base))
 
 
 if __name__ == '__main__':

@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
-import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
+
+from _spawn import spawn_ranks  # benchmarks/, on the path when run as a script
 
 
 def _mlp(width: int = 1024) -> nn.Module:
@@ -164,14 +163,7 @@ def main() -> None:
     parser.add_argument('--width', type=int, default=1024,
                         help='Linear width (2048: 4x the state, fixed costs amortised)')
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(('127.0.0.1', 0))
-        port = sock.getsockname()[1]
-    tmp = tempfile.mkdtemp(prefix='fsdp_bench_', dir=os.environ.get('BENCH_DIR'))
-    try:
-        mp.spawn(_worker, args=(2, port, args, tmp), nprocs=2)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    spawn_ranks(_worker, args, prefix='fsdp_bench_', base=os.environ.get('BENCH_DIR'))
 
 
 if __name__ == '__main__':

@@ -1,0 +1,28 @@
+"""Start a 2-rank benchmark: a free localhost port, a scratch directory removed afterwards."""
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A localhost TCP port nobody listens on (for MASTER_PORT)."""
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]
+
+
+def spawn_ranks(worker: Callable[..., Any], args: Any, *, world: int = 2, prefix: str = 'bench-',
+                base: str | None = None) -> None:
+    """Run ``worker(rank, world, port, args, scratch_dir)`` in ``world`` processes; the scratch
+    directory (under ``base``, else the system temp dir) is removed afterwards."""
+    scratch = tempfile.mkdtemp(prefix=prefix, dir=base)
+    try:
+        mp.spawn(worker, args=(world, free_port(), args, scratch), nprocs=world)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
