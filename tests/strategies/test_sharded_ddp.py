@@ -54,12 +54,12 @@ def _train(model, ow, start, stop, rank=None, scheds=()):
     return norms
 
 
-def _build(kind, work_dir, optimizer=ADAM, sched=False, **wrapper):
-    """A strategy and its prepared model and wrapper (+ a warmup scheduler with ``sched``,
-    kept in ``s.param_schedulers``)."""
+def _build(kind, work_dir, optimizer=ADAM, sched=False, strategy=None, **wrapper):
+    """A strategy (extra ``strategy`` options) and its prepared model and wrapper (+ a warmup
+    scheduler with ``sched``, kept in ``s.param_schedulers``)."""
     from stratagem.strategies import build_strategy
     s = build_strategy(dict(type=kind, work_dir=str(work_dir), log_kwargs=dict(
-        log_level='WARNING'), env_kwargs=dict(randomness=dict(seed=1))))
+        log_level='WARNING'), env_kwargs=dict(randomness=dict(seed=1)), **(strategy or {})))
     warmup = [dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=4)] if sched else None
     model, ow, *_ = s.prepare(_model(), optim_wrapper=dict(optimizer=dict(optimizer), **wrapper),
                               param_scheduler=warmup, dispatch_kwargs=dict(max_iters=END))
@@ -161,6 +161,20 @@ def _checks(tmp):
     out['rollback_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in
                                        _weights(rs2).items())
     out['mid_ckpt'] = mid
+    # the same mid-window save, asynchronous: OSS consolidates on the training thread, rank 0
+    # writes in the background while training goes on; the resume is exact all the same
+    as_, am, aow = _build('ShardedDDPStrategy', wd('acc_async'), accumulative_counts=2,
+                          sched=True, strategy=dict(async_checkpoint=True))
+    _train(am, aow, 0, 3, rank, _scheds(as_))
+    amid = as_.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
+    _train(am, aow, 3, END, rank, _scheds(as_))
+    as_.wait_for_checkpoints()
+    out['async_trained_equal'] = all(torch.equal(v, full_w[k]) for k, v in _weights(as_).items())
+    rs3, rm3, row3 = _build('ShardedDDPStrategy', wd('acc_async'), accumulative_counts=2,
+                            sched=True)
+    rs3.resume(amid)
+    _train(rm3, row3, 3, END, rank, _scheds(rs3))
+    out['async_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in _weights(rs3).items())
 
     # -- 4. across strategies: SDP checkpoint into DDP, DDP checkpoint into SDP
     for name, kind, path, want in (('sdp_to_ddp', 'DDPStrategy', out['sdp_ckpt'], 'sdp_end'),
@@ -249,6 +263,11 @@ def test_consolidation_keeps_no_copy_and_makes_at_most_one(results):
     assert r0['all_states_kept'] == r1['all_states_kept'] == 0
     # rank 0's state dict aliases its own shard; only rank 1's shard was copied
     assert r0['new_bytes'] == r0['shard_bytes'][1] < r0['state_bytes'][1]
+
+
+def test_async_save_mid_window_resumes_exactly(results):
+    for r in results:
+        assert r['async_trained_equal'] and r['async_resume_equal']
 
 
 def test_resume_mid_window_is_exact_also_after_a_rollback(results):
