@@ -25,6 +25,8 @@ few store round trips (well under a millisecond each) to a save, no polling dela
 
 So an error on any rank, or a rank that died, ends the save on every surviving rank within
 about ``timeout`` s of the last sign of life, with the rank named, and nothing is committed.
+Once every rank has the outcome, each deletes its keys (rank 0 the shared ones): the store's
+server, in rank 0's process, keeps nothing of the saves of a long run.
 """
 from __future__ import annotations
 
@@ -96,9 +98,9 @@ class SaveVote:
     """One distributed save's vote (see module doc). ``open`` returns None without a
     process group, so callers need no branch for a single process.
 
-    Every wait blocks on the store (``store.wait``) for at most one heartbeat interval at a
-    time, so it returns as soon as the awaited key is posted (no polling delay on the
-    save's critical path) and checks the peers' heartbeats in between.
+    Every wait blocks on the store (``store.wait``), so it returns as soon as the awaited key
+    is posted (no polling delay on the save's critical path); it checks the peers'
+    heartbeats every ``timeout / 4`` s (at most 30 s) meanwhile.
     """
 
     def __init__(self, store: Any, prefix: str, rank: int, world_size: int, timeout: float,
@@ -107,8 +109,14 @@ class SaveVote:
         self._waiter = waiter if waiter is not None else store
         self.rank, self.world_size, self.timeout, self.what = rank, world_size, timeout, what
         self._beat = max(0.05, min(1.0, timeout / 8))
+        # a blocking wait returns the moment its key is posted; it times out (and c10d logs
+        # a warning) only after this long, to check the peers' heartbeats: a quarter of the
+        # timeout, at most 30 s (so a rank that died is named within timeout + 30 s)
+        self._chunk = max(self._beat, min(timeout / 4, 30.0))
         self._seen: dict[int, tuple[int | None, float]] = {}  # rank -> (beats, when seen)
         self._dead: set[int] = set()  # ranks found dead: nobody waits for them again
+        self._settled = False  # the outcome reached every rank: the keys can go
+        self._published: list[str] = []
         self.ready_posted = False  # step 2 done on this rank
         self.concluded = False  # step 4 done on this rank: the outcome is known (or posted)
         self._stop = threading.Event()
@@ -132,6 +140,7 @@ class SaveVote:
     def publish(self, name: str, value: str) -> None:
         """Rank 0 shares ``value`` (e.g. the staging directory) with the other ranks."""
         self._set(f'share/{name}', value)
+        self._published.append(f'share/{name}')
 
     def receive(self, name: str) -> str:
         """Another rank: rank 0's ``publish``ed value (waits for it, watching rank 0)."""
@@ -178,6 +187,7 @@ class SaveVote:
             self._await([f'read/{r}' for r in sorted(pending)], pending, 'read the outcome')
         except CheckpointVoteError:
             return  # a rank died meanwhile: nobody is left to tell
+        self._settled = not self._dead  # every rank has the outcome: close() may clean up
 
     def wait_outcome(self) -> None:
         """Step 4 (other ranks): return once rank 0 committed; raise its error otherwise."""
@@ -185,6 +195,7 @@ class SaveVote:
         self._await(['outcome'], {0}, 'commit')
         value = self._get('outcome')
         self._set(f'read/{self.rank}', _OK)
+        self._settled = True  # rank 0 has this rank's ready; only the read flag must stay
         if value != _OK:
             raise CheckpointVoteError(value if value.startswith(self.what) else
                                       f'{self.what} failed on rank 0: {value}')
@@ -193,13 +204,23 @@ class SaveVote:
         """Leave the vote: a rank other than 0 marks the outcome read (also when it failed on
         its own and never waited for it), then this rank's heartbeat stops."""
         self.concluded = True
-        if self.rank != 0:
+        if self.rank != 0 and not self._settled:
             try:
                 self._set(f'read/{self.rank}', _OK)
             except Exception:  # noqa: BLE001 - the store is gone: rank 0 is not waiting
                 pass
         self._stop.set()
         self._thread.join()
+        if self._settled:  # nobody reads these keys again: the store server keeps no trace
+            keys = [f'ready/{self.rank}', f'alive/{self.rank}']
+            if self.rank == 0:  # after every rank read the outcome
+                keys += ['outcome', *self._published] + [f'read/{r}'
+                                                         for r in range(1, self.world_size)]
+            for key in keys:
+                try:
+                    self._store.delete_key(self._prefix + key)
+                except Exception:  # noqa: BLE001 - best effort: a key left costs a few bytes
+                    pass
 
     # --------------------------------------------------------------- internals
     def _heartbeat(self) -> None:
@@ -212,8 +233,8 @@ class SaveVote:
             self._stop.wait(self._beat)
 
     def _await(self, keys: list[str], watch: set, doing: str) -> None:
-        """Block until every key in ``keys`` is posted. Between waits of one heartbeat
-        interval: raise if a rank in ``watch`` that has not posted its key stalled for
+        """Block until every key in ``keys`` is posted. Between blocking waits (``_chunk``
+        s each): raise if a rank in ``watch`` that has not posted its key stalled for
         ``timeout`` s; a non-zero rank also stops early on an error outcome of rank 0's
         (it gave up on this save, e.g. before publishing)."""
         if not keys:
@@ -221,7 +242,7 @@ class SaveVote:
         full = [self._prefix + k for k in keys]
         while True:
             try:
-                self._waiter.wait(full, datetime.timedelta(seconds=self._beat))
+                self._waiter.wait(full, datetime.timedelta(seconds=self._chunk))
                 return
             except Exception:  # noqa: BLE001 - a timeout; a lost store fails in the checks below
                 pass

@@ -214,12 +214,19 @@ def _dist_checks(root):
         if rank == 1:
             time.sleep(2.5)
         return per_rank('slow')(staging)
+    # the vote leaves nothing behind in the store (its server lives as long as the job)
+    from stratagem.checkpoint.vote import _own_store
+    store = _own_store()[0]
+    dist.barrier()
+    keys_before = store.num_keys()
     start = time.monotonic()
     slow_dir = save_directory(root / 'iter_3', slow, step=3, timeout=8.0)
     out['slow_s'] = time.monotonic() - start
     out['slow_step'] = verify_directory(slow_dir)['step']
     out['after_slow'] = verify_directory(save_directory(root / 'iter_4', per_rank('four'),
                                                         step=4, timeout=8.0))['step']
+    dist.barrier()
+    out['keys_left'] = store.num_keys() - keys_before
     # agreeing on a checkpoint: rank 0's path wins; a rank that passed another path (or
     # none) checks rank 0's in a second round; bytes that differ are refused on both
     from stratagem.checkpoint import CheckpointNotShared, agree_on_checkpoint
@@ -260,6 +267,7 @@ def test_two_ranks(tmp_path):
                 '_FakeCheckpointException: dcp failed; nothing was committed']
         assert 'shard_1.bin' in out['verify'] and 'xxh3_128' in out['verify']
         assert out['slow_step'] == 3 and out['after_slow'] == 4
+        assert out['keys_left'] == 0
         assert 2.5 <= out['slow_s'] < 8.0, out['slow_s']
         assert out['agree_same'] == out['agree_other'] == out['agree_none'] == \
             str(tmp_path / 'iter_3')
