@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -21,6 +20,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+
+from _spawn import free_port  # benchmarks/, on the path when run as a script
 
 
 def _mlp() -> nn.Module:
@@ -147,9 +148,7 @@ def main() -> None:
     parser.add_argument('--order', choices=['raw-first', 'ours-first'], default='raw-first',
                         help='which model is allocated first')
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_worker, args=(2, port, args.rounds, args.steps, args.order), nprocs=2)
 
 

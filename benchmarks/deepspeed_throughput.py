@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -31,6 +30,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+
+from _spawn import free_port  # benchmarks/, on the path when run as a script
 
 
 def _mlp() -> nn.Module:
@@ -143,9 +144,7 @@ def main() -> None:
     parser.add_argument('--steps', type=int, default=10)
     parser.add_argument('--stages', type=int, nargs='+', default=[2, 3], choices=[0, 1, 2, 3])
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_worker, args=(2, port, args.rounds, args.steps, args.stages), nprocs=2)
 
 

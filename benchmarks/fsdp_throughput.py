@@ -98,41 +98,34 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str
 
     io = {k: [] for k in ('raw_save', 'ours_save', 'raw_load', 'ours_load', 'raw_load2',
                           'ours_load_cold')}
+    def clock(times: dict, key: str, fn, *fn_args):
+        """``fn(*fn_args)`` on every rank, timed until the last rank is done."""
+        t = time.perf_counter()
+        out = fn(*fn_args)
+        dist.barrier()
+        times[key] = time.perf_counter() - t
+        return out
+
+    def raw_save(raw_dir: str) -> None:
+        # a raw save gathers the state dicts too (ours does, inside save_checkpoint)
+        model_sd, optim_sd = get_state_dict(raw, [raw_opt])
+        dcp.save({'state_dict': model_sd, 'optimizer': optim_sd}, checkpoint_id=raw_dir)
+
     for i in range(args.ckpt_rounds + 1):  # round 0 warms up (imports, first-use setup)
         raw_dir = os.path.join(tmp, f'raw_{i}')
         times = {}
         dist.barrier()
-        t = time.perf_counter()
-        # a raw save gathers the state dicts too (ours does, inside save_checkpoint)
-        model_sd, optim_sd = get_state_dict(raw, [raw_opt])
-        dcp.save({'state_dict': model_sd, 'optimizer': optim_sd}, checkpoint_id=raw_dir)
-        dist.barrier()
-        times['raw_save'] = time.perf_counter() - t
-        t = time.perf_counter()
-        path = strategy.save_checkpoint(f'ours_{i}')
-        dist.barrier()
-        times['ours_save'] = time.perf_counter() - t
-        t = time.perf_counter()
-        raw_load(raw_dir)
-        dist.barrier()
-        times['raw_load'] = time.perf_counter() - t
+        clock(times, 'raw_save', raw_save, raw_dir)
+        path = clock(times, 'ours_save', strategy.save_checkpoint, f'ours_{i}')
+        clock(times, 'raw_load', raw_load, raw_dir)
         # warm: the saving process knows the hashes of the files it wrote (a resume in the
         # same process reads each file once)
-        t = time.perf_counter()
-        strategy.resume(path)
-        dist.barrier()
-        times['ours_load'] = time.perf_counter() - t
-        t = time.perf_counter()
-        raw_load(raw_dir)
-        dist.barrier()
-        times['raw_load2'] = time.perf_counter() - t
+        clock(times, 'ours_load', strategy.resume, path)
+        clock(times, 'raw_load2', raw_load, raw_dir)
         # cold: as a new process, every byte is hashed before DCP reads it
         manifest_mod._VERIFIED.clear()
         dist.barrier()
-        t = time.perf_counter()
-        strategy.resume(path)
-        dist.barrier()
-        times['ours_load_cold'] = time.perf_counter() - t
+        clock(times, 'ours_load_cold', strategy.resume, path)
         if i:
             for key, value in times.items():
                 io[key].append(value * 1000)

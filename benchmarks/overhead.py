@@ -228,16 +228,21 @@ def peak_rss_kib():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 '''
 
-_READY_RAW = _PEAK_RSS + r'''
-import sys, time, torch
-t_torch = time.perf_counter()
-from torch import nn
+# the medium MLP of both start-to-ready scripts (after `from torch import nn`)
+_MLP_SRC = '''
 def mlp():
     torch.manual_seed(0)
     layers = []
     for _ in range(4):
         layers += [nn.Linear(1024, 1024), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
+'''
+
+_READY_RAW = _PEAK_RSS + r'''
+import sys, time, torch
+t_torch = time.perf_counter()
+from torch import nn
+''' + _MLP_SRC + r'''
 model = mlp()
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 optimizer.zero_grad()
@@ -251,12 +256,7 @@ import sys, tempfile, time, torch
 t_torch = time.perf_counter()
 from torch import nn
 from stratagem.strategies import SingleDeviceStrategy
-def mlp():
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(4):
-        layers += [nn.Linear(1024, 1024), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
+''' + _MLP_SRC + r'''
 strategy = SingleDeviceStrategy(work_dir=tempfile.mkdtemp(prefix='stratagem-bench-'))
 model, optim_wrapper = strategy.prepare(
     mlp(), optim_wrapper=dict(optimizer=dict(type='SGD', lr=1e-3, momentum=0.9)))

@@ -102,10 +102,6 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
-def _describe(error: BaseException) -> str:
-    return describe_error(error)
-
-
 def describe_error(error: BaseException) -> str:
     """``Type: message``; DCP's ``CheckpointException`` (whose message lists only rank
     numbers) with its first rank's own error."""
@@ -156,7 +152,7 @@ def begin_directory_save(final_dir: PathLike, vote: SaveVote | None = None) -> P
         path = new_staging_dir(final_dir)
     except Exception as err:
         if vote is not None:
-            vote.publish('staging', json.dumps({'error': _describe(err)}))
+            vote.publish('staging', json.dumps({'error': describe_error(err)}))
             vote.concluded = True
         raise
     if vote is not None:
@@ -227,7 +223,7 @@ def finish_directory_save(staging: PathLike, final_dir: PathLike, written: Direc
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-    vote.ready(None if written.ok else _describe(written.error),
+    vote.ready(None if written.ok else describe_error(written.error),
                json.dumps(written.files) if written.ok else None)
     if vote.rank != 0:
         if not written.ok:
@@ -247,7 +243,8 @@ def finish_directory_save(staging: PathLike, final_dir: PathLike, written: Direc
                         vote.world_size, step, extra_manifest, update_pointer)
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
-        vote.post_outcome(str(err) if isinstance(err, CheckpointVoteError) else _describe(err))
+        vote.post_outcome(str(err) if isinstance(err, CheckpointVoteError)
+                          else describe_error(err))
         raise
     vote.post_outcome(None)
     return final
@@ -258,7 +255,7 @@ def _raise_own(error: BaseException, what: str) -> None:
         raise error
     # a BaseException (DCP's CheckpointException) becomes an Exception, so that callers'
     # `except Exception` sees it on this rank as on the others
-    raise RuntimeError(f'{what} failed on rank {_rank_world()[0]}: {_describe(error)}') \
+    raise RuntimeError(f'{what} failed on rank {_rank_world()[0]}: {describe_error(error)}') \
         from error
 
 
@@ -336,8 +333,8 @@ def verify_directory(path: PathLike, *, hash_bytes: bool = True, collective: boo
                         hash_bytes=hash_bytes and owner % world == rank)
     except Exception as err:  # noqa: BLE001 - exchanged, raised on every rank
         error = err
-    outcomes = _gather((digest, None if error is None else _describe(error))) if collective \
-        else [(digest, None if error is None else _describe(error))]
+    mine = (digest, None if error is None else describe_error(error))
+    outcomes = _gather(mine) if collective else [mine]
     _raise_first([msg for _, msg in outcomes], error, f'verifying {directory}',
                  CheckpointCorruptError)
     if len({d for d, _ in outcomes}) > 1:
