@@ -21,6 +21,7 @@ import contextlib
 import io
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +31,7 @@ import torch
 
 from .commit import _OVERHEAD_BYTES, _crc32_option, check_free_space, payload_bytes, write_torch_file
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
-from .directory import describe_error, save_directory, verify_directory
+from .directory import _gather, _raise_first, describe_error, save_directory, verify_directory
 from .load import load_checkpoint_file
 from .manifest import file_entry, new_hasher
 
@@ -214,6 +215,12 @@ def _hashing_fs(pool: ThreadPoolExecutor) -> Any:
     return HashingFileSystem()
 
 
+def _reader(path: Path, metadata: Any = None) -> Any:
+    """A ``ShardReader`` (imported here: DCP takes ~0.4 s to import)."""
+    from .dcp_reader import ShardReader
+    return ShardReader(path, metadata=metadata)
+
+
 def _rank() -> int:
     import torch.distributed as dist
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -254,12 +261,11 @@ def _read_full(path: Path, manifest: dict) -> dict:
 
 
 def _read_dcp_full(path: Path) -> dict:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     state: dict = {}
     # as format_utils.dcp_to_torch_save does: the public dcp.load only fills existing keys
-    _load_state_dict(state, storage_reader=dcp.FileSystemReader(path),
+    _load_state_dict(state, storage_reader=_reader(path),
                      planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state
 
@@ -275,22 +281,24 @@ def _read_extra(path: Path, groups: list | None = None) -> dict:
     return extra
 
 
-def read_sharded_header(path: str | os.PathLike, *, optimizer: bool) -> dict | None:
+def read_sharded_header(path: str | os.PathLike, *,
+                        optimizer: bool) -> tuple[dict, Any] | None:
     """Verify a sharded directory (collective) and read all of it but the tensors, for a
     resume that reads them in place later (``load_sharded_in_place``), once every check
-    passed: ``state_dict`` holds a ``meta``-device tensor of each saved shape and dtype (from
-    DCP's metadata), ``optimizer`` the saved param groups and the wrapper's counters (no
-    ``state``); everything else is read as ``load_sharded_checkpoint`` reads it. None when
-    the checkpoint cannot be read that way (converted from a single file, saved before the
-    param groups were kept in ``extra.pth``, or a model entry that is not a tensor): read it
-    with ``load_sharded_checkpoint`` then."""
-    import torch.distributed.checkpoint as dcp
+    passed. Returns ``(checkpoint, metadata)``: in ``checkpoint``, ``state_dict`` holds a
+    ``meta``-device tensor of each saved shape and dtype (from DCP's metadata), ``optimizer``
+    the saved param groups and the wrapper's counters (no ``state``); everything else is read
+    as ``load_sharded_checkpoint`` reads it. ``metadata`` is DCP's, for the read (so it is
+    not read twice). None when the checkpoint cannot be read that way (converted from a
+    single file, saved before the param groups were kept in ``extra.pth``, or a model entry
+    that is not a tensor): read it with ``load_sharded_checkpoint`` then."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     path = Path(path).absolute()
     manifest = verify_directory(path)
     if manifest.get('optimizer_keys', 'fqn') != 'fqn':
         return None
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    dcp_metadata = _reader(path).read_metadata()
+    metadata = dcp_metadata.state_dict_metadata
     weights = {}
     for key, item in metadata.items():
         if key.startswith('state_dict.'):
@@ -311,25 +319,52 @@ def read_sharded_header(path: str | os.PathLike, *, optimizer: bool) -> dict | N
     if partial:
         checkpoint['partial_grads_fqn'] = partial
     checkpoint.update(extra)
-    return checkpoint
+    return checkpoint, dcp_metadata
 
 
-def load_sharded_in_place(path: str | os.PathLike, state: dict) -> None:
+def load_sharded_in_place(path: str | os.PathLike, state: dict, *,
+                          metadata: Any = None) -> None:
     """DCP-read a verified sharded directory into ``state`` (``{'state_dict': ...,
-    'optimizer': ...}``, this rank's live sharded state dicts) in place (collective).
+    'optimizer': ...}``, this rank's live sharded state dicts) in place (collective);
+    ``metadata``: DCP's, when already read (``read_sharded_header``).
 
     DCP plans the whole read before it reads a byte: a key or shape the checkpoint lacks
     fails there, with nothing changed. A read error after that (the files changed since they
     were verified, a failing disk) leaves the state partly read."""
+    _dcp_read(Path(path).absolute(), state, metadata=metadata, what='into the model')
+
+
+def _dcp_read(path: Path, state: dict, *, metadata: Any = None, what: str = '') -> None:
+    """``dcp.load(state)`` of ``path`` on every rank (collective), through ``ShardReader``.
+
+    Each rank plans and reads on its own (``no_dist``): a load's global plan is just the
+    ranks' own plans, and DCP's three planning and reporting collectives cost more than
+    the read of a small model. One exchange afterwards raises any rank's failure on every
+    rank (DCP's ``CheckpointException``, a ``BaseException``, becomes a ``RuntimeError``
+    that names the file and the rank)."""
     import torch.distributed.checkpoint as dcp
+    error = None
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(Path(path).absolute()))
+        with warnings.catch_warnings():  # no_dist under a process group is meant here
+            warnings.filterwarnings('ignore', message='torch.distributed is disabled')
+            dcp.load(state, storage_reader=_reader(path, metadata), no_dist=True)
     except BaseException as err:
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
-        # DCP's CheckpointException is a BaseException and names no file: say which
-        raise RuntimeError(f'reading {path} into the model failed: {describe_error(err)}') \
-            from err
+        error = err
+        # no_dist: DCP wraps this rank's own error in a CheckpointException that calls
+        # this rank 'rank 0': unwrap it
+        failures = getattr(err, 'failures', None)
+        if isinstance(failures, dict) and len(failures) == 1:
+            cause = next(iter(failures.values()))
+            cause = cause[0] if isinstance(cause, tuple) else cause
+            if isinstance(cause, BaseException):
+                error = cause
+    outcomes = _gather(None if error is None else describe_error(error))
+    if error is not None and not isinstance(error, Exception):
+        # a BaseException: this rank raises the message the others see
+        error = RuntimeError(f'reading {path} {what} failed: {describe_error(error)}')
+    _raise_first(outcomes, error, f'reading {path} {what}'.rstrip())
 
 
 def read_partial_grads(path: str | os.PathLike) -> list[dict]:
@@ -359,7 +394,6 @@ def load_sharded_checkpoint(path: str | os.PathLike, model_state: dict,
     of ``extra.pth``. A checkpoint converted from a single file (index-keyed optimizer) is
     read in full instead (``read_sharded_checkpoint``'s result).
     """
-    import torch.distributed.checkpoint as dcp
     path = Path(path).absolute()
     manifest = verify_directory(path)
     if manifest.get('optimizer_keys', 'fqn') != 'fqn':
@@ -367,7 +401,7 @@ def load_sharded_checkpoint(path: str | os.PathLike, model_state: dict,
     state = {'state_dict': _fresh_tensors(model_state)}
     if optim_state is not None and 'optimizer' in (manifest.get('dcp_keys') or _dcp_keys(path)):
         state['optimizer'] = _fresh_tensors(optim_state)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    _dcp_read(path, state)
     extra = _read_extra(path)
     checkpoint = {'meta': extra.pop('meta', {}), 'state_dict': state['state_dict']}
     if 'optimizer' in state:
@@ -381,8 +415,7 @@ def load_sharded_checkpoint(path: str | os.PathLike, model_state: dict,
 
 def _dcp_keys(path: Path) -> set[str]:
     """Top-level keys of the DCP state (a checkpoint whose manifest predates ``dcp_keys``)."""
-    import torch.distributed.checkpoint as dcp
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata = _reader(path).read_metadata()
     return {key.split('.', 1)[0] for key in metadata.state_dict_metadata}
 
 

@@ -63,7 +63,8 @@ class FSDPStrategy(BaseStrategy):
         self._block_compile: dict | None = None
         self._writer_group: Any = None  # the async writer's gloo group (first async save)
         self._in_place: bool | None = None  # resume(): read in place (and the optimizer?)
-        self._pending_read: tuple | None = None  # (path, checkpoint) read after the checks
+        # (path, checkpoint, DCP metadata): read after the checks
+        self._pending_read: tuple | None = None
         env_kwargs = self._distributed_env_kwargs(
             kwargs, 'FSDPStrategy', "; for one process use SingleDeviceStrategy (type='auto')")
         super().__init__(env_kwargs=env_kwargs, **kwargs)
@@ -295,12 +296,12 @@ class FSDPStrategy(BaseStrategy):
         """The pending resume's DCP read, into the live state dicts; the checkpoint dict the
         resume holds gets them (its ``optimizer`` too, when resumed). Returns the weights."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        (path, checkpoint), self._pending_read = self._pending_read, None
+        (path, checkpoint, metadata), self._pending_read = self._pending_read, None
         optimizers = [self.optim_wrapper.optimizer] if self._in_place else []
         with keep_fresh(optimizers):
             model_sd, optim_sd = get_state_dict(self.model, optimizers)
         state = {'state_dict': model_sd, **({'optimizer': optim_sd} if optimizers else {})}
-        ckpt.load_sharded_in_place(path, state)
+        ckpt.load_sharded_in_place(path, state, metadata=metadata)
         checkpoint['state_dict'] = state['state_dict']
         if optimizers:
             counters = {k: v for k, v in checkpoint['optimizer'].items()
@@ -314,8 +315,8 @@ class FSDPStrategy(BaseStrategy):
         if self._in_place is not None:
             header = ckpt.read_sharded_header(filename, optimizer=self._in_place)
             if header is not None:
-                self._pending_read = (filename, header)
-                return header
+                self._pending_read = (filename, *header)
+                return header[0]
         from torch.distributed.checkpoint.state_dict import get_state_dict
         optimizers = [self.optim_wrapper.optimizer] if hasattr(self, 'optim_wrapper') else []
         with keep_fresh(optimizers):

@@ -234,6 +234,24 @@ def _in_place_checks(work_dir, state_3):
     s.resume(path, callback=lambda c: seen.append(
         float(sum(v.full_tensor().double().sum() for v in c['state_dict'].values()))))
     out['callback_saw'] = (seen, float(sum(v.double().sum() for v in state_3[0].values())))
+    # a read that fails on rank 1 only (after every check passed) raises on both ranks, with
+    # rank 1's error; the ranks stay in step: the next resume reads everything
+    import torch.distributed as dist
+    from stratagem.checkpoint.dcp_reader import ShardReader
+    read_data = ShardReader.read_data
+
+    def failing(self, *args, **kwargs):
+        raise OSError('injected: read failed')
+    if dist.get_rank() == 1:
+        ShardReader.read_data = failing
+    try:
+        s.resume(path)
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        out['read_failed'] = f'{type(err).__name__}: {err}'
+    finally:
+        ShardReader.read_data = read_data
+    s.resume(path)
+    out['read_after_failure'] = _state_equal(_full_state(s), state_3)
     return out
 
 
@@ -523,6 +541,12 @@ def test_resume_reads_in_place_after_its_checks(runs):
         assert out['weights_only_model'] and out['weights_only_optim_kept']
         seen, expected = out['callback_saw']
         assert seen == [expected]
+        assert out['read_after_failure']
+    first = runs['first']
+    assert first[1]['read_failed'] == 'OSError: injected: read failed'
+    assert first[0]['read_failed'].startswith('RuntimeError: reading ')
+    assert first[0]['read_failed'].endswith(
+        'into the model failed on rank 1: OSError: injected: read failed')
 
 
 def test_async_sharded_save(runs):
