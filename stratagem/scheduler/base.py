@@ -56,6 +56,11 @@ def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     entry = _WATCHED.get(optimizer)
     if entry is not None:
         entry['steps'] += 1
+        # one step is all the check needs: the hook goes, so a run pays no call per step
+        # (a scheduler built later registers it again)
+        handle, entry['hook'] = entry.get('hook'), None
+        if handle is not None:
+            handle.remove()
 
 
 def _step_func(optimizer: Any) -> Any:
@@ -261,10 +266,11 @@ class _ParamScheduler:
         """Start counting the optimizer's steps (from now: the newest scheduler resets the
         count, as in mmengine); see ``_check_step_order``."""
         raw = raw_optimizer(self.optimizer)
-        if raw not in _WATCHED:
-            raw.register_step_post_hook(_count_step)
+        hook = (_WATCHED.get(raw) or {}).get('hook')
+        if hook is None:
+            hook = raw.register_step_post_hook(_count_step)
         _WATCHED[raw] = {'steps': 0, 'inner_count': getattr(self.optimizer, 'inner_count', None),
-                         'step': _step_func(self.optimizer)}
+                         'step': _step_func(self.optimizer), 'hook': hook}
 
     def _check_step_order(self) -> None:
         entry = _WATCHED.get(raw_optimizer(self.optimizer))

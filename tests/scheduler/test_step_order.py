@@ -85,3 +85,22 @@ def test_replaying_schedules_on_resume_does_not_warn():
     assert opt.param_groups[0]['lr'] == pytest.approx(0.1 * 0.5 ** 2)
     with pytest.warns(UserWarning, match=LINK):  # the check is back on afterwards
         StepLR(opt, step_size=1).step()
+
+
+def test_the_counting_hook_goes_after_the_first_optimizer_step():
+    """A run pays no Python call per optimizer step for the check: the hook is removed once
+    the optimizer stepped, and a scheduler built later registers it again."""
+    model, opt = _sgd()
+    first = StepLR(opt, step_size=1, gamma=0.5)
+    assert len(opt._optimizer_step_post_hooks) == 1
+    _loss(model).backward()
+    opt.step()
+    assert len(opt._optimizer_step_post_hooks) == 0
+    _no_warning(first.step)
+    later = ExponentialLR(opt, gamma=0.9)  # counts from its own construction
+    assert len(opt._optimizer_step_post_hooks) == 1
+    with pytest.warns(UserWarning, match='ExponentialLR.step\\(\\) was called before'):
+        later.step()
+    opt.step()
+    opt.step()
+    assert len(opt._optimizer_step_post_hooks) == 0
