@@ -64,6 +64,11 @@ def check_config(cfg: dict) -> None:
     if cfg.get('managed_gradient_accumulation', False) is not False:
         raise ValueError('DeepSpeedStrategy: managed_gradient_accumulation must not be set: '
                          'the optim wrapper owns the accumulation boundary (it is set to false)')
+    if (cfg.get('checkpoint') or {}).get('checkpoint_serialization', True) is False:
+        raise ValueError('DeepSpeedStrategy: checkpoint.checkpoint_serialization=false asks for '
+                         "torch's legacy (pre-1.6) file format, which stratagem does not write: "
+                         "it writes DeepSpeed's files itself, in torch's zip format, hashed as "
+                         'written (every torch since 1.6 reads them); remove the key')
     if _enabled(cfg.get('fp16')) and not torch.cuda.is_available():
         raise ValueError("DeepSpeedStrategy: fp16=dict(enabled=True) needs CUDA (DeepSpeed's "
                          'CPU accelerator refuses fp16); use bf16=dict(enabled=True) on CPU')

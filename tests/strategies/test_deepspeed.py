@@ -672,6 +672,8 @@ def test_wrapper_refuses_what_deepspeed_cannot_do():
      'gradient_clipping=2.0 disagrees with the DeepSpeed config'),
     (dict(zero_optimization=dict(stage=4)), 'stage=4'),
     (dict(config=dict(managed_gradient_accumulation=True)), 'managed_gradient_accumulation'),
+    (dict(config=dict(checkpoint=dict(checkpoint_serialization=False))),
+     'checkpoint.checkpoint_serialization=false'),
     (dict(config='/no/such/ds_config.json'), 'does not exist'),
 ])
 def test_bad_config_raises_before_any_set_up(kwargs, match):
