@@ -102,6 +102,15 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
+def _all_ok(failed: bool, *values: Any) -> bool:
+    """True on every rank when no rank ``failed`` and every rank holds the same ``values``:
+    one small collective (``all_gather_keys``); callers exchange the details (messages,
+    which rank) with ``_gather`` only when it is False, on every rank alike."""
+    from stratagem.env.dist import all_gather_keys, key_of
+    views = all_gather_keys([int(failed), *map(key_of, values)])
+    return all(view == (0, *views[0][1:]) for view in views)
+
+
 def describe_error(error: BaseException) -> str:
     """``Type: message``; DCP's ``CheckpointException`` (whose message lists only rank
     numbers) with its first rank's own error."""
@@ -334,7 +343,9 @@ def verify_directory(path: PathLike, *, hash_bytes: bool = True, collective: boo
     except Exception as err:  # noqa: BLE001 - exchanged, raised on every rank
         error = err
     mine = (digest, None if error is None else describe_error(error))
-    outcomes = _gather(mine) if collective else [mine]
+    outcomes = [mine]  # the details travel only when something differs
+    if collective and not _all_ok(error is not None, digest):
+        outcomes = _gather(mine)
     _raise_first([msg for _, msg in outcomes], error, f'verifying {directory}',
                  CheckpointCorruptError)
     if len({d for d, _ in outcomes}) > 1:

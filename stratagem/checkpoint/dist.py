@@ -71,8 +71,10 @@ def agree_on_checkpoint(path: str | os.PathLike | None, *, what: str = 'checkpoi
     """Rank 0's choice of checkpoint, checked to be the same file on every rank.
 
     1. Every rank makes its ``path`` absolute and takes its :func:`checkpoint_identity` (or
-       notes why it cannot); the results are gathered, in one collective. Rank 0's path is
-       the choice (None: there is nothing to load, and every rank gets None).
+       notes why it cannot). One small collective (``all_gather_keys``) compares them: when
+       every rank names the same path, sees the same bytes and can read them, that path is
+       the answer. Otherwise they are gathered in full; rank 0's path is the choice (None:
+       there is nothing to load, and every rank gets None).
     2. A rank whose own path is another one (or None) takes the identity of rank 0's path
        in a second round (rare: ranks normally pass the same path).
     3. If any rank cannot read the path or sees different bytes, :class:`CheckpointNotShared`
@@ -92,6 +94,13 @@ def agree_on_checkpoint(path: str | os.PathLike | None, *, what: str = 'checkpoi
         mine = (host, *_look(Path(path).absolute()))
     views = [mine]
     if distributed:
+        from stratagem.env.dist import all_gather_keys, key_of
+        # the common case in one small collective: every rank names the same readable path
+        # and sees the same bytes there; anything else is gathered in full to be reported
+        keys = all_gather_keys([key_of(mine[1]), key_of(mine[2]), int(mine[3] is not None)],
+                               group)
+        if all(k == keys[0] for k in keys) and keys[0][2] == 0:
+            return None if mine[1] is None else Path(mine[1])
         views = [None] * dist.get_world_size(group)
         dist.all_gather_object(views, mine, group=group)
     _, target, expected, error0 = views[0]

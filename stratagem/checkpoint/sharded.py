@@ -31,7 +31,7 @@ import torch
 
 from .commit import _OVERHEAD_BYTES, _crc32_option, check_free_space, payload_bytes, write_torch_file
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
-from .directory import _gather, _raise_first, describe_error, save_directory, verify_directory
+from .directory import _all_ok, _gather, _raise_first, describe_error, save_directory, verify_directory
 from .load import load_checkpoint_file
 from .manifest import file_entry, new_hasher
 
@@ -360,6 +360,8 @@ def _dcp_read(path: Path, state: dict, *, metadata: Any = None, what: str = '') 
             cause = cause[0] if isinstance(cause, tuple) else cause
             if isinstance(cause, BaseException):
                 error = cause
+    if _all_ok(error is not None):
+        return
     outcomes = _gather(None if error is None else describe_error(error))
     if error is not None and not isinstance(error, Exception):
         # a BaseException: this rank raises the message the others see

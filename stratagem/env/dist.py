@@ -123,3 +123,36 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     out: list[Any] = [None] * get_world_size(group)
     dist.all_gather_object(out, obj, group)
     return out
+
+
+_MISSING = -(1 << 63)  # how key_of(None) travels
+
+
+def key_of(value: Any) -> int:
+    """A signed 64-bit key for ``value`` in :func:`all_gather_keys`: an int (in range) is
+    itself, None is a sentinel, anything else a 60-bit hash of its ``repr`` (equal values,
+    equal keys; a collision between different values is a 1 in 2**60 chance)."""
+    if value is None:
+        return _MISSING
+    if type(value) is int and -(1 << 62) <= value < (1 << 62):
+        return value
+    import hashlib
+    digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    return (1 << 62) + (int.from_bytes(digest, 'little') >> 4)  # apart from the ints
+
+
+def all_gather_keys(keys: list[int], group: Any = None) -> list[tuple[int, ...]]:
+    """Every rank's ``keys`` (signed 64-bit ints, as many on every rank), in rank order.
+
+    One collective of a small tensor, no pickling: a third of ``all_gather_object``'s cost,
+    for the checks that run on every save and resume ("does every rank hold the same value?
+    did any rank fail?"), which then exchange the details only when the answer is no."""
+    if not is_distributed() or get_world_size(group) == 1:
+        return [tuple(keys)]
+    device = torch.device('cpu')
+    if dist.get_backend(group) == 'nccl':  # NCCL gathers CUDA tensors only
+        device = torch.device('cuda', torch.cuda.current_device())
+    mine = torch.tensor(keys, dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in range(get_world_size(group))]
+    dist.all_gather(out, mine, group)
+    return [tuple(t.tolist()) for t in out]

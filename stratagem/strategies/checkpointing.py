@@ -264,8 +264,9 @@ class CheckpointMixin(SaveMixin):
 
     def _check_same_step(self, step: Any, filename: str) -> None:
         """After a resume every rank must stand at the same iteration (collective)."""
-        steps = env.all_gather_object(step)
-        if len(set(map(repr, steps))) > 1:
+        keys = env.all_gather_keys([env.key_of(step)])
+        if any(key != keys[0] for key in keys):  # the steps themselves only to report them
+            steps = env.all_gather_object(step)
             raise RuntimeError(f'after resuming {filename} the ranks disagree on the iteration: '
                                f'{steps} (rank order); every rank must resume the same '
                                'checkpoint')

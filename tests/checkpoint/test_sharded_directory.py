@@ -243,6 +243,11 @@ def _dist_checks(root):
         out['agree_differs'] = str(err)
     if rank == 1:
         dist_mod.checkpoint_identity = real_identity
+    # verifying: ranks that read different manifests (here: different checkpoints) refuse
+    try:
+        verify_directory(root / ('iter_3' if rank == 0 else 'iter_4'))
+    except CheckpointCorruptError as err:
+        out['verify_differs'] = str(err)
     return out
 
 
@@ -271,6 +276,8 @@ def test_two_ranks(tmp_path):
         assert 2.5 <= out['slow_s'] < 8.0, out['slow_s']
         assert out['agree_same'] == out['agree_other'] == out['agree_none'] == \
             str(tmp_path / 'iter_3')
+        assert out['verify_differs'].startswith('ranks read different manifests in '), \
+            out.get('verify_differs')
         assert out['agree_differs'].startswith(
             f"rank 1 (host {socket.gethostname()}) cannot use the checkpoint that rank 0 (host "
             f"{socket.gethostname()}) chose, {tmp_path / 'iter_3'}: sees different bytes there")

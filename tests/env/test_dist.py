@@ -42,3 +42,13 @@ def test_master_only():
 
     assert save(4) == 8 and calls == [4]
     assert save.__name__ == 'save' and save.__doc__ == 'Docstring kept.'
+
+
+def test_keys_in_one_process():
+    from stratagem import env
+    assert env.all_gather_keys([3, env.key_of(None)]) == [(3, -(1 << 63))]
+    assert env.key_of(5) == 5 and env.key_of(-5) == -5
+    assert env.key_of(True) != env.key_of(1)  # not an int: hashed
+    assert env.key_of(1 << 70) == env.key_of(1 << 70) >= 1 << 62  # out of range: hashed
+    assert env.key_of({'a': [1, 2]}) == env.key_of({'a': [1, 2]}) != env.key_of({'a': [2, 1]})
+    assert env.key_of('x') != env.key_of('y')

@@ -51,6 +51,15 @@ def two_rank_checks():
     seen['same_group'] = dist.group.WORLD is group
     seen['reinit_log'] = [r.getMessage() for r in records]
     seen['after_reinit'] = env.all_gather_object(rank)
+    # the small-key gather the resume checks use, and the step check built on it
+    seen['keys'] = env.all_gather_keys([rank, env.key_of('same'), env.key_of(None),
+                                        env.key_of({'size': 3, 'digest': 'ab' * (rank + 1)})])
+    from stratagem.strategies.checkpointing import CheckpointMixin
+    CheckpointMixin._check_same_step(None, 7, 'ck')  # equal: returns
+    try:
+        CheckpointMixin._check_same_step(None, 5 + rank, 'ck')
+    except RuntimeError as err:
+        seen['step_disagreement'] = str(err)
     return seen
 
 
@@ -70,5 +79,14 @@ def test_two_ranks_on_gloo():
         assert seen['rank_seed'] == 100 + rank
         assert seen['same_group'] and seen['after_reinit'] == [0, 1]
         assert len(seen['reinit_log']) == 1 and 'already initialised' in seen['reinit_log'][0]
+    keys = results[0]['keys']
+    assert keys == results[1]['keys'] and [k[0] for k in keys] == [0, 1]
+    assert keys[0][1] == keys[1][1]  # equal values, equal keys
+    assert keys[0][2] == keys[1][2] == -(1 << 63)  # None
+    assert keys[0][3] != keys[1][3]  # the dicts differ
+    for seen in results:
+        assert seen['step_disagreement'] == ('after resuming ck the ranks disagree on the '
+                                             'iteration: [5, 6] (rank order); every rank must '
+                                             'resume the same checkpoint')
     assert results[0]['seed'] == results[1]['seed']
     assert results[0]['first_draw'] == results[1]['first_draw']
