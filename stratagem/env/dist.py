@@ -130,8 +130,11 @@ _MISSING = -(1 << 63)  # how key_of(None) travels
 
 def key_of(value: Any) -> int:
     """A signed 64-bit key for ``value`` in :func:`all_gather_keys`: an int (in range) is
-    itself, None is a sentinel, anything else a 60-bit hash of its ``repr`` (equal values,
-    equal keys; a collision between different values is a 1 in 2**60 chance)."""
+    itself, None is a sentinel, anything else a 60-bit hash of its ``repr``. Equal reprs
+    give equal keys, so it is meant for ints, strings and small containers of them built the
+    same way on every rank (``1`` and ``1.0`` differ, as do dicts in another key order; a
+    value whose repr elides, like a large tensor's, is not one to key). Different reprs
+    collide with a chance of 1 in 2**60."""
     if value is None:
         return _MISSING
     if type(value) is int and -(1 << 62) <= value < (1 << 62):

@@ -88,6 +88,86 @@ def test_big_endian_or_short_records_are_not_read_here():
     assert tensor_from_archive(wide) is None
 
 
+def _rebuilt(blob: bytes, records: dict | None = None, deflate: tuple = ()) -> bytes:
+    """``blob``'s archive written again by torch's writer, some records replaced; or by
+    zipfile, with the ``deflate``d records compressed (torch.load inflates them)."""
+    import zipfile
+    reader = torch._C.PyTorchFileReader(io.BytesIO(blob))
+    recs = {n: reader.get_record(n) for n in reader.get_all_records()}
+    recs.update(records or {})
+    out = io.BytesIO()
+    if deflate:
+        with zipfile.ZipFile(out, 'w') as archive:
+            for name, data in recs.items():
+                archive.writestr(f'archive/{name}', data, compress_type=zipfile.ZIP_DEFLATED
+                                 if name in deflate else zipfile.ZIP_STORED)
+        return out.getvalue()
+    writer = torch._C.PyTorchFileWriter(out)
+    for name, data in recs.items():
+        writer.write_record(name, data, len(data))
+    writer.write_end_of_file()
+    return out.getvalue()
+
+
+def _storage_pid(storage: bytes) -> bytes:  # a BINPERSID of ('storage', torch.<storage>, '0', 'cpu', 4)
+    return (b'(X\x07\x00\x00\x00storagectorch\n' + storage +
+            b'\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x04tQ')
+
+
+def _tensor_pickle(storage: bytes, before: bytes = b'') -> bytes:
+    """data.pkl of a float tensor of 4 elements on storage '0', after ``before``."""
+    return (b'\x80\x02' + before + b'ctorch._utils\n_rebuild_tensor_v2\n(' +
+            _storage_pid(storage) + b'K\x00K\x04\x85K\x01\x85\x89ccollections\n'
+            b'OrderedDict\n)RtR.')
+
+
+def test_crafted_archives_fall_back_to_torch_load(capsys):
+    """What torch.load reads one way must never be read another way here (a second review's
+    findings): each case below is None, and torch.load gives the reference values."""
+    expected = torch.arange(4, dtype=torch.float32) + 0.5
+    blob = _archive(expected)
+    assert torch.equal(tensor_from_archive(_rebuilt(blob, {'data.pkl': _tensor_pickle(
+        b'FloatStorage')})), expected)  # the hand-made pickle itself is fine
+    cases = {
+        # compressed storage bytes: torch.load inflates them
+        'deflated': _rebuilt(blob, deflate=('data/0',)),
+        # a storage referenced twice: torch.load keeps the first one's dtype (float)
+        'two_storages': _rebuilt(blob, {'data.pkl': _tensor_pickle(
+            b'IntStorage', before=_storage_pid(b'FloatStorage'))}),
+    }
+    for name, crafted in cases.items():
+        assert torch.equal(torch.load(io.BytesIO(crafted), weights_only=True), expected), name
+        assert tensor_from_archive(crafted) is None, name
+    # the check behind the opcode check: a second storage reference is refused
+    with pytest.raises(pickle.UnpicklingError, match='a second storage reference'):
+        dcp_reader._TensorUnpickler(io.BytesIO(
+            _tensor_pickle(b'IntStorage', before=_storage_pid(b'FloatStorage')))).load()
+    # a storage tuple written as a literal (no persistent reference): torch.load refuses it
+    literal = _tensor_pickle(b'FloatStorage').replace(b'tQ', b't', 1)
+    assert tensor_from_archive(_rebuilt(blob, {'data.pkl': literal})) is None
+    # BUILD on a recorder would change it for the whole process: refused before unpickling
+    build = (b'\x80\x02ctorch._utils\n_rebuild_tensor_v2\n(N}X\x08\x00\x00\x00__init__'
+             b'ccollections\nOrderedDict\nstb.')
+    init = dcp_reader._Recipe.__init__
+    assert tensor_from_archive(_rebuilt(blob, {'data.pkl': build})) is None
+    assert dcp_reader._Recipe.__init__ is init
+    # an extension code resolves through copyreg's cache, not find_class: refused
+    import copyreg
+    copyreg.add_extension('builtins', 'print', 0x42)
+    try:
+        pickle.loads(b'\x80\x02\x82\x42.')  # caches builtins.print under code 0x42
+        ext = b'\x80\x02\x82\x42X\x07\x00\x00\x00called!\x85R.'
+        assert tensor_from_archive(_rebuilt(blob, {'data.pkl': ext})) is None
+    finally:
+        copyreg.remove_extension('builtins', 'print', 0x42)
+    assert 'called!' not in capsys.readouterr().out
+    # sizes no tensor can have are torch.load's to refuse
+    huge = _tensor_pickle(b'FloatStorage').replace(b'K\x04\x85', b'\x8a\x09' + b'\x00' * 8 +
+                                                   b'\x01\x85', 1)
+    assert tensor_from_archive(_rebuilt(blob, {'data.pkl': huge})) is None
+    assert torch.equal(tensor_from_archive(blob), expected)  # and plain ones still read here
+
+
 def _save_dcp(path, state):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', UserWarning)  # "assuming ... a single process"
