@@ -31,7 +31,8 @@ import torch
 
 from .commit import _OVERHEAD_BYTES, _crc32_option, check_free_space, payload_bytes, write_torch_file
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
-from .directory import _all_ok, _gather, _raise_first, describe_error, save_directory, verify_directory
+from .directory import (_all_ok, _gather, _raise_first, describe_error, save_directory,
+                        verify_directory)
 from .load import load_checkpoint_file
 from .manifest import file_entry, new_hasher
 

@@ -109,7 +109,8 @@ def _rebuilt(blob: bytes, records: dict | None = None, deflate: tuple = ()) -> b
     return out.getvalue()
 
 
-def _storage_pid(storage: bytes) -> bytes:  # a BINPERSID of ('storage', torch.<storage>, '0', 'cpu', 4)
+def _storage_pid(storage: bytes) -> bytes:
+    """A BINPERSID of ``('storage', torch.<storage>, '0', 'cpu', 4)``."""
     return (b'(X\x07\x00\x00\x00storagectorch\n' + storage +
             b'\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x04tQ')
 
@@ -166,6 +167,56 @@ def test_crafted_archives_fall_back_to_torch_load(capsys):
                                                    b'\x01\x85', 1)
     assert tensor_from_archive(_rebuilt(blob, {'data.pkl': huge})) is None
     assert torch.equal(tensor_from_archive(blob), expected)  # and plain ones still read here
+
+
+def _misaligned(blob: bytes, offset_mod_16: int) -> bytes:
+    """``blob``'s archive rewritten by zipfile (no alignment), data/0 starting at a chosen
+    offset modulo 16 (a padding extra field before it)."""
+    import struct
+    import zipfile
+    reader = torch._C.PyTorchFileReader(io.BytesIO(blob))
+    for pad in range(16, 32):
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, 'w') as archive:
+            for name in reader.get_all_records():
+                info = zipfile.ZipInfo(f'archive/{name}')
+                if name == 'data/0':
+                    info.extra = b'\xfe\xca' + struct.pack('<H', pad) + b'\0' * pad
+                archive.writestr(info, reader.get_record(name))
+        crafted = out.getvalue()
+        start = torch._C.PyTorchFileReader(io.BytesIO(crafted)).get_record_offset('data/0')
+        if start % 16 == offset_mod_16:
+            return crafted
+    raise AssertionError('no padding gives that offset')
+
+
+def test_more_crafted_archives_fall_back():
+    """A second review's findings: data torch.load would read into aligned memory (a
+    complex128 copy from misaligned bytes crashes), archives torch.load refuses, pickles that
+    build more than one tensor, zero-size tensors with their own strides."""
+    values = torch.arange(3).to(torch.complex128)
+    blob = _archive(values)
+    for mod in (8, 3):
+        crafted = _misaligned(blob, mod)
+        assert torch.equal(torch.load(io.BytesIO(crafted), weights_only=True), values)
+        out = tensor_from_archive(crafted)
+        if out is not None:  # read here only when the view is aligned for its dtype
+            assert out.data_ptr() % 16 == 0 and torch.equal(out.clone(), values)
+    floats = torch.arange(4, dtype=torch.float32) + 0.5
+    blob = _archive(floats)
+    assert tensor_from_archive(b'\0\0\0\0' + blob) is None  # torch.load: not a zip
+    assert tensor_from_archive(_rebuilt(blob, {'constants.pkl': b'\x80\x02).'})) is None
+    body = (b'(' + _storage_pid(b'FloatStorage') + b'K\x00K\x04\x85K\x01\x85\x89' +
+            b'ccollections\nOrderedDict\n)R' * 3 + b'tR.')  # 8 arguments: torch.load raises
+    eight = b'\x80\x02ctorch._utils\n_rebuild_tensor_v2\n' + body
+    assert tensor_from_archive(_rebuilt(blob, {'data.pkl': eight})) is None
+    # a first tensor (one torch.load could not build) left under the result
+    first = b'ctorch._utils\n_rebuild_tensor_v2\n(K\x00K\x00K\x00K\x00tR'
+    two = _tensor_pickle(b'FloatStorage', before=first)
+    assert tensor_from_archive(_rebuilt(blob, {'data.pkl': two})) is None
+    empty = torch.empty(0, 10)[:, 2:5]  # size (0, 3), stride (10, 1), offset 2
+    out = tensor_from_archive(_archive(empty))
+    assert (out.shape, out.stride(), out.storage_offset()) == ((0, 3), (10, 1), 2)
 
 
 def _save_dcp(path, state):
