@@ -29,23 +29,24 @@ class FSDPStrategy(BaseStrategy):
     ``'FSDPStrategy'`` in ``strategies/__init__.py``, so importing the package stays cheap).
 
     Args:
-        model_wrapper: ``auto_wrap_policy`` (module class names or classes, ``dict(type=
-            'size_based', min_num_params=N)`` or a callable ``module -> bool``; matched
-            modules are sharded bottom-up, the root last), ``reshard_after_forward`` (bool or
-            int, default True), ``mixed_precision=dict(param_dtype, reduce_dtype, output_dtype,
-            cast_forward_inputs)`` (dtypes may be strings), ``cpu_offload`` (bool; unpinned
-            memory on a machine without an accelerator), ``ignored_modules`` (modules or class
+        model_wrapper: ``auto_wrap_policy`` (module class names or classes, a callable
+            ``module -> bool``, an FSDP1 policy or its name, ``dict(type='size_based',
+            min_num_params=N)``; matched modules are sharded bottom-up, the root last),
+            ``reshard_after_forward`` (bool or int, default True), ``mixed_precision=dict(
+            param_dtype, reduce_dtype, output_dtype, cast_forward_inputs)`` (dtypes may be
+            strings), ``cpu_offload`` (bool; unpinned memory on a machine without an
+            accelerator), ``ignored_modules`` (submodule names, modules, classes or class
             names kept unsharded), ``sync_module_states`` (broadcast rank 0's weights first).
-            mmengine's keys (``type='MMFullyShardedDataParallel'``, ``sharding_strategy``,
-            ``auto_wrap_policy=dict(type='...size_based_auto_wrap_policy', ...)``) are mapped;
-            keys with no FSDP2 meaning are errors naming the replacement (``fsdp_config.py``).
+            mmengine's keys and FSDP1's forms (``sharding_strategy``, ``MixedPrecision``,
+            ``size_based_auto_wrap_policy``, ...) are mapped; keys with no FSDP2 meaning are
+            errors naming the replacement (``fsdp_config.py``, ``fsdp_select.py``).
         state_dict_type: ``'sharded'`` (default; a directory, DCP shards, reshards across
             world sizes) or ``'full'`` (one consolidated file written by rank 0). mmengine's
             ``state_dict_cfg='local' | 'full' | dict(state_dict_type=...)`` is accepted.
             With ``async_checkpoint=True`` (BaseStrategy) both kinds save in the background;
             a sharded save stages this rank's shards and runs DCP on a gloo group of its own.
-        activation_checkpointing: module class names / classes, or ``dict(check_fn=...)``;
-            applied before sharding.
+        activation_checkpointing: module class names / classes, a callable, or mmengine's
+            ``dict(check_fn=..., checkpoint_wrapper_fn=...)``; applied before sharding.
         skip_init_weights: build a cfg model on the meta device, skip ``init_weights`` and
             allocate only this rank's shards (weights are uninitialised until a checkpoint is
             loaded: use it with ``load_checkpoint``/``resume``).
@@ -105,18 +106,14 @@ class FSDPStrategy(BaseStrategy):
         on_meta = any(p.is_meta for p in model.parameters())
         if not on_meta:
             model = model.to(self.device)
+        cfg.cast_buffers(model)
         if cfg.sync_module_states and not on_meta:
             for tensor in list(model.parameters()) + list(model.buffers()):
                 env.broadcast(tensor.data, 0)
         targets = cfg.targets(model)
         ignored = cfg.ignored_params(model)
         if self.ac_check is not None:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                CheckpointWrapper, apply_activation_checkpointing)
-            apply_activation_checkpointing(model, check_fn=self.ac_check.bind(model))
-            outer = {id(m._checkpoint_wrapped_module): m for m in model.modules()
-                     if isinstance(m, CheckpointWrapper)}
-            targets = [outer.get(id(m), m) for m in targets]
+            targets = self.ac_check.apply(model, targets)
         if self._block_compile is not None:
             for block in targets or [model]:
                 block.compile(**self._block_compile)

@@ -1,18 +1,27 @@
 """FSDPStrategy's config boundary: our keys and mmengine's FSDP1 keys → FSDP2 values.
 
 Every key is either mapped to its FSDP2 meaning or refused with a message naming the key and
-what to use instead, before anything is built.
+what to use instead, before anything is built. Module choices (``auto_wrap_policy``,
+``ignored_modules``, activation checkpointing) are checked against the model in ``prepare``,
+before anything is sharded. Where mmengine takes a function by name (its ``FUNCTIONS``
+registry), a name resolves as there: registered in mmengine's ``FUNCTIONS`` (looked up when
+mmengine is already imported) or a dotted import path (``fsdp_select.resolve_name``).
 """
 from __future__ import annotations
 
+import difflib
+import enum
+import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import nn
 
 from stratagem.optim.amp_optim_wrapper import resolve_dtype
+
+from .fsdp_select import Fsdp1Policy, ModuleMatcher, PolicyObject, as_selector, resolve_name
 
 _SIZE_POLICIES = ('size_based', 'torch.distributed.fsdp.wrap.size_based_auto_wrap_policy',
                   'size_based_auto_wrap_policy')
@@ -21,6 +30,9 @@ _CLASS_POLICIES = ('module_classes', 'torch.distributed.fsdp.wrap.transformer_au
                    'ModuleWrapPolicy')
 _WRAPPER_TYPES = (None, 'fully_shard', 'FullyShardedDataParallel', 'MMFullyShardedDataParallel')
 _SHARDING = {'FULL_SHARD': True, 'SHARD_GRAD_OP': False}
+_HYBRID = 'hybrid sharding needs a 2-D mesh, which FSDPStrategy does not build; use \'FULL_SHARD\''
+_SHARDING_REFUSED = {'NO_SHARD': 'use DDPStrategy', 'HYBRID_SHARD': _HYBRID,
+                     '_HYBRID_SHARD_ZERO2': _HYBRID}
 _REFUSED = {
     'device_id': 'FSDPStrategy places the model on cuda:LOCAL_RANK, or cpu; remove device_id',
     'limit_all_gathers': 'FSDP2 bounds all-gathers itself; remove it',
@@ -34,78 +46,53 @@ _REFUSED = {
     'device_mesh': 'FSDPStrategy shards over all ranks of the default process group',
     'use_orig_params': None,  # refused only when False (FSDP2 always keeps them)
 }
+# FSDP2's MixedPrecisionPolicy keys, then FSDP1's MixedPrecision fields that map to them
 _MP_KEYS = ('param_dtype', 'reduce_dtype', 'output_dtype', 'cast_forward_inputs')
-_MP_REFUSED = {'buffer_dtype': 'FSDP2 leaves buffers in their dtype; cast them in the model',
-               'keep_low_precision_grads': 'FSDP2 gives gradients in the parameter dtype; '
-                                           'remove it',
-               'cast_root_forward_inputs': 'use cast_forward_inputs'}
-
-
-class ModuleMatcher:
-    """Module classes (names or types) and/or a predicate; names are checked against a model."""
-
-    def __init__(self, spec: Any, key: str) -> None:
-        self.key, self.names, self.types, self.fn = key, set(), (), None
-        if callable(spec) and not isinstance(spec, type):
-            self.fn = spec
-            return
-        items = [spec] if isinstance(spec, (str, type)) else list(spec)
-        for item in items:
-            if isinstance(item, str):
-                self.names.add(item)
-            elif isinstance(item, type) and issubclass(item, nn.Module):
-                self.types += (item,)
-            else:
-                raise TypeError(f'{key}: {item!r} is not a module class or class name')
-
-    def bind(self, model: nn.Module) -> Callable[[nn.Module], bool]:
-        present = {type(m).__name__ for m in model.modules()}
-        unknown = sorted(self.names - present)
-        if unknown:
-            raise ValueError(f'{self.key}: module class(es) {unknown} are not in the '
-                             f'model; its module classes are {sorted(present)}')
-        if self.fn is not None:
-            return self.fn
-        return lambda m: type(m).__name__ in self.names or isinstance(m, self.types)
+_MP_FSDP1 = ('buffer_dtype', 'keep_low_precision_grads', 'cast_root_forward_inputs')
+_SDC_KEYS = ('state_dict_type', 'state_dict_config', 'optim_state_dict_config')
 
 
 @dataclass
 class WrapConfig:
     """Validated ``model_wrapper``."""
 
-    matcher: ModuleMatcher | None
-    min_num_params: int | None
+    policy: ModuleMatcher | Fsdp1Policy | PolicyObject | None
     reshard_after_forward: bool | int
     mp_policy: Any
+    buffer_dtype: torch.dtype | None
     cpu_offload: bool
     ignored: ModuleMatcher | None
     sync_module_states: bool
 
     def targets(self, model: nn.Module) -> list[nn.Module]:
-        """Modules to shard before the root, in pre-order (parents before children)."""
-        if self.matcher is not None:
-            match = self.matcher.bind(model)
-            return [m for m in model.modules() if m is not model and match(m)]
-        if self.min_num_params is None:
+        """Modules to shard before the root, in pre-order (parents before children); none
+        inside an ignored module."""
+        if self.policy is None:
             return []
-        picked: list[nn.Module] = []
+        return self.policy.select(model, self.ignored_modules(model))
 
-        def visit(module: nn.Module) -> int:  # params not yet in a picked descendant
-            left = sum(visit(c) for c in module.children())
-            left += sum(p.numel() for p in module.parameters(recurse=False))
-            if module is not model and left >= self.min_num_params:
-                picked.append(module)
-                return 0
-            return left
-        visit(model)
-        order = {id(m): i for i, m in enumerate(model.modules())}
-        return sorted(picked, key=lambda m: order[id(m)])
-
-    def ignored_params(self, model: nn.Module) -> set[nn.Parameter]:
+    def ignored_modules(self, model: nn.Module) -> set[nn.Module]:
+        """The modules ``ignored_modules`` names and everything inside them (as FSDP1)."""
         if self.ignored is None:
             return set()
         match = self.ignored.bind(model)
-        return {p for m in model.modules() if match(m) for p in m.parameters()}
+        roots = [m for m in model.modules() if match(m)]
+        if any(m is model for m in roots):
+            raise ValueError('ignored_modules: it matches the root module, so nothing would be '
+                             'sharded; name submodules (or use DDPStrategy)')
+        return {sub for m in roots for sub in m.modules()}
+
+    def ignored_params(self, model: nn.Module) -> set[nn.Parameter]:
+        return {p for m in self.ignored_modules(model) for p in m.parameters(recurse=False)}
+
+    def cast_buffers(self, model: nn.Module) -> None:
+        """FSDP1's ``buffer_dtype``: floating-point buffers take that dtype (before sharding)."""
+        if self.buffer_dtype is None:
+            return
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.is_floating_point() and buf.dtype != self.buffer_dtype:
+                    module._buffers[name] = buf.to(self.buffer_dtype)
 
     def shard_kwargs(self, mesh: Any, device: torch.device) -> dict:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
@@ -128,34 +115,19 @@ def parse_model_wrapper(cfg: Mapping | None) -> WrapConfig:
                 continue
             raise ValueError(f'FSDPStrategy: model_wrapper.{key}={value!r} has no FSDP2 meaning; '
                              f'{fix or "FSDP2 always uses the original parameters; remove it"}')
-    reshard = cfg.pop('reshard_after_forward', None)
-    if 'sharding_strategy' in cfg:
-        strategy = cfg.pop('sharding_strategy')
-        name = getattr(strategy, 'name', strategy)
-        if name not in _SHARDING:
-            fix = ('use DDPStrategy' if name == 'NO_SHARD' else 'hybrid sharding needs a 2-D '
-                   "mesh, which FSDPStrategy does not build; use 'FULL_SHARD'")
-            raise ValueError(f'FSDPStrategy: model_wrapper.sharding_strategy={name!r} is not '
-                             f"supported; {fix} (supported: 'FULL_SHARD', 'SHARD_GRAD_OP')")
-        if reshard is not None and reshard != _SHARDING[name]:
-            raise ValueError(f'FSDPStrategy: sharding_strategy={name!r} and '
-                             f'reshard_after_forward={reshard!r} disagree; give one of them')
-        reshard = _SHARDING[name]
-    if reshard is None:
-        reshard = True
-    if isinstance(reshard, bool) is False and (not isinstance(reshard, int) or reshard < 1):
-        raise ValueError(f'FSDPStrategy: reshard_after_forward must be a bool or an int >= 1 '
-                         f'(reshard to that many ranks), got {reshard!r}')
-    matcher, min_params = _parse_policy(cfg.pop('auto_wrap_policy', None))
+    reshard = _parse_reshard(cfg.pop('reshard_after_forward', None),
+                             cfg.pop('sharding_strategy', None))
+    policy = parse_policy(cfg.pop('auto_wrap_policy', None), 'model_wrapper.auto_wrap_policy')
     offload = cfg.pop('cpu_offload', False)
     if isinstance(offload, Mapping):
         offload = bool(dict(offload).get('offload_params', False))
     elif hasattr(offload, 'offload_params'):  # an FSDP1 CPUOffload object
         offload = bool(offload.offload_params)
     ignored = cfg.pop('ignored_modules', None)
-    config = WrapConfig(matcher, min_params, reshard, _parse_mp(cfg.pop('mixed_precision', None)),
-                        bool(offload),
-                        None if ignored is None else ModuleMatcher(ignored, 'ignored_modules'),
+    mp_policy, buffer_dtype = _parse_mp(cfg.pop('mixed_precision', None))
+    config = WrapConfig(policy, reshard, mp_policy, buffer_dtype, bool(offload),
+                        None if ignored is None else
+                        ModuleMatcher(ignored, 'model_wrapper.ignored_modules', paths=True),
                         bool(cfg.pop('sync_module_states', False)))
     if cfg:
         raise ValueError(f'FSDPStrategy: unknown model_wrapper key(s) {sorted(cfg)}; valid: '
@@ -165,63 +137,165 @@ def parse_model_wrapper(cfg: Mapping | None) -> WrapConfig:
     return config
 
 
-def _parse_policy(policy: Any) -> tuple[ModuleMatcher | None, int | None]:
-    key = 'model_wrapper.auto_wrap_policy'
+def _parse_reshard(reshard: Any, strategy: Any) -> bool | int:
+    """``reshard_after_forward`` or FSDP1's ``sharding_strategy`` (a name or the enum)."""
+    if strategy is not None:
+        name = strategy.name if isinstance(strategy, enum.Enum) else strategy
+        if name in _SHARDING_REFUSED:
+            raise ValueError(f'FSDPStrategy: model_wrapper.sharding_strategy={name!r} is not '
+                             f'supported; {_SHARDING_REFUSED[name]} (supported: '
+                             "'FULL_SHARD', 'SHARD_GRAD_OP')")
+        if name not in _SHARDING:
+            close = difflib.get_close_matches(str(name), [*_SHARDING, *_SHARDING_REFUSED], n=1)
+            hint = f'did you mean {close[0]!r}? ' if close else ''
+            raise ValueError(f'FSDPStrategy: unknown model_wrapper.sharding_strategy {strategy!r}'
+                             f"; {hint}valid: 'FULL_SHARD' (reshard_after_forward=True), "
+                             "'SHARD_GRAD_OP' (False); FSDP1's 'NO_SHARD', 'HYBRID_SHARD', "
+                             "'_HYBRID_SHARD_ZERO2' are refused (DDPStrategy / one mesh axis)")
+        if reshard is not None and reshard != _SHARDING[name]:
+            raise ValueError(f'FSDPStrategy: sharding_strategy={name!r} and '
+                             f'reshard_after_forward={reshard!r} disagree; give one of them')
+        reshard = _SHARDING[name]
+    if reshard is None:
+        return True
+    if isinstance(reshard, bool) is False and (not isinstance(reshard, int) or reshard < 1):
+        raise ValueError(f'FSDPStrategy: reshard_after_forward must be a bool or an int >= 1 '
+                         f'(reshard to that many ranks), got {reshard!r}')
+    return reshard
+
+
+def parse_policy(policy: Any, key: str) -> ModuleMatcher | Fsdp1Policy | PolicyObject | None:
+    """An ``auto_wrap_policy`` in any of its forms → something with ``select(model, ignored)``:
+    module class names / classes; a callable ``module -> bool``; an FSDP1 policy (a function
+    ``(module, recurse, nonwrapped_numel)``, a partial of one, ``ModuleWrapPolicy`` /
+    ``CustomPolicy``); a name of one (mmengine's ``FUNCTIONS`` or a dotted path); or a dict
+    ``type=<one of those>`` plus its arguments (``min_num_params``, ``transformer_layer_cls``)."""
     if policy is None:
-        return None, None
+        return None
     if isinstance(policy, Mapping):
-        policy = dict(policy)
-        kind = policy.pop('type', 'size_based')
-        if kind in _SIZE_POLICIES:
-            n = policy.pop('min_num_params', int(1e8))
-            if policy or isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f'{key}: size_based takes min_num_params (an int >= 1) only, got '
-                                 f'{dict(policy, min_num_params=n)!r}')
-            return None, n
-        if kind in _CLASS_POLICIES:
-            classes = policy.pop('transformer_layer_cls', None) or policy.pop('module_classes',
-                                                                               None)
-            if classes is None or policy:
-                raise ValueError(f'{key}: {kind} takes transformer_layer_cls (module classes or '
-                                 f'names) only, got {policy!r}')
-            return ModuleMatcher(classes, key), None
-        raise ValueError(f'{key}: unknown type {kind!r}; use a list of module class names, '
-                         f"dict(type='size_based', min_num_params=N) or a callable module -> bool")
-    return ModuleMatcher(policy, key), None
+        return _policy_from_dict(dict(policy), key)
+    if isinstance(policy, str):
+        if policy in _SIZE_POLICIES:
+            return _size_policy({}, key)
+        if policy in _CLASS_POLICIES:
+            raise ValueError(f"{key}: {policy!r} needs the classes to wrap: dict(type={policy!r}, "
+                             "transformer_layer_cls=['Block']) or the list ['Block']")
+        obj, why = resolve_name(policy)
+        if obj is None:  # a module class name, as before; checked against the model
+            return ModuleMatcher([policy], key, hint=why)
+        return as_selector(obj, key, policy)
+    return as_selector(policy, key)
 
 
-def _parse_mp(mp: Any) -> Any:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+def _policy_from_dict(policy: dict, key: str) -> Any:
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    kind = policy.pop('type', 'size_based')
+    if kind in _SIZE_POLICIES or kind is size_based_auto_wrap_policy:
+        return _size_policy(policy, key)
+    if kind in _CLASS_POLICIES or kind in (transformer_auto_wrap_policy, ModuleWrapPolicy):
+        classes = policy.pop('transformer_layer_cls', None) or policy.pop('module_classes', None)
+        if classes is None or policy:
+            raise ValueError(f'{key}: {kind} takes transformer_layer_cls (module classes or '
+                             f'names) only, got {policy!r}')
+        return ModuleMatcher(classes, key)
+    fn, why = (kind, '') if callable(kind) else resolve_name(kind) if isinstance(kind, str) \
+        else (None, 'not a name or a callable')
+    if fn is None:
+        raise ValueError(f'{key}: unknown type {kind!r} ({why}); use a list of module class '
+                         "names, dict(type='size_based_auto_wrap_policy', min_num_params=N), "
+                         "dict(type='transformer_auto_wrap_policy', transformer_layer_cls=[...]), "
+                         "a policy function's dotted import path or the callable itself")
+    if isinstance(fn, type):  # a policy class (CustomPolicy(lambda_fn=...)): built with the args
+        return as_selector(fn(**policy), key, kind)
+    return as_selector(functools.partial(fn, **policy) if policy else fn, key, kind)
+
+
+def _size_policy(args: dict, key: str) -> Fsdp1Policy:
+    """torch's ``size_based_auto_wrap_policy`` (mmengine's meaning), decided as FSDP1 does."""
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+    n = args.pop('min_num_params', int(1e8))
+    whole = isinstance(n, int) or (isinstance(n, float) and n.is_integer())
+    if isinstance(n, bool) or not whole or n < 1:
+        raise ValueError(f'{key}: min_num_params must be a whole number >= 1 (an int, or a float '
+                         f'such as 1e7), got {n!r}')
+    unknown = sorted(set(args) - {'force_leaf_modules', 'exclude_wrap_modules'})
+    if unknown:
+        raise ValueError(f'{key}: size_based_auto_wrap_policy takes min_num_params, '
+                         f'force_leaf_modules, exclude_wrap_modules; unknown: {unknown}')
+    return Fsdp1Policy(functools.partial(size_based_auto_wrap_policy, min_num_params=int(n),
+                                         **args), key)
+
+
+def _parse_mp(mp: Any) -> tuple[Any, torch.dtype | None]:
+    """``mixed_precision`` → (FSDP2 ``MixedPrecisionPolicy``, FSDP1's ``buffer_dtype``).
+
+    Accepted: a ``MixedPrecisionPolicy``; a dtype name (cast params, reduce in float32); a
+    dict of FSDP2's keys; FSDP1's ``MixedPrecision`` or a dict of its fields (mmengine's
+    form): ``param_dtype``/``reduce_dtype`` map as they are; ``cast_forward_inputs`` or
+    ``cast_root_forward_inputs`` casts the inputs (FSDP2 casts each sharded module's);
+    ``buffer_dtype`` None or float32 makes floating buffers float32 before sharding (FSDP1
+    casts buffers to it), a low-precision one is refused (FSDP2 casts only parameters; cast
+    those buffers in the model); ``keep_low_precision_grads=True`` is refused. FSDP1's
+    ``_module_classes_to_ignore`` (BatchNorm kept in float32) has no FSDP2 counterpart here:
+    such modules run in ``param_dtype`` too.
+    """
+    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
     if mp is None:
-        return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(), None
     if isinstance(mp, MixedPrecisionPolicy):
-        return mp
+        return mp, None
     if isinstance(mp, str):  # mmengine accepts a dtype name: cast params, reduce in float32
-        return MixedPrecisionPolicy(param_dtype=resolve_dtype(mp), reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=resolve_dtype(mp), reduce_dtype=torch.float32), \
+            None
+    if isinstance(mp, MixedPrecision):
+        mp = {f.name: getattr(mp, f.name) for f in fields(mp) if not f.name.startswith('_')}
+    if not isinstance(mp, Mapping):
+        raise TypeError(f'FSDPStrategy: model_wrapper.mixed_precision={mp!r}; give a dict '
+                        f'(param_dtype, reduce_dtype, ...), a dtype name, FSDP2 '
+                        f'MixedPrecisionPolicy or FSDP1 MixedPrecision')
     mp = dict(mp)
-    for key, fix in _MP_REFUSED.items():
-        if key in mp:
-            raise ValueError(f'FSDPStrategy: model_wrapper.mixed_precision.{key} has no FSDP2 '
-                             f'meaning; {fix}')
-    unknown = sorted(set(mp) - set(_MP_KEYS))
+    unknown = sorted(set(mp) - set(_MP_KEYS) - set(_MP_FSDP1))
     if unknown:
         raise ValueError(f'FSDPStrategy: unknown model_wrapper.mixed_precision key(s) {unknown}; '
-                         f'valid: {list(_MP_KEYS)}')
-    kwargs = {k: resolve_dtype(mp[k]) for k in _MP_KEYS[:3] if k in mp}
-    if 'cast_forward_inputs' in mp:
+                         f'valid: {list(_MP_KEYS)} (FSDP1: {list(_MP_FSDP1)})')
+    if mp.get('keep_low_precision_grads'):
+        raise ValueError('FSDPStrategy: model_wrapper.mixed_precision.keep_low_precision_grads='
+                         'True has no FSDP2 meaning (gradients come in the parameter dtype); '
+                         'remove it')
+    buffer_dtype = mp.get('buffer_dtype')
+    buffer_dtype = None if buffer_dtype is None else resolve_dtype(buffer_dtype)
+    if buffer_dtype not in (None, torch.float32):
+        raise ValueError(f'FSDPStrategy: model_wrapper.mixed_precision.buffer_dtype='
+                         f'{mp["buffer_dtype"]!r} has no FSDP2 meaning: FSDP2 casts only '
+                         f'parameters and leaves buffers in their dtype; remove it (or give '
+                         f'float32) and cast those buffers in the model')
+    kwargs = {k: resolve_dtype(mp[k]) for k in _MP_KEYS[:3] if mp.get(k) is not None}
+    if 'cast_root_forward_inputs' in mp:  # FSDP1: the root casts unless both are off
+        kwargs['cast_forward_inputs'] = bool(mp.get('cast_forward_inputs')) or \
+            bool(mp['cast_root_forward_inputs'])
+    elif 'cast_forward_inputs' in mp:
         kwargs['cast_forward_inputs'] = bool(mp['cast_forward_inputs'])
-    return MixedPrecisionPolicy(**kwargs)
+    return MixedPrecisionPolicy(**kwargs), buffer_dtype
 
 
 def parse_state_dict_cfg(state_dict_type: str | None, state_dict_cfg: Any) -> str:
-    """Ours (``'sharded'``/``'full'``) or mmengine's ``state_dict_cfg`` → ``'sharded'``/``'full'``."""
+    """Ours (``'sharded'``/``'full'``) or mmengine's ``state_dict_cfg`` → ``'sharded'``/``'full'``.
+
+    mmengine's dict without ``state_dict_type`` means ``'local'`` (its ``_init_state_dict_cfg``);
+    its ``state_dict_config``/``optim_state_dict_config`` are accepted, and a full state dict
+    is always gathered to CPU on rank 0."""
     mm = {'local': 'sharded', 'sharded': 'sharded', 'full': 'full',
           'LOCAL_STATE_DICT': 'sharded', 'SHARDED_STATE_DICT': 'sharded',
           'FULL_STATE_DICT': 'full'}
     if state_dict_cfg is not None:
         raw = state_dict_cfg
         if isinstance(raw, Mapping):
-            raw = dict(raw).get('state_dict_type')
+            unknown = sorted(set(raw) - set(_SDC_KEYS))
+            if unknown:
+                raise ValueError(f'FSDPStrategy: unknown state_dict_cfg key(s) {unknown}; '
+                                 f'valid: {list(_SDC_KEYS)}')
+            raw = dict(raw).get('state_dict_type', 'LOCAL_STATE_DICT')
             raw = getattr(raw, 'name', raw)
         if raw not in mm:
             raise ValueError(f"FSDPStrategy: state_dict_cfg={state_dict_cfg!r} is not supported; "
@@ -239,18 +313,64 @@ def parse_state_dict_cfg(state_dict_type: str | None, state_dict_cfg: Any) -> st
     return state_dict_type
 
 
-def parse_activation_checkpointing(cfg: Any) -> ModuleMatcher | None:
-    """Classes / names, a callable, or mmengine's ``dict(check_fn=...)``."""
+@dataclass
+class ActivationCheckpointing:
+    """Validated ``activation_checkpointing``: which modules, and the wrapper to apply."""
+
+    selector: Any  # select(model, ignored) -> modules, as an auto_wrap_policy's
+    wrapper_fn: Callable | None  # torch's checkpoint_wrapper_fn; None: checkpoint_wrapper
+
+    def apply(self, model: nn.Module, targets: list[nn.Module]) -> list[nn.Module]:
+        """Wrap the chosen submodules; ``targets`` come back with a wrapped one replaced by
+        its wrapper (so sharding takes the wrapper)."""
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            ActivationWrapper, apply_activation_checkpointing)
+        chosen = {id(m) for m in self.selector.select(model, set())}
+        extra = {} if self.wrapper_fn is None else {'checkpoint_wrapper_fn': self.wrapper_fn}
+        apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen, **extra)
+        outer = {id(m._checkpoint_wrapped_module): m for m in model.modules()
+                 if isinstance(m, ActivationWrapper)}
+        return [outer.get(id(m), m) for m in targets]
+
+
+def parse_activation_checkpointing(cfg: Any) -> ActivationCheckpointing | None:
+    """Module class names / classes, a callable, or mmengine's ``dict(check_fn=...)``.
+
+    ``check_fn``: as above, a function's name (mmengine's ``FUNCTIONS`` or a dotted path) or
+    ``dict(type=<function or name>, **args)``: ``partial(function, **args)`` (mmengine binds
+    the outer dict's other keys instead of ``args``, a bug; fixed here). The dict's other keys
+    go to torch's ``apply_activation_checkpointing`` as in mmengine: ``checkpoint_wrapper_fn``
+    (a callable or its name) and ``auto_wrap_policy`` (any ``auto_wrap_policy`` form, in
+    place of ``check_fn``); ``module_classes`` is ours."""
+    key = 'activation_checkpointing'
     if cfg is None or cfg is False:
         return None
+    wrapper_fn = None
     if isinstance(cfg, Mapping):
         cfg = dict(cfg)
-        spec = cfg.pop('check_fn', None) or cfg.pop('module_classes', None)
-        if spec is None or cfg:
-            raise ValueError(f'FSDPStrategy: activation_checkpointing takes check_fn (a callable '
-                             f'module -> bool, or module class names) or module_classes; got '
-                             f'extra keys {sorted(cfg)}' if cfg else
-                             'FSDPStrategy: activation_checkpointing needs check_fn or '
-                             'module_classes')
-        cfg = spec
-    return ModuleMatcher(cfg, 'activation_checkpointing')
+        allowed = ('check_fn', 'module_classes', 'auto_wrap_policy', 'checkpoint_wrapper_fn')
+        unknown = sorted(set(cfg) - set(allowed))
+        given = [k for k in allowed[:3] if cfg.get(k) is not None]
+        if unknown or len(given) != 1:
+            raise ValueError(f'FSDPStrategy: activation_checkpointing takes one of check_fn (a '
+                             f'callable module -> bool, its name, dict(type=..., **args) or module '
+                             f'class names), module_classes or auto_wrap_policy, and optionally '
+                             f'checkpoint_wrapper_fn; got {sorted(cfg)}')
+        wrapper_fn = cfg.get('checkpoint_wrapper_fn')
+        if isinstance(wrapper_fn, str):
+            wrapper_fn, why = resolve_name(wrapper_fn)
+            if wrapper_fn is None:
+                raise ValueError(f'FSDPStrategy: {key}.checkpoint_wrapper_fn='
+                                 f'{cfg["checkpoint_wrapper_fn"]!r}: {why}; give the callable '
+                                 f'or its dotted import path')
+        elif wrapper_fn is not None and not callable(wrapper_fn):
+            raise TypeError(f'FSDPStrategy: {key}.checkpoint_wrapper_fn={wrapper_fn!r} is not '
+                            f'callable')
+        key = f'{key}.{given[0]}'
+        cfg = cfg[given[0]]
+        if given[0] == 'module_classes':
+            return ActivationCheckpointing(ModuleMatcher(cfg, key), wrapper_fn)
+    if isinstance(cfg, Mapping) and 'type' not in cfg:  # not read as a size policy here
+        raise ValueError(f'FSDPStrategy: {key}={cfg!r} needs type: the function (or its name) '
+                         f"called as check_fn(module); the dict's other keys are its arguments")
+    return ActivationCheckpointing(parse_policy(cfg, key), wrapper_fn)
