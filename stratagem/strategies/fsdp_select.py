@@ -165,10 +165,10 @@ class ModuleMatcher:
             return (f'{self.key}: module class(es) {unknown} are not in the model{hint}; its '
                     f'module classes are {classes}; to pass a policy function, {_HOW}')
         names = [n for n, _ in model.named_modules() if n]
-        close = difflib.get_close_matches(unknown[0], names + classes, n=3)
+        close = difflib.get_close_matches(unknown[0], names + classes, n=1)
         shown = names[:30] + ([f'... ({len(names) - 30} more)'] if len(names) > 30 else [])
         return (f'{self.key}: {unknown} name neither a submodule nor a module class of the '
-                f'model' + (f'; did you mean {close}?' if close else '') +
+                f'model' + (f' (did you mean {close[0]!r}?)' if close else '') +
                 f'; submodule names: {shown}; module classes: {classes}')
 
     def select(self, model: nn.Module, ignored: set[nn.Module]) -> list[nn.Module]:
