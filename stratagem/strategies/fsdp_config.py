@@ -188,8 +188,9 @@ def parse_policy(policy: Any, key: str) -> ModuleMatcher | Fsdp1Policy | PolicyO
 
 
 def _policy_from_dict(policy: dict, key: str) -> Any:
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch.distributed.fsdp.wrap import (ModuleWrapPolicy, _Policy,
+                                             size_based_auto_wrap_policy,
+                                             transformer_auto_wrap_policy)
     kind = policy.pop('type', 'size_based')
     if kind in _SIZE_POLICIES or kind is size_based_auto_wrap_policy:
         return _size_policy(policy, key)
@@ -206,7 +207,12 @@ def _policy_from_dict(policy: dict, key: str) -> Any:
                          "names, dict(type='size_based_auto_wrap_policy', min_num_params=N), "
                          "dict(type='transformer_auto_wrap_policy', transformer_layer_cls=[...]), "
                          "a policy function's dotted import path or the callable itself")
+    if isinstance(fn, type) and issubclass(fn, nn.Module) and not policy:
+        return ModuleMatcher(fn, key)
     if isinstance(fn, type):  # a policy class (CustomPolicy(lambda_fn=...)): built with the args
+        if not issubclass(fn, _Policy):
+            raise TypeError(f'{key}: type {kind!r} is the class {fn.__name__}, not a policy '
+                            f'class (ModuleWrapPolicy, CustomPolicy) or function')
         return as_selector(fn(**policy), key, kind)
     return as_selector(functools.partial(fn, **policy) if policy else fn, key, kind)
 

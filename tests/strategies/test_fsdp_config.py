@@ -169,6 +169,9 @@ def test_policy_names_resolve_to_functions():
         _targets('torch.distributed.fsdp.wrap.lambda_auto_wrap_policy', net)
     with pytest.raises(ValueError, match=r"unknown type 'nowhere\.policy' \(no module"):
         _targets(dict(type='nowhere.policy'), net)
+    assert _targets(dict(type=Block), net) == ['blocks.0', 'blocks.1']
+    with pytest.raises(TypeError, match="type 'torch.nn.Linear' is the class Linear, not a"):
+        _targets(dict(type='torch.nn.Linear', in_features=3), net)
 
 
 def test_policy_names_in_mmengine_functions():
