@@ -143,6 +143,22 @@ def _checks(work_dir):
         _train(s, model, ow, [], 0, 3, 2)
         ref, _ = _reference(3)
         out[key] = max(float((_full_state(s)[0][k].float() - ref[k]).abs().max()) for k in ref)
+    # AmpOptimWrapper: it autocasts when model_wrapper sets no mixed_precision (as under
+    # mmengine); with mixed_precision set, precision is FSDP's and it does not autocast again
+    for key, mp in (('amp', None), ('amp_mp', dict(param_dtype='bfloat16'))):
+        s = _strategy(work_dir, model_wrapper=dict(auto_wrap_policy=['Block'],
+                                                   **({'mixed_precision': mp} if mp else {})))
+        model, ow = s.prepare(_net(), optim_wrapper=dict(
+            type='AmpOptimWrapper', dtype='bfloat16',
+            optimizer=dict(type='SGD', lr=0.1, momentum=0.9)))
+        seen = []
+        hook = model[0].register_forward_hook(lambda m, i, o: seen.append(
+            (torch.is_autocast_enabled('cpu'), o.dtype)))
+        _train(s, model, ow, [], 0, 3, 2)
+        hook.remove()
+        ref, _ = _reference(3)
+        out[key] = (seen[0], ow.loss_scaler is None,
+                    max(float((_full_state(s)[0][k].float() - ref[k]).abs().max()) for k in ref))
     # 3. errors
     for name, build in (
             ('wrap_class', lambda: _strategy(work_dir, model_wrapper=dict(
@@ -489,6 +505,9 @@ def test_training_equals_one_process(runs):
         assert len(norms) == 2 and norms == pytest.approx(ref, rel=1e-5)
         assert out['bf16'] < 3e-2  # bf16 parameters: ~3 significant digits
         assert out['ac'] < 1e-6 and out['offload'] < 1e-6
+        # AMP alone autocasts (bf16 activations); with mixed_precision it leaves it to FSDP
+        assert out['amp'][:2] == ((True, torch.bfloat16), True) and out['amp'][2] < 3e-2
+        assert out['amp_mp'][:2] == ((False, torch.bfloat16), True) and out['amp_mp'][2] < 3e-2
 
 
 def test_compile_per_block(runs):
