@@ -56,3 +56,10 @@ def test_damaged_or_foreign_source_named(tmp_path, capsys):
     assert 'foreign' in capsys.readouterr().err
     assert main(['convert', src, src]) == 1  # never overwrites
     assert 'exists' in capsys.readouterr().err
+    # a dict without model weights cannot become a sharded checkpoint: the file is named
+    torch.save({'model': {'w': torch.zeros(2)}}, tmp_path / 'plain.pth')
+    assert main(['convert', str(tmp_path / 'plain.pth'), str(tmp_path / 'z'), '--to',
+                 'sharded']) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'plain.pth'} has no model weights under 'state_dict'" in err
+    assert "['model']" in err and not (tmp_path / 'z').exists()
