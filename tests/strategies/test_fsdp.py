@@ -438,10 +438,16 @@ def _skip_init_checks(work_dir):
 
 
 def _resume(work_dir, name, world, stop=MAX_ITERS, save=None):
+    import warnings
     s = _strategy(work_dir)
     model, ow, scheds = s.prepare(_net(), **COMPONENTS)
-    ckpt = s.resume(str(Path(work_dir) / name))
-    out = {'loaded': _full_state(s), 'iter': ckpt['meta']['iter']}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        ckpt = s.resume(str(Path(work_dir) / name))
+    out = {'loaded': _full_state(s), 'iter': ckpt['meta']['iter'],
+           'resumed_lr': [g['lr'] for g in ow.param_groups], 'resumed_count': ow.inner_count,
+           'resumed_scheds': [(sch.last_step, sch._global_step) for sch in scheds],
+           'rng_warning': [str(w.message) for w in caught if 're-seeded' in str(w.message)]}
     _train(s, model, ow, scheds, ckpt['meta']['iter'], stop, world)
     out['final'] = _full_state(s)
     out['lr'] = [g['lr'] for g in ow.param_groups]
@@ -462,6 +468,12 @@ def _resume_two(work_dir):
                              work_dir=str(Path(work_dir) / 'lm_resumed')))
     result = train(cfg, resume=str(Path(work_dir) / 'lm' / 'iter_4.pth'), progress=False)
     out['lm_iter'] = result['iter']
+    # DDPStrategy (in the same process group) loads the 2-rank FSDP directory: full weights
+    from stratagem.strategies import build_strategy
+    ddp = build_strategy(dict(type='DDPStrategy', work_dir=str(Path(work_dir) / 'ddp_load')))
+    ddp.prepare(_net(), **COMPONENTS)
+    ddp.load_checkpoint(str(Path(work_dir) / 'iter_3'))
+    out['ddp_loaded'] = {k: v.detach().clone() for k, v in ddp.model.module.state_dict().items()}
     return out
 
 
@@ -609,10 +621,21 @@ def test_resume_two_ranks_bit_exact(runs):
 
 def test_two_to_one_and_one_to_two(runs):
     ref = runs['first'][0]['state_3']
-    _assert_equal_states(runs['one']['loaded'], ref)
-    one_final = runs['one']['final']
-    for out in runs['second']:
+    one = runs['one']
+    _assert_equal_states(one['loaded'], ref)
+    one_final = one['final']
+    for rank, out in enumerate(runs['second']):
         _assert_equal_states(out['one_rank']['loaded'], one_final)
+        # 2 -> 1 resumes the schedule and counters as 2 -> 2 does; 1 -> 2 where 1 rank stopped
+        for key in ('resumed_lr', 'resumed_count', 'resumed_scheds'):
+            assert one[key] == out['iter_3'][key], key
+        assert out['one_rank']['resumed_lr'] == one['lr']
+        assert out['one_rank']['resumed_count'] == 5 == one['iter'] + 2
+        assert out['iter_3']['rng_warning'] == []  # same world size: streams restored
+        # a world-size change re-seeds, said once (rank 0)
+        assert len(out['one_rank']['rng_warning']) == (rank == 0)
+    assert 'saved with world size 2, this run has 1' in one['rng_warning'][0]
+    assert one['resumed_lr'] != one['lr']  # the schedule moved between iter 3 and 5
 
 
 def test_cross_strategy(runs):
@@ -627,6 +650,9 @@ def test_cross_strategy(runs):
             assert torch.equal(torch.as_tensor(state[i][key]), torch.as_tensor(value))
     for out in runs['second']:  # FSDP loaded the SingleDeviceStrategy file
         _assert_equal_states(out['single.pth']['loaded'], runs['first'][0]['state_3'])
+        # DDPStrategy loaded the FSDP directory on 2 ranks
+        assert out['ddp_loaded'].keys() == ref_model.keys()
+        assert all(torch.equal(out['ddp_loaded'][k], ref_model[k]) for k in ref_model)
 
 
 def test_mmengine_config_builds():
