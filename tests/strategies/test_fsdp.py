@@ -190,6 +190,9 @@ def _checks(work_dir):
     out['state_3'] = _full_state(s)
     s.state_dict_type = 'full'
     s.save_checkpoint('iter_3_full.pth', extra_ckpt={'meta': {'iter': 3}})
+    # one file; only rank 0 gathers the full state (the others hold none of it)
+    out['full_file'] = Path(work_dir, 'iter_3_full.pth').is_file()
+    out['full_held'] = (len(s.model_state_dict()), len(s.optim_state_dict()['state']))
     s.state_dict_type = 'sharded'
     _train(s, model, ow, scheds, 3, 4, 2)
     s.save_checkpoint('iter_4', extra_ckpt={'meta': {'iter': 4}})
@@ -559,6 +562,13 @@ def test_skip_init_weights(runs):
 def test_sharded_save_reads_nothing_back(runs):
     for out in runs['first']:
         assert out['reread_after_write'] == []
+
+
+def test_full_state_dict_is_one_file_gathered_on_rank_zero(runs):
+    first = runs['first']
+    assert first[0]['full_file'] and first[1]['full_file']
+    assert first[0]['full_held'] == (8, 8)  # 4 Linear weights + biases, their Adam states
+    assert first[1]['full_held'] == (0, 0)
 
 
 def test_resume_reads_in_place_after_its_checks(runs):
