@@ -239,9 +239,7 @@ def read_sharded_checkpoint(path: str | os.PathLike, *, collective: bool = False
     ``progress(done, total)`` is called per file verified (for a progress bar).
     """
     path = Path(path).absolute()
-    manifest = verify_directory(path, collective=collective)
-    if progress is not None:
-        progress(len(manifest['files']), len(manifest['files']))
+    manifest = verify_directory(path, collective=collective, progress=progress)
     return _read_full(path, manifest)
 
 
