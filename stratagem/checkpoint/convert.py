@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from .commit import save_checkpoint
@@ -75,6 +75,11 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     step = (checkpoint.get('meta') or {}).get('iter')
     step = step if type(step) is int else None
     extra = {'converted_from': str(src), 'source_format': source}
+    if to == 'sharded' and not isinstance(checkpoint.get('state_dict'), Mapping):
+        raise NotACheckpointError(
+            f"convert: {src} has no model weights under 'state_dict' (its keys: "
+            f'{sorted(map(str, checkpoint))[:12]}); a sharded checkpoint is written from '
+            "mmengine's layout: {'state_dict': weights, 'optimizer': ..., 'meta': ...}")
     if to == 'file':
         checkpoint.pop('partial_grads_fqn', None)  # per-rank, meaningful only sharded
         return save_checkpoint(checkpoint, dst, step=step, extra_manifest=extra,

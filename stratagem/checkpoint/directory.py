@@ -316,15 +316,17 @@ def save_directory(final_dir: PathLike, write_fn: WriteFn, *, step: int | None =
 
 
 # -------------------------------------------------------------------------------------- load
-def verify_directory(path: PathLike, *, hash_bytes: bool = True, collective: bool = True) -> dict:
+def verify_directory(path: PathLike, *, hash_bytes: bool = True, collective: bool = True,
+                     progress: Callable[[int, int], None] | None = None) -> dict:
     """Verify a committed directory checkpoint before reading it; returns its manifest.
+    ``progress(done, total)`` is called after each file (for a progress bar).
 
     ``collective=True`` (every rank calls it): each rank checks every size and hashes its
     round-robin share of the files; errors are exchanged, so all ranks raise the same error
     naming the missing or altered file. ``collective=False`` verifies everything here.
     Raises ``FileNotFoundError`` (no such directory, or a listed file missing),
     ``NotADirectoryError``, or ``CheckpointCorruptError`` (no or unreadable manifest, a size or
-    sha256 mismatch, ranks seeing different manifests). Files present but not listed are
+    digest mismatch, ranks seeing different manifests). Files present but not listed are
     reported with a ``CheckpointWarning`` (something wrote into a committed checkpoint).
     """
     rank, world = _rank_world() if collective else (0, 1)
@@ -340,6 +342,8 @@ def verify_directory(path: PathLike, *, hash_bytes: bool = True, collective: boo
             owner = entry.get('rank', i) if own else i
             verify_file(directory / entry['path'], entry, mfile,
                         hash_bytes=hash_bytes and owner % world == rank)
+            if progress is not None:
+                progress(i + 1, len(manifest['files']))
     except Exception as err:  # noqa: BLE001 - exchanged, raised on every rank
         error = err
     mine = (digest, None if error is None else describe_error(error))

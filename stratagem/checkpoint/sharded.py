@@ -106,7 +106,9 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
                 ThreadPoolExecutor(1, thread_name_prefix='stratagem-extra') as aside:
             pending = [aside.submit(write_torch_file, obj, path) for obj, path in side]
             writer.fs = fs = _hashing_fs(pool)
-            with _crc32_option(False):
+            with _crc32_option(False), warnings.catch_warnings():
+                # one process on purpose (convert): not DCP's "assuming ..." guess
+                warnings.filterwarnings('ignore', message='torch.distributed is disabled')
                 dcp.save(tensors, storage_writer=writer, no_dist=not collective,
                          process_group=process_group)
             mine = [_entry(p, *fs.written[os.fspath(p)]) for p in staging.iterdir()
@@ -237,9 +239,7 @@ def read_sharded_checkpoint(path: str | os.PathLike, *, collective: bool = False
     ``progress(done, total)`` is called per file verified (for a progress bar).
     """
     path = Path(path).absolute()
-    manifest = verify_directory(path, collective=collective)
-    if progress is not None:
-        progress(len(manifest['files']), len(manifest['files']))
+    manifest = verify_directory(path, collective=collective, progress=progress)
     return _read_full(path, manifest)
 
 

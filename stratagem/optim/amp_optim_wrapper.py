@@ -68,6 +68,9 @@ class AmpOptimWrapper(OptimWrapper):
             never updated) or a dict of ``torch.amp.GradScaler`` kwargs. Used for float16.
         dtype: Autocast dtype: ``'float16'``, ``'bfloat16'``, a ``torch.dtype``, or ``None``
             (the device's autocast default).
+        use_fsdp: mmengine's flag for an FSDP model (it picks FSDP1's ``ShardedGradScaler``
+            there). Accepted and kept: under ``FSDPStrategy`` (FSDP2) torch's GradScaler
+            already unscales the sharded (DTensor) gradients across the mesh.
         **kwargs: :class:`OptimWrapper` arguments (``optimizer``, ``accumulative_counts``,
             ``clip_grad``).
     """
@@ -75,9 +78,9 @@ class AmpOptimWrapper(OptimWrapper):
     def __init__(self, loss_scale: str | float | dict = 'dynamic',
                  dtype: str | torch.dtype | None = None, use_fsdp: bool = False,
                  **kwargs: Any) -> None:
-        if use_fsdp:
-            raise ValueError('AmpOptimWrapper(use_fsdp=True) needs FSDP\'s sharded grad scaler, '
-                             'and stratagem has no FSDP backend yet; leave use_fsdp out')
+        # mmengine's use_fsdp picks FSDP1's ShardedGradScaler; FSDPStrategy shards with FSDP2,
+        # whose DTensor gradients torch's GradScaler already unscales across the mesh
+        self.use_fsdp = bool(use_fsdp)
         if not (loss_scale == 'dynamic' or isinstance(loss_scale, Mapping) or (
                 isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
                 and loss_scale > 0)):

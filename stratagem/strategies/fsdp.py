@@ -149,7 +149,9 @@ class FSDPStrategy(BaseStrategy):
                     "its cfg instead: optim_wrapper=dict(optimizer=dict(type='AdamW', lr=...))")
         wrapper = super().build_optim_wrapper(optim_wrapper, model)
         for w in (wrapper.values() if hasattr(wrapper, 'values') else [wrapper]):
-            adapt_optim_wrapper(w)
+            adapt_optim_wrapper(w, mixed_precision=any(
+                getattr(self.wrap_cfg.mp_policy, f, None) is not None
+                for f in ('param_dtype', 'reduce_dtype', 'output_dtype')))
         return wrapper
 
     def _unwrap_model(self) -> nn.Module:

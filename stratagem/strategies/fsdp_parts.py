@@ -57,16 +57,18 @@ def with_no_sync(model: nn.Module) -> nn.Module:
     return model
 
 
-def adapt_optim_wrapper(wrapper: Any) -> None:
+def adapt_optim_wrapper(wrapper: Any, mixed_precision: bool) -> None:
     """Fit an optim wrapper to a sharded model.
 
-    - Precision comes from ``mixed_precision``: an AmpOptimWrapper does not autocast again
-      (its GradScaler, float16 only, stays: ``unscale_`` on DTensor gradients reduces
-      ``found_inf`` over the mesh, so every rank skips the same steps).
+    - With ``mixed_precision`` set in ``model_wrapper``, precision is FSDP's: an
+      AmpOptimWrapper does not autocast again. Without it, an AmpOptimWrapper autocasts its
+      steps as it does under mmengine (FSDP then gathers float32 parameters). Its GradScaler
+      (float16 only) works either way: ``unscale_`` on DTensor gradients reduces
+      ``found_inf`` over the mesh, so every rank skips the same steps.
     - Clipping over a mix of sharded and plain parameters (``ignored_modules``), which
       torch's clip functions refuse, goes through ``optim.sharded_clip``.
     """
-    if hasattr(wrapper, 'cast_dtype'):
+    if hasattr(wrapper, 'cast_dtype') and mixed_precision:
         wrapper.optim_context = lambda m: (m.no_sync() if not wrapper.should_sync()
                                            else contextlib.nullcontext())
     func = getattr(wrapper, '_clip_func', None)

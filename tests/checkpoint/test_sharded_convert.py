@@ -30,7 +30,13 @@ def _equal(a, b):
 def test_round_trip_equal(tmp_path, capsys):
     src = _file_checkpoint(tmp_path)
     assert main(['convert', src, str(tmp_path / 'sharded'), '--to', 'sharded']) == 0
+    capsys.readouterr()
     assert main(['convert', str(tmp_path / 'sharded'), str(tmp_path / 'back.pth')]) == 0
+    # the bar advances file by file (.metadata, one shard, extra.pth, in manifest order)
+    files = len(verify_checkpoint(tmp_path / 'sharded')['files'])
+    bars = capsys.readouterr().err.split('\r')[1:]
+    assert [b.split()[-1] for b in bars] == [f'{i}/{files}' for i in range(1, files + 1)]
+    assert bars[-1].startswith('verifying [' + '#' * 30 + ']')
     assert verify_checkpoint(tmp_path / 'back.pth')['source_format'] == 'sharded'
     assert verify_checkpoint(tmp_path / 'sharded')['optimizer_keys'] == 'index'
     original = load_checkpoint_file(src)
@@ -56,3 +62,10 @@ def test_damaged_or_foreign_source_named(tmp_path, capsys):
     assert 'foreign' in capsys.readouterr().err
     assert main(['convert', src, src]) == 1  # never overwrites
     assert 'exists' in capsys.readouterr().err
+    # a dict without model weights cannot become a sharded checkpoint: the file is named
+    torch.save({'model': {'w': torch.zeros(2)}}, tmp_path / 'plain.pth')
+    assert main(['convert', str(tmp_path / 'plain.pth'), str(tmp_path / 'z'), '--to',
+                 'sharded']) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'plain.pth'} has no model weights under 'state_dict'" in err
+    assert "['model']" in err and not (tmp_path / 'z').exists()

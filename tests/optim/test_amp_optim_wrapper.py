@@ -157,9 +157,9 @@ def test_argument_errors():
     # a typo is an error even where the scale would be ignored (bf16)
     with pytest.raises(TypeError, match="got 'dynamc'"):
         AmpOptimWrapper(optimizer=opt, dtype='bfloat16', loss_scale='dynamc')
-    with pytest.raises(ValueError, match='use_fsdp=True'):
-        AmpOptimWrapper(optimizer=opt, use_fsdp=True)
-    AmpOptimWrapper(optimizer=opt, use_fsdp=False)  # mmengine configs pass it
+    # mmengine configs pass use_fsdp; FSDP2's DTensor grads need no other scaler
+    assert AmpOptimWrapper(optimizer=opt, dtype='float16', use_fsdp=True).use_fsdp is True
+    assert AmpOptimWrapper(optimizer=opt, use_fsdp=False).use_fsdp is False
 
 
 def test_pending_grads_change_scale_between_fp16_and_bf16():

@@ -143,6 +143,22 @@ def _checks(work_dir):
         _train(s, model, ow, [], 0, 3, 2)
         ref, _ = _reference(3)
         out[key] = max(float((_full_state(s)[0][k].float() - ref[k]).abs().max()) for k in ref)
+    # AmpOptimWrapper: it autocasts when model_wrapper sets no mixed_precision (as under
+    # mmengine); with mixed_precision set, precision is FSDP's and it does not autocast again
+    for key, mp in (('amp', None), ('amp_mp', dict(param_dtype='bfloat16'))):
+        s = _strategy(work_dir, model_wrapper=dict(auto_wrap_policy=['Block'],
+                                                   **({'mixed_precision': mp} if mp else {})))
+        model, ow = s.prepare(_net(), optim_wrapper=dict(
+            type='AmpOptimWrapper', dtype='bfloat16',
+            optimizer=dict(type='SGD', lr=0.1, momentum=0.9)))
+        seen = []
+        hook = model[0].register_forward_hook(lambda m, i, o: seen.append(
+            (torch.is_autocast_enabled('cpu'), o.dtype)))
+        _train(s, model, ow, [], 0, 3, 2)
+        hook.remove()
+        ref, _ = _reference(3)
+        out[key] = (seen[0], ow.loss_scaler is None,
+                    max(float((_full_state(s)[0][k].float() - ref[k]).abs().max()) for k in ref))
     # 3. errors
     for name, build in (
             ('wrap_class', lambda: _strategy(work_dir, model_wrapper=dict(
@@ -174,6 +190,9 @@ def _checks(work_dir):
     out['state_3'] = _full_state(s)
     s.state_dict_type = 'full'
     s.save_checkpoint('iter_3_full.pth', extra_ckpt={'meta': {'iter': 3}})
+    # one file; only rank 0 gathers the full state (the others hold none of it)
+    out['full_file'] = Path(work_dir, 'iter_3_full.pth').is_file()
+    out['full_held'] = (len(s.model_state_dict()), len(s.optim_state_dict()['state']))
     s.state_dict_type = 'sharded'
     _train(s, model, ow, scheds, 3, 4, 2)
     s.save_checkpoint('iter_4', extra_ckpt={'meta': {'iter': 4}})
@@ -422,10 +441,16 @@ def _skip_init_checks(work_dir):
 
 
 def _resume(work_dir, name, world, stop=MAX_ITERS, save=None):
+    import warnings
     s = _strategy(work_dir)
     model, ow, scheds = s.prepare(_net(), **COMPONENTS)
-    ckpt = s.resume(str(Path(work_dir) / name))
-    out = {'loaded': _full_state(s), 'iter': ckpt['meta']['iter']}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        ckpt = s.resume(str(Path(work_dir) / name))
+    out = {'loaded': _full_state(s), 'iter': ckpt['meta']['iter'],
+           'resumed_lr': [g['lr'] for g in ow.param_groups], 'resumed_count': ow.inner_count,
+           'resumed_scheds': [(sch.last_step, sch._global_step) for sch in scheds],
+           'rng_warning': [str(w.message) for w in caught if 're-seeded' in str(w.message)]}
     _train(s, model, ow, scheds, ckpt['meta']['iter'], stop, world)
     out['final'] = _full_state(s)
     out['lr'] = [g['lr'] for g in ow.param_groups]
@@ -446,6 +471,12 @@ def _resume_two(work_dir):
                              work_dir=str(Path(work_dir) / 'lm_resumed')))
     result = train(cfg, resume=str(Path(work_dir) / 'lm' / 'iter_4.pth'), progress=False)
     out['lm_iter'] = result['iter']
+    # DDPStrategy (in the same process group) loads the 2-rank FSDP directory: full weights
+    from stratagem.strategies import build_strategy
+    ddp = build_strategy(dict(type='DDPStrategy', work_dir=str(Path(work_dir) / 'ddp_load')))
+    ddp.prepare(_net(), **COMPONENTS)
+    ddp.load_checkpoint(str(Path(work_dir) / 'iter_3'))
+    out['ddp_loaded'] = {k: v.detach().clone() for k, v in ddp.model.module.state_dict().items()}
     return out
 
 
@@ -489,6 +520,9 @@ def test_training_equals_one_process(runs):
         assert len(norms) == 2 and norms == pytest.approx(ref, rel=1e-5)
         assert out['bf16'] < 3e-2  # bf16 parameters: ~3 significant digits
         assert out['ac'] < 1e-6 and out['offload'] < 1e-6
+        # AMP alone autocasts (bf16 activations); with mixed_precision it leaves it to FSDP
+        assert out['amp'][:2] == ((True, torch.bfloat16), True) and out['amp'][2] < 3e-2
+        assert out['amp_mp'][:2] == ((False, torch.bfloat16), True) and out['amp_mp'][2] < 3e-2
 
 
 def test_compile_per_block(runs):
@@ -528,6 +562,13 @@ def test_skip_init_weights(runs):
 def test_sharded_save_reads_nothing_back(runs):
     for out in runs['first']:
         assert out['reread_after_write'] == []
+
+
+def test_full_state_dict_is_one_file_gathered_on_rank_zero(runs):
+    first = runs['first']
+    assert first[0]['full_file'] and first[1]['full_file']
+    assert first[0]['full_held'] == (8, 8)  # 4 Linear weights + biases, their Adam states
+    assert first[1]['full_held'] == (0, 0)
 
 
 def test_resume_reads_in_place_after_its_checks(runs):
@@ -590,10 +631,21 @@ def test_resume_two_ranks_bit_exact(runs):
 
 def test_two_to_one_and_one_to_two(runs):
     ref = runs['first'][0]['state_3']
-    _assert_equal_states(runs['one']['loaded'], ref)
-    one_final = runs['one']['final']
-    for out in runs['second']:
+    one = runs['one']
+    _assert_equal_states(one['loaded'], ref)
+    one_final = one['final']
+    for rank, out in enumerate(runs['second']):
         _assert_equal_states(out['one_rank']['loaded'], one_final)
+        # 2 -> 1 resumes the schedule and counters as 2 -> 2 does; 1 -> 2 where 1 rank stopped
+        for key in ('resumed_lr', 'resumed_count', 'resumed_scheds'):
+            assert one[key] == out['iter_3'][key], key
+        assert out['one_rank']['resumed_lr'] == one['lr']
+        assert out['one_rank']['resumed_count'] == 5 == one['iter'] + 2
+        assert out['iter_3']['rng_warning'] == []  # same world size: streams restored
+        # a world-size change re-seeds, said once (rank 0)
+        assert len(out['one_rank']['rng_warning']) == (rank == 0)
+    assert 'saved with world size 2, this run has 1' in one['rng_warning'][0]
+    assert one['resumed_lr'] != one['lr']  # the schedule moved between iter 3 and 5
 
 
 def test_cross_strategy(runs):
@@ -608,6 +660,9 @@ def test_cross_strategy(runs):
             assert torch.equal(torch.as_tensor(state[i][key]), torch.as_tensor(value))
     for out in runs['second']:  # FSDP loaded the SingleDeviceStrategy file
         _assert_equal_states(out['single.pth']['loaded'], runs['first'][0]['state_3'])
+        # DDPStrategy loaded the FSDP directory on 2 ranks
+        assert out['ddp_loaded'].keys() == ref_model.keys()
+        assert all(torch.equal(out['ddp_loaded'][k], ref_model[k]) for k in ref_model)
 
 
 def test_mmengine_config_builds():
