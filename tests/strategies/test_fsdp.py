@@ -199,16 +199,9 @@ def _checks(work_dir):
     out.update(_in_place_checks(work_dir, out['state_3']))
     # a save that fails after the shards are written leaves iter_4 as the latest
     from stratagem.checkpoint import directory
-    real = directory.finalize_directory
-
-    def failing(*args, **kwargs):
-        raise OSError('injected: disk full at commit')
-    directory.finalize_directory = failing
-    try:
-        s.save_checkpoint('iter_4b', extra_ckpt={'meta': {'iter': 4}})
-    except Exception as err:  # noqa: BLE001
-        out['failed_save'] = f'{type(err).__name__}: {err}'
-    directory.finalize_directory = real
+    out['failed_save'] = _failure(
+        lambda: s.save_checkpoint('iter_4b', extra_ckpt={'meta': {'iter': 4}}),
+        directory, 'finalize_directory', 'injected: disk full at commit')
     from stratagem.checkpoint import find_latest_checkpoint
     out['latest_after_fail'] = str(find_latest_checkpoint(work_dir))
     out['listing'] = sorted(p.name for p in Path(work_dir).iterdir())
@@ -257,21 +250,29 @@ def _in_place_checks(work_dir, state_3):
     # rank 1's error; the ranks stay in step: the next resume reads everything
     import torch.distributed as dist
     from stratagem.checkpoint.dcp_reader import ShardReader
-    read_data = ShardReader.read_data
-
-    def failing(self, *args, **kwargs):
-        raise OSError('injected: read failed')
-    if dist.get_rank() == 1:
-        ShardReader.read_data = failing
-    try:
-        s.resume(path)
-    except Exception as err:  # noqa: BLE001 - reported to the test
-        out['read_failed'] = f'{type(err).__name__}: {err}'
-    finally:
-        ShardReader.read_data = read_data
+    out['read_failed'] = _failure(lambda: s.resume(path), ShardReader, 'read_data',
+                                  'injected: read failed', when=dist.get_rank() == 1)
     s.resume(path)
     out['read_after_failure'] = _state_equal(_full_state(s), state_3)
     return out
+
+
+def _failure(call, owner, name, message, when=True):
+    """Run ``call()`` with ``owner.name`` raising ``OSError(message)`` (only ``when``);
+    the error it raised as ``'Type: message'``, or None."""
+    real = getattr(owner, name)
+
+    def failing(*args, **kwargs):
+        raise OSError(message)
+    if when:
+        setattr(owner, name, failing)
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        return f'{type(err).__name__}: {err}'
+    finally:
+        setattr(owner, name, real)
+    return None
 
 
 def _state_equal(a, b):
@@ -323,18 +324,10 @@ def _async_checks(work_dir):
     reader.resume(str(Path(work_dir) / 'sync_3'))
     out['sync_loaded'] = _full_state(reader)
     # an error on the writer thread reaches every rank at the next wait; nothing committed
-    real_finalize = directory.finalize_directory
-
-    def failing(*args, **kwargs):
-        raise OSError('injected: async commit failed')
-    directory.finalize_directory = failing
-    try:
-        asyn.save_checkpoint('async_fail', extra_ckpt={'meta': {'iter': 5}})
-        asyn.wait_for_checkpoints()
-    except Exception as err:  # noqa: BLE001
-        out['async_failed'] = f'{type(err).__name__}: {err}'
-    finally:
-        directory.finalize_directory = real_finalize
+    out['async_failed'] = _failure(lambda: (
+        asyn.save_checkpoint('async_fail', extra_ckpt={'meta': {'iter': 5}}),
+        asyn.wait_for_checkpoints()), directory, 'finalize_directory',
+        'injected: async commit failed')
     out['async_fail_exists'] = (Path(work_dir) / 'async_fail').exists()
     return out
 
