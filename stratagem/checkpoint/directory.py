@@ -111,15 +111,24 @@ def _all_ok(failed: bool, *values: Any) -> bool:
     return all(view == (0, *views[0][1:]) for view in views)
 
 
+def dcp_failures(error: BaseException) -> dict[int, BaseException]:
+    """The ranks' own errors inside DCP's ``CheckpointException`` (``{rank: error}``); {}
+    for any other error."""
+    failures = getattr(error, 'failures', None)
+    if not isinstance(failures, dict):
+        return {}
+    # each value is (exception, traceback) or the exception
+    return {rank: cause[0] if isinstance(cause, tuple) else cause
+            for rank, cause in sorted(failures.items())}
+
+
 def describe_error(error: BaseException) -> str:
     """``Type: message``; DCP's ``CheckpointException`` (whose message lists only rank
     numbers) with its first rank's own error."""
-    failures = getattr(error, 'failures', None)
-    if isinstance(failures, dict) and failures:
-        rank, cause = sorted(failures.items())[0]
-        if isinstance(cause, tuple):  # (exception, traceback)
-            cause = cause[0]
-        more = f' (ranks {sorted(failures)})' if len(failures) > 1 else ''
+    failures = dcp_failures(error)
+    if failures:
+        rank, cause = next(iter(failures.items()))
+        more = f' (ranks {list(failures)})' if len(failures) > 1 else ''
         return f'{type(error).__name__}: rank {rank}: {type(cause).__name__}: {cause}{more}'
     return f'{type(error).__name__}: {error}'
 

@@ -31,8 +31,8 @@ import torch
 
 from .commit import _OVERHEAD_BYTES, _crc32_option, check_free_space, payload_bytes, write_torch_file
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
-from .directory import (_all_ok, _gather, _raise_first, describe_error, save_directory,
-                        verify_directory)
+from .directory import (_all_ok, _gather, _raise_first, dcp_failures, describe_error,
+                        save_directory, verify_directory)
 from .load import load_checkpoint_file
 from .manifest import file_entry, new_hasher
 
@@ -355,12 +355,9 @@ def _dcp_read(path: Path, state: dict, *, metadata: Any = None, what: str = '') 
         error = err
         # no_dist: DCP wraps this rank's own error in a CheckpointException that calls
         # this rank 'rank 0': unwrap it
-        failures = getattr(err, 'failures', None)
-        if isinstance(failures, dict) and len(failures) == 1:
-            cause = next(iter(failures.values()))
-            cause = cause[0] if isinstance(cause, tuple) else cause
-            if isinstance(cause, BaseException):
-                error = cause
+        failures = list(dcp_failures(err).values())
+        if len(failures) == 1 and isinstance(failures[0], BaseException):
+            error = failures[0]
     if _all_ok(error is not None):
         return
     outcomes = _gather(None if error is None else describe_error(error))

@@ -149,9 +149,7 @@ class FSDPStrategy(BaseStrategy):
                     "its cfg instead: optim_wrapper=dict(optimizer=dict(type='AdamW', lr=...))")
         wrapper = super().build_optim_wrapper(optim_wrapper, model)
         for w in (wrapper.values() if hasattr(wrapper, 'values') else [wrapper]):
-            adapt_optim_wrapper(w, mixed_precision=any(
-                getattr(self.wrap_cfg.mp_policy, f, None) is not None
-                for f in ('param_dtype', 'reduce_dtype', 'output_dtype')))
+            adapt_optim_wrapper(w, mixed_precision=self.wrap_cfg.casts_precision)
         return wrapper
 
     def _unwrap_model(self) -> nn.Module:

@@ -85,6 +85,14 @@ class WrapConfig:
     def ignored_params(self, model: nn.Module) -> set[nn.Parameter]:
         return {p for m in self.ignored_modules(model) for p in m.parameters(recurse=False)}
 
+    @property
+    def casts_precision(self) -> bool:
+        """Whether ``mixed_precision`` casts anything (then an AmpOptimWrapper leaves
+        precision to FSDP)."""
+        mp = self.mp_policy
+        return any(getattr(mp, f, None) is not None
+                   for f in ('param_dtype', 'reduce_dtype', 'output_dtype'))
+
     def cast_buffers(self, model: nn.Module) -> None:
         """FSDP1's ``buffer_dtype``: floating-point buffers take that dtype (before sharding)."""
         if self.buffer_dtype is None:
