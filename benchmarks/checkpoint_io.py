@@ -4,11 +4,11 @@ A ~100M-parameter model (Linear layers) with SGD momentum state (~0.8 GB file):
 
 - save: ``save_checkpoint`` (xxh3 digest while writing, fsync, manifest, rename, dir fsync,
   pointer; default ``zip_crc32=False``) vs ``torch.save(path)`` + fsync of the file;
-- async save: what a strategy with ``async_checkpoint=True`` does (``AsyncCheckpointWriter``:
-  wait for the previous save, snapshot into reused CPU staging buffers, submit
-  ``save_checkpoint``, parameters and momentum copied by the writer thread): the time the
-  caller is blocked, the time until the deferred copy is done (when the next optimizer step
-  may run), and the time until the checkpoint is committed, vs the same raw baseline;
+- async save: ``SingleDeviceStrategy(async_checkpoint=True).save_checkpoint`` (state dicts,
+  RNG, validation, every tensor copied into reused CPU staging buffers before the call
+  returns, the write on the writer thread): the time the caller is blocked and the time
+  until the checkpoint is committed, vs the same raw baseline; beside it the copy floor
+  (one thread copying every tensor into reused buffers);
 - load in a new process (nothing cached: no verified-hash cache, no Python-level state):
   ``load_checkpoint_file`` (size + digest over a memory map, then a memory-mapped
   ``torch.load(weights_only=True)``) vs ``torch.load(path, weights_only=True)``, timing the
@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,7 +42,6 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stratagem.checkpoint import load_checkpoint_file, save_checkpoint  # noqa: E402
 from stratagem.checkpoint import manifest as _manifest  # noqa: E402
-from stratagem.checkpoint.async_writer import AsyncCheckpointWriter  # noqa: E402
 
 _CHILD = '''
 import gc, sys, time
@@ -126,29 +126,59 @@ def load_in_new_process(which: str, path: Path, params_millions: float) -> tuple
 
 
 class AsyncSaver:
-    """A strategy's async save sequence, timed: blocked (wait + snapshot + submit; the
-    parameters and momentum deferred to the writer thread, as the strategy does), staged
-    (the deferred copy done: a training step that came at once would wait until then; a real
-    step first runs its forward and backward) and committed."""
+    """A ``SingleDeviceStrategy(async_checkpoint=True)`` over the model, timed: blocked (the
+    ``save_checkpoint`` call: state dicts, RNG, validation, the copy of every tensor into
+    the reused staging buffers, submit) and committed (until ``wait_for_checkpoints``
+    returns). The copy is complete when the call returns: the checkpoint is the state at
+    the call."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.writer = AsyncCheckpointWriter()
-        live = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        live |= {t.untyped_storage().data_ptr() for st in optimizer.state.values()
-                 for t in st.values() if isinstance(t, torch.Tensor)}
-        self.defer = lambda t: t.untyped_storage().data_ptr() in live
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 directory: Path) -> None:
+        from stratagem.strategies import SingleDeviceStrategy
+        self.strategy = SingleDeviceStrategy(work_dir=str(directory), async_checkpoint=True,
+                                             log_kwargs=dict(log_level='WARNING'))
+        self.strategy.prepare(model, optim_wrapper=dict(optimizer=optimizer))
 
-    def __call__(self, checkpoint: dict, path: Path) -> tuple[float, float, float]:
+    @property
+    def staged_bytes(self) -> int:
+        return self.strategy._async_writer.staged_bytes
+
+    def __call__(self, path: Path) -> tuple[float, float]:
         gc.collect()
         start = time.perf_counter()
-        self.writer.wait()
-        staged = self.writer.snapshot(checkpoint, self.defer)
-        self.writer.submit(save_checkpoint, staged, path, step=1000)
+        self.strategy.save_checkpoint(str(path), extra_ckpt={'meta': {'iter': 1000}})
         blocked = time.perf_counter() - start
-        self.writer.wait_staged()
-        copied = time.perf_counter() - start
-        self.writer.wait()
-        return blocked, copied, time.perf_counter() - start
+        self.strategy.wait_for_checkpoints()
+        return blocked, time.perf_counter() - start
+
+
+def copy_floor(checkpoint: dict) -> Callable[[], float]:
+    """The floor of a safe snapshot: one thread copying every tensor into reused buffers."""
+    sources = [t for t in _tensors(checkpoint)]
+    buffers = [torch.empty_like(t) for t in sources]
+
+    def run() -> float:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            start = time.perf_counter()
+            for buffer, src in zip(buffers, sources):
+                buffer.copy_(src)
+            return time.perf_counter() - start
+        finally:
+            torch.set_num_threads(threads)
+    return run
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
 
 
 def timed(fn, *args) -> float:
@@ -216,23 +246,28 @@ def main() -> None:
         mbps = size / 2**20 / statistics.median(ours_s)
         print(f'            ours {mbps:.0f} MiB/s including xxh3, fsync and manifest')
 
-        saver, timings = AsyncSaver(model, optimizer), []
+        saver, timings = AsyncSaver(model, optimizer, directory), []
         async_path = directory / 'async.pth'
 
         def async_a() -> float:
             async_path.unlink(missing_ok=True)
-            timings.append(saver(checkpoint, async_path))
+            timings.append(saver(async_path))
             return timings[-1][0]
 
         async_a(), save_b()  # warm-up: the first snapshot allocates the staging buffers
         timings.clear()
         blocked, raw_a = interleave(args.runs, async_a, save_b)
         report('async block', blocked, raw_a, 'torch.save+fsync')
-        report('async staged', [t[1] for t in timings], raw_a, 'torch.save+fsync')
-        report('async commit', [t[2] for t in timings], raw_a, 'torch.save+fsync')
-        print(f'            staging buffers: {saver.writer.staged_bytes / 2**20:.0f} MiB '
+        report('async commit', [t[1] for t in timings], raw_a, 'torch.save+fsync')
+        floor = copy_floor(checkpoint)
+        floor()
+        copies = [floor() for _ in range(args.runs)]
+        print(f'{"copy floor":<11} median: {statistics.median(copies):6.3f}s  ratio '
+              f'{statistics.median(copies) / statistics.median(raw_a):4.2f}x  (one thread copying '
+              f'every tensor into reused buffers)')
+        print(f'            staging buffers: {saver.staged_bytes / 2**20:.0f} MiB '
               f'(one copy of the tensors, reused)')
-        saver.writer.release()
+        saver.strategy._async_writer.release()
 
         if not args.skip_new_process:
             pairs = []

@@ -26,8 +26,8 @@ from test_ckpt_crash import run_kill_rounds  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--kills', type=int, default=120, help='kills per mode')
-    parser.add_argument('--modes', nargs='+', default=['sync', 'async'],
-                        choices=['sync', 'async'])
+    parser.add_argument('--modes', nargs='+', default=['sync', 'async', 'strategy'],
+                        choices=['sync', 'async', 'strategy'])
     parser.add_argument('--seed', type=int, default=1)
     args = parser.parse_args()
     total = 0
@@ -35,7 +35,8 @@ def main() -> None:
         directory = Path(tempfile.mkdtemp(prefix=f'soak-{mode}-', dir=ROOT / 'work_dirs')
                          if (ROOT / 'work_dirs').is_dir() else tempfile.mkdtemp())
         try:
-            r = run_kill_rounds(directory, args.kills, mode, seed=args.seed)
+            r = run_kill_rounds(directory, args.kills, mode, seed=args.seed,
+                                max_sleep=1.0 if mode == 'strategy' else 0.45)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         assert r['debris_after_cleanup'] == [], r

@@ -83,9 +83,10 @@ class BaseStrategy(CheckpointMixin, ABC):
             param group's lr by real batch / N once, at ``prepare``. The real
             batch is world_size × micro batch × accumulative_counts — unlike
             mmengine, which ignores gradient accumulation.
-        async_checkpoint: ``save_checkpoint`` returns once the state is copied to
-            CPU staging buffers; a background thread writes and commits it (same
-            steps and order as a synchronous save). Errors surface at the next save,
+        async_checkpoint: ``save_checkpoint`` returns once every tensor of the state
+            is copied to CPU staging buffers; a background thread writes and commits
+            that copy (same steps and order as a synchronous save), so the checkpoint
+            is the state at the call whatever the program does next. Errors surface at the next save,
             ``resume`` or ``wait_for_checkpoints()``, on every rank. Extra memory:
             one staged copy of the checkpoint's tensors (on the ranks that write),
             kept between saves. Default False (mmengine's behaviour).

@@ -10,8 +10,9 @@ Mixed into :class:`~stratagem.strategies.checkpointing.CheckpointMixin` (hence i
     1. rank 0's path and every rank's RNG state are gathered in one collective. 2. mid
     accumulation window under DDP, every rank's partial gradients are gathered. 3. every
     rank validates the content (tensors and plain values only). With ``async_checkpoint``
-    the writing ranks snapshot the state to CPU staging buffers and ``save_checkpoint``
-    returns; steps 4-5 run on a background writer thread. 4. rank 0 writes through
+    the writing ranks copy the whole state into CPU staging buffers (complete before the
+    call returns, so the checkpoint is the state at the call whatever the program does
+    next) and ``save_checkpoint`` returns; steps 4-5 run on a background writer thread. 4. rank 0 writes through
     ``checkpoint/`` (temp, fsync; then the commit vote: every rank alive and done;
     then manifest, rename, pointer); a sharded backend's ranks each write their files
     and the directory protocol (``checkpoint/directory.py``) runs the same vote.
@@ -117,8 +118,7 @@ class SaveMixin:
         # only ranks that write need the state; the others take part in the vote
         writes = self._checkpoint_all_ranks_write or env.is_main_process()
         try:
-            staged = self._async_writer.snapshot(checkpoint, self._deferrable()) \
-                if writes else None
+            staged = self._async_writer.snapshot(checkpoint) if writes else None
         except BaseException:
             if vote is not None:  # tell the others, who would otherwise wait for the vote
                 vote.ready(f'snapshot failed on rank {self.rank}')
@@ -126,36 +126,9 @@ class SaveMixin:
                     vote.post_outcome(f'snapshot failed on rank {self.rank}')
                 vote.close()
             raise
-        del checkpoint  # the live tensors may change from here on
+        del checkpoint  # the live tensors may change from here on: the writer has its copy
         self._async_writer.submit(self._write_and_agree, staged, path, vote)
         return path
-
-    def _deferrable(self) -> Callable[[torch.Tensor], bool] | None:
-        """Which tensors of an async snapshot the writer thread may copy after
-        ``save_checkpoint`` returns: the model's parameters and the optimizer state, which
-        only an optimizer step writes. A step pre-hook on every optimizer waits for that copy,
-        so the copy overlaps the next forward and backward; buffers (BatchNorm statistics
-        change in forward), RNG states and everything else are copied at once. Code that
-        writes parameters in place outside ``optimizer.step`` between a save and the next
-        step (rare: EMA of the same model, manual surgery) must call
-        ``wait_for_checkpoints()`` first."""
-        if not hasattr(self, 'optim_wrapper'):
-            return None
-        live: set[int] = {_storage_ptr(p) for p in self.model.parameters()}
-        for wrapper in self._wrappers():
-            optimizer = wrapper.optimizer
-            if not getattr(optimizer, '_stratagem_snapshot_guard', False):
-                optimizer.register_step_pre_hook(self._wait_staged_hook)
-                optimizer._stratagem_snapshot_guard = True
-            for state in optimizer.state.values():
-                live.update(_storage_ptr(t) for t in state.values()
-                            if isinstance(t, torch.Tensor) and t.numel() > 1)
-        live.discard(0)
-        return lambda tensor: _storage_ptr(tensor) in live
-
-    def _wait_staged_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._async_writer is not None:
-            self._async_writer.wait_staged()
 
     def _async_capable(self) -> bool:
         """Backend hook (every rank, on the training thread, before the snapshot): whether
@@ -242,8 +215,3 @@ class SaveMixin:
                                                  'strategy': type(self).__name__},
                                  before_commit=self._commit_gate)
 
-
-def _storage_ptr(tensor: torch.Tensor) -> int:
-    """Address of the memory ``tensor`` lives in (a DTensor's: its local shard's)."""
-    local = getattr(tensor, '_local_tensor', None)  # a DTensor (FSDP's sharded parameters)
-    return (tensor if local is None else local).untyped_storage().data_ptr()

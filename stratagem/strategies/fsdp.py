@@ -259,9 +259,10 @@ class FSDPStrategy(BaseStrategy):
             self._writer_group = dist.new_group(backend='gloo')
         return True
 
-    def _save_checkpoint_files(self, checkpoint: dict, filename: str) -> None:
-        if self._full:  # one consolidated file through the base path (rank 0 holds it)
-            if 'partial_grads' in checkpoint:  # every rank's, by FQN
+    def _save_checkpoint_files(self, checkpoint: dict | None, filename: str) -> None:
+        if self._full:  # one consolidated file through the base path (rank 0 holds it;
+            # the other ranks get None under async_checkpoint: they only vote)
+            if checkpoint is not None and 'partial_grads' in checkpoint:  # every rank's, by FQN
                 checkpoint['partial_grads_fqn'] = checkpoint.pop('partial_grads')
             super()._save_checkpoint_files(checkpoint, filename)
             return

@@ -2,11 +2,13 @@
 
 Importing torch takes seconds, so the zygote imports it once and forks a child per round.
 Protocol on stdin/stdout, one line each:
-    "go BASE [sync|async]" -> fork a child that saves forever with counters BASE, BASE+1, ...;
-                 reply its pid. ``async``: each save is snapshotted and written by an
-                 ``AsyncCheckpointWriter`` thread (retention runs after the commit, on that
-                 thread), while the main thread already overwrites the live tensors with the
-                 next counter, so a snapshot that leaked live memory would show mixed values.
+    "go BASE [sync|async|strategy]" -> fork a child that saves forever with counters BASE,
+                 BASE+1, ...; reply its pid. ``async``: each save is snapshotted and written
+                 by an ``AsyncCheckpointWriter`` thread (retention runs after the commit, on
+                 that thread), while the main thread already overwrites the live tensors with
+                 the next counter, so a snapshot that leaked live memory would show mixed
+                 values. ``strategy``: a SingleDeviceStrategy with ``async_checkpoint=True``
+                 in a user's loop (``child_strategy``).
     "reap"    -> wait for that child; reply "reaped SIGNAL EXITCODE"
     "exit"    -> quit
 A child saves ``iter_{c}.pth`` (step c) every round, also overwrites ``latest.pth`` every third
@@ -21,6 +23,10 @@ torch.set_num_threads(1)
 
 from stratagem.checkpoint import apply_retention, save_checkpoint  # noqa: E402
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter  # noqa: E402
+from stratagem.strategies import SingleDeviceStrategy  # noqa: E402
+
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # a first optimizer imports
+# torch._dynamo (~1.6 s): once here, not in every forked child
 
 NUMEL = 1 << 18  # 1 MiB of float32 per tensor, 4 tensors + momentum: ~6 MiB per file
 
@@ -49,18 +55,47 @@ def child_async(directory: str, base: int) -> None:
     try:
         while True:
             writer.wait()
-            # the tensors are copied by the writer thread (deferred), as a strategy's
-            # parameters are; the live state changes only once that copy is done, as the
-            # optimizer step pre-hook ensures in a strategy
-            staged = writer.snapshot(live, defer=lambda tensor: True)
+            staged = writer.snapshot(live)  # complete when it returns
             writer.submit(_save_round, directory, staged, counter)
             counter += 1
-            writer.wait_staged()
-            # training goes on: the live state changes while the save is written
+            # training goes on at once: the live state changes while the save is written
             live['meta']['counter'] = counter
             for tensor in live['state_dict'].values():
                 tensor.fill_(float(counter))
             live['optimizer']['state'][0]['momentum_buffer'].fill_(float(counter))
+    except BaseException as err:  # never reached under SIGKILL: report and fail the round
+        print(f'child error: {err!r}', file=sys.stderr, flush=True)
+        os._exit(3)
+
+
+def child_strategy(directory: str, base: int) -> None:
+    """The loop of a user: set the weights and momentum to the counter, save asynchronously
+    through a strategy, then at once overwrite every tensor in place (an EMA update, weight
+    clipping, ...) before waiting for the write. A checkpoint that took anything after the
+    call would hold -1 or a mix."""
+    from torch import nn
+    counter = base
+    try:
+        strategy = SingleDeviceStrategy(work_dir=directory, async_checkpoint=True,
+                                        log_kwargs=dict(log_level='ERROR'))
+        model, wrapper = strategy.prepare(
+            nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)]),
+            optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)))
+        wrapper.update_params(model(torch.ones(2, 512)).sum())  # creates the momentum
+        tensors = list(model.parameters()) + [
+            st['momentum_buffer'] for st in wrapper.optimizer.state.values()]
+        while True:
+            with torch.no_grad():
+                for tensor in tensors:
+                    tensor.fill_(float(counter))
+            strategy.save_checkpoint(f'iter_{counter}.pth', extra_ckpt={
+                'meta': {'counter': counter, 'iter': counter}})
+            with torch.no_grad():
+                for tensor in tensors:
+                    tensor.fill_(-1.0)
+            strategy.wait_for_checkpoints()
+            apply_retention(directory, 3, pattern='iter_*.pth')
+            counter += 1
     except BaseException as err:  # never reached under SIGKILL: report and fail the round
         print(f'child error: {err!r}', file=sys.stderr, flush=True)
         os._exit(3)
@@ -92,7 +127,8 @@ def main() -> None:
             pid = os.fork()
             if pid == 0:
                 mode = cmd[2] if len(cmd) > 2 else 'sync'
-                (child_async if mode == 'async' else child)(directory, int(cmd[1]))
+                run = {'sync': child, 'async': child_async, 'strategy': child_strategy}[mode]
+                run(directory, int(cmd[1]))
             print(pid, flush=True)
         elif cmd[0] == 'reap':
             _, status = os.waitpid(pid, 0)

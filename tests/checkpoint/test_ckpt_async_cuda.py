@@ -1,6 +1,6 @@
 """Asynchronous saves of CUDA state (skipped without a GPU; run on a device):
-pinned staging buffers, the deferred device-to-host copy on a side stream guarded by the
-optimizer step, bit-exact against a synchronous save."""
+pinned staging buffers, every device-to-host copy done before save_checkpoint returns,
+bit-exact against a synchronous save whatever the program does after the call."""
 import threading
 
 import pytest
@@ -26,22 +26,21 @@ def _run(work_dir, async_checkpoint, monkeypatch=None):
     for _ in range(3):
         ow.update_params(model(torch.randn(32, 256, device='cuda')).square().mean())
     gate = threading.Event()
-    if monkeypatch is not None:  # hold the deferred copy until training went on
-        real = AsyncCheckpointWriter._run
-        monkeypatch.setattr(AsyncCheckpointWriter, '_run',
-                            lambda self, *a: (gate.wait(30), real(self, *a))[1])
+    if monkeypatch is not None:  # hold the writer thread until training went on
+        real = AsyncCheckpointWriter.submit
+        monkeypatch.setattr(AsyncCheckpointWriter, 'submit', lambda self, job, *a: real(
+            self, lambda: (gate.wait(30), job(*a))[1]))
     path = s.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
     if monkeypatch is not None:
         pinned = [t for t in s._async_writer._staging.values() if t.is_pinned()]
         # every CUDA tensor (model state + AdamW's two moments) is staged in pinned memory
         assert len(pinned) >= len(model.state_dict()) + 2 * len(list(model.parameters()))
-        # forward/backward run while the copy is pending; the step waits in its pre-hook
-        loss = model(torch.randn(32, 256, device='cuda')).square().mean()
-        loss.backward()
-        stepper = threading.Thread(target=ow.step)
-        stepper.start()
+        # a whole step and an in-place edit on the device while the write is held
+        ow.update_params(model(torch.randn(32, 256, device='cuda')).square().mean())
+        with torch.no_grad():
+            model[0].weight.fill_(-1.0)
+        torch.cuda.synchronize()
         gate.set()
-        stepper.join(30)
         s.wait_for_checkpoints()
     return load_checkpoint_file(path)
 

@@ -27,6 +27,19 @@ KILLS = 30
 ROUND_BASE = 1000  # child k counts from k * ROUND_BASE, so counters only grow
 
 
+def _check_content(path: Path) -> int:
+    """Every tensor of the checkpoint at ``path`` holds its counter (none torn); the counter."""
+    checkpoint = load_checkpoint_file(path)
+    counter = checkpoint['meta']['counter']
+    assert verify_checkpoint(path)['step'] == counter
+    tensors = list(checkpoint['state_dict'].values()) + \
+        [st['momentum_buffer'] for st in checkpoint['optimizer']['state'].values()]
+    for tensor in tensors:
+        assert tensor.numel() > 0 and bool((tensor == counter).all()), \
+            f'{path} (counter {counter}) holds {sorted(set(tensor.flatten().tolist()))[:5]}'
+    return counter
+
+
 def _check_directory(directory: Path, pid: int) -> tuple[int | None, int]:
     """Assert the invariants; return (step resumed from, temp entries left by ``pid``)."""
     with warnings.catch_warnings():
@@ -39,16 +52,10 @@ def _check_directory(directory: Path, pid: int) -> tuple[int | None, int]:
             elif entry.suffix == '.pth':
                 manifest = verify_checkpoint(entry)
                 assert manifest is not None, f'{entry} has no manifest'
+                _check_content(entry)  # every committed checkpoint, not only the latest
         if latest is None:
             return None, temps
-        checkpoint = load_checkpoint_file(latest)
-    counter = checkpoint['meta']['counter']
-    assert verify_checkpoint(latest)['step'] == counter
-    tensors = list(checkpoint['state_dict'].values()) + \
-        [checkpoint['optimizer']['state'][0]['momentum_buffer']]
-    for tensor in tensors:
-        assert tensor.numel() > 0 and bool((tensor == counter).all()), latest
-    return counter, temps
+        return _check_content(latest), temps
 
 
 def _send(proc, line: str) -> str:
@@ -98,9 +105,10 @@ def run_kill_rounds(directory: Path, kills: int, mode: str, seed: int = 1234,
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize('mode', ['sync', 'async'])
+@pytest.mark.parametrize('mode', ['sync', 'async', 'strategy'])
 def test_sigkill_during_saves(tmp_path, mode):
-    r = run_kill_rounds(tmp_path, KILLS, mode)
+    # the strategy's child builds a model first: give it time to reach its saves
+    r = run_kill_rounds(tmp_path, KILLS, mode, max_sleep=1.0 if mode == 'strategy' else 0.45)
     assert r['resumed'] >= KILLS // 2, f'only {r["resumed"]} rounds committed anything'
     assert r['last'] >= (KILLS - 2) * ROUND_BASE  # progress reached the late rounds
     assert r['mid_save'] >= 1, 'no kill landed mid-save; the test exercised no crash window'
