@@ -141,7 +141,7 @@ class AsyncSaver:
 
     @property
     def staged_bytes(self) -> int:
-        return self.strategy._async_writer.staged_bytes
+        return self.strategy.checkpointer.writer.staged_bytes
 
     def __call__(self, path: Path) -> tuple[float, float]:
         gc.collect()
@@ -267,7 +267,7 @@ def main() -> None:
               f'every tensor into reused buffers)')
         print(f'            staging buffers: {saver.staged_bytes / 2**20:.0f} MiB '
               f'(one copy of the tensors, reused)')
-        saver.strategy._async_writer.release()
+        saver.strategy.checkpointer.writer.release()
 
         if not args.skip_new_process:
             pairs = []

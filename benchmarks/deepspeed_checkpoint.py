@@ -30,7 +30,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -53,19 +52,25 @@ def _mlp(width: int) -> nn.Module:
     return nn.Sequential(*layers[:-1])
 
 
-def _old_commit(self, path, state, step, held) -> None:
-    """The synchronous save as it was before the capturing engine (for comparison)."""
+def _old_layout(strategy):
+    """The synchronous save as it was before the capturing engine (for comparison): the
+    engine writes with ``torch.save``, rank 0 re-reads and hashes every file at the commit."""
     from stratagem import checkpoint as ckpt
     from stratagem import env
     from stratagem.checkpoint.zero import DEEPSPEED_TAG, STATE_FILE
+    from stratagem.strategies.checkpointing_deepspeed import ZeroLayout
 
-    def write(staging: Path) -> None:
-        self.model.save_checkpoint(str(staging), tag=DEEPSPEED_TAG, client_state={},
-                                   save_latest=False)
-        if env.is_main_process():
-            torch.save(state, staging / STATE_FILE)
-    ckpt.save_directory(path, write, step=step, extra_manifest={'strategy': 'bench'},
-                        timeout=self.checkpoint_timeout)
+    class OldZeroLayout(ZeroLayout):
+        def stage(self, checkpoint, path, commit, writer):
+            def write(staging: Path) -> None:
+                strategy.model.save_checkpoint(str(staging), tag=DEEPSPEED_TAG,
+                                               client_state={}, save_latest=False)
+                if env.is_main_process():
+                    torch.save(checkpoint, staging / STATE_FILE)
+            return lambda: ckpt.save_directory(path, write, step=commit.step,
+                                               extra_manifest={'strategy': 'bench'},
+                                               vote=commit.vote)
+    return OldZeroLayout(strategy)
 
 
 def _fsync_tree(root: str) -> None:
@@ -101,8 +106,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
         with ow.optim_context(model):
             loss = model(torch.randn(8, dim)).square().mean()
         ow.update_params(loss)  # the optimizer state exists
-        new_commit = s._commit_directory
-        old_commit = types.MethodType(_old_commit, s)
+        new_layout = s._checkpoint_layout
+        old_layout = lambda: _old_layout(s)  # noqa: E731
         target = os.path.join(out_dir, 'ckpt')  # rank 0's path is used on every rank
         counter = [0]
 
@@ -128,8 +133,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
             clean(path)
             return {'raw': took}
 
-        def sync(commit) -> float:
-            s._commit_directory, s.async_checkpoint = commit, False
+        def sync(layout) -> float:
+            s._checkpoint_layout, s.async_checkpoint = layout, False
             path = fresh()
             env.barrier()
             t = time.perf_counter()
@@ -140,7 +145,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
             return took
 
         def asyn() -> dict:
-            s._commit_directory, s.async_checkpoint = new_commit, True
+            s._checkpoint_layout, s.async_checkpoint = new_layout, True
             path = fresh()
             env.barrier()
             t = time.perf_counter()
@@ -152,8 +157,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
             clean(path)
             return {'async_blocked': blocked, 'async_commit': committed}
 
-        blocks = [raw, lambda: {'old_sync': sync(old_commit)},
-                  lambda: {'sync': sync(new_commit)}, asyn]
+        blocks = [raw, lambda: {'old_sync': sync(old_layout)},
+                  lambda: {'sync': sync(new_layout)}, asyn]
         for block in blocks:  # warm-up: staging buffers, page cache, lazy imports
             block()
         times: dict[str, list[float]] = {}
@@ -164,7 +169,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
                     # the slowest rank's time
                     times.setdefault(key, []).append(max(env.all_gather_object(value)))
         med = {k: statistics.median(v) for k, v in times.items()}
-        size = s._async_writer.staged_bytes if s._async_writer is not None else 0
+        size = s.checkpointer.writer.staged_bytes if s.checkpointer.writer is not None else 0
         report.append((name, med, env.all_gather_object(size)))
         del model, ow, s
     if rank == 0:

@@ -30,14 +30,17 @@ Backend hooks (what a backend overrides)
       DDP / DataParallel / ``torch.compile``).
     - ``model_state_dict()`` / ``load_model_state_dict()``: the model's state.
     - ``optim_state_dict()`` / ``load_optim_state_dict()``: the optimizer's state.
-    - ``_save_checkpoint_files(checkpoint, filename)`` /
-      ``_load_checkpoint_files(filename, map_location)``: the on-disk layout
-      (default: one file written by rank 0 through ``checkpoint.save_checkpoint``).
+    - ``_checkpoint_layout()``: the layout a save writes, a ``CheckpointLayout``
+      (``checkpointer.py``; default: one file written by rank 0 through
+      ``checkpoint.save_checkpoint``); ``_partial_grad_states()``: what a save mid
+      accumulation window keeps of the gradients.
+    - ``_load_checkpoint_files(filename, map_location)``: the on-disk layout, read.
     The no-sync context belongs to the optim wrapper (``optim_context``), which
     uses the wrapped model's ``no_sync`` when it has one.
 
-The checkpoint sequence (``save_checkpoint``, ``load_checkpoint``, ``resume``,
-``load_or_resume`` and the state-dict methods) lives in ``checkpointing.py``,
+Saves run through the strategy's ``Checkpointer`` (``checkpointer.py``, composed, not mixed
+in); the load sequence (``load_checkpoint``, ``resume``, ``load_or_resume``) and the
+state-dict methods live in ``checkpointing.py``,
 whose docstring numbers its steps; BaseStrategy mixes it in.
 """
 from __future__ import annotations
@@ -58,6 +61,7 @@ from stratagem.config import check_keys
 from stratagem.integrations.model_api import expose_model_api
 from stratagem.registry import MODELS
 
+from .checkpointer import Checkpointer
 from .checkpointing import CheckpointMixin
 
 __all__ = ['BaseStrategy']
@@ -117,8 +121,8 @@ class BaseStrategy(CheckpointMixin, ABC):
                 or not checkpoint_timeout > 0:
             raise ValueError(f'checkpoint_timeout must be a positive number of seconds, got '
                              f'{checkpoint_timeout!r}')
-        self.async_checkpoint = async_checkpoint
-        self.checkpoint_timeout = float(checkpoint_timeout)
+        self.checkpointer = Checkpointer(self, async_checkpoint=async_checkpoint,
+                                         timeout=float(checkpoint_timeout))
         self._work_dir = osp.abspath(work_dir)
         self._env_kwargs = env_kwargs
         self._randomness = randomness

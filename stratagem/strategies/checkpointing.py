@@ -6,7 +6,8 @@ only class that mixes it in, and the methods use what it provides
 ``rank``, ``_unwrap_model``, ``_wrappers``, ``_initialize_accumulation``,
 ``_set_randomness``, ``_randomness``, ``_seed``, ``_work_dir``, ``_prepared``).
 
-``save_checkpoint`` and asynchronous saves: ``checkpointing_save.py`` (``SaveMixin``).
+``save_checkpoint`` and asynchronous saves: the strategy's ``Checkpointer``
+(``checkpointer.py``), over the layout the backend supplies (``_checkpoint_layout``).
 
 ``resume`` checks the checkpoint has what was asked for, then restores, in order:
 model, optimizer (counters, scaler, partial gradients), accumulation counters,
@@ -15,6 +16,7 @@ schedulers, and every RNG state last.
 from __future__ import annotations
 
 import os.path as osp
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -23,15 +25,94 @@ import torch
 from stratagem import checkpoint as ckpt
 from stratagem import env
 
-from .checkpointing_save import SaveMixin
+from .checkpointer import Checkpointer, CheckpointLayout
 from .preflight import check_resumable, previous_run_traces
 from .world_change import plan_world_size_change
 
 __all__ = ['CheckpointMixin']
 
 
-class CheckpointMixin(SaveMixin):
+class CheckpointMixin:
     """State dicts and the checkpoint sequence of :class:`~stratagem.strategies.BaseStrategy`."""
+
+    checkpointer: Checkpointer
+
+    # ----------------------------------------------------------------------- save
+    @property
+    def async_checkpoint(self) -> bool:
+        """Whether saves are written on a background thread (the constructor's option; may
+        be switched between saves)."""
+        return self.checkpointer.async_checkpoint
+
+    @async_checkpoint.setter
+    def async_checkpoint(self, value: bool) -> None:
+        if type(value) is not bool:
+            raise TypeError(f'async_checkpoint must be True or False, got {value!r}')
+        self.checkpointer.async_checkpoint = value
+
+    @property
+    def checkpoint_timeout(self) -> float:
+        """Seconds a rank may show no sign of life during a distributed save."""
+        return self.checkpointer.timeout
+
+    def save_checkpoint(self, filename: str, *, save_optimizer: bool = True,
+                        save_param_scheduler: bool = True, extra_ckpt: Mapping | None = None,
+                        callback: Callable[[dict], None] | None = None) -> str:
+        """Save model (+ optimizer, schedulers, RNG states) atomically; every rank calls it.
+
+        ``filename`` is a path; relative paths are under ``work_dir``.
+        ``extra_ckpt['meta']`` (e.g. ``iter``/``epoch``) merges into ``meta``;
+        other ``extra_ckpt`` keys are stored as they are (tensors and plain values
+        only). ``callback(checkpoint)`` may edit the dict before it is written.
+        Returns the final path (with ``async_checkpoint``, where the checkpoint will
+        be once committed; ``wait_for_checkpoints`` waits for that). The sequence:
+        :class:`~stratagem.strategies.checkpointer.Checkpointer`.
+        """
+        return self.checkpointer.save(filename, save_optimizer=save_optimizer,
+                                      save_param_scheduler=save_param_scheduler,
+                                      extra_ckpt=extra_ckpt, callback=callback)
+
+    def wait_for_checkpoints(self) -> None:
+        """Block until every pending (asynchronous) save is committed; raise its error if it
+        failed, on every rank. A no-op when nothing is pending. ``save_checkpoint``,
+        ``resume``, ``load_checkpoint`` and ``load_or_resume`` call it first."""
+        self.checkpointer.wait()
+
+    def checkpoint_meta(self, extra_meta: Mapping | None = None) -> dict:
+        """A checkpoint's ``meta``: seed, time, experiment, world size, strategy, versions,
+        what a resume at another world size needs, then ``extra_meta`` (e.g. ``iter``)."""
+        from stratagem.version import __version__
+        meta = {'seed': self._randomness['seed'], 'time': time.strftime('%Y%m%d_%H%M%S'),
+                'experiment_name': self._experiment_name, 'world_size': self.world_size,
+                'strategy': type(self).__name__, 'stratagem_version': __version__,
+                'torch_version': str(torch.__version__), 'auto_scale_lr_applied': self._lr_scaled}
+        for key in ('train_micro_batch_size_per_gpu', 'epoch_length'):
+            if self.dispatch_kwargs.get(key) is not None:
+                meta[key] = int(self.dispatch_kwargs[key])
+        meta.update(extra_meta or {})
+        return meta
+
+    def _checkpoint_layout(self) -> CheckpointLayout:
+        """Backend hook: the layout a save writes (default: one file, written by rank 0)."""
+        return CheckpointLayout(self)
+
+    def _partial_grad_states(self) -> list | None:
+        """Under DDP, mid accumulation window: every rank's partial gradients, per wrapper.
+
+        Under ``no_sync`` each rank accumulates its own gradients and the optimizer state
+        holds only the saving rank's, so they are gathered (on CPU). Collective; the
+        window is open on all ranks alike, so all ranks take the same branch.
+        """
+        if self.world_size == 1:
+            return None  # the optimizer state's pending gradients are the whole story
+        states = [w.grad_state_dict() if hasattr(w, 'grad_state_dict') and not w.should_update()
+                  else None for w in self._wrappers()]
+        if all(st is None for st in states):
+            return None
+        on_cpu = [None if st is None else {**st, 'grads': {i: g.cpu() for i, g in
+                                                           st['grads'].items()}}
+                  for st in states]
+        return env.all_gather_object(on_cpu)
 
     # ----------------------------------------------------------------- state dicts
     def model_state_dict(self) -> dict:
@@ -98,11 +179,6 @@ class CheckpointMixin(SaveMixin):
             checkpoint = ckpt.read_sharded_checkpoint(filename)
             return _move(checkpoint, map_location)
         return ckpt.load_checkpoint_file(filename, map_location=map_location)
-
-    def _validate_checkpoint(self, checkpoint: dict) -> None:
-        """Backend hook: check the content is loadable with weights_only (tensors, plain
-        values); a sharding backend validates its shards' local tensors."""
-        ckpt.validate_checkpoint_content(checkpoint)
 
     def load_checkpoint(self, filename: str, *, map_location: Any = 'cpu', strict: bool = False,
                         revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),

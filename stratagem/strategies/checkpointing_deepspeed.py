@@ -1,24 +1,26 @@
 """The checkpoint half of DeepSpeedStrategy: DeepSpeed's files on stratagem's directory protocol.
 
-``save_checkpoint(filename)`` (every rank calls it)
-    0. A pending asynchronous save is waited for; its error is raised here.
-    1. Refused inside an accumulation window (DeepSpeed's files cannot hold the partial
-       gradients: a resume would be off by them), before anything is written.
-    2. Our state (meta, schedulers, wrapper counters, every rank's RNG, ``extra_ckpt``) is
-       gathered and validated (tensors and plain values only).
-    3. The directory protocol (``checkpoint/directory.py``; its store vote opened on every
-       rank): rank 0 creates a fresh staging directory beside ``filename``.
+``save_checkpoint(filename)``: the strategy's ``Checkpointer`` (``checkpointer.py``) runs the
+sequence; :class:`ZeroLayout` is this backend's part of it:
+    1. ``check_savable``: refused inside an accumulation window (DeepSpeed's files cannot
+       hold the partial gradients: a resume would be off by them), before anything is
+       written.
+    2. The checkpointer gathers our state (meta with ``zero_stage``, schedulers, wrapper
+       counters, every rank's RNG, ``extra_ckpt``; no ``state_dict``: DeepSpeed's files hold
+       the model) and validates it (tensors and plain values only).
+    3. ``stage``: the directory protocol (``checkpoint/directory.py``; the save's store
+       vote): rank 0 creates a fresh staging directory beside ``filename``.
     4. DeepSpeed's ``save_checkpoint(staging, tag='deepspeed', save_latest=False)`` runs on
        every rank in the foreground (its collectives stay on the training thread), with
        ``engine.checkpoint_engine`` swapped for a capturing one (``checkpoint/capture.py``):
        each file is written at once (hashed as written, fsynced) or, with
        ``async_checkpoint``, copied to CPU staging buffers; rank 0 adds
        ``stratagem_state.pth`` the same way. No ``latest`` file, nothing outside staging.
-    5. (With ``async_checkpoint``: on the writer thread, no collective.) Staged files are
-       written; the ranks post success or their error through the vote; rank 0 hashes what
-       DeepSpeed wrote itself (``zero_to_fp32.py``), writes ``manifest.json``, renames the
-       directory to ``filename``, updates ``last_checkpoint``. Before that rename no
-       checkpoint has that name.
+    5. The write job (with ``async_checkpoint``: on the writer thread, no collective):
+       staged files are written; the ranks post success or their error through the vote;
+       rank 0 hashes what DeepSpeed wrote itself (``zero_to_fp32.py``), writes
+       ``manifest.json``, renames the directory to ``filename``, updates
+       ``last_checkpoint``. Before that rename no checkpoint has that name.
 
 ``resume`` / ``load_checkpoint`` of a directory
     1. ``checkpoint.verify_directory``: every size on every rank, every sha256 on one rank,
@@ -52,9 +54,10 @@ from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.capture import CapturingCheckpointEngine
 from stratagem.checkpoint.content import SAFE_GLOBALS_KEY
-from stratagem.checkpoint.vote import SaveVote
 from stratagem.checkpoint.zero import (DEEPSPEED_TAG, STATE_FILE, check_zero_layout,
                                        is_zero_checkpoint, zero_to_state_dict)
+
+from .checkpointer import CheckpointLayout, SaveCommit
 
 
 __all__ = ['DeepSpeedCheckpointMixin']
@@ -98,95 +101,11 @@ class DeepSpeedCheckpointMixin:
         return self.optim_wrapper.state_dict()
 
     # ----------------------------------------------------------------------- save
-    def save_checkpoint(self, filename: str, *, save_optimizer: bool = True,
-                        save_param_scheduler: bool = True, extra_ckpt: Mapping | None = None,
-                        callback: Callable[[dict], None] | None = None) -> str:
-        """Commit a DeepSpeed checkpoint directory at ``filename`` (relative: under
-        ``work_dir``); every rank calls it. See the module docstring for the steps.
+    def checkpoint_meta(self, extra_meta: Mapping | None = None) -> dict:
+        return {**super().checkpoint_meta(extra_meta), 'zero_stage': self.zero_stage}
 
-        With ``async_checkpoint=True`` it returns once DeepSpeed's engine (in the
-        foreground: its collectives need the training thread) has handed over its files and
-        they are copied to CPU staging buffers; writing, hashing, fsync and the commit run
-        on the writer thread (``wait_for_checkpoints`` waits and raises their error). Peak
-        extra memory: one CPU copy of this rank's files' tensors (its optimizer partition,
-        rank 0's model states and our state), kept for the next save. No copy is deferred
-        past the return (DeepSpeed's step writes its fp32 partitions in place).
-
-        ``save_optimizer=False`` leaves the counters out of our state (a resume then needs
-        ``resume_optimizer=False``); DeepSpeed still writes its optimizer partitions, since
-        its layout has no weights-only form that every ZeRO stage reloads.
-        """
-        self.wait_for_checkpoints()
-        extra = dict(extra_ckpt or {})
-        path = filename if osp.isabs(filename) else osp.join(self._work_dir, filename)
-        path = Path(env.broadcast_object(osp.abspath(path)))
-        wrapper = getattr(self, 'optim_wrapper', None)
-        if wrapper is not None and not wrapper.should_update():
-            raise ValueError(f'{path}: {wrapper.mid_window_message()}')
-        state: dict[str, Any] = {'meta': self._meta(extra.pop('meta', None))}
-        state['meta']['zero_stage'] = self.zero_stage
-        if save_optimizer and wrapper is not None:
-            state['optimizer'] = wrapper.state_dict()
-        if save_param_scheduler and hasattr(self, 'param_schedulers'):
-            state['param_schedulers'] = self.scheduler_state_dict()
-        state['rng_states'] = env.all_gather_object(env.get_rng_state())
-        state.update(extra)
-        if callback is not None:
-            callback(state)
-        # every rank validates, so a bad value fails on all alike; allow-listed classes (a
-        # host trainer's) are named in the manifest for a loader that lacks them
-        held = ckpt.validate_checkpoint_content(state)
-        step = state['meta'].get('iter')
-        self._commit_directory(path, state, step if type(step) is int else None, held)
-        return str(path)
-
-    def _commit_directory(self, path: Path, state: dict, step: int | None,
-                          held: list[str]) -> None:
-        """Steps 3-5 of the module docstring; step 5 on the writer thread when async."""
-        extra = {'strategy': type(self).__name__, 'zero_stage': self.zero_stage}
-        if held:
-            extra[SAFE_GLOBALS_KEY] = held
-        writer = None
-        if self.async_checkpoint:
-            if self._async_writer is None:
-                self._async_writer = AsyncCheckpointWriter()
-            writer = self._async_writer
-        vote = SaveVote.open(self.checkpoint_timeout, f'saving {path}')
-        try:
-            staging = ckpt.begin_directory_save(path, vote)  # raises on every rank
-        except BaseException:
-            if vote is not None:
-                vote.close()
-            raise
-        # from here on the vote ends in _finish_directory, on every path
-        capture = CapturingCheckpointEngine(self.model.checkpoint_engine, staging, writer)
-        try:
-            with capture.installed_on(self.model):
-                self.model.save_checkpoint(
-                    str(staging), tag=DEEPSPEED_TAG, client_state={}, save_latest=False,
-                    exclude_frozen_parameters=self.exclude_frozen_parameters)
-            if env.is_main_process():
-                capture.save(state, staging / STATE_FILE)
-        except BaseException as err:  # noqa: BLE001 - reported through the vote below
-            capture.fail(err)
-        finish = functools.partial(self._finish_directory, staging, path, capture, vote,
-                                   step, extra)
-        if writer is not None and capture.error is None:
-            writer.submit(finish)
-        else:  # synchronous, or failed before anything was handed to the writer
-            finish()
-
-    @staticmethod
-    def _finish_directory(staging: Path, path: Path, capture: CapturingCheckpointEngine,
-                          vote: SaveVote | None, step: int | None, extra: dict) -> None:
-        """Step 5: write what was staged, agree, commit; the vote ends here (no collective)."""
-        try:
-            written = ckpt.write_directory_files(staging, capture.write)
-            ckpt.finish_directory_save(staging, path, written, vote, step=step,
-                                       extra_manifest=extra)
-        finally:
-            if vote is not None:
-                vote.close()
+    def _checkpoint_layout(self) -> CheckpointLayout:
+        return ZeroLayout(self)
 
     # ----------------------------------------------------------------------- load
     def _verify_directory(self, filename: str) -> tuple[Path, dict]:
@@ -311,3 +230,59 @@ def _to_universal(src: Path, dst: Path) -> None:
                               keep_temp_folder=False, strict=True, inject_missing_state=True)
     with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
         ds_to_universal.main(args)
+
+
+class ZeroLayout(CheckpointLayout):
+    """DeepSpeedStrategy's checkpoints: DeepSpeed's own files plus ``stratagem_state.pth``
+    in one directory, committed by the directory protocol (steps 1-5 of the module doc).
+
+    With ``async_checkpoint`` the save returns once DeepSpeed's engine (in the foreground:
+    its collectives need the training thread) has handed over its files and they are
+    copied to CPU staging buffers; writing, hashing, fsync and the commit run on the writer
+    thread. Peak extra memory: one CPU copy of this rank's files' tensors (its optimizer
+    partition, rank 0's model states and our state), kept for the next save. No copy is
+    deferred past the return (DeepSpeed's step writes its fp32 partitions in place).
+    ``save_optimizer=False`` leaves the counters out of our state (a resume then needs
+    ``resume_optimizer=False``); DeepSpeed still writes its optimizer partitions, since its
+    layout has no weights-only form that every ZeRO stage reloads.
+    """
+
+    holds_model = True  # DeepSpeed's files hold the module's weights
+
+    def check_savable(self, path: str) -> None:
+        wrapper = getattr(self.strategy, 'optim_wrapper', None)
+        if wrapper is not None and not wrapper.should_update():
+            raise ValueError(f'{path}: {wrapper.mid_window_message()}')
+
+    def stage(self, checkpoint: dict, path: str, commit: SaveCommit,
+              writer: AsyncCheckpointWriter | None) -> Callable[[], None]:
+        strategy = self.strategy
+        extra: dict[str, Any] = {'strategy': type(strategy).__name__,
+                                 'zero_stage': strategy.zero_stage}
+        if commit.held:
+            extra[SAFE_GLOBALS_KEY] = commit.held
+        final = Path(path)
+        staging = ckpt.begin_directory_save(final, commit.vote)  # raises on every rank
+        # from here on the vote ends in _finish, on every path
+        capture = CapturingCheckpointEngine(strategy.model.checkpoint_engine, staging, writer)
+        try:
+            with capture.installed_on(strategy.model):
+                strategy.model.save_checkpoint(
+                    str(staging), tag=DEEPSPEED_TAG, client_state={}, save_latest=False,
+                    exclude_frozen_parameters=strategy.exclude_frozen_parameters)
+            if env.is_main_process():
+                capture.save(checkpoint, staging / STATE_FILE)
+        except BaseException as err:  # noqa: BLE001 - reported through the vote below
+            capture.fail(err)
+        finish = functools.partial(_finish, staging, final, capture, commit, extra)
+        if capture.error is not None:  # failed before anything was handed to a writer
+            finish()
+        return finish
+
+
+def _finish(staging: Path, path: Path, capture: CapturingCheckpointEngine, commit: SaveCommit,
+            extra: dict) -> None:
+    """Step 5: write what was staged, agree, commit; the vote ends here (no collective)."""
+    written = ckpt.write_directory_files(staging, capture.write)
+    ckpt.finish_directory_save(staging, path, written, commit.vote, step=commit.step,
+                               extra_manifest=extra)

@@ -9,7 +9,7 @@ bottom-up, root last → optimizer built over the sharded parameters → schedul
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -17,8 +17,10 @@ from torch import nn
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
+from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 
 from .base import BaseStrategy
+from .checkpointer import CheckpointLayout, SaveCommit
 from .fsdp_config import parse_activation_checkpointing, parse_model_wrapper, parse_state_dict_cfg
 from .fsdp_parts import (adapt_optim_wrapper, clean_name, keep_fresh, pending_grads,
                          set_pending_grads, with_no_sync)
@@ -233,8 +235,8 @@ class FSDPStrategy(BaseStrategy):
         return self.state_dict_type == 'full'
 
     # -------------------------------------------------------------------- checkpoints
-    def _validate_checkpoint(self, checkpoint: dict) -> None:
-        ckpt.validate_checkpoint_content(ckpt.local_tensors(checkpoint))
+    def _checkpoint_layout(self) -> CheckpointLayout:
+        return FSDPLayout(self)
 
     def _partial_grad_states(self) -> Any:
         """Mid accumulation window: this rank's unsynchronised (unsharded) gradients."""
@@ -244,33 +246,6 @@ class FSDPStrategy(BaseStrategy):
         if self._full:
             return env.all_gather_object({k: v.cpu() for k, v in grads.items()})
         return grads
-
-    @property
-    def _checkpoint_all_ranks_write(self) -> bool:  # every rank writes its own shards
-        return not self._full
-
-    def _async_capable(self) -> bool:
-        """Every save can be asynchronous. A sharded one runs DCP's planning collectives on
-        the writer thread, so they get a gloo group of their own, created here (every rank
-        calls ``save_checkpoint``, in the same order): on the default group they would
-        interleave with the training loop's collectives and deadlock."""
-        if not self._full and self._writer_group is None:
-            import torch.distributed as dist
-            self._writer_group = dist.new_group(backend='gloo')
-        return True
-
-    def _save_checkpoint_files(self, checkpoint: dict | None, filename: str) -> None:
-        if self._full:  # one consolidated file through the base path (rank 0 holds it;
-            # the other ranks get None under async_checkpoint: they only vote)
-            if checkpoint is not None and 'partial_grads' in checkpoint:  # every rank's, by FQN
-                checkpoint['partial_grads_fqn'] = checkpoint.pop('partial_grads')
-            super()._save_checkpoint_files(checkpoint, filename)
-            return
-        partial = checkpoint.pop('partial_grads', None)
-        ckpt.save_sharded_checkpoint(filename, checkpoint, step=checkpoint['meta'].get('iter'),
-                                     partial_grads=partial, vote=self._commit_vote,
-                                     process_group=self._writer_group,
-                                     extra_manifest={'strategy': type(self).__name__})
 
     def resume(self, filename: str, *, resume_optimizer: bool = True,
                callback: Any = None, **kwargs: Any) -> dict:
@@ -329,3 +304,42 @@ class FSDPStrategy(BaseStrategy):
         mine = per_rank[self.rank] if len(per_rank) == self.world_size else \
             {k: sum(g[k] for g in per_rank) / len(per_rank) for k in per_rank[0]}
         set_pending_grads(self.model, mine)
+
+
+class FSDPLayout(CheckpointLayout):
+    """FSDPStrategy's checkpoints: a sharded DCP directory (every rank writes its shards,
+    ``checkpoint/sharded.py``), or under ``state_dict_type='full'`` the default single file
+    (rank 0 holds the gathered state)."""
+
+    strategy: FSDPStrategy
+
+    def all_ranks_write(self) -> bool:
+        return not self.strategy._full
+
+    def validate(self, checkpoint: dict) -> list[str]:
+        return ckpt.validate_checkpoint_content(ckpt.local_tensors(checkpoint))
+
+    def stage(self, checkpoint: dict, path: str, commit: SaveCommit,
+              writer: AsyncCheckpointWriter | None) -> Callable[[], None]:
+        """An asynchronous sharded save runs DCP's planning collectives on the writer
+        thread, so they get a gloo group of their own, created here (every rank saves in
+        the same order): on the default group they would interleave with the training
+        loop's collectives and deadlock."""
+        strategy = self.strategy
+        if writer is not None and not strategy._full and strategy._writer_group is None:
+            import torch.distributed as dist
+            strategy._writer_group = dist.new_group(backend='gloo')
+        return super().stage(checkpoint, path, commit, writer)
+
+    def write(self, checkpoint: dict | None, path: str, commit: SaveCommit) -> None:
+        if self.strategy._full:  # one consolidated file (rank 0 holds it; others get None)
+            if checkpoint is not None and 'partial_grads' in checkpoint:  # every rank's, by FQN
+                checkpoint['partial_grads_fqn'] = checkpoint.pop('partial_grads')
+            super().write(checkpoint, path, commit)
+            return
+        assert checkpoint is not None  # every rank writes its shards
+        partial = checkpoint.pop('partial_grads', None)
+        ckpt.save_sharded_checkpoint(
+            path, checkpoint, step=checkpoint['meta'].get('iter'), partial_grads=partial,
+            vote=commit.vote, process_group=self.strategy._writer_group,
+            extra_manifest={'strategy': type(self.strategy).__name__})

@@ -179,7 +179,7 @@ def test_async_checkpoint_is_the_state_at_the_call(tmp_path, kind):
     extras = {'ema': ema, 'ema_state_dict': extra['ema_state_dict']}
     with held_writer() as release:
         path = s.save_checkpoint('iter_2.pth', extra_ckpt=extra)
-        assert s._async_writer.pending  # held: nothing written yet
+        assert s.checkpointer.writer.pending  # held: nothing written yet
         MUTATIONS[kind](s, model, wrapper, extras)
         changed = differences(_expected(s, {'ema_state_dict': ema.state_dict()}), expected)
         assert changed, f'the {kind} mutation changed nothing: the test would prove nothing'
@@ -217,7 +217,7 @@ def test_the_snapshot_is_complete_when_save_returns(tmp_path):
     _train(model, wrapper)
     with held_writer() as release:
         s.save_checkpoint('iter_2.pth')
-        staged = s._async_writer._staging
+        staged = s.checkpointer.writer._staging
         live = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
         live |= {t.untyped_storage().data_ptr() for st in wrapper.optimizer.state.values()
                  for t in st.values()}
@@ -282,7 +282,7 @@ def _flexible_runner_check(work_dir):
 
         def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
             if runner.iter + 1 == 2:
-                seen['pending'] = runner.strategy._async_writer.pending
+                seen['pending'] = runner.strategy.checkpointer.writer.pending
                 optimizer = runner.optim_wrapper.optimizer
                 with torch.no_grad():
                     for p in runner.model.parameters():

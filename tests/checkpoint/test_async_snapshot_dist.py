@@ -145,7 +145,7 @@ def _checks(tmp):
         AsyncCheckpointWriter.submit = submit
         try:
             path = s.save_checkpoint('iter_2', extra_ckpt={'meta': {'iter': 2}})
-            pending = s._async_writer.pending
+            pending = s.checkpointer.writer.pending
             _mutate(model, ow, rank)
             _step(model, ow, rank, 2)  # collectives on the default group while it is held
             changed = _differences(_fingerprint(s, ow), expected) != []

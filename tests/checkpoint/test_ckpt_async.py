@@ -105,7 +105,7 @@ def test_async_save_is_bit_exact_and_returns_before_writing(tmp_path, monkeypatc
                         lambda *a, **k: (release.wait(30), real_save(*a, **k))[1])
     async_path = async_s.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
     assert async_path == str(tmp_path / 'async' / 'iter_3.pth')
-    assert not os.path.exists(async_path) and async_s._async_writer.pending
+    assert not os.path.exists(async_path) and async_s.checkpointer.writer.pending
     _step(async_s, 2)  # training goes on while the save is pending
     release.set()
     async_s.wait_for_checkpoints()
@@ -115,7 +115,7 @@ def test_async_save_is_bit_exact_and_returns_before_writing(tmp_path, monkeypatc
     # staged memory is one copy of the tensors written: model, momentum, RNG state
     params = sum(p.numel() * 4 for p in async_s.model.parameters())
     saved = ckpt.commit.payload_bytes(load_checkpoint_file(async_path))
-    assert saved > 2 * params and async_s._async_writer.staged_bytes == saved
+    assert saved > 2 * params and async_s.checkpointer.writer.staged_bytes == saved
 
 
 def test_async_error_reaches_next_wait_and_next_save(tmp_path):

@@ -32,7 +32,7 @@ def _run(work_dir, async_checkpoint, monkeypatch=None):
             self, lambda: (gate.wait(30), job(*a))[1]))
     path = s.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
     if monkeypatch is not None:
-        pinned = [t for t in s._async_writer._staging.values() if t.is_pinned()]
+        pinned = [t for t in s.checkpointer.writer._staging.values() if t.is_pinned()]
         # every CUDA tensor (model state + AdamW's two moments) is staged in pinned memory
         assert len(pinned) >= len(model.state_dict()) + 2 * len(list(model.parameters()))
         # a whole step and an in-place edit on the device while the write is held

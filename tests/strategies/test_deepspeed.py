@@ -339,7 +339,7 @@ def _async_checks(tmp):
             path = asyn.save_checkpoint('async_6', extra_ckpt=meta)
             for s, model, ow, scheds in runs:  # an update (iteration 8) while it is written
                 _train(s, model, ow, scheds, SAVE_AT, SAVE_AT + 3, s.rank)
-            r = dict(pending=asyn._async_writer.pending, written_meanwhile=len(written),
+            r = dict(pending=asyn.checkpointer.writer.pending, written_meanwhile=len(written),
                      exists_meanwhile=os.path.exists(path),
                      trained=_diff(_snap(asyn), at_save) != [],
                      same_training=_diff(_snap(sync), _snap(asyn)))
@@ -350,7 +350,7 @@ def _async_checks(tmp):
             capture.write_torch_file = real
         r.update(written=len(written), latest=str(find_latest_checkpoint(Path(path).parent)),
                  listing=sorted(os.listdir(path)),
-                 staged_bytes=asyn._async_writer.staged_bytes)
+                 staged_bytes=asyn.checkpointer.writer.staged_bytes)
         resumed = []
         for name, where in (('async', path), ('sync', sync_path)):
             reader = _strategy(os.path.join(tmp, f'async{stage}_r{name}'),
@@ -397,7 +397,7 @@ def _async_checks(tmp):
         'fail_write', lambda: setattr(capture, 'write_torch_file',
                                       failing_write if asyn.rank == 1 else real_write),
         lambda: setattr(capture, 'write_torch_file', real_write))
-    writer = asyn._async_writer
+    writer = asyn.checkpointer.writer
 
     def failing_snapshot(*args, **kwargs):
         raise MemoryError('injected: no memory for staging')

@@ -312,7 +312,7 @@ def _async_checks(work_dir):
         out['async_returned_s'] = time.perf_counter() - started
         for s, model, ow, scheds in built:  # collectives on the default group meanwhile
             _train(s, model, ow, scheds, 3, 5, 2)
-        out['pending_after_training'] = asyn._async_writer.pending
+        out['pending_after_training'] = asyn.checkpointer.writer.pending
         asyn.wait_for_checkpoints()
     finally:
         dcp.save = real_save

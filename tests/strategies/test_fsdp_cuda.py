@@ -133,7 +133,7 @@ def _cuda_checks(work):
     path = s3.save_checkpoint(f'iter_{SAVE_AT}', extra_ckpt={'meta': {'iter': SAVE_AT}})
     _train(s3, m3, o3, SAVE_AT, STEPS)
     s3.wait_for_checkpoints()
-    staged = s3._async_writer._staging.values()
+    staged = s3.checkpointer.writer._staging.values()
     out['async'] = dict(pinned=all(t.is_pinned() for t in staged if t.numel()),
                         final_exact=all(torch.equal(_full(s3)[k], final[k]) for k in final))
     s4, m4, o4 = _build(work + '/async', 'float16', amp=True)

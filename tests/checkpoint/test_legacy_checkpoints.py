@@ -1,0 +1,252 @@
+"""Checkpoints written by earlier code still load, exactly: the frozen ones in tests/data/legacy.
+
+``tests/data/legacy/make_legacy_checkpoints.py`` wrote them (its docstring names the commit
+and versions); ``expected.json`` holds the components' configs and the values at each save.
+Each test copies the checkpoints to a temporary directory first (nothing writes into
+tests/data), loads them with today's API into freshly built components (other weights) and
+compares weights, optimizer state, lr, schedulers, counters, meta iteration and RNG bit for
+bit. Processes start once for the module: both 2-rank resumes (FSDP, DeepSpeed) run in one
+``run_distributed`` call; the single-process loads run in this process.
+"""
+import importlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dist_harness import run_distributed  # noqa: E402
+
+LEGACY = Path(__file__).resolve().parents[1] / 'data' / 'legacy'
+EXPECTED = json.loads((LEGACY / 'expected.json').read_text())
+NO_DEEPSPEED = 'DeepSpeed is an optional extra (stratagem[deepspeed])'
+
+
+def _net() -> nn.Module:
+    """The generator's architecture with other weights (its seed is 0), so a load shows."""
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _decode(entry: dict) -> torch.Tensor:
+    return torch.tensor(entry['data'], dtype=getattr(torch, entry['dtype'])).reshape(
+        entry['shape'])
+
+
+def _copy(layout: str, dst: Path) -> Path:
+    """The frozen checkpoint of ``layout`` copied under ``dst``; returns the copy's path."""
+    shutil.copytree(LEGACY / layout, dst / layout)
+    return dst / EXPECTED[layout]['checkpoint']
+
+
+def _strategy(layout: str, work_dir, **overrides):
+    from stratagem.strategies import build_strategy
+    spec = EXPECTED[layout]
+    return build_strategy(dict(spec['strategy'], work_dir=str(work_dir),
+                               env_kwargs=dict(randomness=dict(seed=7)), **overrides))
+
+
+def _state(layout: str, s, optimizer: bool = True) -> tuple[dict, dict]:
+    """Full weights and optimizer state by parameter name (the generator's ``_state``;
+    ``optimizer=False``: weights only, ``{}``)."""
+    if layout == 'single':
+        names = {p: n for n, p in s.model.named_parameters()}
+        weights = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
+        if not optimizer:
+            return weights, {}
+        optim = {names[p]: {k: v.clone() for k, v in st.items()}
+                 for p, st in s.optim_wrapper.optimizer.state.items()}
+        return weights, optim
+    if layout == 'fsdp':
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict,
+                                                             get_optimizer_state_dict)
+        opts = StateDictOptions(full_state_dict=True)
+        weights = {k: v.detach().clone()
+                   for k, v in get_model_state_dict(s.model, options=opts).items()}
+        if not optimizer:
+            return weights, {}
+        optim = get_optimizer_state_dict(s.model, s.optim_wrapper.optimizer, options=opts)
+        return weights, {k: {n: v.clone() for n, v in st.items()}
+                         for k, st in optim['state'].items()}
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    module = s.model.module
+    weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    if not optimizer:
+        return weights, {}
+    link = getattr(s.model.optimizer, '_lazy_init_hp_params_optimizer_state', None)
+    if link is not None:  # ZeRO-1/2 link these views at the first step; a resumed engine
+        link()            # has not stepped
+    # one flat partition per rank, one step count (the generator asserted it)
+    steps = sorted({float(st['step']) for st in s.model.optimizer.optimizer.state.values()})
+    step = torch.tensor(steps[0] if len(steps) == 1 else float('nan'))
+    optim = {n: {'fp32': safe_get_full_fp32_param(p).clone(),
+                 **{k: safe_get_full_optimizer_state(p, k).clone()
+                    for k in ('exp_avg', 'exp_avg_sq')},
+                 'step': step.clone()}
+             for n, p in module.named_parameters()}
+    return weights, optim
+
+
+def _resume(layout: str, root: str, work_dir: str, via: str | None = None) -> dict:
+    """Resume ``layout``'s copy into fresh components (built by the strategy of ``via``'s
+    layout, by default ``layout``'s own); what the comparison needs."""
+    via = via or layout
+    s = _strategy(via, work_dir)
+    model, ow, scheds = s.prepare(_net(), **EXPECTED[layout]['components'])
+    fresh = _state(via, s, optimizer=False)[0]
+    checkpoint = s.resume(str(Path(root) / EXPECTED[layout]['checkpoint']))
+    rng = torch.rand(3)
+    weights, optim = _state(via, s)
+    return dict(iter=checkpoint['meta']['iter'], lr=[g['lr'] for g in ow.param_groups],
+                scheduler_last_values=[sch.get_last_value() for sch in scheds],
+                inner_count=ow.inner_count, weights=weights, optimizer=optim, rng=rng,
+                fresh=fresh, rank=s.rank)
+
+
+def _two_ranks(root: str, with_deepspeed: bool) -> dict:
+    """Every 2-rank check of the module, in one process group."""
+    out = {'fsdp': _resume('fsdp', root, str(Path(root) / 'work_fsdp'))}
+    if with_deepspeed:
+        out['deepspeed'] = _resume('deepspeed', root, str(Path(root) / 'work_deepspeed'))
+    return out
+
+
+def _mismatches(got: dict, want: dict, what: str) -> list[str]:
+    """Each tensor of ``want`` (encoded) that ``got`` lacks or holds with another dtype,
+    shape or any other bit; extra names in ``got`` too. [] when equal."""
+    bad = [f'{what}: unexpected {k}' for k in sorted(set(got) - set(want))]
+    for name, entry in want.items():
+        if name not in got:
+            bad.append(f'{what}: {name} missing')
+            continue
+        if set(entry) != {'dtype', 'shape', 'data'}:  # a nested dict (optimizer state)
+            bad += _mismatches(got[name], entry, f'{what}[{name}]')
+            continue
+        a, b = got[name].detach().cpu(), _decode(entry)
+        if a.dtype != b.dtype or a.shape != b.shape:
+            bad.append(f'{what}: {name} is {a.dtype} {tuple(a.shape)}, expected {b.dtype} '
+                       f'{tuple(b.shape)}')
+        elif not torch.equal(a, b):
+            i = int((a.flatten() != b.flatten()).nonzero()[0])
+            bad.append(f'{what}: {name} differs first at flat index {i}: got '
+                       f'{a.flatten()[i].item()!r}, expected {b.flatten()[i].item()!r}')
+    return bad
+
+
+def _assert_resumed(layout: str, got: dict, rank: int = 0) -> None:
+    want = EXPECTED[layout]
+    # the fresh components held other weights: what follows was loaded
+    assert _mismatches(got['fresh'], {k: want['weights'][k] for k in got['fresh']}, 'fresh')
+    assert _mismatches(got['weights'], want['weights'], 'weights') == []
+    assert _mismatches(got['optimizer'], want['optimizer'], 'optimizer') == []
+    assert got['iter'] == want['iter'] == 3
+    assert got['lr'] == want['lr']
+    assert got['scheduler_last_values'] == want['scheduler_last_values']
+    assert got['inner_count'] == want['inner_count'] == 3
+    assert torch.equal(got['rng'], _decode(want['rng_after_save'][rank]))  # RNG state
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope='module')
+def two_ranks(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp('legacy')
+    _copy('fsdp', root)
+    with_deepspeed = _importable('deepspeed')
+    if with_deepspeed:
+        _copy('deepspeed', root)
+    return run_distributed(_two_ranks, nproc=2, args=(str(root), with_deepspeed),
+                           timeout=300)
+
+
+# --------------------------------------------------------------------- single file
+def test_single_file_resumes_exactly(tmp_path):
+    path = _copy('single', tmp_path)
+    got = _resume('single', str(tmp_path), str(tmp_path / 'work'))
+    _assert_resumed('single', got)
+    assert sorted(p.name for p in (tmp_path / 'single').iterdir()) == [
+        'iter_3.pth', 'iter_3.pth.manifest.json']  # resume wrote nothing beside it
+    assert path.is_file()
+
+
+def test_single_file_loads_weights_and_verifies(tmp_path):
+    from stratagem.checkpoint import verify_checkpoint
+    path = _copy('single', tmp_path)
+    manifest = verify_checkpoint(path)
+    assert manifest is not None and manifest['step'] == 3 and manifest['kind'] == 'file'
+    assert [f['path'] for f in manifest['files']] == ['iter_3.pth']
+    s = _strategy('single', tmp_path / 'work')
+    model = s.prepare(_net())
+    checkpoint = s.load_checkpoint(str(path))
+    assert checkpoint['meta']['iter'] == 3
+    got = {k: v.detach() for k, v in model.state_dict().items()}
+    assert _mismatches(got, EXPECTED['single']['weights'], 'weights') == []
+
+
+# ---------------------------------------------------------------- FSDP directory
+def test_fsdp_directory_resumes_exactly_on_two_ranks(two_ranks):
+    for rank, out in enumerate(two_ranks):
+        assert out['fsdp']['rank'] == rank
+        _assert_resumed('fsdp', out['fsdp'], rank)
+
+
+@pytest.mark.filterwarnings('ignore:.*re-seeded')  # 2 ranks' RNG streams into 1: by design
+def test_fsdp_directory_resumes_in_one_process(tmp_path):
+    _copy('fsdp', tmp_path)
+    got = _resume('fsdp', str(tmp_path), str(tmp_path / 'work'), via='single')
+    assert _mismatches(got['fresh'], EXPECTED['fsdp']['weights'], 'fresh')
+    assert _mismatches(got['weights'], EXPECTED['fsdp']['weights'], 'weights') == []
+    assert _mismatches(got['optimizer'], EXPECTED['fsdp']['optimizer'], 'optimizer') == []
+    assert got['iter'] == 3 and got['inner_count'] == 3
+    assert got['lr'] == EXPECTED['fsdp']['lr']
+    assert got['scheduler_last_values'] == EXPECTED['fsdp']['scheduler_last_values']
+
+
+def test_fsdp_directory_loads_in_one_process(tmp_path):
+    from stratagem.checkpoint import verify_checkpoint
+    path = _copy('fsdp', tmp_path)
+    manifest = verify_checkpoint(path)
+    assert manifest['kind'] == 'directory' and manifest['world_size'] == 2
+    s = _strategy('single', tmp_path / 'work')
+    model = s.prepare(_net())
+    assert s.load_checkpoint(str(path))['meta']['iter'] == 3
+    got = {k: v.detach() for k, v in model.state_dict().items()}
+    assert _mismatches(got, EXPECTED['fsdp']['weights'], 'weights') == []
+
+
+# ------------------------------------------------------------ DeepSpeed directory
+def test_deepspeed_directory_resumes_exactly_on_two_ranks(two_ranks):
+    pytest.importorskip('deepspeed', reason=NO_DEEPSPEED)
+    for rank, out in enumerate(two_ranks):
+        assert out['deepspeed']['rank'] == rank
+        _assert_resumed('deepspeed', out['deepspeed'], rank)
+        # fp32 training: the master weights are the module's
+        assert _mismatches({k: v['fp32'] for k, v in out['deepspeed']['optimizer'].items()},
+                           EXPECTED['deepspeed']['weights'], 'fp32 master') == []
+
+
+def test_deepspeed_directory_converts_to_full_weights(tmp_path):
+    pytest.importorskip('deepspeed', reason=NO_DEEPSPEED)
+    from stratagem.checkpoint import verify_checkpoint
+    from stratagem.cli import main
+    path = _copy('deepspeed', tmp_path)
+    assert verify_checkpoint(path)['world_size'] == 2
+    converted = tmp_path / 'converted.pth'
+    assert main(['convert', str(path), str(converted)]) == 0
+    assert verify_checkpoint(converted)['step'] == 3
+    s = _strategy('single', tmp_path / 'work')
+    model = s.prepare(_net())
+    assert s.load_checkpoint(str(converted))['meta']['iter'] == 3
+    got = {k: v.detach() for k, v in model.state_dict().items()}
+    assert _mismatches(got, EXPECTED['deepspeed']['weights'], 'weights') == []
