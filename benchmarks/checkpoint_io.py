@@ -39,9 +39,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from stratagem.checkpoint import load_checkpoint_file, save_checkpoint  # noqa: E402
-from stratagem.checkpoint import manifest as _manifest  # noqa: E402
-from stratagem.checkpoint.async_writer import AsyncCheckpointWriter  # noqa: E402
+from stratagem.checkpoint import load_checkpoint_file, save_checkpoint
+from stratagem.checkpoint import manifest as _manifest
+from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 
 _CHILD = '''
 import gc, sys, time

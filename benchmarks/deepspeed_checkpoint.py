@@ -34,9 +34,8 @@ import types
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from _spawn import spawn_ranks  # benchmarks/, on the path when run as a script
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

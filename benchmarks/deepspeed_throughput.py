@@ -29,9 +29,8 @@ import time
 
 import torch
 import torch.multiprocessing as mp
-from torch import nn
-
 from _spawn import free_port  # benchmarks/, on the path when run as a script
+from torch import nn
 
 
 def _mlp() -> nn.Module:

@@ -24,9 +24,8 @@ import time
 import warnings
 
 import torch
-from torch import nn
-
 from _spawn import spawn_ranks  # benchmarks/, on the path when run as a script
+from torch import nn
 
 
 def _mlp(width: int = 1024) -> nn.Module:
@@ -157,7 +156,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str
         print(f'where the load time goes: the raw loop reading through ShardReader, per rank '
               f'(no_dist), without checks: {med["raw_load_fast"]:.1f} ms, '
               f'{med["raw_load_fast"] / med["raw_load"]:.3f} of raw dcp; ours adds the checks, '
-              f'verification and the ranks\' agreement ({med["ours_load"] - med["raw_load_fast"]:.1f} ms)')
+              'verification and the ranks\' agreement '
+              f'({med["ours_load"] - med["raw_load_fast"]:.1f} ms)')
     dist.barrier()  # both ranks done before gloo tears down (a peer gone mid-teardown aborts)
     dist.destroy_process_group()
 

@@ -45,7 +45,8 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 __all__ = ['run_distributed', 'RankFailure', 'free_port', 'torchrun_env']
 

@@ -2,18 +2,14 @@
 key, value or file, and leaves every file of the work dir as it was."""
 import os
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workdir_snapshot import assert_unchanged, snapshot  # noqa: E402
-
-from stratagem import checkpoint as ckpt  # noqa: E402
-from stratagem.cli import main  # noqa: E402
-from stratagem.config import ConfigWarning  # noqa: E402
+from stratagem import checkpoint as ckpt
+from stratagem.cli import main
+from stratagem.config import ConfigWarning
+from workdir_snapshot import assert_unchanged, snapshot
 
 YAML = '''\
 model: {type: MLPClassifier, in_features: 8, num_classes: 3, hidden: 16}

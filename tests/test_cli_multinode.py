@@ -14,10 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dist_harness import free_port
 from stratagem.cli import main
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dist_harness import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 _PORT_TAKEN = ('address already in use', 'EADDRINUSE')
@@ -94,7 +92,7 @@ def _two_nodes(tmp_path, config, work, attempt):
     A node that fails ends the wait 5 s later: the other would wait for it up to torchrun's
     rendezvous timeout (600 s)."""
     port = free_port()
-    logs = {r: open(tmp_path / f'node{r}.{attempt}.log', 'w') for r in (0, 1)}
+    logs = {r: open(tmp_path / f'node{r}.{attempt}.log', 'w') for r in (0, 1)}  # noqa: SIM115
     procs = {r: subprocess.Popen(
         [sys.executable, '-m', 'stratagem', 'train', config, '--work-dir', str(work),
          '--nnodes', '2', '--node-rank', str(r), '--nproc', '1', '--master-addr', '127.0.0.1',

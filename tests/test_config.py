@@ -13,7 +13,7 @@ def test_configdict_strict_reads():
     assert cfg.model.depth == 2 and cfg['model']['type'] == 'MLP'
     assert isinstance(cfg.layers[0], ConfigDict) and cfg.layers[0].a == 1
     with pytest.raises(AttributeError, match="config has no key 'modle'; keys here: 'model'"):
-        cfg.modle
+        cfg.modle  # noqa: B018
     with pytest.raises(KeyError, match="config has no key 'x'"):
         cfg['x']
     assert not hasattr(cfg, 'x')
@@ -56,7 +56,8 @@ def test_fromfile_py_with_bases(tmp_path):
         "_base_ = ['base_model.py', 'base_optim.yaml']\n"
         "import math\n"
         "model = dict(depth=4)\n"
-        "optim_wrapper = dict(optimizer=dict(_delete_=True, type='AdamW', lr=math.sqrt(4) / 1e3))\n"
+        "optim_wrapper = dict(optimizer=dict(_delete_=True, type='AdamW',\n"
+        "                                    lr=math.sqrt(4) / 1e3))\n"
         "def helper():\n    return 1\n"))
     cfg = Config.fromfile(cfg_path)
     assert cfg.model == {'type': 'MLP', 'depth': 4, 'width': 8}
@@ -155,6 +156,7 @@ def test_repr_is_readable(tmp_path):
 # ---- numbers given as strings (#15): converted with a warning naming the key, else refused
 def test_yaml_exponent_numbers_are_converted_naming_the_key(tmp_path):
     import yaml
+
     from stratagem.config import ConfigWarning
     path = tmp_path / 'cfg.yaml'
     path.write_text('model: {type: Net, eps: 1e-5}\n'
@@ -223,4 +225,4 @@ def test_config_errors_name_the_file(tmp_path):
         Config.fromfile(tmp_path)
     from stratagem.config import ConfigAttributeError
     with pytest.raises(ConfigAttributeError, match="no key 'optim_wrappr'"):
-        Config(dict(optim_wrapper={})).optim_wrappr
+        Config(dict(optim_wrapper={})).optim_wrappr  # noqa: B018

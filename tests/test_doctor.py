@@ -2,7 +2,6 @@
 exit codes 0 / 1 / 2, and nothing heavy is built (no process group, the model on meta)."""
 import copy
 
-import pytest
 import torch
 
 from stratagem import doctor

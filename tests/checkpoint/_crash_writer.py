@@ -61,7 +61,7 @@ def child_async(directory: str, base: int) -> None:
             for tensor in live['state_dict'].values():
                 tensor.fill_(float(counter))
             live['optimizer']['state'][0]['momentum_buffer'].fill_(float(counter))
-    except BaseException as err:  # never reached under SIGKILL: report and fail the round
+    except BaseException as err:  # noqa: BLE001 - never reached under SIGKILL: report and fail the round
         print(f'child error: {err!r}', file=sys.stderr, flush=True)
         os._exit(3)
 
@@ -77,7 +77,7 @@ def child(directory: str, base: int) -> None:
                                 step=counter)
             apply_retention(directory, 3, pattern='iter_*.pth')
             counter += 1
-    except BaseException as err:  # never reached under SIGKILL: report and fail the round
+    except BaseException as err:  # noqa: BLE001 - never reached under SIGKILL: report and fail the round
         print(f'child error: {err!r}', file=sys.stderr, flush=True)
         os._exit(3)
 

@@ -13,13 +13,12 @@ import pytest
 import torch
 from torch import nn
 
+from faults import failing_io
 from stratagem import checkpoint as ckpt
 from stratagem.checkpoint import find_latest_checkpoint, load_checkpoint_file, verify_checkpoint
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.errors import CheckpointWriteError
 from stratagem.strategies import SingleDeviceStrategy
-
-from faults import failing_io
 
 HERE = Path(__file__).resolve().parent
 

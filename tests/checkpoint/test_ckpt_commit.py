@@ -6,13 +6,19 @@ import pytest
 import torch
 import xxhash
 
-from stratagem.checkpoint import (POINTER_NAME, commit_directory, finalize_directory,
-                                  load_checkpoint_file, manifest_path, new_staging_dir,
-                                  save_checkpoint, verify_checkpoint)
+from ckpt_helpers import make_state
+from stratagem.checkpoint import (
+    POINTER_NAME,
+    commit_directory,
+    finalize_directory,
+    load_checkpoint_file,
+    manifest_path,
+    new_staging_dir,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from stratagem.checkpoint.manifest import hash_file
 from stratagem.version import __version__
-
-from ckpt_helpers import make_state
 
 
 def _assert_same(a, b):

@@ -18,8 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.checkpoint import (apply_retention, find_latest_checkpoint, load_checkpoint_file,
-                                  verify_checkpoint)
+from stratagem.checkpoint import (
+    apply_retention,
+    find_latest_checkpoint,
+    load_checkpoint_file,
+    verify_checkpoint,
+)
 from stratagem.checkpoint._fs import is_temp_name, temp_pid
 
 HELPER = Path(__file__).with_name('_crash_writer.py')

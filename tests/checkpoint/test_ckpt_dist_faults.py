@@ -10,22 +10,16 @@ shards, the directory protocol): rank 1 dies inside DCP's write: no commit, rank
 """
 import json
 import os
-import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import RankFailure, run_distributed  # noqa: E402
-
-from stratagem.checkpoint import (find_latest_checkpoint, load_checkpoint_file,  # noqa: E402
-                                  verify_checkpoint)
-from stratagem.strategies import DDPStrategy  # noqa: E402
+from dist_harness import RankFailure, run_distributed
+from stratagem.checkpoint import find_latest_checkpoint, load_checkpoint_file, verify_checkpoint
+from stratagem.strategies import DDPStrategy
 
 TIMEOUT = 4.0  # checkpoint_timeout of the spawned strategies, seconds
 
@@ -57,7 +51,7 @@ def _single_file_faults(work_dir, out_dir):
     s.async_checkpoint = False
     s.save_checkpoint('iter_2.pth', extra_ckpt={'meta': {'iter': 2}})
     res['committed_sync'] = verify_checkpoint(os.path.join(work_dir, 'iter_2.pth'))['step']
-    before = {p: open(os.path.join(work_dir, p), 'rb').read() for p in sorted(os.listdir(work_dir))
+    before = {p: Path(work_dir, p).read_bytes() for p in sorted(os.listdir(work_dir))
               if not os.path.isdir(os.path.join(work_dir, p))}
     # ENOSPC on rank 0 only, sync then async: every rank raises, naming file and cause
     for mode in ('sync', 'async'):
@@ -68,7 +62,7 @@ def _single_file_faults(work_dir, out_dir):
             else:
                 s.save_checkpoint('iter_3.pth')
                 res[f'enospc_{mode}'] = _error(s.wait_for_checkpoints)
-    after = {p: open(os.path.join(work_dir, p), 'rb').read() for p in sorted(os.listdir(work_dir))
+    after = {p: Path(work_dir, p).read_bytes() for p in sorted(os.listdir(work_dir))
              if not os.path.isdir(os.path.join(work_dir, p))}
     res['unchanged'] = after == before
     with open(os.path.join(out_dir, f'rank{rank}.json'), 'w') as f:

@@ -8,18 +8,20 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-from stratagem.checkpoint import (POINTER_NAME, find_latest_checkpoint, load_checkpoint_file,
-                                  save_checkpoint, verify_checkpoint)
-from stratagem.checkpoint import commit as commit_mod
-from stratagem.checkpoint.errors import CheckpointWriteError
-
 from ckpt_helpers import make_state
 from faults import failing_io, snapshot_dir
+from stratagem.checkpoint import commit as commit_mod
+from stratagem.checkpoint import (
+    find_latest_checkpoint,
+    load_checkpoint_file,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from stratagem.checkpoint.errors import CheckpointWriteError
 
 MB = 2 ** 20
 

@@ -6,11 +6,16 @@ import warnings
 import pytest
 import torch
 
-from stratagem.checkpoint import (POINTER_NAME, CheckpointWarning, find_latest_checkpoint,
-                                  list_checkpoints, read_pointer, save_checkpoint)
-from stratagem.checkpoint.manifest import _VERIFIED
-
 from ckpt_helpers import make_state
+from stratagem.checkpoint import (
+    POINTER_NAME,
+    CheckpointWarning,
+    find_latest_checkpoint,
+    list_checkpoints,
+    read_pointer,
+    save_checkpoint,
+)
+from stratagem.checkpoint.manifest import _VERIFIED
 
 
 def _series(tmp_path, steps=(1, 2, 3)):

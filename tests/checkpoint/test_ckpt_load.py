@@ -7,9 +7,14 @@ import warnings
 import pytest
 import torch
 
-from stratagem.checkpoint import (CheckpointCorruptError, NotACheckpointError,
-                                  UnsafeCheckpointError, UnverifiedCheckpointWarning,
-                                  load_checkpoint_file, save_checkpoint)
+from stratagem.checkpoint import (
+    CheckpointCorruptError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+    UnverifiedCheckpointWarning,
+    load_checkpoint_file,
+    save_checkpoint,
+)
 
 
 @pytest.fixture
@@ -216,6 +221,7 @@ def test_review_trust_flag_must_be_a_bool(tmp_path):
 def test_review_damaged_foreign_files_always_name_the_file(tmp_path):
     import random
     import warnings
+
     from stratagem.checkpoint import CheckpointCorruptError, NotACheckpointError
     good = tmp_path / 'good.pth'
     torch.save({'state_dict': {'w': torch.arange(64.)}}, good, _use_new_zipfile_serialization=False)

@@ -5,10 +5,14 @@ import time
 import pytest
 import torch
 
-from stratagem.checkpoint import (POINTER_NAME, apply_retention, commit_directory,
-                                  list_checkpoints, save_checkpoint)
-
 from ckpt_helpers import make_state
+from stratagem.checkpoint import (
+    POINTER_NAME,
+    apply_retention,
+    commit_directory,
+    list_checkpoints,
+    save_checkpoint,
+)
 
 
 def _save(directory, step, name=None, **kwargs):

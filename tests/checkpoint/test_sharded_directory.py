@@ -5,23 +5,27 @@ a failure on one rank after the shards are written, a BaseException from the wri
 corrupt shard refused on every rank).
 """
 import json
-import os
 import socket
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 import xxhash
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import run_distributed  # noqa: E402
-
-from stratagem.checkpoint import (POINTER_NAME, CheckpointCorruptError, CheckpointWarning,  # noqa: E402
-                                  apply_retention, begin_directory_save, find_latest_checkpoint,
-                                  finish_directory_save, read_pointer, save_directory,
-                                  verify_directory, write_directory_files)
-from stratagem.checkpoint.manifest import hash_file  # noqa: E402
+from dist_harness import run_distributed
+from stratagem.checkpoint import (
+    POINTER_NAME,
+    CheckpointCorruptError,
+    CheckpointWarning,
+    apply_retention,
+    begin_directory_save,
+    find_latest_checkpoint,
+    finish_directory_save,
+    read_pointer,
+    save_directory,
+    verify_directory,
+    write_directory_files,
+)
+from stratagem.checkpoint.manifest import hash_file
 
 
 class _FakeCheckpointException(BaseException):

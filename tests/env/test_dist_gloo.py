@@ -2,11 +2,8 @@
 
 The worker returns what it saw; the assertions run here, in the test, with pytest's messages.
 """
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import run_distributed  # noqa: E402
+from dist_harness import run_distributed
 
 
 def two_rank_checks():

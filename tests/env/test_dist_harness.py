@@ -5,12 +5,10 @@ The worker functions import nothing heavy, so each run costs only interpreter st
 import os
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import RankFailure, run_distributed  # noqa: E402
+from dist_harness import RankFailure, run_distributed
 
 ENV_NAMES = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR',
              'MASTER_PORT', 'OMP_NUM_THREADS', 'GLOO_SOCKET_IFNAME', 'SLURM_PROCID', 'EXTRA')
@@ -84,7 +82,6 @@ def test_local_functions_are_refused():
 
 def _start_a_child_and_return():
     import subprocess
-    import sys
     child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
     return child.pid
 

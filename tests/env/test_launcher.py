@@ -13,8 +13,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.cli import main
-from stratagem.env import get_dist_info, infer_launcher, init_dist, is_distributed, launcher
-from stratagem.env import slurm
+from stratagem.env import get_dist_info, infer_launcher, init_dist, is_distributed, launcher, slurm
 from stratagem.env.launcher import expand_slurm_nodelist
 
 CONFIG = """

@@ -1,12 +1,9 @@
 """Two real gloo ranks started with only MPICH's or MVAPICH's variables (as mpiexec /
 mpirun_rsh with ``-x MASTER_ADDR -x MASTER_PORT``), and what they print once or per rank."""
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import run_distributed  # noqa: E402
+from dist_harness import run_distributed
 
 # torchrun's variables that the harness sets, removed: the ranks must find themselves
 NO_TORCHRUN = dict.fromkeys(('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE',

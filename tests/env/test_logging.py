@@ -7,8 +7,14 @@ import warnings
 
 import pytest
 
-from stratagem.env import (get_logger, log_rank_zero, print_log, rank_prefix, warn_per_rank,
-                           warn_rank_zero)
+from stratagem.env import (
+    get_logger,
+    log_rank_zero,
+    print_log,
+    rank_prefix,
+    warn_per_rank,
+    warn_rank_zero,
+)
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec('mmengine') is None,
                                 reason='mmengine is not installed (pip install "stratagem[test]")')
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_harness import run_distributed  # noqa: E402
 
 # (strategy type as an mmengine config names it, its extra cfg, number of processes)

@@ -9,9 +9,9 @@ pytest.importorskip('mmengine', reason='mmengine is not installed (pip install "
 
 
 def test_history_buffer_round_trips(tmp_path):
-    import stratagem.integrations.mmengine  # noqa: F401
     from mmengine.logging import HistoryBuffer
 
+    import stratagem.integrations.mmengine  # noqa: F401
     from stratagem.checkpoint import load_checkpoint_file, save_checkpoint
     buf = HistoryBuffer([1.0, 3.0], [1, 1], max_length=5)
     path = save_checkpoint({'hub': {'loss': buf}}, tmp_path / 'a.pth')
@@ -25,10 +25,9 @@ def test_history_buffer_round_trips(tmp_path):
 
 def test_crafted_state_cannot_rewrite_the_statistics_table(tmp_path):
     import numpy as np
-
-    import stratagem.integrations.mmengine  # noqa: F401
     from mmengine.logging import HistoryBuffer
 
+    import stratagem.integrations.mmengine  # noqa: F401
     from stratagem.checkpoint import load_checkpoint_file
 
     class Crafted:

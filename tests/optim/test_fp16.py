@@ -5,8 +5,15 @@ import pytest
 import torch
 from torch import nn
 
-from stratagem.optim import (LossScaler, auto_fp16, cast_tensor_type, force_fp32,
-                             patch_forward_method, patch_norm_fp32, wrap_fp16_model)
+from stratagem.optim import (
+    LossScaler,
+    auto_fp16,
+    cast_tensor_type,
+    force_fp32,
+    patch_forward_method,
+    patch_norm_fp32,
+    wrap_fp16_model,
+)
 
 Pair = namedtuple('Pair', 'a b')
 

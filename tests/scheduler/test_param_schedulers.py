@@ -7,10 +7,23 @@ import math
 import pytest
 import torch
 
-from stratagem.scheduler import (INF, ConstantLR, CosineAnnealingLR, CosineAnnealingMomentum,
-                                 CosineRestartLR, ExponentialLR, ExponentialMomentum, LinearLR,
-                                 MultiStepLR, MultiStepMomentum, OneCycleLR, PolyLR,
-                                 PolyParamScheduler, StepLR, StepMomentum)
+from stratagem.scheduler import (
+    INF,
+    ConstantLR,
+    CosineAnnealingLR,
+    CosineAnnealingMomentum,
+    CosineRestartLR,
+    ExponentialLR,
+    ExponentialMomentum,
+    LinearLR,
+    MultiStepLR,
+    MultiStepMomentum,
+    OneCycleLR,
+    PolyLR,
+    PolyParamScheduler,
+    StepLR,
+    StepMomentum,
+)
 
 BASE = (0.1, 0.02)  # two groups with different base lr
 N = 12  # steps checked
@@ -258,7 +271,7 @@ def test_errors_name_scheduler_and_argument():
         OneCycleLR(opt, eta_max=0.1, total_steps=5, anneal_strategy='exp')
     with pytest.raises(KeyError, match="initial_lr"):
         StepLR(make_opt(), step_size=1, last_step=3)
-    assert INF == int(1e9)
+    assert int(1e9) == INF
 
 
 class _DuckWrapper:

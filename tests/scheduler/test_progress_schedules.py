@@ -8,11 +8,22 @@ import math
 import pytest
 import torch
 
-from stratagem.scheduler import (CompositeSchedule, ConstantSchedule, CosineSchedule,
-                                 ScheduleEndedError, ScheduleRangeError, StepSchedule,
-                                 ExponentialSchedule, LinearSchedule, LRMultiplier,
-                                 MultiStepSchedule, PolynomialDecaySchedule,
-                                 StepWithFixedGammaSchedule, WarmupSchedule, build_lr_scheduler)
+from stratagem.scheduler import (
+    CompositeSchedule,
+    ConstantSchedule,
+    CosineSchedule,
+    ExponentialSchedule,
+    LinearSchedule,
+    LRMultiplier,
+    MultiStepSchedule,
+    PolynomialDecaySchedule,
+    ScheduleEndedError,
+    ScheduleRangeError,
+    StepSchedule,
+    StepWithFixedGammaSchedule,
+    WarmupSchedule,
+    build_lr_scheduler,
+)
 
 BASE = (0.1, 0.02)
 WHERES = [i / 10 for i in range(10)]

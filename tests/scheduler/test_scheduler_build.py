@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from stratagem.registry import PARAM_SCHEDULERS, RegistryError
-from stratagem.scheduler import (INF, CosineAnnealingLR, MultiStepLR, build_param_scheduler,
-                                 build_param_schedulers, simulate)
+from stratagem.scheduler import (
+    INF,
+    CosineAnnealingLR,
+    MultiStepLR,
+    build_param_scheduler,
+    build_param_schedulers,
+    simulate,
+)
 
 BASE = (0.1, 0.02)
 
@@ -127,6 +133,7 @@ def test_simulate_needs_epoch_length():
 
 def test_review_one_cycle_without_a_length_and_float_step_size():
     import torch
+
     from stratagem.scheduler import OneCycleLR, StepLR
     opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
     with pytest.raises(ValueError, match='OneCycleLR: the cycle length is unknown'):

@@ -4,19 +4,15 @@ Each case asserts the message (file, key, what the file holds) and that the mode
 optimizer and every file in the work dir are unchanged afterwards.
 """
 import os
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from workdir_snapshot import assert_unchanged, snapshot  # noqa: E402
-
-from stratagem import checkpoint as ckpt  # noqa: E402
-from stratagem.strategies import SingleDeviceStrategy  # noqa: E402
+from stratagem import checkpoint as ckpt
+from stratagem.strategies import SingleDeviceStrategy
+from workdir_snapshot import assert_unchanged, snapshot
 
 OPTIM = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
 

@@ -12,10 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import RankFailure, run_distributed  # noqa: E402
-
-from stratagem.strategies import SingleDeviceStrategy  # noqa: E402
+from dist_harness import RankFailure, run_distributed
+from stratagem.strategies import SingleDeviceStrategy
 
 MAX_ITERS = 10
 _SEEDS = []  # (this rank's seed, the configured seed) of each _resume_run, per process
@@ -66,6 +64,7 @@ def _checks(tmp):
     """Runs in each of 2 ranks; returns a dict of measured values."""
     import torch.distributed as dist
     from torch.nn import functional as F
+
     from stratagem import env
     from stratagem.strategies import DDPStrategy
     out = {}

@@ -19,8 +19,7 @@ from torch import nn
 
 pytest.importorskip('deepspeed', reason='DeepSpeed is an optional extra (stratagem[deepspeed])')
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import RankFailure, run_distributed  # noqa: E402
+from dist_harness import RankFailure, run_distributed
 
 MAX_ITERS = 10
 SAVE_AT = 6  # a window boundary (windows of 3: [0,3) [3,6) [6,9) [9,10))
@@ -61,6 +60,7 @@ def _oracle(iters, accumulative_counts=1, clip=None, lr=0.05, schedulers=True, s
     """One process, the whole batch, stratagem's OptimWrapper: the numerical reference.
     Returns (weights, lrs used at each update, pre-clip norms at each update)."""
     from torch.nn import functional as F
+
     from stratagem.optim import OptimWrapper
     from stratagem.scheduler import build_param_schedulers
     model = _net()
@@ -101,6 +101,7 @@ def _train(s, model, ow, scheds, start, stop, rank, updates=None):
 def _checks(tmp):
     """Runs in each of 2 ranks; returns measured values."""
     import deepspeed
+
     from stratagem.checkpoint import CheckpointCorruptError
     out = {}
     # -- 1. ZeRO 0-3, fp32, torch Adam: equal to one process on the whole batch
@@ -137,6 +138,7 @@ def _checks(tmp):
     out['oracle'] = dict(lrs=want_lrs, norms=want_norms)
     # zero_grad inside a window drops its partial gradients, as OptimWrapper's does
     from torch.nn import functional as F
+
     from stratagem.optim import OptimWrapper
     ref_model = _net()
     ref_ow = OptimWrapper(torch.optim.Adam(ref_model.parameters(), lr=0.05),

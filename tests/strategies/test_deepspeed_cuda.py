@@ -5,8 +5,6 @@ Run on a machine with a GPU:
     PYTHONPATH=$PWD python -m pytest -q -m gpu tests/strategies/test_deepspeed_cuda.py
 """
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +13,6 @@ pytest.importorskip('deepspeed', reason='DeepSpeed is an optional extra (stratag
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_harness import RankFailure, run_distributed  # noqa: E402
 
 MAX_ITERS, SAVE_AT = 8, 4
@@ -29,6 +26,7 @@ def _net():
 
 def _run(work, start, stop, resume=None, async_checkpoint=False):
     from torch.nn import functional as F
+
     from stratagem.strategies import build_strategy
     s = build_strategy(dict(type='DeepSpeedStrategy', work_dir=work, inputs_to_half=[0],
                             fp16=dict(enabled=True, initial_scale_power=8),

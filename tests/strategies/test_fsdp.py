@@ -6,15 +6,13 @@ ignored_modules, skip_init_weights) and the first half of a run (2 ranks), a 1-r
 resume, `stratagem train examples/configs/transformer_fsdp.py --nproc 2` (torchrun), and the
 resumes in new processes (2 ranks, also the example config's, through the reference loop).
 """
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import run_distributed  # noqa: E402
+from dist_harness import run_distributed
 
 MAX_ITERS = 8
 EXAMPLE = Path(__file__).resolve().parents[2] / 'examples' / 'configs' / 'transformer_fsdp.py'
@@ -55,8 +53,11 @@ def _batch(it, rank, world):
 
 
 def _full_state(s):
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
     opts = StateDictOptions(full_state_dict=True)
     model = {k: v.clone() for k, v in get_model_state_dict(s.model, options=opts).items()}
     optim = get_optimizer_state_dict(s.model, s.optim_wrapper.optimizer, options=opts)
@@ -249,6 +250,7 @@ def _in_place_checks(work_dir, state_3):
     # a read that fails on rank 1 only (after every check passed) raises on both ranks, with
     # rank 1's error; the ranks stay in step: the next resume reads everything
     import torch.distributed as dist
+
     from stratagem.checkpoint.dcp_reader import ShardReader
     out['read_failed'] = _failure(lambda: s.resume(path), ShardReader, 'read_data',
                                   'injected: read failed', when=dist.get_rank() == 1)
@@ -584,7 +586,7 @@ def test_resume_reads_in_place_after_its_checks(runs):
 
 
 def test_async_sharded_save(runs):
-    for rank, out in enumerate(runs['first']):
+    for out in runs['first']:
         assert out['pending_after_training']  # the write overlapped two training steps
         assert out['async_returned_s'] < 0.3  # returned before the (slowed) write
         assert out['async_iter'] == 3

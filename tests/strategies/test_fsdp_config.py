@@ -5,22 +5,24 @@ The oracle for which modules an FSDP1 policy wraps is FSDP1's own recursive wrap
 (``torch.distributed.fsdp.wrap._recursive_wrap``) run with a wrapper that only records.
 """
 import functools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecision, ShardingStrategy, StateDictType
-from torch.distributed.fsdp.wrap import (CustomPolicy, ModuleWrapPolicy,
-                                         size_based_auto_wrap_policy,
-                                         transformer_auto_wrap_policy)
+from torch.distributed.fsdp.wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 
-from stratagem.strategies.fsdp_config import (parse_activation_checkpointing,
-                                              parse_model_wrapper, parse_state_dict_cfg)
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import run_distributed  # noqa: E402
+from dist_harness import run_distributed
+from stratagem.strategies.fsdp_config import (
+    parse_activation_checkpointing,
+    parse_model_wrapper,
+    parse_state_dict_cfg,
+)
 
 SIZE = 'torch.distributed.fsdp.wrap.size_based_auto_wrap_policy'
 
@@ -211,8 +213,10 @@ def test_ignored_modules_by_submodule_name():
 
 
 def test_activation_checkpointing_forms():
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointWrapper,
-                                                                             OffloadWrapper)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+        OffloadWrapper,
+    )
     here = __name__
     for cfg, want in ((dict(check_fn=f'{here}.is_linear'), 7),
                       (dict(check_fn=dict(type=f'{here}.wide', min_out=32)), 2),

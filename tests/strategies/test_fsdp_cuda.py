@@ -9,8 +9,6 @@ GPU:
 
     PYTHONPATH=$PWD python -m pytest -q -m gpu tests/strategies/test_fsdp_cuda.py
 """
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +16,6 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_harness import run_distributed  # noqa: E402
 
 STEPS, SAVE_AT = 12, 6

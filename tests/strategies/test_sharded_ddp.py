@@ -7,7 +7,6 @@ batch, and a single process on the whole batch continues a 2-rank checkpoint.
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import run_distributed  # noqa: E402
+from dist_harness import run_distributed
 
 pytest.importorskip('fairscale', reason='fairscale is not installed (stratagem[fairscale])')
 
