@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.formatwarning = saved_format
 
 
-def _format_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001
+def _format_warning(message, category, filename, lineno, line=None) -> str:
     return f'stratagem: warning: {message} [{category.__name__}]\n'
 
 

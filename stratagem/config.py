@@ -116,20 +116,20 @@ class ConfigDict(Dict):
         for k, v in kwargs.items():
             self[k] = v
 
-    def __deepcopy__(self, memo: dict) -> 'ConfigDict':
+    def __deepcopy__(self, memo: dict) -> ConfigDict:
         other = self.__class__()
         memo[id(self)] = other
         for k, v in self.items():
             dict.__setitem__(other, copy.deepcopy(k, memo), copy.deepcopy(v, memo))
         return other
 
-    def __copy__(self) -> 'ConfigDict':
+    def __copy__(self) -> ConfigDict:
         other = self.__class__()
         for k, v in self.items():
             dict.__setitem__(other, k, v)
         return other
 
-    def copy(self) -> 'ConfigDict':
+    def copy(self) -> ConfigDict:
         return self.__copy__()
 
     def __reduce__(self) -> tuple:
@@ -181,7 +181,7 @@ def _did_you_mean(key: str, known: set[str]) -> str:
 
 
 def _missing_message(d: Mapping, name: Any) -> str:
-    keys = ', '.join(repr(k) for k in d.keys()) or '(none)'
+    keys = ', '.join(repr(k) for k in d) or '(none)'
     return f'config has no key {name!r}; keys here: {keys}'
 
 
@@ -406,7 +406,7 @@ class Config:
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
-    def fromfile(cls, filename: str | os.PathLike) -> 'Config':
+    def fromfile(cls, filename: str | os.PathLike) -> Config:
         """Load a ``.py``, ``.json``, ``.yaml`` or ``.yml`` config, resolving ``_base_``."""
         path = Path(filename).expanduser().absolute()
         return cls(cls._load_with_bases(path, chain=()), filename=path)
@@ -503,7 +503,7 @@ class Config:
             return self._cfg_dict == other._cfg_dict
         return isinstance(other, Mapping) and self._cfg_dict == other
 
-    def __deepcopy__(self, memo: dict) -> 'Config':
+    def __deepcopy__(self, memo: dict) -> Config:
         return Config(copy.deepcopy(self._cfg_dict, memo), self._filename)
 
     def get(self, key: Any, default: Any = None) -> Any:
@@ -562,12 +562,12 @@ class Config:
                                       f'{type(node).__name__}, not a dict')
                 if last:
                     if isinstance(value, Mapping) and isinstance(node.get(part), Mapping):
-                        node[part] = merge_dicts(node[part], value)
+                        node[part] = merge_dicts(node[part], value)  # type: ignore[index]
                     else:
-                        node[part] = value
+                        node[part] = value  # type: ignore[index]
                 else:
                     if part not in node:
-                        node[part] = ConfigDict()
+                        node[part] = ConfigDict()  # type: ignore[index]
                     node = node[part]
         normalize_numbers(work, 'the overrides')
         object.__setattr__(self, '_cfg_dict', work)

@@ -35,9 +35,10 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .doctor_keys import _STRATEGY_PACKAGES, KeyChecks
 
@@ -89,7 +90,8 @@ class _Doctor(KeyChecks):
         elif base and real != base:
             self.notes.append(f'auto_scale_lr scales every lr by {real}/{base} = '
                               f'{real / base:g}')
-        ds = strategy.get('config') if isinstance(strategy.get('config'), Mapping) else strategy
+        config = strategy.get('config')
+        ds = config if isinstance(config, Mapping) else strategy
         for key, ours in (('train_batch_size', real), ('train_micro_batch_size_per_gpu', micro),
                           ('gradient_accumulation_steps', acc)):
             if ds.get(key) not in (None, 'auto') and int(ds[key]) != ours:
@@ -123,6 +125,7 @@ class _Doctor(KeyChecks):
         if not isinstance(model_cfg, Mapping):
             return
         import torch
+
         from stratagem.registry import MODELS
         try:
             with torch.device('meta'):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 __all__ = ['KeyChecks']
 

@@ -180,7 +180,7 @@ def epoch_length_from_config(cfg: Mapping, world_size: int = 1) -> int | None:
     loader = cfg.get('train_dataloader')
     if not isinstance(loader, Mapping) or 'dataset' not in loader:
         return None
-    n = len(build_dataset(loader['dataset']))
+    n = len(build_dataset(loader['dataset']))  # type: ignore[arg-type]
     per_rank = n // world_size if loader.get('drop_last') else math.ceil(n / world_size)
     batch = int(loader.get('batch_size', 1))
     return per_rank // batch if loader.get('drop_last') else math.ceil(per_rank / batch)
@@ -196,7 +196,7 @@ def _parse_loss(output: Any) -> torch.Tensor:
         if not losses:
             raise ValueError(f'the model returned a dict without a loss entry: keys '
                              f'{sorted(output)}; return a tensor or a dict with a "loss" key')
-        return sum(losses)
+        return sum(losses)  # type: ignore[return-value, arg-type]
     raise TypeError(f'the model should return a loss tensor or a dict of losses in training, '
                     f'got {type(output).__name__}')
 
@@ -246,7 +246,7 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
 
     dataset = build_dataset(loader_cfg.pop('dataset'))
     batch_size = int(loader_cfg.pop('batch_size', 1))
-    sampler = ResumableSampler(len(dataset), strategy.rank, strategy.world_size,
+    sampler = ResumableSampler(len(dataset), strategy.rank, strategy.world_size,  # type: ignore[arg-type]
                                shuffle=loader_cfg.pop('shuffle', True),
                                drop_last=loader_cfg.get('drop_last', False))
     # a private generator: creating a loader iterator must not draw from the global RNG,
@@ -255,7 +255,7 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
                         generator=torch.Generator(), **loader_cfg)
     epoch_length = len(loader)
     if epoch_length == 0:
-        raise ValueError(f'train_dataloader yields no batch per epoch: {len(dataset)} samples '
+        raise ValueError(f'train_dataloader yields no batch per epoch: {len(dataset)} samples '  # type: ignore[arg-type]
                          f'over {strategy.world_size} process(es) with batch_size={batch_size} '
                          f"and drop_last={loader_cfg.get('drop_last', False)}; use a smaller "
                          'batch_size or drop_last=False')

@@ -63,7 +63,7 @@ def _signature_problems(obj: Callable, kwargs: Mapping[str, Any]) -> str:
     return '; '.join(parts)
 
 
-def build_from_cfg(cfg: Mapping[str, Any], registry: 'Registry',
+def build_from_cfg(cfg: Mapping[str, Any], registry: Registry,
                    default_args: Mapping[str, Any] | None = None) -> Any:
     """Build an object from ``cfg`` (a mapping with ``type``) looked up in ``registry``.
 
@@ -113,7 +113,7 @@ class Registry:
     """
 
     def __init__(self, name: str, build_func: Callable | None = None,
-                 parent: 'Registry | None' = None, locations: Iterable[str] = ()) -> None:
+                 parent: Registry | None = None, locations: Iterable[str] = ()) -> None:
         self._name = name
         self._module_dict: dict[str, Any] = {}
         self._lazy: dict[str, str] = {}
@@ -123,7 +123,7 @@ class Registry:
         self.children: dict[str, Registry] = {}
         if parent is not None:
             parent.children[name] = self
-        self.build_func = build_func or (parent.build_func if parent else build_from_cfg)
+        self.build_func: Callable = build_func or (parent.build_func if parent else build_from_cfg)
 
     @property
     def name(self) -> str:
@@ -242,7 +242,7 @@ class Registry:
         names = self.names()
         return f"Registry(name={self._name!r}, items={len(names)}: {', '.join(names)})"
 
-    def __deepcopy__(self, memo: dict) -> 'Registry':  # registries are singletons
+    def __deepcopy__(self, memo: dict) -> Registry:  # registries are singletons
         return self
 
 

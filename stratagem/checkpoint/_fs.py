@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 from pathlib import Path
+from typing import Any
 
 TEMP_RE = re.compile(r'^\.(?P<final>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$')
 
@@ -79,7 +80,7 @@ def _unlink_quietly(path: Path) -> None:
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
-_renameat2 = None
+_renameat2: Any = None  # None: not looked up yet; False: unavailable
 
 
 def exchange(a: Path, b: Path) -> bool:

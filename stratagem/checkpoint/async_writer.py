@@ -36,8 +36,9 @@ import sys
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -144,7 +145,7 @@ class AsyncCheckpointWriter:
             self._pending = self._pool.submit(self._run, copies, job, args, kwargs)
             return self._pending
 
-    def _run(self, copies: '_DeferredCopies | None', job: Callable[..., Any], args: tuple,
+    def _run(self, copies: _DeferredCopies | None, job: Callable[..., Any], args: tuple,
              kwargs: dict) -> Any:
         if copies is not None:
             copies.run()
@@ -168,8 +169,8 @@ class AsyncCheckpointWriter:
             if dtensor is not None and isinstance(obj, dtensor):
                 # this rank's shard is staged; the copy keeps the sharding (spec: mesh,
                 # placements, global shape), which is all DCP plans and writes from
-                local = self._copy_tensor(obj._local_tensor, key, used, aliases, cuda)
-                return dtensor(local, obj._spec, requires_grad=False)
+                local = self._copy_tensor(obj._local_tensor, key, used, aliases, cuda)  # type: ignore[attr-defined]
+                return dtensor(local, obj._spec, requires_grad=False)  # type: ignore[attr-defined]
             return self._copy_tensor(obj, key, used, aliases, cuda)
         if kind in (dict, OrderedDict):
             out = kind()

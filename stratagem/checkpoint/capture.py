@@ -9,7 +9,8 @@ DeepSpeed's collectives where they are (the calling thread) and gives us every f
    file at once with ``write_torch_file`` (no ``writer``: free space checked first, hashed
    as written and fsynced, no second read) or copies ``state_dict`` into the ``writer``'s
    CPU staging buffers (``AsyncCheckpointWriter.snapshot``, one key per file so each file's
-   buffers are reused by the next save) and records the path. The caller may add its own files the same way.
+   buffers are reused by the next save) and records the path. The caller may add its own files
+   the same way.
 2. ``write()`` (the caller's writer thread, or at once) checks the free space for all staged
    files, writes them and returns every file's manifest entry (path, size, digest), for
    ``write_directory_files``. A filesystem failure raises ``CheckpointWriteError`` naming
@@ -119,7 +120,7 @@ class CapturingCheckpointEngine:
         return list(self._entries)
 
     @contextlib.contextmanager
-    def installed_on(self, engine: Any) -> Iterator['CapturingCheckpointEngine']:
+    def installed_on(self, engine: Any) -> Iterator[CapturingCheckpointEngine]:
         """``engine.checkpoint_engine`` is this capturing engine inside the block, the
         original again after it (also when the block raises)."""
         engine.checkpoint_engine = self

@@ -45,9 +45,10 @@ import errno
 import os
 import shutil
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -250,7 +251,7 @@ def _write_torch_file(checkpoint: Any, path: Path, zip_crc32: bool) -> tuple[int
                 _crc32_option(zip_crc32):
             writer = HashingWriter(fd, pool)
             try:
-                torch.save(checkpoint, writer)
+                torch.save(checkpoint, writer)  # type: ignore[arg-type]
             except Exception:
                 if writer.error is not None:  # the real cause (ENOSPC, EIO), not torch's echo
                     raise writer.error from None
@@ -263,7 +264,7 @@ def _write_torch_file(checkpoint: Any, path: Path, zip_crc32: bool) -> tuple[int
 
 
 _CRC32_LOCK = threading.Lock()
-_CRC32_OFF = [0, None]  # [saves in progress that switched it off, the setting before them]
+_CRC32_OFF: list[Any] = [0, None]  # [saves in progress that switched it off, the setting before them]
 
 
 @contextlib.contextmanager

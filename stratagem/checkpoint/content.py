@@ -233,7 +233,7 @@ def _referenced_globals(saved: bytes) -> set[str]:
     with zipfile.ZipFile(io.BytesIO(saved)) as archive:
         data = next(n for n in archive.namelist() if n.endswith('/data.pkl'))
         stream = archive.read(data)
-    return {arg.replace(' ', '.') for op, arg, _ in pickletools.genops(stream)
+    return {arg.replace(' ', '.') for op, arg, _ in pickletools.genops(stream)  # type: ignore[union-attr]
             if op.name == 'GLOBAL'}
 
 
@@ -262,7 +262,7 @@ def _describe(obj: Any) -> str:
 def _short_repr(obj: Any) -> str:
     try:
         text = repr(obj)
-    except Exception:  # a broken __repr__ must not hide the real error
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
         text = '<unrepresentable>'
     return text if len(text) <= 60 else text[:57] + '...'
 

@@ -219,12 +219,12 @@ def tensor_from_archive(blob: bytes) -> torch.Tensor | None:
     name = f'data/{key}'
     nbytes = numel * dtype.itemsize
     try:
-        if not (archive.has_record(name) and archive.has_record('byteorder')
+        if not (archive.has_record(name) and archive.has_record('byteorder')  # type: ignore[attr-defined]
                 and archive.get_record('byteorder') == sys.byteorder.encode()
                 and archive.get_record_size(name) == nbytes
                 and _stored_record(blob, archive, name, nbytes)):
             return None
-        start = archive.get_record_offset(name)
+        start = archive.get_record_offset(name)  # type: ignore[attr-defined]
     except RuntimeError:
         return None
     if 0 in size:  # no element to read
@@ -245,7 +245,7 @@ def _reader_base() -> type:
     return FileSystemReader
 
 
-class ShardReader(_reader_base()):
+class ShardReader(_reader_base()):  # type: ignore[misc]
     """``FileSystemReader`` with a faster read of plain tensors (see the module docstring)
     and, optionally, the metadata already read."""
 

@@ -58,9 +58,19 @@ from typing import Any
 from ._fs import TEMP_RE
 from .commit import finalize_directory, new_staging_dir
 from .errors import CheckpointCorruptError, CheckpointWarning
+from .manifest import (
+    DIR_MANIFEST,
+    HASH_ALGO,
+    _identity,
+    check_extra_manifest,
+    entry_digest,
+    file_entry,
+    hash_file,
+    read_manifest,
+    remember_verified,
+    verify_file,
+)
 from .vote import CheckpointVoteError, SaveVote
-from .manifest import (DIR_MANIFEST, HASH_ALGO, _identity, check_extra_manifest, entry_digest,
-                       file_entry, hash_file, read_manifest, remember_verified, verify_file)
 
 __all__ = ['begin_directory_save', 'write_directory_files', 'finish_directory_save',
            'save_directory', 'verify_directory', 'DirectoryWriteResult']
@@ -235,27 +245,27 @@ def finish_directory_save(staging: PathLike, final_dir: PathLike, written: Direc
     if vote is None:
         try:
             if not written.ok:
-                _raise_own(written.error, what)
+                _raise_own(written.error, what)  # type: ignore[arg-type]
             return _commit(staging, final_dir, [written.files], 1, step, extra_manifest,
                            update_pointer)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-    vote.ready(None if written.ok else describe_error(written.error),
+    vote.ready(None if written.ok else describe_error(written.error),  # type: ignore[arg-type]
                json.dumps(written.files) if written.ok else None)
     if vote.rank != 0:
         if not written.ok:
             vote.concluded = True  # rank 0 learns it from the vote; close() acknowledges
-            _raise_own(written.error, what)
+            _raise_own(written.error, what)  # type: ignore[arg-type]
         vote.wait_outcome()
-        return staging.parent / TEMP_RE.match(staging.name)['final']  # rank 0's final name
+        return staging.parent / TEMP_RE.match(staging.name)['final']  # type: ignore[index]  # rank 0's final name
     try:
         if not written.ok:
             try:
                 vote.wait_others()  # a peer that died is named (it may be why this rank failed)
             except CheckpointVoteError as err:
                 raise err from written.error
-            _raise_own(written.error, what)
+            _raise_own(written.error, what)  # type: ignore[arg-type]
         payloads = vote.wait_ready()
         final = _commit(staging, final_dir, [json.loads(p) for p in payloads],
                         vote.world_size, step, extra_manifest, update_pointer)
@@ -366,8 +376,8 @@ def verify_directory(path: PathLike, *, hash_bytes: bool = True, collective: boo
                                      f'directory changed while loading, or ranks see different '
                                      f'filesystems); it was not loaded')
     if rank == 0:
-        _warn_unlisted(directory, manifest)
-    return manifest
+        _warn_unlisted(directory, manifest)  # type: ignore[arg-type]
+    return manifest  # type: ignore[return-value]
 
 
 def _read_dir_manifest(directory: Path) -> tuple[dict, str]:

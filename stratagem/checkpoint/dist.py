@@ -89,7 +89,8 @@ def agree_on_checkpoint(path: str | os.PathLike | None, *, what: str = 'checkpoi
     distributed = dist.is_available() and dist.is_initialized() and \
         dist.get_world_size(group) > 1
     host = socket.gethostname()
-    mine = (host, None, None, None)  # host, absolute path, identity, why it cannot be read
+    # host, absolute path, identity, why it cannot be read
+    mine: tuple[str, str | None, dict | None, str | None] = (host, None, None, None)
     if path is not None:
         mine = (host, *_look(Path(path).absolute()))
     views = [mine]
@@ -101,7 +102,7 @@ def agree_on_checkpoint(path: str | os.PathLike | None, *, what: str = 'checkpoi
                                group)
         if all(k == keys[0] for k in keys) and keys[0][2] == 0:
             return None if mine[1] is None else Path(mine[1])
-        views = [None] * dist.get_world_size(group)
+        views = [None] * dist.get_world_size(group)  # type: ignore[list-item]
         dist.all_gather_object(views, mine, group=group)
     _, target, expected, error0 = views[0]
     if target is None:
@@ -110,13 +111,14 @@ def agree_on_checkpoint(path: str | os.PathLike | None, *, what: str = 'checkpoi
         rank = dist.get_rank(group)
         if views[rank][1] != target:
             mine = (host, *_look(Path(target)))
-        views = [None] * dist.get_world_size(group)
+        views = [None] * dist.get_world_size(group)  # type: ignore[list-item]
         dist.all_gather_object(views, mine, group=group)
         views[0] = (views[0][0], target, expected, error0)
     problems = [(host, error0)] + [
         (h, err if err is not None else
          None if seen == expected else
-         f'sees different bytes there ({_describe(seen)}; rank 0 sees {_describe(expected)})')
+         f'sees different bytes there ({_describe(seen)}; '
+         f'rank 0 sees {_describe(expected)})')
         for h, _, seen, err in views[1:]]
     bad = [(r, h, err) for r, (h, err) in enumerate(problems) if err is not None]
     if bad:

@@ -26,7 +26,7 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
     working. ``globals`` lists the offending names found in torch's message (may be empty).
     """
 
-    def __init__(self, message: str, globals: tuple[str, ...] = ()) -> None:  # noqa: A002
+    def __init__(self, message: str, globals: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.globals = tuple(globals)
 

@@ -23,19 +23,18 @@ import pickle
 import re
 import struct
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .content import SAFE_GLOBALS_KEY, get_safe_globals
 from .errors import (
     CheckpointCorruptError,
     NotACheckpointError,
     UnsafeCheckpointError,
     UnverifiedCheckpointWarning,
 )
-from .content import SAFE_GLOBALS_KEY, get_safe_globals
 from .manifest import find_manifest, verify_file
 
 _ZIP_MAGIC = b'PK\x03\x04'

@@ -52,7 +52,7 @@ FORMAT_VERSION = 2
 try:
     import xxhash as _xxhash
 except ImportError:  # pragma: no cover - a dependency; sha256 keeps checkpoints verifiable
-    _xxhash = None
+    _xxhash = None  # type: ignore[assignment]
 HASH_ALGOS = ('xxh3_128', 'sha256')  # what a files entry may carry, preferred first
 HASH_ALGO = 'xxh3_128' if _xxhash is not None else 'sha256'  # what new manifests use
 SIDECAR_SUFFIX = '.manifest.json'
@@ -226,7 +226,7 @@ class HashingWriter:
 
 
 _SYNC_FILE_RANGE_WRITE = 2
-_sync_file_range = None
+_sync_file_range: Any = None
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:

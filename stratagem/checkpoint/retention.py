@@ -5,8 +5,8 @@ from __future__ import annotations
 import fnmatch
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from . import _fs
 from .latest import list_checkpoints, read_pointer

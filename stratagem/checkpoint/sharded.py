@@ -29,10 +29,23 @@ from typing import Any
 
 import torch
 
-from .commit import _OVERHEAD_BYTES, _crc32_option, check_free_space, payload_bytes, write_torch_file
+from .commit import (
+    _OVERHEAD_BYTES,
+    _crc32_option,
+    check_free_space,
+    payload_bytes,
+    write_torch_file,
+)
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
-from .directory import (_all_ok, _gather, _raise_first, dcp_failures, describe_error,
-                        save_directory, verify_directory)
+from .directory import (
+    _all_ok,
+    _gather,
+    _raise_first,
+    dcp_failures,
+    describe_error,
+    save_directory,
+    verify_directory,
+)
 from .load import load_checkpoint_file
 from .manifest import file_entry, new_hasher
 
@@ -148,7 +161,7 @@ def _ranks_sharing_disk() -> int:
 
 
 def _entry(path: Path, size: int, digest: str) -> dict:
-    return file_entry(path, size, digest)
+    return file_entry(path, size, digest)  # type: ignore[arg-type]
 
 
 class _HashingStream(io.RawIOBase):
@@ -447,7 +460,8 @@ def _fresh_tensors(obj: Any) -> Any:
 def optim_state_to_index(optim: Mapping) -> dict:
     """An FQN-keyed optimizer state (``get_optimizer_state_dict``) → ``torch.optim``'s flat
     parameter indices, numbered in ``param_groups`` order."""
-    groups, index = [], {}
+    groups: list = []
+    index: dict = {}
     for group in optim['param_groups']:
         ids = []
         for name in group['params']:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -104,7 +104,7 @@ def revise_keys(state_dict: Mapping[str, torch.Tensor],
         return key
 
     revised: OrderedDict = OrderedDict()
-    origin = {}
+    origin: dict[str, str] = {}
     for key, value in state_dict.items():
         new = revise(key)
         if new in revised:
@@ -114,7 +114,7 @@ def revise_keys(state_dict: Mapping[str, torch.Tensor],
         origin[new] = key
     metadata = getattr(state_dict, '_metadata', None)
     if metadata is not None:
-        revised._metadata = OrderedDict((revise(k) if k else k, v) for k, v in metadata.items())
+        revised._metadata = OrderedDict((revise(k) if k else k, v) for k, v in metadata.items())  # type: ignore[attr-defined]
     return revised
 
 
@@ -167,7 +167,7 @@ def unwrap_model(module: nn.Module) -> nn.Module:
         if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             module = module.module
         elif type(module).__name__ == 'OptimizedModule' and hasattr(module, '_orig_mod'):
-            module = module._orig_mod
+            module = module._orig_mod  # type: ignore[assignment]
         else:
             return module
 
@@ -234,7 +234,7 @@ def _compare(module: nn.Module, state_dict: Mapping) -> tuple[LoadReport, Ordere
         else:
             loadable[key] = value
     if metadata is not None:
-        loadable._metadata = metadata
+        loadable._metadata = metadata  # type: ignore[attr-defined]
     skipped = {key for key, *_ in shapes + types}
     report = LoadReport(
         missing_keys=[k for k in own if k not in state_dict and k not in skipped

@@ -43,7 +43,7 @@ _OK_MARK, _ERROR_MARK = '+', '-'  # a ready value: '+payload' or '-error'
 _SAVES = itertools.count()  # every rank saves in the same order, so the ids agree
 
 
-_STORES: 'tuple[Any, _LockedStore, _LockedStore | Any] | None' = None  # (inner, rw, waiter)
+_STORES: tuple[Any, _LockedStore, _LockedStore | Any] | None = None  # (inner, rw, waiter)
 _STORE_LOCK = threading.Lock()
 
 
@@ -74,6 +74,8 @@ def _own_store() -> tuple[_LockedStore, Any]:
     from torch.distributed.distributed_c10d import _get_default_store
     with _STORE_LOCK:
         base = _get_default_store()
+        rw: _LockedStore
+        waiter: Any
         inner = base
         while hasattr(inner, 'underlying_store'):  # PrefixStore layers
             inner = inner.underlying_store
@@ -125,7 +127,7 @@ class SaveVote:
         self._thread.start()
 
     @classmethod
-    def open(cls, timeout: float, what: str) -> 'SaveVote | None':
+    def open(cls, timeout: float, what: str) -> SaveVote | None:
         """Start the vote of the next save (every rank, same order); None outside a group."""
         import torch.distributed as dist
 

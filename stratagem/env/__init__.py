@@ -7,12 +7,31 @@ is only needed by ``stratagem env`` and bug reports.
 from importlib import import_module
 from typing import Any
 
-from .dist import (all_gather_keys, all_gather_object, all_reduce, barrier, broadcast,
-                   broadcast_object, get_dist_info, get_local_rank, get_rank, get_world_size,
-                   is_distributed, is_main_process, key_of, master_only)
+from .dist import (
+    all_gather_keys,
+    all_gather_object,
+    all_reduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+    get_dist_info,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    is_main_process,
+    key_of,
+    master_only,
+)
 from .launcher import LAUNCHERS, infer_launcher, init_dist
-from .logging import (get_logger, log_rank_zero, print_log, rank_prefix, warn_per_rank,
-                      warn_rank_zero)
+from .logging import (
+    get_logger,
+    log_rank_zero,
+    print_log,
+    rank_prefix,
+    warn_per_rank,
+    warn_rank_zero,
+)
 from .resources import set_resource_limit, setup_multi_processing
 from .seed import get_rng_state, set_random_seed, set_rng_state
 

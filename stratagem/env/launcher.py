@@ -247,7 +247,7 @@ def resolve_master(host: str, port: int, where: str, nodes: int = 1) -> None:
         raise ValueError(f'the master host {host!r} (from {where}) does not resolve: {exc}; '
                          'give a name or address of the rank-0 node that every node can '
                          'resolve') from None
-    if nodes > 1 and all(ipaddress.ip_address(i[4][0].split('%')[0]).is_loopback
+    if nodes > 1 and all(ipaddress.ip_address(i[4][0].split('%')[0]).is_loopback  # type: ignore[union-attr]
                          for i in infos):
         raise ValueError(f'the master host {host!r} (from {where}) is a loopback address, '
                          f'but the job step spans {nodes} nodes, which cannot reach it; unset '

@@ -56,7 +56,7 @@ def get_logger(name: str = 'stratagem', log_file: str | os.PathLike | None = Non
     rank = _rank()
     if log_level is not None:
         logger.setLevel(_level(log_level))
-        setattr(logger, '_stratagem_level_set', True)
+        setattr(logger, '_stratagem_level_set', True)  # noqa: B010 (not a Logger attribute)
     elif not getattr(logger, '_stratagem_level_set', False):
         logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     ours = [getattr(h, _MARK) for h in logger.handlers if hasattr(h, _MARK)]

@@ -7,6 +7,7 @@ import logging
 import os
 import platform
 import sys
+from typing import Any
 
 from .logging import log_rank_zero, rank_prefix
 
@@ -119,7 +120,7 @@ def setup_multi_processing(mp_start_method: str | None = None,
     return changed
 
 
-def _opencv(explicit: bool) -> object | None:
+def _opencv(explicit: bool) -> Any:
     """The ``cv2`` module if already imported; if ``explicit``, also import it when installed."""
     module = sys.modules.get('cv2')
     if module is not None or not explicit or importlib.util.find_spec('cv2') is None:

@@ -157,7 +157,7 @@ def _expand_host(item: str, original: str) -> list[str]:
     if match is None:
         return [item]
     prefix, suffixes = item[:match.start()], _expand_host(item[match.end():], original)
-    names = []
+    names: list[str] = []
     for part in match.group(1).split(','):
         bounds = part.split('-')
         if not all(b.isdigit() for b in bounds) or len(bounds) > 2:

@@ -47,9 +47,9 @@ def _train_step(self: nn.Module, data: Any, optim_wrapper: Any) -> dict:
     the parameters; returns the log variables (mmengine's ``train_step`` contract)."""
     module = _inner(self)
     with optim_wrapper.optim_context(self):
-        data = module.data_preprocessor(data, training=True)
+        data = module.data_preprocessor(data, training=True)  # type: ignore[operator]
         losses = _run_forward(self, data, 'loss')
-    parsed_loss, log_vars = module.parse_losses(losses)
+    parsed_loss, log_vars = module.parse_losses(losses)  # type: ignore[operator]
     optim_wrapper.update_params(parsed_loss)
     return log_vars
 

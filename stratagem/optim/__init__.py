@@ -10,8 +10,15 @@ from .base import BaseOptimWrapper
 from .builder import MultiOptimWrapperConstructor, build_optim_wrapper
 from .deepspeed_optim_wrapper import DeepSpeedOptimWrapper
 from .default_constructor import DefaultOptimWrapperConstructor
-from .fp16 import (LossScaler, auto_fp16, cast_tensor_type, force_fp32, patch_forward_method,
-                   patch_norm_fp32, wrap_fp16_model)
+from .fp16 import (
+    LossScaler,
+    auto_fp16,
+    cast_tensor_type,
+    force_fp32,
+    patch_forward_method,
+    patch_norm_fp32,
+    wrap_fp16_model,
+)
 from .fp16_optim_wrapper import Fp16MasterWeightsOptimWrapper
 from .optim_wrapper import OptimWrapper
 from .optim_wrapper_dict import OptimWrapperDict

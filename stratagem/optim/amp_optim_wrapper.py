@@ -156,7 +156,7 @@ class AmpOptimWrapper(OptimWrapper):
         device_type = _params_device_type(model.parameters(), self.device_type)
         autocast = torch.autocast(device_type, dtype=self.cast_dtype)
         if not self.should_sync() and has_no_sync(model):
-            return _nested(model.no_sync(), autocast)
+            return _nested(model.no_sync(), autocast)  # type: ignore[operator]
         return autocast
 
     def state_dict(self) -> dict:

@@ -165,7 +165,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         (``managed_gradient_accumulation`` off), so there is no sync to suppress."""
         return _NULL_CONTEXT
 
-    @property
+    @property  # type: ignore[override]
     def last_grad_norm(self) -> torch.Tensor | float | None:
         """The global L2 gradient norm of the last update, before clipping (None before the
         first). A tensor where DeepSpeed keeps one (no host sync is added)."""

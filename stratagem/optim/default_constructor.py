@@ -146,6 +146,7 @@ class DefaultOptimWrapperConstructor:
             is_dcn_module: Whether ``module``'s parent is a deformable conv.
         """
         seen = {} if _seen is None else _seen
+        group: dict[str, Any]
         if _seen is None:  # seed with params already in ``params`` (a subclass may add some)
             for group in params:
                 for p in group['params']:
@@ -179,7 +180,7 @@ class DefaultOptimWrapperConstructor:
                     f'module or tied weights), so it would be in two param groups; set '
                     f'paramwise_cfg=dict(bypass_duplicate=True) to keep its first occurrence')
             seen[id(param)] = full_name
-            group: dict[str, Any] = {'params': [param]}
+            group = {'params': [param]}
             custom_key = next((k for k in sorted_keys if k in f'{prefix}.{name}'), None)
             if custom_key is not None:
                 opts = custom_keys[custom_key]
@@ -216,7 +217,7 @@ class DefaultOptimWrapperConstructor:
         if not self.paramwise_cfg:
             seen: set[int] = set()
             return [p for p in model.parameters()
-                    if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+                    if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
         params: list[dict] = []
         self.add_params(params, model)
         if self.paramwise_cfg.get('reduce_param_groups', True):

@@ -54,7 +54,7 @@ def cast_tensor_type(inputs: Any, src_type: torch.dtype, dst_type: torch.dtype) 
             out = inputs.copy()  # keeps dict subclasses (OrderedDict, defaultdict) intact
             out.update(items)
             return out
-        return type(inputs)(items)
+        return type(inputs)(items)  # type: ignore[call-arg]
     if isinstance(inputs, tuple) and hasattr(inputs, '_fields'):  # namedtuple
         return type(inputs)(*(cast_tensor_type(v, src_type, dst_type) for v in inputs))
     if isinstance(inputs, (list, tuple, set, frozenset)):
@@ -98,11 +98,12 @@ def auto_fp16(apply_to: Iterable[str] | None = None, out_fp32: bool = False,
         def new_func(*args: Any, **kwargs: Any) -> Any:
             if not args or not isinstance(args[0], supported_types):
                 raise TypeError(f'@auto_fp16 decorates methods of {supported_types}, but '
-                                f'{old_func.__qualname__} was called on {type(args[0]).__name__ if args else "nothing"}')
+                                f'{old_func.__qualname__} was called on '
+                                f'{type(args[0]).__name__ if args else "nothing"}')
             if not getattr(args[0], 'fp16_enabled', False):
                 return old_func(*args, **kwargs)
             new_args, new_kwargs = cast(args, kwargs)
-            with torch.autocast(_module_device_type(args[0]), dtype=torch.half):
+            with torch.autocast(_module_device_type(args[0]), dtype=torch.half):  # type: ignore[arg-type]
                 output = old_func(*new_args, **new_kwargs)
             if out_fp32:
                 output = cast_tensor_type(output, torch.half, torch.float)
@@ -125,7 +126,8 @@ def force_fp32(apply_to: Iterable[str] | None = None, out_fp16: bool = False) ->
         def new_func(*args: Any, **kwargs: Any) -> Any:
             if not args or not isinstance(args[0], nn.Module):
                 raise TypeError(f'@force_fp32 decorates nn.Module methods, but '
-                                f'{old_func.__qualname__} was called on {type(args[0]).__name__ if args else "nothing"}')
+                                f'{old_func.__qualname__} was called on '
+                                f'{type(args[0]).__name__ if args else "nothing"}')
             if not getattr(args[0], 'fp16_enabled', False):
                 return old_func(*args, **kwargs)
             new_args, new_kwargs = cast(args, kwargs)
@@ -159,7 +161,7 @@ def patch_norm_fp32(module: nn.Module) -> nn.Module:
     if isinstance(module, (_BatchNorm, nn.GroupNorm)):
         module.float()
         if isinstance(module, nn.GroupNorm):
-            module.forward = patch_forward_method(module.forward, torch.half, torch.float)
+            module.forward = patch_forward_method(module.forward, torch.half, torch.float)  # type: ignore[method-assign]
     for child in module.children():
         patch_norm_fp32(child)
     return module
@@ -179,7 +181,7 @@ def wrap_fp16_model(model: nn.Module, half: bool = False) -> nn.Module:
         patch_norm_fp32(model)
     for m in model.modules():
         if hasattr(m, 'fp16_enabled'):
-            m.fp16_enabled = True
+            m.fp16_enabled = True  # type: ignore[assignment]
     return model
 
 

@@ -230,7 +230,7 @@ class OptimWrapper(BaseOptimWrapper):
         """``model.no_sync()`` on iterations that do not update (when it has one), else a no-op."""
         self._stale_grads = None  # the step starts: release the last update's gradients
         if not self.should_sync() and has_no_sync(model):
-            return model.no_sync()
+            return model.no_sync()  # type: ignore[operator]
         return _NULL_CONTEXT
 
     def initialize_count_status(self, model: nn.Module, init_counts: int,

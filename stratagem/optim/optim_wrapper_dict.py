@@ -79,7 +79,7 @@ class OptimWrapperDict(BaseOptimWrapper):
                                 max_counts: int) -> None:
         """Forward to every wrapper (each checks ``model``)."""
         for wrapper in self.optim_wrappers.values():
-            wrapper.initialize_count_status(model, init_counts, max_counts)
+            wrapper.initialize_count_status(model, init_counts, max_counts)  # type: ignore[attr-defined]
 
     @property
     def param_groups(self) -> dict[str, list[dict]]:  # type: ignore[override]
@@ -87,7 +87,7 @@ class OptimWrapperDict(BaseOptimWrapper):
         return {name: w.param_groups for name, w in self.optim_wrappers.items()}
 
     @property
-    def defaults(self) -> dict[str, dict]:  # type: ignore[override]
+    def defaults(self) -> dict[str, dict]:
         return {name: w.defaults for name, w in self.optim_wrappers.items()}
 
     def get_lr(self) -> dict[str, list]:

@@ -171,7 +171,7 @@ class OSS(_FairscaleOSS):
                 own: list[torch.Tensor] = []
                 skeleton = _split(self.optim.state_dict(), own)
                 it = iter(own)  # on CPU ``to`` is a no-op: no copy of this rank's own shard
-                self._all_states.append(_fill(skeleton, lambda _s: next(it).to(cpu)))
+                self._all_states.append(_fill(skeleton, lambda _s, it=it: next(it).to(cpu)))
             elif rank == self.rank:  # send this shard: its skeleton, then tensor by tensor
                 tensors: list[torch.Tensor] = []
                 skeleton = _split(self.optim.state_dict(), tensors)
@@ -182,7 +182,7 @@ class OSS(_FairscaleOSS):
                 src = self._local_to_global_rank[rank]
                 box = [None]
                 dist.recv_object_list(box, src=src, group=self.group, device=comm)
-                self._all_states.append(_fill(box[0], lambda s: self._recv(s, src, comm)))
+                self._all_states.append(_fill(box[0], lambda s, src=src: self._recv(s, src, comm)))
 
     def _recv(self, slot: _Slot, src: int, comm: torch.device) -> torch.Tensor:
         buf = torch.empty(slot.shape, dtype=slot.dtype, device=comm)

@@ -46,6 +46,7 @@ def reduce_param_groups(params: Iterable[Mapping[str, Any]]) -> list[dict[str, A
     output is deterministic. A ``param_names`` list, when present, is merged alongside.
     """
     per_param: dict[int, dict[str, Any]] = {}
+    group: Mapping[str, Any] | None
     for group in params:
         if 'params' not in group:
             raise ValueError(f"a param group needs a 'params' key, got keys {sorted(group)}")

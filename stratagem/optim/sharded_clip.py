@@ -18,7 +18,8 @@ __all__ = ['clip_grad_norm_mixed', 'clip_grad_value_mixed', 'split_sharded']
 def split_sharded(parameters: Iterable[torch.Tensor]) -> tuple[list, list]:
     """(sharded, plain) parameters that have a gradient; sharded ones have DTensor grads."""
     from torch.distributed.tensor import DTensor
-    sharded, plain = [], []
+    sharded: list[torch.Tensor] = []
+    plain: list[torch.Tensor] = []
     for p in parameters:
         if p.grad is not None:
             (sharded if isinstance(p.grad, DTensor) else plain).append(p)
@@ -44,7 +45,7 @@ def clip_grad_norm_mixed(parameters: Iterable[torch.Tensor], max_norm: float,
     group = None
     if sharded:
         norm = get_total_norm([p.grad for p in sharded], norm_type, error_if_nonfinite, foreach)
-        norms.append(norm.full_tensor())
+        norms.append(norm.full_tensor())  # type: ignore[attr-defined]  # a DTensor
         group = sharded[0].grad.device_mesh.get_group()
     if plain:
         norm = get_total_norm([p.grad for p in plain], norm_type, error_if_nonfinite, foreach)

@@ -5,25 +5,64 @@ registry imports it on its first lookup). matplotlib is imported only by
 ``stratagem.scheduler.plot`` when a PNG is drawn.
 """
 from .base import INF, SchedulerArgumentError, _ParamScheduler
-from .builder import (build_param_scheduler, build_param_scheduler_dict, build_param_schedulers,
-                      build_scheduler_from_cfg)
+from .builder import (
+                      build_param_scheduler,
+                      build_param_scheduler_dict,
+                      build_param_schedulers,
+                      build_scheduler_from_cfg,
+)
 from .multiplier import LRMultiplier, build_lr_scheduler
 from .one_cycle import OneCycleParamScheduler
-from .param_scheduler import (ConstantParamScheduler, CosineAnnealingParamScheduler,
-                              CosineRestartParamScheduler, ExponentialParamScheduler,
-                              LinearParamScheduler, MultiStepParamScheduler, PolyParamScheduler,
-                              StepParamScheduler)
+from .param_scheduler import (
+                      ConstantParamScheduler,
+                      CosineAnnealingParamScheduler,
+                      CosineRestartParamScheduler,
+                      ExponentialParamScheduler,
+                      LinearParamScheduler,
+                      MultiStepParamScheduler,
+                      PolyParamScheduler,
+                      StepParamScheduler,
+)
 from .plateau import ReduceOnPlateauParamScheduler
-from .schedules import (CompositeSchedule, ConstantSchedule, CosineSchedule, ExponentialSchedule,
-                        LinearSchedule, MultiStepSchedule, PolynomialDecaySchedule, Schedule,
-                        ScheduleEndedError, ScheduleRangeError, StepSchedule,
-                        StepWithFixedGammaSchedule, WarmupSchedule)
+from .schedules import (
+                      CompositeSchedule,
+                      ConstantSchedule,
+                      CosineSchedule,
+                      ExponentialSchedule,
+                      LinearSchedule,
+                      MultiStepSchedule,
+                      PolynomialDecaySchedule,
+                      Schedule,
+                      ScheduleEndedError,
+                      ScheduleRangeError,
+                      StepSchedule,
+                      StepWithFixedGammaSchedule,
+                      WarmupSchedule,
+)
 from .simulate import ScheduleTrace, simulate
-from .variants import (ConstantLR, ConstantMomentum, CosineAnnealingLR, CosineAnnealingMomentum,
-                       CosineRestartLR, CosineRestartMomentum, ExponentialLR, ExponentialMomentum,
-                       LinearLR, LinearMomentum, LRSchedulerMixin, MomentumSchedulerMixin,
-                       MultiStepLR, MultiStepMomentum, OneCycleLR, PolyLR, PolyMomentum,
-                       ReduceOnPlateauLR, ReduceOnPlateauMomentum, StepLR, StepMomentum)
+from .variants import (
+                      ConstantLR,
+                      ConstantMomentum,
+                      CosineAnnealingLR,
+                      CosineAnnealingMomentum,
+                      CosineRestartLR,
+                      CosineRestartMomentum,
+                      ExponentialLR,
+                      ExponentialMomentum,
+                      LinearLR,
+                      LinearMomentum,
+                      LRSchedulerMixin,
+                      MomentumSchedulerMixin,
+                      MultiStepLR,
+                      MultiStepMomentum,
+                      OneCycleLR,
+                      PolyLR,
+                      PolyMomentum,
+                      ReduceOnPlateauLR,
+                      ReduceOnPlateauMomentum,
+                      StepLR,
+                      StepMomentum,
+)
 
 __all__ = [
     'INF', '_ParamScheduler', 'SchedulerArgumentError',

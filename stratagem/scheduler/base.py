@@ -79,7 +79,7 @@ def check_optimizer(optimizer: Any, owner: str) -> None:
         return
     try:  # a dict of wrappers may raise something other than AttributeError here
         inner = getattr(optimizer, 'optimizer', None)
-    except Exception:
+    except Exception:  # noqa: BLE001
         inner = None
     if isinstance(inner, torch.optim.Optimizer) and hasattr(optimizer, 'param_groups'):
         return
@@ -156,7 +156,7 @@ class _ParamScheduler:
     @classmethod
     def build_iter_from_epoch(cls, *args: Any, begin: float = 0, end: float = INF,
                               by_epoch: bool = True, epoch_length: int | None = None,
-                              **kwargs: Any) -> '_ParamScheduler':
+                              **kwargs: Any) -> _ParamScheduler:
         """Build an iteration-based instance from an epoch-based config.
 
         ``begin``/``end`` and the scheduler's own lengths (``step_size``,
@@ -177,7 +177,7 @@ class _ParamScheduler:
         if end != INF:
             end = int(end * epoch_length)
         kwargs = cls._epoch_args_to_iters(kwargs, epoch_length)
-        return cls(*args, begin=begin, end=end, by_epoch=False, **kwargs)
+        return cls(*args, begin=begin, end=end, by_epoch=False, **kwargs)  # type: ignore[misc, arg-type]
 
     #: names of this scheduler's arguments counted in epochs (a number or a list of
     #: numbers), multiplied by the epoch length by ``build_iter_from_epoch``
@@ -351,7 +351,7 @@ def per_group(value: Any, n_groups: int, owner: str, arg: str) -> list:
     return [value] * n_groups
 
 
-def replay_schedulers(schedulers: Sequence['_ParamScheduler'], num_iters: int,
+def replay_schedulers(schedulers: Sequence[_ParamScheduler], num_iters: int,
                       epoch_length: int | None = None) -> None:
     """Recompute the scheduled values from scratch up to ``num_iters`` iterations done.
 

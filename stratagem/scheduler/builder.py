@@ -185,6 +185,6 @@ def build_param_scheduler_dict(cfgs: Any, optim_wrappers: Any, epoch_length: int
             entry = cfgs[name]
         else:
             entry = cfgs
-        out[name] = build_param_schedulers(entry, wrapper, epoch_length=epoch_length,
+        out[name] = build_param_schedulers(entry, wrapper, epoch_length=epoch_length,  # type: ignore[assignment]
                                            max_epochs=max_epochs, max_iters=max_iters)
     return out

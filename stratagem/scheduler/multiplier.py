@@ -11,8 +11,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from .base import check_optimizer
-from .schedules import (CosineSchedule, MultiStepSchedule, Schedule, StepWithFixedGammaSchedule,
-                        WarmupSchedule)
+from .schedules import (
+    CosineSchedule,
+    MultiStepSchedule,
+    Schedule,
+    StepWithFixedGammaSchedule,
+    WarmupSchedule,
+)
 
 __all__ = ['LRMultiplier', 'build_lr_scheduler']
 

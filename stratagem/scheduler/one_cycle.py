@@ -73,7 +73,7 @@ class OneCycleParamScheduler(_ParamScheduler):
                 if not isinstance(v, int) or v <= 0:
                     raise ValueError(f'{name}: {arg} must be a positive int when total_steps '
                                      f'is not given, got {v!r}')
-            total_steps = epochs * steps_per_epoch
+            total_steps = epochs * steps_per_epoch  # type: ignore[operator]
         elif end == INF:
             raise ValueError(f'{name}: the cycle length is unknown; give total_steps, '
                              'epochs and steps_per_epoch, or a finite end (the builder sets '
@@ -100,7 +100,7 @@ class OneCycleParamScheduler(_ParamScheduler):
             phases = [(warm_end, f'initial_{p}', f'max_{p}'),
                       (total_steps - 1, f'max_{p}', f'min_{p}')]
         # plain dicts of str/float, so the table travels in the state dict
-        self._schedule_phases = [{'end_step': e, f'start_{p}': s, f'end_{p}': t}
+        self._schedule_phases: list[dict[str, Any]] = [{'end_step': e, f'start_{p}': s, f'end_{p}': t}
                                  for e, s, t in phases]
         check_groups = getattr(optimizer, 'param_groups', None)
         if last_step == -1 and check_groups is not None:

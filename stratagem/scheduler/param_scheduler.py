@@ -45,7 +45,7 @@ class StepParamScheduler(_ParamScheduler):
         begin, end, last_step, by_epoch, verbose: See :class:`_ParamScheduler`.
     """
 
-    def __init__(self, optimizer: Any, param_name: str, step_size: int, gamma: float = 0.1,
+    def __init__(self, optimizer: Any, param_name: str, step_size: int | float, gamma: float = 0.1,
                  begin: int = 0, end: int = INF, last_step: int = -1, by_epoch: bool = True,
                  verbose: bool = False) -> None:
         if isinstance(step_size, float) and step_size.is_integer():
@@ -158,7 +158,10 @@ class ExponentialParamScheduler(_ParamScheduler):
 
 
 def _eta_min(eta_min: float | None, eta_min_ratio: float | None, base: float) -> float:
-    return base * eta_min_ratio if eta_min_ratio is not None else eta_min
+    if eta_min_ratio is not None:
+        return base * eta_min_ratio
+    assert eta_min is not None  # the constructors set exactly one of the two
+    return eta_min
 
 
 @PARAM_SCHEDULERS.register_module()

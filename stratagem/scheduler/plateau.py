@@ -11,8 +11,15 @@ from typing import Any
 
 from stratagem.registry import PARAM_SCHEDULERS
 
-from .base import (INF, SchedulerArgumentError, _ParamScheduler, check_initial_values,
-                   check_optimizer, check_window, raw_optimizer)
+from .base import (
+    INF,
+    SchedulerArgumentError,
+    _ParamScheduler,
+    check_initial_values,
+    check_optimizer,
+    check_window,
+    raw_optimizer,
+)
 
 __all__ = ['ReduceOnPlateauParamScheduler']
 
@@ -97,7 +104,7 @@ class ReduceOnPlateauParamScheduler(_ParamScheduler):
         self.cooldown = cooldown
         self.eps = eps
         self.rule_worse = INF if rule == 'less' else -INF
-        self.best = self.rule_worse
+        self.best: float = self.rule_worse
         self.cooldown_counter = 0
         self.num_bad_epochs = 0
         self._last_value = [g[param_name] for g in optimizer.param_groups]
@@ -111,7 +118,7 @@ class ReduceOnPlateauParamScheduler(_ParamScheduler):
                          '(patience, cooldown) in iterations, which cannot be converted to '
                          'another world size')
 
-    def step(self, metrics: Mapping[str, Any] | None = None) -> None:  # type: ignore[override]
+    def step(self, metrics: Mapping[str, Any] | None = None) -> None:
         """Count an epoch (no ``metrics``) or react to a validation result.
 
         Args:

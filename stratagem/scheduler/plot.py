@@ -144,8 +144,8 @@ def plot_png(traces: Mapping[str, ScheduleTrace], out: str | Path, title: str = 
     first = next(iter(traces.values()))
     with_momentum = any(t.momentum is not None for t in traces.values())
     rows = 2 if with_momentum else 1
-    fig, axes = plt.subplots(rows, 1, sharex=True, figsize=(10, 3.2 * rows + 0.6), squeeze=False)
-    axes = [a[0] for a in axes]
+    fig, grid = plt.subplots(rows, 1, sharex=True, figsize=(10, 3.2 * rows + 0.6), squeeze=False)
+    axes = [a[0] for a in grid]
     panels = [('lr', 'learning rate')] + ([('momentum', 'momentum')] if with_momentum else [])
     for ax, (attr, ylabel) in zip(axes, panels):
         for name, trace in traces.items():
@@ -201,8 +201,8 @@ def run(args: argparse.Namespace) -> int:
         if epoch_length is None:
             # the reference loop's data config knows it: one process, as `stratagem train`
             from stratagem.loop import epoch_length_from_config
-            epoch_length = epoch_length_from_config(cfg)
-        traces = traces_from_config(cfg, epoch_length=epoch_length, max_iters=args.max_iters)
+            epoch_length = epoch_length_from_config(cfg)  # type: ignore[arg-type]
+        traces = traces_from_config(cfg, epoch_length=epoch_length, max_iters=args.max_iters)  # type: ignore[arg-type]
     except (ValueError, KeyError, TypeError, OSError) as e:
         print(f'stratagem plot-schedule: error: {e}', file=sys.stderr)
         return 2

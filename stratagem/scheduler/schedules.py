@@ -119,6 +119,7 @@ class MultiStepSchedule(Schedule):
         if num_updates is None and milestones is None:
             raise ValueError(f'{name}: give num_updates or milestones (both are None)')
         if milestones is None:
+            assert num_updates is not None  # both None raised above
             width = math.ceil(num_updates / float(len(values)))
             milestones = [width * (i + 1) for i in range(len(values) - 1)]
         else:

@@ -90,23 +90,24 @@ def simulate(param_scheduler_cfgs: Any, optimizer_cfg: Mapping[str, Any],
         raise ValueError(f'simulate: epoch_length must be a positive int, got {epoch_length!r}')
     by_epoch_run = max_epochs is not None
     groups = [dict(g) for g in (param_groups or [{}])]
-    for g in groups:
-        g['params'] = [torch.nn.Parameter(torch.zeros(1))]
+    for entry in groups:
+        entry['params'] = [torch.nn.Parameter(torch.zeros(1))]
     optimizer = OPTIMIZERS.build(optimizer_cfg_of(optimizer_cfg), default_args={'params': groups})
 
     run_epoch_length = epoch_length if epoch_length is not None else (1 if by_epoch_run else None)
     if by_epoch_run:
-        total = max_epochs * run_epoch_length
+        total = max_epochs * run_epoch_length  # type: ignore[operator]
         build_epochs, build_iters = max_epochs, total
         if max_iters is not None:
             total = min(total, max_iters)
     else:
         total = max_iters
         build_iters = max_iters
-        build_epochs = math.ceil(max_iters / epoch_length) if epoch_length else None
+        build_epochs = math.ceil(max_iters / epoch_length) if epoch_length else None  # type: ignore[operator]
     schedulers = build_param_schedulers(param_scheduler_cfgs, optimizer,
                                         epoch_length=epoch_length, max_epochs=build_epochs,
                                         max_iters=build_iters)
+    assert isinstance(schedulers, list)  # one optimizer: a list
     for s in schedulers:
         name = type(s).__name__
         if by_epoch_run and epoch_length is None and not s.by_epoch:
@@ -128,7 +129,7 @@ def simulate(param_scheduler_cfgs: Any, optimizer_cfg: Mapping[str, Any],
         for g, group in enumerate(optimizer.param_groups):
             lrs[g].append(float(group['lr']))
             if has_momentum:
-                moms[g].append(_momentum(group))
+                moms[g].append(_momentum(group))  # type: ignore[arg-type]
         for s in schedulers:
             if not s.by_epoch:
                 s.step()

@@ -13,10 +13,16 @@ from stratagem.registry import PARAM_SCHEDULERS
 
 from .base import check_optimizer, raw_optimizer
 from .one_cycle import OneCycleParamScheduler
-from .param_scheduler import (ConstantParamScheduler, CosineAnnealingParamScheduler,
-                              CosineRestartParamScheduler, ExponentialParamScheduler,
-                              LinearParamScheduler, MultiStepParamScheduler, PolyParamScheduler,
-                              StepParamScheduler)
+from .param_scheduler import (
+    ConstantParamScheduler,
+    CosineAnnealingParamScheduler,
+    CosineRestartParamScheduler,
+    ExponentialParamScheduler,
+    LinearParamScheduler,
+    MultiStepParamScheduler,
+    PolyParamScheduler,
+    StepParamScheduler,
+)
 from .plateau import ReduceOnPlateauParamScheduler
 
 _GENERIC = {

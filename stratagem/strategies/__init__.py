@@ -1,4 +1,4 @@
-"""Training strategies: one backend per file behind ``BaseStrategy``; built by ``build_strategy``."""
+"""Training strategies: a backend per file behind ``BaseStrategy``; built by ``build_strategy``."""
 from __future__ import annotations
 
 import copy

@@ -323,7 +323,7 @@ class BaseStrategy(CheckpointMixin, ABC):
         kwargs = {} if compile is True else dict(compile)
         target = kwargs.pop('target', None)
         if target is None:
-            return torch.compile(model, **kwargs)
+            return torch.compile(model, **kwargs)  # type: ignore[return-value]
         func = getattr(model, target, None)
         if func is None or not callable(func):
             raise ValueError(f"compile target {target!r} is not a method of "

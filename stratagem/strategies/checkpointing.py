@@ -63,10 +63,10 @@ class CheckpointMixin(SaveMixin):
     def load_scheduler_state_dict(self, state_dict: list | dict) -> None:
         scheds = self.param_schedulers
         if isinstance(scheds, Mapping):
-            for name, states in state_dict.items():
+            for name, states in state_dict.items():  # type: ignore[union-attr]
                 self._load_scheduler_list(scheds[name], states)
         else:
-            self._load_scheduler_list(scheds, state_dict)
+            self._load_scheduler_list(scheds, state_dict)  # type: ignore[arg-type]
 
     @classmethod
     def _load_scheduler_list(cls, scheds: Sequence, states: Sequence) -> None:
@@ -344,7 +344,7 @@ class CheckpointMixin(SaveMixin):
                 return None
             return self.resume(str(latest))
         if resume:
-            return self.resume(load_from)
+            return self.resume(load_from)  # type: ignore[arg-type]
         if load_from is not None:
             return self.load_checkpoint(load_from)
         return None

@@ -43,9 +43,7 @@ import os.path as osp
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
@@ -53,15 +51,31 @@ from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.capture import CapturingCheckpointEngine
 from stratagem.checkpoint.content import SAFE_GLOBALS_KEY
 from stratagem.checkpoint.vote import SaveVote
-from stratagem.checkpoint.zero import (DEEPSPEED_TAG, STATE_FILE, check_zero_layout,
-                                       is_zero_checkpoint, zero_to_state_dict)
+from stratagem.checkpoint.zero import (
+    DEEPSPEED_TAG,
+    STATE_FILE,
+    check_zero_layout,
+    is_zero_checkpoint,
+    zero_to_state_dict,
+)
 
+if TYPE_CHECKING:  # the type checker sees what DeepSpeedStrategy mixes this into
+    from .base import BaseStrategy as _Host
+else:
+    _Host = object
 
 __all__ = ['DeepSpeedCheckpointMixin']
 
 
-class DeepSpeedCheckpointMixin:
+class DeepSpeedCheckpointMixin(_Host):
     """State dicts, save, load and resume for :class:`DeepSpeedStrategy`."""
+
+    if TYPE_CHECKING:  # what DeepSpeedStrategy provides
+        model: Any  # the DeepSpeedEngine
+        exclude_frozen_parameters: bool
+
+        @property
+        def zero_stage(self) -> int: ...
 
     # ----------------------------------------------------------------- state dicts
     def model_state_dict(self) -> dict:
@@ -118,8 +132,8 @@ class DeepSpeedCheckpointMixin:
         """
         self.wait_for_checkpoints()
         extra = dict(extra_ckpt or {})
-        path = filename if osp.isabs(filename) else osp.join(self._work_dir, filename)
-        path = Path(env.broadcast_object(osp.abspath(path)))
+        target = filename if osp.isabs(filename) else osp.join(self._work_dir, filename)
+        path = Path(env.broadcast_object(osp.abspath(target)))
         wrapper = getattr(self, 'optim_wrapper', None)
         if wrapper is not None and not wrapper.should_update():
             raise ValueError(f'{path}: {wrapper.mid_window_message()}')

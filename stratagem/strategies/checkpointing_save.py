@@ -29,7 +29,7 @@ from __future__ import annotations
 import os.path as osp
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,11 @@ from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.vote import CheckpointVoteError, SaveVote
 from stratagem.version import __version__
+
+if TYPE_CHECKING:
+    import logging
+
+    from torch import nn
 
 __all__ = ['SaveMixin']
 
@@ -53,6 +58,35 @@ class SaveMixin:
     _commit_vote: SaveVote | None = None
     # a backend whose every rank writes files (sharded) sets this: every rank snapshots
     _checkpoint_all_ranks_write = False
+
+    if TYPE_CHECKING:  # for the type checker: what BaseStrategy and CheckpointMixin provide
+        model: nn.Module
+        optim_wrapper: Any
+        param_schedulers: Any
+        logger: logging.Logger
+        dispatch_kwargs: dict[str, Any]
+        _work_dir: str
+        _experiment_name: str
+        _randomness: dict[str, Any]
+        _seed: int
+        _auto_scale_lr: dict[str, Any] | None
+        _lr_scaled: bool
+        _prepared: bool
+        resumed_from: str | None
+
+        @property
+        def rank(self) -> int: ...
+        @property
+        def world_size(self) -> int: ...
+        def _unwrap_model(self) -> nn.Module: ...
+        def _wrappers(self) -> list[Any]: ...
+        def _initialize_accumulation(self, done_iters: int | None = 0) -> None: ...
+        def _set_randomness(self, seed: int | None = None, deterministic: bool = False,
+                            diff_rank_seed: bool = False) -> None: ...
+        def model_state_dict(self) -> dict: ...
+        def optim_state_dict(self) -> dict: ...
+        def scheduler_state_dict(self) -> list | dict: ...
+        def _validate_checkpoint(self, checkpoint: dict) -> None: ...
 
     def wait_for_checkpoints(self) -> None:
         """Block until every pending (asynchronous) save is committed; raise its error if it
@@ -181,7 +215,7 @@ class SaveMixin:
         self._commit_gate, self._commit_vote = gate, vote
         error = None
         try:
-            self._save_checkpoint_files(checkpoint, path)
+            self._save_checkpoint_files(checkpoint, path)  # type: ignore[arg-type]
             if not reached and not (vote is not None and vote.ready_posted):
                 gate()  # a rank with nothing to commit, or a backend without the gate
         except Exception as e:  # noqa: BLE001 - re-raised below, on every rank

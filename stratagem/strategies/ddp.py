@@ -32,8 +32,9 @@ class DDPStrategy(BaseStrategy):
     Args:
         model_wrapper: kwargs for ``DistributedDataParallel``
             (``find_unused_parameters``, ``broadcast_buffers`` / ``forward_sync_buffers``
-            — default False, as mmengine's runner sets it —, ``bucket_cap_mb``, ``gradient_as_bucket_view``,
-            ``static_graph``, ...). ``type`` may be ``'DistributedDataParallel'`` or left
+            — default False, as mmengine's runner sets it —, ``bucket_cap_mb``,
+            ``gradient_as_bucket_view``, ``static_graph``, ...). ``type`` may be
+            ``'DistributedDataParallel'`` or left
             out; mmengine's ``MMDistributedDataParallel`` (which adds train_step/val_step
             to the model) is refused with a message. ``device_ids`` is set for you on
             CUDA and must not be given on CPU. A model that is already wrapped in DDP

@@ -236,7 +236,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
                  torch.float16 if self.model.fp16_enabled() else None)
         if dtype is None:
             return args, kwargs
-        wanted = set(self._inputs_to_half)
+        wanted = set(self._inputs_to_half)  # type: ignore[arg-type]
         args = tuple(_cast(a, dtype) if i in wanted else a for i, a in enumerate(args))
         kwargs = {k: _cast(v, dtype) if k in wanted else v for k, v in kwargs.items()}
         return args, kwargs

@@ -20,8 +20,14 @@ from stratagem import env
 
 from .base import BaseStrategy
 from .fsdp_config import parse_activation_checkpointing, parse_model_wrapper, parse_state_dict_cfg
-from .fsdp_parts import (adapt_optim_wrapper, clean_name, keep_fresh, pending_grads,
-                         set_pending_grads, with_no_sync)
+from .fsdp_parts import (
+    adapt_optim_wrapper,
+    clean_name,
+    keep_fresh,
+    pending_grads,
+    set_pending_grads,
+    with_no_sync,
+)
 
 
 class FSDPStrategy(BaseStrategy):
@@ -198,8 +204,10 @@ class FSDPStrategy(BaseStrategy):
     def load_optim_state_dict(self, state_dict: Mapping) -> None:
         """Load an FQN-keyed (sharded or full) or index-keyed (a single-file checkpoint of
         any strategy) optimizer state, then the optim wrapper's counters."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
         from torch.distributed.tensor import DTensor
         wrapper = self.optim_wrapper
         state = dict(state_dict)
@@ -246,7 +254,7 @@ class FSDPStrategy(BaseStrategy):
         return grads
 
     @property
-    def _checkpoint_all_ranks_write(self) -> bool:  # every rank writes its own shards
+    def _checkpoint_all_ranks_write(self) -> bool:  # type: ignore[override]  # every rank writes its own shards
         return not self._full
 
     def _async_capable(self) -> bool:
@@ -293,11 +301,12 @@ class FSDPStrategy(BaseStrategy):
         """The pending resume's DCP read, into the live state dicts; the checkpoint dict the
         resume holds gets them (its ``optimizer`` too, when resumed). Returns the weights."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        (path, checkpoint, metadata), self._pending_read = self._pending_read, None
+        (path, checkpoint, metadata), self._pending_read = self._pending_read, None  # type: ignore[misc]
         optimizers = [self.optim_wrapper.optimizer] if self._in_place else []
         with keep_fresh(optimizers):
             model_sd, optim_sd = get_state_dict(self.model, optimizers)
-        state = {'state_dict': model_sd, **({'optimizer': optim_sd} if optimizers else {})}
+        state: dict[str, Any] = {'state_dict': model_sd,
+                                 **({'optimizer': optim_sd} if optimizers else {})}
         ckpt.load_sharded_in_place(path, state, metadata=metadata)
         checkpoint['state_dict'] = state['state_dict']
         if optimizers:

@@ -196,9 +196,12 @@ def parse_policy(policy: Any, key: str) -> ModuleMatcher | Fsdp1Policy | PolicyO
 
 
 def _policy_from_dict(policy: dict, key: str) -> Any:
-    from torch.distributed.fsdp.wrap import (ModuleWrapPolicy, _Policy,
-                                             size_based_auto_wrap_policy,
-                                             transformer_auto_wrap_policy)
+    from torch.distributed.fsdp.wrap import (
+        ModuleWrapPolicy,
+        _Policy,
+        size_based_auto_wrap_policy,
+        transformer_auto_wrap_policy,
+    )
     kind = policy.pop('type', 'size_based')
     if kind in _SIZE_POLICIES or kind is size_based_auto_wrap_policy:
         return _size_policy(policy, key)
@@ -284,7 +287,8 @@ def _parse_mp(mp: Any) -> tuple[Any, torch.dtype | None]:
                          f'{mp["buffer_dtype"]!r} has no FSDP2 meaning: FSDP2 casts only '
                          f'parameters and leaves buffers in their dtype; remove it (or give '
                          f'float32) and cast those buffers in the model')
-    kwargs = {k: resolve_dtype(mp[k]) for k in _MP_KEYS[:3] if mp.get(k) is not None}
+    kwargs: dict[str, Any] = {k: resolve_dtype(mp[k]) for k in _MP_KEYS[:3]
+                              if mp.get(k) is not None}
     if 'cast_root_forward_inputs' in mp:  # FSDP1: the root casts unless both are off
         kwargs['cast_forward_inputs'] = bool(mp.get('cast_forward_inputs')) or \
             bool(mp['cast_root_forward_inputs'])
@@ -338,7 +342,9 @@ class ActivationCheckpointing:
         """Wrap the chosen submodules; ``targets`` come back with a wrapped one replaced by
         its wrapper (so sharding takes the wrapper)."""
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            ActivationWrapper, apply_activation_checkpointing)
+            ActivationWrapper,
+            apply_activation_checkpointing,
+        )
         chosen = {id(m) for m in self.selector.select(model, set())}
         extra = {} if self.wrapper_fn is None else {'checkpoint_wrapper_fn': self.wrapper_fn}
         apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen, **extra)

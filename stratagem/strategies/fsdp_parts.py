@@ -35,13 +35,13 @@ class NoSync:
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if not self._inside and not self._synced:
-            self._model.set_requires_gradient_sync(True)
+            self._model.set_requires_gradient_sync(True)  # type: ignore[operator]
             self._synced = True
 
     @contextlib.contextmanager
     def __call__(self) -> Any:
         if self._synced:
-            self._model.set_requires_gradient_sync(False)
+            self._model.set_requires_gradient_sync(False)  # type: ignore[operator]
             self._synced = False
         self._inside = True
         try:

@@ -43,7 +43,7 @@ def resolve_name(name: str) -> tuple[Any, str]:
         "registered (mmengine is not imported)"
     if '.' not in name:
         return None, f'not a dotted import path, nor {where}'
-    module_name, attrs = name, []
+    module_name, attrs = name, list[str]()
     while '.' in module_name:
         module_name, attr = module_name.rsplit('.', 1)
         attrs.insert(0, attr)
@@ -144,7 +144,8 @@ class ModuleMatcher:
         chosen = {id(m) for m in self.objects}
         if len(chosen & {id(m) for m in model.modules()}) != len(chosen):
             raise ValueError(f'{self.key}: a module object given is not part of the model')
-        classes, unknown = set(), []
+        classes: set[str] = set()
+        unknown: list[str] = []
         for name in self.names:
             if self.paths and name:
                 try:

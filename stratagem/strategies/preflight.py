@@ -101,8 +101,8 @@ def _lacking_hyperparameters(wrapper: Any, state: Any) -> list[str]:
         return []
     groups = [dict(g) for g in state['param_groups'] if isinstance(g, Mapping)]
     try:  # a bare instance: only __setstate__'s defaulting runs, nothing is built
-        probe = cls.__new__(cls)
-        cls.__setstate__(probe, {'defaults': dict(optimizer.defaults), 'state': {},
+        probe = cls.__new__(cls)  # type: ignore[call-overload]
+        cls.__setstate__(probe, {'defaults': dict(optimizer.defaults), 'state': {},  # type: ignore[union-attr]
                                  'param_groups': groups})
     except Exception:  # noqa: BLE001 - cannot tell: torch's own load decides
         return []

@@ -93,7 +93,7 @@ def _sharded_data_parallel() -> type:
             """Rebuild the reduce buckets around the current ``.grad`` tensors, after a
             load replaced them (a stale bucket would reduce the gradients of before)."""
             if self._grad_hooks:  # no buckets before the first forward: nothing to rebind
-                self._grad_to_be_reduced = [False] * len(self._grad_to_be_reduced)
+                self._grad_to_be_reduced = [False] * len(self._grad_to_be_reduced)  # type: ignore[has-type]
                 self.refresh_trainable()
 
     return ForwardScopedShardedDataParallel
@@ -206,11 +206,12 @@ class ShardedDDPStrategy(BaseStrategy):
                             'optimizer updates fp32 master copies, not the parameters whose '
                             'gradients ShardedDataParallel reduces; use OptimWrapper or '
                             "AmpOptimWrapper (dtype='bfloat16' on CPU)")
-        if isinstance(cls, type) and issubclass(cls, AmpOptimWrapper):
-            if resolve_dtype(cfg.get('dtype')) == torch.float16 and self.device.type != 'cuda':
-                raise ValueError("AmpOptimWrapper dtype='float16' under ShardedDDPStrategy needs "
-                                 "CUDA (fairscale's ShardedGradScaler); on CPU use "
-                                 "dtype='bfloat16' (or leave dtype out: bfloat16 is CPU's default)")
+        if (isinstance(cls, type) and issubclass(cls, AmpOptimWrapper)
+                and resolve_dtype(cfg.get('dtype')) == torch.float16
+                and self.device.type != 'cuda'):
+            raise ValueError("AmpOptimWrapper dtype='float16' under ShardedDDPStrategy needs "
+                             "CUDA (fairscale's ShardedGradScaler); on CPU use "
+                             "dtype='bfloat16' (or leave dtype out: bfloat16 is CPU's default)")
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         """Place the model; ShardedDataParallel wraps it once the optimizer exists."""
@@ -268,7 +269,7 @@ class ShardedDDPStrategy(BaseStrategy):
         """The plain module inside ShardedDataParallel (and ``torch.compile``)."""
         model = self.model
         if isinstance(model, _sharded_data_parallel()):
-            model = model.module
+            model = model.module  # type: ignore[assignment]
         return ckpt.unwrap_model(model)
 
     # -------------------------------------------------------------- checkpoints
@@ -285,5 +286,5 @@ class ShardedDDPStrategy(BaseStrategy):
                                     resume_param_scheduler=resume_param_scheduler,
                                     map_location=map_location, callback=callback)
         if isinstance(self.model, _sharded_data_parallel()):
-            self.model.rebind_grads()
+            self.model.rebind_grads()  # type: ignore[operator]
         return checkpoint

@@ -65,6 +65,8 @@ class CPUSyncBatchNorm(AnyRankBatchNorm):
         centred = x - mean.view(shape)
         var = differentiable_all_reduce((centred * centred).sum(dims)) / n
         if self.track_running_stats:
+            assert self.num_batches_tracked is not None and self.running_mean is not None \
+                and self.running_var is not None  # tracked: the buffers exist
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 momentum = (1.0 / float(self.num_batches_tracked) if self.momentum is None

@@ -79,7 +79,7 @@ class WorldSizeChange:
         from stratagem.scheduler.base import replay_schedulers
         groups = schedulers.values() if isinstance(schedulers, Mapping) else [schedulers]
         for group in groups:
-            replay_schedulers(list(group), self.new_iter, epoch_length)
+            replay_schedulers(list(group), self.new_iter, epoch_length)  # type: ignore[arg-type]
 
     def describe(self, filename: str, auto_scale_lr: bool = False) -> str:
         """One message saying what the change did to the run."""
