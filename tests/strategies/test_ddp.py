@@ -61,18 +61,28 @@ def _resume_run(work_dir, stop, resume=None):
 
 
 def _checks(tmp):
-    """Runs in each of 2 ranks; returns a dict of measured values."""
-    import torch.distributed as dist
+    """Runs in each of 2 ranks; returns a dict of measured values (the checks below, in order)."""
+    out = {}
+    s = _ddp_equals_one_process(tmp, out)
+    _no_sync_one_allreduce_per_update(tmp, out, s.world_size)
+    _sync_bn_statistics_over_both_ranks(tmp, out, s.rank)
+    _checkpoint_loadable_on_every_rank(s, out)
+    _zero_redundancy_equals_adam(tmp, out, s.rank)
+    _two_optim_wrappers_mid_window(tmp, out, s.rank)
+    out['seeds'] = (s.seed, s.randomness['seed'])
+    _resume_run_first_half(tmp, out, s.rank)
+    return out
+
+
+def _ddp_equals_one_process(tmp, out):
+    """Returns the strategy: the checkpoint check saves its model."""
     from torch.nn import functional as F
 
-    from stratagem import env
-    from stratagem.strategies import DDPStrategy
-    out = {}
     # -- 1. DDP training equals one process on the concatenated batch
     s = _strategy(os.path.join(tmp, 'eq'))
     out['type'] = type(s).__name__
     out['seed'], out['timestamp'] = s.seed, s.timestamp
-    rank, world = s.rank, s.world_size
+    rank = s.rank
     torch.manual_seed(0)
     ref = _net()
     init = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -92,6 +102,12 @@ def _checks(tmp):
         ref_opt.step()
     out['max_diff'] = max((a - b).abs().max().item() for a, b in
                           zip(s.model.module.parameters(), ref.parameters()))
+    return s
+
+
+def _no_sync_one_allreduce_per_update(tmp, out, world):
+    """Counts the all-reduces of each iteration."""
+    import torch.distributed as dist
 
     # -- 2. no_sync accumulation: one all-reduce per update iteration
     s2 = _strategy(os.path.join(tmp, 'acc'), model_wrapper=dict(bucket_cap_mb=100))
@@ -114,6 +130,11 @@ def _checks(tmp):
         ow.update_params(loss)
         per_iter.append(len(calls) - before)
     out['allreduce_per_iter'] = per_iter
+
+
+def _sync_bn_statistics_over_both_ranks(tmp, out, rank):
+    """Also: a model that a host trainer wrapped is kept."""
+    from stratagem.strategies import DDPStrategy
 
     # -- 3. sync_bn: statistics over both ranks' data
     s3 = DDPStrategy(work_dir=os.path.join(tmp, 'bn'), sync_bn='torch')
@@ -152,6 +173,9 @@ def _checks(tmp):
     pre = DistributedDataParallel(nn.Linear(2, 2))
     out['prewrapped_kept'] = DDPStrategy(work_dir=os.path.join(tmp, 'pre')).prepare(pre) is pre
 
+
+def _checkpoint_loadable_on_every_rank(s, out):
+    """Saves the first check's strategy."""
     # -- 4. a checkpoint written by rank 0, loadable on every rank
     path = s.save_checkpoint('ddp.pth', extra_ckpt={'meta': {'iter': 4}})
     out['path'] = path
@@ -160,6 +184,9 @@ def _checks(tmp):
     out['n_rng_states'] = len(ck['rng_states'])
     out['state_keys_plain'] = all(not k.startswith('module.') for k in ck['state_dict'])
 
+
+def _zero_redundancy_equals_adam(tmp, out, rank):
+    """Three steps of each, same data."""
     # -- 5. ZeroRedundancyOptimizer from config: same steps as a plain Adam under DDP
     sz = _strategy(os.path.join(tmp, 'zero'))
     zmodel, zow = sz.prepare(_net(), optim_wrapper=dict(optimizer=dict(
@@ -179,6 +206,9 @@ def _checks(tmp):
     zpath = sz.save_checkpoint('zero.pth')  # consolidates the shards: a collective
     out['zero_ckpt_has_state'] = bool(torch.load(zpath, weights_only=True)['optimizer']['state'])
 
+
+def _two_optim_wrappers_mid_window(tmp, out, rank):
+    """Saves after one micro-batch of a 2-iteration window."""
     # -- 6. two optim wrappers, saved mid accumulation window: every rank's own grads back
     def two_heads():
         torch.manual_seed(9)
@@ -205,7 +235,11 @@ def _checks(tmp):
                                     zip(m2.module[k].parameters(), own[k]))
     out['two_inner'] = [w.inner_count for w in o2.values()]
     out['two_path'] = two_path
-    out['seeds'] = (s.seed, s.randomness['seed'])
+
+
+def _resume_run_first_half(tmp, out, rank):
+    """Also runs the whole run, the oracle of the resumed one."""
+    from stratagem import env
 
     # -- 7. the first half of the resume run (fresh strategy, same process group)
     weights, _, path = _resume_run(os.path.join(tmp, 'resume'), STOP)
@@ -214,7 +248,6 @@ def _checks(tmp):
     torch.save({'weights': full, 'draw': draw}, os.path.join(tmp, f'full_rank{rank}.pt'))
     out['world'] = env.get_world_size()
     out['diff_rank_seeds'] = _SEEDS[-1]
-    return out
 
 
 def _resume_second_half(tmp, ckpt_path):
