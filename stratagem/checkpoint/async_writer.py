@@ -27,6 +27,7 @@ knows nothing about strategies or layouts. A save goes:
 Memory: one staged copy of the checkpoint's tensors (their ``nbytes`` summed), kept between
 saves so the copy never page-faults after the first; ``release()`` frees it.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -45,8 +46,9 @@ import torch
 __all__ = ['AsyncCheckpointWriter']
 
 _log = logging.getLogger('stratagem.checkpoint')
-_IMMUTABLE = frozenset((type(None), bool, int, float, complex, str, bytes, torch.dtype,
-                        torch.device, torch.Size))
+_IMMUTABLE = frozenset(
+    (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+)
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -96,9 +98,13 @@ class AsyncCheckpointWriter:
             copies.help()
             copies.done.wait()
 
-    def snapshot(self, checkpoint: Any,
-                 defer: Callable[[torch.Tensor], bool] | None = None, *,
-                 key: str = 'ckpt') -> Any:
+    def snapshot(
+        self,
+        checkpoint: Any,
+        defer: Callable[[torch.Tensor], bool] | None = None,
+        *,
+        key: str = 'ckpt',
+    ) -> Any:
         """A copy of ``checkpoint`` whose tensors live in this writer's CPU staging buffers;
         tensors selected by ``defer`` are filled by the writer thread (see module doc), so
         the next ``submit`` must follow.
@@ -110,8 +116,10 @@ class AsyncCheckpointWriter:
         Call ``wait()`` first: the buffers of the previous save are overwritten.
         """
         if self._pending is not None:
-            raise RuntimeError('snapshot() while a save is still being written would overwrite '
-                               'its staging buffers; call wait() first')
+            raise RuntimeError(
+                'snapshot() while a save is still being written would overwrite '
+                'its staging buffers; call wait() first'
+            )
         used: dict[str, torch.Tensor] = {}
         aliases: dict[tuple, torch.Tensor] = {}
         cuda = [False]
@@ -125,8 +133,9 @@ class AsyncCheckpointWriter:
         if cuda[0]:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies must land
         # this key's buffers that the state no longer has are freed here
-        self._staging = {k: v for k, v in self._staging.items()
-                         if k != key and not k.startswith(key + '/')}
+        self._staging = {
+            k: v for k, v in self._staging.items() if k != key and not k.startswith(key + '/')
+        }
         self._staging.update(used)
         return copied
 
@@ -134,8 +143,9 @@ class AsyncCheckpointWriter:
         """Run ``job(*args, **kwargs)`` on the writer thread; ``wait()`` collects it."""
         with self._lock:
             if self._pending is not None:
-                raise RuntimeError('a save is still pending; call wait() before submitting '
-                                   'the next one')
+                raise RuntimeError(
+                    'a save is still pending; call wait() before submitting the next one'
+                )
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix='stratagem-ckpt-writer')
             self._deferred = []
@@ -145,8 +155,9 @@ class AsyncCheckpointWriter:
             self._pending = self._pool.submit(self._run, copies, job, args, kwargs)
             return self._pending
 
-    def _run(self, copies: _DeferredCopies | None, job: Callable[..., Any], args: tuple,
-             kwargs: dict) -> Any:
+    def _run(
+        self, copies: _DeferredCopies | None, job: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
         if copies is not None:
             copies.run()
             copies.done.wait()  # the caller's share too: every buffer is filled from here
@@ -190,20 +201,25 @@ class AsyncCheckpointWriter:
         # it after save_checkpoint returns, so the writer gets its own copy
         return copy.deepcopy(obj)
 
-    def _copy_tensor(self, tensor: torch.Tensor, key: str, used: dict, aliases: dict,
-                     cuda: list) -> torch.Tensor:
+    def _copy_tensor(
+        self, tensor: torch.Tensor, key: str, used: dict, aliases: dict, cuda: list
+    ) -> torch.Tensor:
         tensor = tensor.detach()
         if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == 'meta':
             return tensor.clone().cpu()  # rare layouts: a plain copy, not staged
-        alias = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape),
-                 tensor.stride())
+        alias = (
+            tensor.device,
+            tensor.data_ptr(),
+            tensor.dtype,
+            tuple(tensor.shape),
+            tensor.stride(),
+        )
         if tensor.numel() and alias in aliases:
             return aliases[alias]  # the same memory twice (tied weights): one tensor, as saved
         buffer = self._staging.get(key)
         on_cuda = tensor.device.type == 'cuda'
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device='cpu',
-                                 pin_memory=on_cuda)
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device='cpu', pin_memory=on_cuda)
         if self._defer is not None and self._defer(tensor):
             self._deferred.append((buffer, tensor))
         else:
@@ -244,8 +260,9 @@ class _DeferredCopies:
         if not self.cuda or not self.submitted:
             self._copy_claimed()
 
-    def _copy_claimed(self, non_blocking: bool = False,
-                      sync: Callable[[], None] | None = None) -> None:
+    def _copy_claimed(
+        self, non_blocking: bool = False, sync: Callable[[], None] | None = None
+    ) -> None:
         claimed = 0
         while True:
             with self._lock:
@@ -283,5 +300,8 @@ def _report_uncollected() -> None:
     for writer in list(_LIVE):
         future = writer._pending
         if future is not None and future.done() and future.exception() is not None:
-            _log.error('a background checkpoint save failed and the program ended before '
-                       'wait_for_checkpoints() collected it: %s', future.exception())
+            _log.error(
+                'a background checkpoint save failed and the program ended before '
+                'wait_for_checkpoints() collected it: %s',
+                future.exception(),
+            )

@@ -24,6 +24,7 @@ The other methods follow DeepSpeed 0.19's ``CheckpointEngine`` (``create``, ``co
 ``makedirs``, ``is_decoupled``, ``preserves_storage_sharing``); what this engine does not
 implement (``load``, ``is_data_parallel_writer``, ...) is the original engine's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,8 +75,7 @@ class CapturingCheckpointEngine:
                     name = path.relative_to(self._root).as_posix()
                 except ValueError:
                     name = path.as_posix()
-                self._staged.append((self._writer.snapshot(state_dict, key=f'file:{name}'),
-                                     path))
+                self._staged.append((self._writer.snapshot(state_dict, key=f'file:{name}'), path))
         except BaseException as err:  # noqa: BLE001 - raised by write(), after DeepSpeed's barriers
             self.fail(err)
 
@@ -112,8 +112,10 @@ class CapturingCheckpointEngine:
         if self.error is not None:
             raise self.error
         if self._staged:  # a full disk is refused before the first byte of this rank's files
-            check_free_space(self._staged[0][1], sum(payload_bytes(state) + _OVERHEAD_BYTES
-                                                     for state, _ in self._staged))
+            check_free_space(
+                self._staged[0][1],
+                sum(payload_bytes(state) + _OVERHEAD_BYTES for state, _ in self._staged),
+            )
         while self._staged:
             state, path = self._staged.pop(0)
             self._entries.append(_write(state, path))

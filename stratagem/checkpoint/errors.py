@@ -2,6 +2,7 @@
 
 Every error names the file it is about, so a log line alone says which checkpoint to look at.
 """
+
 from __future__ import annotations
 
 import pickle

@@ -4,6 +4,7 @@ Importing this package registers the wrappers (``OPTIM_WRAPPERS``), the construc
 (``OPTIM_WRAPPER_CONSTRUCTORS``) and the torch optimizers (``OPTIMIZERS``). The entry
 point is :func:`build_optim_wrapper`.
 """
+
 from . import optimizers  # noqa: F401  (registers torch.optim in OPTIMIZERS)
 from .amp_optim_wrapper import AmpOptimWrapper
 from .base import BaseOptimWrapper
@@ -25,17 +26,31 @@ from .optim_wrapper_dict import OptimWrapperDict
 from .param_groups import get_default_optimizer_params, reduce_param_groups
 
 __all__ = [
-    'BaseOptimWrapper', 'OptimWrapper', 'AmpOptimWrapper', 'OptimWrapperDict',
-    'Fp16MasterWeightsOptimWrapper', 'DeepSpeedOptimWrapper', 'build_optim_wrapper',
+    'BaseOptimWrapper',
+    'OptimWrapper',
+    'AmpOptimWrapper',
+    'OptimWrapperDict',
+    'Fp16MasterWeightsOptimWrapper',
+    'DeepSpeedOptimWrapper',
+    'build_optim_wrapper',
     'DefaultOptimWrapperConstructor',
-    'MultiOptimWrapperConstructor', 'get_default_optimizer_params', 'reduce_param_groups',
-    'ZeroRedundancyOptimizer', 'cast_tensor_type', 'auto_fp16', 'force_fp32',
-    'wrap_fp16_model', 'patch_norm_fp32', 'patch_forward_method', 'LossScaler',
+    'MultiOptimWrapperConstructor',
+    'get_default_optimizer_params',
+    'reduce_param_groups',
+    'ZeroRedundancyOptimizer',
+    'cast_tensor_type',
+    'auto_fp16',
+    'force_fp32',
+    'wrap_fp16_model',
+    'patch_norm_fp32',
+    'patch_forward_method',
+    'LossScaler',
 ]
 
 
 def __getattr__(name: str):
     if name == 'ZeroRedundancyOptimizer':  # imports torch.distributed.optim: only on demand
         from .zero import ZeroRedundancyOptimizer
+
         return ZeroRedundancyOptimizer
     raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -12,6 +12,7 @@ only class that mixes it in, and the methods use what it provides
 model, optimizer (counters, scaler, partial gradients), accumulation counters,
 schedulers, and every RNG state last.
 """
+
 from __future__ import annotations
 
 import os.path as osp
@@ -49,13 +50,18 @@ class CheckpointMixin(SaveMixin):
             return {k: [s.state_dict() for s in v] for k, v in scheds.items()}
         return [s.state_dict() for s in scheds]
 
-    def load_model_state_dict(self, state_dict: Mapping, *, strict: bool = False,
-                              revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)
-                              ) -> Any:
+    def load_model_state_dict(
+        self,
+        state_dict: Mapping,
+        *,
+        strict: bool = False,
+        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
+    ) -> Any:
         """Load weights into the unwrapped model; mismatches reported in one message."""
         state_dict = ckpt.revise_keys(state_dict, list(revise_keys))
-        return ckpt.load_state_dict(self._unwrap_model(), state_dict, strict=strict,
-                                    logger=self.logger)
+        return ckpt.load_state_dict(
+            self._unwrap_model(), state_dict, strict=strict, logger=self.logger
+        )
 
     def load_optim_state_dict(self, state_dict: Mapping) -> None:
         self.optim_wrapper.load_state_dict(state_dict)
@@ -77,9 +83,11 @@ class CheckpointMixin(SaveMixin):
     @staticmethod
     def _check_scheduler_count(scheds: Sequence, states: Sequence) -> None:
         if len(scheds) != len(states):
-            raise ValueError(f'checkpoint holds {len(states)} param scheduler state(s) but '
-                             f'{len(scheds)} scheduler(s) were built; the param_scheduler config '
-                             'changed since the checkpoint was saved')
+            raise ValueError(
+                f'checkpoint holds {len(states)} param scheduler state(s) but '
+                f'{len(scheds)} scheduler(s) were built; the param_scheduler config '
+                'changed since the checkpoint was saved'
+            )
 
     # ----------------------------------------------------------------- checkpoints
     def _resolve_map_location(self, map_location: Any) -> Any:
@@ -104,9 +112,15 @@ class CheckpointMixin(SaveMixin):
         values); a sharding backend validates its shards' local tensors."""
         ckpt.validate_checkpoint_content(checkpoint)
 
-    def load_checkpoint(self, filename: str, *, map_location: Any = 'cpu', strict: bool = False,
-                        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
-                        callback: Callable[[dict], None] | None = None) -> dict:
+    def load_checkpoint(
+        self,
+        filename: str,
+        *,
+        map_location: Any = 'cpu',
+        strict: bool = False,
+        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
+        callback: Callable[[dict], None] | None = None,
+    ) -> dict:
         """Load model weights from ``filename``; returns the whole checkpoint dict.
 
         ``callback(checkpoint)`` runs after reading and before loading, and may
@@ -128,14 +142,18 @@ class CheckpointMixin(SaveMixin):
         self.wait_for_checkpoints()
         return str(ckpt.agree_on_checkpoint(filename))
 
-    def _read_checkpoint(self, filename: str, map_location: Any,
-                         callback: Callable[[dict], None] | None) -> dict:
+    def _read_checkpoint(
+        self, filename: str, map_location: Any, callback: Callable[[dict], None] | None
+    ) -> dict:
         self.wait_for_checkpoints()
-        checkpoint = self._load_checkpoint_files(str(filename),
-                                                 self._resolve_map_location(map_location))
+        checkpoint = self._load_checkpoint_files(
+            str(filename), self._resolve_map_location(map_location)
+        )
         if not isinstance(checkpoint, dict):
-            raise ValueError(f'{filename} holds a {type(checkpoint).__name__}, not a checkpoint '
-                             "dict (expected keys like 'state_dict', 'meta', 'optimizer')")
+            raise ValueError(
+                f'{filename} holds a {type(checkpoint).__name__}, not a checkpoint '
+                "dict (expected keys like 'state_dict', 'meta', 'optimizer')"
+            )
         if callback is not None:
             callback(checkpoint)
         return checkpoint
@@ -143,8 +161,14 @@ class CheckpointMixin(SaveMixin):
     # below this share of the model's tensors found in the file, a load warns loudly
     MIN_LOADED_SHARE = 0.5
 
-    def _load_weights(self, checkpoint: dict, filename: str, *, strict: bool,
-                      revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)) -> None:
+    def _load_weights(
+        self,
+        checkpoint: dict,
+        filename: str,
+        *,
+        strict: bool,
+        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
+    ) -> None:
         """Find the weights (``state_dict``, or a foreign layout: ``model_state_dict``,
         ``model``, ``module``, a bare state dict) and load them; nothing changes on an error.
 
@@ -155,19 +179,20 @@ class CheckpointMixin(SaveMixin):
         where = None
         try:
             state_dict, where = ckpt.find_model_weights(checkpoint)
-            report = self.load_model_state_dict(state_dict, strict=strict,
-                                                revise_keys=revise_keys)
+            report = self.load_model_state_dict(state_dict, strict=strict, revise_keys=revise_keys)
         except ckpt.StateDictMismatchError as err:
             raise ckpt.StateDictMismatchError(
-                f'{filename} {err}' if where is None else
-                f'{filename} ({where}): {err}\nthe file holds {ckpt.describe_keys(checkpoint)}'
+                f'{filename} {err}'
+                if where is None
+                else f'{filename} ({where}): {err}\nthe file holds {ckpt.describe_keys(checkpoint)}'
             ) from None
         counts = ''
         if isinstance(report, ckpt.LoadReport) and report.total:
             counts = f', {report.loaded} of {report.total} tensors'
             if report.loaded < self.MIN_LOADED_SHARE * report.total:
-                left_out = report.missing_keys + [k for k, *_ in report.shape_mismatches +
-                                                  report.type_mismatches]
+                left_out = report.missing_keys + [
+                    k for k, *_ in report.shape_mismatches + report.type_mismatches
+                ]
                 env.warn_rank_zero(  # every rank loads the same file: said once
                     f'{filename} ({where}): only {report.loaded} of the {report.total} '
                     f'tensors of {type(self._unwrap_model()).__name__} were found and loaded; '
@@ -175,31 +200,49 @@ class CheckpointMixin(SaveMixin):
                     f'{", ..." if len(left_out) > 10 else ""}. The file holds '
                     f'{ckpt.describe_keys(checkpoint)}. Fine for a partial (e.g. backbone) '
                     'load; otherwise check the checkpoint and revise_keys',
-                    ckpt.PartialLoadWarning, stacklevel=3)
+                    ckpt.PartialLoadWarning,
+                    stacklevel=3,
+                )
         self.logger.info(f'loaded weights from {filename} ({where}{counts})')
 
-    def resume(self, filename: str, *, resume_optimizer: bool = True,
-               resume_param_scheduler: bool = True, map_location: Any = 'default',
-               callback: Callable[[dict], None] | None = None) -> dict:
+    def resume(
+        self,
+        filename: str,
+        *,
+        resume_optimizer: bool = True,
+        resume_param_scheduler: bool = True,
+        map_location: Any = 'default',
+        callback: Callable[[dict], None] | None = None,
+    ) -> dict:
         """Continue exactly where ``filename`` stopped; returns the checkpoint (``meta`` has iter).
 
         Restores model, optimizer (with counters, scaler, partial gradients),
         schedulers, then every rank's RNG state last. Call after ``prepare``.
         """
         if not self._prepared:
-            raise RuntimeError('resume() needs the prepared components: call strategy.prepare('
-                               'model, optim_wrapper=..., param_scheduler=...) first')
+            raise RuntimeError(
+                'resume() needs the prepared components: call strategy.prepare('
+                'model, optim_wrapper=..., param_scheduler=...) first'
+            )
         filename = self._agree_on_checkpoint(filename)
         checkpoint = self._read_checkpoint(filename, map_location, callback)
         want_optim = resume_optimizer and hasattr(self, 'optim_wrapper')
         want_sched = resume_param_scheduler and hasattr(self, 'param_schedulers')
-        missing = [key for key, wanted in (('state_dict', True), ('optimizer', want_optim),
-                                          ('param_schedulers', want_sched))
-                   if wanted and key not in checkpoint]
+        missing = [
+            key
+            for key, wanted in (
+                ('state_dict', True),
+                ('optimizer', want_optim),
+                ('param_schedulers', want_sched),
+            )
+            if wanted and key not in checkpoint
+        ]
         if missing:  # checked before anything is loaded, so a failed resume changes nothing
-            raise KeyError(f"{filename} cannot be resumed: it has no {missing} (keys: "
-                           f"{sorted(checkpoint)}); load weights only with load_checkpoint(), or "
-                           'pass resume_optimizer=False / resume_param_scheduler=False')
+            raise KeyError(
+                f'{filename} cannot be resumed: it has no {missing} (keys: '
+                f'{sorted(checkpoint)}); load weights only with load_checkpoint(), or '
+                'pass resume_optimizer=False / resume_param_scheduler=False'
+            )
         check_resumable(self, checkpoint, filename, optimizer=want_optim, schedulers=want_sched)
         meta = checkpoint.get('meta') or {}
         # everything that can refuse a world-size change runs before anything is loaded
@@ -212,21 +255,33 @@ class CheckpointMixin(SaveMixin):
         self._finish_resume(checkpoint, meta, change, sched_states, want_sched, filename)
         return checkpoint
 
-    def _plan_resume(self, checkpoint: dict, meta: Mapping, want_sched: bool,
-                     filename: str) -> tuple[Any, Any]:
+    def _plan_resume(
+        self, checkpoint: dict, meta: Mapping, want_sched: bool, filename: str
+    ) -> tuple[Any, Any]:
         """The world-size change (None if none) and the scheduler states to load, converted
         to this run's units; raises before anything is loaded when it cannot be exact."""
-        change = plan_world_size_change(meta, self.dispatch_kwargs, self.world_size,
-                                        self._max_accumulation(), filename)
+        change = plan_world_size_change(
+            meta, self.dispatch_kwargs, self.world_size, self._max_accumulation(), filename
+        )
         sched_states = checkpoint.get('param_schedulers') if want_sched else None
         if want_sched and change is not None and change.new_iter is not None:
             sched_states = change.rescale_schedulers(
-                self.param_schedulers, sched_states, self.dispatch_kwargs.get('epoch_length'),
-                filename)
+                self.param_schedulers,
+                sched_states,
+                self.dispatch_kwargs.get('epoch_length'),
+                filename,
+            )
         return change, sched_states
 
-    def _finish_resume(self, checkpoint: dict, meta: Mapping, change: Any, sched_states: Any,
-                       want_sched: bool, filename: str) -> None:
+    def _finish_resume(
+        self,
+        checkpoint: dict,
+        meta: Mapping,
+        change: Any,
+        sched_states: Any,
+        want_sched: bool,
+        filename: str,
+    ) -> None:
         """After model and optimizer: counters, schedulers, RNG states last; then every rank
         checks it stands at the same iteration (``checkpoint['meta']`` gets the converted
         iteration and ``world_size_change`` when the world size changed)."""
@@ -241,12 +296,16 @@ class CheckpointMixin(SaveMixin):
         if want_sched:
             self.load_scheduler_state_dict(sched_states)
             if converting:
-                change.replay_schedulers(self.param_schedulers,
-                                         self.dispatch_kwargs.get('epoch_length'))
+                change.replay_schedulers(
+                    self.param_schedulers, self.dispatch_kwargs.get('epoch_length')
+                )
         self._restore_randomness(checkpoint, meta, filename)
         if change is not None:
-            checkpoint['meta'] = meta = {**meta, 'iter': done,
-                                         'world_size_change': change.as_meta()}
+            checkpoint['meta'] = meta = {
+                **meta,
+                'iter': done,
+                'world_size_change': change.as_meta(),
+            }
             self._report_world_size_change(change, filename)
         self._check_same_step(meta.get('iter'), filename)
         self.resumed_from = osp.abspath(filename)
@@ -267,9 +326,11 @@ class CheckpointMixin(SaveMixin):
         keys = env.all_gather_keys([env.key_of(step)])
         if any(key != keys[0] for key in keys):  # the steps themselves only to report them
             steps = env.all_gather_object(step)
-            raise RuntimeError(f'after resuming {filename} the ranks disagree on the iteration: '
-                               f'{steps} (rank order); every rank must resume the same '
-                               'checkpoint')
+            raise RuntimeError(
+                f'after resuming {filename} the ranks disagree on the iteration: '
+                f'{steps} (rank order); every rank must resume the same '
+                'checkpoint'
+            )
 
     def _load_partial_grads(self, checkpoint: Mapping, meta: Mapping) -> None:
         """Each rank's own partial gradients (saved mid accumulation window under DDP)."""
@@ -280,19 +341,30 @@ class CheckpointMixin(SaveMixin):
         if world == self.world_size:
             mine = grads[self.rank]
         else:  # DDP would have averaged the ranks' accumulated gradients at the window's end
-            mine = [None if per_rank[0] is None else
-                    {**per_rank[0], 'grads': {i: sum(st['grads'][i] for st in per_rank) / world
-                                              for i in per_rank[0]['grads']}}
-                    for per_rank in zip(*grads)]
+            mine = [
+                None
+                if per_rank[0] is None
+                else {
+                    **per_rank[0],
+                    'grads': {
+                        i: sum(st['grads'][i] for st in per_rank) / world
+                        for i in per_rank[0]['grads']
+                    },
+                }
+                for per_rank in zip(*grads)
+            ]
         for wrapper, state in zip(self._wrappers(), mine):
             if state is not None:
                 wrapper.load_grad_state_dict(state)
         if world == self.world_size:
             return
-        env.warn_rank_zero(f'the checkpoint was taken mid accumulation window with world '
-                           f'size {world}; this run has {self.world_size}, so every rank '
-                           f'continues the window from the mean of the {world} ranks\' '
-                           'partial gradients', stacklevel=3)
+        env.warn_rank_zero(
+            f'the checkpoint was taken mid accumulation window with world '
+            f'size {world}; this run has {self.world_size}, so every rank '
+            f"continues the window from the mean of the {world} ranks' "
+            'partial gradients',
+            stacklevel=3,
+        )
 
     def _restore_randomness(self, checkpoint: Mapping, meta: Mapping, filename: str) -> None:
         """Every rank's RNG state (same world size), else a re-seed from the saved seed."""
@@ -305,12 +377,17 @@ class CheckpointMixin(SaveMixin):
             env.set_rng_state(states[self.rank])
             return
         if states:
-            env.warn_rank_zero(f'{filename} was saved with world size {world}, this run has '
-                               f'{self.world_size}: per-rank RNG streams cannot be restored, so '
-                               f'every rank is re-seeded from seed {base}', stacklevel=3)
+            env.warn_rank_zero(
+                f'{filename} was saved with world size {world}, this run has '
+                f'{self.world_size}: per-rank RNG streams cannot be restored, so '
+                f'every rank is re-seeded from seed {base}',
+                stacklevel=3,
+            )
         self._set_randomness(**{**self._randomness, 'seed': base})
 
-    def load_or_resume(self, load_from: str | None = None, resume: bool | str = False) -> dict | None:
+    def load_or_resume(
+        self, load_from: str | None = None, resume: bool | str = False
+    ) -> dict | None:
         """mmengine's runner logic: resume (latest in work_dir, or a path) or just load weights.
 
         ``resume=True`` with no ``load_from`` resumes from the newest committed
@@ -331,16 +408,20 @@ class CheckpointMixin(SaveMixin):
             if latest is None:
                 # a previous run left traces but nothing resumable: starting fresh would
                 # overwrite its files, so stop before anything is written
-                traces = env.broadcast_object(previous_run_traces(self._work_dir)
-                                              if self.rank == 0 else None)
+                traces = env.broadcast_object(
+                    previous_run_traces(self._work_dir) if self.rank == 0 else None
+                )
                 if traces:
                     raise FileNotFoundError(
                         f'cannot resume from work_dir {self._work_dir}: {traces}, but no '
                         'committed checkpoint there verifies; nothing was changed. Resume '
                         'from a file with --resume PATH (API: resume=PATH), or start from '
-                        f'scratch in a new --work-dir (or after removing {ckpt.POINTER_NAME})')
-                self.logger.info(f'no checkpoint in {self._work_dir} to resume from; '
-                                 'training starts from scratch')
+                        f'scratch in a new --work-dir (or after removing {ckpt.POINTER_NAME})'
+                    )
+                self.logger.info(
+                    f'no checkpoint in {self._work_dir} to resume from; '
+                    'training starts from scratch'
+                )
                 return None
             return self.resume(str(latest))
         if resume:
@@ -348,7 +429,6 @@ class CheckpointMixin(SaveMixin):
         if load_from is not None:
             return self.load_checkpoint(load_from)
         return None
-
 
 
 def _move(obj: Any, map_location: Any) -> Any:

@@ -36,6 +36,7 @@
 (``checkpoint.zero``), a file is read safely; both go through ``load_model_state_dict``,
 which refreshes DeepSpeed's fp32 master copy so the next update starts from them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -85,21 +86,26 @@ class DeepSpeedCheckpointMixin(_Host):
         if self.zero_stage != 3:
             return module.state_dict()
         from deepspeed import zero
+
         with zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
-    def load_model_state_dict(self, state_dict: Mapping, *, strict: bool = False,
-                              revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)
-                              ) -> Any:
+    def load_model_state_dict(
+        self,
+        state_dict: Mapping,
+        *,
+        strict: bool = False,
+        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
+    ) -> Any:
         """Load full weights into the engine's module (every rank, same ``state_dict``) and
         refresh DeepSpeed's fp32 master weights from them."""
         state_dict = ckpt.revise_keys(state_dict, list(revise_keys))
         module = self._unwrap_model()
         if self.zero_stage == 3:
             from deepspeed import zero
+
             with zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
-                report = ckpt.load_state_dict(module, state_dict, strict=strict,
-                                              logger=self.logger)
+                report = ckpt.load_state_dict(module, state_dict, strict=strict, logger=self.logger)
         else:
             report = ckpt.load_state_dict(module, state_dict, strict=strict, logger=self.logger)
         refresh = getattr(self.model.optimizer, 'refresh_fp32_params', None)
@@ -112,9 +118,15 @@ class DeepSpeedCheckpointMixin(_Host):
         return self.optim_wrapper.state_dict()
 
     # ----------------------------------------------------------------------- save
-    def save_checkpoint(self, filename: str, *, save_optimizer: bool = True,
-                        save_param_scheduler: bool = True, extra_ckpt: Mapping | None = None,
-                        callback: Callable[[dict], None] | None = None) -> str:
+    def save_checkpoint(
+        self,
+        filename: str,
+        *,
+        save_optimizer: bool = True,
+        save_param_scheduler: bool = True,
+        extra_ckpt: Mapping | None = None,
+        callback: Callable[[dict], None] | None = None,
+    ) -> str:
         """Commit a DeepSpeed checkpoint directory at ``filename`` (relative: under
         ``work_dir``); every rank calls it. See the module docstring for the steps.
 
@@ -154,8 +166,7 @@ class DeepSpeedCheckpointMixin(_Host):
         self._commit_directory(path, state, step if type(step) is int else None, held)
         return str(path)
 
-    def _commit_directory(self, path: Path, state: dict, step: int | None,
-                          held: list[str]) -> None:
+    def _commit_directory(self, path: Path, state: dict, step: int | None, held: list[str]) -> None:
         """Steps 3-5 of the module docstring; step 5 on the writer thread when async."""
         extra = {'strategy': type(self).__name__, 'zero_stage': self.zero_stage}
         if held:
@@ -177,27 +188,39 @@ class DeepSpeedCheckpointMixin(_Host):
         try:
             with capture.installed_on(self.model):
                 self.model.save_checkpoint(
-                    str(staging), tag=DEEPSPEED_TAG, client_state={}, save_latest=False,
-                    exclude_frozen_parameters=self.exclude_frozen_parameters)
+                    str(staging),
+                    tag=DEEPSPEED_TAG,
+                    client_state={},
+                    save_latest=False,
+                    exclude_frozen_parameters=self.exclude_frozen_parameters,
+                )
             if env.is_main_process():
                 capture.save(state, staging / STATE_FILE)
         except BaseException as err:  # noqa: BLE001 - reported through the vote below
             capture.fail(err)
-        finish = functools.partial(self._finish_directory, staging, path, capture, vote,
-                                   step, extra)
+        finish = functools.partial(
+            self._finish_directory, staging, path, capture, vote, step, extra
+        )
         if writer is not None and capture.error is None:
             writer.submit(finish)
         else:  # synchronous, or failed before anything was handed to the writer
             finish()
 
     @staticmethod
-    def _finish_directory(staging: Path, path: Path, capture: CapturingCheckpointEngine,
-                          vote: SaveVote | None, step: int | None, extra: dict) -> None:
+    def _finish_directory(
+        staging: Path,
+        path: Path,
+        capture: CapturingCheckpointEngine,
+        vote: SaveVote | None,
+        step: int | None,
+        extra: dict,
+    ) -> None:
         """Step 5: write what was staged, agree, commit; the vote ends here (no collective)."""
         try:
             written = ckpt.write_directory_files(staging, capture.write)
-            ckpt.finish_directory_save(staging, path, written, vote, step=step,
-                                       extra_manifest=extra)
+            ckpt.finish_directory_save(
+                staging, path, written, vote, step=step, extra_manifest=extra
+            )
         finally:
             if vote is not None:
                 vote.close()
@@ -223,38 +246,53 @@ class DeepSpeedCheckpointMixin(_Host):
         path, _ = self._verify_directory(filename)
         state = self._read_state(path)
         state['state_dict'] = zero_to_state_dict(
-            path, verify=False, exclude_frozen_parameters=self.exclude_frozen_parameters)
+            path, verify=False, exclude_frozen_parameters=self.exclude_frozen_parameters
+        )
         return state
 
-    def resume(self, filename: str, *, resume_optimizer: bool = True,
-               resume_param_scheduler: bool = True, map_location: Any = 'default',
-               callback: Callable[[dict], None] | None = None) -> dict:
+    def resume(
+        self,
+        filename: str,
+        *,
+        resume_optimizer: bool = True,
+        resume_param_scheduler: bool = True,
+        map_location: Any = 'default',
+        callback: Callable[[dict], None] | None = None,
+    ) -> dict:
         """Continue exactly where the DeepSpeed checkpoint ``filename`` stopped.
 
         Returns our state (``meta`` has ``iter``). ``map_location`` is accepted for
         mmengine's signature; DeepSpeed places its tensors on the engine's device.
         """
         if not self._prepared:
-            raise RuntimeError('resume() needs the prepared components: call strategy.prepare('
-                               'model, optim_wrapper=..., param_scheduler=...) first')
+            raise RuntimeError(
+                'resume() needs the prepared components: call strategy.prepare('
+                'model, optim_wrapper=..., param_scheduler=...) first'
+            )
         self.wait_for_checkpoints()  # a pending save may be that very directory
         if not (osp.isdir(filename) and is_zero_checkpoint(filename)):
-            raise ValueError(f'{filename} is not a DeepSpeed checkpoint directory (written by '
-                             'DeepSpeedStrategy.save_checkpoint); load weights from other '
-                             'checkpoints with load_checkpoint()')
+            raise ValueError(
+                f'{filename} is not a DeepSpeed checkpoint directory (written by '
+                'DeepSpeedStrategy.save_checkpoint); load weights from other '
+                'checkpoints with load_checkpoint()'
+            )
         path, manifest = self._verify_directory(filename)
         state = self._read_state(path)
         if callback is not None:
             callback(state)
         want_optim = resume_optimizer and hasattr(self, 'optim_wrapper')
         want_sched = resume_param_scheduler and hasattr(self, 'param_schedulers')
-        missing = [key for key, wanted in (('optimizer', want_optim),
-                                          ('param_schedulers', want_sched))
-                   if wanted and key not in state]
+        missing = [
+            key
+            for key, wanted in (('optimizer', want_optim), ('param_schedulers', want_sched))
+            if wanted and key not in state
+        ]
         if missing:
-            raise KeyError(f'{path} cannot be resumed: it has no {missing} (keys: '
-                           f'{sorted(state)}); pass resume_optimizer=False / '
-                           'resume_param_scheduler=False')
+            raise KeyError(
+                f'{path} cannot be resumed: it has no {missing} (keys: '
+                f'{sorted(state)}); pass resume_optimizer=False / '
+                'resume_param_scheduler=False'
+            )
         meta = state.get('meta') or {}
         # BaseStrategy's world-size plan: iteration units, schedulers, windows; anything it
         # refuses is refused before anything is loaded
@@ -271,9 +309,12 @@ class DeepSpeedCheckpointMixin(_Host):
 
     def _engine_load(self, directory: Path, tag: str, optimizer: bool) -> None:
         loaded, _ = self.model.load_checkpoint(
-            str(directory), tag=tag, load_optimizer_states=optimizer,
+            str(directory),
+            tag=tag,
+            load_optimizer_states=optimizer,
             load_lr_scheduler_states=False,
-            load_module_strict=not self.exclude_frozen_parameters)
+            load_module_strict=not self.exclude_frozen_parameters,
+        )
         if loaded is None:  # DeepSpeed only warns when it finds nothing
             raise FileNotFoundError(f'DeepSpeed found no checkpoint in {directory / tag}')
 
@@ -283,8 +324,10 @@ class DeepSpeedCheckpointMixin(_Host):
         temporary directory beside it, every rank loads from there with
         ``load_universal``, the directory is removed. DeepSpeed refuses a plain load at
         another world size."""
-        self.logger.info(f'{path} was saved by {saved_world} ranks, this run has '
-                         f'{self.world_size}: resharding through a universal checkpoint')
+        self.logger.info(
+            f'{path} was saved by {saved_world} ranks, this run has '
+            f'{self.world_size}: resharding through a universal checkpoint'
+        )
         universal, error = None, None
         if env.is_main_process():
             try:
@@ -298,8 +341,9 @@ class DeepSpeedCheckpointMixin(_Host):
             if error is not None:
                 raise error
             if failures[0] is not None:
-                raise RuntimeError(f'converting {path} to a universal checkpoint failed on '
-                                   f'rank 0: {failures[0]}')
+                raise RuntimeError(
+                    f'converting {path} to a universal checkpoint failed on rank 0: {failures[0]}'
+                )
             config = self.model._config
             # a config flag DeepSpeed reads at load time; the engine is built without it
             config.load_universal_checkpoint = True
@@ -320,8 +364,15 @@ def _to_universal(src: Path, dst: Path) -> None:
     import io
 
     from deepspeed.checkpoint import ds_to_universal
-    args = argparse.Namespace(input_folder=str(src), output_folder=str(dst),
-                              num_extract_workers=1, num_merge_workers=1,
-                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+
+    args = argparse.Namespace(
+        input_folder=str(src),
+        output_folder=str(dst),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
     with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
         ds_to_universal.main(args)

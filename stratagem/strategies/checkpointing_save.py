@@ -24,6 +24,7 @@ Backend hooks: ``_save_checkpoint_files`` (the write; default: rank 0, one atomi
 ``_checkpoint_all_ranks_write`` (every rank snapshots and writes, e.g. sharded),
 ``_partial_grad_states``, ``_validate_checkpoint``.
 """
+
 from __future__ import annotations
 
 import os.path as osp
@@ -81,8 +82,9 @@ class SaveMixin:
         def _unwrap_model(self) -> nn.Module: ...
         def _wrappers(self) -> list[Any]: ...
         def _initialize_accumulation(self, done_iters: int | None = 0) -> None: ...
-        def _set_randomness(self, seed: int | None = None, deterministic: bool = False,
-                            diff_rank_seed: bool = False) -> None: ...
+        def _set_randomness(
+            self, seed: int | None = None, deterministic: bool = False, diff_rank_seed: bool = False
+        ) -> None: ...
         def model_state_dict(self) -> dict: ...
         def optim_state_dict(self) -> dict: ...
         def scheduler_state_dict(self) -> list | dict: ...
@@ -97,10 +99,16 @@ class SaveMixin:
             writer.wait()
 
     def _meta(self, extra_meta: Mapping | None) -> dict:
-        meta = {'seed': self._randomness['seed'], 'time': time.strftime('%Y%m%d_%H%M%S'),
-                'experiment_name': self._experiment_name, 'world_size': self.world_size,
-                'strategy': type(self).__name__, 'stratagem_version': __version__,
-                'torch_version': str(torch.__version__), 'auto_scale_lr_applied': self._lr_scaled}
+        meta = {
+            'seed': self._randomness['seed'],
+            'time': time.strftime('%Y%m%d_%H%M%S'),
+            'experiment_name': self._experiment_name,
+            'world_size': self.world_size,
+            'strategy': type(self).__name__,
+            'stratagem_version': __version__,
+            'torch_version': str(torch.__version__),
+            'auto_scale_lr_applied': self._lr_scaled,
+        }
         # what a resume at another world size needs to convert iteration counts
         for key in ('train_micro_batch_size_per_gpu', 'epoch_length'):
             if self.dispatch_kwargs.get(key) is not None:
@@ -108,9 +116,15 @@ class SaveMixin:
         meta.update(extra_meta or {})
         return meta
 
-    def save_checkpoint(self, filename: str, *, save_optimizer: bool = True,
-                        save_param_scheduler: bool = True, extra_ckpt: Mapping | None = None,
-                        callback: Callable[[dict], None] | None = None) -> str:
+    def save_checkpoint(
+        self,
+        filename: str,
+        *,
+        save_optimizer: bool = True,
+        save_param_scheduler: bool = True,
+        extra_ckpt: Mapping | None = None,
+        callback: Callable[[dict], None] | None = None,
+    ) -> str:
         """Save model (+ optimizer, schedulers, RNG states) atomically; every rank calls it.
 
         ``filename`` is a path; relative paths are under ``work_dir``.
@@ -126,8 +140,10 @@ class SaveMixin:
         # one collective: rank 0's path for every rank, and every rank's RNG state
         gathered = env.all_gather_object((osp.abspath(path), env.get_rng_state()))
         path = gathered[0][0]
-        checkpoint: dict[str, Any] = {'meta': self._meta(extra.pop('meta', None)),
-                                      'state_dict': self.model_state_dict()}
+        checkpoint: dict[str, Any] = {
+            'meta': self._meta(extra.pop('meta', None)),
+            'state_dict': self.model_state_dict(),
+        }
         if save_optimizer and hasattr(self, 'optim_wrapper'):
             checkpoint['optimizer'] = self.optim_state_dict()
             partial = self._partial_grad_states()
@@ -151,8 +167,7 @@ class SaveMixin:
         # only ranks that write need the state; the others take part in the vote
         writes = self._checkpoint_all_ranks_write or env.is_main_process()
         try:
-            staged = self._async_writer.snapshot(checkpoint, self._deferrable()) \
-                if writes else None
+            staged = self._async_writer.snapshot(checkpoint, self._deferrable()) if writes else None
         except BaseException:
             if vote is not None:  # tell the others, who would otherwise wait for the vote
                 vote.ready(f'snapshot failed on rank {self.rank}')
@@ -182,8 +197,11 @@ class SaveMixin:
                 optimizer.register_step_pre_hook(self._wait_staged_hook)
                 optimizer._stratagem_snapshot_guard = True
             for state in optimizer.state.values():
-                live.update(_storage_ptr(t) for t in state.values()
-                            if isinstance(t, torch.Tensor) and t.numel() > 1)
+                live.update(
+                    _storage_ptr(t)
+                    for t in state.values()
+                    if isinstance(t, torch.Tensor) and t.numel() > 1
+                )
         live.discard(0)
         return lambda tensor: _storage_ptr(tensor) in live
 
@@ -200,8 +218,7 @@ class SaveMixin:
         deadlock."""
         return True
 
-    def _write_and_agree(self, checkpoint: dict | None, path: str, vote: SaveVote | None
-                         ) -> None:
+    def _write_and_agree(self, checkpoint: dict | None, path: str, vote: SaveVote | None) -> None:
         """Steps 4-5 of ``save_checkpoint``: write, vote, commit, learn the outcome."""
         reached = []
 
@@ -228,9 +245,15 @@ class SaveMixin:
             if error is not None:
                 raise error
             return
-        message = None if error is None else (
-            str(error) if isinstance(error, CheckpointVoteError) else
-            f'{type(error).__name__}: {error}')
+        message = (
+            None
+            if error is None
+            else (
+                str(error)
+                if isinstance(error, CheckpointVoteError)
+                else f'{type(error).__name__}: {error}'
+            )
+        )
         try:
             if not reached and not vote.ready_posted:
                 vote.ready(message)
@@ -252,13 +275,16 @@ class SaveMixin:
         """
         if self.world_size == 1:
             return None  # the optimizer state's pending gradients are the whole story
-        states = [w.grad_state_dict() if hasattr(w, 'grad_state_dict') and not w.should_update()
-                  else None for w in self._wrappers()]
+        states = [
+            w.grad_state_dict() if hasattr(w, 'grad_state_dict') and not w.should_update() else None
+            for w in self._wrappers()
+        ]
         if all(st is None for st in states):
             return None
-        on_cpu = [None if st is None else {**st, 'grads': {i: g.cpu() for i, g in
-                                                           st['grads'].items()}}
-                  for st in states]
+        on_cpu = [
+            None if st is None else {**st, 'grads': {i: g.cpu() for i, g in st['grads'].items()}}
+            for st in states
+        ]
         return env.all_gather_object(on_cpu)
 
     def _save_checkpoint_files(self, checkpoint: dict, filename: str) -> None:
@@ -271,10 +297,13 @@ class SaveMixin:
         that every rank is alive and done; it raises if not, and the save must not commit.
         """
         if env.is_main_process():
-            ckpt.save_checkpoint(checkpoint, filename, step=checkpoint['meta'].get('iter'),
-                                 extra_manifest={'world_size': self.world_size,
-                                                 'strategy': type(self).__name__},
-                                 before_commit=self._commit_gate)
+            ckpt.save_checkpoint(
+                checkpoint,
+                filename,
+                step=checkpoint['meta'].get('iter'),
+                extra_manifest={'world_size': self.world_size, 'strategy': type(self).__name__},
+                before_commit=self._commit_gate,
+            )
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:

@@ -12,6 +12,7 @@ Protocol on stdin/stdout, one line each:
 A child saves ``iter_{c}.pth`` (step c) every round, also overwrites ``latest.pth`` every third
 round, then keeps the newest 3 ``iter_*`` checkpoints. Every tensor holds the value c.
 """
+
 import os
 import sys
 
@@ -30,8 +31,10 @@ def state(counter: int) -> dict:
     return {
         'meta': {'counter': counter, 'note': 'x' * 100},
         'state_dict': {f'layer{i}.weight': torch.full((NUMEL,), value) for i in range(4)},
-        'optimizer': {'state': {0: {'momentum_buffer': torch.full((NUMEL // 2,), value)}},
-                      'param_groups': [{'lr': 0.1, 'params': [0]}]},
+        'optimizer': {
+            'state': {0: {'momentum_buffer': torch.full((NUMEL // 2,), value)}},
+            'param_groups': [{'lr': 0.1, 'params': [0]}],
+        },
     }
 
 
@@ -70,11 +73,11 @@ def child(directory: str, base: int) -> None:
     counter = base
     try:
         while True:
-            save_checkpoint(state(counter), os.path.join(directory, f'iter_{counter}.pth'),
-                            step=counter)
+            save_checkpoint(
+                state(counter), os.path.join(directory, f'iter_{counter}.pth'), step=counter
+            )
             if counter % 3 == 0:
-                save_checkpoint(state(counter), os.path.join(directory, 'latest.pth'),
-                                step=counter)
+                save_checkpoint(state(counter), os.path.join(directory, 'latest.pth'), step=counter)
             apply_retention(directory, 3, pattern='iter_*.pth')
             counter += 1
     except BaseException as err:  # noqa: BLE001 - never reached under SIGKILL: report and fail the round

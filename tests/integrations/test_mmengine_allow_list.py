@@ -1,5 +1,6 @@
 """The mmengine allow-list: HistoryBuffer round-trips under weights_only, and a crafted
 file cannot use HistoryBuffer.__setstate__ to rewrite the class's statistics table."""
+
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ def test_history_buffer_round_trips(tmp_path):
 
     import stratagem.integrations.mmengine  # noqa: F401
     from stratagem.checkpoint import load_checkpoint_file, save_checkpoint
+
     buf = HistoryBuffer([1.0, 3.0], [1, 1], max_length=5)
     path = save_checkpoint({'hub': {'loss': buf}}, tmp_path / 'a.pth')
     got = load_checkpoint_file(path)['hub']['loss']
@@ -32,8 +34,7 @@ def test_crafted_state_cannot_rewrite_the_statistics_table(tmp_path):
 
     class Crafted:
         def __reduce__(self):
-            return (HistoryBuffer, ([1.0], [1], 10),
-                    {'statistics_methods': {'mean': np.dtype}})
+            return (HistoryBuffer, ([1.0], [1], 10), {'statistics_methods': {'mean': np.dtype}})
 
     path = tmp_path / 'crafted.pth'
     torch.save({'x': Crafted()}, path)
