@@ -329,9 +329,9 @@ def train(
     dataset = build_dataset(loader_cfg.pop('dataset'))
     batch_size = int(loader_cfg.pop('batch_size', 1))
     sampler = ResumableSampler(
-        len(dataset),
+        len(dataset),  # type: ignore[arg-type]
         strategy.rank,
-        strategy.world_size,  # type: ignore[arg-type]
+        strategy.world_size,
         shuffle=loader_cfg.pop('shuffle', True),
         drop_last=loader_cfg.get('drop_last', False),
     )

@@ -310,8 +310,8 @@ def _referenced_globals(saved: bytes) -> set[str]:
         data = next(n for n in archive.namelist() if n.endswith('/data.pkl'))
         stream = archive.read(data)
     return {
-        arg.replace(' ', '.')
-        for op, arg, _ in pickletools.genops(stream)  # type: ignore[union-attr]
+        arg.replace(' ', '.')  # type: ignore[union-attr]
+        for op, arg, _ in pickletools.genops(stream)
         if op.name == 'GLOBAL'
     }
 

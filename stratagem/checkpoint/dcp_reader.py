@@ -287,7 +287,7 @@ def tensor_from_archive(blob: bytes) -> torch.Tensor | None:
     nbytes = numel * dtype.itemsize
     try:
         if not (
-            archive.has_record(name)
+            archive.has_record(name)  # type: ignore[attr-defined]
             and archive.has_record('byteorder')  # type: ignore[attr-defined]
             and archive.get_record('byteorder') == sys.byteorder.encode()
             and archive.get_record_size(name) == nbytes

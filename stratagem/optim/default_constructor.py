@@ -269,8 +269,8 @@ class DefaultOptimWrapperConstructor:
             return [
                 p
                 for p in model.parameters()
-                if p.requires_grad and not (id(p) in seen or seen.add(id(p)))
-            ]  # type: ignore[func-returns-value]
+                if p.requires_grad and not (id(p) in seen or seen.add(id(p)))  # type: ignore[func-returns-value]
+            ]
         params: list[dict] = []
         self.add_params(params, model)
         if self.paramwise_cfg.get('reduce_param_groups', True):

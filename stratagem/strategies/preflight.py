@@ -123,11 +123,11 @@ def _lacking_hyperparameters(wrapper: Any, state: Any) -> list[str]:
     groups = [dict(g) for g in state['param_groups'] if isinstance(g, Mapping)]
     try:  # a bare instance: only __setstate__'s defaulting runs, nothing is built
         probe = cls.__new__(cls)  # type: ignore[call-overload]
-        cls.__setstate__(
+        cls.__setstate__(  # type: ignore[union-attr]
             probe,
             {
                 'defaults': dict(optimizer.defaults),
-                'state': {},  # type: ignore[union-attr]
+                'state': {},
                 'param_groups': groups,
             },
         )
