@@ -1,4 +1,4 @@
-# The two commands of the README: `make demo` and `make test`.
+# The two commands of the README: `make demo` and `make test` (and `make lint`, which CI runs first).
 # Both create .venv if missing and install torch first ($(TORCH_SPEC)), then the package;
 # a stamp file makes the second run skip the installs.
 PYTHON ?= python3
@@ -11,7 +11,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 QUIET := { grep -v "is ignored" || true; }
 
-.PHONY: demo test venv clean bench
+.PHONY: demo test lint venv clean bench
 
 venv: $(STAMP)
 
@@ -28,6 +28,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 MPLBACKEND=Agg $(PY) -m pytest -q -p no:cacheprovider tests
+
+LINT_PATHS := stratagem tests benchmarks examples
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy stratagem
 
 bench: $(STAMP)
 	$(PY) benchmarks/optim_overhead.py

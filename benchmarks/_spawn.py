@@ -1,4 +1,5 @@
 """Start a 2-rank benchmark: a free localhost port, a scratch directory removed afterwards."""
+
 from __future__ import annotations
 
 import shutil
@@ -17,8 +18,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def spawn_ranks(worker: Callable[..., Any], args: Any, *, world: int = 2, prefix: str = 'bench-',
-                base: str | None = None) -> None:
+def spawn_ranks(
+    worker: Callable[..., Any],
+    args: Any,
+    *,
+    world: int = 2,
+    prefix: str = 'bench-',
+    base: str | None = None,
+) -> None:
     """Run ``worker(rank, world, port, args, scratch_dir)`` in ``world`` processes; the scratch
     directory (under ``base``, else the system temp dir) is removed afterwards."""
     scratch = tempfile.mkdtemp(prefix=prefix, dir=base)

@@ -23,6 +23,7 @@ at the end.
 
     python benchmarks/checkpoint_io.py [--params-millions 100] [--runs 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,10 +41,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from stratagem.checkpoint import load_checkpoint_file, save_checkpoint  # noqa: E402
-from stratagem.checkpoint import manifest as _manifest  # noqa: E402
+from stratagem.checkpoint import load_checkpoint_file, save_checkpoint
+from stratagem.checkpoint import manifest as _manifest
 
-_CHILD = '''
+_CHILD = """
 import gc, sys, time
 sys.path.insert(0, sys.argv[4])
 import torch
@@ -61,7 +62,7 @@ loaded = time.perf_counter()
 model.load_state_dict(checkpoint['state_dict'])
 optimizer.load_state_dict(checkpoint['optimizer'])
 print(loaded - start, time.perf_counter() - start)
-'''
+"""
 
 
 def build(params_millions: float) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -77,9 +78,11 @@ def build(params_millions: float) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    return {'meta': {'epoch': 1, 'iter': 1000}, 'state_dict': model.state_dict(),
-            'optimizer': optimizer.state_dict()}
-
+    return {
+        'meta': {'epoch': 1, 'iter': 1000},
+        'state_dict': model.state_dict(),
+        'optimizer': optimizer.state_dict(),
+    }
 
 
 def raw_save(checkpoint: dict, path: Path) -> None:
@@ -116,9 +119,22 @@ def ours_load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) ->
 def load_in_new_process(which: str, path: Path, params_millions: float) -> tuple[float, float]:
     """(seconds of the load call, seconds including load_state_dict) in a fresh interpreter."""
     import subprocess
+
     here = Path(__file__).resolve().parent
-    proc = subprocess.run([sys.executable, '-c', _CHILD, which, str(path), str(params_millions),
-                           str(here.parent), str(here)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            '-c',
+            _CHILD,
+            which,
+            str(path),
+            str(params_millions),
+            str(here.parent),
+            str(here),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f'the {which} load in a new process failed:\n{proc.stderr[-3000:]}')
     out = proc.stdout.split()
@@ -132,11 +148,12 @@ class AsyncSaver:
     returns). The copy is complete when the call returns: the checkpoint is the state at
     the call."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 directory: Path) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
         from stratagem.strategies import SingleDeviceStrategy
-        self.strategy = SingleDeviceStrategy(work_dir=str(directory), async_checkpoint=True,
-                                             log_kwargs=dict(log_level='WARNING'))
+
+        self.strategy = SingleDeviceStrategy(
+            work_dir=str(directory), async_checkpoint=True, log_kwargs=dict(log_level='WARNING')
+        )
         self.strategy.prepare(model, optim_wrapper=dict(optimizer=optimizer))
 
     @property
@@ -167,6 +184,7 @@ def copy_floor(checkpoint: dict) -> Callable[[], float]:
             return time.perf_counter() - start
         finally:
             torch.set_num_threads(threads)
+
     return run
 
 
@@ -203,20 +221,30 @@ def interleave(runs: int, a, b) -> tuple[list[float], list[float]]:
 
 def report(name: str, ours: list[float], raw: list[float], raw_name: str) -> None:
     mo, mr = statistics.median(ours), statistics.median(raw)
-    print(f'{name:<11} median: ours {mo:6.3f}s  {raw_name} {mr:6.3f}s  ratio {mo / mr:4.2f}x  | '
-          f'min: ours {min(ours):6.3f}s  raw {min(raw):6.3f}s  ratio {min(ours) / min(raw):4.2f}x')
-    print(f'{"":<11} runs: ours {" ".join(f"{t:.2f}" for t in ours)}; '
-          f'raw {" ".join(f"{t:.2f}" for t in raw)}')
+    print(
+        f'{name:<11} median: ours {mo:6.3f}s  {raw_name} {mr:6.3f}s  ratio {mo / mr:4.2f}x  | '
+        f'min: ours {min(ours):6.3f}s  raw {min(raw):6.3f}s  ratio {min(ours) / min(raw):4.2f}x'
+    )
+    print(
+        f'{"":<11} runs: ours {" ".join(f"{t:.2f}" for t in ours)}; '
+        f'raw {" ".join(f"{t:.2f}" for t in raw)}'
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--params-millions', type=float, default=100.0)
     parser.add_argument('--runs', type=int, default=5)
-    parser.add_argument('--zip-crc32', action='store_true',
-                        help='save with the zip CRC32 too (as raw torch.save does)')
-    parser.add_argument('--skip-new-process', action='store_true',
-                        help='skip the loads in fresh interpreters (each imports torch)')
+    parser.add_argument(
+        '--zip-crc32',
+        action='store_true',
+        help='save with the zip CRC32 too (as raw torch.save does)',
+    )
+    parser.add_argument(
+        '--skip-new-process',
+        action='store_true',
+        help='skip the loads in fresh interpreters (each imports torch)',
+    )
     args = parser.parse_args()
 
     model, optimizer = build(args.params_millions)
@@ -239,9 +267,11 @@ def main() -> None:
         save_a(), save_b()  # warm-up: allocator, page cache, thread pools
         ours_s, raw_s = interleave(args.runs, save_a, save_b)
         size = ours_path.stat().st_size
-        print(f'model: {numel / 1e6:.1f}M params + SGD momentum; file {size / 2**20:.0f} MiB; '
-              f'{args.runs} interleaved runs each, medians; torch {torch.__version__}, '
-              f'{os.cpu_count()} CPUs')
+        print(
+            f'model: {numel / 1e6:.1f}M params + SGD momentum; file {size / 2**20:.0f} MiB; '
+            f'{args.runs} interleaved runs each, medians; torch {torch.__version__}, '
+            f'{os.cpu_count()} CPUs'
+        )
         report('save', ours_s, raw_s, 'torch.save+fsync')
         mbps = size / 2**20 / statistics.median(ours_s)
         print(f'            ours {mbps:.0f} MiB/s including xxh3, fsync and manifest')
@@ -262,34 +292,41 @@ def main() -> None:
         floor = copy_floor(checkpoint)
         floor()
         copies = [floor() for _ in range(args.runs)]
-        print(f'{"copy floor":<11} median: {statistics.median(copies):6.3f}s  ratio '
-              f'{statistics.median(copies) / statistics.median(raw_a):4.2f}x  (one thread copying '
-              f'every tensor into reused buffers)')
-        print(f'            staging buffers: {saver.staged_bytes / 2**20:.0f} MiB '
-              f'(one copy of the tensors, reused)')
+        print(
+            f'{"copy floor":<11} median: {statistics.median(copies):6.3f}s  ratio '
+            f'{statistics.median(copies) / statistics.median(raw_a):4.2f}x  (one thread copying '
+            f'every tensor into reused buffers)'
+        )
+        print(
+            f'            staging buffers: {saver.staged_bytes / 2**20:.0f} MiB '
+            f'(one copy of the tensors, reused)'
+        )
         saver.strategy.checkpointer.writer.release()
 
         if not args.skip_new_process:
             pairs = []
 
             def child_a() -> float:
-                pairs.append(('ours', load_in_new_process('ours', ours_path,
-                                                          args.params_millions)))
+                pairs.append(('ours', load_in_new_process('ours', ours_path, args.params_millions)))
                 return pairs[-1][1][0]
 
             def child_b() -> float:
-                pairs.append(('raw', load_in_new_process('raw', raw_path,
-                                                         args.params_millions)))
+                pairs.append(('raw', load_in_new_process('raw', raw_path, args.params_millions)))
                 return pairs[-1][1][0]
 
             child_a(), child_b()
             pairs.clear()
             ours_c, raw_c = interleave(args.runs, child_a, child_b)
             report('load new', ours_c, raw_c, 'torch.load  ')
-            report('  +apply', [t for w, (_, t) in pairs if w == 'ours'],
-                   [t for w, (_, t) in pairs if w == 'raw'], 'torch.load  ')
+            report(
+                '  +apply',
+                [t for w, (_, t) in pairs if w == 'ours'],
+                [t for w, (_, t) in pairs if w == 'raw'],
+                'torch.load  ',
+            )
 
         for cold in (False, True):
+
             def load_a() -> float:
                 if cold:
                     evict(ours_path)

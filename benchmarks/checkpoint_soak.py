@@ -9,6 +9,7 @@ temp entry the dead writers left. Any violation stops the run with the assertion
 
     python benchmarks/checkpoint_soak.py [--kills 120] [--modes sync async] [--seed 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,24 +27,38 @@ from test_ckpt_crash import run_kill_rounds  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--kills', type=int, default=120, help='kills per mode')
-    parser.add_argument('--modes', nargs='+', default=['sync', 'async', 'strategy'],
-                        choices=['sync', 'async', 'strategy'])
+    parser.add_argument(
+        '--modes',
+        nargs='+',
+        default=['sync', 'async', 'strategy'],
+        choices=['sync', 'async', 'strategy'],
+    )
     parser.add_argument('--seed', type=int, default=1)
     args = parser.parse_args()
     total = 0
     for mode in args.modes:
-        directory = Path(tempfile.mkdtemp(prefix=f'soak-{mode}-', dir=ROOT / 'work_dirs')
-                         if (ROOT / 'work_dirs').is_dir() else tempfile.mkdtemp())
+        directory = Path(
+            tempfile.mkdtemp(prefix=f'soak-{mode}-', dir=ROOT / 'work_dirs')
+            if (ROOT / 'work_dirs').is_dir()
+            else tempfile.mkdtemp()
+        )
         try:
-            r = run_kill_rounds(directory, args.kills, mode, seed=args.seed,
-                                max_sleep=1.0 if mode == 'strategy' else 0.45)
+            r = run_kill_rounds(
+                directory,
+                args.kills,
+                mode,
+                seed=args.seed,
+                max_sleep=1.0 if mode == 'strategy' else 0.45,
+            )
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         assert r['debris_after_cleanup'] == [], r
         total += r['kills']
-        print(f'{mode:>5}: {r["kills"]} kills in {r["elapsed"]:.0f}s; {r["resumed"]} rounds '
-              f'resumed from a verified checkpoint; {r["mid_save"]} kills left a temp entry '
-              f'(landed mid-save); last step {r["last"]}; 0 invariant violations')
+        print(
+            f'{mode:>5}: {r["kills"]} kills in {r["elapsed"]:.0f}s; {r["resumed"]} rounds '
+            f'resumed from a verified checkpoint; {r["mid_save"]} kills left a temp entry '
+            f'(landed mid-save); last step {r["last"]}; 0 invariant violations'
+        )
     print(f'total: {total} kills, all invariants held')
 
 

@@ -9,6 +9,7 @@ ShardedDataParallel; its rows are left out when fairscale is not installed).
 
     python benchmarks/ddp_throughput.py [--rounds 15] [--steps 10] [--order raw-first]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,8 @@ import time
 
 import torch
 import torch.multiprocessing as mp
-from torch import nn
-
 from _spawn import free_port  # benchmarks/, on the path when run as a script
+from torch import nn
 
 
 def _mlp() -> nn.Module:
@@ -32,25 +32,34 @@ def _mlp() -> nn.Module:
 
 
 def _worker(rank: int, world: int, port: int, rounds: int, steps: int, order: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR='127.0.0.1',
-                      MASTER_PORT=str(port), OMP_NUM_THREADS='1')
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR='127.0.0.1',
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS='1',
+    )
     torch.set_num_threads(1)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from stratagem import env
     from stratagem.strategies import DDPStrategy, build_strategy
 
-    strategy = DDPStrategy(work_dir=tempfile.mkdtemp(prefix='ddp-bench-'),
-                           env_kwargs=dict(randomness=dict(seed=0)),
-                           log_kwargs=dict(log_level='WARNING'))
+    strategy = DDPStrategy(
+        work_dir=tempfile.mkdtemp(prefix='ddp-bench-'),
+        env_kwargs=dict(randomness=dict(seed=0)),
+        log_kwargs=dict(log_level='WARNING'),
+    )
     torch.manual_seed(0)
     # which model is allocated first shifts step time by a few % on CPU (memory placement);
     # --order picks it, and the control below separates placement from wrapper overhead
     if order == 'raw-first':
         raw = DDP(_mlp())
-    model, optim_wrapper = strategy.prepare(_mlp(), optim_wrapper=dict(
-        optimizer=dict(type='Adam', lr=1e-4)))
+    model, optim_wrapper = strategy.prepare(
+        _mlp(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=1e-4))
+    )
     if order == 'ours-first':
         raw = DDP(_mlp())
     raw_opt = torch.optim.Adam(raw.parameters(), lr=1e-4)
@@ -60,11 +69,16 @@ def _worker(rank: int, world: int, port: int, rounds: int, steps: int, order: st
     except ImportError:
         sharded = None
     else:
-        sharded = build_strategy(dict(type='ShardedDDPStrategy',
-                                      work_dir=tempfile.mkdtemp(prefix='sdp-bench-'),
-                                      log_kwargs=dict(log_level='WARNING')))
-        s_model, s_wrapper = sharded.prepare(_mlp(), optim_wrapper=dict(
-            optimizer=dict(type='Adam', lr=1e-4)))
+        sharded = build_strategy(
+            dict(
+                type='ShardedDDPStrategy',
+                work_dir=tempfile.mkdtemp(prefix='sdp-bench-'),
+                log_kwargs=dict(log_level='WARNING'),
+            )
+        )
+        s_model, s_wrapper = sharded.prepare(
+            _mlp(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=1e-4))
+        )
     batches = [torch.randn(64, 1024) for _ in range(4)]
 
     def raw_step(x: torch.Tensor) -> None:
@@ -113,30 +127,48 @@ def _worker(rank: int, world: int, port: int, rounds: int, steps: int, order: st
     states = []
     if sharded:  # the byte counter lives with OSS (it imports fairscale)
         from stratagem.optim.oss import optimizer_state_bytes
-        states = env.all_gather_object([optimizer_state_bytes(raw_opt),
-                                        optimizer_state_bytes(s_wrapper.optimizer)])
+
+        states = env.all_gather_object(
+            [optimizer_state_bytes(raw_opt), optimizer_state_bytes(s_wrapper.optimizer)]
+        )
     if rank == 0:
         raw_m, ours_m = statistics.median(raw_t), statistics.median(ours_t)
-        print(f'DDP, 2 ranks x gloo x 1 thread, 4xLinear(1024,1024), batch 64/rank, Adam; '
-              f'{rounds} interleaved rounds x {steps} steps; models built {order}')
-        print(f'raw torch DDP loop        median {raw_m * 1e3:8.2f} ms/step  '
-              f'({1 / raw_m:6.2f} steps/s)')
-        print(f'DDPStrategy+OptimWrapper  median {ours_m * 1e3:8.2f} ms/step  '
-              f'({1 / ours_m:6.2f} steps/s)')
-        print(f'time ratio stratagem/raw: {ours_m / raw_m:.3f}x (ratio of medians), '
-              f'{statistics.median(ratios):.3f}x (median of per-round ratios)')
-        print(f'wrapper alone (same model+optimizer driven by a raw loop): '
-              f'{statistics.median(control_ratios):.3f}x')
+        print(
+            f'DDP, 2 ranks x gloo x 1 thread, 4xLinear(1024,1024), batch 64/rank, Adam; '
+            f'{rounds} interleaved rounds x {steps} steps; models built {order}'
+        )
+        print(
+            f'raw torch DDP loop        median {raw_m * 1e3:8.2f} ms/step  '
+            f'({1 / raw_m:6.2f} steps/s)'
+        )
+        print(
+            f'DDPStrategy+OptimWrapper  median {ours_m * 1e3:8.2f} ms/step  '
+            f'({1 / ours_m:6.2f} steps/s)'
+        )
+        print(
+            f'time ratio stratagem/raw: {ours_m / raw_m:.3f}x (ratio of medians), '
+            f'{statistics.median(ratios):.3f}x (median of per-round ratios)'
+        )
+        print(
+            f'wrapper alone (same model+optimizer driven by a raw loop): '
+            f'{statistics.median(control_ratios):.3f}x'
+        )
         if sharded:
             sdp_m = statistics.median(sdp_t)
-            print(f'ShardedDDPStrategy (OSS)  median {sdp_m * 1e3:8.2f} ms/step  '
-                  f'({1 / sdp_m:6.2f} steps/s)')
-            print(f'time ratio sharded/raw DDP: {sdp_m / raw_m:.3f}x (ratio of medians), '
-                  f'{statistics.median(sdp_ratios):.3f}x (median of per-round ratios); '
-                  f'sharded/DDPStrategy: {sdp_m / ours_m:.3f}x')
+            print(
+                f'ShardedDDPStrategy (OSS)  median {sdp_m * 1e3:8.2f} ms/step  '
+                f'({1 / sdp_m:6.2f} steps/s)'
+            )
+            print(
+                f'time ratio sharded/raw DDP: {sdp_m / raw_m:.3f}x (ratio of medians), '
+                f'{statistics.median(sdp_ratios):.3f}x (median of per-round ratios); '
+                f'sharded/DDPStrategy: {sdp_m / ours_m:.3f}x'
+            )
         for r, (full, shard) in enumerate(states):
-            print(f'rank {r} optimizer state: DDP (Adam) {full / 2**20:7.2f} MiB, ShardedDDP '
-                  f'(OSS shard) {shard / 2**20:7.2f} MiB ({shard / full:.2f}x)')
+            print(
+                f'rank {r} optimizer state: DDP (Adam) {full / 2**20:7.2f} MiB, ShardedDDP '
+                f'(OSS shard) {shard / 2**20:7.2f} MiB ({shard / full:.2f}x)'
+            )
     env.barrier()
     torch.distributed.destroy_process_group()
 
@@ -145,8 +177,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--rounds', type=int, default=15)
     parser.add_argument('--steps', type=int, default=10)
-    parser.add_argument('--order', choices=['raw-first', 'ours-first'], default='raw-first',
-                        help='which model is allocated first')
+    parser.add_argument(
+        '--order',
+        choices=['raw-first', 'ours-first'],
+        default='raw-first',
+        help='which model is allocated first',
+    )
     args = parser.parse_args()
     port = free_port()
     mp.spawn(_worker, args=(2, port, args.rounds, args.steps, args.order), nprocs=2)

@@ -20,6 +20,7 @@ ratios to raw.
 
     python benchmarks/deepspeed_checkpoint.py [--rounds 9] [--stage 2] [--width 1024]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from _spawn import spawn_ranks  # benchmarks/, on the path when run as a script
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -63,13 +63,20 @@ def _old_layout(strategy):
     class OldZeroLayout(ZeroLayout):
         def stage(self, checkpoint, path, commit, writer):
             def write(staging: Path) -> None:
-                strategy.model.save_checkpoint(str(staging), tag=DEEPSPEED_TAG,
-                                               client_state={}, save_latest=False)
+                strategy.model.save_checkpoint(
+                    str(staging), tag=DEEPSPEED_TAG, client_state={}, save_latest=False
+                )
                 if env.is_main_process():
                     torch.save(checkpoint, staging / STATE_FILE)
-            return lambda: ckpt.save_directory(path, write, step=commit.step,
-                                               extra_manifest={'strategy': 'bench'},
-                                               vote=commit.vote)
+
+            return lambda: ckpt.save_directory(
+                path,
+                write,
+                step=commit.step,
+                extra_manifest={'strategy': 'bench'},
+                vote=commit.vote,
+            )
+
     return OldZeroLayout(strategy)
 
 
@@ -84,25 +91,38 @@ def _fsync_tree(root: str) -> None:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR='127.0.0.1',
-                      MASTER_PORT=str(port), OMP_NUM_THREADS='1')
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR='127.0.0.1',
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS='1',
+    )
     torch.set_num_threads(1)
     from stratagem import env
     from stratagem.strategies import DeepSpeedStrategy
 
     logging.getLogger('DeepSpeed').setLevel(logging.WARNING)
     report = []
-    for name, build, dim in (('tiny MLP (163 params)', _tiny, 6),
-                             (f'4xLinear({args.width},{args.width})',
-                              lambda: _mlp(args.width), args.width)):
+    for name, build, dim in (
+        ('tiny MLP (163 params)', _tiny, 6),
+        (f'4xLinear({args.width},{args.width})', lambda: _mlp(args.width), args.width),
+    ):
         work = tempfile.mkdtemp(prefix=f'ds-ckpt-{rank}-', dir=out_dir)
-        s = DeepSpeedStrategy(work_dir=work, zero_optimization=dict(stage=args.stage),
-                              env_kwargs=dict(randomness=dict(seed=0)),
-                              log_kwargs=dict(log_level='WARNING'))
+        s = DeepSpeedStrategy(
+            work_dir=work,
+            zero_optimization=dict(stage=args.stage),
+            env_kwargs=dict(randomness=dict(seed=0)),
+            log_kwargs=dict(log_level='WARNING'),
+        )
         torch.manual_seed(0)
-        model, ow = s.prepare(build(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=1e-4)),
-                              dispatch_kwargs=dict(train_micro_batch_size_per_gpu=8))
+        model, ow = s.prepare(
+            build(),
+            optim_wrapper=dict(optimizer=dict(type='Adam', lr=1e-4)),
+            dispatch_kwargs=dict(train_micro_batch_size_per_gpu=8),
+        )
         with ow.optim_context(model):
             loss = model(torch.randn(8, dim)).square().mean()
         ow.update_params(loss)  # the optimizer state exists
@@ -157,13 +177,17 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
             clean(path)
             return {'async_blocked': blocked, 'async_commit': committed}
 
-        blocks = [raw, lambda: {'old_sync': sync(old_layout)},
-                  lambda: {'sync': sync(new_layout)}, asyn]
+        blocks = [
+            raw,
+            lambda: {'old_sync': sync(old_layout)},
+            lambda: {'sync': sync(new_layout)},
+            asyn,
+        ]
         for block in blocks:  # warm-up: staging buffers, page cache, lazy imports
             block()
         times: dict[str, list[float]] = {}
         for r in range(args.rounds):
-            order = blocks[r % len(blocks):] + blocks[:r % len(blocks)]
+            order = blocks[r % len(blocks) :] + blocks[: r % len(blocks)]
             for block in order:
                 for key, value in block().items():
                     # the slowest rank's time
@@ -174,9 +198,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
         del model, ow, s
     if rank == 0:
         import deepspeed
-        print(f'DeepSpeed {deepspeed.__version__}, ZeRO-{args.stage}, 2 ranks x gloo x 1 '
-              f'thread (CPU), torch Adam; {args.rounds} interleaved rounds; medians, slowest '
-              'rank; a shared machine')
+
+        print(
+            f'DeepSpeed {deepspeed.__version__}, ZeRO-{args.stage}, 2 ranks x gloo x 1 '
+            f'thread (CPU), torch Adam; {args.rounds} interleaved rounds; medians, slowest '
+            'rank; a shared machine'
+        )
         for name, med, staged in report:
             raw_t = med['raw']
             print(f'{name}: staged bytes per rank {staged}')

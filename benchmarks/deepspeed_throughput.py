@@ -18,6 +18,7 @@ all alike. Prints medians of ms/step and the time ratios stratagem / raw DeepSpe
 
     python benchmarks/deepspeed_throughput.py [--rounds 15] [--steps 10] [--stages 2 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,8 @@ import time
 
 import torch
 import torch.multiprocessing as mp
-from torch import nn
-
 from _spawn import free_port  # benchmarks/, on the path when run as a script
+from torch import nn
 
 
 def _mlp() -> nn.Module:
@@ -41,11 +41,16 @@ def _mlp() -> nn.Module:
     return nn.Sequential(*layers[:-1])
 
 
-def _worker(rank: int, world: int, port: int, rounds: int, steps: int,
-            stages: list[int]) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR='127.0.0.1',
-                      MASTER_PORT=str(port), OMP_NUM_THREADS='1')
+def _worker(rank: int, world: int, port: int, rounds: int, steps: int, stages: list[int]) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR='127.0.0.1',
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS='1',
+    )
     torch.set_num_threads(1)
     import deepspeed
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -57,21 +62,31 @@ def _worker(rank: int, world: int, port: int, rounds: int, steps: int,
     batches = [torch.randn(64, 1024) for _ in range(4)]
     results = {}
     for stage in stages:
-        strategy = DeepSpeedStrategy(work_dir=tempfile.mkdtemp(prefix='ds-bench-'),
-                                     zero_optimization=dict(stage=stage),
-                                     env_kwargs=dict(randomness=dict(seed=0)),
-                                     log_kwargs=dict(log_level='WARNING'))
+        strategy = DeepSpeedStrategy(
+            work_dir=tempfile.mkdtemp(prefix='ds-bench-'),
+            zero_optimization=dict(stage=stage),
+            env_kwargs=dict(randomness=dict(seed=0)),
+            log_kwargs=dict(log_level='WARNING'),
+        )
         torch.manual_seed(0)
         model, optim_wrapper = strategy.prepare(
-            _mlp(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=1e-4)),
-            dispatch_kwargs=dict(train_micro_batch_size_per_gpu=64))
+            _mlp(),
+            optim_wrapper=dict(optimizer=dict(type='Adam', lr=1e-4)),
+            dispatch_kwargs=dict(train_micro_batch_size_per_gpu=64),
+        )
         raw_module = _mlp()
-        raw_config = dict(train_micro_batch_size_per_gpu=64, gradient_accumulation_steps=1,
-                          gradient_clipping=0.0, steps_per_print=10 ** 13,
-                          zero_optimization=dict(stage=stage))
+        raw_config = dict(
+            train_micro_batch_size_per_gpu=64,
+            gradient_accumulation_steps=1,
+            gradient_clipping=0.0,
+            steps_per_print=10**13,
+            zero_optimization=dict(stage=stage),
+        )
         raw, *_ = deepspeed.initialize(
-            model=raw_module, optimizer=torch.optim.Adam(raw_module.parameters(), lr=1e-4),
-            config=raw_config)
+            model=raw_module,
+            optimizer=torch.optim.Adam(raw_module.parameters(), lr=1e-4),
+            config=raw_config,
+        )
         ddp = DDP(_mlp())
         ddp_opt = torch.optim.Adam(ddp.parameters(), lr=1e-4)
 
@@ -114,26 +129,41 @@ def _worker(rank: int, world: int, port: int, rounds: int, steps: int,
                 times[fn].append(got[fn])
             ratios.append(got[ours_step] / got[raw_step])
             control.append(got[ours_step] / got[control_step])
-        results[stage] = ({fn.__name__: statistics.median(t) for fn, t in times.items()},
-                          statistics.median(ratios), statistics.median(control))
+        results[stage] = (
+            {fn.__name__: statistics.median(t) for fn, t in times.items()},
+            statistics.median(ratios),
+            statistics.median(control),
+        )
         del raw, model, optim_wrapper, strategy, ddp
     if rank == 0:
-        print(f'DeepSpeed {deepspeed.__version__}, 2 ranks x gloo x 1 thread (CPU), '
-              f'4xLinear(1024,1024), batch 64/rank, torch Adam; {rounds} interleaved rounds x '
-              f'{steps} steps')
+        print(
+            f'DeepSpeed {deepspeed.__version__}, 2 ranks x gloo x 1 thread (CPU), '
+            f'4xLinear(1024,1024), batch 64/rank, torch Adam; {rounds} interleaved rounds x '
+            f'{steps} steps'
+        )
         for stage, (med, ratio, control_ratio) in results.items():
-            print(f'ZeRO-{stage}: raw DeepSpeed loop          median '
-                  f'{med["raw_step"] * 1e3:8.2f} ms/step')
-            print(f'ZeRO-{stage}: DeepSpeedStrategy+wrapper   median '
-                  f'{med["ours_step"] * 1e3:8.2f} ms/step')
-            print(f'ZeRO-{stage}: raw torch DDP (context)     median '
-                  f'{med["ddp_step"] * 1e3:8.2f} ms/step')
+            print(
+                f'ZeRO-{stage}: raw DeepSpeed loop          median '
+                f'{med["raw_step"] * 1e3:8.2f} ms/step'
+            )
+            print(
+                f'ZeRO-{stage}: DeepSpeedStrategy+wrapper   median '
+                f'{med["ours_step"] * 1e3:8.2f} ms/step'
+            )
+            print(
+                f'ZeRO-{stage}: raw torch DDP (context)     median '
+                f'{med["ddp_step"] * 1e3:8.2f} ms/step'
+            )
             ratio_of_medians = med['ours_step'] / med['raw_step']
-            print(f'ZeRO-{stage}: stratagem/raw DeepSpeed {ratio_of_medians:.3f}x '
-                  f'(ratio of medians), {ratio:.3f}x (median of per-round ratios); raw '
-                  f'DeepSpeed/DDP {med["raw_step"] / med["ddp_step"]:.2f}x')
-            print(f'ZeRO-{stage}: wrapper alone (our engine driven by DeepSpeed\'s own loop): '
-                  f'{control_ratio:.3f}x')
+            print(
+                f'ZeRO-{stage}: stratagem/raw DeepSpeed {ratio_of_medians:.3f}x '
+                f'(ratio of medians), {ratio:.3f}x (median of per-round ratios); raw '
+                f'DeepSpeed/DDP {med["raw_step"] / med["ddp_step"]:.2f}x'
+            )
+            print(
+                f"ZeRO-{stage}: wrapper alone (our engine driven by DeepSpeed's own loop): "
+                f'{control_ratio:.3f}x'
+            )
     env.barrier()
     torch.distributed.destroy_process_group()
 

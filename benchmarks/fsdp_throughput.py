@@ -14,6 +14,7 @@ and the fixed cost of the checks.
 
     python benchmarks/fsdp_throughput.py [--rounds 9] [--steps 10] [--ckpt-rounds 5] [--width 1024]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,8 @@ import time
 import warnings
 
 import torch
-from torch import nn
-
 from _spawn import spawn_ranks  # benchmarks/, on the path when run as a script
+from torch import nn
 
 
 def _mlp(width: int = 1024) -> nn.Module:
@@ -38,9 +38,15 @@ def _mlp(width: int = 1024) -> nn.Module:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR='127.0.0.1',
-                      MASTER_PORT=str(port), OMP_NUM_THREADS='1')
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR='127.0.0.1',
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS='1',
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -50,11 +56,17 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str
 
     from stratagem.strategies import build_strategy
 
-    strategy = build_strategy(dict(type='FSDPStrategy', work_dir=tmp,
-                                   model_wrapper=dict(auto_wrap_policy=['Linear']),
-                                   log_kwargs=dict(log_level='WARNING')))
-    model, ow = strategy.prepare(_mlp(args.width), optim_wrapper=dict(optimizer=dict(type='AdamW',
-                                                                           lr=1e-4)))
+    strategy = build_strategy(
+        dict(
+            type='FSDPStrategy',
+            work_dir=tmp,
+            model_wrapper=dict(auto_wrap_policy=['Linear']),
+            log_kwargs=dict(log_level='WARNING'),
+        )
+    )
+    model, ow = strategy.prepare(
+        _mlp(args.width), optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-4))
+    )
     raw = _mlp(args.width)
     mesh = init_device_mesh('cpu', (world,))
     for layer in raw:
@@ -102,11 +114,26 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str
                 dcp.load(state, storage_reader=ShardReader(raw_dir), no_dist=True)
         else:
             dcp.load(state, checkpoint_id=raw_dir)
-        set_state_dict(raw, [raw_opt], model_state_dict=state['state_dict'],
-                       optim_state_dict=state['optimizer'])
+        set_state_dict(
+            raw,
+            [raw_opt],
+            model_state_dict=state['state_dict'],
+            optim_state_dict=state['optimizer'],
+        )
 
-    io = {k: [] for k in ('raw_save', 'ours_save', 'raw_load', 'ours_load', 'raw_load2',
-                          'ours_load_cold', 'raw_load_fast')}
+    io = {
+        k: []
+        for k in (
+            'raw_save',
+            'ours_save',
+            'raw_load',
+            'ours_load',
+            'raw_load2',
+            'ours_load_cold',
+            'raw_load_fast',
+        )
+    }
+
     def clock(times: dict, key: str, fn, *fn_args):
         """``fn(*fn_args)`` on every rank, timed until the last rank is done."""
         t = time.perf_counter()
@@ -145,19 +172,27 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str
         dist.barrier()
     if rank == 0:
         med = {k: statistics.median(v) for k, v in {**step, **io}.items()}
-        print(f'step ms: raw fully_shard {med["raw"]:.2f}, FSDPStrategy {med["ours"]:.2f}, '
-              f'ratio {med["ours"] / med["raw"]:.3f} (medians of {args.rounds} blocks of '
-              f'{args.steps} steps)')
-        for what, ours, base in (('save', 'ours_save', 'raw_save'),
-                                 ('load (same process)', 'ours_load', 'raw_load'),
-                                 ('load (cold: every file hashed)', 'ours_load_cold',
-                                  'raw_load2')):
-            print(f'{what} ms: raw dcp {med[base]:.1f}, ours {med[ours]:.1f}, ratio '
-                  f'{med[ours] / med[base]:.3f} (medians of {args.ckpt_rounds})')
-        print(f'where the load time goes: the raw loop reading through ShardReader, per rank '
-              f'(no_dist), without checks: {med["raw_load_fast"]:.1f} ms, '
-              f'{med["raw_load_fast"] / med["raw_load"]:.3f} of raw dcp; ours adds the checks, '
-              f'verification and the ranks\' agreement ({med["ours_load"] - med["raw_load_fast"]:.1f} ms)')
+        print(
+            f'step ms: raw fully_shard {med["raw"]:.2f}, FSDPStrategy {med["ours"]:.2f}, '
+            f'ratio {med["ours"] / med["raw"]:.3f} (medians of {args.rounds} blocks of '
+            f'{args.steps} steps)'
+        )
+        for what, ours, base in (
+            ('save', 'ours_save', 'raw_save'),
+            ('load (same process)', 'ours_load', 'raw_load'),
+            ('load (cold: every file hashed)', 'ours_load_cold', 'raw_load2'),
+        ):
+            print(
+                f'{what} ms: raw dcp {med[base]:.1f}, ours {med[ours]:.1f}, ratio '
+                f'{med[ours] / med[base]:.3f} (medians of {args.ckpt_rounds})'
+            )
+        print(
+            f'where the load time goes: the raw loop reading through ShardReader, per rank '
+            f'(no_dist), without checks: {med["raw_load_fast"]:.1f} ms, '
+            f'{med["raw_load_fast"] / med["raw_load"]:.3f} of raw dcp; ours adds the checks, '
+            "verification and the ranks' agreement "
+            f'({med["ours_load"] - med["raw_load_fast"]:.1f} ms)'
+        )
     dist.barrier()  # both ranks done before gloo tears down (a peer gone mid-teardown aborts)
     dist.destroy_process_group()
 
@@ -167,8 +202,12 @@ def main() -> None:
     parser.add_argument('--rounds', type=int, default=9)
     parser.add_argument('--steps', type=int, default=10)
     parser.add_argument('--ckpt-rounds', type=int, default=5)
-    parser.add_argument('--width', type=int, default=1024,
-                        help='Linear width (2048: 4x the state, fixed costs amortised)')
+    parser.add_argument(
+        '--width',
+        type=int,
+        default=1024,
+        help='Linear width (2048: 4x the state, fixed costs amortised)',
+    )
     args = parser.parse_args()
     spawn_ranks(_worker, args, prefix='fsdp_bench_', base=os.environ.get('BENCH_DIR'))
 

@@ -6,6 +6,7 @@ alike, and prints the medians and their difference.
 
     python benchmarks/import_time.py [--runs 15]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,14 +14,17 @@ import statistics
 import subprocess
 import sys
 
-SNIPPET = ('import time; t = time.perf_counter(); {stmt}; '
-           'print(time.perf_counter() - t)')
+SNIPPET = 'import time; t = time.perf_counter(); {stmt}; print(time.perf_counter() - t)'
 
 
 def time_import(stmt: str) -> float:
     """Seconds a fresh interpreter spends executing ``stmt``."""
-    out = subprocess.run([sys.executable, '-c', SNIPPET.format(stmt=stmt)], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, '-c', SNIPPET.format(stmt=stmt)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return float(out.strip().splitlines()[-1])
 
 
@@ -41,8 +45,9 @@ def main() -> None:
     base, both = measure(args.runs)
     print(f'import torch              median {base * 1e3:8.1f} ms  ({args.runs} runs)')
     print(f'import torch, stratagem   median {both * 1e3:8.1f} ms')
-    print(f'overhead of stratagem            {(both - base) * 1e3:8.1f} ms '
-          f'(ratio {both / base:.3f}x)')
+    print(
+        f'overhead of stratagem            {(both - base) * 1e3:8.1f} ms (ratio {both / base:.3f}x)'
+    )
 
 
 if __name__ == '__main__':

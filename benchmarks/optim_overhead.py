@@ -17,6 +17,7 @@
 Run: ``.venv/bin/python benchmarks/optim_overhead.py`` (about a minute; ``--quick`` for a
 smoke run).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,6 +68,7 @@ def bench_step_overhead(rounds: int, iters: int) -> dict[str, float]:
             with wrapper.optim_context(model):
                 loss = model(x).square().mean()
             wrapper.update_params(loss)
+
         return run
 
     ours = wrapped_runner(OptimWrapper)
@@ -87,10 +89,13 @@ def bench_step_overhead(rounds: int, iters: int) -> dict[str, float]:
         loss.backward()
         control_opt.step()
 
-    contestants = {'raw loop': raw, 'raw loop again (control)': control,
-                   'OptimWrapper': ours,
-                   'raw loop, OptimWrapper\'s model': raw_on_ours,
-                   'naive wrapper (loss / 1)': wrapped_runner(NaiveOptimWrapper)}
+    contestants = {
+        'raw loop': raw,
+        'raw loop again (control)': control,
+        'OptimWrapper': ours,
+        "raw loop, OptimWrapper's model": raw_on_ours,
+        'naive wrapper (loss / 1)': wrapped_runner(NaiveOptimWrapper),
+    }
     times: dict[str, list[float]] = {name: [] for name in contestants}
     for fn in contestants.values():  # warm-up
         for _ in range(iters // 2):
@@ -106,7 +111,7 @@ def bench_step_overhead(rounds: int, iters: int) -> dict[str, float]:
             times[name].append((time.perf_counter() - t0) / iters * 1e6)
     raw_t = times['raw loop']
     print(f'1) tiny MLP step, {rounds} rounds x {iters} steps, interleaved, 1 thread')
-    print(f"   {'':32s} {'median us/step':>15s} {'min us/step':>12s} {'median ratio':>13s}")
+    print(f'   {"":32s} {"median us/step":>15s} {"min us/step":>12s} {"median ratio":>13s}')
     result = {}
     for name in names:
         med = statistics.median(times[name])
@@ -128,8 +133,12 @@ def _bottleneck(cin: int, mid: int, stride: int, downsample: bool) -> nn.Module:
             self.bn2 = nn.BatchNorm2d(mid)
             self.conv3 = nn.Conv2d(mid, cout, 1, bias=False)
             self.bn3 = nn.BatchNorm2d(cout)
-            self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                             nn.BatchNorm2d(cout)) if downsample else None)
+            self.downsample = (
+                nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                if downsample
+                else None
+            )
+
     return Bottleneck()
 
 
@@ -148,9 +157,10 @@ def resnet50_params() -> nn.Module:
 def bench_param_groups(rounds: int, steps: int) -> dict[str, float]:
     base = dict(optimizer=dict(type='AdamW', lr=1e-3, weight_decay=0.05, foreach=True))
     variants = {
-        'merged groups': dict(norm_decay_mult=0., bias_decay_mult=0.),
-        'one group per tensor': dict(norm_decay_mult=0., bias_decay_mult=0.,
-                                     reduce_param_groups=False),
+        'merged groups': dict(norm_decay_mult=0.0, bias_decay_mult=0.0),
+        'one group per tensor': dict(
+            norm_decay_mult=0.0, bias_decay_mult=0.0, reduce_param_groups=False
+        ),
     }
     runs = {}
     for name, paramwise in variants.items():
@@ -166,14 +176,16 @@ def bench_param_groups(rounds: int, steps: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             wrapper = runs[name][0]
             t0 = time.perf_counter()
             for _ in range(steps):
                 wrapper.step()
             times[name].append((time.perf_counter() - t0) / steps * 1e3)
-    print(f'2) AdamW(foreach) step, ResNet-50 parameter set ({n_params / 1e6:.1f}M params, '
-          f'{n_tensors} tensors), {rounds} rounds x {steps} steps, interleaved, 1 thread')
+    print(
+        f'2) AdamW(foreach) step, ResNet-50 parameter set ({n_params / 1e6:.1f}M params, '
+        f'{n_tensors} tensors), {rounds} rounds x {steps} steps, interleaved, 1 thread'
+    )
     base_t = times['merged groups']
     result = {}
     for name in names:

@@ -22,6 +22,7 @@ spread, not only the median.
 Run: ``python benchmarks/overhead.py`` (a few minutes; ``--quick`` for a smoke run; ``--part
 steps|solo|startup`` for one part). Set ``OMP_NUM_THREADS=1`` for stable step times.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,11 @@ def mlp(width: int, depth: int, seed: int = 0) -> nn.Module:
 
 
 def _optimizer_cfg(name: str) -> dict:
-    return (dict(type='SGD', lr=1e-3, momentum=0.9) if name == 'sgd'
-            else dict(type='AdamW', lr=1e-3, weight_decay=0.01))
+    return (
+        dict(type='SGD', lr=1e-3, momentum=0.9)
+        if name == 'sgd'
+        else dict(type='AdamW', lr=1e-3, weight_decay=0.01)
+    )
 
 
 def _raw_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -60,8 +64,9 @@ def _raw_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return getattr(torch.optim, cfg.pop('type'))(model.parameters(), **cfg)
 
 
-def raw_step(width: int, depth: int, batch: int, opt: str, accumulate: int = 1,
-             clip: float | None = None) -> Callable[[], None]:
+def raw_step(
+    width: int, depth: int, batch: int, opt: str, accumulate: int = 1, clip: float | None = None
+) -> Callable[[], None]:
     """The hand-written loop: zero_grad first, as the PyTorch tutorials write it."""
     model, x = mlp(width, depth), torch.randn(batch, width)
     optimizer = _raw_optimizer(opt, model)
@@ -79,6 +84,7 @@ def raw_step(width: int, depth: int, batch: int, opt: str, accumulate: int = 1,
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
+
     return step
 
 
@@ -91,27 +97,32 @@ def raw_step_zero_last(width: int, depth: int, batch: int, opt: str) -> Callable
         model(x).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
+
     return step
 
 
-def stratagem_step(width: int, depth: int, batch: int, opt: str, accumulate: int = 1,
-                   clip: float | None = None) -> Callable[[], None]:
+def stratagem_step(
+    width: int, depth: int, batch: int, opt: str, accumulate: int = 1, clip: float | None = None
+) -> Callable[[], None]:
     """What a user of stratagem writes: strategy.prepare, optim_context, update_params."""
     from stratagem.strategies import SingleDeviceStrategy
 
-    strategy = SingleDeviceStrategy(work_dir=tempfile.mkdtemp(prefix='stratagem-bench-'),
-                                    log_kwargs=dict(log_level='WARNING'))
+    strategy = SingleDeviceStrategy(
+        work_dir=tempfile.mkdtemp(prefix='stratagem-bench-'), log_kwargs=dict(log_level='WARNING')
+    )
     wrapper_cfg: dict = dict(optimizer=_optimizer_cfg(opt), accumulative_counts=accumulate)
     if clip is not None:
         wrapper_cfg['clip_grad'] = dict(max_norm=clip)
-    model, optim_wrapper = strategy.prepare(mlp(width, depth), optim_wrapper=wrapper_cfg,
-                                            dispatch_kwargs=dict(max_iters=10 ** 9))
+    model, optim_wrapper = strategy.prepare(
+        mlp(width, depth), optim_wrapper=wrapper_cfg, dispatch_kwargs=dict(max_iters=10**9)
+    )
     x = torch.randn(batch, width)
 
     def step() -> None:
         with optim_wrapper.optim_context(model):
             loss = model(x).square().mean()
         optim_wrapper.update_params(loss)
+
     return step
 
 
@@ -119,8 +130,9 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def interleave(contestants: dict[str, Callable[[], None]], rounds: int, steps: int
-               ) -> dict[str, tuple[list[float], list[float]]]:
+def interleave(
+    contestants: dict[str, Callable[[], None]], rounds: int, steps: int
+) -> dict[str, tuple[list[float], list[float]]]:
     """{name: (ms/step per round, minor faults/step per round)}; blocks alternate order."""
     for fn in contestants.values():  # warm-up: optimizer state, allocator, caches
         for _ in range(max(2, steps // 2)):
@@ -146,19 +158,25 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
-def report(title: str, results: dict[str, tuple[list[float], list[float]]],
-           base: str = 'raw loop') -> dict[str, dict[str, float]]:
+def report(
+    title: str, results: dict[str, tuple[list[float], list[float]]], base: str = 'raw loop'
+) -> dict[str, dict[str, float]]:
     print(title)
-    print(f"   {'':28s} {'ms/step':>9s} {'ratio':>7s} {'ratio IQR':>13s} {'faults/step':>12s}")
+    print(f'   {"":28s} {"ms/step":>9s} {"ratio":>7s} {"ratio IQR":>13s} {"faults/step":>12s}')
     base_t = results[base][0]
     summary = {}
     for name, (times, faults) in results.items():
         ratios = [t / b for t, b in zip(times, base_t)]
         lo, hi = _quartiles(ratios)
-        summary[name] = dict(ms=statistics.median(times), ratio=statistics.median(ratios),
-                             faults=statistics.median(faults))
-        print(f'   {name:28s} {summary[name]["ms"]:9.3f} {summary[name]["ratio"]:6.3f}x '
-              f'{lo:6.3f}-{hi:.3f} {summary[name]["faults"]:12.0f}')
+        summary[name] = dict(
+            ms=statistics.median(times),
+            ratio=statistics.median(ratios),
+            faults=statistics.median(faults),
+        )
+        print(
+            f'   {name:28s} {summary[name]["ms"]:9.3f} {summary[name]["ratio"]:6.3f}x '
+            f'{lo:6.3f}-{hi:.3f} {summary[name]["faults"]:12.0f}'
+        )
     return summary
 
 
@@ -166,22 +184,31 @@ def part_steps(quick: bool) -> None:
     rounds = 5 if quick else 41
     tiny = dict(width=32, depth=2, batch=8, opt='sgd')
     for title, kw, steps in (
-            ('tiny MLP, update_params', tiny, 100),
-            ('tiny MLP, accumulation 4 + clip_grad norm', dict(tiny, accumulate=4, clip=1.0), 100),
-            ('medium MLP 4xLinear(1024) batch 64, SGD momentum',
-             dict(width=1024, depth=4, batch=64, opt='sgd'), 5),
-            ('medium MLP 4xLinear(1024) batch 64, AdamW',
-             dict(width=1024, depth=4, batch=64, opt='adamw'), 5)):
-        contestants = {'raw loop': raw_step(**kw), 'raw loop again (control)': raw_step(**kw),
-                       'stratagem': stratagem_step(**kw)}
+        ('tiny MLP, update_params', tiny, 100),
+        ('tiny MLP, accumulation 4 + clip_grad norm', dict(tiny, accumulate=4, clip=1.0), 100),
+        (
+            'medium MLP 4xLinear(1024) batch 64, SGD momentum',
+            dict(width=1024, depth=4, batch=64, opt='sgd'),
+            5,
+        ),
+        (
+            'medium MLP 4xLinear(1024) batch 64, AdamW',
+            dict(width=1024, depth=4, batch=64, opt='adamw'),
+            5,
+        ),
+    ):
+        contestants = {
+            'raw loop': raw_step(**kw),
+            'raw loop again (control)': raw_step(**kw),
+            'stratagem': stratagem_step(**kw),
+        }
         if kw['width'] > 32:  # the free order that made the medium step fault (see README)
             contestants['raw, zero_grad() last'] = raw_step_zero_last(**kw)
         results = interleave(contestants, rounds, steps)
-        report(f'1) {title}: {rounds} rounds x {steps} steps, interleaved in one process',
-               results)
+        report(f'1) {title}: {rounds} rounds x {steps} steps, interleaved in one process', results)
 
 
-_SOLO = r'''
+_SOLO = r"""
 import sys, json, statistics
 sys.path[:0] = [{here!r}, {root!r}]
 import torch
@@ -190,35 +217,40 @@ import overhead
 fn = overhead.{func}(1024, 4, 64, {opt!r})
 res = overhead.interleave({{'x': fn}}, {rounds}, 5)['x']
 print(json.dumps([statistics.median(res[0]), statistics.median(res[1])]))
-'''
+"""
 
 
 def part_solo(quick: bool) -> None:
     runs, rounds = (2, 3) if quick else (7, 15)
-    funcs = {'raw loop': 'raw_step', 'stratagem': 'stratagem_step',
-             'raw, zero_grad() last': 'raw_step_zero_last'}
+    funcs = {
+        'raw loop': 'raw_step',
+        'stratagem': 'stratagem_step',
+        'raw, zero_grad() last': 'raw_step_zero_last',
+    }
     for opt in ('sgd', 'adamw'):
         per: dict[str, list[list[float]]] = {name: [] for name in funcs}
         for i in range(runs):
             for name in list(funcs) if i % 2 == 0 else list(funcs)[::-1]:
-                code = _SOLO.format(here=HERE, root=ROOT, func=funcs[name], opt=opt,
-                                    rounds=rounds)
-                out = subprocess.run([sys.executable, '-c', code], check=True,
-                                     capture_output=True, text=True).stdout
+                code = _SOLO.format(here=HERE, root=ROOT, func=funcs[name], opt=opt, rounds=rounds)
+                out = subprocess.run(
+                    [sys.executable, '-c', code], check=True, capture_output=True, text=True
+                ).stdout
                 per[name].append(json.loads(out.strip().splitlines()[-1]))
         print(f'2) medium MLP, {opt}: each loop alone in its own process, {runs} processes each')
         base = per['raw loop']
         for name, vals in per.items():
             ratios = [v[0] / b[0] for v, b in zip(vals, base)]
-            print(f'   {name:28s} {statistics.median(v[0] for v in vals):9.3f} ms/step '
-                  f'{statistics.median(ratios):6.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) '
-                  f'{statistics.median(v[1] for v in vals):8.0f} faults/step '
-                  f'({min(v[1] for v in vals):.0f}-{max(v[1] for v in vals):.0f})')
+            print(
+                f'   {name:28s} {statistics.median(v[0] for v in vals):9.3f} ms/step '
+                f'{statistics.median(ratios):6.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) '
+                f'{statistics.median(v[1] for v in vals):8.0f} faults/step '
+                f'({min(v[1] for v in vals):.0f}-{max(v[1] for v in vals):.0f})'
+            )
 
 
 # the child's own high-water mark: getrusage/wait4's ru_maxrss of a child starts from the
 # parent's RSS at fork (Linux keeps it across exec), which would hide the difference
-_PEAK_RSS = r'''
+_PEAK_RSS = r"""
 def peak_rss_kib():
     try:
         with open('/proc/self/status') as f:
@@ -226,37 +258,46 @@ def peak_rss_kib():
     except OSError:  # no procfs (macOS): ru_maxrss is bytes there
         import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-'''
+"""
 
 # the medium MLP of both start-to-ready scripts (after `from torch import nn`)
-_MLP_SRC = '''
+_MLP_SRC = """
 def mlp():
     torch.manual_seed(0)
     layers = []
     for _ in range(4):
         layers += [nn.Linear(1024, 1024), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
-'''
+"""
 
-_READY_RAW = _PEAK_RSS + r'''
+_READY_RAW = (
+    _PEAK_RSS
+    + r"""
 import sys, time, torch
 t_torch = time.perf_counter()
 from torch import nn
-''' + _MLP_SRC + r'''
+"""
+    + _MLP_SRC
+    + r"""
 model = mlp()
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 optimizer.zero_grad()
 model(torch.randn(64, 1024)).square().mean().backward()
 optimizer.step()
 print('ready', 'cv2' in sys.modules, peak_rss_kib(), time.perf_counter() - t_torch, flush=True)
-'''
+"""
+)
 
-_READY_STRATAGEM = _PEAK_RSS + r'''
+_READY_STRATAGEM = (
+    _PEAK_RSS
+    + r"""
 import sys, tempfile, time, torch
 t_torch = time.perf_counter()
 from torch import nn
 from stratagem.strategies import SingleDeviceStrategy
-''' + _MLP_SRC + r'''
+"""
+    + _MLP_SRC
+    + r"""
 strategy = SingleDeviceStrategy(work_dir=tempfile.mkdtemp(prefix='stratagem-bench-'))
 model, optim_wrapper = strategy.prepare(
     mlp(), optim_wrapper=dict(optimizer=dict(type='SGD', lr=1e-3, momentum=0.9)))
@@ -264,19 +305,29 @@ with optim_wrapper.optim_context(model):
     loss = model(torch.randn(64, 1024)).square().mean()
 optim_wrapper.update_params(loss)
 print('ready', 'cv2' in sys.modules, peak_rss_kib(), time.perf_counter() - t_torch, flush=True)
-'''
+"""
+)
 
 
 def _start_to_ready(code: str) -> tuple[float, float, bool, float]:
     """A fresh interpreter's (seconds from spawn to 'ready', peak RSS in MiB, cv2 imported,
     seconds from the end of ``import torch`` to 'ready')."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [ROOT] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [ROOT] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
+        ),
+    )
     # an installed package has its bytecode; without it each run would compile stratagem
     env.pop('PYTHONDONTWRITEBYTECODE', None)
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, '-c', code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     line = proc.stdout.readline()
     ready = time.perf_counter() - t0
     proc.communicate()
@@ -296,24 +347,29 @@ def part_startup(quick: bool) -> None:
             res[name].append(_start_to_ready(code))
     try:
         import importlib.util
+
         cv2_installed = importlib.util.find_spec('cv2') is not None
     except ValueError:
         cv2_installed = False
-    print(f'3) start to ready (medium MLP + SGD, one step), fresh interpreters, {runs} '
-          f'alternating runs each; OpenCV installed: {cv2_installed}')
+    print(
+        f'3) start to ready (medium MLP + SGD, one step), fresh interpreters, {runs} '
+        f'alternating runs each; OpenCV installed: {cv2_installed}'
+    )
     base = res['raw script']
     for name, vals in res.items():
         dt = [(v[0] - b[0]) * 1e3 for v, b in zip(vals, base)]
         dpost = [(v[3] - b[3]) * 1e3 for v, b in zip(vals, base)]
         drss = [v[1] - b[1] for v, b in zip(vals, base)]
-        print(f'   {name:12s} ready {statistics.median(v[0] for v in vals) * 1e3:6.0f} ms '
-              f'({statistics.median(dt):+5.0f} ms, IQR {_quartiles(dt)[0]:+.0f} to '
-              f'{_quartiles(dt)[1]:+.0f}); after import torch '
-              f'{statistics.median(v[3] for v in vals) * 1e3:5.0f} ms '
-              f'({statistics.median(dpost):+4.0f}, IQR {_quartiles(dpost)[0]:+.0f} to '
-              f'{_quartiles(dpost)[1]:+.0f}); peak RSS {statistics.median(v[1] for v in vals):6.1f} '
-              f'MiB ({statistics.median(drss):+4.1f}, IQR {_quartiles(drss)[0]:+.1f} to '
-              f'{_quartiles(drss)[1]:+.1f}); cv2 imported: {any(v[2] for v in vals)}')
+        print(
+            f'   {name:12s} ready {statistics.median(v[0] for v in vals) * 1e3:6.0f} ms '
+            f'({statistics.median(dt):+5.0f} ms, IQR {_quartiles(dt)[0]:+.0f} to '
+            f'{_quartiles(dt)[1]:+.0f}); after import torch '
+            f'{statistics.median(v[3] for v in vals) * 1e3:5.0f} ms '
+            f'({statistics.median(dpost):+4.0f}, IQR {_quartiles(dpost)[0]:+.0f} to '
+            f'{_quartiles(dpost)[1]:+.0f}); peak RSS {statistics.median(v[1] for v in vals):6.1f} '
+            f'MiB ({statistics.median(drss):+4.1f}, IQR {_quartiles(drss)[0]:+.1f} to '
+            f'{_quartiles(drss)[1]:+.1f}); cv2 imported: {any(v[2] for v in vals)}'
+        )
 
 
 def main() -> None:
@@ -322,8 +378,10 @@ def main() -> None:
     parser.add_argument('--part', choices=['steps', 'solo', 'startup', 'all'], default='all')
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f'torch {torch.__version__}, {torch.get_num_threads()} thread(s), '
-          f'{os.cpu_count()} cpu(s), load average {os.getloadavg()[0]:.1f}')
+    print(
+        f'torch {torch.__version__}, {torch.get_num_threads()} thread(s), '
+        f'{os.cpu_count()} cpu(s), load average {os.getloadavg()[0]:.1f}'
+    )
     if args.part in ('steps', 'all'):
         part_steps(args.quick)
     if args.part in ('solo', 'all'):

@@ -6,6 +6,7 @@ The strategy builds and wraps the model, the optim wrapper (accumulation,
 clipping) and the schedulers; the loop stays yours. Run it twice with
 ``--resume`` to continue from the latest checkpoint.
 """
+
 import argparse
 
 import torch
@@ -21,16 +22,22 @@ def main() -> None:
     parser.add_argument('--resume', action='store_true')
     args = parser.parse_args()
 
-    strategy = build_strategy(dict(type='auto', work_dir=args.work_dir,
-                                   env_kwargs=dict(randomness=dict(seed=0))))
+    strategy = build_strategy(
+        dict(type='auto', work_dir=args.work_dir, env_kwargs=dict(randomness=dict(seed=0)))
+    )
     model, optim_wrapper, schedulers = strategy.prepare(
         dict(type='MLPClassifier', in_features=16, num_classes=4, hidden=32),
-        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.05, momentum=0.9),
-                           accumulative_counts=2, clip_grad=dict(type='norm', max_norm=5.0)),
-        param_scheduler=[dict(type='LinearLR', start_factor=0.1, by_epoch=False, end=20),
-                         dict(type='CosineAnnealingLR', by_epoch=False, begin=20,
-                              T_max=args.iters - 20)],
-        dispatch_kwargs=dict(max_iters=args.iters))
+        optim_wrapper=dict(
+            optimizer=dict(type='SGD', lr=0.05, momentum=0.9),
+            accumulative_counts=2,
+            clip_grad=dict(type='norm', max_norm=5.0),
+        ),
+        param_scheduler=[
+            dict(type='LinearLR', start_factor=0.1, by_epoch=False, end=20),
+            dict(type='CosineAnnealingLR', by_epoch=False, begin=20, T_max=args.iters - 20),
+        ],
+        dispatch_kwargs=dict(max_iters=args.iters),
+    )
     start = 0
     ckpt = strategy.load_or_resume(resume=args.resume)
     if ckpt is not None:
@@ -46,7 +53,9 @@ def main() -> None:
         for s in schedulers:
             s.step()
         if (it + 1) % 20 == 0:
-            print(f'iter {it + 1:4d} loss {loss.item():.4f} lr {optim_wrapper.get_lr()["lr"][0]:.4f}')
+            print(
+                f'iter {it + 1:4d} loss {loss.item():.4f} lr {optim_wrapper.get_lr()["lr"][0]:.4f}'
+            )
             strategy.save_checkpoint(f'iter_{it + 1}.pth', extra_ckpt={'meta': {'iter': it + 1}})
 
 

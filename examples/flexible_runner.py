@@ -9,6 +9,7 @@ mmengine builds the runner, its loops, hooks and message hub; the stratagem stra
 in ``strategy=`` builds and wraps the model, optim wrapper and schedulers, and writes the
 checkpoints (atomic, with a manifest, loaded back with ``torch.load(weights_only=True)``).
 """
+
 import argparse
 import os
 
@@ -57,19 +58,29 @@ def main() -> None:
         launcher='pytorch' if 'WORLD_SIZE' in os.environ else 'none',
         env_cfg=dict(dist_cfg=dict(backend='nccl' if torch.cuda.is_available() else 'gloo')),
         randomness=dict(seed=0),
-        train_dataloader=dict(dataset=SyntheticClassification(num_samples=256), batch_size=32,
-                              sampler=dict(type='DefaultSampler', shuffle=True),
-                              collate_fn=collate),
+        train_dataloader=dict(
+            dataset=SyntheticClassification(num_samples=256),
+            batch_size=32,
+            sampler=dict(type='DefaultSampler', shuffle=True),
+            collate_fn=collate,
+        ),
         optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)),
-        param_scheduler=[dict(type='LinearLR', start_factor=0.1, by_epoch=False, end=8),
-                         dict(type='MultiStepLR', milestones=[2, 3], end=4)],
+        param_scheduler=[
+            dict(type='LinearLR', start_factor=0.1, by_epoch=False, end=8),
+            dict(type='MultiStepLR', milestones=[2, 3], end=4),
+        ],
         train_cfg=dict(by_epoch=True, max_epochs=args.epochs),
-        default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=1),
-                           logger=dict(type='LoggerHook', interval=4)),
-        resume=args.resume)
+        default_hooks=dict(
+            checkpoint=dict(type='CheckpointHook', interval=1),
+            logger=dict(type='LoggerHook', interval=4),
+        ),
+        resume=args.resume,
+    )
     runner.train()
-    print(f'finished at epoch {runner.epoch}, iter {runner.iter}; '
-          f'checkpoints in {runner.work_dir}', flush=True)
+    print(
+        f'finished at epoch {runner.epoch}, iter {runner.iter}; checkpoints in {runner.work_dir}',
+        flush=True,
+    )
 
 
 if __name__ == '__main__':

@@ -10,6 +10,7 @@ command exits with status 1; ``--debug`` anywhere on the command line, or the en
 variable ``STRATAGEM_DEBUG=1``, shows the full traceback instead. Other exceptions
 (``AttributeError``, ``AssertionError``, ...) are bugs and always show their traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,13 +26,19 @@ from stratagem.config import ConfigAttributeError
 COMMANDS = {
     'train': ('stratagem.loop', 'train a model from a config file with the reference loop'),
     'demo': ('stratagem.demo', 'train the example classifier and show the loss falling'),
-    'plot-schedule': ('stratagem.scheduler.plot',
-                      'preview the lr / momentum schedule of a config (PNG or terminal chart)'),
+    'plot-schedule': (
+        'stratagem.scheduler.plot',
+        'preview the lr / momentum schedule of a config (PNG or terminal chart)',
+    ),
     'env': ('stratagem.env.collect', 'print the environment (python, torch, CUDA, extras)'),
-    'convert': ('stratagem.checkpoint.convert',
-                'convert a checkpoint: sharded directory <-> single file (--to sharded)'),
-    'doctor': ('stratagem.doctor', 'check a config against this machine before a run (no '
-               'training); exit 1 with findings'),
+    'convert': (
+        'stratagem.checkpoint.convert',
+        'convert a checkpoint: sharded directory <-> single file (--to sharded)',
+    ),
+    'doctor': (
+        'stratagem.doctor',
+        'check a config against this machine before a run (no training); exit 1 with findings',
+    ),
 }
 
 
@@ -41,8 +48,16 @@ DEBUG_FLAG = '--debug'
 # key read as an attribute), files
 # (OSError), checkpoints (ValueError, UnpicklingError), torch's complaints about shapes and
 # devices (RuntimeError), a missing extra (ImportError)
-USER_ERRORS = (ValueError, TypeError, KeyError, OSError, RuntimeError, ImportError,
-               pickle.UnpicklingError, ConfigAttributeError)
+USER_ERRORS = (
+    ValueError,
+    TypeError,
+    KeyError,
+    OSError,
+    RuntimeError,
+    ImportError,
+    pickle.UnpicklingError,
+    ConfigAttributeError,
+)
 
 
 def debug_enabled(argv: list[str] | None = None) -> bool:
@@ -59,10 +74,11 @@ def format_error(err: BaseException) -> str:
     else:
         message = str(err) or repr(err)
     rank = os.environ.get('RANK')
-    who = f' (rank {rank})' if rank is not None and os.environ.get('WORLD_SIZE', '1') != '1' \
-        else ''
-    return (f'stratagem: error{who}: {message}\n'
-            f'({type(err).__name__}; run with {DEBUG_FLAG} or {DEBUG_ENV}=1 for the traceback)')
+    who = f' (rank {rank})' if rank is not None and os.environ.get('WORLD_SIZE', '1') != '1' else ''
+    return (
+        f'stratagem: error{who}: {message}\n'
+        f'({type(err).__name__}; run with {DEBUG_FLAG} or {DEBUG_ENV}=1 for the traceback)'
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.formatwarning = saved_format
 
 
-def _format_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001
+def _format_warning(message, category, filename, lineno, line=None) -> str:
     return f'stratagem: warning: {message} [{category.__name__}]\n'
 
 

@@ -18,6 +18,7 @@ number is **refused** with a :class:`ConfigError` naming the key. This runs when
 :class:`Config` is built and after ``merge_from_dict``. A model's or a dataset's own
 arguments are left alone: their types are the user's.
 """
+
 from __future__ import annotations
 
 import ast
@@ -33,9 +34,19 @@ from typing import Any
 
 from addict import Dict
 
-__all__ = ['ConfigDict', 'Config', 'ConfigError', 'ConfigKeyError', 'ConfigAttributeError',
-           'ConfigWarning',
-           'check_keys', 'parse_cfg_options', 'merge_dicts', 'normalize_numbers', 'NUMERIC_KEYS']
+__all__ = [
+    'ConfigDict',
+    'Config',
+    'ConfigError',
+    'ConfigKeyError',
+    'ConfigAttributeError',
+    'ConfigWarning',
+    'check_keys',
+    'parse_cfg_options',
+    'merge_dicts',
+    'normalize_numbers',
+    'NUMERIC_KEYS',
+]
 
 BASE_KEY = '_base_'
 DELETE_KEY = '_delete_'
@@ -90,8 +101,10 @@ class ConfigDict(Dict):
 
     def __setattr__(self, name: str, value: Any) -> None:
         if hasattr(self.__class__, name) and not name.startswith('_'):
-            raise AttributeError(f"'ConfigDict' attribute {name!r} is read-only "
-                                 f"(it is a method); use cfg[{name!r}] = ...")
+            raise AttributeError(
+                f"'ConfigDict' attribute {name!r} is read-only "
+                f'(it is a method); use cfg[{name!r}] = ...'
+            )
         self[name] = value
 
     @classmethod
@@ -116,20 +129,20 @@ class ConfigDict(Dict):
         for k, v in kwargs.items():
             self[k] = v
 
-    def __deepcopy__(self, memo: dict) -> 'ConfigDict':
+    def __deepcopy__(self, memo: dict) -> ConfigDict:
         other = self.__class__()
         memo[id(self)] = other
         for k, v in self.items():
             dict.__setitem__(other, copy.deepcopy(k, memo), copy.deepcopy(v, memo))
         return other
 
-    def __copy__(self) -> 'ConfigDict':
+    def __copy__(self) -> ConfigDict:
         other = self.__class__()
         for k, v in self.items():
             dict.__setitem__(other, k, v)
         return other
 
-    def copy(self) -> 'ConfigDict':
+    def copy(self) -> ConfigDict:
         return self.__copy__()
 
     def __reduce__(self) -> tuple:
@@ -158,8 +171,13 @@ class ConfigDict(Dict):
 def _dotted_keys(obj: Any, prefix: str = '') -> set[str]:
     """Every dotted path in a config (dict keys and list indices), e.g. 'a', 'a.b', 'a.0'."""
     out: set[str] = set()
-    items = obj.items() if isinstance(obj, Mapping) else \
-        enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    items = (
+        obj.items()
+        if isinstance(obj, Mapping)
+        else enumerate(obj)
+        if isinstance(obj, (list, tuple))
+        else ()
+    )
     for k, v in items:
         path = f'{prefix}{k}'
         out.add(path)
@@ -171,17 +189,19 @@ def _did_you_mean(key: str, known: set[str]) -> str:
     """Existing keys ``key`` was probably meant to be: the same last name elsewhere
     (``lr`` for ``optim_wrapper.optimizer.lr``), else a near spelling beside it."""
     import difflib
+
     parent, _, leaf = key.rpartition('.')
     close = sorted(k for k in known if k.rsplit('.', 1)[-1] == leaf)
     if not close:
         siblings = {k.rsplit('.', 1)[-1]: k for k in known if k.rpartition('.')[0] == parent}
-        close = [siblings[n] for n in difflib.get_close_matches(leaf, list(siblings), n=3,
-                                                                cutoff=0.75)]
+        close = [
+            siblings[n] for n in difflib.get_close_matches(leaf, list(siblings), n=3, cutoff=0.75)
+        ]
     return f'did you mean {" or ".join(repr(k) for k in close[:3])}?' if close else ''
 
 
 def _missing_message(d: Mapping, name: Any) -> str:
-    keys = ', '.join(repr(k) for k in d.keys()) or '(none)'
+    keys = ', '.join(repr(k) for k in d) or '(none)'
     return f'config has no key {name!r}; keys here: {keys}'
 
 
@@ -206,29 +226,100 @@ def check_keys(given: Mapping, allowed: Iterable[str], where: str) -> None:
 # Keys that take a number (or a list of numbers) in the sections stratagem builds. A value
 # that may also be a word (loss_scale='dynamic', seed=None) is converted when it reads as a
 # number and otherwise left to its component.
-_INT_KEYS = frozenset({
-    'accumulative_counts', 'max_iter', 'begin', 'end', 'T_max', 'milestones', 'step_size',
-    'total_steps', 'steps_per_epoch', 'epochs', 'patience', 'cooldown', 'periods',
-    'max_epochs', 'max_iters', 'checkpoint_interval', 'max_keep_ckpts', 'log_interval',
-    'val_interval', 'batch_size', 'num_workers', 'prefetch_factor', 'seed', 'base_batch_size',
-    'num_decays', 'warmup_length', 'resource_limit', 'timeout', 'min_num_params'})
-_FLOAT_KEYS = frozenset({
-    'lr', 'weight_decay', 'momentum', 'betas', 'eps', 'dampening', 'alpha', 'lr_decay',
-    'initial_accumulator_value', 'rho', 'lambd', 't0', 'momentum_decay', 'max_norm',
-    'norm_type', 'clip_value', 'gamma', 'eta_min', 'eta_max', 'eta_min_ratio', 'start_factor',
-    'end_factor', 'factor', 'power', 'restart_weights', 'pct_start', 'div_factor',
-    'final_div_factor', 'threshold', 'min_value', 'start_value', 'end_value', 'warmup_factor',
-    'base_lr', 'max_lr', 'min_lr', 'growth_factor', 'backoff_factor', 'init_scale'})
+_INT_KEYS = frozenset(
+    {
+        'accumulative_counts',
+        'max_iter',
+        'begin',
+        'end',
+        'T_max',
+        'milestones',
+        'step_size',
+        'total_steps',
+        'steps_per_epoch',
+        'epochs',
+        'patience',
+        'cooldown',
+        'periods',
+        'max_epochs',
+        'max_iters',
+        'checkpoint_interval',
+        'max_keep_ckpts',
+        'log_interval',
+        'val_interval',
+        'batch_size',
+        'num_workers',
+        'prefetch_factor',
+        'seed',
+        'base_batch_size',
+        'num_decays',
+        'warmup_length',
+        'resource_limit',
+        'timeout',
+        'min_num_params',
+    }
+)
+_FLOAT_KEYS = frozenset(
+    {
+        'lr',
+        'weight_decay',
+        'momentum',
+        'betas',
+        'eps',
+        'dampening',
+        'alpha',
+        'lr_decay',
+        'initial_accumulator_value',
+        'rho',
+        'lambd',
+        't0',
+        'momentum_decay',
+        'max_norm',
+        'norm_type',
+        'clip_value',
+        'gamma',
+        'eta_min',
+        'eta_max',
+        'eta_min_ratio',
+        'start_factor',
+        'end_factor',
+        'factor',
+        'power',
+        'restart_weights',
+        'pct_start',
+        'div_factor',
+        'final_div_factor',
+        'threshold',
+        'min_value',
+        'start_value',
+        'end_value',
+        'warmup_factor',
+        'base_lr',
+        'max_lr',
+        'min_lr',
+        'growth_factor',
+        'backoff_factor',
+        'init_scale',
+    }
+)
 NUMERIC_KEYS = _INT_KEYS | _FLOAT_KEYS  # plus every key ending in '_mult' (paramwise_cfg)
 _WORD_OK = frozenset({'seed', 'loss_scale', 'timeout'})  # a non-number string may be valid
-_NUMERIC_SECTIONS = ('optim_wrapper', 'param_scheduler', 'train_cfg', 'train_dataloader',
-                     'randomness', 'auto_scale_lr', 'strategy')
+_NUMERIC_SECTIONS = (
+    'optim_wrapper',
+    'param_scheduler',
+    'train_cfg',
+    'train_dataloader',
+    'randomness',
+    'auto_scale_lr',
+    'strategy',
+)
 _USER_SUBTREES = frozenset({'dataset', 'model', 'collate_fn', 'sampler'})
 
 
 def _is_numeric_key(key: Any) -> bool:
-    return isinstance(key, str) and (key in NUMERIC_KEYS or key == 'loss_scale'
-                                     or key.endswith('_mult'))
+    return isinstance(key, str) and (
+        key in NUMERIC_KEYS or key == 'loss_scale' or key.endswith('_mult')
+    )
 
 
 def _as_number(text: str) -> int | float | None:
@@ -262,22 +353,35 @@ def normalize_numbers(cfg: Any, filename: str | None = None) -> list[str]:
         listed = ', '.join(f'{k}={v!r}' for k, v in converted)
         warnings.warn(
             f'{filename or "config"}: number(s) given as strings were converted: {listed}. '
-            'Write numbers without quotes' + (
+            'Write numbers without quotes'
+            + (
                 '; in YAML a float with an exponent needs a dot and a signed exponent '
-                '(1.0e-3, not 1e-3), else PyYAML reads it as a string' if yaml_hint else ''),
-            ConfigWarning, stacklevel=3)
+                '(1.0e-3, not 1e-3), else PyYAML reads it as a string'
+                if yaml_hint
+                else ''
+            ),
+            ConfigWarning,
+            stacklevel=3,
+        )
     return [k for k, _ in converted]
 
 
-def _walk_numbers(parent: Any, key: Any, path: str, numeric_key: str | None, where: str,
-                  converted: list[tuple[str, str]]) -> None:
+def _walk_numbers(
+    parent: Any,
+    key: Any,
+    path: str,
+    numeric_key: str | None,
+    where: str,
+    converted: list[tuple[str, str]],
+) -> None:
     value = parent[key]
     if isinstance(value, Mapping):
         for k in list(value.keys()):
             if k in _USER_SUBTREES:
                 continue
-            _walk_numbers(value, k, f'{path}.{k}', k if _is_numeric_key(k) else None, where,
-                          converted)
+            _walk_numbers(
+                value, k, f'{path}.{k}', k if _is_numeric_key(k) else None, where, converted
+            )
     elif isinstance(value, list):
         for i in range(len(value)):
             _walk_numbers(value, i, f'{path}.{i}', numeric_key, where, converted)
@@ -292,8 +396,10 @@ def _walk_numbers(parent: Any, key: Any, path: str, numeric_key: str | None, whe
         if number is None:
             if numeric_key in _WORD_OK:
                 return
-            raise ConfigError(f'{path}={value!r}{where} must be a number (e.g. '
-                              f'{path.rsplit(".", 1)[-1]}=0.01), not the string {value!r}')
+            raise ConfigError(
+                f'{path}={value!r}{where} must be a number (e.g. '
+                f'{path.rsplit(".", 1)[-1]}=0.01), not the string {value!r}'
+            )
         if numeric_key in _INT_KEYS and isinstance(number, float) and number.is_integer():
             number = int(number)
         _set(parent, key, number)
@@ -381,8 +487,10 @@ def parse_cfg_options(options: Iterable[str]) -> dict[str, Any]:
     for opt in options:
         key, sep, value = opt.partition('=')
         if not sep or not key:
-            raise ConfigError(f'bad --cfg-options item {opt!r}: expected KEY=VALUE, e.g. '
-                              "optim_wrapper.optimizer.lr=0.01")
+            raise ConfigError(
+                f'bad --cfg-options item {opt!r}: expected KEY=VALUE, e.g. '
+                'optim_wrapper.optimizer.lr=0.01'
+            )
         out[key.strip()] = _parse_value(value.strip())
     return out
 
@@ -394,8 +502,9 @@ class Config:
     underlying ConfigDict. Build one from a dict, or with :meth:`fromfile`.
     """
 
-    def __init__(self, cfg_dict: Mapping | None = None, filename: str | os.PathLike | None = None
-                 ) -> None:
+    def __init__(
+        self, cfg_dict: Mapping | None = None, filename: str | os.PathLike | None = None
+    ) -> None:
         if cfg_dict is None:
             cfg_dict = {}
         if not isinstance(cfg_dict, Mapping):
@@ -406,7 +515,7 @@ class Config:
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
-    def fromfile(cls, filename: str | os.PathLike) -> 'Config':
+    def fromfile(cls, filename: str | os.PathLike) -> Config:
         """Load a ``.py``, ``.json``, ``.yaml`` or ``.yml`` config, resolving ``_base_``."""
         path = Path(filename).expanduser().absolute()
         return cls(cls._load_with_bases(path, chain=()), filename=path)
@@ -428,8 +537,10 @@ class Config:
             base_cfg = cls._load_with_bases(base_path, (*chain, path))
             overlap = set(merged) & set(base_cfg)
             if overlap:
-                raise ConfigError(f'{path}: keys {sorted(overlap)} are defined in more than one '
-                                  f'_base_ file; define each key in one base only')
+                raise ConfigError(
+                    f'{path}: keys {sorted(overlap)} are defined in more than one '
+                    f'_base_ file; define each key in one base only'
+                )
             merged.update(base_cfg)
         return merge_dicts(merged, raw)
 
@@ -437,15 +548,18 @@ class Config:
     def _read_file(path: Path) -> dict:
         if path.is_dir():
             found = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _SUFFIXES)
-            raise ConfigError(f'{path} is a directory, not a config file; give a '
-                              f'{"/".join(_SUFFIXES)} file' +
-                              (f', e.g. {path / found[0]}' if found else ''))
+            raise ConfigError(
+                f'{path} is a directory, not a config file; give a '
+                f'{"/".join(_SUFFIXES)} file' + (f', e.g. {path / found[0]}' if found else '')
+            )
         if not path.is_file():
             raise FileNotFoundError(f'config file not found: {path}')
         suffix = path.suffix.lower()
         if suffix not in _SUFFIXES:
-            raise ConfigError(f'{path}: unsupported config extension {suffix!r}; '
-                              f'use one of {", ".join(_SUFFIXES)}')
+            raise ConfigError(
+                f'{path}: unsupported config extension {suffix!r}; '
+                f'use one of {", ".join(_SUFFIXES)}'
+            )
         text = path.read_text()
         if suffix == '.py':
             return _exec_py_config(text, path)
@@ -456,6 +570,7 @@ class Config:
                 raise ConfigError(f'{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}') from e
         else:
             import yaml  # only yaml configs pay for it
+
             try:
                 data = yaml.safe_load(text) or {}
             except yaml.YAMLError as e:
@@ -463,8 +578,10 @@ class Config:
                 where = f':{mark.line + 1}:{mark.column + 1}' if mark else ''
                 raise ConfigError(f'{path}{where}: invalid YAML: {e}') from e
         if not isinstance(data, dict):
-            raise ConfigError(f'{path}: a config file must hold a mapping at the top level, '
-                              f'got {type(data).__name__}')
+            raise ConfigError(
+                f'{path}: a config file must hold a mapping at the top level, '
+                f'got {type(data).__name__}'
+            )
         return data
 
     # ---- access --------------------------------------------------------------------------
@@ -503,7 +620,7 @@ class Config:
             return self._cfg_dict == other._cfg_dict
         return isinstance(other, Mapping) and self._cfg_dict == other
 
-    def __deepcopy__(self, memo: dict) -> 'Config':
+    def __deepcopy__(self, memo: dict) -> Config:
         return Config(copy.deepcopy(self._cfg_dict, memo), self._filename)
 
     def get(self, key: Any, default: Any = None) -> Any:
@@ -538,45 +655,53 @@ class Config:
         for full_key, value in options.items():
             parts = str(full_key).split('.')
             node: Any = work
-            if str(full_key) not in known and not any(k.startswith(f'{full_key}.')
-                                                      for k in known):
+            if str(full_key) not in known and not any(k.startswith(f'{full_key}.') for k in known):
                 added.append(str(full_key))
             for i, part in enumerate(parts):
                 last = i == len(parts) - 1
                 if isinstance(node, list):
                     if not (allow_list_keys and part.isdigit()):
-                        raise ConfigError(f'override {full_key!r}: {".".join(parts[:i])!r} is a '
-                                          f'list; index it with a number, e.g. '
-                                          f'{".".join(parts[:i])}.0')
+                        raise ConfigError(
+                            f'override {full_key!r}: {".".join(parts[:i])!r} is a '
+                            f'list; index it with a number, e.g. '
+                            f'{".".join(parts[:i])}.0'
+                        )
                     idx = int(part)
                     if idx >= len(node):
-                        raise ConfigError(f'override {full_key!r}: index {idx} is out of range '
-                                          f'for a list of length {len(node)}')
+                        raise ConfigError(
+                            f'override {full_key!r}: index {idx} is out of range '
+                            f'for a list of length {len(node)}'
+                        )
                     if last:
                         node[idx] = ConfigDict._hook(value)
                     else:
                         node = node[idx]
                     continue
                 if not isinstance(node, Mapping):
-                    raise ConfigError(f'override {full_key!r}: {".".join(parts[:i])!r} is a '
-                                      f'{type(node).__name__}, not a dict')
+                    raise ConfigError(
+                        f'override {full_key!r}: {".".join(parts[:i])!r} is a '
+                        f'{type(node).__name__}, not a dict'
+                    )
                 if last:
                     if isinstance(value, Mapping) and isinstance(node.get(part), Mapping):
-                        node[part] = merge_dicts(node[part], value)
+                        node[part] = merge_dicts(node[part], value)  # type: ignore[index]
                     else:
-                        node[part] = value
+                        node[part] = value  # type: ignore[index]
                 else:
                     if part not in node:
-                        node[part] = ConfigDict()
+                        node[part] = ConfigDict()  # type: ignore[index]
                     node = node[part]
         normalize_numbers(work, 'the overrides')
         object.__setattr__(self, '_cfg_dict', work)
         for key in added:  # mmengine adds them silently: a typo would then change nothing
             hint = _did_you_mean(key, known)
             if hint:  # adding a key (clip_grad=...) is fine; one that looks like a typo warns
-                warnings.warn(f'override {key!r} adds a key the config did not have, so it '
-                              f'changes nothing unless something reads it; {hint}',
-                              ConfigWarning, stacklevel=2)
+                warnings.warn(
+                    f'override {key!r} adds a key the config did not have, so it '
+                    f'changes nothing unless something reads it; {hint}',
+                    ConfigWarning,
+                    stacklevel=2,
+                )
 
     # ---- output --------------------------------------------------------------------------
     def dump(self, file: str | os.PathLike | None = None) -> str | None:
@@ -592,10 +717,13 @@ class Config:
             text = json.dumps(data, indent=2) + '\n'
         elif suffix in ('.yaml', '.yml'):
             import yaml
+
             text = yaml.safe_dump(_tuples_to_lists(data), sort_keys=False)
         else:
-            raise ConfigError(f'cannot dump a config to {path}: unsupported extension '
-                              f'{suffix!r}; use one of {", ".join(_SUFFIXES)}')
+            raise ConfigError(
+                f'cannot dump a config to {path}: unsupported extension '
+                f'{suffix!r}; use one of {", ".join(_SUFFIXES)}'
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         return None
@@ -624,10 +752,12 @@ def _check_literal(obj: Any, key: str) -> None:
         for i, v in enumerate(obj):
             _check_literal(v, f'{key}.{i}')
     elif not isinstance(obj, (str, int, float, bool, type(None))):
-        raise ConfigError(f'cannot dump config key {key!r}: {obj!r} is a '
-                          f'{type(obj).__name__}; only dicts, lists, tuples, str, numbers, '
-                          'bools and None can be written to a config file (use a registered '
-                          'name string instead of a class)')
+        raise ConfigError(
+            f'cannot dump config key {key!r}: {obj!r} is a '
+            f'{type(obj).__name__}; only dicts, lists, tuples, str, numbers, '
+            'bools and None can be written to a config file (use a registered '
+            'name string instead of a class)'
+        )
 
 
 def _to_py_text(data: dict, source: str | None) -> str:
@@ -642,8 +772,9 @@ def _exec_py_config(text: str, path: Path) -> dict:
     try:
         code = compile(text, str(path), 'exec')
     except SyntaxError as e:
-        raise ConfigError(f'{path}:{e.lineno}: syntax error in config: {e.msg}\n'
-                          f'    {(e.text or "").rstrip()}') from e
+        raise ConfigError(
+            f'{path}:{e.lineno}: syntax error in config: {e.msg}\n    {(e.text or "").rstrip()}'
+        ) from e
     namespace: dict[str, Any] = {'__file__': str(path), '__name__': '__stratagem_config__'}
     try:
         exec(code, namespace)  # noqa: S102 - a config file is code the user asked us to run
@@ -655,7 +786,11 @@ def _exec_py_config(text: str, path: Path) -> dict:
                 line = tb.tb_lineno
             tb = tb.tb_next
         where = f':{line}' if line else ''
-        raise ConfigError(f'{path}{where}: error while executing config: '
-                          f'{type(e).__name__}: {e}') from e
-    return {k: v for k, v in namespace.items()
-            if not k.startswith("__") and not isinstance(v, (types.ModuleType, types.FunctionType))}
+        raise ConfigError(
+            f'{path}{where}: error while executing config: {type(e).__name__}: {e}'
+        ) from e
+    return {
+        k: v
+        for k, v in namespace.items()
+        if not k.startswith('__') and not isinstance(v, (types.ModuleType, types.FunctionType))
+    }

@@ -4,6 +4,7 @@ Registered in DATASETS. The sampler shards indices across ranks like
 ``torch.utils.data.DistributedSampler`` and can start mid-epoch, so a resumed
 run sees exactly the samples an uninterrupted one would.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,17 +28,26 @@ class SyntheticClassification(Dataset):
         seed: Seed of the private generator (the global RNG is not touched).
     """
 
-    def __init__(self, num_samples: int = 1024, num_features: int = 16, num_classes: int = 4,
-                 noise: float = 1.0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        num_samples: int = 1024,
+        num_features: int = 16,
+        num_classes: int = 4,
+        noise: float = 1.0,
+        seed: int = 0,
+    ) -> None:
         if num_samples < 1 or num_features < 1 or num_classes < 2:
-            raise ValueError('SyntheticClassification: need num_samples >= 1, num_features >= 1 '
-                             f'and num_classes >= 2, got {num_samples}, {num_features}, '
-                             f'{num_classes}')
+            raise ValueError(
+                'SyntheticClassification: need num_samples >= 1, num_features >= 1 '
+                f'and num_classes >= 2, got {num_samples}, {num_features}, '
+                f'{num_classes}'
+            )
         g = torch.Generator().manual_seed(seed)
         centres = torch.randn(num_classes, num_features, generator=g) * 3.0
         self.targets = torch.randint(num_classes, (num_samples,), generator=g)
-        self.inputs = centres[self.targets] + noise * torch.randn(num_samples, num_features,
-                                                                  generator=g)
+        self.inputs = centres[self.targets] + noise * torch.randn(
+            num_samples, num_features, generator=g
+        )
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -64,15 +74,24 @@ class SyntheticLanguageModeling(Dataset):
     Items are ``(inputs, targets)``: two int64 tensors of shape ``(seq_len,)``.
     """
 
-    def __init__(self, num_samples: int = 1024, seq_len: int = 32, vocab_size: int = 64,
-                 branching: int = 2, seed: int = 0) -> None:
+    def __init__(
+        self,
+        num_samples: int = 1024,
+        seq_len: int = 32,
+        vocab_size: int = 64,
+        branching: int = 2,
+        seed: int = 0,
+    ) -> None:
         if num_samples < 1 or seq_len < 1 or vocab_size < 2 or not 1 <= branching <= vocab_size:
-            raise ValueError('SyntheticLanguageModeling: need num_samples >= 1, seq_len >= 1, '
-                             'vocab_size >= 2 and 1 <= branching <= vocab_size, got '
-                             f'{num_samples}, {seq_len}, {vocab_size}, {branching}')
+            raise ValueError(
+                'SyntheticLanguageModeling: need num_samples >= 1, seq_len >= 1, '
+                'vocab_size >= 2 and 1 <= branching <= vocab_size, got '
+                f'{num_samples}, {seq_len}, {vocab_size}, {branching}'
+            )
         g = torch.Generator().manual_seed(seed)
-        successors = torch.stack([torch.randperm(vocab_size, generator=g)[:branching]
-                                  for _ in range(vocab_size)])
+        successors = torch.stack(
+            [torch.randperm(vocab_size, generator=g)[:branching] for _ in range(vocab_size)]
+        )
         tokens = torch.empty(num_samples, seq_len + 1, dtype=torch.long)
         tokens[:, 0] = torch.randint(vocab_size, (num_samples,), generator=g)
         choice = torch.randint(branching, (num_samples, seq_len), generator=g)
@@ -105,8 +124,15 @@ class ResumableSampler(Sampler[int]):
         drop_last: Drop the tail that does not divide evenly instead of padding.
     """
 
-    def __init__(self, dataset_len: int, rank: int = 0, world_size: int = 1, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False) -> None:
+    def __init__(
+        self,
+        dataset_len: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f'ResumableSampler: rank {rank} not in [0, world_size={world_size})')
         self.dataset_len = dataset_len
@@ -140,8 +166,8 @@ class ResumableSampler(Sampler[int]):
             order = order[:total]
         else:
             while len(order) < total:
-                order += order[:total - len(order)]
-        return order[self.rank:total:self.world_size]
+                order += order[: total - len(order)]
+        return order[self.rank : total : self.world_size]
 
     def __iter__(self) -> Iterator[int]:
         start, self._skip = self._skip, 0

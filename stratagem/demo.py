@@ -1,4 +1,5 @@
 """``stratagem demo``: train the example classifier and show the loss falling."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,10 +14,16 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / 'examples' / 'configs' / 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument('--config', default=str(DEFAULT_CONFIG),
-                        help='config to train (default: examples/configs/classifier.py)')
-    parser.add_argument('--work-dir', default='work_dirs/demo',
-                        help='where the demo writes logs and checkpoints (emptied first)')
+    parser.add_argument(
+        '--config',
+        default=str(DEFAULT_CONFIG),
+        help='config to train (default: examples/configs/classifier.py)',
+    )
+    parser.add_argument(
+        '--work-dir',
+        default='work_dirs/demo',
+        help='where the demo writes logs and checkpoints (emptied first)',
+    )
 
 
 _OURS = re.compile(r'^(last_checkpoint|.*\.pth(\.manifest\.json)?|\d{8}_\d{6})$')
@@ -28,8 +35,10 @@ def _clear_previous_demo(work_dir: str) -> None:
         return
     foreign = sorted(name for name in os.listdir(work_dir) if not _OURS.match(name))
     if foreign:
-        raise FileExistsError(f'demo work dir {work_dir} holds files the demo did not write '
-                              f'({", ".join(foreign[:5])}); choose another --work-dir')
+        raise FileExistsError(
+            f'demo work dir {work_dir} holds files the demo did not write '
+            f'({", ".join(foreign[:5])}); choose another --work-dir'
+        )
     shutil.rmtree(work_dir)
 
 
@@ -51,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
     peak = max(losses)
     for it, value in result['losses']:
         print(f'  iter {it:5d}  {value:7.4f}  ' + '#' * max(1, round(40 * value / peak)))
-    print(f'\nmean loss, first quarter {first:.4f} -> last quarter {last:.4f} '
-          f'({"falling" if last < first else "NOT falling"})')
+    print(
+        f'\nmean loss, first quarter {first:.4f} -> last quarter {last:.4f} '
+        f'({"falling" if last < first else "NOT falling"})'
+    )
     print(f'checkpoints in {result["strategy"].work_dir}')
     return 0 if last < first else 1

@@ -25,6 +25,7 @@ skipped. Each check reads the config (and the machine: devices, packages, free d
 
 Exit code 0 when there is no finding, 1 otherwise (2 for a config that cannot be read).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,18 +36,36 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .doctor_keys import _STRATEGY_PACKAGES, KeyChecks
 
 __all__ = ['Finding', 'diagnose', 'add_arguments', 'run']
 
-_WARMUPS = {'LinearLR', 'ConstantLR', 'LinearMomentum', 'ConstantMomentum',
-            'LinearParamScheduler', 'ConstantParamScheduler'}
-_OPTIM_STATE_COPIES = {'SGD': 1, 'Adam': 2, 'AdamW': 2, 'Adamax': 2, 'NAdam': 2, 'RAdam': 2,
-                       'Adagrad': 1, 'RMSprop': 1, 'Adadelta': 2, 'Lion': 1, 'Adafactor': 1}
+_WARMUPS = {
+    'LinearLR',
+    'ConstantLR',
+    'LinearMomentum',
+    'ConstantMomentum',
+    'LinearParamScheduler',
+    'ConstantParamScheduler',
+}
+_OPTIM_STATE_COPIES = {
+    'SGD': 1,
+    'Adam': 2,
+    'AdamW': 2,
+    'Adamax': 2,
+    'NAdam': 2,
+    'RAdam': 2,
+    'Adagrad': 1,
+    'RMSprop': 1,
+    'Adadelta': 2,
+    'Lion': 1,
+    'Adafactor': 1,
+}
 _PROBE_BYTES = 32 << 20
 _find_spec = importlib.util.find_spec  # looks a package up without importing it
 
@@ -78,44 +97,65 @@ class _Doctor(KeyChecks):
         micro = int((cfg.get('train_dataloader') or {}).get('batch_size', 1))
         acc = int((cfg.get('optim_wrapper') or {}).get('accumulative_counts', 1))
         real = self.nproc * micro * acc
-        self.notes.append(f'real batch = {self.nproc} process(es) x {micro} micro batch x '
-                          f'{acc} accumulation = {real}')
+        self.notes.append(
+            f'real batch = {self.nproc} process(es) x {micro} micro batch x '
+            f'{acc} accumulation = {real}'
+        )
         scale = strategy.get('auto_scale_lr') or cfg.get('auto_scale_lr') or {}
         base = scale.get('base_batch_size')
         if base and real != base and not scale.get('enable', False):
-            self.add('auto_scale_lr', f'the lr was tuned for base_batch_size={base} but the '
-                     f'real batch is {real}; auto_scale_lr is off, so the lr is not scaled',
-                     f'set auto_scale_lr.enable=True (lr x {real / base:g}) or tune the lr')
+            self.add(
+                'auto_scale_lr',
+                f'the lr was tuned for base_batch_size={base} but the '
+                f'real batch is {real}; auto_scale_lr is off, so the lr is not scaled',
+                f'set auto_scale_lr.enable=True (lr x {real / base:g}) or tune the lr',
+            )
         elif base and real != base:
-            self.notes.append(f'auto_scale_lr scales every lr by {real}/{base} = '
-                              f'{real / base:g}')
-        ds = strategy.get('config') if isinstance(strategy.get('config'), Mapping) else strategy
-        for key, ours in (('train_batch_size', real), ('train_micro_batch_size_per_gpu', micro),
-                          ('gradient_accumulation_steps', acc)):
+            self.notes.append(f'auto_scale_lr scales every lr by {real}/{base} = {real / base:g}')
+        config = strategy.get('config')
+        ds = config if isinstance(config, Mapping) else strategy
+        for key, ours in (
+            ('train_batch_size', real),
+            ('train_micro_batch_size_per_gpu', micro),
+            ('gradient_accumulation_steps', acc),
+        ):
             if ds.get(key) not in (None, 'auto') and int(ds[key]) != ours:
-                self.add(f'strategy.config.{key}', f'DeepSpeed {key}={ds[key]} disagrees with '
-                         f'the config: {ours} (world {self.nproc} x micro {micro} x '
-                         f'accumulation {acc})', f"remove it (stratagem derives it) or set "
-                         f"it to {ours}")
+                self.add(
+                    f'strategy.config.{key}',
+                    f'DeepSpeed {key}={ds[key]} disagrees with '
+                    f'the config: {ours} (world {self.nproc} x micro {micro} x '
+                    f'accumulation {acc})',
+                    f'remove it (stratagem derives it) or set it to {ours}',
+                )
 
     # ------------------------------------------------------------ 3. precision
     def check_precision(self) -> None:
         import torch
+
         ow = self.cfg.get('optim_wrapper') or {}
         if not isinstance(ow, Mapping) or ow.get('type') != 'AmpOptimWrapper':
             return
         dtype = str(ow.get('dtype') or 'float16').replace('torch.', '')
         cuda = torch.cuda.is_available()
         if dtype == 'bfloat16' and 'loss_scale' in ow:
-            self.add('optim_wrapper.loss_scale', 'bf16 with a GradScaler: bf16 has fp32\'s '
-                     'range, so loss scaling only costs time', 'remove loss_scale')
+            self.add(
+                'optim_wrapper.loss_scale',
+                "bf16 with a GradScaler: bf16 has fp32's range, so loss scaling only costs time",
+                'remove loss_scale',
+            )
         if dtype == 'float16' and not cuda:
-            self.add('optim_wrapper.dtype', 'fp16 autocast on a machine without CUDA (CPU '
-                     'fp16 autocast is slow and loss scaling is CUDA-only)',
-                     "use dtype='bfloat16' on CPU, or run on a CUDA device")
+            self.add(
+                'optim_wrapper.dtype',
+                'fp16 autocast on a machine without CUDA (CPU '
+                'fp16 autocast is slow and loss scaling is CUDA-only)',
+                "use dtype='bfloat16' on CPU, or run on a CUDA device",
+            )
         if dtype == 'bfloat16' and cuda and not torch.cuda.is_bf16_supported():
-            self.add('optim_wrapper.dtype', f'bf16 on {torch.cuda.get_device_name()}, which '
-                     'lacks native bf16', "use dtype='float16' with loss_scale='dynamic'")
+            self.add(
+                'optim_wrapper.dtype',
+                f'bf16 on {torch.cuda.get_device_name()}, which lacks native bf16',
+                "use dtype='float16' with loss_scale='dynamic'",
+            )
 
     # ------------------------------------------------------------- 4. sharding
     def build_meta_model(self) -> None:
@@ -123,26 +163,34 @@ class _Doctor(KeyChecks):
         if not isinstance(model_cfg, Mapping):
             return
         import torch
+
         from stratagem.registry import MODELS
+
         try:
             with torch.device('meta'):
                 self.model = MODELS.build(dict(model_cfg))
         except Exception as err:  # noqa: BLE001 - a finding of its own, checks go on
             if any(f.where.startswith('model') for f in self.findings):
                 return  # already reported as a key finding
-            self.add('model', f'cannot instantiate the model on the meta device to count '
-                     f'its parameters: {type(err).__name__}: {err}', 'fix the model config; '
-                     'the checks that need the parameter count were skipped')
+            self.add(
+                'model',
+                f'cannot instantiate the model on the meta device to count '
+                f'its parameters: {type(err).__name__}: {err}',
+                'fix the model config; the checks that need the parameter count were skipped',
+            )
 
     def check_sharding(self) -> None:
         strategy = dict(self.cfg.get('strategy') or {})
         wrapper = dict(strategy.get('model_wrapper') or {})
         policy = wrapper.get('auto_wrap_policy')
         if strategy.get('activation_checkpointing') and not policy:
-            self.add('strategy.activation_checkpointing', 'activation checkpointing without '
-                     'an auto_wrap_policy: FSDP wraps the whole model as one unit, so nothing '
-                     'is sharded per layer', "add model_wrapper.auto_wrap_policy (e.g. "
-                     "transformer_layer_cls=['Block'])")
+            self.add(
+                'strategy.activation_checkpointing',
+                'activation checkpointing without '
+                'an auto_wrap_policy: FSDP wraps the whole model as one unit, so nothing '
+                'is sharded per layer',
+                "add model_wrapper.auto_wrap_policy (e.g. transformer_layer_cls=['Block'])",
+            )
         names = _policy_class_names(policy)
         if not names or self.model is None:
             return
@@ -150,10 +198,12 @@ class _Doctor(KeyChecks):
         for name in names:
             if name not in present:
                 close = difflib.get_close_matches(name, sorted(present), n=1)
-                self.add('strategy.model_wrapper.auto_wrap_policy', f'wrap class {name!r} '
-                         f'matches no module of the model', (f'did you mean {close[0]!r}? '
-                                                             if close else '') +
-                         f'module classes: {", ".join(sorted(present))}')
+                self.add(
+                    'strategy.model_wrapper.auto_wrap_policy',
+                    f'wrap class {name!r} matches no module of the model',
+                    (f'did you mean {close[0]!r}? ' if close else '')
+                    + f'module classes: {", ".join(sorted(present))}',
+                )
 
     # ----------------------------------------------------------- 5. schedulers
     def check_schedulers(self) -> None:
@@ -163,8 +213,11 @@ class _Doctor(KeyChecks):
         samples = (loader.get('dataset') or {}).get('num_samples')
         if samples and loader.get('batch_size'):
             per_rank = -(-int(samples) // self.nproc)
-            batches = per_rank // int(loader['batch_size']) if loader.get('drop_last') \
+            batches = (
+                per_rank // int(loader['batch_size'])
+                if loader.get('drop_last')
                 else -(-per_rank // int(loader['batch_size']))
+            )
             self.epoch_length = max(1, batches)
             if self.max_iters is None and max_epochs:
                 self.max_iters = int(max_epochs) * self.epoch_length
@@ -174,13 +227,18 @@ class _Doctor(KeyChecks):
             begin, end = s.get('begin', 0), s.get('end')
             limit, unit = (max_epochs, 'epochs') if by_epoch else (self.max_iters, 'iterations')
             if end is not None and limit is not None and end > limit:
-                self.add(f'param_scheduler[{i}].end', f'{s.get("type")} ends at {end} but the '
-                         f'run has {limit} {unit}: the schedule is cut short', f'set end={limit}'
-                         ' or leave end out (it defaults to the run\'s length)')
+                self.add(
+                    f'param_scheduler[{i}].end',
+                    f'{s.get("type")} ends at {end} but the '
+                    f'run has {limit} {unit}: the schedule is cut short',
+                    f"set end={limit} or leave end out (it defaults to the run's length)",
+                )
             end = limit if end is None else end
             if by_epoch and self.epoch_length:  # compare in iterations
-                begin, end = begin * self.epoch_length, (None if end is None
-                                                         else end * self.epoch_length)
+                begin, end = (
+                    begin * self.epoch_length,
+                    (None if end is None else end * self.epoch_length),
+                )
             elif by_epoch:
                 continue  # unknown epoch length: cannot compare with iteration windows
             if end is not None:
@@ -188,12 +246,14 @@ class _Doctor(KeyChecks):
         for a in range(len(windows)):
             for b in range(a + 1, len(windows)):
                 (i, ta, pa, ba, ea), (j, tb, pb, bb, eb) = windows[a], windows[b]
-                if pa != pb or max(ba, bb) >= min(ea, eb) or ((ta in _WARMUPS) != (tb in
-                                                                                 _WARMUPS)):
+                if pa != pb or max(ba, bb) >= min(ea, eb) or ((ta in _WARMUPS) != (tb in _WARMUPS)):
                     continue
-                self.add(f'param_scheduler[{i}], [{j}]', f'{ta} [{ba}, {ea}) and {tb} [{bb}, '
-                         f'{eb}) overlap (iterations): their factors multiply',
-                         f'start the second where the first ends (begin={ea})')
+                self.add(
+                    f'param_scheduler[{i}], [{j}]',
+                    f'{ta} [{ba}, {ea}) and {tb} [{bb}, '
+                    f'{eb}) overlap (iterations): their factors multiply',
+                    f'start the second where the first ends (begin={ea})',
+                )
 
     # ---------------------------------------------------------- 6. checkpoints
     def check_checkpoints(self) -> None:
@@ -201,13 +261,15 @@ class _Doctor(KeyChecks):
             return
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
-        opt = ((self.cfg.get('optim_wrapper') or {}).get('optimizer') or {})
+        opt = (self.cfg.get('optim_wrapper') or {}).get('optimizer') or {}
         copies = _OPTIM_STATE_COPIES.get(opt.get('type'), 2)
         if opt.get('type') == 'SGD' and not opt.get('momentum'):
             copies = 0
         size = params * (1 + copies) + buffers + (1 << 20)
-        self.notes.append(f'estimated checkpoint: {size / 2**20:.0f} MiB ({params // 4:,} '
-                          f'fp32 parameters, {copies} optimizer state copies)')
+        self.notes.append(
+            f'estimated checkpoint: {size / 2**20:.0f} MiB ({params // 4:,} '
+            f'fp32 parameters, {copies} optimizer state copies)'
+        )
         train = self.cfg.get('train_cfg') or {}
         interval, keep = train.get('checkpoint_interval') or 0, train.get('max_keep_ckpts')
         saves = 1 + (self.max_iters // interval if interval and self.max_iters else 0)
@@ -216,22 +278,31 @@ class _Doctor(KeyChecks):
         free = shutil.disk_usage(existing).free
         kept = min(saves, keep + 1) if keep and keep > 0 else saves
         if free < kept * size:
-            self.add('train_cfg.max_keep_ckpts', f'{kept} checkpoint(s) of ~{size / 2**20:.0f}'
-                     f' MiB need {kept * size / 2**30:.1f} GiB; {existing} has '
-                     f'{free / 2**30:.1f} GiB free', 'free disk space, lower max_keep_ckpts, '
-                     'or set work_dir on a larger filesystem')
+            self.add(
+                'train_cfg.max_keep_ckpts',
+                f'{kept} checkpoint(s) of ~{size / 2**20:.0f}'
+                f' MiB need {kept * size / 2**30:.1f} GiB; {existing} has '
+                f'{free / 2**30:.1f} GiB free',
+                'free disk space, lower max_keep_ckpts, or set work_dir on a larger filesystem',
+            )
         async_on = bool((self.cfg.get('strategy') or {}).get('async_checkpoint'))
         if not self.probe_disk or saves < 2 or async_on:
             return
         speed = _disk_write_speed(existing)
         stall = size / speed
-        self.notes.append(f'disk writes ~{speed / 2**20:.0f} MiB/s: a save stalls training '
-                          f'~{stall:.1f} s, {saves} saves ~{saves * stall:.0f} s')
+        self.notes.append(
+            f'disk writes ~{speed / 2**20:.0f} MiB/s: a save stalls training '
+            f'~{stall:.1f} s, {saves} saves ~{saves * stall:.0f} s'
+        )
         if saves * stall > 60:
-            self.add('train_cfg.checkpoint_interval', f'{saves} synchronous saves stall '
-                     f'training ~{saves * stall:.0f} s in total (~{stall:.1f} s each at '
-                     f'{speed / 2**20:.0f} MiB/s)', 'set strategy.async_checkpoint=True (blocks '
-                     'only for a copy to memory) or raise checkpoint_interval')
+            self.add(
+                'train_cfg.checkpoint_interval',
+                f'{saves} synchronous saves stall '
+                f'training ~{saves * stall:.0f} s in total (~{stall:.1f} s each at '
+                f'{speed / 2**20:.0f} MiB/s)',
+                'set strategy.async_checkpoint=True (blocks '
+                'only for a copy to memory) or raise checkpoint_interval',
+            )
 
     # ------------------------------------------------------------ 7. packages
     def check_packages(self) -> None:
@@ -242,10 +313,12 @@ class _Doctor(KeyChecks):
             needs.append('torch.distributed.optim')
         for package in needs:
             if _find_spec(package.split('.')[0]) is None:
-                self.add('strategy.type' if package != 'xxhash' else 'environment',
-                         f'{stype if package != "xxhash" else "checkpoints"} need(s) the '
-                         f'{package!r} package, which is not installed',
-                         f'pip install {package} (or "stratagem[{package}]")')
+                self.add(
+                    'strategy.type' if package != 'xxhash' else 'environment',
+                    f'{stype if package != "xxhash" else "checkpoints"} need(s) the '
+                    f'{package!r} package, which is not installed',
+                    f'pip install {package} (or "stratagem[{package}]")',
+                )
 
 
 def _param_of(sched_type: Any) -> str:
@@ -260,10 +333,11 @@ def _policy_class_names(policy: Any) -> list[str]:
     names = []
     for key in ('transformer_layer_cls', 'module_classes', 'layer_cls'):
         value = policy.get(key)
-        for item in (value if isinstance(value, (list, tuple, set)) else [value]):
+        for item in value if isinstance(value, (list, tuple, set)) else [value]:
             if item is not None:
-                names.append(item if isinstance(item, str) else getattr(item, '__name__',
-                                                                        str(item)))
+                names.append(
+                    item if isinstance(item, str) else getattr(item, '__name__', str(item))
+                )
     return [n.rsplit('.', 1)[-1] for n in names]
 
 
@@ -282,8 +356,9 @@ def _disk_write_speed(directory: Path) -> float:
         os.unlink(name)
 
 
-def diagnose(cfg: Mapping, nproc: int = 1, *, probe_disk: bool = True
-             ) -> tuple[list[Finding], list[str]]:
+def diagnose(
+    cfg: Mapping, nproc: int = 1, *, probe_disk: bool = True
+) -> tuple[list[Finding], list[str]]:
     """All findings for ``cfg`` run on ``nproc`` processes, and informational notes."""
     doctor = _Doctor(cfg, nproc, probe_disk)
     doctor.check_keys()
@@ -300,6 +375,7 @@ def diagnose(cfg: Mapping, nproc: int = 1, *, probe_disk: bool = True
 def format_table(findings: list[Finding]) -> str:
     """Findings as a plain-text table: #, where, problem, fix (long cells wrap)."""
     import textwrap
+
     width = max(80, min(shutil.get_terminal_size((120, 20)).columns, 160))
     cols = [3, 28, (width - 38) // 2, (width - 38) - (width - 38) // 2]
     head = ('#', 'where', 'problem', 'fix')
@@ -308,8 +384,11 @@ def format_table(findings: list[Finding]) -> str:
     for n, row in enumerate(rows):
         cells = [textwrap.wrap(c, w) or [''] for c, w in zip(row, cols)]
         for k in range(max(len(c) for c in cells)):
-            lines.append('  '.join((c[k] if k < len(c) else '').ljust(w)
-                                   for c, w in zip(cells, cols)).rstrip())
+            lines.append(
+                '  '.join(
+                    (c[k] if k < len(c) else '').ljust(w) for c, w in zip(cells, cols)
+                ).rstrip()
+            )
         if n == 0:
             lines.append('  '.join('-' * w for w in cols))
     return '\n'.join(lines)
@@ -317,16 +396,29 @@ def format_table(findings: list[Finding]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('config', help='config file (.py, .json, .yaml)')
-    parser.add_argument('--nproc', type=int, default=int(os.environ.get('WORLD_SIZE', 1)),
-                        help='processes the run will use (default: $WORLD_SIZE or 1)')
-    parser.add_argument('--cfg-options', nargs='+', default=[], metavar='KEY=VALUE',
-                        help='overrides, as for stratagem train')
-    parser.add_argument('--no-disk-probe', action='store_true',
-                        help='do not time a 32 MiB write to estimate the save stall')
+    parser.add_argument(
+        '--nproc',
+        type=int,
+        default=int(os.environ.get('WORLD_SIZE', 1)),
+        help='processes the run will use (default: $WORLD_SIZE or 1)',
+    )
+    parser.add_argument(
+        '--cfg-options',
+        nargs='+',
+        default=[],
+        metavar='KEY=VALUE',
+        help='overrides, as for stratagem train',
+    )
+    parser.add_argument(
+        '--no-disk-probe',
+        action='store_true',
+        help='do not time a 32 MiB write to estimate the save stall',
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from stratagem.config import Config, parse_cfg_options
+
     if args.nproc < 1:
         print(f'stratagem doctor: --nproc must be >= 1, got {args.nproc}', file=sys.stderr)
         return 2

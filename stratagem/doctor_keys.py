@@ -4,22 +4,53 @@ Every place the config is read is checked by its own key set or by the signature
 named class's ``__init__`` chain (importing the class's module, building nothing); a
 ``type`` that no registry knows, or whose package is missing, is reported too.
 """
+
 from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 __all__ = ['KeyChecks']
 
-_TOP_KEYS = {'model', 'train_dataloader', 'optim_wrapper', 'param_scheduler', 'train_cfg',
-             'strategy', 'randomness', 'work_dir', 'load_from', 'resume', 'auto_scale_lr',
-             'default_scope', 'env_cfg', 'log_level', 'default_hooks', 'custom_hooks',
-             'val_dataloader', 'val_cfg', 'val_evaluator', 'test_dataloader', 'test_cfg',
-             'test_evaluator', 'visualizer', 'vis_backends', 'log_processor', 'launcher',
-             'experiment_name', 'compile', 'model_wrapper_cfg', 'data_preprocessor'}
-_STRATEGY_PACKAGES = {'DeepSpeedStrategy': 'deepspeed', 'ColossalAIStrategy': 'colossalai',
-                      'FairScaleStrategy': 'fairscale'}
+_TOP_KEYS = {
+    'model',
+    'train_dataloader',
+    'optim_wrapper',
+    'param_scheduler',
+    'train_cfg',
+    'strategy',
+    'randomness',
+    'work_dir',
+    'load_from',
+    'resume',
+    'auto_scale_lr',
+    'default_scope',
+    'env_cfg',
+    'log_level',
+    'default_hooks',
+    'custom_hooks',
+    'val_dataloader',
+    'val_cfg',
+    'val_evaluator',
+    'test_dataloader',
+    'test_cfg',
+    'test_evaluator',
+    'visualizer',
+    'vis_backends',
+    'log_processor',
+    'launcher',
+    'experiment_name',
+    'compile',
+    'model_wrapper_cfg',
+    'data_preprocessor',
+}
+_STRATEGY_PACKAGES = {
+    'DeepSpeedStrategy': 'deepspeed',
+    'ColossalAIStrategy': 'colossalai',
+    'FairScaleStrategy': 'fairscale',
+}
 
 
 class KeyChecks:
@@ -31,12 +62,16 @@ class KeyChecks:
     def check_keys(self) -> None:
         from stratagem.loop import _LOADER_KEYS, _TRAIN_CFG_KEYS
         from stratagem.strategies.base import _ENV_KEYS, _RANDOMNESS_KEYS
+
         cfg = self.cfg
         for key in cfg:
             close = difflib.get_close_matches(str(key), sorted(_TOP_KEYS), n=1, cutoff=0.8)
             if key not in _TOP_KEYS and close:
-                self.add(str(key), f'unknown top-level key {key!r} (nothing reads it)',
-                         f'did you mean {close[0]!r}? rename it')
+                self.add(
+                    str(key),
+                    f'unknown top-level key {key!r} (nothing reads it)',
+                    f'did you mean {close[0]!r}? rename it',
+                )
         self._keys(cfg.get('train_cfg') or {}, _TRAIN_CFG_KEYS, 'train_cfg')
         loader = cfg.get('train_dataloader') or {}
         self._keys(loader, _LOADER_KEYS, 'train_dataloader')
@@ -47,51 +82,68 @@ class KeyChecks:
             self._typed(strategy, 'STRATEGIES', 'strategy')
         env_kwargs = strategy.get('env_kwargs') or {}
         self._keys(env_kwargs, _ENV_KEYS, 'strategy.env_kwargs')
-        self._keys(env_kwargs.get('randomness') or {}, _RANDOMNESS_KEYS,
-                   'strategy.env_kwargs.randomness')
+        self._keys(
+            env_kwargs.get('randomness') or {}, _RANDOMNESS_KEYS, 'strategy.env_kwargs.randomness'
+        )
         self._keys(cfg.get('randomness') or {}, _RANDOMNESS_KEYS, 'randomness')
         if isinstance(cfg.get('model'), Mapping):
             self._typed(cfg['model'], 'MODELS', 'model')
         self._check_optim_wrapper(cfg.get('optim_wrapper'))
         for i, sched in enumerate(self._schedulers()):
-            self._typed(sched, 'PARAM_SCHEDULERS', f'param_scheduler[{i}]',
-                        drop=('optimizer', 'convert_to_iter_based'))
+            self._typed(
+                sched,
+                'PARAM_SCHEDULERS',
+                f'param_scheduler[{i}]',
+                drop=('optimizer', 'convert_to_iter_based'),
+            )
         if 'auto_scale_lr' in cfg and 'auto_scale_lr' not in strategy:
-            self.add('auto_scale_lr', 'a top-level auto_scale_lr is not read by stratagem '
-                     '(the strategy scales the lr)', 'move it into strategy=dict('
-                     'auto_scale_lr=dict(enable=True, base_batch_size=N))')
+            self.add(
+                'auto_scale_lr',
+                'a top-level auto_scale_lr is not read by stratagem (the strategy scales the lr)',
+                'move it into strategy=dict(auto_scale_lr=dict(enable=True, base_batch_size=N))',
+            )
 
     def _check_optim_wrapper(self, ow: Any) -> None:
         if not isinstance(ow, Mapping):
             return
         from stratagem.optim.default_constructor import DefaultOptimWrapperConstructor
+
         if not any(k in ow for k in ('type', 'optimizer', 'constructor')):
             for name, sub in ow.items():  # several optimizers: one wrapper cfg per submodule
-                self._check_optim_wrapper({**sub, '_where': f'optim_wrapper.{name}'}
-                                          if isinstance(sub, Mapping) else None)
+                self._check_optim_wrapper(
+                    {**sub, '_where': f'optim_wrapper.{name}'} if isinstance(sub, Mapping) else None
+                )
             return
         where = ow.get('_where', 'optim_wrapper')
-        wrapper = {k: v for k, v in ow.items() if k not in ('constructor', 'paramwise_cfg',
-                                                            '_where')}
+        wrapper = {
+            k: v for k, v in ow.items() if k not in ('constructor', 'paramwise_cfg', '_where')
+        }
         wrapper.setdefault('type', 'OptimWrapper')
         self._typed(wrapper, 'OPTIM_WRAPPERS', where, drop=('optimizer',))
         if isinstance(ow.get('optimizer'), Mapping):
             self._typed(ow['optimizer'], 'OPTIMIZERS', f'{where}.optimizer', drop=('params',))
-        self._keys(ow.get('paramwise_cfg') or {}, DefaultOptimWrapperConstructor.PARAMWISE_KEYS,
-                   f'{where}.paramwise_cfg')
+        self._keys(
+            ow.get('paramwise_cfg') or {},
+            DefaultOptimWrapperConstructor.PARAMWISE_KEYS,
+            f'{where}.paramwise_cfg',
+        )
 
     def _keys(self, given: Mapping, allowed: Any, where: str) -> None:
         for key in given:
             if key not in allowed:
                 close = difflib.get_close_matches(str(key), sorted(allowed), n=1)
-                self.add(f'{where}.{key}', f'unknown key {key!r}',
-                         (f'did you mean {close[0]!r}? ' if close else '') +
-                         f'valid keys: {", ".join(sorted(allowed))}')
+                self.add(
+                    f'{where}.{key}',
+                    f'unknown key {key!r}',
+                    (f'did you mean {close[0]!r}? ' if close else '')
+                    + f'valid keys: {", ".join(sorted(allowed))}',
+                )
 
     def _typed(self, cfg: Mapping, registry_name: str, where: str, drop: tuple = ()) -> Any:
         """Look ``cfg['type']`` up (importing its module, building nothing); check its keys
         against the signatures along the class's ``__init__`` chain. Returns the class."""
         import stratagem.registry as registries
+
         registry = getattr(registries, registry_name)
         name = cfg.get('type')
         if not isinstance(name, str):
@@ -99,12 +151,18 @@ class KeyChecks:
         try:
             cls = registry.get(name)
         except ImportError as err:
-            self.add(f'{where}.type', f'{name!r} needs a package that is not installed: {err}',
-                     _install_hint(name))
+            self.add(
+                f'{where}.type',
+                f'{name!r} needs a package that is not installed: {err}',
+                _install_hint(name),
+            )
             return None
         if cls is None:
-            self.add(f'{where}.type', str(registry.unknown_name_error(name)),
-                     'use one of the registered names above')
+            self.add(
+                f'{where}.type',
+                str(registry.unknown_name_error(name)),
+                'use one of the registered names above',
+            )
             return None
         accepted = _accepted_chain(cls)
         if accepted is None:  # takes arbitrary keywords: nothing to check
@@ -112,17 +170,22 @@ class KeyChecks:
         for key in cfg:
             if key != 'type' and key not in drop and key not in accepted:
                 close = difflib.get_close_matches(str(key), sorted(accepted), n=1)
-                self.add(f'{where}.{key}', f'{name} has no argument {key!r}',
-                         (f'did you mean {close[0]!r}? ' if close else '') +
-                         f'accepted: {", ".join(sorted(accepted - {"self"}))}')
+                self.add(
+                    f'{where}.{key}',
+                    f'{name} has no argument {key!r}',
+                    (f'did you mean {close[0]!r}? ' if close else '')
+                    + f'accepted: {", ".join(sorted(accepted - {"self"}))}',
+                )
         return cls
 
     def _schedulers(self) -> list[Mapping]:
         scheds = self.cfg.get('param_scheduler') or []
         if isinstance(scheds, Mapping):
-            scheds = [scheds] if 'type' in scheds else [s for v in scheds.values()
-                                                          for s in (v if isinstance(v, list)
-                                                                    else [v])]
+            scheds = (
+                [scheds]
+                if 'type' in scheds
+                else [s for v in scheds.values() for s in (v if isinstance(v, list) else [v])]
+            )
         return [s for s in scheds if isinstance(s, Mapping)]
 
 
@@ -140,8 +203,7 @@ def _accepted_chain(cls: type) -> set[str] | None:
             params = inspect.signature(init).parameters.values()
         except (TypeError, ValueError):
             return None
-        names.update(p.name for p in params
-                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        names.update(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
         if not any(p.kind is p.VAR_KEYWORD for p in params):
             return names
     return None

@@ -9,6 +9,7 @@ does), a progress bar on rank 0, and checkpoints every ``checkpoint_interval``
 iterations and at the end. A resumed run continues from the same sample and the
 same RNG state, so it ends where an uninterrupted run would.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,35 +30,84 @@ from stratagem import checkpoint as ckpt
 from stratagem.config import Config, ConfigError, check_keys
 from stratagem.registry import DATASETS
 
-_TRAIN_CFG_KEYS = {'max_epochs', 'max_iters', 'checkpoint_interval', 'max_keep_ckpts',
-                   'log_interval', 'by_epoch'}
-_LOADER_KEYS = {'dataset', 'batch_size', 'shuffle', 'num_workers', 'drop_last', 'pin_memory',
-                'collate_fn', 'persistent_workers'}
+_TRAIN_CFG_KEYS = {
+    'max_epochs',
+    'max_iters',
+    'checkpoint_interval',
+    'max_keep_ckpts',
+    'log_interval',
+    'by_epoch',
+}
+_LOADER_KEYS = {
+    'dataset',
+    'batch_size',
+    'shuffle',
+    'num_workers',
+    'drop_last',
+    'pin_memory',
+    'collate_fn',
+    'persistent_workers',
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('config', help='config file (.py, .json, .yaml)')
-    parser.add_argument('--work-dir', help='where logs and checkpoints go (default: the '
-                        "config's work_dir, else work_dirs/<config name>)")
-    parser.add_argument('--resume', nargs='?', const='auto', default=None, metavar='PATH',
-                        help='resume from PATH, or from the latest checkpoint in work_dir')
+    parser.add_argument(
+        '--work-dir',
+        help='where logs and checkpoints go (default: the '
+        "config's work_dir, else work_dirs/<config name>)",
+    )
+    parser.add_argument(
+        '--resume',
+        nargs='?',
+        const='auto',
+        default=None,
+        metavar='PATH',
+        help='resume from PATH, or from the latest checkpoint in work_dir',
+    )
     parser.add_argument('--load-from', help='load model weights (not the training state) first')
-    parser.add_argument('--cfg-options', nargs='+', default=[], metavar='KEY=VALUE',
-                        help='override config keys, e.g. optim_wrapper.optimizer.lr=0.01')
-    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default=None,
-                        help='job launcher (default: inferred from the environment)')
-    parser.add_argument('--nproc', type=int, default=1,
-                        help='processes on this machine; > 1 re-launches with torchrun')
+    parser.add_argument(
+        '--cfg-options',
+        nargs='+',
+        default=[],
+        metavar='KEY=VALUE',
+        help='override config keys, e.g. optim_wrapper.optimizer.lr=0.01',
+    )
+    parser.add_argument(
+        '--launcher',
+        choices=['none', 'pytorch', 'slurm', 'mpi'],
+        default=None,
+        help='job launcher (default: inferred from the environment)',
+    )
+    parser.add_argument(
+        '--nproc',
+        type=int,
+        default=1,
+        help='processes on this machine; > 1 re-launches with torchrun',
+    )
     node = parser.add_argument_group(
-        'several machines', 'run the same command on every node, each with its own '
-        '--node-rank; this one re-launches through torchrun (no --standalone)')
+        'several machines',
+        'run the same command on every node, each with its own '
+        '--node-rank; this one re-launches through torchrun (no --standalone)',
+    )
     node.add_argument('--nnodes', type=int, default=1, help='number of machines (default 1)')
-    node.add_argument('--node-rank', type=int, default=0,
-                      help='this machine, 0 .. nnodes-1; node 0 hosts the rendezvous')
-    node.add_argument('--master-addr', help="node 0's host name or address, reachable from "
-                      'every node (required with --nnodes > 1)')
-    node.add_argument('--master-port', type=int, default=None,
-                      help="a free TCP port on node 0 (default torchrun's, 29500)")
+    node.add_argument(
+        '--node-rank',
+        type=int,
+        default=0,
+        help='this machine, 0 .. nnodes-1; node 0 hosts the rendezvous',
+    )
+    node.add_argument(
+        '--master-addr',
+        help="node 0's host name or address, reachable from "
+        'every node (required with --nnodes > 1)',
+    )
+    node.add_argument(
+        '--master-port',
+        type=int,
+        default=None,
+        help="a free TCP port on node 0 (default torchrun's, 29500)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = Config.fromfile(args.config)
     if args.cfg_options:
         from stratagem.config import parse_cfg_options
+
         cfg.merge_from_dict(parse_cfg_options(args.cfg_options))
     if args.work_dir:
         cfg['work_dir'] = args.work_dir
@@ -73,8 +124,10 @@ def run(args: argparse.Namespace) -> int:
         cfg['work_dir'] = osp.join('work_dirs', osp.splitext(osp.basename(args.config))[0])
     if args.launcher:
         strategy = dict(cfg.get('strategy') or {'type': 'auto'})
-        strategy['env_kwargs'] = {**dict(strategy.get('env_kwargs') or {}),
-                                  'launcher': args.launcher}
+        strategy['env_kwargs'] = {
+            **dict(strategy.get('env_kwargs') or {}),
+            'launcher': args.launcher,
+        }
         cfg['strategy'] = strategy
     resume: bool | str = False
     if args.resume == 'auto':
@@ -99,6 +152,7 @@ def _exit_torchrun_worker(strategy: Any) -> None:
     import logging
 
     from stratagem import env
+
     wait = getattr(strategy, 'wait_for_checkpoints', None)
     if callable(wait):
         wait()
@@ -120,18 +174,24 @@ def _relaunch_with_torchrun(args: argparse.Namespace) -> int:
     nproc, nnodes, node_rank = args.nproc, args.nnodes, args.node_rank
     master_addr, master_port = args.master_addr, args.master_port
     if nproc < 1 or nnodes < 1:
-        raise ValueError(f'--nproc and --nnodes must be >= 1, got --nproc {nproc} --nnodes '
-                         f'{nnodes}')
+        raise ValueError(
+            f'--nproc and --nnodes must be >= 1, got --nproc {nproc} --nnodes {nnodes}'
+        )
     if not 0 <= node_rank < nnodes:
-        raise ValueError(f'--node-rank {node_rank} is not one of the {nnodes} node(s): give '
-                         f'0 .. {nnodes - 1}, a different one on each machine')
+        raise ValueError(
+            f'--node-rank {node_rank} is not one of the {nnodes} node(s): give '
+            f'0 .. {nnodes - 1}, a different one on each machine'
+        )
     if master_port is not None and not 0 < master_port < 65536:
         raise ValueError(f'--master-port {master_port} is not a TCP port; give 1-65535')
     if nnodes > 1 and not master_addr:
-        raise ValueError(f'--nnodes {nnodes} needs --master-addr: the host name or address of '
-                         'node 0 (--node-rank 0), the same on every node')
+        raise ValueError(
+            f'--nnodes {nnodes} needs --master-addr: the host name or address of '
+            'node 0 (--node-rank 0), the same on every node'
+        )
     if master_addr:
         from stratagem.env.launcher import resolve_master
+
         resolve_master(master_addr, master_port or 29500, '--master-addr')
     # the sub-command's own arguments, as cli.main received them (not sys.argv: main() may
     # be called from code); the children run under torchrun (LOCAL_RANK is set), so they
@@ -153,8 +213,11 @@ def _relaunch_with_torchrun(args: argparse.Namespace) -> int:
     if nnodes == 1 and master_addr is None and master_port is None:
         cmd.append('--standalone')
     else:
-        cmd += [f'--nnodes={nnodes}', f'--node-rank={node_rank}',
-                f'--master-addr={master_addr or "127.0.0.1"}']
+        cmd += [
+            f'--nnodes={nnodes}',
+            f'--node-rank={node_rank}',
+            f'--master-addr={master_addr or "127.0.0.1"}',
+        ]
         if master_port is not None:
             cmd.append(f'--master-port={master_port}')
     cmd += [f'--nproc-per-node={nproc}', '-m', 'stratagem', 'train', *cleaned]
@@ -171,8 +234,10 @@ def build_dataset(cfg: Any) -> Dataset:
         return cfg
     if callable(cfg):
         return cfg()
-    raise TypeError('train_dataloader.dataset should be a DATASETS cfg dict, a Dataset or a '
-                    f'callable returning one; got {type(cfg).__name__}')
+    raise TypeError(
+        'train_dataloader.dataset should be a DATASETS cfg dict, a Dataset or a '
+        f'callable returning one; got {type(cfg).__name__}'
+    )
 
 
 def epoch_length_from_config(cfg: Mapping, world_size: int = 1) -> int | None:
@@ -180,7 +245,7 @@ def epoch_length_from_config(cfg: Mapping, world_size: int = 1) -> int | None:
     loader = cfg.get('train_dataloader')
     if not isinstance(loader, Mapping) or 'dataset' not in loader:
         return None
-    n = len(build_dataset(loader['dataset']))
+    n = len(build_dataset(loader['dataset']))  # type: ignore[arg-type]
     per_rank = n // world_size if loader.get('drop_last') else math.ceil(n / world_size)
     batch = int(loader.get('batch_size', 1))
     return per_rank // batch if loader.get('drop_last') else math.ceil(per_rank / batch)
@@ -191,20 +256,26 @@ def _parse_loss(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, Mapping):
-        losses = [v if isinstance(v, torch.Tensor) else sum(v)
-                  for k, v in output.items() if 'loss' in k]
+        losses = [
+            v if isinstance(v, torch.Tensor) else sum(v) for k, v in output.items() if 'loss' in k
+        ]
         if not losses:
-            raise ValueError(f'the model returned a dict without a loss entry: keys '
-                             f'{sorted(output)}; return a tensor or a dict with a "loss" key')
-        return sum(losses)
-    raise TypeError(f'the model should return a loss tensor or a dict of losses in training, '
-                    f'got {type(output).__name__}')
+            raise ValueError(
+                f'the model returned a dict without a loss entry: keys '
+                f'{sorted(output)}; return a tensor or a dict with a "loss" key'
+            )
+        return sum(losses)  # type: ignore[return-value, arg-type]
+    raise TypeError(
+        f'the model should return a loss tensor or a dict of losses in training, '
+        f'got {type(output).__name__}'
+    )
 
 
 def _forward(model: torch.nn.Module, batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Mapping):
-        return model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
-                        for k, v in batch.items()})
+        return model(
+            **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        )
     if isinstance(batch, (list, tuple)):
         return model(*[b.to(device) if isinstance(b, torch.Tensor) else b for b in batch])
     return model(batch.to(device))
@@ -216,8 +287,13 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device('cpu')
 
 
-def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str | None = None,
-          progress: bool = True) -> dict[str, Any]:
+def train(
+    cfg: Config | Mapping,
+    *,
+    resume: bool | str = False,
+    load_from: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Train from ``cfg``; returns ``{'strategy', 'losses' (per logged iteration), 'iter'}``."""
     from stratagem.data import ResumableSampler
     from stratagem.strategies import build_strategy
@@ -225,11 +301,17 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
     cfg = cfg if isinstance(cfg, Config) else Config(cfg)
     lacking = [k for k in ('model', 'optim_wrapper', 'train_dataloader') if k not in cfg]
     if lacking:
-        raise ConfigError(f'config {cfg.filename or ""} has no {", ".join(lacking)}; '
-                          'stratagem train needs model, optim_wrapper, train_dataloader and '
-                          'train_cfg' + (". mmcv's top-level optimizer=dict(...) goes in "
-                                         'optim_wrapper=dict(optimizer=dict(...))'
-                                         if 'optimizer' in cfg else ''))
+        raise ConfigError(
+            f'config {cfg.filename or ""} has no {", ".join(lacking)}; '
+            'stratagem train needs model, optim_wrapper, train_dataloader and '
+            'train_cfg'
+            + (
+                ". mmcv's top-level optimizer=dict(...) goes in "
+                'optim_wrapper=dict(optimizer=dict(...))'
+                if 'optimizer' in cfg
+                else ''
+            )
+        )
     train_cfg = dict(cfg.get('train_cfg') or {})
     check_keys(train_cfg, _TRAIN_CFG_KEYS, 'train_cfg')
     loader_cfg = dict(cfg.train_dataloader)
@@ -246,19 +328,26 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
 
     dataset = build_dataset(loader_cfg.pop('dataset'))
     batch_size = int(loader_cfg.pop('batch_size', 1))
-    sampler = ResumableSampler(len(dataset), strategy.rank, strategy.world_size,
-                               shuffle=loader_cfg.pop('shuffle', True),
-                               drop_last=loader_cfg.get('drop_last', False))
+    sampler = ResumableSampler(
+        len(dataset),  # type: ignore[arg-type]
+        strategy.rank,
+        strategy.world_size,
+        shuffle=loader_cfg.pop('shuffle', True),
+        drop_last=loader_cfg.get('drop_last', False),
+    )
     # a private generator: creating a loader iterator must not draw from the global RNG,
     # or a resumed run's random stream would drift from an uninterrupted one
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                        generator=torch.Generator(), **loader_cfg)
+    loader = DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, generator=torch.Generator(), **loader_cfg
+    )
     epoch_length = len(loader)
     if epoch_length == 0:
-        raise ValueError(f'train_dataloader yields no batch per epoch: {len(dataset)} samples '
-                         f'over {strategy.world_size} process(es) with batch_size={batch_size} '
-                         f"and drop_last={loader_cfg.get('drop_last', False)}; use a smaller "
-                         'batch_size or drop_last=False')
+        raise ValueError(
+            f'train_dataloader yields no batch per epoch: {len(dataset)} samples '  # type: ignore[arg-type]
+            f'over {strategy.world_size} process(es) with batch_size={batch_size} '
+            f'and drop_last={loader_cfg.get("drop_last", False)}; use a smaller '
+            'batch_size or drop_last=False'
+        )
     if 'max_iters' in train_cfg:
         max_iters = int(train_cfg['max_iters'])
         max_epochs = None
@@ -266,13 +355,20 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
         max_epochs = int(train_cfg['max_epochs'])
         max_iters = max_epochs * epoch_length
     else:
-        raise ValueError("train_cfg needs max_epochs or max_iters, e.g. train_cfg=dict("
-                         "max_epochs=4)")
+        raise ValueError(
+            'train_cfg needs max_epochs or max_iters, e.g. train_cfg=dict(max_epochs=4)'
+        )
     prepared = strategy.prepare(
-        cfg.model, optim_wrapper=cfg.optim_wrapper, param_scheduler=cfg.get('param_scheduler'),
-        dispatch_kwargs=dict(max_iters=max_iters, max_epochs=max_epochs,
-                             epoch_length=epoch_length,
-                             train_micro_batch_size_per_gpu=batch_size))
+        cfg.model,
+        optim_wrapper=cfg.optim_wrapper,
+        param_scheduler=cfg.get('param_scheduler'),
+        dispatch_kwargs=dict(
+            max_iters=max_iters,
+            max_epochs=max_epochs,
+            epoch_length=epoch_length,
+            train_micro_batch_size_per_gpu=batch_size,
+        ),
+    )
     model, optim_wrapper = prepared[0], prepared[1]
     schedulers = prepared[2] if len(prepared) > 2 else []
     scheduler_list = _flatten(schedulers)
@@ -297,6 +393,7 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
     if progress and main:
         # a bar on a terminal; whole lines every 30 s when stderr is a file or a pipe
         from stratagem.progress import progress_bar
+
         bar = progress_bar(max_iters, start_iter, file=sys.stderr)
     losses: list[tuple[int, float]] = []
     model.train()
@@ -308,6 +405,7 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
     stack = contextlib.ExitStack()
     if bar is not None:
         from stratagem.progress import logging_above
+
         stack.enter_context(logging_above(bar, log))  # logs print above a bar
         stack.callback(bar.close)
     with stack:  # closes the bar and the log redirection however the loop ends
@@ -343,8 +441,10 @@ def train(cfg: Config | Mapping, *, resume: bool | str = False, load_from: str |
                 lr0 = next(iter(lr.values()))[0]
                 if bar is not None:
                     bar.set_postfix(loss=f'{value:.4f}', lr=f'{lr0:.3g}', epoch=epoch)
-                log.info(f'iter {it}/{max_iters} epoch {epoch} loss {value:.4f} lr {lr0:.4g} '
-                         f'{(it - start_iter) / (time.perf_counter() - t0):.1f} it/s')
+                log.info(
+                    f'iter {it}/{max_iters} epoch {epoch} loss {value:.4f} lr {lr0:.4g} '
+                    f'{(it - start_iter) / (time.perf_counter() - t0):.1f} it/s'
+                )
             if bar is not None:
                 bar.update(1)
             if (interval and it % interval == 0) or it == max_iters:

@@ -4,6 +4,7 @@ A model used by ``stratagem train`` takes a batch ``(inputs, targets)`` and, in
 training, returns its loss: a tensor, or a dict of tensors whose ``loss*``
 entries are summed (mmengine's ``parse_losses`` convention).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,15 @@ class MLPClassifier(nn.Module):
         batch_norm: Put a BatchNorm1d after each hidden Linear.
     """
 
-    def __init__(self, in_features: int = 16, num_classes: int = 4, hidden: int = 64,
-                 num_layers: int = 2, dropout: float = 0.0, batch_norm: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int = 16,
+        num_classes: int = 4,
+        hidden: int = 64,
+        num_layers: int = 2,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
+    ) -> None:
         super().__init__()
         if num_layers < 1:
             raise ValueError(f'MLPClassifier: num_layers must be >= 1, got {num_layers}')
@@ -44,8 +52,9 @@ class MLPClassifier(nn.Module):
         self.backbone = nn.Sequential(*layers)
         self.head = nn.Linear(width, num_classes)
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None
-                ) -> torch.Tensor | dict[str, torch.Tensor]:
+    def forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Logits when ``targets`` is None, else ``{'loss': cross_entropy, 'acc': accuracy}``."""
         logits = self.head(self.backbone(inputs))
         if targets is None:
@@ -77,17 +86,22 @@ class TransformerBlock(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(),
-                                 nn.Linear(mlp_ratio * dim, dim))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim)
+        )
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: (batch, time, dim) → same shape."""
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=True,
-                                             dropout_p=self.dropout if self.training else 0.0)
+        att = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
         x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
         return x + self.drop(self.mlp(self.norm2(x)))
 
@@ -107,17 +121,28 @@ class TransformerLM(nn.Module):
         dropout: Dropout probability (0 disables).
     """
 
-    def __init__(self, vocab_size: int = 64, dim: int = 64, depth: int = 2, heads: int = 4,
-                 max_len: int = 64, mlp_ratio: int = 4, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 64,
+        dim: int = 64,
+        depth: int = 2,
+        heads: int = 4,
+        max_len: int = 64,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         if vocab_size < 2 or depth < 1 or max_len < 1:
-            raise ValueError(f'TransformerLM: need vocab_size >= 2, depth >= 1 and max_len >= 1, '
-                             f'got {vocab_size}, {depth}, {max_len}')
+            raise ValueError(
+                f'TransformerLM: need vocab_size >= 2, depth >= 1 and max_len >= 1, '
+                f'got {vocab_size}, {depth}, {max_len}'
+            )
         self.max_len = max_len
         self.tok = nn.Embedding(vocab_size, dim)
         self.pos = nn.Embedding(max_len, dim)
-        self.blocks = nn.ModuleList(TransformerBlock(dim, heads, mlp_ratio, dropout)
-                                    for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            TransformerBlock(dim, heads, mlp_ratio, dropout) for _ in range(depth)
+        )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size)
 
@@ -129,8 +154,9 @@ class TransformerLM(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None
-                ) -> torch.Tensor | dict[str, torch.Tensor]:
+    def forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
         """``inputs``: (batch, time) token ids, time <= ``max_len``. Logits (batch, time,
         vocab) when ``targets`` is None, else ``{'loss': next-token cross entropy}``."""
         t = inputs.shape[1]

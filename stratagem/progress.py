@@ -6,6 +6,7 @@ a tqdm bar when the stream is a terminal, else a :class:`LineProgress` that prin
 line every ``interval_s`` seconds and a last one on close. Both have the subset of tqdm's
 interface the loop uses: ``update``, ``set_postfix``, ``close``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,16 @@ class LineProgress:
         clock: Monotonic time source in seconds (default ``time.monotonic``).
     """
 
-    def __init__(self, total: int, initial: int = 0, desc: str = 'train', *, file: TextIO,
-                 interval_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        total: int,
+        initial: int = 0,
+        desc: str = 'train',
+        *,
+        file: TextIO,
+        interval_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if interval_s < 0:
             raise ValueError(f'interval_s must be >= 0 seconds, got {interval_s!r}')
         self.total, self.n, self.initial, self.desc = total, initial, initial, desc
@@ -70,8 +79,9 @@ class LineProgress:
         rate = (self.n - self.initial) / elapsed if elapsed > 0 else 0.0
         eta = _clock((self.total - self.n) / rate) if rate > 0 else '?'
         pct = f'{100 * self.n / self.total:3.0f}%' if self.total else ''
-        line = (f'{self.desc} {self.n}/{self.total} {pct} | {rate:.2f} it/s | '
-                f'{_clock(elapsed)}<{eta}')
+        line = (
+            f'{self.desc} {self.n}/{self.total} {pct} | {rate:.2f} it/s | {_clock(elapsed)}<{eta}'
+        )
         self.file.write(line + (f' | {self._postfix}' if self._postfix else '') + '\n')
         self.file.flush()
 
@@ -88,8 +98,10 @@ def progress_bar(total: int, initial: int, file: TextIO, desc: str = 'train') ->
     if not _is_terminal(file):
         return LineProgress(total, initial, desc, file=file)
     from tqdm import tqdm
-    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, file=file,
-                mininterval=0.5)
+
+    return tqdm(
+        total=total, initial=initial, desc=desc, dynamic_ncols=True, file=file, mininterval=0.5
+    )
 
 
 def logging_above(bar: Any, logger: logging.Logger) -> contextlib.AbstractContextManager:
@@ -97,4 +109,5 @@ def logging_above(bar: Any, logger: logging.Logger) -> contextlib.AbstractContex
     if isinstance(bar, LineProgress):
         return contextlib.nullcontext()
     from tqdm.contrib.logging import logging_redirect_tqdm
+
     return logging_redirect_tqdm(loggers=[logger])

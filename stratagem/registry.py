@@ -10,6 +10,7 @@ This module is a leaf: it imports nothing else from ``stratagem``. The root
 registries' contents live in the modules named by their ``locations``, which
 are imported the first time a registry is searched or listed.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -19,8 +20,16 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 __all__ = [
-    'Registry', 'RegistryError', 'build_from_cfg', 'MODELS', 'STRATEGIES', 'OPTIMIZERS',
-    'OPTIM_WRAPPERS', 'OPTIM_WRAPPER_CONSTRUCTORS', 'PARAM_SCHEDULERS', 'DATASETS',
+    'Registry',
+    'RegistryError',
+    'build_from_cfg',
+    'MODELS',
+    'STRATEGIES',
+    'OPTIMIZERS',
+    'OPTIM_WRAPPERS',
+    'OPTIM_WRAPPER_CONSTRUCTORS',
+    'PARAM_SCHEDULERS',
+    'DATASETS',
 ]
 
 
@@ -42,8 +51,11 @@ def _signature_problems(obj: Callable, kwargs: Mapping[str, Any]) -> str:
         return ''
     params = sig.parameters
     takes_var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    accepted = [n for n, p in params.items()
-                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != 'self']
+    accepted = [
+        n
+        for n, p in params.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != 'self'
+    ]
     parts = []
     if not takes_var_kw:
         unexpected = [k for k in kwargs if k not in accepted]
@@ -53,9 +65,14 @@ def _signature_problems(obj: Callable, kwargs: Mapping[str, Any]) -> str:
                 close = difflib.get_close_matches(k, accepted, n=1)
                 hints.append(f"'{k}'" + (f" (did you mean '{close[0]}'?)" if close else ''))
             parts.append('unexpected key(s) ' + ', '.join(hints))
-    missing = [n for n, p in params.items()
-               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != 'self'
-               and p.default is p.empty and n not in kwargs]
+    missing = [
+        n
+        for n, p in params.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and n != 'self'
+        and p.default is p.empty
+        and n not in kwargs
+    ]
     if missing:
         parts.append('missing required key(s) ' + ', '.join(f"'{m}'" for m in missing))
     if parts:
@@ -63,20 +80,24 @@ def _signature_problems(obj: Callable, kwargs: Mapping[str, Any]) -> str:
     return '; '.join(parts)
 
 
-def build_from_cfg(cfg: Mapping[str, Any], registry: 'Registry',
-                   default_args: Mapping[str, Any] | None = None) -> Any:
+def build_from_cfg(
+    cfg: Mapping[str, Any], registry: Registry, default_args: Mapping[str, Any] | None = None
+) -> Any:
     """Build an object from ``cfg`` (a mapping with ``type``) looked up in ``registry``.
 
     ``type`` may be a registered name or a class/callable. ``default_args`` fill
     keys that ``cfg`` lacks. ``cfg`` is never mutated.
     """
     if not isinstance(cfg, Mapping):
-        raise TypeError(f'cfg to build from the {registry.name!r} registry must be a dict, '
-                        f'got {type(cfg).__name__}: {cfg!r}')
+        raise TypeError(
+            f'cfg to build from the {registry.name!r} registry must be a dict, '
+            f'got {type(cfg).__name__}: {cfg!r}'
+        )
     if 'type' not in cfg and (default_args is None or 'type' not in default_args):
         raise RegistryError(
             f"cfg for the {registry.name!r} registry has no 'type' key: {dict(cfg)!r}; "
-            f"add type='<name>' with one of: {', '.join(registry.names()) or '(none registered)'}")
+            f"add type='<name>' with one of: {', '.join(registry.names()) or '(none registered)'}"
+        )
     args = dict(default_args or {})
     args.update({k: v for k, v in cfg.items()})
     obj_type = args.pop('type')
@@ -87,16 +108,20 @@ def build_from_cfg(cfg: Mapping[str, Any], registry: 'Registry',
     elif callable(obj_type):
         obj_cls = obj_type
     else:
-        raise TypeError(f"'type' in cfg for the {registry.name!r} registry must be a str or a "
-                        f'class, got {type(obj_type).__name__}: {obj_type!r}')
+        raise TypeError(
+            f"'type' in cfg for the {registry.name!r} registry must be a str or a "
+            f'class, got {type(obj_type).__name__}: {obj_type!r}'
+        )
     try:
         return obj_cls(**args)
     except TypeError as e:
         problems = _signature_problems(obj_cls, args)
         name = getattr(obj_cls, '__name__', repr(obj_cls))
         if problems:
-            raise TypeError(f"cannot build {name!r} from the {registry.name!r} registry with cfg "
-                            f'keys {sorted(args)}: {problems}') from e
+            raise TypeError(
+                f'cannot build {name!r} from the {registry.name!r} registry with cfg '
+                f'keys {sorted(args)}: {problems}'
+            ) from e
         raise TypeError(f'{name}({", ".join(sorted(args))}) raised: {e}') from e
 
 
@@ -112,8 +137,13 @@ class Registry:
             their ``register_module`` calls have run.
     """
 
-    def __init__(self, name: str, build_func: Callable | None = None,
-                 parent: 'Registry | None' = None, locations: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        build_func: Callable | None = None,
+        parent: Registry | None = None,
+        locations: Iterable[str] = (),
+    ) -> None:
         self._name = name
         self._module_dict: dict[str, Any] = {}
         self._lazy: dict[str, str] = {}
@@ -123,7 +153,7 @@ class Registry:
         self.children: dict[str, Registry] = {}
         if parent is not None:
             parent.children[name] = self
-        self.build_func = build_func or (parent.build_func if parent else build_from_cfg)
+        self.build_func: Callable = build_func or (parent.build_func if parent else build_from_cfg)
 
     @property
     def name(self) -> str:
@@ -149,8 +179,9 @@ class Registry:
             own |= set(self.parent.names())
         return sorted(own)
 
-    def register_module(self, name: str | list[str] | None = None, force: bool = False,
-                        module: Any = None) -> Any:
+    def register_module(
+        self, name: str | list[str] | None = None, force: bool = False, module: Any = None
+    ) -> Any:
         """Register ``module`` under ``name`` (default: its ``__name__``).
 
         Used as a call (``register_module(module=Cls)``) or as a decorator
@@ -159,8 +190,11 @@ class Registry:
         """
         if not isinstance(force, bool):
             raise TypeError(f'force must be a bool, got {type(force).__name__}')
-        if not (name is None or isinstance(name, str) or
-                (isinstance(name, list) and all(isinstance(n, str) for n in name))):
+        if not (
+            name is None
+            or isinstance(name, str)
+            or (isinstance(name, list) and all(isinstance(n, str) for n in name))
+        ):
             raise TypeError(f'name must be None, a str or a list of str, got {name!r}')
         if module is not None:
             self._register(module, name, force)
@@ -169,28 +203,34 @@ class Registry:
         def _decorator(obj: Any) -> Any:
             self._register(obj, name, force)
             return obj
+
         return _decorator
 
     def _register(self, module: Any, name: str | list[str] | None, force: bool) -> None:
         if not callable(module):
-            raise TypeError(f'only a class or function can be registered in {self._name!r}, '
-                            f'got {type(module).__name__}')
+            raise TypeError(
+                f'only a class or function can be registered in {self._name!r}, '
+                f'got {type(module).__name__}'
+            )
         names = [module.__name__] if name is None else ([name] if isinstance(name, str) else name)
         for n in names:
             if not force and (n in self._module_dict or n in self._lazy):
                 existing = self._module_dict.get(n, self._lazy.get(n))
                 if existing is module:
                     continue
-                raise KeyError(f'{n!r} is already registered in the {self._name!r} registry '
-                               f'(as {existing!r}); pass force=True to replace it')
+                raise KeyError(
+                    f'{n!r} is already registered in the {self._name!r} registry '
+                    f'(as {existing!r}); pass force=True to replace it'
+                )
             self._lazy.pop(n, None)
             self._module_dict[n] = module
 
     def register_lazy(self, name: str, target: str, force: bool = False) -> None:
         """Register ``name`` as ``"module.path:Attr"``, imported on first :meth:`get`."""
         if ':' not in target:
-            raise ValueError(f"lazy target for {name!r} must look like 'module.path:Attr', "
-                             f'got {target!r}')
+            raise ValueError(
+                f"lazy target for {name!r} must look like 'module.path:Attr', got {target!r}"
+            )
         if not force and (name in self._module_dict or name in self._lazy):
             raise KeyError(f'{name!r} is already registered in the {self._name!r} registry')
         self._lazy[name] = target
@@ -203,7 +243,7 @@ class Registry:
         """
         self._import_locations()
         if name.startswith(SCOPE) and name not in self._module_dict and name not in self._lazy:
-            name = name[len(SCOPE):]  # 'stratagem.X', as mmengine's registries know it
+            name = name[len(SCOPE) :]  # 'stratagem.X', as mmengine's registries know it
         if name in self._module_dict:
             return self._module_dict[name]
         if name in self._lazy:
@@ -223,12 +263,15 @@ class Registry:
         close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
         lowered = [n for n in names if n.lower() == name.lower() and n not in close]
         close = lowered + close
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ''
-        return RegistryError(f'unknown type {name!r} in the {self._name!r} registry{hint} '
-                             f"registered: {', '.join(names) or '(none)'}")
+        hint = f'; did you mean {" or ".join(repr(c) for c in close)}?' if close else ''
+        return RegistryError(
+            f'unknown type {name!r} in the {self._name!r} registry{hint} '
+            f'registered: {", ".join(names) or "(none)"}'
+        )
 
-    def build(self, cfg: Mapping[str, Any], default_args: Mapping[str, Any] | None = None,
-              **kwargs: Any) -> Any:
+    def build(
+        self, cfg: Mapping[str, Any], default_args: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> Any:
         """Build an object from ``cfg`` with this registry's ``build_func``."""
         return self.build_func(cfg, registry=self, default_args=default_args, **kwargs)
 
@@ -240,9 +283,9 @@ class Registry:
 
     def __repr__(self) -> str:
         names = self.names()
-        return f"Registry(name={self._name!r}, items={len(names)}: {', '.join(names)})"
+        return f'Registry(name={self._name!r}, items={len(names)}: {", ".join(names)})'
 
-    def __deepcopy__(self, memo: dict) -> 'Registry':  # registries are singletons
+    def __deepcopy__(self, memo: dict) -> Registry:  # registries are singletons
         return self
 
 

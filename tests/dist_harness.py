@@ -30,6 +30,7 @@ Contract:
 4. Each rank's stdout and stderr are echoed, prefixed ``[rank r]``, to the caller's
    stdout afterwards, where pytest shows them for a failing test.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,15 +46,27 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 __all__ = ['run_distributed', 'RankFailure', 'free_port', 'torchrun_env']
 
 # Variables of other launchers that would make the child believe it runs under them.
 _SCRUB_PREFIXES = ('SLURM_', 'OMPI_', 'PMI_', 'PMIX_', 'MV2_', 'MPI_LOCAL', 'TORCHELASTIC_')
-_SCRUB_NAMES = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'LOCAL_SIZE',
-                'GROUP_RANK', 'GROUP_WORLD_SIZE', 'ROLE_RANK', 'ROLE_WORLD_SIZE', 'ROLE_NAME',
-                'MASTER_ADDR', 'MASTER_PORT')
+_SCRUB_NAMES = (
+    'RANK',
+    'WORLD_SIZE',
+    'LOCAL_RANK',
+    'LOCAL_WORLD_SIZE',
+    'LOCAL_SIZE',
+    'GROUP_RANK',
+    'GROUP_WORLD_SIZE',
+    'ROLE_RANK',
+    'ROLE_WORLD_SIZE',
+    'ROLE_NAME',
+    'MASTER_ADDR',
+    'MASTER_PORT',
+)
 _BOOTSTRAP = (
     'import importlib.util, sys\n'
     "spec = importlib.util.spec_from_file_location('_stratagem_dist_harness', sys.argv[1])\n"
@@ -72,13 +85,16 @@ class RankFailure(RuntimeError):
     when it died without one); ``output`` (its stdout and stderr); ``exitcode``.
     """
 
-    def __init__(self, rank: int, remote_traceback: str, output: str, exitcode: int | None,
-                 others: str = '') -> None:
+    def __init__(
+        self, rank: int, remote_traceback: str, output: str, exitcode: int | None, others: str = ''
+    ) -> None:
         self.rank, self.remote_traceback, self.output = rank, remote_traceback, output
         self.exitcode = exitcode
-        what = (f'raised:\n{remote_traceback}' if remote_traceback
-                else f'died with exit code {exitcode} and no traceback; output tail:\n'
-                     f'{_tail(output)}')
+        what = (
+            f'raised:\n{remote_traceback}'
+            if remote_traceback
+            else f'died with exit code {exitcode} and no traceback; output tail:\n{_tail(output)}'
+        )
         super().__init__(f'rank {rank} {what}{others}')
 
 
@@ -89,24 +105,44 @@ def free_port(host: str = '127.0.0.1') -> int:
         return sock.getsockname()[1]
 
 
-def torchrun_env(rank: int, nproc: int, port: int, base: Mapping[str, str] | None = None
-                 ) -> dict[str, str]:
+def torchrun_env(
+    rank: int, nproc: int, port: int, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """The environment torchrun gives worker ``rank`` of ``nproc`` on one node."""
-    env = {k: v for k, v in (os.environ if base is None else base).items()
-           if k not in _SCRUB_NAMES and not k.startswith(_SCRUB_PREFIXES)}
-    env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-               LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK='0', GROUP_WORLD_SIZE='1',
-               ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), ROLE_NAME='default',
-               MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), OMP_NUM_THREADS='1')
+    env = {
+        k: v
+        for k, v in (os.environ if base is None else base).items()
+        if k not in _SCRUB_NAMES and not k.startswith(_SCRUB_PREFIXES)
+    }
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK='0',
+        GROUP_WORLD_SIZE='1',
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(nproc),
+        ROLE_NAME='default',
+        MASTER_ADDR='127.0.0.1',
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS='1',
+    )
     if any(name == 'lo' for _, name in socket.if_nameindex()):
         env['GLOO_SOCKET_IFNAME'] = 'lo'  # gloo otherwise may pick an interface it cannot reach
     return env
 
 
-def run_distributed(fn: Callable[..., Any], nproc: int = 2, *, args: Sequence[Any] = (),
-                    kwargs: Mapping[str, Any] | None = None, timeout: float = 60.0,
-                    env: Mapping[str, Any] | None = None, grace: float = 3.0
-                    ) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any],
+    nproc: int = 2,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: float = 60.0,
+    env: Mapping[str, Any] | None = None,
+    grace: float = 3.0,
+) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` in ``nproc`` processes; return their results by rank.
 
     Args:
@@ -122,10 +158,19 @@ def run_distributed(fn: Callable[..., Any], nproc: int = 2, *, args: Sequence[An
         raise ValueError(f'nproc must be >= 1, got {nproc}')
     qualname, module = getattr(fn, '__qualname__', ''), getattr(fn, '__module__', None)
     if not module or '<locals>' in qualname or '<lambda>' in qualname:
-        raise ValueError(f'{fn!r} must be a function defined at module level, so the '
-                         'child process can import it by module and name')
-    payload = pickle.dumps((module, qualname, getattr(sys.modules.get(module), '__file__', None),
-                            tuple(args), dict(kwargs or {})))
+        raise ValueError(
+            f'{fn!r} must be a function defined at module level, so the '
+            'child process can import it by module and name'
+        )
+    payload = pickle.dumps(
+        (
+            module,
+            qualname,
+            getattr(sys.modules.get(module), '__file__', None),
+            tuple(args),
+            dict(kwargs or {}),
+        )
+    )
     for attempt in range(2):
         try:
             return _run_once(payload, nproc, timeout, env or {}, grace)
@@ -136,8 +181,9 @@ def run_distributed(fn: Callable[..., Any], nproc: int = 2, *, args: Sequence[An
     raise AssertionError('unreachable')
 
 
-def _run_once(payload: bytes, nproc: int, timeout: float, extra: Mapping[str, Any],
-              grace: float) -> list[Any]:
+def _run_once(
+    payload: bytes, nproc: int, timeout: float, extra: Mapping[str, Any], grace: float
+) -> list[Any]:
     workdir = tempfile.mkdtemp(prefix='stratagem-dist-')
     procs: list[subprocess.Popen] = []
     try:
@@ -156,10 +202,23 @@ def _run_once(payload: bytes, nproc: int, timeout: float, extra: Mapping[str, An
                 else:
                     env[key] = str(value)
             with open(os.path.join(workdir, f'rank{rank}.log'), 'wb') as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, '-c', _BOOTSTRAP, os.path.abspath(__file__), workdir,
-                     str(rank)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            '-c',
+                            _BOOTSTRAP,
+                            os.path.abspath(__file__),
+                            workdir,
+                            str(rank),
+                        ],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
         failed_order = _wait(procs, timeout, grace, workdir)
         return _collect(procs, failed_order, workdir)
     finally:
@@ -168,8 +227,7 @@ def _run_once(payload: bytes, nproc: int, timeout: float, extra: Mapping[str, An
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float, grace: float, workdir: str
-          ) -> list[int]:
+def _wait(procs: list[subprocess.Popen], timeout: float, grace: float, workdir: str) -> list[int]:
     """Poll until all ranks exit; return the failed ranks in the order they failed."""
     deadline = time.monotonic() + timeout
     failed: list[int] = []
@@ -191,11 +249,15 @@ def _wait(procs: list[subprocess.Popen], timeout: float, grace: float, workdir: 
         if now > deadline:
             for proc in procs:
                 _kill(proc)
-            outputs = ''.join(f'\n--- rank {r} output tail ---\n{_tail(_read_log(workdir, r))}'
-                              for r in range(len(procs)))
+            outputs = ''.join(
+                f'\n--- rank {r} output tail ---\n{_tail(_read_log(workdir, r))}'
+                for r in range(len(procs))
+            )
             _echo(workdir, len(procs))
-            raise TimeoutError(f'run_distributed timed out after {timeout:g} s; ranks still '
-                               f'running: {running} (killed){outputs}')
+            raise TimeoutError(
+                f'run_distributed timed out after {timeout:g} s; ranks still '
+                f'running: {running} (killed){outputs}'
+            )
         time.sleep(0.02)
 
 
@@ -210,11 +272,19 @@ def _collect(procs: list[subprocess.Popen], failed: list[int], workdir: str) -> 
     first = min(raised, key=lambda r: _result_mtime(workdir, r)) if raised else failed[0]
     others = [r for r, p in enumerate(procs) if p.returncode != 0 and r != first]
     status, exc, tb = results[first]
-    also = ''.join(f'\n  rank {r}: {_tail(results[r][2], 1).strip()}' for r in others
-                   if results[r][0] == 'error')
+    also = ''.join(
+        f'\n  rank {r}: {_tail(results[r][2], 1).strip()}'
+        for r in others
+        if results[r][0] == 'error'
+    )
     note = f'\n(ranks {others} also failed or were stopped){also}' if others else ''
-    failure = RankFailure(first, tb if status == 'error' else '', _read_log(workdir, first),
-                          procs[first].returncode, note)
+    failure = RankFailure(
+        first,
+        tb if status == 'error' else '',
+        _read_log(workdir, first),
+        procs[first].returncode,
+        note,
+    )
     raise failure from (exc if isinstance(exc, BaseException) else None)
 
 
@@ -222,7 +292,7 @@ def _result_mtime(workdir: str, rank: int) -> int:
     try:
         return os.stat(os.path.join(workdir, f'rank{rank}.result')).st_mtime_ns
     except OSError:
-        return 2 ** 63
+        return 2**63
 
 
 def _read_result(workdir: str, rank: int) -> tuple[str, Any, str]:

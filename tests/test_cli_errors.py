@@ -1,21 +1,18 @@
 """#15 from the command line: each mistake prints `stratagem: error: ...` (exit 1), names the
 key, value or file, and leaves every file of the work dir as it was."""
+
 import os
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workdir_snapshot import assert_unchanged, snapshot  # noqa: E402
+from stratagem import checkpoint as ckpt
+from stratagem.cli import main
+from stratagem.config import ConfigWarning
+from workdir_snapshot import assert_unchanged, snapshot
 
-from stratagem import checkpoint as ckpt  # noqa: E402
-from stratagem.cli import main  # noqa: E402
-from stratagem.config import ConfigWarning  # noqa: E402
-
-YAML = '''\
+YAML = """\
 model: {type: MLPClassifier, in_features: 8, num_classes: 3, hidden: 16}
 train_dataloader:
   dataset: {type: SyntheticClassification, num_samples: 64, num_features: 8, num_classes: 3}
@@ -24,7 +21,7 @@ optim_wrapper:
   optimizer: {type: SGD, lr: LR, momentum: 0.9, weight_decay: 5e-4}
 train_cfg: {max_iters: 4, checkpoint_interval: 2}
 randomness: {seed: 0}
-'''
+"""
 
 
 def _config(tmp_path, lr='1e-3', name='cfg.yaml'):
@@ -84,8 +81,10 @@ def test_resume_whose_pointer_names_a_missing_file(trained, tmp_path, capsys):
     before = snapshot(work)
     with pytest.warns(ckpt.CheckpointWarning, match='holds no other committed checkpoint'):
         err = _error(capsys, ['train', _config(tmp_path), '--work-dir', str(work), '--resume'])
-    assert f'cannot resume from work_dir {work}: its last_checkpoint points to ' \
-           f'{work / "iter_4.pth"}, which does not exist' in err
+    assert (
+        f'cannot resume from work_dir {work}: its last_checkpoint points to '
+        f'{work / "iter_4.pth"}, which does not exist' in err
+    )
     assert 'nothing was changed' in err and '--resume PATH' in err
     assert_unchanged(work, before)
 
@@ -98,16 +97,18 @@ def test_bad_files_given_to_resume_or_load_from(trained, tmp_path, capsys):
     weights = torch.load(work / 'iter_4.pth', weights_only=True)['state_dict']
     torch.save({'epoch': 4, 'weights': weights}, files / 'weights.pth')
     data = (work / 'iter_4.pth').read_bytes()
-    (files / 'truncated.pth').write_bytes(data[:len(data) // 2])
+    (files / 'truncated.pth').write_bytes(data[: len(data) // 2])
     before, before_files = snapshot(work), snapshot(files)
     cfg = _config(tmp_path)
-    err = _error(capsys, ['train', cfg, '--work-dir', str(work), '--load-from',
-                          str(files / 'weights.pth')])
-    assert f"{files / 'weights.pth'} holds no model weights" in err
+    err = _error(
+        capsys, ['train', cfg, '--work-dir', str(work), '--load-from', str(files / 'weights.pth')]
+    )
+    assert f'{files / "weights.pth"} holds no model weights' in err
     assert "'epoch' (int), 'weights' (dict of 6)" in err
-    err = _error(capsys, ['train', cfg, '--work-dir', str(work), '--load-from',
-                          str(files / 'truncated.pth')])
-    assert f"{files / 'truncated.pth'} is truncated: it is {len(data) // 2} bytes" in err
+    err = _error(
+        capsys, ['train', cfg, '--work-dir', str(work), '--load-from', str(files / 'truncated.pth')]
+    )
+    assert f'{files / "truncated.pth"} is truncated: it is {len(data) // 2} bytes' in err
     err = _error(capsys, ['train', cfg, '--work-dir', str(work), '--resume', str(work)])
     assert f'{work} is a work directory, not a checkpoint file' in err
     assert str(work / 'iter_4.pth') in err and f'--work-dir {work} --resume' in err
@@ -118,14 +119,25 @@ def test_bad_files_given_to_resume_or_load_from(trained, tmp_path, capsys):
 def test_device_and_missing_sections(tmp_path, capsys):
     """Case 6: device='gpu'; an mmcv-style config without optim_wrapper."""
     work = tmp_path / 'new'
-    err = _error(capsys, ['train', _config(tmp_path, lr='0.1'), '--work-dir', str(work),
-                          '--cfg-options', 'strategy.device=gpu'])
+    err = _error(
+        capsys,
+        [
+            'train',
+            _config(tmp_path, lr='0.1'),
+            '--work-dir',
+            str(work),
+            '--cfg-options',
+            'strategy.device=gpu',
+        ],
+    )
     assert "device='gpu' is not a device name (did you mean 'cuda'?)" in err
     assert not work.exists()
     old = tmp_path / 'old.py'
-    old.write_text("model = dict(type='MLPClassifier', in_features=8, num_classes=3)\n"
-                   "optimizer = dict(type='SGD', lr=0.1)\n"
-                   "train_dataloader = dict(dataset=dict(type='SyntheticClassification'))\n")
+    old.write_text(
+        "model = dict(type='MLPClassifier', in_features=8, num_classes=3)\n"
+        "optimizer = dict(type='SGD', lr=0.1)\n"
+        "train_dataloader = dict(dataset=dict(type='SyntheticClassification'))\n"
+    )
     err = _error(capsys, ['train', str(old), '--work-dir', str(work)])
     assert f'config {old} has no optim_wrapper' in err
     assert 'optim_wrapper=dict(optimizer=dict(...))' in err
@@ -135,6 +147,7 @@ def test_device_and_missing_sections(tmp_path, capsys):
 def test_debug_shows_the_traceback(tmp_path, monkeypatch):
     cfg = _config(tmp_path, lr='fast')
     from stratagem.config import ConfigError
+
     with pytest.raises(ConfigError, match='must be a number'):
         main(['train', cfg, '--debug'])
     monkeypatch.setenv('STRATAGEM_DEBUG', '1')

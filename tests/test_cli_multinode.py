@@ -1,5 +1,6 @@
 """`stratagem train --nnodes N --node-rank R --master-addr A`: the torchrun command it builds,
 its errors, and two "nodes" on localhost (two commands started at once) training to the end."""
+
 import contextlib
 import os
 import re
@@ -14,21 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from dist_harness import free_port
 from stratagem.cli import main
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dist_harness import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 _PORT_TAKEN = ('address already in use', 'EADDRINUSE')
-CONFIG = '''
+CONFIG = """
 model = dict(type='MLPClassifier', in_features=8, num_classes=3, hidden=16)
 train_dataloader = dict(dataset=dict(type='SyntheticClassification', num_samples=64,
                                      num_features=8, num_classes=3), batch_size=8)
 optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.05, momentum=0.9))
 train_cfg = dict(max_epochs=2, checkpoint_interval=3, log_interval=2)
 randomness = dict(seed=7)
-'''
+"""
 
 
 @pytest.fixture()
@@ -47,29 +46,75 @@ def calls(monkeypatch):
 
 
 def test_multi_node_command(config, calls):
-    assert main(['train', config, '--nnodes', '2', '--node-rank=1', '--master-addr', '127.0.0.1',
-                 '--master-port=29511', '--nproc', '2', '--work-dir', 'w']) == 0
+    assert (
+        main(
+            [
+                'train',
+                config,
+                '--nnodes',
+                '2',
+                '--node-rank=1',
+                '--master-addr',
+                '127.0.0.1',
+                '--master-port=29511',
+                '--nproc',
+                '2',
+                '--work-dir',
+                'w',
+            ]
+        )
+        == 0
+    )
     assert main(['train', config, '--nnodes=3', '--master-addr=localhost']) == 0
-    assert calls[0][1:] == ['-m', 'torch.distributed.run', '--nnodes=2', '--node-rank=1',
-                            '--master-addr=127.0.0.1', '--master-port=29511',
-                            '--nproc-per-node=2', '-m', 'stratagem', 'train', config,
-                            '--work-dir', 'w', '--launcher', 'pytorch']
-    assert calls[1][3:8] == ['--nnodes=3', '--node-rank=0', '--master-addr=localhost',
-                             '--nproc-per-node=1', '-m']  # torchrun's default port
+    assert calls[0][1:] == [
+        '-m',
+        'torch.distributed.run',
+        '--nnodes=2',
+        '--node-rank=1',
+        '--master-addr=127.0.0.1',
+        '--master-port=29511',
+        '--nproc-per-node=2',
+        '-m',
+        'stratagem',
+        'train',
+        config,
+        '--work-dir',
+        'w',
+        '--launcher',
+        'pytorch',
+    ]
+    assert calls[1][3:8] == [
+        '--nnodes=3',
+        '--node-rank=0',
+        '--master-addr=localhost',
+        '--nproc-per-node=1',
+        '-m',
+    ]  # torchrun's default port
     assert '--standalone' not in calls[0] + calls[1]
 
 
-@pytest.mark.parametrize('argv, message', [
-    (['--nnodes', '2', '--node-rank', '2', '--master-addr', 'localhost'],
-     r'--node-rank 2 is not one of the 2 node\(s\): give 0 .. 1'),
-    (['--nnodes', '2', '--node-rank', '1'], '--nnodes 2 needs --master-addr'),
-    (['--nnodes', '2', '--master-addr', 'no-such-node.invalid'],
-     r"master host 'no-such-node.invalid' \(from --master-addr\) does not resolve"),
-    (['--nnodes', '2', '--master-addr', 'localhost', '--master-port', '70000'],
-     '--master-port 70000 is not a TCP port'),
-    (['--nproc', '0', '--nnodes', '2', '--master-addr', 'localhost'],
-     '--nproc and --nnodes must be >= 1'),
-])
+@pytest.mark.parametrize(
+    'argv, message',
+    [
+        (
+            ['--nnodes', '2', '--node-rank', '2', '--master-addr', 'localhost'],
+            r'--node-rank 2 is not one of the 2 node\(s\): give 0 .. 1',
+        ),
+        (['--nnodes', '2', '--node-rank', '1'], '--nnodes 2 needs --master-addr'),
+        (
+            ['--nnodes', '2', '--master-addr', 'no-such-node.invalid'],
+            r"master host 'no-such-node.invalid' \(from --master-addr\) does not resolve",
+        ),
+        (
+            ['--nnodes', '2', '--master-addr', 'localhost', '--master-port', '70000'],
+            '--master-port 70000 is not a TCP port',
+        ),
+        (
+            ['--nproc', '0', '--nnodes', '2', '--master-addr', 'localhost'],
+            '--nproc and --nnodes must be >= 1',
+        ),
+    ],
+)
 def test_multi_node_errors_before_launching(config, calls, capsys, argv, message):
     assert main(['train', config, *argv]) == 1
     err = capsys.readouterr().err
@@ -78,10 +123,13 @@ def test_multi_node_errors_before_launching(config, calls, capsys, argv, message
 
 
 def _node_env(tmp_path):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(('SLURM_', 'OMPI_', 'PMI_', 'MV2_', 'TORCHELASTIC_'))
-           and k not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT',
-                         'MKL_NUM_THREADS')}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(('SLURM_', 'OMPI_', 'PMI_', 'MV2_', 'TORCHELASTIC_'))
+        and k
+        not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'MKL_NUM_THREADS')
+    }
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
     if any(name == 'lo' for _, name in socket.if_nameindex()):
         env['GLOO_SOCKET_IFNAME'] = 'lo'
@@ -94,12 +142,36 @@ def _two_nodes(tmp_path, config, work, attempt):
     A node that fails ends the wait 5 s later: the other would wait for it up to torchrun's
     rendezvous timeout (600 s)."""
     port = free_port()
-    logs = {r: open(tmp_path / f'node{r}.{attempt}.log', 'w') for r in (0, 1)}
-    procs = {r: subprocess.Popen(
-        [sys.executable, '-m', 'stratagem', 'train', config, '--work-dir', str(work),
-         '--nnodes', '2', '--node-rank', str(r), '--nproc', '1', '--master-addr', '127.0.0.1',
-         '--master-port', str(port)], cwd=tmp_path, env=_node_env(tmp_path), stdout=logs[r],
-        stderr=subprocess.STDOUT, start_new_session=True) for r in (1, 0)}
+    logs = {r: open(tmp_path / f'node{r}.{attempt}.log', 'w') for r in (0, 1)}  # noqa: SIM115
+    procs = {
+        r: subprocess.Popen(
+            [
+                sys.executable,
+                '-m',
+                'stratagem',
+                'train',
+                config,
+                '--work-dir',
+                str(work),
+                '--nnodes',
+                '2',
+                '--node-rank',
+                str(r),
+                '--nproc',
+                '1',
+                '--master-addr',
+                '127.0.0.1',
+                '--master-port',
+                str(port),
+            ],
+            cwd=tmp_path,
+            env=_node_env(tmp_path),
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for r in (1, 0)
+    }
     deadline, failed_at = time.monotonic() + 240, None
     try:
         while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
@@ -127,15 +199,19 @@ def test_two_nodes_on_localhost_train_to_the_end(tmp_path, config):
         shutil.rmtree(work, ignore_errors=True)
         codes, out = _two_nodes(tmp_path, config, work, 1)
     node0, node1 = out[0], out[1]
-    assert codes == {0: 0, 1: 0}, f'exit codes {codes} (None: still running, killed)\n' \
-                                  f'node 0:\n{node0}\nnode 1:\n{node1}'
+    assert codes == {0: 0, 1: 0}, (
+        f'exit codes {codes} (None: still running, killed)\nnode 0:\n{node0}\nnode 1:\n{node1}'
+    )
     # 64 samples over 2 ranks, batch 8: 4 iterations per epoch, 8 in all
     final = torch.load(work / 'iter_8.pth', weights_only=True)
     assert (final['meta']['iter'], final['meta']['epoch']) == (8, 2)
     assert final['meta']['world_size'] == 2 and len(final['rng_states']) == 2
     assert all(torch.isfinite(v).all() for v in final['state_dict'].values())
-    assert sorted(p.name for p in work.glob('iter_*.pth')) == ['iter_3.pth', 'iter_6.pth',
-                                                                'iter_8.pth']
+    assert sorted(p.name for p in work.glob('iter_*.pth')) == [
+        'iter_3.pth',
+        'iter_6.pth',
+        'iter_8.pth',
+    ]
     # a line every rank would print alike comes once, from rank 0 (torchrun set only OMP)
     assert node0.count('set MKL_NUM_THREADS=1') == 1, node0
     assert 'MKL_NUM_THREADS' not in node1, node1

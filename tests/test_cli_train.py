@@ -1,4 +1,5 @@
 """`stratagem train` end to end, `--resume` continuing exactly, and the CLI's errors."""
+
 import os
 import shutil
 
@@ -8,7 +9,7 @@ import torch
 from stratagem import checkpoint as ckpt
 from stratagem.cli import main
 
-CONFIG = '''
+CONFIG = """
 model = dict(type='MLPClassifier', in_features=8, num_classes=3, hidden=16, dropout=0.2)
 train_dataloader = dict(dataset=dict(type='SyntheticClassification', num_samples=96,
                                      num_features=8, num_classes=3, noise=2.0),
@@ -19,7 +20,7 @@ param_scheduler = [dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=5
                         convert_to_iter_based=True)]
 train_cfg = dict(max_epochs=4, checkpoint_interval=5, log_interval=4)
 randomness = dict(seed=3)
-'''
+"""
 
 
 @pytest.fixture()
@@ -63,12 +64,37 @@ def test_train_end_to_end_and_resume_is_exact(tmp_path, config, options):
 
 def test_train_with_cfg_options_and_load_from(tmp_path, config):
     a = str(tmp_path / 'a')
-    assert main(['train', config, '--work-dir', a, '--cfg-options', 'train_cfg.max_epochs=1',
-                 'train_cfg.checkpoint_interval=0']) == 0
+    assert (
+        main(
+            [
+                'train',
+                config,
+                '--work-dir',
+                a,
+                '--cfg-options',
+                'train_cfg.max_epochs=1',
+                'train_cfg.checkpoint_interval=0',
+            ]
+        )
+        == 0
+    )
     assert sorted(p for p in os.listdir(a) if p.endswith('.pth')) == ['iter_6.pth']
     b = str(tmp_path / 'b')
-    assert main(['train', config, '--work-dir', b, '--load-from', os.path.join(a, 'iter_6.pth'),
-                 '--cfg-options', 'train_cfg.max_iters=1']) == 0
+    assert (
+        main(
+            [
+                'train',
+                config,
+                '--work-dir',
+                b,
+                '--load-from',
+                os.path.join(a, 'iter_6.pth'),
+                '--cfg-options',
+                'train_cfg.max_iters=1',
+            ]
+        )
+        == 0
+    )
     assert torch.load(os.path.join(b, 'iter_1.pth'), weights_only=True)['meta']['iter'] == 1
 
 
@@ -76,10 +102,21 @@ def test_train_with_cfg_options_and_load_from(tmp_path, config):
 def test_train_retention_keeps_newest(tmp_path, config, async_checkpoint):
     d = str(tmp_path / 'keep')
     extra = ['strategy.async_checkpoint=True'] if async_checkpoint else []
-    assert main(['train', config, '--work-dir', d, '--cfg-options',
-                 'train_cfg.max_keep_ckpts=2', *extra]) == 0
-    assert sorted(p for p in os.listdir(d) if p.endswith('.pth')) == ['iter_20.pth',
-                                                                      'iter_24.pth']
+    assert (
+        main(
+            [
+                'train',
+                config,
+                '--work-dir',
+                d,
+                '--cfg-options',
+                'train_cfg.max_keep_ckpts=2',
+                *extra,
+            ]
+        )
+        == 0
+    )
+    assert sorted(p for p in os.listdir(d) if p.endswith('.pth')) == ['iter_20.pth', 'iter_24.pth']
     assert ckpt.verify_checkpoint(ckpt.find_latest_checkpoint(d))['step'] == 24
 
 
@@ -92,11 +129,29 @@ def _cli_error(capsys, argv):
 
 
 def test_train_bad_config_keys(tmp_path, config, capsys):
-    err = _cli_error(capsys, ['train', config, '--work-dir', str(tmp_path / 'x'),
-                              '--cfg-options', 'train_cfg.max_epoch=2'])
+    err = _cli_error(
+        capsys,
+        [
+            'train',
+            config,
+            '--work-dir',
+            str(tmp_path / 'x'),
+            '--cfg-options',
+            'train_cfg.max_epoch=2',
+        ],
+    )
     assert "unknown key(s) ['max_epoch'] in train_cfg" in err and '(ValueError;' in err
-    err = _cli_error(capsys, ['train', config, '--work-dir', str(tmp_path / 'y'),
-                              '--cfg-options', 'model.type=MLPClassifer'])
+    err = _cli_error(
+        capsys,
+        [
+            'train',
+            config,
+            '--work-dir',
+            str(tmp_path / 'y'),
+            '--cfg-options',
+            'model.type=MLPClassifer',
+        ],
+    )
     assert "unknown type 'MLPClassifer'" in err and "did you mean 'MLPClassifier'" in err
     assert "error: 'unknown" not in err  # a KeyError's message without repr quotes
     err = _cli_error(capsys, ['train', str(tmp_path / 'nope.py')])
@@ -104,9 +159,18 @@ def test_train_bad_config_keys(tmp_path, config, capsys):
 
 
 def test_train_with_no_batch_per_epoch_says_why(tmp_path, config, capsys):
-    err = _cli_error(capsys, ['train', config, '--work-dir', str(tmp_path / 'z'),
-                              '--cfg-options', 'train_dataloader.batch_size=128',
-                              'train_dataloader.drop_last=True'])
+    err = _cli_error(
+        capsys,
+        [
+            'train',
+            config,
+            '--work-dir',
+            str(tmp_path / 'z'),
+            '--cfg-options',
+            'train_dataloader.batch_size=128',
+            'train_dataloader.drop_last=True',
+        ],
+    )
     assert 'yields no batch per epoch: 96 samples' in err and 'batch_size=128' in err
 
 
@@ -127,13 +191,30 @@ def test_plot_schedule_takes_epoch_length_from_the_dataloader(tmp_path, config, 
 
 def test_nproc_relaunch_uses_the_arguments_main_received(monkeypatch, config):
     import subprocess
+
     calls = []
     monkeypatch.setattr(subprocess, 'call', lambda cmd: calls.append(cmd) or 0)
     monkeypatch.delenv('LOCAL_RANK', raising=False)
-    assert main(['train', config, '--nproc=2', '--launcher=pytorch', '--cfg-options',
-                 'train_cfg.max_iters=3']) == 0
+    assert (
+        main(
+            [
+                'train',
+                config,
+                '--nproc=2',
+                '--launcher=pytorch',
+                '--cfg-options',
+                'train_cfg.max_iters=3',
+            ]
+        )
+        == 0
+    )
     (cmd,) = calls
-    assert cmd[1:6] == ['-m', 'torch.distributed.run', '--standalone', '--nproc-per-node=2',
-                        '-m']
-    assert cmd[6:] == ['stratagem', 'train', config, '--launcher=pytorch', '--cfg-options',
-                       'train_cfg.max_iters=3']  # no --nproc, no second --launcher
+    assert cmd[1:6] == ['-m', 'torch.distributed.run', '--standalone', '--nproc-per-node=2', '-m']
+    assert cmd[6:] == [
+        'stratagem',
+        'train',
+        config,
+        '--launcher=pytorch',
+        '--cfg-options',
+        'train_cfg.max_iters=3',
+    ]  # no --nproc, no second --launcher

@@ -1,4 +1,5 @@
 """Config: strict ConfigDict, files with _base_, overrides, dump round trips, error texts."""
+
 import copy
 import json
 import pickle
@@ -13,7 +14,7 @@ def test_configdict_strict_reads():
     assert cfg.model.depth == 2 and cfg['model']['type'] == 'MLP'
     assert isinstance(cfg.layers[0], ConfigDict) and cfg.layers[0].a == 1
     with pytest.raises(AttributeError, match="config has no key 'modle'; keys here: 'model'"):
-        cfg.modle
+        cfg.modle  # noqa: B018
     with pytest.raises(KeyError, match="config has no key 'x'"):
         cfg['x']
     assert not hasattr(cfg, 'x')
@@ -52,12 +53,17 @@ def _write(path, text):
 def test_fromfile_py_with_bases(tmp_path):
     _write(tmp_path / 'base_model.py', "model = dict(type='MLP', depth=2, width=8)\n")
     _write(tmp_path / 'base_optim.yaml', 'optim_wrapper:\n  optimizer: {type: SGD, lr: 0.1}\n')
-    cfg_path = _write(tmp_path / 'exp.py', (
-        "_base_ = ['base_model.py', 'base_optim.yaml']\n"
-        "import math\n"
-        "model = dict(depth=4)\n"
-        "optim_wrapper = dict(optimizer=dict(_delete_=True, type='AdamW', lr=math.sqrt(4) / 1e3))\n"
-        "def helper():\n    return 1\n"))
+    cfg_path = _write(
+        tmp_path / 'exp.py',
+        (
+            "_base_ = ['base_model.py', 'base_optim.yaml']\n"
+            'import math\n'
+            'model = dict(depth=4)\n'
+            "optim_wrapper = dict(optimizer=dict(_delete_=True, type='AdamW',\n"
+            '                                    lr=math.sqrt(4) / 1e3))\n'
+            'def helper():\n    return 1\n'
+        ),
+    )
     cfg = Config.fromfile(cfg_path)
     assert cfg.model == {'type': 'MLP', 'depth': 4, 'width': 8}
     assert cfg.optim_wrapper.optimizer == {'type': 'AdamW', 'lr': 0.002}
@@ -92,8 +98,11 @@ def test_bad_files_name_path_and_line(tmp_path):
         Config.fromfile(bad_py)
     assert f'{bad_py}:' in str(info.value) and 'syntax error' in str(info.value)
     raising = _write(tmp_path / 'raise.py', 'a = 1\nb = 1 / 0\n')
-    with pytest.raises(ConfigError, match=r'raise.py:2: error while executing config: '
-                                          r'ZeroDivisionError'):
+    with pytest.raises(
+        ConfigError,
+        match=r'raise.py:2: error while executing config: '
+        r'ZeroDivisionError',
+    ):
         Config.fromfile(raising)
     bad_json = _write(tmp_path / 'bad.json', '{"a": 1,\n "b": }')
     with pytest.raises(ConfigError, match=r'bad.json:2:7: invalid JSON'):
@@ -102,8 +111,11 @@ def test_bad_files_name_path_and_line(tmp_path):
     with pytest.raises(ConfigError, match=r'bad.yaml:\d+:\d+: invalid YAML'):
         Config.fromfile(bad_yaml)
     toml = _write(tmp_path / 'cfg.toml', 'a = 1\n')
-    with pytest.raises(ConfigError, match=r"cfg.toml: unsupported config extension '.toml'; "
-                                          r'use one of .py, .json, .yaml, .yml'):
+    with pytest.raises(
+        ConfigError,
+        match=r"cfg.toml: unsupported config extension '.toml'; "
+        r'use one of .py, .json, .yaml, .yml',
+    ):
         Config.fromfile(toml)
     with pytest.raises(FileNotFoundError, match='config file not found: .*missing.py'):
         Config.fromfile(tmp_path / 'missing.py')
@@ -113,19 +125,42 @@ def test_bad_files_name_path_and_line(tmp_path):
 
 
 def test_cfg_options_parser_and_merge_from_dict():
-    opts = parse_cfg_options(['a.b=1', 'c=[1,2]', 'd=xyz', 'e=true', 'f=None', 'g=0.5',
-                              'h=1,2', "i=(3, 4)", "j={'k': 1}"])
-    assert opts == {'a.b': 1, 'c': [1, 2], 'd': 'xyz', 'e': True, 'f': None, 'g': 0.5,
-                    'h': [1, 2], 'i': (3, 4), 'j': {'k': 1}}
+    opts = parse_cfg_options(
+        [
+            'a.b=1',
+            'c=[1,2]',
+            'd=xyz',
+            'e=true',
+            'f=None',
+            'g=0.5',
+            'h=1,2',
+            'i=(3, 4)',
+            "j={'k': 1}",
+        ]
+    )
+    assert opts == {
+        'a.b': 1,
+        'c': [1, 2],
+        'd': 'xyz',
+        'e': True,
+        'f': None,
+        'g': 0.5,
+        'h': [1, 2],
+        'i': (3, 4),
+        'j': {'k': 1},
+    }
     assert parse_cfg_options(['a=[cat,dog]', 'b=[x,[1,y]]', 'c=(u,2)']) == {
-        'a': ['cat', 'dog'], 'b': ['x', [1, 'y']], 'c': ('u', 2)}
+        'a': ['cat', 'dog'],
+        'b': ['x', [1, 'y']],
+        'c': ('u', 2),
+    }
     with pytest.raises(ConfigError, match="bad --cfg-options item 'novalue'"):
         parse_cfg_options(['novalue'])
     cfg = Config({'a': {'b': 0, 'keep': 1}, 'sched': [{'lr': 1}, {'lr': 2}]})
     cfg.merge_from_dict({'a.b': 5, 'sched.1.lr': 9, 'new.deep.key': 'x'})
     assert cfg.a == {'b': 5, 'keep': 1}
     assert cfg.sched[1].lr == 9 and cfg.new.deep.key == 'x'
-    with pytest.raises(ConfigError, match="index 5 is out of range for a list of length 2"):
+    with pytest.raises(ConfigError, match='index 5 is out of range for a list of length 2'):
         cfg.merge_from_dict({'sched.5.lr': 1})
     with pytest.raises(ConfigError, match="'a.b' is a int, not a dict"):
         cfg.merge_from_dict({'a.b.c': 1})
@@ -133,8 +168,13 @@ def test_cfg_options_parser_and_merge_from_dict():
 
 @pytest.mark.parametrize('suffix', ['.py', '.json', '.yaml'])
 def test_dump_round_trip(tmp_path, suffix):
-    cfg = Config({'model': {'type': 'MLP', 'dims': [1, 2], 'flag': True, 'none': None},
-                  'lr': 0.1, 'name': "it's"})
+    cfg = Config(
+        {
+            'model': {'type': 'MLP', 'dims': [1, 2], 'flag': True, 'none': None},
+            'lr': 0.1,
+            'name': "it's",
+        }
+    )
     out = tmp_path / f'dumped{suffix}'
     cfg.dump(out)
     assert Config.fromfile(out).to_dict() == cfg.to_dict()
@@ -155,25 +195,36 @@ def test_repr_is_readable(tmp_path):
 # ---- numbers given as strings (#15): converted with a warning naming the key, else refused
 def test_yaml_exponent_numbers_are_converted_naming_the_key(tmp_path):
     import yaml
+
     from stratagem.config import ConfigWarning
+
     path = tmp_path / 'cfg.yaml'
-    path.write_text('model: {type: Net, eps: 1e-5}\n'
-                    'optim_wrapper:\n  optimizer: {type: AdamW, lr: 1e-3, betas: [0.9, "0.999"],'
-                    ' eps: 1e-8}\n  clip_grad: {max_norm: "5"}\n'
-                    '  paramwise_cfg: {custom_keys: {head: {lr_mult: "10"}}}\n'
-                    'param_scheduler: [{type: MultiStepLR, milestones: ["3", 6], gamma: .1}]\n'
-                    'train_cfg: {max_iters: 1e3}\n'
-                    'train_dataloader: {batch_size: "8", dataset: {type: D, size: "7"}}\n')
+    path.write_text(
+        'model: {type: Net, eps: 1e-5}\n'
+        'optim_wrapper:\n  optimizer: {type: AdamW, lr: 1e-3, betas: [0.9, "0.999"],'
+        ' eps: 1e-8}\n  clip_grad: {max_norm: "5"}\n'
+        '  paramwise_cfg: {custom_keys: {head: {lr_mult: "10"}}}\n'
+        'param_scheduler: [{type: MultiStepLR, milestones: ["3", 6], gamma: .1}]\n'
+        'train_cfg: {max_iters: 1e3}\n'
+        'train_dataloader: {batch_size: "8", dataset: {type: D, size: "7"}}\n'
+    )
     assert yaml.safe_load(path.read_text())['optim_wrapper']['optimizer']['lr'] == '1e-3'
     with pytest.warns(ConfigWarning) as record:
         cfg = Config.fromfile(path)
     (warning,) = record
     text = str(warning.message)
-    for key in ("optim_wrapper.optimizer.lr='1e-3'", "optim_wrapper.optimizer.betas.1='0.999'",
-                "optim_wrapper.optimizer.eps='1e-8'", "optim_wrapper.clip_grad.max_norm='5'",
-                'paramwise_cfg.custom_keys.head.lr_mult', "param_scheduler.0.milestones.0='3'",
-                "train_cfg.max_iters='1e3'", "train_dataloader.batch_size='8'", str(path),
-                '1.0e-3, not 1e-3'):
+    for key in (
+        "optim_wrapper.optimizer.lr='1e-3'",
+        "optim_wrapper.optimizer.betas.1='0.999'",
+        "optim_wrapper.optimizer.eps='1e-8'",
+        "optim_wrapper.clip_grad.max_norm='5'",
+        'paramwise_cfg.custom_keys.head.lr_mult',
+        "param_scheduler.0.milestones.0='3'",
+        "train_cfg.max_iters='1e3'",
+        "train_dataloader.batch_size='8'",
+        str(path),
+        '1.0e-3, not 1e-3',
+    ):
         assert key in text, key
     opt = cfg.optim_wrapper.optimizer
     assert (opt.lr, opt.betas, opt.eps) == (0.001, [0.9, 0.999], 1e-8)
@@ -189,8 +240,11 @@ def test_yaml_exponent_numbers_are_converted_naming_the_key(tmp_path):
 def test_a_string_that_is_not_a_number_is_refused_naming_the_key(tmp_path):
     path = tmp_path / 'cfg.json'
     path.write_text(json.dumps({'optim_wrapper': {'optimizer': {'type': 'SGD', 'lr': 'fast'}}}))
-    with pytest.raises(ConfigError, match=r"optim_wrapper\.optimizer\.lr='fast' in "
-                                          rf"{path}.* must be a number \(e\.g\. lr=0\.01\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"optim_wrapper\.optimizer\.lr='fast' in "
+        rf'{path}.* must be a number \(e\.g\. lr=0\.01\)',
+    ):
         Config.fromfile(path)
     # words some numeric settings accept stay words
     cfg = Config(dict(optim_wrapper=dict(loss_scale='dynamic'), randomness=dict(seed=None)))
@@ -199,16 +253,28 @@ def test_a_string_that_is_not_a_number_is_refused_naming_the_key(tmp_path):
 
 def test_bad_override_changes_nothing_and_typos_warn():
     from stratagem.config import ConfigWarning
+
     cfg = Config(dict(optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))))
     before = copy.deepcopy(cfg.to_dict())
-    with pytest.raises(ConfigError, match=r"optim_wrapper\.optimizer\.momentum='fast' in the "
-                                          'overrides must be a number'):
-        cfg.merge_from_dict(parse_cfg_options(['optim_wrapper.optimizer.lr=0.5',
-                                               'optim_wrapper.optimizer.momentum=fast']))
+    with pytest.raises(
+        ConfigError,
+        match=r"optim_wrapper\.optimizer\.momentum='fast' in the "
+        'overrides must be a number',
+    ):
+        cfg.merge_from_dict(
+            parse_cfg_options(
+                ['optim_wrapper.optimizer.lr=0.5', 'optim_wrapper.optimizer.momentum=fast']
+            )
+        )
     assert cfg.to_dict() == before  # the good override before the bad one was not applied
     with pytest.warns(ConfigWarning) as record:
-        cfg.merge_from_dict({'lr': 0.5, 'optim_wrapper.optimizer.mometum': 0.5,
-                             'optim_wrapper.clip_grad.max_norm': 1.0})
+        cfg.merge_from_dict(
+            {
+                'lr': 0.5,
+                'optim_wrapper.optimizer.mometum': 0.5,
+                'optim_wrapper.clip_grad.max_norm': 1.0,
+            }
+        )
     texts = [str(w.message) for w in record]
     assert len(texts) == 2  # adding clip_grad is not a typo: no warning
     assert "override 'lr' adds a key" in texts[0]
@@ -218,9 +284,13 @@ def test_bad_override_changes_nothing_and_typos_warn():
 
 def test_config_errors_name_the_file(tmp_path):
     (tmp_path / 'a.yaml').write_text('x: 1\n')
-    with pytest.raises(ConfigError, match=rf'{tmp_path} is a directory, not a config file; '
-                                          rf'.*e\.g\. {tmp_path / "a.yaml"}'):
+    with pytest.raises(
+        ConfigError,
+        match=rf'{tmp_path} is a directory, not a config file; '
+        rf'.*e\.g\. {tmp_path / "a.yaml"}',
+    ):
         Config.fromfile(tmp_path)
     from stratagem.config import ConfigAttributeError
+
     with pytest.raises(ConfigAttributeError, match="no key 'optim_wrappr'"):
-        Config(dict(optim_wrapper={})).optim_wrappr
+        Config(dict(optim_wrapper={})).optim_wrappr  # noqa: B018

@@ -1,4 +1,5 @@
 """The synthetic dataset and the resumable distributed sampler."""
+
 import pytest
 import torch
 
@@ -9,8 +10,9 @@ from stratagem.registry import DATASETS
 def test_synthetic_dataset_is_deterministic_and_private():
     state = torch.get_rng_state()
     a = SyntheticClassification(num_samples=50, num_features=3, num_classes=4, seed=1)
-    b = DATASETS.build(dict(type='SyntheticClassification', num_samples=50, num_features=3,
-                            num_classes=4, seed=1))
+    b = DATASETS.build(
+        dict(type='SyntheticClassification', num_samples=50, num_features=3, num_classes=4, seed=1)
+    )
     assert torch.equal(torch.get_rng_state(), state)  # the global RNG was not touched
     assert len(a) == 50 and torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
     x, y = a[3]
@@ -24,8 +26,9 @@ def test_ranks_get_disjoint_shards_covering_the_epoch():
     assert [len(s) for s in shards] == [4, 4, 4]  # padded to 12
     flat = sorted(i for s in shards for i in s)
     assert set(flat) == set(range(10)) and len(flat) == 12
-    dropped = [list(ResumableSampler(10, rank=r, world_size=3, seed=4, drop_last=True))
-               for r in range(3)]
+    dropped = [
+        list(ResumableSampler(10, rank=r, world_size=3, seed=4, drop_last=True)) for r in range(3)
+    ]
     assert [len(s) for s in dropped] == [3, 3, 3] and len(set(sum(dropped, []))) == 9
 
 
@@ -51,10 +54,19 @@ def test_set_epoch_reshuffles_and_skip_resumes_mid_epoch():
 
 def test_synthetic_language_modeling_follows_its_chain():
     from stratagem.data import SyntheticLanguageModeling
+
     state = torch.get_rng_state()
     a = SyntheticLanguageModeling(num_samples=40, seq_len=12, vocab_size=10, branching=2, seed=3)
-    b = DATASETS.build(dict(type='SyntheticLanguageModeling', num_samples=40, seq_len=12,
-                            vocab_size=10, branching=2, seed=3))
+    b = DATASETS.build(
+        dict(
+            type='SyntheticLanguageModeling',
+            num_samples=40,
+            seq_len=12,
+            vocab_size=10,
+            branching=2,
+            seed=3,
+        )
+    )
     assert torch.equal(torch.get_rng_state(), state)  # the global RNG was not touched
     assert len(a) == 40 and torch.equal(a.tokens, b.tokens)
     x, y = a[5]

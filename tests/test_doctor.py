@@ -1,8 +1,8 @@
 """`stratagem doctor`: each check finds its problem (with the fix), a clean config has none,
 exit codes 0 / 1 / 2, and nothing heavy is built (no process group, the model on meta)."""
+
 import copy
 
-import pytest
 import torch
 
 from stratagem import doctor
@@ -10,13 +10,18 @@ from stratagem.cli import main
 
 CLEAN = dict(
     model=dict(type='MLPClassifier', in_features=16, num_classes=4, hidden=64),
-    train_dataloader=dict(dataset=dict(type='SyntheticClassification', num_samples=2048,
-                                       num_features=16, num_classes=4),
-                          batch_size=32, shuffle=True),
+    train_dataloader=dict(
+        dataset=dict(
+            type='SyntheticClassification', num_samples=2048, num_features=16, num_classes=4
+        ),
+        batch_size=32,
+        shuffle=True,
+    ),
     optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.05, momentum=0.9)),
-    param_scheduler=[dict(type='LinearLR', start_factor=0.1, by_epoch=False, end=20),
-                     dict(type='CosineAnnealingLR', by_epoch=True, begin=0, T_max=4,
-                          convert_to_iter_based=True)],
+    param_scheduler=[
+        dict(type='LinearLR', start_factor=0.1, by_epoch=False, end=20),
+        dict(type='CosineAnnealingLR', by_epoch=True, begin=0, T_max=4, convert_to_iter_based=True),
+    ],
     train_cfg=dict(max_epochs=4, checkpoint_interval=64, max_keep_ckpts=2),
     strategy=dict(type='SingleDeviceStrategy'),
 )
@@ -38,23 +43,31 @@ def _diagnose(tmp_path, nproc=1, **changes):
 def test_clean_config_has_no_findings_and_builds_nothing_heavy(tmp_path, monkeypatch):
     built = []
     real = torch.nn.Module.__init__
-    monkeypatch.setattr(torch.nn.Module, '__init__',
-                        lambda self, *a, **k: (built.append(torch.empty(0).device),
-                                               real(self, *a, **k))[1])
+    monkeypatch.setattr(
+        torch.nn.Module,
+        '__init__',
+        lambda self, *a, **k: (built.append(torch.empty(0).device), real(self, *a, **k))[1],
+    )
     findings, notes = _diagnose(tmp_path)
     assert findings == {}
     assert set(built) == {torch.device('meta')}  # the model exists only on the meta device
     assert not torch.distributed.is_initialized()
     assert 'real batch = 1 process(es) x 32 micro batch x 1 accumulation = 32' in notes
     # (16*64+64) + (64*64+64) + (64*4+4) = 5508 fp32 params; SGD momentum: one copy
-    assert 'estimated checkpoint: 1 MiB (5,508 fp32 parameters, 1 optimizer state copies)' \
-        in notes
+    assert 'estimated checkpoint: 1 MiB (5,508 fp32 parameters, 1 optimizer state copies)' in notes
 
 
 def test_misspelt_keys_everywhere(tmp_path):
-    f, _ = _diagnose(tmp_path, model__hiden=3, train_dataloader__shufle=True,
-                     strategy__devic='cpu', optim_wrapper__optimizer__momentun=0.9,
-                     train_cfg__max_keep=1, param_scheduler__0__ennd=5, traincfg={})
+    f, _ = _diagnose(
+        tmp_path,
+        model__hiden=3,
+        train_dataloader__shufle=True,
+        strategy__devic='cpu',
+        optim_wrapper__optimizer__momentun=0.9,
+        train_cfg__max_keep=1,
+        param_scheduler__0__ennd=5,
+        traincfg={},
+    )
     assert f['model.hiden'].fix.startswith("did you mean 'hidden'?")
     assert f['train_dataloader.shufle'].fix.startswith("did you mean 'shuffle'?")
     assert f['strategy.devic'].problem == "SingleDeviceStrategy has no argument 'devic'"
@@ -68,29 +81,51 @@ def test_misspelt_keys_everywhere(tmp_path):
 
 
 def test_batch_arithmetic(tmp_path):
-    f, notes = _diagnose(tmp_path, nproc=4, optim_wrapper__accumulative_counts=2,
-                         strategy__auto_scale_lr=dict(enable=False, base_batch_size=64))
+    f, notes = _diagnose(
+        tmp_path,
+        nproc=4,
+        optim_wrapper__accumulative_counts=2,
+        strategy__auto_scale_lr=dict(enable=False, base_batch_size=64),
+    )
     assert 'real batch = 4 process(es) x 32 micro batch x 2 accumulation = 256' in notes
-    assert f['auto_scale_lr'].problem.startswith('the lr was tuned for base_batch_size=64 but '
-                                                 'the real batch is 256')
+    assert f['auto_scale_lr'].problem.startswith(
+        'the lr was tuned for base_batch_size=64 but the real batch is 256'
+    )
     assert 'lr x 4' in f['auto_scale_lr'].fix
-    f, notes = _diagnose(tmp_path, nproc=4,
-                         strategy__auto_scale_lr=dict(enable=True, base_batch_size=64))
+    f, notes = _diagnose(
+        tmp_path, nproc=4, strategy__auto_scale_lr=dict(enable=True, base_batch_size=64)
+    )
     assert f == {} and 'auto_scale_lr scales every lr by 128/64 = 2' in notes
-    f, _ = _diagnose(tmp_path, nproc=2, strategy=dict(
-        type='auto', config=dict(train_batch_size=128, train_micro_batch_size_per_gpu=32)))
+    f, _ = _diagnose(
+        tmp_path,
+        nproc=2,
+        strategy=dict(
+            type='auto', config=dict(train_batch_size=128, train_micro_batch_size_per_gpu=32)
+        ),
+    )
     assert f['strategy.config.train_batch_size'].problem.startswith(
-        'DeepSpeed train_batch_size=128 disagrees with the config: 64')
+        'DeepSpeed train_batch_size=128 disagrees with the config: 64'
+    )
     assert 'strategy.config.train_micro_batch_size_per_gpu' not in f
 
 
 def test_precision(tmp_path):
-    f, _ = _diagnose(tmp_path, optim_wrapper=dict(type='AmpOptimWrapper', dtype='bfloat16',
-                                                  loss_scale='dynamic',
-                                                  optimizer=dict(type='SGD', lr=0.1)))
+    f, _ = _diagnose(
+        tmp_path,
+        optim_wrapper=dict(
+            type='AmpOptimWrapper',
+            dtype='bfloat16',
+            loss_scale='dynamic',
+            optimizer=dict(type='SGD', lr=0.1),
+        ),
+    )
     assert f['optim_wrapper.loss_scale'].fix == 'remove loss_scale'
-    f, _ = _diagnose(tmp_path, optim_wrapper=dict(type='AmpOptimWrapper', dtype='float16',
-                                                  optimizer=dict(type='SGD', lr=0.1)))
+    f, _ = _diagnose(
+        tmp_path,
+        optim_wrapper=dict(
+            type='AmpOptimWrapper', dtype='float16', optimizer=dict(type='SGD', lr=0.1)
+        ),
+    )
     if torch.cuda.is_available():
         assert 'optim_wrapper.dtype' not in f
     else:
@@ -98,9 +133,14 @@ def test_precision(tmp_path):
 
 
 def test_wrap_policy_and_activation_checkpointing(tmp_path):
-    f, _ = _diagnose(tmp_path, strategy=dict(
-        type='auto', activation_checkpointing=dict(check_fn='x'),
-        model_wrapper=dict(auto_wrap_policy=dict(transformer_layer_cls=['Linear', 'Lineer']))))
+    f, _ = _diagnose(
+        tmp_path,
+        strategy=dict(
+            type='auto',
+            activation_checkpointing=dict(check_fn='x'),
+            model_wrapper=dict(auto_wrap_policy=dict(transformer_layer_cls=['Linear', 'Lineer'])),
+        ),
+    )
     wrap = f['strategy.model_wrapper.auto_wrap_policy']
     assert wrap.problem == "wrap class 'Lineer' matches no module of the model"
     assert wrap.fix.startswith("did you mean 'Linear'?")
@@ -111,27 +151,37 @@ def test_wrap_policy_and_activation_checkpointing(tmp_path):
 
 def test_scheduler_end_and_overlap(tmp_path):
     # 2048 samples / 32 = 64 iterations per epoch; 4 epochs = 256 iterations
-    f, _ = _diagnose(tmp_path, param_scheduler=[
-        dict(type='LinearLR', start_factor=0.1, by_epoch=False, end=20),
-        dict(type='CosineAnnealingLR', by_epoch=False, begin=0, T_max=100, end=300),
-        dict(type='StepLR', by_epoch=True, begin=2, end=3, step_size=1)])
+    f, _ = _diagnose(
+        tmp_path,
+        param_scheduler=[
+            dict(type='LinearLR', start_factor=0.1, by_epoch=False, end=20),
+            dict(type='CosineAnnealingLR', by_epoch=False, begin=0, T_max=100, end=300),
+            dict(type='StepLR', by_epoch=True, begin=2, end=3, step_size=1),
+        ],
+    )
     assert f['param_scheduler[1].end'].problem.startswith(
-        'CosineAnnealingLR ends at 300 but the run has 256 iterations')
+        'CosineAnnealingLR ends at 300 but the run has 256 iterations'
+    )
     overlap = f['param_scheduler[1], [2]']
     assert overlap.problem.startswith('CosineAnnealingLR [0, 300) and StepLR [128, 192) overlap')
     assert 'param_scheduler[0], [1]' not in f  # a warmup over the main schedule is expected
 
 
 def test_checkpoint_disk_and_stall(tmp_path, monkeypatch):
-    monkeypatch.setattr(doctor.shutil, 'disk_usage',
-                        lambda path: type('U', (), {'free': 2 << 20})())
+    monkeypatch.setattr(
+        doctor.shutil, 'disk_usage', lambda path: type('U', (), {'free': 2 << 20})()
+    )
     f, _ = _diagnose(tmp_path)
     assert f['train_cfg.max_keep_ckpts'].problem.startswith('3 checkpoint(s) of ~1 MiB need')
     monkeypatch.undo()
     cfg = copy.deepcopy(CLEAN)
-    cfg.update(work_dir=str(tmp_path), model=dict(type='MLPClassifier', in_features=4096,
-                                                  num_classes=10, hidden=4096, num_layers=4))
-    monkeypatch.setattr(doctor, '_disk_write_speed', lambda d: 20 * 2 ** 20)
+    cfg.update(
+        work_dir=str(tmp_path),
+        model=dict(
+            type='MLPClassifier', in_features=4096, num_classes=10, hidden=4096, num_layers=4
+        ),
+    )
+    monkeypatch.setattr(doctor, '_disk_write_speed', lambda d: 20 * 2**20)
     findings, notes = doctor.diagnose(cfg, 1)
     stall = {x.where: x for x in findings}['train_cfg.checkpoint_interval']
     assert '5 synchronous saves stall training' in stall.problem
@@ -148,12 +198,13 @@ def test_missing_packages(tmp_path, monkeypatch):
 
 def test_cli_exit_codes(tmp_path, capsys):
     good = tmp_path / 'good.py'
-    good.write_text('\n'.join(f'{k} = {v!r}' for k, v in {**CLEAN, 'work_dir': str(tmp_path)}
-                              .items()))
+    good.write_text(
+        '\n'.join(f'{k} = {v!r}' for k, v in {**CLEAN, 'work_dir': str(tmp_path)}.items())
+    )
     assert main(['doctor', str(good), '--no-disk-probe']) == 0
     assert 'no findings' in capsys.readouterr().out
     bad = tmp_path / 'bad.py'
-    bad.write_text(good.read_text() + "\ntraincfg = dict()\n")
+    bad.write_text(good.read_text() + '\ntraincfg = dict()\n')
     assert main(['doctor', str(bad), '--no-disk-probe', '--nproc', '2']) == 1
     out = capsys.readouterr().out
     assert 'on 2 process(es)' in out and '1 finding(s)' in out

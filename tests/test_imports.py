@@ -1,4 +1,5 @@
 """`import stratagem` is cheap and has no side effects (DESIGN.md, style rule 6)."""
+
 import json
 import subprocess
 import sys
@@ -6,10 +7,21 @@ import sys
 # Optional or heavy packages that importing stratagem, or building a SingleDeviceStrategy and
 # training a step, must not import: each costs tens of ms and MiB of RSS to users who never
 # touch it. A backend that needs one imports it inside the strategy that uses it.
-FORBIDDEN = ('deepspeed', 'fairscale', 'mmengine', 'mmcv', 'cv2', 'matplotlib', 'tqdm', 'yaml',
-             'accelerate', 'lightning', 'transformers')
+FORBIDDEN = (
+    'deepspeed',
+    'fairscale',
+    'mmengine',
+    'mmcv',
+    'cv2',
+    'matplotlib',
+    'tqdm',
+    'yaml',
+    'accelerate',
+    'lightning',
+    'transformers',
+)
 
-PROBE = r'''
+PROBE = r"""
 import json, logging, os, sys
 env_before = dict(os.environ)
 root_handlers = list(logging.getLogger().handlers)
@@ -23,22 +35,40 @@ print(json.dumps({
     'root_level_changed': logging.getLogger().level != root_level,
     'version': stratagem.__version__,
 }))
-'''
+"""
 
 
 def test_import_has_no_side_effects():
-    out = subprocess.run([sys.executable, '-c', f'FORBIDDEN = {FORBIDDEN!r}\n{PROBE}'],
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, '-c', f'FORBIDDEN = {FORBIDDEN!r}\n{PROBE}'],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     report = json.loads(out.strip().splitlines()[-1])
-    assert report == {'heavy': [], 'env_changed': [], 'root_handlers_changed': False,
-                      'root_level_changed': False, 'version': report['version']}
+    assert report == {
+        'heavy': [],
+        'env_changed': [],
+        'root_handlers_changed': False,
+        'root_level_changed': False,
+        'version': report['version'],
+    }
 
 
 def test_public_names_resolve_lazily():
-    out = subprocess.run([sys.executable, '-c', (
-        'import sys, stratagem; a = "stratagem.config" in sys.modules; '
-        'stratagem.Config; print(a, "stratagem.config" in sys.modules)')],
-        check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            '-c',
+            (
+                'import sys, stratagem; a = "stratagem.config" in sys.modules; '
+                'stratagem.Config; print(a, "stratagem.config" in sys.modules)'
+            ),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     assert out.split() == ['False', 'True']
 
 
@@ -46,15 +76,22 @@ def test_import_overhead_over_torch_is_small():
     # The goal is < 0.1 s (benchmarks/import_time.py measures it against fresh interpreters).
     # Here: the time `import stratagem` takes once torch is loaded, in the same process, so
     # the variance of torch's own import does not enter; the margin absorbs a busy machine.
-    probe = ('import time, torch; t = time.perf_counter(); import stratagem; '
-             'print(time.perf_counter() - t)')
-    times = sorted(float(subprocess.run([sys.executable, '-c', probe], check=True,
-                                        capture_output=True, text=True).stdout.split()[-1])
-                   for _ in range(3))
+    probe = (
+        'import time, torch; t = time.perf_counter(); import stratagem; '
+        'print(time.perf_counter() - t)'
+    )
+    times = sorted(
+        float(
+            subprocess.run(
+                [sys.executable, '-c', probe], check=True, capture_output=True, text=True
+            ).stdout.split()[-1]
+        )
+        for _ in range(3)
+    )
     assert times[1] < 0.25, f'import stratagem after torch takes {times[1]:.3f}s (median of 3)'
 
 
-USE_PROBE = r'''
+USE_PROBE = r"""
 import json, sys, tempfile
 loaded = lambda: {m for m in FORBIDDEN if m in sys.modules}
 import torch
@@ -74,13 +111,18 @@ with tempfile.TemporaryDirectory() as work_dir:
     strategy.load_checkpoint(work_dir + '/one.pth')
 print(json.dumps({'after_import': sorted(after_import),
                   'after_use': sorted(loaded() - from_torch)}))
-'''
+"""
 
 
 def test_import_and_single_device_use_load_no_optional_package():
     """`import stratagem.strategies` (and optim, scheduler, checkpoint, env, config), then a
     SingleDeviceStrategy's prepare, one step and a checkpoint round trip, import none of
     FORBIDDEN (cv2 included when OpenCV is installed; torch's own imports excepted)."""
-    out = subprocess.run([sys.executable, '-c', f'FORBIDDEN = {FORBIDDEN!r}\n{USE_PROBE}'],
-                         check=True, capture_output=True, text=True, timeout=120).stdout
+    out = subprocess.run(
+        [sys.executable, '-c', f'FORBIDDEN = {FORBIDDEN!r}\n{USE_PROBE}'],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert json.loads(out.strip().splitlines()[-1]) == {'after_import': [], 'after_use': []}

@@ -1,4 +1,5 @@
 """The example models: shapes, losses, and the transformer's causality."""
+
 import math
 
 import pytest
@@ -9,8 +10,9 @@ from stratagem.registry import MODELS
 
 def test_transformer_lm_is_causal_and_returns_its_loss():
     torch.manual_seed(0)
-    model = MODELS.build(dict(type='TransformerLM', vocab_size=11, dim=16, depth=2, heads=2,
-                              max_len=8))
+    model = MODELS.build(
+        dict(type='TransformerLM', vocab_size=11, dim=16, depth=2, heads=2, max_len=8)
+    )
     model.init_weights()
     assert float(model.head.bias.detach().abs().max()) == 0.0
     assert 0.015 < float(model.tok.weight.detach().std()) < 0.025

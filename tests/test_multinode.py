@@ -5,6 +5,7 @@ One module-scoped 2-node training run serves every test: a shared-work-dir resum
 bit-exact against it, separate work dirs must fail on both nodes naming the fix, and its
 checkpoints resume on 1 process reading exactly the samples that were left.
 """
+
 import collections
 import filecmp
 import os
@@ -20,7 +21,7 @@ from dist_harness import _SCRUB_NAMES, _SCRUB_PREFIXES, free_port
 
 TESTS = Path(__file__).resolve().parent
 N, BATCH, EPOCHS = 64, 8, 4
-CONFIG = f'''
+CONFIG = f"""
 import sys
 sys.path.insert(0, {str(TESTS)!r})
 model = dict(type='MLPClassifier', in_features=8, num_classes=3, hidden=16, dropout=0.2)
@@ -31,14 +32,21 @@ param_scheduler = [dict(type='LinearLR', start_factor=0.1, by_epoch=False, end=2
                    dict(type='CosineAnnealingLR', by_epoch=False, eta_min=0.001)]
 train_cfg = dict(max_epochs={EPOCHS}, checkpoint_interval=2, log_interval=4)
 randomness = dict(seed=7)
-'''
+"""
 
 
 def _env(count_dir):
-    env = {k: v for k, v in os.environ.items()
-           if k not in _SCRUB_NAMES and not k.startswith(_SCRUB_PREFIXES)}
-    env.update(OMP_NUM_THREADS='1', GLOO_SOCKET_IFNAME='lo', COUNT_DIR=str(count_dir),
-               PYTHONPATH=os.pathsep.join([str(TESTS.parent), env.get('PYTHONPATH', '')]))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _SCRUB_NAMES and not k.startswith(_SCRUB_PREFIXES)
+    }
+    env.update(
+        OMP_NUM_THREADS='1',
+        GLOO_SOCKET_IFNAME='lo',
+        COUNT_DIR=str(count_dir),
+        PYTHONPATH=os.pathsep.join([str(TESTS.parent), env.get('PYTHONPATH', '')]),
+    )
     os.makedirs(count_dir, exist_ok=True)
     return env
 
@@ -46,8 +54,14 @@ def _env(count_dir):
 def _private_mounts_work() -> bool:
     """Whether this machine lets us give a process its own mount namespace (root, unshare)."""
     try:
-        return subprocess.run(['unshare', '-m', '--propagation', 'private', 'true'],
-                              capture_output=True, timeout=10).returncode == 0
+        return (
+            subprocess.run(
+                ['unshare', '-m', '--propagation', 'private', 'true'],
+                capture_output=True,
+                timeout=10,
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -64,16 +78,52 @@ def _two_nodes(cfg, work_dirs, cwds, count_dir, *extra, hide_from_node1=None):
     port = free_port()
     procs = []
     for r in range(2):
-        cmd = [sys.executable, '-m', 'torch.distributed.run', '--nnodes', '2', '--node-rank',
-               str(r), '--nproc-per-node', '1', '--master-addr', '127.0.0.1', '--master-port',
-               str(port), '-m', 'stratagem', 'train', str(cfg), '--launcher', 'pytorch',
-               '--work-dir', str(work_dirs[r]), *extra]
+        cmd = [
+            sys.executable,
+            '-m',
+            'torch.distributed.run',
+            '--nnodes',
+            '2',
+            '--node-rank',
+            str(r),
+            '--nproc-per-node',
+            '1',
+            '--master-addr',
+            '127.0.0.1',
+            '--master-port',
+            str(port),
+            '-m',
+            'stratagem',
+            'train',
+            str(cfg),
+            '--launcher',
+            'pytorch',
+            '--work-dir',
+            str(work_dirs[r]),
+            *extra,
+        ]
         if r == 1 and hide_from_node1 is not None:
-            cmd = ['unshare', '-m', '--propagation', 'private', 'sh', '-c',
-                   f'mount -t tmpfs none "{hide_from_node1}" && exec "$@"', 'node1', *cmd]
-        procs.append(subprocess.Popen(cmd, cwd=cwds[r], env=_env(count_dir),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+            cmd = [
+                'unshare',
+                '-m',
+                '--propagation',
+                'private',
+                'sh',
+                '-c',
+                f'mount -t tmpfs none "{hide_from_node1}" && exec "$@"',
+                'node1',
+                *cmd,
+            ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=cwds[r],
+                env=_env(count_dir),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     try:
         outs = [p.communicate(timeout=180)[0] for p in procs]
     finally:
@@ -84,9 +134,23 @@ def _two_nodes(cfg, work_dirs, cwds, count_dir, *extra, hide_from_node1=None):
 
 def _train(cfg, work_dir, count_dir, *extra, nproc=1):
     proc = subprocess.run(
-        [sys.executable, '-m', 'stratagem', 'train', str(cfg), '--work-dir', str(work_dir),
-         '--nproc', str(nproc), *extra], env=_env(count_dir), capture_output=True, text=True,
-        timeout=180)
+        [
+            sys.executable,
+            '-m',
+            'stratagem',
+            'train',
+            str(cfg),
+            '--work-dir',
+            str(work_dir),
+            '--nproc',
+            str(nproc),
+            *extra,
+        ],
+        env=_env(count_dir),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 
@@ -143,9 +207,12 @@ def test_two_nodes_with_a_shared_work_dir_resume_bit_exact(nodes_run):
     assert got['meta']['world_size'] == 2 and got['meta']['iter'] == 16
 
 
-@pytest.mark.skipif(not _private_mounts_work(), reason='simulating a second machine that '
-                    'does not see node 0\'s disk needs a private mount namespace (unshare -m, '
-                    'root); this machine refuses one')
+@pytest.mark.skipif(
+    not _private_mounts_work(),
+    reason='simulating a second machine that '
+    "does not see node 0's disk needs a private mount namespace (unshare -m, "
+    'root); this machine refuses one',
+)
 def test_nodes_without_a_shared_work_dir_fail_on_both_and_write_nothing(nodes_run):
     tmp, cfg, full = nodes_run
     # each "machine" has its own disk: node 1 cannot see node 0's work dir, which alone holds
@@ -154,8 +221,14 @@ def test_nodes_without_a_shared_work_dir_fail_on_both_and_write_nothing(nodes_ru
     _keep_up_to(full, node0 / 'work', 6)
     (node1 / 'work').mkdir(parents=True)
     files0 = sorted(n for n in os.listdir(node0 / 'work') if (node0 / 'work' / n).is_file())
-    codes, outs = _two_nodes(cfg, [node0 / 'work', node1 / 'work'], [node0, node1],
-                             tmp / 'count-sep', '--resume', hide_from_node1=node0 / 'work')
+    codes, outs = _two_nodes(
+        cfg,
+        [node0 / 'work', node1 / 'work'],
+        [node0, node1],
+        tmp / 'count-sep',
+        '--resume',
+        hide_from_node1=node0 / 'work',
+    )
     assert codes[0] != 0 and codes[1] != 0
     for out in outs:  # the same clear error on both nodes
         assert 'rank 1 (host ' in out and 'cannot use the checkpoint that rank 0' in out
@@ -163,8 +236,7 @@ def test_nodes_without_a_shared_work_dir_fail_on_both_and_write_nothing(nodes_ru
         assert 'filesystem that all nodes share' in out
     for name in files0:  # node 0's checkpoints are untouched, and nothing new was saved
         assert filecmp.cmp(full / name, node0 / 'work' / name, shallow=False), name
-    assert sorted(n for n in os.listdir(node0 / 'work')
-                  if (node0 / 'work' / n).is_file()) == files0
+    assert sorted(n for n in os.listdir(node0 / 'work') if (node0 / 'work' / n).is_file()) == files0
     assert not [n for n in os.listdir(node1 / 'work') if n.endswith('.pth')]
     assert not os.listdir(tmp / 'count-sep')  # no sample was read
 
@@ -175,12 +247,13 @@ def _index_counts(lists):
 
 def test_two_to_one_process_resume_reads_exactly_the_samples_left(nodes_run, single_run):
     from counting_dataset import read_counts
+
     tmp, cfg, full = nodes_run
     ck = full / 'iter_6.pth'  # 2 x 8 x 2 = 32 samples into epoch 1 (of 4 iterations)
     work, count = tmp / 'one', tmp / 'count-one'
     proc = _train(cfg, work, count, '--resume', str(ck))
     assert 'saved with world size 2; this run has 1' in proc.stdout + proc.stderr
-    before = [lst[:6 * BATCH] for lst in read_counts(tmp / 'count-full')]  # per process
+    before = [lst[: 6 * BATCH] for lst in read_counts(tmp / 'count-full')]  # per process
     after = read_counts(count)
     # every sample read exactly once per epoch over the two runs together
     assert _index_counts(before + after) == {i: EPOCHS for i in range(N)}
@@ -190,24 +263,27 @@ def test_two_to_one_process_resume_reads_exactly_the_samples_left(nodes_run, sin
     assert last['meta']['world_size'] == 1 and last['meta']['epoch'] == EPOCHS
     # the schedule, converted to 1-process iterations, ends where a 1-process run's ends
     # (not where the 2-process units would have left it: flat, or finished half-way)
-    assert _final_lr(work / 'iter_32.pth') == pytest.approx(_final_lr(single_run[0] /
-                                                                      'iter_32.pth'), rel=1e-9)
+    assert _final_lr(work / 'iter_32.pth') == pytest.approx(
+        _final_lr(single_run[0] / 'iter_32.pth'), rel=1e-9
+    )
     first = _state(work / 'iter_14.pth')  # the first save after resuming at 12
     assert first['meta']['iter'] == 14
 
 
 def test_one_to_two_process_resume_reads_exactly_the_samples_left(nodes_run, single_run):
     from counting_dataset import read_counts
+
     tmp, cfg, full = nodes_run
     full1, count1 = single_run
     # iteration 12 is 32 samples into epoch 1: 2 iterations of 16 samples on 2 processes
     work, count = tmp / 'two', tmp / 'count-two'
     _train(cfg, work, count, '--resume', str(full1 / 'iter_12.pth'), *WARMUP_1, nproc=2)
-    before = [read_counts(count1)[0][:12 * BATCH]]
+    before = [read_counts(count1)[0][: 12 * BATCH]]
     after = read_counts(count)
     assert len(after) == 2
     assert _index_counts(before + after) == {i: EPOCHS for i in range(N)}
     last = _state(work / 'iter_16.pth')
     assert last['meta']['world_size'] == 2 and not (work / 'iter_32.pth').exists()
-    assert _final_lr(work / 'iter_16.pth') == pytest.approx(_final_lr(full / 'iter_16.pth'),
-                                                            rel=1e-9)
+    assert _final_lr(work / 'iter_16.pth') == pytest.approx(
+        _final_lr(full / 'iter_16.pth'), rel=1e-9
+    )

@@ -1,4 +1,5 @@
 """Progress of `stratagem train`: periodic whole lines when stderr is not a terminal."""
+
 import io
 import re
 
@@ -58,6 +59,7 @@ def test_progress_bar_is_tqdm_only_on_a_terminal():
     import logging
 
     from tqdm import tqdm
+
     lines = progress_bar(10, 0, file=io.StringIO())
     assert isinstance(lines, LineProgress)
     bar = progress_bar(10, 0, file=FakeTerminal())
@@ -71,15 +73,23 @@ def test_progress_bar_is_tqdm_only_on_a_terminal():
 def test_train_prints_lines_not_redraws_when_stderr_is_not_a_terminal(tmp_path, capsys):
     cfg = dict(
         model=dict(type='MLPClassifier', in_features=4, num_classes=2, hidden=8),
-        train_dataloader=dict(dataset=dict(type='SyntheticClassification', num_samples=32,
-                                           num_features=4, num_classes=2),
-                              batch_size=8),
+        train_dataloader=dict(
+            dataset=dict(
+                type='SyntheticClassification', num_samples=32, num_features=4, num_classes=2
+            ),
+            batch_size=8,
+        ),
         optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
-        train_cfg=dict(max_iters=6, log_interval=3), work_dir=str(tmp_path))
+        train_cfg=dict(max_iters=6, log_interval=3),
+        work_dir=str(tmp_path),
+    )
     train(cfg)
     err = capsys.readouterr().err  # pytest's capture is not a terminal
     assert '\r' not in err
     final = [line for line in err.splitlines() if line.startswith('train ')]
     assert len(final) == 1  # a short run: the last line only
-    assert re.fullmatch(r'train 6/6 100% \| [\d.]+ it/s \| 0:\d\d<0:00 \| '
-                        r'loss=\d\.\d{4}, lr=0\.1, epoch=1', final[0]), final[0]
+    assert re.fullmatch(
+        r'train 6/6 100% \| [\d.]+ it/s \| 0:\d\d<0:00 \| '
+        r'loss=\d\.\d{4}, lr=0\.1, epoch=1',
+        final[0],
+    ), final[0]

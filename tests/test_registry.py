@@ -1,4 +1,5 @@
 """Registry: registration, lookup, lazy entries, parents, build and its error messages."""
+
 import copy
 
 import pytest
@@ -87,15 +88,20 @@ def test_parent_lookup_and_lazy_registration():
     assert 'Widget' in child
     child.register_lazy('OD', 'collections:OrderedDict')
     import collections
+
     assert child.get('OD') is collections.OrderedDict
-    with pytest.raises(ValueError, match="module.path:Attr"):
+    with pytest.raises(ValueError, match='module.path:Attr'):
         child.register_lazy('bad', 'collections.OrderedDict')
 
 
 def test_optimizers_has_every_torch_optimizer():
-    names = [n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
-             and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
-             and n != 'Optimizer']
+    names = [
+        n
+        for n in dir(torch.optim)
+        if isinstance(getattr(torch.optim, n), type)
+        and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
+        and n != 'Optimizer'
+    ]
     for n in names:
         assert OPTIMIZERS.get(n) is getattr(torch.optim, n)
     p = torch.nn.Parameter(torch.ones(2))

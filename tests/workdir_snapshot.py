@@ -1,4 +1,5 @@
 """Every file under a directory, to assert a failed command changed none of them."""
+
 from __future__ import annotations
 
 import re
@@ -12,12 +13,16 @@ def snapshot(directory: str | Path) -> dict[str, bytes]:
     root = Path(directory)
     if not root.is_dir():
         return {}
-    return {p.relative_to(root).as_posix(): p.read_bytes()
-            for p in sorted(root.rglob('*')) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob('*'))
+        if p.is_file()
+    }
 
 
-def assert_unchanged(directory: str | Path, before: dict[str, bytes], *,
-                     allow_log: bool = True) -> None:
+def assert_unchanged(
+    directory: str | Path, before: dict[str, bytes], *, allow_log: bool = True
+) -> None:
     """Every file of ``before`` is still there, byte for byte, and nothing was added except,
     with ``allow_log``, the failed run's own log file (``<stamp>/<stamp>.log``, which is not
     compared: runs started in the same second share it)."""

@@ -1,11 +1,18 @@
 # A small classifier on the synthetic dataset: trains in a few seconds on 2 CPU cores.
 # Run it with `stratagem train examples/configs/classifier.py` (or `make demo`).
-model = dict(type='MLPClassifier', in_features=16, num_classes=4, hidden=64, num_layers=2,
-             dropout=0.1)
+model = dict(
+    type='MLPClassifier', in_features=16, num_classes=4, hidden=64, num_layers=2, dropout=0.1
+)
 
 train_dataloader = dict(
-    dataset=dict(type='SyntheticClassification', num_samples=2048, num_features=16,
-                 num_classes=4, noise=5.0, seed=0),
+    dataset=dict(
+        type='SyntheticClassification',
+        num_samples=2048,
+        num_features=16,
+        num_classes=4,
+        noise=5.0,
+        seed=0,
+    ),
     batch_size=32,
     shuffle=True,
     num_workers=0,

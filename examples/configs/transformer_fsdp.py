@@ -6,8 +6,14 @@
 model = dict(type='TransformerLM', vocab_size=64, dim=64, depth=4, heads=4, max_len=32)
 
 train_dataloader = dict(
-    dataset=dict(type='SyntheticLanguageModeling', num_samples=1024, seq_len=32,
-                 vocab_size=64, branching=2, seed=0),
+    dataset=dict(
+        type='SyntheticLanguageModeling',
+        num_samples=1024,
+        seq_len=32,
+        vocab_size=64,
+        branching=2,
+        seed=0,
+    ),
     batch_size=16,
     shuffle=True,
     num_workers=0,

@@ -4,6 +4,7 @@ Every temporary entry we create is named ``.{final name}.tmp-{pid}-{8 hex}`` in 
 of its final name, so that ``os.replace`` is a same-filesystem rename and so that retention can
 recognise (and only ever delete) what a crashed save of ours left behind.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -12,6 +13,7 @@ import os
 import re
 import secrets
 from pathlib import Path
+from typing import Any
 
 TEMP_RE = re.compile(r'^\.(?P<final>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$')
 
@@ -60,7 +62,7 @@ def write_atomic(final: Path, data: bytes) -> None:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -79,7 +81,7 @@ def _unlink_quietly(path: Path) -> None:
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
-_renameat2 = None
+_renameat2: Any = None  # None: not looked up yet; False: unavailable
 
 
 def exchange(a: Path, b: Path) -> bool:
@@ -95,8 +97,13 @@ def exchange(a: Path, b: Path) -> bool:
             libc = ctypes.CDLL(libc_name, use_errno=True)
             func = getattr(libc, 'renameat2', None)
             if func is not None:
-                func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                                 ctypes.c_uint]
+                func.argtypes = [
+                    ctypes.c_int,
+                    ctypes.c_char_p,
+                    ctypes.c_int,
+                    ctypes.c_char_p,
+                    ctypes.c_uint,
+                ]
                 func.restype = ctypes.c_int
                 _renameat2 = func
     if not _renameat2:

@@ -30,6 +30,7 @@ before the call returns, into buffers that are reused (faulted in once, at the f
 Memory: one staged copy of the checkpoint's tensors (their ``nbytes`` summed), kept between
 saves so the copy never page-faults after the first; ``release()`` frees it.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -40,16 +41,18 @@ import sys
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 __all__ = ['AsyncCheckpointWriter', 'copy_threads']
 
 _log = logging.getLogger('stratagem.checkpoint')
-_IMMUTABLE = frozenset((type(None), bool, int, float, complex, str, bytes, torch.dtype,
-                        torch.device, torch.Size))
+_IMMUTABLE = frozenset(
+    (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+)
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 # below this many bytes the copy stays on the calling thread (a hand-off costs more)
 _SPLIT_BYTES = 32 << 20
@@ -108,8 +111,10 @@ class AsyncCheckpointWriter:
         Call ``wait()`` first: the buffers of the previous save are overwritten.
         """
         if self._pending is not None:
-            raise RuntimeError('snapshot() while a save is still being written would overwrite '
-                               'its staging buffers; call wait() first')
+            raise RuntimeError(
+                'snapshot() while a save is still being written would overwrite '
+                'its staging buffers; call wait() first'
+            )
         used: dict[str, torch.Tensor] = {}
         aliases: dict[tuple, torch.Tensor] = {}
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, CPU source)
@@ -119,8 +124,9 @@ class AsyncCheckpointWriter:
         if cuda[0]:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies must land
         # this key's buffers that the state no longer has are freed here
-        self._staging = {k: v for k, v in self._staging.items()
-                         if k != key and not k.startswith(key + '/')}
+        self._staging = {
+            k: v for k, v in self._staging.items() if k != key and not k.startswith(key + '/')
+        }
         self._staging.update(used)
         return copied
 
@@ -128,8 +134,9 @@ class AsyncCheckpointWriter:
         """Run ``job(*args, **kwargs)`` on the writer thread; ``wait()`` collects it."""
         with self._lock:
             if self._pending is not None:
-                raise RuntimeError('a save is still pending; call wait() before submitting '
-                                   'the next one')
+                raise RuntimeError(
+                    'a save is still pending; call wait() before submitting the next one'
+                )
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix='stratagem-ckpt-writer')
             self._pending = self._pool.submit(job, *args, **kwargs)
@@ -143,16 +150,22 @@ class AsyncCheckpointWriter:
             self._staging = {}
 
     # ----------------------------------------------------------------- copying
-    def _copy(self, obj: Any, key: str, used: dict, aliases: dict, pairs: list,
-              cuda: list) -> Any:
+    def _copy(self, obj: Any, key: str, used: dict, aliases: dict, pairs: list, cuda: list) -> Any:
         kind = type(obj)
         if isinstance(obj, torch.Tensor):
             dtensor = _dtensor_type()
             if dtensor is not None and isinstance(obj, dtensor):
                 # this rank's shard is staged; the copy keeps the sharding (spec: mesh,
                 # placements, global shape), which is all DCP plans and writes from
-                local = self._copy_tensor(obj._local_tensor, key, used, aliases, pairs, cuda)
-                return dtensor(local, obj._spec, requires_grad=False)
+                local = self._copy_tensor(
+                    obj._local_tensor,  # type: ignore[attr-defined]
+                    key,
+                    used,
+                    aliases,
+                    pairs,
+                    cuda,
+                )
+                return dtensor(local, obj._spec, requires_grad=False)  # type: ignore[attr-defined]
             return self._copy_tensor(obj, key, used, aliases, pairs, cuda)
         if kind in (dict, OrderedDict):
             out = kind()
@@ -160,8 +173,9 @@ class AsyncCheckpointWriter:
                 out[k] = self._copy(v, f'{key}/{k!r}', used, aliases, pairs, cuda)
             return out
         if kind is list or kind is tuple:
-            items = [self._copy(v, f'{key}/{i}', used, aliases, pairs, cuda)
-                     for i, v in enumerate(obj)]
+            items = [
+                self._copy(v, f'{key}/{i}', used, aliases, pairs, cuda) for i, v in enumerate(obj)
+            ]
             return items if kind is list else tuple(items)
         if kind is set:
             return set(obj)  # members are hashable plain values (validated by the caller)
@@ -173,20 +187,25 @@ class AsyncCheckpointWriter:
         # it after save_checkpoint returns, so the writer gets its own copy
         return copy.deepcopy(obj)
 
-    def _copy_tensor(self, tensor: torch.Tensor, key: str, used: dict, aliases: dict,
-                     pairs: list, cuda: list) -> torch.Tensor:
+    def _copy_tensor(
+        self, tensor: torch.Tensor, key: str, used: dict, aliases: dict, pairs: list, cuda: list
+    ) -> torch.Tensor:
         tensor = tensor.detach()
         if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == 'meta':
             return tensor.clone().cpu()  # rare layouts: a plain copy, not staged
-        alias = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape),
-                 tensor.stride())
+        alias = (
+            tensor.device,
+            tensor.data_ptr(),
+            tensor.dtype,
+            tuple(tensor.shape),
+            tensor.stride(),
+        )
         if tensor.numel() and alias in aliases:
             return aliases[alias]  # the same memory twice (tied weights): one tensor, as saved
         buffer = self._staging.get(key)
         on_cuda = tensor.device.type == 'cuda'
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device='cpu',
-                                 pin_memory=on_cuda)
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device='cpu', pin_memory=on_cuda)
         if on_cuda or tensor.device.type != 'cpu':
             buffer.copy_(tensor, non_blocking=on_cuda)  # queued behind the work that wrote it
             cuda[0] = cuda[0] or on_cuda
@@ -242,8 +261,12 @@ def _copier_pool(size: int) -> ThreadPoolExecutor:
     ``torch.set_num_threads`` also sets the default of threads started later, so the
     caller's own count is set back once every copier has taken its own."""
     own = torch.get_num_threads()
-    pool = ThreadPoolExecutor(size, thread_name_prefix='stratagem-ckpt-copy',
-                              initializer=torch.set_num_threads, initargs=(1,))
+    pool = ThreadPoolExecutor(
+        size,
+        thread_name_prefix='stratagem-ckpt-copy',
+        initializer=torch.set_num_threads,
+        initargs=(1,),
+    )
     started = threading.Barrier(size)
     for future in [pool.submit(started.wait, 30) for _ in range(size)]:
         future.result()
@@ -270,5 +293,8 @@ def _report_uncollected() -> None:
     for writer in list(_LIVE):
         future = writer._pending
         if future is not None and future.done() and future.exception() is not None:
-            _log.error('a background checkpoint save failed and the program ended before '
-                       'wait_for_checkpoints() collected it: %s', future.exception())
+            _log.error(
+                'a background checkpoint save failed and the program ended before '
+                'wait_for_checkpoints() collected it: %s',
+                future.exception(),
+            )

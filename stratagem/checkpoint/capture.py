@@ -9,7 +9,8 @@ DeepSpeed's collectives where they are (the calling thread) and gives us every f
    file at once with ``write_torch_file`` (no ``writer``: free space checked first, hashed
    as written and fsynced, no second read) or copies ``state_dict`` into the ``writer``'s
    CPU staging buffers (``AsyncCheckpointWriter.snapshot``, one key per file so each file's
-   buffers are reused by the next save) and records the path. The caller may add its own files the same way.
+   buffers are reused by the next save) and records the path. The caller may add its own files
+   the same way.
 2. ``write()`` (the caller's writer thread, or at once) checks the free space for all staged
    files, writes them and returns every file's manifest entry (path, size, digest), for
    ``write_directory_files``. A filesystem failure raises ``CheckpointWriteError`` naming
@@ -23,6 +24,7 @@ The other methods follow DeepSpeed 0.19's ``CheckpointEngine`` (``create``, ``co
 ``makedirs``, ``is_decoupled``, ``preserves_storage_sharing``); what this engine does not
 implement (``load``, ``is_data_parallel_writer``, ...) is the original engine's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,8 +75,7 @@ class CapturingCheckpointEngine:
                     name = path.relative_to(self._root).as_posix()
                 except ValueError:
                     name = path.as_posix()
-                self._staged.append((self._writer.snapshot(state_dict, key=f'file:{name}'),
-                                     path))
+                self._staged.append((self._writer.snapshot(state_dict, key=f'file:{name}'), path))
         except BaseException as err:  # noqa: BLE001 - raised by write(), after DeepSpeed's barriers
             self.fail(err)
 
@@ -111,15 +112,17 @@ class CapturingCheckpointEngine:
         if self.error is not None:
             raise self.error
         if self._staged:  # a full disk is refused before the first byte of this rank's files
-            check_free_space(self._staged[0][1], sum(payload_bytes(state) + _OVERHEAD_BYTES
-                                                     for state, _ in self._staged))
+            check_free_space(
+                self._staged[0][1],
+                sum(payload_bytes(state) + _OVERHEAD_BYTES for state, _ in self._staged),
+            )
         while self._staged:
             state, path = self._staged.pop(0)
             self._entries.append(_write(state, path))
         return list(self._entries)
 
     @contextlib.contextmanager
-    def installed_on(self, engine: Any) -> Iterator['CapturingCheckpointEngine']:
+    def installed_on(self, engine: Any) -> Iterator[CapturingCheckpointEngine]:
         """``engine.checkpoint_engine`` is this capturing engine inside the block, the
         original again after it (also when the block raises)."""
         engine.checkpoint_engine = self

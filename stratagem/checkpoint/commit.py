@@ -38,6 +38,7 @@ Directory (sharded backends), across ranks:
 
 Single process: ``with commit_directory(final_dir, step=...) as staging: ...write files...``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,9 +46,10 @@ import errno
 import os
 import shutil
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -73,10 +75,16 @@ from .manifest import (
 PathLike = str | os.PathLike
 
 
-def save_checkpoint(checkpoint: dict, filename: PathLike, *, step: int | None = None,
-                    extra_manifest: dict | None = None, update_pointer: bool = True,
-                    zip_crc32: bool = False, before_commit: Callable[[], None] | None = None
-                    ) -> Path:
+def save_checkpoint(
+    checkpoint: dict,
+    filename: PathLike,
+    *,
+    step: int | None = None,
+    extra_manifest: dict | None = None,
+    update_pointer: bool = True,
+    zip_crc32: bool = False,
+    before_commit: Callable[[], None] | None = None,
+) -> Path:
     """Atomically save ``checkpoint`` to ``filename`` with a sidecar manifest; see module doc.
 
     Args:
@@ -118,8 +126,9 @@ def save_checkpoint(checkpoint: dict, filename: PathLike, *, step: int | None = 
     needed = payload_bytes(checkpoint) + _OVERHEAD_BYTES
     check_free_space(final, needed)
     try:
-        return _save_file(checkpoint, final, step, extra_manifest, update_pointer, zip_crc32,
-                          before_commit)
+        return _save_file(
+            checkpoint, final, step, extra_manifest, update_pointer, zip_crc32, before_commit
+        )
     except OSError as err:
         converted = write_error(err, final, needed)
         if converted is err:
@@ -163,13 +172,18 @@ def check_free_space(final: Path, needed: int) -> None:
     except OSError:
         return  # statvfs unsupported here: the write itself will tell
     if free < needed:
-        raise CheckpointWriteError(errno.ENOSPC, _full_message(final, needed, free) +
-                                   '; nothing was written: free space or lower max_keep_ckpts')
+        raise CheckpointWriteError(
+            errno.ENOSPC,
+            _full_message(final, needed, free)
+            + '; nothing was written: free space or lower max_keep_ckpts',
+        )
 
 
 def _full_message(path: Path, needed: int, free: int) -> str:
-    return (f'no space left on device writing {path} (needed ~{needed / 2**20:.0f} MB, free '
-            f'{free / 2**20:.0f} MB)')
+    return (
+        f'no space left on device writing {path} (needed ~{needed / 2**20:.0f} MB, free '
+        f'{free / 2**20:.0f} MB)'
+    )
 
 
 def write_error(err: OSError, path: Path, needed: int | None = None) -> OSError:
@@ -184,17 +198,26 @@ def write_error(err: OSError, path: Path, needed: int | None = None) -> OSError:
             free = free_bytes(path.parent)
         except OSError:
             free = 0
-        message = (_full_message(path, needed or 0, free) if err.errno == errno.ENOSPC else
-                   f'{cause.lower()} writing {path} (needed ~{(needed or 0) / 2**20:.0f} MB, '
-                   f'free {free / 2**20:.0f} MB)')
+        message = (
+            _full_message(path, needed or 0, free)
+            if err.errno == errno.ENOSPC
+            else f'{cause.lower()} writing {path} (needed ~{(needed or 0) / 2**20:.0f} MB, '
+            f'free {free / 2**20:.0f} MB)'
+        )
     else:
         message = f'{cause} writing {path} (errno {errno.errorcode.get(err.errno, err.errno)})'
     return CheckpointWriteError(err.errno, message + '; the previous checkpoint is unchanged')
 
 
-def _save_file(checkpoint: dict, final: Path, step: int | None, extra: dict | None,
-               update_pointer: bool, zip_crc32: bool,
-               before_commit: Callable[[], None] | None) -> Path:
+def _save_file(
+    checkpoint: dict,
+    final: Path,
+    step: int | None,
+    extra: dict | None,
+    update_pointer: bool,
+    zip_crc32: bool,
+    before_commit: Callable[[], None] | None,
+) -> Path:
     tmp = _fs.temp_name(final)
     sidecar = final.with_name(final.name + SIDECAR_SUFFIX)
     previous_sidecar = None  # bytes of the sidecar we overwrite, restored if we fail
@@ -204,8 +227,9 @@ def _save_file(checkpoint: dict, final: Path, step: int | None, extra: dict | No
         if before_commit is not None:
             before_commit()
         old = _old_manifest(final)
-        manifest = build_manifest('file', final.name, [file_entry(final.name, size, digest, algo)],
-                                  step, extra)
+        manifest = build_manifest(
+            'file', final.name, [file_entry(final.name, size, digest, algo)], step, extra
+        )
         try:
             previous_sidecar = sidecar.read_bytes()
         except FileNotFoundError:
@@ -246,11 +270,13 @@ def write_torch_file(checkpoint: Any, path: Path, zip_crc32: bool = False) -> di
 def _write_torch_file(checkpoint: Any, path: Path, zip_crc32: bool) -> tuple[int, str, str]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool, \
-                _crc32_option(zip_crc32):
+        with (
+            ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool,
+            _crc32_option(zip_crc32),
+        ):
             writer = HashingWriter(fd, pool)
             try:
-                torch.save(checkpoint, writer)
+                torch.save(checkpoint, writer)  # type: ignore[arg-type]
             except Exception:
                 if writer.error is not None:  # the real cause (ENOSPC, EIO), not torch's echo
                     raise writer.error from None
@@ -263,7 +289,10 @@ def _write_torch_file(checkpoint: Any, path: Path, zip_crc32: bool) -> tuple[int
 
 
 _CRC32_LOCK = threading.Lock()
-_CRC32_OFF = [0, None]  # [saves in progress that switched it off, the setting before them]
+_CRC32_OFF: list[Any] = [
+    0,
+    None,
+]  # [saves in progress that switched it off, the setting before them]
 
 
 @contextlib.contextmanager
@@ -310,9 +339,11 @@ def _old_manifest(final: Path) -> dict | None:
         nested = current.pop('replaces', None)
         candidates = [current] + ([nested] if isinstance(nested, dict) else [])
     size = final.stat().st_size
-    matching = [m for m in candidates
-                if any(f.get('path') == final.name and f.get('size') == size
-                       for f in m.get('files', []))]
+    matching = [
+        m
+        for m in candidates
+        if any(f.get('path') == final.name and f.get('size') == size for f in m.get('files', []))
+    ]
     if len(matching) == 1:
         return matching[0]
     digests: dict[str, str] = {}  # per algorithm: the old manifests may use either
@@ -326,8 +357,9 @@ def _old_manifest(final: Path) -> dict | None:
             if digests[algo] == expected:
                 return m
     actual_size, digest = hash_file(final)
-    return build_manifest('file', final.name, [file_entry(final.name, actual_size, digest)],
-                          None, None)
+    return build_manifest(
+        'file', final.name, [file_entry(final.name, actual_size, digest)], None, None
+    )
 
 
 def new_staging_dir(final_dir: PathLike) -> Path:
@@ -345,9 +377,15 @@ def new_staging_dir(final_dir: PathLike) -> Path:
     return staging
 
 
-def finalize_directory(staging_dir: PathLike, final_dir: PathLike, *, step: int | None = None,
-                       extra_manifest: dict | None = None, update_pointer: bool = True,
-                       known_files: list[dict] | None = None) -> Path:
+def finalize_directory(
+    staging_dir: PathLike,
+    final_dir: PathLike,
+    *,
+    step: int | None = None,
+    extra_manifest: dict | None = None,
+    update_pointer: bool = True,
+    known_files: list[dict] | None = None,
+) -> Path:
     """Commit a staging directory filled by the strategy (rank 0 only, after a barrier).
 
     Fsyncs and hashes every file under ``staging_dir``, writes ``manifest.json`` inside,
@@ -364,13 +402,20 @@ def finalize_directory(staging_dir: PathLike, final_dir: PathLike, *, step: int 
     final = _check_final_name(final_dir)
     _check_step(step)
     check_extra_manifest(extra_manifest)
-    if not staging.is_dir() or staging.parent != final.parent or \
-            _fs.TEMP_RE.match(staging.name) is None:
-        raise ValueError(f'staging_dir {staging} is not a staging directory for {final}; '
-                         f'create it with new_staging_dir({str(final)!r})')
+    if (
+        not staging.is_dir()
+        or staging.parent != final.parent
+        or _fs.TEMP_RE.match(staging.name) is None
+    ):
+        raise ValueError(
+            f'staging_dir {staging} is not a staging directory for {final}; '
+            f'create it with new_staging_dir({str(final)!r})'
+        )
     if (staging / DIR_MANIFEST).exists():
-        raise ValueError(f'{staging / DIR_MANIFEST} exists: the name {DIR_MANIFEST!r} is '
-                         f'reserved for the checkpoint manifest; rename that file')
+        raise ValueError(
+            f'{staging / DIR_MANIFEST} exists: the name {DIR_MANIFEST!r} is '
+            f'reserved for the checkpoint manifest; rename that file'
+        )
     if final.exists() and not final.is_dir():
         raise FileExistsError(f'cannot commit directory checkpoint {final}: a file has that name')
     files = _hash_tree(staging, {e['path']: e for e in known_files or ()})
@@ -386,9 +431,13 @@ def finalize_directory(staging_dir: PathLike, final_dir: PathLike, *, step: int 
 
 
 @contextlib.contextmanager
-def commit_directory(final_dir: PathLike, *, step: int | None = None,
-                     extra_manifest: dict | None = None,
-                     update_pointer: bool = True) -> Iterator[Path]:
+def commit_directory(
+    final_dir: PathLike,
+    *,
+    step: int | None = None,
+    extra_manifest: dict | None = None,
+    update_pointer: bool = True,
+) -> Iterator[Path]:
     """Single-process directory commit: yields a staging dir; commits it if the block succeeds,
     removes it if the block raises."""
     check_extra_manifest(extra_manifest)
@@ -400,8 +449,13 @@ def commit_directory(final_dir: PathLike, *, step: int | None = None,
         shutil.rmtree(staging, ignore_errors=True)
         raise
     try:
-        finalize_directory(staging, final_dir, step=step, extra_manifest=extra_manifest,
-                           update_pointer=update_pointer)
+        finalize_directory(
+            staging,
+            final_dir,
+            step=step,
+            extra_manifest=extra_manifest,
+            update_pointer=update_pointer,
+        )
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -416,18 +470,25 @@ def _hash_tree(root: Path, known: dict[str, dict] | None = None) -> list[dict]:
             for name in sorted(filenames):
                 path = Path(dirpath, name)
                 if path.is_symlink():
-                    raise ValueError(f'{path} is a symlink; a checkpoint directory holds only '
-                                     f'regular files')
+                    raise ValueError(
+                        f'{path} is a symlink; a checkpoint directory holds only regular files'
+                    )
                 rel = path.relative_to(root).as_posix()
                 entry = known.get(rel)
                 if entry is not None:
                     size = path.stat().st_size
                     if size != entry['size']:
-                        raise ValueError(f'{path} has {size} bytes but the rank that wrote it '
-                                         f'hashed {entry["size"]}; it changed after being written')
+                        raise ValueError(
+                            f'{path} has {size} bytes but the rank that wrote it '
+                            f'hashed {entry["size"]}; it changed after being written'
+                        )
                     algo, digest = entry_digest(entry)
-                    files.append({**file_entry(rel, size, digest, algo),
-                                  **({'rank': entry['rank']} if 'rank' in entry else {})})
+                    files.append(
+                        {
+                            **file_entry(rel, size, digest, algo),
+                            **({'rank': entry['rank']} if 'rank' in entry else {}),
+                        }
+                    )
                     continue
                 _fs.fsync_file(path)
                 size, digest = hash_file(path, pool)
@@ -468,6 +529,8 @@ def _check_final_name(path: PathLike) -> Path:
     if not name or name in ('.', '..'):
         raise ValueError(f'checkpoint path {str(path)!r} has no file name')
     if name == 'last_checkpoint' or name.endswith(SIDECAR_SUFFIX) or _fs.is_temp_name(name):
-        raise ValueError(f'checkpoint name {name!r} is reserved (the pointer file, a manifest, or '
-                         f'a temp name); choose another, e.g. "epoch_3.pth"')
+        raise ValueError(
+            f'checkpoint name {name!r} is reserved (the pointer file, a manifest, or '
+            f'a temp name); choose another, e.g. "epoch_3.pth"'
+        )
     return final

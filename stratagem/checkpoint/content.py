@@ -12,6 +12,7 @@ The allow-list is torch's (``torch.serialization.add_safe_globals``); :func:`add
 adds to it and remembers what it added, so a save records in the manifest which allow-listed
 globals the file references (``safe_globals``), and a loader that lacks one can name it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,32 +28,93 @@ from typing import Any
 
 import torch
 
-_SCALARS = (type(None), bool, int, float, complex, str, bytes, bytearray,
-            torch.dtype, torch.device, torch.Size)
+_SCALARS = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    bytearray,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+)
 _SCALAR_TYPES = frozenset(_SCALARS)
 _CONTAINERS = frozenset((dict, OrderedDict, list, tuple, set))
 _TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 
-_RULE = ('checkpoints hold only tensors, plain values and allow-listed classes so they load '
-         'with weights_only=True')
+_RULE = (
+    'checkpoints hold only tensors, plain values and allow-listed classes so they load '
+    'with weights_only=True'
+)
 # Modules whose functions can run commands, import or evaluate code, or unpickle: allowing
 # one of them would make "weights_only" meaningless, so add_safe_globals refuses them.
-_NEVER_SAFE_MODULES = ('builtins', 'os', 'posix', 'nt', 'subprocess', 'sys', 'importlib',
-                       'pickle', '_pickle', 'marshal', 'shutil', 'runpy', 'code', 'codeop',
-                       'ctypes', 'socket', 'pty', 'webbrowser', 'io', '_io', 'pathlib',
-                       # these run a string of code or a command given as an argument
-                       'timeit', 'cProfile', 'profile', 'pdb', 'bdb', 'trace', 'pydoc',
-                       'doctest', '_posixsubprocess', 'multiprocessing', 'zipimport')
+_NEVER_SAFE_MODULES = (
+    'builtins',
+    'os',
+    'posix',
+    'nt',
+    'subprocess',
+    'sys',
+    'importlib',
+    'pickle',
+    '_pickle',
+    'marshal',
+    'shutil',
+    'runpy',
+    'code',
+    'codeop',
+    'ctypes',
+    'socket',
+    'pty',
+    'webbrowser',
+    'io',
+    '_io',
+    'pathlib',
+    # these run a string of code or a command given as an argument
+    'timeit',
+    'cProfile',
+    'profile',
+    'pdb',
+    'bdb',
+    'trace',
+    'pydoc',
+    'doctest',
+    '_posixsubprocess',
+    'multiprocessing',
+    'zipimport',
+)
 # builtins classes that build code, functions, methods or modules, or reach any attribute
 # (types.FunctionType / CodeType are 'builtins.function' / 'builtins.code'): allowed, a
 # pickle could build a function from bytecode and plant it where trusted code calls it
-_NEVER_SAFE_TYPES = frozenset((
-    type, object, super, property, classmethod, staticmethod, types.FunctionType,
-    types.CodeType, types.MethodType, types.BuiltinFunctionType, types.ModuleType,
-    types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType,
-    types.ClassMethodDescriptorType, types.CellType, types.FrameType, types.TracebackType))
-_REFUSED_GLOBAL_RE = re.compile(r'GLOBAL (\S+) was not|unrecognized function (\S+)|'
-                                r'allowlisted via `add_safe_globals`,? but got (<[^>]+>)')
+_NEVER_SAFE_TYPES = frozenset(
+    (
+        type,
+        object,
+        super,
+        property,
+        classmethod,
+        staticmethod,
+        types.FunctionType,
+        types.CodeType,
+        types.MethodType,
+        types.BuiltinFunctionType,
+        types.ModuleType,
+        types.MethodWrapperType,
+        types.WrapperDescriptorType,
+        types.MethodDescriptorType,
+        types.ClassMethodDescriptorType,
+        types.CellType,
+        types.FrameType,
+        types.TracebackType,
+    )
+)
+_REFUSED_GLOBAL_RE = re.compile(
+    r'GLOBAL (\S+) was not|unrecognized function (\S+)|'
+    r'allowlisted via `add_safe_globals`,? but got (<[^>]+>)'
+)
 
 SAFE_GLOBALS_KEY = 'safe_globals'  # the manifest key listing them
 # Full name ('module.qualname') -> object, for what this process allow-listed through us.
@@ -75,8 +137,10 @@ def add_safe_globals(safe_globals: Iterable[Callable | tuple[Callable, str]]) ->
     meaningless). Arbitrary pickles stay refused either way.
     """
     if isinstance(safe_globals, (str, bytes)) or not isinstance(safe_globals, Iterable):
-        raise TypeError(f'add_safe_globals expects a list of classes or functions, got '
-                        f'{safe_globals!r}; e.g. add_safe_globals([MyClass])')
+        raise TypeError(
+            f'add_safe_globals expects a list of classes or functions, got '
+            f'{safe_globals!r}; e.g. add_safe_globals([MyClass])'
+        )
     entries = list(safe_globals)
     named = [(_global_name(item), item) for item in entries]  # all checked before any is added
     torch.serialization.add_safe_globals(entries)
@@ -109,19 +173,26 @@ def safe_globals(safe_globals: Iterable[Callable | tuple[Callable, str]]) -> Ite
 def _global_name(item: Any) -> str:
     if isinstance(item, tuple):
         if len(item) != 2 or not isinstance(item[1], str) or not callable(item[0]):
-            raise TypeError(f'add_safe_globals: {item!r} should be a class or function, or a '
-                            "(class_or_function, 'module.name') pair")
+            raise TypeError(
+                f'add_safe_globals: {item!r} should be a class or function, or a '
+                "(class_or_function, 'module.name') pair"
+            )
         obj, name = item
     else:
         if not callable(item) or not hasattr(item, '__qualname__'):
-            raise TypeError(f'add_safe_globals: {item!r} is a {type(item).__name__}, not a '
-                            'class or function; pass the class itself, e.g. [type(obj)]')
+            raise TypeError(
+                f'add_safe_globals: {item!r} is a {type(item).__name__}, not a '
+                'class or function; pass the class itself, e.g. [type(obj)]'
+            )
         obj, name = item, f'{item.__module__}.{item.__qualname__}'
     module = getattr(obj, '__module__', None) or ''
     if module.split('.')[0] in _NEVER_SAFE_MODULES and not (
-            isinstance(obj, type) and module == 'builtins' and obj not in _NEVER_SAFE_TYPES):
-        raise ValueError(f'add_safe_globals refuses {name}: a pickle allowed to call it could '
-                         'run arbitrary code, which weights_only exists to prevent')
+        isinstance(obj, type) and module == 'builtins' and obj not in _NEVER_SAFE_TYPES
+    ):
+        raise ValueError(
+            f'add_safe_globals refuses {name}: a pickle allowed to call it could '
+            'run arbitrary code, which weights_only exists to prevent'
+        )
     return name
 
 
@@ -164,8 +235,9 @@ def validate_checkpoint_content(obj: Any, root: str = 'checkpoint') -> list[str]
             except _Refused as refusal:
                 raise TypeError(_message(path, value, refusal)) from None
         # each loads alone but not together (objects sharing state): report them all
-        raise TypeError(f'{", ".join(p for p, _ in foreign)} together: {_RULE} '
-                        f'({together.reason})') from None
+        raise TypeError(
+            f'{", ".join(p for p, _ in foreign)} together: {_RULE} ({together.reason})'
+        ) from None
     allowed = _allowed_names()
     return sorted(name for name in referenced if name in allowed)
 
@@ -183,8 +255,10 @@ def _walk(obj: Any, path: str, on_path: set[int], foreign: list[tuple[str, Any]]
     if kind in (dict, OrderedDict):
         for key, value in obj.items():
             if not _is_plain_key(key):
-                raise TypeError(f'{path} has a key {_describe(key)}; dict keys in a checkpoint '
-                                f'must be str, int, float, bool, None or tuples of those')
+                raise TypeError(
+                    f'{path} has a key {_describe(key)}; dict keys in a checkpoint '
+                    f'must be str, int, float, bool, None or tuples of those'
+                )
             _walk(value, f'{path}[{key!r}]', on_path, foreign)
     elif kind is set:
         for item in obj:
@@ -219,9 +293,11 @@ def _round_trip(obj: Any) -> set[str]:
     except pickle.UnpicklingError as err:
         names = tuple(n for groups in _REFUSED_GLOBAL_RE.findall(str(err)) for n in groups if n)
         return_names = tuple(_builtin_name(n) for n in names)
-        raise _Refused('torch.load(weights_only=True) refuses '
-                       + (', '.join(return_names) if return_names else 'it'),
-                       return_names) from None
+        raise _Refused(
+            'torch.load(weights_only=True) refuses '
+            + (', '.join(return_names) if return_names else 'it'),
+            return_names,
+        ) from None
     return _referenced_globals(buffer.getvalue())
 
 
@@ -233,8 +309,11 @@ def _referenced_globals(saved: bytes) -> set[str]:
     with zipfile.ZipFile(io.BytesIO(saved)) as archive:
         data = next(n for n in archive.namelist() if n.endswith('/data.pkl'))
         stream = archive.read(data)
-    return {arg.replace(' ', '.') for op, arg, _ in pickletools.genops(stream)
-            if op.name == 'GLOBAL'}
+    return {
+        arg.replace(' ', '.')  # type: ignore[union-attr]
+        for op, arg, _ in pickletools.genops(stream)
+        if op.name == 'GLOBAL'
+    }
 
 
 def _message(path: str, obj: Any, refusal: _Refused) -> str:
@@ -262,25 +341,32 @@ def _describe(obj: Any) -> str:
 def _short_repr(obj: Any) -> str:
     try:
         text = repr(obj)
-    except Exception:  # a broken __repr__ must not hide the real error
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
         text = '<unrepresentable>'
     return text if len(text) <= 60 else text[:57] + '...'
 
 
 def _fix(obj: Any) -> str:
     module = type(obj).__module__.split('.')[0]
-    allow = (f'or, if you trust {type(obj).__qualname__}, allow-list it with '
-             f'stratagem.checkpoint.add_safe_globals([{type(obj).__qualname__}])')
+    allow = (
+        f'or, if you trust {type(obj).__qualname__}, allow-list it with '
+        f'stratagem.checkpoint.add_safe_globals([{type(obj).__qualname__}])'
+    )
     if module == 'mmengine':
-        return ('Fix: import stratagem.integrations.mmengine, which allow-lists what '
-                "mmengine's runner stores.")
+        return (
+            'Fix: import stratagem.integrations.mmengine, which allow-lists what '
+            "mmengine's runner stores."
+        )
     if module == 'numpy':
-        return ('Fix: convert numpy values with .item() / .tolist() or torch.from_numpy(...), '
-                'or import stratagem.integrations.mmengine, which allow-lists numpy arrays, '
-                'scalars and dtypes.')
+        return (
+            'Fix: convert numpy values with .item() / .tolist() or torch.from_numpy(...), '
+            'or import stratagem.integrations.mmengine, which allow-lists numpy arrays, '
+            'scalars and dtypes.'
+        )
     if isinstance(obj, torch.Tensor):
-        return ('Fix: store a plain tensor (e.g. tensor.as_subclass(torch.Tensor)) or the '
-                'local shard.')
+        return (
+            'Fix: store a plain tensor (e.g. tensor.as_subclass(torch.Tensor)) or the local shard.'
+        )
     if hasattr(obj, 'state_dict') and callable(obj.state_dict):
         return 'Fix: store obj.state_dict() instead of the object.'
     if isinstance(obj, dict):

@@ -5,6 +5,7 @@ full mmengine-layout dict); the DeepSpeed backend adds its ZeRO source beside ou
 ``file`` (one verified single-file checkpoint with its manifest) or ``sharded`` (a directory of
 DCP files, committed with a manifest). No process group is needed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,27 +26,33 @@ Reader = Callable[[Path, Callable[[int, int], None] | None], dict]
 
 def _is_zero(path: Path) -> bool:
     from .zero import is_zero_checkpoint
+
     return is_zero_checkpoint(path)
 
 
 def _read_file(path: Path, progress: Callable[[int, int], None] | None) -> dict:
     checkpoint = load_checkpoint_file(path, map_location='cpu')
     if not isinstance(checkpoint, dict):
-        raise NotACheckpointError(f'{path} holds a {type(checkpoint).__name__}, not a checkpoint '
-                                  "dict (expected keys like 'state_dict', 'meta')")
+        raise NotACheckpointError(
+            f'{path} holds a {type(checkpoint).__name__}, not a checkpoint '
+            "dict (expected keys like 'state_dict', 'meta')"
+        )
     return checkpoint
 
 
 def _read_zero(path: Path, progress: Callable[[int, int], None] | None) -> dict:
     from .zero import read_zero_checkpoint  # DeepSpeed is imported only for its shards
+
     return read_zero_checkpoint(path)
 
 
 # name -> (detect(path) -> bool, read(path, progress) -> dict); first match wins
 SOURCES: dict[str, tuple[Callable[[Path], bool], Reader]] = {
     'zero': (_is_zero, _read_zero),  # DeepSpeedStrategy's directories
-    'sharded': (is_sharded_checkpoint,
-                lambda p, progress: read_sharded_checkpoint(p, progress=progress)),
+    'sharded': (
+        is_sharded_checkpoint,
+        lambda p, progress: read_sharded_checkpoint(p, progress=progress),
+    ),
     'file': (Path.is_file, _read_file),
 }
 
@@ -56,20 +63,28 @@ def detect_source(path: Path) -> str:
             return name
     if not path.exists():
         raise FileNotFoundError(f'checkpoint not found: {path}')
-    raise NotACheckpointError(f'{path} is not a checkpoint this command can read (formats: '
-                              f'{", ".join(SOURCES)}); a directory needs DCP .metadata and '
-                              f'a stratagem manifest.json')
+    raise NotACheckpointError(
+        f'{path} is not a checkpoint this command can read (formats: '
+        f'{", ".join(SOURCES)}); a directory needs DCP .metadata and '
+        f'a stratagem manifest.json'
+    )
 
 
-def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: str = 'file',
-                       progress: Callable[[int, int], None] | None = None) -> Path:
+def convert_checkpoint(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    to: str = 'file',
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
     """Convert ``src`` (any format in ``SOURCES``) to ``dst`` (``to='file'`` or ``'sharded'``)."""
     if to not in ('file', 'sharded'):
         raise ValueError(f"convert: to={to!r}; use 'file' or 'sharded'")
     src, dst = Path(src).absolute(), Path(dst).absolute()
     if dst.exists():
-        raise FileExistsError(f'convert: {dst} exists; choose a new name (a conversion never '
-                              f'overwrites a checkpoint)')
+        raise FileExistsError(
+            f'convert: {dst} exists; choose a new name (a conversion never overwrites a checkpoint)'
+        )
     source = detect_source(src)
     checkpoint = SOURCES[source][1](src, progress)
     step = (checkpoint.get('meta') or {}).get('iter')
@@ -79,21 +94,31 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
         raise NotACheckpointError(
             f"convert: {src} has no model weights under 'state_dict' (its keys: "
             f'{sorted(map(str, checkpoint))[:12]}); a sharded checkpoint is written from '
-            "mmengine's layout: {'state_dict': weights, 'optimizer': ..., 'meta': ...}")
+            "mmengine's layout: {'state_dict': weights, 'optimizer': ..., 'meta': ...}"
+        )
     if to == 'file':
         checkpoint.pop('partial_grads_fqn', None)  # per-rank, meaningful only sharded
-        return save_checkpoint(checkpoint, dst, step=step, extra_manifest=extra,
-                               update_pointer=False)
-    return save_sharded_checkpoint(dst, checkpoint, step=step, extra_manifest=extra,
-                                   optimizer_keys='index', collective=False)
+        return save_checkpoint(
+            checkpoint, dst, step=step, extra_manifest=extra, update_pointer=False
+        )
+    return save_sharded_checkpoint(
+        dst, checkpoint, step=step, extra_manifest=extra, optimizer_keys='index', collective=False
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument('src', help='the checkpoint to convert (a file, a sharded directory or '
-                        'a DeepSpeed (ZeRO) directory)')
+    parser.add_argument(
+        'src',
+        help='the checkpoint to convert (a file, a sharded directory or '
+        'a DeepSpeed (ZeRO) directory)',
+    )
     parser.add_argument('dst', help='the new checkpoint (must not exist)')
-    parser.add_argument('--to', choices=('file', 'sharded'), default='file',
-                        help='target layout (default: one file)')
+    parser.add_argument(
+        '--to',
+        choices=('file', 'sharded'),
+        default='file',
+        help='target layout (default: one file)',
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f'\rverifying [{"#" * filled}{"." * (width - filled)}] {done}/{total}')
         if done >= total:
             sys.stderr.write('\n')
+
     try:
         out = convert_checkpoint(args.src, args.dst, to=args.to, progress=progress)
     except (OSError, ValueError) as err:

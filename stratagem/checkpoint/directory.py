@@ -44,6 +44,7 @@ missing or altered file raises on every rank naming the file.
 Every rank must also see the same manifest. Retention of whole directories is
 ``apply_retention``'s, which already treats a directory with a manifest as one checkpoint.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -58,12 +59,28 @@ from typing import Any
 from ._fs import TEMP_RE
 from .commit import finalize_directory, new_staging_dir
 from .errors import CheckpointCorruptError, CheckpointWarning
+from .manifest import (
+    DIR_MANIFEST,
+    HASH_ALGO,
+    _identity,
+    check_extra_manifest,
+    entry_digest,
+    file_entry,
+    hash_file,
+    read_manifest,
+    remember_verified,
+    verify_file,
+)
 from .vote import CheckpointVoteError, SaveVote
-from .manifest import (DIR_MANIFEST, HASH_ALGO, _identity, check_extra_manifest, entry_digest,
-                       file_entry, hash_file, read_manifest, remember_verified, verify_file)
 
-__all__ = ['begin_directory_save', 'write_directory_files', 'finish_directory_save',
-           'save_directory', 'verify_directory', 'DirectoryWriteResult']
+__all__ = [
+    'begin_directory_save',
+    'write_directory_files',
+    'finish_directory_save',
+    'save_directory',
+    'verify_directory',
+    'DirectoryWriteResult',
+]
 
 PathLike = str | os.PathLike
 WriteFn = Callable[[Path], 'Iterable[PathLike | dict] | None']
@@ -85,6 +102,7 @@ class DirectoryWriteResult:
 # ---------------------------------------------------------------- collectives (torch.distributed)
 def _dist() -> Any:
     import torch.distributed as dist
+
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
@@ -107,6 +125,7 @@ def _all_ok(failed: bool, *values: Any) -> bool:
     one small collective (``all_gather_keys``); callers exchange the details (messages,
     which rank) with ``_gather`` only when it is False, on every rank alike."""
     from stratagem.env.dist import all_gather_keys, key_of
+
     views = all_gather_keys([int(failed), *map(key_of, values)])
     return all(view == (0, *views[0][1:]) for view in views)
 
@@ -118,8 +137,10 @@ def dcp_failures(error: BaseException) -> dict[int, BaseException]:
     if not isinstance(failures, dict):
         return {}
     # each value is (exception, traceback) or the exception
-    return {rank: cause[0] if isinstance(cause, tuple) else cause
-            for rank, cause in sorted(failures.items())}
+    return {
+        rank: cause[0] if isinstance(cause, tuple) else cause
+        for rank, cause in sorted(failures.items())
+    }
 
 
 def describe_error(error: BaseException) -> str:
@@ -133,8 +154,12 @@ def describe_error(error: BaseException) -> str:
     return f'{type(error).__name__}: {error}'
 
 
-def _raise_first(outcomes: list[str | None], mine: BaseException | None, what: str,
-                 error_type: type[Exception] = RuntimeError) -> None:
+def _raise_first(
+    outcomes: list[str | None],
+    mine: BaseException | None,
+    what: str,
+    error_type: type[Exception] = RuntimeError,
+) -> None:
     """Raise on every rank if any rank failed: this rank's own error, else one naming the rank."""
     failed = [(rank, msg) for rank, msg in enumerate(outcomes) if msg is not None]
     if not failed:
@@ -150,9 +175,11 @@ def _raise_first(outcomes: list[str | None], mine: BaseException | None, what: s
 # ---------------------------------------------------------------------------- save: 3 steps
 def _check_vote(vote: SaveVote | None, what: str) -> None:
     if vote is None and _rank_world()[1] > 1:
-        raise ValueError(f'{what} under a process group needs the SaveVote of this save: pass '
-                         f'vote=SaveVote.open(timeout, what), opened on every rank in the same '
-                         f'order, or call save_directory, which opens one')
+        raise ValueError(
+            f'{what} under a process group needs the SaveVote of this save: pass '
+            f'vote=SaveVote.open(timeout, what), opened on every rank in the same '
+            f'order, or call save_directory, which opens one'
+        )
 
 
 def begin_directory_save(final_dir: PathLike, vote: SaveVote | None = None) -> Path:
@@ -163,8 +190,10 @@ def begin_directory_save(final_dir: PathLike, vote: SaveVote | None = None) -> P
         shared = json.loads(vote.receive('staging'))
         if 'error' in shared:
             vote.concluded = True  # rank 0 gave up: there is nothing to vote on
-            raise RuntimeError(f'creating the staging directory for {final_dir} failed on '
-                               f'rank 0: {shared["error"]}')
+            raise RuntimeError(
+                f'creating the staging directory for {final_dir} failed on '
+                f'rank 0: {shared["error"]}'
+            )
         return Path(shared['staging'])
     try:
         path = new_staging_dir(final_dir)
@@ -202,13 +231,17 @@ def _hash_written(staging: Path, item: PathLike | dict) -> dict:
     try:
         rel = full.relative_to(staging).as_posix()
     except ValueError:
-        raise ValueError(f'write_fn returned {full}, which is not inside the staging directory '
-                         f'{staging}; write every file of the checkpoint there') from None
+        raise ValueError(
+            f'write_fn returned {full}, which is not inside the staging directory '
+            f'{staging}; write every file of the checkpoint there'
+        ) from None
     if isinstance(item, dict):  # fsynced and hashed by the writer as it wrote the bytes
         identity = _identity(full)
         if identity[2] != item['size']:
-            raise ValueError(f'{full} has {identity[2]} bytes but its writer hashed '
-                             f'{item["size"]}; it changed after being written')
+            raise ValueError(
+                f'{full} has {identity[2]} bytes but its writer hashed '
+                f'{item["size"]}; it changed after being written'
+            )
         algo, digest = entry_digest(item)
     else:
         fd = os.open(full, os.O_RDONLY)
@@ -222,10 +255,16 @@ def _hash_written(staging: Path, item: PathLike | dict) -> dict:
     return file_entry(rel, identity[2], digest, algo)
 
 
-def finish_directory_save(staging: PathLike, final_dir: PathLike, written: DirectoryWriteResult,
-                          vote: SaveVote | None = None, *, step: int | None = None,
-                          extra_manifest: dict | None = None,
-                          update_pointer: bool = True) -> Path:
+def finish_directory_save(
+    staging: PathLike,
+    final_dir: PathLike,
+    written: DirectoryWriteResult,
+    vote: SaveVote | None = None,
+    *,
+    step: int | None = None,
+    extra_manifest: dict | None = None,
+    update_pointer: bool = True,
+) -> Path:
     """Step 3: post this rank's result, rank 0 commits, everyone learns the outcome
     (``vote``: required under a process group). Returns the committed directory's absolute
     path on every rank."""
@@ -235,34 +274,43 @@ def finish_directory_save(staging: PathLike, final_dir: PathLike, written: Direc
     if vote is None:
         try:
             if not written.ok:
-                _raise_own(written.error, what)
-            return _commit(staging, final_dir, [written.files], 1, step, extra_manifest,
-                           update_pointer)
+                _raise_own(written.error, what)  # type: ignore[arg-type]
+            return _commit(
+                staging, final_dir, [written.files], 1, step, extra_manifest, update_pointer
+            )
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-    vote.ready(None if written.ok else describe_error(written.error),
-               json.dumps(written.files) if written.ok else None)
+    vote.ready(
+        None if written.ok else describe_error(written.error),  # type: ignore[arg-type]
+        json.dumps(written.files) if written.ok else None,
+    )
     if vote.rank != 0:
         if not written.ok:
             vote.concluded = True  # rank 0 learns it from the vote; close() acknowledges
-            _raise_own(written.error, what)
+            _raise_own(written.error, what)  # type: ignore[arg-type]
         vote.wait_outcome()
-        return staging.parent / TEMP_RE.match(staging.name)['final']  # rank 0's final name
+        return staging.parent / TEMP_RE.match(staging.name)['final']  # type: ignore[index]  # rank 0's final name
     try:
         if not written.ok:
             try:
                 vote.wait_others()  # a peer that died is named (it may be why this rank failed)
             except CheckpointVoteError as err:
                 raise err from written.error
-            _raise_own(written.error, what)
+            _raise_own(written.error, what)  # type: ignore[arg-type]
         payloads = vote.wait_ready()
-        final = _commit(staging, final_dir, [json.loads(p) for p in payloads],
-                        vote.world_size, step, extra_manifest, update_pointer)
+        final = _commit(
+            staging,
+            final_dir,
+            [json.loads(p) for p in payloads],
+            vote.world_size,
+            step,
+            extra_manifest,
+            update_pointer,
+        )
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
-        vote.post_outcome(str(err) if isinstance(err, CheckpointVoteError)
-                          else describe_error(err))
+        vote.post_outcome(str(err) if isinstance(err, CheckpointVoteError) else describe_error(err))
         raise
     vote.post_outcome(None)
     return final
@@ -273,21 +321,41 @@ def _raise_own(error: BaseException, what: str) -> None:
         raise error
     # a BaseException (DCP's CheckpointException) becomes an Exception, so that callers'
     # `except Exception` sees it on this rank as on the others
-    raise RuntimeError(f'{what} failed on rank {_rank_world()[0]}: {describe_error(error)}') \
-        from error
+    raise RuntimeError(
+        f'{what} failed on rank {_rank_world()[0]}: {describe_error(error)}'
+    ) from error
 
 
-def _commit(staging: Path, final_dir: PathLike, per_rank: list[list[dict]], world: int,
-            step: int | None, extra_manifest: dict | None, update_pointer: bool) -> Path:
+def _commit(
+    staging: Path,
+    final_dir: PathLike,
+    per_rank: list[list[dict]],
+    world: int,
+    step: int | None,
+    extra_manifest: dict | None,
+    update_pointer: bool,
+) -> Path:
     known = [{**entry, 'rank': r} for r, files in enumerate(per_rank) for entry in files]
-    return finalize_directory(staging, final_dir, step=step, update_pointer=update_pointer,
-                              known_files=known,
-                              extra_manifest={'world_size': world, **(extra_manifest or {})})
+    return finalize_directory(
+        staging,
+        final_dir,
+        step=step,
+        update_pointer=update_pointer,
+        known_files=known,
+        extra_manifest={'world_size': world, **(extra_manifest or {})},
+    )
 
 
-def save_directory(final_dir: PathLike, write_fn: WriteFn, *, step: int | None = None,
-                   extra_manifest: dict | None = None, update_pointer: bool = True,
-                   vote: SaveVote | None = None, timeout: float = 600.0) -> Path:
+def save_directory(
+    final_dir: PathLike,
+    write_fn: WriteFn,
+    *,
+    step: int | None = None,
+    extra_manifest: dict | None = None,
+    update_pointer: bool = True,
+    vote: SaveVote | None = None,
+    timeout: float = 600.0,
+) -> Path:
     """Collective atomic save of a multi-file checkpoint; steps 1-3 of the module docstring.
 
     Args:
@@ -316,17 +384,28 @@ def save_directory(final_dir: PathLike, write_fn: WriteFn, *, step: int | None =
     try:
         staging = begin_directory_save(final_dir, vote)
         written = write_directory_files(staging, write_fn)
-        return finish_directory_save(staging, final_dir, written, vote, step=step,
-                                     extra_manifest=extra_manifest,
-                                     update_pointer=update_pointer)
+        return finish_directory_save(
+            staging,
+            final_dir,
+            written,
+            vote,
+            step=step,
+            extra_manifest=extra_manifest,
+            update_pointer=update_pointer,
+        )
     finally:
         if own is not None:
             own.close()
 
 
 # -------------------------------------------------------------------------------------- load
-def verify_directory(path: PathLike, *, hash_bytes: bool = True, collective: bool = True,
-                     progress: Callable[[int, int], None] | None = None) -> dict:
+def verify_directory(
+    path: PathLike,
+    *,
+    hash_bytes: bool = True,
+    collective: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
     """Verify a committed directory checkpoint before reading it; returns its manifest.
     ``progress(done, total)`` is called after each file (for a progress bar).
 
@@ -349,8 +428,12 @@ def verify_directory(path: PathLike, *, hash_bytes: bool = True, collective: boo
         own = manifest.get('world_size') == world
         for i, entry in enumerate(manifest['files']):
             owner = entry.get('rank', i) if own else i
-            verify_file(directory / entry['path'], entry, mfile,
-                        hash_bytes=hash_bytes and owner % world == rank)
+            verify_file(
+                directory / entry['path'],
+                entry,
+                mfile,
+                hash_bytes=hash_bytes and owner % world == rank,
+            )
             if progress is not None:
                 progress(i + 1, len(manifest['files']))
     except Exception as err:  # noqa: BLE001 - exchanged, raised on every rank
@@ -359,15 +442,18 @@ def verify_directory(path: PathLike, *, hash_bytes: bool = True, collective: boo
     outcomes = [mine]  # the details travel only when something differs
     if collective and not _all_ok(error is not None, digest):
         outcomes = _gather(mine)
-    _raise_first([msg for _, msg in outcomes], error, f'verifying {directory}',
-                 CheckpointCorruptError)
+    _raise_first(
+        [msg for _, msg in outcomes], error, f'verifying {directory}', CheckpointCorruptError
+    )
     if len({d for d, _ in outcomes}) > 1:
-        raise CheckpointCorruptError(f'ranks read different manifests in {directory} (the '
-                                     f'directory changed while loading, or ranks see different '
-                                     f'filesystems); it was not loaded')
+        raise CheckpointCorruptError(
+            f'ranks read different manifests in {directory} (the '
+            f'directory changed while loading, or ranks see different '
+            f'filesystems); it was not loaded'
+        )
     if rank == 0:
-        _warn_unlisted(directory, manifest)
-    return manifest
+        _warn_unlisted(directory, manifest)  # type: ignore[arg-type]
+    return manifest  # type: ignore[return-value]
 
 
 def _read_dir_manifest(directory: Path) -> tuple[dict, str]:
@@ -381,19 +467,29 @@ def _read_dir_manifest(directory: Path) -> tuple[dict, str]:
         raise CheckpointCorruptError(
             f'{directory} has no {DIR_MANIFEST}: it is not a committed stratagem checkpoint '
             f'(a save that died before its commit, or written by another tool); it was not '
-            f'loaded')
+            f'loaded'
+        )
     if manifest.get('kind') != 'directory':
-        raise CheckpointCorruptError(f'{mfile} describes a {manifest.get("kind")!r} checkpoint, '
-                                     f'not a directory')
+        raise CheckpointCorruptError(
+            f'{mfile} describes a {manifest.get("kind")!r} checkpoint, not a directory'
+        )
     return manifest, hashlib.sha256(mfile.read_bytes()).hexdigest()
 
 
 def _warn_unlisted(directory: Path, manifest: dict) -> None:
     listed = {entry['path'] for entry in manifest['files']} | {DIR_MANIFEST}
-    extra = sorted(p.relative_to(directory).as_posix() for p in directory.rglob('*')
-                   if p.is_file() and p.relative_to(directory).as_posix() not in listed)
+    extra = sorted(
+        p.relative_to(directory).as_posix()
+        for p in directory.rglob('*')
+        if p.is_file() and p.relative_to(directory).as_posix() not in listed
+    )
     if extra:  # every rank verifies the same directory: warn once
         from stratagem.env.logging import warn_rank_zero
-        warn_rank_zero(f'{directory} holds files its manifest does not list: {extra[:5]}'
-                       f'{" ..." if len(extra) > 5 else ""}; they were written after the '
-                       f'commit and are ignored', CheckpointWarning, stacklevel=3)
+
+        warn_rank_zero(
+            f'{directory} holds files its manifest does not list: {extra[:5]}'
+            f'{" ..." if len(extra) > 5 else ""}; they were written after the '
+            f'commit and are ignored',
+            CheckpointWarning,
+            stacklevel=3,
+        )

@@ -3,6 +3,7 @@
 ``torch.distributed`` is used only when a process group is initialised; a single process gets
 its own argument back, so callers need no branch.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,9 @@ def agree_on_path(path: str | os.PathLike | None, *, src: int = 0, group: Any = 
     box = [os.fspath(path) if path is not None else None]
     dist.broadcast_object_list(box, src=src, group=group)
     if box[0] is None:
-        raise ValueError(f'agree_on_path: rank {src} passed None; the source rank must pass '
-                         f'the path')
+        raise ValueError(
+            f'agree_on_path: rank {src} passed None; the source rank must pass the path'
+        )
     return Path(box[0])
 
 
@@ -50,8 +52,11 @@ def checkpoint_identity(path: str | os.PathLike) -> dict:
 
     p = Path(path).absolute()
     if p.is_dir():
-        data = (p / DIR_MANIFEST).read_bytes() if (p / DIR_MANIFEST).is_file() else \
-            repr(sorted((f.name, f.stat().st_size) for f in p.iterdir())).encode()
+        data = (
+            (p / DIR_MANIFEST).read_bytes()
+            if (p / DIR_MANIFEST).is_file()
+            else repr(sorted((f.name, f.stat().st_size) for f in p.iterdir())).encode()
+        )
         return {'kind': 'directory', 'digest': hashlib.sha256(data).hexdigest()}
     size = os.stat(p).st_size
     found = find_manifest(p)
@@ -66,8 +71,9 @@ def checkpoint_identity(path: str | os.PathLike) -> dict:
     return {'kind': 'file', 'size': size, 'probe': digest.hexdigest()}
 
 
-def agree_on_checkpoint(path: str | os.PathLike | None, *, what: str = 'checkpoint',
-                        group: Any = None) -> Path | None:
+def agree_on_checkpoint(
+    path: str | os.PathLike | None, *, what: str = 'checkpoint', group: Any = None
+) -> Path | None:
     """Rank 0's choice of checkpoint, checked to be the same file on every rank.
 
     1. Every rank makes its ``path`` absolute and takes its :func:`checkpoint_identity` (or
@@ -86,22 +92,23 @@ def agree_on_checkpoint(path: str | os.PathLike | None, *, what: str = 'checkpoi
     import socket
 
     import torch.distributed as dist
-    distributed = dist.is_available() and dist.is_initialized() and \
-        dist.get_world_size(group) > 1
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     host = socket.gethostname()
-    mine = (host, None, None, None)  # host, absolute path, identity, why it cannot be read
+    # host, absolute path, identity, why it cannot be read
+    mine: tuple[str, str | None, dict | None, str | None] = (host, None, None, None)
     if path is not None:
         mine = (host, *_look(Path(path).absolute()))
     views = [mine]
     if distributed:
         from stratagem.env.dist import all_gather_keys, key_of
+
         # the common case in one small collective: every rank names the same readable path
         # and sees the same bytes there; anything else is gathered in full to be reported
-        keys = all_gather_keys([key_of(mine[1]), key_of(mine[2]), int(mine[3] is not None)],
-                               group)
+        keys = all_gather_keys([key_of(mine[1]), key_of(mine[2]), int(mine[3] is not None)], group)
         if all(k == keys[0] for k in keys) and keys[0][2] == 0:
             return None if mine[1] is None else Path(mine[1])
-        views = [None] * dist.get_world_size(group)
+        views = [None] * dist.get_world_size(group)  # type: ignore[list-item]
         dist.all_gather_object(views, mine, group=group)
     _, target, expected, error0 = views[0]
     if target is None:
@@ -110,27 +117,38 @@ def agree_on_checkpoint(path: str | os.PathLike | None, *, what: str = 'checkpoi
         rank = dist.get_rank(group)
         if views[rank][1] != target:
             mine = (host, *_look(Path(target)))
-        views = [None] * dist.get_world_size(group)
+        views = [None] * dist.get_world_size(group)  # type: ignore[list-item]
         dist.all_gather_object(views, mine, group=group)
         views[0] = (views[0][0], target, expected, error0)
     problems = [(host, error0)] + [
-        (h, err if err is not None else
-         None if seen == expected else
-         f'sees different bytes there ({_describe(seen)}; rank 0 sees {_describe(expected)})')
-        for h, _, seen, err in views[1:]]
+        (
+            h,
+            err
+            if err is not None
+            else None
+            if seen == expected
+            else f'sees different bytes there ({_describe(seen)}; '
+            f'rank 0 sees {_describe(expected)})',
+        )
+        for h, _, seen, err in views[1:]
+    ]
     bad = [(r, h, err) for r, (h, err) in enumerate(problems) if err is not None]
     if bad:
         r, h, err = bad[0]
         others = f' (and {len(bad) - 1} more rank(s))' if len(bad) > 1 else ''
         if r == 0:
-            raise FileNotFoundError(f'{what} {target}: {err}') if 'no such' in err else \
-                CheckpointNotShared(f'{what} {target} cannot be read on rank 0: {err}')
+            raise (
+                FileNotFoundError(f'{what} {target}: {err}')
+                if 'no such' in err
+                else CheckpointNotShared(f'{what} {target} cannot be read on rank 0: {err}')
+            )
         raise CheckpointNotShared(
             f'rank {r} (host {h}){others} cannot use the {what} that rank 0 (host '
             f'{problems[0][0]}) chose, {target}: {err}. Every rank must read the same '
             f'{what}: put work_dir on a filesystem that all nodes share, or copy the '
             'checkpoint to this same path on every node and pass it explicitly (stratagem '
-            "train --resume PATH, or strategy.resume('PATH')). Nothing was loaded or written.")
+            "train --resume PATH, or strategy.resume('PATH')). Nothing was loaded or written."
+        )
     return Path(target)
 
 

@@ -2,6 +2,7 @@
 
 Every error names the file it is about, so a log line alone says which checkpoint to look at.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -26,7 +27,7 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
     working. ``globals`` lists the offending names found in torch's message (may be empty).
     """
 
-    def __init__(self, message: str, globals: tuple[str, ...] = ()) -> None:  # noqa: A002
+    def __init__(self, message: str, globals: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.globals = tuple(globals)
 

@@ -6,6 +6,7 @@ is the checkpoint's path (we write it absolute, without a newline). Fallbacks ar
 same), so tests can assert them and a host trainer can route
 them to its logger (``logging.captureWarnings``).
 """
+
 from __future__ import annotations
 
 import math
@@ -85,14 +86,24 @@ def read_pointer(directory: str | os.PathLike) -> Path | None:
         raw = pointer.read_bytes()
     except FileNotFoundError:
         return None
-    text = raw[:_POINTER_MAX_BYTES + 1].decode('utf-8', errors='replace').strip()
-    if not text or len(raw) > _POINTER_MAX_BYTES or '\n' in text or '\x00' in text \
-            or '\ufffd' in text:
+    text = raw[: _POINTER_MAX_BYTES + 1].decode('utf-8', errors='replace').strip()
+    if (
+        not text
+        or len(raw) > _POINTER_MAX_BYTES
+        or '\n' in text
+        or '\x00' in text
+        or '\ufffd' in text
+    ):
         raise ValueError(f'{pointer} does not hold a checkpoint path: {text[:80]!r}')
     target = Path(text)
     name = target.name
-    if (not name or name in ('.', '..', POINTER_NAME) or name.endswith(SIDECAR_SUFFIX)
-            or _fs.is_temp_name(name) or target.absolute() == directory):
+    if (
+        not name
+        or name in ('.', '..', POINTER_NAME)
+        or name.endswith(SIDECAR_SUFFIX)
+        or _fs.is_temp_name(name)
+        or target.absolute() == directory
+    ):
         raise ValueError(f'{pointer} does not name a checkpoint: {text[:80]!r}')
     # A work dir copied elsewhere keeps a pointer to the old location: the same name here wins.
     local = directory / target.name
@@ -137,8 +148,9 @@ def find_latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     if target is not None:
         try:
             if verify_checkpoint(target) is None and not _plausible_foreign(target):
-                raise ValueError(f'{target} is not a checkpoint (no manifest, and not a '
-                                 'torch.save file)')
+                raise ValueError(
+                    f'{target} is not a checkpoint (no manifest, and not a torch.save file)'
+                )
             return target
         except FileNotFoundError:
             reason = f'{directory / POINTER_NAME} points to {target}, which does not exist'
@@ -152,14 +164,21 @@ def find_latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         try:
             verify_checkpoint(candidate.path)
         except (ValueError, OSError) as err:
-            warn_rank_zero(f'skipping checkpoint {candidate.path}: {err}', CheckpointWarning,
-                           stacklevel=2)
+            warn_rank_zero(
+                f'skipping checkpoint {candidate.path}: {err}', CheckpointWarning, stacklevel=2
+            )
             continue
-        warn_rank_zero(f'{reason}; resuming from the newest committed checkpoint '
-                       f'{candidate.path} (step {candidate.step})', CheckpointWarning,
-                       stacklevel=2)
+        warn_rank_zero(
+            f'{reason}; resuming from the newest committed checkpoint '
+            f'{candidate.path} (step {candidate.step})',
+            CheckpointWarning,
+            stacklevel=2,
+        )
         return candidate.path
     if reason is not None:
-        warn_rank_zero(f'{reason}, and {directory} holds no other committed checkpoint',
-                       CheckpointWarning, stacklevel=2)
+        warn_rank_zero(
+            f'{reason}, and {directory} holds no other committed checkpoint',
+            CheckpointWarning,
+            stacklevel=2,
+        )
     return None

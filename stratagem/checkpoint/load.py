@@ -14,6 +14,7 @@
    ``add_safe_globals`` call this process lacks); ``trust_pickled_code=True`` loads with
    ``weights_only=False`` instead.
 """
+
 from __future__ import annotations
 
 import errno
@@ -23,36 +24,45 @@ import pickle
 import re
 import struct
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .content import SAFE_GLOBALS_KEY, get_safe_globals
 from .errors import (
     CheckpointCorruptError,
     NotACheckpointError,
     UnsafeCheckpointError,
     UnverifiedCheckpointWarning,
 )
-from .content import SAFE_GLOBALS_KEY, get_safe_globals
 from .manifest import find_manifest, verify_file
 
 _ZIP_MAGIC = b'PK\x03\x04'
 _PICKLE_PROTO = 0x80
 _GLOBAL_RE = re.compile(r'GLOBAL (\S+)')
-_READ_ERROR_RE = re.compile(r'PytorchStreamReader|zip archive|central directory|magic number|'
-                            r'load key|EOF', re.I)
+_READ_ERROR_RE = re.compile(
+    r'PytorchStreamReader|zip archive|central directory|magic number|'
+    r'load key|EOF',
+    re.I,
+)
 _DEVICE_ERROR_RE = re.compile(r'cuda|device|map_location|out of memory', re.I)
 _FUNC_RE = re.compile(r'unrecognized function (.+?)(?: which belongs|$)', re.M)
 # top-level package -> the stratagem module that allow-lists what it stores in checkpoints
-_INTEGRATIONS = {'mmengine': 'stratagem.integrations.mmengine',
-                 'numpy': 'stratagem.integrations.mmengine'}
+_INTEGRATIONS = {
+    'mmengine': 'stratagem.integrations.mmengine',
+    'numpy': 'stratagem.integrations.mmengine',
+}
 
 
-def load_checkpoint_file(filename: str | os.PathLike, map_location: Any = 'cpu', *,
-                         verify: bool = True, trust_pickled_code: bool = False,
-                         mmap: bool | None = None) -> Any:
+def load_checkpoint_file(
+    filename: str | os.PathLike,
+    map_location: Any = 'cpu',
+    *,
+    verify: bool = True,
+    trust_pickled_code: bool = False,
+    mmap: bool | None = None,
+) -> Any:
     """Load a checkpoint file safely; see the module docstring for the sequence.
 
     Args:
@@ -71,8 +81,7 @@ def load_checkpoint_file(filename: str | os.PathLike, map_location: Any = 'cpu',
         What was saved, usually a dict.
     """
     if type(trust_pickled_code) is not bool:  # 'false' from a config must not mean True
-        raise TypeError(f'trust_pickled_code must be True or False, got '
-                        f'{trust_pickled_code!r}')
+        raise TypeError(f'trust_pickled_code must be True or False, got {trust_pickled_code!r}')
     path = Path(os.fspath(filename)).absolute()
     if not path.exists():
         raise FileNotFoundError(f'checkpoint not found: {path}')
@@ -88,23 +97,34 @@ def _directory_message(path: Path) -> str:
     """Why a directory cannot be loaded as one file, and what to pass instead."""
     from .latest import POINTER_NAME, list_checkpoints, read_pointer
     from .manifest import DIR_MANIFEST
+
     if (path / DIR_MANIFEST).is_file():
-        return (f'{path} is a directory checkpoint; verify it with verify_checkpoint() and '
-                'load its files one by one')
+        return (
+            f'{path} is a directory checkpoint; verify it with verify_checkpoint() and '
+            'load its files one by one'
+        )
     try:
         pointed = read_pointer(path)
     except (ValueError, OSError):
         pointed = None
     newest = list_checkpoints(path)
-    example = pointed if pointed is not None and pointed.exists() else \
-        (newest[0].path if newest else None)
+    example = (
+        pointed
+        if pointed is not None and pointed.exists()
+        else (newest[0].path if newest else None)
+    )
     if example is None and not (path / POINTER_NAME).exists():
-        return (f'{path} is a directory, not a checkpoint file, and holds no checkpoint; '
-                'give the path of a .pth file')
-    return (f'{path} is a work directory, not a checkpoint file. Give a checkpoint file'
-            + (f' (e.g. {example})' if example else '') + '; to resume the newest checkpoint '
-            f'of this work dir, resume without a path: --work-dir {path} --resume on the '
-            f'command line, resume=True with work_dir={str(path)!r} in the API')
+        return (
+            f'{path} is a directory, not a checkpoint file, and holds no checkpoint; '
+            'give the path of a .pth file'
+        )
+    return (
+        f'{path} is a work directory, not a checkpoint file. Give a checkpoint file'
+        + (f' (e.g. {example})' if example else '')
+        + '; to resume the newest checkpoint '
+        f'of this work dir, resume without a path: --work-dir {path} --resume on the '
+        f'command line, resume=True with work_dir={str(path)!r} in the API'
+    )
 
 
 def _verify_before_load(path: Path, verify: bool) -> None:
@@ -112,9 +132,14 @@ def _verify_before_load(path: Path, verify: bool) -> None:
     if found is None:
         if verify:  # every rank loads the same file: warn once
             from stratagem.env.logging import warn_rank_zero
-            warn_rank_zero(f'{path} has no stratagem manifest (written by mmengine or plain '
-                           f'torch.save?), so its integrity cannot be verified; loading it '
-                           'anyway', UnverifiedCheckpointWarning, stacklevel=3)
+
+            warn_rank_zero(
+                f'{path} has no stratagem manifest (written by mmengine or plain '
+                f'torch.save?), so its integrity cannot be verified; loading it '
+                'anyway',
+                UnverifiedCheckpointWarning,
+                stacklevel=3,
+            )
         return
     manifest, entry, mfile = found
     try:
@@ -136,7 +161,8 @@ def _sniff(path: Path) -> bool:
         return False
     raise NotACheckpointError(
         f'{path} is not a PyTorch checkpoint: it starts with {head!r}, not a zip archive '
-        f'(torch.save) or a pickle stream. Is it a text file, a log, or a partial download?')
+        f'(torch.save) or a pickle stream. Is it a text file, a log, or a partial download?'
+    )
 
 
 def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: bool) -> Any:
@@ -145,8 +171,9 @@ def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: 
     except pickle.UnpicklingError as err:
         message = str(err)
         if 'Weights only load failed' not in message:
-            raise NotACheckpointError(f'{path} is not a readable PyTorch checkpoint: '
-                                      f'{_last_line(message)}') from err
+            raise NotACheckpointError(
+                f'{path} is not a readable PyTorch checkpoint: {_last_line(message)}'
+            ) from err
         names = tuple(dict.fromkeys(_GLOBAL_RE.findall(message) + _FUNC_RE.findall(message)))
         absent = sorted({n.split('.')[0] for n in names if not _package_installed(n)})
         if absent:  # e.g. an mmengine checkpoint read where mmengine is not installed
@@ -156,29 +183,41 @@ def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: 
                 f'{", ".join(absent)} are not installed here (were the name no package at '
                 f'all, the file would be damaged); nothing was loaded. Install '
                 f'{", ".join(absent)}' + (f'; then {_allow_hint(ours)}' if ours else '.'),
-                names) from None
+                names,
+            ) from None
         missing = [n for n in names if not _importable(n)]
         if missing:  # a flipped byte in a global's name, not a hostile file
             raise CheckpointCorruptError(
                 f'{path} is damaged: it references {", ".join(missing)}, which does not '
                 'exist (or the file comes from another version of its package); it was not '
-                'loaded') from None
+                'loaded'
+            ) from None
         lacking = _allow_listed_when_saved(path, names)
         if lacking:
             raise UnsafeCheckpointError(
                 f'cannot load {path} in this process yet: it holds {", ".join(lacking)}, '
                 f'allow-listed by the process that saved it (its manifest lists '
-                f'{SAFE_GLOBALS_KEY}) but not here. {_allow_hint(lacking)}', names) from None
-        what = (f'references {", ".join(names)}' if names else
-                f'uses pickle features the safe loader refuses ({_last_line(message)})')
+                f'{SAFE_GLOBALS_KEY}) but not here. {_allow_hint(lacking)}',
+                names,
+            ) from None
+        what = (
+            f'references {", ".join(names)}'
+            if names
+            else f'uses pickle features the safe loader refuses ({_last_line(message)})'
+        )
         raise UnsafeCheckpointError(
             f'refusing to load {path}: it {what}, which torch.load(weights_only=True) does not '
             f'allow because unpickling it can run code. Load it with trust_pickled_code=True '
             f'only if you trust its source, or allow-list a class you trust with '
-            f'stratagem.checkpoint.add_safe_globals([...]).', names) from None
+            f'stratagem.checkpoint.add_safe_globals([...]).',
+            names,
+        ) from None
     except (RuntimeError, EOFError, OSError) as err:
-        if isinstance(err, RuntimeError) and _DEVICE_ERROR_RE.search(str(err)) \
-                and not _READ_ERROR_RE.search(str(err)):
+        if (
+            isinstance(err, RuntimeError)
+            and _DEVICE_ERROR_RE.search(str(err))
+            and not _READ_ERROR_RE.search(str(err))
+        ):
             raise  # e.g. a map_location to a device this machine lacks: not about the file
         if isinstance(err, OSError) and err.errno != errno.EINVAL:
             raise  # a real I/O error (permissions, EIO); a truncated zip gives EINVAL (seek)
@@ -187,16 +226,32 @@ def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: 
                 f'{path} is truncated: it is {path.stat().st_size} bytes and lacks the '
                 'end-of-archive record every complete torch.save file ends with (an '
                 'interrupted copy, download or save). Copy it again, or use an earlier '
-                'checkpoint') from err
-        kind = 'looks like a zip checkpoint but is damaged or truncated' if is_zip else \
-            'is not a readable PyTorch checkpoint'
+                'checkpoint'
+            ) from err
+        kind = (
+            'looks like a zip checkpoint but is damaged or truncated'
+            if is_zip
+            else 'is not a readable PyTorch checkpoint'
+        )
         error = CheckpointCorruptError if is_zip else NotACheckpointError
         raise error(f'{path} {kind}: {_last_line(str(err))}') from err
-    except (UnicodeDecodeError, struct.error, IndexError, KeyError, AssertionError, ValueError,
-            TypeError, AttributeError, MemoryError, OverflowError) as err:
+    except (
+        UnicodeDecodeError,
+        struct.error,
+        IndexError,
+        KeyError,
+        AssertionError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        MemoryError,
+        OverflowError,
+    ) as err:
         # what a damaged pickle stream makes the unpickler raise: always name the file
-        raise CheckpointCorruptError(f'{path} is damaged or not a PyTorch checkpoint: '
-                                     f'{type(err).__name__}: {_last_line(str(err))}') from err
+        raise CheckpointCorruptError(
+            f'{path} is damaged or not a PyTorch checkpoint: '
+            f'{type(err).__name__}: {_last_line(str(err))}'
+        ) from err
 
 
 def _allow_listed_when_saved(path: Path, refused: tuple[str, ...]) -> list[str]:
@@ -217,10 +272,13 @@ def _allow_listed_when_saved(path: Path, refused: tuple[str, ...]) -> list[str]:
 
 def _allow_hint(names: list[str]) -> str:
     """Which import allow-lists ``names`` (an integration we ship), else the generic call."""
-    imports = sorted({_INTEGRATIONS[n.split('.')[0]] for n in names
-                      if n.split('.')[0] in _INTEGRATIONS})
-    call = (f'stratagem.checkpoint.add_safe_globals([...]) with '
-            f'{", ".join(n.rsplit(".", 1)[-1] for n in names)}')
+    imports = sorted(
+        {_INTEGRATIONS[n.split('.')[0]] for n in names if n.split('.')[0] in _INTEGRATIONS}
+    )
+    call = (
+        f'stratagem.checkpoint.add_safe_globals([...]) with '
+        f'{", ".join(n.rsplit(".", 1)[-1] for n in names)}'
+    )
     if imports:
         return f'Fix: import {" and ".join(imports)} before loading, or call {call}.'
     return f'Fix: call {call} (the classes you trust) before loading.'

@@ -26,6 +26,7 @@ relative to the checkpoint directory for a directory checkpoint. While a single-
 replaces one of the same name, its manifest also carries ``"replaces": <the old manifest>`` so
 the old file still verifies if the process dies between the manifest and the file rename.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -52,14 +53,27 @@ FORMAT_VERSION = 2
 try:
     import xxhash as _xxhash
 except ImportError:  # pragma: no cover - a dependency; sha256 keeps checkpoints verifiable
-    _xxhash = None
+    _xxhash = None  # type: ignore[assignment]
 HASH_ALGOS = ('xxh3_128', 'sha256')  # what a files entry may carry, preferred first
 HASH_ALGO = 'xxh3_128' if _xxhash is not None else 'sha256'  # what new manifests use
 SIDECAR_SUFFIX = '.manifest.json'
 DIR_MANIFEST = 'manifest.json'
-RESERVED_KEYS = frozenset(('format', 'format_version', 'kind', 'name', 'step', 'created',
-                           'created_unix', 'stratagem_version', 'torch_version',
-                           'python_version', 'files', 'replaces'))
+RESERVED_KEYS = frozenset(
+    (
+        'format',
+        'format_version',
+        'kind',
+        'name',
+        'step',
+        'created',
+        'created_unix',
+        'stratagem_version',
+        'torch_version',
+        'python_version',
+        'files',
+        'replaces',
+    )
+)
 
 _READ_CHUNK = 16 << 20
 _SMALL_WRITE_BUFFER = 1 << 20
@@ -74,14 +88,20 @@ def manifest_path(checkpoint: Path) -> Path:
     return checkpoint.with_name(checkpoint.name + SIDECAR_SUFFIX)
 
 
-def build_manifest(kind: str, name: str, files: list[dict], step: int | None,
-                   extra: dict | None) -> dict:
+def build_manifest(
+    kind: str, name: str, files: list[dict], step: int | None, extra: dict | None
+) -> dict:
     now = time.time()
     manifest = {
-        'format': FORMAT, 'format_version': FORMAT_VERSION, 'kind': kind, 'name': name,
+        'format': FORMAT,
+        'format_version': FORMAT_VERSION,
+        'kind': kind,
+        'name': name,
         'step': step,
-        'created': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now)), 'created_unix': now,
-        'stratagem_version': __version__, 'torch_version': torch.__version__,
+        'created': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now)),
+        'created_unix': now,
+        'stratagem_version': __version__,
+        'torch_version': torch.__version__,
         'python_version': platform.python_version(),
         'files': files,
     }
@@ -97,13 +117,16 @@ def check_extra_manifest(extra: dict | None) -> None:
         raise TypeError(f'extra_manifest must be a dict or None, got {type(extra).__name__}')
     clash = sorted(k for k in extra if k in RESERVED_KEYS)
     if clash:
-        raise ValueError(f'extra_manifest keys {clash} are reserved by the manifest; '
-                         f'reserved: {sorted(RESERVED_KEYS)}')
+        raise ValueError(
+            f'extra_manifest keys {clash} are reserved by the manifest; '
+            f'reserved: {sorted(RESERVED_KEYS)}'
+        )
     try:
         json.dumps(extra, allow_nan=False)
     except (TypeError, ValueError) as err:
-        raise TypeError(f'extra_manifest must be JSON-serialisable (str keys, plain values): '
-                        f'{err}') from None
+        raise TypeError(
+            f'extra_manifest must be JSON-serialisable (str keys, plain values): {err}'
+        ) from None
 
 
 def dump_manifest(manifest: dict) -> bytes:
@@ -119,17 +142,24 @@ def read_manifest(path: Path) -> dict | None:
     try:
         manifest = json.loads(raw)
     except ValueError as err:
-        raise CheckpointCorruptError(f'manifest {path} is not valid JSON ({err}); '
-                                     f'the checkpoint it describes cannot be verified') from None
+        raise CheckpointCorruptError(
+            f'manifest {path} is not valid JSON ({err}); '
+            f'the checkpoint it describes cannot be verified'
+        ) from None
     if not isinstance(manifest, dict) or manifest.get('format') != FORMAT:
-        raise CheckpointCorruptError(f'{path} is not a stratagem manifest '
-                                     f'(expected "format": "{FORMAT}")')
+        raise CheckpointCorruptError(
+            f'{path} is not a stratagem manifest (expected "format": "{FORMAT}")'
+        )
     if not isinstance(manifest.get('files'), list) or not all(
-            isinstance(f, dict) and {'path', 'size'} <= f.keys()
-            and any(isinstance(f.get(a), str) for a in HASH_ALGOS)
-            for f in manifest['files']):
-        raise CheckpointCorruptError(f'manifest {path} has no valid "files" list (each entry '
-                                     f'needs "path", "size" and one of {list(HASH_ALGOS)})')
+        isinstance(f, dict)
+        and {'path', 'size'} <= f.keys()
+        and any(isinstance(f.get(a), str) for a in HASH_ALGOS)
+        for f in manifest['files']
+    ):
+        raise CheckpointCorruptError(
+            f'manifest {path} has no valid "files" list (each entry '
+            f'needs "path", "size" and one of {list(HASH_ALGOS)})'
+        )
     return manifest
 
 
@@ -139,8 +169,10 @@ def new_hasher(algo: str = HASH_ALGO) -> Any:
         return hashlib.sha256()
     if algo == 'xxh3_128':
         if _xxhash is None:
-            raise RuntimeError('this checkpoint was hashed with xxh3_128; install the xxhash '
-                               'package (pip install xxhash) to verify it')
+            raise RuntimeError(
+                'this checkpoint was hashed with xxh3_128; install the xxhash '
+                'package (pip install xxhash) to verify it'
+            )
         return _xxhash.xxh3_128()
     raise ValueError(f'unknown checkpoint hash {algo!r}; known: {list(HASH_ALGOS)}')
 
@@ -150,8 +182,9 @@ def entry_digest(entry: dict) -> tuple[str, str]:
     for algo in HASH_ALGOS:
         if isinstance(entry.get(algo), str):
             return algo, entry[algo]
-    raise CheckpointCorruptError(f'manifest entry {entry.get("path")!r} has no digest '
-                                 f'(one of {list(HASH_ALGOS)})')
+    raise CheckpointCorruptError(
+        f'manifest entry {entry.get("path")!r} has no digest (one of {list(HASH_ALGOS)})'
+    )
 
 
 def file_entry(path: str, size: int, digest: str, algo: str = HASH_ALGO) -> dict:
@@ -226,7 +259,7 @@ class HashingWriter:
 
 
 _SYNC_FILE_RANGE_WRITE = 2
-_sync_file_range = None
+_sync_file_range: Any = None
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
@@ -247,11 +280,12 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 def _write_all(fd: int, view: memoryview) -> None:
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
-def hash_file(path: Path, pool: ThreadPoolExecutor | None = None,
-              algo: str = HASH_ALGO) -> tuple[int, str]:
+def hash_file(
+    path: Path, pool: ThreadPoolExecutor | None = None, algo: str = HASH_ALGO
+) -> tuple[int, str]:
     """(size in bytes, hex digest with ``algo``) of ``path``.
 
     The file is memory-mapped, not read: the hash then touches the page cache directly (no
@@ -272,7 +306,7 @@ def hash_file(path: Path, pool: ThreadPoolExecutor | None = None,
             view = memoryview(mapped)
             try:
                 for offset in range(0, size, _READ_CHUNK):
-                    hasher.update(view[offset:offset + _READ_CHUNK])
+                    hasher.update(view[offset : offset + _READ_CHUNK])
             finally:
                 view.release()
         finally:
@@ -292,8 +326,9 @@ def _identity(path: Path) -> tuple:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def remember_verified(path: Path, digest: str, identity: tuple | None = None,
-                      algo: str = HASH_ALGO) -> None:
+def remember_verified(
+    path: Path, digest: str, identity: tuple | None = None, algo: str = HASH_ALGO
+) -> None:
     """Record that ``path`` (or the file whose ``_identity`` is ``identity``) hashes to
     ``digest`` with ``algo``. A writer passes the identity of its temp file taken before the
     rename (a rename keeps it), so a concurrent writer's file can never be recorded under our
@@ -310,13 +345,15 @@ def verify_file(path: Path, entry: dict, manifest_file: Path, *, hash_bytes: boo
     try:
         identity = _identity(path)
     except FileNotFoundError:
-        raise FileNotFoundError(f'checkpoint file {path} listed in {manifest_file} is missing') \
-            from None
+        raise FileNotFoundError(
+            f'checkpoint file {path} listed in {manifest_file} is missing'
+        ) from None
     size = identity[2]
     if size != entry['size']:
         raise CheckpointCorruptError(
             f'checkpoint {path} is damaged: size is {size} bytes, its manifest {manifest_file} '
-            f'says {entry["size"]} (truncated or overwritten); it was not loaded')
+            f'says {entry["size"]} (truncated or overwritten); it was not loaded'
+        )
     algo, expected = entry_digest(entry)
     if not hash_bytes or _VERIFIED.get(identity) == f'{algo}:{expected}':
         return
@@ -324,7 +361,8 @@ def verify_file(path: Path, entry: dict, manifest_file: Path, *, hash_bytes: boo
     if actual != expected:
         raise CheckpointCorruptError(
             f'checkpoint {path} is damaged: {algo} is {actual}, its manifest {manifest_file} '
-            f'says {expected}; it was not loaded')
+            f'says {expected}; it was not loaded'
+        )
     remember_verified(path, actual, identity, algo)
 
 

@@ -1,21 +1,27 @@
 """Deleting old checkpoints, and the debris of crashed saves. Only what we wrote is touched:
 committed checkpoints with a stratagem manifest, and entries with our temp-name pattern."""
+
 from __future__ import annotations
 
 import fnmatch
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from . import _fs
 from .latest import list_checkpoints, read_pointer
 from .manifest import SIDECAR_SUFFIX, read_manifest
 
 
-def apply_retention(directory: str | os.PathLike, max_keep_ckpts: int, *,
-                    protect: Iterable[str | os.PathLike] = (), pattern: str | None = None,
-                    stale_before: float | None = None) -> list[Path]:
+def apply_retention(
+    directory: str | os.PathLike,
+    max_keep_ckpts: int,
+    *,
+    protect: Iterable[str | os.PathLike] = (),
+    pattern: str | None = None,
+    stale_before: float | None = None,
+) -> list[Path]:
     """Delete committed checkpoints in ``directory`` beyond the newest ``max_keep_ckpts``.
 
     Call it only after the newest checkpoint is committed. Never deletes the newest, the one
@@ -52,8 +58,9 @@ def apply_retention(directory: str | os.PathLike, max_keep_ckpts: int, *,
     return removed
 
 
-def _remove_old(directory: Path, committed: list, max_keep: int,
-                protect: Iterable, pattern: str | None) -> list[Path]:
+def _remove_old(
+    directory: Path, committed: list, max_keep: int, protect: Iterable, pattern: str | None
+) -> list[Path]:
     if max_keep <= 0:
         return []
     series = [c for c in committed if pattern is None or fnmatch.fnmatch(c.path.name, pattern)]
@@ -100,8 +107,11 @@ def _remove_debris(directory: Path, stale_before: float) -> list[Path]:
     me = os.getpid()
     with os.scandir(directory) as scan:
         entries = list(scan)
-    live_targets = {m['final'] for e in entries if (m := _fs.TEMP_RE.match(e.name))
-                    and _pid_alive(int(m['pid']))}
+    live_targets = {
+        m['final']
+        for e in entries
+        if (m := _fs.TEMP_RE.match(e.name)) and _pid_alive(int(m['pid']))
+    }
     for entry in entries:
         path = Path(entry.path)
         pid = _fs.temp_pid(entry.name)
@@ -114,7 +124,7 @@ def _remove_debris(directory: Path, stale_before: float) -> list[Path]:
                 _fs._unlink_quietly(path)
             removed.append(path)
         elif entry.name.endswith(SIDECAR_SUFFIX):
-            target = entry.name[:-len(SIDECAR_SUFFIX)]
+            target = entry.name[: -len(SIDECAR_SUFFIX)]
             if target in live_targets or _newest_mtime(path) >= stale_before:
                 continue  # a live save wrote it and is about to rename its file into place
             if _is_orphan_manifest(path):
@@ -142,15 +152,16 @@ def _newest_mtime(path: Path) -> float:
         for root, dirs, files in os.walk(path):
             for name in dirs + files:
                 try:
-                    newest = max(newest, os.stat(os.path.join(root, name),
-                                                 follow_symlinks=False).st_mtime)
+                    newest = max(
+                        newest, os.stat(os.path.join(root, name), follow_symlinks=False).st_mtime
+                    )
                 except OSError:
                     continue
     return newest
 
 
 def _is_orphan_manifest(path: Path) -> bool:
-    target = path.with_name(path.name[:-len(SIDECAR_SUFFIX)])
+    target = path.with_name(path.name[: -len(SIDECAR_SUFFIX)])
     if target.exists():
         return False
     try:

@@ -15,6 +15,7 @@ Layout of ``NAME/`` (every file listed in ``NAME/manifest.json`` with size and d
 Every rank verifies before anything is read (``verify_directory``); DCP's own unpickler only
 ever sees files whose hashes matched.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,18 +30,39 @@ from typing import Any
 
 import torch
 
-from .commit import _OVERHEAD_BYTES, _crc32_option, check_free_space, payload_bytes, write_torch_file
+from .commit import (
+    _OVERHEAD_BYTES,
+    _crc32_option,
+    check_free_space,
+    payload_bytes,
+    write_torch_file,
+)
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
-from .directory import (_all_ok, _gather, _raise_first, dcp_failures, describe_error,
-                        save_directory, verify_directory)
+from .directory import (
+    _all_ok,
+    _gather,
+    _raise_first,
+    dcp_failures,
+    describe_error,
+    save_directory,
+    verify_directory,
+)
 from .load import load_checkpoint_file
 from .manifest import file_entry, new_hasher
 
-__all__ = ['save_sharded_checkpoint', 'read_sharded_checkpoint', 'load_sharded_checkpoint',
-           'read_sharded_header', 'load_sharded_in_place',
-           'local_tensors',
-           'is_sharded_checkpoint', 'optim_state_to_fqn', 'optim_state_to_index',
-           'EXTRA_FILE', 'DCP_KEYS']
+__all__ = [
+    'save_sharded_checkpoint',
+    'read_sharded_checkpoint',
+    'load_sharded_checkpoint',
+    'read_sharded_header',
+    'load_sharded_in_place',
+    'local_tensors',
+    'is_sharded_checkpoint',
+    'optim_state_to_fqn',
+    'optim_state_to_index',
+    'EXTRA_FILE',
+    'DCP_KEYS',
+]
 
 EXTRA_FILE = 'extra.pth'
 GROUPS_KEY = 'optimizer_param_groups'  # extra.pth: a copy of the param groups (small)
@@ -55,11 +77,18 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / '.metadata').is_file()
 
 
-def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *,
-                            step: int | None = None, extra_manifest: dict | None = None,
-                            partial_grads: dict | None = None, optimizer_keys: str = 'fqn',
-                            collective: bool = True, vote: Any = None,
-                            process_group: Any = None) -> Path:
+def save_sharded_checkpoint(
+    final_dir: str | os.PathLike,
+    checkpoint: Mapping,
+    *,
+    step: int | None = None,
+    extra_manifest: dict | None = None,
+    partial_grads: dict | None = None,
+    optimizer_keys: str = 'fqn',
+    collective: bool = True,
+    vote: Any = None,
+    process_group: Any = None,
+) -> Path:
     """Collectively save ``checkpoint`` (mmengine's layout) as a sharded directory.
 
     ``checkpoint['state_dict']`` and ``checkpoint['optimizer']``'s ``state``/``param_groups``
@@ -84,8 +113,9 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
     if 'param_groups' in tensors.get('optimizer', {}):  # checked before an in-place resume
         extra[GROUPS_KEY] = tensors['optimizer']['param_groups']
 
-    side_objects = ([partial_grads] if partial_grads is not None else []) + \
-        ([extra] if rank == 0 else [])
+    side_objects = ([partial_grads] if partial_grads is not None else []) + (
+        [extra] if rank == 0 else []
+    )
 
     def write(staging: Path) -> list[dict]:
         # every file is hashed as it is written and fsynced once: no second read. torch's
@@ -93,8 +123,9 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
         # byte. Rank 0's extra.pth (and a rank's pending gradients) are written on a thread
         # meanwhile, mostly overlapping DCP's planning collectives and its fsync.
         # a full disk is refused before anything is written (the staging dir is still empty)
-        check_free_space(Path(final_dir).absolute(),
-                         _bytes_needed(tensors, side_objects) * _ranks_sharing_disk())
+        check_free_space(
+            Path(final_dir).absolute(), _bytes_needed(tensors, side_objects) * _ranks_sharing_disk()
+        )
         writer = dcp.FileSystemWriter(staging, thread_count=1)
         side = []
         if partial_grads is not None:
@@ -102,38 +133,56 @@ def save_sharded_checkpoint(final_dir: str | os.PathLike, checkpoint: Mapping, *
             side.append((partial_grads, staging / PARTIAL_DIR / f'rank_{rank}.pth'))
         if rank == 0:
             side.append((extra, staging / EXTRA_FILE))
-        with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool, \
-                ThreadPoolExecutor(1, thread_name_prefix='stratagem-extra') as aside:
+        with (
+            ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool,
+            ThreadPoolExecutor(1, thread_name_prefix='stratagem-extra') as aside,
+        ):
             pending = [aside.submit(write_torch_file, obj, path) for obj, path in side]
             writer.fs = fs = _hashing_fs(pool)
             with _crc32_option(False), warnings.catch_warnings():
                 # one process on purpose (convert): not DCP's "assuming ..." guess
                 warnings.filterwarnings('ignore', message='torch.distributed is disabled')
-                dcp.save(tensors, storage_writer=writer, no_dist=not collective,
-                         process_group=process_group)
-            mine = [_entry(p, *fs.written[os.fspath(p)]) for p in staging.iterdir()
-                    if re.fullmatch(rf'__{rank}_\d+\.distcp', p.name)
-                    or (rank == 0 and p.name == '.metadata')]
+                dcp.save(
+                    tensors,
+                    storage_writer=writer,
+                    no_dist=not collective,
+                    process_group=process_group,
+                )
+            mine = [
+                _entry(p, *fs.written[os.fspath(p)])
+                for p in staging.iterdir()
+                if re.fullmatch(rf'__{rank}_\d+\.distcp', p.name)
+                or (rank == 0 and p.name == '.metadata')
+            ]
             mine += [{**job.result(), 'path': path} for job, (_, path) in zip(pending, side)]
         return mine
 
     held = validate_checkpoint_content(extra)  # allow-listed classes: named to a loader lacking one
-    manifest = {'state_dict_type': 'sharded', 'optimizer_keys': optimizer_keys,
-                'dcp_keys': sorted(tensors),
-                **({SAFE_GLOBALS_KEY: held} if held else {}), **(extra_manifest or {})}
+    manifest = {
+        'state_dict_type': 'sharded',
+        'optimizer_keys': optimizer_keys,
+        'dcp_keys': sorted(tensors),
+        **({SAFE_GLOBALS_KEY: held} if held else {}),
+        **(extra_manifest or {}),
+    }
     if collective:
         return save_directory(final_dir, write, step=step, extra_manifest=manifest, vote=vote)
     from .commit import commit_directory
-    with commit_directory(final_dir, step=step, extra_manifest={'world_size': 1, **manifest}) \
-            as staging:
+
+    with commit_directory(
+        final_dir, step=step, extra_manifest={'world_size': 1, **manifest}
+    ) as staging:
         write(staging)
     return Path(final_dir).absolute()
 
 
 def _bytes_needed(tensors: Mapping, side: list) -> int:
     """This rank's bytes of a sharded save: its shards, its side files, file overheads."""
-    return payload_bytes(local_tensors(tensors)) + sum(map(payload_bytes, side)) + \
-        _OVERHEAD_BYTES * (1 + len(side))
+    return (
+        payload_bytes(local_tensors(tensors))
+        + sum(map(payload_bytes, side))
+        + _OVERHEAD_BYTES * (1 + len(side))
+    )
 
 
 def _ranks_sharing_disk() -> int:
@@ -148,7 +197,7 @@ def _ranks_sharing_disk() -> int:
 
 
 def _entry(path: Path, size: int, digest: str) -> dict:
-    return file_entry(path, size, digest)
+    return file_entry(path, size, digest)  # type: ignore[arg-type]
 
 
 class _HashingStream(io.RawIOBase):
@@ -215,22 +264,29 @@ def _hashing_fs(pool: ThreadPoolExecutor) -> Any:
             super().rename(path, new_path)
             if os.fspath(path) in self.written:
                 self.written[os.fspath(new_path)] = self.written.pop(os.fspath(path))
+
     return HashingFileSystem()
 
 
 def _reader(path: Path, metadata: Any = None) -> Any:
     """A ``ShardReader`` (imported here: DCP takes ~0.4 s to import)."""
     from .dcp_reader import ShardReader
+
     return ShardReader(path, metadata=metadata)
 
 
 def _rank() -> int:
     import torch.distributed as dist
+
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def read_sharded_checkpoint(path: str | os.PathLike, *, collective: bool = False,
-                            progress: Callable[[int, int], None] | None = None) -> dict:
+def read_sharded_checkpoint(
+    path: str | os.PathLike,
+    *,
+    collective: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
     """Verify, then read a sharded directory into one full (unsharded) mmengine-layout dict.
 
     The optimizer comes back keyed by flat parameter index (``torch.optim``'s format), so a
@@ -264,10 +320,12 @@ def _read_full(path: Path, manifest: dict) -> dict:
 def _read_dcp_full(path: Path) -> dict:
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
     state: dict = {}
     # as format_utils.dcp_to_torch_save does: the public dcp.load only fills existing keys
-    _load_state_dict(state, storage_reader=_reader(path),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(
+        state, storage_reader=_reader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
     return state
 
 
@@ -282,8 +340,7 @@ def _read_extra(path: Path, groups: list | None = None) -> dict:
     return extra
 
 
-def read_sharded_header(path: str | os.PathLike, *,
-                        optimizer: bool) -> tuple[dict, Any] | None:
+def read_sharded_header(path: str | os.PathLike, *, optimizer: bool) -> tuple[dict, Any] | None:
     """Verify a sharded directory (collective) and read all of it but the tensors, for a
     resume that reads them in place later (``load_sharded_in_place``), once every check
     passed. Returns ``(checkpoint, metadata)``: in ``checkpoint``, ``state_dict`` holds a
@@ -294,6 +351,7 @@ def read_sharded_header(path: str | os.PathLike, *,
     single file, saved before the param groups were kept in ``extra.pth``, or a model entry
     that is not a tensor): read it with ``load_sharded_checkpoint`` then."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     path = Path(path).absolute()
     manifest = verify_directory(path)
     if manifest.get('optimizer_keys', 'fqn') != 'fqn':
@@ -305,8 +363,9 @@ def read_sharded_header(path: str | os.PathLike, *,
         if key.startswith('state_dict.'):
             if not isinstance(item, TensorStorageMetadata):
                 return None
-            weights[key[len('state_dict.'):]] = torch.empty(
-                item.size, dtype=item.properties.dtype, device='meta')
+            weights[key[len('state_dict.') :]] = torch.empty(
+                item.size, dtype=item.properties.dtype, device='meta'
+            )
     groups: list = []
     extra = _read_extra(path, groups)
     saved_optimizer = any(key.startswith('optimizer.') for key in metadata)
@@ -314,8 +373,11 @@ def read_sharded_header(path: str | os.PathLike, *,
         return None
     checkpoint = {'meta': extra.pop('meta', {}), 'state_dict': weights}
     if saved_optimizer:
-        checkpoint['optimizer'] = {**extra.pop('optimizer_extra', {}), 'param_groups': groups,
-                                   'state': {}}
+        checkpoint['optimizer'] = {
+            **extra.pop('optimizer_extra', {}),
+            'param_groups': groups,
+            'state': {},
+        }
     partial = read_partial_grads(path)
     if partial:
         checkpoint['partial_grads_fqn'] = partial
@@ -323,8 +385,7 @@ def read_sharded_header(path: str | os.PathLike, *,
     return checkpoint, dcp_metadata
 
 
-def load_sharded_in_place(path: str | os.PathLike, state: dict, *,
-                          metadata: Any = None) -> None:
+def load_sharded_in_place(path: str | os.PathLike, state: dict, *, metadata: Any = None) -> None:
     """DCP-read a verified sharded directory into ``state`` (``{'state_dict': ...,
     'optimizer': ...}``, this rank's live sharded state dicts) in place (collective);
     ``metadata``: DCP's, when already read (``read_sharded_header``).
@@ -344,6 +405,7 @@ def _dcp_read(path: Path, state: dict, *, metadata: Any = None, what: str = '') 
     rank (DCP's ``CheckpointException``, a ``BaseException``, becomes a ``RuntimeError``
     that names the file and the rank)."""
     import torch.distributed.checkpoint as dcp
+
     error = None
     try:
         with warnings.catch_warnings():  # no_dist under a process group is meant here
@@ -376,8 +438,9 @@ def read_partial_grads(path: str | os.PathLike) -> list[dict]:
     return [load_checkpoint_file(f, map_location='cpu', verify=False) for f in files]
 
 
-def load_sharded_checkpoint(path: str | os.PathLike, model_state: dict,
-                            optim_state: dict | None = None) -> dict:
+def load_sharded_checkpoint(
+    path: str | os.PathLike, model_state: dict, optim_state: dict | None = None
+) -> dict:
     """Verify a sharded directory (collective), then load it into the current sharding.
 
     ``model_state`` / ``optim_state``: this rank's sharded (DTensor) state dicts, FQN-keyed
@@ -422,6 +485,7 @@ def _dcp_keys(path: Path) -> set[str]:
 def local_tensors(obj: Any) -> Any:
     """``obj`` with every DTensor replaced by this rank's local shard (for validation)."""
     from torch.distributed.tensor import DTensor
+
     if isinstance(obj, DTensor):
         return obj.to_local()
     if isinstance(obj, dict):  # an OrderedDict stays one (validation checks the type)
@@ -447,7 +511,8 @@ def _fresh_tensors(obj: Any) -> Any:
 def optim_state_to_index(optim: Mapping) -> dict:
     """An FQN-keyed optimizer state (``get_optimizer_state_dict``) → ``torch.optim``'s flat
     parameter indices, numbered in ``param_groups`` order."""
-    groups, index = [], {}
+    groups: list = []
+    index: dict = {}
     for group in optim['param_groups']:
         ids = []
         for name in group['params']:
@@ -463,12 +528,16 @@ def optim_state_to_fqn(optim: Mapping, names: list[list[str]]) -> dict:
     """A ``torch.optim`` (index-keyed) state → FQN keys; ``names[g]`` are group ``g``'s
     parameter FQNs in order. Raises ``ValueError`` if the group sizes differ."""
     groups = optim['param_groups']
-    if len(groups) != len(names) or any(len(g['params']) != len(n)
-                                        for g, n in zip(groups, names)):
-        raise ValueError(f'the checkpoint\'s optimizer has param groups of sizes '
-                         f'{[len(g["params"]) for g in groups]}, this one '
-                         f'{[len(n) for n in names]}; it was saved for another model/optimizer')
+    if len(groups) != len(names) or any(len(g['params']) != len(n) for g, n in zip(groups, names)):
+        raise ValueError(
+            f"the checkpoint's optimizer has param groups of sizes "
+            f'{[len(g["params"]) for g in groups]}, this one '
+            f'{[len(n) for n in names]}; it was saved for another model/optimizer'
+        )
     mapping = {i: n for g, ns in zip(groups, names) for i, n in zip(g['params'], ns)}
     rest = {k: v for k, v in optim.items() if k not in _OPTIM_TENSOR_KEYS}
-    return {**rest, 'state': {mapping[i]: v for i, v in optim.get('state', {}).items()},
-            'param_groups': [{**g, 'params': list(ns)} for g, ns in zip(groups, names)]}
+    return {
+        **rest,
+        'state': {mapping[i]: v for i, v in optim.get('state', {}).items()},
+        'param_groups': [{**g, 'params': list(ns)} for g, ns in zip(groups, names)],
+    }

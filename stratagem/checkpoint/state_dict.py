@@ -9,13 +9,14 @@ has already copied the matching tensors (here everything is checked first, and a
 changes nothing), and a non-strict load that matches no key "succeeds" having loaded nothing
 (here it is an error).
 """
+
 from __future__ import annotations
 
 import logging
 import re
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -59,7 +60,8 @@ def find_model_weights(checkpoint: Mapping) -> tuple[Mapping, str]:
         f'holds no model weights in a layout stratagem recognises: top-level keys '
         f'{describe_keys(checkpoint)}. Expected an entry {", ".join(map(repr, WEIGHT_ENTRIES))} '
         f'holding tensors, or a bare state dict (names -> tensors). If the weights are under '
-        f'another key, pass callback=lambda ckpt: ckpt.update(state_dict=ckpt["<key>"])')
+        f'another key, pass callback=lambda ckpt: ckpt.update(state_dict=ckpt["<key>"])'
+    )
 
 
 def describe_keys(mapping: Mapping, limit: int = 12) -> str:
@@ -81,22 +83,30 @@ def _count_tensors(mapping: Mapping) -> int:
     return sum(isinstance(v, torch.Tensor) for v in mapping.values())
 
 
-def revise_keys(state_dict: Mapping[str, torch.Tensor],
-                revise_keys: Iterable[tuple[str, str]] = DEFAULT_REVISE_KEYS) -> OrderedDict:
+def revise_keys(
+    state_dict: Mapping[str, torch.Tensor],
+    revise_keys: Iterable[tuple[str, str]] = DEFAULT_REVISE_KEYS,
+) -> OrderedDict:
     """Return a new OrderedDict with ``re.sub(pattern, repl, key)`` applied to every key, for
     each ``(pattern, repl)`` in order. ``_metadata`` (module versions) is kept, its keys
     revised the same way. Raises ValueError if two keys become one."""
     rules = []
     for rule in revise_keys:
-        if not (isinstance(rule, (tuple, list)) and len(rule) == 2
-                and all(isinstance(x, str) for x in rule)):
-            raise TypeError(f'revise_keys must be (pattern, replacement) string pairs, e.g. '
-                            f"[(r'^module\\.', '')]; got {rule!r}")
+        if not (
+            isinstance(rule, (tuple, list))
+            and len(rule) == 2
+            and all(isinstance(x, str) for x in rule)
+        ):
+            raise TypeError(
+                f'revise_keys must be (pattern, replacement) string pairs, e.g. '
+                f"[(r'^module\\.', '')]; got {rule!r}"
+            )
         try:
             rules.append((re.compile(rule[0]), rule[1]))
         except re.error as err:
-            raise ValueError(f'revise_keys pattern {rule[0]!r} is not a valid regex: {err}') \
-                from None
+            raise ValueError(
+                f'revise_keys pattern {rule[0]!r} is not a valid regex: {err}'
+            ) from None
 
     def revise(key: str) -> str:
         for pattern, repl in rules:
@@ -104,17 +114,19 @@ def revise_keys(state_dict: Mapping[str, torch.Tensor],
         return key
 
     revised: OrderedDict = OrderedDict()
-    origin = {}
+    origin: dict[str, str] = {}
     for key, value in state_dict.items():
         new = revise(key)
         if new in revised:
-            raise ValueError(f'revise_keys maps both {origin[new]!r} and {key!r} to {new!r}; '
-                             f'make the patterns more specific')
+            raise ValueError(
+                f'revise_keys maps both {origin[new]!r} and {key!r} to {new!r}; '
+                f'make the patterns more specific'
+            )
         revised[new] = value
         origin[new] = key
     metadata = getattr(state_dict, '_metadata', None)
     if metadata is not None:
-        revised._metadata = OrderedDict((revise(k) if k else k, v) for k, v in metadata.items())
+        revised._metadata = OrderedDict((revise(k) if k else k, v) for k, v in metadata.items())  # type: ignore[attr-defined]
     return revised
 
 
@@ -129,35 +141,47 @@ class LoadReport:
     # (key, type in the checkpoint) where the model holds a tensor
     type_mismatches: list[tuple[str, str]] = field(default_factory=list)
     loaded: int = 0  # entries of the module's state dict that were loaded
-    total: int = 0   # entries of the module's state dict
+    total: int = 0  # entries of the module's state dict
 
     @property
     def ok(self) -> bool:
-        return not (self.missing_keys or self.unexpected_keys or self.shape_mismatches
-                    or self.type_mismatches)
+        return not (
+            self.missing_keys
+            or self.unexpected_keys
+            or self.shape_mismatches
+            or self.type_mismatches
+        )
 
     def __str__(self) -> str:
         if self.ok:
             return 'all keys matched'
         lines = []
         if self.shape_mismatches:
-            lines.append(f'{len(self.shape_mismatches)} shape mismatch(es), not loaded '
-                         f'(checkpoint -> model):')
+            lines.append(
+                f'{len(self.shape_mismatches)} shape mismatch(es), not loaded '
+                f'(checkpoint -> model):'
+            )
             lines += [f'  {k}: {tuple(a)} -> {tuple(b)}' for k, a, b in self.shape_mismatches]
         if self.type_mismatches:
-            lines.append(f'{len(self.type_mismatches)} value(s) that are not tensors, not '
-                         f'loaded: ' + ', '.join(f'{k} ({t})' for k, t in self.type_mismatches))
+            lines.append(
+                f'{len(self.type_mismatches)} value(s) that are not tensors, not '
+                f'loaded: ' + ', '.join(f'{k} ({t})' for k, t in self.type_mismatches)
+            )
         if self.missing_keys:
-            lines.append(f'{len(self.missing_keys)} missing key(s) (in the model, not in the '
-                         f'checkpoint): {_clip(self.missing_keys)}')
+            lines.append(
+                f'{len(self.missing_keys)} missing key(s) (in the model, not in the '
+                f'checkpoint): {_clip(self.missing_keys)}'
+            )
         if self.unexpected_keys:
-            lines.append(f'{len(self.unexpected_keys)} unexpected key(s) (in the checkpoint, '
-                         f'not in the model): {_clip(self.unexpected_keys)}')
+            lines.append(
+                f'{len(self.unexpected_keys)} unexpected key(s) (in the checkpoint, '
+                f'not in the model): {_clip(self.unexpected_keys)}'
+            )
         hint = _prefix_hint(self.missing_keys, self.unexpected_keys)
         if hint:
             lines.append(hint)
         if self.total:
-            lines.append(f'{self.loaded} of the model\'s {self.total} tensors matched')
+            lines.append(f"{self.loaded} of the model's {self.total} tensors matched")
         return '\n'.join(lines)
 
 
@@ -167,13 +191,17 @@ def unwrap_model(module: nn.Module) -> nn.Module:
         if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             module = module.module
         elif type(module).__name__ == 'OptimizedModule' and hasattr(module, '_orig_mod'):
-            module = module._orig_mod
+            module = module._orig_mod  # type: ignore[assignment]
         else:
             return module
 
 
-def load_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
-                    strict: bool = False, logger: logging.Logger | None = None) -> LoadReport:
+def load_state_dict(
+    module: nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    strict: bool = False,
+    logger: logging.Logger | None = None,
+) -> LoadReport:
     """Load ``state_dict`` into ``module`` (unwrapped from DDP/DP/compile), skipping tensors
     whose shape differs, and return a ``LoadReport``.
 
@@ -187,21 +215,25 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
     if not isinstance(module, nn.Module):
         raise TypeError(f'module must be an nn.Module, got {type(module).__name__}')
     if not isinstance(state_dict, Mapping):
-        raise TypeError(f'state_dict must be a mapping of names to tensors, got '
-                        f'{type(state_dict).__name__}; pass checkpoint["state_dict"]?')
+        raise TypeError(
+            f'state_dict must be a mapping of names to tensors, got '
+            f'{type(state_dict).__name__}; pass checkpoint["state_dict"]?'
+        )
     module = unwrap_model(module)
     report, loadable, own = _compare(module, state_dict)
     name = type(module).__name__
     if strict and not report.ok:
-        raise StateDictMismatchError(f'the state dict does not match {name} (strict load; '
-                                     f'nothing was loaded):\n{report}')
+        raise StateDictMismatchError(
+            f'the state dict does not match {name} (strict load; nothing was loaded):\n{report}'
+        )
     if own and not report.loaded:
         hint = _prefix_hint(report.missing_keys, report.unexpected_keys)
         raise StateDictMismatchError(
             f'none of its {len(state_dict)} entries matches {name}, so nothing was loaded: '
             f'the model has {_clip(list(own), 5)}; the state dict has '
-            f'{_clip(list(state_dict), 5)}.' + (f' {hint}' if hint else
-                                                 ' Is it the weights of another model?'))
+            f'{_clip(list(state_dict), 5)}.'
+            + (f' {hint}' if hint else ' Is it the weights of another model?')
+        )
     result = module.load_state_dict(loadable, strict=False)
     # torch's own accounting is the truth for what was left out (e.g. modules that fill keys)
     skipped = {key for key, *_ in report.shape_mismatches + report.type_mismatches}
@@ -209,8 +241,14 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
     report.unexpected_keys = list(result.unexpected_keys)
     if not report.ok:
         from stratagem.env.logging import log_rank_zero  # every rank loads the same state
-        log_rank_zero(logger or logging.getLogger('stratagem.checkpoint'), logging.WARNING,
-                      'the state dict does not match %s:\n%s', name, report)
+
+        log_rank_zero(
+            logger or logging.getLogger('stratagem.checkpoint'),
+            logging.WARNING,
+            'the state dict does not match %s:\n%s',
+            name,
+            report,
+        )
     return report
 
 
@@ -234,14 +272,20 @@ def _compare(module: nn.Module, state_dict: Mapping) -> tuple[LoadReport, Ordere
         else:
             loadable[key] = value
     if metadata is not None:
-        loadable._metadata = metadata
+        loadable._metadata = metadata  # type: ignore[attr-defined]
     skipped = {key for key, *_ in shapes + types}
     report = LoadReport(
-        missing_keys=[k for k in own if k not in state_dict and k not in skipped
-                      and not _filled_on_load(module, k, metadata)],
+        missing_keys=[
+            k
+            for k in own
+            if k not in state_dict and k not in skipped and not _filled_on_load(module, k, metadata)
+        ],
         unexpected_keys=[k for k in state_dict if k not in own],
-        shape_mismatches=shapes, type_mismatches=types,
-        loaded=sum(k in loadable for k in own), total=len(own))
+        shape_mismatches=shapes,
+        type_mismatches=types,
+        loaded=sum(k in loadable for k in own),
+        total=len(own),
+    )
     return report, loadable, own
 
 
@@ -274,13 +318,17 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
     for key in unexpected[:5]:  # a few samples keep this linear in the number of keys
         for candidate in miss:
             if key.endswith('.' + candidate):
-                prefix = key[:-len(candidate)]
-                hits = sum(k.startswith(prefix) and k[len(prefix):] in miss for k in unexpected)
+                prefix = key[: -len(candidate)]
+                hits = sum(k.startswith(prefix) and k[len(prefix) :] in miss for k in unexpected)
                 if hits * 2 >= len(unexpected):
-                    return (f'hint: the checkpoint keys carry an extra prefix {prefix!r}; pass '
-                            f'revise_keys=[(r"^{re.escape(prefix)}", "")]')
+                    return (
+                        f'hint: the checkpoint keys carry an extra prefix {prefix!r}; pass '
+                        f'revise_keys=[(r"^{re.escape(prefix)}", "")]'
+                    )
             if candidate.endswith('.' + key):
-                prefix = candidate[:-len(key)]
-                return (f'hint: the model keys carry a prefix {prefix!r} the checkpoint lacks; '
-                        f'pass revise_keys=[(r"^", "{prefix}")]')
+                prefix = candidate[: -len(key)]
+                return (
+                    f'hint: the model keys carry a prefix {prefix!r} the checkpoint lacks; '
+                    f'pass revise_keys=[(r"^", "{prefix}")]'
+                )
     return None

@@ -28,6 +28,7 @@ about ``timeout`` s of the last sign of life, with the rank named, and nothing i
 Once every rank has the outcome, each deletes its keys (rank 0 the shared ones): the store's
 server, in rank 0's process, keeps nothing of the saves of a long run.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -43,7 +44,7 @@ _OK_MARK, _ERROR_MARK = '+', '-'  # a ready value: '+payload' or '-error'
 _SAVES = itertools.count()  # every rank saves in the same order, so the ids agree
 
 
-_STORES: 'tuple[Any, _LockedStore, _LockedStore | Any] | None' = None  # (inner, rw, waiter)
+_STORES: tuple[Any, _LockedStore, _LockedStore | Any] | None = None  # (inner, rw, waiter)
 _STORE_LOCK = threading.Lock()
 
 
@@ -60,6 +61,7 @@ class _LockedStore:
         def locked(*args: Any) -> Any:
             with self._lock:
                 return method(*args)
+
         return locked
 
 
@@ -72,8 +74,11 @@ def _own_store() -> tuple[_LockedStore, Any]:
     global _STORES
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
+
     with _STORE_LOCK:
         base = _get_default_store()
+        rw: _LockedStore
+        waiter: Any
         inner = base
         while hasattr(inner, 'underlying_store'):  # PrefixStore layers
             inner = inner.underlying_store
@@ -81,9 +86,18 @@ def _own_store() -> tuple[_LockedStore, Any]:
         # process group destroyed and created again gets clients of the new server
         if _STORES is None or _STORES[0] is not inner:
             if isinstance(inner, dist.TCPStore):
-                rw, waiter = (_LockedStore(dist.TCPStore(
-                    inner.host, inner.port, is_master=False, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=300))) for _ in range(2))
+                rw, waiter = (
+                    _LockedStore(
+                        dist.TCPStore(
+                            inner.host,
+                            inner.port,
+                            is_master=False,
+                            wait_for_workers=False,
+                            timeout=datetime.timedelta(seconds=300),
+                        )
+                    )
+                    for _ in range(2)
+                )
             else:
                 rw, waiter = _LockedStore(base), base
             _STORES = (inner, rw, waiter)
@@ -103,8 +117,16 @@ class SaveVote:
     heartbeats every ``timeout / 4`` s (at most 30 s) meanwhile.
     """
 
-    def __init__(self, store: Any, prefix: str, rank: int, world_size: int, timeout: float,
-                 what: str, waiter: Any | None = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        what: str,
+        waiter: Any | None = None,
+    ) -> None:
         self._store, self._prefix = store, prefix
         self._waiter = waiter if waiter is not None else store
         self.rank, self.world_size, self.timeout, self.what = rank, world_size, timeout, what
@@ -120,12 +142,13 @@ class SaveVote:
         self.ready_posted = False  # step 2 done on this rank
         self.concluded = False  # step 4 done on this rank: the outcome is known (or posted)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._heartbeat, daemon=True,
-                                        name='stratagem-ckpt-heartbeat')
+        self._thread = threading.Thread(
+            target=self._heartbeat, daemon=True, name='stratagem-ckpt-heartbeat'
+        )
         self._thread.start()
 
     @classmethod
-    def open(cls, timeout: float, what: str) -> 'SaveVote | None':
+    def open(cls, timeout: float, what: str) -> SaveVote | None:
         """Start the vote of the next save (every rank, same order); None outside a group."""
         import torch.distributed as dist
 
@@ -133,8 +156,9 @@ class SaveVote:
             return None
         prefix = f'stratagem/ckpt/{next(_SAVES)}/'
         store, waiter = _own_store()
-        return cls(store, prefix, dist.get_rank(), dist.get_world_size(), float(timeout), what,
-                   waiter)
+        return cls(
+            store, prefix, dist.get_rank(), dist.get_world_size(), float(timeout), what, waiter
+        )
 
     # ------------------------------------------------------------------ steps
     def publish(self, name: str, value: str) -> None:
@@ -150,8 +174,10 @@ class SaveVote:
     def ready(self, error: str | None = None, payload: str | None = None) -> None:
         """Step 2: this rank's files are written (``error`` None; ``payload``, e.g. their
         manifest entries, goes to rank 0) or it failed."""
-        self._set(f'ready/{self.rank}', _OK_MARK + (payload or '') if error is None
-                  else _ERROR_MARK + error)
+        self._set(
+            f'ready/{self.rank}',
+            _OK_MARK + (payload or '') if error is None else _ERROR_MARK + error,
+        )
         self.ready_posted = True
 
     def wait_ready(self) -> list[str]:
@@ -163,9 +189,11 @@ class SaveVote:
         for rank, key in enumerate(keys):
             value = self._get(key)
             if value.startswith(_ERROR_MARK):
-                raise CheckpointVoteError(f'{self.what} failed on rank {rank}: '
-                                          f'{value[len(_ERROR_MARK):]}; nothing was committed')
-            payloads.append(value[len(_OK_MARK):])
+                raise CheckpointVoteError(
+                    f'{self.what} failed on rank {rank}: '
+                    f'{value[len(_ERROR_MARK) :]}; nothing was committed'
+                )
+            payloads.append(value[len(_OK_MARK) :])
         return payloads
 
     def wait_others(self) -> None:
@@ -197,8 +225,9 @@ class SaveVote:
         self._set(f'read/{self.rank}', _OK)
         self._settled = True  # rank 0 has this rank's ready; only the read flag must stay
         if value != _OK:
-            raise CheckpointVoteError(value if value.startswith(self.what) else
-                                      f'{self.what} failed on rank 0: {value}')
+            raise CheckpointVoteError(
+                value if value.startswith(self.what) else f'{self.what} failed on rank 0: {value}'
+            )
 
     def close(self) -> None:
         """Leave the vote: a rank other than 0 marks the outcome read (also when it failed on
@@ -214,8 +243,9 @@ class SaveVote:
         if self._settled:  # nobody reads these keys again: the store server keeps no trace
             keys = [f'ready/{self.rank}', f'alive/{self.rank}']
             if self.rank == 0:  # after every rank read the outcome
-                keys += ['outcome', *self._published] + [f'read/{r}'
-                                                         for r in range(1, self.world_size)]
+                keys += ['outcome', *self._published] + [
+                    f'read/{r}' for r in range(1, self.world_size)
+                ]
             for key in keys:
                 try:
                     self._store.delete_key(self._prefix + key)
@@ -249,15 +279,22 @@ class SaveVote:
             missing = {k for k, f in zip(keys, full) if not self._store.check([f])}
             if not missing:
                 return
-            if self.rank != 0 and 'outcome' not in keys and self._store.check(
-                    [self._prefix + 'outcome']):
+            if (
+                self.rank != 0
+                and 'outcome' not in keys
+                and self._store.check([self._prefix + 'outcome'])
+            ):
                 value = self._get('outcome')
                 if value != _OK:
-                    raise CheckpointVoteError(value if value.startswith(self.what) else
-                                              f'{self.what} failed on rank 0: {value}')
+                    raise CheckpointVoteError(
+                        value
+                        if value.startswith(self.what)
+                        else f'{self.what} failed on rank 0: {value}'
+                    )
             # the rank that owes a key is its last part (ready/3, read/1); rank 0 owes the rest
-            owing = {int(k.rsplit('/', 1)[1]) if k.rsplit('/', 1)[1].isdigit() else 0
-                     for k in missing}
+            owing = {
+                int(k.rsplit('/', 1)[1]) if k.rsplit('/', 1)[1].isdigit() else 0 for k in missing
+            }
             self._check_alive(owing & watch or watch, doing)
 
     def _check_alive(self, ranks: set, doing: str) -> None:
@@ -277,7 +314,8 @@ class SaveVote:
                 f'{self.what} failed: {names} did not {doing} and showed no sign of life for '
                 f'{self.timeout:g} s (dead or stuck); nothing was committed. Raise '
                 'checkpoint_timeout if saves are this slow; otherwise resume from the previous '
-                'checkpoint')
+                'checkpoint'
+            )
 
     def _set(self, key: str, value: str) -> None:
         self._store.set(self._prefix + key, value)

@@ -15,6 +15,7 @@ file carries. Every function here therefore verifies the manifest (sizes and sha
 file) *before* DeepSpeed unpickles anything; a directory without a manifest, or with a
 changed byte, is refused.
 """
+
 from __future__ import annotations
 
 import glob
@@ -28,9 +29,16 @@ from .directory import verify_directory
 from .errors import CheckpointCorruptError
 from .load import load_checkpoint_file
 
-__all__ = ['DEEPSPEED_TAG', 'STATE_FILE', 'verify_zero_checkpoint', 'check_zero_layout',
-           'zero_to_state_dict', 'read_zero_checkpoint', 'convert_zero_checkpoint',
-           'is_zero_checkpoint']
+__all__ = [
+    'DEEPSPEED_TAG',
+    'STATE_FILE',
+    'verify_zero_checkpoint',
+    'check_zero_layout',
+    'zero_to_state_dict',
+    'read_zero_checkpoint',
+    'convert_zero_checkpoint',
+    'is_zero_checkpoint',
+]
 
 DEEPSPEED_TAG = 'deepspeed'
 STATE_FILE = 'stratagem_state.pth'
@@ -46,8 +54,10 @@ def check_zero_layout(path: str | os.PathLike) -> None:
     """Raise ``CheckpointCorruptError`` unless the committed directory ``path`` is laid out as
     a DeepSpeedStrategy checkpoint."""
     if not is_zero_checkpoint(path):
-        raise CheckpointCorruptError(f'{path} is a stratagem checkpoint but not a DeepSpeed one '
-                                     f'(no {STATE_FILE} and {DEEPSPEED_TAG}/)')
+        raise CheckpointCorruptError(
+            f'{path} is a stratagem checkpoint but not a DeepSpeed one '
+            f'(no {STATE_FILE} and {DEEPSPEED_TAG}/)'
+        )
 
 
 def verify_zero_checkpoint(path: str | os.PathLike) -> dict:
@@ -63,8 +73,9 @@ def verify_zero_checkpoint(path: str | os.PathLike) -> dict:
     return manifest
 
 
-def zero_to_state_dict(path: str | os.PathLike, *, verify: bool = True,
-                       exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+def zero_to_state_dict(
+    path: str | os.PathLike, *, verify: bool = True, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor]:
     """The model's full fp32 state dict from a DeepSpeed checkpoint directory, on CPU.
 
     Needs no process group. ZeRO 1–3 (and bf16) shards are consolidated with DeepSpeed's
@@ -78,13 +89,17 @@ def zero_to_state_dict(path: str | os.PathLike, *, verify: bool = True,
     tag_dir = path / DEEPSPEED_TAG
     if glob.glob(str(tag_dir / '*optim_states.pt')):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
         state = get_fp32_state_dict_from_zero_checkpoint(
-            str(path), tag=DEEPSPEED_TAG, exclude_frozen_parameters=exclude_frozen_parameters)
+            str(path), tag=DEEPSPEED_TAG, exclude_frozen_parameters=exclude_frozen_parameters
+        )
     else:
         files = sorted(glob.glob(str(tag_dir / 'mp_rank_*_model_states.pt')))
         if len(files) != 1:
-            raise CheckpointCorruptError(f'{tag_dir} holds neither ZeRO optimizer shards nor '
-                                         f'one model-states file (found {files})')
+            raise CheckpointCorruptError(
+                f'{tag_dir} holds neither ZeRO optimizer shards nor '
+                f'one model-states file (found {files})'
+            )
         # verified above; DeepSpeed's file holds its config objects, hence not weights_only
         module = torch.load(files[0], map_location='cpu', weights_only=False)['module']
         state = {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
@@ -102,13 +117,17 @@ def read_zero_checkpoint(path: str | os.PathLike) -> dict:
     manifest = verify_zero_checkpoint(path)
     ours = load_checkpoint_file(path / STATE_FILE)
     meta = dict(ours.get('meta') or {})
-    meta.update(converted_from=str(path), converted_from_strategy=manifest.get('strategy'),
-                converted_from_world_size=manifest.get('world_size'))
+    meta.update(
+        converted_from=str(path),
+        converted_from_strategy=manifest.get('strategy'),
+        converted_from_world_size=manifest.get('world_size'),
+    )
     return {'meta': meta, 'state_dict': zero_to_state_dict(path, verify=False)}
 
 
-def convert_zero_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *,
-                            update_pointer: bool = False) -> Path:
+def convert_zero_checkpoint(
+    src: str | os.PathLike, dst: str | os.PathLike, *, update_pointer: bool = False
+) -> Path:
     """Convert a DeepSpeed checkpoint directory into one single-file stratagem checkpoint
     (:func:`read_zero_checkpoint`'s dict, committed atomically with its manifest), which
     SingleDeviceStrategy, DDPStrategy and FSDPStrategy load with ``load_checkpoint``.
@@ -118,6 +137,10 @@ def convert_zero_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *,
         raise ValueError(f'convert_zero_checkpoint: dst {dst} must lie outside src {src}')
     checkpoint = read_zero_checkpoint(src)
     step = checkpoint['meta'].get('iter')
-    return save_checkpoint(checkpoint, dst, step=step if type(step) is int else None,
-                           extra_manifest={'world_size': 1, 'strategy': 'converted'},
-                           update_pointer=update_pointer)
+    return save_checkpoint(
+        checkpoint,
+        dst,
+        step=step if type(step) is int else None,
+        extra_manifest={'world_size': 1, 'strategy': 'converted'},
+        update_pointer=update_pointer,
+    )

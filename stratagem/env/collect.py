@@ -3,6 +3,7 @@
 Versions come from package metadata, so reporting deepspeed's version does not import
 deepspeed. External tools (nvcc, gcc) run with a timeout and their absence is no error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,9 @@ def collect_env(details: bool = False) -> OrderedDict[str, str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``stratagem env``."""
-    parser.add_argument('--details', action='store_true',
-                        help="also print torch's build configuration")
+    parser.add_argument(
+        '--details', action='store_true', help="also print torch's build configuration"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,6 +88,7 @@ def _version(dist_name: str) -> str | None:
 
 def _own_version() -> str:
     from ..version import __version__
+
     return __version__
 
 
@@ -100,15 +103,17 @@ def _find_nvcc(cuda_home: str | None) -> str | None:
 def _run(cmd: list[str], timeout: float = 10.0) -> str:
     """stdout of ``cmd``, or '' if it is missing, fails or hangs (a broken toolchain)."""
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              check=True).stdout
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, check=True
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return ''
 
 
 def _first_line(text: str, containing: str = '') -> str:
-    return next((line.strip() for line in text.splitlines()
-                 if line.strip() and containing in line), '')
+    return next(
+        (line.strip() for line in text.splitlines() if line.strip() and containing in line), ''
+    )
 
 
 def _last_line(text: str) -> str:

@@ -4,11 +4,13 @@ Each function behaves as if the world had one process when ``torch.distributed``
 initialised: ranks are 0, sizes are 1, collectives return their input unchanged. So code
 written once runs the same under ``python train.py`` and under ``torchrun``.
 """
+
 from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,9 +58,11 @@ def master_only(fn: F) -> F:
 
     Do not call collectives inside ``fn``: only rank 0 would enter them and it would hang.
     """
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs) if is_main_process() else None
+
     return wrapper  # type: ignore[return-value]
 
 
@@ -98,18 +102,26 @@ def all_reduce(tensor: torch.Tensor, op: str = 'sum', group: Any = None) -> torc
             point (or complex) tensor because it divides in place.
     """
     if not isinstance(op, str) or op.lower() not in _REDUCE_OPS:
-        raise ValueError(f'unknown reduce op {op!r}; valid ops: '
-                         f'{", ".join(map(repr, _REDUCE_OPS))}')
+        raise ValueError(
+            f'unknown reduce op {op!r}; valid ops: {", ".join(map(repr, _REDUCE_OPS))}'
+        )
     op = op.lower()
     if op == 'mean' and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise TypeError(f"all_reduce(op='mean') needs a floating point tensor, got "
-                        f'{tensor.dtype}; convert it first or use op=\'sum\'')
+        raise TypeError(
+            f"all_reduce(op='mean') needs a floating point tensor, got "
+            f"{tensor.dtype}; convert it first or use op='sum'"
+        )
     world_size = get_world_size(group)
     if not is_distributed() or world_size == 1:
         return tensor
     # AVG exists only for NCCL; sum-then-divide works for every backend.
-    reduce_op = {'sum': dist.ReduceOp.SUM, 'mean': dist.ReduceOp.SUM, 'max': dist.ReduceOp.MAX,
-                 'min': dist.ReduceOp.MIN, 'product': dist.ReduceOp.PRODUCT}[op]
+    reduce_op = {
+        'sum': dist.ReduceOp.SUM,
+        'mean': dist.ReduceOp.SUM,
+        'max': dist.ReduceOp.MAX,
+        'min': dist.ReduceOp.MIN,
+        'product': dist.ReduceOp.PRODUCT,
+    }[op]
     dist.all_reduce(tensor, reduce_op, group)
     if op == 'mean':
         tensor.div_(world_size)
@@ -140,6 +152,7 @@ def key_of(value: Any) -> int:
     if type(value) is int and -(1 << 62) <= value < (1 << 62):
         return value
     import hashlib
+
     digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
     return (1 << 62) + (int.from_bytes(digest, 'little') >> 4)  # apart from the ints
 

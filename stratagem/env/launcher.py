@@ -15,6 +15,7 @@ mpi        Open MPI ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``, MVAPI
            ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``
 =========  ===========================================================================
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -38,17 +39,34 @@ DEFAULT_PORT = 29500
 _TORCHRUN_VARS = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK')
 # (implementation, rank, size, local rank candidates, local size candidates)
 _MPI_FAMILIES = (
-    ('Open MPI', 'OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
-     ('OMPI_COMM_WORLD_LOCAL_RANK',), ('OMPI_COMM_WORLD_LOCAL_SIZE',)),
-    ('MVAPICH', 'MV2_COMM_WORLD_RANK', 'MV2_COMM_WORLD_SIZE',
-     ('MV2_COMM_WORLD_LOCAL_RANK',), ('MV2_COMM_WORLD_LOCAL_SIZE',)),
+    (
+        'Open MPI',
+        'OMPI_COMM_WORLD_RANK',
+        'OMPI_COMM_WORLD_SIZE',
+        ('OMPI_COMM_WORLD_LOCAL_RANK',),
+        ('OMPI_COMM_WORLD_LOCAL_SIZE',),
+    ),
+    (
+        'MVAPICH',
+        'MV2_COMM_WORLD_RANK',
+        'MV2_COMM_WORLD_SIZE',
+        ('MV2_COMM_WORLD_LOCAL_RANK',),
+        ('MV2_COMM_WORLD_LOCAL_SIZE',),
+    ),
     # Hydra (MPICH's and Intel MPI's mpiexec) sets MPI_LOCALRANKID; some PMI builds PMI_LOCAL_*
-    ('MPICH / Intel MPI', 'PMI_RANK', 'PMI_SIZE',
-     ('MPI_LOCALRANKID', 'PMI_LOCAL_RANK'), ('MPI_LOCALNRANKS', 'PMI_LOCAL_SIZE')),
+    (
+        'MPICH / Intel MPI',
+        'PMI_RANK',
+        'PMI_SIZE',
+        ('MPI_LOCALRANKID', 'PMI_LOCAL_RANK'),
+        ('MPI_LOCALNRANKS', 'PMI_LOCAL_SIZE'),
+    ),
 )
-_PASS_MASTER = ('pass it to every rank: mpirun -x MASTER_ADDR -x MASTER_PORT (Open MPI), '
-                '-genv MASTER_ADDR <host> (MPICH, Intel MPI), MASTER_ADDR=<host> on the '
-                'mpirun_rsh line (MVAPICH)')
+_PASS_MASTER = (
+    'pass it to every rank: mpirun -x MASTER_ADDR -x MASTER_PORT (Open MPI), '
+    '-genv MASTER_ADDR <host> (MPICH, Intel MPI), MASTER_ADDR=<host> on the '
+    'mpirun_rsh line (MVAPICH)'
+)
 
 
 def infer_launcher() -> str:
@@ -79,8 +97,12 @@ def infer_launcher() -> str:
     return 'none'
 
 
-def init_dist(launcher: str, backend: str | None = None,
-              timeout: float | timedelta | None = None, **kwargs: Any) -> None:
+def init_dist(
+    launcher: str,
+    backend: str | None = None,
+    timeout: float | timedelta | None = None,
+    **kwargs: Any,
+) -> None:
     """Initialise the default process group for ``launcher`` ('pytorch', 'slurm', 'mpi').
 
     Args:
@@ -107,21 +129,30 @@ def init_dist(launcher: str, backend: str | None = None,
     of timing out in the rendezvous; so does a loopback master in a multi-node Slurm step.
     """
     if launcher not in LAUNCHERS + ('none',):
-        raise ValueError(f'unknown launcher {launcher!r}; valid launchers: '
-                         f'{", ".join(map(repr, LAUNCHERS))}')
+        raise ValueError(
+            f'unknown launcher {launcher!r}; valid launchers: {", ".join(map(repr, LAUNCHERS))}'
+        )
     if dist.is_available() and dist.is_initialized():
         # Respect the host trainer's group: re-initialising would raise or, worse, split it.
-        logger.info('torch.distributed is already initialised (backend=%s, rank %d of %d); '
-                    'using the existing process group', dist.get_backend(), dist.get_rank(),
-                    dist.get_world_size())
+        logger.info(
+            'torch.distributed is already initialised (backend=%s, rank %d of %d); '
+            'using the existing process group',
+            dist.get_backend(),
+            dist.get_rank(),
+            dist.get_world_size(),
+        )
         return
     if launcher == 'none':
-        raise ValueError("launcher 'none' means a single process and no process group exists "
-                         'to use; start the script with torchrun/srun/mpirun, or pass one of '
-                         f'{", ".join(map(repr, LAUNCHERS))}')
+        raise ValueError(
+            "launcher 'none' means a single process and no process group exists "
+            'to use; start the script with torchrun/srun/mpirun, or pass one of '
+            f'{", ".join(map(repr, LAUNCHERS))}'
+        )
     if not dist.is_available():
-        raise RuntimeError('torch.distributed is not available in this torch build '
-                           f'({torch.__version__}); launcher {launcher!r} needs it')
+        raise RuntimeError(
+            'torch.distributed is not available in this torch build '
+            f'({torch.__version__}); launcher {launcher!r} needs it'
+        )
     backend = _resolve_backend(backend)
     if timeout is not None:
         kwargs['timeout'] = _as_timedelta(timeout)
@@ -140,13 +171,14 @@ def init_dist(launcher: str, backend: str | None = None,
     if env_rendezvous:
         merged = {**os.environ, **exports}
         resolve_master(merged['MASTER_ADDR'], int(merged['MASTER_PORT']), where, nodes)
-        logger.info('rendezvous at %s:%s (%s)', merged['MASTER_ADDR'], merged['MASTER_PORT'],
-                    where)
+        logger.info('rendezvous at %s:%s (%s)', merged['MASTER_ADDR'], merged['MASTER_PORT'], where)
     cuda = torch.cuda.is_available()
     if cuda and local_rank >= torch.cuda.device_count():
         count = torch.cuda.device_count()
-        raise ValueError(f'local rank {local_rank} has no GPU: {count} visible; start at '
-                         f'most {count} processes per node or set CUDA_VISIBLE_DEVICES')
+        raise ValueError(
+            f'local rank {local_rank} has no GPU: {count} visible; start at '
+            f'most {count} processes per node or set CUDA_VISIBLE_DEVICES'
+        )
     # code after init_dist (and torch's env:// rendezvous) reads the torchrun names
     os.environ.update(exports)
     if cuda:
@@ -154,15 +186,24 @@ def init_dist(launcher: str, backend: str | None = None,
     kwargs.setdefault('rank', rank)
     kwargs.setdefault('world_size', world_size)
     dist.init_process_group(backend=backend, **kwargs)
-    logger.info('initialised torch.distributed: launcher=%s backend=%s rank %d of %d '
-                '(local rank %d)', launcher, backend, rank, world_size, local_rank)
+    logger.info(
+        'initialised torch.distributed: launcher=%s backend=%s rank %d of %d (local rank %d)',
+        launcher,
+        backend,
+        rank,
+        world_size,
+        local_rank,
+    )
 
 
 def _from_torchrun(env_rendezvous: bool) -> tuple[int, int, int]:
     _require_env(_TORCHRUN_VARS, 'pytorch', 'start the script with torchrun')
     if env_rendezvous:
-        _require_env(('MASTER_ADDR', 'MASTER_PORT'), 'pytorch',
-                     'start the script with torchrun or pass init_method=/store=')
+        _require_env(
+            ('MASTER_ADDR', 'MASTER_PORT'),
+            'pytorch',
+            'start the script with torchrun or pass init_method=/store=',
+        )
         _port(os.environ['MASTER_PORT'], 'MASTER_PORT')
     return _env_int('RANK'), _env_int('WORLD_SIZE'), _env_int('LOCAL_RANK')
 
@@ -171,8 +212,11 @@ def _from_slurm(port: int | None) -> tuple[int, int, int, dict[str, str], str]:
     if not _slurm.is_srun_step():
         if 'SLURM_PROCID' in os.environ and _slurm.step_ntasks() > 1:
             raise _slurm.batch_step_error()
-        _require_env(('SLURM_PROCID', 'SLURM_STEP_ID'), 'slurm',
-                     'start the tasks with srun (`srun python train.py ...`)')
+        _require_env(
+            ('SLURM_PROCID', 'SLURM_STEP_ID'),
+            'slurm',
+            'start the tasks with srun (`srun python train.py ...`)',
+        )
     nodes, source = _slurm.nodelist()
     rank, world_size = _env_int('SLURM_PROCID'), _slurm.step_ntasks()
     local_size = _slurm.local_size(world_size)
@@ -204,17 +248,22 @@ def _from_mpi(env_rendezvous: bool) -> tuple[int, int, int, dict[str, str], str]
     family = _mpi_family()
     if family is None:
         names = '; '.join(f'{f[0]}: {f[1]}, {f[2]}' for f in _MPI_FAMILIES)
-        raise ValueError("launcher 'mpi' needs the rank and size an MPI launcher sets, and "
-                         f'none are set ({names}); start the script with mpirun / mpiexec')
+        raise ValueError(
+            "launcher 'mpi' needs the rank and size an MPI launcher sets, and "
+            f'none are set ({names}); start the script with mpirun / mpiexec'
+        )
     name, rank_var, size_var, local_vars, size_vars = family
     local_var = next((v for v in local_vars if v in os.environ), None)
     if local_var is None:
-        raise ValueError(f"launcher 'mpi' ({name}: {rank_var}, {size_var} are set) needs the "
-                         f'rank on the node from {" or ".join(local_vars)}, which is not set; '
-                         "start the script with the implementation's own mpirun / mpiexec")
+        raise ValueError(
+            f"launcher 'mpi' ({name}: {rank_var}, {size_var} are set) needs the "
+            f'rank on the node from {" or ".join(local_vars)}, which is not set; '
+            "start the script with the implementation's own mpirun / mpiexec"
+        )
     if env_rendezvous:
-        _require_env(('MASTER_ADDR',), 'mpi',
-                     f'export MASTER_ADDR=<host of rank 0> and {_PASS_MASTER}')
+        _require_env(
+            ('MASTER_ADDR',), 'mpi', f'export MASTER_ADDR=<host of rank 0> and {_PASS_MASTER}'
+        )
     rank, world_size, local_rank = _env_int(rank_var), _env_int(size_var), _env_int(local_var)
     size_var = next((v for v in size_vars if v in os.environ), None)
     local_size = _env_int(size_var) if size_var else world_size
@@ -244,15 +293,21 @@ def resolve_master(host: str, port: int, where: str, nodes: int = 1) -> None:
     try:
         infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
-        raise ValueError(f'the master host {host!r} (from {where}) does not resolve: {exc}; '
-                         'give a name or address of the rank-0 node that every node can '
-                         'resolve') from None
-    if nodes > 1 and all(ipaddress.ip_address(i[4][0].split('%')[0]).is_loopback
-                         for i in infos):
-        raise ValueError(f'the master host {host!r} (from {where}) is a loopback address, '
-                         f'but the job step spans {nodes} nodes, which cannot reach it; unset '
-                         'MASTER_ADDR (the first host of the node list is used) or set it to '
-                         "the rank-0 node's name")
+        raise ValueError(
+            f'the master host {host!r} (from {where}) does not resolve: {exc}; '
+            'give a name or address of the rank-0 node that every node can '
+            'resolve'
+        ) from None
+    if nodes > 1 and all(
+        ipaddress.ip_address(i[4][0].split('%')[0]).is_loopback  # type: ignore[union-attr]
+        for i in infos
+    ):
+        raise ValueError(
+            f'the master host {host!r} (from {where}) is a loopback address, '
+            f'but the job step spans {nodes} nodes, which cannot reach it; unset '
+            'MASTER_ADDR (the first host of the node list is used) or set it to '
+            "the rank-0 node's name"
+        )
 
 
 def _port(value: Any, name: str) -> int:
@@ -267,19 +322,27 @@ def _port(value: Any, name: str) -> int:
 
 def _rank_vars(rank: int, world_size: int, local_rank: int, local_size: int) -> dict[str, str]:
     """The torchrun names of a rank's place, for code that reads them after init_dist."""
-    return dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-                LOCAL_SIZE=str(local_size), LOCAL_WORLD_SIZE=str(local_size))
+    return dict(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_SIZE=str(local_size),
+        LOCAL_WORLD_SIZE=str(local_size),
+    )
 
 
 def _resolve_backend(backend: str | None) -> str:
     if backend is None:
         return 'nccl' if torch.cuda.is_available() else 'gloo'
     if not isinstance(backend, str) or not backend:
-        raise TypeError(f'backend must be a non-empty str such as "gloo" or "nccl", '
-                        f'got {backend!r}')
+        raise TypeError(
+            f'backend must be a non-empty str such as "gloo" or "nccl", got {backend!r}'
+        )
     if 'nccl' in backend.lower() and not torch.cuda.is_available():
-        raise ValueError(f'backend {backend!r} needs CUDA, which is not available here; '
-                         'use backend="gloo" (or leave backend=None to choose)')
+        raise ValueError(
+            f'backend {backend!r} needs CUDA, which is not available here; '
+            'use backend="gloo" (or leave backend=None to choose)'
+        )
     return backend
 
 
@@ -298,8 +361,10 @@ def _as_timedelta(timeout: float | timedelta) -> timedelta:
 def _require_env(names: tuple[str, ...], launcher: str, fix: str) -> None:
     missing = [n for n in names if n not in os.environ]
     if missing:
-        raise ValueError(f'launcher {launcher!r} needs the environment variables '
-                         f'{", ".join(missing)}, which are not set; {fix}')
+        raise ValueError(
+            f'launcher {launcher!r} needs the environment variables '
+            f'{", ".join(missing)}, which are not set; {fix}'
+        )
 
 
 def _env_int(name: str) -> int:

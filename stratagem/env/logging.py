@@ -13,6 +13,7 @@ files, its device) names the rank: records of ranks > 0 are prefixed ``[rank r]`
 handlers, and :func:`rank_prefix` / :func:`warn_per_rank` put it into a message that
 leaves through another route (``warnings``, an exception, rank 0's own lines).
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,12 +30,21 @@ _MARK = '_stratagem_handler'  # attribute naming the handlers this module added
 # an MPI launcher's before SLURM_PROCID, which under an mpirun that Slurm started is the
 # daemon's task id, not the rank).
 _RANK_VARS = ('RANK', 'OMPI_COMM_WORLD_RANK', 'MV2_COMM_WORLD_RANK', 'PMI_RANK', 'SLURM_PROCID')
-_SIZE_VARS = ('WORLD_SIZE', 'OMPI_COMM_WORLD_SIZE', 'MV2_COMM_WORLD_SIZE', 'PMI_SIZE',
-              'SLURM_STEP_NUM_TASKS')
+_SIZE_VARS = (
+    'WORLD_SIZE',
+    'OMPI_COMM_WORLD_SIZE',
+    'MV2_COMM_WORLD_SIZE',
+    'PMI_SIZE',
+    'SLURM_STEP_NUM_TASKS',
+)
 
 
-def get_logger(name: str = 'stratagem', log_file: str | os.PathLike | None = None,
-               log_level: int | str | None = None, file_mode: str = 'w') -> logging.Logger:
+def get_logger(
+    name: str = 'stratagem',
+    log_file: str | os.PathLike | None = None,
+    log_level: int | str | None = None,
+    file_mode: str = 'w',
+) -> logging.Logger:
     """Return the logger ``name``, configured once however often it is called.
 
     Args:
@@ -56,7 +66,7 @@ def get_logger(name: str = 'stratagem', log_file: str | os.PathLike | None = Non
     rank = _rank()
     if log_level is not None:
         logger.setLevel(_level(log_level))
-        setattr(logger, '_stratagem_level_set', True)
+        setattr(logger, '_stratagem_level_set', True)  # noqa: B010 (not a Logger attribute)
     elif not getattr(logger, '_stratagem_level_set', False):
         logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     ours = [getattr(h, _MARK) for h in logger.handlers if hasattr(h, _MARK)]
@@ -82,8 +92,9 @@ def get_logger(name: str = 'stratagem', log_file: str | os.PathLike | None = Non
     return logger
 
 
-def print_log(msg: object, logger: logging.Logger | str | None = None,
-              level: int = logging.INFO) -> None:
+def print_log(
+    msg: object, logger: logging.Logger | str | None = None, level: int = logging.INFO
+) -> None:
     """Log ``msg`` at ``level`` to ``logger`` (a Logger or a name).
 
     ``None`` prints ``msg`` with ``print``; ``'silent'`` drops it.
@@ -97,8 +108,10 @@ def print_log(msg: object, logger: logging.Logger | str | None = None,
     elif isinstance(logger, str):
         get_logger(logger).log(level, msg)
     else:
-        raise TypeError(f"logger must be a logging.Logger, a logger name, 'silent' or None, "
-                        f'got {type(logger).__name__}')
+        raise TypeError(
+            f"logger must be a logging.Logger, a logger name, 'silent' or None, "
+            f'got {type(logger).__name__}'
+        )
 
 
 def log_rank_zero(logger: logging.Logger, level: int, msg: str, *args: object) -> None:
@@ -111,8 +124,9 @@ def log_rank_zero(logger: logging.Logger, level: int, msg: str, *args: object) -
         logger.log(level, msg, *args, stacklevel=2)
 
 
-def warn_rank_zero(message: str, category: type[Warning] = UserWarning,
-                   stacklevel: int = 1) -> None:
+def warn_rank_zero(
+    message: str, category: type[Warning] = UserWarning, stacklevel: int = 1
+) -> None:
     """``warnings.warn`` on global rank 0 only: for a warning every rank would raise alike
     (the same checkpoint, the same world-size change). Same arguments as ``warnings.warn``;
     ``stacklevel`` counts from the caller, as there."""
@@ -120,8 +134,7 @@ def warn_rank_zero(message: str, category: type[Warning] = UserWarning,
         warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
-def warn_per_rank(message: str, category: type[Warning] = UserWarning,
-                  stacklevel: int = 1) -> None:
+def warn_per_rank(message: str, category: type[Warning] = UserWarning, stacklevel: int = 1) -> None:
     """``warnings.warn`` on this rank, the message prefixed ``[rank r] `` when several
     processes run: for a warning about this rank only."""
     warnings.warn(rank_prefix() + message, category, stacklevel=stacklevel + 1)
@@ -151,8 +164,9 @@ def _level(level: int | str) -> int:
         return level
     if isinstance(level, str) and isinstance(logging.getLevelName(level.upper()), int):
         return logging.getLevelName(level.upper())
-    raise ValueError(f'unknown log_level {level!r}; valid: DEBUG, INFO, WARNING, ERROR, '
-                     'CRITICAL or an int')
+    raise ValueError(
+        f'unknown log_level {level!r}; valid: DEBUG, INFO, WARNING, ERROR, CRITICAL or an int'
+    )
 
 
 def _rank() -> int:

@@ -1,4 +1,5 @@
 """Process resources: the open-file limit and multi-processing / thread settings."""
+
 from __future__ import annotations
 
 import importlib
@@ -7,6 +8,7 @@ import logging
 import os
 import platform
 import sys
+from typing import Any
 
 from .logging import log_rank_zero, rank_prefix
 
@@ -49,17 +51,24 @@ def set_resource_limit(nofile: int) -> int | None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     except (ValueError, OSError) as exc:
         # macOS caps below the reported hard limit (kern.maxfilesperproc); keep going.
-        logger.warning('%scould not raise RLIMIT_NOFILE from %d to %d: %s', rank_prefix(), soft,
-                       target, exc)
+        logger.warning(
+            '%scould not raise RLIMIT_NOFILE from %d to %d: %s', rank_prefix(), soft, target, exc
+        )
         return soft
-    logger.info('raised RLIMIT_NOFILE soft limit from %d to %d (hard %s)', soft, target,
-                'unlimited' if hard == unlimited else hard)
+    logger.info(
+        'raised RLIMIT_NOFILE soft limit from %d to %d (hard %s)',
+        soft,
+        target,
+        'unlimited' if hard == unlimited else hard,
+    )
     return target
 
 
-def setup_multi_processing(mp_start_method: str | None = None,
-                           opencv_num_threads: int | None = OPENCV_THREADS_IF_IMPORTED,
-                           distributed: bool = False) -> dict[str, object]:
+def setup_multi_processing(
+    mp_start_method: str | None = None,
+    opencv_num_threads: int | None = OPENCV_THREADS_IF_IMPORTED,
+    distributed: bool = False,
+) -> dict[str, object]:
     """Set the multi-processing start method and thread counts (mmengine's semantics).
 
     Args:
@@ -81,27 +90,41 @@ def setup_multi_processing(mp_start_method: str | None = None,
     Returns what changed: ``{name: new value}``, with names 'mp_start_method',
     'opencv_num_threads', 'OMP_NUM_THREADS', 'MKL_NUM_THREADS'.
     """
-    if opencv_num_threads is not None and (isinstance(opencv_num_threads, bool) or not isinstance(
-            opencv_num_threads, int) or opencv_num_threads < 0):
-        raise ValueError(f'opencv_num_threads must be an int >= 0 (threads for OpenCV; 0: none '
-                         f'extra) or None (leave OpenCV alone), got {opencv_num_threads!r}')
+    if opencv_num_threads is not None and (
+        isinstance(opencv_num_threads, bool)
+        or not isinstance(opencv_num_threads, int)
+        or opencv_num_threads < 0
+    ):
+        raise ValueError(
+            f'opencv_num_threads must be an int >= 0 (threads for OpenCV; 0: none '
+            f'extra) or None (leave OpenCV alone), got {opencv_num_threads!r}'
+        )
     changed: dict[str, object] = {}
     if mp_start_method is not None and platform.system() != 'Windows':
         import torch.multiprocessing as mp
 
         valid = mp.get_all_start_methods()
         if mp_start_method not in valid:
-            raise ValueError(f'unknown mp_start_method {mp_start_method!r}; valid on this '
-                             f'platform: {", ".join(map(repr, valid))}')
+            raise ValueError(
+                f'unknown mp_start_method {mp_start_method!r}; valid on this '
+                f'platform: {", ".join(map(repr, valid))}'
+            )
         current = mp.get_start_method(allow_none=True)
         if current != mp_start_method:
             if current is not None:
-                log_rank_zero(logger, logging.WARNING, 'multi-processing start method was %r; '
-                              'forcing it to %r (mp_start_method)', current, mp_start_method)
+                log_rank_zero(
+                    logger,
+                    logging.WARNING,
+                    'multi-processing start method was %r; forcing it to %r (mp_start_method)',
+                    current,
+                    mp_start_method,
+                )
             mp.set_start_method(mp_start_method, force=True)
             changed['mp_start_method'] = mp_start_method
-    if opencv_num_threads is not None and (cv2 := _opencv(
-            explicit=type(opencv_num_threads) is not _IfImported)) is not None:
+    if (
+        opencv_num_threads is not None
+        and (cv2 := _opencv(explicit=type(opencv_num_threads) is not _IfImported)) is not None
+    ):
         cv2.setNumThreads(int(opencv_num_threads))
         changed['opencv_num_threads'] = int(opencv_num_threads)
     if distributed:
@@ -111,15 +134,19 @@ def setup_multi_processing(mp_start_method: str | None = None,
                 changed[name] = '1'
         unset = [name for name in _THREAD_VARS if name in changed]
         if unset:  # the same on every rank: printed once
-            log_rank_zero(logger, logging.WARNING, 'set %s=1 in each process to avoid '
-                          'overloading the machine; set it yourself to tune',
-                          '=1 and '.join(unset))
+            log_rank_zero(
+                logger,
+                logging.WARNING,
+                'set %s=1 in each process to avoid '
+                'overloading the machine; set it yourself to tune',
+                '=1 and '.join(unset),
+            )
     if changed:
         log_rank_zero(logger, logging.INFO, 'multi-processing setup changed: %s', changed)
     return changed
 
 
-def _opencv(explicit: bool) -> object | None:
+def _opencv(explicit: bool) -> Any:
     """The ``cv2`` module if already imported; if ``explicit``, also import it when installed."""
     module = sys.modules.get('cv2')
     if module is not None or not explicit or importlib.util.find_spec('cv2') is None:

@@ -1,4 +1,5 @@
 """Seeding, determinism, and RNG state that survives ``torch.load(weights_only=True)``."""
+
 from __future__ import annotations
 
 import logging
@@ -17,8 +18,9 @@ _MAX_SEED = 2**32  # numpy's legacy seeding accepts [0, 2**32)
 _RNG_KEYS = ('python', 'numpy', 'torch', 'cuda')
 
 
-def set_random_seed(seed: int | None = None, deterministic: bool = False,
-                    diff_rank_seed: bool = False) -> int:
+def set_random_seed(
+    seed: int | None = None, deterministic: bool = False, diff_rank_seed: bool = False
+) -> int:
     """Seed python ``random``, numpy, torch and every CUDA device; return the seed used.
 
     Args:
@@ -39,9 +41,11 @@ def set_random_seed(seed: int | None = None, deterministic: bool = False,
     if diff_rank_seed:
         seed += get_rank()
     if not 0 <= seed < _MAX_SEED:
-        raise ValueError(f'seed {seed} is outside [0, 2**32)'
-                         + (' after adding the rank (diff_rank_seed=True)' if diff_rank_seed
-                            else '') + '; choose a smaller seed')
+        raise ValueError(
+            f'seed {seed} is outside [0, 2**32)'
+            + (' after adding the rank (diff_rank_seed=True)' if diff_rank_seed else '')
+            + '; choose a smaller seed'
+        )
     import numpy as np
 
     random.seed(seed)
@@ -56,8 +60,12 @@ def set_random_seed(seed: int | None = None, deterministic: bool = False,
 
 def _enable_determinism() -> None:
     if torch.backends.cudnn.benchmark:
-        log_rank_zero(logger, logging.WARNING, 'deterministic=True turns off '
-                      'torch.backends.cudnn.benchmark, which may slow training down')
+        log_rank_zero(
+            logger,
+            logging.WARNING,
+            'deterministic=True turns off '
+            'torch.backends.cudnn.benchmark, which may slow training down',
+        )
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     if torch.cuda.is_available() and 'CUBLAS_WORKSPACE_CONFIG' not in os.environ:
@@ -79,12 +87,18 @@ def get_rng_state() -> dict[str, Any]:
     version, internal, gauss_next = random.getstate()
     np_state = np.random.get_state(legacy=False)
     return {
-        'python': {'version': version, 'state': torch.tensor(internal, dtype=torch.int64),
-                   'gauss_next': gauss_next},
-        'numpy': {'bit_generator': np_state['bit_generator'],
-                  'key': torch.from_numpy(np_state['state']['key'].astype(np.int64)),
-                  'pos': int(np_state['state']['pos']), 'has_gauss': int(np_state['has_gauss']),
-                  'gauss': float(np_state['gauss'])},
+        'python': {
+            'version': version,
+            'state': torch.tensor(internal, dtype=torch.int64),
+            'gauss_next': gauss_next,
+        },
+        'numpy': {
+            'bit_generator': np_state['bit_generator'],
+            'key': torch.from_numpy(np_state['state']['key'].astype(np.int64)),
+            'pos': int(np_state['state']['pos']),
+            'has_gauss': int(np_state['has_gauss']),
+            'gauss': float(np_state['gauss']),
+        },
         'torch': torch.get_rng_state(),
         'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
@@ -111,17 +125,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
         npy = state['numpy']
         key = torch.as_tensor(npy['key']).cpu().numpy().astype(np.uint32)
-        np.random.set_state((npy['bit_generator'], key, int(npy['pos']),
-                             int(npy['has_gauss']), float(npy['gauss'])))
+        np.random.set_state(
+            (npy['bit_generator'], key, int(npy['pos']), int(npy['has_gauss']), float(npy['gauss']))
+        )
     if 'torch' in state:
         torch.set_rng_state(torch.as_tensor(state['torch'], dtype=torch.uint8).cpu())
     cuda_states = list(state.get('cuda') or [])
     if cuda_states:
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if available != len(cuda_states):
-            logger.warning('%sRNG state holds %d CUDA device states but %d devices are '
-                           'available; restoring the first %d', rank_prefix(), len(cuda_states),
-                           available, min(available, len(cuda_states)))
+            logger.warning(
+                '%sRNG state holds %d CUDA device states but %d devices are '
+                'available; restoring the first %d',
+                rank_prefix(),
+                len(cuda_states),
+                available,
+                min(available, len(cuda_states)),
+            )
         for index, cuda_state in enumerate(cuda_states[:available]):
-            torch.cuda.set_rng_state(torch.as_tensor(cuda_state, dtype=torch.uint8).cpu(),
-                                     device=index)
+            torch.cuda.set_rng_state(
+                torch.as_tensor(cuda_state, dtype=torch.uint8).cpu(), device=index
+            )

@@ -7,6 +7,7 @@ environments. Both have ``SLURM_JOB_ID``, ``SLURM_NTASKS`` and, in the batch ste
 process is one task of a parallel step exactly when those are present; a batch script
 that runs ``python train.py`` itself is one process, whatever ``SLURM_NTASKS`` says.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,7 +51,8 @@ def batch_step_error() -> RuntimeError:
         'SLURM_STEP_ID): only this one process was started, and a process group of '
         f'{ntasks} would wait for tasks that never come. Start the tasks with srun in the '
         'sbatch script (`srun python train.py ...` or `srun stratagem train CONFIG`), or '
-        "pass launcher='none' (`stratagem train --launcher none`) to run a single process")
+        "pass launcher='none' (`stratagem train --launcher none`) to run a single process"
+    )
 
 
 def master_port(job_id: str | int) -> int:
@@ -72,8 +74,10 @@ def nodelist() -> tuple[str, str]:
         value = os.environ.get(name)
         if value:
             return value, name
-    raise ValueError("launcher 'slurm' needs SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST, "
-                     'SLURM_NODELIST) to find the master node; start the script with srun')
+    raise ValueError(
+        "launcher 'slurm' needs SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST, "
+        'SLURM_NODELIST) to find the master node; start the script with srun'
+    )
 
 
 def num_nodes(environ: Mapping[str, str] | None = None) -> int:
@@ -108,8 +112,13 @@ def local_size(world_size: int) -> int:
 def first_host(nodes: str) -> str:
     """First host of a node list: ``scontrol`` is authoritative; the parser is a fallback."""
     try:
-        out = subprocess.run(['scontrol', 'show', 'hostnames', nodes], capture_output=True,
-                             text=True, timeout=10, check=True).stdout.split()
+        out = subprocess.run(
+            ['scontrol', 'show', 'hostnames', nodes],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.split()
         if out:
             return out[0]
     except (OSError, subprocess.SubprocessError):
@@ -156,17 +165,20 @@ def _expand_host(item: str, original: str) -> list[str]:
     match = re.search(r'\[([^\[\]]*)\]', item)
     if match is None:
         return [item]
-    prefix, suffixes = item[:match.start()], _expand_host(item[match.end():], original)
-    names = []
+    prefix, suffixes = item[: match.start()], _expand_host(item[match.end() :], original)
+    names: list[str] = []
     for part in match.group(1).split(','):
         bounds = part.split('-')
         if not all(b.isdigit() for b in bounds) or len(bounds) > 2:
-            raise ValueError(f'bad range {part!r} in Slurm node list {original!r}; '
-                             'expected numbers like 01-03 or 7')
+            raise ValueError(
+                f'bad range {part!r} in Slurm node list {original!r}; '
+                'expected numbers like 01-03 or 7'
+            )
         lo, hi = int(bounds[0]), int(bounds[-1])
         if lo > hi:
             raise ValueError(f'descending range {part!r} in Slurm node list {original!r}')
         width = len(bounds[0])
-        names.extend(f'{prefix}{i:0{width}d}{suffix}'
-                     for i in range(lo, hi + 1) for suffix in suffixes)
+        names.extend(
+            f'{prefix}{i:0{width}d}{suffix}' for i in range(lo, hi + 1) for suffix in suffixes
+        )
     return names

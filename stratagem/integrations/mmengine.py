@@ -28,6 +28,7 @@ Switching an mmengine config to stratagem: ``import stratagem.integrations.mmeng
 ``'stratagem.DDPStrategy'``, ...); ``optim_wrapper`` and ``param_scheduler`` keep mmengine's
 keys. On a CPU-only machine pass ``env_cfg=dict(dist_cfg=dict(backend='gloo'))``.
 """
+
 from __future__ import annotations
 
 import copyreg
@@ -41,15 +42,23 @@ try:
     from mmengine.registry import STRATEGIES as MM_STRATEGIES
     from mmengine.registry import Registry as MMRegistry
 except ImportError as err:  # pragma: no cover - exercised only without mmengine
-    raise ImportError('stratagem.integrations.mmengine needs mmengine: pip install '
-                      '"stratagem[mmengine]" (mmengine>=0.10.7)') from err
+    raise ImportError(
+        'stratagem.integrations.mmengine needs mmengine: pip install '
+        '"stratagem[mmengine]" (mmengine>=0.10.7)'
+    ) from err
 import numpy as np
 
 from stratagem import registry as ours
 from stratagem.checkpoint import add_safe_globals
 
-__all__ = ['SCOPE', 'numpy_safe_globals', 'mmengine_safe_globals', 'STRATEGIES',
-           'OPTIM_WRAPPERS', 'PARAM_SCHEDULERS']
+__all__ = [
+    'SCOPE',
+    'numpy_safe_globals',
+    'mmengine_safe_globals',
+    'STRATEGIES',
+    'OPTIM_WRAPPERS',
+    'PARAM_SCHEDULERS',
+]
 
 SCOPE = 'stratagem'
 
@@ -77,9 +86,12 @@ class _LoadedHistoryBuffer(HistoryBuffer):
     def __setstate__(self, state: Any) -> None:
         if not isinstance(state, dict):
             raise TypeError('HistoryBuffer state must be a dict')
-        HistoryBuffer.__init__(self, state.get('_log_history', []),
-                               state.get('_count_history', []),
-                               state.get('max_length', 1000000))
+        HistoryBuffer.__init__(
+            self,
+            state.get('_log_history', []),
+            state.get('_count_history', []),
+            state.get('max_length', 1000000),
+        )
 
     def __reduce__(self) -> tuple:
         return _reduce_history_buffer(self)
@@ -90,10 +102,15 @@ def numpy_safe_globals() -> list:
     under the other numpy major's module names, so a file from numpy 1 loads under numpy 2
     and back."""
     core = np._core if hasattr(np, '_core') else np.core  # numpy 2 / numpy 1
-    entries: list[Any] = [np.ndarray, np.dtype, core.multiarray._reconstruct,
-                          core.multiarray.scalar]
-    entries += sorted({type(np.dtype(code)) for code in np.typecodes['All']},
-                      key=lambda t: t.__qualname__)
+    entries: list[Any] = [
+        np.ndarray,
+        np.dtype,
+        core.multiarray._reconstruct,
+        core.multiarray.scalar,
+    ]
+    entries += sorted(
+        {type(np.dtype(code)) for code in np.typecodes['All']}, key=lambda t: t.__qualname__
+    )
     for other in ('numpy.core.multiarray', 'numpy._core.multiarray'):
         for func in (core.multiarray._reconstruct, core.multiarray.scalar):
             if func.__module__ != other:
@@ -121,6 +138,7 @@ def _child(parent: MMRegistry, name: str) -> MMRegistry:
 def _builder(registry: ours.Registry, name: str):
     def build(**kwargs: Any) -> Any:
         return registry.build(dict(type=name, **kwargs))
+
     build.__name__ = build.__qualname__ = name
     build.__doc__ = f"Builds stratagem's {name} (imported on first use)."
     return build
@@ -130,8 +148,9 @@ def _mirror(source: ours.Registry, target: MMRegistry) -> None:
     loaded = source.module_dict  # eager entries: the classes themselves
     for name in source.names():
         obj = loaded.get(name)
-        target.register_module(name=name, module=obj if obj is not None else
-                               _builder(source, name), force=True)
+        target.register_module(
+            name=name, module=obj if obj is not None else _builder(source, name), force=True
+        )
 
 
 STRATEGIES = _child(MM_STRATEGIES, 'strategy')

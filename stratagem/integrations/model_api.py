@@ -10,6 +10,7 @@ preprocessor and loss parsing around a forward *through the wrapper* (so gradien
 sharding hooks run) and calls ``optim_wrapper.update_params``; ``val_step`` / ``test_step``
 call the inner module's. Nothing here imports mmengine: it is duck-typed on the module.
 """
+
 from __future__ import annotations
 
 import types
@@ -29,8 +30,11 @@ def expose_model_api(wrapped: nn.Module, module: nn.Module) -> list[str]:
         return []
     added = []
     for name in _API:
-        if callable(getattr(module, name, None)) and not hasattr(type(wrapped), name) \
-                and name not in wrapped.__dict__:
+        if (
+            callable(getattr(module, name, None))
+            and not hasattr(type(wrapped), name)
+            and name not in wrapped.__dict__
+        ):
             step = _train_step if name == 'train_step' else _delegate(name)
             # an instance attribute, not a class change: the wrapper stays the backend's class
             object.__setattr__(wrapped, name, types.MethodType(step, wrapped))
@@ -47,9 +51,9 @@ def _train_step(self: nn.Module, data: Any, optim_wrapper: Any) -> dict:
     the parameters; returns the log variables (mmengine's ``train_step`` contract)."""
     module = _inner(self)
     with optim_wrapper.optim_context(self):
-        data = module.data_preprocessor(data, training=True)
+        data = module.data_preprocessor(data, training=True)  # type: ignore[operator]
         losses = _run_forward(self, data, 'loss')
-    parsed_loss, log_vars = module.parse_losses(losses)
+    parsed_loss, log_vars = module.parse_losses(losses)  # type: ignore[operator]
     optim_wrapper.update_params(parsed_loss)
     return log_vars
 
@@ -59,13 +63,15 @@ def _run_forward(model: nn.Module, data: Any, mode: str) -> Any:
         return model(**data, mode=mode)
     if isinstance(data, (list, tuple)):
         return model(*data, mode=mode)
-    raise TypeError(f'the data preprocessor should return a dict, list or tuple, got '
-                    f'{type(data).__name__}')
+    raise TypeError(
+        f'the data preprocessor should return a dict, list or tuple, got {type(data).__name__}'
+    )
 
 
 def _delegate(name: str):
     def step(self: nn.Module, data: Any) -> Any:
         return getattr(_inner(self), name)(data)
+
     step.__name__ = step.__qualname__ = name
     step.__doc__ = f'``module.{name}(data)`` of the module inside the wrapper.'
     return step

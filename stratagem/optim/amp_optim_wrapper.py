@@ -16,6 +16,7 @@ Call sequence of :meth:`AmpOptimWrapper.step`: ``unscale_`` (only when clipping)
 ``scaler.update``. ``state_dict()`` adds ``'loss_scaler'`` (GradScaler's plain-value state,
 as mmengine does) and ``'skipped_steps'`` (int) to :class:`OptimWrapper`'s.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,14 @@ from .optim_wrapper import OptimWrapper, has_no_sync
 
 __all__ = ['AmpOptimWrapper', 'resolve_dtype']
 
-_DTYPES = {'float16': torch.float16, 'half': torch.float16, 'fp16': torch.float16,
-           'bfloat16': torch.bfloat16, 'bf16': torch.bfloat16, 'float32': torch.float32}
+_DTYPES = {
+    'float16': torch.float16,
+    'half': torch.float16,
+    'fp16': torch.float16,
+    'bfloat16': torch.bfloat16,
+    'bf16': torch.bfloat16,
+    'float32': torch.float32,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -42,8 +49,10 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         return dtype
     if isinstance(dtype, str) and dtype in _DTYPES:
         return _DTYPES[dtype]
-    raise ValueError(f"dtype {dtype!r} is not supported; use 'float16', 'bfloat16', "
-                     f'a torch.dtype or None (the device\'s autocast default)')
+    raise ValueError(
+        f"dtype {dtype!r} is not supported; use 'float16', 'bfloat16', "
+        f"a torch.dtype or None (the device's autocast default)"
+    )
 
 
 def _params_device_type(params: Iterator[torch.Tensor], default: str) -> str:
@@ -53,8 +62,9 @@ def _params_device_type(params: Iterator[torch.Tensor], default: str) -> str:
 
 
 @contextlib.contextmanager
-def _nested(outer: contextlib.AbstractContextManager,
-            inner: contextlib.AbstractContextManager) -> Iterator[None]:
+def _nested(
+    outer: contextlib.AbstractContextManager, inner: contextlib.AbstractContextManager
+) -> Iterator[None]:
     with outer, inner:
         yield
 
@@ -75,21 +85,34 @@ class AmpOptimWrapper(OptimWrapper):
             ``clip_grad``).
     """
 
-    def __init__(self, loss_scale: str | float | dict = 'dynamic',
-                 dtype: str | torch.dtype | None = None, use_fsdp: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        loss_scale: str | float | dict = 'dynamic',
+        dtype: str | torch.dtype | None = None,
+        use_fsdp: bool = False,
+        **kwargs: Any,
+    ) -> None:
         # mmengine's use_fsdp picks FSDP1's ShardedGradScaler; FSDPStrategy shards with FSDP2,
         # whose DTensor gradients torch's GradScaler already unscales across the mesh
         self.use_fsdp = bool(use_fsdp)
-        if not (loss_scale == 'dynamic' or isinstance(loss_scale, Mapping) or (
-                isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
-                and loss_scale > 0)):
-            raise TypeError(f"loss_scale must be 'dynamic', a positive float (static scale) or "
-                            f'a dict of torch.amp.GradScaler arguments, got {loss_scale!r}')
+        if not (
+            loss_scale == 'dynamic'
+            or isinstance(loss_scale, Mapping)
+            or (
+                isinstance(loss_scale, (int, float))
+                and not isinstance(loss_scale, bool)
+                and loss_scale > 0
+            )
+        ):
+            raise TypeError(
+                f"loss_scale must be 'dynamic', a positive float (static scale) or "
+                f'a dict of torch.amp.GradScaler arguments, got {loss_scale!r}'
+            )
         super().__init__(**kwargs)
         self.device_type = _params_device_type(
             (p for g in self.optimizer.param_groups for p in g['params']),
-            'cuda' if torch.cuda.is_available() else 'cpu')
+            'cuda' if torch.cuda.is_available() else 'cpu',
+        )
         dtype = resolve_dtype(dtype)
         self.cast_dtype = dtype if dtype is not None else torch.get_autocast_dtype(self.device_type)
         self._scale_update_param: float | None = None
@@ -97,8 +120,11 @@ class AmpOptimWrapper(OptimWrapper):
         if self.cast_dtype == torch.float16:
             self.loss_scaler = self._build_scaler(loss_scale)
         elif loss_scale != 'dynamic':
-            warnings.warn(f'loss_scale={loss_scale!r} is ignored with dtype {self.cast_dtype}: '
-                          f'only float16 needs loss scaling', stacklevel=2)
+            warnings.warn(
+                f'loss_scale={loss_scale!r} is ignored with dtype {self.cast_dtype}: '
+                f'only float16 needs loss scaling',
+                stacklevel=2,
+            )
         # float32 like GradScaler's found_inf, so counting is one in-place add per step
         self._skipped = torch.zeros((), dtype=torch.float32)
 
@@ -110,8 +136,10 @@ class AmpOptimWrapper(OptimWrapper):
             return torch.amp.GradScaler(self.device_type, init_scale=float(loss_scale))
         if isinstance(loss_scale, Mapping):
             return torch.amp.GradScaler(self.device_type, **loss_scale)
-        raise TypeError(f"loss_scale must be 'dynamic', a float (static scale) or a dict of "
-                        f'torch.amp.GradScaler arguments, got {loss_scale!r}')
+        raise TypeError(
+            f"loss_scale must be 'dynamic', a float (static scale) or a dict of "
+            f'torch.amp.GradScaler arguments, got {loss_scale!r}'
+        )
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward the (scaled, for float16) loss and count the micro-batch."""
@@ -156,7 +184,7 @@ class AmpOptimWrapper(OptimWrapper):
         device_type = _params_device_type(model.parameters(), self.device_type)
         autocast = torch.autocast(device_type, dtype=self.cast_dtype)
         if not self.should_sync() and has_no_sync(model):
-            return _nested(model.no_sync(), autocast)
+            return _nested(model.no_sync(), autocast)  # type: ignore[operator]
         return autocast
 
     def state_dict(self) -> dict:
@@ -175,8 +203,9 @@ class AmpOptimWrapper(OptimWrapper):
         if scaler_state is not None and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(scaler_state)
         if skipped is not None:
-            self._skipped = torch.tensor(float(int(skipped)), dtype=torch.float32,
-                                         device=self._skipped.device)
+            self._skipped = torch.tensor(
+                float(int(skipped)), dtype=torch.float32, device=self._skipped.device
+            )
         super().load_state_dict(state_dict)
 
     def __repr__(self) -> str:

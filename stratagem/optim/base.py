@@ -11,6 +11,7 @@ Names follow ``mmengine.optim.BaseOptimWrapper``. Unlike mmengine, no placeholde
 (``base_param_settings``) is appended to ``param_groups``: schedulers see exactly the
 optimizer's groups. A ``base_param_settings`` key in a loaded mmengine state_dict is ignored.
 """
+
 from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
@@ -34,8 +35,9 @@ def check_optimizer(optimizer: Any, owner: str) -> None:
         raise TypeError(
             f'{owner} needs a torch.optim.Optimizer (or an object with param_groups, '
             f'{", ".join(_OPTIMIZER_METHODS)}), got {type(optimizer).__name__}: {optimizer!r}; '
-            f"build one first, e.g. torch.optim.SGD(model.parameters(), lr=0.01), or pass a "
-            f"config such as optimizer=dict(type='SGD', lr=0.01) to build_optim_wrapper")
+            f'build one first, e.g. torch.optim.SGD(model.parameters(), lr=0.01), or pass a '
+            f"config such as optimizer=dict(type='SGD', lr=0.01) to build_optim_wrapper"
+        )
 
 
 class BaseOptimWrapper(metaclass=ABCMeta):
@@ -55,8 +57,9 @@ class BaseOptimWrapper(metaclass=ABCMeta):
         self.optimizer = optimizer
 
     @abstractmethod
-    def update_params(self, loss: torch.Tensor, step_kwargs: dict | None = None,
-                      zero_kwargs: dict | None = None) -> None:
+    def update_params(
+        self, loss: torch.Tensor, step_kwargs: dict | None = None, zero_kwargs: dict | None = None
+    ) -> None:
         """Backward ``loss``, then step and zero the gradients when an update is due."""
 
     @abstractmethod

@@ -13,6 +13,7 @@
    :class:`MultiOptimWrapperConstructor` builds each for ``model.get_submodule(name)`` into an
    :class:`~stratagem.optim.OptimWrapperDict` (values may also be built wrappers).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -31,8 +32,9 @@ __all__ = ['build_optim_wrapper', 'MultiOptimWrapperConstructor']
 _SINGLE_KEYS = ('type', 'optimizer', 'constructor')
 
 
-def build_optim_wrapper(model: nn.Module, cfg: Mapping[str, Any] | BaseOptimWrapper
-                        ) -> BaseOptimWrapper:
+def build_optim_wrapper(
+    model: nn.Module, cfg: Mapping[str, Any] | BaseOptimWrapper
+) -> BaseOptimWrapper:
     """Build an optimizer wrapper (or an ``OptimWrapperDict``) for ``model`` from ``cfg``.
 
     Args:
@@ -44,25 +46,32 @@ def build_optim_wrapper(model: nn.Module, cfg: Mapping[str, Any] | BaseOptimWrap
     if isinstance(cfg, BaseOptimWrapper):
         return cfg
     if not isinstance(cfg, Mapping):
-        raise TypeError(f'optim_wrapper cfg must be a dict, got {type(cfg).__name__}: {cfg!r}; '
-                        f"e.g. dict(optimizer=dict(type='SGD', lr=0.01))")
+        raise TypeError(
+            f'optim_wrapper cfg must be a dict, got {type(cfg).__name__}: {cfg!r}; '
+            f"e.g. dict(optimizer=dict(type='SGD', lr=0.01))"
+        )
     cfg = dict(cfg)
     optimizer = cfg.get('optimizer')
     if isinstance(optimizer, torch.optim.Optimizer):
         cfg.setdefault('type', 'OptimWrapper')
         if cfg.pop('paramwise_cfg', None):
-            raise ValueError('optim_wrapper.paramwise_cfg needs optimizer as a cfg dict, but '
-                             'optimizer is an already-built optimizer; pass a dict instead')
+            raise ValueError(
+                'optim_wrapper.paramwise_cfg needs optimizer as a cfg dict, but '
+                'optimizer is an already-built optimizer; pass a dict instead'
+            )
         return OPTIM_WRAPPERS.build(cfg)
     if any(k in cfg for k in _SINGLE_KEYS):
         constructor_type = cfg.pop('constructor', 'DefaultOptimWrapperConstructor')
         paramwise_cfg = cfg.pop('paramwise_cfg', None)
         constructor = OPTIM_WRAPPER_CONSTRUCTORS.build(
-            {'type': constructor_type, 'optim_wrapper_cfg': cfg, 'paramwise_cfg': paramwise_cfg})
+            {'type': constructor_type, 'optim_wrapper_cfg': cfg, 'paramwise_cfg': paramwise_cfg}
+        )
         return constructor(model)
     if not cfg:
-        raise ValueError("optim_wrapper cfg is empty; give optimizer=dict(type='SGD', lr=0.01) "
-                         'or named cfgs such as generator=dict(optimizer=...)')
+        raise ValueError(
+            "optim_wrapper cfg is empty; give optimizer=dict(type='SGD', lr=0.01) "
+            'or named cfgs such as generator=dict(optimizer=...)'
+        )
     return MultiOptimWrapperConstructor(cfg)(model)
 
 
@@ -76,11 +85,14 @@ class MultiOptimWrapperConstructor:
         paramwise_cfg: Default ``paramwise_cfg`` for the cfgs that have none.
     """
 
-    def __init__(self, optim_wrapper_cfg: Mapping[str, Any],
-                 paramwise_cfg: Mapping | None = None) -> None:
+    def __init__(
+        self, optim_wrapper_cfg: Mapping[str, Any], paramwise_cfg: Mapping | None = None
+    ) -> None:
         if not isinstance(optim_wrapper_cfg, Mapping) or not optim_wrapper_cfg:
-            raise TypeError(f'optim_wrapper_cfg must be a non-empty dict of named wrapper cfgs, '
-                            f'got {optim_wrapper_cfg!r}')
+            raise TypeError(
+                f'optim_wrapper_cfg must be a non-empty dict of named wrapper cfgs, '
+                f'got {optim_wrapper_cfg!r}'
+            )
         for name, sub in optim_wrapper_cfg.items():
             if isinstance(sub, BaseOptimWrapper):
                 continue
@@ -88,7 +100,8 @@ class MultiOptimWrapperConstructor:
                 raise ValueError(
                     f'optim_wrapper.{name}={sub!r}: with several optimizers each entry must be '
                     f"a wrapper cfg, e.g. {name}=dict(optimizer=dict(type='Adam', lr=1e-4)); "
-                    f"a single optimizer goes at the top: optim_wrapper=dict(optimizer=...)")
+                    f'a single optimizer goes at the top: optim_wrapper=dict(optimizer=...)'
+                )
         self.optim_wrapper_cfg = dict(optim_wrapper_cfg)
         self.paramwise_cfg = paramwise_cfg
 
@@ -104,9 +117,11 @@ class MultiOptimWrapperConstructor:
                 submodule = model.get_submodule(name)
             except AttributeError:
                 children = ', '.join(n for n, _ in model.named_children()) or '(none)'
-                raise ValueError(f'optim_wrapper has a cfg named {name!r} but '
-                                 f'{type(model).__name__} has no submodule {name!r}; name each '
-                                 f'cfg after a submodule: {children}') from None
+                raise ValueError(
+                    f'optim_wrapper has a cfg named {name!r} but '
+                    f'{type(model).__name__} has no submodule {name!r}; name each '
+                    f'cfg after a submodule: {children}'
+                ) from None
             sub = dict(sub)
             if self.paramwise_cfg is not None:
                 sub.setdefault('paramwise_cfg', self.paramwise_cfg)

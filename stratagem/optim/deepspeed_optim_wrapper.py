@@ -25,6 +25,7 @@ once with DeepSpeed's defaults is silently wrong under ZeRO-2. This wrapper fixe
 optimizer's tensors (moments, fp32 master weights) live in DeepSpeed's partitions and are
 saved by the strategy's checkpoint; :meth:`state_dict` holds the counters only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,27 +60,33 @@ class DeepSpeedOptimWrapper(OptimWrapper):
             to the reduced (under ZeRO, partitioned) gradients.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, accumulative_counts: int = 1,
-                 clip_grad: dict | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        accumulative_counts: int = 1,
+        clip_grad: dict | None = None,
+    ) -> None:
         if clip_grad is not None and isinstance(clip_grad, Mapping):
             kind = clip_grad.get('type', 'norm')
             if kind == 'value':
                 raise ValueError(
                     f'DeepSpeedOptimWrapper: clip_grad={dict(clip_grad)!r} clips by value, which '
                     'DeepSpeed cannot do: it reduces, clips and updates inside engine.step() '
-                    "with no hook in between; use clip_grad=dict(type='norm', max_norm=...)")
+                    "with no hook in between; use clip_grad=dict(type='norm', max_norm=...)"
+                )
             norm_type = clip_grad.get('norm_type', 2)
             if kind == 'norm' and float(norm_type) != 2.0:
                 raise ValueError(
                     f'DeepSpeedOptimWrapper: clip_grad={dict(clip_grad)!r} has norm_type '
-                    f'{norm_type!r}; DeepSpeed clips by the L2 norm only: use norm_type=2')
+                    f'{norm_type!r}; DeepSpeed clips by the L2 norm only: use norm_type=2'
+                )
             if clip_grad.get('error_if_nonfinite'):
                 raise ValueError(
                     f'DeepSpeedOptimWrapper: clip_grad={dict(clip_grad)!r}: error_if_nonfinite '
                     'is not available under DeepSpeed (its fp16 loss scaler skips non-finite '
-                    'steps instead); remove it')
-        super().__init__(optimizer, accumulative_counts=accumulative_counts,
-                         clip_grad=clip_grad)
+                    'steps instead); remove it'
+                )
+        super().__init__(optimizer, accumulative_counts=accumulative_counts, clip_grad=clip_grad)
         self._engine: Any = None
         self._clear = False  # the engine zeroed the gradients in its last step()
         self._own_norm: torch.Tensor | None = None  # recorded where DeepSpeed keeps none
@@ -94,9 +101,11 @@ class DeepSpeedOptimWrapper(OptimWrapper):
     def engine(self) -> Any:
         """The ``DeepSpeedEngine`` this wrapper drives (set by ``DeepSpeedStrategy.prepare``)."""
         if self._engine is None:
-            raise RuntimeError('DeepSpeedOptimWrapper has no DeepSpeed engine yet: build it '
-                               "through DeepSpeedStrategy.prepare(model, optim_wrapper=dict("
-                               "type='DeepSpeedOptimWrapper', optimizer=...))")
+            raise RuntimeError(
+                'DeepSpeedOptimWrapper has no DeepSpeed engine yet: build it '
+                'through DeepSpeedStrategy.prepare(model, optim_wrapper=dict('
+                "type='DeepSpeedOptimWrapper', optimizer=...))"
+            )
         return self._engine
 
     @property
@@ -107,9 +116,9 @@ class DeepSpeedOptimWrapper(OptimWrapper):
     def attach(self, engine: Any) -> None:
         """Drive ``engine``; called once by the strategy after ``deepspeed.initialize``."""
         self._engine = engine
-        if self._clip_func is not None and not (engine.zero_optimization()
-                                                or engine.bfloat16_enabled()
-                                                or engine.fp16_enabled()):
+        if self._clip_func is not None and not (
+            engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled()
+        ):
             # Without ZeRO or reduced precision DeepSpeed clips plain fp32 gradients and
             # throws the norm away; clip here instead (same call, same place in step()), so
             # last_grad_norm is known.
@@ -135,8 +144,10 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         DeepSpeed's own schedulers, which are not used.
         """
         if kwargs:
-            raise TypeError(f'DeepSpeedOptimWrapper.step() takes no arguments, got '
-                            f'{sorted(kwargs)}; the update is engine.step()')
+            raise TypeError(
+                f'DeepSpeedOptimWrapper.step() takes no arguments, got '
+                f'{sorted(kwargs)}; the update is engine.step()'
+            )
         self.engine.step()
         self._clear = True
 
@@ -156,7 +167,8 @@ class DeepSpeedOptimWrapper(OptimWrapper):
                 f'DeepSpeedOptimWrapper.zero_grad() inside an accumulation window (iteration '
                 f'{self._inner_count}) under ZeRO stage {engine.zero_optimization_stage()} / '
                 'reduced precision: DeepSpeed holds the partial gradients in its own buffers '
-                'and clears them only at the update; finish the window with update_params()')
+                'and clears them only at the update; finish the window with update_params()'
+            )
         engine.zero_grad()
         self._clear = True
 
@@ -165,7 +177,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         (``managed_gradient_accumulation`` off), so there is no sync to suppress."""
         return _NULL_CONTEXT
 
-    @property
+    @property  # type: ignore[override]
     def last_grad_norm(self) -> torch.Tensor | float | None:
         """The global L2 gradient norm of the last update, before clipping (None before the
         first). A tensor where DeepSpeed keeps one (no host sync is added)."""
@@ -183,14 +195,18 @@ class DeepSpeedOptimWrapper(OptimWrapper):
     def grad_state_dict(self) -> dict:
         """Refused: partial gradients live in DeepSpeed's buffers and partitions, not in
         ``p.grad``; checkpoints are taken between accumulation windows."""
-        raise RuntimeError('DeepSpeedOptimWrapper has no partial gradients to hand out: '
-                           'DeepSpeed accumulates them in its own buffers and partitions; '
-                           'checkpoints are taken between accumulation windows')
+        raise RuntimeError(
+            'DeepSpeedOptimWrapper has no partial gradients to hand out: '
+            'DeepSpeed accumulates them in its own buffers and partitions; '
+            'checkpoints are taken between accumulation windows'
+        )
 
     def load_grad_state_dict(self, state_dict: Mapping) -> None:
         """Refused: DeepSpeed's gradient buffers cannot be filled from outside."""
-        raise RuntimeError('DeepSpeedOptimWrapper cannot load partial gradients (DeepSpeed '
-                           'accumulates in its own buffers); resume from a window boundary')
+        raise RuntimeError(
+            'DeepSpeedOptimWrapper cannot load partial gradients (DeepSpeed '
+            'accumulates in its own buffers); resume from a window boundary'
+        )
 
     def state_dict(self) -> dict:
         """``{'optim_wrapper': counters}``; the optimizer's tensors are in DeepSpeed's files.
@@ -200,20 +216,26 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         """
         if self._window_open():
             raise RuntimeError(self.mid_window_message())
-        return {'optim_wrapper': {'inner_count': self._inner_count,
-                                  'max_counts': self._max_counts,
-                                  'accumulative_counts': self._accumulative_counts}}
+        return {
+            'optim_wrapper': {
+                'inner_count': self._inner_count,
+                'max_counts': self._max_counts,
+                'accumulative_counts': self._accumulative_counts,
+            }
+        }
 
     def mid_window_message(self) -> str:
         """Why a state saved now could not resume exactly, and what to do instead."""
         k = self._accumulative_counts
         start = self._inner_count - self._inner_count % k
-        return (f'cannot checkpoint at iteration {self._inner_count}: it is inside an '
-                f'accumulation window of {k} (iterations {start}..{start + k - 1}), and '
-                f"DeepSpeed's checkpoint does not hold the partial gradients of its first "
-                f'{self._inner_count - start} micro-batch(es), so a resume would be off by '
-                f'them. Save when the window is complete: at a multiple of '
-                f'accumulative_counts={k} (e.g. checkpoint_interval={k}) or at max_iters')
+        return (
+            f'cannot checkpoint at iteration {self._inner_count}: it is inside an '
+            f'accumulation window of {k} (iterations {start}..{start + k - 1}), and '
+            f"DeepSpeed's checkpoint does not hold the partial gradients of its first "
+            f'{self._inner_count - start} micro-batch(es), so a resume would be off by '
+            f'them. Save when the window is complete: at a multiple of '
+            f'accumulative_counts={k} (e.g. checkpoint_interval={k}) or at max_iters'
+        )
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore the counters saved by :meth:`state_dict`.
@@ -226,14 +248,18 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         if state is None:
             return
         if 'pending_grads' in state:
-            raise ValueError('this state_dict was saved inside an accumulation window by an '
-                             'OptimWrapper; DeepSpeed cannot take partial gradients: resume it '
-                             'with the strategy that saved it, or from a window boundary')
+            raise ValueError(
+                'this state_dict was saved inside an accumulation window by an '
+                'OptimWrapper; DeepSpeed cannot take partial gradients: resume it '
+                'with the strategy that saved it, or from a window boundary'
+            )
         if state.get('max_counts', -1) != -1:
             self._set_max_counts(state['max_counts'])
         self._inner_count = int(state.get('inner_count', 0))
         self._restored_count = self._inner_count
 
     def __repr__(self) -> str:
-        return (f'{type(self).__name__}(optimizer={self.optimizer!r}, accumulative_counts='
-                f'{self._accumulative_counts}, gradient_clipping={self.max_norm})')
+        return (
+            f'{type(self).__name__}(optimizer={self.optimizer!r}, accumulative_counts='
+            f'{self._accumulative_counts}, gradient_clipping={self.max_norm})'
+        )

@@ -27,6 +27,7 @@ Differences from mmengine, all deliberate:
 * deformable convs are recognised by class name (``DeformConv2d``, ``ModulatedDeformConv2d``
   and subclasses), so mmcv is not imported.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -79,22 +80,36 @@ class DefaultOptimWrapperConstructor:
         paramwise_cfg: Per-parameter options (see the module docstring); ``None``: one group.
     """
 
-    PARAMWISE_KEYS = ('custom_keys', 'bias_lr_mult', 'bias_decay_mult', 'norm_decay_mult',
-                      'dwconv_decay_mult', 'flat_decay_mult', 'dcn_offset_lr_mult',
-                      'bypass_duplicate', 'reduce_param_groups')
+    PARAMWISE_KEYS = (
+        'custom_keys',
+        'bias_lr_mult',
+        'bias_decay_mult',
+        'norm_decay_mult',
+        'dwconv_decay_mult',
+        'flat_decay_mult',
+        'dcn_offset_lr_mult',
+        'bypass_duplicate',
+        'reduce_param_groups',
+    )
 
     def __init__(self, optim_wrapper_cfg: Mapping, paramwise_cfg: Mapping | None = None) -> None:
         if not isinstance(optim_wrapper_cfg, Mapping):
-            raise TypeError(f'optim_wrapper_cfg must be a dict, got '
-                            f'{type(optim_wrapper_cfg).__name__}: {optim_wrapper_cfg!r}')
+            raise TypeError(
+                f'optim_wrapper_cfg must be a dict, got '
+                f'{type(optim_wrapper_cfg).__name__}: {optim_wrapper_cfg!r}'
+            )
         if 'optimizer' not in optim_wrapper_cfg:
-            raise ValueError(f'optim_wrapper cfg {dict(optim_wrapper_cfg)!r} has no optimizer; '
-                             f"add e.g. optimizer=dict(type='SGD', lr=0.01)")
+            raise ValueError(
+                f'optim_wrapper cfg {dict(optim_wrapper_cfg)!r} has no optimizer; '
+                f"add e.g. optimizer=dict(type='SGD', lr=0.01)"
+            )
         self.optim_wrapper_cfg = dict(optim_wrapper_cfg)
         self.optimizer_cfg = self.optim_wrapper_cfg.pop('optimizer')
         if not isinstance(self.optimizer_cfg, Mapping) or 'type' not in self.optimizer_cfg:
-            raise TypeError(f"optim_wrapper.optimizer must be a dict with a 'type' key, got "
-                            f"{self.optimizer_cfg!r}; e.g. optimizer=dict(type='AdamW', lr=1e-3)")
+            raise TypeError(
+                f"optim_wrapper.optimizer must be a dict with a 'type' key, got "
+                f"{self.optimizer_cfg!r}; e.g. optimizer=dict(type='AdamW', lr=1e-3)"
+            )
         if paramwise_cfg is not None and not isinstance(paramwise_cfg, Mapping):
             raise TypeError(f'paramwise_cfg must be None or a dict, got {paramwise_cfg!r}')
         self.paramwise_cfg: dict = dict(paramwise_cfg or {})
@@ -106,37 +121,64 @@ class DefaultOptimWrapperConstructor:
         cfg = self.paramwise_cfg
         unknown = [k for k in cfg if k not in self.PARAMWISE_KEYS]
         if unknown:
-            hints = [f"'{k}'" + (f" (did you mean '{c[0]}'?)" if (c := difflib.get_close_matches(
-                k, self.PARAMWISE_KEYS, n=1)) else '') for k in unknown]
-            raise ValueError(f"unknown paramwise_cfg key(s) {', '.join(hints)}; valid keys: "
-                             f"{', '.join(self.PARAMWISE_KEYS)}")
+            hints = [
+                f"'{k}'"
+                + (
+                    f" (did you mean '{c[0]}'?)"
+                    if (c := difflib.get_close_matches(k, self.PARAMWISE_KEYS, n=1))
+                    else ''
+                )
+                for k in unknown
+            ]
+            raise ValueError(
+                f'unknown paramwise_cfg key(s) {", ".join(hints)}; valid keys: '
+                f'{", ".join(self.PARAMWISE_KEYS)}'
+            )
         custom_keys = cfg.get('custom_keys', {})
         if not isinstance(custom_keys, Mapping):
-            raise TypeError(f'paramwise_cfg.custom_keys must be a dict of {{key: dict(lr_mult=, '
-                            f'decay_mult=)}}, got {custom_keys!r}')
+            raise TypeError(
+                f'paramwise_cfg.custom_keys must be a dict of {{key: dict(lr_mult=, '
+                f'decay_mult=)}}, got {custom_keys!r}'
+            )
         for key, opts in custom_keys.items():
             if not isinstance(opts, Mapping):
-                raise TypeError(f'paramwise_cfg.custom_keys[{key!r}] must be a dict such as '
-                                f'dict(lr_mult=0.1, decay_mult=0.0), got {opts!r}')
+                raise TypeError(
+                    f'paramwise_cfg.custom_keys[{key!r}] must be a dict such as '
+                    f'dict(lr_mult=0.1, decay_mult=0.0), got {opts!r}'
+                )
             if 'lr_mult' in opts and self.base_lr is None:
-                raise ValueError(f'paramwise_cfg.custom_keys[{key!r}] sets lr_mult but the '
-                                 f'optimizer cfg has no lr; add lr= to optim_wrapper.optimizer')
+                raise ValueError(
+                    f'paramwise_cfg.custom_keys[{key!r}] sets lr_mult but the '
+                    f'optimizer cfg has no lr; add lr= to optim_wrapper.optimizer'
+                )
             if 'decay_mult' in opts and self.base_wd is None:
-                raise ValueError(f'paramwise_cfg.custom_keys[{key!r}] sets decay_mult but the '
-                                 f'optimizer cfg has no weight_decay; add weight_decay= to '
-                                 f'optim_wrapper.optimizer')
+                raise ValueError(
+                    f'paramwise_cfg.custom_keys[{key!r}] sets decay_mult but the '
+                    f'optimizer cfg has no weight_decay; add weight_decay= to '
+                    f'optim_wrapper.optimizer'
+                )
         for key in ('bias_decay_mult', 'norm_decay_mult', 'dwconv_decay_mult', 'flat_decay_mult'):
             if key in cfg and self.base_wd is None:
-                raise ValueError(f'paramwise_cfg.{key} needs a base weight decay but the '
-                                 f'optimizer cfg has no weight_decay; add weight_decay= to '
-                                 f'optim_wrapper.optimizer')
+                raise ValueError(
+                    f'paramwise_cfg.{key} needs a base weight decay but the '
+                    f'optimizer cfg has no weight_decay; add weight_decay= to '
+                    f'optim_wrapper.optimizer'
+                )
         for key in ('bias_lr_mult', 'dcn_offset_lr_mult'):
             if key in cfg and self.base_lr is None:
-                raise ValueError(f'paramwise_cfg.{key} needs a base lr but the optimizer cfg '
-                                 f'has no lr; add lr= to optim_wrapper.optimizer')
+                raise ValueError(
+                    f'paramwise_cfg.{key} needs a base lr but the optimizer cfg '
+                    f'has no lr; add lr= to optim_wrapper.optimizer'
+                )
 
-    def add_params(self, params: list[dict], module: nn.Module, prefix: str = '',
-                   is_dcn_module: bool | None = None, _seen: dict | None = None) -> None:
+    def add_params(
+        self,
+        params: list[dict],
+        module: nn.Module,
+        prefix: str = '',
+        is_dcn_module: bool | None = None,
+        _seen: dict | None = None,
+    ) -> None:
         """Append one ``{'params': [p], lr?, weight_decay?}`` group per trainable parameter.
 
         Args:
@@ -146,6 +188,7 @@ class DefaultOptimWrapperConstructor:
             is_dcn_module: Whether ``module``'s parent is a deformable conv.
         """
         seen = {} if _seen is None else _seen
+        group: dict[str, Any]
         if _seen is None:  # seed with params already in ``params`` (a subclass may add some)
             for group in params:
                 for p in group['params']:
@@ -170,29 +213,36 @@ class DefaultOptimWrapperConstructor:
                 continue
             if id(param) in seen:
                 if bypass_duplicate:
-                    warnings.warn(f'parameter {full_name!r} is the same tensor as '
-                                  f'{seen[id(param)]!r}; skipped (bypass_duplicate=True)',
-                                  stacklevel=2)
+                    warnings.warn(
+                        f'parameter {full_name!r} is the same tensor as '
+                        f'{seen[id(param)]!r}; skipped (bypass_duplicate=True)',
+                        stacklevel=2,
+                    )
                     continue
                 raise ValueError(
                     f'parameter {full_name!r} is the same tensor as {seen[id(param)]!r} (a shared '
                     f'module or tied weights), so it would be in two param groups; set '
-                    f'paramwise_cfg=dict(bypass_duplicate=True) to keep its first occurrence')
+                    f'paramwise_cfg=dict(bypass_duplicate=True) to keep its first occurrence'
+                )
             seen[id(param)] = full_name
-            group: dict[str, Any] = {'params': [param]}
+            group = {'params': [param]}
             custom_key = next((k for k in sorted_keys if k in f'{prefix}.{name}'), None)
             if custom_key is not None:
                 opts = custom_keys[custom_key]
                 if self.base_lr is not None:
-                    group['lr'] = self.base_lr * opts.get('lr_mult', 1.)
+                    group['lr'] = self.base_lr * opts.get('lr_mult', 1.0)
                 if self.base_wd is not None:
-                    group['weight_decay'] = self.base_wd * opts.get('decay_mult', 1.)
+                    group['weight_decay'] = self.base_wd * opts.get('decay_mult', 1.0)
                 group.update(opts)
             else:
                 if name == 'bias' and not (is_norm or is_dcn_module) and bias_lr_mult is not None:
                     group['lr'] = self.base_lr * bias_lr_mult
-                if ('conv_offset' in prefix and is_dcn_module and dcn_offset_lr_mult is not None
-                        and isinstance(module, nn.Conv2d)):
+                if (
+                    'conv_offset' in prefix
+                    and is_dcn_module
+                    and dcn_offset_lr_mult is not None
+                    and isinstance(module, nn.Conv2d)
+                ):
                     group['lr'] = self.base_lr * dcn_offset_lr_mult
                 if self.base_wd is not None:
                     if is_norm and norm_decay_mult is not None:
@@ -208,15 +258,19 @@ class DefaultOptimWrapperConstructor:
         child_is_dcn = _is_dcn(module)
         for child_name, child in module.named_children():
             child_prefix = f'{prefix}.{child_name}' if prefix else child_name
-            self.add_params(params, child, prefix=child_prefix, is_dcn_module=child_is_dcn,
-                            _seen=seen)
+            self.add_params(
+                params, child, prefix=child_prefix, is_dcn_module=child_is_dcn, _seen=seen
+            )
 
     def build_param_groups(self, model: nn.Module) -> list[dict] | list[torch.nn.Parameter]:
         """The ``params`` argument for the optimizer: a list of tensors or of groups."""
         if not self.paramwise_cfg:
             seen: set[int] = set()
-            return [p for p in model.parameters()
-                    if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+            return [
+                p
+                for p in model.parameters()
+                if p.requires_grad and not (id(p) in seen or seen.add(id(p)))  # type: ignore[func-returns-value]
+            ]
         params: list[dict] = []
         self.add_params(params, model)
         if self.paramwise_cfg.get('reduce_param_groups', True):
@@ -231,8 +285,10 @@ class DefaultOptimWrapperConstructor:
         first_arg = next(iter(inspect.signature(optimizer_cls).parameters))
         params = self.build_param_groups(model)
         if not params:
-            raise ValueError(f'{type(model).__name__} has no trainable parameter '
-                             f'(requires_grad=True) to optimize')
+            raise ValueError(
+                f'{type(model).__name__} has no trainable parameter '
+                f'(requires_grad=True) to optimize'
+            )
         optimizer_cfg = dict(self.optimizer_cfg)
         optimizer_cfg['type'] = optimizer_cls
         optimizer_cfg[first_arg] = params

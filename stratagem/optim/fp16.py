@@ -15,6 +15,7 @@ CUDA only; namedtuples and ``defaultdict``s keep their type in :func:`cast_tenso
 :meth:`LossScaler.has_overflow` checks the gradients in static mode too (an inf gradient
 must never be applied) and does it with one host sync per device instead of one per tensor.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,8 +30,15 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ['cast_tensor_type', 'auto_fp16', 'force_fp32', 'wrap_fp16_model', 'patch_norm_fp32',
-           'patch_forward_method', 'LossScaler']
+__all__ = [
+    'cast_tensor_type',
+    'auto_fp16',
+    'force_fp32',
+    'wrap_fp16_model',
+    'patch_norm_fp32',
+    'patch_forward_method',
+    'LossScaler',
+]
 
 
 def _is_ndarray(obj: Any) -> bool:
@@ -54,7 +62,7 @@ def cast_tensor_type(inputs: Any, src_type: torch.dtype, dst_type: torch.dtype) 
             out = inputs.copy()  # keeps dict subclasses (OrderedDict, defaultdict) intact
             out.update(items)
             return out
-        return type(inputs)(items)
+        return type(inputs)(items)  # type: ignore[call-arg]
     if isinstance(inputs, tuple) and hasattr(inputs, '_fields'):  # namedtuple
         return type(inputs)(*(cast_tensor_type(v, src_type, dst_type) for v in inputs))
     if isinstance(inputs, (list, tuple, set, frozenset)):
@@ -68,22 +76,30 @@ def _module_device_type(module: nn.Module) -> str:
     return 'cuda' if torch.cuda.is_available() else 'cpu'
 
 
-def _cast_args(func: Callable, apply_to: Iterable[str] | None, src: torch.dtype,
-               dst: torch.dtype) -> Callable[[tuple, dict], tuple[tuple, dict]]:
+def _cast_args(
+    func: Callable, apply_to: Iterable[str] | None, src: torch.dtype, dst: torch.dtype
+) -> Callable[[tuple, dict], tuple[tuple, dict]]:
     arg_names = inspect.getfullargspec(func).args
     to_cast = set(arg_names if apply_to is None else apply_to)
 
     def cast(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        new_args = tuple(cast_tensor_type(a, src, dst) if i < len(arg_names)
-                         and arg_names[i] in to_cast else a for i, a in enumerate(args))
-        new_kwargs = {k: cast_tensor_type(v, src, dst) if k in to_cast else v
-                      for k, v in kwargs.items()}
+        new_args = tuple(
+            cast_tensor_type(a, src, dst) if i < len(arg_names) and arg_names[i] in to_cast else a
+            for i, a in enumerate(args)
+        )
+        new_kwargs = {
+            k: cast_tensor_type(v, src, dst) if k in to_cast else v for k, v in kwargs.items()
+        }
         return new_args, new_kwargs
+
     return cast
 
 
-def auto_fp16(apply_to: Iterable[str] | None = None, out_fp32: bool = False,
-              supported_types: tuple[type, ...] = (nn.Module,)) -> Callable:
+def auto_fp16(
+    apply_to: Iterable[str] | None = None,
+    out_fp32: bool = False,
+    supported_types: tuple[type, ...] = (nn.Module,),
+) -> Callable:
     """Decorate a method to run in float16 when its module's ``fp16_enabled`` is true.
 
     Args:
@@ -91,23 +107,29 @@ def auto_fp16(apply_to: Iterable[str] | None = None, out_fp32: bool = False,
         out_fp32: Cast float16 outputs back to float32.
         supported_types: Classes whose methods may be decorated.
     """
+
     def wrapper(old_func: Callable) -> Callable:
         cast = _cast_args(old_func, apply_to, torch.float, torch.half)
 
         @functools.wraps(old_func)
         def new_func(*args: Any, **kwargs: Any) -> Any:
             if not args or not isinstance(args[0], supported_types):
-                raise TypeError(f'@auto_fp16 decorates methods of {supported_types}, but '
-                                f'{old_func.__qualname__} was called on {type(args[0]).__name__ if args else "nothing"}')
+                raise TypeError(
+                    f'@auto_fp16 decorates methods of {supported_types}, but '
+                    f'{old_func.__qualname__} was called on '
+                    f'{type(args[0]).__name__ if args else "nothing"}'
+                )
             if not getattr(args[0], 'fp16_enabled', False):
                 return old_func(*args, **kwargs)
             new_args, new_kwargs = cast(args, kwargs)
-            with torch.autocast(_module_device_type(args[0]), dtype=torch.half):
+            with torch.autocast(_module_device_type(args[0]), dtype=torch.half):  # type: ignore[arg-type]
                 output = old_func(*new_args, **new_kwargs)
             if out_fp32:
                 output = cast_tensor_type(output, torch.half, torch.float)
             return output
+
         return new_func
+
     return wrapper
 
 
@@ -118,14 +140,18 @@ def force_fp32(apply_to: Iterable[str] | None = None, out_fp16: bool = False) ->
         apply_to: Names of the arguments to cast float16 → float32 (``None``: all).
         out_fp16: Cast float32 outputs to float16.
     """
+
     def wrapper(old_func: Callable) -> Callable:
         cast = _cast_args(old_func, apply_to, torch.half, torch.float)
 
         @functools.wraps(old_func)
         def new_func(*args: Any, **kwargs: Any) -> Any:
             if not args or not isinstance(args[0], nn.Module):
-                raise TypeError(f'@force_fp32 decorates nn.Module methods, but '
-                                f'{old_func.__qualname__} was called on {type(args[0]).__name__ if args else "nothing"}')
+                raise TypeError(
+                    f'@force_fp32 decorates nn.Module methods, but '
+                    f'{old_func.__qualname__} was called on '
+                    f'{type(args[0]).__name__ if args else "nothing"}'
+                )
             if not getattr(args[0], 'fp16_enabled', False):
                 return old_func(*args, **kwargs)
             new_args, new_kwargs = cast(args, kwargs)
@@ -134,19 +160,26 @@ def force_fp32(apply_to: Iterable[str] | None = None, out_fp16: bool = False) ->
             if out_fp16:
                 output = cast_tensor_type(output, torch.float, torch.half)
             return output
+
         return new_func
+
     return wrapper
 
 
-def patch_forward_method(func: Callable, src_type: torch.dtype, dst_type: torch.dtype,
-                         convert_output: bool = True) -> Callable:
+def patch_forward_method(
+    func: Callable, src_type: torch.dtype, dst_type: torch.dtype, convert_output: bool = True
+) -> Callable:
     """Wrap ``func`` to cast its ``src_type`` inputs to ``dst_type`` (and outputs back)."""
+
     def new_forward(*args: Any, **kwargs: Any) -> Any:
-        output = func(*cast_tensor_type(args, src_type, dst_type),
-                      **cast_tensor_type(kwargs, src_type, dst_type))
+        output = func(
+            *cast_tensor_type(args, src_type, dst_type),
+            **cast_tensor_type(kwargs, src_type, dst_type),
+        )
         if convert_output:
             output = cast_tensor_type(output, dst_type, src_type)
         return output
+
     return new_forward
 
 
@@ -159,7 +192,7 @@ def patch_norm_fp32(module: nn.Module) -> nn.Module:
     if isinstance(module, (_BatchNorm, nn.GroupNorm)):
         module.float()
         if isinstance(module, nn.GroupNorm):
-            module.forward = patch_forward_method(module.forward, torch.half, torch.float)
+            module.forward = patch_forward_method(module.forward, torch.half, torch.float)  # type: ignore[method-assign]
     for child in module.children():
         patch_norm_fp32(child)
     return module
@@ -179,7 +212,7 @@ def wrap_fp16_model(model: nn.Module, half: bool = False) -> nn.Module:
         patch_norm_fp32(model)
     for m in model.modules():
         if hasattr(m, 'fp16_enabled'):
-            m.fp16_enabled = True
+            m.fp16_enabled = True  # type: ignore[assignment]
     return model
 
 
@@ -194,8 +227,13 @@ class LossScaler:
         scale_window: Clean iterations between dynamic increases (default 1000).
     """
 
-    def __init__(self, init_scale: float = 2**32, mode: str = 'dynamic',
-                 scale_factor: float = 2., scale_window: int = 1000) -> None:
+    def __init__(
+        self,
+        init_scale: float = 2**32,
+        mode: str = 'dynamic',
+        scale_factor: float = 2.0,
+        scale_window: int = 1000,
+    ) -> None:
         if mode not in ('dynamic', 'static'):
             raise ValueError(f"LossScaler mode must be 'dynamic' or 'static', got {mode!r}")
         self.cur_scale = init_scale
@@ -214,8 +252,10 @@ class LossScaler:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return False
-        finite = [torch.stack(torch._foreach_norm(gs, math.inf)).isfinite().all()
-                  for gs in _by_device(grads).values()]
+        finite = [
+            torch.stack(torch._foreach_norm(gs, math.inf)).isfinite().all()
+            for gs in _by_device(grads).values()
+        ]
         return not all(bool(f) for f in finite)
 
     def update_scale(self, overflow: bool) -> None:
@@ -231,18 +271,31 @@ class LossScaler:
 
     def state_dict(self) -> dict:
         """Plain values: ``cur_scale``, ``cur_iter``, ``mode``, ``last_overflow_iter``, ..."""
-        return {'cur_scale': self.cur_scale, 'cur_iter': self.cur_iter, 'mode': self.mode,
-                'last_overflow_iter': self.last_overflow_iter,
-                'scale_factor': self.scale_factor, 'scale_window': self.scale_window}
+        return {
+            'cur_scale': self.cur_scale,
+            'cur_iter': self.cur_iter,
+            'mode': self.mode,
+            'last_overflow_iter': self.last_overflow_iter,
+            'scale_factor': self.scale_factor,
+            'scale_window': self.scale_window,
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        for key in ('cur_scale', 'cur_iter', 'mode', 'last_overflow_iter', 'scale_factor',
-                    'scale_window'):
+        for key in (
+            'cur_scale',
+            'cur_iter',
+            'mode',
+            'last_overflow_iter',
+            'scale_factor',
+            'scale_window',
+        ):
             setattr(self, key, state_dict[key])
 
     def __repr__(self) -> str:
-        return (f'LossScaler(cur_scale={self.cur_scale}, mode={self.mode!r}, '
-                f'scale_factor={self.scale_factor}, scale_window={self.scale_window})')
+        return (
+            f'LossScaler(cur_scale={self.cur_scale}, mode={self.mode!r}, '
+            f'scale_factor={self.scale_factor}, scale_window={self.scale_window})'
+        )
 
 
 def _by_device(tensors: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:

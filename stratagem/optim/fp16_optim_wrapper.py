@@ -21,6 +21,7 @@ position as mmcv did). Per update:
 tensor}``), ``'loss_scaler'`` (plain values) and ``'skipped_steps'``. Pending gradients of an
 open accumulation window are the model's (float16) ones.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -44,9 +45,11 @@ def _build_loss_scaler(loss_scale: str | float | dict) -> LossScaler:
         return LossScaler(init_scale=float(loss_scale), mode='static')
     if isinstance(loss_scale, Mapping):
         return LossScaler(**loss_scale)
-    raise TypeError(f"loss_scale must be 'dynamic', a float (static scale) or a dict of "
-                    f'LossScaler arguments (init_scale, mode, scale_factor, scale_window), '
-                    f'got {loss_scale!r}')
+    raise TypeError(
+        f"loss_scale must be 'dynamic', a float (static scale) or a dict of "
+        f'LossScaler arguments (init_scale, mode, scale_factor, scale_window), '
+        f'got {loss_scale!r}'
+    )
 
 
 @OPTIM_WRAPPERS.register_module()
@@ -61,8 +64,13 @@ class Fp16MasterWeightsOptimWrapper(OptimWrapper):
         clip_grad: As :class:`OptimWrapper`; applied to the unscaled float32 gradients.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, loss_scale: str | float | dict = 512.,
-                 accumulative_counts: int = 1, clip_grad: dict | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        loss_scale: str | float | dict = 512.0,
+        accumulative_counts: int = 1,
+        clip_grad: dict | None = None,
+    ) -> None:
         super().__init__(optimizer, accumulative_counts, clip_grad)
         self.loss_scaler = _build_loss_scaler(loss_scale)
         self.skipped_steps = 0
@@ -73,8 +81,9 @@ class Fp16MasterWeightsOptimWrapper(OptimWrapper):
         for group in optimizer.param_groups:
             masters = []
             for p in group['params']:
-                master = torch.nn.Parameter(p.detach().to(torch.float32, copy=True),
-                                            requires_grad=p.requires_grad)
+                master = torch.nn.Parameter(
+                    p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad
+                )
                 if p in state:
                     new_state[master] = state[p]
                 self._model_params.append(p)
@@ -107,7 +116,8 @@ class Fp16MasterWeightsOptimWrapper(OptimWrapper):
             for (device, _), gs in _by_device(grads).items():
                 found_inf = torch.zeros(1, device=device)
                 torch._amp_foreach_non_finite_check_and_unscale_(
-                    gs, found_inf, torch.full((1,), inv_scale, device=device))
+                    gs, found_inf, torch.full((1,), inv_scale, device=device)
+                )
                 found.append(found_inf)
             overflow = any(bool(f) for f in found)
         if overflow:
@@ -141,8 +151,9 @@ class Fp16MasterWeightsOptimWrapper(OptimWrapper):
     def state_dict(self) -> dict:
         """:class:`OptimWrapper` state + master weights, loss scaler and skipped steps."""
         state_dict = super().state_dict()
-        state_dict['fp32_master_weights'] = {i: m.detach()
-                                             for i, m in enumerate(self._master_params)}
+        state_dict['fp32_master_weights'] = {
+            i: m.detach() for i, m in enumerate(self._master_params)
+        }
         state_dict['loss_scaler'] = self.loss_scaler.state_dict()
         state_dict['skipped_steps'] = self.skipped_steps
         return state_dict
@@ -157,9 +168,11 @@ class Fp16MasterWeightsOptimWrapper(OptimWrapper):
             self.loss_scaler.load_state_dict(scaler_state)
         if masters is not None:
             if sorted(masters) != list(range(len(self._master_params))):
-                raise ValueError(f'fp32_master_weights has {len(masters)} entries but the '
-                                 f'optimizer has {len(self._master_params)} parameters; the '
-                                 f'state_dict was saved for another model/optimizer')
+                raise ValueError(
+                    f'fp32_master_weights has {len(masters)} entries but the '
+                    f'optimizer has {len(self._master_params)} parameters; the '
+                    f'state_dict was saved for another model/optimizer'
+                )
             with torch.no_grad():
                 for i, (p, master) in enumerate(zip(self._model_params, self._master_params)):
                     master.copy_(masters[i])

@@ -39,6 +39,7 @@ minor faults and +10-20% per step against 0 for the raw loop, ``benchmarks/overh
 released at the raw loop's point, the allocator sees the raw loop's sequence. Nothing a
 caller can observe changes: ``p.grad`` is ``None`` after the update either way.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,8 +61,12 @@ _NULL_CONTEXT = contextlib.nullcontext()
 
 # type -> (function, log name, required keys, optional keys)
 _CLIP_TYPES = {
-    'norm': (torch.nn.utils.clip_grad_norm_, 'grad_norm', ('max_norm',),
-             ('norm_type', 'error_if_nonfinite', 'foreach')),
+    'norm': (
+        torch.nn.utils.clip_grad_norm_,
+        'grad_norm',
+        ('max_norm',),
+        ('norm_type', 'error_if_nonfinite', 'foreach'),
+    ),
     'value': (torch.nn.utils.clip_grad_value_, 'grad_value', ('clip_value',), ('foreach',)),
 }
 
@@ -73,27 +78,35 @@ def parse_clip_grad(clip_grad: Mapping | None) -> tuple[Any, str, dict]:
     if not isinstance(clip_grad, Mapping) or not clip_grad:
         raise TypeError(
             f'clip_grad must be None or a non-empty dict, got {clip_grad!r}; use '
-            f"dict(type='norm', max_norm=1.0[, norm_type=2]) or dict(type='value', clip_value=1.0)")
+            f"dict(type='norm', max_norm=1.0[, norm_type=2]) or dict(type='value', clip_value=1.0)"
+        )
     kwargs = dict(clip_grad)
     clip_type = kwargs.pop('type', 'norm')
     if clip_type not in _CLIP_TYPES:
         raise ValueError(
-            f"clip_grad type {clip_type!r} is unknown (clip_grad={dict(clip_grad)!r}); type must "
+            f'clip_grad type {clip_type!r} is unknown (clip_grad={dict(clip_grad)!r}); type must '
             f"be 'norm' (torch.nn.utils.clip_grad_norm_, needs max_norm) or 'value' "
-            f'(torch.nn.utils.clip_grad_value_, needs clip_value)')
+            f'(torch.nn.utils.clip_grad_value_, needs clip_value)'
+        )
     func, name, required, optional = _CLIP_TYPES[clip_type]
     missing = [k for k in required if k not in kwargs]
     unexpected = [k for k in kwargs if k not in required + optional]
     if missing or unexpected:
         raise ValueError(
             f"clip_grad={dict(clip_grad)!r}: type '{clip_type}' takes "
-            f"{', '.join(required + optional)} ({', '.join(required)} required); "
-            + (f"missing {', '.join(missing)}" if missing else f"unexpected {', '.join(unexpected)}"))
+            f'{", ".join(required + optional)} ({", ".join(required)} required); '
+            + (
+                f'missing {", ".join(missing)}'
+                if missing
+                else f'unexpected {", ".join(unexpected)}'
+            )
+        )
     for key in required:
         value = kwargs[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f'clip_grad={dict(clip_grad)!r}: {key} must be a positive number, '
-                             f'got {value!r}')
+            raise ValueError(
+                f'clip_grad={dict(clip_grad)!r}: {key} must be a positive number, got {value!r}'
+            )
     return func, name, kwargs
 
 
@@ -122,8 +135,12 @@ class OptimWrapper(BaseOptimWrapper):
             ``type`` defaults to ``'norm'``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, accumulative_counts: int = 1,
-                 clip_grad: dict | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        accumulative_counts: int = 1,
+        clip_grad: dict | None = None,
+    ) -> None:
         super().__init__(optimizer)
         self._accumulative_counts = _check_count(accumulative_counts, 'accumulative_counts', 1)
         self._clip_func, self.grad_name, self.clip_grad_kwargs = parse_clip_grad(clip_grad)
@@ -138,11 +155,13 @@ class OptimWrapper(BaseOptimWrapper):
         cls = type(self)
         self._plain_step = accumulative_counts == 1 and all(
             getattr(cls, name) is getattr(OptimWrapper, name)
-            for name in ('scale_loss', 'backward', 'step', 'zero_grad', 'should_update'))
+            for name in ('scale_loss', 'backward', 'step', 'zero_grad', 'should_update')
+        )
 
     # ---- the training step -------------------------------------------------------------
-    def update_params(self, loss: torch.Tensor, step_kwargs: dict | None = None,
-                      zero_kwargs: dict | None = None) -> None:
+    def update_params(
+        self, loss: torch.Tensor, step_kwargs: dict | None = None, zero_kwargs: dict | None = None
+    ) -> None:
         """Scale and backward ``loss``; when the window is complete, step and zero_grad."""
         if self._plain_step and not step_kwargs and not zero_kwargs:
             # no accumulation, methods not overridden: what the calls below do, inlined (the
@@ -154,8 +173,12 @@ class OptimWrapper(BaseOptimWrapper):
                 self._clip_grad()
             optimizer = self.optimizer
             optimizer.step()
-            self._stale_grads = [p.grad for group in optimizer.param_groups
-                                 for p in group['params'] if p.grad is not None and p.grad.is_cpu]
+            self._stale_grads = [
+                p.grad
+                for group in optimizer.param_groups
+                for p in group['params']
+                if p.grad is not None and p.grad.is_cpu
+            ]
             optimizer.zero_grad()
             return
         loss = self.scale_loss(loss)
@@ -180,7 +203,8 @@ class OptimWrapper(BaseOptimWrapper):
                 raise ValueError(
                     f'inner_count {self._inner_count} reached max_counts {self._max_counts} '
                     f'set by initialize_count_status; call it with the real number of '
-                    f'iterations of this run')
+                    f'iterations of this run'
+                )
             k = self._tail_len
             if k == 1:
                 return loss
@@ -205,21 +229,31 @@ class OptimWrapper(BaseOptimWrapper):
         (see the module docstring: it keeps page faults at a hand-written loop's level).
         """
         if kwargs.get('set_to_none', True):
-            self._stale_grads = [p.grad for group in self.optimizer.param_groups
-                                 for p in group['params'] if p.grad is not None and p.grad.is_cpu]
+            self._stale_grads = [
+                p.grad
+                for group in self.optimizer.param_groups
+                for p in group['params']
+                if p.grad is not None and p.grad.is_cpu
+            ]
         self.optimizer.zero_grad(**kwargs)
 
     def _clip_grad(self) -> None:
-        params = [p for group in self.optimizer.param_groups for p in group['params']
-                  if p.grad is not None]
+        params = [
+            p
+            for group in self.optimizer.param_groups
+            for p in group['params']
+            if p.grad is not None
+        ]
         if params:
             self.last_grad_norm = self._clip_func(params, **self.clip_grad_kwargs)
 
     # ---- accumulation bookkeeping -------------------------------------------------------
     def should_update(self) -> bool:
         """True after the backward that completes a window (or reaches ``max_counts``)."""
-        return (self._inner_count % self._accumulative_counts == 0
-                or self._inner_count == self._max_counts)
+        return (
+            self._inner_count % self._accumulative_counts == 0
+            or self._inner_count == self._max_counts
+        )
 
     def should_sync(self) -> bool:
         """True when the coming backward completes a window, so gradients must be synced."""
@@ -230,11 +264,10 @@ class OptimWrapper(BaseOptimWrapper):
         """``model.no_sync()`` on iterations that do not update (when it has one), else a no-op."""
         self._stale_grads = None  # the step starts: release the last update's gradients
         if not self.should_sync() and has_no_sync(model):
-            return model.no_sync()
+            return model.no_sync()  # type: ignore[operator]
         return _NULL_CONTEXT
 
-    def initialize_count_status(self, model: nn.Module, init_counts: int,
-                                max_counts: int) -> None:
+    def initialize_count_status(self, model: nn.Module, init_counts: int, max_counts: int) -> None:
         """Set the counters at the start (or resume) of training.
 
         Args:
@@ -254,10 +287,14 @@ class OptimWrapper(BaseOptimWrapper):
                 f'resuming at iteration {init_counts}, inside an accumulation window of '
                 f'{k}: the gradients of its first {init_counts % k} micro-batches are lost. '
                 f'Load a state_dict saved at that iteration (it holds them) for an exact resume.',
-                stacklevel=2)
+                stacklevel=2,
+            )
         if k > 1 and any(isinstance(m, _BatchNorm) for m in model.modules()):
-            warnings.warn('gradient accumulation with BatchNorm layers: the running statistics '
-                          'see micro-batches, not the accumulated batch', stacklevel=2)
+            warnings.warn(
+                'gradient accumulation with BatchNorm layers: the running statistics '
+                'see micro-batches, not the accumulated batch',
+                stacklevel=2,
+            )
 
     def _set_max_counts(self, max_counts: int) -> None:
         k = self._accumulative_counts
@@ -290,10 +327,14 @@ class OptimWrapper(BaseOptimWrapper):
     def grad_state_dict(self) -> dict:
         """``{'inner_count': int, 'grads': {flat index: grad}, 'scale': float}`` (references,
         not copies); ``scale`` is the loss scale the gradients carry (1 without one)."""
-        grads = {i: p.grad.detach() for i, p in enumerate(self._grad_holders())
-                 if p.grad is not None}
-        return {'inner_count': self._inner_count, 'grads': grads,
-                'scale': self._grad_scale() if grads else 1.0}
+        grads = {
+            i: p.grad.detach() for i, p in enumerate(self._grad_holders()) if p.grad is not None
+        }
+        return {
+            'inner_count': self._inner_count,
+            'grads': grads,
+            'scale': self._grad_scale() if grads else 1.0,
+        }
 
     def load_grad_state_dict(self, state_dict: Mapping) -> None:
         """Restore gradients (and ``inner_count``) saved by :meth:`grad_state_dict`."""
@@ -301,12 +342,16 @@ class OptimWrapper(BaseOptimWrapper):
         grads = state_dict['grads']
         bad = [i for i in grads if not (isinstance(i, int) and 0 <= i < len(holders))]
         if bad:
-            raise ValueError(f'grad state_dict has indices {bad} but the optimizer has '
-                             f'{len(holders)} parameters; it was saved for another model/optimizer')
+            raise ValueError(
+                f'grad state_dict has indices {bad} but the optimizer has '
+                f'{len(holders)} parameters; it was saved for another model/optimizer'
+            )
         for i, g in grads.items():
             if tuple(g.shape) != tuple(holders[i].shape):
-                raise ValueError(f'grad state_dict entry {i} has shape {tuple(g.shape)} but '
-                                 f'parameter {i} has shape {tuple(holders[i].shape)}')
+                raise ValueError(
+                    f'grad state_dict entry {i} has shape {tuple(g.shape)} but '
+                    f'parameter {i} has shape {tuple(holders[i].shape)}'
+                )
         # gradients saved under another loss scale (or none) are brought to this one
         factor = self._grad_scale() / float(state_dict.get('scale', 1.0)) if grads else 1.0
         for i, p in enumerate(holders):
@@ -323,8 +368,11 @@ class OptimWrapper(BaseOptimWrapper):
     def state_dict(self) -> dict:
         """Optimizer state + ``'optim_wrapper'`` counters (+ pending grads mid-window)."""
         state_dict = self.optimizer.state_dict()
-        wrapper_state = {'inner_count': self._inner_count, 'max_counts': self._max_counts,
-                         'accumulative_counts': self._accumulative_counts}
+        wrapper_state = {
+            'inner_count': self._inner_count,
+            'max_counts': self._max_counts,
+            'accumulative_counts': self._accumulative_counts,
+        }
         if self._window_open():
             pending = self.grad_state_dict()
             wrapper_state['pending_grads'] = pending['grads']
@@ -345,16 +393,21 @@ class OptimWrapper(BaseOptimWrapper):
             raise ValueError(
                 f'the state_dict was saved inside an accumulation window with '
                 f'accumulative_counts={saved_k}, but this wrapper has '
-                f'accumulative_counts={self._accumulative_counts}; resume with {saved_k}')
+                f'accumulative_counts={self._accumulative_counts}; resume with {saved_k}'
+            )
         max_counts = wrapper_state.get('max_counts', -1)
         if max_counts != -1:
             self._set_max_counts(max_counts)
         self._inner_count = wrapper_state.get('inner_count', 0)
         # saved between windows, the state has no gradients: clear any this wrapper holds
         # (a roll-back in the same process), or they would leak into the next window
-        self.load_grad_state_dict({'inner_count': self._inner_count,
-                                   'grads': wrapper_state.get('pending_grads', {}),
-                                   'scale': wrapper_state.get('pending_grads_scale', 1.0)})
+        self.load_grad_state_dict(
+            {
+                'inner_count': self._inner_count,
+                'grads': wrapper_state.get('pending_grads', {}),
+                'scale': wrapper_state.get('pending_grads_scale', 1.0),
+            }
+        )
 
     def _grad_scale(self) -> float:
         """The factor the gradients carry (a loss scaler's scale under AMP float16; else 1)."""

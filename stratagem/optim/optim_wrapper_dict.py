@@ -8,6 +8,7 @@ instead, as mmengine's do. The dict fans out ``zero_grad`` / ``initialize_count_
 merges logging and state: ``get_lr()`` → ``{'<name>.lr': [...]}``, ``state_dict()`` →
 ``{name: wrapper state}``.
 """
+
 from __future__ import annotations
 
 from collections.abc import ItemsView, Iterator, KeysView, ValuesView
@@ -43,18 +44,21 @@ class OptimWrapperDict(BaseOptimWrapper):
                 raise OptimWrapperTypeError(
                     f'`OptimWrapperDict` only accepts optimizer wrappers (BaseOptimWrapper), '
                     f'got {name}={type(wrapper).__name__}; wrap it first, e.g. '
-                    f'OptimWrapper({name}_optimizer) or build_optim_wrapper(model.{name}, cfg)')
+                    f'OptimWrapper({name}_optimizer) or build_optim_wrapper(model.{name}, cfg)'
+                )
         self.optim_wrappers: dict[str, BaseOptimWrapper] = dict(optim_wrappers)
 
     def _no_joint(self, what: str) -> NotImplementedError:
         first = next(iter(self.optim_wrappers), 'generator')
         return NotImplementedError(
             f'`{what}` should be called by each optimizer wrapper separately (OptimWrapperDict '
-            f"has no joint {what}): e.g. optim_wrapper[{first!r}].{what}(...); names: "
-            f"{', '.join(self.optim_wrappers)}")
+            f'has no joint {what}): e.g. optim_wrapper[{first!r}].{what}(...); names: '
+            f'{", ".join(self.optim_wrappers)}'
+        )
 
-    def update_params(self, loss: torch.Tensor, step_kwargs: dict | None = None,
-                      zero_kwargs: dict | None = None) -> None:
+    def update_params(
+        self, loss: torch.Tensor, step_kwargs: dict | None = None, zero_kwargs: dict | None = None
+    ) -> None:
         """Not joint: raises, naming the wrappers to call instead."""
         raise self._no_joint('update_params')
 
@@ -75,11 +79,10 @@ class OptimWrapperDict(BaseOptimWrapper):
         for wrapper in self.optim_wrappers.values():
             wrapper.zero_grad(**kwargs)
 
-    def initialize_count_status(self, model: nn.Module, init_counts: int,
-                                max_counts: int) -> None:
+    def initialize_count_status(self, model: nn.Module, init_counts: int, max_counts: int) -> None:
         """Forward to every wrapper (each checks ``model``)."""
         for wrapper in self.optim_wrappers.values():
-            wrapper.initialize_count_status(model, init_counts, max_counts)
+            wrapper.initialize_count_status(model, init_counts, max_counts)  # type: ignore[attr-defined]
 
     @property
     def param_groups(self) -> dict[str, list[dict]]:  # type: ignore[override]
@@ -87,18 +90,24 @@ class OptimWrapperDict(BaseOptimWrapper):
         return {name: w.param_groups for name, w in self.optim_wrappers.items()}
 
     @property
-    def defaults(self) -> dict[str, dict]:  # type: ignore[override]
+    def defaults(self) -> dict[str, dict]:
         return {name: w.defaults for name, w in self.optim_wrappers.items()}
 
     def get_lr(self) -> dict[str, list]:
         """``{'<name>.lr': [...]}`` for each wrapper."""
-        return {f'{name}.{k}': v for name, w in self.optim_wrappers.items()
-                for k, v in w.get_lr().items()}
+        return {
+            f'{name}.{k}': v
+            for name, w in self.optim_wrappers.items()
+            for k, v in w.get_lr().items()
+        }
 
     def get_momentum(self) -> dict[str, list]:
         """``{'<name>.momentum': [...]}`` for each wrapper."""
-        return {f'{name}.{k}': v for name, w in self.optim_wrappers.items()
-                for k, v in w.get_momentum().items()}
+        return {
+            f'{name}.{k}': v
+            for name, w in self.optim_wrappers.items()
+            for k, v in w.get_momentum().items()
+        }
 
     def state_dict(self) -> dict:
         """``{name: wrapper.state_dict()}``."""
@@ -108,15 +117,18 @@ class OptimWrapperDict(BaseOptimWrapper):
         """Load ``{name: state}``; every name must be one of this dict's wrappers."""
         unknown = [n for n in state_dict if n not in self.optim_wrappers]
         if unknown:
-            raise KeyError(f'state_dict has wrapper name(s) {unknown} that this OptimWrapperDict '
-                           f"lacks; its names: {', '.join(self.optim_wrappers)}")
+            raise KeyError(
+                f'state_dict has wrapper name(s) {unknown} that this OptimWrapperDict '
+                f'lacks; its names: {", ".join(self.optim_wrappers)}'
+            )
         for name, sub_state in state_dict.items():
             self.optim_wrappers[name].load_state_dict(sub_state)
 
     def __getitem__(self, key: str) -> BaseOptimWrapper:
         if key not in self.optim_wrappers:
-            raise KeyError(f"no optimizer wrapper named {key!r}; names: "
-                           f"{', '.join(self.optim_wrappers)}")
+            raise KeyError(
+                f'no optimizer wrapper named {key!r}; names: {", ".join(self.optim_wrappers)}'
+            )
         return self.optim_wrappers[key]
 
     def __contains__(self, key: object) -> bool:

@@ -8,6 +8,7 @@ only when first built.
 Imported by the OPTIMIZERS registry on its first lookup, so ``import stratagem``
 stays cheap.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -24,14 +25,18 @@ def register_torch_optimizers() -> list[str]:
         if name.startswith('_'):
             continue
         obj = getattr(torch.optim, name)
-        if (inspect.isclass(obj) and issubclass(obj, torch.optim.Optimizer)
-                and obj is not torch.optim.Optimizer):
+        if (
+            inspect.isclass(obj)
+            and issubclass(obj, torch.optim.Optimizer)
+            and obj is not torch.optim.Optimizer
+        ):
             OPTIMIZERS.register_module(name=name, module=obj, force=True)
             names.append(name)
     return names
 
 
 TORCH_OPTIMIZERS = register_torch_optimizers()
-OPTIMIZERS.register_lazy('ZeroRedundancyOptimizer',
-                         'stratagem.optim.zero:ZeroRedundancyOptimizer', force=True)
+OPTIMIZERS.register_lazy(
+    'ZeroRedundancyOptimizer', 'stratagem.optim.zero:ZeroRedundancyOptimizer', force=True
+)
 OPTIMIZERS.register_lazy('OSS', 'stratagem.optim.oss:OSS', force=True)

@@ -27,6 +27,7 @@ Differences from ``fairscale.optim.OSS``, all fixes:
    :meth:`OSS.attach_sharded_ddp` was called, zeroing goes through the wrapper, which keeps
    the bucket views and drops only the others.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -39,8 +40,10 @@ import torch.distributed as dist
 try:
     from fairscale.optim import OSS as _FairscaleOSS
 except ImportError as e:  # pragma: no cover - exercised only without fairscale
-    raise ImportError('OSS and ShardedDDPStrategy need fairscale: pip install '
-                      f'"stratagem[fairscale]" (import failed: {e})') from e
+    raise ImportError(
+        'OSS and ShardedDDPStrategy need fairscale: pip install '
+        f'"stratagem[fairscale]" (import failed: {e})'
+    ) from e
 
 __all__ = ['OSS', 'optimizer_state_bytes']
 
@@ -113,23 +116,31 @@ class OSS(_FairscaleOSS):
 
     def __init__(self, params: Any, optim: str | type | None = None, **kwargs: Any) -> None:
         if optim is None:
-            raise ValueError("OSS needs the optimizer to shard: optimizer=dict(type='OSS', "
-                             "optim='AdamW', lr=...) (a registered name or a class)")
+            raise ValueError(
+                "OSS needs the optimizer to shard: optimizer=dict(type='OSS', "
+                "optim='AdamW', lr=...) (a registered name or a class)"
+            )
         if isinstance(optim, str):
             from stratagem.registry import OPTIMIZERS
+
             cls = OPTIMIZERS.get(optim)
             if cls is None:
                 err = OPTIMIZERS.unknown_name_error(optim)
                 raise type(err)(f'{err} (in OSS optim=)')
             optim = cls
-        if not (isinstance(optim, type) and issubclass(optim, torch.optim.Optimizer)) \
-                or issubclass(optim, _FairscaleOSS):
-            raise TypeError(f'OSS optim= must name a torch.optim.Optimizer subclass (not OSS '
-                            f'itself), got {optim!r}')
+        if not (isinstance(optim, type) and issubclass(optim, torch.optim.Optimizer)) or issubclass(
+            optim, _FairscaleOSS
+        ):
+            raise TypeError(
+                f'OSS optim= must name a torch.optim.Optimizer subclass (not OSS '
+                f'itself), got {optim!r}'
+            )
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError('OSS shards optimizer state across ranks and needs an initialised '
-                               'process group; launch with torchrun and DDPStrategy or '
-                               'ShardedDDPStrategy, or use a plain optimizer')
+            raise RuntimeError(
+                'OSS shards optimizer state across ranks and needs an initialised '
+                'process group; launch with torchrun and DDPStrategy or '
+                'ShardedDDPStrategy, or use a plain optimizer'
+            )
         super().__init__(params, optim=optim, **kwargs)
         self._sdp_ref: weakref.ref | None = None
 
@@ -158,12 +169,17 @@ class OSS(_FairscaleOSS):
             super().consolidate_state_dict(recipient_rank)
             return
         if not 0 <= recipient_rank < self.world_size:
-            raise ValueError(f'recipient_rank={recipient_rank} is not a rank of this group '
-                             f'(world size {self.world_size}); use 0..{self.world_size - 1}')
+            raise ValueError(
+                f'recipient_rank={recipient_rank} is not a rank of this group '
+                f'(world size {self.world_size}); use 0..{self.world_size - 1}'
+            )
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
         cpu = torch.device('cpu')
-        comm = (torch.device('cuda', torch.cuda.current_device())
-                if self.backend == dist.Backend.NCCL else cpu)
+        comm = (
+            torch.device('cuda', torch.cuda.current_device())
+            if self.backend == dist.Backend.NCCL
+            else cpu
+        )
         dst = self._local_to_global_rank[recipient_rank]
         self._all_states = []
         for rank in range(self.world_size):
@@ -171,7 +187,7 @@ class OSS(_FairscaleOSS):
                 own: list[torch.Tensor] = []
                 skeleton = _split(self.optim.state_dict(), own)
                 it = iter(own)  # on CPU ``to`` is a no-op: no copy of this rank's own shard
-                self._all_states.append(_fill(skeleton, lambda _s: next(it).to(cpu)))
+                self._all_states.append(_fill(skeleton, lambda _s, it=it: next(it).to(cpu)))
             elif rank == self.rank:  # send this shard: its skeleton, then tensor by tensor
                 tensors: list[torch.Tensor] = []
                 skeleton = _split(self.optim.state_dict(), tensors)
@@ -182,7 +198,7 @@ class OSS(_FairscaleOSS):
                 src = self._local_to_global_rank[rank]
                 box = [None]
                 dist.recv_object_list(box, src=src, group=self.group, device=comm)
-                self._all_states.append(_fill(box[0], lambda s: self._recv(s, src, comm)))
+                self._all_states.append(_fill(box[0], lambda s, src=src: self._recv(s, src, comm)))
 
     def _recv(self, slot: _Slot, src: int, comm: torch.device) -> torch.Tensor:
         buf = torch.empty(slot.shape, dtype=slot.dtype, device=comm)
@@ -207,16 +223,20 @@ class OSS(_FairscaleOSS):
         """Load a whole (consolidated or plain torch) state and keep this rank's shard."""
         for key in ('state', 'param_groups'):
             if key not in state_dict:
-                raise KeyError(f'optimizer state_dict has no {key!r} (keys: {sorted(state_dict)})'
-                               '; OSS loads a whole optimizer state, e.g. the rank-0 '
-                               'state_dict() of OSS or of a plain optimizer')
+                raise KeyError(
+                    f'optimizer state_dict has no {key!r} (keys: {sorted(state_dict)})'
+                    '; OSS loads a whole optimizer state, e.g. the rank-0 '
+                    'state_dict() of OSS or of a plain optimizer'
+                )
         groups = state_dict['param_groups']
         n_saved = sum(len(g['params']) for g in groups)
         n_here = sum(len(g['params']) for g in self.param_groups)
         if len(groups) != len(self.param_groups) or n_saved != n_here:
-            raise ValueError(f'optimizer state_dict has {len(groups)} param group(s) with '
-                             f'{n_saved} parameters but this OSS has {len(self.param_groups)} '
-                             f'with {n_here}; it was saved for another model or paramwise_cfg')
+            raise ValueError(
+                f'optimizer state_dict has {len(groups)} param group(s) with '
+                f'{n_saved} parameters but this OSS has {len(self.param_groups)} '
+                f'with {n_here}; it was saved for another model or paramwise_cfg'
+            )
         # fairscale blanks the entries other ranks own in the dict it is given: give it copies
         state_dict = {**state_dict, 'state': dict(state_dict['state'])}
         super().load_state_dict(state_dict)

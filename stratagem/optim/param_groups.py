@@ -5,6 +5,7 @@ result). ``reduce_param_groups`` merges groups whose hyper-parameters are equal,
 with one group per tensor ends up with a handful of groups: multi-tensor (foreach/fused)
 optimizers launch one kernel set per group, so fewer groups means faster steps.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,16 @@ __all__ = ['NORM_TYPES', 'get_default_optimizer_params', 'reduce_param_groups']
 
 # detectron2's norm list (NaiveSyncBatchNorm subclasses BatchNorm2d).
 NORM_TYPES = (
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.GroupNorm,
-    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LayerNorm, nn.LocalResponseNorm,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.GroupNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    nn.LayerNorm,
+    nn.LocalResponseNorm,
 )
 
 
@@ -46,6 +55,7 @@ def reduce_param_groups(params: Iterable[Mapping[str, Any]]) -> list[dict[str, A
     output is deterministic. A ``param_names`` list, when present, is merged alongside.
     """
     per_param: dict[int, dict[str, Any]] = {}
+    group: Mapping[str, Any] | None
     for group in params:
         if 'params' not in group:
             raise ValueError(f"a param group needs a 'params' key, got keys {sorted(group)}")
@@ -103,15 +113,19 @@ def get_default_optimizer_params(
     bias_overrides: dict[str, Any] = {}
     if bias_lr_factor is not None and bias_lr_factor != 1.0:
         if base_lr is None:
-            raise ValueError(f'bias_lr_factor={bias_lr_factor} needs base_lr (lr = base_lr * '
-                             f'bias_lr_factor); pass base_lr')
+            raise ValueError(
+                f'bias_lr_factor={bias_lr_factor} needs base_lr (lr = base_lr * '
+                f'bias_lr_factor); pass base_lr'
+            )
         bias_overrides['lr'] = base_lr * bias_lr_factor
     if weight_decay_bias is not None:
         bias_overrides['weight_decay'] = weight_decay_bias
     if bias_overrides:
         if 'bias' in overrides:
-            raise ValueError(f"overrides['bias']={overrides['bias']!r} conflicts with "
-                             f'bias_lr_factor/weight_decay_bias; set only one of them')
+            raise ValueError(
+                f"overrides['bias']={overrides['bias']!r} conflicts with "
+                f'bias_lr_factor/weight_decay_bias; set only one of them'
+            )
         overrides['bias'] = bias_overrides
     if lr_factor_func is not None and base_lr is None:
         raise ValueError('lr_factor_func needs base_lr (lr = base_lr * factor); pass base_lr')

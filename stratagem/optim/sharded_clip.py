@@ -5,6 +5,7 @@ but raises on a mix ("got mixed torch.Tensor and DTensor"), which is what a mode
 parameters kept out of sharding (FSDP's ``ignored_modules``) has. These functions take the
 same arguments and return the same value as torch's, and are used only for such a mix.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,16 +19,22 @@ __all__ = ['clip_grad_norm_mixed', 'clip_grad_value_mixed', 'split_sharded']
 def split_sharded(parameters: Iterable[torch.Tensor]) -> tuple[list, list]:
     """(sharded, plain) parameters that have a gradient; sharded ones have DTensor grads."""
     from torch.distributed.tensor import DTensor
-    sharded, plain = [], []
+
+    sharded: list[torch.Tensor] = []
+    plain: list[torch.Tensor] = []
     for p in parameters:
         if p.grad is not None:
             (sharded if isinstance(p.grad, DTensor) else plain).append(p)
     return sharded, plain
 
 
-def clip_grad_norm_mixed(parameters: Iterable[torch.Tensor], max_norm: float,
-                         norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                         foreach: bool | None = None) -> torch.Tensor:
+def clip_grad_norm_mixed(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
     """``clip_grad_norm_`` for sharded + plain gradients; returns the total norm (a plain
     tensor, the same on every rank).
 
@@ -39,12 +46,13 @@ def clip_grad_norm_mixed(parameters: Iterable[torch.Tensor], max_norm: float,
     """
     import torch.distributed as dist
     from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
     sharded, plain = split_sharded(parameters)
     norms = []
     group = None
     if sharded:
         norm = get_total_norm([p.grad for p in sharded], norm_type, error_if_nonfinite, foreach)
-        norms.append(norm.full_tensor())
+        norms.append(norm.full_tensor())  # type: ignore[attr-defined]  # a DTensor
         group = sharded[0].grad.device_mesh.get_group()
     if plain:
         norm = get_total_norm([p.grad for p in plain], norm_type, error_if_nonfinite, foreach)
@@ -68,8 +76,9 @@ def clip_grad_norm_mixed(parameters: Iterable[torch.Tensor], max_norm: float,
     return total
 
 
-def clip_grad_value_mixed(parameters: Iterable[torch.Tensor], clip_value: float,
-                          foreach: bool | None = None) -> None:
+def clip_grad_value_mixed(
+    parameters: Iterable[torch.Tensor], clip_value: float, foreach: bool | None = None
+) -> None:
     """``clip_grad_value_`` for sharded + plain gradients (each kind clipped on its own)."""
     sharded, plain = split_sharded(parameters)
     for group in (sharded, plain):

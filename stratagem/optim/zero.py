@@ -7,6 +7,7 @@ class); torch's own ``optimizer_class`` argument is accepted too. Param groups (
 collective: every rank must call it) and returns ``{}`` on the other ranks, as mmengine does.
 Needs an initialised process group; use it under DDP.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -31,27 +32,36 @@ class ZeroRedundancyOptimizer(_TorchZeRO):
             (``lr``, ``weight_decay``, ...).
     """
 
-    def __init__(self, params: Any, optimizer_type: str | type | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, params: Any, optimizer_type: str | type | None = None, **kwargs: Any
+    ) -> None:
         optimizer_class = kwargs.pop('optimizer_class', None)
         if (optimizer_type is None) == (optimizer_class is None):
-            raise ValueError("ZeroRedundancyOptimizer needs exactly one of optimizer_type='AdamW' "
-                             f'(a registered name or class) or optimizer_class=<class>, got '
-                             f'optimizer_type={optimizer_type!r}, optimizer_class={optimizer_class!r}')
+            raise ValueError(
+                "ZeroRedundancyOptimizer needs exactly one of optimizer_type='AdamW' "
+                f'(a registered name or class) or optimizer_class=<class>, got '
+                f'optimizer_type={optimizer_type!r}, optimizer_class={optimizer_class!r}'
+            )
         optimizer_type = optimizer_class if optimizer_type is None else optimizer_type
         if isinstance(optimizer_type, str):
             from stratagem.registry import OPTIMIZERS
+
             cls = OPTIMIZERS.get(optimizer_type)
             if cls is None:
                 raise OPTIMIZERS.unknown_name_error(optimizer_type)
             optimizer_type = cls
-        if not (isinstance(optimizer_type, type) and issubclass(optimizer_type, torch.optim.Optimizer)):
-            raise TypeError(f'optimizer_type must name a torch.optim.Optimizer subclass, got '
-                            f'{optimizer_type!r}')
+        if not (
+            isinstance(optimizer_type, type) and issubclass(optimizer_type, torch.optim.Optimizer)
+        ):
+            raise TypeError(
+                f'optimizer_type must name a torch.optim.Optimizer subclass, got {optimizer_type!r}'
+            )
         if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-            raise RuntimeError('ZeroRedundancyOptimizer shards state across ranks and needs an '
-                               'initialised process group; launch with torchrun and a DDP '
-                               'strategy, or use a plain optimizer')
+            raise RuntimeError(
+                'ZeroRedundancyOptimizer shards state across ranks and needs an '
+                'initialised process group; launch with torchrun and a DDP '
+                'strategy, or use a plain optimizer'
+            )
         super().__init__(params, optimizer_type, **kwargs)
 
     def state_dict(self) -> dict:

@@ -16,6 +16,7 @@ Call sequence (what a training loop does):
 3. To resume: build as in 1, load the optimizer state (it carries the param
    group values), then ``scheduler.load_state_dict(saved)``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,8 +27,15 @@ from typing import Any
 
 import torch
 
-__all__ = ['INF', '_ParamScheduler', 'SchedulerArgumentError', 'check_optimizer',
-           'raw_optimizer', 'per_group', 'replay_schedulers']
+__all__ = [
+    'INF',
+    '_ParamScheduler',
+    'SchedulerArgumentError',
+    'check_optimizer',
+    'raw_optimizer',
+    'per_group',
+    'replay_schedulers',
+]
 
 # mmengine's "no end" value; an int so that state dicts stay plain
 INF = int(1e9)
@@ -79,13 +87,15 @@ def check_optimizer(optimizer: Any, owner: str) -> None:
         return
     try:  # a dict of wrappers may raise something other than AttributeError here
         inner = getattr(optimizer, 'optimizer', None)
-    except Exception:
+    except Exception:  # noqa: BLE001
         inner = None
     if isinstance(inner, torch.optim.Optimizer) and hasattr(optimizer, 'param_groups'):
         return
-    raise TypeError(f'{owner}: optimizer should be an Optimizer (a torch.optim.Optimizer or an '
-                    'optim wrapper whose .optimizer is one), but got '
-                    f'{type(optimizer).__name__}: {optimizer!r:.80}')
+    raise TypeError(
+        f'{owner}: optimizer should be an Optimizer (a torch.optim.Optimizer or an '
+        'optim wrapper whose .optimizer is one), but got '
+        f'{type(optimizer).__name__}: {optimizer!r:.80}'
+    )
 
 
 def raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -123,8 +133,16 @@ class _ParamScheduler:
         verbose: Print every value change. Defaults to False.
     """
 
-    def __init__(self, optimizer: Any, param_name: str, begin: int = 0, end: int = INF,
-                 last_step: int = -1, by_epoch: bool = True, verbose: bool = False) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        param_name: str,
+        begin: int = 0,
+        end: int = INF,
+        last_step: int = -1,
+        by_epoch: bool = True,
+        verbose: bool = False,
+    ) -> None:
         name = type(self).__name__
         check_optimizer(optimizer, name)
         check_window(name, begin, end, last_step)
@@ -137,8 +155,10 @@ class _ParamScheduler:
         groups = optimizer.param_groups
         for i, group in enumerate(groups):
             if param_name not in group:
-                raise KeyError(f"{name}: param_groups[{i}] has no {param_name!r}; keys: "
-                               f"{sorted(k for k in group if k != 'params')}")
+                raise KeyError(
+                    f'{name}: param_groups[{i}] has no {param_name!r}; keys: '
+                    f'{sorted(k for k in group if k != "params")}'
+                )
         key = f'initial_{param_name}'
         if last_step == -1:
             for group in groups:
@@ -154,9 +174,15 @@ class _ParamScheduler:
         self.step()
 
     @classmethod
-    def build_iter_from_epoch(cls, *args: Any, begin: float = 0, end: float = INF,
-                              by_epoch: bool = True, epoch_length: int | None = None,
-                              **kwargs: Any) -> '_ParamScheduler':
+    def build_iter_from_epoch(
+        cls,
+        *args: Any,
+        begin: float = 0,
+        end: float = INF,
+        by_epoch: bool = True,
+        epoch_length: int | None = None,
+        **kwargs: Any,
+    ) -> _ParamScheduler:
         """Build an iteration-based instance from an epoch-based config.
 
         ``begin``/``end`` and the scheduler's own lengths (``step_size``,
@@ -166,18 +192,21 @@ class _ParamScheduler:
         """
         name = cls.__name__
         if not by_epoch:
-            raise SchedulerArgumentError(f'{name}: convert_to_iter_based needs an epoch-based '
-                                         'config (by_epoch=True), got by_epoch=False')
+            raise SchedulerArgumentError(
+                f'{name}: convert_to_iter_based needs an epoch-based '
+                'config (by_epoch=True), got by_epoch=False'
+            )
         if epoch_length is None or not isinstance(epoch_length, int) or epoch_length <= 0:
             raise SchedulerArgumentError(
                 f'{name}: convert_to_iter_based=True needs epoch_length, the number '
-                             f'of iterations per epoch (a positive int), got {epoch_length!r}; '
-                             'pass epoch_length= (e.g. len(train_dataloader))')
+                f'of iterations per epoch (a positive int), got {epoch_length!r}; '
+                'pass epoch_length= (e.g. len(train_dataloader))'
+            )
         begin = int(begin * epoch_length)
         if end != INF:
             end = int(end * epoch_length)
         kwargs = cls._epoch_args_to_iters(kwargs, epoch_length)
-        return cls(*args, begin=begin, end=end, by_epoch=False, **kwargs)
+        return cls(*args, begin=begin, end=end, by_epoch=False, **kwargs)  # type: ignore[misc, arg-type]
 
     #: names of this scheduler's arguments counted in epochs (a number or a list of
     #: numbers), multiplied by the epoch length by ``build_iter_from_epoch``
@@ -190,8 +219,11 @@ class _ParamScheduler:
             value = kwargs.get(name)
             if value is None:
                 continue
-            kwargs[name] = ([v * epoch_length for v in value] if isinstance(value, (list, tuple))
-                            else value * epoch_length)
+            kwargs[name] = (
+                [v * epoch_length for v in value]
+                if isinstance(value, (list, tuple))
+                else value * epoch_length
+            )
         return kwargs
 
     def rescaled_state_dict(self, state: dict, ratio: Any, done_iters: int) -> dict:
@@ -215,8 +247,10 @@ class _ParamScheduler:
                 return value
             new = value * ratio
             if new.denominator != 1:
-                raise ValueError(f'{name}.{field}={value} iterations is {float(new):g} '
-                                 'iterations at the new world size, not a whole number')
+                raise ValueError(
+                    f'{name}.{field}={value} iterations is {float(new):g} '
+                    'iterations at the new world size, not a whole number'
+                )
             return int(new)
 
         out['begin'] = convert('begin', state['begin'])
@@ -232,8 +266,7 @@ class _ParamScheduler:
         if 'total_iters' in state:  # Linear / Poly / Constant: end - begin - 1, mmengine's
             out['total_iters'] = out['end'] - out['begin'] - 1
         out['_global_step'] = done_iters
-        out['last_step'] = min(max(done_iters - out['begin'] + 1, 0),
-                               out['end'] - out['begin']) - 1
+        out['last_step'] = min(max(done_iters - out['begin'] + 1, 0), out['end'] - out['begin']) - 1
         return self._rescale_derived(out, ratio)
 
     def _rescale_derived(self, state: dict, ratio: Any) -> dict:
@@ -269,8 +302,12 @@ class _ParamScheduler:
         hook = (_WATCHED.get(raw) or {}).get('hook')
         if hook is None:
             hook = raw.register_step_post_hook(_count_step)
-        _WATCHED[raw] = {'steps': 0, 'inner_count': getattr(self.optimizer, 'inner_count', None),
-                         'step': _step_func(self.optimizer), 'hook': hook}
+        _WATCHED[raw] = {
+            'steps': 0,
+            'inner_count': getattr(self.optimizer, 'inner_count', None),
+            'step': _step_func(self.optimizer),
+            'hook': hook,
+        }
 
     def _check_step_order(self) -> None:
         entry = _WATCHED.get(raw_optimizer(self.optimizer))
@@ -278,19 +315,27 @@ class _ParamScheduler:
             return
         name = type(self).__name__
         if _step_func(self.optimizer) is not entry['step']:
-            warnings.warn(f'{name}: optimizer.step() was replaced after the scheduler was built, '
-                          'so it cannot check that the optimizer stepped first; make sure to '
-                          f'call optimizer.step() before scheduler.step(). See {_ORDER_DOC}',
-                          UserWarning, stacklevel=3)
+            warnings.warn(
+                f'{name}: optimizer.step() was replaced after the scheduler was built, '
+                'so it cannot check that the optimizer stepped first; make sure to '
+                f'call optimizer.step() before scheduler.step(). See {_ORDER_DOC}',
+                UserWarning,
+                stacklevel=3,
+            )
             return
         inner = getattr(self.optimizer, 'inner_count', None)
-        updated = inner is not None and entry['inner_count'] is not None \
-            and inner > entry['inner_count']
+        updated = (
+            inner is not None and entry['inner_count'] is not None and inner > entry['inner_count']
+        )
         if entry['steps'] == 0 and not updated:
-            warnings.warn(f'{name}.step() was called before optimizer.step(), which skips the '
-                          'first value of the schedule; call optimizer.step() (or '
-                          'optim_wrapper.update_params(loss)) before scheduler.step(). '
-                          f'See {_ORDER_DOC}', UserWarning, stacklevel=3)
+            warnings.warn(
+                f'{name}.step() was called before optimizer.step(), which skips the '
+                'first value of the schedule; call optimizer.step() (or '
+                'optim_wrapper.update_params(loss)) before scheduler.step(). '
+                f'See {_ORDER_DOC}',
+                UserWarning,
+                stacklevel=3,
+            )
 
     def get_last_value(self) -> list:
         """The values of every param group after the last :meth:`step`."""
@@ -299,60 +344,76 @@ class _ParamScheduler:
     def print_value(self, is_verbose: bool, group: int, value: float) -> None:
         """Print the new value of ``group`` when ``is_verbose``."""
         if is_verbose:
-            print(f'{type(self).__name__}: adjusting {self.param_name} of group {group} '
-                  f'to {value:.4e}.')
+            print(
+                f'{type(self).__name__}: adjusting {self.param_name} of group {group} '
+                f'to {value:.4e}.'
+            )
 
     def state_dict(self) -> dict:
         """Every attribute but the optimizer, as tensors and plain Python values.
 
         The result loads with ``torch.load(weights_only=True)``.
         """
-        return {key: _plain(copy.deepcopy(value)) for key, value in self.__dict__.items()
-                if key != 'optimizer' and not callable(value)}
+        return {
+            key: _plain(copy.deepcopy(value))
+            for key, value in self.__dict__.items()
+            if key != 'optimizer' and not callable(value)
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore the attributes saved by :meth:`state_dict`."""
         self.__dict__.update({k: v for k, v in state_dict.items() if k != 'optimizer'})
 
     def __repr__(self) -> str:
-        return (f'{type(self).__name__}(param_name={self.param_name!r}, begin={self.begin}, '
-                f'end={self.end}, by_epoch={self.by_epoch}, last_step={self.last_step})')
+        return (
+            f'{type(self).__name__}(param_name={self.param_name!r}, begin={self.begin}, '
+            f'end={self.end}, by_epoch={self.by_epoch}, last_step={self.last_step})'
+        )
 
 
 def check_window(name: str, begin: Any, end: Any, last_step: Any) -> None:
     """``begin < end`` (``ValueError``, mmengine's phrase), ``last_step`` an int >= -1."""
     if end <= begin:
-        raise ValueError(f'{name}: end ({end}) must be greater than begin ({begin}) (end '
-                         'should be larger than begin): the scheduler acts on steps in '
-                         '[begin, end)')
+        raise ValueError(
+            f'{name}: end ({end}) must be greater than begin ({begin}) (end '
+            'should be larger than begin): the scheduler acts on steps in '
+            '[begin, end)'
+        )
     if type(last_step) is not int or last_step < -1:
-        raise SchedulerArgumentError(f'{name}: last_step must be an int >= -1 (-1: a fresh '
-                                     f'start), got {last_step!r}')
+        raise SchedulerArgumentError(
+            f'{name}: last_step must be an int >= -1 (-1: a fresh start), got {last_step!r}'
+        )
 
 
-def check_initial_values(name: str, groups: Sequence[dict], param_name: str,
-                         last_step: int) -> None:
+def check_initial_values(
+    name: str, groups: Sequence[dict], param_name: str, last_step: int
+) -> None:
     """Resuming with ``last_step`` needs ``initial_<param_name>`` in every param group."""
     key = f'initial_{param_name}'
     for i, group in enumerate(groups):
         if key not in group:
-            raise KeyError(f"{name}: param {key!r} is not specified in param_groups[{i}], "
-                           f'which resuming with last_step={last_step} needs; load the '
-                           'optimizer state first or pass last_step=-1')
+            raise KeyError(
+                f'{name}: param {key!r} is not specified in param_groups[{i}], '
+                f'which resuming with last_step={last_step} needs; load the '
+                'optimizer state first or pass last_step=-1'
+            )
 
 
 def per_group(value: Any, n_groups: int, owner: str, arg: str) -> list:
     """``value`` repeated per param group, or checked to have one entry per group."""
     if isinstance(value, Sequence) and not isinstance(value, str):
         if len(value) != n_groups:
-            raise ValueError(f'{owner}: {arg} has {len(value)} values but the optimizer has '
-                             f'{n_groups} param groups; give one value or one per group')
+            raise ValueError(
+                f'{owner}: {arg} has {len(value)} values but the optimizer has '
+                f'{n_groups} param groups; give one value or one per group'
+            )
         return list(value)
     return [value] * n_groups
 
 
-def replay_schedulers(schedulers: Sequence['_ParamScheduler'], num_iters: int,
-                      epoch_length: int | None = None) -> None:
+def replay_schedulers(
+    schedulers: Sequence[_ParamScheduler], num_iters: int, epoch_length: int | None = None
+) -> None:
     """Recompute the scheduled values from scratch up to ``num_iters`` iterations done.
 
     Every scheduled parameter of every param group goes back to its ``initial_<param>``,
@@ -365,8 +426,9 @@ def replay_schedulers(schedulers: Sequence['_ParamScheduler'], num_iters: int,
     them consistently to the schedule's end.
     """
     if epoch_length is None and any(s.by_epoch for s in schedulers):
-        raise ValueError('replaying epoch-based schedulers needs epoch_length (iterations per '
-                         'epoch)')
+        raise ValueError(
+            'replaying epoch-based schedulers needs epoch_length (iterations per epoch)'
+        )
     for sched in schedulers:
         for group in sched.optimizer.param_groups:
             group[sched.param_name] = group[f'initial_{sched.param_name}']

@@ -11,6 +11,7 @@ What a strategy calls (numbered sequence):
    with ``epoch_length`` (iterations per epoch), which it then requires.
 4. Otherwise the class is called with the cfg keys and ``optimizer``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -20,15 +21,20 @@ from stratagem.registry import PARAM_SCHEDULERS, Registry, RegistryError, build_
 
 from .base import check_optimizer
 
-__all__ = ['build_scheduler_from_cfg', 'build_param_scheduler', 'build_param_schedulers',
-           'build_param_scheduler_dict']
+__all__ = [
+    'build_scheduler_from_cfg',
+    'build_param_scheduler',
+    'build_param_schedulers',
+    'build_param_scheduler_dict',
+]
 
 # keys a builder may pass through default_args; the schedulers themselves take none of them
 _BUILD_KEYS = ('epoch_length', 'max_epochs', 'max_iters')
 
 
-def build_scheduler_from_cfg(cfg: Mapping[str, Any], registry: Registry,
-                             default_args: Mapping[str, Any] | None = None) -> Any:
+def build_scheduler_from_cfg(
+    cfg: Mapping[str, Any], registry: Registry, default_args: Mapping[str, Any] | None = None
+) -> Any:
     """The PARAM_SCHEDULERS build function (mmengine's ``build_scheduler_from_cfg``).
 
     Args:
@@ -42,14 +48,18 @@ def build_scheduler_from_cfg(cfg: Mapping[str, Any], registry: Registry,
         The built scheduler.
     """
     if not isinstance(cfg, Mapping):
-        raise TypeError(f'a param_scheduler entry must be a dict with a type, got '
-                        f'{type(cfg).__name__}: {cfg!r:.80}')
+        raise TypeError(
+            f'a param_scheduler entry must be a dict with a type, got '
+            f'{type(cfg).__name__}: {cfg!r:.80}'
+        )
     args = dict(cfg)
     for key, value in (default_args or {}).items():
         args.setdefault(key, value)
     if 'type' not in args:
-        raise RegistryError(f"param_scheduler entry {dict(cfg)!r} has no 'type'; add "
-                            f"type='<name>' with one of: {', '.join(registry.names())}")
+        raise RegistryError(
+            f"param_scheduler entry {dict(cfg)!r} has no 'type'; add "
+            f"type='<name>' with one of: {', '.join(registry.names())}"
+        )
     obj_type = args.pop('type')
     if isinstance(obj_type, str):
         cls = registry.get(obj_type)
@@ -61,8 +71,7 @@ def build_scheduler_from_cfg(cfg: Mapping[str, Any], registry: Registry,
         raise TypeError(f"param_scheduler 'type' must be a name or a class, got {obj_type!r}")
     name = cls.__name__
     if 'optimizer' not in args:
-        raise ValueError(f'{name}: no optimizer to schedule; pass default_args='
-                         'dict(optimizer=...)')
+        raise ValueError(f'{name}: no optimizer to schedule; pass default_args=dict(optimizer=...)')
     epoch_length = args.pop('epoch_length', None)
     max_epochs = args.pop('max_epochs', None)
     max_iters = args.pop('max_iters', None)
@@ -74,17 +83,23 @@ def build_scheduler_from_cfg(cfg: Mapping[str, Any], registry: Registry,
     if not convert:
         return build_from_cfg({'type': cls, **args}, registry)
     if not args.get('by_epoch', True):
-        raise ValueError(f'{name}: convert_to_iter_based=True needs an epoch-based config, '
-                         'but by_epoch=False; drop one of the two')
+        raise ValueError(
+            f'{name}: convert_to_iter_based=True needs an epoch-based config, '
+            'but by_epoch=False; drop one of the two'
+        )
     if epoch_length is None:
-        raise ValueError(f'{name}: convert_to_iter_based=True needs epoch_length (iterations '
-                         'per epoch); pass epoch_length= to the builder (e.g. '
-                         'len(train_dataloader)) or set --epoch-length')
+        raise ValueError(
+            f'{name}: convert_to_iter_based=True needs epoch_length (iterations '
+            'per epoch); pass epoch_length= to the builder (e.g. '
+            'len(train_dataloader)) or set --epoch-length'
+        )
     try:
         return cls.build_iter_from_epoch(epoch_length=epoch_length, **args)
     except TypeError as e:
-        raise TypeError(f'cannot build {name} (convert_to_iter_based) from cfg keys '
-                        f'{sorted(k for k in args if k != "optimizer")}: {e}') from e
+        raise TypeError(
+            f'cannot build {name} (convert_to_iter_based) from cfg keys '
+            f'{sorted(k for k in args if k != "optimizer")}: {e}'
+        ) from e
 
 
 # mmengine's PARAM_SCHEDULERS builds through the function above; so does ours once this
@@ -104,9 +119,14 @@ def _is_built(obj: Any) -> bool:
     return not isinstance(obj, Mapping) and hasattr(obj, 'step') and hasattr(obj, 'state_dict')
 
 
-def build_param_scheduler(cfg: Mapping[str, Any] | Any, optimizer: Any, *,
-                          epoch_length: int | None = None, max_epochs: int | None = None,
-                          max_iters: int | None = None) -> Any:
+def build_param_scheduler(
+    cfg: Mapping[str, Any] | Any,
+    optimizer: Any,
+    *,
+    epoch_length: int | None = None,
+    max_epochs: int | None = None,
+    max_iters: int | None = None,
+) -> Any:
     """Build one scheduler for ``optimizer`` (an already built scheduler passes through).
 
     Args:
@@ -132,13 +152,19 @@ def _as_list(cfgs: Any) -> list:
         return [cfgs]
     if isinstance(cfgs, Sequence) and not isinstance(cfgs, str):
         return list(cfgs)
-    raise TypeError(f'param_scheduler must be a dict, a list of dicts or a dict of lists, got '
-                    f'{type(cfgs).__name__}: {cfgs!r:.80}')
+    raise TypeError(
+        f'param_scheduler must be a dict, a list of dicts or a dict of lists, got '
+        f'{type(cfgs).__name__}: {cfgs!r:.80}'
+    )
 
 
-def build_param_schedulers(cfgs: Any, optim_wrapper: Any, epoch_length: int | None = None,
-                           max_epochs: int | None = None,
-                           max_iters: int | None = None) -> list | dict[str, list]:
+def build_param_schedulers(
+    cfgs: Any,
+    optim_wrapper: Any,
+    epoch_length: int | None = None,
+    max_epochs: int | None = None,
+    max_iters: int | None = None,
+) -> list | dict[str, list]:
     """Build the ``param_scheduler`` config for an optimizer, wrapper or wrapper dict.
 
     Args:
@@ -156,16 +182,32 @@ def build_param_schedulers(cfgs: Any, optim_wrapper: Any, epoch_length: int | No
         of wrappers.
     """
     if not _is_single_optimizer(optim_wrapper) and hasattr(optim_wrapper, 'items'):
-        return build_param_scheduler_dict(cfgs, optim_wrapper, epoch_length=epoch_length,
-                                          max_epochs=max_epochs, max_iters=max_iters)
-    return [build_param_scheduler(cfg, optim_wrapper, epoch_length=epoch_length,
-                                  max_epochs=max_epochs, max_iters=max_iters)
-            for cfg in _as_list(cfgs)]
+        return build_param_scheduler_dict(
+            cfgs,
+            optim_wrapper,
+            epoch_length=epoch_length,
+            max_epochs=max_epochs,
+            max_iters=max_iters,
+        )
+    return [
+        build_param_scheduler(
+            cfg,
+            optim_wrapper,
+            epoch_length=epoch_length,
+            max_epochs=max_epochs,
+            max_iters=max_iters,
+        )
+        for cfg in _as_list(cfgs)
+    ]
 
 
-def build_param_scheduler_dict(cfgs: Any, optim_wrappers: Any, epoch_length: int | None = None,
-                               max_epochs: int | None = None,
-                               max_iters: int | None = None) -> dict[str, list]:
+def build_param_scheduler_dict(
+    cfgs: Any,
+    optim_wrappers: Any,
+    epoch_length: int | None = None,
+    max_epochs: int | None = None,
+    max_iters: int | None = None,
+) -> dict[str, list]:
     """Build schedulers for several named optimizers (mmengine's OptimWrapperDict case).
 
     If ``cfgs`` is a dict without ``type``, ``cfgs[name]`` is built for the
@@ -180,11 +222,18 @@ def build_param_scheduler_dict(cfgs: Any, optim_wrappers: Any, epoch_length: int
     for name, wrapper in optim_wrappers.items():
         if per_name:
             if name not in cfgs:
-                raise KeyError(f'param_scheduler has no entry for optimizer {name!r}; keys: '
-                               f'{sorted(cfgs)}; give one per optimizer ({name}=None for none)')
+                raise KeyError(
+                    f'param_scheduler has no entry for optimizer {name!r}; keys: '
+                    f'{sorted(cfgs)}; give one per optimizer ({name}=None for none)'
+                )
             entry = cfgs[name]
         else:
             entry = cfgs
-        out[name] = build_param_schedulers(entry, wrapper, epoch_length=epoch_length,
-                                           max_epochs=max_epochs, max_iters=max_iters)
+        out[name] = build_param_schedulers(
+            entry,
+            wrapper,
+            epoch_length=epoch_length,  # type: ignore[assignment]
+            max_epochs=max_epochs,
+            max_iters=max_iters,
+        )
     return out

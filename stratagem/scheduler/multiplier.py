@@ -4,6 +4,7 @@
 max_iter)``; its state is two plain values. :func:`build_lr_scheduler` reads a
 detectron2-style ``SOLVER`` dict and returns one.
 """
+
 from __future__ import annotations
 
 import logging
@@ -11,8 +12,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from .base import check_optimizer
-from .schedules import (CosineSchedule, MultiStepSchedule, Schedule, StepWithFixedGammaSchedule,
-                        WarmupSchedule)
+from .schedules import (
+    CosineSchedule,
+    MultiStepSchedule,
+    Schedule,
+    StepWithFixedGammaSchedule,
+    WarmupSchedule,
+)
 
 __all__ = ['LRMultiplier', 'build_lr_scheduler']
 
@@ -36,12 +42,15 @@ class LRMultiplier:
 
     by_epoch = False
 
-    def __init__(self, optimizer: Any, multiplier: Schedule, max_iter: int,
-                 last_iter: int = -1) -> None:
+    def __init__(
+        self, optimizer: Any, multiplier: Schedule, max_iter: int, last_iter: int = -1
+    ) -> None:
         check_optimizer(optimizer, 'LRMultiplier')
         if not callable(multiplier):
-            raise TypeError('LRMultiplier: multiplier must be a Schedule (a callable of '
-                            f'progress in [0, 1)), got {type(multiplier).__name__}')
+            raise TypeError(
+                'LRMultiplier: multiplier must be a Schedule (a callable of '
+                f'progress in [0, 1)), got {type(multiplier).__name__}'
+            )
         if not isinstance(max_iter, int) or max_iter <= 0:
             raise ValueError(f'LRMultiplier: max_iter must be a positive int, got {max_iter!r}')
         self.optimizer = optimizer
@@ -51,8 +60,10 @@ class LRMultiplier:
             if last_iter == -1:
                 group.setdefault('initial_lr', group['lr'])
             elif 'initial_lr' not in group:
-                raise KeyError(f"LRMultiplier: param_groups[{i}] has no 'initial_lr', which "
-                               f'resuming with last_iter={last_iter} needs')
+                raise KeyError(
+                    f"LRMultiplier: param_groups[{i}] has no 'initial_lr', which "
+                    f'resuming with last_iter={last_iter} needs'
+                )
         self.base_lrs = [group['initial_lr'] for group in optimizer.param_groups]
         # torch's name for the iteration counter, kept so detectron2 states load as they are
         self.last_epoch = last_iter
@@ -88,9 +99,16 @@ class LRMultiplier:
 
 
 _SOLVER_DEFAULTS = {  # detectron2's defaults for the keys read here
-    'LR_SCHEDULER_NAME': 'WarmupMultiStepLR', 'STEPS': (30000, ), 'GAMMA': 0.1,
-    'BASE_LR': 0.001, 'BASE_LR_END': 0.0, 'WARMUP_FACTOR': 1.0 / 1000, 'WARMUP_ITERS': 1000,
-    'WARMUP_METHOD': 'linear', 'RESCALE_INTERVAL': False, 'NUM_DECAYS': 3,
+    'LR_SCHEDULER_NAME': 'WarmupMultiStepLR',
+    'STEPS': (30000,),
+    'GAMMA': 0.1,
+    'BASE_LR': 0.001,
+    'BASE_LR_END': 0.0,
+    'WARMUP_FACTOR': 1.0 / 1000,
+    'WARMUP_ITERS': 1000,
+    'WARMUP_METHOD': 'linear',
+    'RESCALE_INTERVAL': False,
+    'NUM_DECAYS': 3,
 }
 _NAMES = ('WarmupMultiStepLR', 'WarmupCosineLR', 'WarmupStepWithFixedGammaLR')
 
@@ -120,26 +138,39 @@ def build_lr_scheduler(solver: Mapping[str, Any], optimizer: Any) -> LRMultiplie
     if name == 'WarmupMultiStepLR':
         steps = [x for x in cfg['STEPS'] if x <= max_iter]
         if len(steps) != len(cfg['STEPS']):
-            logger.warning('SOLVER.STEPS %s has values larger than SOLVER.MAX_ITER (%d); they are '
-                           'ignored.', list(cfg['STEPS']), max_iter)
+            logger.warning(
+                'SOLVER.STEPS %s has values larger than SOLVER.MAX_ITER (%d); they are ignored.',
+                list(cfg['STEPS']),
+                max_iter,
+            )
         if steps != sorted(steps):
-            raise ValueError(f'build_lr_scheduler: SOLVER.STEPS must be increasing, got '
-                             f'{list(cfg["STEPS"])}')
+            raise ValueError(
+                f'build_lr_scheduler: SOLVER.STEPS must be increasing, got {list(cfg["STEPS"])}'
+            )
         values = [cfg['GAMMA'] ** k for k in range(len(steps) + 1)]
-        sched: Schedule = MultiStepSchedule(values=values, milestones=steps,
-                                            num_updates=max_iter)
+        sched: Schedule = MultiStepSchedule(values=values, milestones=steps, num_updates=max_iter)
     elif name == 'WarmupCosineLR':
         end_value = cfg['BASE_LR_END'] / cfg['BASE_LR']
         if not 0.0 <= end_value <= 1.0:
-            raise ValueError('build_lr_scheduler: SOLVER.BASE_LR_END / SOLVER.BASE_LR must be in '
-                             f'[0, 1], got {cfg["BASE_LR_END"]} / {cfg["BASE_LR"]}')
+            raise ValueError(
+                'build_lr_scheduler: SOLVER.BASE_LR_END / SOLVER.BASE_LR must be in '
+                f'[0, 1], got {cfg["BASE_LR_END"]} / {cfg["BASE_LR"]}'
+            )
         sched = CosineSchedule(1, end_value)
     elif name == 'WarmupStepWithFixedGammaLR':
-        sched = StepWithFixedGammaSchedule(base_value=1.0, gamma=cfg['GAMMA'],
-                                           num_decays=cfg['NUM_DECAYS'], num_updates=max_iter)
+        sched = StepWithFixedGammaSchedule(
+            base_value=1.0, gamma=cfg['GAMMA'], num_decays=cfg['NUM_DECAYS'], num_updates=max_iter
+        )
     else:
-        raise ValueError(f'build_lr_scheduler: unknown SOLVER.LR_SCHEDULER_NAME {name!r}; '
-                         f'valid: {", ".join(_NAMES)}')
-    sched = WarmupSchedule(sched, cfg['WARMUP_FACTOR'], min(cfg['WARMUP_ITERS'] / max_iter, 1.0),
-                           cfg['WARMUP_METHOD'], cfg['RESCALE_INTERVAL'])
+        raise ValueError(
+            f'build_lr_scheduler: unknown SOLVER.LR_SCHEDULER_NAME {name!r}; '
+            f'valid: {", ".join(_NAMES)}'
+        )
+    sched = WarmupSchedule(
+        sched,
+        cfg['WARMUP_FACTOR'],
+        min(cfg['WARMUP_ITERS'] / max_iter, 1.0),
+        cfg['WARMUP_METHOD'],
+        cfg['RESCALE_INTERVAL'],
+    )
     return LRMultiplier(optimizer, multiplier=sched, max_iter=max_iter)

@@ -3,6 +3,7 @@
 Not chainable: each step sets the value from the phase table, whatever other
 schedulers did.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,39 +53,56 @@ class OneCycleParamScheduler(_ParamScheduler):
             mmengine/torch argument pair). Default None.
     """
 
-    def __init__(self, optimizer: Any, param_name: str, eta_max: float = 0,
-                 total_steps: int | None = None, pct_start: float = 0.3,
-                 anneal_strategy: str = 'cos', div_factor: float = 25.,
-                 final_div_factor: float = 1e4, three_phase: bool = False, begin: int = 0,
-                 end: int = INF, last_step: int = -1, by_epoch: bool = True,
-                 verbose: bool = False, epochs: int | None = None,
-                 steps_per_epoch: int | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        param_name: str,
+        eta_max: float = 0,
+        total_steps: int | None = None,
+        pct_start: float = 0.3,
+        anneal_strategy: str = 'cos',
+        div_factor: float = 25.0,
+        final_div_factor: float = 1e4,
+        three_phase: bool = False,
+        begin: int = 0,
+        end: int = INF,
+        last_step: int = -1,
+        by_epoch: bool = True,
+        verbose: bool = False,
+        epochs: int | None = None,
+        steps_per_epoch: int | None = None,
+    ) -> None:
         name = type(self).__name__
         if param_name != 'lr':
             raise SchedulerArgumentError(
                 f"{name}: param_name must be 'lr' (1cycle schedules the learning "
-                f'rate only), got {param_name!r}')
+                f'rate only), got {param_name!r}'
+            )
         if total_steps is not None:
             if not isinstance(total_steps, int) or total_steps <= 0:
-                raise ValueError(f'{name}: total_steps must be a positive int, got '
-                                 f'{total_steps!r}')
+                raise ValueError(f'{name}: total_steps must be a positive int, got {total_steps!r}')
         elif epochs is not None or steps_per_epoch is not None:
             for arg, v in (('epochs', epochs), ('steps_per_epoch', steps_per_epoch)):
                 if not isinstance(v, int) or v <= 0:
-                    raise ValueError(f'{name}: {arg} must be a positive int when total_steps '
-                                     f'is not given, got {v!r}')
-            total_steps = epochs * steps_per_epoch
+                    raise ValueError(
+                        f'{name}: {arg} must be a positive int when total_steps '
+                        f'is not given, got {v!r}'
+                    )
+            total_steps = epochs * steps_per_epoch  # type: ignore[operator]
         elif end == INF:
-            raise ValueError(f'{name}: the cycle length is unknown; give total_steps, '
-                             'epochs and steps_per_epoch, or a finite end (the builder sets '
-                             'end to max_iters / max_epochs)')
+            raise ValueError(
+                f'{name}: the cycle length is unknown; give total_steps, '
+                'epochs and steps_per_epoch, or a finite end (the builder sets '
+                'end to max_iters / max_epochs)'
+            )
         else:
             total_steps = end - begin
         if not isinstance(pct_start, (int, float)) or not 0 <= pct_start <= 1:
             raise ValueError(f'{name}: pct_start must be a float in [0, 1], got {pct_start!r}')
         if anneal_strategy not in _ANNEAL:
-            raise ValueError(f"{name}: anneal_strategy must be 'cos' or 'linear', got "
-                             f'{anneal_strategy!r}')
+            raise ValueError(
+                f"{name}: anneal_strategy must be 'cos' or 'linear', got {anneal_strategy!r}"
+            )
         self.eta_max = eta_max
         self.div_factor = div_factor
         self.final_div_factor = final_div_factor
@@ -93,15 +111,20 @@ class OneCycleParamScheduler(_ParamScheduler):
         p = param_name
         warm_end = float(pct_start * total_steps) - 1
         if three_phase:
-            phases = [(warm_end, f'initial_{p}', f'max_{p}'),
-                      (float(2 * pct_start * total_steps) - 2, f'max_{p}', f'initial_{p}'),
-                      (total_steps - 1, f'initial_{p}', f'min_{p}')]
+            phases = [
+                (warm_end, f'initial_{p}', f'max_{p}'),
+                (float(2 * pct_start * total_steps) - 2, f'max_{p}', f'initial_{p}'),
+                (total_steps - 1, f'initial_{p}', f'min_{p}'),
+            ]
         else:
-            phases = [(warm_end, f'initial_{p}', f'max_{p}'),
-                      (total_steps - 1, f'max_{p}', f'min_{p}')]
+            phases = [
+                (warm_end, f'initial_{p}', f'max_{p}'),
+                (total_steps - 1, f'max_{p}', f'min_{p}'),
+            ]
         # plain dicts of str/float, so the table travels in the state dict
-        self._schedule_phases = [{'end_step': e, f'start_{p}': s, f'end_{p}': t}
-                                 for e, s, t in phases]
+        self._schedule_phases: list[dict[str, Any]] = [
+            {'end_step': e, f'start_{p}': s, f'end_{p}': t} for e, s, t in phases
+        ]
         check_groups = getattr(optimizer, 'param_groups', None)
         if last_step == -1 and check_groups is not None:
             max_values = per_group(eta_max, len(check_groups), name, 'eta_max')
@@ -110,8 +133,15 @@ class OneCycleParamScheduler(_ParamScheduler):
                 group[f'initial_{p}'] = max_value / div_factor
                 group[f'max_{p}'] = max_value
                 group[f'min_{p}'] = group[f'initial_{p}'] / final_div_factor
-        super().__init__(optimizer, param_name, begin=begin, end=end, last_step=last_step,
-                         by_epoch=by_epoch, verbose=verbose)
+        super().__init__(
+            optimizer,
+            param_name,
+            begin=begin,
+            end=end,
+            last_step=last_step,
+            by_epoch=by_epoch,
+            verbose=verbose,
+        )
 
     _epoch_args = ('total_steps',)
 
@@ -128,21 +158,22 @@ class OneCycleParamScheduler(_ParamScheduler):
     def _get_value(self) -> list:
         step = self.last_step
         if step > self.total_steps:
-            raise ValueError(f'{type(self).__name__}: stepped {step + 1} times, more than '
-                             f'total_steps ({self.total_steps}); raise total_steps or set '
-                             'end to stop the scheduler')
+            raise ValueError(
+                f'{type(self).__name__}: stepped {step + 1} times, more than '
+                f'total_steps ({self.total_steps}); raise total_steps or set '
+                'end to stop the scheduler'
+            )
         anneal = _ANNEAL[self.anneal_strategy]
         p = self.param_name
         values = []
         for group in self.optimizer.param_groups:
-            start_step = 0.
+            start_step = 0.0
             last = len(self._schedule_phases) - 1
             for i, phase in enumerate(self._schedule_phases):
                 end_step = phase['end_step']
                 if step <= end_step or i == last:
                     pct = (step - start_step) / (end_step - start_step)
-                    values.append(anneal(group[phase[f'start_{p}']], group[phase[f'end_{p}']],
-                                         pct))
+                    values.append(anneal(group[phase[f'start_{p}']], group[phase[f'end_{p}']], pct))
                     break
                 start_step = end_step
         return values

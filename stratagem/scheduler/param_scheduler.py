@@ -5,6 +5,7 @@ overlapping schedulers compose; when a scheduler is alone, its values are the
 closed forms given in each docstring (``b`` is the base value, ``t`` the step
 counted from ``begin``).
 """
+
 from __future__ import annotations
 
 import math
@@ -17,9 +18,14 @@ from stratagem.registry import PARAM_SCHEDULERS
 from .base import INF, SchedulerArgumentError, _ParamScheduler
 
 __all__ = [
-    'StepParamScheduler', 'MultiStepParamScheduler', 'ConstantParamScheduler',
-    'ExponentialParamScheduler', 'CosineAnnealingParamScheduler', 'LinearParamScheduler',
-    'PolyParamScheduler', 'CosineRestartParamScheduler',
+    'StepParamScheduler',
+    'MultiStepParamScheduler',
+    'ConstantParamScheduler',
+    'ExponentialParamScheduler',
+    'CosineAnnealingParamScheduler',
+    'LinearParamScheduler',
+    'PolyParamScheduler',
+    'CosineRestartParamScheduler',
 ]
 
 
@@ -45,16 +51,32 @@ class StepParamScheduler(_ParamScheduler):
         begin, end, last_step, by_epoch, verbose: See :class:`_ParamScheduler`.
     """
 
-    def __init__(self, optimizer: Any, param_name: str, step_size: int, gamma: float = 0.1,
-                 begin: int = 0, end: int = INF, last_step: int = -1, by_epoch: bool = True,
-                 verbose: bool = False) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        param_name: str,
+        step_size: int | float,
+        gamma: float = 0.1,
+        begin: int = 0,
+        end: int = INF,
+        last_step: int = -1,
+        by_epoch: bool = True,
+        verbose: bool = False,
+    ) -> None:
         if isinstance(step_size, float) and step_size.is_integer():
             step_size = int(step_size)  # mmengine accepts 2.0 for 2
         _check_positive_int(type(self).__name__, 'step_size', step_size)
         self.step_size = step_size
         self.gamma = gamma
-        super().__init__(optimizer, param_name, begin=begin, end=end, last_step=last_step,
-                         by_epoch=by_epoch, verbose=verbose)
+        super().__init__(
+            optimizer,
+            param_name,
+            begin=begin,
+            end=end,
+            last_step=last_step,
+            by_epoch=by_epoch,
+            verbose=verbose,
+        )
 
     _epoch_args = ('step_size',)
 
@@ -79,18 +101,36 @@ class MultiStepParamScheduler(_ParamScheduler):
         begin, end, last_step, by_epoch, verbose: See :class:`_ParamScheduler`.
     """
 
-    def __init__(self, optimizer: Any, param_name: str, milestones: Sequence[int],
-                 gamma: float = 0.1, last_step: int = -1, begin: int = 0, end: int = INF,
-                 by_epoch: bool = True, verbose: bool = False) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        param_name: str,
+        milestones: Sequence[int],
+        gamma: float = 0.1,
+        last_step: int = -1,
+        begin: int = 0,
+        end: int = INF,
+        by_epoch: bool = True,
+        verbose: bool = False,
+    ) -> None:
         milestones = list(milestones)
         if milestones != sorted(milestones):
-            raise ValueError(f'{type(self).__name__}: milestones must be sorted in increasing '
-                             f'order, got {milestones}; did you mean {sorted(milestones)}?')
+            raise ValueError(
+                f'{type(self).__name__}: milestones must be sorted in increasing '
+                f'order, got {milestones}; did you mean {sorted(milestones)}?'
+            )
         # a plain dict (step -> count), not a Counter, so that state dicts load weights_only
         self.milestones = dict(Counter(milestones))
         self.gamma = gamma
-        super().__init__(optimizer, param_name, begin=begin, end=end, last_step=last_step,
-                         by_epoch=by_epoch, verbose=verbose)
+        super().__init__(
+            optimizer,
+            param_name,
+            begin=begin,
+            end=end,
+            last_step=last_step,
+            by_epoch=by_epoch,
+            verbose=verbose,
+        )
 
     _epoch_args = ('milestones',)
 
@@ -99,7 +139,7 @@ class MultiStepParamScheduler(_ParamScheduler):
         count = self.milestones.get(self.last_step, 0)
         if not count:
             return [g[self.param_name] for g in groups]
-        return [g[self.param_name] * self.gamma ** count for g in groups]
+        return [g[self.param_name] * self.gamma**count for g in groups]
 
 
 @PARAM_SCHEDULERS.register_module()
@@ -114,14 +154,29 @@ class ConstantParamScheduler(_ParamScheduler):
         begin, end, last_step, by_epoch, verbose: See :class:`_ParamScheduler`.
     """
 
-    def __init__(self, optimizer: Any, param_name: str, factor: float = 1.0 / 3,
-                 begin: int = 0, end: int = INF, last_step: int = -1, by_epoch: bool = True,
-                 verbose: bool = False) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        param_name: str,
+        factor: float = 1.0 / 3,
+        begin: int = 0,
+        end: int = INF,
+        last_step: int = -1,
+        by_epoch: bool = True,
+        verbose: bool = False,
+    ) -> None:
         _check_factor(type(self).__name__, 'factor', factor)
         self.factor = factor
         self.total_iters = end - begin - 1
-        super().__init__(optimizer, param_name, begin=begin, end=end, last_step=last_step,
-                         by_epoch=by_epoch, verbose=verbose)
+        super().__init__(
+            optimizer,
+            param_name,
+            begin=begin,
+            end=end,
+            last_step=last_step,
+            by_epoch=by_epoch,
+            verbose=verbose,
+        )
 
     def _get_value(self) -> list:
         groups = self.optimizer.param_groups
@@ -143,12 +198,27 @@ class ExponentialParamScheduler(_ParamScheduler):
         begin, end, last_step, by_epoch, verbose: See :class:`_ParamScheduler`.
     """
 
-    def __init__(self, optimizer: Any, param_name: str, gamma: float, begin: int = 0,
-                 end: int = INF, last_step: int = -1, by_epoch: bool = True,
-                 verbose: bool = False) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        param_name: str,
+        gamma: float,
+        begin: int = 0,
+        end: int = INF,
+        last_step: int = -1,
+        by_epoch: bool = True,
+        verbose: bool = False,
+    ) -> None:
         self.gamma = gamma
-        super().__init__(optimizer, param_name, begin=begin, end=end, last_step=last_step,
-                         by_epoch=by_epoch, verbose=verbose)
+        super().__init__(
+            optimizer,
+            param_name,
+            begin=begin,
+            end=end,
+            last_step=last_step,
+            by_epoch=by_epoch,
+            verbose=verbose,
+        )
 
     def _get_value(self) -> list:
         groups = self.optimizer.param_groups
@@ -158,7 +228,10 @@ class ExponentialParamScheduler(_ParamScheduler):
 
 
 def _eta_min(eta_min: float | None, eta_min_ratio: float | None, base: float) -> float:
-    return base * eta_min_ratio if eta_min_ratio is not None else eta_min
+    if eta_min_ratio is not None:
+        return base * eta_min_ratio
+    assert eta_min is not None  # the constructors set exactly one of the two
+    return eta_min
 
 
 @PARAM_SCHEDULERS.register_module()
@@ -176,21 +249,38 @@ class CosineAnnealingParamScheduler(_ParamScheduler):
             this or ``eta_min``, not both.
     """
 
-    def __init__(self, optimizer: Any, param_name: str, T_max: int | None = None,
-                 eta_min: float | None = None, begin: int = 0, end: int = INF,
-                 last_step: int = -1, by_epoch: bool = True, verbose: bool = False,
-                 eta_min_ratio: float | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        param_name: str,
+        T_max: int | None = None,
+        eta_min: float | None = None,
+        begin: int = 0,
+        end: int = INF,
+        last_step: int = -1,
+        by_epoch: bool = True,
+        verbose: bool = False,
+        eta_min_ratio: float | None = None,
+    ) -> None:
         if eta_min is None and eta_min_ratio is None:
-            eta_min = 0.
+            eta_min = 0.0
         if eta_min is not None and eta_min_ratio is not None:
             raise SchedulerArgumentError(
                 f'{type(self).__name__}: give eta_min or eta_min_ratio, not both '
-                f'(got eta_min={eta_min}, eta_min_ratio={eta_min_ratio})')
+                f'(got eta_min={eta_min}, eta_min_ratio={eta_min_ratio})'
+            )
         self.T_max = T_max or (end - begin)
         self.eta_min = eta_min
         self.eta_min_ratio = eta_min_ratio
-        super().__init__(optimizer, param_name, begin=begin, end=end, last_step=last_step,
-                         by_epoch=by_epoch, verbose=verbose)
+        super().__init__(
+            optimizer,
+            param_name,
+            begin=begin,
+            end=end,
+            last_step=last_step,
+            by_epoch=by_epoch,
+            verbose=verbose,
+        )
 
     _epoch_args = ('T_max',)
 
@@ -206,8 +296,12 @@ class CosineAnnealingParamScheduler(_ParamScheduler):
                 # the ratio form below divides by zero at the trough; step up instead
                 out.append(g[key] + (base - m) * (1 - math.cos(math.pi / T)) / 2)
             else:
-                out.append((1 + math.cos(math.pi * t / T)) / (1 + math.cos(math.pi * (t - 1) / T))
-                           * (g[key] - m) + m)
+                out.append(
+                    (1 + math.cos(math.pi * t / T))
+                    / (1 + math.cos(math.pi * (t - 1) / T))
+                    * (g[key] - m)
+                    + m
+                )
         return out
 
 
@@ -224,23 +318,39 @@ class LinearParamScheduler(_ParamScheduler):
         begin, end, last_step, by_epoch, verbose: See :class:`_ParamScheduler`.
     """
 
-    def __init__(self, optimizer: Any, param_name: str, start_factor: float = 1.0 / 3,
-                 end_factor: float = 1.0, begin: int = 0, end: int = INF, last_step: int = -1,
-                 by_epoch: bool = True, verbose: bool = False) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        param_name: str,
+        start_factor: float = 1.0 / 3,
+        end_factor: float = 1.0,
+        begin: int = 0,
+        end: int = INF,
+        last_step: int = -1,
+        by_epoch: bool = True,
+        verbose: bool = False,
+    ) -> None:
         _check_factor(type(self).__name__, 'start_factor', start_factor)
         _check_factor(type(self).__name__, 'end_factor', end_factor)
         self.start_factor = start_factor
         self.end_factor = end_factor
         self.total_iters = end - begin - 1
-        super().__init__(optimizer, param_name, begin=begin, end=end, last_step=last_step,
-                         by_epoch=by_epoch, verbose=verbose)
+        super().__init__(
+            optimizer,
+            param_name,
+            begin=begin,
+            end=end,
+            last_step=last_step,
+            by_epoch=by_epoch,
+            verbose=verbose,
+        )
 
     def _get_value(self) -> list:
         groups = self.optimizer.param_groups
         s, e = self.start_factor, self.end_factor
         if self.last_step == 0:
             return [g[self.param_name] * s for g in groups]
-        ratio = 1. + (e - s) / (self.total_iters * s + (self.last_step - 1) * (e - s))
+        ratio = 1.0 + (e - s) / (self.total_iters * s + (self.last_step - 1) * (e - s))
         return [g[self.param_name] * ratio for g in groups]
 
 
@@ -257,14 +367,30 @@ class PolyParamScheduler(_ParamScheduler):
         begin, end, last_step, by_epoch, verbose: See :class:`_ParamScheduler`.
     """
 
-    def __init__(self, optimizer: Any, param_name: str, eta_min: float = 0, power: float = 1.0,
-                 begin: int = 0, end: int = INF, last_step: int = -1, by_epoch: bool = True,
-                 verbose: bool = False) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        param_name: str,
+        eta_min: float = 0,
+        power: float = 1.0,
+        begin: int = 0,
+        end: int = INF,
+        last_step: int = -1,
+        by_epoch: bool = True,
+        verbose: bool = False,
+    ) -> None:
         self.eta_min = eta_min
         self.power = power
         self.total_iters = end - begin - 1
-        super().__init__(optimizer, param_name, begin=begin, end=end, last_step=last_step,
-                         by_epoch=by_epoch, verbose=verbose)
+        super().__init__(
+            optimizer,
+            param_name,
+            begin=begin,
+            end=end,
+            last_step=last_step,
+            by_epoch=by_epoch,
+            verbose=verbose,
+        )
 
     def _get_value(self) -> list:
         groups = self.optimizer.param_groups
@@ -291,35 +417,53 @@ class CosineRestartParamScheduler(_ParamScheduler):
         begin, end, last_step, by_epoch, verbose: See :class:`_ParamScheduler`.
     """
 
-    def __init__(self, optimizer: Any, param_name: str, periods: Sequence[int],
-                 restart_weights: Sequence[float] = (1, ), eta_min: float | None = None,
-                 eta_min_ratio: float | None = None, begin: int = 0, end: int = INF,
-                 last_step: int = -1, by_epoch: bool = True, verbose: bool = False) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        param_name: str,
+        periods: Sequence[int],
+        restart_weights: Sequence[float] = (1,),
+        eta_min: float | None = None,
+        eta_min_ratio: float | None = None,
+        begin: int = 0,
+        end: int = INF,
+        last_step: int = -1,
+        by_epoch: bool = True,
+        verbose: bool = False,
+    ) -> None:
         name = type(self).__name__
         if (eta_min is None) == (eta_min_ratio is None):
             raise SchedulerArgumentError(
                 f'{name}: give exactly one of eta_min and eta_min_ratio (got '
-                f'eta_min={eta_min}, eta_min_ratio={eta_min_ratio})')
+                f'eta_min={eta_min}, eta_min_ratio={eta_min_ratio})'
+            )
         if len(periods) != len(restart_weights):
             raise SchedulerArgumentError(
                 f'{name}: periods ({len(periods)} values) and restart_weights '
-                f'({len(restart_weights)} values) must have the same length')
+                f'({len(restart_weights)} values) must have the same length'
+            )
         for p in periods:
             _check_positive_int(name, 'periods', p)
         self.periods = list(periods)
         self.restart_weights = list(restart_weights)
         self.eta_min = eta_min
         self.eta_min_ratio = eta_min_ratio
-        self.cumulative_periods = [sum(self.periods[:i + 1]) for i in range(len(self.periods))]
-        super().__init__(optimizer, param_name, begin=begin, end=end, last_step=last_step,
-                         by_epoch=by_epoch, verbose=verbose)
+        self.cumulative_periods = [sum(self.periods[: i + 1]) for i in range(len(self.periods))]
+        super().__init__(
+            optimizer,
+            param_name,
+            begin=begin,
+            end=end,
+            last_step=last_step,
+            by_epoch=by_epoch,
+            verbose=verbose,
+        )
 
     _epoch_args = ('periods',)
 
     def _rescale_derived(self, state: dict, ratio: Any) -> dict:
         periods = state['periods']
-        return {**state, 'cumulative_periods': [sum(periods[:i + 1])
-                                                for i in range(len(periods))]}
+        return {**state, 'cumulative_periods': [sum(periods[: i + 1]) for i in range(len(periods))]}
 
     @staticmethod
     def get_position_from_periods(iteration: int, cumulative_periods: list[int]) -> int | None:
@@ -343,7 +487,10 @@ class CosineRestartParamScheduler(_ParamScheduler):
             if step == 0:
                 out.append(base * weight)
             else:
-                out.append((1 + math.cos(math.pi * step / period))
-                           / (1 + math.cos(math.pi * (step - 1) / period))
-                           * (g[self.param_name] - m) + m)
+                out.append(
+                    (1 + math.cos(math.pi * step / period))
+                    / (1 + math.cos(math.pi * (step - 1) / period))
+                    * (g[self.param_name] - m)
+                    + m
+                )
         return out

@@ -4,6 +4,7 @@ Unlike the other schedulers it is driven by metrics: the loop calls
 ``step(metrics)`` after each validation (``need_val_args`` says so); a plain
 ``step()`` only counts an epoch, which is what ``begin``/``end`` are measured in.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -11,8 +12,15 @@ from typing import Any
 
 from stratagem.registry import PARAM_SCHEDULERS
 
-from .base import (INF, SchedulerArgumentError, _ParamScheduler, check_initial_values,
-                   check_optimizer, check_window, raw_optimizer)
+from .base import (
+    INF,
+    SchedulerArgumentError,
+    _ParamScheduler,
+    check_initial_values,
+    check_optimizer,
+    check_window,
+    raw_optimizer,
+)
 
 __all__ = ['ReduceOnPlateauParamScheduler']
 
@@ -43,12 +51,25 @@ class ReduceOnPlateauParamScheduler(_ParamScheduler):
 
     need_val_args = True
 
-    def __init__(self, optimizer: Any, param_name: str, monitor: str = 'loss',
-                 rule: str = 'less', factor: float = 0.1, patience: int = 10,
-                 threshold: float = 1e-4, threshold_rule: str = 'rel', cooldown: int = 0,
-                 min_value: float | Sequence[float] = 0., eps: float = 1e-8, begin: int = 0,
-                 end: int = INF, last_step: int = -1, by_epoch: bool = True,
-                 verbose: bool = False) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        param_name: str,
+        monitor: str = 'loss',
+        rule: str = 'less',
+        factor: float = 0.1,
+        patience: int = 10,
+        threshold: float = 1e-4,
+        threshold_rule: str = 'rel',
+        cooldown: int = 0,
+        min_value: float | Sequence[float] = 0.0,
+        eps: float = 1e-8,
+        begin: int = 0,
+        end: int = INF,
+        last_step: int = -1,
+        by_epoch: bool = True,
+        verbose: bool = False,
+    ) -> None:
         name = type(self).__name__
         check_optimizer(optimizer, name)
         check_window(name, begin, end, last_step)
@@ -56,7 +77,8 @@ class ReduceOnPlateauParamScheduler(_ParamScheduler):
             raise SchedulerArgumentError(
                 f'{name}: by_epoch must be True (it reacts to validation metrics, once per '
                 'validation, and begin/end count epochs), got by_epoch=False; to react more '
-                'often, validate more often (val_interval)')
+                'often, validate more often (val_interval)'
+            )
         if factor >= 1.0:
             raise ValueError(f'{name}: factor must be < 1, got {factor}')
         if threshold < 0:
@@ -64,8 +86,9 @@ class ReduceOnPlateauParamScheduler(_ParamScheduler):
         if rule not in ('less', 'greater'):
             raise ValueError(f"{name}: rule must be 'less' or 'greater', got {rule!r}")
         if threshold_rule not in ('rel', 'abs'):
-            raise ValueError(f"{name}: threshold_rule must be 'rel' or 'abs', got "
-                             f'{threshold_rule!r}')
+            raise ValueError(
+                f"{name}: threshold_rule must be 'rel' or 'abs', got {threshold_rule!r}"
+            )
         self.optimizer = optimizer
         self.param_name = param_name
         self.begin, self.end, self.by_epoch, self.verbose = begin, end, by_epoch, verbose
@@ -82,8 +105,10 @@ class ReduceOnPlateauParamScheduler(_ParamScheduler):
         n_raw = len(raw_optimizer(optimizer).param_groups)
         if isinstance(min_value, (list, tuple)):
             if len(min_value) != n_raw:
-                raise ValueError(f'{name}: min_value has {len(min_value)} values but the '
-                                 f'optimizer has {n_raw} param groups')
+                raise ValueError(
+                    f'{name}: min_value has {len(min_value)} values but the '
+                    f'optimizer has {n_raw} param groups'
+                )
             self.min_values = list(min_value)
             # a wrapper may expose one extra group (its base settings): bound it like the last
             self.min_values += [self.min_values[-1]] * (len(optimizer.param_groups) - n_raw)
@@ -97,7 +122,7 @@ class ReduceOnPlateauParamScheduler(_ParamScheduler):
         self.cooldown = cooldown
         self.eps = eps
         self.rule_worse = INF if rule == 'less' else -INF
-        self.best = self.rule_worse
+        self.best: float = self.rule_worse
         self.cooldown_counter = 0
         self.num_bad_epochs = 0
         self._last_value = [g[param_name] for g in optimizer.param_groups]
@@ -107,11 +132,13 @@ class ReduceOnPlateauParamScheduler(_ParamScheduler):
         validation, which a world-size change cannot convert: refused."""
         if state.get('by_epoch', self.by_epoch):
             return state
-        raise ValueError(f'{type(self).__name__} stepped by iteration counts validations '
-                         '(patience, cooldown) in iterations, which cannot be converted to '
-                         'another world size')
+        raise ValueError(
+            f'{type(self).__name__} stepped by iteration counts validations '
+            '(patience, cooldown) in iterations, which cannot be converted to '
+            'another world size'
+        )
 
-    def step(self, metrics: Mapping[str, Any] | None = None) -> None:  # type: ignore[override]
+    def step(self, metrics: Mapping[str, Any] | None = None) -> None:
         """Count an epoch (no ``metrics``) or react to a validation result.
 
         Args:
@@ -122,13 +149,16 @@ class ReduceOnPlateauParamScheduler(_ParamScheduler):
             self._global_step += 1
             return
         if not isinstance(metrics, Mapping):
-            raise TypeError(f'{name}: metrics must be a dict of name -> value, got '
-                            f'{type(metrics).__name__}')
+            raise TypeError(
+                f'{name}: metrics must be a dict of name -> value, got {type(metrics).__name__}'
+            )
         if self.begin <= self._global_step < self.end:
             if self.monitor not in metrics:
-                raise KeyError(f'{name}: monitor {self.monitor!r} is not in the metrics given '
-                               f'to step(); got keys {sorted(metrics)}; set monitor= to one '
-                               'of them')
+                raise KeyError(
+                    f'{name}: monitor {self.monitor!r} is not in the metrics given '
+                    f'to step(); got keys {sorted(metrics)}; set monitor= to one '
+                    'of them'
+                )
             self.last_step += 1
             # a 0-dim tensor would keep autograd/device state in self.best; read it once
             metric = float(metrics[self.monitor])
@@ -141,8 +171,9 @@ class ReduceOnPlateauParamScheduler(_ParamScheduler):
                 self.cooldown_counter -= 1
                 self.num_bad_epochs = 0  # bad epochs during cooldown do not count
             if self.num_bad_epochs > self.patience:
-                for i, (group, value) in enumerate(zip(self.optimizer.param_groups,
-                                                       self._get_value())):
+                for i, (group, value) in enumerate(
+                    zip(self.optimizer.param_groups, self._get_value())
+                ):
                     if group[self.param_name] - value > self.eps:
                         group[self.param_name] = value
                         self.print_value(self.verbose, i, value)
@@ -156,7 +187,11 @@ class ReduceOnPlateauParamScheduler(_ParamScheduler):
 
     def _is_better(self, a: float, best: float) -> bool:
         if self.rule == 'less':
-            return a < (best * (1. - self.threshold) if self.threshold_rule == 'rel'
-                        else best - self.threshold)
-        return a > (best * (1. + self.threshold) if self.threshold_rule == 'rel'
-                    else best + self.threshold)
+            return a < (
+                best * (1.0 - self.threshold)
+                if self.threshold_rule == 'rel'
+                else best - self.threshold
+            )
+        return a > (
+            best * (1.0 + self.threshold) if self.threshold_rule == 'rel' else best + self.threshold
+        )

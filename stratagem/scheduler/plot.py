@@ -5,6 +5,7 @@ runs :func:`~stratagem.scheduler.simulate`, and draws a PNG with matplotlib (the
 ``plot`` extra, imported only here and only then) or, with ``--ascii`` or
 without matplotlib, a chart in the terminal.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,25 +23,40 @@ __all__ = ['add_arguments', 'run', 'ascii_chart', 'plot_png', 'traces_from_confi
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``plot-schedule`` arguments to ``parser``."""
     parser.add_argument('config', help='config file (.py, .json, .yaml)')
-    parser.add_argument('--out', default='lr.png',
-                        help='PNG to write (default: lr.png); ignored with --ascii')
-    parser.add_argument('--ascii', action='store_true',
-                        help='print a terminal chart instead of writing a PNG')
-    parser.add_argument('--epoch-length', type=int, default=None, metavar='N',
-                        help='iterations per epoch (len(train_dataloader)); needed when '
-                             'epoch- and iteration-based schedules mix')
-    parser.add_argument('--max-iters', type=int, default=None, metavar='N',
-                        help='length of an iteration-based run, or where to cut an '
-                             'epoch-based one')
+    parser.add_argument(
+        '--out', default='lr.png', help='PNG to write (default: lr.png); ignored with --ascii'
+    )
+    parser.add_argument(
+        '--ascii', action='store_true', help='print a terminal chart instead of writing a PNG'
+    )
+    parser.add_argument(
+        '--epoch-length',
+        type=int,
+        default=None,
+        metavar='N',
+        help='iterations per epoch (len(train_dataloader)); needed when '
+        'epoch- and iteration-based schedules mix',
+    )
+    parser.add_argument(
+        '--max-iters',
+        type=int,
+        default=None,
+        metavar='N',
+        help='length of an iteration-based run, or where to cut an epoch-based one',
+    )
 
 
-def _run_length(train_cfg: Mapping[str, Any],
-                max_iters: int | None) -> tuple[int | None, int | None]:
+def _run_length(
+    train_cfg: Mapping[str, Any], max_iters: int | None
+) -> tuple[int | None, int | None]:
     """``(max_epochs, max_iters)`` from mmengine's ``train_cfg`` and ``--max-iters``."""
     loop = train_cfg.get('type', None)
     by_epoch = train_cfg.get('by_epoch', None)
-    if loop == 'IterBasedTrainLoop' or by_epoch is False or (
-            'max_iters' in train_cfg and 'max_epochs' not in train_cfg):
+    if (
+        loop == 'IterBasedTrainLoop'
+        or by_epoch is False
+        or ('max_iters' in train_cfg and 'max_epochs' not in train_cfg)
+    ):
         return None, max_iters if max_iters is not None else train_cfg.get('max_iters', None)
     return train_cfg.get('max_epochs', None), max_iters
 
@@ -52,37 +68,50 @@ def _named_optimizers(optim_wrapper: Mapping[str, Any]) -> dict[str, Mapping[str
         return {'': optim_wrapper}
     named = {k: v for k, v in optim_wrapper.items() if isinstance(v, Mapping)}
     if not named:
-        raise ValueError('optim_wrapper has neither an optimizer nor named optimizer configs: '
-                         f'{dict(optim_wrapper)!r:.200}')
+        raise ValueError(
+            'optim_wrapper has neither an optimizer nor named optimizer configs: '
+            f'{dict(optim_wrapper)!r:.200}'
+        )
     return named
 
 
-def traces_from_config(cfg: Mapping[str, Any], epoch_length: int | None = None,
-                       max_iters: int | None = None) -> dict[str, ScheduleTrace]:
+def traces_from_config(
+    cfg: Mapping[str, Any], epoch_length: int | None = None, max_iters: int | None = None
+) -> dict[str, ScheduleTrace]:
     """Simulate every optimizer of a config; ``{name: trace}`` (name ``''`` for one optimizer)."""
     optim_wrapper = cfg.get('optim_wrapper', None)
     if optim_wrapper is None:
         optim_wrapper = cfg.get('optimizer', None)
     if optim_wrapper is None:
-        raise ValueError("the config has no 'optim_wrapper' (nor 'optimizer'); add e.g. "
-                         "optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))")
+        raise ValueError(
+            "the config has no 'optim_wrapper' (nor 'optimizer'); add e.g. "
+            "optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))"
+        )
     max_epochs, run_iters = _run_length(cfg.get('train_cfg', None) or {}, max_iters)
     if max_epochs is None and run_iters is None:
-        raise ValueError("the config's train_cfg has neither max_epochs nor max_iters; set one "
-                         'or pass --max-iters N')
+        raise ValueError(
+            "the config's train_cfg has neither max_epochs nor max_iters; set one "
+            'or pass --max-iters N'
+        )
     schedulers = cfg.get('param_scheduler', None)
     named = _named_optimizers(optim_wrapper)
     per_name = isinstance(schedulers, Mapping) and 'type' not in schedulers and set(named) != {''}
     traces = {}
     for name, optim_cfg in named.items():
         cfgs = schedulers.get(name, None) if per_name else schedulers
-        traces[name] = simulate(cfgs, optim_cfg, max_epochs=max_epochs, max_iters=run_iters,
-                                epoch_length=epoch_length)
+        traces[name] = simulate(
+            cfgs, optim_cfg, max_epochs=max_epochs, max_iters=run_iters, epoch_length=epoch_length
+        )
     return traces
 
 
-def ascii_chart(values: Sequence[float], width: int = 72, height: int = 12,
-                epoch_length: int | None = None, title: str = '') -> str:
+def ascii_chart(
+    values: Sequence[float],
+    width: int = 72,
+    height: int = 12,
+    epoch_length: int | None = None,
+    title: str = '',
+) -> str:
     """A terminal chart of ``values`` (one per iteration), epoch ticks under the axis.
 
     Args:
@@ -104,15 +133,20 @@ def ascii_chart(values: Sequence[float], width: int = 72, height: int = 12,
 
     grid = [[' '] * width for _ in range(height)]
     for c in range(width):
-        bucket = values[c * n // width:max((c + 1) * n // width, c * n // width + 1)]
+        bucket = values[c * n // width : max((c + 1) * n // width, c * n // width + 1)]
         # a bucket spans min..max so that a drop inside it draws as a vertical stroke
         for r in range(row(min(bucket)), row(max(bucket)) + 1):
             grid[r][c] = '*'
     label_w = 10
     lines = [title] if title else []
     for r in range(height - 1, -1, -1):
-        label = f'{hi:.3g}' if r == height - 1 else f'{lo:.3g}' if r == 0 else \
-            (f'{lo + span * r / (height - 1):.3g}' if r == (height - 1) // 2 else '')
+        label = (
+            f'{hi:.3g}'
+            if r == height - 1
+            else f'{lo:.3g}'
+            if r == 0
+            else (f'{lo + span * r / (height - 1):.3g}' if r == (height - 1) // 2 else '')
+        )
         lines.append(f'{label:>{label_w}} |' + ''.join(grid[r]))
     axis = ['-'] * width
     ticks = [' '] * (width + 8)
@@ -137,6 +171,7 @@ def ascii_chart(values: Sequence[float], width: int = 72, height: int = 12,
 def plot_png(traces: Mapping[str, ScheduleTrace], out: str | Path, title: str = '') -> Path:
     """Draw lr (and momentum, if any) over iterations to ``out``; needs matplotlib."""
     import matplotlib
+
     matplotlib.use('Agg')  # files only: never open a window or need a display
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
@@ -144,8 +179,8 @@ def plot_png(traces: Mapping[str, ScheduleTrace], out: str | Path, title: str = 
     first = next(iter(traces.values()))
     with_momentum = any(t.momentum is not None for t in traces.values())
     rows = 2 if with_momentum else 1
-    fig, axes = plt.subplots(rows, 1, sharex=True, figsize=(10, 3.2 * rows + 0.6), squeeze=False)
-    axes = [a[0] for a in axes]
+    fig, grid = plt.subplots(rows, 1, sharex=True, figsize=(10, 3.2 * rows + 0.6), squeeze=False)
+    axes = [a[0] for a in grid]
     panels = [('lr', 'learning rate')] + ([('momentum', 'momentum')] if with_momentum else [])
     for ax, (attr, ylabel) in zip(axes, panels):
         for name, trace in traces.items():
@@ -183,12 +218,17 @@ def plot_png(traces: Mapping[str, ScheduleTrace], out: str | Path, title: str = 
 
 def _summary(name: str, trace: ScheduleTrace) -> str:
     lr = trace.lr[0]
-    epochs = f', {trace.num_iters / trace.epoch_length:g} epochs of {trace.epoch_length}' \
-        if trace.epoch_length else ''
+    epochs = (
+        f', {trace.num_iters / trace.epoch_length:g} epochs of {trace.epoch_length}'
+        if trace.epoch_length
+        else ''
+    )
     head = f'{name}: ' if name else ''
-    return (f'{head}{trace.num_iters} iterations{epochs}; schedulers: '
-            f'{", ".join(trace.scheduler_names) or "(none)"}; lr first {lr[0]:.4g}, '
-            f'max {max(lr):.4g}, min {min(lr):.4g}, last {lr[-1]:.4g}')
+    return (
+        f'{head}{trace.num_iters} iterations{epochs}; schedulers: '
+        f'{", ".join(trace.scheduler_names) or "(none)"}; lr first {lr[0]:.4g}, '
+        f'max {max(lr):.4g}, min {min(lr):.4g}, last {lr[-1]:.4g}'
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -201,13 +241,15 @@ def run(args: argparse.Namespace) -> int:
         if epoch_length is None:
             # the reference loop's data config knows it: one process, as `stratagem train`
             from stratagem.loop import epoch_length_from_config
-            epoch_length = epoch_length_from_config(cfg)
-        traces = traces_from_config(cfg, epoch_length=epoch_length, max_iters=args.max_iters)
+
+            epoch_length = epoch_length_from_config(cfg)  # type: ignore[arg-type]
+        traces = traces_from_config(cfg, epoch_length=epoch_length, max_iters=args.max_iters)  # type: ignore[arg-type]
     except (ValueError, KeyError, TypeError, OSError) as e:
         print(f'stratagem plot-schedule: error: {e}', file=sys.stderr)
         return 2
     title = f'{Path(args.config).name}: ' + ', '.join(
-        dict.fromkeys(n for t in traces.values() for n in t.scheduler_names))
+        dict.fromkeys(n for t in traces.values() for n in t.scheduler_names)
+    )
     for name, trace in traces.items():
         print(_summary(name, trace))
     use_ascii = args.ascii
@@ -215,17 +257,29 @@ def run(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print('matplotlib is not installed (pip install "stratagem[plot]"); printing a '
-                  'terminal chart instead', file=sys.stderr)
+            print(
+                'matplotlib is not installed (pip install "stratagem[plot]"); printing a '
+                'terminal chart instead',
+                file=sys.stderr,
+            )
             use_ascii = True
     if use_ascii:
         for name, trace in traces.items():
             prefix = f'{name} ' if name else ''
-            print(ascii_chart(trace.lr[0], epoch_length=trace.epoch_length,
-                              title=f'{prefix}learning rate'))
+            print(
+                ascii_chart(
+                    trace.lr[0], epoch_length=trace.epoch_length, title=f'{prefix}learning rate'
+                )
+            )
             if trace.momentum is not None:
-                print(ascii_chart(trace.momentum[0], epoch_length=trace.epoch_length,
-                                  height=8, title=f'{prefix}momentum'))
+                print(
+                    ascii_chart(
+                        trace.momentum[0],
+                        epoch_length=trace.epoch_length,
+                        height=8,
+                        title=f'{prefix}momentum',
+                    )
+                )
         return 0
     out = plot_png(traces, args.out, title=title)
     print(f'wrote {out}')

@@ -19,6 +19,7 @@ catches them keeps working: ``RuntimeError`` from the constant and multi-step sc
 ≥ 1: detectron2's guard against an ``LRMultiplier`` stepped past ``max_iter``). Both are
 also ``ValueError`` and say what is wrong; nothing is clamped.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -26,9 +27,19 @@ import math
 from collections.abc import Sequence
 
 __all__ = [
-    'ScheduleRangeError', 'ScheduleEndedError', 'Schedule', 'ConstantSchedule', 'CosineSchedule', 'ExponentialSchedule', 'LinearSchedule',
-    'MultiStepSchedule', 'PolynomialDecaySchedule', 'StepSchedule',
-    'StepWithFixedGammaSchedule', 'CompositeSchedule', 'WarmupSchedule',
+    'ScheduleRangeError',
+    'ScheduleEndedError',
+    'Schedule',
+    'ConstantSchedule',
+    'CosineSchedule',
+    'ExponentialSchedule',
+    'LinearSchedule',
+    'MultiStepSchedule',
+    'PolynomialDecaySchedule',
+    'StepSchedule',
+    'StepWithFixedGammaSchedule',
+    'CompositeSchedule',
+    'WarmupSchedule',
 ]
 
 
@@ -73,7 +84,8 @@ class CosineSchedule(Schedule):
 
     def __call__(self, where: float) -> float:
         return self.end_value + 0.5 * (self.start_value - self.end_value) * (
-            1 + math.cos(math.pi * where))
+            1 + math.cos(math.pi * where)
+        )
 
 
 class ExponentialSchedule(Schedule):
@@ -84,7 +96,7 @@ class ExponentialSchedule(Schedule):
         self.decay = decay
 
     def __call__(self, where: float) -> float:
-        return self.start_value * self.decay ** where
+        return self.start_value * self.decay**where
 
 
 class LinearSchedule(Schedule):
@@ -113,33 +125,44 @@ class MultiStepSchedule(Schedule):
     for updates 0-29, 0.1 for 30-59 and 0.01 for 60-89.
     """
 
-    def __init__(self, values: Sequence[float], num_updates: int | None = None,
-                 milestones: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        values: Sequence[float],
+        num_updates: int | None = None,
+        milestones: Sequence[int] | None = None,
+    ) -> None:
         name = type(self).__name__
         if num_updates is None and milestones is None:
             raise ValueError(f'{name}: give num_updates or milestones (both are None)')
         if milestones is None:
+            assert num_updates is not None  # both None raised above
             width = math.ceil(num_updates / float(len(values)))
             milestones = [width * (i + 1) for i in range(len(values) - 1)]
         else:
             want = len(values) - int(num_updates is not None)
             if len(milestones) != want:
-                raise ValueError(f'{name}: milestones must have {want} entries for '
-                                 f'{len(values)} values, got {list(milestones)}')
+                raise ValueError(
+                    f'{name}: milestones must have {want} entries for '
+                    f'{len(values)} values, got {list(milestones)}'
+                )
             milestones = list(milestones)
         if num_updates is None:
             num_updates, milestones = milestones[-1], milestones[:-1]
         if num_updates < len(values):
-            raise ValueError(f'{name}: num_updates ({num_updates}) must be at least the number '
-                             f'of values ({len(values)})')
+            raise ValueError(
+                f'{name}: num_updates ({num_updates}) must be at least the number '
+                f'of values ({len(values)})'
+            )
         start = 0
         for m in milestones:
             if m >= num_updates:
-                raise ValueError(f'{name}: milestone {m} must be smaller than num_updates '
-                                 f'({num_updates})')
+                raise ValueError(
+                    f'{name}: milestone {m} must be smaller than num_updates ({num_updates})'
+                )
             if m <= start:
-                raise ValueError(f'{name}: milestones must be increasing and positive, got '
-                                 f'{list(milestones)}')
+                raise ValueError(
+                    f'{name}: milestones must be increasing and positive, got {list(milestones)}'
+                )
             start = m
         self.values = list(values)
         self.num_updates = num_updates
@@ -147,8 +170,7 @@ class MultiStepSchedule(Schedule):
 
     def __call__(self, where: float) -> float:
         if where > 1.0:
-            raise ScheduleRangeError(f'{type(self).__name__}: where must be in [0, 1], got '
-                                     f'{where}')
+            raise ScheduleRangeError(f'{type(self).__name__}: where must be in [0, 1], got {where}')
         update = int((where + self.WHERE_EPSILON) * self.num_updates)
         return self.values[bisect.bisect_right(self.milestones, update)]
 
@@ -180,7 +202,8 @@ class StepSchedule(Schedule):
             raise ScheduleEndedError(
                 f'{type(self).__name__}: where must be in [0, 1), got {where}: the schedule '
                 f'has {len(self.values)} values and ended (an LRMultiplier stepped past its '
-                'max_iter? stop stepping at the last iteration or raise max_iter)')
+                'max_iter? stop stepping at the last iteration or raise max_iter)'
+            )
         return self.values[index]
 
 
@@ -191,8 +214,7 @@ class StepWithFixedGammaSchedule(Schedule):
     is 0.1, 0.01, 0.001, 0.0001 on quarters of training.
     """
 
-    def __init__(self, base_value: float, num_decays: int, gamma: float,
-                 num_updates: int) -> None:
+    def __init__(self, base_value: float, num_decays: int, gamma: float, num_updates: int) -> None:
         name = type(self).__name__
         for arg, v in (('base_value', base_value), ('gamma', gamma)):
             if not isinstance(v, (int, float)) or v <= 0:
@@ -202,15 +224,17 @@ class StepWithFixedGammaSchedule(Schedule):
                 raise ValueError(f'{name}: {arg} must be a positive int, got {v!r}')
         self.base_value, self.num_decays = base_value, num_decays
         self.gamma, self.num_updates = gamma, num_updates
-        self._steps = StepSchedule(num_updates,
-                                   [base_value * gamma ** k for k in range(num_decays + 1)])
+        self._steps = StepSchedule(
+            num_updates, [base_value * gamma**k for k in range(num_decays + 1)]
+        )
 
     def __call__(self, where: float) -> float:
         try:
             return self._steps(where)
         except ScheduleEndedError as err:  # name this schedule, not its inner one
-            raise ScheduleEndedError(str(err).replace('StepSchedule', type(self).__name__)) \
-                from None
+            raise ScheduleEndedError(
+                str(err).replace('StepSchedule', type(self).__name__)
+            ) from None
 
 
 class CompositeSchedule(Schedule):
@@ -224,24 +248,32 @@ class CompositeSchedule(Schedule):
             ``where``).
     """
 
-    def __init__(self, schedulers: Sequence[Schedule], lengths: Sequence[float],
-                 interval_scaling: Sequence[str]) -> None:
+    def __init__(
+        self,
+        schedulers: Sequence[Schedule],
+        lengths: Sequence[float],
+        interval_scaling: Sequence[str],
+    ) -> None:
         name = type(self).__name__
         if len(schedulers) == 0:
             raise ValueError(f'{name}: schedulers is empty; give at least one schedule')
         if not len(schedulers) == len(lengths) == len(interval_scaling):
-            raise ValueError(f'{name}: schedulers ({len(schedulers)}), lengths '
-                             f'({len(lengths)}) and interval_scaling ({len(interval_scaling)}) '
-                             'must have the same length')
+            raise ValueError(
+                f'{name}: schedulers ({len(schedulers)}), lengths '
+                f'({len(lengths)}) and interval_scaling ({len(interval_scaling)}) '
+                'must have the same length'
+            )
         if abs(sum(lengths) - 1.0) >= 1e-3:
-            raise ValueError(f'{name}: lengths must sum to 1, got {list(lengths)} '
-                             f'(sum {sum(lengths)})')
+            raise ValueError(
+                f'{name}: lengths must sum to 1, got {list(lengths)} (sum {sum(lengths)})'
+            )
         lengths = list(lengths)
         lengths[-1] = 1.0 - sum(lengths[:-1])  # absorb rounding in the last slice
         for s in interval_scaling:
             if s not in ('rescaled', 'fixed'):
-                raise ValueError(f"{name}: interval_scaling entries must be 'rescaled' or "
-                                 f"'fixed', got {s!r}")
+                raise ValueError(
+                    f"{name}: interval_scaling entries must be 'rescaled' or 'fixed', got {s!r}"
+                )
         self.schedulers = list(schedulers)
         self.lengths = lengths
         self.interval_scaling = list(interval_scaling)
@@ -276,8 +308,14 @@ class WarmupSchedule(CompositeSchedule):
             Defaults to False.
     """
 
-    def __init__(self, scheduler: Schedule, warmup_factor: float, warmup_length: float,
-                 warmup_method: str = 'linear', rescale_interval: bool = False) -> None:
+    def __init__(
+        self,
+        scheduler: Schedule,
+        warmup_factor: float,
+        warmup_length: float,
+        warmup_method: str = 'linear',
+        rescale_interval: bool = False,
+    ) -> None:
         end_value = scheduler(0.0) if rescale_interval else scheduler(warmup_length)
         start_value = warmup_factor * scheduler(0.0)
         if warmup_method == 'constant':
@@ -285,8 +323,12 @@ class WarmupSchedule(CompositeSchedule):
         elif warmup_method == 'linear':
             warmup = LinearSchedule(start_value, end_value)
         else:
-            raise ValueError(f"WarmupSchedule: warmup_method must be 'linear' or 'constant', "
-                             f'got {warmup_method!r}')
-        super().__init__([warmup, scheduler], lengths=[warmup_length, 1 - warmup_length],
-                         interval_scaling=['rescaled', 'rescaled' if rescale_interval
-                                           else 'fixed'])
+            raise ValueError(
+                f"WarmupSchedule: warmup_method must be 'linear' or 'constant', "
+                f'got {warmup_method!r}'
+            )
+        super().__init__(
+            [warmup, scheduler],
+            lengths=[warmup_length, 1 - warmup_length],
+            interval_scaling=['rescaled', 'rescaled' if rescale_interval else 'fixed'],
+        )

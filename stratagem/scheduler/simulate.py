@@ -5,6 +5,7 @@ as a strategy would, and steps them the way mmengine's ``ParamSchedulerHook``
 does: iteration-based schedulers after every iteration, epoch-based ones after
 every epoch, ``ReduceOnPlateau`` with the given validation metrics.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,11 +58,15 @@ def _momentum(group: Mapping[str, Any]) -> float | None:
     return None
 
 
-def simulate(param_scheduler_cfgs: Any, optimizer_cfg: Mapping[str, Any],
-             max_epochs: int | None = None, max_iters: int | None = None,
-             epoch_length: int | None = None,
-             param_groups: Sequence[Mapping[str, Any]] | None = None,
-             metrics: Sequence[Mapping[str, float]] | None = None) -> ScheduleTrace:
+def simulate(
+    param_scheduler_cfgs: Any,
+    optimizer_cfg: Mapping[str, Any],
+    max_epochs: int | None = None,
+    max_iters: int | None = None,
+    epoch_length: int | None = None,
+    param_groups: Sequence[Mapping[str, Any]] | None = None,
+    metrics: Sequence[Mapping[str, float]] | None = None,
+) -> ScheduleTrace:
     """Step the schedulers of a config and record lr/momentum of every iteration.
 
     Args:
@@ -84,39 +89,49 @@ def simulate(param_scheduler_cfgs: Any, optimizer_cfg: Mapping[str, Any],
         A :class:`ScheduleTrace`.
     """
     if max_epochs is None and max_iters is None:
-        raise ValueError('simulate: give max_epochs (epoch-based run) or max_iters '
-                         '(iteration-based run)')
+        raise ValueError(
+            'simulate: give max_epochs (epoch-based run) or max_iters (iteration-based run)'
+        )
     if epoch_length is not None and (not isinstance(epoch_length, int) or epoch_length <= 0):
         raise ValueError(f'simulate: epoch_length must be a positive int, got {epoch_length!r}')
     by_epoch_run = max_epochs is not None
     groups = [dict(g) for g in (param_groups or [{}])]
-    for g in groups:
-        g['params'] = [torch.nn.Parameter(torch.zeros(1))]
+    for entry in groups:
+        entry['params'] = [torch.nn.Parameter(torch.zeros(1))]
     optimizer = OPTIMIZERS.build(optimizer_cfg_of(optimizer_cfg), default_args={'params': groups})
 
     run_epoch_length = epoch_length if epoch_length is not None else (1 if by_epoch_run else None)
     if by_epoch_run:
-        total = max_epochs * run_epoch_length
+        total = max_epochs * run_epoch_length  # type: ignore[operator]
         build_epochs, build_iters = max_epochs, total
         if max_iters is not None:
             total = min(total, max_iters)
     else:
         total = max_iters
         build_iters = max_iters
-        build_epochs = math.ceil(max_iters / epoch_length) if epoch_length else None
-    schedulers = build_param_schedulers(param_scheduler_cfgs, optimizer,
-                                        epoch_length=epoch_length, max_epochs=build_epochs,
-                                        max_iters=build_iters)
+        build_epochs = math.ceil(max_iters / epoch_length) if epoch_length else None  # type: ignore[operator]
+    schedulers = build_param_schedulers(
+        param_scheduler_cfgs,
+        optimizer,
+        epoch_length=epoch_length,
+        max_epochs=build_epochs,
+        max_iters=build_iters,
+    )
+    assert isinstance(schedulers, list)  # one optimizer: a list
     for s in schedulers:
         name = type(s).__name__
         if by_epoch_run and epoch_length is None and not s.by_epoch:
-            raise ValueError(f'simulate: {name} is iteration-based (by_epoch=False); an '
-                             'epoch-based run needs epoch_length (iterations per epoch) to place '
-                             'its steps; pass epoch_length= / --epoch-length')
+            raise ValueError(
+                f'simulate: {name} is iteration-based (by_epoch=False); an '
+                'epoch-based run needs epoch_length (iterations per epoch) to place '
+                'its steps; pass epoch_length= / --epoch-length'
+            )
         if not by_epoch_run and epoch_length is None and s.by_epoch:
-            raise ValueError(f'simulate: {name} is epoch-based (by_epoch=True) but the run is '
-                             'iteration-based; pass epoch_length= / --epoch-length to say when '
-                             'an epoch ends')
+            raise ValueError(
+                f'simulate: {name} is epoch-based (by_epoch=True) but the run is '
+                'iteration-based; pass epoch_length= / --epoch-length to say when '
+                'an epoch ends'
+            )
 
     # a dry step (no gradients: nothing changes) so the schedulers know the optimizer went
     # first, as in training, and do not warn about the order
@@ -128,7 +143,7 @@ def simulate(param_scheduler_cfgs: Any, optimizer_cfg: Mapping[str, Any],
         for g, group in enumerate(optimizer.param_groups):
             lrs[g].append(float(group['lr']))
             if has_momentum:
-                moms[g].append(_momentum(group))
+                moms[g].append(_momentum(group))  # type: ignore[arg-type]
         for s in schedulers:
             if not s.by_epoch:
                 s.step()
@@ -141,6 +156,10 @@ def simulate(param_scheduler_cfgs: Any, optimizer_cfg: Mapping[str, Any],
                 for s in schedulers:
                     if getattr(s, 'need_val_args', False):
                         s.step(metrics[epoch])
-    return ScheduleTrace(lr=lrs, momentum=moms if has_momentum else None,
-                         epoch_length=run_epoch_length, num_iters=total,
-                         scheduler_names=[type(s).__name__ for s in schedulers])
+    return ScheduleTrace(
+        lr=lrs,
+        momentum=moms if has_momentum else None,
+        epoch_length=run_epoch_length,
+        num_iters=total,
+        scheduler_names=[type(s).__name__ for s in schedulers],
+    )

@@ -4,6 +4,7 @@
 or ``betas[0]`` (the Adam family), mirrored into a ``momentum`` key so that the
 chainable forms can read it. Names match mmengine's, so its configs build here.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -13,18 +14,29 @@ from stratagem.registry import PARAM_SCHEDULERS
 
 from .base import check_optimizer, raw_optimizer
 from .one_cycle import OneCycleParamScheduler
-from .param_scheduler import (ConstantParamScheduler, CosineAnnealingParamScheduler,
-                              CosineRestartParamScheduler, ExponentialParamScheduler,
-                              LinearParamScheduler, MultiStepParamScheduler, PolyParamScheduler,
-                              StepParamScheduler)
+from .param_scheduler import (
+    ConstantParamScheduler,
+    CosineAnnealingParamScheduler,
+    CosineRestartParamScheduler,
+    ExponentialParamScheduler,
+    LinearParamScheduler,
+    MultiStepParamScheduler,
+    PolyParamScheduler,
+    StepParamScheduler,
+)
 from .plateau import ReduceOnPlateauParamScheduler
 
 _GENERIC = {
-    'Constant': ConstantParamScheduler, 'CosineAnnealing': CosineAnnealingParamScheduler,
-    'CosineRestart': CosineRestartParamScheduler, 'Exponential': ExponentialParamScheduler,
-    'Linear': LinearParamScheduler, 'MultiStep': MultiStepParamScheduler,
-    'Poly': PolyParamScheduler, 'Step': StepParamScheduler,
-    'ReduceOnPlateau': ReduceOnPlateauParamScheduler, 'OneCycle': OneCycleParamScheduler,
+    'Constant': ConstantParamScheduler,
+    'CosineAnnealing': CosineAnnealingParamScheduler,
+    'CosineRestart': CosineRestartParamScheduler,
+    'Exponential': ExponentialParamScheduler,
+    'Linear': LinearParamScheduler,
+    'MultiStep': MultiStepParamScheduler,
+    'Poly': PolyParamScheduler,
+    'Step': StepParamScheduler,
+    'ReduceOnPlateau': ReduceOnPlateauParamScheduler,
+    'OneCycle': OneCycleParamScheduler,
 }
 
 
@@ -45,10 +57,12 @@ class MomentumSchedulerMixin:
         self.use_betas = False
         if 'momentum' not in defaults:
             if 'betas' not in defaults:
-                raise ValueError(f'{name}: the optimizer has neither momentum nor betas to '
-                                 f'schedule ({type(raw_optimizer(optimizer)).__name__}): '
-                                 'optimizer must support momentum when using momentum scheduler; '
-                                 'use one with momentum (SGD, RMSprop) or betas (Adam family)')
+                raise ValueError(
+                    f'{name}: the optimizer has neither momentum nor betas to '
+                    f'schedule ({type(raw_optimizer(optimizer)).__name__}): '
+                    'optimizer must support momentum when using momentum scheduler; '
+                    'use one with momentum (SGD, RMSprop) or betas (Adam family)'
+                )
             self.use_betas = True
             for group in optimizer.param_groups:
                 if 'betas' in group:
@@ -73,13 +87,20 @@ def _variant(mixin: type, kind: str, suffix: str, what: str) -> type:
     base = _GENERIC[kind]
     sig = inspect.signature(base)
     params = [p for n, p in sig.parameters.items() if n not in ('self', 'param_name')]
-    doc = (f'{base.__name__} applied to {what}; arguments as there, without '
-           f'``param_name``.\n\n{inspect.getdoc(base)}')
-    cls = type(f'{kind}{suffix}', (mixin, base), {
-        '__doc__': doc, '__module__': __name__,
-        # the registry checks cfg keys against this (typos get a "did you mean")
-        '__signature__': sig.replace(parameters=params),
-    })
+    doc = (
+        f'{base.__name__} applied to {what}; arguments as there, without '
+        f'``param_name``.\n\n{inspect.getdoc(base)}'
+    )
+    cls = type(
+        f'{kind}{suffix}',
+        (mixin, base),
+        {
+            '__doc__': doc,
+            '__module__': __name__,
+            # the registry checks cfg keys against this (typos get a "did you mean")
+            '__signature__': sig.replace(parameters=params),
+        },
+    )
     PARAM_SCHEDULERS.register_module(module=cls)
     return cls
 
@@ -108,10 +129,25 @@ ReduceOnPlateauMomentum = _variant(MomentumSchedulerMixin, 'ReduceOnPlateau', 'M
 StepMomentum = _variant(MomentumSchedulerMixin, 'Step', 'Momentum', _MOM)
 
 __all__ = [
-    'LRSchedulerMixin', 'MomentumSchedulerMixin',
-    'ConstantLR', 'CosineAnnealingLR', 'CosineRestartLR', 'ExponentialLR', 'LinearLR',
-    'MultiStepLR', 'OneCycleLR', 'PolyLR', 'ReduceOnPlateauLR', 'StepLR',
-    'ConstantMomentum', 'CosineAnnealingMomentum', 'CosineRestartMomentum',
-    'ExponentialMomentum', 'LinearMomentum', 'MultiStepMomentum', 'PolyMomentum',
-    'ReduceOnPlateauMomentum', 'StepMomentum',
+    'LRSchedulerMixin',
+    'MomentumSchedulerMixin',
+    'ConstantLR',
+    'CosineAnnealingLR',
+    'CosineRestartLR',
+    'ExponentialLR',
+    'LinearLR',
+    'MultiStepLR',
+    'OneCycleLR',
+    'PolyLR',
+    'ReduceOnPlateauLR',
+    'StepLR',
+    'ConstantMomentum',
+    'CosineAnnealingMomentum',
+    'CosineRestartMomentum',
+    'ExponentialMomentum',
+    'LinearMomentum',
+    'MultiStepMomentum',
+    'PolyMomentum',
+    'ReduceOnPlateauMomentum',
+    'StepMomentum',
 ]

@@ -1,4 +1,5 @@
-"""Training strategies: one backend per file behind ``BaseStrategy``; built by ``build_strategy``."""
+"""Training strategies: a backend per file behind ``BaseStrategy``; built by ``build_strategy``."""
+
 from __future__ import annotations
 
 import copy
@@ -12,8 +13,15 @@ from .ddp import DDPStrategy
 from .sharded_ddp import ShardedDDPStrategy
 from .single_device import SingleDeviceStrategy
 
-__all__ = ['BaseStrategy', 'SingleDeviceStrategy', 'DDPStrategy', 'ShardedDDPStrategy',
-           'FSDPStrategy', 'DeepSpeedStrategy', 'build_strategy']
+__all__ = [
+    'BaseStrategy',
+    'SingleDeviceStrategy',
+    'DDPStrategy',
+    'ShardedDDPStrategy',
+    'FSDPStrategy',
+    'DeepSpeedStrategy',
+    'build_strategy',
+]
 
 STRATEGIES.register_lazy('FSDPStrategy', 'stratagem.strategies.fsdp:FSDPStrategy')
 # imported on first use: DeepSpeed is an optional extra and slow to import
@@ -23,9 +31,11 @@ STRATEGIES.register_lazy('DeepSpeedStrategy', 'stratagem.strategies.deepspeed:De
 def __getattr__(name: str) -> Any:
     if name == 'FSDPStrategy':  # torch.distributed.fsdp is imported only when used
         from .fsdp import FSDPStrategy
+
         return FSDPStrategy
     if name == 'DeepSpeedStrategy':
         from .deepspeed import DeepSpeedStrategy
+
         return DeepSpeedStrategy
     raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
@@ -50,6 +60,7 @@ def build_strategy(cfg: Mapping | BaseStrategy) -> BaseStrategy:
 
 def _auto_strategy(cfg: Mapping[str, Any]) -> str:
     from stratagem.env import infer_launcher, is_distributed
+
     launcher = (cfg.get('env_kwargs') or {}).get('launcher') or infer_launcher()
     if launcher == 'none' and not is_distributed():
         return 'SingleDeviceStrategy'

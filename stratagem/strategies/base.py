@@ -43,6 +43,7 @@ in); the load sequence (``load_checkpoint``, ``resume``, ``load_or_resume``) and
 state-dict methods live in ``checkpointing.py``,
 whose docstring numbers its steps; BaseStrategy mixes it in.
 """
+
 from __future__ import annotations
 
 import logging
@@ -61,7 +62,7 @@ from stratagem.config import check_keys
 from stratagem.integrations.model_api import expose_model_api
 from stratagem.registry import MODELS
 
-from .checkpointer import Checkpointer
+from .checkpointer import Checkpointer, CheckpointLayout
 from .checkpointing import CheckpointMixin
 
 __all__ = ['BaseStrategy']
@@ -90,8 +91,8 @@ class BaseStrategy(CheckpointMixin, ABC):
         async_checkpoint: ``save_checkpoint`` returns once every tensor of the state
             is copied to CPU staging buffers; a background thread writes and commits
             that copy (same steps and order as a synchronous save), so the checkpoint
-            is the state at the call whatever the program does next. Errors surface at the next save,
-            ``resume`` or ``wait_for_checkpoints()``, on every rank. Extra memory:
+            is the state at the call whatever the program does next. Errors surface
+            at the next save, ``resume`` or ``wait_for_checkpoints()``, on every rank. Extra memory:
             one staged copy of the checkpoint's tensors (on the ranks that write),
             kept between saves. Default False (mmengine's behaviour).
         checkpoint_timeout: seconds a rank may show no sign of life during a
@@ -103,10 +104,17 @@ class BaseStrategy(CheckpointMixin, ABC):
     optim_wrapper: Any
     param_schedulers: Any
 
-    def __init__(self, *, work_dir: str = 'work_dirs', experiment_name: str | None = None,
-                 env_kwargs: Mapping | None = None, log_kwargs: Mapping | None = None,
-                 auto_scale_lr: Mapping | None = None, async_checkpoint: bool = False,
-                 checkpoint_timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        *,
+        work_dir: str = 'work_dirs',
+        experiment_name: str | None = None,
+        env_kwargs: Mapping | None = None,
+        log_kwargs: Mapping | None = None,
+        auto_scale_lr: Mapping | None = None,
+        async_checkpoint: bool = False,
+        checkpoint_timeout: float = 600.0,
+    ) -> None:
         env_kwargs = dict(env_kwargs or {})
         check_keys(env_kwargs, _ENV_KEYS, 'env_kwargs')
         randomness = dict(env_kwargs.get('randomness') or {})
@@ -116,13 +124,18 @@ class BaseStrategy(CheckpointMixin, ABC):
             check_keys(auto_scale_lr, {'enable', 'base_batch_size'}, 'auto_scale_lr')
         if type(async_checkpoint) is not bool:
             raise TypeError(f'async_checkpoint must be True or False, got {async_checkpoint!r}')
-        if isinstance(checkpoint_timeout, bool) or not isinstance(checkpoint_timeout,
-                                                                  (int, float)) \
-                or not checkpoint_timeout > 0:
-            raise ValueError(f'checkpoint_timeout must be a positive number of seconds, got '
-                             f'{checkpoint_timeout!r}')
-        self.checkpointer = Checkpointer(self, async_checkpoint=async_checkpoint,
-                                         timeout=float(checkpoint_timeout))
+        if (
+            isinstance(checkpoint_timeout, bool)
+            or not isinstance(checkpoint_timeout, (int, float))
+            or not checkpoint_timeout > 0
+        ):
+            raise ValueError(
+                f'checkpoint_timeout must be a positive number of seconds, got '
+                f'{checkpoint_timeout!r}'
+            )
+        self.checkpointer = Checkpointer(
+            self, async_checkpoint=async_checkpoint, timeout=float(checkpoint_timeout)
+        )
         self._work_dir = osp.abspath(work_dir)
         self._env_kwargs = env_kwargs
         self._randomness = randomness
@@ -137,9 +150,16 @@ class BaseStrategy(CheckpointMixin, ABC):
         self.logger = self._build_logger(**dict(log_kwargs or {}))
 
     # ---------------------------------------------------------------- environment
-    def _setup_env(self, *, launcher: str | None = None, cudnn_benchmark: bool = False,
-                   mp_cfg: Mapping | None = None, dist_cfg: Mapping | None = None,
-                   resource_limit: int = 4096, randomness: Mapping | None = None) -> None:
+    def _setup_env(
+        self,
+        *,
+        launcher: str | None = None,
+        cudnn_benchmark: bool = False,
+        mp_cfg: Mapping | None = None,
+        dist_cfg: Mapping | None = None,
+        resource_limit: int = 4096,
+        randomness: Mapping | None = None,
+    ) -> None:
         """Launcher, distributed init, processes/threads, rlimit, seed and timestamp."""
         self._launcher = launcher or env.infer_launcher()
         if self._launcher != 'none' or env.is_distributed():
@@ -164,16 +184,19 @@ class BaseStrategy(CheckpointMixin, ABC):
                 raise RuntimeError(
                     f'{name} needs a distributed launch: start with torchrun (or `stratagem '
                     'train CONFIG --nproc N`), slurm or mpirun, or initialise torch.distributed '
-                    f'yourself before building the strategy{hint}')
+                    f'yourself before building the strategy{hint}'
+                )
             env_kwargs['launcher'] = inferred
         return env_kwargs
 
-    def _set_randomness(self, seed: int | None = None, deterministic: bool = False,
-                        diff_rank_seed: bool = False) -> None:
+    def _set_randomness(
+        self, seed: int | None = None, deterministic: bool = False, diff_rank_seed: bool = False
+    ) -> None:
         """Seed every RNG; ``seed`` (this rank's, as mmengine's) includes the rank under
         ``diff_rank_seed``, ``randomness['seed']`` stays the configured, rank-agreed one."""
-        self._seed = env.set_random_seed(seed, deterministic=deterministic,
-                                         diff_rank_seed=diff_rank_seed)
+        self._seed = env.set_random_seed(
+            seed, deterministic=deterministic, diff_rank_seed=diff_rank_seed
+        )
         base = self._seed - env.get_rank() if diff_rank_seed else self._seed
         self._randomness.update(seed=base)
 
@@ -188,8 +211,10 @@ class BaseStrategy(CheckpointMixin, ABC):
                     shared.removeHandler(handler)
                     handler.close()
         logger = env.get_logger('stratagem', **log_kwargs)
-        logger.info(f'{type(self).__name__}: launcher {self._launcher}, world size '
-                    f'{env.get_world_size()}, seed {self._seed}, work_dir {self._work_dir}')
+        logger.info(
+            f'{type(self).__name__}: launcher {self._launcher}, world size '
+            f'{env.get_world_size()}, seed {self._seed}, work_dir {self._work_dir}'
+        )
         return logger
 
     # ------------------------------------------------------------------ properties
@@ -234,9 +259,15 @@ class BaseStrategy(CheckpointMixin, ABC):
         return dict(self._randomness)
 
     # --------------------------------------------------------------------- prepare
-    def prepare(self, model: nn.Module | Mapping, *, optim_wrapper: Any = None,
-                param_scheduler: Any = None, compile: bool | Mapping = False,
-                dispatch_kwargs: Mapping | None = None) -> Any:
+    def prepare(
+        self,
+        model: nn.Module | Mapping,
+        *,
+        optim_wrapper: Any = None,
+        param_scheduler: Any = None,
+        compile: bool | Mapping = False,
+        dispatch_kwargs: Mapping | None = None,
+    ) -> Any:
         """Build and wrap the components; see the module docstring for the sequence.
 
         Returns the model alone, ``[model, optim_wrapper]``, or
@@ -267,17 +298,19 @@ class BaseStrategy(CheckpointMixin, ABC):
             self._scale_lr()
             self._initialize_accumulation()
         if param_scheduler is not None:
-            self.param_schedulers = self.build_param_scheduler(param_scheduler,
-                                                               self.optim_wrapper)
+            self.param_schedulers = self.build_param_scheduler(param_scheduler, self.optim_wrapper)
         self._prepared = True
         return self._prepared_components()
 
-    def _check_prepare_args(self, optim_wrapper: Any, param_scheduler: Any,
-                            dispatch_kwargs: Mapping | None) -> None:
+    def _check_prepare_args(
+        self, optim_wrapper: Any, param_scheduler: Any, dispatch_kwargs: Mapping | None
+    ) -> None:
         """What every backend's ``prepare`` checks first; records ``dispatch_kwargs``."""
         if param_scheduler is not None and optim_wrapper is None:
-            raise ValueError('param_scheduler was given without optim_wrapper: schedulers drive '
-                             "an optimizer's param groups; pass optim_wrapper=dict(optimizer=...)")
+            raise ValueError(
+                'param_scheduler was given without optim_wrapper: schedulers drive '
+                "an optimizer's param groups; pass optim_wrapper=dict(optimizer=...)"
+            )
         if dispatch_kwargs is not None:
             self.dispatch_kwargs.update(dispatch_kwargs)
 
@@ -295,11 +328,13 @@ class BaseStrategy(CheckpointMixin, ABC):
         if isinstance(model, Mapping):
             built = MODELS.build(model)
             if not isinstance(built, nn.Module):
-                raise TypeError(f'model cfg {dict(model)!r} built a {type(built).__name__}, '
-                                'not an nn.Module')
+                raise TypeError(
+                    f'model cfg {dict(model)!r} built a {type(built).__name__}, not an nn.Module'
+                )
             return built
-        raise TypeError(f'model should be an nn.Module or a MODELS cfg dict, '
-                        f'got {type(model).__name__}')
+        raise TypeError(
+            f'model should be an nn.Module or a MODELS cfg dict, got {type(model).__name__}'
+        )
 
     def _init_model_weights(self, model: nn.Module) -> nn.Module:
         """Call ``model.init_weights()`` when it has one (mmengine's BaseModule, pretrained
@@ -328,22 +363,28 @@ class BaseStrategy(CheckpointMixin, ABC):
         kwargs = {} if compile is True else dict(compile)
         target = kwargs.pop('target', None)
         if target is None:
-            return torch.compile(model, **kwargs)
+            return torch.compile(model, **kwargs)  # type: ignore[return-value]
         func = getattr(model, target, None)
         if func is None or not callable(func):
-            raise ValueError(f"compile target {target!r} is not a method of "
-                             f'{type(model).__name__}')
+            raise ValueError(f'compile target {target!r} is not a method of {type(model).__name__}')
         setattr(model, target, torch.compile(func, **kwargs))
         return model
+
+    def _checkpoint_layout(self) -> CheckpointLayout:
+        """Backend hook: the layout a save writes (default: one file, written by rank 0)."""
+        return CheckpointLayout(self)
 
     def build_optim_wrapper(self, optim_wrapper: Any, model: nn.Module | None = None) -> Any:
         """An optim wrapper as is, or one built from a cfg over ``model``'s parameters."""
         from stratagem.optim import BaseOptimWrapper, OptimWrapperDict, build_optim_wrapper
+
         if isinstance(optim_wrapper, (BaseOptimWrapper, OptimWrapperDict)):
             return optim_wrapper
         if not isinstance(optim_wrapper, Mapping):
-            raise TypeError('optim_wrapper should be an optim wrapper or a cfg dict, got '
-                            f'{type(optim_wrapper).__name__}')
+            raise TypeError(
+                'optim_wrapper should be an optim wrapper or a cfg dict, got '
+                f'{type(optim_wrapper).__name__}'
+            )
         model = self.model if model is None else model
         # no deep copy: the builder never mutates the cfg, and a cfg may hold a built
         # optimizer whose parameters must stay the model's
@@ -351,6 +392,7 @@ class BaseStrategy(CheckpointMixin, ABC):
 
     def _wrappers(self) -> list[Any]:
         from stratagem.optim import OptimWrapperDict
+
         ow = self.optim_wrapper
         return list(ow.values()) if isinstance(ow, OptimWrapperDict) else [ow]
 
@@ -366,12 +408,16 @@ class BaseStrategy(CheckpointMixin, ABC):
         if self._lr_scaled or not cfg or not cfg.get('enable', False):
             return
         if 'base_batch_size' not in cfg:
-            raise ValueError("auto_scale_lr needs 'base_batch_size' (the batch the lr was tuned "
-                             'for), e.g. auto_scale_lr=dict(enable=True, base_batch_size=256)')
+            raise ValueError(
+                "auto_scale_lr needs 'base_batch_size' (the batch the lr was tuned "
+                'for), e.g. auto_scale_lr=dict(enable=True, base_batch_size=256)'
+            )
         micro = self.dispatch_kwargs.get('train_micro_batch_size_per_gpu')
         if micro is None:
-            raise ValueError("auto_scale_lr needs dispatch_kwargs['train_micro_batch_size_per_gpu']"
-                             ' (the per-process batch size) to compute the real batch size')
+            raise ValueError(
+                "auto_scale_lr needs dispatch_kwargs['train_micro_batch_size_per_gpu']"
+                ' (the per-process batch size) to compute the real batch size'
+            )
         for wrapper in self._wrappers():
             acc = getattr(wrapper, '_accumulative_counts', 1)
             ratio = self.world_size * micro * acc / cfg['base_batch_size']
@@ -388,8 +434,9 @@ class BaseStrategy(CheckpointMixin, ABC):
                 if max_iters is None:
                     raise ValueError(
                         'accumulative_counts > 1 needs the training length to average the last '
-                        "window: pass dispatch_kwargs=dict(max_iters=N) (or max_epochs and "
-                        'epoch_length)')
+                        'window: pass dispatch_kwargs=dict(max_iters=N) (or max_epochs and '
+                        'epoch_length)'
+                    )
                 done = wrapper.inner_count if done_iters is None else done_iters
                 wrapper.initialize_count_status(self.model, done, max_iters)
 
@@ -408,21 +455,30 @@ class BaseStrategy(CheckpointMixin, ABC):
         ``max_iters`` (by iteration) from ``dispatch_kwargs``.
         """
         from stratagem.scheduler import build_param_schedulers
+
         d = self.dispatch_kwargs
-        return build_param_schedulers(scheduler, optim_wrapper,
-                                      epoch_length=d.get('epoch_length'),
-                                      max_epochs=d.get('max_epochs'),
-                                      max_iters=d.get('max_iters'))
+        return build_param_schedulers(
+            scheduler,
+            optim_wrapper,
+            epoch_length=d.get('epoch_length'),
+            max_epochs=d.get('max_epochs'),
+            max_iters=d.get('max_iters'),
+        )
 
     def collect_env(self) -> tuple[dict, dict]:
         """``(system_env, runtime_env)`` as mmengine returns them: python, torch, CUDA and
         extras; then this run's launcher, distribution, seed and determinism."""
-        runtime = {'launcher': self._launcher, 'distributed': self._distributed,
-                   'world_size': self.world_size, 'seed': self._seed,
-                   'deterministic': self._randomness.get('deterministic', False)}
+        runtime = {
+            'launcher': self._launcher,
+            'distributed': self._distributed,
+            'world_size': self.world_size,
+            'seed': self._seed,
+            'deterministic': self._randomness.get('deterministic', False),
+        }
         return dict(env.collect_env()), runtime
 
     def __repr__(self) -> str:
-        return (f'{type(self).__name__}(work_dir={self._work_dir!r}, launcher={self._launcher!r}, '
-                f'world_size={self.world_size}, seed={self._seed})')
-
+        return (
+            f'{type(self).__name__}(work_dir={self._work_dir!r}, launcher={self._launcher!r}, '
+            f'world_size={self.world_size}, seed={self._seed})'
+        )

@@ -31,6 +31,7 @@ directory. A layout never re-implements the sequence; it says where the state go
     7. The ranks learn the outcome through the vote: a failure or a dead rank raises on
        every rank, naming it, instead of hanging.
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,8 +60,7 @@ class SaveCommit:
         held: allow-listed classes the content holds (named in the manifest).
     """
 
-    def __init__(self, vote: SaveVote | None, rank: int, step: int | None,
-                 held: list[str]) -> None:
+    def __init__(self, vote: SaveVote | None, rank: int, step: int | None, held: list[str]) -> None:
         self.vote, self.step, self.held = vote, step, held
         self._rank = rank
         self.reached = False
@@ -99,23 +99,31 @@ class CheckpointLayout:
         the allow-listed classes it holds."""
         return ckpt.validate_checkpoint_content(checkpoint)
 
-    def stage(self, checkpoint: dict, path: str, commit: SaveCommit,
-              writer: AsyncCheckpointWriter | None) -> Callable[[], None]:
+    def stage(
+        self, checkpoint: dict, path: str, commit: SaveCommit, writer: AsyncCheckpointWriter | None
+    ) -> Callable[[], None]:
         """On the training thread: make the write job. With a ``writer`` (async), the ranks
         that write copy ``checkpoint`` into its staging buffers first (the job only ever
         reads that copy); the others only take part in the vote."""
         writes = self.all_ranks_write() or env.is_main_process()
-        if writer is not None:
-            checkpoint = writer.snapshot(checkpoint) if writes else None
-        return functools.partial(self.write, checkpoint if writes else None, path, commit)
+        state: dict | None = checkpoint if writes else None
+        if writer is not None and state is not None:
+            state = writer.snapshot(state)
+        return functools.partial(self.write, state, path, commit)
 
     def write(self, checkpoint: dict | None, path: str, commit: SaveCommit) -> None:
         """Write and commit (rank 0: one atomic file; ``commit.gate()`` before the rename)."""
         if checkpoint is not None:
-            ckpt.save_checkpoint(checkpoint, path, step=commit.step,
-                                 extra_manifest={'world_size': self.strategy.world_size,
-                                                 'strategy': type(self.strategy).__name__},
-                                 before_commit=commit.gate)
+            ckpt.save_checkpoint(
+                checkpoint,
+                path,
+                step=commit.step,
+                extra_manifest={
+                    'world_size': self.strategy.world_size,
+                    'strategy': type(self.strategy).__name__,
+                },
+                before_commit=commit.gate,
+            )
 
 
 class Checkpointer:
@@ -128,8 +136,9 @@ class Checkpointer:
             before the others give up on it, naming it, without committing.
     """
 
-    def __init__(self, strategy: BaseStrategy, *, async_checkpoint: bool = False,
-                 timeout: float = 600.0) -> None:
+    def __init__(
+        self, strategy: BaseStrategy, *, async_checkpoint: bool = False, timeout: float = 600.0
+    ) -> None:
         self.strategy = strategy
         self.async_checkpoint = async_checkpoint
         self.timeout = timeout
@@ -141,9 +150,15 @@ class Checkpointer:
         if self.writer is not None:
             self.writer.wait()
 
-    def save(self, filename: str, *, save_optimizer: bool = True,
-             save_param_scheduler: bool = True, extra_ckpt: Mapping | None = None,
-             callback: Callable[[dict], None] | None = None) -> str:
+    def save(
+        self,
+        filename: str,
+        *,
+        save_optimizer: bool = True,
+        save_param_scheduler: bool = True,
+        extra_ckpt: Mapping | None = None,
+        callback: Callable[[dict], None] | None = None,
+    ) -> str:
         """Steps 0-7 of the module doc; returns the final path (with ``async_checkpoint``,
         where the checkpoint will be once committed)."""
         strategy = self.strategy
@@ -218,9 +233,15 @@ class Checkpointer:
             if error is not None:
                 raise error
             return
-        message = None if error is None else (
-            str(error) if isinstance(error, CheckpointVoteError) else
-            f'{type(error).__name__}: {error}')
+        message = (
+            None
+            if error is None
+            else (
+                str(error)
+                if isinstance(error, CheckpointVoteError)
+                else f'{type(error).__name__}: {error}'
+            )
+        )
         try:
             if not commit.reached and not vote.ready_posted:
                 vote.ready(message)

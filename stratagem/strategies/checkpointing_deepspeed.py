@@ -38,6 +38,7 @@ sequence; :class:`ZeroLayout` is this backend's part of it:
 (``checkpoint.zero``), a file is read safely; both go through ``load_model_state_dict``,
 which refreshes DeepSpeed's fp32 master copy so the next update starts from them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,26 +46,41 @@ import os.path as osp
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.capture import CapturingCheckpointEngine
 from stratagem.checkpoint.content import SAFE_GLOBALS_KEY
-from stratagem.checkpoint.zero import (DEEPSPEED_TAG, STATE_FILE, check_zero_layout,
-                                       is_zero_checkpoint, zero_to_state_dict)
+from stratagem.checkpoint.zero import (
+    DEEPSPEED_TAG,
+    STATE_FILE,
+    check_zero_layout,
+    is_zero_checkpoint,
+    zero_to_state_dict,
+)
 
 from .checkpointer import CheckpointLayout, SaveCommit
 
+if TYPE_CHECKING:  # the type checker sees what DeepSpeedStrategy mixes this into
+    from .base import BaseStrategy as _Host
+    from .deepspeed import DeepSpeedStrategy
+else:
+    _Host = object
 
 __all__ = ['DeepSpeedCheckpointMixin']
 
 
-class DeepSpeedCheckpointMixin:
+class DeepSpeedCheckpointMixin(_Host):
     """State dicts, save, load and resume for :class:`DeepSpeedStrategy`."""
+
+    if TYPE_CHECKING:  # what DeepSpeedStrategy provides
+        model: Any  # the DeepSpeedEngine
+        exclude_frozen_parameters: bool
+
+        @property
+        def zero_stage(self) -> int: ...
 
     # ----------------------------------------------------------------- state dicts
     def model_state_dict(self) -> dict:
@@ -74,21 +90,26 @@ class DeepSpeedCheckpointMixin:
         if self.zero_stage != 3:
             return module.state_dict()
         from deepspeed import zero
+
         with zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
-    def load_model_state_dict(self, state_dict: Mapping, *, strict: bool = False,
-                              revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)
-                              ) -> Any:
+    def load_model_state_dict(
+        self,
+        state_dict: Mapping,
+        *,
+        strict: bool = False,
+        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
+    ) -> Any:
         """Load full weights into the engine's module (every rank, same ``state_dict``) and
         refresh DeepSpeed's fp32 master weights from them."""
         state_dict = ckpt.revise_keys(state_dict, list(revise_keys))
         module = self._unwrap_model()
         if self.zero_stage == 3:
             from deepspeed import zero
+
             with zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
-                report = ckpt.load_state_dict(module, state_dict, strict=strict,
-                                              logger=self.logger)
+                report = ckpt.load_state_dict(module, state_dict, strict=strict, logger=self.logger)
         else:
             report = ckpt.load_state_dict(module, state_dict, strict=strict, logger=self.logger)
         refresh = getattr(self.model.optimizer, 'refresh_fp32_params', None)
@@ -128,38 +149,53 @@ class DeepSpeedCheckpointMixin:
         path, _ = self._verify_directory(filename)
         state = self._read_state(path)
         state['state_dict'] = zero_to_state_dict(
-            path, verify=False, exclude_frozen_parameters=self.exclude_frozen_parameters)
+            path, verify=False, exclude_frozen_parameters=self.exclude_frozen_parameters
+        )
         return state
 
-    def resume(self, filename: str, *, resume_optimizer: bool = True,
-               resume_param_scheduler: bool = True, map_location: Any = 'default',
-               callback: Callable[[dict], None] | None = None) -> dict:
+    def resume(
+        self,
+        filename: str,
+        *,
+        resume_optimizer: bool = True,
+        resume_param_scheduler: bool = True,
+        map_location: Any = 'default',
+        callback: Callable[[dict], None] | None = None,
+    ) -> dict:
         """Continue exactly where the DeepSpeed checkpoint ``filename`` stopped.
 
         Returns our state (``meta`` has ``iter``). ``map_location`` is accepted for
         mmengine's signature; DeepSpeed places its tensors on the engine's device.
         """
         if not self._prepared:
-            raise RuntimeError('resume() needs the prepared components: call strategy.prepare('
-                               'model, optim_wrapper=..., param_scheduler=...) first')
+            raise RuntimeError(
+                'resume() needs the prepared components: call strategy.prepare('
+                'model, optim_wrapper=..., param_scheduler=...) first'
+            )
         self.wait_for_checkpoints()  # a pending save may be that very directory
         if not (osp.isdir(filename) and is_zero_checkpoint(filename)):
-            raise ValueError(f'{filename} is not a DeepSpeed checkpoint directory (written by '
-                             'DeepSpeedStrategy.save_checkpoint); load weights from other '
-                             'checkpoints with load_checkpoint()')
+            raise ValueError(
+                f'{filename} is not a DeepSpeed checkpoint directory (written by '
+                'DeepSpeedStrategy.save_checkpoint); load weights from other '
+                'checkpoints with load_checkpoint()'
+            )
         path, manifest = self._verify_directory(filename)
         state = self._read_state(path)
         if callback is not None:
             callback(state)
         want_optim = resume_optimizer and hasattr(self, 'optim_wrapper')
         want_sched = resume_param_scheduler and hasattr(self, 'param_schedulers')
-        missing = [key for key, wanted in (('optimizer', want_optim),
-                                          ('param_schedulers', want_sched))
-                   if wanted and key not in state]
+        missing = [
+            key
+            for key, wanted in (('optimizer', want_optim), ('param_schedulers', want_sched))
+            if wanted and key not in state
+        ]
         if missing:
-            raise KeyError(f'{path} cannot be resumed: it has no {missing} (keys: '
-                           f'{sorted(state)}); pass resume_optimizer=False / '
-                           'resume_param_scheduler=False')
+            raise KeyError(
+                f'{path} cannot be resumed: it has no {missing} (keys: '
+                f'{sorted(state)}); pass resume_optimizer=False / '
+                'resume_param_scheduler=False'
+            )
         meta = state.get('meta') or {}
         # BaseStrategy's world-size plan: iteration units, schedulers, windows; anything it
         # refuses is refused before anything is loaded
@@ -176,9 +212,12 @@ class DeepSpeedCheckpointMixin:
 
     def _engine_load(self, directory: Path, tag: str, optimizer: bool) -> None:
         loaded, _ = self.model.load_checkpoint(
-            str(directory), tag=tag, load_optimizer_states=optimizer,
+            str(directory),
+            tag=tag,
+            load_optimizer_states=optimizer,
             load_lr_scheduler_states=False,
-            load_module_strict=not self.exclude_frozen_parameters)
+            load_module_strict=not self.exclude_frozen_parameters,
+        )
         if loaded is None:  # DeepSpeed only warns when it finds nothing
             raise FileNotFoundError(f'DeepSpeed found no checkpoint in {directory / tag}')
 
@@ -188,8 +227,10 @@ class DeepSpeedCheckpointMixin:
         temporary directory beside it, every rank loads from there with
         ``load_universal``, the directory is removed. DeepSpeed refuses a plain load at
         another world size."""
-        self.logger.info(f'{path} was saved by {saved_world} ranks, this run has '
-                         f'{self.world_size}: resharding through a universal checkpoint')
+        self.logger.info(
+            f'{path} was saved by {saved_world} ranks, this run has '
+            f'{self.world_size}: resharding through a universal checkpoint'
+        )
         universal, error = None, None
         if env.is_main_process():
             try:
@@ -203,8 +244,9 @@ class DeepSpeedCheckpointMixin:
             if error is not None:
                 raise error
             if failures[0] is not None:
-                raise RuntimeError(f'converting {path} to a universal checkpoint failed on '
-                                   f'rank 0: {failures[0]}')
+                raise RuntimeError(
+                    f'converting {path} to a universal checkpoint failed on rank 0: {failures[0]}'
+                )
             config = self.model._config
             # a config flag DeepSpeed reads at load time; the engine is built without it
             config.load_universal_checkpoint = True
@@ -225,9 +267,16 @@ def _to_universal(src: Path, dst: Path) -> None:
     import io
 
     from deepspeed.checkpoint import ds_to_universal
-    args = argparse.Namespace(input_folder=str(src), output_folder=str(dst),
-                              num_extract_workers=1, num_merge_workers=1,
-                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+
+    args = argparse.Namespace(
+        input_folder=str(src),
+        output_folder=str(dst),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
     with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
         ds_to_universal.main(args)
 
@@ -248,17 +297,21 @@ class ZeroLayout(CheckpointLayout):
     """
 
     holds_model = True  # DeepSpeed's files hold the module's weights
+    strategy: DeepSpeedStrategy
 
     def check_savable(self, path: str) -> None:
         wrapper = getattr(self.strategy, 'optim_wrapper', None)
         if wrapper is not None and not wrapper.should_update():
             raise ValueError(f'{path}: {wrapper.mid_window_message()}')
 
-    def stage(self, checkpoint: dict, path: str, commit: SaveCommit,
-              writer: AsyncCheckpointWriter | None) -> Callable[[], None]:
+    def stage(
+        self, checkpoint: dict, path: str, commit: SaveCommit, writer: AsyncCheckpointWriter | None
+    ) -> Callable[[], None]:
         strategy = self.strategy
-        extra: dict[str, Any] = {'strategy': type(strategy).__name__,
-                                 'zero_stage': strategy.zero_stage}
+        extra: dict[str, Any] = {
+            'strategy': type(strategy).__name__,
+            'zero_stage': strategy.zero_stage,
+        }
         if commit.held:
             extra[SAFE_GLOBALS_KEY] = commit.held
         final = Path(path)
@@ -268,8 +321,12 @@ class ZeroLayout(CheckpointLayout):
         try:
             with capture.installed_on(strategy.model):
                 strategy.model.save_checkpoint(
-                    str(staging), tag=DEEPSPEED_TAG, client_state={}, save_latest=False,
-                    exclude_frozen_parameters=strategy.exclude_frozen_parameters)
+                    str(staging),
+                    tag=DEEPSPEED_TAG,
+                    client_state={},
+                    save_latest=False,
+                    exclude_frozen_parameters=strategy.exclude_frozen_parameters,
+                )
             if env.is_main_process():
                 capture.save(checkpoint, staging / STATE_FILE)
         except BaseException as err:  # noqa: BLE001 - reported through the vote below
@@ -280,9 +337,11 @@ class ZeroLayout(CheckpointLayout):
         return finish
 
 
-def _finish(staging: Path, path: Path, capture: CapturingCheckpointEngine, commit: SaveCommit,
-            extra: dict) -> None:
+def _finish(
+    staging: Path, path: Path, capture: CapturingCheckpointEngine, commit: SaveCommit, extra: dict
+) -> None:
     """Step 5: write what was staged, agree, commit; the vote ends here (no collective)."""
     written = ckpt.write_directory_files(staging, capture.write)
-    ckpt.finish_directory_save(staging, path, written, commit.vote, step=commit.step,
-                               extra_manifest=extra)
+    ckpt.finish_directory_save(
+        staging, path, written, commit.vote, step=commit.step, extra_manifest=extra
+    )

@@ -1,4 +1,5 @@
 """DDPStrategy: torch DistributedDataParallel over gloo (CPU) or nccl (CUDA)."""
+
 from __future__ import annotations
 
 import inspect
@@ -17,9 +18,11 @@ from .base import BaseStrategy
 from .sync_bn import convert_sync_batchnorm
 
 _MM_WRAPPER = 'MMDistributedDataParallel'
-_NO_FORWARD_BUFFER_SYNC = ('forward_sync_buffers' if 'forward_sync_buffers' in
-                           inspect.signature(DistributedDataParallel.__init__).parameters
-                           else 'broadcast_buffers')
+_NO_FORWARD_BUFFER_SYNC = (
+    'forward_sync_buffers'
+    if 'forward_sync_buffers' in inspect.signature(DistributedDataParallel.__init__).parameters
+    else 'broadcast_buffers'
+)
 
 
 @STRATEGIES.register_module()
@@ -32,8 +35,9 @@ class DDPStrategy(BaseStrategy):
     Args:
         model_wrapper: kwargs for ``DistributedDataParallel``
             (``find_unused_parameters``, ``broadcast_buffers`` / ``forward_sync_buffers``
-            — default False, as mmengine's runner sets it —, ``bucket_cap_mb``, ``gradient_as_bucket_view``,
-            ``static_graph``, ...). ``type`` may be ``'DistributedDataParallel'`` or left
+            — default False, as mmengine's runner sets it —, ``bucket_cap_mb``,
+            ``gradient_as_bucket_view``, ``static_graph``, ...). ``type`` may be
+            ``'DistributedDataParallel'`` or left
             out; mmengine's ``MMDistributedDataParallel`` (which adds train_step/val_step
             to the model) is refused with a message. ``device_ids`` is set for you on
             CUDA and must not be given on CPU. A model that is already wrapped in DDP
@@ -45,26 +49,37 @@ class DDPStrategy(BaseStrategy):
             defaults to the inferred one, else ``'pytorch'``.
     """
 
-    def __init__(self, *, model_wrapper: Mapping | None = None, sync_bn: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *, model_wrapper: Mapping | None = None, sync_bn: str | None = None, **kwargs: Any
+    ) -> None:
         wrapper = dict(model_wrapper or {})
         wrapper_type = wrapper.pop('type', 'DistributedDataParallel')
         if wrapper_type in (_MM_WRAPPER, DistributedDataParallel):
-            wrapper_type = 'DistributedDataParallel' if wrapper_type is DistributedDataParallel \
+            wrapper_type = (
+                'DistributedDataParallel'
+                if wrapper_type is DistributedDataParallel
                 else wrapper_type
+            )
         if wrapper_type != 'DistributedDataParallel':
-            extra = (' (it adds mmengine\'s train_step/val_step model API, which stratagem '
-                     'leaves to your loop)' if wrapper_type == _MM_WRAPPER else '')
-            raise ValueError(f'DDPStrategy: model_wrapper type {wrapper_type!r} is not '
-                             f"supported{extra}; use type='DistributedDataParallel' or leave "
-                             'type out')
+            extra = (
+                " (it adds mmengine's train_step/val_step model API, which stratagem "
+                'leaves to your loop)'
+                if wrapper_type == _MM_WRAPPER
+                else ''
+            )
+            raise ValueError(
+                f'DDPStrategy: model_wrapper type {wrapper_type!r} is not '
+                f"supported{extra}; use type='DistributedDataParallel' or leave "
+                'type out'
+            )
         if 'broadcast_buffers' not in wrapper and 'forward_sync_buffers' not in wrapper:
             # mmengine's runner default: buffers are not re-broadcast every forward (newer
             # torch spells it forward_sync_buffers and deprecates broadcast_buffers)
             wrapper[_NO_FORWARD_BUFFER_SYNC] = False
         if sync_bn not in (None, 'torch'):
-            raise ValueError(f"DDPStrategy: sync_bn={sync_bn!r} is not supported; use 'torch' "
-                             'or None')
+            raise ValueError(
+                f"DDPStrategy: sync_bn={sync_bn!r} is not supported; use 'torch' or None"
+            )
         self.model_wrapper = wrapper
         self.sync_bn = sync_bn
         env_kwargs = self._distributed_env_kwargs(kwargs, 'DDPStrategy')
@@ -82,18 +97,24 @@ class DDPStrategy(BaseStrategy):
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         if isinstance(model, DistributedDataParallel):
-            self.logger.info('DDPStrategy: the model is already wrapped in '
-                             'DistributedDataParallel; using it as it is')
+            self.logger.info(
+                'DDPStrategy: the model is already wrapped in '
+                'DistributedDataParallel; using it as it is'
+            )
             return model
         if self.sync_bn == 'torch':
             model, n = convert_sync_batchnorm(model, self.device.type)
-            self.logger.info(f'DDPStrategy: {n} BatchNorm layer(s) synchronised across ranks'
-                             + ('' if self.device.type == 'cuda' else ' (CPUSyncBatchNorm)'))
+            self.logger.info(
+                f'DDPStrategy: {n} BatchNorm layer(s) synchronised across ranks'
+                + ('' if self.device.type == 'cuda' else ' (CPUSyncBatchNorm)')
+            )
         model = model.to(self.device)
         kwargs = dict(self.model_wrapper)
         if self.device.type == 'cuda':
             kwargs.setdefault('device_ids', [self.device.index])
         elif kwargs.get('device_ids'):
-            raise ValueError(f"DDPStrategy: model_wrapper.device_ids={kwargs['device_ids']} "
-                             'only applies to CUDA; remove it on CPU')
+            raise ValueError(
+                f'DDPStrategy: model_wrapper.device_ids={kwargs["device_ids"]} '
+                'only applies to CUDA; remove it on CPU'
+            )
         return DistributedDataParallel(model, **kwargs)

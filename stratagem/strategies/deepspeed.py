@@ -21,6 +21,7 @@ Prepare sequence: build model → ``init_weights`` → device → (compile ``for
 build the optim wrapper over the plain module → ``auto_scale_lr`` → derive and check the
 DeepSpeed config → ``deepspeed.initialize`` with the torch optimizer → schedulers.
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,9 +44,17 @@ __all__ = ['DeepSpeedStrategy', 'import_deepspeed']
 
 _INSTALL = 'pip install "stratagem[deepspeed]"'
 # keyword -> DeepSpeed config key (mmengine's arguments)
-_CONFIG_KEYWORDS = ('zero_optimization', 'gradient_clipping', 'fp16', 'bf16', 'amp',
-                    'activation_checkpointing', 'aio', 'train_micro_batch_size_per_gpu',
-                    'gradient_accumulation_steps')
+_CONFIG_KEYWORDS = (
+    'zero_optimization',
+    'gradient_clipping',
+    'fp16',
+    'bf16',
+    'amp',
+    'activation_checkpointing',
+    'aio',
+    'train_micro_batch_size_per_gpu',
+    'gradient_accumulation_steps',
+)
 _ADAM_FAMILY = ('Adam', 'AdamW', 'Adagrad', 'Lamb', 'FusedAdam', 'DeepSpeedCPUAdam')
 
 
@@ -54,8 +63,10 @@ def import_deepspeed() -> Any:
     try:
         import deepspeed
     except ImportError as err:
-        raise ImportError(f'DeepSpeedStrategy needs DeepSpeed, which is not installed ({err}); '
-                          f'install it with: {_INSTALL}') from err
+        raise ImportError(
+            f'DeepSpeedStrategy needs DeepSpeed, which is not installed ({err}); '
+            f'install it with: {_INSTALL}'
+        ) from err
     return deepspeed
 
 
@@ -85,32 +96,50 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
             Without a launcher a one-process group is created (DeepSpeed needs one).
     """
 
-    def __init__(self, *, config: str | Mapping | None = None,
-                 zero_optimization: Mapping | None = None, gradient_clipping: float | None = None,
-                 fp16: Mapping | None = None, inputs_to_half: Sequence[int | str] | None = None,
-                 bf16: Mapping | None = None, amp: Mapping | None = None,
-                 activation_checkpointing: Mapping | None = None, aio: Mapping | None = None,
-                 train_micro_batch_size_per_gpu: int | None = None,
-                 gradient_accumulation_steps: int | None = None,
-                 steps_per_print: int | None = None,
-                 exclude_frozen_parameters: bool | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        config: str | Mapping | None = None,
+        zero_optimization: Mapping | None = None,
+        gradient_clipping: float | None = None,
+        fp16: Mapping | None = None,
+        inputs_to_half: Sequence[int | str] | None = None,
+        bf16: Mapping | None = None,
+        amp: Mapping | None = None,
+        activation_checkpointing: Mapping | None = None,
+        aio: Mapping | None = None,
+        train_micro_batch_size_per_gpu: int | None = None,
+        gradient_accumulation_steps: int | None = None,
+        steps_per_print: int | None = None,
+        exclude_frozen_parameters: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         import_deepspeed()  # before anything changes
         cfg = parse_config(config)
-        given = dict(zero_optimization=zero_optimization, gradient_clipping=gradient_clipping,
-                     fp16=fp16, bf16=bf16, amp=amp,
-                     activation_checkpointing=activation_checkpointing, aio=aio,
-                     train_micro_batch_size_per_gpu=train_micro_batch_size_per_gpu,
-                     gradient_accumulation_steps=gradient_accumulation_steps)
+        given = dict(
+            zero_optimization=zero_optimization,
+            gradient_clipping=gradient_clipping,
+            fp16=fp16,
+            bf16=bf16,
+            amp=amp,
+            activation_checkpointing=activation_checkpointing,
+            aio=aio,
+            train_micro_batch_size_per_gpu=train_micro_batch_size_per_gpu,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
         for key in _CONFIG_KEYWORDS:
             value = given[key]
             if value is None:
                 continue
             if key in cfg and cfg[key] != value:
-                raise ValueError(f'DeepSpeedStrategy: {key}={value!r} disagrees with the '
-                                 f'DeepSpeed config\'s {key}={cfg[key]!r}; give it once')
+                raise ValueError(
+                    f'DeepSpeedStrategy: {key}={value!r} disagrees with the '
+                    f"DeepSpeed config's {key}={cfg[key]!r}; give it once"
+                )
             cfg[key] = copy.deepcopy(value)
-        cfg['steps_per_print'] = steps_per_print if steps_per_print is not None else \
-            cfg.get('steps_per_print', 10 ** 13)
+        cfg['steps_per_print'] = (
+            steps_per_print if steps_per_print is not None else cfg.get('steps_per_print', 10**13)
+        )
         check_config(cfg)
         self.config = cfg
         self._inputs_to_half = list(inputs_to_half) if inputs_to_half is not None else None
@@ -129,9 +158,15 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
         return torch.device('cpu')
 
     # --------------------------------------------------------------------- prepare
-    def prepare(self, model: nn.Module | Mapping, *, optim_wrapper: Any = None,
-                param_scheduler: Any = None, compile: bool | Mapping = False,
-                dispatch_kwargs: Mapping | None = None) -> Any:
+    def prepare(
+        self,
+        model: nn.Module | Mapping,
+        *,
+        optim_wrapper: Any = None,
+        param_scheduler: Any = None,
+        compile: bool | Mapping = False,
+        dispatch_kwargs: Mapping | None = None,
+    ) -> Any:
         """BaseStrategy's contract; the model returned is the ``DeepSpeedEngine``.
 
         ``optim_wrapper``: a DeepSpeedOptimWrapper cfg (``type`` may be left out) whose
@@ -144,25 +179,29 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
         self._agree_micro_batch()
         module = self._wrap_model(self._init_model_weights(self.build_model(model)))
         if compile:
-            target = {'target': 'forward'} if compile is True else {'target': 'forward',
-                                                                     **dict(compile)}
+            target = (
+                {'target': 'forward'} if compile is True else {'target': 'forward', **dict(compile)}
+            )
             module = self.compile_model(module, compile=target)
         wrapper = None
         if optim_wrapper is not None:
             wrapper = self.build_optim_wrapper(_deepspeed_wrapper_cfg(optim_wrapper), module)
             from stratagem.optim import DeepSpeedOptimWrapper
+
             if not isinstance(wrapper, DeepSpeedOptimWrapper):
-                raise TypeError(f'DeepSpeedStrategy needs a DeepSpeedOptimWrapper, got '
-                                f"{type(wrapper).__name__}; use optim_wrapper=dict(type="
-                                f"'DeepSpeedOptimWrapper', optimizer=...)")
+                raise TypeError(
+                    f'DeepSpeedStrategy needs a DeepSpeedOptimWrapper, got '
+                    f'{type(wrapper).__name__}; use optim_wrapper=dict(type='
+                    f"'DeepSpeedOptimWrapper', optimizer=...)"
+                )
         config = self._engine_config(wrapper)  # every check before DeepSpeed starts
         if wrapper is not None:
             self.optim_wrapper = wrapper
             self._scale_lr()
         deepspeed = import_deepspeed()
         engine, *_ = deepspeed.initialize(
-            model=module, optimizer=None if wrapper is None else wrapper.optimizer,
-            config=config)
+            model=module, optimizer=None if wrapper is None else wrapper.optimizer, config=config
+        )
         if wrapper is not None:
             wrapper.attach(engine)
         if self._inputs_to_half:
@@ -196,7 +235,8 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
             raise ValueError(
                 f'DeepSpeedStrategy: train_micro_batch_size_per_gpu={mine} disagrees with the '
                 f"data loader's batch size {loader} (dispatch_kwargs); the loader decides: "
-                'remove train_micro_batch_size_per_gpu from the strategy')
+                'remove train_micro_batch_size_per_gpu from the strategy'
+            )
         if loader is None and mine is not None:
             self.dispatch_kwargs['train_micro_batch_size_per_gpu'] = int(mine)
 
@@ -204,10 +244,18 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
         """DeepSpeed's config, with the wrapper's accumulation and clipping written in."""
         cfg = copy.deepcopy(self.config)
         if wrapper is not None:
-            agree(cfg, 'gradient_accumulation_steps', wrapper.accumulative_counts,
-                   'optim_wrapper.accumulative_counts')
-            agree(cfg, 'gradient_clipping', wrapper.max_norm, 'optim_wrapper.clip_grad.max_norm'
-                   ' (0 without clip_grad)')
+            agree(
+                cfg,
+                'gradient_accumulation_steps',
+                wrapper.accumulative_counts,
+                'optim_wrapper.accumulative_counts',
+            )
+            agree(
+                cfg,
+                'gradient_clipping',
+                wrapper.max_norm,
+                'optim_wrapper.clip_grad.max_norm (0 without clip_grad)',
+            )
             if wrapper.accumulative_counts > 1:
                 # the wrapper owns the boundary: backward accumulates, step() reduces and
                 # updates, so the last window can be shorter (with 1 every step is a
@@ -225,18 +273,24 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
         total = micro * int(cfg['gradient_accumulation_steps']) * self.world_size
         if cfg.get('train_batch_size') not in (None, total):
             raise ValueError(
-                f"DeepSpeedStrategy: train_batch_size={cfg['train_batch_size']} disagrees with "
+                f'DeepSpeedStrategy: train_batch_size={cfg["train_batch_size"]} disagrees with '
                 f'micro batch {micro} x accumulation {cfg["gradient_accumulation_steps"]} x '
-                f'world size {self.world_size} = {total}; remove train_batch_size (derived)')
+                f'world size {self.world_size} = {total}; remove train_batch_size (derived)'
+            )
         cfg['train_batch_size'] = total
         return cfg
 
     def _cast_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-        dtype = (torch.bfloat16 if self.model.bfloat16_enabled() else
-                 torch.float16 if self.model.fp16_enabled() else None)
+        dtype = (
+            torch.bfloat16
+            if self.model.bfloat16_enabled()
+            else torch.float16
+            if self.model.fp16_enabled()
+            else None
+        )
         if dtype is None:
             return args, kwargs
-        wanted = set(self._inputs_to_half)
+        wanted = set(self._inputs_to_half)  # type: ignore[arg-type]
         args = tuple(_cast(a, dtype) if i in wanted else a for i, a in enumerate(args))
         kwargs = {k: _cast(v, dtype) if k in wanted else v for k, v in kwargs.items()}
         return args, kwargs
@@ -261,8 +315,13 @@ def _launcher_or_single_process() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(('127.0.0.1', 0))
         port = sock.getsockname()[1]
-    os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1',
-                      MASTER_PORT=os.environ.get('MASTER_PORT', str(port)))
+    os.environ.update(
+        RANK='0',
+        WORLD_SIZE='1',
+        LOCAL_RANK='0',
+        MASTER_ADDR='127.0.0.1',
+        MASTER_PORT=os.environ.get('MASTER_PORT', str(port)),
+    )
     return 'pytorch'
 
 
@@ -271,7 +330,9 @@ def _deepspeed_wrapper_cfg(cfg: Any) -> Any:
         cfg = dict(cfg)
         kind = cfg.setdefault('type', 'DeepSpeedOptimWrapper')
         if kind != 'DeepSpeedOptimWrapper':
-            raise ValueError(f"DeepSpeedStrategy: optim_wrapper type {kind!r} is not supported; "
-                             "use 'DeepSpeedOptimWrapper' (or leave type out). Precision is "
-                             "the strategy's bf16 / fp16 setting, not an AMP wrapper")
+            raise ValueError(
+                f'DeepSpeedStrategy: optim_wrapper type {kind!r} is not supported; '
+                "use 'DeepSpeedOptimWrapper' (or leave type out). Precision is "
+                "the strategy's bf16 / fp16 setting, not an AMP wrapper"
+            )
     return cfg

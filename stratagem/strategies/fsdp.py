@@ -6,6 +6,7 @@ writes directory checkpoints that resume on another world size. ``prepare`` sequ
 activation checkpointing → per-block ``compile`` → ``fully_shard`` of the matched blocks
 bottom-up, root last → optimizer built over the sharded parameters → schedulers.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,14 @@ from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from .base import BaseStrategy
 from .checkpointer import CheckpointLayout, SaveCommit
 from .fsdp_config import parse_activation_checkpointing, parse_model_wrapper, parse_state_dict_cfg
-from .fsdp_parts import (adapt_optim_wrapper, clean_name, keep_fresh, pending_grads,
-                         set_pending_grads, with_no_sync)
+from .fsdp_parts import (
+    adapt_optim_wrapper,
+    clean_name,
+    keep_fresh,
+    pending_grads,
+    set_pending_grads,
+    with_no_sync,
+)
 
 
 class FSDPStrategy(BaseStrategy):
@@ -55,10 +62,16 @@ class FSDPStrategy(BaseStrategy):
         **kwargs: BaseStrategy's.
     """
 
-    def __init__(self, *, model_wrapper: Mapping | None = None,
-                 state_dict_type: str | None = None, state_dict_cfg: Any = None,
-                 activation_checkpointing: Any = None, skip_init_weights: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        model_wrapper: Mapping | None = None,
+        state_dict_type: str | None = None,
+        state_dict_cfg: Any = None,
+        activation_checkpointing: Any = None,
+        skip_init_weights: bool = False,
+        **kwargs: Any,
+    ) -> None:
         self.wrap_cfg = parse_model_wrapper(model_wrapper)
         self.state_dict_type = parse_state_dict_cfg(state_dict_type, state_dict_cfg)
         self.ac_check = parse_activation_checkpointing(activation_checkpointing)
@@ -69,7 +82,8 @@ class FSDPStrategy(BaseStrategy):
         # (path, checkpoint, DCP metadata): read after the checks
         self._pending_read: tuple | None = None
         env_kwargs = self._distributed_env_kwargs(
-            kwargs, 'FSDPStrategy', "; for one process use SingleDeviceStrategy (type='auto')")
+            kwargs, 'FSDPStrategy', "; for one process use SingleDeviceStrategy (type='auto')"
+        )
         super().__init__(env_kwargs=env_kwargs, **kwargs)
 
     @property
@@ -84,8 +98,10 @@ class FSDPStrategy(BaseStrategy):
         sharding) instead of the whole model."""
         kw = None if not compile else {} if compile is True else dict(compile)
         if kw is not None and kw.pop('target', 'forward') != 'forward':
-            raise ValueError(f"FSDPStrategy compiles each sharded block's forward; "
-                             f'compile={compile!r} names another target; leave target out')
+            raise ValueError(
+                f"FSDPStrategy compiles each sharded block's forward; "
+                f'compile={compile!r} names another target; leave target out'
+            )
         self._block_compile = kw
         return super().prepare(model, compile=False, **kwargs)
 
@@ -101,6 +117,7 @@ class FSDPStrategy(BaseStrategy):
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
+
         if isinstance(model, FSDPModule):
             self.logger.info('FSDPStrategy: the model is already sharded; using it as it is')
             return with_no_sync(model)
@@ -126,13 +143,20 @@ class FSDPStrategy(BaseStrategy):
         fully_shard(model, **kwargs, ignored_params=ignored or None)
         if on_meta:
             model.to_empty(device=self.device)
-            unsaved = [f'{n}.{b}' if n else b for n, m in model.named_modules()
-                       for b in getattr(m, '_non_persistent_buffers_set', ())]
+            unsaved = [
+                f'{n}.{b}' if n else b
+                for n, m in model.named_modules()
+                for b in getattr(m, '_non_persistent_buffers_set', ())
+            ]
             if unsaved:  # a checkpoint will not fill them
-                self.logger.warning(f'skip_init_weights: non-persistent buffers {unsaved} are '
-                                    'uninitialised memory; set them after prepare()')
-        self.logger.info(f'FSDPStrategy: {len(targets)} block(s) + root sharded over '
-                         f'{self.world_size} ranks ({self.device.type})')
+                self.logger.warning(
+                    f'skip_init_weights: non-persistent buffers {unsaved} are '
+                    'uninitialised memory; set them after prepare()'
+                )
+        self.logger.info(
+            f'FSDPStrategy: {len(targets)} block(s) + root sharded over '
+            f'{self.world_size} ranks ({self.device.type})'
+        )
         return with_no_sync(model)
 
     def build_optim_wrapper(self, optim_wrapper: Any, model: nn.Module | None = None) -> Any:
@@ -148,9 +172,10 @@ class FSDPStrategy(BaseStrategy):
                 raise ValueError(
                     'FSDPStrategy: the optimizer was built before prepare() sharded the model, '
                     'so it holds the old, unsharded parameters and would update nothing; pass '
-                    "its cfg instead: optim_wrapper=dict(optimizer=dict(type='AdamW', lr=...))")
+                    "its cfg instead: optim_wrapper=dict(optimizer=dict(type='AdamW', lr=...))"
+                )
         wrapper = super().build_optim_wrapper(optim_wrapper, model)
-        for w in (wrapper.values() if hasattr(wrapper, 'values') else [wrapper]):
+        for w in wrapper.values() if hasattr(wrapper, 'values') else [wrapper]:
             adapt_optim_wrapper(w, mixed_precision=self.wrap_cfg.casts_precision)
         return wrapper
 
@@ -160,62 +185,88 @@ class FSDPStrategy(BaseStrategy):
     # -------------------------------------------------------------------- state dicts
     def _options(self, full: bool) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
+
         return StateDictOptions(full_state_dict=full, cpu_offload=full)
 
     def model_state_dict(self) -> dict:
         """Sharded (DTensor) state dict, or the full one on rank 0 under ``'full'``."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
         return get_model_state_dict(self.model, options=self._options(self._full))
 
     def optim_state_dict(self) -> dict:
         """FQN-keyed, sharded optimizer state (index-keyed and full under ``'full'``) plus
         the optim wrapper's counters."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         wrapper = self.optim_wrapper
         with keep_fresh([wrapper.optimizer]):
-            state = get_optimizer_state_dict(self.model, wrapper.optimizer,
-                                             options=self._options(self._full))
+            state = get_optimizer_state_dict(
+                self.model, wrapper.optimizer, options=self._options(self._full)
+            )
         if self._full and state:  # rank 0 only: the others get {} (cpu_offload)
             state = ckpt.optim_state_to_index(state)
         extra = wrapper.state_dict()
-        return {**{k: v for k, v in extra.items() if k not in ('state', 'param_groups')},
-                'state': state.get('state', {}), 'param_groups': state.get('param_groups', [])}
+        return {
+            **{k: v for k, v in extra.items() if k not in ('state', 'param_groups')},
+            'state': state.get('state', {}),
+            'param_groups': state.get('param_groups', []),
+        }
 
-    def load_model_state_dict(self, state_dict: Mapping, *, strict: bool = False,
-                              revise_keys: Any = ((r'^module\.', ''),)) -> Any:
+    def load_model_state_dict(
+        self, state_dict: Mapping, *, strict: bool = False, revise_keys: Any = ((r'^module\.', ''),)
+    ) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.tensor import DTensor
+
         if self._pending_read is not None:  # a resume's checks passed: read in place now
             state_dict = self._read_in_place()
         state_dict = ckpt.revise_keys(state_dict, list(revise_keys))
         full = not any(isinstance(v, DTensor) for v in state_dict.values())
-        result = set_model_state_dict(self.model, dict(state_dict), options=StateDictOptions(
-            full_state_dict=full, strict=strict))
+        result = set_model_state_dict(
+            self.model,
+            dict(state_dict),
+            options=StateDictOptions(full_state_dict=full, strict=strict),
+        )
         if result.missing_keys or result.unexpected_keys:
-            env.log_rank_zero(self.logger, logging.WARNING, 'loading weights: missing keys %s, '
-                              'unexpected keys %s', list(result.missing_keys),
-                              list(result.unexpected_keys))
+            env.log_rank_zero(
+                self.logger,
+                logging.WARNING,
+                'loading weights: missing keys %s, unexpected keys %s',
+                list(result.missing_keys),
+                list(result.unexpected_keys),
+            )
         return result
 
     def load_optim_state_dict(self, state_dict: Mapping) -> None:
         """Load an FQN-keyed (sharded or full) or index-keyed (a single-file checkpoint of
         any strategy) optimizer state, then the optim wrapper's counters."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
         from torch.distributed.tensor import DTensor
+
         wrapper = self.optim_wrapper
         state = dict(state_dict)
         groups = state.get('param_groups') or []
         if groups and groups[0]['params'] and not isinstance(groups[0]['params'][0], str):
             state = ckpt.optim_state_to_fqn(state, self._param_names())
-        full = not any(isinstance(t, DTensor) for s in state.get('state', {}).values()
-                       for t in s.values())
+        full = not any(
+            isinstance(t, DTensor) for s in state.get('state', {}).values() for t in s.values()
+        )
 
         def load(optim_state: dict) -> None:
-            set_optimizer_state_dict(self.model, wrapper.optimizer,
-                                     {'state': optim_state.get('state', {}),
-                                      'param_groups': optim_state['param_groups']},
-                                     options=StateDictOptions(full_state_dict=full))
+            set_optimizer_state_dict(
+                self.model,
+                wrapper.optimizer,
+                {
+                    'state': optim_state.get('state', {}),
+                    'param_groups': optim_state['param_groups'],
+                },
+                options=StateDictOptions(full_state_dict=full),
+            )
+
         wrapper_state = dict(state.get('optim_wrapper') or {})
         wrapper_state.pop('pending_grads', None)  # sharded grads are None mid-window
         if wrapper_state:
@@ -247,8 +298,9 @@ class FSDPStrategy(BaseStrategy):
             return env.all_gather_object({k: v.cpu() for k, v in grads.items()})
         return grads
 
-    def resume(self, filename: str, *, resume_optimizer: bool = True,
-               callback: Any = None, **kwargs: Any) -> dict:
+    def resume(
+        self, filename: str, *, resume_optimizer: bool = True, callback: Any = None, **kwargs: Any
+    ) -> dict:
         """BaseStrategy's ``resume``. A sharded directory resumed without a ``callback`` is
         read in place, like a raw ``dcp.load``: everything but the tensors first, then every
         check (keys, shapes, param groups, schedulers, world size), and only then DCP reads
@@ -257,11 +309,15 @@ class FSDPStrategy(BaseStrategy):
         since they were verified) leaves the model partly read, and the resume raises. With
         a ``callback`` (it may read or edit the tensors) they are read into new tensors
         first."""
-        self._in_place = None if callback is not None else bool(
-            resume_optimizer and hasattr(self, 'optim_wrapper'))
+        self._in_place = (
+            None
+            if callback is not None
+            else bool(resume_optimizer and hasattr(self, 'optim_wrapper'))
+        )
         try:
-            return super().resume(filename, resume_optimizer=resume_optimizer,
-                                  callback=callback, **kwargs)
+            return super().resume(
+                filename, resume_optimizer=resume_optimizer, callback=callback, **kwargs
+            )
         finally:
             self._in_place = self._pending_read = None
 
@@ -269,16 +325,23 @@ class FSDPStrategy(BaseStrategy):
         """The pending resume's DCP read, into the live state dicts; the checkpoint dict the
         resume holds gets them (its ``optimizer`` too, when resumed). Returns the weights."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        (path, checkpoint, metadata), self._pending_read = self._pending_read, None
+
+        (path, checkpoint, metadata), self._pending_read = self._pending_read, None  # type: ignore[misc]
         optimizers = [self.optim_wrapper.optimizer] if self._in_place else []
         with keep_fresh(optimizers):
             model_sd, optim_sd = get_state_dict(self.model, optimizers)
-        state = {'state_dict': model_sd, **({'optimizer': optim_sd} if optimizers else {})}
+        state: dict[str, Any] = {
+            'state_dict': model_sd,
+            **({'optimizer': optim_sd} if optimizers else {}),
+        }
         ckpt.load_sharded_in_place(path, state, metadata=metadata)
         checkpoint['state_dict'] = state['state_dict']
         if optimizers:
-            counters = {k: v for k, v in checkpoint['optimizer'].items()
-                        if k not in ('state', 'param_groups')}
+            counters = {
+                k: v
+                for k, v in checkpoint['optimizer'].items()
+                if k not in ('state', 'param_groups')
+            }
             checkpoint['optimizer'] = {**state['optimizer'], **counters}
         return state['state_dict']
 
@@ -291,18 +354,23 @@ class FSDPStrategy(BaseStrategy):
                 self._pending_read = (filename, *header)
                 return header[0]
         from torch.distributed.checkpoint.state_dict import get_state_dict
+
         optimizers = [self.optim_wrapper.optimizer] if hasattr(self, 'optim_wrapper') else []
         with keep_fresh(optimizers):
             model_sd, optim_sd = get_state_dict(self.model, optimizers)
-            return ckpt.load_sharded_checkpoint(filename, model_sd,
-                                                optim_sd if optimizers else None)
+            return ckpt.load_sharded_checkpoint(
+                filename, model_sd, optim_sd if optimizers else None
+            )
 
     def _load_partial_grads(self, checkpoint: Mapping, meta: Mapping) -> None:
         per_rank = checkpoint.get('partial_grads_fqn') or checkpoint.get('partial_grads')
         if not per_rank:
             return
-        mine = per_rank[self.rank] if len(per_rank) == self.world_size else \
-            {k: sum(g[k] for g in per_rank) / len(per_rank) for k in per_rank[0]}
+        mine = (
+            per_rank[self.rank]
+            if len(per_rank) == self.world_size
+            else {k: sum(g[k] for g in per_rank) / len(per_rank) for k in per_rank[0]}
+        )
         set_pending_grads(self.model, mine)
 
 
@@ -319,8 +387,9 @@ class FSDPLayout(CheckpointLayout):
     def validate(self, checkpoint: dict) -> list[str]:
         return ckpt.validate_checkpoint_content(ckpt.local_tensors(checkpoint))
 
-    def stage(self, checkpoint: dict, path: str, commit: SaveCommit,
-              writer: AsyncCheckpointWriter | None) -> Callable[[], None]:
+    def stage(
+        self, checkpoint: dict, path: str, commit: SaveCommit, writer: AsyncCheckpointWriter | None
+    ) -> Callable[[], None]:
         """An asynchronous sharded save runs DCP's planning collectives on the writer
         thread, so they get a gloo group of their own, created here (every rank saves in
         the same order): on the default group they would interleave with the training
@@ -328,6 +397,7 @@ class FSDPLayout(CheckpointLayout):
         strategy = self.strategy
         if writer is not None and not strategy._full and strategy._writer_group is None:
             import torch.distributed as dist
+
             strategy._writer_group = dist.new_group(backend='gloo')
         return super().stage(checkpoint, path, commit, writer)
 
@@ -340,6 +410,11 @@ class FSDPLayout(CheckpointLayout):
         assert checkpoint is not None  # every rank writes its shards
         partial = checkpoint.pop('partial_grads', None)
         ckpt.save_sharded_checkpoint(
-            path, checkpoint, step=checkpoint['meta'].get('iter'), partial_grads=partial,
-            vote=commit.vote, process_group=self.strategy._writer_group,
-            extra_manifest={'strategy': type(self.strategy).__name__})
+            path,
+            checkpoint,
+            step=checkpoint['meta'].get('iter'),
+            partial_grads=partial,
+            vote=commit.vote,
+            process_group=self.strategy._writer_group,
+            extra_manifest={'strategy': type(self.strategy).__name__},
+        )

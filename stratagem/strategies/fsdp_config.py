@@ -7,6 +7,7 @@ before anything is sharded. Where mmengine takes a function by name (its ``FUNCT
 registry), a name resolves as there: registered in mmengine's ``FUNCTIONS`` (looked up when
 mmengine is already imported) or a dotted import path (``fsdp_select.resolve_name``).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -23,24 +24,34 @@ from stratagem.optim.amp_optim_wrapper import resolve_dtype
 
 from .fsdp_select import Fsdp1Policy, ModuleMatcher, PolicyObject, as_selector, resolve_name
 
-_SIZE_POLICIES = ('size_based', 'torch.distributed.fsdp.wrap.size_based_auto_wrap_policy',
-                  'size_based_auto_wrap_policy')
-_CLASS_POLICIES = ('module_classes', 'torch.distributed.fsdp.wrap.transformer_auto_wrap_policy',
-                   'transformer_auto_wrap_policy', 'torch.distributed.fsdp.wrap.ModuleWrapPolicy',
-                   'ModuleWrapPolicy')
+_SIZE_POLICIES = (
+    'size_based',
+    'torch.distributed.fsdp.wrap.size_based_auto_wrap_policy',
+    'size_based_auto_wrap_policy',
+)
+_CLASS_POLICIES = (
+    'module_classes',
+    'torch.distributed.fsdp.wrap.transformer_auto_wrap_policy',
+    'transformer_auto_wrap_policy',
+    'torch.distributed.fsdp.wrap.ModuleWrapPolicy',
+    'ModuleWrapPolicy',
+)
 _WRAPPER_TYPES = (None, 'fully_shard', 'FullyShardedDataParallel', 'MMFullyShardedDataParallel')
 _SHARDING = {'FULL_SHARD': True, 'SHARD_GRAD_OP': False}
-_HYBRID = 'hybrid sharding needs a 2-D mesh, which FSDPStrategy does not build; use \'FULL_SHARD\''
-_SHARDING_REFUSED = {'NO_SHARD': 'use DDPStrategy', 'HYBRID_SHARD': _HYBRID,
-                     '_HYBRID_SHARD_ZERO2': _HYBRID}
+_HYBRID = "hybrid sharding needs a 2-D mesh, which FSDPStrategy does not build; use 'FULL_SHARD'"
+_SHARDING_REFUSED = {
+    'NO_SHARD': 'use DDPStrategy',
+    'HYBRID_SHARD': _HYBRID,
+    '_HYBRID_SHARD_ZERO2': _HYBRID,
+}
 _REFUSED = {
     'device_id': 'FSDPStrategy places the model on cuda:LOCAL_RANK, or cpu; remove device_id',
     'limit_all_gathers': 'FSDP2 bounds all-gathers itself; remove it',
     'forward_prefetch': 'FSDP2 prefetches the next block by default; remove it (explicit '
-                        'prefetching: module.set_modules_to_forward_prefetch)',
+    'prefetching: module.set_modules_to_forward_prefetch)',
     'backward_prefetch': 'FSDP2 prefetches in backward by default; remove it',
     'param_init_fn': 'use skip_init_weights=True (meta-device build, shards allocated after '
-                     'sharding) and load a checkpoint',
+    'sharding) and load a checkpoint',
     'ignored_states': 'use ignored_modules',
     'process_group': 'FSDPStrategy shards over all ranks of the default process group',
     'device_mesh': 'FSDPStrategy shards over all ranks of the default process group',
@@ -78,8 +89,10 @@ class WrapConfig:
         match = self.ignored.bind(model)
         roots = [m for m in model.modules() if match(m)]
         if any(m is model for m in roots):
-            raise ValueError('ignored_modules: it matches the root module, so nothing would be '
-                             'sharded; name submodules (or use DDPStrategy)')
+            raise ValueError(
+                'ignored_modules: it matches the root module, so nothing would be '
+                'sharded; name submodules (or use DDPStrategy)'
+            )
         return {sub for m in roots for sub in m.modules()}
 
     def ignored_params(self, model: nn.Module) -> set[nn.Parameter]:
@@ -90,8 +103,10 @@ class WrapConfig:
         """Whether ``mixed_precision`` casts anything (then an AmpOptimWrapper leaves
         precision to FSDP)."""
         mp = self.mp_policy
-        return any(getattr(mp, f, None) is not None
-                   for f in ('param_dtype', 'reduce_dtype', 'output_dtype'))
+        return any(
+            getattr(mp, f, None) is not None
+            for f in ('param_dtype', 'reduce_dtype', 'output_dtype')
+        )
 
     def cast_buffers(self, model: nn.Module) -> None:
         """FSDP1's ``buffer_dtype``: floating-point buffers take that dtype (before sharding)."""
@@ -104,27 +119,40 @@ class WrapConfig:
 
     def shard_kwargs(self, mesh: Any, device: torch.device) -> dict:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-        offload = CPUOffloadPolicy(pin_memory=device.type == 'cuda') if self.cpu_offload \
+
+        offload = (
+            CPUOffloadPolicy(pin_memory=device.type == 'cuda')
+            if self.cpu_offload
             else OffloadPolicy()
-        return dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
-                    mp_policy=self.mp_policy, offload_policy=offload)
+        )
+        return dict(
+            mesh=mesh,
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=self.mp_policy,
+            offload_policy=offload,
+        )
 
 
 def parse_model_wrapper(cfg: Mapping | None) -> WrapConfig:
     cfg = dict(cfg or {})
     kind = cfg.pop('type', None)
     if kind not in _WRAPPER_TYPES:
-        raise ValueError(f'FSDPStrategy: model_wrapper type {kind!r} is not supported; leave type '
-                         f"out (FSDP2 fully_shard) or use 'MMFullyShardedDataParallel'")
+        raise ValueError(
+            f'FSDPStrategy: model_wrapper type {kind!r} is not supported; leave type '
+            f"out (FSDP2 fully_shard) or use 'MMFullyShardedDataParallel'"
+        )
     for key, fix in _REFUSED.items():
         if key in cfg:
             value = cfg.pop(key)
             if key == 'use_orig_params' and value:
                 continue
-            raise ValueError(f'FSDPStrategy: model_wrapper.{key}={value!r} has no FSDP2 meaning; '
-                             f'{fix or "FSDP2 always uses the original parameters; remove it"}')
-    reshard = _parse_reshard(cfg.pop('reshard_after_forward', None),
-                             cfg.pop('sharding_strategy', None))
+            raise ValueError(
+                f'FSDPStrategy: model_wrapper.{key}={value!r} has no FSDP2 meaning; '
+                f'{fix or "FSDP2 always uses the original parameters; remove it"}'
+            )
+    reshard = _parse_reshard(
+        cfg.pop('reshard_after_forward', None), cfg.pop('sharding_strategy', None)
+    )
     policy = parse_policy(cfg.pop('auto_wrap_policy', None), 'model_wrapper.auto_wrap_policy')
     offload = cfg.pop('cpu_offload', False)
     if isinstance(offload, Mapping):
@@ -133,15 +161,24 @@ def parse_model_wrapper(cfg: Mapping | None) -> WrapConfig:
         offload = bool(offload.offload_params)
     ignored = cfg.pop('ignored_modules', None)
     mp_policy, buffer_dtype = _parse_mp(cfg.pop('mixed_precision', None))
-    config = WrapConfig(policy, reshard, mp_policy, buffer_dtype, bool(offload),
-                        None if ignored is None else
-                        ModuleMatcher(ignored, 'model_wrapper.ignored_modules', paths=True),
-                        bool(cfg.pop('sync_module_states', False)))
+    config = WrapConfig(
+        policy,
+        reshard,
+        mp_policy,
+        buffer_dtype,
+        bool(offload),
+        None
+        if ignored is None
+        else ModuleMatcher(ignored, 'model_wrapper.ignored_modules', paths=True),
+        bool(cfg.pop('sync_module_states', False)),
+    )
     if cfg:
-        raise ValueError(f'FSDPStrategy: unknown model_wrapper key(s) {sorted(cfg)}; valid: '
-                         "auto_wrap_policy, reshard_after_forward, mixed_precision, cpu_offload, "
-                         'ignored_modules, sync_module_states (mmengine: sharding_strategy, '
-                         'use_orig_params)')
+        raise ValueError(
+            f'FSDPStrategy: unknown model_wrapper key(s) {sorted(cfg)}; valid: '
+            'auto_wrap_policy, reshard_after_forward, mixed_precision, cpu_offload, '
+            'ignored_modules, sync_module_states (mmengine: sharding_strategy, '
+            'use_orig_params)'
+        )
     return config
 
 
@@ -150,25 +187,33 @@ def _parse_reshard(reshard: Any, strategy: Any) -> bool | int:
     if strategy is not None:
         name = strategy.name if isinstance(strategy, enum.Enum) else strategy
         if name in _SHARDING_REFUSED:
-            raise ValueError(f'FSDPStrategy: model_wrapper.sharding_strategy={name!r} is not '
-                             f'supported; {_SHARDING_REFUSED[name]} (supported: '
-                             "'FULL_SHARD', 'SHARD_GRAD_OP')")
+            raise ValueError(
+                f'FSDPStrategy: model_wrapper.sharding_strategy={name!r} is not '
+                f'supported; {_SHARDING_REFUSED[name]} (supported: '
+                "'FULL_SHARD', 'SHARD_GRAD_OP')"
+            )
         if name not in _SHARDING:
             close = difflib.get_close_matches(str(name), [*_SHARDING, *_SHARDING_REFUSED], n=1)
             hint = f'did you mean {close[0]!r}? ' if close else ''
-            raise ValueError(f'FSDPStrategy: unknown model_wrapper.sharding_strategy {strategy!r}'
-                             f"; {hint}valid: 'FULL_SHARD' (reshard_after_forward=True), "
-                             "'SHARD_GRAD_OP' (False); FSDP1's 'NO_SHARD', 'HYBRID_SHARD', "
-                             "'_HYBRID_SHARD_ZERO2' are refused (DDPStrategy / one mesh axis)")
+            raise ValueError(
+                f'FSDPStrategy: unknown model_wrapper.sharding_strategy {strategy!r}'
+                f"; {hint}valid: 'FULL_SHARD' (reshard_after_forward=True), "
+                "'SHARD_GRAD_OP' (False); FSDP1's 'NO_SHARD', 'HYBRID_SHARD', "
+                "'_HYBRID_SHARD_ZERO2' are refused (DDPStrategy / one mesh axis)"
+            )
         if reshard is not None and reshard != _SHARDING[name]:
-            raise ValueError(f'FSDPStrategy: sharding_strategy={name!r} and '
-                             f'reshard_after_forward={reshard!r} disagree; give one of them')
+            raise ValueError(
+                f'FSDPStrategy: sharding_strategy={name!r} and '
+                f'reshard_after_forward={reshard!r} disagree; give one of them'
+            )
         reshard = _SHARDING[name]
     if reshard is None:
         return True
     if isinstance(reshard, bool) is False and (not isinstance(reshard, int) or reshard < 1):
-        raise ValueError(f'FSDPStrategy: reshard_after_forward must be a bool or an int >= 1 '
-                         f'(reshard to that many ranks), got {reshard!r}')
+        raise ValueError(
+            f'FSDPStrategy: reshard_after_forward must be a bool or an int >= 1 '
+            f'(reshard to that many ranks), got {reshard!r}'
+        )
     return reshard
 
 
@@ -186,8 +231,10 @@ def parse_policy(policy: Any, key: str) -> ModuleMatcher | Fsdp1Policy | PolicyO
         if policy in _SIZE_POLICIES:
             return _size_policy({}, key)
         if policy in _CLASS_POLICIES:
-            raise ValueError(f"{key}: {policy!r} needs the classes to wrap: dict(type={policy!r}, "
-                             "transformer_layer_cls=['Block']) or the list ['Block']")
+            raise ValueError(
+                f'{key}: {policy!r} needs the classes to wrap: dict(type={policy!r}, '
+                "transformer_layer_cls=['Block']) or the list ['Block']"
+            )
         obj, why = resolve_name(policy)
         if obj is None:  # a module class name, as before; checked against the model
             return ModuleMatcher([policy], key, hint=why)
@@ -196,31 +243,46 @@ def parse_policy(policy: Any, key: str) -> ModuleMatcher | Fsdp1Policy | PolicyO
 
 
 def _policy_from_dict(policy: dict, key: str) -> Any:
-    from torch.distributed.fsdp.wrap import (ModuleWrapPolicy, _Policy,
-                                             size_based_auto_wrap_policy,
-                                             transformer_auto_wrap_policy)
+    from torch.distributed.fsdp.wrap import (
+        ModuleWrapPolicy,
+        _Policy,
+        size_based_auto_wrap_policy,
+        transformer_auto_wrap_policy,
+    )
+
     kind = policy.pop('type', 'size_based')
     if kind in _SIZE_POLICIES or kind is size_based_auto_wrap_policy:
         return _size_policy(policy, key)
     if kind in _CLASS_POLICIES or kind in (transformer_auto_wrap_policy, ModuleWrapPolicy):
         classes = policy.pop('transformer_layer_cls', None) or policy.pop('module_classes', None)
         if classes is None or policy:
-            raise ValueError(f'{key}: {kind} takes transformer_layer_cls (module classes or '
-                             f'names) only, got {policy!r}')
+            raise ValueError(
+                f'{key}: {kind} takes transformer_layer_cls (module classes or '
+                f'names) only, got {policy!r}'
+            )
         return ModuleMatcher(classes, key)
-    fn, why = (kind, '') if callable(kind) else resolve_name(kind) if isinstance(kind, str) \
+    fn, why = (
+        (kind, '')
+        if callable(kind)
+        else resolve_name(kind)
+        if isinstance(kind, str)
         else (None, 'not a name or a callable')
+    )
     if fn is None:
-        raise ValueError(f'{key}: unknown type {kind!r} ({why}); use a list of module class '
-                         "names, dict(type='size_based_auto_wrap_policy', min_num_params=N), "
-                         "dict(type='transformer_auto_wrap_policy', transformer_layer_cls=[...]), "
-                         "a policy function's dotted import path or the callable itself")
+        raise ValueError(
+            f'{key}: unknown type {kind!r} ({why}); use a list of module class '
+            "names, dict(type='size_based_auto_wrap_policy', min_num_params=N), "
+            "dict(type='transformer_auto_wrap_policy', transformer_layer_cls=[...]), "
+            "a policy function's dotted import path or the callable itself"
+        )
     if isinstance(fn, type) and issubclass(fn, nn.Module) and not policy:
         return ModuleMatcher(fn, key)
     if isinstance(fn, type):  # a policy class (CustomPolicy(lambda_fn=...)): built with the args
         if not issubclass(fn, _Policy):
-            raise TypeError(f'{key}: type {kind!r} is the class {fn.__name__}, not a policy '
-                            f'class (ModuleWrapPolicy, CustomPolicy) or function')
+            raise TypeError(
+                f'{key}: type {kind!r} is the class {fn.__name__}, not a policy '
+                f'class (ModuleWrapPolicy, CustomPolicy) or function'
+            )
         return as_selector(fn(**policy), key, kind)
     return as_selector(functools.partial(fn, **policy) if policy else fn, key, kind)
 
@@ -228,17 +290,23 @@ def _policy_from_dict(policy: dict, key: str) -> Any:
 def _size_policy(args: dict, key: str) -> Fsdp1Policy:
     """torch's ``size_based_auto_wrap_policy`` (mmengine's meaning), decided as FSDP1 does."""
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
     n = args.pop('min_num_params', int(1e8))
     whole = isinstance(n, int) or (isinstance(n, float) and n.is_integer())
     if isinstance(n, bool) or not whole or n < 1:
-        raise ValueError(f'{key}: min_num_params must be a whole number >= 1 (an int, or a float '
-                         f'such as 1e7), got {n!r}')
+        raise ValueError(
+            f'{key}: min_num_params must be a whole number >= 1 (an int, or a float '
+            f'such as 1e7), got {n!r}'
+        )
     unknown = sorted(set(args) - {'force_leaf_modules', 'exclude_wrap_modules'})
     if unknown:
-        raise ValueError(f'{key}: size_based_auto_wrap_policy takes min_num_params, '
-                         f'force_leaf_modules, exclude_wrap_modules; unknown: {unknown}')
-    return Fsdp1Policy(functools.partial(size_based_auto_wrap_policy, min_num_params=int(n),
-                                         **args), key)
+        raise ValueError(
+            f'{key}: size_based_auto_wrap_policy takes min_num_params, '
+            f'force_leaf_modules, exclude_wrap_modules; unknown: {unknown}'
+        )
+    return Fsdp1Policy(
+        functools.partial(size_based_auto_wrap_policy, min_num_params=int(n), **args), key
+    )
 
 
 def _parse_mp(mp: Any) -> tuple[Any, torch.dtype | None]:
@@ -255,39 +323,50 @@ def _parse_mp(mp: Any) -> tuple[Any, torch.dtype | None]:
     such modules run in ``param_dtype`` too.
     """
     from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+
     if mp is None:
         return MixedPrecisionPolicy(), None
     if isinstance(mp, MixedPrecisionPolicy):
         return mp, None
     if isinstance(mp, str):  # mmengine accepts a dtype name: cast params, reduce in float32
-        return MixedPrecisionPolicy(param_dtype=resolve_dtype(mp), reduce_dtype=torch.float32), \
-            None
+        return MixedPrecisionPolicy(param_dtype=resolve_dtype(mp), reduce_dtype=torch.float32), None
     if isinstance(mp, MixedPrecision):
         mp = {f.name: getattr(mp, f.name) for f in fields(mp) if not f.name.startswith('_')}
     if not isinstance(mp, Mapping):
-        raise TypeError(f'FSDPStrategy: model_wrapper.mixed_precision={mp!r}; give a dict '
-                        f'(param_dtype, reduce_dtype, ...), a dtype name, FSDP2 '
-                        f'MixedPrecisionPolicy or FSDP1 MixedPrecision')
+        raise TypeError(
+            f'FSDPStrategy: model_wrapper.mixed_precision={mp!r}; give a dict '
+            f'(param_dtype, reduce_dtype, ...), a dtype name, FSDP2 '
+            f'MixedPrecisionPolicy or FSDP1 MixedPrecision'
+        )
     mp = dict(mp)
     unknown = sorted(set(mp) - set(_MP_KEYS) - set(_MP_FSDP1))
     if unknown:
-        raise ValueError(f'FSDPStrategy: unknown model_wrapper.mixed_precision key(s) {unknown}; '
-                         f'valid: {list(_MP_KEYS)} (FSDP1: {list(_MP_FSDP1)})')
+        raise ValueError(
+            f'FSDPStrategy: unknown model_wrapper.mixed_precision key(s) {unknown}; '
+            f'valid: {list(_MP_KEYS)} (FSDP1: {list(_MP_FSDP1)})'
+        )
     if mp.get('keep_low_precision_grads'):
-        raise ValueError('FSDPStrategy: model_wrapper.mixed_precision.keep_low_precision_grads='
-                         'True has no FSDP2 meaning (gradients come in the parameter dtype); '
-                         'remove it')
+        raise ValueError(
+            'FSDPStrategy: model_wrapper.mixed_precision.keep_low_precision_grads='
+            'True has no FSDP2 meaning (gradients come in the parameter dtype); '
+            'remove it'
+        )
     buffer_dtype = mp.get('buffer_dtype')
     buffer_dtype = None if buffer_dtype is None else resolve_dtype(buffer_dtype)
     if buffer_dtype not in (None, torch.float32):
-        raise ValueError(f'FSDPStrategy: model_wrapper.mixed_precision.buffer_dtype='
-                         f'{mp["buffer_dtype"]!r} has no FSDP2 meaning: FSDP2 casts only '
-                         f'parameters and leaves buffers in their dtype; remove it (or give '
-                         f'float32) and cast those buffers in the model')
-    kwargs = {k: resolve_dtype(mp[k]) for k in _MP_KEYS[:3] if mp.get(k) is not None}
+        raise ValueError(
+            f'FSDPStrategy: model_wrapper.mixed_precision.buffer_dtype='
+            f'{mp["buffer_dtype"]!r} has no FSDP2 meaning: FSDP2 casts only '
+            f'parameters and leaves buffers in their dtype; remove it (or give '
+            f'float32) and cast those buffers in the model'
+        )
+    kwargs: dict[str, Any] = {
+        k: resolve_dtype(mp[k]) for k in _MP_KEYS[:3] if mp.get(k) is not None
+    }
     if 'cast_root_forward_inputs' in mp:  # FSDP1: the root casts unless both are off
-        kwargs['cast_forward_inputs'] = bool(mp.get('cast_forward_inputs')) or \
-            bool(mp['cast_root_forward_inputs'])
+        kwargs['cast_forward_inputs'] = bool(mp.get('cast_forward_inputs')) or bool(
+            mp['cast_root_forward_inputs']
+        )
     elif 'cast_forward_inputs' in mp:
         kwargs['cast_forward_inputs'] = bool(mp['cast_forward_inputs'])
     return MixedPrecisionPolicy(**kwargs), buffer_dtype
@@ -299,31 +378,44 @@ def parse_state_dict_cfg(state_dict_type: str | None, state_dict_cfg: Any) -> st
     mmengine's dict without ``state_dict_type`` means ``'local'`` (its ``_init_state_dict_cfg``);
     its ``state_dict_config``/``optim_state_dict_config`` are accepted, and a full state dict
     is always gathered to CPU on rank 0."""
-    mm = {'local': 'sharded', 'sharded': 'sharded', 'full': 'full',
-          'LOCAL_STATE_DICT': 'sharded', 'SHARDED_STATE_DICT': 'sharded',
-          'FULL_STATE_DICT': 'full'}
+    mm = {
+        'local': 'sharded',
+        'sharded': 'sharded',
+        'full': 'full',
+        'LOCAL_STATE_DICT': 'sharded',
+        'SHARDED_STATE_DICT': 'sharded',
+        'FULL_STATE_DICT': 'full',
+    }
     if state_dict_cfg is not None:
         raw = state_dict_cfg
         if isinstance(raw, Mapping):
             unknown = sorted(set(raw) - set(_SDC_KEYS))
             if unknown:
-                raise ValueError(f'FSDPStrategy: unknown state_dict_cfg key(s) {unknown}; '
-                                 f'valid: {list(_SDC_KEYS)}')
+                raise ValueError(
+                    f'FSDPStrategy: unknown state_dict_cfg key(s) {unknown}; '
+                    f'valid: {list(_SDC_KEYS)}'
+                )
             raw = dict(raw).get('state_dict_type', 'LOCAL_STATE_DICT')
             raw = getattr(raw, 'name', raw)
         if raw not in mm:
-            raise ValueError(f"FSDPStrategy: state_dict_cfg={state_dict_cfg!r} is not supported; "
-                             f"use 'local' / 'full' or dict(state_dict_type='SHARDED_STATE_DICT' "
-                             f"| 'FULL_STATE_DICT'), or state_dict_type='sharded' | 'full'")
+            raise ValueError(
+                f'FSDPStrategy: state_dict_cfg={state_dict_cfg!r} is not supported; '
+                f"use 'local' / 'full' or dict(state_dict_type='SHARDED_STATE_DICT' "
+                f"| 'FULL_STATE_DICT'), or state_dict_type='sharded' | 'full'"
+            )
         mapped = mm[raw]
         if state_dict_type is not None and state_dict_type != mapped:
-            raise ValueError(f'FSDPStrategy: state_dict_type={state_dict_type!r} and '
-                             f'state_dict_cfg={state_dict_cfg!r} disagree; give one of them')
+            raise ValueError(
+                f'FSDPStrategy: state_dict_type={state_dict_type!r} and '
+                f'state_dict_cfg={state_dict_cfg!r} disagree; give one of them'
+            )
         return mapped
     state_dict_type = state_dict_type or 'sharded'
     if state_dict_type not in ('sharded', 'full'):
-        raise ValueError(f"FSDPStrategy: state_dict_type={state_dict_type!r}; use 'sharded' "
-                         f"(a directory of DCP shards) or 'full' (one consolidated file)")
+        raise ValueError(
+            f"FSDPStrategy: state_dict_type={state_dict_type!r}; use 'sharded' "
+            f"(a directory of DCP shards) or 'full' (one consolidated file)"
+        )
     return state_dict_type
 
 
@@ -338,12 +430,18 @@ class ActivationCheckpointing:
         """Wrap the chosen submodules; ``targets`` come back with a wrapped one replaced by
         its wrapper (so sharding takes the wrapper)."""
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            ActivationWrapper, apply_activation_checkpointing)
+            ActivationWrapper,
+            apply_activation_checkpointing,
+        )
+
         chosen = {id(m) for m in self.selector.select(model, set())}
         extra = {} if self.wrapper_fn is None else {'checkpoint_wrapper_fn': self.wrapper_fn}
         apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen, **extra)
-        outer = {id(m._checkpoint_wrapped_module): m for m in model.modules()
-                 if isinstance(m, ActivationWrapper)}
+        outer = {
+            id(m._checkpoint_wrapped_module): m
+            for m in model.modules()
+            if isinstance(m, ActivationWrapper)
+        }
         return [outer.get(id(m), m) for m in targets]
 
 
@@ -366,25 +464,32 @@ def parse_activation_checkpointing(cfg: Any) -> ActivationCheckpointing | None:
         unknown = sorted(set(cfg) - set(allowed))
         given = [k for k in allowed[:3] if cfg.get(k) is not None]
         if unknown or len(given) != 1:
-            raise ValueError(f'FSDPStrategy: activation_checkpointing takes one of check_fn (a '
-                             f'callable module -> bool, its name, dict(type=..., **args) or module '
-                             f'class names), module_classes or auto_wrap_policy, and optionally '
-                             f'checkpoint_wrapper_fn; got {sorted(cfg)}')
+            raise ValueError(
+                f'FSDPStrategy: activation_checkpointing takes one of check_fn (a '
+                f'callable module -> bool, its name, dict(type=..., **args) or module '
+                f'class names), module_classes or auto_wrap_policy, and optionally '
+                f'checkpoint_wrapper_fn; got {sorted(cfg)}'
+            )
         wrapper_fn = cfg.get('checkpoint_wrapper_fn')
         if isinstance(wrapper_fn, str):
             wrapper_fn, why = resolve_name(wrapper_fn)
             if wrapper_fn is None:
-                raise ValueError(f'FSDPStrategy: {key}.checkpoint_wrapper_fn='
-                                 f'{cfg["checkpoint_wrapper_fn"]!r}: {why}; give the callable '
-                                 f'or its dotted import path')
+                raise ValueError(
+                    f'FSDPStrategy: {key}.checkpoint_wrapper_fn='
+                    f'{cfg["checkpoint_wrapper_fn"]!r}: {why}; give the callable '
+                    f'or its dotted import path'
+                )
         elif wrapper_fn is not None and not callable(wrapper_fn):
-            raise TypeError(f'FSDPStrategy: {key}.checkpoint_wrapper_fn={wrapper_fn!r} is not '
-                            f'callable')
+            raise TypeError(
+                f'FSDPStrategy: {key}.checkpoint_wrapper_fn={wrapper_fn!r} is not callable'
+            )
         key = f'{key}.{given[0]}'
         cfg = cfg[given[0]]
         if given[0] == 'module_classes':
             return ActivationCheckpointing(ModuleMatcher(cfg, key), wrapper_fn)
     if isinstance(cfg, Mapping) and 'type' not in cfg:  # not read as a size policy here
-        raise ValueError(f'FSDPStrategy: {key}={cfg!r} needs type: the function (or its name) '
-                         f"called as check_fn(module); the dict's other keys are its arguments")
+        raise ValueError(
+            f'FSDPStrategy: {key}={cfg!r} needs type: the function (or its name) '
+            f"called as check_fn(module); the dict's other keys are its arguments"
+        )
     return ActivationCheckpointing(parse_policy(cfg, key), wrapper_fn)

@@ -2,6 +2,7 @@
 wrapper drives, an optim wrapper adapted to sharded gradients, and the pending (unsynced)
 gradients of an open accumulation window, read for a checkpoint and put back on resume.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,13 +36,13 @@ class NoSync:
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if not self._inside and not self._synced:
-            self._model.set_requires_gradient_sync(True)
+            self._model.set_requires_gradient_sync(True)  # type: ignore[operator]
             self._synced = True
 
     @contextlib.contextmanager
     def __call__(self) -> Any:
         if self._synced:
-            self._model.set_requires_gradient_sync(False)
+            self._model.set_requires_gradient_sync(False)  # type: ignore[operator]
             self._synced = False
         self._inside = True
         try:
@@ -69,17 +70,23 @@ def adapt_optim_wrapper(wrapper: Any, mixed_precision: bool) -> None:
       torch's clip functions refuse, goes through ``optim.sharded_clip``.
     """
     if hasattr(wrapper, 'cast_dtype') and mixed_precision:
-        wrapper.optim_context = lambda m: (m.no_sync() if not wrapper.should_sync()
-                                           else contextlib.nullcontext())
+        wrapper.optim_context = lambda m: (
+            m.no_sync() if not wrapper.should_sync() else contextlib.nullcontext()
+        )
     func = getattr(wrapper, '_clip_func', None)
     if func is None:
         return
     from torch.distributed.tensor import DTensor
+
     kinds = {isinstance(p, DTensor) for g in wrapper.optimizer.param_groups for p in g['params']}
     if len(kinds) == 2:
         from stratagem.optim.sharded_clip import clip_grad_norm_mixed, clip_grad_value_mixed
-        wrapper._clip_func = clip_grad_norm_mixed if func is torch.nn.utils.clip_grad_norm_ \
+
+        wrapper._clip_func = (
+            clip_grad_norm_mixed
+            if func is torch.nn.utils.clip_grad_norm_
             else clip_grad_value_mixed
+        )
 
 
 def _fsdp_params(model: nn.Module) -> list[tuple[str, Any]]:
@@ -109,6 +116,7 @@ def pending_grads(model: nn.Module) -> dict:
 def set_pending_grads(model: nn.Module, grads: Mapping) -> None:
     """Put back gradients read by :func:`pending_grads` (by FQN), as FSDP2 keeps them."""
     from torch.distributed.fsdp import FSDPModule
+
     if any(not hasattr(fp, '_unsharded_param') for _, fp in _fsdp_params(model)):
         for module in model.modules():  # FSDP2 creates the unsharded parameters lazily
             if isinstance(module, FSDPModule):

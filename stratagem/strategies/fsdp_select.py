@@ -10,6 +10,7 @@ an ``ignored`` module) in pre-order. Three kinds:
   ``transformer_auto_wrap_policy``, one of your own), decided as FSDP1's recursive wrap does;
 - :class:`PolicyObject`: an FSDP1 policy object (``ModuleWrapPolicy``, ``CustomPolicy``).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -22,8 +23,10 @@ from typing import Any
 from torch import nn
 
 _NUMEL_ARGS = ('nonwrapped_numel', 'unwrapped_params')  # torch's name, then torch < 1.13's
-_HOW = ("give a list of module class names, dict(type='size_based_auto_wrap_policy', "
-        "min_num_params=N), a policy function's dotted import path or the callable itself")
+_HOW = (
+    "give a list of module class names, dict(type='size_based_auto_wrap_policy', "
+    "min_num_params=N), a policy function's dotted import path or the callable itself"
+)
 
 
 def resolve_name(name: str) -> tuple[Any, str]:
@@ -39,11 +42,14 @@ def resolve_name(name: str) -> tuple[Any, str]:
             found = None
         if found is not None:
             return found, ''
-    where = "registered in mmengine's FUNCTIONS" if registry is not None else \
-        "registered (mmengine is not imported)"
+    where = (
+        "registered in mmengine's FUNCTIONS"
+        if registry is not None
+        else 'registered (mmengine is not imported)'
+    )
     if '.' not in name:
         return None, f'not a dotted import path, nor {where}'
-    module_name, attrs = name, []
+    module_name, attrs = name, list[str]()
     while '.' in module_name:
         module_name, attr = module_name.rsplit('.', 1)
         attrs.insert(0, attr)
@@ -72,12 +78,17 @@ def _numel_arg(fn: Callable, key: str, label: str) -> str | None:
         return None
     params = sig.parameters
     if 'recurse' not in params:
-        required = [n for n, p in params.items() if p.default is p.empty and p.kind in (
-            p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        required = [
+            n
+            for n, p in params.items()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
         if len(required) > 1:
-            raise TypeError(f'{key}: {label} takes {required}; a policy is a predicate '
-                            f'module -> bool or an FSDP1 policy (module, recurse, '
-                            f'nonwrapped_numel)')
+            raise TypeError(
+                f'{key}: {label} takes {required}; a policy is a predicate '
+                f'module -> bool or an FSDP1 policy (module, recurse, '
+                f'nonwrapped_numel)'
+            )
         return None
     numel = next((n for n in _NUMEL_ARGS if n in params), None)
     if numel is None and any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -87,15 +98,18 @@ def _numel_arg(fn: Callable, key: str, label: str) -> str | None:
             raise TypeError('it has no nonwrapped_numel argument')
         sig.bind(module=None, recurse=True, **{numel: 0})
     except TypeError as err:
-        raise TypeError(f'{key}: {label} looks like an FSDP1 policy (module, recurse, '
-                        f'nonwrapped_numel) but cannot be called as one: {err}; give its other '
-                        f'arguments: dict(type=..., ARG=...) or functools.partial') from None
+        raise TypeError(
+            f'{key}: {label} looks like an FSDP1 policy (module, recurse, '
+            f'nonwrapped_numel) but cannot be called as one: {err}; give its other '
+            f'arguments: dict(type=..., ARG=...) or functools.partial'
+        ) from None
     return numel
 
 
 def as_selector(obj: Any, key: str, label: str | None = None) -> Any:
     """A resolved policy object → a module choice; anything else is refused naming ``key``."""
     from torch.distributed.fsdp.wrap import _Policy
+
     label = label or repr(obj)
     if isinstance(obj, _Policy):
         return PolicyObject(obj, key)
@@ -103,8 +117,7 @@ def as_selector(obj: Any, key: str, label: str | None = None) -> Any:
         return ModuleMatcher(obj, key)
     if isinstance(obj, type) or not callable(obj):
         if not isinstance(obj, (list, tuple, set, frozenset)):
-            raise TypeError(f'{key}: {label} is {type(obj).__name__} {obj!r}, not a policy; '
-                            f'{_HOW}')
+            raise TypeError(f'{key}: {label} is {type(obj).__name__} {obj!r}, not a policy; {_HOW}')
         return ModuleMatcher(obj, key)
     numel = _numel_arg(obj, key, label)
     return ModuleMatcher(obj, key) if numel is None else Fsdp1Policy(obj, key, numel)
@@ -133,8 +146,11 @@ class ModuleMatcher:
             elif paths and isinstance(item, nn.Module):
                 self.objects.append(item)
             else:
-                what = 'a submodule name, module, module class or class name' if paths else \
-                    'a module class or class name'
+                what = (
+                    'a submodule name, module, module class or class name'
+                    if paths
+                    else 'a module class or class name'
+                )
                 raise TypeError(f'{key}: {item!r} is not {what}')
 
     def bind(self, model: nn.Module) -> Callable[[nn.Module], bool]:
@@ -144,7 +160,8 @@ class ModuleMatcher:
         chosen = {id(m) for m in self.objects}
         if len(chosen & {id(m) for m in model.modules()}) != len(chosen):
             raise ValueError(f'{self.key}: a module object given is not part of the model')
-        classes, unknown = set(), []
+        classes: set[str] = set()
+        unknown: list[str] = []
         for name in self.names:
             if self.paths and name:
                 try:
@@ -162,14 +179,19 @@ class ModuleMatcher:
         classes = sorted(present)
         if not self.paths:
             hint = f' ({unknown[0]!r}: {self.hint})' if self.hint else ''
-            return (f'{self.key}: module class(es) {unknown} are not in the model{hint}; its '
-                    f'module classes are {classes}; to pass a policy function, {_HOW}')
+            return (
+                f'{self.key}: module class(es) {unknown} are not in the model{hint}; its '
+                f'module classes are {classes}; to pass a policy function, {_HOW}'
+            )
         names = [n for n, _ in model.named_modules() if n]
         close = difflib.get_close_matches(unknown[0], names + classes, n=1)
         shown = names[:30] + ([f'... ({len(names) - 30} more)'] if len(names) > 30 else [])
-        return (f'{self.key}: {unknown} name neither a submodule nor a module class of the '
-                f'model' + (f' (did you mean {close[0]!r}?)' if close else '') +
-                f'; submodule names: {shown}; module classes: {classes}')
+        return (
+            f'{self.key}: {unknown} name neither a submodule nor a module class of the '
+            f'model'
+            + (f' (did you mean {close[0]!r}?)' if close else '')
+            + f'; submodule names: {shown}; module classes: {classes}'
+        )
 
     def select(self, model: nn.Module, ignored: set[nn.Module]) -> list[nn.Module]:
         match = self.bind(model)
@@ -203,6 +225,7 @@ class Fsdp1Policy:
                 picked.add(id(module))
                 return total
             return wrapped
+
         visit(model)
         return [m for m in model.modules() if id(m) in picked]
 
@@ -219,8 +242,9 @@ class PolicyObject:
         chosen = self.policy._run_policy(model, ignored, {})
         extra = {type(m).__name__: kw for m, kw in chosen.items() if kw}
         if extra:
-            raise ValueError(f'{self.key}: the policy gives per-module FSDP arguments {extra}; '
-                             f"FSDPStrategy shards every block with model_wrapper's settings, "
-                             f'so return True/False')
-        return [m for m in model.modules() if m is not model and m in chosen and
-                m not in ignored]
+            raise ValueError(
+                f'{self.key}: the policy gives per-module FSDP arguments {extra}; '
+                f"FSDPStrategy shards every block with model_wrapper's settings, "
+                f'so return True/False'
+            )
+        return [m for m in model.modules() if m is not model and m in chosen and m not in ignored]

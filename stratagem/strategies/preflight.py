@@ -5,6 +5,7 @@ shapes, optimizer param groups, scheduler count); ``previous_run_traces`` tells 
 dir that never held a checkpoint from one whose checkpoints cannot be resumed. Both only
 read; the strategy raises before it loads, writes or re-seeds anything.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,13 +36,17 @@ def previous_run_traces(work_dir: str) -> str | None:
         return None
     found = [n for n in names if n.endswith(_CHECKPOINT_SUFFIXES) and not n.startswith('.')]
     if found:
-        return 'it holds checkpoint file(s) ' + ', '.join(found[:5]) + \
-            (', ...' if len(found) > 5 else '')
+        return (
+            'it holds checkpoint file(s) '
+            + ', '.join(found[:5])
+            + (', ...' if len(found) > 5 else '')
+        )
     return None
 
 
-def check_resumable(strategy: Any, checkpoint: Mapping, filename: str, *, optimizer: bool,
-                    schedulers: bool) -> None:
+def check_resumable(
+    strategy: Any, checkpoint: Mapping, filename: str, *, optimizer: bool, schedulers: bool
+) -> None:
     """Raise ``ValueError`` (``StateDictMismatchError`` for the model) naming ``filename`` when
     ``checkpoint`` cannot continue ``strategy``'s prepared run: model tensors of another
     shape or none matching, optimizer param groups of other sizes, another number of
@@ -49,30 +54,36 @@ def check_resumable(strategy: Any, checkpoint: Mapping, filename: str, *, optimi
     state_dict = ckpt.revise_keys(checkpoint['state_dict'])
     model = strategy._unwrap_model()
     report = ckpt.check_state_dict(model, state_dict)
-    if report.shape_mismatches or report.type_mismatches or (report.total and
-                                                              not report.loaded):
+    if report.shape_mismatches or report.type_mismatches or (report.total and not report.loaded):
         raise ckpt.StateDictMismatchError(
             f'cannot resume {filename}: its weights do not fit {type(model).__name__} (it is '
-            f'from another model or config); nothing was changed:\n{report}')
+            f'from another model or config); nothing was changed:\n{report}'
+        )
     if optimizer:
         want = _current_sizes(strategy.optim_wrapper)
         have = _saved_sizes(checkpoint['optimizer'], want)
         if _differs(want, have):
-            raise ValueError(f'cannot resume {filename}: its optimizer has param groups of '
-                             f'sizes {have}, this run builds {want} (the model or '
-                             f'optim_wrapper.paramwise_cfg changed); nothing was changed')
+            raise ValueError(
+                f'cannot resume {filename}: its optimizer has param groups of '
+                f'sizes {have}, this run builds {want} (the model or '
+                f'optim_wrapper.paramwise_cfg changed); nothing was changed'
+            )
         lacking = _lacking_hyperparameters(strategy.optim_wrapper, checkpoint['optimizer'])
         if lacking:
-            raise ValueError(f'cannot resume {filename}: its optimizer param groups lack '
-                             f'{lacking}, which this run\'s optimizer needs: it was saved with '
-                             'another optimizer type; nothing was changed. Load the weights '
-                             'only (load_checkpoint, load_from) or pass resume_optimizer=False')
+            raise ValueError(
+                f'cannot resume {filename}: its optimizer param groups lack '
+                f"{lacking}, which this run's optimizer needs: it was saved with "
+                'another optimizer type; nothing was changed. Load the weights '
+                'only (load_checkpoint, load_from) or pass resume_optimizer=False'
+            )
     if schedulers:
         want, have = _count(strategy.scheduler_state_dict()), _count(checkpoint['param_schedulers'])
         if want != have:
-            raise ValueError(f'cannot resume {filename}: it holds {have} param scheduler '
-                             f'state(s), this run builds {want} (the param_scheduler config '
-                             'changed); nothing was changed')
+            raise ValueError(
+                f'cannot resume {filename}: it holds {have} param scheduler '
+                f'state(s), this run builds {want} (the param_scheduler config '
+                'changed); nothing was changed'
+            )
 
 
 def _current_sizes(wrapper: Any) -> Any:
@@ -91,19 +102,35 @@ def _lacking_hyperparameters(wrapper: Any, state: Any) -> list[str]:
     after the optimizer's own ``__setstate__`` filled its defaults (SGD saved, AdamW built:
     'betas', 'eps'); torch would load them and fail at the first step with KeyError."""
     if hasattr(wrapper, 'optim_wrappers'):
-        return sorted({k for name, w in wrapper.optim_wrappers.items() for k in
-                       _lacking_hyperparameters(w, state.get(name) if isinstance(state, Mapping)
-                                                else None)})
+        return sorted(
+            {
+                k
+                for name, w in wrapper.optim_wrappers.items()
+                for k in _lacking_hyperparameters(
+                    w, state.get(name) if isinstance(state, Mapping) else None
+                )
+            }
+        )
     optimizer = getattr(wrapper, 'optimizer', None)
     cls = type(optimizer)
-    if optimizer is None or not cls.__module__.startswith('torch.optim') or \
-            not isinstance(state, Mapping) or not isinstance(state.get('param_groups'), list):
+    if (
+        optimizer is None
+        or not cls.__module__.startswith('torch.optim')
+        or not isinstance(state, Mapping)
+        or not isinstance(state.get('param_groups'), list)
+    ):
         return []
     groups = [dict(g) for g in state['param_groups'] if isinstance(g, Mapping)]
     try:  # a bare instance: only __setstate__'s defaulting runs, nothing is built
-        probe = cls.__new__(cls)
-        cls.__setstate__(probe, {'defaults': dict(optimizer.defaults), 'state': {},
-                                 'param_groups': groups})
+        probe = cls.__new__(cls)  # type: ignore[call-overload]
+        cls.__setstate__(  # type: ignore[union-attr]
+            probe,
+            {
+                'defaults': dict(optimizer.defaults),
+                'state': {},
+                'param_groups': groups,
+            },
+        )
     except Exception:  # noqa: BLE001 - cannot tell: torch's own load decides
         return []
     return sorted({k for g in probe.param_groups for k in optimizer.defaults if k not in g})
@@ -112,13 +139,19 @@ def _lacking_hyperparameters(wrapper: Any, state: Any) -> list[str]:
 def _saved_sizes(state: Any, like: Any) -> Any:
     """The same shape as ``like``, read from a saved optimizer state dict."""
     if isinstance(like, dict):
-        return {k: _saved_sizes(state.get(k) if isinstance(state, Mapping) else None, v)
-                for k, v in like.items()}
-    if like is None or not isinstance(state, Mapping) or \
-            not isinstance(state.get('param_groups'), list):
+        return {
+            k: _saved_sizes(state.get(k) if isinstance(state, Mapping) else None, v)
+            for k, v in like.items()
+        }
+    if (
+        like is None
+        or not isinstance(state, Mapping)
+        or not isinstance(state.get('param_groups'), list)
+    ):
         return None
-    return [len(g.get('params', ())) if isinstance(g, Mapping) else 0
-            for g in state['param_groups']]
+    return [
+        len(g.get('params', ())) if isinstance(g, Mapping) else 0 for g in state['param_groups']
+    ]
 
 
 def _differs(want: Any, have: Any) -> bool:

@@ -29,6 +29,7 @@ accumulation was wrong (4e-2 off DDP after 5 steps); here the forward decides, a
 DDP. After a resume in a process that already ran forwards, the reduce buckets are rebuilt
 around the restored gradients.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,12 +51,19 @@ from .sync_bn import convert_sync_batchnorm
 
 __all__ = ['ShardedDDPStrategy']
 
-_SDP_KEYS = ('broadcast_buffers', 'sync_models_at_startup', 'reduce_buffer_size',
-             'auto_refresh_trainable', 'reduce_fp16', 'warn_on_trainable_params_changed')
+_SDP_KEYS = (
+    'broadcast_buffers',
+    'sync_models_at_startup',
+    'reduce_buffer_size',
+    'auto_refresh_trainable',
+    'reduce_fp16',
+    'warn_on_trainable_params_changed',
+)
 _INSTALL = 'pip install "stratagem[fairscale]"'
 _FSDP_REFUSED = (
     "ShardedDDPStrategy: model_wrapper type 'FullyShardedDataParallel' (fairscale's FSDP) is "
-    'not offered: {reason}. Use FSDPStrategy (torch FSDP), the recommended sharded backend')
+    'not offered: {reason}. Use FSDPStrategy (torch FSDP), the recommended sharded backend'
+)
 
 
 @functools.cache
@@ -65,8 +73,9 @@ def _sharded_data_parallel() -> type:
     try:
         from fairscale.nn.data_parallel import ShardedDataParallel
     except ImportError as e:
-        raise ImportError(f'ShardedDDPStrategy needs fairscale: {_INSTALL} (import failed: '
-                          f'{e})') from e
+        raise ImportError(
+            f'ShardedDDPStrategy needs fairscale: {_INSTALL} (import failed: {e})'
+        ) from e
 
     class ForwardScopedShardedDataParallel(ShardedDataParallel):
         """fairscale's ``no_sync`` holds only while the context is open, so a loop that runs
@@ -93,20 +102,28 @@ def _sharded_data_parallel() -> type:
             """Rebuild the reduce buckets around the current ``.grad`` tensors, after a
             load replaced them (a stale bucket would reduce the gradients of before)."""
             if self._grad_hooks:  # no buckets before the first forward: nothing to rebind
-                self._grad_to_be_reduced = [False] * len(self._grad_to_be_reduced)
+                self._grad_to_be_reduced = [False] * len(self._grad_to_be_reduced)  # type: ignore[has-type]
                 self.refresh_trainable()
 
     return ForwardScopedShardedDataParallel
 
 
-def _clip_norm_sharded(oss: Any, params: list, max_norm: float, norm_type: float = 2.0,
-                       error_if_nonfinite: bool = False, foreach: Any = None) -> torch.Tensor:
+def _clip_norm_sharded(
+    oss: Any,
+    params: list,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: Any = None,
+) -> torch.Tensor:
     """``clip_grad_norm_``'s signature over OSS's collective norm (``params`` is unused:
     each rank holds only its share of the gradients, OSS knows which)."""
     norm = oss.clip_grad_norm(max_norm, norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
-        raise RuntimeError(f'the total {norm_type}-norm of the gradients is {float(norm)} '
-                           '(clip_grad error_if_nonfinite=True)')
+        raise RuntimeError(
+            f'the total {norm_type}-norm of the gradients is {float(norm)} '
+            '(clip_grad error_if_nonfinite=True)'
+        )
     return norm
 
 
@@ -131,24 +148,30 @@ class ShardedDDPStrategy(BaseStrategy):
             defaults to the inferred one; a distributed launch is required.
     """
 
-    def __init__(self, *, model_wrapper: Mapping | None = None, sync_bn: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *, model_wrapper: Mapping | None = None, sync_bn: str | None = None, **kwargs: Any
+    ) -> None:
         wrapper = dict(model_wrapper or {})
         wrapper_type = wrapper.pop('type', 'ShardedDataParallel')
         if wrapper_type == 'FullyShardedDataParallel':
-            reason = ('fairscale is in maintenance and its FSDP is not verified with this torch'
-                      if torch.cuda.is_available() else
-                      "it needs CUDA (on CPU it fails with KeyError: 'all_gather' from its "
-                      'CUDA streams)')
+            reason = (
+                'fairscale is in maintenance and its FSDP is not verified with this torch'
+                if torch.cuda.is_available()
+                else "it needs CUDA (on CPU it fails with KeyError: 'all_gather' from its "
+                'CUDA streams)'
+            )
             raise ValueError(_FSDP_REFUSED.format(reason=reason))
         if wrapper_type != 'ShardedDataParallel':
-            raise ValueError(f'ShardedDDPStrategy: model_wrapper type {wrapper_type!r} is not '
-                             "supported; use type='ShardedDataParallel' or leave type out")
+            raise ValueError(
+                f'ShardedDDPStrategy: model_wrapper type {wrapper_type!r} is not '
+                "supported; use type='ShardedDataParallel' or leave type out"
+            )
         check_keys(wrapper, _SDP_KEYS, 'ShardedDDPStrategy model_wrapper')
         wrapper.setdefault('broadcast_buffers', False)
         if sync_bn not in (None, 'torch'):
-            raise ValueError(f"ShardedDDPStrategy: sync_bn={sync_bn!r} is not supported; use "
-                             "'torch' or None")
+            raise ValueError(
+                f"ShardedDDPStrategy: sync_bn={sync_bn!r} is not supported; use 'torch' or None"
+            )
         _sharded_data_parallel()  # fail now, before any process group, when fairscale is absent
         self.model_wrapper = wrapper
         self.sync_bn = sync_bn
@@ -165,52 +188,82 @@ class ShardedDDPStrategy(BaseStrategy):
         return torch.device('cpu')
 
     # ------------------------------------------------------------------ prepare
-    def prepare(self, model: nn.Module | Mapping, *, optim_wrapper: Any = None,
-                param_scheduler: Any = None, compile: bool | Mapping = False,
-                dispatch_kwargs: Mapping | None = None) -> Any:
+    def prepare(
+        self,
+        model: nn.Module | Mapping,
+        *,
+        optim_wrapper: Any = None,
+        param_scheduler: Any = None,
+        compile: bool | Mapping = False,
+        dispatch_kwargs: Mapping | None = None,
+    ) -> Any:
         """BaseStrategy's ``prepare``; ``optim_wrapper`` is required (a cfg dict)."""
         if not self._prepared:
             self._check_optim_cfg(optim_wrapper)
-        return super().prepare(model, optim_wrapper=optim_wrapper,
-                               param_scheduler=param_scheduler, compile=compile,
-                               dispatch_kwargs=dispatch_kwargs)
+        return super().prepare(
+            model,
+            optim_wrapper=optim_wrapper,
+            param_scheduler=param_scheduler,
+            compile=compile,
+            dispatch_kwargs=dispatch_kwargs,
+        )
 
     def _check_optim_cfg(self, cfg: Any) -> None:
         """Refuse, before anything is built, what OSS + ShardedDataParallel cannot run."""
         if cfg is None:
-            raise ValueError('ShardedDDPStrategy shards the optimizer, so prepare() needs '
-                             "optim_wrapper=dict(optimizer=dict(type='AdamW', lr=...)); for a "
-                             'model without training use DDPStrategy or SingleDeviceStrategy')
+            raise ValueError(
+                'ShardedDDPStrategy shards the optimizer, so prepare() needs '
+                "optim_wrapper=dict(optimizer=dict(type='AdamW', lr=...)); for a "
+                'model without training use DDPStrategy or SingleDeviceStrategy'
+            )
         if not isinstance(cfg, Mapping):
-            raise TypeError('ShardedDDPStrategy builds the optimizer itself (over the sharded '
-                            'model), so optim_wrapper must be a cfg dict, got a built '
-                            f'{type(cfg).__name__}; pass dict(optimizer=dict(type=..., lr=...))')
+            raise TypeError(
+                'ShardedDDPStrategy builds the optimizer itself (over the sharded '
+                'model), so optim_wrapper must be a cfg dict, got a built '
+                f'{type(cfg).__name__}; pass dict(optimizer=dict(type=..., lr=...))'
+            )
         optimizer = cfg.get('optimizer')
         if not isinstance(optimizer, Mapping):
-            what = ('a dict of named wrappers' if optimizer is None else
-                    f'a built {type(optimizer).__name__}')
-            raise ValueError(f'ShardedDDPStrategy needs one optimizer given as a cfg dict in '
-                             f'optim_wrapper.optimizer, got {what}; e.g. '
-                             "optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-3))")
+            what = (
+                'a dict of named wrappers'
+                if optimizer is None
+                else f'a built {type(optimizer).__name__}'
+            )
+            raise ValueError(
+                f'ShardedDDPStrategy needs one optimizer given as a cfg dict in '
+                f'optim_wrapper.optimizer, got {what}; e.g. '
+                "optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-3))"
+            )
         if optimizer.get('type') == 'ZeroRedundancyOptimizer':
-            raise ValueError("optim_wrapper.optimizer type 'ZeroRedundancyOptimizer' under "
-                             'ShardedDDPStrategy: the strategy already shards the state with '
-                             "OSS; give the plain optimizer, e.g. type='AdamW'")
+            raise ValueError(
+                "optim_wrapper.optimizer type 'ZeroRedundancyOptimizer' under "
+                'ShardedDDPStrategy: the strategy already shards the state with '
+                "OSS; give the plain optimizer, e.g. type='AdamW'"
+            )
         from stratagem.optim import AmpOptimWrapper, Fp16MasterWeightsOptimWrapper
         from stratagem.optim.amp_optim_wrapper import resolve_dtype
         from stratagem.registry import OPTIM_WRAPPERS
+
         wrapper_type = cfg.get('type', 'OptimWrapper')
         cls = OPTIM_WRAPPERS.get(wrapper_type) if isinstance(wrapper_type, str) else wrapper_type
         if isinstance(cls, type) and issubclass(cls, Fp16MasterWeightsOptimWrapper):
-            raise TypeError(f'optim_wrapper type {cls.__name__!r} under ShardedDDPStrategy: its '
-                            'optimizer updates fp32 master copies, not the parameters whose '
-                            'gradients ShardedDataParallel reduces; use OptimWrapper or '
-                            "AmpOptimWrapper (dtype='bfloat16' on CPU)")
-        if isinstance(cls, type) and issubclass(cls, AmpOptimWrapper):
-            if resolve_dtype(cfg.get('dtype')) == torch.float16 and self.device.type != 'cuda':
-                raise ValueError("AmpOptimWrapper dtype='float16' under ShardedDDPStrategy needs "
-                                 "CUDA (fairscale's ShardedGradScaler); on CPU use "
-                                 "dtype='bfloat16' (or leave dtype out: bfloat16 is CPU's default)")
+            raise TypeError(
+                f'optim_wrapper type {cls.__name__!r} under ShardedDDPStrategy: its '
+                'optimizer updates fp32 master copies, not the parameters whose '
+                'gradients ShardedDataParallel reduces; use OptimWrapper or '
+                "AmpOptimWrapper (dtype='bfloat16' on CPU)"
+            )
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, AmpOptimWrapper)
+            and resolve_dtype(cfg.get('dtype')) == torch.float16
+            and self.device.type != 'cuda'
+        ):
+            raise ValueError(
+                "AmpOptimWrapper dtype='float16' under ShardedDDPStrategy needs "
+                "CUDA (fairscale's ShardedGradScaler); on CPU use "
+                "dtype='bfloat16' (or leave dtype out: bfloat16 is CPU's default)"
+            )
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         """Place the model; ShardedDataParallel wraps it once the optimizer exists."""
@@ -218,8 +271,9 @@ class ShardedDDPStrategy(BaseStrategy):
             torch.cuda.set_device(self.device)  # fairscale's NCCL calls use the current device
         if self.sync_bn == 'torch':
             model, n = convert_sync_batchnorm(model, self.device.type)
-            self.logger.info(f'ShardedDDPStrategy: {n} BatchNorm layer(s) synchronised across '
-                             'ranks')
+            self.logger.info(
+                f'ShardedDDPStrategy: {n} BatchNorm layer(s) synchronised across ranks'
+            )
         return model.to(self.device)
 
     def build_optim_wrapper(self, optim_wrapper: Any, model: nn.Module | None = None) -> Any:
@@ -235,13 +289,17 @@ class ShardedDDPStrategy(BaseStrategy):
         wrapper = super().build_optim_wrapper(cfg, model)
         oss = wrapper.optimizer
         from stratagem.optim.oss import OSS
+
         owned = {id(p) for p in model.parameters()}
-        if not isinstance(oss, OSS) or any(id(p) not in owned for g in oss.param_groups
-                                           for p in g['params']):
-            raise TypeError(f'ShardedDDPStrategy: the optim wrapper {type(wrapper).__name__} '
-                            f'built a {type(oss).__name__} that is not an OSS over the model\'s '
-                            'own parameters (a master-weights or custom wrapper?); use '
-                            "OptimWrapper or AmpOptimWrapper")
+        if not isinstance(oss, OSS) or any(
+            id(p) not in owned for g in oss.param_groups for p in g['params']
+        ):
+            raise TypeError(
+                f'ShardedDDPStrategy: the optim wrapper {type(wrapper).__name__} '
+                f"built a {type(oss).__name__} that is not an OSS over the model's "
+                'own parameters (a master-weights or custom wrapper?); use '
+                'OptimWrapper or AmpOptimWrapper'
+            )
         sdp = _sharded_data_parallel()(model, oss, **self.model_wrapper)
         oss.attach_sharded_ddp(sdp)
         if getattr(wrapper, '_clip_func', None) is torch.nn.utils.clip_grad_norm_:
@@ -257,9 +315,12 @@ class ShardedDDPStrategy(BaseStrategy):
         if scaler is None:
             return
         if self.device.type != 'cuda':
-            raise ValueError("float16 loss scaling under ShardedDDPStrategy needs CUDA; on CPU "
-                             "use AmpOptimWrapper dtype='bfloat16'")
+            raise ValueError(
+                'float16 loss scaling under ShardedDDPStrategy needs CUDA; on CPU '
+                "use AmpOptimWrapper dtype='bfloat16'"
+            )
         from fairscale.optim.grad_scaler import ShardedGradScaler
+
         sharded = ShardedGradScaler()
         sharded.load_state_dict(scaler.state_dict())  # same init scale, growth and backoff
         wrapper.loss_scaler = sharded
@@ -268,22 +329,32 @@ class ShardedDDPStrategy(BaseStrategy):
         """The plain module inside ShardedDataParallel (and ``torch.compile``)."""
         model = self.model
         if isinstance(model, _sharded_data_parallel()):
-            model = model.module
+            model = model.module  # type: ignore[assignment]
         return ckpt.unwrap_model(model)
 
     # -------------------------------------------------------------- checkpoints
-    def resume(self, filename: str, *, resume_optimizer: bool = True,
-               resume_param_scheduler: bool = True, map_location: Any = 'default',
-               callback: Callable[[dict], None] | None = None) -> dict:
+    def resume(
+        self,
+        filename: str,
+        *,
+        resume_optimizer: bool = True,
+        resume_param_scheduler: bool = True,
+        map_location: Any = 'default',
+        callback: Callable[[dict], None] | None = None,
+    ) -> dict:
         """BaseStrategy's ``resume``; see there for the arguments.
 
         The restored gradients replace tensors that ShardedDataParallel's reduce buckets
         may already view (after a forward in this process, e.g. a roll-back), so the
         buckets are rebuilt around them.
         """
-        checkpoint = super().resume(filename, resume_optimizer=resume_optimizer,
-                                    resume_param_scheduler=resume_param_scheduler,
-                                    map_location=map_location, callback=callback)
+        checkpoint = super().resume(
+            filename,
+            resume_optimizer=resume_optimizer,
+            resume_param_scheduler=resume_param_scheduler,
+            map_location=map_location,
+            callback=callback,
+        )
         if isinstance(self.model, _sharded_data_parallel()):
-            self.model.rebind_grads()
+            self.model.rebind_grads()  # type: ignore[operator]
         return checkpoint

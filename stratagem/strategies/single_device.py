@@ -1,4 +1,5 @@
 """SingleDeviceStrategy: one process, one device."""
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,10 @@ class SingleDeviceStrategy(BaseStrategy):
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         model, reverted = revert_sync_batchnorm(model)
         if reverted:
-            self.logger.info(f'SingleDeviceStrategy: reverted {reverted} SyncBatchNorm layer(s) '
-                             'to BatchNorm (one process has nothing to sync)')
+            self.logger.info(
+                f'SingleDeviceStrategy: reverted {reverted} SyncBatchNorm layer(s) '
+                'to BatchNorm (one process has nothing to sync)'
+            )
         return model.to(self.device)
 
 
@@ -52,21 +55,32 @@ def check_device(device: str | torch.device) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         hint = " (did you mean 'cuda'?)" if str(device).lower().startswith('gpu') else ''
-        raise ValueError(f'strategy device={device!r} is not a device name{hint}: use '
-                         f"'cpu', 'cuda', 'cuda:N' or 'mps'; this machine has: "
-                         f"{', '.join(here)}") from None
+        raise ValueError(
+            f'strategy device={device!r} is not a device name{hint}: use '
+            f"'cpu', 'cuda', 'cuda:N' or 'mps'; this machine has: "
+            f'{", ".join(here)}'
+        ) from None
     if dev.type == 'cuda':
         if not torch.cuda.is_available():
-            why = ('this torch was built without CUDA' if torch.version.cuda is None else
-                   f'torch (CUDA {torch.version.cuda}) sees no GPU')
-            raise ValueError(f"strategy device={device!r}, but {why}; use device='cpu', or "
-                             f'leave device unset to pick cuda when there is one. This machine '
-                             f"has: {', '.join(here)}")
+            why = (
+                'this torch was built without CUDA'
+                if torch.version.cuda is None
+                else f'torch (CUDA {torch.version.cuda}) sees no GPU'
+            )
+            raise ValueError(
+                f"strategy device={device!r}, but {why}; use device='cpu', or "
+                f'leave device unset to pick cuda when there is one. This machine '
+                f'has: {", ".join(here)}'
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f'strategy device={device!r}: there are only '
-                             f'{torch.cuda.device_count()} GPU(s) (cuda:0 to '
-                             f'cuda:{torch.cuda.device_count() - 1}) visible')
+            raise ValueError(
+                f'strategy device={device!r}: there are only '
+                f'{torch.cuda.device_count()} GPU(s) (cuda:0 to '
+                f'cuda:{torch.cuda.device_count() - 1}) visible'
+            )
     if dev.type == 'mps' and 'mps' not in here:
-        raise ValueError(f"strategy device={device!r}, but MPS is not available here; this "
-                         f"machine has: {', '.join(here)}")
+        raise ValueError(
+            f'strategy device={device!r}, but MPS is not available here; this '
+            f'machine has: {", ".join(here)}'
+        )
     return dev

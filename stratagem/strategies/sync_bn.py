@@ -6,6 +6,7 @@ batch mean and variance over every rank's samples — with a differentiable
 all-reduce of (count, sum, sum of squares), so gradients flow through the
 global statistics exactly as in torch's CUDA kernel.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -65,10 +66,18 @@ class CPUSyncBatchNorm(AnyRankBatchNorm):
         centred = x - mean.view(shape)
         var = differentiable_all_reduce((centred * centred).sum(dims)) / n
         if self.track_running_stats:
+            assert (
+                self.num_batches_tracked is not None
+                and self.running_mean is not None
+                and self.running_var is not None
+            )  # tracked: the buffers exist
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
-                momentum = (1.0 / float(self.num_batches_tracked) if self.momentum is None
-                            else self.momentum)
+                momentum = (
+                    1.0 / float(self.num_batches_tracked)
+                    if self.momentum is None
+                    else self.momentum
+                )
                 unbiased = var * (n / (n - 1).clamp_min(1))
                 self.running_mean.mul_(1 - momentum).add_(mean * momentum)
                 self.running_var.mul_(1 - momentum).add_(unbiased * momentum)
@@ -88,8 +97,8 @@ def convert_sync_batchnorm(module: nn.Module, device_type: str) -> tuple[nn.Modu
         converted = nn.SyncBatchNorm.convert_sync_batchnorm(module)
         return converted, sum(isinstance(m, nn.SyncBatchNorm) for m in converted.modules())
     return replace_batchnorms(
-        module, lambda m: not isinstance(m, (CPUSyncBatchNorm, nn.SyncBatchNorm)),
-        CPUSyncBatchNorm)
+        module, lambda m: not isinstance(m, (CPUSyncBatchNorm, nn.SyncBatchNorm)), CPUSyncBatchNorm
+    )
 
 
 def revert_sync_batchnorm(module: nn.Module) -> tuple[nn.Module, int]:
@@ -98,18 +107,27 @@ def revert_sync_batchnorm(module: nn.Module) -> tuple[nn.Module, int]:
     The replacement accepts any input rank >= 2, as SyncBatchNorm did.
     """
     return replace_batchnorms(
-        module, lambda m: isinstance(m, (nn.SyncBatchNorm, CPUSyncBatchNorm)), AnyRankBatchNorm)
+        module, lambda m: isinstance(m, (nn.SyncBatchNorm, CPUSyncBatchNorm)), AnyRankBatchNorm
+    )
 
 
-def replace_batchnorms(module: nn.Module, match: Callable[[nn.Module], bool],
-                       new_cls: type[nn.modules.batchnorm._BatchNorm]) -> tuple[nn.Module, int]:
+def replace_batchnorms(
+    module: nn.Module,
+    match: Callable[[nn.Module], bool],
+    new_cls: type[nn.modules.batchnorm._BatchNorm],
+) -> tuple[nn.Module, int]:
     """Replace each BatchNorm-like layer for which ``match`` holds by ``new_cls``, sharing state.
 
     Returns the (possibly new) root module and the number of layers replaced.
     """
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and match(module):
-        new = new_cls(module.num_features, module.eps, module.momentum, module.affine,
-                      module.track_running_stats)
+        new = new_cls(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+        )
         if module.affine:
             new.weight, new.bias = module.weight, module.bias
         if module.track_running_stats:

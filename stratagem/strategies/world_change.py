@@ -18,6 +18,7 @@ position, or refuses when the run cannot continue exactly:
 Without the micro batch sizes (a hand-written loop that passes no ``dispatch_kwargs``) the
 units are unknown: nothing is converted and the change is only reported.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -45,30 +46,40 @@ class WorldSizeChange:
     max_iters: tuple[int, int] | None = None
     notes: list[str] = field(default_factory=list)
 
-    def rescale_schedulers(self, schedulers: Any, states: Any, epoch_length: int | None,
-                           filename: str) -> Any:
+    def rescale_schedulers(
+        self, schedulers: Any, states: Any, epoch_length: int | None, filename: str
+    ) -> Any:
         """The saved scheduler ``states`` (a list, or a dict of lists, shaped like
         ``schedulers``) converted to this run's iteration units, ready to load and then
         :meth:`replay_schedulers`. Raises ``ValueError`` before anything is loaded when a
         count does not convert or the replay would need an unknown epoch length."""
+
         def convert(scheds: list, saved: list) -> list:
             if len(scheds) != len(saved):
-                raise ValueError(f'{filename} holds {len(saved)} param scheduler state(s) but '
-                                 f'{len(scheds)} scheduler(s) were built; the param_scheduler '
-                                 'config changed since the checkpoint was saved')
+                raise ValueError(
+                    f'{filename} holds {len(saved)} param scheduler state(s) but '
+                    f'{len(scheds)} scheduler(s) were built; the param_scheduler '
+                    'config changed since the checkpoint was saved'
+                )
             if epoch_length is None and any(st.get('by_epoch') for st in saved):
-                raise ValueError(f'resuming {filename} at world size {self.new_world} (saved '
-                                 f'at {self.old_world}) replays the schedule, which needs '
-                                 "dispatch_kwargs['epoch_length'] for epoch-based schedulers")
+                raise ValueError(
+                    f'resuming {filename} at world size {self.new_world} (saved '
+                    f'at {self.old_world}) replays the schedule, which needs '
+                    "dispatch_kwargs['epoch_length'] for epoch-based schedulers"
+                )
             try:
-                return [s.rescaled_state_dict(st, self.ratio, self.new_iter)
-                        for s, st in zip(scheds, saved)]
+                return [
+                    s.rescaled_state_dict(st, self.ratio, self.new_iter)
+                    for s, st in zip(scheds, saved)
+                ]
             except ValueError as err:
                 raise ValueError(
                     f'cannot resume {filename} exactly at world size {self.new_world} (saved '
                     f'at {self.old_world}): {err}. Schedule by epoch (by_epoch=True or '
                     'convert_to_iter_based=True), choose iteration counts that convert, or '
-                    f'resume at world size {self.old_world}') from None
+                    f'resume at world size {self.old_world}'
+                ) from None
+
         if isinstance(schedulers, Mapping):
             return {k: convert(list(schedulers[k]), list(v)) for k, v in states.items()}
         return convert(list(schedulers), list(states))
@@ -77,41 +88,53 @@ class WorldSizeChange:
         """Recompute the scheduled values as a run in the new units from its start would
         have them at ``new_iter`` (after the converted states were loaded)."""
         from stratagem.scheduler.base import replay_schedulers
+
         groups = schedulers.values() if isinstance(schedulers, Mapping) else [schedulers]
         for group in groups:
-            replay_schedulers(list(group), self.new_iter, epoch_length)
+            replay_schedulers(list(group), self.new_iter, epoch_length)  # type: ignore[arg-type]
 
     def describe(self, filename: str, auto_scale_lr: bool = False) -> str:
         """One message saying what the change did to the run."""
-        text = (f'{filename} was saved with world size {self.old_world}; this run has '
-                f'{self.new_world}.')
+        text = (
+            f'{filename} was saved with world size {self.old_world}; this run has {self.new_world}.'
+        )
         if self.new_iter is not None:
-            text += (f' Samples per iteration {self.old_samples_per_iter} -> '
-                     f'{self.new_samples_per_iter}: iteration {self.saved_iter} is iteration '
-                     f'{self.new_iter} here, and iteration-based schedulers are converted '
-                     f'(x{self.ratio}).')
+            text += (
+                f' Samples per iteration {self.old_samples_per_iter} -> '
+                f'{self.new_samples_per_iter}: iteration {self.saved_iter} is iteration '
+                f'{self.new_iter} here, and iteration-based schedulers are converted '
+                f'(x{self.ratio}).'
+            )
         if self.max_iters is not None:
             text += f' max_iters {self.max_iters[0]} -> {self.max_iters[1]}.'
         if auto_scale_lr and self.new_samples_per_iter:
-            text += (" auto_scale_lr scaled the lr once, for the saving run's batch; the "
-                     'resumed lr keeps that scaling (the linear rule would multiply it by '
-                     f'{self.new_samples_per_iter}/{self.old_samples_per_iter} for the new '
-                     'batch: scale the optimizer lr yourself if you want that).')
+            text += (
+                " auto_scale_lr scaled the lr once, for the saving run's batch; the "
+                'resumed lr keeps that scaling (the linear rule would multiply it by '
+                f'{self.new_samples_per_iter}/{self.old_samples_per_iter} for the new '
+                'batch: scale the optimizer lr yourself if you want that).'
+            )
         for note in self.notes:
             text += f' Note: {note}.'
         return text
 
     def as_meta(self) -> dict:
         """A JSON-able record for the returned checkpoint's ``meta['world_size_change']``."""
-        return {'world_size': [self.old_world, self.new_world],
-                'samples_per_iter': [self.old_samples_per_iter, self.new_samples_per_iter],
-                'iter': [self.saved_iter, self.new_iter],
-                'max_iters': list(self.max_iters) if self.max_iters else None}
+        return {
+            'world_size': [self.old_world, self.new_world],
+            'samples_per_iter': [self.old_samples_per_iter, self.new_samples_per_iter],
+            'iter': [self.saved_iter, self.new_iter],
+            'max_iters': list(self.max_iters) if self.max_iters else None,
+        }
 
 
-def plan_world_size_change(meta: Mapping[str, Any], dispatch: Mapping[str, Any],
-                           world_size: int, accumulative_counts: int = 1,
-                           filename: str = 'the checkpoint') -> WorldSizeChange | None:
+def plan_world_size_change(
+    meta: Mapping[str, Any],
+    dispatch: Mapping[str, Any],
+    world_size: int,
+    accumulative_counts: int = 1,
+    filename: str = 'the checkpoint',
+) -> WorldSizeChange | None:
     """The conversion for resuming ``meta``'s checkpoint at ``world_size``; None if unchanged.
 
     ``dispatch`` is the strategy's ``dispatch_kwargs`` (this run's ``epoch_length``,
@@ -125,16 +148,21 @@ def plan_world_size_change(meta: Mapping[str, Any], dispatch: Mapping[str, Any],
     micro_old = meta.get('train_micro_batch_size_per_gpu')
     micro_new = dispatch.get('train_micro_batch_size_per_gpu')
     if micro_old is None or micro_new is None or change.saved_iter is None:
-        change.notes.append('iteration counters, schedulers and accumulation windows keep the '
-                            "checkpoint's units (the micro batch size of the saving run or of "
-                            "this one is unknown: pass dispatch_kwargs=dict("
-                            'train_micro_batch_size_per_gpu=...) to convert them)')
+        change.notes.append(
+            'iteration counters, schedulers and accumulation windows keep the '
+            "checkpoint's units (the micro batch size of the saving run or of "
+            'this one is unknown: pass dispatch_kwargs=dict('
+            'train_micro_batch_size_per_gpu=...) to convert them)'
+        )
         return change
     spi_old, spi_new = old * int(micro_old), world_size * int(micro_new)
     change.old_samples_per_iter, change.new_samples_per_iter = spi_old, spi_new
     it = int(change.saved_iter)
-    len_old, len_new, epoch = meta.get('epoch_length'), dispatch.get('epoch_length'), \
-        meta.get('epoch')
+    len_old, len_new, epoch = (
+        meta.get('epoch_length'),
+        dispatch.get('epoch_length'),
+        meta.get('epoch'),
+    )
     where = f'iteration {it}'
     if len_old and len_new and epoch is not None:
         samples = (it - int(epoch) * int(len_old)) * spi_old
@@ -145,32 +173,38 @@ def plan_world_size_change(meta: Mapping[str, Any], dispatch: Mapping[str, Any],
     else:
         new_iter = it * Fraction(spi_old, spi_new)
         change.ratio = Fraction(spi_old, spi_new)
-    sizes = (f'it was saved by {old} process(es) × {micro_old} samples = {spi_old} samples per '
-             f'iteration at {where}; this run has {world_size} × {micro_new} = {spi_new}')
+    sizes = (
+        f'it was saved by {old} process(es) × {micro_old} samples = {spi_old} samples per '
+        f'iteration at {where}; this run has {world_size} × {micro_new} = {spi_new}'
+    )
     if new_iter.denominator != 1:
         raise ValueError(
             f'cannot resume {filename} exactly at world size {world_size}: {sizes}, so that '
             'position falls inside an iteration. Resume at a world size whose samples per '
             f'iteration divide the samples read so far, at world size {old}, or from a '
-            'checkpoint saved at an epoch end')
+            'checkpoint saved at an epoch end'
+        )
     change.new_iter = int(new_iter)
-    if accumulative_counts > 1 and (it % accumulative_counts or
-                                     change.new_iter % accumulative_counts):
+    if accumulative_counts > 1 and (
+        it % accumulative_counts or change.new_iter % accumulative_counts
+    ):
         raise ValueError(
             f'cannot resume {filename} exactly at world size {world_size}: {sizes}, and with '
             f'accumulative_counts={accumulative_counts} iteration {it} becomes '
             f'{change.new_iter}, so the accumulation windows would not start at the same '
             'samples. Resume from a checkpoint saved at an update boundary that stays one '
             f'(an iteration divisible by {accumulative_counts} in both units), or at world '
-            f'size {old}')
+            f'size {old}'
+        )
     if dispatch.get('max_epochs') is None and dispatch.get('max_iters') is not None:
         max_iters = int(dispatch['max_iters'])
         converted = max_iters * change.ratio
         if converted.denominator != 1:
             raise ValueError(
                 f'cannot resume {filename} exactly at world size {world_size}: {sizes}, and '
-                f'max_iters={max_iters} (counted in the saving run\'s iterations) is '
+                f"max_iters={max_iters} (counted in the saving run's iterations) is "
                 f'{float(converted):g} iterations here; count the run in epochs (max_epochs) '
-                f'or resume at world size {old}')
+                f'or resume at world size {old}'
+            )
         change.max_iters = (max_iters, int(converted))
     return change

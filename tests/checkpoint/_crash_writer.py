@@ -14,6 +14,7 @@ Protocol on stdin/stdout, one line each:
 A child saves ``iter_{c}.pth`` (step c) every round, also overwrites ``latest.pth`` every third
 round, then keeps the newest 3 ``iter_*`` checkpoints. Every tensor holds the value c.
 """
+
 import os
 import sys
 
@@ -36,8 +37,10 @@ def state(counter: int) -> dict:
     return {
         'meta': {'counter': counter, 'note': 'x' * 100},
         'state_dict': {f'layer{i}.weight': torch.full((NUMEL,), value) for i in range(4)},
-        'optimizer': {'state': {0: {'momentum_buffer': torch.full((NUMEL // 2,), value)}},
-                      'param_groups': [{'lr': 0.1, 'params': [0]}]},
+        'optimizer': {
+            'state': {0: {'momentum_buffer': torch.full((NUMEL // 2,), value)}},
+            'param_groups': [{'lr': 0.1, 'params': [0]}],
+        },
     }
 
 
@@ -63,7 +66,7 @@ def child_async(directory: str, base: int) -> None:
             for tensor in live['state_dict'].values():
                 tensor.fill_(float(counter))
             live['optimizer']['state'][0]['momentum_buffer'].fill_(float(counter))
-    except BaseException as err:  # never reached under SIGKILL: report and fail the round
+    except BaseException as err:  # noqa: BLE001 - never reached under SIGKILL: report and fail the round
         print(f'child error: {err!r}', file=sys.stderr, flush=True)
         os._exit(3)
 
@@ -74,29 +77,34 @@ def child_strategy(directory: str, base: int) -> None:
     clipping, ...) before waiting for the write. A checkpoint that took anything after the
     call would hold -1 or a mix."""
     from torch import nn
+
     counter = base
     try:
-        strategy = SingleDeviceStrategy(work_dir=directory, async_checkpoint=True,
-                                        log_kwargs=dict(log_level='ERROR'))
+        strategy = SingleDeviceStrategy(
+            work_dir=directory, async_checkpoint=True, log_kwargs=dict(log_level='ERROR')
+        )
         model, wrapper = strategy.prepare(
             nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)]),
-            optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)))
+            optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)),
+        )
         wrapper.update_params(model(torch.ones(2, 512)).sum())  # creates the momentum
         tensors = list(model.parameters()) + [
-            st['momentum_buffer'] for st in wrapper.optimizer.state.values()]
+            st['momentum_buffer'] for st in wrapper.optimizer.state.values()
+        ]
         while True:
             with torch.no_grad():
                 for tensor in tensors:
                     tensor.fill_(float(counter))
-            strategy.save_checkpoint(f'iter_{counter}.pth', extra_ckpt={
-                'meta': {'counter': counter, 'iter': counter}})
+            strategy.save_checkpoint(
+                f'iter_{counter}.pth', extra_ckpt={'meta': {'counter': counter, 'iter': counter}}
+            )
             with torch.no_grad():
                 for tensor in tensors:
                     tensor.fill_(-1.0)
             strategy.wait_for_checkpoints()
             apply_retention(directory, 3, pattern='iter_*.pth')
             counter += 1
-    except BaseException as err:  # never reached under SIGKILL: report and fail the round
+    except BaseException as err:  # noqa: BLE001 - never reached under SIGKILL: report, fail the round
         print(f'child error: {err!r}', file=sys.stderr, flush=True)
         os._exit(3)
 
@@ -105,14 +113,14 @@ def child(directory: str, base: int) -> None:
     counter = base
     try:
         while True:
-            save_checkpoint(state(counter), os.path.join(directory, f'iter_{counter}.pth'),
-                            step=counter)
+            save_checkpoint(
+                state(counter), os.path.join(directory, f'iter_{counter}.pth'), step=counter
+            )
             if counter % 3 == 0:
-                save_checkpoint(state(counter), os.path.join(directory, 'latest.pth'),
-                                step=counter)
+                save_checkpoint(state(counter), os.path.join(directory, 'latest.pth'), step=counter)
             apply_retention(directory, 3, pattern='iter_*.pth')
             counter += 1
-    except BaseException as err:  # never reached under SIGKILL: report and fail the round
+    except BaseException as err:  # noqa: BLE001 - never reached under SIGKILL: report and fail the round
         print(f'child error: {err!r}', file=sys.stderr, flush=True)
         os._exit(3)
 

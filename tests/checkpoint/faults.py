@@ -9,12 +9,13 @@ calls, so the code under test runs unchanged. ``injected`` counts the failures r
 SIGKILL at random instants is ``_crash_writer.py`` (a zygote forking saving children), driven
 by ``test_ckpt_crash.py`` and, for 100+ kills, by ``benchmarks/checkpoint_soak.py``.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 class _Injector:
@@ -37,8 +38,9 @@ class _Injector:
 
 
 @contextlib.contextmanager
-def failing_io(directory: str | os.PathLike, err: int, *, after_bytes: int = 0,
-               op: str = 'write') -> Iterator[_Injector]:
+def failing_io(
+    directory: str | os.PathLike, err: int, *, after_bytes: int = 0, op: str = 'write'
+) -> Iterator[_Injector]:
     """Inject ``OSError(err)`` into ``os.write`` (``op='write'``) or ``os.fsync``
     (``op='fsync'``) of files under ``directory`` after ``after_bytes`` bytes went there."""
     if op not in ('write', 'fsync'):

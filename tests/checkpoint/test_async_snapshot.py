@@ -7,12 +7,11 @@ waits, and compares the committed file with a clone taken at the call. Single-pr
 here; DDP, FSDP (sharded DTensors), ShardedDDP and DeepSpeed in
 ``test_async_snapshot_dist.py``; the SIGKILL soak in ``test_ckpt_crash.py`` (mode
 ``strategy``)."""
+
 import contextlib
 import copy
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +20,6 @@ from torch import nn
 from stratagem.checkpoint import load_checkpoint_file
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.strategies import SingleDeviceStrategy
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @contextlib.contextmanager
@@ -38,6 +35,7 @@ def held_writer():
             self._pool = ThreadPoolExecutor(1, thread_name_prefix='stratagem-ckpt-writer')
         self._pool.submit(gate.wait, 60)
         return real(self, job, *args, **kwargs)
+
     AsyncCheckpointWriter.submit = submit
     try:
         yield gate.set
@@ -59,8 +57,12 @@ def clone_tree(obj):
 def differences(saved, expected, path='checkpoint'):
     """Where ``saved`` differs from ``expected`` (tensors bit for bit, dtypes included)."""
     if isinstance(expected, torch.Tensor):
-        ok = isinstance(saved, torch.Tensor) and saved.dtype == expected.dtype and \
-            saved.shape == expected.shape and torch.equal(saved, expected)
+        ok = (
+            isinstance(saved, torch.Tensor)
+            and saved.dtype == expected.dtype
+            and saved.shape == expected.shape
+            and torch.equal(saved, expected)
+        )
         return [] if ok else [path]
     if isinstance(expected, dict):
         if set(saved) != set(expected):
@@ -69,8 +71,11 @@ def differences(saved, expected, path='checkpoint'):
     if isinstance(expected, (list, tuple)):
         if len(saved) != len(expected):
             return [f'{path}: length {len(saved)} != {len(expected)}']
-        return [d for i, (a, b) in enumerate(zip(saved, expected))
-                for d in differences(a, b, f'{path}[{i}]')]
+        return [
+            d
+            for i, (a, b) in enumerate(zip(saved, expected))
+            for d in differences(a, b, f'{path}[{i}]')
+        ]
     return [] if saved == expected else [f'{path}: {saved!r} != {expected!r}']
 
 
@@ -86,11 +91,14 @@ class Net(nn.Module):
 
 def _prepare(tmp_path):
     torch.manual_seed(0)
-    s = SingleDeviceStrategy(work_dir=str(tmp_path), async_checkpoint=True,
-                             env_kwargs=dict(randomness=dict(seed=1)))
+    s = SingleDeviceStrategy(
+        work_dir=str(tmp_path), async_checkpoint=True, env_kwargs=dict(randomness=dict(seed=1))
+    )
     model, wrapper, _ = s.prepare(
-        Net(), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)),
-        param_scheduler=dict(type='StepLR', step_size=2, by_epoch=False))
+        Net(),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)),
+        param_scheduler=dict(type='StepLR', step_size=2, by_epoch=False),
+    )
     return s, model, wrapper
 
 
@@ -103,8 +111,10 @@ def _train(model, wrapper, steps=2):
 
 def _expected(s, extra=None):
     """What the committed checkpoint must hold: the state at the call, cloned."""
-    state = {'state_dict': clone_tree(s.model.state_dict()),
-             'optimizer': clone_tree(s.optim_state_dict())}
+    state = {
+        'state_dict': clone_tree(s.model.state_dict()),
+        'optimizer': clone_tree(s.optim_state_dict()),
+    }
     if extra:
         state.update(clone_tree(extra))
     return state
@@ -163,10 +173,21 @@ def _mutate_extra_tensor(s, model, wrapper, extras):
     extras['ema_state_dict']['0.weight'].zero_()
 
 
-MUTATIONS = {f.__name__.removeprefix('_mutate_'): f for f in (
-    _mutate_in_place, _mutate_through_data, _mutate_ema, _mutate_load_state_dict,
-    _mutate_raw_optimizer, _mutate_buffer, _mutate_lr, _mutate_momentum, _mutate_next_step,
-    _mutate_extra_tensor)}
+MUTATIONS = {
+    f.__name__.removeprefix('_mutate_'): f
+    for f in (
+        _mutate_in_place,
+        _mutate_through_data,
+        _mutate_ema,
+        _mutate_load_state_dict,
+        _mutate_raw_optimizer,
+        _mutate_buffer,
+        _mutate_lr,
+        _mutate_momentum,
+        _mutate_next_step,
+        _mutate_extra_tensor,
+    )
+}
 
 
 @pytest.mark.parametrize('kind', list(MUTATIONS))
@@ -193,9 +214,13 @@ def test_async_checkpoint_is_the_state_at_the_call(tmp_path, kind):
 def test_second_optimizer_of_an_optim_wrapper_dict(tmp_path):
     torch.manual_seed(0)
     s = SingleDeviceStrategy(work_dir=str(tmp_path), async_checkpoint=True)
-    model, wrappers = s.prepare(Net(), optim_wrapper=dict(
-        generator=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)),
-        discriminator=dict(optimizer=dict(type='Adam', lr=0.01))))
+    model, wrappers = s.prepare(
+        Net(),
+        optim_wrapper=dict(
+            generator=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)),
+            discriminator=dict(optimizer=dict(type='Adam', lr=0.01)),
+        ),
+    )
     _train(model, wrappers)
     expected = _expected(s)
     with held_writer() as release:
@@ -219,8 +244,11 @@ def test_the_snapshot_is_complete_when_save_returns(tmp_path):
         s.save_checkpoint('iter_2.pth')
         staged = s.checkpointer.writer._staging
         live = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
-        live |= {t.untyped_storage().data_ptr() for st in wrapper.optimizer.state.values()
-                 for t in st.values()}
+        live |= {
+            t.untyped_storage().data_ptr()
+            for st in wrapper.optimizer.state.values()
+            for t in st.values()
+        }
         assert staged and not live & {t.untyped_storage().data_ptr() for t in staged.values()}
         weight = model.generator[0].weight
         assert any(b.shape == weight.shape and torch.equal(b, weight) for b in staged.values())
@@ -232,13 +260,18 @@ def test_large_snapshot_is_split_over_threads_and_exact(monkeypatch):
     """Above the split threshold the copy runs in shares on the copier threads (flat slices
     of contiguous tensors, strided ones whole); every byte lands where it belongs."""
     from stratagem.checkpoint import async_writer
+
     monkeypatch.setattr(async_writer, '_SPLIT_BYTES', 1)
     monkeypatch.setattr(async_writer, 'copy_threads', lambda: 3)
     threads_before = torch.get_num_threads()
     w = AsyncCheckpointWriter()
     torch.manual_seed(0)
-    state = {'a': torch.randn(1000, 7), 'b': torch.randn(5, 3).t(), 'c': torch.arange(10),
-             'd': [torch.randn(333, dtype=torch.float64), torch.zeros(0)]}
+    state = {
+        'a': torch.randn(1000, 7),
+        'b': torch.randn(5, 3).t(),
+        'c': torch.arange(10),
+        'd': [torch.randn(333, dtype=torch.float64), torch.zeros(0)],
+    }
     want = clone_tree(state)
     snap = w.snapshot(state)
     for t in (state['a'], state['c'], state['d'][0]):
@@ -297,28 +330,40 @@ def _flexible_runner_check(work_dir):
     x, y = torch.randn(16, 4, generator=g), torch.randn(16, 2, generator=g)
     with held_writer() as release:
         runner = FlexibleRunner(
-            model=Toy(), work_dir=work_dir, launcher='none', randomness=dict(seed=3),
+            model=Toy(),
+            work_dir=work_dir,
+            launcher='none',
+            randomness=dict(seed=3),
             strategy=dict(type='stratagem.SingleDeviceStrategy', async_checkpoint=True),
-            train_dataloader=dict(dataset=[dict(inputs=x[i], labels=y[i]) for i in range(16)],
-                                  batch_size=4, collate_fn=dict(type='default_collate'),
-                                  sampler=dict(type='DefaultSampler', shuffle=False)),
+            train_dataloader=dict(
+                dataset=[dict(inputs=x[i], labels=y[i]) for i in range(16)],
+                batch_size=4,
+                collate_fn=dict(type='default_collate'),
+                sampler=dict(type='DefaultSampler', shuffle=False),
+            ),
             optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.05, momentum=0.9)),
             train_cfg=dict(by_epoch=False, max_iters=3),
-            default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=2,
-                                               by_epoch=False)),
-            custom_hooks=[Record(), Vandal()], log_level='WARNING')
+            default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=2, by_epoch=False)),
+            custom_hooks=[Record(), Vandal()],
+            log_level='WARNING',
+        )
         runner.train()
         runner.strategy.wait_for_checkpoints()
     saved = load_checkpoint_file(f'{work_dir}/iter_2.pth')
-    return dict(pending=seen['pending'], iter=saved['meta']['iter'],
-                model=differences(saved['state_dict'], seen['state_dict']),
-                optimizer=differences({k: saved['optimizer'][k] for k in seen['optimizer']},
-                                      seen['optimizer']))
+    return dict(
+        pending=seen['pending'],
+        iter=saved['meta']['iter'],
+        model=differences(saved['state_dict'], seen['state_dict']),
+        optimizer=differences(
+            {k: saved['optimizer'][k] for k in seen['optimizer']}, seen['optimizer']
+        ),
+    )
 
 
 def test_flexible_runner_checkpoint_hook(tmp_path):
     pytest.importorskip('mmengine', reason='mmengine is in the test extra')
     from dist_harness import run_distributed
+
     # a fresh process: mmengine's registries and hooks stay out of this one
     r = run_distributed(_flexible_runner_check, nproc=1, args=(str(tmp_path),), timeout=120)[0]
     assert r == dict(pending=True, iter=2, model=[], optimizer=[])

@@ -8,22 +8,29 @@ committed checkpoint, resumed into a fresh strategy, equals the state at the cal
 
 Processes start once for the module; each backend's check runs inside them.
 """
+
 import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import run_distributed  # noqa: E402
+from dist_harness import run_distributed
 
-BACKENDS = ['DDPStrategy', 'FSDPStrategy', 'FSDPStrategy-full', 'ShardedDDPStrategy',
-            'DeepSpeedStrategy-1', 'DeepSpeedStrategy-3']
-_NEEDS = {'ShardedDDPStrategy': 'fairscale', 'DeepSpeedStrategy-1': 'deepspeed',
-          'DeepSpeedStrategy-3': 'deepspeed'}
+BACKENDS = [
+    'DDPStrategy',
+    'FSDPStrategy',
+    'FSDPStrategy-full',
+    'ShardedDDPStrategy',
+    'DeepSpeedStrategy-1',
+    'DeepSpeedStrategy-3',
+]
+_NEEDS = {
+    'ShardedDDPStrategy': 'fairscale',
+    'DeepSpeedStrategy-1': 'deepspeed',
+    'DeepSpeedStrategy-3': 'deepspeed',
+}
 
 
 def _net():
@@ -33,9 +40,14 @@ def _net():
 
 def _strategy(backend, work_dir):
     from stratagem.strategies import build_strategy
+
     kind, _, option = backend.partition('-')
-    cfg = dict(type=kind, work_dir=work_dir, async_checkpoint=True,
-               env_kwargs=dict(randomness=dict(seed=3)))
+    cfg = dict(
+        type=kind,
+        work_dir=work_dir,
+        async_checkpoint=True,
+        env_kwargs=dict(randomness=dict(seed=3)),
+    )
     optimizer = dict(type='Adam', lr=0.01)
     wrapper = dict(optimizer=optimizer)
     if kind == 'FSDPStrategy' and option == 'full':
@@ -46,8 +58,11 @@ def _strategy(backend, work_dir):
     if kind == 'ShardedDDPStrategy':
         wrapper = dict(optimizer=dict(type='AdamW', lr=0.01))
     s = build_strategy(cfg)
-    model, ow = s.prepare(_net(), optim_wrapper=wrapper,
-                          dispatch_kwargs=dict(max_iters=10, train_micro_batch_size_per_gpu=4))
+    model, ow = s.prepare(
+        _net(),
+        optim_wrapper=wrapper,
+        dispatch_kwargs=dict(max_iters=10, train_micro_batch_size_per_gpu=4),
+    )
     return s, model, ow
 
 
@@ -69,18 +84,22 @@ def _local(t):
 def _fingerprint(s, ow):
     """This rank's view of everything a checkpoint must restore, cloned."""
     inner = _inner(ow.optimizer)
-    return {'model': {k: _local(v) for k, v in s.model_state_dict().items()
-                      if isinstance(v, torch.Tensor)},
-            'params': [_local(p) for g in inner.param_groups for p in g['params']],
-            'state': [{k: _local(v) for k, v in st.items() if isinstance(v, torch.Tensor)}
-                      for st in inner.state.values()],
-            'lr': [g['lr'] for g in inner.param_groups]}
+    return {
+        'model': {
+            k: _local(v) for k, v in s.model_state_dict().items() if isinstance(v, torch.Tensor)
+        },
+        'params': [_local(p) for g in inner.param_groups for p in g['params']],
+        'state': [
+            {k: _local(v) for k, v in st.items() if isinstance(v, torch.Tensor)}
+            for st in inner.state.values()
+        ],
+        'lr': [g['lr'] for g in inner.param_groups],
+    }
 
 
 def _differences(a, b, path=''):
     if isinstance(a, torch.Tensor):
-        return [] if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) \
-            else [path]
+        return [] if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) else [path]
     if isinstance(a, dict):
         if set(a) != set(b):
             return [f'{path}: keys differ']
@@ -120,10 +139,12 @@ def _mutate(model, ow, rank):
 
 
 def _checks(tmp):
-    from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
-    from stratagem.env import get_rank
     import threading
     from concurrent.futures import ThreadPoolExecutor
+
+    from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
+    from stratagem.env import get_rank
+
     out = {}
     for backend in BACKENDS:
         if backend in _NEEDS and importlib.util.find_spec(_NEEDS[backend]) is None:
@@ -142,6 +163,7 @@ def _checks(tmp):
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix='stratagem-ckpt-writer')
             self._pool.submit(_gate.wait, 120)  # the writer thread is held behind this
             return _real(self, job, *args, **kwargs)
+
         AsyncCheckpointWriter.submit = submit
         try:
             path = s.save_checkpoint('iter_2', extra_ckpt={'meta': {'iter': 2}})
@@ -156,8 +178,12 @@ def _checks(tmp):
             AsyncCheckpointWriter.submit = real
         reader, rmodel, row = _strategy(backend, os.path.join(tmp, backend + '_reader'))
         meta = reader.resume(path)['meta']
-        out[backend] = dict(pending=pending, changed=changed, iter=meta['iter'],
-                            differences=_differences(_fingerprint(reader, row), expected))
+        out[backend] = dict(
+            pending=pending,
+            changed=changed,
+            iter=meta['iter'],
+            differences=_differences(_fingerprint(reader, row), expected),
+        )
     return out
 
 

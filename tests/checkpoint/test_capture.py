@@ -1,5 +1,6 @@
 """CapturingCheckpointEngine without DeepSpeed: files written at once or staged, buffer reuse,
 errors kept for the vote, the original engine restored."""
+
 import os
 from pathlib import Path
 
@@ -102,6 +103,7 @@ def test_full_disk_refused_before_writing(tmp_path, monkeypatch):
 def test_installed_on_restores_the_original_engine(tmp_path):
     class Engine:
         checkpoint_engine = 'original'
+
     engine = Engine()
     cap = CapturingCheckpointEngine(engine.checkpoint_engine, tmp_path)
     with pytest.raises(RuntimeError):

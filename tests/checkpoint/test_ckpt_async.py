@@ -1,6 +1,7 @@
 """Asynchronous saves: the snapshot (copies, reused buffers, aliasing), the strategy option
 (bit-exact with a synchronous save, the live state free to change at once), errors surfacing
 at the next save / wait / exit, and resume waiting for the pending save."""
+
 import os
 import subprocess
 import sys
@@ -13,13 +14,12 @@ import pytest
 import torch
 from torch import nn
 
+from faults import failing_io
 from stratagem import checkpoint as ckpt
 from stratagem.checkpoint import find_latest_checkpoint, load_checkpoint_file, verify_checkpoint
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.errors import CheckpointWriteError
 from stratagem.strategies import SingleDeviceStrategy
-
-from faults import failing_io
 
 HERE = Path(__file__).resolve().parent
 
@@ -27,15 +27,18 @@ HERE = Path(__file__).resolve().parent
 def test_snapshot_copies_reuses_buffers_and_keeps_aliases():
     w = AsyncCheckpointWriter()
     weight = torch.arange(12.0).reshape(3, 4)
-    state = {'sd': OrderedDict(w=weight, tied=weight, t=weight.t()),
-             'opt': [torch.ones(5, dtype=torch.float64), (torch.tensor(3),)],
-             'raw': bytearray(b'ab'), 'meta': {'iter': 4, 'dtype': torch.float16}}
+    state = {
+        'sd': OrderedDict(w=weight, tied=weight, t=weight.t()),
+        'opt': [torch.ones(5, dtype=torch.float64), (torch.tensor(3),)],
+        'raw': bytearray(b'ab'),
+        'meta': {'iter': 4, 'dtype': torch.float16},
+    }
     snap = w.snapshot(state)
     weight.add_(100)
     state['raw'][0] = 0
     assert type(snap['sd']) is OrderedDict and list(snap['sd']) == ['w', 'tied', 't']
     assert torch.equal(snap['sd']['w'], torch.arange(12.0).reshape(3, 4))
-    assert snap['sd']['tied'] is snap['sd']['w']          # same memory: one tensor, as saved
+    assert snap['sd']['tied'] is snap['sd']['w']  # same memory: one tensor, as saved
     assert torch.equal(snap['sd']['t'], torch.arange(12.0).reshape(3, 4).t())
     assert snap['opt'][1][0].item() == 3 and type(snap['opt'][1]) is tuple
     assert snap['raw'] == bytearray(b'ab') and snap['meta'] == state['meta']
@@ -58,13 +61,18 @@ def test_snapshot_copies_reuses_buffers_and_keeps_aliases():
 
 
 def _strategy(tmp_path, **kwargs):
-    s = SingleDeviceStrategy(work_dir=str(tmp_path), env_kwargs=dict(randomness=dict(seed=3)),
-                             experiment_name='exp',
-                             **kwargs)
-    s.prepare(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)),
-              optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)),
-              param_scheduler=dict(type='StepLR', step_size=2, by_epoch=False),
-              dispatch_kwargs=dict(max_iters=10))
+    s = SingleDeviceStrategy(
+        work_dir=str(tmp_path),
+        env_kwargs=dict(randomness=dict(seed=3)),
+        experiment_name='exp',
+        **kwargs,
+    )
+    s.prepare(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)),
+        param_scheduler=dict(type='StepLR', step_size=2, by_epoch=False),
+        dispatch_kwargs=dict(max_iters=10),
+    )
     return s
 
 
@@ -101,8 +109,9 @@ def test_async_save_is_bit_exact_and_returns_before_writing(tmp_path, monkeypatc
     sync_path = sync_s.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
     # hold the background write until the live state has changed, deterministically
     release, real_save = threading.Event(), ckpt.save_checkpoint
-    monkeypatch.setattr(ckpt, 'save_checkpoint',
-                        lambda *a, **k: (release.wait(30), real_save(*a, **k))[1])
+    monkeypatch.setattr(
+        ckpt, 'save_checkpoint', lambda *a, **k: (release.wait(30), real_save(*a, **k))[1]
+    )
     async_path = async_s.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
     assert async_path == str(tmp_path / 'async' / 'iter_3.pth')
     assert not os.path.exists(async_path) and async_s.checkpointer.writer.pending
@@ -124,8 +133,9 @@ def test_async_error_reaches_next_wait_and_next_save(tmp_path):
     s.wait_for_checkpoints()
     with failing_io(tmp_path, 28, after_bytes=1000):
         s.save_checkpoint('iter_2.pth')  # returns: the failure happens in the background
-        with pytest.raises(CheckpointWriteError,
-                           match=f'no space left on device writing {tmp_path / "iter_2.pth"}'):
+        with pytest.raises(
+            CheckpointWriteError, match=f'no space left on device writing {tmp_path / "iter_2.pth"}'
+        ):
             s.wait_for_checkpoints()
         s.wait_for_checkpoints()  # raised once, then collected
         s.save_checkpoint('iter_3.pth')
@@ -139,7 +149,7 @@ def test_async_error_reaches_next_wait_and_next_save(tmp_path):
     assert checkpoint['meta']['iter'] == 5
 
 
-_EXIT_SCRIPT = textwrap.dedent('''
+_EXIT_SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[2])
     import torch
@@ -152,16 +162,20 @@ _EXIT_SCRIPT = textwrap.dedent('''
     fault = failing_io(sys.argv[1] + '/sub', 28)
     fault.__enter__()   # stays active until exit (the reference keeps it from closing)
     s.save_checkpoint('sub/b.pth')  # waits for a.pth, then leaves b.pth pending at exit
-''')
+""")
 
 
 def test_exit_waits_and_reports_an_uncollected_failure(tmp_path):
     (tmp_path / 'sub').mkdir()
     script = tmp_path / 'exit_case.py'
     script.write_text(_EXIT_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(HERE)],
-                          capture_output=True, text=True, timeout=250,
-                          env=dict(os.environ, OMP_NUM_THREADS='1'))
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(HERE)],
+        capture_output=True,
+        text=True,
+        timeout=250,
+        env=dict(os.environ, OMP_NUM_THREADS='1'),
+    )
     assert proc.returncode == 0, proc.stderr
     assert verify_checkpoint(tmp_path / 'a.pth') is not None
     assert not (tmp_path / 'sub' / 'b.pth').exists() and not os.listdir(tmp_path / 'sub')

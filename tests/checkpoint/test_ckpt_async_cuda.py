@@ -1,6 +1,7 @@
 """Asynchronous saves of CUDA state (skipped without a GPU; run on a device):
 pinned staging buffers, every device-to-host copy done before save_checkpoint returns,
 bit-exact against a synchronous save whatever the program does after the call."""
+
 import threading
 
 import pytest
@@ -11,25 +12,34 @@ from stratagem.checkpoint import load_checkpoint_file
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.strategies import SingleDeviceStrategy
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device'),
+]
 
 
 def _run(work_dir, async_checkpoint, monkeypatch=None):
     torch.manual_seed(0)
-    s = SingleDeviceStrategy(work_dir=str(work_dir), experiment_name='x',
-                             async_checkpoint=async_checkpoint,
-                             env_kwargs=dict(randomness=dict(seed=3)))
-    model, ow = s.prepare(nn.Sequential(nn.Linear(256, 1024), nn.BatchNorm1d(1024),
-                                        nn.Linear(1024, 4)),
-                          optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-3)))
+    s = SingleDeviceStrategy(
+        work_dir=str(work_dir),
+        experiment_name='x',
+        async_checkpoint=async_checkpoint,
+        env_kwargs=dict(randomness=dict(seed=3)),
+    )
+    model, ow = s.prepare(
+        nn.Sequential(nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.Linear(1024, 4)),
+        optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-3)),
+    )
     for _ in range(3):
         ow.update_params(model(torch.randn(32, 256, device='cuda')).square().mean())
     gate = threading.Event()
     if monkeypatch is not None:  # hold the writer thread until training went on
         real = AsyncCheckpointWriter.submit
-        monkeypatch.setattr(AsyncCheckpointWriter, 'submit', lambda self, job, *a: real(
-            self, lambda: (gate.wait(30), job(*a))[1]))
+        monkeypatch.setattr(
+            AsyncCheckpointWriter,
+            'submit',
+            lambda self, job, *a: real(self, lambda: (gate.wait(30), job(*a))[1]),
+        )
     path = s.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
     if monkeypatch is not None:
         pinned = [t for t in s.checkpointer.writer._staging.values() if t.is_pinned()]

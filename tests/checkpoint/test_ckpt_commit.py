@@ -1,4 +1,5 @@
 """save_checkpoint / commit_directory: round trip, manifest, validation, atomic replace."""
+
 import json
 import os
 
@@ -6,13 +7,19 @@ import pytest
 import torch
 import xxhash
 
-from stratagem.checkpoint import (POINTER_NAME, commit_directory, finalize_directory,
-                                  load_checkpoint_file, manifest_path, new_staging_dir,
-                                  save_checkpoint, verify_checkpoint)
+from ckpt_helpers import make_state
+from stratagem.checkpoint import (
+    POINTER_NAME,
+    commit_directory,
+    finalize_directory,
+    load_checkpoint_file,
+    manifest_path,
+    new_staging_dir,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from stratagem.checkpoint.manifest import hash_file
 from stratagem.version import __version__
-
-from ckpt_helpers import make_state
 
 
 def _assert_same(a, b):
@@ -42,8 +49,12 @@ def test_round_trip_equal(tmp_path, state):
 
 
 def test_manifest_content(tmp_path, state):
-    path = save_checkpoint(state, tmp_path / 'iter_120.pth', step=120,
-                           extra_manifest={'world_size': 4, 'strategy': 'DDPStrategy'})
+    path = save_checkpoint(
+        state,
+        tmp_path / 'iter_120.pth',
+        step=120,
+        extra_manifest={'world_size': 4, 'strategy': 'DDPStrategy'},
+    )
     sidecar = tmp_path / 'iter_120.pth.manifest.json'
     assert manifest_path(path) == sidecar
     manifest = json.loads(sidecar.read_text())
@@ -61,7 +72,8 @@ def test_manifest_content(tmp_path, state):
     assert (tmp_path / POINTER_NAME).read_text() == str(path)
     assert verify_checkpoint(path) == manifest
     assert sorted(os.listdir(tmp_path)) == sorted(
-        [POINTER_NAME, 'iter_120.pth', 'iter_120.pth.manifest.json'])  # no temp left
+        [POINTER_NAME, 'iter_120.pth', 'iter_120.pth.manifest.json']
+    )  # no temp left
 
 
 def test_bad_content_fails_before_writing(tmp_path, state):
@@ -69,19 +81,25 @@ def test_bad_content_fails_before_writing(tmp_path, state):
     before = sorted(os.listdir(tmp_path))
     bad = make_state()
     bad['meta']['cfg'] = {'fn': lambda x: x}
-    with pytest.raises(TypeError, match=r"checkpoint\['meta'\]\['cfg'\]\['fn'\] is a function"
-                                        r".*weights_only=True"):
+    with pytest.raises(
+        TypeError,
+        match=r"checkpoint\['meta'\]\['cfg'\]\['fn'\] is a function"
+        r'.*weights_only=True',
+    ):
         save_checkpoint(bad, tmp_path / 'a.pth', step=2)
     assert sorted(os.listdir(tmp_path)) == before
     assert verify_checkpoint(good)['step'] == 1
 
 
-@pytest.mark.parametrize('value, fragment', [
-    (torch.nn.Linear(2, 2), 'state_dict()'),
-    (__import__('collections').defaultdict(list), 'plain dict'),
-    (frozenset([1]), 'frozenset'),
-    (object(), 'builtins.object'),
-])
+@pytest.mark.parametrize(
+    'value, fragment',
+    [
+        (torch.nn.Linear(2, 2), 'state_dict()'),
+        (__import__('collections').defaultdict(list), 'plain dict'),
+        (frozenset([1]), 'frozenset'),
+        (object(), 'builtins.object'),
+    ],
+)
 def test_bad_values_named(tmp_path, value, fragment):
     with pytest.raises(TypeError, match=r"checkpoint\['x'\]\[1\]") as info:
         save_checkpoint({'x': [0, value]}, tmp_path / 'a.pth')
@@ -129,8 +147,9 @@ def test_same_name_crash_window_keeps_old_verifiable(tmp_path, monkeypatch, firs
         raise KeyboardInterrupt('simulated crash')
 
     real_replace = os.replace
-    monkeypatch.setattr(os, 'replace',
-                        lambda s, d: die(s, d) if str(d) == str(path) else real_replace(s, d))
+    monkeypatch.setattr(
+        os, 'replace', lambda s, d: die(s, d) if str(d) == str(path) else real_replace(s, d)
+    )
     for step in (2, 3):
         with pytest.raises(KeyboardInterrupt):
             save_checkpoint(make_state(float(step)), path, step=step)
@@ -183,6 +202,7 @@ def test_commit_directory_failure_leaves_nothing(tmp_path):
 
 def test_zip_crc32_option_and_restore(tmp_path, state):
     import zipfile
+
     before = torch.serialization.get_crc32_options()
     fast = save_checkpoint(state, tmp_path / 'fast.pth')  # default: no zip CRC
     assert torch.serialization.get_crc32_options() == before  # the global is restored

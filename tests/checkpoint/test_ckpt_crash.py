@@ -7,6 +7,7 @@ After every kill: the pointer resolves without any fallback, the checkpoint load
 self-consistent (every tensor and the manifest carry the same counter), the counter never goes
 backwards, and every checkpoint under a final name verifies against its manifest.
 """
+
 import os
 import random
 import signal
@@ -18,8 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.checkpoint import (apply_retention, find_latest_checkpoint, load_checkpoint_file,
-                                  verify_checkpoint)
+from stratagem.checkpoint import (
+    apply_retention,
+    find_latest_checkpoint,
+    load_checkpoint_file,
+    verify_checkpoint,
+)
 from stratagem.checkpoint._fs import is_temp_name, temp_pid
 
 HELPER = Path(__file__).with_name('_crash_writer.py')
@@ -32,11 +37,13 @@ def _check_content(path: Path) -> int:
     checkpoint = load_checkpoint_file(path)
     counter = checkpoint['meta']['counter']
     assert verify_checkpoint(path)['step'] == counter
-    tensors = list(checkpoint['state_dict'].values()) + \
-        [st['momentum_buffer'] for st in checkpoint['optimizer']['state'].values()]
+    tensors = list(checkpoint['state_dict'].values()) + [
+        st['momentum_buffer'] for st in checkpoint['optimizer']['state'].values()
+    ]
     for tensor in tensors:
-        assert tensor.numel() > 0 and bool((tensor == counter).all()), \
+        assert tensor.numel() > 0 and bool((tensor == counter).all()), (
             f'{path} (counter {counter}) holds {sorted(set(tensor.flatten().tolist()))[:5]}'
+        )
     return counter
 
 
@@ -66,14 +73,21 @@ def _send(proc, line: str) -> str:
     return reply
 
 
-def run_kill_rounds(directory: Path, kills: int, mode: str, seed: int = 1234,
-                    max_sleep: float = 0.45) -> dict:
+def run_kill_rounds(
+    directory: Path, kills: int, mode: str, seed: int = 1234, max_sleep: float = 0.45
+) -> dict:
     """Kill a saving child ``kills`` times at random instants; check the invariants after
     each kill (see module doc). Returns counts for the caller to assert on or print."""
     rng = random.Random(seed)
     env = dict(os.environ, OMP_NUM_THREADS='1')
-    proc = subprocess.Popen([sys.executable, str(HELPER), str(directory)], env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, str(HELPER), str(directory)],
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         assert proc.stdout.readline().strip() == 'ready', proc.stderr.read()
         started = time.monotonic()
@@ -100,8 +114,14 @@ def run_kill_rounds(directory: Path, kills: int, mode: str, seed: int = 1234,
     # a later successful save's retention clears what the crashes left
     apply_retention(directory, 3, pattern='iter_*.pth', stale_before=time.time() + 1)
     debris = [p.name for p in directory.iterdir() if is_temp_name(p.name)]
-    return {'kills': kills, 'resumed': resumed, 'last': last, 'mid_save': temps_seen,
-            'elapsed': elapsed, 'debris_after_cleanup': debris}
+    return {
+        'kills': kills,
+        'resumed': resumed,
+        'last': last,
+        'mid_save': temps_seen,
+        'elapsed': elapsed,
+        'debris_after_cleanup': debris,
+    }
 
 
 @pytest.mark.timeout(240)
@@ -113,5 +133,7 @@ def test_sigkill_during_saves(tmp_path, mode):
     assert r['last'] >= (KILLS - 2) * ROUND_BASE  # progress reached the late rounds
     assert r['mid_save'] >= 1, 'no kill landed mid-save; the test exercised no crash window'
     assert r['debris_after_cleanup'] == []
-    print(f'{mode}: {KILLS} kills in {r["elapsed"]:.1f}s; {r["mid_save"]} mid-save; '
-          f'last step {r["last"]}')
+    print(
+        f'{mode}: {KILLS} kills in {r["elapsed"]:.1f}s; {r["mid_save"]} mid-save; '
+        f'last step {r["last"]}'
+    )

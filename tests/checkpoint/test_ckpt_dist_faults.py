@@ -8,33 +8,34 @@ timeout naming rank 1, nothing is committed. Spawn 2 (FSDPStrategy's sharded dir
 shards, the directory protocol): rank 1 dies inside DCP's write: no commit, rank 0 names rank
 1. After each spawn a new process resumes from (or reads) the previous checkpoint.
 """
+
 import json
 import os
-import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import RankFailure, run_distributed  # noqa: E402
-
-from stratagem.checkpoint import (find_latest_checkpoint, load_checkpoint_file,  # noqa: E402
-                                  verify_checkpoint)
-from stratagem.strategies import DDPStrategy  # noqa: E402
+from dist_harness import RankFailure, run_distributed
+from stratagem.checkpoint import find_latest_checkpoint, load_checkpoint_file, verify_checkpoint
+from stratagem.strategies import DDPStrategy
 
 TIMEOUT = 4.0  # checkpoint_timeout of the spawned strategies, seconds
 
 
 def _strategy(work_dir, cls=DDPStrategy, **kwargs):
-    s = cls(work_dir=str(work_dir), experiment_name='x', checkpoint_timeout=TIMEOUT,
-            env_kwargs=dict(randomness=dict(seed=1)), **kwargs)
-    s.prepare(nn.Linear(32, 32), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1,
-                                                                   momentum=0.9)))
+    s = cls(
+        work_dir=str(work_dir),
+        experiment_name='x',
+        checkpoint_timeout=TIMEOUT,
+        env_kwargs=dict(randomness=dict(seed=1)),
+        **kwargs,
+    )
+    s.prepare(
+        nn.Linear(32, 32), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
+    )
     return s
 
 
@@ -48,6 +49,7 @@ def _error(fn):
 
 def _single_file_faults(work_dir, out_dir):
     from faults import failing_io
+
     s = _strategy(work_dir, async_checkpoint=True)
     rank = s.rank
     res = {}
@@ -57,8 +59,11 @@ def _single_file_faults(work_dir, out_dir):
     s.async_checkpoint = False
     s.save_checkpoint('iter_2.pth', extra_ckpt={'meta': {'iter': 2}})
     res['committed_sync'] = verify_checkpoint(os.path.join(work_dir, 'iter_2.pth'))['step']
-    before = {p: open(os.path.join(work_dir, p), 'rb').read() for p in sorted(os.listdir(work_dir))
-              if not os.path.isdir(os.path.join(work_dir, p))}
+    before = {
+        p: Path(work_dir, p).read_bytes()
+        for p in sorted(os.listdir(work_dir))
+        if not os.path.isdir(os.path.join(work_dir, p))
+    }
     # ENOSPC on rank 0 only, sync then async: every rank raises, naming file and cause
     for mode in ('sync', 'async'):
         s.async_checkpoint = mode == 'async'
@@ -68,8 +73,11 @@ def _single_file_faults(work_dir, out_dir):
             else:
                 s.save_checkpoint('iter_3.pth')
                 res[f'enospc_{mode}'] = _error(s.wait_for_checkpoints)
-    after = {p: open(os.path.join(work_dir, p), 'rb').read() for p in sorted(os.listdir(work_dir))
-             if not os.path.isdir(os.path.join(work_dir, p))}
+    after = {
+        p: Path(work_dir, p).read_bytes()
+        for p in sorted(os.listdir(work_dir))
+        if not os.path.isdir(os.path.join(work_dir, p))
+    }
     res['unchanged'] = after == before
     with open(os.path.join(out_dir, f'rank{rank}.json'), 'w') as f:
         json.dump(res, f)  # before the kill below, so rank 1's view is kept too
@@ -103,6 +111,7 @@ def _directory_kill(work_dir, out_dir):
     shard written, at its fsync). Rank 0's own write then fails in DCP's collective with a
     bare connection error; it must still name rank 1 and commit nothing."""
     from stratagem.strategies import build_strategy
+
     s = _strategy(work_dir, cls=lambda **kw: build_strategy(dict(type='FSDPStrategy', **kw)))
     s.save_checkpoint('iter_1', extra_ckpt={'meta': {'iter': 1}})
     res = {'first': verify_checkpoint(os.path.join(work_dir, 'iter_1'))['step']}
@@ -136,22 +145,27 @@ def test_single_file_faults_and_killed_rank(tmp_path):
     assert r0['committed_async'] == r1['committed_async'] == 1
     assert r0['committed_sync'] == r1['committed_sync'] == 2
     target = work / 'iter_3.pth'
-    assert r0['enospc_sync'].startswith(f'CheckpointWriteError: no space left on device writing '
-                                        f'{target} (needed ~'), r0
-    assert r0['enospc_async'].startswith(f'CheckpointWriteError: no space left on device '
-                                         f'writing {target}'), r0
+    assert r0['enospc_sync'].startswith(
+        f'CheckpointWriteError: no space left on device writing {target} (needed ~'
+    ), r0
+    assert r0['enospc_async'].startswith(
+        f'CheckpointWriteError: no space left on device writing {target}'
+    ), r0
     assert r0['unchanged'] is True and r1['unchanged'] is True
     # rank 1 wrote nothing and still gets rank 0's error, file and cause named
     for mode in ('sync', 'async'):
         assert r1[f'enospc_{mode}'].startswith(
             f'CheckpointVoteError: saving {target} failed on rank 0: CheckpointWriteError: no '
-            f'space left on device writing {target} (needed ~'), r1
-    assert r0['killed'].startswith(f'CheckpointVoteError: saving {work / "iter_4.pth"} failed: '
-                                   'rank 1 did not finish writing'), r0
+            f'space left on device writing {target} (needed ~'
+        ), r1
+    assert r0['killed'].startswith(
+        f'CheckpointVoteError: saving {work / "iter_4.pth"} failed: rank 1 did not finish writing'
+    ), r0
     assert 'nothing was committed' in r0['killed']
     assert TIMEOUT <= r0['killed_after_s'] < TIMEOUT + 30, r0
-    assert 'iter_4.pth' not in r0['listing'] and not [n for n in r0['listing']
-                                                      if n.startswith('.')], r0
+    assert 'iter_4.pth' not in r0['listing'] and not [
+        n for n in r0['listing'] if n.startswith('.')
+    ], r0
     # the next run resumes from the previous checkpoint
     latest = find_latest_checkpoint(work)
     assert latest == work / 'iter_2.pth' and verify_checkpoint(latest)['step'] == 2
@@ -161,8 +175,9 @@ def test_single_file_faults_and_killed_rank(tmp_path):
 def test_directory_save_with_killed_rank_commits_nothing(tmp_path):
     work, _, r0 = _spawn(_directory_kill, tmp_path)
     assert r0['first'] == 1
-    assert r0['killed'].startswith(f'CheckpointVoteError: saving {work / "iter_2"} failed: '
-                                   'rank 1 did not finish writing'), r0
+    assert r0['killed'].startswith(
+        f'CheckpointVoteError: saving {work / "iter_2"} failed: rank 1 did not finish writing'
+    ), r0
     assert TIMEOUT <= r0['killed_after_s'] < TIMEOUT + 30, r0
     # the staging directory is removed: nothing but the previous checkpoint is left
     committed = [n for n in r0['listing'] if not n[0].isdigit()]  # (the log dir aside)
@@ -171,5 +186,6 @@ def test_directory_save_with_killed_rank_commits_nothing(tmp_path):
     assert latest == work / 'iter_1' and verify_checkpoint(latest)['step'] == 1
     # the next run (one process, no process group) reads it
     from stratagem.checkpoint import read_sharded_checkpoint
+
     state = read_sharded_checkpoint(latest)
     assert state['meta']['iter'] == 1 and state['state_dict']['weight'].shape == (32, 32)

@@ -1,4 +1,5 @@
 """find_latest_checkpoint: the pointer when it is good, a warned fallback when it is not."""
+
 import os
 import time
 import warnings
@@ -6,16 +7,22 @@ import warnings
 import pytest
 import torch
 
-from stratagem.checkpoint import (POINTER_NAME, CheckpointWarning, find_latest_checkpoint,
-                                  list_checkpoints, read_pointer, save_checkpoint)
-from stratagem.checkpoint.manifest import _VERIFIED
-
 from ckpt_helpers import make_state
+from stratagem.checkpoint import (
+    POINTER_NAME,
+    CheckpointWarning,
+    find_latest_checkpoint,
+    list_checkpoints,
+    read_pointer,
+    save_checkpoint,
+)
+from stratagem.checkpoint.manifest import _VERIFIED
 
 
 def _series(tmp_path, steps=(1, 2, 3)):
-    return [save_checkpoint(make_state(float(s)), tmp_path / f'epoch_{s}.pth', step=s)
-            for s in steps]
+    return [
+        save_checkpoint(make_state(float(s)), tmp_path / f'epoch_{s}.pth', step=s) for s in steps
+    ]
 
 
 def _quiet_latest(directory):
@@ -39,8 +46,7 @@ def test_empty_or_absent_directory(tmp_path):
     assert _quiet_latest(tmp_path / 'absent') is None
 
 
-@pytest.mark.parametrize('pointer', [None, b'', b'\x00\xff garbage \x81', b'a\nb\nc',
-                                     b'x' * 5000])
+@pytest.mark.parametrize('pointer', [None, b'', b'\x00\xff garbage \x81', b'a\nb\nc', b'x' * 5000])
 def test_missing_or_garbage_pointer_falls_back(tmp_path, pointer):
     paths = _series(tmp_path)
     if pointer is None:
@@ -126,8 +132,9 @@ def test_moved_work_dir_uses_local_name(tmp_path):
     assert _quiet_latest(new) == new / 'epoch_3.pth'
 
 
-@pytest.mark.parametrize('pointer', ['.', '/', 'last_checkpoint', 'iter_1.pth.manifest.json',
-                                     '/etc/passwd', 'notes.txt'])
+@pytest.mark.parametrize(
+    'pointer', ['.', '/', 'last_checkpoint', 'iter_1.pth.manifest.json', '/etc/passwd', 'notes.txt']
+)
 def test_review_garbage_pointer_falls_back_with_a_warning(tmp_path, pointer):
     committed = save_checkpoint({'w': torch.ones(1)}, tmp_path / 'iter_1.pth', step=1)
     (tmp_path / 'notes.txt').write_text('not a checkpoint')

@@ -1,4 +1,5 @@
 """load_checkpoint_file: integrity before unpickling, readable errors, safe by default."""
+
 import os
 import pickle
 import shlex
@@ -7,16 +8,23 @@ import warnings
 import pytest
 import torch
 
-from stratagem.checkpoint import (CheckpointCorruptError, NotACheckpointError,
-                                  UnsafeCheckpointError, UnverifiedCheckpointWarning,
-                                  load_checkpoint_file, save_checkpoint)
+from stratagem.checkpoint import (
+    CheckpointCorruptError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+    UnverifiedCheckpointWarning,
+    load_checkpoint_file,
+    save_checkpoint,
+)
 
 
 @pytest.fixture
 def no_unpickling(monkeypatch):
     """Fail the test if torch.load is reached."""
+
     def forbidden(*args, **kwargs):
         raise AssertionError('torch.load was called on a damaged file')
+
     monkeypatch.setattr(torch, 'load', forbidden)
 
 
@@ -43,8 +51,9 @@ def test_truncated_caught_before_unpickling(tmp_path, state, no_unpickling):
     size = path.stat().st_size
     with open(path, 'r+b') as f:
         f.truncate(size - 100)
-    with pytest.raises(CheckpointCorruptError,
-                       match=f'size is {size - 100} bytes.*says {size}') as info:
+    with pytest.raises(
+        CheckpointCorruptError, match=f'size is {size - 100} bytes.*says {size}'
+    ) as info:
         load_checkpoint_file(path, verify=False)  # the size check is free, so always on
     assert str(path) in str(info.value)
 
@@ -74,8 +83,10 @@ def test_truncated_foreign_zip_is_corrupt(tmp_path, state):
     path.write_bytes(path.read_bytes()[:-200])
     size = path.stat().st_size
     with pytest.warns(UnverifiedCheckpointWarning):
-        with pytest.raises(CheckpointCorruptError, match=f'is truncated: it is {size} bytes '
-                                                         'and lacks the end-of-archive') as info:
+        with pytest.raises(
+            CheckpointCorruptError,
+            match=f'is truncated: it is {size} bytes and lacks the end-of-archive',
+        ) as info:
             load_checkpoint_file(path)
     assert str(path) in str(info.value) and 'Errno' not in str(info.value)
 
@@ -155,8 +166,9 @@ def test_legacy_format_loads(tmp_path, state):
     assert torch.equal(loaded['state_dict']['fc.bias'], state['state_dict']['fc.bias'])
 
 
-@pytest.mark.parametrize('map_location', [
-    'cpu', torch.device('cpu'), None, {'cpu': 'cpu'}, lambda storage, loc: storage])
+@pytest.mark.parametrize(
+    'map_location', ['cpu', torch.device('cpu'), None, {'cpu': 'cpu'}, lambda storage, loc: storage]
+)
 def test_map_location_forms(tmp_path, state, map_location):
     path = save_checkpoint(state, tmp_path / 'a.pth')
     loaded = load_checkpoint_file(path, map_location=map_location)
@@ -178,8 +190,9 @@ def test_missing_device_error_is_not_called_corrupt(tmp_path, state):
 def test_directory_is_refused_with_advice(tmp_path):
     empty = tmp_path / 'empty'
     empty.mkdir()
-    with pytest.raises(IsADirectoryError, match='is a directory, not a checkpoint file, and '
-                                                'holds no checkpoint'):
+    with pytest.raises(
+        IsADirectoryError, match='is a directory, not a checkpoint file, and holds no checkpoint'
+    ):
         load_checkpoint_file(empty)
     shards = tmp_path / 'shards'
     shards.mkdir()
@@ -216,9 +229,13 @@ def test_review_trust_flag_must_be_a_bool(tmp_path):
 def test_review_damaged_foreign_files_always_name_the_file(tmp_path):
     import random
     import warnings
+
     from stratagem.checkpoint import CheckpointCorruptError, NotACheckpointError
+
     good = tmp_path / 'good.pth'
-    torch.save({'state_dict': {'w': torch.arange(64.)}}, good, _use_new_zipfile_serialization=False)
+    torch.save(
+        {'state_dict': {'w': torch.arange(64.0)}}, good, _use_new_zipfile_serialization=False
+    )
     data = good.read_bytes()
     rng = random.Random(0)
     outcomes = set()

@@ -1,19 +1,28 @@
 """apply_retention: keep the newest N and the protected, delete only what we wrote."""
+
 import os
 import time
 
 import pytest
 import torch
 
-from stratagem.checkpoint import (POINTER_NAME, apply_retention, commit_directory,
-                                  list_checkpoints, save_checkpoint)
-
 from ckpt_helpers import make_state
+from stratagem.checkpoint import (
+    POINTER_NAME,
+    apply_retention,
+    commit_directory,
+    list_checkpoints,
+    save_checkpoint,
+)
 
 
 def _save(directory, step, name=None, **kwargs):
-    return save_checkpoint(make_state(float(step), size=4), directory / (name or f'epoch_{step}.pth'),
-                           step=step, **kwargs)
+    return save_checkpoint(
+        make_state(float(step), size=4),
+        directory / (name or f'epoch_{step}.pth'),
+        step=step,
+        **kwargs,
+    )
 
 
 def test_keeps_newest_n_and_protected(tmp_path):
@@ -24,10 +33,19 @@ def test_keeps_newest_n_and_protected(tmp_path):
     removed = apply_retention(tmp_path, 2, protect=[paths[1]])
     assert sorted(removed) == sorted([paths[0], paths[2], paths[3]])
     names = sorted(os.listdir(tmp_path))
-    assert names == sorted([POINTER_NAME, 'epoch_0.pth', 'notes.txt',
-                            'epoch_2.pth', 'epoch_2.pth.manifest.json',
-                            'epoch_5.pth', 'epoch_5.pth.manifest.json',
-                            'epoch_6.pth', 'epoch_6.pth.manifest.json'])
+    assert names == sorted(
+        [
+            POINTER_NAME,
+            'epoch_0.pth',
+            'notes.txt',
+            'epoch_2.pth',
+            'epoch_2.pth.manifest.json',
+            'epoch_5.pth',
+            'epoch_5.pth.manifest.json',
+            'epoch_6.pth',
+            'epoch_6.pth.manifest.json',
+        ]
+    )
 
 
 def test_keep_all_and_bad_argument(tmp_path):
@@ -67,17 +85,22 @@ def test_directory_checkpoints(tmp_path):
 
 def test_removes_only_our_stale_debris(tmp_path):
     old = time.time() - 3600
-    debris = [tmp_path / '.epoch_9.pth.tmp-999999-0123abcd',  # a crashed save's temp file
-              tmp_path / '.last_checkpoint.tmp-999999-89abcdef',
-              tmp_path / '.iter_9.tmp-999999-deadbeef']        # a crashed staging dir
+    debris = [
+        tmp_path / '.epoch_9.pth.tmp-999999-0123abcd',  # a crashed save's temp file
+        tmp_path / '.last_checkpoint.tmp-999999-89abcdef',
+        tmp_path / '.iter_9.tmp-999999-deadbeef',
+    ]  # a crashed staging dir
     debris[0].write_bytes(b'partial')
     debris[1].write_bytes(b'/x')
     debris[2].mkdir()
     (debris[2] / 'shard.pt').write_bytes(b'partial')
     orphan = tmp_path / 'epoch_8.pth.manifest.json'  # manifest written, file never renamed
-    keep = [tmp_path / '.epoch_9.pth.tmp-abc-0123abcd',  # not our pattern
-            tmp_path / '.hidden', tmp_path / f'.epoch_7.pth.tmp-{os.getpid()}-0123abcd',
-            tmp_path / 'x.manifest.json']  # not a stratagem manifest
+    keep = [
+        tmp_path / '.epoch_9.pth.tmp-abc-0123abcd',  # not our pattern
+        tmp_path / '.hidden',
+        tmp_path / f'.epoch_7.pth.tmp-{os.getpid()}-0123abcd',
+        tmp_path / 'x.manifest.json',
+    ]  # not a stratagem manifest
     for path in keep:
         path.write_bytes(b'{}')
     fresh = tmp_path / '.epoch_10.pth.tmp-999998-00000000'  # newer than the last commit
@@ -95,8 +118,10 @@ def test_removes_only_our_stale_debris(tmp_path):
 def test_review_live_writers_temp_entries_survive_retention(tmp_path):
     import subprocess
     import sys
-    dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
-                          capture_output=True, text=True).stdout.strip()
+
+    dead = subprocess.run(
+        [sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True
+    ).stdout.strip()
     live = str(os.getppid())  # pytest's parent: alive, and not this process
     old = time.time() - 3600
     entries = {}

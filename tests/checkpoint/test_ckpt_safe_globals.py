@@ -1,5 +1,6 @@
 """Allow-listed classes in checkpoints: saved and loaded with weights_only=True, recorded in
 the manifest, named when missing; everything else refused at save, arbitrary pickles at load."""
+
 import json
 import os
 import pickle
@@ -49,8 +50,10 @@ def _manifest(path):
 
 
 def test_allow_listed_class_saves_and_loads_weights_only(tmp_path):
-    state = {'state_dict': {'w': torch.arange(3.)},
-             'hub': {'p': Point(torch.tensor([1.5, -2.0]), 7), 'q': [Point(None, 0)]}}
+    state = {
+        'state_dict': {'w': torch.arange(3.0)},
+        'hub': {'p': Point(torch.tensor([1.5, -2.0]), 7), 'q': [Point(None, 0)]},
+    }
     with safe_globals([Point]):
         assert POINT in get_safe_globals()
         assert validate_checkpoint_content(state) == [POINT]
@@ -62,7 +65,7 @@ def test_allow_listed_class_saves_and_loads_weights_only(tmp_path):
         assert type(got['hub']['p']) is Point
         assert torch.equal(got['hub']['p'].xy, torch.tensor([1.5, -2.0]))
         assert got['hub']['p'].count == 7 and got['hub']['q'][0].count == 0
-        assert torch.equal(got['state_dict']['w'], torch.arange(3.))
+        assert torch.equal(got['state_dict']['w'], torch.arange(3.0))
     assert POINT not in get_safe_globals()  # the context restored the allow-list
 
 
@@ -117,20 +120,23 @@ def test_malicious_pickle_executes_nothing_with_an_allow_list_active(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize('bad, error, fragment', [
-    (getattr, ValueError, 'refuses builtins.getattr'),
-    (os.system, ValueError, 'run arbitrary code'),
-    (eval, ValueError, 'refuses builtins.eval'),
-    (pickle.loads, ValueError, 'refuses'),
-    ((getattr, 'x.y'), ValueError, 'refuses x.y'),
-    (types.FunctionType, ValueError, 'refuses builtins.function'),  # bytecode -> function
-    (types.CodeType, ValueError, 'refuses builtins.code'),
-    (types.ModuleType, ValueError, 'refuses builtins.module'),
-    (timeit.timeit, ValueError, 'refuses timeit.timeit'),  # runs a string of code
-    ((Point, 'builtins.int'), None, None),  # a plain class under another name: fine
-    (Point(1, 2), TypeError, 'not a class or function'),
-    ((Point, 3), TypeError, "'module.name') pair"),
-])
+@pytest.mark.parametrize(
+    'bad, error, fragment',
+    [
+        (getattr, ValueError, 'refuses builtins.getattr'),
+        (os.system, ValueError, 'run arbitrary code'),
+        (eval, ValueError, 'refuses builtins.eval'),
+        (pickle.loads, ValueError, 'refuses'),
+        ((getattr, 'x.y'), ValueError, 'refuses x.y'),
+        (types.FunctionType, ValueError, 'refuses builtins.function'),  # bytecode -> function
+        (types.CodeType, ValueError, 'refuses builtins.code'),
+        (types.ModuleType, ValueError, 'refuses builtins.module'),
+        (timeit.timeit, ValueError, 'refuses timeit.timeit'),  # runs a string of code
+        ((Point, 'builtins.int'), None, None),  # a plain class under another name: fine
+        (Point(1, 2), TypeError, 'not a class or function'),
+        ((Point, 3), TypeError, "'module.name') pair"),
+    ],
+)
 def test_add_safe_globals_refuses_what_would_run_code(bad, error, fragment):
     before = get_safe_globals()
     if error is None:
@@ -149,11 +155,13 @@ def test_loader_without_the_package_says_it_is_not_installed(tmp_path, monkeypat
     checkpoint read where mmengine is not installed) is not called damaged."""
     import sys
     import types as _types
+
     module = _types.ModuleType('rev1_absent_pkg')
 
     class Stat:
         def __init__(self, n):
             self.n = n
+
     Stat.__module__, Stat.__qualname__ = module.__name__, 'Stat'
     module.Stat = Stat
     monkeypatch.setitem(sys.modules, module.__name__, module)

@@ -1,4 +1,5 @@
 """revise_keys and load_state_dict: mmengine semantics, one readable report."""
+
 import logging
 from collections import OrderedDict
 
@@ -54,11 +55,16 @@ def test_mismatch_report_non_strict(caplog):
     assert report.shape_mismatches == [('fc.weight', (3, 5), (3, 4))]
     assert report.missing_keys == ['head.bias']
     assert report.unexpected_keys == ['extra.weight']
-    assert torch.equal(dst.fc.weight, before)            # skipped, not half-copied
-    assert torch.equal(dst.fc.bias, src.fc.bias)         # the rest loaded
+    assert torch.equal(dst.fc.weight, before)  # skipped, not half-copied
+    assert torch.equal(dst.fc.bias, src.fc.bias)  # the rest loaded
     text = caplog.records[0].getMessage()
-    for fragment in ('fc.weight: (3, 5) -> (3, 4)', '1 missing key(s)', 'head.bias',
-                     '1 unexpected key(s)', 'extra.weight'):
+    for fragment in (
+        'fc.weight: (3, 5) -> (3, 4)',
+        '1 missing key(s)',
+        'head.bias',
+        '1 unexpected key(s)',
+        'extra.weight',
+    ):
         assert fragment in text
     assert 'fc.weight' not in report.missing_keys
 
@@ -102,6 +108,7 @@ def _same(module, state):
 
 def test_strict_mismatch_changes_nothing():
     from stratagem.checkpoint import StateDictMismatchError
+
     dst = Net(width=4)
     before = _copy_state(dst)
     sd = Net(width=5).state_dict()  # only fc.weight differs: torch would copy the rest first
@@ -110,12 +117,13 @@ def test_strict_mismatch_changes_nothing():
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, ValueError)
     message = str(info.value)
     assert 'nothing was loaded' in message and 'fc.weight: (3, 5) -> (3, 4)' in message
-    assert '8 of the model\'s 9 tensors matched' in message
+    assert "8 of the model's 9 tensors matched" in message
     assert _same(dst, before)  # nn.Module.load_state_dict would have copied bn and head
 
 
 def test_non_tensor_values_are_reported_not_half_loaded():
     from stratagem.checkpoint import StateDictMismatchError
+
     dst = Net()
     before = _copy_state(dst)
     sd = Net().state_dict()
@@ -130,6 +138,7 @@ def test_non_tensor_values_are_reported_not_half_loaded():
 
 def test_a_load_matching_nothing_is_an_error_also_non_strict():
     from stratagem.checkpoint import StateDictMismatchError
+
     dst = Net()
     before = _copy_state(dst)
     with pytest.raises(StateDictMismatchError) as info:
@@ -157,9 +166,9 @@ def test_old_batchnorm_state_without_num_batches_tracked_loads_strictly():
 @pytest.mark.parametrize('layout', ['state_dict', 'model_state_dict', 'model', 'module', 'bare'])
 def test_find_model_weights_recognises_foreign_layouts(layout):
     from stratagem.checkpoint import find_model_weights
+
     sd = Net().state_dict()
-    ckpt = dict(sd) if layout == 'bare' else {layout: sd, 'optimizer': {'state': {}},
-                                               'epoch': 4}
+    ckpt = dict(sd) if layout == 'bare' else {layout: sd, 'optimizer': {'state': {}}, 'epoch': 4}
     found, where = find_model_weights(ckpt)
     assert list(found) == list(sd)
     assert where == ('a bare state dict' if layout == 'bare' else f"its '{layout}' entry")
@@ -167,6 +176,7 @@ def test_find_model_weights_recognises_foreign_layouts(layout):
 
 def test_find_model_weights_names_what_the_file_holds():
     from stratagem.checkpoint import StateDictMismatchError, find_model_weights
+
     with pytest.raises(StateDictMismatchError) as info:
         find_model_weights({'epoch': 3, 'weights': Net().state_dict(), 'w': torch.ones(2, 3)})
     message = str(info.value)

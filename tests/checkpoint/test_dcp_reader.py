@@ -1,5 +1,6 @@
 """ShardReader: DCP files read without one torch.load per tensor, with the same result as
 DCP's FileSystemReader, and falling back to it for anything but a plain tensor."""
+
 import io
 import pickle
 import warnings
@@ -19,18 +20,31 @@ def _archive(obj) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize('tensor', [
-    torch.arange(12, dtype=torch.float32).reshape(4, 3),
-    torch.arange(12, dtype=torch.float32).reshape(4, 3).to(torch.bfloat16),
-    torch.tensor(3.5, dtype=torch.float64),
-    torch.arange(35, dtype=torch.float32).reshape(5, 7).t(),  # transposed strides
-    torch.arange(60, dtype=torch.int64).reshape(3, 4, 5).permute(2, 0, 1),
-    torch.arange(10, dtype=torch.float16)[2:6],  # a view: offset 2 into a 10-element storage
-    torch.tensor([True, False, True]),
-    torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64),
-    torch.empty(0, 3),
-], ids=['f32', 'bf16', 'scalar', 'transposed', 'permuted', 'offset_view', 'bool', 'complex',
-        'empty'])
+@pytest.mark.parametrize(
+    'tensor',
+    [
+        torch.arange(12, dtype=torch.float32).reshape(4, 3),
+        torch.arange(12, dtype=torch.float32).reshape(4, 3).to(torch.bfloat16),
+        torch.tensor(3.5, dtype=torch.float64),
+        torch.arange(35, dtype=torch.float32).reshape(5, 7).t(),  # transposed strides
+        torch.arange(60, dtype=torch.int64).reshape(3, 4, 5).permute(2, 0, 1),
+        torch.arange(10, dtype=torch.float16)[2:6],  # a view: offset 2 into a 10-element storage
+        torch.tensor([True, False, True]),
+        torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64),
+        torch.empty(0, 3),
+    ],
+    ids=[
+        'f32',
+        'bf16',
+        'scalar',
+        'transposed',
+        'permuted',
+        'offset_view',
+        'bool',
+        'complex',
+        'empty',
+    ],
+)
 def test_plain_tensors_read_exactly(tensor):
     out = tensor_from_archive(_archive(tensor))
     assert out is not None
@@ -42,16 +56,21 @@ def test_plain_tensors_read_exactly(tensor):
 class _Evil:
     def __reduce__(self):
         import os
+
         return (os.system, ('echo pwned > /dev/null',))
 
 
-@pytest.mark.parametrize('obj', [
-    torch.zeros(3, requires_grad=True),  # rebuilt with requires_grad: torch.load's job
-    torch.nn.Parameter(torch.zeros(3)),
-    {'a': torch.zeros(3)},
-    [torch.zeros(2)],
-    7,
-], ids=['requires_grad', 'parameter', 'dict', 'list', 'int'])
+@pytest.mark.parametrize(
+    'obj',
+    [
+        torch.zeros(3, requires_grad=True),  # rebuilt with requires_grad: torch.load's job
+        torch.nn.Parameter(torch.zeros(3)),
+        {'a': torch.zeros(3)},
+        [torch.zeros(2)],
+        7,
+    ],
+    ids=['requires_grad', 'parameter', 'dict', 'list', 'int'],
+)
 def test_anything_else_is_left_to_torch_load(obj):
     assert tensor_from_archive(_archive(obj)) is None
 
@@ -70,7 +89,7 @@ def _patched(blob: bytes, record: str, new: bytes) -> bytes:
     reader = torch._C.PyTorchFileReader(io.BytesIO(blob))
     start, old = reader.get_record_offset(record), reader.get_record(record)
     assert len(new) == len(old)
-    return blob[:start] + new + blob[start + len(old):]
+    return blob[:start] + new + blob[start + len(old) :]
 
 
 def test_big_endian_or_short_records_are_not_read_here():
@@ -92,6 +111,7 @@ def _rebuilt(blob: bytes, records: dict | None = None, deflate: tuple = ()) -> b
     """``blob``'s archive written again by torch's writer, some records replaced; or by
     zipfile, with the ``deflate``d records compressed (torch.load inflates them)."""
     import zipfile
+
     reader = torch._C.PyTorchFileReader(io.BytesIO(blob))
     recs = {n: reader.get_record(n) for n in reader.get_all_records()}
     recs.update(records or {})
@@ -99,8 +119,11 @@ def _rebuilt(blob: bytes, records: dict | None = None, deflate: tuple = ()) -> b
     if deflate:
         with zipfile.ZipFile(out, 'w') as archive:
             for name, data in recs.items():
-                archive.writestr(f'archive/{name}', data, compress_type=zipfile.ZIP_DEFLATED
-                                 if name in deflate else zipfile.ZIP_STORED)
+                archive.writestr(
+                    f'archive/{name}',
+                    data,
+                    compress_type=zipfile.ZIP_DEFLATED if name in deflate else zipfile.ZIP_STORED,
+                )
         return out.getvalue()
     writer = torch._C.PyTorchFileWriter(out)
     for name, data in recs.items():
@@ -111,15 +134,23 @@ def _rebuilt(blob: bytes, records: dict | None = None, deflate: tuple = ()) -> b
 
 def _storage_pid(storage: bytes) -> bytes:
     """A BINPERSID of ``('storage', torch.<storage>, '0', 'cpu', 4)``."""
-    return (b'(X\x07\x00\x00\x00storagectorch\n' + storage +
-            b'\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x04tQ')
+    return (
+        b'(X\x07\x00\x00\x00storagectorch\n'
+        + storage
+        + b'\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x04tQ'
+    )
 
 
 def _tensor_pickle(storage: bytes, before: bytes = b'') -> bytes:
     """data.pkl of a float tensor of 4 elements on storage '0', after ``before``."""
-    return (b'\x80\x02' + before + b'ctorch._utils\n_rebuild_tensor_v2\n(' +
-            _storage_pid(storage) + b'K\x00K\x04\x85K\x01\x85\x89ccollections\n'
-            b'OrderedDict\n)RtR.')
+    return (
+        b'\x80\x02'
+        + before
+        + b'ctorch._utils\n_rebuild_tensor_v2\n('
+        + _storage_pid(storage)
+        + b'K\x00K\x04\x85K\x01\x85\x89ccollections\n'
+        b'OrderedDict\n)RtR.'
+    )
 
 
 def test_crafted_archives_fall_back_to_torch_load(capsys):
@@ -127,33 +158,39 @@ def test_crafted_archives_fall_back_to_torch_load(capsys):
     findings): each case below is None, and torch.load gives the reference values."""
     expected = torch.arange(4, dtype=torch.float32) + 0.5
     blob = _archive(expected)
-    assert torch.equal(tensor_from_archive(_rebuilt(blob, {'data.pkl': _tensor_pickle(
-        b'FloatStorage')})), expected)  # the hand-made pickle itself is fine
+    assert torch.equal(
+        tensor_from_archive(_rebuilt(blob, {'data.pkl': _tensor_pickle(b'FloatStorage')})), expected
+    )  # the hand-made pickle itself is fine
     cases = {
         # compressed storage bytes: torch.load inflates them
         'deflated': _rebuilt(blob, deflate=('data/0',)),
         # a storage referenced twice: torch.load keeps the first one's dtype (float)
-        'two_storages': _rebuilt(blob, {'data.pkl': _tensor_pickle(
-            b'IntStorage', before=_storage_pid(b'FloatStorage'))}),
+        'two_storages': _rebuilt(
+            blob, {'data.pkl': _tensor_pickle(b'IntStorage', before=_storage_pid(b'FloatStorage'))}
+        ),
     }
     for name, crafted in cases.items():
         assert torch.equal(torch.load(io.BytesIO(crafted), weights_only=True), expected), name
         assert tensor_from_archive(crafted) is None, name
     # the check behind the opcode check: a second storage reference is refused
     with pytest.raises(pickle.UnpicklingError, match='a second storage reference'):
-        dcp_reader._TensorUnpickler(io.BytesIO(
-            _tensor_pickle(b'IntStorage', before=_storage_pid(b'FloatStorage')))).load()
+        dcp_reader._TensorUnpickler(
+            io.BytesIO(_tensor_pickle(b'IntStorage', before=_storage_pid(b'FloatStorage')))
+        ).load()
     # a storage tuple written as a literal (no persistent reference): torch.load refuses it
     literal = _tensor_pickle(b'FloatStorage').replace(b'tQ', b't', 1)
     assert tensor_from_archive(_rebuilt(blob, {'data.pkl': literal})) is None
     # BUILD on a recorder would change it for the whole process: refused before unpickling
-    build = (b'\x80\x02ctorch._utils\n_rebuild_tensor_v2\n(N}X\x08\x00\x00\x00__init__'
-             b'ccollections\nOrderedDict\nstb.')
+    build = (
+        b'\x80\x02ctorch._utils\n_rebuild_tensor_v2\n(N}X\x08\x00\x00\x00__init__'
+        b'ccollections\nOrderedDict\nstb.'
+    )
     init = dcp_reader._Recipe.__init__
     assert tensor_from_archive(_rebuilt(blob, {'data.pkl': build})) is None
     assert dcp_reader._Recipe.__init__ is init
     # an extension code resolves through copyreg's cache, not find_class: refused
     import copyreg
+
     copyreg.add_extension('builtins', 'print', 0x42)
     try:
         pickle.loads(b'\x80\x02\x82\x42.')  # caches builtins.print under code 0x42
@@ -163,8 +200,9 @@ def test_crafted_archives_fall_back_to_torch_load(capsys):
         copyreg.remove_extension('builtins', 'print', 0x42)
     assert 'called!' not in capsys.readouterr().out
     # sizes no tensor can have are torch.load's to refuse
-    huge = _tensor_pickle(b'FloatStorage').replace(b'K\x04\x85', b'\x8a\x09' + b'\x00' * 8 +
-                                                   b'\x01\x85', 1)
+    huge = _tensor_pickle(b'FloatStorage').replace(
+        b'K\x04\x85', b'\x8a\x09' + b'\x00' * 8 + b'\x01\x85', 1
+    )
     assert tensor_from_archive(_rebuilt(blob, {'data.pkl': huge})) is None
     assert torch.equal(tensor_from_archive(blob), expected)  # and plain ones still read here
 
@@ -174,6 +212,7 @@ def _misaligned(blob: bytes, offset_mod_16: int) -> bytes:
     offset modulo 16 (a padding extra field before it)."""
     import struct
     import zipfile
+
     reader = torch._C.PyTorchFileReader(io.BytesIO(blob))
     for pad in range(16, 32):
         out = io.BytesIO()
@@ -206,8 +245,13 @@ def test_more_crafted_archives_fall_back():
     blob = _archive(floats)
     assert tensor_from_archive(b'\0\0\0\0' + blob) is None  # torch.load: not a zip
     assert tensor_from_archive(_rebuilt(blob, {'constants.pkl': b'\x80\x02).'})) is None
-    body = (b'(' + _storage_pid(b'FloatStorage') + b'K\x00K\x04\x85K\x01\x85\x89' +
-            b'ccollections\nOrderedDict\n)R' * 3 + b'tR.')  # 8 arguments: torch.load raises
+    body = (
+        b'('
+        + _storage_pid(b'FloatStorage')
+        + b'K\x00K\x04\x85K\x01\x85\x89'
+        + b'ccollections\nOrderedDict\n)R' * 3
+        + b'tR.'
+    )  # 8 arguments: torch.load raises
     eight = b'\x80\x02ctorch._utils\n_rebuild_tensor_v2\n' + body
     assert tensor_from_archive(_rebuilt(blob, {'data.pkl': eight})) is None
     # a first tensor (one torch.load could not build) left under the result
@@ -226,9 +270,12 @@ def _save_dcp(path, state):
 
 
 def _load(path, reader):
-    state = {'w': torch.zeros(4, 3), 'opt': {'step': torch.tensor(0.0),
-                                             'm': torch.zeros(6, dtype=torch.bfloat16)},
-             'note': '', 'count': 0}
+    state = {
+        'w': torch.zeros(4, 3),
+        'opt': {'step': torch.tensor(0.0), 'm': torch.zeros(6, dtype=torch.bfloat16)},
+        'note': '',
+        'count': 0,
+    }
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', UserWarning)
         dcp.load(state, storage_reader=reader, no_dist=True)
@@ -237,9 +284,12 @@ def _load(path, reader):
 
 def _saved():
     torch.manual_seed(0)
-    return {'w': torch.randn(4, 3), 'opt': {'step': torch.tensor(5.0),
-                                            'm': torch.randn(6).to(torch.bfloat16)},
-            'note': 'kept as bytes', 'count': 42}
+    return {
+        'w': torch.randn(4, 3),
+        'opt': {'step': torch.tensor(5.0), 'm': torch.randn(6).to(torch.bfloat16)},
+        'note': 'kept as bytes',
+        'count': 42,
+    }
 
 
 def test_reads_what_filesystemreader_reads_without_torch_load(tmp_path, monkeypatch):
@@ -251,6 +301,7 @@ def test_reads_what_filesystemreader_reads_without_torch_load(tmp_path, monkeypa
     def recording(self, plan, planner):
         handed_on.extend(item.storage_index.fqn for item in plan.items)
         return base_read(self, plan, planner)
+
     monkeypatch.setattr(dcp.FileSystemReader, 'read_data', recording)
     ours = _load(tmp_path / 'ck', ShardReader(tmp_path / 'ck'))
     assert torch.equal(ours['w'], reference['w']) and torch.equal(ours['w'], _saved()['w'])
@@ -274,8 +325,10 @@ def test_given_metadata_is_used_once(tmp_path):
     reader = ShardReader(tmp_path / 'ck', metadata=metadata)
     assert reader.read_metadata() is metadata
     again = reader.read_metadata()  # a reused reader reads the file
-    assert again is not metadata and again.state_dict_metadata.keys() == \
-        metadata.state_dict_metadata.keys()
+    assert (
+        again is not metadata
+        and again.state_dict_metadata.keys() == metadata.state_dict_metadata.keys()
+    )
 
 
 def test_a_truncated_shard_file_names_file_and_key(tmp_path):

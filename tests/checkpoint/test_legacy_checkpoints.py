@@ -8,6 +8,7 @@ compares weights, optimizer state, lr, schedulers, counters, meta iteration and 
 bit. Processes start once for the module: both 2-rank resumes (FSDP, DeepSpeed) run in one
 ``run_distributed`` call; the single-process loads run in this process.
 """
+
 import importlib
 import json
 import shutil
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import run_distributed  # noqa: E402
+from dist_harness import run_distributed
 
 LEGACY = Path(__file__).resolve().parents[1] / 'data' / 'legacy'
 EXPECTED = json.loads((LEGACY / 'expected.json').read_text())
@@ -33,8 +34,7 @@ def _net() -> nn.Module:
 
 
 def _decode(entry: dict) -> torch.Tensor:
-    return torch.tensor(entry['data'], dtype=getattr(torch, entry['dtype'])).reshape(
-        entry['shape'])
+    return torch.tensor(entry['data'], dtype=getattr(torch, entry['dtype'])).reshape(entry['shape'])
 
 
 def _copy(layout: str, dst: Path) -> Path:
@@ -45,9 +45,16 @@ def _copy(layout: str, dst: Path) -> Path:
 
 def _strategy(layout: str, work_dir, **overrides):
     from stratagem.strategies import build_strategy
+
     spec = EXPECTED[layout]
-    return build_strategy(dict(spec['strategy'], work_dir=str(work_dir),
-                               env_kwargs=dict(randomness=dict(seed=7)), **overrides))
+    return build_strategy(
+        dict(
+            spec['strategy'],
+            work_dir=str(work_dir),
+            env_kwargs=dict(randomness=dict(seed=7)),
+            **overrides,
+        )
+    )
 
 
 def _state(layout: str, s, optimizer: bool = True) -> tuple[dict, dict]:
@@ -58,37 +65,48 @@ def _state(layout: str, s, optimizer: bool = True) -> tuple[dict, dict]:
         weights = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
         if not optimizer:
             return weights, {}
-        optim = {names[p]: {k: v.clone() for k, v in st.items()}
-                 for p, st in s.optim_wrapper.optimizer.state.items()}
+        optim = {
+            names[p]: {k: v.clone() for k, v in st.items()}
+            for p, st in s.optim_wrapper.optimizer.state.items()
+        }
         return weights, optim
     if layout == 'fsdp':
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_model_state_dict,
-                                                             get_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
         opts = StateDictOptions(full_state_dict=True)
-        weights = {k: v.detach().clone()
-                   for k, v in get_model_state_dict(s.model, options=opts).items()}
+        weights = {
+            k: v.detach().clone() for k, v in get_model_state_dict(s.model, options=opts).items()
+        }
         if not optimizer:
             return weights, {}
         optim = get_optimizer_state_dict(s.model, s.optim_wrapper.optimizer, options=opts)
-        return weights, {k: {n: v.clone() for n, v in st.items()}
-                         for k, st in optim['state'].items()}
+        return weights, {
+            k: {n: v.clone() for n, v in st.items()} for k, st in optim['state'].items()
+        }
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
     module = s.model.module
     weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
     if not optimizer:
         return weights, {}
     link = getattr(s.model.optimizer, '_lazy_init_hp_params_optimizer_state', None)
     if link is not None:  # ZeRO-1/2 link these views at the first step; a resumed engine
-        link()            # has not stepped
+        link()  # has not stepped
     # one flat partition per rank, one step count (the generator asserted it)
     steps = sorted({float(st['step']) for st in s.model.optimizer.optimizer.state.values()})
     step = torch.tensor(steps[0] if len(steps) == 1 else float('nan'))
-    optim = {n: {'fp32': safe_get_full_fp32_param(p).clone(),
-                 **{k: safe_get_full_optimizer_state(p, k).clone()
-                    for k in ('exp_avg', 'exp_avg_sq')},
-                 'step': step.clone()}
-             for n, p in module.named_parameters()}
+    optim = {
+        n: {
+            'fp32': safe_get_full_fp32_param(p).clone(),
+            **{k: safe_get_full_optimizer_state(p, k).clone() for k in ('exp_avg', 'exp_avg_sq')},
+            'step': step.clone(),
+        }
+        for n, p in module.named_parameters()
+    }
     return weights, optim
 
 
@@ -102,10 +120,17 @@ def _resume(layout: str, root: str, work_dir: str, via: str | None = None) -> di
     checkpoint = s.resume(str(Path(root) / EXPECTED[layout]['checkpoint']))
     rng = torch.rand(3)
     weights, optim = _state(via, s)
-    return dict(iter=checkpoint['meta']['iter'], lr=[g['lr'] for g in ow.param_groups],
-                scheduler_last_values=[sch.get_last_value() for sch in scheds],
-                inner_count=ow.inner_count, weights=weights, optimizer=optim, rng=rng,
-                fresh=fresh, rank=s.rank)
+    return dict(
+        iter=checkpoint['meta']['iter'],
+        lr=[g['lr'] for g in ow.param_groups],
+        scheduler_last_values=[sch.get_last_value() for sch in scheds],
+        inner_count=ow.inner_count,
+        weights=weights,
+        optimizer=optim,
+        rng=rng,
+        fresh=fresh,
+        rank=s.rank,
+    )
 
 
 def _two_ranks(root: str, with_deepspeed: bool) -> dict:
@@ -129,12 +154,15 @@ def _mismatches(got: dict, want: dict, what: str) -> list[str]:
             continue
         a, b = got[name].detach().cpu(), _decode(entry)
         if a.dtype != b.dtype or a.shape != b.shape:
-            bad.append(f'{what}: {name} is {a.dtype} {tuple(a.shape)}, expected {b.dtype} '
-                       f'{tuple(b.shape)}')
+            bad.append(
+                f'{what}: {name} is {a.dtype} {tuple(a.shape)}, expected {b.dtype} {tuple(b.shape)}'
+            )
         elif not torch.equal(a, b):
             i = int((a.flatten() != b.flatten()).nonzero()[0])
-            bad.append(f'{what}: {name} differs first at flat index {i}: got '
-                       f'{a.flatten()[i].item()!r}, expected {b.flatten()[i].item()!r}')
+            bad.append(
+                f'{what}: {name} differs first at flat index {i}: got '
+                f'{a.flatten()[i].item()!r}, expected {b.flatten()[i].item()!r}'
+            )
     return bad
 
 
@@ -166,8 +194,7 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     with_deepspeed = _importable('deepspeed')
     if with_deepspeed:
         _copy('deepspeed', root)
-    return run_distributed(_two_ranks, nproc=2, args=(str(root), with_deepspeed),
-                           timeout=300)
+    return run_distributed(_two_ranks, nproc=2, args=(str(root), with_deepspeed), timeout=300)
 
 
 # --------------------------------------------------------------------- single file
@@ -176,12 +203,15 @@ def test_single_file_resumes_exactly(tmp_path):
     got = _resume('single', str(tmp_path), str(tmp_path / 'work'))
     _assert_resumed('single', got)
     assert sorted(p.name for p in (tmp_path / 'single').iterdir()) == [
-        'iter_3.pth', 'iter_3.pth.manifest.json']  # resume wrote nothing beside it
+        'iter_3.pth',
+        'iter_3.pth.manifest.json',
+    ]  # resume wrote nothing beside it
     assert path.is_file()
 
 
 def test_single_file_loads_weights_and_verifies(tmp_path):
     from stratagem.checkpoint import verify_checkpoint
+
     path = _copy('single', tmp_path)
     manifest = verify_checkpoint(path)
     assert manifest is not None and manifest['step'] == 3 and manifest['kind'] == 'file'
@@ -215,6 +245,7 @@ def test_fsdp_directory_resumes_in_one_process(tmp_path):
 
 def test_fsdp_directory_loads_in_one_process(tmp_path):
     from stratagem.checkpoint import verify_checkpoint
+
     path = _copy('fsdp', tmp_path)
     manifest = verify_checkpoint(path)
     assert manifest['kind'] == 'directory' and manifest['world_size'] == 2
@@ -232,14 +263,21 @@ def test_deepspeed_directory_resumes_exactly_on_two_ranks(two_ranks):
         assert out['deepspeed']['rank'] == rank
         _assert_resumed('deepspeed', out['deepspeed'], rank)
         # fp32 training: the master weights are the module's
-        assert _mismatches({k: v['fp32'] for k, v in out['deepspeed']['optimizer'].items()},
-                           EXPECTED['deepspeed']['weights'], 'fp32 master') == []
+        assert (
+            _mismatches(
+                {k: v['fp32'] for k, v in out['deepspeed']['optimizer'].items()},
+                EXPECTED['deepspeed']['weights'],
+                'fp32 master',
+            )
+            == []
+        )
 
 
 def test_deepspeed_directory_converts_to_full_weights(tmp_path):
     pytest.importorskip('deepspeed', reason=NO_DEEPSPEED)
     from stratagem.checkpoint import verify_checkpoint
     from stratagem.cli import main
+
     path = _copy('deepspeed', tmp_path)
     assert verify_checkpoint(path)['world_size'] == 2
     converted = tmp_path / 'converted.pth'

@@ -1,4 +1,5 @@
 """stratagem convert: single file <-> sharded directory, round trip equal; damaged input named."""
+
 import torch
 from torch import nn
 
@@ -8,10 +9,13 @@ from stratagem.cli import main
 
 def _file_checkpoint(tmp_path):
     from stratagem.strategies import SingleDeviceStrategy
+
     s = SingleDeviceStrategy(work_dir=str(tmp_path / 'run'))
     torch.manual_seed(0)
-    model, ow = s.prepare(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
-                          optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01)))
+    model, ow = s.prepare(
+        nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+        optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01)),
+    )
     for _ in range(2):
         ow.update_params(model(torch.randn(3, 4)).sum())
     return s.save_checkpoint(str(tmp_path / 'iter_2.pth'), extra_ckpt={'meta': {'iter': 2}})
@@ -43,7 +47,9 @@ def test_round_trip_equal(tmp_path, capsys):
     back = load_checkpoint_file(tmp_path / 'back.pth')
     for key in ('state_dict', 'optimizer', 'meta', 'rng_states'):
         assert _equal(original[key], back[key]), key
-    assert _equal(original['state_dict'], read_sharded_checkpoint(tmp_path / 'sharded')['state_dict'])
+    assert _equal(
+        original['state_dict'], read_sharded_checkpoint(tmp_path / 'sharded')['state_dict']
+    )
 
 
 def test_damaged_or_foreign_source_named(tmp_path, capsys):
@@ -64,8 +70,9 @@ def test_damaged_or_foreign_source_named(tmp_path, capsys):
     assert 'exists' in capsys.readouterr().err
     # a dict without model weights cannot become a sharded checkpoint: the file is named
     torch.save({'model': {'w': torch.zeros(2)}}, tmp_path / 'plain.pth')
-    assert main(['convert', str(tmp_path / 'plain.pth'), str(tmp_path / 'z'), '--to',
-                 'sharded']) == 1
+    assert (
+        main(['convert', str(tmp_path / 'plain.pth'), str(tmp_path / 'z'), '--to', 'sharded']) == 1
+    )
     err = capsys.readouterr().err
     assert f"{tmp_path / 'plain.pth'} has no model weights under 'state_dict'" in err
     assert "['model']" in err and not (tmp_path / 'z').exists()

@@ -4,24 +4,29 @@ Single-process checks first, then one 2-rank gloo spawn for the collective paths
 a failure on one rank after the shards are written, a BaseException from the writer, a
 corrupt shard refused on every rank).
 """
+
 import json
-import os
 import socket
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 import xxhash
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import run_distributed  # noqa: E402
-
-from stratagem.checkpoint import (POINTER_NAME, CheckpointCorruptError, CheckpointWarning,  # noqa: E402
-                                  apply_retention, begin_directory_save, find_latest_checkpoint,
-                                  finish_directory_save, read_pointer, save_directory,
-                                  verify_directory, write_directory_files)
-from stratagem.checkpoint.manifest import hash_file  # noqa: E402
+from dist_harness import run_distributed
+from stratagem.checkpoint import (
+    POINTER_NAME,
+    CheckpointCorruptError,
+    CheckpointWarning,
+    apply_retention,
+    begin_directory_save,
+    find_latest_checkpoint,
+    finish_directory_save,
+    read_pointer,
+    save_directory,
+    verify_directory,
+    write_directory_files,
+)
+from stratagem.checkpoint.manifest import hash_file
 
 
 class _FakeCheckpointException(BaseException):
@@ -37,12 +42,14 @@ def _writer(payload: bytes, names=('a.bin', 'sub/b.bin'), claim=True, fail=None)
         if fail is not None:
             raise fail
         return [staging / n for n in names] if claim else None
+
     return write
 
 
 def test_save_commits_with_manifest_and_pointer(tmp_path):
-    final = save_directory(tmp_path / 'iter_2', _writer(b'x' * 100), step=2,
-                           extra_manifest={'strategy': 'Test'})
+    final = save_directory(
+        tmp_path / 'iter_2', _writer(b'x' * 100), step=2, extra_manifest={'strategy': 'Test'}
+    )
     assert final == (tmp_path / 'iter_2').absolute()
     manifest = json.loads((final / 'manifest.json').read_text())
     assert manifest['kind'] == 'directory' and manifest['step'] == 2
@@ -100,13 +107,13 @@ def test_prehashed_entries_are_not_read_again(tmp_path, monkeypatch):
 
     def boom(*args, **kwargs):
         raise AssertionError('a file was read again')
+
     for module in (commit, directory):
         monkeypatch.setattr(module, 'hash_file', boom)
     final = save_directory(tmp_path / 'd', write)
     monkeypatch.setattr(manifest, 'hash_file', boom)
     entries = verify_directory(final)['files']
-    assert entries == [{'path': 'a.bin', 'size': expected[0], 'xxh3_128': expected[1],
-                        'rank': 0}]
+    assert entries == [{'path': 'a.bin', 'size': expected[0], 'xxh3_128': expected[1], 'rank': 0}]
     with pytest.raises(ValueError, match='changed after being written'):
         save_directory(tmp_path / 'e', lambda staging: write(staging, 1))
     assert not (tmp_path / 'e').exists()
@@ -163,8 +170,10 @@ def test_verify_warns_on_unlisted_files_and_retention_removes_whole_dirs(tmp_pat
 # ------------------------------------------------------------------------- 2 ranks, gloo
 def _dist_checks(root):
     from stratagem.env import init_dist
+
     init_dist('pytorch')
     import torch.distributed as dist
+
     rank = dist.get_rank()
     root = Path(root)
     out = {}
@@ -176,10 +185,12 @@ def _dist_checks(root):
             if rank == fail_rank:
                 raise error
             return [p.name]
+
         return write
 
-    good = save_directory(root / 'iter_1', per_rank('one'), step=1,
-                          extra_manifest={'strategy': 'T'})
+    good = save_directory(
+        root / 'iter_1', per_rank('one'), step=1, extra_manifest={'strategy': 'T'}
+    )
     manifest = verify_directory(good)
     out['files'] = sorted(f['path'] for f in manifest['files'])
     out['writers'] = {f['path']: f['rank'] for f in manifest['files']}
@@ -214,8 +225,10 @@ def _dist_checks(root):
         if rank == 1:
             time.sleep(2.5)
         return per_rank('slow')(staging)
+
     # the vote leaves nothing behind in the store (its server lives as long as the job)
     from stratagem.checkpoint.vote import _own_store
+
     store = _own_store()[0]
     dist.barrier()
     keys_before = store.num_keys()
@@ -223,14 +236,16 @@ def _dist_checks(root):
     slow_dir = save_directory(root / 'iter_3', slow, step=3, timeout=8.0)
     out['slow_s'] = time.monotonic() - start
     out['slow_step'] = verify_directory(slow_dir)['step']
-    out['after_slow'] = verify_directory(save_directory(root / 'iter_4', per_rank('four'),
-                                                        step=4, timeout=8.0))['step']
+    out['after_slow'] = verify_directory(
+        save_directory(root / 'iter_4', per_rank('four'), step=4, timeout=8.0)
+    )['step']
     dist.barrier()
     out['keys_left'] = store.num_keys() - keys_before
     # agreeing on a checkpoint: rank 0's path wins; a rank that passed another path (or
     # none) checks rank 0's in a second round; bytes that differ are refused on both
     from stratagem.checkpoint import CheckpointNotShared, agree_on_checkpoint
     from stratagem.checkpoint import dist as dist_mod
+
     out['agree_same'] = str(agree_on_checkpoint(root / 'iter_3'))
     out['agree_other'] = str(agree_on_checkpoint(root / ('iter_3' if rank == 0 else 'iter_4')))
     out['agree_none'] = str(agree_on_checkpoint(root / 'iter_3' if rank == 0 else None))
@@ -263,24 +278,29 @@ def test_two_ranks(tmp_path):
             assert out['errors'] == [
                 'OSError: disk full',  # its own error; a BaseException becomes a RuntimeError
                 'RuntimeError: saving checkpoint directory '
-                f'{tmp_path / "iter_2"} failed on rank 1: _FakeCheckpointException: dcp failed']
+                f'{tmp_path / "iter_2"} failed on rank 1: _FakeCheckpointException: dcp failed',
+            ]
         else:
             assert out['errors'] == [  # named by the vote: the rank and its error
                 f'CheckpointVoteError: saving {tmp_path / "iter_2"} failed on rank 1: '
                 'OSError: disk full; nothing was committed',
                 f'CheckpointVoteError: saving {tmp_path / "iter_2"} failed on rank 1: '
-                '_FakeCheckpointException: dcp failed; nothing was committed']
+                '_FakeCheckpointException: dcp failed; nothing was committed',
+            ]
         assert 'shard_1.bin' in out['verify'] and 'xxh3_128' in out['verify']
         assert out['slow_step'] == 3 and out['after_slow'] == 4
         assert out['keys_left'] == 0
         assert 2.5 <= out['slow_s'] < 8.0, out['slow_s']
-        assert out['agree_same'] == out['agree_other'] == out['agree_none'] == \
-            str(tmp_path / 'iter_3')
-        assert out['verify_differs'].startswith('ranks read different manifests in '), \
-            out.get('verify_differs')
+        assert (
+            out['agree_same'] == out['agree_other'] == out['agree_none'] == str(tmp_path / 'iter_3')
+        )
+        assert out['verify_differs'].startswith('ranks read different manifests in '), out.get(
+            'verify_differs'
+        )
         assert out['agree_differs'].startswith(
-            f"rank 1 (host {socket.gethostname()}) cannot use the checkpoint that rank 0 (host "
-            f"{socket.gethostname()}) chose, {tmp_path / 'iter_3'}: sees different bytes there")
+            f'rank 1 (host {socket.gethostname()}) cannot use the checkpoint that rank 0 (host '
+            f'{socket.gethostname()}) chose, {tmp_path / "iter_3"}: sees different bytes there'
+        )
 
 
 def test_dcp_errors_are_described_by_their_first_rank():
@@ -288,8 +308,12 @@ def test_dcp_errors_are_described_by_their_first_rank():
     from torch.distributed.checkpoint.api import CheckpointException
 
     from stratagem.checkpoint.directory import describe_error
-    err = CheckpointException('save', {1: (OSError(28, 'No space left on device'), None),
-                                       0: (KeyError('state_dict.w'), None)})
-    assert describe_error(err) == ("CheckpointException: rank 0: KeyError: 'state_dict.w' "
-                                   '(ranks [0, 1])')
+
+    err = CheckpointException(
+        'save',
+        {1: (OSError(28, 'No space left on device'), None), 0: (KeyError('state_dict.w'), None)},
+    )
+    assert describe_error(err) == (
+        "CheckpointException: rank 0: KeyError: 'state_dict.w' (ranks [0, 1])"
+    )
     assert describe_error(OSError('disk')) == 'OSError: disk'

@@ -12,6 +12,7 @@ stratagem's (the real ``mmengine.testing`` would import mmengine's runner, hooks
 ``optim``). Call it before the tests are imported (a ``conftest.py`` does), in a process of
 its own: it replaces whatever ``mmengine`` would have been.
 """
+
 from __future__ import annotations
 
 import sys
@@ -22,8 +23,13 @@ from packaging.version import Version
 
 __all__ = ['install', 'ALIASED']
 
-ALIASED = ('mmengine', 'mmengine.optim', 'mmengine.optim.scheduler', 'mmengine.testing',
-           'mmengine.utils')
+ALIASED = (
+    'mmengine',
+    'mmengine.optim',
+    'mmengine.optim.scheduler',
+    'mmengine.testing',
+    'mmengine.utils',
+)
 
 
 def digit_version(version_str: str, length: int = 4) -> tuple:
@@ -46,10 +52,12 @@ def assert_allclose(actual, expected, rtol=None, atol=None, equal_nan=True, msg=
     """``torch.testing.assert_allclose`` (which mmengine's wraps), without its
     deprecation warning."""
     from torch import testing
+
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', FutureWarning)
-        testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, equal_nan=equal_nan,
-                                msg=msg)
+        testing.assert_allclose(
+            actual, expected, rtol=rtol, atol=atol, equal_nan=equal_nan, msg=msg
+        )
 
 
 def _module(name: str, **attrs) -> types.ModuleType:
@@ -61,13 +69,20 @@ def _module(name: str, **attrs) -> types.ModuleType:
 
 def install() -> None:
     """Put the stand-in ``mmengine`` into ``sys.modules``; refuse if a real one is loaded."""
-    real = [n for n in ALIASED if n in sys.modules and
-            not getattr(sys.modules[n], '__doc__', '').startswith('stratagem stand-in')]
+    real = [
+        n
+        for n in ALIASED
+        if n in sys.modules
+        and not getattr(sys.modules[n], '__doc__', '').startswith('stratagem stand-in')
+    ]
     if real:
-        raise RuntimeError(f'the real {real[0]} is already imported in this process; install '
-                           'the alias first, in a process of its own')
+        raise RuntimeError(
+            f'the real {real[0]} is already imported in this process; install '
+            'the alias first, in a process of its own'
+        )
     import stratagem.optim as optim
     import stratagem.scheduler as scheduler
+
     names = {n: getattr(optim, n) for n in optim.__all__}
     modules = {
         'mmengine': _module('mmengine'),

@@ -1,12 +1,15 @@
 """Fixtures for tests of stratagem.env."""
+
 import os
 import re
 
 import pytest
 
-_LAUNCHER_VAR = re.compile(r'^(SLURM_|OMPI_|PMI_|MV2_|MPI_LOCAL|TORCHELASTIC_)|'
-                           r'^(RANK|WORLD_SIZE|LOCAL_RANK|'
-                           r'LOCAL_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|GROUP_RANK)$')
+_LAUNCHER_VAR = re.compile(
+    r'^(SLURM_|OMPI_|PMI_|MV2_|MPI_LOCAL|TORCHELASTIC_)|'
+    r'^(RANK|WORLD_SIZE|LOCAL_RANK|'
+    r'LOCAL_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|GROUP_RANK)$'
+)
 
 
 @pytest.fixture

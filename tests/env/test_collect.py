@@ -1,4 +1,5 @@
 """collect_env and the `stratagem env` command."""
+
 import subprocess
 import sys
 from collections import OrderedDict
@@ -29,6 +30,7 @@ def test_collect_env_keys_and_values():
 def test_collect_env_tolerates_missing_tools(monkeypatch):
     def missing(cmd, **kwargs):
         raise FileNotFoundError(cmd[0])
+
     monkeypatch.setattr(collect.subprocess, 'run', missing)
     env = collect_env()
     assert 'GCC' not in env and 'NVCC' not in env
@@ -43,8 +45,14 @@ def test_collect_env_reports_installed_extras_without_importing_them(monkeypatch
 
 
 def test_stratagem_env_cli():
-    out = subprocess.run([sys.executable, '-m', 'stratagem', 'env'], cwd=REPO, check=True,
-                         capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, '-m', 'stratagem', 'env'],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     lines = dict(line.split(': ', 1) for line in out.splitlines() if ': ' in line)
     assert lines['PyTorch'] == torch.__version__
     assert lines['sys.platform'] == sys.platform and 'stratagem' in lines

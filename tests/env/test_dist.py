@@ -1,4 +1,5 @@
 """Collectives and rank queries are correct no-ops in a single process."""
+
 import pytest
 import torch
 
@@ -46,6 +47,7 @@ def test_master_only():
 
 def test_keys_in_one_process():
     from stratagem import env
+
     assert env.all_gather_keys([3, env.key_of(None)]) == [(3, -(1 << 63))]
     assert env.key_of(5) == 5 and env.key_of(-5) == -5
     assert env.key_of(True) != env.key_of(1)  # not an int: hashed

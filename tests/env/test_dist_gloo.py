@@ -2,11 +2,8 @@
 
 The worker returns what it saw; the assertions run here, in the test, with pytest's messages.
 """
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import run_distributed  # noqa: E402
+from dist_harness import run_distributed
 
 
 def two_rank_checks():
@@ -21,8 +18,10 @@ def two_rank_checks():
     env.init_dist('pytorch', timeout=30)
     rank = env.get_rank()
     seen.update(
-        backend=dist.get_backend(), dist_info=env.get_dist_info(),
-        local_rank=env.get_local_rank(), main=env.is_main_process(),
+        backend=dist.get_backend(),
+        dist_info=env.get_dist_info(),
+        local_rank=env.get_local_rank(),
+        main=env.is_main_process(),
         distributed=env.is_distributed(),
         object=env.broadcast_object({'from': rank, 'items': [rank] * 3} if rank == 0 else None),
         gathered=env.all_gather_object(('rank', rank)),
@@ -52,9 +51,16 @@ def two_rank_checks():
     seen['reinit_log'] = [r.getMessage() for r in records]
     seen['after_reinit'] = env.all_gather_object(rank)
     # the small-key gather the resume checks use, and the step check built on it
-    seen['keys'] = env.all_gather_keys([rank, env.key_of('same'), env.key_of(None),
-                                        env.key_of({'size': 3, 'digest': 'ab' * (rank + 1)})])
+    seen['keys'] = env.all_gather_keys(
+        [
+            rank,
+            env.key_of('same'),
+            env.key_of(None),
+            env.key_of({'size': 3, 'digest': 'ab' * (rank + 1)}),
+        ]
+    )
     from stratagem.strategies.checkpointing import CheckpointMixin
+
     CheckpointMixin._check_same_step(None, 7, 'ck')  # equal: returns
     try:
         CheckpointMixin._check_same_step(None, 5 + rank, 'ck')
@@ -85,8 +91,10 @@ def test_two_ranks_on_gloo():
     assert keys[0][2] == keys[1][2] == -(1 << 63)  # None
     assert keys[0][3] != keys[1][3]  # the dicts differ
     for seen in results:
-        assert seen['step_disagreement'] == ('after resuming ck the ranks disagree on the '
-                                             'iteration: [5, 6] (rank order); every rank must '
-                                             'resume the same checkpoint')
+        assert seen['step_disagreement'] == (
+            'after resuming ck the ranks disagree on the '
+            'iteration: [5, 6] (rank order); every rank must '
+            'resume the same checkpoint'
+        )
     assert results[0]['seed'] == results[1]['seed']
     assert results[0]['first_draw'] == results[1]['first_draw']

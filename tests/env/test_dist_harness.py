@@ -2,18 +2,27 @@
 
 The worker functions import nothing heavy, so each run costs only interpreter start-up.
 """
+
 import os
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import RankFailure, run_distributed  # noqa: E402
+from dist_harness import RankFailure, run_distributed
 
-ENV_NAMES = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR',
-             'MASTER_PORT', 'OMP_NUM_THREADS', 'GLOO_SOCKET_IFNAME', 'SLURM_PROCID', 'EXTRA')
+ENV_NAMES = (
+    'RANK',
+    'WORLD_SIZE',
+    'LOCAL_RANK',
+    'LOCAL_WORLD_SIZE',
+    'MASTER_ADDR',
+    'MASTER_PORT',
+    'OMP_NUM_THREADS',
+    'GLOO_SOCKET_IFNAME',
+    'SLURM_PROCID',
+    'EXTRA',
+)
 
 
 def report_env(scale):
@@ -44,10 +53,18 @@ def test_results_by_rank_and_torchrun_env(clean_env):
     port = env0['MASTER_PORT']
     assert port.isdigit() and env1['MASTER_PORT'] == port
     for rank, env in enumerate((env0, env1)):
-        assert env == dict(RANK=str(rank), WORLD_SIZE='2', LOCAL_RANK=str(rank),
-                           LOCAL_WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=port,
-                           OMP_NUM_THREADS='1', GLOO_SOCKET_IFNAME=env0['GLOO_SOCKET_IFNAME'],
-                           SLURM_PROCID=None, EXTRA='x')
+        assert env == dict(
+            RANK=str(rank),
+            WORLD_SIZE='2',
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE='2',
+            MASTER_ADDR='127.0.0.1',
+            MASTER_PORT=port,
+            OMP_NUM_THREADS='1',
+            GLOO_SOCKET_IFNAME=env0['GLOO_SOCKET_IFNAME'],
+            SLURM_PROCID=None,
+            EXTRA='x',
+        )
 
 
 def test_rank_exception_is_reraised_with_its_traceback():
@@ -56,7 +73,7 @@ def test_rank_exception_is_reraised_with_its_traceback():
         run_distributed(fail_on_rank_1, nproc=2, timeout=30, grace=0.5)
     assert time.monotonic() - start < 15  # rank 0 was killed, not waited for
     failure = info.value
-    assert failure.rank == 1 and "ValueError: boom on rank 1" in failure.remote_traceback
+    assert failure.rank == 1 and 'ValueError: boom on rank 1' in failure.remote_traceback
     assert 'in fail_on_rank_1' in failure.remote_traceback
     assert isinstance(failure.__cause__, ValueError)
     assert 'ranks [0] also failed or were stopped' in str(failure)
@@ -78,19 +95,21 @@ def test_timeout_kills_every_rank():
 def test_local_functions_are_refused():
     def local():
         return 1
+
     with pytest.raises(ValueError, match='must be a function defined at module level'):
         run_distributed(local)
 
 
 def _start_a_child_and_return():
     import subprocess
-    import sys
+
     child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
     return child.pid
 
 
 def test_processes_a_finished_rank_started_are_killed():
     import time
+
     pids = run_distributed(_start_a_child_and_return, nproc=2, timeout=60)
     deadline = time.monotonic() + 10
     alive = list(pids)
@@ -102,6 +121,7 @@ def test_processes_a_finished_rank_started_are_killed():
 
 def _alive(pid):
     import os
+
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -1,9 +1,10 @@
 """`import stratagem.env` imports torch and nothing heavier, with no side effects."""
+
 import json
 import subprocess
 import sys
 
-PROBE = r'''
+PROBE = r"""
 import json, logging, os, sys
 env_before = dict(os.environ)
 root = logging.getLogger()
@@ -17,11 +18,16 @@ print(json.dumps({
     'root_changed': (list(root.handlers), root.level) != root_state,
     'stratagem_handlers': len(logging.getLogger('stratagem').handlers),
 }))
-'''
+"""
 
 
 def test_import_env_is_cheap_and_has_no_side_effects():
-    out = subprocess.run([sys.executable, '-c', PROBE], check=True, capture_output=True,
-                         text=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, '-c', PROBE], check=True, capture_output=True, text=True, timeout=60
+    ).stdout
     assert json.loads(out.strip().splitlines()[-1]) == {
-        'heavy': [], 'env_changed': [], 'root_changed': False, 'stratagem_handlers': 0}
+        'heavy': [],
+        'env_changed': [],
+        'root_changed': False,
+        'stratagem_handlers': 0,
+    }

@@ -1,21 +1,34 @@
 """Two real gloo ranks started with only MPICH's or MVAPICH's variables (as mpiexec /
 mpirun_rsh with ``-x MASTER_ADDR -x MASTER_PORT``), and what they print once or per rank."""
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import run_distributed  # noqa: E402
+from dist_harness import run_distributed
 
 # torchrun's variables that the harness sets, removed: the ranks must find themselves
-NO_TORCHRUN = dict.fromkeys(('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE',
-                             'GROUP_RANK', 'GROUP_WORLD_SIZE', 'ROLE_RANK', 'ROLE_WORLD_SIZE',
-                             'ROLE_NAME', 'MKL_NUM_THREADS'))
+NO_TORCHRUN = dict.fromkeys(
+    (
+        'RANK',
+        'WORLD_SIZE',
+        'LOCAL_RANK',
+        'LOCAL_WORLD_SIZE',
+        'GROUP_RANK',
+        'GROUP_WORLD_SIZE',
+        'ROLE_RANK',
+        'ROLE_WORLD_SIZE',
+        'ROLE_NAME',
+        'MKL_NUM_THREADS',
+    )
+)
 # a callable value is called with the rank: `str` gives each rank its own number
 MPICH = dict(NO_TORCHRUN, PMI_RANK=str, PMI_SIZE='2', MPI_LOCALRANKID=str, MPI_LOCALNRANKS='2')
-MVAPICH = dict(NO_TORCHRUN, MV2_COMM_WORLD_RANK=str, MV2_COMM_WORLD_SIZE='2',
-               MV2_COMM_WORLD_LOCAL_RANK=str, MV2_COMM_WORLD_LOCAL_SIZE='2')
+MVAPICH = dict(
+    NO_TORCHRUN,
+    MV2_COMM_WORLD_RANK=str,
+    MV2_COMM_WORLD_SIZE='2',
+    MV2_COMM_WORLD_LOCAL_RANK=str,
+    MV2_COMM_WORLD_LOCAL_SIZE='2',
+)
 
 
 def mpi_rank_checks():
@@ -27,13 +40,18 @@ def mpi_rank_checks():
 
     from stratagem import env
 
-    seen = {'launcher': env.infer_launcher(),
-            'torchrun_vars': [k for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK') if k in os.environ]}
+    seen = {
+        'launcher': env.infer_launcher(),
+        'torchrun_vars': [k for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK') if k in os.environ],
+    }
     env.init_dist(seen['launcher'], timeout=30)
-    seen.update(dist_info=env.get_dist_info(), local_rank=env.get_local_rank(),
-                exported=(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_SIZE']),
-                gathered=env.all_gather_object(env.get_rank()),
-                total=env.all_reduce(torch.tensor([env.get_rank() + 1.0])).tolist())
+    seen.update(
+        dist_info=env.get_dist_info(),
+        local_rank=env.get_local_rank(),
+        exported=(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_SIZE']),
+        gathered=env.all_gather_object(env.get_rank()),
+        total=env.all_reduce(torch.tensor([env.get_rank() + 1.0])).tolist(),
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         env.warn_rank_zero('the same on every rank')
@@ -60,8 +78,10 @@ def test_two_ranks_from_mpi_variables(variables):
         assert seen['exported'] == (str(rank), '2', '2')
         assert seen['gathered'] == [0, 1] and seen['total'] == [3.0]
         assert seen['mkl'] == '1'  # set on every rank ...
-    assert r0['thread_lines'] == ['set MKL_NUM_THREADS=1 in each process to avoid overloading '
-                                  'the machine; set it yourself to tune']
+    assert r0['thread_lines'] == [
+        'set MKL_NUM_THREADS=1 in each process to avoid overloading '
+        'the machine; set it yourself to tune'
+    ]
     assert r1['thread_lines'] == []  # ... and said once
     assert r0['warnings'] == ['the same on every rank', '[rank 0] about this rank']
     assert r1['warnings'] == ['[rank 1] about this rank']

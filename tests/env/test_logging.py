@@ -1,5 +1,6 @@
 """get_logger: rank-aware levels, no duplicate handlers, file handlers; print_log; messages
 printed once (rank 0) or naming their rank."""
+
 import contextlib
 import logging
 import uuid
@@ -7,8 +8,14 @@ import warnings
 
 import pytest
 
-from stratagem.env import (get_logger, log_rank_zero, print_log, rank_prefix, warn_per_rank,
-                           warn_rank_zero)
+from stratagem.env import (
+    get_logger,
+    log_rank_zero,
+    print_log,
+    rank_prefix,
+    warn_per_rank,
+    warn_rank_zero,
+)
 
 
 @pytest.fixture
@@ -44,8 +51,7 @@ def test_no_duplicate_handlers(clean_env, name, tmp_path):
         logger = get_logger(name, log_file=tmp_path / 'a.log')
         assert get_logger(name, log_file=tmp_path / 'a.log') is logger
         get_logger(name)
-        assert [type(h) for h in logger.handlers] == [logging.StreamHandler,
-                                                      logging.FileHandler]
+        assert [type(h) for h in logger.handlers] == [logging.StreamHandler, logging.FileHandler]
         assert not logger.propagate  # root has no handlers: ours print, nothing twice
         get_logger(name, log_file=tmp_path / 'b.log')
         assert len(logger.handlers) == 3
@@ -62,10 +68,16 @@ def test_configured_root_gets_the_records(clean_env, name, caplog):
     assert 'hello there' in caplog.text
 
 
-@pytest.mark.parametrize('env, level', [
-    ({}, logging.INFO), ({'RANK': '0'}, logging.INFO), ({'RANK': '1'}, logging.WARNING),
-    ({'SLURM_PROCID': '3'}, logging.WARNING), ({'OMPI_COMM_WORLD_RANK': '2'}, logging.WARNING),
-])
+@pytest.mark.parametrize(
+    'env, level',
+    [
+        ({}, logging.INFO),
+        ({'RANK': '0'}, logging.INFO),
+        ({'RANK': '1'}, logging.WARNING),
+        ({'SLURM_PROCID': '3'}, logging.WARNING),
+        ({'OMPI_COMM_WORLD_RANK': '2'}, logging.WARNING),
+    ],
+)
 def test_rank_aware_level(clean_env, name, env, level):
     clean_env.update(env)
     assert get_logger(name).level == level
@@ -124,7 +136,7 @@ def test_print_log(clean_env, name, capsys, caplog):
     print_log('by logger', logger=logging.getLogger(name))
     assert 'by name' in caplog.text and 'by logger' in caplog.text
     assert 'dropped' not in caplog.text + capsys.readouterr().out
-    with pytest.raises(TypeError, match="logger must be a logging.Logger, a logger name"):
+    with pytest.raises(TypeError, match='logger must be a logging.Logger, a logger name'):
         print_log('x', logger=3)
 
 
@@ -149,31 +161,42 @@ def test_package_child_logger_made_first_still_reaches_the_run_file(clean_env, t
         top.propagate, top.level = saved[1], saved[2]
 
 
-@pytest.mark.parametrize('env, rank_zero', [
-    ({}, True), ({'RANK': '0', 'WORLD_SIZE': '2'}, True), ({'RANK': '1', 'WORLD_SIZE': '2'}, False),
-    ({'PMI_RANK': '1', 'PMI_SIZE': '2'}, False), ({'MV2_COMM_WORLD_RANK': '1'}, False),
-    # mpirun whose daemons srun started: SLURM_PROCID is the daemon's task, not the rank
-    ({'SLURM_PROCID': '0', 'OMPI_COMM_WORLD_RANK': '3'}, False),
-])
+@pytest.mark.parametrize(
+    'env, rank_zero',
+    [
+        ({}, True),
+        ({'RANK': '0', 'WORLD_SIZE': '2'}, True),
+        ({'RANK': '1', 'WORLD_SIZE': '2'}, False),
+        ({'PMI_RANK': '1', 'PMI_SIZE': '2'}, False),
+        ({'MV2_COMM_WORLD_RANK': '1'}, False),
+        # mpirun whose daemons srun started: SLURM_PROCID is the daemon's task, not the rank
+        ({'SLURM_PROCID': '0', 'OMPI_COMM_WORLD_RANK': '3'}, False),
+    ],
+)
 def test_rank_zero_messages(clean_env, name, env, rank_zero, caplog):
     clean_env.update(env)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         warn_rank_zero('same on every rank', DeprecationWarning)
     assert [(str(w.message), w.category, w.filename) for w in caught] == (
-        [('same on every rank', DeprecationWarning, __file__)] if rank_zero else [])
+        [('same on every rank', DeprecationWarning, __file__)] if rank_zero else []
+    )
     logger = logging.getLogger(name)
     with caplog.at_level(logging.INFO, logger=name):
         log_rank_zero(logger, logging.WARNING, 'set %s=1', 'X')
     assert caplog.messages == (['set X=1'] if rank_zero else [])
 
 
-@pytest.mark.parametrize('env, prefix', [
-    ({}, ''), ({'RANK': '0', 'WORLD_SIZE': '1'}, ''),
-    ({'RANK': '0', 'WORLD_SIZE': '2'}, '[rank 0] '),
-    ({'SLURM_PROCID': '3', 'SLURM_STEP_NUM_TASKS': '4'}, '[rank 3] '),
-    ({'OMPI_COMM_WORLD_RANK': '1', 'OMPI_COMM_WORLD_SIZE': '2'}, '[rank 1] '),
-])
+@pytest.mark.parametrize(
+    'env, prefix',
+    [
+        ({}, ''),
+        ({'RANK': '0', 'WORLD_SIZE': '1'}, ''),
+        ({'RANK': '0', 'WORLD_SIZE': '2'}, '[rank 0] '),
+        ({'SLURM_PROCID': '3', 'SLURM_STEP_NUM_TASKS': '4'}, '[rank 3] '),
+        ({'OMPI_COMM_WORLD_RANK': '1', 'OMPI_COMM_WORLD_SIZE': '2'}, '[rank 1] '),
+    ],
+)
 def test_per_rank_messages_name_the_rank(clean_env, env, prefix):
     clean_env.update(env)
     assert rank_prefix() == prefix

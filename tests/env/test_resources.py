@@ -1,4 +1,5 @@
 """set_resource_limit and setup_multi_processing."""
+
 import logging
 import os
 import sys
@@ -25,13 +26,16 @@ class FakeLimits:
         self.limits = limits
 
 
-@pytest.mark.parametrize('soft, hard, nofile, expected', [
-    (1024, 4096, 2048, 2048),   # raised to what was asked
-    (1024, 4096, 65536, 4096),  # never above the hard limit
-    (4096, 8192, 1024, 4096),   # never lowered
-    (1024, resource.RLIM_INFINITY, 65536, 65536),  # unlimited hard limit
-    (resource.RLIM_INFINITY, resource.RLIM_INFINITY, 10, resource.RLIM_INFINITY),
-])
+@pytest.mark.parametrize(
+    'soft, hard, nofile, expected',
+    [
+        (1024, 4096, 2048, 2048),  # raised to what was asked
+        (1024, 4096, 65536, 4096),  # never above the hard limit
+        (4096, 8192, 1024, 4096),  # never lowered
+        (1024, resource.RLIM_INFINITY, 65536, 65536),  # unlimited hard limit
+        (resource.RLIM_INFINITY, resource.RLIM_INFINITY, 10, resource.RLIM_INFINITY),
+    ],
+)
 def test_set_resource_limit_logic(monkeypatch, soft, hard, nofile, expected):
     fake = FakeLimits(soft, hard)
     monkeypatch.setattr(resource, 'getrlimit', fake.getrlimit)
@@ -61,6 +65,7 @@ def test_set_resource_limit_failure_is_logged_not_raised(monkeypatch, caplog):
 
     def refuse(which, limits):
         raise ValueError('not allowed')
+
     monkeypatch.setattr(resource, 'setrlimit', refuse)
     with caplog.at_level(logging.WARNING, logger='stratagem'):
         assert set_resource_limit(2048) == 1024
@@ -88,8 +93,9 @@ def test_threads_set_only_when_unset_and_distributed(clean_env, caplog):
 def test_mp_start_method(monkeypatch, caplog):
     state = {'method': 'fork'}
     monkeypatch.setattr(mp, 'get_start_method', lambda allow_none=False: state['method'])
-    monkeypatch.setattr(mp, 'set_start_method',
-                        lambda method, force=False: state.update(method=method))
+    monkeypatch.setattr(
+        mp, 'set_start_method', lambda method, force=False: state.update(method=method)
+    )
     assert setup_multi_processing('fork', opencv_num_threads=None) == {}
     with caplog.at_level(logging.WARNING, logger='stratagem'):
         changed = setup_multi_processing('spawn', opencv_num_threads=None)
@@ -115,6 +121,7 @@ def test_opencv_never_imported_by_default(fake_cv2):
     assert setup_multi_processing() == {}
     assert 'cv2' not in fake_cv2  # installed but unused: not imported, no 20-40 ms, ~25 MiB
     import cv2  # the user's code imports it: then its threads are set to 0
+
     assert setup_multi_processing() == {'opencv_num_threads': 0} and cv2.calls == [0]
     assert setup_multi_processing(opencv_num_threads=None) == {} and cv2.calls == [0]
 

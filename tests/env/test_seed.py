@@ -1,4 +1,5 @@
 """set_random_seed and RNG state that round-trips through torch.load(weights_only=True)."""
+
 import random
 
 import numpy as np
@@ -10,14 +11,22 @@ from stratagem.env import get_rng_state, set_random_seed, set_rng_state
 
 def draws():
     """The next values of all three RNGs, gaussians included (they have cached halves)."""
-    return (random.random(), random.gauss(0, 1), float(np.random.rand()),
-            float(np.random.standard_normal()), torch.rand(3).tolist())
+    return (
+        random.random(),
+        random.gauss(0, 1),
+        float(np.random.rand()),
+        float(np.random.standard_normal()),
+        torch.rand(3).tolist(),
+    )
 
 
 @pytest.fixture
 def restore_determinism():
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-             torch.backends.cudnn.benchmark)
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
     yield
     torch.use_deterministic_algorithms(saved[0])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[1:]

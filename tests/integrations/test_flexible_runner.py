@@ -4,6 +4,7 @@ land exactly where an uninterrupted 4-epoch run lands.
 One parametrised test per strategy; each starts its processes once (the three runs happen
 inside them). A strategy that lands later is one more line in ``STRATEGIES``.
 """
+
 import importlib.util
 import json
 import subprocess
@@ -14,10 +15,11 @@ import pytest
 
 # not importorskip: the ranks import this module, and must not import mmengine before
 # _train_resume_straight has decided about deepspeed
-pytestmark = pytest.mark.skipif(importlib.util.find_spec('mmengine') is None,
-                                reason='mmengine is not installed (pip install "stratagem[test]")')
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec('mmengine') is None,
+    reason='mmengine is not installed (pip install "stratagem[test]")',
+)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_harness import run_distributed  # noqa: E402
 
 # (strategy type as an mmengine config names it, its extra cfg, number of processes)
@@ -26,8 +28,12 @@ STRATEGIES = [
     pytest.param('stratagem.DDPStrategy', {}, 2, id='DDP-2ranks'),
     pytest.param('stratagem.FSDPStrategy', {}, 2, id='FSDP-2ranks'),
     pytest.param('stratagem.ShardedDDPStrategy', {}, 2, id='ShardedDDP-2ranks'),
-    pytest.param('stratagem.DeepSpeedStrategy', dict(zero_optimization=dict(stage=2)), 2,
-                 id='DeepSpeed-ZeRO2-2ranks'),
+    pytest.param(
+        'stratagem.DeepSpeedStrategy',
+        dict(zero_optimization=dict(stage=2)),
+        2,
+        id='DeepSpeed-ZeRO2-2ranks',
+    ),
 ]
 
 
@@ -54,6 +60,7 @@ def _model():
 
 def _dataset():
     import torch
+
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(32, 4, generator=g), torch.randn(32, 2, generator=g)
     return [dict(inputs=x[i], labels=y[i]) for i in range(32)]
@@ -63,19 +70,31 @@ def _runner(work_dir, strategy, max_epochs, resume=False):
     from mmengine.runner import FlexibleRunner
 
     import stratagem.integrations.mmengine  # noqa: F401  (allow-list, scoped names)
+
     distributed = strategy[2] > 1
     return FlexibleRunner(
-        model=_model(), work_dir=str(work_dir), strategy=dict(type=strategy[0], **strategy[1]),
+        model=_model(),
+        work_dir=str(work_dir),
+        strategy=dict(type=strategy[0], **strategy[1]),
         launcher='pytorch' if distributed else 'none',
-        env_cfg=dict(dist_cfg=dict(backend='gloo')), randomness=dict(seed=3),
-        train_dataloader=dict(dataset=_dataset(), batch_size=4, collate_fn=dict(
-            type='default_collate'), sampler=dict(type='DefaultSampler', shuffle=True)),
+        env_cfg=dict(dist_cfg=dict(backend='gloo')),
+        randomness=dict(seed=3),
+        train_dataloader=dict(
+            dataset=_dataset(),
+            batch_size=4,
+            collate_fn=dict(type='default_collate'),
+            sampler=dict(type='DefaultSampler', shuffle=True),
+        ),
         optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.05, momentum=0.9)),
         param_scheduler=dict(type='MultiStepLR', milestones=[2, 3], end=4),
         train_cfg=dict(by_epoch=True, max_epochs=max_epochs),
-        default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=1),
-                           logger=dict(type='LoggerHook', interval=2)),
-        resume=resume, log_level='WARNING')
+        default_hooks=dict(
+            checkpoint=dict(type='CheckpointHook', interval=1),
+            logger=dict(type='LoggerHook', interval=2),
+        ),
+        resume=resume,
+        log_level='WARNING',
+    )
 
 
 def _values(tensor):
@@ -90,17 +109,22 @@ def _final_state(runner):
         'weights': {k: _values(v) for k, v in strategy.model_state_dict().items()},
         # a sharded optimizer (OSS) gathers its whole state on rank 0 only
         'momentum': [_values(st['momentum_buffer']) for st in optim['state'].values()]
-        if 'state' in optim else None,
+        if 'state' in optim
+        else None,
         'lr': [g['lr'] for g in strategy.optim_wrapper.param_groups],
         'schedulers': strategy.scheduler_state_dict(),
-        'iter': runner.iter, 'epoch': runner.epoch,
+        'iter': runner.iter,
+        'epoch': runner.epoch,
         'lr_history': runner.message_hub.get_scalar('train/lr').data[0].tolist(),
         'resumed_from': strategy.resumed_from,
         # the loop's train_step ran on the wrapper (forward through it: gradient hooks),
         # and the step's zero_grad left no gradient behind
         'step_on_wrapper': getattr(runner.model.train_step, '__self__', None) is runner.model,
-        'grads_left': [n for n, p in runner.model.named_parameters()
-                       if p.grad is not None and bool(p.grad.count_nonzero())],
+        'grads_left': [
+            n
+            for n, p in runner.model.named_parameters()
+            if p.grad is not None and bool(p.grad.count_nonzero())
+        ],
     }
 
 
@@ -119,15 +143,23 @@ def _train_resume_straight(root, strategy):
     # backend's reader: a sharded backend writes a directory)
     ckpt = resumed.strategy._load_checkpoint_files(str(root / 'split' / 'epoch_3.pth'), 'cpu')
     hub = ckpt['message_hub']['log_scalars']['train/lr']
-    return {'resumed': _final_state(resumed), 'straight': _final_state(straight),
-            'epoch_3_meta': {k: ckpt['meta'][k] for k in ('epoch', 'iter')},
-            'epoch_3_lr_history': hub.data[0].tolist(), 'rank': resumed.rank}
+    return {
+        'resumed': _final_state(resumed),
+        'straight': _final_state(straight),
+        'epoch_3_meta': {k: ckpt['meta'][k] for k in ('epoch', 'iter')},
+        'epoch_3_lr_history': hub.data[0].tolist(),
+        'rank': resumed.rank,
+    }
 
 
 @pytest.mark.parametrize('strategy, cfg, nproc', STRATEGIES)
 def test_resume_equals_uninterrupted_run(tmp_path, strategy, cfg, nproc):
-    results = run_distributed(_train_resume_straight, nproc=nproc, timeout=240,
-                              args=(str(tmp_path), (strategy, cfg, nproc)))
+    results = run_distributed(
+        _train_resume_straight,
+        nproc=nproc,
+        timeout=240,
+        args=(str(tmp_path), (strategy, cfg, nproc)),
+    )
     iters_per_epoch = 32 // 4 // nproc
     for rank, result in enumerate(results):
         resumed, straight = result['resumed'], result['straight']
@@ -146,29 +178,39 @@ def test_resume_equals_uninterrupted_run(tmp_path, strategy, cfg, nproc):
         # the message hub's history came back through the checkpoint and went on
         assert len(result['epoch_3_lr_history']) == 3 * iters_per_epoch
         assert resumed['lr_history'] == straight['lr_history']
-        assert resumed['lr_history'][:3 * iters_per_epoch] == result['epoch_3_lr_history']
+        assert resumed['lr_history'][: 3 * iters_per_epoch] == result['epoch_3_lr_history']
     for name in ('epoch_1.pth', 'epoch_4.pth'):
         path = tmp_path / 'split' / name
-        manifest = json.loads((path / 'manifest.json' if path.is_dir() else
-                               path.with_name(f'{name}.manifest.json')).read_text())
+        manifest = json.loads(
+            (
+                path / 'manifest.json' if path.is_dir() else path.with_name(f'{name}.manifest.json')
+            ).read_text()
+        )
         assert 'mmengine.logging.history_buffer.HistoryBuffer' in manifest['safe_globals']
         assert manifest['world_size'] == nproc
     final = tmp_path / 'split' / 'epoch_4.pth'
     if final.is_dir():  # our state's file inside a directory checkpoint (FSDP, DeepSpeed)
-        final = next(final / name for name in ('extra.pth', 'stratagem_state.pth')
-                     if (final / name).is_file())
+        final = next(
+            final / name
+            for name in ('extra.pth', 'stratagem_state.pth')
+            if (final / name).is_file()
+        )
     _check_load_without_integration(final)
 
 
 def _check_load_without_integration(path):
     """A process that has not imported the integration names what it lacks."""
     from stratagem.checkpoint import UnsafeCheckpointError, get_safe_globals, load_checkpoint_file
+
     if 'mmengine.logging.history_buffer.HistoryBuffer' in get_safe_globals():
-        probe = ('from stratagem.checkpoint import load_checkpoint_file\n'
-                 f'try:\n    load_checkpoint_file({str(path)!r})\n'
-                 'except Exception as e:\n    print(type(e).__name__, e)')
-        out = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True,
-                             check=True).stdout
+        probe = (
+            'from stratagem.checkpoint import load_checkpoint_file\n'
+            f'try:\n    load_checkpoint_file({str(path)!r})\n'
+            'except Exception as e:\n    print(type(e).__name__, e)'
+        )
+        out = subprocess.run(
+            [sys.executable, '-c', probe], capture_output=True, text=True, check=True
+        ).stdout
     else:  # this process has not: check here, which saves starting an interpreter
         with pytest.raises(UnsafeCheckpointError) as info:
             load_checkpoint_file(path)

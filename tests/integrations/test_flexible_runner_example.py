@@ -1,4 +1,5 @@
 """examples/flexible_runner.py runs as the README says: 3 epochs, then --resume to 4."""
+
 import importlib.util
 import json
 import os
@@ -9,17 +10,33 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec('mmengine') is None,
-                                reason='mmengine is not installed (pip install "stratagem[test]")')
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec('mmengine') is None,
+    reason='mmengine is not installed (pip install "stratagem[test]")',
+)
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(work, *args):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]))
-    done = subprocess.run([sys.executable, str(ROOT / 'examples' / 'flexible_runner.py'),
-                           '--work-dir', str(work), *args], capture_output=True, text=True,
-                          timeout=240, env=env)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [str(ROOT)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
+        ),
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / 'examples' / 'flexible_runner.py'),
+            '--work-dir',
+            str(work),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return done.stdout + done.stderr
 

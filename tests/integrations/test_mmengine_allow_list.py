@@ -1,5 +1,6 @@
 """The mmengine allow-list: HistoryBuffer round-trips under weights_only, and a crafted
 file cannot use HistoryBuffer.__setstate__ to rewrite the class's statistics table."""
+
 import warnings
 
 import pytest
@@ -9,10 +10,11 @@ pytest.importorskip('mmengine', reason='mmengine is not installed (pip install "
 
 
 def test_history_buffer_round_trips(tmp_path):
-    import stratagem.integrations.mmengine  # noqa: F401
     from mmengine.logging import HistoryBuffer
 
+    import stratagem.integrations.mmengine  # noqa: F401
     from stratagem.checkpoint import load_checkpoint_file, save_checkpoint
+
     buf = HistoryBuffer([1.0, 3.0], [1, 1], max_length=5)
     path = save_checkpoint({'hub': {'loss': buf}}, tmp_path / 'a.pth')
     got = load_checkpoint_file(path)['hub']['loss']
@@ -25,16 +27,14 @@ def test_history_buffer_round_trips(tmp_path):
 
 def test_crafted_state_cannot_rewrite_the_statistics_table(tmp_path):
     import numpy as np
-
-    import stratagem.integrations.mmengine  # noqa: F401
     from mmengine.logging import HistoryBuffer
 
+    import stratagem.integrations.mmengine  # noqa: F401
     from stratagem.checkpoint import load_checkpoint_file
 
     class Crafted:
         def __reduce__(self):
-            return (HistoryBuffer, ([1.0], [1], 10),
-                    {'statistics_methods': {'mean': np.dtype}})
+            return (HistoryBuffer, ([1.0], [1], 10), {'statistics_methods': {'mean': np.dtype}})
 
     path = tmp_path / 'crafted.pth'
     torch.save({'x': Crafted()}, path)

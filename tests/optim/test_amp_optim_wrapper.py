@@ -32,8 +32,9 @@ def test_bf16_uses_autocast_and_no_scaler_matching_hand_loop():
         loss.backward()
         ref_opt.step()
     model = make_model()
-    wrapper = AmpOptimWrapper(optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
-                              dtype='bfloat16')
+    wrapper = AmpOptimWrapper(
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05), dtype='bfloat16'
+    )
     assert wrapper.loss_scaler is None and wrapper.cast_dtype == torch.bfloat16
     for x, y in data:
         with wrapper.optim_context(model):
@@ -48,8 +49,9 @@ def test_bf16_uses_autocast_and_no_scaler_matching_hand_loop():
 def test_dtype_none_is_the_device_default_and_bf16_ignores_loss_scale():
     model = make_model()
     with pytest.warns(UserWarning, match='ignored'):
-        wrapper = AmpOptimWrapper(optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                  loss_scale=512.)
+        wrapper = AmpOptimWrapper(
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=512.0
+        )
     assert wrapper.cast_dtype == torch.get_autocast_dtype('cpu') == torch.bfloat16
     assert wrapper.loss_scaler is None
 
@@ -58,7 +60,7 @@ def test_fp16_with_clip_matches_hand_loop_with_grad_scaler():
     data = batches(6)
     ref = make_model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    scaler = torch.amp.GradScaler('cpu', init_scale=2.**10, growth_interval=2)
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0**10, growth_interval=2)
     ref_norms = []
     for x, y in data:
         ref_opt.zero_grad()
@@ -71,8 +73,11 @@ def test_fp16_with_clip_matches_hand_loop_with_grad_scaler():
         scaler.update()
     model = make_model()
     wrapper = AmpOptimWrapper(
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), dtype='float16',
-        loss_scale=dict(init_scale=2.**10, growth_interval=2), clip_grad=dict(max_norm=0.5))
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        dtype='float16',
+        loss_scale=dict(init_scale=2.0**10, growth_interval=2),
+        clip_grad=dict(max_norm=0.5),
+    )
     for x, y in data:
         with wrapper.optim_context(model):
             loss = loss_fn(model, x, y)
@@ -80,22 +85,25 @@ def test_fp16_with_clip_matches_hand_loop_with_grad_scaler():
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.equal(a, b)
     torch.testing.assert_close(wrapper.last_grad_norm, ref_norms[-1])  # unscaled norm
-    assert wrapper.loss_scaler.get_scale() == scaler.get_scale() == 2.**13
+    assert wrapper.loss_scaler.get_scale() == scaler.get_scale() == 2.0**13
     assert wrapper.skipped_steps == 0
 
 
 def test_fp16_overflow_step_is_skipped_and_counted(weights_only_roundtrip):
     model = make_model()
-    wrapper = AmpOptimWrapper(optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                              dtype=torch.float16, loss_scale=dict(init_scale=2.**8))
+    wrapper = AmpOptimWrapper(
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        dtype=torch.float16,
+        loss_scale=dict(init_scale=2.0**8),
+    )
     before = [p.detach().clone() for p in model.parameters()]
-    (x, y), = batches(1)
+    ((x, y),) = batches(1)
     with wrapper.optim_context(model):
         loss = loss_fn(model, x, y) * float('inf')
     wrapper.update_params(loss)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
     assert wrapper.skipped_steps == 1
-    assert wrapper.loss_scaler.get_scale() == 2.**8 * 0.5
+    assert wrapper.loss_scaler.get_scale() == 2.0**8 * 0.5
     with wrapper.optim_context(model):
         loss = loss_fn(model, x, y)
     wrapper.update_params(loss)
@@ -103,23 +111,25 @@ def test_fp16_overflow_step_is_skipped_and_counted(weights_only_roundtrip):
     assert wrapper.skipped_steps == 1
 
     sd = weights_only_roundtrip(wrapper.state_dict())
-    assert sd['skipped_steps'] == 1 and sd['loss_scaler']['scale'] == 2.**7
-    other = AmpOptimWrapper(optimizer=torch.optim.SGD(make_model().parameters(), lr=0.1),
-                            dtype='float16')
+    assert sd['skipped_steps'] == 1 and sd['loss_scaler']['scale'] == 2.0**7
+    other = AmpOptimWrapper(
+        optimizer=torch.optim.SGD(make_model().parameters(), lr=0.1), dtype='float16'
+    )
     other.load_state_dict(sd)
-    assert other.skipped_steps == 1 and other.loss_scaler.get_scale() == 2.**7
+    assert other.skipped_steps == 1 and other.loss_scaler.get_scale() == 2.0**7
 
 
 def test_static_loss_scale_stays_fixed():
     model = make_model()
-    wrapper = AmpOptimWrapper(optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                              dtype='float16', loss_scale=256.)
-    (x, y), = batches(1)
+    wrapper = AmpOptimWrapper(
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dtype='float16', loss_scale=256.0
+    )
+    ((x, y),) = batches(1)
     for factor in (float('inf'), 1.0):
         with wrapper.optim_context(model):
             loss = loss_fn(model, x, y) * factor
         wrapper.update_params(loss)
-        assert wrapper.loss_scaler.get_scale() == 256.
+        assert wrapper.loss_scaler.get_scale() == 256.0
     assert wrapper.skipped_steps == 1
 
 
@@ -137,9 +147,15 @@ def test_fp16_accumulation_matches_hand_loop():
             scaler.update()
             ref_opt.zero_grad()
     model = make_model()
-    wrapper = build_optim_wrapper(model, dict(
-        type='AmpOptimWrapper', dtype='float16', accumulative_counts=2,
-        optimizer=dict(type='SGD', lr=0.05)))
+    wrapper = build_optim_wrapper(
+        model,
+        dict(
+            type='AmpOptimWrapper',
+            dtype='float16',
+            accumulative_counts=2,
+            optimizer=dict(type='SGD', lr=0.05),
+        ),
+    )
     for x, y in data:
         with wrapper.optim_context(model):
             loss = loss_fn(model, x, y)
@@ -166,8 +182,12 @@ def test_pending_grads_change_scale_between_fp16_and_bf16():
     torch.manual_seed(0)
     model = make_model()
     x = torch.randn(4, model[0].in_features)
-    fp16 = AmpOptimWrapper(optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                           dtype='float16', loss_scale=1024.0, accumulative_counts=2)
+    fp16 = AmpOptimWrapper(
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        dtype='float16',
+        loss_scale=1024.0,
+        accumulative_counts=2,
+    )
     with fp16.optim_context(model):
         loss = model(x).float().square().mean()
     fp16.update_params(loss)
@@ -176,8 +196,11 @@ def test_pending_grads_change_scale_between_fp16_and_bf16():
     assert state['optim_wrapper']['pending_grads_scale'] == 1024.0
     for p in model.parameters():
         p.grad = None
-    bf16 = AmpOptimWrapper(optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                           dtype='bfloat16', accumulative_counts=2)
+    bf16 = AmpOptimWrapper(
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        dtype='bfloat16',
+        accumulative_counts=2,
+    )
     bf16.load_state_dict(state)
     for p, g in zip(model.parameters(), scaled):
         assert torch.allclose(p.grad, g / 1024.0)  # unscaled: bf16 has no scaler
@@ -185,11 +208,17 @@ def test_pending_grads_change_scale_between_fp16_and_bf16():
 
 def test_mmengine_state_dict_without_counters_loads():
     model = make_model()
-    wrapper = AmpOptimWrapper(optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                              dtype='float16')
+    wrapper = AmpOptimWrapper(
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dtype='float16'
+    )
     sd = wrapper.optimizer.state_dict()
-    sd['loss_scaler'] = {'scale': 8.0, 'growth_factor': 2.0, 'backoff_factor': 0.5,
-                         'growth_interval': 2000, '_growth_tracker': 0}
+    sd['loss_scaler'] = {
+        'scale': 8.0,
+        'growth_factor': 2.0,
+        'backoff_factor': 0.5,
+        'growth_interval': 2000,
+        '_growth_tracker': 0,
+    }
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         wrapper.load_state_dict(sd)

@@ -49,10 +49,19 @@ def settings_by_name(model, optimizer, defaults=True):
     return {n: by_id.get(id(p)) for n, p in model.named_parameters()}
 
 
-PARAMWISE = dict(bias_lr_mult=2., bias_decay_mult=0.5, norm_decay_mult=0., dwconv_decay_mult=0.1,
-                 flat_decay_mult=0.3, dcn_offset_lr_mult=0.1,
-                 custom_keys={'embed': dict(lr_mult=0.5, decay_mult=0.),
-                              'sub.fc': dict(lr_mult=3.), 'sub.fc.bias': dict(lr_mult=4.)})
+PARAMWISE = dict(
+    bias_lr_mult=2.0,
+    bias_decay_mult=0.5,
+    norm_decay_mult=0.0,
+    dwconv_decay_mult=0.1,
+    flat_decay_mult=0.3,
+    dcn_offset_lr_mult=0.1,
+    custom_keys={
+        'embed': dict(lr_mult=0.5, decay_mult=0.0),
+        'sub.fc': dict(lr_mult=3.0),
+        'sub.fc.bias': dict(lr_mult=4.0),
+    },
+)
 
 
 def expected_settings():
@@ -62,15 +71,15 @@ def expected_settings():
         'conv1.weight': dict(lr=lr, weight_decay=wd),
         'conv2.weight': dict(lr=lr, weight_decay=wd),
         'conv2.bias': dict(lr=lr * 2, weight_decay=wd * 0.5),
-        'bn.weight': dict(lr=lr, weight_decay=0.),
-        'bn.bias': dict(lr=lr, weight_decay=0.),  # norm bias: no bias_lr_mult
-        'embed.weight': dict(lr=lr * 0.5, weight_decay=0.),  # custom key
-        'ln.weight': dict(lr=lr, weight_decay=0.),
-        'ln.bias': dict(lr=lr, weight_decay=0.),
+        'bn.weight': dict(lr=lr, weight_decay=0.0),
+        'bn.bias': dict(lr=lr, weight_decay=0.0),  # norm bias: no bias_lr_mult
+        'embed.weight': dict(lr=lr * 0.5, weight_decay=0.0),  # custom key
+        'ln.weight': dict(lr=lr, weight_decay=0.0),
+        'ln.bias': dict(lr=lr, weight_decay=0.0),
         'sub.dwconv.weight': dict(lr=lr, weight_decay=wd * 0.1),
         'sub.dwconv.bias': dict(lr=lr * 2, weight_decay=wd * 0.5),  # bias rule before dwconv
-        'sub.gn.weight': dict(lr=lr, weight_decay=0.),
-        'sub.gn.bias': dict(lr=lr, weight_decay=0.),
+        'sub.gn.weight': dict(lr=lr, weight_decay=0.0),
+        'sub.gn.bias': dict(lr=lr, weight_decay=0.0),
         'sub.fc.weight': dict(lr=lr * 3, weight_decay=wd),  # custom key, decay_mult 1
         'sub.fc.bias': dict(lr=lr * 4, weight_decay=wd),  # the longest key wins
         'sub.param1': dict(lr=lr, weight_decay=wd * 0.3),
@@ -78,15 +87,18 @@ def expected_settings():
         'dcn.bias': dict(lr=lr * 2, weight_decay=wd * 0.5),  # mmengine: the dcn's own bias
         'dcn.conv_offset.weight': dict(lr=lr * 0.1, weight_decay=wd),
         'dcn.conv_offset.bias': dict(lr=lr * 0.1, weight_decay=wd),  # offset rule over bias
-        'frozen.weight': None, 'frozen.bias': None,
+        'frozen.weight': None,
+        'frozen.bias': None,
     }
 
 
 @pytest.mark.parametrize('merge', [False, True])
 def test_paramwise_multipliers(merge):
     model = ExampleModel()
-    cfg = dict(optimizer=dict(type='SGD', lr=BASE_LR, weight_decay=BASE_WD, momentum=0.9),
-               paramwise_cfg=dict(PARAMWISE, reduce_param_groups=merge))
+    cfg = dict(
+        optimizer=dict(type='SGD', lr=BASE_LR, weight_decay=BASE_WD, momentum=0.9),
+        paramwise_cfg=dict(PARAMWISE, reduce_param_groups=merge),
+    )
     before = copy.deepcopy(cfg)
     wrapper = build_optim_wrapper(model, cfg)
     assert cfg == before
@@ -102,18 +114,28 @@ def test_paramwise_multipliers(merge):
     n_trainable = sum(s is not None for s in want.values())
     assert len(wrapper.param_groups) == (len(distinct) if merge else n_trainable)
     # custom-key settings are copied into the group, as mmengine does
-    embed_group = next(g for g in wrapper.param_groups
-                       if any(p is model.embed.weight for p in g['params']))
-    assert embed_group['lr_mult'] == 0.5 and embed_group['decay_mult'] == 0.
+    embed_group = next(
+        g for g in wrapper.param_groups if any(p is model.embed.weight for p in g['params'])
+    )
+    assert embed_group['lr_mult'] == 0.5 and embed_group['decay_mult'] == 0.0
 
 
 def test_custom_keys_alphabetical_among_equal_length():
     model = nn.Sequential(nn.Linear(2, 2))
     model.add_module('ab', nn.Linear(2, 2))
-    wrapper = build_optim_wrapper(model, dict(
-        optimizer=dict(type='SGD', lr=1.0),
-        paramwise_cfg=dict(custom_keys={'b.': dict(lr_mult=3.), 'ab': dict(lr_mult=2.),
-                                        'a': dict(lr_mult=5.)})))
+    wrapper = build_optim_wrapper(
+        model,
+        dict(
+            optimizer=dict(type='SGD', lr=1.0),
+            paramwise_cfg=dict(
+                custom_keys={
+                    'b.': dict(lr_mult=3.0),
+                    'ab': dict(lr_mult=2.0),
+                    'a': dict(lr_mult=5.0),
+                }
+            ),
+        ),
+    )
     lrs = {n: s['lr'] for n, s in settings_by_name(model, wrapper.optimizer).items()}
     # 'ab' and 'b.' both match 'ab.weight' and have the same length: alphabetical wins
     assert lrs == {'0.weight': 1.0, '0.bias': 5.0, 'ab.weight': 2.0, 'ab.bias': 2.0}
@@ -124,12 +146,23 @@ def test_merged_groups_train_like_per_tensor_groups():
     results = []
     for merge in (True, False):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
-                              nn.Conv2d(4, 4, 3, groups=4), nn.Flatten(), nn.Linear(4, 2))
-        wrapper = build_optim_wrapper(model, dict(
-            optimizer=dict(type='AdamW', lr=0.01, weight_decay=0.1, foreach=True),
-            paramwise_cfg=dict(norm_decay_mult=0., bias_decay_mult=0.,
-                               reduce_param_groups=merge)))
+        model = nn.Sequential(
+            nn.Conv2d(3, 4, 3),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.Conv2d(4, 4, 3, groups=4),
+            nn.Flatten(),
+            nn.Linear(4, 2),
+        )
+        wrapper = build_optim_wrapper(
+            model,
+            dict(
+                optimizer=dict(type='AdamW', lr=0.01, weight_decay=0.1, foreach=True),
+                paramwise_cfg=dict(
+                    norm_decay_mult=0.0, bias_decay_mult=0.0, reduce_param_groups=merge
+                ),
+            ),
+        )
         for _ in range(3):
             wrapper.update_params(model(data).square().mean())
         results.append((len(wrapper.param_groups), [p.detach() for p in model.parameters()]))
@@ -142,12 +175,16 @@ def test_merged_groups_train_like_per_tensor_groups():
 def test_resnet_like_model_gets_a_handful_of_groups():
     blocks = [nn.Sequential(nn.Conv2d(8, 8, 3, bias=False), nn.BatchNorm2d(8)) for _ in range(20)]
     model = nn.Sequential(*blocks, nn.Linear(8, 10))
-    wrapper = build_optim_wrapper(model, dict(
-        optimizer=dict(type='AdamW', lr=1e-3, weight_decay=0.05),
-        paramwise_cfg=dict(norm_decay_mult=0., bias_decay_mult=0.)))
+    wrapper = build_optim_wrapper(
+        model,
+        dict(
+            optimizer=dict(type='AdamW', lr=1e-3, weight_decay=0.05),
+            paramwise_cfg=dict(norm_decay_mult=0.0, bias_decay_mult=0.0),
+        ),
+    )
     assert len(list(model.parameters())) == 62
     assert [len(g['params']) for g in wrapper.param_groups] == [21, 41]
-    assert [g['weight_decay'] for g in wrapper.param_groups] == [0.05, 0.]
+    assert [g['weight_decay'] for g in wrapper.param_groups] == [0.05, 0.0]
 
 
 class Tied(nn.Module):
@@ -159,14 +196,21 @@ class Tied(nn.Module):
 
 
 def test_duplicate_params():
-    with pytest.raises(ValueError, match="'head.weight' is the same tensor as 'embed.weight'"
-                                         ".*bypass_duplicate=True"):
-        build_optim_wrapper(Tied(), dict(optimizer=dict(type='SGD', lr=0.1),
-                                         paramwise_cfg=dict(bias_lr_mult=2.)))
+    with pytest.raises(
+        ValueError,
+        match="'head.weight' is the same tensor as 'embed.weight'.*bypass_duplicate=True",
+    ):
+        build_optim_wrapper(
+            Tied(), dict(optimizer=dict(type='SGD', lr=0.1), paramwise_cfg=dict(bias_lr_mult=2.0))
+        )
     with pytest.warns(UserWarning, match='skipped'):
-        wrapper = build_optim_wrapper(Tied(), dict(
-            optimizer=dict(type='SGD', lr=0.1),
-            paramwise_cfg=dict(bias_lr_mult=2., bypass_duplicate=True)))
+        wrapper = build_optim_wrapper(
+            Tied(),
+            dict(
+                optimizer=dict(type='SGD', lr=0.1),
+                paramwise_cfg=dict(bias_lr_mult=2.0, bypass_duplicate=True),
+            ),
+        )
     assert sum(len(g['params']) for g in wrapper.param_groups) == 1
     plain = build_optim_wrapper(Tied(), dict(optimizer=dict(type='SGD', lr=0.1)))
     assert len(plain.param_groups) == 1 and len(plain.param_groups[0]['params']) == 1
@@ -181,21 +225,40 @@ def test_no_paramwise_cfg_one_group_without_frozen():
     assert all(p is not model.frozen.weight for p in params)
 
 
-@pytest.mark.parametrize('cfg, exc, match', [
-    (dict(optimizer=dict(type='SGD', lr=0.1), paramwise_cfg=dict(norm_decay=0.)),
-     ValueError, "'norm_decay' \\(did you mean 'norm_decay_mult'\\?\\)"),
-    (dict(optimizer=dict(type='SGD', lr=0.1), paramwise_cfg=dict(norm_decay_mult=0.)),
-     ValueError, 'norm_decay_mult needs a base weight decay.*add weight_decay='),
-    (dict(optimizer=dict(type='SGD', lr=0.1),
-          paramwise_cfg=dict(custom_keys={'x': dict(decay_mult=0.)})),
-     ValueError, "custom_keys\\['x'\\] sets decay_mult"),
-    (dict(optimizer=dict(type='SGD', weight_decay=0.1), paramwise_cfg=dict(bias_lr_mult=2.)),
-     ValueError, 'bias_lr_mult needs a base lr'),
-    (dict(optimizer=dict(type='AdamX', lr=0.1)), KeyError, "did you mean 'Adam'"),
-    (dict(optimizer=dict(lr=0.1)), TypeError, "with a 'type' key"),
-    (dict(type='OptimWrapper'), ValueError, 'has no optimizer'),
-    (dict(optimizer=dict(type='SGD', lr=0.1), paramwise_cfg=[1]), TypeError, 'paramwise_cfg'),
-])
+@pytest.mark.parametrize(
+    'cfg, exc, match',
+    [
+        (
+            dict(optimizer=dict(type='SGD', lr=0.1), paramwise_cfg=dict(norm_decay=0.0)),
+            ValueError,
+            "'norm_decay' \\(did you mean 'norm_decay_mult'\\?\\)",
+        ),
+        (
+            dict(optimizer=dict(type='SGD', lr=0.1), paramwise_cfg=dict(norm_decay_mult=0.0)),
+            ValueError,
+            'norm_decay_mult needs a base weight decay.*add weight_decay=',
+        ),
+        (
+            dict(
+                optimizer=dict(type='SGD', lr=0.1),
+                paramwise_cfg=dict(custom_keys={'x': dict(decay_mult=0.0)}),
+            ),
+            ValueError,
+            "custom_keys\\['x'\\] sets decay_mult",
+        ),
+        (
+            dict(
+                optimizer=dict(type='SGD', weight_decay=0.1), paramwise_cfg=dict(bias_lr_mult=2.0)
+            ),
+            ValueError,
+            'bias_lr_mult needs a base lr',
+        ),
+        (dict(optimizer=dict(type='AdamX', lr=0.1)), KeyError, "did you mean 'Adam'"),
+        (dict(optimizer=dict(lr=0.1)), TypeError, "with a 'type' key"),
+        (dict(type='OptimWrapper'), ValueError, 'has no optimizer'),
+        (dict(optimizer=dict(type='SGD', lr=0.1), paramwise_cfg=[1]), TypeError, 'paramwise_cfg'),
+    ],
+)
 def test_cfg_errors(cfg, exc, match):
     with pytest.raises(exc, match=match):
         build_optim_wrapper(nn.Linear(2, 2), cfg)
@@ -210,11 +273,12 @@ def test_frozen_only_model_raises():
 def test_constructor_direct_and_built_optimizer():
     model = nn.Linear(2, 2)
     constructor = DefaultOptimWrapperConstructor(
-        dict(type='OptimWrapper', optimizer=dict(type='SGD', lr=0.1), accumulative_counts=3))
+        dict(type='OptimWrapper', optimizer=dict(type='SGD', lr=0.1), accumulative_counts=3)
+    )
     wrapper = constructor(model)
     assert isinstance(wrapper, OptimWrapper) and wrapper.accumulative_counts == 3
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    built = build_optim_wrapper(model, dict(optimizer=opt, clip_grad=dict(max_norm=1.)))
+    built = build_optim_wrapper(model, dict(optimizer=opt, clip_grad=dict(max_norm=1.0)))
     assert built.optimizer is opt
     assert build_optim_wrapper(model, built) is built
 
@@ -224,8 +288,10 @@ def test_ddp_style_module_is_unwrapped():
         def __init__(self):
             super().__init__()
             self.module = nn.Linear(2, 2)
+
     model = Wrapped()
-    wrapper = build_optim_wrapper(model, dict(optimizer=dict(type='SGD', lr=0.1),
-                                              paramwise_cfg=dict(bias_lr_mult=2.)))
+    wrapper = build_optim_wrapper(
+        model, dict(optimizer=dict(type='SGD', lr=0.1), paramwise_cfg=dict(bias_lr_mult=2.0))
+    )
     names = settings_by_name(model.module, wrapper.optimizer)
     assert names['bias']['lr'] == 0.2

@@ -5,8 +5,15 @@ import pytest
 import torch
 from torch import nn
 
-from stratagem.optim import (LossScaler, auto_fp16, cast_tensor_type, force_fp32,
-                             patch_forward_method, patch_norm_fp32, wrap_fp16_model)
+from stratagem.optim import (
+    LossScaler,
+    auto_fp16,
+    cast_tensor_type,
+    force_fp32,
+    patch_forward_method,
+    patch_norm_fp32,
+    wrap_fp16_model,
+)
 
 Pair = namedtuple('Pair', 'a b')
 
@@ -15,8 +22,17 @@ def test_cast_tensor_type_recurses_and_only_changes_src_type():
     f, i = torch.ones(2), torch.ones(2, dtype=torch.long)
     arr, mod = np.ones(2, dtype=np.float32), nn.Linear(1, 1)
     dd = defaultdict(list, x=f)
-    inputs = {'f': f, 'i': i, 's': 'text', 'arr': arr, 'mod': mod, 'n': 3,
-              'nested': [f, (f, i), Pair(f, 'b')], 'od': OrderedDict(y=f), 'dd': dd}
+    inputs = {
+        'f': f,
+        'i': i,
+        's': 'text',
+        'arr': arr,
+        'mod': mod,
+        'n': 3,
+        'nested': [f, (f, i), Pair(f, 'b')],
+        'od': OrderedDict(y=f),
+        'dd': dd,
+    }
     out = cast_tensor_type(inputs, torch.float, torch.half)
     assert out['f'].dtype == torch.half and out['i'] is i
     assert out['s'] == 'text' and out['arr'] is arr and out['mod'] is mod and out['n'] == 3
@@ -27,8 +43,10 @@ def test_cast_tensor_type_recurses_and_only_changes_src_type():
     assert type(out['od']) is OrderedDict and out['od']['y'].dtype == torch.half
     assert type(out['dd']) is defaultdict and out['dd']['missing'] == []
     assert inputs['f'].dtype == torch.float  # input untouched
-    assert cast_tensor_type(torch.ones(1, dtype=torch.half), torch.float, torch.half).dtype \
+    assert (
+        cast_tensor_type(torch.ones(1, dtype=torch.half), torch.float, torch.half).dtype
         == torch.half
+    )
 
 
 class Head(nn.Module):
@@ -97,8 +115,9 @@ def test_patch_norm_fp32_and_half_model():
 
 
 def test_patch_forward_method():
-    fwd = patch_forward_method(lambda x, k=None: (x, k), torch.half, torch.float,
-                               convert_output=False)
+    fwd = patch_forward_method(
+        lambda x, k=None: (x, k), torch.half, torch.float, convert_output=False
+    )
     x, k = fwd(torch.ones(1).half(), k=torch.ones(1).half())
     assert x.dtype == torch.float and k.dtype == torch.float
     fwd = patch_forward_method(lambda x: x * 2, torch.half, torch.float)
@@ -106,25 +125,31 @@ def test_patch_forward_method():
 
 
 def test_loss_scaler_dynamic_updates():
-    scaler = LossScaler(init_scale=8., mode='dynamic', scale_factor=2., scale_window=2)
+    scaler = LossScaler(init_scale=8.0, mode='dynamic', scale_factor=2.0, scale_window=2)
     history = []
     for overflow in (True, False, False, False, True, True, True, True):
         scaler.update_scale(overflow)
         history.append(scaler.loss_scale)
     # overflow at it 0: 4; it 1: (1-0)%2 no; it 2: (2-0)%2==0 -> 8; it 3: no; then 4, 2, 1, 1
-    assert history == [4., 4., 8., 8., 4., 2., 1., 1.]
+    assert history == [4.0, 4.0, 8.0, 8.0, 4.0, 2.0, 1.0, 1.0]
     state = scaler.state_dict()
-    assert state == {'cur_scale': 1., 'cur_iter': 8, 'mode': 'dynamic', 'last_overflow_iter': 7,
-                     'scale_factor': 2., 'scale_window': 2}
+    assert state == {
+        'cur_scale': 1.0,
+        'cur_iter': 8,
+        'mode': 'dynamic',
+        'last_overflow_iter': 7,
+        'scale_factor': 2.0,
+        'scale_window': 2,
+    }
     other = LossScaler()
     other.load_state_dict(state)
     assert other.state_dict() == state
 
 
 def test_loss_scaler_static_and_overflow_check():
-    scaler = LossScaler(init_scale=512., mode='static')
+    scaler = LossScaler(init_scale=512.0, mode='static')
     scaler.update_scale(True)
-    assert scaler.loss_scale == 512.
+    assert scaler.loss_scale == 512.0
     p, q = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2).half())
     p.grad, q.grad = torch.ones(3), torch.ones(2).half()
     assert not scaler.has_overflow([p, q, nn.Parameter(torch.ones(1))])

@@ -23,9 +23,14 @@ def loss_fn(model, x, y):
 
 
 def build(model, **kw):
-    return build_optim_wrapper(model, dict(type='Fp16MasterWeightsOptimWrapper',
-                                           optimizer=dict(type='SGD', lr=0.05, momentum=0.9),
-                                           **kw))
+    return build_optim_wrapper(
+        model,
+        dict(
+            type='Fp16MasterWeightsOptimWrapper',
+            optimizer=dict(type='SGD', lr=0.05, momentum=0.9),
+            **kw,
+        ),
+    )
 
 
 def test_master_weights_track_fp32_training():
@@ -36,7 +41,7 @@ def test_master_weights_track_fp32_training():
         loss_fn(ref, x, y).backward()
         ref_opt.step()
     model = make_model()
-    wrapper = build(model, loss_scale=512.)
+    wrapper = build(model, loss_scale=512.0)
     wrap_fp16_model(model, half=True)
     assert model[0].weight.dtype == torch.half
     assert all(m.dtype == torch.float32 for m in wrapper.master_params)
@@ -50,13 +55,13 @@ def test_master_weights_track_fp32_training():
 
 def test_overflow_is_skipped_and_scale_lowered(weights_only_roundtrip):
     model = make_model()
-    wrapper = build(model, loss_scale=dict(init_scale=2.**10, mode='dynamic'))
+    wrapper = build(model, loss_scale=dict(init_scale=2.0**10, mode='dynamic'))
     wrap_fp16_model(model, half=True)
     before = [p.detach().clone() for p in model.parameters()]
     masters = [m.detach().clone() for m in wrapper.master_params]
-    (x, y), = data(1)
+    ((x, y),) = data(1)
     wrapper.update_params(loss_fn(model, x, y) * float('inf'))
-    assert wrapper.skipped_steps == 1 and wrapper.loss_scaler.loss_scale == 2.**9
+    assert wrapper.skipped_steps == 1 and wrapper.loss_scaler.loss_scale == 2.0**9
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
     assert all(torch.equal(a, b) for a, b in zip(wrapper.master_params, masters))
     assert all(p.grad is None for p in model.parameters())
@@ -64,13 +69,13 @@ def test_overflow_is_skipped_and_scale_lowered(weights_only_roundtrip):
     assert not torch.equal(model[0].weight, before[0])
 
     sd = weights_only_roundtrip(wrapper.state_dict())
-    assert sd['skipped_steps'] == 1 and sd['loss_scaler']['cur_scale'] == 2.**9
+    assert sd['skipped_steps'] == 1 and sd['loss_scaler']['cur_scale'] == 2.0**9
     assert sd['fp32_master_weights'][0].dtype == torch.float32
     other_model = make_model()
     other = build(other_model, loss_scale='dynamic')
     wrap_fp16_model(other_model, half=True)
     other.load_state_dict(sd)
-    assert other.skipped_steps == 1 and other.loss_scaler.loss_scale == 2.**9
+    assert other.skipped_steps == 1 and other.loss_scaler.loss_scale == 2.0**9
     for a, b in zip(other.master_params, wrapper.master_params):
         assert torch.equal(a, b)
     for a, b in zip(other_model.parameters(), model.parameters()):
@@ -86,7 +91,7 @@ def test_accumulation_keeps_pending_model_grads(weights_only_roundtrip):
     model = make_model()
     wrapper = build(model, accumulative_counts=2, clip_grad=dict(max_norm=1.0))
     wrap_fp16_model(model, half=True)
-    (x, y), = data(1)
+    ((x, y),) = data(1)
     wrapper.update_params(loss_fn(model, x, y))
     sd = weights_only_roundtrip(wrapper.state_dict())
     pending = sd['optim_wrapper']['pending_grads']
@@ -97,5 +102,6 @@ def test_accumulation_keeps_pending_model_grads(weights_only_roundtrip):
 
 def test_loss_scale_type_error():
     with pytest.raises(TypeError, match="'dynamic', a float"):
-        Fp16MasterWeightsOptimWrapper(torch.optim.SGD(make_model().parameters(), lr=0.1),
-                                      loss_scale='auto')
+        Fp16MasterWeightsOptimWrapper(
+            torch.optim.SGD(make_model().parameters(), lr=0.1), loss_scale='auto'
+        )

@@ -18,8 +18,9 @@ def make_model(seed=0):
 
 def make_data(n, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, K_FEATURES, generator=g, dtype=torch.float64), \
-        torch.randn(n, 1, generator=g, dtype=torch.float64)
+    return torch.randn(n, K_FEATURES, generator=g, dtype=torch.float64), torch.randn(
+        n, 1, generator=g, dtype=torch.float64
+    )
 
 
 def mse(model, x, y):
@@ -41,7 +42,7 @@ def assert_params_close(a, b, atol=1e-6):
 
 def run_wrapper(wrapper, model, x, y, micro, iters, start=0):
     for i in range(start, start + iters):
-        xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
+        xs, ys = x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]
         with wrapper.optim_context(model):
             loss = mse(model, xs, ys)
         wrapper.update_params(loss)
@@ -53,7 +54,7 @@ def test_accumulation_equals_one_big_batch():
     ref = make_model()
     ref_opt = sgd(ref)
     for w in range(windows):  # the oracle: one step per k*micro batch
-        xs, ys = x[w * k * micro:(w + 1) * k * micro], y[w * k * micro:(w + 1) * k * micro]
+        xs, ys = x[w * k * micro : (w + 1) * k * micro], y[w * k * micro : (w + 1) * k * micro]
         ref_opt.zero_grad()
         mse(ref, xs, ys).backward()
         ref_opt.step()
@@ -69,8 +70,14 @@ def hand_loop_windows(model, opt, x, y, micro, windows):
     i = 0
     for length in windows:
         opt.zero_grad()
-        losses = [mse(model, x[(i + j) * micro:(i + j + 1) * micro],
-                      y[(i + j) * micro:(i + j + 1) * micro]) for j in range(length)]
+        losses = [
+            mse(
+                model,
+                x[(i + j) * micro : (i + j + 1) * micro],
+                y[(i + j) * micro : (i + j + 1) * micro],
+            )
+            for j in range(length)
+        ]
         (sum(losses) / length).backward()
         opt.step()
         i += length
@@ -87,7 +94,7 @@ def test_tail_window_is_averaged_over_its_real_length():
     updates = []
     for i in range(max_iters):
         with wrapper.optim_context(model):
-            loss = mse(model, x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])
+            loss = mse(model, x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro])
         wrapper.update_params(loss)
         updates.append(wrapper.should_update())
     assert updates == [False, False, False, True] * 2 + [False, True]
@@ -149,7 +156,8 @@ def test_grad_state_dict_round_trip():
         assert torch.equal(a.grad, b.grad) and a.grad is not b.grad
     with pytest.raises(ValueError, match='shape'):
         OptimWrapper(sgd(nn.Linear(2, 2).double())).load_grad_state_dict(
-            {'inner_count': 1, 'grads': {0: torch.zeros(3, 3)}})
+            {'inner_count': 1, 'grads': {0: torch.zeros(3, 3)}}
+        )
 
 
 def test_clip_grad_norm_matches_hand_loop_and_keeps_a_tensor():
@@ -159,13 +167,13 @@ def test_clip_grad_norm_matches_hand_loop_and_keeps_a_tensor():
     norms = []
     for i in range(4):
         ref_opt.zero_grad()
-        (mse(ref, x[4 * i:4 * i + 4], y[4 * i:4 * i + 4]) * 10).backward()
+        (mse(ref, x[4 * i : 4 * i + 4], y[4 * i : 4 * i + 4]) * 10).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.3))
         ref_opt.step()
     model = make_model()
     wrapper = OptimWrapper(sgd(model), clip_grad=dict(type='norm', max_norm=0.3))
     for i in range(4):
-        wrapper.update_params(mse(model, x[4 * i:4 * i + 4], y[4 * i:4 * i + 4]) * 10)
+        wrapper.update_params(mse(model, x[4 * i : 4 * i + 4], y[4 * i : 4 * i + 4]) * 10)
     assert isinstance(wrapper.last_grad_norm, torch.Tensor)
     torch.testing.assert_close(wrapper.last_grad_norm, norms[-1])
     assert norms[-1] > 0.3  # the clip was active
@@ -175,20 +183,25 @@ def test_clip_grad_norm_matches_hand_loop_and_keeps_a_tensor():
 def test_clip_grad_value():
     model = nn.Linear(3, 1, bias=False).double()
     nn.init.zeros_(model.weight)
-    wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=1.0),
-                           clip_grad=dict(type='value', clip_value=0.1))
+    wrapper = OptimWrapper(
+        torch.optim.SGD(model.parameters(), lr=1.0), clip_grad=dict(type='value', clip_value=0.1)
+    )
     x = torch.tensor([[1.0, -50.0, 0.05]], dtype=torch.float64)
     wrapper.update_params(model(x).sum())  # grad = x
-    torch.testing.assert_close(model.weight.detach(),
-                               torch.tensor([[-0.1, 0.1, -0.05]], dtype=torch.float64))
+    torch.testing.assert_close(
+        model.weight.detach(), torch.tensor([[-0.1, 0.1, -0.05]], dtype=torch.float64)
+    )
 
 
-@pytest.mark.parametrize('clip_grad, match', [
-    (dict(type='nrom', max_norm=1), "'norm'.*'value'"),
-    (dict(type='norm'), 'missing max_norm'),
-    (dict(type='value', clip_value=1, max_norm=2), 'unexpected max_norm'),
-    ([1.0], 'non-empty dict'),
-])
+@pytest.mark.parametrize(
+    'clip_grad, match',
+    [
+        (dict(type='nrom', max_norm=1), "'norm'.*'value'"),
+        (dict(type='norm'), 'missing max_norm'),
+        (dict(type='value', clip_value=1, max_norm=2), 'unexpected max_norm'),
+        ([1.0], 'non-empty dict'),
+    ],
+)
 def test_clip_grad_errors(clip_grad, match):
     with pytest.raises((ValueError, TypeError), match=match):
         OptimWrapper(sgd(make_model()), clip_grad=clip_grad)
@@ -209,6 +222,7 @@ def test_hot_path_has_no_host_sync_and_no_loss_division(monkeypatch):
 
     def no_sync(*a, **k):
         raise AssertionError('host sync in the hot path')
+
     for name in ('item', '__float__', '__bool__', 'tolist', 'cpu'):
         monkeypatch.setattr(torch.Tensor, name, no_sync)
     for _ in range(2):
@@ -300,8 +314,11 @@ def test_step_and_zero_kwargs_are_forwarded():
 
 def test_built_from_cfg_equals_direct():
     model = make_model()
-    cfg = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9), accumulative_counts=2,
-               clip_grad=dict(max_norm=1.0))
+    cfg = dict(
+        optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
+        accumulative_counts=2,
+        clip_grad=dict(max_norm=1.0),
+    )
     before = copy.deepcopy(cfg)
     wrapper = build_optim_wrapper(model, cfg)
     assert cfg == before
@@ -349,6 +366,7 @@ class WithUnused(nn.Module):
 @pytest.mark.parametrize('amp', [False, True], ids=['fp32', 'bf16'])
 def test_results_are_bit_identical_to_a_hand_written_loop(opt, accumulate, clip, amp):
     from stratagem.optim import AmpOptimWrapper
+
     x, y = (t.float() for t in make_data(40))
     iters = 8  # windows of 3: two complete, then a tail of 2 averaged over its real length
     kwargs = dict(lr=0.05, momentum=0.9) if opt == 'SGD' else dict(lr=0.01, weight_decay=0.1)
@@ -362,7 +380,7 @@ def test_results_are_bit_identical_to_a_hand_written_loop(opt, accumulate, clip,
     for i in range(iters):
         window = accumulate if i < iters // accumulate * accumulate else iters % accumulate
         with autocast():
-            loss = ((ref(x[4 * i:4 * i + 4]).float() - y[4 * i:4 * i + 4]) ** 2).mean()
+            loss = ((ref(x[4 * i : 4 * i + 4]).float() - y[4 * i : 4 * i + 4]) ** 2).mean()
         (loss / window if window > 1 else loss).backward()
         if (i + 1) % accumulate == 0 or i + 1 == iters:
             if clip is not None:
@@ -374,14 +392,21 @@ def test_results_are_bit_identical_to_a_hand_written_loop(opt, accumulate, clip,
     model = WithUnused()
     optimizer = getattr(torch.optim, opt)(model.parameters(), **kwargs)
     clip_grad = dict(max_norm=clip) if clip is not None else None
-    wrapper = (AmpOptimWrapper(optimizer=optimizer, dtype='bfloat16', accumulative_counts=accumulate,
-                               clip_grad=clip_grad) if amp else
-               OptimWrapper(optimizer, accumulative_counts=accumulate, clip_grad=clip_grad))
+    wrapper = (
+        AmpOptimWrapper(
+            optimizer=optimizer,
+            dtype='bfloat16',
+            accumulative_counts=accumulate,
+            clip_grad=clip_grad,
+        )
+        if amp
+        else OptimWrapper(optimizer, accumulative_counts=accumulate, clip_grad=clip_grad)
+    )
     wrapper.initialize_count_status(model, 0, iters)
     got = []
     for i in range(iters):
         with wrapper.optim_context(model):
-            loss = ((model(x[4 * i:4 * i + 4]).float() - y[4 * i:4 * i + 4]) ** 2).mean()
+            loss = ((model(x[4 * i : 4 * i + 4]).float() - y[4 * i : 4 * i + 4]) ** 2).mean()
         wrapper.update_params(loss)
         if wrapper.should_update():
             assert all(p.grad is None for p in model.parameters())  # as after zero_grad()
@@ -391,8 +416,9 @@ def test_results_are_bit_identical_to_a_hand_written_loop(opt, accumulate, clip,
         for n, (pa, pb) in enumerate(zip(a, b)):
             assert torch.equal(pa, pb), f'update {step}, parameter {n}'
     assert torch.equal(model.unused.weight, WithUnused().unused.weight)  # never stepped
-    for sa, sb in zip(optimizer.state_dict()['state'].values(),
-                      ref_opt.state_dict()['state'].values()):
+    for sa, sb in zip(
+        optimizer.state_dict()['state'].values(), ref_opt.state_dict()['state'].values()
+    ):
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert len(optimizer.state) == len(ref_opt.state) == 4  # no state for the unused layer
 
@@ -402,6 +428,7 @@ def test_gradient_memory_is_released_at_the_next_step_start():
     step starts (optim_context, or backward without one), where a hand-written loop's
     zero_grad() frees it, so the allocator sees the raw loop's order (benchmarks/overhead.py)."""
     import weakref
+
     x, y = make_data(8)
     model = make_model()
     wrapper = OptimWrapper(sgd(model))

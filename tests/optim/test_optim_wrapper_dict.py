@@ -19,20 +19,20 @@ def make_dict():
     gan = GAN()
     return gan, OptimWrapperDict(
         generator=OptimWrapper(torch.optim.SGD(gan.generator.parameters(), lr=0.1, momentum=0.5)),
-        discriminator=OptimWrapper(torch.optim.Adam(gan.discriminator.parameters(), lr=0.01)))
+        discriminator=OptimWrapper(torch.optim.Adam(gan.discriminator.parameters(), lr=0.01)),
+    )
 
 
 def test_logging_keys_and_access():
     _, wrappers = make_dict()
     assert wrappers.get_lr() == {'generator.lr': [0.1], 'discriminator.lr': [0.01]}
-    assert wrappers.get_momentum() == {'generator.momentum': [0.5],
-                                       'discriminator.momentum': [0.9]}
+    assert wrappers.get_momentum() == {'generator.momentum': [0.5], 'discriminator.momentum': [0.9]}
     assert list(wrappers.keys()) == ['generator', 'discriminator']
     assert len(wrappers) == 2 and 'generator' in wrappers
     assert isinstance(wrappers['generator'], OptimWrapper)
     assert [n for n, _ in wrappers.items()] == list(wrappers)
     assert set(wrappers.param_groups) == {'generator', 'discriminator'}
-    with pytest.raises(KeyError, match="names: generator, discriminator"):
+    with pytest.raises(KeyError, match='names: generator, discriminator'):
         wrappers['gen']
 
 
@@ -41,8 +41,11 @@ def test_step_and_zero_grad_over_all():
     x = torch.randn(2, 3)
     gan.discriminator(gan.generator(x)).sum().backward()
     before = [p.detach().clone() for p in gan.parameters()]
-    with pytest.raises(NotImplementedError, match=r"`step` should be called by each.*"
-                                                  r"optim_wrapper\['generator'\].step"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r'`step` should be called by each.*'
+        r"optim_wrapper\['generator'\].step",
+    ):
         wrappers.step()  # as in mmengine: each wrapper steps on its own
     assert all(torch.equal(a, b) for a, b in zip(gan.parameters(), before))
     for wrapper in wrappers.values():
@@ -77,8 +80,10 @@ def test_state_dict_per_name_round_trip(weights_only_roundtrip):
 
 def test_build_from_named_cfgs():
     gan = GAN()
-    cfg = dict(generator=dict(optimizer=dict(type='Adam', lr=1e-4, betas=(0.0, 0.999))),
-               discriminator=dict(optimizer=dict(type='SGD', lr=4e-4), accumulative_counts=2))
+    cfg = dict(
+        generator=dict(optimizer=dict(type='Adam', lr=1e-4, betas=(0.0, 0.999))),
+        discriminator=dict(optimizer=dict(type='SGD', lr=4e-4), accumulative_counts=2),
+    )
     before = copy.deepcopy(cfg)
     wrappers = build_optim_wrapper(gan, cfg)
     assert cfg == before
@@ -86,8 +91,9 @@ def test_build_from_named_cfgs():
     assert wrappers.get_lr() == {'generator.lr': [1e-4], 'discriminator.lr': [4e-4]}
     assert wrappers['discriminator'].accumulative_counts == 2
     assert wrappers['generator'].param_groups[0]['params'][0] is gan.generator.weight
-    via_constructor = build_optim_wrapper(gan, dict(constructor='MultiOptimWrapperConstructor',
-                                                    **cfg))
+    via_constructor = build_optim_wrapper(
+        gan, dict(constructor='MultiOptimWrapperConstructor', **cfg)
+    )
     assert list(via_constructor) == ['generator', 'discriminator']
 
 

@@ -12,4 +12,5 @@ def test_every_torch_optimizer_is_registered():
 def test_zero_is_our_mmengine_style_subclass():
     zero = OPTIMIZERS.get('ZeroRedundancyOptimizer')  # imports torch.distributed.optim quietly
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
+
     assert issubclass(zero, TorchZeRO) and zero.__module__ == 'stratagem.optim.zero'

@@ -23,15 +23,21 @@ def make_model():
 
 def test_zero_built_from_cfg_matches_adamw(single_rank_group, weights_only_roundtrip):
     x = torch.randn(8, 4)
-    paramwise = dict(norm_decay_mult=0., bias_decay_mult=0.)
+    paramwise = dict(norm_decay_mult=0.0, bias_decay_mult=0.0)
     ref = make_model()
-    ref_w = build_optim_wrapper(ref, dict(optimizer=dict(type='AdamW', lr=0.01,
-                                                         weight_decay=0.1),
-                                          paramwise_cfg=paramwise))
+    ref_w = build_optim_wrapper(
+        ref, dict(optimizer=dict(type='AdamW', lr=0.01, weight_decay=0.1), paramwise_cfg=paramwise)
+    )
     model = make_model()
-    wrapper = build_optim_wrapper(model, dict(
-        optimizer=dict(type='ZeroRedundancyOptimizer', optimizer_type='AdamW', lr=0.01,
-                       weight_decay=0.1), paramwise_cfg=paramwise))
+    wrapper = build_optim_wrapper(
+        model,
+        dict(
+            optimizer=dict(
+                type='ZeroRedundancyOptimizer', optimizer_type='AdamW', lr=0.01, weight_decay=0.1
+            ),
+            paramwise_cfg=paramwise,
+        ),
+    )
     assert type(wrapper.optimizer).__name__ == 'ZeroRedundancyOptimizer'
     for m, w in ((ref, ref_w), (model, wrapper)):
         for _ in range(3):
@@ -44,6 +50,7 @@ def test_zero_built_from_cfg_matches_adamw(single_rank_group, weights_only_round
 
 def test_zero_needs_a_process_group_and_an_optimizer():
     from stratagem.optim import ZeroRedundancyOptimizer
+
     params = list(make_model().parameters())
     with pytest.raises(ValueError, match='exactly one of optimizer_type'):
         ZeroRedundancyOptimizer(params)

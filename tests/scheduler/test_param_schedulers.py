@@ -1,4 +1,5 @@
 """Value tables: every scheduler against closed forms computed here, two param groups."""
+
 from __future__ import annotations
 
 import io
@@ -7,10 +8,23 @@ import math
 import pytest
 import torch
 
-from stratagem.scheduler import (INF, ConstantLR, CosineAnnealingLR, CosineAnnealingMomentum,
-                                 CosineRestartLR, ExponentialLR, ExponentialMomentum, LinearLR,
-                                 MultiStepLR, MultiStepMomentum, OneCycleLR, PolyLR,
-                                 PolyParamScheduler, StepLR, StepMomentum)
+from stratagem.scheduler import (
+    INF,
+    ConstantLR,
+    CosineAnnealingLR,
+    CosineAnnealingMomentum,
+    CosineRestartLR,
+    ExponentialLR,
+    ExponentialMomentum,
+    LinearLR,
+    MultiStepLR,
+    MultiStepMomentum,
+    OneCycleLR,
+    PolyLR,
+    PolyParamScheduler,
+    StepLR,
+    StepMomentum,
+)
 
 BASE = (0.1, 0.02)  # two groups with different base lr
 N = 12  # steps checked
@@ -48,23 +62,28 @@ def cosine(t: float, T: float, lo: float = 0.0) -> float:
 # (cfg builder, closed-form factor of the base value at step t)
 TABLES = {
     'step': (lambda o: StepLR(o, step_size=3, gamma=0.5), lambda t: 0.5 ** (t // 3)),
-    'multistep': (lambda o: MultiStepLR(o, milestones=[2, 5, 5, 9], gamma=0.1),
-                  lambda t: 0.1 ** sum(m <= t for m in [2, 5, 5, 9])),
-    'constant': (lambda o: ConstantLR(o, factor=0.25, end=5),
-                 lambda t: 0.25 if t < 4 else 1.0),
-    'exponential': (lambda o: ExponentialLR(o, gamma=0.8), lambda t: 0.8 ** t),
-    'cosine': (lambda o: CosineAnnealingLR(o, T_max=10, eta_min_ratio=0.1),
-               lambda t: cosine(t, 10, 0.1)),
-    'cosine_default_tmax': (lambda o: CosineAnnealingLR(o, end=8),
-                            lambda t: cosine(min(t, 7), 8)),
-    'linear': (lambda o: LinearLR(o, start_factor=0.2, end_factor=0.9, end=6),
-               lambda t: 0.2 + 0.7 * min(t, 5) / 5),
-    'poly': (lambda o: PolyLR(o, power=2.0, end=11),
-             lambda t: (1 - min(t, 10) / 10) ** 2),
-    'restart': (lambda o: CosineRestartLR(o, periods=[4, 6], restart_weights=[1, 0.5],
-                                          eta_min_ratio=0.0),
-                lambda t: cosine(t, 4) if t < 4 else 0.5 * cosine(t - 4, 6) if t < 10
-                else 0.5 * cosine(5, 6)),
+    'multistep': (
+        lambda o: MultiStepLR(o, milestones=[2, 5, 5, 9], gamma=0.1),
+        lambda t: 0.1 ** sum(m <= t for m in [2, 5, 5, 9]),
+    ),
+    'constant': (lambda o: ConstantLR(o, factor=0.25, end=5), lambda t: 0.25 if t < 4 else 1.0),
+    'exponential': (lambda o: ExponentialLR(o, gamma=0.8), lambda t: 0.8**t),
+    'cosine': (
+        lambda o: CosineAnnealingLR(o, T_max=10, eta_min_ratio=0.1),
+        lambda t: cosine(t, 10, 0.1),
+    ),
+    'cosine_default_tmax': (lambda o: CosineAnnealingLR(o, end=8), lambda t: cosine(min(t, 7), 8)),
+    'linear': (
+        lambda o: LinearLR(o, start_factor=0.2, end_factor=0.9, end=6),
+        lambda t: 0.2 + 0.7 * min(t, 5) / 5,
+    ),
+    'poly': (lambda o: PolyLR(o, power=2.0, end=11), lambda t: (1 - min(t, 10) / 10) ** 2),
+    'restart': (
+        lambda o: CosineRestartLR(o, periods=[4, 6], restart_weights=[1, 0.5], eta_min_ratio=0.0),
+        lambda t: (
+            cosine(t, 4) if t < 4 else 0.5 * cosine(t - 4, 6) if t < 10 else 0.5 * cosine(5, 6)
+        ),
+    ),
 }
 
 
@@ -96,9 +115,17 @@ def test_poly_eta_min():
 def test_one_cycle(three_phase, strategy):
     opt = make_opt()
     total, pct, div, final = 20, 0.25, 10.0, 100.0
-    s = OneCycleLR(opt, eta_max=[0.5, 0.1], total_steps=total, pct_start=pct,
-                   anneal_strategy=strategy, div_factor=div, final_div_factor=final,
-                   three_phase=three_phase, by_epoch=False)
+    s = OneCycleLR(
+        opt,
+        eta_max=[0.5, 0.1],
+        total_steps=total,
+        pct_start=pct,
+        anneal_strategy=strategy,
+        div_factor=div,
+        final_div_factor=final,
+        three_phase=three_phase,
+        by_epoch=False,
+    )
     vals = run([s], opt, steps=total)
 
     def anneal(a, b, p):
@@ -145,8 +172,9 @@ def test_sgd_momentum_and_adam_betas():
             assert opt.param_groups[0]['betas'][1] == 0.999
     opt = make_opt('Adam', momentum=0.95)
     vals = run([CosineAnnealingMomentum(opt, T_max=6, eta_min=0.85)], opt, steps=7, key='betas0')
-    assert vals[1] == pytest.approx([0.85 + 0.1 * (1 + math.cos(math.pi * t / 6)) / 2
-                                     for t in range(7)])
+    assert vals[1] == pytest.approx(
+        [0.85 + 0.1 * (1 + math.cos(math.pi * t / 6)) / 2 for t in range(7)]
+    )
 
 
 def test_momentum_needs_momentum_or_betas():
@@ -156,6 +184,7 @@ def test_momentum_needs_momentum_or_betas():
 
 
 # --- composition and windows --------------------------------------------------------------
+
 
 def test_begin_end_window_leaves_values_alone():
     opt = make_opt()
@@ -177,16 +206,17 @@ def test_warmup_overlapping_cosine_multiplies():
     warm = LinearLR(opt, start_factor=0.25, end=5)
     cos = CosineAnnealingLR(opt, T_max=10, end=10)
     # eta_min=0 makes the chainable cosine a pure ratio, so the two factors multiply
-    check(run([warm, cos], opt, steps=10),
-          lambda t: (0.25 + 0.75 * min(t, 4) / 4) * cosine(t, 10))
+    check(run([warm, cos], opt, steps=10), lambda t: (0.25 + 0.75 * min(t, 4) / 4) * cosine(t, 10))
 
 
 def test_warmup_with_multistep():
     opt = make_opt()
     warm = LinearLR(opt, start_factor=0.5, end=4)
     steps = MultiStepLR(opt, milestones=[2, 6], gamma=0.1)
-    check(run([warm, steps], opt, steps=9),
-          lambda t: (0.5 + 0.5 * min(t, 3) / 3) * 0.1 ** sum(m <= t for m in [2, 6]))
+    check(
+        run([warm, steps], opt, steps=9),
+        lambda t: (0.5 + 0.5 * min(t, 3) / 3) * 0.1 ** sum(m <= t for m in [2, 6]),
+    )
 
 
 def test_initial_lr_recorded_once_and_last_value():
@@ -200,10 +230,14 @@ def test_initial_lr_recorded_once_and_last_value():
 
 # --- state dicts ------------------------------------------------------------------------
 
+
 def _build_all(opt):
-    return [LinearLR(opt, start_factor=0.1, end=3), MultiStepLR(opt, milestones=[4, 7]),
-            CosineRestartLR(opt, periods=[5, 5], restart_weights=[1, 0.5], eta_min=0.001),
-            MultiStepMomentum(opt, milestones=[5], gamma=0.5)]
+    return [
+        LinearLR(opt, start_factor=0.1, end=3),
+        MultiStepLR(opt, milestones=[4, 7]),
+        CosineRestartLR(opt, periods=[5, 5], restart_weights=[1, 0.5], eta_min=0.001),
+        MultiStepMomentum(opt, milestones=[5], gamma=0.5),
+    ]
 
 
 def test_state_dict_round_trip_mid_schedule():
@@ -211,8 +245,7 @@ def test_state_dict_round_trip_mid_schedule():
     scheds = _build_all(opt)
     run(scheds, opt, steps=5)
     buf = io.BytesIO()
-    torch.save({'optimizer': opt.state_dict(), 'schedulers': [s.state_dict() for s in scheds]},
-               buf)
+    torch.save({'optimizer': opt.state_dict(), 'schedulers': [s.state_dict() for s in scheds]}, buf)
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)  # plain values only: no optimizer, no functions
     for sd in ckpt['schedulers']:
@@ -242,6 +275,7 @@ def test_one_cycle_state_dict_is_plain():
 
 # --- errors ----------------------------------------------------------------------------
 
+
 def test_errors_name_scheduler_and_argument():
     opt = make_opt()
     with pytest.raises(ValueError, match=r'LinearLR: end \(5\) must be greater than begin \(5\)'):
@@ -256,9 +290,9 @@ def test_errors_name_scheduler_and_argument():
         CosineRestartLR(opt, periods=[2])
     with pytest.raises(ValueError, match="OneCycleLR: anneal_strategy must be 'cos'"):
         OneCycleLR(opt, eta_max=0.1, total_steps=5, anneal_strategy='exp')
-    with pytest.raises(KeyError, match="initial_lr"):
+    with pytest.raises(KeyError, match='initial_lr'):
         StepLR(make_opt(), step_size=1, last_step=3)
-    assert INF == int(1e9)
+    assert int(1e9) == INF
 
 
 class _DuckWrapper:

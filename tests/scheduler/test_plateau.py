@@ -1,4 +1,5 @@
 """ReduceOnPlateau driven by a metric sequence, against a hand-worked table."""
+
 from __future__ import annotations
 
 import io
@@ -38,17 +39,31 @@ def test_reduces_after_patience():
 
 def test_cooldown_min_value_and_greater_rule():
     opt = make_opt()
-    s = ReduceOnPlateauLR(opt, monitor='acc', rule='greater', factor=0.1, patience=0,
-                          cooldown=1, min_value=[0.005, 0.001], threshold=0.01,
-                          threshold_rule='abs')
+    s = ReduceOnPlateauLR(
+        opt,
+        monitor='acc',
+        rule='greater',
+        factor=0.1,
+        patience=0,
+        cooldown=1,
+        min_value=[0.005, 0.001],
+        threshold=0.01,
+        threshold_rule='abs',
+    )
     got = []
     for acc in [0.5, 0.505, 0.51, 0.6, 0.6, 0.6]:
         s.step({'acc': acc})
         got.append([g['lr'] for g in opt.param_groups])
     # .5 best | .505 not > .51: reduce (x0.1, clamped), cooldown 1 | .51 in cooldown (bad
     # ignored) | .6 best | .6 bad: reduce again (already at the floor for group 1) | cooldown
-    expected = [[0.1, 0.02], [0.01, 0.002], [0.01, 0.002], [0.01, 0.002], [0.005, 0.001],
-                [0.005, 0.001]]
+    expected = [
+        [0.1, 0.02],
+        [0.01, 0.002],
+        [0.01, 0.002],
+        [0.01, 0.002],
+        [0.005, 0.001],
+        [0.005, 0.001],
+    ]
     assert got == [pytest.approx(row) for row in expected]
 
 
@@ -67,8 +82,11 @@ def test_momentum_variant_drives_betas_and_state_is_plain():
 
 def test_metric_errors_name_scheduler_and_monitor():
     s = ReduceOnPlateauLR(make_opt(), monitor='val/mAP')
-    with pytest.raises(KeyError, match=r"ReduceOnPlateauLR: monitor 'val/mAP' is not in the "
-                                       r"metrics.*\['loss'\]"):
+    with pytest.raises(
+        KeyError,
+        match=r"ReduceOnPlateauLR: monitor 'val/mAP' is not in the "
+        r"metrics.*\['loss'\]",
+    ):
         s.step({'loss': 1.0})
     with pytest.raises(TypeError, match='ReduceOnPlateauLR: metrics must be a dict'):
         s.step(0.5)

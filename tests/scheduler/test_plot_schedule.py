@@ -1,4 +1,5 @@
 """``stratagem plot-schedule``: a PNG, a terminal chart, the fallback and the errors."""
+
 from __future__ import annotations
 
 import sys
@@ -40,8 +41,12 @@ def test_png(config, tmp_path, capsys):
 
 
 def test_ascii(config, capsys):
-    assert main(['plot-schedule', str(config), '--epoch-length', '10', '--ascii',
-                 '--max-iters', '100']) == 0
+    assert (
+        main(
+            ['plot-schedule', str(config), '--epoch-length', '10', '--ascii', '--max-iters', '100']
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert 'learning rate' in text and 'momentum' in text and 'epoch' in text
     assert text.count('*') > 100 and '0.02 |' in text
@@ -59,9 +64,11 @@ def test_config_errors(config, tmp_path, capsys):
     assert main(['plot-schedule', str(config), '--ascii']) == 2
     assert '--epoch-length' in capsys.readouterr().err
     bad = tmp_path / 'bad.py'
-    bad.write_text("optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.1))\n"
-                   "param_scheduler = [dict(type='CosineLR')]\n"
-                   "train_cfg = dict(by_epoch=False, max_iters=10)\n")
+    bad.write_text(
+        "optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.1))\n"
+        "param_scheduler = [dict(type='CosineLR')]\n"
+        'train_cfg = dict(by_epoch=False, max_iters=10)\n'
+    )
     assert main(['plot-schedule', str(bad), '--ascii']) == 2
     assert "unknown type 'CosineLR'" in capsys.readouterr().err
 

@@ -1,4 +1,5 @@
 """fvcore-style schedules, LRMultiplier and detectron2's build_lr_scheduler, by value table."""
+
 from __future__ import annotations
 
 import io
@@ -8,11 +9,22 @@ import math
 import pytest
 import torch
 
-from stratagem.scheduler import (CompositeSchedule, ConstantSchedule, CosineSchedule,
-                                 ScheduleEndedError, ScheduleRangeError, StepSchedule,
-                                 ExponentialSchedule, LinearSchedule, LRMultiplier,
-                                 MultiStepSchedule, PolynomialDecaySchedule,
-                                 StepWithFixedGammaSchedule, WarmupSchedule, build_lr_scheduler)
+from stratagem.scheduler import (
+    CompositeSchedule,
+    ConstantSchedule,
+    CosineSchedule,
+    ExponentialSchedule,
+    LinearSchedule,
+    LRMultiplier,
+    MultiStepSchedule,
+    PolynomialDecaySchedule,
+    ScheduleEndedError,
+    ScheduleRangeError,
+    StepSchedule,
+    StepWithFixedGammaSchedule,
+    WarmupSchedule,
+    build_lr_scheduler,
+)
 
 BASE = (0.1, 0.02)
 WHERES = [i / 10 for i in range(10)]
@@ -34,32 +46,41 @@ def run(sched, opt, steps):
 def test_simple_schedules():
     assert [ConstantSchedule(0.3)(w) for w in WHERES] == [0.3] * 10
     assert [CosineSchedule(1.0, 0.1)(w) for w in WHERES] == pytest.approx(
-        [0.1 + 0.45 * (1 + math.cos(math.pi * w)) for w in WHERES])
+        [0.1 + 0.45 * (1 + math.cos(math.pi * w)) for w in WHERES]
+    )
     assert [LinearSchedule(0.0, 2.0)(w) for w in WHERES] == pytest.approx([2 * w for w in WHERES])
     assert [ExponentialSchedule(2.0, 0.02)(w) for w in WHERES] == pytest.approx(
-        [2.0 * 0.02 ** w for w in WHERES])
+        [2.0 * 0.02**w for w in WHERES]
+    )
     assert [PolynomialDecaySchedule(0.1, 2)(w) for w in WHERES] == pytest.approx(
-        [0.1 * (1 - w) ** 2 for w in WHERES])
+        [0.1 * (1 - w) ** 2 for w in WHERES]
+    )
 
 
 def test_multistep_and_fixed_gamma():
     s = MultiStepSchedule([1, 0.1, 0.01], num_updates=90, milestones=[30, 60])
-    same = [MultiStepSchedule([1, 0.1, 0.01], num_updates=90),
-            MultiStepSchedule([1, 0.1, 0.01], milestones=[3, 6, 9])]
+    same = [
+        MultiStepSchedule([1, 0.1, 0.01], num_updates=90),
+        MultiStepSchedule([1, 0.1, 0.01], milestones=[3, 6, 9]),
+    ]
     table = {0: 1, 29: 1, 30: 0.1, 59: 0.1, 60: 0.01, 89: 0.01}
     for it, value in table.items():
         assert s(it / 90) == value
         assert all(o(it / 90) == value for o in same)
     f = StepWithFixedGammaSchedule(base_value=0.1, num_decays=3, gamma=0.1, num_updates=120)
     assert [f(e / 120) for e in (0, 29, 30, 59, 60, 89, 90, 119)] == pytest.approx(
-        [0.1, 0.1, 0.01, 0.01, 0.001, 0.001, 1e-4, 1e-4])
+        [0.1, 0.1, 0.01, 0.01, 0.001, 0.001, 1e-4, 1e-4]
+    )
     with pytest.raises(ValueError, match='MultiStepSchedule: milestones must be increasing'):
         MultiStepSchedule([1, 0.1, 0.01], num_updates=90, milestones=[60, 30])
 
 
 def test_composite_and_warmup():
-    c = CompositeSchedule([ConstantSchedule(0.42), CosineSchedule(0.42, 1e-4)],
-                          lengths=[0.3, 0.7], interval_scaling=['rescaled', 'rescaled'])
+    c = CompositeSchedule(
+        [ConstantSchedule(0.42), CosineSchedule(0.42, 1e-4)],
+        lengths=[0.3, 0.7],
+        interval_scaling=['rescaled', 'rescaled'],
+    )
     assert c(0.0) == c(0.29) == 0.42
     assert c(0.65) == pytest.approx(1e-4 + 0.5 * (0.42 - 1e-4) * (1 + math.cos(math.pi * 0.5)))
     inner = CosineSchedule(1.0, 0.0)
@@ -77,8 +98,9 @@ def test_composite_and_warmup():
 
 def test_lr_multiplier_and_state_dict():
     opt = make_opt()
-    sched = LRMultiplier(opt, MultiStepSchedule([1, 0.5, 0.25], num_updates=6,
-                                                milestones=[2, 4]), max_iter=6)
+    sched = LRMultiplier(
+        opt, MultiStepSchedule([1, 0.5, 0.25], num_updates=6, milestones=[2, 4]), max_iter=6
+    )
     got = run(sched, opt, 3)
     assert [row[1] for row in got] == pytest.approx([0.02, 0.02, 0.01])
     buf = io.BytesIO()
@@ -89,8 +111,9 @@ def test_lr_multiplier_and_state_dict():
     expected = run(sched, opt, 3)
 
     opt2 = make_opt()
-    sched2 = LRMultiplier(opt2, MultiStepSchedule([1, 0.5, 0.25], num_updates=6,
-                                                  milestones=[2, 4]), max_iter=6)
+    sched2 = LRMultiplier(
+        opt2, MultiStepSchedule([1, 0.5, 0.25], num_updates=6, milestones=[2, 4]), max_iter=6
+    )
     opt2.load_state_dict(ckpt['optimizer'])  # carries the lr of iteration 3
     sched2.load_state_dict(ckpt['scheduler'])
     assert run(sched2, opt2, 3) == expected
@@ -100,8 +123,14 @@ def test_lr_multiplier_and_state_dict():
 
 
 def _solver(**kw):
-    base = dict(MAX_ITER=10, BASE_LR=0.1, WARMUP_FACTOR=0.1, WARMUP_ITERS=3,
-                WARMUP_METHOD='linear', GAMMA=0.1)
+    base = dict(
+        MAX_ITER=10,
+        BASE_LR=0.1,
+        WARMUP_FACTOR=0.1,
+        WARMUP_ITERS=3,
+        WARMUP_METHOD='linear',
+        GAMMA=0.1,
+    )
     base.update(kw)
     return base
 
@@ -109,13 +138,21 @@ def _solver(**kw):
 def test_build_lr_scheduler_multistep_drops_late_steps(caplog):
     opt = make_opt()
     with caplog.at_level(logging.WARNING, logger='stratagem.scheduler.multiplier'):
-        sched = build_lr_scheduler(_solver(LR_SCHEDULER_NAME='WarmupMultiStepLR',
-                                           STEPS=(4, 7, 20)), opt)
+        sched = build_lr_scheduler(
+            _solver(LR_SCHEDULER_NAME='WarmupMultiStepLR', STEPS=(4, 7, 20)), opt
+        )
     assert 'larger than SOLVER.MAX_ITER' in caplog.text
     got = [row[0] for row in run(sched, opt, 10)]
     # warm-up: 0.1 * (1 - a) + a with a = t / 3, then gamma at 4 and 7 (20 dropped)
-    expected = [0.1 * (0.1 * (1 - t / 3) + t / 3) for t in range(3)] + \
-        [0.1, 0.01, 0.01, 0.01, 0.001, 0.001, 0.001]
+    expected = [0.1 * (0.1 * (1 - t / 3) + t / 3) for t in range(3)] + [
+        0.1,
+        0.01,
+        0.01,
+        0.01,
+        0.001,
+        0.001,
+        0.001,
+    ]
     assert got == pytest.approx(expected)
 
 
@@ -127,29 +164,40 @@ def test_build_lr_scheduler_cosine_and_rescale():
     def cos(w):
         return 0.01 + 0.5 * 0.99 * (1 + math.cos(math.pi * w))
 
-    expected = [0.1 * (1 - t / 2) + cos(0.2) * t / 2 for t in range(2)] + \
-        [cos(t / 10) for t in range(2, 10)]
+    expected = [0.1 * (1 - t / 2) + cos(0.2) * t / 2 for t in range(2)] + [
+        cos(t / 10) for t in range(2, 10)
+    ]
     assert got == pytest.approx([0.02 * e for e in expected])
 
     opt = make_opt()
-    got = [row[0] for row in run(build_lr_scheduler(dict(solver, RESCALE_INTERVAL=True), opt),
-                                 opt, 10)]
-    expected = [0.1 * (1 - t / 2) + 1.0 * t / 2 for t in range(2)] + \
-        [cos((t - 2) / 8) for t in range(2, 10)]
+    got = [
+        row[0] for row in run(build_lr_scheduler(dict(solver, RESCALE_INTERVAL=True), opt), opt, 10)
+    ]
+    expected = [0.1 * (1 - t / 2) + 1.0 * t / 2 for t in range(2)] + [
+        cos((t - 2) / 8) for t in range(2, 10)
+    ]
     assert got == pytest.approx([0.1 * e for e in expected])
 
 
 def test_build_lr_scheduler_fixed_gamma_and_errors():
     opt = make_opt()
-    solver = _solver(LR_SCHEDULER_NAME='WarmupStepWithFixedGammaLR', GAMMA=0.5, NUM_DECAYS=3,
-                     MAX_ITER=12, WARMUP_ITERS=0)
+    solver = _solver(
+        LR_SCHEDULER_NAME='WarmupStepWithFixedGammaLR',
+        GAMMA=0.5,
+        NUM_DECAYS=3,
+        MAX_ITER=12,
+        WARMUP_ITERS=0,
+    )
     sched = build_lr_scheduler(solver, opt)
     got = [row[0] for row in run(sched, opt, 11)] + [opt.param_groups[0]['lr']]
     assert got == pytest.approx([0.1 * 0.5 ** min(t // 3, 3) for t in range(12)])
     # the step after the last iteration evaluates where=1: fvcore's IndexError (detectron2's
     # guard against stepping past MAX_ITER), as a ScheduleEndedError naming the schedule
-    with pytest.raises(IndexError, match='StepWithFixedGammaSchedule: where must be in '
-                                         r'\[0, 1\), got 1.0') as info:
+    with pytest.raises(
+        IndexError,
+        match='StepWithFixedGammaSchedule: where must be in '
+        r'\[0, 1\), got 1.0',
+    ) as info:
         sched.step()
     assert isinstance(info.value, ScheduleEndedError) and isinstance(info.value, ValueError)
     with pytest.raises(ValueError, match="unknown SOLVER.LR_SCHEDULER_NAME 'WarmupPolyLR'"):

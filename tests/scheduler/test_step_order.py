@@ -1,5 +1,6 @@
 """The first scheduler.step() warns when the optimizer has not stepped (torch's and mmengine's
 warning, with the how-to-adjust-learning-rate link), and only then."""
+
 import warnings
 
 import pytest
@@ -29,8 +30,9 @@ def _no_warning(fn):
 def test_scheduler_before_optimizer_warns_once():
     _, opt = _sgd()
     sched = StepLR(opt, step_size=1, gamma=0.5)
-    with pytest.warns(UserWarning,
-                      match=f'StepLR.step\\(\\) was called before optimizer.step\\(\\).*{LINK}'):
+    with pytest.warns(
+        UserWarning, match=f'StepLR.step\\(\\) was called before optimizer.step\\(\\).*{LINK}'
+    ):
         sched.step()
     _no_warning(sched.step)  # only the first step is checked
     assert opt.param_groups[0]['lr'] == pytest.approx(0.025)
@@ -79,10 +81,11 @@ def test_argument_errors_are_value_and_assertion_errors():
 
 def test_replaying_schedules_on_resume_does_not_warn():
     from stratagem.scheduler.base import replay_schedulers
+
     _, opt = _sgd()
     sched = StepLR(opt, step_size=2, gamma=0.5, by_epoch=False)
     _no_warning(lambda: replay_schedulers([sched], num_iters=5))
-    assert opt.param_groups[0]['lr'] == pytest.approx(0.1 * 0.5 ** 2)
+    assert opt.param_groups[0]['lr'] == pytest.approx(0.1 * 0.5**2)
     with pytest.warns(UserWarning, match=LINK):  # the check is back on afterwards
         StepLR(opt, step_size=1).step()
 

@@ -8,6 +8,7 @@ batches drawn from torch's global RNG, up to iteration K (saving a checkpoint
 there), optionally resuming first. Writes weights, the lr trace (iteration ->
 lr) and the next RNG draw to OUT.
 """
+
 import argparse
 import sys
 
@@ -28,19 +29,32 @@ def main() -> None:
     parser.add_argument('--resume')
     args = parser.parse_args()
     torch.set_num_threads(1)
-    strategy = SingleDeviceStrategy(work_dir=args.work_dir,
-                                    env_kwargs=dict(randomness=dict(seed=1234)))
+    strategy = SingleDeviceStrategy(
+        work_dir=args.work_dir, env_kwargs=dict(randomness=dict(seed=1234))
+    )
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
     model, optim_wrapper, schedulers = strategy.prepare(
         model,
-        optim_wrapper=dict(type='AmpOptimWrapper', dtype='bfloat16', accumulative_counts=3,
-                           optimizer=dict(type='SGD', lr=0.2, momentum=0.9),
-                           clip_grad=dict(type='norm', max_norm=0.5)),
+        optim_wrapper=dict(
+            type='AmpOptimWrapper',
+            dtype='bfloat16',
+            accumulative_counts=3,
+            optimizer=dict(type='SGD', lr=0.2, momentum=0.9),
+            clip_grad=dict(type='norm', max_norm=0.5),
+        ),
         param_scheduler=[
             dict(type='LinearLR', start_factor=0.1, by_epoch=False, begin=0, end=6),
-            dict(type='CosineAnnealingLR', by_epoch=False, begin=6, end=MAX_ITERS, T_max=15,
-                 eta_min=0.01)],
-        dispatch_kwargs=dict(max_iters=MAX_ITERS))
+            dict(
+                type='CosineAnnealingLR',
+                by_epoch=False,
+                begin=6,
+                end=MAX_ITERS,
+                T_max=15,
+                eta_min=0.01,
+            ),
+        ],
+        dispatch_kwargs=dict(max_iters=MAX_ITERS),
+    )
     start = 0
     if args.resume:
         start = strategy.resume(args.resume)['meta']['iter']
@@ -56,8 +70,15 @@ def main() -> None:
             s.step()
     if args.stop < MAX_ITERS:
         strategy.save_checkpoint(f'iter_{args.stop}.pth', extra_ckpt={'meta': {'iter': args.stop}})
-    torch.save({'state_dict': model.state_dict(), 'lrs': lrs, 'next_draw': torch.rand(4),
-                'skipped': getattr(optim_wrapper, 'skipped_steps', None)}, args.out)
+    torch.save(
+        {
+            'state_dict': model.state_dict(),
+            'lrs': lrs,
+            'next_draw': torch.rand(4),
+            'skipped': getattr(optim_wrapper, 'skipped_steps', None),
+        },
+        args.out,
+    )
 
 
 if __name__ == '__main__':

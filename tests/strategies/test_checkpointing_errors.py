@@ -3,20 +3,17 @@
 Each case asserts the message (file, key, what the file holds) and that the model, the
 optimizer and every file in the work dir are unchanged afterwards.
 """
+
 import os
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from workdir_snapshot import assert_unchanged, snapshot  # noqa: E402
-
-from stratagem import checkpoint as ckpt  # noqa: E402
-from stratagem.strategies import SingleDeviceStrategy  # noqa: E402
+from stratagem import checkpoint as ckpt
+from stratagem.strategies import SingleDeviceStrategy
+from workdir_snapshot import assert_unchanged, snapshot
 
 OPTIM = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
 
@@ -28,15 +25,19 @@ def _net(width=8):
 
 def _prepared(work_dir, width=8, schedulers=1, optim=OPTIM):
     s = SingleDeviceStrategy(work_dir=str(work_dir), env_kwargs=dict(randomness=dict(seed=1)))
-    out = s.prepare(_net(width), optim_wrapper=optim,
-                    param_scheduler=[dict(type='ConstantLR')] * schedulers,
-                    dispatch_kwargs=dict(max_iters=10))
+    out = s.prepare(
+        _net(width),
+        optim_wrapper=optim,
+        param_scheduler=[dict(type='ConstantLR')] * schedulers,
+        dispatch_kwargs=dict(max_iters=10),
+    )
     return s, out[0], out[1]
 
 
 def _state(model, optim_wrapper):
     """Model tensors and the optimizer state, as bytes: comparable with ==."""
     import io
+
     buffer = io.BytesIO()
     torch.save({'model': model.state_dict(), 'optim': optim_wrapper.state_dict()}, buffer)
     return buffer.getvalue()
@@ -54,8 +55,10 @@ def test_foreign_layouts_load_and_a_file_matching_nothing_is_an_error(tmp_path):
     files = tmp_path / 'files'
     files.mkdir()
     torch.save({'model': src.state_dict(), 'optimizer': {}, 'epoch': 3}, files / 'tutorial.pth')
-    torch.save({'model_state_dict': {f'module.{k}': v for k, v in src.state_dict().items()}},
-               files / 'ddp.pth')
+    torch.save(
+        {'model_state_dict': {f'module.{k}': v for k, v in src.state_dict().items()}},
+        files / 'ddp.pth',
+    )
     torch.save({'epoch': 3, 'weights': src.state_dict()}, files / 'weights.pth')
     torch.save({'backbone.w': torch.ones(2)}, files / 'other.pth')
     warnings.simplefilter('ignore', ckpt.UnverifiedCheckpointWarning)
@@ -73,8 +76,10 @@ def test_foreign_layouts_load_and_a_file_matching_nothing_is_an_error(tmp_path):
     with pytest.raises(ckpt.StateDictMismatchError) as info:
         s.load_checkpoint(str(files / 'other.pth'))
     message = str(info.value)
-    assert f'{files / "other.pth"} (a bare state dict): none of its 1 entries matches ' \
-           'Sequential, so nothing was loaded' in message
+    assert (
+        f'{files / "other.pth"} (a bare state dict): none of its 1 entries matches '
+        'Sequential, so nothing was loaded' in message
+    )
     assert '0.weight' in message and 'backbone.w' in message
     assert _state(model, ow) == before
     assert_unchanged(files, before_files, allow_log=False)
@@ -106,10 +111,13 @@ def test_resume_of_another_run_changes_nothing(tmp_path):
     """A checkpoint of another model, optimizer grouping or scheduler list is refused before
     the model, the optimizer or the RNG are touched."""
     others = []
-    for i, kw in enumerate([dict(width=9),
-                            dict(optim={**OPTIM, 'paramwise_cfg': dict(
-                                custom_keys={'0.': dict(lr_mult=0.1)})}),
-                            dict(schedulers=2)]):
+    for i, kw in enumerate(
+        [
+            dict(width=9),
+            dict(optim={**OPTIM, 'paramwise_cfg': dict(custom_keys={'0.': dict(lr_mult=0.1)})}),
+            dict(schedulers=2),
+        ]
+    ):
         o, om, oow = _prepared(tmp_path / f'other{i}', **kw)
         _step(om, oow)
         others.append(o.save_checkpoint('iter_1.pth', extra_ckpt={'meta': {'iter': 1}}))
@@ -121,8 +129,11 @@ def test_resume_of_another_run_changes_nothing(tmp_path):
     with pytest.raises(ckpt.StateDictMismatchError, match='cannot resume') as info:
         s.resume(others[0])
     assert all(e in str(info.value) for e in expected) and others[0] in str(info.value)
-    with pytest.raises(ValueError, match=r'its optimizer has param groups of sizes \[2, 2\], '
-                                         r'this run builds \[4\]'):
+    with pytest.raises(
+        ValueError,
+        match=r'its optimizer has param groups of sizes \[2, 2\], '
+        r'this run builds \[4\]',
+    ):
         s.resume(others[1])
     with pytest.raises(ValueError, match='holds 2 param scheduler state'):
         s.resume(others[2])

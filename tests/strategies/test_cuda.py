@@ -1,4 +1,5 @@
 """CUDA paths of the strategies (skipped without a GPU; CI has none — run these on a device)."""
+
 import pytest
 import torch
 from torch import nn
@@ -6,8 +7,10 @@ from torch.nn import functional as F
 
 from stratagem.strategies import SingleDeviceStrategy
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device'),
+]
 
 
 def _train(strategy, model, ow, scheds, start, stop):
@@ -23,11 +26,21 @@ def _train(strategy, model, ow, scheds, start, stop):
 def _build(work_dir):
     s = SingleDeviceStrategy(work_dir=str(work_dir), env_kwargs=dict(randomness=dict(seed=3)))
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
-    return (s, *s.prepare(model, optim_wrapper=dict(
-        type='AmpOptimWrapper', dtype='float16', accumulative_counts=2,
-        optimizer=dict(type='SGD', lr=0.1, momentum=0.9), clip_grad=dict(max_norm=1.0)),
-        param_scheduler=[dict(type='LinearLR', start_factor=0.5, by_epoch=False, end=4)],
-        dispatch_kwargs=dict(max_iters=9)))
+    return (
+        s,
+        *s.prepare(
+            model,
+            optim_wrapper=dict(
+                type='AmpOptimWrapper',
+                dtype='float16',
+                accumulative_counts=2,
+                optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
+                clip_grad=dict(max_norm=1.0),
+            ),
+            param_scheduler=[dict(type='LinearLR', start_factor=0.5, by_epoch=False, end=4)],
+            dispatch_kwargs=dict(max_iters=9),
+        ),
+    )
 
 
 def test_fp16_resume_on_cuda_with_default_map_location_is_exact(tmp_path):
@@ -54,13 +67,21 @@ def _ddp_nccl_one_rank(work_dir):
     import copy
 
     from stratagem.strategies import DDPStrategy
+
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
     ref = copy.deepcopy(net).cuda()
-    s = DDPStrategy(work_dir=work_dir, sync_bn='torch', env_kwargs=dict(
-        dist_cfg=dict(backend='nccl'), randomness=dict(seed=1)))
-    model, ow = s.prepare(net, optim_wrapper=dict(
-        type='AmpOptimWrapper', dtype='float16', optimizer=dict(type='SGD', lr=0.1)))
+    s = DDPStrategy(
+        work_dir=work_dir,
+        sync_bn='torch',
+        env_kwargs=dict(dist_cfg=dict(backend='nccl'), randomness=dict(seed=1)),
+    )
+    model, ow = s.prepare(
+        net,
+        optim_wrapper=dict(
+            type='AmpOptimWrapper', dtype='float16', optimizer=dict(type='SGD', lr=0.1)
+        ),
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler('cuda')
     g = torch.Generator(device='cuda').manual_seed(0)
@@ -77,16 +98,23 @@ def _ddp_nccl_one_rank(work_dir):
         scaler.update()
         ref_opt.zero_grad()
     inner = model.module
-    diff = max((a.float() - b.float()).abs().max().item()
-               for a, b in zip(inner.parameters(), ref.parameters()))
+    diff = max(
+        (a.float() - b.float()).abs().max().item()
+        for a, b in zip(inner.parameters(), ref.parameters())
+    )
     path = s.save_checkpoint('iter_4.pth', extra_ckpt={'meta': {'iter': 4}})
-    return {'backend': torch.distributed.get_backend(), 'device': str(next(
-        inner.parameters()).device), 'sync_bn': type(inner[1]).__name__, 'diff': diff,
-        'path': path}
+    return {
+        'backend': torch.distributed.get_backend(),
+        'device': str(next(inner.parameters()).device),
+        'sync_bn': type(inner[1]).__name__,
+        'diff': diff,
+        'path': path,
+    }
 
 
 def test_ddp_with_nccl_fp16_and_sync_bn_matches_a_plain_cuda_loop(tmp_path):
     from dist_harness import run_distributed
+
     (r,) = run_distributed(_ddp_nccl_one_rank, nproc=1, args=(str(tmp_path),), timeout=180)
     assert r['backend'] == 'nccl' and r['device'] == 'cuda:0'
     assert r['sync_bn'] == 'SyncBatchNorm'

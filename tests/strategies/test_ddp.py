@@ -3,6 +3,7 @@
 Processes are started twice for the whole module: once for the checks and the first half of
 a run, once to resume it in new processes.
 """
+
 import os
 import subprocess
 import sys
@@ -12,20 +13,24 @@ import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import RankFailure, run_distributed  # noqa: E402
-
-from stratagem.strategies import SingleDeviceStrategy  # noqa: E402
+from dist_harness import RankFailure, run_distributed
+from stratagem.strategies import SingleDeviceStrategy
 
 MAX_ITERS = 10
 _SEEDS = []  # (this rank's seed, the configured seed) of each _resume_run, per process
 # accumulation 3, clipping, warmup then cosine by iteration: the resume run's components
 _RESUME_COMPONENTS = dict(
-    optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
-                       accumulative_counts=3, clip_grad=dict(type='norm', max_norm=1.0)),
-    param_scheduler=[dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=4),
-                     dict(type='CosineAnnealingLR', by_epoch=False, begin=4, T_max=6)],
-    dispatch_kwargs=dict(max_iters=MAX_ITERS))
+    optim_wrapper=dict(
+        optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
+        accumulative_counts=3,
+        clip_grad=dict(type='norm', max_norm=1.0),
+    ),
+    param_scheduler=[
+        dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=4),
+        dict(type='CosineAnnealingLR', by_epoch=False, begin=4, T_max=6),
+    ],
+    dispatch_kwargs=dict(max_iters=MAX_ITERS),
+)
 STOP = 5  # mid accumulation window (windows of 3: [0,3), [3,6), ...)
 
 
@@ -38,6 +43,7 @@ def _net(dropout: float = 0.0) -> nn.Module:
 
 def _strategy(work_dir, **kwargs):
     from stratagem.strategies import build_strategy
+
     kwargs.setdefault('env_kwargs', dict(randomness=dict(seed=11)))
     return build_strategy(dict(type='auto', work_dir=str(work_dir), **kwargs))
 
@@ -45,6 +51,7 @@ def _strategy(work_dir, **kwargs):
 def _resume_run(work_dir, stop, resume=None):
     """Accumulation 3, dropout, per-rank seeds, per-rank batches from the global RNG."""
     from torch.nn import functional as F
+
     s = _strategy(work_dir, env_kwargs=dict(randomness=dict(seed=5, diff_rank_seed=True)))
     model, ow, scheds = s.prepare(_net(dropout=0.25), **_RESUME_COMPONENTS)
     start = s.resume(resume)['meta']['iter'] if resume else 0
@@ -63,22 +70,34 @@ def _resume_run(work_dir, stop, resume=None):
 
 
 def _checks(tmp):
-    """Runs in each of 2 ranks; returns a dict of measured values."""
-    import torch.distributed as dist
-    from torch.nn import functional as F
-    from stratagem import env
-    from stratagem.strategies import DDPStrategy
+    """Runs in each of 2 ranks; returns a dict of measured values (the checks below, in order)."""
     out = {}
+    s = _ddp_equals_one_process(tmp, out)
+    _no_sync_one_allreduce_per_update(tmp, out, s.world_size)
+    _sync_bn_statistics_over_both_ranks(tmp, out, s.rank)
+    _checkpoint_loadable_on_every_rank(s, out)
+    _zero_redundancy_equals_adam(tmp, out, s.rank)
+    _two_optim_wrappers_mid_window(tmp, out, s.rank)
+    out['seeds'] = (s.seed, s.randomness['seed'])
+    _resume_run_first_half(tmp, out, s.rank)
+    return out
+
+
+def _ddp_equals_one_process(tmp, out):
+    """Returns the strategy: the checkpoint check saves its model."""
+    from torch.nn import functional as F
+
     # -- 1. DDP training equals one process on the concatenated batch
     s = _strategy(os.path.join(tmp, 'eq'))
     out['type'] = type(s).__name__
     out['seed'], out['timestamp'] = s.seed, s.timestamp
-    rank, world = s.rank, s.world_size
+    rank = s.rank
     torch.manual_seed(0)
     ref = _net()
     init = {k: v.clone() for k, v in ref.state_dict().items()}
-    model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.5,
-                                                                     momentum=0.9)))
+    model, ow = s.prepare(
+        _net(), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.5, momentum=0.9))
+    )
     s.model.module.load_state_dict(init)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
     g = torch.Generator().manual_seed(1)
@@ -91,14 +110,23 @@ def _checks(tmp):
         ref_opt.zero_grad()
         F.cross_entropy(ref(x), y).backward()
         ref_opt.step()
-    out['max_diff'] = max((a - b).abs().max().item() for a, b in
-                          zip(s.model.module.parameters(), ref.parameters()))
+    out['max_diff'] = max(
+        (a - b).abs().max().item() for a, b in zip(s.model.module.parameters(), ref.parameters())
+    )
+    return s
+
+
+def _no_sync_one_allreduce_per_update(tmp, out, world):
+    """Counts the all-reduces of each iteration."""
+    import torch.distributed as dist
 
     # -- 2. no_sync accumulation: one all-reduce per update iteration
     s2 = _strategy(os.path.join(tmp, 'acc'), model_wrapper=dict(bucket_cap_mb=100))
-    model, ow = s2.prepare(_net(), optim_wrapper=dict(
-        optimizer=dict(type='SGD', lr=0.1), accumulative_counts=2),
-        dispatch_kwargs=dict(max_iters=6))
+    model, ow = s2.prepare(
+        _net(),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1), accumulative_counts=2),
+        dispatch_kwargs=dict(max_iters=6),
+    )
     calls = []
 
     def counting_hook(state, bucket):
@@ -115,6 +143,11 @@ def _checks(tmp):
         ow.update_params(loss)
         per_iter.append(len(calls) - before)
     out['allreduce_per_iter'] = per_iter
+
+
+def _sync_bn_statistics_over_both_ranks(tmp, out, rank):
+    """Also: a model that a host trainer wrapped is kept."""
+    from stratagem.strategies import DDPStrategy
 
     # -- 3. sync_bn: statistics over both ranks' data
     s3 = DDPStrategy(work_dir=os.path.join(tmp, 'bn'), sync_bn='torch')
@@ -139,8 +172,10 @@ def _checks(tmp):
     half = slice(rank * 4, rank * 4 + 4)
     (bn2(full[half]) * target[half]).mean().backward()
     (ref(full) * target).mean().backward()
-    out['sync_bn_grad_diff'] = max((a.grad - b.grad).abs().max().item() for a, b in
-                                   zip(s4.model.module.parameters(), ref.parameters()))
+    out['sync_bn_grad_diff'] = max(
+        (a.grad - b.grad).abs().max().item()
+        for a, b in zip(s4.model.module.parameters(), ref.parameters())
+    )
     # far from zero mean, statistics in float32 must not cancel: compare with float64
     s5 = DDPStrategy(work_dir=os.path.join(tmp, 'bn3'), sync_bn='torch')
     bn3 = s5.prepare(nn.BatchNorm1d(3))  # weight 1, bias 0: the plain normalisation
@@ -150,9 +185,13 @@ def _checks(tmp):
     out['sync_bn_far_diff'] = (bn3(far[half]).double() - want[half]).abs().max().item()
     # a model a host trainer already wrapped is used as it is
     from torch.nn.parallel import DistributedDataParallel
+
     pre = DistributedDataParallel(nn.Linear(2, 2))
     out['prewrapped_kept'] = DDPStrategy(work_dir=os.path.join(tmp, 'pre')).prepare(pre) is pre
 
+
+def _checkpoint_loadable_on_every_rank(s, out):
+    """Saves the first check's strategy."""
     # -- 4. a checkpoint written by rank 0, loadable on every rank
     path = s.save_checkpoint('ddp.pth', extra_ckpt={'meta': {'iter': 4}})
     out['path'] = path
@@ -161,10 +200,17 @@ def _checks(tmp):
     out['n_rng_states'] = len(ck['rng_states'])
     out['state_keys_plain'] = all(not k.startswith('module.') for k in ck['state_dict'])
 
+
+def _zero_redundancy_equals_adam(tmp, out, rank):
+    """Three steps of each, same data."""
     # -- 5. ZeroRedundancyOptimizer from config: same steps as a plain Adam under DDP
     sz = _strategy(os.path.join(tmp, 'zero'))
-    zmodel, zow = sz.prepare(_net(), optim_wrapper=dict(optimizer=dict(
-        type='ZeroRedundancyOptimizer', optimizer_type='Adam', lr=0.01)))
+    zmodel, zow = sz.prepare(
+        _net(),
+        optim_wrapper=dict(
+            optimizer=dict(type='ZeroRedundancyOptimizer', optimizer_type='Adam', lr=0.01)
+        ),
+    )
     sp = _strategy(os.path.join(tmp, 'plain'))
     pmodel, pow_ = sp.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.01)))
     sp.model.module.load_state_dict(sz.model.module.state_dict())
@@ -175,10 +221,16 @@ def _checks(tmp):
                 loss = m(x).square().mean()
             o.update_params(loss)
     out['zero_type'] = type(zow.optimizer).__name__
-    out['zero_max_diff'] = max((a - b).abs().max().item() for a, b in zip(
-        sz.model.module.parameters(), sp.model.module.parameters()))
+    out['zero_max_diff'] = max(
+        (a - b).abs().max().item()
+        for a, b in zip(sz.model.module.parameters(), sp.model.module.parameters())
+    )
     zpath = sz.save_checkpoint('zero.pth')  # consolidates the shards: a collective
     out['zero_ckpt_has_state'] = bool(torch.load(zpath, weights_only=True)['optimizer']['state'])
+
+
+def _two_optim_wrappers_mid_window(tmp, out, rank):
+    """Saves after one micro-batch of a 2-iteration window."""
 
     # -- 6. two optim wrappers, saved mid accumulation window: every rank's own grads back
     def two_heads():
@@ -187,11 +239,16 @@ def _checks(tmp):
 
     def build_two(sub):
         st = _strategy(os.path.join(tmp, sub))
-        m, o = st.prepare(two_heads(), optim_wrapper=dict(
-            a=dict(optimizer=dict(type='SGD', lr=0.1), accumulative_counts=2),
-            b=dict(optimizer=dict(type='SGD', lr=0.1), accumulative_counts=2)),
-            dispatch_kwargs=dict(max_iters=4))
+        m, o = st.prepare(
+            two_heads(),
+            optim_wrapper=dict(
+                a=dict(optimizer=dict(type='SGD', lr=0.1), accumulative_counts=2),
+                b=dict(optimizer=dict(type='SGD', lr=0.1), accumulative_counts=2),
+            ),
+            dispatch_kwargs=dict(max_iters=4),
+        )
         return st, m, o
+
     st, m, o = build_two('two')
     x = torch.full((2, 3), float(rank + 1))
     with m.no_sync():
@@ -202,11 +259,16 @@ def _checks(tmp):
     two_path = st.save_checkpoint('two.pth', extra_ckpt={'meta': {'iter': 1}})
     st2, m2, o2 = build_two('two')
     st2.resume(two_path)
-    out['two_grads_restored'] = all(torch.equal(p.grad, g) for k in 'ab' for p, g in
-                                    zip(m2.module[k].parameters(), own[k]))
+    out['two_grads_restored'] = all(
+        torch.equal(p.grad, g) for k in 'ab' for p, g in zip(m2.module[k].parameters(), own[k])
+    )
     out['two_inner'] = [w.inner_count for w in o2.values()]
     out['two_path'] = two_path
-    out['seeds'] = (s.seed, s.randomness['seed'])
+
+
+def _resume_run_first_half(tmp, out, rank):
+    """Also runs the whole run, the oracle of the resumed one."""
+    from stratagem import env
 
     # -- 7. the first half of the resume run (fresh strategy, same process group)
     weights, _, path = _resume_run(os.path.join(tmp, 'resume'), STOP)
@@ -215,11 +277,11 @@ def _checks(tmp):
     torch.save({'weights': full, 'draw': draw}, os.path.join(tmp, f'full_rank{rank}.pt'))
     out['world'] = env.get_world_size()
     out['diff_rank_seeds'] = _SEEDS[-1]
-    return out
 
 
 def _resume_second_half(tmp, ckpt_path):
     from stratagem import env
+
     weights, draw, _ = _resume_run(os.path.join(tmp, 'resume'), MAX_ITERS, resume=ckpt_path)
     full = torch.load(os.path.join(tmp, f'full_rank{env.get_rank()}.pt'), weights_only=True)
     equal = all(torch.equal(weights[k], full['weights'][k]) for k in weights)
@@ -284,6 +346,7 @@ def test_diff_rank_seed_keeps_a_shared_configured_seed(results):
 
 def test_world_size_change_mid_window_continues_from_mean_grads(results, tmp_path):
     from stratagem.optim import OptimWrapper
+
     _, (r0, _) = results
     ck = torch.load(r0['resume_ckpt'], weights_only=True)
     s = SingleDeviceStrategy(work_dir=str(tmp_path))
@@ -299,7 +362,8 @@ def test_world_size_change_mid_window_continues_from_mean_grads(results, tmp_pat
 
 def test_mmengine_wrapper_type_is_refused_with_a_reason():
     from stratagem.strategies import DDPStrategy
-    with pytest.raises(ValueError, match="MMDistributedDataParallel.*train_step"):
+
+    with pytest.raises(ValueError, match='MMDistributedDataParallel.*train_step'):
         DDPStrategy(model_wrapper=dict(type='MMDistributedDataParallel'))
 
 
@@ -321,8 +385,9 @@ def test_resume_in_new_processes_is_exact_per_rank(results):
     tmp, (r0, _) = results
     ck = torch.load(r0['resume_ckpt'], weights_only=True)
     assert 'partial_grads' in ck and len(ck['partial_grads']) == 2  # saved mid-window
-    second = run_distributed(_resume_second_half, nproc=2, args=(tmp, r0['resume_ckpt']),
-                             timeout=120)
+    second = run_distributed(
+        _resume_second_half, nproc=2, args=(tmp, r0['resume_ckpt']), timeout=120
+    )
     assert second == [{'weights_equal': True, 'draw_equal': True}] * 2
 
 
@@ -340,6 +405,7 @@ def test_ddp_checkpoint_loads_in_single_device_with_world_size_warning(results, 
 
 def _raise_on_rank1():
     from stratagem import env
+
     env.init_dist('pytorch')
     if env.get_rank() == 1:
         raise ValueError('rank 1 broke on purpose')
@@ -358,10 +424,26 @@ def test_stratagem_train_nproc_2(tmp_path):
     work = tmp_path / 'work'
     env = dict(os.environ, OMP_NUM_THREADS='1')
     proc = subprocess.run(
-        [sys.executable, '-m', 'stratagem', 'train', str(cfg), '--nproc', '2', '--work-dir',
-         str(work), '--cfg-options', 'train_cfg.max_iters=12', 'train_cfg.checkpoint_interval=6',
-         'train_dataloader.dataset.num_samples=256'],
-        capture_output=True, text=True, timeout=240, env=env)
+        [
+            sys.executable,
+            '-m',
+            'stratagem',
+            'train',
+            str(cfg),
+            '--nproc',
+            '2',
+            '--work-dir',
+            str(work),
+            '--cfg-options',
+            'train_cfg.max_iters=12',
+            'train_cfg.checkpoint_interval=6',
+            'train_dataloader.dataset.num_samples=256',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ck = torch.load(work / 'iter_12.pth', weights_only=True)
     assert ck['meta']['world_size'] == 2 and ck['meta']['strategy'] == 'DDPStrategy'

@@ -7,6 +7,7 @@ and every check runs inside them, several engines per process: DeepSpeed JIT-bui
 communication op once per machine (~30-60 s cold, cached in ~/.cache/torch_extensions).
 Optimizers are torch's (a DeepSpeed-config optimizer would JIT-build fused_adam).
 """
+
 import os
 import pickle
 import shutil
@@ -19,17 +20,23 @@ from torch import nn
 
 pytest.importorskip('deepspeed', reason='DeepSpeed is an optional extra (stratagem[deepspeed])')
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import RankFailure, run_distributed  # noqa: E402
+from dist_harness import RankFailure, run_distributed
 
 MAX_ITERS = 10
 SAVE_AT = 6  # a window boundary (windows of 3: [0,3) [3,6) [6,9) [9,10))
 _COMPONENTS = dict(
-    optim_wrapper=dict(type='DeepSpeedOptimWrapper', optimizer=dict(type='Adam', lr=0.05),
-                       accumulative_counts=3, clip_grad=dict(type='norm', max_norm=0.5)),
-    param_scheduler=[dict(type='LinearLR', start_factor=0.25, by_epoch=False, end=4),
-                     dict(type='CosineAnnealingLR', by_epoch=False, begin=4, T_max=6)],
-    dispatch_kwargs=dict(max_iters=MAX_ITERS, train_micro_batch_size_per_gpu=4))
+    optim_wrapper=dict(
+        type='DeepSpeedOptimWrapper',
+        optimizer=dict(type='Adam', lr=0.05),
+        accumulative_counts=3,
+        clip_grad=dict(type='norm', max_norm=0.5),
+    ),
+    param_scheduler=[
+        dict(type='LinearLR', start_factor=0.25, by_epoch=False, end=4),
+        dict(type='CosineAnnealingLR', by_epoch=False, begin=4, T_max=6),
+    ],
+    dispatch_kwargs=dict(max_iters=MAX_ITERS, train_micro_batch_size_per_gpu=4),
+)
 
 
 def _net() -> nn.Module:
@@ -45,6 +52,7 @@ def _batch(it: int, world: int = 2):
 
 def _strategy(work_dir, **kwargs):
     from stratagem.strategies import build_strategy
+
     kwargs.setdefault('env_kwargs', dict(randomness=dict(seed=7)))
     return build_strategy(dict(type='DeepSpeedStrategy', work_dir=str(work_dir), **kwargs))
 
@@ -61,17 +69,25 @@ def _oracle(iters, accumulative_counts=1, clip=None, lr=0.05, schedulers=True, s
     """One process, the whole batch, stratagem's OptimWrapper: the numerical reference.
     Returns (weights, lrs used at each update, pre-clip norms at each update)."""
     from torch.nn import functional as F
+
     from stratagem.optim import OptimWrapper
     from stratagem.scheduler import build_param_schedulers
+
     model = _net()
     if start is not None:
         model.load_state_dict(start)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    ow = OptimWrapper(opt, accumulative_counts=accumulative_counts,
-                      clip_grad=None if clip is None else dict(max_norm=clip))
+    ow = OptimWrapper(
+        opt,
+        accumulative_counts=accumulative_counts,
+        clip_grad=None if clip is None else dict(max_norm=clip),
+    )
     ow.initialize_count_status(model, 0, iters)
-    scheds = build_param_schedulers(_COMPONENTS['param_scheduler'], ow, max_iters=iters) \
-        if schedulers else []
+    scheds = (
+        build_param_schedulers(_COMPONENTS['param_scheduler'], ow, max_iters=iters)
+        if schedulers
+        else []
+    )
     lrs, norms = [], []
     opt.register_step_pre_hook(lambda o, *a: lrs.append(o.param_groups[0]['lr']))
     for it in range(iters):
@@ -86,6 +102,7 @@ def _oracle(iters, accumulative_counts=1, clip=None, lr=0.05, schedulers=True, s
 
 def _train(s, model, ow, scheds, start, stop, rank, updates=None):
     from torch.nn import functional as F
+
     for it in range(start, stop):
         x, y = _batch(it)
         half = slice(rank * 4, rank * 4 + 4)
@@ -101,24 +118,38 @@ def _train(s, model, ow, scheds, start, stop, rank, updates=None):
 def _checks(tmp):
     """Runs in each of 2 ranks; returns measured values."""
     import deepspeed
+
     from stratagem.checkpoint import CheckpointCorruptError
+
     out = {}
     # -- 1. ZeRO 0-3, fp32, torch Adam: equal to one process on the whole batch
     ref, _, _ = _oracle(3, schedulers=False)
     for stage in (0, 1, 2, 3):
         s = _strategy(os.path.join(tmp, f'z{stage}'), zero_optimization=dict(stage=stage))
-        model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05)),
-                              dispatch_kwargs=dict(train_micro_batch_size_per_gpu=4))
+        model, ow = s.prepare(
+            _net(),
+            optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05)),
+            dispatch_kwargs=dict(train_micro_batch_size_per_gpu=4),
+        )
         _train(s, model, ow, [], 0, 3, s.rank)
         out[f'zero{stage}_diff'] = _max_diff(_full_weights(s), ref)
-        out[f'zero{stage}_gas_clip'] = (s.model.gradient_accumulation_steps(),
-                                        s.model.gradient_clipping())
+        out[f'zero{stage}_gas_clip'] = (
+            s.model.gradient_accumulation_steps(),
+            s.model.gradient_clipping(),
+        )
         out['rank'], out['world'] = s.rank, s.world_size
     # -- 2. bf16 (ZeRO-2) runs, close to fp32
-    s = _strategy(os.path.join(tmp, 'bf16'), zero_optimization=dict(stage=2),
-                  bf16=dict(enabled=True), inputs_to_half=[0])
-    model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05)),
-                          dispatch_kwargs=dict(train_micro_batch_size_per_gpu=4))
+    s = _strategy(
+        os.path.join(tmp, 'bf16'),
+        zero_optimization=dict(stage=2),
+        bf16=dict(enabled=True),
+        inputs_to_half=[0],
+    )
+    model, ow = s.prepare(
+        _net(),
+        optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05)),
+        dispatch_kwargs=dict(train_micro_batch_size_per_gpu=4),
+    )
     _train(s, model, ow, [], 0, 3, s.rank)
     out['bf16_dtype'] = str(next(s.model.module.parameters()).dtype)
     out['bf16_diff'] = _max_diff(_full_weights(s), ref)
@@ -131,22 +162,29 @@ def _checks(tmp):
         ow.optimizer.register_step_pre_hook(lambda o, *a: lrs.append(o.param_groups[0]['lr']))
         norms = []
         _train(s, model, ow, scheds, 0, MAX_ITERS, s.rank, norms)
-        out[f'acc{stage}'] = dict(diff=_max_diff(_full_weights(s), want),
-                                  updates=s.model.global_steps, lrs=lrs, norms=norms,
-                                  inner=ow.inner_count)
+        out[f'acc{stage}'] = dict(
+            diff=_max_diff(_full_weights(s), want),
+            updates=s.model.global_steps,
+            lrs=lrs,
+            norms=norms,
+            inner=ow.inner_count,
+        )
     out['oracle'] = dict(lrs=want_lrs, norms=want_norms)
     # zero_grad inside a window drops its partial gradients, as OptimWrapper's does
     from torch.nn import functional as F
+
     from stratagem.optim import OptimWrapper
+
     ref_model = _net()
-    ref_ow = OptimWrapper(torch.optim.Adam(ref_model.parameters(), lr=0.05),
-                          accumulative_counts=3)
+    ref_ow = OptimWrapper(torch.optim.Adam(ref_model.parameters(), lr=0.05), accumulative_counts=3)
     ref_ow.initialize_count_status(ref_model, 0, 3)
     for stage in (0, 2, 3):
         s = _strategy(os.path.join(tmp, f'zg{stage}'), zero_optimization=dict(stage=stage))
-        model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05),
-                                                         accumulative_counts=3),
-                              dispatch_kwargs=dict(max_iters=3, train_micro_batch_size_per_gpu=4))
+        model, ow = s.prepare(
+            _net(),
+            optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05), accumulative_counts=3),
+            dispatch_kwargs=dict(max_iters=3, train_micro_batch_size_per_gpu=4),
+        )
         pairs = [(model, ow, slice(s.rank * 4, s.rank * 4 + 4))]
         if stage == 0:
             pairs.append((ref_model, ref_ow, slice(None)))
@@ -161,11 +199,16 @@ def _checks(tmp):
                         out[f'zero_grad{stage}'] = str(e)
         out.setdefault(f'zero_grad{stage}', _max_diff(_full_weights(s), ref_model.state_dict()))
     # auto_scale_lr (mmengine's DeepSpeedStrategy never applies it): real batch 2 ranks x 4 x 3
-    s = _strategy(os.path.join(tmp, 'scale'), zero_optimization=dict(stage=1),
-                  auto_scale_lr=dict(enable=True, base_batch_size=8))
-    model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05),
-                                                     accumulative_counts=3),
-                          dispatch_kwargs=dict(max_iters=3, train_micro_batch_size_per_gpu=4))
+    s = _strategy(
+        os.path.join(tmp, 'scale'),
+        zero_optimization=dict(stage=1),
+        auto_scale_lr=dict(enable=True, base_batch_size=8),
+    )
+    model, ow = s.prepare(
+        _net(),
+        optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05), accumulative_counts=3),
+        dispatch_kwargs=dict(max_iters=3, train_micro_batch_size_per_gpu=4),
+    )
     used = []
     ow.optimizer.register_step_pre_hook(lambda o, *a: used.append(o.param_groups[0]['lr']))
     _train(s, model, ow, [], 0, 3, s.rank)
@@ -173,29 +216,50 @@ def _checks(tmp):
     # -- 4. disagreeing DeepSpeed settings raise, naming both values
     errors = {}
     for key, kwargs, wrapper in (
-            ('gas', dict(gradient_accumulation_steps=2), dict(accumulative_counts=3)),
-            ('clip', dict(config=dict(gradient_clipping=1.0)), {}),
-            ('clip2', dict(gradient_clipping=0.3), dict(clip_grad=dict(max_norm=0.5))),
-            ('micro', dict(train_micro_batch_size_per_gpu=8), {}),
-            ('type', {}, dict(type='AmpOptimWrapper'))):
+        ('gas', dict(gradient_accumulation_steps=2), dict(accumulative_counts=3)),
+        ('clip', dict(config=dict(gradient_clipping=1.0)), {}),
+        ('clip2', dict(gradient_clipping=0.3), dict(clip_grad=dict(max_norm=0.5))),
+        ('micro', dict(train_micro_batch_size_per_gpu=8), {}),
+        ('type', {}, dict(type='AmpOptimWrapper')),
+    ):
         s = _strategy(os.path.join(tmp, 'bad'), zero_optimization=dict(stage=2), **kwargs)
         try:
-            s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.1), **wrapper),
-                      dispatch_kwargs=dict(max_iters=4, train_micro_batch_size_per_gpu=4))
+            s.prepare(
+                _net(),
+                optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.1), **wrapper),
+                dispatch_kwargs=dict(max_iters=4, train_micro_batch_size_per_gpu=4),
+            )
         except (ValueError, TypeError) as e:
             errors[key] = str(e)
     out['errors'] = errors
     # -- 5. an mmengine DeepSpeedStrategy config builds (fp16 -> bf16 on this CPU) and trains
-    s = _strategy(os.path.join(tmp, 'mm'), bf16=dict(enabled=True), inputs_to_half=[0],
-                  zero_optimization=dict(stage=3, allgather_partitions=True,
-                                         reduce_scatter=True, allgather_bucket_size=50000000,
-                                         reduce_bucket_size=50000000, overlap_comm=True,
-                                         contiguous_gradients=True, cpu_offload=False),
-                  gradient_accumulation_steps=2, steps_per_print=100,
-                  exclude_frozen_parameters=False)
-    model, ow = s.prepare(_net(), optim_wrapper=dict(
-        type='DeepSpeedOptimWrapper', optimizer=dict(type='AdamW', lr=1e-3),
-        accumulative_counts=2), dispatch_kwargs=dict(max_iters=4))
+    s = _strategy(
+        os.path.join(tmp, 'mm'),
+        bf16=dict(enabled=True),
+        inputs_to_half=[0],
+        zero_optimization=dict(
+            stage=3,
+            allgather_partitions=True,
+            reduce_scatter=True,
+            allgather_bucket_size=50000000,
+            reduce_bucket_size=50000000,
+            overlap_comm=True,
+            contiguous_gradients=True,
+            cpu_offload=False,
+        ),
+        gradient_accumulation_steps=2,
+        steps_per_print=100,
+        exclude_frozen_parameters=False,
+    )
+    model, ow = s.prepare(
+        _net(),
+        optim_wrapper=dict(
+            type='DeepSpeedOptimWrapper',
+            optimizer=dict(type='AdamW', lr=1e-3),
+            accumulative_counts=2,
+        ),
+        dispatch_kwargs=dict(max_iters=4),
+    )
     _train(s, model, ow, [], 0, 4, s.rank)
     out['mm_updates'] = s.model.global_steps
 
@@ -222,25 +286,39 @@ def _checks(tmp):
         rng_resumed = torch.rand(2)
         _train(b, model, ow, scheds, SAVE_AT, MAX_ITERS, b.rank)
         out[f'resume{stage}'] = dict(
-            path=path, iter=state['meta']['iter'], listing=sorted(os.listdir(path)),
+            path=path,
+            iter=state['meta']['iter'],
+            listing=sorted(os.listdir(path)),
             exact=all(torch.equal(final_a[k], v) for k, v in _full_weights(b).items()),
-            rng=torch.equal(rng_after_save, rng_resumed), lr=ow.get_lr()['lr'][0],
-            updates=b.model.global_steps, saved=saved, final=final_a,
-            work_listing=sorted(os.listdir(work)))
+            rng=torch.equal(rng_after_save, rng_resumed),
+            lr=ow.get_lr()['lr'][0],
+            updates=b.model.global_steps,
+            saved=saved,
+            final=final_a,
+            work_listing=sorted(os.listdir(work)),
+        )
     # weights only, from the directory, into a fresh ZeRO-2 engine: the fp32 master copy
     # follows (an update with lr 0 keeps them)
     c = _strategy(os.path.join(tmp, 'load'), zero_optimization=dict(stage=2))
-    model, ow = c.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.0)),
-                          dispatch_kwargs=dict(train_micro_batch_size_per_gpu=4))
+    model, ow = c.prepare(
+        _net(),
+        optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.0)),
+        dispatch_kwargs=dict(train_micro_batch_size_per_gpu=4),
+    )
     c.load_checkpoint(out['resume2']['path'])
     loaded = _full_weights(c)
     _train(c, model, ow, [], 0, 1, c.rank)
-    out['load_only'] = (_max_diff(loaded, out['resume2']['saved']),
-                        _max_diff(_full_weights(c), out['resume2']['saved']))
+    out['load_only'] = (
+        _max_diff(loaded, out['resume2']['saved']),
+        _max_diff(_full_weights(c), out['resume2']['saved']),
+    )
     # -- 7. tampering: refused on every rank before DeepSpeed unpickles anything
     src = out['resume2']['path']
-    cases = {'flipped': os.path.join(tmp, 'flipped'), 'payload': os.path.join(tmp, 'payload'),
-             'foreign': os.path.join(tmp, 'foreign')}
+    cases = {
+        'flipped': os.path.join(tmp, 'flipped'),
+        'payload': os.path.join(tmp, 'payload'),
+        'foreign': os.path.join(tmp, 'foreign'),
+    }
     if a.rank == 0:
         for where in cases.values():
             shutil.copytree(src, where)
@@ -274,34 +352,41 @@ def _optim_values(s):
     padding (uninitialised memory; collective under ZeRO-3): fp32 master weights and Adam's
     moments, then the step count of each partition."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
     link = getattr(s.model.optimizer, '_lazy_init_hp_params_optimizer_state', None)
     if link is not None:  # ZeRO-1/2 make these views at the first step; a resumed engine
-        link()            # has not stepped yet (so a reader resumes only once)
+        link()  # has not stepped yet (so a reader resumes only once)
     found = []
     for param in s.model.module.parameters():
         found.append(safe_get_full_fp32_param(param).clone())
-        found += [safe_get_full_optimizer_state(param, key).clone()
-                  for key in ('exp_avg', 'exp_avg_sq')]
+        found += [
+            safe_get_full_optimizer_state(param, key).clone() for key in ('exp_avg', 'exp_avg_sq')
+        ]
     return found + [float(state['step']) for state in s.model.optimizer.optimizer.state.values()]
 
 
 def _snap(s):
     """What a resume must restore: weights, optimizer state, schedulers, counters (every
     rank; ZeRO-3 gathers the weights)."""
-    return dict(weights=_full_weights(s), optim=_optim_values(s),
-                sched=s.scheduler_state_dict(), wrapper=s.optim_wrapper.state_dict(),
-                steps=(s.model.global_steps, s.model.global_samples),
-                lr=[g['lr'] for g in s.optim_wrapper.param_groups])
+    return dict(
+        weights=_full_weights(s),
+        optim=_optim_values(s),
+        sched=s.scheduler_state_dict(),
+        wrapper=s.optim_wrapper.state_dict(),
+        steps=(s.model.global_steps, s.model.global_samples),
+        lr=[g['lr'] for g in s.optim_wrapper.param_groups],
+    )
 
 
 def _diff(a, b):
     """The parts of two ``_snap``s that differ (bit-exact); [] when equal."""
     bad = [k for k in a['weights'] if not torch.equal(a['weights'][k], b['weights'][k])]
     if len(a['optim']) != len(b['optim']):
-        bad.append(f"optim: {len(a['optim'])} != {len(b['optim'])} values")
+        bad.append(f'optim: {len(a["optim"])} != {len(b["optim"])} values')
     for i, (x, y) in enumerate(zip(a['optim'], b['optim'])):
-        if type(x) is not type(y) or not (torch.equal(x, y) if isinstance(x, torch.Tensor)
-                                          else x == y):
+        if type(x) is not type(y) or not (
+            torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        ):
             bad.append(f'optim[{i}]: {x!r} != {y!r}'[:300])
     return bad + [k for k in ('sched', 'wrapper', 'steps', 'lr') if a[k] != b[k]]
 
@@ -315,13 +400,16 @@ def _async_checks(tmp):
     import threading
 
     from stratagem.checkpoint import capture, directory, find_latest_checkpoint
+
     out = {}
     for stage in (1, 3):
         runs = []
         for kind in ('sync', 'async'):
-            s = _strategy(os.path.join(tmp, f'async{stage}_{kind}'),
-                          zero_optimization=dict(stage=stage),
-                          async_checkpoint=kind == 'async')
+            s = _strategy(
+                os.path.join(tmp, f'async{stage}_{kind}'),
+                zero_optimization=dict(stage=stage),
+                async_checkpoint=kind == 'async',
+            )
             runs.append((s, *s.prepare(_net(), **_COMPONENTS)))
             _train(*runs[-1], 0, SAVE_AT, s.rank)
         sync, asyn = runs[0][0], runs[1][0]
@@ -334,27 +422,35 @@ def _async_checks(tmp):
             gate.wait(120)
             written.append(path)
             return _real(state, path)
+
         capture.write_torch_file = held
         try:
             path = asyn.save_checkpoint('async_6', extra_ckpt=meta)
             for s, model, ow, scheds in runs:  # an update (iteration 8) while it is written
                 _train(s, model, ow, scheds, SAVE_AT, SAVE_AT + 3, s.rank)
-            r = dict(pending=asyn.checkpointer.writer.pending, written_meanwhile=len(written),
-                     exists_meanwhile=os.path.exists(path),
-                     trained=_diff(_snap(asyn), at_save) != [],
-                     same_training=_diff(_snap(sync), _snap(asyn)))
+            r = dict(
+                pending=asyn.checkpointer.writer.pending,
+                written_meanwhile=len(written),
+                exists_meanwhile=os.path.exists(path),
+                trained=_diff(_snap(asyn), at_save) != [],
+                same_training=_diff(_snap(sync), _snap(asyn)),
+            )
             gate.set()
             asyn.wait_for_checkpoints()
         finally:
             gate.set()
             capture.write_torch_file = real
-        r.update(written=len(written), latest=str(find_latest_checkpoint(Path(path).parent)),
-                 listing=sorted(os.listdir(path)),
-                 staged_bytes=asyn.checkpointer.writer.staged_bytes)
+        r.update(
+            written=len(written),
+            latest=str(find_latest_checkpoint(Path(path).parent)),
+            listing=sorted(os.listdir(path)),
+            staged_bytes=asyn.checkpointer.writer.staged_bytes,
+        )
         resumed = []
         for name, where in (('async', path), ('sync', sync_path)):
-            reader = _strategy(os.path.join(tmp, f'async{stage}_r{name}'),
-                               zero_optimization=dict(stage=stage))
+            reader = _strategy(
+                os.path.join(tmp, f'async{stage}_r{name}'), zero_optimization=dict(stage=stage)
+            )
             reader.prepare(_net(), **_COMPONENTS)
             r[f'iter_{name}'] = reader.resume(where)['meta']['iter']
             resumed.append(_snap(reader))
@@ -379,9 +475,14 @@ def _async_checks(tmp):
             undo()
         # a rank that failed on its own returns before rank 0 has removed the staging dir
         torch.distributed.barrier()
-        return dict(where=where, error=error, exists=(work / name).exists(),
-                    latest=str(find_latest_checkpoint(work)),
-                    temps=[n for n in os.listdir(work) if '.tmp-' in n])
+        return dict(
+            where=where,
+            error=error,
+            exists=(work / name).exists(),
+            latest=str(find_latest_checkpoint(work)),
+            temps=[n for n in os.listdir(work) if '.tmp-' in n],
+        )
+
     real_finalize, real_write = directory.finalize_directory, capture.write_torch_file
 
     def failing_finalize(*args, **kwargs):
@@ -389,23 +490,31 @@ def _async_checks(tmp):
 
     def failing_write(state, path):
         raise OSError(errno.ENOSPC, 'injected: no space left', str(path))
+
     errors = {}
     errors['commit_rank0'] = attempt(  # rank 0 alone calls finalize_directory
-        'fail_commit', lambda: setattr(directory, 'finalize_directory', failing_finalize),
-        lambda: setattr(directory, 'finalize_directory', real_finalize))
+        'fail_commit',
+        lambda: setattr(directory, 'finalize_directory', failing_finalize),
+        lambda: setattr(directory, 'finalize_directory', real_finalize),
+    )
     errors['write_rank1'] = attempt(
-        'fail_write', lambda: setattr(capture, 'write_torch_file',
-                                      failing_write if asyn.rank == 1 else real_write),
-        lambda: setattr(capture, 'write_torch_file', real_write))
+        'fail_write',
+        lambda: setattr(
+            capture, 'write_torch_file', failing_write if asyn.rank == 1 else real_write
+        ),
+        lambda: setattr(capture, 'write_torch_file', real_write),
+    )
     writer = asyn.checkpointer.writer
 
     def failing_snapshot(*args, **kwargs):
         raise MemoryError('injected: no memory for staging')
+
     for bad in (1, 0):  # before anything reaches this rank's writer thread
         errors[f'snapshot_rank{bad}'] = attempt(
             f'fail_snapshot{bad}',
             lambda: asyn.rank == bad and setattr(writer, 'snapshot', failing_snapshot),
-            lambda: writer.__dict__.pop('snapshot', None))
+            lambda: writer.__dict__.pop('snapshot', None),
+        )
     errors['after'] = attempt('after_errors', lambda: None, lambda: None)
     out['errors'] = errors
     return out
@@ -424,11 +533,14 @@ class _Boom:
 def _resume_one_rank(path, work):
     """Runs in 1 rank: resume the 2-rank ZeRO-2 checkpoint, finish the run on the whole batch."""
     from torch.nn import functional as F
+
     b = _strategy(work, zero_optimization=dict(stage=2))
-    comps = dict(_COMPONENTS, dispatch_kwargs=dict(max_iters=MAX_ITERS,
-                                                   train_micro_batch_size_per_gpu=8))
+    comps = dict(
+        _COMPONENTS, dispatch_kwargs=dict(max_iters=MAX_ITERS, train_micro_batch_size_per_gpu=8)
+    )
     model, ow, scheds = b.prepare(_net(), **comps)
     import warnings
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         state = b.resume(path)
@@ -437,8 +549,12 @@ def _resume_one_rank(path, work):
         ow.update_params(F.cross_entropy(model(x), y))
         for sch in scheds:
             sch.step()
-    return dict(iter=state['meta']['iter'], final=_full_weights(b), updates=b.model.global_steps,
-                warnings=[str(w.message) for w in caught])
+    return dict(
+        iter=state['meta']['iter'],
+        final=_full_weights(b),
+        updates=b.model.global_steps,
+        warnings=[str(w.message) for w in caught],
+    )
 
 
 @pytest.fixture(scope='module')
@@ -449,9 +565,12 @@ def results(tmp_path_factory):
     except RankFailure as e:
         pytest.fail(f'{e}\n{e.output[-4000:]}')
     try:
-        one = run_distributed(_resume_one_rank, nproc=1,
-                              args=(outs[0]['resume2']['path'], os.path.join(tmp, 'one')),
-                              timeout=240)[0]
+        one = run_distributed(
+            _resume_one_rank,
+            nproc=1,
+            args=(outs[0]['resume2']['path'], os.path.join(tmp, 'one')),
+            timeout=240,
+        )[0]
     except RankFailure as e:  # reported by the test that needs it
         one = e
     return tmp, outs, one
@@ -595,11 +714,14 @@ def test_async_errors_reach_every_rank(results):
     # a full disk on rank 1's writer: named with the file on rank 1, and by rank 0
     assert zero['write_rank1']['where'] == one['write_rank1']['where'] == 'wait'
     assert one['write_rank1']['error'].startswith(
-        'CheckpointWriteError: no space left on device writing ')
+        'CheckpointWriteError: no space left on device writing '
+    )
     assert '/deepspeed/zero_pp_rank_1_mp_rank_00_' in one['write_rank1']['error']
     assert one['write_rank1']['error'].endswith('the previous checkpoint is unchanged')
-    assert 'failed on rank 1: CheckpointWriteError: no space left on device writing ' in \
-        zero['write_rank1']['error']
+    assert (
+        'failed on rank 1: CheckpointWriteError: no space left on device writing '
+        in zero['write_rank1']['error']
+    )
     # a failed snapshot raises at once on its rank; the others learn it at the next wait
     assert one['snapshot_rank1']['where'] == 'save'
     assert one['snapshot_rank1']['error'] == 'MemoryError: injected: no memory for staging'
@@ -622,8 +744,10 @@ def test_resume_at_another_world_size(results):
 def test_convert_to_single_file_loads_in_single_device(results, tmp_path):
     from stratagem.checkpoint.zero import convert_zero_checkpoint
     from stratagem.strategies import SingleDeviceStrategy
+
     _, outs, _ = results
     from stratagem.cli import main
+
     for stage in (2, 3):
         src = outs[0][f'resume{stage}']['path']
         dst = tmp_path / f'single{stage}.pth'
@@ -643,6 +767,7 @@ def test_convert_to_single_file_loads_in_single_device(results, tmp_path):
 # ---------------------------------------------------------------- one process, no DeepSpeed engine
 def test_wrapper_refuses_what_deepspeed_cannot_do():
     from stratagem.optim import DeepSpeedOptimWrapper
+
     opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(ValueError, match='clips by value'):
         DeepSpeedOptimWrapper(opt, clip_grad=dict(type='value', clip_value=1.0))
@@ -657,29 +782,39 @@ def test_wrapper_refuses_what_deepspeed_cannot_do():
     with pytest.raises(RuntimeError, match='inside an accumulation window of 2'):
         w.state_dict()
     w._inner_count = 4
-    w.load_state_dict({'optim_wrapper': {'inner_count': 6, 'max_counts': 9,
-                                         'accumulative_counts': 2}})
+    w.load_state_dict(
+        {'optim_wrapper': {'inner_count': 6, 'max_counts': 9, 'accumulative_counts': 2}}
+    )
     assert (w.inner_count, w.max_counts) == (6, 9)
-    assert w.state_dict() == {'optim_wrapper': {'inner_count': 6, 'max_counts': 9,
-                                                'accumulative_counts': 2}}
+    assert w.state_dict() == {
+        'optim_wrapper': {'inner_count': 6, 'max_counts': 9, 'accumulative_counts': 2}
+    }
 
 
-@pytest.mark.parametrize('kwargs, match', [
-    (dict(config=dict(optimizer=dict(type='Adam'))), "a 'optimizer' section"),
-    (dict(config=dict(scheduler=dict(type='WarmupLR'))), "a 'scheduler' section"),
-    (dict(fp16=dict(enabled=True)), 'needs CUDA'),
-    (dict(config=dict(gradient_clipping=1.0), gradient_clipping=2.0),
-     'gradient_clipping=2.0 disagrees with the DeepSpeed config'),
-    (dict(zero_optimization=dict(stage=4)), 'stage=4'),
-    (dict(config=dict(managed_gradient_accumulation=True)), 'managed_gradient_accumulation'),
-    (dict(config=dict(checkpoint=dict(checkpoint_serialization=False))),
-     'checkpoint.checkpoint_serialization=false'),
-    (dict(config='/no/such/ds_config.json'), 'does not exist'),
-])
+@pytest.mark.parametrize(
+    'kwargs, match',
+    [
+        (dict(config=dict(optimizer=dict(type='Adam'))), "a 'optimizer' section"),
+        (dict(config=dict(scheduler=dict(type='WarmupLR'))), "a 'scheduler' section"),
+        (dict(fp16=dict(enabled=True)), 'needs CUDA'),
+        (
+            dict(config=dict(gradient_clipping=1.0), gradient_clipping=2.0),
+            'gradient_clipping=2.0 disagrees with the DeepSpeed config',
+        ),
+        (dict(zero_optimization=dict(stage=4)), 'stage=4'),
+        (dict(config=dict(managed_gradient_accumulation=True)), 'managed_gradient_accumulation'),
+        (
+            dict(config=dict(checkpoint=dict(checkpoint_serialization=False))),
+            'checkpoint.checkpoint_serialization=false',
+        ),
+        (dict(config='/no/such/ds_config.json'), 'does not exist'),
+    ],
+)
 def test_bad_config_raises_before_any_set_up(kwargs, match):
     if 'fp16' in kwargs and torch.cuda.is_available():
         pytest.skip('fp16 is refused only without CUDA')
     from stratagem.strategies import DeepSpeedStrategy
+
     before = dict(os.environ)
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         DeepSpeedStrategy(**kwargs)
@@ -688,10 +823,13 @@ def test_bad_config_raises_before_any_set_up(kwargs, match):
 
 def test_json_config_file(tmp_path):
     from stratagem.strategies.deepspeed_config import parse_config as _parse_config
+
     path = tmp_path / 'ds.json'
     path.write_text('{"zero_optimization": {"stage": 3}, "bf16": {"enabled": true}}')
-    assert _parse_config(str(path)) == {'zero_optimization': {'stage': 3},
-                                        'bf16': {'enabled': True}}
+    assert _parse_config(str(path)) == {
+        'zero_optimization': {'stage': 3},
+        'bf16': {'enabled': True},
+    }
     path.write_text('{"zero_optimization": ')
     with pytest.raises(ValueError, match='not valid JSON'):
         _parse_config(str(path))
@@ -699,19 +837,26 @@ def test_json_config_file(tmp_path):
 
 def test_importing_strategies_does_not_import_deepspeed():
     import subprocess
-    probe = ('import sys, stratagem.strategies, stratagem.optim, stratagem.checkpoint.zero; '
-             'from stratagem.registry import STRATEGIES; '
-             "print('deepspeed' in sys.modules, 'DeepSpeedStrategy' in STRATEGIES)")
-    out = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True,
-                         check=True).stdout.split()
+
+    probe = (
+        'import sys, stratagem.strategies, stratagem.optim, stratagem.checkpoint.zero; '
+        'from stratagem.registry import STRATEGIES; '
+        "print('deepspeed' in sys.modules, 'DeepSpeedStrategy' in STRATEGIES)"
+    )
+    out = subprocess.run(
+        [sys.executable, '-c', probe], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert out == ['False', 'True']
     # without DeepSpeed the error names the extra
-    missing = ("import sys; sys.modules['deepspeed'] = None\n"
-               'from stratagem.strategies import build_strategy\n'
-               "try:\n    build_strategy(dict(type='DeepSpeedStrategy'))\n"
-               'except ImportError as e:\n    print(e)')
-    out = subprocess.run([sys.executable, '-c', missing], capture_output=True, text=True,
-                         check=True).stdout
+    missing = (
+        "import sys; sys.modules['deepspeed'] = None\n"
+        'from stratagem.strategies import build_strategy\n'
+        "try:\n    build_strategy(dict(type='DeepSpeedStrategy'))\n"
+        'except ImportError as e:\n    print(e)'
+    )
+    out = subprocess.run(
+        [sys.executable, '-c', missing], capture_output=True, text=True, check=True
+    ).stdout
     assert 'pip install "stratagem[deepspeed]"' in out
 
 
@@ -723,13 +868,31 @@ def test_train_config_with_two_processes(tmp_path):
     from stratagem import checkpoint as ckpt
     from stratagem.checkpoint.zero import zero_to_state_dict
     from stratagem.cli import main
-    config = str(Path(__file__).resolve().parents[2] / 'examples' / 'configs' /
-                 'classifier_deepspeed.py')
+
+    config = str(
+        Path(__file__).resolve().parents[2] / 'examples' / 'configs' / 'classifier_deepspeed.py'
+    )
     work = tmp_path / 'w'
-    assert main(['train', config, '--nproc', '2', '--work-dir', str(work), '--cfg-options',
-                 'train_cfg.max_epochs=1', 'train_cfg.max_keep_ckpts=None']) == 0
-    assert sorted(n for n in os.listdir(work) if n.startswith('iter_')) == \
-        ['iter_16.pth', 'iter_32.pth']
+    assert (
+        main(
+            [
+                'train',
+                config,
+                '--nproc',
+                '2',
+                '--work-dir',
+                str(work),
+                '--cfg-options',
+                'train_cfg.max_epochs=1',
+                'train_cfg.max_keep_ckpts=None',
+            ]
+        )
+        == 0
+    )
+    assert sorted(n for n in os.listdir(work) if n.startswith('iter_')) == [
+        'iter_16.pth',
+        'iter_32.pth',
+    ]
     assert ckpt.find_latest_checkpoint(work).name == 'iter_32.pth'
     manifest = ckpt.verify_directory(work / 'iter_32.pth', collective=False)
     assert (manifest['world_size'], manifest['zero_stage'], manifest['step']) == (2, 2, 32)

@@ -4,18 +4,18 @@ asynchronous save staged from GPU memory (GPU only).
 Run on a machine with a GPU:
     PYTHONPATH=$PWD python -m pytest -q -m gpu tests/strategies/test_deepspeed_cuda.py
 """
+
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip('deepspeed', reason='DeepSpeed is an optional extra (stratagem[deepspeed])')
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device'),
+]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_harness import RankFailure, run_distributed  # noqa: E402
 
 MAX_ITERS, SAVE_AT = 8, 4
@@ -23,22 +23,37 @@ MAX_ITERS, SAVE_AT = 8, 4
 
 def _net():
     from torch import nn
+
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
 
 
 def _run(work, start, stop, resume=None, async_checkpoint=False):
     from torch.nn import functional as F
+
     from stratagem.strategies import build_strategy
-    s = build_strategy(dict(type='DeepSpeedStrategy', work_dir=work, inputs_to_half=[0],
-                            fp16=dict(enabled=True, initial_scale_power=8),
-                            zero_optimization=dict(stage=2), async_checkpoint=async_checkpoint,
-                            env_kwargs=dict(randomness=dict(seed=3))))
-    model, ow, scheds = s.prepare(_net(), optim_wrapper=dict(
-        optimizer=dict(type='AdamW', lr=1e-2), accumulative_counts=2,
-        clip_grad=dict(max_norm=1.0)),
+
+    s = build_strategy(
+        dict(
+            type='DeepSpeedStrategy',
+            work_dir=work,
+            inputs_to_half=[0],
+            fp16=dict(enabled=True, initial_scale_power=8),
+            zero_optimization=dict(stage=2),
+            async_checkpoint=async_checkpoint,
+            env_kwargs=dict(randomness=dict(seed=3)),
+        )
+    )
+    model, ow, scheds = s.prepare(
+        _net(),
+        optim_wrapper=dict(
+            optimizer=dict(type='AdamW', lr=1e-2),
+            accumulative_counts=2,
+            clip_grad=dict(max_norm=1.0),
+        ),
         param_scheduler=[dict(type='LinearLR', start_factor=0.5, by_epoch=False, end=4)],
-        dispatch_kwargs=dict(max_iters=MAX_ITERS, train_micro_batch_size_per_gpu=8))
+        dispatch_kwargs=dict(max_iters=MAX_ITERS, train_micro_batch_size_per_gpu=8),
+    )
     if resume:
         s.resume(resume)
 
@@ -50,6 +65,7 @@ def _run(work, start, stop, resume=None, async_checkpoint=False):
             ow.update_params(F.cross_entropy(model(x).float(), y))
             for sch in scheds:
                 sch.step()
+
     train(start, stop)
     path = s.save_checkpoint(f'iter_{stop}.pth', extra_ckpt={'meta': {'iter': stop}})
     weights = {k: v.float().cpu() for k, v in s.model_state_dict().items()}
@@ -62,13 +78,15 @@ def _run(work, start, stop, resume=None, async_checkpoint=False):
 def _checks(tmp):
     _, full, dtype, updates = _run(os.path.join(tmp, 'a'), 0, MAX_ITERS)
     path, _, _, _ = _run(os.path.join(tmp, 'b'), 0, SAVE_AT)
-    _, resumed, _, resumed_updates = _run(os.path.join(tmp, 'c'), SAVE_AT, MAX_ITERS,
-                                          resume=path)
+    _, resumed, _, resumed_updates = _run(os.path.join(tmp, 'c'), SAVE_AT, MAX_ITERS, resume=path)
     path, _, _, _ = _run(os.path.join(tmp, 'd'), 0, SAVE_AT, async_checkpoint=True)
     _, from_async, _, _ = _run(os.path.join(tmp, 'e'), SAVE_AT, MAX_ITERS, resume=path)
-    return dict(dtype=dtype, updates=(updates, resumed_updates),
-                exact=all(torch.equal(full[k], resumed[k]) for k in full),
-                exact_async=all(torch.equal(full[k], from_async[k]) for k in full))
+    return dict(
+        dtype=dtype,
+        updates=(updates, resumed_updates),
+        exact=all(torch.equal(full[k], resumed[k]) for k in full),
+        exact_async=all(torch.equal(full[k], from_async[k]) for k in full),
+    )
 
 
 def test_fp16_zero2_trains_and_resumes_exactly(tmp_path):

@@ -1,4 +1,5 @@
 """Exact resume in a new process, at an accumulation-window boundary and mid-window."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +11,9 @@ WORKER = Path(__file__).with_name('resume_worker.py')
 
 
 def _run(*args: str) -> None:
-    proc = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -6,24 +6,29 @@ ignored_modules, skip_init_weights) and the first half of a run (2 ranks), a 1-r
 resume, `stratagem train examples/configs/transformer_fsdp.py --nproc 2` (torchrun), and the
 resumes in new processes (2 ranks, also the example config's, through the reference loop).
 """
-import sys
+
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import run_distributed  # noqa: E402
+from dist_harness import run_distributed
 
 MAX_ITERS = 8
 EXAMPLE = Path(__file__).resolve().parents[2] / 'examples' / 'configs' / 'transformer_fsdp.py'
 COMPONENTS = dict(
-    optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01), accumulative_counts=3,
-                       clip_grad=dict(type='norm', max_norm=1.0)),
-    param_scheduler=[dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=4),
-                     dict(type='CosineAnnealingLR', by_epoch=False, begin=4, T_max=4)],
-    dispatch_kwargs=dict(max_iters=MAX_ITERS))
+    optim_wrapper=dict(
+        optimizer=dict(type='AdamW', lr=0.01),
+        accumulative_counts=3,
+        clip_grad=dict(type='norm', max_norm=1.0),
+    ),
+    param_scheduler=[
+        dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=4),
+        dict(type='CosineAnnealingLR', by_epoch=False, begin=4, T_max=4),
+    ],
+    dispatch_kwargs=dict(max_iters=MAX_ITERS),
+)
 
 
 class Block(nn.Module):
@@ -42,30 +47,44 @@ def _net():
 
 def _strategy(work_dir, **kwargs):
     from stratagem.strategies import build_strategy
+
     kwargs.setdefault('model_wrapper', dict(auto_wrap_policy=['Block', 'Linear']))
-    return build_strategy(dict(type='FSDPStrategy', work_dir=str(work_dir),
-                               env_kwargs=dict(randomness=dict(seed=7)), **kwargs))
+    return build_strategy(
+        dict(
+            type='FSDPStrategy',
+            work_dir=str(work_dir),
+            env_kwargs=dict(randomness=dict(seed=7)),
+            **kwargs,
+        )
+    )
 
 
 def _batch(it, rank, world):
     g = torch.Generator().manual_seed(100 + it)
     x, y = torch.randn(8, 6, generator=g), torch.randint(2, (8,), generator=g)
     per = 8 // world
-    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
 
 def _full_state(s):
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
     opts = StateDictOptions(full_state_dict=True)
     model = {k: v.clone() for k, v in get_model_state_dict(s.model, options=opts).items()}
     optim = get_optimizer_state_dict(s.model, s.optim_wrapper.optimizer, options=opts)
-    return model, {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
-                   for k, v in optim['state'].items()}
+    return model, {
+        k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
+        for k, v in optim['state'].items()
+    }
 
 
 def _train(s, model, ow, scheds, start, stop, world):
     from torch.nn import functional as F
+
     for it in range(start, stop):
         x, y = _batch(it, s.rank, world)
         with ow.optim_context(model):
@@ -78,6 +97,7 @@ def _train(s, model, ow, scheds, start, stop, world):
 def _reference(steps, accumulate=1, clip=None, momentum=0.9):
     """One process, concatenated batch: the numerical oracle."""
     from torch.nn import functional as F
+
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=momentum)
     norms = []
@@ -99,6 +119,7 @@ def _close(a, b, tol):
 def _checks(work_dir):
     import torch.distributed as dist
     from torch.nn import functional as F
+
     out = {}
     # 1. SGD + momentum, accumulation 3, clipping: equal to one process on the whole batch
     calls = []
@@ -107,13 +128,19 @@ def _checks(work_dir):
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
+
     dist.reduce_scatter_single = counting
     for acc, clip in ((1, None), (3, 0.05)):
         s = _strategy(work_dir)
-        model, ow = s.prepare(_net(), optim_wrapper=dict(
-            optimizer=dict(type='SGD', lr=0.1, momentum=0.9), accumulative_counts=acc,
-            clip_grad=None if clip is None else dict(type='norm', max_norm=clip)),
-            dispatch_kwargs=dict(max_iters=6))
+        model, ow = s.prepare(
+            _net(),
+            optim_wrapper=dict(
+                optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
+                accumulative_counts=acc,
+                clip_grad=None if clip is None else dict(type='norm', max_norm=clip),
+            ),
+            dispatch_kwargs=dict(max_iters=6),
+        )
         calls.clear()
         norms = []
         for it in range(6):
@@ -122,9 +149,13 @@ def _checks(work_dir):
                 loss = F.cross_entropy(model(x), y)
             ow.update_params(loss)
             if clip and ow.should_update():
-                norms.append(float(ow.last_grad_norm.full_tensor()
-                                   if hasattr(ow.last_grad_norm, 'full_tensor')
-                                   else ow.last_grad_norm))
+                norms.append(
+                    float(
+                        ow.last_grad_norm.full_tensor()
+                        if hasattr(ow.last_grad_norm, 'full_tensor')
+                        else ow.last_grad_norm
+                    )
+                )
         ref, ref_norms = _reference(6, acc, clip)
         out[f'equal_acc{acc}'] = _close(_full_state(s)[0], ref, 1e-6)
         out[f'reduce_scatters_acc{acc}'] = len(calls)
@@ -132,40 +163,71 @@ def _checks(work_dir):
             out['norms'] = (norms, ref_norms)
     dist.reduce_scatter_single = original
     # 2. bf16 parameters (fp32 reduce) and activation checkpointing, against fp32
-    for key, kw in (('bf16', dict(model_wrapper=dict(auto_wrap_policy=['Block'], mixed_precision=dict(
-                        param_dtype='bfloat16', reduce_dtype='float32')))),
-                    ('ac', dict(activation_checkpointing=['Block'])),
-                    ('offload', dict(model_wrapper=dict(auto_wrap_policy=['Block'],
-                                                        cpu_offload=True)))):
+    for key, kw in (
+        (
+            'bf16',
+            dict(
+                model_wrapper=dict(
+                    auto_wrap_policy=['Block'],
+                    mixed_precision=dict(param_dtype='bfloat16', reduce_dtype='float32'),
+                )
+            ),
+        ),
+        ('ac', dict(activation_checkpointing=['Block'])),
+        ('offload', dict(model_wrapper=dict(auto_wrap_policy=['Block'], cpu_offload=True))),
+    ):
         s = _strategy(work_dir, **kw)
-        model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1,
-                                                                        momentum=0.9)))
+        model, ow = s.prepare(
+            _net(), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
+        )
         _train(s, model, ow, [], 0, 3, 2)
         ref, _ = _reference(3)
         out[key] = max(float((_full_state(s)[0][k].float() - ref[k]).abs().max()) for k in ref)
     # AmpOptimWrapper: it autocasts when model_wrapper sets no mixed_precision (as under
     # mmengine); with mixed_precision set, precision is FSDP's and it does not autocast again
     for key, mp in (('amp', None), ('amp_mp', dict(param_dtype='bfloat16'))):
-        s = _strategy(work_dir, model_wrapper=dict(auto_wrap_policy=['Block'],
-                                                   **({'mixed_precision': mp} if mp else {})))
-        model, ow = s.prepare(_net(), optim_wrapper=dict(
-            type='AmpOptimWrapper', dtype='bfloat16',
-            optimizer=dict(type='SGD', lr=0.1, momentum=0.9)))
+        s = _strategy(
+            work_dir,
+            model_wrapper=dict(
+                auto_wrap_policy=['Block'], **({'mixed_precision': mp} if mp else {})
+            ),
+        )
+        model, ow = s.prepare(
+            _net(),
+            optim_wrapper=dict(
+                type='AmpOptimWrapper',
+                dtype='bfloat16',
+                optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
+            ),
+        )
         seen = []
-        hook = model[0].register_forward_hook(lambda m, i, o: seen.append(
-            (torch.is_autocast_enabled('cpu'), o.dtype)))
+        hook = model[0].register_forward_hook(
+            lambda m, i, o: seen.append((torch.is_autocast_enabled('cpu'), o.dtype))
+        )
         _train(s, model, ow, [], 0, 3, 2)
         hook.remove()
         ref, _ = _reference(3)
-        out[key] = (seen[0], ow.loss_scaler is None,
-                    max(float((_full_state(s)[0][k].float() - ref[k]).abs().max()) for k in ref))
+        out[key] = (
+            seen[0],
+            ow.loss_scaler is None,
+            max(float((_full_state(s)[0][k].float() - ref[k]).abs().max()) for k in ref),
+        )
     # 3. errors
     for name, build in (
-            ('wrap_class', lambda: _strategy(work_dir, model_wrapper=dict(
-                auto_wrap_policy=['Blok'])).prepare(_net())),
-            ('prebuilt', lambda: _strategy(work_dir).prepare(
-                net := _net(), optim_wrapper=dict(optimizer=torch.optim.SGD(net.parameters(),
-                                                                            lr=0.1))))):
+        (
+            'wrap_class',
+            lambda: _strategy(work_dir, model_wrapper=dict(auto_wrap_policy=['Blok'])).prepare(
+                _net()
+            ),
+        ),
+        (
+            'prebuilt',
+            lambda: _strategy(work_dir).prepare(
+                net := _net(),
+                optim_wrapper=dict(optimizer=torch.optim.SGD(net.parameters(), lr=0.1)),
+            ),
+        ),
+    ):
         try:
             build()
         except ValueError as err:
@@ -179,6 +241,7 @@ def _checks(work_dir):
     model, ow, scheds = s.prepare(_net(), **COMPONENTS)
     _train(s, model, ow, scheds, 0, 3, 2)
     from stratagem.checkpoint import commit, directory, manifest
+
     reads = []
     hashers = {m: m.hash_file for m in (commit, directory, manifest)}
     for module, func in hashers.items():  # count re-reads of written files
@@ -199,10 +262,15 @@ def _checks(work_dir):
     out.update(_in_place_checks(work_dir, out['state_3']))
     # a save that fails after the shards are written leaves iter_4 as the latest
     from stratagem.checkpoint import directory
+
     out['failed_save'] = _failure(
         lambda: s.save_checkpoint('iter_4b', extra_ckpt={'meta': {'iter': 4}}),
-        directory, 'finalize_directory', 'injected: disk full at commit')
+        directory,
+        'finalize_directory',
+        'injected: disk full at commit',
+    )
     from stratagem.checkpoint import find_latest_checkpoint
+
     out['latest_after_fail'] = str(find_latest_checkpoint(work_dir))
     out['listing'] = sorted(p.name for p in Path(work_dir).iterdir())
     _train(s, model, ow, scheds, 4, MAX_ITERS, 2)
@@ -231,10 +299,17 @@ def _in_place_checks(work_dir, state_3):
         except (ValueError, KeyError) as err:
             out.setdefault('refused', []).append(str(err))
         out.setdefault('refused_unchanged', []).append(_state_equal(before, _full_state(s)))
-    refused(trained(param_scheduler=[dict(type='LinearLR', start_factor=0.2, by_epoch=False,
-                                          end=4)]))
-    refused(trained(optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
-                                       accumulative_counts=3)))
+
+    refused(
+        trained(param_scheduler=[dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=4)])
+    )
+    refused(
+        trained(
+            optim_wrapper=dict(
+                optimizer=dict(type='SGD', lr=0.1, momentum=0.9), accumulative_counts=3
+            )
+        )
+    )
     s = trained()
     before = _full_state(s)
     s.resume(path, resume_optimizer=False)
@@ -243,15 +318,26 @@ def _in_place_checks(work_dir, state_3):
     out['weights_only_optim_kept'] = _state_equal(({}, after[1]), ({}, before[1]))
     seen = []
     s = trained()
-    s.resume(path, callback=lambda c: seen.append(
-        float(sum(v.full_tensor().double().sum() for v in c['state_dict'].values()))))
+    s.resume(
+        path,
+        callback=lambda c: seen.append(
+            float(sum(v.full_tensor().double().sum() for v in c['state_dict'].values()))
+        ),
+    )
     out['callback_saw'] = (seen, float(sum(v.double().sum() for v in state_3[0].values())))
     # a read that fails on rank 1 only (after every check passed) raises on both ranks, with
     # rank 1's error; the ranks stay in step: the next resume reads everything
     import torch.distributed as dist
+
     from stratagem.checkpoint.dcp_reader import ShardReader
-    out['read_failed'] = _failure(lambda: s.resume(path), ShardReader, 'read_data',
-                                  'injected: read failed', when=dist.get_rank() == 1)
+
+    out['read_failed'] = _failure(
+        lambda: s.resume(path),
+        ShardReader,
+        'read_data',
+        'injected: read failed',
+        when=dist.get_rank() == 1,
+    )
     s.resume(path)
     out['read_after_failure'] = _state_equal(_full_state(s), state_3)
     return out
@@ -264,6 +350,7 @@ def _failure(call, owner, name, message, when=True):
 
     def failing(*args, **kwargs):
         raise OSError(message)
+
     if when:
         setattr(owner, name, failing)
     try:
@@ -277,10 +364,16 @@ def _failure(call, owner, name, message, when=True):
 
 def _state_equal(a, b):
     (ma, oa), (mb, ob) = a, b
-    return ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma) and \
-        oa.keys() == ob.keys() and all(
+    return (
+        ma.keys() == mb.keys()
+        and all(torch.equal(ma[k], mb[k]) for k in ma)
+        and oa.keys() == ob.keys()
+        and all(
             torch.equal(torch.as_tensor(oa[k][n]), torch.as_tensor(ob[k][n]))
-            for k in oa for n in oa[k])
+            for k in oa
+            for n in oa[k]
+        )
+    )
 
 
 def _async_checks(work_dir):
@@ -292,6 +385,7 @@ def _async_checks(work_dir):
     import torch.distributed.checkpoint as dcp
 
     from stratagem.checkpoint import directory
+
     sync, asyn = _strategy(work_dir), _strategy(work_dir, async_checkpoint=True)
     comps = {k: v for k, v in COMPONENTS.items() if k != 'optim_wrapper'}
     comps['optim_wrapper'] = dict(optimizer=dict(type='AdamW', lr=0.01))
@@ -303,6 +397,7 @@ def _async_checks(work_dir):
     def slow_save(*args, **kwargs):  # the training below overlaps the whole write
         time.sleep(0.3)
         return real_save(*args, **kwargs)
+
     out = {'async_state_3': _full_state(asyn)}
     sync.save_checkpoint('sync_3', extra_ckpt={'meta': {'iter': 3}})
     dcp.save = slow_save
@@ -324,10 +419,15 @@ def _async_checks(work_dir):
     reader.resume(str(Path(work_dir) / 'sync_3'))
     out['sync_loaded'] = _full_state(reader)
     # an error on the writer thread reaches every rank at the next wait; nothing committed
-    out['async_failed'] = _failure(lambda: (
-        asyn.save_checkpoint('async_fail', extra_ckpt={'meta': {'iter': 5}}),
-        asyn.wait_for_checkpoints()), directory, 'finalize_directory',
-        'injected: async commit failed')
+    out['async_failed'] = _failure(
+        lambda: (
+            asyn.save_checkpoint('async_fail', extra_ckpt={'meta': {'iter': 5}}),
+            asyn.wait_for_checkpoints(),
+        ),
+        directory,
+        'finalize_directory',
+        'injected: async commit failed',
+    )
     out['async_fail_exists'] = (Path(work_dir) / 'async_fail').exists()
     return out
 
@@ -339,16 +439,25 @@ def _compile_checks(work_dir):
     def backend(gm, inputs):  # counts what dynamo hands over, runs it as traced
         graphs.append(len(gm.graph.nodes))
         return gm.forward
+
     s = _strategy(work_dir, model_wrapper=dict(auto_wrap_policy=['Block']))
-    model, ow = s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1,
-                                                                    momentum=0.9)),
-                          compile=dict(backend=backend))
-    compiled = [name for name, m in model.named_modules()
-                if getattr(m, '_compiled_call_impl', None) is not None]
+    model, ow = s.prepare(
+        _net(),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)),
+        compile=dict(backend=backend),
+    )
+    compiled = [
+        name
+        for name, m in model.named_modules()
+        if getattr(m, '_compiled_call_impl', None) is not None
+    ]
     _train(s, model, ow, [], 0, 3, 2)
     ref, _ = _reference(3)
-    out = {'compiled': compiled, 'graphs': len(graphs),
-           'compile_err': max(float((_full_state(s)[0][k] - ref[k]).abs().max()) for k in ref)}
+    out = {
+        'compiled': compiled,
+        'graphs': len(graphs),
+        'compile_err': max(float((_full_state(s)[0][k] - ref[k]).abs().max()) for k in ref),
+    }
     try:
         _strategy(work_dir).prepare(_net(), compile=dict(target='train_step'))
     except ValueError as err:
@@ -362,14 +471,23 @@ def _ignored_checks(work_dir):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.nn import functional as F
+
     out = {}
     for case in ('same_data', 'own_data'):
-        s = _strategy(work_dir, model_wrapper=dict(
-            auto_wrap_policy=['Block'],
-            ignored_modules=lambda m: isinstance(m, nn.Linear) and m.out_features == 2))
-        model, ow = s.prepare(_net(), optim_wrapper=dict(
-            optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
-            clip_grad=dict(type='norm', max_norm=0.05)))
+        s = _strategy(
+            work_dir,
+            model_wrapper=dict(
+                auto_wrap_policy=['Block'],
+                ignored_modules=lambda m: isinstance(m, nn.Linear) and m.out_features == 2,
+            ),
+        )
+        model, ow = s.prepare(
+            _net(),
+            optim_wrapper=dict(
+                optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
+                clip_grad=dict(type='norm', max_norm=0.05),
+            ),
+        )
         norms = []
         for it in range(3):
             x, y = _batch(it, 0, 1) if case == 'same_data' else _batch(it, s.rank, 2)
@@ -379,8 +497,9 @@ def _ignored_checks(work_dir):
             norms.append(float(ow.last_grad_norm))
         kinds = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
         head = model[3].weight.detach().clone()
-        out[case] = dict(kinds=kinds, norms=norms, head_shape=tuple(head.shape),
-                         heads=_gather(head))
+        out[case] = dict(
+            kinds=kinds, norms=norms, head_shape=tuple(head.shape), heads=_gather(head)
+        )
         if case == 'same_data':
             ref, ref_norms = _reference(3, clip=0.05)
             state = _full_state(s)[0]
@@ -392,6 +511,7 @@ def _ignored_checks(work_dir):
 
 def _gather(tensor):
     from stratagem import env
+
     return env.all_gather_object(tensor)
 
 
@@ -399,6 +519,7 @@ def _skip_init_checks(work_dir):
     """skip_init_weights: a cfg model is built on the meta device, init_weights is not run,
     only this rank's shards are allocated; a loaded checkpoint then trains as the original."""
     from stratagem.models import TransformerLM
+
     calls = []
     original = TransformerLM.init_weights
     TransformerLM.init_weights = lambda self: calls.append(1) or original(self)
@@ -411,10 +532,12 @@ def _skip_init_checks(work_dir):
     calls_normal = len(calls)
     b = _strategy(work_dir, model_wrapper=wrap, skip_init_weights=True)
     model_b, ow_b = b.prepare(dict(cfg), optim_wrapper=optim)
-    out = {'init_calls': (calls_normal, len(calls) - calls_normal),
-           'meta': any(p.is_meta or p.to_local().is_meta for p in model_b.parameters()),
-           'local_numel': sum(p.to_local().numel() for p in model_b.parameters()),
-           'full_numel': sum(p.numel() for p in model_b.parameters())}
+    out = {
+        'init_calls': (calls_normal, len(calls) - calls_normal),
+        'meta': any(p.is_meta or p.to_local().is_meta for p in model_b.parameters()),
+        'local_numel': sum(p.to_local().numel() for p in model_b.parameters()),
+        'full_numel': sum(p.numel() for p in model_b.parameters()),
+    }
     TransformerLM.init_weights = original
     b.load_checkpoint(str(Path(work_dir) / 'lm_init'))
     # reading a checkpoint (or saving one) before the first step leaves no optimizer state
@@ -422,7 +545,8 @@ def _skip_init_checks(work_dir):
     out['fresh_state'] = (len(ow_a.optimizer.state), len(ow_b.optimizer.state))
     sa, sb = _full_state(a), _full_state(b)  # collectives: once each, on every rank
     out['loaded_equal'] = sa[0].keys() == sb[0].keys() and all(
-        torch.equal(sa[0][k], sb[0][k]) for k in sa[0])
+        torch.equal(sa[0][k], sb[0][k]) for k in sa[0]
+    )
     g = torch.Generator().manual_seed(5 + a.rank)
     for _ in range(2):
         x = torch.randint(16, (2, 8), generator=g)
@@ -435,15 +559,20 @@ def _skip_init_checks(work_dir):
 
 def _resume(work_dir, name, world, stop=MAX_ITERS, save=None):
     import warnings
+
     s = _strategy(work_dir)
     model, ow, scheds = s.prepare(_net(), **COMPONENTS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         ckpt = s.resume(str(Path(work_dir) / name))
-    out = {'loaded': _full_state(s), 'iter': ckpt['meta']['iter'],
-           'resumed_lr': [g['lr'] for g in ow.param_groups], 'resumed_count': ow.inner_count,
-           'resumed_scheds': [(sch.last_step, sch._global_step) for sch in scheds],
-           'rng_warning': [str(w.message) for w in caught if 're-seeded' in str(w.message)]}
+    out = {
+        'loaded': _full_state(s),
+        'iter': ckpt['meta']['iter'],
+        'resumed_lr': [g['lr'] for g in ow.param_groups],
+        'resumed_count': ow.inner_count,
+        'resumed_scheds': [(sch.last_step, sch._global_step) for sch in scheds],
+        'rng_warning': [str(w.message) for w in caught if 're-seeded' in str(w.message)],
+    }
     _train(s, model, ow, scheds, ckpt['meta']['iter'], stop, world)
     out['final'] = _full_state(s)
     out['lr'] = [g['lr'] for g in ow.param_groups]
@@ -453,19 +582,27 @@ def _resume(work_dir, name, world, stop=MAX_ITERS, save=None):
 
 
 def _resume_two(work_dir):
-    out = {name: _resume(work_dir, name, 2) for name in ('iter_3', 'iter_4', 'iter_3_full.pth',
-                                                         'single.pth', 'one_rank')}
+    out = {
+        name: _resume(work_dir, name, 2)
+        for name in ('iter_3', 'iter_4', 'iter_3_full.pth', 'single.pth', 'one_rank')
+    }
     # the example transformer config, resumed by the reference loop from the checkpoint that
     # `stratagem train --nproc 2` wrote at iter 4, into another work dir
     from stratagem.config import Config
     from stratagem.loop import train
+
     cfg = Config.fromfile(str(EXAMPLE))
-    cfg.merge_from_dict(dict(train_cfg=dict(max_iters=8, checkpoint_interval=4),
-                             work_dir=str(Path(work_dir) / 'lm_resumed')))
+    cfg.merge_from_dict(
+        dict(
+            train_cfg=dict(max_iters=8, checkpoint_interval=4),
+            work_dir=str(Path(work_dir) / 'lm_resumed'),
+        )
+    )
     result = train(cfg, resume=str(Path(work_dir) / 'lm' / 'iter_4.pth'), progress=False)
     out['lm_iter'] = result['iter']
     # DDPStrategy (in the same process group) loads the 2-rank FSDP directory: full weights
     from stratagem.strategies import build_strategy
+
     ddp = build_strategy(dict(type='DDPStrategy', work_dir=str(Path(work_dir) / 'ddp_load')))
     ddp.prepare(_net(), **COMPONENTS)
     ddp.load_checkpoint(str(Path(work_dir) / 'iter_3'))
@@ -478,18 +615,19 @@ def _assert_equal_states(a, b):
     assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
     assert oa.keys() == ob.keys()
     for k in oa:
-        assert all(torch.equal(torch.as_tensor(oa[k][n]), torch.as_tensor(ob[k][n]))
-                   for n in oa[k])
+        assert all(torch.equal(torch.as_tensor(oa[k][n]), torch.as_tensor(ob[k][n])) for n in oa[k])
 
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp('fsdp')
     first = run_distributed(_checks, nproc=2, args=(str(work),), timeout=300)
-    one = run_distributed(_resume, nproc=1, args=(str(work), 'iter_3', 1, 5, 'one_rank'),
-                          timeout=200)[0]
+    one = run_distributed(
+        _resume, nproc=1, args=(str(work), 'iter_3', 1, 5, 'one_rank'), timeout=200
+    )[0]
     # a SingleDeviceStrategy checkpoint for FSDP to load
     from stratagem.strategies import SingleDeviceStrategy
+
     single = SingleDeviceStrategy(work_dir=str(work / 'single_run'))
     single.prepare(_net(), **COMPONENTS)
     sd_ckpt = single.load_checkpoint(str(work / 'iter_3'))
@@ -497,11 +635,22 @@ def runs(tmp_path_factory):
     single.save_checkpoint(str(work / 'single.pth'), extra_ckpt={'meta': {'iter': 3}})
     # the example config end to end under torchrun; _resume_two resumes it
     from stratagem.cli import main
-    cli = main(['train', str(EXAMPLE), '--nproc', '2', '--work-dir', str(work / 'lm'),
-                '--cfg-options', 'train_cfg.max_iters=8', 'train_cfg.checkpoint_interval=4'])
+
+    cli = main(
+        [
+            'train',
+            str(EXAMPLE),
+            '--nproc',
+            '2',
+            '--work-dir',
+            str(work / 'lm'),
+            '--cfg-options',
+            'train_cfg.max_iters=8',
+            'train_cfg.checkpoint_interval=4',
+        ]
+    )
     second = run_distributed(_resume_two, nproc=2, args=(str(work),), timeout=300)
-    return dict(work=work, first=first, one=one, second=second, single=single, sd=sd_ckpt,
-                cli=cli)
+    return dict(work=work, first=first, one=one, second=second, single=single, sd=sd_ckpt, cli=cli)
 
 
 def test_training_equals_one_process(runs):
@@ -522,20 +671,26 @@ def test_compile_per_block(runs):
     for out in runs['first']:
         assert out['compiled'] == ['1', '2']  # the two Blocks, not the root or the Linears
         assert out['graphs'] >= 1 and out['compile_err'] < 1e-6
-        assert "names another target" in out['err_compile_target']
+        assert 'names another target' in out['err_compile_target']
 
 
 def test_ignored_modules(runs):
     outs = runs['first']
     for out in outs:
         same, own = out['same_data'], out['own_data']
-        assert same['kinds'] == {'0.weight': True, '0.bias': True, '1.fc.weight': True,
-                                 '1.fc.bias': True, '2.fc.weight': True, '2.fc.bias': True,
-                                 '3.weight': False, '3.bias': False}
+        assert same['kinds'] == {
+            '0.weight': True,
+            '0.bias': True,
+            '1.fc.weight': True,
+            '1.fc.bias': True,
+            '2.fc.weight': True,
+            '2.fc.bias': True,
+            '3.weight': False,
+            '3.bias': False,
+        }
         assert same['head_shape'] == (2, 8)  # not sharded
         # same batch on both ranks: equal to one process, clipped norms included
-        assert same['err'] < 1e-6 and same['norms'] == pytest.approx(same['ref_norms'],
-                                                                      rel=1e-5)
+        assert same['err'] < 1e-6 and same['norms'] == pytest.approx(same['ref_norms'], rel=1e-5)
         assert torch.equal(same['heads'][0], same['heads'][1])
         # own batches: the ignored head is not reduced (the ranks differ), yet both ranks
         # clip by the same norm
@@ -567,11 +722,12 @@ def test_full_state_dict_is_one_file_gathered_on_rank_zero(runs):
 def test_resume_reads_in_place_after_its_checks(runs):
     for out in runs['first']:
         assert out['refused_unchanged'] == [True, True], out['refused']
-        assert 'param scheduler' in out['refused'][0] and 'nothing was changed' in \
-            out['refused'][0]
+        assert 'param scheduler' in out['refused'][0] and 'nothing was changed' in out['refused'][0]
         # the param groups are checked from extra.pth's copy, before any shard is read
-        assert 'its optimizer param groups lack' in out['refused'][1] and \
-            "'momentum'" in out['refused'][1], out['refused'][1]
+        assert (
+            'its optimizer param groups lack' in out['refused'][1]
+            and "'momentum'" in out['refused'][1]
+        ), out['refused'][1]
         assert out['weights_only_model'] and out['weights_only_optim_kept']
         seen, expected = out['callback_saw']
         assert seen == [expected]
@@ -580,11 +736,12 @@ def test_resume_reads_in_place_after_its_checks(runs):
     assert first[1]['read_failed'] == 'OSError: injected: read failed'
     assert first[0]['read_failed'].startswith('RuntimeError: reading ')
     assert first[0]['read_failed'].endswith(
-        'into the model failed on rank 1: OSError: injected: read failed')
+        'into the model failed on rank 1: OSError: injected: read failed'
+    )
 
 
 def test_async_sharded_save(runs):
-    for rank, out in enumerate(runs['first']):
+    for out in runs['first']:
         assert out['pending_after_training']  # the write overlapped two training steps
         assert out['async_returned_s'] < 0.3  # returned before the (slowed) write
         assert out['async_iter'] == 3
@@ -594,8 +751,10 @@ def test_async_sharded_save(runs):
         assert not out['async_fail_exists']
     assert runs['first'][0]['async_failed'] == 'OSError: injected: async commit failed'
     assert runs['first'][1]['async_failed'].startswith('CheckpointVoteError: saving ')
-    assert 'failed on rank 0: OSError: injected: async commit failed' in \
-        runs['first'][1]['async_failed']
+    assert (
+        'failed on rank 0: OSError: injected: async commit failed'
+        in runs['first'][1]['async_failed']
+    )
 
 
 def test_errors(runs):
@@ -660,11 +819,19 @@ def test_cross_strategy(runs):
 
 def test_mmengine_config_builds():
     from stratagem.strategies.fsdp_config import parse_model_wrapper, parse_state_dict_cfg
-    cfg = parse_model_wrapper(dict(
-        type='MMFullyShardedDataParallel', sharding_strategy='SHARD_GRAD_OP', use_orig_params=True,
-        cpu_offload=dict(offload_params=True), mixed_precision=dict(param_dtype='bfloat16'),
-        auto_wrap_policy=dict(type='torch.distributed.fsdp.wrap.size_based_auto_wrap_policy',
-                              min_num_params=60)))
+
+    cfg = parse_model_wrapper(
+        dict(
+            type='MMFullyShardedDataParallel',
+            sharding_strategy='SHARD_GRAD_OP',
+            use_orig_params=True,
+            cpu_offload=dict(offload_params=True),
+            mixed_precision=dict(param_dtype='bfloat16'),
+            auto_wrap_policy=dict(
+                type='torch.distributed.fsdp.wrap.size_based_auto_wrap_policy', min_num_params=60
+            ),
+        )
+    )
     assert cfg.reshard_after_forward is False and cfg.cpu_offload is True
     assert cfg.mp_policy.param_dtype == torch.bfloat16
     net = _net()  # Linear(6,8)=56, Block.fc=72 (x2), Linear(8,2)=18: bottom-up, like FSDP1
@@ -672,16 +839,19 @@ def test_mmengine_config_builds():
     assert [n for n, m in net.named_modules() if id(m) in targets] == ['1.fc', '2.fc']
     assert parse_state_dict_cfg(None, 'local') == 'sharded'
     assert parse_state_dict_cfg(None, dict(state_dict_type='FULL_STATE_DICT')) == 'full'
-    for bad, match in ((dict(sharding_strategy='NO_SHARD'), 'DDPStrategy'),
-                       (dict(backward_prefetch='BACKWARD_PRE'), 'backward_prefetch'),
-                       (dict(mixed_precision=dict(buffer_dtype='float16')), 'buffer_dtype'),
-                       (dict(auto_wrap=1), 'unknown model_wrapper key')):
+    for bad, match in (
+        (dict(sharding_strategy='NO_SHARD'), 'DDPStrategy'),
+        (dict(backward_prefetch='BACKWARD_PRE'), 'backward_prefetch'),
+        (dict(mixed_precision=dict(buffer_dtype='float16')), 'buffer_dtype'),
+        (dict(auto_wrap=1), 'unknown model_wrapper key'),
+    ):
         with pytest.raises(ValueError, match=match):
             parse_model_wrapper(bad)
 
 
 def test_needs_distributed_launch():
     from stratagem.strategies import build_strategy
+
     with pytest.raises(RuntimeError, match='torchrun'):
         build_strategy(dict(type='FSDPStrategy'))
 
@@ -690,6 +860,7 @@ def test_train_transformer_config_end_to_end(runs):
     """`stratagem train examples/configs/transformer_fsdp.py --nproc 2`: committed sharded
     directories, and a resume from iter 4 ends bit-exact where the uninterrupted run did."""
     from stratagem import checkpoint as ckpt
+
     work = runs['work']
     assert runs['cli'] == 0
     assert sorted(p.name for p in (work / 'lm').glob('iter_*')) == ['iter_4.pth', 'iter_8.pth']
@@ -698,10 +869,14 @@ def test_train_transformer_config_end_to_end(runs):
         path = work / 'lm' / f'iter_{it}.pth'
         assert ckpt.is_sharded_checkpoint(path)
         manifest = ckpt.verify_directory(path, collective=False)
-        assert (manifest['step'], manifest['world_size'], manifest['strategy']) == \
-            (it, 2, 'FSDPStrategy')
-        assert {'.metadata', '__0_0.distcp', '__1_0.distcp', 'extra.pth'} <= \
-            {f['path'] for f in manifest['files']}
+        assert (manifest['step'], manifest['world_size'], manifest['strategy']) == (
+            it,
+            2,
+            'FSDPStrategy',
+        )
+        assert {'.metadata', '__0_0.distcp', '__1_0.distcp', 'extra.pth'} <= {
+            f['path'] for f in manifest['files']
+        }
     assert [out['lm_iter'] for out in runs['second']] == [8, 8]
     first = ckpt.read_sharded_checkpoint(work / 'lm' / 'iter_8.pth')
     resumed = ckpt.read_sharded_checkpoint(work / 'lm_resumed' / 'iter_8.pth')
@@ -712,6 +887,7 @@ def test_train_transformer_config_end_to_end(runs):
     assert any(not torch.equal(model[k], start['state_dict'][k]) for k in model)  # it trained
     for index, state in first['optimizer']['state'].items():
         for key, value in state.items():
-            assert torch.equal(torch.as_tensor(value),
-                               torch.as_tensor(resumed['optimizer']['state'][index][key]))
+            assert torch.equal(
+                torch.as_tensor(value), torch.as_tensor(resumed['optimizer']['state'][index][key])
+            )
     assert first['meta']['iter'] == resumed['meta']['iter'] == 8

@@ -9,16 +9,15 @@ GPU:
 
     PYTHONPATH=$PWD python -m pytest -q -m gpu tests/strategies/test_fsdp_cuda.py
 """
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device'),
+]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_harness import run_distributed  # noqa: E402
 
 STEPS, SAVE_AT = 12, 6
@@ -34,6 +33,7 @@ def _net():
 
         def forward(self, x):
             return torch.tanh(self.fc(x)) + x
+
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 32), Block(), Block(), nn.Linear(32, 3))
 
@@ -45,11 +45,19 @@ def _batch(it):
 
 def _build(work, dtype, amp, **kwargs):
     from stratagem.strategies import build_strategy
-    s = build_strategy(dict(type='FSDPStrategy', work_dir=work, **kwargs,
-                            model_wrapper=dict(auto_wrap_policy=['Block'], mixed_precision=dict(
-                                param_dtype=dtype, reduce_dtype='float32')),
-                            env_kwargs=dict(dist_cfg=dict(backend='nccl'),
-                                            randomness=dict(seed=3))))
+
+    s = build_strategy(
+        dict(
+            type='FSDPStrategy',
+            work_dir=work,
+            **kwargs,
+            model_wrapper=dict(
+                auto_wrap_policy=['Block'],
+                mixed_precision=dict(param_dtype=dtype, reduce_dtype='float32'),
+            ),
+            env_kwargs=dict(dist_cfg=dict(backend='nccl'), randomness=dict(seed=3)),
+        )
+    )
     optim = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9), clip_grad=dict(max_norm=1.0))
     if amp:  # a first scale of 2**20 overflows fp16: the first steps must be skipped
         optim.update(type='AmpOptimWrapper', dtype='float16', loss_scale=dict(init_scale=2.0**20))
@@ -58,12 +66,14 @@ def _build(work, dtype, amp, **kwargs):
 
 def _full(s):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     sd = get_model_state_dict(s.model, options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().float().cpu().clone() for k, v in sd.items()}
 
 
 def _train(s, model, ow, start, stop, record=None):
     from torch.nn import functional as F
+
     for it in range(start, stop):
         x, y = _batch(it)
         before = _full(s) if record is not None else None
@@ -78,6 +88,7 @@ def _train(s, model, ow, start, stop, record=None):
 def _reference():
     """fp32, plain CUDA module, same steps: the oracle."""
     from torch.nn import functional as F
+
     net = _net().cuda()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     for it in range(STEPS):
@@ -92,6 +103,7 @@ def _reference():
 def _cuda_checks(work):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
+
     out = {}
     ref = _reference()
     # bf16 compute, fp32 sharded parameters, no GradScaler
@@ -100,16 +112,22 @@ def _cuda_checks(work):
     model[1].fc.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
     _train(s, model, ow, 0, STEPS)
     p = next(model.parameters())
-    out['bf16'] = dict(backend=dist.get_backend(), param=(type(p).__name__, str(p.dtype),
-                                                          str(p.device)),
-                       compute=str(seen[0]), err=_max_err(_full(s), ref))
+    out['bf16'] = dict(
+        backend=dist.get_backend(),
+        param=(type(p).__name__, str(p.dtype), str(p.device)),
+        compute=str(seen[0]),
+        err=_max_err(_full(s), ref),
+    )
     # fp16 compute + GradScaler on sharded grads: skipped steps change nothing
     s, model, ow = _build(work, 'float16', amp=True)
     skipped = []
     _train(s, model, ow, 0, STEPS, record=skipped)
-    out['fp16'] = dict(scaler=type(ow.loss_scaler).__name__, skipped=skipped,
-                       scale=float(ow.loss_scaler.get_scale()),
-                       dtype=str(next(model.parameters()).dtype))
+    out['fp16'] = dict(
+        scaler=type(ow.loss_scaler).__name__,
+        skipped=skipped,
+        scale=float(ow.loss_scaler.get_scale()),
+        dtype=str(next(model.parameters()).dtype),
+    )
     final = _full(s)
     out['fp16']['err'] = _max_err(final, _reference_skipping(skipped))
     # fp16: a sharded checkpoint taken mid-run resumes exactly (scale and counters too)
@@ -134,8 +152,10 @@ def _cuda_checks(work):
     _train(s3, m3, o3, SAVE_AT, STEPS)
     s3.wait_for_checkpoints()
     staged = s3.checkpointer.writer._staging.values()
-    out['async'] = dict(pinned=all(t.is_pinned() for t in staged if t.numel()),
-                        final_exact=all(torch.equal(_full(s3)[k], final[k]) for k in final))
+    out['async'] = dict(
+        pinned=all(t.is_pinned() for t in staged if t.numel()),
+        final_exact=all(torch.equal(_full(s3)[k], final[k]) for k in final),
+    )
     s4, m4, o4 = _build(work + '/async', 'float16', amp=True)
     s4.resume(path)
     loaded = _full(s4)
@@ -146,6 +166,7 @@ def _cuda_checks(work):
 def _reference_skipping(skipped):
     """The fp32 oracle with the steps the GradScaler skipped left out (their momentum too)."""
     from torch.nn import functional as F
+
     net = _net().cuda()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     for it in range(STEPS):

@@ -1,6 +1,7 @@
 """A resume whose checkpoint was saved with another optimizer type stops before it changes
 anything (torch would load SGD's groups into AdamW and fail at the first step with
 KeyError: 'step', the model already overwritten)."""
+
 import pytest
 import torch
 from torch import nn

@@ -4,10 +4,10 @@
 DDPStrategy with a plain optimizer is the oracle: each rank trains on its half of a global
 batch, and a single process on the whole batch continues a 2-rank checkpoint.
 """
+
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_harness import run_distributed  # noqa: E402
+from dist_harness import run_distributed
 
 pytest.importorskip('fairscale', reason='fairscale is not installed (stratagem[fairscale])')
 
@@ -26,8 +25,15 @@ ADAM = dict(type='Adam', lr=0.01)
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
-                         nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    return nn.Sequential(
+        nn.Linear(16, 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, 4),
+    )
 
 
 def _batch(i, rank=None):
@@ -36,7 +42,7 @@ def _batch(i, rank=None):
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
     if rank is None:
         return x, y
-    return x[rank * 4:rank * 4 + 4], y[rank * 4:rank * 4 + 4]
+    return x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4]
 
 
 def _train(model, ow, start, stop, rank=None, scheds=()):
@@ -58,11 +64,23 @@ def _build(kind, work_dir, optimizer=ADAM, sched=False, strategy=None, **wrapper
     """A strategy (extra ``strategy`` options) and its prepared model and wrapper (+ a warmup
     scheduler with ``sched``, kept in ``s.param_schedulers``)."""
     from stratagem.strategies import build_strategy
-    s = build_strategy(dict(type=kind, work_dir=str(work_dir), log_kwargs=dict(
-        log_level='WARNING'), env_kwargs=dict(randomness=dict(seed=1)), **(strategy or {})))
+
+    s = build_strategy(
+        dict(
+            type=kind,
+            work_dir=str(work_dir),
+            log_kwargs=dict(log_level='WARNING'),
+            env_kwargs=dict(randomness=dict(seed=1)),
+            **(strategy or {}),
+        )
+    )
     warmup = [dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=4)] if sched else None
-    model, ow, *_ = s.prepare(_model(), optim_wrapper=dict(optimizer=dict(optimizer), **wrapper),
-                              param_scheduler=warmup, dispatch_kwargs=dict(max_iters=END))
+    model, ow, *_ = s.prepare(
+        _model(),
+        optim_wrapper=dict(optimizer=dict(optimizer), **wrapper),
+        param_scheduler=warmup,
+        dispatch_kwargs=dict(max_iters=END),
+    )
     return s, model, ow
 
 
@@ -84,39 +102,56 @@ def _checks(tmp):
     from fairscale.optim import OSS as FairscaleOSS
 
     from stratagem.optim.oss import optimizer_state_bytes
+
     out = {}
     rank = int(os.environ['RANK'])
     wd = lambda name: os.path.join(tmp, name)  # noqa: E731
 
     # -- 1. equal to DDP: Adam, accumulation 2, clipping, bf16 autocast
-    cases = {'adam': {}, 'acc2': dict(accumulative_counts=2, sched=True),
-             'clip': dict(clip_grad=dict(max_norm=0.05)),
-             'bf16': dict(type='AmpOptimWrapper', dtype='bfloat16')}
+    cases = {
+        'adam': {},
+        'acc2': dict(accumulative_counts=2, sched=True),
+        'clip': dict(clip_grad=dict(max_norm=0.05)),
+        'bf16': dict(type='AmpOptimWrapper', dtype='bfloat16'),
+    }
     for name, extra in cases.items():
         ds, dm, dow = _build('DDPStrategy', wd(f'ddp_{name}'), **extra)
         ss, sm, sow = _build('ShardedDDPStrategy', wd(f'sdp_{name}'), **extra)
-        out[f'{name}_norms'] = (_train(dm, dow, 0, STOP, rank, _scheds(ds)),
-                                _train(sm, sow, 0, STOP, rank, _scheds(ss)))
+        out[f'{name}_norms'] = (
+            _train(dm, dow, 0, STOP, rank, _scheds(ds)),
+            _train(sm, sow, 0, STOP, rank, _scheds(ss)),
+        )
         out[f'{name}_diff'] = _max_diff(_weights(ds), _weights(ss))
         if name == 'adam':
-            out['types'] = (isinstance(sm, ShardedDataParallel), type(sow.optimizer).__name__,
-                            type(sow.optimizer.optim).__name__)
+            out['types'] = (
+                isinstance(sm, ShardedDataParallel),
+                type(sow.optimizer).__name__,
+                type(sow.optimizer.optim).__name__,
+            )
             ddp_at_stop = _weights(ds)
             # -- per-rank optimizer state: this rank's shard against DDP's whole state
-            out['state_bytes'] = (optimizer_state_bytes(sow.optimizer),
-                                  optimizer_state_bytes(dow.optimizer))
+            out['state_bytes'] = (
+                optimizer_state_bytes(sow.optimizer),
+                optimizer_state_bytes(dow.optimizer),
+            )
             # -- checkpoints after STOP steps; both runs then continue to END
             out['sdp_ckpt'] = ss.save_checkpoint('sdp.pth', extra_ckpt={'meta': {'iter': STOP}})
             out['ddp_ckpt'] = ds.save_checkpoint('ddp.pth', extra_ckpt={'meta': {'iter': STOP}})
             out['all_states_kept'] = len(sow.optimizer._all_states)
             # rank 0's consolidated copy: only the other ranks' shards are new tensors
-            live = {t.untyped_storage().data_ptr() for st in sow.optimizer.optim.state.values()
-                    for t in st.values() if torch.is_tensor(t)}
+            live = {
+                t.untyped_storage().data_ptr()
+                for st in sow.optimizer.optim.state.values()
+                for t in st.values()
+                if torch.is_tensor(t)
+            }
             full = sow.optimizer.state_dict()
-            out['new_bytes'] = sum(t.untyped_storage().nbytes() for st in
-                                   full.get('state', {}).values() for t in st.values()
-                                   if torch.is_tensor(t) and t.untyped_storage().data_ptr()
-                                   not in live)
+            out['new_bytes'] = sum(
+                t.untyped_storage().nbytes()
+                for st in full.get('state', {}).values()
+                for t in st.values()
+                if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in live
+            )
             out['shard_bytes'] = [None, None]
             dist.all_gather_object(out['shard_bytes'], optimizer_state_bytes(sow.optimizer))
             _train(dm, dow, STOP, END, rank)
@@ -153,33 +188,38 @@ def _checks(tmp):
     _train(rm, row, 3, END, rank, _scheds(rs))
     out['mid_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in _weights(rs).items())
     # a roll-back in the same process, after forwards built the reduce buckets
-    rs2, rm2, row2 = _build('ShardedDDPStrategy', wd('acc_part'), accumulative_counts=2,
-                            sched=True)
+    rs2, rm2, row2 = _build('ShardedDDPStrategy', wd('acc_part'), accumulative_counts=2, sched=True)
     _train(rm2, row2, 0, 3, rank, _scheds(rs2))  # buckets built, a window open: replaced
     rs2.resume(mid)
     _train(rm2, row2, 3, END, rank, _scheds(rs2))
-    out['rollback_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in
-                                       _weights(rs2).items())
+    out['rollback_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in _weights(rs2).items())
     out['mid_ckpt'] = mid
     # the same mid-window save, asynchronous: OSS consolidates on the training thread, rank 0
     # writes in the background while training goes on; the resume is exact all the same
-    as_, am, aow = _build('ShardedDDPStrategy', wd('acc_async'), accumulative_counts=2,
-                          sched=True, strategy=dict(async_checkpoint=True))
+    as_, am, aow = _build(
+        'ShardedDDPStrategy',
+        wd('acc_async'),
+        accumulative_counts=2,
+        sched=True,
+        strategy=dict(async_checkpoint=True),
+    )
     _train(am, aow, 0, 3, rank, _scheds(as_))
     amid = as_.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
     _train(am, aow, 3, END, rank, _scheds(as_))
     as_.wait_for_checkpoints()
     out['async_trained_equal'] = all(torch.equal(v, full_w[k]) for k, v in _weights(as_).items())
-    rs3, rm3, row3 = _build('ShardedDDPStrategy', wd('acc_async'), accumulative_counts=2,
-                            sched=True)
+    rs3, rm3, row3 = _build(
+        'ShardedDDPStrategy', wd('acc_async'), accumulative_counts=2, sched=True
+    )
     rs3.resume(amid)
     _train(rm3, row3, 3, END, rank, _scheds(rs3))
     out['async_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in _weights(rs3).items())
 
     # -- 4. across strategies: SDP checkpoint into DDP, DDP checkpoint into SDP
-    for name, kind, path, want in (('sdp_to_ddp', 'DDPStrategy', out['sdp_ckpt'], 'sdp_end'),
-                                   ('ddp_to_sdp', 'ShardedDDPStrategy', out['ddp_ckpt'],
-                                    'ddp_end')):
+    for name, kind, path, want in (
+        ('sdp_to_ddp', 'DDPStrategy', out['sdp_ckpt'], 'sdp_end'),
+        ('ddp_to_sdp', 'ShardedDDPStrategy', out['ddp_ckpt'], 'ddp_end'),
+    ):
         s, m, o = _build(kind, wd(name))
         s.resume(path)
         _train(m, o, STOP, END, rank)
@@ -188,6 +228,7 @@ def _checks(tmp):
     # -- 4b. FSDPStrategy resumes the SDP checkpoint and writes a sharded directory at STOP,
     # which SDP resumes: both continue to the 2-rank SDP run's END weights
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     fs, fm, fow = _build('FSDPStrategy', wd('sdp_to_fsdp'))
     fs.resume(out['sdp_ckpt'])
     fsdp_dir = fs.save_checkpoint('fsdp_5', extra_ckpt={'meta': {'iter': STOP}})
@@ -212,9 +253,12 @@ def _checks(tmp):
 
     # -- 6. sync_bn: statistics over both ranks' samples, as under DDPStrategy
     from stratagem.strategies import ShardedDDPStrategy
+
     bs = ShardedDDPStrategy(work_dir=wd('bn'), sync_bn='torch')
-    bn_model, _ = bs.prepare(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)),
-                             optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)))
+    bn_model, _ = bs.prepare(
+        nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
+    )
     with torch.no_grad():
         bn_model.module[0].weight.copy_(torch.eye(3))
         bn_model.module[0].bias.zero_()
@@ -247,7 +291,7 @@ def test_training_equals_ddp(results, case):
 def test_wrapper_never_hits_the_zero_grad_trap(results):
     for r in results:
         assert r['trap_fairscale'] > 1e-3  # fairscale's OSS.zero_grad(): wrong from step 2
-        assert r['trap_ours'] < 1e-6       # ours, zeroed the same raw way, equals DDP
+        assert r['trap_ours'] < 1e-6  # ours, zeroed the same raw way, equals DDP
 
 
 def test_per_rank_optimizer_state_is_about_half_of_ddps(results):
@@ -288,6 +332,7 @@ def test_checkpoints_cross_between_fsdp_and_sharded_ddp(results):
 
 def test_checkpoint_loads_in_single_device_equal_to_ddps_state(results, tmp_path):
     from stratagem.strategies import SingleDeviceStrategy
+
     r0 = results[0]
     sdp_ck = torch.load(r0['sdp_ckpt'], weights_only=True)
     ddp_ck = torch.load(r0['ddp_ckpt'], weights_only=True)
@@ -295,8 +340,9 @@ def test_checkpoint_loads_in_single_device_equal_to_ddps_state(results, tmp_path
     assert sorted(sdp_ck['optimizer']['state']) == sorted(ddp_ck['optimizer']['state'])
     for i, st in ddp_ck['optimizer']['state'].items():
         for key, value in st.items():
-            torch.testing.assert_close(sdp_ck['optimizer']['state'][i][key], value,
-                                       rtol=0, atol=1e-6)
+            torch.testing.assert_close(
+                sdp_ck['optimizer']['state'][i][key], value, rtol=0, atol=1e-6
+            )
     s = SingleDeviceStrategy(work_dir=str(tmp_path))
     model, ow = s.prepare(_model(), optim_wrapper=dict(optimizer=dict(ADAM)))
     with pytest.warns(UserWarning, match='world size 2'):
@@ -311,6 +357,7 @@ def test_checkpoint_loads_in_single_device_equal_to_ddps_state(results, tmp_path
 
 def test_two_to_one_resume_continues_the_two_rank_run(results, tmp_path):
     from stratagem.strategies import SingleDeviceStrategy
+
     r0 = results[0]
     s = SingleDeviceStrategy(work_dir=str(tmp_path))
     model, ow = s.prepare(_model(), optim_wrapper=dict(optimizer=dict(ADAM)))
@@ -322,14 +369,16 @@ def test_two_to_one_resume_continues_the_two_rank_run(results, tmp_path):
 
 def test_oss_optimizer_cfg_under_ddp(results, tmp_path):
     from stratagem.strategies import SingleDeviceStrategy
+
     for r in results:
         assert r['oss_ddp_type'] == 'OSS' and r['oss_ddp_diff'] < 1e-6
     ck = torch.load(results[0]['oss_ddp_ckpt'], weights_only=True)
     want = results[0]['adamw_ddp_state']
     assert len(ck['optimizer']['state']) == len(want) == 8
     for i, st in want.items():
-        torch.testing.assert_close(ck['optimizer']['state'][i]['exp_avg'], st['exp_avg'],
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            ck['optimizer']['state'][i]['exp_avg'], st['exp_avg'], rtol=0, atol=1e-6
+        )
     s = SingleDeviceStrategy(work_dir=str(tmp_path))
     s.prepare(_model(), optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01)))
     with pytest.warns(UserWarning, match='world size 2'):
@@ -353,22 +402,33 @@ def one_rank_group(tmp_path, monkeypatch):
 
 def test_bad_configs_are_refused_before_anything_is_built(one_rank_group, tmp_path):
     from stratagem.strategies import ShardedDDPStrategy
+
     with pytest.raises(ValueError, match="KeyError: 'all_gather'.*FSDPStrategy"):
         ShardedDDPStrategy(model_wrapper=dict(type='FullyShardedDataParallel'))
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['bucket_cap_mb'\]"):
         ShardedDDPStrategy(model_wrapper=dict(bucket_cap_mb=25))
     s = ShardedDDPStrategy(work_dir=str(tmp_path))
     model = _model()
-    bad = [(None, ValueError, 'needs optim_wrapper'),
-           (dict(optimizer=torch.optim.SGD(model.parameters(), lr=0.1)), ValueError,
-            'built SGD'),
-           (dict(a=dict(optimizer=dict(ADAM))), ValueError, 'dict of named wrappers'),
-           (dict(optimizer=dict(type='ZeroRedundancyOptimizer', optimizer_type='Adam')),
-            ValueError, 'already shards'),
-           (dict(type='AmpOptimWrapper', dtype='float16', optimizer=dict(ADAM)), ValueError,
-            "dtype='bfloat16'"),
-           (dict(type='Fp16MasterWeightsOptimWrapper', optimizer=dict(ADAM)), TypeError,
-            'master copies')]
+    bad = [
+        (None, ValueError, 'needs optim_wrapper'),
+        (dict(optimizer=torch.optim.SGD(model.parameters(), lr=0.1)), ValueError, 'built SGD'),
+        (dict(a=dict(optimizer=dict(ADAM))), ValueError, 'dict of named wrappers'),
+        (
+            dict(optimizer=dict(type='ZeroRedundancyOptimizer', optimizer_type='Adam')),
+            ValueError,
+            'already shards',
+        ),
+        (
+            dict(type='AmpOptimWrapper', dtype='float16', optimizer=dict(ADAM)),
+            ValueError,
+            "dtype='bfloat16'",
+        ),
+        (
+            dict(type='Fp16MasterWeightsOptimWrapper', optimizer=dict(ADAM)),
+            TypeError,
+            'master copies',
+        ),
+    ]
     for cfg, exc, match in bad:
         with pytest.raises(exc, match=match):
             s.prepare(model, optim_wrapper=cfg)
@@ -383,6 +443,7 @@ def test_bad_configs_are_refused_before_anything_is_built(one_rank_group, tmp_pa
 
 def test_oss_arguments_are_checked(one_rank_group):
     from stratagem.optim.oss import OSS
+
     params = list(_model().parameters())
     with pytest.raises(ValueError, match="optim='AdamW'"):
         OSS(params, lr=0.1)
@@ -399,6 +460,7 @@ def test_oss_arguments_are_checked(one_rank_group):
 
 def test_oss_needs_a_process_group():
     from stratagem.optim.oss import OSS
+
     if dist.is_initialized():
         pytest.skip('a process group is already initialised in this process')
     with pytest.raises(RuntimeError, match='initialised process group'):
@@ -418,12 +480,16 @@ def test_fairscale_is_lazy_and_its_absence_names_the_extra():
         '    try:\n'
         '        make()\n'
         '    except ImportError as e:\n'
-        '        print(str(e).split(" (")[0])\n')
-    out = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True,
-                         check=True, timeout=120).stdout.splitlines()
-    assert out == ['False',
-                   'OSS and ShardedDDPStrategy need fairscale: pip install "stratagem[fairscale]"',
-                   'ShardedDDPStrategy needs fairscale: pip install "stratagem[fairscale]"']
+        '        print(str(e).split(" (")[0])\n'
+    )
+    out = subprocess.run(
+        [sys.executable, '-c', probe], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.splitlines()
+    assert out == [
+        'False',
+        'OSS and ShardedDDPStrategy need fairscale: pip install "stratagem[fairscale]"',
+        'ShardedDDPStrategy needs fairscale: pip install "stratagem[fairscale]"',
+    ]
 
 
 # ---------------------------------------------------------------- CUDA (run on a device)
@@ -434,15 +500,20 @@ def test_fp16_uses_the_sharded_grad_scaler_on_cuda(tmp_path):
     from fairscale.optim.grad_scaler import ShardedGradScaler
 
     from stratagem.strategies import ShardedDDPStrategy, SingleDeviceStrategy
+
     store = dist.FileStore(str(tmp_path / 'store'), 1)
     dist.init_process_group('nccl', store=store, rank=0, world_size=1)
     try:
-        cfg = dict(type='AmpOptimWrapper', dtype='float16', optimizer=dict(ADAM),
-                   clip_grad=dict(max_norm=0.05), loss_scale=dict(init_scale=1024.0))
+        cfg = dict(
+            type='AmpOptimWrapper',
+            dtype='float16',
+            optimizer=dict(ADAM),
+            clip_grad=dict(max_norm=0.05),
+            loss_scale=dict(init_scale=1024.0),
+        )
         runs = []
         for cls in (SingleDeviceStrategy, ShardedDDPStrategy):
-            s = cls(work_dir=str(tmp_path / cls.__name__), env_kwargs=dict(
-                randomness=dict(seed=1)))
+            s = cls(work_dir=str(tmp_path / cls.__name__), env_kwargs=dict(randomness=dict(seed=1)))
             model, ow = s.prepare(_model(), optim_wrapper=cfg)
             for i in range(STOP):
                 x, y = (t.cuda() for t in _batch(i))

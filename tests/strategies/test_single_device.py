@@ -1,4 +1,5 @@
 """SingleDeviceStrategy and the BaseStrategy sequence: prepare, state dicts, checkpoints, errors."""
+
 import os
 
 import pytest
@@ -28,7 +29,8 @@ def test_prepare_shapes_and_keeps_components(tmp_path):
         dict(type='MLPClassifier', in_features=4, num_classes=2, hidden=8),
         optim_wrapper=OPTIM,
         param_scheduler=dict(type='MultiStepLR', milestones=[1], gamma=0.5, by_epoch=False),
-        dispatch_kwargs=dict(max_iters=4))
+        dispatch_kwargs=dict(max_iters=4),
+    )
     assert len(scheds) == 1 and s.param_schedulers is scheds
     scheds[0].step()
     assert ow.get_lr()['lr'] == [pytest.approx(0.05)]
@@ -50,8 +52,9 @@ def test_properties_and_seed(tmp_path):
 
 
 def test_bad_inputs_name_what_is_wrong(tmp_path):
-    with pytest.raises(KeyError, match="unknown type 'SingleDevise'.*did you mean "
-                                       "'SingleDeviceStrategy'"):
+    with pytest.raises(
+        KeyError, match="unknown type 'SingleDevise'.*did you mean 'SingleDeviceStrategy'"
+    ):
         build_strategy(dict(type='SingleDevise'))
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['launchr'\] in env_kwargs"):
         make_strategy(tmp_path, env_kwargs=dict(launchr='none'))
@@ -81,25 +84,33 @@ def test_auto_strategy_picks_single_device(tmp_path):
 
 def test_auto_scale_lr_counts_accumulation_once(tmp_path):
     s = make_strategy(tmp_path, auto_scale_lr=dict(enable=True, base_batch_size=16))
-    _, ow = s.prepare(nn.Linear(2, 2), optim_wrapper=dict(OPTIM, accumulative_counts=2),
-                      dispatch_kwargs=dict(max_iters=10, train_micro_batch_size_per_gpu=4))
+    _, ow = s.prepare(
+        nn.Linear(2, 2),
+        optim_wrapper=dict(OPTIM, accumulative_counts=2),
+        dispatch_kwargs=dict(max_iters=10, train_micro_batch_size_per_gpu=4),
+    )
     # real batch = 1 process x 4 x 2 accumulated = 8 -> 0.1 * 8 / 16
     assert ow.get_lr()['lr'] == [pytest.approx(0.05)]
     path = s.save_checkpoint('a.pth', extra_ckpt={'meta': {'iter': 0}})
     s2 = make_strategy(tmp_path, auto_scale_lr=dict(enable=True, base_batch_size=16))
-    _, ow2 = s2.prepare(nn.Linear(2, 2), optim_wrapper=dict(OPTIM, accumulative_counts=2),
-                        dispatch_kwargs=dict(max_iters=10, train_micro_batch_size_per_gpu=4))
+    _, ow2 = s2.prepare(
+        nn.Linear(2, 2),
+        optim_wrapper=dict(OPTIM, accumulative_counts=2),
+        dispatch_kwargs=dict(max_iters=10, train_micro_batch_size_per_gpu=4),
+    )
     s2.resume(path)
     assert ow2.get_lr()['lr'] == [pytest.approx(0.05)]  # not scaled a second time
     with pytest.raises(ValueError, match='train_micro_batch_size_per_gpu'):
         make_strategy(tmp_path, auto_scale_lr=dict(enable=True, base_batch_size=16)).prepare(
-            nn.Linear(2, 2), optim_wrapper=OPTIM)
+            nn.Linear(2, 2), optim_wrapper=OPTIM
+        )
 
 
 def test_accumulation_without_length_is_an_error(tmp_path):
     with pytest.raises(ValueError, match='max_iters'):
-        make_strategy(tmp_path).prepare(nn.Linear(2, 2),
-                                        optim_wrapper=dict(OPTIM, accumulative_counts=4))
+        make_strategy(tmp_path).prepare(
+            nn.Linear(2, 2), optim_wrapper=dict(OPTIM, accumulative_counts=4)
+        )
 
 
 def test_sync_batchnorm_is_reverted(tmp_path):
@@ -191,10 +202,13 @@ def test_prebuilt_optimizer_stays_connected_to_the_model(tmp_path):
 def test_resume_without_optimizer_still_aligns_accumulation(tmp_path):
     def build():
         s = make_strategy(tmp_path)
-        model, ow = s.prepare(nn.Linear(2, 1, bias=False),
-                              optim_wrapper=dict(OPTIM, accumulative_counts=2),
-                              dispatch_kwargs=dict(max_iters=5))
+        model, ow = s.prepare(
+            nn.Linear(2, 1, bias=False),
+            optim_wrapper=dict(OPTIM, accumulative_counts=2),
+            dispatch_kwargs=dict(max_iters=5),
+        )
         return s, model, ow
+
     s, model, ow = build()
     for _ in range(2):
         ow.update_params(model(torch.ones(1, 2)).sum())
@@ -210,15 +224,19 @@ def test_resume_without_optimizer_still_aligns_accumulation(tmp_path):
 def test_resume_checks_keys_before_loading_anything(tmp_path):
     s = make_strategy(tmp_path)
     model, _ = s.prepare(nn.Linear(2, 2), optim_wrapper=OPTIM)
-    torch.save({'state_dict': {k: v + 1 for k, v in model.state_dict().items()}},
-               tmp_path / 'weights_only.pth')
+    torch.save(
+        {'state_dict': {k: v + 1 for k, v in model.state_dict().items()}},
+        tmp_path / 'weights_only.pth',
+    )
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.warns(UserWarning), pytest.raises(KeyError, match=r"has no \['optimizer'\]"):
         s.resume(str(tmp_path / 'weights_only.pth'))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     # an mmengine-style checkpoint without 'meta' resumes when the parts asked for are there
-    torch.save({'state_dict': model.state_dict(), 'optimizer': s.optim_state_dict()},
-               tmp_path / 'nometa.pth')
+    torch.save(
+        {'state_dict': model.state_dict(), 'optimizer': s.optim_state_dict()},
+        tmp_path / 'nometa.pth',
+    )
     with pytest.warns(UserWarning):
         ck = s.resume(str(tmp_path / 'nometa.pth'))
     assert 'meta' not in ck
@@ -256,6 +274,7 @@ def test_whole_model_compile_keeps_plain_checkpoint_keys(tmp_path):
 
 def test_demo_refuses_a_work_dir_with_foreign_files(tmp_path, capsys):
     from stratagem.cli import main
+
     precious = tmp_path / 'precious'
     precious.mkdir()
     (precious / 'my_notes.txt').write_text('data')
@@ -274,8 +293,11 @@ def test_a_device_this_machine_lacks_is_refused_before_setup(tmp_path):
     assert "device='gpu' is not a device name (did you mean 'cuda'?)" in message
     assert "'cpu', 'cuda', 'cuda:N' or 'mps'" in message and 'this machine has: cpu' in message
     beyond = f'cuda:{torch.cuda.device_count()}'
-    pattern = (f"device='{beyond}': there are only" if torch.cuda.is_available() else
-               f"device='{beyond}', but (this torch was built without CUDA|torch .* sees no GPU)")
+    pattern = (
+        f"device='{beyond}': there are only"
+        if torch.cuda.is_available()
+        else f"device='{beyond}', but (this torch was built without CUDA|torch .* sees no GPU)"
+    )
     with pytest.raises(ValueError, match=pattern):
         SingleDeviceStrategy(device=beyond, work_dir=str(work))
     assert not work.exists()  # refused before the environment, the logger or any file

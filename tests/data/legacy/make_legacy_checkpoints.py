@@ -1,10 +1,19 @@
 """Write the frozen checkpoints of ``tests/checkpoint/test_legacy_checkpoints.py``.
 
-Generated at commit 139334c with torch 2.13.0+cpu and deepspeed 0.19.8 (CPU, gloo), by::
+Generated from the clean tree of commit 139334c with torch 2.13.0+cpu and deepspeed 0.19.8
+(CPU, gloo), with the stratagem package of that commit ahead on the path::
 
-    /work/main/.venv/bin/python tests/data/legacy/make_legacy_checkpoints.py
+    git clone -q --shared /work/main /tmp/src && git -C /tmp/src checkout -q 139334c
+    cd /tmp/src && PYTHONPATH=/tmp/src /work/main/.venv/bin/python \
+        /work/main/tests/data/legacy/make_legacy_checkpoints.py
 
-Every layout today's code writes, each after 3 training steps of the same tiny model
+(from that directory: the ranks' ``python -c`` puts the working directory first on the path)
+
+The script writes beside itself and records the commit of the stratagem package it imported;
+it refuses a package whose tracked files differ from their commit (a frozen checkpoint must
+come from a commit, not from work in progress).
+
+One checkpoint per layout, each after 3 training steps of the same tiny model
 (``Sequential(Linear(4, 8), Tanh(), Linear(8, 2))``) on fixed data, saved with
 ``extra_ckpt={'meta': {'iter': 3}}``:
 
@@ -150,9 +159,11 @@ def _state(layout: str, s) -> tuple[dict, dict]:
                  for p, st in s.optim_wrapper.optimizer.state.items()}
         return weights, optim
     if layout == 'fsdp':
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_model_state_dict,
-                                                             get_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
         opts = StateDictOptions(full_state_dict=True)
         weights = {k: v.detach().clone()
                    for k, v in get_model_state_dict(s.model, options=opts).items()}
@@ -176,7 +187,7 @@ def _state(layout: str, s) -> tuple[dict, dict]:
 
 
 def _two_ranks(work_dir: str) -> dict:
-    out = {}
+    out = {'package': _package()}
     for layout in ('fsdp', 'deepspeed'):
         out[layout] = _train_and_save(layout, str(Path(work_dir) / layout))
     return out
@@ -216,10 +227,32 @@ def _copy(src: Path, layout: str) -> None:
         shutil.copy2(f, dst / f.name)
 
 
+def _git(package: Path, *args: str) -> str:
+    return subprocess.run(['git', '-C', str(package), *args], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def _stratagem_source() -> tuple[str, str]:
+    """(the stratagem package's directory, its commit); refuses uncommitted changes."""
+    import stratagem
+    package = Path(stratagem.__file__).resolve().parent
+    changed = _git(package, 'status', '--porcelain', '--untracked-files=no', '--', '.')
+    if changed:
+        raise SystemExit(f'{package} has uncommitted changes:\n{changed}\nfrozen checkpoints '
+                         'must come from a commit: run this script with a clean checkout of '
+                         'it first on PYTHONPATH (see the docstring)')
+    return str(package), _git(package, 'rev-parse', '--short', 'HEAD')
+
+
+def _package() -> str:
+    import stratagem
+    return str(Path(stratagem.__file__).resolve().parent)
+
+
 def main() -> None:
     import deepspeed
-    commit = subprocess.run(['git', '-C', str(HERE), 'rev-parse', '--short', 'HEAD'],
-                            capture_output=True, text=True, check=True).stdout.strip()
+    package, commit = _stratagem_source()
+    print(f'stratagem from {package} at {commit}')
     expected = dict(generated_at=dict(commit=commit, torch=str(torch.__version__),
                                       deepspeed=deepspeed.__version__,
                                       script='tests/data/legacy/make_legacy_checkpoints.py'))
@@ -228,6 +261,7 @@ def main() -> None:
         expected['single'] = _record('single', [single])
         _copy(Path(single['path']), 'single')
         ranks = run_distributed(_two_ranks, nproc=2, args=(tmp,), timeout=600)
+        assert {r['package'] for r in ranks} == {package}, (package, ranks[0]['package'])
         for layout in ('fsdp', 'deepspeed'):
             expected[layout] = _record(layout, [r[layout] for r in ranks])
             _copy(Path(ranks[0][layout]['path']), layout)
