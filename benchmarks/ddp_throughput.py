@@ -126,7 +126,7 @@ def _worker(rank: int, world: int, port: int, rounds: int, steps: int, order: st
             sdp_ratios.append(times[sharded_step] / times[raw_step])
     states = []
     if sharded:  # the byte counter lives with OSS (it imports fairscale)
-        from stratagem.optim.oss import optimizer_state_bytes
+        from stratagem.strategies.fairscale.oss import optimizer_state_bytes
 
         states = env.all_gather_object(
             [optimizer_state_bytes(raw_opt), optimizer_state_bytes(s_wrapper.optimizer)]

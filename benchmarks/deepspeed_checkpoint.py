@@ -57,8 +57,8 @@ def _old_layout(strategy):
     engine writes with ``torch.save``, rank 0 re-reads and hashes every file at the commit."""
     from stratagem import checkpoint as ckpt
     from stratagem import env
-    from stratagem.checkpoint.zero import DEEPSPEED_TAG, STATE_FILE
-    from stratagem.strategies.checkpointing_deepspeed import ZeroLayout
+    from stratagem.strategies.deepspeed.checkpoint import ZeroLayout
+    from stratagem.strategies.deepspeed.files import DEEPSPEED_TAG, STATE_FILE
 
     class OldZeroLayout(ZeroLayout):
         def stage(self, checkpoint, path, commit, writer):

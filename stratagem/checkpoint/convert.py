@@ -25,7 +25,7 @@ Reader = Callable[[Path, Callable[[int, int], None] | None], dict]
 
 
 def _is_zero(path: Path) -> bool:
-    from .zero import is_zero_checkpoint
+    from stratagem.strategies.deepspeed.files import is_zero_checkpoint
 
     return is_zero_checkpoint(path)
 
@@ -41,7 +41,8 @@ def _read_file(path: Path, progress: Callable[[int, int], None] | None) -> dict:
 
 
 def _read_zero(path: Path, progress: Callable[[int, int], None] | None) -> dict:
-    from .zero import read_zero_checkpoint  # DeepSpeed is imported only for its shards
+    # DeepSpeed is imported only for its shards
+    from stratagem.strategies.deepspeed.files import read_zero_checkpoint
 
     return read_zero_checkpoint(path)
 

@@ -5,11 +5,12 @@ Importing this package registers the wrappers (``OPTIM_WRAPPERS``), the construc
 point is :func:`build_optim_wrapper`.
 """
 
+from stratagem.registry import OPTIM_WRAPPERS
+
 from . import optimizers  # noqa: F401  (registers torch.optim in OPTIMIZERS)
 from .amp_optim_wrapper import AmpOptimWrapper
 from .base import BaseOptimWrapper
 from .builder import MultiOptimWrapperConstructor, build_optim_wrapper
-from .deepspeed_optim_wrapper import DeepSpeedOptimWrapper
 from .default_constructor import DefaultOptimWrapperConstructor
 from .fp16 import (
     LossScaler,
@@ -24,6 +25,11 @@ from .fp16_optim_wrapper import Fp16MasterWeightsOptimWrapper
 from .optim_wrapper import OptimWrapper
 from .optim_wrapper_dict import OptimWrapperDict
 from .param_groups import get_default_optimizer_params, reduce_param_groups
+
+# the DeepSpeed backend's wrapper, registered by name; built only with DeepSpeedStrategy
+OPTIM_WRAPPERS.register_lazy(
+    'DeepSpeedOptimWrapper', 'stratagem.strategies.deepspeed.optim_wrapper:DeepSpeedOptimWrapper'
+)
 
 __all__ = [
     'BaseOptimWrapper',
@@ -49,6 +55,10 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    if name == 'DeepSpeedOptimWrapper':  # lives with its backend; mmengine's import path
+        from stratagem.registry import OPTIM_WRAPPERS
+
+        return OPTIM_WRAPPERS.get('DeepSpeedOptimWrapper')
     if name == 'ZeroRedundancyOptimizer':  # imports torch.distributed.optim: only on demand
         from .zero import ZeroRedundancyOptimizer
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from torch import nn
 
 from stratagem.registry import OPTIM_WRAPPERS
 
-from .optim_wrapper import OptimWrapper, has_no_sync
+from .optim_wrapper import OptimWrapper
 
 __all__ = ['AmpOptimWrapper', 'resolve_dtype']
 
@@ -115,6 +115,9 @@ class AmpOptimWrapper(OptimWrapper):
         )
         dtype = resolve_dtype(dtype)
         self.cast_dtype = dtype if dtype is not None else torch.get_autocast_dtype(self.device_type)
+        # False when the model wrapper supplies the precision (FSDP's MixedPrecisionPolicy):
+        # the steps then run without a second autocast
+        self.autocast = True
         self._scale_update_param: float | None = None
         self.loss_scaler: torch.amp.GradScaler | None = None
         if self.cast_dtype == torch.float16:
@@ -182,9 +185,11 @@ class AmpOptimWrapper(OptimWrapper):
         """Gradient-sync control of :class:`OptimWrapper` plus ``torch.autocast``."""
         self._stale_grads = None  # the step starts: release the last update's gradients
         device_type = _params_device_type(model.parameters(), self.device_type)
+        if not self.autocast:
+            return super().optim_context(model)
         autocast = torch.autocast(device_type, dtype=self.cast_dtype)
-        if not self.should_sync() and has_no_sync(model):
-            return _nested(model.no_sync(), autocast)  # type: ignore[operator]
+        if not self.should_sync():
+            return _nested(self._sync_off(model), autocast)
         return autocast
 
     def state_dict(self) -> dict:
@@ -195,8 +200,11 @@ class AmpOptimWrapper(OptimWrapper):
         state_dict['skipped_steps'] = self.skipped_steps
         return state_dict
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load :meth:`state_dict` output (mmengine's AmpOptimWrapper state_dict too)."""
+    def load_state_dict(
+        self, state_dict: dict, *, load_optimizer: Callable[[dict], None] | None = None
+    ) -> None:
+        """Load :meth:`state_dict` output (mmengine's AmpOptimWrapper state_dict too);
+        ``load_optimizer``: :meth:`OptimWrapper.load_state_dict`'s."""
         state_dict = dict(state_dict)
         scaler_state = state_dict.pop('loss_scaler', None)
         skipped = state_dict.pop('skipped_steps', None)
@@ -206,7 +214,7 @@ class AmpOptimWrapper(OptimWrapper):
             self._skipped = torch.tensor(
                 float(int(skipped)), dtype=torch.float32, device=self._skipped.device
             )
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict, load_optimizer=load_optimizer)
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f', dtype={self.cast_dtype})'

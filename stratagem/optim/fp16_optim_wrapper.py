@@ -25,7 +25,7 @@ open accumulation window are the model's (float16) ones.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -158,8 +158,11 @@ class Fp16MasterWeightsOptimWrapper(OptimWrapper):
         state_dict['skipped_steps'] = self.skipped_steps
         return state_dict
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load :meth:`state_dict` output; the model's parameters get the masters' values."""
+    def load_state_dict(
+        self, state_dict: dict, *, load_optimizer: Callable[[dict], None] | None = None
+    ) -> None:
+        """Load :meth:`state_dict` output; the model's parameters get the masters' values
+        (``load_optimizer``: :meth:`OptimWrapper.load_state_dict`'s)."""
         state_dict = dict(state_dict)
         masters = state_dict.pop('fp32_master_weights', None)
         scaler_state = state_dict.pop('loss_scaler', None)
@@ -177,4 +180,4 @@ class Fp16MasterWeightsOptimWrapper(OptimWrapper):
                 for i, (p, master) in enumerate(zip(self._model_params, self._master_params)):
                     master.copy_(masters[i])
                     p.copy_(master)
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict, load_optimizer=load_optimizer)

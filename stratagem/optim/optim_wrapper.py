@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -144,6 +144,7 @@ class OptimWrapper(BaseOptimWrapper):
         super().__init__(optimizer)
         self._accumulative_counts = _check_count(accumulative_counts, 'accumulative_counts', 1)
         self._clip_func, self.grad_name, self.clip_grad_kwargs = parse_clip_grad(clip_grad)
+        self._no_sync: Callable[[], contextlib.AbstractContextManager] | None = None
         self.last_grad_norm: torch.Tensor | None = None
         self._inner_count = 0
         self._max_counts = -1
@@ -261,11 +262,38 @@ class OptimWrapper(BaseOptimWrapper):
         return nxt % self._accumulative_counts == 0 or nxt == self._max_counts
 
     def optim_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """``model.no_sync()`` on iterations that do not update (when it has one), else a no-op."""
+        """The gradient-sync control on iterations that do not update, else a no-op."""
         self._stale_grads = None  # the step starts: release the last update's gradients
-        if not self.should_sync() and has_no_sync(model):
+        return _NULL_CONTEXT if self.should_sync() else self._sync_off(model)
+
+    # ---- collaborators a strategy supplies ------------------------------------------------
+    def set_grad_sync(
+        self, no_sync: Callable[[], contextlib.AbstractContextManager] | None
+    ) -> None:
+        """The gradient-sync control: ``no_sync()`` returns a context in which backward does
+        not synchronise gradients; ``optim_context`` enters it on iterations that do not
+        update. None (the default): ``model.no_sync()`` when the model has one (DDP)."""
+        self._no_sync = no_sync
+
+    def _sync_off(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        if self._no_sync is not None:
+            return self._no_sync()
+        if has_no_sync(model):
             return model.no_sync()  # type: ignore[operator]
         return _NULL_CONTEXT
+
+    @property
+    def clip_func(self) -> Callable[..., Any] | None:
+        """The function that clips: ``clip_func(params, **clip_grad_kwargs)`` returns the
+        total norm (None without ``clip_grad``)."""
+        return self._clip_func
+
+    def set_clip_func(self, func: Callable[..., Any]) -> None:
+        """Replace the clip function (same call as :attr:`clip_func`): a sharding strategy
+        supplies one that reduces the norm over its shards. Needs ``clip_grad``."""
+        if self._clip_func is None:
+            raise ValueError(f'{type(self).__name__} has no clip_grad: nothing to clip with {func}')
+        self._clip_func = func
 
     def initialize_count_status(self, model: nn.Module, init_counts: int, max_counts: int) -> None:
         """Set the counters at the start (or resume) of training.
@@ -380,12 +408,17 @@ class OptimWrapper(BaseOptimWrapper):
         state_dict['optim_wrapper'] = wrapper_state
         return state_dict
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load :meth:`state_dict` output (or an mmengine / bare optimizer state_dict)."""
+    def load_state_dict(
+        self, state_dict: dict, *, load_optimizer: Callable[[dict], None] | None = None
+    ) -> None:
+        """Load :meth:`state_dict` output (or an mmengine / bare optimizer state_dict).
+
+        ``load_optimizer(optimizer_state)`` loads the optimizer's part (default:
+        ``optimizer.load_state_dict``); a sharding strategy supplies its own (DCP's)."""
         state_dict = dict(state_dict)
         wrapper_state = state_dict.pop('optim_wrapper', None)
         state_dict.pop('base_param_settings', None)  # mmengine's placeholder group
-        self._load_optimizer_state(state_dict)
+        (load_optimizer or self._load_optimizer_state)(state_dict)
         if wrapper_state is None:
             return
         saved_k = wrapper_state.get('accumulative_counts', self._accumulative_counts)

@@ -2,8 +2,8 @@
 
 ``ZeroRedundancyOptimizer`` is :class:`stratagem.optim.zero.ZeroRedundancyOptimizer`
 (mmengine's signature: ``optimizer_type='AdamW'``), imported on first use; ``OSS`` is
-:class:`stratagem.optim.oss.OSS` (fairscale's, ``optim='AdamW'``), which imports fairscale
-only when first built.
+:class:`stratagem.strategies.fairscale.oss.OSS` (fairscale's, ``optim='AdamW'``), which
+imports fairscale only when first built.
 
 Imported by the OPTIMIZERS registry on its first lookup, so ``import stratagem``
 stays cheap.
@@ -39,4 +39,4 @@ TORCH_OPTIMIZERS = register_torch_optimizers()
 OPTIMIZERS.register_lazy(
     'ZeroRedundancyOptimizer', 'stratagem.optim.zero:ZeroRedundancyOptimizer', force=True
 )
-OPTIMIZERS.register_lazy('OSS', 'stratagem.optim.oss:OSS', force=True)
+OPTIMIZERS.register_lazy('OSS', 'stratagem.strategies.fairscale.oss:OSS', force=True)

@@ -1,4 +1,6 @@
-"""Training strategies: a backend per file behind ``BaseStrategy``; built by ``build_strategy``."""
+"""Training strategies behind ``BaseStrategy``, built by ``build_strategy``: one file per small
+backend (``single_device.py``, ``ddp.py``), one folder per large one (``fsdp/``, ``deepspeed/``,
+``fairscale/``), each registered here in one line."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from stratagem.registry import STRATEGIES
 
 from .base import BaseStrategy
 from .ddp import DDPStrategy
-from .sharded_ddp import ShardedDDPStrategy
+from .fairscale import ShardedDDPStrategy
 from .single_device import SingleDeviceStrategy
 
 __all__ = [

@@ -27,7 +27,7 @@ from stratagem import checkpoint as ckpt
 from stratagem import env
 
 from .checkpointer import Checkpointer
-from .preflight import check_resumable, previous_run_traces
+from .resume_checks import check_resumable, previous_run_traces
 from .world_change import plan_world_size_change
 
 if TYPE_CHECKING:

@@ -459,3 +459,52 @@ def test_optim_context_finds_no_sync_set_on_the_instance():
     with wrapper.optim_context(model):  # the first of a window of 2: no sync
         pass
     assert calls == [1]
+
+
+def test_collaborators_are_supplied_through_public_seams():
+    """A strategy hands the wrapper its gradient-sync control, clip function and optimizer
+    loader explicitly: no private attribute is patched from outside."""
+    import contextlib
+
+    from stratagem.optim import AmpOptimWrapper, OptimWrapper
+
+    model = nn.Linear(3, 2)
+    entered = []
+
+    @contextlib.contextmanager
+    def no_sync():
+        entered.append(True)
+        yield
+
+    w = OptimWrapper(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        accumulative_counts=2,
+        clip_grad=dict(max_norm=1.0),
+    )
+    w.initialize_count_status(model, 0, 4)
+    w.set_grad_sync(no_sync)
+    with w.optim_context(model):  # iteration 1 of a window of 2: no sync
+        pass
+    assert entered == [True]
+    w.update_params(model(torch.ones(1, 3)).sum())
+    with w.optim_context(model):  # iteration 2 completes the window: synced
+        pass
+    assert entered == [True]
+    calls = []
+    w.set_clip_func(lambda params, **kw: calls.append(kw) or torch.tensor(7.0))
+    w.update_params(model(torch.ones(1, 3)).sum())
+    assert calls == [{'max_norm': 1.0}] and float(w.last_grad_norm) == 7.0
+    loaded = []
+    w.load_state_dict(w.state_dict(), load_optimizer=loaded.append)
+    assert len(loaded) == 1 and set(loaded[0]) == {'state', 'param_groups'}
+    plain = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match='has no clip_grad'):
+        plain.set_clip_func(torch.nn.utils.clip_grad_norm_)
+    amp = AmpOptimWrapper(
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dtype=torch.bfloat16
+    )
+    with amp.optim_context(model):
+        assert torch.is_autocast_enabled('cpu')
+    amp.autocast = False  # the model wrapper supplies the precision (FSDP)
+    with amp.optim_context(model):
+        assert not torch.is_autocast_enabled('cpu')

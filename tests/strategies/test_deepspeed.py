@@ -399,7 +399,8 @@ def _async_checks(tmp):
     import errno
     import threading
 
-    from stratagem.checkpoint import capture, directory, find_latest_checkpoint
+    from stratagem.checkpoint import directory, find_latest_checkpoint
+    from stratagem.strategies.deepspeed import capture
 
     out = {}
     for stage in (1, 3):
@@ -742,8 +743,8 @@ def test_resume_at_another_world_size(results):
 
 
 def test_convert_to_single_file_loads_in_single_device(results, tmp_path):
-    from stratagem.checkpoint.zero import convert_zero_checkpoint
     from stratagem.strategies import SingleDeviceStrategy
+    from stratagem.strategies.deepspeed.files import convert_zero_checkpoint
 
     _, outs, _ = results
     from stratagem.cli import main
@@ -822,7 +823,7 @@ def test_bad_config_raises_before_any_set_up(kwargs, match):
 
 
 def test_json_config_file(tmp_path):
-    from stratagem.strategies.deepspeed_config import parse_config as _parse_config
+    from stratagem.strategies.deepspeed.config import parse_config as _parse_config
 
     path = tmp_path / 'ds.json'
     path.write_text('{"zero_optimization": {"stage": 3}, "bf16": {"enabled": true}}')
@@ -839,7 +840,7 @@ def test_importing_strategies_does_not_import_deepspeed():
     import subprocess
 
     probe = (
-        'import sys, stratagem.strategies, stratagem.optim, stratagem.checkpoint.zero; '
+        'import sys, stratagem.strategies, stratagem.optim, stratagem.strategies.deepspeed.files; '
         'from stratagem.registry import STRATEGIES; '
         "print('deepspeed' in sys.modules, 'DeepSpeedStrategy' in STRATEGIES)"
     )
@@ -866,8 +867,8 @@ def test_train_config_with_two_processes(tmp_path):
     directory checkpoints commit with a manifest and consolidate to the trained weights.
     (Exact resume is checked in-process above; one launch keeps this test short.)"""
     from stratagem import checkpoint as ckpt
-    from stratagem.checkpoint.zero import zero_to_state_dict
     from stratagem.cli import main
+    from stratagem.strategies.deepspeed.files import zero_to_state_dict
 
     config = str(
         Path(__file__).resolve().parents[2] / 'examples' / 'configs' / 'classifier_deepspeed.py'

@@ -1,5 +1,5 @@
-"""FSDPStrategy's config boundary (``fsdp_config.py``, ``fsdp_select.py``): mmengine's and FSDP1's
-forms of each key, mapped to FSDP2 or refused by name. Plain functions, one 2-rank prepare.
+"""FSDPStrategy's config boundary (``fsdp/config.py``, ``fsdp/wrap_policy.py``): mmengine's and
+FSDP1's forms of each key, mapped to FSDP2 or refused by name. Plain functions, one 2-rank prepare.
 
 The oracle for which modules an FSDP1 policy wraps is FSDP1's own recursive wrap
 (``torch.distributed.fsdp.wrap._recursive_wrap``) run with a wrapper that only records.
@@ -19,7 +19,7 @@ from torch.distributed.fsdp.wrap import (
 )
 
 from dist_harness import run_distributed
-from stratagem.strategies.fsdp_config import (
+from stratagem.strategies.fsdp.config import (
     parse_activation_checkpointing,
     parse_model_wrapper,
     parse_state_dict_cfg,
@@ -405,7 +405,7 @@ def _prepare_mmengine_forms(work_dir):
     from torch.distributed.tensor import DTensor
 
     from stratagem.strategies import build_strategy
-    from stratagem.strategies.fsdp_parts import clean_name
+    from stratagem.strategies.fsdp.grad_sync import clean_name
 
     strategy = build_strategy(
         dict(

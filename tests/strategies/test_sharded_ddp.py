@@ -101,7 +101,7 @@ def _checks(tmp):
     from fairscale.nn.data_parallel import ShardedDataParallel
     from fairscale.optim import OSS as FairscaleOSS
 
-    from stratagem.optim.oss import optimizer_state_bytes
+    from stratagem.strategies.fairscale.oss import optimizer_state_bytes
 
     out = {}
     rank = int(os.environ['RANK'])
@@ -442,7 +442,7 @@ def test_bad_configs_are_refused_before_anything_is_built(one_rank_group, tmp_pa
 
 
 def test_oss_arguments_are_checked(one_rank_group):
-    from stratagem.optim.oss import OSS
+    from stratagem.strategies.fairscale.oss import OSS
 
     params = list(_model().parameters())
     with pytest.raises(ValueError, match="optim='AdamW'"):
@@ -459,7 +459,7 @@ def test_oss_arguments_are_checked(one_rank_group):
 
 
 def test_oss_needs_a_process_group():
-    from stratagem.optim.oss import OSS
+    from stratagem.strategies.fairscale.oss import OSS
 
     if dist.is_initialized():
         pytest.skip('a process group is already initialised in this process')

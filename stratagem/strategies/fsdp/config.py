@@ -5,7 +5,7 @@ what to use instead, before anything is built. Module choices (``auto_wrap_polic
 ``ignored_modules``, activation checkpointing) are checked against the model in ``prepare``,
 before anything is sharded. Where mmengine takes a function by name (its ``FUNCTIONS``
 registry), a name resolves as there: registered in mmengine's ``FUNCTIONS`` (looked up when
-mmengine is already imported) or a dotted import path (``fsdp_select.resolve_name``).
+mmengine is already imported) or a dotted import path (``wrap_policy.resolve_name``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 
 from stratagem.optim.amp_optim_wrapper import resolve_dtype
 
-from .fsdp_select import Fsdp1Policy, ModuleMatcher, PolicyObject, as_selector, resolve_name
+from .wrap_policy import Fsdp1Policy, ModuleMatcher, PolicyObject, as_selector, resolve_name
 
 _SIZE_POLICIES = (
     'size_based',

@@ -58,22 +58,24 @@ def with_no_sync(model: nn.Module) -> nn.Module:
     return model
 
 
-def adapt_optim_wrapper(wrapper: Any, mixed_precision: bool) -> None:
-    """Fit an optim wrapper to a sharded model.
+def adapt_optim_wrapper(wrapper: Any, model: nn.Module, mixed_precision: bool) -> None:
+    """Fit an optim wrapper to a sharded model, through its public seams.
 
+    - Gradient-sync control: the model's :class:`NoSync` (``set_grad_sync``).
     - With ``mixed_precision`` set in ``model_wrapper``, precision is FSDP's: an
-      AmpOptimWrapper does not autocast again. Without it, an AmpOptimWrapper autocasts its
-      steps as it does under mmengine (FSDP then gathers float32 parameters). Its GradScaler
-      (float16 only) works either way: ``unscale_`` on DTensor gradients reduces
-      ``found_inf`` over the mesh, so every rank skips the same steps.
+      AmpOptimWrapper does not autocast again (``autocast = False``). Without it, an
+      AmpOptimWrapper autocasts its steps as it does under mmengine (FSDP then gathers
+      float32 parameters). Its GradScaler (float16 only) works either way: ``unscale_`` on
+      DTensor gradients reduces ``found_inf`` over the mesh, so every rank skips the same
+      steps.
     - Clipping over a mix of sharded and plain parameters (``ignored_modules``), which
-      torch's clip functions refuse, goes through ``optim.sharded_clip``.
+      torch's clip functions refuse, goes through ``optim.sharded_clip`` (``set_clip_func``).
     """
+    if hasattr(wrapper, 'set_grad_sync'):  # an OptimWrapper (a custom wrapper: its own)
+        wrapper.set_grad_sync(with_no_sync(model).no_sync)
     if hasattr(wrapper, 'cast_dtype') and mixed_precision:
-        wrapper.optim_context = lambda m: (
-            m.no_sync() if not wrapper.should_sync() else contextlib.nullcontext()
-        )
-    func = getattr(wrapper, '_clip_func', None)
+        wrapper.autocast = False
+    func = getattr(wrapper, 'clip_func', None)
     if func is None:
         return
     from torch.distributed.tensor import DTensor
@@ -82,7 +84,7 @@ def adapt_optim_wrapper(wrapper: Any, mixed_precision: bool) -> None:
     if len(kinds) == 2:
         from stratagem.optim.sharded_clip import clip_grad_norm_mixed, clip_grad_value_mixed
 
-        wrapper._clip_func = (
+        wrapper.set_clip_func(
             clip_grad_norm_mixed
             if func is torch.nn.utils.clip_grad_norm_
             else clip_grad_value_mixed

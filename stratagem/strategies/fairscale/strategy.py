@@ -22,7 +22,7 @@ torch optimizer state), so it loads in SingleDeviceStrategy, DDPStrategy and FSD
 and theirs (FSDP's sharded directories too) load here; ``OSS.load_state_dict`` re-shards
 for any world size.
 
-Fixed against fairscale 0.4.13 (see :mod:`stratagem.optim.oss` for OSS's own):
+Fixed against fairscale 0.4.13 (see :mod:`stratagem.strategies.fairscale.oss` for OSS's own):
 ``ShardedDataParallel.no_sync`` only holds while its context is open, so mmengine's loop
 order (forward inside ``optim_context``, backward after it) reduced every micro-batch and
 accumulation was wrong (4e-2 off DDP after 5 steps); here the forward decides, as in torch
@@ -46,8 +46,8 @@ from stratagem import env
 from stratagem.config import check_keys
 from stratagem.registry import STRATEGIES
 
-from .base import BaseStrategy
-from .sync_bn import convert_sync_batchnorm
+from ..base import BaseStrategy
+from ..sync_bn import convert_sync_batchnorm
 
 __all__ = ['ShardedDDPStrategy']
 
@@ -288,7 +288,7 @@ class ShardedDDPStrategy(BaseStrategy):
         cfg['optimizer'] = optimizer
         wrapper = super().build_optim_wrapper(cfg, model)
         oss = wrapper.optimizer
-        from stratagem.optim.oss import OSS
+        from .oss import OSS
 
         owned = {id(p) for p in model.parameters()}
         if not isinstance(oss, OSS) or any(
@@ -302,8 +302,8 @@ class ShardedDDPStrategy(BaseStrategy):
             )
         sdp = _sharded_data_parallel()(model, oss, **self.model_wrapper)
         oss.attach_sharded_ddp(sdp)
-        if getattr(wrapper, '_clip_func', None) is torch.nn.utils.clip_grad_norm_:
-            wrapper._clip_func = functools.partial(_clip_norm_sharded, oss)
+        if getattr(wrapper, 'clip_func', None) is torch.nn.utils.clip_grad_norm_:
+            wrapper.set_clip_func(functools.partial(_clip_norm_sharded, oss))
         self._shard_loss_scaler(wrapper)
         self.model = sdp
         return wrapper

@@ -29,22 +29,19 @@ saved by the strategy's checkpoint; :meth:`state_dict` holds the counters only.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from stratagem.registry import OPTIM_WRAPPERS
-
-from .optim_wrapper import OptimWrapper
+from stratagem.optim.optim_wrapper import OptimWrapper
 
 __all__ = ['DeepSpeedOptimWrapper']
 
 _NULL_CONTEXT = contextlib.nullcontext()
 
 
-@OPTIM_WRAPPERS.register_module()
 class DeepSpeedOptimWrapper(OptimWrapper):
     """Optimizer wrapper driving a ``deepspeed.DeepSpeedEngine`` (set by the strategy).
 
@@ -95,7 +92,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
     @property
     def max_norm(self) -> float:
         """The clipping threshold DeepSpeed gets as ``gradient_clipping`` (0.0: no clipping)."""
-        return float(self.clip_grad_kwargs['max_norm']) if self._clip_func is not None else 0.0
+        return float(self.clip_grad_kwargs['max_norm']) if self.clip_func is not None else 0.0
 
     @property
     def engine(self) -> Any:
@@ -116,7 +113,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
     def attach(self, engine: Any) -> None:
         """Drive ``engine``; called once by the strategy after ``deepspeed.initialize``."""
         self._engine = engine
-        if self._clip_func is not None and not (
+        if self.clip_func is not None and not (
             engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled()
         ):
             # Without ZeRO or reduced precision DeepSpeed clips plain fp32 gradients and
@@ -237,8 +234,11 @@ class DeepSpeedOptimWrapper(OptimWrapper):
             f'accumulative_counts={k} (e.g. checkpoint_interval={k}) or at max_iters'
         )
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore the counters saved by :meth:`state_dict`.
+    def load_state_dict(
+        self, state_dict: dict, *, load_optimizer: Callable[[dict], None] | None = None
+    ) -> None:
+        """Restore the counters saved by :meth:`state_dict` (the optimizer's tensors are in
+        DeepSpeed's files, so ``load_optimizer`` is not called).
 
         An mmengine ``DeepSpeedOptimWrapper`` state (``{}`` or ``base_param_settings``
         only) restores nothing. A differing ``accumulative_counts`` is accepted (the saved

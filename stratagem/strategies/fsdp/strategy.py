@@ -20,10 +20,10 @@ from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 
-from .base import BaseStrategy
-from .checkpointer import CheckpointLayout, SaveCommit
-from .fsdp_config import parse_activation_checkpointing, parse_model_wrapper, parse_state_dict_cfg
-from .fsdp_parts import (
+from ..base import BaseStrategy
+from ..checkpointer import CheckpointLayout, SaveCommit
+from .config import parse_activation_checkpointing, parse_model_wrapper, parse_state_dict_cfg
+from .grad_sync import (
     adapt_optim_wrapper,
     clean_name,
     keep_fresh,
@@ -48,7 +48,7 @@ class FSDPStrategy(BaseStrategy):
             names kept unsharded), ``sync_module_states`` (broadcast rank 0's weights first).
             mmengine's keys and FSDP1's forms (``sharding_strategy``, ``MixedPrecision``,
             ``size_based_auto_wrap_policy``, ...) are mapped; keys with no FSDP2 meaning are
-            errors naming the replacement (``fsdp_config.py``, ``fsdp_select.py``).
+            errors naming the replacement (``config.py``, ``wrap_policy.py``).
         state_dict_type: ``'sharded'`` (default; a directory, DCP shards, reshards across
             world sizes) or ``'full'`` (one consolidated file written by rank 0). mmengine's
             ``state_dict_cfg='local' | 'full' | dict(state_dict_type=...)`` is accepted.
@@ -176,7 +176,7 @@ class FSDPStrategy(BaseStrategy):
                 )
         wrapper = super().build_optim_wrapper(optim_wrapper, model)
         for w in wrapper.values() if hasattr(wrapper, 'values') else [wrapper]:
-            adapt_optim_wrapper(w, mixed_precision=self.wrap_cfg.casts_precision)
+            adapt_optim_wrapper(w, model, mixed_precision=self.wrap_cfg.casts_precision)
         return wrapper
 
     def _unwrap_model(self) -> nn.Module:
@@ -271,11 +271,7 @@ class FSDPStrategy(BaseStrategy):
         wrapper_state.pop('pending_grads', None)  # sharded grads are None mid-window
         if wrapper_state:
             state['optim_wrapper'] = wrapper_state
-        wrapper._load_optimizer_state = load  # the wrapper's sequence, DCP's loader
-        try:
-            wrapper.load_state_dict(state)
-        finally:
-            del wrapper._load_optimizer_state
+        wrapper.load_state_dict(state, load_optimizer=load)  # the wrapper's sequence, DCP's loader
 
     def _param_names(self) -> list[list[str]]:
         names = {id(p): clean_name(n) for n, p in self.model.named_parameters()}

@@ -12,7 +12,7 @@ sequence; :class:`ZeroLayout` is this backend's part of it:
        vote): rank 0 creates a fresh staging directory beside ``filename``.
     4. DeepSpeed's ``save_checkpoint(staging, tag='deepspeed', save_latest=False)`` runs on
        every rank in the foreground (its collectives stay on the training thread), with
-       ``engine.checkpoint_engine`` swapped for a capturing one (``checkpoint/capture.py``):
+       ``engine.checkpoint_engine`` swapped for a capturing one (``capture.py``):
        each file is written at once (hashed as written, fsynced) or, with
        ``async_checkpoint``, copied to CPU staging buffers; rank 0 adds
        ``stratagem_state.pth`` the same way. No ``latest`` file, nothing outside staging.
@@ -35,7 +35,7 @@ sequence; :class:`ZeroLayout` is this backend's part of it:
        format beside it and loaded from there (resharding the optimizer state).
     5. Counters, schedulers, then RNG states last (BaseStrategy's helpers).
 ``load_checkpoint`` loads weights only: a directory is consolidated to full fp32 weights
-(``checkpoint.zero``), a file is read safely; both go through ``load_model_state_dict``,
+(``files.py``), a file is read safely; both go through ``load_model_state_dict``,
 which refreshes DeepSpeed's fp32 master copy so the next update starts from them.
 """
 
@@ -51,9 +51,11 @@ from typing import TYPE_CHECKING, Any
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
-from stratagem.checkpoint.capture import CapturingCheckpointEngine
 from stratagem.checkpoint.content import SAFE_GLOBALS_KEY
-from stratagem.checkpoint.zero import (
+
+from ..checkpointer import CheckpointLayout, SaveCommit
+from .capture import CapturingCheckpointEngine
+from .files import (
     DEEPSPEED_TAG,
     STATE_FILE,
     check_zero_layout,
@@ -61,11 +63,9 @@ from stratagem.checkpoint.zero import (
     zero_to_state_dict,
 )
 
-from .checkpointer import CheckpointLayout, SaveCommit
-
 if TYPE_CHECKING:  # the type checker sees what DeepSpeedStrategy mixes this into
-    from .base import BaseStrategy as _Host
-    from .deepspeed import DeepSpeedStrategy
+    from ..base import BaseStrategy as _Host
+    from .strategy import DeepSpeedStrategy
 else:
     _Host = object
 

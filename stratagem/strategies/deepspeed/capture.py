@@ -33,7 +33,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .commit import _OVERHEAD_BYTES, check_free_space, payload_bytes, write_error, write_torch_file
+from stratagem.checkpoint.commit import (
+    _OVERHEAD_BYTES,
+    check_free_space,
+    payload_bytes,
+    write_error,
+    write_torch_file,
+)
 
 __all__ = ['CapturingCheckpointEngine']
 

@@ -14,7 +14,7 @@ DeepSpeedStrategy``, each a fix:
 - Schedulers are ours, built on the client optimizer whose ``param_groups`` the ZeRO
   optimizer shares; they step as the loop steps them and the engine reads the lr at each
   update only (DeepSpeed-config ``optimizer`` / ``scheduler`` sections are refused).
-- Checkpoints follow stratagem's directory protocol (``checkpointing_deepspeed.py``),
+- Checkpoints follow stratagem's directory protocol (``checkpoint.py``),
   asynchronously too (``async_checkpoint=True``).
 
 Prepare sequence: build model → ``init_weights`` → device → (compile ``forward`` in place) →
@@ -36,9 +36,9 @@ from torch import nn
 from stratagem import env
 from stratagem.integrations.model_api import expose_model_api
 
-from .base import BaseStrategy
-from .checkpointing_deepspeed import DeepSpeedCheckpointMixin
-from .deepspeed_config import agree, check_config, parse_config
+from ..base import BaseStrategy
+from .checkpoint import DeepSpeedCheckpointMixin
+from .config import agree, check_config, parse_config
 
 __all__ = ['DeepSpeedStrategy', 'import_deepspeed']
 

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from .commit import save_checkpoint
-from .directory import verify_directory
-from .errors import CheckpointCorruptError
-from .load import load_checkpoint_file
+from stratagem.checkpoint.commit import save_checkpoint
+from stratagem.checkpoint.directory import verify_directory
+from stratagem.checkpoint.errors import CheckpointCorruptError
+from stratagem.checkpoint.load import load_checkpoint_file
 
 __all__ = [
     'DEEPSPEED_TAG',
