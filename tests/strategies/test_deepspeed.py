@@ -8,6 +8,7 @@ communication op once per machine (~30-60 s cold, cached in ~/.cache/torch_exten
 Optimizers are torch's (a DeepSpeed-config optimizer would JIT-build fused_adam).
 """
 
+import errno
 import os
 import pickle
 import shutil
@@ -116,14 +117,29 @@ def _train(s, model, ow, scheds, start, stop, rank, updates=None):
 
 
 def _checks(tmp):
-    """Runs in each of 2 ranks; returns measured values."""
+    """Runs in each of 2 ranks; returns measured values (the checks below, in order)."""
     import deepspeed
 
-    from stratagem.checkpoint import CheckpointCorruptError
-
     out = {}
-    # -- 1. ZeRO 0-3, fp32, torch Adam: equal to one process on the whole batch
-    ref, _, _ = _oracle(3, schedulers=False)
+    ref, _, _ = _oracle(3, schedulers=False)  # the reference of the first two checks
+    _zero_stages_equal_one_process(tmp, out, ref)
+    _bf16_close_to_fp32(tmp, out, ref)
+    _accumulation_clipping_schedulers_equal_oracle(tmp, out)
+    _zero_grad_inside_a_window_drops_or_refuses(tmp, out)
+    _auto_scale_lr_applies(tmp, out)
+    _disagreeing_settings_raise(tmp, out)
+    _mmengine_config_builds_and_trains(tmp, out)
+    for stage in (2, 3):
+        _save_resume_exact(tmp, out, stage)
+    _load_checkpoint_refreshes_master_weights(tmp, out)
+    _tampered_checkpoints_refused(tmp, out)
+    out['deepspeed_version'] = deepspeed.__version__
+    out['async'] = _async_checks(tmp)
+    return out
+
+
+def _zero_stages_equal_one_process(tmp, out, ref):
+    """ZeRO 0-3, fp32, torch Adam: 3 steps equal one process on the whole batch (``ref``)."""
     for stage in (0, 1, 2, 3):
         s = _strategy(os.path.join(tmp, f'z{stage}'), zero_optimization=dict(stage=stage))
         model, ow = s.prepare(
@@ -138,7 +154,10 @@ def _checks(tmp):
             s.model.gradient_clipping(),
         )
         out['rank'], out['world'] = s.rank, s.world_size
-    # -- 2. bf16 (ZeRO-2) runs, close to fp32
+
+
+def _bf16_close_to_fp32(tmp, out, ref):
+    """bf16 (ZeRO-2) runs the same 3 steps, close to the fp32 ``ref``."""
     s = _strategy(
         os.path.join(tmp, 'bf16'),
         zero_optimization=dict(stage=2),
@@ -153,7 +172,10 @@ def _checks(tmp):
     _train(s, model, ow, [], 0, 3, s.rank)
     out['bf16_dtype'] = str(next(s.model.module.parameters()).dtype)
     out['bf16_diff'] = _max_diff(_full_weights(s), ref)
-    # -- 3. accumulation 3 with a tail window, clipping, schedulers: the OptimWrapper oracle
+
+
+def _accumulation_clipping_schedulers_equal_oracle(tmp, out):
+    """Accumulation 3 with a tail window, clipping, schedulers: the OptimWrapper oracle's."""
     want, want_lrs, want_norms = _oracle(MAX_ITERS, 3, clip=0.5)
     for stage in (0, 2, 3):
         s = _strategy(os.path.join(tmp, f'acc{stage}'), zero_optimization=dict(stage=stage))
@@ -170,7 +192,10 @@ def _checks(tmp):
             inner=ow.inner_count,
         )
     out['oracle'] = dict(lrs=want_lrs, norms=want_norms)
-    # zero_grad inside a window drops its partial gradients, as OptimWrapper's does
+
+
+def _zero_grad_inside_a_window_drops_or_refuses(tmp, out):
+    """zero_grad inside a window drops its partial gradients, as OptimWrapper's does."""
     from torch.nn import functional as F
 
     from stratagem.optim import OptimWrapper
@@ -198,7 +223,10 @@ def _checks(tmp):
                     except RuntimeError as e:  # refused under ZeRO: DeepSpeed's buffers
                         out[f'zero_grad{stage}'] = str(e)
         out.setdefault(f'zero_grad{stage}', _max_diff(_full_weights(s), ref_model.state_dict()))
-    # auto_scale_lr (mmengine's DeepSpeedStrategy never applies it): real batch 2 ranks x 4 x 3
+
+
+def _auto_scale_lr_applies(tmp, out):
+    """auto_scale_lr (mmengine's DeepSpeedStrategy never applies it): real batch 2 ranks x 4 x 3."""
     s = _strategy(
         os.path.join(tmp, 'scale'),
         zero_optimization=dict(stage=1),
@@ -213,7 +241,10 @@ def _checks(tmp):
     ow.optimizer.register_step_pre_hook(lambda o, *a: used.append(o.param_groups[0]['lr']))
     _train(s, model, ow, [], 0, 3, s.rank)
     out['scaled_lr'] = (ow.get_lr()['lr'][0], used)
-    # -- 4. disagreeing DeepSpeed settings raise, naming both values
+
+
+def _disagreeing_settings_raise(tmp, out):
+    """Disagreeing DeepSpeed settings raise, naming both values."""
     errors = {}
     for key, kwargs, wrapper in (
         ('gas', dict(gradient_accumulation_steps=2), dict(accumulative_counts=3)),
@@ -232,7 +263,10 @@ def _checks(tmp):
         except (ValueError, TypeError) as e:
             errors[key] = str(e)
     out['errors'] = errors
-    # -- 5. an mmengine DeepSpeedStrategy config builds (fp16 -> bf16 on this CPU) and trains
+
+
+def _mmengine_config_builds_and_trains(tmp, out):
+    """An mmengine DeepSpeedStrategy config builds (fp16 -> bf16 on this CPU) and trains."""
     s = _strategy(
         os.path.join(tmp, 'mm'),
         bf16=dict(enabled=True),
@@ -263,42 +297,50 @@ def _checks(tmp):
     _train(s, model, ow, [], 0, 4, s.rank)
     out['mm_updates'] = s.model.global_steps
 
-    # -- 6. checkpoints: run A trains to MAX_ITERS, saving at SAVE_AT; run B resumes there
-    for stage in (2, 3):
-        work = os.path.join(tmp, f'ck{stage}')
-        a = _strategy(work, zero_optimization=dict(stage=stage))
-        model, ow, scheds = a.prepare(_net(), **_COMPONENTS)
-        _train(a, model, ow, scheds, 0, 4, a.rank)
-        try:  # mid window: refused before anything is written
-            a.save_checkpoint('iter_4.pth', extra_ckpt={'meta': {'iter': 4}})
-        except ValueError as e:
-            out[f'midwindow{stage}'] = (str(e), sorted(os.listdir(work)))
-        _train(a, model, ow, scheds, 4, SAVE_AT, a.rank)
-        path = a.save_checkpoint(f'iter_{SAVE_AT}.pth', extra_ckpt={'meta': {'iter': SAVE_AT}})
-        saved = _full_weights(a)
-        rng_after_save = torch.rand(2)
-        _train(a, model, ow, scheds, SAVE_AT, MAX_ITERS, a.rank)
-        final_a = _full_weights(a)
-        torch.manual_seed(1234)  # a resumed run must get its RNG back from the checkpoint
-        b = _strategy(work, zero_optimization=dict(stage=stage))
-        model, ow, scheds = b.prepare(_net(), **_COMPONENTS)
-        state = b.resume(path)
-        rng_resumed = torch.rand(2)
-        _train(b, model, ow, scheds, SAVE_AT, MAX_ITERS, b.rank)
-        out[f'resume{stage}'] = dict(
-            path=path,
-            iter=state['meta']['iter'],
-            listing=sorted(os.listdir(path)),
-            exact=all(torch.equal(final_a[k], v) for k, v in _full_weights(b).items()),
-            rng=torch.equal(rng_after_save, rng_resumed),
-            lr=ow.get_lr()['lr'][0],
-            updates=b.model.global_steps,
-            saved=saved,
-            final=final_a,
-            work_listing=sorted(os.listdir(work)),
-        )
-    # weights only, from the directory, into a fresh ZeRO-2 engine: the fp32 master copy
-    # follows (an update with lr 0 keeps them)
+
+def _save_resume_exact(tmp, out, stage):
+    """Run B resumes run A's checkpoint at SAVE_AT and ends where A ended, bit for bit."""
+    work = os.path.join(tmp, f'ck{stage}')
+    path, saved, rng_after_save, final_a = _run_a_saves(work, out, stage)
+    torch.manual_seed(1234)  # a resumed run must get its RNG back from the checkpoint
+    b = _strategy(work, zero_optimization=dict(stage=stage))
+    model, ow, scheds = b.prepare(_net(), **_COMPONENTS)
+    state = b.resume(path)
+    rng_resumed = torch.rand(2)
+    _train(b, model, ow, scheds, SAVE_AT, MAX_ITERS, b.rank)
+    out[f'resume{stage}'] = dict(
+        path=path,
+        iter=state['meta']['iter'],
+        listing=sorted(os.listdir(path)),
+        exact=all(torch.equal(final_a[k], v) for k, v in _full_weights(b).items()),
+        rng=torch.equal(rng_after_save, rng_resumed),
+        lr=ow.get_lr()['lr'][0],
+        updates=b.model.global_steps,
+        saved=saved,
+        final=final_a,
+        work_listing=sorted(os.listdir(work)),
+    )
+
+
+def _run_a_saves(work, out, stage):
+    """Run A: refused mid window, saved at SAVE_AT; returns (path, weights, next draw, final)."""
+    a = _strategy(work, zero_optimization=dict(stage=stage))
+    model, ow, scheds = a.prepare(_net(), **_COMPONENTS)
+    _train(a, model, ow, scheds, 0, 4, a.rank)
+    try:  # mid window: refused before anything is written
+        a.save_checkpoint('iter_4.pth', extra_ckpt={'meta': {'iter': 4}})
+    except ValueError as e:
+        out[f'midwindow{stage}'] = (str(e), sorted(os.listdir(work)))
+    _train(a, model, ow, scheds, 4, SAVE_AT, a.rank)
+    path = a.save_checkpoint(f'iter_{SAVE_AT}.pth', extra_ckpt={'meta': {'iter': SAVE_AT}})
+    saved = _full_weights(a)
+    rng_after_save = torch.rand(2)
+    _train(a, model, ow, scheds, SAVE_AT, MAX_ITERS, a.rank)
+    return path, saved, rng_after_save, _full_weights(a)
+
+
+def _load_checkpoint_refreshes_master_weights(tmp, out):
+    """Weights only, from the directory, into a fresh ZeRO-2 engine: the fp32 masters follow."""
     c = _strategy(os.path.join(tmp, 'load'), zero_optimization=dict(stage=2))
     model, ow = c.prepare(
         _net(),
@@ -307,29 +349,24 @@ def _checks(tmp):
     )
     c.load_checkpoint(out['resume2']['path'])
     loaded = _full_weights(c)
-    _train(c, model, ow, [], 0, 1, c.rank)
+    _train(c, model, ow, [], 0, 1, c.rank)  # an update with lr 0 keeps them
     out['load_only'] = (
         _max_diff(loaded, out['resume2']['saved']),
         _max_diff(_full_weights(c), out['resume2']['saved']),
     )
-    # -- 7. tampering: refused on every rank before DeepSpeed unpickles anything
-    src = out['resume2']['path']
+
+
+def _tampered_checkpoints_refused(tmp, out):
+    """Tampering: refused on every rank before DeepSpeed unpickles anything."""
+    from stratagem.checkpoint import CheckpointCorruptError
+
     cases = {
         'flipped': os.path.join(tmp, 'flipped'),
         'payload': os.path.join(tmp, 'payload'),
         'foreign': os.path.join(tmp, 'foreign'),
     }
-    if a.rank == 0:
-        for where in cases.values():
-            shutil.copytree(src, where)
-        shard = sorted(Path(cases['flipped'], 'deepspeed').glob('*optim_states.pt'))[0]
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0x01  # one bit, same size
-        shard.write_bytes(bytes(data))
-        # a shard replaced by a pickle whose loading runs code (creates a file)
-        shard = sorted(Path(cases['payload'], 'deepspeed').glob('*optim_states.pt'))[0]
-        shard.write_bytes(pickle.dumps(_Boom(os.path.join(tmp, 'pwned'))))
-        os.remove(os.path.join(cases['foreign'], 'manifest.json'))  # DeepSpeed's files only
+    if out['rank'] == 0:
+        _tamper(out['resume2']['path'], cases, os.path.join(tmp, 'pwned'))
     torch.distributed.barrier()
     d = _strategy(os.path.join(tmp, 'tamper'), zero_optimization=dict(stage=2))
     d.prepare(_net(), **_COMPONENTS)
@@ -342,9 +379,20 @@ def _checks(tmp):
             except CheckpointCorruptError as e:
                 out['tampered'][case, call] = str(e)
     out['pwned'] = os.path.exists(os.path.join(tmp, 'pwned'))
-    out['deepspeed_version'] = deepspeed.__version__
-    out['async'] = _async_checks(tmp)
-    return out
+
+
+def _tamper(src, cases, pwned):
+    """Copies ``src`` to each case's place and damages the copy as the case names."""
+    for where in cases.values():
+        shutil.copytree(src, where)
+    shard = sorted(Path(cases['flipped'], 'deepspeed').glob('*optim_states.pt'))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit, same size
+    shard.write_bytes(bytes(data))
+    # a shard replaced by a pickle whose loading runs code (creates the file ``pwned``)
+    shard = sorted(Path(cases['payload'], 'deepspeed').glob('*optim_states.pt'))[0]
+    shard.write_bytes(pickle.dumps(_Boom(pwned)))
+    os.remove(os.path.join(cases['foreign'], 'manifest.json'))  # DeepSpeed's files only
 
 
 def _optim_values(s):
@@ -396,129 +444,161 @@ def _async_checks(tmp):
     writer thread writes and commits them while training (DeepSpeed's collectives on the
     default group) goes on; the checkpoint holds the state at the save, exactly as a sync
     save's; errors on the writer thread or before it reach every rank."""
-    import errno
-    import threading
-
-    from stratagem.checkpoint import directory, find_latest_checkpoint
-    from stratagem.strategies.deepspeed import capture
-
     out = {}
     for stage in (1, 3):
-        runs = []
-        for kind in ('sync', 'async'):
-            s = _strategy(
-                os.path.join(tmp, f'async{stage}_{kind}'),
-                zero_optimization=dict(stage=stage),
-                async_checkpoint=kind == 'async',
-            )
-            runs.append((s, *s.prepare(_net(), **_COMPONENTS)))
-            _train(*runs[-1], 0, SAVE_AT, s.rank)
-        sync, asyn = runs[0][0], runs[1][0]
-        at_save = _snap(asyn)
-        meta = {'meta': {'iter': SAVE_AT}}
-        sync_path = sync.save_checkpoint('sync_6', extra_ckpt=meta)
-        gate, written, real = threading.Event(), [], capture.write_torch_file
+        out[stage], asyn = _async_save_is_the_state_at_the_call(tmp, stage)
+    out['errors'] = _async_errors_reach_every_rank(asyn)  # ZeRO-3's async strategy
+    return out
 
-        def held(state, path, _real=real):  # the writer waits until training went on
-            gate.wait(120)
-            written.append(path)
-            return _real(state, path)
 
-        capture.write_torch_file = held
-        try:
-            path = asyn.save_checkpoint('async_6', extra_ckpt=meta)
-            for s, model, ow, scheds in runs:  # an update (iteration 8) while it is written
-                _train(s, model, ow, scheds, SAVE_AT, SAVE_AT + 3, s.rank)
-            r = dict(
-                pending=asyn.checkpointer.writer.pending,
-                written_meanwhile=len(written),
-                exists_meanwhile=os.path.exists(path),
-                trained=_diff(_snap(asyn), at_save) != [],
-                same_training=_diff(_snap(sync), _snap(asyn)),
-            )
-            gate.set()
-            asyn.wait_for_checkpoints()
-        finally:
-            gate.set()
-            capture.write_torch_file = real
-        r.update(
-            written=len(written),
-            latest=str(find_latest_checkpoint(Path(path).parent)),
-            listing=sorted(os.listdir(path)),
-            staged_bytes=asyn.checkpointer.writer.staged_bytes,
+def _async_save_is_the_state_at_the_call(tmp, stage):
+    """A sync and an async run side by side; returns the async save's record and strategy."""
+    runs = []
+    for kind in ('sync', 'async'):
+        s = _strategy(
+            os.path.join(tmp, f'async{stage}_{kind}'),
+            zero_optimization=dict(stage=stage),
+            async_checkpoint=kind == 'async',
         )
-        resumed = []
-        for name, where in (('async', path), ('sync', sync_path)):
-            reader = _strategy(
-                os.path.join(tmp, f'async{stage}_r{name}'), zero_optimization=dict(stage=stage)
-            )
-            reader.prepare(_net(), **_COMPONENTS)
-            r[f'iter_{name}'] = reader.resume(where)['meta']['iter']
-            resumed.append(_snap(reader))
-        r['vs_save'] = _diff(resumed[0], at_save)
-        r['vs_sync'] = _diff(resumed[0], resumed[1])
-        out[stage] = r
-    # errors (ZeRO-3, the async strategy above, at iteration 9: a window boundary)
-    work = Path(asyn._work_dir)
-    meta = {'meta': {'iter': SAVE_AT + 3}}
+        runs.append((s, *s.prepare(_net(), **_COMPONENTS)))
+        _train(*runs[-1], 0, SAVE_AT, s.rank)
+    sync, asyn = runs[0][0], runs[1][0]
+    at_save = _snap(asyn)
+    meta = {'meta': {'iter': SAVE_AT}}
+    sync_path = sync.save_checkpoint('sync_6', extra_ckpt=meta)
+    r, path = _async_save_overlaps_training(runs, meta, at_save)
+    _async_resumes_as_saved(tmp, stage, r, (path, sync_path), at_save)
+    return r, asyn
 
-    def attempt(name, patch, undo):
-        patch()
-        where, error = 'save', None  # the call that raised
-        try:
-            asyn.save_checkpoint(name, extra_ckpt=meta)
-            where = 'wait'
-            asyn.wait_for_checkpoints()
-            where = None
-        except Exception as err:  # noqa: BLE001
-            error = f'{type(err).__name__}: {err}'
-        finally:
-            undo()
-        # a rank that failed on its own returns before rank 0 has removed the staging dir
-        torch.distributed.barrier()
-        return dict(
-            where=where,
-            error=error,
-            exists=(work / name).exists(),
-            latest=str(find_latest_checkpoint(work)),
-            temps=[n for n in os.listdir(work) if '.tmp-' in n],
+
+def _async_save_overlaps_training(runs, meta, at_save):
+    """The writer waits while both runs train on; returns the record and the save's path."""
+    import threading
+
+    from stratagem.checkpoint import find_latest_checkpoint
+    from stratagem.strategies.deepspeed import capture
+
+    sync, asyn = runs[0][0], runs[1][0]
+    gate, written, real = threading.Event(), [], capture.write_torch_file
+
+    def held(state, path, _real=real):  # the writer waits until training went on
+        gate.wait(120)
+        written.append(path)
+        return _real(state, path)
+
+    capture.write_torch_file = held
+    try:
+        path = asyn.save_checkpoint('async_6', extra_ckpt=meta)
+        for s, model, ow, scheds in runs:  # an update (iteration 8) while it is written
+            _train(s, model, ow, scheds, SAVE_AT, SAVE_AT + 3, s.rank)
+        r = dict(
+            pending=asyn.checkpointer.writer.pending,
+            written_meanwhile=len(written),
+            exists_meanwhile=os.path.exists(path),
+            trained=_diff(_snap(asyn), at_save) != [],
+            same_training=_diff(_snap(sync), _snap(asyn)),
         )
+        gate.set()
+        asyn.wait_for_checkpoints()
+    finally:
+        gate.set()
+        capture.write_torch_file = real
+    r.update(
+        written=len(written),
+        latest=str(find_latest_checkpoint(Path(path).parent)),
+        listing=sorted(os.listdir(path)),
+        staged_bytes=asyn.checkpointer.writer.staged_bytes,
+    )
+    return r, path
+
+
+def _async_resumes_as_saved(tmp, stage, r, paths, at_save):
+    """Fresh engines resume the async and the sync save: both bit-exact, the state at the save."""
+    resumed = []
+    for name, where in zip(('async', 'sync'), paths):
+        reader = _strategy(
+            os.path.join(tmp, f'async{stage}_r{name}'), zero_optimization=dict(stage=stage)
+        )
+        reader.prepare(_net(), **_COMPONENTS)
+        r[f'iter_{name}'] = reader.resume(where)['meta']['iter']
+        resumed.append(_snap(reader))
+    r['vs_save'] = _diff(resumed[0], at_save)
+    r['vs_sync'] = _diff(resumed[0], resumed[1])
+
+
+def _async_errors_reach_every_rank(asyn):
+    """Failed commit, write and snapshot (at iteration 9, a window boundary) fail every rank."""
+    from stratagem.checkpoint import directory
+    from stratagem.strategies.deepspeed import capture
 
     real_finalize, real_write = directory.finalize_directory, capture.write_torch_file
-
-    def failing_finalize(*args, **kwargs):
-        raise OSError('injected: commit failed')
-
-    def failing_write(state, path):
-        raise OSError(errno.ENOSPC, 'injected: no space left', str(path))
-
     errors = {}
-    errors['commit_rank0'] = attempt(  # rank 0 alone calls finalize_directory
+    errors['commit_rank0'] = _attempt(  # rank 0 alone calls finalize_directory
+        asyn,
         'fail_commit',
-        lambda: setattr(directory, 'finalize_directory', failing_finalize),
+        lambda: setattr(directory, 'finalize_directory', _failing_finalize),
         lambda: setattr(directory, 'finalize_directory', real_finalize),
     )
-    errors['write_rank1'] = attempt(
+    errors['write_rank1'] = _attempt(
+        asyn,
         'fail_write',
         lambda: setattr(
-            capture, 'write_torch_file', failing_write if asyn.rank == 1 else real_write
+            capture, 'write_torch_file', _failing_write if asyn.rank == 1 else real_write
         ),
         lambda: setattr(capture, 'write_torch_file', real_write),
     )
     writer = asyn.checkpointer.writer
-
-    def failing_snapshot(*args, **kwargs):
-        raise MemoryError('injected: no memory for staging')
-
     for bad in (1, 0):  # before anything reaches this rank's writer thread
-        errors[f'snapshot_rank{bad}'] = attempt(
+        errors[f'snapshot_rank{bad}'] = _attempt(
+            asyn,
             f'fail_snapshot{bad}',
-            lambda: asyn.rank == bad and setattr(writer, 'snapshot', failing_snapshot),
+            lambda: asyn.rank == bad and setattr(writer, 'snapshot', _failing_snapshot),
             lambda: writer.__dict__.pop('snapshot', None),
         )
-    errors['after'] = attempt('after_errors', lambda: None, lambda: None)
-    out['errors'] = errors
-    return out
+    errors['after'] = _attempt(asyn, 'after_errors', lambda: None, lambda: None)
+    return errors
+
+
+def _attempt(asyn, name, patch, undo):
+    """One async save under ``patch``: where it raised, what, and what it left behind."""
+    from stratagem.checkpoint import find_latest_checkpoint
+
+    work = Path(asyn._work_dir)
+    patch()
+    where, error = 'save', None  # the call that raised
+    try:
+        asyn.save_checkpoint(name, extra_ckpt={'meta': {'iter': SAVE_AT + 3}})
+        where = 'wait'
+        asyn.wait_for_checkpoints()
+        where = None
+    except Exception as err:  # noqa: BLE001
+        error = f'{type(err).__name__}: {err}'
+    finally:
+        undo()
+    # a rank that failed on its own returns before rank 0 has removed the staging dir
+    torch.distributed.barrier()
+    return dict(
+        where=where,
+        error=error,
+        exists=(work / name).exists(),
+        latest=str(find_latest_checkpoint(work)),
+        temps=[n for n in os.listdir(work) if '.tmp-' in n],
+    )
+
+
+def _failing_finalize(*args, **kwargs):
+    """An injected commit failure."""
+    raise OSError('injected: commit failed')
+
+
+def _failing_write(state, path):
+    """An injected full disk."""
+    raise OSError(errno.ENOSPC, 'injected: no space left', str(path))
+
+
+def _failing_snapshot(*args, **kwargs):
+    """An injected out-of-memory while staging."""
+    raise MemoryError('injected: no memory for staging')
 
 
 class _Boom:

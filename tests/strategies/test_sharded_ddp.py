@@ -96,74 +96,122 @@ def _max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+_CASES = {  # the equal-to-DDP cases: Adam, accumulation 2, clipping, bf16 autocast
+    'adam': {},
+    'acc2': dict(accumulative_counts=2, sched=True),
+    'clip': dict(clip_grad=dict(max_norm=0.05)),
+    'bf16': dict(type='AmpOptimWrapper', dtype='bfloat16'),
+}
+_ACC2 = dict(accumulative_counts=2, sched=True)  # the mid-window resumes' runs
+
+
 def _checks(tmp):
-    """Runs in each of 2 ranks; returns measured values."""
+    """Runs in each of 2 ranks; returns measured values (the checks below, in order)."""
+    out = {}
+    rank = int(os.environ['RANK'])
+    for name, extra in _CASES.items():
+        ddp, sdp = _training_equals_ddp(tmp, out, rank, name, extra)
+        if name == 'adam':  # these two runs also save at STOP, then go on to END
+            ddp_at_stop = _adam_runs_at_stop(out, ddp, sdp)
+            _adam_runs_continue_to_end(out, rank, ddp, sdp)
+    _zero_grad_trap(tmp, out, rank, ddp_at_stop)
+    full_w = _accumulating_run_to_end(tmp, rank)
+    mid = _resume_mid_window_exact(tmp, out, rank, full_w)
+    _rollback_to_mid_window_exact(tmp, out, rank, mid, full_w)
+    _async_save_mid_window_exact(tmp, out, rank, full_w)
+    _checkpoints_cross_ddp_and_sdp(tmp, out, rank)
+    _checkpoints_cross_fsdp_and_sdp(tmp, out, rank)
+    _oss_optimizer_cfg_under_ddp(tmp, out, rank)
+    _sync_bn_uses_both_ranks(tmp, out, rank)
+    return out
+
+
+def _training_equals_ddp(tmp, out, rank, name, extra):
+    """Case ``name``: STOP steps of SDP equal DDP's; returns both (strategy, model, wrapper)."""
+    ddp = _build('DDPStrategy', os.path.join(tmp, f'ddp_{name}'), **extra)
+    sdp = _build('ShardedDDPStrategy', os.path.join(tmp, f'sdp_{name}'), **extra)
+    (ds, dm, dow), (ss, sm, sow) = ddp, sdp
+    out[f'{name}_norms'] = (
+        _train(dm, dow, 0, STOP, rank, _scheds(ds)),
+        _train(sm, sow, 0, STOP, rank, _scheds(ss)),
+    )
+    out[f'{name}_diff'] = _max_diff(_weights(ds), _weights(ss))
+    return ddp, sdp
+
+
+def _adam_runs_at_stop(out, ddp, sdp):
+    """The adam runs at STOP (the checks below); returns DDP's weights there."""
+    (ds, _, dow), (ss, sm, sow) = ddp, sdp
+    _builds_oss_and_sharded_data_parallel(out, sm, sow)
+    ddp_at_stop = _weights(ds)
+    _per_rank_optimizer_state(out, sow, dow)
+    # checkpoints after STOP steps; both runs then continue to END
+    out['sdp_ckpt'] = ss.save_checkpoint('sdp.pth', extra_ckpt={'meta': {'iter': STOP}})
+    out['ddp_ckpt'] = ds.save_checkpoint('ddp.pth', extra_ckpt={'meta': {'iter': STOP}})
+    _consolidation_keeps_no_copy(out, sow)
+    return ddp_at_stop
+
+
+def _builds_oss_and_sharded_data_parallel(out, sm, sow):
+    """ShardedDDPStrategy wraps in fairscale's ShardedDataParallel and our OSS over Adam."""
+    from fairscale.nn.data_parallel import ShardedDataParallel
+
+    out['types'] = (
+        isinstance(sm, ShardedDataParallel),
+        type(sow.optimizer).__name__,
+        type(sow.optimizer.optim).__name__,
+    )
+
+
+def _per_rank_optimizer_state(out, sow, dow):
+    """This rank's shard of the optimizer state against DDP's whole state, in bytes."""
+    from stratagem.strategies.fairscale.oss import optimizer_state_bytes
+
+    out['state_bytes'] = (
+        optimizer_state_bytes(sow.optimizer),
+        optimizer_state_bytes(dow.optimizer),
+    )
+
+
+def _consolidation_keeps_no_copy(out, sow):
+    """After the save: no states kept; rank 0's copy makes only the other ranks' shards new."""
+    from stratagem.strategies.fairscale.oss import optimizer_state_bytes
+
+    out['all_states_kept'] = len(sow.optimizer._all_states)
+    live = {
+        t.untyped_storage().data_ptr()
+        for st in sow.optimizer.optim.state.values()
+        for t in st.values()
+        if torch.is_tensor(t)
+    }
+    full = sow.optimizer.state_dict()
+    out['new_bytes'] = sum(
+        t.untyped_storage().nbytes()
+        for st in full.get('state', {}).values()
+        for t in st.values()
+        if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in live
+    )
+    out['shard_bytes'] = [None, None]
+    dist.all_gather_object(out['shard_bytes'], optimizer_state_bytes(sow.optimizer))
+
+
+def _adam_runs_continue_to_end(out, rank, ddp, sdp):
+    """Both adam runs go on to END: the weights that resumes of their checkpoints must reach."""
+    (ds, dm, dow), (ss, sm, sow) = ddp, sdp
+    _train(dm, dow, STOP, END, rank)
+    _train(sm, sow, STOP, END, rank)
+    out['ddp_end'], out['sdp_end'] = _weights(ds), _weights(ss)
+
+
+def _zero_grad_trap(tmp, out, rank, ddp_at_stop):
+    """fairscale's OSS.zero_grad() (set_to_none) under its ShardedDataParallel, against ours."""
     from fairscale.nn.data_parallel import ShardedDataParallel
     from fairscale.optim import OSS as FairscaleOSS
 
-    from stratagem.strategies.fairscale.oss import optimizer_state_bytes
-
-    out = {}
-    rank = int(os.environ['RANK'])
-    wd = lambda name: os.path.join(tmp, name)  # noqa: E731
-
-    # -- 1. equal to DDP: Adam, accumulation 2, clipping, bf16 autocast
-    cases = {
-        'adam': {},
-        'acc2': dict(accumulative_counts=2, sched=True),
-        'clip': dict(clip_grad=dict(max_norm=0.05)),
-        'bf16': dict(type='AmpOptimWrapper', dtype='bfloat16'),
-    }
-    for name, extra in cases.items():
-        ds, dm, dow = _build('DDPStrategy', wd(f'ddp_{name}'), **extra)
-        ss, sm, sow = _build('ShardedDDPStrategy', wd(f'sdp_{name}'), **extra)
-        out[f'{name}_norms'] = (
-            _train(dm, dow, 0, STOP, rank, _scheds(ds)),
-            _train(sm, sow, 0, STOP, rank, _scheds(ss)),
-        )
-        out[f'{name}_diff'] = _max_diff(_weights(ds), _weights(ss))
-        if name == 'adam':
-            out['types'] = (
-                isinstance(sm, ShardedDataParallel),
-                type(sow.optimizer).__name__,
-                type(sow.optimizer.optim).__name__,
-            )
-            ddp_at_stop = _weights(ds)
-            # -- per-rank optimizer state: this rank's shard against DDP's whole state
-            out['state_bytes'] = (
-                optimizer_state_bytes(sow.optimizer),
-                optimizer_state_bytes(dow.optimizer),
-            )
-            # -- checkpoints after STOP steps; both runs then continue to END
-            out['sdp_ckpt'] = ss.save_checkpoint('sdp.pth', extra_ckpt={'meta': {'iter': STOP}})
-            out['ddp_ckpt'] = ds.save_checkpoint('ddp.pth', extra_ckpt={'meta': {'iter': STOP}})
-            out['all_states_kept'] = len(sow.optimizer._all_states)
-            # rank 0's consolidated copy: only the other ranks' shards are new tensors
-            live = {
-                t.untyped_storage().data_ptr()
-                for st in sow.optimizer.optim.state.values()
-                for t in st.values()
-                if torch.is_tensor(t)
-            }
-            full = sow.optimizer.state_dict()
-            out['new_bytes'] = sum(
-                t.untyped_storage().nbytes()
-                for st in full.get('state', {}).values()
-                for t in st.values()
-                if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in live
-            )
-            out['shard_bytes'] = [None, None]
-            dist.all_gather_object(out['shard_bytes'], optimizer_state_bytes(sow.optimizer))
-            _train(dm, dow, STOP, END, rank)
-            _train(sm, sow, STOP, END, rank)
-            out['ddp_end'], out['sdp_end'] = _weights(ds), _weights(ss)
-
-    # -- 2. the zero-grad trap: fairscale's OSS.zero_grad() (set_to_none) under its
-    # ShardedDataParallel, against ours driven the same raw way
     for name, oss_cls in (('trap_fairscale', FairscaleOSS), ('trap_ours', None)):
         model = _model()
-        if oss_cls is None:
-            _, model, ow = _build('ShardedDDPStrategy', wd(name))
+        if oss_cls is None:  # ours, driven the same raw way
+            _, model, ow = _build('ShardedDDPStrategy', os.path.join(tmp, name))
             opt = ow.optimizer
         else:
             opt = oss_cls(model.parameters(), optim=torch.optim.Adam, lr=0.01)
@@ -176,74 +224,90 @@ def _checks(tmp):
         got = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
         out[name] = _max_diff(got, ddp_at_stop)
 
-    # -- 3. save mid accumulation window, resume in a fresh strategy: exact
-    fs, fm, fow = _build('ShardedDDPStrategy', wd('acc_full'), accumulative_counts=2, sched=True)
+
+def _accumulating_run_to_end(tmp, rank):
+    """Accumulation 2 and a warmup, to END without a break: returns the resumes' oracle."""
+    fs, fm, fow = _build('ShardedDDPStrategy', os.path.join(tmp, 'acc_full'), **_ACC2)
     _train(fm, fow, 0, END, rank, _scheds(fs))
-    full_w = {k: v.detach().clone() for k, v in fm.module.state_dict().items()}
-    ps, pm, pow_ = _build('ShardedDDPStrategy', wd('acc_part'), accumulative_counts=2, sched=True)
+    return {k: v.detach().clone() for k, v in fm.module.state_dict().items()}
+
+
+def _resume_mid_window_exact(tmp, out, rank, full_w):
+    """Save mid accumulation window, resume in a fresh strategy: exact; returns the checkpoint."""
+    ps, pm, pow_ = _build('ShardedDDPStrategy', os.path.join(tmp, 'acc_part'), **_ACC2)
     _train(pm, pow_, 0, 3, rank, _scheds(ps))  # windows [0,2), [2,4): 3 is inside one
     mid = ps.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
-    rs, rm, row = _build('ShardedDDPStrategy', wd('acc_part'), accumulative_counts=2, sched=True)
+    rs, rm, row = _build('ShardedDDPStrategy', os.path.join(tmp, 'acc_part'), **_ACC2)
     rs.resume(mid)
     _train(rm, row, 3, END, rank, _scheds(rs))
     out['mid_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in _weights(rs).items())
-    # a roll-back in the same process, after forwards built the reduce buckets
-    rs2, rm2, row2 = _build('ShardedDDPStrategy', wd('acc_part'), accumulative_counts=2, sched=True)
+    out['mid_ckpt'] = mid
+    return mid
+
+
+def _rollback_to_mid_window_exact(tmp, out, rank, mid, full_w):
+    """A roll-back in the same process, after forwards built the reduce buckets: exact."""
+    rs2, rm2, row2 = _build('ShardedDDPStrategy', os.path.join(tmp, 'acc_part'), **_ACC2)
     _train(rm2, row2, 0, 3, rank, _scheds(rs2))  # buckets built, a window open: replaced
     rs2.resume(mid)
     _train(rm2, row2, 3, END, rank, _scheds(rs2))
     out['rollback_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in _weights(rs2).items())
-    out['mid_ckpt'] = mid
-    # the same mid-window save, asynchronous: OSS consolidates on the training thread, rank 0
-    # writes in the background while training goes on; the resume is exact all the same
+
+
+def _async_save_mid_window_exact(tmp, out, rank, full_w):
+    """The same mid-window save, asynchronous: training goes on unchanged, the resume is exact."""
+    # OSS consolidates on the training thread, rank 0 writes in the background
     as_, am, aow = _build(
         'ShardedDDPStrategy',
-        wd('acc_async'),
-        accumulative_counts=2,
-        sched=True,
+        os.path.join(tmp, 'acc_async'),
         strategy=dict(async_checkpoint=True),
+        **_ACC2,
     )
     _train(am, aow, 0, 3, rank, _scheds(as_))
     amid = as_.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
     _train(am, aow, 3, END, rank, _scheds(as_))
     as_.wait_for_checkpoints()
     out['async_trained_equal'] = all(torch.equal(v, full_w[k]) for k, v in _weights(as_).items())
-    rs3, rm3, row3 = _build(
-        'ShardedDDPStrategy', wd('acc_async'), accumulative_counts=2, sched=True
-    )
+    rs3, rm3, row3 = _build('ShardedDDPStrategy', os.path.join(tmp, 'acc_async'), **_ACC2)
     rs3.resume(amid)
     _train(rm3, row3, 3, END, rank, _scheds(rs3))
     out['async_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in _weights(rs3).items())
 
-    # -- 4. across strategies: SDP checkpoint into DDP, DDP checkpoint into SDP
+
+def _checkpoints_cross_ddp_and_sdp(tmp, out, rank):
+    """SDP's checkpoint resumed by DDP, DDP's by SDP: each reaches the other run's END."""
     for name, kind, path, want in (
         ('sdp_to_ddp', 'DDPStrategy', out['sdp_ckpt'], 'sdp_end'),
         ('ddp_to_sdp', 'ShardedDDPStrategy', out['ddp_ckpt'], 'ddp_end'),
     ):
-        s, m, o = _build(kind, wd(name))
+        s, m, o = _build(kind, os.path.join(tmp, name))
         s.resume(path)
         _train(m, o, STOP, END, rank)
         out[name] = _max_diff(_weights(s), out[want])
 
-    # -- 4b. FSDPStrategy resumes the SDP checkpoint and writes a sharded directory at STOP,
-    # which SDP resumes: both continue to the 2-rank SDP run's END weights
+
+def _checkpoints_cross_fsdp_and_sdp(tmp, out, rank):
+    """FSDP resumes SDP's checkpoint and saves a directory that SDP resumes: both reach END."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    fs, fm, fow = _build('FSDPStrategy', wd('sdp_to_fsdp'))
+    fs, fm, fow = _build('FSDPStrategy', os.path.join(tmp, 'sdp_to_fsdp'))
     fs.resume(out['sdp_ckpt'])
     fsdp_dir = fs.save_checkpoint('fsdp_5', extra_ckpt={'meta': {'iter': STOP}})
     _train(fm, fow, STOP, END, rank)
     full = get_model_state_dict(fm, options=StateDictOptions(full_state_dict=True))
     out['sdp_to_fsdp'] = _max_diff({k: v.detach() for k, v in full.items()}, out['sdp_end'])
-    s, m, o = _build('ShardedDDPStrategy', wd('fsdp_to_sdp'))
+    s, m, o = _build('ShardedDDPStrategy', os.path.join(tmp, 'fsdp_to_sdp'))
     s.resume(fsdp_dir)
     _train(m, o, STOP, END, rank)
     out['fsdp_to_sdp'] = _max_diff(_weights(s), out['sdp_end'])
     out['fsdp_is_dir'] = os.path.isdir(fsdp_dir)
 
-    # -- 5. OSS in an optim wrapper cfg under DDPStrategy
-    ds, dm, dow = _build('DDPStrategy', wd('oss_ddp'), dict(type='OSS', optim='AdamW', lr=0.01))
-    ps, pm, pow_ = _build('DDPStrategy', wd('adamw_ddp'), dict(type='AdamW', lr=0.01))
+
+def _oss_optimizer_cfg_under_ddp(tmp, out, rank):
+    """OSS in an optim wrapper cfg under DDPStrategy trains as AdamW does; saves a checkpoint."""
+    oss, adamw = dict(type='OSS', optim='AdamW', lr=0.01), dict(type='AdamW', lr=0.01)
+    ds, dm, dow = _build('DDPStrategy', os.path.join(tmp, 'oss_ddp'), oss)
+    ps, pm, pow_ = _build('DDPStrategy', os.path.join(tmp, 'adamw_ddp'), adamw)
     _train(dm, dow, 0, STOP, rank)
     _train(pm, pow_, 0, STOP, rank)
     out['oss_ddp_type'] = type(dow.optimizer).__name__
@@ -251,10 +315,12 @@ def _checks(tmp):
     out['oss_ddp_ckpt'] = ds.save_checkpoint('oss.pth', extra_ckpt={'meta': {'iter': STOP}})
     out['adamw_ddp_state'] = pow_.optimizer.state_dict()['state']
 
-    # -- 6. sync_bn: statistics over both ranks' samples, as under DDPStrategy
+
+def _sync_bn_uses_both_ranks(tmp, out, rank):
+    """sync_bn: statistics over both ranks' samples, as under DDPStrategy."""
     from stratagem.strategies import ShardedDDPStrategy
 
-    bs = ShardedDDPStrategy(work_dir=wd('bn'), sync_bn='torch')
+    bs = ShardedDDPStrategy(work_dir=os.path.join(tmp, 'bn'), sync_bn='torch')
     bn_model, _ = bs.prepare(
         nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)),
         optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
@@ -264,7 +330,6 @@ def _checks(tmp):
         bn_model.module[0].bias.zero_()
     bn_model(torch.full((4, 3), float(rank + 1)))  # rank 0: ones, rank 1: twos
     out['bn'] = (type(bn_model.module[1]).__name__, bn_model.module[1].running_mean.tolist())
-    return out
 
 
 @pytest.fixture(scope='module')
