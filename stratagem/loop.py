@@ -29,25 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from stratagem import checkpoint as ckpt
 from stratagem.config import Config, ConfigError, check_keys
 from stratagem.registry import DATASETS
-
-_TRAIN_CFG_KEYS = {
-    'max_epochs',
-    'max_iters',
-    'checkpoint_interval',
-    'max_keep_ckpts',
-    'log_interval',
-    'by_epoch',
-}
-_LOADER_KEYS = {
-    'dataset',
-    'batch_size',
-    'shuffle',
-    'num_workers',
-    'drop_last',
-    'pin_memory',
-    'collate_fn',
-    'persistent_workers',
-}
+from stratagem.schema import TRAIN_CFG_KEYS, TRAIN_DATALOADER_KEYS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -313,9 +295,9 @@ def train(
             )
         )
     train_cfg = dict(cfg.get('train_cfg') or {})
-    check_keys(train_cfg, _TRAIN_CFG_KEYS, 'train_cfg')
+    check_keys(train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
     loader_cfg = dict(cfg.train_dataloader)
-    check_keys(loader_cfg, _LOADER_KEYS, 'train_dataloader')
+    check_keys(loader_cfg, TRAIN_DATALOADER_KEYS, 'train_dataloader')
 
     strategy_cfg = dict(cfg.get('strategy') or {'type': 'auto'})
     strategy_cfg.setdefault('work_dir', cfg.get('work_dir', 'work_dirs'))
