@@ -1,4 +1,4 @@
-"""``stratagem doctor CONFIG [--nproc N]``: pre-flight checks of a config against this machine.
+"""Pre-flight checks of a config against this machine (``stratagem doctor CONFIG [--nproc N]``).
 
 Runs no training and builds nothing heavy: no process group, no dataset, no optimizer. The
 model is instantiated on the ``meta`` device (no memory, no weights) only to count parameters
@@ -23,17 +23,17 @@ skipped. Each check reads the config (and the machine: devices, packages, free d
    ``max_keep_ckpts`` (+1 being written) checkpoints;
 7. packages the chosen strategy needs but this environment lacks.
 
-Exit code 0 when there is no finding, 1 otherwise (2 for a config that cannot be read).
+:func:`diagnose` returns the findings, :func:`format_table` lays them out; the command
+(``stratagem.cli.doctor``) exits 0 when there is no finding, 1 otherwise (2 for a config that
+cannot be read).
 """
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import importlib.util
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Mapping
@@ -43,7 +43,7 @@ from typing import Any
 
 from .doctor_keys import _STRATEGY_PACKAGES, KeyChecks
 
-__all__ = ['Finding', 'diagnose', 'add_arguments', 'run']
+__all__ = ['Finding', 'diagnose', 'format_table']
 
 _WARMUPS = {
     'LinearLR',
@@ -392,50 +392,3 @@ def format_table(findings: list[Finding]) -> str:
         if n == 0:
             lines.append('  '.join('-' * w for w in cols))
     return '\n'.join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument('config', help='config file (.py, .json, .yaml)')
-    parser.add_argument(
-        '--nproc',
-        type=int,
-        default=int(os.environ.get('WORLD_SIZE', 1)),
-        help='processes the run will use (default: $WORLD_SIZE or 1)',
-    )
-    parser.add_argument(
-        '--cfg-options',
-        nargs='+',
-        default=[],
-        metavar='KEY=VALUE',
-        help='overrides, as for stratagem train',
-    )
-    parser.add_argument(
-        '--no-disk-probe',
-        action='store_true',
-        help='do not time a 32 MiB write to estimate the save stall',
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    from stratagem.config import Config, parse_cfg_options
-
-    if args.nproc < 1:
-        print(f'stratagem doctor: --nproc must be >= 1, got {args.nproc}', file=sys.stderr)
-        return 2
-    try:
-        cfg = Config.fromfile(args.config)
-        if args.cfg_options:
-            cfg.merge_from_dict(parse_cfg_options(args.cfg_options))
-    except Exception as err:  # noqa: BLE001 - reported as the one finding that stops us
-        print(f'stratagem doctor: cannot read {args.config}: {err}', file=sys.stderr)
-        return 2
-    findings, notes = diagnose(cfg.to_dict(), args.nproc, probe_disk=not args.no_disk_probe)
-    print(f'stratagem doctor: {args.config} on {args.nproc} process(es)')
-    for note in notes:
-        print(f'  - {note}')
-    if not findings:
-        print('no findings: the config looks ready to run')
-        return 0
-    print(f'\n{len(findings)} finding(s):\n')
-    print(format_table(findings))
-    return 1

@@ -12,6 +12,8 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from stratagem.schema import ENV_KEYS, RANDOMNESS_KEYS, TRAIN_CFG_KEYS, TRAIN_DATALOADER_KEYS
+
 __all__ = ['KeyChecks']
 
 _TOP_KEYS = {
@@ -60,9 +62,6 @@ class KeyChecks:
     add: Callable[[str, str, str], None]  # (where, problem, fix): records a finding
 
     def check_keys(self) -> None:
-        from stratagem.loop import _LOADER_KEYS, _TRAIN_CFG_KEYS
-        from stratagem.strategies.base import _ENV_KEYS, _RANDOMNESS_KEYS
-
         cfg = self.cfg
         for key in cfg:
             close = difflib.get_close_matches(str(key), sorted(_TOP_KEYS), n=1, cutoff=0.8)
@@ -72,20 +71,20 @@ class KeyChecks:
                     f'unknown top-level key {key!r} (nothing reads it)',
                     f'did you mean {close[0]!r}? rename it',
                 )
-        self._keys(cfg.get('train_cfg') or {}, _TRAIN_CFG_KEYS, 'train_cfg')
+        self._keys(cfg.get('train_cfg') or {}, TRAIN_CFG_KEYS, 'train_cfg')
         loader = cfg.get('train_dataloader') or {}
-        self._keys(loader, _LOADER_KEYS, 'train_dataloader')
+        self._keys(loader, TRAIN_DATALOADER_KEYS, 'train_dataloader')
         if isinstance(loader.get('dataset'), Mapping):
             self._typed(loader['dataset'], 'DATASETS', 'train_dataloader.dataset')
         strategy = dict(cfg.get('strategy') or {})
         if strategy.get('type', 'auto') != 'auto':
             self._typed(strategy, 'STRATEGIES', 'strategy')
         env_kwargs = strategy.get('env_kwargs') or {}
-        self._keys(env_kwargs, _ENV_KEYS, 'strategy.env_kwargs')
+        self._keys(env_kwargs, ENV_KEYS, 'strategy.env_kwargs')
         self._keys(
-            env_kwargs.get('randomness') or {}, _RANDOMNESS_KEYS, 'strategy.env_kwargs.randomness'
+            env_kwargs.get('randomness') or {}, RANDOMNESS_KEYS, 'strategy.env_kwargs.randomness'
         )
-        self._keys(cfg.get('randomness') or {}, _RANDOMNESS_KEYS, 'randomness')
+        self._keys(cfg.get('randomness') or {}, RANDOMNESS_KEYS, 'randomness')
         if isinstance(cfg.get('model'), Mapping):
             self._typed(cfg['model'], 'MODELS', 'model')
         self._check_optim_wrapper(cfg.get('optim_wrapper'))

@@ -1,4 +1,4 @@
-"""``stratagem convert SRC DST``: a checkpoint from one layout to another, in one process.
+"""A checkpoint from one layout to another, in one process (``stratagem convert SRC DST``).
 
 Dispatch on the detected source format (``SOURCES``: a predicate and a reader returning one
 full mmengine-layout dict); the DeepSpeed backend adds its ZeRO source beside ours. Targets:
@@ -8,9 +8,7 @@ DCP files, committed with a manifest). No process group is needed.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from .errors import NotACheckpointError
 from .load import load_checkpoint_file
 from .sharded import is_sharded_checkpoint, read_sharded_checkpoint, save_sharded_checkpoint
 
-__all__ = ['convert_checkpoint', 'SOURCES', 'add_arguments', 'run']
+__all__ = ['convert_checkpoint', 'SOURCES']
 
 Reader = Callable[[Path, Callable[[int, int], None] | None], dict]
 
@@ -105,35 +103,3 @@ def convert_checkpoint(
     return save_sharded_checkpoint(
         dst, checkpoint, step=step, extra_manifest=extra, optimizer_keys='index', collective=False
     )
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        'src',
-        help='the checkpoint to convert (a file, a sharded directory or '
-        'a DeepSpeed (ZeRO) directory)',
-    )
-    parser.add_argument('dst', help='the new checkpoint (must not exist)')
-    parser.add_argument(
-        '--to',
-        choices=('file', 'sharded'),
-        default='file',
-        help='target layout (default: one file)',
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    def progress(done: int, total: int) -> None:
-        width = 30
-        filled = width * done // max(total, 1)
-        sys.stderr.write(f'\rverifying [{"#" * filled}{"." * (width - filled)}] {done}/{total}')
-        if done >= total:
-            sys.stderr.write('\n')
-
-    try:
-        out = convert_checkpoint(args.src, args.dst, to=args.to, progress=progress)
-    except (OSError, ValueError) as err:
-        print(f'stratagem convert: {err}', file=sys.stderr)
-        return 1
-    print(f'wrote {out}')
-    return 0

@@ -99,34 +99,14 @@ class DirectoryWriteResult:
         return self.error is None
 
 
-# ---------------------------------------------------------------- collectives (torch.distributed)
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _rank_world() -> tuple[int, int]:
-    dist = _dist()
-    return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
-
-
-def _gather(obj: Any) -> list[Any]:
-    dist = _dist()
-    if dist is None or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
+# ---------------------------------------------------------------- collectives (stratagem.env)
 def _all_ok(failed: bool, *values: Any) -> bool:
     """True on every rank when no rank ``failed`` and every rank holds the same ``values``:
     one small collective (``all_gather_keys``); callers exchange the details (messages,
-    which rank) with ``_gather`` only when it is False, on every rank alike."""
-    from stratagem.env.dist import all_gather_keys, key_of
+    which rank) with ``env.all_gather_object`` only when it is False, on every rank alike."""
+    from stratagem import env  # imported on use: see checkpoint/__init__.py
 
-    views = all_gather_keys([int(failed), *map(key_of, values)])
+    views = env.all_gather_keys([int(failed), *map(env.key_of, values)])
     return all(view == (0, *views[0][1:]) for view in views)
 
 
@@ -174,7 +154,9 @@ def _raise_first(
 
 # ---------------------------------------------------------------------------- save: 3 steps
 def _check_vote(vote: SaveVote | None, what: str) -> None:
-    if vote is None and _rank_world()[1] > 1:
+    from stratagem import env  # imported on use: see checkpoint/__init__.py
+
+    if vote is None and env.get_world_size() > 1:
         raise ValueError(
             f'{what} under a process group needs the SaveVote of this save: pass '
             f'vote=SaveVote.open(timeout, what), opened on every rank in the same '
@@ -321,8 +303,10 @@ def _raise_own(error: BaseException, what: str) -> None:
         raise error
     # a BaseException (DCP's CheckpointException) becomes an Exception, so that callers'
     # `except Exception` sees it on this rank as on the others
+    from stratagem import env  # imported on use: see checkpoint/__init__.py
+
     raise RuntimeError(
-        f'{what} failed on rank {_rank_world()[0]}: {describe_error(error)}'
+        f'{what} failed on rank {env.get_rank()}: {describe_error(error)}'
     ) from error
 
 
@@ -417,7 +401,9 @@ def verify_directory(
     digest mismatch, ranks seeing different manifests). Files present but not listed are
     reported with a ``CheckpointWarning`` (something wrote into a committed checkpoint).
     """
-    rank, world = _rank_world() if collective else (0, 1)
+    from stratagem import env  # imported on use: see checkpoint/__init__.py
+
+    rank, world = env.get_dist_info() if collective else (0, 1)
     directory = Path(path).absolute()
     manifest, digest, error = None, None, None
     try:
@@ -441,7 +427,7 @@ def verify_directory(
     mine = (digest, None if error is None else describe_error(error))
     outcomes = [mine]  # the details travel only when something differs
     if collective and not _all_ok(error is not None, digest):
-        outcomes = _gather(mine)
+        outcomes = env.all_gather_object(mine)
     _raise_first(
         [msg for _, msg in outcomes], error, f'verifying {directory}', CheckpointCorruptError
     )
@@ -484,9 +470,9 @@ def _warn_unlisted(directory: Path, manifest: dict) -> None:
         if p.is_file() and p.relative_to(directory).as_posix() not in listed
     )
     if extra:  # every rank verifies the same directory: warn once
-        from stratagem.env.logging import warn_rank_zero
+        from stratagem import env  # imported on use: see checkpoint/__init__.py
 
-        warn_rank_zero(
+        env.warn_rank_zero(
             f'{directory} holds files its manifest does not list: {extra[:5]}'
             f'{" ..." if len(extra) > 5 else ""}; they were written after the '
             f'commit and are ignored',

@@ -16,19 +16,18 @@ def agree_on_path(path: str | os.PathLike | None, *, src: int = 0, group: Any = 
 
     Without an initialised process group this returns ``Path(path)``.
     """
-    import torch.distributed as dist
+    from stratagem import env  # imported on use: see checkpoint/__init__.py
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not env.is_distributed():
         if path is None:
             raise ValueError('agree_on_path(None) outside a process group: pass the path')
         return Path(path)
-    box = [os.fspath(path) if path is not None else None]
-    dist.broadcast_object_list(box, src=src, group=group)
-    if box[0] is None:
+    agreed = env.broadcast_object(os.fspath(path) if path is not None else None, src, group)
+    if agreed is None:
         raise ValueError(
             f'agree_on_path: rank {src} passed None; the source rank must pass the path'
         )
-    return Path(box[0])
+    return Path(agreed)
 
 
 class CheckpointNotShared(RuntimeError):
@@ -91,9 +90,9 @@ def agree_on_checkpoint(
     """
     import socket
 
-    import torch.distributed as dist
+    from stratagem import env  # imported on use: see checkpoint/__init__.py
 
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    distributed = env.get_world_size(group) > 1
     host = socket.gethostname()
     # host, absolute path, identity, why it cannot be read
     mine: tuple[str, str | None, dict | None, str | None] = (host, None, None, None)
@@ -101,24 +100,21 @@ def agree_on_checkpoint(
         mine = (host, *_look(Path(path).absolute()))
     views = [mine]
     if distributed:
-        from stratagem.env.dist import all_gather_keys, key_of
-
         # the common case in one small collective: every rank names the same readable path
         # and sees the same bytes there; anything else is gathered in full to be reported
-        keys = all_gather_keys([key_of(mine[1]), key_of(mine[2]), int(mine[3] is not None)], group)
+        keys = env.all_gather_keys(
+            [env.key_of(mine[1]), env.key_of(mine[2]), int(mine[3] is not None)], group
+        )
         if all(k == keys[0] for k in keys) and keys[0][2] == 0:
             return None if mine[1] is None else Path(mine[1])
-        views = [None] * dist.get_world_size(group)  # type: ignore[list-item]
-        dist.all_gather_object(views, mine, group=group)
+        views = env.all_gather_object(mine, group)
     _, target, expected, error0 = views[0]
     if target is None:
         return None
     if any(view[1] != target for view in views):  # round 2: those ranks look at rank 0's
-        rank = dist.get_rank(group)
-        if views[rank][1] != target:
+        if views[env.get_rank(group)][1] != target:
             mine = (host, *_look(Path(target)))
-        views = [None] * dist.get_world_size(group)  # type: ignore[list-item]
-        dist.all_gather_object(views, mine, group=group)
+        views = env.all_gather_object(mine, group)
         views[0] = (views[0][0], target, expected, error0)
     problems = [(host, error0)] + [
         (

@@ -134,7 +134,7 @@ def find_latest_checkpoint(directory: str | os.PathLike) -> Path | None:
        ``CheckpointWarning`` and return the newest committed checkpoint that verifies, trying
        them newest first and hashing only until one passes (each failure also warns).
     """
-    from stratagem.env.logging import warn_rank_zero
+    from stratagem import env  # imported on use: see checkpoint/__init__.py
 
     directory = Path(directory).absolute()
     if not directory.is_dir():
@@ -164,11 +164,11 @@ def find_latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         try:
             verify_checkpoint(candidate.path)
         except (ValueError, OSError) as err:
-            warn_rank_zero(
+            env.warn_rank_zero(
                 f'skipping checkpoint {candidate.path}: {err}', CheckpointWarning, stacklevel=2
             )
             continue
-        warn_rank_zero(
+        env.warn_rank_zero(
             f'{reason}; resuming from the newest committed checkpoint '
             f'{candidate.path} (step {candidate.step})',
             CheckpointWarning,
@@ -176,7 +176,7 @@ def find_latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         )
         return candidate.path
     if reason is not None:
-        warn_rank_zero(
+        env.warn_rank_zero(
             f'{reason}, and {directory} holds no other committed checkpoint',
             CheckpointWarning,
             stacklevel=2,

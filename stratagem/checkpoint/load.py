@@ -131,9 +131,9 @@ def _verify_before_load(path: Path, verify: bool) -> None:
     found = find_manifest(path)
     if found is None:
         if verify:  # every rank loads the same file: warn once
-            from stratagem.env.logging import warn_rank_zero
+            from stratagem import env  # imported on use: see checkpoint/__init__.py
 
-            warn_rank_zero(
+            env.warn_rank_zero(
                 f'{path} has no stratagem manifest (written by mmengine or plain '
                 f'torch.save?), so its integrity cannot be verified; loading it '
                 'anyway',

@@ -40,7 +40,6 @@ from .commit import (
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
 from .directory import (
     _all_ok,
-    _gather,
     _raise_first,
     dcp_failures,
     describe_error,
@@ -102,7 +101,9 @@ def save_sharded_checkpoint(
     """
     import torch.distributed.checkpoint as dcp
 
-    rank = _rank() if collective else 0
+    from stratagem import env  # imported on use: see checkpoint/__init__.py
+
+    rank = env.get_rank() if collective else 0
     optimizer = dict(checkpoint.get('optimizer') or {})
     tensors = {'state_dict': checkpoint['state_dict']}
     if optimizer:
@@ -275,12 +276,6 @@ def _reader(path: Path, metadata: Any = None) -> Any:
     return ShardReader(path, metadata=metadata)
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def read_sharded_checkpoint(
     path: str | os.PathLike,
     *,
@@ -422,7 +417,9 @@ def _dcp_read(path: Path, state: dict, *, metadata: Any = None, what: str = '') 
             error = failures[0]
     if _all_ok(error is not None):
         return
-    outcomes = _gather(None if error is None else describe_error(error))
+    from stratagem import env  # imported on use: see checkpoint/__init__.py
+
+    outcomes = env.all_gather_object(None if error is None else describe_error(error))
     if error is not None and not isinstance(error, Exception):
         # a BaseException: this rank raises the message the others see
         error = RuntimeError(f'reading {path} {what} failed: {describe_error(error)}')

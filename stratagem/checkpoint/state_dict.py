@@ -240,9 +240,9 @@ def load_state_dict(
     report.missing_keys = [k for k in result.missing_keys if k not in skipped]
     report.unexpected_keys = list(result.unexpected_keys)
     if not report.ok:
-        from stratagem.env.logging import log_rank_zero  # every rank loads the same state
+        from stratagem import env  # imported on use: see checkpoint/__init__.py
 
-        log_rank_zero(
+        env.log_rank_zero(  # every rank loads the same state
             logger or logging.getLogger('stratagem.checkpoint'),
             logging.WARNING,
             'the state dict does not match %s:\n%s',

@@ -150,14 +150,14 @@ class SaveVote:
     @classmethod
     def open(cls, timeout: float, what: str) -> SaveVote | None:
         """Start the vote of the next save (every rank, same order); None outside a group."""
-        import torch.distributed as dist
+        from stratagem import env  # imported on use: see checkpoint/__init__.py
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if env.get_world_size() == 1:  # 1 also when there is no process group
             return None
         prefix = f'stratagem/ckpt/{next(_SAVES)}/'
         store, waiter = _own_store()
         return cls(
-            store, prefix, dist.get_rank(), dist.get_world_size(), float(timeout), what, waiter
+            store, prefix, env.get_rank(), env.get_world_size(), float(timeout), what, waiter
         )
 
     # ------------------------------------------------------------------ steps

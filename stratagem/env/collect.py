@@ -1,4 +1,4 @@
-"""``collect_env()`` and the ``stratagem env`` sub-command that prints it.
+"""``collect_env()``: what ``stratagem env`` prints and bug reports quote.
 
 Versions come from package metadata, so reporting deepspeed's version does not import
 deepspeed. External tools (nvcc, gcc) run with a timeout and their absence is no error.
@@ -6,7 +6,6 @@ deepspeed. External tools (nvcc, gcc) run with a timeout and their absence is no
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -63,20 +62,6 @@ def collect_env(details: bool = False) -> OrderedDict[str, str]:
             env[dist_name] = version
     env['stratagem'] = _version('stratagem') or _own_version()
     return env
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``stratagem env``."""
-    parser.add_argument(
-        '--details', action='store_true', help="also print torch's build configuration"
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Print :func:`collect_env` as ``key: value`` lines; return the exit code."""
-    for key, value in collect_env(details=args.details).items():
-        print(f'{key}: {value}')
-    return 0
 
 
 def _version(dist_name: str) -> str | None:

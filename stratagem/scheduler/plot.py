@@ -1,49 +1,22 @@
-"""``stratagem plot-schedule CONFIG``: draw a config's lr and momentum over iterations.
+"""Schedule preview: a config's lr and momentum over iterations (``stratagem plot-schedule``).
 
-Reads ``optim_wrapper``, ``param_scheduler`` and ``train_cfg`` from the config,
-runs :func:`~stratagem.scheduler.simulate`, and draws a PNG with matplotlib (the
-``plot`` extra, imported only here and only then) or, with ``--ascii`` or
-without matplotlib, a chart in the terminal.
+:func:`traces_from_config` reads ``optim_wrapper``, ``param_scheduler`` and ``train_cfg``
+from the config and runs :func:`~stratagem.scheduler.simulate`; :func:`plot_png` draws a PNG
+with matplotlib (the ``plot`` extra, imported only here and only then), :func:`ascii_chart`
+a chart for the terminal. The command's arguments and output are in
+``stratagem.cli.plot_schedule``.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .simulate import ScheduleTrace, simulate
 
-__all__ = ['add_arguments', 'run', 'ascii_chart', 'plot_png', 'traces_from_config']
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``plot-schedule`` arguments to ``parser``."""
-    parser.add_argument('config', help='config file (.py, .json, .yaml)')
-    parser.add_argument(
-        '--out', default='lr.png', help='PNG to write (default: lr.png); ignored with --ascii'
-    )
-    parser.add_argument(
-        '--ascii', action='store_true', help='print a terminal chart instead of writing a PNG'
-    )
-    parser.add_argument(
-        '--epoch-length',
-        type=int,
-        default=None,
-        metavar='N',
-        help='iterations per epoch (len(train_dataloader)); needed when '
-        'epoch- and iteration-based schedules mix',
-    )
-    parser.add_argument(
-        '--max-iters',
-        type=int,
-        default=None,
-        metavar='N',
-        help='length of an iteration-based run, or where to cut an epoch-based one',
-    )
+__all__ = ['ascii_chart', 'plot_png', 'trace_summary', 'traces_from_config']
 
 
 def _run_length(
@@ -216,7 +189,8 @@ def plot_png(traces: Mapping[str, ScheduleTrace], out: str | Path, title: str = 
     return out
 
 
-def _summary(name: str, trace: ScheduleTrace) -> str:
+def trace_summary(name: str, trace: ScheduleTrace) -> str:
+    """One line: iterations, epochs, scheduler names, and lr first / max / min / last."""
     lr = trace.lr[0]
     epochs = (
         f', {trace.num_iters / trace.epoch_length:g} epochs of {trace.epoch_length}'
@@ -229,58 +203,3 @@ def _summary(name: str, trace: ScheduleTrace) -> str:
         f'{", ".join(trace.scheduler_names) or "(none)"}; lr first {lr[0]:.4g}, '
         f'max {max(lr):.4g}, min {min(lr):.4g}, last {lr[-1]:.4g}'
     )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``plot-schedule``; returns the exit code (2 for a config problem)."""
-    from stratagem.config import Config
-
-    try:
-        cfg = Config.fromfile(args.config)
-        epoch_length = args.epoch_length
-        if epoch_length is None:
-            # the reference loop's data config knows it: one process, as `stratagem train`
-            from stratagem.loop import epoch_length_from_config
-
-            epoch_length = epoch_length_from_config(cfg)  # type: ignore[arg-type]
-        traces = traces_from_config(cfg, epoch_length=epoch_length, max_iters=args.max_iters)  # type: ignore[arg-type]
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        print(f'stratagem plot-schedule: error: {e}', file=sys.stderr)
-        return 2
-    title = f'{Path(args.config).name}: ' + ', '.join(
-        dict.fromkeys(n for t in traces.values() for n in t.scheduler_names)
-    )
-    for name, trace in traces.items():
-        print(_summary(name, trace))
-    use_ascii = args.ascii
-    if not use_ascii:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print(
-                'matplotlib is not installed (pip install "stratagem[plot]"); printing a '
-                'terminal chart instead',
-                file=sys.stderr,
-            )
-            use_ascii = True
-    if use_ascii:
-        for name, trace in traces.items():
-            prefix = f'{name} ' if name else ''
-            print(
-                ascii_chart(
-                    trace.lr[0], epoch_length=trace.epoch_length, title=f'{prefix}learning rate'
-                )
-            )
-            if trace.momentum is not None:
-                print(
-                    ascii_chart(
-                        trace.momentum[0],
-                        epoch_length=trace.epoch_length,
-                        height=8,
-                        title=f'{prefix}momentum',
-                    )
-                )
-        return 0
-    out = plot_png(traces, args.out, title=title)
-    print(f'wrote {out}')
-    return 0

@@ -61,14 +61,13 @@ from stratagem import env
 from stratagem.config import check_keys
 from stratagem.integrations.model_api import expose_model_api
 from stratagem.registry import MODELS
+from stratagem.schema import ENV_KEYS as _ENV_KEYS
+from stratagem.schema import RANDOMNESS_KEYS as _RANDOMNESS_KEYS
 
 from .checkpointer import Checkpointer, CheckpointLayout
 from .checkpointing import CheckpointMixin
 
 __all__ = ['BaseStrategy']
-
-_ENV_KEYS = {'launcher', 'cudnn_benchmark', 'mp_cfg', 'dist_cfg', 'resource_limit', 'randomness'}
-_RANDOMNESS_KEYS = {'seed', 'deterministic', 'diff_rank_seed'}
 
 
 class BaseStrategy(CheckpointMixin, ABC):

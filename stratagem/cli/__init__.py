@@ -1,8 +1,11 @@
 """The ``stratagem`` command.
 
-Each sub-command lives in the module that owns its work and exposes
-``add_arguments(parser)`` and ``run(args) -> int``; this file only routes, and
-imports a sub-command's module only when that sub-command runs.
+Every sub-command's arguments, output and exit status live in this package, one module per
+sub-command exposing ``add_arguments(parser)`` and ``run(args) -> int``; the work is a plain
+function of the library module that owns it (``loop.train``, ``scheduler.plot``,
+``checkpoint.convert``, ``doctor.diagnose``, ``env.collect_env``), and no library module
+imports this package. This module only routes, and imports a sub-command's module only when
+that sub-command runs.
 
 Errors a user can act on (a bad config key or value, a missing or damaged file, a checkpoint
 that does not fit) print as ``stratagem: error: <message>`` plus one line of advice, and the
@@ -24,19 +27,19 @@ from stratagem.config import ConfigAttributeError
 
 # name -> (module, one-line help)
 COMMANDS = {
-    'train': ('stratagem.loop', 'train a model from a config file with the reference loop'),
-    'demo': ('stratagem.demo', 'train the example classifier and show the loss falling'),
+    'train': ('stratagem.cli.train', 'train a model from a config file with the reference loop'),
+    'demo': ('stratagem.cli.demo', 'train the example classifier and show the loss falling'),
     'plot-schedule': (
-        'stratagem.scheduler.plot',
+        'stratagem.cli.plot_schedule',
         'preview the lr / momentum schedule of a config (PNG or terminal chart)',
     ),
-    'env': ('stratagem.env.collect', 'print the environment (python, torch, CUDA, extras)'),
+    'env': ('stratagem.cli.env', 'print the environment (python, torch, CUDA, extras)'),
     'convert': (
-        'stratagem.checkpoint.convert',
+        'stratagem.cli.convert',
         'convert a checkpoint: sharded directory <-> single file (--to sharded)',
     ),
     'doctor': (
-        'stratagem.doctor',
+        'stratagem.cli.doctor',
         'check a config against this machine before a run (no training); exit 1 with findings',
     ),
 }
@@ -141,7 +144,3 @@ def _dispatch(argv: list[str]) -> int:
     # for a sub-command that re-launches itself (train --nproc); keeps --debug for the children
     args.cli_argv = [*rest, DEBUG_FLAG] if debug else rest
     return int(module.run(args) or 0)
-
-
-if __name__ == '__main__':
-    raise SystemExit(main())

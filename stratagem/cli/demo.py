@@ -10,7 +10,10 @@ import shutil
 import statistics
 from pathlib import Path
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / 'examples' / 'configs' / 'classifier.py'
+from stratagem.config import Config
+from stratagem.loop import train
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / 'examples' / 'configs' / 'classifier.py'
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,9 +46,6 @@ def _clear_previous_demo(work_dir: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratagem.config import Config
-    from stratagem.loop import train
-
     if not osp.isfile(args.config):
         raise FileNotFoundError(f'demo config not found: {args.config}')
     cfg = Config.fromfile(args.config)

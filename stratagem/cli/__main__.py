@@ -1,0 +1,3 @@
+from stratagem.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""``stratagem convert SRC DST``: :func:`stratagem.checkpoint.convert.convert_checkpoint`
+with a progress bar on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from stratagem.checkpoint.convert import convert_checkpoint
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        'src',
+        help='the checkpoint to convert (a file, a sharded directory or '
+        'a DeepSpeed (ZeRO) directory)',
+    )
+    parser.add_argument('dst', help='the new checkpoint (must not exist)')
+    parser.add_argument(
+        '--to',
+        choices=('file', 'sharded'),
+        default='file',
+        help='target layout (default: one file)',
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    def progress(done: int, total: int) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        sys.stderr.write(f'\rverifying [{"#" * filled}{"." * (width - filled)}] {done}/{total}')
+        if done >= total:
+            sys.stderr.write('\n')
+
+    try:
+        out = convert_checkpoint(args.src, args.dst, to=args.to, progress=progress)
+    except (OSError, ValueError) as err:
+        print(f'stratagem convert: {err}', file=sys.stderr)
+        return 1
+    print(f'wrote {out}')
+    return 0

@@ -1,0 +1,56 @@
+"""``stratagem doctor CONFIG``: check a config against this machine before a run
+(:func:`stratagem.doctor.diagnose`); exit 1 with findings, 2 when the config cannot be read."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from stratagem.config import Config, parse_cfg_options
+from stratagem.doctor import diagnose, format_table
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('config', help='config file (.py, .json, .yaml)')
+    parser.add_argument(
+        '--nproc',
+        type=int,
+        default=int(os.environ.get('WORLD_SIZE', 1)),
+        help='processes the run will use (default: $WORLD_SIZE or 1)',
+    )
+    parser.add_argument(
+        '--cfg-options',
+        nargs='+',
+        default=[],
+        metavar='KEY=VALUE',
+        help='overrides, as for stratagem train',
+    )
+    parser.add_argument(
+        '--no-disk-probe',
+        action='store_true',
+        help='do not time a 32 MiB write to estimate the save stall',
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nproc < 1:
+        print(f'stratagem doctor: --nproc must be >= 1, got {args.nproc}', file=sys.stderr)
+        return 2
+    try:
+        cfg = Config.fromfile(args.config)
+        if args.cfg_options:
+            cfg.merge_from_dict(parse_cfg_options(args.cfg_options))
+    except Exception as err:  # noqa: BLE001 - reported as the one finding that stops us
+        print(f'stratagem doctor: cannot read {args.config}: {err}', file=sys.stderr)
+        return 2
+    findings, notes = diagnose(cfg.to_dict(), args.nproc, probe_disk=not args.no_disk_probe)
+    print(f'stratagem doctor: {args.config} on {args.nproc} process(es)')
+    for note in notes:
+        print(f'  - {note}')
+    if not findings:
+        print('no findings: the config looks ready to run')
+        return 0
+    print(f'\n{len(findings)} finding(s):\n')
+    print(format_table(findings))
+    return 1
