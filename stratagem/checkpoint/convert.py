@@ -1,7 +1,8 @@
 """A checkpoint from one layout to another, in one process (``stratagem convert SRC DST``).
 
 Dispatch on the detected source format (``SOURCES``: a predicate and a reader returning one
-full mmengine-layout dict); the DeepSpeed backend adds its ZeRO source beside ours. Targets:
+full mmengine-layout dict); a backend with a layout of its own adds its source with
+``register_source`` (``stratagem.strategies`` registers DeepSpeed's directories). Targets:
 ``file`` (one verified single-file checkpoint with its manifest) or ``sharded`` (a directory of
 DCP files, committed with a manifest). No process group is needed.
 """
@@ -17,15 +18,9 @@ from .errors import NotACheckpointError
 from .load import load_checkpoint_file
 from .sharded import is_sharded_checkpoint, read_sharded_checkpoint, save_sharded_checkpoint
 
-__all__ = ['convert_checkpoint', 'SOURCES']
+__all__ = ['convert_checkpoint', 'SOURCES', 'register_source']
 
 Reader = Callable[[Path, Callable[[int, int], None] | None], dict]
-
-
-def _is_zero(path: Path) -> bool:
-    from stratagem.strategies.deepspeed.files import is_zero_checkpoint
-
-    return is_zero_checkpoint(path)
 
 
 def _read_file(path: Path, progress: Callable[[int, int], None] | None) -> dict:
@@ -38,22 +33,25 @@ def _read_file(path: Path, progress: Callable[[int, int], None] | None) -> dict:
     return checkpoint
 
 
-def _read_zero(path: Path, progress: Callable[[int, int], None] | None) -> dict:
-    # DeepSpeed is imported only for its shards
-    from stratagem.strategies.deepspeed.files import read_zero_checkpoint
-
-    return read_zero_checkpoint(path)
-
-
 # name -> (detect(path) -> bool, read(path, progress) -> dict); first match wins
 SOURCES: dict[str, tuple[Callable[[Path], bool], Reader]] = {
-    'zero': (_is_zero, _read_zero),  # DeepSpeedStrategy's directories
     'sharded': (
         is_sharded_checkpoint,
         lambda p, progress: read_sharded_checkpoint(p, progress=progress),
     ),
     'file': (Path.is_file, _read_file),
 }
+
+
+def register_source(name: str, detect: Callable[[Path], bool], read: Reader) -> None:
+    """Add a source format, tried before ours (a backend's directories are more specific than
+    a DCP directory or a file); registering a name again replaces it in place."""
+    if name in SOURCES:
+        SOURCES[name] = (detect, read)
+        return
+    items = list(SOURCES.items())
+    SOURCES.clear()
+    SOURCES.update({name: (detect, read), **dict(items)})
 
 
 def detect_source(path: Path) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import stratagem.strategies  # noqa: F401  (registers the backends' source formats)
 from stratagem.checkpoint.convert import convert_checkpoint
 
 

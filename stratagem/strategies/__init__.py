@@ -5,9 +5,11 @@ backend (``single_device.py``, ``ddp.py``), one folder per large one (``fsdp/``,
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
+from stratagem.checkpoint.convert import register_source
 from stratagem.registry import STRATEGIES
 
 from .base import BaseStrategy
@@ -28,6 +30,22 @@ __all__ = [
 STRATEGIES.register_lazy('FSDPStrategy', 'stratagem.strategies.fsdp:FSDPStrategy')
 # imported on first use: DeepSpeed is an optional extra and slow to import
 STRATEGIES.register_lazy('DeepSpeedStrategy', 'stratagem.strategies.deepspeed:DeepSpeedStrategy')
+
+
+def _is_zero(path: Path) -> bool:
+    from .deepspeed.files import is_zero_checkpoint
+
+    return is_zero_checkpoint(path)
+
+
+def _read_zero(path: Path, progress: Callable[[int, int], None] | None) -> dict:
+    from .deepspeed.files import read_zero_checkpoint  # DeepSpeed: only for its shards
+
+    return read_zero_checkpoint(path)
+
+
+# DeepSpeedStrategy's directories, for `stratagem convert`
+register_source('zero', _is_zero, _read_zero)
 
 
 def __getattr__(name: str) -> Any:

@@ -37,17 +37,34 @@ from __future__ import annotations
 import functools
 import os.path as osp
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.vote import CheckpointVoteError, SaveVote
 
-if TYPE_CHECKING:
-    from .base import BaseStrategy
+__all__ = ['Checkpointer', 'CheckpointLayout', 'SaveCommit', 'Checkpointed']
 
-__all__ = ['Checkpointer', 'CheckpointLayout', 'SaveCommit']
+
+class Checkpointed(Protocol):
+    """What the checkpointer reads of its strategy: the narrow interface through which a
+    backend supplies its state (``BaseStrategy`` implements it; a backend overrides the
+    methods whose state differs). ``optim_wrapper`` / ``param_schedulers`` are read when the
+    strategy has them (after ``prepare``)."""
+
+    @property
+    def work_dir(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    def checkpoint_meta(self, extra_meta: Mapping | None = None) -> dict: ...
+    def model_state_dict(self) -> dict: ...
+    def optim_state_dict(self) -> dict: ...
+    def scheduler_state_dict(self) -> list | dict: ...
+    def _partial_grad_states(self) -> list | None: ...
+    def _checkpoint_layout(self) -> CheckpointLayout: ...
 
 
 class SaveCommit:
@@ -84,7 +101,7 @@ class CheckpointLayout:
     #: the layout's own files hold the model's state (DeepSpeed): no ``state_dict`` key
     holds_model = False
 
-    def __init__(self, strategy: BaseStrategy) -> None:
+    def __init__(self, strategy: Checkpointed) -> None:
         self.strategy = strategy
 
     def all_ranks_write(self) -> bool:
@@ -137,7 +154,7 @@ class Checkpointer:
     """
 
     def __init__(
-        self, strategy: BaseStrategy, *, async_checkpoint: bool = False, timeout: float = 600.0
+        self, strategy: Checkpointed, *, async_checkpoint: bool = False, timeout: float = 600.0
     ) -> None:
         self.strategy = strategy
         self.async_checkpoint = async_checkpoint
