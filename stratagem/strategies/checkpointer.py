@@ -128,6 +128,42 @@ class CheckpointLayout:
             state = writer.snapshot(state)
         return functools.partial(self.write, state, path, commit)
 
+    # ------------------------------------------------------------------- read side
+    def open(self, filename: str, map_location: Any) -> tuple[str, dict]:
+        """Agree on ``filename`` (every rank sees rank 0's bytes) and read what the checks
+        need; returns (the agreed path, the checkpoint dict). Default: one verified file, or
+        a sharded directory read unsharded (the strategy's ``_load_checkpoint_files``)."""
+        strategy: Any = self.strategy
+        path = strategy._agree_on_checkpoint(filename)
+        return path, strategy._read_checkpoint(path, map_location, None)
+
+    def resume_keys(self, optimizer: bool, schedulers: bool) -> list[str]:
+        """The keys a resume needs (checked before anything is loaded)."""
+        wanted = (('state_dict', True), ('optimizer', optimizer), ('param_schedulers', schedulers))
+        return [key for key, want in wanted if want]
+
+    def missing_message(self, path: str, missing: list[str], checkpoint: dict) -> str:
+        return (
+            f'{path} cannot be resumed: it has no {missing} (keys: {sorted(checkpoint)}); load '
+            'weights only with load_checkpoint(), or pass resume_optimizer=False / '
+            'resume_param_scheduler=False'
+        )
+
+    def check(self, checkpoint: dict, path: str, optimizer: bool, schedulers: bool) -> None:
+        """The checks of the content against this run (shapes, param groups, schedulers)."""
+        from .resume_checks import check_resumable
+
+        check_resumable(self.strategy, checkpoint, path, optimizer=optimizer, schedulers=schedulers)
+
+    def restore(self, checkpoint: dict, path: str, meta: dict, optimizer: bool) -> None:
+        """Model (non-strict, as mmengine; mismatches in one warning), then the optimizer
+        (counters, scaler, partial gradients)."""
+        strategy: Any = self.strategy
+        strategy._load_weights(checkpoint, path, strict=False)
+        if optimizer:
+            strategy.load_optim_state_dict(checkpoint['optimizer'])
+            strategy._load_partial_grads(checkpoint, meta)
+
     def write(self, checkpoint: dict | None, path: str, commit: SaveCommit) -> None:
         """Write and commit (rank 0: one atomic file; ``commit.gate()`` before the rename)."""
         if checkpoint is not None:
@@ -220,6 +256,50 @@ class Checkpointer:
         else:
             writer.submit(self._run, job, commit)
         return path
+
+    def resume(
+        self,
+        filename: str,
+        *,
+        resume_optimizer: bool = True,
+        resume_param_scheduler: bool = True,
+        map_location: Any = 'default',
+        callback: Callable[[dict], None] | None = None,
+    ) -> dict:
+        """The resume sequence, for every backend (its layout reads and restores):
+
+        1. A pending asynchronous save is committed first (it may be that very file).
+        2. ``layout.open``: the ranks agree on the checkpoint and read what the checks need;
+           then ``callback(checkpoint)``.
+        3. Every check runs before anything is loaded, so a refused resume changes nothing:
+           the keys asked for, ``layout.check`` (shapes, param groups, schedulers), and a
+           world-size change (converted, or refused naming both sizes).
+        4. ``layout.restore``: model, then optimizer (counters, scaler, partial gradients).
+        5. Accumulation counters, schedulers, every rank's RNG state last; every rank then
+           checks it stands at the same iteration.
+        """
+        strategy: Any = self.strategy
+        if not strategy._prepared:
+            raise RuntimeError(
+                'resume() needs the prepared components: call strategy.prepare('
+                'model, optim_wrapper=..., param_scheduler=...) first'
+            )
+        self.wait()
+        layout = strategy._checkpoint_layout()
+        path, checkpoint = layout.open(filename, map_location)
+        if callback is not None:
+            callback(checkpoint)
+        want_optim = resume_optimizer and hasattr(strategy, 'optim_wrapper')
+        want_sched = resume_param_scheduler and hasattr(strategy, 'param_schedulers')
+        missing = [k for k in layout.resume_keys(want_optim, want_sched) if k not in checkpoint]
+        if missing:
+            raise KeyError(layout.missing_message(path, missing, checkpoint))
+        layout.check(checkpoint, path, want_optim, want_sched)
+        meta = checkpoint.get('meta') or {}
+        change, sched_states = strategy._plan_resume(checkpoint, meta, want_sched, path)
+        layout.restore(checkpoint, path, meta, want_optim)
+        strategy._finish_resume(checkpoint, meta, change, sched_states, want_sched, path)
+        return checkpoint
 
     def _abandon(self, commit: SaveCommit, message: str) -> None:
         """Staging failed on this rank: tell the others (who would otherwise wait for the

@@ -27,7 +27,7 @@ from stratagem import checkpoint as ckpt
 from stratagem import env
 
 from .checkpointer import Checkpointer
-from .resume_checks import check_resumable, previous_run_traces
+from .resume_checks import previous_run_traces
 from .world_change import plan_world_size_change
 
 if TYPE_CHECKING:
@@ -342,43 +342,16 @@ class CheckpointMixin:
         """Continue exactly where ``filename`` stopped; returns the checkpoint (``meta`` has iter).
 
         Restores model, optimizer (with counters, scaler, partial gradients),
-        schedulers, then every rank's RNG state last. Call after ``prepare``.
+        schedulers, then every rank's RNG state last. Call after ``prepare``. The
+        sequence: :meth:`~stratagem.strategies.checkpointer.Checkpointer.resume`.
         """
-        if not self._prepared:
-            raise RuntimeError(
-                'resume() needs the prepared components: call strategy.prepare('
-                'model, optim_wrapper=..., param_scheduler=...) first'
-            )
-        filename = self._agree_on_checkpoint(filename)
-        checkpoint = self._read_checkpoint(filename, map_location, callback)
-        want_optim = resume_optimizer and hasattr(self, 'optim_wrapper')
-        want_sched = resume_param_scheduler and hasattr(self, 'param_schedulers')
-        missing = [
-            key
-            for key, wanted in (
-                ('state_dict', True),
-                ('optimizer', want_optim),
-                ('param_schedulers', want_sched),
-            )
-            if wanted and key not in checkpoint
-        ]
-        if missing:  # checked before anything is loaded, so a failed resume changes nothing
-            raise KeyError(
-                f'{filename} cannot be resumed: it has no {missing} (keys: '
-                f'{sorted(checkpoint)}); load weights only with load_checkpoint(), or '
-                'pass resume_optimizer=False / resume_param_scheduler=False'
-            )
-        check_resumable(self, checkpoint, filename, optimizer=want_optim, schedulers=want_sched)
-        meta = checkpoint.get('meta') or {}
-        # everything that can refuse a world-size change runs before anything is loaded
-        change, sched_states = self._plan_resume(checkpoint, meta, want_sched, filename)
-        # mmengine resumes non-strictly too; mismatches are reported in one warning
-        self._load_weights(checkpoint, filename, strict=False)
-        if want_optim:
-            self.load_optim_state_dict(checkpoint['optimizer'])
-            self._load_partial_grads(checkpoint, meta)
-        self._finish_resume(checkpoint, meta, change, sched_states, want_sched, filename)
-        return checkpoint
+        return self.checkpointer.resume(
+            filename,
+            resume_optimizer=resume_optimizer,
+            resume_param_scheduler=resume_param_scheduler,
+            map_location=map_location,
+            callback=callback,
+        )
 
     def _plan_resume(
         self, checkpoint: dict, meta: Mapping, want_sched: bool, filename: str

@@ -152,63 +152,6 @@ class DeepSpeedCheckpointMixin(_Host):
         )
         return state
 
-    def resume(
-        self,
-        filename: str,
-        *,
-        resume_optimizer: bool = True,
-        resume_param_scheduler: bool = True,
-        map_location: Any = 'default',
-        callback: Callable[[dict], None] | None = None,
-    ) -> dict:
-        """Continue exactly where the DeepSpeed checkpoint ``filename`` stopped.
-
-        Returns our state (``meta`` has ``iter``). ``map_location`` is accepted for
-        mmengine's signature; DeepSpeed places its tensors on the engine's device.
-        """
-        if not self._prepared:
-            raise RuntimeError(
-                'resume() needs the prepared components: call strategy.prepare('
-                'model, optim_wrapper=..., param_scheduler=...) first'
-            )
-        self.wait_for_checkpoints()  # a pending save may be that very directory
-        if not (osp.isdir(filename) and is_zero_checkpoint(filename)):
-            raise ValueError(
-                f'{filename} is not a DeepSpeed checkpoint directory (written by '
-                'DeepSpeedStrategy.save_checkpoint); load weights from other '
-                'checkpoints with load_checkpoint()'
-            )
-        path, manifest = self._verify_directory(filename)
-        state = self._read_state(path)
-        if callback is not None:
-            callback(state)
-        want_optim = resume_optimizer and hasattr(self, 'optim_wrapper')
-        want_sched = resume_param_scheduler and hasattr(self, 'param_schedulers')
-        missing = [
-            key
-            for key, wanted in (('optimizer', want_optim), ('param_schedulers', want_sched))
-            if wanted and key not in state
-        ]
-        if missing:
-            raise KeyError(
-                f'{path} cannot be resumed: it has no {missing} (keys: '
-                f'{sorted(state)}); pass resume_optimizer=False / '
-                'resume_param_scheduler=False'
-            )
-        meta = state.get('meta') or {}
-        # BaseStrategy's world-size plan: iteration units, schedulers, windows; anything it
-        # refuses is refused before anything is loaded
-        change, sched_states = self._plan_resume(state, meta, want_sched, str(path))
-        saved_world = int(manifest.get('world_size', meta.get('world_size', self.world_size)))
-        if saved_world == self.world_size:
-            self._engine_load(path, DEEPSPEED_TAG, want_optim)
-        else:
-            self._load_resharded(path, saved_world, want_optim)
-        if want_optim:
-            self.optim_wrapper.load_state_dict(state['optimizer'])
-        self._finish_resume(state, meta, change, sched_states, want_sched, str(path))
-        return state
-
     def _engine_load(self, directory: Path, tag: str, optimizer: bool) -> None:
         loaded, _ = self.model.load_checkpoint(
             str(directory),
@@ -297,6 +240,50 @@ class ZeroLayout(CheckpointLayout):
 
     holds_model = True  # DeepSpeed's files hold the module's weights
     strategy: Any  # the DeepSpeedStrategy (strategy.py imports this module)
+
+    # ------------------------------------------------------------------- read side
+    def open(self, filename: str, map_location: Any) -> tuple[str, dict]:
+        """A DeepSpeed directory, every file verified on every rank (DeepSpeed unpickles
+        freely); our state read. ``map_location`` is accepted for mmengine's signature:
+        DeepSpeed places its tensors on the engine's device."""
+        if not (osp.isdir(filename) and is_zero_checkpoint(filename)):
+            raise ValueError(
+                f'{filename} is not a DeepSpeed checkpoint directory (written by '
+                'DeepSpeedStrategy.save_checkpoint); load weights from other '
+                'checkpoints with load_checkpoint()'
+            )
+        path, self._manifest = self.strategy._verify_directory(filename)
+        return str(path), self.strategy._read_state(path)
+
+    def resume_keys(self, optimizer: bool, schedulers: bool) -> list[str]:
+        # no 'state_dict': DeepSpeed's files hold the model
+        return [
+            k for k, want in (('optimizer', optimizer), ('param_schedulers', schedulers)) if want
+        ]
+
+    def missing_message(self, path: str, missing: list[str], checkpoint: dict) -> str:
+        return (
+            f'{path} cannot be resumed: it has no {missing} (keys: {sorted(checkpoint)}); '
+            'pass resume_optimizer=False / resume_param_scheduler=False'
+        )
+
+    def check(self, checkpoint: dict, path: str, optimizer: bool, schedulers: bool) -> None:
+        """DeepSpeed's own load checks its partitions against the engine."""
+
+    def restore(self, checkpoint: dict, path: str, meta: dict, optimizer: bool) -> None:
+        """Same world size: ``engine.load_checkpoint`` (model, optimizer partitions, engine
+        counters); another: through DeepSpeed's universal checkpoint. Then the wrapper's
+        counters."""
+        strategy = self.strategy
+        saved_world = int(
+            self._manifest.get('world_size', meta.get('world_size', strategy.world_size))
+        )
+        if saved_world == strategy.world_size:
+            strategy._engine_load(Path(path), DEEPSPEED_TAG, optimizer)
+        else:
+            strategy._load_resharded(Path(path), saved_world, optimizer)
+        if optimizer:
+            strategy.optim_wrapper.load_state_dict(checkpoint['optimizer'])
 
     def check_savable(self, path: str) -> None:
         wrapper = getattr(self.strategy, 'optim_wrapper', None)
