@@ -129,10 +129,14 @@ class CheckpointLayout:
         return functools.partial(self.write, state, path, commit)
 
     # ------------------------------------------------------------------- read side
-    def open(self, filename: str, map_location: Any) -> tuple[str, dict]:
+    def open(
+        self, filename: str, map_location: Any, *, optimizer: bool = False, editable: bool = True
+    ) -> tuple[str, dict]:
         """Agree on ``filename`` (every rank sees rank 0's bytes) and read what the checks
-        need; returns (the agreed path, the checkpoint dict). Default: one verified file, or
-        a sharded directory read unsharded (the strategy's ``_load_checkpoint_files``)."""
+        need; returns (the agreed path, the checkpoint dict). ``optimizer``: the optimizer
+        state will be restored; ``editable``: a ``callback`` will see the dict (so its
+        tensors must be real, not read later in place). Default: one verified file, or a
+        sharded directory read unsharded (the strategy's ``_load_checkpoint_files``)."""
         strategy: Any = self.strategy
         path = strategy._agree_on_checkpoint(filename)
         return path, strategy._read_checkpoint(path, map_location, None)
@@ -286,11 +290,13 @@ class Checkpointer:
             )
         self.wait()
         layout = strategy._checkpoint_layout()
-        path, checkpoint = layout.open(filename, map_location)
-        if callback is not None:
-            callback(checkpoint)
         want_optim = resume_optimizer and hasattr(strategy, 'optim_wrapper')
         want_sched = resume_param_scheduler and hasattr(strategy, 'param_schedulers')
+        path, checkpoint = layout.open(
+            filename, map_location, optimizer=want_optim, editable=callback is not None
+        )
+        if callback is not None:
+            callback(checkpoint)
         missing = [k for k in layout.resume_keys(want_optim, want_sched) if k not in checkpoint]
         if missing:
             raise KeyError(layout.missing_message(path, missing, checkpoint))

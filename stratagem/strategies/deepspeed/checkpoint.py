@@ -242,7 +242,9 @@ class ZeroLayout(CheckpointLayout):
     strategy: Any  # the DeepSpeedStrategy (strategy.py imports this module)
 
     # ------------------------------------------------------------------- read side
-    def open(self, filename: str, map_location: Any) -> tuple[str, dict]:
+    def open(
+        self, filename: str, map_location: Any, *, optimizer: bool = False, editable: bool = True
+    ) -> tuple[str, dict]:
         """A DeepSpeed directory, every file verified on every rank (DeepSpeed unpickles
         freely); our state read. ``map_location`` is accepted for mmengine's signature:
         DeepSpeed places its tensors on the engine's device."""

@@ -78,9 +78,6 @@ class FSDPStrategy(BaseStrategy):
         self.skip_init_weights = bool(skip_init_weights)
         self._block_compile: dict | None = None
         self._writer_group: Any = None  # the async writer's gloo group (first async save)
-        self._in_place: bool | None = None  # resume(): read in place (and the optimizer?)
-        # (path, checkpoint, DCP metadata): read after the checks
-        self._pending_read: tuple | None = None
         env_kwargs = self._distributed_env_kwargs(
             kwargs, 'FSDPStrategy', "; for one process use SingleDeviceStrategy (type='auto')"
         )
@@ -219,8 +216,6 @@ class FSDPStrategy(BaseStrategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.tensor import DTensor
 
-        if self._pending_read is not None:  # a resume's checks passed: read in place now
-            state_dict = self._read_in_place()
         state_dict = ckpt.revise_keys(state_dict, list(revise_keys))
         full = not any(isinstance(v, DTensor) for v in state_dict.values())
         result = set_model_state_dict(
@@ -294,36 +289,13 @@ class FSDPStrategy(BaseStrategy):
             return env.all_gather_object({k: v.cpu() for k, v in grads.items()})
         return grads
 
-    def resume(
-        self, filename: str, *, resume_optimizer: bool = True, callback: Any = None, **kwargs: Any
-    ) -> dict:
-        """BaseStrategy's ``resume``. A sharded directory resumed without a ``callback`` is
-        read in place, like a raw ``dcp.load``: everything but the tensors first, then every
-        check (keys, shapes, param groups, schedulers, world size), and only then DCP reads
-        the shards straight into the model's and optimizer's own tensors (no second copy).
-        A refused resume changes nothing; a read error after the checks (the files changed
-        since they were verified) leaves the model partly read, and the resume raises. With
-        a ``callback`` (it may read or edit the tensors) they are read into new tensors
-        first."""
-        self._in_place = (
-            None
-            if callback is not None
-            else bool(resume_optimizer and hasattr(self, 'optim_wrapper'))
-        )
-        try:
-            return super().resume(
-                filename, resume_optimizer=resume_optimizer, callback=callback, **kwargs
-            )
-        finally:
-            self._in_place = self._pending_read = None
-
-    def _read_in_place(self) -> dict:
-        """The pending resume's DCP read, into the live state dicts; the checkpoint dict the
-        resume holds gets them (its ``optimizer`` too, when resumed). Returns the weights."""
+    def _read_in_place(self, path: str, checkpoint: dict, metadata: Any, optimizer: bool) -> dict:
+        """A resume's DCP read, into the live state dicts, after every check passed; the
+        checkpoint dict the resume holds gets them (its ``optimizer`` too, when resumed).
+        Returns the weights."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        (path, checkpoint, metadata), self._pending_read = self._pending_read, None  # type: ignore[misc]
-        optimizers = [self.optim_wrapper.optimizer] if self._in_place else []
+        optimizers = [self.optim_wrapper.optimizer] if optimizer else []
         with keep_fresh(optimizers):
             model_sd, optim_sd = get_state_dict(self.model, optimizers)
         state: dict[str, Any] = {
@@ -344,11 +316,6 @@ class FSDPStrategy(BaseStrategy):
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
         if not ckpt.is_sharded_checkpoint(filename):
             return super()._load_checkpoint_files(filename, map_location)
-        if self._in_place is not None:
-            header = ckpt.read_sharded_header(filename, optimizer=self._in_place)
-            if header is not None:
-                self._pending_read = (filename, *header)
-                return header[0]
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         optimizers = [self.optim_wrapper.optimizer] if hasattr(self, 'optim_wrapper') else []
@@ -376,6 +343,7 @@ class FSDPLayout(CheckpointLayout):
     (rank 0 holds the gathered state)."""
 
     strategy: FSDPStrategy
+    _pending: tuple | None = None  # (path, header, DCP metadata, optimizer): read in restore
 
     def all_ranks_write(self) -> bool:
         return not self.strategy._full
@@ -396,6 +364,33 @@ class FSDPLayout(CheckpointLayout):
 
             strategy._writer_group = dist.new_group(backend='gloo')
         return super().stage(checkpoint, path, commit, writer)
+
+    # ------------------------------------------------------------------- read side
+    def open(
+        self, filename: str, map_location: Any, *, optimizer: bool = False, editable: bool = True
+    ) -> tuple[str, dict]:
+        """A sharded directory that the caller will not edit is read in place, like a raw
+        ``dcp.load``: everything but the tensors here, every check next, and only then (in
+        ``restore``) DCP reads the shards straight into the model's and optimizer's own
+        tensors (no second copy). A refused resume changes nothing; a read error after the
+        checks (the files changed since they were verified) leaves the model partly read,
+        and the resume raises. With a ``callback`` (``editable``: it may read or edit the
+        tensors) they are read into new tensors first."""
+        self._pending = None
+        strategy = self.strategy
+        path = strategy._agree_on_checkpoint(filename)
+        if not editable and ckpt.is_sharded_checkpoint(path):
+            header = ckpt.read_sharded_header(path, optimizer=optimizer)
+            if header is not None:
+                self._pending = (path, *header, optimizer)
+                return path, header[0]
+        return path, strategy._read_checkpoint(path, map_location, None)
+
+    def restore(self, checkpoint: dict, path: str, meta: dict, optimizer: bool) -> None:
+        if self._pending is not None:  # every check passed: read the shards in place now
+            pending, self._pending = self._pending, None
+            self.strategy._read_in_place(*pending)
+        super().restore(checkpoint, path, meta, optimizer)
 
     def write(self, checkpoint: dict | None, path: str, commit: SaveCommit) -> None:
         if self.strategy._full:  # one consolidated file (rank 0 holds it; others get None)
