@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from stratagem.checkpoint.convert import register_source
+from stratagem.checkpoint.formats import register_format
 from stratagem.registry import STRATEGIES
 
 from .base import BaseStrategy
@@ -44,8 +44,8 @@ def _read_zero(path: Path, progress: Callable[[int, int], None] | None) -> dict:
     return read_zero_checkpoint(path)
 
 
-# DeepSpeedStrategy's directories, for `stratagem convert`
-register_source('zero', _is_zero, _read_zero)
+# DeepSpeedStrategy's directories: read by every strategy's load_checkpoint and by convert
+register_format('zero', _is_zero, _read_zero)
 
 
 def __getattr__(name: str) -> Any:

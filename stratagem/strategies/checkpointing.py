@@ -230,12 +230,15 @@ class CheckpointMixin:
         return f'cuda:{torch.cuda.current_device()}' if torch.cuda.is_available() else 'cpu'
 
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
-        """Backend hook: read a checkpoint (default: one verified file, weights_only; a
-        sharded directory, e.g. FSDPStrategy's, is verified and read unsharded)."""
-        if ckpt.is_sharded_checkpoint(filename):
-            checkpoint = ckpt.read_sharded_checkpoint(filename)
-            return _move(checkpoint, map_location)
-        return ckpt.load_checkpoint_file(filename, map_location=map_location)
+        """Backend hook: read a checkpoint whole. A file: verified, ``weights_only``; a
+        directory in a known format (``checkpoint.formats``: FSDP's sharded one, DeepSpeed's)
+        is verified and read unsharded; anything else gets ``load_checkpoint_file``'s error."""
+        from stratagem.checkpoint.formats import detect_format, read_whole
+
+        name = detect_format(filename)
+        if name is None or name == 'file':
+            return ckpt.load_checkpoint_file(filename, map_location=map_location)
+        return _move(read_whole(filename, name), map_location)
 
     def load_checkpoint(
         self,

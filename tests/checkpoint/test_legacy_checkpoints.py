@@ -288,3 +288,15 @@ def test_deepspeed_directory_converts_to_full_weights(tmp_path):
     assert s.load_checkpoint(str(converted))['meta']['iter'] == 3
     got = {k: v.detach() for k, v in model.state_dict().items()}
     assert _mismatches(got, EXPECTED['deepspeed']['weights'], 'weights') == []
+
+
+def test_deepspeed_directory_loads_weights_in_single_device(tmp_path):
+    """The one format detection (checkpoint.formats) lets any strategy's load_checkpoint read
+    a DeepSpeed directory's full fp32 weights, verified, without converting it first."""
+    pytest.importorskip('deepspeed', reason=NO_DEEPSPEED)
+    path = _copy('deepspeed', tmp_path)
+    s = _strategy('single', tmp_path / 'work')
+    model = s.prepare(_net())
+    assert s.load_checkpoint(str(path))['meta']['iter'] == 3
+    got = {k: v.detach() for k, v in model.state_dict().items()}
+    assert _mismatches(got, EXPECTED['deepspeed']['weights'], 'weights') == []

@@ -52,6 +52,7 @@ from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.content import SAFE_GLOBALS_KEY
+from stratagem.checkpoint.formats import detect_format
 
 from ..checkpointer import CheckpointLayout, SaveCommit
 from .capture import CapturingCheckpointEngine
@@ -59,7 +60,6 @@ from .files import (
     DEEPSPEED_TAG,
     STATE_FILE,
     check_zero_layout,
-    is_zero_checkpoint,
     zero_to_state_dict,
 )
 
@@ -141,9 +141,9 @@ class DeepSpeedCheckpointMixin(_Host):
         return ckpt.load_checkpoint_file(path / STATE_FILE, map_location='cpu')
 
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
-        """A DeepSpeed directory: our state plus consolidated fp32 weights (``state_dict``);
-        a single file: BaseStrategy's safe load."""
-        if not osp.isdir(filename):
+        """A DeepSpeed directory (verified on every rank): our state plus consolidated fp32
+        weights (``state_dict``); any other format: BaseStrategy's read."""
+        if detect_format(filename) != 'zero':
             return super()._load_checkpoint_files(filename, map_location)
         path, _ = self._verify_directory(filename)
         state = self._read_state(path)
@@ -248,7 +248,7 @@ class ZeroLayout(CheckpointLayout):
         """A DeepSpeed directory, every file verified on every rank (DeepSpeed unpickles
         freely); our state read. ``map_location`` is accepted for mmengine's signature:
         DeepSpeed places its tensors on the engine's device."""
-        if not (osp.isdir(filename) and is_zero_checkpoint(filename)):
+        if detect_format(filename) != 'zero':
             raise ValueError(
                 f'{filename} is not a DeepSpeed checkpoint directory (written by '
                 'DeepSpeedStrategy.save_checkpoint); load weights from other '
