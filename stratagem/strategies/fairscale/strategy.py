@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ from stratagem.config import check_keys
 from stratagem.registry import STRATEGIES
 
 from ..base import BaseStrategy
+from ..checkpointer import CheckpointLayout
 from ..sync_bn import convert_sync_batchnorm
 
 __all__ = ['ShardedDDPStrategy']
@@ -333,28 +334,17 @@ class ShardedDDPStrategy(BaseStrategy):
         return ckpt.unwrap_model(model)
 
     # -------------------------------------------------------------- checkpoints
-    def resume(
-        self,
-        filename: str,
-        *,
-        resume_optimizer: bool = True,
-        resume_param_scheduler: bool = True,
-        map_location: Any = 'default',
-        callback: Callable[[dict], None] | None = None,
-    ) -> dict:
-        """BaseStrategy's ``resume``; see there for the arguments.
+    def _checkpoint_layout(self) -> CheckpointLayout:
+        return _ShardedDDPLayout(self)
 
-        The restored gradients replace tensors that ShardedDataParallel's reduce buckets
-        may already view (after a forward in this process, e.g. a roll-back), so the
-        buckets are rebuilt around them.
-        """
-        checkpoint = super().resume(
-            filename,
-            resume_optimizer=resume_optimizer,
-            resume_param_scheduler=resume_param_scheduler,
-            map_location=map_location,
-            callback=callback,
-        )
-        if isinstance(self.model, _sharded_data_parallel()):
-            self.model.rebind_grads()  # type: ignore[operator]
-        return checkpoint
+
+class _ShardedDDPLayout(CheckpointLayout):
+    """The default single-file layout; a restore ends by rebuilding ShardedDataParallel's
+    reduce buckets around the restored gradients, which replace tensors the buckets may
+    already view (after a forward in this process, e.g. a roll-back)."""
+
+    def restore(self, checkpoint: dict, path: str, meta: dict, optimizer: bool) -> None:
+        super().restore(checkpoint, path, meta, optimizer)
+        model = self.strategy.model  # type: ignore[attr-defined]
+        if isinstance(model, _sharded_data_parallel()):
+            model.rebind_grads()  # type: ignore[attr-defined]
