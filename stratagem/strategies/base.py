@@ -38,10 +38,10 @@ Backend hooks (what a backend overrides)
     The no-sync context belongs to the optim wrapper (``optim_context``), which
     uses the wrapped model's ``no_sync`` when it has one.
 
-Saves run through the strategy's ``Checkpointer`` (``checkpointer.py``, composed, not mixed
-in); the load sequence (``load_checkpoint``, ``resume``, ``load_or_resume``) and the
-state-dict methods live in ``checkpointing.py``,
-whose docstring numbers its steps; BaseStrategy mixes it in.
+Checkpoints: every sequence (save, async save, resume, load, load_or_resume) is the
+strategy's ``Checkpointer`` (``checkpointer.py``, composed, not mixed in), over the layout
+the backend supplies (``layout.py``). The state it reads and the public checkpoint API
+are ``CheckpointState`` (``checkpoint_state.py``), BaseStrategy's second half.
 """
 
 from __future__ import annotations
@@ -64,13 +64,14 @@ from stratagem.registry import MODELS
 from stratagem.schema import ENV_KEYS as _ENV_KEYS
 from stratagem.schema import RANDOMNESS_KEYS as _RANDOMNESS_KEYS
 
-from .checkpointer import Checkpointer, CheckpointLayout
-from .checkpointing import CheckpointMixin
+from .checkpoint_state import CheckpointState
+from .checkpointer import Checkpointer
+from .layout import CheckpointLayout
 
 __all__ = ['BaseStrategy']
 
 
-class BaseStrategy(CheckpointMixin, ABC):
+class BaseStrategy(CheckpointState, ABC):
     """Owns environment, components and checkpoints around any training loop.
 
     Args:

@@ -1,10 +1,12 @@
-"""A strategy's checkpoint saves, written once: :class:`Checkpointer` and the layout it writes.
+"""A strategy's checkpoint sequences, written once: :class:`Checkpointer`.
 
-Every strategy owns one ``Checkpointer`` (``strategy.checkpointer``); ``save_checkpoint`` and
-``wait_for_checkpoints`` are its ``save`` and ``wait``. What differs between backends is the
-layout on disk, a :class:`CheckpointLayout` the strategy supplies (``_checkpoint_layout``):
-one file written by rank 0 (this module's default), FSDP's sharded DCP directory, DeepSpeed's
-directory. A layout never re-implements the sequence; it says where the state goes.
+Every strategy owns one ``Checkpointer`` (``strategy.checkpointer``): the strategy's
+``save_checkpoint``, ``wait_for_checkpoints``, ``resume``, ``load_checkpoint`` and
+``load_or_resume`` are its ``save``, ``wait``, ``resume``, ``load`` and ``load_or_resume``.
+What differs between backends is the layout on disk, a ``CheckpointLayout`` the strategy
+supplies (``layout.py``; ``_checkpoint_layout``): one file written by rank 0 (the default),
+FSDP's sharded DCP directory, DeepSpeed's directory; and its state, read through the
+``Checkpointed`` interface. A layout never re-implements a sequence.
 
 ``Checkpointer.save`` (every rank calls it, as mmengine's CheckpointHook does)
     0. The previous (asynchronous) save is waited for; its error is raised here.
@@ -34,153 +36,20 @@ directory. A layout never re-implements the sequence; it says where the state go
 
 from __future__ import annotations
 
-import functools
 import os.path as osp
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.vote import CheckpointVoteError, SaveVote
 
+from .layout import Checkpointed, CheckpointLayout, SaveCommit
+from .resume_checks import previous_run_traces
+from .world_change import plan_world_size_change
+
 __all__ = ['Checkpointer', 'CheckpointLayout', 'SaveCommit', 'Checkpointed']
-
-
-class Checkpointed(Protocol):
-    """What the checkpointer reads of its strategy: the narrow interface through which a
-    backend supplies its state (``BaseStrategy`` implements it; a backend overrides the
-    methods whose state differs). ``optim_wrapper`` / ``param_schedulers`` are read when the
-    strategy has them (after ``prepare``)."""
-
-    @property
-    def work_dir(self) -> str: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    def checkpoint_meta(self, extra_meta: Mapping | None = None) -> dict: ...
-    def model_state_dict(self) -> dict: ...
-    def optim_state_dict(self) -> dict: ...
-    def scheduler_state_dict(self) -> list | dict: ...
-    def _partial_grad_states(self) -> list | None: ...
-    def _checkpoint_layout(self) -> CheckpointLayout: ...
-
-
-class SaveCommit:
-    """One save's agreement between the ranks, handed to a layout's write step.
-
-    Attributes:
-        vote: the save's ``SaveVote`` (None without a process group); a directory layout
-            passes it to the directory protocol, which runs the whole vote.
-        step: the iteration recorded in the manifest (``meta['iter']`` when an int).
-        held: allow-listed classes the content holds (named in the manifest).
-    """
-
-    def __init__(self, vote: SaveVote | None, rank: int, step: int | None, held: list[str]) -> None:
-        self.vote, self.step, self.held = vote, step, held
-        self._rank = rank
-        self.reached = False
-
-    def gate(self) -> None:
-        """Between "this rank's files are written" and rank 0's commit: every rank reports
-        it is done; rank 0 waits for all of them and raises if one failed, died or stalled."""
-        self.reached = True
-        if self.vote is not None:
-            self.vote.ready()
-            if self._rank == 0:
-                self.vote.wait_ready()
-
-
-class CheckpointLayout:
-    """How a backend's checkpoint is written: one file, written by rank 0 (the default).
-
-    A backend's layout overrides what differs; the sequence stays the checkpointer's.
-    """
-
-    #: the layout's own files hold the model's state (DeepSpeed): no ``state_dict`` key
-    holds_model = False
-
-    def __init__(self, strategy: Checkpointed) -> None:
-        self.strategy = strategy
-
-    def all_ranks_write(self) -> bool:
-        """Whether every rank writes files of its own (sharded), not only rank 0."""
-        return False
-
-    def check_savable(self, path: str) -> None:
-        """Raise (on every rank alike) when this moment cannot be saved in this layout."""
-
-    def validate(self, checkpoint: dict) -> list[str]:
-        """Check the content loads with ``weights_only`` (tensors and plain values); returns
-        the allow-listed classes it holds."""
-        return ckpt.validate_checkpoint_content(checkpoint)
-
-    def stage(
-        self, checkpoint: dict, path: str, commit: SaveCommit, writer: AsyncCheckpointWriter | None
-    ) -> Callable[[], None]:
-        """On the training thread: make the write job. With a ``writer`` (async), the ranks
-        that write copy ``checkpoint`` into its staging buffers first (the job only ever
-        reads that copy); the others only take part in the vote."""
-        writes = self.all_ranks_write() or env.is_main_process()
-        state: dict | None = checkpoint if writes else None
-        if writer is not None and state is not None:
-            state = writer.snapshot(state)
-        return functools.partial(self.write, state, path, commit)
-
-    # ------------------------------------------------------------------- read side
-    def open(
-        self, filename: str, map_location: Any, *, optimizer: bool = False, editable: bool = True
-    ) -> tuple[str, dict]:
-        """Agree on ``filename`` (every rank sees rank 0's bytes) and read what the checks
-        need; returns (the agreed path, the checkpoint dict). ``optimizer``: the optimizer
-        state will be restored; ``editable``: a ``callback`` will see the dict (so its
-        tensors must be real, not read later in place). Default: one verified file, or a
-        sharded directory read unsharded (the strategy's ``_load_checkpoint_files``)."""
-        strategy: Any = self.strategy
-        path = strategy._agree_on_checkpoint(filename)
-        return path, strategy._read_checkpoint(path, map_location, None)
-
-    def resume_keys(self, optimizer: bool, schedulers: bool) -> list[str]:
-        """The keys a resume needs (checked before anything is loaded)."""
-        wanted = (('state_dict', True), ('optimizer', optimizer), ('param_schedulers', schedulers))
-        return [key for key, want in wanted if want]
-
-    def missing_message(self, path: str, missing: list[str], checkpoint: dict) -> str:
-        return (
-            f'{path} cannot be resumed: it has no {missing} (keys: {sorted(checkpoint)}); load '
-            'weights only with load_checkpoint(), or pass resume_optimizer=False / '
-            'resume_param_scheduler=False'
-        )
-
-    def check(self, checkpoint: dict, path: str, optimizer: bool, schedulers: bool) -> None:
-        """The checks of the content against this run (shapes, param groups, schedulers)."""
-        from .resume_checks import check_resumable
-
-        check_resumable(self.strategy, checkpoint, path, optimizer=optimizer, schedulers=schedulers)
-
-    def restore(self, checkpoint: dict, path: str, meta: dict, optimizer: bool) -> None:
-        """Model (non-strict, as mmengine; mismatches in one warning), then the optimizer
-        (counters, scaler, partial gradients)."""
-        strategy: Any = self.strategy
-        strategy._load_weights(checkpoint, path, strict=False)
-        if optimizer:
-            strategy.load_optim_state_dict(checkpoint['optimizer'])
-            strategy._load_partial_grads(checkpoint, meta)
-
-    def write(self, checkpoint: dict | None, path: str, commit: SaveCommit) -> None:
-        """Write and commit (rank 0: one atomic file; ``commit.gate()`` before the rename)."""
-        if checkpoint is not None:
-            ckpt.save_checkpoint(
-                checkpoint,
-                path,
-                step=commit.step,
-                extra_manifest={
-                    'world_size': self.strategy.world_size,
-                    'strategy': type(self.strategy).__name__,
-                },
-                before_commit=commit.gate,
-            )
 
 
 class Checkpointer:
@@ -302,10 +171,221 @@ class Checkpointer:
             raise KeyError(layout.missing_message(path, missing, checkpoint))
         layout.check(checkpoint, path, want_optim, want_sched)
         meta = checkpoint.get('meta') or {}
-        change, sched_states = strategy._plan_resume(checkpoint, meta, want_sched, path)
+        change, sched_states = self._plan(checkpoint, meta, want_sched, path)
         layout.restore(checkpoint, path, meta, want_optim)
-        strategy._finish_resume(checkpoint, meta, change, sched_states, want_sched, path)
+        self._finish(checkpoint, meta, change, sched_states, want_sched, path)
         return checkpoint
+
+    def load(
+        self,
+        filename: str,
+        *,
+        map_location: Any = 'cpu',
+        strict: bool = False,
+        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
+        callback: Callable[[dict], None] | None = None,
+    ) -> dict:
+        """Weights only (``strategy.load_checkpoint``): agree, read, ``callback``, load."""
+        path = self.agree(filename)
+        checkpoint = self.read(path, map_location, callback)
+        self.load_weights(checkpoint, path, strict=strict, revise_keys=revise_keys)
+        return checkpoint
+
+    def load_or_resume(
+        self, load_from: str | None = None, resume: bool | str = False
+    ) -> dict | None:
+        """mmengine's runner logic (``strategy.load_or_resume``, documented there)."""
+        strategy: Any = self.strategy
+        self.wait()
+        if isinstance(resume, str):
+            return strategy.resume(resume)
+        if resume and load_from is None:
+            # rank 0 decides (other ranks may not see this work_dir, or see another one);
+            # resume() then checks every rank reads that same checkpoint
+            work_dir = strategy.work_dir
+            latest = ckpt.find_latest_checkpoint(work_dir) if strategy.rank == 0 else None
+            latest = env.broadcast_object(None if latest is None else str(latest))
+            if latest is None:
+                # a previous run left traces but nothing resumable: starting fresh would
+                # overwrite its files, so stop before anything is written
+                traces = env.broadcast_object(
+                    previous_run_traces(work_dir) if strategy.rank == 0 else None
+                )
+                if traces:
+                    raise FileNotFoundError(
+                        f'cannot resume from work_dir {work_dir}: {traces}, but no '
+                        'committed checkpoint there verifies; nothing was changed. Resume '
+                        'from a file with --resume PATH (API: resume=PATH), or start from '
+                        f'scratch in a new --work-dir (or after removing {ckpt.POINTER_NAME})'
+                    )
+                strategy.logger.info(
+                    f'no checkpoint in {work_dir} to resume from; training starts from scratch'
+                )
+                return None
+            return strategy.resume(str(latest))
+        if resume and load_from is not None:  # resume=True with a file: that file
+            return strategy.resume(load_from)
+        if load_from is not None:
+            return strategy.load_checkpoint(load_from)
+        return None
+
+    # ------------------------------------------------------- steps the layouts share
+    def agree(self, filename: str) -> str:
+        """Rank 0's ``filename``, verified to be the same bytes on every rank (collective).
+        A pending asynchronous save is committed first (it may be that very file)."""
+        self.wait()
+        return str(ckpt.agree_on_checkpoint(filename))
+
+    def read(
+        self, path: str, map_location: Any, callback: Callable[[dict], None] | None = None
+    ) -> dict:
+        """The whole checkpoint at ``path`` (the strategy's ``_load_checkpoint_files``),
+        then ``callback(checkpoint)``."""
+        strategy: Any = self.strategy
+        self.wait()
+        checkpoint = strategy._load_checkpoint_files(
+            str(path), strategy._resolve_map_location(map_location)
+        )
+        if not isinstance(checkpoint, dict):
+            raise ValueError(
+                f'{path} holds a {type(checkpoint).__name__}, not a checkpoint '
+                "dict (expected keys like 'state_dict', 'meta', 'optimizer')"
+            )
+        if callback is not None:
+            callback(checkpoint)
+        return checkpoint
+
+    # below this share of the model's tensors found in the file, a load warns loudly
+    MIN_LOADED_SHARE = 0.5
+
+    def load_weights(
+        self,
+        checkpoint: dict,
+        filename: str,
+        *,
+        strict: bool,
+        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
+    ) -> None:
+        """Find the weights (``state_dict``, or a foreign layout: ``model_state_dict``,
+        ``model``, ``module``, a bare state dict) and load them; nothing changes on an error.
+
+        No layout found, no key matching, or a strict mismatch raises
+        ``StateDictMismatchError`` naming the file and what it holds; fewer than
+        ``MIN_LOADED_SHARE`` of the model's tensors loaded warns ``PartialLoadWarning``.
+        """
+        strategy: Any = self.strategy
+        where = None
+        try:
+            state_dict, where = ckpt.find_model_weights(checkpoint)
+            report = strategy.load_model_state_dict(
+                state_dict, strict=strict, revise_keys=revise_keys
+            )
+        except ckpt.StateDictMismatchError as err:
+            raise ckpt.StateDictMismatchError(
+                f'{filename} {err}'
+                if where is None
+                else f'{filename} ({where}): {err}\nthe file holds {ckpt.describe_keys(checkpoint)}'
+            ) from None
+        counts = ''
+        if isinstance(report, ckpt.LoadReport) and report.total:
+            counts = f', {report.loaded} of {report.total} tensors'
+            if report.loaded < self.MIN_LOADED_SHARE * report.total:
+                left_out = report.missing_keys + [
+                    k for k, *_ in report.shape_mismatches + report.type_mismatches
+                ]
+                env.warn_rank_zero(  # every rank loads the same file: said once
+                    f'{filename} ({where}): only {report.loaded} of the {report.total} '
+                    f'tensors of {type(strategy._unwrap_model()).__name__} were found and '
+                    f'loaded; not loaded: {", ".join(left_out[:10])}'
+                    f'{", ..." if len(left_out) > 10 else ""}. The file holds '
+                    f'{ckpt.describe_keys(checkpoint)}. Fine for a partial (e.g. backbone) '
+                    'load; otherwise check the checkpoint and revise_keys',
+                    ckpt.PartialLoadWarning,
+                    stacklevel=4,
+                )
+        strategy.logger.info(f'loaded weights from {filename} ({where}{counts})')
+
+    def _plan(
+        self, checkpoint: dict, meta: Mapping, want_sched: bool, filename: str
+    ) -> tuple[Any, Any]:
+        """The world-size change (None if none) and the scheduler states to load, converted
+        to this run's units; raises before anything is loaded when it cannot be exact."""
+        strategy: Any = self.strategy
+        change = plan_world_size_change(
+            meta,
+            strategy.dispatch_kwargs,
+            strategy.world_size,
+            self._max_accumulation(),
+            filename,
+        )
+        sched_states = checkpoint.get('param_schedulers') if want_sched else None
+        if want_sched and change is not None and change.new_iter is not None:
+            sched_states = change.rescale_schedulers(
+                strategy.param_schedulers,
+                sched_states,
+                strategy.dispatch_kwargs.get('epoch_length'),
+                filename,
+            )
+        return change, sched_states
+
+    def _finish(
+        self,
+        checkpoint: dict,
+        meta: Mapping,
+        change: Any,
+        sched_states: Any,
+        want_sched: bool,
+        filename: str,
+    ) -> None:
+        """After model and optimizer: counters, schedulers, RNG states last; then every rank
+        checks it stands at the same iteration (``checkpoint['meta']`` gets the converted
+        iteration and ``world_size_change`` when the world size changed)."""
+        strategy: Any = self.strategy
+        converting = change is not None and change.new_iter is not None
+        done = meta.get('iter')
+        if converting:
+            done = change.new_iter
+            if change.max_iters is not None:
+                strategy.dispatch_kwargs['max_iters'] = change.max_iters[1]
+        if hasattr(strategy, 'optim_wrapper'):
+            strategy._initialize_accumulation(done)
+        if want_sched:
+            strategy.load_scheduler_state_dict(sched_states)
+            if converting:
+                change.replay_schedulers(
+                    strategy.param_schedulers, strategy.dispatch_kwargs.get('epoch_length')
+                )
+        strategy._restore_randomness(checkpoint, meta, filename)
+        if change is not None:
+            checkpoint['meta'] = meta = {
+                **meta,
+                'iter': done,
+                'world_size_change': change.as_meta(),
+            }
+            if strategy.rank == 0:  # the same on every rank: said once
+                enabled = bool((strategy._auto_scale_lr or {}).get('enable'))
+                strategy.logger.warning(change.describe(filename, auto_scale_lr=enabled))
+        self.check_same_step(meta.get('iter'), filename)
+        strategy.resumed_from = osp.abspath(filename)
+        strategy.logger.info(f'resumed from {filename} (iter {meta.get("iter")})')
+
+    def _max_accumulation(self) -> int:
+        strategy: Any = self.strategy
+        if not hasattr(strategy, 'optim_wrapper'):
+            return 1
+        return max(getattr(w, '_accumulative_counts', 1) for w in strategy._wrappers())
+
+    @staticmethod
+    def check_same_step(step: Any, filename: str) -> None:
+        """After a resume every rank must stand at the same iteration (collective)."""
+        keys = env.all_gather_keys([env.key_of(step)])
+        if any(key != keys[0] for key in keys):  # the steps themselves only to report them
+            steps = env.all_gather_object(step)
+            raise RuntimeError(
+                f'after resuming {filename} the ranks disagree on the iteration: '
+                f'{steps} (rank order); every rank must resume the same '
+                'checkpoint'
+            )
 
     def _abandon(self, commit: SaveCommit, message: str) -> None:
         """Staging failed on this rank: tell the others (who would otherwise wait for the

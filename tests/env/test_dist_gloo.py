@@ -59,11 +59,11 @@ def two_rank_checks():
             env.key_of({'size': 3, 'digest': 'ab' * (rank + 1)}),
         ]
     )
-    from stratagem.strategies.checkpointing import CheckpointMixin
+    from stratagem.strategies.checkpointer import Checkpointer
 
-    CheckpointMixin._check_same_step(None, 7, 'ck')  # equal: returns
+    Checkpointer.check_same_step(7, 'ck')  # equal: returns
     try:
-        CheckpointMixin._check_same_step(None, 5 + rank, 'ck')
+        Checkpointer.check_same_step(5 + rank, 'ck')
     except RuntimeError as err:
         seen['step_disagreement'] = str(err)
     return seen

@@ -54,7 +54,7 @@ from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.content import SAFE_GLOBALS_KEY
 from stratagem.checkpoint.formats import detect_format
 
-from ..checkpointer import CheckpointLayout, SaveCommit
+from ..layout import CheckpointLayout, SaveCommit
 from .capture import CapturingCheckpointEngine
 from .files import (
     DEEPSPEED_TAG,

@@ -47,7 +47,7 @@ from stratagem.config import check_keys
 from stratagem.registry import STRATEGIES
 
 from ..base import BaseStrategy
-from ..checkpointer import CheckpointLayout
+from ..layout import CheckpointLayout
 from ..sync_bn import convert_sync_batchnorm
 
 __all__ = ['ShardedDDPStrategy']

@@ -21,7 +21,7 @@ from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 
 from ..base import BaseStrategy
-from ..checkpointer import CheckpointLayout, SaveCommit
+from ..layout import CheckpointLayout, SaveCommit
 from .config import parse_activation_checkpointing, parse_model_wrapper, parse_state_dict_cfg
 from .grad_sync import (
     adapt_optim_wrapper,
@@ -378,13 +378,13 @@ class FSDPLayout(CheckpointLayout):
         tensors) they are read into new tensors first."""
         self._pending = None
         strategy = self.strategy
-        path = strategy._agree_on_checkpoint(filename)
+        path = strategy.checkpointer.agree(filename)
         if not editable and ckpt.is_sharded_checkpoint(path):
             header = ckpt.read_sharded_header(path, optimizer=optimizer)
             if header is not None:
                 self._pending = (path, *header, optimizer)
                 return path, header[0]
-        return path, strategy._read_checkpoint(path, map_location, None)
+        return path, strategy.checkpointer.read(path, map_location)
 
     def restore(self, checkpoint: dict, path: str, meta: dict, optimizer: bool) -> None:
         if self._pending is not None:  # every check passed: read the shards in place now

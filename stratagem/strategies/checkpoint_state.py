@@ -1,22 +1,18 @@
-"""The checkpoint half of BaseStrategy: state dicts, save, load, resume.
+"""The checkpoint side of BaseStrategy: the state it hands its ``Checkpointer``, and the
+public checkpoint API (mmengine's names) that delegates to it.
 
-Split from ``base.py`` to keep each file readable; :class:`BaseStrategy` is the
-only class that mixes it in, and the methods use what it provides
-(``model``, ``optim_wrapper``, ``param_schedulers``, ``logger``, ``world_size``,
-``rank``, ``_unwrap_model``, ``_wrappers``, ``_initialize_accumulation``,
-``_set_randomness``, ``_randomness``, ``_seed``, ``_work_dir``, ``_prepared``).
-
-``save_checkpoint`` and asynchronous saves: the strategy's ``Checkpointer``
-(``checkpointer.py``), over the layout the backend supplies (``_checkpoint_layout``).
-
-``resume`` checks the checkpoint has what was asked for, then restores, in order:
-model, optimizer (counters, scaler, partial gradients), accumulation counters,
-schedulers, and every RNG state last.
+``CheckpointState`` is ``BaseStrategy``'s second half, in its own file for size. It holds
+the ``Checkpointed`` interface (``layout.py``) a backend overrides where its state differs:
+``model_state_dict`` / ``load_model_state_dict``, ``optim_state_dict`` /
+``load_optim_state_dict``, ``scheduler_state_dict`` / ``load_scheduler_state_dict``,
+``checkpoint_meta``, ``_partial_grad_states`` / ``_load_partial_grads``,
+``_load_checkpoint_files`` (reading a format whole) and ``_restore_randomness``. The
+sequences (save, async save, resume, load, load_or_resume) are the ``Checkpointer``'s
+(``checkpointer.py``), written once for every backend.
 """
 
 from __future__ import annotations
 
-import os.path as osp
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,19 +23,18 @@ from stratagem import checkpoint as ckpt
 from stratagem import env
 
 from .checkpointer import Checkpointer
-from .resume_checks import previous_run_traces
-from .world_change import plan_world_size_change
 
 if TYPE_CHECKING:
     import logging
 
     from torch import nn
 
-__all__ = ['CheckpointMixin']
+__all__ = ['CheckpointState']
 
 
-class CheckpointMixin:
-    """State dicts and the checkpoint sequence of :class:`~stratagem.strategies.BaseStrategy`."""
+class CheckpointState:
+    """The state :class:`~stratagem.strategies.BaseStrategy` hands its checkpointer, and the
+    checkpoint API that delegates to it (see module doc)."""
 
     checkpointer: Checkpointer
 
@@ -259,79 +254,13 @@ class CheckpointMixin:
         is an error even when not ``strict`` (mmengine loads nothing and goes on); a
         failed load leaves the model unchanged.
         """
-        filename = self._agree_on_checkpoint(filename)
-        checkpoint = self._read_checkpoint(filename, map_location, callback)
-        self._load_weights(checkpoint, filename, strict=strict, revise_keys=revise_keys)
-        return checkpoint
-
-    def _agree_on_checkpoint(self, filename: str) -> str:
-        """Rank 0's ``filename``, verified to be the same bytes on every rank (collective).
-        A pending asynchronous save is committed first (it may be that very file)."""
-        self.wait_for_checkpoints()
-        return str(ckpt.agree_on_checkpoint(filename))
-
-    def _read_checkpoint(
-        self, filename: str, map_location: Any, callback: Callable[[dict], None] | None
-    ) -> dict:
-        self.wait_for_checkpoints()
-        checkpoint = self._load_checkpoint_files(
-            str(filename), self._resolve_map_location(map_location)
+        return self.checkpointer.load(
+            filename,
+            map_location=map_location,
+            strict=strict,
+            revise_keys=revise_keys,
+            callback=callback,
         )
-        if not isinstance(checkpoint, dict):
-            raise ValueError(
-                f'{filename} holds a {type(checkpoint).__name__}, not a checkpoint '
-                "dict (expected keys like 'state_dict', 'meta', 'optimizer')"
-            )
-        if callback is not None:
-            callback(checkpoint)
-        return checkpoint
-
-    # below this share of the model's tensors found in the file, a load warns loudly
-    MIN_LOADED_SHARE = 0.5
-
-    def _load_weights(
-        self,
-        checkpoint: dict,
-        filename: str,
-        *,
-        strict: bool,
-        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
-    ) -> None:
-        """Find the weights (``state_dict``, or a foreign layout: ``model_state_dict``,
-        ``model``, ``module``, a bare state dict) and load them; nothing changes on an error.
-
-        No layout found, no key matching, or a strict mismatch raises
-        ``StateDictMismatchError`` naming the file and what it holds; fewer than
-        ``MIN_LOADED_SHARE`` of the model's tensors loaded warns ``PartialLoadWarning``.
-        """
-        where = None
-        try:
-            state_dict, where = ckpt.find_model_weights(checkpoint)
-            report = self.load_model_state_dict(state_dict, strict=strict, revise_keys=revise_keys)
-        except ckpt.StateDictMismatchError as err:
-            raise ckpt.StateDictMismatchError(
-                f'{filename} {err}'
-                if where is None
-                else f'{filename} ({where}): {err}\nthe file holds {ckpt.describe_keys(checkpoint)}'
-            ) from None
-        counts = ''
-        if isinstance(report, ckpt.LoadReport) and report.total:
-            counts = f', {report.loaded} of {report.total} tensors'
-            if report.loaded < self.MIN_LOADED_SHARE * report.total:
-                left_out = report.missing_keys + [
-                    k for k, *_ in report.shape_mismatches + report.type_mismatches
-                ]
-                env.warn_rank_zero(  # every rank loads the same file: said once
-                    f'{filename} ({where}): only {report.loaded} of the {report.total} '
-                    f'tensors of {type(self._unwrap_model()).__name__} were found and loaded; '
-                    f'not loaded: {", ".join(left_out[:10])}'
-                    f'{", ..." if len(left_out) > 10 else ""}. The file holds '
-                    f'{ckpt.describe_keys(checkpoint)}. Fine for a partial (e.g. backbone) '
-                    'load; otherwise check the checkpoint and revise_keys',
-                    ckpt.PartialLoadWarning,
-                    stacklevel=3,
-                )
-        self.logger.info(f'loaded weights from {filename} ({where}{counts})')
 
     def resume(
         self,
@@ -355,83 +284,6 @@ class CheckpointMixin:
             map_location=map_location,
             callback=callback,
         )
-
-    def _plan_resume(
-        self, checkpoint: dict, meta: Mapping, want_sched: bool, filename: str
-    ) -> tuple[Any, Any]:
-        """The world-size change (None if none) and the scheduler states to load, converted
-        to this run's units; raises before anything is loaded when it cannot be exact."""
-        change = plan_world_size_change(
-            meta, self.dispatch_kwargs, self.world_size, self._max_accumulation(), filename
-        )
-        sched_states = checkpoint.get('param_schedulers') if want_sched else None
-        if want_sched and change is not None and change.new_iter is not None:
-            sched_states = change.rescale_schedulers(
-                self.param_schedulers,
-                sched_states,
-                self.dispatch_kwargs.get('epoch_length'),
-                filename,
-            )
-        return change, sched_states
-
-    def _finish_resume(
-        self,
-        checkpoint: dict,
-        meta: Mapping,
-        change: Any,
-        sched_states: Any,
-        want_sched: bool,
-        filename: str,
-    ) -> None:
-        """After model and optimizer: counters, schedulers, RNG states last; then every rank
-        checks it stands at the same iteration (``checkpoint['meta']`` gets the converted
-        iteration and ``world_size_change`` when the world size changed)."""
-        converting = change is not None and change.new_iter is not None
-        done = meta.get('iter')
-        if converting:
-            done = change.new_iter
-            if change.max_iters is not None:
-                self.dispatch_kwargs['max_iters'] = change.max_iters[1]
-        if hasattr(self, 'optim_wrapper'):
-            self._initialize_accumulation(done)
-        if want_sched:
-            self.load_scheduler_state_dict(sched_states)
-            if converting:
-                change.replay_schedulers(
-                    self.param_schedulers, self.dispatch_kwargs.get('epoch_length')
-                )
-        self._restore_randomness(checkpoint, meta, filename)
-        if change is not None:
-            checkpoint['meta'] = meta = {
-                **meta,
-                'iter': done,
-                'world_size_change': change.as_meta(),
-            }
-            self._report_world_size_change(change, filename)
-        self._check_same_step(meta.get('iter'), filename)
-        self.resumed_from = osp.abspath(filename)
-        self.logger.info(f'resumed from {filename} (iter {meta.get("iter")})')
-
-    def _max_accumulation(self) -> int:
-        if not hasattr(self, 'optim_wrapper'):
-            return 1
-        return max(getattr(w, '_accumulative_counts', 1) for w in self._wrappers())
-
-    def _report_world_size_change(self, change: Any, filename: str) -> None:
-        if self.rank == 0:  # the same on every rank: said once
-            enabled = bool((self._auto_scale_lr or {}).get('enable'))
-            self.logger.warning(change.describe(filename, auto_scale_lr=enabled))
-
-    def _check_same_step(self, step: Any, filename: str) -> None:
-        """After a resume every rank must stand at the same iteration (collective)."""
-        keys = env.all_gather_keys([env.key_of(step)])
-        if any(key != keys[0] for key in keys):  # the steps themselves only to report them
-            steps = env.all_gather_object(step)
-            raise RuntimeError(
-                f'after resuming {filename} the ranks disagree on the iteration: '
-                f'{steps} (rank order); every rank must resume the same '
-                'checkpoint'
-            )
 
     def _load_partial_grads(self, checkpoint: Mapping, meta: Mapping) -> None:
         """Each rank's own partial gradients (saved mid accumulation window under DDP)."""
@@ -498,38 +350,7 @@ class CheckpointMixin:
         ``resume='path'`` or ``resume=True`` with ``load_from`` resumes from that
         file; ``load_from`` alone loads weights only. Returns the checkpoint or None.
         """
-        self.wait_for_checkpoints()
-        if isinstance(resume, str):
-            return self.resume(resume)
-        if resume and load_from is None:
-            # rank 0 decides (other ranks may not see this work_dir, or see another one);
-            # resume() then checks every rank reads that same checkpoint
-            latest = ckpt.find_latest_checkpoint(self._work_dir) if self.rank == 0 else None
-            latest = env.broadcast_object(None if latest is None else str(latest))
-            if latest is None:
-                # a previous run left traces but nothing resumable: starting fresh would
-                # overwrite its files, so stop before anything is written
-                traces = env.broadcast_object(
-                    previous_run_traces(self._work_dir) if self.rank == 0 else None
-                )
-                if traces:
-                    raise FileNotFoundError(
-                        f'cannot resume from work_dir {self._work_dir}: {traces}, but no '
-                        'committed checkpoint there verifies; nothing was changed. Resume '
-                        'from a file with --resume PATH (API: resume=PATH), or start from '
-                        f'scratch in a new --work-dir (or after removing {ckpt.POINTER_NAME})'
-                    )
-                self.logger.info(
-                    f'no checkpoint in {self._work_dir} to resume from; '
-                    'training starts from scratch'
-                )
-                return None
-            return self.resume(str(latest))
-        if resume and load_from is not None:  # resume=True with a file: that file
-            return self.resume(load_from)
-        if load_from is not None:
-            return self.load_checkpoint(load_from)
-        return None
+        return self.checkpointer.load_or_resume(load_from, resume)
 
 
 def _move(obj: Any, map_location: Any) -> Any:
