@@ -25,18 +25,14 @@ A write error (ENOSPC, EDQUOT, EIO) before 4 removes the temp file, restores the
 manifest and raises ``CheckpointWriteError`` naming the file, the cause and, for a full disk,
 the space needed and free.
 
-Directory (sharded backends), across ranks:
-
-1. Rank 0: ``staging = new_staging_dir(final_dir)``; all ranks agree on it
-   (``agree_on_path``).
-2. Every rank writes its files into ``staging`` and fsyncs them (or leaves that to step 4).
-3. Barrier.
-4. Rank 0: ``finalize_directory(staging, final_dir, step=...)``: fsync and hash every file,
-   write ``manifest.json`` inside, rename ``staging`` to ``final_dir`` (an atomic exchange if
-   ``final_dir`` exists), fsync the parent, update the pointer.
-5. Barrier.
-
-Single process: ``with commit_directory(final_dir, step=...) as staging: ...write files...``.
+Directory checkpoints: this module holds the primitives, ``new_staging_dir`` (a fresh temp
+directory beside the final name) and ``finalize_directory(staging, final_dir, step=...)``
+(fsync and hash every file not hashed by its writer, write ``manifest.json`` inside, rename
+``staging`` to ``final_dir``, fsync the parent, update the pointer). Across ranks the protocol
+is ``directory.py``'s (``save_directory``: rank 0 creates the staging directory and publishes
+it, every rank writes and hashes its files, the ranks agree through the store vote,
+``vote.py``, and rank 0 finalizes). In one process:
+``with commit_directory(final_dir, step=...) as staging: ...write files...``.
 """
 
 from __future__ import annotations
