@@ -9,7 +9,7 @@ import pickle
 
 
 class CheckpointCorruptError(ValueError):
-    """A checkpoint's bytes do not match its manifest (size or sha256), or cannot be read.
+    """A checkpoint's bytes do not match its manifest (size or digest), or cannot be read.
 
     Raised before anything is unpickled.
     """

@@ -23,7 +23,7 @@ sequence; :class:`ZeroLayout` is this backend's part of it:
        ``last_checkpoint``. Before that rename no checkpoint has that name.
 
 ``resume`` / ``load_checkpoint`` of a directory
-    1. ``checkpoint.verify_directory``: every size on every rank, every sha256 on one rank,
+    1. ``checkpoint.verify_directory``: every size on every rank, every digest on one rank,
        the same manifest everywhere (DeepSpeed unpickles with ``weights_only=False``: a
        tampered or foreign file must be refused before that). Any failure raises on all.
     2. ``stratagem_state.pth`` loads with ``weights_only=True``; the keys asked for are
@@ -129,7 +129,7 @@ class DeepSpeedCheckpointMixin(_Host):
 
     # ----------------------------------------------------------------------- load
     def _verify_directory(self, filename: str) -> tuple[Path, dict]:
-        """Collective: every file's size on every rank, its sha256 on one rank, the same
+        """Collective: every file's size on every rank, its digest on one rank, the same
         manifest everywhere; then the DeepSpeed layout. Raises on every rank."""
         path = Path(env.broadcast_object(osp.abspath(filename)))
         manifest = ckpt.verify_directory(path, collective=True)

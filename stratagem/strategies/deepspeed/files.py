@@ -4,14 +4,14 @@ A DeepSpeed checkpoint written by :class:`~stratagem.strategies.DeepSpeedStrateg
 directory committed by stratagem's protocol::
 
     iter_100.pth/
-        manifest.json            stratagem's: every file's size and sha256, world size, stage
+        manifest.json            stratagem's: each file's size and digest, world size, stage
         stratagem_state.pth      meta, schedulers, counters, every rank's RNG (weights_only)
         deepspeed/               DeepSpeed's own files (tag 'deepspeed'): model states and,
             mp_rank_00_model_states.pt, *_optim_states.pt   under ZeRO, the optimizer shards
         zero_to_fp32.py ...      DeepSpeed's recovery scripts
 
 DeepSpeed reads its files with ``torch.load(weights_only=False)``, which runs any code a
-file carries. Every function here therefore verifies the manifest (sizes and sha256 of every
+file carries. Every function here therefore verifies the manifest (sizes and digests of every
 file) *before* DeepSpeed unpickles anything; a directory without a manifest, or with a
 changed byte, is refused.
 """
@@ -61,7 +61,7 @@ def check_zero_layout(path: str | os.PathLike) -> None:
 
 
 def verify_zero_checkpoint(path: str | os.PathLike) -> dict:
-    """Verify a DeepSpeed checkpoint directory in this process (sizes and sha256 of every
+    """Verify a DeepSpeed checkpoint directory in this process (sizes and digests of every
     file, ``verify_directory(collective=False)``); return its manifest.
 
     Raises ``FileNotFoundError`` if it is missing, ``CheckpointCorruptError`` naming the file
