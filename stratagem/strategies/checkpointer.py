@@ -43,7 +43,7 @@ from typing import Any
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
-from stratagem.checkpoint.vote import CheckpointVoteError, SaveVote
+from stratagem.checkpoint.vote import SaveVote
 
 from .layout import Checkpointed, CheckpointLayout, SaveCommit
 from .resume_checks import previous_run_traces
@@ -121,13 +121,13 @@ class Checkpointer:
         try:
             job = layout.stage(checkpoint, path, commit, writer)
         except BaseException as err:
-            self._abandon(commit, f'{type(err).__name__}: {err}')
+            commit.abandon(f'{type(err).__name__}: {err}')
             raise
         del checkpoint  # the live tensors may change from here on: an async job has a copy
         if writer is None:
-            self._run(job, commit)
+            commit.run(job)
         else:
-            writer.submit(self._run, job, commit)
+            writer.submit(commit.run, job)
         return path
 
     def resume(
@@ -386,53 +386,3 @@ class Checkpointer:
                 f'{steps} (rank order); every rank must resume the same '
                 'checkpoint'
             )
-
-    def _abandon(self, commit: SaveCommit, message: str) -> None:
-        """Staging failed on this rank: tell the others (who would otherwise wait for the
-        vote) and leave it."""
-        vote = commit.vote
-        if vote is None:
-            return
-        if not vote.concluded:
-            if not vote.ready_posted:
-                vote.ready(f'staging failed on rank {self.strategy.rank}: {message}')
-            if self.strategy.rank == 0:
-                vote.post_outcome(f'staging failed on rank 0: {message}')
-        vote.close()
-
-    def _run(self, job: Callable[[], None], commit: SaveCommit) -> None:
-        """Steps 6-7: the layout's write job, then the outcome through the vote."""
-        vote, rank = commit.vote, self.strategy.rank
-        error = None
-        try:
-            job()
-            if not commit.reached and not (vote is not None and vote.ready_posted):
-                commit.gate()  # a rank with nothing to commit
-        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
-            error = e
-        if vote is None or vote.concluded:  # a directory layout ran the whole vote itself
-            if vote is not None:
-                vote.close()
-            if error is not None:
-                raise error
-            return
-        message = (
-            None
-            if error is None
-            else (
-                str(error)
-                if isinstance(error, CheckpointVoteError)
-                else f'{type(error).__name__}: {error}'
-            )
-        )
-        try:
-            if not commit.reached and not vote.ready_posted:
-                vote.ready(message)
-            if rank == 0:
-                vote.post_outcome(message)
-            if error is not None:
-                raise error
-            if rank != 0:
-                vote.wait_outcome()
-        finally:
-            vote.close()

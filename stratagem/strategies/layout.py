@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
-from stratagem.checkpoint.vote import SaveVote
+from stratagem.checkpoint.vote import CheckpointVoteError, SaveVote
 
 __all__ = ['CheckpointLayout', 'SaveCommit', 'Checkpointed']
 
@@ -76,6 +76,55 @@ class SaveCommit:
             self.vote.ready()
             if self._rank == 0:
                 self.vote.wait_ready()
+
+    def run(self, job: Callable[[], None]) -> None:
+        """The save's write job, then its outcome through the vote (at once, or on the
+        writer thread): a failure or a dead rank raises on every rank, naming it."""
+        vote, rank = self.vote, self._rank
+        error = None
+        try:
+            job()
+            if not self.reached and not (vote is not None and vote.ready_posted):
+                self.gate()  # a rank with nothing to commit
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error = e
+        if vote is None or vote.concluded:  # a directory layout ran the whole vote itself
+            if vote is not None:
+                vote.close()
+            if error is not None:
+                raise error
+            return
+        message = None
+        if error is not None:
+            message = (
+                str(error)
+                if isinstance(error, CheckpointVoteError)
+                else f'{type(error).__name__}: {error}'
+            )
+        try:
+            if not self.reached and not vote.ready_posted:
+                vote.ready(message)
+            if rank == 0:
+                vote.post_outcome(message)
+            if error is not None:
+                raise error
+            if rank != 0:
+                vote.wait_outcome()
+        finally:
+            vote.close()
+
+    def abandon(self, message: str) -> None:
+        """Staging failed on this rank: tell the others (who would otherwise wait for the
+        vote) and leave it."""
+        vote = self.vote
+        if vote is None:
+            return
+        if not vote.concluded:
+            if not vote.ready_posted:
+                vote.ready(f'staging failed on rank {self._rank}: {message}')
+            if self._rank == 0:
+                vote.post_outcome(f'staging failed on rank 0: {message}')
+        vote.close()
 
 
 class CheckpointLayout:

@@ -10,7 +10,7 @@ bottom-up, root last → optimizer built over the sharded parameters → schedul
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -18,10 +18,9 @@ from torch import nn
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
-from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 
 from ..base import BaseStrategy
-from ..layout import CheckpointLayout, SaveCommit
+from ..layout import CheckpointLayout
 from .config import parse_activation_checkpointing, parse_model_wrapper, parse_state_dict_cfg
 from .grad_sync import (
     adapt_optim_wrapper,
@@ -31,6 +30,7 @@ from .grad_sync import (
     set_pending_grads,
     with_no_sync,
 )
+from .layout import FSDPLayout
 
 
 class FSDPStrategy(BaseStrategy):
@@ -77,7 +77,7 @@ class FSDPStrategy(BaseStrategy):
         self.ac_check = parse_activation_checkpointing(activation_checkpointing)
         self.skip_init_weights = bool(skip_init_weights)
         self._block_compile: dict | None = None
-        self._writer_group: Any = None  # the async writer's gloo group (first async save)
+        self._layout = FSDPLayout(self)  # holds the async writer's gloo group once made
         env_kwargs = self._distributed_env_kwargs(
             kwargs, 'FSDPStrategy', "; for one process use SingleDeviceStrategy (type='auto')"
         )
@@ -278,7 +278,7 @@ class FSDPStrategy(BaseStrategy):
 
     # -------------------------------------------------------------------- checkpoints
     def _checkpoint_layout(self) -> CheckpointLayout:
-        return FSDPLayout(self)
+        return self._layout
 
     def _partial_grad_states(self) -> Any:
         """Mid accumulation window: this rank's unsynchronised (unsharded) gradients."""
@@ -289,7 +289,9 @@ class FSDPStrategy(BaseStrategy):
             return env.all_gather_object({k: v.cpu() for k, v in grads.items()})
         return grads
 
-    def _read_in_place(self, path: str, checkpoint: dict, metadata: Any, optimizer: bool) -> dict:
+    def read_shards_in_place(
+        self, path: str, checkpoint: dict, metadata: Any, optimizer: bool
+    ) -> dict:
         """A resume's DCP read, into the live state dicts, after every check passed; the
         checkpoint dict the resume holds gets them (its ``optimizer`` too, when resumed).
         Returns the weights."""
@@ -335,77 +337,3 @@ class FSDPStrategy(BaseStrategy):
             else {k: sum(g[k] for g in per_rank) / len(per_rank) for k in per_rank[0]}
         )
         set_pending_grads(self.model, mine)
-
-
-class FSDPLayout(CheckpointLayout):
-    """FSDPStrategy's checkpoints: a sharded DCP directory (every rank writes its shards,
-    ``checkpoint/sharded.py``), or under ``state_dict_type='full'`` the default single file
-    (rank 0 holds the gathered state)."""
-
-    strategy: FSDPStrategy
-    _pending: tuple | None = None  # (path, header, DCP metadata, optimizer): read in restore
-
-    def all_ranks_write(self) -> bool:
-        return not self.strategy._full
-
-    def validate(self, checkpoint: dict) -> list[str]:
-        return ckpt.validate_checkpoint_content(ckpt.local_tensors(checkpoint))
-
-    def stage(
-        self, checkpoint: dict, path: str, commit: SaveCommit, writer: AsyncCheckpointWriter | None
-    ) -> Callable[[], None]:
-        """An asynchronous sharded save runs DCP's planning collectives on the writer
-        thread, so they get a gloo group of their own, created here (every rank saves in
-        the same order): on the default group they would interleave with the training
-        loop's collectives and deadlock."""
-        strategy = self.strategy
-        if writer is not None and not strategy._full and strategy._writer_group is None:
-            import torch.distributed as dist
-
-            strategy._writer_group = dist.new_group(backend='gloo')
-        return super().stage(checkpoint, path, commit, writer)
-
-    # ------------------------------------------------------------------- read side
-    def open(
-        self, filename: str, map_location: Any, *, optimizer: bool = False, editable: bool = True
-    ) -> tuple[str, dict]:
-        """A sharded directory that the caller will not edit is read in place, like a raw
-        ``dcp.load``: everything but the tensors here, every check next, and only then (in
-        ``restore``) DCP reads the shards straight into the model's and optimizer's own
-        tensors (no second copy). A refused resume changes nothing; a read error after the
-        checks (the files changed since they were verified) leaves the model partly read,
-        and the resume raises. With a ``callback`` (``editable``: it may read or edit the
-        tensors) they are read into new tensors first."""
-        self._pending = None
-        strategy = self.strategy
-        path = strategy.checkpointer.agree(filename)
-        if not editable and ckpt.is_sharded_checkpoint(path):
-            header = ckpt.read_sharded_header(path, optimizer=optimizer)
-            if header is not None:
-                self._pending = (path, *header, optimizer)
-                return path, header[0]
-        return path, strategy.checkpointer.read(path, map_location)
-
-    def restore(self, checkpoint: dict, path: str, meta: dict, optimizer: bool) -> None:
-        if self._pending is not None:  # every check passed: read the shards in place now
-            pending, self._pending = self._pending, None
-            self.strategy._read_in_place(*pending)
-        super().restore(checkpoint, path, meta, optimizer)
-
-    def write(self, checkpoint: dict | None, path: str, commit: SaveCommit) -> None:
-        if self.strategy._full:  # one consolidated file (rank 0 holds it; others get None)
-            if checkpoint is not None and 'partial_grads' in checkpoint:  # every rank's, by FQN
-                checkpoint['partial_grads_fqn'] = checkpoint.pop('partial_grads')
-            super().write(checkpoint, path, commit)
-            return
-        assert checkpoint is not None  # every rank writes its shards
-        partial = checkpoint.pop('partial_grads', None)
-        ckpt.save_sharded_checkpoint(
-            path,
-            checkpoint,
-            step=checkpoint['meta'].get('iter'),
-            partial_grads=partial,
-            vote=commit.vote,
-            process_group=self.strategy._writer_group,
-            extra_manifest={'strategy': type(self.strategy).__name__},
-        )
