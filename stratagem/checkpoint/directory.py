@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from ._fs import TEMP_RE
-from .commit import finalize_directory, new_staging_dir
+from .dir_commit import finalize_directory, new_staging_dir
 from .errors import CheckpointCorruptError, CheckpointWarning
 from .manifest import (
     DIR_MANIFEST,
