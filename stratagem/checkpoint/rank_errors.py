@@ -1,0 +1,61 @@
+"""One error exchange across ranks, for the directory protocol and DCP reads: whether every
+rank succeeded (one small all-gather of keys), the first failure raised on every rank naming
+its rank, and DCP's ``CheckpointException`` unwrapped to each rank's own cause."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ['dcp_failures', 'describe_error']
+
+
+def _all_ok(failed: bool, *values: Any) -> bool:
+    """True on every rank when no rank ``failed`` and every rank holds the same ``values``:
+    one small collective (``all_gather_keys``); callers exchange the details (messages,
+    which rank) with ``env.all_gather_object`` only when it is False, on every rank alike."""
+    from stratagem import env  # imported on use: see checkpoint/__init__.py
+
+    views = env.all_gather_keys([int(failed), *map(env.key_of, values)])
+    return all(view == (0, *views[0][1:]) for view in views)
+
+
+def dcp_failures(error: BaseException) -> dict[int, BaseException]:
+    """The ranks' own errors inside DCP's ``CheckpointException`` (``{rank: error}``); {}
+    for any other error."""
+    failures = getattr(error, 'failures', None)
+    if not isinstance(failures, dict):
+        return {}
+    # each value is (exception, traceback) or the exception
+    return {
+        rank: cause[0] if isinstance(cause, tuple) else cause
+        for rank, cause in sorted(failures.items())
+    }
+
+
+def describe_error(error: BaseException) -> str:
+    """``Type: message``; DCP's ``CheckpointException`` (whose message lists only rank
+    numbers) with its first rank's own error."""
+    failures = dcp_failures(error)
+    if failures:
+        rank, cause = next(iter(failures.items()))
+        more = f' (ranks {list(failures)})' if len(failures) > 1 else ''
+        return f'{type(error).__name__}: rank {rank}: {type(cause).__name__}: {cause}{more}'
+    return f'{type(error).__name__}: {error}'
+
+
+def _raise_first(
+    outcomes: list[str | None],
+    mine: BaseException | None,
+    what: str,
+    error_type: type[Exception] = RuntimeError,
+) -> None:
+    """Raise on every rank if any rank failed: this rank's own error, else one naming the rank."""
+    failed = [(rank, msg) for rank, msg in enumerate(outcomes) if msg is not None]
+    if not failed:
+        return
+    if isinstance(mine, Exception):
+        raise mine
+    rank, msg = failed[0]
+    # a BaseException (DCP's CheckpointException) becomes an Exception, so that callers'
+    # `except Exception` error exchange sees it on this rank as on the others
+    raise error_type(f'{what} failed on rank {rank}: {msg}') from mine
