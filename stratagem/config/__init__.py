@@ -1,0 +1,41 @@
+"""Strict config dicts and config files.
+
+:class:`ConfigDict` is an ``addict.Dict`` with attribute and item access where
+reading a missing key raises (``AttributeError`` / ``KeyError`` naming the key)
+instead of silently creating an empty dict. :class:`Config` loads ``.py``,
+``.json`` and ``.yaml``/``.yml`` files with ``_base_`` inheritance, applies
+``--cfg-options`` style overrides and dumps back to any of those formats.
+
+The numbers-as-strings rule is in :mod:`stratagem.config.numeric`. Modules:
+
+- ``configdict.py``: the strict :class:`ConfigDict`;
+- ``configfile.py``: :class:`Config` (``fromfile`` with ``_base_``, ``merge_from_dict``, ``dump``);
+- ``formats.py``: config file suffixes, running ``.py`` configs, writing python text;
+- ``overrides.py``: :func:`merge_dicts` and ``--cfg-options`` parsing (:func:`parse_cfg_options`);
+- ``numeric.py``: :data:`NUMERIC_KEYS` and :func:`normalize_numbers`;
+- ``keys.py``: :func:`check_keys` and the "did you mean" hint for overrides;
+- ``errors.py``: the exceptions and :class:`ConfigWarning`.
+"""
+
+from .configdict import ConfigDict
+from .configfile import BASE_KEY as BASE_KEY
+from .configfile import Config
+from .errors import ConfigAttributeError, ConfigError, ConfigKeyError, ConfigWarning
+from .keys import check_keys
+from .numeric import NUMERIC_KEYS, normalize_numbers
+from .overrides import DELETE_KEY as DELETE_KEY
+from .overrides import merge_dicts, parse_cfg_options
+
+__all__ = [
+    'ConfigDict',
+    'Config',
+    'ConfigError',
+    'ConfigKeyError',
+    'ConfigAttributeError',
+    'ConfigWarning',
+    'check_keys',
+    'parse_cfg_options',
+    'merge_dicts',
+    'normalize_numbers',
+    'NUMERIC_KEYS',
+]

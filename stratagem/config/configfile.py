@@ -1,0 +1,265 @@
+"""The :class:`Config` class: a :class:`ConfigDict` plus the file it came from.
+
+:meth:`Config.fromfile` loads ``.py``, ``.json`` and ``.yaml``/``.yml`` files with ``_base_``
+inheritance, :meth:`Config.merge_from_dict` applies ``--cfg-options`` style overrides and
+:meth:`Config.dump` writes back to any of those formats."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .configdict import ConfigDict
+from .errors import ConfigError, ConfigWarning
+from .formats import _SUFFIXES, _exec_py_config, _to_py_text, _tuples_to_lists
+from .keys import _did_you_mean, _dotted_keys
+from .numeric import normalize_numbers
+from .overrides import merge_dicts
+
+BASE_KEY = '_base_'
+
+
+class Config:
+    """A config: a :class:`ConfigDict` plus the file it came from.
+
+    Attribute and item access, ``in``, ``get``, ``keys``/``items`` go to the
+    underlying ConfigDict. Build one from a dict, or with :meth:`fromfile`.
+    """
+
+    def __init__(
+        self, cfg_dict: Mapping | None = None, filename: str | os.PathLike | None = None
+    ) -> None:
+        if cfg_dict is None:
+            cfg_dict = {}
+        if not isinstance(cfg_dict, Mapping):
+            raise TypeError(f'cfg_dict must be a dict, got {type(cfg_dict).__name__}')
+        object.__setattr__(self, '_cfg_dict', ConfigDict(cfg_dict))
+        object.__setattr__(self, '_filename', str(filename) if filename is not None else None)
+        normalize_numbers(self._cfg_dict, self._filename)
+
+    # ---- loading -------------------------------------------------------------------------
+    @classmethod
+    def fromfile(cls, filename: str | os.PathLike) -> Config:
+        """Load a ``.py``, ``.json``, ``.yaml`` or ``.yml`` config, resolving ``_base_``."""
+        path = Path(filename).expanduser().absolute()
+        return cls(cls._load_with_bases(path, chain=()), filename=path)
+
+    @classmethod
+    def _load_with_bases(cls, path: Path, chain: tuple[Path, ...]) -> dict:
+        if path in chain:
+            cycle = ' -> '.join(str(p) for p in (*chain, path))
+            raise ConfigError(f'circular _base_ in config files: {cycle}')
+        raw = cls._read_file(path)
+        bases = raw.pop(BASE_KEY, [])
+        if isinstance(bases, (str, os.PathLike)):
+            bases = [bases]
+        if not isinstance(bases, (list, tuple)):
+            raise ConfigError(f'{path}: _base_ must be a path or a list of paths, got {bases!r}')
+        merged: dict = {}
+        for base in bases:
+            base_path = (path.parent / base).absolute()
+            base_cfg = cls._load_with_bases(base_path, (*chain, path))
+            overlap = set(merged) & set(base_cfg)
+            if overlap:
+                raise ConfigError(
+                    f'{path}: keys {sorted(overlap)} are defined in more than one '
+                    f'_base_ file; define each key in one base only'
+                )
+            merged.update(base_cfg)
+        return merge_dicts(merged, raw)
+
+    @staticmethod
+    def _read_file(path: Path) -> dict:
+        if path.is_dir():
+            found = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _SUFFIXES)
+            raise ConfigError(
+                f'{path} is a directory, not a config file; give a '
+                f'{"/".join(_SUFFIXES)} file' + (f', e.g. {path / found[0]}' if found else '')
+            )
+        if not path.is_file():
+            raise FileNotFoundError(f'config file not found: {path}')
+        suffix = path.suffix.lower()
+        if suffix not in _SUFFIXES:
+            raise ConfigError(
+                f'{path}: unsupported config extension {suffix!r}; '
+                f'use one of {", ".join(_SUFFIXES)}'
+            )
+        text = path.read_text()
+        if suffix == '.py':
+            return _exec_py_config(text, path)
+        if suffix == '.json':
+            try:
+                data = json.loads(text) if text.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ConfigError(f'{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}') from e
+        else:
+            import yaml  # only yaml configs pay for it
+
+            try:
+                data = yaml.safe_load(text) or {}
+            except yaml.YAMLError as e:
+                mark = getattr(e, 'problem_mark', None)
+                where = f':{mark.line + 1}:{mark.column + 1}' if mark else ''
+                raise ConfigError(f'{path}{where}: invalid YAML: {e}') from e
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f'{path}: a config file must hold a mapping at the top level, '
+                f'got {type(data).__name__}'
+            )
+        return data
+
+    # ---- access --------------------------------------------------------------------------
+    @property
+    def filename(self) -> str | None:
+        return self._filename
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith('__') and name.endswith('__'):
+            raise AttributeError(name)
+        return getattr(self._cfg_dict, name)
+
+    def __getitem__(self, name: Any) -> Any:
+        return self._cfg_dict[name]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._cfg_dict[name] = value
+
+    def __setitem__(self, name: Any, value: Any) -> None:
+        self._cfg_dict[name] = value
+
+    def __delitem__(self, name: Any) -> None:
+        del self._cfg_dict[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._cfg_dict
+
+    def __iter__(self):
+        return iter(self._cfg_dict)
+
+    def __len__(self) -> int:
+        return len(self._cfg_dict)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Config):
+            return self._cfg_dict == other._cfg_dict
+        return isinstance(other, Mapping) and self._cfg_dict == other
+
+    def __deepcopy__(self, memo: dict) -> Config:
+        return Config(copy.deepcopy(self._cfg_dict, memo), self._filename)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self._cfg_dict.get(key, default)
+
+    def keys(self):
+        return self._cfg_dict.keys()
+
+    def values(self):
+        return self._cfg_dict.values()
+
+    def items(self):
+        return self._cfg_dict.items()
+
+    def to_dict(self) -> dict:
+        return self._cfg_dict.to_dict()
+
+    # ---- overrides -----------------------------------------------------------------------
+    def merge_from_dict(self, options: Mapping[str, Any], allow_list_keys: bool = True) -> None:
+        """Apply ``{'a.b.c': value}`` overrides; a numeric segment indexes a list.
+
+        Intermediate dicts are created as needed; indexing past a list's end, or
+        descending into a value that is neither a dict nor a list, raises a
+        ConfigError naming the full key, and leaves the config unchanged. Numbers given
+        as strings follow the module's rule.
+        """
+        # applied to a copy, swapped in only when every override (and the numbers rule) passed:
+        # a bad override leaves the config as it was
+        work = copy.deepcopy(self._cfg_dict)
+        known = _dotted_keys(self._cfg_dict)
+        added = []
+        for full_key, value in options.items():
+            parts = str(full_key).split('.')
+            node: Any = work
+            if str(full_key) not in known and not any(k.startswith(f'{full_key}.') for k in known):
+                added.append(str(full_key))
+            for i, part in enumerate(parts):
+                last = i == len(parts) - 1
+                if isinstance(node, list):
+                    if not (allow_list_keys and part.isdigit()):
+                        raise ConfigError(
+                            f'override {full_key!r}: {".".join(parts[:i])!r} is a '
+                            f'list; index it with a number, e.g. '
+                            f'{".".join(parts[:i])}.0'
+                        )
+                    idx = int(part)
+                    if idx >= len(node):
+                        raise ConfigError(
+                            f'override {full_key!r}: index {idx} is out of range '
+                            f'for a list of length {len(node)}'
+                        )
+                    if last:
+                        node[idx] = ConfigDict._hook(value)
+                    else:
+                        node = node[idx]
+                    continue
+                if not isinstance(node, Mapping):
+                    raise ConfigError(
+                        f'override {full_key!r}: {".".join(parts[:i])!r} is a '
+                        f'{type(node).__name__}, not a dict'
+                    )
+                if last:
+                    if isinstance(value, Mapping) and isinstance(node.get(part), Mapping):
+                        node[part] = merge_dicts(node[part], value)  # type: ignore[index]
+                    else:
+                        node[part] = value  # type: ignore[index]
+                else:
+                    if part not in node:
+                        node[part] = ConfigDict()  # type: ignore[index]
+                    node = node[part]
+        normalize_numbers(work, 'the overrides')
+        object.__setattr__(self, '_cfg_dict', work)
+        for key in added:  # mmengine adds them silently: a typo would then change nothing
+            hint = _did_you_mean(key, known)
+            if hint:  # adding a key (clip_grad=...) is fine; one that looks like a typo warns
+                warnings.warn(
+                    f'override {key!r} adds a key the config did not have, so it '
+                    f'changes nothing unless something reads it; {hint}',
+                    ConfigWarning,
+                    stacklevel=2,
+                )
+
+    # ---- output --------------------------------------------------------------------------
+    def dump(self, file: str | os.PathLike | None = None) -> str | None:
+        """Write the config to ``file`` (format from its suffix) or return it as python text."""
+        data = self.to_dict()
+        if file is None:
+            return _to_py_text(data, self._filename)
+        path = Path(file)
+        suffix = path.suffix.lower()
+        if suffix == '.py':
+            text = _to_py_text(data, self._filename)
+        elif suffix == '.json':
+            text = json.dumps(data, indent=2) + '\n'
+        elif suffix in ('.yaml', '.yml'):
+            import yaml
+
+            text = yaml.safe_dump(_tuples_to_lists(data), sort_keys=False)
+        else:
+            raise ConfigError(
+                f'cannot dump a config to {path}: unsupported extension '
+                f'{suffix!r}; use one of {", ".join(_SUFFIXES)}'
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return None
+
+    @property
+    def pretty_text(self) -> str:
+        return _to_py_text(self.to_dict(), None)
+
+    def __repr__(self) -> str:
+        return f'Config (path: {self._filename}):\n{self.pretty_text}'
