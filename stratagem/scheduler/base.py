@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import copy
 import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import torch
+from .helpers import _plain, check_optimizer, per_group, raw_optimizer
+from .replay import replay_schedulers
+from .step_order import _ORDER_CHECK, _ORDER_DOC, _WATCHED, _count_step, _step_func
 
 __all__ = [
     'INF',
@@ -39,7 +40,6 @@ __all__ = [
 
 # mmengine's "no end" value; an int so that state dicts stay plain
 INF = int(1e9)
-_ORDER_DOC = 'https://pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate'
 
 
 class SchedulerArgumentError(ValueError, AssertionError):
@@ -48,70 +48,6 @@ class SchedulerArgumentError(ValueError, AssertionError):
     A ``ValueError``, and an ``AssertionError`` too because mmengine checks these arguments
     with ``assert``: code written against mmengine (its own tests included) catches that.
     """
-
-
-# Optimizer -> what the newest scheduler built on it needs to tell whether it stepped before
-# the scheduler's first step(): torch's step post-hook counts raw steps (no patching of
-# optimizer.step), an optim wrapper's inner_count counts update_params calls (so a step that
-# accumulates, or that AMP skips for inf grads, is not mistaken for a missing one).
-_WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-_ORDER_CHECK = {'on': True}  # off while replay_schedulers steps without an optimizer
-
-
-def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    entry = _WATCHED.get(optimizer)
-    if entry is not None:
-        entry['steps'] += 1
-        # one step is all the check needs: the hook goes, so a run pays no call per step
-        # (a scheduler built later registers it again)
-        handle, entry['hook'] = entry.get('hook'), None
-        if handle is not None:
-            handle.remove()
-
-
-def _step_func(optimizer: Any) -> Any:
-    step = getattr(optimizer, 'step', None)
-    return getattr(step, '__func__', step)
-
-
-def check_optimizer(optimizer: Any, owner: str) -> None:
-    """Raise TypeError unless ``optimizer`` is a torch Optimizer or an optim wrapper.
-
-    An optim wrapper is recognised by duck typing (its ``.optimizer`` is a torch
-    Optimizer and it has ``.param_groups``), so this package never imports
-    ``stratagem.optim``.
-    """
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return
-    try:  # a dict of wrappers may raise something other than AttributeError here
-        inner = getattr(optimizer, 'optimizer', None)
-    except Exception:  # noqa: BLE001
-        inner = None
-    if isinstance(inner, torch.optim.Optimizer) and hasattr(optimizer, 'param_groups'):
-        return
-    raise TypeError(
-        f'{owner}: optimizer should be an Optimizer (a torch.optim.Optimizer or an '
-        'optim wrapper whose .optimizer is one), but got '
-        f'{type(optimizer).__name__}: {optimizer!r:.80}'
-    )
-
-
-def raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch Optimizer behind ``optimizer`` (itself, or a wrapper's ``.optimizer``)."""
-    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
-
-
-def _plain(value: Any) -> Any:
-    """``value`` with containers turned into plain list/dict (weights_only-loadable)."""
-    if isinstance(value, dict):  # Counter, OrderedDict, ... become dict
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
 
 
 class _ParamScheduler:
@@ -397,53 +333,3 @@ def check_initial_values(
                 f'which resuming with last_step={last_step} needs; load the '
                 'optimizer state first or pass last_step=-1'
             )
-
-
-def per_group(value: Any, n_groups: int, owner: str, arg: str) -> list:
-    """``value`` repeated per param group, or checked to have one entry per group."""
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        if len(value) != n_groups:
-            raise ValueError(
-                f'{owner}: {arg} has {len(value)} values but the optimizer has '
-                f'{n_groups} param groups; give one value or one per group'
-            )
-        return list(value)
-    return [value] * n_groups
-
-
-def replay_schedulers(
-    schedulers: Sequence[_ParamScheduler], num_iters: int, epoch_length: int | None = None
-) -> None:
-    """Recompute the scheduled values from scratch up to ``num_iters`` iterations done.
-
-    Every scheduled parameter of every param group goes back to its ``initial_<param>``,
-    each scheduler back to its first step, and then the schedulers are stepped as a training
-    loop steps them (mmengine's ParamSchedulerHook): iteration-based ones after every
-    iteration, epoch-based ones after every ``epoch_length`` iterations, in list order. Their
-    lengths (``begin``, ``end``, ``T_max`` ...) are kept, so after a world-size change (each
-    converted by :meth:`_ParamScheduler.rescaled_state_dict`) the values are exactly those
-    of a run that used the new units from its start, and the chainable forms continue from
-    them consistently to the schedule's end.
-    """
-    if epoch_length is None and any(s.by_epoch for s in schedulers):
-        raise ValueError(
-            'replaying epoch-based schedulers needs epoch_length (iterations per epoch)'
-        )
-    for sched in schedulers:
-        for group in sched.optimizer.param_groups:
-            group[sched.param_name] = group[f'initial_{sched.param_name}']
-    _ORDER_CHECK['on'] = False  # no optimizer steps here, by design: no order warning
-    try:
-        for sched in schedulers:
-            sched.last_step, sched._global_step = -1, -1
-            sched.step()  # the step a scheduler takes when it is built
-        for it in range(1, num_iters + 1):
-            for sched in schedulers:
-                if not sched.by_epoch:
-                    sched.step()
-            if epoch_length and it % epoch_length == 0:
-                for sched in schedulers:
-                    if sched.by_epoch:
-                        sched.step()
-    finally:
-        _ORDER_CHECK['on'] = True
