@@ -31,7 +31,7 @@ Backend hooks (what a backend overrides)
     - ``model_state_dict()`` / ``load_model_state_dict()``: the model's state.
     - ``optim_state_dict()`` / ``load_optim_state_dict()``: the optimizer's state.
     - ``_checkpoint_layout()``: the layout a save writes, a ``CheckpointLayout``
-      (``checkpointer.py``; default: one file written by rank 0 through
+      (``layout.py``; default: one file written by rank 0 through
       ``checkpoint.save_checkpoint``); ``_partial_grad_states()``: what a save mid
       accumulation window keeps of the gradients.
     - ``_load_checkpoint_files(filename, map_location)``: the on-disk layout, read.
@@ -53,19 +53,26 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.config import check_keys
 from stratagem.integrations.model_api import expose_model_api
-from stratagem.registry import MODELS
 from stratagem.schema import ENV_KEYS as _ENV_KEYS
 from stratagem.schema import RANDOMNESS_KEYS as _RANDOMNESS_KEYS
 
 from .checkpoint_state import CheckpointState
 from .checkpointer import Checkpointer
+from .environment import (
+    build_module,
+    compile_module,
+    distributed_env_kwargs,
+    initialize_accumulation,
+    open_run_logger,
+    scale_lr,
+    setup_environment,
+)
 from .layout import CheckpointLayout
 
 __all__ = ['BaseStrategy']
@@ -88,13 +95,9 @@ class BaseStrategy(CheckpointState, ABC):
             param group's lr by real batch / N once, at ``prepare``. The real
             batch is world_size × micro batch × accumulative_counts — unlike
             mmengine, which ignores gradient accumulation.
-        async_checkpoint: ``save_checkpoint`` returns once every tensor of the state
-            is copied to CPU staging buffers; a background thread writes and commits
-            that copy (same steps and order as a synchronous save), so the checkpoint
-            is the state at the call whatever the program does next. Errors surface
-            at the next save, ``resume`` or ``wait_for_checkpoints()``, on every rank. Extra memory:
-            one staged copy of the checkpoint's tensors (on the ranks that write),
-            kept between saves. Default False (mmengine's behaviour).
+        async_checkpoint: ``save_checkpoint`` returns once every tensor is copied to
+            reused CPU buffers (the checkpoint is the state at the call); a background
+            thread writes and commits the copy (``Checkpointer``). Default False.
         checkpoint_timeout: seconds a rank may show no sign of life during a
             distributed save before the others give up on it, naming it, without
             committing. Default 600.
@@ -122,19 +125,8 @@ class BaseStrategy(CheckpointState, ABC):
         if auto_scale_lr is not None:
             auto_scale_lr = dict(auto_scale_lr)
             check_keys(auto_scale_lr, {'enable', 'base_batch_size'}, 'auto_scale_lr')
-        if type(async_checkpoint) is not bool:
-            raise TypeError(f'async_checkpoint must be True or False, got {async_checkpoint!r}')
-        if (
-            isinstance(checkpoint_timeout, bool)
-            or not isinstance(checkpoint_timeout, (int, float))
-            or not checkpoint_timeout > 0
-        ):
-            raise ValueError(
-                f'checkpoint_timeout must be a positive number of seconds, got '
-                f'{checkpoint_timeout!r}'
-            )
         self.checkpointer = Checkpointer(
-            self, async_checkpoint=async_checkpoint, timeout=float(checkpoint_timeout)
+            self, async_checkpoint=async_checkpoint, timeout=checkpoint_timeout
         )
         self._work_dir = osp.abspath(work_dir)
         self._env_kwargs = env_kwargs
@@ -161,33 +153,18 @@ class BaseStrategy(CheckpointState, ABC):
         randomness: Mapping | None = None,
     ) -> None:
         """Launcher, distributed init, processes/threads, rlimit, seed and timestamp."""
-        self._launcher = launcher or env.infer_launcher()
-        if self._launcher != 'none' or env.is_distributed():
-            env.init_dist(self._launcher, **dict(dist_cfg or {}))
-        self._distributed = env.is_distributed()
-        if cudnn_benchmark:
-            torch.backends.cudnn.benchmark = True
-        env.setup_multi_processing(**dict(mp_cfg or {}), distributed=self._distributed)
-        env.set_resource_limit(resource_limit)
+        self._launcher, self._distributed = setup_environment(
+            launcher=launcher,
+            cudnn_benchmark=cudnn_benchmark,
+            mp_cfg=mp_cfg,
+            dist_cfg=dist_cfg,
+            resource_limit=resource_limit,
+        )
         self._set_randomness(**self._randomness)
         self._timestamp = env.broadcast_object(time.strftime('%Y%m%d_%H%M%S'))
 
-    @staticmethod
-    def _distributed_env_kwargs(kwargs: dict, name: str, hint: str = '') -> dict:
-        """``kwargs['env_kwargs']`` (popped) with the launcher a multi-process backend needs:
-        the given one, else the inferred one; none at all (and no process group) is an error
-        saying how to launch. An initialised process group (a host trainer's) is used."""
-        env_kwargs = dict(kwargs.pop('env_kwargs', None) or {})
-        if env_kwargs.get('launcher') in (None, 'none') and not env.is_distributed():
-            inferred = env.infer_launcher()
-            if inferred == 'none':
-                raise RuntimeError(
-                    f'{name} needs a distributed launch: start with torchrun (or `stratagem '
-                    'train CONFIG --nproc N`), slurm or mpirun, or initialise torch.distributed '
-                    f'yourself before building the strategy{hint}'
-                )
-            env_kwargs['launcher'] = inferred
-        return env_kwargs
+    # a backend that needs several processes: the launcher it runs under (environment.py)
+    _distributed_env_kwargs = staticmethod(distributed_env_kwargs)
 
     def _set_randomness(
         self, seed: int | None = None, deterministic: bool = False, diff_rank_seed: bool = False
@@ -202,15 +179,7 @@ class BaseStrategy(CheckpointState, ABC):
 
     def _build_logger(self, **log_kwargs: Any) -> logging.Logger:
         """The 'stratagem' logger, writing to ``log_dir/<timestamp>.log`` for this run."""
-        if 'log_file' not in log_kwargs:
-            log_kwargs['log_file'] = osp.join(self._log_dir, f'{self._timestamp}.log')
-            # one run, one file: a previous strategy's file handler in this process goes
-            shared = logging.getLogger('stratagem')
-            for handler in list(shared.handlers):
-                if str(getattr(handler, '_stratagem_handler', '')).startswith('file:'):
-                    shared.removeHandler(handler)
-                    handler.close()
-        logger = env.get_logger('stratagem', **log_kwargs)
+        logger = open_run_logger(log_kwargs, osp.join(self._log_dir, f'{self._timestamp}.log'))
         logger.info(
             f'{type(self).__name__}: launcher {self._launcher}, world size '
             f'{env.get_world_size()}, seed {self._seed}, work_dir {self._work_dir}'
@@ -323,18 +292,7 @@ class BaseStrategy(CheckpointState, ABC):
 
     def build_model(self, model: nn.Module | Mapping) -> nn.Module:
         """An ``nn.Module`` as is, or one built from a MODELS cfg."""
-        if isinstance(model, nn.Module):
-            return model
-        if isinstance(model, Mapping):
-            built = MODELS.build(model)
-            if not isinstance(built, nn.Module):
-                raise TypeError(
-                    f'model cfg {dict(model)!r} built a {type(built).__name__}, not an nn.Module'
-                )
-            return built
-        raise TypeError(
-            f'model should be an nn.Module or a MODELS cfg dict, got {type(model).__name__}'
-        )
+        return build_module(model)
 
     def _init_model_weights(self, model: nn.Module) -> nn.Module:
         """Call ``model.init_weights()`` when it has one (mmengine's BaseModule, pretrained
@@ -353,22 +311,9 @@ class BaseStrategy(CheckpointState, ABC):
         return ckpt.unwrap_model(self.model)
 
     def compile_model(self, model: nn.Module, compile: bool | Mapping = False) -> nn.Module:
-        """``torch.compile`` the model (``compile=True``) or a method of it.
-
-        ``compile=dict(target='forward', **torch.compile kwargs)`` compiles
-        ``model.<target>`` in place (mmengine's semantics); ``False`` does nothing.
-        """
-        if not compile:
-            return model
-        kwargs = {} if compile is True else dict(compile)
-        target = kwargs.pop('target', None)
-        if target is None:
-            return torch.compile(model, **kwargs)  # type: ignore[return-value]
-        func = getattr(model, target, None)
-        if func is None or not callable(func):
-            raise ValueError(f'compile target {target!r} is not a method of {type(model).__name__}')
-        setattr(model, target, torch.compile(func, **kwargs))
-        return model
+        """``torch.compile`` the model (``compile=True``) or, with ``compile=dict(target=
+        'forward', **kwargs)``, a method of it in place (mmengine's semantics)."""
+        return compile_module(model, compile)
 
     def _checkpoint_layout(self) -> CheckpointLayout:
         """Backend hook: the layout a save writes (default: one file, written by rank 0)."""
@@ -397,56 +342,23 @@ class BaseStrategy(CheckpointState, ABC):
         return list(ow.values()) if isinstance(ow, OptimWrapperDict) else [ow]
 
     def _scale_lr(self) -> None:
-        """Scale every lr by real batch / ``base_batch_size`` once (``auto_scale_lr``).
-
-        Real batch = world_size × ``train_micro_batch_size_per_gpu`` ×
-        accumulative_counts (mmengine leaves accumulation out, which under-scales
-        an accumulating run). Applied once per strategy; a resumed optimizer
-        state already holds the scaled values.
-        """
+        """Scale every lr by real batch / ``base_batch_size`` once (``auto_scale_lr``,
+        ``environment.scale_lr``); a resumed optimizer state already holds the scaled lr."""
         cfg = self._auto_scale_lr
         if self._lr_scaled or not cfg or not cfg.get('enable', False):
             return
-        if 'base_batch_size' not in cfg:
-            raise ValueError(
-                "auto_scale_lr needs 'base_batch_size' (the batch the lr was tuned "
-                'for), e.g. auto_scale_lr=dict(enable=True, base_batch_size=256)'
-            )
-        micro = self.dispatch_kwargs.get('train_micro_batch_size_per_gpu')
-        if micro is None:
-            raise ValueError(
-                "auto_scale_lr needs dispatch_kwargs['train_micro_batch_size_per_gpu']"
-                ' (the per-process batch size) to compute the real batch size'
-            )
-        for wrapper in self._wrappers():
-            acc = getattr(wrapper, '_accumulative_counts', 1)
-            ratio = self.world_size * micro * acc / cfg['base_batch_size']
-            for group in wrapper.param_groups:
-                group['lr'] = group['lr'] * ratio
+        scale_lr(
+            self._wrappers(),
+            cfg,
+            world_size=self.world_size,
+            micro_batch=self.dispatch_kwargs.get('train_micro_batch_size_per_gpu'),
+        )
         self._lr_scaled = True
 
     def _initialize_accumulation(self, done_iters: int | None = 0) -> None:
         """Tell accumulating wrappers where training stands and where it ends (this run's
         ``max_iters``, which wins over a resumed checkpoint's, so a run can be extended)."""
-        for wrapper in self._wrappers():
-            if getattr(wrapper, '_accumulative_counts', 1) > 1:
-                max_iters = self._max_iters()
-                if max_iters is None:
-                    raise ValueError(
-                        'accumulative_counts > 1 needs the training length to average the last '
-                        'window: pass dispatch_kwargs=dict(max_iters=N) (or max_epochs and '
-                        'epoch_length)'
-                    )
-                done = wrapper.inner_count if done_iters is None else done_iters
-                wrapper.initialize_count_status(self.model, done, max_iters)
-
-    def _max_iters(self) -> int | None:
-        d = self.dispatch_kwargs
-        if d.get('max_iters') is not None:
-            return int(d['max_iters'])
-        if d.get('max_epochs') is not None and d.get('epoch_length') is not None:
-            return int(d['max_epochs']) * int(d['epoch_length'])
-        return None
+        initialize_accumulation(self._wrappers(), self.model, done_iters, self.dispatch_kwargs)
 
     def build_param_scheduler(self, scheduler: Any, optim_wrapper: Any) -> Any:
         """A list of schedulers (a dict of lists for an OptimWrapperDict) from cfgs.

@@ -65,9 +65,15 @@ class Checkpointer:
     def __init__(
         self, strategy: Checkpointed, *, async_checkpoint: bool = False, timeout: float = 600.0
     ) -> None:
+        if type(async_checkpoint) is not bool:
+            raise TypeError(f'async_checkpoint must be True or False, got {async_checkpoint!r}')
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(
+                f'checkpoint_timeout must be a positive number of seconds, got {timeout!r}'
+            )
         self.strategy = strategy
         self.async_checkpoint = async_checkpoint
-        self.timeout = timeout
+        self.timeout = float(timeout)
         self.writer: AsyncCheckpointWriter | None = None
 
     def wait(self) -> None:

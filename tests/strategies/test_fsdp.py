@@ -818,7 +818,8 @@ def test_cross_strategy(runs):
 
 
 def test_mmengine_config_builds():
-    from stratagem.strategies.fsdp.config import parse_model_wrapper, parse_state_dict_cfg
+    from stratagem.strategies.fsdp.config import parse_model_wrapper
+    from stratagem.strategies.fsdp.options import parse_state_dict_cfg
 
     cfg = parse_model_wrapper(
         dict(

@@ -19,11 +19,8 @@ from torch.distributed.fsdp.wrap import (
 )
 
 from dist_harness import run_distributed
-from stratagem.strategies.fsdp.config import (
-    parse_activation_checkpointing,
-    parse_model_wrapper,
-    parse_state_dict_cfg,
-)
+from stratagem.strategies.fsdp.config import parse_model_wrapper
+from stratagem.strategies.fsdp.options import parse_activation_checkpointing, parse_state_dict_cfg
 
 SIZE = 'torch.distributed.fsdp.wrap.size_based_auto_wrap_policy'
 

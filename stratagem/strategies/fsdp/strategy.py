@@ -21,7 +21,7 @@ from stratagem import env
 
 from ..base import BaseStrategy
 from ..layout import CheckpointLayout
-from .config import parse_activation_checkpointing, parse_model_wrapper, parse_state_dict_cfg
+from .config import parse_model_wrapper
 from .grad_sync import (
     adapt_optim_wrapper,
     clean_name,
@@ -31,6 +31,7 @@ from .grad_sync import (
     with_no_sync,
 )
 from .layout import FSDPLayout
+from .options import parse_activation_checkpointing, parse_state_dict_cfg
 
 
 class FSDPStrategy(BaseStrategy):

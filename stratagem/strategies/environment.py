@@ -1,0 +1,167 @@
+"""The steps of a strategy's set-up and ``prepare`` that are plain functions of their inputs:
+the process environment (launcher, distributed init, processes and threads, rlimit), the
+launcher a multi-process backend needs, the run's log file, a model from its cfg,
+``torch.compile`` of a model or one of its methods, the LR auto-scaling by batch size, and
+the accumulation counters. ``BaseStrategy`` calls them in
+its numbered sequence (``base.py``) and keeps what they return."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem import env
+from stratagem.registry import MODELS
+
+__all__ = [
+    'setup_environment',
+    'distributed_env_kwargs',
+    'open_run_logger',
+    'compile_module',
+    'scale_lr',
+    'initialize_accumulation',
+    'max_iters',
+    'build_module',
+]
+
+
+def setup_environment(
+    *,
+    launcher: str | None,
+    cudnn_benchmark: bool,
+    mp_cfg: Mapping | None,
+    dist_cfg: Mapping | None,
+    resource_limit: int,
+) -> tuple[str, bool]:
+    """Launcher (given or inferred), distributed init (an initialised process group is
+    used, not re-created), multiprocessing settings, file-descriptor limit. Returns
+    (launcher, distributed)."""
+    launcher = launcher or env.infer_launcher()
+    if launcher != 'none' or env.is_distributed():
+        env.init_dist(launcher, **dict(dist_cfg or {}))
+    distributed = env.is_distributed()
+    if cudnn_benchmark:
+        torch.backends.cudnn.benchmark = True
+    env.setup_multi_processing(**dict(mp_cfg or {}), distributed=distributed)
+    env.set_resource_limit(resource_limit)
+    return launcher, distributed
+
+
+def distributed_env_kwargs(kwargs: dict, name: str, hint: str = '') -> dict:
+    """``kwargs['env_kwargs']`` (popped) with the launcher a multi-process backend needs:
+    the given one, else the inferred one; none at all (and no process group) is an error
+    saying how to launch. An initialised process group (a host trainer's) is used."""
+    env_kwargs = dict(kwargs.pop('env_kwargs', None) or {})
+    if env_kwargs.get('launcher') in (None, 'none') and not env.is_distributed():
+        inferred = env.infer_launcher()
+        if inferred == 'none':
+            raise RuntimeError(
+                f'{name} needs a distributed launch: start with torchrun (or `stratagem '
+                'train CONFIG --nproc N`), slurm or mpirun, or initialise torch.distributed '
+                f'yourself before building the strategy{hint}'
+            )
+        env_kwargs['launcher'] = inferred
+    return env_kwargs
+
+
+def open_run_logger(log_kwargs: dict, log_file: str) -> logging.Logger:
+    """The 'stratagem' logger, writing to ``log_file`` unless ``log_kwargs`` names one: one
+    run, one file, so a previous strategy's file handler in this process goes."""
+    if 'log_file' not in log_kwargs:
+        log_kwargs['log_file'] = log_file
+        shared = logging.getLogger('stratagem')
+        for handler in list(shared.handlers):
+            if str(getattr(handler, '_stratagem_handler', '')).startswith('file:'):
+                shared.removeHandler(handler)
+                handler.close()
+    return env.get_logger('stratagem', **log_kwargs)
+
+
+def compile_module(model: nn.Module, compile: bool | Mapping = False) -> nn.Module:
+    """``torch.compile`` the model (``compile=True``) or a method of it.
+
+    ``compile=dict(target='forward', **torch.compile kwargs)`` compiles ``model.<target>``
+    in place (mmengine's semantics); ``False`` does nothing.
+    """
+    if not compile:
+        return model
+    kwargs = {} if compile is True else dict(compile)
+    target = kwargs.pop('target', None)
+    if target is None:
+        return torch.compile(model, **kwargs)  # type: ignore[return-value]
+    func = getattr(model, target, None)
+    if func is None or not callable(func):
+        raise ValueError(f'compile target {target!r} is not a method of {type(model).__name__}')
+    setattr(model, target, torch.compile(func, **kwargs))
+    return model
+
+
+def scale_lr(
+    wrappers: Iterable[Any], cfg: Mapping, *, world_size: int, micro_batch: int | None
+) -> None:
+    """Scale every param group's lr by real batch / ``cfg['base_batch_size']``, the real
+    batch being world size × ``micro_batch`` × the wrapper's accumulative_counts (mmengine
+    leaves accumulation out, which under-scales an accumulating run)."""
+    if 'base_batch_size' not in cfg:
+        raise ValueError(
+            "auto_scale_lr needs 'base_batch_size' (the batch the lr was tuned "
+            'for), e.g. auto_scale_lr=dict(enable=True, base_batch_size=256)'
+        )
+    if micro_batch is None:
+        raise ValueError(
+            "auto_scale_lr needs dispatch_kwargs['train_micro_batch_size_per_gpu']"
+            ' (the per-process batch size) to compute the real batch size'
+        )
+    for wrapper in wrappers:
+        acc = getattr(wrapper, '_accumulative_counts', 1)
+        ratio = world_size * micro_batch * acc / cfg['base_batch_size']
+        for group in wrapper.param_groups:
+            group['lr'] = group['lr'] * ratio
+
+
+def max_iters(dispatch_kwargs: Mapping) -> int | None:
+    """The run's length in iterations: ``max_iters``, or ``max_epochs`` × ``epoch_length``."""
+    d = dispatch_kwargs
+    if d.get('max_iters') is not None:
+        return int(d['max_iters'])
+    if d.get('max_epochs') is not None and d.get('epoch_length') is not None:
+        return int(d['max_epochs']) * int(d['epoch_length'])
+    return None
+
+
+def initialize_accumulation(
+    wrappers: Iterable[Any], model: nn.Module, done_iters: int | None, dispatch_kwargs: Mapping
+) -> None:
+    """Tell accumulating wrappers where training stands (``done_iters``; None: their own
+    count) and where it ends (the run's ``max_iters``)."""
+    for wrapper in wrappers:
+        if getattr(wrapper, '_accumulative_counts', 1) > 1:
+            total = max_iters(dispatch_kwargs)
+            if total is None:
+                raise ValueError(
+                    'accumulative_counts > 1 needs the training length to average the last '
+                    'window: pass dispatch_kwargs=dict(max_iters=N) (or max_epochs and '
+                    'epoch_length)'
+                )
+            done = wrapper.inner_count if done_iters is None else done_iters
+            wrapper.initialize_count_status(model, done, total)
+
+
+def build_module(model: nn.Module | Mapping) -> nn.Module:
+    """An ``nn.Module`` as is, or one built from a MODELS cfg (anything else: an error)."""
+    if isinstance(model, nn.Module):
+        return model
+    if isinstance(model, Mapping):
+        built = MODELS.build(model)
+        if not isinstance(built, nn.Module):
+            raise TypeError(
+                f'model cfg {dict(model)!r} built a {type(built).__name__}, not an nn.Module'
+            )
+        return built
+    raise TypeError(
+        f'model should be an nn.Module or a MODELS cfg dict, got {type(model).__name__}'
+    )
