@@ -53,6 +53,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from stratagem import checkpoint as ckpt
@@ -66,6 +67,7 @@ from .checkpoint_state import CheckpointState
 from .checkpointer import Checkpointer
 from .environment import (
     build_module,
+    check_prepare_args,
     compile_module,
     distributed_env_kwargs,
     initialize_accumulation,
@@ -275,13 +277,8 @@ class BaseStrategy(CheckpointState, ABC):
         self, optim_wrapper: Any, param_scheduler: Any, dispatch_kwargs: Mapping | None
     ) -> None:
         """What every backend's ``prepare`` checks first; records ``dispatch_kwargs``."""
-        if param_scheduler is not None and optim_wrapper is None:
-            raise ValueError(
-                'param_scheduler was given without optim_wrapper: schedulers drive '
-                "an optimizer's param groups; pass optim_wrapper=dict(optimizer=...)"
-            )
-        if dispatch_kwargs is not None:
-            self.dispatch_kwargs.update(dispatch_kwargs)
+        check_prepare_args(optim_wrapper, param_scheduler)
+        self.dispatch_kwargs.update(dispatch_kwargs or {})
 
     def _prepared_components(self) -> Any:
         if not hasattr(self, 'optim_wrapper'):
@@ -301,6 +298,13 @@ class BaseStrategy(CheckpointState, ABC):
         if callable(init):
             init()
         return model
+
+    @property
+    def device(self) -> torch.device:
+        """Backend hook: this process's device (default: chosen at construction, else
+        ``cuda`` when available, else ``cpu``)."""
+        chosen = getattr(self, '_device', None)
+        return chosen or torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 
     @abstractmethod
     def _wrap_model(self, model: nn.Module) -> nn.Module:

@@ -59,6 +59,8 @@ class CheckpointState:
         def world_size(self) -> int: ...
         @property
         def work_dir(self) -> str: ...
+        @property
+        def device(self) -> torch.device: ...
         def _unwrap_model(self) -> nn.Module: ...
         def _wrappers(self) -> list[Any]: ...
         def _initialize_accumulation(self, done_iters: int | None = 0) -> None: ...
@@ -219,10 +221,7 @@ class CheckpointState:
         """mmengine's ``'default'``: this strategy's device (CUDA's current one, else cpu)."""
         if map_location != 'default':
             return map_location
-        device = getattr(self, 'device', None)
-        if device is not None:
-            return str(device)
-        return f'cuda:{torch.cuda.current_device()}' if torch.cuda.is_available() else 'cpu'
+        return str(self.device)
 
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
         """Backend hook: read a checkpoint whole. A file: verified, ``weights_only``; a

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from stratagem import env
 from stratagem.registry import STRATEGIES
@@ -86,6 +87,7 @@ class DDPStrategy(BaseStrategy):
         super().__init__(env_kwargs=env_kwargs, **kwargs)
 
     @property
+    @override
     def device(self) -> torch.device:
         """``cuda:LOCAL_RANK`` (or the current CUDA device when a host trainer started the
         processes without LOCAL_RANK), else ``cpu``."""
@@ -95,6 +97,7 @@ class DDPStrategy(BaseStrategy):
             return torch.device('cuda', torch.cuda.current_device())
         return torch.device('cpu')
 
+    @override
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         if isinstance(model, DistributedDataParallel):
             self.logger.info(

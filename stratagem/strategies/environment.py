@@ -26,6 +26,7 @@ __all__ = [
     'initialize_accumulation',
     'max_iters',
     'build_module',
+    'check_prepare_args',
 ]
 
 
@@ -165,3 +166,12 @@ def build_module(model: nn.Module | Mapping) -> nn.Module:
     raise TypeError(
         f'model should be an nn.Module or a MODELS cfg dict, got {type(model).__name__}'
     )
+
+
+def check_prepare_args(optim_wrapper: Any, param_scheduler: Any) -> None:
+    """Schedulers drive an optimizer's param groups: refused without an optim wrapper."""
+    if param_scheduler is not None and optim_wrapper is None:
+        raise ValueError(
+            'param_scheduler was given without optim_wrapper: schedulers drive '
+            "an optimizer's param groups; pass optim_wrapper=dict(optimizer=...)"
+        )

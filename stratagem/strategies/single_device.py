@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from stratagem.registry import STRATEGIES
 
@@ -26,9 +27,10 @@ class SingleDeviceStrategy(BaseStrategy):
     def __init__(self, *, device: str | torch.device | None = None, **kwargs) -> None:
         if device is None:
             device = 'cuda' if torch.cuda.is_available() else 'cpu'
-        self.device = check_device(device)  # before the environment or any file is set up
+        self._device = check_device(device)  # before the environment or any file is set up
         super().__init__(**kwargs)
 
+    @override
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         model, reverted = revert_sync_batchnorm(model)
         if reverted:

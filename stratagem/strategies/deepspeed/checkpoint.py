@@ -48,6 +48,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import override
+
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
@@ -82,6 +84,7 @@ class DeepSpeedCheckpointMixin(_Host):
         def zero_stage(self) -> int: ...
 
     # ----------------------------------------------------------------- state dicts
+    @override
     def model_state_dict(self) -> dict:
         """The full model state dict. Under ZeRO-3 the parameters are gathered first, so
         every rank must call it."""
@@ -93,6 +96,7 @@ class DeepSpeedCheckpointMixin(_Host):
         with zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
+    @override
     def load_model_state_dict(
         self,
         state_dict: Mapping,
@@ -116,14 +120,17 @@ class DeepSpeedCheckpointMixin(_Host):
             refresh()
         return report
 
+    @override
     def optim_state_dict(self) -> dict:
         """The wrapper's counters; the optimizer's tensors are in DeepSpeed's files."""
         return self.optim_wrapper.state_dict()
 
     # ----------------------------------------------------------------------- save
+    @override
     def checkpoint_meta(self, extra_meta: Mapping | None = None) -> dict:
         return {**super().checkpoint_meta(extra_meta), 'zero_stage': self.zero_stage}
 
+    @override
     def _checkpoint_layout(self) -> CheckpointLayout:
         return ZeroLayout(self)
 
@@ -140,6 +147,7 @@ class DeepSpeedCheckpointMixin(_Host):
         # rank 0 just hashed it; the other ranks re-hash this small file on their own
         return ckpt.load_checkpoint_file(path / STATE_FILE, map_location='cpu')
 
+    @override
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
         """A DeepSpeed directory (verified on every rank): our state plus consolidated fp32
         weights (``state_dict``); any other format: BaseStrategy's read."""
@@ -242,6 +250,7 @@ class ZeroLayout(CheckpointLayout):
     strategy: Any  # the DeepSpeedStrategy (strategy.py imports this module)
 
     # ------------------------------------------------------------------- read side
+    @override
     def open(
         self, filename: str, map_location: Any, *, optimizer: bool = False, editable: bool = True
     ) -> tuple[str, dict]:
@@ -257,21 +266,25 @@ class ZeroLayout(CheckpointLayout):
         path, self._manifest = self.strategy._verify_directory(filename)
         return str(path), self.strategy._read_state(path)
 
+    @override
     def resume_keys(self, optimizer: bool, schedulers: bool) -> list[str]:
         # no 'state_dict': DeepSpeed's files hold the model
         return [
             k for k, want in (('optimizer', optimizer), ('param_schedulers', schedulers)) if want
         ]
 
+    @override
     def missing_message(self, path: str, missing: list[str], checkpoint: dict) -> str:
         return (
             f'{path} cannot be resumed: it has no {missing} (keys: {sorted(checkpoint)}); '
             'pass resume_optimizer=False / resume_param_scheduler=False'
         )
 
+    @override
     def check(self, checkpoint: dict, path: str, optimizer: bool, schedulers: bool) -> None:
         """DeepSpeed's own load checks its partitions against the engine."""
 
+    @override
     def restore(self, checkpoint: dict, path: str, meta: dict, optimizer: bool) -> None:
         """Same world size: ``engine.load_checkpoint`` (model, optimizer partitions, engine
         counters); another: through DeepSpeed's universal checkpoint. Then the wrapper's
@@ -287,11 +300,13 @@ class ZeroLayout(CheckpointLayout):
         if optimizer:
             strategy.optim_wrapper.load_state_dict(checkpoint['optimizer'])
 
+    @override
     def check_savable(self, path: str) -> None:
         wrapper = getattr(self.strategy, 'optim_wrapper', None)
         if wrapper is not None and not wrapper.should_update():
             raise ValueError(f'{path}: {wrapper.mid_window_message()}')
 
+    @override
     def stage(
         self, checkpoint: dict, path: str, commit: SaveCommit, writer: AsyncCheckpointWriter | None
     ) -> Callable[[], None]:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from stratagem import env
 from stratagem.integrations.model_api import expose_model_api
@@ -150,6 +151,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
         super().__init__(env_kwargs=env_kwargs, **kwargs)
 
     @property
+    @override
     def device(self) -> torch.device:
         """``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu`` (DeepSpeed's CPU
         accelerator, gloo)."""
@@ -158,6 +160,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
         return torch.device('cpu')
 
     # --------------------------------------------------------------------- prepare
+    @override
     def prepare(
         self,
         model: nn.Module | Mapping,
@@ -216,10 +219,12 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
         self._prepared = True
         return self._prepared_components()
 
+    @override
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         """Place the module on the device; ``deepspeed.initialize`` wraps it in ``prepare``."""
         return model.to(self.device)
 
+    @override
     def _unwrap_model(self) -> nn.Module:
         return self.model.module
 

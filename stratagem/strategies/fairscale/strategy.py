@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
@@ -180,6 +181,7 @@ class ShardedDDPStrategy(BaseStrategy):
         super().__init__(env_kwargs=env_kwargs, **kwargs)
 
     @property
+    @override
     def device(self) -> torch.device:
         """``cuda:LOCAL_RANK`` (the current CUDA device without LOCAL_RANK), else ``cpu``."""
         if torch.cuda.is_available():
@@ -189,6 +191,7 @@ class ShardedDDPStrategy(BaseStrategy):
         return torch.device('cpu')
 
     # ------------------------------------------------------------------ prepare
+    @override
     def prepare(
         self,
         model: nn.Module | Mapping,
@@ -266,6 +269,7 @@ class ShardedDDPStrategy(BaseStrategy):
                 "dtype='bfloat16' (or leave dtype out: bfloat16 is CPU's default)"
             )
 
+    @override
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         """Place the model; ShardedDataParallel wraps it once the optimizer exists."""
         if self.device.type == 'cuda':
@@ -277,6 +281,7 @@ class ShardedDDPStrategy(BaseStrategy):
             )
         return model.to(self.device)
 
+    @override
     def build_optim_wrapper(self, optim_wrapper: Any, model: nn.Module | None = None) -> Any:
         """Build the wrapper over an OSS optimizer, then wrap the model in ShardedDataParallel
         (kept as ``self.model``) and tie zero_grad, clipping and loss scaling to it."""
@@ -326,6 +331,7 @@ class ShardedDDPStrategy(BaseStrategy):
         sharded.load_state_dict(scaler.state_dict())  # same init scale, growth and backoff
         wrapper.loss_scaler = sharded
 
+    @override
     def _unwrap_model(self) -> nn.Module:
         """The plain module inside ShardedDataParallel (and ``torch.compile``)."""
         model = self.model
@@ -334,6 +340,7 @@ class ShardedDDPStrategy(BaseStrategy):
         return ckpt.unwrap_model(model)
 
     # -------------------------------------------------------------- checkpoints
+    @override
     def _checkpoint_layout(self) -> CheckpointLayout:
         return _ShardedDDPLayout(self)
 
@@ -343,6 +350,7 @@ class _ShardedDDPLayout(CheckpointLayout):
     reduce buckets around the restored gradients, which replace tensors the buckets may
     already view (after a forward in this process, e.g. a roll-back)."""
 
+    @override
     def restore(self, checkpoint: dict, path: str, meta: dict, optimizer: bool) -> None:
         super().restore(checkpoint, path, meta, optimizer)
         model = self.strategy.model  # type: ignore[attr-defined]

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from typing_extensions import override
+
 from stratagem import checkpoint as ckpt
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 
@@ -23,12 +25,15 @@ class FSDPLayout(CheckpointLayout):
     _pending: tuple | None = None  # (path, header, DCP metadata, optimizer): read in restore
     _writer_group: Any = None  # DCP's planning group for asynchronous saves (first one)
 
+    @override
     def all_ranks_write(self) -> bool:
         return not self.strategy._full
 
+    @override
     def validate(self, checkpoint: dict) -> list[str]:
         return ckpt.validate_checkpoint_content(ckpt.local_tensors(checkpoint))
 
+    @override
     def stage(
         self, checkpoint: dict, path: str, commit: SaveCommit, writer: AsyncCheckpointWriter | None
     ) -> Callable[[], None]:
@@ -44,6 +49,7 @@ class FSDPLayout(CheckpointLayout):
         return super().stage(checkpoint, path, commit, writer)
 
     # ------------------------------------------------------------------- read side
+    @override
     def open(
         self, filename: str, map_location: Any, *, optimizer: bool = False, editable: bool = True
     ) -> tuple[str, dict]:
@@ -64,12 +70,14 @@ class FSDPLayout(CheckpointLayout):
                 return path, header[0]
         return path, strategy.checkpointer.read(path, map_location)
 
+    @override
     def restore(self, checkpoint: dict, path: str, meta: dict, optimizer: bool) -> None:
         if self._pending is not None:  # every check passed: read the shards in place now
             pending, self._pending = self._pending, None
             self.strategy.read_shards_in_place(*pending)
         super().restore(checkpoint, path, meta, optimizer)
 
+    @override
     def write(self, checkpoint: dict | None, path: str, commit: SaveCommit) -> None:
         if self.strategy._full:  # one consolidated file (rank 0 holds it; others get None)
             if checkpoint is not None and 'partial_grads' in checkpoint:  # every rank's, by FQN

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
@@ -85,12 +86,14 @@ class FSDPStrategy(BaseStrategy):
         super().__init__(env_kwargs=env_kwargs, **kwargs)
 
     @property
+    @override
     def device(self) -> torch.device:
         if torch.cuda.is_available():
             return torch.device('cuda', env.get_local_rank())
         return torch.device('cpu')
 
     # ------------------------------------------------------------------------ prepare
+    @override
     def prepare(self, model: Any, *, compile: bool | Mapping = False, **kwargs: Any) -> Any:
         """BaseStrategy's ``prepare``; ``compile`` compiles each sharded block (before
         sharding) instead of the whole model."""
@@ -103,15 +106,18 @@ class FSDPStrategy(BaseStrategy):
         self._block_compile = kw
         return super().prepare(model, compile=False, **kwargs)
 
+    @override
     def build_model(self, model: nn.Module | Mapping) -> nn.Module:
         if self.skip_init_weights and isinstance(model, Mapping):
             with torch.device('meta'):
                 return super().build_model(model)
         return super().build_model(model)
 
+    @override
     def _init_model_weights(self, model: nn.Module) -> nn.Module:
         return model if self.skip_init_weights else super()._init_model_weights(model)
 
+    @override
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -157,6 +163,7 @@ class FSDPStrategy(BaseStrategy):
         )
         return with_no_sync(model)
 
+    @override
     def build_optim_wrapper(self, optim_wrapper: Any, model: nn.Module | None = None) -> Any:
         """Refuse an optimizer built before sharding: it would hold the old parameters and
         silently update nothing."""
@@ -177,6 +184,7 @@ class FSDPStrategy(BaseStrategy):
             adapt_optim_wrapper(w, model, mixed_precision=self.wrap_cfg.casts_precision)
         return wrapper
 
+    @override
     def _unwrap_model(self) -> nn.Module:
         return self.model
 
@@ -186,12 +194,14 @@ class FSDPStrategy(BaseStrategy):
 
         return StateDictOptions(full_state_dict=full, cpu_offload=full)
 
+    @override
     def model_state_dict(self) -> dict:
         """Sharded (DTensor) state dict, or the full one on rank 0 under ``'full'``."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(self.model, options=self._options(self._full))
 
+    @override
     def optim_state_dict(self) -> dict:
         """FQN-keyed, sharded optimizer state (index-keyed and full under ``'full'``) plus
         the optim wrapper's counters."""
@@ -211,6 +221,7 @@ class FSDPStrategy(BaseStrategy):
             'param_groups': state.get('param_groups', []),
         }
 
+    @override
     def load_model_state_dict(
         self, state_dict: Mapping, *, strict: bool = False, revise_keys: Any = ((r'^module\.', ''),)
     ) -> Any:
@@ -234,6 +245,7 @@ class FSDPStrategy(BaseStrategy):
             )
         return result
 
+    @override
     def load_optim_state_dict(self, state_dict: Mapping) -> None:
         """Load an FQN-keyed (sharded or full) or index-keyed (a single-file checkpoint of
         any strategy) optimizer state, then the optim wrapper's counters."""
@@ -278,9 +290,11 @@ class FSDPStrategy(BaseStrategy):
         return self.state_dict_type == 'full'
 
     # -------------------------------------------------------------------- checkpoints
+    @override
     def _checkpoint_layout(self) -> CheckpointLayout:
         return self._layout
 
+    @override
     def _partial_grad_states(self) -> Any:
         """Mid accumulation window: this rank's unsynchronised (unsharded) gradients."""
         if all(w.should_update() for w in self._wrappers()):
@@ -316,6 +330,7 @@ class FSDPStrategy(BaseStrategy):
             checkpoint['optimizer'] = {**state['optimizer'], **counters}
         return state['state_dict']
 
+    @override
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
         if not ckpt.is_sharded_checkpoint(filename):
             return super()._load_checkpoint_files(filename, map_location)
@@ -328,6 +343,7 @@ class FSDPStrategy(BaseStrategy):
                 filename, model_sd, optim_sd if optimizers else None
             )
 
+    @override
     def _load_partial_grads(self, checkpoint: Mapping, meta: Mapping) -> None:
         per_rank = checkpoint.get('partial_grads_fqn') or checkpoint.get('partial_grads')
         if not per_rank:
