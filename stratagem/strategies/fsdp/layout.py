@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from stratagem import checkpoint as ckpt
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
+from stratagem.checkpoint.formats import detect_format
 
 from ..layout import CheckpointLayout, SaveCommit
 
@@ -63,7 +64,7 @@ class FSDPLayout(CheckpointLayout):
         self._pending = None
         strategy = self.strategy
         path = strategy.checkpointer.agree(filename)
-        if not editable and ckpt.is_sharded_checkpoint(path):
+        if not editable and detect_format(path) == 'sharded':
             header = ckpt.read_sharded_header(path, optimizer=optimizer)
             if header is not None:
                 self._pending = (path, *header, optimizer)

@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
+from stratagem.checkpoint.formats import detect_format
 
 from ..base import BaseStrategy
 from ..layout import CheckpointLayout
@@ -332,7 +333,7 @@ class FSDPStrategy(BaseStrategy):
 
     @override
     def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
-        if not ckpt.is_sharded_checkpoint(filename):
+        if detect_format(filename) != 'sharded':
             return super()._load_checkpoint_files(filename, map_location)
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
