@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from .helpers import _plain, check_optimizer, per_group, raw_optimizer
-from .replay import replay_schedulers
 from .step_order import _ORDER_CHECK, _ORDER_DOC, _WATCHED, _count_step, _step_func
 
 __all__ = [
@@ -35,7 +34,6 @@ __all__ = [
     'check_optimizer',
     'raw_optimizer',
     'per_group',
-    'replay_schedulers',
 ]
 
 # mmengine's "no end" value; an int so that state dicts stay plain

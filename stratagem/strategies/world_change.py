@@ -87,7 +87,7 @@ class WorldSizeChange:
     def replay_schedulers(self, schedulers: Any, epoch_length: int | None) -> None:
         """Recompute the scheduled values as a run in the new units from its start would
         have them at ``new_iter`` (after the converted states were loaded)."""
-        from stratagem.scheduler.base import replay_schedulers
+        from stratagem.scheduler.replay import replay_schedulers
 
         groups = schedulers.values() if isinstance(schedulers, Mapping) else [schedulers]
         for group in groups:

@@ -80,7 +80,7 @@ def test_argument_errors_are_value_and_assertion_errors():
 
 
 def test_replaying_schedules_on_resume_does_not_warn():
-    from stratagem.scheduler.base import replay_schedulers
+    from stratagem.scheduler.replay import replay_schedulers
 
     _, opt = _sgd()
     sched = StepLR(opt, step_size=2, gamma=0.5, by_epoch=False)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stratagem.scheduler import build_param_schedulers
-from stratagem.scheduler.base import replay_schedulers
+from stratagem.scheduler.replay import replay_schedulers
 from stratagem.strategies.world_change import plan_world_size_change
 
 META = dict(world_size=2, train_micro_batch_size_per_gpu=8, epoch_length=4)
