@@ -132,8 +132,8 @@ def train(
     batch_size = int(loader_cfg.pop('batch_size', 1))
     sampler = ResumableSampler(
         len(dataset),  # type: ignore[arg-type]
-        strategy.rank,
-        strategy.world_size,
+        strategy.data_parallel_rank,  # the ranks of one tensor group read the same batch
+        strategy.data_parallel_size,
         shuffle=loader_cfg.pop('shuffle', True),
         drop_last=loader_cfg.get('drop_last', False),
     )
@@ -146,7 +146,8 @@ def train(
     if epoch_length == 0:
         raise ValueError(
             f'train_dataloader yields no batch per epoch: {len(dataset)} samples '  # type: ignore[arg-type]
-            f'over {strategy.world_size} process(es) with batch_size={batch_size} '
+            f'over {strategy.data_parallel_size} data-parallel rank(s) with '
+            f'batch_size={batch_size} '
             f'and drop_last={loader_cfg.get("drop_last", False)}; use a smaller '
             'batch_size or drop_last=False'
         )

@@ -68,7 +68,10 @@ class TransformerBlock(nn.Module):
     """One pre-norm decoder block: causal self-attention then an MLP, each with a residual.
 
     The unit that ``FSDPStrategy``'s ``auto_wrap_policy=['TransformerBlock']`` shards (and
-    ``activation_checkpointing=['TransformerBlock']`` recomputes).
+    ``activation_checkpointing=['TransformerBlock']`` recomputes). Tensor parallel: ``q``,
+    ``k``, ``v`` and ``mlp.0`` split column-wise, ``proj`` and ``mlp.2`` row-wise (each rank
+    then holds ``heads / tensor`` whole heads: the head count comes from the local width),
+    ``norm1`` / ``norm2`` sequence-parallel (:data:`TENSOR_PARALLEL_PLAN`).
 
     Args:
         dim: Model width.
@@ -81,9 +84,13 @@ class TransformerBlock(nn.Module):
         super().__init__()
         if dim % heads:
             raise ValueError(f'TransformerBlock: heads={heads} must divide dim={dim}')
-        self.heads, self.dropout = heads, dropout
+        self.head_dim, self.dropout = dim // heads, dropout
         self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
+        # no biases: a key bias cannot change attention (softmax ignores a shift), so its
+        # gradient is rounding noise that Adam would turn into full-size steps
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim, bias=False)
         self.proj = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(
@@ -93,8 +100,10 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: (batch, time, dim) → same shape."""
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        h = self.norm1(x)
+        # (batch, time, heads here, head_dim): under tensor parallelism each rank has its
+        # slice of the heads, and (sequence parallel) the whole sequence again
+        q, k, v = (y.unflatten(-1, (-1, self.head_dim)) for y in (self.q(h), self.k(h), self.v(h)))
         att = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -102,8 +111,18 @@ class TransformerBlock(nn.Module):
             is_causal=True,
             dropout_p=self.dropout if self.training else 0.0,
         )
-        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
+        x = x + self.drop(self.proj(att.transpose(1, 2).flatten(2)))
         return x + self.drop(self.mlp(self.norm2(x)))
+
+
+# the TransformerLM's tensor-parallel plan (FSDPStrategy's tensor_parallel_plan): Megatron's
+# split of attention and MLP; add {'blocks.*.norm?': 'sequence'} for sequence parallelism
+TENSOR_PARALLEL_PLAN = {
+    'blocks.*.[qkv]': 'colwise',
+    'blocks.*.proj': 'rowwise',
+    'blocks.*.mlp.0': 'colwise',
+    'blocks.*.mlp.2': 'rowwise',
+}
 
 
 @MODELS.register_module()
@@ -168,4 +187,9 @@ class TransformerLM(nn.Module):
         logits = self.head(self.norm(x))
         if targets is None:
             return logits
-        return {'loss': F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())}
+        return {
+            'loss': F.cross_entropy(
+                logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                targets.flatten(),
+            )
+        }

@@ -1,9 +1,13 @@
-"""Gradient clipping over a mix of sharded (DTensor) and plain gradients.
+"""Gradient clipping over a mix of sharded (DTensor) and plain gradients, or of DTensors on
+several meshes.
 
-``torch.nn.utils.clip_grad_norm_`` handles all-DTensor gradients (FSDP2) and all-plain ones,
-but raises on a mix ("got mixed torch.Tensor and DTensor"), which is what a model with
-parameters kept out of sharding (FSDP's ``ignored_modules``) has. These functions take the
-same arguments and return the same value as torch's, and are used only for such a mix.
+``torch.nn.utils.clip_grad_norm_`` handles all-DTensor gradients on one mesh (FSDP2) and
+all-plain ones, but raises on a mix ("got mixed torch.Tensor and DTensor"), which is what a
+model with parameters kept out of sharding (FSDP's ``ignored_modules``) has, and on DTensors of
+different meshes ("must have the same mesh"), which is what FSDP + tensor parallelism gives
+(split parameters on the 2-D mesh, the others on its data-parallel dimension). These
+functions take the same arguments and return the same value as torch's, and are used only for
+such mixes.
 """
 
 from __future__ import annotations
@@ -14,6 +18,20 @@ from collections.abc import Iterable
 import torch
 
 __all__ = ['clip_grad_norm_mixed', 'clip_grad_value_mixed', 'split_sharded']
+
+
+def by_mesh(sharded: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Sharded parameters grouped by their gradients' device mesh, in first-seen order."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    meshes: list = []
+    for p in sharded:
+        mesh = p.grad.device_mesh  # type: ignore[union-attr]
+        key = next((i for i, m in enumerate(meshes) if m == mesh), None)
+        if key is None:
+            key = len(meshes)
+            meshes.append(mesh)
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
 
 
 def split_sharded(parameters: Iterable[torch.Tensor]) -> tuple[list, list]:
@@ -49,20 +67,20 @@ def clip_grad_norm_mixed(
 
     sharded, plain = split_sharded(parameters)
     norms = []
-    group = None
-    if sharded:
-        norm = get_total_norm([p.grad for p in sharded], norm_type, error_if_nonfinite, foreach)
+    for same_mesh in by_mesh(sharded):  # each mesh's norm is reduced over that mesh
+        grads = [p.grad for p in same_mesh if p.grad is not None]
+        norm = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
         norms.append(norm.full_tensor())  # type: ignore[attr-defined]  # a DTensor
-        group = sharded[0].grad.device_mesh.get_group()
     if plain:
         norm = get_total_norm([p.grad for p in plain], norm_type, error_if_nonfinite, foreach)
-        if group is not None and dist.get_world_size(group) > 1:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if sharded and world > 1:  # the meshes span every rank: average over all of them
             if math.isinf(norm_type):
-                dist.all_reduce(norm, dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(norm, dist.ReduceOp.MAX)
             else:  # gloo has no AVG: sum the powers, divide
                 power = norm.double() ** norm_type
-                dist.all_reduce(power, group=group)
-                norm = (power / dist.get_world_size(group)) ** (1.0 / norm_type)
+                dist.all_reduce(power)
+                norm = (power / world) ** (1.0 / norm_type)
                 norm = norm.to(norms[0].dtype)
         norms.append(norm.to(norms[0].device) if norms else norm)
     if not norms:
@@ -79,8 +97,9 @@ def clip_grad_norm_mixed(
 def clip_grad_value_mixed(
     parameters: Iterable[torch.Tensor], clip_value: float, foreach: bool | None = None
 ) -> None:
-    """``clip_grad_value_`` for sharded + plain gradients (each kind clipped on its own)."""
+    """``clip_grad_value_`` for sharded + plain gradients (each kind, each mesh, clipped on
+    its own)."""
     sharded, plain = split_sharded(parameters)
-    for group in (sharded, plain):
+    for group in [*by_mesh(sharded), plain]:
         if group:
             torch.nn.utils.clip_grad_value_(group, clip_value, foreach=foreach)

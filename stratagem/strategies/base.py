@@ -80,6 +80,11 @@ from .layout import CheckpointLayout
 __all__ = ['BaseStrategy']
 
 
+def _read_only(attr: str) -> Any:
+    """A property returning ``self.<attr>``."""
+    return property(lambda self: getattr(self, attr))
+
+
 class BaseStrategy(CheckpointState, ABC):
     """Owns environment, components and checkpoints around any training loop.
 
@@ -193,25 +198,12 @@ class BaseStrategy(CheckpointState, ABC):
     def work_dir(self) -> str:
         return self._work_dir
 
-    @property
-    def log_dir(self) -> str:
-        return self._log_dir
-
-    @property
-    def experiment_name(self) -> str:
-        return self._experiment_name
-
-    @property
-    def launcher(self) -> str:
-        return self._launcher
-
-    @property
-    def distributed(self) -> bool:
-        return self._distributed
-
-    @property
-    def seed(self) -> int:
-        return self._seed
+    # read-only views of what __init__ set up
+    log_dir: str = _read_only('_log_dir')
+    experiment_name: str = _read_only('_experiment_name')
+    launcher: str = _read_only('_launcher')
+    distributed: bool = _read_only('_distributed')
+    seed: int = _read_only('_seed')
 
     @property
     def rank(self) -> int:
@@ -222,8 +214,16 @@ class BaseStrategy(CheckpointState, ABC):
         return env.get_world_size()
 
     @property
-    def timestamp(self) -> str:
-        return self._timestamp
+    def data_parallel_size(self) -> int:
+        """Ranks that read different batches (FSDP's tensor groups read one)."""
+        return self.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which batch this rank reads, 0 .. data_parallel_size - 1."""
+        return self.rank
+
+    timestamp: str = _read_only('_timestamp')
 
     @property
     def randomness(self) -> dict:
@@ -281,11 +281,9 @@ class BaseStrategy(CheckpointState, ABC):
         self.dispatch_kwargs.update(dispatch_kwargs or {})
 
     def _prepared_components(self) -> Any:
-        if not hasattr(self, 'optim_wrapper'):
-            return self.model
-        if not hasattr(self, 'param_schedulers'):
-            return [self.model, self.optim_wrapper]
-        return [self.model, self.optim_wrapper, self.param_schedulers]
+        names = ('optim_wrapper', 'param_schedulers')
+        parts = [self.model, *(getattr(self, a) for a in names if hasattr(self, a))]
+        return parts[0] if len(parts) == 1 else parts
 
     def build_model(self, model: nn.Module | Mapping) -> nn.Module:
         """An ``nn.Module`` as is, or one built from a MODELS cfg."""
@@ -354,7 +352,7 @@ class BaseStrategy(CheckpointState, ABC):
         scale_lr(
             self._wrappers(),
             cfg,
-            world_size=self.world_size,
+            world_size=self.data_parallel_size,
             micro_batch=self.dispatch_kwargs.get('train_micro_batch_size_per_gpu'),
         )
         self._lr_scaled = True
@@ -382,8 +380,8 @@ class BaseStrategy(CheckpointState, ABC):
         )
 
     def collect_env(self) -> tuple[dict, dict]:
-        """``(system_env, runtime_env)`` as mmengine returns them: python, torch, CUDA and
-        extras; then this run's launcher, distribution, seed and determinism."""
+        """``(system_env, runtime_env)`` as mmengine returns them (this run's launcher,
+        distribution, seed and determinism in the second)."""
         runtime = {
             'launcher': self._launcher,
             'distributed': self._distributed,

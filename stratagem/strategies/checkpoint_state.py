@@ -58,6 +58,8 @@ class CheckpointState:
         @property
         def world_size(self) -> int: ...
         @property
+        def data_parallel_size(self) -> int: ...
+        @property
         def work_dir(self) -> str: ...
         @property
         def device(self) -> torch.device: ...
@@ -129,6 +131,7 @@ class CheckpointState:
             'time': time.strftime('%Y%m%d_%H%M%S'),
             'experiment_name': self._experiment_name,
             'world_size': self.world_size,
+            'data_parallel_size': self.data_parallel_size,
             'strategy': type(self).__name__,
             'stratagem_version': __version__,
             'torch_version': str(torch.__version__),

@@ -323,6 +323,7 @@ class Checkpointer:
             strategy.world_size,
             self._max_accumulation(),
             filename,
+            strategy.data_parallel_size,
         )
         sched_states = checkpoint.get('param_schedulers') if want_sched else None
         if want_sched and change is not None and change.new_iter is not None:

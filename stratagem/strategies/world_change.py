@@ -134,15 +134,21 @@ def plan_world_size_change(
     world_size: int,
     accumulative_counts: int = 1,
     filename: str = 'the checkpoint',
+    data_parallel_size: int | None = None,
 ) -> WorldSizeChange | None:
     """The conversion for resuming ``meta``'s checkpoint at ``world_size``; None if unchanged.
 
     ``dispatch`` is the strategy's ``dispatch_kwargs`` (this run's ``epoch_length``,
-    ``train_micro_batch_size_per_gpu``, ``max_iters``, ``max_epochs``). Raises ``ValueError``
-    naming both world sizes and what to do when the position cannot be converted exactly.
+    ``train_micro_batch_size_per_gpu``, ``max_iters``, ``max_epochs``). Samples per iteration
+    count the ranks that read different batches: ``data_parallel_size`` (default
+    ``world_size``; a mesh's tensor groups read one batch), ``meta['data_parallel_size']``
+    for the saving run (default its world size). Raises ``ValueError`` naming both world
+    sizes and what to do when the position cannot be converted exactly.
     """
     old = int(meta.get('world_size', 1))
-    if old == world_size:
+    old_dp = int(meta.get('data_parallel_size', old))
+    new_dp = world_size if data_parallel_size is None else int(data_parallel_size)
+    if old == world_size and old_dp == new_dp:
         return None
     change = WorldSizeChange(old, world_size, saved_iter=meta.get('iter'))
     micro_old = meta.get('train_micro_batch_size_per_gpu')
@@ -155,7 +161,7 @@ def plan_world_size_change(
             'train_micro_batch_size_per_gpu=...) to convert them)'
         )
         return change
-    spi_old, spi_new = old * int(micro_old), world_size * int(micro_new)
+    spi_old, spi_new = old_dp * int(micro_old), new_dp * int(micro_new)
     change.old_samples_per_iter, change.new_samples_per_iter = spi_old, spi_new
     it = int(change.saved_iter)
     len_old, len_new, epoch = (
@@ -174,8 +180,8 @@ def plan_world_size_change(
         new_iter = it * Fraction(spi_old, spi_new)
         change.ratio = Fraction(spi_old, spi_new)
     sizes = (
-        f'it was saved by {old} process(es) × {micro_old} samples = {spi_old} samples per '
-        f'iteration at {where}; this run has {world_size} × {micro_new} = {spi_new}'
+        f'it was saved by {old_dp} data-parallel rank(s) × {micro_old} samples = {spi_old} '
+        f'samples per iteration at {where}; this run has {new_dp} × {micro_new} = {spi_new}'
     )
     if new_iter.denominator != 1:
         raise ValueError(

@@ -68,8 +68,9 @@ def adapt_optim_wrapper(wrapper: Any, model: nn.Module, mixed_precision: bool) -
       float32 parameters). Its GradScaler (float16 only) works either way: ``unscale_`` on
       DTensor gradients reduces ``found_inf`` over the mesh, so every rank skips the same
       steps.
-    - Clipping over a mix of sharded and plain parameters (``ignored_modules``), which
-      torch's clip functions refuse, goes through ``optim.sharded_clip`` (``set_clip_func``).
+    - Clipping over a mix of sharded and plain parameters (``ignored_modules``) or of
+      several meshes (tensor parallelism), which torch's clip functions refuse, goes through
+      ``optim.sharded_clip`` (``set_clip_func``).
     """
     if hasattr(wrapper, 'set_grad_sync'):  # an OptimWrapper (a custom wrapper: its own)
         wrapper.set_grad_sync(with_no_sync(model).no_sync)
@@ -80,8 +81,10 @@ def adapt_optim_wrapper(wrapper: Any, model: nn.Module, mixed_precision: bool) -
         return
     from torch.distributed.tensor import DTensor
 
-    kinds = {isinstance(p, DTensor) for g in wrapper.optimizer.param_groups for p in g['params']}
-    if len(kinds) == 2:
+    params = [p for g in wrapper.optimizer.param_groups for p in g['params']]
+    kinds = {isinstance(p, DTensor) for p in params}
+    meshes = {id(p.device_mesh) for p in params if isinstance(p, DTensor)}
+    if len(kinds) == 2 or len(meshes) > 1:
         from stratagem.optim.sharded_clip import clip_grad_norm_mixed, clip_grad_value_mixed
 
         wrapper.set_clip_func(

@@ -73,10 +73,32 @@ class FSDPLayout(CheckpointLayout):
 
     @override
     def restore(self, checkpoint: dict, path: str, meta: dict, optimizer: bool) -> None:
+        self._say_mesh_change(path, meta)
         if self._pending is not None:  # every check passed: read the shards in place now
             pending, self._pending = self._pending, None
             self.strategy.read_shards_in_place(*pending)
         super().restore(checkpoint, path, meta, optimizer)
+
+    def _say_mesh_change(self, path: str, meta: dict) -> None:
+        """Rank 0 says once how the mesh differs from the saving run's (the shards are
+        resharded as they are read)."""
+        from .mesh import MeshSpec
+
+        strategy = self.strategy
+        saved = meta.get('mesh')
+        if saved is None:  # before meshes, or another backend: sharded over the world
+            saved = {'shard': int(meta.get('world_size', 1))}
+        try:
+            before = MeshSpec(**saved)
+        except TypeError:
+            return
+        if before != strategy.mesh_spec and strategy.rank == 0:
+            strategy.logger.warning(
+                f'{path} was saved on the mesh {before.describe()} '
+                f'({before.world_size} rank(s)); this run has {strategy.mesh_spec.describe()} '
+                f'({strategy.world_size}): parameters and optimizer state are resharded as '
+                'they are read'
+            )
 
     @override
     def write(self, checkpoint: dict | None, path: str, commit: SaveCommit) -> None:
@@ -94,5 +116,8 @@ class FSDPLayout(CheckpointLayout):
             partial_grads=partial,
             vote=commit.vote,
             process_group=self._writer_group,
-            extra_manifest={'strategy': type(self.strategy).__name__},
+            extra_manifest={
+                'strategy': type(self.strategy).__name__,
+                'mesh': self.strategy.mesh_spec.as_dict(),
+            },
         )

@@ -33,7 +33,9 @@ from .grad_sync import (
     with_no_sync,
 )
 from .layout import FSDPLayout
+from .mesh import parse_mesh
 from .options import parse_activation_checkpointing, parse_state_dict_cfg
+from .tensor_parallel import check_plan_fits_mesh, parse_tensor_parallel_plan
 
 
 class FSDPStrategy(BaseStrategy):
@@ -62,6 +64,16 @@ class FSDPStrategy(BaseStrategy):
         skip_init_weights: build a cfg model on the meta device, skip ``init_weights`` and
             allocate only this rank's shards (weights are uninitialised until a checkpoint is
             loaded: use it with ``load_checkpoint``/``resume``).
+        mesh: ``dict(replicate=R, shard=S, tensor=T)``, product = world size; default
+            ``dict(shard=world_size)``. ``replicate > 1`` is HSDP (shard within a group,
+            replicate across groups; ``replicate`` spans nodes first), ``tensor > 1`` splits
+            the matmuls of ``tensor_parallel_plan`` over consecutive ranks. Data is split over
+            ``replicate × shard`` (``data_parallel_rank`` / ``data_parallel_size``). See
+            ``mesh.py``.
+        tensor_parallel_plan: module-name patterns → ``'colwise'`` / ``'rowwise'`` /
+            ``'sequence'`` (or ParallelStyle objects), or a callable
+            ``parallelize_fn(model, tensor_mesh)``; needs ``mesh.tensor > 1``. See
+            ``tensor_parallel.py``.
         **kwargs: BaseStrategy's.
     """
 
@@ -73,6 +85,8 @@ class FSDPStrategy(BaseStrategy):
         state_dict_cfg: Any = None,
         activation_checkpointing: Any = None,
         skip_init_weights: bool = False,
+        mesh: Mapping | None = None,
+        tensor_parallel_plan: Any = None,
         **kwargs: Any,
     ) -> None:
         self.wrap_cfg = parse_model_wrapper(model_wrapper)
@@ -85,6 +99,21 @@ class FSDPStrategy(BaseStrategy):
             kwargs, 'FSDPStrategy', "; for one process use SingleDeviceStrategy (type='auto')"
         )
         super().__init__(env_kwargs=env_kwargs, **kwargs)
+        # checked once the world size is known, before any model is built
+        self.mesh_spec = parse_mesh(mesh, self.world_size)
+        self.tp_plan = parse_tensor_parallel_plan(tensor_parallel_plan)
+        check_plan_fits_mesh(self.tp_plan, self.mesh_spec, mesh)
+        self.device_mesh: Any = None  # built in prepare
+
+    @property
+    @override
+    def data_parallel_size(self) -> int:
+        return self.mesh_spec.data_parallel_size
+
+    @property
+    @override
+    def data_parallel_rank(self) -> int:
+        return self.mesh_spec.data_parallel_rank(self.rank)
 
     @property
     @override
@@ -120,7 +149,6 @@ class FSDPStrategy(BaseStrategy):
 
     @override
     def _wrap_model(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         if isinstance(model, FSDPModule):
@@ -136,13 +164,18 @@ class FSDPStrategy(BaseStrategy):
                 env.broadcast(tensor.data, 0)
         targets = cfg.targets(model)
         ignored = cfg.ignored_params(model)
+        spec = self.mesh_spec
+        if self.tp_plan is not None:  # every pattern checked before the mesh is built
+            self.tp_plan.check(model, spec.tensor, targets)
+        self.device_mesh = mesh = spec.build(self.device.type)
+        if self.tp_plan is not None:  # tensor parallel first: it needs the original names
+            self.tp_plan.apply(model, mesh['tensor'], targets)
         if self.ac_check is not None:
             targets = self.ac_check.apply(model, targets)
         if self._block_compile is not None:
             for block in targets or [model]:
                 block.compile(**self._block_compile)
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        kwargs = cfg.shard_kwargs(mesh, self.device)
+        kwargs = cfg.shard_kwargs(spec.data_mesh(mesh), self.device)
         for block in reversed(targets):  # children before parents
             fully_shard(block, **kwargs, ignored_params=ignored & set(block.parameters()) or None)
         fully_shard(model, **kwargs, ignored_params=ignored or None)
@@ -160,7 +193,7 @@ class FSDPStrategy(BaseStrategy):
                 )
         self.logger.info(
             f'FSDPStrategy: {len(targets)} block(s) + root sharded over '
-            f'{self.world_size} ranks ({self.device.type})'
+            f'{self.world_size} ranks ({self.device.type}), mesh {spec.describe()}'
         )
         return with_no_sync(model)
 
@@ -286,6 +319,11 @@ class FSDPStrategy(BaseStrategy):
         names = {id(p): clean_name(n) for n, p in self.model.named_parameters()}
         return [[names[id(p)] for p in g['params']] for g in self.optim_wrapper.param_groups]
 
+    @override
+    def checkpoint_meta(self, extra_meta: Mapping | None = None) -> dict:
+        """BaseStrategy's ``meta`` plus ``mesh`` (the sizes this run was sharded over)."""
+        return {'mesh': self.mesh_spec.as_dict(), **super().checkpoint_meta(extra_meta)}
+
     @property
     def _full(self) -> bool:
         return self.state_dict_type == 'full'
@@ -349,6 +387,15 @@ class FSDPStrategy(BaseStrategy):
         per_rank = checkpoint.get('partial_grads_fqn') or checkpoint.get('partial_grads')
         if not per_rank:
             return
+        saved_tensor = int((meta.get('mesh') or {}).get('tensor', 1))
+        if saved_tensor != self.mesh_spec.tensor:
+            raise ValueError(
+                f'the checkpoint was taken inside an accumulation window on a mesh with '
+                f'tensor={saved_tensor}; this run has tensor={self.mesh_spec.tensor}, and '
+                "tensor-parallel ranks' pending gradients are slices that do not convert. "
+                f'Resume it with tensor={saved_tensor}, or from a checkpoint saved at an '
+                'update boundary'
+            )
         mine = (
             per_rank[self.rank]
             if len(per_rank) == self.world_size
