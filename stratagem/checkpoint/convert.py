@@ -2,8 +2,9 @@
 
 Dispatch on the source's format, detected by ``formats.detect_format`` (the one detection
 every reader shares; a backend registers its own formats there). Targets:
-``file`` (one verified single-file checkpoint with its manifest) or ``sharded`` (a directory of
-DCP files, committed with a manifest). No process group is needed.
+``file`` (one verified single-file checkpoint with its manifest), ``sharded`` (a directory of
+DCP files, committed with a manifest) or ``safetensors`` (the full model weights alone, one
+file that Hugging Face tooling reads; ``safetensors_io.py``). No process group is needed.
 """
 
 from __future__ import annotations
@@ -12,12 +13,17 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import torch
+
 from .commit import save_checkpoint
 from .errors import NotACheckpointError
 from .formats import FORMATS, detect_format, read_whole
+from .safetensors_io import save_safetensors
 from .sharded import save_sharded_checkpoint
 
-__all__ = ['convert_checkpoint', 'detect_source']
+__all__ = ['TARGETS', 'convert_checkpoint', 'detect_source']
+
+TARGETS = ('file', 'sharded', 'safetensors')
 
 
 def detect_source(path: Path) -> str:
@@ -41,10 +47,10 @@ def convert_checkpoint(
     to: str = 'file',
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
-    """Convert ``src`` (any format in ``formats.FORMATS``) to ``dst`` (``to='file'`` or
-    ``'sharded'``)."""
-    if to not in ('file', 'sharded'):
-        raise ValueError(f"convert: to={to!r}; use 'file' or 'sharded'")
+    """Convert ``src`` (any format in ``formats.FORMATS``) to ``dst`` (``to='file'``,
+    ``'sharded'`` or ``'safetensors'``: the weights only)."""
+    if to not in TARGETS:
+        raise ValueError(f'convert: to={to!r}; use one of {", ".join(map(repr, TARGETS))}')
     src, dst = Path(src).absolute(), Path(dst).absolute()
     if dst.exists():
         raise FileExistsError(
@@ -55,10 +61,10 @@ def convert_checkpoint(
     step = (checkpoint.get('meta') or {}).get('iter')
     step = step if type(step) is int else None
     extra = {'converted_from': str(src), 'source_format': source}
-    if to == 'sharded' and not isinstance(checkpoint.get('state_dict'), Mapping):
+    if to != 'file' and not isinstance(checkpoint.get('state_dict'), Mapping):
         raise NotACheckpointError(
             f"convert: {src} has no model weights under 'state_dict' (its keys: "
-            f'{sorted(map(str, checkpoint))[:12]}); a sharded checkpoint is written from '
+            f'{sorted(map(str, checkpoint))[:12]}); a {to} checkpoint is written from '
             "mmengine's layout: {'state_dict': weights, 'optimizer': ..., 'meta': ...}"
         )
     if to == 'file':
@@ -66,6 +72,10 @@ def convert_checkpoint(
         return save_checkpoint(
             checkpoint, dst, step=step, extra_manifest=extra, update_pointer=False
         )
+    if to == 'safetensors':
+        weights = {k: v for k, v in checkpoint['state_dict'].items() if isinstance(v, torch.Tensor)}
+        meta = {'format': 'pt', **extra, **({'iter': str(step)} if step is not None else {})}
+        return save_safetensors(weights, dst, metadata=meta)
     return save_sharded_checkpoint(
         dst, checkpoint, step=step, extra_manifest=extra, optimizer_keys='index', collective=False
     )

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 import stratagem.strategies  # noqa: F401  (registers the backends' source formats)
-from stratagem.checkpoint.convert import convert_checkpoint
+from stratagem.checkpoint.convert import TARGETS, convert_checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,12 +16,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='the checkpoint to convert (a file, a sharded directory or '
         'a DeepSpeed (ZeRO) directory)',
     )
-    parser.add_argument('dst', help='the new checkpoint (must not exist)')
+    parser.add_argument(
+        'dst', help='the new checkpoint (must not exist); DST.safetensors: the full weights'
+    )
     parser.add_argument(
         '--to',
-        choices=('file', 'sharded'),
-        default='file',
-        help='target layout (default: one file)',
+        choices=TARGETS,
+        default=None,
+        help='target layout (default: safetensors for a .safetensors DST, else one file)',
     )
 
 
@@ -34,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write('\n')
 
     try:
-        out = convert_checkpoint(args.src, args.dst, to=args.to, progress=progress)
+        to = args.to or ('safetensors' if args.dst.endswith('.safetensors') else 'file')
+        out = convert_checkpoint(args.src, args.dst, to=to, progress=progress)
     except (OSError, ValueError) as err:
         print(f'stratagem convert: {err}', file=sys.stderr)
         return 1
