@@ -15,7 +15,8 @@ skipped. Each check reads the config (and the machine: devices, packages, free d
    ``gradient_accumulation_steps``;
 3. precision: bf16 with a GradScaler (``loss_scale``), fp16 or bf16 on a device without it;
 4. sharding: FSDP wrap-policy class names that match no module of the model; activation
-   checkpointing without a wrap policy;
+   checkpointing without a wrap policy; FSDP's ``mesh`` against the world size and its
+   ``tensor_parallel_plan`` against the model (``doctor_mesh.py``);
 5. schedulers: an ``end`` past the run; windows of two absolute schedules of the same
    parameter that overlap (mmengine multiplies them; a warmup over a main schedule is the
    expected overlap and not reported);
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .doctor_keys import _STRATEGY_PACKAGES, KeyChecks
+from .doctor_mesh import mesh_findings, tensor_size
 
 __all__ = ['Finding', 'diagnose', 'format_table']
 
@@ -96,9 +98,11 @@ class _Doctor(KeyChecks):
         cfg, strategy = self.cfg, dict(self.cfg.get('strategy') or {})
         micro = int((cfg.get('train_dataloader') or {}).get('batch_size', 1))
         acc = int((cfg.get('optim_wrapper') or {}).get('accumulative_counts', 1))
-        real = self.nproc * micro * acc
+        tensor = tensor_size(strategy, self.nproc)  # a tensor group reads one batch
+        data = self.nproc // tensor
+        real = data * micro * acc
         self.notes.append(
-            f'real batch = {self.nproc} process(es) x {micro} micro batch x '
+            f'real batch = {data} data-parallel rank(s) x {micro} micro batch x '
             f'{acc} accumulation = {real}'
         )
         scale = strategy.get('auto_scale_lr') or cfg.get('auto_scale_lr') or {}
@@ -191,6 +195,8 @@ class _Doctor(KeyChecks):
                 'is sharded per layer',
                 "add model_wrapper.auto_wrap_policy (e.g. transformer_layer_cls=['Block'])",
             )
+        for where, problem, fix in mesh_findings(strategy, self.nproc, self.model):
+            self.add(where, problem, fix)
         names = _policy_class_names(policy)
         if not names or self.model is None:
             return

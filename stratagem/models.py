@@ -98,6 +98,16 @@ class TransformerBlock(nn.Module):
         )
         self.drop = nn.Dropout(dropout)
 
+    def check_tensor_parallel(self, tensor: int) -> None:
+        """Each rank of a tensor group holds whole heads: ``tensor`` must divide them."""
+        heads = self.q.out_features // self.head_dim
+        if heads % tensor:
+            raise ValueError(
+                f'TransformerBlock: heads={heads} is not divisible by the mesh tensor size '
+                f'{tensor}, so the heads cannot be split; use a tensor size that divides '
+                f'{heads} or a head count divisible by {tensor}'
+            )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: (batch, time, dim) → same shape."""
         h = self.norm1(x)

@@ -52,7 +52,7 @@ def test_clean_config_has_no_findings_and_builds_nothing_heavy(tmp_path, monkeyp
     assert findings == {}
     assert set(built) == {torch.device('meta')}  # the model exists only on the meta device
     assert not torch.distributed.is_initialized()
-    assert 'real batch = 1 process(es) x 32 micro batch x 1 accumulation = 32' in notes
+    assert 'real batch = 1 data-parallel rank(s) x 32 micro batch x 1 accumulation = 32' in notes
     # (16*64+64) + (64*64+64) + (64*4+4) = 5508 fp32 params; SGD momentum: one copy
     assert 'estimated checkpoint: 1 MiB (5,508 fp32 parameters, 1 optimizer state copies)' in notes
 
@@ -87,7 +87,7 @@ def test_batch_arithmetic(tmp_path):
         optim_wrapper__accumulative_counts=2,
         strategy__auto_scale_lr=dict(enable=False, base_batch_size=64),
     )
-    assert 'real batch = 4 process(es) x 32 micro batch x 2 accumulation = 256' in notes
+    assert 'real batch = 4 data-parallel rank(s) x 32 micro batch x 2 accumulation = 256' in notes
     assert f['auto_scale_lr'].problem.startswith(
         'the lr was tuned for base_batch_size=64 but the real batch is 256'
     )
@@ -211,3 +211,46 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert "did you mean 'train_cfg'? rename it" in out
     assert main(['doctor', str(tmp_path / 'missing.py')]) == 2
     assert 'cannot read' in capsys.readouterr().err
+
+
+LM = dict(type='TransformerLM', vocab_size=16, dim=16, depth=2, heads=4, max_len=8)
+PLAN = {'blocks.*.[qkv]': 'colwise', 'blocks.*.proj': 'rowwise'}
+
+
+def _mesh(tmp_path, nproc, **strategy):
+    return _diagnose(
+        tmp_path,
+        nproc,
+        model=LM,
+        strategy=dict(
+            type='FSDPStrategy',
+            model_wrapper=dict(auto_wrap_policy=['TransformerBlock']),
+            **strategy,
+        ),
+    )
+
+
+def test_mesh_and_tensor_parallel_plan(tmp_path):
+    # a 2-D mesh that fits, a plan that fits: nothing; the batch counts data-parallel ranks
+    f, notes = _mesh(tmp_path, 4, mesh=dict(shard=2, tensor=2), tensor_parallel_plan=PLAN)
+    assert f == {}
+    assert 'real batch = 2 data-parallel rank(s) x 32 micro batch x 1 accumulation = 64' in notes
+    f, _ = _mesh(tmp_path, 4, mesh=dict(replicate=2, shard=2))  # HSDP
+    assert f == {}
+    # the mesh arithmetic at this world size
+    f, _ = _mesh(tmp_path, 6, mesh=dict(shard=2, tensor=2), tensor_parallel_plan=PLAN)
+    assert '1 × 2 × 2 = 4, but the world size is 6' in f['strategy.mesh'].problem
+    assert 'dict(shard=3, tensor=2)' in f['strategy.mesh'].problem
+    # the plan against the model, on the meta device
+    f, _ = _mesh(
+        tmp_path, 4, mesh=dict(shard=2, tensor=2), tensor_parallel_plan={'blocks.*.fc1': 'colwise'}
+    )
+    assert "pattern 'blocks.*.fc1' matches no module" in f['strategy.tensor_parallel_plan'].problem
+    f, _ = _mesh(tmp_path, 8, mesh=dict(shard=1, tensor=8), tensor_parallel_plan=PLAN)
+    assert 'heads=4 is not divisible by the mesh tensor size 8' in (
+        f['strategy.tensor_parallel_plan'].problem
+    )
+    f, _ = _mesh(tmp_path, 4, mesh=dict(shard=4), tensor_parallel_plan=PLAN)
+    assert 'has no tensor dimension' in f['strategy.tensor_parallel_plan'].problem
+    f, _ = _mesh(tmp_path, 4, mesh=dict(shard=2, tensor=2))
+    assert 'has tensor=2 but no tensor_parallel_plan' in f['strategy.tensor_parallel_plan'].problem

@@ -180,7 +180,7 @@ def plan_world_size_change(
         new_iter = it * Fraction(spi_old, spi_new)
         change.ratio = Fraction(spi_old, spi_new)
     sizes = (
-        f'it was saved by {old_dp} data-parallel rank(s) × {micro_old} samples = {spi_old} '
+        f'it was saved by {_ranks(old_dp, old)} × {micro_old} samples = {spi_old} '
         f'samples per iteration at {where}; this run has {new_dp} × {micro_new} = {spi_new}'
     )
     if new_iter.denominator != 1:
@@ -214,3 +214,10 @@ def plan_world_size_change(
             )
         change.max_iters = (max_iters, int(converted))
     return change
+
+
+def _ranks(data_parallel: int, world: int) -> str:
+    """``4 process(es)``, or ``2 data-parallel rank(s)`` when tensor groups read one batch."""
+    if data_parallel == world:
+        return f'{world} process(es)'
+    return f'{data_parallel} data-parallel rank(s)'

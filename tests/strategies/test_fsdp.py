@@ -883,7 +883,7 @@ def test_train_transformer_config_end_to_end(runs):
     resumed = ckpt.read_sharded_checkpoint(work / 'lm_resumed' / 'iter_8.pth')
     start = ckpt.read_sharded_checkpoint(work / 'lm' / 'iter_4.pth')
     model = first['state_dict']
-    assert sorted(model) == sorted(resumed['state_dict']) and 'blocks.3.qkv.weight' in model
+    assert sorted(model) == sorted(resumed['state_dict']) and 'blocks.3.q.weight' in model
     assert all(torch.equal(model[k], resumed['state_dict'][k]) for k in model)
     assert any(not torch.equal(model[k], start['state_dict'][k]) for k in model)  # it trained
     for index, state in first['optimizer']['state'].items():

@@ -80,7 +80,12 @@ class TensorParallelPlan:
 
     def check(self, model: nn.Module, tensor: int, blocks: list[nn.Module]) -> None:
         """Every check of :meth:`apply`, without building anything (``model`` may be on
-        the meta device)."""
+        the meta device); a module with a ``check_tensor_parallel(tensor)`` method (e.g.
+        attention heads that ``tensor`` must divide) is asked too."""
+        for module in model.modules():
+            own = getattr(module, 'check_tensor_parallel', None)
+            if callable(own):
+                own(tensor)
         self.blocks_needing_sequence_split(self.resolve(model, tensor), model, blocks)
 
     def blocks_needing_sequence_split(
