@@ -43,10 +43,9 @@ def _plan(sequence):
     return plan
 
 
-def _strategy(work_dir, mesh, sequence=False):
+def _strategy(work_dir, mesh, sequence=False, **extra):
     from stratagem.strategies import build_strategy
 
-    extra = {}
     if mesh is not None and mesh.get('tensor', 1) > 1:
         extra['tensor_parallel_plan'] = _plan(sequence)
     return build_strategy(
@@ -161,6 +160,21 @@ def _four(work):
             'reference': _reference(s.data_parallel_size),
         }
         s.wait_for_checkpoints()
+    # 2-D with activation checkpointing and an asynchronous save: the same numbers
+    s = _strategy(
+        Path(work) / '2d_ac',
+        MESHES['2d'][0],
+        activation_checkpointing=['TransformerBlock'],
+        async_checkpoint=True,
+    )
+    model = _model()
+    torch.manual_seed(1)
+    model, ow = s.prepare(model, optim_wrapper=OPTIM, dispatch_kwargs=dict(max_iters=STEPS))
+    _train(s, model, ow, 0, SAVE_AT, save=str(Path(work) / '2d_ac_10'))
+    for p in model.parameters():  # after the call: must not reach the checkpoint
+        p.data.fill_(7.0)
+    s.wait_for_checkpoints()
+    results['2d_ac'] = {'at_save': results['2d']['at_save']}
     # resume on the same mesh: the uninterrupted run, bit for bit
     for name, (mesh, sequence) in MESHES.items():
         results[name]['resumed'] = _resume(work, f'{name}_10', mesh, sequence, STEPS)
@@ -169,6 +183,7 @@ def _four(work):
     results['2d->flat'] = _resume(work, '2d_10', None)
     results['flat->2d'] = _resume(work, 'flat_10', dict(shard=2, tensor=2))
     results['2d->hsdp'] = _resume(work, '2d_10', dict(replicate=2, shard=2))
+    results['2d_ac->flat'] = _resume(work, '2d_ac_10', None)
     return results
 
 
@@ -236,7 +251,15 @@ def test_resume_same_mesh_bit_exact(runs, name):
 
 @pytest.mark.parametrize(
     'case, source',
-    [('hsdp->flat', 'hsdp'), ('2d->flat', '2d'), ('flat->2d', 'flat'), ('2d->hsdp', '2d')],
+    [
+        ('hsdp->flat', 'hsdp'),
+        ('2d->flat', '2d'),
+        ('flat->2d', 'flat'),
+        ('2d->hsdp', '2d'),
+        # activation checkpointing and an async save (the weights overwritten after the
+        # call): the state of the plain 2-D run, bit for bit
+        ('2d_ac->flat', '2d_ac'),
+    ],
 )
 def test_reshard_across_meshes_on_four(runs, case, source):
     for rank, out in enumerate(runs['four']):
