@@ -175,6 +175,22 @@ def _four(work):
         p.data.fill_(7.0)
     s.wait_for_checkpoints()
     results['2d_ac'] = {'at_save': results['2d']['at_save']}
+    # bf16 autocast (of a float32 model) on the 2-D mesh: float32's losses within bf16 rounding
+    amp = {**OPTIM, 'type': 'AmpOptimWrapper', 'dtype': 'bfloat16'}
+    losses = {}
+    for kind, optim in (('fp', OPTIM), ('amp', amp)):
+        s = _strategy(Path(work) / f'2d_{kind}', MESHES['2d'][0])
+        model, ow = s.prepare(
+            _model().float(), optim_wrapper=optim, dispatch_kwargs=dict(max_iters=4)
+        )
+        losses[kind] = []
+        for it in range(4):
+            x, y = _batch(it, s.data_parallel_rank, s.data_parallel_size)
+            with ow.optim_context(model):
+                loss = model(x, y)['loss']
+            ow.update_params(loss)
+            losses[kind].append(float(loss))
+    results['amp'] = losses
     # resume on the same mesh: the uninterrupted run, bit for bit
     for name, (mesh, sequence) in MESHES.items():
         results[name]['resumed'] = _resume(work, f'{name}_10', mesh, sequence, STEPS)
@@ -231,6 +247,13 @@ def _reference_init():
     torch.manual_seed(1)
     model.init_weights()
     return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_bf16_autocast_on_the_2d_mesh(runs):
+    for out in runs['four']:
+        fp, amp = out['amp']['fp'], out['amp']['amp']
+        assert amp[0] != fp[0] and abs(amp[0] - fp[0]) < 1e-2 * fp[0]  # autocast ran
+        assert all(abs(a - f) < 5e-2 * f for a, f in zip(amp, fp))  # and it trains alike
 
 
 def test_data_split_over_replicate_and_shard(runs):
