@@ -95,11 +95,13 @@ class KeyChecks:
                 f'param_scheduler[{i}]',
                 drop=('optimizer', 'convert_to_iter_based'),
             )
-        if 'auto_scale_lr' in cfg and 'auto_scale_lr' not in strategy:
+        top, own = cfg.get('auto_scale_lr'), strategy.get('auto_scale_lr')
+        if top is not None and own is not None and dict(top) != dict(own):
             self.add(
                 'auto_scale_lr',
-                'a top-level auto_scale_lr is not read by stratagem (the strategy scales the lr)',
-                'move it into strategy=dict(auto_scale_lr=dict(enable=True, base_batch_size=N))',
+                f"given twice, differently: top level {dict(top)} (mmengine's place) and "
+                f"strategy.auto_scale_lr {dict(own)}; the strategy's wins",
+                'keep one of them',
             )
 
     def _check_optim_wrapper(self, ow: Any) -> None:

@@ -122,6 +122,7 @@ def train(
     strategy_cfg = dict(cfg.get('strategy') or {'type': 'auto'})
     strategy_cfg.setdefault('work_dir', cfg.get('work_dir', 'work_dirs'))
     env_kwargs = dict(strategy_cfg.get('env_kwargs') or {})
+    _mmengine_top_level_keys(cfg, strategy_cfg, env_kwargs)
     if cfg.get('randomness') is not None:
         env_kwargs.setdefault('randomness', dict(cfg.randomness))
     strategy_cfg['env_kwargs'] = env_kwargs
@@ -262,6 +263,33 @@ def train(
         protect = [strategy.resumed_from] if strategy.resumed_from else []
         ckpt.apply_retention(strategy.work_dir, int(max_keep), protect=protect)
     return {'strategy': strategy, 'losses': losses, 'iter': it}
+
+
+def _mmengine_top_level_keys(cfg: Any, strategy_cfg: dict, env_kwargs: dict) -> None:
+    """An mmengine config as it is: its top-level ``env_cfg`` gives the strategy's
+    ``env_kwargs`` defaults (a CUDA backend on a machine without CUDA becomes gloo, said once)
+    and its top-level ``auto_scale_lr`` the strategy's, unless the strategy has its own (which
+    wins, with a warning when they differ)."""
+    if cfg.get('env_cfg'):
+        from stratagem.env.launcher import mmengine_env_kwargs
+
+        for key, value in mmengine_env_kwargs(cfg['env_cfg']).items():
+            env_kwargs.setdefault(key, value)
+    top = cfg.get('auto_scale_lr')
+    if top is None:
+        return
+    own = strategy_cfg.get('auto_scale_lr')
+    if own is None:
+        strategy_cfg['auto_scale_lr'] = dict(top)
+    elif dict(own) != dict(top):
+        import warnings
+
+        warnings.warn(
+            f'auto_scale_lr is given twice: at the top level ({dict(top)}) and in strategy '
+            f"({dict(own)}); the strategy's is used. Keep one of them",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _flatten(schedulers: Any) -> list:

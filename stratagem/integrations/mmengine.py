@@ -26,7 +26,8 @@ Switching an mmengine config to stratagem: ``import stratagem.integrations.mmeng
 ``custom_imports=dict(imports=['stratagem.integrations.mmengine'])`` in the config), build a
 ``FlexibleRunner`` and set ``strategy=dict(type='stratagem.SingleDeviceStrategy')`` (or
 ``'stratagem.DDPStrategy'``, ...); ``optim_wrapper`` and ``param_scheduler`` keep mmengine's
-keys. On a CPU-only machine pass ``env_cfg=dict(dist_cfg=dict(backend='gloo'))``.
+keys. FlexibleRunner's default ``env_cfg`` (``backend='nccl'``) works on a CPU-only machine:
+a CUDA backend the user did not choose becomes gloo there, said once.
 """
 
 from __future__ import annotations
@@ -135,27 +136,38 @@ def _child(parent: MMRegistry, name: str) -> MMRegistry:
     return existing if existing is not None else MMRegistry(name, parent=parent, scope=SCOPE)
 
 
-def _builder(registry: ours.Registry, name: str):
+def _builder(registry: ours.Registry, name: str, fit: Any = None):
     def build(**kwargs: Any) -> Any:
-        return registry.build(dict(type=name, **kwargs))
+        return registry.build(dict(type=name, **(fit(kwargs) if fit else kwargs)))
 
     build.__name__ = build.__qualname__ = name
     build.__doc__ = f"Builds stratagem's {name} (imported on first use)."
     return build
 
 
-def _mirror(source: ours.Registry, target: MMRegistry) -> None:
+def _fit_env_cfg(kwargs: dict) -> dict:
+    """FlexibleRunner hands its ``env_cfg`` over as ``env_kwargs``: a CUDA backend that the
+    user did not choose (its default, its config templates') becomes gloo on a machine
+    without CUDA, said once (``env.launcher.mmengine_env_kwargs``)."""
+    from stratagem.env.launcher import mmengine_env_kwargs
+
+    if kwargs.get('env_kwargs'):
+        kwargs = {**kwargs, 'env_kwargs': mmengine_env_kwargs(kwargs['env_kwargs'], 'env_cfg')}
+    return kwargs
+
+
+def _mirror(source: ours.Registry, target: MMRegistry, fit: Any = None) -> None:
     loaded = source.module_dict  # eager entries: the classes themselves
     for name in source.names():
         obj = loaded.get(name)
-        target.register_module(
-            name=name, module=obj if obj is not None else _builder(source, name), force=True
-        )
+        if obj is None or fit is not None:
+            obj = _builder(source, name, fit)
+        target.register_module(name=name, module=obj, force=True)
 
 
 STRATEGIES = _child(MM_STRATEGIES, 'strategy')
 OPTIM_WRAPPERS = _child(MM_OPTIM_WRAPPERS, 'optim_wrapper')
 PARAM_SCHEDULERS = _child(MM_PARAM_SCHEDULERS, 'parameter scheduler')
-_mirror(ours.STRATEGIES, STRATEGIES)
+_mirror(ours.STRATEGIES, STRATEGIES, fit=_fit_env_cfg)  # builders: the env_cfg is fitted
 _mirror(ours.OPTIM_WRAPPERS, OPTIM_WRAPPERS)
 _mirror(ours.PARAM_SCHEDULERS, PARAM_SCHEDULERS)

@@ -77,7 +77,7 @@ def _runner(work_dir, strategy, max_epochs, resume=False):
         work_dir=str(work_dir),
         strategy=dict(type=strategy[0], **strategy[1]),
         launcher='pytorch' if distributed else 'none',
-        env_cfg=dict(dist_cfg=dict(backend='gloo')),
+        # no env_cfg: FlexibleRunner's default (backend='nccl') must run on a CPU machine
         randomness=dict(seed=3),
         train_dataloader=dict(
             dataset=_dataset(),
