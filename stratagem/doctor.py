@@ -75,8 +75,12 @@ class Finding:
 
 
 class _Doctor(KeyChecks, SchedulerChecks):
-    def __init__(self, cfg: Mapping, nproc: int, probe_disk: bool = True) -> None:
+    def __init__(
+        self, cfg: Mapping, nproc: int, probe_disk: bool = True, device_memory: int | None = None
+    ) -> None:
         self.cfg, self.nproc, self.probe_disk = cfg, nproc, probe_disk
+        self.device_memory = device_memory
+        self.batch: Any = None
         self.findings: list[Finding] = []
         self.notes: list[str] = []
         self.model = None
@@ -220,6 +224,49 @@ class _Doctor(KeyChecks, SchedulerChecks):
             if k not in ('constructor', 'paramwise_cfg') and isinstance(v, Mapping)
         ]
 
+    # ---------------------------------------------------------------- 8. memory
+    def load_batch(self) -> None:
+        """One micro batch of the dataset (its shapes feed the memory estimate) and the
+        dataset's length (the epoch length)."""
+        loader = self.cfg.get('train_dataloader') or {}
+        if not isinstance(loader.get('dataset'), Mapping):
+            return
+        from torch.utils.data import default_collate
+
+        from stratagem.registry import DATASETS
+
+        try:
+            dataset = DATASETS.build(dict(loader['dataset']))
+            self.dataset_length = len(dataset)
+            n = min(int(loader.get('batch_size', 1)), self.dataset_length)
+            self.batch = default_collate([dataset[i] for i in range(n)])
+        except Exception as err:  # noqa: BLE001 - a note: the checks go on without it
+            self.notes.append(f'the dataset cannot be built ({type(err).__name__}: {err})')
+
+    def check_memory(self) -> None:
+        if self.model is None or self.batch is None or any(
+            f.where.startswith(('model', 'optim_wrapper', 'strategy')) for f in self.findings
+        ):
+            self.notes.append('memory estimate skipped (fix the findings above first)')
+            return
+        from .doctor_memory import estimate_memory, format_size
+
+        try:
+            estimate = estimate_memory(self.cfg, self.nproc, self.batch)
+        except Exception as err:  # noqa: BLE001 - a note: the estimate is best effort
+            self.notes.append(f'memory estimate failed: {type(err).__name__}: {err}')
+            return
+        self.notes.append(f'estimated peak memory per device: {estimate.describe()}')
+        if self.device_memory is not None and estimate.peak > self.device_memory:
+            self.add(
+                'memory',
+                f'the estimated peak {format_size(estimate.peak)} per device does not fit '
+                f'--device-memory {format_size(self.device_memory)}',
+                'shard more (FSDPStrategy, or DeepSpeed ZeRO-3), lower the micro batch '
+                '(raise accumulative_counts to keep the batch), add activation '
+                'checkpointing, or train in bf16',
+            )
+
     # ----------------------------------------------------------- 5. schedulers
     def run_length(self) -> None:
         """The run's ``max_iters`` / ``max_epochs`` and iterations per epoch, as the loop
@@ -320,19 +367,29 @@ def _disk_write_speed(directory: Path) -> float:
 
 
 def diagnose(
-    cfg: Mapping, nproc: int = 1, *, probe_disk: bool = True
+    cfg: Mapping,
+    nproc: int = 1,
+    *,
+    probe_disk: bool = True,
+    device_memory: int | None = None,
+    memory: bool = True,
 ) -> tuple[list[Finding], list[str]]:
-    """All findings for ``cfg`` run on ``nproc`` processes, and informational notes."""
-    doctor = _Doctor(cfg, nproc, probe_disk)
+    """All findings for ``cfg`` run on ``nproc`` processes, and informational notes.
+    ``device_memory``: bytes per device; an estimated peak above it is a finding.
+    ``memory=False`` skips the memory estimate."""
+    doctor = _Doctor(cfg, nproc, probe_disk, device_memory)
     doctor.check_keys()
     doctor.check_batch()
     doctor.check_precision()
     doctor.build_meta_model()
     doctor.check_sharding()
+    doctor.load_batch()
     doctor.run_length()
     doctor.check_schedulers()
     doctor.check_checkpoints()
     doctor.check_packages()
+    if memory or device_memory is not None:
+        doctor.check_memory()
     return doctor.findings, doctor.notes
 
 
