@@ -1,6 +1,6 @@
 """Pre-flight checks of a config against this machine (``stratagem doctor CONFIG [--nproc N]``).
 
-Runs no training and builds nothing heavy: no process group, no dataset, no optimizer. The
+Runs no training and builds nothing heavy: no real process group, no real weights. The
 model is instantiated on the ``meta`` device (no memory, no weights) only to count parameters
 and list module classes; a model that cannot be built that way is reported and those checks
 skipped. Each check reads the config (and the machine: devices, packages, free disk, one
@@ -14,15 +14,23 @@ skipped. Each check reads the config (and the machine: devices, packages, free d
    and DeepSpeed's ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` /
    ``gradient_accumulation_steps``;
 3. precision: bf16 with a GradScaler (``loss_scale``), fp16 or bf16 on a device without it;
-4. sharding: FSDP wrap-policy class names that match no module of the model; activation
-   checkpointing without a wrap policy; FSDP's ``mesh`` against the world size and its
-   ``tensor_parallel_plan`` against the model (``doctor_mesh.py``);
-5. schedulers: an ``end`` past the run; windows of two absolute schedules of the same
-   parameter that overlap (mmengine multiplies them; a warmup over a main schedule is the
-   expected overlap and not reported);
+4. sharding (``doctor_sharding.py``, by the strategies' own parsers): FSDP's
+   ``model_wrapper`` (every ``auto_wrap_policy`` / ``ignored_modules`` form, refused keys),
+   ``activation_checkpointing`` and ``state_dict_cfg``, the modules each selects on the meta
+   model; activation checkpointing without a wrap policy; FSDP's ``mesh`` against the world
+   size and its ``tensor_parallel_plan`` against the model (``doctor_mesh.py``); DeepSpeed's
+   config (a dict or a JSON file, with the keyword sections) and ``gradient_clipping``;
+5. schedulers (``doctor_schedulers.py``, each built as a run builds it): ``begin``, ``end``,
+   ``T_max``, ``milestones``, ``step_size``, ``periods``, ``total_steps`` against the run's
+   length, ``convert_to_iter_based`` included; windows of two absolute schedules of the same
+   parameter and optimizer that overlap (mmengine multiplies them; a warmup over a main
+   schedule is the expected overlap and not reported);
 6. checkpoints: the estimated save stall against the run (synchronous saves), free disk for
    ``max_keep_ckpts`` (+1 being written) checkpoints;
-7. packages the chosen strategy needs but this environment lacks.
+7. packages the chosen strategy needs but this environment lacks;
+8. memory (``doctor_memory.py``): the peak per device of one training step at the world size
+   (fake tensors, torch's fake process group, torch's memory trackers), a finding when it
+   exceeds ``device_memory``. This builds the dataset for one micro batch (its shapes).
 
 :func:`diagnose` returns the findings, :func:`format_table` lays them out; the command
 (``stratagem.cli.doctor``) exits 0 when there is no finding, 1 otherwise (2 for a config that
@@ -42,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from .doctor_keys import _STRATEGY_PACKAGES, KeyChecks
+from .doctor_memory import MemoryChecks
 from .doctor_mesh import tensor_size
 from .doctor_schedulers import SchedulerChecks
 from .doctor_sharding import deepspeed_config, sharding_findings
@@ -74,7 +83,7 @@ class Finding:
     fix: str
 
 
-class _Doctor(KeyChecks, SchedulerChecks):
+class _Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
     def __init__(
         self, cfg: Mapping, nproc: int, probe_disk: bool = True, device_memory: int | None = None
     ) -> None:
@@ -224,49 +233,6 @@ class _Doctor(KeyChecks, SchedulerChecks):
             if k not in ('constructor', 'paramwise_cfg') and isinstance(v, Mapping)
         ]
 
-    # ---------------------------------------------------------------- 8. memory
-    def load_batch(self) -> None:
-        """One micro batch of the dataset (its shapes feed the memory estimate) and the
-        dataset's length (the epoch length)."""
-        loader = self.cfg.get('train_dataloader') or {}
-        if not isinstance(loader.get('dataset'), Mapping):
-            return
-        from torch.utils.data import default_collate
-
-        from stratagem.registry import DATASETS
-
-        try:
-            dataset = DATASETS.build(dict(loader['dataset']))
-            self.dataset_length = len(dataset)
-            n = min(int(loader.get('batch_size', 1)), self.dataset_length)
-            self.batch = default_collate([dataset[i] for i in range(n)])
-        except Exception as err:  # noqa: BLE001 - a note: the checks go on without it
-            self.notes.append(f'the dataset cannot be built ({type(err).__name__}: {err})')
-
-    def check_memory(self) -> None:
-        if self.model is None or self.batch is None or any(
-            f.where.startswith(('model', 'optim_wrapper', 'strategy')) for f in self.findings
-        ):
-            self.notes.append('memory estimate skipped (fix the findings above first)')
-            return
-        from .doctor_memory import estimate_memory, format_size
-
-        try:
-            estimate = estimate_memory(self.cfg, self.nproc, self.batch)
-        except Exception as err:  # noqa: BLE001 - a note: the estimate is best effort
-            self.notes.append(f'memory estimate failed: {type(err).__name__}: {err}')
-            return
-        self.notes.append(f'estimated peak memory per device: {estimate.describe()}')
-        if self.device_memory is not None and estimate.peak > self.device_memory:
-            self.add(
-                'memory',
-                f'the estimated peak {format_size(estimate.peak)} per device does not fit '
-                f'--device-memory {format_size(self.device_memory)}',
-                'shard more (FSDPStrategy, or DeepSpeed ZeRO-3), lower the micro batch '
-                '(raise accumulative_counts to keep the batch), add activation '
-                'checkpointing, or train in bf16',
-            )
-
     # ----------------------------------------------------------- 5. schedulers
     def run_length(self) -> None:
         """The run's ``max_iters`` / ``max_epochs`` and iterations per epoch, as the loop
@@ -292,7 +258,7 @@ class _Doctor(KeyChecks, SchedulerChecks):
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
         opt = (self.cfg.get('optim_wrapper') or {}).get('optimizer') or {}
-        copies = _OPTIM_STATE_COPIES.get(opt.get('type'), 2)
+        copies = _OPTIM_STATE_COPIES.get(str(opt.get('type')), 2)
         if opt.get('type') == 'SGD' and not opt.get('momentum'):
             copies = 0
         size = params * (1 + copies) + buffers + (1 << 20)

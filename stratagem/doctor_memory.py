@@ -30,11 +30,18 @@ tensors, real gloo groups) and compares.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ['MemoryEstimate', 'estimate_memory', 'measure_step', 'parse_size', 'format_size']
+__all__ = [
+    'MemoryChecks',
+    'MemoryEstimate',
+    'estimate_memory',
+    'measure_step',
+    'parse_size',
+    'format_size',
+]
 
 _UNITS = {'': 1, 'b': 1, 'k': 10**3, 'm': 10**6, 'g': 10**9, 't': 10**12}
 _IUNITS = {'ki': 2**10, 'mi': 2**20, 'gi': 2**30, 'ti': 2**40}
@@ -89,7 +96,9 @@ class MemoryEstimate:
 
 def _loss(output: Any) -> Any:
     if isinstance(output, Mapping):
-        return sum(v if not isinstance(v, list) else sum(v) for k, v in output.items() if 'loss' in k)
+        return sum(
+            v if not isinstance(v, list) else sum(v) for k, v in output.items() if 'loss' in k
+        )
     return output
 
 
@@ -258,3 +267,62 @@ def _shard(strategy: Mapping, nproc: int, model: Any) -> Any:
         fully_shard(block, **kwargs, ignored_params=ignored & set(block.parameters()) or None)
     fully_shard(model, **kwargs, ignored_params=ignored or None)
     return model
+
+
+class MemoryChecks:
+    """The memory check of ``doctor._Doctor`` (which provides ``cfg``, ``nproc``, ``model``,
+    ``add``, ``notes``, ``findings`` and ``device_memory``)."""
+
+    cfg: Mapping
+    nproc: int
+    model: Any
+    batch: Any
+    dataset_length: int | None
+    device_memory: int | None
+    add: Callable[[str, str, str], None]
+    notes: list[str]
+    findings: list
+
+    def load_batch(self) -> None:
+        """One micro batch of the dataset (its shapes feed the memory estimate) and the
+        dataset's length (the epoch length)."""
+        loader = self.cfg.get('train_dataloader') or {}
+        if not isinstance(loader.get('dataset'), Mapping):
+            return
+        from torch.utils.data import default_collate
+
+        from stratagem.registry import DATASETS
+
+        try:
+            dataset = DATASETS.build(dict(loader['dataset']))
+            self.dataset_length = len(dataset)
+            n = min(int(loader.get('batch_size', 1)), self.dataset_length)
+            self.batch = default_collate([dataset[i] for i in range(n)])
+        except Exception as err:  # noqa: BLE001 - a note: the checks go on without it
+            self.notes.append(f'the dataset cannot be built ({type(err).__name__}: {err})')
+
+    def check_memory(self) -> None:
+        if (
+            self.model is None
+            or self.batch is None
+            or any(
+                f.where.startswith(('model', 'optim_wrapper', 'strategy')) for f in self.findings
+            )
+        ):
+            self.notes.append('memory estimate skipped (fix the findings above first)')
+            return
+        try:
+            estimate = estimate_memory(self.cfg, self.nproc, self.batch)
+        except Exception as err:  # noqa: BLE001 - a note: the estimate is best effort
+            self.notes.append(f'memory estimate failed: {type(err).__name__}: {err}')
+            return
+        self.notes.append(f'estimated peak memory per device: {estimate.describe()}')
+        if self.device_memory is not None and estimate.peak > self.device_memory:
+            self.add(
+                'memory',
+                f'the estimated peak {format_size(estimate.peak)} per device does not fit '
+                f'--device-memory {format_size(self.device_memory)}',
+                'shard more (FSDPStrategy, or DeepSpeed ZeRO-3), lower the micro batch '
+                '(raise accumulative_counts to keep the batch), add activation '
+                'checkpointing, or train in bf16',
+            )

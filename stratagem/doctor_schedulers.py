@@ -140,16 +140,14 @@ class SchedulerChecks:
         if field == 'T_max' and value > span:
             self.add(
                 at,
-                f'T_max={value}{conv} but {run}: the value never reaches its minimum '
-                f'(eta_min)',
+                f'T_max={value}{conv} but {run}: the value never reaches its minimum (eta_min)',
                 f'set T_max={span} or leave T_max out (it defaults to end - begin)',
             )
         elif field == 'T_max' and value < span:
             self.add(
                 at,
                 f'T_max={value}{conv} but {run}: past T_max the cosine rises again',
-                f'set T_max={span}, or end={begin + value} (then a following scheduler '
-                'takes over)',
+                f'set T_max={span}, or end={begin + value} (then a following scheduler takes over)',
             )
         elif field == 'milestones':
             late = sorted(m for m in value if m >= span)

@@ -168,7 +168,9 @@ def test_scheduler_end_and_overlap(tmp_path):
     )
     overlap = f['param_scheduler[1], param_scheduler[2]']
     assert overlap.problem.startswith('CosineAnnealingLR [0, 256) and StepLR [128, 192) overlap')
-    assert 'param_scheduler[0], param_scheduler[1]' not in f  # a warmup over the main schedule is expected
+    assert (
+        'param_scheduler[0], param_scheduler[1]' not in f
+    )  # a warmup over the main schedule is expected
 
 
 def test_checkpoint_disk_and_stall(tmp_path, monkeypatch):

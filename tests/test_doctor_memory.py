@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from dist_harness import run_distributed
 
+from dist_harness import run_distributed
 from stratagem import doctor
 from stratagem.doctor_memory import estimate_memory, measure_step, parse_size
 
