@@ -131,7 +131,7 @@ def measure_step(model: Any, optim_wrapper: Any, batch: Any, *, fsdp: bool = Fal
         tracker.track_external(model, *[w.optimizer for w in wrappers])
     counts = max(int(getattr(w, '_accumulative_counts', 1) or 1) for w in wrappers)
     with tracker:
-        for i in range(counts + 1):
+        for _ in range(counts + 1):
             with optim_wrapper.optim_context(model):
                 loss = _loss(_forward(model, batch))
             if len(wrappers) == 1:
@@ -141,8 +141,7 @@ def measure_step(model: Any, optim_wrapper: Any, batch: Any, *, fsdp: bool = Fal
                 for w in wrappers:
                     w.step()
                     w.zero_grad()
-            if i == 0:
-                tracker.reset_mod_stats()  # the tracker counts modules of one iteration
+            tracker.reset_mod_stats()  # per-module stats hold one iteration; the peak stays
     snap = tracker.get_tracker_snapshot('peak')
     out = {'peak': 0, 'parameters': 0, 'gradients': 0, 'optimizer': 0, 'activations': 0}
     for stats in snap.values():
