@@ -26,7 +26,6 @@ through ``integrations.mmengine_hooks.PreemptionHook``) uses it in this sequence
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import json
 import logging
@@ -224,16 +223,15 @@ class Preemption:
         key = self._key
 
         def wait() -> None:
-            while not self._done.is_set():
+            # polls (check does not block): a blocking wait that times out makes c10d log a
+            # warning each time, and __exit__ could not interrupt it
+            while not self._done.wait(0.1):
                 try:
-                    waiter.wait([key], datetime.timedelta(seconds=0.5))
-                except Exception:  # noqa: BLE001 - a timeout: look again (or stop)
-                    continue
-                try:
-                    self._agreed(int(waiter.get(key)))
+                    if waiter.check([key]):
+                        self._agreed(int(waiter.get(key)))
+                        return
                 except Exception:  # noqa: BLE001 - the store is gone: the loop's collectives say so
-                    pass
-                return
+                    return
 
         self._thread = threading.Thread(target=wait, daemon=True, name='stratagem-preemption')
         self._thread.start()

@@ -109,19 +109,15 @@ class Watchdog:
                 self._mine, self._mine_moved = mine, now
             try:
                 self._store.set(keys[self.rank], f'{count} {mine[0]} {mine[1]}')
-                values = [
-                    v.decode()
-                    for v in self._store.multi_get(
-                        [k for r, k in enumerate(keys) if r != self.rank]
-                    )
-                ]
-                self._store_lost = None
-            except Exception:  # noqa: BLE001 - a peer not posted yet, or the store gone
-                polled = self._poll_each(keys)
-                if polled is None:
-                    self._store_lost = self._store_lost or now
-                    continue
-                values = polled
+            except Exception:  # noqa: BLE001 - the store is gone
+                self._store_lost = self._store_lost or now
+                continue
+            polled = self._poll_each(keys)
+            if polled is None:
+                self._store_lost = self._store_lost or now
+                continue
+            self._store_lost = None
+            values = polled
             peers = [r for r in range(self.world_size) if r != self.rank]
             for r, value in zip(peers, values):
                 self._see(r, value, now)
@@ -130,12 +126,11 @@ class Watchdog:
                 _hard_exit(self.verdict() or '')
 
     def _poll_each(self, keys: list[str]) -> list[str] | None:
-        try:
-            return [
-                self._store.get(k).decode() if self._store.check([k]) else ''
-                for r, k in enumerate(keys)
-                if r != self.rank
-            ]
+        others = [k for r, k in enumerate(keys) if r != self.rank]
+        try:  # a get of a key not posted yet would block: check first
+            if self._store.check(others):
+                return [v.decode() for v in self._store.multi_get(others)]
+            return [self._store.get(k).decode() if self._store.check([k]) else '' for k in others]
         except Exception:  # noqa: BLE001 - the store itself stopped answering
             return None
 
