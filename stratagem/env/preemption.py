@@ -11,8 +11,9 @@ through ``integrations.mmengine_hooks.PreemptionHook``) uses it in this sequence
    being the number of iterations completed. In one process it is True right after a signal.
    In a process group the first rank that saw a signal proposes ``stop = done + lead`` under
    one key of the process group's store (``compare_set``: the first proposal wins); every rank
-   learns the agreed value from a thread blocked on that key (so the check costs nothing per
-   step), and answers True once ``done >= stop``. ``lead`` must exceed how far ranks can drift
+   reads that key after each iteration (one non-blocking store request, tens of
+   microseconds: a background thread would learn it too late when steps are short) and
+   answers True once ``done >= stop``. ``lead`` must exceed how far ranks can drift
    apart between two collectives: 2 for plain data parallel, the accumulation window + 1
    when gradients are synchronised only once per window.
 3. The loop saves a checkpoint (its vote makes a rank that died meanwhile fail the save on
@@ -140,8 +141,6 @@ class Preemption:
         self._store: Any = None
         self._key = ''
         self._proposed = False
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
 
     @classmethod
     def from_config(cls, cfg: PreemptionConfig, lead: int = 2) -> Preemption:
@@ -167,9 +166,6 @@ class Preemption:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
 
     def _handle(self, signum: int, frame: Any) -> None:
         # only a flag: the loop decides where to stop, never the middle of a step
@@ -195,8 +191,8 @@ class Preemption:
                 self._watch()
                 if self.received is not None and not self._proposed:
                     self._proposed = True
-                    won = self._store.compare_set(self._key, '', str(done + self.lead))
-                    self._agreed(int(won))
+                    proposal = f'{done + self.lead} {self.received}'
+                    self._agreed(self._store.compare_set(self._key, '', proposal))
         if self.stop_at is not None and done > self.stop_at:
             raise RuntimeError(
                 f'preemption: the ranks agreed to stop after iteration {self.stop_at}, but this '
@@ -205,36 +201,22 @@ class Preemption:
             )
         return self.stop_at is not None and done >= self.stop_at
 
-    def _agreed(self, stop_at: int) -> None:
+    def _agreed(self, value: bytes | str) -> None:
+        """The store's ``'<stop> <signal>'``: every rank reports the signal that stopped it."""
+        stop, _, name = (value.decode() if isinstance(value, bytes) else value).partition(' ')
         if self.stop_at is None:
-            self.stop_at = stop_at
-            if self.received is None:
-                self.received = 'another rank'
+            self.stop_at = int(stop)
+            self.received = name or self.received
 
     def _watch(self) -> None:
-        """Start (once) the thread that learns the agreed stop from the store."""
-        if self._thread is not None:
-            return
-        from stratagem.env.store import store_client
+        """Learn the agreed stop (one non-blocking store request)."""
+        if self._store is None:
+            from stratagem.env.store import store_client
 
-        self._store = store_client()
-        self._key = f'stratagem/preempt/{next(_SESSIONS)}/stop'
-        waiter = store_client()
-        key = self._key
-
-        def wait() -> None:
-            # polls (check does not block): a blocking wait that times out makes c10d log a
-            # warning each time, and __exit__ could not interrupt it
-            while not self._done.wait(0.1):
-                try:
-                    if waiter.check([key]):
-                        self._agreed(int(waiter.get(key)))
-                        return
-                except Exception:  # noqa: BLE001 - the store is gone: the loop's collectives say so
-                    return
-
-        self._thread = threading.Thread(target=wait, daemon=True, name='stratagem-preemption')
-        self._thread.start()
+            self._store = store_client()
+            self._key = f'stratagem/preempt/{next(_SESSIONS)}/stop'
+        if self._store.check([self._key]):
+            self._agreed(self._store.get(self._key))
 
     # ------------------------------------------------------------------ the end
     def finish(self, work_dir: str, checkpoint: str | None, rank: int = 0) -> None:
