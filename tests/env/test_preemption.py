@@ -6,6 +6,7 @@ hand-written loop with the ``Preemption`` context manager, and mmengine's Flexib
 import importlib.util
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -112,6 +113,22 @@ def test_a_hand_written_loop_with_the_context_manager(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec('mmengine') is None, reason='needs mmengine')
 def test_flexible_runner_preemption_hook(tmp_path):
+    # in a process of its own: mmengine's runner changes process-wide logging state
+    code = f'import test_preemption as t; t.hook_run({str(tmp_path)!r}); print("HOOK-OK")'
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get('PYTHONPATH', '')]))
+    done = subprocess.run(
+        [sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and 'HOOK-OK' in done.stdout, done.stderr[-3000:]
+
+
+def hook_run(root):
+    """FlexibleRunner + PreemptionHook: SIGUSR1 at iteration 5 -> iter_5.pth, SystemExit(75);
+    a resumed runner ends where an uninterrupted one does."""
+    from pathlib import Path
+
+    tmp_path = Path(root)
     sys.modules.setdefault('deepspeed', None)  # mmengine imports it when installed (slow)
     from mmengine.hooks import Hook
     from mmengine.runner import FlexibleRunner
