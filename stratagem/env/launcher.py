@@ -183,6 +183,13 @@ def init_dist(
     os.environ.update(exports)
     if cuda:
         torch.cuda.set_device(local_rank)
+    if launcher == 'pytorch' and env_rendezvous:  # each torchrun attempt its own keys
+        from .store import elastic_attempt_store
+
+        store = elastic_attempt_store(kwargs.get('timeout'))
+        if store is not None:
+            kwargs.pop('init_method', None)
+            kwargs['store'] = store
     kwargs.setdefault('rank', rank)
     kwargs.setdefault('world_size', world_size)
     dist.init_process_group(backend=backend, **kwargs)
