@@ -335,7 +335,7 @@ def _mmengine_top_level_keys(cfg: Any, strategy_cfg: dict, env_kwargs: dict) -> 
     and its top-level ``auto_scale_lr`` the strategy's, unless the strategy has its own (which
     wins, with a warning when they differ)."""
     if cfg.get('env_cfg'):
-        from stratagem.env.launcher import mmengine_env_kwargs
+        from stratagem.env.backend import mmengine_env_kwargs
 
         for key, value in mmengine_env_kwargs(cfg['env_cfg']).items():
             env_kwargs.setdefault(key, value)

@@ -155,8 +155,8 @@ def _builder(registry: ours.Registry, name: str, fit: Any = None):
 def _fit_env_cfg(kwargs: dict) -> dict:
     """FlexibleRunner hands its ``env_cfg`` over as ``env_kwargs``: a CUDA backend that the
     user did not choose (its default, its config templates') becomes gloo on a machine
-    without CUDA, said once (``env.launcher.mmengine_env_kwargs``)."""
-    from stratagem.env.launcher import mmengine_env_kwargs
+    without CUDA, said once (``env.backend.mmengine_env_kwargs``)."""
+    from stratagem.env.backend import mmengine_env_kwargs
 
     if kwargs.get('env_kwargs'):
         kwargs = {**kwargs, 'env_kwargs': mmengine_env_kwargs(kwargs['env_kwargs'], 'env_cfg')}
