@@ -33,6 +33,7 @@ from stratagem import checkpoint as ckpt
 from stratagem.config import Config, ConfigError, check_keys
 from stratagem.env.preemption import Preemption, clear_marker, preemption_config
 from stratagem.env.watchdog import Watchdog
+from stratagem.metrics import RunMetrics, format_row
 from stratagem.registry import DATASETS
 from stratagem.schema import TRAIN_CFG_KEYS, TRAIN_DATALOADER_KEYS
 
@@ -248,6 +249,16 @@ def _train(
         stack.enter_context(logging_above(bar, log))  # logs print above a bar
         stack.callback(bar.close)
     watchdog = stack.enter_context(Watchdog(_dist_timeout(strategy_cfg)))
+    metrics = RunMetrics(
+        strategy.log_dir,
+        strategy.data_parallel_size * batch_size,
+        enabled=main,
+        cfg=train_cfg.get('metrics'),
+        logger=log,
+    )
+    stack.callback(metrics.close)
+    first_wrapper = next(iter(getattr(optim_wrapper, 'values', lambda: [optim_wrapper])()))
+    t_logged = t0
     with stack:  # closes the bar and the log redirection however the loop ends
         while it < max_iters:
             epoch, pos = divmod(it, epoch_length)
@@ -260,6 +271,8 @@ def _train(
                 loader.generator.manual_seed(data_seed + epoch)
                 data_iter = iter(loader)
             batch = next(data_iter)
+            if metrics.tokens is None:
+                metrics.saw_batch(batch)
             watchdog.at(it + 1, 'forward, backward, update')
             with optim_wrapper.optim_context(model):
                 loss = _parse_loss(_forward(model, batch, device))
@@ -273,32 +286,46 @@ def _train(
                 for s in scheduler_list:
                     if s.by_epoch:
                         s.step()
-            if it % log_interval == 0 or it == max_iters:
-                # mean over the iterations since the last log: the one host sync
-                value = float(loss_sum) / (it - last_logged)
-                loss_sum.zero_()
-                last_logged = it
-                losses.append((it, value))
-                lr = optim_wrapper.get_lr()
-                lr0 = next(iter(lr.values()))[0]
-                if bar is not None:
-                    bar.set_postfix(loss=f'{value:.4f}', lr=f'{lr0:.3g}', epoch=epoch)
-                log.info(
-                    f'iter {it}/{max_iters} epoch {epoch} loss {value:.4f} lr {lr0:.4g} '
-                    f'{(it - start_iter) / (time.perf_counter() - t0):.1f} it/s'
-                )
-            if bar is not None:
-                bar.update(1)
             stop = preemption is not None and preemption.should_stop(it)
             if (interval and it % interval == 0) or it == max_iters or stop:
                 watchdog.at(it, 'saving a checkpoint')
                 meta = {'iter': it, 'epoch': it // epoch_length}
+                t_save = time.perf_counter()
                 path = strategy.save_checkpoint(f'iter_{it}.pth', extra_ckpt={'meta': meta})
+                metrics.add_stall(time.perf_counter() - t_save)
                 saved_at = it
                 if main and max_keep:
                     protect = [strategy.resumed_from] if strategy.resumed_from else []
                     ckpt.apply_retention(strategy.work_dir, int(max_keep), protect=protect)
                 log.debug('saved %s', path)
+            if it % log_interval == 0 or it == max_iters or stop:
+                # mean over the iterations since the last log: the one host sync
+                value = float(loss_sum) / (it - last_logged)
+                loss_sum.zero_()
+                losses.append((it, value))
+                lr0 = next(iter(optim_wrapper.get_lr().values()))[0]
+                now = time.perf_counter()
+                row = metrics.write(
+                    it,
+                    epoch,
+                    value,
+                    lr0,
+                    getattr(first_wrapper, 'last_grad_norm', None),
+                    it - last_logged,
+                    now - t_logged,
+                    device,
+                )
+                last_logged, t_logged = it, now
+                if bar is not None:
+                    bar.set_postfix(
+                        loss=f'{value:.4f}',
+                        lr=f'{lr0:.3g}',
+                        epoch=epoch,
+                        samples_s=f'{row["samples_per_s"]:.0f}',
+                    )
+                log.info(f'iter {it}/{max_iters} epoch {epoch} ' + format_row(row))
+            if bar is not None:
+                bar.update(1)
             if stop and it < max_iters:
                 assert preemption is not None and saved_at == it
                 preempted = preemption.received

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ['METRICS_KEYS', 'RunMetrics', 'peak_memory_mib', 'tokens_per_sample']
+__all__ = ['METRICS_KEYS', 'RunMetrics', 'format_row', 'peak_memory_mib', 'tokens_per_sample']
 
 METRICS_KEYS = frozenset({'csv', 'tensorboard'})
 COLUMNS = (
@@ -76,6 +76,21 @@ def tokens_per_sample(batch: Any) -> int | None:
     ):
         return int(inputs.shape[1])
     return None
+
+
+def format_row(row: Mapping) -> str:
+    """A row as the log line's tail: ``loss 2.5000 lr 0.01 grad_norm 1.5 160 samples/s
+    (1600 tokens/s) 0.200 s/it peak 812 MiB [checkpoint 0.25 s]``."""
+    text = f'loss {row["loss"]:.4f} lr {row["lr"]:.4g}'
+    if row.get('grad_norm') is not None:
+        text += f' grad_norm {row["grad_norm"]:.4g}'
+    text += f' {row["samples_per_s"]:.1f} samples/s'
+    if row.get('tokens_per_s') is not None:
+        text += f' ({row["tokens_per_s"]:.0f} tokens/s)'
+    text += f' {row["step_time_s"]:.3f} s/it peak {row["peak_memory_mib"]:.0f} MiB'
+    if row.get('checkpoint_stall_s'):
+        text += f' checkpoint {row["checkpoint_stall_s"]:.2f} s'
+    return text
 
 
 class RunMetrics:

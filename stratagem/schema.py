@@ -49,6 +49,7 @@ TRAIN_CFG_KEYS: frozenset[str] = frozenset(
         'log_interval',
         'by_epoch',
         'preemption',
+        'metrics',
     }
 )
 """``train_cfg`` (read by the reference loop, ``stratagem train``): ``max_epochs`` or

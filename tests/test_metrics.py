@@ -74,3 +74,31 @@ def test_peak_memory_is_the_resident_high_water_mark_on_cpu():
     after = peak_memory_mib(torch.device('cpu'))
     assert after >= before and after > 64
     del block
+
+
+def test_stratagem_train_writes_the_rows(tmp_path):
+    from stratagem.loop import train
+
+    cfg = dict(
+        model=dict(type='MLPClassifier', in_features=8, num_classes=2, hidden=16),
+        train_dataloader=dict(
+            dataset=dict(
+                type='SyntheticClassification', num_samples=64, num_features=8, num_classes=2
+            ),
+            batch_size=8,
+        ),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
+        train_cfg=dict(max_iters=10, log_interval=4, checkpoint_interval=5),
+        work_dir=str(tmp_path),
+    )
+    result = train(cfg, progress=False)
+    (table,) = tmp_path.glob('*/metrics.csv')
+    with open(table) as f:
+        rows = list(csv.DictReader(f))
+    assert [r['iter'] for r in rows] == ['4', '8', '10']
+    assert [float(r['loss']) for r in rows] == pytest.approx([v for _, v in result['losses']])
+    assert all(r['grad_norm'] == '' and r['tokens_per_s'] == '' for r in rows)  # no clip, features
+    # saves at 5 and 10: a stall in the rows that cover them, none in the first
+    assert [float(r['checkpoint_stall_s']) > 0 for r in rows] == [False, True, True]
+    for r in rows:
+        assert float(r['samples_per_s']) == pytest.approx(8 / float(r['step_time_s']), rel=1e-6)
