@@ -194,14 +194,17 @@ def _without_launch_options(argv: list[str]) -> list[str]:
     return cleaned
 
 
-def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str) -> int:
+def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool = False) -> int:
     """Run torchrun's ``cmd``; forward ``signals`` to its workers meanwhile; return its exit
-    status, or the preemption's when the workers recorded one in ``work_dir``."""
+    status, or the preemption's when the workers recorded one in ``work_dir``. A failure
+    prints one message (``worker_errors.py``) unless ``debug``, which shows everything."""
     from stratagem.env.preemption import clear_marker, read_marker
+
+    from .worker_errors import run_with_one_message
 
     clear_marker(work_dir)
     with _forwarding(signals):
-        code = subprocess.call(cmd)
+        code = subprocess.call(cmd) if debug else run_with_one_message(cmd)
     info = read_marker(work_dir, remove=True)
     if info is not None:
         sys.stderr.write(

@@ -19,6 +19,7 @@ from stratagem.config import Config, parse_cfg_options
 from stratagem.env.preemption import preemption_config
 from stratagem.loop import train
 
+from . import debug_enabled
 from .launch import add_launch_arguments, relaunch, torchrun_command, wants_torchrun
 
 
@@ -59,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     preemption = preemption_config(dict(cfg.get('train_cfg') or {}).get('preemption', True))
     if wants_torchrun(args) and 'LOCAL_RANK' not in os.environ:
         cmd = torchrun_command(args)
-        return relaunch(cmd, preemption.signals if preemption else (), cfg['work_dir'])
+        debug = debug_enabled(list(getattr(args, 'cli_argv', [])))
+        return relaunch(cmd, preemption.signals if preemption else (), cfg['work_dir'], debug)
     if args.launcher:
         strategy = dict(cfg.get('strategy') or {'type': 'auto'})
         strategy['env_kwargs'] = {
