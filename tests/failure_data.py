@@ -5,7 +5,10 @@ Environment (read on each sample): ``SLOW`` seconds per sample; ``SIGNAL_AT=N`` 
 ``SIGNAL=SIGUSR1`` (default): the process that reads its N-th sample sends itself that
 signal (``SIGNAL_RANK``: only that rank); ``FAIL_AT=N`` with ``FAIL_RANK=R``: rank R raises
 at its N-th read in the first attempt of a torchrun job (``TORCHELASTIC_RESTART_COUNT=0``);
-``COUNT_DIR``: every read appends its index to ``COUNT_DIR/<pid>.txt``.
+``COUNT_DIR``: every read appends its index to ``COUNT_DIR/<pid>.txt``, and the first one
+writes ``COUNT_DIR/<pid>.world``: ``"<rank> <world size>"``; ``HOLD_AT=N`` with
+``HOLD_WORLD=W``: a process of a world of W processes stops at its N-th read until it is
+killed (a run kept from finishing while a test changes its membership).
 """
 
 import os
@@ -33,8 +36,15 @@ class FailureDataset(Dataset):
         if env.get('SLOW'):
             time.sleep(float(env['SLOW']))
         if env.get('COUNT_DIR'):
+            if self.reads == 1:
+                with open(os.path.join(env['COUNT_DIR'], f'{os.getpid()}.world'), 'w') as f:
+                    f.write(f'{rank} {env.get("WORLD_SIZE", "1")}\n')
             with open(os.path.join(env['COUNT_DIR'], f'{os.getpid()}.txt'), 'a') as f:
                 f.write(f'{i}\n')
+        if env.get('HOLD_AT') == str(self.reads) and env.get('HOLD_WORLD') == env.get(
+            'WORLD_SIZE', '1'
+        ):
+            time.sleep(300)
         if env.get('SIGNAL_AT') == str(self.reads) and env.get('SIGNAL_RANK', rank) == rank:
             os.kill(os.getpid(), getattr(signal, env.get('SIGNAL', 'SIGUSR1')))
         if (

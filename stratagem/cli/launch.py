@@ -203,7 +203,7 @@ def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool 
     from .worker_errors import run_with_one_message
 
     clear_marker(work_dir)
-    with _forwarding(signals):
+    with _forwarding(signals), _own_round_stores(cmd):
         code = subprocess.call(cmd) if debug else run_with_one_message(cmd)
     info = read_marker(work_dir, remove=True)
     if info is not None:
@@ -236,6 +236,25 @@ def _forwarding(signals: Sequence[str]) -> Iterator[None]:
             signal.signal(sig, handler)  # type: ignore[arg-type]
         if previous_env is None:
             os.environ.pop('TORCHELASTIC_SIGNALS_TO_HANDLE', None)
+
+
+@contextlib.contextmanager
+def _own_round_stores(cmd: Sequence[str]) -> Iterator[None]:
+    """Agents that meet at a ``--rdzv-endpoint`` give every rendezvous round a store of its
+    own, hosted by that round's rank 0 worker, instead of sharing one agent's store across
+    rounds (torch's default): the shared store keeps the keys of earlier rounds, and no
+    variable the workers get names the round (``TORCHELASTIC_RESTART_COUNT`` counts each
+    agent's own failures: an agent that joins later starts at 0, a scale-up does not count),
+    so workers of one round could not agree on a prefix of their own."""
+    key = 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE'
+    if '--standalone' in cmd or '--rdzv-backend=c10d' not in cmd or key in os.environ:
+        yield
+        return
+    os.environ[key] = '1'
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
 
 
 def _children(pid: int) -> list[int]:
