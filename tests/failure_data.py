@@ -46,6 +46,9 @@ class FailureDataset(Dataset):
         ):
             time.sleep(300)
         if env.get('SIGNAL_AT') == str(self.reads) and env.get('SIGNAL_RANK', rank) == rank:
+            if env.get('COUNT_DIR'):  # when, for the soak's timings
+                with open(os.path.join(env['COUNT_DIR'], 'signal.time'), 'w') as f:
+                    f.write(f'{time.time()}\n')
             os.kill(os.getpid(), getattr(signal, env.get('SIGNAL', 'SIGUSR1')))
         if (
             env.get('FAIL_AT') == str(self.reads)

@@ -6,15 +6,16 @@ at world size 2 to the end. Every sample is read exactly once per epoch over the
 (reads after an attempt's last committed checkpoint excepted: they are read again)."""
 
 import os
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from dist_harness import free_port
 from failure_helpers import CONFIG, clean_env, finish, kill_tree, start, workers, write_config
 from stratagem import checkpoint as ckpt
+from stratagem.cli import main
 
 pytestmark = pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='needs Linux /proc')
 
@@ -29,12 +30,6 @@ ELASTIC = (
     .replace('max_epochs=4', f'max_epochs={EPOCHS}')
     .replace('log_interval=4)', 'log_interval=4, preemption=dict(signals=["SIGUSR1"]))')
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 def _agent(cfg: Path, work: Path, port: int, count: Path, host: bool):
@@ -83,7 +78,7 @@ def test_a_lost_node_re_forms_at_world_size_1_and_a_returning_one_scales_up(tmp_
     cfg = write_config(tmp_path, ELASTIC)
     work, count = tmp_path / 'work', tmp_path / 'count'
     count.mkdir()
-    port = _free_port()
+    port = free_port()
     a = _agent(cfg, work, port, count, host=True)
     b = _agent(cfg, work, port, count, host=False)
     b2 = None
@@ -133,3 +128,31 @@ def test_a_lost_node_re_forms_at_world_size_1_and_a_returning_one_scales_up(tmp_
         assert sorted(indices) == list(range(N)), epoch
     final = ckpt.find_latest_checkpoint(work)
     assert final.name == f'iter_{total // (2 * BATCH)}.pth'
+
+
+def test_the_elastic_command_gives_every_rendezvous_round_a_store_of_its_own(tmp_path, monkeypatch):
+    """torch shares one agent's store across rounds, keys of earlier rounds included, and the
+    restart count each agent gives its workers is its own (an agent that joins later starts
+    at 0): workers of a re-formed round cannot agree on a fresh prefix in it."""
+    import stratagem.cli.worker_errors as worker_errors
+
+    seen = []
+    key = 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE'
+    monkeypatch.setattr(worker_errors, 'run_with_one_message', lambda cmd: seen.append(
+        (cmd, os.environ.get(key))) or 0)  # fmt: skip
+    monkeypatch.delenv('LOCAL_RANK', raising=False)
+    monkeypatch.delenv(key, raising=False)
+    cfg = str(write_config(tmp_path))
+    elastic = ['--nnodes', '1:2', '--rdzv-endpoint', '127.0.0.1:29400', '--max-restarts', '1']
+    assert main(['train', cfg, '--work-dir', str(tmp_path / 'w'), *elastic]) == 0
+    assert main(['train', cfg, '--work-dir', str(tmp_path / 'w'), '--nproc', '2']) == 0
+    (elastic_cmd, shared), (standalone_cmd, standalone) = seen
+    assert elastic_cmd[3:8] == [
+        '--nnodes=1:2',
+        '--rdzv-backend=c10d',
+        '--rdzv-endpoint=127.0.0.1:29400',
+        '--rdzv-id=stratagem',
+        '--max-restarts=1',
+    ]
+    assert shared == '1' and key not in os.environ  # for the agents only, then restored
+    assert '--standalone' in standalone_cmd and standalone is None  # one agent: its store

@@ -16,6 +16,11 @@ group's timeout with a transport error that does not say which peer it waited fo
    collective cannot be interrupted otherwise), so every rank ends within ``timeout`` + a
    few seconds; torchrun's agent then restarts the group (``--max-restarts``).
 
+A rank that got a termination signal (``signalled``: the preemption's, e.g. the SIGTERM
+torchrun's agent sends the survivors when it tears a group down after a worker died) while a
+peer is silent for ``stale`` s ends at once the same way: no checkpoint can be committed
+without that peer, and a save's vote would wait for it until the agent's SIGKILL (30 s).
+
 When the main thread fails first (gloo's timeout), ``Watchdog.__exit__`` raises
 ``RankUnresponsiveError`` from it, naming the rank, its last position, and what this rank
 was waiting in; with ``hard_exit`` the process ends ``grace`` s later if something (a
@@ -29,6 +34,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ['Watchdog', 'RankUnresponsiveError']
@@ -45,10 +51,18 @@ class Watchdog:
     timeout in seconds (``dist_cfg.timeout``); ``grace``: seconds past it before this rank
     ends itself. A no-op without a process group of two or more ranks."""
 
-    def __init__(self, timeout: float, *, grace: float = 10.0, hard_exit: bool = True) -> None:
+    def __init__(
+        self,
+        timeout: float,
+        *,
+        grace: float = 10.0,
+        hard_exit: bool = True,
+        signalled: Callable[[], str | None] | None = None,
+    ) -> None:
         if not timeout > 0:
             raise ValueError(f'Watchdog timeout should be > 0 seconds, got {timeout!r}')
         self.timeout, self.grace, self.hard_exit = float(timeout), float(grace), hard_exit
+        self.signalled = signalled  # the termination signal this process got, else None
         self.beat = max(0.05, min(1.0, self.timeout / 10))
         self.stale = min(self.timeout / 2, max(3.0, 5 * self.beat))
         self.iteration, self.doing = 0, 'starting'
@@ -124,6 +138,13 @@ class Watchdog:
             silent = self._silent(now, self.timeout + self.grace)
             if silent and now - self._mine_moved >= self.timeout + self.grace:
                 _hard_exit(self.verdict() or '')
+            got = self.signalled() if self.signalled is not None else None
+            if got and self._silent(now, self.stale):
+                _hard_exit(
+                    f'{got} received while {self.verdict()}; no checkpoint can be committed '
+                    'without it',
+                    signalled=True,
+                )
 
     def _poll_each(self, keys: list[str]) -> list[str] | None:
         others = [k for r, k in enumerate(keys) if r != self.rank]
@@ -184,10 +205,9 @@ class Watchdog:
         return None
 
 
-def _hard_exit(verdict: str) -> None:
-    message = (
-        f'stratagem watchdog: {verdict}; ending this process (exit status 1) instead of '
-        'waiting forever'
+def _hard_exit(verdict: str, signalled: bool = False) -> None:
+    message = f'stratagem watchdog: {verdict}; ending this process (exit status 1)' + (
+        '' if signalled else ' instead of waiting forever'
     )
     log.error(message)
     sys.stderr.write(message + '\n')
