@@ -11,6 +11,8 @@ asynchronous save is written; half the runs save asynchronously), then resumed w
 ``--resume``: reports the final results equal to the uninterrupted run, and the times from
 the signal to the committed checkpoint and to the exit (status 75).
 
+``--at-save``: every kill comes while a checkpoint is written (its temporary file exists).
+
 ``--hang``: one run under ``--max-restarts 1`` whose rank 1 is SIGSTOPped (``dist_cfg.timeout``
 20 s): rank 0 exits naming it, torchrun restarts the job (after SIGKILLing the stopped worker
 30 s later) and it ends equal to an uninterrupted run.
@@ -45,6 +47,7 @@ from failure_helpers import (  # noqa: E402
     final_state,
     finish,
     kill_tree,
+    reads,
     start,
     wait_reads,
     workers,
@@ -58,6 +61,13 @@ def _latest(work: Path) -> str | None:
             return Path(f.read().strip()).name
     except OSError:
         return None
+
+
+def _listdir(path: Path) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def kill_soak(args: argparse.Namespace, cfg: Path, want: dict, tmp: Path) -> None:
@@ -74,7 +84,12 @@ def kill_soak(args: argparse.Namespace, cfg: Path, want: dict, tmp: Path) -> Non
         pids = workers(proc.pid)
         victim = rng.randrange(2)
         at = rng.randrange(4 * 2, 4 * (ITERS_2 - 2))  # a read, 4 per iteration
-        wait_reads(count, pids[victim], at)
+        if args.at_save:  # as soon as rank 0 writes a checkpoint's temporary file
+            while not any(n.startswith('.iter_') for n in _listdir(work)):
+                time.sleep(0.001)
+            at = reads(count, pids[victim])
+        else:
+            wait_reads(count, pids[victim], at)
         os.kill(pids[victim], signal.SIGKILL)
         killed = time.monotonic()
         first = None
@@ -95,7 +110,7 @@ def kill_soak(args: argparse.Namespace, cfg: Path, want: dict, tmp: Path) -> Non
         if first is not None:
             delays.append(first)
         print(
-            f'kill {i + 1:2d}: rank {victim} at iteration {at // 4 + 1:2d} '
+            f'kill {i + 1:2d}: rank {victim} at iteration {(at - 1) // 4 + 1:2d} '
             f'({"async" if i % 2 else "sync"} saves): finished={ok} equal={eq} '
             f'kill->resumed step {first if first is None else round(first, 2)} s, '
             f'run {time.monotonic() - t0:.1f} s',
@@ -215,6 +230,7 @@ def main() -> None:
     parser.add_argument('--kills', type=int, default=20)
     parser.add_argument('--preempt', type=int, default=0, metavar='N')
     parser.add_argument('--hang', action='store_true')
+    parser.add_argument('--at-save', action='store_true', help='kill while a checkpoint is written')
     parser.add_argument('--seed', type=int, default=1)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix='failure-soak-'))
