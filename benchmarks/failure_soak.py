@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -143,7 +144,9 @@ def preempt_soak(args: argparse.Namespace, want: dict, tmp: Path) -> None:
             it = rng.randrange(3, ITERS_2 - 4)
             if i == 0 and (it + ACC + 1) % ACC == 0:  # stop = it + lead: inside a window
                 it += 1
-        at = 4 * (it - 1) + rng.randrange(1, 5)  # a read of iteration `it`
+        # a read of iteration `it`; in the second run its first, right after the save of
+        # iteration 10 returned while its background write goes on
+        at = 4 * (it - 1) + (1 if i == 1 else rng.randrange(1, 5))
         rank = rng.randrange(2)
         opts = ['--cfg-options', 'strategy.async_checkpoint=True'] if async_save else []
         env = clean_env(COUNT_DIR=str(count), SIGNAL_AT=str(at), SIGNAL_RANK=str(rank))
@@ -156,7 +159,8 @@ def preempt_soak(args: argparse.Namespace, want: dict, tmp: Path) -> None:
             time.sleep(0.005)
         ended = time.time()
         code, out = finish(proc)
-        stop = int(out.split('after iteration ')[1].split(';')[0]) if code == 75 else None
+        found = re.search(r'preempted by \S+ after iteration (\d+);', out)
+        stop = int(found[1]) if found else None
         sent = float((count / 'signal.time').read_text())
         committed = seen.get(f'iter_{stop}.pth')
         window = stop is not None and stop % ACC != 0
