@@ -1,8 +1,8 @@
 """A 2-process ``stratagem train`` run that survives failures by itself, compared bit for bit
 (weights, optimizer state, schedulers) with the same run uninterrupted:
 
-- a worker SIGKILLed mid-run under ``--max-restarts``: every worker restarts and resumes;
-- an exception on one rank under ``--max-restarts``: the same;
+- an exception on one rank, then (in the restarted attempt) a worker SIGKILLed, under
+  ``--max-restarts``: every worker restarts and resumes, twice;
 - a preemption signal to one rank only, during an asynchronous save, the stop falling
   inside an accumulation window, ``requeue=True`` under a (fake) Slurm: one checkpoint,
   exit status 75, ``scontrol requeue`` called, and the next run continues exactly;
@@ -11,6 +11,8 @@
 """
 
 import os
+import re
+import shutil
 import signal
 import time
 
@@ -44,34 +46,35 @@ def reference(tmp_path_factory):
 
 
 def _count_files(count):
-    return sorted(n for n in os.listdir(count) if n.endswith(".txt"))
+    return sorted(n for n in os.listdir(count) if n.endswith('.txt'))
 
 
-def test_a_killed_worker_restarts_every_rank_and_the_run_ends_bit_exact(reference, tmp_path):
+def test_an_exception_then_a_kill_restart_every_rank_and_the_run_ends_bit_exact(
+    reference, tmp_path
+):
+    """One run, two failures: rank 1 raises in iteration 13 of the first attempt; rank 0 of
+    the second is SIGKILLed in iteration 22 (the last checkpoint 20). Each time every
+    worker restarts and resumes; the run ends equal to the uninterrupted one."""
     cfg, want = reference
     count = tmp_path / 'count'
     count.mkdir()
-    env = clean_env(COUNT_DIR=str(count), SLOW='0.01')
+    env = clean_env(COUNT_DIR=str(count), FAIL_AT='50', FAIL_RANK='1', SLOW='0.01')
     proc = start(cfg, tmp_path / 'work', '--nproc', '2', '--max-restarts', '2', env=env)
-    pids = workers(proc.pid)
-    wait_reads(count, pids[1], 4 * 12 + 1)  # in iteration 13; the last checkpoint is 10
-    os.kill(pids[1], signal.SIGKILL)
-    code, out = finish(proc)
-    assert code == 0, out[-4000:]
-    assert len(_count_files(count)) == 4, out[-3000:]  # a second pair of workers ran
-    assert equal(final_state(tmp_path / 'work'), want)
-
-
-def test_an_exception_on_one_rank_restarts_and_the_run_ends_bit_exact(reference, tmp_path):
-    cfg, want = reference
-    count = tmp_path / 'count'
-    count.mkdir()
-    env = clean_env(COUNT_DIR=str(count), FAIL_AT='70', FAIL_RANK='1')  # in iteration 18
-    proc = start(cfg, tmp_path / 'work', '--nproc', '2', '--max-restarts', '1', env=env)
+    first = set(workers(proc.pid).values())
+    deadline = time.monotonic() + 120
+    while True:  # the second attempt's workers
+        second = workers(proc.pid)
+        if not set(second.values()) & first:
+            break
+        assert time.monotonic() < deadline and proc.poll() is None, 'no restart'
+        time.sleep(0.05)
+    # the second attempt resumed from iteration 10: its 12th iteration is 22
+    wait_reads(count, second[0], 4 * 11 + 1)
+    os.kill(second[0], signal.SIGKILL)
     code, out = finish(proc)
     assert code == 0, out[-4000:]
     assert 'injected failure on rank 1' in out
-    assert len(_count_files(count)) == 4
+    assert len(_count_files(count)) == 6, out[-3000:]  # a third pair of workers ran
     assert equal(final_state(tmp_path / 'work'), want)
 
 
@@ -110,6 +113,16 @@ def test_preemption_of_one_rank_commits_one_checkpoint_requeues_and_resumes_exac
     assert not (work / 'preempted.json').exists()
     assert log.read_text().split() == ['requeue', '4242']
     assert not (work / f'iter_{ITERS_2}.pth').exists()
+    # a run of one process (a re-formed elastic round) cannot continue iter_13 exactly (mid
+    # window): it resumes from iter_10, the newest that it can, and runs to the end
+    alone = tmp_path / 'alone'
+    shutil.copytree(work, alone)
+    (alone / 'last_checkpoint').unlink()  # the copy's pointer names the original
+    code, out = finish(start(cfg, alone, '--resume'))
+    assert code == 0, out[-4000:]
+    assert re.search(r'cannot resume \S+iter_13.pth exactly at world size 1.*resuming from '
+                     r'\S+iter_10.pth instead', out), out[-4000:]  # fmt: skip
+    assert ckpt.verify_checkpoint(alone / f'iter_{2 * ITERS_2}.pth')['step'] == 2 * ITERS_2
     # the requeued job's next run: `--resume` continues exactly
     code, out = finish(start(cfg, work, '--nproc', '2', '--resume'))
     assert code == 0, out[-4000:]

@@ -11,7 +11,8 @@ box of per-rank fields. Instead (unless ``--debug``):
    except the agent's failure report: its elastic log lines and the traceback through
    ``torch/distributed/run.py`` with the report box after it;
 3. when torchrun fails, the parent prints each distinct message once, naming the ranks that
-   had it (the first failure first), then the exit status.
+   had it (the first failure first), then the exit status; when it succeeds after restarts
+   (``--max-restarts``), the messages of the failures it recovered from, the same way.
 
 Everything else a worker prints (logs, warnings, a bug's traceback) passes through unchanged.
 """
@@ -157,8 +158,11 @@ def run_with_one_message(cmd: list[str]) -> int:
             report.feed(line)
         report.close()
         code = proc.wait()
+        text = summarize(where)
+        if code == 0 and text is not None:  # --max-restarts: recovered, but say from what
+            sys.stderr.write(f'stratagem train: finished after restarting the workers:\n{text}\n')
+            sys.stderr.flush()
         if code != 0:
-            text = summarize(where)
             if text is None:
                 text = (
                     'stratagem train: a worker failed without an error message of its own '

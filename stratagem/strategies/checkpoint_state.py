@@ -348,7 +348,8 @@ class CheckpointState:
         ``resume=True`` with no ``load_from`` resumes from the newest committed
         checkpoint in ``work_dir`` (none, in a work dir that never held one: starts fresh,
         with a log line; none, in a work dir whose pointer or checkpoint files show an
-        earlier run: ``FileNotFoundError``, before anything is written);
+        earlier run: ``FileNotFoundError``, before anything is written; one this world
+        size cannot continue from exactly: the newest that it can, with a warning);
         ``resume='path'`` or ``resume=True`` with ``load_from`` resumes from that
         file; ``load_from`` alone loads weights only. Returns the checkpoint or None.
         """

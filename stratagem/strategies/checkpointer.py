@@ -46,7 +46,7 @@ from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.vote import SaveVote
 
 from .layout import Checkpointed, CheckpointLayout, SaveCommit
-from .resume_checks import previous_run_traces
+from .resume_checks import previous_run_traces, resume_newest
 from .world_change import plan_world_size_change
 
 __all__ = ['Checkpointer', 'CheckpointLayout', 'SaveCommit', 'Checkpointed']
@@ -228,7 +228,7 @@ class Checkpointer:
                     f'no checkpoint in {work_dir} to resume from; training starts from scratch'
                 )
                 return None
-            return strategy.resume(str(latest))
+            return resume_newest(strategy, str(latest))
         if resume and load_from is not None:  # resume=True with a file: that file
             return strategy.resume(load_from)
         if load_from is not None:

@@ -3,7 +3,9 @@
 ``check_resumable`` compares a loaded checkpoint with the prepared components (model
 shapes, optimizer param groups, scheduler count); ``previous_run_traces`` tells a work
 dir that never held a checkpoint from one whose checkpoints cannot be resumed. Both only
-read; the strategy raises before it loads, writes or re-seeds anything.
+read; the strategy raises before it loads, writes or re-seeds anything. ``resume_newest``
+is the automatic resume (``resume=True``): the newest checkpoint this world size can
+continue from exactly.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from stratagem import checkpoint as ckpt
 
-__all__ = ['check_resumable', 'previous_run_traces']
+__all__ = ['check_resumable', 'previous_run_traces', 'resume_newest']
 
 _CHECKPOINT_SUFFIXES = ('.pth', '.pt', '.ckpt', '.bin', '.safetensors', '.manifest.json')
 
@@ -42,6 +44,33 @@ def previous_run_traces(work_dir: str) -> str | None:
             + (', ...' if len(found) > 5 else '')
         )
     return None
+
+
+def resume_newest(strategy: Any, latest: str) -> dict:
+    """``strategy.resume(latest)``; when this world size cannot continue from it exactly (an
+    elastic round of another size left it mid accumulation window, or at a position that
+    is no whole number of this run's iterations), the newest older checkpoint it can, with
+    a warning: a restarted or re-formed run goes on by itself, reading again the samples
+    after that one. Rank 0 picks (by creation time: steps of other sizes do not compare)."""
+    from stratagem import env
+
+    from .world_change import WorldSizeChangeError
+
+    tried = [latest]
+    while True:
+        try:
+            return strategy.resume(tried[-1])
+        except WorldSizeChangeError as err:
+            older = None
+            if strategy.rank == 0:
+                found = ckpt.list_checkpoints(strategy.work_dir)
+                found.sort(key=lambda c: c.created, reverse=True)
+                older = next((str(c.path) for c in found if str(c.path) not in tried), None)
+            older = env.broadcast_object(older)
+            if older is None:
+                raise
+            strategy.logger.warning(f'{err}; resuming from {older} instead')
+            tried.append(older)
 
 
 def check_resumable(

@@ -26,7 +26,11 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-__all__ = ['WorldSizeChange', 'plan_world_size_change']
+__all__ = ['WorldSizeChange', 'WorldSizeChangeError', 'plan_world_size_change']
+
+
+class WorldSizeChangeError(ValueError):
+    """A checkpoint this world size cannot continue from exactly (nothing was loaded)."""
 
 
 @dataclass
@@ -184,7 +188,7 @@ def plan_world_size_change(
         f'samples per iteration at {where}; this run has {new_dp} × {micro_new} = {spi_new}'
     )
     if new_iter.denominator != 1:
-        raise ValueError(
+        raise WorldSizeChangeError(
             f'cannot resume {filename} exactly at world size {world_size}: {sizes}, so that '
             'position falls inside an iteration. Resume at a world size whose samples per '
             f'iteration divide the samples read so far, at world size {old}, or from a '
@@ -194,7 +198,7 @@ def plan_world_size_change(
     if accumulative_counts > 1 and (
         it % accumulative_counts or change.new_iter % accumulative_counts
     ):
-        raise ValueError(
+        raise WorldSizeChangeError(
             f'cannot resume {filename} exactly at world size {world_size}: {sizes}, and with '
             f'accumulative_counts={accumulative_counts} iteration {it} becomes '
             f'{change.new_iter}, so the accumulation windows would not start at the same '
@@ -206,7 +210,7 @@ def plan_world_size_change(
         max_iters = int(dispatch['max_iters'])
         converted = max_iters * change.ratio
         if converted.denominator != 1:
-            raise ValueError(
+            raise WorldSizeChangeError(
                 f'cannot resume {filename} exactly at world size {world_size}: {sizes}, and '
                 f"max_iters={max_iters} (counted in the saving run's iterations) is "
                 f'{float(converted):g} iterations here; count the run in epochs (max_epochs) '
