@@ -73,7 +73,7 @@ def test_an_exception_then_a_kill_restart_every_rank_and_the_run_ends_bit_exact(
     os.kill(second[0], signal.SIGKILL)
     code, out = finish(proc)
     assert code == 0, out[-4000:]
-    assert 'injected failure on rank 1' in out
+    assert 'injected failure on rank 1' in out, out[-4000:]
     assert len(_count_files(count)) == 6, out[-3000:]  # a third pair of workers ran
     assert equal(final_state(tmp_path / 'work'), want)
 

@@ -5,7 +5,8 @@ then torchrun's agent adds its own report: log lines, a ``ChildFailedError`` tra
 box of per-rank fields. Instead (unless ``--debug``):
 
 1. the parent gives the workers a directory (``STRATAGEM_ERROR_DIR``); a worker that fails
-   with an error a user can act on writes it there (``rank_<r>.json``: rank, type, message)
+   with an error a user can act on writes it there (``rank_<r>_<attempt>_<pid>.json``: rank,
+   type, message)
    instead of printing it;
 2. the parent reads torchrun's stderr (the workers' too) line by line and passes it on,
    except the agent's failure report: its elastic log lines and the traceback through
@@ -45,10 +46,12 @@ def record(err: BaseException, message: str) -> bool:
         return False
     rank = os.environ.get('RANK', '0')
     entry = {'rank': int(rank), 'type': type(err).__name__, 'message': message}
-    tmp = os.path.join(where, f'.rank_{rank}.json.tmp')
+    # one file per rank and attempt: a restart (--max-restarts) keeps the earlier failures
+    name = f'rank_{rank}_{os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}_{os.getpid()}'
+    tmp = os.path.join(where, f'.{name}.json.tmp')
     with open(tmp, 'w') as f:
         json.dump(entry, f)
-    os.replace(tmp, os.path.join(where, f'rank_{rank}.json'))
+    os.replace(tmp, os.path.join(where, f'{name}.json'))
     return True
 
 
@@ -65,7 +68,9 @@ def summarize(where: str) -> str | None:
         return None
     groups: dict[tuple[str, str], list[int]] = {}
     for _, e in sorted(entries, key=lambda x: (x[0], x[1]['rank'])):
-        groups.setdefault((e['type'], e['message']), []).append(e['rank'])
+        ranks = groups.setdefault((e['type'], e['message']), [])
+        if e['rank'] not in ranks:  # the same failure again in a later attempt: once
+            ranks.append(e['rank'])
     lines = []
     for (kind, message), ranks in groups.items():
         who = f'rank {ranks[0]}' if len(ranks) == 1 else f'ranks {_ranges(sorted(ranks))}'
