@@ -35,7 +35,12 @@ ELASTIC = (
 def _agent(cfg: Path, work: Path, port: int, count: Path, host: bool):
     args = ('--nproc', '1', '--nnodes', '1:2', '--max-restarts', '3')
     rdzv = ('--rdzv-endpoint', f'127.0.0.1:{port}', '--rdzv-id', 'elastic-test')
-    conf = ('--rdzv-conf', f'is_host={int(host)},last_call_timeout=1,join_timeout=120')
+    # a dead node's agent stops its keep-alive: it counts as gone after 3 s (torch: 15 s)
+    conf = (
+        '--rdzv-conf',
+        f'is_host={int(host)},last_call_timeout=1,join_timeout=120,'
+        'keep_alive_interval=1,keep_alive_max_attempt=3',
+    )
     # the survivor alone stops at its 21st read (iteration 6 at world size 1; checkpoint 4)
     # until the returning agent joins: the run cannot end before
     env = clean_env(COUNT_DIR=str(count), SLOW='0.01', HOLD_AT='21', HOLD_WORLD='1')
