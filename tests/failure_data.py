@@ -7,8 +7,8 @@ signal (``SIGNAL_RANK``: only that rank); ``FAIL_AT=N`` with ``FAIL_RANK=R``: ra
 at its N-th read in the first attempt of a torchrun job (``TORCHELASTIC_RESTART_COUNT=0``);
 ``COUNT_DIR``: every read appends its index to ``COUNT_DIR/<pid>.txt``, and the first one
 writes ``COUNT_DIR/<pid>.world``: ``"<rank> <world size>"``; ``HOLD_AT=N`` with
-``HOLD_WORLD=W``: a process of a world of W processes stops at its N-th read until it is
-killed (a run kept from finishing while a test changes its membership).
+``HOLD_WORLD=W``: a process of a world of W processes stops at its N-th read until it gets
+a preemption signal (a run kept from finishing while a test changes its membership).
 """
 
 import os
@@ -44,7 +44,9 @@ class FailureDataset(Dataset):
         if env.get('HOLD_AT') == str(self.reads) and env.get('HOLD_WORLD') == env.get(
             'WORLD_SIZE', '1'
         ):
-            time.sleep(300)
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and not _preempted():
+                time.sleep(0.02)
         if env.get('SIGNAL_AT') == str(self.reads) and env.get('SIGNAL_RANK', rank) == rank:
             if env.get('COUNT_DIR'):  # when, for the soak's timings
                 with open(os.path.join(env['COUNT_DIR'], 'signal.time'), 'w') as f:
@@ -57,3 +59,9 @@ class FailureDataset(Dataset):
         ):
             raise RuntimeError(f'injected failure on rank {rank} at read {self.reads}')
         return self.x[i], self.y[i]
+
+
+def _preempted() -> bool:
+    """Whether the loop's ``Preemption`` recorded a signal (its handler is a bound method)."""
+    handler = signal.getsignal(signal.SIGTERM)
+    return getattr(getattr(handler, '__self__', None), 'received', None) is not None

@@ -1,9 +1,11 @@
 """Elastic membership: two ``stratagem train --nnodes 1:2 --rdzv-endpoint`` agents on this
 machine as two nodes (one process each, c10d rendezvous). One agent is SIGKILLed with its
 worker mid-run: the survivor re-forms alone and continues at world size 1 from the last
-checkpoint; the agent comes back: the survivor's agent restarts its worker and the two go on
-at world size 2 to the end. Every sample is read exactly once per epoch over the whole run
-(reads after an attempt's last committed checkpoint excepted: they are read again)."""
+checkpoint; the agent comes back: the survivor's agent restarts its worker (its SIGTERM, a
+preemption signal: the worker commits a checkpoint first) and the two go on at world size 2
+from it to the end, exit status 0 on both. Every sample is read exactly once per epoch over
+the whole run (reads after an attempt's last committed checkpoint excepted: they are read
+again)."""
 
 import os
 import time
@@ -22,13 +24,12 @@ pytestmark = pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='ne
 N, BATCH, EPOCHS = 64, 4, 2
 # no accumulation window and an even checkpoint interval: every checkpoint converts between
 # world sizes 1 and 2 (a window or a position must start on the same sample at both sizes);
-# SIGTERM (what an agent sends to workers it restarts) is not a preemption here: the test is
-# about the membership, a preemption at a scale-up is in test_failures
+# the default preemption signals: the SIGTERM an agent sends the workers it restarts for a
+# scale-up makes them commit a checkpoint first
 ELASTIC = (
     CONFIG.replace('accumulative_counts=2', 'accumulative_counts=1')
     .replace('checkpoint_interval=5', 'checkpoint_interval=2')
     .replace('max_epochs=4', f'max_epochs={EPOCHS}')
-    .replace('log_interval=4)', 'log_interval=4, preemption=dict(signals=["SIGUSR1"]))')
 )
 
 
@@ -41,8 +42,9 @@ def _agent(cfg: Path, work: Path, port: int, count: Path, host: bool):
         f'is_host={int(host)},last_call_timeout=1,join_timeout=120,'
         'keep_alive_interval=1,keep_alive_max_attempt=3',
     )
-    # the survivor alone stops at its 21st read (iteration 6 at world size 1; checkpoint 4)
-    # until the returning agent joins: the run cannot end before
+    # the survivor alone (resumed at iteration 8) stops at its 21st read, in iteration 14,
+    # until its agent's SIGTERM (the returning agent joined): the run cannot end before, and
+    # the survivor then commits iteration 14 (56 samples: 7 iterations at world size 2)
     env = clean_env(COUNT_DIR=str(count), SLOW='0.01', HOLD_AT='21', HOLD_WORLD='1')
     return start(cfg, work, *args, *rdzv, *conf, env=env)
 
@@ -131,6 +133,9 @@ def test_a_lost_node_re_forms_at_world_size_1_and_a_returning_one_scales_up(tmp_
                 per_epoch[(begin + j * world) // N].append(index)
     for epoch, indices in per_epoch.items():
         assert sorted(indices) == list(range(N)), epoch
+    assert attempts[2][0] == 14 * BATCH, attempts  # the scale-up's preemption checkpoint
+    assert 'preempted by SIGTERM: checkpoint iter_14.pth committed' in out_a, out_a[-4000:]
+    assert 'stratagem train: preempted' not in out_a + out_b  # the run went on past it
     final = ckpt.find_latest_checkpoint(work)
     assert final.name == f'iter_{total // (2 * BATCH)}.pth'
 
