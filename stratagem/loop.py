@@ -249,7 +249,7 @@ def _train(
         stack.enter_context(logging_above(bar, log))  # logs print above a bar
         stack.callback(bar.close)
     # a signal while a peer is dead (torchrun tearing the group down): end now, no save
-    signalled = (lambda: preemption.received) if preemption is not None else None
+    signalled = preemption.pending if preemption is not None else None
     watchdog = stack.enter_context(Watchdog(_dist_timeout(strategy_cfg), signalled=signalled))
     metrics = RunMetrics(
         strategy.log_dir,

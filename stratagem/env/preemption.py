@@ -141,6 +141,7 @@ class Preemption:
         self._store: Any = None
         self._key = ''
         self._proposed = False
+        self._wakeup: tuple[int, int] | None = None
 
     @classmethod
     def from_config(cls, cfg: PreemptionConfig, lead: int = 2) -> Preemption:
@@ -160,12 +161,34 @@ class Preemption:
         for name in self.config.signals:
             sig = getattr(signal, name)
             self._previous[sig] = signal.signal(sig, self._handle)
+        self._wakeup = _wakeup_pipe()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            for fd in self._wakeup:
+                os.close(fd)
+            self._wakeup = None
+
+    def pending(self) -> str | None:
+        """The signal this process got, from any thread, also while the main thread is
+        blocked in C (a collective, a store wait), where Python runs no handler: read from
+        the signal module's wakeup pipe (set when no one else had set one, e.g. an event
+        loop). The watchdog asks it."""
+        if self.received is None and self._wakeup is not None:
+            try:
+                data = os.read(self._wakeup[0], 512)
+            except OSError:  # nothing there (non-blocking)
+                data = b''
+            ours = {int(getattr(signal, n)): n for n in self.config.signals}
+            got = next((ours[b] for b in data if b in ours), None)
+            if got is not None and self.received is None:
+                self.received = got
+        return self.received
 
     def _handle(self, signum: int, frame: Any) -> None:
         # only a flag: the loop decides where to stop, never the middle of a step
@@ -234,6 +257,28 @@ class Preemption:
         with open(tmp, 'w') as f:
             json.dump(info, f)
         os.replace(tmp, osp.join(work_dir, MARKER_NAME))
+
+
+def _wakeup_pipe() -> tuple[int, int] | None:
+    """A non-blocking pipe the C signal handler writes each signal's number to (main thread
+    only); None when a wakeup fd was already set (it stays) or none can be."""
+    try:
+        read, write = os.pipe()
+    except OSError:
+        return None
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    try:
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        previous = None
+    if previous == -1:
+        return read, write
+    if previous is not None:
+        signal.set_wakeup_fd(previous)
+    os.close(read)
+    os.close(write)
+    return None
 
 
 def _requeue() -> bool:

@@ -180,3 +180,35 @@ def hook_run(root):
     assert r.iter == s.iter == 12
     got, want = r.strategy.model_state_dict(), s.strategy.model_state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_signal_is_known_to_other_threads_while_the_main_thread_waits_in_c():
+    """The watchdog asks ``pending()`` from its thread: it learns the signal while the main
+    thread is blocked in a store wait (C++, where Python runs no handler) instead of after."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)
+    seen = []
+
+    def watch(p):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        start = time.monotonic()
+        while p.pending() is None and time.monotonic() - start < 5:
+            time.sleep(0.01)
+        seen.append((p.pending(), time.monotonic() - start))
+
+    with Preemption(['SIGUSR1']) as p:
+        thread = threading.Thread(target=watch, args=(p,))
+        before = time.monotonic()
+        thread.start()
+        with pytest.raises(Exception):  # noqa: B017 - the store's timeout, whatever its type
+            store.wait(['never'], datetime.timedelta(seconds=3))
+        blocked = time.monotonic() - before
+        thread.join()
+    assert blocked >= 2.5  # the main thread sat in C meanwhile
+    assert seen[0][0] == 'SIGUSR1' and seen[0][1] < 1.5, seen
+    assert p.received == 'SIGUSR1'
