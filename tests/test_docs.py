@@ -2,7 +2,7 @@
 
 A page's ``python`` blocks run in order in one namespace (a page reads as one session), in a
 fresh process whose working directory is a temporary one holding links to the checkout's
-``examples/`` and ``docs/``; its ``bash`` blocks run the same way, each as one script under
+``examples/``, ``docs/`` and ``benchmarks/``; its ``bash`` blocks run the same way, each as one script under
 ``set -euo pipefail`` with the venv's ``stratagem`` on ``PATH``. A block that must not run starts
 with ``# not run: <reason>``, and the reason shows in the page. Only ``python``, ``bash`` and
 ``text`` fences are allowed (besides MyST directives such as ``{toctree}``), so code cannot hide
@@ -92,7 +92,7 @@ def test_every_block_is_runnable_or_says_why():
 
 
 def _workdir(tmp_path: Path) -> dict[str, str]:
-    for name in ('examples', 'docs'):
+    for name in ('examples', 'docs', 'benchmarks'):
         (tmp_path / name).symlink_to(ROOT / name)
     env = dict(os.environ)
     env['PYTHONPATH'] = os.pathsep.join([str(ROOT), env.get('PYTHONPATH', '')]).rstrip(os.pathsep)
