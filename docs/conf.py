@@ -55,7 +55,9 @@ nitpick_ignore_regex = [
 
 html_theme = 'furo'
 html_title = f'stratagem {release}'
-html_static_path = []
+html_static_path = ['_static']
+html_css_files = ['stratagem.css']
+html_theme_options = {'sidebar_hide_name': False}
 html_show_sourcelink = False
 html_copy_source = False
 pygments_style = 'friendly'
