@@ -17,7 +17,7 @@ from stratagem.version import __version__  # noqa: E402
 
 project = 'stratagem'
 author = 'the stratagem authors'
-copyright = 'the stratagem authors'  # noqa: A001
+copyright = 'the stratagem authors'
 version = release = __version__
 
 extensions = [
