@@ -5,7 +5,7 @@ batch ``--batch`` sequences of ``--seq`` tokens per data-parallel rank, AdamW. F
 meshes HSDP ``dict(replicate=2, shard=2)`` and 2-D ``dict(shard=2, tensor=2)``: step time of
 FSDPStrategy + OptimWrapper against a raw loop that calls ``init_device_mesh``,
 ``parallelize_module`` (the same Megatron plan) and ``fully_shard`` itself, interleaved blocks
-(raw, ours, raw, ...) in the same processes; medians and the ratio ours / raw. Then bytes per
+(raw, ours, ours, raw, ...) in the same processes; medians and the ratio ours / raw. Then bytes per
 rank of parameters + optimizer state, for flat ``dict(shard=4)``, HSDP and 2-D.
 
     python benchmarks/mesh_throughput.py [--rounds 7] [--steps 5] [--dim 256] [--depth 4]
@@ -104,6 +104,48 @@ def _bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
+def _measure(
+    args: argparse.Namespace, mesh_cfg: dict, tmp: str, world: int, timed: bool
+) -> tuple[dict, list]:
+    """Step times (ours and raw, interleaved, the order alternating) and bytes per rank."""
+    import torch.distributed as dist
+
+    strategy, model, ow = _ours(args, mesh_cfg, tmp)
+    raw, raw_opt = _raw(args, mesh_cfg)
+    g = torch.Generator().manual_seed(strategy.data_parallel_rank)
+    tokens = torch.randint(256, (args.batch, args.seq + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def ours() -> None:
+        with ow.optim_context(model):
+            loss = model(x, y)['loss']
+        ow.update_params(loss)
+
+    def baseline() -> None:
+        raw(x, y)['loss'].backward()
+        raw_opt.step()
+        raw_opt.zero_grad()
+
+    def block(fn, n: int) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        dist.barrier()
+        return (time.perf_counter() - start) * 1000 / n
+
+    for fn in (ours, baseline):
+        block(fn, 2)  # warm-up
+    times: dict[str, list[float]] = {'raw': [], 'ours': []}
+    for i in range(args.rounds if timed or args.flat_steps else 0):
+        pair = [('raw', baseline), ('ours', ours)]
+        for key, fn in pair if i % 2 == 0 else pair[::-1]:
+            times[key].append(block(fn, args.steps))
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, (_bytes(model, ow.optimizer), _bytes(raw, raw_opt)))
+    return times, per_rank
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -117,42 +159,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    results = {}
-    for name, mesh_cfg in MESHES.items():
-        strategy, model, ow = _ours(args, mesh_cfg, os.path.join(tmp, name))
-        raw, raw_opt = _raw(args, mesh_cfg)
-        g = torch.Generator().manual_seed(strategy.data_parallel_rank)
-        tokens = torch.randint(256, (args.batch, args.seq + 1), generator=g)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-
-        def ours() -> None:
-            with ow.optim_context(model):
-                loss = model(x, y)['loss']
-            ow.update_params(loss)
-
-        def baseline() -> None:
-            raw(x, y)['loss'].backward()
-            raw_opt.step()
-            raw_opt.zero_grad()
-
-        def timed(fn, n: int) -> float:
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            dist.barrier()
-            return (time.perf_counter() - start) * 1000 / n
-
-        for fn in (ours, baseline):
-            timed(fn, 2)  # warm-up
-        times: dict[str, list[float]] = {'raw': [], 'ours': []}
-        if name != 'flat' or args.flat_steps:
-            for _ in range(args.rounds):
-                times['raw'].append(timed(baseline, args.steps))
-                times['ours'].append(timed(ours, args.steps))
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, (_bytes(model, ow.optimizer), _bytes(raw, raw_opt)))
-        results[name] = (times, per_rank)
+    results = {
+        name: _measure(args, mesh_cfg, os.path.join(tmp, name), world, timed=name != 'flat')
+        for name, mesh_cfg in MESHES.items()
+    }
     if rank == 0:
         for name, (times, per_rank) in results.items():
             if times['raw']:

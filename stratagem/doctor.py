@@ -1,6 +1,6 @@
 """Pre-flight checks of a config against this machine (``stratagem doctor CONFIG [--nproc N]``).
 
-Runs no training and builds nothing heavy: no process group, no dataset, no optimizer. The
+Runs no training and builds nothing heavy: no real process group, no real weights. The
 model is instantiated on the ``meta`` device (no memory, no weights) only to count parameters
 and list module classes; a model that cannot be built that way is reported and those checks
 skipped. Each check reads the config (and the machine: devices, packages, free disk, one
@@ -14,15 +14,23 @@ skipped. Each check reads the config (and the machine: devices, packages, free d
    and DeepSpeed's ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` /
    ``gradient_accumulation_steps``;
 3. precision: bf16 with a GradScaler (``loss_scale``), fp16 or bf16 on a device without it;
-4. sharding: FSDP wrap-policy class names that match no module of the model; activation
-   checkpointing without a wrap policy; FSDP's ``mesh`` against the world size and its
-   ``tensor_parallel_plan`` against the model (``doctor_mesh.py``);
-5. schedulers: an ``end`` past the run; windows of two absolute schedules of the same
-   parameter that overlap (mmengine multiplies them; a warmup over a main schedule is the
-   expected overlap and not reported);
+4. sharding (``doctor_sharding.py``, by the strategies' own parsers): FSDP's
+   ``model_wrapper`` (every ``auto_wrap_policy`` / ``ignored_modules`` form, refused keys),
+   ``activation_checkpointing`` and ``state_dict_cfg``, the modules each selects on the meta
+   model; activation checkpointing without a wrap policy; FSDP's ``mesh`` against the world
+   size and its ``tensor_parallel_plan`` against the model (``doctor_mesh.py``); DeepSpeed's
+   config (a dict or a JSON file, with the keyword sections) and ``gradient_clipping``;
+5. schedulers (``doctor_schedulers.py``, each built as a run builds it): ``begin``, ``end``,
+   ``T_max``, ``milestones``, ``step_size``, ``periods``, ``total_steps`` against the run's
+   length, ``convert_to_iter_based`` included; windows of two absolute schedules of the same
+   parameter and optimizer that overlap (mmengine multiplies them; a warmup over a main
+   schedule is the expected overlap and not reported);
 6. checkpoints: the estimated save stall against the run (synchronous saves), free disk for
    ``max_keep_ckpts`` (+1 being written) checkpoints;
-7. packages the chosen strategy needs but this environment lacks.
+7. packages the chosen strategy needs but this environment lacks;
+8. memory (``doctor_memory.py``): the peak per device of one training step at the world size
+   (fake tensors, torch's fake process group, torch's memory trackers), a finding when it
+   exceeds ``device_memory``. This builds the dataset for one micro batch (its shapes).
 
 :func:`diagnose` returns the findings, :func:`format_table` lays them out; the command
 (``stratagem.cli.doctor``) exits 0 when there is no finding, 1 otherwise (2 for a config that
@@ -31,7 +39,6 @@ cannot be read).
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import os
 import shutil
@@ -43,18 +50,13 @@ from pathlib import Path
 from typing import Any
 
 from .doctor_keys import _STRATEGY_PACKAGES, KeyChecks
-from .doctor_mesh import mesh_findings, tensor_size
+from .doctor_memory import MemoryChecks
+from .doctor_mesh import tensor_size
+from .doctor_schedulers import SchedulerChecks
+from .doctor_sharding import deepspeed_config, sharding_findings
 
 __all__ = ['Finding', 'diagnose', 'format_table']
 
-_WARMUPS = {
-    'LinearLR',
-    'ConstantLR',
-    'LinearMomentum',
-    'ConstantMomentum',
-    'LinearParamScheduler',
-    'ConstantParamScheduler',
-}
 _OPTIM_STATE_COPIES = {
     'SGD': 1,
     'Adam': 2,
@@ -81,14 +83,21 @@ class Finding:
     fix: str
 
 
-class _Doctor(KeyChecks):
-    def __init__(self, cfg: Mapping, nproc: int, probe_disk: bool = True) -> None:
+class _Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
+    def __init__(
+        self, cfg: Mapping, nproc: int, probe_disk: bool = True, device_memory: int | None = None
+    ) -> None:
         self.cfg, self.nproc, self.probe_disk = cfg, nproc, probe_disk
+        self.device_memory = device_memory
+        self.batch: Any = None
         self.findings: list[Finding] = []
         self.notes: list[str] = []
         self.model = None
         self.max_iters: int | None = None
+        self.max_epochs: int | None = None
         self.epoch_length: int | None = None
+        self.dataset_length: int | None = None
+        self.data_parallel = nproc
 
     def add(self, where: str, problem: str, fix: str) -> None:
         self.findings.append(Finding(where, problem, fix))
@@ -97,9 +106,9 @@ class _Doctor(KeyChecks):
     def check_batch(self) -> None:
         cfg, strategy = self.cfg, dict(self.cfg.get('strategy') or {})
         micro = int((cfg.get('train_dataloader') or {}).get('batch_size', 1))
-        acc = int((cfg.get('optim_wrapper') or {}).get('accumulative_counts', 1))
+        acc = max([int(w.get('accumulative_counts', 1)) for _, w in self.optim_wrappers()] or [1])
         tensor = tensor_size(strategy, self.nproc)  # a tensor group reads one batch
-        data = self.nproc // tensor
+        data = self.data_parallel = self.nproc // tensor
         real = data * micro * acc
         self.notes.append(
             f'real batch = {data} data-parallel rank(s) x {micro} micro batch x '
@@ -116,8 +125,7 @@ class _Doctor(KeyChecks):
             )
         elif base and real != base:
             self.notes.append(f'auto_scale_lr scales every lr by {real}/{base} = {real / base:g}')
-        config = strategy.get('config')
-        ds = config if isinstance(config, Mapping) else strategy
+        ds, _ = deepspeed_config(strategy)  # a dict or a JSON file, with the keyword sections
         for key, ours in (
             ('train_batch_size', real),
             ('train_micro_batch_size_per_gpu', micro),
@@ -127,7 +135,7 @@ class _Doctor(KeyChecks):
                 self.add(
                     f'strategy.config.{key}',
                     f'DeepSpeed {key}={ds[key]} disagrees with '
-                    f'the config: {ours} (world {self.nproc} x micro {micro} x '
+                    f'the config: {ours} (data-parallel {data} x micro {micro} x '
                     f'accumulation {acc})',
                     f'remove it (stratagem derives it) or set it to {ours}',
                 )
@@ -136,27 +144,48 @@ class _Doctor(KeyChecks):
     def check_precision(self) -> None:
         import torch
 
-        ow = self.cfg.get('optim_wrapper') or {}
-        if not isinstance(ow, Mapping) or ow.get('type') != 'AmpOptimWrapper':
-            return
-        dtype = str(ow.get('dtype') or 'float16').replace('torch.', '')
+        for where, ow in self.optim_wrappers():
+            if ow.get('type') in ('AmpOptimWrapper', 'DeepSpeedAmpOptimWrapper'):
+                self._check_amp(where, ow)
+        strategy = self.cfg.get('strategy') or {}
+        if strategy.get('type') in ('DeepSpeedStrategy', 'MMDeepSpeedStrategy'):
+            ds, _ = deepspeed_config(strategy)
+            if (ds.get('fp16') or {}).get('enabled') and not torch.cuda.is_available():
+                self.add(
+                    'strategy.fp16',
+                    "DeepSpeed fp16 on a machine without CUDA (DeepSpeed's CPU accelerator "
+                    'refuses it)',
+                    'use bf16=dict(enabled=True) on CPU',
+                )
+
+    def _check_amp(self, where: str, ow: Mapping) -> None:
+        import torch
+
+        from stratagem.optim.amp_optim_wrapper import resolve_dtype
+
         cuda = torch.cuda.is_available()
-        if dtype == 'bfloat16' and 'loss_scale' in ow:
+        try:  # None: the device's autocast default (fp16 on CUDA, bf16 on CPU)
+            default = 'float16' if cuda else 'bfloat16'
+            dtype = str(resolve_dtype(ow.get('dtype') or default)).replace('torch.', '')
+        except (TypeError, ValueError) as err:
+            self.add(f'{where}.dtype', str(err), "use 'bfloat16' or 'float16'")
+            return
+        if dtype == 'bfloat16' and ow.get('loss_scale') is not None:
             self.add(
-                'optim_wrapper.loss_scale',
+                f'{where}.loss_scale',
                 "bf16 with a GradScaler: bf16 has fp32's range, so loss scaling only costs time",
                 'remove loss_scale',
             )
         if dtype == 'float16' and not cuda:
             self.add(
-                'optim_wrapper.dtype',
+                f'{where}.dtype',
                 'fp16 autocast on a machine without CUDA (CPU '
                 'fp16 autocast is slow and loss scaling is CUDA-only)',
                 "use dtype='bfloat16' on CPU, or run on a CUDA device",
             )
         if dtype == 'bfloat16' and cuda and not torch.cuda.is_bf16_supported():
             self.add(
-                'optim_wrapper.dtype',
+                f'{where}.dtype',
                 f'bf16 on {torch.cuda.get_device_name()}, which lacks native bf16',
                 "use dtype='float16' with loss_scale='dynamic'",
             )
@@ -185,81 +214,42 @@ class _Doctor(KeyChecks):
 
     def check_sharding(self) -> None:
         strategy = dict(self.cfg.get('strategy') or {})
-        wrapper = dict(strategy.get('model_wrapper') or {})
-        policy = wrapper.get('auto_wrap_policy')
-        if strategy.get('activation_checkpointing') and not policy:
-            self.add(
-                'strategy.activation_checkpointing',
-                'activation checkpointing without '
-                'an auto_wrap_policy: FSDP wraps the whole model as one unit, so nothing '
-                'is sharded per layer',
-                "add model_wrapper.auto_wrap_policy (e.g. transformer_layer_cls=['Block'])",
-            )
-        for where, problem, fix in mesh_findings(strategy, self.nproc, self.model):
+        ow = self.cfg.get('optim_wrapper')
+        for where, problem, fix in sharding_findings(strategy, ow, self.nproc, self.model):
             self.add(where, problem, fix)
-        names = _policy_class_names(policy)
-        if not names or self.model is None:
-            return
-        present = {type(m).__name__ for m in self.model.modules()}
-        for name in names:
-            if name not in present:
-                close = difflib.get_close_matches(name, sorted(present), n=1)
-                self.add(
-                    'strategy.model_wrapper.auto_wrap_policy',
-                    f'wrap class {name!r} matches no module of the model',
-                    (f'did you mean {close[0]!r}? ' if close else '')
-                    + f'module classes: {", ".join(sorted(present))}',
-                )
+
+    def optim_wrappers(self) -> list[tuple[str, Mapping]]:
+        """``(where, wrapper cfg)`` for one wrapper or each of an ``OptimWrapperDict``'s
+        (``optim_wrapper=dict(generator=dict(...), discriminator=dict(...))``, with or
+        without mmengine's ``constructor``)."""
+        ow = self.cfg.get('optim_wrapper')
+        if not isinstance(ow, Mapping):
+            return []
+        if any(k in ow for k in ('type', 'optimizer')) or not ow:
+            return [('optim_wrapper', ow)]
+        return [
+            (f'optim_wrapper.{k}', v)
+            for k, v in ow.items()
+            if k not in ('constructor', 'paramwise_cfg') and isinstance(v, Mapping)
+        ]
 
     # ----------------------------------------------------------- 5. schedulers
-    def check_schedulers(self) -> None:
+    def run_length(self) -> None:
+        """The run's ``max_iters`` / ``max_epochs`` and iterations per epoch, as the loop
+        computes them (the dataset's length when it builds, else ``num_samples``)."""
         train = self.cfg.get('train_cfg') or {}
-        max_epochs, self.max_iters = train.get('max_epochs'), train.get('max_iters')
+        self.max_epochs, self.max_iters = train.get('max_epochs'), train.get('max_iters')
         loader = self.cfg.get('train_dataloader') or {}
-        samples = (loader.get('dataset') or {}).get('num_samples')
+        samples = self.dataset_length or (loader.get('dataset') or {}).get('num_samples')
         if samples and loader.get('batch_size'):
-            per_rank = -(-int(samples) // self.nproc)
-            batches = (
-                per_rank // int(loader['batch_size'])
-                if loader.get('drop_last')
-                else -(-per_rank // int(loader['batch_size']))
-            )
+            per_rank = -(-int(samples) // self.data_parallel)
+            batch = int(loader['batch_size'])
+            batches = per_rank // batch if loader.get('drop_last') else -(-per_rank // batch)
             self.epoch_length = max(1, batches)
-            if self.max_iters is None and max_epochs:
-                self.max_iters = int(max_epochs) * self.epoch_length
-        windows = []
-        for i, s in enumerate(self._schedulers()):
-            by_epoch = s.get('by_epoch', True)
-            begin, end = s.get('begin', 0), s.get('end')
-            limit, unit = (max_epochs, 'epochs') if by_epoch else (self.max_iters, 'iterations')
-            if end is not None and limit is not None and end > limit:
-                self.add(
-                    f'param_scheduler[{i}].end',
-                    f'{s.get("type")} ends at {end} but the '
-                    f'run has {limit} {unit}: the schedule is cut short',
-                    f"set end={limit} or leave end out (it defaults to the run's length)",
-                )
-            end = limit if end is None else end
-            if by_epoch and self.epoch_length:  # compare in iterations
-                begin, end = (
-                    begin * self.epoch_length,
-                    (None if end is None else end * self.epoch_length),
-                )
-            elif by_epoch:
-                continue  # unknown epoch length: cannot compare with iteration windows
-            if end is not None:
-                windows.append((i, s.get('type'), _param_of(s.get('type')), begin, end))
-        for a in range(len(windows)):
-            for b in range(a + 1, len(windows)):
-                (i, ta, pa, ba, ea), (j, tb, pb, bb, eb) = windows[a], windows[b]
-                if pa != pb or max(ba, bb) >= min(ea, eb) or ((ta in _WARMUPS) != (tb in _WARMUPS)):
-                    continue
-                self.add(
-                    f'param_scheduler[{i}], [{j}]',
-                    f'{ta} [{ba}, {ea}) and {tb} [{bb}, '
-                    f'{eb}) overlap (iterations): their factors multiply',
-                    f'start the second where the first ends (begin={ea})',
-                )
+        if self.max_iters is not None:
+            self.max_epochs = None  # the loop: max_iters wins
+        elif self.max_epochs and self.epoch_length:
+            self.max_iters = int(self.max_epochs) * self.epoch_length
 
     # ---------------------------------------------------------- 6. checkpoints
     def check_checkpoints(self) -> None:
@@ -268,7 +258,7 @@ class _Doctor(KeyChecks):
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
         opt = (self.cfg.get('optim_wrapper') or {}).get('optimizer') or {}
-        copies = _OPTIM_STATE_COPIES.get(opt.get('type'), 2)
+        copies = _OPTIM_STATE_COPIES.get(str(opt.get('type')), 2)
         if opt.get('type') == 'SGD' and not opt.get('momentum'):
             copies = 0
         size = params * (1 + copies) + buffers + (1 << 20)
@@ -327,26 +317,6 @@ class _Doctor(KeyChecks):
                 )
 
 
-def _param_of(sched_type: Any) -> str:
-    name = str(sched_type)
-    return 'momentum' if 'Momentum' in name else 'lr'
-
-
-def _policy_class_names(policy: Any) -> list[str]:
-    """Class names a wrap policy config names (``transformer_layer_cls`` / ``module_classes``)."""
-    if not isinstance(policy, Mapping):
-        return []
-    names = []
-    for key in ('transformer_layer_cls', 'module_classes', 'layer_cls'):
-        value = policy.get(key)
-        for item in value if isinstance(value, (list, tuple, set)) else [value]:
-            if item is not None:
-                names.append(
-                    item if isinstance(item, str) else getattr(item, '__name__', str(item))
-                )
-    return [n.rsplit('.', 1)[-1] for n in names]
-
-
 def _disk_write_speed(directory: Path) -> float:
     """Bytes/s of one 32 MiB write + fsync into ``directory`` (removed afterwards)."""
     data = os.urandom(1 << 20)
@@ -363,18 +333,29 @@ def _disk_write_speed(directory: Path) -> float:
 
 
 def diagnose(
-    cfg: Mapping, nproc: int = 1, *, probe_disk: bool = True
+    cfg: Mapping,
+    nproc: int = 1,
+    *,
+    probe_disk: bool = True,
+    device_memory: int | None = None,
+    memory: bool = True,
 ) -> tuple[list[Finding], list[str]]:
-    """All findings for ``cfg`` run on ``nproc`` processes, and informational notes."""
-    doctor = _Doctor(cfg, nproc, probe_disk)
+    """All findings for ``cfg`` run on ``nproc`` processes, and informational notes.
+    ``device_memory``: bytes per device; an estimated peak above it is a finding.
+    ``memory=False`` skips the memory estimate."""
+    doctor = _Doctor(cfg, nproc, probe_disk, device_memory)
     doctor.check_keys()
     doctor.check_batch()
     doctor.check_precision()
     doctor.build_meta_model()
     doctor.check_sharding()
+    doctor.load_batch()
+    doctor.run_length()
     doctor.check_schedulers()
     doctor.check_checkpoints()
     doctor.check_packages()
+    if memory or device_memory is not None:
+        doctor.check_memory()
     return doctor.findings, doctor.notes
 
 

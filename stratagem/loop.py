@@ -8,12 +8,19 @@ iteration, epoch-based ones at epoch ends, as mmengine's ParamSchedulerHook
 does), a progress bar on rank 0, and checkpoints every ``checkpoint_interval``
 iterations and at the end. A resumed run continues from the same sample and the
 same RNG state, so it ends where an uninterrupted run would.
+
+Failures (``docs/architecture.md``, "Failures"): a preemption signal
+(``train_cfg.preemption``, ``env/preemption.py``) stops every rank after the same
+iteration, in one committed checkpoint; in a process group a watchdog
+(``env/watchdog.py``) names a rank that stops answering and ends this one within the
+process group's timeout (``dist_cfg.timeout``) + 10 s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os.path as osp
 import sys
 import time
 from collections.abc import Mapping
@@ -24,6 +31,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from stratagem import checkpoint as ckpt
 from stratagem.config import Config, ConfigError, check_keys
+from stratagem.env.preemption import Preemption, clear_marker, preemption_config
+from stratagem.env.watchdog import Watchdog
+from stratagem.metrics import RunMetrics, format_row
 from stratagem.registry import DATASETS
 from stratagem.schema import TRAIN_CFG_KEYS, TRAIN_DATALOADER_KEYS
 
@@ -96,10 +106,8 @@ def train(
     load_from: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Train from ``cfg``; returns ``{'strategy', 'losses' (per logged iteration), 'iter'}``."""
-    from stratagem.data import ResumableSampler
-    from stratagem.strategies import build_strategy
-
+    """Train from ``cfg``; returns ``{'strategy', 'losses' (per logged iteration), 'iter',
+    'preempted'}`` (``preempted``: the signal that stopped the run early, else None)."""
     cfg = cfg if isinstance(cfg, Config) else Config(cfg)
     lacking = [k for k in ('model', 'optim_wrapper', 'train_dataloader') if k not in cfg]
     if lacking:
@@ -118,6 +126,26 @@ def train(
     check_keys(train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
     loader_cfg = dict(cfg.train_dataloader)
     check_keys(loader_cfg, TRAIN_DATALOADER_KEYS, 'train_dataloader')
+    # handlers from the start: a signal while the strategy is built is not lost (the loop
+    # stops after its first iteration); restored however train() ends
+    preempt_cfg = preemption_config(train_cfg.get('preemption', True))
+    if preempt_cfg is None:
+        return _train(cfg, train_cfg, loader_cfg, None, resume, load_from, progress)
+    with Preemption.from_config(preempt_cfg) as preemption:
+        return _train(cfg, train_cfg, loader_cfg, preemption, resume, load_from, progress)
+
+
+def _train(
+    cfg: Config,
+    train_cfg: dict,
+    loader_cfg: dict,
+    preemption: Preemption | None,
+    resume: bool | str,
+    load_from: str | None,
+    progress: bool,
+) -> dict[str, Any]:
+    from stratagem.data import ResumableSampler
+    from stratagem.strategies import build_strategy
 
     strategy_cfg = dict(cfg.get('strategy') or {'type': 'auto'})
     strategy_cfg.setdefault('work_dir', cfg.get('work_dir', 'work_dirs'))
@@ -193,6 +221,14 @@ def train(
     log_interval = max(1, int(train_cfg.get('log_interval', 10)))
     device = _model_device(model)
     main = strategy.rank == 0
+    if preemption is not None:
+        # ranks drift apart by at most one accumulation window between two collectives
+        wrappers = getattr(optim_wrapper, 'values', lambda: [optim_wrapper])()
+        preemption.lead = max(getattr(w, 'accumulative_counts', 1) for w in wrappers) + 1
+        if main:
+            clear_marker(strategy.work_dir)
+    preempted: str | None = None
+    saved_at = -1
     bar = None
     if progress and main:
         # a bar on a terminal; whole lines every 30 s when stderr is a file or a pipe
@@ -212,9 +248,21 @@ def train(
 
         stack.enter_context(logging_above(bar, log))  # logs print above a bar
         stack.callback(bar.close)
+    watchdog = stack.enter_context(Watchdog(_dist_timeout(strategy_cfg)))
+    metrics = RunMetrics(
+        strategy.log_dir,
+        strategy.data_parallel_size * batch_size,
+        enabled=main,
+        cfg=train_cfg.get('metrics'),
+        logger=log,
+    )
+    stack.callback(metrics.close)
+    first_wrapper = next(iter(getattr(optim_wrapper, 'values', lambda: [optim_wrapper])()))
+    t_logged = t0
     with stack:  # closes the bar and the log redirection however the loop ends
         while it < max_iters:
             epoch, pos = divmod(it, epoch_length)
+            watchdog.at(it + 1, 'loading data')
             if data_iter is None or pos == 0:
                 sampler.set_epoch(epoch)
                 sampler.skip(pos * batch_size)
@@ -223,6 +271,9 @@ def train(
                 loader.generator.manual_seed(data_seed + epoch)
                 data_iter = iter(loader)
             batch = next(data_iter)
+            if metrics.tokens is None:
+                metrics.saw_batch(batch)
+            watchdog.at(it + 1, 'forward, backward, update')
             with optim_wrapper.optim_context(model):
                 loss = _parse_loss(_forward(model, batch, device))
             optim_wrapper.update_params(loss)
@@ -235,34 +286,74 @@ def train(
                 for s in scheduler_list:
                     if s.by_epoch:
                         s.step()
-            if it % log_interval == 0 or it == max_iters:
-                # mean over the iterations since the last log: the one host sync
-                value = float(loss_sum) / (it - last_logged)
-                loss_sum.zero_()
-                last_logged = it
-                losses.append((it, value))
-                lr = optim_wrapper.get_lr()
-                lr0 = next(iter(lr.values()))[0]
-                if bar is not None:
-                    bar.set_postfix(loss=f'{value:.4f}', lr=f'{lr0:.3g}', epoch=epoch)
-                log.info(
-                    f'iter {it}/{max_iters} epoch {epoch} loss {value:.4f} lr {lr0:.4g} '
-                    f'{(it - start_iter) / (time.perf_counter() - t0):.1f} it/s'
-                )
-            if bar is not None:
-                bar.update(1)
-            if (interval and it % interval == 0) or it == max_iters:
+            stop = preemption is not None and preemption.should_stop(it)
+            if (interval and it % interval == 0) or it == max_iters or stop:
+                watchdog.at(it, 'saving a checkpoint')
                 meta = {'iter': it, 'epoch': it // epoch_length}
+                t_save = time.perf_counter()
                 path = strategy.save_checkpoint(f'iter_{it}.pth', extra_ckpt={'meta': meta})
+                metrics.add_stall(time.perf_counter() - t_save)
+                saved_at = it
                 if main and max_keep:
                     protect = [strategy.resumed_from] if strategy.resumed_from else []
                     ckpt.apply_retention(strategy.work_dir, int(max_keep), protect=protect)
                 log.debug('saved %s', path)
-    strategy.wait_for_checkpoints()  # async saves: the last one committed, or its error
+            if it % log_interval == 0 or it == max_iters or stop:
+                # mean over the iterations since the last log: the one host sync
+                value = float(loss_sum) / (it - last_logged)
+                loss_sum.zero_()
+                losses.append((it, value))
+                lr0 = next(iter(optim_wrapper.get_lr().values()))[0]
+                now = time.perf_counter()
+                row = metrics.write(
+                    it,
+                    epoch,
+                    value,
+                    lr0,
+                    getattr(first_wrapper, 'last_grad_norm', None),
+                    it - last_logged,
+                    now - t_logged,
+                    device,
+                )
+                last_logged, t_logged = it, now
+                if bar is not None:
+                    bar.set_postfix(
+                        loss=f'{value:.4f}',
+                        lr=f'{lr0:.3g}',
+                        epoch=epoch,
+                        samples_s=f'{row["samples_per_s"]:.0f}',
+                    )
+                log.info(f'iter {it}/{max_iters} epoch {epoch} ' + format_row(row))
+            if bar is not None:
+                bar.update(1)
+            if stop and it < max_iters:
+                assert preemption is not None and saved_at == it
+                preempted = preemption.received
+                log.warning(f'preemption ({preempted}): stopping after iteration {it}/{max_iters}')
+                break
+        watchdog.at(it, 'waiting for the last checkpoint')
+        strategy.wait_for_checkpoints()  # async saves: the last one committed, or its error
+    if preempted is not None:
+        assert preemption is not None
+        preemption.finish(strategy.work_dir, osp.join(strategy.work_dir, f'iter_{it}.pth'),
+                          strategy.rank)  # fmt: skip
+        log.warning(
+            f'preempted by {preempted}: checkpoint iter_{it}.pth committed; exit status '
+            f'{preemption.exit_code}'
+        )
     if main and max_keep and strategy.async_checkpoint:  # the retention the last save missed
         protect = [strategy.resumed_from] if strategy.resumed_from else []
         ckpt.apply_retention(strategy.work_dir, int(max_keep), protect=protect)
-    return {'strategy': strategy, 'losses': losses, 'iter': it}
+    return {'strategy': strategy, 'losses': losses, 'iter': it, 'preempted': preempted}
+
+
+def _dist_timeout(strategy_cfg: Mapping) -> float:
+    """The process group's timeout in seconds: ``env_kwargs.dist_cfg.timeout``, else torch's
+    default (30 min)."""
+    timeout = dict(dict(strategy_cfg.get('env_kwargs') or {}).get('dist_cfg') or {}).get('timeout')
+    if timeout is None:
+        return 1800.0
+    return timeout.total_seconds() if hasattr(timeout, 'total_seconds') else float(timeout)
 
 
 def _mmengine_top_level_keys(cfg: Any, strategy_cfg: dict, env_kwargs: dict) -> None:
@@ -271,7 +362,7 @@ def _mmengine_top_level_keys(cfg: Any, strategy_cfg: dict, env_kwargs: dict) -> 
     and its top-level ``auto_scale_lr`` the strategy's, unless the strategy has its own (which
     wins, with a warning when they differ)."""
     if cfg.get('env_cfg'):
-        from stratagem.env.launcher import mmengine_env_kwargs
+        from stratagem.env.backend import mmengine_env_kwargs
 
         for key, value in mmengine_env_kwargs(cfg['env_cfg']).items():
             env_kwargs.setdefault(key, value)

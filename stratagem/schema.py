@@ -48,10 +48,14 @@ TRAIN_CFG_KEYS: frozenset[str] = frozenset(
         'max_keep_ckpts',
         'log_interval',
         'by_epoch',
+        'preemption',
+        'metrics',
     }
 )
 """``train_cfg`` (read by the reference loop, ``stratagem train``): ``max_epochs`` or
 ``max_iters`` (the run's length; ``max_iters`` wins), ``checkpoint_interval`` (iterations
 between saves; 0: only at the end), ``max_keep_ckpts`` (older checkpoints are deleted),
 ``log_interval`` (iterations; default 10), ``by_epoch`` (accepted for mmengine configs;
-``stratagem plot-schedule`` reads it)."""
+``stratagem plot-schedule`` reads it), ``preemption`` (``dict(signals=['SIGTERM',
+'SIGUSR1'], requeue=False, exit_code=75)``, the default; None: off; see
+``stratagem.env.preemption``)."""

@@ -137,15 +137,19 @@ def test_wrap_policy_and_activation_checkpointing(tmp_path):
         tmp_path,
         strategy=dict(
             type='auto',
-            activation_checkpointing=dict(check_fn='x'),
-            model_wrapper=dict(auto_wrap_policy=dict(transformer_layer_cls=['Linear', 'Lineer'])),
+            activation_checkpointing=dict(check_fn=['Linear']),
+            model_wrapper=dict(
+                auto_wrap_policy=dict(
+                    type='transformer_auto_wrap_policy', transformer_layer_cls=['Linear', 'Lineer']
+                )
+            ),
         ),
     )
     wrap = f['strategy.model_wrapper.auto_wrap_policy']
-    assert wrap.problem == "wrap class 'Lineer' matches no module of the model"
+    assert "module class(es) ['Lineer'] are not in the model" in wrap.problem
     assert wrap.fix.startswith("did you mean 'Linear'?")
     assert 'strategy.activation_checkpointing' not in f  # it has a wrap policy
-    f, _ = _diagnose(tmp_path, strategy=dict(type='auto', activation_checkpointing=True))
+    f, _ = _diagnose(tmp_path, strategy=dict(type='auto', activation_checkpointing=['Linear']))
     assert 'without an auto_wrap_policy' in f['strategy.activation_checkpointing'].problem
 
 
@@ -162,9 +166,11 @@ def test_scheduler_end_and_overlap(tmp_path):
     assert f['param_scheduler[1].end'].problem.startswith(
         'CosineAnnealingLR ends at 300 but the run has 256 iterations'
     )
-    overlap = f['param_scheduler[1], [2]']
-    assert overlap.problem.startswith('CosineAnnealingLR [0, 300) and StepLR [128, 192) overlap')
-    assert 'param_scheduler[0], [1]' not in f  # a warmup over the main schedule is expected
+    overlap = f['param_scheduler[1], param_scheduler[2]']
+    assert overlap.problem.startswith('CosineAnnealingLR [0, 256) and StepLR [128, 192) overlap')
+    assert (
+        'param_scheduler[0], param_scheduler[1]' not in f
+    )  # a warmup over the main schedule is expected
 
 
 def test_checkpoint_disk_and_stall(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from stratagem.env import launcher
+from stratagem.env import backend as launcher
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def test_other_backends_and_cuda_machines_are_left_alone(no_cuda, monkeypatch):
 
 def test_a_backend_given_to_a_strategy_is_the_users_choice(no_cuda):
     with pytest.raises(ValueError, match="backend 'nccl' needs CUDA"):
-        launcher._resolve_backend('nccl')
+        launcher.resolve_backend('nccl')
 
 
 MMENGINE_STYLE = """

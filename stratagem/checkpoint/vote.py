@@ -85,7 +85,12 @@ def _own_store() -> tuple[_LockedStore, Any]:
         # the default store object itself is the key (held, so its id is never reused): a
         # process group destroyed and created again gets clients of the new server
         if _STORES is None or _STORES[0] is not inner:
-            if isinstance(inner, dist.TCPStore):
+            if isinstance(inner, dist.TCPStore) and hasattr(base, 'clone'):
+                # clones keep the default store's prefixes (torchrun's ``/worker/attempt_N``):
+                # a restarted group shares the launcher's store with the attempt it replaces,
+                # whose unfinished saves left keys that an unprefixed vote would read as its own
+                rw, waiter = _LockedStore(base.clone()), _LockedStore(base.clone())
+            elif isinstance(inner, dist.TCPStore):
                 rw, waiter = (
                     _LockedStore(
                         dist.TCPStore(

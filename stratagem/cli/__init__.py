@@ -70,12 +70,16 @@ def debug_enabled(argv: list[str] | None = None) -> bool:
     return os.environ.get(DEBUG_ENV, '').strip().lower() not in ('', '0', 'false', 'no')
 
 
+def error_message(err: BaseException) -> str:
+    """The message of a user error, as it prints."""
+    if isinstance(err, KeyError) and len(err.args) == 1 and isinstance(err.args[0], str):
+        return err.args[0]  # str(KeyError) would wrap the message in quotes
+    return str(err) or repr(err)
+
+
 def format_error(err: BaseException) -> str:
     """``stratagem: error: <message>`` and a line naming the error type and ``--debug``."""
-    if isinstance(err, KeyError) and len(err.args) == 1 and isinstance(err.args[0], str):
-        message = err.args[0]  # str(KeyError) would wrap the message in quotes
-    else:
-        message = str(err) or repr(err)
+    message = error_message(err)
     rank = os.environ.get('RANK')
     who = f' (rank {rank})' if rank is not None and os.environ.get('WORLD_SIZE', '1') != '1' else ''
     return (
@@ -114,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         if debug:
             raise
-        print(format_error(err), file=sys.stderr)
+        from .worker_errors import record
+
+        if not record(err, error_message(err)):  # a torchrun worker: the parent prints it
+            print(format_error(err), file=sys.stderr)
         return 1
     finally:
         warnings.formatwarning = saved_format

@@ -27,6 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='overrides, as for stratagem train',
     )
     parser.add_argument(
+        '--device-memory',
+        metavar='SIZE',
+        help="memory of one device (e.g. '16GiB', '80GB', bytes): a config whose estimated "
+        'peak per device exceeds it is a finding',
+    )
+    parser.add_argument(
         '--no-disk-probe',
         action='store_true',
         help='do not time a 32 MiB write to estimate the save stall',
@@ -37,6 +43,13 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         print(f'stratagem doctor: --nproc must be >= 1, got {args.nproc}', file=sys.stderr)
         return 2
+    from stratagem.doctor_memory import parse_size
+
+    try:
+        device_memory = None if args.device_memory is None else parse_size(args.device_memory)
+    except ValueError as err:
+        print(f'stratagem doctor: {err}', file=sys.stderr)
+        return 2
     try:
         cfg = Config.fromfile(args.config)
         if args.cfg_options:
@@ -44,7 +57,12 @@ def run(args: argparse.Namespace) -> int:
     except Exception as err:  # noqa: BLE001 - reported as the one finding that stops us
         print(f'stratagem doctor: cannot read {args.config}: {err}', file=sys.stderr)
         return 2
-    findings, notes = diagnose(cfg.to_dict(), args.nproc, probe_disk=not args.no_disk_probe)
+    findings, notes = diagnose(
+        cfg.to_dict(),
+        args.nproc,
+        probe_disk=not args.no_disk_probe,
+        device_memory=device_memory,
+    )
     print(f'stratagem doctor: {args.config} on {args.nproc} process(es)')
     for note in notes:
         print(f'  - {note}')

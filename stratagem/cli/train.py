@@ -1,5 +1,8 @@
 """``stratagem train CONFIG``: the reference loop (:func:`stratagem.loop.train`) from the
-command line, in one process or re-launched under torchrun (``--nproc``, ``--nnodes``)."""
+command line, in one process or re-launched under torchrun (``--nproc``, ``--nnodes``,
+``--max-restarts``: ``launch.py``). A worker under torchrun with restarts, or of a requeued
+Slurm job, resumes from the last committed checkpoint by itself; a preempted run exits with
+``train_cfg.preemption.exit_code`` (default 75)."""
 
 from __future__ import annotations
 
@@ -8,14 +11,16 @@ import contextlib
 import logging
 import os
 import os.path as osp
-import subprocess
 import sys
 from typing import Any
 
 from stratagem import env
 from stratagem.config import Config, parse_cfg_options
-from stratagem.env.launcher import resolve_master
+from stratagem.env.preemption import preemption_config
 from stratagem.loop import train
+
+from . import debug_enabled
+from .launch import add_launch_arguments, relaunch, torchrun_command, wants_torchrun
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,47 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='job launcher (default: inferred from the environment)',
     )
-    parser.add_argument(
-        '--nproc',
-        type=int,
-        default=1,
-        help='processes on this machine; > 1 re-launches with torchrun',
-    )
-    node = parser.add_argument_group(
-        'several machines',
-        'run the same command on every node, each with its own '
-        '--node-rank; this one re-launches through torchrun (no --standalone)',
-    )
-    node.add_argument('--nnodes', type=int, default=1, help='number of machines (default 1)')
-    node.add_argument(
-        '--node-rank',
-        type=int,
-        default=0,
-        help='this machine, 0 .. nnodes-1; node 0 hosts the rendezvous',
-    )
-    node.add_argument(
-        '--master-addr',
-        help="node 0's host name or address, reachable from "
-        'every node (required with --nnodes > 1)',
-    )
-    node.add_argument(
-        '--master-port',
-        type=int,
-        default=None,
-        help="a free TCP port on node 0 (default torchrun's, 29500)",
-    )
+    add_launch_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    if (args.nproc > 1 or args.nnodes > 1) and 'LOCAL_RANK' not in os.environ:
-        return _relaunch_with_torchrun(args)
-    cfg = Config.fromfile(args.config)
-    if args.cfg_options:
-        cfg.merge_from_dict(parse_cfg_options(args.cfg_options))
-    if args.work_dir:
-        cfg['work_dir'] = args.work_dir
-    elif 'work_dir' not in cfg:
-        cfg['work_dir'] = osp.join('work_dirs', osp.splitext(osp.basename(args.config))[0])
+    cfg = _load_config(args)
+    preemption = preemption_config(dict(cfg.get('train_cfg') or {}).get('preemption', True))
+    if wants_torchrun(args) and 'LOCAL_RANK' not in os.environ:
+        cmd = torchrun_command(args)
+        debug = debug_enabled(list(getattr(args, 'cli_argv', [])))
+        return relaunch(cmd, preemption.signals if preemption else (), cfg['work_dir'], debug)
     if args.launcher:
         strategy = dict(cfg.get('strategy') or {'type': 'auto'})
         strategy['env_kwargs'] = {
@@ -96,14 +70,41 @@ def run(args: argparse.Namespace) -> int:
         }
         cfg['strategy'] = strategy
     resume: bool | str = False
-    if args.resume == 'auto':
+    if args.resume == 'auto' or (args.resume is None and _restarted()):
         resume = True
     elif args.resume:
         resume = args.resume
     result = train(cfg, resume=resume, load_from=args.load_from)
     if os.environ.get('TORCHELASTIC_RUN_ID') is not None:
+        # a preempted worker exits 0 too, or torchrun's agent would restart it; the parent
+        # (relaunch) turns the preemption it recorded into the exit status
         _exit_torchrun_worker(result['strategy'])
+    if result.get('preempted') and preemption is not None:
+        return preemption.exit_code
     return 0
+
+
+def _load_config(args: argparse.Namespace) -> Config:
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options:
+        cfg.merge_from_dict(parse_cfg_options(args.cfg_options))
+    if args.work_dir:
+        cfg['work_dir'] = args.work_dir
+    elif 'work_dir' not in cfg:
+        cfg['work_dir'] = osp.join('work_dirs', osp.splitext(osp.basename(args.config))[0])
+    return cfg
+
+
+def _restarted() -> bool:
+    """Whether this process continues a run by itself: a worker under torchrun with restarts
+    (``--max-restarts``; also its first attempt, which finds the checkpoints of a run killed
+    before, or none and starts fresh) or a requeued Slurm job (``SLURM_RESTART_COUNT``)."""
+    counts = (
+        os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0'),
+        os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'),
+        os.environ.get('SLURM_RESTART_COUNT', '0'),
+    )
+    return any(c.isdigit() and int(c) > 0 for c in counts)
 
 
 def _exit_torchrun_worker(strategy: Any) -> None:
@@ -124,63 +125,3 @@ def _exit_torchrun_worker(strategy: Any) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def _relaunch_with_torchrun(args: argparse.Namespace) -> int:
-    """Run this same command in ``args.nproc`` processes per node under torchrun.
-
-    One node: ``torchrun --standalone``. Several (``--nnodes N --node-rank R --master-addr
-    A [--master-port P]``, the same command on every node): torchrun's static rendezvous
-    at ``A:P``, which node 0 hosts. The options are checked here, before torchrun starts.
-    """
-    nproc, nnodes, node_rank = args.nproc, args.nnodes, args.node_rank
-    master_addr, master_port = args.master_addr, args.master_port
-    if nproc < 1 or nnodes < 1:
-        raise ValueError(
-            f'--nproc and --nnodes must be >= 1, got --nproc {nproc} --nnodes {nnodes}'
-        )
-    if not 0 <= node_rank < nnodes:
-        raise ValueError(
-            f'--node-rank {node_rank} is not one of the {nnodes} node(s): give '
-            f'0 .. {nnodes - 1}, a different one on each machine'
-        )
-    if master_port is not None and not 0 < master_port < 65536:
-        raise ValueError(f'--master-port {master_port} is not a TCP port; give 1-65535')
-    if nnodes > 1 and not master_addr:
-        raise ValueError(
-            f'--nnodes {nnodes} needs --master-addr: the host name or address of '
-            'node 0 (--node-rank 0), the same on every node'
-        )
-    if master_addr:
-        resolve_master(master_addr, master_port or 29500, '--master-addr')
-    # the sub-command's own arguments, as cli.main received them (not sys.argv: main() may
-    # be called from code); the children run under torchrun (LOCAL_RANK is set), so they
-    # never re-launch, and the options that only shape the launch are dropped for clarity
-    argv = list(getattr(args, 'cli_argv', sys.argv[2:]))
-    launch_only = ('--nproc', '--nnodes', '--node-rank', '--master-addr', '--master-port')
-    cleaned, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in launch_only:
-            skip = True
-            continue
-        if a.startswith(tuple(f'{o}=' for o in launch_only)):
-            continue
-        cleaned.append(a)
-    cmd = [sys.executable, '-m', 'torch.distributed.run']
-    if nnodes == 1 and master_addr is None and master_port is None:
-        cmd.append('--standalone')
-    else:
-        cmd += [
-            f'--nnodes={nnodes}',
-            f'--node-rank={node_rank}',
-            f'--master-addr={master_addr or "127.0.0.1"}',
-        ]
-        if master_port is not None:
-            cmd.append(f'--master-port={master_port}')
-    cmd += [f'--nproc-per-node={nproc}', '-m', 'stratagem', 'train', *cleaned]
-    if not any(a == '--launcher' or a.startswith('--launcher=') for a in cleaned):
-        cmd += ['--launcher', 'pytorch']
-    return subprocess.call(cmd)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import slurm as _slurm
+from .backend import resolve_backend
 from .slurm import expand_slurm_nodelist  # noqa: F401 - public here since the first release
 
 logger = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ def init_dist(
             'torch.distributed is not available in this torch build '
             f'({torch.__version__}); launcher {launcher!r} needs it'
         )
-    backend = _resolve_backend(backend)
+    backend = resolve_backend(backend)
     if timeout is not None:
         kwargs['timeout'] = _as_timedelta(timeout)
     env_rendezvous = kwargs.get('init_method') in (None, 'env://') and kwargs.get('store') is None
@@ -184,6 +185,13 @@ def init_dist(
     os.environ.update(exports)
     if cuda:
         torch.cuda.set_device(local_rank)
+    if launcher == 'pytorch' and env_rendezvous:  # each torchrun attempt its own keys
+        from .store import elastic_attempt_store
+
+        store = elastic_attempt_store(kwargs.get('timeout'))
+        if store is not None:
+            kwargs.pop('init_method', None)
+            kwargs['store'] = store
     kwargs.setdefault('rank', rank)
     kwargs.setdefault('world_size', world_size)
     dist.init_process_group(backend=backend, **kwargs)
@@ -330,55 +338,6 @@ def _rank_vars(rank: int, world_size: int, local_rank: int, local_size: int) -> 
         LOCAL_SIZE=str(local_size),
         LOCAL_WORLD_SIZE=str(local_size),
     )
-
-
-_SAID_BACKEND_FALLBACK: set[str] = set()
-
-
-def mmengine_env_kwargs(env_cfg: Any, where: str = 'env_cfg') -> dict:
-    """An mmengine ``env_cfg`` as strategy ``env_kwargs``, with its backend fitted to this
-    machine.
-
-    mmengine's ``FlexibleRunner`` passes ``env_cfg=dict(dist_cfg=dict(backend='nccl'))`` when
-    the user gives none, and its config templates write the same: a backend the user did not
-    choose. On a machine without CUDA, where nccl cannot run, it becomes gloo and the process
-    says so once (a warning naming the key). A backend given to a strategy directly
-    (``env_kwargs``) is the user's choice and is never replaced (nccl without CUDA stays an
-    error there).
-    """
-    kwargs = dict(env_cfg or {})
-    dist_cfg = dict(kwargs.get('dist_cfg') or {})
-    backend = dist_cfg.get('backend')
-    if isinstance(backend, str) and 'nccl' in backend.lower() and not torch.cuda.is_available():
-        dist_cfg['backend'] = 'gloo'
-        kwargs['dist_cfg'] = dist_cfg
-        if where not in _SAID_BACKEND_FALLBACK:
-            _SAID_BACKEND_FALLBACK.add(where)
-            import warnings
-
-            warnings.warn(
-                f"{where}.dist_cfg.backend={backend!r} (mmengine's default) needs CUDA, which "
-                "this machine lacks: using 'gloo'. Set "
-                f"{where}=dict(dist_cfg=dict(backend='gloo')) to say so yourself",
-                UserWarning,
-                stacklevel=3,
-            )
-    return kwargs
-
-
-def _resolve_backend(backend: str | None) -> str:
-    if backend is None:
-        return 'nccl' if torch.cuda.is_available() else 'gloo'
-    if not isinstance(backend, str) or not backend:
-        raise TypeError(
-            f'backend must be a non-empty str such as "gloo" or "nccl", got {backend!r}'
-        )
-    if 'nccl' in backend.lower() and not torch.cuda.is_available():
-        raise ValueError(
-            f'backend {backend!r} needs CUDA, which is not available here; '
-            'use backend="gloo" (or leave backend=None to choose)'
-        )
-    return backend
 
 
 def _as_timedelta(timeout: float | timedelta) -> timedelta:

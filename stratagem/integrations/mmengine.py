@@ -18,7 +18,9 @@ Importing this module (the only one in stratagem that imports mmengine) does thr
    ``optim_wrapper=dict(type='stratagem.AmpOptimWrapper', ...)``. stratagem's own
    registries accept the ``stratagem.`` prefix too. Strategies that stratagem registers
    lazily (heavy backends) are registered as builder functions, imported on first build.
-3. Nothing else: a strategy's wrapped model already carries the inner module's
+3. **Registers ``stratagem.PreemptionHook``** in mmengine's HOOKS (``custom_hooks``): a
+   preemption signal ends the run in one committed checkpoint (``mmengine_preemption.py``).
+4. Nothing else: a strategy's wrapped model already carries the inner module's
    ``train_step`` / ``val_step`` / ``test_step`` (``stratagem.integrations.model_api``),
    which mmengine's loops call.
 
@@ -38,6 +40,7 @@ from typing import Any
 try:
     import mmengine  # noqa: F401
     from mmengine.logging import HistoryBuffer
+    from mmengine.registry import HOOKS as MM_HOOKS
     from mmengine.registry import OPTIM_WRAPPERS as MM_OPTIM_WRAPPERS
     from mmengine.registry import PARAM_SCHEDULERS as MM_PARAM_SCHEDULERS
     from mmengine.registry import STRATEGIES as MM_STRATEGIES
@@ -52,6 +55,8 @@ import numpy as np
 from stratagem import registry as ours
 from stratagem.checkpoint import add_safe_globals
 
+from .mmengine_preemption import PreemptionHook
+
 __all__ = [
     'SCOPE',
     'numpy_safe_globals',
@@ -59,6 +64,8 @@ __all__ = [
     'STRATEGIES',
     'OPTIM_WRAPPERS',
     'PARAM_SCHEDULERS',
+    'HOOKS',
+    'PreemptionHook',
 ]
 
 SCOPE = 'stratagem'
@@ -148,8 +155,8 @@ def _builder(registry: ours.Registry, name: str, fit: Any = None):
 def _fit_env_cfg(kwargs: dict) -> dict:
     """FlexibleRunner hands its ``env_cfg`` over as ``env_kwargs``: a CUDA backend that the
     user did not choose (its default, its config templates') becomes gloo on a machine
-    without CUDA, said once (``env.launcher.mmengine_env_kwargs``)."""
-    from stratagem.env.launcher import mmengine_env_kwargs
+    without CUDA, said once (``env.backend.mmengine_env_kwargs``)."""
+    from stratagem.env.backend import mmengine_env_kwargs
 
     if kwargs.get('env_kwargs'):
         kwargs = {**kwargs, 'env_kwargs': mmengine_env_kwargs(kwargs['env_kwargs'], 'env_cfg')}
@@ -171,3 +178,7 @@ PARAM_SCHEDULERS = _child(MM_PARAM_SCHEDULERS, 'parameter scheduler')
 _mirror(ours.STRATEGIES, STRATEGIES, fit=_fit_env_cfg)  # builders: the env_cfg is fitted
 _mirror(ours.OPTIM_WRAPPERS, OPTIM_WRAPPERS)
 _mirror(ours.PARAM_SCHEDULERS, PARAM_SCHEDULERS)
+
+# preemption for mmengine's loops: custom_hooks=[dict(type='stratagem.PreemptionHook')]
+HOOKS = _child(MM_HOOKS, 'hook')
+HOOKS.register_module(name='PreemptionHook', module=PreemptionHook, force=True)

@@ -879,6 +879,17 @@ def test_train_transformer_config_end_to_end(runs):
             f['path'] for f in manifest['files']
         }
     assert [out['lm_iter'] for out in runs['second']] == [8, 8]
+    # run metrics: rank 0 alone wrote one row per log interval (tokens: language data)
+    import csv
+
+    (table,) = (work / 'lm').glob('*/metrics.csv')
+    with open(table) as f:
+        rows = list(csv.DictReader(f))
+    assert [r['iter'] for r in rows] == ['8']
+    assert float(rows[0]['tokens_per_s']) == pytest.approx(float(rows[0]['samples_per_s']) * 32)
+    assert float(rows[0]['grad_norm']) > 0  # the example clips
+    assert float(rows[0]['checkpoint_stall_s']) > 0  # the save at iteration 4
+    assert list((table.parent / 'tensorboard').glob('events.out.tfevents.*'))
     first = ckpt.read_sharded_checkpoint(work / 'lm' / 'iter_8.pth')
     resumed = ckpt.read_sharded_checkpoint(work / 'lm_resumed' / 'iter_8.pth')
     start = ckpt.read_sharded_checkpoint(work / 'lm' / 'iter_4.pth')

@@ -1,0 +1,257 @@
+"""How ``stratagem train`` starts several processes: torchrun's command line (one node, several
+nodes with a static or an elastic membership, restarts), and the parent process that waits for
+it (forwarding preemption signals to the workers, turning a preemption into its exit status).
+
+1. ``add_launch_arguments``: ``--nproc``, ``--nnodes N`` or ``MIN:MAX``, ``--node-rank``,
+   ``--master-addr``/``--master-port`` (static), ``--rdzv-endpoint``/``--rdzv-id``/
+   ``--rdzv-conf`` (c10d rendezvous: elastic), ``--max-restarts``.
+2. ``torchrun_command``: the options checked, the command built (nothing started).
+3. ``relaunch``: runs it. While it runs, a preemption signal this process receives goes on
+   to the workers (torchrun's agent is told to handle the same signals, by passing them to
+   its workers, so a signal sent to the whole job step does not kill the agent); afterwards a
+   preemption the workers recorded (``work_dir/preempted.json``: torchrun workers exit 0, or
+   the agent would restart them) becomes this process's exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+
+from stratagem.env.launcher import resolve_master
+
+__all__ = ['add_launch_arguments', 'parse_nnodes', 'torchrun_command', 'relaunch']
+
+_LAUNCH_ONLY = (
+    '--nproc', '--nnodes', '--node-rank', '--master-addr', '--master-port',
+    '--rdzv-endpoint', '--rdzv-id', '--rdzv-conf', '--max-restarts',
+)  # fmt: skip
+_AGENT_SIGNALS = 'SIGTERM,SIGINT,SIGHUP,SIGQUIT'  # torchrun's default
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        '--nproc',
+        type=int,
+        default=1,
+        help='processes on this machine; > 1 re-launches with torchrun',
+    )
+    parser.add_argument(
+        '--max-restarts',
+        type=int,
+        default=0,
+        metavar='K',
+        help='restart every worker up to K times when one fails (torchrun); a restarted '
+        'worker resumes from the last committed checkpoint by itself',
+    )
+    node = parser.add_argument_group(
+        'several machines',
+        'run the same command on every node; static: --nnodes N with its own --node-rank '
+        'and node 0 as --master-addr; elastic: --nnodes MIN:MAX --rdzv-endpoint HOST:PORT',
+    )
+    node.add_argument(
+        '--nnodes', default='1', help='number of machines, N or MIN:MAX (elastic; default 1)'
+    )
+    node.add_argument(
+        '--node-rank', type=int, default=0, help='this machine, 0 .. nnodes-1 (static)'
+    )
+    node.add_argument(
+        '--master-addr',
+        help="node 0's host name or address, reachable from every node (static, --nnodes > 1)",
+    )
+    node.add_argument(
+        '--master-port', type=int, default=None, help='a free TCP port on node 0 (default 29500)'
+    )
+    node.add_argument(
+        '--rdzv-endpoint',
+        metavar='HOST:PORT',
+        help='c10d rendezvous: the first agent to start on HOST serves it; nodes may come '
+        'and go between MIN and MAX',
+    )
+    node.add_argument('--rdzv-id', default='stratagem', help='the job id agents rendezvous under')
+    node.add_argument(
+        '--rdzv-conf', help="torchrun's --rdzv-conf, e.g. last_call_timeout=5,join_timeout=600"
+    )
+
+
+def parse_nnodes(value: str | int) -> tuple[int, int]:
+    """``'N'`` or ``'MIN:MAX'`` as (min, max), checked."""
+    text = str(value)
+    parts = text.split(':')
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        lo, hi = 0, -1
+    if len(parts) > 2 or not 1 <= lo <= hi:
+        raise ValueError(
+            f'--nnodes {text!r} is not a number of machines: give N (e.g. 2) or MIN:MAX '
+            'with 1 <= MIN <= MAX (e.g. 1:2, elastic, with --rdzv-endpoint)'
+        )
+    return lo, hi
+
+
+def wants_torchrun(args: argparse.Namespace) -> bool:
+    """Whether this command must re-launch itself under torchrun."""
+    return (
+        args.nproc > 1
+        or parse_nnodes(args.nnodes)[1] > 1
+        or args.max_restarts > 0
+        or args.rdzv_endpoint is not None
+    )
+
+
+def torchrun_command(args: argparse.Namespace) -> list[str]:
+    """torchrun's command for ``args`` (checked first, nothing started)."""
+    nproc, node_rank = args.nproc, args.node_rank
+    lo, hi = parse_nnodes(args.nnodes)
+    master_addr, master_port, endpoint = args.master_addr, args.master_port, args.rdzv_endpoint
+    if nproc < 1:
+        raise ValueError(f'--nproc and --nnodes must be >= 1, got --nproc {nproc} --nnodes {hi}')
+    if args.max_restarts < 0:
+        raise ValueError(
+            f'--max-restarts {args.max_restarts} should be >= 0 (restarts of the workers)'
+        )
+    if master_port is not None and not 0 < master_port < 65536:
+        raise ValueError(f'--master-port {master_port} is not a TCP port; give 1-65535')
+    if lo != hi and endpoint is None:
+        raise ValueError(
+            f'--nnodes {lo}:{hi} (elastic) needs --rdzv-endpoint HOST:PORT: the c10d '
+            'rendezvous the agents meet at, the same on every node'
+        )
+    if endpoint is not None:
+        if master_addr or master_port is not None:
+            raise ValueError(
+                '--rdzv-endpoint replaces --master-addr/--master-port (and --node-rank): '
+                'give one or the other'
+            )
+        host, sep, port = endpoint.rpartition(':')
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f'--rdzv-endpoint {endpoint!r} should be HOST:PORT, e.g. node0.cluster:29400'
+            )
+        resolve_master(host, int(port), '--rdzv-endpoint')
+    else:
+        if not 0 <= node_rank < hi:
+            raise ValueError(
+                f'--node-rank {node_rank} is not one of the {hi} node(s): give '
+                f'0 .. {hi - 1}, a different one on each machine'
+            )
+        if hi > 1 and not master_addr:
+            raise ValueError(
+                f'--nnodes {hi} needs --master-addr: the host name or address of '
+                'node 0 (--node-rank 0), the same on every node'
+            )
+        if master_addr:
+            resolve_master(master_addr, master_port or 29500, '--master-addr')
+    cmd = [sys.executable, '-m', 'torch.distributed.run']
+    if endpoint is not None:
+        cmd += [
+            f'--nnodes={lo}:{hi}' if lo != hi else f'--nnodes={hi}',
+            '--rdzv-backend=c10d',
+            f'--rdzv-endpoint={endpoint}',
+            f'--rdzv-id={args.rdzv_id}',
+        ]
+        if args.rdzv_conf:
+            cmd.append(f'--rdzv-conf={args.rdzv_conf}')
+    elif hi == 1 and master_addr is None and master_port is None:
+        cmd.append('--standalone')
+    else:
+        cmd += [
+            f'--nnodes={hi}',
+            f'--node-rank={node_rank}',
+            f'--master-addr={master_addr or "127.0.0.1"}',
+        ]
+        if master_port is not None:
+            cmd.append(f'--master-port={master_port}')
+    if args.max_restarts:
+        cmd.append(f'--max-restarts={args.max_restarts}')
+    cleaned = _without_launch_options(list(getattr(args, 'cli_argv', sys.argv[2:])))
+    cmd += [f'--nproc-per-node={nproc}', '-m', 'stratagem', 'train', *cleaned]
+    if not any(a == '--launcher' or a.startswith('--launcher=') for a in cleaned):
+        cmd += ['--launcher', 'pytorch']
+    return cmd
+
+
+def _without_launch_options(argv: list[str]) -> list[str]:
+    """The sub-command's own arguments without those that only shape the launch (the workers
+    run under torchrun, LOCAL_RANK set, so they never re-launch)."""
+    cleaned, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in _LAUNCH_ONLY:
+            skip = True
+            continue
+        if a.startswith(tuple(f'{o}=' for o in _LAUNCH_ONLY)):
+            continue
+        cleaned.append(a)
+    return cleaned
+
+
+def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool = False) -> int:
+    """Run torchrun's ``cmd``; forward ``signals`` to its workers meanwhile; return its exit
+    status, or the preemption's when the workers recorded one in ``work_dir``. A failure
+    prints one message (``worker_errors.py``) unless ``debug``, which shows everything."""
+    from stratagem.env.preemption import clear_marker, read_marker
+
+    from .worker_errors import run_with_one_message
+
+    clear_marker(work_dir)
+    with _forwarding(signals):
+        code = subprocess.call(cmd) if debug else run_with_one_message(cmd)
+    info = read_marker(work_dir, remove=True)
+    if info is not None:
+        sys.stderr.write(
+            f'stratagem train: preempted by {info.get("signal")} after iteration '
+            f'{info.get("iteration")}; {info.get("checkpoint")} committed'
+            f'{"; the Slurm job was requeued" if info.get("requeued") else ""}\n'
+        )
+        return int(info.get('exit_code', code))
+    return code
+
+
+@contextlib.contextmanager
+def _forwarding(signals: Sequence[str]) -> Iterator[None]:
+    """While torchrun runs: the agent handles ``signals`` (it passes them to the workers and
+    gives them 30 s before SIGKILL) instead of dying of SIGUSR1, and a signal sent to this
+    process goes to the workers (torchrun starts each in a session of its own)."""
+    previous_env = os.environ.get('TORCHELASTIC_SIGNALS_TO_HANDLE')
+    names = list(dict.fromkeys([*_AGENT_SIGNALS.split(','), *signals]))
+    if previous_env is None:
+        os.environ['TORCHELASTIC_SIGNALS_TO_HANDLE'] = ','.join(names)
+    previous: dict[int, object] = {}
+    try:
+        for name in signals:
+            sig = getattr(signal, name)
+            previous[sig] = signal.signal(sig, _forward)
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        if previous_env is None:
+            os.environ.pop('TORCHELASTIC_SIGNALS_TO_HANDLE', None)
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f'/proc/{pid}/task'):
+            with open(f'/proc/{pid}/task/{task}/children') as f:
+                out += [int(p) for p in f.read().split()]
+    return out
+
+
+def _forward(signum: int, frame: object) -> None:
+    # the workers (the agent's children) save and exit 0; an agent without workers yet
+    # gets the signal itself and stops
+    for agent in _children(os.getpid()):
+        workers = _children(agent)
+        for pid in workers or [agent]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signum)

@@ -1,0 +1,327 @@
+"""``stratagem doctor``'s memory estimate: the peak memory per device of one training step of
+the config at the given world size, before any real process group or weight exists.
+
+How, per strategy (one process, any world size):
+
+- every strategy: the model is built on the meta device, given fake storage
+  (``FakeTensorMode``: shapes and dtypes, no bytes) and runs the loop's step on one fake
+  micro batch of the dataset (forward, backward, the optim wrapper's step, as many
+  iterations as one accumulation cycle + 1 so that the optimizer state exists), under
+  ``torch.distributed._tools.MemTracker``, which counts every live tensor's storage:
+  parameters, gradients, optimizer state, activations and temporaries at the peak;
+- FSDP (flat, HSDP, 2-D with tensor parallel): the same under torch's fake process group
+  (``init_process_group('fake')``) at the world size, the model sharded by the strategy's own
+  pieces (``model_wrapper`` targets, tensor-parallel plan, activation checkpointing,
+  ``fully_shard``), measured by ``FSDPMemTracker`` (all-gather and reduce-scatter buffers
+  included); the fake group is destroyed afterwards;
+- DDP: the single-device measurement plus the reducer's gradient buckets (one more copy of
+  the gradients, none with ``gradient_as_bucket_view=True``): DDP's C++ reducer cannot run on
+  fake tensors;
+- DeepSpeed ZeRO (formulas of the ZeRO paper, from the single-device measurement): stage 1
+  divides the optimizer state by the world size, stage 2 the gradients too, stage 3 the
+  parameters too; with bf16 the parameters and gradients take 2 bytes and the optimizer keeps
+  an fp32 master copy (4 bytes a parameter). DeepSpeed's own bucket buffers are not counted.
+- fairscale (OSS + ShardedDDP): as ZeRO stage 2.
+
+:func:`measure_step` is the measurement itself; a test runs it on a real step too (real
+tensors, real gloo groups) and compares.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    'MemoryChecks',
+    'MemoryEstimate',
+    'estimate_memory',
+    'measure_step',
+    'parse_size',
+    'format_size',
+]
+
+_UNITS = {'': 1, 'b': 1, 'k': 10**3, 'm': 10**6, 'g': 10**9, 't': 10**12}
+_IUNITS = {'ki': 2**10, 'mi': 2**20, 'gi': 2**30, 'ti': 2**40}
+_PARTS = {  # MemTracker / FSDPMemTracker categories -> ours
+    'Parameter': 'parameters',
+    'Sharded Param': 'parameters',
+    'Unsharded Param': 'parameters',
+    'Buffer': 'parameters',
+    'Gradient': 'gradients',
+    'Sharded Grad': 'gradients',
+    'Unsharded Grad': 'gradients',
+    'Optstate': 'optimizer',
+    'OptState': 'optimizer',
+}
+
+
+def parse_size(text: str | int) -> int:
+    """``'16GiB'``, ``'80GB'``, ``'512MiB'``, ``'1e9'``, ``1234`` → bytes (GB = 10**9,
+    GiB = 2**30)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r'\s*([0-9.eE+]+)\s*([kKmMgGtT]i?)?[bB]?\s*', str(text))
+    if not m:
+        raise ValueError(
+            f'--device-memory {text!r} is not a size; give bytes or a number with a unit, '
+            "e.g. '16GiB', '80GB', '512MiB'"
+        )
+    unit = (m.group(2) or '').lower()
+    return int(float(m.group(1)) * (_IUNITS.get(unit) or _UNITS[unit]))
+
+
+def format_size(n: float) -> str:
+    for unit, size in (('GiB', 2**30), ('MiB', 2**20), ('KiB', 2**10)):
+        if abs(n) >= size:
+            return f'{n / size:.2f} {unit}'
+    return f'{int(n)} B'
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak bytes per device, its parts (parameters, gradients, optimizer, activations and
+    temporaries) and how it was obtained."""
+
+    peak: int
+    parts: dict[str, int] = field(default_factory=dict)
+    method: str = ''
+
+    def describe(self) -> str:
+        parts = ', '.join(f'{k} {format_size(v)}' for k, v in self.parts.items())
+        return f'{format_size(self.peak)} ({parts}; {self.method})'
+
+
+def _loss(output: Any) -> Any:
+    if isinstance(output, Mapping):
+        return sum(
+            v if not isinstance(v, list) else sum(v) for k, v in output.items() if 'loss' in k
+        )
+    return output
+
+
+def _forward(model: Any, batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (list, tuple)):
+        return model(*batch)
+    return model(batch)
+
+
+def _wrappers(optim_wrapper: Any) -> list:
+    return list(optim_wrapper.values()) if hasattr(optim_wrapper, 'values') else [optim_wrapper]
+
+
+def measure_step(model: Any, optim_wrapper: Any, batch: Any, *, fsdp: bool = False) -> dict:
+    """Run one accumulation cycle + 1 iterations of the loop's step under torch's memory
+    tracker; returns ``{'peak': bytes, part: bytes, ...}`` at the peak (tensors on any device,
+    fake or real)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    wrappers = _wrappers(optim_wrapper)
+    tracker: Any
+    if fsdp:
+        tracker = FSDPMemTracker(model, wrappers[0].optimizer)
+        tracker.track_external(*[w.optimizer for w in wrappers[1:]])
+    else:
+        tracker = MemTracker()
+        tracker.track_external(model, *[w.optimizer for w in wrappers])
+    counts = max(int(getattr(w, '_accumulative_counts', 1) or 1) for w in wrappers)
+    with tracker:
+        for _ in range(counts + 1):
+            with optim_wrapper.optim_context(model):
+                loss = _loss(_forward(model, batch))
+            if len(wrappers) == 1:
+                wrappers[0].update_params(loss)
+            else:  # OptimWrapperDict: one backward, every optimizer steps
+                loss.backward()
+                for w in wrappers:
+                    w.step()
+                    w.zero_grad()
+            tracker.reset_mod_stats()  # per-module stats hold one iteration; the peak stays
+    snap = tracker.get_tracker_snapshot('peak')
+    out = {'peak': 0, 'parameters': 0, 'gradients': 0, 'optimizer': 0, 'activations': 0}
+    for stats in snap.values():
+        for key, value in stats.items():
+            name = str(getattr(key, 'value', key))
+            if name == 'Total':
+                out['peak'] += value
+            else:
+                out[_PARTS.get(name, 'activations')] += value
+    return out
+
+
+def _fake_batch(batch: Any, mode: Any) -> Any:
+    import torch
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def estimate_memory(cfg: Mapping, nproc: int, batch: Any) -> MemoryEstimate:
+    """The estimate for ``cfg`` on ``nproc`` processes with one real micro ``batch`` (its
+    shapes are used, not its values). Raises on a config the estimate cannot run."""
+    import torch.distributed as dist
+
+    strategy = dict(cfg.get('strategy') or {})
+    stype = str(strategy.get('type', 'auto'))
+    if stype in ('FSDPStrategy', 'MMFSDPStrategy') and nproc > 1:
+        if dist.is_initialized():
+            raise RuntimeError('a process group already exists; the fake one cannot be made')
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group('fake', rank=0, world_size=nproc, store=FakeStore())
+        try:
+            parts = _fake_run(cfg, batch, lambda model: _shard(strategy, nproc, model))
+        finally:
+            dist.destroy_process_group()
+        return _estimate(parts, f'FSDP over a fake process group of {nproc}, FSDPMemTracker')
+    parts = _fake_run(cfg, batch, None)
+    if stype in ('DeepSpeedStrategy', 'MMDeepSpeedStrategy'):
+        return _zero(parts, strategy, nproc)
+    if stype == 'FairScaleStrategy' and nproc > 1:
+        return _zero(parts, {'zero_optimization': {'stage': 2}}, nproc, 'fairscale OSS')
+    if nproc > 1 or stype in ('DDPStrategy', 'MMDDPStrategy'):
+        wrapper = dict(strategy.get('model_wrapper') or {})
+        buckets = 0 if wrapper.get('gradient_as_bucket_view') else parts['parameters']
+        parts['gradients'] += buckets
+        parts['peak'] += buckets
+        return _estimate(parts, 'DDP: one fake step + the gradient buckets')
+    return _estimate(parts, 'one fake step, MemTracker')
+
+
+def _estimate(parts: dict, method: str) -> MemoryEstimate:
+    peak = parts.pop('peak')
+    return MemoryEstimate(peak, {k: v for k, v in parts.items() if v}, method)
+
+
+def _zero(parts: dict, strategy: Mapping, nproc: int, name: str = '') -> MemoryEstimate:
+    from .doctor_sharding import deepspeed_config
+
+    ds, _ = deepspeed_config(strategy)
+    stage = int((ds.get('zero_optimization') or {}).get('stage', 0))
+    bf16 = bool((ds.get('bf16') or {}).get('enabled') or (ds.get('fp16') or {}).get('enabled'))
+    p, g, o, a = (parts[k] for k in ('parameters', 'gradients', 'optimizer', 'activations'))
+    if bf16:  # 2-byte parameters and gradients; the optimizer keeps an fp32 master copy
+        o, p, g = o + p, p // 2, g // 2
+    o = o // nproc if stage >= 1 else o
+    g = g // nproc if stage >= 2 else g
+    p = p // nproc if stage >= 3 else p
+    out = {'parameters': p, 'gradients': g, 'optimizer': o, 'activations': a}
+    label = name or f'DeepSpeed ZeRO-{stage}{" bf16" if bf16 else ""}'
+    return MemoryEstimate(p + g + o + a, out, f'{label}: ZeRO formulas over one fake step')
+
+
+def _fake_run(cfg: Mapping, batch: Any, shard: Any) -> dict:
+    """Build the model (meta, then fake storage), optionally shard it, build the optim
+    wrapper as the strategy does, and measure the step."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from stratagem.optim import build_optim_wrapper
+    from stratagem.registry import MODELS
+
+    with torch.device('meta'):
+        model = MODELS.build(dict(cfg['model']))
+    # meta tensors are not fake tensors: the mode must accept them as inputs of to_empty
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        model.to_empty(device='cpu')
+        fsdp = False
+        if shard is not None:
+            model = shard(model)
+            fsdp = True
+        wrapper = build_optim_wrapper(model, dict(cfg.get('optim_wrapper') or {}))
+        return measure_step(model, wrapper, _fake_batch(batch, mode), fsdp=fsdp)
+
+
+def _shard(strategy: Mapping, nproc: int, model: Any) -> Any:
+    """FSDPStrategy._wrap_model's sequence on the fake group (the mesh is built outside the
+    fake mode: its construction reads real rank tensors)."""
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.fsdp import fully_shard
+
+    from stratagem.strategies.fsdp.config import parse_model_wrapper
+    from stratagem.strategies.fsdp.mesh import parse_mesh
+    from stratagem.strategies.fsdp.options import parse_activation_checkpointing
+    from stratagem.strategies.fsdp.tensor_parallel import parse_tensor_parallel_plan
+
+    cfg = parse_model_wrapper(strategy.get('model_wrapper'))
+    spec = parse_mesh(strategy.get('mesh'), nproc)
+    plan = parse_tensor_parallel_plan(strategy.get('tensor_parallel_plan'))
+    ac = parse_activation_checkpointing(strategy.get('activation_checkpointing'))
+    with unset_fake_temporarily():
+        mesh = spec.build('cpu')
+    targets = cfg.targets(model)
+    ignored = cfg.ignored_params(model)
+    if plan is not None:
+        plan.apply(model, mesh['tensor'], targets)
+    if ac is not None:
+        targets = ac.apply(model, targets)
+    kwargs = cfg.shard_kwargs(spec.data_mesh(mesh), torch.device('cpu'))
+    for block in reversed(targets):
+        fully_shard(block, **kwargs, ignored_params=ignored & set(block.parameters()) or None)
+    fully_shard(model, **kwargs, ignored_params=ignored or None)
+    return model
+
+
+class MemoryChecks:
+    """The memory check of ``doctor._Doctor`` (which provides ``cfg``, ``nproc``, ``model``,
+    ``add``, ``notes``, ``findings`` and ``device_memory``)."""
+
+    cfg: Mapping
+    nproc: int
+    model: Any
+    batch: Any
+    dataset_length: int | None
+    device_memory: int | None
+    add: Callable[[str, str, str], None]
+    notes: list[str]
+    findings: list
+
+    def load_batch(self) -> None:
+        """One micro batch of the dataset (its shapes feed the memory estimate) and the
+        dataset's length (the epoch length)."""
+        loader = self.cfg.get('train_dataloader') or {}
+        if not isinstance(loader.get('dataset'), Mapping):
+            return
+        from torch.utils.data import default_collate
+
+        from stratagem.registry import DATASETS
+
+        try:
+            dataset = DATASETS.build(dict(loader['dataset']))
+            self.dataset_length = len(dataset)
+            n = min(int(loader.get('batch_size', 1)), self.dataset_length)
+            self.batch = default_collate([dataset[i] for i in range(n)])
+        except Exception as err:  # noqa: BLE001 - a note: the checks go on without it
+            self.notes.append(f'the dataset cannot be built ({type(err).__name__}: {err})')
+
+    def check_memory(self) -> None:
+        if (
+            self.model is None
+            or self.batch is None
+            or any(
+                f.where.startswith(('model', 'optim_wrapper', 'strategy')) for f in self.findings
+            )
+        ):
+            self.notes.append('memory estimate skipped (fix the findings above first)')
+            return
+        try:
+            estimate = estimate_memory(self.cfg, self.nproc, self.batch)
+        except Exception as err:  # noqa: BLE001 - a note: the estimate is best effort
+            self.notes.append(f'memory estimate failed: {type(err).__name__}: {err}')
+            return
+        self.notes.append(f'estimated peak memory per device: {estimate.describe()}')
+        if self.device_memory is not None and estimate.peak > self.device_memory:
+            self.add(
+                'memory',
+                f'the estimated peak {format_size(estimate.peak)} per device does not fit '
+                f'--device-memory {format_size(self.device_memory)}',
+                'shard more (FSDPStrategy, or DeepSpeed ZeRO-3), lower the micro batch '
+                '(raise accumulative_counts to keep the batch), add activation '
+                'checkpointing, or train in bf16',
+            )

@@ -1,0 +1,203 @@
+"""The scalars ``stratagem train`` writes for a person to watch and compare runs.
+
+Every ``log_interval`` iterations (and at the end), rank 0 writes one row: ``loss`` (mean over
+the interval), ``lr`` (the first param group's), ``grad_norm`` (the last update's, when the
+optim wrapper clips), ``samples_per_s`` (all data-parallel ranks together), ``tokens_per_s``
+(token data: batches whose inputs are integer (batch, time) tensors), ``step_time_s`` (mean
+over the interval), ``peak_memory_mib`` (this process: the accelerator's allocator peak, else
+the resident set's high-water mark) and ``checkpoint_stall_s`` (time the loop spent inside
+``save_checkpoint`` during the interval; for an asynchronous save, the snapshot). Each row
+goes to:
+
+- ``<log_dir>/metrics.csv`` (a header, then one line per row, flushed);
+- TensorBoard event files in ``<log_dir>/tensorboard`` (``torch.utils.tensorboard``'s
+  ``SummaryWriter``; ``pip install tensorboard``), tags ``train/<name>``: ``tensorboard
+  --logdir work_dirs`` shows every run;
+- the log line and the progress bar (throughput and ETA) stay the loop's.
+
+Nothing is done per iteration but adding the loss to a tensor (no host sync); the row costs
+one sync (the loss) and a few microseconds of I/O per ``log_interval``. Other ranks write
+nothing. ``train_cfg.metrics=dict(csv=True, tensorboard=True)`` turns writers off.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import resource
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ['METRICS_KEYS', 'RunMetrics', 'format_row', 'peak_memory_mib', 'tokens_per_sample']
+
+METRICS_KEYS = frozenset({'csv', 'tensorboard'})
+COLUMNS = (
+    'iter',
+    'epoch',
+    'loss',
+    'lr',
+    'grad_norm',
+    'samples_per_s',
+    'tokens_per_s',
+    'step_time_s',
+    'peak_memory_mib',
+    'checkpoint_stall_s',
+)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This process's peak memory in MiB: the CUDA allocator's peak on a CUDA device, else
+    the peak resident set (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    if device.type == 'cuda':
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == 'darwin' else rss / 2**10
+
+
+def tokens_per_sample(batch: Any) -> int | None:
+    """Tokens in one sample when ``batch`` is token data: its inputs (the tensor itself, the
+    first of a tuple/list, or a dict's ``inputs`` / ``input_ids``) are an integer tensor of
+    shape (batch, time). None otherwise."""
+    inputs = batch
+    if isinstance(batch, Mapping):
+        inputs = batch.get('inputs', batch.get('input_ids'))
+    elif isinstance(batch, (tuple, list)) and batch:
+        inputs = batch[0]
+    if (
+        isinstance(inputs, torch.Tensor)
+        and inputs.dim() == 2
+        and not inputs.is_floating_point()
+        and not inputs.is_complex()
+        and inputs.dtype is not torch.bool
+    ):
+        return int(inputs.shape[1])
+    return None
+
+
+def format_row(row: Mapping) -> str:
+    """A row as the log line's tail: ``loss 2.5000 lr 0.01 grad_norm 1.5 160 samples/s
+    (1600 tokens/s) 0.200 s/it peak 812 MiB [checkpoint 0.25 s]``."""
+    text = f'loss {row["loss"]:.4f} lr {row["lr"]:.4g}'
+    if row.get('grad_norm') is not None:
+        text += f' grad_norm {row["grad_norm"]:.4g}'
+    text += f' {row["samples_per_s"]:.1f} samples/s'
+    if row.get('tokens_per_s') is not None:
+        text += f' ({row["tokens_per_s"]:.0f} tokens/s)'
+    text += f' {row["step_time_s"]:.3f} s/it peak {row["peak_memory_mib"]:.0f} MiB'
+    if row.get('checkpoint_stall_s'):
+        text += f' checkpoint {row["checkpoint_stall_s"]:.2f} s'
+    return text
+
+
+class RunMetrics:
+    """One run's scalar writers (rank 0; on other ranks every method does nothing).
+
+    Args:
+        log_dir: the run's log directory (``strategy.log_dir``).
+        samples_per_iter: samples one iteration reads over all data-parallel ranks.
+        enabled: whether this process writes (rank 0).
+        cfg: ``train_cfg.metrics``: ``csv`` and ``tensorboard`` (bools, default True).
+        logger: where to say once that TensorBoard is not installed.
+    """
+
+    def __init__(
+        self,
+        log_dir: str,
+        samples_per_iter: int,
+        *,
+        enabled: bool,
+        cfg: Mapping | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        cfg = dict(cfg or {})
+        unknown = sorted(set(cfg) - METRICS_KEYS)
+        if unknown:
+            raise ValueError(
+                f'train_cfg.metrics: unknown key(s) {unknown}; valid: csv, tensorboard (bools)'
+            )
+        self.samples_per_iter = samples_per_iter
+        self.tokens: int | None = None
+        self.stall = 0.0
+        self.rows: list[dict] = []
+        self._csv: Any = None
+        self._file: Any = None
+        self._tb: Any = None
+        if not enabled:
+            return
+        os.makedirs(log_dir, exist_ok=True)
+        if cfg.get('csv', True):
+            path = os.path.join(log_dir, 'metrics.csv')
+            new = not os.path.exists(path)
+            self._file = open(path, 'a', newline='')  # noqa: SIM115 - closed in close()
+            self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS)
+            if new:
+                self._csv.writeheader()
+        if cfg.get('tensorboard', True):
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                if logger is not None:
+                    logger.info(
+                        'TensorBoard is not installed (pip install tensorboard): scalars go '
+                        f'to {os.path.join(log_dir, "metrics.csv")} and the log only'
+                    )
+            else:
+                self._tb = SummaryWriter(os.path.join(log_dir, 'tensorboard'))
+
+    def saw_batch(self, batch: Any) -> None:
+        """Learn the tokens per sample from the first batch (token data only)."""
+        if self.tokens is None:
+            self.tokens = tokens_per_sample(batch) or 0
+
+    def add_stall(self, seconds: float) -> None:
+        """Time the loop spent in ``save_checkpoint``."""
+        self.stall += seconds
+
+    def write(
+        self,
+        it: int,
+        epoch: int,
+        loss: float,
+        lr: float,
+        grad_norm: Any,
+        iters: int,
+        seconds: float,
+        device: torch.device,
+    ) -> dict:
+        """One row for the ``iters`` iterations that took ``seconds``; returns it."""
+        rate = iters / seconds if seconds > 0 else float('nan')
+        row = {
+            'iter': it,
+            'epoch': epoch,
+            'loss': loss,
+            'lr': lr,
+            'grad_norm': None if grad_norm is None else float(grad_norm),
+            'samples_per_s': rate * self.samples_per_iter,
+            'tokens_per_s': rate * self.samples_per_iter * self.tokens if self.tokens else None,
+            'step_time_s': seconds / iters if iters else float('nan'),
+            'peak_memory_mib': peak_memory_mib(device),
+            'checkpoint_stall_s': self.stall,
+        }
+        self.stall = 0.0
+        self.rows.append(row)
+        if self._csv is not None:
+            self._csv.writerow({k: '' if v is None else v for k, v in row.items()})
+            self._file.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key not in ('iter', 'epoch') and value is not None:
+                    self._tb.add_scalar(f'train/{key}', value, it)
+            self._tb.flush()
+        return row
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

@@ -1,0 +1,46 @@
+"""A dataset for failure tests: deterministic samples that can slow a run down, signal their
+own process, or fail once, at a given read. Imported by test configs through ``sys.path``.
+
+Environment (read on each sample): ``SLOW`` seconds per sample; ``SIGNAL_AT=N`` and
+``SIGNAL=SIGUSR1`` (default): the process that reads its N-th sample sends itself that
+signal (``SIGNAL_RANK``: only that rank); ``FAIL_AT=N`` with ``FAIL_RANK=R``: rank R raises
+at its N-th read in the first attempt of a torchrun job (``TORCHELASTIC_RESTART_COUNT=0``);
+``COUNT_DIR``: every read appends its index to ``COUNT_DIR/<pid>.txt``.
+"""
+
+import os
+import signal
+import time
+
+import torch
+from torch.utils.data import Dataset
+
+
+class FailureDataset(Dataset):
+    def __init__(self, n: int = 64) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.randint(3, (n,), generator=g)
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        self.reads += 1
+        env = os.environ
+        rank = env.get('RANK', '0')
+        if env.get('SLOW'):
+            time.sleep(float(env['SLOW']))
+        if env.get('COUNT_DIR'):
+            with open(os.path.join(env['COUNT_DIR'], f'{os.getpid()}.txt'), 'a') as f:
+                f.write(f'{i}\n')
+        if env.get('SIGNAL_AT') == str(self.reads) and env.get('SIGNAL_RANK', rank) == rank:
+            os.kill(os.getpid(), getattr(signal, env.get('SIGNAL', 'SIGUSR1')))
+        if (
+            env.get('FAIL_AT') == str(self.reads)
+            and env.get('FAIL_RANK', '0') == rank
+            and env.get('TORCHELASTIC_RESTART_COUNT', '0') == '0'
+        ):
+            raise RuntimeError(f'injected failure on rank {rank} at read {self.reads}')
+        return self.x[i], self.y[i]

@@ -1,0 +1,161 @@
+"""Helpers for the failure tests (``tests/test_failures.py``, ``tests/test_elastic.py``) and
+``benchmarks/failure_soak.py``: a small 2-process ``stratagem train`` run, its worker
+processes by rank, and a comparison of final checkpoints."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dist_harness import _SCRUB_NAMES, _SCRUB_PREFIXES
+
+TESTS = Path(__file__).resolve().parent
+N, BATCH, EPOCHS, ACC = 64, 4, 4, 2
+ITERS_2 = EPOCHS * N // (2 * BATCH)  # 32 iterations on 2 processes
+CONFIG = f"""
+import sys
+sys.path.insert(0, {str(TESTS)!r})
+model = dict(type='MLPClassifier', in_features=8, num_classes=3, hidden=16, dropout=0.2)
+train_dataloader = dict(dataset=__import__('failure_data').FailureDataset({N}),
+                        batch_size={BATCH}, shuffle=True, num_workers=0)
+optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
+                     accumulative_counts={ACC})
+param_scheduler = [dict(type='LinearLR', start_factor=0.1, by_epoch=False, end=4),
+                   dict(type='CosineAnnealingLR', by_epoch=False, eta_min=0.001)]
+train_cfg = dict(max_epochs={EPOCHS}, checkpoint_interval=5, log_interval=4)
+randomness = dict(seed=7)
+strategy = dict(type='auto', checkpoint_timeout=30,
+                env_kwargs=dict(dist_cfg=dict(backend='gloo', timeout=60)))
+"""
+
+
+def write_config(directory: Path, text: str = CONFIG) -> Path:
+    path = Path(directory) / 'cfg.py'
+    path.write_text(text)
+    return path
+
+
+def clean_env(**extra: str) -> dict:
+    """This environment without launcher variables, with the repository importable."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _SCRUB_NAMES and not k.startswith(_SCRUB_PREFIXES)
+    }
+    env.update(
+        OMP_NUM_THREADS='1',
+        GLOO_SOCKET_IFNAME='lo',
+        PYTHONPATH=os.pathsep.join([str(TESTS.parent), env.get('PYTHONPATH', '')]),
+    )
+    env.update(extra)
+    return env
+
+
+def start(cfg: Path, work_dir: Path, *args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    """``stratagem train cfg --work-dir work_dir *args`` started (output in a pipe)."""
+    return subprocess.Popen(
+        [sys.executable, '-m', 'stratagem', 'train', str(cfg), '--work-dir', str(work_dir), *args],
+        env=env or clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        raise AssertionError('run did not end in time:\n' + out[-4000:]) from None
+    return proc.returncode, out
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for task in os.listdir(f'/proc/{pid}/task'):
+            with open(f'/proc/{pid}/task/{task}/children') as f:
+                out += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def kill_tree(pid: int, sig: int = 9) -> None:
+    for child in children(pid):
+        kill_tree(child, sig)
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
+
+
+def _environ(pid: int) -> dict:
+    try:
+        with open(f'/proc/{pid}/environ', 'rb') as f:
+            items = f.read().split(b'\0')
+    except OSError:
+        return {}
+    return dict(i.decode(errors='replace').split('=', 1) for i in items if b'=' in i)
+
+
+def workers(root: int, count: int = 2, timeout: float = 120) -> dict[int, int]:
+    """``{rank: pid}`` of the torchrun workers below process ``root`` (waits for ``count``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found: dict[int, int] = {}
+        stack = [root]
+        while stack:
+            pid = stack.pop()
+            env = _environ(pid)
+            if 'LOCAL_RANK' in env and 'RANK' in env and env.get('TORCHELASTIC_RUN_ID'):
+                found.setdefault(int(env['RANK']), pid)
+                continue
+            stack += children(pid)
+        if len(found) >= count:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f'{count} workers did not start below {root}')
+
+
+def reads(count_dir: Path, pid: int) -> int:
+    """How many samples worker ``pid`` read so far."""
+    try:
+        with open(Path(count_dir) / f'{pid}.txt') as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def wait_reads(count_dir: Path, pid: int, n: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while reads(count_dir, pid) < n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f'worker {pid} did not read {n} samples')
+        time.sleep(0.005)
+
+
+def final_state(work_dir: Path, it: int = ITERS_2) -> dict:
+    ckpt = torch.load(Path(work_dir) / f'iter_{it}.pth', weights_only=True)
+    return {k: ckpt[k] for k in ('state_dict', 'optimizer', 'param_schedulers')} | {
+        'iter': ckpt['meta']['iter']
+    }
+
+
+def equal(a, b) -> bool:
+    """Bit-exact equality of nested checkpoint values."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+    return a == b

@@ -1,0 +1,143 @@
+"""A 2-process ``stratagem train`` run that survives failures by itself, compared bit for bit
+(weights, optimizer state, schedulers) with the same run uninterrupted:
+
+- a worker SIGKILLed mid-run under ``--max-restarts``: every worker restarts and resumes;
+- an exception on one rank under ``--max-restarts``: the same;
+- a preemption signal to one rank only, during an asynchronous save, the stop falling
+  inside an accumulation window, ``requeue=True`` under a (fake) Slurm: one checkpoint,
+  exit status 75, ``scontrol requeue`` called, and the next run continues exactly;
+- a rank stopped with SIGSTOP: the other exits within ``dist_cfg.timeout`` + 15 s with an
+  error naming rank 1.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+
+from failure_helpers import (
+    CONFIG,
+    ITERS_2,
+    clean_env,
+    equal,
+    final_state,
+    finish,
+    kill_tree,
+    start,
+    wait_reads,
+    workers,
+    write_config,
+)
+from stratagem import checkpoint as ckpt
+
+pytestmark = pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='needs Linux /proc')
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('reference')
+    cfg = write_config(tmp)
+    code, out = finish(start(cfg, tmp / 'work', '--nproc', '2'))
+    assert code == 0, out[-4000:]
+    return cfg, final_state(tmp / 'work')
+
+
+def _count_files(count):
+    return sorted(os.listdir(count))
+
+
+def test_a_killed_worker_restarts_every_rank_and_the_run_ends_bit_exact(reference, tmp_path):
+    cfg, want = reference
+    count = tmp_path / 'count'
+    count.mkdir()
+    env = clean_env(COUNT_DIR=str(count), SLOW='0.01')
+    proc = start(cfg, tmp_path / 'work', '--nproc', '2', '--max-restarts', '2', env=env)
+    pids = workers(proc.pid)
+    wait_reads(count, pids[1], 4 * 12 + 1)  # in iteration 13; the last checkpoint is 10
+    os.kill(pids[1], signal.SIGKILL)
+    code, out = finish(proc)
+    assert code == 0, out[-4000:]
+    assert len(_count_files(count)) == 4, out[-3000:]  # a second pair of workers ran
+    assert equal(final_state(tmp_path / 'work'), want)
+
+
+def test_an_exception_on_one_rank_restarts_and_the_run_ends_bit_exact(reference, tmp_path):
+    cfg, want = reference
+    count = tmp_path / 'count'
+    count.mkdir()
+    env = clean_env(COUNT_DIR=str(count), FAIL_AT='70', FAIL_RANK='1')  # in iteration 18
+    proc = start(cfg, tmp_path / 'work', '--nproc', '2', '--max-restarts', '1', env=env)
+    code, out = finish(proc)
+    assert code == 0, out[-4000:]
+    assert 'injected failure on rank 1' in out
+    assert len(_count_files(count)) == 4
+    assert equal(final_state(tmp_path / 'work'), want)
+
+
+def test_preemption_of_one_rank_commits_one_checkpoint_requeues_and_resumes_exactly(
+    reference, tmp_path
+):
+    cfg, want = reference
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    log = tmp_path / 'scontrol.log'
+    fake = bin_dir / 'scontrol'
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    fake.chmod(0o755)
+    preempt_cfg = write_config(
+        tmp_path,
+        CONFIG.replace(
+            'log_interval=4)', 'log_interval=4, preemption=dict(signals=["SIGUSR1"], requeue=True))'
+        ),
+    )
+    work = tmp_path / 'work'
+    # rank 1 alone gets SIGUSR1 in iteration 10, while the asynchronous save of iteration 10
+    # is written; the ranks agree to stop after 13 (lead: accumulation window 2 + 1), inside
+    # a window
+    env = clean_env(
+        SIGNAL_AT='38',
+        SIGNAL_RANK='1',
+        SLURM_JOB_ID='4242',
+        PATH=f'{bin_dir}{os.pathsep}{os.environ["PATH"]}',
+    )
+    async_opt = ('--cfg-options', 'strategy.async_checkpoint=True')
+    code, out = finish(start(preempt_cfg, work, '--nproc', '2', *async_opt, env=env))
+    assert code == 75, out[-4000:]
+    assert 'preempted by SIGUSR1 after iteration 13' in out
+    assert ckpt.find_latest_checkpoint(work).name == 'iter_13.pth'
+    assert ckpt.verify_checkpoint(work / 'iter_13.pth')['step'] == 13
+    assert not (work / 'preempted.json').exists()
+    assert log.read_text().split() == ['requeue', '4242']
+    assert not (work / f'iter_{ITERS_2}.pth').exists()
+    # the requeued job's next run: `--resume` continues exactly
+    code, out = finish(start(cfg, work, '--nproc', '2', '--resume'))
+    assert code == 0, out[-4000:]
+    assert equal(final_state(work), want)
+
+
+def test_a_stopped_rank_ends_the_others_within_the_timeout_naming_it(tmp_path):
+    timeout = 5
+    cfg = write_config(tmp_path, CONFIG.replace('timeout=60', f'timeout={timeout}'))
+    count = tmp_path / 'count'
+    count.mkdir()
+    proc = start(
+        cfg, tmp_path / 'work', '--nproc', '2', env=clean_env(COUNT_DIR=str(count), SLOW='0.01')
+    )
+    pids = workers(proc.pid)
+    try:
+        wait_reads(count, pids[1], 4 * 7)
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        while os.path.exists(f'/proc/{pids[0]}') and time.monotonic() - stopped < 60:
+            with open(f'/proc/{pids[0]}/stat') as f:
+                if f.read().split(')')[-1].split()[0] == 'Z':
+                    break  # a zombie: it exited, torchrun has not reaped it yet
+            time.sleep(0.1)
+        elapsed = time.monotonic() - stopped
+    finally:
+        kill_tree(pids[1])  # torchrun would wait 30 s for a stopped worker to take SIGTERM
+    code, out = finish(proc)
+    assert code != 0
+    assert elapsed < timeout + 15, (elapsed, out[-3000:])
+    assert 'rank 1' in out and 'stopped answering' in out, out[-3000:]
