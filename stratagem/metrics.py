@@ -36,6 +36,7 @@ import torch
 
 __all__ = ['METRICS_KEYS', 'RunMetrics', 'format_row', 'peak_memory_mib', 'tokens_per_sample']
 
+#: the keys ``train_cfg.metrics`` accepts (each a bool, default True)
 METRICS_KEYS = frozenset({'csv', 'tensorboard'})
 COLUMNS = (
     'iter',

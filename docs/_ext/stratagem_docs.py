@@ -36,6 +36,7 @@ PUBLIC_MODULES = (
     'stratagem.env',
     'stratagem.config',
     'stratagem.registry',
+    'stratagem.metrics',
 )
 # extra ``plot-schedule`` arguments per schedule config (by file stem); the schedulers page
 # shows the same commands, and tests/test_docs.py runs them
