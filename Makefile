@@ -1,4 +1,5 @@
-# The two commands of the README: `make demo` and `make test` (and `make lint`, which CI runs first).
+# The two commands of the README: `make demo` and `make test` (and `make lint`, which CI runs first,
+# and `make docs`, the documentation site, which CI builds after the tests).
 # Both create .venv if missing and install torch first ($(TORCH_SPEC)), then the package;
 # a stamp file makes the second run skip the installs.
 PYTHON ?= python3
@@ -11,7 +12,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 QUIET := { grep -v "is ignored" || true; }
 
-.PHONY: demo test lint venv clean bench
+.PHONY: demo test lint docs venv clean bench
 
 venv: $(STAMP)
 
@@ -19,8 +20,8 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)" 2>&1 | $(QUIET)
 	$(PY) -c "import torch" 
-	$(PY) -m pip install $(PIP_FLAGS) -e ".[all,test]" 2>&1 | $(QUIET)
-	$(PY) -c "import stratagem, pytest, addict, yaml, tqdm"
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[all,test,docs]" 2>&1 | $(QUIET)
+	$(PY) -c "import stratagem, pytest, addict, yaml, tqdm, sphinx, myst_parser, furo"
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -36,8 +37,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy stratagem
 
+# the site from docs/ into docs/_build/html (open index.html; search works offline): -W makes any
+# warning an error (a broken link or reference, a docstring that does not render, a public name
+# missing from the API reference); -E re-reads every page so that no warning hides in a cache
+docs: $(STAMP)
+	OMP_NUM_THREADS=1 MPLBACKEND=Agg $(VENV)/bin/sphinx-build -W --keep-going -E -q -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
+
 bench: $(STAMP)
 	$(PY) benchmarks/optim_overhead.py
 
 clean:
-	rm -rf $(VENV) work_dirs
+	rm -rf $(VENV) work_dirs docs/_build docs/_generated

@@ -18,6 +18,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def as_torchrun_rank(rank: int, world: int, port: int) -> None:
+    """Make this process rank ``rank`` of ``world`` as torchrun would (its variables, the
+    master on localhost at ``port``), with one intra-op thread."""
+    import os
+
+    import torch
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR='127.0.0.1',
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS='1',
+    )
+    torch.set_num_threads(1)
+
+
 def spawn_ranks(
     worker: Callable[..., Any],
     args: Any,

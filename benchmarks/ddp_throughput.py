@@ -13,14 +13,13 @@ ShardedDataParallel; its rows are left out when fairscale is not installed).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
 
 import torch
 import torch.multiprocessing as mp
-from _spawn import free_port  # benchmarks/, on the path when run as a script
+from _spawn import as_torchrun_rank, free_port  # benchmarks/, on the path when run as a script
 from torch import nn
 
 
@@ -32,16 +31,7 @@ def _mlp() -> nn.Module:
 
 
 def _worker(rank: int, world: int, port: int, rounds: int, steps: int, order: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR='127.0.0.1',
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS='1',
-    )
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from stratagem import env

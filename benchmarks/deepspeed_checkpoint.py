@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from _spawn import spawn_ranks  # benchmarks/, on the path when run as a script
+from _spawn import as_torchrun_rank, spawn_ranks  # benchmarks/, on the path when run as a script
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,16 +91,7 @@ def _fsync_tree(root: str) -> None:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR='127.0.0.1',
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS='1',
-    )
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     from stratagem import env
     from stratagem.strategies import DeepSpeedStrategy
 

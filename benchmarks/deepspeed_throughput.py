@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
 import tempfile
 import time
 
 import torch
 import torch.multiprocessing as mp
-from _spawn import free_port  # benchmarks/, on the path when run as a script
+from _spawn import as_torchrun_rank, free_port  # benchmarks/, on the path when run as a script
 from torch import nn
 
 
@@ -42,16 +41,7 @@ def _mlp() -> nn.Module:
 
 
 def _worker(rank: int, world: int, port: int, rounds: int, steps: int, stages: list[int]) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR='127.0.0.1',
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS='1',
-    )
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     import deepspeed
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -25,7 +25,7 @@ import time
 import warnings
 
 import torch
-from _spawn import spawn_ranks  # benchmarks/, on the path when run as a script
+from _spawn import as_torchrun_rank, spawn_ranks  # benchmarks/, on the path when run as a script
 from torch import nn
 
 
@@ -38,16 +38,7 @@ def _mlp(width: int = 1024) -> nn.Module:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR='127.0.0.1',
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS='1',
-    )
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

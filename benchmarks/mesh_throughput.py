@@ -19,7 +19,7 @@ import statistics
 import time
 
 import torch
-from _spawn import spawn_ranks  # benchmarks/, on the path when run as a script
+from _spawn import as_torchrun_rank, spawn_ranks  # benchmarks/, on the path when run as a script
 
 MESHES = {
     'flat': dict(shard=4),
@@ -147,16 +147,7 @@ def _measure(
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR='127.0.0.1',
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS='1',
-    )
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     import torch.distributed as dist
 
     results = {

@@ -29,8 +29,9 @@ tensors, real gloo groups) and compares.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,6 +235,11 @@ def _fake_run(cfg: Mapping, batch: Any, shard: Any) -> dict:
             model = shard(model)
             fsdp = True
         wrapper = build_optim_wrapper(model, dict(cfg.get('optim_wrapper') or {}))
+        if fsdp:  # as FSDPStrategy fits it: clipping over several meshes, no-sync control
+            from stratagem.strategies.fsdp.grad_sync import adapt_optim_wrapper
+
+            for w in wrapper.values() if hasattr(wrapper, 'values') else [wrapper]:
+                adapt_optim_wrapper(w, model, mixed_precision=False)
         return measure_step(model, wrapper, _fake_batch(batch, mode), fsdp=fsdp)
 
 
@@ -262,10 +268,32 @@ def _shard(strategy: Mapping, nproc: int, model: Any) -> Any:
     if ac is not None:
         targets = ac.apply(model, targets)
     kwargs = cfg.shard_kwargs(spec.data_mesh(mesh), torch.device('cpu'))
-    for block in reversed(targets):
-        fully_shard(block, **kwargs, ignored_params=ignored & set(block.parameters()) or None)
-    fully_shard(model, **kwargs, ignored_params=ignored or None)
+    with _real_meshes():
+        for block in reversed(targets):
+            fully_shard(block, **kwargs, ignored_params=ignored & set(block.parameters()) or None)
+        fully_shard(model, **kwargs, ignored_params=ignored or None)
     return model
+
+
+@contextlib.contextmanager
+def _real_meshes() -> Iterator[None]:
+    """FSDP over tensor-parallel parameters joins the data and tensor meshes
+    (``DeviceMesh._concatenate``), which computes coordinates from real rank tensors: under
+    the fake mode it would fail (``nonzero`` has no fake shape). The join runs unfaked."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    join = DeviceMesh._concatenate
+
+    def real_join(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return join(*args, **kwargs)
+
+    DeviceMesh._concatenate = staticmethod(real_join)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(join)  # type: ignore[method-assign]
 
 
 class MemoryChecks:

@@ -11,8 +11,9 @@ goes to:
 
 - ``<log_dir>/metrics.csv`` (a header, then one line per row, flushed);
 - TensorBoard event files in ``<log_dir>/tensorboard`` (``torch.utils.tensorboard``'s
-  ``SummaryWriter``; ``pip install tensorboard``), tags ``train/<name>``: ``tensorboard
-  --logdir work_dirs`` shows every run;
+  ``SummaryWriter``; ``pip install tensorboard``), tags ``train/<name>``, every row, handed
+  to the writer at most once a second and at the end: ``tensorboard --logdir work_dirs``
+  shows every run;
 - the log line and the progress bar (throughput and ETA) stay the loop's.
 
 Nothing is done per iteration but adding the loss to a tensor (no host sync); the row costs
@@ -27,6 +28,7 @@ import logging
 import os
 import resource
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +36,7 @@ import torch
 
 __all__ = ['METRICS_KEYS', 'RunMetrics', 'format_row', 'peak_memory_mib', 'tokens_per_sample']
 
+#: the keys ``train_cfg.metrics`` accepts (each a bool, default True)
 METRICS_KEYS = frozenset({'csv', 'tensorboard'})
 COLUMNS = (
     'iter',
@@ -126,6 +129,9 @@ class RunMetrics:
         self._csv: Any = None
         self._file: Any = None
         self._tb: Any = None
+        self._pending: list[dict] = []
+        self._tb_at = time.monotonic()
+        self.tensorboard_every_s = 1.0
         if not enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
@@ -146,7 +152,8 @@ class RunMetrics:
                         f'to {os.path.join(log_dir, "metrics.csv")} and the log only'
                     )
             else:
-                self._tb = SummaryWriter(os.path.join(log_dir, 'tensorboard'))
+                # its own thread writes the events every 10 s (and at close)
+                self._tb = SummaryWriter(os.path.join(log_dir, 'tensorboard'), flush_secs=10)
 
     def saw_batch(self, batch: Any) -> None:
         """Learn the tokens per sample from the first batch (token data only)."""
@@ -188,13 +195,32 @@ class RunMetrics:
             self._csv.writerow({k: '' if v is None else v for k, v in row.items()})
             self._file.flush()
         if self._tb is not None:
-            for key, value in row.items():
-                if key not in ('iter', 'epoch') and value is not None:
-                    self._tb.add_scalar(f'train/{key}', value, it)
-            self._tb.flush()
+            self._pending.append(row)
+            now = time.monotonic()
+            if now - self._tb_at >= self.tensorboard_every_s:
+                self._to_tensorboard()
+                self._tb_at = now
         return row
 
+    def _to_tensorboard(self) -> None:
+        # one event per row, all its scalars in it; handing events to the writer's thread
+        # costs ~0.1 ms each (its queue's lock), so rows are handed over at most once a
+        # second, in a batch (the CSV gets each row at once)
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        writer = self._tb._get_file_writer()
+        for row in self._pending:
+            values = [
+                Summary.Value(tag=f'train/{k}', simple_value=float(v))
+                for k, v in row.items()
+                if k not in ('iter', 'epoch') and v is not None
+            ]
+            writer.add_summary(Summary(value=values), row['iter'])
+        self._pending.clear()
+
     def close(self) -> None:
+        if self._tb is not None and self._pending:
+            self._to_tensorboard()
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dist_harness import free_port
-from stratagem.cli import main
+from stratagem.cli import launch, main
 
 ROOT = Path(__file__).resolve().parents[1]
 _PORT_TAKEN = ('address already in use', 'EADDRINUSE')
@@ -40,7 +40,7 @@ def config(tmp_path):
 @pytest.fixture()
 def calls(monkeypatch):
     seen = []
-    monkeypatch.setattr(subprocess, 'call', lambda cmd: seen.append(cmd) or 0)
+    monkeypatch.setattr(launch, 'run_torchrun', lambda cmd, debug=False: seen.append(cmd) or 0)
     monkeypatch.delenv('LOCAL_RANK', raising=False)
     return seen
 

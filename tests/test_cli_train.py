@@ -190,10 +190,10 @@ def test_plot_schedule_takes_epoch_length_from_the_dataloader(tmp_path, config, 
 
 
 def test_nproc_relaunch_uses_the_arguments_main_received(monkeypatch, config):
-    import subprocess
+    from stratagem.cli import launch
 
     calls = []
-    monkeypatch.setattr(subprocess, 'call', lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(launch, 'run_torchrun', lambda cmd, debug=False: calls.append(cmd) or 0)
     monkeypatch.delenv('LOCAL_RANK', raising=False)
     assert (
         main(

@@ -228,6 +228,9 @@ def _mesh(tmp_path, nproc, **strategy):
         tmp_path,
         nproc,
         model=LM,
+        train_dataloader__dataset=dict(
+            type='SyntheticLanguageModeling', num_samples=2048, seq_len=8, vocab_size=16
+        ),
         strategy=dict(
             type='FSDPStrategy',
             model_wrapper=dict(auto_wrap_policy=['TransformerBlock']),
@@ -240,6 +243,8 @@ def test_mesh_and_tensor_parallel_plan(tmp_path):
     # a 2-D mesh that fits, a plan that fits: nothing; the batch counts data-parallel ranks
     f, notes = _mesh(tmp_path, 4, mesh=dict(shard=2, tensor=2), tensor_parallel_plan=PLAN)
     assert f == {}
+    # the memory estimate runs on the 2-D mesh too (fake process group of 4)
+    assert any(n.startswith('estimated peak memory per device') for n in notes), notes
     assert 'real batch = 2 data-parallel rank(s) x 32 micro batch x 1 accumulation = 64' in notes
     f, _ = _mesh(tmp_path, 4, mesh=dict(replicate=2, shard=2))  # HSDP
     assert f == {}

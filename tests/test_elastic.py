@@ -144,11 +144,11 @@ def test_the_elastic_command_gives_every_rendezvous_round_a_store_of_its_own(tmp
     """torch shares one agent's store across rounds, keys of earlier rounds included, and the
     restart count each agent gives its workers is its own (an agent that joins later starts
     at 0): workers of a re-formed round cannot agree on a fresh prefix in it."""
-    import stratagem.cli.worker_errors as worker_errors
+    from stratagem.cli import launch
 
     seen = []
     key = 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE'
-    monkeypatch.setattr(worker_errors, 'run_with_one_message', lambda cmd: seen.append(
+    monkeypatch.setattr(launch, 'run_torchrun', lambda cmd, debug=False: seen.append(
         (cmd, os.environ.get(key))) or 0)  # fmt: skip
     monkeypatch.delenv('LOCAL_RANK', raising=False)
     monkeypatch.delenv(key, raising=False)

@@ -8,24 +8,10 @@
 #   stratagem doctor examples/configs/transformer_2d.py --nproc 4
 # Checkpoints are DCP directories that resume on any mesh: dict(shard=4), dict(replicate=2,
 # shard=2), 2 processes, or one (`stratagem convert` makes one file or .safetensors).
-model = dict(type='TransformerLM', vocab_size=64, dim=64, depth=4, heads=4, max_len=32)
-
-train_dataloader = dict(
-    dataset=dict(
-        type='SyntheticLanguageModeling',
-        num_samples=1024,
-        seq_len=32,
-        vocab_size=64,
-        branching=2,
-        seed=0,
-    ),
-    batch_size=16,
-    shuffle=True,
-    num_workers=0,
-)
+# The model, data, optimizer, schedules and run length are transformer_fsdp.py's.
+_base_ = ['transformer_fsdp.py']
 
 strategy = dict(
-    type='FSDPStrategy',
     mesh=dict(shard=2, tensor=2),  # HSDP instead: mesh=dict(replicate=2, shard=2), no plan
     tensor_parallel_plan={
         'blocks.*.[qkv]': 'colwise',
@@ -34,22 +20,6 @@ strategy = dict(
         'blocks.*.mlp.2': 'rowwise',
         # 'blocks.*.norm[12]': 'sequence',  # sequence parallelism for the norms
     },
-    model_wrapper=dict(auto_wrap_policy=['TransformerBlock']),
 )
 
-optim_wrapper = dict(
-    type='OptimWrapper',
-    optimizer=dict(type='AdamW', lr=3e-3, weight_decay=0.01),
-    accumulative_counts=2,
-    clip_grad=dict(type='norm', max_norm=1.0),  # the norm over every shard and tensor slice
-)
-
-param_scheduler = [
-    dict(type='LinearLR', start_factor=0.1, by_epoch=False, begin=0, end=8),
-    dict(type='CosineAnnealingLR', by_epoch=True, begin=0, T_max=2, convert_to_iter_based=True),
-]
-
-train_cfg = dict(max_epochs=2, checkpoint_interval=16, max_keep_ckpts=2, log_interval=8)
-
-randomness = dict(seed=42, deterministic=False)
 work_dir = 'work_dirs/transformer_2d'

@@ -18,6 +18,7 @@ from . import _fs
 from .errors import CheckpointWarning
 from .manifest import DIR_MANIFEST, SIDECAR_SUFFIX, read_manifest, verify_checkpoint
 
+#: the name of the file in a work directory that names its latest committed checkpoint
 POINTER_NAME = 'last_checkpoint'
 _POINTER_MAX_BYTES = 4096
 

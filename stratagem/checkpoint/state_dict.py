@@ -24,8 +24,8 @@ from torch import nn
 from .errors import CheckpointWarning
 
 DEFAULT_REVISE_KEYS = ((r'^module\.', ''),)
-# where checkpoints written by other tools keep the model's weights, in the order tried:
-# mmengine / stratagem, the PyTorch tutorials, plain "{'model': ...}", DeepSpeed
+#: where checkpoints written by other tools keep the model's weights, in the order tried:
+#: mmengine / stratagem, the PyTorch tutorials, plain "{'model': ...}", DeepSpeed
 WEIGHT_ENTRIES = ('state_dict', 'model_state_dict', 'model', 'module')
 
 

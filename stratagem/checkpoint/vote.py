@@ -172,7 +172,7 @@ class SaveVote:
         self._published.append(f'share/{name}')
 
     def receive(self, name: str) -> str:
-        """Another rank: rank 0's ``publish``ed value (waits for it, watching rank 0)."""
+        """Another rank: the value rank 0 gave to ``publish`` (waits for it, watching rank 0)."""
         self._await([f'share/{name}'], {0}, f'share {name}')
         return self._get(f'share/{name}')
 

@@ -200,11 +200,9 @@ def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool 
     prints one message (``worker_errors.py``) unless ``debug``, which shows everything."""
     from stratagem.env.preemption import clear_marker, read_marker
 
-    from .worker_errors import run_with_one_message
-
     clear_marker(work_dir)
     with _forwarding(signals), _own_round_stores(cmd):
-        code = subprocess.call(cmd) if debug else run_with_one_message(cmd)
+        code = run_torchrun(cmd, debug)
     info = read_marker(work_dir, remove=True)
     if info is not None:
         sys.stderr.write(
@@ -214,6 +212,14 @@ def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool 
         )
         return int(info.get('exit_code', code))
     return code
+
+
+def run_torchrun(cmd: list[str], debug: bool = False) -> int:
+    """Run torchrun's ``cmd`` to its end; its exit status. Its output as it is with
+    ``debug``, else one failure message (``worker_errors.py``)."""
+    from .worker_errors import run_with_one_message
+
+    return subprocess.call(cmd) if debug else run_with_one_message(cmd)
 
 
 @contextlib.contextmanager

@@ -5,15 +5,13 @@ then torchrun's agent adds its own report: log lines, a ``ChildFailedError`` tra
 box of per-rank fields. Instead (unless ``--debug``):
 
 1. the parent gives the workers a directory (``STRATAGEM_ERROR_DIR``); a worker that fails
-   with an error a user can act on writes it there (``rank_<r>_<attempt>_<pid>.json``: rank,
-   type, message)
+   with an error a user can act on writes it there (``rank_<r>.json``: rank, type, message)
    instead of printing it;
 2. the parent reads torchrun's stderr (the workers' too) line by line and passes it on,
    except the agent's failure report: its elastic log lines and the traceback through
    ``torch/distributed/run.py`` with the report box after it;
 3. when torchrun fails, the parent prints each distinct message once, naming the ranks that
-   had it (the first failure first), then the exit status; when it succeeds after restarts
-   (``--max-restarts``), the messages of the failures it recovered from, the same way.
+   had it (the first failure first), then the exit status.
 
 Everything else a worker prints (logs, warnings, a bug's traceback) passes through unchanged.
 """
@@ -27,6 +25,8 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from typing import IO
 
@@ -46,39 +46,71 @@ def record(err: BaseException, message: str) -> bool:
         return False
     rank = os.environ.get('RANK', '0')
     entry = {'rank': int(rank), 'type': type(err).__name__, 'message': message}
-    # one file per rank and attempt: a restart (--max-restarts) keeps the earlier failures
-    name = f'rank_{rank}_{os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}_{os.getpid()}'
-    tmp = os.path.join(where, f'.{name}.json.tmp')
+    tmp = os.path.join(where, f'.rank_{rank}.json.tmp')
     with open(tmp, 'w') as f:
         json.dump(entry, f)
-    os.replace(tmp, os.path.join(where, f'{name}.json'))
+    os.replace(tmp, os.path.join(where, f'rank_{rank}.json'))
     return True
 
 
-def summarize(where: str) -> str | None:
-    """The recorded errors, identical messages merged: ``stratagem: error (ranks 0, 1):
-    <message>``, the first failure first. None when no rank recorded one."""
+def _read(where: str) -> list[tuple[int, str, dict]]:
+    """(mtime, file name, entry) of every recorded error, oldest first."""
     entries = []
     for name in os.listdir(where):
         if name.startswith('rank_') and name.endswith('.json'):
             path = os.path.join(where, name)
-            with open(path) as f, contextlib.suppress(ValueError):
-                entries.append((os.stat(path).st_mtime_ns, json.load(f)))
+            with contextlib.suppress(OSError, ValueError), open(path) as f:
+                entries.append((os.stat(path).st_mtime_ns, name, json.load(f)))
+    return sorted(entries, key=lambda x: (x[0], x[2]['rank']))
+
+
+def summarize(where: str, entries: list[dict] | None = None) -> str | None:
+    """The recorded errors (``entries``, default: all in ``where``), identical messages
+    merged: ``stratagem: error (ranks 0, 1): <message>``, the first failure first. None when
+    there is none."""
+    if entries is None:
+        entries = [e for _, _, e in _read(where)]
     if not entries:
         return None
     groups: dict[tuple[str, str], list[int]] = {}
-    for _, e in sorted(entries, key=lambda x: (x[0], x[1]['rank'])):
-        ranks = groups.setdefault((e['type'], e['message']), [])
-        if e['rank'] not in ranks:  # the same failure again in a later attempt: once
-            ranks.append(e['rank'])
+    for e in entries:
+        groups.setdefault((e['type'], e['message']), []).append(e['rank'])
     lines = []
     for (kind, message), ranks in groups.items():
-        who = f'rank {ranks[0]}' if len(ranks) == 1 else f'ranks {_ranges(sorted(ranks))}'
+        who = f'rank {ranks[0]}' if len(ranks) == 1 else f'ranks {_ranges(sorted(set(ranks)))}'
         lines.append(f'stratagem: error ({who}): {message}\n({kind})')
-    lines.append(
-        "(run with --debug or STRATAGEM_DEBUG=1 for every traceback and torchrun's report)"
-    )
     return '\n'.join(lines)
+
+
+class _Watcher(threading.Thread):
+    """Prints the errors ranks record while torchrun runs: once no new one has come for
+    ``settle`` seconds, the new ones merged (a restarted attempt's errors print again)."""
+
+    def __init__(self, where: str, out: IO[str], settle: float = 1.0) -> None:
+        super().__init__(daemon=True)
+        self.where, self.out, self.settle = where, out, settle
+        self.seen: dict[str, int] = {}
+        self.printed = 0
+        self.done = threading.Event()
+
+    def poll(self, final: bool = False) -> None:
+        fresh = [(t, e) for t, name, e in _read(self.where) if self.seen.get(name) != t]
+        if not fresh:
+            return
+        newest = max(t for t, _ in fresh)
+        if not final and time.time_ns() - newest < self.settle * 1e9:
+            return  # more ranks may be failing right now: wait to merge them
+        text = summarize(self.where, [e for _, e in fresh])
+        for t, name, _ in _read(self.where):
+            self.seen[name] = t
+        if text:
+            self.out.write(text + '\n')
+            self.out.flush()
+            self.printed += 1
+
+    def run(self) -> None:
+        while not self.done.wait(0.25):
+            self.poll()
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -153,9 +185,12 @@ def _error_dir() -> Iterator[str]:
 
 
 def run_with_one_message(cmd: list[str]) -> int:
-    """Run torchrun's ``cmd`` (stdout as it is, stderr through :class:`AgentReportFilter`);
-    on failure print the merged errors and the exit status. Returns torchrun's status."""
+    """Run torchrun's ``cmd`` (stdout as it is, stderr through :class:`AgentReportFilter`),
+    printing the ranks' errors as they come (merged); on failure the exit status last.
+    Returns torchrun's status."""
     with _error_dir() as where:
+        watcher = _Watcher(where, sys.stderr)
+        watcher.start()
         proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors='replace')
         assert proc.stderr is not None
         report = AgentReportFilter(sys.stderr)
@@ -163,16 +198,18 @@ def run_with_one_message(cmd: list[str]) -> int:
             report.feed(line)
         report.close()
         code = proc.wait()
-        text = summarize(where)
-        if code == 0 and text is not None:  # --max-restarts: recovered, but say from what
-            sys.stderr.write(f'stratagem train: finished after restarting the workers:\n{text}\n')
-            sys.stderr.flush()
+        watcher.done.set()
+        watcher.join()
+        watcher.poll(final=True)
         if code != 0:
-            if text is None:
-                text = (
+            if not watcher.printed:
+                sys.stderr.write(
                     'stratagem train: a worker failed without an error message of its own '
-                    "(its output, if any, is above; --debug shows torchrun's report)"
+                    "(its output, if any, is above; --debug shows torchrun's report)\n"
                 )
-            sys.stderr.write(f'{text}\nstratagem train: exit status {code}\n')
+            sys.stderr.write(
+                f"(run with --debug or STRATAGEM_DEBUG=1 for every traceback and torchrun's "
+                f'report)\nstratagem train: exit status {code}\n'
+            )
             sys.stderr.flush()
     return code

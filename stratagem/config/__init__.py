@@ -6,7 +6,7 @@ instead of silently creating an empty dict. :class:`Config` loads ``.py``,
 ``.json`` and ``.yaml``/``.yml`` files with ``_base_`` inheritance, applies
 ``--cfg-options`` style overrides and dumps back to any of those formats.
 
-The numbers-as-strings rule is in :mod:`stratagem.config.numeric`. Modules:
+The numbers-as-strings rule is in ``stratagem.config.numeric``. Modules:
 
 - ``configdict.py``: the strict :class:`ConfigDict`;
 - ``configfile.py``: :class:`Config` (``fromfile`` with ``_base_``, ``merge_from_dict``, ``dump``);

@@ -100,7 +100,9 @@ _FLOAT_KEYS = frozenset(
         'init_scale',
     }
 )
-NUMERIC_KEYS = _INT_KEYS | _FLOAT_KEYS  # plus every key ending in '_mult' (paramwise_cfg)
+#: config keys whose values must be numbers (plus every key ending in ``_mult``: paramwise_cfg);
+#: a string there that reads as a number is converted, with a warning
+NUMERIC_KEYS = _INT_KEYS | _FLOAT_KEYS
 _WORD_OK = frozenset({'seed', 'loss_scale', 'timeout'})  # a non-number string may be valid
 _NUMERIC_SECTIONS = (
     'optim_wrapper',

@@ -34,6 +34,7 @@ from .slurm import expand_slurm_nodelist  # noqa: F401 - public here since the f
 
 logger = logging.getLogger(__name__)
 
+#: the launchers ``init_dist`` accepts besides ``'none'`` (one process, no process group)
 LAUNCHERS = ('pytorch', 'slurm', 'mpi')
 DEFAULT_PORT = 29500
 # torchrun / torch.distributed.run sets all three for every worker.
@@ -124,7 +125,7 @@ def init_dist(
     The master (rank 0's host) for the ``env://`` rendezvous: a ``MASTER_ADDR`` /
     ``MASTER_PORT`` already set is respected by every launcher. Under Slurm, the address
     defaults to the first host of the step's node list and the port to
-    :func:`stratagem.env.slurm.master_port` of ``SLURM_JOB_ID`` (15000-29999; 29500
+    ``stratagem.env.slurm.master_port`` of ``SLURM_JOB_ID`` (15000-29999; 29500
     without a job id); under mpirun, ``MASTER_ADDR`` must be exported (port default
     29500). A host that does not resolve fails here, naming where it came from, instead
     of timing out in the rendezvous; so does a loopback master in a multi-node Slurm step.

@@ -135,7 +135,7 @@ def warn_rank_zero(
 
 
 def warn_per_rank(message: str, category: type[Warning] = UserWarning, stacklevel: int = 1) -> None:
-    """``warnings.warn`` on this rank, the message prefixed ``[rank r] `` when several
+    """``warnings.warn`` on this rank, the message prefixed ``'[rank r] '`` when several
     processes run: for a warning about this rank only."""
     warnings.warn(rank_prefix() + message, category, stacklevel=stacklevel + 1)
 

@@ -36,7 +36,7 @@ __all__ = [
     'per_group',
 ]
 
-# mmengine's "no end" value; an int so that state dicts stay plain
+#: mmengine's "no end" value; an int so that state dicts stay plain
 INF = int(1e9)
 
 
