@@ -9,11 +9,13 @@ the resident set's high-water mark) and ``checkpoint_stall_s`` (time the loop sp
 ``save_checkpoint`` during the interval; for an asynchronous save, the snapshot). Each row
 goes to:
 
-- ``<log_dir>/metrics.csv`` (a header, then one line per row, flushed);
+- ``<log_dir>/metrics.csv`` (a header, then one line per row; flushed at most once a
+  second and at the end);
 - TensorBoard event files in ``<log_dir>/tensorboard`` (``torch.utils.tensorboard``'s
-  ``SummaryWriter``; ``pip install tensorboard``), tags ``train/<name>``, every row, handed
-  to the writer at most once a second and at the end: ``tensorboard --logdir work_dirs``
-  shows every run;
+  ``SummaryWriter``; ``pip install tensorboard``), tags ``train/<name>``: every row when rows
+  come a second or more apart, else the newest row once a second, and the last row at the
+  end (an event costs the writer ~0.1 ms); ``tensorboard --logdir work_dirs`` shows every
+  run;
 - the log line and the progress bar (throughput and ETA) stay the loop's.
 
 Nothing is done per iteration but adding the loss to a tensor (no host sync); the row costs
@@ -125,13 +127,13 @@ class RunMetrics:
         self.samples_per_iter = samples_per_iter
         self.tokens: int | None = None
         self.stall = 0.0
-        self.rows: list[dict] = []
+        self.last_row: dict | None = None
         self._csv: Any = None
         self._file: Any = None
         self._tb: Any = None
-        self._pending: list[dict] = []
-        self._tb_at = time.monotonic()
-        self.tensorboard_every_s = 1.0
+        self._pending: dict | None = None
+        self._flushed_at = -float('inf')  # the first row is written through at once
+        self.flush_every_s = 1.0
         if not enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
@@ -190,36 +192,42 @@ class RunMetrics:
             'checkpoint_stall_s': self.stall,
         }
         self.stall = 0.0
-        self.rows.append(row)
+        self.last_row = row
+        # the file's buffer and TensorBoard's writer get the rows at most once a second (and
+        # at the end): a flush or an event per row costs a tiny model's run whole percents
+        now = time.monotonic()
+        due = now - self._flushed_at >= self.flush_every_s
         if self._csv is not None:
             self._csv.writerow({k: '' if v is None else v for k, v in row.items()})
-            self._file.flush()
+            if due:
+                self._file.flush()
         if self._tb is not None:
-            self._pending.append(row)
-            now = time.monotonic()
-            if now - self._tb_at >= self.tensorboard_every_s:
+            self._pending = row
+            if due:
                 self._to_tensorboard()
-                self._tb_at = now
+        if due:
+            self._flushed_at = now
         return row
 
     def _to_tensorboard(self) -> None:
-        # one event per row, all its scalars in it; handing events to the writer's thread
-        # costs ~0.1 ms each (its queue's lock), so rows are handed over at most once a
-        # second, in a batch (the CSV gets each row at once)
+        # one event per row, all its scalars in it. Handing an event to the writer's thread
+        # costs ~0.1 ms (its queue's lock): at a row every few milliseconds (a tiny model)
+        # that is percents of the run, so TensorBoard gets the newest row at most once a
+        # second (and the last one at the end); the CSV and the log get every row
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        writer = self._tb._get_file_writer()
-        for row in self._pending:
-            values = [
-                Summary.Value(tag=f'train/{k}', simple_value=float(v))
-                for k, v in row.items()
-                if k not in ('iter', 'epoch') and v is not None
-            ]
-            writer.add_summary(Summary(value=values), row['iter'])
-        self._pending.clear()
+        row, self._pending = self._pending, None
+        if row is None:
+            return
+        values = [
+            Summary.Value(tag=f'train/{k}', simple_value=float(v))
+            for k, v in row.items()
+            if k not in ('iter', 'epoch') and v is not None
+        ]
+        self._tb._get_file_writer().add_summary(Summary(value=values), row['iter'])
 
     def close(self) -> None:
-        if self._tb is not None and self._pending:
+        if self._tb is not None:
             self._to_tensorboard()
         if self._file is not None:
             self._file.close()
