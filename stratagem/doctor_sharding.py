@@ -25,29 +25,18 @@ __all__ = ['sharding_findings', 'deepspeed_config']
 
 _FSDP = ('FSDPStrategy', 'MMFSDPStrategy')
 _DEEPSPEED = ('DeepSpeedStrategy', 'MMDeepSpeedStrategy')
-_DS_SECTIONS = (
-    'zero_optimization',
-    'gradient_clipping',
-    'fp16',
-    'bf16',
-    'amp',
-    'activation_checkpointing',
-    'aio',
-    'train_micro_batch_size_per_gpu',
-    'gradient_accumulation_steps',
-)
 
 
 def deepspeed_config(strategy: Mapping) -> tuple[dict, str | None]:
     """(the DeepSpeed config a run would use, why it cannot be read or None): ``config`` (a
     dict or a JSON file path) with the strategy's keyword sections merged in."""
-    from stratagem.strategies.deepspeed.config import parse_config
+    from stratagem.strategies.deepspeed.config import CONFIG_KEYWORDS, parse_config
 
     try:
         cfg = parse_config(strategy.get('config'))
     except (OSError, TypeError, ValueError) as err:
         return {}, str(err)
-    for key in _DS_SECTIONS:
+    for key in CONFIG_KEYWORDS:
         value = strategy.get(key)
         if value is None or (key == 'activation_checkpointing' and not isinstance(value, Mapping)):
             continue

@@ -15,7 +15,20 @@ from typing import Any
 
 import torch
 
-__all__ = ['parse_config', 'check_config', 'agree']
+__all__ = ['CONFIG_KEYWORDS', 'parse_config', 'check_config', 'agree']
+
+#: the DeepSpeed config sections DeepSpeedStrategy also takes as keywords (mmengine's arguments)
+CONFIG_KEYWORDS = (
+    'zero_optimization',
+    'gradient_clipping',
+    'fp16',
+    'bf16',
+    'amp',
+    'activation_checkpointing',
+    'aio',
+    'train_micro_batch_size_per_gpu',
+    'gradient_accumulation_steps',
+)
 
 
 def _enabled(section: Any) -> bool:

@@ -39,23 +39,11 @@ from stratagem.integrations.model_api import expose_model_api
 
 from ..base import BaseStrategy
 from .checkpoint import DeepSpeedCheckpointMixin
-from .config import agree, check_config, parse_config
+from .config import CONFIG_KEYWORDS, agree, check_config, parse_config
 
 __all__ = ['DeepSpeedStrategy', 'import_deepspeed']
 
 _INSTALL = 'pip install "stratagem[deepspeed]"'
-# keyword -> DeepSpeed config key (mmengine's arguments)
-_CONFIG_KEYWORDS = (
-    'zero_optimization',
-    'gradient_clipping',
-    'fp16',
-    'bf16',
-    'amp',
-    'activation_checkpointing',
-    'aio',
-    'train_micro_batch_size_per_gpu',
-    'gradient_accumulation_steps',
-)
 _ADAM_FAMILY = ('Adam', 'AdamW', 'Adagrad', 'Lamb', 'FusedAdam', 'DeepSpeedCPUAdam')
 
 
@@ -128,7 +116,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
             train_micro_batch_size_per_gpu=train_micro_batch_size_per_gpu,
             gradient_accumulation_steps=gradient_accumulation_steps,
         )
-        for key in _CONFIG_KEYWORDS:
+        for key in CONFIG_KEYWORDS:
             value = given[key]
             if value is None:
                 continue
