@@ -64,16 +64,11 @@ class FSDPStrategy(BaseStrategy):
         skip_init_weights: build a cfg model on the meta device, skip ``init_weights`` and
             allocate only this rank's shards (weights are uninitialised until a checkpoint is
             loaded: use it with ``load_checkpoint``/``resume``).
-        mesh: ``dict(replicate=R, shard=S, tensor=T)``, product = world size; default
-            ``dict(shard=world_size)``. ``replicate > 1`` is HSDP (shard within a group,
-            replicate across groups; ``replicate`` spans nodes first), ``tensor > 1`` splits
-            the matmuls of ``tensor_parallel_plan`` over consecutive ranks. Data is split over
-            ``replicate × shard`` (``data_parallel_rank`` / ``data_parallel_size``). See
-            ``mesh.py``.
+        mesh: ``dict(replicate=R, shard=S, tensor=T)`` (product = world size; default
+            ``dict(shard=world_size)``): HSDP, tensor parallelism; data is split over
+            ``replicate × shard`` (``mesh.py``).
         tensor_parallel_plan: module-name patterns → ``'colwise'`` / ``'rowwise'`` /
-            ``'sequence'`` (or ParallelStyle objects), or a callable
-            ``parallelize_fn(model, tensor_mesh)``; needs ``mesh.tensor > 1``. See
-            ``tensor_parallel.py``.
+            ``'sequence'``, or ``parallelize_fn(model, tensor_mesh)`` (``tensor_parallel.py``).
         **kwargs: BaseStrategy's.
     """
 
