@@ -52,15 +52,15 @@ def _mlp(width: int) -> nn.Module:
     return nn.Sequential(*layers[:-1])
 
 
-def _old_layout(strategy):
+def _old_storage(strategy):
     """The synchronous save as it was before the capturing engine (for comparison): the
     engine writes with ``torch.save``, rank 0 re-reads and hashes every file at the commit."""
     from stratagem import checkpoint as ckpt
     from stratagem import env
-    from stratagem.strategies.deepspeed.checkpoint import ZeroLayout
+    from stratagem.strategies.deepspeed.checkpoint import ZeroStorage
     from stratagem.strategies.deepspeed.files import DEEPSPEED_TAG, STATE_FILE
 
-    class OldZeroLayout(ZeroLayout):
+    class OldZeroStorage(ZeroStorage):
         def stage(self, checkpoint, path, commit, writer):
             def write(staging: Path) -> None:
                 strategy.model.save_checkpoint(
@@ -77,7 +77,14 @@ def _old_layout(strategy):
                 vote=commit.vote,
             )
 
-    return OldZeroLayout(strategy)
+    new = strategy.checkpointer.storage
+    return OldZeroStorage(
+        engine=new.engine,
+        optim_wrapper=new.optim_wrapper,
+        exclude_frozen_parameters=False,
+        extra_manifest=new.extra_manifest,
+        logger=new.logger,
+    )
 
 
 def _fsync_tree(root: str) -> None:
@@ -117,8 +124,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
         with ow.optim_context(model):
             loss = model(torch.randn(8, dim)).square().mean()
         ow.update_params(loss)  # the optimizer state exists
-        new_layout = s._checkpoint_layout
-        old_layout = lambda: _old_layout(s)  # noqa: E731
+        new_layout = s.checkpointer.storage
+        old_layout = _old_storage(s)
         target = os.path.join(out_dir, 'ckpt')  # rank 0's path is used on every rank
         counter = [0]
 
@@ -145,7 +152,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
             return {'raw': took}
 
         def sync(layout) -> float:
-            s._checkpoint_layout, s.async_checkpoint = layout, False
+            s.checkpointer.storage, s.async_checkpoint = layout, False
             path = fresh()
             env.barrier()
             t = time.perf_counter()
@@ -156,7 +163,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
             return took
 
         def asyn() -> dict:
-            s._checkpoint_layout, s.async_checkpoint = new_layout, True
+            s.checkpointer.storage, s.async_checkpoint = new_layout, True
             path = fresh()
             env.barrier()
             t = time.perf_counter()

@@ -68,7 +68,8 @@ def convert_checkpoint(
             "mmengine's layout: {'state_dict': weights, 'optimizer': ..., 'meta': ...}"
         )
     if to == 'file':
-        checkpoint.pop('partial_grads_fqn', None)  # per-rank, meaningful only sharded
+        for key in ('partial_grads', 'partial_grads_fqn'):  # per-rank: meaningful only sharded
+            checkpoint.pop(key, None)
         return save_checkpoint(
             checkpoint, dst, step=step, extra_manifest=extra, update_pointer=False
         )

@@ -228,7 +228,7 @@ def _read_full(path: Path, manifest: dict) -> dict:
         checkpoint['optimizer'] = optim
     partial = read_partial_grads(path)
     if partial:
-        checkpoint['partial_grads_fqn'] = partial
+        checkpoint['partial_grads'] = partial
     checkpoint.update(extra)
     return checkpoint
 
@@ -284,7 +284,7 @@ def read_sharded_header(path: str | os.PathLike, *, optimizer: bool) -> tuple[di
         }
     partial = read_partial_grads(path)
     if partial:
-        checkpoint['partial_grads_fqn'] = partial
+        checkpoint['partial_grads'] = partial
     checkpoint.update(extra)
     return checkpoint, dcp_metadata
 
@@ -324,7 +324,7 @@ def load_sharded_checkpoint(
     ``state_dict`` (shaped like ``model_state``), ``optimizer`` (like ``optim_state``, plus
     the wrapper's counters; only if
     asked for and saved),
-    ``partial_grads_fqn`` (every saving rank's pending gradients, if any) and the other keys
+    ``partial_grads`` (every saving rank's pending gradients, if any) and the other keys
     of ``extra.pth``. A checkpoint converted from a single file (index-keyed optimizer) is
     read in full instead (``read_sharded_checkpoint``'s result).
     """
@@ -342,6 +342,6 @@ def load_sharded_checkpoint(
         checkpoint['optimizer'] = {**state['optimizer'], **extra.pop('optimizer_extra', {})}
     partial = read_partial_grads(path)
     if partial:
-        checkpoint['partial_grads_fqn'] = partial
+        checkpoint['partial_grads'] = partial
     checkpoint.update(extra)
     return checkpoint

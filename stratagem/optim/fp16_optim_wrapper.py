@@ -92,7 +92,7 @@ class Fp16MasterWeightsOptimWrapper(OptimWrapper):
             self._master_params.extend(masters)
         optimizer.state = new_state
 
-    def _grad_holders(self) -> list[torch.Tensor]:
+    def grad_holders(self) -> list[torch.Tensor]:
         return self._model_params
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

@@ -287,7 +287,7 @@ class OptimWrapper(BaseOptimWrapper):
         return not self.should_update()
 
     # ---- state ---------------------------------------------------------------------------
-    def _grad_holders(self) -> list[torch.Tensor]:
+    def grad_holders(self) -> list[torch.Tensor]:
         """Tensors whose ``.grad`` accumulates, in the optimizer's flat parameter order."""
         return [p for group in self.optimizer.param_groups for p in group['params']]
 
@@ -295,7 +295,7 @@ class OptimWrapper(BaseOptimWrapper):
         """``{'inner_count': int, 'grads': {flat index: grad}, 'scale': float}`` (references,
         not copies); ``scale`` is the loss scale the gradients carry (1 without one)."""
         grads = {
-            i: p.grad.detach() for i, p in enumerate(self._grad_holders()) if p.grad is not None
+            i: p.grad.detach() for i, p in enumerate(self.grad_holders()) if p.grad is not None
         }
         return {
             'inner_count': self._inner_count,
@@ -305,7 +305,7 @@ class OptimWrapper(BaseOptimWrapper):
 
     def load_grad_state_dict(self, state_dict: Mapping) -> None:
         """Restore gradients (and ``inner_count``) saved by :meth:`grad_state_dict`."""
-        holders = self._grad_holders()
+        holders = self.grad_holders()
         grads = state_dict['grads']
         bad = [i for i in grads if not (isinstance(i, int) and 0 <= i < len(holders))]
         if bad:

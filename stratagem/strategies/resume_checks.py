@@ -1,7 +1,8 @@
 """Checks a resume makes before it changes anything, so a failed one loses nothing.
 
-``check_resumable`` compares a loaded checkpoint with the prepared components (model
-shapes, optimizer param groups, scheduler count); ``previous_run_traces`` tells a work
+``check_model_fits``, ``check_optimizer_fits`` and ``check_scheduler_count`` compare a
+loaded checkpoint with the prepared components (model shapes, optimizer param groups,
+scheduler count: the checks of a strategy's checkpoint parts); ``previous_run_traces`` tells a work
 dir that never held a checkpoint from one whose checkpoints cannot be resumed. Both only
 read; the strategy raises before it loads, writes or re-seeds anything. ``resume_newest``
 is the automatic resume (``resume=True``): the newest checkpoint this world size can
@@ -10,14 +11,23 @@ continue from exactly.
 
 from __future__ import annotations
 
+import logging
 import os
 import os.path as osp
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from torch import nn
 
 from stratagem import checkpoint as ckpt
 
-__all__ = ['check_resumable', 'previous_run_traces', 'resume_newest']
+__all__ = [
+    'check_model_fits',
+    'check_optimizer_fits',
+    'check_scheduler_count',
+    'previous_run_traces',
+    'resume_newest',
+]
 
 _CHECKPOINT_SUFFIXES = ('.pth', '.pt', '.ckpt', '.bin', '.safetensors', '.manifest.json')
 
@@ -46,12 +56,15 @@ def previous_run_traces(work_dir: str) -> str | None:
     return None
 
 
-def resume_newest(strategy: Any, latest: str) -> dict:
-    """``strategy.resume(latest)``; when this world size cannot continue from it exactly (an
-    elastic round of another size left it mid accumulation window, or at a position that
-    is no whole number of this run's iterations), the newest older checkpoint it can, with
-    a warning: a restarted or re-formed run goes on by itself, reading again the samples
-    after that one. Rank 0 picks (by creation time: steps of other sizes do not compare)."""
+def resume_newest(
+    resume: Callable[[str], dict], latest: str, work_dir: str, logger: logging.Logger
+) -> dict:
+    """``resume(latest)``; when this world size cannot continue from it exactly (an elastic
+    round of another size left it mid accumulation window, or at a position that is no
+    whole number of its iterations), the newest older checkpoint in ``work_dir`` it can,
+    with a warning: a restarted or re-formed run goes on by itself, reading again the
+    samples after that one. Rank 0 picks (by creation time: steps of other sizes do not
+    compare)."""
     from stratagem import env
 
     from .world_change import WorldSizeChangeError
@@ -59,60 +72,63 @@ def resume_newest(strategy: Any, latest: str) -> dict:
     tried = [latest]
     while True:
         try:
-            return strategy.resume(tried[-1])
+            return resume(tried[-1])
         except WorldSizeChangeError as err:
             older = None
-            if strategy.rank == 0:
-                found = ckpt.list_checkpoints(strategy.work_dir)
+            if env.get_rank() == 0:
+                found = ckpt.list_checkpoints(work_dir)
                 found.sort(key=lambda c: c.created, reverse=True)
                 older = next((str(c.path) for c in found if str(c.path) not in tried), None)
             older = env.broadcast_object(older)
             if older is None:
                 raise
-            strategy.logger.warning(f'{err}; resuming from {older} instead')
+            logger.warning(f'{err}; resuming from {older} instead')
             tried.append(older)
 
 
-def check_resumable(
-    strategy: Any, checkpoint: Mapping, filename: str, *, optimizer: bool, schedulers: bool
-) -> None:
-    """Raise ``ValueError`` (``StateDictMismatchError`` for the model) naming ``filename`` when
-    ``checkpoint`` cannot continue ``strategy``'s prepared run: model tensors of another
-    shape or none matching, optimizer param groups of other sizes, another number of
-    schedulers. Missing or extra model keys only warn later, as in mmengine."""
-    state_dict = ckpt.revise_keys(checkpoint['state_dict'])
-    model = strategy._unwrap_model()
-    report = ckpt.check_state_dict(model, state_dict)
+def check_model_fits(model: nn.Module, state_dict: Mapping, filename: str) -> None:
+    """Raise ``StateDictMismatchError`` naming ``filename`` when the saved weights cannot
+    continue ``model``: tensors of another shape or dtype, or none matching. Missing or
+    extra keys only warn later, as in mmengine."""
+    report = ckpt.check_state_dict(model, ckpt.revise_keys(state_dict))
     if report.shape_mismatches or report.type_mismatches or (report.total and not report.loaded):
         raise ckpt.StateDictMismatchError(
             f'cannot resume {filename}: its weights do not fit {type(model).__name__} (it is '
             f'from another model or config); nothing was changed:\n{report}'
         )
-    if optimizer:
-        want = _current_sizes(strategy.optim_wrapper)
-        have = _saved_sizes(checkpoint['optimizer'], want)
-        if _differs(want, have):
-            raise ValueError(
-                f'cannot resume {filename}: its optimizer has param groups of '
-                f'sizes {have}, this run builds {want} (the model or '
-                f'optim_wrapper.paramwise_cfg changed); nothing was changed'
-            )
-        lacking = _lacking_hyperparameters(strategy.optim_wrapper, checkpoint['optimizer'])
-        if lacking:
-            raise ValueError(
-                f'cannot resume {filename}: its optimizer param groups lack '
-                f"{lacking}, which this run's optimizer needs: it was saved with "
-                'another optimizer type; nothing was changed. Load the weights '
-                'only (load_checkpoint, load_from) or pass resume_optimizer=False'
-            )
-    if schedulers:
-        want, have = _count(strategy.scheduler_state_dict()), _count(checkpoint['param_schedulers'])
-        if want != have:
-            raise ValueError(
-                f'cannot resume {filename}: it holds {have} param scheduler '
-                f'state(s), this run builds {want} (the param_scheduler config '
-                'changed); nothing was changed'
-            )
+
+
+def check_optimizer_fits(wrapper: Any, state: Any, filename: str) -> None:
+    """Raise ``ValueError`` naming ``filename`` when the saved optimizer state cannot continue
+    ``wrapper``'s optimizer(s): param groups of other sizes, or hyperparameters it lacks."""
+    want = _current_sizes(wrapper)
+    have = _saved_sizes(state, want)
+    if _differs(want, have):
+        raise ValueError(
+            f'cannot resume {filename}: its optimizer has param groups of '
+            f'sizes {have}, this run builds {want} (the model or '
+            f'optim_wrapper.paramwise_cfg changed); nothing was changed'
+        )
+    lacking = _lacking_hyperparameters(wrapper, state)
+    if lacking:
+        raise ValueError(
+            f'cannot resume {filename}: its optimizer param groups lack '
+            f"{lacking}, which this run's optimizer needs: it was saved with "
+            'another optimizer type; nothing was changed. Load the weights '
+            'only (load_checkpoint, load_from) or pass resume_optimizer=False'
+        )
+
+
+def check_scheduler_count(current: Any, saved: Any, filename: str) -> None:
+    """Raise ``ValueError`` naming ``filename`` when it holds another number of scheduler
+    states than this run builds (``current``: this run's, same shape)."""
+    want, have = _count(current), _count(saved)
+    if want != have:
+        raise ValueError(
+            f'cannot resume {filename}: it holds {have} param scheduler '
+            f'state(s), this run builds {want} (the param_scheduler config '
+            'changed); nothing was changed'
+        )
 
 
 def _current_sizes(wrapper: Any) -> Any:

@@ -59,11 +59,11 @@ def two_rank_checks():
             env.key_of({'size': 3, 'digest': 'ab' * (rank + 1)}),
         ]
     )
-    from stratagem.strategies.checkpointer import Checkpointer
+    from stratagem.strategies.base import check_same_step
 
-    Checkpointer.check_same_step(7, 'ck')  # equal: returns
+    check_same_step(7, 'ck')  # equal: returns
     try:
-        Checkpointer.check_same_step(5 + rank, 'ck')
+        check_same_step(5 + rank, 'ck')
     except RuntimeError as err:
         seen['step_disagreement'] = str(err)
     return seen

@@ -141,7 +141,7 @@ def _train_resume_straight(root, strategy):
     straight.train()
     # what was saved loads back with weights_only=True, message hub and all (through the
     # backend's reader: a sharded backend writes a directory)
-    ckpt = resumed.strategy._load_checkpoint_files(str(root / 'split' / 'epoch_3.pth'), 'cpu')
+    ckpt = resumed.strategy.checkpointer.storage.read(str(root / 'split' / 'epoch_3.pth'), 'cpu')
     hub = ckpt['message_hub']['log_scalars']['train/lr']
     return {
         'resumed': _final_state(resumed),

@@ -334,9 +334,11 @@ def test_two_optim_wrappers_mid_window_restore_each_ranks_grads(results):
     for r in ranks:
         assert r['two_grads_restored'] and r['two_inner'] == [1, 1]
     ck = torch.load(ranks[0]['two_path'], weights_only=True)
-    grads = ck['partial_grads']  # [rank][wrapper]
-    assert len(grads) == 2 and len(grads[0]) == 2
-    assert not torch.equal(grads[0][0]['grads'][0], grads[1][0]['grads'][0])
+    grads = ck['partial_grads']  # [rank] -> {parameter name: gradient}, both wrappers'
+    assert ck['meta']['format_version'] == 2
+    assert len(grads) == 2 and sorted(grads[0]) == ['a.bias', 'a.weight', 'b.bias', 'b.weight']
+    assert sorted(grads[1]) == sorted(grads[0])
+    assert not torch.equal(grads[0]['a.weight'], grads[1]['a.weight'])
 
 
 def test_diff_rank_seed_keeps_a_shared_configured_seed(results):
@@ -354,9 +356,9 @@ def test_world_size_change_mid_window_continues_from_mean_grads(results, tmp_pat
     assert isinstance(ow, OptimWrapper)
     with pytest.warns(UserWarning, match='mean of the 2 ranks'):
         s.resume(r0['resume_ckpt'])
-    per_rank = [g[0]['grads'] for g in ck['partial_grads']]
-    for i, p in enumerate(model.parameters()):
-        assert torch.allclose(p.grad, (per_rank[0][i] + per_rank[1][i]) / 2)
+    per_rank = ck['partial_grads']  # [rank] -> {parameter name: gradient}
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, (per_rank[0][name] + per_rank[1][name]) / 2)
     assert ow.inner_count == STOP
 
 

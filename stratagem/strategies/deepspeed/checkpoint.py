@@ -1,13 +1,13 @@
-"""The checkpoint half of DeepSpeedStrategy: DeepSpeed's files on stratagem's directory protocol.
+"""DeepSpeedStrategy's checkpoint storage: DeepSpeed's files on stratagem's directory protocol.
 
-``save_checkpoint(filename)``: the strategy's ``Checkpointer`` (``checkpointer.py``) runs the
-sequence; :class:`ZeroLayout` is this backend's part of it:
+``save_checkpoint(filename)``: the strategy's ``Checkpointer`` (``checkpoint/checkpointer.py``)
+runs the sequence; :class:`ZeroStorage` is this backend's part of it:
     1. ``check_savable``: refused inside an accumulation window (DeepSpeed's files cannot
        hold the partial gradients: a resume would be off by them), before anything is
        written.
-    2. The checkpointer gathers our state (meta with ``zero_stage``, schedulers, wrapper
-       counters, every rank's RNG, ``extra_ckpt``; no ``state_dict``: DeepSpeed's files hold
-       the model) and validates it (tensors and plain values only).
+    2. The checkpointer gathers the strategy's parts (meta with ``zero_stage``, schedulers,
+       wrapper counters, every rank's RNG, ``extra_ckpt``; the ``state_dict`` part is left
+       out: DeepSpeed's files hold the model) and validates them (tensors and plain values).
     3. ``stage``: the directory protocol (``checkpoint/directory.py``; the save's store
        vote): rank 0 creates a fresh staging directory beside ``filename``.
     4. DeepSpeed's ``save_checkpoint(staging, tag='deepspeed', save_latest=False)`` runs on
@@ -30,10 +30,11 @@ sequence; :class:`ZeroLayout` is this backend's part of it:
        checked before anything is restored.
     3. Another world size: BaseStrategy's plan (``world_change.py``) converts iteration
        counts and schedulers, or refuses, before anything is loaded.
-    4. Same world size: ``engine.load_checkpoint`` (model, optimizer partitions, engine
-       counters). Another world size: the checkpoint is converted to DeepSpeed's universal
-       format beside it and loaded from there (resharding the optimizer state).
-    5. Counters, schedulers, then RNG states last (BaseStrategy's helpers).
+    4. ``restore``: same world size, ``engine.load_checkpoint`` (model, optimizer
+       partitions, engine counters); another world size, the checkpoint is converted to
+       DeepSpeed's universal format beside it and loaded from there (resharding the
+       optimizer state).
+    5. The strategy's parts: counters, schedulers, then RNG states last.
 ``load_checkpoint`` loads weights only: a directory is consolidated to full fp32 weights
 (``files.py``), a file is read safely; both go through ``load_model_state_dict``,
 which refreshes DeepSpeed's fp32 master copy so the next update starts from them.
@@ -44,7 +45,7 @@ from __future__ import annotations
 import functools
 import os.path as osp
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,10 +54,11 @@ from typing_extensions import override
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
+from stratagem.checkpoint.checkpointer import LoadContext
 from stratagem.checkpoint.content import SAFE_GLOBALS_KEY
 from stratagem.checkpoint.formats import detect_format
+from stratagem.checkpoint.storage import CheckpointStorage, SaveCommit
 
-from ..layout import CheckpointLayout, SaveCommit
 from .capture import CapturingCheckpointEngine
 from .files import (
     DEEPSPEED_TAG,
@@ -65,149 +67,10 @@ from .files import (
     zero_to_state_dict,
 )
 
-if TYPE_CHECKING:  # the type checker sees what DeepSpeedStrategy mixes this into
-    from ..base import BaseStrategy as _Host
-else:
-    _Host = object
+if TYPE_CHECKING:
+    import logging
 
-__all__ = ['DeepSpeedCheckpointMixin']
-
-
-class DeepSpeedCheckpointMixin(_Host):
-    """State dicts, save, load and resume for :class:`DeepSpeedStrategy`."""
-
-    if TYPE_CHECKING:  # what DeepSpeedStrategy provides
-        model: Any  # the DeepSpeedEngine
-        exclude_frozen_parameters: bool
-
-        @property
-        def zero_stage(self) -> int: ...
-
-    # ----------------------------------------------------------------- state dicts
-    @override
-    def model_state_dict(self) -> dict:
-        """The full model state dict. Under ZeRO-3 the parameters are gathered first, so
-        every rank must call it."""
-        module = self._unwrap_model()
-        if self.zero_stage != 3:
-            return module.state_dict()
-        from deepspeed import zero
-
-        with zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-    @override
-    def load_model_state_dict(
-        self,
-        state_dict: Mapping,
-        *,
-        strict: bool = False,
-        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
-    ) -> Any:
-        """Load full weights into the engine's module (every rank, same ``state_dict``) and
-        refresh DeepSpeed's fp32 master weights from them."""
-        state_dict = ckpt.revise_keys(state_dict, list(revise_keys))
-        module = self._unwrap_model()
-        if self.zero_stage == 3:
-            from deepspeed import zero
-
-            with zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
-                report = ckpt.load_state_dict(module, state_dict, strict=strict, logger=self.logger)
-        else:
-            report = ckpt.load_state_dict(module, state_dict, strict=strict, logger=self.logger)
-        refresh = getattr(self.model.optimizer, 'refresh_fp32_params', None)
-        if callable(refresh):  # ZeRO / bf16 optimizers update from their fp32 copies
-            refresh()
-        return report
-
-    @override
-    def optim_state_dict(self) -> dict:
-        """The wrapper's counters; the optimizer's tensors are in DeepSpeed's files."""
-        return self.optim_wrapper.state_dict()
-
-    # ----------------------------------------------------------------------- save
-    @override
-    def checkpoint_meta(self, extra_meta: Mapping | None = None) -> dict:
-        return {**super().checkpoint_meta(extra_meta), 'zero_stage': self.zero_stage}
-
-    @override
-    def _checkpoint_layout(self) -> CheckpointLayout:
-        return ZeroLayout(self)
-
-    # ----------------------------------------------------------------------- load
-    def _verify_directory(self, filename: str) -> tuple[Path, dict]:
-        """Collective: every file's size on every rank, its digest on one rank, the same
-        manifest everywhere; then the DeepSpeed layout. Raises on every rank."""
-        path = Path(env.broadcast_object(osp.abspath(filename)))
-        manifest = ckpt.verify_directory(path, collective=True)
-        check_zero_layout(path)
-        return path, manifest
-
-    def _read_state(self, path: Path) -> dict:
-        # rank 0 just hashed it; the other ranks re-hash this small file on their own
-        return ckpt.load_checkpoint_file(path / STATE_FILE, map_location='cpu')
-
-    @override
-    def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
-        """A DeepSpeed directory (verified on every rank): our state plus consolidated fp32
-        weights (``state_dict``); any other format: BaseStrategy's read."""
-        if detect_format(filename) != 'zero':
-            return super()._load_checkpoint_files(filename, map_location)
-        path, _ = self._verify_directory(filename)
-        state = self._read_state(path)
-        state['state_dict'] = zero_to_state_dict(
-            path, verify=False, exclude_frozen_parameters=self.exclude_frozen_parameters
-        )
-        return state
-
-    def _engine_load(self, directory: Path, tag: str, optimizer: bool) -> None:
-        loaded, _ = self.model.load_checkpoint(
-            str(directory),
-            tag=tag,
-            load_optimizer_states=optimizer,
-            load_lr_scheduler_states=False,
-            load_module_strict=not self.exclude_frozen_parameters,
-        )
-        if loaded is None:  # DeepSpeed only warns when it finds nothing
-            raise FileNotFoundError(f'DeepSpeed found no checkpoint in {directory / tag}')
-
-    def _load_resharded(self, path: Path, saved_world: int, optimizer: bool) -> None:
-        """Resume a checkpoint of ``saved_world`` ranks in this world: rank 0 converts it to
-        DeepSpeed's universal format (``ds_to_universal --inject_missing_state``) in a
-        temporary directory beside it, every rank loads from there with
-        ``load_universal``, the directory is removed. DeepSpeed refuses a plain load at
-        another world size."""
-        self.logger.info(
-            f'{path} was saved by {saved_world} ranks, this run has '
-            f'{self.world_size}: resharding through a universal checkpoint'
-        )
-        universal, error = None, None
-        if env.is_main_process():
-            try:
-                universal = ckpt.new_staging_dir(path.with_name(path.name + '.universal'))
-                _to_universal(path / DEEPSPEED_TAG, universal / DEEPSPEED_TAG)
-            except Exception as e:  # noqa: BLE001 - raised below, on every rank
-                error = e
-        failures = env.all_gather_object(None if error is None else f'{error!r}')
-        universal = env.broadcast_object(None if universal is None else str(universal))
-        try:
-            if error is not None:
-                raise error
-            if failures[0] is not None:
-                raise RuntimeError(
-                    f'converting {path} to a universal checkpoint failed on rank 0: {failures[0]}'
-                )
-            config = self.model._config
-            # a config flag DeepSpeed reads at load time; the engine is built without it
-            config.load_universal_checkpoint = True
-            try:
-                self._engine_load(Path(universal), DEEPSPEED_TAG, optimizer)
-            finally:
-                config.load_universal_checkpoint = False
-            env.barrier()
-        finally:
-            if env.is_main_process() and universal is not None:
-                shutil.rmtree(universal, ignore_errors=True)
+__all__ = ['ZeroStorage']
 
 
 def _to_universal(src: Path, dst: Path) -> None:
@@ -231,9 +94,9 @@ def _to_universal(src: Path, dst: Path) -> None:
         ds_to_universal.main(args)
 
 
-class ZeroLayout(CheckpointLayout):
-    """DeepSpeedStrategy's checkpoints: DeepSpeed's own files plus ``stratagem_state.pth``
-    in one directory, committed by the directory protocol (steps 1-5 of the module doc).
+class ZeroStorage(CheckpointStorage):
+    """DeepSpeed's own files plus ``stratagem_state.pth`` in one directory, committed by the
+    directory protocol (steps 1-5 of the module doc).
 
     With ``async_checkpoint`` the save returns once DeepSpeed's engine (in the foreground:
     its collectives need the training thread) has handed over its files and they are
@@ -244,65 +107,36 @@ class ZeroLayout(CheckpointLayout):
     ``save_optimizer=False`` leaves the counters out of our state (a resume then needs
     ``resume_optimizer=False``); DeepSpeed still writes its optimizer partitions, since its
     layout has no weights-only form that every ZeRO stage reloads.
+
+    Args:
+        engine: returns the ``DeepSpeedEngine`` (built by ``prepare``).
+        optim_wrapper: returns the DeepSpeedOptimWrapper, or None before ``prepare``.
+        exclude_frozen_parameters: DeepSpeed's option (frozen weights left out of its files).
+        extra_manifest: the manifest's extra fields (strategy, ZeRO stage).
+        logger: where a resharded resume says so.
     """
 
-    holds_model = True  # DeepSpeed's files hold the module's weights
-    strategy: Any  # the DeepSpeedStrategy (strategy.py imports this module)
+    holds = frozenset({'state_dict'})  # DeepSpeed's files hold the module's weights
 
-    # ------------------------------------------------------------------- read side
-    @override
-    def open(
-        self, filename: str, map_location: Any, *, optimizer: bool = False, editable: bool = True
-    ) -> tuple[str, dict]:
-        """A DeepSpeed directory, every file verified on every rank (DeepSpeed unpickles
-        freely); our state read. ``map_location`` is accepted for mmengine's signature:
-        DeepSpeed places its tensors on the engine's device."""
-        if detect_format(filename) != 'zero':
-            raise ValueError(
-                f'{filename} is not a DeepSpeed checkpoint directory (written by '
-                'DeepSpeedStrategy.save_checkpoint); load weights from other '
-                'checkpoints with load_checkpoint()'
-            )
-        path, self._manifest = self.strategy._verify_directory(filename)
-        return str(path), self.strategy._read_state(path)
+    def __init__(
+        self,
+        *,
+        engine: Callable[[], Any],
+        optim_wrapper: Callable[[], Any],
+        exclude_frozen_parameters: bool,
+        extra_manifest: Callable[[], dict],
+        logger: logging.Logger,
+    ) -> None:
+        super().__init__(extra_manifest)
+        self.engine = engine
+        self.optim_wrapper = optim_wrapper
+        self.exclude_frozen_parameters = exclude_frozen_parameters
+        self.logger = logger
 
-    @override
-    def resume_keys(self, optimizer: bool, schedulers: bool) -> list[str]:
-        # no 'state_dict': DeepSpeed's files hold the model
-        return [
-            k for k, want in (('optimizer', optimizer), ('param_schedulers', schedulers)) if want
-        ]
-
-    @override
-    def missing_message(self, path: str, missing: list[str], checkpoint: dict) -> str:
-        return (
-            f'{path} cannot be resumed: it has no {missing} (keys: {sorted(checkpoint)}); '
-            'pass resume_optimizer=False / resume_param_scheduler=False'
-        )
-
-    @override
-    def check(self, checkpoint: dict, path: str, optimizer: bool, schedulers: bool) -> None:
-        """DeepSpeed's own load checks its partitions against the engine."""
-
-    @override
-    def restore(self, checkpoint: dict, path: str, meta: dict, optimizer: bool) -> None:
-        """Same world size: ``engine.load_checkpoint`` (model, optimizer partitions, engine
-        counters); another: through DeepSpeed's universal checkpoint. Then the wrapper's
-        counters."""
-        strategy = self.strategy
-        saved_world = int(
-            self._manifest.get('world_size', meta.get('world_size', strategy.world_size))
-        )
-        if saved_world == strategy.world_size:
-            strategy._engine_load(Path(path), DEEPSPEED_TAG, optimizer)
-        else:
-            strategy._load_resharded(Path(path), saved_world, optimizer)
-        if optimizer:
-            strategy.optim_wrapper.load_state_dict(checkpoint['optimizer'])
-
+    # ------------------------------------------------------------------- save side
     @override
     def check_savable(self, path: str) -> None:
-        wrapper = getattr(self.strategy, 'optim_wrapper', None)
+        wrapper = self.optim_wrapper()
         if wrapper is not None and not wrapper.should_update():
             raise ValueError(f'{path}: {wrapper.mid_window_message()}')
 
@@ -310,25 +144,22 @@ class ZeroLayout(CheckpointLayout):
     def stage(
         self, checkpoint: dict, path: str, commit: SaveCommit, writer: AsyncCheckpointWriter | None
     ) -> Callable[[], None]:
-        strategy = self.strategy
-        extra: dict[str, Any] = {
-            'strategy': type(strategy).__name__,
-            'zero_stage': strategy.zero_stage,
-        }
+        engine = self.engine()
+        extra: dict[str, Any] = self.extra_manifest()
         if commit.held:
             extra[SAFE_GLOBALS_KEY] = commit.held
         final = Path(path)
         staging = ckpt.begin_directory_save(final, commit.vote)  # raises on every rank
         # from here on the vote ends in _finish, on every path
-        capture = CapturingCheckpointEngine(strategy.model.checkpoint_engine, staging, writer)
+        capture = CapturingCheckpointEngine(engine.checkpoint_engine, staging, writer)
         try:
-            with capture.installed_on(strategy.model):
-                strategy.model.save_checkpoint(
+            with capture.installed_on(engine):
+                engine.save_checkpoint(
                     str(staging),
                     tag=DEEPSPEED_TAG,
                     client_state={},
                     save_latest=False,
-                    exclude_frozen_parameters=strategy.exclude_frozen_parameters,
+                    exclude_frozen_parameters=self.exclude_frozen_parameters,
                 )
             if env.is_main_process():
                 capture.save(checkpoint, staging / STATE_FILE)
@@ -338,6 +169,112 @@ class ZeroLayout(CheckpointLayout):
         if capture.error is not None:  # failed before anything was handed to a writer
             finish()
         return finish
+
+    # ------------------------------------------------------------------- read side
+    def _verify(self, path: str) -> tuple[Path, dict]:
+        """Collective: every file's size on every rank, its digest on one rank, the same
+        manifest everywhere; then the DeepSpeed layout. Raises on every rank."""
+        directory = Path(env.broadcast_object(osp.abspath(path)))
+        manifest = ckpt.verify_directory(directory, collective=True)
+        check_zero_layout(directory)
+        return directory, manifest
+
+    @staticmethod
+    def _read_state(directory: Path) -> dict:
+        # rank 0 just hashed it; the other ranks re-hash this small file on their own
+        return ckpt.load_checkpoint_file(directory / STATE_FILE, map_location='cpu')
+
+    @override
+    def open(
+        self, path: str, map_location: Any, *, optimizer: bool = False, editable: bool = True
+    ) -> tuple[dict, Any]:
+        """A DeepSpeed directory, every file verified on every rank (DeepSpeed unpickles
+        freely); our state read, and the manifest kept for ``restore``. ``map_location`` is
+        accepted for mmengine's signature: DeepSpeed places its tensors on the engine's
+        device."""
+        if detect_format(path) != 'zero':
+            raise ValueError(
+                f'{path} is not a DeepSpeed checkpoint directory (written by '
+                'DeepSpeedStrategy.save_checkpoint); load weights from other '
+                'checkpoints with load_checkpoint()'
+            )
+        directory, manifest = self._verify(path)
+        return self._read_state(directory), manifest
+
+    @override
+    def read(self, path: str, map_location: Any) -> dict:
+        """A DeepSpeed directory (verified on every rank): our state plus consolidated fp32
+        weights (``state_dict``); any other format: the default read."""
+        if detect_format(path) != 'zero':
+            return super().read(path, map_location)
+        directory, _ = self._verify(path)
+        state = self._read_state(directory)
+        state['state_dict'] = zero_to_state_dict(
+            directory, verify=False, exclude_frozen_parameters=self.exclude_frozen_parameters
+        )
+        return state
+
+    @override
+    def restore(self, context: LoadContext, *, optimizer: bool) -> None:
+        """Same world size: ``engine.load_checkpoint`` (model, optimizer partitions, engine
+        counters); another: through DeepSpeed's universal checkpoint."""
+        world = env.get_world_size()
+        saved_world = int(
+            (context.opened or {}).get('world_size', context.meta.get('world_size', world))
+        )
+        if saved_world == world:
+            self._engine_load(Path(context.path), DEEPSPEED_TAG, optimizer)
+        else:
+            self._load_resharded(Path(context.path), saved_world, optimizer)
+
+    def _engine_load(self, directory: Path, tag: str, optimizer: bool) -> None:
+        loaded, _ = self.engine().load_checkpoint(
+            str(directory),
+            tag=tag,
+            load_optimizer_states=optimizer,
+            load_lr_scheduler_states=False,
+            load_module_strict=not self.exclude_frozen_parameters,
+        )
+        if loaded is None:  # DeepSpeed only warns when it finds nothing
+            raise FileNotFoundError(f'DeepSpeed found no checkpoint in {directory / tag}')
+
+    def _load_resharded(self, path: Path, saved_world: int, optimizer: bool) -> None:
+        """Resume a checkpoint of ``saved_world`` ranks in this world: rank 0 converts it to
+        DeepSpeed's universal format (``ds_to_universal --inject_missing_state``) in a
+        temporary directory beside it, every rank loads from there with
+        ``load_universal``, the directory is removed. DeepSpeed refuses a plain load at
+        another world size."""
+        self.logger.info(
+            f'{path} was saved by {saved_world} ranks, this run has '
+            f'{env.get_world_size()}: resharding through a universal checkpoint'
+        )
+        universal, error = None, None
+        if env.is_main_process():
+            try:
+                universal = ckpt.new_staging_dir(path.with_name(path.name + '.universal'))
+                _to_universal(path / DEEPSPEED_TAG, universal / DEEPSPEED_TAG)
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                error = e
+        failures = env.all_gather_object(None if error is None else f'{error!r}')
+        universal = env.broadcast_object(None if universal is None else str(universal))
+        try:
+            if error is not None:
+                raise error
+            if failures[0] is not None:
+                raise RuntimeError(
+                    f'converting {path} to a universal checkpoint failed on rank 0: {failures[0]}'
+                )
+            config = self.engine()._config
+            # a config flag DeepSpeed reads at load time; the engine is built without it
+            config.load_universal_checkpoint = True
+            try:
+                self._engine_load(Path(universal), DEEPSPEED_TAG, optimizer)
+            finally:
+                config.load_universal_checkpoint = False
+            env.barrier()
+        finally:
+            if env.is_main_process() and universal is not None:
+                shutil.rmtree(universal, ignore_errors=True)
 
 
 def _finish(

@@ -34,11 +34,13 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from stratagem import checkpoint as ckpt
 from stratagem import env
+from stratagem.checkpoint.storage import CheckpointStorage
 from stratagem.integrations.model_api import expose_model_api
 
 from ..base import BaseStrategy
-from .checkpoint import DeepSpeedCheckpointMixin
+from .checkpoint import ZeroStorage
 from .config import CONFIG_KEYWORDS, agree, check_config, parse_config
 
 __all__ = ['DeepSpeedStrategy', 'import_deepspeed']
@@ -59,7 +61,7 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
-class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
+class DeepSpeedStrategy(BaseStrategy):
     """Train with DeepSpeed (ZeRO stages 0–3, bf16; fp16 on CUDA), mmengine's arguments.
 
     Args:
@@ -84,6 +86,8 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
         **kwargs: BaseStrategy's (``work_dir``, ``env_kwargs``, ``auto_scale_lr``, ...).
             Without a launcher a one-process group is created (DeepSpeed needs one).
     """
+
+    model: Any  # the DeepSpeedEngine, once prepared
 
     def __init__(
         self,
@@ -149,26 +153,30 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
 
     # --------------------------------------------------------------------- prepare
     @override
-    def prepare(
+    def _check_prepare_args(
         self,
-        model: nn.Module | Mapping,
-        *,
-        optim_wrapper: Any = None,
-        param_scheduler: Any = None,
-        compile: bool | Mapping = False,
-        dispatch_kwargs: Mapping | None = None,
-    ) -> Any:
-        """BaseStrategy's contract; the model returned is the ``DeepSpeedEngine``.
+        optim_wrapper: Any,
+        param_scheduler: Any,
+        dispatch_kwargs: Mapping | None,
+        compile: bool | Mapping,
+    ) -> None:
+        """BaseStrategy's checks, then the micro batch agreed with the data loader's."""
+        super()._check_prepare_args(optim_wrapper, param_scheduler, dispatch_kwargs, compile)
+        self._agree_micro_batch()
+
+    @override
+    def setup_module_and_optimizers(
+        self, model: nn.Module, optim_wrapper: Any, compile: bool | Mapping = False
+    ) -> tuple[nn.Module, Any]:
+        """The model returned is the ``DeepSpeedEngine``, built over the module and the
+        optimizer together.
 
         ``optim_wrapper``: a DeepSpeedOptimWrapper cfg (``type`` may be left out) whose
         ``optimizer`` is a torch optimizer cfg. ``compile=True`` compiles ``forward`` in
-        place (DeepSpeed wraps the module, not a compiled wrapper of it).
+        place (DeepSpeed wraps the module, not a compiled wrapper of it). The lr is scaled
+        (``auto_scale_lr``) before DeepSpeed takes the optimizer.
         """
-        if self._prepared:
-            return self._prepared_components()
-        self._check_prepare_args(optim_wrapper, param_scheduler, dispatch_kwargs)
-        self._agree_micro_batch()
-        module = self._wrap_model(self._init_model_weights(self.build_model(model)))
+        module = self._wrap_model(model)
         if compile:
             target = (
                 {'target': 'forward'} if compile is True else {'target': 'forward', **dict(compile)}
@@ -197,15 +205,9 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
             wrapper.attach(engine)
         if self._inputs_to_half:
             engine.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
-        self.model = engine
         # a host trainer's loop (mmengine) calls train_step on the engine: forward through it
         expose_model_api(engine, engine.module)
-        if wrapper is not None:
-            self._initialize_accumulation()
-        if param_scheduler is not None:
-            self.param_schedulers = self.build_param_scheduler(param_scheduler, wrapper)
-        self._prepared = True
-        return self._prepared_components()
+        return engine, wrapper
 
     @override
     def _wrap_model(self, model: nn.Module) -> nn.Module:
@@ -287,6 +289,62 @@ class DeepSpeedStrategy(DeepSpeedCheckpointMixin, BaseStrategy):
         args = tuple(_cast(a, dtype) if i in wanted else a for i, a in enumerate(args))
         kwargs = {k: _cast(v, dtype) if k in wanted else v for k, v in kwargs.items()}
         return args, kwargs
+
+    # ----------------------------------------------------------------- checkpoints
+    @override
+    def model_state_dict(self) -> dict:
+        """The full model state dict. Under ZeRO-3 the parameters are gathered first, so
+        every rank must call it."""
+        module = self._unwrap_model()
+        if self.zero_stage != 3:
+            return module.state_dict()
+        from deepspeed import zero
+
+        with zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    @override
+    def load_model_state_dict(
+        self,
+        state_dict: Mapping,
+        *,
+        strict: bool = False,
+        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),),
+    ) -> Any:
+        """Load full weights into the engine's module (every rank, same ``state_dict``) and
+        refresh DeepSpeed's fp32 master weights from them."""
+        state_dict = ckpt.revise_keys(state_dict, list(revise_keys))
+        module = self._unwrap_model()
+        if self.zero_stage == 3:
+            from deepspeed import zero
+
+            with zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+                report = ckpt.load_state_dict(module, state_dict, strict=strict, logger=self.logger)
+        else:
+            report = ckpt.load_state_dict(module, state_dict, strict=strict, logger=self.logger)
+        refresh = getattr(self.model.optimizer, 'refresh_fp32_params', None)
+        if callable(refresh):  # ZeRO / bf16 optimizers update from their fp32 copies
+            refresh()
+        return report
+
+    @override
+    def optim_state_dict(self) -> dict:
+        """The wrapper's counters; the optimizer's tensors are in DeepSpeed's files."""
+        return self.optim_wrapper.state_dict()
+
+    @override
+    def checkpoint_meta(self, extra_meta: Mapping | None = None) -> dict:
+        return {**super().checkpoint_meta(extra_meta), 'zero_stage': self.zero_stage}
+
+    @override
+    def _checkpoint_storage(self) -> CheckpointStorage:
+        return ZeroStorage(
+            engine=lambda: self.model,
+            optim_wrapper=lambda: getattr(self, 'optim_wrapper', None),
+            exclude_frozen_parameters=self.exclude_frozen_parameters,
+            extra_manifest=lambda: {'strategy': type(self).__name__, 'zero_stage': self.zero_stage},
+            logger=self.logger,
+        )
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:

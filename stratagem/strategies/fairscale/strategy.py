@@ -6,12 +6,14 @@ receives, at the end of backward, only the reduced gradients of that share
 equals DDP's. fairscale is in maintenance: FSDPStrategy (torch FSDP) is the recommended
 sharded backend; this one is for fairscale users and CPU (gloo) runs.
 
-How ``prepare`` differs from BaseStrategy's sequence (see ``base.py``):
-    3. ``_wrap_model`` only places the model (and converts norms for ``sync_bn``):
-       ShardedDataParallel needs the sharded optimizer, which is built at step 5.
-    5. ``build_optim_wrapper`` builds the wrapper from the same cfg as under DDP, its
-       ``optimizer`` turned into ``dict(type='OSS', optim=<type>, ...)``, then wraps the
-       model in ShardedDataParallel (``self.model`` becomes it), and ties the wrapper to it:
+How ``prepare`` differs from BaseStrategy's sequence (see ``base.py``): the backend wraps
+model and optimizer together, so it overrides step 4, ``setup_module_and_optimizers``:
+    - ``_wrap_model`` only places the model (and converts norms for ``sync_bn``):
+      ShardedDataParallel needs the sharded optimizer, which is built next;
+    - ``build_optim_wrapper`` builds the wrapper from the same cfg as under DDP, its
+      ``optimizer`` turned into ``dict(type='OSS', optim=<type>, ...)``;
+    - the model is wrapped in ShardedDataParallel (the model ``prepare`` returns), and the
+      optim wrapper is tied to it:
        zero_grad goes through the wrapper's buckets (torch's ``set_to_none`` default breaks
        them: wrong results from step 2), norm clipping through ``OSS.clip_grad_norm`` (each
        rank holds only its share of the gradients), float16 loss scaling through fairscale's
@@ -44,11 +46,12 @@ from typing_extensions import override
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
+from stratagem.checkpoint.checkpointer import LoadContext
 from stratagem.config import check_keys
+from stratagem.integrations.model_api import expose_model_api
 from stratagem.registry import STRATEGIES
 
 from ..base import BaseStrategy
-from ..layout import CheckpointLayout
 from ..sync_bn import convert_sync_batchnorm
 
 __all__ = ['ShardedDDPStrategy']
@@ -192,25 +195,34 @@ class ShardedDDPStrategy(BaseStrategy):
 
     # ------------------------------------------------------------------ prepare
     @override
-    def prepare(
+    def _check_prepare_args(
         self,
-        model: nn.Module | Mapping,
-        *,
-        optim_wrapper: Any = None,
-        param_scheduler: Any = None,
-        compile: bool | Mapping = False,
-        dispatch_kwargs: Mapping | None = None,
-    ) -> Any:
-        """BaseStrategy's ``prepare``; ``optim_wrapper`` is required (a cfg dict)."""
-        if not self._prepared:
-            self._check_optim_cfg(optim_wrapper)
-        return super().prepare(
-            model,
-            optim_wrapper=optim_wrapper,
-            param_scheduler=param_scheduler,
-            compile=compile,
-            dispatch_kwargs=dispatch_kwargs,
-        )
+        optim_wrapper: Any,
+        param_scheduler: Any,
+        dispatch_kwargs: Mapping | None,
+        compile: bool | Mapping,
+    ) -> None:
+        """BaseStrategy's checks; ``optim_wrapper`` is required (a cfg dict)."""
+        super()._check_prepare_args(optim_wrapper, param_scheduler, dispatch_kwargs, compile)
+        self._check_optim_cfg(optim_wrapper)
+
+    @override
+    def setup_module_and_optimizers(
+        self, model: nn.Module, optim_wrapper: Any, compile: bool | Mapping = False
+    ) -> tuple[nn.Module, Any]:
+        """Place (and compile) the model, build the wrapper over an OSS optimizer, then wrap
+        the model in ShardedDataParallel, which needs the sharded optimizer, and tie zero_grad,
+        clipping and loss scaling to it. The ShardedDataParallel wrapper is the model."""
+        module, wrapper = super().setup_module_and_optimizers(model, optim_wrapper, compile)
+        sdp = _sharded_data_parallel()(module, wrapper.optimizer, **self.model_wrapper)
+        wrapper.optimizer.attach_sharded_ddp(sdp)
+        if getattr(wrapper, 'clip_func', None) is torch.nn.utils.clip_grad_norm_:
+            wrapper.set_clip_func(functools.partial(_clip_norm_sharded, wrapper.optimizer))
+        self._shard_loss_scaler(wrapper)
+        # the host's loop calls train_step on the new wrapper, which must forward through it
+        # (else its gradient hooks never run; see model_api)
+        expose_model_api(sdp, ckpt.unwrap_model(module))
+        return sdp, wrapper
 
     def _check_optim_cfg(self, cfg: Any) -> None:
         """Refuse, before anything is built, what OSS + ShardedDataParallel cannot run."""
@@ -283,8 +295,8 @@ class ShardedDDPStrategy(BaseStrategy):
 
     @override
     def build_optim_wrapper(self, optim_wrapper: Any, model: nn.Module | None = None) -> Any:
-        """Build the wrapper over an OSS optimizer, then wrap the model in ShardedDataParallel
-        (kept as ``self.model``) and tie zero_grad, clipping and loss scaling to it."""
+        """The wrapper from the same cfg as under DDP, its ``optimizer`` turned into
+        ``dict(type='OSS', optim=<type>, ...)`` over ``model``'s own parameters."""
         self._check_optim_cfg(optim_wrapper)
         model = self.model if model is None else model
         cfg = dict(optim_wrapper)
@@ -306,12 +318,6 @@ class ShardedDDPStrategy(BaseStrategy):
                 'own parameters (a master-weights or custom wrapper?); use '
                 'OptimWrapper or AmpOptimWrapper'
             )
-        sdp = _sharded_data_parallel()(model, oss, **self.model_wrapper)
-        oss.attach_sharded_ddp(sdp)
-        if getattr(wrapper, 'clip_func', None) is torch.nn.utils.clip_grad_norm_:
-            wrapper.set_clip_func(functools.partial(_clip_norm_sharded, oss))
-        self._shard_loss_scaler(wrapper)
-        self.model = sdp
         return wrapper
 
     def _shard_loss_scaler(self, wrapper: Any) -> None:
@@ -341,18 +347,11 @@ class ShardedDDPStrategy(BaseStrategy):
 
     # -------------------------------------------------------------- checkpoints
     @override
-    def _checkpoint_layout(self) -> CheckpointLayout:
-        return _ShardedDDPLayout(self)
-
-
-class _ShardedDDPLayout(CheckpointLayout):
-    """The default single-file layout; a restore ends by rebuilding ShardedDataParallel's
-    reduce buckets around the restored gradients, which replace tensors the buckets may
-    already view (after a forward in this process, e.g. a roll-back)."""
-
-    @override
-    def restore(self, checkpoint: dict, path: str, meta: dict, optimizer: bool) -> None:
-        super().restore(checkpoint, path, meta, optimizer)
-        model = self.strategy.model  # type: ignore[attr-defined]
+    def _restore_pending_grads(self, per_rank: Any, context: LoadContext) -> None:
+        """The default restore; it ends by rebuilding ShardedDataParallel's reduce buckets
+        around the restored gradients, which replace tensors the buckets may already view
+        (after a forward in this process, e.g. a roll-back)."""
+        super()._restore_pending_grads(per_rank, context)
+        model = self.model
         if isinstance(model, _sharded_data_parallel()):
-            model.rebind_grads()  # type: ignore[attr-defined]
+            model.rebind_grads()  # type: ignore[operator]

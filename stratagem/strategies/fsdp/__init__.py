@@ -1,12 +1,12 @@
-"""FSDPStrategy (FSDP2) in one place: the strategy (``strategy.py``), its checkpoint layout
-(``layout.py``), mmengine's and FSDP1's config forms mapped to FSDP2 (``config.py``,
+"""FSDPStrategy (FSDP2) in one place: the strategy (``strategy.py``), its checkpoint storage
+(``storage.py``), mmengine's and FSDP1's config forms mapped to FSDP2 (``config.py``,
 ``wrap_policy.py``), and the no-sync control, pending gradients and optim-wrapper fit it
 composes (``grad_sync.py``).
 Importing this package imports ``torch.distributed.fsdp``; ``stratagem.strategies`` registers
 ``'FSDPStrategy'`` lazily.
 """
 
-from .layout import FSDPLayout
+from .storage import FSDPStorage
 from .strategy import FSDPStrategy
 
-__all__ = ['FSDPStrategy', 'FSDPLayout']
+__all__ = ['FSDPStrategy', 'FSDPStorage']

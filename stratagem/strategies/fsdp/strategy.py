@@ -19,10 +19,10 @@ from typing_extensions import override
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
-from stratagem.checkpoint.formats import detect_format
+from stratagem.checkpoint.checkpointer import LoadContext
+from stratagem.checkpoint.storage import CheckpointStorage
 
 from ..base import BaseStrategy
-from ..layout import CheckpointLayout
 from .config import parse_model_wrapper
 from .grad_sync import (
     adapt_optim_wrapper,
@@ -32,9 +32,9 @@ from .grad_sync import (
     set_pending_grads,
     with_no_sync,
 )
-from .layout import FSDPLayout
 from .mesh import parse_mesh
 from .options import parse_activation_checkpointing, parse_state_dict_cfg
+from .storage import FSDPStorage
 from .tensor_parallel import check_plan_fits_mesh, parse_tensor_parallel_plan
 
 
@@ -89,7 +89,6 @@ class FSDPStrategy(BaseStrategy):
         self.ac_check = parse_activation_checkpointing(activation_checkpointing)
         self.skip_init_weights = bool(skip_init_weights)
         self._block_compile: dict | None = None
-        self._layout = FSDPLayout(self)  # holds the async writer's gloo group once made
         env_kwargs = self._distributed_env_kwargs(
             kwargs, 'FSDPStrategy', "; for one process use SingleDeviceStrategy (type='auto')"
         )
@@ -119,17 +118,30 @@ class FSDPStrategy(BaseStrategy):
 
     # ------------------------------------------------------------------------ prepare
     @override
-    def prepare(self, model: Any, *, compile: bool | Mapping = False, **kwargs: Any) -> Any:
-        """BaseStrategy's ``prepare``; ``compile`` compiles each sharded block (before
-        sharding) instead of the whole model."""
+    def _check_prepare_args(
+        self,
+        optim_wrapper: Any,
+        param_scheduler: Any,
+        dispatch_kwargs: Mapping | None,
+        compile: bool | Mapping,
+    ) -> None:
+        """BaseStrategy's checks; ``compile`` compiles each sharded block's forward (before
+        sharding) instead of the whole model, so another target is refused."""
         kw = None if not compile else {} if compile is True else dict(compile)
         if kw is not None and kw.pop('target', 'forward') != 'forward':
             raise ValueError(
                 f"FSDPStrategy compiles each sharded block's forward; "
                 f'compile={compile!r} names another target; leave target out'
             )
+        super()._check_prepare_args(optim_wrapper, param_scheduler, dispatch_kwargs, compile)
         self._block_compile = kw
-        return super().prepare(model, compile=False, **kwargs)
+
+    @override
+    def setup_module_and_optimizers(
+        self, model: nn.Module, optim_wrapper: Any, compile: bool | Mapping = False
+    ) -> tuple[nn.Module, Any]:
+        """BaseStrategy's, with ``compile`` applied per block inside ``_wrap_model``."""
+        return super().setup_module_and_optimizers(model, optim_wrapper, compile=False)
 
     @override
     def build_model(self, model: nn.Module | Mapping) -> nn.Module:
@@ -325,75 +337,86 @@ class FSDPStrategy(BaseStrategy):
 
     # -------------------------------------------------------------------- checkpoints
     @override
-    def _checkpoint_layout(self) -> CheckpointLayout:
-        return self._layout
+    def _checkpoint_storage(self) -> CheckpointStorage:
+        return FSDPStorage(
+            full=lambda: self._full,
+            live_state=self._live_state,
+            extra_manifest=self._manifest_fields,
+        )
 
     @override
-    def _partial_grad_states(self) -> Any:
+    def _manifest_fields(self) -> dict:
+        return {**super()._manifest_fields(), 'mesh': self.mesh_spec.as_dict()}
+
+    def _live_state(self, optimizer: bool) -> tuple[dict, dict | None]:
+        """The model's and (when ``optimizer`` and built) the optimizer's live state dicts,
+        FQN-keyed DTensors: what DCP reads shards into."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        optimizers = (
+            [self.optim_wrapper.optimizer] if optimizer and hasattr(self, 'optim_wrapper') else []
+        )
+        with keep_fresh(optimizers):
+            model_sd, optim_sd = get_state_dict(self.model, optimizers)
+        return model_sd, optim_sd if optimizers else None
+
+    @override
+    def pending_grads(self) -> dict | None:
         """Mid accumulation window: this rank's unsynchronised (unsharded) gradients."""
         if all(w.should_update() for w in self._wrappers()):
             return None
-        grads = pending_grads(self.model)
+        return pending_grads(self.model)
+
+    @override
+    def set_pending_grads(self, grads: Mapping) -> None:
+        set_pending_grads(self.model, grads)
+
+    @override
+    def _gather_pending_grads(self) -> list | dict | None:
+        """Sharded: this rank's own (the storage writes each rank's to its own file);
+        ``'full'``: every rank's, gathered on CPU into the one file."""
+        mine = self.pending_grads()
+        if mine is None:
+            return None
         if self._full:
-            return env.all_gather_object({k: v.cpu() for k, v in grads.items()})
-        return grads
-
-    def read_shards_in_place(
-        self, path: str, checkpoint: dict, metadata: Any, optimizer: bool
-    ) -> dict:
-        """A resume's DCP read, into the live state dicts, after every check passed; the
-        checkpoint dict the resume holds gets them (its ``optimizer`` too, when resumed).
-        Returns the weights."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        optimizers = [self.optim_wrapper.optimizer] if optimizer else []
-        with keep_fresh(optimizers):
-            model_sd, optim_sd = get_state_dict(self.model, optimizers)
-        state: dict[str, Any] = {
-            'state_dict': model_sd,
-            **({'optimizer': optim_sd} if optimizers else {}),
-        }
-        ckpt.load_sharded_in_place(path, state, metadata=metadata)
-        checkpoint['state_dict'] = state['state_dict']
-        if optimizers:
-            counters = {
-                k: v
-                for k, v in checkpoint['optimizer'].items()
-                if k not in ('state', 'param_groups')
-            }
-            checkpoint['optimizer'] = {**state['optimizer'], **counters}
-        return state['state_dict']
+            return env.all_gather_object({k: v.cpu() for k, v in mine.items()})
+        return mine
 
     @override
-    def _load_checkpoint_files(self, filename: str, map_location: Any) -> dict:
-        if detect_format(filename) != 'sharded':
-            return super()._load_checkpoint_files(filename, map_location)
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        optimizers = [self.optim_wrapper.optimizer] if hasattr(self, 'optim_wrapper') else []
-        with keep_fresh(optimizers):
-            model_sd, optim_sd = get_state_dict(self.model, optimizers)
-            return ckpt.load_sharded_checkpoint(
-                filename, model_sd, optim_sd if optimizers else None
-            )
+    def _restore_model(self, state_dict: Any, context: LoadContext) -> None:
+        self._say_mesh_change(context.path, context.meta)
+        super()._restore_model(state_dict, context)
 
     @override
-    def _load_partial_grads(self, checkpoint: Mapping, meta: Mapping) -> None:
-        per_rank = checkpoint.get('partial_grads_fqn') or checkpoint.get('partial_grads')
-        if not per_rank:
+    def _restore_pending_grads(self, per_rank: Any, context: LoadContext) -> None:
+        if per_rank or context.checkpoint.get('partial_grads_fqn'):
+            saved_tensor = int((context.meta.get('mesh') or {}).get('tensor', 1))
+            if saved_tensor != self.mesh_spec.tensor:
+                raise ValueError(
+                    f'the checkpoint was taken inside an accumulation window on a mesh with '
+                    f'tensor={saved_tensor}; this run has tensor={self.mesh_spec.tensor}, '
+                    "and tensor-parallel ranks' pending gradients are slices that do not "
+                    f'convert. Resume it with tensor={saved_tensor}, or from a checkpoint '
+                    'saved at an update boundary'
+                )
+        super()._restore_pending_grads(per_rank, context)
+
+    def _say_mesh_change(self, path: str, meta: Mapping) -> None:
+        """Rank 0 says once how the mesh differs from the saving run's (the shards are
+        resharded as they are read)."""
+        from .mesh import MeshSpec
+
+        saved = meta.get('mesh')
+        if saved is None:  # before meshes, or another backend: sharded over the world
+            saved = {'shard': int(meta.get('world_size', 1))}
+        try:
+            before = MeshSpec(**saved)
+        except TypeError:
             return
-        saved_tensor = int((meta.get('mesh') or {}).get('tensor', 1))
-        if saved_tensor != self.mesh_spec.tensor:
-            raise ValueError(
-                f'the checkpoint was taken inside an accumulation window on a mesh with '
-                f'tensor={saved_tensor}; this run has tensor={self.mesh_spec.tensor}, and '
-                "tensor-parallel ranks' pending gradients are slices that do not convert. "
-                f'Resume it with tensor={saved_tensor}, or from a checkpoint saved at an '
-                'update boundary'
+        if before != self.mesh_spec and self.rank == 0:
+            self.logger.warning(
+                f'{path} was saved on the mesh {before.describe()} '
+                f'({before.world_size} rank(s)); this run has {self.mesh_spec.describe()} '
+                f'({self.world_size}): parameters and optimizer state are resharded as '
+                'they are read'
             )
-        mine = (
-            per_rank[self.rank]
-            if len(per_rank) == self.world_size
-            else {k: sum(g[k] for g in per_rank) / len(per_rank) for k in per_rank[0]}
-        )
-        set_pending_grads(self.model, mine)

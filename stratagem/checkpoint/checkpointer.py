@@ -1,0 +1,293 @@
+"""The checkpoint sequences, written once, over explicit state: :class:`Checkpointer`.
+
+``Checkpointer.save(path, state)`` and ``Checkpointer.load(path, state)`` take the state as
+a mapping of named parts, each a torch ``Stateful`` (``state_dict()`` /
+``load_state_dict()``); the key is where the part's state lives in the checkpoint
+(mmengine's layout: ``state_dict``, ``optimizer``, ``param_schedulers``, ``meta``, plus ours:
+``partial_grads``, ``rng_states``). Where the content goes on disk is the
+``CheckpointStorage`` it was made with (``storage.py``). A strategy builds the parts from
+its own state (``BaseStrategy.checkpoint_state``); the checkpointer holds no strategy and
+knows no backend.
+
+A part may do more than a plain ``Stateful`` (:class:`StatePart` does all of it):
+``check(value, context)`` runs before anything is loaded and may refuse (raise) or convert
+(``context.replace``); ``restore(value, context)`` loads with the context (the saved
+``meta``, the path) instead of ``load_state_dict(value)``; ``required = False`` parts are
+also restored when the checkpoint lacks their key (with ``None``).
+
+``save(path, state, extra=, callback=)`` (every rank calls it)
+    0. The previous (asynchronous) save is waited for; its error is raised here.
+    1. One collective: rank 0's path for every rank.
+    2. ``storage.check_savable(path)``: a moment the storage cannot hold is refused before
+       anything is written (DeepSpeed inside an accumulation window).
+    3. Each part's ``state_dict()``, in the mapping's order on every rank (a part may be
+       collective: gathered RNG states, FSDP's full state dict), but for the keys the
+       storage's own files hold (``storage.holds``); ``None`` leaves its key out; then
+       ``extra``, then ``callback(checkpoint)``.
+    4. Every rank validates the content (``storage.validate``: tensors and plain values), so
+       a bad value fails on all ranks alike instead of leaving the others waiting.
+    5. The save's vote opens (``vote.py``: the process group's store, no collective) and
+       ``storage.stage`` runs on the training thread: with ``async_checkpoint`` the writing
+       ranks copy the whole content into the writer's CPU staging buffers here (complete
+       before the call returns: the checkpoint is the state at the call, whatever the
+       program does next). It returns the write job.
+    6. The job runs at once, or on the writer thread: it writes, calls ``commit.gate()``
+       once this rank's files are written (every rank alive and done, or it raises and
+       nothing is committed), then rank 0 commits (manifest, rename, pointer).
+    7. The ranks learn the outcome through the vote: a failure or a dead rank raises on
+       every rank, naming it, instead of hanging.
+
+``load(path, state, map_location=, optimizer=, callback=)``
+    1. A pending asynchronous save is committed first (it may be that very file).
+    2. The ranks agree on the file (rank 0's path, the same bytes everywhere), then
+       ``storage.open`` reads what the checks need; ``callback(checkpoint)``.
+    3. Every required key is there (or held by the storage's own files).
+    4. Every part's ``check``, in order, before anything is loaded: a refused load changes
+       nothing.
+    5. ``storage.restore``: what is read in place (shards into the live tensors).
+    6. Every part's ``restore`` / ``load_state_dict``, in the mapping's order (a strategy
+       orders them model, optimizer, partial gradients, counters, schedulers, RNG).
+"""
+
+from __future__ import annotations
+
+import os.path as osp
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from .async_writer import AsyncCheckpointWriter
+from .dist import agree_on_checkpoint
+from .storage import CheckpointStorage, SaveCommit
+from .vote import SaveVote
+
+__all__ = ['Checkpointer', 'LoadContext', 'StatePart', 'Stateful']
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """torch DCP's protocol: what a part of a checkpoint's state offers."""
+
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state_dict: Any) -> None: ...
+
+
+class LoadContext:
+    """What one load knows, shared by its parts: the agreed ``path``, the ``checkpoint`` as
+    read (``meta`` is its ``meta``), and what each part will be handed (``value``, which a
+    part's ``check`` may ``replace``, e.g. scheduler states converted to this world size).
+    ``notes`` carries what a part's check found for a later part (e.g. a world-size change);
+    ``opened`` is what the storage's ``open`` kept for its ``restore`` (DCP's metadata)."""
+
+    def __init__(self, path: str, checkpoint: dict, opened: Any = None) -> None:
+        self.path = path
+        self.checkpoint = checkpoint
+        self.opened = opened
+        self.notes: dict[str, Any] = {}
+        self._values: dict[str, Any] = {}
+
+    @property
+    def meta(self) -> dict:
+        meta = self.checkpoint.get('meta')
+        return meta if isinstance(meta, dict) else {}
+
+    def value(self, key: str) -> Any:
+        """What the part under ``key`` will load: the checkpoint's, or as replaced."""
+        return self._values[key] if key in self._values else self.checkpoint.get(key)
+
+    def replace(self, key: str, value: Any) -> None:
+        """Hand the part under ``key`` ``value`` instead of the checkpoint's (the checkpoint
+        dict the caller gets back is unchanged)."""
+        self._values[key] = value
+
+
+class StatePart:
+    """A ``Stateful`` made of functions, with the steps a resume adds.
+
+    Args:
+        save: returns the part's state (None: nothing to save at this moment).
+        load: ``load(value, context)`` restores it.
+        check: ``check(value, context)`` before anything loads: raise to refuse, or
+            ``context.replace`` the value.
+        required: a load needs the key (else the part gets ``None`` when it is absent).
+    """
+
+    def __init__(
+        self,
+        save: Callable[[], Any],
+        load: Callable[[Any, LoadContext], None],
+        *,
+        check: Callable[[Any, LoadContext], None] | None = None,
+        required: bool = True,
+    ) -> None:
+        self._save, self._load, self._check = save, load, check
+        self.required = required
+
+    def state_dict(self) -> Any:
+        return self._save()
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self._load(state_dict, LoadContext('', {}))
+
+    def check(self, value: Any, context: LoadContext) -> None:
+        if self._check is not None:
+            self._check(value, context)
+
+    def restore(self, value: Any, context: LoadContext) -> None:
+        self._load(value, context)
+
+
+class Checkpointer:
+    """The save and load sequences (see module doc) over one storage, and the background
+    writer of asynchronous saves.
+
+    Args:
+        storage: where the content goes (default: one file written by rank 0).
+        async_checkpoint: write on a background thread after copying the state.
+        timeout: seconds a rank may show no sign of life during a distributed save
+            before the others give up on it, naming it, without committing.
+    """
+
+    def __init__(
+        self,
+        storage: CheckpointStorage | None = None,
+        *,
+        async_checkpoint: bool = False,
+        timeout: float = 600.0,
+    ) -> None:
+        if type(async_checkpoint) is not bool:
+            raise TypeError(f'async_checkpoint must be True or False, got {async_checkpoint!r}')
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(
+                f'checkpoint_timeout must be a positive number of seconds, got {timeout!r}'
+            )
+        self.storage = storage if storage is not None else CheckpointStorage()
+        self.async_checkpoint = async_checkpoint
+        self.timeout = float(timeout)
+        self.writer: AsyncCheckpointWriter | None = None
+
+    def wait(self) -> None:
+        """Block until the pending (asynchronous) save is committed; raise its error if it
+        failed, on every rank. A no-op when nothing is pending."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    # ------------------------------------------------------------------------ save
+    def save(
+        self,
+        path: str,
+        state: Mapping[str, Stateful],
+        *,
+        extra: Mapping | None = None,
+        callback: Callable[[dict], None] | None = None,
+    ) -> str:
+        """Steps 0-7 of the module doc; returns rank 0's absolute path (with
+        ``async_checkpoint``, where the checkpoint will be once committed)."""
+        from stratagem import env  # see the package doc: env only when a checkpoint is written
+
+        self.wait()
+        path = env.broadcast_object(osp.abspath(path))
+        storage = self.storage
+        storage.check_savable(path)
+        content: dict[str, Any] = {}
+        for key, part in state.items():
+            if key in storage.holds:  # the storage's own files hold it (DeepSpeed's model)
+                continue
+            value = part.state_dict()
+            if value is not None:
+                content[key] = value
+        # mmengine's order: meta first
+        checkpoint = {k: content[k] for k in sorted(content, key=lambda k: k != 'meta')}
+        checkpoint.update(extra or {})
+        if callback is not None:
+            callback(checkpoint)
+        held = storage.validate(checkpoint)
+        meta = checkpoint.get('meta')
+        step = meta.get('iter') if isinstance(meta, Mapping) else None
+        vote = SaveVote.open(self.timeout, f'saving {path}')
+        commit = SaveCommit(vote, env.get_rank(), step if type(step) is int else None, held)
+        writer = None
+        if self.async_checkpoint:
+            if self.writer is None:
+                self.writer = AsyncCheckpointWriter()
+            writer = self.writer
+        try:
+            job = storage.stage(checkpoint, path, commit, writer)
+        except BaseException as err:
+            commit.abandon(f'{type(err).__name__}: {err}')
+            raise
+        del checkpoint, content  # the live tensors may change from here on: async has a copy
+        if writer is None:
+            commit.run(job)
+        else:
+            writer.submit(commit.run, job)
+        return path
+
+    # ------------------------------------------------------------------------ load
+    def agree(self, filename: str) -> str:
+        """Rank 0's ``filename``, verified to be the same bytes on every rank (collective).
+        A pending asynchronous save is committed first (it may be that very file)."""
+        self.wait()
+        return str(agree_on_checkpoint(filename))
+
+    def read(self, filename: str, map_location: Any = 'cpu') -> tuple[str, dict]:
+        """Agree on ``filename`` and read it whole; returns (the agreed path, the dict)."""
+        path = self.agree(filename)
+        return path, self._as_dict(path, self.storage.read(path, map_location))
+
+    def load(
+        self,
+        filename: str,
+        state: Mapping[str, Stateful],
+        *,
+        map_location: Any = 'cpu',
+        optimizer: bool = False,
+        callback: Callable[[dict], None] | None = None,
+    ) -> LoadContext:
+        """Steps 1-6 of the module doc; returns the load's context (the agreed ``path``, the
+        ``checkpoint`` as read, what the parts' checks noted).
+        ``optimizer``: ``state`` restores an optimizer (the storage reads its state too)."""
+        path = self.agree(filename)
+        storage = self.storage
+        checkpoint, opened = storage.open(
+            path, map_location, optimizer=optimizer, editable=callback is not None
+        )
+        checkpoint = self._as_dict(path, checkpoint)
+        if callback is not None:
+            callback(checkpoint)
+        missing = [
+            key
+            for key, part in state.items()
+            if getattr(part, 'required', True)
+            and key not in checkpoint
+            and key not in storage.holds
+        ]
+        if missing:
+            raise KeyError(
+                f'{path} cannot be resumed: it has no {missing} (keys: {sorted(checkpoint)}); '
+                'load weights only with load_checkpoint(), or pass resume_optimizer=False / '
+                'resume_param_scheduler=False'
+            )
+        context = LoadContext(path, checkpoint, opened)
+        loading = [k for k in state if k in checkpoint or not getattr(state[k], 'required', True)]
+        for key in loading:
+            check = getattr(state[key], 'check', None)
+            if check is not None:
+                check(context.value(key), context)
+        storage.restore(context, optimizer=optimizer)
+        for key in loading:
+            part = state[key]
+            restore = getattr(part, 'restore', None)
+            if restore is not None:
+                restore(context.value(key), context)
+            else:
+                part.load_state_dict(context.value(key))
+        return context
+
+    @staticmethod
+    def _as_dict(path: str, checkpoint: Any) -> dict:
+        if not isinstance(checkpoint, dict):
+            raise ValueError(
+                f'{path} holds a {type(checkpoint).__name__}, not a checkpoint '
+                "dict (expected keys like 'state_dict', 'meta', 'optimizer')"
+            )
+        return checkpoint

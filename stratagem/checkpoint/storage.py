@@ -1,0 +1,206 @@
+"""Where a checkpoint's content goes on disk: the storage protocol the ``Checkpointer`` writes
+and reads through, and its default, one file written by rank 0.
+
+A backend whose checkpoint is not one file supplies its own storage: FSDP's sharded DCP
+directory (``strategies/fsdp/storage.py``), DeepSpeed's directory
+(``strategies/deepspeed/checkpoint.py``). A storage is handed what it needs when it is made
+(functions, never a strategy); the sequences stay the checkpointer's.
+
+Save side (``Checkpointer.save`` calls them in this order):
+    1. ``check_savable(path)``: refuse a moment this storage cannot hold.
+    2. ``validate(checkpoint)``: tensors and plain values only; the allow-listed classes.
+    3. ``stage(checkpoint, path, commit, writer)`` on the training thread: copy the content
+       for an asynchronous write (or write in the foreground, as DeepSpeed's engine must);
+       returns the write job.
+    4. ``write(checkpoint, path, commit)`` (the default job): write, ``commit.gate()``,
+       commit.
+Read side (``Checkpointer.load``):
+    1. ``open(path, map_location, optimizer=, editable=)`` on the agreed path: what the
+       checks need (``read`` reads a checkpoint whole), and what ``restore`` will need.
+    2. ``holds``: the keys the storage's own files hold (not in the dict ``open`` returns).
+    3. ``restore(context, optimizer=)`` after every part's check: what is read in place
+       (FSDP's shards into the live tensors, DeepSpeed's engine files).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .async_writer import AsyncCheckpointWriter
+from .commit import save_checkpoint
+from .content import validate_checkpoint_content
+from .load import load_checkpoint_file
+from .vote import CheckpointVoteError, SaveVote
+
+if TYPE_CHECKING:
+    from .checkpointer import LoadContext
+
+__all__ = ['CheckpointStorage', 'SaveCommit', 'move_to']
+
+
+class SaveCommit:
+    """One save's agreement between the ranks, handed to a storage's write step.
+
+    Attributes:
+        vote: the save's ``SaveVote`` (None without a process group); a directory storage
+            passes it to the directory protocol, which runs the whole vote.
+        step: the iteration recorded in the manifest (``meta['iter']`` when an int).
+        held: allow-listed classes the content holds (named in the manifest).
+    """
+
+    def __init__(self, vote: SaveVote | None, rank: int, step: int | None, held: list[str]) -> None:
+        self.vote, self.step, self.held = vote, step, held
+        self.rank = rank
+        self.reached = False
+
+    def gate(self) -> None:
+        """Between "this rank's files are written" and rank 0's commit: every rank reports
+        it is done; rank 0 waits for all of them and raises if one failed, died or stalled."""
+        self.reached = True
+        if self.vote is not None:
+            self.vote.ready()
+            if self.rank == 0:
+                self.vote.wait_ready()
+
+    def run(self, job: Callable[[], None]) -> None:
+        """The save's write job, then its outcome through the vote (at once, or on the
+        writer thread): a failure or a dead rank raises on every rank, naming it."""
+        vote, rank = self.vote, self.rank
+        error = None
+        try:
+            job()
+            if not self.reached and not (vote is not None and vote.ready_posted):
+                self.gate()  # a rank with nothing to commit
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error = e
+        if vote is None or vote.concluded:  # a directory storage ran the whole vote itself
+            if vote is not None:
+                vote.close()
+            if error is not None:
+                raise error
+            return
+        message = None
+        if error is not None:
+            message = (
+                str(error)
+                if isinstance(error, CheckpointVoteError)
+                else f'{type(error).__name__}: {error}'
+            )
+        try:
+            if not self.reached and not vote.ready_posted:
+                vote.ready(message)
+            if rank == 0:
+                vote.post_outcome(message)
+            if error is not None:
+                raise error
+            if rank != 0:
+                vote.wait_outcome()
+        finally:
+            vote.close()
+
+    def abandon(self, message: str) -> None:
+        """Staging failed on this rank: tell the others (who would otherwise wait for the
+        vote) and leave it."""
+        vote = self.vote
+        if vote is None:
+            return
+        if not vote.concluded:
+            if not vote.ready_posted:
+                vote.ready(f'staging failed on rank {self.rank}: {message}')
+            if self.rank == 0:
+                vote.post_outcome(f'staging failed on rank 0: {message}')
+        vote.close()
+
+
+class CheckpointStorage:
+    """One file, written by rank 0 (the default storage); read whole, in any known format.
+
+    Args:
+        extra_manifest: returns the manifest's extra fields at each save (e.g. the strategy's
+            name and world size).
+    """
+
+    #: keys of the content this storage's own files hold, absent from what ``open`` returns
+    #: (DeepSpeed's files hold the model: ``{'state_dict'}``)
+    holds: frozenset[str] = frozenset()
+
+    def __init__(self, extra_manifest: Callable[[], dict] | None = None) -> None:
+        self.extra_manifest = extra_manifest or dict
+
+    def all_ranks_write(self) -> bool:
+        """Whether every rank writes files of its own (sharded), not only rank 0."""
+        return False
+
+    def check_savable(self, path: str) -> None:
+        """Raise (on every rank alike) when this moment cannot be saved in this storage."""
+
+    def validate(self, checkpoint: dict) -> list[str]:
+        """Check the content loads with ``weights_only`` (tensors and plain values); returns
+        the allow-listed classes it holds."""
+        return validate_checkpoint_content(checkpoint)
+
+    def stage(
+        self, checkpoint: dict, path: str, commit: SaveCommit, writer: AsyncCheckpointWriter | None
+    ) -> Callable[[], None]:
+        """On the training thread: make the write job. With a ``writer`` (async), the ranks
+        that write copy ``checkpoint`` into its staging buffers first (the job only ever
+        reads that copy); the others only take part in the vote."""
+        writes = self.all_ranks_write() or commit.rank == 0
+        state: dict | None = checkpoint if writes else None
+        if writer is not None and state is not None:
+            state = writer.snapshot(state)
+        return functools.partial(self.write, state, path, commit)
+
+    def write(self, checkpoint: dict | None, path: str, commit: SaveCommit) -> None:
+        """Write and commit (rank 0: one atomic file; ``commit.gate()`` before the rename)."""
+        if checkpoint is not None:
+            save_checkpoint(
+                checkpoint,
+                path,
+                step=commit.step,
+                extra_manifest=self.extra_manifest(),
+                before_commit=commit.gate,
+            )
+
+    # ------------------------------------------------------------------- read side
+    def open(
+        self, path: str, map_location: Any, *, optimizer: bool = False, editable: bool = True
+    ) -> tuple[dict, Any]:
+        """What a resume's checks need of the agreed ``path`` (by default the whole
+        checkpoint), and what ``restore`` will need (``context.opened``; None here).
+        ``optimizer``: the optimizer state will be restored; ``editable``: a ``callback``
+        will see the dict (so its tensors must be real, not read later in place)."""
+        return self.read(path, map_location), None
+
+    def read(self, path: str, map_location: Any) -> dict:
+        """The whole checkpoint at ``path``: a file verified and read ``weights_only``; a
+        directory in a known format (``checkpoint.formats``: FSDP's sharded one,
+        DeepSpeed's) verified and read unsharded; anything else gets
+        ``load_checkpoint_file``'s error."""
+        from .formats import detect_format, read_whole
+
+        name = detect_format(path)
+        if name is None or name == 'file':
+            return load_checkpoint_file(path, map_location=map_location)
+        return move_to(read_whole(path, name), map_location)
+
+    def restore(self, context: LoadContext, *, optimizer: bool) -> None:
+        """After every check passed, before the parts load: what this storage reads in
+        place (nothing for a file: its content is already in ``context``)."""
+
+
+def move_to(obj: Any, map_location: Any) -> Any:
+    """Tensors of a checkpoint read on CPU, moved where ``map_location`` (a device) says."""
+    if map_location in (None, 'cpu') or not isinstance(map_location, (str, torch.device)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(map_location)
+    if isinstance(obj, dict):
+        return {k: move_to(v, map_location) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [move_to(v, map_location) for v in obj]
+    return obj

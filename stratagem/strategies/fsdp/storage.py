@@ -1,0 +1,131 @@
+"""FSDPStrategy's checkpoint storage: a sharded DCP directory every rank writes (or one file
+under ``state_dict_type='full'``), read in place after every check of a resume."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from typing_extensions import override
+
+from stratagem import checkpoint as ckpt
+from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
+from stratagem.checkpoint.checkpointer import LoadContext
+from stratagem.checkpoint.formats import detect_format
+from stratagem.checkpoint.storage import CheckpointStorage, SaveCommit
+
+__all__ = ['FSDPStorage']
+
+
+class FSDPStorage(CheckpointStorage):
+    """A sharded DCP directory (every rank writes its shards and its partial gradients,
+    ``checkpoint/sharded.py``), or under ``full`` the default single file (rank 0 holds the
+    gathered state).
+
+    Args:
+        full: whether it is ``state_dict_type='full'`` now (the strategy's setting may be
+            switched between saves).
+        live_state: ``live_state(optimizer)`` returns the model's and (when ``optimizer``)
+            the optimizer's live state dicts, DCP's targets: a resume reads the shards
+            straight into them, a weights-only read reads them unsharded in their layout.
+        extra_manifest: the manifest's extra fields (strategy, world size, mesh).
+    """
+
+    def __init__(
+        self,
+        *,
+        full: Callable[[], bool],
+        live_state: Callable[[bool], tuple[dict, dict | None]],
+        extra_manifest: Callable[[], dict],
+    ) -> None:
+        super().__init__(extra_manifest)
+        self.full = full
+        self.live_state = live_state
+        self._writer_group: Any = None  # DCP's planning group for asynchronous saves
+
+    @override
+    def all_ranks_write(self) -> bool:
+        return not self.full()
+
+    @override
+    def validate(self, checkpoint: dict) -> list[str]:
+        return ckpt.validate_checkpoint_content(ckpt.local_tensors(checkpoint))
+
+    @override
+    def stage(
+        self, checkpoint: dict, path: str, commit: SaveCommit, writer: AsyncCheckpointWriter | None
+    ) -> Callable[[], None]:
+        """An asynchronous sharded save runs DCP's planning collectives on the writer
+        thread, so they get a gloo group of their own, created here (every rank saves in
+        the same order): on the default group they would interleave with the training
+        loop's collectives and deadlock."""
+        if writer is not None and not self.full() and self._writer_group is None:
+            import torch.distributed as dist
+
+            self._writer_group = dist.new_group(backend='gloo')
+        return super().stage(checkpoint, path, commit, writer)
+
+    @override
+    def write(self, checkpoint: dict | None, path: str, commit: SaveCommit) -> None:
+        if self.full():  # one consolidated file (rank 0 holds it; others get None)
+            super().write(checkpoint, path, commit)
+            return
+        assert checkpoint is not None  # every rank writes its shards
+        partial = checkpoint.pop('partial_grads', None)  # this rank's own, to its own file
+        ckpt.save_sharded_checkpoint(
+            path,
+            checkpoint,
+            step=commit.step,
+            partial_grads=partial,
+            vote=commit.vote,
+            process_group=self._writer_group,
+            extra_manifest=self.extra_manifest(),
+        )
+
+    # ------------------------------------------------------------------- read side
+    @override
+    def open(
+        self, path: str, map_location: Any, *, optimizer: bool = False, editable: bool = True
+    ) -> tuple[dict, Any]:
+        """A sharded directory that the caller will not edit is read in place, like a raw
+        ``dcp.load``: everything but the tensors here, every check next, and only then (in
+        ``restore``) DCP reads the shards straight into the model's and optimizer's own
+        tensors (no second copy). A refused resume changes nothing; a read error after the
+        checks (the files changed since they were verified) leaves the model partly read,
+        and the resume raises. With a ``callback`` (``editable``: it may read or edit the
+        tensors) they are read into new tensors first."""
+        if not editable and detect_format(path) == 'sharded':
+            header = ckpt.read_sharded_header(path, optimizer=optimizer)
+            if header is not None:
+                return header  # (the checkpoint without tensors, DCP's metadata)
+        return self.read(path, map_location), None
+
+    @override
+    def read(self, path: str, map_location: Any) -> dict:
+        """A sharded directory read whole into new tensors laid out like the live ones;
+        any other format: the default read."""
+        if detect_format(path) != 'sharded':
+            return super().read(path, map_location)
+        model_sd, optim_sd = self.live_state(True)
+        return ckpt.load_sharded_checkpoint(path, model_sd, optim_sd)
+
+    @override
+    def restore(self, context: LoadContext, *, optimizer: bool) -> None:
+        """Every check passed: DCP reads the shards into the live state dicts, which the
+        checkpoint the resume returns then holds (its ``optimizer`` too, when resumed)."""
+        checkpoint, metadata = context.checkpoint, context.opened
+        if metadata is None:  # read whole already
+            return
+        model_sd, optim_sd = self.live_state(optimizer)
+        state: dict[str, Any] = {'state_dict': model_sd}
+        if optimizer:
+            state['optimizer'] = optim_sd
+        ckpt.load_sharded_in_place(context.path, state, metadata=metadata)
+        checkpoint['state_dict'] = state['state_dict']
+        if optimizer:
+            counters = {
+                k: v
+                for k, v in checkpoint['optimizer'].items()
+                if k not in ('state', 'param_groups')
+            }
+            checkpoint['optimizer'] = {**state['optimizer'], **counters}
