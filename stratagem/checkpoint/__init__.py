@@ -2,7 +2,9 @@
 putting a state dict into a module.
 
 This package decides how a checkpoint is written, committed, verified, found and loaded; the
-strategy decides what is in it. The save protocol is numbered in ``commit.py``, the load
+strategy decides what is in it: ``Checkpointer.save(path, state)`` / ``load(path, state)``
+(``checkpointer.py``) take the state as a mapping of ``Stateful`` parts and write it through
+a ``CheckpointStorage`` (``storage.py``). The save protocol is numbered in ``commit.py``, the load
 sequence in ``load.py``, the multi-rank directory protocol in
 ``directory.py``, where manifests live in ``manifest.py``. Importing it imports torch,
 xxhash and the standard library only.
@@ -15,6 +17,7 @@ which needs nothing of it until a checkpoint is written or read. There is no cyc
 ``stratagem.env`` imports nothing of this package.
 """
 
+from .checkpointer import Checkpointer, LoadContext, Stateful, StatePart
 from .commit import save_checkpoint
 from .content import add_safe_globals, get_safe_globals, safe_globals, validate_checkpoint_content
 from .dir_commit import commit_directory, finalize_directory, new_staging_dir
@@ -69,8 +72,15 @@ from .state_dict import (
     revise_keys,
     unwrap_model,
 )
+from .storage import CheckpointStorage, SaveCommit
 
 __all__ = [
+    'Checkpointer',
+    'Stateful',
+    'StatePart',
+    'LoadContext',
+    'CheckpointStorage',
+    'SaveCommit',
     'save_checkpoint',
     'commit_directory',
     'new_staging_dir',

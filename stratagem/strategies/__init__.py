@@ -1,6 +1,9 @@
 """Training strategies behind ``BaseStrategy``, built by ``build_strategy``: one file per small
 backend (``single_device.py``, ``ddp.py``), one folder per large one (``fsdp/``, ``deepspeed/``,
-``fairscale/``), each registered here in one line."""
+``fairscale/``). A backend that is cheap to import registers itself (``@STRATEGIES.
+register_module()``) and is imported here; one that is slow to import (FSDP, DeepSpeed) is
+registered here in one line, ``STRATEGIES.register_lazy``, which also makes it a name of this
+package, imported on first use."""
 
 from __future__ import annotations
 
@@ -17,19 +20,22 @@ from .ddp import DDPStrategy
 from .fairscale import ShardedDDPStrategy
 from .single_device import SingleDeviceStrategy
 
+# imported on first use: torch.distributed.fsdp and DeepSpeed (an optional extra) are slow
+_LAZY = {
+    'FSDPStrategy': 'stratagem.strategies.fsdp:FSDPStrategy',
+    'DeepSpeedStrategy': 'stratagem.strategies.deepspeed:DeepSpeedStrategy',
+}
+for _name, _target in _LAZY.items():
+    STRATEGIES.register_lazy(_name, _target)
+
 __all__ = [
     'BaseStrategy',
     'SingleDeviceStrategy',
     'DDPStrategy',
     'ShardedDDPStrategy',
-    'FSDPStrategy',
-    'DeepSpeedStrategy',
+    *_LAZY,
     'build_strategy',
 ]
-
-STRATEGIES.register_lazy('FSDPStrategy', 'stratagem.strategies.fsdp:FSDPStrategy')
-# imported on first use: DeepSpeed is an optional extra and slow to import
-STRATEGIES.register_lazy('DeepSpeedStrategy', 'stratagem.strategies.deepspeed:DeepSpeedStrategy')
 
 
 def _is_zero(path: Path) -> bool:
@@ -49,14 +55,8 @@ register_format('zero', _is_zero, _read_zero)
 
 
 def __getattr__(name: str) -> Any:
-    if name == 'FSDPStrategy':  # torch.distributed.fsdp is imported only when used
-        from .fsdp import FSDPStrategy
-
-        return FSDPStrategy
-    if name == 'DeepSpeedStrategy':
-        from .deepspeed import DeepSpeedStrategy
-
-        return DeepSpeedStrategy
+    if name in _LAZY:  # imported only when used
+        return STRATEGIES.get(name)
     raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 

@@ -118,7 +118,7 @@ def scale_lr(
             ' (the per-process batch size) to compute the real batch size'
         )
     for wrapper in wrappers:
-        acc = getattr(wrapper, '_accumulative_counts', 1)
+        acc = getattr(wrapper, 'accumulative_counts', 1)
         ratio = world_size * micro_batch * acc / cfg['base_batch_size']
         for group in wrapper.param_groups:
             group['lr'] = group['lr'] * ratio
@@ -140,7 +140,7 @@ def initialize_accumulation(
     """Tell accumulating wrappers where training stands (``done_iters``; None: their own
     count) and where it ends (the run's ``max_iters``)."""
     for wrapper in wrappers:
-        if getattr(wrapper, '_accumulative_counts', 1) > 1:
+        if getattr(wrapper, 'accumulative_counts', 1) > 1:
             total = max_iters(dispatch_kwargs)
             if total is None:
                 raise ValueError(
