@@ -200,7 +200,7 @@ def _estimate(parts: dict, method: str) -> MemoryEstimate:
 
 
 def _zero(parts: dict, strategy: Mapping, nproc: int, name: str = '') -> MemoryEstimate:
-    from .doctor_sharding import deepspeed_config
+    from .sharding import deepspeed_config
 
     ds, _ = deepspeed_config(strategy)
     stage = int((ds.get('zero_optimization') or {}).get('stage', 0))
@@ -297,7 +297,7 @@ def _real_meshes() -> Iterator[None]:
 
 
 class MemoryChecks:
-    """The memory check of ``doctor._Doctor`` (which provides ``cfg``, ``nproc``, ``model``,
+    """The memory check of ``checks.Doctor`` (which provides ``cfg``, ``nproc``, ``model``,
     ``add``, ``notes``, ``findings`` and ``device_memory``)."""
 
     cfg: Mapping
