@@ -111,13 +111,6 @@ class FSDPStrategy(BaseStrategy):
     def data_parallel_rank(self) -> int:
         return self.mesh_spec.data_parallel_rank(self.rank)
 
-    @property
-    @override
-    def device(self) -> torch.device:
-        if torch.cuda.is_available():
-            return torch.device('cuda', env.get_local_rank())
-        return torch.device('cpu')
-
     # ------------------------------------------------------------------------ prepare
     @override
     def _check_prepare_args(
