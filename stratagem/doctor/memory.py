@@ -7,7 +7,7 @@ How, per strategy (one process, any world size):
   (``FakeTensorMode``: shapes and dtypes, no bytes) and runs the loop's step on one fake
   micro batch of the dataset (forward, backward, the optim wrapper's step, as many
   iterations as one accumulation cycle + 1 so that the optimizer state exists), under
-  ``torch.distributed._tools.MemTracker``, which counts every live tensor's storage:
+  torch's ``MemTracker`` (``_torch.memory_tracker``), which counts every live tensor's storage:
   parameters, gradients, optimizer state, activations and temporaries at the peak;
 - FSDP (flat, HSDP, 2-D with tensor parallel): the same under torch's fake process group
   (``init_process_group('fake')``) at the world size, the model sharded on the meta device by
@@ -119,17 +119,10 @@ def measure_step(model: Any, optim_wrapper: Any, batch: Any, *, fsdp: bool = Fal
     """Run one accumulation cycle + 1 iterations of the loop's step under torch's memory
     tracker; returns ``{'peak': bytes, part: bytes, ...}`` at the peak (tensors on any device,
     fake or real)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from stratagem._torch import memory_tracker
 
     wrappers = _wrappers(optim_wrapper)
-    tracker: Any
-    if fsdp:
-        tracker = FSDPMemTracker(model, wrappers[0].optimizer)
-        tracker.track_external(*[w.optimizer for w in wrappers[1:]])
-    else:
-        tracker = MemTracker()
-        tracker.track_external(model, *[w.optimizer for w in wrappers])
+    tracker = memory_tracker(model, [w.optimizer for w in wrappers], fsdp=fsdp)
     counts = max(int(getattr(w, '_accumulative_counts', 1) or 1) for w in wrappers)
     with tracker:
         for _ in range(counts + 1):
@@ -157,7 +150,8 @@ def measure_step(model: Any, optim_wrapper: Any, batch: Any, *, fsdp: bool = Fal
 
 def _fake_batch(batch: Any, mode: Any) -> Any:
     import torch
-    from torch.utils._pytree import tree_map
+
+    from stratagem._torch import tree_map
 
     return tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
 
@@ -220,8 +214,8 @@ def _fake_run(cfg: Mapping, batch: Any, shard: Any) -> dict:
     ``skip_init_weights`` does), give it fake storage, build the optim wrapper as the
     strategy does, and measure the step."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from stratagem._torch import fake_tensor_mode
     from stratagem.optim import build_optim_wrapper
     from stratagem.registry import MODELS
 
@@ -230,8 +224,8 @@ def _fake_run(cfg: Mapping, batch: Any, shard: Any) -> dict:
     fsdp = shard is not None
     if fsdp:  # outside the fake mode: the mesh reads real rank tensors
         model = shard(model)
-    # meta tensors are not fake tensors: the mode must accept them as inputs of to_empty
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    # meta tensors are not fake tensors: the mode accepts them as inputs of to_empty
+    with fake_tensor_mode() as mode:
         model.to_empty(device='cpu')
         wrapper = build_optim_wrapper(model, dict(cfg.get('optim_wrapper') or {}))
         if fsdp:  # as FSDPStrategy fits it: clipping over several meshes, no-sync control

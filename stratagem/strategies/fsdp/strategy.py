@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
+from stratagem._torch import non_persistent_buffers
 from stratagem.checkpoint.checkpointer import LoadContext
 from stratagem.checkpoint.storage import CheckpointStorage
 
@@ -168,11 +169,7 @@ class FSDPStrategy(BaseStrategy):
         )
         if on_meta:
             model.to_empty(device=self.device)
-            unsaved = [
-                f'{n}.{b}' if n else b
-                for n, m in model.named_modules()
-                for b in getattr(m, '_non_persistent_buffers_set', ())
-            ]
+            unsaved = non_persistent_buffers(model)
             if unsaved:  # a checkpoint will not fill them
                 self.logger.warning(
                     f'skip_init_weights: non-persistent buffers {unsaved} are '
