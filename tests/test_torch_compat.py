@@ -5,6 +5,7 @@ import io
 import pickletools
 import zipfile
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +158,21 @@ def test_distributed_private_apis(single_rank_group, tmp_path):
     dcp.save({'w': torch.ones(2), 'n': 3}, checkpoint_id=tmp_path / 'ck')
     whole = _torch.load_whole_dcp(dcp.FileSystemReader(tmp_path / 'ck'))
     assert whole['w'].tolist() == [1.0, 1.0] and whole['n'] == 3
+
+
+def test_installed_torch_is_the_supported_release():
+    tomllib = pytest.importorskip('tomllib')  # Python >= 3.11
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / 'pyproject.toml').read_text())
+    (spec,) = [
+        Requirement(r).specifier
+        for r in pyproject['project']['dependencies']
+        if Requirement(r).name == 'torch'
+    ]
+    installed = Version(torch.__version__).base_version  # '2.13.0+cpu' -> '2.13.0'
+    assert spec.contains(installed), (
+        f'torch {torch.__version__} is outside pyproject.toml torch{spec}, the release '
+        'stratagem/_torch.py is written for'
+    )
