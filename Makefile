@@ -3,6 +3,7 @@
 # Both create .venv if missing and install torch first ($(TORCH_SPEC)), then the package;
 # a stamp file makes the second run skip the installs.
 PYTHON ?= python3
+# inside pyproject.toml's torch range (>=2.13,<2.14), or `pip install -e .` replaces it
 TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python

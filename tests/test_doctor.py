@@ -7,6 +7,7 @@ import torch
 
 from stratagem import doctor
 from stratagem.cli import main
+from stratagem.doctor import checks
 
 CLEAN = dict(
     model=dict(type='MLPClassifier', in_features=16, num_classes=4, hidden=64),
@@ -175,7 +176,7 @@ def test_scheduler_end_and_overlap(tmp_path):
 
 def test_checkpoint_disk_and_stall(tmp_path, monkeypatch):
     monkeypatch.setattr(
-        doctor.shutil, 'disk_usage', lambda path: type('U', (), {'free': 2 << 20})()
+        checks.shutil, 'disk_usage', lambda path: type('U', (), {'free': 2 << 20})()
     )
     f, _ = _diagnose(tmp_path)
     assert f['train_cfg.max_keep_ckpts'].problem.startswith('3 checkpoint(s) of ~1 MiB need')
@@ -187,7 +188,7 @@ def test_checkpoint_disk_and_stall(tmp_path, monkeypatch):
             type='MLPClassifier', in_features=4096, num_classes=10, hidden=4096, num_layers=4
         ),
     )
-    monkeypatch.setattr(doctor, '_disk_write_speed', lambda d: 20 * 2**20)
+    monkeypatch.setattr(checks, '_disk_write_speed', lambda d: 20 * 2**20)
     findings, notes = doctor.diagnose(cfg, 1)
     stall = {x.where: x for x in findings}['train_cfg.checkpoint_interval']
     assert '5 synchronous saves stall training' in stall.problem
@@ -197,7 +198,7 @@ def test_checkpoint_disk_and_stall(tmp_path, monkeypatch):
 
 
 def test_missing_packages(tmp_path, monkeypatch):
-    monkeypatch.setattr(doctor, '_find_spec', lambda name: None)
+    monkeypatch.setattr(checks, '_find_spec', lambda name: None)
     f, _ = _diagnose(tmp_path)
     assert f['environment'].fix.startswith('pip install xxhash')
 

@@ -9,7 +9,7 @@ import torch
 
 from dist_harness import run_distributed
 from stratagem import doctor
-from stratagem.doctor_memory import estimate_memory, measure_step, parse_size
+from stratagem.doctor.memory import estimate_memory, measure_step, parse_size
 
 MODEL = dict(type='MLPClassifier', in_features=256, num_classes=8, hidden=512, num_layers=3)
 CFG = dict(

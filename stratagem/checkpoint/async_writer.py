@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from stratagem._torch import dtensor_like
+
 __all__ = ['AsyncCheckpointWriter', 'copy_threads']
 
 _log = logging.getLogger('stratagem.checkpoint')
@@ -157,15 +159,10 @@ class AsyncCheckpointWriter:
             if dtensor is not None and isinstance(obj, dtensor):
                 # this rank's shard is staged; the copy keeps the sharding (spec: mesh,
                 # placements, global shape), which is all DCP plans and writes from
-                local = self._copy_tensor(
-                    obj._local_tensor,  # type: ignore[attr-defined]
-                    key,
-                    used,
-                    aliases,
-                    pairs,
-                    cuda,
-                )
-                return dtensor(local, obj._spec, requires_grad=False)  # type: ignore[attr-defined]
+                with torch.no_grad():  # the shard itself, not an autograd view of it
+                    shard = obj.to_local()  # type: ignore[attr-defined]
+                local = self._copy_tensor(shard, key, used, aliases, pairs, cuda)
+                return dtensor_like(obj, local)
             return self._copy_tensor(obj, key, used, aliases, pairs, cuda)
         if kind in (dict, OrderedDict):
             out = kind()

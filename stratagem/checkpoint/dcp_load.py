@@ -21,15 +21,9 @@ def _reader(path: Path, metadata: Any = None) -> Any:
 
 
 def _read_dcp_full(path: Path) -> dict:
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from stratagem._torch import load_whole_dcp
 
-    state: dict = {}
-    # as format_utils.dcp_to_torch_save does: the public dcp.load only fills existing keys
-    _load_state_dict(
-        state, storage_reader=_reader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True
-    )
-    return state
+    return load_whole_dcp(_reader(path))
 
 
 def _dcp_read(path: Path, state: dict, *, metadata: Any = None, what: str = '') -> None:

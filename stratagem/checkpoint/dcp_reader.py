@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from stratagem._torch import REBUILD_TENSOR, storage_dtypes, zip_archive_reader
+
 __all__ = ['ShardReader', 'tensor_from_archive']
 
 
@@ -90,7 +92,8 @@ def _only_tensor_opcodes(pkl: bytes) -> bool:
 
 
 class _Recipe:
-    """``torch._utils._rebuild_tensor_v2``'s arguments, recorded, never acted on."""
+    """The arguments of torch's tensor rebuild function (``_torch.REBUILD_TENSOR``), recorded,
+    never acted on."""
 
     __slots__ = ('storage', 'offset', 'size', 'stride', 'plain')
 
@@ -132,18 +135,7 @@ class _StorageRef:
         self.dtype, self.key, self.numel = dtype, key, numel
 
 
-def _storage_dtypes() -> dict[str, torch.dtype]:
-    """``{'FloatStorage': torch.float32, ...}``: the typed storage names ``torch.save`` writes."""
-    from torch.storage import _dtype_to_storage_type_map
-
-    return {
-        name: dtype
-        for dtype, name in _dtype_to_storage_type_map().items()
-        if not name.startswith('Q')
-    }  # quantized tensors are rebuilt another way
-
-
-_STORAGE_DTYPES = _storage_dtypes()
+_STORAGE_DTYPES = storage_dtypes()  # the typed storage names torch.save writes
 
 
 def _empty_ordered_dict(*args: Any) -> dict:
@@ -169,7 +161,7 @@ class _TensorUnpickler(pickle.Unpickler):
         return _Recipe(*args)
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == 'torch._utils' and name == '_rebuild_tensor_v2':
+        if (module, name) == REBUILD_TENSOR:
             return self._recipe
         if module == 'collections' and name == 'OrderedDict':
             return _empty_ordered_dict
@@ -272,7 +264,7 @@ def tensor_from_archive(blob: bytes) -> torch.Tensor | None:
     if blob[:4] != b'PK\x03\x04':  # torch.load's _is_zipfile: else its legacy format
         return None
     try:
-        archive = torch._C.PyTorchFileReader(io.BytesIO(blob))
+        archive = zip_archive_reader(io.BytesIO(blob))
         # torch.load lists the records (raising unless all share one top directory) and
         # refuses a TorchScript archive (one with constants.pkl)
         if 'constants.pkl' in archive.get_all_records():
@@ -287,14 +279,14 @@ def tensor_from_archive(blob: bytes) -> torch.Tensor | None:
     nbytes = numel * dtype.itemsize
     try:
         if not (
-            archive.has_record(name)  # type: ignore[attr-defined]
-            and archive.has_record('byteorder')  # type: ignore[attr-defined]
+            archive.has_record(name)
+            and archive.has_record('byteorder')
             and archive.get_record('byteorder') == sys.byteorder.encode()
             and archive.get_record_size(name) == nbytes
             and _stored_record(blob, archive, name, nbytes)
         ):
             return None
-        start = archive.get_record_offset(name)  # type: ignore[attr-defined]
+        start = archive.get_record_offset(name)
     except RuntimeError:
         return None
     if 0 in size:  # no element to read

@@ -21,6 +21,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from stratagem._torch import (
+    BatchNormBase,
+    compiled_inner,
+    set_state_dict_metadata,
+    state_dict_metadata,
+)
+
 from .errors import CheckpointWarning
 
 DEFAULT_REVISE_KEYS = ((r'^module\.', ''),)
@@ -124,9 +131,11 @@ def revise_keys(
             )
         revised[new] = value
         origin[new] = key
-    metadata = getattr(state_dict, '_metadata', None)
+    metadata = state_dict_metadata(state_dict)
     if metadata is not None:
-        revised._metadata = OrderedDict((revise(k) if k else k, v) for k, v in metadata.items())  # type: ignore[attr-defined]
+        set_state_dict_metadata(
+            revised, OrderedDict((revise(k) if k else k, v) for k, v in metadata.items())
+        )
     return revised
 
 
@@ -190,8 +199,8 @@ def unwrap_model(module: nn.Module) -> nn.Module:
     while True:
         if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             module = module.module
-        elif type(module).__name__ == 'OptimizedModule' and hasattr(module, '_orig_mod'):
-            module = module._orig_mod  # type: ignore[assignment]
+        elif (inner := compiled_inner(module)) is not None:
+            module = inner
         else:
             return module
 
@@ -260,7 +269,7 @@ def check_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor]) 
 def _compare(module: nn.Module, state_dict: Mapping) -> tuple[LoadReport, OrderedDict, dict]:
     """(report, the entries that fit, the module's own state dict); nothing is copied."""
     own = module.state_dict()
-    metadata = getattr(state_dict, '_metadata', None)
+    metadata = state_dict_metadata(state_dict)
     loadable: OrderedDict = OrderedDict()
     shapes, types = [], []
     for key, value in state_dict.items():
@@ -272,7 +281,7 @@ def _compare(module: nn.Module, state_dict: Mapping) -> tuple[LoadReport, Ordere
         else:
             loadable[key] = value
     if metadata is not None:
-        loadable._metadata = metadata  # type: ignore[attr-defined]
+        set_state_dict_metadata(loadable, metadata)
     skipped = {key for key, *_ in shapes + types}
     report = LoadReport(
         missing_keys=[
@@ -299,7 +308,7 @@ def _filled_on_load(module: nn.Module, key: str, metadata: Mapping | None) -> bo
         owner = module.get_submodule(prefix) if prefix else module
     except AttributeError:
         return False
-    if not isinstance(owner, nn.modules.batchnorm._BatchNorm):
+    if not isinstance(owner, BatchNormBase):
         return False
     version = ((metadata or {}).get(prefix) or {}).get('version')
     return version is None or version < 2

@@ -73,10 +73,11 @@ def _own_store() -> tuple[_LockedStore, Any]:
     HashStore: thread-safe, no socket to share)."""
     global _STORES
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_default_store
+
+    from stratagem._torch import default_store
 
     with _STORE_LOCK:
-        base = _get_default_store()
+        base = default_store()
         rw: _LockedStore
         waiter: Any
         inner = base

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         print(f'stratagem doctor: --nproc must be >= 1, got {args.nproc}', file=sys.stderr)
         return 2
-    from stratagem.doctor_memory import parse_size
+    from stratagem.doctor.memory import parse_size
 
     try:
         device_memory = None if args.device_memory is None else parse_size(args.device_memory)

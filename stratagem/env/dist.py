@@ -48,6 +48,18 @@ def get_local_rank() -> int:
     return int(os.environ.get('LOCAL_RANK', 0)) if is_distributed() else 0
 
 
+def default_device() -> torch.device:
+    """This process's device, for every strategy that is not given one: ``cuda:LOCAL_RANK``
+    when CUDA is available and the launcher set ``LOCAL_RANK`` (:func:`get_local_rank`), the
+    current CUDA device when it did not (a host trainer that started the processes itself, a
+    single process), else ``cpu``."""
+    if not torch.cuda.is_available():
+        return torch.device('cpu')
+    if 'LOCAL_RANK' in os.environ:
+        return torch.device('cuda', get_local_rank())
+    return torch.device('cuda', torch.cuda.current_device())
+
+
 def is_main_process(group: Any = None) -> bool:
     """True on rank 0 of ``group`` (always true in a single process)."""
     return get_rank(group) == 0

@@ -16,9 +16,9 @@ __all__ = ['store_client']
 def store_client() -> Any:
     """A new client of the default process group's store (a clone; the store itself when it
     cannot be cloned, e.g. a FileStore, which has no socket to share)."""
-    from torch.distributed.distributed_c10d import _get_default_store
+    from stratagem._torch import default_store
 
-    store = _get_default_store()
+    store = default_store()
     clone = getattr(store, 'clone', None)
     if clone is None:
         return store

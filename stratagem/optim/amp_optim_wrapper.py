@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratagem._torch import grad_scaler_found_inf
 from stratagem.registry import OPTIM_WRAPPERS
 
 from .optim_wrapper import OptimWrapper
@@ -166,9 +167,7 @@ class AmpOptimWrapper(OptimWrapper):
     def _count_skipped(self, scaler: torch.amp.GradScaler) -> None:
         # GradScaler keeps found_inf per optimizer until update(); summing it on device
         # avoids a second host sync.
-        opt_state = getattr(scaler, '_per_optimizer_states', {}).get(id(self.optimizer), {})
-        found = opt_state.get('found_inf_per_device', {})
-        for v in found.values():
+        for v in grad_scaler_found_inf(scaler, self.optimizer):
             if self._skipped.device != v.device:
                 self._skipped = self._skipped.to(v.device)
             self._skipped.add_(v)

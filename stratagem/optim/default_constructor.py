@@ -38,9 +38,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.instancenorm import _InstanceNorm
 
+from stratagem._torch import BatchNormBase, InstanceNormBase
 from stratagem.registry import OPTIM_WRAPPER_CONSTRUCTORS, OPTIM_WRAPPERS, OPTIMIZERS
 
 from .base import BaseOptimWrapper
@@ -48,7 +47,7 @@ from .param_groups import reduce_param_groups
 
 __all__ = ['DefaultOptimWrapperConstructor']
 
-_NORM_TYPES = (_BatchNorm, _InstanceNorm, nn.GroupNorm, nn.LayerNorm)
+_NORM_TYPES = (BatchNormBase, InstanceNormBase, nn.GroupNorm, nn.LayerNorm)
 _DCN_NAMES = ('DeformConv2d', 'ModulatedDeformConv2d')
 
 

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from stratagem._torch import BatchNormBase
 
 __all__ = [
     'cast_tensor_type',
@@ -189,7 +190,7 @@ def patch_norm_fp32(module: nn.Module) -> nn.Module:
     GroupNorm's forward is patched to take float16 input and return float16 output;
     BatchNorm accepts float16 input with float32 parameters natively.
     """
-    if isinstance(module, (_BatchNorm, nn.GroupNorm)):
+    if isinstance(module, (BatchNormBase, nn.GroupNorm)):
         module.float()
         if isinstance(module, nn.GroupNorm):
             module.forward = patch_forward_method(module.forward, torch.half, torch.float)  # type: ignore[method-assign]
@@ -253,7 +254,7 @@ class LossScaler:
         if not grads:
             return False
         finite = [
-            torch.stack(torch._foreach_norm(gs, math.inf)).isfinite().all()
+            torch.nn.utils.get_total_norm(gs, math.inf).isfinite()
             for gs in _by_device(grads).values()
         ]
         return not all(bool(f) for f in finite)

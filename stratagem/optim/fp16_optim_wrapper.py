@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from stratagem._torch import unscale_and_check_
 from stratagem.registry import OPTIM_WRAPPERS
 
 from .fp16 import LossScaler, _by_device
@@ -115,9 +116,7 @@ class Fp16MasterWeightsOptimWrapper(OptimWrapper):
             found = []
             for (device, _), gs in _by_device(grads).items():
                 found_inf = torch.zeros(1, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    gs, found_inf, torch.full((1,), inv_scale, device=device)
-                )
+                unscale_and_check_(gs, found_inf, torch.full((1,), inv_scale, device=device))
                 found.append(found_inf)
             overflow = any(bool(f) for f in found)
         if overflow:

@@ -49,7 +49,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm  # noqa: F401  (re-exported)
 
 from stratagem.registry import OPTIM_WRAPPERS
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from stratagem._torch import BatchNormBase
 
 __all__ = ['parse_clip_grad', 'has_no_sync']
 
@@ -85,7 +86,7 @@ def _check_count(value: Any, name: str, minimum: int) -> int:
 
 def _warn_batchnorm_accumulation(model: nn.Module, accumulative_counts: int) -> None:
     """Warn (at the caller of ``initialize_count_status``) when accumulating over BatchNorm."""
-    if accumulative_counts > 1 and any(isinstance(m, _BatchNorm) for m in model.modules()):
+    if accumulative_counts > 1 and any(isinstance(m, BatchNormBase) for m in model.modules()):
         warnings.warn(
             'gradient accumulation with BatchNorm layers: the running statistics '
             'see micro-batches, not the accumulated batch',

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 
 import torch
 
+from stratagem._torch import foreach_mul_
+
 __all__ = ['clip_grad_norm_mixed', 'clip_grad_value_mixed', 'split_sharded']
 
 
@@ -102,7 +104,7 @@ def clip_grad_norm_mixed(
     if sharded:  # scale the local shards in place: a DTensor times a plain tensor raises
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         local = [_local(p) for p in sharded]
-        torch._foreach_mul_(local, coef.to(local[0].device))
+        foreach_mul_(local, coef.to(local[0].device))
     return total
 
 

@@ -325,10 +325,10 @@ class BaseStrategy(ABC):
 
     @property
     def device(self) -> torch.device:
-        """Backend hook: this process's device (default: chosen at construction, else
-        ``cuda`` when available, else ``cpu``)."""
+        """This process's device: the one chosen at construction (SingleDeviceStrategy's
+        ``device``), else :func:`stratagem.env.default_device`."""
         chosen = getattr(self, '_device', None)
-        return chosen or torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+        return chosen or env.default_device()
 
     @abstractmethod
     def _wrap_model(self, model: nn.Module) -> nn.Module:

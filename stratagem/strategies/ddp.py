@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from stratagem import env
 from stratagem.registry import STRATEGIES
 
 from .base import BaseStrategy
@@ -85,17 +82,6 @@ class DDPStrategy(BaseStrategy):
         self.sync_bn = sync_bn
         env_kwargs = self._distributed_env_kwargs(kwargs, 'DDPStrategy')
         super().__init__(env_kwargs=env_kwargs, **kwargs)
-
-    @property
-    @override
-    def device(self) -> torch.device:
-        """``cuda:LOCAL_RANK`` (or the current CUDA device when a host trainer started the
-        processes without LOCAL_RANK), else ``cpu``."""
-        if torch.cuda.is_available():
-            if 'LOCAL_RANK' in os.environ:
-                return torch.device('cuda', env.get_local_rank())
-            return torch.device('cuda', torch.cuda.current_device())
-        return torch.device('cpu')
 
     @override
     def _wrap_model(self, model: nn.Module) -> nn.Module:

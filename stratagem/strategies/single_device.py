@@ -14,7 +14,8 @@ from .sync_bn import revert_sync_batchnorm
 
 @STRATEGIES.register_module()
 class SingleDeviceStrategy(BaseStrategy):
-    """Train on one device: ``device`` if given, else ``cuda`` when available, else ``cpu``.
+    """Train on one device: ``device`` if given, else :func:`stratagem.env.default_device`
+    (the current CUDA device when there is one, else ``cpu``).
 
     A device this machine does not have (``'gpu'``, ``'cuda'`` without CUDA, ``'cuda:3'``
     with two GPUs) is a ``ValueError`` listing the devices that are, raised before anything
@@ -25,9 +26,8 @@ class SingleDeviceStrategy(BaseStrategy):
     """
 
     def __init__(self, *, device: str | torch.device | None = None, **kwargs) -> None:
-        if device is None:
-            device = 'cuda' if torch.cuda.is_available() else 'cpu'
-        self._device = check_device(device)  # before the environment or any file is set up
+        # checked before the environment or any file is set up; BaseStrategy.device reads it
+        self._device = None if device is None else check_device(device)
         super().__init__(**kwargs)
 
     @override

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stratagem._torch import BatchNormBase
+
 
 class _AllReduceSum(torch.autograd.Function):
     """Sum over ranks, differentiable: each input's gradient is the sum of the ranks'
@@ -37,7 +39,7 @@ def differentiable_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return _AllReduceSum.apply(tensor)
 
 
-class AnyRankBatchNorm(nn.modules.batchnorm._BatchNorm):
+class AnyRankBatchNorm(BatchNormBase):
     """BatchNorm over dim 1 for inputs of any rank >= 2, as SyncBatchNorm accepts them."""
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
@@ -114,13 +116,13 @@ def revert_sync_batchnorm(module: nn.Module) -> tuple[nn.Module, int]:
 def replace_batchnorms(
     module: nn.Module,
     match: Callable[[nn.Module], bool],
-    new_cls: type[nn.modules.batchnorm._BatchNorm],
+    new_cls: type[BatchNormBase],
 ) -> tuple[nn.Module, int]:
     """Replace each BatchNorm-like layer for which ``match`` holds by ``new_cls``, sharing state.
 
     Returns the (possibly new) root module and the number of layers replaced.
     """
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and match(module):
+    if isinstance(module, BatchNormBase) and match(module):
         new = new_cls(
             module.num_features,
             module.eps,

@@ -54,3 +54,17 @@ def test_keys_in_one_process():
     assert env.key_of(1 << 70) == env.key_of(1 << 70) >= 1 << 62  # out of range: hashed
     assert env.key_of({'a': [1, 2]}) == env.key_of({'a': [1, 2]}) != env.key_of({'a': [2, 1]})
     assert env.key_of('x') != env.key_of('y')
+
+
+def test_default_device(clean_env, monkeypatch):
+    from stratagem.env import dist as env_dist
+
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    clean_env['LOCAL_RANK'] = '1'
+    assert env.default_device() == torch.device('cpu')
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'current_device', lambda: 2)
+    monkeypatch.setattr(env_dist, 'is_distributed', lambda: True)
+    assert env.default_device() == torch.device('cuda', 1)  # the launcher's LOCAL_RANK
+    del clean_env['LOCAL_RANK']  # a host trainer that set the device itself
+    assert env.default_device() == torch.device('cuda', 2)

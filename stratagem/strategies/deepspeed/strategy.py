@@ -142,15 +142,6 @@ class DeepSpeedStrategy(BaseStrategy):
             env_kwargs['launcher'] = _launcher_or_single_process()
         super().__init__(env_kwargs=env_kwargs, **kwargs)
 
-    @property
-    @override
-    def device(self) -> torch.device:
-        """``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu`` (DeepSpeed's CPU
-        accelerator, gloo)."""
-        if torch.cuda.is_available():
-            return torch.device('cuda', env.get_local_rank())
-        return torch.device('cpu')
-
     # --------------------------------------------------------------------- prepare
     @override
     def _check_prepare_args(

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -45,7 +44,6 @@ from torch import nn
 from typing_extensions import override
 
 from stratagem import checkpoint as ckpt
-from stratagem import env
 from stratagem.checkpoint.checkpointer import LoadContext
 from stratagem.config import check_keys
 from stratagem.integrations.model_api import expose_model_api
@@ -182,16 +180,6 @@ class ShardedDDPStrategy(BaseStrategy):
         self.sync_bn = sync_bn
         env_kwargs = self._distributed_env_kwargs(kwargs, 'ShardedDDPStrategy')
         super().__init__(env_kwargs=env_kwargs, **kwargs)
-
-    @property
-    @override
-    def device(self) -> torch.device:
-        """``cuda:LOCAL_RANK`` (the current CUDA device without LOCAL_RANK), else ``cpu``."""
-        if torch.cuda.is_available():
-            if 'LOCAL_RANK' in os.environ:
-                return torch.device('cuda', env.get_local_rank())
-            return torch.device('cuda', torch.cuda.current_device())
-        return torch.device('cpu')
 
     # ------------------------------------------------------------------ prepare
     @override

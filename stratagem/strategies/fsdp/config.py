@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratagem._torch import fsdp1_policy_type
 from stratagem.optim.amp_optim_wrapper import resolve_dtype
 
 from .wrap_policy import Fsdp1Policy, ModuleMatcher, PolicyObject, as_selector, resolve_name
@@ -114,9 +115,9 @@ class WrapConfig:
         if self.buffer_dtype is None:
             return
         for module in model.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None and buf.is_floating_point() and buf.dtype != self.buffer_dtype:
-                    module._buffers[name] = buf.to(self.buffer_dtype)
+            for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+                if buf.is_floating_point() and buf.dtype != self.buffer_dtype:
+                    setattr(module, name, buf.to(self.buffer_dtype))  # a buffer stays one
 
     def shard_kwargs(self, mesh: Any, device: torch.device) -> dict:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
@@ -246,7 +247,6 @@ def parse_policy(policy: Any, key: str) -> ModuleMatcher | Fsdp1Policy | PolicyO
 def _policy_from_dict(policy: dict, key: str) -> Any:
     from torch.distributed.fsdp.wrap import (
         ModuleWrapPolicy,
-        _Policy,
         size_based_auto_wrap_policy,
         transformer_auto_wrap_policy,
     )
@@ -279,7 +279,7 @@ def _policy_from_dict(policy: dict, key: str) -> Any:
     if isinstance(fn, type) and issubclass(fn, nn.Module) and not policy:
         return ModuleMatcher(fn, key)
     if isinstance(fn, type):  # a policy class (CustomPolicy(lambda_fn=...)): built with the args
-        if not issubclass(fn, _Policy):
+        if not issubclass(fn, fsdp1_policy_type()):
             raise TypeError(
                 f'{key}: type {kind!r} is the class {fn.__name__}, not a policy '
                 f'class (ModuleWrapPolicy, CustomPolicy) or function'

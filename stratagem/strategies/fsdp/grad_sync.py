@@ -12,12 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 
-_PREFIXES = ('_checkpoint_wrapped_module.', '_orig_mod.')
+from stratagem._torch import WRAPPER_PREFIXES, fsdp_params, unsharded_param
 
 
 def clean_name(name: str) -> str:
     """A parameter's FQN without the wrappers' prefixes (activation checkpointing, compile)."""
-    for prefix in _PREFIXES:
+    for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, '')
     return name
 
@@ -97,13 +97,11 @@ def adapt_optim_wrapper(wrapper: Any, model: nn.Module, mixed_precision: bool) -
 def _fsdp_params(model: nn.Module) -> list[tuple[str, Any]]:
     """(clean FQN, FSDPParam) of every sharded parameter."""
     names = {id(p): clean_name(n) for n, p in model.named_parameters()}
-    out = []
-    for module in model.modules():
-        state = getattr(module, '_get_fsdp_state', None)
-        group = state()._fsdp_param_group if state is not None else None
-        if group is not None:
-            out += [(names[id(fp.sharded_param)], fp) for fp in group.fsdp_params]
-    return out
+    return [
+        (names[id(fp.sharded_param)], fp)
+        for module in model.modules()
+        for fp in fsdp_params(module)
+    ]
 
 
 def pending_grads(model: nn.Module) -> dict:
@@ -111,8 +109,9 @@ def pending_grads(model: nn.Module) -> dict:
     grads = {}
     for name, fp in _fsdp_params(model):
         g = fp.unsharded_accumulated_grad
-        if g is None and hasattr(fp, '_unsharded_param'):
-            g = fp._unsharded_param.grad
+        param = unsharded_param(fp)
+        if g is None and param is not None:
+            g = param.grad
         if g is not None:
             grads[name] = g.detach().clone()
     return grads
@@ -122,7 +121,7 @@ def set_pending_grads(model: nn.Module, grads: Mapping) -> None:
     """Put back gradients read by :func:`pending_grads` (by FQN), as FSDP2 keeps them."""
     from torch.distributed.fsdp import FSDPModule
 
-    if any(not hasattr(fp, '_unsharded_param') for _, fp in _fsdp_params(model)):
+    if any(unsharded_param(fp) is None for _, fp in _fsdp_params(model)):
         for module in model.modules():  # FSDP2 creates the unsharded parameters lazily
             if isinstance(module, FSDPModule):
                 module.unshard()
@@ -131,7 +130,8 @@ def set_pending_grads(model: nn.Module, grads: Mapping) -> None:
         g = grads.get(name)
         if g is None:
             continue
-        param = fp._unsharded_param
+        param = unsharded_param(fp)
+        assert param is not None  # created above
         if fp.reduce_dtype is not None and fp.reduce_dtype != param.dtype:
             fp.unsharded_accumulated_grad = g.to(param.device, fp.reduce_dtype, copy=True)
         else:

@@ -10,6 +10,8 @@ from typing import Any
 
 from torch import nn
 
+from stratagem._torch import apply_activation_checkpointing, checkpoint_wrapped
+
 from .config import parse_policy
 from .wrap_policy import ModuleMatcher, resolve_name
 
@@ -75,18 +77,10 @@ class ActivationCheckpointing:
     def apply(self, model: nn.Module, targets: list[nn.Module]) -> list[nn.Module]:
         """Wrap the chosen submodules; ``targets`` come back with a wrapped one replaced by
         its wrapper (so sharding takes the wrapper)."""
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            ActivationWrapper,
-            apply_activation_checkpointing,
-        )
-
         chosen = {id(m) for m in self.selector.select(model, set())}
-        extra = {} if self.wrapper_fn is None else {'checkpoint_wrapper_fn': self.wrapper_fn}
-        apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen, **extra)
+        apply_activation_checkpointing(model, lambda m: id(m) in chosen, self.wrapper_fn)
         outer = {
-            id(m._checkpoint_wrapped_module): m
-            for m in model.modules()
-            if isinstance(m, ActivationWrapper)
+            id(inner): m for m in model.modules() if (inner := checkpoint_wrapped(m)) is not None
         }
         return [outer.get(id(m), m) for m in targets]
 

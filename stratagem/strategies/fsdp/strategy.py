@@ -2,9 +2,10 @@
 
 mmengine's FSDPStrategy is built on FSDP1 and fails on a CPU machine; this one runs on both and
 writes directory checkpoints that resume on another world size. ``prepare`` sequence (hooks of
-``base.py``): build → init weights (unless ``skip_init_weights``) → ``_wrap_model``:
-activation checkpointing → per-block ``compile`` → ``fully_shard`` of the matched blocks
-bottom-up, root last → optimizer built over the sharded parameters → schedulers.
+``base.py``): build → init weights (unless ``skip_init_weights``) → ``_wrap_model``
+(``shard.py``'s ``shard_model``: tensor parallelism → activation checkpointing → per-block
+``compile`` → ``fully_shard`` of the matched blocks bottom-up, root last) → optimizer built
+over the sharded parameters → schedulers.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing_extensions import override
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
+from stratagem._torch import non_persistent_buffers
 from stratagem.checkpoint.checkpointer import LoadContext
 from stratagem.checkpoint.storage import CheckpointStorage
 
@@ -34,6 +36,7 @@ from .grad_sync import (
 )
 from .mesh import parse_mesh
 from .options import parse_activation_checkpointing, parse_state_dict_cfg
+from .shard import shard_model
 from .storage import FSDPStorage
 from .tensor_parallel import check_plan_fits_mesh, parse_tensor_parallel_plan
 
@@ -109,13 +112,6 @@ class FSDPStrategy(BaseStrategy):
     def data_parallel_rank(self) -> int:
         return self.mesh_spec.data_parallel_rank(self.rank)
 
-    @property
-    @override
-    def device(self) -> torch.device:
-        if torch.cuda.is_available():
-            return torch.device('cuda', env.get_local_rank())
-        return torch.device('cpu')
-
     # ------------------------------------------------------------------------ prepare
     @override
     def _check_prepare_args(
@@ -156,43 +152,24 @@ class FSDPStrategy(BaseStrategy):
 
     @override
     def _wrap_model(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule
 
         if isinstance(model, FSDPModule):
             self.logger.info('FSDPStrategy: the model is already sharded; using it as it is')
             return with_no_sync(model)
-        cfg = self.wrap_cfg
         on_meta = any(p.is_meta for p in model.parameters())
-        if not on_meta:
-            model = model.to(self.device)
-        cfg.cast_buffers(model)
-        if cfg.sync_module_states and not on_meta:
-            for tensor in list(model.parameters()) + list(model.buffers()):
-                env.broadcast(tensor.data, 0)
-        targets = cfg.targets(model)
-        ignored = cfg.ignored_params(model)
-        spec = self.mesh_spec
-        if self.tp_plan is not None:  # every pattern checked before the mesh is built
-            self.tp_plan.check(model, spec.tensor, targets)
-        self.device_mesh = mesh = spec.build(self.device.type)
-        if self.tp_plan is not None:  # tensor parallel first: it needs the original names
-            self.tp_plan.apply(model, mesh['tensor'], targets)
-        if self.ac_check is not None:
-            targets = self.ac_check.apply(model, targets)
-        if self._block_compile is not None:
-            for block in targets or [model]:
-                block.compile(**self._block_compile)
-        kwargs = cfg.shard_kwargs(spec.data_mesh(mesh), self.device)
-        for block in reversed(targets):  # children before parents
-            fully_shard(block, **kwargs, ignored_params=ignored & set(block.parameters()) or None)
-        fully_shard(model, **kwargs, ignored_params=ignored or None)
+        model, self.device_mesh, targets = shard_model(
+            model,
+            wrap_cfg=self.wrap_cfg,
+            mesh_spec=self.mesh_spec,
+            device=self.device,
+            tp_plan=self.tp_plan,
+            ac_check=self.ac_check,
+            block_compile=self._block_compile,
+        )
         if on_meta:
             model.to_empty(device=self.device)
-            unsaved = [
-                f'{n}.{b}' if n else b
-                for n, m in model.named_modules()
-                for b in getattr(m, '_non_persistent_buffers_set', ())
-            ]
+            unsaved = non_persistent_buffers(model)
             if unsaved:  # a checkpoint will not fill them
                 self.logger.warning(
                     f'skip_init_weights: non-persistent buffers {unsaved} are '
@@ -200,7 +177,7 @@ class FSDPStrategy(BaseStrategy):
                 )
         self.logger.info(
             f'FSDPStrategy: {len(targets)} block(s) + root sharded over '
-            f'{self.world_size} ranks ({self.device.type}), mesh {spec.describe()}'
+            f'{self.world_size} ranks ({self.device.type}), mesh {self.mesh_spec.describe()}'
         )
         return with_no_sync(model)
 

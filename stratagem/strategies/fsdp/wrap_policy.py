@@ -22,6 +22,8 @@ from typing import Any
 
 from torch import nn
 
+from stratagem._torch import fsdp1_policy_type, run_fsdp1_policy
+
 _NUMEL_ARGS = ('nonwrapped_numel', 'unwrapped_params')  # torch's name, then torch < 1.13's
 _HOW = (
     "give a list of module class names, dict(type='size_based_auto_wrap_policy', "
@@ -108,10 +110,8 @@ def _numel_arg(fn: Callable, key: str, label: str) -> str | None:
 
 def as_selector(obj: Any, key: str, label: str | None = None) -> Any:
     """A resolved policy object → a module choice; anything else is refused naming ``key``."""
-    from torch.distributed.fsdp.wrap import _Policy
-
     label = label or repr(obj)
-    if isinstance(obj, _Policy):
+    if isinstance(obj, fsdp1_policy_type()):
         return PolicyObject(obj, key)
     if isinstance(obj, type) and issubclass(obj, nn.Module):
         return ModuleMatcher(obj, key)
@@ -231,15 +231,15 @@ class Fsdp1Policy:
 
 
 class PolicyObject:
-    """An FSDP1 policy object (``ModuleWrapPolicy``, ``CustomPolicy``): its ``_run_policy``
-    (the ``_Policy`` interface FSDP1 calls) picks. A per-module kwargs override that
+    """An FSDP1 policy object (``ModuleWrapPolicy``, ``CustomPolicy``): the modules it
+    picks as FSDP1 asks it (``_torch.run_fsdp1_policy``). A per-module kwargs override that
     ``CustomPolicy`` may return has no meaning here and is refused."""
 
     def __init__(self, policy: Any, key: str) -> None:
         self.policy, self.key = policy, key
 
     def select(self, model: nn.Module, ignored: set[nn.Module]) -> list[nn.Module]:
-        chosen = self.policy._run_policy(model, ignored, {})
+        chosen = run_fsdp1_policy(self.policy, model, ignored)
         extra = {type(m).__name__: kw for m, kw in chosen.items() if kw}
         if extra:
             raise ValueError(

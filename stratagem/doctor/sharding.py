@@ -1,4 +1,4 @@
-"""Check 4 of ``stratagem doctor`` (``doctor.py``): the sharding settings, read by the
+"""Check 4 of ``stratagem doctor``: the sharding settings, read by the
 strategies' own parsers so that the doctor and a real run agree.
 
 - FSDP: ``model_wrapper`` (``auto_wrap_policy`` in every form ``wrap_policy.py`` accepts: a
@@ -6,7 +6,7 @@ strategies' own parsers so that the doctor and a real run agree.
   / ``size_based``, a callable, an FSDP1 policy; ``ignored_modules``; ``sharding_strategy``,
   ``mixed_precision``, ...), ``activation_checkpointing`` (``options.py``'s forms),
   ``state_dict_cfg``; then the modules each choice selects on the meta-device model, as
-  ``FSDPStrategy._wrap_model`` selects them; then the mesh (``doctor_mesh.py``).
+  ``FSDPStrategy._wrap_model`` selects them; then the mesh (``mesh.py``).
 - DeepSpeed: ``config`` (a dict or a JSON file) merged with the keyword sections and checked
   by ``deepspeed/config.py``; ``gradient_clipping`` against the optim wrapper's ``clip_grad``.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .doctor_mesh import mesh_findings
+from .mesh import mesh_findings
 
 if TYPE_CHECKING:
     from torch import nn

@@ -7,12 +7,13 @@ How, per strategy (one process, any world size):
   (``FakeTensorMode``: shapes and dtypes, no bytes) and runs the loop's step on one fake
   micro batch of the dataset (forward, backward, the optim wrapper's step, as many
   iterations as one accumulation cycle + 1 so that the optimizer state exists), under
-  ``torch.distributed._tools.MemTracker``, which counts every live tensor's storage:
+  torch's ``MemTracker`` (``_torch.memory_tracker``), which counts every live tensor's storage:
   parameters, gradients, optimizer state, activations and temporaries at the peak;
 - FSDP (flat, HSDP, 2-D with tensor parallel): the same under torch's fake process group
-  (``init_process_group('fake')``) at the world size, the model sharded by the strategy's own
-  pieces (``model_wrapper`` targets, tensor-parallel plan, activation checkpointing,
-  ``fully_shard``), measured by ``FSDPMemTracker`` (all-gather and reduce-scatter buffers
+  (``init_process_group('fake')``) at the world size, the model sharded on the meta device by
+  the strategy's own sequence (``strategies/fsdp/shard.py``: ``model_wrapper`` targets,
+  tensor-parallel plan, activation checkpointing, ``fully_shard``) before it gets fake
+  storage, measured by ``FSDPMemTracker`` (all-gather and reduce-scatter buffers
   included); the fake group is destroyed afterwards;
 - DDP: the single-device measurement plus the reducer's gradient buckets (one more copy of
   the gradients, none with ``gradient_as_bucket_view=True``): DDP's C++ reducer cannot run on
@@ -29,9 +30,8 @@ tensors, real gloo groups) and compares.
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,17 +119,10 @@ def measure_step(model: Any, optim_wrapper: Any, batch: Any, *, fsdp: bool = Fal
     """Run one accumulation cycle + 1 iterations of the loop's step under torch's memory
     tracker; returns ``{'peak': bytes, part: bytes, ...}`` at the peak (tensors on any device,
     fake or real)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from stratagem._torch import memory_tracker
 
     wrappers = _wrappers(optim_wrapper)
-    tracker: Any
-    if fsdp:
-        tracker = FSDPMemTracker(model, wrappers[0].optimizer)
-        tracker.track_external(*[w.optimizer for w in wrappers[1:]])
-    else:
-        tracker = MemTracker()
-        tracker.track_external(model, *[w.optimizer for w in wrappers])
+    tracker = memory_tracker(model, [w.optimizer for w in wrappers], fsdp=fsdp)
     counts = max(int(getattr(w, '_accumulative_counts', 1) or 1) for w in wrappers)
     with tracker:
         for _ in range(counts + 1):
@@ -157,7 +150,8 @@ def measure_step(model: Any, optim_wrapper: Any, batch: Any, *, fsdp: bool = Fal
 
 def _fake_batch(batch: Any, mode: Any) -> Any:
     import torch
-    from torch.utils._pytree import tree_map
+
+    from stratagem._torch import tree_map
 
     return tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
 
@@ -172,9 +166,8 @@ def estimate_memory(cfg: Mapping, nproc: int, batch: Any) -> MemoryEstimate:
     if stype in ('FSDPStrategy', 'MMFSDPStrategy') and nproc > 1:
         if dist.is_initialized():
             raise RuntimeError('a process group already exists; the fake one cannot be made')
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group('fake', rank=0, world_size=nproc, store=FakeStore())
+        # no store: torch gives the fake backend its own (and registers the backend then)
+        dist.init_process_group('fake', rank=0, world_size=nproc)
         try:
             parts = _fake_run(cfg, batch, lambda model: _shard(strategy, nproc, model))
         finally:
@@ -200,7 +193,7 @@ def _estimate(parts: dict, method: str) -> MemoryEstimate:
 
 
 def _zero(parts: dict, strategy: Mapping, nproc: int, name: str = '') -> MemoryEstimate:
-    from .doctor_sharding import deepspeed_config
+    from .sharding import deepspeed_config
 
     ds, _ = deepspeed_config(strategy)
     stage = int((ds.get('zero_optimization') or {}).get('stage', 0))
@@ -217,23 +210,23 @@ def _zero(parts: dict, strategy: Mapping, nproc: int, name: str = '') -> MemoryE
 
 
 def _fake_run(cfg: Mapping, batch: Any, shard: Any) -> dict:
-    """Build the model (meta, then fake storage), optionally shard it, build the optim
-    wrapper as the strategy does, and measure the step."""
+    """Build the model on the meta device, optionally shard it there (as FSDPStrategy's
+    ``skip_init_weights`` does), give it fake storage, build the optim wrapper as the
+    strategy does, and measure the step."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from stratagem._torch import fake_tensor_mode
     from stratagem.optim import build_optim_wrapper
     from stratagem.registry import MODELS
 
     with torch.device('meta'):
         model = MODELS.build(dict(cfg['model']))
-    # meta tensors are not fake tensors: the mode must accept them as inputs of to_empty
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    fsdp = shard is not None
+    if fsdp:  # outside the fake mode: the mesh reads real rank tensors
+        model = shard(model)
+    # meta tensors are not fake tensors: the mode accepts them as inputs of to_empty
+    with fake_tensor_mode() as mode:
         model.to_empty(device='cpu')
-        fsdp = False
-        if shard is not None:
-            model = shard(model)
-            fsdp = True
         wrapper = build_optim_wrapper(model, dict(cfg.get('optim_wrapper') or {}))
         if fsdp:  # as FSDPStrategy fits it: clipping over several meshes, no-sync control
             from stratagem.strategies.fsdp.grad_sync import adapt_optim_wrapper
@@ -244,60 +237,29 @@ def _fake_run(cfg: Mapping, batch: Any, shard: Any) -> dict:
 
 
 def _shard(strategy: Mapping, nproc: int, model: Any) -> Any:
-    """FSDPStrategy._wrap_model's sequence on the fake group (the mesh is built outside the
-    fake mode: its construction reads real rank tensors)."""
+    """The meta-device ``model`` sharded by FSDPStrategy's own sequence (``shard_model``) on
+    the fake process group, with the strategy's own parsers of its arguments."""
     import torch
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.fsdp import fully_shard
 
     from stratagem.strategies.fsdp.config import parse_model_wrapper
     from stratagem.strategies.fsdp.mesh import parse_mesh
     from stratagem.strategies.fsdp.options import parse_activation_checkpointing
+    from stratagem.strategies.fsdp.shard import shard_model
     from stratagem.strategies.fsdp.tensor_parallel import parse_tensor_parallel_plan
 
-    cfg = parse_model_wrapper(strategy.get('model_wrapper'))
-    spec = parse_mesh(strategy.get('mesh'), nproc)
-    plan = parse_tensor_parallel_plan(strategy.get('tensor_parallel_plan'))
-    ac = parse_activation_checkpointing(strategy.get('activation_checkpointing'))
-    with unset_fake_temporarily():
-        mesh = spec.build('cpu')
-    targets = cfg.targets(model)
-    ignored = cfg.ignored_params(model)
-    if plan is not None:
-        plan.apply(model, mesh['tensor'], targets)
-    if ac is not None:
-        targets = ac.apply(model, targets)
-    kwargs = cfg.shard_kwargs(spec.data_mesh(mesh), torch.device('cpu'))
-    with _real_meshes():
-        for block in reversed(targets):
-            fully_shard(block, **kwargs, ignored_params=ignored & set(block.parameters()) or None)
-        fully_shard(model, **kwargs, ignored_params=ignored or None)
+    model, _, _ = shard_model(
+        model,
+        wrap_cfg=parse_model_wrapper(strategy.get('model_wrapper')),
+        mesh_spec=parse_mesh(strategy.get('mesh'), nproc),
+        device=torch.device('cpu'),
+        tp_plan=parse_tensor_parallel_plan(strategy.get('tensor_parallel_plan')),
+        ac_check=parse_activation_checkpointing(strategy.get('activation_checkpointing')),
+    )
     return model
 
 
-@contextlib.contextmanager
-def _real_meshes() -> Iterator[None]:
-    """FSDP over tensor-parallel parameters joins the data and tensor meshes
-    (``DeviceMesh._concatenate``), which computes coordinates from real rank tensors: under
-    the fake mode it would fail (``nonzero`` has no fake shape). The join runs unfaked."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-
-    join = DeviceMesh._concatenate
-
-    def real_join(*args: Any, **kwargs: Any) -> Any:
-        with unset_fake_temporarily():
-            return join(*args, **kwargs)
-
-    DeviceMesh._concatenate = staticmethod(real_join)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        DeviceMesh._concatenate = staticmethod(join)  # type: ignore[method-assign]
-
-
 class MemoryChecks:
-    """The memory check of ``doctor._Doctor`` (which provides ``cfg``, ``nproc``, ``model``,
+    """The memory check of ``checks.Doctor`` (which provides ``cfg``, ``nproc``, ``model``,
     ``add``, ``notes``, ``findings`` and ``device_memory``)."""
 
     cfg: Mapping

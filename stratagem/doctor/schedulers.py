@@ -1,4 +1,4 @@
-"""Check 5 of ``stratagem doctor`` (``doctor.py``): every count of every scheduler against the
+"""Check 5 of ``stratagem doctor``: every count of every scheduler against the
 run's length.
 
 Each scheduler is built as a run builds it (``scheduler.build_param_scheduler`` with the run's
@@ -51,7 +51,7 @@ def _dummy_optimizer(param_name: str) -> Any:
 
 
 class SchedulerChecks:
-    """The scheduler checks of ``doctor._Doctor`` (which provides ``cfg``, ``add``, the run's
+    """The scheduler checks of ``checks.Doctor`` (which provides ``cfg``, ``add``, the run's
     ``max_iters`` / ``max_epochs`` / ``epoch_length`` and ``notes``)."""
 
     cfg: Mapping

@@ -1,4 +1,4 @@
-"""Check 1 of ``stratagem doctor`` (``doctor.py``): unknown or misspelt config keys.
+"""Check 1 of ``stratagem doctor``: unknown or misspelt config keys.
 
 Every place the config is read is checked by its own key set or by the signatures along the
 named class's ``__init__`` chain (importing the class's module, building nothing); a
@@ -56,7 +56,7 @@ _STRATEGY_PACKAGES = {
 
 
 class KeyChecks:
-    """The key checks of ``doctor._Doctor`` (which provides ``cfg`` and ``add``)."""
+    """The key checks of ``checks.Doctor`` (which provides ``cfg`` and ``add``)."""
 
     cfg: Mapping
     add: Callable[[str, str, str], None]  # (where, problem, fix): records a finding
