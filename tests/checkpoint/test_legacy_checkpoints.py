@@ -5,19 +5,30 @@ and versions); ``expected.json`` holds the components' configs and the values at
 Each test copies the checkpoints to a temporary directory first (nothing writes into
 tests/data), loads them with today's API into freshly built components (other weights) and
 compares weights, optimizer state, lr, schedulers, counters, meta iteration and RNG bit for
-bit. Processes start once for the module: both 2-rank resumes (FSDP, DeepSpeed) run in one
-``run_distributed`` call; the single-process loads run in this process.
+bit.
+
+``tests/data/legacy/make_legacy_partial_grads.py`` wrote ``partial_grads/``: checkpoints taken
+inside an accumulation window in format 1 (every rank's pending gradients per optim wrapper
+by optimizer index, FSDP's ``partial_grads_fqn``), with the weights the old code reached when
+it resumed them and trained on (those of an uninterrupted run). Today's code resumes them on 2
+ranks, trains on the same way and must end there bit for bit; resumed in one process, it
+continues the window from the mean of the ranks' pending gradients.
+
+Processes start once for the module: every 2-rank resume (FSDP, DeepSpeed, the mid-window
+files) runs in one ``run_distributed`` call; the single-process loads run in this process.
 """
 
 import importlib
 import json
 import shutil
 import sys
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_harness import run_distributed
@@ -25,6 +36,8 @@ from dist_harness import run_distributed
 LEGACY = Path(__file__).resolve().parents[1] / 'data' / 'legacy'
 EXPECTED = json.loads((LEGACY / 'expected.json').read_text())
 NO_DEEPSPEED = 'DeepSpeed is an optional extra (stratagem[deepspeed])'
+PARTIAL = json.loads((LEGACY / 'partial_grads' / 'expected.json').read_text())
+PARTIAL_CASES = ('ddp', 'ddp_dict', 'fsdp_full')
 
 
 def _net() -> nn.Module:
@@ -138,6 +151,8 @@ def _two_ranks(root: str, with_deepspeed: bool) -> dict:
     out = {'fsdp': _resume('fsdp', root, str(Path(root) / 'work_fsdp'))}
     if with_deepspeed:
         out['deepspeed'] = _resume('deepspeed', root, str(Path(root) / 'work_deepspeed'))
+    for case in PARTIAL_CASES:
+        out[case] = _resume_mid_window(case, root, str(Path(root) / f'work_{case}'))
     return out
 
 
@@ -191,6 +206,7 @@ def _importable(name: str) -> bool:
 def two_ranks(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp('legacy')
     _copy('fsdp', root)
+    shutil.copytree(LEGACY / 'partial_grads', root / 'partial_grads')
     with_deepspeed = _importable('deepspeed')
     if with_deepspeed:
         _copy('deepspeed', root)
@@ -300,3 +316,160 @@ def test_deepspeed_directory_loads_weights_in_single_device(tmp_path):
     assert s.load_checkpoint(str(path))['meta']['iter'] == 3
     got = {k: v.detach() for k, v in model.state_dict().items()}
     assert _mismatches(got, EXPECTED['deepspeed']['weights'], 'weights') == []
+
+
+# --------------------------------------- mid-window checkpoints: format 1 partial gradients
+class _TwoParts(nn.Module):
+    """The generator's ``TwoParts``: each part's logits reach only its own parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.body(x))
+        for_body = F.linear(h, self.head.weight.detach(), self.head.bias.detach())
+        return for_body, self.head(h.detach())
+
+
+def _mid_window_net(kind: str) -> nn.Module:
+    """The generator's ``net`` with other weights (its seed is 0), so a load shows."""
+    torch.manual_seed(1)
+    if kind == 'two_parts':
+        return _TwoParts()
+    return nn.Sequential(OrderedDict(fc1=nn.Linear(4, 8), act=nn.Tanh(), fc2=nn.Linear(8, 2)))
+
+
+def _mid_window_train(case: str, model: nn.Module, ow, it: int, rank: int, world: int) -> None:
+    """Iteration ``it`` as the generator's ``train`` runs it, on its ``batch``."""
+    g = torch.Generator().manual_seed(100 + it)
+    x, y = torch.randn(8, 4, generator=g), torch.randint(2, (8,), generator=g)
+    per = 8 // world
+    x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+    if case != 'ddp_dict':
+        with ow.optim_context(model):
+            loss = F.cross_entropy(model(x), y)
+        ow.update_params(loss)
+        return
+    head, body = ow['head'], ow['body']
+    with head.optim_context(model), body.optim_context(model):
+        for_body, for_head = model(x)
+    head.backward(head.scale_loss(F.cross_entropy(for_head, y)))
+    body.backward(body.scale_loss(F.cross_entropy(for_body, y)))
+    for wrapper in (head, body):
+        if wrapper.should_update():
+            wrapper.step()
+            wrapper.zero_grad()
+
+
+def _mid_window_state(s) -> tuple[dict, dict]:
+    """(full weights, this rank's pending gradients), by parameter name, cloned."""
+    if type(s).__name__ == 'FSDPStrategy':
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(s.model, options=StateDictOptions(full_state_dict=True))
+        pending = s.pending_grads() or {}  # FSDP2 keeps them unsharded, beside the shards
+        return {k: v.detach().clone() for k, v in full.items()}, pending
+    module = getattr(s.model, 'module', s.model)
+    weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return weights, grads
+
+
+def _resume_mid_window(case: str, root: str, work_dir: str, via: dict | None = None) -> dict:
+    """Resume ``case``'s copy into fresh components (built by ``via``, a strategy cfg, by
+    default the saving one's); the pending gradients right after, then (on the saving world
+    size) the weights after training on to ``max_iters`` as the generator did."""
+    from stratagem.strategies import build_strategy
+
+    spec = PARTIAL[case]
+    s = build_strategy(
+        dict(
+            via or spec['strategy'],
+            work_dir=work_dir,
+            env_kwargs=dict(randomness=dict(seed=7)),
+        )
+    )
+    model, ow = s.prepare(_mid_window_net(spec['model']), **spec['components'])
+    fresh = _mid_window_state(s)[0]
+    start = s.resume(str(Path(root) / spec['checkpoint']))['meta']['iter']
+    weights, grads = _mid_window_state(s)
+    wrappers = list(ow.values()) if hasattr(ow, 'values') else [ow]
+    out = dict(
+        rank=s.rank,
+        iter=start,
+        inner_count=[w.inner_count for w in wrappers],
+        fresh=fresh,
+        weights=weights,
+        grads=grads,
+    )
+    if s.world_size == spec['world_size']:
+        for it in range(start, spec['max_iters']):
+            _mid_window_train(case, model, ow, it, s.rank, s.world_size)
+        out['final'] = _mid_window_state(s)[0]
+    return out
+
+
+def test_mid_window_files_are_format_1():
+    """What the files freeze: no format_version; the ranks' gradients per optim wrapper by
+    optimizer index (wrapper 0 of the OptimWrapperDict holds the head: its index 0 is not
+    the model's first parameter), FSDP's by name under ``partial_grads_fqn``."""
+    for case in PARTIAL_CASES:
+        checkpoint = torch.load(LEGACY / PARTIAL[case]['checkpoint'], weights_only=True)
+        assert 'format_version' not in checkpoint['meta'], case
+        if case == 'fsdp_full':
+            assert 'partial_grads' not in checkpoint
+            assert [sorted(g) for g in checkpoint['partial_grads_fqn']] == [
+                sorted(g) for g in PARTIAL[case]['partial_grads']
+            ]
+            continue
+        assert 'partial_grads_fqn' not in checkpoint
+        index_names = PARTIAL[case]['index_names']
+        per_rank = checkpoint['partial_grads']  # per rank, per wrapper
+        assert len(per_rank) == 2 and all(len(entry) == len(index_names) for entry in per_rank)
+        for entry in per_rank:
+            for names, state in zip(index_names, entry):
+                assert state['inner_count'] == 3
+                assert sorted(state['grads']) == list(range(len(names)))  # optimizer indices
+    assert PARTIAL['ddp_dict']['index_names'] == [
+        ['head.weight', 'head.bias'],
+        ['body.weight', 'body.bias'],
+    ]
+
+
+@pytest.mark.parametrize('case', PARTIAL_CASES)
+def test_mid_window_resumes_exactly_on_two_ranks(two_ranks, case):
+    want = PARTIAL[case]
+    for rank, ranks in enumerate(two_ranks):
+        got = ranks[case]
+        assert got['rank'] == rank
+        assert _mismatches(got['fresh'], want['weights_at_save'], 'fresh')  # other weights
+        assert _mismatches(got['weights'], want['weights_at_save'], 'weights') == []
+        assert got['iter'] == want['iter'] == 3
+        assert got['inner_count'] == want['inner_count'] == [3] * len(want['index_names'])
+        # this rank's own pending gradients, by name, bit for bit
+        assert _mismatches(got['grads'], want['partial_grads'][rank], f'rank {rank} grads') == []
+        # then trained on to max_iters: where the old code's resume (and an uninterrupted
+        # run) ended
+        assert _mismatches(got['final'], want['final_weights'], f'rank {rank} final') == []
+
+
+@pytest.mark.filterwarnings('ignore:.*re-seeded')  # 2 ranks' RNG streams into 1: by design
+@pytest.mark.parametrize('case', PARTIAL_CASES)
+def test_mid_window_resumes_in_one_process_from_the_mean(tmp_path, case):
+    """World size 2 -> 1 (no micro batch size: the units are kept): the window continues
+    from the mean of the saved ranks' pending gradients, what DDP would have averaged."""
+    shutil.copytree(LEGACY / 'partial_grads', tmp_path / 'partial_grads')
+    want = PARTIAL[case]
+    single = dict(type='SingleDeviceStrategy', device='cpu')
+    with pytest.warns(UserWarning, match="mean of the 2 ranks' partial gradients"):
+        got = _resume_mid_window(case, str(tmp_path), str(tmp_path / 'work'), via=single)
+    assert _mismatches(got['weights'], want['weights_at_save'], 'weights') == []
+    assert got['iter'] == 3 and got['inner_count'] == want['inner_count']
+    saved = [{k: _decode(v) for k, v in grads.items()} for grads in want['partial_grads']]
+    mean = {k: (saved[0][k] + saved[1][k]) / 2 for k in saved[0]}
+    assert not any(torch.equal(mean[k], saved[0][k]) for k in mean)  # not rank 0's alone
+    assert sorted(got['grads']) == sorted(mean)
+    for name, grad in got['grads'].items():
+        assert grad.dtype == mean[name].dtype and torch.equal(grad, mean[name]), name
