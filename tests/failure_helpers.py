@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from dist_harness import _SCRUB_NAMES, _SCRUB_PREFIXES
+from launcher_env import without_launcher
 
 TESTS = Path(__file__).resolve().parent
 N, BATCH, EPOCHS, ACC = 64, 4, 4, 2
@@ -42,11 +42,7 @@ def write_config(directory: Path, text: str = CONFIG) -> Path:
 
 def clean_env(**extra: str) -> dict:
     """This environment without launcher variables, with the repository importable."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _SCRUB_NAMES and not k.startswith(_SCRUB_PREFIXES)
-    }
+    env = without_launcher()
     env.update(
         OMP_NUM_THREADS='1',
         GLOO_SOCKET_IFNAME='lo',

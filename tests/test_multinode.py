@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_harness import _SCRUB_NAMES, _SCRUB_PREFIXES, free_port
+from dist_harness import free_port
+from launcher_env import without_launcher
 
 TESTS = Path(__file__).resolve().parent
 N, BATCH, EPOCHS = 64, 8, 4
@@ -36,11 +37,7 @@ randomness = dict(seed=7)
 
 
 def _env(count_dir):
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _SCRUB_NAMES and not k.startswith(_SCRUB_PREFIXES)
-    }
+    env = without_launcher()
     env.update(
         OMP_NUM_THREADS='1',
         GLOO_SOCKET_IFNAME='lo',
