@@ -23,8 +23,6 @@ from launcher_env import without_launcher
 TESTS = Path(__file__).resolve().parent
 N, BATCH, EPOCHS = 64, 8, 4
 CONFIG = f"""
-import sys
-sys.path.insert(0, {str(TESTS)!r})
 model = dict(type='MLPClassifier', in_features=8, num_classes=3, hidden=16, dropout=0.2)
 train_dataloader = dict(dataset=__import__('counting_dataset').CountingDataset({N}),
                         batch_size={BATCH}, shuffle=True, num_workers=0)
@@ -42,7 +40,8 @@ def _env(count_dir):
         OMP_NUM_THREADS='1',
         GLOO_SOCKET_IFNAME='lo',
         COUNT_DIR=str(count_dir),
-        PYTHONPATH=os.pathsep.join([str(TESTS.parent), env.get('PYTHONPATH', '')]),
+        # the repository, and tests/ for the config's counting_dataset
+        PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), env.get('PYTHONPATH', '')]),
     )
     os.makedirs(count_dir, exist_ok=True)
     return env

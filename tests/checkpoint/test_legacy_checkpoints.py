@@ -12,14 +12,12 @@ bit. Processes start once for the module: both 2-rank resumes (FSDP, DeepSpeed) 
 import importlib
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_harness import run_distributed
 
 LEGACY = Path(__file__).resolve().parents[1] / 'data' / 'legacy'
