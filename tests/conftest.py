@@ -1,10 +1,11 @@
-"""Fixtures for every test: ``clean_env``."""
+"""Fixtures for every test: ``clean_env``; the ``scenario`` mark and fixture (scenarios.py)."""
 
 import os
 
 import pytest
 
 from launcher_env import is_launcher_variable
+from scenarios import pytest_configure, pytest_itemcollected, scenario  # noqa: F401
 
 
 @pytest.fixture
