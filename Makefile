@@ -29,7 +29,7 @@ demo: $(STAMP)
 	$(PY) -m stratagem demo
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 MPLBACKEND=Agg $(PY) -m pytest -q -p no:cacheprovider tests
+	OMP_NUM_THREADS=1 MPLBACKEND=Agg $(PY) -m pytest -q -p no:cacheprovider --durations=20 tests
 
 LINT_PATHS := stratagem tests benchmarks examples
 

@@ -1,5 +1,5 @@
 """A dataset that records every index it serves (one file per process), for tests that count
-the samples a run reads. Imported by test configs through ``sys.path``."""
+the samples a run reads. Imported by test configs by name (tests/ on ``PYTHONPATH``)."""
 
 import os
 

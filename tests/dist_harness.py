@@ -16,7 +16,8 @@ What each rank gets, as torchrun gives it: a new ``python`` process whose enviro
 holds ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
 ``ROLE_RANK``, ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT=<a free port>``, plus
 ``OMP_NUM_THREADS=1`` and ``GLOO_SOCKET_IFNAME=lo`` (when a loopback ``lo`` exists), and
-none of the Slurm / MPI / torchelastic variables of the calling shell. ``sys.path``
+none of the Slurm / MPI / torchelastic variables of the calling shell (the list:
+``launcher_env``). ``sys.path``
 is the caller's (through ``PYTHONPATH``), so the function's module and its arguments
 unpickle in the child.
 
@@ -49,24 +50,10 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from launcher_env import without_launcher
+
 __all__ = ['run_distributed', 'RankFailure', 'free_port', 'torchrun_env']
 
-# Variables of other launchers that would make the child believe it runs under them.
-_SCRUB_PREFIXES = ('SLURM_', 'OMPI_', 'PMI_', 'PMIX_', 'MV2_', 'MPI_LOCAL', 'TORCHELASTIC_')
-_SCRUB_NAMES = (
-    'RANK',
-    'WORLD_SIZE',
-    'LOCAL_RANK',
-    'LOCAL_WORLD_SIZE',
-    'LOCAL_SIZE',
-    'GROUP_RANK',
-    'GROUP_WORLD_SIZE',
-    'ROLE_RANK',
-    'ROLE_WORLD_SIZE',
-    'ROLE_NAME',
-    'MASTER_ADDR',
-    'MASTER_PORT',
-)
 _BOOTSTRAP = (
     'import importlib.util, sys\n'
     "spec = importlib.util.spec_from_file_location('_stratagem_dist_harness', sys.argv[1])\n"
@@ -109,11 +96,7 @@ def torchrun_env(
     rank: int, nproc: int, port: int, base: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """The environment torchrun gives worker ``rank`` of ``nproc`` on one node."""
-    env = {
-        k: v
-        for k, v in (os.environ if base is None else base).items()
-        if k not in _SCRUB_NAMES and not k.startswith(_SCRUB_PREFIXES)
-    }
+    env = without_launcher(base)
     env.update(
         RANK=str(rank),
         WORLD_SIZE=str(nproc),

@@ -1,5 +1,6 @@
 """A dataset for failure tests: deterministic samples that can slow a run down, signal their
-own process, or fail once, at a given read. Imported by test configs through ``sys.path``.
+own process, or fail once, at a given read. Imported by test configs by name (tests/ on
+``PYTHONPATH``).
 
 Environment (read on each sample): ``SLOW`` seconds per sample; ``SIGNAL_AT=N`` and
 ``SIGNAL=SIGUSR1`` (default): the process that reads its N-th sample sends itself that

@@ -12,14 +12,12 @@ from pathlib import Path
 
 import torch
 
-from dist_harness import _SCRUB_NAMES, _SCRUB_PREFIXES
+from launcher_env import without_launcher
 
 TESTS = Path(__file__).resolve().parent
 N, BATCH, EPOCHS, ACC = 64, 4, 4, 2
 ITERS_2 = EPOCHS * N // (2 * BATCH)  # 32 iterations on 2 processes
 CONFIG = f"""
-import sys
-sys.path.insert(0, {str(TESTS)!r})
 model = dict(type='MLPClassifier', in_features=8, num_classes=3, hidden=16, dropout=0.2)
 train_dataloader = dict(dataset=__import__('failure_data').FailureDataset({N}),
                         batch_size={BATCH}, shuffle=True, num_workers=0)
@@ -41,16 +39,13 @@ def write_config(directory: Path, text: str = CONFIG) -> Path:
 
 
 def clean_env(**extra: str) -> dict:
-    """This environment without launcher variables, with the repository importable."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _SCRUB_NAMES and not k.startswith(_SCRUB_PREFIXES)
-    }
+    """This environment without launcher variables, with the repository and tests/ (the
+    config's ``failure_data``) importable."""
+    env = without_launcher()
     env.update(
         OMP_NUM_THREADS='1',
         GLOO_SOCKET_IFNAME='lo',
-        PYTHONPATH=os.pathsep.join([str(TESTS.parent), env.get('PYTHONPATH', '')]),
+        PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), env.get('PYTHONPATH', '')]),
     )
     env.update(extra)
     return env

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dist_harness import free_port
+from launcher_env import without_launcher
 from stratagem.cli import launch, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,13 +124,8 @@ def test_multi_node_errors_before_launching(config, calls, capsys, argv, message
 
 
 def _node_env(tmp_path):
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(('SLURM_', 'OMPI_', 'PMI_', 'MV2_', 'TORCHELASTIC_'))
-        and k
-        not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'MKL_NUM_THREADS')
-    }
+    env = without_launcher()
+    env.pop('MKL_NUM_THREADS', None)  # unset: the run sets it, and says so (checked below)
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
     if any(name == 'lo' for _, name in socket.if_nameindex()):
         env['GLOO_SOCKET_IFNAME'] = 'lo'

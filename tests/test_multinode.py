@@ -17,13 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_harness import _SCRUB_NAMES, _SCRUB_PREFIXES, free_port
+from dist_harness import free_port
+from launcher_env import without_launcher
 
 TESTS = Path(__file__).resolve().parent
 N, BATCH, EPOCHS = 64, 8, 4
 CONFIG = f"""
-import sys
-sys.path.insert(0, {str(TESTS)!r})
 model = dict(type='MLPClassifier', in_features=8, num_classes=3, hidden=16, dropout=0.2)
 train_dataloader = dict(dataset=__import__('counting_dataset').CountingDataset({N}),
                         batch_size={BATCH}, shuffle=True, num_workers=0)
@@ -36,16 +35,13 @@ randomness = dict(seed=7)
 
 
 def _env(count_dir):
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _SCRUB_NAMES and not k.startswith(_SCRUB_PREFIXES)
-    }
+    env = without_launcher()
     env.update(
         OMP_NUM_THREADS='1',
         GLOO_SOCKET_IFNAME='lo',
         COUNT_DIR=str(count_dir),
-        PYTHONPATH=os.pathsep.join([str(TESTS.parent), env.get('PYTHONPATH', '')]),
+        # the repository, and tests/ for the config's counting_dataset
+        PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), env.get('PYTHONPATH', '')]),
     )
     os.makedirs(count_dir, exist_ok=True)
     return env

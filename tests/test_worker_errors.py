@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher_env import without_launcher
 from stratagem.cli.worker_errors import AgentReportFilter, _ranges, record, summarize
 
 AGENT_REPORT = """\
@@ -100,7 +101,7 @@ def test_nproc_failure_prints_one_message(tmp_path, debug):
     cfg.write_text(CFG.format(example=str(example)))
     cmd = [sys.executable, '-m', 'stratagem', 'train', str(cfg), '--nproc', '2']
     cmd += ['--work-dir', str(tmp_path / 'w')] + (['--debug'] if debug else [])
-    env = {k: v for k, v in os.environ.items() if not k.startswith(('RANK', 'WORLD_SIZE'))}
+    env = without_launcher()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 1
     err = proc.stderr

@@ -151,7 +151,6 @@ def test_async_error_reaches_next_wait_and_next_save(tmp_path):
 
 _EXIT_SCRIPT = textwrap.dedent("""
     import sys
-    sys.path.insert(0, sys.argv[2])
     import torch
     from torch import nn
     from faults import failing_io
@@ -170,11 +169,15 @@ def test_exit_waits_and_reports_an_uncollected_failure(tmp_path):
     script = tmp_path / 'exit_case.py'
     script.write_text(_EXIT_SCRIPT)
     proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(HERE)],
+        [sys.executable, str(script), str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=250,
-        env=dict(os.environ, OMP_NUM_THREADS='1'),
+        env=dict(  # tests/checkpoint/ for the script's `faults`
+            os.environ,
+            OMP_NUM_THREADS='1',
+            PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get('PYTHONPATH', '')]),
+        ),
     )
     assert proc.returncode == 0, proc.stderr
     assert verify_checkpoint(tmp_path / 'a.pth') is not None

@@ -21,7 +21,6 @@ files) runs in one ``run_distributed`` call; the single-process loads run in thi
 import importlib
 import json
 import shutil
-import sys
 from collections import OrderedDict
 from pathlib import Path
 
@@ -30,7 +29,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_harness import run_distributed
 
 LEGACY = Path(__file__).resolve().parents[1] / 'data' / 'legacy'

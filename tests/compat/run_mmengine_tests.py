@@ -37,9 +37,7 @@ RAW_URL = 'https://raw.githubusercontent.com/open-mmlab/mmengine/{ref}/{path}'
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CONFTEST = f'''"""Written by {Path(__file__).name}: mmengine.optim is stratagem here."""
-import sys
-sys.path.insert(0, {str(HERE)!r})
-import mmengine_alias  # noqa: E402
+import mmengine_alias  # tests/compat/, on PYTHONPATH
 mmengine_alias.install()
 '''
 
@@ -87,7 +85,8 @@ def run(source: str, ref: str, pytest_args: list[str], keep: str | None) -> int:
         env = dict(
             os.environ,
             PYTHONPATH=os.pathsep.join(
-                [str(REPO)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
+                [str(REPO), str(HERE)]  # stratagem, and mmengine_alias for the conftest
+                + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
             ),
         )
         cmd = [

@@ -421,3 +421,20 @@ def test_init_dist_real_gloo_group_and_no_reinit(clean_env, tmp_path, caplog):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_the_tests_remove_every_launcher_variable_the_library_reads():
+    """tests/launcher_env.py is the tests' one list; the library's own tuples (the variables
+    infer_launcher, init_dist and the logger read) are the source it must cover."""
+    from launcher_env import is_launcher_variable
+    from stratagem.env import logging as env_logging
+
+    read = {*launcher._TORCHRUN_VARS, 'MASTER_ADDR', 'MASTER_PORT', 'LOCAL_SIZE'}
+    for _, rank, size, local_ranks, local_sizes in launcher._MPI_FAMILIES:
+        read.update((rank, size, *local_ranks, *local_sizes))
+    read.update(slurm._STEP_ID_VARS, slurm._NODELIST_VARS)
+    read.update(env_logging._RANK_VARS, env_logging._SIZE_VARS)
+    assert [name for name in sorted(read) if not is_launcher_variable(name)] == []
+    # the test's own reading of the tuples is not empty: each family is there
+    assert {'RANK', 'OMPI_COMM_WORLD_RANK', 'PMI_RANK', 'MV2_COMM_WORLD_RANK'} <= read
+    assert {'SLURM_STEP_ID', 'SLURM_STEP_NODELIST', 'SLURM_PROCID'} <= read

@@ -4,21 +4,12 @@ mpirun_rsh with ``-x MASTER_ADDR -x MASTER_PORT``), and what they print once or 
 import pytest
 
 from dist_harness import run_distributed
+from launcher_env import TORCHRUN_NAMES
 
-# torchrun's variables that the harness sets, removed: the ranks must find themselves
+# torchrun's variables that the harness sets, removed: the ranks must find themselves (the
+# MPI launchers pass MASTER_ADDR and MASTER_PORT on: -x, -genv)
 NO_TORCHRUN = dict.fromkeys(
-    (
-        'RANK',
-        'WORLD_SIZE',
-        'LOCAL_RANK',
-        'LOCAL_WORLD_SIZE',
-        'GROUP_RANK',
-        'GROUP_WORLD_SIZE',
-        'ROLE_RANK',
-        'ROLE_WORLD_SIZE',
-        'ROLE_NAME',
-        'MKL_NUM_THREADS',
-    )
+    [n for n in TORCHRUN_NAMES if not n.startswith('MASTER_')] + ['MKL_NUM_THREADS']
 )
 # a callable value is called with the rank: `str` gives each rank its own number
 MPICH = dict(NO_TORCHRUN, PMI_RANK=str, PMI_SIZE='2', MPI_LOCALRANKID=str, MPI_LOCALNRANKS='2')

@@ -12,12 +12,10 @@ import sys
 import pytest
 import torch
 
+from failure_helpers import CONFIG, equal, write_config
 from stratagem import checkpoint as ckpt
 from stratagem.cli import main
 from stratagem.env.preemption import Preemption, preemption_config
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from failure_helpers import CONFIG, equal, write_config
 
 ONE_PROC = CONFIG.replace(
     "strategy = dict(type='auto'", "strategy = dict(type='SingleDeviceStrategy'"
@@ -115,8 +113,11 @@ def test_a_hand_written_loop_with_the_context_manager(tmp_path):
 def test_flexible_runner_preemption_hook(tmp_path):
     # in a process of its own: mmengine's runner changes process-wide logging state
     code = f'import test_preemption as t; t.hook_run({str(tmp_path)!r}); print("HOOK-OK")'
+    # this module, tests/ (failure_helpers) and tests/integrations/ (the runner's toy model)
     here = os.path.dirname(__file__)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get('PYTHONPATH', '')]))
+    tests = os.path.dirname(here)
+    path = [here, tests, os.path.join(tests, 'integrations'), os.environ.get('PYTHONPATH', '')]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     done = subprocess.run(
         [sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=300
     )
@@ -132,11 +133,9 @@ def hook_run(root):
     sys.modules.setdefault('deepspeed', None)  # mmengine imports it when installed (slow)
     from mmengine.hooks import Hook
     from mmengine.runner import FlexibleRunner
+    from test_flexible_runner_hook_model import dataset, model  # tests/integrations/
 
     import stratagem.integrations.mmengine  # noqa: F401
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'integrations'))
-    from test_flexible_runner_hook_model import dataset, model
 
     class SignalAt(Hook):
         def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):

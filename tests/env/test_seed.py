@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import stratagem.env.seed as seed_module
 from stratagem.env import get_rng_state, set_random_seed, set_rng_state
 
 
@@ -52,9 +53,19 @@ def test_seed_none_draws_a_seed_and_uses_it():
     assert draws() == after
 
 
-def test_diff_rank_seed_adds_the_rank(clean_env):
-    # Single process: rank 0, so the seed is unchanged (the 2-rank test checks rank 1).
-    assert set_random_seed(7, diff_rank_seed=True) == 7
+@pytest.mark.parametrize('rank', [0, 3])
+def test_diff_rank_seed_adds_the_rank(monkeypatch, rank):
+    # the rank as the seeding code reads it; rank 0 alone could not tell adding from ignoring
+    monkeypatch.setattr(seed_module, 'get_rank', lambda: rank)
+    assert set_random_seed(7, diff_rank_seed=True) == 7 + rank
+    seeded = draws()
+    set_random_seed(7 + rank)
+    assert draws() == seeded  # every RNG was seeded with 7 + rank
+    assert set_random_seed(7) == 7  # without diff_rank_seed the rank is not added
+    # the sum must stay in [0, 2**32)
+    assert set_random_seed(2**32 - 1 - rank, diff_rank_seed=True) == 2**32 - 1
+    with pytest.raises(ValueError, match=r'after adding the rank \(diff_rank_seed=True\)'):
+        set_random_seed(2**32 - rank, diff_rank_seed=True)
 
 
 def test_seed_validation():

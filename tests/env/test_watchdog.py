@@ -1,6 +1,6 @@
 """The watchdog's verdicts from its heartbeat thread, on a store of our own (no processes):
 a rank that got a termination signal while a peer is silent ends at once, naming the peer;
-without the signal it waits for the process group's timeout."""
+without the signal it waits for the process group's timeout plus the grace period."""
 
 import threading
 import time
@@ -28,12 +28,12 @@ class _Store:
         return self.values[key]
 
 
-def _run(signalled, monkeypatch, seconds):
+def _run(signalled, monkeypatch, seconds, grace=30.0):
     ended = []
     monkeypatch.setattr(
         watchdog_module, '_hard_exit', lambda verdict, signalled=False: ended.append(verdict)
     )
-    dog = Watchdog(1.0, grace=30.0, signalled=signalled)  # beat 0.1 s, silent after 0.5 s
+    dog = Watchdog(1.0, grace=grace, signalled=signalled)  # beat 0.1 s, silent after 0.5 s
     dog.rank, dog.world_size, dog._store = 0, 2, _Store()
     dog.at(9, 'saving a checkpoint')
     thread = threading.Thread(target=dog._run, daemon=True)
@@ -54,6 +54,13 @@ def test_a_signal_while_a_peer_is_silent_ends_the_rank_at_once(monkeypatch):
     assert ended[0].endswith('no checkpoint can be committed without it')
 
 
-def test_without_a_signal_a_silent_peer_is_waited_for_until_the_timeout(monkeypatch):
-    ended, _ = _run(lambda: None, monkeypatch, 2)
-    assert ended == []  # timeout 1 s + grace 30 s not reached
+def test_without_a_signal_a_silent_peer_is_waited_for_until_timeout_plus_grace(monkeypatch):
+    # timeout 1 s + grace 1 s: the rank ends only once the peer has been silent (and this
+    # rank's main thread has not moved) for 2 s, and then within a few beats (0.1 s each)
+    ended, took = _run(lambda: None, monkeypatch, 10, grace=1.0)
+    assert ended, took
+    assert 2.0 <= took < 3.5, took
+    assert ended[0].startswith('rank 1 (no heartbeat for ')
+    assert ended[0].endswith(
+        'rank 0 was waiting in iteration 9 (saving a checkpoint), which needs it'
+    )

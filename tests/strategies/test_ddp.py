@@ -1,7 +1,8 @@
 """DDPStrategy on 2 gloo processes (CPU): equivalence, no_sync, sync_bn, exact resume across ranks.
 
-Processes are started twice for the whole module: once for the checks and the first half of
-a run, once to resume it in new processes.
+Processes are started at most twice for the module (tests/scenarios.py): once for the
+scenarios the selected tests name (the checks and the first half of a run), once to resume
+that run in new processes.
 """
 
 import os
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from dist_harness import RankFailure, run_distributed
+from scenarios import Scenarios
 from stratagem.strategies import SingleDeviceStrategy
 
 MAX_ITERS = 10
@@ -32,6 +34,8 @@ _RESUME_COMPONENTS = dict(
     dispatch_kwargs=dict(max_iters=MAX_ITERS),
 )
 STOP = 5  # mid accumulation window (windows of 3: [0,3), [3,6), ...)
+# 'ranks': the checks and the first half of the resume run; 'resume': its second half
+SCENARIOS = Scenarios(ranks=dict(nproc=2, timeout=180), resume=dict(nproc=2, timeout=120))
 
 
 def _net(dropout: float = 0.0) -> nn.Module:
@@ -69,28 +73,19 @@ def _resume_run(work_dir, stop, resume=None):
     return {k: v.clone() for k, v in s.model.module.state_dict().items()}, torch.rand(3), path
 
 
-def _checks(tmp):
-    """Runs in each of 2 ranks; returns a dict of measured values (the checks below, in order)."""
-    out = {}
-    s = _ddp_equals_one_process(tmp, out)
-    _no_sync_one_allreduce_per_update(tmp, out, s.world_size)
-    _sync_bn_statistics_over_both_ranks(tmp, out, s.rank)
-    _checkpoint_loadable_on_every_rank(s, out)
-    _zero_redundancy_equals_adam(tmp, out, s.rank)
-    _two_optim_wrappers_mid_window(tmp, out, s.rank)
-    out['seeds'] = (s.seed, s.randomness['seed'])
-    _resume_run_first_half(tmp, out, s.rank)
-    return out
+@SCENARIOS.add('ranks')
+def auto_builds_ddp(tmp):
+    """type='auto' under torchrun: a DDPStrategy, seed and timestamp agreed by the ranks."""
+    s = _strategy(os.path.join(tmp, 'auto'))
+    return {'type': type(s).__name__, 'seed': s.seed, 'timestamp': s.timestamp}
 
 
-def _ddp_equals_one_process(tmp, out):
-    """Returns the strategy: the checkpoint check saves its model."""
+def _train_with_reference(work_dir):
+    """DDP on each rank's half of 4 batches, and one process on the whole batches; returns
+    (the strategy, the reference model)."""
     from torch.nn import functional as F
 
-    # -- 1. DDP training equals one process on the concatenated batch
-    s = _strategy(os.path.join(tmp, 'eq'))
-    out['type'] = type(s).__name__
-    out['seed'], out['timestamp'] = s.seed, s.timestamp
+    s = _strategy(work_dir)
     rank = s.rank
     torch.manual_seed(0)
     ref = _net()
@@ -110,18 +105,28 @@ def _ddp_equals_one_process(tmp, out):
         ref_opt.zero_grad()
         F.cross_entropy(ref(x), y).backward()
         ref_opt.step()
-    out['max_diff'] = max(
-        (a - b).abs().max().item() for a, b in zip(s.model.module.parameters(), ref.parameters())
-    )
-    return s
+    return s, ref
 
 
-def _no_sync_one_allreduce_per_update(tmp, out, world):
-    """Counts the all-reduces of each iteration."""
+@SCENARIOS.add('ranks')
+def ddp_equals_one_process(tmp):
+    """DDP training equals one process on the concatenated batch."""
+    s, ref = _train_with_reference(os.path.join(tmp, 'eq'))
+    return {
+        'max_diff': max(
+            (a - b).abs().max().item()
+            for a, b in zip(s.model.module.parameters(), ref.parameters())
+        )
+    }
+
+
+@SCENARIOS.add('ranks')
+def no_sync(tmp):
+    """no_sync accumulation: the all-reduces of each iteration, counted."""
     import torch.distributed as dist
 
-    # -- 2. no_sync accumulation: one all-reduce per update iteration
     s2 = _strategy(os.path.join(tmp, 'acc'), model_wrapper=dict(bucket_cap_mb=100))
+    world = s2.world_size
     model, ow = s2.prepare(
         _net(),
         optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1), accumulative_counts=2),
@@ -142,26 +147,35 @@ def _no_sync_one_allreduce_per_update(tmp, out, world):
             loss = model(torch.randn(3, 6)).sum()
         ow.update_params(loss)
         per_iter.append(len(calls) - before)
-    out['allreduce_per_iter'] = per_iter
+    return {'allreduce_per_iter': per_iter}
 
 
-def _sync_bn_statistics_over_both_ranks(tmp, out, rank):
-    """Also: a model that a host trainer wrapped is kept."""
+@SCENARIOS.add('ranks')
+def sync_bn_running_mean(tmp):
+    """sync_bn: running statistics over both ranks' data."""
     from stratagem.strategies import DDPStrategy
 
-    # -- 3. sync_bn: statistics over both ranks' data
     s3 = DDPStrategy(work_dir=os.path.join(tmp, 'bn'), sync_bn='torch')
     bn_model = s3.prepare(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
-    out['sync_bn_type'] = type(s3.model.module[1]).__name__
+    out = {'sync_bn_type': type(s3.model.module[1]).__name__}
     with torch.no_grad():
         s3.model.module[0].weight.copy_(torch.eye(3))
         s3.model.module[0].bias.zero_()
-    data = torch.full((4, 3), float(rank + 1))  # rank 0: ones, rank 1: twos -> mean 1.5
+    data = torch.full((4, 3), float(s3.rank + 1))  # rank 0: ones, rank 1: twos -> mean 1.5
     bn_model(data)
     out['bn_running_mean'] = s3.model.module[1].running_mean.tolist()
     out['buffers_resynced'] = s3.model.will_sync_module_buffers()
-    # gradients through the global statistics equal one process on the whole batch
+    return out
+
+
+@SCENARIOS.add('ranks')
+def sync_bn_gradients(tmp):
+    """sync_bn: gradients through the global statistics equal one process on the whole
+    batch; far from zero mean, statistics in float32 do not cancel."""
+    from stratagem.strategies import DDPStrategy
+
     s4 = DDPStrategy(work_dir=os.path.join(tmp, 'bn2'), sync_bn='torch')
+    rank = s4.rank
     torch.manual_seed(3)
     plain = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     ref = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
@@ -172,10 +186,12 @@ def _sync_bn_statistics_over_both_ranks(tmp, out, rank):
     half = slice(rank * 4, rank * 4 + 4)
     (bn2(full[half]) * target[half]).mean().backward()
     (ref(full) * target).mean().backward()
-    out['sync_bn_grad_diff'] = max(
-        (a.grad - b.grad).abs().max().item()
-        for a, b in zip(s4.model.module.parameters(), ref.parameters())
-    )
+    out = {
+        'sync_bn_grad_diff': max(
+            (a.grad - b.grad).abs().max().item()
+            for a, b in zip(s4.model.module.parameters(), ref.parameters())
+        )
+    }
     # far from zero mean, statistics in float32 must not cancel: compare with float64
     s5 = DDPStrategy(work_dir=os.path.join(tmp, 'bn3'), sync_bn='torch')
     bn3 = s5.prepare(nn.BatchNorm1d(3))  # weight 1, bias 0: the plain normalisation
@@ -183,28 +199,41 @@ def _sync_bn_statistics_over_both_ranks(tmp, out, rank):
     x64 = far.double()
     want = (x64 - x64.mean(0)) / (x64.var(0, unbiased=False) + 1e-5).sqrt()
     out['sync_bn_far_diff'] = (bn3(far[half]).double() - want[half]).abs().max().item()
-    # a model a host trainer already wrapped is used as it is
+    return out
+
+
+@SCENARIOS.add('ranks')
+def prewrapped_model_kept(tmp):
+    """A model a host trainer already wrapped is used as it is."""
     from torch.nn.parallel import DistributedDataParallel
 
+    from stratagem.env import init_dist
+    from stratagem.strategies import DDPStrategy
+
+    init_dist('pytorch')  # the host trainer's group (a no-op when a scenario made it)
     pre = DistributedDataParallel(nn.Linear(2, 2))
-    out['prewrapped_kept'] = DDPStrategy(work_dir=os.path.join(tmp, 'pre')).prepare(pre) is pre
+    return {'prewrapped_kept': DDPStrategy(work_dir=os.path.join(tmp, 'pre')).prepare(pre) is pre}
 
 
-def _checkpoint_loadable_on_every_rank(s, out):
-    """Saves the first check's strategy."""
-    # -- 4. a checkpoint written by rank 0, loadable on every rank
+@SCENARIOS.add('ranks')
+def checkpoint_from_rank0(tmp):
+    """A checkpoint of the trained DDP model, written by rank 0, loadable on every rank."""
+    s, _ = _train_with_reference(os.path.join(tmp, 'ckpt'))
     path = s.save_checkpoint('ddp.pth', extra_ckpt={'meta': {'iter': 4}})
-    out['path'] = path
     ck = torch.load(path, weights_only=True)
-    out['ckpt_world_size'] = ck['meta']['world_size']
-    out['n_rng_states'] = len(ck['rng_states'])
-    out['state_keys_plain'] = all(not k.startswith('module.') for k in ck['state_dict'])
+    return {
+        'path': path,
+        'ckpt_world_size': ck['meta']['world_size'],
+        'n_rng_states': len(ck['rng_states']),
+        'state_keys_plain': all(not k.startswith('module.') for k in ck['state_dict']),
+    }
 
 
-def _zero_redundancy_equals_adam(tmp, out, rank):
-    """Three steps of each, same data."""
-    # -- 5. ZeroRedundancyOptimizer from config: same steps as a plain Adam under DDP
+@SCENARIOS.add('ranks')
+def zero_redundancy(tmp):
+    """ZeroRedundancyOptimizer from config: three steps equal a plain Adam's under DDP."""
     sz = _strategy(os.path.join(tmp, 'zero'))
+    rank = sz.rank
     zmodel, zow = sz.prepare(
         _net(),
         optim_wrapper=dict(
@@ -220,19 +249,21 @@ def _zero_redundancy_equals_adam(tmp, out, rank):
             with o.optim_context(m):
                 loss = m(x).square().mean()
             o.update_params(loss)
-    out['zero_type'] = type(zow.optimizer).__name__
+    out = {'zero_type': type(zow.optimizer).__name__}
     out['zero_max_diff'] = max(
         (a - b).abs().max().item()
         for a, b in zip(sz.model.module.parameters(), sp.model.module.parameters())
     )
     zpath = sz.save_checkpoint('zero.pth')  # consolidates the shards: a collective
     out['zero_ckpt_has_state'] = bool(torch.load(zpath, weights_only=True)['optimizer']['state'])
+    return out
 
 
-def _two_optim_wrappers_mid_window(tmp, out, rank):
-    """Saves after one micro-batch of a 2-iteration window."""
+@SCENARIOS.add('ranks')
+def two_optim_wrappers_mid_window(tmp):
+    """Two optim wrappers, saved after one micro-batch of a 2-iteration window: every rank's
+    own gradients come back."""
 
-    # -- 6. two optim wrappers, saved mid accumulation window: every rank's own grads back
     def two_heads():
         torch.manual_seed(9)
         return nn.ModuleDict(dict(a=nn.Linear(3, 1), b=nn.Linear(3, 1)))
@@ -250,7 +281,7 @@ def _two_optim_wrappers_mid_window(tmp, out, rank):
         return st, m, o
 
     st, m, o = build_two('two')
-    x = torch.full((2, 3), float(rank + 1))
+    x = torch.full((2, 3), float(st.rank + 1))
     with m.no_sync():
         (m.module['a'](x).sum() + m.module['b'](x).sum()).backward()
     for w in o.values():
@@ -259,29 +290,32 @@ def _two_optim_wrappers_mid_window(tmp, out, rank):
     two_path = st.save_checkpoint('two.pth', extra_ckpt={'meta': {'iter': 1}})
     st2, m2, o2 = build_two('two')
     st2.resume(two_path)
-    out['two_grads_restored'] = all(
-        torch.equal(p.grad, g) for k in 'ab' for p, g in zip(m2.module[k].parameters(), own[k])
-    )
-    out['two_inner'] = [w.inner_count for w in o2.values()]
-    out['two_path'] = two_path
+    return {
+        'two_grads_restored': all(
+            torch.equal(p.grad, g) for k in 'ab' for p, g in zip(m2.module[k].parameters(), own[k])
+        ),
+        'two_inner': [w.inner_count for w in o2.values()],
+        'two_path': two_path,
+    }
 
 
-def _resume_run_first_half(tmp, out, rank):
-    """Also runs the whole run, the oracle of the resumed one."""
+@SCENARIOS.add('ranks')
+def resume_first_half(tmp):
+    """The first half of the resume run (saved at STOP), and the whole run, its oracle."""
     from stratagem import env
 
-    # -- 7. the first half of the resume run (fresh strategy, same process group)
-    weights, _, path = _resume_run(os.path.join(tmp, 'resume'), STOP)
-    out['resume_ckpt'] = path
+    _, _, path = _resume_run(os.path.join(tmp, 'resume'), STOP)
     full, draw, _ = _resume_run(os.path.join(tmp, 'full'), MAX_ITERS)
-    torch.save({'weights': full, 'draw': draw}, os.path.join(tmp, f'full_rank{rank}.pt'))
-    out['world'] = env.get_world_size()
-    out['diff_rank_seeds'] = _SEEDS[-1]
+    torch.save({'weights': full, 'draw': draw}, os.path.join(tmp, f'full_rank{env.get_rank()}.pt'))
+    return {'resume_ckpt': path, 'diff_rank_seeds': _SEEDS[-1]}
 
 
-def _resume_second_half(tmp, ckpt_path):
+@SCENARIOS.add('resume', needs=['resume_first_half'])
+def resume_second_half(tmp, resume_first_half):
+    """In new processes: the second half, resumed from the first half's checkpoint."""
     from stratagem import env
 
+    ckpt_path = resume_first_half['resume_ckpt']
     weights, draw, _ = _resume_run(os.path.join(tmp, 'resume'), MAX_ITERS, resume=ckpt_path)
     full = torch.load(os.path.join(tmp, f'full_rank{env.get_rank()}.pt'), weights_only=True)
     equal = all(torch.equal(weights[k], full['weights'][k]) for k in weights)
@@ -289,48 +323,54 @@ def _resume_second_half(tmp, ckpt_path):
 
 
 @pytest.fixture(scope='module')
-def results(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp('ddp'))
-    return tmp, run_distributed(_checks, nproc=2, args=(tmp,), timeout=180)
+def scenarios(request, tmp_path_factory):
+    return SCENARIOS.run(request, tmp_path_factory.mktemp('ddp'))
 
 
-def test_auto_builds_ddp_with_agreed_seed_and_timestamp(results):
-    _, (r0, r1) = results
+@pytest.mark.scenario('auto_builds_ddp')
+def test_auto_builds_ddp_with_agreed_seed_and_timestamp(scenario):
+    r0, r1 = scenario
     assert r0['type'] == r1['type'] == 'DDPStrategy'
     assert r0['seed'] == r1['seed'] == 11 and r0['timestamp'] == r1['timestamp']
 
 
-def test_two_process_ddp_equals_one_process_on_concatenated_batch(results):
-    _, ranks = results
-    for r in ranks:
+@pytest.mark.scenario('ddp_equals_one_process')
+def test_two_process_ddp_equals_one_process_on_concatenated_batch(scenario):
+    for r in scenario:
         assert r['max_diff'] < 1e-5
 
 
-def test_no_sync_accumulation_one_allreduce_per_update(results):
-    _, ranks = results
-    for r in ranks:
+@pytest.mark.scenario('no_sync')
+def test_no_sync_accumulation_one_allreduce_per_update(scenario):
+    for r in scenario:
         assert r['allreduce_per_iter'] == [0, 1, 0, 1, 0, 1]
 
 
-def test_sync_bn_uses_both_ranks(results):
-    _, ranks = results
-    for r in ranks:
+@pytest.mark.scenario('sync_bn_running_mean')
+def test_sync_bn_uses_both_ranks(scenario):
+    for r in scenario:
         assert r['sync_bn_type'] == 'CPUSyncBatchNorm'  # torch's refuses CPU tensors
         # momentum 0.1: 0.9 * 0 + 0.1 * 1.5
         assert r['bn_running_mean'] == pytest.approx([0.15] * 3)
-
-
-def test_sync_bn_gradients_match_one_process_and_stay_exact_far_from_zero(results):
-    _, ranks = results
-    for r in ranks:
         assert r['buffers_resynced'] is False  # mmengine's runner default
+
+
+@pytest.mark.scenario('sync_bn_gradients')
+def test_sync_bn_gradients_match_one_process_and_stay_exact_far_from_zero(scenario):
+    for r in scenario:
         assert r['sync_bn_grad_diff'] < 1e-6
         assert r['sync_bn_far_diff'] < 1e-3  # E[x^2]-mean^2 in float32 is off by > 1 here
+
+
+@pytest.mark.scenario('prewrapped_model_kept')
+def test_a_model_a_host_trainer_wrapped_is_kept(scenario):
+    for r in scenario:
         assert r['prewrapped_kept']
 
 
-def test_two_optim_wrappers_mid_window_restore_each_ranks_grads(results):
-    _, ranks = results
+@pytest.mark.scenario('two_optim_wrappers_mid_window')
+def test_two_optim_wrappers_mid_window_restore_each_ranks_grads(scenario):
+    ranks = scenario
     for r in ranks:
         assert r['two_grads_restored'] and r['two_inner'] == [1, 1]
     ck = torch.load(ranks[0]['two_path'], weights_only=True)
@@ -341,15 +381,17 @@ def test_two_optim_wrappers_mid_window_restore_each_ranks_grads(results):
     assert not torch.equal(grads[0]['a.weight'], grads[1]['a.weight'])
 
 
-def test_diff_rank_seed_keeps_a_shared_configured_seed(results):
-    _, (r0, r1) = results
+@pytest.mark.scenario('resume_first_half')
+def test_diff_rank_seed_keeps_a_shared_configured_seed(scenario):
+    r0, r1 = scenario
     assert r0['diff_rank_seeds'] == (5, 5) and r1['diff_rank_seeds'] == (6, 5)
 
 
-def test_world_size_change_mid_window_continues_from_mean_grads(results, tmp_path):
+@pytest.mark.scenario('resume_first_half')
+def test_world_size_change_mid_window_continues_from_mean_grads(scenario, tmp_path):
     from stratagem.optim import OptimWrapper
 
-    _, (r0, _) = results
+    r0, _ = scenario
     ck = torch.load(r0['resume_ckpt'], weights_only=True)
     s = SingleDeviceStrategy(work_dir=str(tmp_path))
     model, ow, _ = s.prepare(_net(dropout=0.25), **_RESUME_COMPONENTS)
@@ -369,32 +411,33 @@ def test_mmengine_wrapper_type_is_refused_with_a_reason():
         DDPStrategy(model_wrapper=dict(type='MMDistributedDataParallel'))
 
 
-def test_zero_redundancy_optimizer_matches_plain_adam(results):
-    _, ranks = results
+@pytest.mark.scenario('zero_redundancy')
+def test_zero_redundancy_optimizer_matches_plain_adam(scenario):
+    ranks = scenario
     for r in ranks:
         assert r['zero_type'] == 'ZeroRedundancyOptimizer'
         assert r['zero_max_diff'] < 1e-6
     assert ranks[0]['zero_ckpt_has_state']
 
 
-def test_checkpoint_from_rank0_holds_every_ranks_rng(results):
-    _, (r0, r1) = results
+@pytest.mark.scenario('checkpoint_from_rank0')
+def test_checkpoint_from_rank0_holds_every_ranks_rng(scenario):
+    r0, r1 = scenario
     assert r0['path'] == r1['path'] and os.path.isfile(r0['path'])
     assert r0['ckpt_world_size'] == 2 and r0['n_rng_states'] == 2 and r0['state_keys_plain']
 
 
-def test_resume_in_new_processes_is_exact_per_rank(results):
-    tmp, (r0, _) = results
+@pytest.mark.scenario('resume_second_half')
+def test_resume_in_new_processes_is_exact_per_rank(scenario):
+    r0, _ = scenario.needs['resume_first_half']
     ck = torch.load(r0['resume_ckpt'], weights_only=True)
     assert 'partial_grads' in ck and len(ck['partial_grads']) == 2  # saved mid-window
-    second = run_distributed(
-        _resume_second_half, nproc=2, args=(tmp, r0['resume_ckpt']), timeout=120
-    )
-    assert second == [{'weights_equal': True, 'draw_equal': True}] * 2
+    assert list(scenario) == [{'weights_equal': True, 'draw_equal': True}] * 2
 
 
-def test_ddp_checkpoint_loads_in_single_device_with_world_size_warning(results, tmp_path):
-    _, (r0, _) = results
+@pytest.mark.scenario('checkpoint_from_rank0')
+def test_ddp_checkpoint_loads_in_single_device_with_world_size_warning(scenario, tmp_path):
+    r0, _ = scenario
     s = SingleDeviceStrategy(work_dir=str(tmp_path))
     s.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.5, momentum=0.9)))
     with pytest.warns(UserWarning, match='world size 2.*has 1'):

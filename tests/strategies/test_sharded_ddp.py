@@ -1,10 +1,12 @@
 """ShardedDDPStrategy (fairscale OSS + ShardedDataParallel) and the OSS optimizer.
 
-2 gloo ranks on CPU, started once for the module (``_checks``); the assertions run here.
+2 gloo ranks on CPU, started once for the module, run the scenarios the selected tests name
+(tests/scenarios.py); the assertions run here.
 DDPStrategy with a plain optimizer is the oracle: each rank trains on its half of a global
 batch, and a single process on the whole batch continues a 2-rank checkpoint.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -15,12 +17,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dist_harness import run_distributed
+from scenarios import Scenarios
 
 pytest.importorskip('fairscale', reason='fairscale is not installed (stratagem[fairscale])')
 
 STOP, END = 5, 8  # checkpoint after STOP steps, runs end at END
 ADAM = dict(type='Adam', lr=0.01)
+SCENARIOS = Scenarios(ranks=dict(nproc=2, timeout=240))
 
 
 def _model() -> nn.Module:
@@ -105,25 +108,8 @@ _CASES = {  # the equal-to-DDP cases: Adam, accumulation 2, clipping, bf16 autoc
 _ACC2 = dict(accumulative_counts=2, sched=True)  # the mid-window resumes' runs
 
 
-def _checks(tmp):
-    """Runs in each of 2 ranks; returns measured values (the checks below, in order)."""
-    out = {}
-    rank = int(os.environ['RANK'])
-    for name, extra in _CASES.items():
-        ddp, sdp = _training_equals_ddp(tmp, out, rank, name, extra)
-        if name == 'adam':  # these two runs also save at STOP, then go on to END
-            ddp_at_stop = _adam_runs_at_stop(out, ddp, sdp)
-            _adam_runs_continue_to_end(out, rank, ddp, sdp)
-    _zero_grad_trap(tmp, out, rank, ddp_at_stop)
-    full_w = _accumulating_run_to_end(tmp, rank)
-    mid = _resume_mid_window_exact(tmp, out, rank, full_w)
-    _rollback_to_mid_window_exact(tmp, out, rank, mid, full_w)
-    _async_save_mid_window_exact(tmp, out, rank, full_w)
-    _checkpoints_cross_ddp_and_sdp(tmp, out, rank)
-    _checkpoints_cross_fsdp_and_sdp(tmp, out, rank)
-    _oss_optimizer_cfg_under_ddp(tmp, out, rank)
-    _sync_bn_uses_both_ranks(tmp, out, rank)
-    return out
+def _rank():
+    return int(os.environ['RANK'])
 
 
 def _training_equals_ddp(tmp, out, rank, name, extra):
@@ -137,6 +123,27 @@ def _training_equals_ddp(tmp, out, rank, name, extra):
     )
     out[f'{name}_diff'] = _max_diff(_weights(ds), _weights(ss))
     return ddp, sdp
+
+
+@SCENARIOS.add('ranks')
+def train_adam(tmp):
+    """The adam case; its runs also save at STOP (the checks below), then go on to END."""
+    out, rank = {}, _rank()
+    ddp, sdp = _training_equals_ddp(tmp, out, rank, 'adam', _CASES['adam'])
+    out['ddp_at_stop'] = _adam_runs_at_stop(out, ddp, sdp)
+    _adam_runs_continue_to_end(out, rank, ddp, sdp)
+    return out
+
+
+def _train_case(tmp, case):
+    """Case ``case`` (not adam): STOP steps of SDP against DDP's."""
+    out = {}
+    _training_equals_ddp(tmp, out, _rank(), case, _CASES[case])
+    return out
+
+
+for _case in ('acc2', 'clip', 'bf16'):
+    SCENARIOS.add('ranks', name=f'train_{_case}')(functools.partial(_train_case, case=_case))
 
 
 def _adam_runs_at_stop(out, ddp, sdp):
@@ -203,11 +210,14 @@ def _adam_runs_continue_to_end(out, rank, ddp, sdp):
     out['ddp_end'], out['sdp_end'] = _weights(ds), _weights(ss)
 
 
-def _zero_grad_trap(tmp, out, rank, ddp_at_stop):
-    """fairscale's OSS.zero_grad() (set_to_none) under its ShardedDataParallel, against ours."""
+@SCENARIOS.add('ranks', needs=['train_adam'])
+def zero_grad_trap(tmp, train_adam):
+    """fairscale's OSS.zero_grad() (set_to_none) under its ShardedDataParallel, against ours
+    (both against DDP's adam run at STOP)."""
     from fairscale.nn.data_parallel import ShardedDataParallel
     from fairscale.optim import OSS as FairscaleOSS
 
+    out, rank, ddp_at_stop = {}, _rank(), train_adam['ddp_at_stop']
     for name, oss_cls in (('trap_fairscale', FairscaleOSS), ('trap_ours', None)):
         model = _model()
         if oss_cls is None:  # ours, driven the same raw way
@@ -223,17 +233,22 @@ def _zero_grad_trap(tmp, out, rank, ddp_at_stop):
             opt.step()
         got = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
         out[name] = _max_diff(got, ddp_at_stop)
+    return out
 
 
-def _accumulating_run_to_end(tmp, rank):
+@SCENARIOS.add('ranks')
+def accumulating_run(tmp):
     """Accumulation 2 and a warmup, to END without a break: returns the resumes' oracle."""
     fs, fm, fow = _build('ShardedDDPStrategy', os.path.join(tmp, 'acc_full'), **_ACC2)
-    _train(fm, fow, 0, END, rank, _scheds(fs))
+    _train(fm, fow, 0, END, _rank(), _scheds(fs))
     return {k: v.detach().clone() for k, v in fm.module.state_dict().items()}
 
 
-def _resume_mid_window_exact(tmp, out, rank, full_w):
-    """Save mid accumulation window, resume in a fresh strategy: exact; returns the checkpoint."""
+@SCENARIOS.add('ranks', needs=['accumulating_run'])
+def resume_mid_window(tmp, accumulating_run):
+    """Save mid accumulation window, resume in a fresh strategy: exact; then a roll-back to
+    that checkpoint in the same process."""
+    out, rank, full_w = {}, _rank(), accumulating_run
     ps, pm, pow_ = _build('ShardedDDPStrategy', os.path.join(tmp, 'acc_part'), **_ACC2)
     _train(pm, pow_, 0, 3, rank, _scheds(ps))  # windows [0,2), [2,4): 3 is inside one
     mid = ps.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
@@ -242,7 +257,8 @@ def _resume_mid_window_exact(tmp, out, rank, full_w):
     _train(rm, row, 3, END, rank, _scheds(rs))
     out['mid_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in _weights(rs).items())
     out['mid_ckpt'] = mid
-    return mid
+    _rollback_to_mid_window_exact(tmp, out, rank, mid, full_w)
+    return out
 
 
 def _rollback_to_mid_window_exact(tmp, out, rank, mid, full_w):
@@ -254,8 +270,10 @@ def _rollback_to_mid_window_exact(tmp, out, rank, mid, full_w):
     out['rollback_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in _weights(rs2).items())
 
 
-def _async_save_mid_window_exact(tmp, out, rank, full_w):
+@SCENARIOS.add('ranks', needs=['accumulating_run'])
+def async_mid_window(tmp, accumulating_run):
     """The same mid-window save, asynchronous: training goes on unchanged, the resume is exact."""
+    out, rank, full_w = {}, _rank(), accumulating_run
     # OSS consolidates on the training thread, rank 0 writes in the background
     as_, am, aow = _build(
         'ShardedDDPStrategy',
@@ -272,39 +290,48 @@ def _async_save_mid_window_exact(tmp, out, rank, full_w):
     rs3.resume(amid)
     _train(rm3, row3, 3, END, rank, _scheds(rs3))
     out['async_resume_equal'] = all(torch.equal(v, full_w[k]) for k, v in _weights(rs3).items())
+    return out
 
 
-def _checkpoints_cross_ddp_and_sdp(tmp, out, rank):
+@SCENARIOS.add('ranks', needs=['train_adam'])
+def cross_ddp(tmp, train_adam):
     """SDP's checkpoint resumed by DDP, DDP's by SDP: each reaches the other run's END."""
+    out, adam = {}, train_adam
     for name, kind, path, want in (
-        ('sdp_to_ddp', 'DDPStrategy', out['sdp_ckpt'], 'sdp_end'),
-        ('ddp_to_sdp', 'ShardedDDPStrategy', out['ddp_ckpt'], 'ddp_end'),
+        ('sdp_to_ddp', 'DDPStrategy', adam['sdp_ckpt'], 'sdp_end'),
+        ('ddp_to_sdp', 'ShardedDDPStrategy', adam['ddp_ckpt'], 'ddp_end'),
     ):
         s, m, o = _build(kind, os.path.join(tmp, name))
         s.resume(path)
-        _train(m, o, STOP, END, rank)
-        out[name] = _max_diff(_weights(s), out[want])
+        _train(m, o, STOP, END, _rank())
+        out[name] = _max_diff(_weights(s), adam[want])
+    return out
 
 
-def _checkpoints_cross_fsdp_and_sdp(tmp, out, rank):
+@SCENARIOS.add('ranks', needs=['train_adam'])
+def cross_fsdp(tmp, train_adam):
     """FSDP resumes SDP's checkpoint and saves a directory that SDP resumes: both reach END."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    out, rank, adam = {}, _rank(), train_adam
     fs, fm, fow = _build('FSDPStrategy', os.path.join(tmp, 'sdp_to_fsdp'))
-    fs.resume(out['sdp_ckpt'])
+    fs.resume(adam['sdp_ckpt'])
     fsdp_dir = fs.save_checkpoint('fsdp_5', extra_ckpt={'meta': {'iter': STOP}})
     _train(fm, fow, STOP, END, rank)
     full = get_model_state_dict(fm, options=StateDictOptions(full_state_dict=True))
-    out['sdp_to_fsdp'] = _max_diff({k: v.detach() for k, v in full.items()}, out['sdp_end'])
+    out['sdp_to_fsdp'] = _max_diff({k: v.detach() for k, v in full.items()}, adam['sdp_end'])
     s, m, o = _build('ShardedDDPStrategy', os.path.join(tmp, 'fsdp_to_sdp'))
     s.resume(fsdp_dir)
     _train(m, o, STOP, END, rank)
-    out['fsdp_to_sdp'] = _max_diff(_weights(s), out['sdp_end'])
+    out['fsdp_to_sdp'] = _max_diff(_weights(s), adam['sdp_end'])
     out['fsdp_is_dir'] = os.path.isdir(fsdp_dir)
+    return out
 
 
-def _oss_optimizer_cfg_under_ddp(tmp, out, rank):
+@SCENARIOS.add('ranks')
+def oss_under_ddp(tmp):
     """OSS in an optim wrapper cfg under DDPStrategy trains as AdamW does; saves a checkpoint."""
+    out, rank = {}, _rank()
     oss, adamw = dict(type='OSS', optim='AdamW', lr=0.01), dict(type='AdamW', lr=0.01)
     ds, dm, dow = _build('DDPStrategy', os.path.join(tmp, 'oss_ddp'), oss)
     ps, pm, pow_ = _build('DDPStrategy', os.path.join(tmp, 'adamw_ddp'), adamw)
@@ -314,9 +341,11 @@ def _oss_optimizer_cfg_under_ddp(tmp, out, rank):
     out['oss_ddp_diff'] = _max_diff(_weights(ds), _weights(ps))
     out['oss_ddp_ckpt'] = ds.save_checkpoint('oss.pth', extra_ckpt={'meta': {'iter': STOP}})
     out['adamw_ddp_state'] = pow_.optimizer.state_dict()['state']
+    return out
 
 
-def _sync_bn_uses_both_ranks(tmp, out, rank):
+@SCENARIOS.add('ranks')
+def sync_bn(tmp):
     """sync_bn: statistics over both ranks' samples, as under DDPStrategy."""
     from stratagem.strategies import ShardedDDPStrategy
 
@@ -328,24 +357,25 @@ def _sync_bn_uses_both_ranks(tmp, out, rank):
     with torch.no_grad():
         bn_model.module[0].weight.copy_(torch.eye(3))
         bn_model.module[0].bias.zero_()
-    bn_model(torch.full((4, 3), float(rank + 1)))  # rank 0: ones, rank 1: twos
-    out['bn'] = (type(bn_model.module[1]).__name__, bn_model.module[1].running_mean.tolist())
+    bn_model(torch.full((4, 3), float(_rank() + 1)))  # rank 0: ones, rank 1: twos
+    return {'bn': (type(bn_model.module[1]).__name__, bn_model.module[1].running_mean.tolist())}
 
 
 @pytest.fixture(scope='module')
-def results(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp('sdp'))
-    return run_distributed(_checks, nproc=2, args=(tmp,), timeout=240)
+def scenarios(request, tmp_path_factory):
+    return SCENARIOS.run(request, tmp_path_factory.mktemp('sdp'))
 
 
-def test_sharded_ddp_builds_oss_and_sharded_data_parallel(results):
-    for r in results:
+@pytest.mark.scenario('train_adam')
+def test_sharded_ddp_builds_oss_and_sharded_data_parallel(scenario):
+    for r in scenario:
         assert r['types'] == (True, 'OSS', 'Adam')
 
 
 @pytest.mark.parametrize('case', ['adam', 'acc2', 'clip', 'bf16'])
-def test_training_equals_ddp(results, case):
-    for r in results:
+@pytest.mark.scenario('train_{case}')
+def test_training_equals_ddp(scenario, case):
+    for r in scenario:
         assert r[f'{case}_diff'] < 1e-6, r[f'{case}_diff']
         ddp_norms, sdp_norms = r[f'{case}_norms']
         if case == 'clip':  # OSS's collective norm is DDP's norm, and clipping was active
@@ -353,13 +383,16 @@ def test_training_equals_ddp(results, case):
             assert sdp_norms == pytest.approx(ddp_norms, rel=1e-6)
 
 
-def test_wrapper_never_hits_the_zero_grad_trap(results):
-    for r in results:
+@pytest.mark.scenario('zero_grad_trap')
+def test_wrapper_never_hits_the_zero_grad_trap(scenario):
+    for r in scenario:
         assert r['trap_fairscale'] > 1e-3  # fairscale's OSS.zero_grad(): wrong from step 2
         assert r['trap_ours'] < 1e-6  # ours, zeroed the same raw way, equals DDP
 
 
-def test_per_rank_optimizer_state_is_about_half_of_ddps(results):
+@pytest.mark.scenario('train_adam')
+def test_per_rank_optimizer_state_is_about_half_of_ddps(scenario):
+    results = scenario
     shards = [r['state_bytes'][0] for r in results]
     ddp = results[0]['state_bytes'][1]
     assert sum(shards) == ddp  # every state tensor lives on exactly one rank
@@ -367,38 +400,44 @@ def test_per_rank_optimizer_state_is_about_half_of_ddps(results):
         assert 0.4 < shard / ddp < 0.6, (shard, ddp)
 
 
-def test_consolidation_keeps_no_copy_and_makes_at_most_one(results):
-    r0, r1 = results
+@pytest.mark.scenario('train_adam')
+def test_consolidation_keeps_no_copy_and_makes_at_most_one(scenario):
+    r0, r1 = scenario
     assert r0['all_states_kept'] == r1['all_states_kept'] == 0
     # rank 0's state dict aliases its own shard; only rank 1's shard was copied
     assert r0['new_bytes'] == r0['shard_bytes'][1] < r0['state_bytes'][1]
 
 
-def test_async_save_mid_window_resumes_exactly(results):
-    for r in results:
+@pytest.mark.scenario('async_mid_window')
+def test_async_save_mid_window_resumes_exactly(scenario):
+    for r in scenario:
         assert r['async_trained_equal'] and r['async_resume_equal']
 
 
-def test_resume_mid_window_is_exact_also_after_a_rollback(results):
-    for r in results:
+@pytest.mark.scenario('resume_mid_window')
+def test_resume_mid_window_is_exact_also_after_a_rollback(scenario):
+    for r in scenario:
         assert r['mid_resume_equal'] and r['rollback_resume_equal']
 
 
-def test_checkpoints_cross_between_ddp_and_sharded_ddp(results):
-    for r in results:
+@pytest.mark.scenario('cross_ddp')
+def test_checkpoints_cross_between_ddp_and_sharded_ddp(scenario):
+    for r in scenario:
         assert r['sdp_to_ddp'] < 1e-6 and r['ddp_to_sdp'] < 1e-6
 
 
-def test_checkpoints_cross_between_fsdp_and_sharded_ddp(results):
-    for r in results:
+@pytest.mark.scenario('cross_fsdp')
+def test_checkpoints_cross_between_fsdp_and_sharded_ddp(scenario):
+    for r in scenario:
         assert r['fsdp_is_dir']  # FSDP's sharded directory layout, read back by ShardedDDP
         assert r['sdp_to_fsdp'] < 1e-6 and r['fsdp_to_sdp'] < 1e-6
 
 
-def test_checkpoint_loads_in_single_device_equal_to_ddps_state(results, tmp_path):
+@pytest.mark.scenario('train_adam')
+def test_checkpoint_loads_in_single_device_equal_to_ddps_state(scenario, tmp_path):
     from stratagem.strategies import SingleDeviceStrategy
 
-    r0 = results[0]
+    r0 = scenario[0]
     sdp_ck = torch.load(r0['sdp_ckpt'], weights_only=True)
     ddp_ck = torch.load(r0['ddp_ckpt'], weights_only=True)
     assert sdp_ck['meta']['strategy'] == 'ShardedDDPStrategy'
@@ -420,10 +459,11 @@ def test_checkpoint_loads_in_single_device_equal_to_ddps_state(results, tmp_path
             assert torch.equal(loaded[i][key], value)
 
 
-def test_two_to_one_resume_continues_the_two_rank_run(results, tmp_path):
+@pytest.mark.scenario('train_adam')
+def test_two_to_one_resume_continues_the_two_rank_run(scenario, tmp_path):
     from stratagem.strategies import SingleDeviceStrategy
 
-    r0 = results[0]
+    r0 = scenario[0]
     s = SingleDeviceStrategy(work_dir=str(tmp_path))
     model, ow = s.prepare(_model(), optim_wrapper=dict(optimizer=dict(ADAM)))
     with pytest.warns(UserWarning, match='world size 2'):
@@ -432,9 +472,11 @@ def test_two_to_one_resume_continues_the_two_rank_run(results, tmp_path):
     assert _max_diff(_weights(s), r0['sdp_end']) < 1e-6
 
 
-def test_oss_optimizer_cfg_under_ddp(results, tmp_path):
+@pytest.mark.scenario('oss_under_ddp')
+def test_oss_optimizer_cfg_under_ddp(scenario, tmp_path):
     from stratagem.strategies import SingleDeviceStrategy
 
+    results = scenario
     for r in results:
         assert r['oss_ddp_type'] == 'OSS' and r['oss_ddp_diff'] < 1e-6
     ck = torch.load(results[0]['oss_ddp_ckpt'], weights_only=True)
@@ -450,8 +492,9 @@ def test_oss_optimizer_cfg_under_ddp(results, tmp_path):
         s.resume(results[0]['oss_ddp_ckpt'])
 
 
-def test_sync_bn_uses_both_ranks(results):
-    for r in results:
+@pytest.mark.scenario('sync_bn')
+def test_sync_bn_uses_both_ranks(scenario):
+    for r in scenario:
         name, mean = r['bn']
         assert name == 'CPUSyncBatchNorm' and mean == pytest.approx([0.15] * 3)  # 0.1 * 1.5
 

@@ -4,10 +4,12 @@ Generated from the clean tree of commit 139334c with torch 2.13.0+cpu and deepsp
 (CPU, gloo), with the stratagem package of that commit ahead on the path::
 
     git clone -q --shared /work/main /tmp/src && git -C /tmp/src checkout -q 139334c
-    cd /tmp/src && PYTHONPATH=/tmp/src /work/main/.venv/bin/python \
+    cd /tmp/src && PYTHONPATH=/tmp/src:/work/main/tests /work/main/.venv/bin/python \
         /work/main/tests/data/legacy/make_legacy_checkpoints.py
 
-(from that directory: the ranks' ``python -c`` puts the working directory first on the path)
+(from that directory: the ranks' ``python -c`` puts the working directory first on the path;
+``tests/`` on ``PYTHONPATH`` is for ``dist_harness``, as pytest's ``pythonpath`` gives it to
+the tests)
 
 The script writes beside itself and records the commit of the stratagem package it imported;
 it refuses a package whose tracked files differ from their commit (a frozen checkpoint must
@@ -45,16 +47,15 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from dist_harness import run_distributed  # tests/ on PYTHONPATH (see the docstring)
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))  # tests/, for dist_harness
-from dist_harness import run_distributed  # noqa: E402
 
 ITER = 3  # steps trained before the save
 SEED = 7  # env_kwargs.randomness.seed of every strategy

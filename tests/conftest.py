@@ -1,15 +1,11 @@
-"""Fixtures for tests of stratagem.env."""
+"""Fixtures for every test: ``clean_env``; the ``scenario`` mark and fixture (scenarios.py)."""
 
 import os
-import re
 
 import pytest
 
-_LAUNCHER_VAR = re.compile(
-    r'^(SLURM_|OMPI_|PMI_|MV2_|MPI_LOCAL|TORCHELASTIC_)|'
-    r'^(RANK|WORLD_SIZE|LOCAL_RANK|'
-    r'LOCAL_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|GROUP_RANK)$'
-)
+from launcher_env import is_launcher_variable
+from scenarios import pytest_configure, pytest_itemcollected, scenario  # noqa: F401
 
 
 @pytest.fixture
@@ -20,7 +16,7 @@ def clean_env():
     and monkeypatch only restores the ones it touched.
     """
     saved = dict(os.environ)
-    for key in [k for k in os.environ if _LAUNCHER_VAR.search(k)]:
+    for key in [k for k in os.environ if is_launcher_variable(k)]:
         del os.environ[key]
     try:
         yield os.environ

@@ -1,0 +1,147 @@
+"""tests/scenarios.py: a failing scenario fails its own tests only; ``-k`` runs only the
+selected scenarios and what they need.
+
+A small test module (written to a temporary folder) is run by pytest in a new process; its
+scenarios fail on purpose in each way a scenario can: raising on every rank, raising on one
+rank while the other waits in a collective, a rank that dies, a need that failed.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+MODULE = textwrap.dedent("""
+    import os
+
+    import pytest
+
+    from scenarios import Scenarios
+
+    SCENARIOS = Scenarios(checkin=3, ranks=dict(nproc=2, timeout=60), here=dict(nproc=0))
+
+
+    def _barrier():
+        import torch.distributed as dist
+
+        from stratagem.env import init_dist
+
+        init_dist('pytorch')  # once per process
+        dist.barrier()
+
+
+    @SCENARIOS.add('ranks')
+    def ok_first(tmp):
+        _barrier()
+        return int(os.environ['RANK'])
+
+
+    @SCENARIOS.add('ranks')
+    def both_raise(tmp):
+        raise ValueError('both ranks broke on purpose')
+
+
+    @SCENARIOS.add('ranks', needs=['both_raise'])
+    def needs_broken(tmp, both_raise):
+        return 'unreachable'
+
+
+    @SCENARIOS.add('ranks')
+    def desync(tmp):
+        if os.environ['RANK'] == '1':
+            raise ValueError('rank 1 broke before the barrier')
+        _barrier()  # rank 0 waits in it for rank 1
+
+
+    @SCENARIOS.add('ranks')
+    def after_desync(tmp):
+        _barrier()  # new processes: the group of the others broke
+        return 'fine'
+
+
+    @SCENARIOS.add('ranks')
+    def dies(tmp):
+        if os.environ['RANK'] == '0':
+            os._exit(3)
+
+
+    @SCENARIOS.add('ranks')
+    def after_death(tmp):
+        return 'alive'
+
+
+    @SCENARIOS.add('here', needs=['ok_first'])
+    def in_process(tmp, ok_first):
+        return ok_first + 100
+
+
+    @pytest.fixture(scope='module')
+    def scenarios(request, tmp_path_factory):
+        return SCENARIOS.run(request, tmp_path_factory.mktemp('demo'))
+
+
+    @pytest.mark.parametrize('name', ['ok_first', 'after_desync', 'after_death', 'in_process'])
+    @pytest.mark.scenario('{name}')
+    def test_passes(scenario, name):
+        want = {'ok_first': [0, 1], 'after_desync': ['fine'] * 2, 'after_death': ['alive'] * 2}
+        assert list(scenario) == want.get(name, [100])
+
+
+    @pytest.mark.parametrize('name', ['both_raise', 'needs_broken', 'desync', 'dies'])
+    @pytest.mark.scenario('{name}')
+    def test_fails(scenario, name):
+        pass
+""")
+
+
+def _run(tmp_path, *args):
+    """The module under pytest in a new process: {test id: (outcome, message)}."""
+    (tmp_path / 'test_demo.py').write_text(MODULE)
+    (tmp_path / 'conftest.py').write_text(
+        'from scenarios import pytest_configure, pytest_itemcollected, scenario  # noqa: F401\n'
+    )
+    (tmp_path / 'pytest.ini').write_text('[pytest]\n')
+    report = tmp_path / 'report.xml'
+    path = [str(TESTS), str(TESTS.parent), os.environ.get('PYTHONPATH', '')]
+    subprocess.run(
+        [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '--junitxml', str(report)]
+        + ['--basetemp', str(tmp_path / 'base'), str(tmp_path / 'test_demo.py'), *args],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS='1'),
+        capture_output=True,
+        timeout=240,
+    )
+    outcomes = {}
+    for case in ET.parse(report).getroot().iter('testcase'):
+        bad = [e for e in case if e.tag in ('error', 'failure', 'skipped')]
+        outcomes[case.get('name')] = (bad[0].tag, bad[0].get('message', '')) if bad else ('ok', '')
+    return outcomes
+
+
+def test_a_failing_scenario_fails_only_its_own_tests(tmp_path):
+    outcomes = _run(tmp_path)
+    assert {k: v[0] for k, v in outcomes.items()} == {
+        'test_passes[ok_first]': 'ok',
+        'test_passes[after_desync]': 'ok',  # run again in new processes
+        'test_passes[after_death]': 'ok',
+        'test_passes[in_process]': 'ok',
+        'test_fails[both_raise]': 'error',
+        'test_fails[needs_broken]': 'error',
+        'test_fails[desync]': 'error',
+        'test_fails[dies]': 'error',
+    }
+    assert "scenario 'both_raise' failed" in outcomes['test_fails[both_raise]'][1]
+    assert "needs ['both_raise'], which failed" in outcomes['test_fails[needs_broken]'][1]
+    assert "scenario 'desync' failed" in outcomes['test_fails[desync]'][1]
+    assert "scenario 'dies' failed" in outcomes['test_fails[dies]'][1]
+
+
+def test_k_runs_only_the_selected_scenarios_and_their_needs(tmp_path):
+    outcomes = _run(tmp_path, '-k', 'in_process')
+    assert outcomes == {'test_passes[in_process]': ('ok', '')}
+    records = tmp_path / 'base' / 'demo0' / '.scenarios'
+    ran = {p.name.split('.')[0] for p in records.glob('*.pkl')}
+    assert ran == {'ok_first', 'in_process'}
