@@ -621,12 +621,19 @@ class BaseStrategy(ABC):
     def _parameter_names(self) -> dict[int, str]:
         return {id(p): name for name, p in self._unwrap_model().named_parameters()}
 
-    def _holder_names(self) -> list[list[str]]:
-        """Per optim wrapper, the names of the parameters its gradient indices count."""
+    def _holder_names(self, saved_order: Sequence[str] | None = None) -> list[list[str]]:
+        """Per optim wrapper, the names of the parameters its gradient indices count. With an
+        OptimWrapperDict, ``saved_order`` (the saved optimizer state's keys) orders them as
+        the saving run did, so a resume whose cfg lists them in another order pairs each
+        saved wrapper with its namesake."""
         named = self._parameter_names()
+        wrappers = self._wrappers()
+        keys = list(getattr(self.optim_wrapper, 'keys', lambda: [])())
+        if saved_order is not None and keys and sorted(saved_order) == sorted(keys):
+            wrappers = [self.optim_wrapper[k] for k in saved_order]
         return [
             [named[id(p)] for p in w.grad_holders()] if hasattr(w, 'grad_holders') else []
-            for w in self._wrappers()
+            for w in wrappers
         ]
 
     # ------------------------------------------------------------- the parts' steps
@@ -658,7 +665,9 @@ class BaseStrategy(ABC):
         """This rank's partial gradients; at another world size the mean of the saved
         ranks' (what DDP would have averaged at the window's end)."""
         per_rank = upgrade_partial_grads(
-            per_rank, context.checkpoint.get('partial_grads_fqn'), self._holder_names
+            per_rank,
+            context.checkpoint.get('partial_grads_fqn'),
+            lambda: self._holder_names(_saved_wrapper_order(context.checkpoint.get('optimizer'))),
         )
         if not per_rank:
             return
@@ -934,6 +943,15 @@ def check_same_step(step: Any, filename: str) -> None:
             f'after resuming {filename} the ranks disagree on the iteration: '
             f'{steps} (rank order); every rank must resume the same checkpoint'
         )
+
+
+def _saved_wrapper_order(optimizer_state: Any) -> list[str] | None:
+    """An OptimWrapperDict's state: its wrappers' names in the saving run's order."""
+    if isinstance(optimizer_state, Mapping) and not {'state', 'param_groups'} & set(
+        optimizer_state
+    ):
+        return [str(k) for k in optimizer_state]
+    return None
 
 
 def upgrade_partial_grads(

@@ -375,7 +375,9 @@ def _mid_window_state(s) -> tuple[dict, dict]:
     return weights, grads
 
 
-def _resume_mid_window(case: str, root: str, work_dir: str, via: dict | None = None) -> dict:
+def _resume_mid_window(
+    case: str, root: str, work_dir: str, via: dict | None = None, reverse_wrappers: bool = False
+) -> dict:
     """Resume ``case``'s copy into fresh components (built by ``via``, a strategy cfg, by
     default the saving one's); the pending gradients right after, then (on the saving world
     size) the weights after training on to ``max_iters`` as the generator did."""
@@ -389,7 +391,10 @@ def _resume_mid_window(case: str, root: str, work_dir: str, via: dict | None = N
             env_kwargs=dict(randomness=dict(seed=7)),
         )
     )
-    model, ow = s.prepare(_mid_window_net(spec['model']), **spec['components'])
+    components = dict(spec['components'])
+    if reverse_wrappers:  # the OptimWrapperDict's cfg lists its wrappers in the other order
+        components['optim_wrapper'] = dict(reversed(list(components['optim_wrapper'].items())))
+    model, ow = s.prepare(_mid_window_net(spec['model']), **components)
     fresh = _mid_window_state(s)[0]
     start = s.resume(str(Path(root) / spec['checkpoint']))['meta']['iter']
     weights, grads = _mid_window_state(s)
@@ -456,13 +461,31 @@ def test_mid_window_resumes_exactly_on_two_ranks(two_ranks, case):
 @pytest.mark.filterwarnings('ignore:.*re-seeded')  # 2 ranks' RNG streams into 1: by design
 @pytest.mark.parametrize('case', PARTIAL_CASES)
 def test_mid_window_resumes_in_one_process_from_the_mean(tmp_path, case):
+    _check_resumed_from_the_mean(tmp_path, case)
+
+
+@pytest.mark.filterwarnings('ignore:.*re-seeded')
+def test_mid_window_wrappers_pair_by_name_when_the_cfg_reorders_them(tmp_path):
+    """Format 1 stored the OptimWrapperDict's gradients by position: a resume whose cfg lists
+    the wrappers in the other order (body before head) still gives each its own, through the
+    saved optimizer state's key order."""
+    _check_resumed_from_the_mean(tmp_path, 'ddp_dict', reverse_wrappers=True)
+
+
+def _check_resumed_from_the_mean(tmp_path, case: str, reverse_wrappers: bool = False) -> None:
     """World size 2 -> 1 (no micro batch size: the units are kept): the window continues
     from the mean of the saved ranks' pending gradients, what DDP would have averaged."""
     shutil.copytree(LEGACY / 'partial_grads', tmp_path / 'partial_grads')
     want = PARTIAL[case]
     single = dict(type='SingleDeviceStrategy', device='cpu')
     with pytest.warns(UserWarning, match="mean of the 2 ranks' partial gradients"):
-        got = _resume_mid_window(case, str(tmp_path), str(tmp_path / 'work'), via=single)
+        got = _resume_mid_window(
+            case,
+            str(tmp_path),
+            str(tmp_path / 'work'),
+            via=single,
+            reverse_wrappers=reverse_wrappers,
+        )
     assert _mismatches(got['weights'], want['weights_at_save'], 'weights') == []
     assert got['iter'] == 3 and got['inner_count'] == want['inner_count']
     saved = [{k: _decode(v) for k, v in grads.items()} for grads in want['partial_grads']]
