@@ -497,7 +497,7 @@ class BaseStrategy(ABC):
         only). ``callback(checkpoint)`` may edit the dict before it is written.
         Returns the final path (with ``async_checkpoint``, where the checkpoint will
         be once committed; ``wait_for_checkpoints`` waits for that). The sequence:
-        :class:`~stratagem.checkpoint.checkpointer.Checkpointer`.
+        :class:`~stratagem.checkpoint.Checkpointer`.
         """
         extra = dict(extra_ckpt or {})
         path = filename if osp.isabs(filename) else osp.join(self.work_dir, filename)
@@ -847,7 +847,7 @@ class BaseStrategy(ABC):
         schedulers, then every rank's RNG state last; every check runs before anything is
         loaded, so a refused resume changes nothing. Call after ``prepare``. A world-size
         change puts ``world_size_change`` and the converted ``iter`` into the returned
-        ``meta``. The sequence: :meth:`~stratagem.checkpoint.checkpointer.Checkpointer.load`.
+        ``meta``. The sequence: :meth:`~stratagem.checkpoint.Checkpointer.load`.
         """
         if not self._prepared:
             raise RuntimeError(
