@@ -273,7 +273,7 @@ class Checkpointer:
             check = getattr(state[key], 'check', None)
             if check is not None:
                 check(context.value(key), context)
-        storage.restore(context, optimizer=optimizer)
+        storage.restore(path, checkpoint, opened, optimizer=optimizer)
         for key in loading:
             part = state[key]
             restore = getattr(part, 'restore', None)

@@ -18,15 +18,15 @@ Read side (``Checkpointer.load``):
     1. ``open(path, map_location, optimizer=, editable=)`` on the agreed path: what the
        checks need (``read`` reads a checkpoint whole), and what ``restore`` will need.
     2. ``holds``: the keys the storage's own files hold (not in the dict ``open`` returns).
-    3. ``restore(context, optimizer=)`` after every part's check: what is read in place
-       (FSDP's shards into the live tensors, DeepSpeed's engine files).
+    3. ``restore(path, checkpoint, opened, optimizer=)`` after every part's check: what is
+       read in place (FSDP's shards into the live tensors, DeepSpeed's engine files).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -35,9 +35,6 @@ from .commit import save_checkpoint
 from .content import validate_checkpoint_content
 from .load import load_checkpoint_file
 from .vote import CheckpointVoteError, SaveVote
-
-if TYPE_CHECKING:
-    from .checkpointer import LoadContext
 
 __all__ = ['CheckpointStorage', 'SaveCommit', 'move_to']
 
@@ -171,7 +168,7 @@ class CheckpointStorage:
         self, path: str, map_location: Any, *, optimizer: bool = False, editable: bool = True
     ) -> tuple[dict, Any]:
         """What a resume's checks need of the agreed ``path`` (by default the whole
-        checkpoint), and what ``restore`` will need (``context.opened``; None here).
+        checkpoint), and what ``restore`` will need (None here).
         ``optimizer``: the optimizer state will be restored; ``editable``: a ``callback``
         will see the dict (so its tensors must be real, not read later in place)."""
         return self.read(path, map_location), None
@@ -188,9 +185,10 @@ class CheckpointStorage:
             return load_checkpoint_file(path, map_location=map_location)
         return move_to(read_whole(path, name), map_location)
 
-    def restore(self, context: LoadContext, *, optimizer: bool) -> None:
+    def restore(self, path: str, checkpoint: dict, opened: Any, *, optimizer: bool) -> None:
         """After every check passed, before the parts load: what this storage reads in
-        place (nothing for a file: its content is already in ``context``)."""
+        place into the live state, given what ``open`` returned (nothing for a file: its
+        content is already in ``checkpoint``)."""
 
 
 def move_to(obj: Any, map_location: Any) -> Any:

@@ -54,7 +54,6 @@ from typing_extensions import override
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
-from stratagem.checkpoint.checkpointer import LoadContext
 from stratagem.checkpoint.content import SAFE_GLOBALS_KEY
 from stratagem.checkpoint.formats import detect_format
 from stratagem.checkpoint.storage import CheckpointStorage, SaveCommit
@@ -215,17 +214,16 @@ class ZeroStorage(CheckpointStorage):
         return state
 
     @override
-    def restore(self, context: LoadContext, *, optimizer: bool) -> None:
+    def restore(self, path: str, checkpoint: dict, opened: Any, *, optimizer: bool) -> None:
         """Same world size: ``engine.load_checkpoint`` (model, optimizer partitions, engine
         counters); another: through DeepSpeed's universal checkpoint."""
         world = env.get_world_size()
-        saved_world = int(
-            (context.opened or {}).get('world_size', context.meta.get('world_size', world))
-        )
+        meta = checkpoint.get('meta') or {}
+        saved_world = int((opened or {}).get('world_size', meta.get('world_size', world)))
         if saved_world == world:
-            self._engine_load(Path(context.path), DEEPSPEED_TAG, optimizer)
+            self._engine_load(Path(path), DEEPSPEED_TAG, optimizer)
         else:
-            self._load_resharded(Path(context.path), saved_world, optimizer)
+            self._load_resharded(Path(path), saved_world, optimizer)
 
     def _engine_load(self, directory: Path, tag: str, optimizer: bool) -> None:
         loaded, _ = self.engine().load_checkpoint(

@@ -10,7 +10,6 @@ from typing_extensions import override
 
 from stratagem import checkpoint as ckpt
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
-from stratagem.checkpoint.checkpointer import LoadContext
 from stratagem.checkpoint.formats import detect_format
 from stratagem.checkpoint.storage import CheckpointStorage, SaveCommit
 
@@ -110,17 +109,17 @@ class FSDPStorage(CheckpointStorage):
         return ckpt.load_sharded_checkpoint(path, model_sd, optim_sd)
 
     @override
-    def restore(self, context: LoadContext, *, optimizer: bool) -> None:
+    def restore(self, path: str, checkpoint: dict, opened: Any, *, optimizer: bool) -> None:
         """Every check passed: DCP reads the shards into the live state dicts, which the
         checkpoint the resume returns then holds (its ``optimizer`` too, when resumed)."""
-        checkpoint, metadata = context.checkpoint, context.opened
+        metadata = opened
         if metadata is None:  # read whole already
             return
         model_sd, optim_sd = self.live_state(optimizer)
         state: dict[str, Any] = {'state_dict': model_sd}
         if optimizer:
             state['optimizer'] = optim_sd
-        ckpt.load_sharded_in_place(context.path, state, metadata=metadata)
+        ckpt.load_sharded_in_place(path, state, metadata=metadata)
         checkpoint['state_dict'] = state['state_dict']
         if optimizer:
             counters = {
