@@ -96,13 +96,14 @@ class Scenarios:
 
     Args:
         checkin: seconds a rank that recorded a scenario waits for the other ranks to record
-            it too, before it ends its processes (protocol, step 2).
+            it too, before it ends its processes (protocol, step 2). Too short costs only a
+            new spawn: a rank that was merely late still records the scenario.
         **spawns: ``name=dict(nproc=N, timeout=seconds)``, in the order they run: ``nproc``
             processes started once for the scenarios added to this spawn (0: the test
             process), ``timeout`` for all of them together.
     """
 
-    def __init__(self, checkin: float = 60.0, **spawns: dict[str, Any]) -> None:
+    def __init__(self, checkin: float = 20.0, **spawns: dict[str, Any]) -> None:
         for spawn, options in spawns.items():
             unknown = set(options) - {'nproc', 'timeout'}
             if unknown or 'nproc' not in options:
