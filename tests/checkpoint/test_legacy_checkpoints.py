@@ -5,8 +5,9 @@ and versions); ``expected.json`` holds the components' configs and the values at
 Each test copies the checkpoints to a temporary directory first (nothing writes into
 tests/data), loads them with today's API into freshly built components (other weights) and
 compares weights, optimizer state, lr, schedulers, counters, meta iteration and RNG bit for
-bit. Processes start once for the module: both 2-rank resumes (FSDP, DeepSpeed) run in one
-``run_distributed`` call; the single-process loads run in this process.
+bit. Processes start once for the module: both 2-rank resumes (FSDP, DeepSpeed) are
+scenarios of one spawn (tests/scenarios.py), each run only when a selected test names it; the
+single-process loads run in this process.
 """
 
 import importlib
@@ -18,11 +19,12 @@ import pytest
 import torch
 from torch import nn
 
-from dist_harness import run_distributed
+from scenarios import Scenarios
 
 LEGACY = Path(__file__).resolve().parents[1] / 'data' / 'legacy'
 EXPECTED = json.loads((LEGACY / 'expected.json').read_text())
 NO_DEEPSPEED = 'DeepSpeed is an optional extra (stratagem[deepspeed])'
+SCENARIOS = Scenarios(ranks=dict(nproc=2, timeout=300))
 
 
 def _net() -> nn.Module:
@@ -131,12 +133,16 @@ def _resume(layout: str, root: str, work_dir: str, via: str | None = None) -> di
     )
 
 
-def _two_ranks(root: str, with_deepspeed: bool) -> dict:
-    """Every 2-rank check of the module, in one process group."""
-    out = {'fsdp': _resume('fsdp', root, str(Path(root) / 'work_fsdp'))}
-    if with_deepspeed:
-        out['deepspeed'] = _resume('deepspeed', root, str(Path(root) / 'work_deepspeed'))
-    return out
+@SCENARIOS.add('ranks')
+def fsdp_on_two_ranks(root: str) -> dict:
+    return _resume('fsdp', root, str(Path(root) / 'work_fsdp'))
+
+
+@SCENARIOS.add('ranks')
+def deepspeed_on_two_ranks(root: str) -> dict | None:
+    if not _importable('deepspeed'):
+        return None  # its test skips
+    return _resume('deepspeed', root, str(Path(root) / 'work_deepspeed'))
 
 
 def _mismatches(got: dict, want: dict, what: str) -> list[str]:
@@ -186,13 +192,12 @@ def _importable(name: str) -> bool:
 
 
 @pytest.fixture(scope='module')
-def two_ranks(tmp_path_factory) -> list[dict]:
+def scenarios(request, tmp_path_factory):
     root = tmp_path_factory.mktemp('legacy')
     _copy('fsdp', root)
-    with_deepspeed = _importable('deepspeed')
-    if with_deepspeed:
+    if _importable('deepspeed'):
         _copy('deepspeed', root)
-    return run_distributed(_two_ranks, nproc=2, args=(str(root), with_deepspeed), timeout=300)
+    return SCENARIOS.run(request, root)
 
 
 # --------------------------------------------------------------------- single file
@@ -223,10 +228,11 @@ def test_single_file_loads_weights_and_verifies(tmp_path):
 
 
 # ---------------------------------------------------------------- FSDP directory
-def test_fsdp_directory_resumes_exactly_on_two_ranks(two_ranks):
-    for rank, out in enumerate(two_ranks):
-        assert out['fsdp']['rank'] == rank
-        _assert_resumed('fsdp', out['fsdp'], rank)
+@pytest.mark.scenario('fsdp_on_two_ranks')
+def test_fsdp_directory_resumes_exactly_on_two_ranks(scenario):
+    for rank, out in enumerate(scenario):
+        assert out['rank'] == rank
+        _assert_resumed('fsdp', out, rank)
 
 
 @pytest.mark.filterwarnings('ignore:.*re-seeded')  # 2 ranks' RNG streams into 1: by design
@@ -255,15 +261,16 @@ def test_fsdp_directory_loads_in_one_process(tmp_path):
 
 
 # ------------------------------------------------------------ DeepSpeed directory
-def test_deepspeed_directory_resumes_exactly_on_two_ranks(two_ranks):
+@pytest.mark.scenario('deepspeed_on_two_ranks')
+def test_deepspeed_directory_resumes_exactly_on_two_ranks(scenario):
     pytest.importorskip('deepspeed', reason=NO_DEEPSPEED)
-    for rank, out in enumerate(two_ranks):
-        assert out['deepspeed']['rank'] == rank
-        _assert_resumed('deepspeed', out['deepspeed'], rank)
+    for rank, out in enumerate(scenario):
+        assert out['rank'] == rank
+        _assert_resumed('deepspeed', out, rank)
         # fp32 training: the master weights are the module's
         assert (
             _mismatches(
-                {k: v['fp32'] for k, v in out['deepspeed']['optimizer'].items()},
+                {k: v['fp32'] for k, v in out['optimizer'].items()},
                 EXPECTED['deepspeed']['weights'],
                 'fp32 master',
             )
