@@ -212,6 +212,7 @@ class Results:
     def __init__(self, scenarios: Scenarios, tmp: Path) -> None:
         self.scenarios, self.tmp = scenarios, tmp
         self.failed: dict[str, str] = {}  # scenario -> what the harness said
+        self._read: dict[str, Ranks] = {}  # each record is unpickled once
 
     def _nproc(self, name: str) -> int:
         return max(1, self.scenarios.spawns[self.scenarios.scenarios[name].spawn]['nproc'])
@@ -228,6 +229,8 @@ class Results:
     def __getitem__(self, name: str) -> Ranks:
         if name not in self.scenarios.scenarios:
             raise KeyError(f'no scenario {name!r}: {sorted(self.scenarios.scenarios)}')
+        if name in self._read:
+            return self._read[name]
         outcomes = [_read(str(self.tmp), name, r) for r in range(self._nproc(name))]
         errors = [
             f'--- rank {r} ---\n{detail}'
@@ -241,7 +244,8 @@ class Results:
                 pytrace=False,
             )
         needs = {n: self[n] for n in self.scenarios.scenarios[name].needs}
-        return Ranks(name, [value for _, value in outcomes], self.tmp, needs)
+        self._read[name] = Ranks(name, [value for _, value in outcomes], self.tmp, needs)
+        return self._read[name]
 
 
 def scenario_name(item: pytest.Item) -> str | None:
