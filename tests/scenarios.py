@@ -96,13 +96,14 @@ class Scenarios:
 
     Args:
         checkin: seconds a rank that recorded a scenario waits for the other ranks to record
-            it too, before it ends its processes (protocol, step 2).
+            it too, before it ends its processes (protocol, step 2). Too short costs only a
+            new spawn: a rank that was merely late still records the scenario.
         **spawns: ``name=dict(nproc=N, timeout=seconds)``, in the order they run: ``nproc``
             processes started once for the scenarios added to this spawn (0: the test
             process), ``timeout`` for all of them together.
     """
 
-    def __init__(self, checkin: float = 60.0, **spawns: dict[str, Any]) -> None:
+    def __init__(self, checkin: float = 20.0, **spawns: dict[str, Any]) -> None:
         for spawn, options in spawns.items():
             unknown = set(options) - {'nproc', 'timeout'}
             if unknown or 'nproc' not in options:
@@ -211,6 +212,7 @@ class Results:
     def __init__(self, scenarios: Scenarios, tmp: Path) -> None:
         self.scenarios, self.tmp = scenarios, tmp
         self.failed: dict[str, str] = {}  # scenario -> what the harness said
+        self._read: dict[str, Ranks] = {}  # each record is unpickled once
 
     def _nproc(self, name: str) -> int:
         return max(1, self.scenarios.spawns[self.scenarios.scenarios[name].spawn]['nproc'])
@@ -227,6 +229,8 @@ class Results:
     def __getitem__(self, name: str) -> Ranks:
         if name not in self.scenarios.scenarios:
             raise KeyError(f'no scenario {name!r}: {sorted(self.scenarios.scenarios)}')
+        if name in self._read:
+            return self._read[name]
         outcomes = [_read(str(self.tmp), name, r) for r in range(self._nproc(name))]
         errors = [
             f'--- rank {r} ---\n{detail}'
@@ -240,7 +244,8 @@ class Results:
                 pytrace=False,
             )
         needs = {n: self[n] for n in self.scenarios.scenarios[name].needs}
-        return Ranks(name, [value for _, value in outcomes], self.tmp, needs)
+        self._read[name] = Ranks(name, [value for _, value in outcomes], self.tmp, needs)
+        return self._read[name]
 
 
 def scenario_name(item: pytest.Item) -> str | None:

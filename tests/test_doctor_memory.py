@@ -1,13 +1,15 @@
 """`stratagem doctor`'s memory estimate (fake tensors, fake process group, one process) against
 the peak of a real CPU step measured the same way (real tensors; DDP and FSDP on 2 gloo
-processes, one spawn): within 15%. Sizes parse; a config over --device-memory is a finding."""
+processes, one spawn for the scenarios the selected tests name): within 15%. Sizes parse; a
+config over --device-memory is a finding."""
 
 import copy
+import functools
 
 import pytest
 import torch
 
-from dist_harness import run_distributed
+from scenarios import Scenarios
 from stratagem import doctor
 from stratagem.doctor.memory import estimate_memory, measure_step, parse_size
 
@@ -28,6 +30,8 @@ STRATEGIES = {
     'ddp': dict(type='DDPStrategy'),
     'fsdp': dict(type='FSDPStrategy', model_wrapper=dict(auto_wrap_policy=['Linear'])),
 }
+# the real peaks: one process (this one), then DDP and FSDP on 2 gloo processes
+SCENARIOS = Scenarios(here=dict(nproc=0), ranks=dict(nproc=2, timeout=240))
 
 
 def _batch():
@@ -44,11 +48,16 @@ def _real(name, work_dir):
     return measure_step(model, wrapper, _batch(), fsdp=name == 'fsdp')['peak']
 
 
-def _real_distributed(work_dir):
+def _real_distributed(work_dir, name):
     from stratagem.env import init_dist
 
-    init_dist('pytorch', backend='gloo')
-    return {name: _real(name, work_dir) for name in ('ddp', 'fsdp')}
+    init_dist('pytorch', backend='gloo')  # once: a later call uses the group
+    return _real(name, work_dir)
+
+
+SCENARIOS.add('here', name='real_single')(functools.partial(_real, 'single'))
+for _name in ('ddp', 'fsdp'):
+    SCENARIOS.add('ranks', name=f'real_{_name}')(functools.partial(_real_distributed, name=_name))
 
 
 def _estimate(name, nproc):
@@ -58,15 +67,14 @@ def _estimate(name, nproc):
 
 
 @pytest.fixture(scope='module')
-def real_peaks(tmp_path_factory):
-    work = str(tmp_path_factory.mktemp('mem'))
-    peaks = {'single': _real('single', work)}
-    peaks.update(run_distributed(_real_distributed, nproc=2, args=(work,), timeout=240)[0])
-    return peaks
+def scenarios(request, tmp_path_factory):
+    return SCENARIOS.run(request, tmp_path_factory.mktemp('mem'))
 
 
 @pytest.mark.parametrize('name,nproc', [('single', 1), ('ddp', 2), ('fsdp', 2)])
-def test_estimate_within_15_percent_of_a_real_step(real_peaks, name, nproc):
+@pytest.mark.scenario('real_{name}')
+def test_estimate_within_15_percent_of_a_real_step(scenario, name, nproc):
+    real_peaks = {name: scenario[0]}  # rank 0's
     estimate = _estimate(name, nproc)
     ratio = estimate.peak / real_peaks[name]
     print(f'{name}: estimate {estimate.peak} real {real_peaks[name]} ratio {ratio:.3f}')

@@ -6,9 +6,11 @@ program overwrites the model's parameters and buffers, the optimizer's own param
 partitions under DeepSpeed) and state in place, changes the lr and takes one more step; the
 committed checkpoint, resumed into a fresh strategy, equals the state at the call bit for bit.
 
-Processes start once for the module; each backend's check runs inside them.
+Processes start once for the module; each backend's check is a scenario that runs inside them
+(tests/scenarios.py), only for the backends of the selected tests.
 """
 
+import functools
 import importlib.util
 import os
 
@@ -16,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from dist_harness import run_distributed
+from scenarios import Scenarios
 
 BACKENDS = [
     'DDPStrategy',
@@ -31,6 +33,7 @@ _NEEDS = {
     'DeepSpeedStrategy-1': 'deepspeed',
     'DeepSpeedStrategy-3': 'deepspeed',
 }
+SCENARIOS = Scenarios(ranks=dict(nproc=2, timeout=400))
 
 
 def _net():
@@ -138,67 +141,68 @@ def _mutate(model, ow, rank):
                     v.fill_(3.0)  # positive: Adam takes the root of exp_avg_sq
 
 
-def _checks(tmp):
+def _check(tmp, backend):
+    """``backend``'s save, held at the writer while the program changes everything; the
+    resumed checkpoint against the state at the call. None without the backend's extra."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
     from stratagem.env import get_rank
 
-    out = {}
-    for backend in BACKENDS:
-        if backend in _NEEDS and importlib.util.find_spec(_NEEDS[backend]) is None:
-            out[backend] = None
-            continue
-        work = os.path.join(tmp, backend)
-        s, model, ow = _strategy(backend, work)
-        rank = get_rank()
-        for it in range(2):
-            _step(model, ow, rank, it)
-        expected = _fingerprint(s, ow)
-        gate, real = threading.Event(), AsyncCheckpointWriter.submit
+    if backend in _NEEDS and importlib.util.find_spec(_NEEDS[backend]) is None:
+        return None
+    work = os.path.join(tmp, backend)
+    s, model, ow = _strategy(backend, work)
+    rank = get_rank()
+    for it in range(2):
+        _step(model, ow, rank, it)
+    expected = _fingerprint(s, ow)
+    gate, real = threading.Event(), AsyncCheckpointWriter.submit
 
-        def submit(self, job, *args, _gate=gate, _real=real, **kwargs):
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix='stratagem-ckpt-writer')
-            self._pool.submit(_gate.wait, 120)  # the writer thread is held behind this
-            return _real(self, job, *args, **kwargs)
+    def submit(self, job, *args, _gate=gate, _real=real, **kwargs):
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix='stratagem-ckpt-writer')
+        self._pool.submit(_gate.wait, 120)  # the writer thread is held behind this
+        return _real(self, job, *args, **kwargs)
 
-        AsyncCheckpointWriter.submit = submit
-        try:
-            path = s.save_checkpoint('iter_2', extra_ckpt={'meta': {'iter': 2}})
-            pending = s.checkpointer.writer.pending
-            _mutate(model, ow, rank)
-            _step(model, ow, rank, 2)  # collectives on the default group while it is held
-            changed = _differences(_fingerprint(s, ow), expected) != []
-            gate.set()
-            s.wait_for_checkpoints()
-        finally:
-            gate.set()
-            AsyncCheckpointWriter.submit = real
-        reader, rmodel, row = _strategy(backend, os.path.join(tmp, backend + '_reader'))
-        meta = reader.resume(path)['meta']
-        out[backend] = dict(
-            pending=pending,
-            changed=changed,
-            iter=meta['iter'],
-            differences=_differences(_fingerprint(reader, row), expected),
-        )
-    return out
+    AsyncCheckpointWriter.submit = submit
+    try:
+        path = s.save_checkpoint('iter_2', extra_ckpt={'meta': {'iter': 2}})
+        pending = s.checkpointer.writer.pending
+        _mutate(model, ow, rank)
+        _step(model, ow, rank, 2)  # collectives on the default group while it is held
+        changed = _differences(_fingerprint(s, ow), expected) != []
+        gate.set()
+        s.wait_for_checkpoints()
+    finally:
+        gate.set()
+        AsyncCheckpointWriter.submit = real
+    reader, rmodel, row = _strategy(backend, os.path.join(tmp, backend + '_reader'))
+    meta = reader.resume(path)['meta']
+    return dict(
+        pending=pending,
+        changed=changed,
+        iter=meta['iter'],
+        differences=_differences(_fingerprint(reader, row), expected),
+    )
+
+
+for _backend in BACKENDS:
+    SCENARIOS.add('ranks', name=_backend)(functools.partial(_check, backend=_backend))
 
 
 @pytest.fixture(scope='module')
-def results(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp('snapshot'))
-    return run_distributed(_checks, nproc=2, args=(tmp,), timeout=400)
+def scenarios(request, tmp_path_factory):
+    return SCENARIOS.run(request, tmp_path_factory.mktemp('snapshot'))
 
 
 @pytest.mark.parametrize('backend', BACKENDS)
-def test_async_checkpoint_is_the_state_at_the_call(results, backend):
-    if results[0][backend] is None:
+@pytest.mark.scenario('{backend}')
+def test_async_checkpoint_is_the_state_at_the_call(scenario, backend):
+    if scenario[0] is None:
         pytest.skip(f'{_NEEDS[backend]} is an optional extra, not installed')
-    for rank, r in enumerate(results):
-        r = r[backend]
+    for rank, r in enumerate(scenario):
         assert r['pending'], 'the writer was held: the save must still be pending'
         assert r['changed'], 'the mutation changed nothing: the test would prove nothing'
         assert r['iter'] == 2

@@ -14,8 +14,9 @@ it resumed them and trained on (those of an uninterrupted run). Today's code res
 ranks, trains on the same way and must end there bit for bit; resumed in one process, it
 continues the window from the mean of the ranks' pending gradients.
 
-Processes start once for the module: every 2-rank resume (FSDP, DeepSpeed, the mid-window
-files) runs in one ``run_distributed`` call; the single-process loads run in this process.
+Processes start once for the module: the 2-rank resumes (FSDP, DeepSpeed, the mid-window
+files) are scenarios of one spawn (tests/scenarios.py), each run only when a selected test
+names it; the single-process loads run in this process.
 """
 
 import importlib
@@ -29,13 +30,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dist_harness import run_distributed
+from scenarios import Scenarios
 
 LEGACY = Path(__file__).resolve().parents[1] / 'data' / 'legacy'
 EXPECTED = json.loads((LEGACY / 'expected.json').read_text())
 NO_DEEPSPEED = 'DeepSpeed is an optional extra (stratagem[deepspeed])'
 PARTIAL = json.loads((LEGACY / 'partial_grads' / 'expected.json').read_text())
 PARTIAL_CASES = ('ddp', 'ddp_dict', 'fsdp_full')
+SCENARIOS = Scenarios(ranks=dict(nproc=2, timeout=300))
 
 
 def _net() -> nn.Module:
@@ -144,14 +146,24 @@ def _resume(layout: str, root: str, work_dir: str, via: str | None = None) -> di
     )
 
 
-def _two_ranks(root: str, with_deepspeed: bool) -> dict:
-    """Every 2-rank check of the module, in one process group."""
-    out = {'fsdp': _resume('fsdp', root, str(Path(root) / 'work_fsdp'))}
-    if with_deepspeed:
-        out['deepspeed'] = _resume('deepspeed', root, str(Path(root) / 'work_deepspeed'))
-    for case in PARTIAL_CASES:
-        out[case] = _resume_mid_window(case, root, str(Path(root) / f'work_{case}'))
-    return out
+@SCENARIOS.add('ranks')
+def fsdp_on_two_ranks(root: str) -> dict:
+    return _resume('fsdp', root, str(Path(root) / 'work_fsdp'))
+
+
+@SCENARIOS.add('ranks')
+def mid_window_on_two_ranks(root: str) -> dict:
+    return {
+        case: _resume_mid_window(case, root, str(Path(root) / f'work_{case}'))
+        for case in PARTIAL_CASES
+    }
+
+
+@SCENARIOS.add('ranks')
+def deepspeed_on_two_ranks(root: str) -> dict | None:
+    if not _importable('deepspeed'):
+        return None  # its test skips
+    return _resume('deepspeed', root, str(Path(root) / 'work_deepspeed'))
 
 
 def _mismatches(got: dict, want: dict, what: str) -> list[str]:
@@ -201,14 +213,13 @@ def _importable(name: str) -> bool:
 
 
 @pytest.fixture(scope='module')
-def two_ranks(tmp_path_factory) -> list[dict]:
+def scenarios(request, tmp_path_factory):
     root = tmp_path_factory.mktemp('legacy')
     _copy('fsdp', root)
     shutil.copytree(LEGACY / 'partial_grads', root / 'partial_grads')
-    with_deepspeed = _importable('deepspeed')
-    if with_deepspeed:
+    if _importable('deepspeed'):
         _copy('deepspeed', root)
-    return run_distributed(_two_ranks, nproc=2, args=(str(root), with_deepspeed), timeout=300)
+    return SCENARIOS.run(request, root)
 
 
 # --------------------------------------------------------------------- single file
@@ -239,10 +250,11 @@ def test_single_file_loads_weights_and_verifies(tmp_path):
 
 
 # ---------------------------------------------------------------- FSDP directory
-def test_fsdp_directory_resumes_exactly_on_two_ranks(two_ranks):
-    for rank, out in enumerate(two_ranks):
-        assert out['fsdp']['rank'] == rank
-        _assert_resumed('fsdp', out['fsdp'], rank)
+@pytest.mark.scenario('fsdp_on_two_ranks')
+def test_fsdp_directory_resumes_exactly_on_two_ranks(scenario):
+    for rank, out in enumerate(scenario):
+        assert out['rank'] == rank
+        _assert_resumed('fsdp', out, rank)
 
 
 @pytest.mark.filterwarnings('ignore:.*re-seeded')  # 2 ranks' RNG streams into 1: by design
@@ -271,15 +283,16 @@ def test_fsdp_directory_loads_in_one_process(tmp_path):
 
 
 # ------------------------------------------------------------ DeepSpeed directory
-def test_deepspeed_directory_resumes_exactly_on_two_ranks(two_ranks):
+@pytest.mark.scenario('deepspeed_on_two_ranks')
+def test_deepspeed_directory_resumes_exactly_on_two_ranks(scenario):
     pytest.importorskip('deepspeed', reason=NO_DEEPSPEED)
-    for rank, out in enumerate(two_ranks):
-        assert out['deepspeed']['rank'] == rank
-        _assert_resumed('deepspeed', out['deepspeed'], rank)
+    for rank, out in enumerate(scenario):
+        assert out['rank'] == rank
+        _assert_resumed('deepspeed', out, rank)
         # fp32 training: the master weights are the module's
         assert (
             _mismatches(
-                {k: v['fp32'] for k, v in out['deepspeed']['optimizer'].items()},
+                {k: v['fp32'] for k, v in out['optimizer'].items()},
                 EXPECTED['deepspeed']['weights'],
                 'fp32 master',
             )
@@ -441,10 +454,11 @@ def test_mid_window_files_are_format_1():
     ]
 
 
+@pytest.mark.scenario('mid_window_on_two_ranks')
 @pytest.mark.parametrize('case', PARTIAL_CASES)
-def test_mid_window_resumes_exactly_on_two_ranks(two_ranks, case):
+def test_mid_window_resumes_exactly_on_two_ranks(scenario, case):
     want = PARTIAL[case]
-    for rank, ranks in enumerate(two_ranks):
+    for rank, ranks in enumerate(scenario):
         got = ranks[case]
         assert got['rank'] == rank
         assert _mismatches(got['fresh'], want['weights_at_save'], 'fresh')  # other weights

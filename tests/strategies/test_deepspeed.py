@@ -2,13 +2,15 @@
 clipping and schedulers against the OptimWrapper oracle, checkpoints (exact resume, 2 -> 1,
 tampering, conversion).
 
-Processes start twice for the module (2 ranks, then 1 rank to resume at another world size),
-and every check runs inside them, several engines per process: DeepSpeed JIT-builds its shm
-communication op once per machine (~30-60 s cold, cached in ~/.cache/torch_extensions).
+Processes start at most twice for the module (2 ranks, then 1 rank to resume at another world
+size), and every check runs inside them as a scenario (tests/scenarios.py), several engines
+per process: DeepSpeed JIT-builds its shm communication op once per machine (~30-60 s cold,
+cached in ~/.cache/torch_extensions). A session runs only the scenarios its tests name.
 Optimizers are torch's (a DeepSpeed-config optimizer would JIT-build fused_adam).
 """
 
 import errno
+import functools
 import os
 import pickle
 import shutil
@@ -21,7 +23,7 @@ from torch import nn
 
 pytest.importorskip('deepspeed', reason='DeepSpeed is an optional extra (stratagem[deepspeed])')
 
-from dist_harness import RankFailure, run_distributed
+from scenarios import Scenarios
 
 MAX_ITERS = 10
 SAVE_AT = 6  # a window boundary (windows of 3: [0,3) [3,6) [6,9) [9,10))
@@ -38,6 +40,8 @@ _COMPONENTS = dict(
     ],
     dispatch_kwargs=dict(max_iters=MAX_ITERS, train_micro_batch_size_per_gpu=4),
 )
+# 'ranks': every check; 'one_rank': the 2-rank ZeRO-2 checkpoint resumed on 1 rank
+SCENARIOS = Scenarios(ranks=dict(nproc=2, timeout=420), one_rank=dict(nproc=1, timeout=240))
 
 
 def _net() -> nn.Module:
@@ -116,30 +120,11 @@ def _train(s, model, ow, scheds, start, stop, rank, updates=None):
             sch.step()
 
 
-def _checks(tmp):
-    """Runs in each of 2 ranks; returns measured values (the checks below, in order)."""
-    import deepspeed
-
+@SCENARIOS.add('ranks')
+def zero_stages(tmp):
+    """ZeRO 0-3, fp32, torch Adam: 3 steps equal one process on the whole batch."""
     out = {}
-    ref, _, _ = _oracle(3, schedulers=False)  # the reference of the first two checks
-    _zero_stages_equal_one_process(tmp, out, ref)
-    _bf16_close_to_fp32(tmp, out, ref)
-    _accumulation_clipping_schedulers_equal_oracle(tmp, out)
-    _zero_grad_inside_a_window_drops_or_refuses(tmp, out)
-    _auto_scale_lr_applies(tmp, out)
-    _disagreeing_settings_raise(tmp, out)
-    _mmengine_config_builds_and_trains(tmp, out)
-    for stage in (2, 3):
-        _save_resume_exact(tmp, out, stage)
-    _load_checkpoint_refreshes_master_weights(tmp, out)
-    _tampered_checkpoints_refused(tmp, out)
-    out['deepspeed_version'] = deepspeed.__version__
-    out['async'] = _async_checks(tmp)
-    return out
-
-
-def _zero_stages_equal_one_process(tmp, out, ref):
-    """ZeRO 0-3, fp32, torch Adam: 3 steps equal one process on the whole batch (``ref``)."""
+    ref, _, _ = _oracle(3, schedulers=False)
     for stage in (0, 1, 2, 3):
         s = _strategy(os.path.join(tmp, f'z{stage}'), zero_optimization=dict(stage=stage))
         model, ow = s.prepare(
@@ -154,10 +139,13 @@ def _zero_stages_equal_one_process(tmp, out, ref):
             s.model.gradient_clipping(),
         )
         out['rank'], out['world'] = s.rank, s.world_size
+    return out
 
 
-def _bf16_close_to_fp32(tmp, out, ref):
-    """bf16 (ZeRO-2) runs the same 3 steps, close to the fp32 ``ref``."""
+@SCENARIOS.add('ranks')
+def bf16(tmp):
+    """bf16 (ZeRO-2) runs the same 3 steps, close to fp32 on the whole batch."""
+    ref, _, _ = _oracle(3, schedulers=False)
     s = _strategy(
         os.path.join(tmp, 'bf16'),
         zero_optimization=dict(stage=2),
@@ -170,36 +158,48 @@ def _bf16_close_to_fp32(tmp, out, ref):
         dispatch_kwargs=dict(train_micro_batch_size_per_gpu=4),
     )
     _train(s, model, ow, [], 0, 3, s.rank)
-    out['bf16_dtype'] = str(next(s.model.module.parameters()).dtype)
-    out['bf16_diff'] = _max_diff(_full_weights(s), ref)
+    return {
+        'bf16_dtype': str(next(s.model.module.parameters()).dtype),
+        'bf16_diff': _max_diff(_full_weights(s), ref),
+    }
 
 
-def _accumulation_clipping_schedulers_equal_oracle(tmp, out):
-    """Accumulation 3 with a tail window, clipping, schedulers: the OptimWrapper oracle's."""
+def _accumulation_clipping_schedulers(tmp, stage):
+    """Accumulation 3 with a tail window, clipping, schedulers under ZeRO ``stage``, and the
+    OptimWrapper oracle's."""
     want, want_lrs, want_norms = _oracle(MAX_ITERS, 3, clip=0.5)
-    for stage in (0, 2, 3):
-        s = _strategy(os.path.join(tmp, f'acc{stage}'), zero_optimization=dict(stage=stage))
-        model, ow, scheds = s.prepare(_net(), **_COMPONENTS)
-        lrs = []
-        ow.optimizer.register_step_pre_hook(lambda o, *a: lrs.append(o.param_groups[0]['lr']))
-        norms = []
-        _train(s, model, ow, scheds, 0, MAX_ITERS, s.rank, norms)
-        out[f'acc{stage}'] = dict(
+    s = _strategy(os.path.join(tmp, f'acc{stage}'), zero_optimization=dict(stage=stage))
+    model, ow, scheds = s.prepare(_net(), **_COMPONENTS)
+    lrs = []
+    ow.optimizer.register_step_pre_hook(lambda o, *a: lrs.append(o.param_groups[0]['lr']))
+    norms = []
+    _train(s, model, ow, scheds, 0, MAX_ITERS, s.rank, norms)
+    return {
+        f'acc{stage}': dict(
             diff=_max_diff(_full_weights(s), want),
             updates=s.model.global_steps,
             lrs=lrs,
             norms=norms,
             inner=ow.inner_count,
-        )
-    out['oracle'] = dict(lrs=want_lrs, norms=want_norms)
+        ),
+        'oracle': dict(lrs=want_lrs, norms=want_norms),
+    }
 
 
-def _zero_grad_inside_a_window_drops_or_refuses(tmp, out):
+for _stage in (0, 2, 3):
+    SCENARIOS.add('ranks', name=f'accumulation_{_stage}')(
+        functools.partial(_accumulation_clipping_schedulers, stage=_stage)
+    )
+
+
+@SCENARIOS.add('ranks')
+def zero_grad_in_window(tmp):
     """zero_grad inside a window drops its partial gradients, as OptimWrapper's does."""
     from torch.nn import functional as F
 
     from stratagem.optim import OptimWrapper
 
+    out = {}
     ref_model = _net()
     ref_ow = OptimWrapper(torch.optim.Adam(ref_model.parameters(), lr=0.05), accumulative_counts=3)
     ref_ow.initialize_count_status(ref_model, 0, 3)
@@ -223,9 +223,11 @@ def _zero_grad_inside_a_window_drops_or_refuses(tmp, out):
                     except RuntimeError as e:  # refused under ZeRO: DeepSpeed's buffers
                         out[f'zero_grad{stage}'] = str(e)
         out.setdefault(f'zero_grad{stage}', _max_diff(_full_weights(s), ref_model.state_dict()))
+    return out
 
 
-def _auto_scale_lr_applies(tmp, out):
+@SCENARIOS.add('ranks')
+def auto_scale_lr(tmp):
     """auto_scale_lr (mmengine's DeepSpeedStrategy never applies it): real batch 2 ranks x 4 x 3."""
     s = _strategy(
         os.path.join(tmp, 'scale'),
@@ -240,10 +242,11 @@ def _auto_scale_lr_applies(tmp, out):
     used = []
     ow.optimizer.register_step_pre_hook(lambda o, *a: used.append(o.param_groups[0]['lr']))
     _train(s, model, ow, [], 0, 3, s.rank)
-    out['scaled_lr'] = (ow.get_lr()['lr'][0], used)
+    return {'scaled_lr': (ow.get_lr()['lr'][0], used)}
 
 
-def _disagreeing_settings_raise(tmp, out):
+@SCENARIOS.add('ranks')
+def disagreeing_settings(tmp):
     """Disagreeing DeepSpeed settings raise, naming both values."""
     errors = {}
     for key, kwargs, wrapper in (
@@ -262,10 +265,11 @@ def _disagreeing_settings_raise(tmp, out):
             )
         except (ValueError, TypeError) as e:
             errors[key] = str(e)
-    out['errors'] = errors
+    return {'errors': errors}
 
 
-def _mmengine_config_builds_and_trains(tmp, out):
+@SCENARIOS.add('ranks')
+def mmengine_config(tmp):
     """An mmengine DeepSpeedStrategy config builds (fp16 -> bf16 on this CPU) and trains."""
     s = _strategy(
         os.path.join(tmp, 'mm'),
@@ -295,11 +299,12 @@ def _mmengine_config_builds_and_trains(tmp, out):
         dispatch_kwargs=dict(max_iters=4),
     )
     _train(s, model, ow, [], 0, 4, s.rank)
-    out['mm_updates'] = s.model.global_steps
+    return {'mm_updates': s.model.global_steps}
 
 
-def _save_resume_exact(tmp, out, stage):
+def _save_resume_exact(tmp, stage):
     """Run B resumes run A's checkpoint at SAVE_AT and ends where A ended, bit for bit."""
+    out = {}
     work = os.path.join(tmp, f'ck{stage}')
     path, saved, rng_after_save, final_a = _run_a_saves(work, out, stage)
     torch.manual_seed(1234)  # a resumed run must get its RNG back from the checkpoint
@@ -320,6 +325,13 @@ def _save_resume_exact(tmp, out, stage):
         final=final_a,
         work_listing=sorted(os.listdir(work)),
     )
+    return out
+
+
+for _stage in (2, 3):
+    SCENARIOS.add('ranks', name=f'save_resume_{_stage}')(
+        functools.partial(_save_resume_exact, stage=_stage)
+    )
 
 
 def _run_a_saves(work, out, stage):
@@ -339,8 +351,10 @@ def _run_a_saves(work, out, stage):
     return path, saved, rng_after_save, _full_weights(a)
 
 
-def _load_checkpoint_refreshes_master_weights(tmp, out):
+@SCENARIOS.add('ranks', needs=['save_resume_2'])
+def load_checkpoint(tmp, save_resume_2):
     """Weights only, from the directory, into a fresh ZeRO-2 engine: the fp32 masters follow."""
+    out = save_resume_2
     c = _strategy(os.path.join(tmp, 'load'), zero_optimization=dict(stage=2))
     model, ow = c.prepare(
         _net(),
@@ -350,23 +364,27 @@ def _load_checkpoint_refreshes_master_weights(tmp, out):
     c.load_checkpoint(out['resume2']['path'])
     loaded = _full_weights(c)
     _train(c, model, ow, [], 0, 1, c.rank)  # an update with lr 0 keeps them
-    out['load_only'] = (
-        _max_diff(loaded, out['resume2']['saved']),
-        _max_diff(_full_weights(c), out['resume2']['saved']),
-    )
+    return {
+        'load_only': (
+            _max_diff(loaded, out['resume2']['saved']),
+            _max_diff(_full_weights(c), out['resume2']['saved']),
+        )
+    }
 
 
-def _tampered_checkpoints_refused(tmp, out):
+@SCENARIOS.add('ranks', needs=['save_resume_2'])
+def tampered(tmp, save_resume_2):
     """Tampering: refused on every rank before DeepSpeed unpickles anything."""
     from stratagem.checkpoint import CheckpointCorruptError
 
+    out = {}
     cases = {
         'flipped': os.path.join(tmp, 'flipped'),
         'payload': os.path.join(tmp, 'payload'),
         'foreign': os.path.join(tmp, 'foreign'),
     }
-    if out['rank'] == 0:
-        _tamper(out['resume2']['path'], cases, os.path.join(tmp, 'pwned'))
+    if torch.distributed.get_rank() == 0:
+        _tamper(save_resume_2['resume2']['path'], cases, os.path.join(tmp, 'pwned'))
     torch.distributed.barrier()
     d = _strategy(os.path.join(tmp, 'tamper'), zero_optimization=dict(stage=2))
     d.prepare(_net(), **_COMPONENTS)
@@ -379,6 +397,7 @@ def _tampered_checkpoints_refused(tmp, out):
             except CheckpointCorruptError as e:
                 out['tampered'][case, call] = str(e)
     out['pwned'] = os.path.exists(os.path.join(tmp, 'pwned'))
+    return out
 
 
 def _tamper(src, cases, pwned):
@@ -439,20 +458,12 @@ def _diff(a, b):
     return bad + [k for k in ('sched', 'wrapper', 'steps', 'lr') if a[k] != b[k]]
 
 
-def _async_checks(tmp):
-    """async_checkpoint=True: DeepSpeed's engine hands its files over in the foreground, the
-    writer thread writes and commits them while training (DeepSpeed's collectives on the
-    default group) goes on; the checkpoint holds the state at the save, exactly as a sync
-    save's; errors on the writer thread or before it reach every rank."""
-    out = {}
-    for stage in (1, 3):
-        out[stage], asyn = _async_save_is_the_state_at_the_call(tmp, stage)
-    out['errors'] = _async_errors_reach_every_rank(asyn)  # ZeRO-3's async strategy
-    return out
-
-
+# async_checkpoint=True: DeepSpeed's engine hands its files over in the foreground, the writer
+# thread writes and commits them while training (DeepSpeed's collectives on the default group)
+# goes on; the checkpoint holds the state at the save, exactly as a sync save's; errors on the
+# writer thread or before it reach every rank.
 def _async_save_is_the_state_at_the_call(tmp, stage):
-    """A sync and an async run side by side; returns the async save's record and strategy."""
+    """A sync and an async run side by side; returns the async save's record."""
     runs = []
     for kind in ('sync', 'async'):
         s = _strategy(
@@ -468,7 +479,13 @@ def _async_save_is_the_state_at_the_call(tmp, stage):
     sync_path = sync.save_checkpoint('sync_6', extra_ckpt=meta)
     r, path = _async_save_overlaps_training(runs, meta, at_save)
     _async_resumes_as_saved(tmp, stage, r, (path, sync_path), at_save)
-    return r, asyn
+    return r
+
+
+for _stage in (1, 3):
+    SCENARIOS.add('ranks', name=f'async_{_stage}')(
+        functools.partial(_async_save_is_the_state_at_the_call, stage=_stage)
+    )
 
 
 def _async_save_overlaps_training(runs, meta, at_save):
@@ -526,11 +543,21 @@ def _async_resumes_as_saved(tmp, stage, r, paths, at_save):
     r['vs_sync'] = _diff(resumed[0], resumed[1])
 
 
-def _async_errors_reach_every_rank(asyn):
-    """Failed commit, write and snapshot (at iteration 9, a window boundary) fail every rank."""
+@SCENARIOS.add('ranks')
+def async_errors(tmp):
+    """Failed commit, write and snapshot (at iteration 9, a window boundary) fail every rank:
+    a ZeRO-3 async run that saved async_6 and trained on to iteration 9."""
     from stratagem.checkpoint import directory
     from stratagem.strategies.deepspeed import capture
 
+    asyn = _strategy(
+        os.path.join(tmp, 'async_errors'), zero_optimization=dict(stage=3), async_checkpoint=True
+    )
+    model, ow, scheds = asyn.prepare(_net(), **_COMPONENTS)
+    _train(asyn, model, ow, scheds, 0, SAVE_AT, asyn.rank)
+    asyn.save_checkpoint('async_6', extra_ckpt={'meta': {'iter': SAVE_AT}})
+    _train(asyn, model, ow, scheds, SAVE_AT, SAVE_AT + 3, asyn.rank)
+    asyn.wait_for_checkpoints()
     real_finalize, real_write = directory.finalize_directory, capture.write_torch_file
     errors = {}
     errors['commit_rank0'] = _attempt(  # rank 0 alone calls finalize_directory
@@ -611,10 +638,12 @@ class _Boom:
         return (open, (self.path, 'w'))
 
 
-def _resume_one_rank(path, work):
+@SCENARIOS.add('one_rank', needs=['save_resume_2'])
+def resume_one_rank(tmp, save_resume_2):
     """Runs in 1 rank: resume the 2-rank ZeRO-2 checkpoint, finish the run on the whole batch."""
     from torch.nn import functional as F
 
+    path, work = save_resume_2['resume2']['path'], os.path.join(tmp, 'one')
     b = _strategy(work, zero_optimization=dict(stage=2))
     comps = dict(
         _COMPONENTS, dispatch_kwargs=dict(max_iters=MAX_ITERS, train_micro_batch_size_per_gpu=8)
@@ -639,27 +668,13 @@ def _resume_one_rank(path, work):
 
 
 @pytest.fixture(scope='module')
-def results(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp('deepspeed'))
-    try:
-        outs = run_distributed(_checks, nproc=2, args=(tmp,), timeout=420)
-    except RankFailure as e:
-        pytest.fail(f'{e}\n{e.output[-4000:]}')
-    try:
-        one = run_distributed(
-            _resume_one_rank,
-            nproc=1,
-            args=(outs[0]['resume2']['path'], os.path.join(tmp, 'one')),
-            timeout=240,
-        )[0]
-    except RankFailure as e:  # reported by the test that needs it
-        one = e
-    return tmp, outs, one
+def scenarios(request, tmp_path_factory):
+    return SCENARIOS.run(request, tmp_path_factory.mktemp('deepspeed'))
 
 
-def test_zero_stages_equal_one_process(results):
-    _, outs, _ = results
-    for out in outs:
+@pytest.mark.scenario('zero_stages')
+def test_zero_stages_equal_one_process(scenario):
+    for out in scenario:
         assert (out['rank'], out['world']) in ((0, 2), (1, 2))
         for stage in (0, 1, 2, 3):
             assert out[f'zero{stage}_diff'] < 1e-6, (stage, out[f'zero{stage}_diff'])
@@ -667,16 +682,18 @@ def test_zero_stages_equal_one_process(results):
             assert out[f'zero{stage}_gas_clip'] == (1, 0.0)
 
 
-def test_bf16_runs_within_tolerance(results):
-    for out in results[1]:
+@pytest.mark.scenario('bf16')
+def test_bf16_runs_within_tolerance(scenario):
+    for out in scenario:
         assert out['bf16_dtype'] == 'torch.bfloat16'
         # bf16 weights (8 bits of mantissa) after 3 Adam steps of lr 0.05: ~1e-2 of fp32
         assert 0 < out['bf16_diff'] < 2e-2, out['bf16_diff']
 
 
 @pytest.mark.parametrize('stage', [0, 2, 3])
-def test_accumulation_clipping_schedulers_equal_optim_wrapper(results, stage):
-    _, outs, _ = results
+@pytest.mark.scenario('accumulation_{stage}')
+def test_accumulation_clipping_schedulers_equal_optim_wrapper(scenario, stage):
+    outs = scenario
     oracle = outs[0]['oracle']
     assert len(oracle['lrs']) == 4  # ceil(10 / 3) updates, the last over 1 micro-batch
     for out in outs:
@@ -690,14 +707,16 @@ def test_accumulation_clipping_schedulers_equal_optim_wrapper(results, stage):
         assert max(acc['norms']) > 0.5  # clipping was active
 
 
-def test_auto_scale_lr_applies(results):
-    for out in results[1]:
+@pytest.mark.scenario('auto_scale_lr')
+def test_auto_scale_lr_applies(scenario):
+    for out in scenario:
         lr, used = out['scaled_lr']
         assert lr == pytest.approx(0.15) and used == [pytest.approx(0.15)]
 
 
-def test_zero_grad_inside_a_window_drops_or_refuses(results):
-    for out in results[1]:
+@pytest.mark.scenario('zero_grad_in_window')
+def test_zero_grad_inside_a_window_drops_or_refuses(scenario):
+    for out in scenario:
         # without ZeRO the window's gradients are p.grad: dropped, as OptimWrapper drops them
         assert out['zero_grad0'] < 1e-6, out['zero_grad0']
         # under ZeRO they sit in DeepSpeed's reduced buffers: refused, never silently kept
@@ -705,8 +724,9 @@ def test_zero_grad_inside_a_window_drops_or_refuses(results):
             assert 'inside an accumulation window (iteration 1)' in out[f'zero_grad{stage}']
 
 
-def test_disagreeing_settings_raise_naming_both(results):
-    errors = results[1][0]['errors']
+@pytest.mark.scenario('disagreeing_settings')
+def test_disagreeing_settings_raise_naming_both(scenario):
+    errors = scenario[0]['errors']
     assert 'gradient_accumulation_steps=2' in errors['gas']
     assert 'accumulative_counts=3' in errors['gas']
     assert 'gradient_clipping=1.0' in errors['clip'] and '0.0' in errors['clip']
@@ -715,14 +735,16 @@ def test_disagreeing_settings_raise_naming_both(results):
     assert 'AmpOptimWrapper' in errors['type']
 
 
-def test_mmengine_config_builds_and_trains(results):
-    for out in results[1]:
+@pytest.mark.scenario('mmengine_config')
+def test_mmengine_config_builds_and_trains(scenario):
+    for out in scenario:
         assert out['mm_updates'] == 2
 
 
 @pytest.mark.parametrize('stage', [2, 3])
-def test_save_resume_exact_at_two_ranks(results, stage):
-    _, outs, _ = results
+@pytest.mark.scenario('save_resume_{stage}')
+def test_save_resume_exact_at_two_ranks(scenario, stage):
+    outs = scenario
     for out in outs:
         r = out[f'resume{stage}']
         assert r['iter'] == SAVE_AT and r['exact'] and r['rng']
@@ -737,14 +759,16 @@ def test_save_resume_exact_at_two_ranks(results, stage):
     assert outs[0][f'resume{stage}']['exact'] == outs[1][f'resume{stage}']['exact']
 
 
-def test_load_checkpoint_refreshes_master_weights(results):
-    for out in results[1]:
+@pytest.mark.scenario('load_checkpoint')
+def test_load_checkpoint_refreshes_master_weights(scenario):
+    for out in scenario:
         loaded, after_zero_lr_step = out['load_only']
         assert loaded < 1e-6 and after_zero_lr_step < 1e-6
 
 
-def test_tampered_shard_refused_before_unpickling(results):
-    for out in results[1]:
+@pytest.mark.scenario('tampered')
+def test_tampered_shard_refused_before_unpickling(scenario):
+    for out in scenario:
         for call in ('resume', 'load_checkpoint'):
             msg = out['tampered']['flipped', call]
             assert 'optim_states.pt is damaged: xxh3_128' in msg, msg
@@ -756,16 +780,16 @@ def test_tampered_shard_refused_before_unpickling(results):
 
 
 @pytest.mark.parametrize('stage', [1, 3])
-def test_async_save_overlaps_training_and_resumes_exactly(results, stage):
-    for out in results[1]:
-        r = out['async'][stage]
+@pytest.mark.scenario('async_{stage}')
+def test_async_save_overlaps_training_and_resumes_exactly(scenario, stage):
+    for rank, r in enumerate(scenario):
         # save_checkpoint returned and 3 iterations (one update) ran before the writer
         # wrote a single file: the state changed under a pending save
         assert r['pending'] and r['written_meanwhile'] == 0 and not r['exists_meanwhile']
         assert r['trained'] and r['same_training'] == []
         # this rank's files: its optimizer partition; rank 0's model states (ZeRO-3: every
         # rank's) and rank 0's stratagem_state.pth
-        assert r['written'] == {1: (3, 1), 3: (3, 2)}[stage][out['rank']]
+        assert r['written'] == {1: (3, 1), 3: (3, 2)}[stage][rank]
         assert r['staged_bytes'] > 0
         assert r['latest'].endswith('async_6')
         assert r['iter_async'] == r['iter_sync'] == SAVE_AT
@@ -775,10 +799,11 @@ def test_async_save_overlaps_training_and_resumes_exactly(results, stage):
         assert r['vs_save'] == [] and r['vs_sync'] == []
 
 
-def test_async_errors_reach_every_rank(results):
-    outs = results[1]
+@pytest.mark.scenario('async_errors')
+def test_async_errors_reach_every_rank(scenario):
+    outs = scenario
     for out in outs:
-        errors = out['async']['errors']
+        errors = out
         for name in ('commit_rank0', 'write_rank1', 'snapshot_rank1', 'snapshot_rank0'):
             e = errors[name]
             assert e['error'] is not None and not e['exists'], (name, e)
@@ -786,7 +811,7 @@ def test_async_errors_reach_every_rank(results):
         after = errors['after']  # the writer goes on after a failed save
         assert after['error'] is None and after['exists']
         assert after['latest'].endswith('after_errors')
-    zero, one = (out['async']['errors'] for out in outs)
+    zero, one = outs
     # a failure on the writer thread surfaces at the next wait, on every rank
     assert zero['commit_rank0']['where'] == one['commit_rank0']['where'] == 'wait'
     assert zero['commit_rank0']['error'] == 'OSError: injected: commit failed'
@@ -814,35 +839,34 @@ def test_async_errors_reach_every_rank(results):
     assert 'failed on rank 0: MemoryError: injected' in one['snapshot_rank0']['error']
 
 
-def test_resume_at_another_world_size(results):
-    _, outs, one = results
-    if isinstance(one, Exception):
-        pytest.fail(f'{one}\n{one.output[-4000:]}')
+@pytest.mark.scenario('resume_one_rank')
+def test_resume_at_another_world_size(scenario):
+    one, outs = scenario[0], scenario.needs['save_resume_2']
     assert one['iter'] == SAVE_AT and one['updates'] == 4
     assert _max_diff(one['final'], outs[0]['resume2']['final']) < 1e-6
 
 
-def test_convert_to_single_file_loads_in_single_device(results, tmp_path):
+@pytest.mark.parametrize('stage', [2, 3])
+@pytest.mark.scenario('save_resume_{stage}')
+def test_convert_to_single_file_loads_in_single_device(scenario, stage, tmp_path):
+    from stratagem.cli import main
     from stratagem.strategies import SingleDeviceStrategy
     from stratagem.strategies.deepspeed.files import convert_zero_checkpoint
 
-    _, outs, _ = results
-    from stratagem.cli import main
-
-    for stage in (2, 3):
-        src = outs[0][f'resume{stage}']['path']
-        dst = tmp_path / f'single{stage}.pth'
-        if stage == 2:  # the command and the function
-            assert main(['convert', src, str(dst)]) == 0
-        else:
-            convert_zero_checkpoint(src, dst)
-        s = SingleDeviceStrategy(work_dir=str(tmp_path / f'w{stage}'))
-        s.prepare(_net())
-        s.load_checkpoint(str(dst), strict=True)
-        got = s.model.state_dict()
-        want = outs[0][f'resume{stage}']['saved']
-        assert all(torch.equal(got[k], want[k]) for k in want)
-        assert torch.load(dst, weights_only=True)['meta']['iter'] == SAVE_AT
+    outs = scenario
+    src = outs[0][f'resume{stage}']['path']
+    dst = tmp_path / f'single{stage}.pth'
+    if stage == 2:  # the command and the function
+        assert main(['convert', src, str(dst)]) == 0
+    else:
+        convert_zero_checkpoint(src, dst)
+    s = SingleDeviceStrategy(work_dir=str(tmp_path / f'w{stage}'))
+    s.prepare(_net())
+    s.load_checkpoint(str(dst), strict=True)
+    got = s.model.state_dict()
+    want = outs[0][f'resume{stage}']['saved']
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.load(dst, weights_only=True)['meta']['iter'] == SAVE_AT
 
 
 # ---------------------------------------------------------------- one process, no DeepSpeed engine

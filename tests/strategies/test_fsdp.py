@@ -1,10 +1,11 @@
 """FSDPStrategy on 2 gloo processes (CPU): equivalence, accumulation, clipping, bf16, activation
 checkpointing, sharded checkpoints resumed exactly on 2 ranks, 2→1, 1→2, and across strategies.
 
-Processes are started four times for the whole module: the training checks (also compile,
-ignored_modules, skip_init_weights) and the first half of a run (2 ranks), a 1-rank FSDP
-resume, `stratagem train examples/configs/transformer_fsdp.py --nproc 2` (torchrun), and the
-resumes in new processes (2 ranks, also the example config's, through the reference loop).
+Processes are started at most four times for the module, each time for the scenarios the
+selected tests name (tests/scenarios.py): the training checks (also compile, ignored_modules,
+skip_init_weights) and the first half of a run (2 ranks), a 1-rank FSDP resume,
+`stratagem train examples/configs/transformer_fsdp.py --nproc 2` (torchrun), and the resumes
+in new processes (2 ranks, also the example config's, through the reference loop).
 """
 
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from dist_harness import run_distributed
+from scenarios import Scenarios
 
 MAX_ITERS = 8
 EXAMPLE = Path(__file__).resolve().parents[2] / 'examples' / 'configs' / 'transformer_fsdp.py'
@@ -28,6 +29,12 @@ COMPONENTS = dict(
         dict(type='CosineAnnealingLR', by_epoch=False, begin=4, T_max=4),
     ],
     dispatch_kwargs=dict(max_iters=MAX_ITERS),
+)
+SCENARIOS = Scenarios(
+    ranks=dict(nproc=2, timeout=300),  # the checks and the first half of the run
+    one_rank=dict(nproc=1, timeout=200),  # its checkpoint at 1 rank
+    here=dict(nproc=0),  # in the test process: SingleDeviceStrategy, `stratagem train`
+    resumes=dict(nproc=2, timeout=300),  # the resumes in new processes
 )
 
 
@@ -116,12 +123,13 @@ def _close(a, b, tol):
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in b) <= tol
 
 
-def _checks(work_dir):
+@SCENARIOS.add('ranks')
+def equal_one_process(work_dir):
+    """SGD + momentum, accumulation 3, clipping: equal to one process on the whole batch."""
     import torch.distributed as dist
     from torch.nn import functional as F
 
     out = {}
-    # 1. SGD + momentum, accumulation 3, clipping: equal to one process on the whole batch
     calls = []
     original = dist.reduce_scatter_single
 
@@ -130,39 +138,47 @@ def _checks(work_dir):
         return original(*args, **kwargs)
 
     dist.reduce_scatter_single = counting
-    for acc, clip in ((1, None), (3, 0.05)):
-        s = _strategy(work_dir)
-        model, ow = s.prepare(
-            _net(),
-            optim_wrapper=dict(
-                optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
-                accumulative_counts=acc,
-                clip_grad=None if clip is None else dict(type='norm', max_norm=clip),
-            ),
-            dispatch_kwargs=dict(max_iters=6),
-        )
-        calls.clear()
-        norms = []
-        for it in range(6):
-            x, y = _batch(it, s.rank, 2)
-            with ow.optim_context(model):
-                loss = F.cross_entropy(model(x), y)
-            ow.update_params(loss)
-            if clip and ow.should_update():
-                norms.append(
-                    float(
-                        ow.last_grad_norm.full_tensor()
-                        if hasattr(ow.last_grad_norm, 'full_tensor')
-                        else ow.last_grad_norm
+    try:
+        for acc, clip in ((1, None), (3, 0.05)):
+            s = _strategy(work_dir)
+            model, ow = s.prepare(
+                _net(),
+                optim_wrapper=dict(
+                    optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
+                    accumulative_counts=acc,
+                    clip_grad=None if clip is None else dict(type='norm', max_norm=clip),
+                ),
+                dispatch_kwargs=dict(max_iters=6),
+            )
+            calls.clear()
+            norms = []
+            for it in range(6):
+                x, y = _batch(it, s.rank, 2)
+                with ow.optim_context(model):
+                    loss = F.cross_entropy(model(x), y)
+                ow.update_params(loss)
+                if clip and ow.should_update():
+                    norms.append(
+                        float(
+                            ow.last_grad_norm.full_tensor()
+                            if hasattr(ow.last_grad_norm, 'full_tensor')
+                            else ow.last_grad_norm
+                        )
                     )
-                )
-        ref, ref_norms = _reference(6, acc, clip)
-        out[f'equal_acc{acc}'] = _close(_full_state(s)[0], ref, 1e-6)
-        out[f'reduce_scatters_acc{acc}'] = len(calls)
-        if clip:
-            out['norms'] = (norms, ref_norms)
-    dist.reduce_scatter_single = original
-    # 2. bf16 parameters (fp32 reduce) and activation checkpointing, against fp32
+            ref, ref_norms = _reference(6, acc, clip)
+            out[f'equal_acc{acc}'] = _close(_full_state(s)[0], ref, 1e-6)
+            out[f'reduce_scatters_acc{acc}'] = len(calls)
+            if clip:
+                out['norms'] = (norms, ref_norms)
+    finally:
+        dist.reduce_scatter_single = original
+    return out
+
+
+@SCENARIOS.add('ranks')
+def precision(work_dir):
+    """bf16 parameters (fp32 reduce), activation checkpointing and CPU offload, against fp32."""
+    out = {}
     for key, kw in (
         (
             'bf16',
@@ -183,8 +199,14 @@ def _checks(work_dir):
         _train(s, model, ow, [], 0, 3, 2)
         ref, _ = _reference(3)
         out[key] = max(float((_full_state(s)[0][k].float() - ref[k]).abs().max()) for k in ref)
-    # AmpOptimWrapper: it autocasts when model_wrapper sets no mixed_precision (as under
-    # mmengine); with mixed_precision set, precision is FSDP's and it does not autocast again
+    return out
+
+
+@SCENARIOS.add('ranks')
+def amp(work_dir):
+    """AmpOptimWrapper: it autocasts when model_wrapper sets no mixed_precision (as under
+    mmengine); with mixed_precision set, precision is FSDP's and it does not autocast again."""
+    out = {}
     for key, mp in (('amp', None), ('amp_mp', dict(param_dtype='bfloat16'))):
         s = _strategy(
             work_dir,
@@ -212,7 +234,13 @@ def _checks(work_dir):
             ow.loss_scaler is None,
             max(float((_full_state(s)[0][k].float() - ref[k]).abs().max()) for k in ref),
         )
-    # 3. errors
+    return out
+
+
+@SCENARIOS.add('ranks')
+def build_errors(work_dir):
+    """A misspelt wrap class; an optimizer built before prepare() sharded the model."""
+    out = {}
     for name, build in (
         (
             'wrap_class',
@@ -232,11 +260,34 @@ def _checks(work_dir):
             build()
         except ValueError as err:
             out[f'err_{name}'] = str(err)
-    out.update(_compile_checks(work_dir))
-    out.update(_ignored_checks(work_dir))
-    out.update(_skip_init_checks(work_dir))
-    out.update(_async_checks(work_dir))
-    # 4. first half of the resumed run: checkpoints on a boundary (3) and mid-window (4)
+    return out
+
+
+@SCENARIOS.add('ranks')
+def compile_per_block(work_dir):
+    return _compile_checks(work_dir)
+
+
+@SCENARIOS.add('ranks')
+def ignored_modules(work_dir):
+    return _ignored_checks(work_dir)
+
+
+@SCENARIOS.add('ranks')
+def skip_init_weights(work_dir):
+    return _skip_init_checks(work_dir)
+
+
+@SCENARIOS.add('ranks')
+def async_sharded_save(work_dir):
+    return _async_checks(work_dir)
+
+
+@SCENARIOS.add('ranks')
+def first_half(work_dir):
+    """The resumed run: checkpoints on a boundary (3, also one full file) and mid-window (4),
+    a save that fails at its commit, then on to MAX_ITERS."""
+    out = {}
     s = _strategy(work_dir)
     model, ow, scheds = s.prepare(_net(), **COMPONENTS)
     _train(s, model, ow, scheds, 0, 3, 2)
@@ -246,10 +297,12 @@ def _checks(work_dir):
     hashers = {m: m.hash_file for m in (commit, directory, manifest)}
     for module, func in hashers.items():  # count re-reads of written files
         module.hash_file = lambda *a, _f=func, **k: reads.append(a[0]) or _f(*a, **k)
-    s.save_checkpoint('iter_3', extra_ckpt={'meta': {'iter': 3}})
+    try:
+        s.save_checkpoint('iter_3', extra_ckpt={'meta': {'iter': 3}})
+    finally:
+        for module, func in hashers.items():
+            module.hash_file = func
     out['reread_after_write'] = [str(p) for p in reads]
-    for module, func in hashers.items():
-        module.hash_file = func
     out['state_3'] = _full_state(s)
     s.state_dict_type = 'full'
     s.save_checkpoint('iter_3_full.pth', extra_ckpt={'meta': {'iter': 3}})
@@ -259,10 +312,7 @@ def _checks(work_dir):
     s.state_dict_type = 'sharded'
     _train(s, model, ow, scheds, 3, 4, 2)
     s.save_checkpoint('iter_4', extra_ckpt={'meta': {'iter': 4}})
-    out.update(_in_place_checks(work_dir, out['state_3']))
     # a save that fails after the shards are written leaves iter_4 as the latest
-    from stratagem.checkpoint import directory
-
     out['failed_save'] = _failure(
         lambda: s.save_checkpoint('iter_4b', extra_ckpt={'meta': {'iter': 4}}),
         directory,
@@ -277,6 +327,11 @@ def _checks(work_dir):
     out['final'] = _full_state(s)
     out['lr'] = [g['lr'] for g in ow.param_groups]
     return out
+
+
+@SCENARIOS.add('ranks', needs=['first_half'])
+def resume_in_place(work_dir, first_half):
+    return _in_place_checks(work_dir, first_half['state_3'])
 
 
 def _in_place_checks(work_dir, state_3):
@@ -526,19 +581,21 @@ def _skip_init_checks(work_dir):
     cfg = dict(type='TransformerLM', vocab_size=16, dim=16, depth=2, heads=2, max_len=8)
     optim = dict(optimizer=dict(type='AdamW', lr=0.01))
     wrap = dict(auto_wrap_policy=['TransformerBlock'])
-    a = _strategy(work_dir, model_wrapper=wrap)
-    model_a, ow_a = a.prepare(dict(cfg), optim_wrapper=optim)
-    a.save_checkpoint('lm_init')
-    calls_normal = len(calls)
-    b = _strategy(work_dir, model_wrapper=wrap, skip_init_weights=True)
-    model_b, ow_b = b.prepare(dict(cfg), optim_wrapper=optim)
-    out = {
-        'init_calls': (calls_normal, len(calls) - calls_normal),
-        'meta': any(p.is_meta or p.to_local().is_meta for p in model_b.parameters()),
-        'local_numel': sum(p.to_local().numel() for p in model_b.parameters()),
-        'full_numel': sum(p.numel() for p in model_b.parameters()),
-    }
-    TransformerLM.init_weights = original
+    try:
+        a = _strategy(work_dir, model_wrapper=wrap)
+        model_a, ow_a = a.prepare(dict(cfg), optim_wrapper=optim)
+        a.save_checkpoint('lm_init')
+        calls_normal = len(calls)
+        b = _strategy(work_dir, model_wrapper=wrap, skip_init_weights=True)
+        model_b, ow_b = b.prepare(dict(cfg), optim_wrapper=optim)
+        out = {
+            'init_calls': (calls_normal, len(calls) - calls_normal),
+            'meta': any(p.is_meta or p.to_local().is_meta for p in model_b.parameters()),
+            'local_numel': sum(p.to_local().numel() for p in model_b.parameters()),
+            'full_numel': sum(p.numel() for p in model_b.parameters()),
+        }
+    finally:
+        TransformerLM.init_weights = original
     b.load_checkpoint(str(Path(work_dir) / 'lm_init'))
     # reading a checkpoint (or saving one) before the first step leaves no optimizer state
     # behind: torch creates it with a zero-lr step that would set Adam's step count to 1
@@ -581,13 +638,71 @@ def _resume(work_dir, name, world, stop=MAX_ITERS, save=None):
     return out
 
 
-def _resume_two(work_dir):
-    out = {
-        name: _resume(work_dir, name, 2)
-        for name in ('iter_3', 'iter_4', 'iter_3_full.pth', 'single.pth', 'one_rank')
+@SCENARIOS.add('one_rank', needs=['first_half'])
+def two_to_one(work_dir, first_half):
+    """The 2-rank checkpoint at iter 3 resumed on 1 rank, to iteration 5 (saved: one_rank)."""
+    return _resume(work_dir, 'iter_3', 1, 5, 'one_rank')
+
+
+@SCENARIOS.add('here', needs=['first_half'])
+def single_device(work_dir, first_half):
+    """SingleDeviceStrategy resumes the 2-rank FSDP directory and saves a file for FSDP."""
+    from stratagem.strategies import SingleDeviceStrategy
+
+    work = Path(work_dir)
+    single = SingleDeviceStrategy(work_dir=str(work / 'single_run'))
+    single.prepare(_net(), **COMPONENTS)
+    single.load_checkpoint(str(work / 'iter_3'))
+    single.resume(str(work / 'iter_3'))
+    single.save_checkpoint(str(work / 'single.pth'), extra_ckpt={'meta': {'iter': 3}})
+    return {
+        'state_dict': single.model.state_dict(),
+        'names': [n for n, _ in single.model.named_parameters()],
+        'optimizer_state': single.optim_wrapper.optimizer.state_dict()['state'],
     }
-    # the example transformer config, resumed by the reference loop from the checkpoint that
-    # `stratagem train --nproc 2` wrote at iter 4, into another work dir
+
+
+@SCENARIOS.add('here')
+def train_transformer_cli(work_dir):
+    """The example config end to end under torchrun; lm_resume resumes it."""
+    from stratagem.cli import main
+
+    return main(
+        [
+            'train',
+            str(EXAMPLE),
+            '--nproc',
+            '2',
+            '--work-dir',
+            str(Path(work_dir) / 'lm'),
+            '--cfg-options',
+            'train_cfg.max_iters=8',
+            'train_cfg.checkpoint_interval=4',
+        ]
+    )
+
+
+@SCENARIOS.add('resumes', needs=['first_half'])
+def resume_two_ranks(work_dir, first_half):
+    return {name: _resume(work_dir, name, 2) for name in ('iter_3', 'iter_4', 'iter_3_full.pth')}
+
+
+@SCENARIOS.add('resumes', needs=['two_to_one', 'resume_two_ranks'])
+def one_to_two(work_dir, two_to_one, resume_two_ranks):
+    """two_to_one's 1-rank checkpoint resumed on 2 ranks."""
+    return {'one_rank': _resume(work_dir, 'one_rank', 2)}
+
+
+@SCENARIOS.add('resumes', needs=['single_device', 'first_half'])
+def fsdp_loads_single_device(work_dir, single_device, first_half):
+    """FSDP on 2 ranks resumes the SingleDeviceStrategy file."""
+    return {'single.pth': _resume(work_dir, 'single.pth', 2)}
+
+
+@SCENARIOS.add('resumes', needs=['train_transformer_cli'])
+def lm_resume(work_dir, train_transformer_cli):
+    """The example transformer config, resumed by the reference loop from the checkpoint that
+    `stratagem train --nproc 2` wrote at iter 4, into another work dir."""
     from stratagem.config import Config
     from stratagem.loop import train
 
@@ -599,15 +714,18 @@ def _resume_two(work_dir):
         )
     )
     result = train(cfg, resume=str(Path(work_dir) / 'lm' / 'iter_4.pth'), progress=False)
-    out['lm_iter'] = result['iter']
-    # DDPStrategy (in the same process group) loads the 2-rank FSDP directory: full weights
+    return {'lm_iter': result['iter']}
+
+
+@SCENARIOS.add('resumes', needs=['first_half'])
+def ddp_loads_fsdp(work_dir, first_half):
+    """DDPStrategy (in the same process group) loads the 2-rank FSDP directory: full weights."""
     from stratagem.strategies import build_strategy
 
     ddp = build_strategy(dict(type='DDPStrategy', work_dir=str(Path(work_dir) / 'ddp_load')))
     ddp.prepare(_net(), **COMPONENTS)
     ddp.load_checkpoint(str(Path(work_dir) / 'iter_3'))
-    out['ddp_loaded'] = {k: v.detach().clone() for k, v in ddp.model.module.state_dict().items()}
-    return out
+    return {'ddp_loaded': {k: v.detach().clone() for k, v in ddp.model.module.state_dict().items()}}
 
 
 def _assert_equal_states(a, b):
@@ -619,63 +737,46 @@ def _assert_equal_states(a, b):
 
 
 @pytest.fixture(scope='module')
-def runs(tmp_path_factory):
-    work = tmp_path_factory.mktemp('fsdp')
-    first = run_distributed(_checks, nproc=2, args=(str(work),), timeout=300)
-    one = run_distributed(
-        _resume, nproc=1, args=(str(work), 'iter_3', 1, 5, 'one_rank'), timeout=200
-    )[0]
-    # a SingleDeviceStrategy checkpoint for FSDP to load
-    from stratagem.strategies import SingleDeviceStrategy
-
-    single = SingleDeviceStrategy(work_dir=str(work / 'single_run'))
-    single.prepare(_net(), **COMPONENTS)
-    sd_ckpt = single.load_checkpoint(str(work / 'iter_3'))
-    single.resume(str(work / 'iter_3'))
-    single.save_checkpoint(str(work / 'single.pth'), extra_ckpt={'meta': {'iter': 3}})
-    # the example config end to end under torchrun; _resume_two resumes it
-    from stratagem.cli import main
-
-    cli = main(
-        [
-            'train',
-            str(EXAMPLE),
-            '--nproc',
-            '2',
-            '--work-dir',
-            str(work / 'lm'),
-            '--cfg-options',
-            'train_cfg.max_iters=8',
-            'train_cfg.checkpoint_interval=4',
-        ]
-    )
-    second = run_distributed(_resume_two, nproc=2, args=(str(work),), timeout=300)
-    return dict(work=work, first=first, one=one, second=second, single=single, sd=sd_ckpt, cli=cli)
+def scenarios(request, tmp_path_factory):
+    return SCENARIOS.run(request, tmp_path_factory.mktemp('fsdp'))
 
 
-def test_training_equals_one_process(runs):
-    for out in runs['first']:
+@pytest.mark.scenario('equal_one_process')
+def test_training_equals_one_process(scenario):
+    for out in scenario:
         assert out['equal_acc1'] and out['equal_acc3']
         # one reduce-scatter per sharded group per update: 6 updates vs 2 updates
         assert out['reduce_scatters_acc3'] * 3 == out['reduce_scatters_acc1'] > 0
         norms, ref = out['norms']
         assert len(norms) == 2 and norms == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.mark.scenario('precision')
+def test_bf16_activation_checkpointing_and_offload_against_fp32(scenario):
+    for out in scenario:
         assert out['bf16'] < 3e-2  # bf16 parameters: ~3 significant digits
         assert out['ac'] < 1e-6 and out['offload'] < 1e-6
+
+
+@pytest.mark.scenario('amp')
+def test_amp_optim_wrapper_autocasts_unless_fsdp_mixed_precision(scenario):
+    for out in scenario:
         # AMP alone autocasts (bf16 activations); with mixed_precision it leaves it to FSDP
         assert out['amp'][:2] == ((True, torch.bfloat16), True) and out['amp'][2] < 3e-2
         assert out['amp_mp'][:2] == ((False, torch.bfloat16), True) and out['amp_mp'][2] < 3e-2
 
 
-def test_compile_per_block(runs):
-    for out in runs['first']:
+@pytest.mark.scenario('compile_per_block')
+def test_compile_per_block(scenario):
+    for out in scenario:
         assert out['compiled'] == ['1', '2']  # the two Blocks, not the root or the Linears
         assert out['graphs'] >= 1 and out['compile_err'] < 1e-6
         assert 'names another target' in out['err_compile_target']
 
 
-def test_ignored_modules(runs):
-    outs = runs['first']
+@pytest.mark.scenario('ignored_modules')
+def test_ignored_modules(scenario):
+    outs = scenario
     for out in outs:
         same, own = out['same_data'], out['own_data']
         assert same['kinds'] == {
@@ -698,8 +799,9 @@ def test_ignored_modules(runs):
     assert outs[0]['own_data']['norms'] == outs[1]['own_data']['norms']
 
 
-def test_skip_init_weights(runs):
-    for out in runs['first']:
+@pytest.mark.scenario('skip_init_weights')
+def test_skip_init_weights(scenario):
+    for out in scenario:
         assert out['init_calls'] == (1, 0)
         assert not out['meta']
         assert out['local_numel'] * 2 == pytest.approx(out['full_numel'], rel=0.01)
@@ -707,20 +809,23 @@ def test_skip_init_weights(runs):
         assert out['fresh_state'] == (0, 0)
 
 
-def test_sharded_save_reads_nothing_back(runs):
-    for out in runs['first']:
+@pytest.mark.scenario('first_half')
+def test_sharded_save_reads_nothing_back(scenario):
+    for out in scenario:
         assert out['reread_after_write'] == []
 
 
-def test_full_state_dict_is_one_file_gathered_on_rank_zero(runs):
-    first = runs['first']
+@pytest.mark.scenario('first_half')
+def test_full_state_dict_is_one_file_gathered_on_rank_zero(scenario):
+    first = scenario
     assert first[0]['full_file'] and first[1]['full_file']
     assert first[0]['full_held'] == (8, 8)  # 4 Linear weights + biases, their Adam states
     assert first[1]['full_held'] == (0, 0)
 
 
-def test_resume_reads_in_place_after_its_checks(runs):
-    for out in runs['first']:
+@pytest.mark.scenario('resume_in_place')
+def test_resume_reads_in_place_after_its_checks(scenario):
+    for out in scenario:
         assert out['refused_unchanged'] == [True, True], out['refused']
         assert 'param scheduler' in out['refused'][0] and 'nothing was changed' in out['refused'][0]
         # the param groups are checked from extra.pth's copy, before any shard is read
@@ -732,7 +837,7 @@ def test_resume_reads_in_place_after_its_checks(runs):
         seen, expected = out['callback_saw']
         assert seen == [expected]
         assert out['read_after_failure']
-    first = runs['first']
+    first = scenario
     assert first[1]['read_failed'] == 'OSError: injected: read failed'
     assert first[0]['read_failed'].startswith('RuntimeError: reading ')
     assert first[0]['read_failed'].endswith(
@@ -740,8 +845,9 @@ def test_resume_reads_in_place_after_its_checks(runs):
     )
 
 
-def test_async_sharded_save(runs):
-    for out in runs['first']:
+@pytest.mark.scenario('async_sharded_save')
+def test_async_sharded_save(scenario):
+    for out in scenario:
         assert out['pending_after_training']  # the write overlapped two training steps
         assert out['async_returned_s'] < 0.3  # returned before the (slowed) write
         assert out['async_iter'] == 3
@@ -749,70 +855,91 @@ def test_async_sharded_save(runs):
         _assert_equal_states(out['async_loaded'], out['sync_loaded'])
         _assert_equal_states(*out['trained_5'])  # training went on undisturbed
         assert not out['async_fail_exists']
-    assert runs['first'][0]['async_failed'] == 'OSError: injected: async commit failed'
-    assert runs['first'][1]['async_failed'].startswith('CheckpointVoteError: saving ')
-    assert (
-        'failed on rank 0: OSError: injected: async commit failed'
-        in runs['first'][1]['async_failed']
-    )
+    assert scenario[0]['async_failed'] == 'OSError: injected: async commit failed'
+    assert scenario[1]['async_failed'].startswith('CheckpointVoteError: saving ')
+    assert 'failed on rank 0: OSError: injected: async commit failed' in scenario[1]['async_failed']
 
 
-def test_errors(runs):
-    out = runs['first'][0]
+@pytest.mark.scenario('build_errors')
+def test_build_errors(scenario):
+    out = scenario[0]
     assert "['Blok']" in out['err_wrap_class'] and "'Block'" in out['err_wrap_class']
     assert 'before prepare() sharded' in out['err_prebuilt']
-    assert 'injected: disk full' in out['failed_save']
-    first = runs['first']
+
+
+@pytest.mark.scenario('first_half')
+def test_a_save_failed_at_its_commit_leaves_the_last_checkpoint(scenario):
+    first = scenario
+    assert 'injected: disk full' in first[0]['failed_save']
     assert first[0]['failed_save'].startswith('OSError')  # rank 0 raises its own error
     # the other rank learns it from the vote, with the rank and the cause
     assert first[1]['failed_save'].startswith('CheckpointVoteError: saving ')
     assert 'failed on rank 0: OSError: injected: disk full' in first[1]['failed_save']
-    for out in runs['first']:
-        assert out['latest_after_fail'] == str(runs['work'] / 'iter_4')
+    for out in first:
+        assert out['latest_after_fail'] == str(scenario.tmp / 'iter_4')
         assert [n for n in out['listing'] if 'iter_4' in n] == ['iter_4']  # no staging left
 
 
-def test_resume_two_ranks_bit_exact(runs):
-    for rank, out in enumerate(runs['second']):
-        ref = runs['first'][rank]
+@pytest.mark.scenario('resume_two_ranks')
+def test_resume_two_ranks_bit_exact(scenario):
+    for rank, out in enumerate(scenario):
+        ref = scenario.needs['first_half'][rank]
         for name in ('iter_3', 'iter_4', 'iter_3_full.pth'):
             _assert_equal_states(out[name]['final'], ref['final'])
             assert out[name]['lr'] == ref['lr']
         _assert_equal_states(out['iter_3']['loaded'], ref['state_3'])
-
-
-def test_two_to_one_and_one_to_two(runs):
-    ref = runs['first'][0]['state_3']
-    one = runs['one']
-    _assert_equal_states(one['loaded'], ref)
-    one_final = one['final']
-    for rank, out in enumerate(runs['second']):
-        _assert_equal_states(out['one_rank']['loaded'], one_final)
-        # 2 -> 1 resumes the schedule and counters as 2 -> 2 does; 1 -> 2 where 1 rank stopped
-        for key in ('resumed_lr', 'resumed_count', 'resumed_scheds'):
-            assert one[key] == out['iter_3'][key], key
-        assert out['one_rank']['resumed_lr'] == one['lr']
-        assert out['one_rank']['resumed_count'] == 5 == one['iter'] + 2
         assert out['iter_3']['rng_warning'] == []  # same world size: streams restored
-        # a world-size change re-seeds, said once (rank 0)
-        assert len(out['one_rank']['rng_warning']) == (rank == 0)
+
+
+@pytest.mark.scenario('two_to_one')
+def test_two_to_one(scenario):
+    ref = scenario.needs['first_half'][0]['state_3']
+    one = scenario[0]
+    _assert_equal_states(one['loaded'], ref)
     assert 'saved with world size 2, this run has 1' in one['rng_warning'][0]
     assert one['resumed_lr'] != one['lr']  # the schedule moved between iter 3 and 5
 
 
-def test_cross_strategy(runs):
-    ref_model, ref_optim = runs['first'][0]['state_3']
-    single = runs['single']
-    sd = single.model.state_dict()
+@pytest.mark.scenario('one_to_two')
+def test_one_to_two(scenario):
+    one = scenario.needs['two_to_one'][0]
+    one_final = one['final']
+    for rank, out in enumerate(scenario):
+        two = scenario.needs['resume_two_ranks'][rank]
+        _assert_equal_states(out['one_rank']['loaded'], one_final)
+        # 2 -> 1 resumes the schedule and counters as 2 -> 2 does; 1 -> 2 where 1 rank stopped
+        for key in ('resumed_lr', 'resumed_count', 'resumed_scheds'):
+            assert one[key] == two['iter_3'][key], key
+        assert out['one_rank']['resumed_lr'] == one['lr']
+        assert out['one_rank']['resumed_count'] == 5 == one['iter'] + 2
+        # a world-size change re-seeds, said once (rank 0)
+        assert len(out['one_rank']['rng_warning']) == (rank == 0)
+
+
+@pytest.mark.scenario('single_device')
+def test_single_device_resumes_the_fsdp_directory(scenario):
+    ref_model, ref_optim = scenario.needs['first_half'][0]['state_3']
+    single = scenario[0]
+    sd = single['state_dict']
     assert all(torch.equal(sd[k], ref_model[k]) for k in ref_model)
-    names = [n for n, _ in single.model.named_parameters()]
-    state = single.optim_wrapper.optimizer.state_dict()['state']
+    names = single['names']
+    state = single['optimizer_state']
     for i, name in enumerate(names):
         for key, value in ref_optim[name].items():
             assert torch.equal(torch.as_tensor(state[i][key]), torch.as_tensor(value))
-    for out in runs['second']:  # FSDP loaded the SingleDeviceStrategy file
-        _assert_equal_states(out['single.pth']['loaded'], runs['first'][0]['state_3'])
-        # DDPStrategy loaded the FSDP directory on 2 ranks
+
+
+@pytest.mark.scenario('fsdp_loads_single_device')
+def test_fsdp_resumes_the_single_device_file(scenario):
+    ref = scenario.needs['first_half'][0]['state_3']
+    for out in scenario:  # FSDP loaded the SingleDeviceStrategy file
+        _assert_equal_states(out['single.pth']['loaded'], ref)
+
+
+@pytest.mark.scenario('ddp_loads_fsdp')
+def test_ddp_loads_the_fsdp_directory(scenario):
+    ref_model, _ = scenario.needs['first_half'][0]['state_3']
+    for out in scenario:  # DDPStrategy loaded the FSDP directory on 2 ranks
         assert out['ddp_loaded'].keys() == ref_model.keys()
         assert all(torch.equal(out['ddp_loaded'][k], ref_model[k]) for k in ref_model)
 
@@ -857,13 +984,14 @@ def test_needs_distributed_launch():
         build_strategy(dict(type='FSDPStrategy'))
 
 
-def test_train_transformer_config_end_to_end(runs):
+@pytest.mark.scenario('train_transformer_cli')
+def test_train_transformer_config_end_to_end(scenario):
     """`stratagem train examples/configs/transformer_fsdp.py --nproc 2`: committed sharded
-    directories, and a resume from iter 4 ends bit-exact where the uninterrupted run did."""
+    directories and its run metrics."""
     from stratagem import checkpoint as ckpt
 
-    work = runs['work']
-    assert runs['cli'] == 0
+    work = scenario.tmp
+    assert scenario[0] == 0
     assert sorted(p.name for p in (work / 'lm').glob('iter_*')) == ['iter_4.pth', 'iter_8.pth']
     assert ckpt.find_latest_checkpoint(work / 'lm') == work / 'lm' / 'iter_8.pth'
     for it in (4, 8):
@@ -878,7 +1006,6 @@ def test_train_transformer_config_end_to_end(runs):
         assert {'.metadata', '__0_0.distcp', '__1_0.distcp', 'extra.pth'} <= {
             f['path'] for f in manifest['files']
         }
-    assert [out['lm_iter'] for out in runs['second']] == [8, 8]
     # run metrics: rank 0 alone wrote one row per log interval (tokens: language data)
     import csv
 
@@ -890,6 +1017,16 @@ def test_train_transformer_config_end_to_end(runs):
     assert float(rows[0]['grad_norm']) > 0  # the example clips
     assert float(rows[0]['checkpoint_stall_s']) > 0  # the save at iteration 4
     assert list((table.parent / 'tensorboard').glob('events.out.tfevents.*'))
+
+
+@pytest.mark.scenario('lm_resume')
+def test_transformer_config_resumed_from_iter_4_ends_bit_exact(scenario):
+    """The reference loop resumes the run of `stratagem train` from iter 4 and ends
+    bit-exact where the uninterrupted run did."""
+    from stratagem import checkpoint as ckpt
+
+    work = scenario.tmp
+    assert [out['lm_iter'] for out in scenario] == [8, 8]
     first = ckpt.read_sharded_checkpoint(work / 'lm' / 'iter_8.pth')
     resumed = ckpt.read_sharded_checkpoint(work / 'lm_resumed' / 'iter_8.pth')
     start = ckpt.read_sharded_checkpoint(work / 'lm' / 'iter_4.pth')

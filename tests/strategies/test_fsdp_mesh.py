@@ -4,20 +4,22 @@ as one process does; a resume mid-run is bit-exact; sharded checkpoints reshard 
 shapes (2-D / HSDP → flat 4, flat 4 → 2-D, → 2 processes, → 1 process, → one file and
 safetensors).
 
-Processes are started twice for the module: 4 ranks (training, resumes, reshards on 4), then
-2 ranks (``dict(shard=2)`` resumes); the 1-process loads run in the test process.
+Processes are started at most twice for the module, for the scenarios the selected tests name
+(tests/scenarios.py): 4 ranks (training, resumes, reshards on 4), then 2 ranks
+(``dict(shard=2)`` resumes); the 1-process loads run in the test process.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from pathlib import Path
 
 import pytest
 import torch
 
-from dist_harness import run_distributed
+from scenarios import Scenarios
 
 STEPS, SAVE_AT, MICRO, ACC = 20, 10, 2, 2
 MODEL = dict(vocab_size=16, dim=16, depth=2, heads=4, max_len=8)
@@ -32,6 +34,15 @@ MESHES = {
     '2d_sp': (dict(shard=2, tensor=2), True),
     'flat': (None, False),
 }
+# checkpoints saved at SAVE_AT on 4 ranks, resharded on 4 ranks: (source, mesh to resume on)
+RESHARDS = {
+    'hsdp_to_flat': ('hsdp', None),
+    '2d_to_flat': ('2d', None),
+    'flat_to_2d': ('flat', dict(shard=2, tensor=2)),
+    '2d_to_hsdp': ('2d', dict(replicate=2, shard=2)),
+    '2d_ac_to_flat': ('2d_ac', None),
+}
+SCENARIOS = Scenarios(four=dict(nproc=4, timeout=400), two=dict(nproc=2, timeout=200))
 
 
 def _plan(sequence):
@@ -143,24 +154,33 @@ def _resume(work, name, mesh, sequence=False, train_to=None):
     return out
 
 
-def _four(work):
-    results = {}
-    for name, (mesh, sequence) in MESHES.items():
-        s = _strategy(Path(work) / name, mesh, sequence)
-        model = _model()
-        torch.manual_seed(1)  # prepare's init_weights draws as the reference's does
-        model, ow = s.prepare(model, optim_wrapper=OPTIM, dispatch_kwargs=dict(max_iters=STEPS))
-        _train(s, model, ow, 0, SAVE_AT, save=str(Path(work) / f'{name}_10'))
-        at_save = _full_state(s)
-        _train(s, model, ow, SAVE_AT, STEPS)
-        results[name] = {
-            'final': _full_state(s),
-            'at_save': at_save,
-            'dp': (s.data_parallel_rank, s.data_parallel_size),
-            'reference': _reference(s.data_parallel_size),
-        }
-        s.wait_for_checkpoints()
-    # 2-D with activation checkpointing and an asynchronous save: the same numbers
+def _train_mesh(work, name):
+    """Train on mesh ``name`` (saved at SAVE_AT as ``<name>_10``) against one process."""
+    mesh, sequence = MESHES[name]
+    s = _strategy(Path(work) / name, mesh, sequence)
+    model = _model()
+    torch.manual_seed(1)  # prepare's init_weights draws as the reference's does
+    model, ow = s.prepare(model, optim_wrapper=OPTIM, dispatch_kwargs=dict(max_iters=STEPS))
+    _train(s, model, ow, 0, SAVE_AT, save=str(Path(work) / f'{name}_10'))
+    at_save = _full_state(s)
+    _train(s, model, ow, SAVE_AT, STEPS)
+    result = {
+        'final': _full_state(s),
+        'at_save': at_save,
+        'dp': (s.data_parallel_rank, s.data_parallel_size),
+        'reference': _reference(s.data_parallel_size),
+    }
+    s.wait_for_checkpoints()
+    return result
+
+
+for _name in MESHES:
+    SCENARIOS.add('four', name=f'train_{_name}')(functools.partial(_train_mesh, name=_name))
+
+
+@SCENARIOS.add('four', name='2d_ac')
+def two_d_ac(work):
+    """2-D with activation checkpointing and an asynchronous save (saved as 2d_ac_10)."""
     s = _strategy(
         Path(work) / '2d_ac',
         MESHES['2d'][0],
@@ -174,8 +194,12 @@ def _four(work):
     for p in model.parameters():  # after the call: must not reach the checkpoint
         p.data.fill_(7.0)
     s.wait_for_checkpoints()
-    results['2d_ac'] = {'at_save': results['2d']['at_save']}
-    # bf16 autocast (of a float32 model) on the 2-D mesh: float32's losses within bf16 rounding
+
+
+@SCENARIOS.add('four')
+def amp(work):
+    """bf16 autocast (of a float32 model) on the 2-D mesh: float32's losses within bf16
+    rounding."""
     amp = {**OPTIM, 'type': 'AmpOptimWrapper', 'dtype': 'bfloat16'}
     losses = {}
     for kind, optim in (('fp', OPTIM), ('amp', amp)):
@@ -190,29 +214,53 @@ def _four(work):
                 loss = model(x, y)['loss']
             ow.update_params(loss)
             losses[kind].append(float(loss))
-    results['amp'] = losses
-    # resume on the same mesh: the uninterrupted run, bit for bit
-    for name, (mesh, sequence) in MESHES.items():
-        results[name]['resumed'] = _resume(work, f'{name}_10', mesh, sequence, STEPS)
-    # across mesh shapes on 4 ranks
-    results['hsdp->flat'] = _resume(work, 'hsdp_10', None)
-    results['2d->flat'] = _resume(work, '2d_10', None)
-    results['flat->2d'] = _resume(work, 'flat_10', dict(shard=2, tensor=2))
-    results['2d->hsdp'] = _resume(work, '2d_10', dict(replicate=2, shard=2))
-    results['2d_ac->flat'] = _resume(work, '2d_ac_10', None)
-    return results
+    return losses
 
 
-def _two(work):
-    return {name: _resume(work, f'{name}_10', None) for name in ('hsdp', '2d', '2d_sp')}
+def _resume_same_mesh(work, name, **needs):
+    """Resume ``<name>_10`` on its own mesh (``needs``: its run, which saved it)."""
+    mesh, sequence = MESHES[name]
+    return _resume(work, f'{name}_10', mesh, sequence, STEPS)
+
+
+for _name in MESHES:
+    SCENARIOS.add('four', name=f'resume_{_name}', needs=[f'train_{_name}'])(
+        functools.partial(_resume_same_mesh, name=_name)
+    )
+
+
+def _reshard(work, case, **needs):
+    """Across mesh shapes on 4 ranks (``needs``: the runs that saved and compare)."""
+    source, mesh = RESHARDS[case]
+    return _resume(work, f'{source}_10', mesh)
+
+
+def _reshard_needs(source):
+    """The checkpoint's run, and the run whose state at the save it must hold: 2d_ac's is
+    the plain 2-D run's."""
+    return ['train_2d', '2d_ac'] if source == '2d_ac' else [f'train_{source}']
+
+
+for _case, (_source, _) in RESHARDS.items():
+    SCENARIOS.add('four', name=_case, needs=_reshard_needs(_source))(
+        functools.partial(_reshard, case=_case)
+    )
+
+
+def _to_two(work, source, **needs):
+    """``<source>_10`` on 2 ranks, ``dict(shard=2)`` (``needs``: the run that saved it)."""
+    return _resume(work, f'{source}_10', None)
+
+
+for _name in ('hsdp', '2d', '2d_sp'):
+    SCENARIOS.add('two', name=f'two_ranks_{_name}', needs=[f'train_{_name}'])(
+        functools.partial(_to_two, source=_name)
+    )
 
 
 @pytest.fixture(scope='module')
-def runs(tmp_path_factory):
-    work = tmp_path_factory.mktemp('mesh')
-    four = run_distributed(_four, nproc=4, args=(str(work),), timeout=400)
-    two = run_distributed(_two, nproc=2, args=(str(work),), timeout=200)
-    return dict(work=work, four=four, two=two)
+def scenarios(request, tmp_path_factory):
+    return SCENARIOS.run(request, tmp_path_factory.mktemp('mesh'))
 
 
 def _max_rel(a, b):
@@ -232,9 +280,9 @@ def _assert_equal(a, b):
 
 
 @pytest.mark.parametrize('name', list(MESHES))
-def test_mesh_training_equals_one_process(runs, name):
-    for out in runs['four']:
-        res = out[name]
+@pytest.mark.scenario('train_{name}')
+def test_mesh_training_equals_one_process(scenario, name):
+    for res in scenario:
         model = res['final'][0]
         assert model.keys() == res['reference'].keys()
         assert _max_rel(model, res['reference'])[0] < 1e-5, _max_rel(model, res['reference'])
@@ -249,64 +297,77 @@ def _reference_init():
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def test_bf16_autocast_on_the_2d_mesh(runs):
-    for out in runs['four']:
-        fp, amp = out['amp']['fp'], out['amp']['amp']
+@pytest.mark.scenario('amp')
+def test_bf16_autocast_on_the_2d_mesh(scenario):
+    for out in scenario:
+        fp, amp = out['fp'], out['amp']
         assert amp[0] != fp[0] and abs(amp[0] - fp[0]) < 1e-2 * fp[0]  # autocast ran
         assert all(abs(a - f) < 5e-2 * f for a, f in zip(amp, fp))  # and it trains alike
 
 
-def test_data_split_over_replicate_and_shard(runs):
-    dp = {name: [out[name]['dp'] for out in runs['four']] for name in MESHES}
-    assert dp['hsdp'] == [(0, 4), (1, 4), (2, 4), (3, 4)]
-    assert dp['2d'] == dp['2d_sp'] == [(0, 2), (0, 2), (1, 2), (1, 2)]  # a tensor group: one batch
-    assert dp['flat'] == dp['hsdp']
+_SPLITS = {
+    'hsdp': [(0, 4), (1, 4), (2, 4), (3, 4)],
+    '2d': [(0, 2), (0, 2), (1, 2), (1, 2)],  # a tensor group: one batch
+    '2d_sp': [(0, 2), (0, 2), (1, 2), (1, 2)],
+    'flat': [(0, 4), (1, 4), (2, 4), (3, 4)],  # as hsdp's
+}
 
 
 @pytest.mark.parametrize('name', list(MESHES))
-def test_resume_same_mesh_bit_exact(runs, name):
-    for out in runs['four']:
-        res = out[name]
-        _assert_equal(res['resumed']['loaded'], res['at_save'])
-        _assert_equal(res['resumed']['final'], res['final'])
-        assert not any('was saved on the mesh' in x for x in res['resumed']['said'])
+@pytest.mark.scenario('train_{name}')
+def test_data_split_over_replicate_and_shard(scenario, name):
+    assert [res['dp'] for res in scenario] == _SPLITS[name]
+
+
+@pytest.mark.parametrize('name', list(MESHES))
+@pytest.mark.scenario('resume_{name}')
+def test_resume_same_mesh_bit_exact(scenario, name):
+    for rank, resumed in enumerate(scenario):
+        res = scenario.needs[f'train_{name}'][rank]
+        _assert_equal(resumed['loaded'], res['at_save'])
+        _assert_equal(resumed['final'], res['final'])
+        assert not any('was saved on the mesh' in x for x in resumed['said'])
 
 
 @pytest.mark.parametrize(
     'case, source',
     [
-        ('hsdp->flat', 'hsdp'),
-        ('2d->flat', '2d'),
-        ('flat->2d', 'flat'),
-        ('2d->hsdp', '2d'),
+        ('hsdp_to_flat', 'hsdp'),
+        ('2d_to_flat', '2d'),
+        ('flat_to_2d', 'flat'),
+        ('2d_to_hsdp', '2d'),
         # activation checkpointing and an async save (the weights overwritten after the
         # call): the state of the plain 2-D run, bit for bit
-        ('2d_ac->flat', '2d_ac'),
+        ('2d_ac_to_flat', '2d'),
     ],
 )
-def test_reshard_across_meshes_on_four(runs, case, source):
-    for rank, out in enumerate(runs['four']):
-        _assert_equal(out[case]['loaded'], out[source]['at_save'])
-        assert out[case]['iter'] == SAVE_AT
-        said = [x for x in out[case]['said'] if 'was saved on the mesh' in x]
+@pytest.mark.scenario('{case}')
+def test_reshard_across_meshes_on_four(scenario, case, source):
+    for rank, out in enumerate(scenario):
+        _assert_equal(out['loaded'], scenario.needs[f'train_{source}'][rank]['at_save'])
+        assert out['iter'] == SAVE_AT
+        said = [x for x in out['said'] if 'was saved on the mesh' in x]
         assert len(said) == (rank == 0)  # once, on rank 0
-    first = [x for x in runs['four'][0]['2d->flat']['said'] if 'mesh' in x][0]
-    assert 'shard 2 × tensor 2' in first and 'this run has shard 4' in first
+    if case == '2d_to_flat':
+        first = [x for x in scenario[0]['said'] if 'mesh' in x][0]
+        assert 'shard 2 × tensor 2' in first and 'this run has shard 4' in first
 
 
 @pytest.mark.parametrize('source', ['hsdp', '2d', '2d_sp'])
-def test_reshard_to_two_processes(runs, source):
-    for out in runs['two']:
-        _assert_equal(out[source]['loaded'], runs['four'][0][source]['at_save'])
+@pytest.mark.scenario('two_ranks_{source}')
+def test_reshard_to_two_processes(scenario, source):
+    for out in scenario:
+        _assert_equal(out['loaded'], scenario.needs[f'train_{source}'][0]['at_save'])
 
 
 @pytest.mark.parametrize('source', ['hsdp', '2d'])
-def test_reshard_to_one_process_and_convert(runs, source, tmp_path):
+@pytest.mark.scenario('train_{source}')
+def test_reshard_to_one_process_and_convert(scenario, source, tmp_path):
     from stratagem.checkpoint.convert import convert_checkpoint
     from stratagem.strategies import SingleDeviceStrategy
 
-    model_ref, optim_ref = runs['four'][0][source]['at_save']
-    src = str(runs['work'] / f'{source}_10')
+    model_ref, optim_ref = scenario[0]['at_save']
+    src = str(scenario.tmp / f'{source}_10')
     s = SingleDeviceStrategy(work_dir=str(tmp_path / 'one'))
     s.prepare(_model(), optim_wrapper=OPTIM, dispatch_kwargs=dict(max_iters=STEPS))
     ckpt = s.resume(src)
