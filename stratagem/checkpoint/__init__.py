@@ -15,9 +15,8 @@ which needs nothing of it until a checkpoint is written or read. There is no cyc
 ``stratagem.env`` imports nothing of this package.
 """
 
-from .commit import save_checkpoint
+from .commit import commit_directory, finalize_directory, new_staging_dir, save_checkpoint
 from .content import add_safe_globals, get_safe_globals, safe_globals, validate_checkpoint_content
-from .dir_commit import commit_directory, finalize_directory, new_staging_dir
 from .directory import (
     DirectoryWriteResult,
     begin_directory_save,
