@@ -234,6 +234,7 @@ def _dist_checks(root):
     store = _own_store()[0]
     dist.barrier()
     keys_before = store.num_keys()
+    dist.barrier()  # both counted before either rank's next save posts its first keys
     start = time.monotonic()
     slow_dir = save_directory(root / 'iter_3', slow, step=3, timeout=8.0)
     out['slow_s'] = time.monotonic() - start
