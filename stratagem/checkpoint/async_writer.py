@@ -85,6 +85,13 @@ class AsyncCheckpointWriter:
         """True while a submitted job has not been collected by ``wait``."""
         return self._pending is not None
 
+    def uncollected_error(self) -> BaseException | None:
+        """The error of a finished job that no ``wait()`` collected yet, else None."""
+        future = self._pending
+        if future is None or not future.done():
+            return None
+        return future.exception()
+
     @property
     def staged_bytes(self) -> int:
         """Bytes held by the staging buffers (the extra memory of async saves)."""
@@ -157,15 +164,12 @@ class AsyncCheckpointWriter:
             if dtensor is not None and isinstance(obj, dtensor):
                 # this rank's shard is staged; the copy keeps the sharding (spec: mesh,
                 # placements, global shape), which is all DCP plans and writes from
-                local = self._copy_tensor(
-                    obj._local_tensor,  # type: ignore[attr-defined]
-                    key,
-                    used,
-                    aliases,
-                    pairs,
-                    cuda,
-                )
-                return dtensor(local, obj._spec, requires_grad=False)  # type: ignore[attr-defined]
+                shard = obj.to_local()  # type: ignore[attr-defined]
+                local = self._copy_tensor(shard, key, used, aliases, pairs, cuda)
+                # the DTensor's own spec, whole: DTensor.from_local would move the CPU copy
+                # to the mesh's device
+                spec = obj._spec  # type: ignore[attr-defined]  # noqa: SLF001 - torch: no public DTensorSpec accessor
+                return dtensor(local, spec, requires_grad=False)
             return self._copy_tensor(obj, key, used, aliases, pairs, cuda)
         if kind in (dict, OrderedDict):
             out = kind()
@@ -291,10 +295,10 @@ def _report_uncollected() -> None:
     """At exit (the writer threads have finished their jobs by now): log failures that no
     ``wait()`` collected, so a failed background save is never silent."""
     for writer in list(_LIVE):
-        future = writer._pending
-        if future is not None and future.done() and future.exception() is not None:
+        error = writer.uncollected_error()
+        if error is not None:
             _log.error(
                 'a background checkpoint save failed and the program ended before '
                 'wait_for_checkpoints() collected it: %s',
-                future.exception(),
+                error,
             )

@@ -272,7 +272,7 @@ def tensor_from_archive(blob: bytes) -> torch.Tensor | None:
     if blob[:4] != b'PK\x03\x04':  # torch.load's _is_zipfile: else its legacy format
         return None
     try:
-        archive = torch._C.PyTorchFileReader(io.BytesIO(blob))
+        archive = torch._C.PyTorchFileReader(io.BytesIO(blob))  # noqa: SLF001 - torch: torch.load's own zip reader, no public API
         # torch.load lists the records (raising unless all share one top directory) and
         # refuses a TorchScript archive (one with constants.pkl)
         if 'constants.pkl' in archive.get_all_records():

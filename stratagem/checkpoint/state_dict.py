@@ -126,7 +126,7 @@ def revise_keys(
         origin[new] = key
     metadata = getattr(state_dict, '_metadata', None)
     if metadata is not None:
-        revised._metadata = OrderedDict((revise(k) if k else k, v) for k, v in metadata.items())  # type: ignore[attr-defined]
+        revised._metadata = OrderedDict((revise(k) if k else k, v) for k, v in metadata.items())  # type: ignore[attr-defined]  # noqa: SLF001 - torch: a state dict's module versions
     return revised
 
 
@@ -191,7 +191,7 @@ def unwrap_model(module: nn.Module) -> nn.Module:
         if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             module = module.module
         elif type(module).__name__ == 'OptimizedModule' and hasattr(module, '_orig_mod'):
-            module = module._orig_mod  # type: ignore[assignment]
+            module = module._orig_mod  # type: ignore[assignment]  # noqa: SLF001 - torch.compile's wrapper: its only handle on the module
         else:
             return module
 
@@ -272,7 +272,7 @@ def _compare(module: nn.Module, state_dict: Mapping) -> tuple[LoadReport, Ordere
         else:
             loadable[key] = value
     if metadata is not None:
-        loadable._metadata = metadata  # type: ignore[attr-defined]
+        loadable._metadata = metadata  # type: ignore[attr-defined]  # noqa: SLF001 - torch: a state dict's module versions
     skipped = {key for key, *_ in shapes + types}
     report = LoadReport(
         missing_keys=[
@@ -299,7 +299,7 @@ def _filled_on_load(module: nn.Module, key: str, metadata: Mapping | None) -> bo
         owner = module.get_submodule(prefix) if prefix else module
     except AttributeError:
         return False
-    if not isinstance(owner, nn.modules.batchnorm._BatchNorm):
+    if not isinstance(owner, nn.modules.batchnorm._BatchNorm):  # noqa: SLF001 - torch: no public base class of the batch norms
         return False
     version = ((metadata or {}).get(prefix) or {}).get('version')
     return version is None or version < 2

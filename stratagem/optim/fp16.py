@@ -253,7 +253,7 @@ class LossScaler:
         if not grads:
             return False
         finite = [
-            torch.stack(torch._foreach_norm(gs, math.inf)).isfinite().all()
+            torch.stack(torch._foreach_norm(gs, math.inf)).isfinite().all()  # noqa: SLF001 - torch: no public fused norm of a tensor list before 2.6
             for gs in _by_device(grads).values()
         ]
         return not all(bool(f) for f in finite)

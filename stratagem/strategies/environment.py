@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from stratagem import env
+from stratagem.env.logging import remove_file_handlers
 from stratagem.registry import MODELS
 
 __all__ = [
@@ -74,11 +75,7 @@ def open_run_logger(log_kwargs: dict, log_file: str) -> logging.Logger:
     run, one file, so a previous strategy's file handler in this process goes."""
     if 'log_file' not in log_kwargs:
         log_kwargs['log_file'] = log_file
-        shared = logging.getLogger('stratagem')
-        for handler in list(shared.handlers):
-            if str(getattr(handler, '_stratagem_handler', '')).startswith('file:'):
-                shared.removeHandler(handler)
-                handler.close()
+        remove_file_handlers(logging.getLogger('stratagem'))
     return env.get_logger('stratagem', **log_kwargs)
 
 
@@ -118,7 +115,7 @@ def scale_lr(
             ' (the per-process batch size) to compute the real batch size'
         )
     for wrapper in wrappers:
-        acc = getattr(wrapper, '_accumulative_counts', 1)
+        acc = getattr(wrapper, 'accumulative_counts', 1)
         ratio = world_size * micro_batch * acc / cfg['base_batch_size']
         for group in wrapper.param_groups:
             group['lr'] = group['lr'] * ratio
@@ -140,7 +137,7 @@ def initialize_accumulation(
     """Tell accumulating wrappers where training stands (``done_iters``; None: their own
     count) and where it ends (the run's ``max_iters``)."""
     for wrapper in wrappers:
-        if getattr(wrapper, '_accumulative_counts', 1) > 1:
+        if getattr(wrapper, 'accumulative_counts', 1) > 1:
             total = max_iters(dispatch_kwargs)
             if total is None:
                 raise ValueError(

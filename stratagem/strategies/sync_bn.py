@@ -37,7 +37,7 @@ def differentiable_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return _AllReduceSum.apply(tensor)
 
 
-class AnyRankBatchNorm(nn.modules.batchnorm._BatchNorm):
+class AnyRankBatchNorm(nn.modules.batchnorm._BatchNorm):  # noqa: SLF001 - torch: no public base class of the batch norms
     """BatchNorm over dim 1 for inputs of any rank >= 2, as SyncBatchNorm accepts them."""
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
@@ -120,7 +120,7 @@ def replace_batchnorms(
 
     Returns the (possibly new) root module and the number of layers replaced.
     """
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and match(module):
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and match(module):  # noqa: SLF001 - torch: no public base class of the batch norms
         new = new_cls(
             module.num_features,
             module.eps,

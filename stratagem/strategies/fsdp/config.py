@@ -114,9 +114,9 @@ class WrapConfig:
         if self.buffer_dtype is None:
             return
         for module in model.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None and buf.is_floating_point() and buf.dtype != self.buffer_dtype:
-                    module._buffers[name] = buf.to(self.buffer_dtype)
+            for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+                if buf.is_floating_point() and buf.dtype != self.buffer_dtype:
+                    setattr(module, name, buf.to(self.buffer_dtype))  # stays a buffer
 
     def shard_kwargs(self, mesh: Any, device: torch.device) -> dict:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy

@@ -100,7 +100,7 @@ def _fsdp_params(model: nn.Module) -> list[tuple[str, Any]]:
     out = []
     for module in model.modules():
         state = getattr(module, '_get_fsdp_state', None)
-        group = state()._fsdp_param_group if state is not None else None
+        group = state()._fsdp_param_group if state is not None else None  # noqa: SLF001 - torch: FSDP2's parameter group, no public accessor
         if group is not None:
             out += [(names[id(fp.sharded_param)], fp) for fp in group.fsdp_params]
     return out
@@ -112,7 +112,7 @@ def pending_grads(model: nn.Module) -> dict:
     for name, fp in _fsdp_params(model):
         g = fp.unsharded_accumulated_grad
         if g is None and hasattr(fp, '_unsharded_param'):
-            g = fp._unsharded_param.grad
+            g = fp._unsharded_param.grad  # noqa: SLF001 - torch: FSDP2 accumulates unsynced grads there
         if g is not None:
             grads[name] = g.detach().clone()
     return grads
@@ -131,7 +131,7 @@ def set_pending_grads(model: nn.Module, grads: Mapping) -> None:
         g = grads.get(name)
         if g is None:
             continue
-        param = fp._unsharded_param
+        param = fp._unsharded_param  # noqa: SLF001 - torch: FSDP2 accumulates unsynced grads there
         if fp.reduce_dtype is not None and fp.reduce_dtype != param.dtype:
             fp.unsharded_accumulated_grad = g.to(param.device, fp.reduce_dtype, copy=True)
         else:

@@ -84,7 +84,7 @@ class ActivationCheckpointing:
         extra = {} if self.wrapper_fn is None else {'checkpoint_wrapper_fn': self.wrapper_fn}
         apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen, **extra)
         outer = {
-            id(m._checkpoint_wrapped_module): m
+            id(m._checkpoint_wrapped_module): m  # noqa: SLF001 - torch: ActivationWrapper's only handle on its module
             for m in model.modules()
             if isinstance(m, ActivationWrapper)
         }

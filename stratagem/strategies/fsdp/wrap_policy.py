@@ -239,7 +239,7 @@ class PolicyObject:
         self.policy, self.key = policy, key
 
     def select(self, model: nn.Module, ignored: set[nn.Module]) -> list[nn.Module]:
-        chosen = self.policy._run_policy(model, ignored, {})
+        chosen = self.policy._run_policy(model, ignored, {})  # noqa: SLF001 - torch: the _Policy interface FSDP1 itself calls
         extra = {type(m).__name__: kw for m, kw in chosen.items() if kw}
         if extra:
             raise ValueError(
