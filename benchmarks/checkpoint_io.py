@@ -42,7 +42,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stratagem.checkpoint import load_checkpoint_file, save_checkpoint
-from stratagem.checkpoint import manifest as _manifest
+from stratagem.checkpoint.manifest import forget_verified
 
 _CHILD = """
 import gc, sys, time
@@ -110,7 +110,7 @@ def raw_load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 def ours_load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    _manifest._VERIFIED.clear()  # measure a full hash every time
+    forget_verified()  # measure a full hash every time
     checkpoint = load_checkpoint_file(path, map_location='cpu')
     model.load_state_dict(checkpoint['state_dict'])
     optimizer.load_state_dict(checkpoint['optimizer'])

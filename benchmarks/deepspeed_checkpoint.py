@@ -55,8 +55,8 @@ def _mlp(width: int) -> nn.Module:
 def _old_storage(strategy):
     """The synchronous save as it was before the capturing engine (for comparison): the
     engine writes with ``torch.save``, rank 0 re-reads and hashes every file at the commit."""
-    from stratagem import checkpoint as ckpt
     from stratagem import env
+    from stratagem.checkpoint.directory import save_directory
     from stratagem.strategies.deepspeed.checkpoint import ZeroStorage
     from stratagem.strategies.deepspeed.files import DEEPSPEED_TAG, STATE_FILE
 
@@ -69,7 +69,7 @@ def _old_storage(strategy):
                 if env.is_main_process():
                     torch.save(checkpoint, staging / STATE_FILE)
 
-            return lambda: ckpt.save_directory(
+            return lambda: save_directory(
                 path,
                 write,
                 step=commit.step,

@@ -93,8 +93,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str
         step['raw'].append(timed(baseline, args.steps))
         step['ours'].append(timed(ours, args.steps))
 
-    from stratagem.checkpoint import manifest as manifest_mod
     from stratagem.checkpoint.dcp_reader import ShardReader
+    from stratagem.checkpoint.manifest import forget_verified
 
     def raw_load(raw_dir: str, fast: bool = False) -> None:
         model_sd, optim_sd = get_state_dict(raw, [raw_opt])
@@ -150,7 +150,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str
         clock(times, 'ours_load', strategy.resume, path)
         clock(times, 'raw_load2', raw_load, raw_dir)
         # cold: as a new process, every byte is hashed before DCP reads it
-        manifest_mod._VERIFIED.clear()
+        forget_verified()
         dist.barrier()
         clock(times, 'ours_load_cold', strategy.resume, path)
         clock(times, 'raw_load_fast', raw_load, raw_dir, True)

@@ -224,7 +224,7 @@ class RunMetrics:
             for k, v in row.items()
             if k not in ('iter', 'epoch') and v is not None
         ]
-        self._tb._get_file_writer().add_summary(Summary(value=values), row['iter'])
+        self._tb.file_writer.add_summary(Summary(value=values), row['iter'])
 
     def close(self) -> None:
         if self._tb is not None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from stratagem import checkpoint as ckpt
+from stratagem.checkpoint.latest import update_pointer
 from stratagem.cli import main
 from stratagem.config import ConfigWarning
 from workdir_snapshot import assert_unchanged, snapshot
@@ -48,7 +49,7 @@ def trained(tmp_path_factory):
 def _copy(trained, tmp_path):
     work = tmp_path / 'work'
     shutil.copytree(trained, work)
-    ckpt.update_pointer(work, work / 'iter_4.pth')  # the copy points at its own files
+    update_pointer(work, work / 'iter_4.pth')  # the copy points at its own files
     return work
 
 

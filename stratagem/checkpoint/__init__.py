@@ -4,10 +4,14 @@ putting a state dict into a module.
 This package decides how a checkpoint is written, committed, verified, found and loaded; the
 strategy decides what is in it: ``Checkpointer.save(path, state)`` / ``load(path, state)``
 (``checkpointer.py``) take the state as a mapping of ``Stateful`` parts and write it through
-a ``CheckpointStorage`` (``storage.py``). The save protocol is numbered in ``commit.py``, the load
-sequence in ``load.py``, the multi-rank directory protocol in
-``directory.py``, where manifests live in ``manifest.py``. Importing it imports torch,
-xxhash and the standard library only.
+a ``CheckpointStorage`` (``storage.py``). The save protocol is numbered in ``commit.py`` (a
+file, and the commit every directory ends in), the load sequence in ``load.py``, the
+multi-rank directory protocol in ``directory.py``, DCP's sharded directories in
+``sharded.py``, where manifests live in ``manifest.py``. Importing it imports torch, xxhash
+and the standard library only.
+
+The names here are what a program calls; the package's own modules, and strategies, import
+from the module that defines a name.
 
 Ranks, collectives and rank-aware warnings come from ``stratagem.env`` (``env.get_rank``,
 ``env.all_gather_object``, ``env.warn_rank_zero``, ...), never from a local copy. The modules
@@ -19,119 +23,64 @@ which needs nothing of it until a checkpoint is written or read. There is no cyc
 
 from .checkpointer import Checkpointer, LoadContext, Stateful, StatePart
 from .commit import save_checkpoint
-from .content import add_safe_globals, get_safe_globals, safe_globals, validate_checkpoint_content
-from .dir_commit import commit_directory, finalize_directory, new_staging_dir
-from .directory import (
-    DirectoryWriteResult,
-    begin_directory_save,
-    finish_directory_save,
-    save_directory,
-    verify_directory,
-    write_directory_files,
-)
-from .dist import CheckpointNotShared, agree_on_checkpoint, agree_on_path, checkpoint_identity
+from .content import add_safe_globals, get_safe_globals, safe_globals
+from .convert import convert_checkpoint
 from .errors import (
     CheckpointCorruptError,
     CheckpointWarning,
+    CheckpointWriteError,
     NotACheckpointError,
     UnsafeCheckpointError,
     UnverifiedCheckpointWarning,
 )
-from .latest import (
-    POINTER_NAME,
-    CheckpointInfo,
-    find_latest_checkpoint,
-    list_checkpoints,
-    read_pointer,
-    update_pointer,
-)
+from .latest import POINTER_NAME, CheckpointInfo, find_latest_checkpoint, list_checkpoints
 from .load import load_checkpoint_file
-from .manifest import manifest_path, verify_checkpoint
+from .manifest import verify_checkpoint
 from .retention import apply_retention
-from .sharded import (
-    is_sharded_checkpoint,
-    load_sharded_checkpoint,
-    load_sharded_in_place,
-    local_tensors,
-    optim_state_to_fqn,
-    optim_state_to_index,
-    read_partial_grads,
-    read_sharded_checkpoint,
-    read_sharded_header,
-    save_sharded_checkpoint,
-)
+from .sharded import read_sharded_checkpoint
 from .state_dict import (
-    WEIGHT_ENTRIES,
     LoadReport,
     PartialLoadWarning,
     StateDictMismatchError,
-    check_state_dict,
-    describe_keys,
-    find_model_weights,
     load_state_dict,
     revise_keys,
-    unwrap_model,
 )
 from .storage import CheckpointStorage, SaveCommit
 
 __all__ = [
+    # the sequences over explicit state, and where the content goes
     'Checkpointer',
     'Stateful',
     'StatePart',
     'LoadContext',
     'CheckpointStorage',
     'SaveCommit',
+    # save, find, verify, load, convert
     'save_checkpoint',
-    'commit_directory',
-    'new_staging_dir',
-    'finalize_directory',
-    'agree_on_path',
-    'agree_on_checkpoint',
-    'checkpoint_identity',
-    'CheckpointNotShared',
-    'validate_checkpoint_content',
-    'save_directory',
-    'begin_directory_save',
-    'write_directory_files',
-    'finish_directory_save',
-    'verify_directory',
-    'DirectoryWriteResult',
-    'save_sharded_checkpoint',
+    'find_latest_checkpoint',
+    'list_checkpoints',
+    'CheckpointInfo',
+    'POINTER_NAME',
+    'verify_checkpoint',
+    'load_checkpoint_file',
     'read_sharded_checkpoint',
-    'load_sharded_checkpoint',
-    'read_sharded_header',
-    'load_sharded_in_place',
-    'local_tensors',
-    'read_partial_grads',
-    'is_sharded_checkpoint',
-    'optim_state_to_fqn',
-    'optim_state_to_index',
+    'apply_retention',
+    'convert_checkpoint',
+    # what a checkpoint may hold besides tensors and plain values
     'add_safe_globals',
     'get_safe_globals',
     'safe_globals',
-    'load_checkpoint_file',
-    'verify_checkpoint',
-    'manifest_path',
-    'find_latest_checkpoint',
-    'list_checkpoints',
-    'read_pointer',
-    'update_pointer',
-    'POINTER_NAME',
-    'CheckpointInfo',
-    'apply_retention',
-    'revise_keys',
+    # a state dict into a module
     'load_state_dict',
-    'unwrap_model',
+    'revise_keys',
     'LoadReport',
-    'StateDictMismatchError',
-    'PartialLoadWarning',
-    'find_model_weights',
-    'describe_keys',
-    'check_state_dict',
-    'WEIGHT_ENTRIES',
+    # errors and warnings
     'CheckpointCorruptError',
     'NotACheckpointError',
     'UnsafeCheckpointError',
+    'CheckpointWriteError',
+    'StateDictMismatchError',
     'CheckpointWarning',
     'UnverifiedCheckpointWarning',
+    'PartialLoadWarning',
 ]

@@ -68,11 +68,12 @@ def write_atomic(final: Path, data: bytes) -> None:
             os.close(fd)
         os.replace(tmp, final)
     except BaseException:
-        _unlink_quietly(tmp)
+        unlink_quietly(tmp)
         raise
 
 
-def _unlink_quietly(path: Path) -> None:
+def unlink_quietly(path: Path) -> None:
+    """Remove ``path`` if it can be; an error (already gone, no permission) is ignored."""
     try:
         os.unlink(path)
     except OSError:

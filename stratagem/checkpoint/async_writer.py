@@ -87,6 +87,13 @@ class AsyncCheckpointWriter:
         """True while a submitted job has not been collected by ``wait``."""
         return self._pending is not None
 
+    def uncollected_error(self) -> BaseException | None:
+        """The error of a finished job that no ``wait()`` collected yet, else None."""
+        future = self._pending
+        if future is None or not future.done():
+            return None
+        return future.exception()
+
     @property
     def staged_bytes(self) -> int:
         """Bytes held by the staging buffers (the extra memory of async saves)."""
@@ -288,10 +295,10 @@ def _report_uncollected() -> None:
     """At exit (the writer threads have finished their jobs by now): log failures that no
     ``wait()`` collected, so a failed background save is never silent."""
     for writer in list(_LIVE):
-        future = writer._pending
-        if future is not None and future.done() and future.exception() is not None:
+        error = writer.uncollected_error()
+        if error is not None:
             _log.error(
                 'a background checkpoint save failed and the program ended before '
                 'wait_for_checkpoints() collected it: %s',
-                future.exception(),
+                error,
             )

@@ -47,7 +47,8 @@ def checkpoint_identity(path: str | os.PathLike) -> dict:
     """
     import hashlib
 
-    from .manifest import DIR_MANIFEST, entry_digest, find_manifest
+    from .digest import entry_digest
+    from .manifest import DIR_MANIFEST, find_manifest
 
     p = Path(path).absolute()
     if p.is_dir():

@@ -15,7 +15,7 @@ A manifest is a JSON object::
      ...extra_manifest keys (e.g. "world_size", "strategy")}
 
 Each ``files`` entry carries one digest, ``xxh3_128`` or ``sha256``: the algorithms, and hashing
-a file or the bytes on their way to disk, are ``digest.py``'s (re-exported here). This module
+a file or the bytes on their way to disk, are ``digest.py``'s. This module
 owns the manifest file itself: where it lives, building, reading and checking it, and verifying
 a checkpoint's files against it (``verify_file``, which keeps the verified-file cache).
 
@@ -37,22 +37,7 @@ from pathlib import Path
 import torch
 
 from ..version import __version__
-from .digest import (  # noqa: F401 - re-exported: commit.py, directory.py, tests use them from here
-    _READ_CHUNK,
-    _SMALL_WRITE_BUFFER,
-    _SYNC_FILE_RANGE_WRITE,
-    _WRITEBACK_BYTES,
-    HASH_ALGO,
-    HASH_ALGOS,
-    HashingWriter,
-    _write_all,
-    _xxhash,
-    entry_digest,
-    file_entry,
-    hash_file,
-    new_hasher,
-    start_writeback,
-)
+from .digest import HASH_ALGO, HASH_ALGOS, entry_digest, hash_file
 from .errors import CheckpointCorruptError
 
 FORMAT = 'stratagem-checkpoint'
@@ -183,6 +168,12 @@ def remember_verified(
     _VERIFIED.move_to_end(identity)
     while len(_VERIFIED) > _VERIFIED_MAX:
         _VERIFIED.popitem(last=False)
+
+
+def forget_verified() -> None:
+    """Forget every file this process verified or wrote: the next verification hashes every
+    byte again, as a new process does (a cold load, measured by the benchmarks)."""
+    _VERIFIED.clear()
 
 
 def verify_file(path: Path, entry: dict, manifest_file: Path, *, hash_bytes: bool = True) -> None:

@@ -90,8 +90,8 @@ def _delete_checkpoint(path: Path) -> None:
         return
     # The file before its manifest: a crash between leaves an orphan manifest (removed as
     # debris later), never a committed-looking file without one.
-    _fs._unlink_quietly(path)
-    _fs._unlink_quietly(path.with_name(path.name + SIDECAR_SUFFIX))
+    _fs.unlink_quietly(path)
+    _fs.unlink_quietly(path.with_name(path.name + SIDECAR_SUFFIX))
 
 
 def _remove_debris(directory: Path, stale_before: float) -> list[Path]:
@@ -121,14 +121,14 @@ def _remove_debris(directory: Path, stale_before: float) -> list[Path]:
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(path, ignore_errors=True)
             else:
-                _fs._unlink_quietly(path)
+                _fs.unlink_quietly(path)
             removed.append(path)
         elif entry.name.endswith(SIDECAR_SUFFIX):
             target = entry.name[: -len(SIDECAR_SUFFIX)]
             if target in live_targets or _newest_mtime(path) >= stale_before:
                 continue  # a live save wrote it and is about to rename its file into place
             if _is_orphan_manifest(path):
-                _fs._unlink_quietly(path)
+                _fs.unlink_quietly(path)
                 removed.append(path)
     return removed
 

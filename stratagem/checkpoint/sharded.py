@@ -15,57 +15,41 @@ Layout of ``NAME/`` (every file listed in ``NAME/manifest.json`` with size and d
 Every rank verifies before anything is read (``verify_directory``); DCP's own unpickler only
 ever sees files whose hashes matched.
 
-This module owns the layout, the save and the reads (verified, into mmengine's layout). The
-files DCP writes, sized beforehand and hashed as written, are ``dcp_writer.py``'s; DCP's reads
-``dcp_load.py``'s; the optimizer-state key conversions and tensor walks ``dcp_state.py``'s.
-Those names are re-exported here.
+This module owns the layout, the save (the files DCP writes are sized beforehand, checked
+against the free space, and hashed on their way to disk through a DCP ``FileSystem`` whose
+streams record each file's size and digest, so the manifest costs no second read), the reads
+(verified, through ``ShardReader``, ``dcp_reader.py``, into mmengine's layout), and the state
+dicts they move: an optimizer state converted between FQN keys (what is saved) and
+``torch.optim``'s flat parameter indices, and the walks over a state's tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .commit import (  # noqa: F401 - as .dcp_writer below
+from .commit import (
     _OVERHEAD_BYTES,
     _crc32_option,
     check_free_space,
+    commit_directory,
     payload_bytes,
     write_torch_file,
 )
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
-from .dcp_load import _dcp_keys, _dcp_read, _read_dcp_full, _reader
-from .dcp_state import (
-    _OPTIM_TENSOR_KEYS,
-    _fresh_tensors,
-    local_tensors,
-    optim_state_to_fqn,
-    optim_state_to_index,
-)
-from .dcp_writer import (  # noqa: F401 - re-exported: importers use them from here
-    _OVERLAP_BYTES,
-    _bytes_needed,
-    _hashing_fs,
-    _HashingStream,
-    _ranks_sharing_disk,
-)
-from .directory import (  # noqa: F401 - as .dcp_writer above
-    _all_ok,
-    _raise_first,
-    dcp_failures,
-    describe_error,
-    save_directory,
-    verify_directory,
-)
+from .digest import file_entry, new_hasher
+from .directory import save_directory, verify_directory
 from .load import load_checkpoint_file
-from .manifest import file_entry, new_hasher  # noqa: F401 - as .dcp_writer above
+from .rank_errors import _all_ok, _raise_first, dcp_failures, describe_error
 
 __all__ = [
     'save_sharded_checkpoint',
@@ -85,6 +69,8 @@ EXTRA_FILE = 'extra.pth'
 GROUPS_KEY = 'optimizer_param_groups'  # extra.pth: a copy of the param groups (small)
 PARTIAL_DIR = 'partial_grads'
 DCP_KEYS = ('state_dict', 'optimizer')
+_OPTIM_TENSOR_KEYS = ('state', 'param_groups')  # an optimizer state's part saved by DCP
+_OVERLAP_BYTES = 1 << 20  # writes this large are hashed on a helper thread meanwhile
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -184,8 +170,6 @@ def save_sharded_checkpoint(
     }
     if collective:
         return save_directory(final_dir, write, step=step, extra_manifest=manifest, vote=vote)
-    from .commit import commit_directory
-
     with commit_directory(
         final_dir, step=step, extra_manifest={'world_size': 1, **manifest}
     ) as staging:
@@ -345,3 +329,209 @@ def load_sharded_checkpoint(
         checkpoint['partial_grads'] = partial
     checkpoint.update(extra)
     return checkpoint
+
+
+# ------------------------------------------------------- the files DCP writes, hashed
+def _bytes_needed(tensors: Mapping, side: list) -> int:
+    """This rank's bytes of a sharded save: its shards, its side files, file overheads."""
+    return (
+        payload_bytes(local_tensors(tensors))
+        + sum(map(payload_bytes, side))
+        + _OVERHEAD_BYTES * (1 + len(side))
+    )
+
+
+def _ranks_sharing_disk() -> int:
+    """How many ranks write to the disk this rank writes to, as far as it can tell: the
+    ranks on its node (``LOCAL_WORLD_SIZE``), whose shards are about as large as its own. A
+    filesystem shared by several nodes is assumed large enough for the other nodes' part;
+    a shortfall there is still caught by the write (``CheckpointWriteError``)."""
+    try:
+        return max(1, int(os.environ.get('LOCAL_WORLD_SIZE', '1')))
+    except ValueError:
+        return 1
+
+
+class _HashingStream(io.RawIOBase):
+    """A write-only stream over a DCP file that hashes the bytes on their way to it; a large
+    write (a tensor's storage) is hashed on ``pool``'s thread while this one writes it (both
+    release the GIL), as ``digest.HashingWriter`` does for single files."""
+
+    def __init__(self, raw: Any, pool: ThreadPoolExecutor) -> None:
+        super().__init__()
+        self._raw, self._pool, self.hasher, self.size = raw, pool, new_hasher(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.format != 'B' or view.ndim != 1:
+            view = view.cast('B')
+        if view.nbytes >= _OVERLAP_BYTES:
+            hashed = self._pool.submit(self.hasher.update, view)
+            self._raw.write(view)  # a buffered file: writes it all
+            hashed.result()  # before returning: the caller may reuse the memory
+        else:
+            self.hasher.update(view)
+            self._raw.write(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:  # DCP records item offsets
+        return self._raw.tell()
+
+    def fileno(self) -> int:  # DCP fsyncs its files
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+def _hashing_fs(pool: ThreadPoolExecutor) -> Any:
+    """A new HashingFileSystem (the class is defined on first use: importing DCP is not
+    cheap)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        """DCP's file system, recording ``{path: (size, digest)}`` of every file written."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.written: dict[str, tuple[int, str]] = {}
+
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if 'w' not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with super().create_stream(path, mode) as raw:
+                stream = _HashingStream(raw, pool)
+                yield stream
+                raw.flush()
+            self.written[os.fspath(path)] = (stream.size, stream.hasher.hexdigest())
+
+        def rename(self, path: Any, new_path: Any) -> None:  # .metadata.tmp -> .metadata
+            super().rename(path, new_path)
+            if os.fspath(path) in self.written:
+                self.written[os.fspath(new_path)] = self.written.pop(os.fspath(path))
+
+    return HashingFileSystem()
+
+
+# ----------------------------------------------------------------------- DCP's reads
+def _reader(path: Path, metadata: Any = None) -> Any:
+    """A ``ShardReader`` (imported here: DCP takes ~0.4 s to import)."""
+    from .dcp_reader import ShardReader
+
+    return ShardReader(path, metadata=metadata)
+
+
+def _read_dcp_full(path: Path) -> dict:
+    from stratagem._torch import load_whole_dcp
+
+    return load_whole_dcp(_reader(path))
+
+
+def _dcp_read(path: Path, state: dict, *, metadata: Any = None, what: str = '') -> None:
+    """``dcp.load(state)`` of ``path`` on every rank (collective), through ``ShardReader``.
+
+    Each rank plans and reads on its own (``no_dist``): a load's global plan is just the
+    ranks' own plans, and DCP's three planning and reporting collectives cost more than
+    the read of a small model. One exchange afterwards raises any rank's failure on every
+    rank (DCP's ``CheckpointException``, a ``BaseException``, becomes a ``RuntimeError``
+    that names the file and the rank)."""
+    import torch.distributed.checkpoint as dcp
+
+    error = None
+    try:
+        with warnings.catch_warnings():  # no_dist under a process group is meant here
+            warnings.filterwarnings('ignore', message='torch.distributed is disabled')
+            dcp.load(state, storage_reader=_reader(path, metadata), no_dist=True)
+    except BaseException as err:
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        error = err
+        # no_dist: DCP wraps this rank's own error in a CheckpointException that calls
+        # this rank 'rank 0': unwrap it
+        failures = list(dcp_failures(err).values())
+        if len(failures) == 1 and isinstance(failures[0], BaseException):
+            error = failures[0]
+    if _all_ok(error is not None):
+        return
+    from stratagem import env  # imported on use: see checkpoint/__init__.py
+
+    outcomes = env.all_gather_object(None if error is None else describe_error(error))
+    if error is not None and not isinstance(error, Exception):
+        # a BaseException: this rank raises the message the others see
+        error = RuntimeError(f'reading {path} {what} failed: {describe_error(error)}')
+    _raise_first(outcomes, error, f'reading {path} {what}'.rstrip())
+
+
+def _dcp_keys(path: Path) -> set[str]:
+    """Top-level keys of the DCP state (a checkpoint whose manifest predates ``dcp_keys``)."""
+    metadata = _reader(path).read_metadata()
+    return {key.split('.', 1)[0] for key in metadata.state_dict_metadata}
+
+
+# -------------------------------------------------------------- the state dicts moved
+def local_tensors(obj: Any) -> Any:
+    """``obj`` with every DTensor replaced by this rank's local shard (for validation)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, dict):  # an OrderedDict stays one (validation checks the type)
+        return type(obj)((k, local_tensors(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(local_tensors(v) for v in obj)
+    return obj
+
+
+def _fresh_tensors(obj: Any) -> Any:
+    """``obj`` with every tensor (DTensors keep their sharding) replaced by a new,
+    uninitialised one of the same shape and dtype: DCP's load overwrites each of them whole
+    (a key the checkpoint lacks is an error), so copying the old values would be wasted."""
+    if isinstance(obj, torch.Tensor):
+        return torch.empty_like(obj.detach())
+    if isinstance(obj, dict):
+        return type(obj)((k, _fresh_tensors(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_fresh_tensors(v) for v in obj)
+    return obj
+
+
+def optim_state_to_index(optim: Mapping) -> dict:
+    """An FQN-keyed optimizer state (``get_optimizer_state_dict``) → ``torch.optim``'s flat
+    parameter indices, numbered in ``param_groups`` order."""
+    groups: list = []
+    index: dict = {}
+    for group in optim['param_groups']:
+        ids = []
+        for name in group['params']:
+            index.setdefault(name, len(index))
+            ids.append(index[name])
+        groups.append({**group, 'params': ids})
+    state = {index[name]: value for name, value in optim.get('state', {}).items()}
+    rest = {k: v for k, v in optim.items() if k not in _OPTIM_TENSOR_KEYS}
+    return {**rest, 'state': state, 'param_groups': groups}
+
+
+def optim_state_to_fqn(optim: Mapping, names: list[list[str]]) -> dict:
+    """A ``torch.optim`` (index-keyed) state → FQN keys; ``names[g]`` are group ``g``'s
+    parameter FQNs in order. Raises ``ValueError`` if the group sizes differ."""
+    groups = optim['param_groups']
+    if len(groups) != len(names) or any(len(g['params']) != len(n) for g, n in zip(groups, names)):
+        raise ValueError(
+            f"the checkpoint's optimizer has param groups of sizes "
+            f'{[len(g["params"]) for g in groups]}, this one '
+            f'{[len(n) for n in names]}; it was saved for another model/optimizer'
+        )
+    mapping = {i: n for g, ns in zip(groups, names) for i, n in zip(g['params'], ns)}
+    rest = {k: v for k, v in optim.items() if k not in _OPTIM_TENSOR_KEYS}
+    return {
+        **rest,
+        'state': {mapping[i]: v for i, v in optim.get('state', {}).items()},
+        'param_groups': [{**g, 'params': list(ns)} for g, ns in zip(groups, names)],
+    }

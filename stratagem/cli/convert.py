@@ -4,10 +4,14 @@ with a progress bar on stderr."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-import stratagem.strategies  # noqa: F401  (registers the backends' source formats)
 from stratagem.checkpoint.convert import TARGETS, convert_checkpoint
+
+# a source may be a backend's own layout (DeepSpeed's directories): importing
+# stratagem.strategies registers those formats with checkpoint.formats.register_format
+importlib.import_module('stratagem.strategies')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

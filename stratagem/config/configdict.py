@@ -50,14 +50,8 @@ class ConfigDict(Dict):
         self[name] = value
 
     @classmethod
-    def _hook(cls, item: Any) -> Any:
-        if isinstance(item, Mapping) and not isinstance(item, ConfigDict):
-            return cls(item)
-        if isinstance(item, list):
-            return [cls._hook(x) for x in item]
-        if isinstance(item, tuple):
-            return tuple(cls._hook(x) for x in item)
-        return item
+    def _hook(cls, item: Any) -> Any:  # addict's name for what a stored value becomes
+        return to_config_value(item, cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         dict.__init__(self)
@@ -108,6 +102,18 @@ class ConfigDict(Dict):
 
     def __repr__(self) -> str:
         return f'ConfigDict({pprint.pformat(self.to_dict(), sort_dicts=False)})'
+
+
+def to_config_value(item: Any, dict_type: type[ConfigDict] = ConfigDict) -> Any:
+    """``item`` as a ConfigDict stores it: a mapping becomes a ``dict_type`` (a ConfigDict is
+    kept), lists and tuples are converted item by item, anything else is kept as it is."""
+    if isinstance(item, Mapping) and not isinstance(item, ConfigDict):
+        return dict_type(item)
+    if isinstance(item, list):
+        return [to_config_value(x, dict_type) for x in item]
+    if isinstance(item, tuple):
+        return tuple(to_config_value(x, dict_type) for x in item)
+    return item
 
 
 def _missing_message(d: Mapping, name: Any) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .configdict import ConfigDict
+from .configdict import ConfigDict, to_config_value
 from .errors import ConfigError, ConfigWarning
 from .formats import _SUFFIXES, _exec_py_config, _to_py_text, _tuples_to_lists
 from .keys import _did_you_mean, _dotted_keys
@@ -202,7 +202,7 @@ class Config:
                             f'for a list of length {len(node)}'
                         )
                     if last:
-                        node[idx] = ConfigDict._hook(value)
+                        node[idx] = to_config_value(value)
                     else:
                         node = node[idx]
                     continue

@@ -123,7 +123,7 @@ def measure_step(model: Any, optim_wrapper: Any, batch: Any, *, fsdp: bool = Fal
 
     wrappers = _wrappers(optim_wrapper)
     tracker = memory_tracker(model, [w.optimizer for w in wrappers], fsdp=fsdp)
-    counts = max(int(getattr(w, '_accumulative_counts', 1) or 1) for w in wrappers)
+    counts = max(int(getattr(w, 'accumulative_counts', 1) or 1) for w in wrappers)
     with tracker:
         for _ in range(counts + 1):
             with optim_wrapper.optim_context(model):

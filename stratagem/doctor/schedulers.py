@@ -124,7 +124,7 @@ class SchedulerChecks:
             )
         stop = min(end, limit)
         span = stop - begin
-        for field in type(built)._epoch_args:
+        for field in built.step_args:
             value = getattr(built, field, None)
             if value is not None and span > 0:
                 self._check_field(where, name, field, value, begin, span, limit, unit, conv)

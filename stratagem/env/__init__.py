@@ -36,11 +36,13 @@ from .logging import (
 )
 from .resources import set_resource_limit, setup_multi_processing
 from .seed import get_rng_state, set_random_seed, set_rng_state
+from .slurm import expand_slurm_nodelist
 
 __all__ = [
     'LAUNCHERS',
     'infer_launcher',
     'init_dist',
+    'expand_slurm_nodelist',
     'is_distributed',
     'get_rank',
     'get_world_size',

@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from . import slurm as _slurm
 from .backend import resolve_backend
-from .slurm import expand_slurm_nodelist  # noqa: F401 - public here since the first release
 
 logger = logging.getLogger(__name__)
 

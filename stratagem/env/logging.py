@@ -92,6 +92,15 @@ def get_logger(
     return logger
 
 
+def remove_file_handlers(logger: logging.Logger) -> None:
+    """Close and remove the file handlers :func:`get_logger` added to ``logger`` (a new run
+    writes its own file); its console handler and anyone else's handlers stay."""
+    for handler in list(logger.handlers):
+        if str(getattr(handler, _MARK, '')).startswith('file:'):
+            logger.removeHandler(handler)
+            handler.close()
+
+
 def print_log(
     msg: object, logger: logging.Logger | str | None = None, level: int = logging.INFO
 ) -> None:

@@ -2,7 +2,7 @@
 committed checkpoint, every rank stopping after the same iteration.
 
 ``Preemption`` is a context manager; a training loop (ours, a hand-written one, mmengine's
-through ``integrations.mmengine_hooks.PreemptionHook``) uses it in this sequence:
+through ``integrations.mmengine_preemption.PreemptionHook``) uses it in this sequence:
 
 1. ``with Preemption(signals=('SIGTERM', 'SIGUSR1')) as preemption:`` installs a handler for
    each signal on entry (main thread only) and restores the previous ones on exit; nothing is

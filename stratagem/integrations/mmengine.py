@@ -38,7 +38,6 @@ import copyreg
 from typing import Any
 
 try:
-    import mmengine  # noqa: F401
     from mmengine.logging import HistoryBuffer
     from mmengine.registry import HOOKS as MM_HOOKS
     from mmengine.registry import OPTIM_WRAPPERS as MM_OPTIM_WRAPPERS
@@ -65,7 +64,6 @@ __all__ = [
     'OPTIM_WRAPPERS',
     'PARAM_SCHEDULERS',
     'HOOKS',
-    'PreemptionHook',
 ]
 
 SCOPE = 'stratagem'
@@ -74,7 +72,7 @@ SCOPE = 'stratagem'
 # ---------------------------------------------------------------- 1. the allow-list
 def _reduce_history_buffer(buffer: HistoryBuffer) -> tuple:
     # the constructor copies the arrays and restores the default statistics methods
-    return HistoryBuffer, (buffer._log_history, buffer._count_history, buffer.max_length)
+    return HistoryBuffer, (*buffer.data, buffer.max_length)
 
 
 _HISTORY_BUFFER_NAME = f'{HistoryBuffer.__module__}.{HistoryBuffer.__qualname__}'
@@ -109,18 +107,16 @@ def numpy_safe_globals() -> list:
     """What a numpy array, scalar or dtype pickles as (torch's documented numpy set), also
     under the other numpy major's module names, so a file from numpy 1 loads under numpy 2
     and back."""
-    core = np._core if hasattr(np, '_core') else np.core  # numpy 2 / numpy 1
-    entries: list[Any] = [
-        np.ndarray,
-        np.dtype,
-        core.multiarray._reconstruct,
-        core.multiarray.scalar,
-    ]
+    # the functions an array and a scalar pickle as live in a private module in numpy 2
+    # (numpy._core.multiarray): asked of an array and a scalar instead
+    reconstruct: Any = np.zeros(1).__reduce__()[0]
+    scalar: Any = np.float64(0).__reduce__()[0]
+    entries: list[Any] = [np.ndarray, np.dtype, reconstruct, scalar]
     entries += sorted(
         {type(np.dtype(code)) for code in np.typecodes['All']}, key=lambda t: t.__qualname__
     )
     for other in ('numpy.core.multiarray', 'numpy._core.multiarray'):
-        for func in (core.multiarray._reconstruct, core.multiarray.scalar):
+        for func in (reconstruct, scalar):
             if func.__module__ != other:
                 entries.append((func, f'{other}.{func.__name__}'))
     return entries
@@ -139,7 +135,7 @@ add_safe_globals(numpy_safe_globals() + mmengine_safe_globals())
 
 # ------------------------------------------------------------ 2. mmengine registries
 def _child(parent: MMRegistry, name: str) -> MMRegistry:
-    existing = parent._children.get(SCOPE)  # a reload of this module keeps the first one
+    existing = parent.children.get(SCOPE)  # a reload of this module keeps the first one
     return existing if existing is not None else MMRegistry(name, parent=parent, scope=SCOPE)
 
 

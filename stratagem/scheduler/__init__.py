@@ -12,12 +12,11 @@ from .builder import (
     build_param_schedulers,
     build_scheduler_from_cfg,
 )
+from .cosine import CosineAnnealingParamScheduler, CosineRestartParamScheduler
 from .multiplier import LRMultiplier, build_lr_scheduler
 from .one_cycle import OneCycleParamScheduler
 from .param_scheduler import (
     ConstantParamScheduler,
-    CosineAnnealingParamScheduler,
-    CosineRestartParamScheduler,
     ExponentialParamScheduler,
     LinearParamScheduler,
     MultiStepParamScheduler,

@@ -24,16 +24,13 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .helpers import _plain, check_optimizer, per_group, raw_optimizer
+from .helpers import _plain, check_optimizer, raw_optimizer
 from .step_order import _ORDER_CHECK, _ORDER_DOC, _WATCHED, _count_step, _step_func
 
 __all__ = [
     'INF',
     '_ParamScheduler',
     'SchedulerArgumentError',
-    'check_optimizer',
-    'raw_optimizer',
-    'per_group',
 ]
 
 #: mmengine's "no end" value; an int so that state dicts stay plain
@@ -160,6 +157,13 @@ class _ParamScheduler:
             )
         return kwargs
 
+    @property
+    def step_args(self) -> tuple[str, ...]:
+        """Names of this scheduler's own arguments counted in steps as ``begin`` and ``end``
+        are (``step_size``, ``milestones``, ``T_max``, ``periods``, ``total_steps``):
+        converted by :meth:`build_iter_from_epoch`, rescaled by :meth:`rescaled_state_dict`."""
+        return self._epoch_args
+
     def rescaled_state_dict(self, state: dict, ratio: Any, done_iters: int) -> dict:
         """``state`` (this class's :meth:`state_dict`) moved to iterations of another length.
 
@@ -189,7 +193,7 @@ class _ParamScheduler:
 
         out['begin'] = convert('begin', state['begin'])
         out['end'] = convert('end', state['end'])
-        for field in type(self)._epoch_args:
+        for field in self._epoch_args:
             value = state.get(field)
             if isinstance(value, dict):  # milestones: {iteration: count}
                 out[field] = {convert(field, k): v for k, v in value.items()}
@@ -210,6 +214,13 @@ class _ParamScheduler:
     def _get_value(self) -> list:
         """The new value of every param group, from the current ones (chainable form)."""
         raise NotImplementedError
+
+    def restart(self) -> None:
+        """Go back to before the first step: the next :meth:`step` is the one a scheduler
+        takes when it is built. The param groups keep their values (``replay_schedulers``
+        sets them back to ``initial_<param>`` first)."""
+        self.last_step = -1
+        self._global_step = -1
 
     def step(self) -> None:
         """Advance one step (an epoch or an iteration) and write the new values.

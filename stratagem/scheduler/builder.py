@@ -19,7 +19,7 @@ from typing import Any
 
 from stratagem.registry import PARAM_SCHEDULERS, Registry, RegistryError, build_from_cfg
 
-from .base import check_optimizer
+from .helpers import check_optimizer
 
 __all__ = [
     'build_scheduler_from_cfg',

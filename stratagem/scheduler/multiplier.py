@@ -11,7 +11,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from .base import check_optimizer
+from .helpers import check_optimizer
 from .schedules import (
     CosineSchedule,
     MultiStepSchedule,

@@ -11,7 +11,8 @@ from typing import Any
 
 from stratagem.registry import PARAM_SCHEDULERS
 
-from .base import INF, SchedulerArgumentError, _ParamScheduler, per_group
+from .base import INF, SchedulerArgumentError, _ParamScheduler
+from .helpers import per_group
 
 __all__ = ['OneCycleParamScheduler']
 

@@ -6,8 +6,7 @@ closed forms given in each docstring (``b`` is the base value, ``t`` the step
 counted from ``begin``).
 
 This module owns the step, multi-step, constant, exponential, linear and polynomial
-schedulers; the cosine family (annealing, restarts) lives in ``stratagem.scheduler.cosine``
-and is re-exported here.
+schedulers; the cosine family (annealing, restarts) is ``stratagem.scheduler.cosine``'s.
 """
 
 from __future__ import annotations
@@ -18,16 +17,7 @@ from typing import Any
 
 from stratagem.registry import PARAM_SCHEDULERS
 
-from .base import (
-    INF,
-    SchedulerArgumentError,  # noqa: F401  (re-exported)
-    _ParamScheduler,
-)
-from .cosine import (
-    CosineAnnealingParamScheduler,
-    CosineRestartParamScheduler,
-    _eta_min,  # noqa: F401  (re-exported)
-)
+from .base import INF, _ParamScheduler
 from .helpers import _check_factor, _check_positive_int
 
 __all__ = [
@@ -35,10 +25,8 @@ __all__ = [
     'MultiStepParamScheduler',
     'ConstantParamScheduler',
     'ExponentialParamScheduler',
-    'CosineAnnealingParamScheduler',
     'LinearParamScheduler',
     'PolyParamScheduler',
-    'CosineRestartParamScheduler',
 ]
 
 

@@ -17,10 +17,9 @@ from .base import (
     SchedulerArgumentError,
     _ParamScheduler,
     check_initial_values,
-    check_optimizer,
     check_window,
-    raw_optimizer,
 )
+from .helpers import check_optimizer, raw_optimizer
 
 __all__ = ['ReduceOnPlateauParamScheduler']
 

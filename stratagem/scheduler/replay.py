@@ -41,7 +41,7 @@ def replay_schedulers(
     _ORDER_CHECK['on'] = False  # no optimizer steps here, by design: no order warning
     try:
         for sched in schedulers:
-            sched.last_step, sched._global_step = -1, -1
+            sched.restart()
             sched.step()  # the step a scheduler takes when it is built
         for it in range(1, num_iters + 1):
             for sched in schedulers:

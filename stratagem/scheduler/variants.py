@@ -12,12 +12,11 @@ from typing import Any
 
 from stratagem.registry import PARAM_SCHEDULERS
 
-from .base import check_optimizer, raw_optimizer
+from .cosine import CosineAnnealingParamScheduler, CosineRestartParamScheduler
+from .helpers import check_optimizer, raw_optimizer
 from .one_cycle import OneCycleParamScheduler
 from .param_scheduler import (
     ConstantParamScheduler,
-    CosineAnnealingParamScheduler,
-    CosineRestartParamScheduler,
     ExponentialParamScheduler,
     LinearParamScheduler,
     MultiStepParamScheduler,

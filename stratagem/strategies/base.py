@@ -63,6 +63,7 @@ from torch import nn
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.checkpointer import Checkpointer, LoadContext, Stateful, StatePart
+from stratagem.checkpoint.state_dict import describe_keys, find_model_weights, unwrap_model
 from stratagem.checkpoint.storage import CheckpointStorage
 from stratagem.config import check_keys
 from stratagem.integrations.model_api import expose_model_api
@@ -301,7 +302,7 @@ class BaseStrategy(ABC):
         (the wrapper gets the inner module's model API), ``compile_model``, then the optim
         wrapper over the wrapped model's parameters."""
         model = self._wrap_model(model)
-        expose_model_api(model, ckpt.unwrap_model(model))
+        expose_model_api(model, unwrap_model(model))
         model = self.compile_model(model, compile=compile)
         wrapper = None if optim_wrapper is None else self.build_optim_wrapper(optim_wrapper, model)
         return model, wrapper
@@ -336,7 +337,7 @@ class BaseStrategy(ABC):
 
     def _unwrap_model(self) -> nn.Module:
         """Backend hook: the plain module behind DDP / DataParallel / ``torch.compile``."""
-        return ckpt.unwrap_model(self.model)
+        return unwrap_model(self.model)
 
     def compile_model(self, model: nn.Module, compile: bool | Mapping = False) -> nn.Module:
         """``torch.compile`` the model (``compile=True``) or, with ``compile=dict(target=
@@ -805,13 +806,13 @@ class BaseStrategy(ABC):
         """
         where = None
         try:
-            state_dict, where = ckpt.find_model_weights(checkpoint)
+            state_dict, where = find_model_weights(checkpoint)
             report = self.load_model_state_dict(state_dict, strict=strict, revise_keys=revise_keys)
         except ckpt.StateDictMismatchError as err:
             raise ckpt.StateDictMismatchError(
                 f'{filename} {err}'
                 if where is None
-                else f'{filename} ({where}): {err}\nthe file holds {ckpt.describe_keys(checkpoint)}'
+                else f'{filename} ({where}): {err}\nthe file holds {describe_keys(checkpoint)}'
             ) from None
         counts = ''
         if isinstance(report, ckpt.LoadReport) and report.total:
@@ -825,7 +826,7 @@ class BaseStrategy(ABC):
                     f'tensors of {type(self._unwrap_model()).__name__} were found and '
                     f'loaded; not loaded: {", ".join(left_out[:10])}'
                     f'{", ..." if len(left_out) > 10 else ""}. The file holds '
-                    f'{ckpt.describe_keys(checkpoint)}. Fine for a partial (e.g. backbone) '
+                    f'{describe_keys(checkpoint)}. Fine for a partial (e.g. backbone) '
                     'load; otherwise check the checkpoint and revise_keys',
                     ckpt.PartialLoadWarning,
                     stacklevel=4,

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from stratagem import env
+from stratagem.env.logging import remove_file_handlers
 from stratagem.registry import MODELS
 
 __all__ = [
@@ -74,11 +75,7 @@ def open_run_logger(log_kwargs: dict, log_file: str) -> logging.Logger:
     run, one file, so a previous strategy's file handler in this process goes."""
     if 'log_file' not in log_kwargs:
         log_kwargs['log_file'] = log_file
-        shared = logging.getLogger('stratagem')
-        for handler in list(shared.handlers):
-            if str(getattr(handler, '_stratagem_handler', '')).startswith('file:'):
-                shared.removeHandler(handler)
-                handler.close()
+        remove_file_handlers(logging.getLogger('stratagem'))
     return env.get_logger('stratagem', **log_kwargs)
 
 

@@ -20,6 +20,8 @@ from typing import Any
 from torch import nn
 
 from stratagem import checkpoint as ckpt
+from stratagem.checkpoint.latest import read_pointer
+from stratagem.checkpoint.state_dict import check_state_dict
 
 __all__ = [
     'check_model_fits',
@@ -37,7 +39,7 @@ def previous_run_traces(work_dir: str) -> str | None:
     pointer, checkpoint files or manifests), worded for an error; None when nothing does."""
     if osp.isfile(osp.join(work_dir, ckpt.POINTER_NAME)):
         try:
-            target = ckpt.read_pointer(work_dir)
+            target = read_pointer(work_dir)
         except (ValueError, OSError) as err:
             return f'its {ckpt.POINTER_NAME} is unreadable ({err})'
         state = 'is damaged' if target is not None and osp.exists(target) else 'does not exist'
@@ -90,7 +92,7 @@ def check_model_fits(model: nn.Module, state_dict: Mapping, filename: str) -> No
     """Raise ``StateDictMismatchError`` naming ``filename`` when the saved weights cannot
     continue ``model``: tensors of another shape or dtype, or none matching. Missing or
     extra keys only warn later, as in mmengine."""
-    report = ckpt.check_state_dict(model, ckpt.revise_keys(state_dict))
+    report = check_state_dict(model, ckpt.revise_keys(state_dict))
     if report.shape_mismatches or report.type_mismatches or (report.total and not report.loaded):
         raise ckpt.StateDictMismatchError(
             f'cannot resume {filename}: its weights do not fit {type(model).__name__} (it is '

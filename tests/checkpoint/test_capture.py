@@ -9,8 +9,8 @@ import torch
 
 from stratagem.checkpoint import commit
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
+from stratagem.checkpoint.digest import entry_digest, hash_file
 from stratagem.checkpoint.errors import CheckpointWriteError
-from stratagem.checkpoint.manifest import entry_digest, hash_file
 from stratagem.strategies.deepspeed.capture import CapturingCheckpointEngine
 
 

@@ -10,15 +10,13 @@ import xxhash
 from ckpt_helpers import make_state
 from stratagem.checkpoint import (
     POINTER_NAME,
-    commit_directory,
-    finalize_directory,
     load_checkpoint_file,
-    manifest_path,
-    new_staging_dir,
     save_checkpoint,
     verify_checkpoint,
 )
-from stratagem.checkpoint.manifest import hash_file
+from stratagem.checkpoint.commit import commit_directory, finalize_directory, new_staging_dir
+from stratagem.checkpoint.digest import hash_file
+from stratagem.checkpoint.manifest import manifest_path
 from stratagem.version import __version__
 
 

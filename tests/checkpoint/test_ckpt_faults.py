@@ -164,8 +164,8 @@ def test_real_full_tmpfs(tmp_path):
 def test_sharded_directory_free_space_checked_before_writing(tmp_path, monkeypatch):
     """A sharded (DCP) directory save checks its shards' size first: a full disk is refused
     naming the checkpoint and the sizes; no staging dir is left, the previous one stays."""
-    from stratagem.checkpoint import save_sharded_checkpoint
     from stratagem.checkpoint import sharded as sharded_mod
+    from stratagem.checkpoint.sharded import save_sharded_checkpoint
 
     first = save_sharded_checkpoint(
         tmp_path / 'iter_1',

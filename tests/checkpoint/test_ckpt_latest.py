@@ -13,10 +13,10 @@ from stratagem.checkpoint import (
     CheckpointWarning,
     find_latest_checkpoint,
     list_checkpoints,
-    read_pointer,
     save_checkpoint,
 )
-from stratagem.checkpoint.manifest import _VERIFIED
+from stratagem.checkpoint.latest import read_pointer
+from stratagem.checkpoint.manifest import forget_verified
 
 
 def _series(tmp_path, steps=(1, 2, 3)):
@@ -67,7 +67,7 @@ def test_pointer_to_deleted_file_falls_back(tmp_path):
 
 def test_pointer_to_corrupt_file_falls_back(tmp_path):
     paths = _series(tmp_path)
-    _VERIFIED.clear()
+    forget_verified()
     with open(paths[-1], 'r+b') as f:
         f.seek(100)
         byte = f.read(1)

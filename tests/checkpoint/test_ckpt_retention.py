@@ -10,10 +10,10 @@ from ckpt_helpers import make_state
 from stratagem.checkpoint import (
     POINTER_NAME,
     apply_retention,
-    commit_directory,
     list_checkpoints,
     save_checkpoint,
 )
+from stratagem.checkpoint.commit import commit_directory
 
 
 def _save(directory, step, name=None, **kwargs):

@@ -18,8 +18,8 @@ from stratagem.checkpoint import (
     load_checkpoint_file,
     safe_globals,
     save_checkpoint,
-    validate_checkpoint_content,
 )
+from stratagem.checkpoint.content import validate_checkpoint_content
 
 
 class Point:

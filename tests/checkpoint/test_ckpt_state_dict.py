@@ -165,7 +165,7 @@ def test_old_batchnorm_state_without_num_batches_tracked_loads_strictly():
 
 @pytest.mark.parametrize('layout', ['state_dict', 'model_state_dict', 'model', 'module', 'bare'])
 def test_find_model_weights_recognises_foreign_layouts(layout):
-    from stratagem.checkpoint import find_model_weights
+    from stratagem.checkpoint.state_dict import find_model_weights
 
     sd = Net().state_dict()
     ckpt = dict(sd) if layout == 'bare' else {layout: sd, 'optimizer': {'state': {}}, 'epoch': 4}
@@ -175,7 +175,8 @@ def test_find_model_weights_recognises_foreign_layouts(layout):
 
 
 def test_find_model_weights_names_what_the_file_holds():
-    from stratagem.checkpoint import StateDictMismatchError, find_model_weights
+    from stratagem.checkpoint import StateDictMismatchError
+    from stratagem.checkpoint.state_dict import find_model_weights
 
     with pytest.raises(StateDictMismatchError) as info:
         find_model_weights({'epoch': 3, 'weights': Net().state_dict(), 'w': torch.ones(2, 3)})

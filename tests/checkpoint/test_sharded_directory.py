@@ -18,15 +18,17 @@ from stratagem.checkpoint import (
     CheckpointCorruptError,
     CheckpointWarning,
     apply_retention,
-    begin_directory_save,
     find_latest_checkpoint,
+)
+from stratagem.checkpoint.digest import hash_file
+from stratagem.checkpoint.directory import (
+    begin_directory_save,
     finish_directory_save,
-    read_pointer,
     save_directory,
     verify_directory,
     write_directory_files,
 )
-from stratagem.checkpoint.manifest import hash_file
+from stratagem.checkpoint.latest import read_pointer
 
 
 class _FakeCheckpointException(BaseException):
@@ -232,6 +234,7 @@ def _dist_checks(root):
     store = _own_store()[0]
     dist.barrier()
     keys_before = store.num_keys()
+    dist.barrier()  # both counted before either rank's next save posts its first keys
     start = time.monotonic()
     slow_dir = save_directory(root / 'iter_3', slow, step=3, timeout=8.0)
     out['slow_s'] = time.monotonic() - start
@@ -243,8 +246,8 @@ def _dist_checks(root):
     out['keys_left'] = store.num_keys() - keys_before
     # agreeing on a checkpoint: rank 0's path wins; a rank that passed another path (or
     # none) checks rank 0's in a second round; bytes that differ are refused on both
-    from stratagem.checkpoint import CheckpointNotShared, agree_on_checkpoint
     from stratagem.checkpoint import dist as dist_mod
+    from stratagem.checkpoint.dist import CheckpointNotShared, agree_on_checkpoint
 
     out['agree_same'] = str(agree_on_checkpoint(root / 'iter_3'))
     out['agree_other'] = str(agree_on_checkpoint(root / ('iter_3' if rank == 0 else 'iter_4')))
@@ -307,7 +310,7 @@ def test_dcp_errors_are_described_by_their_first_rank():
     """DCP's CheckpointException prints only rank numbers; messages carry the rank's error."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from stratagem.checkpoint.directory import describe_error
+    from stratagem.checkpoint.rank_errors import describe_error
 
     err = CheckpointException(
         'save',

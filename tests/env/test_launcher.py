@@ -14,8 +14,15 @@ import torch
 import torch.distributed as dist
 
 from stratagem.cli import main
-from stratagem.env import get_dist_info, infer_launcher, init_dist, is_distributed, launcher, slurm
-from stratagem.env.launcher import expand_slurm_nodelist
+from stratagem.env import (
+    expand_slurm_nodelist,
+    get_dist_info,
+    infer_launcher,
+    init_dist,
+    is_distributed,
+    launcher,
+    slurm,
+)
 
 CONFIG = """
 model = dict(type='MLPClassifier', in_features=4, num_classes=2, hidden=8)

@@ -971,6 +971,7 @@ def test_train_config_with_two_processes(tmp_path):
     directory checkpoints commit with a manifest and consolidate to the trained weights.
     (Exact resume is checked in-process above; one launch keeps this test short.)"""
     from stratagem import checkpoint as ckpt
+    from stratagem.checkpoint.directory import verify_directory
     from stratagem.cli import main
     from stratagem.strategies.deepspeed.files import zero_to_state_dict
 
@@ -999,7 +1000,7 @@ def test_train_config_with_two_processes(tmp_path):
         'iter_32.pth',
     ]
     assert ckpt.find_latest_checkpoint(work).name == 'iter_32.pth'
-    manifest = ckpt.verify_directory(work / 'iter_32.pth', collective=False)
+    manifest = verify_directory(work / 'iter_32.pth', collective=False)
     assert (manifest['world_size'], manifest['zero_stage'], manifest['step']) == (2, 2, 32)
     first, last = (zero_to_state_dict(work / f'iter_{i}.pth') for i in (16, 32))
     assert set(first) == set(last) and any(not torch.equal(first[k], last[k]) for k in first)

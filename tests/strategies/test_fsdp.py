@@ -989,6 +989,8 @@ def test_train_transformer_config_end_to_end(scenario):
     """`stratagem train examples/configs/transformer_fsdp.py --nproc 2`: committed sharded
     directories and its run metrics."""
     from stratagem import checkpoint as ckpt
+    from stratagem.checkpoint.directory import verify_directory
+    from stratagem.checkpoint.sharded import is_sharded_checkpoint
 
     work = scenario.tmp
     assert scenario[0] == 0
@@ -996,8 +998,8 @@ def test_train_transformer_config_end_to_end(scenario):
     assert ckpt.find_latest_checkpoint(work / 'lm') == work / 'lm' / 'iter_8.pth'
     for it in (4, 8):
         path = work / 'lm' / f'iter_{it}.pth'
-        assert ckpt.is_sharded_checkpoint(path)
-        manifest = ckpt.verify_directory(path, collective=False)
+        assert is_sharded_checkpoint(path)
+        manifest = verify_directory(path, collective=False)
         assert (manifest['step'], manifest['world_size'], manifest['strategy']) == (
             it,
             2,

@@ -54,7 +54,14 @@ from typing_extensions import override
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
+from stratagem.checkpoint.commit import new_staging_dir
 from stratagem.checkpoint.content import SAFE_GLOBALS_KEY
+from stratagem.checkpoint.directory import (
+    begin_directory_save,
+    finish_directory_save,
+    verify_directory,
+    write_directory_files,
+)
 from stratagem.checkpoint.formats import detect_format
 from stratagem.checkpoint.storage import CheckpointStorage, SaveCommit
 
@@ -148,7 +155,7 @@ class ZeroStorage(CheckpointStorage):
         if commit.held:
             extra[SAFE_GLOBALS_KEY] = commit.held
         final = Path(path)
-        staging = ckpt.begin_directory_save(final, commit.vote)  # raises on every rank
+        staging = begin_directory_save(final, commit.vote)  # raises on every rank
         # from here on the vote ends in _finish, on every path
         capture = CapturingCheckpointEngine(engine.checkpoint_engine, staging, writer)
         try:
@@ -174,7 +181,7 @@ class ZeroStorage(CheckpointStorage):
         """Collective: every file's size on every rank, its digest on one rank, the same
         manifest everywhere; then the DeepSpeed layout. Raises on every rank."""
         directory = Path(env.broadcast_object(osp.abspath(path)))
-        manifest = ckpt.verify_directory(directory, collective=True)
+        manifest = verify_directory(directory, collective=True)
         check_zero_layout(directory)
         return directory, manifest
 
@@ -249,7 +256,7 @@ class ZeroStorage(CheckpointStorage):
         universal, error = None, None
         if env.is_main_process():
             try:
-                universal = ckpt.new_staging_dir(path.with_name(path.name + '.universal'))
+                universal = new_staging_dir(path.with_name(path.name + '.universal'))
                 _to_universal(path / DEEPSPEED_TAG, universal / DEEPSPEED_TAG)
             except Exception as e:  # noqa: BLE001 - raised below, on every rank
                 error = e
@@ -262,7 +269,7 @@ class ZeroStorage(CheckpointStorage):
                 raise RuntimeError(
                     f'converting {path} to a universal checkpoint failed on rank 0: {failures[0]}'
                 )
-            config = self.engine()._config
+            config = self.engine()._config  # noqa: SLF001 - DeepSpeed: the engine's config has no public handle
             # a config flag DeepSpeed reads at load time; the engine is built without it
             config.load_universal_checkpoint = True
             try:
@@ -279,7 +286,7 @@ def _finish(
     staging: Path, path: Path, capture: CapturingCheckpointEngine, commit: SaveCommit, extra: dict
 ) -> None:
     """Step 5: write what was staged, agree, commit; the vote ends here (no collective)."""
-    written = ckpt.write_directory_files(staging, capture.write)
-    ckpt.finish_directory_save(
+    written = write_directory_files(staging, capture.write)
+    finish_directory_save(
         staging, path, written, commit.vote, step=commit.step, extra_manifest=extra
     )

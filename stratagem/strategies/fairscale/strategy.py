@@ -43,8 +43,8 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from stratagem import checkpoint as ckpt
 from stratagem.checkpoint.checkpointer import LoadContext
+from stratagem.checkpoint.state_dict import unwrap_model
 from stratagem.config import check_keys
 from stratagem.integrations.model_api import expose_model_api
 from stratagem.registry import STRATEGIES
@@ -209,7 +209,7 @@ class ShardedDDPStrategy(BaseStrategy):
         self._shard_loss_scaler(wrapper)
         # the host's loop calls train_step on the new wrapper, which must forward through it
         # (else its gradient hooks never run; see model_api)
-        expose_model_api(sdp, ckpt.unwrap_model(module))
+        expose_model_api(sdp, unwrap_model(module))
         return sdp, wrapper
 
     def _check_optim_cfg(self, cfg: Any) -> None:
@@ -331,7 +331,7 @@ class ShardedDDPStrategy(BaseStrategy):
         model = self.model
         if isinstance(model, _sharded_data_parallel()):
             model = model.module  # type: ignore[assignment]
-        return ckpt.unwrap_model(model)
+        return unwrap_model(model)
 
     # -------------------------------------------------------------- checkpoints
     @override

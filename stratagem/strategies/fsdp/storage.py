@@ -8,9 +8,16 @@ from typing import Any
 
 from typing_extensions import override
 
-from stratagem import checkpoint as ckpt
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
+from stratagem.checkpoint.content import validate_checkpoint_content
 from stratagem.checkpoint.formats import detect_format
+from stratagem.checkpoint.sharded import (
+    load_sharded_checkpoint,
+    load_sharded_in_place,
+    local_tensors,
+    read_sharded_header,
+    save_sharded_checkpoint,
+)
 from stratagem.checkpoint.storage import CheckpointStorage, SaveCommit
 
 __all__ = ['FSDPStorage']
@@ -48,7 +55,7 @@ class FSDPStorage(CheckpointStorage):
 
     @override
     def validate(self, checkpoint: dict) -> list[str]:
-        return ckpt.validate_checkpoint_content(ckpt.local_tensors(checkpoint))
+        return validate_checkpoint_content(local_tensors(checkpoint))
 
     @override
     def stage(
@@ -71,7 +78,7 @@ class FSDPStorage(CheckpointStorage):
             return
         assert checkpoint is not None  # every rank writes its shards
         partial = checkpoint.pop('partial_grads', None)  # this rank's own, to its own file
-        ckpt.save_sharded_checkpoint(
+        save_sharded_checkpoint(
             path,
             checkpoint,
             step=commit.step,
@@ -94,7 +101,7 @@ class FSDPStorage(CheckpointStorage):
         and the resume raises. With a ``callback`` (``editable``: it may read or edit the
         tensors) they are read into new tensors first."""
         if not editable and detect_format(path) == 'sharded':
-            header = ckpt.read_sharded_header(path, optimizer=optimizer)
+            header = read_sharded_header(path, optimizer=optimizer)
             if header is not None:
                 return header  # (the checkpoint without tensors, DCP's metadata)
         return self.read(path, map_location), None
@@ -106,7 +113,7 @@ class FSDPStorage(CheckpointStorage):
         if detect_format(path) != 'sharded':
             return super().read(path, map_location)
         model_sd, optim_sd = self.live_state(True)
-        return ckpt.load_sharded_checkpoint(path, model_sd, optim_sd)
+        return load_sharded_checkpoint(path, model_sd, optim_sd)
 
     @override
     def restore(self, path: str, checkpoint: dict, opened: Any, *, optimizer: bool) -> None:
@@ -119,7 +126,7 @@ class FSDPStorage(CheckpointStorage):
         state: dict[str, Any] = {'state_dict': model_sd}
         if optimizer:
             state['optimizer'] = optim_sd
-        ckpt.load_sharded_in_place(path, state, metadata=metadata)
+        load_sharded_in_place(path, state, metadata=metadata)
         checkpoint['state_dict'] = state['state_dict']
         if optimizer:
             counters = {

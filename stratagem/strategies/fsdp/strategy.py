@@ -22,6 +22,7 @@ from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem._torch import non_persistent_buffers
 from stratagem.checkpoint.checkpointer import LoadContext
+from stratagem.checkpoint.sharded import optim_state_to_fqn, optim_state_to_index
 from stratagem.checkpoint.storage import CheckpointStorage
 
 from ..base import BaseStrategy
@@ -231,7 +232,7 @@ class FSDPStrategy(BaseStrategy):
                 self.model, wrapper.optimizer, options=self._options(self._full)
             )
         if self._full and state:  # rank 0 only: the others get {} (cpu_offload)
-            state = ckpt.optim_state_to_index(state)
+            state = optim_state_to_index(state)
         extra = wrapper.state_dict()
         return {
             **{k: v for k, v in extra.items() if k not in ('state', 'param_groups')},
@@ -277,7 +278,7 @@ class FSDPStrategy(BaseStrategy):
         state = dict(state_dict)
         groups = state.get('param_groups') or []
         if groups and groups[0]['params'] and not isinstance(groups[0]['params'][0], str):
-            state = ckpt.optim_state_to_fqn(state, self._param_names())
+            state = optim_state_to_fqn(state, self._param_names())
         full = not any(
             isinstance(t, DTensor) for s in state.get('state', {}).values() for t in s.values()
         )
