@@ -2,7 +2,12 @@
 command line, in one process or re-launched under torchrun (``--nproc``, ``--nnodes``,
 ``--max-restarts``: ``launch.py``). A worker under torchrun with restarts, or of a requeued
 Slurm job, resumes from the last committed checkpoint by itself; a preempted run exits with
-``train_cfg.preemption.exit_code`` (default 75)."""
+``train_cfg.preemption.exit_code`` (default 75).
+
+The run holds ``work_dir/.stratagem.lock`` (:mod:`stratagem.env.workdir_lock`) from before it
+writes anything to its end: under ``--nproc`` the parent takes it before torchrun starts and
+its workers share it; otherwise rank 0 takes it. ``--force-unlock`` takes a lock another host
+claims."""
 
 from __future__ import annotations
 
@@ -11,12 +16,15 @@ import contextlib
 import logging
 import os
 import os.path as osp
+import socket
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from stratagem import env
 from stratagem.config import Config, parse_cfg_options
 from stratagem.env.preemption import preemption_config
+from stratagem.env.workdir_lock import TOKEN_ENV, WorkDirLock
 from stratagem.loop import train
 
 from . import debug_enabled
@@ -52,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='job launcher (default: inferred from the environment)',
     )
+    parser.add_argument(
+        '--force-unlock',
+        action='store_true',
+        help='take the work_dir lock (work_dir/.stratagem.lock) that a run on another host '
+        'claims, once you know that run has ended; a live holder on this host is never broken',
+    )
     add_launch_arguments(parser)
 
 
@@ -61,7 +75,16 @@ def run(args: argparse.Namespace) -> int:
     if wants_torchrun(args) and 'LOCAL_RANK' not in os.environ:
         cmd = torchrun_command(args)
         debug = debug_enabled(list(getattr(args, 'cli_argv', [])))
-        return relaunch(cmd, preemption.signals if preemption else (), cfg['work_dir'], debug)
+        # taken before torchrun starts: a busy work_dir is refused in a second, and the
+        # workers (every attempt of a --max-restarts run) share it through the token
+        with _work_dir_lock(cfg, args, parent=True) as lock:
+            os.environ.update(lock.child_env())
+            try:
+                return relaunch(
+                    cmd, preemption.signals if preemption else (), cfg['work_dir'], debug
+                )
+            finally:
+                os.environ.pop(TOKEN_ENV, None)
     if args.launcher:
         strategy = dict(cfg.get('strategy') or {'type': 'auto'})
         strategy['env_kwargs'] = {
@@ -74,11 +97,12 @@ def run(args: argparse.Namespace) -> int:
         resume = True
     elif args.resume:
         resume = args.resume
-    result = train(cfg, resume=resume, load_from=args.load_from)
-    if os.environ.get('TORCHELASTIC_RUN_ID') is not None:
-        # a preempted worker exits 0 too, or torchrun's agent would restart it; the parent
-        # (relaunch) turns the preemption it recorded into the exit status
-        _exit_torchrun_worker(result['strategy'])
+    with _work_dir_lock(cfg, args) as lock:
+        result = train(cfg, resume=resume, load_from=args.load_from)
+        if os.environ.get('TORCHELASTIC_RUN_ID') is not None:
+            # a preempted worker exits 0 too, or torchrun's agent would restart it; the parent
+            # (relaunch) turns the preemption it recorded into the exit status
+            _exit_torchrun_worker(result['strategy'], lock)
     if result.get('preempted') and preemption is not None:
         return preemption.exit_code
     return 0
@@ -95,6 +119,53 @@ def _load_config(args: argparse.Namespace) -> Config:
     return cfg
 
 
+@contextlib.contextmanager
+def _work_dir_lock(
+    cfg: Config, args: argparse.Namespace, *, parent: bool = False
+) -> Iterator[WorkDirLock]:
+    """The run's lock on its work_dir (the strategy's, as ``loop.train`` resolves it).
+
+    One process of a run holds it: the launching parent of node 0 (``--nproc``; under
+    ``--rdzv-endpoint`` the one on the endpoint's host), else rank 0. A worker whose parent
+    is ``stratagem train`` (``STRATAGEM_WORKDIR_LOCK`` set) and every other rank hold
+    nothing: the run's holder does, for all of its ranks and torchrun attempts.
+    """
+    work_dir = dict(cfg.get('strategy') or {}).get('work_dir') or cfg.get('work_dir', 'work_dirs')
+    lock = WorkDirLock(str(work_dir), force=bool(getattr(args, 'force_unlock', False)))
+    holder = _holds_for_the_run(args) if parent else _launch_rank() == 0
+    if not holder or TOKEN_ENV in os.environ:
+        yield lock
+        return
+    lock.acquire()  # WorkDirBusyError: `stratagem: error: ...`, exit status 1
+    try:
+        yield lock
+    finally:
+        lock.release()
+
+
+def _holds_for_the_run(args: argparse.Namespace) -> bool:
+    """Whether this launching parent is the one that holds the run's lock."""
+    endpoint = getattr(args, 'rdzv_endpoint', None)
+    if endpoint:
+        host = endpoint.rpartition(':')[0].strip('[]')
+        try:
+            address = socket.gethostbyname(host)
+            here = {socket.gethostbyname(socket.gethostname()), '127.0.0.1'}
+        except OSError:
+            return host in ('localhost', socket.gethostname(), socket.getfqdn())
+        return address in here or address.startswith('127.')
+    return int(getattr(args, 'node_rank', 0) or 0) == 0
+
+
+def _launch_rank() -> int:
+    """This process's global rank as its launcher set it (0 when started alone)."""
+    for name in ('RANK', 'SLURM_PROCID', 'OMPI_COMM_WORLD_RANK', 'MV2_COMM_WORLD_RANK', 'PMI_RANK'):
+        value = os.environ.get(name, '')
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 def _restarted() -> bool:
     """Whether this process continues a run by itself: a worker under torchrun with restarts
     (``--max-restarts``; also its first attempt, which finds the checkpoints of a run killed
@@ -107,7 +178,7 @@ def _restarted() -> bool:
     return any(c.isdigit() and int(c) > 0 for c in counts)
 
 
-def _exit_torchrun_worker(strategy: Any) -> None:
+def _exit_torchrun_worker(strategy: Any, lock: WorkDirLock) -> None:
     """End a torchrun worker whose run succeeded, without interpreter teardown.
 
     With gloo, a worker that returned normally was sometimes killed at exit by
@@ -121,6 +192,7 @@ def _exit_torchrun_worker(strategy: Any) -> None:
         wait()
     with contextlib.suppress(Exception):
         env.barrier()
+    lock.release()  # os._exit skips the context's exit
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

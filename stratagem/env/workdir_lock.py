@@ -3,7 +3,7 @@
 The file is the claim: JSON naming the holder's host, pid, the process's start time
 (``/proc``, so a reused pid is not mistaken for the holder), the wall-clock start, the Slurm
 job id and restart count, torchrun's run id, and a token the holder gives its own child
-processes (``STRATAGEM_WORKDIR_LOCK``). An empty (or absent) file is a free work_dir.
+processes (``STRATAGEM_WORKDIR_LOCK``). An absent (or empty) file is a free work_dir.
 
 1. ``WorkDirLock(work_dir).acquire()`` creates ``work_dir`` (only the directory) and opens
    the file.
@@ -23,8 +23,9 @@ processes (``STRATAGEM_WORKDIR_LOCK``). An empty (or absent) file is a free work
    Lustre mounts), the claim alone decides: the file is created with ``O_EXCL``; an existing
    claim of this host is alive while its pid runs with the recorded start time; a claim of
    another host is never judged alive or dead (refused, or taken with ``force``).
-4. ``release()``: the file is emptied (it stays, so that a contender holding the old inode
-   and a new one cannot both win) and the flock dropped; under the fallback it is removed.
+4. ``release()``: the file is removed, then the flock dropped (a contender that opened it
+   meanwhile checks, once it holds the flock, that the path is still its file). A released
+   work_dir holds no lock file; one that a killed run left is the claim step 2 reads.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class WorkDirLock:
         self.shared = False
         self.token = uuid.uuid4().hex
         self._fd: int | None = None
-        self._flock = False
+        self._created: list[str] = []  # the directories acquire made, deepest first
 
     # the claim -----------------------------------------------------------------------------
     def _claim(self) -> dict[str, Any]:
@@ -153,34 +154,50 @@ class WorkDirLock:
     def acquire(self) -> WorkDirLock:
         """Take the lock, or raise :class:`WorkDirBusyError` naming the holder."""
         token = os.environ.get(TOKEN_ENV)
+        self._created = []
+        d = self.work_dir
+        while not osp.isdir(d) and d != osp.dirname(d):
+            self._created.append(d)
+            d = osp.dirname(d)
         os.makedirs(self.work_dir, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            if fcntl is None:
-                raise OSError(errno.ENOLCK, 'no fcntl')
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            claim = self._parse(_read(fd)) or {'host': '?', 'pid': '?'}
-            os.close(fd)
-            if token and claim.get('token') == token:
-                self.shared = True
-                return self
-            raise self._refuse(claim, 'it holds the lock now') from None
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
-            return self._acquire_by_claim(token)
-        try:
-            previous = self._parse(_read(fd))
-            if previous is not None:
-                self._take_over(previous, alive=False)
-            _write(fd, self._claim())
+            return self._acquire(token)
         except BaseException:
-            os.close(fd)  # a refused take-over leaves the claim as it found it
+            self._remove_created()
             raise
-        self._fd, self._flock = fd, True
-        return self
+
+    def _acquire(self, token: str | None) -> WorkDirLock:
+        for _ in range(10):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if fcntl is None:
+                    raise OSError(errno.ENOLCK, 'no fcntl')
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                claim = self._parse(_read(fd)) or {'host': '?', 'pid': '?'}
+                os.close(fd)
+                if token and claim.get('token') == token:
+                    self.shared = True
+                    return self
+                raise self._refuse(claim, 'it holds the lock now') from None
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                return self._acquire_by_claim(token)
+            try:
+                if _same_file(fd, self.path):
+                    previous = self._parse(_read(fd))
+                    if previous is not None:
+                        self._take_over(previous, alive=False)
+                    _write(fd, self._claim())
+                    self._fd = fd
+                    return self
+                # else its holder removed it at its release: lock the path's new file
+            finally:
+                if self._fd != fd:
+                    os.close(fd)  # a refused take-over leaves the claim as it found it
+        raise WorkDirBusyError(f'could not lock {self.path}: other runs take and release it')
 
     def _acquire_by_claim(self, token: str | None) -> WorkDirLock:
         """Without flock: the O_EXCL-created file is the claim."""
@@ -233,13 +250,22 @@ class WorkDirLock:
         if fd is None:
             return
         try:
-            if self._flock:
-                os.ftruncate(fd, 0)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(self.path)
+            # removed while still locked: a contender that opened it meanwhile finds, once it
+            # has the flock, that the path is no longer its file, and opens the path again
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
         finally:
             os.close(fd)  # drops the flock
+        self._remove_created()
+
+    def _remove_created(self) -> None:
+        """A run that ended before writing anything leaves no work_dir behind."""
+        for d in self._created:
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+        self._created = []
 
     def child_env(self) -> dict[str, str]:
         """What a process this run starts needs to share the lock."""
@@ -254,6 +280,15 @@ class WorkDirLock:
 
 def _here(claim: dict[str, Any]) -> bool:
     return claim.get('host') == socket.gethostname()
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _read(fd: int) -> str:

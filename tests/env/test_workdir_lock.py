@@ -78,7 +78,7 @@ def test_a_second_process_is_refused_naming_the_holder_then_gets_it(tmp_path, ho
         with WorkDirLock(work_dir) as lock:
             claim = _read(lock.path)
             assert (claim['pid'], claim['host']) == (os.getpid(), socket.gethostname())
-    assert os.path.getsize(lock.path) == 0  # released: an empty claim
+    assert not os.path.exists(lock.path)  # released: no claim left
 
 
 def test_a_killed_holder_is_taken_over_with_a_warning_naming_it(tmp_path, holder):
@@ -154,3 +154,12 @@ def test_without_flock_the_claim_decides(tmp_path, monkeypatch, holder):
         WorkDirLock(other).acquire()
     with pytest.warns(UserWarning, match='other-node'):
         WorkDirLock(other, force=True).acquire().release()
+
+
+def test_a_run_that_wrote_nothing_leaves_no_work_dir(tmp_path):
+    WorkDirLock(str(tmp_path / 'a' / 'b')).acquire().release()
+    assert not (tmp_path / 'a').exists()
+    _claim(str(tmp_path / 'busy'))
+    with pytest.raises(WorkDirBusyError):
+        WorkDirLock(str(tmp_path / 'busy')).acquire()
+    assert (tmp_path / 'busy' / LOCK_NAME).exists()  # a refusal leaves the claim alone

@@ -1,0 +1,88 @@
+"""`stratagem train` holds its work_dir: a second run on a busy work_dir is refused at once,
+naming the first (which then ends as if alone); a SIGKILLed run's work_dir is resumed by the
+next run without an override."""
+
+import json
+import os
+import time
+
+import pytest
+
+from failure_helpers import (
+    clean_env,
+    equal,
+    final_state,
+    finish,
+    kill_tree,
+    start,
+    workers,
+    write_config,
+)
+from stratagem.env.workdir_lock import LOCK_NAME
+
+pytestmark = pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='needs Linux /proc')
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('reference')
+    cfg = write_config(tmp)
+    code, out = finish(start(cfg, tmp / 'work', '--nproc', '2'))
+    assert code == 0, out[-4000:]
+    assert not (tmp / 'work' / LOCK_NAME).exists()  # released at the end
+    return cfg, final_state(tmp / 'work')
+
+
+def _holder(work_dir, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(work_dir / LOCK_NAME) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            time.sleep(0.05)
+    raise AssertionError(f'no lock in {work_dir}')
+
+
+def test_a_busy_work_dir_is_refused_naming_the_holder_and_the_holder_ends_as_alone(
+    reference, tmp_path
+):
+    cfg, want = reference
+    work = tmp_path / 'work'
+    first = start(cfg, work, '--nproc', '2', env=clean_env(SLOW='0.02'))
+    try:
+        workers(first.pid)  # the parent holds the lock; its workers run under it
+        assert _holder(work)['pid'] == first.pid
+        t0 = time.monotonic()
+        code, out = finish(start(cfg, work), timeout=60)
+        took = time.monotonic() - t0
+        assert first.poll() is None, 'the first run ended before the second was refused'
+    finally:
+        code_first, out_first = finish(first)
+    assert code == 1, out[-3000:]
+    assert f'pid {first.pid}' in out and 'in use by another run' in out, out[-3000:]
+    assert '--work-dir' in out and '--force-unlock' in out
+    assert took < 20, f'the refusal took {took:.1f} s'
+    assert code_first == 0, out_first[-4000:]
+    assert equal(final_state(work), want)
+    assert not (work / LOCK_NAME).exists()
+
+
+def test_a_killed_runs_work_dir_is_resumed_by_the_next_run(reference, tmp_path):
+    cfg, want = reference
+    work = tmp_path / 'work'
+    first = start(cfg, work, '--nproc', '2', env=clean_env(SLOW='0.02'))
+    try:
+        workers(first.pid)
+        deadline = time.monotonic() + 120
+        while not (work / 'iter_10.pth').exists():
+            assert time.monotonic() < deadline and first.poll() is None, 'no checkpoint'
+            time.sleep(0.05)
+    finally:
+        kill_tree(first.pid)  # SIGKILL, the parent and its workers: the lock file stays
+        first.communicate()
+    assert _holder(work)['pid'] == first.pid
+    code, out = finish(start(cfg, work, '--nproc', '2', '--resume'))
+    assert code == 0, out[-4000:]
+    assert 'ended without releasing it' in out and f'pid {first.pid}' in out, out[-3000:]
+    assert equal(final_state(work), want)
