@@ -896,6 +896,8 @@ class BaseStrategy(ABC):
         file; ``load_from`` alone loads weights only. Returns the checkpoint or None.
         """
         self.wait_for_checkpoints()
+        if self.rank == 0:  # debris of a killed run: its orphan manifests and temp entries
+            ckpt.sweep_debris(self.work_dir)
         if isinstance(resume, str):
             return self.resume(resume)
         if resume and load_from is None:
