@@ -85,3 +85,62 @@ def test_stratagem_train_reads_the_top_level_keys(tmp_path, no_cuda):
         result = train(cfg, progress=False)
     assert [g['lr'] for g in result['strategy'].optim_wrapper.param_groups] == [0.1]
     assert any('auto_scale_lr is given twice' in str(w.message) for w in caught)
+
+
+def _runner_shaped(backend: str) -> dict:
+    """The kwargs mmengine's FlexibleRunner.build_strategy adds to a strategy dict."""
+    return dict(
+        env_kwargs=dict(launcher='none', randomness=dict(seed=3), dist_cfg=dict(backend=backend)),
+        log_kwargs=dict(log_level='WARNING'),
+    )
+
+
+def _strategy_type(form: str):
+    from stratagem.strategies import SingleDeviceStrategy
+
+    class MySingleDevice(SingleDeviceStrategy):
+        pass
+
+    return {
+        'scoped name': 'stratagem.SingleDeviceStrategy',
+        'class object': SingleDeviceStrategy,
+        'subclass': MySingleDevice,
+    }[form]
+
+
+@pytest.mark.parametrize('form', ['scoped name', 'class object', 'subclass'])
+def test_flexible_runner_env_cfg_fitted_however_the_strategy_is_named(no_cuda, tmp_path, form):
+    pytest.importorskip('mmengine')
+    from mmengine.registry import STRATEGIES
+
+    import stratagem.integrations.mmengine  # noqa: F401  (scoped names)
+
+    cfg = dict(type=_strategy_type(form), work_dir=str(tmp_path), **_runner_shaped('nccl'))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        strategy = STRATEGIES.build(cfg)
+    assert type(strategy).__name__ in ('SingleDeviceStrategy', 'MySingleDevice')
+    said = [str(w.message) for w in caught if 'needs CUDA' in str(w.message)]
+    assert len(said) == 1 and "using 'gloo'" in said[0], said
+    # the strategy's own env_kwargs are the user's: never fitted, not even through mmengine
+    own = dict(type=_strategy_type(form), work_dir=str(tmp_path), env_kwargs=dict(launcher='none'))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        STRATEGIES.build(own)
+    assert not [w for w in caught if 'needs CUDA' in str(w.message)]
+
+
+def test_runner_shape_is_what_is_fitted(no_cuda):
+    shaped = _runner_shaped('nccl')
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter('always')
+        fitted = launcher.fit_runner_env_kwargs(shaped['env_kwargs'], shaped['log_kwargs'])
+    assert fitted['dist_cfg'] == dict(backend='gloo')
+    # a backend the user wrote into the strategy's env_kwargs stays theirs, and an error
+    mine = dict(dist_cfg=dict(backend='nccl'))
+    for log_kwargs in (None, dict(log_level='INFO', file_mode='a')):
+        assert launcher.fit_runner_env_kwargs(mine, log_kwargs) == mine
+    mine = dict(launcher='pytorch', randomness=dict(seed=1), dist_cfg=dict(backend='nccl'))
+    assert launcher.fit_runner_env_kwargs(mine, None) == mine
+    with pytest.raises(ValueError, match="backend 'nccl' needs CUDA"):
+        launcher.resolve_backend(mine['dist_cfg']['backend'])

@@ -3,15 +3,18 @@
 ``resolve_backend``: the user's choice, checked (nccl needs CUDA), or nccl / gloo by the
 machine. ``mmengine_env_kwargs``: an mmengine ``env_cfg`` whose backend the user did not choose
 (FlexibleRunner's default and mmengine's config templates say nccl) fitted to this machine.
+``fit_runner_env_kwargs``: the same for the ``env_kwargs`` that mmengine's FlexibleRunner hands
+a strategy it builds, recognised by their shape (so it works however the strategy is named).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ['mmengine_env_kwargs', 'resolve_backend']
+__all__ = ['fit_runner_env_kwargs', 'mmengine_env_kwargs', 'resolve_backend']
 
 _SAID_BACKEND_FALLBACK: set[str] = set()
 
@@ -45,6 +48,29 @@ def mmengine_env_kwargs(env_cfg: Any, where: str = 'env_cfg') -> dict:
                 stacklevel=3,
             )
     return kwargs
+
+
+def fit_runner_env_kwargs(env_kwargs: Any, log_kwargs: Any) -> dict:
+    """A strategy's ``env_kwargs``, fitted (``mmengine_env_kwargs``) when mmengine's
+    ``FlexibleRunner`` made them from its ``env_cfg``, else as given.
+
+    ``FlexibleRunner.build_strategy`` fills a strategy dict that lacks them with
+    ``env_kwargs=dict(launcher=..., randomness=..., **env_cfg)`` and
+    ``log_kwargs=dict(log_level=...)``, then builds it, by registered name, scoped name
+    (``'stratagem.DDPStrategy'``) or the class object itself (mmengine's pure-Python configs):
+    the strategy's own constructor is the one place all three pass. That shape (``launcher``
+    and ``randomness`` as the first two keys, and ``log_kwargs`` holding only ``log_level``) is
+    what marks them as the runner's; ``env_kwargs`` the user wrote into the strategy dict (or
+    passed to the strategy directly) keep their backend, and nccl without CUDA stays an error
+    (``resolve_backend``).
+    """
+    kwargs = dict(env_kwargs or {})
+    from_runner = (
+        list(kwargs)[:2] == ['launcher', 'randomness']
+        and isinstance(log_kwargs, Mapping)
+        and list(log_kwargs) == ['log_level']
+    )
+    return mmengine_env_kwargs(kwargs, 'env_cfg') if from_runner else kwargs
 
 
 def resolve_backend(backend: str | None) -> str:

@@ -28,8 +28,11 @@ Switching an mmengine config to stratagem: ``import stratagem.integrations.mmeng
 ``custom_imports=dict(imports=['stratagem.integrations.mmengine'])`` in the config), build a
 ``FlexibleRunner`` and set ``strategy=dict(type='stratagem.SingleDeviceStrategy')`` (or
 ``'stratagem.DDPStrategy'``, ...); ``optim_wrapper`` and ``param_scheduler`` keep mmengine's
-keys. FlexibleRunner's default ``env_cfg`` (``backend='nccl'``) works on a CPU-only machine:
-a CUDA backend the user did not choose becomes gloo there, said once.
+keys. FlexibleRunner's default ``env_cfg`` (``backend='nccl'``) works on a CPU-only machine,
+however the strategy is named (``'stratagem.DDPStrategy'``, or the class object of mmengine's
+pure-Python configs): a CUDA backend the user did not choose becomes gloo there, said once
+(the strategy's constructor fits it: ``env.backend.fit_runner_env_kwargs``); a backend written
+into the strategy's own ``env_kwargs`` is the user's, and nccl there without CUDA is an error.
 """
 
 from __future__ import annotations
@@ -139,39 +142,28 @@ def _child(parent: MMRegistry, name: str) -> MMRegistry:
     return existing if existing is not None else MMRegistry(name, parent=parent, scope=SCOPE)
 
 
-def _builder(registry: ours.Registry, name: str, fit: Any = None):
+def _builder(registry: ours.Registry, name: str):
     def build(**kwargs: Any) -> Any:
-        return registry.build(dict(type=name, **(fit(kwargs) if fit else kwargs)))
+        return registry.build(dict(type=name, **kwargs))
 
     build.__name__ = build.__qualname__ = name
     build.__doc__ = f"Builds stratagem's {name} (imported on first use)."
     return build
 
 
-def _fit_env_cfg(kwargs: dict) -> dict:
-    """FlexibleRunner hands its ``env_cfg`` over as ``env_kwargs``: a CUDA backend that the
-    user did not choose (its default, its config templates') becomes gloo on a machine
-    without CUDA, said once (``env.backend.mmengine_env_kwargs``)."""
-    from stratagem.env.backend import mmengine_env_kwargs
-
-    if kwargs.get('env_kwargs'):
-        kwargs = {**kwargs, 'env_kwargs': mmengine_env_kwargs(kwargs['env_kwargs'], 'env_cfg')}
-    return kwargs
-
-
-def _mirror(source: ours.Registry, target: MMRegistry, fit: Any = None) -> None:
+def _mirror(source: ours.Registry, target: MMRegistry) -> None:
     loaded = source.module_dict  # eager entries: the classes themselves
     for name in source.names():
         obj = loaded.get(name)
-        if obj is None or fit is not None:
-            obj = _builder(source, name, fit)
+        if obj is None:
+            obj = _builder(source, name)
         target.register_module(name=name, module=obj, force=True)
 
 
 STRATEGIES = _child(MM_STRATEGIES, 'strategy')
 OPTIM_WRAPPERS = _child(MM_OPTIM_WRAPPERS, 'optim_wrapper')
 PARAM_SCHEDULERS = _child(MM_PARAM_SCHEDULERS, 'parameter scheduler')
-_mirror(ours.STRATEGIES, STRATEGIES, fit=_fit_env_cfg)  # builders: the env_cfg is fitted
+_mirror(ours.STRATEGIES, STRATEGIES)
 _mirror(ours.OPTIM_WRAPPERS, OPTIM_WRAPPERS)
 _mirror(ours.PARAM_SCHEDULERS, PARAM_SCHEDULERS)
 

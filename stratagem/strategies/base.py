@@ -66,6 +66,7 @@ from stratagem.checkpoint.checkpointer import Checkpointer, LoadContext, Statefu
 from stratagem.checkpoint.state_dict import describe_keys, find_model_weights, unwrap_model
 from stratagem.checkpoint.storage import CheckpointStorage
 from stratagem.config import check_keys
+from stratagem.env.backend import fit_runner_env_kwargs
 from stratagem.integrations.model_api import expose_model_api
 from stratagem.schema import ENV_KEYS as _ENV_KEYS
 from stratagem.schema import RANDOMNESS_KEYS as _RANDOMNESS_KEYS
@@ -142,7 +143,8 @@ class BaseStrategy(ABC):
         async_checkpoint: bool = False,
         checkpoint_timeout: float = 600.0,
     ) -> None:
-        env_kwargs = dict(env_kwargs or {})
+        # mmengine's FlexibleRunner default env_cfg (nccl) fitted to a machine without CUDA
+        env_kwargs = fit_runner_env_kwargs(env_kwargs, log_kwargs)
         check_keys(env_kwargs, _ENV_KEYS, 'env_kwargs')
         randomness = dict(env_kwargs.get('randomness') or {})
         check_keys(randomness, _RANDOMNESS_KEYS, 'env_kwargs.randomness')
@@ -896,6 +898,8 @@ class BaseStrategy(ABC):
         file; ``load_from`` alone loads weights only. Returns the checkpoint or None.
         """
         self.wait_for_checkpoints()
+        if self.rank == 0:  # debris of a killed run: its orphan manifests and temp entries
+            ckpt.sweep_debris(self.work_dir)
         if isinstance(resume, str):
             return self.resume(resume)
         if resume and load_from is None:

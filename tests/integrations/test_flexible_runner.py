@@ -218,3 +218,22 @@ def _check_load_without_integration(path):
     assert out.startswith('UnsafeCheckpointError')
     assert 'holds mmengine.logging.history_buffer.HistoryBuffer' in out
     assert 'import stratagem.integrations.mmengine' in out
+
+
+def _train_class_object(root):
+    """Every rank: mmengine's pure-Python config style, the strategy's class object itself
+    and no env_cfg (FlexibleRunner's default: nccl), 2 epochs."""
+    sys.modules.setdefault('deepspeed', None)
+    from stratagem.strategies import DDPStrategy
+
+    runner = _runner(Path(root), (DDPStrategy, {}, 2), 2)
+    runner.train()
+    return {'rank': runner.rank, 'epoch': runner.epoch, 'world': runner.world_size}
+
+
+def test_class_object_strategy_with_the_default_env_cfg(tmp_path):
+    results = run_distributed(_train_class_object, nproc=2, timeout=120, args=(str(tmp_path),))
+    assert [(r['rank'], r['epoch'], r['world']) for r in results] == [(0, 2, 2), (1, 2, 2)]
+    manifest = json.loads((tmp_path / 'epoch_2.pth.manifest.json').read_text())
+    assert manifest['world_size'] == 2
+    _check_load_without_integration(tmp_path / 'epoch_2.pth')
