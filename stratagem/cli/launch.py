@@ -21,7 +21,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from stratagem.env.launcher import resolve_master
 
@@ -196,13 +196,17 @@ def _without_launch_options(argv: list[str]) -> list[str]:
 
 def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool = False) -> int:
     """Run torchrun's ``cmd``; forward ``signals`` to its workers meanwhile; return its exit
-    status, or the preemption's when the workers recorded one in ``work_dir``. A failure
-    prints one message (``worker_errors.py``) unless ``debug``, which shows everything."""
-    from stratagem.env.preemption import clear_marker, read_marker
+    status, or the preemption's when the workers recorded one in ``work_dir``, or 130 after
+    Ctrl-C (SIGINT: the workers stop without saving, one line names the checkpoint to resume
+    from). A failure prints one message (``worker_errors.py``) unless ``debug``, which shows
+    everything."""
+    from stratagem.env.preemption import MARKER_NAME, clear_marker, read_marker
 
     clear_marker(work_dir)
-    with _forwarding(signals), _own_round_stores(cmd):
-        code = run_torchrun(cmd, debug)
+    cmd = _agent_handles(cmd, signals)
+    marker = os.path.join(work_dir, MARKER_NAME)
+    with _forwarding(signals) as interrupted, _own_round_stores(cmd):
+        code = run_torchrun(cmd, debug, lambda: bool(interrupted) or os.path.exists(marker))
     info = read_marker(work_dir, remove=True)
     if info is not None:
         sys.stderr.write(
@@ -211,32 +215,73 @@ def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool 
             f'{"; the Slurm job was requeued" if info.get("requeued") else ""}\n'
         )
         return int(info.get('exit_code', code))
+    if interrupted:
+        sys.stderr.write(f'stratagem train: interrupted (SIGINT); {_resumable(work_dir)}\n')
+        return 130
     return code
 
 
-def run_torchrun(cmd: list[str], debug: bool = False) -> int:
+def _resumable(work_dir: str) -> str:
+    from stratagem.checkpoint import find_latest_checkpoint
+
+    try:
+        latest = find_latest_checkpoint(work_dir)
+    except (ValueError, OSError):  # a damaged pointer: the resume will say which
+        latest = None
+    if latest is None:
+        return f'nothing was saved in {work_dir}'
+    return f'nothing half-written; --resume continues from {latest}'
+
+
+def run_torchrun(
+    cmd: list[str], debug: bool = False, on_purpose: Callable[[], bool] | None = None
+) -> int:
     """Run torchrun's ``cmd`` to its end; its exit status. Its output as it is with
-    ``debug``, else one failure message (``worker_errors.py``)."""
+    ``debug``, else one failure message (``worker_errors.py``) unless ``on_purpose()``."""
     from .worker_errors import run_with_one_message
 
-    return subprocess.call(cmd) if debug else run_with_one_message(cmd)
+    return subprocess.call(cmd) if debug else run_with_one_message(cmd, on_purpose)
+
+
+def _agent_handles(cmd: list[str], signals: Sequence[str]) -> list[str]:
+    """``cmd`` with torchrun's ``--signals-to-handle``: its default and ``signals``. The
+    agent then passes each of them on to its workers (and waits for them, its store alive,
+    up to its shutdown timeout) instead of dying of SIGUSR1 with the store the workers'
+    save votes through. torch's launcher sets ``TORCHELASTIC_SIGNALS_TO_HANDLE`` from this
+    option, overwriting the variable, so the option is what counts."""
+    if any(a.startswith(('--signals-to-handle', '--signals_to_handle')) for a in cmd):
+        return cmd
+    names = ','.join(dict.fromkeys([*_AGENT_SIGNALS.split(','), *signals]))
+    at = cmd.index('torch.distributed.run') + 1 if 'torch.distributed.run' in cmd else len(cmd)
+    return [*cmd[:at], f'--signals-to-handle={names}', *cmd[at:]]
 
 
 @contextlib.contextmanager
-def _forwarding(signals: Sequence[str]) -> Iterator[None]:
-    """While torchrun runs: the agent handles ``signals`` (it passes them to the workers and
-    gives them 30 s before SIGKILL) instead of dying of SIGUSR1, and a signal sent to this
-    process goes to the workers (torchrun starts each in a session of its own)."""
+def _forwarding(signals: Sequence[str]) -> Iterator[list[int]]:
+    """While torchrun runs, a signal sent to this process goes to the workers (torchrun starts
+    each in a session of its own), never to the agent: a signal sent to the whole group
+    reaches the agent already (it passes on those of ``--signals-to-handle``), and a second
+    one would end its shutdown early, with the store the workers' save needs. SIGINT
+    (Ctrl-C) too, and the list it yields records it: the workers stop without saving and
+    the caller says so in one line instead of a traceback."""
     previous_env = os.environ.get('TORCHELASTIC_SIGNALS_TO_HANDLE')
     names = list(dict.fromkeys([*_AGENT_SIGNALS.split(','), *signals]))
     if previous_env is None:
         os.environ['TORCHELASTIC_SIGNALS_TO_HANDLE'] = ','.join(names)
+    interrupted: list[int] = []
+
+    def interrupt(signum: int, frame: object) -> None:
+        interrupted.append(signum)
+        _forward(signum, frame)
+
     previous: dict[int, object] = {}
     try:
         for name in signals:
             sig = getattr(signal, name)
             previous[sig] = signal.signal(sig, _forward)
-        yield
+        if signal.SIGINT not in previous:
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
+        yield interrupted
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]

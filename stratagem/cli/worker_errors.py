@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO
 
 __all__ = ['ERROR_DIR_ENV', 'AgentReportFilter', 'record', 'run_with_one_message', 'summarize']
@@ -184,9 +184,10 @@ def _error_dir() -> Iterator[str]:
                 os.environ[ERROR_DIR_ENV] = previous
 
 
-def run_with_one_message(cmd: list[str]) -> int:
+def run_with_one_message(cmd: list[str], on_purpose: Callable[[], bool] | None = None) -> int:
     """Run torchrun's ``cmd`` (stdout as it is, stderr through :class:`AgentReportFilter`),
-    printing the ranks' errors as they come (merged); on failure the exit status last.
+    printing the ranks' errors as they come (merged); on failure the exit status last, unless
+    ``on_purpose()`` says the run was stopped (a preemption, Ctrl-C: the caller says so).
     Returns torchrun's status."""
     with _error_dir() as where:
         watcher = _Watcher(where, sys.stderr)
@@ -201,7 +202,7 @@ def run_with_one_message(cmd: list[str]) -> int:
         watcher.done.set()
         watcher.join()
         watcher.poll(final=True)
-        if code != 0:
+        if code != 0 and not (on_purpose is not None and on_purpose()):
             if not watcher.printed:
                 sys.stderr.write(
                     'stratagem train: a worker failed without an error message of its own '
