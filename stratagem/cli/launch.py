@@ -7,10 +7,12 @@ it (forwarding preemption signals to the workers, turning a preemption into its 
    ``--rdzv-conf`` (c10d rendezvous: elastic), ``--max-restarts``.
 2. ``torchrun_command``: the options checked, the command built (nothing started).
 3. ``relaunch``: runs it. While it runs, a preemption signal this process receives goes on
-   to the workers (torchrun's agent is told to handle the same signals, by passing them to
-   its workers, so a signal sent to the whole job step does not kill the agent); afterwards a
-   preemption the workers recorded (``work_dir/preempted.json``: torchrun workers exit 0, or
-   the agent would restart them) becomes this process's exit status.
+   to the workers, and torchrun's agent handles the same signals (``--signals-to-handle``
+   through ``PET_SIGNALS_TO_HANDLE``): it passes them to its workers and waits for their
+   save, its store up, so a signal sent to the whole job step (Slurm's ``--signal``,
+   ``kill -USR1 -<pgid>``) does not kill it. Afterwards a preemption the workers recorded
+   (``work_dir/preempted.json``: torchrun workers exit 0, or the agent would restart them)
+   becomes this process's exit status; Ctrl-C (SIGINT) becomes one line and 130.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ _LAUNCH_ONLY = (
     '--rdzv-endpoint', '--rdzv-id', '--rdzv-conf', '--max-restarts',
 )  # fmt: skip
 _AGENT_SIGNALS = 'SIGTERM,SIGINT,SIGHUP,SIGQUIT'  # torchrun's default
+_AGENT_ENV = 'PET_SIGNALS_TO_HANDLE'  # torchrun's --signals-to-handle
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -203,7 +206,6 @@ def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool 
     from stratagem.env.preemption import MARKER_NAME, clear_marker, read_marker
 
     clear_marker(work_dir)
-    cmd = _agent_handles(cmd, signals)
     marker = os.path.join(work_dir, MARKER_NAME)
     with _forwarding(signals) as interrupted, _own_round_stores(cmd):
         code = run_torchrun(cmd, debug, lambda: bool(interrupted) or os.path.exists(marker))
@@ -243,31 +245,24 @@ def run_torchrun(
     return subprocess.call(cmd) if debug else run_with_one_message(cmd, on_purpose)
 
 
-def _agent_handles(cmd: list[str], signals: Sequence[str]) -> list[str]:
-    """``cmd`` with torchrun's ``--signals-to-handle``: its default and ``signals``. The
-    agent then passes each of them on to its workers (and waits for them, its store alive,
-    up to its shutdown timeout) instead of dying of SIGUSR1 with the store the workers'
-    save votes through. torch's launcher sets ``TORCHELASTIC_SIGNALS_TO_HANDLE`` from this
-    option, overwriting the variable, so the option is what counts."""
-    if any(a.startswith(('--signals-to-handle', '--signals_to_handle')) for a in cmd):
-        return cmd
-    names = ','.join(dict.fromkeys([*_AGENT_SIGNALS.split(','), *signals]))
-    at = cmd.index('torch.distributed.run') + 1 if 'torch.distributed.run' in cmd else len(cmd)
-    return [*cmd[:at], f'--signals-to-handle={names}', *cmd[at:]]
-
-
 @contextlib.contextmanager
 def _forwarding(signals: Sequence[str]) -> Iterator[list[int]]:
-    """While torchrun runs, a signal sent to this process goes to the workers (torchrun starts
+    """While torchrun runs, its agent handles ``signals`` besides its default ones (it passes
+    each on to its workers and waits for them, its store alive, up to its shutdown timeout)
+    instead of dying of SIGUSR1 with the store the workers' save votes through. The variable
+    is torchrun's ``--signals-to-handle`` (``PET_SIGNALS_TO_HANDLE``): torch's launcher
+    overwrites ``TORCHELASTIC_SIGNALS_TO_HANDLE`` with that option's value, so setting the
+    latter (as this did before) left SIGUSR1 fatal to the agent.
+
+    A signal sent to this process goes to the workers (torchrun starts
     each in a session of its own), never to the agent: a signal sent to the whole group
     reaches the agent already (it passes on those of ``--signals-to-handle``), and a second
     one would end its shutdown early, with the store the workers' save needs. SIGINT
     (Ctrl-C) too, and the list it yields records it: the workers stop without saving and
     the caller says so in one line instead of a traceback."""
-    previous_env = os.environ.get('TORCHELASTIC_SIGNALS_TO_HANDLE')
-    names = list(dict.fromkeys([*_AGENT_SIGNALS.split(','), *signals]))
+    previous_env = os.environ.get(_AGENT_ENV)
     if previous_env is None:
-        os.environ['TORCHELASTIC_SIGNALS_TO_HANDLE'] = ','.join(names)
+        os.environ[_AGENT_ENV] = ','.join(dict.fromkeys([*_AGENT_SIGNALS.split(','), *signals]))
     interrupted: list[int] = []
 
     def interrupt(signum: int, frame: object) -> None:
@@ -286,7 +281,7 @@ def _forwarding(signals: Sequence[str]) -> Iterator[list[int]]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         if previous_env is None:
-            os.environ.pop('TORCHELASTIC_SIGNALS_TO_HANDLE', None)
+            os.environ.pop(_AGENT_ENV, None)
 
 
 @contextlib.contextmanager
