@@ -209,7 +209,10 @@ def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool 
     marker = os.path.join(work_dir, MARKER_NAME)
     with _forwarding(signals) as interrupted, _own_round_stores(cmd):
         code = run_torchrun(cmd, debug, lambda: bool(interrupted) or os.path.exists(marker))
-    info = read_marker(work_dir, remove=True)
+    # several nodes on a shared work_dir each read it (the first must not take it from the
+    # others): there the next run's start removes it
+    one_node = '--standalone' in cmd or '--nnodes=1' in cmd
+    info = read_marker(work_dir, remove=one_node)
     if info is not None:
         sys.stderr.write(
             f'stratagem train: preempted by {info.get("signal")} after iteration '
