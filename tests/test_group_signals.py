@@ -6,7 +6,8 @@ what Slurm's ``#SBATCH --signal=USR1@120`` does to a job step running one agent 
   bit-equal to an uninterrupted run; the same when only the agent gets it, or every process
   (the workers twice: directly and forwarded);
 - SIGINT (Ctrl-C): the workers stop without saving, nothing half-written is left, the last
-  committed checkpoint resumes, one line on stderr says so, exit status 130.
+  committed checkpoint resumes, one line on stderr says so, exit status 130; the same when
+  only the agent gets it.
 """
 
 import os
@@ -91,8 +92,9 @@ def test_sigusr1_to_the_agent_or_to_every_process_commits_one_checkpoint(tmp_pat
     assert 'error' not in out.lower() and not _debris(work), out[-4000:]
 
 
-def test_sigint_to_the_process_group_stops_cleanly_in_one_line(tmp_path):
-    cfg, work, code, out = _signal_group_mid_run(tmp_path, signal.SIGINT)
+@pytest.mark.parametrize('to', ['group', 'agent'])
+def test_sigint_to_the_process_group_stops_cleanly_in_one_line(tmp_path, to):
+    cfg, work, code, out = _signal_group_mid_run(tmp_path, signal.SIGINT, to)
     assert code == 130, out[-4000:]
     lines = [line for line in out.splitlines() if 'interrupted' in line or 'Traceback' in line]
     assert lines == [

@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        from .worker_errors import ERROR_DIR_ENV
+        from .worker_errors import record_interrupt
 
-        if not os.environ.get(ERROR_DIR_ENV):  # a torchrun worker: the parent says it once
+        if not record_interrupt():  # a torchrun worker: the parent says it once
             print('stratagem: interrupted', file=sys.stderr)
         return 130
     except USER_ERRORS as err:

@@ -208,7 +208,9 @@ def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool 
     clear_marker(work_dir)
     marker = os.path.join(work_dir, MARKER_NAME)
     with _forwarding(signals) as interrupted, _own_round_stores(cmd):
-        code = run_torchrun(cmd, debug, lambda: bool(interrupted) or os.path.exists(marker))
+        code = run_torchrun(
+            cmd, debug, lambda: bool(interrupted) or os.path.exists(marker), interrupted
+        )
     # several nodes on a shared work_dir each read it (the first must not take it from the
     # others): there the next run's start removes it
     one_node = '--standalone' in cmd or '--nnodes=1' in cmd
@@ -239,13 +241,17 @@ def _resumable(work_dir: str) -> str:
 
 
 def run_torchrun(
-    cmd: list[str], debug: bool = False, on_purpose: Callable[[], bool] | None = None
+    cmd: list[str],
+    debug: bool = False,
+    on_purpose: Callable[[], bool] | None = None,
+    interrupted: list[int] | None = None,
 ) -> int:
     """Run torchrun's ``cmd`` to its end; its exit status. Its output as it is with
-    ``debug``, else one failure message (``worker_errors.py``) unless ``on_purpose()``."""
+    ``debug``, else one failure message (``worker_errors.py``) unless ``on_purpose()``; a
+    worker that Ctrl-C stopped appends SIGINT to ``interrupted``."""
     from .worker_errors import run_with_one_message
 
-    return subprocess.call(cmd) if debug else run_with_one_message(cmd, on_purpose)
+    return subprocess.call(cmd) if debug else run_with_one_message(cmd, on_purpose, interrupted)
 
 
 @contextlib.contextmanager
