@@ -41,7 +41,7 @@ def config(tmp_path):
 @pytest.fixture()
 def calls(monkeypatch):
     seen = []
-    monkeypatch.setattr(launch, 'run_torchrun', lambda cmd, debug=False: seen.append(cmd) or 0)
+    monkeypatch.setattr(launch, 'run_torchrun', lambda cmd, *_: seen.append(cmd) or 0)
     monkeypatch.delenv('LOCAL_RANK', raising=False)
     return seen
 

@@ -193,7 +193,7 @@ def test_nproc_relaunch_uses_the_arguments_main_received(monkeypatch, config):
     from stratagem.cli import launch
 
     calls = []
-    monkeypatch.setattr(launch, 'run_torchrun', lambda cmd, debug=False: calls.append(cmd) or 0)
+    monkeypatch.setattr(launch, 'run_torchrun', lambda cmd, *_: calls.append(cmd) or 0)
     monkeypatch.delenv('LOCAL_RANK', raising=False)
     assert (
         main(

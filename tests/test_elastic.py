@@ -148,7 +148,7 @@ def test_the_elastic_command_gives_every_rendezvous_round_a_store_of_its_own(tmp
 
     seen = []
     key = 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE'
-    monkeypatch.setattr(launch, 'run_torchrun', lambda cmd, debug=False: seen.append(
+    monkeypatch.setattr(launch, 'run_torchrun', lambda cmd, *_: seen.append(
         (cmd, os.environ.get(key))) or 0)  # fmt: skip
     monkeypatch.delenv('LOCAL_RANK', raising=False)
     monkeypatch.delenv(key, raising=False)

@@ -113,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        print('stratagem: interrupted', file=sys.stderr)
+        from .worker_errors import record_interrupt
+
+        if not record_interrupt():  # a torchrun worker: the parent says it once
+            print('stratagem: interrupted', file=sys.stderr)
         return 130
     except USER_ERRORS as err:
         if debug:

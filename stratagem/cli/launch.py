@@ -7,10 +7,12 @@ it (forwarding preemption signals to the workers, turning a preemption into its 
    ``--rdzv-conf`` (c10d rendezvous: elastic), ``--max-restarts``.
 2. ``torchrun_command``: the options checked, the command built (nothing started).
 3. ``relaunch``: runs it. While it runs, a preemption signal this process receives goes on
-   to the workers (torchrun's agent is told to handle the same signals, by passing them to
-   its workers, so a signal sent to the whole job step does not kill the agent); afterwards a
-   preemption the workers recorded (``work_dir/preempted.json``: torchrun workers exit 0, or
-   the agent would restart them) becomes this process's exit status.
+   to the workers, and torchrun's agent handles the same signals (``--signals-to-handle``
+   through ``PET_SIGNALS_TO_HANDLE``): it passes them to its workers and waits for their
+   save, its store up, so a signal sent to the whole job step (Slurm's ``--signal``,
+   ``kill -USR1 -<pgid>``) does not kill it. Afterwards a preemption the workers recorded
+   (``work_dir/preempted.json``: torchrun workers exit 0, or the agent would restart them)
+   becomes this process's exit status; Ctrl-C (SIGINT) becomes one line and 130.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from stratagem.env.launcher import resolve_master
 
@@ -32,6 +34,7 @@ _LAUNCH_ONLY = (
     '--rdzv-endpoint', '--rdzv-id', '--rdzv-conf', '--max-restarts',
 )  # fmt: skip
 _AGENT_SIGNALS = 'SIGTERM,SIGINT,SIGHUP,SIGQUIT'  # torchrun's default
+_AGENT_ENV = 'PET_SIGNALS_TO_HANDLE'  # torchrun's --signals-to-handle
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -196,14 +199,22 @@ def _without_launch_options(argv: list[str]) -> list[str]:
 
 def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool = False) -> int:
     """Run torchrun's ``cmd``; forward ``signals`` to its workers meanwhile; return its exit
-    status, or the preemption's when the workers recorded one in ``work_dir``. A failure
-    prints one message (``worker_errors.py``) unless ``debug``, which shows everything."""
-    from stratagem.env.preemption import clear_marker, read_marker
+    status, or the preemption's when the workers recorded one in ``work_dir``, or 130 after
+    Ctrl-C (SIGINT: the workers stop without saving, one line names the checkpoint to resume
+    from). A failure prints one message (``worker_errors.py``) unless ``debug``, which shows
+    everything."""
+    from stratagem.env.preemption import MARKER_NAME, clear_marker, read_marker
 
     clear_marker(work_dir)
-    with _forwarding(signals), _own_round_stores(cmd):
-        code = run_torchrun(cmd, debug)
-    info = read_marker(work_dir, remove=True)
+    marker = os.path.join(work_dir, MARKER_NAME)
+    with _forwarding(signals) as interrupted, _own_round_stores(cmd):
+        code = run_torchrun(
+            cmd, debug, lambda: bool(interrupted) or os.path.exists(marker), interrupted
+        )
+    # several nodes on a shared work_dir each read it (the first must not take it from the
+    # others): there the next run's start removes it
+    one_node = '--standalone' in cmd or '--nnodes=1' in cmd
+    info = read_marker(work_dir, remove=one_node)
     if info is not None:
         sys.stderr.write(
             f'stratagem train: preempted by {info.get("signal")} after iteration '
@@ -211,37 +222,75 @@ def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool 
             f'{"; the Slurm job was requeued" if info.get("requeued") else ""}\n'
         )
         return int(info.get('exit_code', code))
+    if interrupted:
+        sys.stderr.write(f'stratagem train: interrupted (SIGINT); {_resumable(work_dir)}\n')
+        return 130
     return code
 
 
-def run_torchrun(cmd: list[str], debug: bool = False) -> int:
+def _resumable(work_dir: str) -> str:
+    from stratagem.checkpoint import find_latest_checkpoint
+
+    try:
+        latest = find_latest_checkpoint(work_dir)
+    except (ValueError, OSError):  # a damaged pointer: the resume will say which
+        latest = None
+    if latest is None:
+        return f'nothing was saved in {work_dir}'
+    return f'nothing half-written; --resume continues from {latest}'
+
+
+def run_torchrun(
+    cmd: list[str],
+    debug: bool = False,
+    on_purpose: Callable[[], bool] | None = None,
+    interrupted: list[int] | None = None,
+) -> int:
     """Run torchrun's ``cmd`` to its end; its exit status. Its output as it is with
-    ``debug``, else one failure message (``worker_errors.py``)."""
+    ``debug``, else one failure message (``worker_errors.py``) unless ``on_purpose()``; a
+    worker that Ctrl-C stopped appends SIGINT to ``interrupted``."""
     from .worker_errors import run_with_one_message
 
-    return subprocess.call(cmd) if debug else run_with_one_message(cmd)
+    return subprocess.call(cmd) if debug else run_with_one_message(cmd, on_purpose, interrupted)
 
 
 @contextlib.contextmanager
-def _forwarding(signals: Sequence[str]) -> Iterator[None]:
-    """While torchrun runs: the agent handles ``signals`` (it passes them to the workers and
-    gives them 30 s before SIGKILL) instead of dying of SIGUSR1, and a signal sent to this
-    process goes to the workers (torchrun starts each in a session of its own)."""
-    previous_env = os.environ.get('TORCHELASTIC_SIGNALS_TO_HANDLE')
-    names = list(dict.fromkeys([*_AGENT_SIGNALS.split(','), *signals]))
+def _forwarding(signals: Sequence[str]) -> Iterator[list[int]]:
+    """While torchrun runs, its agent handles ``signals`` besides its default ones (it passes
+    each on to its workers and waits for them, its store alive, up to its shutdown timeout)
+    instead of dying of SIGUSR1 with the store the workers' save votes through. The variable
+    is torchrun's ``--signals-to-handle`` (``PET_SIGNALS_TO_HANDLE``): torch's launcher
+    overwrites ``TORCHELASTIC_SIGNALS_TO_HANDLE`` with that option's value, so setting the
+    latter (as this did before) left SIGUSR1 fatal to the agent.
+
+    A signal sent to this process goes to the workers (torchrun starts
+    each in a session of its own), never to the agent: a signal sent to the whole group
+    reaches the agent already (it passes on those of ``--signals-to-handle``), and a second
+    one would end its shutdown early, with the store the workers' save needs. SIGINT
+    (Ctrl-C) too, and the list it yields records it: the workers stop without saving and
+    the caller says so in one line instead of a traceback."""
+    previous_env = os.environ.get(_AGENT_ENV)
     if previous_env is None:
-        os.environ['TORCHELASTIC_SIGNALS_TO_HANDLE'] = ','.join(names)
+        os.environ[_AGENT_ENV] = ','.join(dict.fromkeys([*_AGENT_SIGNALS.split(','), *signals]))
+    interrupted: list[int] = []
+
+    def interrupt(signum: int, frame: object) -> None:
+        interrupted.append(signum)
+        _forward(signum, frame)
+
     previous: dict[int, object] = {}
     try:
         for name in signals:
             sig = getattr(signal, name)
             previous[sig] = signal.signal(sig, _forward)
-        yield
+        if signal.SIGINT not in previous:
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
+        yield interrupted
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         if previous_env is None:
-            os.environ.pop('TORCHELASTIC_SIGNALS_TO_HANDLE', None)
+            os.environ.pop(_AGENT_ENV, None)
 
 
 @contextlib.contextmanager

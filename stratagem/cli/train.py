@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import os.path as osp
+import signal
 import socket
 import sys
 from collections.abc import Iterator
@@ -97,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         resume = True
     elif args.resume:
         resume = args.resume
+    if os.environ.get('TORCHELASTIC_RUN_ID') is not None:
+        signal.signal(signal.SIGINT, _interrupt_once)
     with _work_dir_lock(cfg, args) as lock:
         result = train(cfg, resume=resume, load_from=args.load_from)
         if os.environ.get('TORCHELASTIC_RUN_ID') is not None:
@@ -176,6 +179,14 @@ def _restarted() -> bool:
         os.environ.get('SLURM_RESTART_COUNT', '0'),
     )
     return any(c.isdigit() and int(c) > 0 for c in counts)
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """Ctrl-C in a torchrun worker: it comes twice (from the agent and from ``stratagem
+    train``, ``launch.py``); the second must not interrupt the first's unwinding (a save
+    removing its temporary files, the one-line exit)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _exit_torchrun_worker(strategy: Any, lock: WorkDirLock) -> None:

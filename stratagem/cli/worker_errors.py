@@ -22,20 +22,29 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO
 
-__all__ = ['ERROR_DIR_ENV', 'AgentReportFilter', 'record', 'run_with_one_message', 'summarize']
+__all__ = [
+    'ERROR_DIR_ENV',
+    'AgentReportFilter',
+    'record',
+    'record_interrupt',
+    'run_with_one_message',
+    'summarize',
+]
 
 ERROR_DIR_ENV = 'STRATAGEM_ERROR_DIR'
 # torch's logging format for the elastic agent: W1125 18:13:46.728000 22356 .../elastic/...]
 _AGENT_LOG = re.compile(r'^[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S*torch/distributed/\S*\] ')
 _RUN_PY = 'torch/distributed/run.py'
+_INTERRUPTED = 'interrupted'
 
 
 def record(err: BaseException, message: str) -> bool:
@@ -50,6 +59,17 @@ def record(err: BaseException, message: str) -> bool:
     with open(tmp, 'w') as f:
         json.dump(entry, f)
     os.replace(tmp, os.path.join(where, f'rank_{rank}.json'))
+    return True
+
+
+def record_interrupt() -> bool:
+    """In a worker whose parent collects errors: note that Ctrl-C (SIGINT) stopped it and
+    return True (the parent says it once, also when only the agent got the signal)."""
+    where = os.environ.get(ERROR_DIR_ENV)
+    if not where or not os.path.isdir(where):
+        return False
+    with open(os.path.join(where, _INTERRUPTED), 'w'):
+        pass
     return True
 
 
@@ -184,9 +204,15 @@ def _error_dir() -> Iterator[str]:
                 os.environ[ERROR_DIR_ENV] = previous
 
 
-def run_with_one_message(cmd: list[str]) -> int:
+def run_with_one_message(
+    cmd: list[str],
+    on_purpose: Callable[[], bool] | None = None,
+    interrupted: list[int] | None = None,
+) -> int:
     """Run torchrun's ``cmd`` (stdout as it is, stderr through :class:`AgentReportFilter`),
-    printing the ranks' errors as they come (merged); on failure the exit status last.
+    printing the ranks' errors as they come (merged); on failure the exit status last, unless
+    ``on_purpose()`` says the run was stopped (a preemption, Ctrl-C: the caller says so).
+    A worker stopped by Ctrl-C (``record_interrupt``) appends SIGINT to ``interrupted``.
     Returns torchrun's status."""
     with _error_dir() as where:
         watcher = _Watcher(where, sys.stderr)
@@ -201,7 +227,9 @@ def run_with_one_message(cmd: list[str]) -> int:
         watcher.done.set()
         watcher.join()
         watcher.poll(final=True)
-        if code != 0:
+        if interrupted is not None and os.path.exists(os.path.join(where, _INTERRUPTED)):
+            interrupted.append(signal.SIGINT)
+        if code != 0 and not (on_purpose is not None and on_purpose()):
             if not watcher.printed:
                 sys.stderr.write(
                     'stratagem train: a worker failed without an error message of its own '
