@@ -86,6 +86,19 @@ def zero_to_state_dict(
     path = Path(path).absolute()
     if verify:
         verify_zero_checkpoint(path)
+    try:
+        state = _read_zero_weights(path, exclude_frozen_parameters)
+    except CheckpointCorruptError:
+        raise
+    except Exception as err:  # noqa: BLE001 - DeepSpeed meets damaged bytes with anything
+        raise CheckpointCorruptError(
+            f'{path} is damaged: DeepSpeed could not read its files: {type(err).__name__}: '
+            f'{err}; it was not loaded'
+        ) from None
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def _read_zero_weights(path: Path, exclude_frozen_parameters: bool) -> dict:
     tag_dir = path / DEEPSPEED_TAG
     if glob.glob(str(tag_dir / '*optim_states.pt')):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -103,7 +116,7 @@ def zero_to_state_dict(
         # verified above; DeepSpeed's file holds its config objects, hence not weights_only
         module = torch.load(files[0], map_location='cpu', weights_only=False)['module']
         state = {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
-    return {k: v.detach().clone() for k, v in state.items()}
+    return state
 
 
 def read_zero_checkpoint(path: str | os.PathLike) -> dict:
