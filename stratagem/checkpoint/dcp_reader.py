@@ -330,8 +330,9 @@ def check_metadata(metadata: Any, path: str) -> None:
                 ) from None
         if offset + length > sizes[relative]:
             raise CheckpointCorruptError(
-                f'{where} is damaged: {getattr(index, "fqn", index)} claims bytes '
-                f'{offset}-{offset + length} of {relative}, which has {sizes[relative]}'
+                f'{os.path.join(path, relative)} is truncated (or {where} damaged): '
+                f'{getattr(index, "fqn", index)} needs bytes {offset}-{offset + length}, '
+                f'the file has {sizes[relative]}'
             )
     total = sum(sizes.values())
     for key, item in items.items():
