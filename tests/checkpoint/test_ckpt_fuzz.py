@@ -248,14 +248,20 @@ def test_safetensors_header_claiming_huge_tensor_is_refused(tmp_path):
 
 
 # ------------------------------------------------------- resumes on 2 gloo ranks
-# FSDPStrategy resumes a damaged copy on 2 ranks: every rank raises the named error, none
-# hangs. (DeepSpeedStrategy on 2 ranks is left out: see benchmarks/README.md, checkpoint_fuzz.)
+# FSDPStrategy and DeepSpeedStrategy resume damaged copies on 2 ranks: every rank raises the
+# named error, none hangs (a rank-1 shard truncated under a re-signed manifest once left rank 0
+# waiting in DeepSpeed's collective while rank 1 failed in its read).
 TWO_RANK_CASES = {
     'fsdp': [
         ('manifest_digest', 'manifest.json', 1),
         ('truncate_resigned', '__1_0.distcp', 20000),
         ('flip_resigned', '.metadata', 4000),
         ('delete', '__0_0.distcp', 0),
+    ],
+    'deepspeed': [
+        ('manifest_digest', 'manifest.json', 2),
+        ('truncate_resigned', 'deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt', 3000),
+        ('zero_resigned', 'stratagem_state.pth', 100),
     ],
 }
 SCENARIOS = Scenarios(ranks=dict(nproc=2, timeout=300))
@@ -288,10 +294,17 @@ def fsdp_damaged_on_two_ranks(root: str) -> dict:
     return _resume_damaged('fsdp', root)
 
 
+@SCENARIOS.add('ranks')
+def deepspeed_damaged_on_two_ranks(root: str) -> dict | None:
+    return _resume_damaged('deepspeed', root) if _deepspeed() else None
+
+
 @pytest.fixture(scope='module')
 def scenarios(request, tmp_path_factory):
     root = tmp_path_factory.mktemp('damaged')
     for layout, cases in TWO_RANK_CASES.items():
+        if layout == 'deepspeed' and not _deepspeed():
+            continue
         for mutation, target, offset in cases:
             ckpt = F.copy(layout, root / f'{layout}_{mutation}')
             F.mutate(ckpt, layout, mutation, target, offset, 64, 0)
@@ -299,7 +312,12 @@ def scenarios(request, tmp_path_factory):
 
 
 def _assert_named_on_every_rank(ranks, layout: str) -> None:
-    named = ('CheckpointCorruptError', 'NotACheckpointError', 'FileNotFoundError')
+    named = (
+        'CheckpointCorruptError',
+        'NotACheckpointError',
+        'UnsafeCheckpointError',
+        'FileNotFoundError',
+    )
     for out in ranks:
         for mutation, (kind, message) in out.items():
             if kind == 'loaded' and mutation.endswith('_resigned'):
@@ -311,3 +329,10 @@ def _assert_named_on_every_rank(ranks, layout: str) -> None:
 @pytest.mark.scenario('fsdp_damaged_on_two_ranks')
 def test_fsdp_damaged_resume_on_two_ranks_names_the_file(scenario):
     _assert_named_on_every_rank(scenario, 'fsdp')
+
+
+@pytest.mark.scenario('deepspeed_damaged_on_two_ranks')
+def test_deepspeed_damaged_resume_on_two_ranks_names_the_file(scenario):
+    if not _deepspeed():
+        pytest.skip(NO_DEEPSPEED)
+    _assert_named_on_every_rank(scenario, 'deepspeed')

@@ -34,6 +34,7 @@ __all__ = [
     'STATE_FILE',
     'verify_zero_checkpoint',
     'check_zero_layout',
+    'check_zero_archives',
     'zero_to_state_dict',
     'read_zero_checkpoint',
     'convert_zero_checkpoint',
@@ -60,6 +61,25 @@ def check_zero_layout(path: str | os.PathLike) -> None:
         )
 
 
+def check_zero_archives(path: str | os.PathLike) -> None:
+    """Raise ``CheckpointCorruptError`` naming the file unless every DeepSpeed file of ``path``
+    opens as a torch zip archive (its central directory and record names read; no byte of a
+    tensor, nothing unpickled). Every rank checks every file, so all ranks reach the same
+    verdict without a collective: DeepSpeed's load reads each rank's own files between
+    collectives, and a rank failing there leaves the others waiting in the next one."""
+    from stratagem._torch import zip_archive_reader
+
+    for file in sorted((Path(path) / DEEPSPEED_TAG).glob('*.pt')):
+        try:
+            with open(file, 'rb') as stream:
+                zip_archive_reader(stream).get_all_records()
+        except (RuntimeError, OSError, ValueError) as err:
+            raise CheckpointCorruptError(
+                f'{file} is damaged: it is no complete torch archive ({str(err).splitlines()[0]})'
+                '; it was not loaded'
+            ) from None
+
+
 def verify_zero_checkpoint(path: str | os.PathLike) -> dict:
     """Verify a DeepSpeed checkpoint directory in this process (sizes and digests of every
     file, ``verify_directory(collective=False)``); return its manifest.
@@ -70,6 +90,7 @@ def verify_zero_checkpoint(path: str | os.PathLike) -> dict:
     """
     manifest = verify_directory(path, collective=False)
     check_zero_layout(path)
+    check_zero_archives(path)
     return manifest
 
 
