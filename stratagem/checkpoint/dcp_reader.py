@@ -44,6 +44,8 @@ import torch
 
 from stratagem._torch import REBUILD_TENSOR, storage_dtypes, zip_archive_reader
 
+from .errors import CheckpointCorruptError
+
 __all__ = ['ShardReader', 'tensor_from_archive']
 
 
@@ -302,6 +304,64 @@ def tensor_from_archive(blob: bytes) -> torch.Tensor | None:
     return flat.view(dtype).as_strided(size, stride, offset)
 
 
+def check_metadata(metadata: Any, path: str) -> None:
+    """Refuse DCP ``metadata`` whose claims the files of ``path`` cannot hold (before a read
+    allocates anything for them): every item's bytes inside its file, no tensor larger than all
+    the shards together, sizes that are whole non-negative numbers."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    where = os.path.join(path, '.metadata')
+    sizes: dict[str, int] = {}
+    storage = getattr(metadata, 'storage_data', None)
+    items = getattr(metadata, 'state_dict_metadata', None)
+    if not isinstance(storage, dict) or not isinstance(items, dict):
+        raise CheckpointCorruptError(f'{where} is damaged: it is not DCP metadata')
+    for index, info in storage.items():
+        relative = getattr(info, 'relative_path', None)
+        offset, length = getattr(info, 'offset', -1), getattr(info, 'length', -1)
+        if not isinstance(relative, str) or not _ints((offset, length)):
+            raise CheckpointCorruptError(f'{where} is damaged: a bad entry for {index}')
+        if relative not in sizes:
+            try:
+                sizes[relative] = os.path.getsize(os.path.join(path, relative))
+            except OSError:
+                raise CheckpointCorruptError(
+                    f'{where} names {relative}, which {path} does not hold'
+                ) from None
+        if offset + length > sizes[relative]:
+            raise CheckpointCorruptError(
+                f'{os.path.join(path, relative)} is truncated (or {where} damaged): '
+                f'{getattr(index, "fqn", index)} needs bytes {offset}-{offset + length}, '
+                f'the file has {sizes[relative]}'
+            )
+    total = sum(sizes.values())
+    for key, item in items.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        try:
+            itemsize = torch.empty((), dtype=item.properties.dtype).element_size()
+            shape = list(item.size)
+            chunks = [list(c.sizes) for c in item.chunks]
+        except Exception:  # noqa: BLE001 - any malformed field is damage
+            raise CheckpointCorruptError(f'{where} is damaged: a bad entry for {key}') from None
+        for dims in [shape, *chunks]:
+            if not _ints(tuple(dims)) or any(d < 0 for d in dims):
+                raise CheckpointCorruptError(f'{where} is damaged: {key} has size {dims}')
+        nbytes = sum(_numel(dims) for dims in chunks) * itemsize
+        if nbytes > total:
+            raise CheckpointCorruptError(
+                f'{where} is damaged: {key} claims {nbytes} bytes, more than all of '
+                f"{path}'s shards hold ({total})"
+            )
+
+
+def _numel(dims: list) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
 def _reader_base() -> type:
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -318,11 +378,33 @@ class ShardReader(_reader_base()):  # type: ignore[misc]
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         if self._metadata is None or kwargs.get('rank') is not None:
-            return super().read_metadata(*args, **kwargs)
+            where = os.path.join(self.path, '.metadata')
+            try:
+                metadata = super().read_metadata(*args, **kwargs)
+            except FileNotFoundError:
+                raise CheckpointCorruptError(
+                    f'{where} is missing: {self.path} is no complete DCP checkpoint'
+                ) from None
+            except Exception as err:  # noqa: BLE001 - a damaged pickle raises anything
+                raise CheckpointCorruptError(
+                    f'{where} is damaged: {type(err).__name__}: {err}'
+                ) from None
+            check_metadata(metadata, str(self.path))
+            return metadata
         metadata, self._metadata = self._metadata, None  # once: a reused reader reads again
         return metadata
 
     def read_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            return self._read_data(plan, planner)
+        except CheckpointCorruptError:
+            raise
+        except Exception as err:  # noqa: BLE001 - damaged bytes reach torch's zip reader
+            raise CheckpointCorruptError(
+                f'{self.path} is damaged: reading its shards failed: {type(err).__name__}: {err}'
+            ) from None
+
+    def _read_data(self, plan: Any, planner: Any) -> Any:
         from torch.distributed.checkpoint.planner import LoadItemType
 
         per_file: dict[str, list] = {}
@@ -341,8 +423,8 @@ class ShardReader(_reader_base()):  # type: ignore[misc]
                     stream.seek(info.offset)
                     blob = stream.read(info.length)
                     if len(blob) != info.length:
-                        raise OSError(
-                            f'{os.path.join(self.path, relative)} ends at byte '
+                        raise CheckpointCorruptError(
+                            f'{os.path.join(self.path, relative)} is damaged: it ends at byte '
                             f'{info.offset + len(blob)}: {req.storage_index.fqn} '
                             f'needs bytes {info.offset}-{info.offset + info.length}'
                         )
@@ -355,10 +437,10 @@ class ShardReader(_reader_base()):  # type: ignore[misc]
                             tensor = tensor.narrow(dim, start, length)
                     target = planner.resolve_tensor(req).detach()
                     if target.size() != tensor.size():
-                        raise ValueError(
-                            f'{req.storage_index.fqn} in {relative}: the '
-                            f'checkpoint holds {tuple(tensor.size())} where '
-                            f'{tuple(target.size())} is read'
+                        raise CheckpointCorruptError(
+                            f'{os.path.join(self.path, relative)} is damaged: '
+                            f'{req.storage_index.fqn}: the checkpoint holds '
+                            f'{tuple(tensor.size())} where {tuple(target.size())} is read'
                         )
                     target.copy_(tensor)
                     planner.commit_tensor(req, target)

@@ -36,7 +36,7 @@ from .errors import (
     UnsafeCheckpointError,
     UnverifiedCheckpointWarning,
 )
-from .manifest import find_manifest, verify_file
+from .manifest import DIR_MANIFEST, find_manifest, read_manifest, verify_checkpoint, verify_file
 
 _ZIP_MAGIC = b'PK\x03\x04'
 _PICKLE_PROTO = 0x80
@@ -86,6 +86,8 @@ def load_checkpoint_file(
     if not path.exists():
         raise FileNotFoundError(f'checkpoint not found: {path}')
     if path.is_dir():
+        if _our_directory(path):  # a file it lists is gone: say which, not 'a directory'
+            verify_checkpoint(path, hash_bytes=False)
         raise IsADirectoryError(_directory_message(path))
     _verify_before_load(path, verify)
     is_zip = _sniff(path)
@@ -93,10 +95,17 @@ def load_checkpoint_file(
     return _torch_load(path, map_location, trust_pickled_code, use_mmap, is_zip)
 
 
+def _our_directory(path: Path) -> bool:
+    """True if ``path`` holds a stratagem directory manifest (not a project's manifest.json)."""
+    try:
+        return read_manifest(path / DIR_MANIFEST) is not None
+    except CheckpointCorruptError:
+        return False
+
+
 def _directory_message(path: Path) -> str:
     """Why a directory cannot be loaded as one file, and what to pass instead."""
     from .latest import POINTER_NAME, list_checkpoints, read_pointer
-    from .manifest import DIR_MANIFEST
 
     if (path / DIR_MANIFEST).is_file():
         return (

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ._fs import fsync_dir, fsync_file, temp_name
+from .errors import CheckpointCorruptError
 
 __all__ = ['save_safetensors', 'load_safetensors']
 
@@ -94,34 +95,93 @@ def save_safetensors(
 
 
 def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors, metadata) of a safetensors file; raises ``ValueError`` naming the file when it
-    is not one (a bad header, offsets that overlap, leave gaps or run past the end)."""
+    """(tensors, metadata) of a safetensors file; raises ``CheckpointCorruptError`` (a
+    ``ValueError``) naming the file when it is not one: a header size past the file's end,
+    a header that is no JSON object of well-formed entries (a known dtype, a shape of
+    non-negative integers, offsets whose span is exactly the shape's bytes), offsets that
+    overlap, leave gaps or run past the end. Every claim is checked against the file's size
+    before a tensor is made, so a header claiming huge tensors allocates nothing."""
     path = Path(path)
-    data = path.read_bytes()
-    if len(data) < 8:
-        raise ValueError(f'{path}: not a safetensors file (shorter than its 8-byte header size)')
-    (n,) = struct.unpack('<Q', data[:8])
-    if n > len(data) - 8:
-        raise ValueError(f'{path}: not a safetensors file (header size {n} > file size)')
-    try:
-        header = json.loads(data[8 : 8 + n])
-    except ValueError as err:
-        raise ValueError(f'{path}: not a safetensors file (header is not JSON: {err})') from None
-    metadata = header.pop('__metadata__', None) or {}
-    body = memoryview(data)[8 + n :]
+    with open(path, 'rb') as file:
+        size = os.fstat(file.fileno()).st_size
+        head = file.read(8)
+        if len(head) < 8:
+            raise CheckpointCorruptError(
+                f'{path}: not a safetensors file (shorter than its 8-byte header size)'
+            )
+        (n,) = struct.unpack('<Q', head)
+        if n > size - 8:
+            raise CheckpointCorruptError(
+                f'{path}: not a safetensors file (header size {n} > file size {size})'
+            )
+        raw = file.read(n)
+        try:
+            header = json.loads(raw)
+        except ValueError as err:  # UnicodeDecodeError included
+            raise CheckpointCorruptError(
+                f'{path}: not a safetensors file (header is not JSON: {err})'
+            ) from None
+        if not isinstance(header, dict):
+            raise CheckpointCorruptError(
+                f'{path}: not a safetensors file (header is a {type(header).__name__}, '
+                'not a JSON object)'
+            )
+        metadata = header.pop('__metadata__', None) or {}
+        if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+        ):
+            raise CheckpointCorruptError(
+                f'{path}: "__metadata__" must map strings to strings, got {metadata!r:.200}'
+            )
+        body_size = size - 8 - n
+        entries = [(name, _entry(path, name, info, body_size)) for name, info in header.items()]
+        entries.sort(key=lambda e: e[1][2])
+        end = 0
+        for name, (_, _, begin, stop) in entries:
+            if begin != end:
+                raise CheckpointCorruptError(
+                    f'{path}: tensor {name!r} starts at byte {begin} of the data, expected '
+                    f'{end} (offsets overlap or leave a gap)'
+                )
+            end = stop
+        if end != body_size:
+            raise CheckpointCorruptError(f'{path}: {body_size - end} bytes after the last tensor')
+        body = bytearray(file.read(body_size))
+    if len(body) != body_size:
+        raise CheckpointCorruptError(f'{path}: changed while it was read')
     out: dict[str, torch.Tensor] = {}
-    end = 0
-    for name, info in sorted(header.items(), key=lambda kv: kv[1]['data_offsets'][0]):
-        begin, stop = info['data_offsets']
-        if begin != end or stop > len(body) or info['dtype'] not in _NAMES:
-            raise ValueError(f'{path}: tensor {name!r} has a bad entry {info!r}')
-        dtype = _NAMES[info['dtype']]
+    for name, (dtype, shape, begin, stop) in entries:
         if stop == begin:
-            out[name] = torch.empty(info['shape'], dtype=dtype)
+            out[name] = torch.empty(shape, dtype=dtype)
         else:
-            raw = torch.frombuffer(bytearray(body[begin:stop]), dtype=torch.uint8)
-            out[name] = raw.view(dtype).reshape(info['shape'])
-        end = stop
-    if end != len(body):
-        raise ValueError(f'{path}: {len(body) - end} bytes after the last tensor')
+            raw_bytes = torch.frombuffer(body, dtype=torch.uint8, offset=begin, count=stop - begin)
+            out[name] = raw_bytes.clone().view(dtype).reshape(shape)
     return out, metadata
+
+
+def _entry(path: Path, name: str, info: object, body_size: int) -> tuple:
+    """(dtype, shape, begin, end) of one header entry, checked against the data's size."""
+    bad = f'{path}: tensor {name!r} has a bad entry {info!r:.200}'
+    if not isinstance(info, dict):
+        raise CheckpointCorruptError(bad)
+    name_of_dtype = info.get('dtype')
+    dtype = _NAMES.get(name_of_dtype) if isinstance(name_of_dtype, str) else None
+    shape, offsets = info.get('shape'), info.get('data_offsets')
+    if (
+        dtype is None
+        or not isinstance(shape, list)
+        or not all(type(d) is int and d >= 0 for d in shape)
+        or not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int for o in offsets)
+    ):
+        raise CheckpointCorruptError(bad + f' (dtypes: {", ".join(_NAMES)})')
+    begin, stop = offsets
+    if not 0 <= begin <= stop <= body_size:
+        raise CheckpointCorruptError(f'{bad}: the data is {body_size} bytes')
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * torch.empty((), dtype=dtype).element_size() != stop - begin:
+        raise CheckpointCorruptError(f'{bad}: its shape needs another number of bytes')
+    return dtype, shape, begin, stop

@@ -48,6 +48,7 @@ from .commit import (
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
 from .digest import file_entry, new_hasher
 from .directory import save_directory, verify_directory
+from .errors import CheckpointCorruptError
 from .load import load_checkpoint_file
 from .rank_errors import _all_ok, _raise_first, dcp_failures, describe_error
 
@@ -431,7 +432,19 @@ def _reader(path: Path, metadata: Any = None) -> Any:
 def _read_dcp_full(path: Path) -> dict:
     from stratagem._torch import load_whole_dcp
 
-    return load_whole_dcp(_reader(path))
+    try:
+        return load_whole_dcp(_reader(path))
+    except BaseException as err:
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        # DCP wraps a read's error in a CheckpointException (a BaseException): unwrap it
+        failures = list(dcp_failures(err).values())
+        cause = failures[0] if len(failures) == 1 else err
+        if isinstance(cause, CheckpointCorruptError):
+            raise cause from None
+        raise CheckpointCorruptError(
+            f'{path} is damaged: reading its DCP shards failed: {describe_error(cause)}'
+        ) from None
 
 
 def _dcp_read(path: Path, state: dict, *, metadata: Any = None, what: str = '') -> None:

@@ -69,6 +69,7 @@ from .capture import CapturingCheckpointEngine
 from .files import (
     DEEPSPEED_TAG,
     STATE_FILE,
+    check_zero_archives,
     check_zero_layout,
     zero_to_state_dict,
 )
@@ -183,6 +184,7 @@ class ZeroStorage(CheckpointStorage):
         directory = Path(env.broadcast_object(osp.abspath(path)))
         manifest = verify_directory(directory, collective=True)
         check_zero_layout(directory)
+        check_zero_archives(directory)  # the same verdict on every rank, before DeepSpeed's
         return directory, manifest
 
     @staticmethod

@@ -34,6 +34,7 @@ __all__ = [
     'STATE_FILE',
     'verify_zero_checkpoint',
     'check_zero_layout',
+    'check_zero_archives',
     'zero_to_state_dict',
     'read_zero_checkpoint',
     'convert_zero_checkpoint',
@@ -60,6 +61,25 @@ def check_zero_layout(path: str | os.PathLike) -> None:
         )
 
 
+def check_zero_archives(path: str | os.PathLike) -> None:
+    """Raise ``CheckpointCorruptError`` naming the file unless every DeepSpeed file of ``path``
+    opens as a torch zip archive (its central directory and record names read; no byte of a
+    tensor, nothing unpickled). Every rank checks every file, so all ranks reach the same
+    verdict without a collective: DeepSpeed's load reads each rank's own files between
+    collectives, and a rank failing there leaves the others waiting in the next one."""
+    from stratagem._torch import zip_archive_reader
+
+    for file in sorted((Path(path) / DEEPSPEED_TAG).glob('*.pt')):
+        try:
+            with open(file, 'rb') as stream:
+                zip_archive_reader(stream).get_all_records()
+        except (RuntimeError, OSError, ValueError) as err:
+            raise CheckpointCorruptError(
+                f'{file} is damaged: it is no complete torch archive ({str(err).splitlines()[0]})'
+                '; it was not loaded'
+            ) from None
+
+
 def verify_zero_checkpoint(path: str | os.PathLike) -> dict:
     """Verify a DeepSpeed checkpoint directory in this process (sizes and digests of every
     file, ``verify_directory(collective=False)``); return its manifest.
@@ -70,6 +90,7 @@ def verify_zero_checkpoint(path: str | os.PathLike) -> dict:
     """
     manifest = verify_directory(path, collective=False)
     check_zero_layout(path)
+    check_zero_archives(path)
     return manifest
 
 
@@ -86,6 +107,19 @@ def zero_to_state_dict(
     path = Path(path).absolute()
     if verify:
         verify_zero_checkpoint(path)
+    try:
+        state = _read_zero_weights(path, exclude_frozen_parameters)
+    except CheckpointCorruptError:
+        raise
+    except Exception as err:  # noqa: BLE001 - DeepSpeed meets damaged bytes with anything
+        raise CheckpointCorruptError(
+            f'{path} is damaged: DeepSpeed could not read its files: {type(err).__name__}: '
+            f'{err}; it was not loaded'
+        ) from None
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def _read_zero_weights(path: Path, exclude_frozen_parameters: bool) -> dict:
     tag_dir = path / DEEPSPEED_TAG
     if glob.glob(str(tag_dir / '*optim_states.pt')):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -103,7 +137,7 @@ def zero_to_state_dict(
         # verified above; DeepSpeed's file holds its config objects, hence not weights_only
         module = torch.load(files[0], map_location='cpu', weights_only=False)['module']
         state = {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
-    return {k: v.detach().clone() for k, v in state.items()}
+    return state
 
 
 def read_zero_checkpoint(path: str | os.PathLike) -> dict:
