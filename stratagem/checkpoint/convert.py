@@ -61,7 +61,7 @@ def convert_checkpoint(
     step = (checkpoint.get('meta') or {}).get('iter')
     step = step if type(step) is int else None
     extra = {'converted_from': str(src), 'source_format': source}
-    if to != 'file' and not isinstance(checkpoint.get('state_dict'), Mapping):
+    if not isinstance(checkpoint.get('state_dict'), Mapping):
         raise NotACheckpointError(
             f"convert: {src} has no model weights under 'state_dict' (its keys: "
             f'{sorted(map(str, checkpoint))[:12]}); a {to} checkpoint is written from '

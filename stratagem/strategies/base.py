@@ -63,6 +63,7 @@ from torch import nn
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.checkpointer import Checkpointer, LoadContext, Stateful, StatePart
+from stratagem.checkpoint.errors import CheckpointCorruptError
 from stratagem.checkpoint.state_dict import describe_keys, find_model_weights, unwrap_model
 from stratagem.checkpoint.storage import CheckpointStorage
 from stratagem.config import check_keys
@@ -479,6 +480,7 @@ class BaseStrategy(ABC):
         parts['rng_states'] = StatePart(
             lambda: env.all_gather_object(env.get_rng_state()),
             self._restore_randomness,
+            check=self._check_randomness,
             required=False,
         )
         return parts
@@ -738,6 +740,25 @@ class BaseStrategy(ABC):
             change.replay_schedulers(
                 self.param_schedulers, self.dispatch_kwargs.get('epoch_length')
             )
+
+    def _check_randomness(self, states: Any, context: LoadContext) -> None:
+        """The RNG state this rank will restore is one: tried here, before anything loads,
+        and this process's own put back (a state the manifest's digests cannot vouch for,
+        e.g. one written wrong, is a named error, not numpy's or torch's)."""
+        world = context.meta.get('world_size', 1)
+        if not states or world != self.world_size:
+            return  # re-seeded from the saved seed
+        own = env.get_rng_state()
+        try:
+            env.set_rng_state(states[self.rank])
+        except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as err:
+            raise CheckpointCorruptError(
+                f'{context.path}: rng_states[{self.rank}] is not an RNG state this run can '
+                f'restore ({type(err).__name__}: {err}); nothing was loaded. Resume it with '
+                'another checkpoint, or load its weights only (load_checkpoint)'
+            ) from None
+        finally:
+            env.set_rng_state(own)
 
     def _restore_randomness(self, states: Any, context: LoadContext) -> None:
         """Every rank's RNG state (same world size), else a re-seed from the saved seed."""

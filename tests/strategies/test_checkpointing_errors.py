@@ -183,3 +183,30 @@ def test_resume_that_cannot_resume_stops_before_writing(tmp_path):
     # a work dir that never held a checkpoint is: resume=True starts from scratch
     s4, _, _ = _prepared(tmp_path / 'fresh')
     assert s4.load_or_resume(resume=True) is None
+
+
+@pytest.mark.parametrize(
+    'damage',
+    [
+        pytest.param(lambda rng: rng['torch'].resize_(7), id='torch-state-cut'),
+        pytest.param(lambda rng: rng['numpy'].pop('bit_generator'), id='numpy-key-missing'),
+        pytest.param(lambda rng: rng['numpy'].update(bit_generator='MT0'), id='numpy-unknown'),
+    ],
+)
+def test_an_rng_state_that_cannot_be_restored_is_a_named_error(tmp_path, damage):
+    """The manifest vouches for the bytes, not for what was written: an RNG state this run
+    cannot restore is refused before anything loads, naming the file and the rank."""
+    s, model, ow = _prepared(tmp_path / 'work')
+    _step(model, ow)
+
+    def write_it_wrong(checkpoint):
+        damage(checkpoint['rng_states'][0])
+
+    path = s.save_checkpoint('bad.pth', extra_ckpt={'meta': {'iter': 1}}, callback=write_it_wrong)
+    s2, model2, ow2 = _prepared(tmp_path / 'work2')
+    before = _state(model2, ow2)
+    draw = torch.get_rng_state()
+    with pytest.raises(ckpt.CheckpointCorruptError, match=r'bad\.pth: rng_states\[0\]'):
+        s2.resume(path)
+    assert _state(model2, ow2) == before  # nothing was loaded
+    assert torch.equal(torch.get_rng_state(), draw)  # this process's RNG as it was
