@@ -17,7 +17,6 @@ import logging
 import os
 import os.path as osp
 import signal
-import socket
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -129,13 +128,20 @@ def _work_dir_lock(
     """The run's lock on its work_dir (the strategy's, as ``loop.train`` resolves it).
 
     One process of a run holds it: the launching parent of node 0 (``--nproc``; under
-    ``--rdzv-endpoint`` the one on the endpoint's host), else rank 0. A worker whose parent
+    ``--rdzv-endpoint`` every agent's parent takes part under the rendezvous's token, the
+    first holds it), else rank 0. A worker whose parent
     is ``stratagem train`` (``STRATAGEM_WORKDIR_LOCK`` set) and every other rank hold
     nothing: the run's holder does, for all of its ranks and torchrun attempts.
     """
     work_dir = dict(cfg.get('strategy') or {}).get('work_dir') or cfg.get('work_dir', 'work_dirs')
-    lock = WorkDirLock(str(work_dir), force=bool(getattr(args, 'force_unlock', False)))
-    holder = _holds_for_the_run(args) if parent else _launch_rank() == 0
+    endpoint = getattr(args, 'rdzv_endpoint', None) if parent else None
+    # elastic agents of one rendezvous start apart (one may join later): all of them take
+    # part in the run's lock under a token each derives alike, none is refused by another
+    run_token = f'rdzv:{endpoint}:{getattr(args, "rdzv_id", "")}' if endpoint else None
+    lock = WorkDirLock(
+        str(work_dir), force=bool(getattr(args, 'force_unlock', False)), run_token=run_token
+    )
+    holder = (endpoint is not None or _holds_for_the_run(args)) if parent else _launch_rank() == 0
     if not holder or TOKEN_ENV in os.environ:
         yield lock
         return
@@ -147,16 +153,7 @@ def _work_dir_lock(
 
 
 def _holds_for_the_run(args: argparse.Namespace) -> bool:
-    """Whether this launching parent is the one that holds the run's lock."""
-    endpoint = getattr(args, 'rdzv_endpoint', None)
-    if endpoint:
-        host = endpoint.rpartition(':')[0].strip('[]')
-        try:
-            address = socket.gethostbyname(host)
-            here = {socket.gethostbyname(socket.gethostname()), '127.0.0.1'}
-        except OSError:
-            return host in ('localhost', socket.gethostname(), socket.getfqdn())
-        return address in here or address.startswith('127.')
+    """Whether this launching parent (static membership) holds the run's lock: node 0's."""
     return int(getattr(args, 'node_rank', 0) or 0) == 0
 
 

@@ -98,15 +98,19 @@ class WorkDirLock:
     """The claim of one run on ``work_dir``; ``force`` takes another host's claim.
 
     Use as a context manager, or ``acquire()`` / ``release()``. ``shared`` is True when the
-    lock is held by this run's launching parent (nothing to release here).
+    lock is held by another process of this run (nothing to release here). ``run_token``:
+    the token every process of one run derives alike (the elastic agents of one rendezvous,
+    which start separately), so each joins the run's lock instead of being refused by it;
+    default: a fresh one, known to this holder's children only.
     """
 
-    def __init__(self, work_dir: str, *, force: bool = False) -> None:
+    def __init__(self, work_dir: str, *, force: bool = False, run_token: str | None = None) -> None:
         self.work_dir = osp.abspath(work_dir)
         self.path = osp.join(self.work_dir, LOCK_NAME)
         self.force = force
         self.shared = False
-        self.token = uuid.uuid4().hex
+        self.token = run_token or uuid.uuid4().hex
+        self._run_token = run_token
         self._fd: int | None = None
         self._created: list[str] = []  # the directories acquire made, deepest first
 
@@ -153,7 +157,7 @@ class WorkDirLock:
     # acquire / release ---------------------------------------------------------------------
     def acquire(self) -> WorkDirLock:
         """Take the lock, or raise :class:`WorkDirBusyError` naming the holder."""
-        token = os.environ.get(TOKEN_ENV)
+        token = self._run_token or os.environ.get(TOKEN_ENV)
         self._created = []
         d = self.work_dir
         while not osp.isdir(d) and d != osp.dirname(d):
