@@ -23,3 +23,19 @@ def clean_env():
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture(scope='session')
+def uninterrupted_run(tmp_path_factory):
+    """``(config, final state)`` of one uninterrupted ``stratagem train --nproc 2`` run of
+    failure_helpers' CONFIG: the reference that the failure, lock and signal tests compare
+    their interrupted runs with, made once per session (it releases its work_dir lock)."""
+    from failure_helpers import final_state, finish, start, write_config
+    from stratagem.env.workdir_lock import LOCK_NAME
+
+    tmp = tmp_path_factory.mktemp('reference')
+    cfg = write_config(tmp)
+    code, out = finish(start(cfg, tmp / 'work', '--nproc', '2'))
+    assert code == 0, out[-4000:]
+    assert not (tmp / 'work' / LOCK_NAME).exists()  # released at the end
+    return cfg, final_state(tmp / 'work')

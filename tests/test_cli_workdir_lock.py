@@ -16,21 +16,10 @@ from failure_helpers import (
     kill_tree,
     start,
     workers,
-    write_config,
 )
 from stratagem.env.workdir_lock import LOCK_NAME
 
 pytestmark = pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='needs Linux /proc')
-
-
-@pytest.fixture(scope='module')
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp('reference')
-    cfg = write_config(tmp)
-    code, out = finish(start(cfg, tmp / 'work', '--nproc', '2'))
-    assert code == 0, out[-4000:]
-    assert not (tmp / 'work' / LOCK_NAME).exists()  # released at the end
-    return cfg, final_state(tmp / 'work')
 
 
 def _holder(work_dir, timeout=60.0):
@@ -45,9 +34,9 @@ def _holder(work_dir, timeout=60.0):
 
 
 def test_a_busy_work_dir_is_refused_naming_the_holder_and_the_holder_ends_as_alone(
-    reference, tmp_path
+    uninterrupted_run, tmp_path
 ):
-    cfg, want = reference
+    cfg, want = uninterrupted_run
     work = tmp_path / 'work'
     first = start(cfg, work, '--nproc', '2', env=clean_env(SLOW='0.02'))
     try:
@@ -68,8 +57,8 @@ def test_a_busy_work_dir_is_refused_naming_the_holder_and_the_holder_ends_as_alo
     assert not (work / LOCK_NAME).exists()
 
 
-def test_a_killed_runs_work_dir_is_resumed_by_the_next_run(reference, tmp_path):
-    cfg, want = reference
+def test_a_killed_runs_work_dir_is_resumed_by_the_next_run(uninterrupted_run, tmp_path):
+    cfg, want = uninterrupted_run
     work = tmp_path / 'work'
     first = start(cfg, work, '--nproc', '2', env=clean_env(SLOW='0.02'))
     try:

@@ -36,26 +36,17 @@ from stratagem import checkpoint as ckpt
 pytestmark = pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='needs Linux /proc')
 
 
-@pytest.fixture(scope='module')
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp('reference')
-    cfg = write_config(tmp)
-    code, out = finish(start(cfg, tmp / 'work', '--nproc', '2'))
-    assert code == 0, out[-4000:]
-    return cfg, final_state(tmp / 'work')
-
-
 def _count_files(count):
     return sorted(n for n in os.listdir(count) if n.endswith('.txt'))
 
 
 def test_an_exception_then_a_kill_restart_every_rank_and_the_run_ends_bit_exact(
-    reference, tmp_path
+    uninterrupted_run, tmp_path
 ):
     """One run, two failures: rank 1 raises in iteration 13 of the first attempt; rank 0 of
     the second is SIGKILLed in iteration 22 (the last checkpoint 20). Each time every
     worker restarts and resumes; the run ends equal to the uninterrupted one."""
-    cfg, want = reference
+    cfg, want = uninterrupted_run
     count = tmp_path / 'count'
     count.mkdir()
     env = clean_env(COUNT_DIR=str(count), FAIL_AT='50', FAIL_RANK='1', SLOW='0.01')
@@ -79,9 +70,9 @@ def test_an_exception_then_a_kill_restart_every_rank_and_the_run_ends_bit_exact(
 
 
 def test_preemption_of_one_rank_commits_one_checkpoint_requeues_and_resumes_exactly(
-    reference, tmp_path
+    uninterrupted_run, tmp_path
 ):
-    cfg, want = reference
+    cfg, want = uninterrupted_run
     bin_dir = tmp_path / 'bin'
     bin_dir.mkdir()
     log = tmp_path / 'scontrol.log'

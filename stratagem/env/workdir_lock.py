@@ -73,7 +73,7 @@ def _pid_alive(pid: int, start: str | None) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        pass
+        pass  # it exists (another user's): alive, unless its start time says the pid was reused
     now = _proc_start(pid)
     return start is None or now is None or now == start
 

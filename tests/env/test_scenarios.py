@@ -93,7 +93,7 @@ MODULE = textwrap.dedent("""
     @pytest.mark.parametrize('name', ['both_raise', 'needs_broken', 'desync', 'dies'])
     @pytest.mark.scenario('{name}')
     def test_fails(scenario, name):
-        pass
+        pass  # never reached: the scenario's failure errors this test at its fixture
 """)
 
 
