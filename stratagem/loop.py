@@ -1,7 +1,8 @@
 """The reference loop behind ``stratagem train``: small on purpose, not a framework.
 
-It reads ``model``, ``strategy``, ``optim_wrapper``, ``param_scheduler``,
-``train_dataloader``, ``train_cfg`` and ``randomness`` from a config, lets the
+It imports the config's ``custom_imports`` (``stratagem.config.imports``), reads ``model``,
+``strategy``, ``optim_wrapper``, ``param_scheduler``, ``train_dataloader``, ``train_cfg``
+and ``randomness`` from a config, lets the
 strategy prepare everything, and runs iterations: forward under
 ``optim_context``, ``update_params``, schedulers (iteration-based ones every
 iteration, epoch-based ones at epoch ends, as mmengine's ParamSchedulerHook
@@ -30,7 +31,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from stratagem import checkpoint as ckpt
-from stratagem.config import Config, ConfigError, check_keys
+from stratagem.config import (
+    Config,
+    ConfigError,
+    check_keys,
+    config_search_dirs,
+    import_custom_modules,
+)
 from stratagem.env.preemption import Preemption, clear_marker, preemption_config
 from stratagem.env.watchdog import Watchdog
 from stratagem.metrics import RunMetrics, format_row
@@ -109,6 +116,8 @@ def train(
     """Train from ``cfg``; returns ``{'strategy', 'losses' (per logged iteration), 'iter',
     'preempted'}`` (``preempted``: the signal that stopped the run early, else None)."""
     cfg = cfg if isinstance(cfg, Config) else Config(cfg)
+    # a config given as a dict has not been through Config.fromfile: its own modules now
+    import_custom_modules(cfg.get('custom_imports'), config_search_dirs(cfg))
     lacking = [k for k in ('model', 'optim_wrapper', 'train_dataloader') if k not in cfg]
     if lacking:
         raise ConfigError(
