@@ -12,42 +12,19 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from stratagem.schema import ENV_KEYS, RANDOMNESS_KEYS, TRAIN_CFG_KEYS, TRAIN_DATALOADER_KEYS
+from stratagem.schema import (
+    ENV_KEYS,
+    LOOP_TOP_KEYS,
+    RANDOMNESS_KEYS,
+    RUNNER_TOP_KEYS,
+    TRAIN_CFG_KEYS,
+    TRAIN_DATALOADER_KEYS,
+)
 
 __all__ = ['KeyChecks']
 
-_TOP_KEYS = {
-    'model',
-    'train_dataloader',
-    'optim_wrapper',
-    'param_scheduler',
-    'train_cfg',
-    'strategy',
-    'randomness',
-    'work_dir',
-    'load_from',
-    'resume',
-    'auto_scale_lr',
-    'default_scope',
-    'env_cfg',
-    'log_level',
-    'default_hooks',
-    'custom_hooks',
-    'val_dataloader',
-    'val_cfg',
-    'val_evaluator',
-    'test_dataloader',
-    'test_cfg',
-    'test_evaluator',
-    'visualizer',
-    'vis_backends',
-    'log_processor',
-    'launcher',
-    'experiment_name',
-    'compile',
-    'model_wrapper_cfg',
-    'data_preprocessor',
-}
+# every top-level key something reads: the reference loop's or mmengine's runner's
+_TOP_KEYS = LOOP_TOP_KEYS | RUNNER_TOP_KEYS
 _STRATEGY_PACKAGES = {
     'DeepSpeedStrategy': 'deepspeed',
     'ColossalAIStrategy': 'colossalai',
