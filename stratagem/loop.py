@@ -118,7 +118,6 @@ def train(
     cfg = cfg if isinstance(cfg, Config) else Config(cfg)
     # a config given as a dict has not been through Config.fromfile: its own modules now
     import_custom_modules(cfg.get('custom_imports'), config_search_dirs(cfg))
-    _check_top_level_keys(cfg)
     # mmengine's top-level load_from / resume, unless the caller (--load-from, --resume) says
     resume = resume or cfg.get('resume') or False
     load_from = load_from if load_from is not None else cfg.get('load_from')
@@ -135,6 +134,7 @@ def train(
                 else ''
             )
         )
+    _check_top_level_keys(cfg)
     train_cfg = dict(cfg.get('train_cfg') or {})
     check_keys(train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
     loader_cfg = dict(cfg.train_dataloader)
