@@ -172,7 +172,8 @@ DEFAULT_HOOK_TYPES: dict[str, str] = {
 """mmengine's ``default_hooks`` names and their default types. The reference loop reads
 ``checkpoint`` and ``logger``; each of the others, given as its default type without
 arguments, does what the loop does anyway (counters, timing, sampler seeding, scheduler
-steps; a ``VisualizationHook`` that does not draw) and stays in the loop. Another type,
+steps) and stays in the loop, as does a ``VisualizationHook`` without ``draw=True`` (it does
+nothing). Another type,
 arguments, a hook switched off with None, or another name is mmengine's: the config runs
 under ``FlexibleRunner``."""
 
@@ -226,6 +227,8 @@ def _default_hook(name: str, hook: Any) -> bool:
         return False
     if hook.get('type', default) not in (default, f'mmengine.{default}'):
         return False
+    if name == 'visualization' and not hook.get('draw', False):
+        return True  # mmengine's VisualizationHook does nothing unless it draws
     # checkpoint's and logger's arguments are the loop's to read (and check)
     return name in ('checkpoint', 'logger') or set(hook) <= {'type'}
 

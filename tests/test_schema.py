@@ -14,7 +14,7 @@ DEFAULT_RUNTIME_HOOKS = dict(
     param_scheduler=dict(type='ParamSchedulerHook'),
     checkpoint=dict(type='CheckpointHook', interval=1, save_best='acc'),
     sampler_seed=dict(type='DistSamplerSeedHook'),
-    visualization=dict(type='VisualizationHook'),
+    visualization=dict(type='VisualizationHook', interval=5),  # draws nothing
 )
 
 
@@ -31,7 +31,7 @@ def test_runner_reasons():
     ]
     hooks = dict(
         DEFAULT_RUNTIME_HOOKS,
-        visualization=dict(type='VisualizationHook', draw=True),  # arguments: it works
+        visualization=dict(type='VisualizationHook', draw=True),  # it draws: mmengine's work
         param_scheduler=None,  # switched off: the loop always steps schedulers
         ema=dict(type='EMAHook'),
         timer=dict(type='MyTimerHook'),
