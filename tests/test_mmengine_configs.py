@@ -93,6 +93,12 @@ def test_stratagem_train_reads_the_top_level_keys(tmp_path, no_cuda):
         result = train(cfg, progress=False)
     assert [g['lr'] for g in result['strategy'].optim_wrapper.param_groups] == [0.1]
     assert any('auto_scale_lr is given twice' in str(w.message) for w in caught)
+    # mmengine's top-level resume=True: continue from the newest checkpoint of work_dir
+    cfg['resume'] = True
+    cfg['train_cfg'] = dict(max_iters=6)
+    result = train(cfg, progress=False)
+    assert result['iter'] == 6 and result['losses'][0][0] > 4
+    assert str(result['strategy'].resumed_from).endswith('iter_4.pth')
 
 
 def _runner_shaped(backend: str) -> dict:

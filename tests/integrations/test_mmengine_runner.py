@@ -170,3 +170,42 @@ def test_without_mmengine_the_error_names_the_keys_and_the_extra(tmp_path, monke
     assert 'custom_hooks, val_evaluator are read only by mmengine' in err
     assert 'pip install "stratagem[mmengine]"' in err and 'Traceback' not in err
     assert not (tmp_path / 'w').exists()  # stopped before anything was written
+
+
+def test_doctor_checks_a_routed_config_as_train_runs_it(tmp_path, monkeypatch):
+    """doctor = train's checks: a config that runs under FlexibleRunner has mmengine's
+    dataloader keys and a model only mmengine's registry holds, and no finding for them;
+    without mmengine, the finding train stops with."""
+    from mmengine.model import BaseModel
+    from mmengine.registry import MODELS as MM_MODELS
+
+    from stratagem import doctor
+
+    class DoctoredNet(BaseModel):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 2)
+
+        def forward(self, inputs, mode='tensor'):
+            return self.linear(inputs)
+
+    name = f'DoctoredNet{os.getpid()}'
+    MM_MODELS.register_module(name=name, module=DoctoredNet)
+    cfg = dict(
+        model=dict(type=name),
+        train_dataloader=dict(
+            dataset=dict(type='SyntheticClassification', num_samples=16, num_features=4),
+            batch_size=4,
+            sampler=dict(type='DefaultSampler', shuffle=True),
+        ),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
+        train_cfg=dict(by_epoch=True, max_epochs=1, val_interval=1),
+        val_evaluator=dict(type='Accuracy'),
+        work_dir=str(tmp_path),
+    )
+    findings, _ = doctor.diagnose(cfg, 1, probe_disk=False)
+    assert [f for f in findings if f.where.startswith(('model', 'train_'))] == []
+    monkeypatch.setitem(sys.modules, 'mmengine', None)
+    findings, _ = doctor.diagnose(cfg, 1, probe_disk=False)
+    (missing,) = [f for f in findings if f.where == 'val_evaluator']
+    assert 'pip install "stratagem[mmengine]"' in missing.fix
