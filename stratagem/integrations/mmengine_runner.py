@@ -16,7 +16,8 @@ mmengine's runner (``stratagem.schema.runner_reasons``: ``runner_type='FlexibleR
 
 The config was loaded by stratagem's ``Config.fromfile`` (``--cfg-options`` merged, its
 ``custom_imports`` imported from the config's directory and the working directory:
-``stratagem.config.imports``), in every process of a ``--nproc`` run alike.
+``stratagem.config.imports``), in every process of a ``--nproc`` run alike; a config given as
+a dict has its ``custom_imports`` imported by the same function here.
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ import torch
 
 import stratagem.integrations.mmengine  # noqa: F401  (1: registrations and fallbacks)
 from stratagem import registry as ours
-from stratagem.config import Config, ConfigError, ConfigWarning
+from stratagem.config import (
+    Config,
+    ConfigError,
+    ConfigWarning,
+    config_search_dirs,
+    import_custom_modules,
+)
 from stratagem.schema import LOOP_TOP_KEYS, RUNNER_TOP_KEYS, unread_top_level_keys
 
 __all__ = ['runner_config', 'stratagem_strategy', 'train_with_flexible_runner']
@@ -159,6 +166,9 @@ def train_with_flexible_runner(
     from mmengine.config import Config as MMConfig
     from mmengine.runner import FlexibleRunner
 
+    # a config given as a dict has not been through Config.fromfile: its own modules now,
+    # as loop.train does (imported once: a second call finds them loaded)
+    import_custom_modules(cfg.get('custom_imports'), config_search_dirs(cfg))
     runner_cfg = runner_config(cfg, launcher=launcher, resume=resume, load_from=load_from)
     filename = getattr(cfg, 'filename', None)
     mm_cfg = MMConfig(runner_cfg, filename=str(filename) if filename else None)
