@@ -118,6 +118,9 @@ def train(
     cfg = cfg if isinstance(cfg, Config) else Config(cfg)
     # a config given as a dict has not been through Config.fromfile: its own modules now
     import_custom_modules(cfg.get('custom_imports'), config_search_dirs(cfg))
+    # mmengine's top-level load_from / resume, unless the caller (--load-from, --resume) says
+    resume = resume or cfg.get('resume') or False
+    load_from = load_from if load_from is not None else cfg.get('load_from')
     lacking = [k for k in ('model', 'optim_wrapper', 'train_dataloader') if k not in cfg]
     if lacking:
         raise ConfigError(
@@ -131,6 +134,7 @@ def train(
                 else ''
             )
         )
+    _check_top_level_keys(cfg)
     train_cfg = dict(cfg.get('train_cfg') or {})
     check_keys(train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
     loader_cfg = dict(cfg.train_dataloader)
@@ -203,6 +207,7 @@ def _train(
         cfg.model,
         optim_wrapper=cfg.optim_wrapper,
         param_scheduler=cfg.get('param_scheduler'),
+        compile=cfg.get('compile', False),
         dispatch_kwargs=dict(
             max_iters=max_iters,
             max_epochs=max_epochs,
@@ -367,16 +372,51 @@ def _dist_timeout(strategy_cfg: Mapping) -> float:
     return timeout.total_seconds() if hasattr(timeout, 'total_seconds') else float(timeout)
 
 
+def _check_top_level_keys(cfg: Config) -> None:
+    """Refuse a config whose top level holds a key the reference loop does not read: one that
+    only mmengine's runner reads (``stratagem.schema.runner_reasons``: run it under
+    ``FlexibleRunner``, which ``stratagem train`` does by itself), or one nothing reads
+    (named, with the closest valid key). Raises ConfigError."""
+    from stratagem.schema import LOOP_TOP_KEYS, runner_reasons, unread_top_level_keys
+
+    reasons = runner_reasons(cfg)
+    if reasons:
+        raise ConfigError(
+            f'config {getattr(cfg, "filename", None) or ""}: {", ".join(reasons)} '
+            "are read only by mmengine's runner, not by stratagem's reference loop: run "
+            "`stratagem train CONFIG` (it runs such a config under mmengine's FlexibleRunner "
+            "on stratagem's strategies), or in Python `import stratagem.integrations.mmengine` "
+            'and `FlexibleRunner.from_cfg(cfg).train()`'
+        )
+    unread = unread_top_level_keys(cfg, LOOP_TOP_KEYS)
+    if unread:
+        raise ConfigError(
+            f'config {getattr(cfg, "filename", None) or ""}: unknown top-level key(s) '
+            + '; '.join(f'{k!r} ({hint})' for k, hint in unread.items())
+            + f'. Nothing reads them. valid: {", ".join(sorted(LOOP_TOP_KEYS))}'
+        )
+
+
 def _mmengine_top_level_keys(cfg: Any, strategy_cfg: dict, env_kwargs: dict) -> None:
     """An mmengine config as it is: its top-level ``env_cfg`` gives the strategy's
-    ``env_kwargs`` defaults (a CUDA backend on a machine without CUDA becomes gloo, said once)
-    and its top-level ``auto_scale_lr`` the strategy's, unless the strategy has its own (which
-    wins, with a warning when they differ)."""
+    ``env_kwargs`` defaults (a CUDA backend on a machine without CUDA becomes gloo, said once),
+    ``launcher`` its launcher, ``log_level`` its log level and ``experiment_name`` its run
+    name, and its top-level ``auto_scale_lr`` the strategy's, unless the strategy has its own
+    (which wins, with a warning when they differ)."""
     if cfg.get('env_cfg'):
         from stratagem.env.backend import mmengine_env_kwargs
 
         for key, value in mmengine_env_kwargs(cfg['env_cfg']).items():
             env_kwargs.setdefault(key, value)
+    if cfg.get('launcher') is not None:
+        env_kwargs.setdefault('launcher', cfg['launcher'])
+    if cfg.get('log_level') is not None:
+        strategy_cfg['log_kwargs'] = {
+            'log_level': cfg['log_level'],
+            **dict(strategy_cfg.get('log_kwargs') or {}),
+        }
+    if cfg.get('experiment_name') is not None:
+        strategy_cfg.setdefault('experiment_name', cfg['experiment_name'])
     top = cfg.get('auto_scale_lr')
     if top is None:
         return
