@@ -144,16 +144,22 @@ def attribute_docstrings(path: Path) -> dict[str, str]:
     return out
 
 
-def schema_sets() -> list[tuple[str, frozenset[str], str]]:
-    """``(name, keys, docstring)`` for every key set in ``stratagem.schema.__all__``, in that
-    order; the docstring is '' when the set has none."""
+def schema_sets() -> list[tuple[str, frozenset[str] | dict[str, Any], str]]:
+    """``(name, keys, docstring)`` for every key set (a set, or a dict by key) in
+    ``stratagem.schema.__all__``, in that order; the docstring is '' when it has none."""
     schema = importlib.import_module('stratagem.schema')
     docs = attribute_docstrings(Path(schema.__file__))
     return [
         (name, getattr(schema, name), docs.get(name, ''))
         for name in schema.__all__
-        if isinstance(getattr(schema, name), (frozenset, set))
+        if isinstance(getattr(schema, name), (frozenset, set, dict))
     ]
+
+
+def schema_functions() -> list[str]:
+    """The functions in ``stratagem.schema.__all__`` (the checks built on the key sets)."""
+    schema = importlib.import_module('stratagem.schema')
+    return [n for n in schema.__all__ if inspect.isfunction(getattr(schema, n))]
 
 
 def section_name(name: str, doc: str) -> str:
@@ -210,9 +216,18 @@ def config_reference() -> str:
     lines = ['.. py:currentmodule:: stratagem.schema', '']
     for name, keys, doc in schema_sets():
         lines += title(f'``{section_name(name, doc)}``', '-')
-        lines += [f'.. py:data:: {name}', '   :type: frozenset[str]', '']
+        kind = 'frozenset[str]' if not isinstance(keys, dict) else 'dict'
+        lines += [f'.. py:data:: {name}', f'   :type: {kind}', '']
         lines += [f'   {ln}' if ln else '' for ln in (doc or '(no docstring)').splitlines()]
-        lines += ['', '   Keys: ' + ', '.join(f'``{k}``' for k in sorted(keys)), '']
+        listed = [
+            f'``{k}``' + (f' (``{keys[k]}``)' if isinstance(keys, dict) else '')
+            for k in sorted(keys)
+        ]
+        lines += ['', '   Keys: ' + ', '.join(listed), '']
+    functions = schema_functions()
+    if functions:
+        lines += title('Checks on these keys', '-')
+        lines += [f'.. autofunction:: stratagem.schema.{n}\n' for n in functions]
     lines += title('``strategy``', '-')
     lines += [
         "``strategy=dict(type=NAME, ...)``: ``type`` is one of the names below (or ``'auto'``:",
