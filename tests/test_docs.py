@@ -283,9 +283,9 @@ def test_config_reference_lists_every_key():
     }
     assert {'ENV_KEYS', 'RANDOMNESS_KEYS', 'TRAIN_CFG_KEYS', 'TRAIN_DATALOADER_KEYS'} <= set(sets)
     assert sorted(entries) == sorted(sets)
-    missing = [
-        f'{n}: {k}' for n, keys in sets.items() for k in keys if f'``{k}``' not in entries[n]
-    ]
+    # the entry's own list of keys (its docstring may name only some)
+    listed = {n: re.findall(r'``([^`]+)``', entries[n].split('   Keys: ')[1]) for n in sets}
+    missing = [f'{n}: {k}' for n, keys in sets.items() for k in keys if k not in listed[n]]
     assert not missing, f'not in the config-key reference: {missing}'
     docs = ref.attribute_docstrings(Path(schema.__file__))
     assert [n for n in sets if not docs.get(n)] == [], 'a key set of schema.py has no docstring'
