@@ -85,7 +85,9 @@ def _option_block(parser: argparse.ArgumentParser, action: argparse.Action) -> l
     # a help text that states its default says it better (and not as this machine's path)
     if (
         action.option_strings
-        and default not in (None, False, [], argparse.SUPPRESS)
+        and not (
+            default is None or default is False or default == [] or default is argparse.SUPPRESS
+        )
         and 'default' not in help_
     ):
         facts.append(f'Default: ``{default}``.')
@@ -146,13 +148,15 @@ def attribute_docstrings(path: Path) -> dict[str, str]:
 
 def schema_sets() -> list[tuple[str, frozenset[str] | dict[str, Any], str]]:
     """``(name, keys, docstring)`` for every key set (a set, or a dict by key) in
-    ``stratagem.schema.__all__``, in that order; the docstring is '' when it has none."""
+    ``stratagem.schema.__all__``, in the module's source order (its author's, not ``__all__``'s
+    alphabetical one); the docstring is '' when it has none."""
     schema = importlib.import_module('stratagem.schema')
-    docs = attribute_docstrings(Path(schema.__file__))
+    docs = attribute_docstrings(Path(schema.__file__))  # in source order
+    order = {name: i for i, name in enumerate(docs)}
+    names = [n for n in schema.__all__ if isinstance(getattr(schema, n), (frozenset, set, dict))]
     return [
         (name, getattr(schema, name), docs.get(name, ''))
-        for name in schema.__all__
-        if isinstance(getattr(schema, name), (frozenset, set, dict))
+        for name in sorted(names, key=lambda n: order.get(n, len(order)))
     ]
 
 
