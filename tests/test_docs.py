@@ -3,13 +3,14 @@
 Every ``python`` block runs on its own, as a reader who copies just that block would run it:
 in a fresh namespace (so it holds its own imports and names) and its own empty working
 directory holding links to the checkout's ``examples/``, ``docs/`` and ``benchmarks/``; all
-blocks share one interpreter, so torch is imported once. Blocks that do not run (and the
-README's) are checked for names they use but never define. A page's ``bash`` blocks run in
-order in one such directory (a shell session: a command may read what an earlier one wrote),
-each as one script under ``set -euo pipefail`` with the venv's ``stratagem`` on ``PATH``. A
-block that must not run starts with ``# not run: <reason>``, and the reason shows in the page.
-Only ``python``, ``bash`` and ``text`` fences are allowed (besides MyST directives such as
-``{toctree}``), so code cannot hide under another tag.
+blocks share one interpreter, so torch is imported once; README.md's python blocks too. Every
+python block, also one that does not run, is checked for names it uses but never defines
+(ruff's F821). A page listed in ``PENDING`` (its features not merged yet) is only checked. A
+page's ``bash`` blocks run in order in one such directory (a shell session: a command may read
+what an earlier one wrote), each as one script under ``set -euo pipefail`` with the venv's
+``stratagem`` on ``PATH``. A block that must not run starts with ``# not run: <reason>``, and
+the reason shows in the page. Only ``python``, ``bash`` and ``text`` fences are allowed
+(besides MyST directives such as ``{toctree}``), so code cannot hide under another tag.
 
 The reference pages generated from the code (``docs/_ext/stratagem_reference.py``) are checked
 against the parsers and key sets they are generated from, and must be in the site's toctree.
@@ -183,15 +184,18 @@ sys.exit(1 if failed else 0)
 
 
 def test_python_blocks_run(tmp_path):
+    """Every python block of docs/ and the README, each alone in an empty directory."""
+    runnable = [b for page in _pages_with('python') for b in _runnable(page, 'python')]
+    runnable += [b for b in README_BLOCKS if b.lang == 'python' and not b.not_run_reason]
     blocks = []
     env = {}
-    for page in _pages_with('python'):
-        for b in _runnable(page, 'python'):
-            workdir = tmp_path / f'block{len(blocks)}'
-            workdir.mkdir()
-            env = _workdir(workdir)
-            blocks.append((f'{b.page}:{b.line}', str(workdir), b.code))
+    for b in runnable:
+        workdir = tmp_path / f'block{len(blocks)}'
+        workdir.mkdir()
+        env = _workdir(workdir)
+        blocks.append((f'{b.page}:{b.line}', str(workdir), b.code))
     assert len(blocks) >= 15, blocks
+    assert any(where.startswith('README.md') for where, _, _ in blocks)
     proc = subprocess.run(
         [sys.executable, '-c', RUNNER.format(blocks=blocks)],
         cwd=tmp_path,
