@@ -206,7 +206,11 @@ def _train(
     scheduler_list = _flatten(schedulers)
 
     start_iter = 0
-    checkpoint = strategy.load_or_resume(load_from=load_from, resume=resume)
+    checkpoint = strategy.load_or_resume(
+        load_from=load_from,
+        resume=resume,
+        refit_schedulers=bool(train_cfg.get('refit_schedulers', False)),
+    )
     if checkpoint is not None and resume:
         # in this run's units: a resume at another world size converts the position (and an
         # iteration-counted max_iters) so that exactly the samples left are read
