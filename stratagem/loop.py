@@ -38,6 +38,37 @@ from stratagem.registry import DATASETS
 from stratagem.schema import TRAIN_CFG_KEYS, TRAIN_DATALOADER_KEYS
 
 
+def check_train_config(cfg: Config | Mapping) -> tuple[dict, dict]:
+    """The reference loop's checks of a config's keys, before anything is built (also
+    ``stratagem doctor``'s and ``stratagem train --nproc``'s, before torchrun starts): the
+    sections it needs, the keys of ``train_cfg`` and ``train_dataloader``, and a run length.
+    Returns copies of ``train_cfg`` and ``train_dataloader``; raises ``ConfigError`` /
+    ``ValueError`` naming the key."""
+    lacking = [k for k in ('model', 'optim_wrapper', 'train_dataloader') if k not in cfg]
+    if lacking:
+        filename = getattr(cfg, 'filename', None) or ''
+        raise ConfigError(
+            f'config {filename} has no {", ".join(lacking)}; '
+            'stratagem train needs model, optim_wrapper, train_dataloader and '
+            'train_cfg'
+            + (
+                ". mmcv's top-level optimizer=dict(...) goes in "
+                'optim_wrapper=dict(optimizer=dict(...))'
+                if 'optimizer' in cfg
+                else ''
+            )
+        )
+    train_cfg = dict(cfg.get('train_cfg') or {})
+    check_keys(train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
+    loader_cfg = dict(cfg['train_dataloader'])
+    check_keys(loader_cfg, TRAIN_DATALOADER_KEYS, 'train_dataloader')
+    if 'max_iters' not in train_cfg and 'max_epochs' not in train_cfg:
+        raise ValueError(
+            'train_cfg needs max_epochs or max_iters, e.g. train_cfg=dict(max_epochs=4)'
+        )
+    return train_cfg, loader_cfg
+
+
 def build_dataset(cfg: Any) -> Dataset:
     """A Dataset instance as is, a DATASETS cfg, or a zero-argument callable returning one."""
     if isinstance(cfg, Mapping):
@@ -109,23 +140,7 @@ def train(
     """Train from ``cfg``; returns ``{'strategy', 'losses' (per logged iteration), 'iter',
     'preempted'}`` (``preempted``: the signal that stopped the run early, else None)."""
     cfg = cfg if isinstance(cfg, Config) else Config(cfg)
-    lacking = [k for k in ('model', 'optim_wrapper', 'train_dataloader') if k not in cfg]
-    if lacking:
-        raise ConfigError(
-            f'config {cfg.filename or ""} has no {", ".join(lacking)}; '
-            'stratagem train needs model, optim_wrapper, train_dataloader and '
-            'train_cfg'
-            + (
-                ". mmcv's top-level optimizer=dict(...) goes in "
-                'optim_wrapper=dict(optimizer=dict(...))'
-                if 'optimizer' in cfg
-                else ''
-            )
-        )
-    train_cfg = dict(cfg.get('train_cfg') or {})
-    check_keys(train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
-    loader_cfg = dict(cfg.train_dataloader)
-    check_keys(loader_cfg, TRAIN_DATALOADER_KEYS, 'train_dataloader')
+    train_cfg, loader_cfg = check_train_config(cfg)
     # handlers from the start: a signal while the strategy is built is not lost (the loop
     # stops after its first iteration); restored however train() ends
     preempt_cfg = preemption_config(train_cfg.get('preemption', True))

@@ -218,3 +218,34 @@ def test_nproc_relaunch_uses_the_arguments_main_received(monkeypatch, config):
         '--cfg-options',
         'train_cfg.max_iters=3',
     ]  # no --nproc, no second --launcher
+
+
+def test_nproc_checks_the_config_before_torchrun_starts(monkeypatch, config, capsys):
+    from stratagem.cli import launch
+
+    calls = []
+    monkeypatch.setattr(launch, 'run_torchrun', lambda cmd, *_: calls.append(cmd) or 0)
+    monkeypatch.delenv('LOCAL_RANK', raising=False)
+    for options, said in [
+        (['model.type=MLPClasifier'], "model: unknown type 'MLPClasifier'"),
+        (['param_scheduler.1.type=CosineLR'], 'param_scheduler[1]: unknown type'),
+        (['train_cfg.max_epoch=2'], "did you mean 'train_cfg.max_epochs'?"),
+    ]:
+        assert main(['train', config, '--nproc=2', '--cfg-options', *options]) == 1
+        assert said in capsys.readouterr().err, options
+    # the loop's own checks (loop.check_train_config): a config without a run length
+    short = os.path.join(os.path.dirname(config), 'no_length.py')
+    with open(short, 'w') as f:
+        f.write(CONFIG.replace('max_epochs=4, ', ''))
+    assert main(['train', short, '--nproc=2']) == 1
+    assert 'train_cfg needs max_epochs or max_iters' in capsys.readouterr().err
+    assert calls == []  # torchrun never started
+
+
+def test_unknown_cfg_options_key_is_an_error_naming_the_key_meant(tmp_path, config, capsys):
+    work = str(tmp_path / 'w')
+    assert main(['train', config, '--work-dir', work, '--cfg-options', 'lr=0.1']) == 1
+    err = capsys.readouterr().err
+    assert "unknown key 'lr' in --cfg-options" in err
+    assert "did you mean 'optim_wrapper.optimizer.lr'?" in err
+    assert not os.path.exists(work)  # refused before anything was written

@@ -8,6 +8,7 @@ import os
 import sys
 
 from stratagem.config import Config, parse_cfg_options
+from stratagem.config.overrides import check_overrides
 from stratagem.doctor import diagnose, format_table
 
 
@@ -52,11 +53,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         cfg = Config.fromfile(args.config)
-        if args.cfg_options:
-            cfg.merge_from_dict(parse_cfg_options(args.cfg_options))
     except Exception as err:  # noqa: BLE001 - reported as the one finding that stops us
         print(f'stratagem doctor: cannot read {args.config}: {err}', file=sys.stderr)
         return 2
+    if args.cfg_options:
+        try:
+            options = parse_cfg_options(args.cfg_options)
+            check_overrides(cfg, options)  # as stratagem train checks them
+            cfg.merge_from_dict(options)
+        except ValueError as err:
+            print(f'stratagem doctor: --cfg-options: {err}', file=sys.stderr)
+            return 2
     findings, notes = diagnose(
         cfg.to_dict(),
         args.nproc,

@@ -18,11 +18,12 @@ import os
 import os.path as osp
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from stratagem import env
 from stratagem.config import Config, parse_cfg_options
+from stratagem.config.overrides import check_overrides
 from stratagem.env.preemption import preemption_config
 from stratagem.env.workdir_lock import TOKEN_ENV, WorkDirLock
 from stratagem.loop import train
@@ -73,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     preemption = preemption_config(dict(cfg.get('train_cfg') or {}).get('preemption', True))
     if wants_torchrun(args) and 'LOCAL_RANK' not in os.environ:
+        # a config error in seconds, not after torchrun started every worker
+        check_before_launch(cfg)
         cmd = torchrun_command(args)
         debug = debug_enabled(list(getattr(args, 'cli_argv', [])))
         # taken before torchrun starts: a busy work_dir is refused in a second, and the
@@ -110,10 +113,52 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_before_launch(cfg: Config) -> None:
+    """The cheap checks of a config (no model or dataset built): the reference loop's key
+    checks (:func:`stratagem.loop.check_train_config`) and every ``type`` resolving in its
+    registry (its module imported: a missing package shows here too). Raises the error
+    ``stratagem train`` would raise in every worker, naming the key."""
+    from stratagem.loop import check_train_config
+    from stratagem.registry import (
+        DATASETS,
+        MODELS,
+        OPTIM_WRAPPERS,
+        OPTIMIZERS,
+        PARAM_SCHEDULERS,
+        STRATEGIES,
+    )
+
+    check_train_config(cfg)
+    ow = cfg.get('optim_wrapper') or {}
+    schedulers = cfg.get('param_scheduler') or []
+    if isinstance(schedulers, Mapping) and 'type' in schedulers:
+        schedulers = [schedulers]
+    elif isinstance(schedulers, Mapping):  # one list per optimizer
+        schedulers = [s for v in schedulers.values() for s in (v or [])]
+    typed = [
+        ('model', cfg.get('model'), MODELS),
+        ('train_dataloader.dataset', (cfg.get('train_dataloader') or {}).get('dataset'), DATASETS),
+        ('optim_wrapper', ow, OPTIM_WRAPPERS),
+        ('optim_wrapper.optimizer', ow.get('optimizer'), OPTIMIZERS),
+        ('strategy', cfg.get('strategy'), STRATEGIES),
+        *((f'param_scheduler[{i}]', s, PARAM_SCHEDULERS) for i, s in enumerate(schedulers)),
+    ]
+    for where, section, registry in typed:
+        name = section.get('type') if isinstance(section, Mapping) else None
+        # a dotted 'pkg.mod.Class' is imported where it is built; 'auto' picks a strategy
+        if not isinstance(name, str) or name == 'auto' or '.' in name:
+            continue
+        if registry.get(name) is None:
+            err = registry.unknown_name_error(name)
+            raise type(err)(f'{where}: {err}')
+
+
 def _load_config(args: argparse.Namespace) -> Config:
     cfg = Config.fromfile(args.config)
     if args.cfg_options:
-        cfg.merge_from_dict(parse_cfg_options(args.cfg_options))
+        options = parse_cfg_options(args.cfg_options)
+        check_overrides(cfg, options)
+        cfg.merge_from_dict(options)
     if args.work_dir:
         cfg['work_dir'] = args.work_dir
     elif 'work_dir' not in cfg:
