@@ -56,6 +56,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='override config keys, e.g. optim_wrapper.optimizer.lr=0.01',
     )
     parser.add_argument(
+        '--seed',
+        type=int,
+        default=None,
+        metavar='N',
+        help='seed of the run (randomness.seed): every RNG (python, numpy, torch) and the '
+        "data order; default: the config's, else one drawn on rank 0 and recorded in the "
+        'checkpoints',
+    )
+    parser.add_argument(
+        '--deterministic',
+        action='store_true',
+        help='deterministic algorithms (randomness.deterministic=True: '
+        'torch.use_deterministic_algorithms, cuDNN benchmark off); slower on GPUs',
+    )
+    parser.add_argument(
+        '--amp',
+        nargs='?',
+        const='auto',
+        default=None,
+        choices=['auto', 'bf16', 'fp16'],
+        help='mixed precision: the optim wrapper becomes AmpOptimWrapper with this autocast '
+        'dtype (fp16 adds a dynamic loss scale); bare --amp: bf16 where the device supports '
+        'it (CPU, recent GPUs), else fp16. fp16 needs a CUDA device',
+    )
+    parser.add_argument(
         '--launcher',
         choices=['none', 'pytorch', 'slurm', 'mpi'],
         default=None,
@@ -153,12 +178,76 @@ def check_before_launch(cfg: Config) -> None:
             raise type(err)(f'{where}: {err}')
 
 
+def apply_run_flags(
+    cfg: Config, *, seed: int | None = None, deterministic: bool = False, amp: str | None = None
+) -> None:
+    """``--seed``, ``--deterministic`` and ``--amp`` written into ``cfg``: ``randomness``
+    (and ``strategy.env_kwargs.randomness`` when the config seeds there, as it wins), and
+    ``optim_wrapper`` (each wrapper of a dict of wrappers) as ``AmpOptimWrapper`` with the
+    dtype of :func:`amp_dtype`."""
+    changes: dict[str, Any] = {}
+    if seed is not None:
+        changes['seed'] = seed
+    if deterministic:
+        changes['deterministic'] = True
+    if changes:
+        cfg['randomness'] = {**dict(cfg.get('randomness') or {}), **changes}
+        env_kwargs = dict(dict(cfg.get('strategy') or {}).get('env_kwargs') or {})
+        if env_kwargs.get('randomness') is not None:
+            env_kwargs['randomness'] = {**dict(env_kwargs['randomness']), **changes}
+            cfg['strategy'] = {**dict(cfg['strategy']), 'env_kwargs': env_kwargs}
+    if amp is None:
+        return
+    dtype = amp_dtype(amp)
+    ow = dict(cfg.get('optim_wrapper') or {})
+    single = not ow or any(k in ow for k in ('type', 'optimizer'))
+    names = [None] if single else [k for k, v in ow.items() if isinstance(v, Mapping)]
+    for name in names:
+        wrapper = dict(ow if name is None else ow[name])
+        where = 'optim_wrapper' if name is None else f'optim_wrapper.{name}'
+        kind = wrapper.get('type', 'OptimWrapper')
+        if kind not in ('OptimWrapper', 'AmpOptimWrapper'):
+            raise ValueError(
+                f'--amp: {where}.type={kind!r} is not OptimWrapper; set '
+                f"{where}.type='AmpOptimWrapper' (and its dtype) in the config instead"
+            )
+        wrapper.update(type='AmpOptimWrapper', dtype=dtype)
+        if name is None:
+            ow = wrapper
+        else:
+            ow[name] = wrapper
+    cfg['optim_wrapper'] = ow
+
+
+def amp_dtype(amp: str) -> str:
+    """The autocast dtype name of ``--amp`` (``'auto'``, ``'bf16'``, ``'fp16'``) on the
+    device this run trains on (CUDA when available, else CPU); fp16 on a CPU is refused."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if amp == 'auto':
+        amp = 'bf16' if not cuda or torch.cuda.is_bf16_supported() else 'fp16'
+    if amp == 'fp16' and not cuda:
+        raise ValueError(
+            '--amp fp16 needs a CUDA device and this machine has none (float16 autocast '
+            'on a CPU is slow and unsupported by many operators); use --amp bf16, or bare '
+            '--amp to pick what the device supports'
+        )
+    if amp == 'bf16' and cuda and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f'--amp bf16: {torch.cuda.get_device_name()} does not support bfloat16; use '
+            '--amp fp16, or bare --amp to pick what the device supports'
+        )
+    return {'bf16': 'bfloat16', 'fp16': 'float16'}[amp]
+
+
 def _load_config(args: argparse.Namespace) -> Config:
     cfg = Config.fromfile(args.config)
     if args.cfg_options:
         options = parse_cfg_options(args.cfg_options)
         check_overrides(cfg, options)
         cfg.merge_from_dict(options)
+    apply_run_flags(cfg, seed=args.seed, deterministic=args.deterministic, amp=args.amp)
     if args.work_dir:
         cfg['work_dir'] = args.work_dir
     elif 'work_dir' not in cfg:
