@@ -140,7 +140,9 @@ def test_train_bad_config_keys(tmp_path, config, capsys):
             'train_cfg.max_epoch=2',
         ],
     )
-    assert "unknown key(s) ['max_epoch'] in train_cfg" in err and '(ValueError;' in err
+    # refused as an override, before the config is even merged (ConfigError: a ValueError)
+    assert "unknown key 'train_cfg.max_epoch' in --cfg-options" in err
+    assert "did you mean 'train_cfg.max_epochs'?" in err and '(ConfigError;' in err
     err = _cli_error(
         capsys,
         [
