@@ -1,5 +1,7 @@
 """``stratagem doctor CONFIG``: check a config against this machine before a run
-(:func:`stratagem.doctor.diagnose`); exit 1 with findings, 2 when the config cannot be read."""
+(:func:`stratagem.doctor.diagnose`); exit 1 with findings, 2 when the config or its
+``--cfg-options`` cannot be read (an unknown key is refused as ``stratagem train`` refuses
+it)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs='+',
         default=[],
         metavar='KEY=VALUE',
-        help='overrides, as for stratagem train',
+        help='override config keys, checked and applied as stratagem train does',
     )
     parser.add_argument(
         '--device-memory',

@@ -45,7 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const='auto',
         default=None,
         metavar='PATH',
-        help='resume from PATH, or from the latest checkpoint in work_dir',
+        help='resume from PATH, or from the latest checkpoint in work_dir. Into a run of '
+        "another length: a scheduler whose end was fitted to the earlier run's length keeps "
+        'it, with a warning; --cfg-options train_cfg.refit_schedulers=True fits it to this '
+        'run (the lr then follows a fresh run of this length)',
     )
     parser.add_argument('--load-from', help='load model weights (not the training state) first')
     parser.add_argument(
@@ -53,7 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs='+',
         default=[],
         metavar='KEY=VALUE',
-        help='override config keys, e.g. optim_wrapper.optimizer.lr=0.01',
+        help='override config keys, e.g. optim_wrapper.optimizer.lr=0.01 '
+        '"optim_wrapper.clip_grad=dict(max_norm=5.0)" (values: Python literals, a,b lists, '
+        'dict(k=v)); a key the config does not have is an error naming the key meant, '
+        'unless stratagem.schema documents it (train_cfg.preemption) or it is a new '
+        'argument of a built object (model.dropout)',
     )
     parser.add_argument(
         '--seed',
