@@ -1,7 +1,6 @@
 """``stratagem doctor CONFIG``: check a config against this machine before a run
-(:func:`stratagem.doctor.diagnose`); exit 1 with findings, 2 when the config or its
-``--cfg-options`` cannot be read (an unknown key is refused as ``stratagem train`` refuses
-it)."""
+(:func:`stratagem.doctor.diagnose`); exit 1 with findings (an override ``stratagem train``
+refuses is one), 2 when the config or its ``--cfg-options`` cannot be read."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import sys
 from stratagem.config import Config, parse_cfg_options
 from stratagem.config.overrides import check_overrides
 from stratagem.doctor import diagnose, format_table
+from stratagem.doctor.checks import Finding
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,10 +58,19 @@ def run(args: argparse.Namespace) -> int:
     except Exception as err:  # noqa: BLE001 - reported as the one finding that stops us
         print(f'stratagem doctor: cannot read {args.config}: {err}', file=sys.stderr)
         return 2
+    # an override stratagem train refuses is a finding; the others are applied
+    refused: list[Finding] = []
     if args.cfg_options:
         try:
             options = parse_cfg_options(args.cfg_options)
-            check_overrides(cfg, options)  # as stratagem train checks them
+            for key, value in list(options.items()):
+                try:
+                    check_overrides(cfg, {key: value})  # as stratagem train checks them
+                except ValueError as err:
+                    del options[key]
+                    refused.append(
+                        Finding(key, str(err), 'stratagem train refuses it: use the key meant')
+                    )
             cfg.merge_from_dict(options)
         except ValueError as err:
             print(f'stratagem doctor: --cfg-options: {err}', file=sys.stderr)
@@ -72,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         probe_disk=not args.no_disk_probe,
         device_memory=device_memory,
     )
+    findings = refused + findings
     print(f'stratagem doctor: {args.config} on {args.nproc} process(es)')
     for note in notes:
         print(f'  - {note}')
