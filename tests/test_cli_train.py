@@ -310,6 +310,15 @@ def test_seed_deterministic_and_amp_flags_write_the_config(monkeypatch, config):
     assert cli_train.amp_dtype('auto') == 'bfloat16'
     with pytest.raises(ValueError, match='--amp fp16 needs a CUDA device.*use --amp bf16'):
         cli_train.amp_dtype('fp16')
+    # a GPU without bfloat16 (before Ampere): bare --amp is fp16, bf16 refused naming it
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda *a: 'Tesla V100')
+    assert cli_train.amp_dtype('auto') == 'float16' == cli_train.amp_dtype('fp16')
+    with pytest.raises(ValueError, match='--amp bf16: Tesla V100 does not support bfloat16'):
+        cli_train.amp_dtype('bf16')
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: True)
+    assert cli_train.amp_dtype('auto') == 'bfloat16'
 
 
 def test_amp_trains_under_autocast(tmp_path, config, monkeypatch):
