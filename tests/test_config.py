@@ -314,6 +314,7 @@ def test_check_overrides_refuses_keys_that_would_change_nothing():
     cfg = Config(
         dict(
             model=dict(type='MLPClassifier', hidden=8),
+            param_scheduler=[dict(type='LinearLR'), dict(type='CosineAnnealingLR', end=4)],
             optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.05)),
             train_cfg=dict(max_epochs=2),
             train_dataloader=dict(batch_size=4, dataset=dict(type='D', num_samples=8)),
@@ -328,6 +329,7 @@ def test_check_overrides_refuses_keys_that_would_change_nothing():
         'strategy.env_kwargs.launcher',
         'model.dropout',
         'optim_wrapper.clip_grad',
+        'param_scheduler.0.end',  # the other scheduler's end is no typo of it
     ):
         check_overrides(cfg, {ok: 1})
     refused = {
@@ -338,6 +340,7 @@ def test_check_overrides_refuses_keys_that_would_change_nothing():
         "'train_cfg.max_epochs'? valid keys of train_cfg: by_epoch,",
         'train_dataloader.num_worker': "did you mean 'train_dataloader.num_workers'?",
         'train_cfg.foo.bar': "train_cfg has no 'foo'; valid keys of train_cfg:",
+        'optim_wrapper.optimzer.lr': "did you mean 'optim_wrapper.optimizer'?",
     }
     for key, said in refused.items():
         with pytest.raises(ConfigError) as info:

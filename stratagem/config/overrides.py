@@ -174,7 +174,10 @@ def check_overrides(cfg: Any, options: Mapping[str, Any]) -> None:
         section, new = '.'.join(parts[:depth]), parts[depth]
         if section and f'{section}.{new}' in documented:
             continue  # e.g. train_cfg.preemption.exit_code with no preemption in the config
-        hint = _did_you_mean(key, known | documented)
+        if not section:  # a new top-level name: the same name elsewhere (lr), or a near one
+            hint = _did_you_mean(key, known | documented)
+        else:  # inside a section: only a near spelling of a name beside it (optimzer)
+            hint = _did_you_mean(f'{section}.{new}', _children(section, known | documented))
         if section in sections:
             valid = ', '.join(sorted(sections[section]))
             raise ConfigError(
@@ -187,3 +190,8 @@ def check_overrides(cfg: Any, options: Mapping[str, Any]) -> None:
                 f'unknown key {key!r} in --cfg-options: the config has no such key, so '
                 f'setting it would change nothing; {hint}'
             )
+
+
+def _children(section: str, keys: set[str]) -> set[str]:
+    """The keys directly under ``section`` (dotted paths)."""
+    return {k for k in keys if k.rpartition('.')[0] == section}
