@@ -45,6 +45,41 @@ from stratagem.registry import DATASETS
 from stratagem.schema import TRAIN_CFG_KEYS, TRAIN_DATALOADER_KEYS
 
 
+def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> tuple[dict, dict]:
+    """The reference loop's checks of a config's keys, before anything is built (also
+    ``stratagem doctor``'s and ``stratagem train --nproc``'s, before torchrun starts): the
+    sections it needs, the top-level keys, the keys of ``train_cfg`` and ``train_dataloader``,
+    and a run length.
+    Returns copies of ``train_cfg`` and ``train_dataloader``; raises ``ConfigError`` /
+    ``ValueError`` naming the key. ``top_level=False`` leaves the top-level keys to the
+    caller (``doctor`` reports each one as a finding of its own)."""
+    lacking = [k for k in ('model', 'optim_wrapper', 'train_dataloader') if k not in cfg]
+    if lacking:
+        filename = getattr(cfg, 'filename', None) or ''
+        raise ConfigError(
+            f'config {filename} has no {", ".join(lacking)}; '
+            'stratagem train needs model, optim_wrapper, train_dataloader and '
+            'train_cfg'
+            + (
+                ". mmcv's top-level optimizer=dict(...) goes in "
+                'optim_wrapper=dict(optimizer=dict(...))'
+                if 'optimizer' in cfg
+                else ''
+            )
+        )
+    if top_level:
+        _check_top_level_keys(cfg)
+    train_cfg = dict(cfg.get('train_cfg') or {})
+    check_keys(train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
+    loader_cfg = dict(cfg['train_dataloader'])
+    check_keys(loader_cfg, TRAIN_DATALOADER_KEYS, 'train_dataloader')
+    if 'max_iters' not in train_cfg and 'max_epochs' not in train_cfg:
+        raise ValueError(
+            'train_cfg needs max_epochs or max_iters, e.g. train_cfg=dict(max_epochs=4)'
+        )
+    return train_cfg, loader_cfg
+
+
 def build_dataset(cfg: Any) -> Dataset:
     """A Dataset instance as is, a DATASETS cfg, or a zero-argument callable returning one."""
     if isinstance(cfg, Mapping):
@@ -121,24 +156,7 @@ def train(
     # mmengine's top-level load_from / resume, unless the caller (--load-from, --resume) says
     resume = resume or cfg.get('resume') or False
     load_from = load_from if load_from is not None else cfg.get('load_from')
-    lacking = [k for k in ('model', 'optim_wrapper', 'train_dataloader') if k not in cfg]
-    if lacking:
-        raise ConfigError(
-            f'config {cfg.filename or ""} has no {", ".join(lacking)}; '
-            'stratagem train needs model, optim_wrapper, train_dataloader and '
-            'train_cfg'
-            + (
-                ". mmcv's top-level optimizer=dict(...) goes in "
-                'optim_wrapper=dict(optimizer=dict(...))'
-                if 'optimizer' in cfg
-                else ''
-            )
-        )
-    _check_top_level_keys(cfg)
-    train_cfg = dict(cfg.get('train_cfg') or {})
-    check_keys(train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
-    loader_cfg = dict(cfg.train_dataloader)
-    check_keys(loader_cfg, TRAIN_DATALOADER_KEYS, 'train_dataloader')
+    train_cfg, loader_cfg = check_train_config(cfg)
     # handlers from the start: a signal while the strategy is built is not lost (the loop
     # stops after its first iteration); restored however train() ends
     preempt_cfg = preemption_config(train_cfg.get('preemption', True))
@@ -220,7 +238,11 @@ def _train(
     scheduler_list = _flatten(schedulers)
 
     start_iter = 0
-    checkpoint = strategy.load_or_resume(load_from=load_from, resume=resume)
+    checkpoint = strategy.load_or_resume(
+        load_from=load_from,
+        resume=resume,
+        refit_schedulers=bool(train_cfg.get('refit_schedulers', False)),
+    )
     if checkpoint is not None and resume:
         # in this run's units: a resume at another world size converts the position (and an
         # iteration-counted max_iters) so that exactly the samples left are read
@@ -372,7 +394,7 @@ def _dist_timeout(strategy_cfg: Mapping) -> float:
     return timeout.total_seconds() if hasattr(timeout, 'total_seconds') else float(timeout)
 
 
-def _check_top_level_keys(cfg: Config) -> None:
+def _check_top_level_keys(cfg: Config | Mapping) -> None:
     """Refuse a config whose top level holds a key the reference loop does not read: one that
     only mmengine's runner reads (``stratagem.schema.runner_reasons``: run it under
     ``FlexibleRunner``, which ``stratagem train`` does by itself), or one nothing reads

@@ -4,7 +4,8 @@ A carriage-return redraw is right on a terminal and wrong in a log file or a CI 
 every redraw lands as a fragment interleaved with the log lines. :func:`progress_bar` returns
 a tqdm bar when the stream is a terminal, else a :class:`LineProgress` that prints one whole
 line every ``interval_s`` seconds and a last one on close. Both have the subset of tqdm's
-interface the loop uses: ``update``, ``set_postfix``, ``close``.
+interface the loop uses: ``update``, ``set_postfix``, ``close``. :func:`count_progress` is
+the same rule for a ``progress(done, total)`` callback (``stratagem convert``'s).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-__all__ = ['LineProgress', 'progress_bar', 'logging_above']
+__all__ = ['LineProgress', 'count_progress', 'progress_bar', 'logging_above']
 
 
 def _clock(seconds: float) -> str:
@@ -111,3 +112,32 @@ def logging_above(bar: Any, logger: logging.Logger) -> contextlib.AbstractContex
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     return logging_redirect_tqdm(loggers=[logger])
+
+
+def count_progress(
+    desc: str,
+    file: TextIO,
+    *,
+    interval_s: float = 30.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` callback: on a terminal a bar redrawn in place
+    (``desc [####....] done/total``); elsewhere (a pipe, a file) whole lines only, no
+    carriage return: one every ``interval_s`` seconds and one when ``done`` reaches
+    ``total``."""
+    terminal = _is_terminal(file)
+    last = [clock()]
+
+    def progress(done: int, total: int) -> None:
+        finished = done >= total
+        width = 30
+        filled = width * done // max(total, 1)
+        text = f'{desc} [{"#" * filled}{"." * (width - filled)}] {done}/{total}'
+        if terminal:
+            file.write('\r' + text + ('\n' if finished else ''))
+        elif finished or clock() - last[0] >= interval_s:
+            last[0] = clock()
+            file.write(text + '\n')
+        file.flush()
+
+    return progress

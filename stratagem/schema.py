@@ -70,6 +70,7 @@ TRAIN_CFG_KEYS: frozenset[str] = frozenset(
         'by_epoch',
         'preemption',
         'metrics',
+        'refit_schedulers',
     }
 )
 """``train_cfg`` (read by the reference loop, ``stratagem train``): ``max_epochs`` or
@@ -78,7 +79,10 @@ between saves; 0: only at the end), ``max_keep_ckpts`` (older checkpoints are de
 ``log_interval`` (iterations; default 10), ``by_epoch`` (accepted for mmengine configs;
 ``stratagem plot-schedule`` reads it), ``preemption`` (``dict(signals=['SIGTERM',
 'SIGUSR1'], requeue=False, exit_code=75)``, the default; None: off; see
-``stratagem.env.preemption``)."""
+``stratagem.env.preemption``), ``refit_schedulers`` (default False: a resumed run keeps the
+saved length of a scheduler whose ``end`` was fitted to the earlier run's length, with a
+warning when this run's length differs; True: those schedulers take this run's length, and
+their values from the resumed iteration on are those of a fresh run of this length)."""
 
 
 # ------------------------------------------------------------------ the top level

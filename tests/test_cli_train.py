@@ -140,7 +140,9 @@ def test_train_bad_config_keys(tmp_path, config, capsys):
             'train_cfg.max_epoch=2',
         ],
     )
-    assert "unknown key(s) ['max_epoch'] in train_cfg" in err and '(ValueError;' in err
+    # refused as an override, before the config is even merged (ConfigError: a ValueError)
+    assert "unknown key 'train_cfg.max_epoch' in --cfg-options" in err
+    assert "did you mean 'train_cfg.max_epochs'?" in err and '(ConfigError;' in err
     err = _cli_error(
         capsys,
         [
@@ -218,3 +220,123 @@ def test_nproc_relaunch_uses_the_arguments_main_received(monkeypatch, config):
         '--cfg-options',
         'train_cfg.max_iters=3',
     ]  # no --nproc, no second --launcher
+
+
+def test_nproc_checks_the_config_before_torchrun_starts(monkeypatch, config, capsys):
+    from stratagem.cli import launch
+
+    calls = []
+    monkeypatch.setattr(launch, 'run_torchrun', lambda cmd, *_: calls.append(cmd) or 0)
+    monkeypatch.delenv('LOCAL_RANK', raising=False)
+    for options, said in [
+        (['model.type=MLPClasifier'], "model: unknown type 'MLPClasifier'"),
+        (['param_scheduler.1.type=CosineLR'], 'param_scheduler[1]: unknown type'),
+        (['train_cfg.max_epoch=2'], "did you mean 'train_cfg.max_epochs'?"),
+    ]:
+        assert main(['train', config, '--nproc=2', '--cfg-options', *options]) == 1
+        assert said in capsys.readouterr().err, options
+    # the loop's own checks (loop.check_train_config): a config without a run length
+    short = os.path.join(os.path.dirname(config), 'no_length.py')
+    with open(short, 'w') as f:
+        f.write(CONFIG.replace('max_epochs=4, ', ''))
+    assert main(['train', short, '--nproc=2']) == 1
+    assert 'train_cfg needs max_epochs or max_iters' in capsys.readouterr().err
+    assert calls == []  # torchrun never started
+
+
+def test_unknown_cfg_options_key_is_an_error_naming_the_key_meant(tmp_path, config, capsys):
+    work = str(tmp_path / 'w')
+    assert main(['train', config, '--work-dir', work, '--cfg-options', 'lr=0.1']) == 1
+    err = capsys.readouterr().err
+    assert "unknown key 'lr' in --cfg-options" in err
+    assert "did you mean 'optim_wrapper.optimizer.lr'?" in err
+    assert not os.path.exists(work)  # refused before anything was written
+
+
+def test_version_and_debug_are_listed_everywhere(capsys):
+    import stratagem
+    from stratagem.cli import COMMANDS, build_sub_parser
+
+    assert main(['--version']) == 0
+    assert capsys.readouterr().out == f'stratagem {stratagem.__version__}\n'
+    with pytest.raises(SystemExit) as info:
+        main(['train', '--version'])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f'stratagem {stratagem.__version__}\n'
+    assert main(['--help']) == 0
+    out = capsys.readouterr().out
+    assert '--debug' in out and '--version' in out
+    for name in COMMANDS:
+        text = build_sub_parser(name).format_help()
+        assert '--debug' in text and '--version' in text, name
+    text = build_sub_parser('train').format_help()
+    for flag in ('--seed N', '--deterministic', '--amp [{auto,bf16,fp16}]'):
+        assert flag in text, flag
+
+
+def test_seed_deterministic_and_amp_flags_write_the_config(monkeypatch, config):
+    from stratagem.cli import build_sub_parser
+    from stratagem.cli import train as cli_train
+    from stratagem.config import Config
+
+    args = build_sub_parser('train').parse_args(
+        [config, '--seed', '11', '--deterministic', '--amp', 'bf16']
+    )
+    assert (args.seed, args.deterministic, args.amp) == (11, True, 'bf16')
+    assert build_sub_parser('train').parse_args([config, '--amp']).amp == 'auto'
+    assert build_sub_parser('train').parse_args([config]).amp is None
+    cfg = Config.fromfile(config)
+    cli_train.apply_run_flags(cfg, seed=11, deterministic=True, amp='bf16')
+    assert cfg.randomness.to_dict() == {'seed': 11, 'deterministic': True}
+    ow = cfg.optim_wrapper.to_dict()
+    assert (ow['type'], ow['dtype'], ow['accumulative_counts']) == (
+        'AmpOptimWrapper',
+        'bfloat16',
+        2,
+    )
+    # a config that seeds in the strategy (which wins) gets the flag there too
+    cfg = Config(dict(strategy=dict(env_kwargs=dict(randomness=dict(seed=1))), randomness={}))
+    cli_train.apply_run_flags(cfg, seed=5)
+    assert cfg.strategy.env_kwargs.randomness.seed == 5 and cfg.randomness.seed == 5
+    # several optimizers: each wrapper; another wrapper type: refused, named
+    cfg = Config(dict(optim_wrapper=dict(g=dict(optimizer={}), d=dict(optimizer={}))))
+    cli_train.apply_run_flags(cfg, amp='bf16')
+    assert cfg.optim_wrapper.g.type == cfg.optim_wrapper.d.type == 'AmpOptimWrapper'
+    cfg = Config(dict(optim_wrapper=dict(type='MyWrapper', optimizer={})))
+    with pytest.raises(ValueError, match=r"--amp: optim_wrapper.type='MyWrapper'"):
+        cli_train.apply_run_flags(cfg, amp='bf16')
+    # on a CPU: bare --amp is bf16, fp16 refused with the way out
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    assert cli_train.amp_dtype('auto') == 'bfloat16'
+    with pytest.raises(ValueError, match='--amp fp16 needs a CUDA device.*use --amp bf16'):
+        cli_train.amp_dtype('fp16')
+    # a GPU without bfloat16 (before Ampere): bare --amp is fp16, bf16 refused naming it
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda *a: 'Tesla V100')
+    assert cli_train.amp_dtype('auto') == 'float16' == cli_train.amp_dtype('fp16')
+    with pytest.raises(ValueError, match='--amp bf16: Tesla V100 does not support bfloat16'):
+        cli_train.amp_dtype('bf16')
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: True)
+    assert cli_train.amp_dtype('auto') == 'bfloat16'
+
+
+def test_amp_trains_under_autocast(tmp_path, config, monkeypatch):
+    from stratagem.cli import train as cli_train
+
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    seen = {}
+    real = cli_train.train
+
+    def spy(cfg, **kwargs):
+        out = real(cfg, **kwargs)
+        seen['wrapper'] = out['strategy'].optim_wrapper
+        seen['seed'] = out['strategy'].randomness['seed']
+        return out
+
+    monkeypatch.setattr(cli_train, 'train', spy)
+    work = str(tmp_path / 'amp')
+    options = ['--cfg-options', 'train_cfg.max_iters=2']
+    assert main(['train', config, '--work-dir', work, '--amp', '--seed', '9', *options]) == 0
+    assert type(seen['wrapper']).__name__ == 'AmpOptimWrapper'
+    assert seen['wrapper'].cast_dtype == torch.bfloat16 and seen['seed'] == 9

@@ -294,3 +294,55 @@ def test_config_errors_name_the_file(tmp_path):
 
     with pytest.raises(ConfigAttributeError, match="no key 'optim_wrappr'"):
         Config(dict(optim_wrapper={})).optim_wrappr  # noqa: B018
+
+
+def test_cfg_options_dict_call_reads_as_a_dict():
+    opts = parse_cfg_options(
+        ["a=dict(type='norm', max_norm=5.0)", 'b=dict(x=dict(y=[1,2]))', 'c=f(1,2)', 'd=1,2']
+    )
+    assert opts == {
+        'a': {'type': 'norm', 'max_norm': 5.0},
+        'b': {'x': {'y': [1, 2]}},
+        'c': 'f(1,2)',  # not a dict(...) of literals: a string, as before (no recursion)
+        'd': [1, 2],
+    }
+
+
+def test_check_overrides_refuses_keys_that_would_change_nothing():
+    from stratagem.config.overrides import check_overrides
+
+    cfg = Config(
+        dict(
+            model=dict(type='MLPClassifier', hidden=8),
+            param_scheduler=[dict(type='LinearLR'), dict(type='CosineAnnealingLR', end=4)],
+            optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.05)),
+            train_cfg=dict(max_epochs=2),
+            train_dataloader=dict(batch_size=4, dataset=dict(type='D', num_samples=8)),
+        )
+    )
+    # the config's keys, keys the schema documents, new arguments of a built object: fine
+    for ok in (
+        'optim_wrapper.optimizer.lr',
+        'train_cfg.preemption',
+        'train_cfg.preemption.exit_code',
+        'randomness.seed',
+        'strategy.env_kwargs.launcher',
+        'model.dropout',
+        'optim_wrapper.clip_grad',
+        'param_scheduler.0.end',  # the other scheduler's end is no typo of it
+    ):
+        check_overrides(cfg, {ok: 1})
+    refused = {
+        'lr': "unknown key 'lr' in --cfg-options: the config has no such key, so setting it "
+        "would change nothing; did you mean 'optim_wrapper.optimizer.lr'?",
+        'optim_wrapper.optimizer.lrr': "did you mean 'optim_wrapper.optimizer.lr'?",
+        'train_cfg.max_epoch': "train_cfg has no 'max_epoch'; did you mean "
+        "'train_cfg.max_epochs'? valid keys of train_cfg: by_epoch,",
+        'train_dataloader.num_worker': "did you mean 'train_dataloader.num_workers'?",
+        'train_cfg.foo.bar': "train_cfg has no 'foo'; valid keys of train_cfg:",
+        'optim_wrapper.optimzer.lr': "did you mean 'optim_wrapper.optimizer'?",
+    }
+    for key, said in refused.items():
+        with pytest.raises(ConfigError) as info:
+            check_overrides(cfg, {key: 1})
+        assert said in str(info.value), key

@@ -266,3 +266,52 @@ def test_mesh_and_tensor_parallel_plan(tmp_path):
     assert 'has no tensor dimension' in f['strategy.tensor_parallel_plan'].problem
     f, _ = _mesh(tmp_path, 4, mesh=dict(shard=2, tensor=2))
     assert 'has tensor=2 but no tensor_parallel_plan' in f['strategy.tensor_parallel_plan'].problem
+
+
+def test_what_train_refuses_is_a_finding_at_its_key(tmp_path, capsys):
+    # the issue's example: a misspelt clip_grad argument, refused when train builds the
+    # optim wrapper; doctor builds it with the same function (on the meta model)
+    f, notes = _diagnose(
+        tmp_path, optim_wrapper=dict(**CLEAN['optim_wrapper'], clip_grad=dict(max_nrom=5.0))
+    )
+    assert list(f) == ['optim_wrapper.clip_grad']
+    assert 'max_nrom' in f['optim_wrapper.clip_grad'].problem
+    assert 'memory estimate skipped (fix the findings above first)' in notes
+    # the loop's own key checks (loop.check_train_config): no run length
+    f, _ = _diagnose(tmp_path, train_cfg=dict(checkpoint_interval=64))
+    assert 'max_epochs or max_iters' in f['train_cfg'].problem
+    # a dataset that cannot be built stops train: a finding, not a note
+    f, _ = _diagnose(tmp_path, train_dataloader__dataset__num_samples=0)
+    assert 'num_samples' in f['train_dataloader.dataset'].problem
+    # the same through the CLI, from --cfg-options: exit 1, the key in the table
+    good = tmp_path / 'good.py'
+    good.write_text(
+        '\n'.join(f'{k} = {v!r}' for k, v in {**CLEAN, 'work_dir': str(tmp_path)}.items())
+    )
+    option = "optim_wrapper.clip_grad=dict(type='norm', max_nrom=5.0)"
+    assert main(['doctor', str(good), '--no-disk-probe', '--cfg-options', option]) == 1
+    out = capsys.readouterr().out
+    assert '1 finding(s)' in out and 'optim_wrapper.clip_grad ' in out and 'max_nrom' in out
+    # an unknown --cfg-options key is refused as train refuses it, with the key meant
+    assert main(['doctor', str(good), '--no-disk-probe', '--cfg-options', 'lr=0.1']) == 1
+    out = capsys.readouterr().out
+    assert '1 finding(s)' in out and "unknown key 'lr' in --cfg-options" in out
+    assert "'optim_wrapper.optimizer.lr'?" in out
+
+
+def test_format_table_never_splits_a_word():
+    long_key = 'strategy.model_wrapper.auto_wrap_policy.module_classes_to_wrap_everywhere'
+    word = 'x' * 70
+    text = doctor.format_table([checks.Finding(long_key, f'a problem {word}', 'fix it')])
+    rows = [
+        line.split()[:2] if line[0].isdigit() else line.split()[:1]
+        for line in text.splitlines()[2:]
+    ]
+    where = [r[-1] for r in rows if r and r[-1] not in ('a', 'problem', word)]
+    # the key breaks after dots only; a part longer than the column (28) keeps its line whole
+    assert [w for w in where if w.startswith(('strategy', 'auto', 'module'))] == [
+        'strategy.model_wrapper.',
+        'auto_wrap_policy.',
+        'module_classes_to_wrap_everywhere',
+    ]
+    assert word in text  # a long word overflows its column rather than split

@@ -93,3 +93,27 @@ def test_train_prints_lines_not_redraws_when_stderr_is_not_a_terminal(tmp_path, 
         r'loss=\d\.\d{4}, lr=0\.1, epoch=1, samples_s=\d+',
         final[0],
     ), final[0]
+
+
+def test_count_progress_redraws_on_a_terminal_and_writes_lines_into_a_pipe():
+    from stratagem.progress import count_progress
+
+    tty = FakeTerminal()
+    progress = count_progress('verifying', tty)
+    for done in (1, 2, 3):
+        progress(done, 3)
+    bars = tty.getvalue().split('\r')[1:]
+    assert [b.split()[-1] for b in bars] == ['1/3', '2/3', '3/3']  # redrawn in place
+    assert tty.getvalue().endswith(f'verifying [{"#" * 30}] 3/3\n')
+    # a pipe: no carriage return; a line every interval_s (here 10 s of a fake clock) + the end
+    now = [0.0]
+    pipe = io.StringIO()
+    progress = count_progress('verifying', pipe, interval_s=10, clock=lambda: now[0])
+    for done in range(1, 5):
+        now[0] = 6.0 * done  # 6, 12, 18, 24 s
+        progress(done, 4)
+    assert '\r' not in pipe.getvalue()
+    assert pipe.getvalue().splitlines() == [
+        f'verifying [{"#" * 15}{"." * 15}] 2/4',  # 12 s: the first after 10 s
+        f'verifying [{"#" * 30}] 4/4',  # 24 s (also the end)
+    ]

@@ -46,24 +46,34 @@ def convert_checkpoint(
     *,
     to: str = 'file',
     progress: Callable[[int, int], None] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Convert ``src`` (any format in ``formats.FORMATS``) to ``dst`` (``to='file'``,
-    ``'sharded'`` or ``'safetensors'``: the weights only)."""
+    ``'sharded'`` or ``'safetensors'``: the weights only).
+
+    An existing ``dst`` is refused unless ``overwrite``: then it (and its sidecar manifest)
+    is removed once ``src`` has been read and verified, and the new one written in its
+    place. ``dst`` may never be ``src``, nor inside it, nor hold it."""
     if to not in TARGETS:
-        raise ValueError(f'convert: to={to!r}; use one of {", ".join(map(repr, TARGETS))}')
+        raise ValueError(f'to={to!r}; use one of {", ".join(map(repr, TARGETS))}')
     src, dst = Path(src).absolute(), Path(dst).absolute()
-    if dst.exists():
+    if dst.exists() and not overwrite:
         raise FileExistsError(
-            f'convert: {dst} exists; choose a new name (a conversion never overwrites a checkpoint)'
+            f'{dst} exists; choose a new name, or pass --overwrite (API: overwrite=True) '
+            'to replace it'
         )
+    if dst == src or src in dst.parents or dst in src.parents:
+        raise ValueError(f'cannot convert {src} into {dst}: the target would replace the source')
     source = detect_source(src)
     checkpoint = read_whole(src, source, progress)
+    if dst.exists():  # overwrite: only now that the source read whole and verified
+        _remove_target(dst)
     step = (checkpoint.get('meta') or {}).get('iter')
     step = step if type(step) is int else None
     extra = {'converted_from': str(src), 'source_format': source}
     if not isinstance(checkpoint.get('state_dict'), Mapping):
         raise NotACheckpointError(
-            f"convert: {src} has no model weights under 'state_dict' (its keys: "
+            f"{src} has no model weights under 'state_dict' (its keys: "
             f'{sorted(map(str, checkpoint))[:12]}); a {to} checkpoint is written from '
             "mmengine's layout: {'state_dict': weights, 'optimizer': ..., 'meta': ...}"
         )
@@ -80,3 +90,18 @@ def convert_checkpoint(
     return save_sharded_checkpoint(
         dst, checkpoint, step=step, extra_manifest=extra, optimizer_keys='index', collective=False
     )
+
+
+def _remove_target(dst: Path) -> None:
+    """Remove ``dst`` (a file or a sharded directory) and its sidecar manifest."""
+    import shutil
+
+    from .manifest import SIDECAR_SUFFIX
+
+    if dst.is_dir() and not dst.is_symlink():
+        shutil.rmtree(dst)
+    else:
+        dst.unlink()
+    sidecar = dst.with_name(dst.name + SIDECAR_SUFFIX)
+    if sidecar.exists():
+        sidecar.unlink()

@@ -88,11 +88,46 @@ def format_error(err: BaseException) -> str:
     )
 
 
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--version`` and ``--debug``, which every parser lists (``--debug`` is read from
+    the raw command line by :func:`main`, before parsing)."""
+    from stratagem.version import __version__
+
+    parser.add_argument(
+        '--version',
+        action='version',
+        version=f'stratagem {__version__}',
+        help='print the version of stratagem and exit',
+    )
+    parser.add_argument(
+        DEBUG_FLAG,
+        action='store_true',
+        help='show the full traceback of an error instead of the one-line message '
+        f'(also: {DEBUG_ENV}=1); anywhere on the command line',
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser; sub-command arguments are added when that sub-command is chosen."""
-    parser = argparse.ArgumentParser(prog='stratagem', description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog='stratagem',
+        description='the stratagem command: train from a config, check a config before a run, '
+        'convert checkpoints, preview schedules, print the environment',
+    )
     parser.add_argument('command', choices=sorted(COMMANDS), help='sub-command')
+    add_common_arguments(parser)
     return parser
+
+
+def build_sub_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of sub-command ``name`` (its module's ``add_arguments``, then
+    ``--version`` and ``--debug``)."""
+    module_name, help_ = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    sub = argparse.ArgumentParser(prog=f'stratagem {name}', description=help_)
+    module.add_arguments(sub)
+    add_common_arguments(sub)
+    return sub
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,14 +178,16 @@ def _dispatch(argv: list[str]) -> int:
         for name, (_, help_) in sorted(COMMANDS.items()):
             print(f'  {name:<14} {help_}')
         return 0 if argv else 2
+    if argv[0] == '--version':
+        from stratagem.version import __version__
+
+        print(f'stratagem {__version__}')
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        build_parser().parse_args([name])  # prints the usage error with valid choices, exits 2
-    module_name, help_ = COMMANDS[name]
-    module = importlib.import_module(module_name)
-    sub = argparse.ArgumentParser(prog=f'stratagem {name}', description=help_)
-    module.add_arguments(sub)
-    args = sub.parse_args(rest)
+        build_parser().parse_args([name])  # --version, or the usage error with the choices
+    module = importlib.import_module(COMMANDS[name][0])
+    args = build_sub_parser(name).parse_args(rest)
     # for a sub-command that re-launches itself (train --nproc); keeps --debug for the children
     args.cli_argv = [*rest, DEBUG_FLAG] if debug else rest
     return int(module.run(args) or 0)

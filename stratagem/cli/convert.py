@@ -21,7 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         'a DeepSpeed (ZeRO) directory)',
     )
     parser.add_argument(
-        'dst', help='the new checkpoint (must not exist); DST.safetensors: the full weights'
+        'dst',
+        help='the new checkpoint (must not exist, unless --overwrite); DST.safetensors: '
+        'the full weights',
+    )
+    parser.add_argument(
+        '--overwrite',
+        action='store_true',
+        help='replace an existing DST (with its manifest), once SRC has been read and '
+        'verified; DST may not be SRC',
     )
     parser.add_argument(
         '--to',
@@ -32,18 +40,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    def progress(done: int, total: int) -> None:
-        width = 30
-        filled = width * done // max(total, 1)
-        sys.stderr.write(f'\rverifying [{"#" * filled}{"." * (width - filled)}] {done}/{total}')
-        if done >= total:
-            sys.stderr.write('\n')
+    from stratagem.progress import count_progress
 
     try:
         to = args.to or ('safetensors' if args.dst.endswith('.safetensors') else 'file')
-        out = convert_checkpoint(args.src, args.dst, to=to, progress=progress)
+        out = convert_checkpoint(
+            args.src,
+            args.dst,
+            to=to,
+            progress=count_progress('verifying', sys.stderr),
+            overwrite=args.overwrite,
+        )
     except (OSError, ValueError) as err:
-        print(f'stratagem convert: {err}', file=sys.stderr)
+        print(f'stratagem convert: error: {err}', file=sys.stderr)
         return 1
     print(f'wrote {out}')
     return 0

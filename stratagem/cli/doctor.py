@@ -1,5 +1,6 @@
 """``stratagem doctor CONFIG``: check a config against this machine before a run
-(:func:`stratagem.doctor.diagnose`); exit 1 with findings, 2 when the config cannot be read."""
+(:func:`stratagem.doctor.diagnose`); exit 1 with findings (an override ``stratagem train``
+refuses is one), 2 when the config or its ``--cfg-options`` cannot be read."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import os
 import sys
 
 from stratagem.config import Config, parse_cfg_options
+from stratagem.config.overrides import check_overrides
 from stratagem.doctor import diagnose, format_table
+from stratagem.doctor.checks import Finding
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs='+',
         default=[],
         metavar='KEY=VALUE',
-        help='overrides, as for stratagem train',
+        help='override config keys, checked and applied as stratagem train does',
     )
     parser.add_argument(
         '--device-memory',
@@ -52,17 +55,33 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         cfg = Config.fromfile(args.config)
-        if args.cfg_options:
-            cfg.merge_from_dict(parse_cfg_options(args.cfg_options))
     except Exception as err:  # noqa: BLE001 - reported as the one finding that stops us
         print(f'stratagem doctor: cannot read {args.config}: {err}', file=sys.stderr)
         return 2
+    # an override stratagem train refuses is a finding; the others are applied
+    refused: list[Finding] = []
+    if args.cfg_options:
+        try:
+            options = parse_cfg_options(args.cfg_options)
+            for key, value in list(options.items()):
+                try:
+                    check_overrides(cfg, {key: value})  # as stratagem train checks them
+                except ValueError as err:
+                    del options[key]
+                    refused.append(
+                        Finding(key, str(err), 'stratagem train refuses it: use the key meant')
+                    )
+            cfg.merge_from_dict(options)
+        except ValueError as err:
+            print(f'stratagem doctor: --cfg-options: {err}', file=sys.stderr)
+            return 2
     findings, notes = diagnose(
         cfg.to_dict(),
         args.nproc,
         probe_disk=not args.no_disk_probe,
         device_memory=device_memory,
     )
+    findings = refused + findings
     print(f'stratagem doctor: {args.config} on {args.nproc} process(es)')
     for note in notes:
         print(f'  - {note}')

@@ -25,11 +25,12 @@ import os
 import os.path as osp
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from stratagem import env
 from stratagem.config import Config, ConfigError, parse_cfg_options
+from stratagem.config.overrides import check_overrides
 from stratagem.env.preemption import preemption_config
 from stratagem.env.workdir_lock import TOKEN_ENV, WorkDirLock
 from stratagem.loop import train
@@ -52,7 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const='auto',
         default=None,
         metavar='PATH',
-        help='resume from PATH, or from the latest checkpoint in work_dir',
+        help='resume from PATH, or from the latest checkpoint in work_dir. Into a run of '
+        "another length: a scheduler whose end was fitted to the earlier run's length keeps "
+        'it, with a warning; --cfg-options train_cfg.refit_schedulers=True fits it to this '
+        'run (the lr then follows a fresh run of this length)',
     )
     parser.add_argument('--load-from', help='load model weights (not the training state) first')
     parser.add_argument(
@@ -60,7 +64,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs='+',
         default=[],
         metavar='KEY=VALUE',
-        help='override config keys, e.g. optim_wrapper.optimizer.lr=0.01',
+        help='override config keys, e.g. optim_wrapper.optimizer.lr=0.01 '
+        '"optim_wrapper.clip_grad=dict(max_norm=5.0)" (values: Python literals, a,b lists, '
+        'dict(k=v)); a key the config does not have is an error naming the key meant, '
+        'unless stratagem.schema documents it (train_cfg.preemption) or it is a new '
+        'argument of a built object (model.dropout)',
+    )
+    parser.add_argument(
+        '--seed',
+        type=int,
+        default=None,
+        metavar='N',
+        help='seed of the run (randomness.seed): every RNG (python, numpy, torch) and the '
+        "data order; default: the config's, else one drawn on rank 0 and recorded in the "
+        'checkpoints',
+    )
+    parser.add_argument(
+        '--deterministic',
+        action='store_true',
+        help='deterministic algorithms (randomness.deterministic=True: '
+        'torch.use_deterministic_algorithms, cuDNN benchmark off); slower on GPUs',
+    )
+    parser.add_argument(
+        '--amp',
+        nargs='?',
+        const='auto',
+        default=None,
+        choices=['auto', 'bf16', 'fp16'],
+        help='mixed precision: the optim wrapper becomes AmpOptimWrapper with this autocast '
+        'dtype (fp16 adds a dynamic loss scale); bare --amp: bf16 where the device supports '
+        'it (CPU, recent GPUs), else fp16. fp16 needs a CUDA device',
     )
     parser.add_argument(
         '--launcher',
@@ -84,6 +117,10 @@ def run(args: argparse.Namespace) -> int:
         _require_mmengine(cfg, mmengine_keys)  # before torchrun starts
     preemption = preemption_config(dict(cfg.get('train_cfg') or {}).get('preemption', True))
     if wants_torchrun(args) and 'LOCAL_RANK' not in os.environ:
+        # a config error in seconds, not after torchrun started every worker (a config for
+        # mmengine's runner is mmengine's to check)
+        if not mmengine_keys:
+            check_before_launch(cfg)
         cmd = torchrun_command(args)
         debug = debug_enabled(list(getattr(args, 'cli_argv', [])))
         # taken before torchrun starts: a busy work_dir is refused in a second, and the
@@ -150,10 +187,116 @@ def _run_flexible_runner(cfg: Config, args: argparse.Namespace, resume: bool | s
     return 0
 
 
+def check_before_launch(cfg: Config) -> None:
+    """The cheap checks of a config (no model or dataset built): the reference loop's key
+    checks (:func:`stratagem.loop.check_train_config`) and every ``type`` resolving in its
+    registry (its module imported: a missing package shows here too). Raises the error
+    ``stratagem train`` would raise in every worker, naming the key."""
+    from stratagem.loop import check_train_config
+    from stratagem.registry import (
+        DATASETS,
+        MODELS,
+        OPTIM_WRAPPERS,
+        OPTIMIZERS,
+        PARAM_SCHEDULERS,
+        STRATEGIES,
+    )
+
+    check_train_config(cfg)
+    ow = cfg.get('optim_wrapper') or {}
+    schedulers = cfg.get('param_scheduler') or []
+    if isinstance(schedulers, Mapping) and 'type' in schedulers:
+        schedulers = [schedulers]
+    elif isinstance(schedulers, Mapping):  # one list per optimizer
+        schedulers = [s for v in schedulers.values() for s in (v or [])]
+    typed = [
+        ('model', cfg.get('model'), MODELS),
+        ('train_dataloader.dataset', (cfg.get('train_dataloader') or {}).get('dataset'), DATASETS),
+        ('optim_wrapper', ow, OPTIM_WRAPPERS),
+        ('optim_wrapper.optimizer', ow.get('optimizer'), OPTIMIZERS),
+        ('strategy', cfg.get('strategy'), STRATEGIES),
+        *((f'param_scheduler[{i}]', s, PARAM_SCHEDULERS) for i, s in enumerate(schedulers)),
+    ]
+    for where, section, registry in typed:
+        name = section.get('type') if isinstance(section, Mapping) else None
+        # a dotted 'pkg.mod.Class' is imported where it is built; 'auto' picks a strategy
+        if not isinstance(name, str) or name == 'auto' or '.' in name:
+            continue
+        if registry.get(name) is None:
+            err = registry.unknown_name_error(name)
+            raise type(err)(f'{where}: {err}')
+
+
+def apply_run_flags(
+    cfg: Config, *, seed: int | None = None, deterministic: bool = False, amp: str | None = None
+) -> None:
+    """``--seed``, ``--deterministic`` and ``--amp`` written into ``cfg``: ``randomness``
+    (and ``strategy.env_kwargs.randomness`` when the config seeds there, as it wins), and
+    ``optim_wrapper`` (each wrapper of a dict of wrappers) as ``AmpOptimWrapper`` with the
+    dtype of :func:`amp_dtype`."""
+    changes: dict[str, Any] = {}
+    if seed is not None:
+        changes['seed'] = seed
+    if deterministic:
+        changes['deterministic'] = True
+    if changes:
+        cfg['randomness'] = {**dict(cfg.get('randomness') or {}), **changes}
+        env_kwargs = dict(dict(cfg.get('strategy') or {}).get('env_kwargs') or {})
+        if env_kwargs.get('randomness') is not None:
+            env_kwargs['randomness'] = {**dict(env_kwargs['randomness']), **changes}
+            cfg['strategy'] = {**dict(cfg['strategy']), 'env_kwargs': env_kwargs}
+    if amp is None:
+        return
+    dtype = amp_dtype(amp)
+    ow = dict(cfg.get('optim_wrapper') or {})
+    single = not ow or any(k in ow for k in ('type', 'optimizer'))
+    names = [None] if single else [k for k, v in ow.items() if isinstance(v, Mapping)]
+    for name in names:
+        wrapper = dict(ow if name is None else ow[name])
+        where = 'optim_wrapper' if name is None else f'optim_wrapper.{name}'
+        kind = wrapper.get('type', 'OptimWrapper')
+        if kind not in ('OptimWrapper', 'AmpOptimWrapper'):
+            raise ValueError(
+                f'--amp: {where}.type={kind!r} is not OptimWrapper; set '
+                f"{where}.type='AmpOptimWrapper' (and its dtype) in the config instead"
+            )
+        wrapper.update(type='AmpOptimWrapper', dtype=dtype)
+        if name is None:
+            ow = wrapper
+        else:
+            ow[name] = wrapper
+    cfg['optim_wrapper'] = ow
+
+
+def amp_dtype(amp: str) -> str:
+    """The autocast dtype name of ``--amp`` (``'auto'``, ``'bf16'``, ``'fp16'``) on the
+    device this run trains on (CUDA when available, else CPU); fp16 on a CPU is refused."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if amp == 'auto':
+        amp = 'bf16' if not cuda or torch.cuda.is_bf16_supported() else 'fp16'
+    if amp == 'fp16' and not cuda:
+        raise ValueError(
+            '--amp fp16 needs a CUDA device and this machine has none (float16 autocast '
+            'on a CPU is slow and unsupported by many operators); use --amp bf16, or bare '
+            '--amp to pick what the device supports'
+        )
+    if amp == 'bf16' and cuda and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f'--amp bf16: {torch.cuda.get_device_name()} does not support bfloat16; use '
+            '--amp fp16, or bare --amp to pick what the device supports'
+        )
+    return {'bf16': 'bfloat16', 'fp16': 'float16'}[amp]
+
+
 def _load_config(args: argparse.Namespace) -> Config:
     cfg = Config.fromfile(args.config)
     if args.cfg_options:
-        cfg.merge_from_dict(parse_cfg_options(args.cfg_options))
+        options = parse_cfg_options(args.cfg_options)
+        check_overrides(cfg, options)
+        cfg.merge_from_dict(options)
+    apply_run_flags(cfg, seed=args.seed, deterministic=args.deterministic, amp=args.amp)
     if args.work_dir:
         cfg['work_dir'] = args.work_dir
     elif 'work_dir' not in cfg:

@@ -65,6 +65,7 @@ def diagnose(
     doctor.check_batch()
     doctor.check_precision()
     doctor.build_meta_model()
+    doctor.check_builds()
     doctor.check_sharding()
     doctor.load_batch()
     doctor.run_length()
@@ -86,7 +87,16 @@ def format_table(findings: list[Finding]) -> str:
     rows = [head] + [(str(i), f.where, f.problem, f.fix) for i, f in enumerate(findings, 1)]
     lines = []
     for n, row in enumerate(rows):
-        cells = [textwrap.wrap(c, w) or [''] for c, w in zip(row, cols)]
+        # words are never split: a dotted key breaks after a '.', and a longer part
+        # overflows its column rather than wrap mid-word
+        cells = [
+            _wrap_key(row[1], cols[1]),
+            *(
+                textwrap.wrap(c, w, break_long_words=False, break_on_hyphens=False) or ['']
+                for c, w in zip(row[2:], cols[2:])
+            ),
+        ]
+        cells.insert(0, [row[0]])
         for k in range(max(len(c) for c in cells)):
             lines.append(
                 '  '.join(
@@ -96,3 +106,19 @@ def format_table(findings: list[Finding]) -> str:
         if n == 0:
             lines.append('  '.join('-' * w for w in cols))
     return '\n'.join(lines)
+
+
+def _wrap_key(key: str, width: int) -> list[str]:
+    """A dotted key in lines of at most ``width`` characters, broken only after a '.' or a
+    space (a part longer than ``width`` keeps its own line, overflowing)."""
+    import re
+
+    lines: list[str] = []
+    line = ''
+    for part in re.split(r'(?<=[. ])', key):
+        if line and len(line.rstrip()) + len(part.rstrip()) > width:
+            lines.append(line.rstrip())
+            line = ''
+        line += part
+    lines.append(line.rstrip())
+    return lines

@@ -50,6 +50,27 @@ class Finding:
     fix: str
 
 
+def key_named(section: Any, message: str, prefix: str) -> str:
+    """The deepest dotted key of a dict in ``section`` (under ``prefix``) whose name the
+    error ``message`` mentions as a word, e.g. ``optim_wrapper.clip_grad`` for an error
+    about ``clip_grad`` (the message names the argument in it); ``prefix`` when it mentions
+    none."""
+    import re
+
+    best = prefix
+    if isinstance(section, Mapping):
+        for key, value in section.items():
+            if not isinstance(value, Mapping):
+                continue
+            inner = key_named(value, message, f'{prefix}.{key}')
+            if inner == f'{prefix}.{key}' and not re.search(
+                rf'(?<![\w.]){re.escape(str(key))}(?!\w)', message
+            ):
+                continue
+            best = max(best, inner, key=len)
+    return best
+
+
 class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
     """One diagnosis: the config, the world size, the model built on the meta device, and the
     findings and notes the checks add."""
@@ -181,6 +202,42 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
                 f'its parameters: {type(err).__name__}: {err}',
                 'fix the model config; the checks that need the parameter count were skipped',
             )
+
+    def check_builds(self) -> None:
+        """What ``stratagem train`` checks and builds before its first iteration, through
+        the functions it uses: the loop's config checks (``loop.check_train_config``) and
+        the optim wrapper over the meta model (``optim.build_optim_wrapper``, as
+        ``BaseStrategy.prepare`` builds it); each error is a finding at the key it names."""
+        from stratagem.loop import check_train_config
+        from stratagem.schema import runner_reasons
+
+        try:
+            routed = bool(runner_reasons(self.cfg))
+        except ValueError:
+            routed = True  # a runner_type train refuses: the key check's finding
+        try:
+            if not routed:  # mmengine's runner reads such a config, with its own checks
+                check_train_config(self.cfg, top_level=False)  # keys.py: one finding each
+        except (ValueError, TypeError, KeyError) as err:
+            message = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+            where = next((k for k in ('train_dataloader', 'train_cfg') if k in message), 'config')
+            if not any(f.where.startswith(where) for f in self.findings):
+                self.add(where, message, 'stratagem train stops here: fix the key named')
+        ow = self.cfg.get('optim_wrapper')
+        if self.model is None or not isinstance(ow, Mapping):
+            return
+        from stratagem.optim import build_optim_wrapper
+
+        try:
+            build_optim_wrapper(self.model, dict(ow))
+        except Exception as err:  # noqa: BLE001 - the run would fail the same way
+            where = key_named(ow, str(err), 'optim_wrapper')
+            if not any(f.where == where for f in self.findings):
+                self.add(
+                    where,
+                    f'cannot build the optim wrapper: {type(err).__name__}: {err}',
+                    'stratagem train fails here: fix the key named',
+                )
 
     def check_sharding(self) -> None:
         strategy = dict(self.cfg.get('strategy') or {})

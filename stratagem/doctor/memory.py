@@ -287,8 +287,13 @@ class MemoryChecks:
             self.dataset_length = len(dataset)
             n = min(int(loader.get('batch_size', 1)), self.dataset_length)
             self.batch = default_collate([dataset[i] for i in range(n)])
-        except Exception as err:  # noqa: BLE001 - a note: the checks go on without it
-            self.notes.append(f'the dataset cannot be built ({type(err).__name__}: {err})')
+        except Exception as err:  # noqa: BLE001 - the run would fail the same way
+            self.add(
+                'train_dataloader.dataset',
+                f'the dataset cannot be built: {type(err).__name__}: {err}',
+                'stratagem train fails here: fix the dataset config (the checks that need '
+                'its length or a batch were skipped)',
+            )
 
     def check_memory(self) -> None:
         if (

@@ -104,6 +104,10 @@ class _ParamScheduler:
         self._watch_optimizer_steps()
         self.step()
 
+    #: whether ``end`` was fitted to the run's length by the builder (the config gave none);
+    #: not part of the state dict: it describes this run's config, not the saved position
+    end_fitted: bool = False
+
     @classmethod
     def build_iter_from_epoch(
         cls,
@@ -302,12 +306,14 @@ class _ParamScheduler:
         return {
             key: _plain(copy.deepcopy(value))
             for key, value in self.__dict__.items()
-            if key != 'optimizer' and not callable(value)
+            if key not in ('optimizer', 'end_fitted') and not callable(value)
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore the attributes saved by :meth:`state_dict`."""
-        self.__dict__.update({k: v for k, v in state_dict.items() if k != 'optimizer'})
+        self.__dict__.update(
+            {k: v for k, v in state_dict.items() if k not in ('optimizer', 'end_fitted')}
+        )
 
     def __repr__(self) -> str:
         return (

@@ -6,7 +6,9 @@ What a strategy calls (numbered sequence):
    with the ``param_scheduler`` config (one dict, a list, or, for several
    optimizers, a dict of lists keyed like the optim wrapper dict).
 2. For each cfg: a missing ``end`` becomes ``max_epochs`` (``by_epoch=True``,
-   the default) or ``max_iters`` (``by_epoch=False``) when known.
+   the default) or ``max_iters`` (``by_epoch=False``) when known; the built scheduler's
+   ``end_fitted`` is then True (its length follows the run, and a resume into a run of
+   another length refits it or warns: ``BaseStrategy.resume(refit_schedulers=)``).
 3. ``convert_to_iter_based=True`` builds through ``cls.build_iter_from_epoch``
    with ``epoch_length`` (iterations per epoch), which it then requires.
 4. Otherwise the class is called with the cfg keys and ``optimizer``.
@@ -76,12 +78,14 @@ def build_scheduler_from_cfg(
     max_epochs = args.pop('max_epochs', None)
     max_iters = args.pop('max_iters', None)
     convert = args.pop('convert_to_iter_based', False)
+    fitted = False
     if 'end' not in args:
         default_end = max_epochs if args.get('by_epoch', True) else max_iters
         if default_end is not None:
             args['end'] = default_end
+            fitted = True
     if not convert:
-        return build_from_cfg({'type': cls, **args}, registry)
+        return _mark_fitted(build_from_cfg({'type': cls, **args}, registry), fitted)
     if not args.get('by_epoch', True):
         raise ValueError(
             f'{name}: convert_to_iter_based=True needs an epoch-based config, '
@@ -94,12 +98,20 @@ def build_scheduler_from_cfg(
             'len(train_dataloader)) or set --epoch-length'
         )
     try:
-        return cls.build_iter_from_epoch(epoch_length=epoch_length, **args)
+        return _mark_fitted(cls.build_iter_from_epoch(epoch_length=epoch_length, **args), fitted)
     except TypeError as e:
         raise TypeError(
             f'cannot build {name} (convert_to_iter_based) from cfg keys '
             f'{sorted(k for k in args if k != "optimizer")}: {e}'
         ) from e
+
+
+def _mark_fitted(scheduler: Any, fitted: bool) -> Any:
+    """Record that ``scheduler``'s ``end`` (and what derives from it, e.g. ``T_max``) was
+    fitted to the run's length rather than given by its config."""
+    if fitted:
+        scheduler.end_fitted = True
+    return scheduler
 
 
 # mmengine's PARAM_SCHEDULERS builds through the function above; so does ours once this

@@ -6,15 +6,34 @@ a training loop steps them, with the step-order warning off (``step_order._ORDER
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .step_order import _ORDER_CHECK
 
 if TYPE_CHECKING:
     from .base import _ParamScheduler
 
-__all__ = ['replay_schedulers']
+__all__ = ['fitted_length_changes', 'replay_schedulers']
+
+
+def fitted_length_changes(schedulers: Sequence[Any], states: Sequence[Any]) -> list[str]:
+    """One line per scheduler whose ``end`` was fitted to the run's length
+    (``end_fitted``: its config gave none) and whose saved ``end`` differs from the one
+    this run built, e.g. ``'CosineAnnealingLR: end=64 from the checkpoint; this run has
+    128 iterations'``. ``states``: the saved state dicts, in the same order."""
+    out = []
+    for sched, state in zip(schedulers, states):
+        if not getattr(sched, 'end_fitted', False) or not isinstance(state, Mapping):
+            continue
+        saved, own = state.get('end'), getattr(sched, 'end', None)
+        if saved is None or saved == own:
+            continue
+        unit = 'epochs' if getattr(sched, 'by_epoch', False) else 'iterations'
+        out.append(
+            f'{type(sched).__name__}: end={saved} from the checkpoint; this run has {own} {unit}'
+        )
+    return out
 
 
 def replay_schedulers(

@@ -50,9 +50,11 @@ them to the ``Checkpointer`` (``checkpoint/checkpointer.py``), which holds no st
 
 from __future__ import annotations
 
+import functools
 import logging
 import os.path as osp
 import time
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -162,6 +164,7 @@ class BaseStrategy(ABC):
         self._auto_scale_lr = auto_scale_lr
         self._lr_scaled = False
         self._prepared = False
+        self._refit_schedulers = False  # resume(refit_schedulers=), read on restore
         self.dispatch_kwargs: dict[str, Any] = {}
         self.resumed_from: str | None = None
         self._setup_env(**env_kwargs)
@@ -734,12 +737,42 @@ class BaseStrategy(ABC):
             )
 
     def _restore_schedulers(self, states: Any, context: LoadContext) -> None:
-        self.load_scheduler_state_dict(states)
+        """The saved schedulers; those whose ``end`` was fitted to the saving run's length
+        (a cfg without ``end``) and this run's differs: kept as saved with one warning, or,
+        with ``resume(refit_schedulers=True)``, as this run built them, replayed from the
+        first iteration to the resumed one (the values a fresh run of this length has)."""
+        from stratagem.scheduler.replay import fitted_length_changes, replay_schedulers
+
         change: WorldSizeChange | None = context.notes.get('world_size_change')
-        if change is not None and change.new_iter is not None:
-            change.replay_schedulers(
-                self.param_schedulers, self.dispatch_kwargs.get('epoch_length')
+        epoch_length = self.dispatch_kwargs.get('epoch_length')
+        scheds = self.param_schedulers
+        lists = list(scheds.values()) if isinstance(scheds, Mapping) else [scheds]
+        saved = [states.get(k, []) for k in scheds] if isinstance(scheds, Mapping) else [states]
+        refit = [c for own, st in zip(lists, saved) for c in fitted_length_changes(own, st)]
+        if refit and self._refit_schedulers:
+            done = (context.meta or {}).get('iter') or 0
+            if change is not None and change.new_iter is not None:
+                done = change.new_iter
+            for own in lists:
+                replay_schedulers(own, int(done), epoch_length)
+            if self.rank == 0:
+                self.logger.info('param schedulers refitted to this run: ' + '; '.join(refit))
+            return
+        self.load_scheduler_state_dict(states)
+        if refit and self.rank == 0:  # the same on every rank: said once
+            warnings.warn(
+                f'resuming {context.path} into a run of another length: '
+                + '; '.join(refit)
+                + '. These schedulers keep the saved length (their value stops changing '
+                'after it); to refit them to this run, resume with '
+                'train_cfg.refit_schedulers=True (--cfg-options '
+                'train_cfg.refit_schedulers=True; API: strategy.resume(..., '
+                'refit_schedulers=True))',
+                UserWarning,
+                stacklevel=2,
             )
+        if change is not None and change.new_iter is not None:
+            change.replay_schedulers(self.param_schedulers, epoch_length)
 
     def _check_randomness(self, states: Any, context: LoadContext) -> None:
         """The RNG state this rank will restore is one: tried here, before anything loads,
@@ -864,6 +897,7 @@ class BaseStrategy(ABC):
         resume_param_scheduler: bool = True,
         map_location: Any = 'default',
         callback: Callable[[dict], None] | None = None,
+        refit_schedulers: bool = False,
     ) -> dict:
         """Continue exactly where ``filename`` stopped; returns the checkpoint (``meta`` has iter).
 
@@ -872,6 +906,13 @@ class BaseStrategy(ABC):
         loaded, so a refused resume changes nothing. Call after ``prepare``. A world-size
         change puts ``world_size_change`` and the converted ``iter`` into the returned
         ``meta``. The sequence: :meth:`~stratagem.checkpoint.Checkpointer.load`.
+
+        A scheduler whose ``end`` was fitted to the saving run's length (its cfg has no
+        ``end``: it got ``max_epochs`` / ``max_iters``) keeps the saved length, as mmengine's
+        resume does, with one warning naming it when this run's length differs;
+        ``refit_schedulers=True`` gives it this run's length instead (``T_max`` and other
+        lengths derived from ``end`` follow), its values replayed from the first iteration
+        to the resumed one, so they are those of a fresh run of this length.
         """
         if not self._prepared:
             raise RuntimeError(
@@ -879,6 +920,7 @@ class BaseStrategy(ABC):
                 'model, optim_wrapper=..., param_scheduler=...) first'
             )
         want_optim = resume_optimizer and hasattr(self, 'optim_wrapper')
+        self._refit_schedulers = refit_schedulers
         state = self.checkpoint_state(optimizer=resume_optimizer, schedulers=resume_param_scheduler)
         context = self.checkpointer.load(
             filename,
@@ -906,7 +948,11 @@ class BaseStrategy(ABC):
         return checkpoint
 
     def load_or_resume(
-        self, load_from: str | None = None, resume: bool | str = False
+        self,
+        load_from: str | None = None,
+        resume: bool | str = False,
+        *,
+        refit_schedulers: bool = False,
     ) -> dict | None:
         """mmengine's runner logic: resume (latest in work_dir, or a path) or just load weights.
 
@@ -917,12 +963,14 @@ class BaseStrategy(ABC):
         size cannot continue from exactly: the newest that it can, with a warning);
         ``resume='path'`` or ``resume=True`` with ``load_from`` resumes from that
         file; ``load_from`` alone loads weights only. Returns the checkpoint or None.
+        ``refit_schedulers``: see :meth:`resume`.
         """
+        resume_fn = functools.partial(self.resume, refit_schedulers=refit_schedulers)
         self.wait_for_checkpoints()
         if self.rank == 0:  # debris of a killed run: its orphan manifests and temp entries
             ckpt.sweep_debris(self.work_dir)
         if isinstance(resume, str):
-            return self.resume(resume)
+            return resume_fn(resume)
         if resume and load_from is None:
             # rank 0 decides (other ranks may not see this work_dir, or see another one);
             # resume() then checks every rank reads that same checkpoint
@@ -946,9 +994,9 @@ class BaseStrategy(ABC):
                     f'no checkpoint in {work_dir} to resume from; training starts from scratch'
                 )
                 return None
-            return resume_newest(self.resume, str(latest), work_dir, self.logger)
+            return resume_newest(resume_fn, str(latest), work_dir, self.logger)
         if resume and load_from is not None:  # resume=True with a file: that file
-            return self.resume(load_from)
+            return resume_fn(load_from)
         if load_from is not None:
             return self.load_checkpoint(load_from)
         return None

@@ -36,11 +36,12 @@ def test_round_trip_equal(tmp_path, capsys):
     assert main(['convert', src, str(tmp_path / 'sharded'), '--to', 'sharded']) == 0
     capsys.readouterr()
     assert main(['convert', str(tmp_path / 'sharded'), str(tmp_path / 'back.pth')]) == 0
-    # the bar advances file by file (.metadata, one shard, extra.pth, in manifest order)
+    # stderr is no terminal here: no bar redrawn with carriage returns, one whole line at
+    # the end (every file of the manifest verified)
     files = len(verify_checkpoint(tmp_path / 'sharded')['files'])
-    bars = capsys.readouterr().err.split('\r')[1:]
-    assert [b.split()[-1] for b in bars] == [f'{i}/{files}' for i in range(1, files + 1)]
-    assert bars[-1].startswith('verifying [' + '#' * 30 + ']')
+    err = capsys.readouterr().err
+    assert '\r' not in err
+    assert err == f'verifying [{"#" * 30}] {files}/{files}\n'
     assert verify_checkpoint(tmp_path / 'back.pth')['source_format'] == 'sharded'
     assert verify_checkpoint(tmp_path / 'sharded')['optimizer_keys'] == 'index'
     original = load_checkpoint_file(src)
@@ -76,3 +77,29 @@ def test_damaged_or_foreign_source_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{tmp_path / 'plain.pth'} has no model weights under 'state_dict'" in err
     assert "['model']" in err and not (tmp_path / 'z').exists()
+
+
+def test_overwrite_replaces_an_existing_target(tmp_path, capsys):
+    src = _file_checkpoint(tmp_path)
+    dst = tmp_path / 'out.pth'
+    assert main(['convert', src, str(dst)]) == 0
+    first = verify_checkpoint(dst)
+    capsys.readouterr()
+    assert main(['convert', src, str(dst)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f'stratagem convert: error: {dst} exists;')  # one prefix, said once
+    assert '--overwrite' in err
+    # a sharded checkpoint replaces the file (and its sidecar manifest goes with it)
+    sharded = tmp_path / 'sharded'
+    assert main(['convert', src, str(sharded), '--to', 'sharded']) == 0
+    assert main(['convert', str(sharded), str(dst), '--overwrite']) == 0
+    again = verify_checkpoint(dst)
+    assert again['source_format'] == 'sharded' and first['source_format'] != 'sharded'
+    assert _equal(load_checkpoint_file(src)['state_dict'], load_checkpoint_file(dst)['state_dict'])
+    # a file onto an existing directory
+    assert main(['convert', src, str(sharded), '--overwrite']) == 0
+    assert sharded.is_file()
+    # never onto its own source
+    capsys.readouterr()
+    assert main(['convert', src, src, '--overwrite']) == 1
+    assert 'would replace the source' in capsys.readouterr().err
