@@ -1,10 +1,11 @@
 """The reference loop behind ``stratagem train``: small on purpose, not a framework.
 
-It reads ``model``, ``strategy``, ``optim_wrapper``, ``param_scheduler``,
-``train_dataloader``, ``train_cfg``, ``randomness``, ``val_dataloader``, ``val_cfg`` and
-mmengine's ``default_hooks.checkpoint`` / ``default_hooks.logger`` from a config
-(``stratagem.schema``), lets the strategy prepare everything, and runs iterations: forward
-under ``optim_context``, ``update_params``, schedulers (iteration-based ones every
+It imports the config's ``custom_imports`` (``stratagem.config.imports``), reads ``model``,
+``strategy``, ``optim_wrapper``, ``param_scheduler``, ``train_dataloader``, ``train_cfg``,
+``randomness``, ``val_dataloader``, ``val_cfg`` and mmengine's ``default_hooks.checkpoint`` /
+``default_hooks.logger`` from a config (``stratagem.schema``), lets the strategy prepare
+everything, and runs iterations: forward under ``optim_context``, ``update_params``,
+schedulers (iteration-based ones every
 iteration, epoch-based ones at epoch ends, as mmengine's ParamSchedulerHook
 does), a progress bar on rank 0, and checkpoints every ``checkpoint_interval``
 iterations and at the end. A resumed run continues from the same sample and the
@@ -41,7 +42,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from stratagem import checkpoint as ckpt
-from stratagem.config import Config, ConfigError, check_keys
+from stratagem.config import (
+    Config,
+    ConfigError,
+    check_keys,
+    config_search_dirs,
+    import_custom_modules,
+)
 from stratagem.env.preemption import Preemption, clear_marker, preemption_config
 from stratagem.env.watchdog import Watchdog
 from stratagem.metrics import RunMetrics, format_row
@@ -129,6 +136,8 @@ def train(
     and checkpoint file name, else None), 'iter', 'preempted'}`` (``preempted``: the signal
     that stopped the run early, else None)."""
     cfg = cfg if isinstance(cfg, Config) else Config(cfg)
+    # a config given as a dict has not been through Config.fromfile: its own modules now
+    import_custom_modules(cfg.get('custom_imports'), config_search_dirs(cfg))
     lacking = [k for k in ('model', 'optim_wrapper', 'train_dataloader') if k not in cfg]
     if lacking:
         raise ConfigError(

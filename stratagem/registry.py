@@ -4,7 +4,9 @@ An mmengine-style :class:`Registry` maps names to classes (or functions).
 ``build(cfg)`` pops ``type`` from a copy of ``cfg`` and calls the registered
 object with the remaining keys. Names can also be registered *lazily* as
 ``"module.path:Attr"`` strings, so heavy backends (DeepSpeed, fairscale) are
-imported only when someone builds them.
+imported only when someone builds them. A name no registry holds that is an import path
+(``type='mypkg.models.TinyNet'``, ``type='torch.optim.SGD'``) builds the object it names, in
+every registry, without a registration (:func:`import_dotted`).
 
 This module is a leaf: it imports nothing else from ``stratagem``. The root
 registries' contents live in the modules named by their ``locations``, which
@@ -23,6 +25,7 @@ __all__ = [
     'Registry',
     'RegistryError',
     'build_from_cfg',
+    'import_dotted',
     'MODELS',
     'STRATEGIES',
     'OPTIMIZERS',
@@ -254,20 +257,26 @@ class Registry:
             self._lazy.pop(name, None)
             return obj
         if self.parent is not None:
-            return self.parent.get(name)
-        return None
+            found = self.parent.get(name)
+            if found is not None:
+                return found
+        return import_dotted(name) if '.' in name else None
 
     def unknown_name_error(self, name: str) -> RegistryError:
-        """A RegistryError naming the registry, ``name``, close matches and the valid names."""
+        """A RegistryError naming the registry, ``name``, close matches and the valid names;
+        for a dotted name, why it did not import."""
         names = self.names()
         close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
         lowered = [n for n in names if n.lower() == name.lower() and n not in close]
         close = lowered + close
-        hint = f'; did you mean {" or ".join(repr(c) for c in close)}?' if close else ''
-        return RegistryError(
-            f'unknown type {name!r} in the {self._name!r} registry{hint} '
-            f'registered: {", ".join(names) or "(none)"}'
-        )
+        parts = [f'unknown type {name!r} in the {self._name!r} registry']
+        if '.' in name:
+            parts.append(dotted_import_problem(name))
+        if close:
+            parts.append(f'did you mean {" or ".join(repr(c) for c in close)}?')
+        parts.append(f'registered names: {", ".join(names) or "(none)"}')
+        parts.append("or give a class by its import path: type='package.module.Class'")
+        return RegistryError('; '.join(parts))
 
     def build(
         self, cfg: Mapping[str, Any], default_args: Mapping[str, Any] | None = None, **kwargs: Any
@@ -287,6 +296,55 @@ class Registry:
 
     def __deepcopy__(self, memo: dict) -> Registry:  # registries are singletons
         return self
+
+
+def import_dotted(name: str) -> Any:
+    """The object at import path ``name`` (``'pkg.module.Class'``, ``'pkg.module.Class.Inner'``),
+    or None when no prefix of it is an importable module holding the rest.
+
+    The longest importable module prefix wins. A module that exists but whose own code raises
+    on import is an ImportError naming it and the cause; a module found without the attribute
+    named after it, an ImportError naming both.
+    """
+    parts = name.split('.')
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = '.'.join(parts[:cut])
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            missing = err.name or ''
+            if module_name == missing or module_name.startswith(f'{missing}.'):
+                continue  # no such module: try a shorter prefix
+            raise ImportError(  # the module exists; its own import of another one failed
+                f'type {name!r}: importing module {module_name!r} failed: {err}'
+            ) from err
+        except Exception as err:
+            raise ImportError(
+                f'type {name!r}: importing module {module_name!r} failed in its own code: '
+                f'{type(err).__name__}: {err}'
+            ) from err
+        for i, attr in enumerate(parts[cut:], start=cut):
+            if not hasattr(obj, attr):
+                raise ImportError(
+                    f'cannot import {name!r}: module {module_name!r} imports, but '
+                    f'{".".join(parts[:i])!r} has no attribute {attr!r}'
+                )
+            obj = getattr(obj, attr)
+        return obj
+    return None
+
+
+def dotted_import_problem(name: str) -> str:
+    """Why the import path ``name`` gave nothing, for :meth:`Registry.unknown_name_error`."""
+    top = name.split('.')[0]
+    try:
+        importlib.import_module(top)
+    except ModuleNotFoundError:
+        return (
+            f"no module {top!r} on the import path: sys.path, the config's directory and the "
+            'working directory are searched'
+        )
+    return f'no importable module among the prefixes of {name!r}'
 
 
 MODELS = Registry('model', locations=['stratagem.models'])

@@ -14,13 +14,16 @@ The numbers-as-strings rule is in ``stratagem.config.numeric``. Modules:
 - ``overrides.py``: :func:`merge_dicts` and ``--cfg-options`` parsing (:func:`parse_cfg_options`);
 - ``numeric.py``: :data:`NUMERIC_KEYS` and :func:`normalize_numbers`;
 - ``keys.py``: :func:`check_keys` and the "did you mean" hint for overrides;
+- ``imports.py``: ``custom_imports`` (:func:`import_custom_modules`) and the import path
+  of a config's own code;
 - ``errors.py``: the exceptions and :class:`ConfigWarning`.
 """
 
 from .configdict import ConfigDict
 from .configfile import BASE_KEY as BASE_KEY
-from .configfile import Config
+from .configfile import Config, config_search_dirs
 from .errors import ConfigAttributeError, ConfigError, ConfigKeyError, ConfigWarning
+from .imports import import_custom_modules
 from .keys import check_keys
 from .numeric import NUMERIC_KEYS, normalize_numbers
 from .overrides import DELETE_KEY as DELETE_KEY
@@ -34,6 +37,8 @@ __all__ = [
     'ConfigAttributeError',
     'ConfigWarning',
     'check_keys',
+    'config_search_dirs',
+    'import_custom_modules',
     'parse_cfg_options',
     'merge_dicts',
     'normalize_numbers',

@@ -24,6 +24,14 @@ from .overrides import merge_dicts
 BASE_KEY = '_base_'
 
 
+def config_search_dirs(cfg: Config | Mapping) -> list[str]:
+    """Where a config's own code is imported from besides ``sys.path``: the config file's
+    directory (for a config read from a file) and the working directory."""
+    filename = cfg.filename if isinstance(cfg, Config) else None
+    dirs = [os.path.dirname(filename)] if filename else []
+    return [*dirs, os.getcwd()]
+
+
 class Config:
     """A config: a :class:`ConfigDict` plus the file it came from.
 
@@ -44,10 +52,21 @@ class Config:
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
-    def fromfile(cls, filename: str | os.PathLike) -> Config:
-        """Load a ``.py``, ``.json``, ``.yaml`` or ``.yml`` config, resolving ``_base_``."""
+    def fromfile(cls, filename: str | os.PathLike, import_custom_modules: bool = True) -> Config:
+        """Load a ``.py``, ``.json``, ``.yaml`` or ``.yml`` config, resolving ``_base_``.
+
+        With ``import_custom_modules`` (the default, as in mmengine), the config file's
+        directory and the working directory join the import path and the modules of its
+        ``custom_imports`` are imported now (``stratagem.config.imports``): a module that
+        fails to import is a :class:`ConfigError` naming it, before anything is built.
+        """
         path = Path(filename).expanduser().absolute()
-        return cls(cls._load_with_bases(path, chain=()), filename=path)
+        cfg = cls(cls._load_with_bases(path, chain=()), filename=path)
+        if import_custom_modules:
+            from .imports import import_custom_modules as do_import
+
+            do_import(cfg.get('custom_imports'), search_dirs=config_search_dirs(cfg))
+        return cfg
 
     @classmethod
     def _load_with_bases(cls, path: Path, chain: tuple[Path, ...]) -> dict:
