@@ -12,7 +12,14 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from stratagem.schema import ENV_KEYS, RANDOMNESS_KEYS, TRAIN_CFG_KEYS, TRAIN_DATALOADER_KEYS
+from stratagem.schema import (
+    ENV_KEYS,
+    RANDOMNESS_KEYS,
+    TRAIN_CFG_KEYS,
+    TRAIN_DATALOADER_KEYS,
+    VAL_CFG_KEYS,
+    VAL_DATALOADER_KEYS,
+)
 
 __all__ = ['KeyChecks']
 
@@ -76,6 +83,11 @@ class KeyChecks:
         self._keys(loader, TRAIN_DATALOADER_KEYS, 'train_dataloader')
         if isinstance(loader.get('dataset'), Mapping):
             self._typed(loader['dataset'], 'DATASETS', 'train_dataloader.dataset')
+        val_loader = cfg.get('val_dataloader') or {}
+        self._keys(val_loader, VAL_DATALOADER_KEYS, 'val_dataloader')
+        if isinstance(val_loader.get('dataset'), Mapping):
+            self._typed(val_loader['dataset'], 'DATASETS', 'val_dataloader.dataset')
+        self._keys(cfg.get('val_cfg') or {}, VAL_CFG_KEYS, 'val_cfg')
         strategy = dict(cfg.get('strategy') or {})
         if strategy.get('type', 'auto') != 'auto':
             self._typed(strategy, 'STRATEGIES', 'strategy')
