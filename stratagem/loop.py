@@ -645,6 +645,16 @@ def _read_validation(cfg: Any, train_cfg: dict, hooks: dict) -> dict | None:
                 'checkpoint by a validation value, but the config has no val_dataloader; '
                 'add one or remove save_best'
             )
+        unused = [f'train_cfg.{k}' for k in ('val_interval', 'val_begin') if k in train_cfg]
+        if unused:
+            import warnings
+
+            warnings.warn(
+                f'{" and ".join(unused)} change nothing: the config has no val_dataloader, '
+                'so nothing is validated',
+                UserWarning,
+                stacklevel=3,
+            )
         return None
     loader = dict(loader)
     check_keys(loader, VAL_DATALOADER_KEYS, 'val_dataloader')

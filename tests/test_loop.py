@@ -314,3 +314,13 @@ def test_default_hooks_and_val_keys_are_read_or_refused(tmp_path):
     ) as caught:
         train(ignored, progress=False)
     assert 'timer' not in str(caught[0].message)
+
+
+def test_val_interval_without_validation_is_said(tmp_path):
+    cfg = _plain_cfg(tmp_path, max_iters=2, val_interval=2)
+    cfg['val_dataloader'] = None
+    with pytest.warns(
+        UserWarning, match=r'train_cfg.val_interval change nothing: .*no val_dataloader'
+    ):
+        result = train(cfg, progress=False)
+    assert result['val'] == [] and result['best'] is None
