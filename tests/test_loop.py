@@ -104,18 +104,21 @@ def test_byo_two_processes_validation_means_best_checkpoint_and_tensorboard(tmp_
 
 class Scored(nn.Module):
     """A linear regression; in validation it returns the next of ``scores`` as ``score``
-    (one batch per validation, so each validation's mean is that value)."""
+    (one batch per validation, so each validation's mean is that value), in training the
+    step's number as ``step``."""
 
     def __init__(self, scores):
         super().__init__()
         self.fc = nn.Linear(2, 1)
         self.scores = list(scores)
         self.seen = 0
+        self.steps = 0
 
     def forward(self, inputs, targets):
         loss = F.mse_loss(self.fc(inputs).squeeze(1), targets)
-        if self.training:
-            return {'loss': loss}
+        if self.training:  # a training scalar beside the loss: the step's number
+            self.steps += 1
+            return {'loss': loss, 'step': torch.tensor(float(self.steps))}
         self.seen += 1
         return {'loss': loss, 'score': torch.tensor(self.scores[self.seen - 1])}
 
@@ -168,6 +171,8 @@ def test_save_best_keeps_one_best_apart_from_retention(tmp_path, scores, rule, b
     rows = _rows(tmp_path)
     assert _column(rows, 'val/score') == pytest.approx(dict(zip((2, 4, 6, 8), scores)))
     assert [int(r['iter']) for r in rows if r['loss']] == [2, 4, 6, 8]  # logger.interval=2
+    # the training scalar: its mean over each log interval (steps 1-2, 3-4, ...)
+    assert _column(rows, 'step') == {2: 1.5, 4: 3.5, 6: 5.5, 8: 7.5}
 
 
 def test_save_best_resumes_with_the_best_so_far(tmp_path):
@@ -290,6 +295,10 @@ def test_default_hooks_and_val_keys_are_read_or_refused(tmp_path):
         (
             dict(train_cfg=dict(max_iters=2, log_interval=5)),
             r'default_hooks.logger.interval=2 and train_cfg.log_interval=5',
+        ),
+        (
+            dict(train_cfg=dict(max_iters=2, max_keep_ckpts=3)),
+            r'default_hooks.checkpoint.max_keep_ckpts=1 and train_cfg.max_keep_ckpts=3',
         ),
         (dict(val_cfg=dict(type='TestLoop')), r"val_cfg.type='TestLoop'"),
         (dict(val_dataloader=None, val_cfg=None), r"save_best='score'.*no val_dataloader"),
