@@ -138,6 +138,28 @@ def train(
     cfg = cfg if isinstance(cfg, Config) else Config(cfg)
     # a config given as a dict has not been through Config.fromfile: its own modules now
     import_custom_modules(cfg.get('custom_imports'), config_search_dirs(cfg))
+    train_cfg, loader_cfg, hooks, val = read_loop_config(cfg)
+    # handlers from the start: a signal while the strategy is built is not lost (the loop
+    # stops after its first iteration); restored however train() ends
+    preempt_cfg = preemption_config(train_cfg.get('preemption', True))
+    if preempt_cfg is None:
+        return _train(cfg, train_cfg, loader_cfg, hooks, val, None, resume, load_from, progress)
+    with Preemption.from_config(preempt_cfg) as preemption:
+        return _train(
+            cfg, train_cfg, loader_cfg, hooks, val, preemption, resume, load_from, progress
+        )
+
+
+def read_loop_config(cfg: Config | Mapping) -> tuple[dict, dict, dict, dict | None]:
+    """The checks of :func:`train` that build nothing, in its order (``stratagem doctor`` can
+    run the same): the sections it needs, the keys of ``train_cfg``, ``train_dataloader``,
+    ``val_dataloader``, ``val_cfg`` and ``default_hooks`` (``stratagem.schema``), save_best's
+    rule. Returns ``(train_cfg, train_dataloader, hooks, validation)``: copies, with
+    ``default_hooks``' ``log_interval`` / ``max_keep_ckpts`` in ``train_cfg``; ``hooks``
+    holds the checkpoint interval in the hook's unit and the save_best settings;
+    ``validation`` is None without a ``val_dataloader``. Raises ConfigError, ValueError or
+    TypeError naming the key."""
+    cfg = cfg if isinstance(cfg, Config) else Config(cfg)
     lacking = [k for k in ('model', 'optim_wrapper', 'train_dataloader') if k not in cfg]
     if lacking:
         raise ConfigError(
@@ -155,18 +177,9 @@ def train(
     check_keys(train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
     loader_cfg = dict(cfg.train_dataloader)
     check_keys(loader_cfg, TRAIN_DATALOADER_KEYS, 'train_dataloader')
-    # read and checked before anything is written
     hooks = _read_default_hooks(cfg.get('default_hooks'), train_cfg)
     val = _read_validation(cfg, train_cfg, hooks)
-    # handlers from the start: a signal while the strategy is built is not lost (the loop
-    # stops after its first iteration); restored however train() ends
-    preempt_cfg = preemption_config(train_cfg.get('preemption', True))
-    if preempt_cfg is None:
-        return _train(cfg, train_cfg, loader_cfg, hooks, val, None, resume, load_from, progress)
-    with Preemption.from_config(preempt_cfg) as preemption:
-        return _train(
-            cfg, train_cfg, loader_cfg, hooks, val, preemption, resume, load_from, progress
-        )
+    return train_cfg, loader_cfg, hooks, val
 
 
 def _train(
