@@ -1,8 +1,10 @@
-"""Data for the reference loop: synthetic datasets (no downloads) and a resumable sampler.
+"""Data for the reference loop: synthetic datasets (no downloads), a resumable sampler and
+the validation shards.
 
 Registered in DATASETS. The sampler shards indices across ranks like
 ``torch.utils.data.DistributedSampler`` and can start mid-epoch, so a resumed
-run sees exactly the samples an uninterrupted one would.
+run sees exactly the samples an uninterrupted one would. Validation reads every sample once
+instead (:func:`validation_batches`: no padding, weight-0 filler batches).
 """
 
 from __future__ import annotations
