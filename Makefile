@@ -3,6 +3,14 @@
 # Both create .venv if missing and install torch first ($(TORCH_SPEC)), then the package;
 # a stamp file makes the second run skip the installs.
 PYTHON ?= python3
+# the oldest Python the targets install on: the docs extra's pins (sphinx==9.0.4,
+# myst-parser==5.2.0) need 3.11, while the library alone (requires-python) runs on 3.10;
+# README.md states this version (tests/test_docs.py checks it against the pins)
+MIN_PYTHON := 3.11
+# $(call CHECK_PYTHON,interpreter,what to run instead): fails with that advice when too old
+CHECK_PYTHON = $(1) -c 'import sys; sys.exit(sys.version_info[:2] < ($(subst .,$(comma),$(MIN_PYTHON))))' \
+  || { echo "make: $(1) is Python $$($(1) -c 'import platform; print(platform.python_version())'); the make targets need Python >= $(MIN_PYTHON) (the docs extra's Sphinx 9 and MyST-Parser 5 do): $(2)" >&2; exit 1; }
+comma := ,
 # inside pyproject.toml's torch range (>=2.13,<2.14), or `pip install -e .` replaces it
 TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
@@ -18,7 +26,9 @@ QUIET := { grep -v "is ignored" || true; }
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || { $(call CHECK_PYTHON,$(PYTHON),make $(MAKECMDGOALS) PYTHON=python$(MIN_PYTHON)); \
+	  $(PYTHON) -m venv $(VENV); }
+	@$(call CHECK_PYTHON,$(PY),rm -rf $(VENV); make $(MAKECMDGOALS) PYTHON=python$(MIN_PYTHON))
 	$(PY) -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)" 2>&1 | $(QUIET)
 	$(PY) -c "import torch" 
 	$(PY) -m pip install $(PIP_FLAGS) -e ".[all,test,docs]" 2>&1 | $(QUIET)

@@ -138,6 +138,9 @@ def train(
     cfg = cfg if isinstance(cfg, Config) else Config(cfg)
     # a config given as a dict has not been through Config.fromfile: its own modules now
     import_custom_modules(cfg.get('custom_imports'), config_search_dirs(cfg))
+    # mmengine's top-level load_from / resume, unless the caller (--load-from, --resume) says
+    resume = resume or cfg.get('resume') or False
+    load_from = load_from if load_from is not None else cfg.get('load_from')
     train_cfg, loader_cfg, hooks, val = read_loop_config(cfg)
     # handlers from the start: a signal while the strategy is built is not lost (the loop
     # stops after its first iteration); restored however train() ends
@@ -173,6 +176,7 @@ def read_loop_config(cfg: Config | Mapping) -> tuple[dict, dict, dict, dict | No
                 else ''
             )
         )
+    _check_top_level_keys(cfg)
     train_cfg = dict(cfg.get('train_cfg') or {})
     check_keys(train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
     loader_cfg = dict(cfg.train_dataloader)
@@ -243,6 +247,7 @@ def _train(
         cfg.model,
         optim_wrapper=cfg.optim_wrapper,
         param_scheduler=cfg.get('param_scheduler'),
+        compile=cfg.get('compile', False),
         dispatch_kwargs=dict(
             max_iters=max_iters,
             max_epochs=max_epochs,
@@ -498,13 +503,6 @@ def _train(
 # the less list is tried first as a part of a name: 'heatmap_loss' is a loss
 _GREATER_KEYS = ('acc', 'top', 'ar@', 'auc', 'precision', 'recall', 'f1', 'map', 'dice', 'iou')
 _LESS_KEYS = ('loss', 'error')
-# mmengine's default hooks whose work the loop does itself: accepted with their default type
-_BUILTIN_HOOKS = {
-    'runtime_info': 'RuntimeInfoHook',
-    'timer': 'IterTimerHook',
-    'sampler_seed': 'DistSamplerSeedHook',
-    'param_scheduler': 'ParamSchedulerHook',
-}
 
 
 def infer_rule(name: str, greater_keys: Any = _GREATER_KEYS, less_keys: Any = _LESS_KEYS) -> str:
@@ -533,24 +531,13 @@ def _read_default_hooks(hooks_cfg: Any, train_cfg: dict) -> dict:
     ``LOGGER_HOOK_KEYS``): ``log_interval`` and ``max_keep_ckpts`` go into ``train_cfg`` (an
     error if both places give different values); returns the checkpoint interval (in the
     hook's unit, converted once the epoch length is known) and the save_best settings.
-    mmengine's other default hooks are accepted with their default types (the loop does
-    their work); anything else the loop cannot honour is a warning naming it."""
+    The other hooks are mmengine's (``schema.runner_reasons`` routes a config with them to
+    its runner, and the loop refuses it before this); a key of these two entries the loop
+    cannot honour is a warning naming it."""
     out: dict[str, Any] = {'interval': None, 'save_best': None, 'rule': None}
     hooks = dict(hooks_cfg or {})
     run_by_epoch = bool(train_cfg.get('by_epoch', 'max_iters' not in train_cfg))
     ignored = []
-    for name, hook in hooks.items():
-        if name in ('checkpoint', 'logger'):
-            continue
-        if hook is None or (
-            isinstance(hook, Mapping)
-            and set(hook) <= {'type'}
-            and hook.get('type', _BUILTIN_HOOKS.get(name)) == _BUILTIN_HOOKS.get(name)
-        ):
-            continue
-        if name == 'visualization' and isinstance(hook, Mapping) and not hook.get('draw'):
-            continue  # draws nothing unless draw=True
-        ignored.append(f'default_hooks.{name}')
 
     logger = hooks.get('logger')
     if isinstance(logger, Mapping):
@@ -598,8 +585,6 @@ def _read_default_hooks(hooks_cfg: Any, train_cfg: dict) -> dict:
         if best is not None and best != 'auto' and rule is None:
             rule = infer_rule(best, out['greater_keys'], out['less_keys'])
         out['save_best'], out['rule'] = best, rule
-    elif ckpt_hook is None and 'checkpoint' in hooks:
-        ignored.append('default_hooks.checkpoint=None (the loop still saves at the end)')
     if ignored:
         import warnings
 
@@ -615,7 +600,7 @@ def _read_default_hooks(hooks_cfg: Any, train_cfg: dict) -> dict:
 
 
 def _check_hook_type(hook: dict, expected: str, name: str) -> None:
-    if hook.get('type', expected) != expected:
+    if hook.get('type', expected) not in (expected, f'mmengine.{expected}'):
         raise ValueError(
             f'default_hooks.{name}.type={hook["type"]!r}: the reference loop does the work of '
             f"{expected} itself and runs no other; use type='{expected}', or run the config "
@@ -878,16 +863,51 @@ def _dist_timeout(strategy_cfg: Mapping) -> float:
     return timeout.total_seconds() if hasattr(timeout, 'total_seconds') else float(timeout)
 
 
+def _check_top_level_keys(cfg: Config) -> None:
+    """Refuse a config whose top level holds a key the reference loop does not read: one that
+    only mmengine's runner reads (``stratagem.schema.runner_reasons``: run it under
+    ``FlexibleRunner``, which ``stratagem train`` does by itself), or one nothing reads
+    (named, with the closest valid key). Raises ConfigError."""
+    from stratagem.schema import LOOP_TOP_KEYS, runner_reasons, unread_top_level_keys
+
+    reasons = runner_reasons(cfg)
+    if reasons:
+        raise ConfigError(
+            f'config {getattr(cfg, "filename", None) or ""}: {", ".join(reasons)} '
+            "are read only by mmengine's runner, not by stratagem's reference loop: run "
+            "`stratagem train CONFIG` (it runs such a config under mmengine's FlexibleRunner "
+            "on stratagem's strategies), or in Python `import stratagem.integrations.mmengine` "
+            'and `FlexibleRunner.from_cfg(cfg).train()`'
+        )
+    unread = unread_top_level_keys(cfg, LOOP_TOP_KEYS)
+    if unread:
+        raise ConfigError(
+            f'config {getattr(cfg, "filename", None) or ""}: unknown top-level key(s) '
+            + '; '.join(f'{k!r} ({hint})' for k, hint in unread.items())
+            + f'. Nothing reads them. valid: {", ".join(sorted(LOOP_TOP_KEYS))}'
+        )
+
+
 def _mmengine_top_level_keys(cfg: Any, strategy_cfg: dict, env_kwargs: dict) -> None:
     """An mmengine config as it is: its top-level ``env_cfg`` gives the strategy's
-    ``env_kwargs`` defaults (a CUDA backend on a machine without CUDA becomes gloo, said once)
-    and its top-level ``auto_scale_lr`` the strategy's, unless the strategy has its own (which
-    wins, with a warning when they differ)."""
+    ``env_kwargs`` defaults (a CUDA backend on a machine without CUDA becomes gloo, said once),
+    ``launcher`` its launcher, ``log_level`` its log level and ``experiment_name`` its run
+    name, and its top-level ``auto_scale_lr`` the strategy's, unless the strategy has its own
+    (which wins, with a warning when they differ)."""
     if cfg.get('env_cfg'):
         from stratagem.env.backend import mmengine_env_kwargs
 
         for key, value in mmengine_env_kwargs(cfg['env_cfg']).items():
             env_kwargs.setdefault(key, value)
+    if cfg.get('launcher') is not None:
+        env_kwargs.setdefault('launcher', cfg['launcher'])
+    if cfg.get('log_level') is not None:
+        strategy_cfg['log_kwargs'] = {
+            'log_level': cfg['log_level'],
+            **dict(strategy_cfg.get('log_kwargs') or {}),
+        }
+    if cfg.get('experiment_name') is not None:
+        strategy_cfg.setdefault('experiment_name', cfg['experiment_name'])
     top = cfg.get('auto_scale_lr')
     if top is None:
         return

@@ -154,6 +154,7 @@ class Registry:
         self._imported = False
         self.parent = parent
         self.children: dict[str, Registry] = {}
+        self._fallbacks: list[tuple[str, Callable[[str], Any]]] = []
         if parent is not None:
             parent.children[name] = self
         self.build_func: Callable = build_func or (parent.build_func if parent else build_from_cfg)
@@ -260,7 +261,19 @@ class Registry:
             found = self.parent.get(name)
             if found is not None:
                 return found
+        for _, lookup in self._fallbacks:
+            found = lookup(name)
+            if found is not None:
+                return found
         return import_dotted(name) if '.' in name else None
+
+    def add_fallback(self, lookup: Callable[[str], Any], label: str) -> None:
+        """Search ``lookup(name)`` (an object, or None) for a name this registry and its
+        parents do not hold, before a dotted name is imported; ``label`` names the place in
+        the unknown-name error. A host framework's registry, added by its integration
+        (``stratagem.integrations.mmengine``); adding the same ``label`` again replaces it."""
+        self._fallbacks = [(lab, f) for lab, f in self._fallbacks if lab != label]
+        self._fallbacks.append((label, lookup))
 
     def unknown_name_error(self, name: str) -> RegistryError:
         """A RegistryError naming the registry, ``name``, close matches and the valid names;
@@ -275,6 +288,8 @@ class Registry:
         if close:
             parts.append(f'did you mean {" or ".join(repr(c) for c in close)}?')
         parts.append(f'registered names: {", ".join(names) or "(none)"}')
+        if self._fallbacks:
+            parts.append('also searched: ' + ', '.join(label for label, _ in self._fallbacks))
         parts.append("or give a class by its import path: type='package.module.Class'")
         return RegistryError('; '.join(parts))
 

@@ -3,20 +3,35 @@
 Each set is the whole list of keys its reader takes; any other key is an error there
 (``config.check_keys``), and ``stratagem doctor`` flags it, with the closest valid name,
 before a run. The readers import these sets rather than keeping their own, so the two
-cannot drift apart. This module imports nothing: any layer may depend on it.
+cannot drift apart. This module imports nothing of stratagem: any layer may depend on it.
+
+The top level of a config: :data:`LOOP_TOP_KEYS` (what ``stratagem train``'s reference loop
+reads), :data:`RUNNER_TOP_KEYS` (what mmengine's ``FlexibleRunner`` reads),
+:func:`runner_reasons` (why a config needs the runner) and :func:`unread_top_level_keys`
+(keys nothing reads, with the closest name).
 """
 
 from __future__ import annotations
 
+import difflib
+import types
+from collections.abc import Mapping
+from typing import Any
+
 __all__ = [
     'CHECKPOINT_HOOK_KEYS',
+    'DEFAULT_HOOK_TYPES',
     'ENV_KEYS',
     'LOGGER_HOOK_KEYS',
+    'LOOP_TOP_KEYS',
     'RANDOMNESS_KEYS',
-    'TRAIN_CFG_KEYS',
+    'RUNNER_TOP_KEYS',
     'TRAIN_DATALOADER_KEYS',
+    'TRAIN_CFG_KEYS',
     'VAL_CFG_KEYS',
     'VAL_DATALOADER_KEYS',
+    'runner_reasons',
+    'unread_top_level_keys',
 ]
 
 ENV_KEYS: frozenset[str] = frozenset(
@@ -131,3 +146,183 @@ LOGGER_HOOK_KEYS: frozenset[str] = frozenset({'type', 'interval'})
 """``default_hooks.logger`` (mmengine's ``LoggerHook``, read by the reference loop):
 ``interval`` (iterations between log lines and ``metrics.csv`` rows; as
 ``train_cfg.log_interval``, which must agree when both are given)."""
+
+
+# ------------------------------------------------------------------ the top level
+LOOP_TOP_KEYS: frozenset[str] = frozenset(
+    {
+        'model',
+        'strategy',
+        'optim_wrapper',
+        'param_scheduler',
+        'train_dataloader',
+        'train_cfg',
+        'val_dataloader',
+        'val_cfg',
+        'default_hooks',
+        'randomness',
+        'env_cfg',
+        'auto_scale_lr',
+        'compile',
+        'work_dir',
+        'load_from',
+        'resume',
+        'launcher',
+        'log_level',
+        'experiment_name',
+        'default_scope',
+        'custom_imports',
+        'runner_type',
+    }
+)
+"""The top-level keys of the reference loop (``stratagem.loop.train``, ``stratagem train``
+without mmengine's keys). mmengine's own keys keep mmengine's meaning: ``env_cfg`` gives the
+strategy's ``env_kwargs`` defaults (``launcher`` and ``log_level`` its launcher and log
+level, ``experiment_name`` its run name), ``auto_scale_lr`` the strategy's, ``compile`` is
+``prepare``'s, ``load_from`` / ``resume`` the defaults of ``--load-from`` / ``--resume``
+(``resume=True`` with ``load_from``: resume from that file), ``default_hooks`` only its
+``checkpoint`` and ``logger`` entries (and mmengine's other default entries, each its default
+type with no arguments: the loop does their work), ``default_scope`` only ``'mmengine'`` or
+``'stratagem'``, ``runner_type`` only ``'FlexibleRunner'`` (which routes).
+``custom_imports`` is imported first (``stratagem.config.imports``). A key starting with ``_``
+is the config file's own helper variable and is never read nor reported."""
+
+RUNNER_TOP_KEYS: frozenset[str] = frozenset(
+    {
+        'model',
+        'work_dir',
+        'experiment_name',
+        'train_dataloader',
+        'optim_wrapper',
+        'param_scheduler',
+        'train_cfg',
+        'val_dataloader',
+        'val_evaluator',
+        'val_cfg',
+        'test_dataloader',
+        'test_evaluator',
+        'test_cfg',
+        'strategy',
+        'auto_scale_lr',
+        'default_hooks',
+        'custom_hooks',
+        'data_preprocessor',
+        'load_from',
+        'resume',
+        'launcher',
+        'env_cfg',
+        'log_processor',
+        'log_level',
+        'visualizer',
+        'default_scope',
+        'randomness',
+        'compile',
+        'custom_imports',
+        'runner_type',
+    }
+)
+"""The top-level keys mmengine's ``FlexibleRunner.from_cfg`` reads (mmengine 0.10), plus
+``custom_imports`` (read when the config is loaded) and ``runner_type``. The keys here and
+not in :data:`LOOP_TOP_KEYS` (``val_evaluator``, ``test_*``, ``custom_hooks``,
+``data_preprocessor``, ``log_processor``, ``visualizer``) make ``stratagem train`` run the
+config under ``FlexibleRunner`` on stratagem's strategies (:func:`runner_reasons`)."""
+
+DEFAULT_HOOK_TYPES: dict[str, str] = {
+    'runtime_info': 'RuntimeInfoHook',
+    'timer': 'IterTimerHook',
+    'sampler_seed': 'DistSamplerSeedHook',
+    'param_scheduler': 'ParamSchedulerHook',
+    'visualization': 'VisualizationHook',
+    'checkpoint': 'CheckpointHook',
+    'logger': 'LoggerHook',
+}
+"""mmengine's ``default_hooks`` names and their default types. The reference loop reads
+``checkpoint`` and ``logger``; each of the others, given as its default type without
+arguments, does what the loop does anyway (counters, timing, sampler seeding, scheduler
+steps) and stays in the loop, as does a ``VisualizationHook`` without ``draw=True`` (it does
+nothing). Another type,
+arguments, a hook switched off with None, or another name is mmengine's: the config runs
+under ``FlexibleRunner``."""
+
+# keys of older configs that nothing reads now: where their meaning went
+_MOVED = {
+    'optimizer': "mmcv's; goes in optim_wrapper=dict(optimizer=dict(...))",
+    'optimizer_config': "mmcv's; optim_wrapper (clip_grad, accumulative_counts) holds it",
+    'lr_config': "mmcv's; param_scheduler=[dict(type=...)] replaces it",
+    'runner': "mmcv's; train_cfg=dict(by_epoch=True, max_epochs=N) replaces it",
+    'checkpoint_config': "mmcv's; default_hooks=dict(checkpoint=dict(...)) replaces it",
+    'log_config': "mmcv's; default_hooks=dict(logger=dict(...)) replaces it",
+    'evaluation': "mmcv's; val_cfg, train_cfg.val_interval and val_evaluator replace it",
+    'dist_params': "mmcv's; env_cfg=dict(dist_cfg=dict(...)) replaces it",
+    'model_wrapper_cfg': "mmengine's Runner's; under stratagem the strategy wraps the model: "
+    "strategy=dict(type='DDPStrategy', ...)",
+}
+
+
+def runner_reasons(cfg: Any) -> list[str]:
+    """Why ``cfg`` (a config or a mapping) needs mmengine's ``FlexibleRunner`` rather than the
+    reference loop: one entry per key (``'val_evaluator'``, ``"runner_type='FlexibleRunner'"``,
+    ``'default_hooks.visualization'``, ...); empty when the reference loop reads it all.
+    A ``runner_type`` other than ``'FlexibleRunner'`` is a ValueError."""
+    reasons = [k for k in sorted(RUNNER_TOP_KEYS - LOOP_TOP_KEYS) if cfg.get(k) is not None]
+    runner = cfg.get('runner_type')
+    if runner is not None:
+        if runner != 'FlexibleRunner':
+            raise ValueError(
+                f"runner_type={runner!r}: stratagem train runs runner_type='FlexibleRunner' "
+                "(mmengine's runner driving stratagem's strategies) or, without runner_type, "
+                "its reference loop; mmengine's Runner drives no stratagem strategy"
+            )
+        reasons.insert(0, "runner_type='FlexibleRunner'")
+    scope = cfg.get('default_scope')
+    if scope not in (None, 'mmengine', 'stratagem'):
+        reasons.append(f'default_scope={scope!r}')
+    hooks = cfg.get('default_hooks')
+    if isinstance(hooks, Mapping):
+        for name, hook in hooks.items():
+            if not _default_hook(name, hook):
+                reasons.append(f'default_hooks.{name}')
+    elif hooks is not None:
+        reasons.append('default_hooks')
+    return reasons
+
+
+def _default_hook(name: str, hook: Any) -> bool:
+    """Whether the reference loop does what ``default_hooks[name] = hook`` asks."""
+    default = DEFAULT_HOOK_TYPES.get(name)
+    if default is None or not isinstance(hook, Mapping):
+        return False
+    if hook.get('type', default) not in (default, f'mmengine.{default}'):
+        return False
+    if name == 'visualization' and not hook.get('draw', False):
+        return True  # mmengine's VisualizationHook does nothing unless it draws
+    # checkpoint's and logger's arguments are the loop's to read (and check)
+    return name in ('checkpoint', 'logger') or set(hook) <= {'type'}
+
+
+def unread_top_level_keys(cfg: Any, known: frozenset[str]) -> dict[str, str]:
+    """The top-level keys of ``cfg`` that a reader of ``known`` keys never reads, each with a
+    hint: the closest known name (``did you mean 'val_cfg'?``), or where an older config's
+    key went. A key starting with ``_`` (the config file's own helper variable) and a
+    class or function imported into a config file are not keys of the config."""
+    unread = {}
+    for key in cfg:
+        value = cfg[key]
+        if (
+            not isinstance(key, str)
+            or key.startswith('_')
+            or isinstance(value, (type, types.FunctionType))
+        ):
+            continue
+        if key in known:
+            continue
+        if key in _MOVED:
+            unread[key] = _MOVED[key]
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+        unread[key] = (
+            f'did you mean {close[0]!r}?'
+            if close
+            else 'a helper variable of the config file? name it with a leading underscore'
+        )
+    return unread

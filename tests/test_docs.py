@@ -1,17 +1,27 @@
 """The documentation's examples run: every ``python`` and ``bash`` block of every page in docs/.
 
-A page's ``python`` blocks run in order in one namespace (a page reads as one session), every
-page in its own temporary working directory holding links to the checkout's ``examples/``,
-``docs/`` and ``benchmarks/``; all pages share one interpreter, so torch is imported once. A
-page's ``bash`` blocks run in such a directory too, each as one script under
-``set -euo pipefail`` with the venv's ``stratagem`` on ``PATH``. A block that must not run starts
-with ``# not run: <reason>``, and the reason shows in the page. Only ``python``, ``bash`` and
-``text`` fences are allowed (besides MyST directives such as ``{toctree}``), so code cannot hide
-under another tag.
+Every ``python`` block runs on its own, as a reader who copies just that block would run it:
+in a fresh namespace (so it holds its own imports and names) and its own empty working
+directory holding links to the checkout's ``examples/``, ``docs/`` and ``benchmarks/``; all
+blocks share one interpreter, so torch is imported once; README.md's python blocks too. Every
+python block, also one that does not run, is checked for names it uses but never defines
+(ruff's F821). A page listed in ``PENDING`` (its features not merged yet) is only checked. A
+page's ``bash`` blocks run in order in one such directory (a shell session: a command may read
+what an earlier one wrote), each as one script under ``set -euo pipefail`` with the venv's
+``stratagem`` on ``PATH``. A block that must not run starts with ``# not run: <reason>``, and
+the reason shows in the page. Only ``python``, ``bash`` and ``text`` fences are allowed
+(besides MyST directives such as ``{toctree}``), so code cannot hide under another tag.
+
+The reference pages generated from the code (``docs/_ext/stratagem_reference.py``) are checked
+against the parsers and key sets they are generated from, and must be in the site's toctree.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -66,8 +76,16 @@ def blocks_of(path: Path) -> list[Block]:
     return out
 
 
-PAGES = sorted(p for p in DOCS.rglob('*.md') if '_build' not in p.parts)
+PAGES = sorted(
+    p for p in DOCS.rglob('*.md') if not {'_build', '_generated'} & set(p.relative_to(DOCS).parts)
+)
 ALL_BLOCKS = [b for p in PAGES for b in blocks_of(p)]
+README_BLOCKS = blocks_of(ROOT / 'README.md')
+# pages whose examples need features not merged yet: their blocks are still checked for
+# undefined names, but not run; remove a page from here once what it shows has landed
+PENDING = {
+    'docs/guides/own-model.md': 'custom_imports and validation in the reference loop (issue #33)',
+}
 
 
 def _runnable(page: str, lang: str) -> list[Block]:
@@ -75,11 +93,55 @@ def _runnable(page: str, lang: str) -> list[Block]:
 
 
 def _pages_with(lang: str) -> list[str]:
-    return sorted({b.page for b in ALL_BLOCKS if b.lang == lang and not b.not_run_reason})
+    return sorted(
+        {
+            b.page
+            for b in ALL_BLOCKS
+            if b.lang == lang and not b.not_run_reason and b.page not in PENDING
+        }
+    )
+
+
+# ruff (the test extra) beside the interpreter: its F821, an undefined name, as pyflakes reads
+# a module; also a name used before the line that defines it
+RUFF = Path(sys.executable).with_name('ruff')
+
+
+def undefined_names(codes: list[str], tmp_path: Path) -> dict[int, list[str]]:
+    """For each code string (a module of its own), the ``F821`` findings of ruff, by index."""
+    for i, code in enumerate(codes):
+        (tmp_path / f'block{i}.py').write_text(code)
+    proc = subprocess.run(
+        [str(RUFF), 'check', '--isolated', '--select', 'F821', '--output-format', 'concise', '.'],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    found: dict[int, list[str]] = {}
+    for line in proc.stdout.splitlines():
+        m = re.match(r'block(\d+)\.py:(\d+):\d+: F821 (.*)', line)
+        if m:
+            found.setdefault(int(m.group(1)), []).append(f'line {m.group(2)}: {m.group(3)}')
+    assert proc.returncode in (0, 1) and (proc.returncode == 0) == (not found), proc.stderr
+    return found
+
+
+def test_python_blocks_define_what_they_use(tmp_path):
+    """Every python block of docs/ and the README holds its imports and names, run or not:
+    copied alone, it has no NameError (the run test below also runs each one alone)."""
+    blocks = [b for b in [*ALL_BLOCKS, *README_BLOCKS] if b.lang == 'python']
+    assert len(blocks) >= 25
+    assert undefined_names(['y = model(x)', 'import torch\ntorch.ones(1)'], tmp_path) == {
+        0: ['line 1: Undefined name `model`', 'line 1: Undefined name `x`']
+    }
+    found = undefined_names([b.code for b in blocks], tmp_path)
+    bad = [f'{blocks[i].page}:{blocks[i].line}: {msgs}' for i, msgs in sorted(found.items())]
+    assert not bad, 'python blocks that do not define what they use:\n' + '\n'.join(bad)
 
 
 def test_every_block_is_runnable_or_says_why():
     assert len(PAGES) >= 20, [str(p) for p in PAGES]
+    assert [p for p in PENDING if not (ROOT / p).exists()] == [], 'PENDING names a missing page'
     bad_lang = [f'{b.page}:{b.line} ```{b.lang}' for b in ALL_BLOCKS if b.lang not in LANGUAGES]
     assert not bad_lang, f'fences must be one of {sorted(LANGUAGES)}: {bad_lang}'
     vague = [
@@ -102,39 +164,40 @@ def _workdir(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-# every page's python blocks in one interpreter (torch is imported once): each page in a fresh
-# namespace and its own working directory; a failing page does not stop the others
+# every python block in one interpreter (torch is imported once), each in a fresh namespace
+# and its own working directory; a failing block does not stop the others
 RUNNER = """
 import os, sys, traceback
-pages = {pages!r}
+blocks = {blocks!r}
 failed = []
-for page, workdir, blocks in pages:
+for where, workdir, code in blocks:
     os.chdir(workdir)
-    ns = {{'__name__': '__main__'}}
     try:
-        for where, code in blocks:
-            exec(compile(code, where, 'exec'), ns)
+        exec(compile(code, where, 'exec'), {{'__name__': '__main__'}})
     except BaseException:
-        failed.append(page)
-        print(f'=== {{page}} failed:', file=sys.stderr)
+        failed.append(where)
+        print(f'=== {{where}} failed:', file=sys.stderr)
         traceback.print_exc()
-print('FAILED PAGES:', failed, file=sys.stderr)
+print('FAILED BLOCKS:', failed, file=sys.stderr)
 sys.exit(1 if failed else 0)
 """
 
 
 def test_python_blocks_run(tmp_path):
-    pages = []
+    """Every python block of docs/ and the README, each alone in an empty directory."""
+    runnable = [b for page in _pages_with('python') for b in _runnable(page, 'python')]
+    runnable += [b for b in README_BLOCKS if b.lang == 'python' and not b.not_run_reason]
+    blocks = []
     env = {}
-    for i, page in enumerate(_pages_with('python')):
-        workdir = tmp_path / f'page{i}'
+    for b in runnable:
+        workdir = tmp_path / f'block{len(blocks)}'
         workdir.mkdir()
         env = _workdir(workdir)
-        blocks = [(f'{b.page}:{b.line}', b.code) for b in _runnable(page, 'python')]
-        pages.append((page, str(workdir), blocks))
-    assert len(pages) >= 10, pages
+        blocks.append((f'{b.page}:{b.line}', str(workdir), b.code))
+    assert len(blocks) >= 15, blocks
+    assert any(where.startswith('README.md') for where, _, _ in blocks)
     proc = subprocess.run(
-        [sys.executable, '-c', RUNNER.format(pages=pages)],
+        [sys.executable, '-c', RUNNER.format(blocks=blocks)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -158,3 +221,142 @@ def test_bash_blocks_run(page, tmp_path):
         )
         out = f'{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}'
         assert proc.returncode == 0, f'{b.page}:{b.line}:\n{b.code}\n{out}'
+
+
+def _reference():
+    """``docs/_ext/stratagem_reference.py``, the generator of the reference pages."""
+    path = DOCS / '_ext' / 'stratagem_reference.py'
+    spec = importlib.util.spec_from_file_location('stratagem_reference', path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _options_by_program(page: str) -> dict[str, list[str]]:
+    """``.. program::`` name -> the words of its ``.. option::`` lines (names and metavars)."""
+    out = {}
+    for chunk in page.split('.. program:: ')[1:]:
+        prog, _, body = chunk.partition('\n')
+        lines = [
+            ln[len('.. option:: ') :] for ln in body.splitlines() if ln.startswith('.. option::')
+        ]
+        out[prog.strip()] = [w for ln in lines for w in re.split(r'[\s,]+', ln) if w]
+    return out
+
+
+def test_cli_reference_lists_every_argument():
+    """Every argument of ``stratagem`` and of each sub-command's parser (built here as the CLI
+    builds it) has an entry under its program; ``--debug``, read before argparse, too."""
+    from stratagem import cli
+
+    programs = _options_by_program(_reference().cli_reference())
+    parsers = {'stratagem': cli.build_parser()}
+    for name, (module_name, _) in cli.COMMANDS.items():
+        parsers[f'stratagem {name}'] = parser = argparse.ArgumentParser(prog=f'stratagem {name}')
+        importlib.import_module(module_name).add_arguments(parser)
+    assert sorted(programs) == sorted(parsers)
+    assert len(parsers) >= 7
+    missing = []
+    for prog, parser in parsers.items():
+        for action in parser._actions:
+            names = action.option_strings or [action.metavar or action.dest]
+            missing += [f'{prog} {n}' for n in names if n not in programs[prog]]
+    assert not missing, f'not in the CLI reference: {missing}'
+    assert cli.DEBUG_FLAG in programs['stratagem']
+    assert {'--resume', '--cfg-options', '--nproc', 'config'} <= set(programs['stratagem train'])
+
+
+def test_config_reference_lists_every_key():
+    """Every key set of ``stratagem.schema`` (its ``__all__``) has an entry with its docstring
+    and every key; every registered strategy has its constructor arguments."""
+    import stratagem.schema as schema
+    from stratagem.registry import STRATEGIES
+    from stratagem.strategies import BaseStrategy
+
+    ref = _reference()
+    page = ref.config_reference()
+    entries = {}
+    for chunk in re.split(r'^\.\. py:data:: ', page, flags=re.M)[1:]:
+        name, _, body = chunk.partition('\n')
+        entries[name.strip()] = body.split('\n~~')[0].split('\n--')[0]
+    sets = {
+        n: getattr(schema, n)
+        for n in schema.__all__
+        if isinstance(getattr(schema, n), (frozenset, dict))
+    }
+    assert {'ENV_KEYS', 'RANDOMNESS_KEYS', 'TRAIN_CFG_KEYS', 'TRAIN_DATALOADER_KEYS'} <= set(sets)
+    assert sorted(entries) == sorted(sets)
+    # the entry's own list of keys (its docstring may name only some)
+    listed = {n: re.findall(r'``([^`]+)``', entries[n].split('   Keys: ')[1]) for n in sets}
+    missing = [f'{n}: {k}' for n, keys in sets.items() for k in keys if k not in listed[n]]
+    assert not missing, f'not in the config-key reference: {missing}'
+    docs = ref.attribute_docstrings(Path(schema.__file__))
+    assert [n for n in sets if not docs.get(n)] == [], 'a key set of schema.py has no docstring'
+    assert all(docs[n].split('\n')[0] in entries[n] for n in sets)
+    # BaseStrategy's arguments once, then each strategy's own under its name
+    sections = dict(re.findall(r'^``(\w+)``\n~+\n(.*?)(?=^[^\n]+\n~+\n|\Z)', page, re.M | re.S))
+    assert 'Every strategy' in page
+    strategies = [n for n in STRATEGIES.names() if getattr(STRATEGIES.get(n), '__name__', '') == n]
+    assert {'SingleDeviceStrategy', 'DDPStrategy', 'FSDPStrategy', 'DeepSpeedStrategy'} <= set(
+        strategies
+    )
+    missing = []
+    for name in strategies:
+        cls = STRATEGIES.get(name)
+        for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and f'``{p.name}``' not in (
+                sections[name] if cls is not BaseStrategy else page
+            ):
+                missing.append(f'{name}({p.name})')
+    for p in list(inspect.signature(BaseStrategy.__init__).parameters.values())[1:]:
+        if f'``{p.name}``' not in page.split('Every strategy')[1].split('\n~~')[1]:
+            missing.append(f'BaseStrategy({p.name})')
+    assert not missing, f'strategy arguments not in the config-key reference: {missing}'
+
+
+def test_reference_pages_are_in_the_toctree():
+    """The generated reference pages are reachable: in the index's toctree, each including the
+    file ``docs/_ext/stratagem_docs.py`` writes."""
+    index = (DOCS / 'index.md').read_text()
+    toctrees = re.findall(r'```\{toctree\}\n(.*?)```', index, re.S)
+    entries = {ln.strip() for t in toctrees for ln in t.splitlines() if ln.strip()[:1] not in ':'}
+    ext = (DOCS / '_ext' / 'stratagem_docs.py').read_text()
+    for name in ('cli', 'config'):
+        assert f'reference/{name}' in entries
+        assert (
+            f'../_generated/reference/{name}.rst' in (DOCS / 'reference' / f'{name}.md').read_text()
+        )
+        assert f"('{name}', stratagem_reference." in ext
+
+
+def test_readme_states_the_python_the_make_targets_install_on():
+    """README's Python for ``make demo`` is the Makefile's MIN_PYTHON, which is what the docs
+    extra's pins (as installed: their Requires-Python) need, no more; it states the library's
+    own ``requires-python`` too."""
+    tomllib = pytest.importorskip('tomllib')
+    from importlib.metadata import PackageNotFoundError, metadata, version
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    makefile = (ROOT / 'Makefile').read_text()
+    readme = (ROOT / 'README.md').read_text()
+    project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
+    min_python = re.search(r'^MIN_PYTHON := (\S+)$', makefile, re.M).group(1)
+    assert f'On a fresh machine (Python ≥ {min_python}, `make`)' in readme
+    lib_python = re.fullmatch(r'>=\s*(\S+)', project['requires-python']).group(1)
+    assert f'runs on Python ≥ {lib_python}' in readme
+    needed = []
+    for spec in project['optional-dependencies']['docs']:
+        req = Requirement(spec)
+        pins = [s.version for s in req.specifier if s.operator == '==']
+        try:
+            installed = version(req.name)
+        except PackageNotFoundError:
+            continue
+        if pins and installed == pins[0]:
+            requires = metadata(req.name)['Requires-Python'] or ''
+            needed += [Version(m) for m in re.findall(r'>=\s*([\d.]+)', requires)]
+    assert needed, 'no pinned docs package installed at its pin'
+    assert max(needed) == Version(min_python), (needed, min_python)

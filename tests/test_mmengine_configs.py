@@ -1,8 +1,10 @@
 """mmengine configs as they are: the top-level ``env_cfg`` (its nccl default on a machine
-without CUDA) and ``auto_scale_lr`` reach the strategy under ``stratagem train``."""
+without CUDA), ``auto_scale_lr``, ``launcher``, ``log_level`` and ``experiment_name`` reach the
+strategy under ``stratagem train``."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import pytest
@@ -57,6 +59,9 @@ default_scope = 'mmengine'
 env_cfg = dict(cudnn_benchmark=False, mp_cfg=dict(mp_start_method='fork', opencv_num_threads=0),
                dist_cfg=dict(backend='nccl'))
 auto_scale_lr = dict(enable=True, base_batch_size=4)
+launcher = 'none'
+log_level = 'WARNING'
+experiment_name = 'mm_exp'
 """
 
 
@@ -72,6 +77,9 @@ def test_stratagem_train_reads_the_top_level_keys(tmp_path, no_cuda):
         warnings.simplefilter('always')
         result = train(cfg, progress=False)
     strategy = result['strategy']
+    # launcher, log_level and experiment_name are the strategy's
+    assert (strategy.launcher, strategy.experiment_name) == ('none', 'mm_exp')
+    assert strategy.logger.level == logging.WARNING
     # one process x 8 samples / base 4: every lr doubled, once
     lrs = [g['lr'] for g in strategy.optim_wrapper.param_groups]
     assert lrs == [pytest.approx(0.2)]
@@ -85,6 +93,12 @@ def test_stratagem_train_reads_the_top_level_keys(tmp_path, no_cuda):
         result = train(cfg, progress=False)
     assert [g['lr'] for g in result['strategy'].optim_wrapper.param_groups] == [0.1]
     assert any('auto_scale_lr is given twice' in str(w.message) for w in caught)
+    # mmengine's top-level resume=True: continue from the newest checkpoint of work_dir
+    cfg['resume'] = True
+    cfg['train_cfg'] = dict(max_iters=6)
+    result = train(cfg, progress=False)
+    assert result['iter'] == 6 and result['losses'][0][0] > 4
+    assert str(result['strategy'].resumed_from).endswith('iter_4.pth')
 
 
 def _runner_shaped(backend: str) -> dict:

@@ -1,11 +1,15 @@
-"""The site's own Sphinx extension: figures drawn at build time, and a check that the API
-reference covers every public name.
+"""The site's own Sphinx extension: figures and reference pages generated at build time, and a
+check that the API reference covers every public name.
 
 - ``builder-inited``: every config in ``docs/schedules/`` is drawn by ``stratagem plot-schedule``
   (the command itself, in this process) into ``docs/_generated/schedules/<name>.png``, and
   ``docs/benchmarks.csv`` (the figures of the benchmark scripts' recorded runs) into
   ``docs/_generated/benchmarks/<group>.png``. Nothing drawn is committed, so no figure can
   drift from the code that draws it.
+- ``builder-inited`` too: the CLI reference and the config-key reference
+  (``stratagem_reference.py``: from the parsers of ``stratagem.cli`` and the key sets of
+  ``stratagem.schema``) into ``docs/_generated/reference/{cli,config}.rst``, which
+  ``docs/reference/*.md`` include.
 - ``env-check-consistency``: every name in the ``__all__`` of the public modules (and
   ``stratagem``'s lazy names) must be documented by autodoc somewhere in the site; a missing
   one is a warning, so ``sphinx-build -W`` fails.
@@ -104,9 +108,27 @@ def draw_benchmarks() -> list[Path]:
     return written
 
 
+def write_references() -> list[Path]:
+    """The generated reference pages' bodies (reST), written into ``_generated/reference/``."""
+    import stratagem_reference
+
+    out_dir = GENERATED / 'reference'
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, make in (
+        ('cli', stratagem_reference.cli_reference),
+        ('config', stratagem_reference.config_reference),
+    ):
+        path = out_dir / f'{name}.rst'
+        path.write_text(make())
+        written.append(path)
+    return written
+
+
 def _draw(app: Any) -> None:
     draw_schedules()
     draw_benchmarks()
+    write_references()
 
 
 def undocumented_names(documented: set[str]) -> list[str]:

@@ -7,7 +7,14 @@ Slurm job, resumes from the last committed checkpoint by itself; a preempted run
 The run holds ``work_dir/.stratagem.lock`` (:mod:`stratagem.env.workdir_lock`) from before it
 writes anything to its end: under ``--nproc`` the parent takes it before torchrun starts and
 its workers share it; otherwise rank 0 takes it. ``--force-unlock`` takes a lock another host
-claims."""
+claims.
+
+A config that needs mmengine's runner (``stratagem.schema.runner_reasons``:
+``runner_type='FlexibleRunner'``, ``val_evaluator``, ``test_*``, ``custom_hooks``,
+``visualizer``, ``log_processor``, mmengine's ``default_hooks`` beyond the loop's, ...) runs
+under mmengine's ``FlexibleRunner`` on stratagem's strategies instead
+(``stratagem.integrations.mmengine_runner``), with the same flags, in every process of a
+``--nproc`` run; without mmengine installed it stops first, naming those keys and the extra."""
 
 from __future__ import annotations
 
@@ -22,10 +29,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from stratagem import env
-from stratagem.config import Config, parse_cfg_options
+from stratagem.config import Config, ConfigError, parse_cfg_options
 from stratagem.env.preemption import preemption_config
 from stratagem.env.workdir_lock import TOKEN_ENV, WorkDirLock
 from stratagem.loop import train
+from stratagem.schema import runner_reasons
 
 from . import debug_enabled
 from .launch import add_launch_arguments, relaunch, torchrun_command, wants_torchrun
@@ -71,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
+    mmengine_keys = runner_reasons(cfg)
+    if mmengine_keys:
+        _require_mmengine(cfg, mmengine_keys)  # before torchrun starts
     preemption = preemption_config(dict(cfg.get('train_cfg') or {}).get('preemption', True))
     if wants_torchrun(args) and 'LOCAL_RANK' not in os.environ:
         cmd = torchrun_command(args)
@@ -85,13 +96,6 @@ def run(args: argparse.Namespace) -> int:
                 )
             finally:
                 os.environ.pop(TOKEN_ENV, None)
-    if args.launcher:
-        strategy = dict(cfg.get('strategy') or {'type': 'auto'})
-        strategy['env_kwargs'] = {
-            **dict(strategy.get('env_kwargs') or {}),
-            'launcher': args.launcher,
-        }
-        cfg['strategy'] = strategy
     resume: bool | str = False
     if args.resume == 'auto' or (args.resume is None and _restarted()):
         resume = True
@@ -99,6 +103,15 @@ def run(args: argparse.Namespace) -> int:
         resume = args.resume
     if os.environ.get('TORCHELASTIC_RUN_ID') is not None:
         signal.signal(signal.SIGINT, _interrupt_once)
+    if mmengine_keys:
+        return _run_flexible_runner(cfg, args, resume)
+    if args.launcher:
+        strategy = dict(cfg.get('strategy') or {'type': 'auto'})
+        strategy['env_kwargs'] = {
+            **dict(strategy.get('env_kwargs') or {}),
+            'launcher': args.launcher,
+        }
+        cfg['strategy'] = strategy
     with _work_dir_lock(cfg, args) as lock:
         result = train(cfg, resume=resume, load_from=args.load_from)
         if os.environ.get('TORCHELASTIC_RUN_ID') is not None:
@@ -107,6 +120,33 @@ def run(args: argparse.Namespace) -> int:
             _exit_torchrun_worker(result['strategy'], lock)
     if result.get('preempted') and preemption is not None:
         return preemption.exit_code
+    return 0
+
+
+def _require_mmengine(cfg: Config, keys: list[str]) -> None:
+    """Stop, naming ``keys`` and the extra, when mmengine is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec('mmengine') is None:
+        raise ConfigError(
+            f"config {cfg.filename or ''}: {', '.join(keys)} are read only by mmengine's "
+            "runner: stratagem train runs such a config under mmengine's FlexibleRunner on "
+            "stratagem's strategies, and mmengine is not installed: pip install "
+            '"stratagem[mmengine]" (or remove those keys to run the reference loop)'
+        )
+
+
+def _run_flexible_runner(cfg: Config, args: argparse.Namespace, resume: bool | str) -> int:
+    """The config under mmengine's FlexibleRunner, holding the work_dir lock as the
+    reference loop's run does."""
+    from stratagem.integrations.mmengine_runner import train_with_flexible_runner
+
+    with _work_dir_lock(cfg, args) as lock:
+        runner = train_with_flexible_runner(
+            cfg, launcher=args.launcher, resume=resume, load_from=args.load_from
+        )
+        if os.environ.get('TORCHELASTIC_RUN_ID') is not None:
+            _exit_torchrun_worker(runner.strategy, lock)
     return 0
 
 

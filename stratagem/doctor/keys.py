@@ -14,47 +14,20 @@ from typing import Any
 
 from stratagem.schema import (
     ENV_KEYS,
+    LOOP_TOP_KEYS,
     RANDOMNESS_KEYS,
+    RUNNER_TOP_KEYS,
     TRAIN_CFG_KEYS,
     TRAIN_DATALOADER_KEYS,
     VAL_CFG_KEYS,
     VAL_DATALOADER_KEYS,
+    runner_reasons,
 )
 
 __all__ = ['KeyChecks']
 
-_TOP_KEYS = {
-    'model',
-    'train_dataloader',
-    'optim_wrapper',
-    'param_scheduler',
-    'train_cfg',
-    'strategy',
-    'randomness',
-    'work_dir',
-    'load_from',
-    'resume',
-    'auto_scale_lr',
-    'default_scope',
-    'env_cfg',
-    'log_level',
-    'default_hooks',
-    'custom_hooks',
-    'val_dataloader',
-    'val_cfg',
-    'val_evaluator',
-    'test_dataloader',
-    'test_cfg',
-    'test_evaluator',
-    'visualizer',
-    'vis_backends',
-    'log_processor',
-    'launcher',
-    'experiment_name',
-    'compile',
-    'model_wrapper_cfg',
-    'data_preprocessor',
-}
+# every top-level key something reads: the reference loop's or mmengine's runner's
+_TOP_KEYS = LOOP_TOP_KEYS | RUNNER_TOP_KEYS
 _STRATEGY_PACKAGES = {
     'DeepSpeedStrategy': 'deepspeed',
     'ColossalAIStrategy': 'colossalai',
@@ -78,16 +51,17 @@ class KeyChecks:
                     f'unknown top-level key {key!r} (nothing reads it)',
                     f'did you mean {close[0]!r}? rename it',
                 )
-        self._keys(cfg.get('train_cfg') or {}, TRAIN_CFG_KEYS, 'train_cfg')
-        loader = cfg.get('train_dataloader') or {}
-        self._keys(loader, TRAIN_DATALOADER_KEYS, 'train_dataloader')
-        if isinstance(loader.get('dataset'), Mapping):
-            self._typed(loader['dataset'], 'DATASETS', 'train_dataloader.dataset')
-        val_loader = cfg.get('val_dataloader') or {}
-        self._keys(val_loader, VAL_DATALOADER_KEYS, 'val_dataloader')
-        if isinstance(val_loader.get('dataset'), Mapping):
-            self._typed(val_loader['dataset'], 'DATASETS', 'val_dataloader.dataset')
-        self._keys(cfg.get('val_cfg') or {}, VAL_CFG_KEYS, 'val_cfg')
+        if not self._under_runner():  # mmengine's loops read these sections there
+            self._keys(cfg.get('train_cfg') or {}, TRAIN_CFG_KEYS, 'train_cfg')
+            loader = cfg.get('train_dataloader') or {}
+            self._keys(loader, TRAIN_DATALOADER_KEYS, 'train_dataloader')
+            if isinstance(loader.get('dataset'), Mapping):
+                self._typed(loader['dataset'], 'DATASETS', 'train_dataloader.dataset')
+            val_loader = cfg.get('val_dataloader') or {}
+            self._keys(val_loader, VAL_DATALOADER_KEYS, 'val_dataloader')
+            if isinstance(val_loader.get('dataset'), Mapping):
+                self._typed(val_loader['dataset'], 'DATASETS', 'val_dataloader.dataset')
+            self._keys(cfg.get('val_cfg') or {}, VAL_CFG_KEYS, 'val_cfg')
         strategy = dict(cfg.get('strategy') or {})
         if strategy.get('type', 'auto') != 'auto':
             self._typed(strategy, 'STRATEGIES', 'strategy')
@@ -115,6 +89,30 @@ class KeyChecks:
                 f"strategy.auto_scale_lr {dict(own)}; the strategy's wins",
                 'keep one of them',
             )
+
+    def _under_runner(self) -> bool:
+        """Whether ``stratagem train`` runs this config under mmengine's FlexibleRunner
+        (``schema.runner_reasons``); then, as there, stratagem's registries fall back to
+        mmengine's. Without mmengine, the finding ``train`` stops with."""
+        import importlib.util
+
+        try:
+            reasons = runner_reasons(self.cfg)
+        except ValueError as err:
+            self.add('runner_type', str(err), "set runner_type='FlexibleRunner' or remove it")
+            return False
+        if not reasons:
+            return False
+        if importlib.util.find_spec('mmengine') is None:
+            self.add(
+                reasons[0],
+                f"{', '.join(reasons)} are read only by mmengine's runner, which is not installed",
+                'pip install "stratagem[mmengine]", or remove those keys',
+            )
+            return True
+        import stratagem.integrations.mmengine  # noqa: F401  (the registry fallback)
+
+        return True
 
     def _check_optim_wrapper(self, ow: Any) -> None:
         if not isinstance(ow, Mapping):

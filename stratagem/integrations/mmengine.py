@@ -20,7 +20,14 @@ Importing this module (the only one in stratagem that imports mmengine) does thr
    lazily (heavy backends) are registered as builder functions, imported on first build.
 3. **Registers ``stratagem.PreemptionHook``** in mmengine's HOOKS (``custom_hooks``): a
    preemption signal ends the run in one committed checkpoint (``mmengine_preemption.py``).
-4. Nothing else: a strategy's wrapped model already carries the inner module's
+4. **Falls back to mmengine's registries** for what stratagem's do not hold
+   (``Registry.add_fallback``): a model, dataset, optimizer, optim wrapper (constructor) or
+   parameter scheduler registered in mmengine's ``MODELS``, ``DATASETS``, ``OPTIMIZERS``, ...
+   (a user's package, or an OpenMMLab one under the ``default_scope``) builds through a
+   stratagem strategy under ``FlexibleRunner``, which builds a config's ``model`` through
+   stratagem's ``MODELS``. Metrics, hooks, visualizers and samplers are built by mmengine
+   itself, from its own registries.
+5. Nothing else: a strategy's wrapped model already carries the inner module's
    ``train_step`` / ``val_step`` / ``test_step`` (``stratagem.integrations.model_api``),
    which mmengine's loops call.
 
@@ -42,8 +49,12 @@ from typing import Any
 
 try:
     from mmengine.logging import HistoryBuffer
+    from mmengine.registry import DATASETS as MM_DATASETS
     from mmengine.registry import HOOKS as MM_HOOKS
+    from mmengine.registry import MODELS as MM_MODELS
+    from mmengine.registry import OPTIM_WRAPPER_CONSTRUCTORS as MM_OPTIM_WRAPPER_CONSTRUCTORS
     from mmengine.registry import OPTIM_WRAPPERS as MM_OPTIM_WRAPPERS
+    from mmengine.registry import OPTIMIZERS as MM_OPTIMIZERS
     from mmengine.registry import PARAM_SCHEDULERS as MM_PARAM_SCHEDULERS
     from mmengine.registry import STRATEGIES as MM_STRATEGIES
     from mmengine.registry import Registry as MMRegistry
@@ -170,3 +181,38 @@ _mirror(ours.PARAM_SCHEDULERS, PARAM_SCHEDULERS)
 # preemption for mmengine's loops: custom_hooks=[dict(type='stratagem.PreemptionHook')]
 HOOKS = _child(MM_HOOKS, 'hook')
 HOOKS.register_module(name='PreemptionHook', module=PreemptionHook, force=True)
+
+
+# ------------------------------------------------------- 4. fall back to mmengine's
+def _lookup(registry: MMRegistry):
+    def lookup(name: str) -> Any:
+        """``name`` in mmengine's registry as its ``build`` finds it: under the current
+        ``default_scope`` first, then the registry's parents; a scoped ``'mmdet.X'`` in that
+        scope's registry. Registered names only: an import path is stratagem's to import
+        (mmengine's ``get`` would import it and turn its errors into 'Failed to get')."""
+        scope, key = registry.split_scope_key(name)
+        with registry.switch_scope_and_registry(None) as node:
+            if scope is not None:
+                root = node
+                while root.parent is not None:
+                    root = root.parent
+                node = root if scope == root.scope else root.children.get(scope)
+            while node is not None:
+                node.import_from_location()
+                if key in node.module_dict:
+                    return node.module_dict[key]
+                node = node.parent
+        return None
+
+    return lookup
+
+
+for _ours, _theirs in (
+    (ours.MODELS, MM_MODELS),
+    (ours.DATASETS, MM_DATASETS),
+    (ours.OPTIMIZERS, MM_OPTIMIZERS),
+    (ours.OPTIM_WRAPPERS, MM_OPTIM_WRAPPERS),
+    (ours.OPTIM_WRAPPER_CONSTRUCTORS, MM_OPTIM_WRAPPER_CONSTRUCTORS),
+    (ours.PARAM_SCHEDULERS, MM_PARAM_SCHEDULERS),
+):
+    _ours.add_fallback(_lookup(_theirs), f"mmengine's {_theirs.name!r} registry")

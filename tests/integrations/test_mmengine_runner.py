@@ -1,0 +1,211 @@
+"""mmengine runner configs under ``stratagem train``: routed to mmengine's FlexibleRunner on
+stratagem's strategies (``integrations/mmengine_runner.py``), with stratagem's registries
+falling back to mmengine's; without mmengine, an error naming the keys and the extra."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from stratagem.cli import main
+from stratagem.config import ConfigError, ConfigWarning
+
+pytest.importorskip('mmengine', reason='mmengine is not installed (pip install "stratagem[test]")')
+
+ROOT = Path(__file__).resolve().parents[2]
+BYO = ROOT / 'examples' / 'byo'
+
+
+def test_a_flexible_runner_config_runs_its_metric_through_stratagem_train(tmp_path):
+    """examples/byo/flexible_config.py: a BaseModel, a BaseMetric and a dataset of the user's
+    own, in mmengine's registries; 2 processes (the torchrun workers take the same route),
+    50 validation samples, batch 8. The metric mmengine logs equals the one computed here from
+    the last checkpoint's weights on the whole validation set."""
+    work_dir = tmp_path / 'work'
+    env = {**os.environ, 'PYTHONPATH': str(ROOT), 'OMP_NUM_THREADS': '1'}
+    env.pop('PYTHONWARNINGS', None)
+    proc = subprocess.run(
+        [sys.executable, '-m', 'stratagem', 'train', str(BYO / 'flexible_config.py'),
+         '--work-dir', str(work_dir), '--nproc', '2'],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the strategy mmengine's runner built is stratagem's, named so once
+    dumped = (work_dir / 'flexible_config.py').read_text()
+    assert "strategy = dict(type='stratagem.DDPStrategy')" in dumped
+    (scalars,) = glob.glob(str(work_dir / '*' / 'vis_data' / 'scalars.json'))
+    rows = [json.loads(line) for line in Path(scalars).read_text().splitlines()]
+    val = [r for r in rows if 'tiny/nll' in r]
+    assert [r['step'] for r in val] == [1, 2]  # validation after each of the 2 epochs
+
+    import stratagem.integrations.mmengine  # noqa: F401  (the allow-list for the hub)
+    from stratagem.checkpoint import load_checkpoint_file
+
+    sys.path.insert(0, str(BYO))
+    try:
+        from tinyproj import Blobs
+        from tinyproj_mm import TinyMMNet
+    finally:
+        sys.path.remove(str(BYO))
+    model = TinyMMNet()
+    model.load_state_dict(load_checkpoint_file(str(work_dir / 'epoch_2.pth'))['state_dict'])
+    data = Blobs(num_samples=50, seed=1)
+    with torch.no_grad():
+        logits = model(data.points, data.labels, mode='tensor')
+    nll = torch.nn.functional.cross_entropy(logits, data.labels).item()
+    acc = (logits.argmax(1) == data.labels).float().mean().item()
+    assert val[-1]['tiny/nll'] == pytest.approx(nll, rel=1e-5)
+    assert val[-1]['tiny/acc'] == pytest.approx(acc, abs=1e-6)
+
+
+def test_a_model_only_mmengines_registry_holds_builds_under_flexible_runner(tmp_path):
+    from mmengine.model import BaseModel
+    from mmengine.registry import MODELS as MM_MODELS
+    from mmengine.runner import FlexibleRunner
+
+    import stratagem.integrations.mmengine  # noqa: F401
+    from stratagem.registry import MODELS
+
+    class OnlyInMMEngine(BaseModel):
+        def __init__(self, width=3):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, width)
+
+        def forward(self, inputs, mode='tensor'):
+            out = self.linear(inputs)
+            return {'loss': out.pow(2).mean()} if mode == 'loss' else out
+
+    name = f'OnlyInMMEngine{os.getpid()}'
+    MM_MODELS.register_module(name=name, module=OnlyInMMEngine)
+    assert name not in MODELS.names()
+    runner = FlexibleRunner.from_cfg(
+        dict(
+            model=dict(type=name, width=5),
+            work_dir=str(tmp_path),
+            strategy=dict(type='stratagem.SingleDeviceStrategy'),
+            env_cfg=dict(dist_cfg=dict(backend='gloo')),
+            train_dataloader=dict(
+                dataset=[dict(inputs=torch.ones(2)) for _ in range(4)],
+                batch_size=2,
+                sampler=dict(type='DefaultSampler', shuffle=False),
+                collate_fn=dict(type='default_collate'),
+            ),
+            optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
+            train_cfg=dict(by_epoch=False, max_iters=2),
+            default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=100)),
+            log_level='WARNING',
+        )
+    )
+    runner.train()
+    assert type(runner.strategy.model).__name__ == 'OnlyInMMEngine'
+    assert runner.strategy.model.linear.out_features == 5 and runner.iter == 2
+    with pytest.raises(KeyError, match="also searched: mmengine's 'model' registry"):
+        MODELS.build(dict(type='NoSuchModelAnywhere'))
+
+
+def test_runner_config_names_our_strategies_and_fills_what_mmengine_lacks(monkeypatch):
+    from stratagem.integrations import mmengine_runner as mr
+
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    monkeypatch.setattr(mr, '_SAID_STRATEGY', set())
+    base = dict(model=dict(type='M'), val_evaluator=dict(type='E'), work_dir='w')
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        one = mr.runner_config(
+            {**base, 'strategy': dict(type='DDPStrategy', x=1)}, launcher='pytorch'
+        )
+        two = mr.runner_config({**base, 'strategy': dict(type='DDPStrategy')}, launcher='pytorch')
+    assert one['strategy'] == dict(type='stratagem.DDPStrategy', x=1)
+    assert two['strategy'] == dict(type='stratagem.DDPStrategy')
+    said = [str(w.message) for w in caught if 'runs as stratagem' in str(w.message)]
+    assert len(said) == 1 and "'stratagem.DDPStrategy'" in said[0]  # once per name
+    # no strategy, or 'auto': by the launcher; no env_cfg: one that runs here (no CUDA: gloo)
+    plain = mr.runner_config(base, launcher='none')
+    assert plain['strategy'] == dict(type='stratagem.SingleDeviceStrategy')
+    assert plain['env_cfg'] == dict(dist_cfg=dict(backend='gloo'))
+    assert plain['launcher'] == 'none' and 'resume' not in plain
+    auto = mr.runner_config({**base, 'strategy': dict(type='auto')}, launcher='slurm')
+    assert auto['strategy'] == dict(type='stratagem.DDPStrategy')
+    # scoped names, classes and names only mmengine's registry holds stay as they are
+    for kept in ('stratagem.FSDPStrategy', 'MyOwnMMEngineStrategy', torch.nn.Module):
+        assert mr.runner_config({**base, 'strategy': dict(type=kept)})['strategy']['type'] is kept
+    given = dict(dist_cfg=dict(backend='nccl'), cudnn_benchmark=True)
+    assert mr.runner_config({**base, 'env_cfg': given})['env_cfg'] == given  # fitted later
+    # --resume PATH is mmengine's resume=True with load_from; --resume alone resume=True
+    path = mr.runner_config(base, resume='w/epoch_1.pth', launcher='none')
+    assert (path['resume'], path['load_from']) == (True, 'w/epoch_1.pth')
+    assert mr.runner_config(base, resume=True)['resume'] is True
+    assert mr.runner_config(base, load_from='a.pth')['load_from'] == 'a.pth'
+
+
+def test_runner_config_refuses_typos_and_says_unread_keys():
+    from stratagem.integrations.mmengine_runner import runner_config
+
+    base = dict(model=dict(type='M'), val_evaluator=dict(type='E'))
+    with pytest.raises(ConfigError, match=r"'val_evalutor' \(did you mean 'val_evaluator'\?\)"):
+        runner_config({**base, 'val_evalutor': {}}, launcher='none')
+    with pytest.warns(ConfigWarning, match=r"'data_root' are read by neither .*leading underscore"):
+        runner_config({**base, 'data_root': 'data/', '_ok': 1}, launcher='none')
+    with pytest.raises(
+        ConfigError, match=r'checkpoint_interval -> default_hooks.checkpoint.interval'
+    ):
+        runner_config({**base, 'train_cfg': dict(max_epochs=1, checkpoint_interval=4)})
+
+
+def test_without_mmengine_the_error_names_the_keys_and_the_extra(tmp_path, monkeypatch, capsys):
+    path = tmp_path / 'cfg.py'
+    path.write_text(
+        "model = dict(type='MLPClassifier', in_features=4, num_classes=2)\n"
+        "val_evaluator = dict(type='Accuracy')\ncustom_hooks = [dict(type='EMAHook')]\n"
+    )
+    monkeypatch.setitem(sys.modules, 'mmengine', None)  # as if it were not installed
+    assert main(['train', str(path), '--work-dir', str(tmp_path / 'w')]) == 1
+    err = capsys.readouterr().err
+    assert 'custom_hooks, val_evaluator are read only by mmengine' in err
+    assert 'pip install "stratagem[mmengine]"' in err and 'Traceback' not in err
+    assert not (tmp_path / 'w').exists()  # stopped before anything was written
+
+
+def test_doctor_checks_a_routed_config_as_train_runs_it(tmp_path, monkeypatch):
+    """doctor = train's checks: a config that runs under FlexibleRunner has mmengine's
+    dataloader keys and a model only mmengine's registry holds, and no finding for them;
+    without mmengine, the finding train stops with."""
+    from mmengine.model import BaseModel
+    from mmengine.registry import MODELS as MM_MODELS
+
+    from stratagem import doctor
+
+    class DoctoredNet(BaseModel):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 2)
+
+        def forward(self, inputs, mode='tensor'):
+            return self.linear(inputs)
+
+    name = f'DoctoredNet{os.getpid()}'
+    MM_MODELS.register_module(name=name, module=DoctoredNet)
+    cfg = dict(
+        model=dict(type=name),
+        train_dataloader=dict(
+            dataset=dict(type='SyntheticClassification', num_samples=16, num_features=4),
+            batch_size=4,
+            sampler=dict(type='DefaultSampler', shuffle=True),
+        ),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
+        train_cfg=dict(by_epoch=True, max_epochs=1, val_interval=1),
+        val_evaluator=dict(type='Accuracy'),
+        work_dir=str(tmp_path),
+    )
+    findings, _ = doctor.diagnose(cfg, 1, probe_disk=False)
+    assert [f for f in findings if f.where.startswith(('model', 'train_'))] == []
+    monkeypatch.setitem(sys.modules, 'mmengine', None)
+    findings, _ = doctor.diagnose(cfg, 1, probe_disk=False)
+    (missing,) = [f for f in findings if f.where == 'val_evaluator']
+    assert 'pip install "stratagem[mmengine]"' in missing.fix
