@@ -151,15 +151,20 @@ def _scored_cfg(tmp_path, scores, **checkpoint):
 
 
 @pytest.mark.parametrize(
-    'scores, rule, best_at',
+    'scores, rule, best_at, async_checkpoint',
     [
-        ([0.9, 0.5, 0.6, 0.7], 'greater', 2),  # the first stays the best through retention
-        ([0.5, 0.7, 0.6, 0.9], 'greater', 8),  # replaced at 4, then at 8
-        ([0.5, 0.7, 0.6, 0.5], 'less', 2),  # a tie is no improvement
+        ([0.9, 0.5, 0.6, 0.7], 'greater', 2, False),  # the first stays the best through retention
+        ([0.5, 0.7, 0.6, 0.9], 'greater', 8, False),  # replaced at 4, then at 8
+        ([0.5, 0.7, 0.6, 0.9], 'greater', 8, True),  # the same with asynchronous saves
+        ([0.5, 0.7, 0.6, 0.5], 'less', 2, False),  # a tie is no improvement
     ],
 )
-def test_save_best_keeps_one_best_apart_from_retention(tmp_path, scores, rule, best_at):
-    result = train(_scored_cfg(tmp_path, scores, save_best='score', rule=rule), progress=False)
+def test_save_best_keeps_one_best_apart_from_retention(
+    tmp_path, scores, rule, best_at, async_checkpoint
+):
+    cfg = _scored_cfg(tmp_path, scores, save_best='score', rule=rule)
+    cfg['strategy'] = dict(type='SingleDeviceStrategy', async_checkpoint=async_checkpoint)
+    result = train(cfg, progress=False)
     assert [(it, v['score']) for it, v in result['val']] == [
         (2, pytest.approx(s)) for s in scores[:1]
     ] + [(it, pytest.approx(s)) for it, s in zip((4, 6, 8), scores[1:])]
