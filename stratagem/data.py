@@ -1,8 +1,10 @@
-"""Data for the reference loop: synthetic datasets (no downloads) and a resumable sampler.
+"""Data for the reference loop: synthetic datasets (no downloads), a resumable sampler and
+the validation shards.
 
 Registered in DATASETS. The sampler shards indices across ranks like
 ``torch.utils.data.DistributedSampler`` and can start mid-epoch, so a resumed
-run sees exactly the samples an uninterrupted one would.
+run sees exactly the samples an uninterrupted one would. Validation reads every sample once
+instead (:func:`validation_batches`: no padding, weight-0 filler batches).
 """
 
 from __future__ import annotations
@@ -175,3 +177,42 @@ class ResumableSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+def validation_batches(
+    dataset_len: int,
+    rank: int = 0,
+    world_size: int = 1,
+    batch_size: int = 1,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+) -> list[tuple[list[int], int]]:
+    """This rank's validation batches: ``(indices, weight)`` pairs, every sample of the set on
+    exactly one rank, and as many batches on every rank.
+
+    Rank ``r`` reads every ``world_size``-th index from ``r`` (of a permutation drawn from
+    ``seed`` with ``shuffle``), in batches of ``batch_size``; nothing is padded, so shards
+    differ by at most one sample. A rank with fewer batches than another gets filler batches
+    (the first ``batch_size`` indices of the order) of weight 0: every rank runs as many
+    forwards, which sharded models and buffer-broadcasting wrappers need (each forward may be
+    a collective), and a filler is never counted. The weight of a real batch is its length.
+    """
+    if dataset_len < 1:
+        raise ValueError('validation_batches: the validation set is empty')
+    if not 0 <= rank < world_size:
+        raise ValueError(f'validation_batches: rank {rank} not in [0, world_size={world_size})')
+    if batch_size < 1:
+        raise ValueError(f'validation_batches: batch_size must be >= 1, got {batch_size}')
+    if shuffle:
+        order = torch.randperm(dataset_len, generator=torch.Generator().manual_seed(seed)).tolist()
+    else:
+        order = list(range(dataset_len))
+    shard = order[rank::world_size]
+    batches = [
+        (shard[i : i + batch_size], len(shard[i : i + batch_size]))
+        for i in range(0, len(shard), batch_size)
+    ]
+    most = math.ceil(math.ceil(dataset_len / world_size) / batch_size)
+    batches += [(order[:batch_size], 0)] * (most - len(batches))
+    return batches

@@ -1,14 +1,25 @@
 """The reference loop behind ``stratagem train``: small on purpose, not a framework.
 
 It imports the config's ``custom_imports`` (``stratagem.config.imports``), reads ``model``,
-``strategy``, ``optim_wrapper``, ``param_scheduler``, ``train_dataloader``, ``train_cfg``
-and ``randomness`` from a config, lets the
-strategy prepare everything, and runs iterations: forward under
-``optim_context``, ``update_params``, schedulers (iteration-based ones every
+``strategy``, ``optim_wrapper``, ``param_scheduler``, ``train_dataloader``, ``train_cfg``,
+``randomness``, ``val_dataloader``, ``val_cfg`` and mmengine's ``default_hooks.checkpoint`` /
+``default_hooks.logger`` from a config (``stratagem.schema``), lets the strategy prepare
+everything, and runs iterations: forward under ``optim_context``, ``update_params``,
+schedulers (iteration-based ones every
 iteration, epoch-based ones at epoch ends, as mmengine's ParamSchedulerHook
 does), a progress bar on rank 0, and checkpoints every ``checkpoint_interval``
 iterations and at the end. A resumed run continues from the same sample and the
 same RNG state, so it ends where an uninterrupted run would.
+
+Validation (when ``val_dataloader`` is given), after every ``train_cfg.val_interval`` epochs
+(``by_epoch``) or iterations and at the end: :func:`validate` averages every scalar of the
+model's output over the whole set, across ranks, each sample once; logged as ``val/<name>``
+(log line, ``metrics.csv``, TensorBoard); metric-driven schedulers (ReduceOnPlateau) step
+with the values. ``save_best`` then keeps ``best_{name}_{epoch|iter}_{N}.pth``: a second
+full checkpoint of that moment, excluded from ``max_keep_ckpts``' count and never deleted by
+it; the previous best is deleted (``checkpoint.delete_checkpoint``) once the new one is
+committed. Every checkpoint's ``meta['best']`` carries the best so far, for a resume.
+Log lines show positions as mmengine does: ``Epoch(train) [1][16/64]`` (epochs 1-based).
 
 Failures (``docs/architecture.md``, "Failures"): a preemption signal
 (``train_cfg.preemption``, ``env/preemption.py``) stops every rank after the same
@@ -42,22 +53,36 @@ from stratagem.env.preemption import Preemption, clear_marker, preemption_config
 from stratagem.env.watchdog import Watchdog
 from stratagem.metrics import RunMetrics, format_row
 from stratagem.registry import DATASETS
-from stratagem.schema import TRAIN_CFG_KEYS, TRAIN_DATALOADER_KEYS
+from stratagem.schema import (
+    CHECKPOINT_HOOK_KEYS,
+    LOGGER_HOOK_KEYS,
+    TRAIN_CFG_KEYS,
+    TRAIN_DATALOADER_KEYS,
+    VAL_CFG_KEYS,
+    VAL_DATALOADER_KEYS,
+)
 
 
-def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> tuple[dict, dict]:
-    """The reference loop's checks of a config's keys, before anything is built (also
-    ``stratagem doctor``'s and ``stratagem train --nproc``'s, before torchrun starts): the
-    sections it needs, the top-level keys, the keys of ``train_cfg`` and ``train_dataloader``,
-    and a run length.
-    Returns copies of ``train_cfg`` and ``train_dataloader``; raises ``ConfigError`` /
-    ``ValueError`` naming the key. ``top_level=False`` leaves the top-level keys to the
-    caller (``doctor`` reports each one as a finding of its own)."""
+def check_train_config(
+    cfg: Config | Mapping, top_level: bool = True
+) -> tuple[dict, dict, dict, dict | None]:
+    """The reference loop's checks of a config, in :func:`train`'s order, before anything is
+    built (also ``stratagem doctor``'s and ``stratagem train --nproc``'s, before torchrun
+    starts): the sections it needs, the top-level keys, the keys of ``train_cfg``,
+    ``train_dataloader``, ``val_dataloader``, ``val_cfg`` and ``default_hooks``
+    (``stratagem.schema``), a run length, save_best's rule.
+
+    Returns ``(train_cfg, train_dataloader, hooks, validation)``: copies, with
+    ``default_hooks``' ``log_interval`` / ``max_keep_ckpts`` in ``train_cfg``; ``hooks``
+    holds the checkpoint interval in the hook's unit and the save_best settings;
+    ``validation`` is None without a ``val_dataloader``. Raises ConfigError, ValueError or
+    TypeError naming the key. ``top_level=False`` leaves the top-level keys to the caller
+    (``doctor`` reports each one as a finding of its own)."""
+    cfg = cfg if isinstance(cfg, Config) else Config(cfg)
     lacking = [k for k in ('model', 'optim_wrapper', 'train_dataloader') if k not in cfg]
     if lacking:
-        filename = getattr(cfg, 'filename', None) or ''
         raise ConfigError(
-            f'config {filename} has no {", ".join(lacking)}; '
+            f'config {cfg.filename or ""} has no {", ".join(lacking)}; '
             'stratagem train needs model, optim_wrapper, train_dataloader and '
             'train_cfg'
             + (
@@ -71,13 +96,15 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> tuple[d
         _check_top_level_keys(cfg)
     train_cfg = dict(cfg.get('train_cfg') or {})
     check_keys(train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
-    loader_cfg = dict(cfg['train_dataloader'])
+    loader_cfg = dict(cfg.train_dataloader)
     check_keys(loader_cfg, TRAIN_DATALOADER_KEYS, 'train_dataloader')
     if 'max_iters' not in train_cfg and 'max_epochs' not in train_cfg:
         raise ValueError(
             'train_cfg needs max_epochs or max_iters, e.g. train_cfg=dict(max_epochs=4)'
         )
-    return train_cfg, loader_cfg
+    hooks = _read_default_hooks(cfg.get('default_hooks'), train_cfg)
+    val = _read_validation(cfg, train_cfg, hooks)
+    return train_cfg, loader_cfg, hooks, val
 
 
 def build_dataset(cfg: Any) -> Dataset:
@@ -148,28 +175,34 @@ def train(
     load_from: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Train from ``cfg``; returns ``{'strategy', 'losses' (per logged iteration), 'iter',
-    'preempted'}`` (``preempted``: the signal that stopped the run early, else None)."""
+    """Train from ``cfg``; returns ``{'strategy', 'losses' (per logged iteration), 'val'
+    (``(iter, {name: mean})`` per validation), 'best' (``save_best``'s metric, rule, score
+    and checkpoint file name, else None), 'iter', 'preempted'}`` (``preempted``: the signal
+    that stopped the run early, else None)."""
     cfg = cfg if isinstance(cfg, Config) else Config(cfg)
     # a config given as a dict has not been through Config.fromfile: its own modules now
     import_custom_modules(cfg.get('custom_imports'), config_search_dirs(cfg))
     # mmengine's top-level load_from / resume, unless the caller (--load-from, --resume) says
     resume = resume or cfg.get('resume') or False
     load_from = load_from if load_from is not None else cfg.get('load_from')
-    train_cfg, loader_cfg = check_train_config(cfg)
+    train_cfg, loader_cfg, hooks, val = check_train_config(cfg)
     # handlers from the start: a signal while the strategy is built is not lost (the loop
     # stops after its first iteration); restored however train() ends
     preempt_cfg = preemption_config(train_cfg.get('preemption', True))
     if preempt_cfg is None:
-        return _train(cfg, train_cfg, loader_cfg, None, resume, load_from, progress)
+        return _train(cfg, train_cfg, loader_cfg, hooks, val, None, resume, load_from, progress)
     with Preemption.from_config(preempt_cfg) as preemption:
-        return _train(cfg, train_cfg, loader_cfg, preemption, resume, load_from, progress)
+        return _train(
+            cfg, train_cfg, loader_cfg, hooks, val, preemption, resume, load_from, progress
+        )
 
 
 def _train(
     cfg: Config,
     train_cfg: dict,
     loader_cfg: dict,
+    hooks: dict,
+    val: dict | None,
     preemption: Preemption | None,
     resume: bool | str,
     load_from: str | None,
@@ -252,11 +285,32 @@ def _train(
     # diff_rank_seed), read after a resume has restored it
     data_seed = strategy.randomness['seed']
     sampler.seed = data_seed
-    interval = int(train_cfg.get('checkpoint_interval', 0) or 0)
+    interval = _checkpoint_interval(train_cfg, hooks, epoch_length)
     max_keep = train_cfg.get('max_keep_ckpts')
     log_interval = max(1, int(train_cfg.get('log_interval', 10)))
+    by_epoch = bool(train_cfg.get('by_epoch', 'max_iters' not in train_cfg))
     device = _model_device(model)
     main = strategy.rank == 0
+    best = _BestCheckpoint(hooks) if hooks.get('save_best') is not None else None
+    if best is not None and checkpoint is not None and resume:
+        best.restore(checkpoint.get('meta') or {})
+    val_loader, val_weights = None, []
+    if val is not None:
+        from stratagem.data import validation_batches
+
+        val_set = build_dataset(val['dataset'])
+        batches = validation_batches(
+            len(val_set),  # type: ignore[arg-type]
+            strategy.data_parallel_rank,
+            strategy.data_parallel_size,
+            val['batch_size'],
+            shuffle=val['shuffle'],
+            seed=data_seed if val['seed'] is None else int(val['seed']),
+        )
+        val_loader = DataLoader(
+            val_set, batch_sampler=[b for b, _ in batches], **val['loader_kwargs']
+        )
+        val_weights = [w for _, w in batches]
     if preemption is not None:
         # ranks drift apart by at most one accumulation window between two collectives
         wrappers = getattr(optim_wrapper, 'values', lambda: [optim_wrapper])()
@@ -272,11 +326,16 @@ def _train(
 
         bar = progress_bar(max_iters, start_iter, file=sys.stderr)
     losses: list[tuple[int, float]] = []
+    val_history: list[tuple[int, dict[str, float]]] = []
+    val_lines: list[str] = []
     model.train()
     it = start_iter
     t0 = time.perf_counter()
     data_iter = None
     loss_sum = torch.zeros((), device=device)
+    # the model's other training scalars (acc, ...): sums and counts since the last log
+    extra_sums: dict[str, torch.Tensor] = {}
+    extra_counts: dict[str, int] = {}
     last_logged = start_iter
     stack = contextlib.ExitStack()
     if bar is not None:
@@ -297,6 +356,13 @@ def _train(
     stack.callback(metrics.close)
     first_wrapper = next(iter(getattr(optim_wrapper, 'values', lambda: [optim_wrapper])()))
     t_logged = t0
+
+    def protected() -> list[str]:
+        kept = [strategy.resumed_from] if strategy.resumed_from else []
+        if best is not None and best.filename:
+            kept.append(osp.join(strategy.work_dir, best.filename))
+        return kept
+
     with stack:  # closes the bar and the log redirection however the loop ends
         while it < max_iters:
             epoch, pos = divmod(it, epoch_length)
@@ -313,9 +379,15 @@ def _train(
                 metrics.saw_batch(batch)
             watchdog.at(it + 1, 'forward, backward, update')
             with optim_wrapper.optim_context(model):
-                loss = _parse_loss(_forward(model, batch, device))
+                output = _forward(model, batch, device)
+                loss = _parse_loss(output)
             optim_wrapper.update_params(loss)
             loss_sum.add_(loss.detach())  # in place, no host sync: read only when logging
+            if isinstance(output, Mapping):
+                for name, value in _scalars(output).items():
+                    if name != 'loss':
+                        _accumulate(extra_sums, name, value, device)
+                        extra_counts[name] = extra_counts.get(name, 0) + 1
             for s in scheduler_list:
                 if not s.by_epoch:
                     s.step()
@@ -324,44 +396,93 @@ def _train(
                 for s in scheduler_list:
                     if s.by_epoch:
                         s.step()
+            epoch1 = (it - 1) // epoch_length + 1  # the 1-based epoch of this iteration
             stop = preemption is not None and preemption.should_stop(it)
+            if val is not None and _validation_due(it, epoch_length, max_iters, by_epoch, val):
+                watchdog.at(it, 'validating')
+                values = validate(model, val_loader, val_weights, device)
+                val_history.append((it, values))
+                for s in scheduler_list:
+                    if getattr(s, 'need_val_args', False):
+                        s.step(values)
+                # logged after this iteration's train row, as mmengine does
+                n = len(val_weights)
+                where = f'Epoch(val) [{epoch1}][{n}/{n}]' if by_epoch else f'Iter(val) [{n}/{n}]'
+                val_lines = [
+                    f'{where} iter {it}/{max_iters}'
+                    + ''.join(f' val/{k} {v:.4f}' for k, v in values.items())
+                ]
+                if best is not None and best.improved(values):
+                    watchdog.at(it, 'saving the best checkpoint')
+                    previous, best.score = best.filename, values[best.metric]
+                    best.filename = best.name_for(it, epoch_length)
+                    meta = {'iter': it, 'epoch': it // epoch_length, **best.meta()}
+                    t_save = time.perf_counter()
+                    strategy.save_checkpoint(best.filename, extra_ckpt={'meta': meta})
+                    metrics.add_stall(time.perf_counter() - t_save)
+                    val_lines.append(f'best {best.metric} {best.score:.4f}: {best.filename}')
+                    if previous and previous != best.filename:
+                        strategy.wait_for_checkpoints()  # the new best committed first
+                        if main:
+                            ckpt.delete_checkpoint(
+                                osp.join(strategy.work_dir, previous), protect=protected()
+                            )
             if (interval and it % interval == 0) or it == max_iters or stop:
                 watchdog.at(it, 'saving a checkpoint')
                 meta = {'iter': it, 'epoch': it // epoch_length}
+                if best is not None:
+                    meta.update(best.meta())
                 t_save = time.perf_counter()
                 path = strategy.save_checkpoint(f'iter_{it}.pth', extra_ckpt={'meta': meta})
                 metrics.add_stall(time.perf_counter() - t_save)
                 saved_at = it
                 if main and max_keep:
-                    protect = [strategy.resumed_from] if strategy.resumed_from else []
-                    ckpt.apply_retention(strategy.work_dir, int(max_keep), protect=protect)
+                    ckpt.apply_retention(
+                        strategy.work_dir, int(max_keep), protect=protected(), pattern='iter_*'
+                    )
                 log.debug('saved %s', path)
             if it % log_interval == 0 or it == max_iters or stop:
-                # mean over the iterations since the last log: the one host sync
-                value = float(loss_sum) / (it - last_logged)
+                # means over the iterations since the last log: the one host sync
+                sums = torch.stack([loss_sum.float(), *(v.float() for v in extra_sums.values())])
+                value, *extra_values = sums.tolist()
+                value /= it - last_logged
+                extras = {
+                    name: v / extra_counts[name]
+                    for name, v in zip(extra_sums, extra_values)
+                    if extra_counts.get(name)
+                }
                 loss_sum.zero_()
+                for total in extra_sums.values():
+                    total.zero_()
+                extra_counts.clear()
                 losses.append((it, value))
                 lr0 = next(iter(optim_wrapper.get_lr().values()))[0]
                 now = time.perf_counter()
                 row = metrics.write(
                     it,
-                    epoch,
+                    epoch1,
                     value,
                     lr0,
                     getattr(first_wrapper, 'last_grad_norm', None),
                     it - last_logged,
                     now - t_logged,
                     device,
+                    extras,
                 )
                 last_logged, t_logged = it, now
                 if bar is not None:
                     bar.set_postfix(
                         loss=f'{value:.4f}',
                         lr=f'{lr0:.3g}',
-                        epoch=epoch,
+                        epoch=epoch1,
                         samples_s=f'{row["samples_per_s"]:.0f}',
                     )
-                log.info(f'iter {it}/{max_iters} epoch {epoch} ' + format_row(row))
+                log.info(_position(it, epoch_length, max_iters, by_epoch) + ' ' + format_row(row))
+            if val_lines:
+                metrics.write_val(it, epoch1, val_history[-1][1])
+                for line in val_lines:
+                    log.info(line)
+                val_lines = []
             if bar is not None:
                 bar.update(1)
             if stop and it < max_iters:
@@ -380,9 +501,372 @@ def _train(
             f'{preemption.exit_code}'
         )
     if main and max_keep and strategy.async_checkpoint:  # the retention the last save missed
-        protect = [strategy.resumed_from] if strategy.resumed_from else []
-        ckpt.apply_retention(strategy.work_dir, int(max_keep), protect=protect)
-    return {'strategy': strategy, 'losses': losses, 'iter': it, 'preempted': preempted}
+        ckpt.apply_retention(
+            strategy.work_dir, int(max_keep), protect=protected(), pattern='iter_*'
+        )
+    return {
+        'strategy': strategy,
+        'losses': losses,
+        'val': val_history,
+        'best': None if best is None or best.filename is None else best.meta()['best'],
+        'iter': it,
+        'preempted': preempted,
+    }
+
+
+# the names whose higher value is better, and lower (save_best's rule when none is given);
+# the less list is tried first as a part of a name: 'heatmap_loss' is a loss
+_GREATER_KEYS = ('acc', 'top', 'ar@', 'auc', 'precision', 'recall', 'f1', 'map', 'dice', 'iou')
+_LESS_KEYS = ('loss', 'error')
+
+
+def infer_rule(name: str, greater_keys: Any = _GREATER_KEYS, less_keys: Any = _LESS_KEYS) -> str:
+    """``'greater'`` or ``'less'``: whether a higher or a lower value of the validation value
+    ``name`` is better, as mmengine's CheckpointHook infers it: an exact (case-insensitive)
+    match of a key first, then a key inside the name, loss-like keys before accuracy-like
+    ones. Raises ValueError when no key matches."""
+    low = name.lower()
+    greater = [k.lower() for k in greater_keys]
+    less = [k.lower() for k in less_keys]
+    if low in greater or low in less:
+        return 'greater' if low in greater else 'less'
+    if any(k in low for k in less):
+        return 'less'
+    if any(k in low for k in greater):
+        return 'greater'
+    raise ValueError(
+        f'cannot tell whether a higher or a lower {name!r} is better (no key of '
+        f'greater_keys {list(greater_keys)} or less_keys {list(less_keys)} in it); set '
+        "default_hooks.checkpoint.rule='greater' or 'less'"
+    )
+
+
+def _read_default_hooks(hooks_cfg: Any, train_cfg: dict) -> dict:
+    """What the loop takes from mmengine's ``default_hooks`` (``schema.CHECKPOINT_HOOK_KEYS``,
+    ``LOGGER_HOOK_KEYS``): ``log_interval`` and ``max_keep_ckpts`` go into ``train_cfg`` (an
+    error if both places give different values); returns the checkpoint interval (in the
+    hook's unit, converted once the epoch length is known) and the save_best settings.
+    The other hooks are mmengine's (``schema.runner_reasons`` routes a config with them to
+    its runner, and the loop refuses it before this); a key of these two entries the loop
+    cannot honour is a warning naming it."""
+    out: dict[str, Any] = {'interval': None, 'save_best': None, 'rule': None}
+    hooks = dict(hooks_cfg or {})
+    run_by_epoch = bool(train_cfg.get('by_epoch', 'max_iters' not in train_cfg))
+    ignored = []
+
+    logger = hooks.get('logger')
+    if isinstance(logger, Mapping):
+        logger = dict(logger)
+        _check_hook_type(logger, 'LoggerHook', 'logger')
+        ignored += [f'default_hooks.logger.{k}' for k in logger if k not in LOGGER_HOOK_KEYS]
+        if 'interval' in logger:
+            _agree(train_cfg, 'log_interval', logger['interval'], 'default_hooks.logger.interval')
+
+    ckpt_hook = hooks.get('checkpoint')
+    if isinstance(ckpt_hook, Mapping):
+        ckpt_hook = dict(ckpt_hook)
+        _check_hook_type(ckpt_hook, 'CheckpointHook', 'checkpoint')
+        ignored += [
+            f'default_hooks.checkpoint.{k}'
+            for k in ckpt_hook
+            if k not in CHECKPOINT_HOOK_KEYS or (k == 'save_last' and not ckpt_hook[k])
+        ]
+        if 'max_keep_ckpts' in ckpt_hook:
+            keep = ckpt_hook['max_keep_ckpts']
+            if type(keep) is not int:
+                raise TypeError(
+                    f'default_hooks.checkpoint.max_keep_ckpts must be an int (-1 keeps all), '
+                    f'got {keep!r}'
+                )
+            _agree(train_cfg, 'max_keep_ckpts', keep, 'default_hooks.checkpoint.max_keep_ckpts')
+        if 'interval' in ckpt_hook:
+            n = ckpt_hook['interval']
+            if type(n) is not int:
+                raise TypeError(f'default_hooks.checkpoint.interval must be an int, got {n!r}')
+            out['interval'] = (n, bool(ckpt_hook.get('by_epoch', run_by_epoch)))
+        out['by_epoch'] = bool(ckpt_hook.get('by_epoch', run_by_epoch))
+        best, rule = ckpt_hook.get('save_best'), ckpt_hook.get('rule')
+        if best is not None and not isinstance(best, str):
+            raise TypeError(
+                "default_hooks.checkpoint.save_best must be one validation value's name "
+                f"(e.g. 'acc') or 'auto', got {best!r}"
+            )
+        if rule is not None and rule not in ('greater', 'less'):
+            raise ValueError(
+                f"default_hooks.checkpoint.rule must be 'greater' or 'less', got {rule!r}"
+            )
+        out['greater_keys'] = tuple(ckpt_hook.get('greater_keys') or _GREATER_KEYS)
+        out['less_keys'] = tuple(ckpt_hook.get('less_keys') or _LESS_KEYS)
+        if best is not None and best != 'auto' and rule is None:
+            rule = infer_rule(best, out['greater_keys'], out['less_keys'])
+        out['save_best'], out['rule'] = best, rule
+    if ignored:
+        import warnings
+
+        warnings.warn(
+            f"stratagem train's reference loop does not honour {', '.join(ignored)}: it "
+            'reads default_hooks.checkpoint (interval, by_epoch, max_keep_ckpts, save_best, '
+            'rule, greater_keys, less_keys) and default_hooks.logger.interval; hooks run under '
+            "mmengine's runner (runner_type='FlexibleRunner', the mmengine extra)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return out
+
+
+def _check_hook_type(hook: dict, expected: str, name: str) -> None:
+    if hook.get('type', expected) not in (expected, f'mmengine.{expected}'):
+        raise ValueError(
+            f'default_hooks.{name}.type={hook["type"]!r}: the reference loop does the work of '
+            f"{expected} itself and runs no other; use type='{expected}', or run the config "
+            "under mmengine's runner (runner_type='FlexibleRunner')"
+        )
+
+
+def _agree(train_cfg: dict, key: str, value: Any, where: str) -> None:
+    """``train_cfg[key] = value`` unless ``train_cfg`` already has another value for it."""
+    mine = train_cfg.get(key)
+    same = mine == value or (key == 'max_keep_ckpts' and (mine or 0) <= 0 and value <= 0)
+    if key in train_cfg and not same:
+        raise ValueError(
+            f'{where}={value!r} and train_cfg.{key}={mine!r} disagree: they are the same '
+            'setting; keep one of them'
+        )
+    train_cfg[key] = value
+
+
+def _read_validation(cfg: Any, train_cfg: dict, hooks: dict) -> dict | None:
+    """``val_dataloader`` / ``val_cfg`` / ``train_cfg.val_interval``, ``val_begin`` checked
+    (``schema.VAL_DATALOADER_KEYS``); None when the config has no validation."""
+    val_cfg = cfg.get('val_cfg')
+    if val_cfg is not None:
+        val_cfg = dict(val_cfg)
+        check_keys(val_cfg, VAL_CFG_KEYS, 'val_cfg')
+        if val_cfg.get('type', 'ValLoop') != 'ValLoop':
+            raise ValueError(
+                f"val_cfg.type={val_cfg['type']!r}: the reference loop runs mmengine's ValLoop "
+                "(val_cfg=dict(type='ValLoop') or {}); other loops run under mmengine's "
+                "runner (runner_type='FlexibleRunner')"
+            )
+    loader = cfg.get('val_dataloader')
+    if loader is None:
+        if val_cfg:
+            raise ValueError('val_cfg is given but no val_dataloader: add val_dataloader')
+        if hooks.get('save_best') is not None:
+            raise ValueError(
+                f'default_hooks.checkpoint.save_best={hooks["save_best"]!r} keeps the best '
+                'checkpoint by a validation value, but the config has no val_dataloader; '
+                'add one or remove save_best'
+            )
+        unused = [f'train_cfg.{k}' for k in ('val_interval', 'val_begin') if k in train_cfg]
+        if unused:
+            import warnings
+
+            warnings.warn(
+                f'{" and ".join(unused)} change nothing: the config has no val_dataloader, '
+                'so nothing is validated',
+                UserWarning,
+                stacklevel=3,
+            )
+        return None
+    loader = dict(loader)
+    check_keys(loader, VAL_DATALOADER_KEYS, 'val_dataloader')
+    if 'dataset' not in loader:
+        raise ValueError('val_dataloader has no dataset: add val_dataloader.dataset')
+    shuffle, seed = loader.pop('shuffle', None), None
+    sampler = loader.pop('sampler', None)
+    if sampler is not None:
+        sampler = dict(sampler)
+        check_keys(sampler, {'type', 'shuffle', 'seed', 'round_up'}, 'val_dataloader.sampler')
+        if sampler.get('type', 'DefaultSampler') != 'DefaultSampler':
+            raise ValueError(
+                f'val_dataloader.sampler.type={sampler["type"]!r}: the reference loop shards '
+                "the validation set itself (mmengine's DefaultSampler, without padding); use "
+                "sampler=dict(type='DefaultSampler', shuffle=False) or leave it out"
+            )
+        if shuffle is not None and 'shuffle' in sampler and bool(sampler['shuffle']) != shuffle:
+            raise ValueError(
+                f'val_dataloader.shuffle={shuffle!r} and val_dataloader.sampler.shuffle='
+                f'{sampler["shuffle"]!r} disagree; keep one of them'
+            )
+        shuffle, seed = sampler.get('shuffle', shuffle), sampler.get('seed')
+    if loader.pop('drop_last', False):
+        raise ValueError(
+            'val_dataloader.drop_last=True would leave samples out of the validation means; '
+            'validation reads every sample once: remove drop_last'
+        )
+    when = {}
+    for key in ('val_interval', 'val_begin'):
+        value = train_cfg.get(key, 1)
+        if type(value) is not int or value < (1 if key == 'val_interval' else 0):
+            raise ValueError(
+                f'train_cfg.{key} must be an int >= {1 if key == "val_interval" else 0}, '
+                f'got {value!r}'
+            )
+        when[key] = value
+    return {
+        'dataset': loader.pop('dataset'),
+        'batch_size': int(loader.pop('batch_size', 1)),
+        'shuffle': bool(shuffle),
+        'seed': seed,
+        'loader_kwargs': loader,
+        'interval': when['val_interval'],
+        'begin': when['val_begin'],
+    }
+
+
+def _scalars(output: Any) -> dict[str, Any]:
+    """The scalars of a model's output: a dict's one-element tensors and numbers, in its
+    order; a bare one-element tensor is ``loss``."""
+    if isinstance(output, torch.Tensor):
+        return {'loss': output} if output.numel() == 1 else {}
+    if not isinstance(output, Mapping):
+        return {}
+    return {
+        str(k): v
+        for k, v in output.items()
+        if (isinstance(v, torch.Tensor) and v.numel() == 1)
+        or (isinstance(v, (int, float)) and not isinstance(v, bool))
+    }
+
+
+def validate(
+    model: torch.nn.Module, loader: Any, weights: list[int], device: torch.device
+) -> dict[str, float]:
+    """Means of every scalar the model returns over the whole validation set, on every rank.
+
+    ``loader`` yields this rank's batches and ``weights`` their sample counts
+    (``data.validation_batches``: 0 for a filler batch). Each scalar is taken as its batch's
+    mean: the sums of mean × count are added over the ranks (one ``all_reduce``) and divided
+    by the total count, so every sample weighs the same, whatever the shard and batch sizes.
+    The model runs in eval mode under ``torch.no_grad`` and is put back in train mode.
+    """
+    from stratagem import env
+
+    dtype = torch.float32 if device.type == 'mps' else torch.float64
+    sums: dict[str, torch.Tensor] = {}
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch, weight in zip(loader, weights):
+                values = _scalars(_forward(model, batch, device))
+                if not values:
+                    raise ValueError(
+                        'the model returned no scalar in validation (a loss tensor or a dict '
+                        'of scalars such as loss and acc is averaged and logged)'
+                    )
+                for name, value in values.items():
+                    total = sums.setdefault(name, torch.zeros((), dtype=dtype, device=device))
+                    total.add_(torch.as_tensor(value, device=device).to(dtype), alpha=weight)
+    finally:
+        model.train()
+    count = torch.tensor(float(sum(weights)), dtype=dtype, device=device)
+    reduced = env.all_reduce(torch.stack([*sums.values(), count]))
+    means = (reduced[:-1] / reduced[-1]).tolist()
+    return dict(zip(sums, means))
+
+
+class _BestCheckpoint:
+    """``default_hooks.checkpoint.save_best``: the best validation value so far, its rule and
+    its file (restored on resume from the checkpoint's ``meta['best']``)."""
+
+    def __init__(self, hooks: dict) -> None:
+        self.metric: str = hooks['save_best']
+        self.rule: str | None = hooks['rule']
+        self.keys = (hooks['greater_keys'], hooks['less_keys'])
+        self.by_epoch: bool = hooks['by_epoch']
+        self.score: float | None = None
+        self.filename: str | None = None
+
+    def restore(self, meta: Mapping) -> None:
+        saved = meta.get('best')
+        if isinstance(saved, Mapping) and self.metric in ('auto', saved.get('metric')):
+            self.metric, self.rule = saved['metric'], saved['rule']
+            self.score, self.filename = saved['score'], saved['checkpoint']
+
+    def improved(self, values: Mapping[str, float]) -> bool:
+        if self.metric == 'auto':
+            self.metric = next(iter(values))
+        if self.metric not in values:
+            raise ValueError(
+                f'default_hooks.checkpoint.save_best={self.metric!r} is not a validation '
+                f"value: the model's validation output has {list(values)}"
+            )
+        if self.rule is None:
+            self.rule = infer_rule(self.metric, *self.keys)
+        value = values[self.metric]
+        if math.isnan(value):
+            return False
+        if self.score is None:
+            return True
+        return value > self.score if self.rule == 'greater' else value < self.score
+
+    def name_for(self, it: int, epoch_length: int) -> str:
+        """mmengine's ``best_{metric}_{epoch|iter}_{N}.pth``."""
+        metric = self.metric.replace('/', '_')
+        if self.by_epoch and it % epoch_length == 0:
+            return f'best_{metric}_epoch_{it // epoch_length}.pth'
+        return f'best_{metric}_iter_{it}.pth'
+
+    def meta(self) -> dict:
+        if self.score is None:
+            return {}
+        return {
+            'best': {
+                'metric': self.metric,
+                'rule': self.rule,
+                'score': self.score,
+                'checkpoint': self.filename,
+            }
+        }
+
+
+def _position(it: int, epoch_length: int, max_iters: int, by_epoch: bool) -> str:
+    """mmengine's ``Epoch(train) [2][4/6]`` (1-based epoch) or ``Iter(train) [10/24]``, with
+    the run's iteration (or epoch) after it."""
+    epoch = (it - 1) // epoch_length + 1
+    if by_epoch:
+        at = it - (epoch - 1) * epoch_length
+        return f'Epoch(train) [{epoch}][{at}/{epoch_length}] iter {it}/{max_iters}'
+    return f'Iter(train) [{it}/{max_iters}] epoch {epoch}'
+
+
+def _accumulate(sums: dict[str, torch.Tensor], name: str, value: Any, device: Any) -> None:
+    """``sums[name] += value`` in place (no host sync for a tensor)."""
+    total = sums.get(name)
+    if total is None:
+        total = sums[name] = torch.zeros((), device=device)
+    total.add_(value.detach() if isinstance(value, torch.Tensor) else float(value))
+
+
+def _validation_due(it: int, epoch_length: int, max_iters: int, by_epoch: bool, val: dict) -> bool:
+    """After iteration ``it``: every ``val_interval`` epochs (``by_epoch``) or iterations
+    from ``val_begin`` on, and at the end, as mmengine's train loops."""
+    if it == max_iters:
+        return True
+    if by_epoch:
+        if it % epoch_length:
+            return False
+        it //= epoch_length
+    return it >= val['begin'] and it % val['interval'] == 0
+
+
+def _checkpoint_interval(train_cfg: Mapping, hooks: Mapping, epoch_length: int) -> int:
+    """Iterations between saves: ``train_cfg.checkpoint_interval`` or
+    ``default_hooks.checkpoint.interval`` (in epochs when its ``by_epoch``; <= 0: never but
+    at the end); an error when both are given and differ."""
+    interval = int(train_cfg.get('checkpoint_interval', 0) or 0)
+    if hooks.get('interval') is None:
+        return interval
+    n, by_epoch = hooks['interval']
+    iters = max(n, 0) * (epoch_length if by_epoch else 1)
+    if 'checkpoint_interval' in train_cfg and iters != interval:
+        raise ValueError(
+            f'default_hooks.checkpoint.interval={n} ({"epochs" if by_epoch else "iterations"}'
+            f', {iters} iterations) and train_cfg.checkpoint_interval={interval} (iterations) '
+            'disagree: they are the same setting; keep one of them'
+        )
+    return iters
 
 
 def _dist_timeout(strategy_cfg: Mapping) -> float:

@@ -1,26 +1,32 @@
 """The scalars ``stratagem train`` writes for a person to watch and compare runs.
 
-Every ``log_interval`` iterations (and at the end), rank 0 writes one row: ``loss`` (mean over
-the interval), ``lr`` (the first param group's), ``grad_norm`` (the last update's, when the
-optim wrapper clips), ``samples_per_s`` (all data-parallel ranks together), ``tokens_per_s``
-(token data: batches whose inputs are integer (batch, time) tensors), ``step_time_s`` (mean
-over the interval), ``peak_memory_mib`` (this process: the accelerator's allocator peak, else
-the resident set's high-water mark) and ``checkpoint_stall_s`` (time the loop spent inside
-``save_checkpoint`` during the interval; for an asynchronous save, the snapshot). Each row
-goes to:
+Every ``log_interval`` iterations (and at the end), rank 0 writes one row: ``iter``, ``epoch``
+(1-based: the epoch the row's last iteration belongs to, as the log line shows it), ``loss``
+(mean over the interval), ``lr`` (the first param group's), ``grad_norm`` (the last update's,
+when the optim wrapper clips), ``samples_per_s`` (all data-parallel ranks together),
+``tokens_per_s`` (token data: batches whose inputs are integer (batch, time) tensors),
+``step_time_s`` (mean over the interval), ``peak_memory_mib`` (this process: the
+accelerator's allocator peak, else the resident set's high-water mark),
+``checkpoint_stall_s`` (time the loop spent inside ``save_checkpoint`` during the interval;
+for an asynchronous save, the snapshot), then every other scalar the model returned in
+training (e.g. ``acc``; mean over the interval). Each validation writes a row of its own:
+``iter``, ``epoch`` and ``val/<name>`` for every scalar of the model's validation output
+(means over the whole validation set). Each row goes to:
 
 - ``<log_dir>/metrics.csv`` (a header, then one line per row; flushed at most once a
-  second and at the end);
+  second and at the end). A column that appears later (a model's output, a validation
+  value) widens the header: the file is rewritten once with the new column, earlier rows
+  left empty there;
 - TensorBoard event files in ``<log_dir>/tensorboard`` (``torch.utils.tensorboard``'s
-  ``SummaryWriter``; ``pip install tensorboard``), tags ``train/<name>``: every row when rows
-  come a second or more apart, else the newest row once a second, and the last row at the
-  end (an event costs the writer ~0.1 ms); ``tensorboard --logdir work_dirs`` shows every
-  run;
+  ``SummaryWriter``; ``pip install tensorboard``): every row, one event each, tags
+  ``train/<name>`` and ``val/<name>`` at step ``iter``; rows are handed to the writer at
+  most once a second (an event costs its thread's queue ~0.1 ms) and at the end, never
+  dropped; ``tensorboard --logdir work_dirs`` shows every run;
 - the log line and the progress bar (throughput and ETA) stay the loop's.
 
-Nothing is done per iteration but adding the loss to a tensor (no host sync); the row costs
-one sync (the loss) and a few microseconds of I/O per ``log_interval``. Other ranks write
-nothing. ``train_cfg.metrics=dict(csv=True, tensorboard=True)`` turns writers off.
+Nothing is done per iteration but adding the loss (and the other scalars) to tensors (no host
+sync); the row costs one sync and a few microseconds of I/O per ``log_interval``. Other ranks
+write nothing. ``train_cfg.metrics=dict(csv=True, tensorboard=True)`` turns writers off.
 """
 
 from __future__ import annotations
@@ -84,9 +90,14 @@ def tokens_per_sample(batch: Any) -> int | None:
 
 
 def format_row(row: Mapping) -> str:
-    """A row as the log line's tail: ``loss 2.5000 lr 0.01 grad_norm 1.5 160 samples/s
-    (1600 tokens/s) 0.200 s/it peak 812 MiB [checkpoint 0.25 s]``."""
-    text = f'loss {row["loss"]:.4f} lr {row["lr"]:.4g}'
+    """A row as the log line's tail: ``loss 2.5000 [acc 0.7500 ...] lr 0.01 grad_norm 1.5
+    160 samples/s (1600 tokens/s) 0.200 s/it peak 812 MiB [checkpoint 0.25 s]`` (the model's
+    other training scalars after the loss)."""
+    text = f'loss {row["loss"]:.4f}'
+    for name, value in row.items():
+        if name not in COLUMNS and value is not None:
+            text += f' {name} {value:.4f}'
+    text += f' lr {row["lr"]:.4g}'
     if row.get('grad_norm') is not None:
         text += f' grad_norm {row["grad_norm"]:.4g}'
     text += f' {row["samples_per_s"]:.1f} samples/s'
@@ -128,22 +139,26 @@ class RunMetrics:
         self.tokens: int | None = None
         self.stall = 0.0
         self.last_row: dict | None = None
+        self._path = os.path.join(log_dir, 'metrics.csv')
+        self._columns = list(COLUMNS)
         self._csv: Any = None
         self._file: Any = None
         self._tb: Any = None
-        self._pending: dict | None = None
+        self._pending: list[dict] = []
         self._flushed_at = -float('inf')  # the first row is written through at once
         self.flush_every_s = 1.0
         if not enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
         if cfg.get('csv', True):
-            path = os.path.join(log_dir, 'metrics.csv')
-            new = not os.path.exists(path)
-            self._file = open(path, 'a', newline='')  # noqa: SIM115 - closed in close()
-            self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS)
-            if new:
-                self._csv.writeheader()
+            if os.path.exists(self._path):  # a resumed run appends under the file's header
+                with open(self._path, newline='') as f:
+                    header = next(csv.reader(f), None)
+                if header:
+                    self._columns = header + [c for c in COLUMNS if c not in header]
+                    if self._columns != header:
+                        self._widen()
+            self._open()
         if cfg.get('tensorboard', True):
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -151,11 +166,32 @@ class RunMetrics:
                 if logger is not None:
                     logger.info(
                         'TensorBoard is not installed (pip install tensorboard): scalars go '
-                        f'to {os.path.join(log_dir, "metrics.csv")} and the log only'
+                        f'to {self._path} and the log only'
                     )
             else:
                 # its own thread writes the events every 10 s (and at close)
                 self._tb = SummaryWriter(os.path.join(log_dir, 'tensorboard'), flush_secs=10)
+
+    def _open(self) -> None:
+        new = not os.path.exists(self._path)
+        self._file = open(self._path, 'a', newline='')  # noqa: SIM115 - closed in close()
+        self._csv = csv.DictWriter(self._file, fieldnames=self._columns, restval='')
+        if new:
+            self._csv.writeheader()
+
+    def _widen(self) -> None:
+        """Rewrite the CSV under ``self._columns`` (a temp file renamed over it): a column
+        that appears mid-run gets a header entry, and the earlier rows keep their values."""
+        if self._file is not None:
+            self._file.close()
+        with open(self._path, newline='') as f:
+            rows = list(csv.DictReader(f))
+        tmp = self._path + '.tmp'
+        with open(tmp, 'w', newline='') as f:
+            writer = csv.DictWriter(f, fieldnames=self._columns, restval='', extrasaction='ignore')
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self._path)
 
     def saw_batch(self, batch: Any) -> None:
         """Learn the tokens per sample from the first batch (token data only)."""
@@ -176,8 +212,10 @@ class RunMetrics:
         iters: int,
         seconds: float,
         device: torch.device,
+        extras: Mapping[str, float] | None = None,
     ) -> dict:
-        """One row for the ``iters`` iterations that took ``seconds``; returns it."""
+        """One row for the ``iters`` iterations that took ``seconds``; ``extras``: the model's
+        other training scalars (means over the interval). Returns the row."""
         rate = iters / seconds if seconds > 0 else float('nan')
         row = {
             'iter': it,
@@ -191,40 +229,55 @@ class RunMetrics:
             'peak_memory_mib': peak_memory_mib(device),
             'checkpoint_stall_s': self.stall,
         }
+        for name, value in (extras or {}).items():
+            row.setdefault(name, value)
         self.stall = 0.0
         self.last_row = row
+        self._add(row)
+        return row
+
+    def write_val(self, it: int, epoch: int, values: Mapping[str, float]) -> dict:
+        """One validation's row: ``iter``, ``epoch`` and ``val/<name>`` per value."""
+        row: dict[str, Any] = {'iter': it, 'epoch': epoch}
+        row.update((f'val/{name}', value) for name, value in values.items())
+        self._add(row)
+        return row
+
+    def _add(self, row: dict) -> None:
         # the file's buffer and TensorBoard's writer get the rows at most once a second (and
         # at the end): a flush or an event per row costs a tiny model's run whole percents
         now = time.monotonic()
         due = now - self._flushed_at >= self.flush_every_s
         if self._csv is not None:
+            new = [k for k in row if k not in self._columns]
+            if new:
+                self._columns += new
+                self._widen()
+                self._open()
             self._csv.writerow({k: '' if v is None else v for k, v in row.items()})
             if due:
                 self._file.flush()
         if self._tb is not None:
-            self._pending = row
+            self._pending.append(row)
             if due:
                 self._to_tensorboard()
         if due:
             self._flushed_at = now
-        return row
 
     def _to_tensorboard(self) -> None:
-        # one event per row, all its scalars in it. Handing an event to the writer's thread
-        # costs ~0.1 ms (its queue's lock): at a row every few milliseconds (a tiny model)
-        # that is percents of the run, so TensorBoard gets the newest row at most once a
-        # second (and the last one at the end); the CSV and the log get every row
+        # one event per row, all its scalars in it, every row: handing an event to the
+        # writer's thread costs ~0.1 ms (its queue's lock), paid here once a second for the
+        # rows gathered since, not in the loop's step
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        row, self._pending = self._pending, None
-        if row is None:
-            return
-        values = [
-            Summary.Value(tag=f'train/{k}', simple_value=float(v))
-            for k, v in row.items()
-            if k not in ('iter', 'epoch') and v is not None
-        ]
-        self._tb.file_writer.add_summary(Summary(value=values), row['iter'])
+        rows, self._pending = self._pending, []
+        for row in rows:
+            values = [
+                Summary.Value(tag=k if '/' in k else f'train/{k}', simple_value=float(v))
+                for k, v in row.items()
+                if k not in ('iter', 'epoch') and v is not None
+            ]
+            self._tb.file_writer.add_summary(Summary(value=values), row['iter'])
 
     def close(self) -> None:
         if self._tb is not None:

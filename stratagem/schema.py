@@ -19,13 +19,17 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    'CHECKPOINT_HOOK_KEYS',
     'DEFAULT_HOOK_TYPES',
     'ENV_KEYS',
+    'LOGGER_HOOK_KEYS',
     'LOOP_TOP_KEYS',
     'RANDOMNESS_KEYS',
     'RUNNER_TOP_KEYS',
     'TRAIN_DATALOADER_KEYS',
     'TRAIN_CFG_KEYS',
+    'VAL_CFG_KEYS',
+    'VAL_DATALOADER_KEYS',
     'runner_reasons',
     'unread_top_level_keys',
 ]
@@ -71,18 +75,82 @@ TRAIN_CFG_KEYS: frozenset[str] = frozenset(
         'preemption',
         'metrics',
         'refit_schedulers',
+        'val_interval',
+        'val_begin',
     }
 )
 """``train_cfg`` (read by the reference loop, ``stratagem train``): ``max_epochs`` or
 ``max_iters`` (the run's length; ``max_iters`` wins), ``checkpoint_interval`` (iterations
 between saves; 0: only at the end), ``max_keep_ckpts`` (older checkpoints are deleted),
-``log_interval`` (iterations; default 10), ``by_epoch`` (accepted for mmengine configs;
-``stratagem plot-schedule`` reads it), ``preemption`` (``dict(signals=['SIGTERM',
-'SIGUSR1'], requeue=False, exit_code=75)``, the default; None: off; see
-``stratagem.env.preemption``), ``refit_schedulers`` (default False: a resumed run keeps the
-saved length of a scheduler whose ``end`` was fitted to the earlier run's length, with a
-warning when this run's length differs; True: those schedulers take this run's length, and
-their values from the resumed iteration on are those of a fresh run of this length)."""
+``log_interval`` (iterations; default 10), ``by_epoch`` (whether the run counts in epochs:
+``val_interval`` and the log line's position are in epochs; default True unless ``max_iters``
+is given; ``stratagem plot-schedule`` reads it too), ``val_interval`` (epochs when
+``by_epoch``, else iterations, between validations; default 1; there is always one at the
+end), ``val_begin`` (the first epoch or iteration after which validation may run; default 1:
+none before training, as mmengine), ``metrics`` (see ``stratagem.metrics``),
+``preemption`` (``dict(signals=['SIGTERM', 'SIGUSR1'], requeue=False, exit_code=75)``, the
+default; None: off; see ``stratagem.env.preemption``), ``refit_schedulers`` (default False: a
+resumed run keeps the saved length of a scheduler whose ``end`` was fitted to the earlier
+run's length, with a warning when this run's length differs; True: those schedulers take
+this run's length, and their values from the resumed iteration on are those of a fresh run
+of this length). mmengine's
+``default_hooks.checkpoint`` / ``default_hooks.logger`` give the same settings (see
+:data:`CHECKPOINT_HOOK_KEYS`)."""
+
+VAL_DATALOADER_KEYS: frozenset[str] = frozenset(
+    {
+        'dataset',
+        'batch_size',
+        'shuffle',
+        'sampler',
+        'num_workers',
+        'drop_last',
+        'pin_memory',
+        'collate_fn',
+        'persistent_workers',
+    }
+)
+"""``val_dataloader`` (read by the reference loop; validation runs when it is given):
+``dataset`` (as in ``train_dataloader``), ``batch_size`` (per process; default 1), ``shuffle``
+(default False) or mmengine's ``sampler=dict(type='DefaultSampler', shuffle=False)``
+(``seed`` and ``round_up`` accepted: every sample is read once, on one rank, never padded),
+``drop_last`` (False only: validation reads every sample), and ``DataLoader``'s
+``num_workers``, ``pin_memory``, ``collate_fn``, ``persistent_workers``. Every scalar the model
+returns (a dict's scalars, or a bare tensor as ``loss``) is taken as its batch's mean and
+averaged over the whole set, each sample counted once; logged as ``val/<name>``."""
+
+VAL_CFG_KEYS: frozenset[str] = frozenset({'type'})
+"""``val_cfg`` (read by the reference loop): empty, or ``dict(type='ValLoop')``; how often
+validation runs is ``train_cfg.val_interval`` / ``val_begin``."""
+
+CHECKPOINT_HOOK_KEYS: frozenset[str] = frozenset(
+    {
+        'type',
+        'interval',
+        'by_epoch',
+        'max_keep_ckpts',
+        'save_best',
+        'rule',
+        'greater_keys',
+        'less_keys',
+        'save_last',
+    }
+)
+"""``default_hooks.checkpoint`` (mmengine's ``CheckpointHook``, read by the reference loop):
+``interval`` (epochs when ``by_epoch``, else iterations; ``train_cfg.checkpoint_interval`` in
+iterations), ``by_epoch`` (default: ``train_cfg.by_epoch``), ``max_keep_ckpts`` (as
+``train_cfg.max_keep_ckpts``; ``-1`` keeps all), ``save_best`` (a validation value's name,
+e.g. ``'acc'``, or ``'auto'``: the first; keeps ``best_{name}_{epoch|iter}_{N}.pth``, which
+retention never deletes, and removes the previous best), ``rule`` (``'greater'`` or
+``'less'``; default inferred from the name: ``'less'`` for names with loss or error,
+``'greater'`` for acc, top, precision, recall, f1, map, auc, iou, dice), ``greater_keys`` /
+``less_keys`` (replace those name lists), ``save_last`` (True: the loop always saves at the
+end). A key given both here and in ``train_cfg`` must agree."""
+
+LOGGER_HOOK_KEYS: frozenset[str] = frozenset({'type', 'interval'})
+"""``default_hooks.logger`` (mmengine's ``LoggerHook``, read by the reference loop):
+``interval`` (iterations between log lines and ``metrics.csv`` rows; as
+``train_cfg.log_interval``, which must agree when both are given)."""
 
 
 # ------------------------------------------------------------------ the top level

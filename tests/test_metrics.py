@@ -102,3 +102,39 @@ def test_stratagem_train_writes_the_rows(tmp_path):
     assert [float(r['checkpoint_stall_s']) > 0 for r in rows] == [False, True, True]
     for r in rows:
         assert float(r['samples_per_s']) == pytest.approx(8 / float(r['step_time_s']), rel=1e-6)
+
+
+def test_every_row_reaches_tensorboard_and_new_columns_widen_the_csv(tmp_path):
+    metrics = RunMetrics(str(tmp_path), samples_per_iter=8, enabled=True)
+    cpu = torch.device('cpu')
+    # rows far less than a second apart: buffered, none dropped
+    for it in range(1, 6):
+        metrics.write(it, 1, 1.0 / it, 0.1, None, 1, 0.01, cpu)
+    metrics.write(6, 2, 0.5, 0.1, None, 1, 0.01, cpu, extras={'acc': 0.75})
+    metrics.write_val(6, 2, {'loss': 0.25, 'acc': 0.5})
+    metrics.close()
+    with open(tmp_path / 'metrics.csv') as f:
+        lines = list(csv.DictReader(f))
+    assert list(lines[0]) == [*COLUMNS, 'acc', 'val/loss', 'val/acc']
+    assert [(r['iter'], r['loss'], r['acc'], r['val/loss']) for r in lines] == [
+        *[(str(it), str(1.0 / it), '', '') for it in range(1, 6)],
+        ('6', '0.5', '0.75', ''),
+        ('6', '', '', '0.25'),
+    ]
+    # a resumed run appends under the widened header
+    again = RunMetrics(str(tmp_path), samples_per_iter=8, enabled=True, cfg=dict(tensorboard=False))
+    again.write_val(8, 2, {'acc': 0.625})
+    again.close()
+    with open(tmp_path / 'metrics.csv') as f:
+        assert list(csv.DictReader(f))[-1]['val/acc'] == '0.625'
+    pytest.importorskip('tensorboard')
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / 'tensorboard'))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars('train/loss')] == [
+        (it, pytest.approx(1.0 / it)) for it in range(1, 6)
+    ] + [(6, 0.5)]
+    assert [(e.step, e.value) for e in events.Scalars('train/acc')] == [(6, 0.75)]
+    assert [(e.step, e.value) for e in events.Scalars('val/loss')] == [(6, 0.25)]
+    assert [(e.step, e.value) for e in events.Scalars('val/acc')] == [(6, 0.5)]

@@ -90,7 +90,7 @@ def test_train_prints_lines_not_redraws_when_stderr_is_not_a_terminal(tmp_path, 
     assert len(final) == 1  # a short run: the last line only
     assert re.fullmatch(
         r'train 6/6 100% \| [\d.]+ it/s \| 0:\d\d<0:00 \| '
-        r'loss=\d\.\d{4}, lr=0\.1, epoch=1, samples_s=\d+',
+        r'loss=\d\.\d{4}, lr=0\.1, epoch=2, samples_s=\d+',  # epochs 1-based
         final[0],
     ), final[0]
 

@@ -36,7 +36,7 @@ from .errors import (
 from .latest import POINTER_NAME, CheckpointInfo, find_latest_checkpoint, list_checkpoints
 from .load import load_checkpoint_file
 from .manifest import verify_checkpoint
-from .retention import apply_retention, sweep_debris
+from .retention import apply_retention, delete_checkpoint, sweep_debris
 from .sharded import read_sharded_checkpoint
 from .state_dict import (
     LoadReport,
@@ -65,6 +65,7 @@ __all__ = [
     'load_checkpoint_file',
     'read_sharded_checkpoint',
     'apply_retention',
+    'delete_checkpoint',
     'sweep_debris',
     'convert_checkpoint',
     # what a checkpoint may hold besides tensors and plain values

@@ -123,6 +123,29 @@ def _remove_old(
     return removed
 
 
+def delete_checkpoint(
+    path: str | os.PathLike, *, protect: Iterable[str | os.PathLike] = ()
+) -> bool:
+    """Delete one committed checkpoint by the steps of the module docstring (a replaced best
+    checkpoint). Refused (False, nothing touched) for a file without a stratagem manifest,
+    for the one ``last_checkpoint`` points to and for any path in ``protect`` (the one resumed
+    from); True once deleted."""
+    path = Path(path).absolute()
+    if not any(info.path == path for info in list_checkpoints(path.parent)):
+        return False
+    try:
+        pointed = read_pointer(path.parent)
+    except (ValueError, OSError):
+        pointed = None
+    kept = [Path(p).absolute().resolve() for p in protect]
+    if pointed is not None:
+        kept.append(pointed.absolute().resolve())
+    if path.resolve() in kept:
+        return False
+    _delete_checkpoint(path)
+    return True
+
+
 def _delete_checkpoint(path: Path) -> None:
     # Steps 1-3 of the module docstring: rename away, then the manifest, then the temp entry.
     doomed = path.with_name(f'.{path.name}.trash-{os.getpid()}-{secrets.token_hex(4)}')

@@ -19,6 +19,8 @@ from stratagem.schema import (
     RUNNER_TOP_KEYS,
     TRAIN_CFG_KEYS,
     TRAIN_DATALOADER_KEYS,
+    VAL_CFG_KEYS,
+    VAL_DATALOADER_KEYS,
     runner_reasons,
 )
 
@@ -55,6 +57,11 @@ class KeyChecks:
             self._keys(loader, TRAIN_DATALOADER_KEYS, 'train_dataloader')
             if isinstance(loader.get('dataset'), Mapping):
                 self._typed(loader['dataset'], 'DATASETS', 'train_dataloader.dataset')
+            val_loader = cfg.get('val_dataloader') or {}
+            self._keys(val_loader, VAL_DATALOADER_KEYS, 'val_dataloader')
+            if isinstance(val_loader.get('dataset'), Mapping):
+                self._typed(val_loader['dataset'], 'DATASETS', 'val_dataloader.dataset')
+            self._keys(cfg.get('val_cfg') or {}, VAL_CFG_KEYS, 'val_cfg')
         strategy = dict(cfg.get('strategy') or {})
         if strategy.get('type', 'auto') != 'auto':
             self._typed(strategy, 'STRATEGIES', 'strategy')

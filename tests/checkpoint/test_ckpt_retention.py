@@ -10,6 +10,7 @@ from ckpt_helpers import make_state
 from stratagem.checkpoint import (
     POINTER_NAME,
     apply_retention,
+    delete_checkpoint,
     list_checkpoints,
     save_checkpoint,
 )
@@ -136,3 +137,18 @@ def test_review_live_writers_temp_entries_survive_retention(tmp_path):
     removed = apply_retention(tmp_path, 3)
     assert entries['live'].is_dir() and not entries['dead'].exists()
     assert removed == [entries['dead']]
+
+
+def test_delete_checkpoint_removes_one_of_ours_never_the_pointed_or_protected(tmp_path):
+    """A replaced best checkpoint goes through the same safe steps; what must stay, stays."""
+    old, resumed, newest = (_save(tmp_path, s) for s in (1, 2, 3))  # the pointer: newest
+    foreign = tmp_path / 'best_acc_epoch_0.pth'  # no manifest: not ours
+    torch.save({'x': 1}, foreign)
+    assert not delete_checkpoint(foreign) and foreign.exists()
+    assert not delete_checkpoint(newest) and newest.exists()
+    assert not delete_checkpoint(resumed, protect=[resumed]) and resumed.exists()
+    assert delete_checkpoint(old)
+    assert [c.path for c in list_checkpoints(tmp_path)] == [newest, resumed]
+    assert not (tmp_path / 'epoch_1.pth.manifest.json').exists()
+    assert not any(n.startswith('.') for n in os.listdir(tmp_path))  # no trash left
+    assert not delete_checkpoint(old)  # already gone

@@ -9,7 +9,10 @@ from stratagem.registry import DATASETS
 @DATASETS.register_module()
 class Blobs(Dataset):
     """``num_samples`` items ``(point, label)``: float32 points of ``in_features`` values
-    around ``num_classes`` random centres, with noise of standard deviation ``noise``."""
+    around ``num_classes`` random centres, with noise of standard deviation ``noise``. The
+    centres come from ``centre_seed`` and the points from ``seed``: sets with the same
+    centres and other seeds (a training and a validation set) hold other points of one
+    problem."""
 
     def __init__(
         self,
@@ -18,9 +21,12 @@ class Blobs(Dataset):
         num_classes: int = 3,
         noise: float = 2.0,
         seed: int = 0,
+        centre_seed: int = 0,
     ) -> None:
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator().manual_seed(centre_seed)
         centres = torch.randn(num_classes, in_features, generator=g) * 2.0
+        # the points' own stream, apart from the centres' (seed 0 must not replay them)
+        g = torch.Generator().manual_seed(2**32 + seed)
         self.labels = torch.randint(num_classes, (num_samples,), generator=g)
         self.points = centres[self.labels] + noise * torch.randn(
             num_samples, in_features, generator=g
