@@ -5,7 +5,7 @@ in a fresh namespace (so it holds its own imports and names) and its own empty w
 directory holding links to the checkout's ``examples/``, ``docs/`` and ``benchmarks/``; all
 blocks share one interpreter, so torch is imported once; README.md's python blocks too. Every
 python block, also one that does not run, is checked for names it uses but never defines
-(ruff's F821). A page listed in ``PENDING`` (its features not merged yet) is only checked. A
+(ruff's F821). A
 page's ``bash`` blocks run in order in one such directory (a shell session: a command may read
 what an earlier one wrote), each as one script under ``set -euo pipefail`` with the venv's
 ``stratagem`` on ``PATH``. A block that must not run starts with ``# not run: <reason>``, and
@@ -81,11 +81,6 @@ PAGES = sorted(
 )
 ALL_BLOCKS = [b for p in PAGES for b in blocks_of(p)]
 README_BLOCKS = blocks_of(ROOT / 'README.md')
-# pages whose examples need features not merged yet: their blocks are still checked for
-# undefined names, but not run; remove a page from here once what it shows has landed
-PENDING = {
-    'docs/guides/own-model.md': 'custom_imports and validation in the reference loop (issue #33)',
-}
 
 
 def _runnable(page: str, lang: str) -> list[Block]:
@@ -93,13 +88,7 @@ def _runnable(page: str, lang: str) -> list[Block]:
 
 
 def _pages_with(lang: str) -> list[str]:
-    return sorted(
-        {
-            b.page
-            for b in ALL_BLOCKS
-            if b.lang == lang and not b.not_run_reason and b.page not in PENDING
-        }
-    )
+    return sorted({b.page for b in ALL_BLOCKS if b.lang == lang and not b.not_run_reason})
 
 
 # ruff (the test extra) beside the interpreter: its F821, an undefined name, as pyflakes reads
@@ -141,7 +130,6 @@ def test_python_blocks_define_what_they_use(tmp_path):
 
 def test_every_block_is_runnable_or_says_why():
     assert len(PAGES) >= 20, [str(p) for p in PAGES]
-    assert [p for p in PENDING if not (ROOT / p).exists()] == [], 'PENDING names a missing page'
     bad_lang = [f'{b.page}:{b.line} ```{b.lang}' for b in ALL_BLOCKS if b.lang not in LANGUAGES]
     assert not bad_lang, f'fences must be one of {sorted(LANGUAGES)}: {bad_lang}'
     vague = [
