@@ -32,6 +32,7 @@ from failure_helpers import (
     write_config,
 )
 from stratagem import checkpoint as ckpt
+from stratagem.cli import main
 
 pytestmark = pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='needs Linux /proc')
 
@@ -70,7 +71,7 @@ def test_an_exception_then_a_kill_restart_every_rank_and_the_run_ends_bit_exact(
 
 
 def test_preemption_of_one_rank_commits_one_checkpoint_requeues_and_resumes_exactly(
-    uninterrupted_run, tmp_path
+    uninterrupted_run, tmp_path, caplog
 ):
     cfg, want = uninterrupted_run
     bin_dir = tmp_path / 'bin'
@@ -109,7 +110,10 @@ def test_preemption_of_one_rank_commits_one_checkpoint_requeues_and_resumes_exac
     alone = tmp_path / 'alone'
     shutil.copytree(work, alone)
     (alone / 'last_checkpoint').unlink()  # the copy's pointer names the original
-    code, out = finish(start(cfg, alone, '--resume'))
+    # in this process: one process needs no launch of its own (seconds of start-up)
+    caplog.clear()
+    code = main(['train', str(cfg), '--work-dir', str(alone), '--resume'])
+    out = caplog.text  # the log, as the process's stderr shows it
     assert code == 0, out[-4000:]
     assert re.search(r'cannot resume \S+iter_13.pth exactly at world size 1.*resuming from '
                      r'\S+iter_10.pth instead', out), out[-4000:]  # fmt: skip
