@@ -18,6 +18,7 @@ from failure_helpers import (
     start,
     workers,
 )
+from stratagem.cli import main
 from stratagem.env.workdir_lock import LOCK_NAME
 
 pytestmark = pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='needs Linux /proc')
@@ -35,7 +36,7 @@ def _holder(work_dir, timeout=60.0):
 
 
 def test_a_busy_work_dir_is_refused_and_a_killed_runs_work_dir_is_resumed(
-    uninterrupted_run, tmp_path
+    uninterrupted_run, tmp_path, capfd
 ):
     """One run, held busy, then SIGKILLed: a second run on its work_dir is refused at once,
     naming it, and leaves its lock and its run alone; after the kill the lock file stays, and
@@ -50,7 +51,9 @@ def test_a_busy_work_dir_is_refused_and_a_killed_runs_work_dir_is_resumed(
         workers(first.pid)  # the parent holds the lock; its workers run under it
         assert _holder(work)['pid'] == first.pid
         t0 = time.monotonic()
-        code, out = finish(start(cfg, work), timeout=60)
+        capfd.readouterr()
+        code = main(['train', str(cfg), '--work-dir', str(work)])  # here: no start-up to wait
+        out = ''.join(capfd.readouterr())
         took = time.monotonic() - t0
         assert first.poll() is None, 'the first run ended before the second was refused'
         assert _holder(work)['pid'] == first.pid  # the refused run left the lock alone
