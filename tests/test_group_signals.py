@@ -9,8 +9,8 @@ what Slurm's ``#SBATCH --signal=USR1@120`` does to a job step running one agent 
   committed checkpoint resumes, one line on stderr says so, exit status 130; the same when
   only the agent gets it.
 
-Each run costs a launch (seconds on 2 cores), so the SIGINT runs and the SIGUSR1 to every
-process share one work_dir, each resuming the one before.
+Each run costs a launch (seconds on 2 cores), so the SIGINT runs and the SIGUSR1 to the
+agent or to every process share one work_dir, each resuming the one before.
 """
 
 import os
@@ -36,11 +36,11 @@ from stratagem import checkpoint as ckpt
 pytestmark = pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='needs Linux /proc')
 
 
-def _signal_group_mid_run(tmp_path, sig, to='group', resume=False):
+def _signal_group_mid_run(tmp_path, sig, to='group', resume=False, batches=7):
     """``stratagem train --nproc 2`` in a session of its own, ``sig`` to its process group
-    when rank 0 has read 7 batches (iteration 7, after the checkpoint of iteration 5; with
-    ``resume``, ``--resume`` of ``tmp_path``'s work_dir: 7 iterations after the one it
-    resumed from); ``to`` 'agent': to torchrun's agent only; 'every process': to the group
+    when rank 0 has read ``batches`` batches (iteration 7, after the checkpoint of iteration
+    5; with ``resume``, ``--resume`` of ``tmp_path``'s work_dir: 7 iterations after the one
+    it resumed from); ``to`` 'agent': to torchrun's agent only; 'every process': to the group
     and to each worker (in sessions of their own), as Slurm signals every process of a step."""
     cfg = tmp_path / 'cfg.py'
     if not cfg.exists():
@@ -52,7 +52,7 @@ def _signal_group_mid_run(tmp_path, sig, to='group', resume=False):
     args = ('--resume',) if resume else ()
     proc = start(cfg, work, '--nproc', '2', *args, env=env, start_new_session=True)
     pids = workers(proc.pid)
-    wait_reads(count, pids[0], 4 * 7)
+    wait_reads(count, pids[0], 4 * batches)
     if to == 'agent':
         os.kill(children(proc.pid)[0], sig)
     else:
@@ -89,11 +89,6 @@ def test_sigusr1_to_the_process_group_commits_one_checkpoint_and_resumes_exactly
     assert equal(final_state(work), uninterrupted_run[1])
 
 
-def test_sigusr1_to_the_agent_commits_one_checkpoint(tmp_path):
-    _, work, code, out = _signal_group_mid_run(tmp_path, signal.SIGUSR1, 'agent')
-    _assert_preempted(work, code, out, after=5)
-
-
 def _assert_preempted(work, code, out, after):
     assert code == 75, out[-4000:]
     at = ckpt.verify_checkpoint(ckpt.find_latest_checkpoint(work))['step']
@@ -114,10 +109,11 @@ def _assert_interrupted(work, code, out, committed, latest):
     assert ckpt.verify_checkpoint(work / f'iter_{latest}.pth')['step'] == latest
 
 
-def test_sigint_to_the_group_or_the_agent_stops_cleanly_in_one_line_and_resumes(tmp_path):
-    """One work_dir, three runs, each resuming the one before: SIGINT to the process group
+def test_sigint_or_sigusr1_to_the_group_the_agent_or_every_process_in_turn(tmp_path):
+    """One work_dir, four runs, each resuming the one before: SIGINT to the process group
     (in iteration 7), SIGINT to the agent only (in iteration 12, after resuming iteration
-    5), then SIGUSR1 to every process (in iteration 17, after resuming iteration 10)."""
+    5), SIGUSR1 to every process (in iteration 17, after resuming iteration 10), SIGUSR1 to
+    the agent only (3 iterations after resuming where that one stopped)."""
     _, work, code, out = _signal_group_mid_run(tmp_path, signal.SIGINT, 'group')
     _assert_interrupted(work, code, out, ['iter_5.pth'], 5)
     _, work, code, out = _signal_group_mid_run(tmp_path, signal.SIGINT, 'agent', resume=True)
@@ -126,3 +122,8 @@ def test_sigint_to_the_group_or_the_agent_stops_cleanly_in_one_line_and_resumes(
         tmp_path, signal.SIGUSR1, 'every process', resume=True
     )
     _assert_preempted(work, code, out, after=10)
+    before = ckpt.verify_checkpoint(ckpt.find_latest_checkpoint(work))['step']
+    _, work, code, out = _signal_group_mid_run(
+        tmp_path, signal.SIGUSR1, 'agent', resume=True, batches=3
+    )
+    _assert_preempted(work, code, out, after=before)
