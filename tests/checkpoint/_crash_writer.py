@@ -10,6 +10,7 @@ Protocol on stdin/stdout, one line each:
                  values. ``strategy``: a SingleDeviceStrategy with ``async_checkpoint=True``
                  in a user's loop (``child_strategy``).
     "reap"    -> wait for that child; reply "reaped SIGNAL EXITCODE"
+    "dir PATH" -> the next children save into PATH (instead of the first argument); reply "ok"
     "exit"    -> quit
 A child saves ``iter_{c}.pth`` (step c) every round, also overwrites ``latest.pth`` every third
 round, then keeps the newest 3 ``iter_*`` checkpoints. Every tensor holds the value c.
@@ -134,12 +135,15 @@ def child(directory: str, base: int) -> None:
 
 
 def main() -> None:
-    directory = sys.argv[1]
+    directory = sys.argv[1] if len(sys.argv) > 1 else None
     pid, built = None, None
     print('ready', flush=True)
     for line in sys.stdin:
         cmd = line.split()
-        if cmd[0] == 'go':
+        if cmd[0] == 'dir':  # one zygote serves several directories (its start-up once)
+            directory, built = line[len('dir ') :].rstrip('\n'), None
+            print('ok', flush=True)
+        elif cmd[0] == 'go':
             mode = cmd[2] if len(cmd) > 2 else 'sync'
             if mode == 'strategy' and built is None:
                 built = build_strategy(directory)
