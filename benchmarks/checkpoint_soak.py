@@ -43,13 +43,7 @@ def main() -> None:
             else tempfile.mkdtemp()
         )
         try:
-            r = run_kill_rounds(
-                directory,
-                args.kills,
-                mode,
-                seed=args.seed,
-                max_sleep=1.0 if mode == 'strategy' else 0.45,
-            )
+            r = run_kill_rounds(directory, args.kills, mode, seed=args.seed)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         assert r['debris_after_cleanup'] == [], r

@@ -1,11 +1,12 @@
 """A 2-process ``stratagem train`` run that survives failures by itself, compared bit for bit
 (weights, optimizer state, schedulers) with the same run uninterrupted:
 
-- an exception on one rank, then (in the restarted attempt) a worker SIGKILLed, under
-  ``--max-restarts``: every worker restarts and resumes, twice;
 - a preemption signal to one rank only, during an asynchronous save, the stop falling
   inside an accumulation window, ``requeue=True`` under a (fake) Slurm: one checkpoint,
   exit status 75, ``scontrol requeue`` called, and the next run continues exactly;
+- in that next run, an exception on one rank, then (in the restarted attempt) a worker
+  SIGKILLed, under ``--max-restarts``: every worker restarts and resumes, twice (one run
+  for both checks: each launch costs seconds);
 - a rank stopped with SIGSTOP: the other exits within ``dist_cfg.timeout`` + 15 s with an
   error naming rank 1.
 """
@@ -32,6 +33,7 @@ from failure_helpers import (
     write_config,
 )
 from stratagem import checkpoint as ckpt
+from stratagem.cli import main
 
 pytestmark = pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='needs Linux /proc')
 
@@ -40,38 +42,11 @@ def _count_files(count):
     return sorted(n for n in os.listdir(count) if n.endswith('.txt'))
 
 
-def test_an_exception_then_a_kill_restart_every_rank_and_the_run_ends_bit_exact(
-    uninterrupted_run, tmp_path
+def test_preemption_requeues_then_an_exception_then_a_kill_restart_and_the_run_ends_bit_exact(
+    uninterrupted_run, tmp_path, caplog
 ):
-    """One run, two failures: rank 1 raises in iteration 13 of the first attempt; rank 0 of
-    the second is SIGKILLed in iteration 22 (the last checkpoint 20). Each time every
-    worker restarts and resumes; the run ends equal to the uninterrupted one."""
-    cfg, want = uninterrupted_run
-    count = tmp_path / 'count'
-    count.mkdir()
-    env = clean_env(COUNT_DIR=str(count), FAIL_AT='50', FAIL_RANK='1', SLOW='0.01')
-    proc = start(cfg, tmp_path / 'work', '--nproc', '2', '--max-restarts', '2', env=env)
-    first = set(workers(proc.pid).values())
-    deadline = time.monotonic() + 120
-    while True:  # the second attempt's workers
-        second = workers(proc.pid)
-        if not set(second.values()) & first:
-            break
-        assert time.monotonic() < deadline and proc.poll() is None, 'no restart'
-        time.sleep(0.05)
-    # the second attempt resumed from iteration 10: its 12th iteration is 22
-    wait_reads(count, second[0], 4 * 11 + 1)
-    os.kill(second[0], signal.SIGKILL)
-    code, out = finish(proc)
-    assert code == 0, out[-4000:]
-    assert 'injected failure on rank 1' in out, out[-4000:]
-    assert len(_count_files(count)) == 6, out[-3000:]  # a third pair of workers ran
-    assert equal(final_state(tmp_path / 'work'), want)
-
-
-def test_preemption_of_one_rank_commits_one_checkpoint_requeues_and_resumes_exactly(
-    uninterrupted_run, tmp_path
-):
+    """A preempted run (one checkpoint, requeued), then the requeued run, which survives two
+    failures by itself; it ends equal to the uninterrupted run."""
     cfg, want = uninterrupted_run
     bin_dir = tmp_path / 'bin'
     bin_dir.mkdir()
@@ -109,14 +84,37 @@ def test_preemption_of_one_rank_commits_one_checkpoint_requeues_and_resumes_exac
     alone = tmp_path / 'alone'
     shutil.copytree(work, alone)
     (alone / 'last_checkpoint').unlink()  # the copy's pointer names the original
-    code, out = finish(start(cfg, alone, '--resume'))
+    # in this process: one process needs no launch of its own (seconds of start-up)
+    caplog.clear()
+    code = main(['train', str(cfg), '--work-dir', str(alone), '--resume'])
+    out = caplog.text  # the log, as the process's stderr shows it
     assert code == 0, out[-4000:]
     assert re.search(r'cannot resume \S+iter_13.pth exactly at world size 1.*resuming from '
                      r'\S+iter_10.pth instead', out), out[-4000:]  # fmt: skip
     assert ckpt.verify_checkpoint(alone / f'iter_{2 * ITERS_2}.pth')['step'] == 2 * ITERS_2
-    # the requeued job's next run: `--resume` continues exactly
-    code, out = finish(start(cfg, work, '--nproc', '2', '--resume'))
+    # the requeued job's next run, `--resume` under --max-restarts, fails twice: rank 1
+    # raises in iteration 21 of the first attempt (its 30th read after resuming iteration
+    # 13); rank 0 of the second (resumed from iteration 20) is SIGKILLed in iteration 27
+    # (the last checkpoint 25). Each time every worker restarts and resumes; the run ends
+    # equal to the uninterrupted one.
+    count = tmp_path / 'count'
+    count.mkdir()
+    env = clean_env(COUNT_DIR=str(count), FAIL_AT='30', FAIL_RANK='1', SLOW='0.01')
+    proc = start(cfg, work, '--nproc', '2', '--resume', '--max-restarts', '2', env=env)
+    first = set(workers(proc.pid).values())
+    deadline = time.monotonic() + 120
+    while True:  # the second attempt's workers
+        second = workers(proc.pid)
+        if not set(second.values()) & first:
+            break
+        assert time.monotonic() < deadline and proc.poll() is None, 'no restart'
+        time.sleep(0.05)
+    wait_reads(count, second[0], 4 * 6 + 1)
+    os.kill(second[0], signal.SIGKILL)
+    code, out = finish(proc)
     assert code == 0, out[-4000:]
+    assert 'injected failure on rank 1' in out, out[-4000:]
+    assert len(_count_files(count)) == 6, out[-3000:]  # a third pair of workers ran
     assert equal(final_state(work), want)
 
 

@@ -10,6 +10,7 @@ Protocol on stdin/stdout, one line each:
                  values. ``strategy``: a SingleDeviceStrategy with ``async_checkpoint=True``
                  in a user's loop (``child_strategy``).
     "reap"    -> wait for that child; reply "reaped SIGNAL EXITCODE"
+    "dir PATH" -> the next children save into PATH (instead of the first argument); reply "ok"
     "exit"    -> quit
 A child saves ``iter_{c}.pth`` (step c) every round, also overwrites ``latest.pth`` every third
 round, then keeps the newest 3 ``iter_*`` checkpoints. Every tensor holds the value c.
@@ -71,26 +72,34 @@ def child_async(directory: str, base: int) -> None:
         os._exit(3)
 
 
-def child_strategy(directory: str, base: int) -> None:
-    """The loop of a user: set the weights and momentum to the counter, save asynchronously
-    through a strategy, then at once overwrite every tensor in place (an EMA update, weight
-    clipping, ...) before waiting for the write. A checkpoint that took anything after the
-    call would hold -1 or a mix."""
+def build_strategy(directory: str) -> tuple:
+    """The user's strategy, model and the tensors ``child_strategy`` sets: built once, in the
+    zygote, before forking (its threads start only at a save, which the zygote never makes),
+    so that a child is saving from its first instant and every kill lands in its saves."""
     from torch import nn
 
+    strategy = SingleDeviceStrategy(
+        work_dir=directory, async_checkpoint=True, log_kwargs=dict(log_level='ERROR')
+    )
+    model, wrapper = strategy.prepare(
+        nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)]),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)),
+    )
+    wrapper.update_params(model(torch.ones(2, 512)).sum())  # creates the momentum
+    tensors = list(model.parameters()) + [
+        st['momentum_buffer'] for st in wrapper.optimizer.state.values()
+    ]
+    return strategy, tensors
+
+
+def child_strategy(directory: str, base: int, built: tuple) -> None:
+    """The loop of a user: set the weights and momentum to the counter, save asynchronously
+    through a strategy (``built`` by ``build_strategy``), then at once overwrite every tensor
+    in place (an EMA update, weight clipping, ...) before waiting for the write. A checkpoint
+    that took anything after the call would hold -1 or a mix."""
     counter = base
+    strategy, tensors = built
     try:
-        strategy = SingleDeviceStrategy(
-            work_dir=directory, async_checkpoint=True, log_kwargs=dict(log_level='ERROR')
-        )
-        model, wrapper = strategy.prepare(
-            nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)]),
-            optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)),
-        )
-        wrapper.update_params(model(torch.ones(2, 512)).sum())  # creates the momentum
-        tensors = list(model.parameters()) + [
-            st['momentum_buffer'] for st in wrapper.optimizer.state.values()
-        ]
         while True:
             with torch.no_grad():
                 for tensor in tensors:
@@ -126,16 +135,23 @@ def child(directory: str, base: int) -> None:
 
 
 def main() -> None:
-    directory = sys.argv[1]
-    pid = None
+    directory = sys.argv[1] if len(sys.argv) > 1 else None
+    pid, built = None, None
     print('ready', flush=True)
     for line in sys.stdin:
         cmd = line.split()
-        if cmd[0] == 'go':
+        if cmd[0] == 'dir':  # one zygote serves several directories (its start-up once)
+            directory, built = line[len('dir ') :].rstrip('\n'), None
+            print('ok', flush=True)
+        elif cmd[0] == 'go':
+            mode = cmd[2] if len(cmd) > 2 else 'sync'
+            if mode == 'strategy' and built is None:
+                built = build_strategy(directory)
             pid = os.fork()
             if pid == 0:
-                mode = cmd[2] if len(cmd) > 2 else 'sync'
-                run = {'sync': child, 'async': child_async, 'strategy': child_strategy}[mode]
+                if mode == 'strategy':
+                    child_strategy(directory, int(cmd[1]), built)
+                run = {'sync': child, 'async': child_async}[mode]
                 run(directory, int(cmd[1]))
             print(pid, flush=True)
         elif cmd[0] == 'reap':

@@ -73,23 +73,38 @@ def _send(proc, line: str) -> str:
     return reply
 
 
-def run_kill_rounds(
-    directory: Path, kills: int, mode: str, seed: int = 1234, max_sleep: float = 0.45
-) -> dict:
-    """Kill a saving child ``kills`` times at random instants; check the invariants after
-    each kill (see module doc). Returns counts for the caller to assert on or print."""
-    rng = random.Random(seed)
+def start_zygote(directory: Path | None = None) -> subprocess.Popen:
+    """The forking helper (``_crash_writer.py``), started and ready."""
     env = dict(os.environ, OMP_NUM_THREADS='1')
     proc = subprocess.Popen(
-        [sys.executable, str(HELPER), str(directory)],
+        [sys.executable, str(HELPER), *([str(directory)] if directory else [])],
         env=env,
         text=True,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
+    assert proc.stdout.readline().strip() == 'ready', proc.stderr.read()
+    return proc
+
+
+def run_kill_rounds(
+    directory: Path,
+    kills: int,
+    mode: str,
+    seed: int = 1234,
+    max_sleep: float = 0.45,
+    zygote: subprocess.Popen | None = None,
+) -> dict:
+    """Kill a saving child ``kills`` times at random instants; check the invariants after
+    each kill (see module doc). Returns counts for the caller to assert on or print.
+    ``zygote``: a ``start_zygote()`` to fork from (left running), else one of its own."""
+    rng = random.Random(seed)
+    own = zygote is None
+    proc = start_zygote(directory) if own else zygote
     try:
-        assert proc.stdout.readline().strip() == 'ready', proc.stderr.read()
+        if not own:
+            assert _send(proc, f'dir {directory}') == 'ok'
         started = time.monotonic()
         last, resumed, temps_seen = None, 0, 0
         for round_ in range(kills):
@@ -105,12 +120,14 @@ def run_kill_rounds(
                 assert last is None or step >= last, (step, last)
                 last = step
         elapsed = time.monotonic() - started
-        proc.stdin.write('exit\n')
-        proc.stdin.flush()
+        if own:
+            proc.stdin.write('exit\n')
+            proc.stdin.flush()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+        if own:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
     # a later successful save's retention clears what the crashes left
     apply_retention(directory, 3, pattern='iter_*.pth', stale_before=time.time() + 1)
     debris = [p.name for p in directory.iterdir() if is_temp_name(p.name)]
@@ -124,11 +141,20 @@ def run_kill_rounds(
     }
 
 
+@pytest.fixture(scope='module')
+def zygote():
+    """One forking helper for the module's modes: importing torch costs seconds."""
+    proc = start_zygote()
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize('mode', ['sync', 'async', 'strategy'])
-def test_sigkill_during_saves(tmp_path, mode):
-    # the strategy's child builds a model first: give it time to reach its saves
-    r = run_kill_rounds(tmp_path, KILLS, mode, max_sleep=1.0 if mode == 'strategy' else 0.45)
+def test_sigkill_during_saves(tmp_path, mode, zygote):
+    # every mode's child saves from its first instant (the strategy's is built before the fork)
+    r = run_kill_rounds(tmp_path, KILLS, mode, zygote=zygote)
     assert r['resumed'] >= KILLS // 2, f'only {r["resumed"]} rounds committed anything'
     assert r['last'] >= (KILLS - 2) * ROUND_BASE  # progress reached the late rounds
     assert r['mid_save'] >= 1, 'no kill landed mid-save; the test exercised no crash window'

@@ -21,7 +21,7 @@ MODULE = textwrap.dedent("""
 
     from scenarios import Scenarios
 
-    SCENARIOS = Scenarios(checkin=3, ranks=dict(nproc=2, timeout=60), here=dict(nproc=0))
+    SCENARIOS = Scenarios(checkin=1, ranks=dict(nproc=2, timeout=60), here=dict(nproc=0))
 
 
     def _barrier():

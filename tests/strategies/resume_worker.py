@@ -1,12 +1,12 @@
 """A training run for the exact-resume test, in its own process.
 
-    python resume_worker.py WORK_DIR OUT --stop K [--resume CKPT]
+    python resume_worker.py WORK_DIR OUT [--stop K] [--save-at J ...] [--resume CKPT]
 
 Trains a dropout MLP with SGD(momentum), warmup LinearLR then cosine by
 iteration, accumulative_counts=3, AmpOptimWrapper(bf16) and norm clipping on
 batches drawn from torch's global RNG, up to iteration K (saving a checkpoint
-there), optionally resuming first. Writes weights, the lr trace (iteration ->
-lr) and the next RNG draw to OUT.
+there; ``--save-at J``: also at iteration J on the way), optionally resuming first.
+Writes weights, the lr trace (iteration -> lr) and the next RNG draw to OUT.
 """
 
 import argparse
@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument('work_dir')
     parser.add_argument('out')
     parser.add_argument('--stop', type=int, default=MAX_ITERS)
+    parser.add_argument('--save-at', type=int, action='append', default=[])
     parser.add_argument('--resume')
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -68,6 +69,8 @@ def main() -> None:
         lrs[it] = optim_wrapper.get_lr()['lr'][0]
         for s in schedulers:
             s.step()
+        if it + 1 in args.save_at:  # as a run stopped there would save
+            strategy.save_checkpoint(f'iter_{it + 1}.pth', extra_ckpt={'meta': {'iter': it + 1}})
     if args.stop < MAX_ITERS:
         strategy.save_checkpoint(f'iter_{args.stop}.pth', extra_ckpt={'meta': {'iter': args.stop}})
     torch.save(

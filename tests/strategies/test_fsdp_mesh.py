@@ -21,7 +21,9 @@ import torch
 
 from scenarios import Scenarios
 
-STEPS, SAVE_AT, MICRO, ACC = 20, 10, 2, 2
+# 2 accumulation windows (clipped AdamW updates) before the save and 2 after it: enough for
+# a wrong split, sync or reshard to show; more steps only cost time (4 ranks on the CI's 2 cores)
+STEPS, SAVE_AT, MICRO, ACC = 8, 4, 2, 2
 MODEL = dict(vocab_size=16, dim=16, depth=2, heads=4, max_len=8)
 OPTIM = dict(
     optimizer=dict(type='AdamW', lr=0.01, weight_decay=0.01),
@@ -155,13 +157,13 @@ def _resume(work, name, mesh, sequence=False, train_to=None):
 
 
 def _train_mesh(work, name):
-    """Train on mesh ``name`` (saved at SAVE_AT as ``<name>_10``) against one process."""
+    """Train on mesh ``name`` (saved at SAVE_AT as ``<name>_saved``) against one process."""
     mesh, sequence = MESHES[name]
     s = _strategy(Path(work) / name, mesh, sequence)
     model = _model()
     torch.manual_seed(1)  # prepare's init_weights draws as the reference's does
     model, ow = s.prepare(model, optim_wrapper=OPTIM, dispatch_kwargs=dict(max_iters=STEPS))
-    _train(s, model, ow, 0, SAVE_AT, save=str(Path(work) / f'{name}_10'))
+    _train(s, model, ow, 0, SAVE_AT, save=str(Path(work) / f'{name}_saved'))
     at_save = _full_state(s)
     _train(s, model, ow, SAVE_AT, STEPS)
     result = {
@@ -180,7 +182,7 @@ for _name in MESHES:
 
 @SCENARIOS.add('four', name='2d_ac')
 def two_d_ac(work):
-    """2-D with activation checkpointing and an asynchronous save (saved as 2d_ac_10)."""
+    """2-D with activation checkpointing and an asynchronous save (saved as 2d_ac_saved)."""
     s = _strategy(
         Path(work) / '2d_ac',
         MESHES['2d'][0],
@@ -190,7 +192,7 @@ def two_d_ac(work):
     model = _model()
     torch.manual_seed(1)
     model, ow = s.prepare(model, optim_wrapper=OPTIM, dispatch_kwargs=dict(max_iters=STEPS))
-    _train(s, model, ow, 0, SAVE_AT, save=str(Path(work) / '2d_ac_10'))
+    _train(s, model, ow, 0, SAVE_AT, save=str(Path(work) / '2d_ac_saved'))
     for p in model.parameters():  # after the call: must not reach the checkpoint
         p.data.fill_(7.0)
     s.wait_for_checkpoints()
@@ -218,9 +220,9 @@ def amp(work):
 
 
 def _resume_same_mesh(work, name, **needs):
-    """Resume ``<name>_10`` on its own mesh (``needs``: its run, which saved it)."""
+    """Resume ``<name>_saved`` on its own mesh (``needs``: its run, which saved it)."""
     mesh, sequence = MESHES[name]
-    return _resume(work, f'{name}_10', mesh, sequence, STEPS)
+    return _resume(work, f'{name}_saved', mesh, sequence, STEPS)
 
 
 for _name in MESHES:
@@ -232,7 +234,7 @@ for _name in MESHES:
 def _reshard(work, case, **needs):
     """Across mesh shapes on 4 ranks (``needs``: the runs that saved and compare)."""
     source, mesh = RESHARDS[case]
-    return _resume(work, f'{source}_10', mesh)
+    return _resume(work, f'{source}_saved', mesh)
 
 
 def _reshard_needs(source):
@@ -248,8 +250,8 @@ for _case, (_source, _) in RESHARDS.items():
 
 
 def _to_two(work, source, **needs):
-    """``<source>_10`` on 2 ranks, ``dict(shard=2)`` (``needs``: the run that saved it)."""
-    return _resume(work, f'{source}_10', None)
+    """``<source>_saved`` on 2 ranks, ``dict(shard=2)`` (``needs``: the run that saved it)."""
+    return _resume(work, f'{source}_saved', None)
 
 
 for _name in ('hsdp', '2d', '2d_sp'):
@@ -367,7 +369,7 @@ def test_reshard_to_one_process_and_convert(scenario, source, tmp_path):
     from stratagem.strategies import SingleDeviceStrategy
 
     model_ref, optim_ref = scenario[0]['at_save']
-    src = str(scenario.tmp / f'{source}_10')
+    src = str(scenario.tmp / f'{source}_saved')
     s = SingleDeviceStrategy(work_dir=str(tmp_path / 'one'))
     s.prepare(_model(), optim_wrapper=OPTIM, dispatch_kwargs=dict(max_iters=STEPS))
     ckpt = s.resume(src)
