@@ -1,11 +1,26 @@
 """Fixtures for every test: ``clean_env``; the ``scenario`` mark and fixture (scenarios.py)."""
 
+import logging
 import os
 
 import pytest
 
 from launcher_env import is_launcher_variable
 from scenarios import pytest_configure, pytest_itemcollected, scenario  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def _stratagem_log_level():
+    """The 'stratagem' logger's level as it was: a run whose config sets ``log_level`` (kept
+    for the process, as ``get_logger`` documents) must not silence the next test's logs."""
+    logger = logging.getLogger('stratagem')
+    level, chosen = logger.level, getattr(logger, '_stratagem_level_set', None)
+    yield
+    logger.setLevel(level)
+    if chosen is None:
+        logger.__dict__.pop('_stratagem_level_set', None)
+    else:
+        logger._stratagem_level_set = chosen
 
 
 @pytest.fixture
