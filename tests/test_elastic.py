@@ -107,6 +107,13 @@ def test_a_lost_node_re_forms_at_world_size_1_and_a_returning_one_scales_up(tmp_
         attempts.append((_position(work), both))
         code_a, out_a = finish(a, 300)
         code_b, out_b = finish(b2, 300)
+    except AssertionError as err:  # what the agents said, to tell why
+        said = []
+        for name, p in (('a', a), ('b', b), ('b2', b2)):
+            if p is not None and p.stdout is not None and not p.stdout.closed:
+                kill_tree(p.pid)
+                said.append(f'--- agent {name}:\n{p.communicate()[0][-3000:]}')
+        raise AssertionError('\n'.join([str(err), *said])) from None
     finally:
         for p in (a, b, b2):
             if p is not None and p.poll() is None:

@@ -178,7 +178,7 @@ class WorkDirLock:
                     raise OSError(errno.ENOLCK, 'no fcntl')
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                claim = self._parse(_read(fd)) or {'host': '?', 'pid': '?'}
+                claim = self._holders_claim(fd)
                 os.close(fd)
                 if token and claim.get('token') == token:
                     self.shared = True
@@ -202,6 +202,18 @@ class WorkDirLock:
                 if self._fd != fd:
                     os.close(fd)  # a refused take-over leaves the claim as it found it
         raise WorkDirBusyError(f'could not lock {self.path}: other runs take and release it')
+
+    def _holders_claim(self, fd: int, wait_s: float = 5.0) -> dict[str, Any]:
+        """The claim of the process that holds the flock on ``fd``'s file. The holder writes
+        it just after it takes the lock: a claim that is empty or half-written is read again
+        for up to ``wait_s`` (two elastic agents of one run start together, and the second
+        must see the first's token, not a blank that reads as another run's lock)."""
+        deadline = time.monotonic() + wait_s
+        claim = self._parse(_read(fd))
+        while (claim is None or 'unreadable' in claim) and time.monotonic() < deadline:
+            time.sleep(0.02)
+            claim = self._parse(_read(fd))
+        return claim or {'host': '?', 'pid': '?'}
 
     def _acquire_by_claim(self, token: str | None) -> WorkDirLock:
         """Without flock: the O_EXCL-created file is the claim."""

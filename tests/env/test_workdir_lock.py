@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -17,6 +18,7 @@ from stratagem.env.workdir_lock import LOCK_NAME, TOKEN_ENV, WorkDirBusyError, W
 
 HOLD = """
 import sys
+import time
 from stratagem.env.workdir_lock import WorkDirLock
 lock = WorkDirLock(sys.argv[1]).acquire()
 print('held', flush=True)
@@ -163,3 +165,42 @@ def test_a_run_that_wrote_nothing_leaves_no_work_dir(tmp_path):
     with pytest.raises(WorkDirBusyError):
         WorkDirLock(str(tmp_path / 'busy')).acquire()
     assert (tmp_path / 'busy' / LOCK_NAME).exists()  # a refusal leaves the claim alone
+
+
+def test_a_claim_written_just_after_the_flock_is_waited_for(tmp_path):
+    """Two elastic agents of one run start together: the second finds the file locked but its
+    claim not written yet (empty, then half-written). It waits for the claim and, seeing its
+    run's token, shares the lock instead of refusing a blank as another run's."""
+    import fcntl
+    import threading
+
+    work_dir = tmp_path / 'w'
+    work_dir.mkdir()
+    path = work_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the first agent: locked, nothing written
+    claim = json.dumps({'host': socket.gethostname(), 'pid': os.getpid(), 'token': 'rdzv:x'})
+
+    def write_late():
+        time.sleep(0.2)
+        os.write(fd, claim[:10].encode())  # half a claim first
+        time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, claim.encode())
+
+    writer = threading.Thread(target=write_late)
+    writer.start()
+    started = time.monotonic()
+    try:
+        lock = WorkDirLock(str(work_dir), run_token='rdzv:x').acquire()
+        waited = time.monotonic() - started
+        assert lock.shared and 0.35 < waited < 5.0, waited
+        lock.release()
+        assert json.loads(path.read_text())['token'] == 'rdzv:x'  # the holder's claim stays
+        # another run's token is still refused, naming the holder
+        with pytest.raises(WorkDirBusyError, match=str(os.getpid())):
+            WorkDirLock(str(work_dir), run_token='rdzv:other').acquire()
+    finally:
+        writer.join()
+        os.close(fd)
