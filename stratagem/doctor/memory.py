@@ -104,6 +104,17 @@ def _loss(output: Any) -> Any:
 
 
 def _forward(model: Any, batch: Any) -> Any:
+    preprocess = getattr(model, 'data_preprocessor', None)
+    if callable(getattr(model, 'train_step', None)) and callable(preprocess):
+        # an mmengine BaseModel, run as its train_step runs it (a config FlexibleRunner runs)
+        data = preprocess(batch, True)
+        if isinstance(data, Mapping):
+            return model(**data, mode='loss')
+        return (
+            model(*data, mode='loss')
+            if isinstance(data, (list, tuple))
+            else model(data, mode='loss')
+        )
     if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, (list, tuple)):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from stratagem.cli import main
 from stratagem.config import ConfigError, ConfigWarning
@@ -186,8 +187,9 @@ def test_doctor_checks_a_routed_config_as_train_runs_it(tmp_path, monkeypatch):
             super().__init__()
             self.linear = torch.nn.Linear(4, 2)
 
-        def forward(self, inputs, mode='tensor'):
-            return self.linear(inputs)
+        def forward(self, inputs, targets=None, mode='tensor'):
+            logits = self.linear(inputs)
+            return {'loss': F.cross_entropy(logits, targets)} if mode == 'loss' else logits
 
     name = f'DoctoredNet{os.getpid()}'
     MM_MODELS.register_module(name=name, module=DoctoredNet)
@@ -203,8 +205,11 @@ def test_doctor_checks_a_routed_config_as_train_runs_it(tmp_path, monkeypatch):
         val_evaluator=dict(type='Accuracy'),
         work_dir=str(tmp_path),
     )
-    findings, _ = doctor.diagnose(cfg, 1, probe_disk=False)
+    findings, notes = doctor.diagnose(cfg, 1, probe_disk=False)
     assert [f for f in findings if f.where.startswith(('model', 'train_'))] == []
+    # the memory estimate runs the step as mmengine's train_step does: mode='loss'
+    (memory,) = [n for n in notes if n.startswith('estimated peak memory per device')]
+    assert 'parameters 40 B' in memory, memory  # the Linear(4, 2)'s 10 fp32 parameters
     monkeypatch.setitem(sys.modules, 'mmengine', None)
     findings, _ = doctor.diagnose(cfg, 1, probe_disk=False)
     (missing,) = [f for f in findings if f.where == 'val_evaluator']
