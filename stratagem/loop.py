@@ -98,6 +98,9 @@ def check_train_config(
     check_keys(train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
     loader_cfg = dict(cfg.train_dataloader)
     check_keys(loader_cfg, TRAIN_DATALOADER_KEYS, 'train_dataloader')
+    shuffle, seed = _read_sampler(loader_cfg, 'train_dataloader', default_shuffle=True)
+    loader_cfg.update(shuffle=shuffle, seed=seed)
+    _read_collate(loader_cfg, 'train_dataloader')
     if 'max_iters' not in train_cfg and 'max_epochs' not in train_cfg:
         raise ValueError(
             'train_cfg needs max_epochs or max_iters, e.g. train_cfg=dict(max_epochs=4)'
@@ -223,11 +226,12 @@ def _train(
 
     dataset = build_dataset(loader_cfg.pop('dataset'))
     batch_size = int(loader_cfg.pop('batch_size', 1))
+    sampler_seed = loader_cfg.pop('seed')  # mmengine's sampler.seed, else the run's
     sampler = ResumableSampler(
         len(dataset),  # type: ignore[arg-type]
         strategy.data_parallel_rank,  # the ranks of one tensor group read the same batch
         strategy.data_parallel_size,
-        shuffle=loader_cfg.pop('shuffle', True),
+        shuffle=loader_cfg.pop('shuffle'),
         drop_last=loader_cfg.get('drop_last', False),
     )
     # a private generator: creating a loader iterator must not draw from the global RNG,
@@ -283,7 +287,7 @@ def _train(
         max_iters = int(strategy.dispatch_kwargs.get('max_iters') or max_iters)
     # the shuffle seed is the run's configured seed (the same on every rank, also under
     # diff_rank_seed), read after a resume has restored it
-    data_seed = strategy.randomness['seed']
+    data_seed = strategy.randomness['seed'] if sampler_seed is None else int(sampler_seed)
     sampler.seed = data_seed
     interval = _checkpoint_interval(train_cfg, hooks, epoch_length)
     max_keep = train_cfg.get('max_keep_ckpts')
@@ -673,23 +677,8 @@ def _read_validation(cfg: Any, train_cfg: dict, hooks: dict) -> dict | None:
     check_keys(loader, VAL_DATALOADER_KEYS, 'val_dataloader')
     if 'dataset' not in loader:
         raise ValueError('val_dataloader has no dataset: add val_dataloader.dataset')
-    shuffle, seed = loader.pop('shuffle', None), None
-    sampler = loader.pop('sampler', None)
-    if sampler is not None:
-        sampler = dict(sampler)
-        check_keys(sampler, {'type', 'shuffle', 'seed', 'round_up'}, 'val_dataloader.sampler')
-        if sampler.get('type', 'DefaultSampler') != 'DefaultSampler':
-            raise ValueError(
-                f'val_dataloader.sampler.type={sampler["type"]!r}: the reference loop shards '
-                "the validation set itself (mmengine's DefaultSampler, without padding); use "
-                "sampler=dict(type='DefaultSampler', shuffle=False) or leave it out"
-            )
-        if shuffle is not None and 'shuffle' in sampler and bool(sampler['shuffle']) != shuffle:
-            raise ValueError(
-                f'val_dataloader.shuffle={shuffle!r} and val_dataloader.sampler.shuffle='
-                f'{sampler["shuffle"]!r} disagree; keep one of them'
-            )
-        shuffle, seed = sampler.get('shuffle', shuffle), sampler.get('seed')
+    shuffle, seed = _read_sampler(loader, 'val_dataloader', default_shuffle=False)
+    _read_collate(loader, 'val_dataloader')
     if loader.pop('drop_last', False):
         raise ValueError(
             'val_dataloader.drop_last=True would leave samples out of the validation means; '
@@ -713,6 +702,79 @@ def _read_validation(cfg: Any, train_cfg: dict, hooks: dict) -> dict | None:
         'interval': when['val_interval'],
         'begin': when['val_begin'],
     }
+
+
+_SAMPLERS = ('DefaultSampler', 'InfiniteSampler')
+
+
+def _read_sampler(loader: dict, where: str, default_shuffle: bool) -> tuple[bool, int | None]:
+    """A dataloader cfg's ``shuffle`` and mmengine's ``sampler=dict(type='DefaultSampler' or
+    'InfiniteSampler', shuffle=, seed=, round_up=)``, popped from ``loader``: whether to
+    shuffle and the shuffling seed (None: the run's). The reference loop shards and resumes
+    the data itself, with the sampler these two keys describe; a disagreeing pair, another
+    sampler type or ``round_up=False`` is a ValueError naming the key."""
+    shuffle = loader.pop('shuffle', None)
+    sampler = loader.pop('sampler', None)
+    if sampler is None:
+        return (default_shuffle if shuffle is None else bool(shuffle)), None
+    if not isinstance(sampler, Mapping):
+        raise TypeError(
+            f"{where}.sampler must be a dict like dict(type='DefaultSampler', shuffle=True), "
+            f'got {type(sampler).__name__}'
+        )
+    sampler = dict(sampler)
+    check_keys(sampler, {'type', 'shuffle', 'seed', 'round_up'}, f'{where}.sampler')
+    kind = sampler.get('type', 'DefaultSampler')
+    if kind not in _SAMPLERS and kind not in [f'mmengine.{k}' for k in _SAMPLERS]:
+        raise ValueError(
+            f'{where}.sampler.type={kind!r}: the reference loop shards, shuffles and resumes '
+            "the data itself, as mmengine's DefaultSampler / InfiniteSampler do; use one of "
+            'them (shuffle, seed) or run the config under FlexibleRunner '
+            "(runner_type='FlexibleRunner')"
+        )
+    if sampler.get('round_up', True) is not True:
+        raise ValueError(
+            f'{where}.sampler.round_up={sampler["round_up"]!r}: the reference loop reads '
+            + (
+                'every validation sample exactly once (round_up has no effect there); '
+                if where == 'val_dataloader'
+                else 'the rounded-up epoch (as round_up=True); use drop_last=True to drop '
+                'the uneven tail instead; '
+            )
+            + 'remove round_up'
+        )
+    if shuffle is not None and 'shuffle' in sampler and bool(sampler['shuffle']) != shuffle:
+        raise ValueError(
+            f'{where}.shuffle={shuffle!r} and {where}.sampler.shuffle={sampler["shuffle"]!r} '
+            'disagree; keep one of them'
+        )
+    shuffle = sampler.get('shuffle', default_shuffle if shuffle is None else shuffle)
+    seed = sampler.get('seed')
+    if seed is not None and type(seed) is not int:
+        raise ValueError(f'{where}.sampler.seed must be an int or None, got {seed!r}')
+    return bool(shuffle), seed
+
+
+def _read_collate(loader: dict, where: str) -> None:
+    """mmengine's ``collate_fn=dict(type='default_collate')`` as torch's ``default_collate``,
+    in place; a callable stays. mmengine's ``pseudo_collate`` (lists for a data
+    preprocessor) is a ValueError: the reference loop hands batches to the model as they
+    are collated."""
+    collate = loader.get('collate_fn')
+    if not isinstance(collate, Mapping):
+        return
+    kind = dict(collate).get('type')
+    if set(collate) == {'type'} and kind in ('default_collate', 'mmengine.default_collate'):
+        from torch.utils.data import default_collate
+
+        loader['collate_fn'] = default_collate
+        return
+    raise ValueError(
+        f'{where}.collate_fn={dict(collate)!r}: the reference loop takes '
+        "collate_fn=dict(type='default_collate') or a function; mmengine's pseudo_collate "
+        "feeds a model's data_preprocessor: run the config under FlexibleRunner "
+        "(runner_type='FlexibleRunner')"
+    )
 
 
 def _scalars(output: Any) -> dict[str, Any]:

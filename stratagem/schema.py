@@ -52,6 +52,7 @@ TRAIN_DATALOADER_KEYS: frozenset[str] = frozenset(
         'dataset',
         'batch_size',
         'shuffle',
+        'sampler',
         'num_workers',
         'drop_last',
         'pin_memory',
@@ -61,8 +62,11 @@ TRAIN_DATALOADER_KEYS: frozenset[str] = frozenset(
 )
 """``train_dataloader`` (read by the reference loop, ``stratagem train``): ``dataset`` (a
 DATASETS cfg, a Dataset, or a callable returning one), ``batch_size`` (per process; default
-1), ``shuffle`` (default True), and ``DataLoader``'s ``num_workers``, ``drop_last``,
-``pin_memory``, ``collate_fn``, ``persistent_workers``."""
+1), ``shuffle`` (default True) or mmengine's ``sampler=dict(type='DefaultSampler',
+shuffle=True)`` (or ``'InfiniteSampler'``; ``seed``: the shuffling seed, default the run's;
+``round_up`` True only: the loop shards, shuffles and resumes the data itself), and
+``DataLoader``'s ``num_workers``, ``drop_last``, ``pin_memory``, ``collate_fn`` (a function,
+or mmengine's ``dict(type='default_collate')``), ``persistent_workers``."""
 
 TRAIN_CFG_KEYS: frozenset[str] = frozenset(
     {

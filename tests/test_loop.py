@@ -340,3 +340,38 @@ def test_val_interval_without_validation_is_said(tmp_path):
     ):
         result = train(cfg, progress=False)
     assert result['val'] == [] and result['best'] is None
+
+
+def test_mmengine_train_dataloader_sampler_and_collate_are_read(tmp_path):
+    """mmengine's ``sampler=dict(type='DefaultSampler', shuffle=True)`` and
+    ``collate_fn=dict(type='default_collate')`` train exactly as ``shuffle=True`` does; the
+    sampler's ``seed`` reorders the data; what the loop cannot honour is refused, named."""
+
+    def losses(name, **loader):
+        cfg = _plain_cfg(tmp_path / name, max_iters=8, log_interval=1)
+        cfg['val_dataloader'] = None
+        cfg['randomness'] = dict(seed=5)
+        cfg['train_dataloader'].update(loader)
+        return [v for _, v in train(cfg, progress=False)['losses']]
+
+    plain = losses('plain', shuffle=True)
+    mmengine = losses(
+        'mm',
+        sampler=dict(type='DefaultSampler', shuffle=True),
+        collate_fn=dict(type='default_collate'),
+    )
+    assert mmengine == plain and len(plain) == 8
+    assert losses('seeded', sampler=dict(type='InfiniteSampler', shuffle=True, seed=9)) != plain
+    assert losses('run_seed', sampler=dict(type='DefaultSampler', seed=5)) == plain
+    for loader, message in [
+        (dict(collate_fn=dict(type='pseudo_collate')), r"collate_fn=\{'type': 'pseudo_collate'"),
+        (dict(sampler=dict(type='DefaultSampler', round_up=False)), r'sampler.round_up=False'),
+        (dict(sampler=dict(type='WeightedSampler')), r"sampler.type='WeightedSampler'"),
+        (dict(shuffle=False, sampler=dict(shuffle=True)), r'train_dataloader.shuffle=False and'),
+        (dict(sampler=dict(type='DefaultSampler', shufle=True)), r"'shufle'"),
+    ]:
+        cfg = _plain_cfg(tmp_path / 'bad', max_iters=2)
+        cfg['train_dataloader'].update(loader)
+        with pytest.raises((ValueError, KeyError), match=message):
+            train(cfg, progress=False)
+    assert not (tmp_path / 'bad').exists()  # refused before anything is written
