@@ -404,7 +404,7 @@ def _train(
             stop = preemption is not None and preemption.should_stop(it)
             if val is not None and _validation_due(it, epoch_length, max_iters, by_epoch, val):
                 watchdog.at(it, 'validating')
-                values = validate(model, val_loader, val_weights, device)
+                values = validate(model, val_loader, val_weights, device, autocast=val['autocast'])
                 val_history.append((it, values))
                 for s in scheduler_list:
                     if getattr(s, 'need_val_args', False):
@@ -652,6 +652,8 @@ def _read_validation(cfg: Any, train_cfg: dict, hooks: dict) -> dict | None:
                 "(val_cfg=dict(type='ValLoop') or {}); other loops run under mmengine's "
                 "runner (runner_type='FlexibleRunner')"
             )
+        if not isinstance(val_cfg.get('fp16', False), bool):
+            raise ValueError(f'val_cfg.fp16 must be True or False, got {val_cfg["fp16"]!r}')
     loader = cfg.get('val_dataloader')
     if loader is None:
         if val_cfg:
@@ -698,6 +700,7 @@ def _read_validation(cfg: Any, train_cfg: dict, hooks: dict) -> dict | None:
         'batch_size': int(loader.pop('batch_size', 1)),
         'shuffle': bool(shuffle),
         'seed': seed,
+        'autocast': bool((val_cfg or {}).get('fp16', False)),
         'loader_kwargs': loader,
         'interval': when['val_interval'],
         'begin': when['val_begin'],
@@ -793,7 +796,11 @@ def _scalars(output: Any) -> dict[str, Any]:
 
 
 def validate(
-    model: torch.nn.Module, loader: Any, weights: list[int], device: torch.device
+    model: torch.nn.Module,
+    loader: Any,
+    weights: list[int],
+    device: torch.device,
+    autocast: bool = False,
 ) -> dict[str, float]:
     """Means of every scalar the model returns over the whole validation set, on every rank.
 
@@ -801,7 +808,8 @@ def validate(
     (``data.validation_batches``: 0 for a filler batch). Each scalar is taken as its batch's
     mean: the sums of mean × count are added over the ranks (one ``all_reduce``) and divided
     by the total count, so every sample weighs the same, whatever the shard and batch sizes.
-    The model runs in eval mode under ``torch.no_grad`` and is put back in train mode.
+    The model runs in eval mode under ``torch.no_grad`` and is put back in train mode;
+    ``autocast`` (``val_cfg.fp16``): under ``torch.autocast``, float16 on CUDA, else bfloat16.
     """
     from stratagem import env
 
@@ -809,7 +817,8 @@ def validate(
     sums: dict[str, torch.Tensor] = {}
     model.eval()
     try:
-        with torch.no_grad():
+        half = torch.float16 if device.type == 'cuda' else torch.bfloat16
+        with torch.no_grad(), torch.autocast(device.type, dtype=half, enabled=autocast):
             for batch, weight in zip(loader, weights):
                 values = _scalars(_forward(model, batch, device))
                 if not values:

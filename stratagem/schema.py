@@ -123,8 +123,10 @@ VAL_DATALOADER_KEYS: frozenset[str] = frozenset(
 returns (a dict's scalars, or a bare tensor as ``loss``) is taken as its batch's mean and
 averaged over the whole set, each sample counted once; logged as ``val/<name>``."""
 
-VAL_CFG_KEYS: frozenset[str] = frozenset({'type'})
-"""``val_cfg`` (read by the reference loop): empty, or ``dict(type='ValLoop')``; how often
+VAL_CFG_KEYS: frozenset[str] = frozenset({'type', 'fp16'})
+"""``val_cfg`` (read by the reference loop): empty, or ``dict(type='ValLoop')``, with
+mmengine's ``fp16`` (default False; True: the validation forwards run under autocast, float16
+on CUDA and bfloat16 elsewhere, as mmengine's ``autocast`` picks); how often
 validation runs is ``train_cfg.val_interval`` / ``val_begin``."""
 
 CHECKPOINT_HOOK_KEYS: frozenset[str] = frozenset(

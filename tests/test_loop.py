@@ -375,3 +375,20 @@ def test_mmengine_train_dataloader_sampler_and_collate_are_read(tmp_path):
         with pytest.raises((ValueError, KeyError), match=message):
             train(cfg, progress=False)
     assert not (tmp_path / 'bad').exists()  # refused before anything is written
+
+
+def test_val_cfg_fp16_validates_under_autocast(tmp_path):
+    """mmengine's ``val_cfg=dict(type='ValLoop', fp16=True)``: the validation forwards run
+    under autocast (bfloat16 on a CPU): the means move by bfloat16's rounding, no more."""
+
+    def val_means(name, **val_cfg):
+        cfg = _plain_cfg(tmp_path / name, max_iters=2)
+        cfg['randomness'] = dict(seed=3)
+        cfg['val_cfg'] = dict(type='ValLoop', **val_cfg)
+        return train(cfg, progress=False)['val'][-1][1]['loss']
+
+    full, half = val_means('fp32'), val_means('fp16', fp16=True)
+    assert full != half and abs(full - half) < 0.02 * abs(full)
+    assert val_means('off', fp16=False) == full
+    with pytest.raises(ValueError, match=r"val_cfg.fp16 must be True or False, got 'yes'"):
+        val_means('bad', fp16='yes')
