@@ -101,25 +101,15 @@ of this length). mmengine's
 ``default_hooks.checkpoint`` / ``default_hooks.logger`` give the same settings (see
 :data:`CHECKPOINT_HOOK_KEYS`)."""
 
-VAL_DATALOADER_KEYS: frozenset[str] = frozenset(
-    {
-        'dataset',
-        'batch_size',
-        'shuffle',
-        'sampler',
-        'num_workers',
-        'drop_last',
-        'pin_memory',
-        'collate_fn',
-        'persistent_workers',
-    }
-)
+VAL_DATALOADER_KEYS: frozenset[str] = TRAIN_DATALOADER_KEYS
 """``val_dataloader`` (read by the reference loop; validation runs when it is given):
 ``dataset`` (as in ``train_dataloader``), ``batch_size`` (per process; default 1), ``shuffle``
 (default False) or mmengine's ``sampler=dict(type='DefaultSampler', shuffle=False)``
-(``seed`` and ``round_up`` accepted: every sample is read once, on one rank, never padded),
-``drop_last`` (False only: validation reads every sample), and ``DataLoader``'s
-``num_workers``, ``pin_memory``, ``collate_fn``, ``persistent_workers``. Every scalar the model
+(``seed`` accepted; ``round_up`` True only, and it pads nothing: every sample is read once,
+on one rank), ``drop_last`` (False only: validation reads every sample), and
+``DataLoader``'s ``num_workers``, ``pin_memory``, ``collate_fn`` (as in
+``train_dataloader``), ``persistent_workers``: the keys of :data:`TRAIN_DATALOADER_KEYS`.
+Every scalar the model
 returns (a dict's scalars, or a bare tensor as ``loss``) is taken as its batch's mean and
 averaged over the whole set, each sample counted once; logged as ``val/<name>``."""
 
