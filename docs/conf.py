@@ -28,7 +28,14 @@ extensions = [
 ]
 source_suffix = {'.md': 'markdown', '.rst': 'restructuredtext'}
 root_doc = 'index'
-exclude_patterns = ['_build', '_generated/**/*.md', '_generated/**/*.rst', 'schedules', 'Thumbs.db', '.DS_Store']
+exclude_patterns = [
+    '_build',
+    '_generated/**/*.md',
+    '_generated/**/*.rst',
+    'schedules',
+    'Thumbs.db',
+    '.DS_Store',
+]
 
 # Markdown: `{ref}` targets for every heading up to level 3, `:::` fences for admonitions
 myst_heading_anchors = 3
