@@ -196,14 +196,10 @@ class TensorParallelPlan:
         split_blocks = self.blocks_needing_sequence_split(chosen, model, blocks)
         # inside a block that splits the sequence, 'colwise' gathers it and 'rowwise'
         # reduce-scatters along it; elsewhere both take and give whole sequences
-        in_split = {
-            name
-            for name, module in model.named_modules()
-            if any(module is not b and _inside(module, b) for b in split_blocks)
-        }
+        in_split = {id(m) for b in split_blocks for m in b.modules() if m is not b}
         modules = dict(model.named_modules())
         styles = {
-            name: torch_style(style, modules[name], sequence_split=name in in_split)
+            name: torch_style(style, modules[name], sequence_split=id(modules[name]) in in_split)
             for name, style in chosen.items()
         }
         for block in split_blocks:
@@ -259,10 +255,6 @@ def torch_style(style: Any, module: nn.Module, sequence_split: bool = False) -> 
     if whole_input:
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
     return RowwiseParallel(output_layouts=out)
-
-
-def _inside(module: nn.Module, block: nn.Module) -> bool:
-    return any(module is m for m in block.modules())
 
 
 def declared_plan(model: nn.Module) -> dict[str, str]:
@@ -383,8 +375,9 @@ def check_plan_fits_mesh(plan: TensorParallelPlan | None, spec: Any, mesh_cfg: A
     if plan is None and spec.tensor > 1:
         raise ValueError(
             f'mesh={mesh_cfg!r} has tensor={spec.tensor} but no {KEY} says which modules to '
-            f"split; give one, e.g. {{'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise'}}, "
-            'or drop tensor from the mesh'
+            f"split; give one, e.g. {{'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise'}} "
+            "('auto' for a transformers model: the plan it declares), or drop tensor from the "
+            'mesh'
         )
 
 
