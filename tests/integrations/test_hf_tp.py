@@ -3,12 +3,15 @@
 ``auto_wrap_policy='auto'`` (its ``_no_split_modules``).
 
 A tiny ``LlamaForCausalLM`` (float64) on ``mesh=dict(shard=2, tensor=2)`` (4 gloo processes,
-one spawn for the module) trains 5 AdamW steps as one process does on the whole batch; the
-plan's reading, the style mapping and the refusals are checked in this process.
+one spawn for the module) trains 5 AdamW steps as one process does on the whole batch, with
+untied and with tied input and output embeddings; what 'auto' reads from a real Llama is
+checked in rank 0 of that spawn (which has transformers imported), the style mapping and the
+refusals on duck-typed models in this process.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -59,11 +62,12 @@ def _loss(model, ids):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
 
-def _reference():
+def _reference(tied):
     """One process, the whole batch, a hand-written loop: the oracle."""
-    model = _llama()
+    model = _llama(tie_word_embeddings=tied)
     torch.manual_seed(1)  # prepare's init_weights draws as this one does
     model.init_weights()
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for it in range(STEPS):
@@ -73,7 +77,10 @@ def _reference():
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # how far the least-moved tensor went: an update that did nothing would also "match"
+    moved = min((final[k] - v).abs().max().item() for k, v in start.items())
+    return losses, final, moved
 
 
 def _on_tensor(weight):
@@ -82,8 +89,8 @@ def _on_tensor(weight):
     return str(weight.placements[names.index('tensor')]) if 'tensor' in names else None
 
 
-@SCENARIOS.add('four')
-def llama_2d(work):
+def _train(work, tied):
+    """5 AdamW steps on ``mesh=dict(shard=2, tensor=2)`` with both ``'auto'`` s."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from stratagem.strategies import build_strategy
@@ -91,14 +98,14 @@ def llama_2d(work):
     s = build_strategy(
         dict(
             type='FSDPStrategy',
-            work_dir=str(Path(work) / 'llama'),
+            work_dir=str(Path(work) / f'llama_{tied}'),
             mesh=dict(shard=2, tensor=2),
             tensor_parallel_plan='auto',
             model_wrapper=dict(auto_wrap_policy='auto'),
             env_kwargs=dict(randomness=dict(seed=5)),
         )
     )
-    model = _llama()
+    model = _llama(tie_word_embeddings=tied)
     torch.manual_seed(1)
     model, ow = s.prepare(model, optim_wrapper=dict(optimizer=dict(type='AdamW', lr=LR)))
     inner = model.model.layers[0]
@@ -113,6 +120,7 @@ def llama_2d(work):
         **{k: (tuple(w.to_local().shape), _on_tensor(w)) for k, w in weights.items()},
         'mesh': s.device_mesh.mesh_dim_names,
         'sharded_blocks': sum(type(m).__name__ == 'FSDPLlamaDecoderLayer' for m in model.modules()),
+        'tied': model.lm_head.weight is model.model.embed_tokens.weight,
     }
     losses = []
     for it in range(STEPS):
@@ -128,7 +136,59 @@ def llama_2d(work):
         'losses': losses,
         'final': final,
         'split': split,
-        'reference': _reference() if s.rank == 0 else None,
+        'reference': _reference(tied) if s.rank == 0 else None,
+    }
+
+
+# untied (Llama's default) and tied: the head and the embedding share one weight, which the
+# plan splits twice (colwise_gather_output, embedding_rowwise) and the strategy ties again
+SCENARIOS.add('four', name='llama_2d')(functools.partial(_train, tied=False))
+SCENARIOS.add('four', name='llama_2d_tied')(functools.partial(_train, tied=True))
+
+
+@SCENARIOS.add('four')
+def llama_plan(work):
+    """What 'auto' reads from a real LlamaForCausalLM, and what it refuses, without a mesh:
+    in rank 0, which has imported transformers already (the import costs this process
+    seconds)."""
+    if torch.distributed.get_rank():
+        return None
+    model = _llama()
+    try:
+        parse_tensor_parallel_plan('auto').check(model, 4, [])
+        heads = None
+    except ValueError as err:
+        heads = str(err)
+    blocks = parse_model_wrapper(dict(auto_wrap_policy='auto')).targets(model)
+    linear, embedding = nn.Linear(4, 4), nn.Embedding(8, 4)
+    cases = {
+        'colwise': ('colwise', linear, False),
+        'rowwise': ('rowwise', linear, False),
+        'colwise_rep': ('colwise_rep', linear, False),
+        'rowwise_rep': ('rowwise_rep', linear, False),
+        'rowwise_rep Embedding': ('rowwise_rep', embedding, False),
+        'rowwise Embedding': ('rowwise', embedding, False),
+        'sequence': ('sequence', linear, False),
+        'colwise in a split block': ('colwise', linear, True),
+        'rowwise in a split block': ('rowwise', linear, True),
+    }
+    styles = {}
+    for case, (style, module, split) in cases.items():
+        got = torch_style(style, module, sequence_split=split)
+        styles[case] = (type(got).__name__,)
+        if hasattr(got, 'output_layouts'):
+            styles[case] += (
+                tuple(map(str, got.input_layouts)),
+                tuple(map(str, got.output_layouts)),
+                got.use_local_output,
+            )
+    return {
+        'styles': styles,
+        'declared': declared_plan(model),
+        'tp_plan': dict(model._tp_plan),
+        'chosen': parse_tensor_parallel_plan('auto').resolve(model, 2),
+        'heads': heads,
+        'blocks': [n for n, m in model.named_modules() if any(m is b for b in blocks)],
     }
 
 
@@ -137,23 +197,21 @@ def scenarios(request, tmp_path_factory):
     return SCENARIOS.run(request, tmp_path_factory.mktemp('hf_tp'))
 
 
-@pytest.mark.scenario('llama_2d')
-def test_llama_on_shard_2_tensor_2_equals_one_process(scenario):
-    ref_losses, ref = scenario[0]['reference']
+@pytest.mark.parametrize('name, tied', [('llama_2d', False), ('llama_2d_tied', True)])
+@pytest.mark.scenario('{name}')
+def test_llama_on_shard_2_tensor_2_equals_one_process(scenario, name, tied):
+    ref_losses, ref, moved = scenario[0]['reference']
+    assert moved > 1e-3  # every tensor of the oracle was updated
     assert [r['dp'] for r in scenario] == [0, 0, 1, 1]  # a tensor group reads one batch
     # each data-parallel half's mean loss; the whole batch's is their mean (equal tokens)
     losses = [(a + b) / 2 for a, b in zip(scenario[0]['losses'], scenario[2]['losses'])]
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-6, (losses, ref_losses)
     assert scenario[1]['losses'] == scenario[0]['losses']  # the tensor ranks agree
-    start = _llama()
-    torch.manual_seed(1)
-    start.init_weights()
     for r in scenario:
+        assert r['split']['tied'] is tied
         assert r['final'].keys() == ref.keys()
         worst = max((r['final'][k] - ref[k]).abs().max().item() for k in ref)
         assert worst < 1e-6, worst
-        moved = min((ref[k] - v).abs().max().item() for k, v in start.state_dict().items())
-        assert moved > 1e-3  # every tensor was updated: an update that did nothing would fail
 
 
 @pytest.mark.scenario('llama_2d')
@@ -169,19 +227,19 @@ def test_llama_auto_plan_splits_the_declared_modules(scenario):
             'lm_head': ((8, 16), 'S(0)'),  # colwise_gather_output: half the vocabulary
             'mesh': ('shard', 'tensor'),
             'sharded_blocks': 2,  # auto_wrap_policy='auto': both LlamaDecoderLayers
+            'tied': False,
         }
 
 
-# ------------------------------------------------------------- in this process, no ranks
-def test_declared_plan_of_llama_is_its_tp_plan():
-    model = _llama()
-    plan = declared_plan(model)
-    assert plan == model._tp_plan  # transformers 5 merges the base model's plan into it
+@pytest.mark.scenario('llama_plan')
+def test_declared_plan_of_llama_is_its_tp_plan(scenario):
+    llama = scenario[0]
+    plan = llama['declared']
+    assert plan == llama['tp_plan']  # transformers 5 merges the base model's plan into it
     assert plan['lm_head'] == 'colwise_gather_output'
     assert plan['model.embed_tokens'] == 'embedding_rowwise'
     assert plan['model.layers.*.self_attn.q_proj'] == 'colwise'
-    chosen = parse_tensor_parallel_plan('auto').resolve(model, 2)
-    assert chosen == {
+    assert llama['chosen'] == {
         'lm_head': 'colwise_rep',
         'model.embed_tokens': 'rowwise_rep',
         **{
@@ -261,13 +319,6 @@ def test_base_model_tp_plan_is_prefixed_and_tp_plan_is_taken_as_is():
 
 
 def test_transformers_styles_map_onto_torch_styles():
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
     assert HF_STYLES == {
         'colwise': 'colwise',
         'rowwise': 'rowwise',
@@ -279,41 +330,23 @@ def test_transformers_styles_map_onto_torch_styles():
         'embedding_rowwise': 'rowwise_rep',
         'sequence_parallel': 'sequence',
     }
-    linear, embedding = nn.Linear(4, 4), nn.Embedding(8, 4)
 
-    def layouts(style):
-        return type(style), style.input_layouts, style.output_layouts, style.use_local_output
 
-    assert layouts(torch_style('colwise', linear)) == (
-        ColwiseParallel,
-        (Replicate(),),
-        (Shard(-1),),
-        True,
-    )
-    assert layouts(torch_style('rowwise', linear)) == (
-        RowwiseParallel,
-        (Shard(-1),),
-        (Replicate(),),
-        True,
-    )
-    assert layouts(torch_style('colwise_rep', linear)) == (
-        ColwiseParallel,
-        (Replicate(),),
-        (Replicate(),),
-        True,
-    )
-    for module in (linear, embedding):  # token ids are whole on every rank
-        assert layouts(torch_style('rowwise_rep', module)) == (
-            RowwiseParallel,
-            (Replicate(),),
-            (Replicate(),),
-            True,
-        )
-    assert layouts(torch_style('rowwise', embedding))[1] == (Replicate(),)
-    assert isinstance(torch_style('sequence', linear), SequenceParallel)
-    # inside a block that splits the sequence: gathered before colwise, scattered after rowwise
-    assert layouts(torch_style('colwise', linear, sequence_split=True))[1] == (Shard(1),)
-    assert layouts(torch_style('rowwise', linear, sequence_split=True))[2] == (Shard(1),)
+@pytest.mark.scenario('llama_plan')
+def test_our_styles_are_torch_styles(scenario):
+    # (class, input layouts, output layouts, local output); R: Replicate, S(d): Shard(d)
+    assert scenario[0]['styles'] == {
+        'colwise': ('ColwiseParallel', ('R',), ('S(-1)',), True),
+        'rowwise': ('RowwiseParallel', ('S(-1)',), ('R',), True),
+        'colwise_rep': ('ColwiseParallel', ('R',), ('R',), True),
+        'rowwise_rep': ('RowwiseParallel', ('R',), ('R',), True),
+        'rowwise_rep Embedding': ('RowwiseParallel', ('R',), ('R',), True),
+        'rowwise Embedding': ('RowwiseParallel', ('R',), ('R',), True),  # whole token ids
+        'sequence': ('SequenceParallel',),
+        # inside a block that splits the sequence: gathered before, scattered after
+        'colwise in a split block': ('ColwiseParallel', ('S(1)',), ('S(-1)',), True),
+        'rowwise in a split block': ('RowwiseParallel', ('S(-1)',), ('S(1)',), True),
+    }
 
 
 @pytest.mark.parametrize('style', ['packed_colwise', 'moe_tp_experts', 'all_reduce'])
@@ -343,17 +376,19 @@ def test_auto_plan_is_refused_before_anything_is_built():
         parse_tensor_parallel_plan({'head': 'colwise_gather_output'})
 
 
-def test_auto_plan_checks_the_heads():
-    model = _llama()  # 4 heads, 2 kv heads; q/k/v widths 16 and 8 divide by 4, the heads not
-    with pytest.raises(ValueError) as err:
-        parse_tensor_parallel_plan('auto').check(model, 4, [])
-    assert 'config.num_key_value_heads=2 is not divisible by the tensor size 4' in str(err.value)
+@pytest.mark.scenario('llama_plan')
+def test_auto_plan_checks_the_heads(scenario):
+    # 4 heads, 2 kv heads: the q/k/v widths 16 and 8 divide by 4, the kv heads do not
+    assert (
+        'config.num_key_value_heads=2 is not divisible by the tensor size 4'
+        in (scenario[0]['heads'])
+    )
 
 
-def test_auto_wrap_policy_takes_no_split_modules():
+@pytest.mark.scenario('llama_plan')
+def test_auto_wrap_policy_takes_no_split_modules(scenario):
+    assert scenario[0]['blocks'] == ['model.layers.0', 'model.layers.1']  # LlamaDecoderLayer
     policy = parse_model_wrapper(dict(auto_wrap_policy='auto'))
-    model = _llama()
-    assert policy.targets(model) == list(model.model.layers)
     task = _ForTask()  # 'AbsentLayer' is declared but not held: skipped
     assert policy.targets(task) == list(task.backbone.layers)
     with pytest.raises(ValueError) as err:
@@ -362,3 +397,27 @@ def test_auto_wrap_policy_takes_no_split_modules():
         "model_wrapper.auto_wrap_policy='auto' shards the module classes the model declares "
         'in _no_split_modules, but Sequential: it declares no _no_split_modules'
     ) in str(err.value)
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_tied_weights_split_one_way_are_tied_again_else_refused():
+    from stratagem.strategies.fsdp.tensor_parallel import tied_parameters
+
+    model = _TiedLM()
+    plan = {'head': 'colwise_rep', 'emb': 'rowwise_rep'}  # both split the vocabulary (dim 0)
+    assert tied_parameters(model, plan) == [[('emb', 'weight'), ('head', 'weight')]]
+    assert tied_parameters(_ForTask(), {'head': 'colwise'}) == []  # nothing shared
+    with pytest.raises(ValueError) as err:  # colwise Embedding: the hidden dimension
+        tied_parameters(model, {'head': 'colwise', 'emb': 'colwise'})
+    assert (
+        'emb.weight (split on dim 1), head.weight (split on dim 0) are one parameter (tied '
+        'weights)' in str(err.value)
+    )
+    with pytest.raises(ValueError, match=r'emb.weight \(not in the plan\), head.weight \(split'):
+        parse_tensor_parallel_plan({'head': 'colwise'}).check(model, 2, [])

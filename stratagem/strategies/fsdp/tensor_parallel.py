@@ -150,6 +150,7 @@ class TensorParallelPlan:
         chosen = self.resolve(model, tensor)
         if self.auto:
             _check_heads(model, chosen, tensor)
+        tied_parameters(model, chosen)
         self.blocks_needing_sequence_split(chosen, model, blocks)
 
     def blocks_needing_sequence_split(
@@ -212,7 +213,13 @@ class TensorParallelPlan:
                     use_local_output=True,
                 ),
             )
+        ties = tied_parameters(model, chosen)
         parallelize_module(model, mesh, styles)
+        for holders in ties:  # each module got its own copy: one parameter again
+            first_module, first_attr = holders[0]
+            param = getattr(modules[first_module], first_attr)
+            for module_name, attr in holders[1:]:
+                setattr(modules[module_name], attr, param)
         for block in split_blocks:  # last: its output hook runs after the inner ones
             parallelize_module(
                 block,
@@ -255,6 +262,52 @@ def torch_style(style: Any, module: nn.Module, sequence_split: bool = False) -> 
     if whole_input:
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
     return RowwiseParallel(output_layouts=out)
+
+
+def _placement(module: nn.Module, style: Any, attr: str) -> str:
+    """Where ``style`` puts ``module``'s parameter ``attr`` on the tensor dimension."""
+    if style == 'sequence':
+        return 'whole'
+    if not isinstance(style, str):
+        return f'as {type(style).__name__} puts it'
+    colwise = style.startswith('colwise')
+    if isinstance(module, nn.Embedding):
+        return 'split on dim 1' if colwise else 'split on dim 0'
+    if attr == 'bias':
+        return 'split on dim 0' if colwise else 'whole'
+    return 'split on dim 0' if colwise else 'split on dim 1'
+
+
+def tied_parameters(model: nn.Module, chosen: Mapping[str, Any]) -> list[list[tuple[str, str]]]:
+    """The parameters that several modules share (tied weights: a head and its input
+    embedding) and the plan splits, as lists of ``(module name, attribute)``; the plan's
+    owner of each comes first. torch's styles give each module its own copy, so
+    :meth:`TensorParallelPlan.apply` ties them again; a tie the plan splits in two ways, or
+    splits in one module and not another, is refused naming the modules."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    modules = dict(model.named_modules())  # a module reachable twice: once, as resolve names it
+    for name, module in modules.items():
+        for attr, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(param), []).append((name, attr))
+    ties = []
+    for group in holders.values():
+        split = [(n, a) for n, a in group if n in chosen]
+        if len(group) < 2 or not split:
+            continue
+        where = {
+            f'{n}.{a}': _placement(modules[n], chosen[n], a) if n in chosen else 'not in the plan'
+            for n, a in group
+        }
+        if len(set(where.values())) > 1:
+            said = ', '.join(f'{k} ({v})' for k, v in where.items())
+            raise ValueError(
+                f'{KEY}: {said} are one parameter (tied weights), but the plan would leave '
+                'its copies placed differently over the tensor dimension and untied; split '
+                "every module that holds it the same way (e.g. a head 'colwise_rep' and its "
+                "embedding 'rowwise_rep': both split the vocabulary), or untie the weights"
+            )
+        ties.append(split + [h for h in group if h not in split])
+    return ties
 
 
 def declared_plan(model: nn.Module) -> dict[str, str]:
@@ -342,15 +395,16 @@ def parse_tensor_parallel_plan(plan: Any) -> TensorParallelPlan | None:
             "{'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise'}, a callable "
             "parallelize_fn(model, mesh), or 'auto' (the plan a transformers model declares)"
         )
-    from torch.distributed.tensor.parallel import ParallelStyle
-
     entries: dict[str, Any] = {}
     for pattern, style in plan.items():
         if not isinstance(pattern, str) or not pattern:
             raise TypeError(f'{KEY}: {pattern!r} is not a module-name pattern (a str)')
-        if isinstance(style, ParallelStyle):
-            entries[pattern] = style
-            continue
+        if not isinstance(style, str):  # torch's DTensor stack is imported only for objects
+            from torch.distributed.tensor.parallel import ParallelStyle
+
+            if isinstance(style, ParallelStyle):
+                entries[pattern] = style
+                continue
         if style not in STYLES:
             close = difflib.get_close_matches(str(style), STYLES, n=1)
             if isinstance(style, str) and style in HF_STYLES:  # transformers' name
