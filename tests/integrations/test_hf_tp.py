@@ -307,6 +307,9 @@ def test_base_model_tp_plan_is_prefixed_and_tp_plan_is_taken_as_is():
     base = _Base()
     base.config, base.base_model_prefix = _Config(), 'backbone'
     assert declared_plan(base) == dict(_Config.base_model_tp_plan)
+    # a head gathered whole still splits its output features: 10 does not divide by 4
+    with pytest.raises(ValueError, match=r"'head' \(Linear\): out_features=10 is not divisib"):
+        parse_tensor_parallel_plan('auto').resolve(_ForTask({'head': 'colwise_gather_output'}), 4)
     # '*' is one layer index, as transformers matches it (fnmatch's would cross dots)
     chosen = parse_tensor_parallel_plan('auto').resolve(_ForTask({'head': 'colwise'}), 2)
     assert chosen == {

@@ -53,6 +53,8 @@ __all__ = [
     'check_plan_fits_mesh',
     'declared_plan',
     'parse_tensor_parallel_plan',
+    'tied_parameters',
+    'torch_style',
 ]
 
 KEY = 'tensor_parallel_plan'
@@ -439,21 +441,23 @@ def _check_module(name: str, module: nn.Module, style: Any, pattern: str, tensor
     where = f'{KEY}[{pattern!r}]={style!r}: module {name!r} ({type(module).__name__})'
     if style == 'sequence' or not isinstance(style, str):
         return
+    colwise = style.startswith('colwise')  # 'colwise_rep' splits as 'colwise' does
     if isinstance(module, nn.Linear):
         dim, what = (
             (module.out_features, 'out_features')
-            if style == 'colwise'
+            if colwise
             else (module.in_features, 'in_features')
         )
     elif isinstance(module, nn.Embedding):
         dim, what = (
             (module.embedding_dim, 'embedding_dim')
-            if style == 'colwise'
+            if colwise
             else (module.num_embeddings, 'num_embeddings')
         )
     else:
         raise ValueError(
-            f"{where}: 'colwise' and 'rowwise' split nn.Linear or nn.Embedding modules; "
+            f"{where}: 'colwise' and 'rowwise' (and their '_rep' forms) split nn.Linear or "
+            'nn.Embedding modules; '
             "match those (e.g. a pattern ending in the Linear's name), or pass a "
             'ParallelStyle object or a parallelize_fn for other modules'
         )

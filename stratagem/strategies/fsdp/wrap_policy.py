@@ -1,7 +1,7 @@
 """Which modules FSDPStrategy shards, ignores or checkpoints: the module choices of its config.
 
 Every choice has ``select(model, ignored)``: the chosen submodules (never the root, none inside
-an ``ignored`` module) in pre-order. Three kinds:
+an ``ignored`` module) in pre-order. Four kinds:
 
 - :class:`ModuleMatcher`: module classes (names or types), a predicate ``module -> bool``, or
   (``ignored_modules``, as mmengine) submodule names and module objects;
