@@ -228,6 +228,7 @@ class FSDPStrategy(BaseStrategy):
         targets: list[nn.Module] = []
         for view in views:
             own = {id(m) for m in view.modules()}
+            held = {id(p) for p in view.parameters()}
             names = {n for n, _ in view.named_modules()}
             plan = self.tp_plan
             if plan is not None and plan.fn is None:
@@ -236,7 +237,7 @@ class FSDPStrategy(BaseStrategy):
                 view,
                 mesh=self.device_mesh,
                 blocks=[b for b in blocks if id(b) in own],
-                ignored={p for p in ignored if any(p is q for q in view.parameters())},
+                ignored={p for p in ignored if id(p) in held},
                 tp_plan=plan,
             )[2]
         self._pipeline = PipelineRun(
