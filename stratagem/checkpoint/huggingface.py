@@ -266,7 +266,7 @@ def read_hf_like(path: str | os.PathLike, model_state: Mapping[str, Any]) -> dic
             (chunk,) = target.__create_chunk_list__()
             local = handle.piece(key, chunk.offsets, chunk.sizes)
             weights[key] = DTensor.from_local(
-                local.to(target.to_local().device),
+                local.to(target.device),
                 target.device_mesh,
                 target.placements,
                 run_check=False,

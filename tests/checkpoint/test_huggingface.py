@@ -11,6 +11,7 @@ One spawn of 2 gloo ranks (tests/scenarios.py) for the FSDP checks; the rest in-
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from scenarios import Scenarios
+from stratagem.checkpoint.huggingface import read_hf
 
 pytest.importorskip('safetensors')
 pytest.importorskip('transformers')
@@ -95,6 +97,12 @@ def made(tmp_path_factory):
         for p in other.parameters():
             p.mul_(-0.5)
     other.save_pretrained(str(tmp / 'pretrained'), max_shard_size=SHARD)
+    # the model's weights less lm_head, plus one it lacks
+    from stratagem.checkpoint.huggingface import save_hf_directory
+
+    partial = dict(read_hf(tmp / 'hf')['state_dict'], **{'extra.w': torch.ones(2)})
+    del partial['lm_head.weight']
+    save_hf_directory(partial, tmp / 'partial', config_json='{}')
     torch.save(_logits(model), tmp / 'trained_logits.pt')
     torch.save(_logits(other), tmp / 'pretrained_logits.pt')
     return tmp
@@ -151,6 +159,24 @@ def test_load_checkpoint_reads_hf_directories_and_files(made, tmp_path):
         assert checkpoint['meta']['iter'] == STEPS  # the step convert recorded
     s.load_checkpoint(str(made / 'pretrained'))  # save_pretrained's shards and index
     assert torch.equal(_logits(model), torch.load(made / 'pretrained_logits.pt'))
+
+
+def test_missing_and_unexpected_names_reported(made, tmp_path, caplog):
+    from stratagem.checkpoint import StateDictMismatchError
+    from stratagem.strategies import SingleDeviceStrategy
+
+    s = SingleDeviceStrategy(work_dir=str(tmp_path))
+    model = s.prepare(_llama(seed=7))
+    head = model.lm_head.weight.detach().clone()
+    with pytest.raises(StateDictMismatchError, match='partial') as err:
+        s.load_checkpoint(str(made / 'partial'), strict=True)
+    assert 'lm_head.weight' in str(err.value) and 'extra.w' in str(err.value)
+    with caplog.at_level('WARNING'):
+        s.load_checkpoint(str(made / 'partial'))
+    assert 'lm_head.weight' in caplog.text and 'extra.w' in caplog.text
+    assert torch.equal(model.lm_head.weight, head)  # what the file lacks is left as it was
+    trained = read_hf(made / 'hf')['state_dict']
+    assert torch.equal(model.model.norm.weight, trained['model.norm.weight'])
 
 
 def test_hf_back_to_a_stratagem_file_and_keys_cleaned(made, tmp_path):
@@ -270,6 +296,13 @@ def fsdp(tmp):
         s.load_checkpoint(str(tmp / name), callback=seen)
         out[name] = _logits(model)
         out[f'{name}_read'] = read
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    s.logger.addHandler(handler)
+    s.load_checkpoint(str(tmp / 'partial'))
+    s.logger.removeHandler(handler)
+    out['partial_report'] = [r.getMessage() for r in records]
     ids = _ids()
     for _ in range(2):
         ow.update_params(model(input_ids=ids, labels=ids).loss)
@@ -294,6 +327,13 @@ def test_fsdp_loads_hf_each_rank_its_pieces(scenario, made):
         for key, n in total.items():  # every sharded tensor read half by each rank
             assert all(read[key][0] for read in reads), (name, key)
             assert [read[key][1] for read in reads] == [n // 2, n // 2], (name, key)
+
+
+@pytest.mark.scenario('fsdp')
+def test_fsdp_reports_missing_and_unexpected_names(scenario):
+    report = scenario[0]['partial_report']
+    assert len(report) == 1 and "['lm_head.weight']" in report[0] and "['extra.w']" in report[0]
+    assert scenario[1]['partial_report'] == []  # said once, by rank 0
 
 
 @pytest.mark.scenario('fsdp')
