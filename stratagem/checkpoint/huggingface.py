@@ -261,7 +261,11 @@ def read_hf_like(path: str | os.PathLike, model_state: Mapping[str, Any]) -> dic
     for key, file in files.items():
         handle = opened.get(file) or opened.setdefault(file, _Open(file))
         target = model_state.get(key, model_state.get(re.sub(r'^module\.', '', key)))
-        if isinstance(target, DTensor) and handle.shape(key) == list(target.shape):
+        if (
+            isinstance(target, DTensor)
+            and target.dim() > 0
+            and handle.shape(key) == list(target.shape)
+        ):
             # the DCP protocol's description of this rank's block of the global tensor
             (chunk,) = target.__create_chunk_list__()
             local = handle.piece(key, chunk.offsets, chunk.sizes)
