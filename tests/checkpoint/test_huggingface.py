@@ -97,6 +97,7 @@ def made(tmp_path_factory):
         for p in other.parameters():
             p.mul_(-0.5)
     other.save_pretrained(str(tmp / 'pretrained'), max_shard_size=SHARD)
+    other.save_pretrained(str(tmp / 'pretrained_one'))
     # the model's weights less lm_head, plus one it lacks
     from stratagem.checkpoint.huggingface import save_hf_directory
 
@@ -157,8 +158,18 @@ def test_load_checkpoint_reads_hf_directories_and_files(made, tmp_path):
         assert torch.equal(_logits(model), trained), name
         assert len(checkpoint['state_dict']) == 21
         assert checkpoint['meta']['iter'] == STEPS  # the step convert recorded
-    s.load_checkpoint(str(made / 'pretrained'))  # save_pretrained's shards and index
-    assert torch.equal(_logits(model), torch.load(made / 'pretrained_logits.pt'))
+    pretrained = torch.load(made / 'pretrained_logits.pt')
+    for name in ('pretrained', 'pretrained_one'):  # save_pretrained's: shards, one file
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        s.load_checkpoint(str(made / name))
+        assert torch.equal(_logits(model), pretrained), name
+    assert sorted(p.name for p in (made / 'pretrained_one').iterdir()) == [
+        'config.json',
+        'generation_config.json',
+        'model.safetensors',
+    ]
 
 
 def test_missing_and_unexpected_names_reported(made, tmp_path, caplog):
