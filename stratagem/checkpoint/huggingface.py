@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from stratagem._torch import WRAPPER_PREFIXES
+
 from .errors import CheckpointCorruptError, NotACheckpointError
 
 __all__ = [
@@ -61,12 +63,10 @@ SUFFIX = '.safetensors'
 Progress = Callable[[int, int], None]
 
 # the prefixes a wrapper adds to parameter names, removed before a Hugging Face model sees
-# them: DDP / DeepSpeed / mmengine's ``module.``, activation checkpointing's and
-# ``torch.compile``'s (``_torch.WRAPPER_PREFIXES``, kept private by torch)
-_PREFIX_RULES = (
-    (r'^module\.', ''),
-    (r'(^|\.)_checkpoint_wrapped_module\.', r'\1'),
-    (r'(^|\.)_orig_mod\.', r'\1'),
+# them: DDP / DeepSpeed / mmengine's ``module.``, and activation checkpointing's and
+# ``torch.compile``'s anywhere in a name
+_PREFIX_RULES = ((r'^module\.', ''),) + tuple(
+    (rf'(^|\.){re.escape(prefix)}', r'\1') for prefix in WRAPPER_PREFIXES
 )
 
 
