@@ -32,6 +32,7 @@ Importing this module imports lightning; nothing else of stratagem does but
 
 from __future__ import annotations
 
+import inspect
 import os
 import os.path as osp
 from collections.abc import Callable, Mapping
@@ -61,9 +62,18 @@ from stratagem import env
 from stratagem.checkpoint import Stateful
 from stratagem.strategies import BaseStrategy, build_strategy
 
-__all__ = ['StratagemStrategy', 'build_on_cluster', 'rebuild_optimizer', 'reduce_tensor']
+__all__ = [
+    'StratagemStrategy',
+    'build_on_cluster',
+    'optimizer_cfg',
+    'rebuild_optimizer',
+    'reduce_tensor',
+]
 
-_SHARDING = ('FSDPStrategy', 'DeepSpeedStrategy')
+# strategies whose wrapping replaces the parameters (DeepSpeed's engine keeps them)
+_SHARDING = ('FSDPStrategy',)
+# strategies that build the optimizer from its cfg (fairscale's OSS shards its state)
+_FROM_CFG = ('ShardedDDPStrategy',)
 
 
 def build_on_cluster(
@@ -121,7 +131,11 @@ def rebuild_optimizer(
                 'fabric.setup(model, optimizer) needs an optimizer over that model'
             ) from None
         groups.append({**{k: v for k, v in group.items() if k != 'params'}, 'params': mine})
-    return type(optimizer)(groups, **optimizer.defaults)
+    # defaults may hold keys the constructor does not take (AdamW's decoupled_weight_decay);
+    # every group carries its own values anyway
+    accepted = inspect.signature(type(optimizer)).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(groups, **kwargs)
 
 
 def reduce_tensor(tensor: Any, group: Any = None, reduce_op: Any = 'mean') -> Any:
@@ -139,6 +153,24 @@ def reduce_tensor(tensor: Any, group: Any = None, reduce_op: Any = 'mean') -> An
     if name in ('mean', 'avg'):
         tensor = tensor / dist.get_world_size(group)
     return tensor
+
+
+def optimizer_cfg(optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
+    """``optimizer`` as a cfg (``type`` its class, its one param group's values), for a
+    backend that builds the optimizer itself (fairscale's OSS). Refused for several param
+    groups, for one that leaves out a trainable parameter, and for an optimizer with state."""
+    groups = optimizer.param_groups
+    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    if len(groups) != 1 or optimizer.state or trainable - {id(p) for p in groups[0]['params']}:
+        raise ValueError(
+            'this strategy builds the optimizer itself, from a cfg: the '
+            f'{type(optimizer).__name__} passed must have one param group over all '
+            'trainable parameters and no state '
+            f'(got {len(groups)} group(s)); use DDPStrategy or FSDPStrategy for param groups'
+        )
+    accepted = inspect.signature(type(optimizer)).parameters
+    values = {k: v for k, v in groups[0].items() if k != 'params' and k in accepted}
+    return dict(type=type(optimizer), **values)
 
 
 class _PlainValue:
@@ -309,8 +341,11 @@ class StratagemStrategy(ParallelStrategy):
             wrapper = ours.build_optim_wrapper({**self.optim_wrapper_cfg, 'optimizer': optimizer})
             ours.optim_wrapper = wrapper
         else:
+            given: Any = optimizer
+            if type(ours).__name__ in _FROM_CFG:
+                given = optimizer_cfg(optimizer, module)
             model, wrapper = ours.prepare(
-                module, optim_wrapper={**self.optim_wrapper_cfg, 'optimizer': optimizer}
+                module, optim_wrapper={**self.optim_wrapper_cfg, 'optimizer': given}
             )
         return model, [wrapper.optimizer], scheduler
 

@@ -67,11 +67,14 @@ from stratagem.checkpoint import add_safe_globals, delete_checkpoint, list_check
 from stratagem.checkpoint.latest import POINTER_NAME, read_pointer, update_pointer
 from stratagem.strategies import BaseStrategy
 
-from .fabric import build_on_cluster, rebuild_optimizer, reduce_tensor
+from .fabric import build_on_cluster, optimizer_cfg, rebuild_optimizer, reduce_tensor
 
 __all__ = ['StratagemStrategy', 'lightning_safe_globals']
 
-_SHARDING = ('FSDPStrategy', 'DeepSpeedStrategy')
+# strategies whose wrapping replaces the parameters (DeepSpeed's engine keeps them)
+_SHARDING = ('FSDPStrategy',)
+# strategies that build the optimizer from its cfg (fairscale's OSS shards its state)
+_FROM_CFG = ('ShardedDDPStrategy',)
 # what the Trainer's checkpoint holds that we write under our own keys
 _OURS = ('state_dict', 'optimizer_states')
 
@@ -218,20 +221,48 @@ class StratagemStrategy(ParallelStrategy):
                 f'{len(optimizers)}'
             )
         (optimizer,) = optimizers
-        if type(ours).__name__ not in _SHARDING:
-            model, wrapper = ours.prepare(module, optim_wrapper=dict(optimizer=optimizer))
-            return model, [wrapper.optimizer]
-        if self.lr_scheduler_configs:
+        name = type(ours).__name__
+        if (name in _SHARDING or name in _FROM_CFG) and self.lr_scheduler_configs:
             raise ValueError(
-                f'StratagemStrategy: {type(ours).__name__} rebuilds the optimizer over the '
-                'sharded parameters, so a scheduler from configure_optimizers would drive the '
-                'old one; give the scheduler after setup or use DDPStrategy'
+                f'StratagemStrategy: {name} builds a new optimizer (over the sharded '
+                'parameters), so a scheduler from configure_optimizers would drive the old '
+                'one; use DDPStrategy, or no scheduler'
             )
+        if name not in _SHARDING:
+            given: Any = optimizer_cfg(optimizer, module) if name in _FROM_CFG else optimizer
+            model, wrapper = ours.prepare(module, optim_wrapper=dict(optimizer=given))
+            return model, [wrapper.optimizer]
         names = {id(p): name for name, p in module.named_parameters()}
         model = ours.prepare(module)
         optimizer = rebuild_optimizer(optimizer, names, model)
         ours.optim_wrapper = ours.build_optim_wrapper(dict(optimizer=optimizer))
         return model, [optimizer]
+
+    def _step(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        # through the wrapped model's __call__ even when it is the LightningModule itself
+        # (FSDP2 shards in place: its hooks unshard the parameters around forward)
+        assert self.model is not None and self.lightning_module is not None
+        return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._step('training_step', *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._step('validation_step', *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._step('test_step', *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._step('predict_step', *args, **kwargs)
 
     @override
     def model_to_device(self) -> None:
@@ -282,6 +313,12 @@ class StratagemStrategy(ParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         """False: our resume restores the optimizer."""
         return False
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+        """Nothing: our checkpoint holds the optimizer under ``optimizer``, saved by our
+        strategy (a sharded optimizer's consolidation included)."""
+        return {}
 
     @override
     def save_checkpoint(

@@ -19,6 +19,7 @@ from stratagem.checkpoint import load_checkpoint_file, verify_checkpoint
 from stratagem.checkpoint.latest import read_pointer
 from stratagem.integrations.fabric import (
     StratagemStrategy,
+    optimizer_cfg,
     rebuild_optimizer,
     reduce_tensor,
 )
@@ -96,3 +97,15 @@ def test_reduce_tensor_without_a_process_group_is_the_identity():
     t = torch.tensor([1.0, 2.0])
     assert reduce_tensor(t, reduce_op='sum') is t
     assert reduce_tensor(3, reduce_op='mean') == 3
+
+
+def test_optimizer_cfg_is_the_class_and_its_one_group():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    cfg = optimizer_cfg(opt, model)
+    assert cfg['type'] is torch.optim.AdamW
+    assert (cfg['lr'], cfg['weight_decay'], cfg['betas']) == (0.01, 0.1, (0.9, 0.999))
+    assert 'decoupled_weight_decay' not in cfg  # AdamW's default that its constructor lacks
+    two = torch.optim.SGD([{'params': [model.weight]}, {'params': [model.bias]}], lr=0.1)
+    with pytest.raises(ValueError, match=r'one param group .* \(got 2 group\(s\)\)'):
+        optimizer_cfg(two, model)
