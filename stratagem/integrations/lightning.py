@@ -12,7 +12,8 @@ accumulation; our strategy does the rest:
 2. ``setup``: our ``strategy.prepare`` wraps the LightningModule and puts our optim wrapper
    around the optimizer of ``configure_optimizers`` (a backend that shards the parameters
    gets a fresh optimizer of the same class and groups over the sharded ones).
-3. Each step: Lightning's closure and precision plugin; the backward is the optim wrapper's.
+3. Each step: Lightning's closure and precision plugin; the backward is the optim wrapper's
+   (under DeepSpeedStrategy the step too: ``engine.step``).
    ``is_distributed`` is True, so the Trainer gives every data-parallel rank its own
    ``DistributedSampler`` shard (``distributed_sampler_kwargs``: FSDP's tensor groups read
    one).
@@ -37,7 +38,7 @@ from __future__ import annotations
 import copyreg
 import os
 import os.path as osp
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -285,6 +286,23 @@ class StratagemStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Lightning's precision plugin steps the optimizer, but DeepSpeed's engine must: there
+        the closure (forward, backward) runs, then the optim wrapper's step (``engine.step``:
+        reduce, clip by the engine's ``gradient_clipping``, update)."""
+        if type(self.stratagem).__name__ != 'DeepSpeedStrategy':
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        result = closure()
+        self.stratagem.optim_wrapper.step(**kwargs)
+        return result
 
     # ------------------------------------------------------------------- collectives
     @override
