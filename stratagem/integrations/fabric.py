@@ -1,0 +1,512 @@
+"""stratagem's strategies under Lightning Fabric: ``Fabric(strategy=StratagemStrategy(cfg))``.
+
+``cfg`` is any stratagem strategy config (``dict(type='DDPStrategy')``,
+``dict(type='FSDPStrategy', mesh=dict(replicate=2, shard=2))``, DeepSpeed, fairscale), built
+through ``stratagem.registry`` once Fabric has started the processes. Fabric then drives our
+strategy:
+
+1. ``fabric.launch()`` → :meth:`StratagemStrategy.setup_environment`: the device, then the
+   process group from Fabric's cluster environment (its launcher's or torchrun's variables)
+   and our strategy built on it. The host program's RNG state is kept (the strategy seeds
+   only when the cfg names ``env_kwargs.randomness.seed``).
+2. ``fabric.setup(model, optimizer)`` → ``strategy.prepare``: our wrapping (DDP,
+   ``fully_shard``, DeepSpeed's engine, ...) and our optim wrapper around the optimizer
+   (``optim_wrapper=`` of the constructor: accumulation, clipping, AMP). A backend that
+   shards the parameters gets a fresh optimizer of the same class and param groups over the
+   wrapped parameters; Fabric hands that one back.
+3. ``fabric.backward(loss)`` → the optim wrapper's ``backward``; ``optimizer.step()`` → its
+   ``step`` (clipping when configured); ``fabric.clip_gradients`` → its clip function
+   (a sharded norm under FSDP), else torch's.
+4. ``fabric.save(path, state)`` → our ``Checkpointer``: the atomic, verified checkpoint (a
+   file, or a directory for sharded backends) exactly at ``path``, with a manifest and
+   ``last_checkpoint`` in its directory. The model and optimizer go under our keys
+   (``state_dict``, ``optimizer``), every other entry of ``state`` under its own key, plus
+   ``meta`` and every rank's RNG state.
+5. ``fabric.load(path, state)`` → the same checkpoint verified and restored in place: model,
+   optimizer, every other ``Stateful`` and plain value of ``state`` (``state['step']``),
+   RNG states last. Returns what ``state`` did not ask for, as Fabric does.
+
+Importing this module imports lightning; nothing else of stratagem does but
+``stratagem.integrations.lightning`` (``pip install "stratagem[lightning]"``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import os.path as osp
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+try:
+    from lightning.fabric.accelerators import Accelerator
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+    from lightning.fabric.strategies import ParallelStrategy
+    from lightning.fabric.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher,
+    )
+    from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+except ImportError as err:  # pragma: no cover - exercised only without lightning
+    raise ImportError(
+        'stratagem.integrations.fabric needs lightning: pip install "stratagem[lightning]"'
+    ) from err
+from typing_extensions import override
+
+from stratagem import env
+from stratagem.checkpoint import Stateful
+from stratagem.strategies import BaseStrategy, build_strategy
+
+__all__ = [
+    'StratagemStrategy',
+    'build_on_cluster',
+    'optimizer_cfg',
+    'rebuild_optimizer',
+    'reduce_tensor',
+]
+
+# strategies whose wrapping replaces the parameters (DeepSpeed's engine keeps them)
+_SHARDING = ('FSDPStrategy',)
+# strategies that build the optimizer from its cfg (fairscale's OSS shards its state)
+_FROM_CFG = ('ShardedDDPStrategy',)
+
+
+def build_on_cluster(
+    cfg: Mapping[str, Any], cluster_environment: ClusterEnvironment | None
+) -> BaseStrategy:
+    """Build our strategy from ``cfg`` in a process Lightning started (its launcher, or
+    torchrun's): ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` /
+    ``MASTER_PORT`` from ``cluster_environment``, so our ``init_dist`` joins the same group
+    (an initialised one is used as it is). The host's RNG state is put back unless the cfg
+    names a seed (``env_kwargs.randomness.seed``)."""
+    if not isinstance(cfg, Mapping):
+        raise TypeError(
+            f"StratagemStrategy takes a stratagem strategy cfg dict (dict(type='DDPStrategy', "
+            f'...)), got {type(cfg).__name__}: {cfg!r}'
+        )
+    cfg = dict(cfg)
+    env_kwargs = dict(cfg.get('env_kwargs') or {})
+    if cluster_environment is not None and not torch.distributed.is_initialized():
+        os.environ['MASTER_ADDR'] = cluster_environment.main_address
+        os.environ['MASTER_PORT'] = str(cluster_environment.main_port)
+        os.environ['RANK'] = str(cluster_environment.global_rank())
+        os.environ['WORLD_SIZE'] = str(cluster_environment.world_size())
+        os.environ['LOCAL_RANK'] = str(cluster_environment.local_rank())
+        env_kwargs.setdefault('launcher', 'pytorch')
+    cfg['env_kwargs'] = env_kwargs
+    seeded = (env_kwargs.get('randomness') or {}).get('seed') is not None
+    host_rng = None if seeded else env.get_rng_state()
+    strategy = build_strategy(cfg)
+    if host_rng is not None:  # the host program seeded (or not): its streams continue
+        env.set_rng_state(host_rng)
+    return strategy
+
+
+def rebuild_optimizer(
+    optimizer: Optimizer, names: Mapping[int, str], model: nn.Module
+) -> Optimizer:
+    """A fresh optimizer of ``optimizer``'s class and param groups over ``model``'s
+    parameters of the same names (``names``: id of an old parameter → its name), for a
+    backend whose wrapping replaced the parameters (FSDP's DTensors). Refused when the
+    optimizer already holds state (it would be lost)."""
+    if optimizer.state:
+        raise ValueError(
+            f'{type(optimizer).__name__} already holds state (a step or a load before '
+            'fabric.setup); a sharding strategy rebuilds it over the sharded parameters, '
+            'which would lose it: set up before stepping, and load checkpoints after setup'
+        )
+    params = dict(model.named_parameters())
+    groups = []
+    for group in optimizer.param_groups:
+        try:
+            mine = [params[names[id(p)]] for p in group['params']]
+        except KeyError as missing:
+            raise ValueError(
+                f"the optimizer holds a parameter ({missing}) that is not the model's: "
+                'fabric.setup(model, optimizer) needs an optimizer over that model'
+            ) from None
+        groups.append({**{k: v for k, v in group.items() if k != 'params'}, 'params': mine})
+    # defaults may hold keys the constructor does not take (AdamW's decoupled_weight_decay);
+    # every group carries its own values anyway
+    accepted = inspect.signature(type(optimizer)).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(groups, **kwargs)
+
+
+def reduce_tensor(tensor: Any, group: Any = None, reduce_op: Any = 'mean') -> Any:
+    """``tensor`` reduced over ``group`` (``'mean'``/``'avg'``, ``'sum'``, ``'max'``,
+    ``'min'`` or a ``ReduceOp``) as a new tensor; anything else, or no process group, as is."""
+    dist = torch.distributed
+    if not isinstance(tensor, Tensor) or not dist.is_initialized():
+        return tensor
+    name = 'mean' if reduce_op is None else str(reduce_op).lower().split('.')[-1]
+    ops = {'sum': dist.ReduceOp.SUM, 'max': dist.ReduceOp.MAX, 'min': dist.ReduceOp.MIN}
+    if name not in ('mean', 'avg', *ops):
+        raise ValueError(f'unknown reduce_op {reduce_op!r}; valid: mean, avg, sum, max, min')
+    tensor = tensor.clone()
+    dist.all_reduce(tensor, op=ops.get(name, dist.ReduceOp.SUM), group=group)
+    if name in ('mean', 'avg'):
+        tensor = tensor / dist.get_world_size(group)
+    return tensor
+
+
+def optimizer_cfg(optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
+    """``optimizer`` as a cfg (``type`` its class, its one param group's values), for a
+    backend that builds the optimizer itself (fairscale's OSS). Refused for several param
+    groups, for one that leaves out a trainable parameter, and for an optimizer with state."""
+    groups = optimizer.param_groups
+    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    if len(groups) != 1 or optimizer.state or trainable - {id(p) for p in groups[0]['params']}:
+        raise ValueError(
+            'this strategy builds the optimizer itself, from a cfg: the '
+            f'{type(optimizer).__name__} passed must have one param group over all '
+            'trainable parameters and no state '
+            f'(got {len(groups)} group(s)); use DDPStrategy or FSDPStrategy for param groups'
+        )
+    accepted = inspect.signature(type(optimizer)).parameters
+    values = {k: v for k, v in groups[0].items() if k != 'params' and k in accepted}
+    return dict(type=type(optimizer), **values)
+
+
+class _PlainValue:
+    """A plain entry of Fabric's state (``step``): saved as it is; loaded into
+    ``restored[key]``, which ``fabric.load`` copies into the caller's dict."""
+
+    def __init__(self, key: str, value: Any, restored: dict[str, Any]) -> None:
+        self.key, self.value, self.restored = key, value, restored
+
+    def state_dict(self) -> Any:
+        return self.value
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self.restored[self.key] = state_dict
+
+
+class _NoSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: the optim wrapper's gradient-sync control (our
+    backend's: DDP's ``no_sync``, FSDP's, ...)."""
+
+    def __init__(self, owner: StratagemStrategy) -> None:
+        self.owner = owner
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        model = self.owner.stratagem.model
+        sync_off = getattr(model, 'no_sync', None)
+        return sync_off() if callable(sync_off) else nullcontext()
+
+
+class StratagemStrategy(ParallelStrategy):
+    """A Fabric strategy that runs a stratagem strategy (see the module doc).
+
+    Args:
+        cfg: a stratagem strategy config: ``type`` (a ``STRATEGIES`` name, e.g.
+            ``'DDPStrategy'``, ``'FSDPStrategy'``, ``'DeepSpeedStrategy'``,
+            ``'ShardedDDPStrategy'``) and its keys; built after Fabric launched the processes.
+        optim_wrapper: the optim wrapper cfg around the optimizer Fabric sets up (its
+            ``optimizer`` is filled in): ``type`` (default ``'OptimWrapper'``;
+            ``'AmpOptimWrapper'``), ``clip_grad``, ``accumulative_counts``. Default: a plain
+            ``OptimWrapper``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision:
+            Fabric's, as for its own strategies (Fabric fills them in).
+    """
+
+    def __init__(
+        self,
+        cfg: Mapping[str, Any],
+        *,
+        optim_wrapper: Mapping[str, Any] | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+    ) -> None:
+        if not isinstance(cfg, Mapping) or not cfg.get('type'):
+            raise TypeError(
+                "StratagemStrategy(cfg): cfg must be a stratagem strategy cfg with a 'type', "
+                f"e.g. dict(type='DDPStrategy'); got {cfg!r}"
+            )
+        wrapper = dict(optim_wrapper or {})
+        if 'optimizer' in wrapper:
+            raise ValueError(
+                'StratagemStrategy(optim_wrapper=...) must not name an optimizer: the one '
+                'passed to fabric.setup(model, optimizer) is used'
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self.cfg = dict(cfg)
+        self.optim_wrapper_cfg = wrapper
+        self._num_nodes = 1
+        self._stratagem: BaseStrategy | None = None
+        self._backward_sync_control = _NoSync(self)
+
+    # ------------------------------------------------------------------ our strategy
+    @property
+    def stratagem(self) -> BaseStrategy:
+        """The stratagem strategy (built in ``setup_environment``, after the launch)."""
+        if self._stratagem is None:
+            raise RuntimeError(
+                'the stratagem strategy is built when Fabric launches: call fabric.launch() '
+                '(or fabric.run / fabric.setup) first'
+            )
+        return self._stratagem
+
+    # ------------------------------------------------------------- processes, ranks
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data-parallel ranks: FSDP's tensor groups read one batch."""
+        if self._stratagem is not None:
+            ours = self._stratagem
+            return {'num_replicas': ours.data_parallel_size, 'rank': ours.data_parallel_rank}
+        return {'num_replicas': self.num_nodes * self.num_processes, 'rank': self.global_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = _SubprocessScriptLauncher(
+            self.cluster_environment, self.num_processes, self.num_nodes
+        )
+
+    def _set_world_ranks(self) -> None:
+        # Fabric's connector calls it (as for its DDPStrategy) before the launch
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(
+                self.node_rank * self.num_processes + self.local_rank
+            )
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if type(self.precision) is not Precision:
+            raise ValueError(
+                f'StratagemStrategy: Fabric precision {type(self.precision).__name__} is not '
+                "supported; precision is the optim wrapper's: Fabric(precision='32-true') and "
+                "StratagemStrategy(cfg, optim_wrapper=dict(type='AmpOptimWrapper', "
+                "dtype='bfloat16'))"
+            )
+        if self._stratagem is None:
+            self._set_world_ranks()
+            self._stratagem = build_on_cluster(self.cfg, self.cluster_environment)
+
+    # -------------------------------------------------------- module and optimizers
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[nn.Module, list[Optimizer], Any]:
+        ours = self.stratagem
+        if len(optimizers) != 1:
+            raise ValueError(
+                f'StratagemStrategy: fabric.setup takes one optimizer, got {len(optimizers)}'
+            )
+        (optimizer,) = optimizers
+        names = {id(p): name for name, p in module.named_parameters()}
+        if type(ours).__name__ in _SHARDING:
+            # the backend replaces the parameters: the optimizer is rebuilt over the new ones
+            model = ours.prepare(module)
+            optimizer = rebuild_optimizer(optimizer, names, model)
+            wrapper = ours.build_optim_wrapper({**self.optim_wrapper_cfg, 'optimizer': optimizer})
+            ours.optim_wrapper = wrapper
+        else:
+            given: Any = optimizer
+            if type(ours).__name__ in _FROM_CFG:
+                given = optimizer_cfg(optimizer, module)
+            model, wrapper = ours.prepare(
+                module, optim_wrapper={**self.optim_wrapper_cfg, 'optimizer': given}
+            )
+        return model, [wrapper.optimizer], scheduler
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return self.stratagem.prepare(module)
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        raise NotImplementedError(
+            'StratagemStrategy sets up the module and its optimizer together: '
+            'model, optimizer = fabric.setup(model, optimizer)'
+        )
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        module.to(self.root_device)
+
+    # -------------------------------------------------------------- the training step
+    @override
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """The optim wrapper's backward (DeepSpeed's engine's under DeepSpeedStrategy)."""
+        self.precision.pre_backward(tensor, module)
+        self.stratagem.optim_wrapper.backward(tensor, **kwargs)
+        self.precision.post_backward(tensor, module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The optim wrapper's step: clipping when configured, then the optimizer's."""
+        return self.stratagem.optim_wrapper.step(**kwargs)
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """The total norm before clipping; under a sharding backend its sharded norm."""
+        clip: Callable[..., Tensor] | None = getattr(
+            self.stratagem.optim_wrapper, 'clip_func', None
+        )
+        params = [p for group in optimizer.param_groups for p in group['params']]
+        if clip is None:
+            return torch.nn.utils.clip_grad_norm_(
+                params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+            )
+        return clip(params, max_norm=max_norm, norm_type=norm_type)
+
+    # ------------------------------------------------------------------- collectives
+    @override
+    def all_reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: Any = 'mean') -> Any:
+        return reduce_tensor(tensor, group, reduce_op)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        env.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return env.broadcast_object(obj, src=src)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _parts(
+        self, state: Mapping[str, Any], restored: dict[str, Any], meta: Mapping | None = None
+    ) -> dict[str, Stateful]:
+        """Our strategy's parts: the model and optimizer of ``state`` under our keys
+        (``state_dict``, ``optimizer``), every other entry under its own (a plain value is
+        put into ``restored`` on load), then ``meta`` and the RNG states."""
+        ours = self.stratagem
+        own = ours.checkpoint_state(meta=meta, schedulers=False)
+        model = ours.model
+        parts: dict[str, Stateful] = {}
+        for key, obj in state.items():
+            if obj is model or obj is getattr(model, 'module', None):
+                parts['state_dict'] = own['state_dict']
+            elif isinstance(obj, Optimizer) and obj is ours.optim_wrapper.optimizer:
+                parts['optimizer'] = own['optimizer']
+                parts['partial_grads'] = own['partial_grads']
+            elif key in own:
+                raise ValueError(
+                    f"fabric.save/load: state key {key!r} is one of stratagem's checkpoint "
+                    f'keys ({", ".join(own)}); rename it'
+                )
+            elif isinstance(obj, (nn.Module, Optimizer)):
+                raise ValueError(
+                    f'state[{key!r}] is a {type(obj).__name__} that fabric.setup did not set up '
+                    'with this strategy; save the model and optimizer that it returned'
+                )
+            elif isinstance(obj, Stateful):
+                parts[key] = obj
+            else:
+                parts[key] = _PlainValue(key, obj, restored)
+        parts['meta'] = own['meta']
+        parts['rng_states'] = own['rng_states']
+        return parts
+
+    @override
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Our checkpoint exactly at ``path`` (every rank calls it); an int ``state['step']``
+        (or ``'iter'``) becomes ``meta['iter']``."""
+        if storage_options is not None or filter:
+            raise ValueError(
+                'StratagemStrategy: fabric.save(..., filter=) and storage_options are not '
+                'supported; a stratagem checkpoint holds the whole state'
+            )
+        step = state.get('step', state.get('iter'))
+        meta = {'iter': step} if type(step) is int else None
+        parts = self._parts(state, {}, meta)
+        self.stratagem.checkpointer.save(osp.abspath(os.fspath(path)), parts)
+        self.stratagem.wait_for_checkpoints()
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: Any = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """``state`` restored in place from our checkpoint at ``path`` (verified first; RNG
+        states last); returns the entries ``state`` did not ask for. No ``state``: the whole
+        checkpoint. ``strict=False``: keys of ``state`` the checkpoint lacks are left as
+        they are."""
+        ours = self.stratagem
+        path = osp.abspath(os.fspath(path))
+        if weights_only is False:
+            raise ValueError(
+                'StratagemStrategy: stratagem checkpoints load with weights_only=True only; '
+                'allow-list a class with stratagem.checkpoint.add_safe_globals'
+            )
+        if not state:
+            return ours.checkpointer.read(path)[1]
+        if isinstance(state, (nn.Module, Optimizer)):
+            raise ValueError(
+                'StratagemStrategy: fabric.load(path, state) takes a dict of what to restore, '
+                "e.g. {'model': model, 'optimizer': optimizer}; for raw weights use "
+                'fabric.load_raw'
+            )
+        restored: dict[str, Any] = {}
+        parts = self._parts(state, restored)
+
+        def drop_absent(checkpoint: dict) -> None:
+            if not strict:  # Fabric's strict=False: what the file lacks stays as it is
+                for key in [k for k in parts if k not in checkpoint]:
+                    del parts[key]
+
+        context = ours.checkpointer.load(
+            path,
+            parts,
+            map_location='cpu',
+            optimizer='optimizer' in parts,
+            callback=drop_absent,
+        )
+        state.update(restored)
+        return {k: v for k, v in context.checkpoint.items() if k not in parts}

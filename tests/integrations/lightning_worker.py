@@ -1,0 +1,179 @@
+"""One launch of the Lightning checks (test_fabric.py, test_lightning.py): Fabric and the
+Trainer, each on our StratagemStrategy and on Lightning's own 'ddp', one after the other in
+the same 2 processes (the second Fabric or Trainer finds the processes started and the
+process group up, and uses them).
+
+    python lightning_worker.py OUT first    # Lightning's launcher: 10 steps, save at 5
+    torchrun --nproc-per-node 2 lightning_worker.py OUT resume   # resume at 5, to 10
+
+Every rank writes ``OUT/{fabric,trainer}-{ours,ddp}-{phase}-rank{r}.pt``: the losses of the
+steps it ran and the final parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from stratagem.integrations.fabric import StratagemStrategy as FabricStratagem
+from stratagem.integrations.lightning import StratagemStrategy as TrainerStratagem
+
+STEPS, SAVE_AT, BATCH = 10, 5, 4
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * BATCH * SAVE_AT, 4, generator=g)
+    return x, x.sum(1, keepdim=True).sin()
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)  # the same initial weights in every run and rank
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def record(path: Path, losses: list, model: nn.Module) -> None:
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save({'losses': torch.stack(losses), 'params': params}, path)
+
+
+def fabric_run(out: Path, kind: str, phase: str) -> None:
+    strategy = (
+        FabricStratagem(dict(type='DDPStrategy', work_dir=str(out / 'work')))
+        if kind == 'ours'
+        else 'ddp'
+    )
+    fabric = Fabric(accelerator='cpu', devices=2, strategy=strategy)
+    fabric.launch()
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = fabric.setup(model, optimizer)
+    x, y = data()
+    ckpt = out / f'fabric-{kind}.ckpt'
+    state = {'model': model, 'optimizer': optimizer, 'step': 0}
+    if phase == 'resume':
+        remainder = fabric.load(ckpt, state)
+        assert state['step'] == SAVE_AT, state['step']
+        assert 'step' not in remainder
+    losses = []
+    while state['step'] < STEPS:
+        i = (state['step'] % SAVE_AT) * 2 * BATCH + fabric.global_rank * BATCH
+        loss = ((model(x[i : i + BATCH]) - y[i : i + BATCH]) ** 2).mean()
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach().clone())
+        state['step'] += 1
+        if phase == 'first' and state['step'] == SAVE_AT:
+            fabric.save(ckpt, state)
+    record(out / f'fabric-{kind}-{phase}-rank{fabric.global_rank}.pt', losses, model.module)
+
+
+class Regression(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = net()
+        self.losses: list = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = ((self.net(x) - y) ** 2).mean()
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(*data()), batch_size=BATCH)
+
+
+def trainer_run(out: Path, kind: str, phase: str) -> None:
+    strategy = (
+        TrainerStratagem(dict(type='DDPStrategy', work_dir=str(out / 'work')))
+        if kind == 'ours'
+        else 'ddp'
+    )
+    every = out / f'trainer-{kind}-every'  # keeps all: the resume reads step 5
+    latest = out / f'trainer-{kind}-latest'  # keeps one: step 5 removed at step 10
+    callbacks = [
+        ModelCheckpoint(dirpath=every, every_n_train_steps=SAVE_AT, save_top_k=-1),
+        ModelCheckpoint(dirpath=latest, every_n_train_steps=SAVE_AT, save_top_k=1, mode='max'),
+    ]
+    trainer = Trainer(
+        accelerator='cpu',
+        devices=2,
+        strategy=strategy,
+        max_steps=STEPS,
+        callbacks=callbacks if phase == 'first' else [],
+        enable_checkpointing=phase == 'first',
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out),
+    )
+    module = Regression()
+    ckpt = every / f'epoch=0-step={SAVE_AT}.ckpt' if phase == 'resume' else None
+    trainer.fit(module, ckpt_path=ckpt)
+    record(out / f'trainer-{kind}-{phase}-rank{trainer.global_rank}.pt', module.losses, module.net)
+
+
+if __name__ == '__main__':
+    out, phase = Path(sys.argv[1]), sys.argv[2]
+    parts = sys.argv[3].split(',') if len(sys.argv) > 3 else ['fabric', 'trainer']
+    for part in parts:
+        for kind in ('ours', 'ddp'):
+            (fabric_run if part == 'fabric' else trainer_run)(out, kind, phase)
+
+
+_LAUNCHED: dict[str, Path] = {}
+
+
+def launch_both(tmp_path_factory: Any) -> Path:
+    """Both launches, once per test session (test_fabric.py and test_lightning.py read the
+    same files): ``first`` from a plain ``python`` (Lightning's launcher starts rank 1),
+    ``resume`` under torchrun. Returns the directory they wrote to."""
+    from launcher_env import without_launcher
+
+    if 'out' in _LAUNCHED:
+        return _LAUNCHED['out']
+    out = Path(tmp_path_factory.mktemp('lightning'))
+    root = Path(__file__).resolve().parents[2]
+    env = without_launcher()
+    env['PYTHONPATH'] = os.pathsep.join([str(root), str(root / 'tests')])
+    env.setdefault('OMP_NUM_THREADS', '1')
+    script = str(Path(__file__).resolve())
+    torchrun = [sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', '2']
+    torchrun.append('--standalone')  # a free port of its own
+    for cmd in (
+        [sys.executable, script, str(out), 'first'],
+        [*torchrun, script, str(out), 'resume'],
+    ):
+        done = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f'{" ".join(cmd)} exited {done.returncode}:\n{done.stdout[-3000:]}\n'
+                f'{done.stderr[-6000:]}'
+            )
+    _LAUNCHED['out'] = out
+    return out
+
+
+def load_results(out: Path, name: str) -> dict[tuple[str, str, int], dict]:
+    """``{(kind, phase, rank): {'losses', 'params'}}`` of ``name`` ('fabric' / 'trainer')."""
+    return {
+        (kind, phase, rank): torch.load(out / f'{name}-{kind}-{phase}-rank{rank}.pt')
+        for kind in ('ours', 'ddp')
+        for phase in ('first', 'resume')
+        for rank in (0, 1)
+    }
