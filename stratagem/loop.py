@@ -51,6 +51,7 @@ from stratagem.config import (
 )
 from stratagem.env.preemption import Preemption, clear_marker, preemption_config
 from stratagem.env.watchdog import Watchdog
+from stratagem.integrations.model_api import call_model, parse_loss
 from stratagem.metrics import RunMetrics, format_row
 from stratagem.registry import DATASETS
 from stratagem.schema import (
@@ -133,36 +134,6 @@ def epoch_length_from_config(cfg: Mapping, world_size: int = 1) -> int | None:
     per_rank = n // world_size if loader.get('drop_last') else math.ceil(n / world_size)
     batch = int(loader.get('batch_size', 1))
     return per_rank // batch if loader.get('drop_last') else math.ceil(per_rank / batch)
-
-
-def _parse_loss(output: Any) -> torch.Tensor:
-    """A tensor loss, or the sum of the ``loss*`` entries of a dict (mmengine's convention)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping):
-        losses = [
-            v if isinstance(v, torch.Tensor) else sum(v) for k, v in output.items() if 'loss' in k
-        ]
-        if not losses:
-            raise ValueError(
-                f'the model returned a dict without a loss entry: keys '
-                f'{sorted(output)}; return a tensor or a dict with a "loss" key'
-            )
-        return sum(losses)  # type: ignore[return-value, arg-type]
-    raise TypeError(
-        f'the model should return a loss tensor or a dict of losses in training, '
-        f'got {type(output).__name__}'
-    )
-
-
-def _forward(model: torch.nn.Module, batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, Mapping):
-        return model(
-            **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        )
-    if isinstance(batch, (list, tuple)):
-        return model(*[b.to(device) if isinstance(b, torch.Tensor) else b for b in batch])
-    return model(batch.to(device))
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -383,8 +354,8 @@ def _train(
                 metrics.saw_batch(batch)
             watchdog.at(it + 1, 'forward, backward, update')
             with optim_wrapper.optim_context(model):
-                output = _forward(model, batch, device)
-                loss = _parse_loss(output)
+                output = call_model(model, batch, device)
+                loss = parse_loss(output)
             optim_wrapper.update_params(loss)
             loss_sum.add_(loss.detach())  # in place, no host sync: read only when logging
             if isinstance(output, Mapping):
@@ -820,7 +791,7 @@ def validate(
         half = torch.float16 if device.type == 'cuda' else torch.bfloat16
         with torch.no_grad(), torch.autocast(device.type, dtype=half, enabled=autocast):
             for batch, weight in zip(loader, weights):
-                values = _scalars(_forward(model, batch, device))
+                values = _scalars(call_model(model, batch, device))
                 if not values:
                     raise ValueError(
                         'the model returned no scalar in validation (a loss tensor or a dict '

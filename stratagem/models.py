@@ -187,19 +187,35 @@ class TransformerLM(nn.Module):
         self, inputs: torch.Tensor, targets: torch.Tensor | None = None
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """``inputs``: (batch, time) token ids, time <= ``max_len``. Logits (batch, time,
-        vocab) when ``targets`` is None, else ``{'loss': next-token cross entropy}``."""
+        vocab) when ``targets`` is None, else ``{'loss': next-token cross entropy}``.
+
+        A module set to None is skipped (torchtitan's convention), so a pipeline stage (the
+        model with the other stages' modules deleted) runs on its own: a later stage takes
+        the previous stage's output, (batch, time, dim) activations, as ``inputs``.
+        """
         t = inputs.shape[1]
         if t > self.max_len:
             raise ValueError(f'TransformerLM: sequence length {t} > max_len={self.max_len}')
-        x = self.tok(inputs) + self.pos(torch.arange(t, device=inputs.device))
+        x = inputs
+        if self.tok is not None:
+            x = self.tok(x)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(t, device=x.device))
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.norm(x))
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.head is not None:
+            x = self.head(x)
         if targets is None:
-            return logits
-        return {
-            'loss': F.cross_entropy(
-                logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
-                targets.flatten(),
-            )
-        }
+            return x
+        return {'loss': self.loss(x, targets)}
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Next-token cross entropy, the mean over tokens (computed in at least float32):
+        the ``loss_fn`` of ``strategy.train_step`` under a pipeline."""
+        return F.cross_entropy(
+            logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+            targets.flatten(),
+        )

@@ -14,13 +14,51 @@ call the inner module's. Nothing here imports mmengine: it is duck-typed on the 
 from __future__ import annotations
 
 import types
+from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ['expose_model_api']
+__all__ = ['call_model', 'expose_model_api', 'parse_loss']
 
 _API = ('train_step', 'val_step', 'test_step')
+
+
+def parse_loss(output: Any) -> torch.Tensor:
+    """A tensor loss, or the sum of the ``loss*`` entries of a dict (mmengine's convention)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        losses = [
+            v if isinstance(v, torch.Tensor) else sum(v) for k, v in output.items() if 'loss' in k
+        ]
+        if not losses:
+            raise ValueError(
+                f'the model returned a dict without a loss entry: keys '
+                f'{sorted(output)}; return a tensor or a dict with a "loss" key'
+            )
+        return sum(losses)  # type: ignore[return-value, arg-type]
+    raise TypeError(
+        f'the model should return a loss tensor or a dict of losses in training, '
+        f'got {type(output).__name__}'
+    )
+
+
+def call_model(model: nn.Module, batch: Any, device: torch.device | None = None) -> Any:
+    """``model(**batch)`` for a dict, ``model(*batch)`` for a list or tuple, else
+    ``model(batch)``; tensors moved to ``device`` first (when given)."""
+    if isinstance(batch, Mapping):
+        return model(
+            **{k: _to(v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        )
+    if isinstance(batch, (list, tuple)):
+        return model(*[_to(b, device) if isinstance(b, torch.Tensor) else b for b in batch])
+    return model(_to(batch, device))
+
+
+def _to(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    return tensor if device is None else tensor.to(device)
 
 
 def expose_model_api(wrapped: nn.Module, module: nn.Module) -> list[str]:

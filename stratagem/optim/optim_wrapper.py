@@ -90,6 +90,7 @@ class OptimWrapper(BaseOptimWrapper):
         self._restored_count: int | None = None  # inner_count whose pending grads were loaded
         # gradients set to None by zero_grad whose memory is released at the next step's start
         self._stale_grads: list[torch.Tensor] | None = None
+        self._step_owner: str | None = None  # set_step_owner: who runs backward instead
         cls = type(self)
         self._plain_step = accumulative_counts == 1 and all(
             getattr(cls, name) is getattr(OptimWrapper, name)
@@ -101,6 +102,8 @@ class OptimWrapper(BaseOptimWrapper):
         self, loss: torch.Tensor, step_kwargs: dict | None = None, zero_kwargs: dict | None = None
     ) -> None:
         """Scale and backward ``loss``; when the window is complete, step and zero_grad."""
+        if self._step_owner is not None:
+            raise RuntimeError(self._step_owner)
         if self._plain_step and not step_kwargs and not zero_kwargs:
             # no accumulation, methods not overridden: what the calls below do, inlined (the
             # hot path of most runs; each call layer costs a hand-written loop nothing)
@@ -130,6 +133,18 @@ class OptimWrapper(BaseOptimWrapper):
                 self.zero_grad(**zero_kwargs)
             else:
                 self.zero_grad()
+
+    def after_backward(
+        self, step_kwargs: dict | None = None, zero_kwargs: dict | None = None
+    ) -> None:
+        """The rest of :meth:`update_params` when the backward ran elsewhere (a pipeline
+        schedule runs it per microbatch, on losses scaled by :meth:`scale_loss`): count it;
+        when the window is complete, step and zero_grad."""
+        self._stale_grads = None
+        self._inner_count += 1
+        if self.should_update():
+            self.step(**(step_kwargs or {}))
+            self.zero_grad(**(zero_kwargs or {}))
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` divided by the current window's length; ``loss`` itself when that is 1."""
@@ -200,6 +215,8 @@ class OptimWrapper(BaseOptimWrapper):
 
     def optim_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """The gradient-sync control on iterations that do not update, else a no-op."""
+        if self._step_owner is not None:
+            raise RuntimeError(self._step_owner)
         self._stale_grads = None  # the step starts: release the last update's gradients
         return _NULL_CONTEXT if self.should_sync() else self._sync_off(model)
 
@@ -211,6 +228,12 @@ class OptimWrapper(BaseOptimWrapper):
         not synchronise gradients; ``optim_context`` enters it on iterations that do not
         update. None (the default): ``model.no_sync()`` when the model has one (DDP)."""
         self._no_sync = no_sync
+
+    def set_step_owner(self, message: str | None) -> None:
+        """Refuse :meth:`optim_context` and :meth:`update_params` with ``message`` (a
+        ``RuntimeError``): a strategy whose steps only it can run (a pipeline schedule)
+        says here what to call instead. None lifts the refusal."""
+        self._step_owner = message
 
     def _sync_off(self, model: nn.Module) -> contextlib.AbstractContextManager:
         if self._no_sync is not None:

@@ -54,9 +54,15 @@ def clip_grad_norm_mixed(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    stages: int = 1,
 ) -> torch.Tensor:
     """``clip_grad_norm_`` for sharded + plain gradients; returns the total norm (a plain
     tensor, the same on every rank).
+
+    ``stages``: the pipeline ranks the parameters are split over (each rank holds its
+    stages' parameters only): the one all-reduce sums the stages' norms, each parameter
+    counted once, so every stage clips by the whole model's norm.
 
     The sharded part's norm is the unsharded one, over every mesh, in one all-reduce of
     each rank's share (float64 sums; a replicated piece counted once). The plain
@@ -70,7 +76,13 @@ def clip_grad_norm_mixed(
 
     sharded, plain = split_sharded(parameters)
     if not sharded and not plain:
-        return torch.tensor(0.0)
+        if stages == 1:
+            return torch.tensor(0.0)
+        # a stage without gradients still joins the other stages' all-reduce
+        on = 'cuda' if dist.get_backend() == 'nccl' else 'cpu'
+        share = torch.zeros((), dtype=torch.float64, device=on)
+        dist.all_reduce(share, dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+        return share if math.isinf(norm_type) else share ** (1.0 / norm_type)
     world = dist.get_world_size() if dist.is_initialized() else 1
     inf = math.isinf(norm_type)
     # this rank's share of the total: one all-reduce then gives every rank the same total
@@ -80,12 +92,12 @@ def clip_grad_norm_mixed(
         _local_power(
             [_local(p) for p in group],
             norm_type,
-            1 if inf else world / _spread(_grad(group[0])),
+            1 if inf else world / (stages * _spread(_grad(group[0]))),
         )
         for group in _by_spread(sharded)
     ]
     if plain:  # FSDP does not reduce these: each rank's own, averaged over the ranks
-        averaged = world if sharded and not inf else 1
+        averaged = world // stages if sharded and not inf else 1
         parts.append(_local_power([_grad(p) for p in plain], norm_type, averaged))
     device = _grad((sharded or plain)[0]).device
     share = torch.stack([x.to(device) for x in parts])

@@ -70,7 +70,7 @@ from stratagem.checkpoint.state_dict import describe_keys, find_model_weights, u
 from stratagem.checkpoint.storage import CheckpointStorage
 from stratagem.config import check_keys
 from stratagem.env.backend import fit_runner_env_kwargs
-from stratagem.integrations.model_api import expose_model_api
+from stratagem.integrations.model_api import call_model, expose_model_api, parse_loss
 from stratagem.schema import ENV_KEYS as _ENV_KEYS
 from stratagem.schema import RANDOMNESS_KEYS as _RANDOMNESS_KEYS
 
@@ -371,6 +371,64 @@ class BaseStrategy(ABC):
 
         ow = self.optim_wrapper
         return list(ow.values()) if isinstance(ow, OptimWrapperDict) else [ow]
+
+    # ------------------------------------------------------------------------- the step
+    def train_step(
+        self,
+        inputs: Any,
+        targets: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        *,
+        outputs: list | None = None,
+    ) -> torch.Tensor:
+        """One training step on this data-parallel rank's batch: forward, loss, backward and
+        the optim wrapper's update (accumulation, clipping, AMP as configured); returns the
+        loss, detached.
+
+        ``inputs``: a tensor (``model(inputs)``), a tuple or list (``model(*inputs)``) or a
+        dict (``model(**inputs)``); tensors are moved to :attr:`device`. With ``loss_fn``,
+        the loss is ``loss_fn(outputs, targets)`` (a mean over the batch); without it,
+        ``targets`` (when given) is passed to the model after ``inputs`` and the model
+        returns the loss, or a dict whose ``loss*`` entries are summed (mmengine's
+        convention). ``outputs``: a list the model's outputs are appended to.
+
+        It is ``with optim_wrapper.optim_context(model): ...`` then
+        ``optim_wrapper.update_params(loss)``, which a loop may still write itself, except
+        under a pipeline (FSDPStrategy's ``mesh.pipeline``), where only this method runs a
+        step: the schedule runs the microbatches.
+        """
+        wrapper = self._step_wrapper()
+        if loss_fn is None and targets is not None:
+            inputs = _with_targets(inputs, targets)
+        with wrapper.optim_context(self.model):
+            out = call_model(self.model, inputs, self.device)
+            if outputs is not None:
+                outputs.append(out)
+            loss = (
+                parse_loss(out)
+                if loss_fn is None
+                else loss_fn(out, _to_device(targets, self.device))
+            )
+        wrapper.update_params(loss)
+        return loss.detach()
+
+    def _step_wrapper(self) -> Any:
+        """The one optim wrapper ``train_step`` updates."""
+        from stratagem.optim import OptimWrapperDict
+
+        wrapper = getattr(self, 'optim_wrapper', None)
+        if wrapper is None:
+            raise RuntimeError(
+                'train_step: no optim wrapper; call strategy.prepare(model, '
+                'optim_wrapper=dict(optimizer=dict(type=...))) first'
+            )
+        if isinstance(wrapper, OptimWrapperDict):
+            raise TypeError(
+                f'train_step updates one optim wrapper; this run has several '
+                f'({", ".join(wrapper)}): step each with '
+                "optim_wrapper['name'].update_params(loss) in your loop"
+            )
+        return wrapper
 
     def _scale_lr(self) -> None:
         """Scale every lr by real batch / ``base_batch_size`` once (``auto_scale_lr``,
@@ -1006,6 +1064,26 @@ class BaseStrategy(ABC):
             f'{type(self).__name__}(work_dir={self._work_dir!r}, launcher={self._launcher!r}, '
             f'world_size={self.world_size}, seed={self._seed})'
         )
+
+
+def _with_targets(inputs: Any, targets: Any) -> Any:
+    """``inputs`` with ``targets`` after them, for ``model(*inputs, targets)``."""
+    if isinstance(inputs, Mapping):
+        raise TypeError(
+            'train_step: inputs is a dict, so the model takes keyword arguments; put the '
+            'targets in the dict, or pass loss_fn=... to compute the loss from the outputs'
+        )
+    return (*inputs, targets) if isinstance(inputs, (list, tuple)) else (inputs, targets)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
 
 
 def check_same_step(step: Any, filename: str) -> None:

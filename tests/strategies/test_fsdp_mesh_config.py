@@ -47,14 +47,14 @@ def test_aliases_and_the_rest(cfg, expected):
     [
         (
             dict(replicate=2, shard=3),
-            'replicate × shard × tensor = 2 × 3 × 1 = 6, but the world '
+            'pipeline × replicate × shard × tensor = 1 × 2 × 3 × 1 = 6, but the world '
             'size is 8; meshes that fit: dict(shard=8), dict(replicate=2, shard=4)',
         ),
         (dict(replicate=3), 'replicate × tensor = 3 does not divide the world size 8'),
         (dict(shard=0), 'mesh.shard=0: a mesh size is an int >= 1'),
         (dict(tensor=2.0), 'mesh.tensor=2.0: a mesh size is an int >= 1'),
         (dict(tensor=-1), 'mesh.tensor=-1'),
-        (dict(shards=8), "unknown key(s) ['shards']; valid: replicate, shard, tensor"),
+        (dict(shards=8), "unknown key(s) ['shards']; valid: pipeline, replicate, shard, tensor"),
         (dict(tp=2, tensor=2), "'tensor' and 'tp' both set the tensor size"),
     ],
 )

@@ -6,6 +6,7 @@ gradients of an open accumulation window, read for a checkpoint and put back on 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,7 +59,9 @@ def with_no_sync(model: nn.Module) -> nn.Module:
     return model
 
 
-def adapt_optim_wrapper(wrapper: Any, model: nn.Module, mixed_precision: bool) -> None:
+def adapt_optim_wrapper(
+    wrapper: Any, model: nn.Module, mixed_precision: bool, stages: int = 1
+) -> None:
     """Fit an optim wrapper to a sharded model, through its public seams.
 
     - Gradient-sync control: the model's :class:`NoSync` (``set_grad_sync``).
@@ -70,7 +73,9 @@ def adapt_optim_wrapper(wrapper: Any, model: nn.Module, mixed_precision: bool) -
       steps.
     - Clipping over a mix of sharded and plain parameters (``ignored_modules``) or of
       several meshes (tensor parallelism), which torch's clip functions refuse, goes through
-      ``optim.sharded_clip`` (``set_clip_func``).
+      ``optim.sharded_clip`` (``set_clip_func``), and so does every clip when the
+      parameters are split over ``stages`` > 1 pipeline ranks (the norm is reduced over the
+      stages too).
     """
     if hasattr(wrapper, 'set_grad_sync'):  # an OptimWrapper (a custom wrapper: its own)
         wrapper.set_grad_sync(with_no_sync(model).no_sync)
@@ -84,11 +89,11 @@ def adapt_optim_wrapper(wrapper: Any, model: nn.Module, mixed_precision: bool) -
     params = [p for g in wrapper.optimizer.param_groups for p in g['params']]
     kinds = {isinstance(p, DTensor) for p in params}
     meshes = {id(p.device_mesh) for p in params if isinstance(p, DTensor)}
-    if len(kinds) == 2 or len(meshes) > 1:
+    if len(kinds) == 2 or len(meshes) > 1 or stages > 1:
         from stratagem.optim.sharded_clip import clip_grad_norm_mixed, clip_grad_value_mixed
 
         wrapper.set_clip_func(
-            clip_grad_norm_mixed
+            functools.partial(clip_grad_norm_mixed, stages=stages)
             if func is torch.nn.utils.clip_grad_norm_
             else clip_grad_value_mixed
         )

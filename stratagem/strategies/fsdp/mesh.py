@@ -1,15 +1,18 @@
-"""FSDPStrategy's device mesh: ``mesh=dict(replicate=R, shard=S, tensor=T)``.
+"""FSDPStrategy's device mesh: ``mesh=dict(pipeline=P, replicate=R, shard=S, tensor=T)``.
 
-Ranks are laid out row-major over ``(replicate, shard, tensor)``: rank ``g`` is tensor slice
-``g % T`` of data-parallel rank ``g // T``, so a tensor group is ``T`` consecutive ranks (one
-node's fast links), shard groups come next and ``replicate`` spans nodes first. Parameters are
+Ranks are laid out row-major over ``(pipeline, replicate, shard, tensor)``: rank ``g`` is
+tensor slice ``g % T`` of data-parallel rank ``(g % (R·S·T)) // T`` on pipeline stage rank
+``g // (R·S·T)``, so a tensor group is ``T`` consecutive ranks (one node's fast links), shard
+groups come next, then ``replicate``, and ``pipeline`` spans the most (only activations cross
+it, point to point). Parameters are split into stages over ``pipeline`` (``pipeline.py``),
 sharded over ``shard``, replicated over ``replicate`` (HSDP: only the gradient all-reduce
 crosses ``replicate``) and split over ``tensor`` by the tensor-parallel plan. Data is split
-over ``replicate × shard``: the ``T`` ranks of one tensor group read the same batch.
+over ``replicate × shard``: the ``P·T`` ranks of one data-parallel index read the same batch.
 
 Aliases, for configs written for other libraries: ``dp_replicate`` /
 ``data_parallel_replicate_degree`` (replicate), ``dp_shard`` /
-``data_parallel_shard_degree`` (shard), ``tp`` / ``tensor_parallel_degree`` (tensor).
+``data_parallel_shard_degree`` (shard), ``tp`` / ``tensor_parallel_degree`` (tensor), ``pp`` /
+``pipeline_parallel_degree`` (pipeline).
 ``shard=-1`` (or leaving it out) means "the ranks that remain".
 """
 
@@ -22,6 +25,7 @@ from typing import Any
 __all__ = ['MeshSpec', 'parse_mesh']
 
 _ALIASES = {
+    'pipeline': ('pipeline', 'pp', 'pipeline_parallel_degree'),
     'replicate': ('replicate', 'dp_replicate', 'data_parallel_replicate_degree'),
     'shard': ('shard', 'dp_shard', 'data_parallel_shard_degree'),
     'tensor': ('tensor', 'tp', 'tensor_parallel_degree'),
@@ -35,10 +39,11 @@ class MeshSpec:
     replicate: int = 1
     shard: int = 1
     tensor: int = 1
+    pipeline: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.replicate * self.shard * self.tensor
+        return self.pipeline * self.replicate * self.shard * self.tensor
 
     @property
     def data_parallel_size(self) -> int:
@@ -47,24 +52,32 @@ class MeshSpec:
 
     def data_parallel_rank(self, rank: int) -> int:
         """The batch ``rank`` reads: its index over ``replicate × shard``."""
-        return rank // self.tensor
+        return (rank % (self.replicate * self.shard * self.tensor)) // self.tensor
+
+    def pipeline_rank(self, rank: int) -> int:
+        """Which pipeline position ``rank`` holds, 0 .. pipeline - 1."""
+        return rank // (self.replicate * self.shard * self.tensor)
 
     @property
     def flat(self) -> bool:
         """Today's FSDP: one shard dimension over every rank."""
-        return self.replicate == 1 and self.tensor == 1
+        return self.replicate == 1 and self.tensor == 1 and self.pipeline == 1
 
     def as_dict(self) -> dict[str, int]:
-        return {'replicate': self.replicate, 'shard': self.shard, 'tensor': self.tensor}
+        """The sizes, outermost first (``pipeline`` only when > 1, so a checkpoint's ``meta``
+        without a pipeline reads as before)."""
+        sizes = {'pipeline': self.pipeline} if self.pipeline > 1 else {}
+        return {**sizes, 'replicate': self.replicate, 'shard': self.shard, 'tensor': self.tensor}
 
     def describe(self) -> str:
-        """``replicate 2 × shard 2``: the dimensions larger than one (shard always)."""
+        """``pipeline 2 × shard 2``: the dimensions larger than one (shard always)."""
         parts = [f'{name} {size}' for name, size in self.as_dict().items() if size > 1]
         return ' × '.join(parts or ['shard 1'])
 
     def build(self, device_type: str) -> Any:
-        """The ``DeviceMesh`` (collective; every rank calls it): dimensions ``replicate``
-        (when > 1), ``shard`` (always) and ``tensor`` (when > 1), in that order."""
+        """The ``DeviceMesh`` (collective; every rank calls it): dimensions ``pipeline`` and
+        ``replicate`` (when > 1), ``shard`` (always) and ``tensor`` (when > 1), in that
+        order."""
         from torch.distributed.device_mesh import init_device_mesh
 
         dims = [(n, s) for n, s in self.as_dict().items() if s > 1 or n == 'shard']
@@ -104,20 +117,22 @@ def parse_mesh(cfg: Any, world_size: int, key: str = 'mesh') -> MeshSpec:
                 'or dict(shard=2, tensor=2) (FSDP + tensor parallel)'
             )
         sizes = _sizes(dict(cfg), key)
-        known = sizes['replicate'] * sizes['tensor']
+        known = sizes['pipeline'] * sizes['replicate'] * sizes['tensor']
         if sizes['shard'] == -1:
             if world_size % known:
                 raise ValueError(
-                    f'{key}={dict(cfg)!r}: replicate × tensor = {known} does not divide the '
-                    f'world size {world_size}, so no shard size fits; {_fits(world_size)}'
+                    f'{key}={dict(cfg)!r}: pipeline × replicate × tensor = {known} does not '
+                    f'divide the world size {world_size}, so no shard size fits; '
+                    f'{_fits(world_size)}'
                 )
             sizes['shard'] = world_size // known
         spec = MeshSpec(**sizes)
     if spec.world_size != world_size:
         raise ValueError(
             f'{key}={dict(cfg) if isinstance(cfg, Mapping) else spec.as_dict()!r}: '
-            f'replicate × shard × tensor = {spec.replicate} × {spec.shard} × {spec.tensor} = '
-            f'{spec.world_size}, but the world size is {world_size}; {_fits(world_size)}'
+            f'pipeline × replicate × shard × tensor = {spec.pipeline} × {spec.replicate} × '
+            f'{spec.shard} × {spec.tensor} = {spec.world_size}, but the world size is '
+            f'{world_size}; {_fits(world_size)}'
         )
     return spec
 
@@ -149,10 +164,11 @@ def _sizes(cfg: dict, key: str) -> dict[str, int]:
     if cfg:
         valid = [a for aliases in _ALIASES.values() for a in aliases]
         raise ValueError(
-            f'{key}: unknown key(s) {sorted(cfg)}; valid: replicate, shard, tensor '
+            f'{key}: unknown key(s) {sorted(cfg)}; valid: pipeline, replicate, shard, tensor '
             f'(aliases: {", ".join(a for a in valid if a not in _ALIASES)})'
         )
     return {
+        'pipeline': sizes.get('pipeline', 1),
         'replicate': sizes.get('replicate', 1),
         'shard': sizes.get('shard', -1),
         'tensor': sizes.get('tensor', 1),
@@ -168,5 +184,6 @@ def _fits(world_size: int) -> str:
         shapes += [
             f'dict(replicate={d}, shard={world_size // d})',
             f'dict(shard={world_size // d}, tensor={d})',
+            f'dict(pipeline={d}, shard={world_size // d})',
         ]
     return 'meshes that fit: ' + ', '.join(shapes)

@@ -31,6 +31,9 @@ def shard_model(
     tp_plan: TensorParallelPlan | None = None,
     ac_check: ActivationCheckpointing | None = None,
     block_compile: Mapping | None = None,
+    mesh: Any = None,
+    blocks: list[nn.Module] | None = None,
+    ignored: set[nn.Parameter] | None = None,
 ) -> tuple[nn.Module, Any, list[nn.Module]]:
     """Shard ``model`` in place over a new device mesh; returns ``(model, device_mesh,
     blocks)``: the model, the ``DeviceMesh`` built from ``mesh_spec``, and the blocks sharded
@@ -40,9 +43,11 @@ def shard_model(
        caller allocates it afterwards: ``model.to_empty``).
     2. ``wrap_cfg``'s ``buffer_dtype`` casts the floating-point buffers; with
        ``sync_module_states`` every rank takes rank 0's parameters and buffers (real tensors).
-    3. The blocks ``auto_wrap_policy`` picks; ``tp_plan`` is checked against them before
-       anything collective happens.
-    4. The device mesh (``mesh_spec.build(device.type)``; a collective over the world).
+    3. The blocks ``auto_wrap_policy`` picks (``blocks`` and ``ignored`` parameters when
+       given: a pipeline stage's, picked on the whole model); ``tp_plan`` is checked against
+       them before anything collective happens.
+    4. The device mesh (``mesh_spec.build(device.type)``; a collective over the world), or
+       ``mesh`` when given (a pipeline's stages share one).
     5. Tensor parallelism over ``mesh['tensor']`` first: it needs the original module names.
     6. Activation checkpointing (``ac_check``): a chosen block is replaced by its wrapper.
     7. ``block_compile`` (``torch.compile`` arguments): each block's ``compile`` (the root's
@@ -60,11 +65,13 @@ def shard_model(
     if wrap_cfg.sync_module_states and not on_meta:
         for tensor in list(model.parameters()) + list(model.buffers()):
             env.broadcast(tensor.data, 0)
-    targets = wrap_cfg.targets(model)
-    ignored = wrap_cfg.ignored_params(model)
+    targets = wrap_cfg.targets(model) if blocks is None else blocks
+    if ignored is None:
+        ignored = wrap_cfg.ignored_params(model)
     if tp_plan is not None:  # every pattern checked before the mesh is built
         tp_plan.check(model, mesh_spec.tensor, targets)
-    mesh = mesh_spec.build(device.type)
+    if mesh is None:
+        mesh = mesh_spec.build(device.type)
     if tp_plan is not None:
         tp_plan.apply(model, mesh['tensor'], targets)
     if ac_check is not None:

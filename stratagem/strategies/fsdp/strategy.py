@@ -10,6 +10,7 @@ over the sharded parameters → schedulers.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -37,6 +38,7 @@ from .grad_sync import (
 )
 from .mesh import parse_mesh
 from .options import parse_activation_checkpointing, parse_state_dict_cfg
+from .pipeline import PipelineRun, meta_skeleton, parse_pipeline
 from .shard import shard_model
 from .storage import FSDPStorage
 from .tensor_parallel import check_plan_fits_mesh, parse_tensor_parallel_plan
@@ -73,6 +75,10 @@ class FSDPStrategy(BaseStrategy):
             ``replicate × shard`` (``mesh.py``).
         tensor_parallel_plan: module-name patterns → ``'colwise'`` / ``'rowwise'`` /
             ``'sequence'``, or ``parallelize_fn(model, tensor_mesh)`` (``tensor_parallel.py``).
+        pipeline: with ``mesh=dict(pipeline=P, ...)``: ``dict(schedule='1F1B',
+            microbatches=M, split_points=[...])`` (``pipeline.py``): ``prepare`` returns this
+            rank's stage (the model with the other stages' modules deleted, parameters under
+            the model's own names) and :meth:`train_step` runs the schedule.
         **kwargs: BaseStrategy's.
     """
 
@@ -86,6 +92,7 @@ class FSDPStrategy(BaseStrategy):
         skip_init_weights: bool = False,
         mesh: Mapping | None = None,
         tensor_parallel_plan: Any = None,
+        pipeline: Mapping | None = None,
         **kwargs: Any,
     ) -> None:
         self.wrap_cfg = parse_model_wrapper(model_wrapper)
@@ -101,7 +108,9 @@ class FSDPStrategy(BaseStrategy):
         self.mesh_spec = parse_mesh(mesh, self.world_size)
         self.tp_plan = parse_tensor_parallel_plan(tensor_parallel_plan)
         check_plan_fits_mesh(self.tp_plan, self.mesh_spec, mesh)
+        self.pipeline_spec = parse_pipeline(pipeline, self.mesh_spec)
         self.device_mesh: Any = None  # built in prepare
+        self._pipeline: PipelineRun | None = None  # built in prepare, under a pipeline
 
     @property
     @override
@@ -159,8 +168,8 @@ class FSDPStrategy(BaseStrategy):
             self.logger.info('FSDPStrategy: the model is already sharded; using it as it is')
             return with_no_sync(model)
         on_meta = any(p.is_meta for p in model.parameters())
-        model, self.device_mesh, targets = shard_model(
-            model,
+        shard = functools.partial(
+            shard_model,
             wrap_cfg=self.wrap_cfg,
             mesh_spec=self.mesh_spec,
             device=self.device,
@@ -168,6 +177,10 @@ class FSDPStrategy(BaseStrategy):
             ac_check=self.ac_check,
             block_compile=self._block_compile,
         )
+        if self.pipeline_spec is None:
+            model, self.device_mesh, targets = shard(model)
+        else:
+            model, targets = self._wrap_stages(model, shard)
         if on_meta:
             model.to_empty(device=self.device)
             unsaved = non_persistent_buffers(model)
@@ -181,6 +194,74 @@ class FSDPStrategy(BaseStrategy):
             f'{self.world_size} ranks ({self.device.type}), mesh {self.mesh_spec.describe()}'
         )
         return with_no_sync(model)
+
+    def _wrap_stages(self, model: nn.Module, shard: Any) -> tuple[nn.Module, list[nn.Module]]:
+        """Under a pipeline: the model checked against the stages (before it is touched),
+        cut to this rank's stages (``keep_stages``), each stage sharded over the data mesh;
+        the schedule is built at the first ``train_step`` (it needs the batch)."""
+        spec = self.pipeline_spec
+        assert spec is not None
+        stages = spec.stage_modules(model)
+        spec.check_forward(model, stages)
+        # the policies and the plan are matched on the whole model (a stage may hold no
+        # block a class name picks, no module a pattern names): each stage gets its share
+        blocks = self.wrap_cfg.targets(model)
+        ignored = self.wrap_cfg.ignored_params(model)
+        chosen: dict[str, Any] = {}
+        if self.tp_plan is not None:
+            self.tp_plan.check(model, self.mesh_spec.tensor, blocks)
+            chosen = self.tp_plan.resolve(model, self.mesh_spec.tensor)
+        skeleton = meta_skeleton(model)
+        self.device_mesh = self.mesh_spec.build(self.device.type)
+        local = spec.stage_indices(self.mesh_spec.pipeline_rank(self.rank))
+        spec.keep_stages(model, local)
+        views = [model] if len(local) == 1 else [spec.stage_view(model, i, stages) for i in local]
+        targets: list[nn.Module] = []
+        for view in views:
+            own = {id(m) for m in view.modules()}
+            names = {n for n, _ in view.named_modules()}
+            plan = self.tp_plan
+            if plan is not None and plan.fn is None:
+                plan = parse_tensor_parallel_plan({n: s for n, s in chosen.items() if n in names})
+            targets += shard(
+                view,
+                mesh=self.device_mesh,
+                blocks=[b for b in blocks if id(b) in own],
+                ignored={p for p in ignored if any(p is q for q in view.parameters())},
+                tp_plan=plan,
+            )[2]
+        self._pipeline = PipelineRun(
+            spec, skeleton, dict(zip(local, views, strict=True)), self.device_mesh, self.device
+        )
+        if self.rank == 0:
+            self.logger.info(
+                f'FSDPStrategy: pipeline {spec.describe()}; stage units: '
+                + '; '.join(f'{i}: {", ".join(u)}' for i, u in enumerate(stages))
+            )
+        return model, targets
+
+    @override
+    def train_step(
+        self,
+        inputs: Any,
+        targets: Any = None,
+        loss_fn: Any = None,
+        *,
+        outputs: list | None = None,
+    ) -> torch.Tensor:
+        """BaseStrategy's; under a pipeline, the schedule runs this rank's stages on
+        ``microbatches`` slices of the batch, ``loss_fn(outputs, targets)`` (a mean) on the
+        last stage, gradients the mean over microbatches, then the optim wrapper's update;
+        the returned loss (the mean over the microbatches) is the last stage's, on every
+        pipeline rank. ``outputs`` is not available under a pipeline."""
+        if self._pipeline is None:
+            return super().train_step(inputs, targets, loss_fn, outputs=outputs)
+        if outputs is not None:
+            raise ValueError(
+                "train_step(outputs=...): under a pipeline the model's outputs stay on the "
+                'last stage; compute what you need in loss_fn'
+            )
+        return self._pipeline.step(self.model, self._step_wrapper(), inputs, targets, loss_fn)
 
     @override
     def build_optim_wrapper(self, optim_wrapper: Any, model: nn.Module | None = None) -> Any:
@@ -200,7 +281,14 @@ class FSDPStrategy(BaseStrategy):
                 )
         wrapper = super().build_optim_wrapper(optim_wrapper, model)
         for w in wrapper.values() if hasattr(wrapper, 'values') else [wrapper]:
-            adapt_optim_wrapper(w, model, mixed_precision=self.wrap_cfg.casts_precision)
+            adapt_optim_wrapper(
+                w,
+                model,
+                mixed_precision=self.wrap_cfg.casts_precision,
+                stages=self.mesh_spec.pipeline,
+            )
+        if self._pipeline is not None:
+            self._pipeline.adopt(wrapper)
         return wrapper
 
     @override
@@ -340,9 +428,19 @@ class FSDPStrategy(BaseStrategy):
 
     @override
     def pending_grads(self) -> dict | None:
-        """Mid accumulation window: this rank's unsynchronised (unsharded) gradients."""
+        """Mid accumulation window: this rank's unsynchronised (unsharded) gradients.
+        Under a pipeline the schedule has reduced them already: a save waits for the
+        window's end."""
         if all(w.should_update() for w in self._wrappers()):
             return None
+        if self._pipeline is not None:
+            wrapper = self._wrappers()[0]
+            raise ValueError(
+                f'a pipelined run saves at an update boundary: this is micro-step '
+                f'{wrapper.inner_count} inside a window of accumulative_counts='
+                f'{wrapper.accumulative_counts}, whose gradients the schedule has already '
+                'reduced; save after the window ends'
+            )
         return pending_grads(self.model)
 
     @override

@@ -1,0 +1,524 @@
+"""FSDPStrategy's pipeline parallelism: ``pipeline=dict(schedule, microbatches, split_points)``
+over the mesh's outermost ``pipeline`` dimension (``mesh.py``).
+
+The model follows torchtitan's convention: its forward runs its top-level modules in order
+and skips any that is None, so a *stage* is the whole model with the other stages' modules
+deleted, and parameter names stay the model's own (checkpoints keep the model's keys). The
+units a model splits into are its top-level modules, and the entries of a top-level
+``ModuleList`` / ``ModuleDict`` / ``Sequential`` (``blocks.2``); ``split_points`` name the
+units where a new stage begins. A deleted top-level module becomes None; a deleted entry of a
+container is removed with the others keeping their names (``blocks.2`` stays ``blocks.2``),
+so the forward must iterate over a container, not index it.
+
+Everything here is checked before the model passed in is touched (``stage_modules``,
+``check_forward``); a forward the static check cannot read is checked at the first
+``train_step`` on meta tensors (``dry_run``), on every rank, before any communication.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import difflib
+import inspect
+import itertools
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .mesh import MeshSpec
+
+__all__ = ['SCHEDULES', 'PipelineRun', 'PipelineSpec', 'parse_pipeline']
+
+# schedule name -> (torch class in torch.distributed.pipelining, stage placement): 'one' stage
+# per pipeline rank, or 'loop' (several, stage s on rank s % P). Each is measured to give the
+# unpipelined model's gradients on CPU with gloo under torch 2.13 (tests/strategies/).
+SCHEDULES: dict[str, tuple[str, str]] = {
+    'GPipe': ('ScheduleGPipe', 'one'),
+    '1F1B': ('Schedule1F1B', 'one'),
+    'Interleaved1F1B': ('ScheduleInterleaved1F1B', 'loop'),
+    'LoopedBFS': ('ScheduleLoopedBFS', 'loop'),
+}
+# torch ships these too; they run on CPU, but with FSDP2 under torch 2.13 their split
+# backward (input, then weight gradients) leaves gradients that differ from the reference
+# (measured: parameters off by 4e-2 after 5 SGD steps), so they are refused by name
+_REFUSED = {
+    'InterleavedZeroBubble': 'its weight-gradient pass',
+    'ZBVZeroBubble': 'its weight-gradient pass',
+    'DualPipeV': 'its weight-gradient pass',
+}
+_KEYS = ('schedule', 'microbatches', 'split_points')
+_ALIASES = {'n_microbatches': 'microbatches', 'pipeline_parallel_microbatches': 'microbatches'}
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """A validated pipeline: the schedule, microbatches per step, the stage boundaries and the
+    number of pipeline ranks (the mesh's ``pipeline`` size)."""
+
+    schedule: str
+    microbatches: int
+    split_points: tuple[str, ...]
+    ranks: int
+
+    @property
+    def stages(self) -> int:
+        return len(self.split_points) + 1
+
+    @property
+    def placement(self) -> str:
+        return SCHEDULES[self.schedule][1]
+
+    def schedule_class(self) -> type:
+        import torch.distributed.pipelining as pipelining
+
+        return getattr(pipelining, SCHEDULES[self.schedule][0])
+
+    def stage_indices(self, pipeline_rank: int) -> list[int]:
+        """The stages pipeline rank ``pipeline_rank`` runs, in order."""
+        return list(range(pipeline_rank, self.stages, self.ranks))
+
+    def stage_rank(self, stage: int) -> int:
+        """The pipeline rank that runs ``stage``."""
+        return next(r for r in range(self.ranks) if stage in self.stage_indices(r))
+
+    def describe(self) -> str:
+        return (
+            f'{self.schedule}, {self.stages} stage(s) over {self.ranks} pipeline rank(s), '
+            f'{self.microbatches} microbatches'
+        )
+
+    # ------------------------------------------------------------------ the model's stages
+    def stage_modules(self, model: nn.Module) -> list[list[str]]:
+        """Each stage's units (module names), in order; refuses, naming the key, a split
+        point that names no unit (listing the candidates), split points out of order, and
+        parameters of the root module itself (they would belong to no stage)."""
+        name = type(model).__name__
+        own = [n for n, _ in model.named_parameters(recurse=False)]
+        if own:
+            raise ValueError(
+                f'pipeline: {name} has parameters of its own ({", ".join(own)}) that belong '
+                'to no stage; hold them in a submodule'
+            )
+        units = model_units(model)
+        position = {u: i for i, u in enumerate(units)}
+        bounds = []
+        for point in self.split_points:
+            if point not in position:
+                close = difflib.get_close_matches(point, units, n=1)
+                hint = f"did you mean '{close[0]}'? " if close else ''
+                raise ValueError(
+                    f"pipeline.split_points: '{point}' names no module {name} splits at; "
+                    f'{hint}a split point is a top-level module or an entry of a top-level '
+                    f'ModuleList/ModuleDict/Sequential: candidates {", ".join(units[1:])}'
+                )
+            bounds.append(position[point])
+        if bounds[0] == 0 or any(b <= a for a, b in itertools.pairwise(bounds)):
+            raise ValueError(
+                f'pipeline.split_points={list(self.split_points)}: each must come after the '
+                f'previous one in {name} (and not be its first module, {units[0]!r}), so '
+                f'that no stage is empty; the model runs {", ".join(units)}'
+            )
+        edges = [0, *bounds, len(units)]
+        return [units[a:b] for a, b in itertools.pairwise(edges)]
+
+    def check_forward(self, model: nn.Module, stages: Sequence[Sequence[str]]) -> None:
+        """Refuse a forward that cannot run a stage: one that calls a top-level module
+        some stage deletes without skipping it when None, or indexes a container a split
+        point divides. Reads the forward's source; one it cannot read is checked by
+        ``dry_run`` at the first step."""
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward)))
+        except (OSError, TypeError, SyntaxError):
+            return
+        guarded: set[str] = set()
+        called: set[str] = set()
+        indexed: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+                guarded |= _self_attrs(node.test)
+            elif isinstance(node, ast.BoolOp):
+                guarded |= _self_attrs(node)
+            elif isinstance(node, ast.Call) and _is_self_attr(node.func):
+                called.add(node.func.attr)  # type: ignore[attr-defined]
+            elif isinstance(node, ast.Subscript) and _is_self_attr(node.value):
+                indexed.add(node.value.attr)  # type: ignore[attr-defined]
+        name = type(model).__name__
+        split = {u.split('.')[0] for s in stages for u in s if '.' in u}
+        split = {c for c in split if sum(any(u.startswith(c + '.') for u in s) for s in stages) > 1}
+        for unit in (u for s in stages for u in s if '.' not in u):
+            if unit in called and unit not in guarded:
+                raise ValueError(
+                    f'pipeline: {name}.forward calls self.{unit} without skipping it when it '
+                    f'is None, and every stage but one holds {unit} as None; write e.g. '
+                    f"`if self.{unit} is not None: x = self.{unit}(x)` (torchtitan's "
+                    "convention: a stage is the model with the other stages' modules deleted)"
+                )
+        for container in sorted(split & indexed):
+            raise ValueError(
+                f'pipeline: {name}.forward indexes self.{container}[...], which the split '
+                f'points divide between stages (each stage keeps its own entries under their '
+                f'names); iterate over it instead: `for block in self.{container}: ...`'
+            )
+
+    def keep_stages(self, model: nn.Module, indices: Sequence[int]) -> nn.Module:
+        """Delete, in place, the units of every stage but ``indices``; returns ``model``."""
+        stages = self.stage_modules(model)
+        keep = {u for i in indices for u in stages[i]}
+        for unit in (u for s in stages for u in s if u not in keep):
+            _delete_unit(model, unit)
+        return model
+
+    def stage_view(
+        self, model: nn.Module, index: int, stages: Sequence[Sequence[str]]
+    ) -> nn.Module:
+        """A module that runs stage ``index`` of ``model`` (which may hold several stages;
+        ``stages``: every stage's units, from :meth:`stage_modules` on the whole model): a
+        shallow copy of the root whose other units are deleted, sharing every kept module,
+        parameter and buffer with ``model``."""
+        keep = set(stages[index])
+        memo: dict[int, Any] = {}
+        for unit, module in model.named_children():
+            if isinstance(module, _CONTAINERS):
+                for key, entry in module.named_children():
+                    memo[id(entry)] = entry if f'{unit}.{key}' in keep else None
+                    # an entry no stage of this model holds stays deleted
+            else:
+                memo[id(module)] = module if unit in keep else None
+        for tensor in itertools.chain(
+            model.parameters(recurse=False), model.buffers(recurse=False)
+        ):
+            memo[id(tensor)] = tensor
+        view = copy.deepcopy(model, memo)
+        for unit in (u for i, s in enumerate(stages) if i != index for u in s):
+            parent, _, key = unit.rpartition('.')
+            # an entry of a container that ``model`` holds: deepcopy left it None
+            if parent and key in dict(model.get_submodule(parent).named_children()):
+                _delete_unit(view, unit)
+        return view
+
+    def dry_run(
+        self,
+        skeleton: nn.Module,
+        inputs: tuple,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    ) -> torch.dtype | None:
+        """Run every stage of ``skeleton`` (the model on the meta device) in order on one
+        microbatch of meta tensors: a stage whose forward fails (a deleted module it does not
+        skip) is refused naming it, on every rank alike, before any communication. Returns
+        the loss's dtype (None without ``loss_fn``)."""
+        args = tuple(_to_meta(x) for x in inputs)
+        stages = self.stage_modules(skeleton)
+        for index, units in enumerate(stages):
+            view = self.stage_view(skeleton, index, stages)
+            try:
+                out = view(*args)
+            except Exception as exc:  # any failure of the user's forward is the refusal
+                raise ValueError(
+                    f'pipeline: stage {index} ({", ".join(units)}) of '
+                    f'{type(skeleton).__name__} fails on its own: {type(exc).__name__}: '
+                    f"{exc}. A stage is the model with the other stages' modules deleted "
+                    '(None, or removed from their ModuleList): its forward must skip a '
+                    "module that is None and take the previous stage's output as input"
+                ) from exc
+            args = out if isinstance(out, tuple) else (out,)
+        if loss_fn is not None:
+            loss = loss_fn(args[0] if len(args) == 1 else args, _to_meta(targets))
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(
+                    'train_step: loss_fn(outputs, targets) must return a scalar tensor (the '
+                    f'mean over the microbatch), got {type(loss).__name__}'
+                    + (f' of shape {tuple(loss.shape)}' if isinstance(loss, torch.Tensor) else '')
+                )
+            return loss.dtype
+        return None
+
+
+_REFUSAL = (
+    'under a pipeline (FSDPStrategy mesh.pipeline > 1) the schedule runs forward and '
+    'backward over the microbatches, so optim_context / update_params cannot run a step: '
+    'call loss = strategy.train_step(inputs, targets, loss_fn) instead'
+)
+
+
+class PipelineRun:
+    """A pipelined run's steps: this rank's stage modules (stage index → module), the
+    schedule over them (built at the first :meth:`step`, which checks the batch), and the
+    meta skeleton of the whole model for the first step's dry run."""
+
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        skeleton: nn.Module,
+        stages: dict[int, nn.Module],
+        mesh: Any,
+        device: torch.device,
+    ) -> None:
+        self.spec = spec
+        self.stages = stages
+        self._skeleton: nn.Module | None = skeleton
+        self._mesh = mesh
+        self._device = device
+        self._schedule: Any = None
+        self._batch: int | None = None
+        self._dtype: torch.dtype | None = None
+        self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+        self._wrapper: Any = None
+        self._losses: list[torch.Tensor] = []
+
+    def adopt(self, wrapper: Any) -> None:
+        """Make the optim wrapper refuse a step of its own (pointing to ``train_step``);
+        refuse a loss scaler (float16 AMP), which a schedule's backward would bypass."""
+        for w in wrapper.values() if hasattr(wrapper, 'values') else [wrapper]:
+            if getattr(w, 'loss_scaler', None) is not None:
+                raise ValueError(
+                    f'{type(w).__name__}(dtype=float16) scales the loss, but under a '
+                    "pipeline the schedule runs backward itself; use dtype='bfloat16' "
+                    "(no loss scaling), or FSDP's model_wrapper.mixed_precision"
+                )
+            if not hasattr(w, 'set_step_owner'):
+                raise TypeError(
+                    f'{type(w).__name__}: a pipeline needs an OptimWrapper (its scale_loss '
+                    'and after_backward run around the schedule)'
+                )
+            w.set_step_owner(_REFUSAL)
+
+    def step(
+        self,
+        model: nn.Module,
+        wrapper: Any,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """One step over the schedule; see ``FSDPStrategy.train_step``."""
+        import torch.distributed as dist
+
+        spec = self.spec
+        if loss_fn is None or targets is None:
+            raise ValueError(
+                'train_step under a pipeline needs targets and loss_fn: the last stage '
+                'computes loss_fn(outputs, targets) per microbatch'
+            )
+        args = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+        if not args or not all(isinstance(a, torch.Tensor) for a in (*args, targets)):
+            raise TypeError(
+                'train_step under a pipeline takes tensors (inputs a tensor or a tuple of '
+                'them, targets a tensor), split into microbatches along dimension 0'
+            )
+        args = tuple(a.to(self._device) for a in args)
+        targets = targets.to(self._device)
+        batch, m = args[0].shape[0], spec.microbatches
+        if batch % m or any(a.shape[0] != batch for a in (*args, targets)):
+            raise ValueError(
+                f"pipeline.microbatches={m} must divide this rank's batch: inputs and "
+                f'targets have {sorted({a.shape[0] for a in (*args, targets)})} samples '
+                f'(dimension 0); use a batch size that {m} divides, or other microbatches'
+            )
+        if self._schedule is None:
+            assert self._skeleton is not None
+            mb = batch // m
+            self._dtype = spec.dry_run(
+                self._skeleton, tuple(a[:mb] for a in args), targets[:mb], loss_fn
+            )
+            self._skeleton = None  # checked: release it
+            self._schedule = self._build()
+            self._batch = batch
+        elif batch != self._batch:
+            raise ValueError(
+                f'a pipeline runs microbatches of one size: this batch has {batch} samples, '
+                f'the first had {self._batch}; use drop_last=True'
+            )
+        self._loss_fn, self._wrapper, self._losses = loss_fn, wrapper, []
+        first, last = 0 in self.stages, spec.stages - 1 in self.stages
+        wrapper.set_step_owner(None)
+        try:
+            with wrapper.optim_context(model):
+                self._schedule.step(*(args if first else ()), target=targets if last else None)
+        finally:
+            wrapper.set_step_owner(_REFUSAL)
+        wrapper.after_backward()
+        if last:
+            loss = torch.stack(self._losses).mean().to(self._dtype)
+        else:
+            loss = torch.zeros((), dtype=self._dtype, device=self._device)
+        if spec.ranks > 1:
+            dist.broadcast(
+                loss,
+                group=self._mesh['pipeline'].get_group(),
+                group_src=spec.stage_rank(spec.stages - 1),
+            )
+        return loss
+
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        assert self._loss_fn is not None
+        loss = self._loss_fn(output, target)
+        self._losses.append(loss.detach())
+        return self._wrapper.scale_loss(loss)
+
+    def _build(self) -> Any:
+        from torch.distributed.pipelining import PipelineStage
+
+        spec = self.spec
+        group = self._mesh['pipeline'].get_group()
+        stages = [
+            PipelineStage(module, index, spec.stages, self._device, group=group)
+            for index, module in sorted(self.stages.items())
+        ]
+        cls = spec.schedule_class()
+        kwargs = dict(n_microbatches=spec.microbatches, loss_fn=self._loss, scale_grads=True)
+        return cls(stages[0], **kwargs) if spec.placement == 'one' else cls(stages, **kwargs)
+
+
+def model_units(model: nn.Module) -> list[str]:
+    """The units a pipeline splits ``model`` into, in order: top-level modules, and the
+    entries of top-level containers."""
+    units: list[str] = []
+    for name, child in model.named_children():
+        if isinstance(child, _CONTAINERS):
+            units += [f'{name}.{key}' for key, _ in child.named_children()]
+        else:
+            units.append(name)
+    return units
+
+
+def meta_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` on the meta device (no memory: its parameters and buffers are
+    meta tensors of the same shapes), for ``dry_run``."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device='meta'), p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device='meta')
+    return copy.deepcopy(model, memo)
+
+
+def parse_pipeline(cfg: Any, mesh: MeshSpec, key: str = 'pipeline') -> PipelineSpec | None:
+    """``pipeline`` (a dict; None without a pipeline) → :class:`PipelineSpec`.
+
+    Raises ``ValueError`` naming the key and what would fit: a pipeline without
+    ``mesh.pipeline`` (or the reverse), an unknown key or schedule, ``microbatches`` not a
+    positive int, ``split_points`` missing or not giving the stages the schedule runs on
+    ``mesh.pipeline`` ranks (one per rank; two or more per rank for the looped schedules;
+    exactly two for the V schedules).
+    """
+    if cfg is None:
+        if mesh.pipeline > 1:
+            raise ValueError(
+                f'mesh.pipeline={mesh.pipeline} needs the stages: give '
+                "pipeline=dict(split_points=[...], microbatches=M, schedule='1F1B') "
+                '(split_points: the module names where stages 2, 3, ... begin)'
+            )
+        return None
+    if not isinstance(cfg, Mapping):
+        raise TypeError(
+            f"{key}={cfg!r}: give a dict, e.g. dict(schedule='1F1B', microbatches=4, "
+            "split_points=['layers.2'])"
+        )
+    cfg = dict(cfg)
+    for alias, name in _ALIASES.items():
+        if alias in cfg:
+            if name in cfg:
+                raise ValueError(f'{key}: {alias!r} and {name!r} both set {name}; give one')
+            cfg[name] = cfg.pop(alias)
+    unknown = sorted(set(cfg) - set(_KEYS))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], _KEYS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ''
+        raise ValueError(f'{key}: unknown key(s) {unknown}{hint}; valid: {", ".join(_KEYS)}')
+    if mesh.pipeline == 1:
+        raise ValueError(
+            f'{key}={cfg!r} needs a pipeline dimension in the mesh: '
+            'mesh=dict(pipeline=P, ...) with P the number of pipeline ranks'
+        )
+    schedule = _schedule_name(cfg.get('schedule', '1F1B'), key)
+    splits = cfg.get('split_points')
+    if isinstance(splits, str):
+        splits = [splits]
+    if (
+        not isinstance(splits, (list, tuple))
+        or not splits
+        or not all(isinstance(s, str) and s for s in splits)
+    ):
+        raise ValueError(
+            f'{key}.split_points={splits!r}: give the names of the modules where stages 2, '
+            f"3, ... begin, e.g. split_points=['layers.2'] for 2 stages"
+        )
+    if len(set(splits)) != len(splits):
+        raise ValueError(f'{key}.split_points={list(splits)}: a split point is given twice')
+    stages, ranks = len(splits) + 1, mesh.pipeline
+    placement = SCHEDULES[schedule][1]
+    one = placement == 'one'
+    if (stages != ranks) if one else (stages % ranks or stages < 2 * ranks):
+        want = ranks if one else 2 * ranks
+        raise ValueError(
+            f"{key}: schedule '{schedule}' runs "
+            f'{"exactly one stage" if one else "the same number of stages, two or more,"} '
+            f'per pipeline rank; mesh.pipeline={ranks} with {len(splits)} split point(s) '
+            f'gives {stages} stages, which do not divide into the ranks so: give '
+            f'{want - 1} split point(s) ({want} stages)'
+            + ('' if one else f' or a multiple of {ranks} stages')
+            + f", or schedule='{'Interleaved1F1B' if one else '1F1B'}'"
+        )
+    microbatches = cfg.get('microbatches', stages)
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(
+            f'{key}.microbatches={microbatches!r}: an int >= 1 that divides the local batch '
+            f'(at least {ranks} keeps every pipeline rank busy)'
+        )
+    return PipelineSpec(schedule, microbatches, tuple(splits), ranks)
+
+
+def _schedule_name(value: Any, key: str) -> str:
+    if isinstance(value, str):
+        wanted = value.lower().removeprefix('schedule')
+        for name, (cls, _) in SCHEDULES.items():
+            if wanted in (name.lower(), cls.lower().removeprefix('schedule')):
+                return name
+        for name, why in _REFUSED.items():
+            if wanted == name.lower():
+                raise ValueError(
+                    f'{key}.schedule={value!r}: with FSDP2 under torch 2.13 {why} gives '
+                    'gradients that differ from the unpipelined model (measured), so it is '
+                    f'not offered; use one of {", ".join(SCHEDULES)}'
+                )
+    raise ValueError(
+        f'{key}.schedule={value!r}: unknown; valid: {", ".join(SCHEDULES)} '
+        "(torch's pipelining schedules that run on CPU and GPU)"
+    )
+
+
+def _delete_unit(model: nn.Module, unit: str) -> None:
+    parent, _, key = unit.rpartition('.')
+    if parent:  # an entry of a container: removed, the others keep their names
+        delattr(model.get_submodule(parent), key)
+    else:  # a top-level module: None, which the forward skips
+        setattr(model, unit, None)
+
+
+def _is_self_attr(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == 'self'
+    )
+
+
+def _self_attrs(node: ast.AST) -> set[str]:
+    return {n.attr for n in ast.walk(node) if _is_self_attr(n)}  # type: ignore[attr-defined]
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value, device='meta')
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
