@@ -161,7 +161,7 @@ def _ours(
     )
     loop = _Loop()
     loop.module, loop.optimizer = model, ow.optimizer
-    rank = strategy.pipeline_rank if hasattr(strategy, 'pipeline_rank') else None
+    rank = strategy.mesh_spec.pipeline_rank(strategy.rank)
     loop.first, loop.last = rank == 0, rank == 1
 
     loss_fn = wrap_loss(TransformerLM.loss)
