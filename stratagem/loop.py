@@ -51,7 +51,7 @@ from stratagem.config import (
 )
 from stratagem.env.preemption import Preemption, clear_marker, preemption_config
 from stratagem.env.watchdog import Watchdog
-from stratagem.integrations.model_api import call_model, parse_loss
+from stratagem.integrations.model_api import call_model
 from stratagem.metrics import RunMetrics, format_row
 from stratagem.registry import DATASETS
 from stratagem.schema import (
@@ -134,6 +134,40 @@ def epoch_length_from_config(cfg: Mapping, world_size: int = 1) -> int | None:
     per_rank = n // world_size if loader.get('drop_last') else math.ceil(n / world_size)
     batch = int(loader.get('batch_size', 1))
     return per_rank // batch if loader.get('drop_last') else math.ceil(per_rank / batch)
+
+
+def _pipeline_loss(strategy: Any, model: torch.nn.Module, val_loader: Any) -> Any:
+    """Under a pipeline (FSDPStrategy's ``mesh.pipeline``): the model's ``loss(outputs,
+    targets)``, the ``loss_fn`` of ``strategy.train_step`` (a stage returns outputs, not a
+    loss); None without one. Validation is refused: the reference loop runs it on whole
+    models."""
+    if getattr(strategy, 'pipeline_spec', None) is None:
+        return None
+    loss = getattr(model, 'loss', None)
+    if not callable(loss):
+        raise ValueError(
+            f"under a pipeline stratagem train needs the model's loss as a method: "
+            f'{type(model).__name__}.loss(outputs, targets) -> the mean loss (each stage '
+            'returns its outputs; the last stage\'s go to loss). Or train it in your own '
+            'loop with strategy.train_step(inputs, targets, loss_fn)'
+        )
+    if val_loader is not None:
+        raise ValueError(
+            "stratagem train's validation runs whole models, and under a pipeline each rank "
+            'holds its stages only: leave out val_dataloader (and val_cfg), or validate the '
+            'checkpoints in another run without a pipeline'
+        )
+    return loss
+
+
+def _inputs_and_targets(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ValueError(
+        'under a pipeline a batch is (inputs, targets), which the schedule splits into '
+        f'microbatches; the dataset gave {type(batch).__name__}'
+        + (f' of {len(batch)}' if isinstance(batch, (list, tuple)) else '')
+    )
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -304,6 +338,7 @@ def _train(
     val_history: list[tuple[int, dict[str, float]]] = []
     val_lines: list[str] = []
     model.train()
+    pipeline_loss = _pipeline_loss(strategy, model, val_loader)
     it = start_iter
     t0 = time.perf_counter()
     data_iter = None
@@ -353,11 +388,14 @@ def _train(
             if metrics.tokens is None:
                 metrics.saw_batch(batch)
             watchdog.at(it + 1, 'forward, backward, update')
-            with optim_wrapper.optim_context(model):
-                output = call_model(model, batch, device)
-                loss = parse_loss(output)
-            optim_wrapper.update_params(loss)
-            loss_sum.add_(loss.detach())  # in place, no host sync: read only when logging
+            if pipeline_loss is not None:  # the schedule runs the microbatches
+                output = None
+                loss = strategy.train_step(*_inputs_and_targets(batch), pipeline_loss)
+            else:
+                outputs: list = []
+                loss = strategy.train_step(batch, outputs=outputs)
+                output = outputs[0]
+            loss_sum.add_(loss)  # in place, no host sync: read only when logging
             if isinstance(output, Mapping):
                 for name, value in _scalars(output).items():
                     if name != 'loss':

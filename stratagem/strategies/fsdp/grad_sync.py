@@ -78,7 +78,9 @@ def adapt_optim_wrapper(
       stages too).
     """
     if hasattr(wrapper, 'set_grad_sync'):  # an OptimWrapper (a custom wrapper: its own)
-        wrapper.set_grad_sync(with_no_sync(model).no_sync)
+        # under a pipeline the schedule reduces the gradients at the end of every step
+        # (PipelineStage's reduce-grad action): nothing to hold back
+        wrapper.set_grad_sync(contextlib.nullcontext if stages > 1 else with_no_sync(model).no_sync)
     if hasattr(wrapper, 'cast_dtype') and mixed_precision:
         wrapper.autocast = False
     func = getattr(wrapper, 'clip_func', None)

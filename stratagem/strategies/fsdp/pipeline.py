@@ -262,6 +262,8 @@ class PipelineRun:
     ) -> None:
         self.spec = spec
         self.stages = stages
+        # the whole model's parameter names, in its order (merged_param_groups sorts by it)
+        self.names = [n for n, _ in skeleton.named_parameters()]
         self._skeleton: nn.Module | None = skeleton
         self._mesh = mesh
         self._device = device
@@ -271,6 +273,39 @@ class PipelineRun:
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._wrapper: Any = None
         self._losses: list[torch.Tensor] = []
+
+    def merged_param_groups(self, groups: list[dict]) -> list[dict]:
+        """The whole model's param groups from this rank's (FQN-keyed; collective over the
+        pipeline ranks): group ``i`` of every stage joined when every stage has the same
+        groups with the same hyperparameters (a plain optimizer cfg), else every stage's
+        groups side by side (``paramwise_cfg``'s group per parameter); parameters in the
+        model's order. What a checkpoint saves, so it loads at any stage count."""
+        import torch.distributed as dist
+
+        per_rank: list[Any] = [None] * self.spec.ranks
+        dist.all_gather_object(per_rank, groups, group=self._mesh['pipeline'].get_group())
+        order = {name: i for i, name in enumerate(self.names)}
+
+        def hyper(g: Mapping) -> dict:
+            return {k: v for k, v in g.items() if k != 'params'}
+
+        def key(name: str) -> int:
+            return order.get(name, len(order))
+
+        first = per_rank[0]
+        try:
+            same = all(len(gs) == len(first) for gs in per_rank) and all(
+                hyper(a) == hyper(b) for gs in per_rank for a, b in zip(gs, first, strict=True)
+            )
+        except (RuntimeError, ValueError):  # tensors as hyperparameters: not comparable
+            same = False
+        if same:
+            return [
+                {**g, 'params': sorted((p for gs in per_rank for p in gs[i]['params']), key=key)}
+                for i, g in enumerate(first)
+            ]
+        joined = [g for gs in per_rank for g in gs]
+        return sorted(joined, key=lambda g: min((key(p) for p in g['params']), default=0))
 
     def adopt(self, wrapper: Any) -> None:
         """Make the optim wrapper refuse a step of its own (pointing to ``train_step``);
@@ -345,7 +380,9 @@ class PipelineRun:
             wrapper.set_step_owner(_REFUSAL)
         wrapper.after_backward()
         if last:
-            loss = torch.stack(self._losses).mean().to(self._dtype)
+            # the microbatches' losses: the last ones (the first step's shape inference
+            # computes one more on uninitialised tensors, which nothing backpropagates)
+            loss = torch.stack(self._losses[-spec.microbatches :]).mean().to(self._dtype)
         else:
             loss = torch.zeros((), dtype=self._dtype, device=self._device)
         if spec.ranks > 1:
@@ -360,7 +397,9 @@ class PipelineRun:
         assert self._loss_fn is not None
         loss = self._loss_fn(output, target)
         self._losses.append(loss.detach())
-        return self._wrapper.scale_loss(loss)
+        # the mean over microbatches through the loss, not the schedule's scale_grads: that
+        # divides every gradient, also those an accumulation window's earlier steps left
+        return self._wrapper.scale_loss(loss) / self.spec.microbatches
 
     def _build(self) -> Any:
         from torch.distributed.pipelining import PipelineStage
@@ -372,7 +411,7 @@ class PipelineRun:
             for index, module in sorted(self.stages.items())
         ]
         cls = spec.schedule_class()
-        kwargs = dict(n_microbatches=spec.microbatches, loss_fn=self._loss, scale_grads=True)
+        kwargs = dict(n_microbatches=spec.microbatches, loss_fn=self._loss, scale_grads=False)
         return cls(stages[0], **kwargs) if spec.placement == 'one' else cls(stages, **kwargs)
 
 

@@ -109,6 +109,12 @@ class FSDPStrategy(BaseStrategy):
         self.tp_plan = parse_tensor_parallel_plan(tensor_parallel_plan)
         check_plan_fits_mesh(self.tp_plan, self.mesh_spec, mesh)
         self.pipeline_spec = parse_pipeline(pipeline, self.mesh_spec)
+        if self.pipeline_spec is not None and self._full:
+            raise ValueError(
+                "state_dict_type='full' writes one file from rank 0, which holds only its "
+                "stages under a pipeline: use 'sharded' (each stage writes its shards), and "
+                'stratagem convert for one file'
+            )
         self.device_mesh: Any = None  # built in prepare
         self._pipeline: PipelineRun | None = None  # built in prepare, under a pipeline
 
@@ -193,7 +199,7 @@ class FSDPStrategy(BaseStrategy):
             f'FSDPStrategy: {len(targets)} block(s) + root sharded over '
             f'{self.world_size} ranks ({self.device.type}), mesh {self.mesh_spec.describe()}'
         )
-        return with_no_sync(model)
+        return model if self._pipeline is not None else with_no_sync(model)
 
     def _wrap_stages(self, model: nn.Module, shard: Any) -> tuple[nn.Module, list[nn.Module]]:
         """Under a pipeline: the model checked against the stages (before it is touched),
@@ -322,10 +328,13 @@ class FSDPStrategy(BaseStrategy):
         if self._full and state:  # rank 0 only: the others get {} (cpu_offload)
             state = optim_state_to_index(state)
         extra = wrapper.state_dict()
+        groups = state.get('param_groups', [])
+        if self._pipeline is not None:  # every rank saves the whole model's groups
+            groups = self._pipeline.merged_param_groups(list(groups))  # type: ignore[arg-type]
         return {
             **{k: v for k, v in extra.items() if k not in ('state', 'param_groups')},
             'state': state.get('state', {}),
-            'param_groups': state.get('param_groups', []),
+            'param_groups': groups,
         }
 
     @override
@@ -366,6 +375,13 @@ class FSDPStrategy(BaseStrategy):
         state = dict(state_dict)
         groups = state.get('param_groups') or []
         if groups and groups[0]['params'] and not isinstance(groups[0]['params'][0], str):
+            if self._pipeline is not None:
+                raise ValueError(
+                    'the optimizer state is keyed by parameter index (a one-file '
+                    "checkpoint's), which names no parameter of a pipeline stage; resume a "
+                    'pipelined run from a sharded directory an FSDPStrategy saved, or load '
+                    'the weights only (load_checkpoint)'
+                )
             state = optim_state_to_fqn(state, self._param_names())
         full = not any(
             isinstance(t, DTensor) for s in state.get('state', {}).values() for t in s.values()
@@ -457,6 +473,20 @@ class FSDPStrategy(BaseStrategy):
         if self._full:
             return env.all_gather_object({k: v.cpu() for k, v in mine.items()})
         return mine
+
+    @override
+    def _check_optimizer(self, state: Any, context: LoadContext) -> None:
+        """BaseStrategy's, against this stage's share of the saved groups under a pipeline
+        (a checkpoint holds the whole model's)."""
+        if self._pipeline is not None and isinstance(state, Mapping):
+            mine = {n for names in self._param_names() for n in names}
+            groups = [
+                {**g, 'params': [p for p in g.get('params', ()) if p in mine]}
+                for g in state.get('param_groups') or []
+                if isinstance(g, Mapping)
+            ]
+            state = {**state, 'param_groups': [g for g in groups if g['params']]}
+        super()._check_optimizer(state, context)
 
     @override
     def _restore_model(self, state_dict: Any, context: LoadContext) -> None:

@@ -1,0 +1,324 @@
+"""FSDPStrategy with a pipeline (``mesh.pipeline``): GPipe, 1F1B and Interleaved1F1B on 2 gloo
+processes and ``pipeline=2 × shard=2`` on 4 train as one process does on the whole batch
+(float64, SGD with momentum and AdamW with accumulation and clipping, 10 steps); the loss
+``train_step`` returns is the reference's on every rank; a checkpoint saved at pipeline=2
+resumes bit-exactly at pipeline=2, and with its weights and optimizer state exactly with
+``mesh=dict(shard=2)`` and on one process; ``stratagem convert`` reads it. The refusals run
+in the test process, and on every rank where they need the batch.
+
+Processes are started twice for the module (tests/scenarios.py): 2 ranks, then 4.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from scenarios import Scenarios
+
+STEPS, SAVE_AT, BATCH, MICRO = 10, 4, 8, 4
+MODEL = dict(vocab_size=16, dim=16, depth=4, heads=2, max_len=8)
+OPTIMS = {
+    'sgd': dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)),
+    # accumulation (windows of 2 train_step calls) and clipping reduced over the stages
+    'adamw': dict(
+        optimizer=dict(type='AdamW', lr=0.01, weight_decay=0.01),
+        accumulative_counts=2,
+        clip_grad=dict(type='norm', max_norm=0.5),
+    ),
+}
+SPLITS = {
+    'GPipe': ['blocks.2'],
+    '1F1B': ['blocks.2'],
+    'Interleaved1F1B': ['blocks.1', 'blocks.2', 'blocks.3'],
+}
+SCENARIOS = Scenarios(two=dict(nproc=2, timeout=240), four=dict(nproc=4, timeout=300))
+
+
+def _model():
+    from stratagem.models import TransformerLM
+
+    torch.manual_seed(0)
+    return TransformerLM(**MODEL).double()
+
+
+def _batch(it):
+    g = torch.Generator().manual_seed(1000 + it)
+    seq = torch.randint(MODEL['vocab_size'], (BATCH, MODEL['max_len'] + 1), generator=g)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def _strategy(work_dir, mesh, schedule='1F1B', **extra):
+    from stratagem.strategies import build_strategy
+
+    pipeline = None
+    if mesh.get('pipeline', 1) > 1:
+        pipeline = dict(schedule=schedule, microbatches=MICRO, split_points=SPLITS[schedule])
+    return build_strategy(
+        dict(
+            type='FSDPStrategy',
+            work_dir=str(work_dir),
+            mesh=mesh,
+            pipeline=pipeline,
+            model_wrapper=dict(auto_wrap_policy=['TransformerBlock']),
+            env_kwargs=dict(randomness=dict(seed=5)),
+            **extra,
+        )
+    )
+
+
+def _reference(optim):
+    """One process, the whole batch, the optim wrapper's own loop: the oracle."""
+    from stratagem.models import TransformerLM
+    from stratagem.optim import build_optim_wrapper
+
+    model = _model()
+    torch.manual_seed(1)
+    model.init_weights()
+    ow = build_optim_wrapper(model, OPTIMS[optim])
+    losses = []
+    for it in range(STEPS):
+        x, y = _batch(it)
+        loss = TransformerLM.loss(model(x), y)
+        ow.update_params(loss)
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def _whole(s):
+    """The whole model's weights and optimizer state, gathered from every stage."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    model = {k: v.detach().clone() for k, v in get_model_state_dict(s.model, options=opts).items()}
+    optim = get_optimizer_state_dict(s.model, s.optim_wrapper.optimizer, options=opts)
+    state = {
+        k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
+        for k, v in optim['state'].items()
+    }
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (model, state))
+    return {k: v for m, _ in parts for k, v in m.items()}, {
+        k: v for _, o in parts for k, v in o.items()
+    }
+
+
+def _train(s, ow, start, stop, save=None):
+    from stratagem.models import TransformerLM
+
+    losses = []
+    for it in range(start, stop):
+        x, y = _batch(it)
+        dp, n = s.data_parallel_rank, s.data_parallel_size
+        x, y = x.chunk(n)[dp], y.chunk(n)[dp]
+        losses.append(s.train_step(x, y, TransformerLM.loss).item())
+        if save and it + 1 == SAVE_AT:
+            s.save_checkpoint(save, extra_ckpt={'meta': {'iter': SAVE_AT}})
+    return losses
+
+
+def _run(work, mesh, schedule, optim, save=False):
+    name = f'{schedule}_{optim}'
+    s = _strategy(Path(work) / name, mesh, schedule)
+    model = _model()
+    torch.manual_seed(1)  # prepare's init_weights draws as the reference's does
+    _, ow = s.prepare(model, optim_wrapper=OPTIMS[optim], dispatch_kwargs=dict(max_iters=STEPS))
+    saved = str(Path(work) / f'{name}_saved') if save else None
+    losses = _train(s, ow, 0, SAVE_AT, save=saved)
+    at_save = _whole(s) if save else None
+    losses += _train(s, ow, SAVE_AT, STEPS)
+    return {
+        'final': _whole(s),
+        'at_save': at_save,
+        'saved': saved,
+        'losses': losses,
+        'dp': (s.data_parallel_rank, s.data_parallel_size),
+        'stage': s.mesh_spec.pipeline_rank(s.rank),
+        'params': sorted(n for n, _ in s.model.named_parameters()),
+        'reference': _reference(optim),
+    }
+
+
+for _schedule, _optim in [
+    ('GPipe', 'sgd'),
+    ('1F1B', 'sgd'),
+    ('1F1B', 'adamw'),
+    ('Interleaved1F1B', 'adamw'),
+]:
+    SCENARIOS.add('two', name=f'pp2_{_schedule}_{_optim}')(
+        functools.partial(
+            _run, mesh=dict(pipeline=2), schedule=_schedule, optim=_optim, save=_optim == 'adamw'
+        )
+    )
+for _optim in OPTIMS:
+    SCENARIOS.add('four', name=f'pp2_shard2_{_optim}')(
+        functools.partial(_run, mesh=dict(pipeline=2, shard=2), schedule='1F1B', optim=_optim)
+    )
+
+
+def _resume(work, mesh, name):
+    s = _strategy(Path(work) / f'resume_{name}', mesh)
+    torch.manual_seed(7)  # another init: everything must come from the checkpoint
+    _, ow = s.prepare(
+        _model(), optim_wrapper=OPTIMS['adamw'], dispatch_kwargs=dict(max_iters=STEPS)
+    )
+    ckpt = s.resume(str(Path(work) / '1F1B_adamw_saved'))
+    loaded = _whole(s)
+    _train(s, ow, ckpt['meta']['iter'], STEPS)
+    return {'loaded': loaded, 'final': _whole(s)}
+
+
+@SCENARIOS.add('two', needs=['pp2_1F1B_adamw'])
+def resume_pp2(work, pp2_1F1B_adamw):
+    return _resume(work, dict(pipeline=2), 'pp2')
+
+
+@SCENARIOS.add('two', needs=['pp2_1F1B_adamw'])
+def resume_shard2(work, pp2_1F1B_adamw):
+    return _resume(work, dict(shard=2), 'shard2')
+
+
+@SCENARIOS.add('two')
+def refusals_on_every_rank(work):
+    """Refused on every rank alike, before any communication: a batch microbatches does not
+    divide, a save inside an accumulation window; the optim wrapper's own step."""
+    from stratagem.models import TransformerLM
+
+    s = _strategy(Path(work) / 'refusals', dict(pipeline=2))
+    model, ow = s.prepare(
+        _model(), optim_wrapper=OPTIMS['adamw'], dispatch_kwargs=dict(max_iters=STEPS)
+    )
+    said = {}
+    x, y = _batch(0)
+    try:
+        s.train_step(x[:6], y[:6], TransformerLM.loss)
+    except ValueError as exc:
+        said['microbatches'] = str(exc)
+    try:
+        with ow.optim_context(model):
+            pass
+    except RuntimeError as exc:
+        said['optim_context'] = str(exc)
+    s.train_step(x, y, TransformerLM.loss)  # the first of a window of 2
+    try:
+        s.save_checkpoint(str(Path(work) / 'mid_window'))
+    except ValueError as exc:
+        said['mid_window'] = str(exc)
+    said['saved'] = (Path(work) / 'mid_window').exists()
+    return said
+
+
+@pytest.fixture(scope='module')
+def scenarios(request, tmp_path_factory):
+    return SCENARIOS.run(request, tmp_path_factory.mktemp('fsdp_pipeline'))
+
+
+def _close(a, b, tol):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=tol), (k, (a[k] - b[k]).abs().max())
+
+
+@pytest.mark.parametrize(
+    'name',
+    [
+        'pp2_GPipe_sgd',
+        'pp2_1F1B_sgd',
+        'pp2_1F1B_adamw',
+        'pp2_Interleaved1F1B_adamw',
+        'pp2_shard2_sgd',
+        'pp2_shard2_adamw',
+    ],
+)
+@pytest.mark.scenario('{name}')
+def test_pipeline_trains_as_one_process(scenario, name):
+    for r in scenario:
+        weights, _ = r['final']
+        ref_weights, ref_losses = r['reference']
+        _close(weights, ref_weights, 1e-9)
+        # this data-parallel rank's loss, the same on its stages; their mean: the batch's
+        same_batch = [q['losses'] for q in scenario if q['dp'] == r['dp']]
+        assert all(q == r['losses'] for q in same_batch)
+        per_dp = {q['dp'][0]: q['losses'] for q in scenario}
+        mean = [sum(v[i] for v in per_dp.values()) / len(per_dp) for i in range(STEPS)]
+        assert mean == pytest.approx(ref_losses, abs=1e-12)
+    # each rank holds its stage's parameters under the model's own names; together, all
+    stages = {r['stage']: set(r['params']) for r in scenario}
+    assert set.union(*stages.values()) == set(scenario[0]['reference'][0])
+    assert not set.intersection(*stages.values())
+    if name == 'pp2_1F1B_sgd':
+        assert 'blocks.2.k.weight' in stages[1] and 'tok.weight' in stages[0]
+
+
+def _assert_equal(got, want):
+    """(weights, optimizer state) pairs, bit for bit."""
+    (weights, optim), (want_weights, want_optim) = got, want
+    assert weights.keys() == want_weights.keys() and optim.keys() == want_optim.keys()
+    for k in weights:
+        assert torch.equal(weights[k], want_weights[k]), k
+    for k in optim:
+        assert optim[k].keys() == want_optim[k].keys()
+        for n in optim[k]:
+            assert torch.equal(torch.as_tensor(optim[k][n]), torch.as_tensor(want_optim[k][n]))
+
+
+@pytest.mark.scenario('resume_pp2')
+def test_resume_at_the_same_stage_count_is_bit_exact(scenario):
+    saving = scenario.needs['pp2_1F1B_adamw'][0]
+    for r in scenario:
+        _assert_equal(r['loaded'], saving['at_save'])
+        _assert_equal(r['final'], saving['final'])
+
+
+@pytest.mark.scenario('resume_shard2')
+def test_resume_without_a_pipeline_loads_weights_and_optimizer_exactly(scenario):
+    saving = scenario.needs['pp2_1F1B_adamw'][0]
+    for r in scenario:
+        _assert_equal(r['loaded'], saving['at_save'])
+        weights, _ = r['final']  # trained on: the same maths, other reduction orders
+        _close(weights, saving['final'][0], 1e-9)
+
+
+@pytest.mark.scenario('pp2_1F1B_adamw')
+def test_one_process_resumes_and_convert_reads_a_pipelined_checkpoint(scenario, tmp_path):
+    from stratagem.checkpoint.convert import convert_checkpoint
+    from stratagem.strategies import build_strategy
+
+    saved = scenario[0]['saved']
+    weights, optim = scenario[0]['at_save']
+    s = build_strategy(dict(type='SingleDeviceStrategy', work_dir=str(tmp_path / 'one')))
+    torch.manual_seed(7)
+    model, ow = s.prepare(
+        _model(), optim_wrapper=OPTIMS['adamw'], dispatch_kwargs=dict(max_iters=STEPS)
+    )
+    s.resume(str(saved))
+    assert all(torch.equal(model.state_dict()[k], weights[k]) for k in weights)
+    names = [n for n, _ in model.named_parameters()]
+    state = ow.optimizer.state_dict()['state']
+    for i, n in enumerate(names):
+        for key in ('exp_avg', 'exp_avg_sq', 'step'):
+            assert torch.equal(state[i][key], optim[n][key]), (n, key)
+    assert len(ow.optimizer.param_groups) == 1
+    assert ow.optimizer.param_groups[0]['lr'] == 0.01
+    convert_checkpoint(str(saved), str(tmp_path / 'one.pth'), to='file')
+    convert_checkpoint(str(saved), str(tmp_path / 'one.safetensors'), to='safetensors')
+    one = torch.load(tmp_path / 'one.pth', weights_only=True)['state_dict']
+    assert all(torch.equal(one[k], weights[k]) for k in weights)
+
+
+@pytest.mark.scenario('refusals_on_every_rank')
+def test_refusals_on_every_rank(scenario):
+    for r in scenario:
+        assert 'pipeline.microbatches=4 must divide' in r['microbatches']
+        assert '[6] samples' in r['microbatches']
+        assert 'strategy.train_step(inputs, targets, loss_fn)' in r['optim_context']
+        assert 'saves at an update boundary' in r['mid_window']
+        assert not r['saved']
