@@ -43,6 +43,18 @@ class Unskipping(nn.Module):
         return self.head(self.emb(inputs))
 
 
+class LossLess(Unskipping):
+    """Stages that run on their own, but no ``loss`` method for stratagem train to call."""
+
+    def forward(self, inputs, targets=None):
+        x = inputs
+        if self.emb is not None:
+            x = self.emb(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+
 def _cfg(tmp_path, **changes):
     cfg = copy.deepcopy(CFG)
     cfg['work_dir'] = str(tmp_path)
@@ -115,6 +127,19 @@ def test_a_forward_that_cannot_run_a_stage(tmp_path):
         strategy__pipeline__split_points=['head'],
     )
     assert 'Unskipping.forward calls self.emb without skipping it when it is None' in (
+        f['model'].problem
+    )
+
+
+def test_what_stratagem_train_refuses_under_a_pipeline(tmp_path):
+    f, _ = _diagnose(tmp_path, val_dataloader=copy.deepcopy(CFG['train_dataloader']))
+    assert "stratagem train's validation runs whole models" in f['val_dataloader'].problem
+    f, _ = _diagnose(
+        tmp_path,
+        model=dict(type='test_doctor_pipeline.LossLess'),
+        strategy__pipeline__split_points=['head'],
+    )
+    assert "needs the model's loss as a method: LossLess.loss(outputs, targets)" in (
         f['model'].problem
     )
 

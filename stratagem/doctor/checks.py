@@ -251,7 +251,13 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
         strategy = dict(self.cfg.get('strategy') or {})
         loader = self.cfg.get('train_dataloader') or {}
         for finding in pipeline_findings(
-            strategy, self.nproc, self.model, self.batch, loader, self.dataset_length
+            strategy,
+            self.nproc,
+            self.model,
+            self.batch,
+            loader,
+            self.dataset_length,
+            self.cfg.get('val_dataloader'),
         ):
             self.add(*finding)
 

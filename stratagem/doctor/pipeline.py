@@ -6,15 +6,17 @@ The checks are the strategy's own (``strategies/fsdp/pipeline.py``): ``parse_pip
 keys, the schedule, the stage count against ``mesh.pipeline``), ``stage_modules`` (split
 points against the model), ``check_forward`` (a forward that calls a deleted module without
 skipping it) and ``dry_run`` (every stage run in order on one microbatch of meta tensors, the
-check of the first ``train_step``), so the doctor and a run agree on what is wrong. Besides,
-what the first or a later ``train_step`` refuses about the batch: ``microbatches`` must divide
-the micro batch the loader gives each rank, and every batch must have that size.
+check of the first ``train_step``), and ``stratagem train``'s own refusals (``loop.py``: a
+model without a ``loss`` method, validation), so the doctor and a run agree on what is wrong.
+Besides, what the first or a later ``train_step`` refuses about the batch: ``microbatches``
+must divide the micro batch the loader gives each rank, and every batch must have that size.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -67,9 +69,12 @@ def pipeline_findings(
     batch: Any,
     loader: Mapping,
     dataset_length: int | None,
+    val_loader: Any = None,
 ) -> list[tuple[str, str, str]]:
     """(where, problem, fix) for ``strategy.pipeline``; none without one, or when the mesh
-    does not fit ``nproc`` (the mesh check's finding)."""
+    does not fit ``nproc`` (the mesh check's finding). ``loader``: ``train_dataloader``;
+    ``val_loader``: ``val_dataloader`` (``stratagem train`` refuses validation under a
+    pipeline)."""
     if strategy.get('type') not in _FSDP or not _has_pipeline(strategy):
         return []
     from stratagem.strategies.fsdp.mesh import parse_mesh
@@ -94,6 +99,13 @@ def pipeline_findings(
         spec.check_forward(model, stages)
     except ValueError as err:
         return [('model', str(err), "make the model's forward skip a module that is None")]
+    from stratagem.loop import _pipeline_loss
+
+    try:  # what stratagem train refuses before its first step: the strategy's pipeline_spec
+        _pipeline_loss(SimpleNamespace(pipeline_spec=spec), model, val_loader)
+    except ValueError as err:
+        where = 'val_dataloader' if 'validation' in str(err) else 'model'
+        return [(where, str(err), 'stratagem train stops here: do as the message says')]
     out = _batch_findings(spec, mesh.data_parallel_size, loader, dataset_length)
     pair = split_batch(batch)
     if out or pair is None:
