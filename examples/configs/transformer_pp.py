@@ -8,8 +8,8 @@
 #   stratagem doctor examples/configs/transformer_pp.py --nproc 2
 # Every step, the 1F1B schedule runs the batch of 16 sequences as 4 microbatches of 4; the
 # gradients are the mean over the microbatches, the batch's own. Checkpoints are DCP
-# directories under the model's own parameter names: they resume with another number of
-# stages, without a pipeline (mesh=dict(shard=2)) or on one process.
+# directories under the model's own parameter names, whichever stage holds them: they resume
+# on this mesh, without a pipeline (mesh=dict(shard=2)) or on one process.
 _base_ = ['transformer_fsdp.py']
 
 model = dict(depth=4)  # 4 blocks: 2 a stage
