@@ -351,13 +351,16 @@ def _pipelined(cfg: Mapping, batch: Any, strategy: Mapping, nproc: int, spec: An
     runs = [(_fake_stage_run(cfg, batch, strategy, nproc, spec, r), r) for r in range(spec.ranks)]
     parts, rank = max(runs, key=lambda run: run[0]['peak'])
     stages = spec.stage_indices(rank)
-    held = ', '.join(str(inflight_microbatches(spec, s)) for s in stages)
+    # one stage a rank, or the looped schedules' several, each holding every microbatch
+    held = inflight_microbatches(spec, stages[0])
+    which = f'stage {stages[0]}' if len(stages) == 1 else 'stages ' + ' and '.join(map(str, stages))
     return _estimate(
         parts,
-        f'pipeline rank {rank} (stage{"s" if len(stages) > 1 else ""} '
-        f'{", ".join(map(str, stages))}, {held} of {spec.microbatches} microbatches in flight '
-        f'under {spec.schedule}), the largest of the {spec.ranks} pipeline ranks; FSDP over a '
-        f'fake process group of {nproc}, FSDPMemTracker',
+        f'pipeline rank {rank} ({which}, {held} of {spec.microbatches} microbatches in flight'
+        f'{" each" if len(stages) > 1 else ""} under {spec.schedule}), the largest of the '
+        f'{spec.ranks} pipeline ranks; FSDP over a fake process group of {nproc}, '
+        # FSDPMemTracker follows one FSDP root; several stages a rank are several roots
+        + ('FSDPMemTracker' if len(stages) == 1 else 'MemTracker'),
     )
 
 
