@@ -13,10 +13,11 @@ data-parallel rank in ``--microbatches`` microbatches, AdamW, schedule ``--sched
    (raw, ours, ours, raw, ...) in the same processes; medians, their ratio ours / raw, and the
    median of the rounds' paired ratios (each pair ran back to back).
 2. The bubble, 2 processes (``--bubble-microbatches``): a rank's idle share of a step is
-   1 − (its work measured alone) / (its step time), where its work alone is the same stage
-   running the same microbatches forward and backward plus the optimizer step with no
-   pipeline around it (no sends, no waits); the theory for GPipe and 1F1B with equal stages
-   is (p − 1) / (m + p − 1). Timed on both loops.
+   1 − (the time it computes) / (its step time), the time it computes being its stage's
+   forward and backward of each microbatch (``PipelineStage.forward_one_chunk`` /
+   ``backward_one_chunk``, timed where they run), the loss and the optimizer step; the rest
+   is waiting for the other stage, sending and the schedule's own work. The theory for GPipe
+   and 1F1B with equal stages is (p − 1) / (m + p − 1). Timed on both loops.
 3. Parameters + AdamW state per rank (local shards), and the whole model's on one process.
 
     python benchmarks/pipeline_throughput.py [--part steps|bubble|all] [--rounds 15] [--steps 2]
