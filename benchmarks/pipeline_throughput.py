@@ -11,7 +11,9 @@ data-parallel rank in ``--microbatches`` microbatches, AdamW, schedule ``--sched
    block and on the stage over the ``shard`` dimension, ``PipelineStage`` over the
    ``pipeline`` dimension, the same schedule class, ``AdamW``), interleaved blocks
    (raw, ours, ours, raw, ...) in the same processes; medians, their ratio ours / raw, and the
-   median of the rounds' paired ratios (each pair ran back to back).
+   median of the rounds' paired ratios (each pair ran back to back); the CPU time each process
+   used per step, per loop (another job's load moves it much less than the wall time);
+   `--control` adds the raw loop that also broadcasts the loss to every stage.
 2. The bubble, 2 processes (``--bubble-microbatches``): a rank's idle share of a step is
    1 − (the time it computes) / (its step time), the time it computes being its stage's
    forward and backward of each microbatch (``PipelineStage.forward_one_chunk`` /
@@ -86,10 +88,17 @@ class _Loop:
 
 
 def _raw(
-    args: argparse.Namespace, shard: int, microbatches: int, x, y, loss_fn: Callable = _loss
+    args: argparse.Namespace,
+    shard: int,
+    microbatches: int,
+    x,
+    y,
+    loss_fn: Callable = _loss,
+    broadcast: bool = False,
 ) -> _Loop:
     """The hand-written set-up: the mesh, this rank's stage, fully_shard, PipelineStage, the
-    schedule, AdamW."""
+    schedule, AdamW. ``broadcast``: each step ends by sending the last stage's mean loss to
+    the other pipeline ranks (what ``train_step`` returns on every rank)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -116,15 +125,21 @@ def _raw(
     )
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
 
+    group = mesh['pipeline'].get_group()
+
     def step() -> None:
+        losses: list[torch.Tensor] = []
         if loop.first:
             schedule.step(x)
         elif loop.last:
-            schedule.step(target=y, losses=[])
+            schedule.step(target=y, losses=losses)
         else:
             schedule.step()
         optimizer.step()
         optimizer.zero_grad()
+        if broadcast:
+            loss = torch.stack(losses).mean() if loop.last else torch.zeros(())
+            dist.broadcast(loss, group=group, group_src=stages - 1)
 
     loop.module, loop.optimizer, loop.step = module, optimizer, step
     return loop
@@ -219,17 +234,25 @@ def _steps(args: argparse.Namespace, shard: int, tmp: str) -> dict:
 
     x, y = _batch(args, dist.get_rank() % shard)
     loops = {'raw': _raw(args, shard, args.microbatches, x, y)}
+    if args.control:
+        loops['raw+bcast'] = _raw(args, shard, args.microbatches, x, y, broadcast=True)
     if _have_ours():
         loops['ours'] = _ours(args, shard, args.microbatches, x, y, tmp)
     for loop in loops.values():
         _block(loop.step, 2)  # warm-up: shape inference, optimizer state
     times: dict[str, list[float]] = {key: [] for key in loops}
+    cpu: dict[str, float] = dict.fromkeys(loops, 0.0)
     for i in range(args.rounds):
         order = list(loops.items())
         for key, loop in order if i % 2 == 0 else order[::-1]:
+            start = time.process_time()
             times[key].append(_block(loop.step, args.steps))
+            cpu[key] += time.process_time() - start
     sizes = {key: _bytes(loop.module, loop.optimizer) for key, loop in loops.items()}
-    return {'times': times, 'bytes': sizes}
+    # CPU seconds this process used per step (all its threads): what the loop costs, which
+    # another job's load on the machine changes much less than the wall time
+    cpu_ms = {key: v * 1000 / (args.rounds * args.steps) for key, v in cpu.items()}
+    return {'times': times, 'bytes': sizes, 'cpu_ms': cpu_ms}
 
 
 class _Busy:
@@ -316,18 +339,24 @@ def _report(args: argparse.Namespace, world: int, per_rank: list[dict]) -> None:
             f'{world} processes, mesh={mesh}, {args.schedule}, m={args.microbatches}: '
             f'step ms raw {raw_ms:.1f}'
         )
-        if 'ours' in times:
-            ours_ms = statistics.median(times['ours'])
+        for key in (k for k in times if k != 'raw'):
+            ours_ms = statistics.median(times[key])
             # each round's pair of blocks ran back to back: the median of their ratios
             # resists a burst of another job's load better than the ratio of medians
-            ratios = sorted(o / r for o, r in zip(times['ours'], times['raw']))
+            ratios = sorted(o / r for o, r in zip(times[key], times['raw']))
             q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+            name = 'FSDPStrategy' if key == 'ours' else key
             line += (
-                f', FSDPStrategy {ours_ms:.1f}, ratio of medians {ours_ms / raw_ms:.3f}, '
+                f'; {name} {ours_ms:.1f}, ratio of medians {ours_ms / raw_ms:.3f}, '
                 f'median of paired ratios {statistics.median(ratios):.3f} (IQR '
                 f'{q1:.3f}-{q3:.3f})'
             )
         print(line + f' (medians of {args.rounds} blocks of {args.steps} steps)')
+        for key in (k for k in times if k != 'raw'):
+            cpu = [r['steps']['cpu_ms'][key] / r['steps']['cpu_ms']['raw'] for r in per_rank]
+            print(
+                f'  CPU time per step, {key} / raw, per rank: ' + ', '.join(f'{c:.3f}' for c in cpu)
+            )
         for key in times:
             mib = [r['steps']['bytes'][key] / 2**20 for r in per_rank]
             print(
@@ -365,6 +394,11 @@ def main() -> None:
     parser.add_argument('--microbatches', type=int, default=4)
     parser.add_argument(
         '--bubble-microbatches', type=int, nargs='+', default=[2, 4, 8, 16], metavar='M'
+    )
+    parser.add_argument(
+        '--control',
+        action='store_true',
+        help='time a third loop: the raw one that also broadcasts the loss to every stage',
     )
     parser.add_argument('--world', type=int, nargs='+', default=[2, 4], choices=(2, 4))
     args = parser.parse_args()
