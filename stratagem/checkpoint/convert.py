@@ -3,8 +3,11 @@
 Dispatch on the source's format, detected by ``formats.detect_format`` (the one detection
 every reader shares; a backend registers its own formats there). Targets:
 ``file`` (one verified single-file checkpoint with its manifest), ``sharded`` (a directory of
-DCP files, committed with a manifest) or ``safetensors`` (the full model weights alone, one
-file that Hugging Face tooling reads; ``safetensors_io.py``). No process group is needed.
+DCP files, committed with a manifest), ``hf`` (a directory ``transformers``' ``from_pretrained``
+loads: the weights as ``model.safetensors`` or shards with their index, and ``config.json``
+when the checkpoint records the model's config) or ``safetensors`` (the full model weights
+alone, one file). The last two are written by the ``safetensors`` library
+(``huggingface.py``). No process group is needed.
 """
 
 from __future__ import annotations
@@ -13,17 +16,15 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import torch
-
 from .commit import save_checkpoint
 from .errors import NotACheckpointError
 from .formats import FORMATS, detect_format, read_whole
-from .safetensors_io import save_safetensors
+from .huggingface import save_hf_directory, save_safetensors_file
 from .sharded import save_sharded_checkpoint
 
 __all__ = ['TARGETS', 'convert_checkpoint', 'detect_source']
 
-TARGETS = ('file', 'sharded', 'safetensors')
+TARGETS = ('file', 'sharded', 'hf', 'safetensors')
 
 
 def detect_source(path: Path) -> str:
@@ -47,15 +48,25 @@ def convert_checkpoint(
     to: str = 'file',
     progress: Callable[[int, int], None] | None = None,
     overwrite: bool = False,
+    max_shard_size: str | int | None = None,
 ) -> Path:
     """Convert ``src`` (any format in ``formats.FORMATS``) to ``dst`` (``to='file'``,
-    ``'sharded'`` or ``'safetensors'``: the weights only).
+    ``'sharded'``, ``'hf'`` or ``'safetensors'``: the weights only).
+
+    ``max_shard_size`` (``to='hf'`` only; ``save_pretrained``'s: ``'5GB'``, ``'500MB'``, an
+    int of bytes; default: one ``model.safetensors``): the weights go to shards of at most
+    this size, listed in ``model.safetensors.index.json``.
 
     An existing ``dst`` is refused unless ``overwrite``: then it (and its sidecar manifest)
     is removed once ``src`` has been read and verified, and the new one written in its
     place. ``dst`` may never be ``src``, nor inside it, nor hold it."""
     if to not in TARGETS:
         raise ValueError(f'to={to!r}; use one of {", ".join(map(repr, TARGETS))}')
+    if max_shard_size is not None and to != 'hf':
+        raise ValueError(
+            f'max_shard_size (--max-shard-size) shards a Hugging Face directory; it needs '
+            f"to='hf' (--to hf), not {to!r}"
+        )
     src, dst = Path(src).absolute(), Path(dst).absolute()
     if dst.exists() and not overwrite:
         raise FileExistsError(
@@ -83,10 +94,19 @@ def convert_checkpoint(
         return save_checkpoint(
             checkpoint, dst, step=step, extra_manifest=extra, update_pointer=False
         )
+    if to == 'hf':
+        config = (checkpoint.get('meta') or {}).get('hf_config')
+        return save_hf_directory(
+            checkpoint['state_dict'],
+            dst,
+            max_shard_size=max_shard_size,
+            config_json=config if isinstance(config, str) else None,
+            step=step,
+            extra_manifest=extra,
+        )
     if to == 'safetensors':
-        weights = {k: v for k, v in checkpoint['state_dict'].items() if isinstance(v, torch.Tensor)}
         meta = {'format': 'pt', **extra, **({'iter': str(step)} if step is not None else {})}
-        return save_safetensors(weights, dst, metadata=meta)
+        return save_safetensors_file(checkpoint['state_dict'], dst, metadata=meta)
     return save_sharded_checkpoint(
         dst, checkpoint, step=step, extra_manifest=extra, optimizer_keys='index', collective=False
     )

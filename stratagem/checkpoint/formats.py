@@ -3,22 +3,30 @@
 
 ``FORMATS`` maps a name to ``(detect(path) -> bool, read(path, progress) -> dict)``, the
 first match winning: ``read`` returns the whole checkpoint as one mmengine-layout dict on the
-CPU (``progress(done, total)`` is called as files are verified). Ours: ``'sharded'`` (a DCP
-directory with a stratagem manifest) and ``'file'`` (one file, verified when it has a
-manifest). A backend with a layout of its own adds it with :func:`register_format`
-(``stratagem.strategies`` registers DeepSpeed's directories as ``'zero'``).
+CPU (``progress(done, total)`` is called as files are verified). Ours: ``'hf'`` (a Hugging
+Face directory: ``model.safetensors`` or shards with their index, ``huggingface.py``),
+``'safetensors'`` (one ``.safetensors`` file), ``'sharded'`` (a DCP directory with a
+stratagem manifest) and ``'file'`` (one file, verified when it has a manifest). A backend
+with a layout of its own adds it with :func:`register_format` (``stratagem.strategies``
+registers DeepSpeed's directories as ``'zero'``).
+
+``PIECEWISE`` maps the formats whose files a rank can read in pieces to ``read(path,
+model_state) -> dict``: only this rank's block of each tensor the live ``model_state``
+holds sharded (:func:`read_like`; a sharding strategy's weights-only load).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from .errors import NotACheckpointError
+from .huggingface import is_hf_directory, is_safetensors_file, read_hf, read_hf_like
 from .load import load_checkpoint_file
 from .sharded import is_sharded_checkpoint, read_sharded_checkpoint
 
-__all__ = ['FORMATS', 'register_format', 'detect_format', 'read_whole']
+__all__ = ['FORMATS', 'PIECEWISE', 'register_format', 'detect_format', 'read_whole', 'read_like']
 
 Progress = Callable[[int, int], None]
 Reader = Callable[[Path, Progress | None], dict]
@@ -35,11 +43,18 @@ def _read_file(path: Path, progress: Progress | None) -> dict:
 
 
 FORMATS: dict[str, tuple[Callable[[Path], bool], Reader]] = {
+    'hf': (is_hf_directory, read_hf),
+    'safetensors': (is_safetensors_file, read_hf),
     'sharded': (
         is_sharded_checkpoint,
         lambda p, progress: read_sharded_checkpoint(p, progress=progress),
     ),
     'file': (Path.is_file, _read_file),
+}
+
+PIECEWISE: dict[str, Callable[[Path, Mapping[str, Any]], dict]] = {
+    'hf': read_hf_like,
+    'safetensors': read_hf_like,
 }
 
 
@@ -66,3 +81,10 @@ def detect_format(path: str | Path) -> str | None:
 def read_whole(path: str | Path, name: str, progress: Progress | None = None) -> dict:
     """The checkpoint at ``path`` in format ``name`` as one mmengine-layout dict (CPU)."""
     return FORMATS[name][1](Path(path), progress)
+
+
+def read_like(path: str | Path, name: str, model_state: Mapping[str, Any]) -> dict:
+    """The checkpoint at ``path`` in format ``name`` (one of ``PIECEWISE``), each tensor that
+    ``model_state`` holds sharded read as this rank's piece only (collective: every rank
+    calls it)."""
+    return PIECEWISE[name](Path(path), model_state)

@@ -17,13 +17,14 @@ importlib.import_module('stratagem.strategies')
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         'src',
-        help='the checkpoint to convert (a file, a sharded directory or '
-        'a DeepSpeed (ZeRO) directory)',
+        help='the checkpoint to convert (a file, a sharded directory, a DeepSpeed (ZeRO) '
+        'directory, a Hugging Face directory or a .safetensors file)',
     )
     parser.add_argument(
         'dst',
         help='the new checkpoint (must not exist, unless --overwrite); DST.safetensors: '
-        'the full weights',
+        "the full weights; with --to hf, a directory that transformers' from_pretrained "
+        'loads',
     )
     parser.add_argument(
         '--overwrite',
@@ -35,7 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '--to',
         choices=TARGETS,
         default=None,
-        help='target layout (default: safetensors for a .safetensors DST, else one file)',
+        help='target layout (default: safetensors for a .safetensors DST, else one file); '
+        'hf: model.safetensors (or shards and model.safetensors.index.json) and config.json',
+    )
+    parser.add_argument(
+        '--max-shard-size',
+        default=None,
+        metavar='SIZE',
+        help="with --to hf: shards of at most SIZE (save_pretrained's max_shard_size: "
+        '5GB, 500MB, 2GiB, or bytes) and their index; default: one model.safetensors',
     )
 
 
@@ -50,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
             to=to,
             progress=count_progress('verifying', sys.stderr),
             overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
         )
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:
         print(f'stratagem convert: error: {err}', file=sys.stderr)
         return 1
     print(f'wrote {out}')

@@ -66,6 +66,7 @@ from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.checkpointer import Checkpointer, LoadContext, Stateful, StatePart
 from stratagem.checkpoint.errors import CheckpointCorruptError
+from stratagem.checkpoint.huggingface import model_config_json
 from stratagem.checkpoint.state_dict import describe_keys, find_model_weights, unwrap_model
 from stratagem.checkpoint.storage import CheckpointStorage
 from stratagem.config import check_keys
@@ -600,6 +601,9 @@ class BaseStrategy(ABC):
         for key in ('train_micro_batch_size_per_gpu', 'epoch_length'):
             if self.dispatch_kwargs.get(key) is not None:
                 meta[key] = int(self.dispatch_kwargs[key])
+        config = model_config_json(self._unwrap_model())  # a PreTrainedModel's, for --to hf
+        if config is not None:
+            meta['hf_config'] = config
         meta.update(extra_meta or {})
         return meta
 

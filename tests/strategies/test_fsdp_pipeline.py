@@ -55,6 +55,10 @@ def _strategy(work_dir, mesh, schedule='1F1B', **extra):
     from stratagem.strategies import build_strategy
 
     pipeline = None
+    if mesh.get('tensor', 1) > 1:
+        from stratagem.models import TENSOR_PARALLEL_PLAN
+
+        extra['tensor_parallel_plan'] = TENSOR_PARALLEL_PLAN  # each stage takes its share
     if mesh.get('pipeline', 1) > 1:
         pipeline = dict(schedule=schedule, microbatches=MICRO, split_points=SPLITS[schedule])
     return build_strategy(
@@ -162,6 +166,9 @@ for _optim in OPTIMS:
     SCENARIOS.add('four', name=f'pp2_shard2_{_optim}')(
         functools.partial(_run, mesh=dict(pipeline=2, shard=2), schedule='1F1B', optim=_optim)
     )
+SCENARIOS.add('four', name='pp2_tensor2_sgd')(
+    functools.partial(_run, mesh=dict(pipeline=2, tensor=2), schedule='1F1B', optim='sgd')
+)
 
 
 def _resume(work, mesh, name):
@@ -236,6 +243,7 @@ def _close(a, b, tol):
         'pp2_Interleaved1F1B_adamw',
         'pp2_shard2_sgd',
         'pp2_shard2_adamw',
+        'pp2_tensor2_sgd',
     ],
 )
 @pytest.mark.scenario('{name}')

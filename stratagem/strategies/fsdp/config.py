@@ -25,7 +25,15 @@ from torch import nn
 from stratagem._torch import fsdp1_policy_type
 from stratagem.optim.amp_optim_wrapper import resolve_dtype
 
-from .wrap_policy import Fsdp1Policy, ModuleMatcher, PolicyObject, as_selector, resolve_name
+from .wrap_policy import (
+    AUTO,
+    Fsdp1Policy,
+    ModuleMatcher,
+    NoSplitModules,
+    PolicyObject,
+    as_selector,
+    resolve_name,
+)
 
 _SIZE_POLICIES = (
     'size_based',
@@ -69,7 +77,7 @@ _MP_FSDP1 = ('buffer_dtype', 'keep_low_precision_grads', 'cast_root_forward_inpu
 class WrapConfig:
     """Validated ``model_wrapper``."""
 
-    policy: ModuleMatcher | Fsdp1Policy | PolicyObject | None
+    policy: ModuleMatcher | Fsdp1Policy | PolicyObject | NoSplitModules | None
     reshard_after_forward: bool | int
     mp_policy: Any
     buffer_dtype: torch.dtype | None
@@ -219,10 +227,13 @@ def _parse_reshard(reshard: Any, strategy: Any) -> bool | int:
     return reshard
 
 
-def parse_policy(policy: Any, key: str) -> ModuleMatcher | Fsdp1Policy | PolicyObject | None:
+def parse_policy(
+    policy: Any, key: str
+) -> ModuleMatcher | Fsdp1Policy | PolicyObject | NoSplitModules | None:
     """An ``auto_wrap_policy`` in any of its forms → something with ``select(model, ignored)``:
-    module class names / classes; a callable ``module -> bool``; an FSDP1 policy (a function
-    ``(module, recurse, nonwrapped_numel)``, a partial of one, ``ModuleWrapPolicy`` /
+    ``'auto'`` (the model's ``_no_split_modules``); module class names / classes; a callable
+    ``module -> bool``; an FSDP1 policy (a function ``(module, recurse, nonwrapped_numel)``, a
+    partial of one, ``ModuleWrapPolicy`` /
     ``CustomPolicy``); a name of one (mmengine's ``FUNCTIONS`` or a dotted path); or a dict
     ``type=<one of those>`` plus its arguments (``min_num_params``, ``transformer_layer_cls``)."""
     if policy is None:
@@ -230,6 +241,8 @@ def parse_policy(policy: Any, key: str) -> ModuleMatcher | Fsdp1Policy | PolicyO
     if isinstance(policy, Mapping):
         return _policy_from_dict(dict(policy), key)
     if isinstance(policy, str):
+        if policy == AUTO:
+            return NoSplitModules(key)
         if policy in _SIZE_POLICIES:
             return _size_policy({}, key)
         if policy in _CLASS_POLICIES:

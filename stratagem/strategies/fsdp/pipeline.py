@@ -402,8 +402,13 @@ class PipelineRun:
         return self._wrapper.scale_loss(loss) / self.spec.microbatches
 
     def _build(self) -> Any:
+        import warnings
+
         from torch.distributed.pipelining import PipelineStage
 
+        # a stage's output is often a view (a Linear over 3-D activations); FSDP warns about
+        # in-place ops on it, which the schedule never does: the warning would only repeat
+        warnings.filterwarnings('ignore', message=r'FSDP2-wrapped module .* returned a view')
         spec = self.spec
         group = self._mesh['pipeline'].get_group()
         stages = [

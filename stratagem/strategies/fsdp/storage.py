@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.content import validate_checkpoint_content
-from stratagem.checkpoint.formats import detect_format
+from stratagem.checkpoint.formats import PIECEWISE, detect_format, read_like
 from stratagem.checkpoint.sharded import (
     load_sharded_checkpoint,
     load_sharded_in_place,
@@ -108,9 +108,13 @@ class FSDPStorage(CheckpointStorage):
 
     @override
     def read(self, path: str, map_location: Any) -> dict:
-        """A sharded directory read whole into new tensors laid out like the live ones;
-        any other format: the default read."""
-        if detect_format(path) != 'sharded':
+        """A sharded directory read whole into new tensors laid out like the live ones; a
+        Hugging Face one (``formats.PIECEWISE``): each rank reads only its pieces; any other
+        format: the default read."""
+        name = detect_format(path)
+        if name in PIECEWISE:
+            return read_like(path, name, self.live_state(False)[0])
+        if name != 'sharded':
             return super().read(path, map_location)
         model_sd, optim_sd = self.live_state(True)
         return load_sharded_checkpoint(path, model_sd, optim_sd)

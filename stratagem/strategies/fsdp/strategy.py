@@ -51,7 +51,8 @@ class FSDPStrategy(BaseStrategy):
     Args:
         model_wrapper: ``auto_wrap_policy`` (module class names or classes, a callable
             ``module -> bool``, an FSDP1 policy or its name, ``dict(type='size_based',
-            min_num_params=N)``; matched modules are sharded bottom-up, the root last),
+            min_num_params=N)``, ``'auto'``: the classes in the model's
+            ``_no_split_modules``; matched modules are sharded bottom-up, the root last),
             ``reshard_after_forward`` (bool or int, default True), ``mixed_precision=dict(
             param_dtype, reduce_dtype, output_dtype, cast_forward_inputs)`` (dtypes may be
             strings), ``cpu_offload`` (bool; unpinned memory on a machine without an
@@ -74,7 +75,9 @@ class FSDPStrategy(BaseStrategy):
             ``dict(shard=world_size)``): HSDP, tensor parallelism; data is split over
             ``replicate × shard`` (``mesh.py``).
         tensor_parallel_plan: module-name patterns → ``'colwise'`` / ``'rowwise'`` /
-            ``'sequence'``, or ``parallelize_fn(model, tensor_mesh)`` (``tensor_parallel.py``).
+            ``'sequence'`` / ``'colwise_rep'`` / ``'rowwise_rep'``, ``parallelize_fn(model,
+            tensor_mesh)``, or ``'auto'``: the plan a ``transformers`` model declares
+            (``tensor_parallel.py``).
         pipeline: with ``mesh=dict(pipeline=P, ...)``: ``dict(schedule='1F1B',
             microbatches=M, split_points=[...])`` (``pipeline.py``): ``prepare`` returns this
             rank's stage (the model with the other stages' modules deleted, parameters under
@@ -225,6 +228,7 @@ class FSDPStrategy(BaseStrategy):
         targets: list[nn.Module] = []
         for view in views:
             own = {id(m) for m in view.modules()}
+            held = {id(p) for p in view.parameters()}
             names = {n for n, _ in view.named_modules()}
             plan = self.tp_plan
             if plan is not None and plan.fn is None:
@@ -233,7 +237,7 @@ class FSDPStrategy(BaseStrategy):
                 view,
                 mesh=self.device_mesh,
                 blocks=[b for b in blocks if id(b) in own],
-                ignored={p for p in ignored if any(p is q for q in view.parameters())},
+                ignored={p for p in ignored if id(p) in held},
                 tp_plan=plan,
             )[2]
         self._pipeline = PipelineRun(

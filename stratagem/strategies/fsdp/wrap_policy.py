@@ -1,14 +1,17 @@
 """Which modules FSDPStrategy shards, ignores or checkpoints: the module choices of its config.
 
 Every choice has ``select(model, ignored)``: the chosen submodules (never the root, none inside
-an ``ignored`` module) in pre-order. Three kinds:
+an ``ignored`` module) in pre-order. Four kinds:
 
 - :class:`ModuleMatcher`: module classes (names or types), a predicate ``module -> bool``, or
   (``ignored_modules``, as mmengine) submodule names and module objects;
 - :class:`Fsdp1Policy`: an FSDP1 auto-wrap policy function ``(module, recurse,
   nonwrapped_numel) -> bool`` (``size_based_auto_wrap_policy``, a ``partial`` of
   ``transformer_auto_wrap_policy``, one of your own), decided as FSDP1's recursive wrap does;
-- :class:`PolicyObject`: an FSDP1 policy object (``ModuleWrapPolicy``, ``CustomPolicy``).
+- :class:`PolicyObject`: an FSDP1 policy object (``ModuleWrapPolicy``, ``CustomPolicy``);
+- :class:`NoSplitModules` (``auto_wrap_policy='auto'``): the module classes the model
+  declares in ``_no_split_modules`` (a ``transformers`` model: its decoder layer), as
+  Accelerate's transformer-based FSDP wrap takes them by default.
 """
 
 from __future__ import annotations
@@ -248,3 +251,48 @@ class PolicyObject:
                 f'so return True/False'
             )
         return [m for m in model.modules() if m is not model and m in chosen and m not in ignored]
+
+
+AUTO = 'auto'
+
+
+def declared_no_split_modules(model: nn.Module) -> list[str]:
+    """The class names in the ``_no_split_modules`` of ``model`` and of every submodule
+    (transformers gathers a composite model's from its parts in ``post_init``; a submodule's
+    own list counts here too, for a model built without it), sorted. Duck-typed: transformers
+    is not imported."""
+    names: set[str] = set()
+    for module in model.modules():
+        declared = getattr(module, '_no_split_modules', None)
+        if isinstance(declared, str):
+            declared = [declared]
+        names.update(n for n in declared or () if isinstance(n, str))
+    return sorted(names)
+
+
+class NoSplitModules:
+    """``auto_wrap_policy='auto'``: the modules whose class the model declares in
+    ``_no_split_modules`` (the blocks a ``transformers`` model keeps on one device: its decoder
+    layers). Classes it declares that the model does not hold are skipped (a composite model
+    may list its parts' alternatives); declaring none, or none present, is an error."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def select(self, model: nn.Module, ignored: set[nn.Module]) -> list[nn.Module]:
+        declared = declared_no_split_modules(model)
+        present = {type(m).__name__ for m in model.modules()}
+        classes = [n for n in declared if n in present]
+        if not classes:
+            said = (
+                f'its _no_split_modules {declared} name no module class of the model '
+                f'(classes: {sorted(present)})'
+                if declared
+                else 'it declares no _no_split_modules (a transformers PreTrainedModel does)'
+            )
+            raise ValueError(
+                f"{self.key}='auto' shards the module classes the model declares in "
+                f'_no_split_modules, but {type(model).__name__}: {said}; give the block '
+                "classes instead, e.g. ['DecoderLayer']"
+            )
+        return ModuleMatcher(classes, self.key).select(model, ignored)
