@@ -222,12 +222,6 @@ def _batch(args: argparse.Namespace, dp_rank: int) -> tuple[torch.Tensor, torch.
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def _have_ours() -> bool:
-    from stratagem.strategies.fsdp import mesh
-
-    return 'pipeline' in getattr(mesh.MeshSpec, '__dataclass_fields__', {})
-
-
 def _steps(args: argparse.Namespace, shard: int, tmp: str) -> dict:
     """Step times of both loops (interleaved blocks, the order alternating) and bytes."""
     import torch.distributed as dist
@@ -236,8 +230,7 @@ def _steps(args: argparse.Namespace, shard: int, tmp: str) -> dict:
     loops = {'raw': _raw(args, shard, args.microbatches, x, y)}
     if args.control:
         loops['raw+bcast'] = _raw(args, shard, args.microbatches, x, y, broadcast=True)
-    if _have_ours():
-        loops['ours'] = _ours(args, shard, args.microbatches, x, y, tmp)
+    loops['ours'] = _ours(args, shard, args.microbatches, x, y, tmp)
     for loop in loops.values():
         _block(loop.step, 2)  # warm-up: shape inference, optimizer state
     times: dict[str, list[float]] = {key: [] for key in loops}
@@ -290,8 +283,7 @@ def _bubble(args: argparse.Namespace, tmp: str) -> dict:
     out: dict = {}
     for m in args.bubble_microbatches:
         loops = {'raw': _raw(args, 1, m, x, y, busy.timed(_loss))}
-        if _have_ours():
-            loops['ours'] = _ours(args, 1, m, x, y, os.path.join(tmp, f'm{m}'), busy.timed)
+        loops['ours'] = _ours(args, 1, m, x, y, os.path.join(tmp, f'm{m}'), busy.timed)
         for loop in loops.values():
             loop.optimizer.step = busy.timed(loop.optimizer.step)  # type: ignore[method-assign]
             _block(loop.step, 2)
