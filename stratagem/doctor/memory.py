@@ -423,7 +423,10 @@ def _shard_stages(
 ) -> list:
     """The meta ``model`` cut to stages ``local`` and each stage sharded as FSDPStrategy
     does under a pipeline: the wrap policy and the tensor-parallel plan matched on the whole
-    model, then ``keep_stages`` and ``shard_model`` over one mesh with each stage's share."""
+    model, then ``keep_stages`` and ``shard_model`` over one mesh with each stage's share.
+    These lines follow ``FSDPStrategy._wrap_stages`` step for step (a private method of the
+    strategy, which needs a process group): change both together, or make them one
+    function of ``fsdp/pipeline.py`` that both call."""
     import torch
 
     from stratagem.strategies.fsdp.config import parse_model_wrapper
@@ -442,6 +445,7 @@ def _shard_stages(
     mesh = mesh_spec.build('cpu')
     for view in views:
         own = {id(m) for m in view.modules()}
+        held = {id(p) for p in view.parameters()}
         names = {n for n, _ in view.named_modules()}
         view_plan = plan
         if plan is not None and plan.fn is None:
@@ -455,7 +459,7 @@ def _shard_stages(
             ac_check=parse_activation_checkpointing(strategy.get('activation_checkpointing')),
             mesh=mesh,
             blocks=[b for b in blocks if id(b) in own],
-            ignored={p for p in ignored if any(p is q for q in view.parameters())},
+            ignored={p for p in ignored if id(p) in held},
         )
     return views
 
