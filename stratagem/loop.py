@@ -148,7 +148,7 @@ def _pipeline_loss(strategy: Any, model: torch.nn.Module, val_loader: Any) -> An
         raise ValueError(
             f"under a pipeline stratagem train needs the model's loss as a method: "
             f'{type(model).__name__}.loss(outputs, targets) -> the mean loss (each stage '
-            'returns its outputs; the last stage\'s go to loss). Or train it in your own '
+            "returns its outputs; the last stage's go to loss). Or train it in your own "
             'loop with strategy.train_step(inputs, targets, loss_fn)'
         )
     if val_loader is not None:

@@ -20,6 +20,9 @@ skipped. Each check reads the config (and the machine: devices, packages, free d
    model; activation checkpointing without a wrap policy; FSDP's ``mesh`` against the world
    size and its ``tensor_parallel_plan`` against the model (``mesh.py``); DeepSpeed's
    config (a dict or a JSON file, with the keyword sections) and ``gradient_clipping``;
+   FSDP's ``pipeline`` against the mesh, the model (split points, a forward that skips a
+   deleted module, every stage run on meta tensors) and the batch (``pipeline.py``; after
+   the dataset gives one batch);
 5. schedulers (``schedulers.py``, each built as a run builds it): ``begin``, ``end``,
    ``T_max``, ``milestones``, ``step_size``, ``periods``, ``total_steps`` against the run's
    length, ``convert_to_iter_based`` included; windows of two absolute schedules of the same
@@ -29,8 +32,9 @@ skipped. Each check reads the config (and the machine: devices, packages, free d
    ``max_keep_ckpts`` (+1 being written) checkpoints;
 7. packages the chosen strategy needs but this environment lacks;
 8. memory (``memory.py``): the peak per device of one training step at the world size
-   (fake tensors, torch's fake process group, torch's memory trackers), a finding when it
-   exceeds ``device_memory``. This builds the dataset for one micro batch (its shapes).
+   (fake tensors, torch's fake process group, torch's memory trackers; under a pipeline,
+   the largest of the pipeline ranks' stages), a finding when it exceeds
+   ``device_memory``. This builds the dataset for one micro batch (its shapes).
 
 :func:`diagnose` runs them in this order over one ``checks.Doctor`` (checks 2, 3, 6 and 7 and
 the sharding check's glue are ``checks.py``'s; each other module holds one check) and returns
@@ -68,6 +72,7 @@ def diagnose(
     doctor.check_builds()
     doctor.check_sharding()
     doctor.load_batch()
+    doctor.check_pipeline()
     doctor.run_length()
     doctor.check_schedulers()
     doctor.check_checkpoints()

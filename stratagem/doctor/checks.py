@@ -18,7 +18,8 @@ from typing import Any
 
 from .keys import _STRATEGY_PACKAGES, KeyChecks
 from .memory import MemoryChecks
-from .mesh import tensor_size
+from .mesh import data_parallel_size
+from .pipeline import pipeline_findings
 from .schedulers import SchedulerChecks
 from .sharding import deepspeed_config, sharding_findings
 
@@ -98,8 +99,8 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
         cfg, strategy = self.cfg, dict(self.cfg.get('strategy') or {})
         micro = int((cfg.get('train_dataloader') or {}).get('batch_size', 1))
         acc = max([int(w.get('accumulative_counts', 1)) for _, w in self.optim_wrappers()] or [1])
-        tensor = tensor_size(strategy, self.nproc)  # a tensor group reads one batch
-        data = self.data_parallel = self.nproc // tensor
+        # the pipeline and tensor ranks of one data-parallel index read one batch
+        data = self.data_parallel = data_parallel_size(strategy, self.nproc)
         real = data * micro * acc
         self.notes.append(
             f'real batch = {data} data-parallel rank(s) x {micro} micro batch x '
@@ -244,6 +245,21 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
         ow = self.cfg.get('optim_wrapper')
         for where, problem, fix in sharding_findings(strategy, ow, self.nproc, self.model):
             self.add(where, problem, fix)
+
+    def check_pipeline(self) -> None:
+        """FSDP's ``pipeline`` against the mesh, the model and one batch (``pipeline.py``)."""
+        strategy = dict(self.cfg.get('strategy') or {})
+        loader = self.cfg.get('train_dataloader') or {}
+        for finding in pipeline_findings(
+            strategy,
+            self.nproc,
+            self.model,
+            self.batch,
+            loader,
+            self.dataset_length,
+            self.cfg.get('val_dataloader'),
+        ):
+            self.add(*finding)
 
     def optim_wrappers(self) -> list[tuple[str, Mapping]]:
         """``(where, wrapper cfg)`` for one wrapper or each of an ``OptimWrapperDict``'s

@@ -15,6 +15,11 @@ How, per strategy (one process, any world size):
   tensor-parallel plan, activation checkpointing, ``fully_shard``) before it gets fake
   storage, measured by ``FSDPMemTracker`` (all-gather and reduce-scatter buffers
   included); the fake group is destroyed afterwards;
+- FSDP under a pipeline (``mesh.pipeline``): each pipeline rank measured apart, its stages
+  cut from the meta model by the strategy's ``keep_stages`` before ``shard_model``, the
+  step as the schedule runs it at its peak (``measure_stage_step``: as many microbatches in
+  flight as the schedule holds, a non-last stage's backward fed a gradient of its output's
+  shape), the estimate the largest rank's peak (the note names the rank and its stages);
 - DDP: the single-device measurement plus the reducer's gradient buckets (one more copy of
   the gradients, none with ``gradient_as_bucket_view=True``): DDP's C++ reducer cannot run on
   fake tensors;
@@ -31,14 +36,18 @@ tensors, real gloo groups) and compares.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from .pipeline import inflight_microbatches, pipeline_spec, split_batch
 
 __all__ = [
     'MemoryChecks',
     'MemoryEstimate',
     'estimate_memory',
+    'measure_stage_step',
     'measure_step',
     'parse_size',
     'format_size',
@@ -147,6 +156,11 @@ def measure_step(model: Any, optim_wrapper: Any, batch: Any, *, fsdp: bool = Fal
                     w.step()
                     w.zero_grad()
             tracker.reset_mod_stats()  # per-module stats hold one iteration; the peak stays
+    return _snapshot(tracker)
+
+
+def _snapshot(tracker: Any) -> dict:
+    """The tracker's peak: ``{'peak': bytes, part: bytes, ...}``."""
     snap = tracker.get_tracker_snapshot('peak')
     out = {'peak': 0, 'parameters': 0, 'gradients': 0, 'optimizer': 0, 'activations': 0}
     for stats in snap.values():
@@ -157,6 +171,65 @@ def measure_step(model: Any, optim_wrapper: Any, batch: Any, *, fsdp: bool = Fal
             else:
                 out[_PARTS.get(name, 'activations')] += value
     return out
+
+
+def measure_stage_step(
+    model: Any,
+    optim_wrapper: Any,
+    runs: list[tuple[Any, tuple, int]],
+    loss: Callable[[Any], Any] | None,
+    *,
+    fsdp: bool = False,
+) -> dict:
+    """A pipeline rank's step under torch's memory tracker, as the schedule runs it at its
+    peak: for each of its stages in order (``runs``: ``(module, inputs, microbatches)``),
+    that many microbatches forward, their activations held; then backward in reverse order
+    (the last stage through ``loss(output)``, any other one with a gradient of ones, as if
+    the next stage had sent it); then the optim wrapper's update (``after_backward``), one
+    accumulation cycle + 1 times. Returns what :func:`measure_step` returns."""
+    import torch
+
+    from stratagem._torch import memory_tracker
+
+    wrapper = optim_wrapper
+    tracker = memory_tracker(model, [wrapper.optimizer], fsdp=fsdp)
+    counts = int(getattr(wrapper, 'accumulative_counts', 1) or 1)
+    last = len(runs) - 1
+    forwards = _forwards(runs)
+    with tracker:
+        for _ in range(counts + 1):
+            with wrapper.optim_context(model):
+                held = forwards()
+                for index, out in reversed(held):
+                    if index == last and loss is not None:
+                        wrapper.scale_loss(loss(out)).backward()
+                    else:
+                        out.backward(torch.ones_like(out))
+            wrapper.after_backward()
+            tracker.reset_mod_stats()
+    return _snapshot(tracker)
+
+
+def _forwards(runs: list[tuple[Any, tuple, int]]) -> Any:
+    """A module whose one call runs a pipeline rank's forwards (``runs``: ``(stage module,
+    inputs, microbatches)``) and returns ``[(run index, output), ...]``: torch's memory
+    trackers refuse a module called twice in one iteration unless the calls happen inside
+    another module's forward (as a schedule's do, inside its stage)."""
+    from torch import nn
+
+    class Microbatches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = nn.ModuleList(module for module, _, _ in runs)
+
+        def forward(self) -> list[tuple[int, Any]]:
+            return [
+                (index, module(*inputs))
+                for index, (module, inputs, n) in enumerate(runs)
+                for _ in range(n)
+            ]
+
+    return Microbatches()
 
 
 def _fake_batch(batch: Any, mode: Any) -> Any:
@@ -180,6 +253,9 @@ def estimate_memory(cfg: Mapping, nproc: int, batch: Any) -> MemoryEstimate:
         # no store: torch gives the fake backend its own (and registers the backend then)
         dist.init_process_group('fake', rank=0, world_size=nproc)
         try:
+            spec = pipeline_spec(strategy, nproc)
+            if spec is not None:
+                return _pipelined(cfg, batch, strategy, nproc, spec)
             parts = _fake_run(cfg, batch, lambda model: _shard(strategy, nproc, model))
         finally:
             dist.destroy_process_group()
@@ -267,6 +343,125 @@ def _shard(strategy: Mapping, nproc: int, model: Any) -> Any:
         ac_check=parse_activation_checkpointing(strategy.get('activation_checkpointing')),
     )
     return model
+
+
+def _pipelined(cfg: Mapping, batch: Any, strategy: Mapping, nproc: int, spec: Any) -> Any:
+    """Under a pipeline, every pipeline rank's stages measured apart (on the fake process
+    group's rank 0, which holds the largest shard); the estimate is the largest peak."""
+    runs = [(_fake_stage_run(cfg, batch, strategy, nproc, spec, r), r) for r in range(spec.ranks)]
+    parts, rank = max(runs, key=lambda run: run[0]['peak'])
+    stages = spec.stage_indices(rank)
+    # one stage a rank, or the looped schedules' several, each holding every microbatch
+    held = inflight_microbatches(spec, stages[0])
+    which = f'stage {stages[0]}' if len(stages) == 1 else 'stages ' + ' and '.join(map(str, stages))
+    return _estimate(
+        parts,
+        f'pipeline rank {rank} ({which}, {held} of {spec.microbatches} microbatches in flight'
+        f'{" each" if len(stages) > 1 else ""} under {spec.schedule}), the largest of the '
+        f'{spec.ranks} pipeline ranks; FSDP over a fake process group of {nproc}, '
+        # FSDPMemTracker follows one FSDP root; several stages a rank are several roots
+        + ('FSDPMemTracker' if len(stages) == 1 else 'MemTracker'),
+    )
+
+
+def _fake_stage_run(
+    cfg: Mapping, batch: Any, strategy: Mapping, nproc: int, spec: Any, rank: int
+) -> dict:
+    """Pipeline rank ``rank``'s step: the meta model cut to its stages (``keep_stages``) and
+    each stage sharded as FSDPStrategy shards it, given fake storage; the stages' inputs are
+    the previous stages' outputs on one microbatch (their shapes, from the meta model)."""
+    import torch
+
+    from stratagem._torch import fake_tensor_mode
+    from stratagem.optim import build_optim_wrapper
+    from stratagem.registry import MODELS
+    from stratagem.strategies.fsdp.grad_sync import adapt_optim_wrapper
+
+    pair = split_batch(batch)
+    if pair is None:
+        raise ValueError('under a pipeline a batch is a pair (inputs, targets)')
+    inputs, targets = pair
+    micro = len(targets) // spec.microbatches
+    with torch.device('meta'):
+        model = MODELS.build(dict(cfg['model']))
+    stages = spec.stage_modules(model)
+    # each stage's input: the stages run in order on one microbatch of meta tensors
+    feeds: list[tuple] = []
+    args = tuple(x[:micro].to('meta') for x in inputs)
+    for index in range(spec.stages):
+        feeds.append(args)
+        out = spec.stage_view(model, index, stages)(*args)
+        args = out if isinstance(out, tuple) else (out,)
+    local = spec.stage_indices(rank)
+    views = _shard_stages(strategy, nproc, spec, model, stages, local)
+    loss_fn = getattr(model, 'loss', None)
+    with fake_tensor_mode() as mode, warnings.catch_warnings():
+        # a last stage returns its logits, a view (a Linear over 3-D input): FSDP warns
+        # against in-place ops on it, which this step makes none of
+        warnings.filterwarnings('ignore', 'FSDP2-wrapped module .* returned a view tensor')
+        model.to_empty(device='cpu')
+        wrapper = build_optim_wrapper(model, dict(cfg.get('optim_wrapper') or {}))
+        adapt_optim_wrapper(wrapper, model, mixed_precision=False, stages=spec.ranks)
+        target = mode.from_tensor(targets[:micro])
+        runs = []
+        for view, index in zip(views, local):
+            if index == 0:
+                fed = tuple(mode.from_tensor(x[:micro]) for x in inputs)
+            else:  # what the previous stage sends: an activation that needs its gradient
+                fed = tuple(
+                    torch.empty(x.shape, dtype=x.dtype).requires_grad_(x.is_floating_point())
+                    for x in feeds[index]
+                )
+            runs.append((view, fed, inflight_microbatches(spec, index)))
+        last = spec.stages - 1 in local
+        loss = (lambda out: loss_fn(out, target)) if last and callable(loss_fn) else None
+        return measure_stage_step(model, wrapper, runs, loss, fsdp=len(views) == 1)
+
+
+def _shard_stages(
+    strategy: Mapping, nproc: int, spec: Any, model: Any, stages: list, local: list[int]
+) -> list:
+    """The meta ``model`` cut to stages ``local`` and each stage sharded as FSDPStrategy
+    does under a pipeline: the wrap policy and the tensor-parallel plan matched on the whole
+    model, then ``keep_stages`` and ``shard_model`` over one mesh with each stage's share.
+    These lines follow ``FSDPStrategy._wrap_stages`` step for step (a private method of the
+    strategy, which needs a process group): change both together, or make them one
+    function of ``fsdp/pipeline.py`` that both call."""
+    import torch
+
+    from stratagem.strategies.fsdp.config import parse_model_wrapper
+    from stratagem.strategies.fsdp.mesh import parse_mesh
+    from stratagem.strategies.fsdp.options import parse_activation_checkpointing
+    from stratagem.strategies.fsdp.shard import shard_model
+    from stratagem.strategies.fsdp.tensor_parallel import parse_tensor_parallel_plan
+
+    wrap = parse_model_wrapper(strategy.get('model_wrapper'))
+    mesh_spec = parse_mesh(strategy.get('mesh'), nproc)
+    plan = parse_tensor_parallel_plan(strategy.get('tensor_parallel_plan'))
+    blocks, ignored = wrap.targets(model), wrap.ignored_params(model)
+    chosen = plan.resolve(model, mesh_spec.tensor) if plan is not None else {}
+    spec.keep_stages(model, local)
+    views = [model] if len(local) == 1 else [spec.stage_view(model, i, stages) for i in local]
+    mesh = mesh_spec.build('cpu')
+    for view in views:
+        own = {id(m) for m in view.modules()}
+        held = {id(p) for p in view.parameters()}
+        names = {n for n, _ in view.named_modules()}
+        view_plan = plan
+        if plan is not None and plan.fn is None:
+            view_plan = parse_tensor_parallel_plan({n: s for n, s in chosen.items() if n in names})
+        shard_model(
+            view,
+            wrap_cfg=wrap,
+            mesh_spec=mesh_spec,
+            device=torch.device('cpu'),
+            tp_plan=view_plan,
+            ac_check=parse_activation_checkpointing(strategy.get('activation_checkpointing')),
+            mesh=mesh,
+            blocks=[b for b in blocks if id(b) in own],
+            ignored={p for p in ignored if id(p) in held},
+        )
+    return views
 
 
 class MemoryChecks:

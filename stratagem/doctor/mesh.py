@@ -14,19 +14,21 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ['mesh_findings', 'tensor_size']
+__all__ = ['data_parallel_size', 'mesh_findings']
 
 
-def tensor_size(strategy: Mapping, nproc: int) -> int:
-    """The mesh's tensor size (1 when there is none or the mesh does not fit ``nproc``)."""
+def data_parallel_size(strategy: Mapping, nproc: int) -> int:
+    """How many batches ``nproc`` processes read: the mesh's ``replicate × shard`` (the
+    pipeline and tensor ranks of one data-parallel index read the same batch); ``nproc``
+    without a mesh or when the mesh does not fit ``nproc``."""
     from stratagem.strategies.fsdp.mesh import parse_mesh
 
     if strategy.get('mesh') is None:
-        return 1
+        return nproc
     try:
-        return parse_mesh(strategy['mesh'], nproc).tensor
+        return parse_mesh(strategy['mesh'], nproc).data_parallel_size
     except (TypeError, ValueError):
-        return 1
+        return nproc
 
 
 def mesh_findings(strategy: Mapping, nproc: int, model: nn.Module | None) -> list[tuple]:

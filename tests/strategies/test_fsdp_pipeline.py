@@ -330,3 +330,33 @@ def test_refusals_on_every_rank(scenario):
         assert 'strategy.train_step(inputs, targets, loss_fn)' in r['optim_context']
         assert 'saves at an update boundary' in r['mid_window']
         assert not r['saved']
+
+
+# examples/configs/transformer_pp.py, run by stratagem train's loop in the 2 ranks above
+EXAMPLE = Path(__file__).resolve().parents[2] / 'examples' / 'configs' / 'transformer_pp.py'
+
+
+@SCENARIOS.add('two')
+def example_config(work):
+    """The example pipeline config through the reference loop: 2 iterations, one save."""
+    from stratagem.config import Config
+    from stratagem.loop import train
+
+    cfg = Config.fromfile(str(EXAMPLE))
+    out = Path(work) / 'example'
+    cfg.merge_from_dict(
+        dict(train_cfg=dict(max_iters=2, checkpoint_interval=2, log_interval=1), work_dir=str(out))
+    )
+    result = train(cfg, progress=False)
+    saved = sorted(p.name for p in out.glob('iter_*'))
+    return {'iter': result['iter'], 'losses': result['losses'], 'saved': saved}
+
+
+@pytest.mark.scenario('example_config')
+def test_example_config_trains(scenario):
+    for rank in scenario:
+        assert rank['iter'] == 2 and rank['saved'] == ['iter_2.pth']
+    # the last stage's loss reaches the first stage's rank: both log the same values
+    assert scenario[0]['losses'] == scenario[1]['losses']
+    (_, first), (_, last) = scenario[0]['losses']
+    assert 3.0 < first < 4.5 and last < first  # ln(64) = 4.16 at the start, then it learns
