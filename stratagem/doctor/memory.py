@@ -422,45 +422,38 @@ def _shard_stages(
     strategy: Mapping, nproc: int, spec: Any, model: Any, stages: list, local: list[int]
 ) -> list:
     """The meta ``model`` cut to stages ``local`` and each stage sharded as FSDPStrategy
-    does under a pipeline: the wrap policy and the tensor-parallel plan matched on the whole
-    model, then ``keep_stages`` and ``shard_model`` over one mesh with each stage's share.
-    These lines follow ``FSDPStrategy._wrap_stages`` step for step (a private method of the
-    strategy, which needs a process group): change both together, or make them one
-    function of ``fsdp/pipeline.py`` that both call."""
+    does under a pipeline (``fsdp/pipeline.py``'s ``shard_stages``, which it calls too)."""
+    import functools
+
     import torch
 
     from stratagem.strategies.fsdp.config import parse_model_wrapper
     from stratagem.strategies.fsdp.mesh import parse_mesh
     from stratagem.strategies.fsdp.options import parse_activation_checkpointing
+    from stratagem.strategies.fsdp.pipeline import shard_stages
     from stratagem.strategies.fsdp.shard import shard_model
     from stratagem.strategies.fsdp.tensor_parallel import parse_tensor_parallel_plan
 
     wrap = parse_model_wrapper(strategy.get('model_wrapper'))
     mesh_spec = parse_mesh(strategy.get('mesh'), nproc)
-    plan = parse_tensor_parallel_plan(strategy.get('tensor_parallel_plan'))
-    blocks, ignored = wrap.targets(model), wrap.ignored_params(model)
-    chosen = plan.resolve(model, mesh_spec.tensor) if plan is not None else {}
-    spec.keep_stages(model, local)
-    views = [model] if len(local) == 1 else [spec.stage_view(model, i, stages) for i in local]
-    mesh = mesh_spec.build('cpu')
-    for view in views:
-        own = {id(m) for m in view.modules()}
-        held = {id(p) for p in view.parameters()}
-        names = {n for n, _ in view.named_modules()}
-        view_plan = plan
-        if plan is not None and plan.fn is None:
-            view_plan = parse_tensor_parallel_plan({n: s for n, s in chosen.items() if n in names})
-        shard_model(
-            view,
-            wrap_cfg=wrap,
-            mesh_spec=mesh_spec,
-            device=torch.device('cpu'),
-            tp_plan=view_plan,
-            ac_check=parse_activation_checkpointing(strategy.get('activation_checkpointing')),
-            mesh=mesh,
-            blocks=[b for b in blocks if id(b) in own],
-            ignored={p for p in ignored if id(p) in held},
-        )
+    shard = functools.partial(
+        shard_model,
+        wrap_cfg=wrap,
+        mesh_spec=mesh_spec,
+        device=torch.device('cpu'),
+        ac_check=parse_activation_checkpointing(strategy.get('activation_checkpointing')),
+    )
+    views, _, _ = shard_stages(
+        model,
+        spec,
+        stages,
+        local,
+        wrap_cfg=wrap,
+        tp_plan=parse_tensor_parallel_plan(strategy.get('tensor_parallel_plan')),
+        tensor=mesh_spec.tensor,
+        build_mesh=lambda: mesh_spec.build('cpu'),
+        shard=shard,
+    )
     return views
 
 

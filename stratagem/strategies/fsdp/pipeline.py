@@ -32,7 +32,7 @@ from torch import nn
 
 from .mesh import MeshSpec
 
-__all__ = ['SCHEDULES', 'PipelineRun', 'PipelineSpec', 'parse_pipeline']
+__all__ = ['SCHEDULES', 'PipelineRun', 'PipelineSpec', 'parse_pipeline', 'shard_stages']
 
 # schedule name -> (torch class in torch.distributed.pipelining, stage placement): 'one' stage
 # per pipeline rank, or 'loop' (several, stage s on rank s % P). Each is measured to give the
@@ -418,6 +418,58 @@ class PipelineRun:
         cls = spec.schedule_class()
         kwargs = dict(n_microbatches=spec.microbatches, loss_fn=self._loss, scale_grads=False)
         return cls(stages[0], **kwargs) if spec.placement == 'one' else cls(stages, **kwargs)
+
+
+def shard_stages(
+    model: nn.Module,
+    spec: PipelineSpec,
+    stages: Sequence[Sequence[str]],
+    local: Sequence[int],
+    *,
+    wrap_cfg: Any,
+    tp_plan: Any,
+    tensor: int,
+    build_mesh: Callable[[], Any],
+    shard: Callable[..., Any],
+) -> tuple[list[nn.Module], Any, list[nn.Module]]:
+    """Cut ``model`` to this rank's stages ``local`` and shard each; returns ``(stage
+    modules, device mesh, sharded blocks)``. ``FSDPStrategy`` and ``stratagem doctor``'s
+    memory estimate (a meta model, torch's fake process group) both shard through it.
+
+    The wrap policy's blocks, the ignored parameters and the tensor-parallel plan are matched
+    on the whole model, and the plan checked, before ``build_mesh()`` (a collective) and
+    before the model is touched (a stage may hold no block a class name picks, no module a
+    pattern names); then ``keep_stages``, a ``stage_view`` per stage when the rank runs
+    several, and ``shard(stage, mesh=, blocks=, ignored=, tp_plan=)`` (``shard.py``'s
+    ``shard_model`` with the strategy's settings) with each stage's share.
+    """
+    blocks = wrap_cfg.targets(model)
+    ignored = wrap_cfg.ignored_params(model)
+    chosen: dict[str, Any] = {}
+    if tp_plan is not None:
+        tp_plan.check(model, tensor, blocks)
+        chosen = tp_plan.resolve(model, tensor)
+    mesh = build_mesh()
+    spec.keep_stages(model, local)
+    views = [model] if len(local) == 1 else [spec.stage_view(model, i, stages) for i in local]
+    targets: list[nn.Module] = []
+    for view in views:
+        own = {id(m) for m in view.modules()}
+        held = {id(p) for p in view.parameters()}
+        plan = tp_plan
+        if tp_plan is not None and tp_plan.fn is None:
+            from .tensor_parallel import parse_tensor_parallel_plan
+
+            names = {n for n, _ in view.named_modules()}
+            plan = parse_tensor_parallel_plan({n: s for n, s in chosen.items() if n in names})
+        targets += shard(
+            view,
+            mesh=mesh,
+            blocks=[b for b in blocks if id(b) in own],
+            ignored={p for p in ignored if id(p) in held},
+            tp_plan=plan,
+        )[2]
+    return views, mesh, targets
 
 
 def model_units(model: nn.Module) -> list[str]:

@@ -38,7 +38,7 @@ from .grad_sync import (
 )
 from .mesh import parse_mesh
 from .options import parse_activation_checkpointing, parse_state_dict_cfg
-from .pipeline import PipelineRun, meta_skeleton, parse_pipeline
+from .pipeline import PipelineRun, meta_skeleton, parse_pipeline, shard_stages
 from .shard import shard_model
 from .storage import FSDPStorage
 from .tensor_parallel import check_plan_fits_mesh, parse_tensor_parallel_plan
@@ -212,34 +212,19 @@ class FSDPStrategy(BaseStrategy):
         assert spec is not None
         stages = spec.stage_modules(model)
         spec.check_forward(model, stages)
-        # the policies and the plan are matched on the whole model (a stage may hold no
-        # block a class name picks, no module a pattern names): each stage gets its share
-        blocks = self.wrap_cfg.targets(model)
-        ignored = self.wrap_cfg.ignored_params(model)
-        chosen: dict[str, Any] = {}
-        if self.tp_plan is not None:
-            self.tp_plan.check(model, self.mesh_spec.tensor, blocks)
-            chosen = self.tp_plan.resolve(model, self.mesh_spec.tensor)
         skeleton = meta_skeleton(model)
-        self.device_mesh = self.mesh_spec.build(self.device.type)
         local = spec.stage_indices(self.mesh_spec.pipeline_rank(self.rank))
-        spec.keep_stages(model, local)
-        views = [model] if len(local) == 1 else [spec.stage_view(model, i, stages) for i in local]
-        targets: list[nn.Module] = []
-        for view in views:
-            own = {id(m) for m in view.modules()}
-            held = {id(p) for p in view.parameters()}
-            names = {n for n, _ in view.named_modules()}
-            plan = self.tp_plan
-            if plan is not None and plan.fn is None:
-                plan = parse_tensor_parallel_plan({n: s for n, s in chosen.items() if n in names})
-            targets += shard(
-                view,
-                mesh=self.device_mesh,
-                blocks=[b for b in blocks if id(b) in own],
-                ignored={p for p in ignored if id(p) in held},
-                tp_plan=plan,
-            )[2]
+        views, self.device_mesh, targets = shard_stages(
+            model,
+            spec,
+            stages,
+            local,
+            wrap_cfg=self.wrap_cfg,
+            tp_plan=self.tp_plan,
+            tensor=self.mesh_spec.tensor,
+            build_mesh=lambda: self.mesh_spec.build(self.device.type),
+            shard=shard,
+        )
         self._pipeline = PipelineRun(
             spec, skeleton, dict(zip(local, views, strict=True)), self.device_mesh, self.device
         )
