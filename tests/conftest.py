@@ -44,7 +44,8 @@ def clean_env():
 def uninterrupted_run(tmp_path_factory):
     """``(config, final state)`` of one uninterrupted ``stratagem train --nproc 2`` run of
     failure_helpers' CONFIG: the reference that the failure, lock and signal tests compare
-    their interrupted runs with, made once per session (it releases its work_dir lock)."""
+    their interrupted runs with, and test_ddp's check of a ``--nproc 2`` launch, made once
+    per session (it releases its work_dir lock; its work_dir: ``config.parent / 'work'``)."""
     from failure_helpers import final_state, finish, start, write_config
     from stratagem.env.workdir_lock import LOCK_NAME
 

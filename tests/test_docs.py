@@ -8,9 +8,12 @@ python block, also one that does not run, is checked for names it uses but never
 (ruff's F821). A
 page's ``bash`` blocks run in order in one such directory (a shell session: a command may read
 what an earlier one wrote), each as one script under ``set -euo pipefail`` with the venv's
-``stratagem`` on ``PATH``. A block that must not run starts with ``# not run: <reason>``, and
-the reason shows in the page. Only ``python``, ``bash`` and ``text`` fences are allowed
-(besides MyST directives such as ``{toctree}``), so code cannot hide under another tag.
+``stratagem`` on ``PATH``. The pages' runs and the python blocks' run are independent
+processes, so they run two at a time (``PARALLEL``; the suite's pytest uses one core of
+CI's two), each test asserting on its own run. A block that must not run starts with
+``# not run: <reason>``, and the reason shows in the page. Only ``python``, ``bash`` and
+``text`` fences are allowed (besides MyST directives such as ``{toctree}``), so code cannot
+hide under another tag.
 
 The reference pages generated from the code (``docs/_ext/stratagem_reference.py``) are checked
 against the parsers and key sets they are generated from, and must be in the site's toctree.
@@ -19,6 +22,7 @@ against the parsers and key sets they are generated from, and must be in the sit
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib
 import importlib.util
 import inspect
@@ -171,8 +175,9 @@ sys.exit(1 if failed else 0)
 """
 
 
-def test_python_blocks_run(tmp_path):
-    """Every python block of docs/ and the README, each alone in an empty directory."""
+def _python_blocks_run(tmp_path: Path) -> str | None:
+    """Every python block of docs/ and the README, each alone in an empty directory under
+    ``tmp_path``; what failed, or None."""
     runnable = [b for page in _pages_with('python') for b in _runnable(page, 'python')]
     runnable += [b for b in README_BLOCKS if b.lang == 'python' and not b.not_run_reason]
     blocks = []
@@ -192,11 +197,11 @@ def test_python_blocks_run(tmp_path):
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stderr[-8000:]
+    return None if proc.returncode == 0 else proc.stderr[-8000:]
 
 
-@pytest.mark.parametrize('page', _pages_with('bash'))
-def test_bash_blocks_run(page, tmp_path):
+def _bash_blocks_run(page: str, tmp_path: Path) -> str | None:
+    """``page``'s bash blocks in order in ``tmp_path``; the first failure, or None."""
     env = _workdir(tmp_path)
     for b in _runnable(page, 'bash'):
         proc = subprocess.run(
@@ -207,8 +212,59 @@ def test_bash_blocks_run(page, tmp_path):
             text=True,
             timeout=240,
         )
-        out = f'{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}'
-        assert proc.returncode == 0, f'{b.page}:{b.line}:\n{b.code}\n{out}'
+        if proc.returncode != 0:
+            out = f'{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}'
+            return f'{b.page}:{b.line}: exit status {proc.returncode}\n{b.code}\n{out}'
+    return None
+
+
+PYTHON_RUN = 'python blocks'  # the key of the python blocks' run among the runs
+PARALLEL = 2  # runs at a time: CI has 2 cores
+
+
+@pytest.fixture(scope='module')
+def runs(request, tmp_path_factory):
+    """``{page or PYTHON_RUN: future of its failure or None}``, for the runs that the
+    session's selected tests of this module need, started ``PARALLEL`` at a time."""
+    wanted = []
+    for item in request.session.items:
+        if getattr(item, 'module', None) is not request.module:
+            continue
+        if item.originalname == 'test_python_blocks_run':
+            wanted.append(PYTHON_RUN)
+        elif item.originalname == 'test_bash_blocks_run':
+            wanted.append(item.callspec.params['page'])
+    # the longest first (python blocks, then the pages by their number of bash lines): the
+    # two workers end together
+    order = sorted(
+        dict.fromkeys(wanted),
+        key=lambda k: (
+            float('-inf')
+            if k == PYTHON_RUN
+            else -sum(b.code.count('\n') + 1 for b in _runnable(k, 'bash'))
+        ),
+    )
+    with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:
+        futures = {}
+        for key in order:
+            tmp = tmp_path_factory.mktemp(re.sub(r'\W+', '-', key))
+            if key == PYTHON_RUN:
+                futures[key] = pool.submit(_python_blocks_run, tmp)
+            else:
+                futures[key] = pool.submit(_bash_blocks_run, key, tmp)
+        yield futures
+
+
+def test_python_blocks_run(runs):
+    """Every python block of docs/ and the README, each alone in an empty directory."""
+    failed = runs[PYTHON_RUN].result()
+    assert failed is None, failed
+
+
+@pytest.mark.parametrize('page', _pages_with('bash'))
+def test_bash_blocks_run(page, runs):
+    failed = runs[page].result()
+    assert failed is None, failed
 
 
 def _reference():

@@ -94,17 +94,40 @@ train_cfg = dict(max_iters=4)
 """
 
 
-@pytest.mark.parametrize('debug', [False, True])
-def test_nproc_failure_prints_one_message(tmp_path, debug):
+@pytest.fixture(scope='module')
+def failed_runs(request, tmp_path_factory):
+    """``{debug: started 'stratagem train --nproc 2' of a config that fails on every rank}``
+    for the ``debug`` values of the session's selected tests, started together: each run is
+    mostly single-process start-up (the command, torchrun), so two overlap on CI's 2 cores."""
+    wanted = {
+        item.callspec.params['debug']
+        for item in request.session.items
+        if getattr(item, 'module', None) is request.module
+        and item.originalname == 'test_nproc_failure_prints_one_message'
+    }
     example = Path(__file__).resolve().parents[1] / 'examples' / 'configs' / 'transformer_fsdp.py'
-    cfg = tmp_path / 'blok.py'
-    cfg.write_text(CFG.format(example=str(example)))
-    cmd = [sys.executable, '-m', 'stratagem', 'train', str(cfg), '--nproc', '2']
-    cmd += ['--work-dir', str(tmp_path / 'w')] + (['--debug'] if debug else [])
-    env = without_launcher()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    procs = {}
+    for debug in sorted(wanted):
+        tmp = tmp_path_factory.mktemp(f'debug{int(debug)}')
+        cfg = tmp / 'blok.py'
+        cfg.write_text(CFG.format(example=str(example)))
+        cmd = [sys.executable, '-m', 'stratagem', 'train', str(cfg), '--nproc', '2']
+        cmd += ['--work-dir', str(tmp / 'w')] + (['--debug'] if debug else [])
+        procs[debug] = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=without_launcher()
+        )
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.parametrize('debug', [False, True])
+def test_nproc_failure_prints_one_message(failed_runs, debug):
+    proc = failed_runs[debug]
+    _, err = proc.communicate(timeout=180)
     assert proc.returncode == 1
-    err = proc.stderr
     if debug:  # as torchrun prints it: every rank, the agent's report
         assert err.count("['Blok'] are not in the model") >= 2 and 'ChildFailedError' in err
         return

@@ -3,7 +3,9 @@ selected scenarios and what they need.
 
 A small test module (written to a temporary folder) is run by pytest in a new process; its
 scenarios fail on purpose in each way a scenario can: raising on every rank, raising on one
-rank while the other waits in a collective, a rank that dies, a need that failed.
+rank while the other waits in a collective, a rank that dies, a need that failed. The two
+pytest runs (all tests; ``-k``) are independent processes: they run at the same time (CI has
+2 cores).
 """
 
 import os
@@ -12,6 +14,8 @@ import sys
 import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
 MODULE = textwrap.dedent("""
@@ -97,8 +101,8 @@ MODULE = textwrap.dedent("""
 """)
 
 
-def _run(tmp_path, *args):
-    """The module under pytest in a new process: {test id: (outcome, message)}."""
+def _start(tmp_path, *args):
+    """The module under pytest in a new process, started: (process, its junit report)."""
     (tmp_path / 'test_demo.py').write_text(MODULE)
     (tmp_path / 'conftest.py').write_text(
         'from scenarios import pytest_configure, pytest_itemcollected, scenario  # noqa: F401\n'
@@ -106,14 +110,21 @@ def _run(tmp_path, *args):
     (tmp_path / 'pytest.ini').write_text('[pytest]\n')
     report = tmp_path / 'report.xml'
     path = [str(TESTS), str(TESTS.parent), os.environ.get('PYTHONPATH', '')]
-    subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '--junitxml', str(report)]
         + ['--basetemp', str(tmp_path / 'base'), str(tmp_path / 'test_demo.py'), *args],
         cwd=tmp_path,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS='1'),
-        capture_output=True,
-        timeout=240,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
+    return proc, report
+
+
+def _outcomes(started):
+    """{test id: (outcome, message)} of a run that ``_start`` started."""
+    proc, report = started
+    proc.wait(timeout=240)
     outcomes = {}
     for case in ET.parse(report).getroot().iter('testcase'):
         bad = [e for e in case if e.tag in ('error', 'failure', 'skipped')]
@@ -121,8 +132,31 @@ def _run(tmp_path, *args):
     return outcomes
 
 
-def test_a_failing_scenario_fails_only_its_own_tests(tmp_path):
-    outcomes = _run(tmp_path)
+RUNS = {  # test: pytest's arguments
+    'test_a_failing_scenario_fails_only_its_own_tests': (),
+    'test_k_runs_only_the_selected_scenarios_and_their_needs': ('-k', 'in_process'),
+}
+
+
+@pytest.fixture(scope='module')
+def runs(request, tmp_path_factory):
+    """``{test name: (folder, started run)}`` for the session's selected tests of this module,
+    started together."""
+    started = {}
+    for item in request.session.items:
+        name = getattr(item, 'originalname', None)
+        if getattr(item, 'module', None) is request.module and name in RUNS:
+            tmp = tmp_path_factory.mktemp(name[5:20])
+            started[name] = (tmp, _start(tmp, *RUNS[name]))
+    yield started
+    for _, (proc, _) in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_failing_scenario_fails_only_its_own_tests(runs):
+    outcomes = _outcomes(runs['test_a_failing_scenario_fails_only_its_own_tests'][1])
     assert {k: v[0] for k, v in outcomes.items()} == {
         'test_passes[ok_first]': 'ok',
         'test_passes[after_desync]': 'ok',  # run again in new processes
@@ -139,8 +173,9 @@ def test_a_failing_scenario_fails_only_its_own_tests(tmp_path):
     assert "scenario 'dies' failed" in outcomes['test_fails[dies]'][1]
 
 
-def test_k_runs_only_the_selected_scenarios_and_their_needs(tmp_path):
-    outcomes = _run(tmp_path, '-k', 'in_process')
+def test_k_runs_only_the_selected_scenarios_and_their_needs(runs):
+    tmp_path, started = runs['test_k_runs_only_the_selected_scenarios_and_their_needs']
+    outcomes = _outcomes(started)
     assert outcomes == {'test_passes[in_process]': ('ok', '')}
     records = tmp_path / 'base' / 'demo0' / '.scenarios'
     ran = {p.name.split('.')[0] for p in records.glob('*.pkl')}

@@ -1,10 +1,13 @@
 """mmengine's FlexibleRunner drives stratagem's strategies: train 3 epochs, resume to 4, and
 land exactly where an uninterrupted 4-epoch run lands.
 
-One parametrised test per strategy; each starts its processes once (the three runs happen
-inside them). A strategy that lands later is one more line in ``STRATEGIES``.
+One parametrised test per strategy; each strategy's three runs are a scenario
+(tests/scenarios.py): the 2-process strategies' scenarios, and the class-object check, share
+one spawn of 2 processes (each spawn costs seconds, mmengine's import included); SingleDevice
+runs in a spawn of 1. A strategy that lands later is one more line in ``STRATEGIES``.
 """
 
+import functools
 import importlib.util
 import json
 import subprocess
@@ -20,21 +23,23 @@ pytestmark = pytest.mark.skipif(
     reason='mmengine is not installed (pip install "stratagem[test]")',
 )
 
-from dist_harness import run_distributed  # noqa: E402
+from scenarios import Scenarios  # noqa: E402
 
-# (strategy type as an mmengine config names it, its extra cfg, number of processes)
-STRATEGIES = [
-    pytest.param('stratagem.SingleDeviceStrategy', {}, 1, id='SingleDevice'),
-    pytest.param('stratagem.DDPStrategy', {}, 2, id='DDP-2ranks'),
-    pytest.param('stratagem.FSDPStrategy', {}, 2, id='FSDP-2ranks'),
-    pytest.param('stratagem.ShardedDDPStrategy', {}, 2, id='ShardedDDP-2ranks'),
-    pytest.param(
+# name: (strategy type as an mmengine config names it, its extra cfg, number of processes).
+# DeepSpeed first in the 2-process spawn: mmengine imports deepspeed when it can, and the
+# scenarios after it find it imported instead of blocking it (_train_resume_straight)
+STRATEGIES = {
+    'SingleDevice': ('stratagem.SingleDeviceStrategy', {}, 1),
+    'DeepSpeed-ZeRO2-2ranks': (
         'stratagem.DeepSpeedStrategy',
         dict(zero_optimization=dict(stage=2)),
         2,
-        id='DeepSpeed-ZeRO2-2ranks',
     ),
-]
+    'DDP-2ranks': ('stratagem.DDPStrategy', {}, 2),
+    'FSDP-2ranks': ('stratagem.FSDPStrategy', {}, 2),
+    'ShardedDDP-2ranks': ('stratagem.ShardedDDPStrategy', {}, 2),
+}
+SCENARIOS = Scenarios(one=dict(nproc=1, timeout=240), two=dict(nproc=2, timeout=600))
 
 
 def _model():
@@ -72,9 +77,14 @@ def _runner(work_dir, strategy, max_epochs, resume=False):
     import stratagem.integrations.mmengine  # noqa: F401  (allow-list, scoped names)
 
     distributed = strategy[2] > 1
+    work_dir = Path(work_dir)
     return FlexibleRunner(
         model=_model(),
         work_dir=str(work_dir),
+        # a name of its own (mmengine's default, a timestamp to the second, is shared by the
+        # runners of one process started within a second, and with it their MessageHub):
+        # the resumed runner's history then comes from the checkpoint alone
+        experiment_name=f'{work_dir.parent.name}_{work_dir.name}_{max_epochs}_{int(resume)}',
         strategy=dict(type=strategy[0], **strategy[1]),
         launcher='pytorch' if distributed else 'none',
         # no env_cfg: FlexibleRunner's default (backend='nccl') must run on a CPU machine
@@ -128,12 +138,14 @@ def _final_state(runner):
     }
 
 
-def _train_resume_straight(root, strategy):
-    """Every rank: 3 epochs, then a new runner resumes to 4; then 4 epochs in one go."""
+def _train_resume_straight(tmp, name):
+    """Every rank: 3 epochs, then a new runner resumes to 4; then 4 epochs in one go (in
+    ``<tmp>/<name>``)."""
+    strategy = STRATEGIES[name]
     if 'DeepSpeed' not in strategy[0]:
         # mmengine imports deepspeed when it is installed (~4 s per process on the CI machine)
         sys.modules.setdefault('deepspeed', None)
-    root = Path(root)
+    root = Path(tmp) / name
     _runner(root / 'split', strategy, 3).train()
     resumed = _runner(root / 'split', strategy, 4, resume=True)
     resumed.train()
@@ -152,14 +164,22 @@ def _train_resume_straight(root, strategy):
     }
 
 
-@pytest.mark.parametrize('strategy, cfg, nproc', STRATEGIES)
-def test_resume_equals_uninterrupted_run(tmp_path, strategy, cfg, nproc):
-    results = run_distributed(
-        _train_resume_straight,
-        nproc=nproc,
-        timeout=240,
-        args=(str(tmp_path), (strategy, cfg, nproc)),
+for _name, (_, _, _nproc) in STRATEGIES.items():
+    SCENARIOS.add('one' if _nproc == 1 else 'two', name=_name)(
+        functools.partial(_train_resume_straight, name=_name)
     )
+
+
+@pytest.fixture(scope='module')
+def scenarios(request, tmp_path_factory):
+    return SCENARIOS.run(request, tmp_path_factory.mktemp('flexible'))
+
+
+@pytest.mark.parametrize('name', list(STRATEGIES))
+@pytest.mark.scenario('{name}')
+def test_resume_equals_uninterrupted_run(scenario, name):
+    results, nproc = scenario, STRATEGIES[name][2]
+    tmp_path = scenario.tmp / name
     iters_per_epoch = 32 // 4 // nproc
     for rank, result in enumerate(results):
         resumed, straight = result['resumed'], result['straight']
@@ -220,19 +240,21 @@ def _check_load_without_integration(path):
     assert 'import stratagem.integrations.mmengine' in out
 
 
-def _train_class_object(root):
+@SCENARIOS.add('two')
+def class_object(tmp):
     """Every rank: mmengine's pure-Python config style, the strategy's class object itself
-    and no env_cfg (FlexibleRunner's default: nccl), 2 epochs."""
+    and no env_cfg (FlexibleRunner's default: nccl), 2 epochs (in ``<tmp>/class_object``)."""
     sys.modules.setdefault('deepspeed', None)
     from stratagem.strategies import DDPStrategy
 
-    runner = _runner(Path(root), (DDPStrategy, {}, 2), 2)
+    runner = _runner(Path(tmp) / 'class_object', (DDPStrategy, {}, 2), 2)
     runner.train()
     return {'rank': runner.rank, 'epoch': runner.epoch, 'world': runner.world_size}
 
 
-def test_class_object_strategy_with_the_default_env_cfg(tmp_path):
-    results = run_distributed(_train_class_object, nproc=2, timeout=120, args=(str(tmp_path),))
+@pytest.mark.scenario('class_object')
+def test_class_object_strategy_with_the_default_env_cfg(scenario):
+    results, tmp_path = scenario, scenario.tmp / 'class_object'
     assert [(r['rank'], r['epoch'], r['world']) for r in results] == [(0, 2, 2), (1, 2, 2)]
     manifest = json.loads((tmp_path / 'epoch_2.pth.manifest.json').read_text())
     assert manifest['world_size'] == 2
