@@ -138,6 +138,27 @@ def rebuild_optimizer(
     return type(optimizer)(groups, **kwargs)
 
 
+def sampler_kwargs(ours: BaseStrategy | None, world_size: int, rank: int) -> dict[str, Any]:
+    """``distributed_sampler_kwargs`` of either adapter: our strategy's data-parallel rank
+    and size once it is built (FSDP's tensor and pipeline ranks read one batch), else every
+    process of ``world_size`` its own."""
+    if ours is not None:
+        return {'num_replicas': ours.data_parallel_size, 'rank': ours.data_parallel_rank}
+    return {'num_replicas': world_size, 'rank': rank}
+
+
+def assign_world_ranks(strategy: Any) -> None:
+    """The cluster environment's global rank and world size from the node and local rank,
+    and ``rank_zero_only``'s rank (what Lightning's connectors call before a launch)."""
+    environment = strategy.cluster_environment
+    if environment is not None:
+        environment.set_global_rank(
+            strategy.node_rank * strategy.num_processes + strategy.local_rank
+        )
+        environment.set_world_size(strategy.num_nodes * strategy.num_processes)
+    rank_zero_only.rank = strategy.global_rank  # type: ignore[attr-defined]
+
+
 def reduce_tensor(tensor: Any, group: Any = None, reduce_op: Any = 'mean') -> Any:
     """``tensor`` reduced over ``group`` (``'mean'``/``'avg'``, ``'sum'``, ``'max'``,
     ``'min'`` or a ``ReduceOp``) as a new tensor; anything else, or no process group, as is."""
@@ -286,11 +307,10 @@ class StratagemStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Data-parallel ranks: FSDP's tensor groups read one batch."""
-        if self._stratagem is not None:
-            ours = self._stratagem
-            return {'num_replicas': ours.data_parallel_size, 'rank': ours.data_parallel_rank}
-        return {'num_replicas': self.num_nodes * self.num_processes, 'rank': self.global_rank}
+        """Data-parallel ranks: FSDP's tensor and pipeline ranks read one batch."""
+        return sampler_kwargs(
+            self._stratagem, self.num_nodes * self.num_processes, self.global_rank
+        )
 
     @override
     def _configure_launcher(self) -> None:
@@ -301,12 +321,7 @@ class StratagemStrategy(ParallelStrategy):
 
     def _set_world_ranks(self) -> None:
         # Fabric's connector calls it (as for its DDPStrategy) before the launch
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        assign_world_ranks(self)
 
     @override
     def setup_environment(self) -> None:

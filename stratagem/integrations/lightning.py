@@ -56,7 +56,6 @@ try:
     from lightning.pytorch.strategies.strategy import TBroadcast
     from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities.parsing import AttributeDict as PLAttributeDict
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
 except ImportError as err:  # pragma: no cover - exercised only without lightning
     raise ImportError(
         'stratagem.integrations.lightning needs lightning: pip install "stratagem[lightning]"'
@@ -68,7 +67,14 @@ from stratagem.checkpoint import add_safe_globals, delete_checkpoint, list_check
 from stratagem.checkpoint.latest import POINTER_NAME, read_pointer, update_pointer
 from stratagem.strategies import BaseStrategy
 
-from .fabric import build_on_cluster, optimizer_cfg, rebuild_optimizer, reduce_tensor
+from .fabric import (
+    assign_world_ranks,
+    build_on_cluster,
+    optimizer_cfg,
+    rebuild_optimizer,
+    reduce_tensor,
+    sampler_kwargs,
+)
 
 __all__ = ['StratagemStrategy', 'lightning_safe_globals']
 
@@ -168,10 +174,9 @@ class StratagemStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self._stratagem is not None:
-            ours = self._stratagem
-            return {'num_replicas': ours.data_parallel_size, 'rank': ours.data_parallel_rank}
-        return {'num_replicas': self.num_nodes * self.num_processes, 'rank': self.global_rank}
+        return sampler_kwargs(
+            self._stratagem, self.num_nodes * self.num_processes, self.global_rank
+        )
 
     @override
     def _configure_launcher(self) -> None:
@@ -182,12 +187,7 @@ class StratagemStrategy(ParallelStrategy):
 
     def set_world_ranks(self) -> None:
         """The cluster environment's rank and world size (the Trainer's connector calls it)."""
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        assign_world_ranks(self)
 
     @override
     def setup_environment(self) -> None:
