@@ -1,13 +1,17 @@
-"""Start a 2-rank benchmark: a free localhost port, a scratch directory removed afterwards."""
+"""Start a multi-rank benchmark: a free localhost port, a scratch directory removed
+afterwards; and what the distributed benchmarks measure alike: a timed block of steps between
+barriers, the bytes of a rank's parameters and optimizer state."""
 
 from __future__ import annotations
 
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -52,3 +56,29 @@ def spawn_ranks(
         mp.spawn(worker, args=(world, free_port(), args, scratch), nprocs=world)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def timed_block(fn: Callable[[], None], n: int) -> float:
+    """ms per call of ``fn``, over ``n`` calls between two barriers (every rank calls it)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dist.barrier()
+    return (time.perf_counter() - start) * 1000 / n
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """This rank's parameters + optimizer state, in bytes (local shards of DTensors)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, 'to_local') else t
+
+    total = sum(local(p).numel() * p.element_size() for p in model.parameters())
+    for state in optimizer.state.values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                total += local(v).numel() * v.element_size()
+    return total

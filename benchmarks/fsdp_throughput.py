@@ -25,7 +25,11 @@ import time
 import warnings
 
 import torch
-from _spawn import as_torchrun_rank, spawn_ranks  # benchmarks/, on the path when run as a script
+from _spawn import (  # benchmarks/, on the path when run as a script
+    as_torchrun_rank,
+    spawn_ranks,
+    timed_block,
+)
 from torch import nn
 
 
@@ -78,20 +82,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str
         raw_opt.step()
         raw_opt.zero_grad()
 
-    def timed(fn, n) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        dist.barrier()
-        return (time.perf_counter() - start) * 1000 / n
-
     for fn in (ours, baseline):
-        timed(fn, 3)  # warm-up
+        timed_block(fn, 3)  # warm-up
     step = {'raw': [], 'ours': []}
     for _ in range(args.rounds):
-        step['raw'].append(timed(baseline, args.steps))
-        step['ours'].append(timed(ours, args.steps))
+        step['raw'].append(timed_block(baseline, args.steps))
+        step['ours'].append(timed_block(ours, args.steps))
 
     from stratagem.checkpoint.dcp_reader import ShardReader
     from stratagem.checkpoint.manifest import forget_verified

@@ -19,7 +19,11 @@ import statistics
 import time
 
 import torch
-from _spawn import as_torchrun_rank, spawn_ranks  # benchmarks/, on the path when run as a script
+from _spawn import (  # benchmarks/, on the path when run as a script
+    as_torchrun_rank,
+    spawn_ranks,
+    state_bytes,
+)
 
 MESHES = {
     'flat': dict(shard=4),
@@ -90,20 +94,6 @@ def _ours(args: argparse.Namespace, mesh_cfg: dict, tmp: str) -> tuple:
     return strategy, model, ow
 
 
-def _bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """This rank's parameters + optimizer state, in bytes (local shards of DTensors)."""
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, 'to_local') else t
-
-    total = sum(local(p).numel() * p.element_size() for p in model.parameters())
-    for state in optimizer.state.values():
-        for v in state.values():
-            if torch.is_tensor(v):
-                total += local(v).numel() * v.element_size()
-    return total
-
-
 def _measure(
     args: argparse.Namespace, mesh_cfg: dict, tmp: str, world: int, timed: bool
 ) -> tuple[dict, list]:
@@ -142,7 +132,7 @@ def _measure(
         for key, fn in pair if i % 2 == 0 else pair[::-1]:
             times[key].append(block(fn, args.steps))
     per_rank: list = [None] * world
-    dist.all_gather_object(per_rank, (_bytes(model, ow.optimizer), _bytes(raw, raw_opt)))
+    dist.all_gather_object(per_rank, (state_bytes(model, ow.optimizer), state_bytes(raw, raw_opt)))
     return times, per_rank
 
 

@@ -34,7 +34,12 @@ import time
 from collections.abc import Callable
 
 import torch
-from _spawn import as_torchrun_rank, spawn_ranks  # benchmarks/, on the path when run as a script
+from _spawn import (  # benchmarks/, on the path when run as a script
+    as_torchrun_rank,
+    spawn_ranks,
+    state_bytes,
+    timed_block,
+)
 from torch import nn
 from torch.nn import functional as F
 
@@ -190,32 +195,6 @@ def _ours(
     return loop
 
 
-def _bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """This rank's parameters + optimizer state, in bytes (local shards of DTensors)."""
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, 'to_local') else t
-
-    total = sum(local(p).numel() * p.element_size() for p in model.parameters())
-    for state in optimizer.state.values():
-        for v in state.values():
-            if torch.is_tensor(v):
-                total += local(v).numel() * v.element_size()
-    return total
-
-
-def _block(fn: Callable[[], None], n: int) -> float:
-    """ms per call of ``fn``, over ``n`` calls between two barriers."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dist.barrier()
-    return (time.perf_counter() - start) * 1000 / n
-
-
 def _batch(args: argparse.Namespace, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(dp_rank)
     tokens = torch.randint(256, (args.batch, args.seq + 1), generator=g)
@@ -232,16 +211,16 @@ def _steps(args: argparse.Namespace, shard: int, tmp: str) -> dict:
         loops['raw+bcast'] = _raw(args, shard, args.microbatches, x, y, broadcast=True)
     loops['ours'] = _ours(args, shard, args.microbatches, x, y, tmp)
     for loop in loops.values():
-        _block(loop.step, 2)  # warm-up: shape inference, optimizer state
+        timed_block(loop.step, 2)  # warm-up: shape inference, optimizer state
     times: dict[str, list[float]] = {key: [] for key in loops}
     cpu: dict[str, float] = dict.fromkeys(loops, 0.0)
     for i in range(args.rounds):
         order = list(loops.items())
         for key, loop in order if i % 2 == 0 else order[::-1]:
             start = time.process_time()
-            times[key].append(_block(loop.step, args.steps))
+            times[key].append(timed_block(loop.step, args.steps))
             cpu[key] += time.process_time() - start
-    sizes = {key: _bytes(loop.module, loop.optimizer) for key, loop in loops.items()}
+    sizes = {key: state_bytes(loop.module, loop.optimizer) for key, loop in loops.items()}
     # CPU seconds this process used per step (all its threads): what the loop costs, which
     # another job's load on the machine changes much less than the wall time
     cpu_ms = {key: v * 1000 / (args.rounds * args.steps) for key, v in cpu.items()}
@@ -286,14 +265,14 @@ def _bubble(args: argparse.Namespace, tmp: str) -> dict:
         loops['ours'] = _ours(args, 1, m, x, y, os.path.join(tmp, f'm{m}'), busy.timed)
         for loop in loops.values():
             loop.optimizer.step = busy.timed(loop.optimizer.step)  # type: ignore[method-assign]
-            _block(loop.step, 2)
+            timed_block(loop.step, 2)
         step_ms: dict[str, list[float]] = {key: [] for key in loops}
         idle: dict[str, list[float]] = {key: [] for key in loops}
         for i in range(args.rounds):
             order = list(loops.items())
             for key, loop in order if i % 2 == 0 else order[::-1]:
                 busy.seconds = 0.0
-                ms = _block(loop.step, args.steps)
+                ms = timed_block(loop.step, args.steps)
                 step_ms[key].append(ms)
                 idle[key].append(1 - busy.seconds * 1000 / args.steps / ms)
         for key in loops:
