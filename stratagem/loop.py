@@ -136,11 +136,11 @@ def epoch_length_from_config(cfg: Mapping, world_size: int = 1) -> int | None:
     return per_rank // batch if loader.get('drop_last') else math.ceil(per_rank / batch)
 
 
-def _pipeline_loss(strategy: Any, model: torch.nn.Module, val_loader: Any) -> Any:
+def pipeline_loss_fn(strategy: Any, model: torch.nn.Module, val_loader: Any) -> Any:
     """Under a pipeline (FSDPStrategy's ``mesh.pipeline``): the model's ``loss(outputs,
     targets)``, the ``loss_fn`` of ``strategy.train_step`` (a stage returns outputs, not a
     loss); None without one. Validation is refused: the reference loop runs it on whole
-    models."""
+    models. ``stratagem doctor`` runs the same check."""
     if getattr(strategy, 'pipeline_spec', None) is None:
         return None
     loss = getattr(model, 'loss', None)
@@ -160,7 +160,9 @@ def _pipeline_loss(strategy: Any, model: torch.nn.Module, val_loader: Any) -> An
     return loss
 
 
-def _inputs_and_targets(batch: Any) -> tuple[Any, Any]:
+def pipeline_batch(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a loader's batch, which a pipeline's schedule splits into
+    microbatches; refuses another form (``stratagem doctor`` runs the same check)."""
     if isinstance(batch, (list, tuple)) and len(batch) == 2:
         return batch[0], batch[1]
     raise ValueError(
@@ -338,7 +340,7 @@ def _train(
     val_history: list[tuple[int, dict[str, float]]] = []
     val_lines: list[str] = []
     model.train()
-    pipeline_loss = _pipeline_loss(strategy, model, val_loader)
+    pipeline_loss = pipeline_loss_fn(strategy, model, val_loader)
     it = start_iter
     t0 = time.perf_counter()
     data_iter = None
@@ -390,7 +392,7 @@ def _train(
             watchdog.at(it + 1, 'forward, backward, update')
             if pipeline_loss is not None:  # the schedule runs the microbatches
                 output = None
-                loss = strategy.train_step(*_inputs_and_targets(batch), pipeline_loss)
+                loss = strategy.train_step(*pipeline_batch(batch), pipeline_loss)
             else:
                 outputs: list = []
                 loss = strategy.train_step(batch, outputs=outputs)

@@ -377,10 +377,7 @@ def _fake_stage_run(
     from stratagem.registry import MODELS
     from stratagem.strategies.fsdp.grad_sync import adapt_optim_wrapper
 
-    pair = split_batch(batch)
-    if pair is None:
-        raise ValueError('under a pipeline a batch is a pair (inputs, targets)')
-    inputs, targets = pair
+    inputs, targets = split_batch(batch)
     micro = len(targets) // spec.microbatches
     with torch.device('meta'):
         model = MODELS.build(dict(cfg['model']))

@@ -43,13 +43,13 @@ def pipeline_spec(strategy: Mapping, nproc: int) -> PipelineSpec | None:
         return None
 
 
-def split_batch(batch: Any) -> tuple[tuple, Any] | None:
-    """``(inputs, targets)`` of a loader's batch as ``stratagem train`` hands them to
-    ``train_step`` under a pipeline: a pair ``(inputs, targets)``; None for another form."""
-    if isinstance(batch, (list, tuple)) and len(batch) == 2:
-        inputs, targets = batch
-        return (tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)), targets
-    return None
+def split_batch(batch: Any) -> tuple[tuple, Any]:
+    """``(inputs as a tuple, targets)`` of a loader's batch, as ``stratagem train`` hands them
+    to ``train_step`` under a pipeline (``loop.pipeline_batch``, which refuses another form)."""
+    from stratagem.loop import pipeline_batch
+
+    inputs, targets = pipeline_batch(batch)
+    return (tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)), targets
 
 
 def inflight_microbatches(spec: PipelineSpec, stage: int) -> int:
@@ -99,18 +99,20 @@ def pipeline_findings(
         spec.check_forward(model, stages)
     except ValueError as err:
         return [('model', str(err), "make the model's forward skip a module that is None")]
-    from stratagem.loop import _pipeline_loss
+    from stratagem.loop import pipeline_loss_fn
 
     try:  # what stratagem train refuses before its first step: the strategy's pipeline_spec
-        _pipeline_loss(SimpleNamespace(pipeline_spec=spec), model, val_loader)
+        pipeline_loss_fn(SimpleNamespace(pipeline_spec=spec), model, val_loader)
     except ValueError as err:
         where = 'val_dataloader' if 'validation' in str(err) else 'model'
         return [(where, str(err), 'stratagem train stops here: do as the message says')]
     out = _batch_findings(spec, mesh.data_parallel_size, loader, dataset_length)
-    pair = split_batch(batch)
-    if out or pair is None:
+    if out:
         return out
-    inputs, targets = pair
+    try:
+        inputs, targets = split_batch(batch)
+    except ValueError as err:
+        return [('train_dataloader.dataset', str(err), 'give (inputs, targets) pairs')]
     micro = len(targets) // spec.microbatches
     loss_fn = getattr(model, 'loss', None)
     try:

@@ -370,9 +370,12 @@ class StratagemStrategy(ParallelStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        raise NotImplementedError(
-            'StratagemStrategy sets up the module and its optimizer together: '
-            'model, optimizer = fabric.setup(model, optimizer)'
+        """Refused: ``prepare`` builds the optim wrapper over the wrapped (for FSDP,
+        sharded) parameters, so the optimizer cannot be set up apart from its module."""
+        raise RuntimeError(
+            'StratagemStrategy sets up the module and its optimizer together (the optimizer '
+            "must hold the wrapped module's parameters): "
+            'model, optimizer = fabric.setup(model, optimizer), not fabric.setup_optimizers'
         )
 
     @override

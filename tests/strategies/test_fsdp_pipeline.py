@@ -210,8 +210,7 @@ def refusals_on_every_rank(work):
     except ValueError as exc:
         said['microbatches'] = str(exc)
     try:
-        with ow.optim_context(model):
-            pass
+        ow.optim_context(model)  # refused when called, before any context is entered
     except RuntimeError as exc:
         said['optim_context'] = str(exc)
     s.train_step(x, y, TransformerLM.loss)  # the first of a window of 2
