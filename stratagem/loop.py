@@ -51,7 +51,6 @@ from stratagem.config import (
 )
 from stratagem.env.preemption import Preemption, clear_marker, preemption_config
 from stratagem.env.watchdog import Watchdog
-from stratagem.integrations.model_api import call_model
 from stratagem.metrics import RunMetrics, format_row
 from stratagem.registry import DATASETS
 from stratagem.schema import (
@@ -62,6 +61,7 @@ from stratagem.schema import (
     VAL_CFG_KEYS,
     VAL_DATALOADER_KEYS,
 )
+from stratagem.strategies.model_api import call_model
 
 
 def check_train_config(

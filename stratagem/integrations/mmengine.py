@@ -28,7 +28,7 @@ Importing this module (the only one in stratagem that imports mmengine) does thr
    stratagem's ``MODELS``. Metrics, hooks, visualizers and samplers are built by mmengine
    itself, from its own registries.
 5. Nothing else: a strategy's wrapped model already carries the inner module's
-   ``train_step`` / ``val_step`` / ``test_step`` (``stratagem.integrations.model_api``),
+   ``train_step`` / ``val_step`` / ``test_step`` (``stratagem.strategies.model_api``),
    which mmengine's loops call.
 
 Switching an mmengine config to stratagem: ``import stratagem.integrations.mmengine`` (or

@@ -18,14 +18,16 @@ once for every backend:
     3. ``_init_model_weights``: ``model.init_weights()`` when the model has one.
     4. ``setup_module_and_optimizers(model, optim_wrapper, compile)`` — **backend hook**:
        the wrapped model and the optim wrapper over its parameters. Default:
-       ``_wrap_model`` (placement and wrapping: DDP, ``fully_shard``, ...; the wrapper
-       gets the inner module's ``train_step`` / ``val_step`` / ``test_step``,
-       ``integrations.model_api``), ``compile_model``, ``build_optim_wrapper``. A backend
-       that wraps model and optimizer together (DeepSpeed's engine, fairscale's
-       ShardedDataParallel) overrides this hook, never ``prepare``.
-    5. ``_scale_lr`` once (never again on resume).
-    6. ``initialize_count_status`` when accumulating (needs ``max_iters``).
-    7. ``build_param_scheduler`` (default ``end`` from ``max_epochs``/``max_iters``).
+       ``_wrap_model`` (placement and wrapping: DDP, ``fully_shard``, ...),
+       ``compile_model``, ``build_optim_wrapper``. A backend that wraps model and optimizer
+       together (DeepSpeed's engine, fairscale's ShardedDataParallel) overrides this hook,
+       never ``prepare``.
+    5. ``expose_model_api`` (``model_api.py``): the wrapper gets the inner module's
+       (``_unwrap_model()``) ``train_step`` / ``val_step`` / ``test_step``; then a
+       ``compile`` whose target is one of them.
+    6. ``_scale_lr`` once (never again on resume).
+    7. ``initialize_count_status`` when accumulating (needs ``max_iters``).
+    8. ``build_param_scheduler`` (default ``end`` from ``max_epochs``/``max_iters``).
 
 Backend hooks (what a backend overrides)
     - ``_wrap_model(model)`` (abstract): placement and wrapping, above.
@@ -71,7 +73,6 @@ from stratagem.checkpoint.state_dict import describe_keys, find_model_weights, u
 from stratagem.checkpoint.storage import CheckpointStorage
 from stratagem.config import check_keys
 from stratagem.env.backend import fit_runner_env_kwargs
-from stratagem.integrations.model_api import call_model, expose_model_api, parse_loss
 from stratagem.schema import ENV_KEYS as _ENV_KEYS
 from stratagem.schema import RANDOMNESS_KEYS as _RANDOMNESS_KEYS
 
@@ -85,6 +86,7 @@ from .environment import (
     scale_lr,
     setup_environment,
 )
+from .model_api import call_model, expose_model_api, parse_loss, split_compile
 from .resume_checks import (
     check_model_fits,
     check_optimizer_fits,
@@ -280,7 +282,10 @@ class BaseStrategy(ABC):
             return self._prepared_components()
         self._check_prepare_args(optim_wrapper, param_scheduler, dispatch_kwargs, compile)
         model = self._init_model_weights(self.build_model(model))
+        compile, compile_api = split_compile(compile)
         self.model, wrapper = self.setup_module_and_optimizers(model, optim_wrapper, compile)
+        expose_model_api(self.model, self._unwrap_model())
+        self.model = self.compile_model(self.model, compile_api)
         if wrapper is not None:
             self.optim_wrapper = wrapper
             self._scale_lr()
@@ -305,11 +310,9 @@ class BaseStrategy(ABC):
     def setup_module_and_optimizers(
         self, model: nn.Module, optim_wrapper: Any, compile: bool | Mapping = False
     ) -> tuple[nn.Module, Any]:
-        """Backend hook: ``(wrapped model, optim wrapper or None)``. Default: ``_wrap_model``
-        (the wrapper gets the inner module's model API), ``compile_model``, then the optim
-        wrapper over the wrapped model's parameters."""
+        """Backend hook: ``(wrapped model, optim wrapper or None)``. Default: ``_wrap_model``,
+        ``compile_model``, then the optim wrapper over the wrapped model's parameters."""
         model = self._wrap_model(model)
-        expose_model_api(model, unwrap_model(model))
         model = self.compile_model(model, compile=compile)
         wrapper = None if optim_wrapper is None else self.build_optim_wrapper(optim_wrapper, model)
         return model, wrapper

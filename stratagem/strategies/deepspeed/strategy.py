@@ -37,7 +37,6 @@ from typing_extensions import override
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.storage import CheckpointStorage
-from stratagem.integrations.model_api import expose_model_api
 
 from ..base import BaseStrategy
 from .checkpoint import ZeroStorage
@@ -196,8 +195,6 @@ class DeepSpeedStrategy(BaseStrategy):
             wrapper.attach(engine)
         if self._inputs_to_half:
             engine.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
-        # a host trainer's loop (mmengine) calls train_step on the engine: forward through it
-        expose_model_api(engine, engine.module)
         return engine, wrapper
 
     @override

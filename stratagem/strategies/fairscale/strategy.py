@@ -46,7 +46,6 @@ from typing_extensions import override
 from stratagem.checkpoint.checkpointer import LoadContext
 from stratagem.checkpoint.state_dict import unwrap_model
 from stratagem.config import check_keys
-from stratagem.integrations.model_api import expose_model_api
 from stratagem.registry import STRATEGIES
 
 from ..base import BaseStrategy
@@ -207,9 +206,6 @@ class ShardedDDPStrategy(BaseStrategy):
         if getattr(wrapper, 'clip_func', None) is torch.nn.utils.clip_grad_norm_:
             wrapper.set_clip_func(functools.partial(_clip_norm_sharded, wrapper.optimizer))
         self._shard_loss_scaler(wrapper)
-        # the host's loop calls train_step on the new wrapper, which must forward through it
-        # (else its gradient hooks never run; see model_api)
-        expose_model_api(sdp, unwrap_model(module))
         return sdp, wrapper
 
     def _check_optim_cfg(self, cfg: Any) -> None:

@@ -4,7 +4,9 @@ mmengine's loops call ``runner.model.train_step(data, optim_wrapper=...)``, ``va
 ``test_step``. mmengine gives its backend wrappers these methods (``MMDistributedDataParallel``,
 ``MMFullyShardedDataParallel``, ...); stratagem's backends wrap with the backend's own class
 (torch ``DistributedDataParallel``, FSDP, DeepSpeed's engine), so
-:func:`expose_model_api` adds them to the wrapper instance when the inner module has them.
+:func:`expose_model_api` adds them to the wrapper instance when the inner module has them;
+``BaseStrategy.prepare`` calls it once, for every backend, on the model its
+``setup_module_and_optimizers`` returned.
 The methods mirror mmengine's wrappers: ``train_step`` runs the inner module's data
 preprocessor and loss parsing around a forward *through the wrapper* (so gradient sync and
 sharding hooks run) and calls ``optim_wrapper.update_params``; ``val_step`` / ``test_step``
@@ -20,7 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ['call_model', 'expose_model_api', 'parse_loss']
+from stratagem._torch import compiled_inner
+
+__all__ = ['call_model', 'expose_model_api', 'parse_loss', 'split_compile']
 
 _API = ('train_step', 'val_step', 'test_step')
 
@@ -63,7 +67,13 @@ def _to(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
 
 def expose_model_api(wrapped: nn.Module, module: nn.Module) -> list[str]:
     """Give ``wrapped`` (a backend's wrapper around ``module``) the model API ``module``
-    has and the wrapper lacks; returns the names added (none when ``wrapped is module``)."""
+    has and the wrapper lacks; returns the names added (none when ``wrapped is module``).
+
+    A ``torch.compile`` wrapper around the backend's (``compile=True``) is looked through:
+    the API goes on the backend's wrapper, which the compiled one forwards attribute reads
+    to, so on one device (no backend wrapper) the module's own ``train_step`` stays the one
+    called."""
+    wrapped = compiled_inner(wrapped) or wrapped
     if wrapped is module:
         return []
     added = []
@@ -78,6 +88,16 @@ def expose_model_api(wrapped: nn.Module, module: nn.Module) -> list[str]:
             object.__setattr__(wrapped, name, types.MethodType(step, wrapped))
             added.append(name)
     return added
+
+
+def split_compile(compile: bool | Mapping) -> tuple[bool | Mapping, bool | Mapping]:
+    """``(compile while setting up, compile after the API is exposed)``: a ``compile`` whose
+    ``target`` is a model-API method (mmengine's runner compiles ``train_step``) names the
+    wrapper's method, which exists only once :func:`expose_model_api` ran; any other
+    ``compile`` is the set-up's."""
+    if isinstance(compile, Mapping) and compile.get('target') in _API:
+        return False, compile
+    return compile, False
 
 
 def _inner(wrapped: nn.Module) -> nn.Module:
