@@ -4,11 +4,12 @@ putting a state dict into a module.
 This package decides how a checkpoint is written, committed, verified, found and loaded; the
 strategy decides what is in it: ``Checkpointer.save(path, state)`` / ``load(path, state)``
 (``checkpointer.py``) take the state as a mapping of ``Stateful`` parts and write it through
-a ``CheckpointStorage`` (``storage.py``). The save protocol is numbered in ``commit.py`` (a
-file, and the commit every directory ends in), the load sequence in ``load.py``, the
-multi-rank directory protocol in ``directory.py``, DCP's sharded directories in
-``sharded.py``, where manifests live in ``manifest.py``. Importing it imports torch, xxhash
-and the standard library only.
+a ``CheckpointStorage`` (``storage.py``). The save and load sequences are numbered once, in
+docs/architecture.md ('Save', 'Load and resume'). A file is committed by ``single_file.py``,
+a directory (on every rank, or in one process) by ``directory.py``, DCP's sharded
+directories laid out by ``sharded.py``; one file is read by ``load.py``; manifests are
+``manifest.py``'s, every error ``errors.py``'s (all exported here). Importing it imports
+torch, xxhash and the standard library only.
 
 The names here are what a program calls; the package's own modules, and strategies, import
 from the module that defines a name.
@@ -22,14 +23,17 @@ which needs nothing of it until a checkpoint is written or read. There is no cyc
 """
 
 from .checkpointer import Checkpointer, LoadContext, Stateful, StatePart
-from .commit import save_checkpoint
 from .content import add_safe_globals, get_safe_globals, safe_globals
 from .convert import convert_checkpoint
 from .errors import (
     CheckpointCorruptError,
+    CheckpointNotShared,
+    CheckpointVoteError,
     CheckpointWarning,
     CheckpointWriteError,
     NotACheckpointError,
+    PartialLoadWarning,
+    StateDictMismatchError,
     UnsafeCheckpointError,
     UnverifiedCheckpointWarning,
 )
@@ -38,13 +42,8 @@ from .load import load_checkpoint_file
 from .manifest import verify_checkpoint
 from .retention import apply_retention, delete_checkpoint, sweep_debris
 from .sharded import read_sharded_checkpoint
-from .state_dict import (
-    LoadReport,
-    PartialLoadWarning,
-    StateDictMismatchError,
-    load_state_dict,
-    revise_keys,
-)
+from .single_file import save_checkpoint
+from .state_dict import LoadReport, load_state_dict, revise_keys
 from .storage import CheckpointStorage, SaveCommit
 
 __all__ = [
@@ -76,11 +75,13 @@ __all__ = [
     'load_state_dict',
     'revise_keys',
     'LoadReport',
-    # errors and warnings
+    # errors and warnings (errors.py)
     'CheckpointCorruptError',
     'NotACheckpointError',
     'UnsafeCheckpointError',
     'CheckpointWriteError',
+    'CheckpointVoteError',
+    'CheckpointNotShared',
     'StateDictMismatchError',
     'CheckpointWarning',
     'UnverifiedCheckpointWarning',

@@ -14,9 +14,8 @@ knows nothing about strategies or layouts. A save goes:
    sharding spec. **The snapshot is the state at the call**: nothing the program does after
    ``snapshot`` returns (in-place edits, an optimizer step, ``load_state_dict``, an EMA
    update) reaches it, since the writer only ever reads the staging buffers.
-3. ``submit(job, *args)``: ``job`` (serialise, hash, fsync, manifest, rename, pointer: the
-   same steps and order as a synchronous save; a directory save's file writes and
-   ``finalize_directory`` likewise) runs on the single writer thread.
+3. ``submit(job, *args)``: ``job`` (the write and commit of a synchronous save, the same
+   steps in the same order: docs/architecture.md, 'Save') runs on the single writer thread.
 4. The next ``wait()`` (the next save, ``resume``, ``wait_for_checkpoints``) raises the job's
    error. At interpreter exit pending jobs still finish (the thread pool joins them), and an
    error nobody collected is logged rather than lost.

@@ -15,38 +15,13 @@ A part may do more than a plain ``Stateful`` (:class:`StatePart` does all of it)
 ``meta``, the path) instead of ``load_state_dict(value)``; ``required = False`` parts are
 also restored when the checkpoint lacks their key (with ``None``).
 
-``save(path, state, extra=, callback=)`` (every rank calls it)
-    0. The previous (asynchronous) save is waited for; its error is raised here.
-    1. One collective: rank 0's path for every rank.
-    2. ``storage.check_savable(path)``: a moment the storage cannot hold is refused before
-       anything is written (DeepSpeed inside an accumulation window).
-    3. Each part's ``state_dict()``, in the mapping's order on every rank (a part may be
-       collective: gathered RNG states, FSDP's full state dict), but for the keys the
-       storage's own files hold (``storage.holds``); ``None`` leaves its key out; then
-       ``extra``, then ``callback(checkpoint)``.
-    4. Every rank validates the content (``storage.validate``: tensors and plain values), so
-       a bad value fails on all ranks alike instead of leaving the others waiting.
-    5. The save's vote opens (``vote.py``: the process group's store, no collective) and
-       ``storage.stage`` runs on the training thread: with ``async_checkpoint`` the writing
-       ranks copy the whole content into the writer's CPU staging buffers here (complete
-       before the call returns: the checkpoint is the state at the call, whatever the
-       program does next). It returns the write job.
-    6. The job runs at once, or on the writer thread: it writes, calls ``commit.gate()``
-       once this rank's files are written (every rank alive and done, or it raises and
-       nothing is committed), then rank 0 commits (manifest, rename, pointer).
-    7. The ranks learn the outcome through the vote: a failure or a dead rank raises on
-       every rank, naming it, instead of hanging.
-
-``load(path, state, map_location=, optimizer=, callback=)``
-    1. A pending asynchronous save is committed first (it may be that very file).
-    2. The ranks agree on the file (rank 0's path, the same bytes everywhere), then
-       ``storage.open`` reads what the checks need; ``callback(checkpoint)``.
-    3. Every required key is there (or held by the storage's own files).
-    4. Every part's ``check``, in order, before anything is loaded: a refused load changes
-       nothing.
-    5. ``storage.restore``: what is read in place (shards into the live tensors).
-    6. Every part's ``restore`` / ``load_state_dict``, in the mapping's order (a strategy
-       orders them model, optimizer, partial gradients, counters, schedulers, RNG).
+``save(path, state, extra=, callback=)`` (every rank calls it): rank 0's path for every
+rank, each part's state, the content validated, staged (copied, under ``async_checkpoint``),
+then written and committed once every rank's files are there, the outcome known on every
+rank. ``load(path, state, ...)``: the ranks agree on the file, every part's check before
+anything loads, then every part's restore in order. Both sequences are told once, step by
+step, in docs/architecture.md ('Save', 'Load and resume'); the methods below cite its
+step numbers.
 """
 
 from __future__ import annotations
@@ -55,8 +30,8 @@ import os.path as osp
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
+from .agree import agree_on_checkpoint
 from .async_writer import AsyncCheckpointWriter
-from .dist import agree_on_checkpoint
 from .storage import CheckpointStorage, SaveCommit
 from .vote import SaveVote
 
@@ -137,7 +112,7 @@ class StatePart:
 
 
 class Checkpointer:
-    """The save and load sequences (see module doc) over one storage, and the background
+    """The save and load sequences (docs/architecture.md) over one storage, and the background
     writer of asynchronous saves.
 
     Args:
@@ -180,7 +155,7 @@ class Checkpointer:
         extra: Mapping | None = None,
         callback: Callable[[dict], None] | None = None,
     ) -> str:
-        """Steps 0-7 of the module doc; returns rank 0's absolute path (with
+        """Steps 0-7 of docs/architecture.md, 'Save'; returns rank 0's absolute path (with
         ``async_checkpoint``, where the checkpoint will be once committed)."""
         from stratagem import env  # see the package doc: env only when a checkpoint is written
 
@@ -243,8 +218,8 @@ class Checkpointer:
         optimizer: bool = False,
         callback: Callable[[dict], None] | None = None,
     ) -> LoadContext:
-        """Steps 1-6 of the module doc; returns the load's context (the agreed ``path``, the
-        ``checkpoint`` as read, what the parts' checks noted).
+        """Steps 1-6 of docs/architecture.md, 'Load and resume'; returns the load's context
+        (the agreed ``path``, the ``checkpoint`` as read, what the parts' checks noted).
         ``optimizer``: ``state`` restores an optimizer (the storage reads its state too)."""
         path = self.agree(filename)
         storage = self.storage

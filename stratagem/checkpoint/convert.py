@@ -16,11 +16,11 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from .commit import save_checkpoint
 from .errors import NotACheckpointError
 from .formats import FORMATS, detect_format, read_whole
 from .huggingface import save_hf_directory, save_safetensors_file
 from .sharded import save_sharded_checkpoint
+from .single_file import save_checkpoint
 
 __all__ = ['TARGETS', 'convert_checkpoint', 'detect_source']
 

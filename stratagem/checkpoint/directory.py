@@ -1,48 +1,23 @@
-"""Directory checkpoints across ranks: every rank writes files, one atomic commit, one manifest.
+"""Directory checkpoints: every rank writes files, one atomic commit, one manifest.
 
 A backend that writes a checkpoint as several files (FSDP's DCP shards, DeepSpeed's per-rank
-files) hands this module a write function and gets the protocol of ``DESIGN.md``. Collective:
-every rank of the default process group calls the same functions in the same order; without a
-process group the same calls work in one process.
+files) hands this module a write function. ``save_directory(final_dir, write_fn, ...)`` is
+the one directory commit: every rank of the default process group under the save's
+``SaveVote`` (``vote.py``: the store, no collective; a rank that dies or stalls is named
+within the vote's timeout), or this process alone (``collective=False``: ``stratagem
+convert``). Its three steps can also be called one by one (an asynchronous saver and
+DeepSpeed's storage do): ``begin_directory_save`` (rank 0 creates the staging directory and
+publishes it), ``write_directory_files`` (this rank's files, fsynced and hashed here; an
+error is returned, not raised), ``finish_directory_save`` (the vote, then rank 0's
+``finalize_directory``: manifest, rename into place, pointer). What each step does, and
+what a failure at each leaves, is told once: docs/architecture.md, 'Save' (the directory
+commit).
 
-Save, ``save_directory(final_dir, write_fn, step=..., extra_manifest=...)``, is three steps
-that can also be called one by one (an asynchronous saver runs them on its writer thread).
-Under a process group the ranks agree through a ``SaveVote`` (``vote.py``: the process
-group's store, no collective; a rank that dies or stalls is named within the vote's timeout),
-which the caller passes (a strategy opens one per save) or ``save_directory`` opens:
-
-1. ``staging = begin_directory_save(final_dir, vote)``: rank 0 checks the name and creates a
-   fresh staging directory ``.{name}.tmp-{pid}-{rand}`` beside ``final_dir`` and publishes
-   it; every rank gets its path (a failure there raises on every rank). Nothing is ever
-   written into an existing checkpoint directory: an old checkpoint of the same name is only
-   replaced, whole, by the rename of step 3.
-2. ``written = write_directory_files(staging, write_fn)`` (local, no collective): runs
-   ``write_fn(staging)`` on this rank. It returns the paths it wrote (absolute or relative to
-   ``staging``), which are fsynced and hashed here, so ranks hash their own files in parallel;
-   or, for files the writer already fsynced and hashed while writing them (no second read),
-   ``file_entry`` dicts (path, size, digest); or None, in which case rank 0 fsyncs and hashes
-   every unclaimed file in step 3. This process remembers the hashes of the files it wrote,
-   so verifying them again in this process (a resume) reads nothing. Any
-   exception, ``BaseException`` subclasses such as DCP's ``CheckpointException`` included (but
-   not ``KeyboardInterrupt``/``SystemExit``), is caught and returned as a failed result.
-3. ``finish_directory_save(staging, final_dir, written, vote, step=..., extra_manifest=...)``:
-   (a) every rank posts its result (its files' entries, or its error); rank 0 waits for all
-   of them; if any rank failed, died or stalled, rank 0 removes the staging dir and every
-   rank raises (the failing rank its own ``Exception``, or a ``RuntimeError`` chained to its
-   ``BaseException``; the others a ``CheckpointVoteError`` naming the rank and its error).
-   (b) rank 0 runs ``finalize_directory``: it writes ``manifest.json`` (files with size,
-   digest and the writing ``rank``, step, versions, ``world_size`` and the caller's
-   ``extra_manifest``, e.g. the strategy), renames the staging dir to ``final_dir``, fsyncs
-   the parent and updates ``last_checkpoint``. (c) rank 0 posts the outcome, so a failed
-   commit also raises on every rank; the previous checkpoint and pointer are unchanged.
-
-Load, ``verify_directory(path)`` then the backend's own reader: the manifest is read first
-(none: ``CheckpointCorruptError``, the directory was never committed); every listed file's
-size is checked on every rank and its digest by one rank (at the same world size, the rank
-that wrote it; otherwise files are dealt round-robin; so the ranks hash in parallel); a
-missing or altered file raises on every rank naming the file.
-Every rank must also see the same manifest. Retention of whole directories is
-``apply_retention``'s, which already treats a directory with a manifest as one checkpoint.
+Load: ``verify_directory(path)``, then the backend's own reader: every listed file's size
+checked on every rank and its digest by one rank (at the same world size the rank that
+wrote it, else round-robin), every rank seeing the same manifest; a missing or altered
+file raises on every rank, naming it. Retention of whole directories is
+``apply_retention``'s, which treats a directory with a manifest as one checkpoint.
 """
 
 from __future__ import annotations
@@ -52,29 +27,36 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import _fs
 from ._fs import TEMP_RE
-from .commit import finalize_directory, new_staging_dir
 from .digest import HASH_ALGO, entry_digest, file_entry, hash_file
-from .errors import CheckpointCorruptError, CheckpointWarning
+from .errors import CheckpointCorruptError, CheckpointVoteError, CheckpointWarning
+from .latest import update_pointer as _update_pointer
 from .manifest import (
     DIR_MANIFEST,
     _identity,
+    build_manifest,
     check_extra_manifest,
+    dump_manifest,
     read_manifest,
     remember_verified,
     verify_file,
 )
-from .rank_errors import _all_ok, _raise_first, describe_error
-from .vote import CheckpointVoteError, SaveVote
+from .names import check_final_name, check_step
+from .rank_errors import all_ok, describe_error, raise_first
+from .vote import SaveVote
 
 __all__ = [
     'begin_directory_save',
     'write_directory_files',
     'finish_directory_save',
     'save_directory',
+    'new_staging_dir',
+    'finalize_directory',
     'verify_directory',
     'DirectoryWriteResult',
 ]
@@ -198,15 +180,7 @@ def finish_directory_save(
     staging = Path(staging)
     what = f'saving checkpoint directory {final_dir}'
     if vote is None:
-        try:
-            if not written.ok:
-                _raise_own(written.error, what)  # type: ignore[arg-type]
-            return _commit(
-                staging, final_dir, [written.files], 1, step, extra_manifest, update_pointer
-            )
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        return _commit_alone(staging, final_dir, written, 1, step, extra_manifest, update_pointer)
     vote.ready(
         None if written.ok else describe_error(written.error),  # type: ignore[arg-type]
         json.dumps(written.files) if written.ok else None,
@@ -254,23 +228,45 @@ def _raise_own(error: BaseException, what: str) -> None:
     ) from error
 
 
+def _commit_alone(
+    staging: Path,
+    final_dir: PathLike,
+    written: DirectoryWriteResult,
+    world: int | None,
+    step: int | None,
+    extra_manifest: dict | None,
+    update_pointer: bool,
+) -> Path:
+    """Commit what this process wrote (no vote); the staging dir is removed if it fails."""
+    try:
+        if not written.ok:
+            _raise_own(written.error, f'saving checkpoint directory {final_dir}')  # type: ignore[arg-type]
+        return _commit(
+            staging, final_dir, [written.files], world, step, extra_manifest, update_pointer
+        )
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def _commit(
     staging: Path,
     final_dir: PathLike,
     per_rank: list[list[dict]],
-    world: int,
+    world: int | None,
     step: int | None,
     extra_manifest: dict | None,
     update_pointer: bool,
 ) -> Path:
     known = [{**entry, 'rank': r} for r, files in enumerate(per_rank) for entry in files]
+    extra = extra_manifest if world is None else {'world_size': world, **(extra_manifest or {})}
     return finalize_directory(
         staging,
         final_dir,
         step=step,
         update_pointer=update_pointer,
         known_files=known,
-        extra_manifest={'world_size': world, **(extra_manifest or {})},
+        extra_manifest=extra,
     )
 
 
@@ -283,8 +279,9 @@ def save_directory(
     update_pointer: bool = True,
     vote: SaveVote | None = None,
     timeout: float = 600.0,
+    collective: bool = True,
 ) -> Path:
-    """Collective atomic save of a multi-file checkpoint; steps 1-3 of the module docstring.
+    """Atomic save of a multi-file checkpoint: steps 1-3 above, the one directory commit.
 
     Args:
         final_dir: the checkpoint directory's final path (must be the same on every rank;
@@ -294,21 +291,37 @@ def save_directory(
             or None (rank 0 then fsyncs and hashes them). It must not write ``manifest.json``.
         step: training step (or epoch) recorded in the manifest; orders checkpoints.
         extra_manifest: JSON-able extras for the manifest (e.g. ``{'strategy': 'FSDP...'}``);
-            ``world_size`` is added for you.
+            ``world_size`` is added for you (``collective=True``).
         update_pointer: point ``last_checkpoint`` at the new directory.
         vote: this save's ``SaveVote`` (a strategy's, opened for the whole save); by default
             one is opened (and closed) here under a process group, every rank in the same
             order, with ``timeout``: seconds a rank may show no sign of life before the
             others give up on the save, naming it.
+        collective: False: this process alone writes and commits, whatever process group
+            exists (``stratagem convert``; ``vote`` unused), and ``world_size`` is only
+            what ``extra_manifest`` says. In one process (no vote) the staging dir is
+            removed on any failure, an interrupt included.
 
     Returns:
         The committed directory's absolute path, on every rank.
     """
-    if step is not None and (type(step) is not int or step < 0):
-        raise TypeError(f'step must be a non-negative int or None, got {step!r}')
+    check_step(step)
     check_extra_manifest(extra_manifest)
-    own = SaveVote.open(timeout, f'saving {final_dir}') if vote is None else None
-    vote = vote or own
+    own = None
+    if collective and vote is None:
+        own = SaveVote.open(timeout, f'saving {final_dir}')  # None in one process
+    vote = own or (vote if collective else None)
+    if vote is None:  # this process alone: no vote
+        staging = new_staging_dir(final_dir)
+        try:
+            written = write_directory_files(staging, write_fn)
+        except BaseException:  # an interrupt (write_directory_files returns any other error)
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        world = 1 if collective else None
+        return _commit_alone(
+            staging, final_dir, written, world, step, extra_manifest, update_pointer
+        )
     try:
         staging = begin_directory_save(final_dir, vote)
         written = write_directory_files(staging, write_fn)
@@ -324,6 +337,132 @@ def save_directory(
     finally:
         if own is not None:
             own.close()
+
+
+# ---------------------------------------------------------------------------- the commit
+def new_staging_dir(final_dir: PathLike) -> Path:
+    """Create and return an empty staging directory next to ``final_dir`` (rank 0 only).
+
+    Its name (``.{name}.tmp-{pid}-{rand}``) marks it as ours, so a crash leaves nothing that
+    looks committed and retention can remove it later.
+    """
+    final = check_final_name(final_dir)
+    if final.exists() and not final.is_dir():
+        raise FileExistsError(f'cannot commit directory checkpoint {final}: a file has that name')
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = _fs.temp_name(final)
+    staging.mkdir()
+    return staging
+
+
+def finalize_directory(
+    staging_dir: PathLike,
+    final_dir: PathLike,
+    *,
+    step: int | None = None,
+    extra_manifest: dict | None = None,
+    update_pointer: bool = True,
+    known_files: list[dict] | None = None,
+) -> Path:
+    """Commit a staging directory filled by the strategy (rank 0 only, after a barrier).
+
+    Fsyncs and hashes every file under ``staging_dir``, writes ``manifest.json`` inside,
+    renames it to ``final_dir`` (atomically exchanging with an existing one where the OS can,
+    then deleting the old), fsyncs the parent and updates ``last_checkpoint``. Returns the
+    absolute final path.
+
+    ``known_files``: ``file_entry`` dicts (path, size, digest[, 'rank']; paths relative to
+    the staging dir) already fsynced and hashed by the ranks that wrote them; those are not
+    read again (their size is still checked; ``rank``, the writer, is kept in the manifest),
+    every other file is fsynced and hashed here.
+    """
+    staging = Path(staging_dir).absolute()
+    final = check_final_name(final_dir)
+    check_step(step)
+    check_extra_manifest(extra_manifest)
+    if (
+        not staging.is_dir()
+        or staging.parent != final.parent
+        or _fs.TEMP_RE.match(staging.name) is None
+    ):
+        raise ValueError(
+            f'staging_dir {staging} is not a staging directory for {final}; '
+            f'create it with new_staging_dir({str(final)!r})'
+        )
+    if (staging / DIR_MANIFEST).exists():
+        raise ValueError(
+            f'{staging / DIR_MANIFEST} exists: the name {DIR_MANIFEST!r} is '
+            f'reserved for the checkpoint manifest; rename that file'
+        )
+    if final.exists() and not final.is_dir():
+        raise FileExistsError(f'cannot commit directory checkpoint {final}: a file has that name')
+    files = _hash_tree(staging, {e['path']: e for e in known_files or ()})
+    if not files:
+        raise ValueError(f'staging directory {staging} is empty; nothing to commit for {final}')
+    manifest = build_manifest('directory', final.name, files, step, extra_manifest)
+    _fs.write_atomic(staging / DIR_MANIFEST, dump_manifest(manifest))
+    _fs.fsync_dir(staging)
+    _rename_dir_into_place(staging, final)
+    if update_pointer:
+        _update_pointer(final.parent, final)
+    return final
+
+
+def _hash_tree(root: Path, known: dict[str, dict] | None = None) -> list[dict]:
+    known = known or {}
+    files = []
+    with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for name in sorted(filenames):
+                path = Path(dirpath, name)
+                if path.is_symlink():
+                    raise ValueError(
+                        f'{path} is a symlink; a checkpoint directory holds only regular files'
+                    )
+                rel = path.relative_to(root).as_posix()
+                entry = known.get(rel)
+                if entry is not None:
+                    size = path.stat().st_size
+                    if size != entry['size']:
+                        raise ValueError(
+                            f'{path} has {size} bytes but the rank that wrote it '
+                            f'hashed {entry["size"]}; it changed after being written'
+                        )
+                    algo, digest = entry_digest(entry)
+                    files.append(
+                        {
+                            **file_entry(rel, size, digest, algo),
+                            **({'rank': entry['rank']} if 'rank' in entry else {}),
+                        }
+                    )
+                    continue
+                _fs.fsync_file(path)
+                size, digest = hash_file(path, pool)
+                files.append(file_entry(rel, size, digest))
+            if Path(dirpath) != root:  # the root is fsynced once its manifest is in it
+                _fs.fsync_dir(Path(dirpath))
+    return files
+
+
+def _rename_dir_into_place(staging: Path, final: Path) -> None:
+    if not final.exists():
+        os.replace(staging, final)
+        _fs.fsync_dir(final.parent)
+        return
+    if _fs.exchange(staging, final):
+        # `staging` now holds the old checkpoint under a temp name: retention would also
+        # clean it up if we died here.
+        _fs.fsync_dir(final.parent)
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    # No atomic exchange on this platform: a crash between these two renames leaves the old
+    # and the new checkpoint under temp names. Prefer unique names per step for directories.
+    old = _fs.temp_name(final)
+    os.replace(final, old)
+    os.replace(staging, final)
+    _fs.fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------ load
@@ -370,9 +509,9 @@ def verify_directory(
         error = err
     mine = (digest, None if error is None else describe_error(error))
     outcomes = [mine]  # the details travel only when something differs
-    if collective and not _all_ok(error is not None, digest):
+    if collective and not all_ok(error is not None, digest):
         outcomes = env.all_gather_object(mine)
-    _raise_first(
+    raise_first(
         [msg for _, msg in outcomes], error, f'verifying {directory}', CheckpointCorruptError
     )
     if len({d for d, _ in outcomes}) > 1:

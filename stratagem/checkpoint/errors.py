@@ -1,4 +1,5 @@
-"""Errors and warnings raised by ``stratagem.checkpoint``.
+"""Errors and warnings raised by ``stratagem.checkpoint``: every one is here, and every one
+is exported by the package (``from stratagem.checkpoint import CheckpointVoteError``).
 
 Every error names the file it is about, so a log line alone says which checkpoint to look at.
 """
@@ -39,6 +40,28 @@ class CheckpointWarning(UserWarning):
 class UnverifiedCheckpointWarning(CheckpointWarning):
     """A checkpoint has no manifest (written by mmengine or plain ``torch.save``), so its
     integrity cannot be verified before loading."""
+
+
+class StateDictMismatchError(RuntimeError, ValueError):
+    """A state dict does not fit a module (strict load) or matches none of its keys.
+
+    Raised before anything is copied: the module is unchanged. A ``RuntimeError`` like
+    torch's strict-load error, and a ``ValueError`` like every other bad-input error here.
+    """
+
+
+class PartialLoadWarning(CheckpointWarning):
+    """Fewer than a stated share of a model's tensors were found in the weights loaded into
+    it; the message lists the missing keys and what the file holds."""
+
+
+class CheckpointVoteError(RuntimeError):
+    """A distributed save did not reach agreement: a rank died, stalled or failed. Raised on
+    every rank; nothing was committed."""
+
+
+class CheckpointNotShared(RuntimeError):
+    """The checkpoint rank 0 chose is missing or different on another rank (raised on all)."""
 
 
 class CheckpointWriteError(OSError):

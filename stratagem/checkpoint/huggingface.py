@@ -12,8 +12,9 @@ Write (``stratagem convert SRC OUT --to hf``, :func:`save_hf_directory`):
     2. Tensors go to shards in order, a new shard when the next tensor would pass
        ``max_shard_size`` (one tensor larger than that gets a shard of its own).
     3. Every file is written into a fresh staging directory and committed like any directory
-       checkpoint of ours (``commit.commit_directory``: fsync, a ``manifest.json`` of digests,
-       one rename), so the directory exists whole or not at all and is verified when read.
+       checkpoint of ours (``directory.save_directory`` in one process: fsync, a
+       ``manifest.json`` of digests, one rename), so the directory exists whole or not at
+       all and is verified when read.
 Read (``load_checkpoint`` of every strategy, ``stratagem convert``; ``formats.py`` detects
 ``'hf'``, a directory, and ``'safetensors'``, one ``.safetensors`` file):
     1. With our ``manifest.json``, every file is verified first; a directory ``save_pretrained``
@@ -360,7 +361,7 @@ def save_hf_directory(
     one file) shards and ``model.safetensors.index.json``; ``config_json`` (a
     ``PretrainedConfig.to_json_string()``) becomes ``config.json``. Committed atomically
     with a manifest (``step`` and ``extra_manifest`` go there). Returns the path."""
-    from .commit import commit_directory
+    from .directory import save_directory
 
     st = _safetensors()
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
@@ -374,9 +375,8 @@ def save_hf_directory(
         else [f'model-{i:05d}-of-{len(shards):05d}{SUFFIX}' for i in range(1, len(shards) + 1)]
     )
     metadata = {'format': 'pt', **({'iter': str(step)} if step is not None else {})}
-    with commit_directory(
-        path, step=step, extra_manifest=extra_manifest, update_pointer=False
-    ) as staging:
+
+    def write(staging: Path) -> None:  # None: the commit fsyncs and hashes every file
         for name, keys in zip(names, shards):
             st.torch.save_file({k: tensors[k] for k in keys}, staging / name, metadata=metadata)
         if len(shards) > 1:
@@ -390,14 +390,22 @@ def save_hf_directory(
             (staging / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + '\n')
         if config_json is not None:
             (staging / CONFIG_NAME).write_text(_config_text(config_json, tensors))
-        else:
-            warnings.warn(
-                f'{path}: the checkpoint records no model config (the model was no '
-                'transformers PreTrainedModel), so no config.json was written: pass '
-                'from_pretrained(..., config=...)',
-                stacklevel=3,
-            )
-    return Path(path).absolute()
+
+    if config_json is None:
+        warnings.warn(
+            f'{path}: the checkpoint records no model config (the model was no '
+            'transformers PreTrainedModel), so no config.json was written: pass '
+            'from_pretrained(..., config=...)',
+            stacklevel=3,
+        )
+    return save_directory(
+        path,
+        write,
+        step=step,
+        extra_manifest=extra_manifest,
+        update_pointer=False,
+        collective=False,
+    )
 
 
 def save_safetensors_file(

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ['dcp_failures', 'describe_error']
+__all__ = ['all_ok', 'dcp_failures', 'describe_error', 'raise_first']
 
 
-def _all_ok(failed: bool, *values: Any) -> bool:
+def all_ok(failed: bool, *values: Any) -> bool:
     """True on every rank when no rank ``failed`` and every rank holds the same ``values``:
     one small collective (``all_gather_keys``); callers exchange the details (messages,
     which rank) with ``env.all_gather_object`` only when it is False, on every rank alike."""
@@ -43,7 +43,7 @@ def describe_error(error: BaseException) -> str:
     return f'{type(error).__name__}: {error}'
 
 
-def _raise_first(
+def raise_first(
     outcomes: list[str | None],
     mine: BaseException | None,
     what: str,

@@ -16,7 +16,7 @@ Never the other order: a checkpoint file whose manifest went first would look li
 
 Sweeping debris (``sweep_debris``; also the end of every ``apply_retention``, and a run's start
 in ``BaseStrategy.load_or_resume``) removes trash entries, temp entries (files and staging
-directories of ``commit.py`` / ``directory.py``) and orphan manifests, by this rule:
+directories of ``single_file.py`` / ``directory.py``) and orphan manifests, by this rule:
 
 - a trash entry always: it is a checkpoint already deleted, which no writer ever writes to
   (a second deleter racing on it is harmless);
@@ -32,8 +32,8 @@ directories of ``commit.py`` / ``directory.py``) and orphan manifests, by this r
   about a writer on another machine sharing the filesystem; there the age alone protects it,
   and one run per work_dir is assumed.) With no committed checkpoint only trash is swept.
 - an orphan manifest (a stratagem sidecar whose file is missing) is removed by the same age
-  rule, and never while a live temp entry of its file exists (a save between its steps 3 and 4,
-  ``commit.py``).
+  rule, and never while a live temp entry of its file exists (a save between its manifest and
+  its rename: docs/architecture.md, 'Save', the file commit).
 
 Never the newest committed checkpoint nor one in ``protect``: those are committed, and the
 sweep only ever removes temp entries and orphan manifests.

@@ -37,20 +37,14 @@ from typing import Any
 
 import torch
 
-from .commit import (
-    _OVERHEAD_BYTES,
-    _crc32_option,
-    check_free_space,
-    commit_directory,
-    payload_bytes,
-    write_torch_file,
-)
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
 from .digest import file_entry, new_hasher
 from .directory import save_directory, verify_directory
+from .disk import OVERHEAD_BYTES, check_free_space, payload_bytes
 from .errors import CheckpointCorruptError
 from .load import load_checkpoint_file
-from .rank_errors import _all_ok, _raise_first, dcp_failures, describe_error
+from .rank_errors import all_ok, dcp_failures, describe_error, raise_first
+from .torch_file import crc32_option, write_torch_file
 
 __all__ = [
     'save_sharded_checkpoint',
@@ -143,7 +137,7 @@ def save_sharded_checkpoint(
         ):
             pending = [aside.submit(write_torch_file, obj, path) for obj, path in side]
             writer.fs = fs = _hashing_fs(pool)
-            with _crc32_option(False), warnings.catch_warnings():
+            with crc32_option(False), warnings.catch_warnings():
                 # one process on purpose (convert): not DCP's "assuming ..." guess
                 warnings.filterwarnings('ignore', message='torch.distributed is disabled')
                 dcp.save(
@@ -169,13 +163,11 @@ def save_sharded_checkpoint(
         **({SAFE_GLOBALS_KEY: held} if held else {}),
         **(extra_manifest or {}),
     }
-    if collective:
-        return save_directory(final_dir, write, step=step, extra_manifest=manifest, vote=vote)
-    with commit_directory(
-        final_dir, step=step, extra_manifest={'world_size': 1, **manifest}
-    ) as staging:
-        write(staging)
-    return Path(final_dir).absolute()
+    if not collective:
+        manifest = {'world_size': 1, **manifest}
+    return save_directory(
+        final_dir, write, step=step, extra_manifest=manifest, vote=vote, collective=collective
+    )
 
 
 def _entry(path: Path, size: int, digest: str) -> dict:
@@ -338,7 +330,7 @@ def _bytes_needed(tensors: Mapping, side: list) -> int:
     return (
         payload_bytes(local_tensors(tensors))
         + sum(map(payload_bytes, side))
-        + _OVERHEAD_BYTES * (1 + len(side))
+        + OVERHEAD_BYTES * (1 + len(side))
     )
 
 
@@ -471,7 +463,7 @@ def _dcp_read(path: Path, state: dict, *, metadata: Any = None, what: str = '') 
         failures = list(dcp_failures(err).values())
         if len(failures) == 1 and isinstance(failures[0], BaseException):
             error = failures[0]
-    if _all_ok(error is not None):
+    if all_ok(error is not None):
         return
     from stratagem import env  # imported on use: see checkpoint/__init__.py
 
@@ -479,7 +471,7 @@ def _dcp_read(path: Path, state: dict, *, metadata: Any = None, what: str = '') 
     if error is not None and not isinstance(error, Exception):
         # a BaseException: this rank raises the message the others see
         error = RuntimeError(f'reading {path} {what} failed: {describe_error(error)}')
-    _raise_first(outcomes, error, f'reading {path} {what}'.rstrip())
+    raise_first(outcomes, error, f'reading {path} {what}'.rstrip())
 
 
 def _dcp_keys(path: Path) -> set[str]:

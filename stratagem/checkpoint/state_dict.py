@@ -28,25 +28,12 @@ from stratagem._torch import (
     state_dict_metadata,
 )
 
-from .errors import CheckpointWarning
+from .errors import StateDictMismatchError
 
 DEFAULT_REVISE_KEYS = ((r'^module\.', ''),)
 #: where checkpoints written by other tools keep the model's weights, in the order tried:
 #: mmengine / stratagem, the PyTorch tutorials, plain "{'model': ...}", DeepSpeed
 WEIGHT_ENTRIES = ('state_dict', 'model_state_dict', 'model', 'module')
-
-
-class PartialLoadWarning(CheckpointWarning):
-    """Fewer than a stated share of a model's tensors were found in the weights loaded into
-    it; the message lists the missing keys and what the file holds."""
-
-
-class StateDictMismatchError(RuntimeError, ValueError):
-    """A state dict does not fit a module (strict load) or matches none of its keys.
-
-    Raised before anything is copied: the module is unchanged. A ``RuntimeError`` like
-    torch's strict-load error, and a ``ValueError`` like every other bad-input error here.
-    """
 
 
 def find_model_weights(checkpoint: Mapping) -> tuple[Mapping, str]:

@@ -31,10 +31,11 @@ from typing import Any
 import torch
 
 from .async_writer import AsyncCheckpointWriter
-from .commit import save_checkpoint
 from .content import validate_checkpoint_content
+from .errors import CheckpointVoteError
 from .load import load_checkpoint_file
-from .vote import CheckpointVoteError, SaveVote
+from .single_file import save_checkpoint
+from .vote import SaveVote
 
 __all__ = ['CheckpointStorage', 'SaveCommit', 'move_to']
 

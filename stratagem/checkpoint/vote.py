@@ -37,7 +37,9 @@ import threading
 import time
 from typing import Any
 
-__all__ = ['SaveVote', 'CheckpointVoteError']
+from .errors import CheckpointVoteError
+
+__all__ = ['SaveVote']
 
 _OK = 'ok'
 _OK_MARK, _ERROR_MARK = '+', '-'  # a ready value: '+payload' or '-error'
@@ -108,10 +110,6 @@ def _own_store() -> tuple[_LockedStore, Any]:
                 rw, waiter = _LockedStore(base), base
             _STORES = (inner, rw, waiter)
         return _STORES[1], _STORES[2]
-
-
-class CheckpointVoteError(RuntimeError):
-    """A distributed save did not reach agreement: a rank died, stalled or failed."""
 
 
 class SaveVote:
@@ -309,8 +307,7 @@ class SaveVote:
         seen = self._seen
         for rank in ranks:
             count = self._store.add(f'{self._prefix}alive/{rank}', 0)
-            last_count, since = seen.get(rank, (None, now))
-            if count != last_count:
+            if count != seen.get(rank, (None, now))[0]:
                 seen[rank] = (count, now)
         stalled = sorted(r for r in ranks if now - seen[r][1] >= self.timeout)
         if stalled:
@@ -325,9 +322,6 @@ class SaveVote:
 
     def _set(self, key: str, value: str) -> None:
         self._store.set(self._prefix + key, value)
-
-    def _has(self, key: str) -> bool:
-        return self._store.check([self._prefix + key])
 
     def _get(self, key: str) -> str:
         return self._store.get(self._prefix + key).decode()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stratagem.checkpoint import commit
+from stratagem.checkpoint import disk
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.digest import entry_digest, hash_file
 from stratagem.checkpoint.errors import CheckpointWriteError
@@ -88,7 +88,7 @@ def test_a_failure_is_kept_for_write_and_skips_the_rest(tmp_path):
 
 
 def test_full_disk_refused_before_writing(tmp_path, monkeypatch):
-    monkeypatch.setattr(commit, 'free_bytes', lambda path: 1000)
+    monkeypatch.setattr(disk, 'free_bytes', lambda path: 1000)
     sync = CapturingCheckpointEngine(_Original(), tmp_path)
     sync.save(_state(1), tmp_path / 'a.pt')
     with pytest.raises(CheckpointWriteError, match=r'no space left on device writing .*a\.pt'):

@@ -123,7 +123,7 @@ def test_async_save_is_bit_exact_and_returns_before_writing(tmp_path, monkeypatc
     _assert_equal(load_checkpoint_file(sync_path), load_checkpoint_file(async_path))
     # staged memory is one copy of the tensors written: model, momentum, RNG state
     params = sum(p.numel() * 4 for p in async_s.model.parameters())
-    saved = ckpt.commit.payload_bytes(load_checkpoint_file(async_path))
+    saved = ckpt.disk.payload_bytes(load_checkpoint_file(async_path))
     assert saved > 2 * params and async_s.checkpointer.writer.staged_bytes == saved
 
 

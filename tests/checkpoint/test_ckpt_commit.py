@@ -1,4 +1,5 @@
-"""save_checkpoint / commit_directory: round trip, manifest, validation, atomic replace."""
+"""save_checkpoint, and save_directory in one process: round trip, manifest, validation, atomic
+replace."""
 
 import json
 import os
@@ -14,8 +15,8 @@ from stratagem.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from stratagem.checkpoint.commit import commit_directory, finalize_directory, new_staging_dir
 from stratagem.checkpoint.digest import hash_file
+from stratagem.checkpoint.directory import finalize_directory, new_staging_dir, save_directory
 from stratagem.checkpoint.manifest import manifest_path
 from stratagem.version import __version__
 
@@ -163,15 +164,19 @@ def test_same_name_crash_window_keeps_old_verifiable(tmp_path, monkeypatch, firs
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith('.')] == []
 
 
-def test_commit_directory(tmp_path, state):
+def test_directory_in_one_process(tmp_path, state):
     final = tmp_path / 'iter_10'
-    with commit_directory(final, step=10, extra_manifest={'world_size': 2}) as staging:
+
+    def write(staging):  # returns None: the commit fsyncs and hashes every file
         assert staging.parent == tmp_path and staging.name.startswith('.iter_10.tmp-')
         assert not final.exists()
         for rank in range(2):
             torch.save(make_state(float(rank)), staging / f'rank{rank}.pt')
         (staging / 'sub').mkdir()
         (staging / 'sub' / 'meta.txt').write_text('x')
+
+    extra = {'world_size': 2}
+    assert save_directory(final, write, step=10, extra_manifest=extra, collective=False) == final
     manifest = verify_checkpoint(final)
     assert manifest['kind'] == 'directory' and manifest['world_size'] == 2
     assert [f['path'] for f in manifest['files']] == ['rank0.pt', 'rank1.pt', 'sub/meta.txt']
@@ -186,16 +191,24 @@ def test_commit_directory(tmp_path, state):
     assert sorted(p.name for p in tmp_path.iterdir()) == ['iter_10', POINTER_NAME]
 
 
-def test_commit_directory_failure_leaves_nothing(tmp_path):
-    with pytest.raises(RuntimeError, match='boom'):
-        with commit_directory(tmp_path / 'iter_1', step=1) as staging:
-            (staging / 'x.pt').write_bytes(b'x')
-            raise RuntimeError('boom')
-    assert list(tmp_path.iterdir()) == []
+def test_directory_in_one_process_failure_leaves_nothing(tmp_path):
+    def write(staging, error=None):
+        (staging / 'x.pt').write_bytes(b'x')
+        raise error
+
+    for error in (RuntimeError('boom'), KeyboardInterrupt()):
+        with pytest.raises(type(error)) as raised:
+            save_directory(tmp_path / 'iter_1', lambda s, e=error: write(s, e), collective=False)
+        assert raised.value is error  # this process's own error, as it was raised
+        assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match='empty'):
-        with commit_directory(tmp_path / 'iter_1', step=1):
-            pass
+        save_directory(tmp_path / 'iter_1', lambda staging: None, step=1, collective=False)
     assert list(tmp_path.iterdir()) == []
+    # no world_size of its own: the manifest says what the caller gave
+    save_directory(
+        tmp_path / 'hf', lambda s: [(s / 'w').write_bytes(b'w') and 'w'], collective=False
+    )
+    assert 'world_size' not in verify_checkpoint(tmp_path / 'hf')
 
 
 def test_zip_crc32_option_and_restore(tmp_path, state):

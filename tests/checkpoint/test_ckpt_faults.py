@@ -15,8 +15,8 @@ import torch
 
 from ckpt_helpers import make_state
 from faults import failing_io, snapshot_dir
-from stratagem.checkpoint import commit as commit_mod
 from stratagem.checkpoint import (
+    disk,
     find_latest_checkpoint,
     load_checkpoint_file,
     save_checkpoint,
@@ -68,7 +68,7 @@ def test_write_fault_leaves_previous_checkpoint(tmp_path, name, err, op, after):
 def test_free_space_checked_before_anything_is_written(tmp_path, monkeypatch):
     first = save_checkpoint(make_state(1.0), tmp_path / 'iter_1.pth', step=1)
     before = snapshot_dir(tmp_path)
-    monkeypatch.setattr(commit_mod, 'free_bytes', lambda path: 3 * MB)
+    monkeypatch.setattr(disk, 'free_bytes', lambda path: 3 * MB)
     state = make_state(2.0, size=2048)  # 2 x 16 MiB tensors + bias
     written = []
     real_open = os.open
@@ -76,7 +76,7 @@ def test_free_space_checked_before_anything_is_written(tmp_path, monkeypatch):
     with pytest.raises(CheckpointWriteError) as info:
         save_checkpoint(state, tmp_path / 'iter_2.pth', step=2)
     monkeypatch.setattr(os, 'open', real_open)
-    needed = commit_mod.payload_bytes(state) + commit_mod._OVERHEAD_BYTES
+    needed = disk.payload_bytes(state) + disk.OVERHEAD_BYTES
     assert needed > 32 * MB
     assert str(info.value) == (
         f'no space left on device writing {tmp_path / "iter_2.pth"} (needed '
@@ -96,7 +96,7 @@ def test_payload_bytes_counts_each_storage_once():
         'b': [torch.ones(5, dtype=torch.float64)],
         'meta': {'x': 1},
     }
-    assert commit_mod.payload_bytes(state) == 4000 + 40
+    assert disk.payload_bytes(state) == 4000 + 40
 
 
 _TMPFS_SCRIPT = textwrap.dedent("""
@@ -105,7 +105,7 @@ _TMPFS_SCRIPT = textwrap.dedent("""
     subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=3m', 'tmpfs', mnt], check=True)
     import torch
     from stratagem.checkpoint import save_checkpoint, find_latest_checkpoint, verify_checkpoint
-    from stratagem.checkpoint import commit
+    from stratagem.checkpoint import single_file
     from stratagem.checkpoint.errors import CheckpointWriteError
     small = {'w': torch.ones(256 * 1024)}          # 1 MiB: fits
     big = {'w': torch.ones(640 * 1024)}            # 2.5 MiB: does not fit beside it
@@ -117,7 +117,7 @@ _TMPFS_SCRIPT = textwrap.dedent("""
     except CheckpointWriteError as e:
         print('PRECHECK', e.errno, e)
     # 2. the real ENOSPC from the kernel, the check bypassed
-    commit.check_free_space = lambda final, needed: None
+    single_file.check_free_space = lambda final, needed: None
     try:
         save_checkpoint(big, os.path.join(mnt, 'b.pth'), step=2)
     except CheckpointWriteError as e:
@@ -174,7 +174,7 @@ def test_sharded_directory_free_space_checked_before_writing(tmp_path, monkeypat
         collective=False,
     )
     before = snapshot_dir(tmp_path)
-    monkeypatch.setattr(commit_mod, 'free_bytes', lambda path: 3 * MB)
+    monkeypatch.setattr(disk, 'free_bytes', lambda path: 3 * MB)
     monkeypatch.setenv('LOCAL_WORLD_SIZE', '2')  # two ranks on this disk: twice the shards
     weights = {'w': torch.zeros(1024, 1024)}  # 4 MiB of shards, 8 MiB for two ranks
     checkpoint = {'state_dict': weights, 'meta': {'iter': 2}}

@@ -14,7 +14,7 @@ from stratagem.checkpoint import (
     list_checkpoints,
     save_checkpoint,
 )
-from stratagem.checkpoint.commit import commit_directory
+from stratagem.checkpoint.directory import save_directory
 
 
 def _save(directory, step, name=None, **kwargs):
@@ -76,9 +76,11 @@ def test_pattern_limits_the_series(tmp_path):
 
 
 def test_directory_checkpoints(tmp_path):
+    def shard(step):
+        return lambda staging: [(staging / 'shard0.pt').write_bytes(b'x' * step) and 'shard0.pt']
+
     for step in range(1, 4):
-        with commit_directory(tmp_path / f'iter_{step}', step=step) as staging:
-            (staging / 'shard0.pt').write_bytes(b'x' * step)
+        save_directory(tmp_path / f'iter_{step}', shard(step), step=step, collective=False)
     removed = apply_retention(tmp_path, 1)
     assert sorted(p.name for p in removed) == ['iter_1', 'iter_2']
     assert sorted(os.listdir(tmp_path)) == ['iter_3', POINTER_NAME]

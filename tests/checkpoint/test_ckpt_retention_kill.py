@@ -20,7 +20,7 @@ from stratagem.checkpoint import (
     sweep_debris,
     verify_checkpoint,
 )
-from stratagem.checkpoint.commit import commit_directory, new_staging_dir
+from stratagem.checkpoint.directory import new_staging_dir, save_directory
 from stratagem.strategies.resume_checks import previous_run_traces
 
 _STEPS = ('replace', 'unlink', 'rmdir')
@@ -33,11 +33,17 @@ def _populate(directory, layout):
                 make_state(float(step), size=4), directory / f'iter_{step}.pth', step=step
             )
         else:
-            with commit_directory(directory / f'iter_{step}', step=step) as staging:
-                (staging / 'shard0.pt').write_bytes(b'x' * step)
-                (staging / 'sub').mkdir()
-                (staging / 'sub' / 'shard1.pt').write_bytes(b'y' * step)
+            save_directory(directory / f'iter_{step}', _shards(step), step=step, collective=False)
     return directory / ('iter_3.pth' if layout == 'file' else 'iter_3')
+
+
+def _shards(step):
+    def write(staging):
+        (staging / 'shard0.pt').write_bytes(b'x' * step)
+        (staging / 'sub').mkdir()
+        (staging / 'sub' / 'shard1.pt').write_bytes(b'y' * step)
+
+    return write
 
 
 def _retention_killed_after(directory, steps):

@@ -98,7 +98,7 @@ def test_steps_one_by_one_and_replacing_a_committed_dir(tmp_path):
 def test_prehashed_entries_are_not_read_again(tmp_path, monkeypatch):
     """A writer that hashed its bytes while writing returns entries: nothing re-reads them,
     and this process remembers them, so verifying here reads nothing either."""
-    from stratagem.checkpoint import commit, directory, manifest
+    from stratagem.checkpoint import directory, manifest, single_file
 
     def write(staging, size_delta=0):
         (staging / 'a.bin').write_bytes(b'abc' * 10)
@@ -110,7 +110,7 @@ def test_prehashed_entries_are_not_read_again(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError('a file was read again')
 
-    for module in (commit, directory):
+    for module in (single_file, directory):
         monkeypatch.setattr(module, 'hash_file', boom)
     final = save_directory(tmp_path / 'd', write)
     monkeypatch.setattr(manifest, 'hash_file', boom)
@@ -246,8 +246,9 @@ def _dist_checks(root):
     out['keys_left'] = store.num_keys() - keys_before
     # agreeing on a checkpoint: rank 0's path wins; a rank that passed another path (or
     # none) checks rank 0's in a second round; bytes that differ are refused on both
+    from stratagem.checkpoint import CheckpointNotShared
     from stratagem.checkpoint import dist as dist_mod
-    from stratagem.checkpoint.dist import CheckpointNotShared, agree_on_checkpoint
+    from stratagem.checkpoint.agree import agree_on_checkpoint
 
     out['agree_same'] = str(agree_on_checkpoint(root / 'iter_3'))
     out['agree_other'] = str(agree_on_checkpoint(root / ('iter_3' if rank == 0 else 'iter_4')))

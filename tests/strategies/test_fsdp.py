@@ -291,10 +291,10 @@ def first_half(work_dir):
     s = _strategy(work_dir)
     model, ow, scheds = s.prepare(_net(), **COMPONENTS)
     _train(s, model, ow, scheds, 0, 3, 2)
-    from stratagem.checkpoint import commit, directory, manifest
+    from stratagem.checkpoint import directory, manifest, single_file
 
     reads = []
-    hashers = {m: m.hash_file for m in (commit, directory, manifest)}
+    hashers = {m: m.hash_file for m in (single_file, directory, manifest)}
     for module, func in hashers.items():  # count re-reads of written files
         module.hash_file = lambda *a, _f=func, **k: reads.append(a[0]) or _f(*a, **k)
     try:

@@ -33,13 +33,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from stratagem.checkpoint.commit import (
-    _OVERHEAD_BYTES,
-    check_free_space,
-    payload_bytes,
-    write_error,
-    write_torch_file,
-)
+from stratagem.checkpoint.disk import OVERHEAD_BYTES, check_free_space, payload_bytes, write_error
+from stratagem.checkpoint.torch_file import write_torch_file
 
 __all__ = ['CapturingCheckpointEngine']
 
@@ -120,7 +115,7 @@ class CapturingCheckpointEngine:
         if self._staged:  # a full disk is refused before the first byte of this rank's files
             check_free_space(
                 self._staged[0][1],
-                sum(payload_bytes(state) + _OVERHEAD_BYTES for state, _ in self._staged),
+                sum(payload_bytes(state) + OVERHEAD_BYTES for state, _ in self._staged),
             )
         while self._staged:
             state, path = self._staged.pop(0)
@@ -142,7 +137,7 @@ def _write(state: Any, path: Path, check_space: bool = False) -> dict:
     """``write_torch_file``; a filesystem failure (full, EIO, ...) becomes
     ``CheckpointWriteError`` naming the file and the cause. ``check_space``: refuse a full
     disk before writing."""
-    needed = payload_bytes(state) + _OVERHEAD_BYTES
+    needed = payload_bytes(state) + OVERHEAD_BYTES
     if check_space:
         check_free_space(path, needed)
     try:

@@ -54,11 +54,11 @@ from typing_extensions import override
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
-from stratagem.checkpoint.commit import new_staging_dir
 from stratagem.checkpoint.content import SAFE_GLOBALS_KEY
 from stratagem.checkpoint.directory import (
     begin_directory_save,
     finish_directory_save,
+    new_staging_dir,
     verify_directory,
     write_directory_files,
 )

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from stratagem.checkpoint.commit import save_checkpoint
 from stratagem.checkpoint.directory import verify_directory
 from stratagem.checkpoint.errors import CheckpointCorruptError
 from stratagem.checkpoint.load import load_checkpoint_file
+from stratagem.checkpoint.single_file import save_checkpoint
 
 __all__ = [
     'DEEPSPEED_TAG',

@@ -1,4 +1,5 @@
-"""Agreeing on a checkpoint name across ranks (step 1 of the save protocol).
+"""Agreeing on the checkpoint to load across ranks: rank 0's choice, the same bytes on
+every rank (``agree_on_checkpoint``; step 2 of the load, docs/architecture.md, 'Load').
 
 ``torch.distributed`` is used only when a process group is initialised; a single process gets
 its own argument back, so callers need no branch.
@@ -10,29 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-
-def agree_on_path(path: str | os.PathLike | None, *, src: int = 0, group: Any = None) -> Path:
-    """Return ``src``'s ``path`` on every rank (a broadcast); other ranks may pass None.
-
-    Without an initialised process group this returns ``Path(path)``.
-    """
-    from stratagem import env  # imported on use: see checkpoint/__init__.py
-
-    if not env.is_distributed():
-        if path is None:
-            raise ValueError('agree_on_path(None) outside a process group: pass the path')
-        return Path(path)
-    agreed = env.broadcast_object(os.fspath(path) if path is not None else None, src, group)
-    if agreed is None:
-        raise ValueError(
-            f'agree_on_path: rank {src} passed None; the source rank must pass the path'
-        )
-    return Path(agreed)
-
-
-class CheckpointNotShared(RuntimeError):
-    """The checkpoint rank 0 chose is missing or different on another rank (raised on all)."""
-
+from .errors import CheckpointNotShared
 
 _PROBE = 1 << 16  # bytes hashed at each end of a file that has no manifest
 
