@@ -1,5 +1,5 @@
 """Agreeing on the checkpoint to load across ranks: rank 0's choice, the same bytes on
-every rank (``agree_on_checkpoint``; step 2 of the load, docs/architecture.md, 'Load').
+every rank (``agree_on_checkpoint``; step 2 of docs/architecture.md, 'Load and resume').
 
 ``torch.distributed`` is used only when a process group is initialised; a single process gets
 its own argument back, so callers need no branch.

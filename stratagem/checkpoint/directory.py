@@ -281,7 +281,8 @@ def save_directory(
     timeout: float = 600.0,
     collective: bool = True,
 ) -> Path:
-    """Atomic save of a multi-file checkpoint: steps 1-3 above, the one directory commit.
+    """Atomic save of a multi-file checkpoint, the one directory commit: steps 1-3 of
+    docs/architecture.md, 'Save' (the directory commit).
 
     Args:
         final_dir: the checkpoint directory's final path (must be the same on every rank;
