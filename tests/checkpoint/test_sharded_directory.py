@@ -247,21 +247,21 @@ def _dist_checks(root):
     # agreeing on a checkpoint: rank 0's path wins; a rank that passed another path (or
     # none) checks rank 0's in a second round; bytes that differ are refused on both
     from stratagem.checkpoint import CheckpointNotShared
-    from stratagem.checkpoint import dist as dist_mod
+    from stratagem.checkpoint import agree as agree_mod
     from stratagem.checkpoint.agree import agree_on_checkpoint
 
     out['agree_same'] = str(agree_on_checkpoint(root / 'iter_3'))
     out['agree_other'] = str(agree_on_checkpoint(root / ('iter_3' if rank == 0 else 'iter_4')))
     out['agree_none'] = str(agree_on_checkpoint(root / 'iter_3' if rank == 0 else None))
     if rank == 1:  # rank 1 sees other bytes at that path than rank 0 (a node-local copy)
-        real_identity = dist_mod.checkpoint_identity
-        dist_mod.checkpoint_identity = lambda p: {**real_identity(p), 'digest': 'other'}
+        real_identity = agree_mod.checkpoint_identity
+        agree_mod.checkpoint_identity = lambda p: {**real_identity(p), 'digest': 'other'}
     try:
         agree_on_checkpoint(root / 'iter_3')
     except CheckpointNotShared as err:
         out['agree_differs'] = str(err)
     if rank == 1:
-        dist_mod.checkpoint_identity = real_identity
+        agree_mod.checkpoint_identity = real_identity
     # verifying: ranks that read different manifests (here: different checkpoints) refuse
     try:
         verify_directory(root / ('iter_3' if rank == 0 else 'iter_4'))
