@@ -291,7 +291,8 @@ def _train(
         # in this run's units: a resume at another world size converts the position (and an
         # iteration-counted max_iters) so that exactly the samples left are read
         start_iter = int((checkpoint.get('meta') or {}).get('iter', 0))
-        max_iters = int(strategy.dispatch_kwargs.get('max_iters') or max_iters)
+        change = (checkpoint.get('meta') or {}).get('world_size_change') or {}
+        max_iters = int((change.get('max_iters') or (None, max_iters))[1])
     # the shuffle seed is the run's configured seed (the same on every rank, also under
     # diff_rank_seed), read after a resume has restored it
     data_seed = strategy.randomness['seed'] if sampler_seed is None else int(sampler_seed)

@@ -13,6 +13,7 @@ from typing_extensions import override
 from stratagem.registry import STRATEGIES
 
 from .base import BaseStrategy
+from .environment import distributed_env_kwargs
 from .sync_bn import convert_sync_batchnorm
 
 _MM_WRAPPER = 'MMDistributedDataParallel'
@@ -80,7 +81,7 @@ class DDPStrategy(BaseStrategy):
             )
         self.model_wrapper = wrapper
         self.sync_bn = sync_bn
-        env_kwargs = self._distributed_env_kwargs(kwargs, 'DDPStrategy')
+        env_kwargs = distributed_env_kwargs(kwargs, 'DDPStrategy')
         super().__init__(env_kwargs=env_kwargs, **kwargs)
 
     @override

@@ -1,14 +1,16 @@
-"""The steps of a strategy's set-up and ``prepare`` that are plain functions of their inputs:
-the process environment (launcher, distributed init, processes and threads, rlimit), the
-launcher a multi-process backend needs, the run's log file, a model from its cfg,
-``torch.compile`` of a model or one of its methods, the LR auto-scaling by batch size, and
-the accumulation counters. ``BaseStrategy`` calls them in
-its numbered sequence (``base.py``) and keeps what they return."""
+"""The run environment a strategy is set up in (:class:`RunEnvironment`: launcher, process
+group, randomness, the rank-agreed timestamp, where the run's files go), and the steps of
+``prepare`` that are plain functions of their inputs: the launcher a multi-process backend
+needs, the run's log file, a model from its cfg, ``torch.compile`` of a model or one of its
+methods, the LR auto-scaling by batch size, and the accumulation counters. ``BaseStrategy``
+calls them in its numbered sequence (``base.py``) and keeps what they return."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+import os.path as osp
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from stratagem.env.logging import remove_file_handlers
 from stratagem.registry import MODELS
 
 __all__ = [
+    'RunEnvironment',
     'setup_environment',
     'distributed_env_kwargs',
     'open_run_logger',
@@ -31,6 +34,90 @@ __all__ = [
 ]
 
 
+class RunEnvironment:
+    """Where and how this process runs: set up once, at the strategy's construction, then
+    read (the strategy's ``work_dir``, ``log_dir``, ``experiment_name``, ``launcher``,
+    ``distributed``, ``seed``, ``timestamp`` and ``randomness`` are its values).
+
+    The set-up, in order (``BaseStrategy._setup_env`` calls it): :meth:`set_up` (launcher,
+    distributed init, processes, limits), :meth:`set_randomness`, :meth:`agree_on_timestamp`,
+    :meth:`name` (the experiment; the log directory under ``work_dir``).
+
+    Args:
+        work_dir: where logs and checkpoints go (made absolute).
+        randomness: the configured ``seed`` (None: drawn, then agreed across ranks),
+            ``deterministic``, ``diff_rank_seed``.
+    """
+
+    def __init__(self, work_dir: str, randomness: Mapping | None = None) -> None:
+        self.work_dir = osp.abspath(work_dir)
+        self._randomness = dict(randomness or {})
+        self.launcher = 'none'
+        self.distributed = False
+        self.seed: int = 0  # this rank's, once set_randomness ran
+        self.timestamp = ''
+        self.experiment_name = ''
+
+    @property
+    def randomness(self) -> dict:
+        """The settings, ``seed`` the configured, rank-agreed one (a copy)."""
+        return dict(self._randomness)
+
+    @property
+    def log_dir(self) -> str:
+        """``work_dir/<timestamp>``: this run's logs."""
+        return osp.join(self.work_dir, self.timestamp)
+
+    def set_up(
+        self,
+        *,
+        launcher: str | None = None,
+        cudnn_benchmark: bool = False,
+        mp_cfg: Mapping | None = None,
+        dist_cfg: Mapping | None = None,
+        resource_limit: int = 4096,
+        init_dist: Callable[..., None] | None = None,
+    ) -> None:
+        """Launcher, distributed init (``init_dist(launcher, **dist_cfg)``, default
+        ``env.init_dist``), processes and threads, file-descriptor limit
+        (:func:`setup_environment`)."""
+        self.launcher, self.distributed = setup_environment(
+            launcher=launcher,
+            cudnn_benchmark=cudnn_benchmark,
+            mp_cfg=mp_cfg,
+            dist_cfg=dist_cfg,
+            resource_limit=resource_limit,
+            init_dist=init_dist,
+        )
+
+    def set_randomness(
+        self, seed: int | None = None, deterministic: bool = False, diff_rank_seed: bool = False
+    ) -> int:
+        """Seed every RNG; :attr:`seed` (this rank's, as mmengine's) includes the rank under
+        ``diff_rank_seed``, ``randomness['seed']`` stays the configured, rank-agreed one.
+        Returns this rank's seed."""
+        self.seed = env.set_random_seed(
+            seed, deterministic=deterministic, diff_rank_seed=diff_rank_seed
+        )
+        self._randomness.update(seed=self.seed - env.get_rank() if diff_rank_seed else self.seed)
+        return self.seed
+
+    def adopt_seed(self, base: int) -> None:
+        """Record ``base`` as the configured seed (and this rank's from it) without seeding:
+        the RNG states a resume restores were drawn from it."""
+        self.seed = base + env.get_rank() if self._randomness.get('diff_rank_seed') else base
+        self._randomness.update(seed=base)
+
+    def agree_on_timestamp(self) -> str:
+        """Rank 0's time, on every rank (collective)."""
+        self.timestamp = env.broadcast_object(time.strftime('%Y%m%d_%H%M%S'))
+        return self.timestamp
+
+    def name(self, experiment_name: str | None) -> None:
+        """The experiment's name: ``experiment_name``, else the timestamp."""
+        self.experiment_name = experiment_name or self.timestamp
+
+
 def setup_environment(
     *,
     launcher: str | None,
@@ -38,13 +125,14 @@ def setup_environment(
     mp_cfg: Mapping | None,
     dist_cfg: Mapping | None,
     resource_limit: int,
+    init_dist: Callable[..., None] | None = None,
 ) -> tuple[str, bool]:
-    """Launcher (given or inferred), distributed init (an initialised process group is
-    used, not re-created), multiprocessing settings, file-descriptor limit. Returns
-    (launcher, distributed)."""
+    """Launcher (given or inferred), distributed init (``init_dist``, default
+    ``env.init_dist``: an initialised process group is used, not re-created),
+    multiprocessing settings, file-descriptor limit. Returns (launcher, distributed)."""
     launcher = launcher or env.infer_launcher()
     if launcher != 'none' or env.is_distributed():
-        env.init_dist(launcher, **dict(dist_cfg or {}))
+        (init_dist or env.init_dist)(launcher, **dict(dist_cfg or {}))
     distributed = env.is_distributed()
     if cudnn_benchmark:
         torch.backends.cudnn.benchmark = True

@@ -380,7 +380,7 @@ def _mid_window_state(s) -> tuple[dict, dict]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(s.model, options=StateDictOptions(full_state_dict=True))
-        pending = s.pending_grads() or {}  # FSDP2 keeps them unsharded, beside the shards
+        pending = s.pending_grads_part().pending() or {}  # FSDP2: unsharded, beside the shards
         return {k: v.detach().clone() for k, v in full.items()}, pending
     module = getattr(s.model, 'module', s.model)
     weights = {k: v.detach().clone() for k, v in module.state_dict().items()}

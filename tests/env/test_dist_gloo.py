@@ -59,7 +59,7 @@ def two_rank_checks():
             env.key_of({'size': 3, 'digest': 'ab' * (rank + 1)}),
         ]
     )
-    from stratagem.strategies.base import check_same_step
+    from stratagem.strategies.loading import check_same_step
 
     check_same_step(7, 'ck')  # equal: returns
     try:

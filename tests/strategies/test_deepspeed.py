@@ -590,7 +590,7 @@ def _attempt(asyn, name, patch, undo):
     """One async save under ``patch``: where it raised, what, and what it left behind."""
     from stratagem.checkpoint import find_latest_checkpoint
 
-    work = Path(asyn._work_dir)
+    work = Path(asyn.work_dir)
     patch()
     where, error = 'save', None  # the call that raised
     try:

@@ -540,7 +540,7 @@ def test_bad_configs_are_refused_before_anything_is_built(one_rank_group, tmp_pa
     for cfg, exc, match in bad:
         with pytest.raises(exc, match=match):
             s.prepare(model, optim_wrapper=cfg)
-        assert not s._prepared
+        assert not s.prepared
     m, ow = s.prepare(model, optim_wrapper=dict(optimizer=dict(ADAM)))  # one rank works too
     x, y = _batch(0)
     with ow.optim_context(m):

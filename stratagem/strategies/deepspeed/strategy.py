@@ -18,8 +18,9 @@ DeepSpeedStrategy``, each a fix:
   asynchronously too (``async_checkpoint=True``).
 
 Prepare sequence: build model → ``init_weights`` → device → (compile ``forward`` in place) →
-build the optim wrapper over the plain module → ``auto_scale_lr`` → derive and check the
-DeepSpeed config → ``deepspeed.initialize`` with the torch optimizer → schedulers.
+build the optim wrapper over the plain module → derive and check the DeepSpeed config →
+``deepspeed.initialize`` with the torch optimizer → ``auto_scale_lr`` (the ZeRO optimizer
+shares the torch optimizer's ``param_groups``) → schedulers.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class DeepSpeedStrategy(BaseStrategy):
 
     # --------------------------------------------------------------------- prepare
     @override
-    def _check_prepare_args(
+    def check_prepare_args(
         self,
         optim_wrapper: Any,
         param_scheduler: Any,
@@ -151,7 +152,7 @@ class DeepSpeedStrategy(BaseStrategy):
         compile: bool | Mapping,
     ) -> None:
         """BaseStrategy's checks, then the micro batch agreed with the data loader's."""
-        super()._check_prepare_args(optim_wrapper, param_scheduler, dispatch_kwargs, compile)
+        super().check_prepare_args(optim_wrapper, param_scheduler, dispatch_kwargs, compile)
         self._agree_micro_batch()
 
     @override
@@ -163,8 +164,9 @@ class DeepSpeedStrategy(BaseStrategy):
 
         ``optim_wrapper``: a DeepSpeedOptimWrapper cfg (``type`` may be left out) whose
         ``optimizer`` is a torch optimizer cfg. ``compile=True`` compiles ``forward`` in
-        place (DeepSpeed wraps the module, not a compiled wrapper of it). The lr is scaled
-        (``auto_scale_lr``) before DeepSpeed takes the optimizer.
+        place (DeepSpeed wraps the module, not a compiled wrapper of it). ``prepare`` then
+        scales the lr (``auto_scale_lr``, ``attach_optim_wrapper``) through the optimizer's
+        ``param_groups``, which DeepSpeed's optimizer shares.
         """
         module = self._wrap_model(model)
         if compile:
@@ -184,9 +186,6 @@ class DeepSpeedStrategy(BaseStrategy):
                     f"'DeepSpeedOptimWrapper', optimizer=...)"
                 )
         config = self._engine_config(wrapper)  # every check before DeepSpeed starts
-        if wrapper is not None:
-            self.optim_wrapper = wrapper
-            self._scale_lr()
         deepspeed = import_deepspeed()
         engine, *_ = deepspeed.initialize(
             model=module, optimizer=None if wrapper is None else wrapper.optimizer, config=config
@@ -203,7 +202,7 @@ class DeepSpeedStrategy(BaseStrategy):
         return model.to(self.device)
 
     @override
-    def _unwrap_model(self) -> nn.Module:
+    def unwrap_model(self) -> nn.Module:
         return self.model.module
 
     @property
@@ -283,7 +282,7 @@ class DeepSpeedStrategy(BaseStrategy):
     def model_state_dict(self) -> dict:
         """The full model state dict. Under ZeRO-3 the parameters are gathered first, so
         every rank must call it."""
-        module = self._unwrap_model()
+        module = self.unwrap_model()
         if self.zero_stage != 3:
             return module.state_dict()
         from deepspeed import zero
@@ -302,7 +301,7 @@ class DeepSpeedStrategy(BaseStrategy):
         """Load full weights into the engine's module (every rank, same ``state_dict``) and
         refresh DeepSpeed's fp32 master weights from them."""
         state_dict = ckpt.revise_keys(state_dict, list(revise_keys))
-        module = self._unwrap_model()
+        module = self.unwrap_model()
         if self.zero_stage == 3:
             from deepspeed import zero
 
@@ -325,10 +324,10 @@ class DeepSpeedStrategy(BaseStrategy):
         return {**super().checkpoint_meta(extra_meta), 'zero_stage': self.zero_stage}
 
     @override
-    def _checkpoint_storage(self) -> CheckpointStorage:
+    def checkpoint_storage(self) -> CheckpointStorage:
         return ZeroStorage(
             engine=lambda: self.model,
-            optim_wrapper=lambda: getattr(self, 'optim_wrapper', None),
+            optim_wrapper=lambda: self.optim_wrapper,
             exclude_frozen_parameters=self.exclude_frozen_parameters,
             extra_manifest=lambda: {'strategy': type(self).__name__, 'zero_stage': self.zero_stage},
             logger=self.logger,

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -49,6 +49,8 @@ from stratagem.config import check_keys
 from stratagem.registry import STRATEGIES
 
 from ..base import BaseStrategy
+from ..environment import distributed_env_kwargs
+from ..parts import PendingGradsPart
 from ..sync_bn import convert_sync_batchnorm
 
 __all__ = ['ShardedDDPStrategy']
@@ -177,12 +179,12 @@ class ShardedDDPStrategy(BaseStrategy):
         _sharded_data_parallel()  # fail now, before any process group, when fairscale is absent
         self.model_wrapper = wrapper
         self.sync_bn = sync_bn
-        env_kwargs = self._distributed_env_kwargs(kwargs, 'ShardedDDPStrategy')
+        env_kwargs = distributed_env_kwargs(kwargs, 'ShardedDDPStrategy')
         super().__init__(env_kwargs=env_kwargs, **kwargs)
 
     # ------------------------------------------------------------------ prepare
     @override
-    def _check_prepare_args(
+    def check_prepare_args(
         self,
         optim_wrapper: Any,
         param_scheduler: Any,
@@ -190,7 +192,7 @@ class ShardedDDPStrategy(BaseStrategy):
         compile: bool | Mapping,
     ) -> None:
         """BaseStrategy's checks; ``optim_wrapper`` is required (a cfg dict)."""
-        super()._check_prepare_args(optim_wrapper, param_scheduler, dispatch_kwargs, compile)
+        super().check_prepare_args(optim_wrapper, param_scheduler, dispatch_kwargs, compile)
         self._check_optim_cfg(optim_wrapper)
 
     @override
@@ -322,7 +324,7 @@ class ShardedDDPStrategy(BaseStrategy):
         wrapper.loss_scaler = sharded
 
     @override
-    def _unwrap_model(self) -> nn.Module:
+    def unwrap_model(self) -> nn.Module:
         """The plain module inside ShardedDataParallel (and ``torch.compile``)."""
         model = self.model
         if isinstance(model, _sharded_data_parallel()):
@@ -331,11 +333,27 @@ class ShardedDDPStrategy(BaseStrategy):
 
     # -------------------------------------------------------------- checkpoints
     @override
-    def _restore_pending_grads(self, per_rank: Any, context: LoadContext) -> None:
-        """The default restore; it ends by rebuilding ShardedDataParallel's reduce buckets
-        around the restored gradients, which replace tensors the buckets may already view
-        (after a forward in this process, e.g. a roll-back)."""
-        super()._restore_pending_grads(per_rank, context)
-        model = self.model
-        if isinstance(model, _sharded_data_parallel()):
-            model.rebind_grads()  # type: ignore[operator]
+    def pending_grads_part(self) -> PendingGradsPart:
+        return ShardedPendingGradsPart(self.optim_wrapper, self.unwrap_model, self.model)
+
+
+class ShardedPendingGradsPart(PendingGradsPart):
+    """The default pending-gradients part; its restore ends by rebuilding
+    ShardedDataParallel's reduce buckets around the restored gradients, which replace
+    tensors the buckets may already view (after a forward in this process, e.g. a
+    roll-back).
+
+    Args:
+        optim_wrapper, module: ``PendingGradsPart``'s.
+        model: the ShardedDataParallel model.
+    """
+
+    def __init__(self, optim_wrapper: Any, module: Callable[[], nn.Module], model: Any) -> None:
+        super().__init__(optim_wrapper, module)
+        self.model = model
+
+    @override
+    def restore(self, value: Any, context: LoadContext) -> None:
+        super().restore(value, context)
+        if isinstance(self.model, _sharded_data_parallel()):
+            self.model.rebind_grads()  # type: ignore[attr-defined]

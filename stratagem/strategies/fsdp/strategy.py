@@ -22,22 +22,16 @@ from typing_extensions import override
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem._torch import non_persistent_buffers
-from stratagem.checkpoint.checkpointer import LoadContext
 from stratagem.checkpoint.sharded import optim_state_to_fqn, optim_state_to_index
 from stratagem.checkpoint.storage import CheckpointStorage
 
 from ..base import BaseStrategy
+from ..environment import distributed_env_kwargs
 from .config import parse_model_wrapper
-from .grad_sync import (
-    adapt_optim_wrapper,
-    clean_name,
-    keep_fresh,
-    pending_grads,
-    set_pending_grads,
-    with_no_sync,
-)
+from .grad_sync import adapt_optim_wrapper, clean_name, keep_fresh, with_no_sync
 from .mesh import parse_mesh
 from .options import parse_activation_checkpointing, parse_state_dict_cfg
+from .parts import FSDPModelPart, FSDPOptimizerPart, FSDPPendingGradsPart
 from .pipeline import PipelineRun, meta_skeleton, parse_pipeline, shard_stages
 from .shard import shard_model
 from .storage import FSDPStorage
@@ -103,7 +97,7 @@ class FSDPStrategy(BaseStrategy):
         self.ac_check = parse_activation_checkpointing(activation_checkpointing)
         self.skip_init_weights = bool(skip_init_weights)
         self._block_compile: dict | None = None
-        env_kwargs = self._distributed_env_kwargs(
+        env_kwargs = distributed_env_kwargs(
             kwargs, 'FSDPStrategy', "; for one process use SingleDeviceStrategy (type='auto')"
         )
         super().__init__(env_kwargs=env_kwargs, **kwargs)
@@ -133,7 +127,7 @@ class FSDPStrategy(BaseStrategy):
 
     # ------------------------------------------------------------------------ prepare
     @override
-    def _check_prepare_args(
+    def check_prepare_args(
         self,
         optim_wrapper: Any,
         param_scheduler: Any,
@@ -148,7 +142,7 @@ class FSDPStrategy(BaseStrategy):
                 f"FSDPStrategy compiles each sharded block's forward; "
                 f'compile={compile!r} names another target; leave target out'
             )
-        super()._check_prepare_args(optim_wrapper, param_scheduler, dispatch_kwargs, compile)
+        super().check_prepare_args(optim_wrapper, param_scheduler, dispatch_kwargs, compile)
         self._block_compile = kw
 
     @override
@@ -287,7 +281,7 @@ class FSDPStrategy(BaseStrategy):
         return wrapper
 
     @override
-    def _unwrap_model(self) -> nn.Module:
+    def unwrap_model(self) -> nn.Module:
         return self.model
 
     # -------------------------------------------------------------------- state dicts
@@ -408,110 +402,53 @@ class FSDPStrategy(BaseStrategy):
 
     # -------------------------------------------------------------------- checkpoints
     @override
-    def _checkpoint_storage(self) -> CheckpointStorage:
+    def checkpoint_storage(self) -> CheckpointStorage:
         return FSDPStorage(
             full=lambda: self._full,
             live_state=self._live_state,
-            extra_manifest=self._manifest_fields,
+            extra_manifest=lambda: {
+                'world_size': self.world_size,
+                'strategy': type(self).__name__,
+                'mesh': self.mesh_spec.as_dict(),
+            },
         )
-
-    @override
-    def _manifest_fields(self) -> dict:
-        return {**super()._manifest_fields(), 'mesh': self.mesh_spec.as_dict()}
 
     def _live_state(self, optimizer: bool) -> tuple[dict, dict | None]:
         """The model's and (when ``optimizer`` and built) the optimizer's live state dicts,
         FQN-keyed DTensors: what DCP reads shards into."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        optimizers = (
-            [self.optim_wrapper.optimizer] if optimizer and hasattr(self, 'optim_wrapper') else []
-        )
+        wrapper = self.optim_wrapper
+        optimizers = [wrapper.optimizer] if optimizer and wrapper is not None else []
         with keep_fresh(optimizers):
             model_sd, optim_sd = get_state_dict(self.model, optimizers)
         return model_sd, optim_sd if optimizers else None
 
     @override
-    def pending_grads(self) -> dict | None:
-        """Mid accumulation window: this rank's unsynchronised (unsharded) gradients.
-        Under a pipeline the schedule has reduced them already: a save waits for the
-        window's end."""
-        if all(w.should_update() for w in self._wrappers()):
-            return None
-        if self._pipeline is not None:
-            wrapper = self._wrappers()[0]
-            raise ValueError(
-                f'a pipelined run saves at an update boundary: this is micro-step '
-                f'{wrapper.inner_count} inside a window of accumulative_counts='
-                f'{wrapper.accumulative_counts}, whose gradients the schedule has already '
-                'reduced; save after the window ends'
-            )
-        return pending_grads(self.model)
+    def model_part(self) -> FSDPModelPart:
+        part = super().model_part()
+        return FSDPModelPart(
+            part.save, part.load, part.module, mesh=self.mesh_spec, logger=self.logger
+        )
 
     @override
-    def set_pending_grads(self, grads: Mapping) -> None:
-        set_pending_grads(self.model, grads)
+    def optimizer_part(self) -> FSDPOptimizerPart:
+        def stage_names() -> set[str]:
+            return {n for names in self._param_names() for n in names}
+
+        return FSDPOptimizerPart(
+            self.optim_wrapper,
+            self.optim_state_dict,
+            self.load_optim_state_dict,
+            stage_names=None if self._pipeline is None else stage_names,
+        )
 
     @override
-    def _gather_pending_grads(self) -> list | dict | None:
-        """Sharded: this rank's own (the storage writes each rank's to its own file);
-        ``'full'``: every rank's, gathered on CPU into the one file."""
-        mine = self.pending_grads()
-        if mine is None:
-            return None
-        if self._full:
-            return env.all_gather_object({k: v.cpu() for k, v in mine.items()})
-        return mine
-
-    @override
-    def _check_optimizer(self, state: Any, context: LoadContext) -> None:
-        """BaseStrategy's, against this stage's share of the saved groups under a pipeline
-        (a checkpoint holds the whole model's)."""
-        if self._pipeline is not None and isinstance(state, Mapping):
-            mine = {n for names in self._param_names() for n in names}
-            groups = [
-                {**g, 'params': [p for p in g.get('params', ()) if p in mine]}
-                for g in state.get('param_groups') or []
-                if isinstance(g, Mapping)
-            ]
-            state = {**state, 'param_groups': [g for g in groups if g['params']]}
-        super()._check_optimizer(state, context)
-
-    @override
-    def _restore_model(self, state_dict: Any, context: LoadContext) -> None:
-        self._say_mesh_change(context.path, context.meta)
-        super()._restore_model(state_dict, context)
-
-    @override
-    def _restore_pending_grads(self, per_rank: Any, context: LoadContext) -> None:
-        if per_rank or context.checkpoint.get('partial_grads_fqn'):
-            saved_tensor = int((context.meta.get('mesh') or {}).get('tensor', 1))
-            if saved_tensor != self.mesh_spec.tensor:
-                raise ValueError(
-                    f'the checkpoint was taken inside an accumulation window on a mesh with '
-                    f'tensor={saved_tensor}; this run has tensor={self.mesh_spec.tensor}, '
-                    "and tensor-parallel ranks' pending gradients are slices that do not "
-                    f'convert. Resume it with tensor={saved_tensor}, or from a checkpoint '
-                    'saved at an update boundary'
-                )
-        super()._restore_pending_grads(per_rank, context)
-
-    def _say_mesh_change(self, path: str, meta: Mapping) -> None:
-        """Rank 0 says once how the mesh differs from the saving run's (the shards are
-        resharded as they are read)."""
-        from .mesh import MeshSpec
-
-        saved = meta.get('mesh')
-        if saved is None:  # before meshes, or another backend: sharded over the world
-            saved = {'shard': int(meta.get('world_size', 1))}
-        try:
-            before = MeshSpec(**saved)
-        except TypeError:
-            return
-        if before != self.mesh_spec and self.rank == 0:
-            self.logger.warning(
-                f'{path} was saved on the mesh {before.describe()} '
-                f'({before.world_size} rank(s)); this run has {self.mesh_spec.describe()} '
-                f'({self.world_size}): parameters and optimizer state are resharded as '
-                'they are read'
-            )
+    def pending_grads_part(self) -> FSDPPendingGradsPart:
+        return FSDPPendingGradsPart(
+            self.optim_wrapper,
+            self.model,
+            full=lambda: self._full,
+            tensor=self.mesh_spec.tensor,
+            pipelined=self._pipeline is not None,
+        )

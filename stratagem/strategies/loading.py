@@ -1,0 +1,244 @@
+"""Loading into a prepared strategy: the weights only (:func:`load_checkpoint`), an exact
+resume (:func:`resume`), and mmengine's runner logic over both (:func:`load_or_resume`).
+
+``BaseStrategy.load_checkpoint`` / ``resume`` / ``load_or_resume`` are these functions, one
+line each. They use the strategy's public API only: its ``checkpointer`` (the load sequence,
+``checkpoint/checkpointer.py``), its ``checkpoint_state()`` parts (``parts.py``: what each
+checks and restores), ``load_model_state_dict`` and ``unwrap_model``. The sequences are told
+in ``docs/architecture.md`` ("Load and resume").
+"""
+
+from __future__ import annotations
+
+import functools
+import os.path as osp
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from stratagem import checkpoint as ckpt
+from stratagem import env
+from stratagem.checkpoint.state_dict import describe_keys, find_model_weights
+
+from .resume_checks import previous_run_traces, resume_newest
+from .world_change import WorldSizeChange
+
+if TYPE_CHECKING:
+    from .base import BaseStrategy
+
+__all__ = [
+    'MIN_LOADED_SHARE',
+    'check_same_step',
+    'load_checkpoint',
+    'load_or_resume',
+    'load_weights',
+    'resolve_map_location',
+    'resume',
+]
+
+#: below this share of the model's tensors found in the file, a load warns loudly
+MIN_LOADED_SHARE = 0.5
+
+_REVISE_KEYS: Sequence[tuple[str, str]] = ((r'^module\.', ''),)
+
+
+def resolve_map_location(strategy: BaseStrategy, location: Any) -> Any:
+    """mmengine's ``'default'``: the strategy's device (CUDA's current one, else cpu)."""
+    return str(strategy.device) if location == 'default' else location
+
+
+def load_checkpoint(
+    strategy: BaseStrategy,
+    filename: str,
+    *,
+    map_location: Any = 'cpu',
+    strict: bool = False,
+    revise_keys: Sequence[tuple[str, str]] = _REVISE_KEYS,
+    callback: Callable[[dict], None] | None = None,
+) -> dict:
+    """Load model weights from ``filename``; returns the whole checkpoint dict.
+
+    ``callback(checkpoint)`` runs after reading and before loading, and may edit the dict in
+    place. Foreign layouts are recognised: the weights are taken from ``state_dict``,
+    ``model_state_dict``, ``model`` or ``module``, else the file is read as a bare state
+    dict (``module.`` prefixes are stripped by the default ``revise_keys``). A file whose
+    weights match none of the model's keys is an error even when not ``strict`` (mmengine
+    loads nothing and goes on); a failed load leaves the model unchanged.
+    """
+    location = resolve_map_location(strategy, map_location)
+    path, checkpoint = strategy.checkpointer.read(filename, location)
+    if callback is not None:
+        callback(checkpoint)
+    load_weights(strategy, checkpoint, path, strict=strict, revise_keys=revise_keys)
+    return checkpoint
+
+
+def load_weights(
+    strategy: BaseStrategy,
+    checkpoint: Mapping,
+    filename: str,
+    *,
+    strict: bool,
+    revise_keys: Sequence[tuple[str, str]] = _REVISE_KEYS,
+) -> None:
+    """Find the weights (``state_dict``, or a foreign layout: ``model_state_dict``,
+    ``model``, ``module``, a bare state dict) and load them; nothing changes on an error.
+
+    No layout found, no key matching, or a strict mismatch raises
+    ``StateDictMismatchError`` naming the file and what it holds; fewer than
+    ``MIN_LOADED_SHARE`` of the model's tensors loaded warns ``PartialLoadWarning``.
+    """
+    where = None
+    try:
+        state_dict, where = find_model_weights(checkpoint)
+        report = strategy.load_model_state_dict(state_dict, strict=strict, revise_keys=revise_keys)
+    except ckpt.StateDictMismatchError as err:
+        raise ckpt.StateDictMismatchError(
+            f'{filename} {err}'
+            if where is None
+            else f'{filename} ({where}): {err}\nthe file holds {describe_keys(checkpoint)}'
+        ) from None
+    counts = ''
+    if isinstance(report, ckpt.LoadReport) and report.total:
+        counts = f', {report.loaded} of {report.total} tensors'
+        if report.loaded < MIN_LOADED_SHARE * report.total:
+            left_out = report.missing_keys + [
+                k for k, *_ in report.shape_mismatches + report.type_mismatches
+            ]
+            env.warn_rank_zero(  # every rank loads the same file: said once
+                f'{filename} ({where}): only {report.loaded} of the {report.total} '
+                f'tensors of {type(strategy.unwrap_model()).__name__} were found and '
+                f'loaded; not loaded: {", ".join(left_out[:10])}'
+                f'{", ..." if len(left_out) > 10 else ""}. The file holds '
+                f'{describe_keys(checkpoint)}. Fine for a partial (e.g. backbone) '
+                'load; otherwise check the checkpoint and revise_keys',
+                ckpt.PartialLoadWarning,
+                stacklevel=4,
+            )
+    strategy.logger.info(f'loaded weights from {filename} ({where}{counts})')
+
+
+def resume(
+    strategy: BaseStrategy,
+    filename: str,
+    *,
+    resume_optimizer: bool = True,
+    resume_param_scheduler: bool = True,
+    map_location: Any = 'default',
+    callback: Callable[[dict], None] | None = None,
+    refit_schedulers: bool = False,
+) -> dict:
+    """Continue exactly where ``filename`` stopped; returns the checkpoint (``meta`` has iter).
+
+    Restores model, optimizer (with counters, scaler, partial gradients), schedulers, then
+    every rank's RNG state last; every check runs before anything is loaded, so a refused
+    resume changes nothing. Call after ``prepare``. A world-size change puts
+    ``world_size_change`` (with the converted ``max_iters``, when the run is counted in
+    iterations) and the converted ``iter`` into the returned ``meta``. The sequence:
+    :meth:`~stratagem.checkpoint.Checkpointer.load`.
+
+    A scheduler whose ``end`` was fitted to the saving run's length (its cfg has no ``end``:
+    it got ``max_epochs`` / ``max_iters``) keeps the saved length, as mmengine's resume
+    does, with one warning naming it when this run's length differs;
+    ``refit_schedulers=True`` gives it this run's length instead (``T_max`` and other
+    lengths derived from ``end`` follow), its values replayed from the first iteration to
+    the resumed one, so they are those of a fresh run of this length.
+    """
+    if not strategy.prepared:
+        raise RuntimeError(
+            'resume() needs the prepared components: call strategy.prepare('
+            'model, optim_wrapper=..., param_scheduler=...) first'
+        )
+    state = strategy.checkpoint_state(
+        optimizer=resume_optimizer,
+        schedulers=resume_param_scheduler,
+        refit_schedulers=refit_schedulers,
+    )
+    context = strategy.checkpointer.load(
+        filename,
+        state,
+        map_location=resolve_map_location(strategy, map_location),
+        optimizer='optimizer' in state,
+        callback=callback,
+    )
+    path, checkpoint = context.path, context.checkpoint
+    meta = context.meta
+    change: WorldSizeChange | None = context.notes.get('world_size_change')
+    if change is not None:
+        done = change.new_iter if change.new_iter is not None else meta.get('iter')
+        checkpoint['meta'] = meta = {**meta, 'iter': done, 'world_size_change': change.as_meta()}
+        if strategy.rank == 0:  # the same on every rank: said once
+            enabled = bool((strategy.auto_scale_lr or {}).get('enable'))
+            strategy.logger.warning(change.describe(path, auto_scale_lr=enabled))
+    check_same_step(meta.get('iter'), path)
+    strategy.resumed_from = osp.abspath(path)
+    strategy.logger.info(f'resumed from {path} (iter {meta.get("iter")})')
+    return checkpoint
+
+
+def load_or_resume(
+    strategy: BaseStrategy,
+    load_from: str | None = None,
+    resume: bool | str = False,
+    *,
+    refit_schedulers: bool = False,
+) -> dict | None:
+    """mmengine's runner logic: resume (latest in work_dir, or a path) or just load weights.
+
+    ``resume=True`` with no ``load_from`` resumes from the newest committed checkpoint in
+    ``work_dir`` (none, in a work dir that never held one: starts fresh, with a log line;
+    none, in a work dir whose pointer or checkpoint files show an earlier run:
+    ``FileNotFoundError``, before anything is written; one this world size cannot continue
+    from exactly: the newest that it can, with a warning); ``resume='path'`` or
+    ``resume=True`` with ``load_from`` resumes from that file; ``load_from`` alone loads
+    weights only. Returns the checkpoint or None. ``refit_schedulers``: see :func:`resume`.
+    """
+    resume_fn = functools.partial(strategy.resume, refit_schedulers=refit_schedulers)
+    strategy.wait_for_checkpoints()
+    if strategy.rank == 0:  # debris of a killed run: its orphan manifests and temp entries
+        ckpt.sweep_debris(strategy.work_dir)
+    if isinstance(resume, str):
+        return resume_fn(resume)
+    if resume and load_from is None:
+        return _resume_latest(strategy, resume_fn)
+    if resume and load_from is not None:  # resume=True with a file: that file
+        return resume_fn(load_from)
+    if load_from is not None:
+        return strategy.load_checkpoint(load_from)
+    return None
+
+
+def _resume_latest(strategy: BaseStrategy, resume_fn: Callable[[str], dict]) -> dict | None:
+    """The newest committed checkpoint in ``work_dir``: rank 0 decides (other ranks may not
+    see this work_dir, or see another one); ``resume`` then checks every rank reads that
+    same checkpoint."""
+    work_dir = strategy.work_dir
+    rank = strategy.rank
+    latest = ckpt.find_latest_checkpoint(work_dir) if rank == 0 else None
+    latest = env.broadcast_object(None if latest is None else str(latest))
+    if latest is not None:
+        return resume_newest(resume_fn, str(latest), work_dir, strategy.logger)
+    # a previous run left traces but nothing resumable: starting fresh would overwrite its
+    # files, so stop before anything is written
+    traces = env.broadcast_object(previous_run_traces(work_dir) if rank == 0 else None)
+    if traces:
+        raise FileNotFoundError(
+            f'cannot resume from work_dir {work_dir}: {traces}, but no '
+            'committed checkpoint there verifies; nothing was changed. Resume '
+            'from a file with --resume PATH (API: resume=PATH), or start from '
+            f'scratch in a new --work-dir (or after removing {ckpt.POINTER_NAME})'
+        )
+    strategy.logger.info(
+        f'no checkpoint in {work_dir} to resume from; training starts from scratch'
+    )
+    return None
+
+
+def check_same_step(step: Any, filename: str) -> None:
+    """After a resume every rank must stand at the same iteration (collective)."""
+    keys = env.all_gather_keys([env.key_of(step)])
+    if any(key != keys[0] for key in keys):  # the steps themselves only to report them
+        steps = env.all_gather_object(step)
+        raise RuntimeError(
+            f'after resuming {filename} the ranks disagree on the iteration: '
+            f'{steps} (rank order); every rank must resume the same checkpoint'
+        )
