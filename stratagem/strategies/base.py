@@ -57,7 +57,7 @@ import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -75,6 +75,7 @@ from stratagem.integrations.model_api import call_model, expose_model_api, parse
 from stratagem.schema import ENV_KEYS as _ENV_KEYS
 from stratagem.schema import RANDOMNESS_KEYS as _RANDOMNESS_KEYS
 
+from .capabilities import Capabilities
 from .environment import (
     build_module,
     check_prepare_args,
@@ -135,6 +136,9 @@ class BaseStrategy(ABC):
     model: nn.Module
     optim_wrapper: Any
     param_schedulers: Any
+    #: what this backend does that code outside it asks (``capabilities.py``); each backend
+    #: declares its own, a subclass inherits its parent's
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def __init__(
         self,
@@ -282,9 +286,7 @@ class BaseStrategy(ABC):
         model = self._init_model_weights(self.build_model(model))
         self.model, wrapper = self.setup_module_and_optimizers(model, optim_wrapper, compile)
         if wrapper is not None:
-            self.optim_wrapper = wrapper
-            self._scale_lr()
-            self._initialize_accumulation()
+            self.attach_optim_wrapper(wrapper)
         if param_scheduler is not None:
             self.param_schedulers = self.build_param_scheduler(param_scheduler, wrapper)
         self._prepared = True
@@ -313,6 +315,15 @@ class BaseStrategy(ABC):
         model = self.compile_model(model, compile=compile)
         wrapper = None if optim_wrapper is None else self.build_optim_wrapper(optim_wrapper, model)
         return model, wrapper
+
+    def attach_optim_wrapper(self, optim_wrapper: Any) -> Any:
+        """Prepare's post-steps (steps 5 and 6: ``auto_scale_lr`` once, the accumulation
+        counters) for an optim wrapper built outside ``prepare``, e.g. by a host trainer over
+        the wrapped parameters; returns it."""
+        self.optim_wrapper = optim_wrapper
+        self._scale_lr()
+        self._initialize_accumulation()
+        return optim_wrapper
 
     def _prepared_components(self) -> Any:
         names = ('optim_wrapper', 'param_schedulers')

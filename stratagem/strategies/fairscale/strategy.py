@@ -50,6 +50,7 @@ from stratagem.integrations.model_api import expose_model_api
 from stratagem.registry import STRATEGIES
 
 from ..base import BaseStrategy
+from ..capabilities import Capabilities
 from ..sync_bn import convert_sync_batchnorm
 
 __all__ = ['ShardedDDPStrategy']
@@ -150,6 +151,8 @@ class ShardedDDPStrategy(BaseStrategy):
         **kwargs: BaseStrategy's (``work_dir``, ``env_kwargs``, ...). The launcher
             defaults to the inferred one; a distributed launch is required.
     """
+
+    capabilities = Capabilities(optimizer_from_cfg=True, zero_stage=2, requires=('fairscale',))
 
     def __init__(
         self, *, model_wrapper: Mapping | None = None, sync_bn: str | None = None, **kwargs: Any
