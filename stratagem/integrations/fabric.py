@@ -70,6 +70,7 @@ __all__ = [
     'HostRun',
     'StratagemStrategy',
     'build_on_cluster',
+    'grad_sync_off',
     'optimizer_cfg',
     'rebuild_optimizer',
     'reduce_tensor',
@@ -291,9 +292,19 @@ class _PlainValue:
         self.restored[self.key] = state_dict
 
 
+def grad_sync_off(ours: BaseStrategy, model: nn.Module) -> AbstractContextManager:
+    """Both adapters' gradient-sync skip, for a backward the host's loop accumulates: the
+    wrapped model's ``no_sync`` (DDP's, fairscale's) when it has one; none where an engine
+    steps (``capabilities.engine_steps``: DeepSpeed's engine reduces at its step once
+    ``accumulative_counts`` tells it the window, and its ``no_sync`` refuses ZeRO-2)."""
+    sync_off = getattr(model, 'no_sync', None)
+    if ours.capabilities.engine_steps or not callable(sync_off):
+        return nullcontext()
+    return sync_off()
+
+
 class _NoSync(_BackwardSyncControl):
-    """``fabric.no_backward_sync``: the optim wrapper's gradient-sync control (our
-    backend's: DDP's ``no_sync``, FSDP's, ...)."""
+    """``fabric.no_backward_sync``: :func:`grad_sync_off` on our wrapped model."""
 
     def __init__(self, owner: StratagemStrategy) -> None:
         self.owner = owner
@@ -302,9 +313,8 @@ class _NoSync(_BackwardSyncControl):
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         if not enabled:
             return nullcontext()
-        model = self.owner.stratagem.model
-        sync_off = getattr(model, 'no_sync', None)
-        return sync_off() if callable(sync_off) else nullcontext()
+        ours = self.owner.stratagem
+        return grad_sync_off(ours, ours.model)
 
 
 class StratagemStrategy(ParallelStrategy):

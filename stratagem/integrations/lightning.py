@@ -41,7 +41,8 @@ from __future__ import annotations
 import copyreg
 import os
 import os.path as osp
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,7 @@ from .fabric import (
     HostRun,
     assign_world_ranks,
     build_on_cluster,
+    grad_sync_off,
     reduce_tensor,
     sampler_kwargs,
     setup_for_host,
@@ -261,6 +263,15 @@ class StratagemStrategy(ParallelStrategy):
             ours, self.cfg, module, optimizer, wrapper_cfg, _trainer_run(trainer, counts)
         )
         return model, [wrapper.optimizer]
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's gradient-sync skip on the batches it accumulates, as Fabric's
+        ``no_backward_sync`` (:func:`~stratagem.integrations.fabric.grad_sync_off`)."""
+        assert self.model is not None
+        with grad_sync_off(self.stratagem, self.model):
+            yield
 
     def _step(self, name: str, *args: Any, **kwargs: Any) -> Any:
         # through the wrapped model's __call__ even when it is the LightningModule itself

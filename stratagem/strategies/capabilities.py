@@ -33,7 +33,8 @@ class Capabilities:
             over as ``dict(type=<class>, **its one param group)``.
         engine_steps: an engine steps the optimizer (DeepSpeed's ``engine.step``: reduce,
             clip, update), so a host trainer's optimizer step goes through the optim
-            wrapper's ``step``, never the torch optimizer's.
+            wrapper's ``step``, never the torch optimizer's; the engine reduces the
+            gradients itself, so a host's gradient-sync skip (``no_sync``) is not applied.
         gradient_buckets: the wrapper keeps a flat copy of the gradients for the all-reduce
             (DDP's reducer buckets, unless ``gradient_as_bucket_view``), even in one process.
         fully_shards: parameters, gradients and optimizer state are sharded block by block
