@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .keys import _STRATEGY_PACKAGES, KeyChecks
+from .keys import KeyChecks
 from .memory import MemoryChecks
 from .mesh import data_parallel_size
 from .pipeline import pipeline_findings
@@ -139,8 +139,10 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
         for where, ow in self.optim_wrappers():
             if ow.get('type') in ('AmpOptimWrapper', 'DeepSpeedAmpOptimWrapper'):
                 self._check_amp(where, ow)
+        from stratagem.strategies.capabilities import capabilities_of
+
         strategy = self.cfg.get('strategy') or {}
-        if strategy.get('type') in ('DeepSpeedStrategy', 'MMDeepSpeedStrategy'):
+        if capabilities_of(strategy.get('type'), self.nproc).deepspeed_config:
             ds, _ = deepspeed_config(strategy)
             if (ds.get('fp16') or {}).get('enabled') and not torch.cuda.is_available():
                 self.add(
@@ -345,8 +347,10 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
 
     # ------------------------------------------------------------ 7. packages
     def check_packages(self) -> None:
-        stype = str((self.cfg.get('strategy') or {}).get('type', 'auto'))
-        needs = [_STRATEGY_PACKAGES[stype]] if stype in _STRATEGY_PACKAGES else []
+        from stratagem.strategies.capabilities import capabilities_of
+
+        stype = (self.cfg.get('strategy') or {}).get('type', 'auto')
+        needs = list(capabilities_of(stype, self.nproc).requires)
         needs.append('xxhash')  # checkpoint digests (sha256 fallback is ~10x slower)
         if self.cfg.get('optim_wrapper', {}).get('type') == 'ZeroRedundancyOptimizer':
             needs.append('torch.distributed.optim')

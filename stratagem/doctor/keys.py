@@ -28,11 +28,6 @@ __all__ = ['KeyChecks']
 
 # every top-level key something reads: the reference loop's or mmengine's runner's
 _TOP_KEYS = LOOP_TOP_KEYS | RUNNER_TOP_KEYS
-_STRATEGY_PACKAGES = {
-    'DeepSpeedStrategy': 'deepspeed',
-    'ColossalAIStrategy': 'colossalai',
-    'FairScaleStrategy': 'fairscale',
-}
 
 
 class KeyChecks:
@@ -165,7 +160,7 @@ class KeyChecks:
             self.add(
                 f'{where}.type',
                 f'{name!r} needs a package that is not installed: {err}',
-                _install_hint(name),
+                'install the package the message names (its module imports it)',
             )
             return None
         if cls is None:
@@ -218,8 +213,3 @@ def _accepted_chain(cls: type) -> set[str] | None:
         if not any(p.kind is p.VAR_KEYWORD for p in params):
             return names
     return None
-
-
-def _install_hint(name: str) -> str:
-    package = _STRATEGY_PACKAGES.get(name)
-    return f'pip install "stratagem[{package}]"' if package else 'install the missing package'

@@ -245,9 +245,11 @@ def estimate_memory(cfg: Mapping, nproc: int, batch: Any) -> MemoryEstimate:
     shapes are used, not its values). Raises on a config the estimate cannot run."""
     import torch.distributed as dist
 
+    from stratagem.strategies.capabilities import capabilities_of
+
     strategy = dict(cfg.get('strategy') or {})
-    stype = str(strategy.get('type', 'auto'))
-    if stype in ('FSDPStrategy', 'MMFSDPStrategy') and nproc > 1:
+    caps = capabilities_of(strategy.get('type'), nproc)
+    if caps.fully_shards and nproc > 1:
         if dist.is_initialized():
             raise RuntimeError('a process group already exists; the fake one cannot be made')
         # no store: torch gives the fake backend its own (and registers the backend then)
@@ -261,11 +263,12 @@ def estimate_memory(cfg: Mapping, nproc: int, batch: Any) -> MemoryEstimate:
             dist.destroy_process_group()
         return _estimate(parts, f'FSDP over a fake process group of {nproc}, FSDPMemTracker')
     parts = _fake_run(cfg, batch, None)
-    if stype in ('DeepSpeedStrategy', 'MMDeepSpeedStrategy'):
+    if caps.deepspeed_config:
         return _zero(parts, strategy, nproc)
-    if stype == 'FairScaleStrategy' and nproc > 1:
-        return _zero(parts, {'zero_optimization': {'stage': 2}}, nproc, 'fairscale OSS')
-    if nproc > 1 or stype in ('DDPStrategy', 'MMDDPStrategy'):
+    if caps.zero_stage and nproc > 1:
+        stage = {'zero_optimization': {'stage': caps.zero_stage}}
+        return _zero(parts, stage, nproc, f'ZeRO-{caps.zero_stage} (fairscale OSS)')
+    if nproc > 1 or caps.gradient_buckets:
         wrapper = dict(strategy.get('model_wrapper') or {})
         buckets = 0 if wrapper.get('gradient_as_bucket_view') else parts['parameters']
         parts['gradients'] += buckets

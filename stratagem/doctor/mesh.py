@@ -33,7 +33,9 @@ def data_parallel_size(strategy: Mapping, nproc: int) -> int:
 
 def mesh_findings(strategy: Mapping, nproc: int, model: nn.Module | None) -> list[tuple]:
     """(where, problem, fix) for the mesh and the plan; none for other strategies."""
-    if strategy.get('type') not in ('FSDPStrategy', 'MMFSDPStrategy') or (
+    from stratagem.strategies.capabilities import capabilities_of
+
+    if not capabilities_of(strategy.get('type'), nproc).device_mesh or (
         strategy.get('mesh') is None and strategy.get('tensor_parallel_plan') is None
     ):
         return []

@@ -26,8 +26,6 @@ if TYPE_CHECKING:
 
 __all__ = ['inflight_microbatches', 'pipeline_findings', 'pipeline_spec', 'split_batch']
 
-_FSDP = ('FSDPStrategy', 'MMFSDPStrategy')
-
 
 def pipeline_spec(strategy: Mapping, nproc: int) -> PipelineSpec | None:
     """The strategy's :class:`PipelineSpec` at ``nproc`` processes; None without a pipeline
@@ -75,7 +73,9 @@ def pipeline_findings(
     does not fit ``nproc`` (the mesh check's finding). ``loader``: ``train_dataloader``;
     ``val_loader``: ``val_dataloader`` (``stratagem train`` refuses validation under a
     pipeline)."""
-    if strategy.get('type') not in _FSDP or not _has_pipeline(strategy):
+    from stratagem.strategies.capabilities import capabilities_of
+
+    if not capabilities_of(strategy.get('type'), nproc).pipeline or not _has_pipeline(strategy):
         return []
     from stratagem.strategies.fsdp.mesh import parse_mesh
     from stratagem.strategies.fsdp.pipeline import parse_pipeline

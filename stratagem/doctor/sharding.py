@@ -23,9 +23,6 @@ if TYPE_CHECKING:
 
 __all__ = ['sharding_findings', 'deepspeed_config']
 
-_FSDP = ('FSDPStrategy', 'MMFSDPStrategy')
-_DEEPSPEED = ('DeepSpeedStrategy', 'MMDeepSpeedStrategy')
-
 
 def deepspeed_config(strategy: Mapping) -> tuple[dict, str | None]:
     """(the DeepSpeed config a run would use, why it cannot be read or None): ``config`` (a
@@ -53,12 +50,16 @@ def sharding_findings(
     strategy: Mapping, optim_wrapper: Any, nproc: int, model: nn.Module | None
 ) -> list[tuple[str, str, str]]:
     """(where, problem, fix) for the strategy's sharding settings."""
-    stype = strategy.get('type', 'auto')
-    if stype in _DEEPSPEED:
+    from stratagem.strategies.capabilities import capabilities_of
+
+    caps = capabilities_of(strategy.get('type'), nproc)
+    if caps.deepspeed_config:
         return _deepspeed(strategy, optim_wrapper)
     out: list[tuple[str, str, str]] = []
     wrapper = strategy.get('model_wrapper') or {}
-    fsdp_like = stype in _FSDP or (isinstance(wrapper, Mapping) and 'auto_wrap_policy' in wrapper)
+    fsdp_like = caps.fully_shards or (
+        isinstance(wrapper, Mapping) and 'auto_wrap_policy' in wrapper
+    )
     if fsdp_like or strategy.get('activation_checkpointing'):
         out += _fsdp(strategy, model, fsdp_like)
     return out + mesh_findings(strategy, nproc, model)

@@ -9,11 +9,14 @@ strategy:
    process group from Fabric's cluster environment (its launcher's or torchrun's variables)
    and our strategy built on it. The host program's RNG state is kept (the strategy seeds
    only when the cfg names ``env_kwargs.randomness.seed``).
-2. ``fabric.setup(model, optimizer)`` → ``strategy.prepare``: our wrapping (DDP,
-   ``fully_shard``, DeepSpeed's engine, ...) and our optim wrapper around the optimizer
-   (``optim_wrapper=`` of the constructor: accumulation, clipping, AMP). A backend that
-   shards the parameters gets a fresh optimizer of the same class and param groups over the
-   wrapped parameters; Fabric hands that one back.
+2. ``fabric.setup(model, optimizer)`` → :func:`setup_for_host` (the Trainer's adapter
+   shares it): our wrapping (DDP, ``fully_shard``, DeepSpeed's engine, ...) and our optim
+   wrapper around the optimizer (``optim_wrapper=`` of the constructor: accumulation,
+   clipping, AMP), with ``prepare``'s post-steps: ``auto_scale_lr`` by the per-process batch
+   (``micro_batch_size=``, else the first loader ``fabric.setup_dataloaders`` set up), the
+   accumulation counters (``max_iters=``). A backend whose wrapping replaces the parameters
+   (``capabilities.replaces_parameters``) gets a fresh optimizer of the same class and
+   param groups over the wrapped ones; Fabric hands that one back.
 3. ``fabric.backward(loss)`` → the optim wrapper's ``backward``; ``optimizer.step()`` → its
    ``step`` (clipping when configured); ``fabric.clip_gradients`` → its clip function
    (a sharded norm under FSDP), else torch's.
@@ -37,6 +40,7 @@ import os
 import os.path as osp
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,17 +67,15 @@ from stratagem.checkpoint import Stateful
 from stratagem.strategies import BaseStrategy, build_strategy
 
 __all__ = [
+    'HostRun',
     'StratagemStrategy',
     'build_on_cluster',
+    'grad_sync_off',
     'optimizer_cfg',
     'rebuild_optimizer',
     'reduce_tensor',
+    'setup_for_host',
 ]
-
-# strategies whose wrapping replaces the parameters (DeepSpeed's engine keeps them)
-_SHARDING = ('FSDPStrategy',)
-# strategies that build the optimizer from its cfg (fairscale's OSS shards its state)
-_FROM_CFG = ('ShardedDDPStrategy',)
 
 
 def build_on_cluster(
@@ -194,6 +196,88 @@ def optimizer_cfg(optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
     return dict(type=type(optimizer), **values)
 
 
+@dataclass(frozen=True)
+class HostRun:
+    """What a host trainer knows of the run that ``prepare``'s post-steps need, and how its
+    user supplies what it does not know (for the error when it is needed and missing).
+
+    Attributes:
+        micro_batch: the per-process batch size (``auto_scale_lr``'s real batch, DeepSpeed's
+            ``train_micro_batch_size_per_gpu``); None: not known.
+        max_iters: the run's length in backward calls (an accumulating optim wrapper sizes
+            its last window with it); None: not known.
+        how_micro_batch: how this host's user gives ``micro_batch``.
+        how_max_iters: how this host's user gives ``max_iters``.
+    """
+
+    micro_batch: int | None
+    max_iters: int | None
+    how_micro_batch: str
+    how_max_iters: str
+
+    def dispatch_kwargs(self) -> dict[str, int]:
+        """What is known, as ``prepare``'s ``dispatch_kwargs``."""
+        known = (
+            ('train_micro_batch_size_per_gpu', self.micro_batch),
+            ('max_iters', self.max_iters),
+        )
+        return {key: int(value) for key, value in known if value is not None}
+
+
+def setup_for_host(
+    ours: BaseStrategy,
+    cfg: Mapping[str, Any],
+    module: nn.Module,
+    optimizer: Optimizer,
+    optim_wrapper: Mapping[str, Any],
+    run: HostRun,
+) -> tuple[nn.Module, Any]:
+    """Both Lightning adapters' set-up of a module and the host's optimizer on our strategy
+    ``ours`` (built from ``cfg``): ``(wrapped model, optim wrapper)``, the optim wrapper built
+    from ``optim_wrapper`` (a cfg without ``optimizer``) around the optimizer that steps, and
+    ``prepare``'s post-steps run on it (``auto_scale_lr`` with ``run.micro_batch``, the
+    accumulation counters with ``run.max_iters``).
+
+    What the backend declares decides (``ours.capabilities``): when wrapping replaces the
+    parameters, the module is prepared first and the optimizer rebuilt over the wrapped
+    parameters (same class, same groups), then attached (``attach_optim_wrapper``); when the
+    backend builds its optimizer from a cfg, it gets the optimizer's class and values;
+    otherwise the optimizer itself."""
+    _check_host_run(cfg, optim_wrapper, run)
+    dispatch = run.dispatch_kwargs()
+    caps = ours.capabilities
+    if caps.replaces_parameters:
+        names = {id(p): name for name, p in module.named_parameters()}
+        model = ours.prepare(module, dispatch_kwargs=dispatch)
+        optimizer = rebuild_optimizer(optimizer, names, model)
+        wrapper = ours.build_optim_wrapper({**optim_wrapper, 'optimizer': optimizer}, model)
+        return model, ours.attach_optim_wrapper(wrapper)
+    given: Any = optimizer_cfg(optimizer, module) if caps.optimizer_from_cfg else optimizer
+    model, wrapper = ours.prepare(
+        module, optim_wrapper={**optim_wrapper, 'optimizer': given}, dispatch_kwargs=dispatch
+    )
+    return model, wrapper
+
+
+def _check_host_run(cfg: Mapping[str, Any], optim_wrapper: Mapping[str, Any], run: HostRun) -> None:
+    """Refuse, before anything is built, a post-step that needs what the host does not
+    know, saying how to give it."""
+    scale = cfg.get('auto_scale_lr') or {}
+    if isinstance(scale, Mapping) and scale.get('enable', False) and run.micro_batch is None:
+        raise ValueError(
+            f'StratagemStrategy: auto_scale_lr={dict(scale)} needs the per-process batch '
+            f'size (real batch = data-parallel size x it x accumulative_counts), which is not '
+            f'known: {run.how_micro_batch}'
+        )
+    counts = int(optim_wrapper.get('accumulative_counts', 1))
+    if counts > 1 and run.max_iters is None:
+        raise ValueError(
+            f'StratagemStrategy: accumulative_counts={counts} needs the length of the run in '
+            f'backward calls (the last window is averaged over its real length), which is not '
+            f'known: {run.how_max_iters}'
+        )
+
+
 class _PlainValue:
     """A plain entry of Fabric's state (``step``): saved as it is; loaded into
     ``restored[key]``, which ``fabric.load`` copies into the caller's dict."""
@@ -208,9 +292,19 @@ class _PlainValue:
         self.restored[self.key] = state_dict
 
 
+def grad_sync_off(ours: BaseStrategy, model: nn.Module) -> AbstractContextManager:
+    """Both adapters' gradient-sync skip, for a backward the host's loop accumulates: the
+    wrapped model's ``no_sync`` (DDP's, fairscale's) when it has one; none where an engine
+    steps (``capabilities.engine_steps``: DeepSpeed's engine reduces at its step once
+    ``accumulative_counts`` tells it the window, and its ``no_sync`` refuses ZeRO-2)."""
+    sync_off = getattr(model, 'no_sync', None)
+    if ours.capabilities.engine_steps or not callable(sync_off):
+        return nullcontext()
+    return sync_off()
+
+
 class _NoSync(_BackwardSyncControl):
-    """``fabric.no_backward_sync``: the optim wrapper's gradient-sync control (our
-    backend's: DDP's ``no_sync``, FSDP's, ...)."""
+    """``fabric.no_backward_sync``: :func:`grad_sync_off` on our wrapped model."""
 
     def __init__(self, owner: StratagemStrategy) -> None:
         self.owner = owner
@@ -219,9 +313,8 @@ class _NoSync(_BackwardSyncControl):
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         if not enabled:
             return nullcontext()
-        model = self.owner.stratagem.model
-        sync_off = getattr(model, 'no_sync', None)
-        return sync_off() if callable(sync_off) else nullcontext()
+        ours = self.owner.stratagem
+        return grad_sync_off(ours, ours.model)
 
 
 class StratagemStrategy(ParallelStrategy):
@@ -235,6 +328,12 @@ class StratagemStrategy(ParallelStrategy):
             ``optimizer`` is filled in): ``type`` (default ``'OptimWrapper'``;
             ``'AmpOptimWrapper'``), ``clip_grad``, ``accumulative_counts``. Default: a plain
             ``OptimWrapper``.
+        micro_batch_size: the per-process batch size, which ``auto_scale_lr`` (and
+            DeepSpeed's ``train_micro_batch_size_per_gpu``) needs at ``fabric.setup``.
+            Default: the batch size of the first loader ``fabric.setup_dataloaders`` set up
+            before ``fabric.setup``; ``auto_scale_lr`` without either is an error naming this.
+        max_iters: the run's length in backward calls, which ``accumulative_counts`` > 1
+            needs (the last window is averaged over its real length).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision:
             Fabric's, as for its own strategies (Fabric fills them in).
     """
@@ -244,6 +343,8 @@ class StratagemStrategy(ParallelStrategy):
         cfg: Mapping[str, Any],
         *,
         optim_wrapper: Mapping[str, Any] | None = None,
+        micro_batch_size: int | None = None,
+        max_iters: int | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -268,8 +369,16 @@ class StratagemStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision=precision,
         )
+        for name, value in (('micro_batch_size', micro_batch_size), ('max_iters', max_iters)):
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(
+                    f'StratagemStrategy({name}=...) must be an int >= 1, got {value!r}'
+                )
         self.cfg = dict(cfg)
         self.optim_wrapper_cfg = wrapper
+        self.micro_batch_size = micro_batch_size
+        self.max_iters = max_iters
+        self._loader_batch: int | None = None  # the first loader's, set up before fabric.setup
         self._num_nodes = 1
         self._stratagem: BaseStrategy | None = None
         self._backward_sync_control = _NoSync(self)
@@ -348,20 +457,16 @@ class StratagemStrategy(ParallelStrategy):
                 f'StratagemStrategy: fabric.setup takes one optimizer, got {len(optimizers)}'
             )
         (optimizer,) = optimizers
-        names = {id(p): name for name, p in module.named_parameters()}
-        if type(ours).__name__ in _SHARDING:
-            # the backend replaces the parameters: the optimizer is rebuilt over the new ones
-            model = ours.prepare(module)
-            optimizer = rebuild_optimizer(optimizer, names, model)
-            wrapper = ours.build_optim_wrapper({**self.optim_wrapper_cfg, 'optimizer': optimizer})
-            ours.optim_wrapper = wrapper
-        else:
-            given: Any = optimizer
-            if type(ours).__name__ in _FROM_CFG:
-                given = optimizer_cfg(optimizer, module)
-            model, wrapper = ours.prepare(
-                module, optim_wrapper={**self.optim_wrapper_cfg, 'optimizer': given}
-            )
+        run = HostRun(
+            micro_batch=self.micro_batch_size or self._loader_batch,
+            max_iters=self.max_iters,
+            how_micro_batch='pass StratagemStrategy(cfg, micro_batch_size=N), or call '
+            'fabric.setup_dataloaders(loader) before fabric.setup(model, optimizer)',
+            how_max_iters='pass StratagemStrategy(cfg, max_iters=N)',
+        )
+        model, wrapper = setup_for_host(
+            ours, self.cfg, module, optimizer, self.optim_wrapper_cfg, run
+        )
         return model, [wrapper.optimizer], scheduler
 
     @override
@@ -377,6 +482,15 @@ class StratagemStrategy(ParallelStrategy):
             "must hold the wrapped module's parameters): "
             'model, optimizer = fabric.setup(model, optimizer), not fabric.setup_optimizers'
         )
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """The loader as it is; the first one's batch size is the per-process batch (unless
+        ``micro_batch_size`` was given)."""
+        batch = getattr(dataloader, 'batch_size', None)
+        if self._loader_batch is None and isinstance(batch, int):
+            self._loader_batch = batch
+        return dataloader
 
     @override
     def module_to_device(self, module: nn.Module) -> None:

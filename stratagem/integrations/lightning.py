@@ -9,9 +9,12 @@ accumulation; our strategy does the rest:
 1. ``setup_environment``: the device, the process group from the Trainer's cluster
    environment and our strategy built on it (the host's RNG state kept, then Lightning's
    ``reset_seed`` as its DDP does).
-2. ``setup``: our ``strategy.prepare`` wraps the LightningModule and puts our optim wrapper
-   around the optimizer of ``configure_optimizers`` (a backend that shards the parameters
-   gets a fresh optimizer of the same class and groups over the sharded ones).
+2. ``setup``: ``fabric.setup_for_host`` (Fabric's adapter shares it): our
+   ``strategy.prepare`` wraps the LightningModule and puts our optim wrapper around the
+   optimizer of ``configure_optimizers`` (a backend whose wrapping replaces the parameters
+   gets a fresh optimizer of the same class and groups over the wrapped ones), with
+   ``prepare``'s post-steps: ``auto_scale_lr`` by the train loader's batch size and
+   ``accumulate_grad_batches`` (the wrapper's ``accumulative_counts``).
 3. Each step: Lightning's closure and precision plugin; the backward is the optim wrapper's
    (under DeepSpeedStrategy the step too: ``engine.step``).
    ``is_distributed`` is True, so the Trainer gives every data-parallel rank its own
@@ -38,7 +41,8 @@ from __future__ import annotations
 import copyreg
 import os
 import os.path as osp
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -68,20 +72,17 @@ from stratagem.checkpoint.latest import POINTER_NAME, read_pointer, update_point
 from stratagem.strategies import BaseStrategy
 
 from .fabric import (
+    HostRun,
     assign_world_ranks,
     build_on_cluster,
-    optimizer_cfg,
-    rebuild_optimizer,
+    grad_sync_off,
     reduce_tensor,
     sampler_kwargs,
+    setup_for_host,
 )
 
 __all__ = ['StratagemStrategy', 'lightning_safe_globals']
 
-# strategies whose wrapping replaces the parameters (DeepSpeed's engine keeps them)
-_SHARDING = ('FSDPStrategy',)
-# strategies that build the optimizer from its cfg (fairscale's OSS shards its state)
-_FROM_CFG = ('ShardedDDPStrategy',)
 # what the Trainer's checkpoint holds that we write under our own keys
 _OURS = ('state_dict', 'optimizer_states')
 
@@ -99,6 +100,27 @@ def _reduce_attribute_dict(value: AttributeDict) -> tuple:
 for _cls in lightning_safe_globals():
     copyreg.pickle(_cls, _reduce_attribute_dict)
 add_safe_globals(lightning_safe_globals())
+
+
+def _trainer_run(trainer: pl.Trainer, counts: int) -> HostRun:
+    """What the Trainer knows of the run: the train loader's batch size (the per-process
+    batch: each rank reads its own sampler shard) and, when accumulating, the run's length
+    in batches (optimizer steps × ``accumulate_grad_batches``). The train loader is loaded
+    now, as ``estimated_stepping_batches`` does for ``configure_optimizers``; the fit loop
+    then keeps it."""
+    if trainer.train_dataloader is None:
+        trainer.fit_loop.setup_data()
+    steps = trainer.estimated_stepping_batches
+    loader = trainer.train_dataloader
+    batch = getattr(loader, 'batch_size', None)
+    finite = steps not in (float('inf'), None) and steps >= 1
+    return HostRun(
+        micro_batch=batch if isinstance(batch, int) else None,
+        max_iters=int(steps) * counts if counts > 1 and finite else None,
+        how_micro_batch='the train dataloader has no batch_size (a batch_sampler?); give '
+        'it a DataLoader with batch_size=N',
+        how_max_iters=f'accumulate_grad_batches={counts} with no end: set max_steps or max_epochs',
+    )
 
 
 class StratagemStrategy(ParallelStrategy):
@@ -208,13 +230,17 @@ class StratagemStrategy(ParallelStrategy):
         self._fitting = trainer.state.fn == TrainerFn.FITTING
         if self._fitting:
             self.setup_optimizers(trainer)
-            self.model, self.optimizers = self._prepare(ours, self.model, self.optimizers)
+            self.model, self.optimizers = self._prepare(trainer, ours, self.model, self.optimizers)
         else:
             self.model = ours.prepare(self.model)
         self.setup_precision_plugin()
 
     def _prepare(
-        self, ours: BaseStrategy, module: nn.Module, optimizers: list[torch.optim.Optimizer]
+        self,
+        trainer: pl.Trainer,
+        ours: BaseStrategy,
+        module: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
     ) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
         if len(optimizers) != 1:
             raise ValueError(
@@ -222,22 +248,30 @@ class StratagemStrategy(ParallelStrategy):
                 f'{len(optimizers)}'
             )
         (optimizer,) = optimizers
-        name = type(ours).__name__
-        if (name in _SHARDING or name in _FROM_CFG) and self.lr_scheduler_configs:
+        if ours.capabilities.builds_optimizer and self.lr_scheduler_configs:
             raise ValueError(
-                f'StratagemStrategy: {name} builds a new optimizer (over the sharded '
-                'parameters), so a scheduler from configure_optimizers would drive the old '
-                'one; use DDPStrategy, or no scheduler'
+                f'StratagemStrategy: {type(ours).__name__} builds a new optimizer (over the '
+                'sharded parameters, or from its cfg), so a scheduler from '
+                'configure_optimizers would drive the old one; use DDPStrategy, or no scheduler'
             )
-        if name not in _SHARDING:
-            given: Any = optimizer_cfg(optimizer, module) if name in _FROM_CFG else optimizer
-            model, wrapper = ours.prepare(module, optim_wrapper=dict(optimizer=given))
-            return model, [wrapper.optimizer]
-        names = {id(p): name for name, p in module.named_parameters()}
-        model = ours.prepare(module)
-        optimizer = rebuild_optimizer(optimizer, names, model)
-        ours.optim_wrapper = ours.build_optim_wrapper(dict(optimizer=optimizer))
-        return model, [optimizer]
+        # Lightning accumulates (it divides the loss and steps every k batches); the optim
+        # wrapper is told the window, so the real batch of auto_scale_lr counts it and
+        # DeepSpeed's engine reduces once per window
+        counts = int(trainer.accumulate_grad_batches)
+        wrapper_cfg = {'accumulative_counts': counts} if counts > 1 else {}
+        model, wrapper = setup_for_host(
+            ours, self.cfg, module, optimizer, wrapper_cfg, _trainer_run(trainer, counts)
+        )
+        return model, [wrapper.optimizer]
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's gradient-sync skip on the batches it accumulates, as Fabric's
+        ``no_backward_sync`` (:func:`~stratagem.integrations.fabric.grad_sync_off`)."""
+        assert self.model is not None
+        with grad_sync_off(self.stratagem, self.model):
+            yield
 
     def _step(self, name: str, *args: Any, **kwargs: Any) -> Any:
         # through the wrapped model's __call__ even when it is the LightningModule itself
@@ -298,7 +332,7 @@ class StratagemStrategy(ParallelStrategy):
         """Lightning's precision plugin steps the optimizer, but DeepSpeed's engine must: there
         the closure (forward, backward) runs, then the optim wrapper's step (``engine.step``:
         reduce, clip by the engine's ``gradient_clipping``, update)."""
-        if type(self.stratagem).__name__ != 'DeepSpeedStrategy':
+        if not self.stratagem.capabilities.engine_steps:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         result = closure()
         self.stratagem.optim_wrapper.step(**kwargs)

@@ -74,7 +74,7 @@ import os.path as osp
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -91,6 +91,7 @@ from stratagem.schema import ENV_KEYS as _ENV_KEYS
 from stratagem.schema import RANDOMNESS_KEYS as _RANDOMNESS_KEYS
 
 from . import loading
+from .capabilities import Capabilities
 from .environment import (
     RunEnvironment,
     build_module,
@@ -191,6 +192,9 @@ class BaseStrategy(ABC):
     model: nn.Module
     optim_wrapper: Any
     param_schedulers: Any
+    #: what this backend does that code outside it asks (``capabilities.py``); each backend
+    #: declares its own, a subclass inherits its parent's
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def __init__(
         self,

@@ -13,6 +13,7 @@ from typing_extensions import override
 from stratagem.registry import STRATEGIES
 
 from .base import BaseStrategy
+from .capabilities import Capabilities
 from .environment import distributed_env_kwargs
 from .sync_bn import convert_sync_batchnorm
 
@@ -47,6 +48,8 @@ class DDPStrategy(BaseStrategy):
         **kwargs: BaseStrategy's (``work_dir``, ``env_kwargs``, ...). The launcher
             defaults to the inferred one, else ``'pytorch'``.
     """
+
+    capabilities = Capabilities(gradient_buckets=True)
 
     def __init__(
         self, *, model_wrapper: Mapping | None = None, sync_bn: str | None = None, **kwargs: Any

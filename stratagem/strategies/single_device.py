@@ -9,6 +9,7 @@ from typing_extensions import override
 from stratagem.registry import STRATEGIES
 
 from .base import BaseStrategy
+from .capabilities import Capabilities
 from .sync_bn import revert_sync_batchnorm
 
 
@@ -24,6 +25,8 @@ class SingleDeviceStrategy(BaseStrategy):
     SyncBatchNorm layers (meaningless in one process, and they fail without a
     process group) are reverted to BatchNorm, with a log line.
     """
+
+    capabilities = Capabilities()
 
     def __init__(self, *, device: str | torch.device | None = None, **kwargs) -> None:
         # checked before the environment or any file is set up; BaseStrategy.device reads it

@@ -40,6 +40,7 @@ from stratagem import env
 from stratagem.checkpoint.storage import CheckpointStorage
 
 from ..base import BaseStrategy
+from ..capabilities import Capabilities
 from .checkpoint import ZeroStorage
 from .config import CONFIG_KEYWORDS, agree, check_config, parse_config
 
@@ -86,6 +87,8 @@ class DeepSpeedStrategy(BaseStrategy):
         **kwargs: BaseStrategy's (``work_dir``, ``env_kwargs``, ``auto_scale_lr``, ...).
             Without a launcher a one-process group is created (DeepSpeed needs one).
     """
+
+    capabilities = Capabilities(engine_steps=True, deepspeed_config=True, requires=('deepspeed',))
 
     model: Any  # the DeepSpeedEngine, once prepared
 

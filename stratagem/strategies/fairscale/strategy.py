@@ -49,6 +49,7 @@ from stratagem.config import check_keys
 from stratagem.registry import STRATEGIES
 
 from ..base import BaseStrategy
+from ..capabilities import Capabilities
 from ..environment import distributed_env_kwargs
 from ..parts import PendingGradsPart
 from ..sync_bn import convert_sync_batchnorm
@@ -151,6 +152,8 @@ class ShardedDDPStrategy(BaseStrategy):
         **kwargs: BaseStrategy's (``work_dir``, ``env_kwargs``, ...). The launcher
             defaults to the inferred one; a distributed launch is required.
     """
+
+    capabilities = Capabilities(optimizer_from_cfg=True, zero_stage=2, requires=('fairscale',))
 
     def __init__(
         self, *, model_wrapper: Mapping | None = None, sync_bn: str | None = None, **kwargs: Any

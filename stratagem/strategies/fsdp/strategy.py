@@ -26,6 +26,7 @@ from stratagem.checkpoint.sharded import optim_state_to_fqn, optim_state_to_inde
 from stratagem.checkpoint.storage import CheckpointStorage
 
 from ..base import BaseStrategy
+from ..capabilities import Capabilities
 from ..environment import distributed_env_kwargs
 from .config import parse_model_wrapper
 from .grad_sync import adapt_optim_wrapper, clean_name, keep_fresh, with_no_sync
@@ -78,6 +79,10 @@ class FSDPStrategy(BaseStrategy):
             the model's own names) and :meth:`train_step` runs the schedule.
         **kwargs: BaseStrategy's.
     """
+
+    capabilities = Capabilities(
+        replaces_parameters=True, fully_shards=True, device_mesh=True, pipeline=True
+    )
 
     def __init__(
         self,
