@@ -36,6 +36,7 @@ once for every backend:
 
 What a backend may override: :data:`OVERRIDABLE`, nothing else (``tests/strategies/
 test_override_surface.py`` holds every registered backend to it):
+    - ``capabilities``: what the backend does (``capabilities.py``), a class attribute.
     - ``_wrap_model(model)`` (abstract): placement and wrapping, above.
     - ``setup_module_and_optimizers``, ``check_prepare_args``, ``build_model``,
       ``build_optim_wrapper``: the steps above.
@@ -123,6 +124,8 @@ CHECKPOINT_FORMAT_VERSION = 2
 #: backend that overrides any other fails ``tests/strategies/test_override_surface.py``.
 OVERRIDABLE: frozenset[str] = frozenset(
     {
+        # what the backend does, asked by integrations and doctor (capabilities.py)
+        'capabilities',
         # prepare's steps
         '_wrap_model',
         'setup_module_and_optimizers',
