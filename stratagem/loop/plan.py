@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from stratagem.config import Config, ConfigError, check_keys
@@ -129,8 +129,8 @@ class RunPlan:
     param_scheduler: Any
     compile: Any
     data: DataPlan
-    max_iters: Any
-    max_epochs: Any
+    max_iters: int | None
+    max_epochs: int | None
     by_epoch: bool
     log_interval: int
     refit_schedulers: bool
@@ -141,15 +141,14 @@ class RunPlan:
     validation: ValidationPlan | None
     resume: bool | str = False
     load_from: str | None = None
-    train_cfg: dict = field(default_factory=dict)
 
     def run_length(self, epoch_length: int) -> tuple[int, int | None]:
         """``(max_iters, max_epochs)``: ``train_cfg.max_iters`` (max_epochs None), else
         ``max_epochs`` epochs of ``epoch_length`` iterations."""
         if self.max_iters is not None:
-            return int(self.max_iters), None
-        max_epochs = int(self.max_epochs)
-        return max_epochs * epoch_length, max_epochs
+            return self.max_iters, None
+        assert self.max_epochs is not None  # check_train_config: one of the two
+        return self.max_epochs * epoch_length, self.max_epochs
 
 
 def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan:
@@ -196,8 +195,8 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
         param_scheduler=cfg.get('param_scheduler'),
         compile=cfg.get('compile', False),
         data=data,
-        max_iters=train_cfg.get('max_iters'),
-        max_epochs=None if 'max_iters' in train_cfg else train_cfg['max_epochs'],
+        max_iters=_run_length(train_cfg, 'max_iters'),
+        max_epochs=None if 'max_iters' in train_cfg else _run_length(train_cfg, 'max_epochs'),
         by_epoch=by_epoch,
         log_interval=max(1, int(train_cfg.get('log_interval', 10))),
         refit_schedulers=bool(train_cfg.get('refit_schedulers', False)),
@@ -208,8 +207,21 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
         validation=validation,
         resume=cfg.get('resume') or False,
         load_from=cfg.get('load_from'),
-        train_cfg=train_cfg,
     )
+
+
+def _run_length(train_cfg: dict, key: str) -> int | None:
+    """``train_cfg[key]`` as an int (None when the key is not given); a ValueError naming it."""
+    if key not in train_cfg:
+        return None
+    value = train_cfg[key]
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        unit = 'iterations' if key == 'max_iters' else 'epochs'
+        raise ValueError(
+            f'train_cfg.{key} must be a whole number of {unit}, got {value!r}'
+        ) from None
 
 
 def strategy_config(cfg: Config | Mapping) -> dict:
