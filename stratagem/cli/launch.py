@@ -110,9 +110,22 @@ def wants_torchrun(args: argparse.Namespace) -> bool:
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     """torchrun's command for ``args`` (checked first, nothing started)."""
-    nproc, node_rank = args.nproc, args.node_rank
     lo, hi = parse_nnodes(args.nnodes)
-    master_addr, master_port, endpoint = args.master_addr, args.master_port, args.rdzv_endpoint
+    _check_launch_args(args, lo, hi)
+    cmd = [sys.executable, '-m', 'torch.distributed.run', *_membership_args(args, lo, hi)]
+    if args.max_restarts:
+        cmd.append(f'--max-restarts={args.max_restarts}')
+    cleaned = _without_launch_options(list(getattr(args, 'cli_argv', sys.argv[2:])))
+    cmd += [f'--nproc-per-node={args.nproc}', '-m', 'stratagem', 'train', *cleaned]
+    if not any(a == '--launcher' or a.startswith('--launcher=') for a in cleaned):
+        cmd += ['--launcher', 'pytorch']
+    return cmd
+
+
+def _check_launch_args(args: argparse.Namespace, lo: int, hi: int) -> None:
+    """Refuse launch options that cannot work together (``lo``, ``hi``: ``--nnodes``' range),
+    and a rendezvous or master host that does not resolve; ValueError naming the option."""
+    nproc, master_port, endpoint = args.nproc, args.master_port, args.rdzv_endpoint
     if nproc < 1:
         raise ValueError(f'--nproc and --nnodes must be >= 1, got --nproc {nproc} --nnodes {hi}')
     if args.max_restarts < 0:
@@ -127,57 +140,61 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
             'rendezvous the agents meet at, the same on every node'
         )
     if endpoint is not None:
-        if master_addr or master_port is not None:
-            raise ValueError(
-                '--rdzv-endpoint replaces --master-addr/--master-port (and --node-rank): '
-                'give one or the other'
-            )
-        host, sep, port = endpoint.rpartition(':')
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(
-                f'--rdzv-endpoint {endpoint!r} should be HOST:PORT, e.g. node0.cluster:29400'
-            )
-        resolve_master(host, int(port), '--rdzv-endpoint')
+        _check_rendezvous(args)
     else:
-        if not 0 <= node_rank < hi:
-            raise ValueError(
-                f'--node-rank {node_rank} is not one of the {hi} node(s): give '
-                f'0 .. {hi - 1}, a different one on each machine'
-            )
-        if hi > 1 and not master_addr:
-            raise ValueError(
-                f'--nnodes {hi} needs --master-addr: the host name or address of '
-                'node 0 (--node-rank 0), the same on every node'
-            )
-        if master_addr:
-            resolve_master(master_addr, master_port or 29500, '--master-addr')
-    cmd = [sys.executable, '-m', 'torch.distributed.run']
+        _check_static_membership(args, hi)
+
+
+def _check_rendezvous(args: argparse.Namespace) -> None:
+    """``--rdzv-endpoint HOST:PORT``, alone (no master address or port), resolving."""
+    endpoint = args.rdzv_endpoint
+    if args.master_addr or args.master_port is not None:
+        raise ValueError(
+            '--rdzv-endpoint replaces --master-addr/--master-port (and --node-rank): '
+            'give one or the other'
+        )
+    host, sep, port = endpoint.rpartition(':')
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f'--rdzv-endpoint {endpoint!r} should be HOST:PORT, e.g. node0.cluster:29400'
+        )
+    resolve_master(host, int(port), '--rdzv-endpoint')
+
+
+def _check_static_membership(args: argparse.Namespace, nnodes: int) -> None:
+    """A node rank among ``nnodes``, and node 0's address (resolving) when there are several."""
+    node_rank, master_addr = args.node_rank, args.master_addr
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(
+            f'--node-rank {node_rank} is not one of the {nnodes} node(s): give '
+            f'0 .. {nnodes - 1}, a different one on each machine'
+        )
+    if nnodes > 1 and not master_addr:
+        raise ValueError(
+            f'--nnodes {nnodes} needs --master-addr: the host name or address of '
+            'node 0 (--node-rank 0), the same on every node'
+        )
+    if master_addr:
+        resolve_master(master_addr, args.master_port or 29500, '--master-addr')
+
+
+def _membership_args(args: argparse.Namespace, lo: int, hi: int) -> list[str]:
+    """torchrun's options for how the nodes meet: a c10d rendezvous (elastic when
+    ``lo != hi``), ``--standalone`` for one node given no address, else a static master."""
+    master_addr, master_port, endpoint = args.master_addr, args.master_port, args.rdzv_endpoint
     if endpoint is not None:
-        cmd += [
+        out = [
             f'--nnodes={lo}:{hi}' if lo != hi else f'--nnodes={hi}',
             '--rdzv-backend=c10d',
             f'--rdzv-endpoint={endpoint}',
             f'--rdzv-id={args.rdzv_id}',
         ]
-        if args.rdzv_conf:
-            cmd.append(f'--rdzv-conf={args.rdzv_conf}')
-    elif hi == 1 and master_addr is None and master_port is None:
-        cmd.append('--standalone')
-    else:
-        cmd += [
-            f'--nnodes={hi}',
-            f'--node-rank={node_rank}',
-            f'--master-addr={master_addr or "127.0.0.1"}',
-        ]
-        if master_port is not None:
-            cmd.append(f'--master-port={master_port}')
-    if args.max_restarts:
-        cmd.append(f'--max-restarts={args.max_restarts}')
-    cleaned = _without_launch_options(list(getattr(args, 'cli_argv', sys.argv[2:])))
-    cmd += [f'--nproc-per-node={nproc}', '-m', 'stratagem', 'train', *cleaned]
-    if not any(a == '--launcher' or a.startswith('--launcher=') for a in cleaned):
-        cmd += ['--launcher', 'pytorch']
-    return cmd
+        return out + ([f'--rdzv-conf={args.rdzv_conf}'] if args.rdzv_conf else [])
+    if hi == 1 and master_addr is None and master_port is None:
+        return ['--standalone']
+    out = [f'--nnodes={hi}', f'--node-rank={args.node_rank}']
+    out.append(f'--master-addr={master_addr or "127.0.0.1"}')
+    return out + ([f'--master-port={master_port}'] if master_port is not None else [])
 
 
 def _without_launch_options(argv: list[str]) -> list[str]:

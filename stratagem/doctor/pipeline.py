@@ -6,7 +6,7 @@ The checks are the strategy's own (``strategies/fsdp/pipeline.py``): ``parse_pip
 keys, the schedule, the stage count against ``mesh.pipeline``), ``stage_modules`` (split
 points against the model), ``check_forward`` (a forward that calls a deleted module without
 skipping it) and ``dry_run`` (every stage run in order on one microbatch of meta tensors, the
-check of the first ``train_step``), and ``stratagem train``'s own refusals (``loop.py``: a
+check of the first ``train_step``), and ``stratagem train``'s own refusals (``loop/step.py``: a
 model without a ``loss`` method, validation), so the doctor and a run agree on what is wrong.
 Besides, what the first or a later ``train_step`` refuses about the batch: ``microbatches``
 must divide the micro batch the loader gives each rank, and every batch must have that size.

@@ -187,72 +187,14 @@ class DefaultOptimWrapperConstructor:
             is_dcn_module: Whether ``module``'s parent is a deformable conv.
         """
         seen = {} if _seen is None else _seen
-        group: dict[str, Any]
         if _seen is None:  # seed with params already in ``params`` (a subclass may add some)
             for group in params:
                 for p in group['params']:
                     seen.setdefault(id(p), '(added before)')
-        cfg = self.paramwise_cfg
-        custom_keys = cfg.get('custom_keys', {})
-        sorted_keys = sorted(sorted(custom_keys), key=len, reverse=True)
-        bypass_duplicate = cfg.get('bypass_duplicate', False)
-        bias_lr_mult = cfg.get('bias_lr_mult', None)
-        bias_decay_mult = cfg.get('bias_decay_mult', None)
-        norm_decay_mult = cfg.get('norm_decay_mult', None)
-        dwconv_decay_mult = cfg.get('dwconv_decay_mult', None)
-        flat_decay_mult = cfg.get('flat_decay_mult', None)
-        dcn_offset_lr_mult = cfg.get('dcn_offset_lr_mult', None)
-
-        is_norm = isinstance(module, _NORM_TYPES)
-        is_dwconv = isinstance(module, nn.Conv2d) and module.in_channels == module.groups
-
         for name, param in module.named_parameters(recurse=False):
             full_name = f'{prefix}.{name}' if prefix else name
-            if not param.requires_grad:
-                continue
-            if id(param) in seen:
-                if bypass_duplicate:
-                    warnings.warn(
-                        f'parameter {full_name!r} is the same tensor as '
-                        f'{seen[id(param)]!r}; skipped (bypass_duplicate=True)',
-                        stacklevel=2,
-                    )
-                    continue
-                raise ValueError(
-                    f'parameter {full_name!r} is the same tensor as {seen[id(param)]!r} (a shared '
-                    f'module or tied weights), so it would be in two param groups; set '
-                    f'paramwise_cfg=dict(bypass_duplicate=True) to keep its first occurrence'
-                )
-            seen[id(param)] = full_name
-            group = {'params': [param]}
-            custom_key = next((k for k in sorted_keys if k in f'{prefix}.{name}'), None)
-            if custom_key is not None:
-                opts = custom_keys[custom_key]
-                if self.base_lr is not None:
-                    group['lr'] = self.base_lr * opts.get('lr_mult', 1.0)
-                if self.base_wd is not None:
-                    group['weight_decay'] = self.base_wd * opts.get('decay_mult', 1.0)
-                group.update(opts)
-            else:
-                if name == 'bias' and not (is_norm or is_dcn_module) and bias_lr_mult is not None:
-                    group['lr'] = self.base_lr * bias_lr_mult
-                if (
-                    'conv_offset' in prefix
-                    and is_dcn_module
-                    and dcn_offset_lr_mult is not None
-                    and isinstance(module, nn.Conv2d)
-                ):
-                    group['lr'] = self.base_lr * dcn_offset_lr_mult
-                if self.base_wd is not None:
-                    if is_norm and norm_decay_mult is not None:
-                        group['weight_decay'] = self.base_wd * norm_decay_mult
-                    elif name == 'bias' and not is_dcn_module and bias_decay_mult is not None:
-                        group['weight_decay'] = self.base_wd * bias_decay_mult
-                    elif is_dwconv and dwconv_decay_mult is not None:
-                        group['weight_decay'] = self.base_wd * dwconv_decay_mult
-                    elif param.ndim == 1 and not is_dcn_module and flat_decay_mult is not None:
-                        group['weight_decay'] = self.base_wd * flat_decay_mult
-            params.append(group)
+            if param.requires_grad and self._claim(seen, param, full_name):
+                params.append(self._param_group(module, prefix, name, param, is_dcn_module))
 
         child_is_dcn = _is_dcn(module)
         for child_name, child in module.named_children():
@@ -260,6 +202,92 @@ class DefaultOptimWrapperConstructor:
             self.add_params(
                 params, child, prefix=child_prefix, is_dcn_module=child_is_dcn, _seen=seen
             )
+
+    def _claim(self, seen: dict, param: nn.Parameter, full_name: str) -> bool:
+        """Whether ``param`` gets a group: False for a tensor already in one under
+        ``bypass_duplicate`` (warned), a ValueError without it; ``seen`` records it."""
+        if id(param) not in seen:
+            seen[id(param)] = full_name
+            return True
+        if self.paramwise_cfg.get('bypass_duplicate', False):
+            warnings.warn(
+                f'parameter {full_name!r} is the same tensor as '
+                f'{seen[id(param)]!r}; skipped (bypass_duplicate=True)',
+                stacklevel=3,
+            )
+            return False
+        raise ValueError(
+            f'parameter {full_name!r} is the same tensor as {seen[id(param)]!r} (a shared '
+            f'module or tied weights), so it would be in two param groups; set '
+            f'paramwise_cfg=dict(bypass_duplicate=True) to keep its first occurrence'
+        )
+
+    def _param_group(
+        self,
+        module: nn.Module,
+        prefix: str,
+        name: str,
+        param: nn.Parameter,
+        is_dcn_module: bool | None,
+    ) -> dict[str, Any]:
+        """``param``'s group: the options of the longest ``custom_keys`` key in its name
+        (its ``lr_mult`` / ``decay_mult`` applied to the base values), else the multipliers
+        of its kind (bias, norm, depthwise conv, flat, DCN offset)."""
+        group: dict[str, Any] = {'params': [param]}
+        custom_keys = self.paramwise_cfg.get('custom_keys', {})
+        sorted_keys = sorted(sorted(custom_keys), key=len, reverse=True)
+        custom_key = next((k for k in sorted_keys if k in f'{prefix}.{name}'), None)
+        if custom_key is not None:
+            opts = custom_keys[custom_key]
+            if self.base_lr is not None:
+                group['lr'] = self.base_lr * opts.get('lr_mult', 1.0)
+            if self.base_wd is not None:
+                group['weight_decay'] = self.base_wd * opts.get('decay_mult', 1.0)
+            group.update(opts)
+            return group
+        cfg = self.paramwise_cfg
+        bias_lr_mult = cfg.get('bias_lr_mult', None)
+        dcn_offset_lr_mult = cfg.get('dcn_offset_lr_mult', None)
+        is_norm = isinstance(module, _NORM_TYPES)
+        if name == 'bias' and not (is_norm or is_dcn_module) and bias_lr_mult is not None:
+            group['lr'] = self.base_lr * bias_lr_mult
+        if (
+            'conv_offset' in prefix
+            and is_dcn_module
+            and dcn_offset_lr_mult is not None
+            and isinstance(module, nn.Conv2d)
+        ):
+            group['lr'] = self.base_lr * dcn_offset_lr_mult
+        decay_mult = self._decay_mult(module, name, param, is_norm, is_dcn_module)
+        if self.base_wd is not None and decay_mult is not None:
+            group['weight_decay'] = self.base_wd * decay_mult
+        return group
+
+    def _decay_mult(
+        self,
+        module: nn.Module,
+        name: str,
+        param: nn.Parameter,
+        is_norm: bool,
+        is_dcn_module: bool | None,
+    ) -> float | None:
+        """The weight-decay multiplier of ``param``'s kind, the first that applies: norm,
+        bias (not in a DCN), depthwise conv, flat (1-d, not in a DCN); None: none applies."""
+        cfg = self.paramwise_cfg
+        norm_decay_mult = cfg.get('norm_decay_mult', None)
+        bias_decay_mult = cfg.get('bias_decay_mult', None)
+        dwconv_decay_mult = cfg.get('dwconv_decay_mult', None)
+        flat_decay_mult = cfg.get('flat_decay_mult', None)
+        is_dwconv = isinstance(module, nn.Conv2d) and module.in_channels == module.groups
+        if is_norm and norm_decay_mult is not None:
+            return norm_decay_mult
+        if name == 'bias' and not is_dcn_module and bias_decay_mult is not None:
+            return bias_decay_mult
+        if is_dwconv and dwconv_decay_mult is not None:
+            return dwconv_decay_mult
+        if param.ndim == 1 and not is_dcn_module and flat_decay_mult is not None:
+            return flat_decay_mult
+        return None
 
     def build_param_groups(self, model: nn.Module) -> list[dict] | list[torch.nn.Parameter]:
         """The ``params`` argument for the optimizer: a list of tensors or of groups."""

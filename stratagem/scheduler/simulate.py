@@ -88,28 +88,13 @@ def simulate(
     Returns:
         A :class:`ScheduleTrace`.
     """
-    if max_epochs is None and max_iters is None:
-        raise ValueError(
-            'simulate: give max_epochs (epoch-based run) or max_iters (iteration-based run)'
-        )
-    if epoch_length is not None and (not isinstance(epoch_length, int) or epoch_length <= 0):
-        raise ValueError(f'simulate: epoch_length must be a positive int, got {epoch_length!r}')
-    by_epoch_run = max_epochs is not None
+    run_epoch_length, total, build_epochs, build_iters = _lengths(
+        max_epochs, max_iters, epoch_length
+    )
     groups = [dict(g) for g in (param_groups or [{}])]
     for entry in groups:
         entry['params'] = [torch.nn.Parameter(torch.zeros(1))]
     optimizer = OPTIMIZERS.build(optimizer_cfg_of(optimizer_cfg), default_args={'params': groups})
-
-    run_epoch_length = epoch_length if epoch_length is not None else (1 if by_epoch_run else None)
-    if by_epoch_run:
-        total = max_epochs * run_epoch_length  # type: ignore[operator]
-        build_epochs, build_iters = max_epochs, total
-        if max_iters is not None:
-            total = min(total, max_iters)
-    else:
-        total = max_iters
-        build_iters = max_iters
-        build_epochs = math.ceil(max_iters / epoch_length) if epoch_length else None  # type: ignore[operator]
     schedulers = build_param_schedulers(
         param_scheduler_cfgs,
         optimizer,
@@ -118,24 +103,74 @@ def simulate(
         max_iters=build_iters,
     )
     assert isinstance(schedulers, list)  # one optimizer: a list
+    _check_placeable(schedulers, max_epochs is not None, epoch_length)
+    # a dry step (no gradients: nothing changes) so the schedulers know the optimizer went
+    # first, as in training, and do not warn about the order
+    optimizer.step()
+    lrs, moms = _record(optimizer, schedulers, total, run_epoch_length, metrics)
+    return ScheduleTrace(
+        lr=lrs,
+        momentum=moms,
+        epoch_length=run_epoch_length,
+        num_iters=total,
+        scheduler_names=[type(s).__name__ for s in schedulers],
+    )
+
+
+def _lengths(
+    max_epochs: int | None, max_iters: int | None, epoch_length: int | None
+) -> tuple[int | None, int, int | None, int]:
+    """``(epoch_length of the run, iterations simulated, max_epochs and max_iters the
+    schedulers are built for)``; a ValueError for a run without a length or a bad
+    ``epoch_length``. An epoch-based run without ``epoch_length`` has epochs of 1."""
+    if max_epochs is None and max_iters is None:
+        raise ValueError(
+            'simulate: give max_epochs (epoch-based run) or max_iters (iteration-based run)'
+        )
+    if epoch_length is not None and (not isinstance(epoch_length, int) or epoch_length <= 0):
+        raise ValueError(f'simulate: epoch_length must be a positive int, got {epoch_length!r}')
+    if max_epochs is not None:
+        run_epoch_length = epoch_length if epoch_length is not None else 1
+        build_iters = max_epochs * run_epoch_length
+        total = build_iters if max_iters is None else min(build_iters, max_iters)
+        return run_epoch_length, total, max_epochs, build_iters
+    assert max_iters is not None
+    build_epochs = math.ceil(max_iters / epoch_length) if epoch_length else None
+    return epoch_length, max_iters, build_epochs, max_iters
+
+
+def _check_placeable(schedulers: list, by_epoch_run: bool, epoch_length: int | None) -> None:
+    """Without ``epoch_length``, refuse a scheduler whose steps cannot be placed: an
+    iteration-based one in an epoch-based run, an epoch-based one in an iteration-based run."""
+    if epoch_length is not None:
+        return
     for s in schedulers:
         name = type(s).__name__
-        if by_epoch_run and epoch_length is None and not s.by_epoch:
+        if by_epoch_run and not s.by_epoch:
             raise ValueError(
                 f'simulate: {name} is iteration-based (by_epoch=False); an '
                 'epoch-based run needs epoch_length (iterations per epoch) to place '
                 'its steps; pass epoch_length= / --epoch-length'
             )
-        if not by_epoch_run and epoch_length is None and s.by_epoch:
+        if not by_epoch_run and s.by_epoch:
             raise ValueError(
                 f'simulate: {name} is epoch-based (by_epoch=True) but the run is '
                 'iteration-based; pass epoch_length= / --epoch-length to say when '
                 'an epoch ends'
             )
 
-    # a dry step (no gradients: nothing changes) so the schedulers know the optimizer went
-    # first, as in training, and do not warn about the order
-    optimizer.step()
+
+def _record(
+    optimizer: torch.optim.Optimizer,
+    schedulers: list,
+    total: int,
+    epoch_length: int | None,
+    metrics: Sequence[Mapping[str, float]] | None,
+) -> tuple[list[list[float]], list[list[float]] | None]:
+    """Each group's lr and momentum (None without one) during each of ``total`` iterations,
+    the schedulers stepped as mmengine's ParamSchedulerHook does: iteration-based ones after
+    every iteration, epoch-based ones after every epoch, ``need_val_args`` ones with that
+    epoch's ``metrics``."""
     has_momentum = _momentum(optimizer.param_groups[0]) is not None
     lrs: list[list[float]] = [[] for _ in optimizer.param_groups]
     moms: list[list[float]] = [[] for _ in optimizer.param_groups]
@@ -147,19 +182,18 @@ def simulate(
         for s in schedulers:
             if not s.by_epoch:
                 s.step()
-        if run_epoch_length is not None and (it + 1) % run_epoch_length == 0:
-            epoch = (it + 1) // run_epoch_length - 1
-            for s in schedulers:
-                if s.by_epoch:
-                    s.step()
-            if metrics is not None and epoch < len(metrics):
-                for s in schedulers:
-                    if getattr(s, 'need_val_args', False):
-                        s.step(metrics[epoch])
-    return ScheduleTrace(
-        lr=lrs,
-        momentum=moms if has_momentum else None,
-        epoch_length=run_epoch_length,
-        num_iters=total,
-        scheduler_names=[type(s).__name__ for s in schedulers],
-    )
+        if epoch_length is not None and (it + 1) % epoch_length == 0:
+            _end_epoch(schedulers, (it + 1) // epoch_length - 1, metrics)
+    return lrs, moms if has_momentum else None
+
+
+def _end_epoch(schedulers: list, epoch: int, metrics: Sequence[Mapping[str, float]] | None) -> None:
+    """After epoch ``epoch`` (0-based): the epoch-based schedulers, then the metric-driven
+    ones with that epoch's metrics (when given)."""
+    for s in schedulers:
+        if s.by_epoch:
+            s.step()
+    if metrics is not None and epoch < len(metrics):
+        for s in schedulers:
+            if getattr(s, 'need_val_args', False):
+                s.step(metrics[epoch])

@@ -1,0 +1,109 @@
+"""The training batches: the dataset, the rank's shard (``data.ResumableSampler``), the loader,
+the per-epoch seeding and the skip to a resumed position.
+
+A resumed run reads from the same sample, in the same order, with the same worker seeds as the
+uninterrupted run: the sampler's permutation is drawn from ``seed + epoch``, the loader's
+generator (worker seeds) is seeded with ``seed + epoch`` at each epoch's start, and the first
+epoch after a resume skips the samples already read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from stratagem.registry import DATASETS
+
+from .plan import DataPlan
+
+__all__ = ['Batches', 'build_dataset', 'epoch_length_from_config']
+
+
+def build_dataset(cfg: Any) -> Dataset:
+    """A Dataset instance as is, a DATASETS cfg, or a zero-argument callable returning one."""
+    if isinstance(cfg, Mapping):
+        return DATASETS.build(cfg)
+    if isinstance(cfg, Dataset):
+        return cfg
+    if callable(cfg):
+        return cfg()
+    raise TypeError(
+        'train_dataloader.dataset should be a DATASETS cfg dict, a Dataset or a '
+        f'callable returning one; got {type(cfg).__name__}'
+    )
+
+
+def epoch_length_from_config(cfg: Mapping, world_size: int = 1) -> int | None:
+    """Iterations per epoch of ``cfg.train_dataloader`` (building its dataset), or None."""
+    loader = cfg.get('train_dataloader')
+    if not isinstance(loader, Mapping) or 'dataset' not in loader:
+        return None
+    n = len(build_dataset(loader['dataset']))  # type: ignore[arg-type]
+    per_rank = n // world_size if loader.get('drop_last') else math.ceil(n / world_size)
+    batch = int(loader.get('batch_size', 1))
+    return per_rank // batch if loader.get('drop_last') else math.ceil(per_rank / batch)
+
+
+class Batches:
+    """This rank's training batches. ``epoch_length``: batches per epoch (a ValueError when
+    there is none); :meth:`seed_from` sets the shuffling seed once a resume has restored the
+    run's; :meth:`at` returns iteration ``it``'s batch, iterations being read in order."""
+
+    def __init__(self, plan: DataPlan, strategy: Any) -> None:
+        from stratagem.data import ResumableSampler
+
+        self.plan = plan
+        self.batch_size = plan.batch_size
+        dataset = build_dataset(plan.dataset)
+        self.sampler = ResumableSampler(
+            len(dataset),  # type: ignore[arg-type]
+            strategy.data_parallel_rank,  # the ranks of one tensor group read the same batch
+            strategy.data_parallel_size,
+            shuffle=plan.shuffle,
+            drop_last=plan.drop_last,
+        )
+        # a private generator: creating a loader iterator must not draw from the global RNG,
+        # or a resumed run's random stream would drift from an uninterrupted one
+        self.generator = torch.Generator()
+        self.loader = DataLoader(
+            dataset,
+            batch_size=plan.batch_size,
+            sampler=self.sampler,
+            generator=self.generator,
+            **plan.loader_kwargs,
+        )
+        self.epoch_length = len(self.loader)
+        if self.epoch_length == 0:
+            raise ValueError(
+                f'train_dataloader yields no batch per epoch: {len(dataset)} samples '  # type: ignore[arg-type]
+                f'over {strategy.data_parallel_size} data-parallel rank(s) with '
+                f'batch_size={plan.batch_size} '
+                f'and drop_last={plan.drop_last}; use a smaller '
+                'batch_size or drop_last=False'
+            )
+        self.seed = 0
+        self._iter: Iterator | None = None
+
+    def seed_from(self, strategy: Any) -> int:
+        """The shuffling seed: ``sampler.seed`` of the config, else the run's seed (the same
+        on every rank, also under ``diff_rank_seed``), read after a resume restored it."""
+        self.seed = strategy.randomness['seed'] if self.plan.seed is None else int(self.plan.seed)
+        self.sampler.seed = self.seed
+        return self.seed
+
+    def at(self, it: int) -> Any:
+        """Iteration ``it``'s batch (0-based): a new epoch, or the first batch read, starts an
+        iterator from the epoch's seed and position."""
+        epoch, pos = divmod(it, self.epoch_length)
+        if self._iter is None or pos == 0:
+            self.sampler.set_epoch(epoch)
+            self.sampler.skip(pos * self.batch_size)
+            # worker seeds come from this generator: fix them per epoch, so a resumed
+            # epoch's workers are seeded as the uninterrupted run's were
+            self.generator.manual_seed(self.seed + epoch)
+            self._iter = iter(self.loader)
+        return next(self._iter)

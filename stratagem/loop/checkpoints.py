@@ -1,0 +1,94 @@
+"""Periodic checkpoints and their retention, and the one save every checkpoint of the loop
+goes through (the periodic ones, the last one, a preemption's, the best).
+
+``iter_{N}.pth`` every ``checkpoint_interval`` iterations (or ``default_hooks.checkpoint``'s
+interval), at the end and at a preemption stop; then ``max_keep_ckpts`` keeps the newest,
+never the one resumed from nor the best (the protected files). Each save's ``meta`` holds the
+position (``iter``, ``epoch``) and save_best's best so far, and its time on the loop's thread is
+the meter's stall.
+"""
+
+from __future__ import annotations
+
+import os.path as osp
+import time
+from typing import TYPE_CHECKING, Any
+
+from stratagem import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from .meter import Meter
+    from .validation import BestCheckpoint
+
+__all__ = ['Checkpoints']
+
+
+class Checkpoints:
+    """``every``: iterations between saves (0: only at the end and at a stop);
+    ``max_keep``: None or <= 0 keeps all; ``best``: save_best's state, or None."""
+
+    def __init__(
+        self,
+        strategy: Any,
+        every: int,
+        max_keep: int | None,
+        epoch_length: int,
+        max_iters: int,
+        best: BestCheckpoint | None,
+        meter: Meter,
+    ) -> None:
+        self.strategy, self.every, self.max_keep = strategy, every, max_keep
+        self.epoch_length, self.max_iters = epoch_length, max_iters
+        self.best, self.meter = best, meter
+        self.main = strategy.rank == 0
+        self.saved_at = -1
+
+    def save(self, name: str, it: int) -> str:
+        """Save ``work_dir/name`` after iteration ``it``; returns its path."""
+        meta = {'iter': it, 'epoch': it // self.epoch_length}
+        if self.best is not None:
+            meta.update(self.best.meta())
+        t_save = time.perf_counter()
+        path = self.strategy.save_checkpoint(name, extra_ckpt={'meta': meta})
+        self.meter.add_stall(time.perf_counter() - t_save)
+        return path
+
+    def due(self, it: int, stop: bool) -> bool:
+        """After iteration ``it``: every ``every`` iterations, at the end, at a stop."""
+        return bool(self.every and it % self.every == 0) or it == self.max_iters or stop
+
+    def after_step(self, it: int) -> None:
+        """Save ``iter_{it}.pth``, then apply the retention."""
+        path = self.save(f'iter_{it}.pth', it)
+        self.saved_at = it
+        self.retain()
+        self.strategy.logger.debug('saved %s', path)
+
+    def retain(self) -> None:
+        """``max_keep_ckpts`` (rank 0): the newest ``iter_*`` checkpoints, the protected kept."""
+        if self.main and self.max_keep:
+            ckpt.apply_retention(
+                self.strategy.work_dir,
+                int(self.max_keep),
+                protect=self.protected(),
+                pattern='iter_*',
+            )
+
+    def delete(self, name: str) -> None:
+        """Delete ``work_dir/name`` once every save started before is committed."""
+        self.strategy.wait_for_checkpoints()
+        if self.main:
+            ckpt.delete_checkpoint(osp.join(self.strategy.work_dir, name), protect=self.protected())
+
+    def protected(self) -> list[str]:
+        """The checkpoint resumed from and the best: never deleted."""
+        kept = [self.strategy.resumed_from] if self.strategy.resumed_from else []
+        if self.best is not None and self.best.filename:
+            kept.append(osp.join(self.strategy.work_dir, self.best.filename))
+        return kept
+
+    def finish(self) -> None:
+        """Once the last save is committed: the retention an async save's ``after_step`` ran
+        before its commit (it did not count that one yet)."""
+        if self.strategy.async_checkpoint:
+            self.retain()

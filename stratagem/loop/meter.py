@@ -1,0 +1,175 @@
+"""What a person watches: the loss and the model's other training scalars summed on the device
+each iteration, and, every ``log_interval`` iterations (and at the end and at a stop), their
+means read in one host sync: a row for ``metrics.py`` (log line, ``metrics.csv``,
+TensorBoard), the progress bar's figures (rank 0), and after it the validation's rows and
+lines. Log lines show positions as mmengine does: ``Epoch(train) [1][16/64]`` (epochs
+1-based)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from stratagem.metrics import RunMetrics, format_row
+
+if TYPE_CHECKING:
+    from .validation import Validation
+
+__all__ = ['Meter']
+
+
+class Meter:
+    """A context manager: the metrics writers and the bar are open inside it.
+
+    ``batch_size``: per rank; ``start_iter``: where the bar starts (a resumed run's
+    position); ``metrics``: ``train_cfg.metrics``; ``progress``: a bar on rank 0 (a bar on a
+    terminal, whole lines every 30 s when stderr is a file or a pipe)."""
+
+    def __init__(
+        self,
+        strategy: Any,
+        optim_wrapper: Any,
+        device: torch.device,
+        *,
+        batch_size: int,
+        epoch_length: int,
+        max_iters: int,
+        start_iter: int,
+        log_interval: int,
+        by_epoch: bool,
+        metrics: Any,
+        progress: bool,
+    ) -> None:
+        self.strategy, self.optim_wrapper, self.device = strategy, optim_wrapper, device
+        self.log = strategy.logger
+        self.main = strategy.rank == 0
+        self.batch_size, self.epoch_length, self.max_iters = batch_size, epoch_length, max_iters
+        self.log_interval, self.by_epoch = log_interval, by_epoch
+        self.metrics_cfg, self.progress = metrics, progress
+        wrappers = getattr(optim_wrapper, 'values', lambda: [optim_wrapper])()
+        self.first_wrapper = next(iter(wrappers))
+        self.losses: list[tuple[int, float]] = []
+        self.loss_sum = torch.zeros((), device=device)
+        # the model's other training scalars (acc, ...): sums and counts since the last row
+        self.extra_sums: dict[str, torch.Tensor] = {}
+        self.extra_counts: dict[str, int] = {}
+        self.logged_at, self.logged_t = start_iter, time.perf_counter()
+        self.bar: Any = None
+        self.metrics: RunMetrics
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Meter:
+        with contextlib.ExitStack() as stack:
+            self.metrics = RunMetrics(
+                self.strategy.log_dir,
+                self.strategy.data_parallel_size * self.batch_size,
+                enabled=self.main,
+                cfg=self.metrics_cfg,
+                logger=self.log,
+            )
+            stack.callback(self.metrics.close)
+            if self.progress and self.main:
+                from stratagem.progress import logging_above, progress_bar
+
+                self.bar = progress_bar(self.max_iters, self.logged_at, file=sys.stderr)
+                stack.enter_context(logging_above(self.bar, self.log))  # logs print above it
+                stack.callback(self.bar.close)
+            self._stack = stack.pop_all()
+        self.logged_t = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def saw_batch(self, batch: Any) -> None:
+        """The first batch tells the tokens per sample (token data only)."""
+        if self.metrics.tokens is None:
+            self.metrics.saw_batch(batch)
+
+    def after_step(self, loss: torch.Tensor, extras: dict[str, Any]) -> None:
+        """Add one iteration's loss and scalars, in place: no host sync."""
+        self.loss_sum.add_(loss)
+        for name, value in extras.items():
+            total = self.extra_sums.get(name)
+            if total is None:
+                total = self.extra_sums[name] = torch.zeros((), device=self.device)
+            total.add_(value.detach() if isinstance(value, torch.Tensor) else float(value))
+            self.extra_counts[name] = self.extra_counts.get(name, 0) + 1
+
+    def add_stall(self, seconds: float) -> None:
+        """Time the loop spent saving a checkpoint: the next row's ``checkpoint_stall_s``."""
+        self.metrics.add_stall(seconds)
+
+    def due(self, it: int, stop: bool) -> bool:
+        """After iteration ``it``: every ``log_interval`` iterations, at the end, at a stop."""
+        return it % self.log_interval == 0 or it == self.max_iters or stop
+
+    def log_row(self, it: int) -> None:
+        """The row of the iterations since the last one: its means (the one host sync), the
+        metrics writers, the bar's figures, the log line."""
+        loss, extras = self._means(it)
+        self.losses.append((it, loss))
+        lr0 = next(iter(self.optim_wrapper.get_lr().values()))[0]
+        now = time.perf_counter()
+        epoch = (it - 1) // self.epoch_length + 1  # the 1-based epoch of this iteration
+        row = self.metrics.write(
+            it,
+            epoch,
+            loss,
+            lr0,
+            getattr(self.first_wrapper, 'last_grad_norm', None),
+            it - self.logged_at,
+            now - self.logged_t,
+            self.device,
+            extras,
+        )
+        self.logged_at, self.logged_t = it, now
+        if self.bar is not None:
+            self.bar.set_postfix(
+                loss=f'{loss:.4f}',
+                lr=f'{lr0:.3g}',
+                epoch=epoch,
+                samples_s=f'{row["samples_per_s"]:.0f}',
+            )
+        self.log.info(self._position(it) + ' ' + format_row(row))
+
+    def after_iteration(self, it: int, validation: Validation | None) -> None:
+        """A validation of this iteration (rows and lines after its train row), the bar."""
+        done = validation.take() if validation is not None else None
+        if done is not None:
+            values, lines = done
+            self.metrics.write_val(it, (it - 1) // self.epoch_length + 1, values)
+            for line in lines:
+                self.log.info(line)
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def _means(self, it: int) -> tuple[float, dict[str, float]]:
+        """The loss's and the other scalars' means since the last row, read in one host sync;
+        the sums start again from zero."""
+        sums = torch.stack([self.loss_sum.float(), *(v.float() for v in self.extra_sums.values())])
+        loss, *extra_values = sums.tolist()
+        loss /= it - self.logged_at
+        extras = {
+            name: v / self.extra_counts[name]
+            for name, v in zip(self.extra_sums, extra_values)
+            if self.extra_counts.get(name)
+        }
+        self.loss_sum.zero_()
+        for total in self.extra_sums.values():
+            total.zero_()
+        self.extra_counts.clear()
+        return loss, extras
+
+    def _position(self, it: int) -> str:
+        """mmengine's ``Epoch(train) [2][4/6]`` (1-based epoch) or ``Iter(train) [10/24]``,
+        with the run's iteration (or epoch) after it."""
+        epoch = (it - 1) // self.epoch_length + 1
+        if self.by_epoch:
+            at = it - (epoch - 1) * self.epoch_length
+            return f'Epoch(train) [{epoch}][{at}/{self.epoch_length}] iter {it}/{self.max_iters}'
+        return f'Iter(train) [{it}/{self.max_iters}] epoch {epoch}'

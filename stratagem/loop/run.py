@@ -1,0 +1,238 @@
+"""``train``: the run plan read once, the collaborators built from it, then the loop, which
+calls them in one fixed order after each iteration (see the package's docstring)."""
+
+from __future__ import annotations
+
+import contextlib
+import os.path as osp
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stratagem.config import Config, config_search_dirs, import_custom_modules
+from stratagem.env.preemption import Preemption, clear_marker
+from stratagem.env.watchdog import Watchdog
+
+from .batches import Batches
+from .checkpoints import Checkpoints
+from .meter import Meter
+from .plan import RunPlan, check_train_config, dist_timeout, strategy_config
+from .schedulers import Schedulers
+from .step import Step, build_step
+from .validation import BestCheckpoint, Validation
+
+__all__ = ['train']
+
+
+def train(
+    cfg: Config | Mapping,
+    *,
+    resume: bool | str = False,
+    load_from: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train from ``cfg``; returns ``{'strategy', 'losses' (per logged iteration), 'val'
+    (``(iter, {name: mean})`` per validation), 'best' (``save_best``'s metric, rule, score
+    and checkpoint file name, else None), 'iter', 'preempted'}`` (``preempted``: the signal
+    that stopped the run early, else None)."""
+    cfg = cfg if isinstance(cfg, Config) else Config(cfg)
+    # a config given as a dict has not been through Config.fromfile: its own modules now
+    import_custom_modules(cfg.get('custom_imports'), config_search_dirs(cfg))
+    plan = check_train_config(cfg)
+    # mmengine's top-level load_from / resume, unless the caller (--load-from, --resume) says
+    resume = resume or plan.resume
+    load_from = load_from if load_from is not None else plan.load_from
+    # handlers from the start: a signal while the strategy is built is not lost (the loop
+    # stops after its first iteration); restored however train() ends
+    stops = Preemption.from_config(plan.preemption) if plan.preemption is not None else None
+    with stops if stops is not None else contextlib.nullcontext():
+        parts = _build(strategy_config(cfg), plan, resume, load_from, progress)
+        return _loop(parts, stops)
+
+
+@dataclass
+class _Parts:
+    """The run's collaborators, built once (:func:`_build`)."""
+
+    strategy: Any
+    model: torch.nn.Module
+    optim_wrapper: Any
+    start_iter: int
+    max_iters: int
+    batches: Batches
+    step: Step
+    schedulers: Schedulers
+    validation: Validation | None
+    best: BestCheckpoint | None
+    checkpoints: Checkpoints
+    meter: Meter
+    timeout: float
+
+
+def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
+    """The iterations from ``p.start_iter`` to ``p.max_iters``, each followed by the
+    collaborators in a fixed order: schedulers, (the agreed preemption stop), validation and
+    the best checkpoint, the periodic checkpoint, the meter's row, the validation's lines.
+    A preemption stop ends the loop after its iteration's checkpoint."""
+    signalled = _arm_preemption(preemption, p) if preemption is not None else None
+    it, preempted = p.start_iter, None
+    p.model.train()
+    # the meter's bar and writers close, and the log redirection ends, however the loop ends
+    with p.meter, Watchdog(p.timeout, signalled=signalled) as watchdog:
+        while it < p.max_iters:
+            watchdog.at(it + 1, 'loading data')
+            batch = p.batches.at(it)
+            p.meter.saw_batch(batch)
+            watchdog.at(it + 1, 'forward, backward, update')
+            p.meter.after_step(*p.step(batch))
+            it += 1
+            p.schedulers.after_step(it)
+            stop = preemption is not None and preemption.should_stop(it)
+            if p.validation is not None and p.validation.due(it):
+                watchdog.at(it, 'validating')
+                values = p.validation.run(p.model, it)
+                p.schedulers.after_validation(values)
+                if p.best is not None and p.best.due(values):
+                    watchdog.at(it, 'saving the best checkpoint')
+                    p.validation.lines.append(p.best.save(it, values, p.checkpoints))
+            if p.checkpoints.due(it, stop):
+                watchdog.at(it, 'saving a checkpoint')
+                p.checkpoints.after_step(it)
+            if p.meter.due(it, stop):
+                p.meter.log_row(it)
+            p.meter.after_iteration(it, p.validation)
+            if stop and it < p.max_iters:
+                assert preemption is not None and p.checkpoints.saved_at == it
+                preempted = preemption.received
+                p.strategy.logger.warning(
+                    f'preemption ({preempted}): stopping after iteration {it}/{p.max_iters}'
+                )
+                break
+        watchdog.at(it, 'waiting for the last checkpoint')
+        p.strategy.wait_for_checkpoints()  # async saves: the last one committed, or its error
+    if preempted is not None:
+        assert preemption is not None
+        _finish_preempted(preemption, preempted, p.strategy, it)
+    p.checkpoints.finish()
+    return {
+        'strategy': p.strategy,
+        'losses': p.meter.losses,
+        'val': p.validation.history if p.validation is not None else [],
+        'best': None if p.best is None or p.best.filename is None else p.best.meta()['best'],
+        'iter': it,
+        'preempted': preempted,
+    }
+
+
+def _build(
+    strategy_cfg: dict, plan: RunPlan, resume: bool | str, load_from: str | None, progress: bool
+) -> _Parts:
+    """The strategy, the data, the prepared model, optim wrapper and schedulers, the resumed
+    position, and the collaborators over them."""
+    from stratagem.strategies import build_strategy
+
+    strategy = build_strategy(strategy_cfg)
+    batches = Batches(plan.data, strategy)
+    epoch_length = batches.epoch_length
+    max_iters, max_epochs = plan.run_length(epoch_length)
+    every = plan.checkpoints.every(epoch_length)
+    prepared = strategy.prepare(
+        plan.model,
+        optim_wrapper=plan.optim_wrapper,
+        param_scheduler=plan.param_scheduler,
+        compile=plan.compile,
+        dispatch_kwargs=dict(
+            max_iters=max_iters,
+            max_epochs=max_epochs,
+            epoch_length=epoch_length,
+            train_micro_batch_size_per_gpu=batches.batch_size,
+        ),
+    )
+    model, optim_wrapper = prepared[0], prepared[1]
+    checkpoint = strategy.load_or_resume(
+        load_from=load_from, resume=resume, refit_schedulers=plan.refit_schedulers
+    )
+    meta = (checkpoint.get('meta') or {}) if checkpoint is not None and resume else None
+    start_iter, max_iters = _resumed_position(meta, max_iters)
+    seed = batches.seed_from(strategy)  # after a resume restored the run's seed
+    device = _model_device(model)
+    best = BestCheckpoint(plan.best) if plan.best is not None else None
+    if best is not None and meta is not None:
+        best.restore(meta)
+    validation = None
+    if plan.validation is not None:
+        validation = Validation(
+            plan.validation, strategy, seed, device, epoch_length, max_iters, plan.by_epoch
+        )
+    meter = Meter(
+        strategy,
+        optim_wrapper,
+        device,
+        batch_size=batches.batch_size,
+        epoch_length=epoch_length,
+        max_iters=max_iters,
+        start_iter=start_iter,
+        log_interval=plan.log_interval,
+        by_epoch=plan.by_epoch,
+        metrics=plan.metrics,
+        progress=progress,
+    )
+    return _Parts(
+        strategy=strategy,
+        model=model,
+        optim_wrapper=optim_wrapper,
+        start_iter=start_iter,
+        max_iters=max_iters,
+        batches=batches,
+        step=build_step(strategy, model, validation.loader if validation else None),
+        schedulers=Schedulers(prepared[2] if len(prepared) > 2 else [], epoch_length),
+        validation=validation,
+        best=best,
+        checkpoints=Checkpoints(
+            strategy, every, plan.checkpoints.max_keep, epoch_length, max_iters, best, meter
+        ),
+        meter=meter,
+        timeout=dist_timeout(strategy_cfg),
+    )
+
+
+def _resumed_position(meta: dict | None, max_iters: int) -> tuple[int, int]:
+    """``(start_iter, max_iters)`` after a resume (``meta``: the resumed checkpoint's), in
+    this run's units: a resume at another world size converted the position, and an
+    iteration-counted ``max_iters`` (``meta['world_size_change']['max_iters']``: saved, here),
+    so that exactly the samples left are read."""
+    if meta is None:
+        return 0, max_iters
+    change = meta.get('world_size_change') or {}
+    converted = change.get('max_iters')
+    return int(meta.get('iter', 0)), int(converted[1]) if converted else max_iters
+
+
+def _arm_preemption(preemption: Preemption, p: _Parts) -> Any:
+    """Fit the preemption to the run (its lead, no stale marker); returns the watchdog's
+    ``signalled``: a signal while a peer is dead (torchrun tearing the group down) ends the
+    rank at once, no save."""
+    # ranks drift apart by at most one accumulation window between two collectives
+    wrappers = getattr(p.optim_wrapper, 'values', lambda: [p.optim_wrapper])()
+    preemption.lead = max(getattr(w, 'accumulative_counts', 1) for w in wrappers) + 1
+    if p.strategy.rank == 0:
+        clear_marker(p.strategy.work_dir)
+    return preemption.pending
+
+
+def _finish_preempted(preemption: Preemption, signal: str, strategy: Any, it: int) -> None:
+    """After a preemption stop: requeue (Slurm) and the marker for the launching parent."""
+    preemption.finish(strategy.work_dir, osp.join(strategy.work_dir, f'iter_{it}.pth'),
+                      strategy.rank)  # fmt: skip
+    strategy.logger.warning(
+        f'preempted by {signal}: checkpoint iter_{it}.pth committed; exit status '
+        f'{preemption.exit_code}'
+    )
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device('cpu')

@@ -1,0 +1,39 @@
+"""The parameter schedulers' three kinds of steps, as mmengine's ParamSchedulerHook takes them:
+iteration-based ones after every iteration, epoch-based ones after an epoch's last iteration,
+metric-driven ones (ReduceOnPlateau: ``need_val_args``) with each validation's values."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ['Schedulers']
+
+
+class Schedulers:
+    """``schedulers``: what ``strategy.prepare`` built (a list, or a dict of lists per
+    optimizer); ``epoch_length``: iterations per epoch."""
+
+    def __init__(self, schedulers: Any, epoch_length: int) -> None:
+        if isinstance(schedulers, Mapping):
+            self.all = [s for v in schedulers.values() for s in v]
+        else:
+            self.all = list(schedulers or [])
+        self.epoch_length = epoch_length
+
+    def after_step(self, it: int) -> None:
+        """After iteration ``it`` (1-based): the iteration-based ones, then, at an epoch's
+        end, the epoch-based ones."""
+        for s in self.all:
+            if not s.by_epoch:
+                s.step()
+        if it % self.epoch_length == 0:
+            for s in self.all:
+                if s.by_epoch:
+                    s.step()
+
+    def after_validation(self, values: Mapping[str, float]) -> None:
+        """The metric-driven ones, with the validation's means."""
+        for s in self.all:
+            if getattr(s, 'need_val_args', False):
+                s.step(values)
