@@ -88,7 +88,7 @@ def _build(kind, work_dir, optimizer=ADAM, sched=False, strategy=None, **wrapper
 
 
 def _scheds(s):
-    return getattr(s, 'param_schedulers', ())
+    return s.param_schedulers or ()
 
 
 def _weights(s):
