@@ -362,7 +362,10 @@ class BaseStrategy(ABC):
         built: every lr scaled once (``auto_scale_lr``), the accumulation counters set
         (``max_iters`` from ``dispatch_kwargs``). ``prepare`` calls it; call it yourself
         for a wrapper built outside ``prepare`` (a host trainer's optimizer, over the
-        parameters ``prepare(model)`` returned). Returns ``optim_wrapper``."""
+        parameters ``prepare(model)`` returned). Attaching the wrapper already attached
+        changes nothing (its lr is scaled once). Returns ``optim_wrapper``."""
+        if optim_wrapper is self.optim_wrapper:
+            return optim_wrapper
         self.optim_wrapper = optim_wrapper
         self._scale_lr()
         initialize_accumulation(wrappers_of(optim_wrapper), self.model, 0, self.dispatch_kwargs)
