@@ -1,6 +1,8 @@
-"""DeepSpeedStrategy on 2 gloo processes (CPU): ZeRO 0-3 against one process, accumulation,
+"""DeepSpeedStrategy on 2 gloo processes (CPU): ZeRO-0 against one process, accumulation,
 clipping and schedulers against the OptimWrapper oracle, checkpoints (exact resume, 2 -> 1,
-tampering, conversion).
+tampering, conversion, async errors). ZeRO 1-3 equal to one process (accumulation, clipping,
+schedulers), the refused mid-window save and the exact resume, the async save and the
+cross-backend loads are their rows of the conformance table (test_conformance.py).
 
 Processes start at most twice for the module (2 ranks, then 1 rank to resume at another world
 size), and every check runs inside them as a scenario (tests/scenarios.py), several engines
@@ -122,10 +124,11 @@ def _train(s, model, ow, scheds, start, stop, rank, updates=None):
 
 @SCENARIOS.add('ranks')
 def zero_stages(tmp):
-    """ZeRO 0-3, fp32, torch Adam: 3 steps equal one process on the whole batch."""
+    """ZeRO-0 (1-3: the conformance table), fp32, torch Adam: 3 steps equal one process on
+    the whole batch."""
     out = {}
     ref, _, _ = _oracle(3, schedulers=False)
-    for stage in (0, 1, 2, 3):
+    for stage in (0,):
         s = _strategy(os.path.join(tmp, f'z{stage}'), zero_optimization=dict(stage=stage))
         model, ow = s.prepare(
             _net(),
@@ -186,7 +189,7 @@ def _accumulation_clipping_schedulers(tmp, stage):
     }
 
 
-for _stage in (0, 2, 3):
+for _stage in (0,):  # 2 and 3: the conformance table
     SCENARIOS.add('ranks', name=f'accumulation_{_stage}')(
         functools.partial(_accumulation_clipping_schedulers, stage=_stage)
     )
@@ -328,7 +331,7 @@ def _save_resume_exact(tmp, stage):
     return out
 
 
-for _stage in (2, 3):
+for _stage in (2,):  # 3: the conformance table
     SCENARIOS.add('ranks', name=f'save_resume_{_stage}')(
         functools.partial(_save_resume_exact, stage=_stage)
     )
@@ -482,7 +485,7 @@ def _async_save_is_the_state_at_the_call(tmp, stage):
     return r
 
 
-for _stage in (1, 3):
+for _stage in (3,):  # 1: the conformance table
     SCENARIOS.add('ranks', name=f'async_{_stage}')(
         functools.partial(_async_save_is_the_state_at_the_call, stage=_stage)
     )
@@ -676,10 +679,9 @@ def scenarios(request, tmp_path_factory):
 def test_zero_stages_equal_one_process(scenario):
     for out in scenario:
         assert (out['rank'], out['world']) in ((0, 2), (1, 2))
-        for stage in (0, 1, 2, 3):
-            assert out[f'zero{stage}_diff'] < 1e-6, (stage, out[f'zero{stage}_diff'])
-            # written explicitly: DeepSpeed's default gradient_clipping=1.0 would clip
-            assert out[f'zero{stage}_gas_clip'] == (1, 0.0)
+        assert out['zero0_diff'] < 1e-6, out['zero0_diff']
+        # written explicitly: DeepSpeed's default gradient_clipping=1.0 would clip
+        assert out['zero0_gas_clip'] == (1, 0.0)
 
 
 @pytest.mark.scenario('bf16')
@@ -690,7 +692,7 @@ def test_bf16_runs_within_tolerance(scenario):
         assert 0 < out['bf16_diff'] < 2e-2, out['bf16_diff']
 
 
-@pytest.mark.parametrize('stage', [0, 2, 3])
+@pytest.mark.parametrize('stage', [0])
 @pytest.mark.scenario('accumulation_{stage}')
 def test_accumulation_clipping_schedulers_equal_optim_wrapper(scenario, stage):
     outs = scenario
@@ -741,7 +743,7 @@ def test_mmengine_config_builds_and_trains(scenario):
         assert out['mm_updates'] == 2
 
 
-@pytest.mark.parametrize('stage', [2, 3])
+@pytest.mark.parametrize('stage', [2])
 @pytest.mark.scenario('save_resume_{stage}')
 def test_save_resume_exact_at_two_ranks(scenario, stage):
     outs = scenario
@@ -779,7 +781,7 @@ def test_tampered_shard_refused_before_unpickling(scenario):
         assert out['pwned'] is False  # the payload never ran
 
 
-@pytest.mark.parametrize('stage', [1, 3])
+@pytest.mark.parametrize('stage', [3])
 @pytest.mark.scenario('async_{stage}')
 def test_async_save_overlaps_training_and_resumes_exactly(scenario, stage):
     for rank, r in enumerate(scenario):
@@ -846,27 +848,25 @@ def test_resume_at_another_world_size(scenario):
     assert _max_diff(one['final'], outs[0]['resume2']['final']) < 1e-6
 
 
-@pytest.mark.parametrize('stage', [2, 3])
-@pytest.mark.scenario('save_resume_{stage}')
-def test_convert_to_single_file_loads_in_single_device(scenario, stage, tmp_path):
+@pytest.mark.scenario('save_resume_2')
+def test_convert_to_single_file_loads_in_single_device(scenario, tmp_path):
+    """The command and the function (a ZeRO-3 directory read whole: the conformance table's
+    loads from deepspeed_zero3)."""
     from stratagem.cli import main
     from stratagem.strategies import SingleDeviceStrategy
     from stratagem.strategies.deepspeed.files import convert_zero_checkpoint
 
-    outs = scenario
-    src = outs[0][f'resume{stage}']['path']
-    dst = tmp_path / f'single{stage}.pth'
-    if stage == 2:  # the command and the function
-        assert main(['convert', src, str(dst)]) == 0
-    else:
-        convert_zero_checkpoint(src, dst)
-    s = SingleDeviceStrategy(work_dir=str(tmp_path / f'w{stage}'))
-    s.prepare(_net())
-    s.load_checkpoint(str(dst), strict=True)
-    got = s.model.state_dict()
-    want = outs[0][f'resume{stage}']['saved']
-    assert all(torch.equal(got[k], want[k]) for k in want)
-    assert torch.load(dst, weights_only=True)['meta']['iter'] == SAVE_AT
+    src, want = scenario[0]['resume2']['path'], scenario[0]['resume2']['saved']
+    by_command, by_function = tmp_path / 'command.pth', tmp_path / 'function.pth'
+    assert main(['convert', src, str(by_command)]) == 0
+    convert_zero_checkpoint(src, by_function)
+    for dst in (by_command, by_function):
+        s = SingleDeviceStrategy(work_dir=str(tmp_path / dst.stem))
+        s.prepare(_net())
+        s.load_checkpoint(str(dst), strict=True)
+        got = s.model.state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert torch.load(dst, weights_only=True)['meta']['iter'] == SAVE_AT
 
 
 # ---------------------------------------------------------------- one process, no DeepSpeed engine

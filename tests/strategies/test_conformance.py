@@ -1,0 +1,154 @@
+"""The backend conformance table (conformance.py): one test per row and column, so a failure
+names the backend and the check (``pytest -k 'resume and fsdp'`` runs that cell and what it
+needs)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conformance import (
+    BACKENDS,
+    FLEXIBLE,
+    PAIRS,
+    SCENARIOS,
+    STOP,
+    manifest_of,
+    reference,
+)
+
+# the module's spawns run in the setup of its first test: all of the table's rows at once
+pytestmark = pytest.mark.timeout(1500)
+
+
+@pytest.fixture(scope='module')
+def scenarios(request, tmp_path_factory):
+    return SCENARIOS.run(request, tmp_path_factory.mktemp('conformance'))
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in b)
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize('backend', list(BACKENDS))
+@pytest.mark.scenario('equal.{backend}')
+def test_equals_one_process(scenario, backend):
+    ref, tol = reference(), BACKENDS[backend].equal_tol
+    assert [r['world'] for r in scenario] == [BACKENDS[backend].nproc] * len(scenario)
+    for r in scenario:
+        assert _max_diff(r['weights'], ref['weights']) <= tol
+        # what each update saw: the pre-clip norm of the whole batch, the scheduled lr
+        assert r['norms'] == pytest.approx(ref['norms'], rel=1e-5)
+        assert r['lrs'] == pytest.approx(ref['lrs'], rel=1e-12)
+        assert len(r['lrs']) == 4  # the tail window [6, 7) updated too
+        assert max(r['norms']) > 0.5  # clipping was active
+    # each rank's loss is its share's mean: their mean is the whole batch's
+    losses = [sum(values) / len(values) for values in zip(*(r['losses'] for r in scenario))]
+    assert losses == pytest.approx(ref['losses'], rel=1e-6)
+    assert _max_diff(scenario[0]['weights'], ref['init']) > 1e-2  # it trained
+
+
+@pytest.mark.parametrize('backend', list(BACKENDS))
+@pytest.mark.scenario('resume.{backend}')
+def test_resume_mid_accumulation_window_is_exact(scenario, backend):
+    row = BACKENDS[backend]
+    for r in scenario:
+        if row.saves_mid_window:
+            assert r['save_at'] == STOP and r['refused'] is None
+        else:  # refused before anything is written; saved at the window's end instead
+            assert f'iteration {STOP}' in r['refused'] and 'accumulative_counts=2' in r['refused']
+            assert r['after_refusal'] == [] and r['save_at'] == STOP + 1
+        resumed = r['resumed']
+        assert resumed['iter'] == r['save_at']
+        assert torch.equal(resumed['probe'], r['probe'])  # the global RNG came back
+        assert _same(resumed['final'], r['final']) and resumed['lr'] == r['lr']
+        assert not _same(r['final'], r['at_save'])  # it trained after the save
+    if row.nproc > 1:  # per-rank seeds: the ranks drew their own batches
+        assert not torch.equal(scenario[0]['probe'], scenario[1]['probe'])
+
+
+@pytest.mark.parametrize('backend', list(BACKENDS))
+@pytest.mark.scenario('async.{backend}')
+def test_async_save_is_the_state_at_the_call(scenario, backend):
+    for rank, r in enumerate(scenario):
+        run = scenario.needs[f'resume.{backend}'][rank]
+        # the write waited while the run trained on and overwrote its weights
+        assert r['pending'] and not r['exists_meanwhile']
+        assert r['iter'] == run['save_at']
+        # resumed, it ends where the uninterrupted run ended: weights, optimizer, schedulers,
+        # counters and RNG were those at the call
+        assert torch.equal(r['probe'], run['probe'])
+        assert _same(r['final'], run['final'])
+
+
+@pytest.mark.parametrize('source, target', PAIRS, ids=[f'{a}->{b}' for a, b in PAIRS])
+@pytest.mark.scenario('load.{target}')
+def test_loads_weights_of(scenario, source, target):
+    for r in scenario:
+        got = r[source]
+        assert got['reset'] and got['moved'] and got['equal'], got
+
+
+@pytest.mark.parametrize('backend', FLEXIBLE)
+@pytest.mark.scenario('flexible.{backend}')
+def test_flexible_runner_resume_equals_uninterrupted_run(scenario, backend):
+    nproc = BACKENDS[backend].nproc
+    root = scenario.tmp / backend / 'flexible'
+    iters_per_epoch = 32 // 4 // nproc
+    for rank, result in enumerate(scenario):
+        resumed, straight = result['resumed'], result['straight']
+        assert (result['rank'], result['world']) == (rank, nproc)
+        assert resumed['resumed_from'] == str(root / 'split' / 'epoch_3.pth')
+        assert straight['resumed_from'] is None
+        for run in (resumed, straight):
+            assert run['step_on_wrapper'], 'step_on_wrapper'
+            assert run['grads_left'] == [], 'grads_left'
+        assert result['epoch_3_meta'] == {'epoch': 3, 'iter': 3 * iters_per_epoch}
+        assert (resumed['iter'], resumed['epoch']) == (4 * iters_per_epoch, 4)
+        # bit-exact: weights, momentum buffers, lr, scheduler states, counters
+        for key in ('weights', 'momentum', 'lr', 'schedulers', 'iter', 'epoch'):
+            assert resumed[key] == straight[key], key
+        assert resumed['lr'] == [pytest.approx(0.05 * 0.1 * 0.1)]  # both milestones passed
+        # the message hub's history came back through the checkpoint and went on
+        assert len(result['epoch_3_lr_history']) == 3 * iters_per_epoch
+        assert resumed['lr_history'] == straight['lr_history']
+        assert resumed['lr_history'][: 3 * iters_per_epoch] == result['epoch_3_lr_history']
+    for name in ('epoch_1.pth', 'epoch_4.pth'):
+        manifest = manifest_of(root / 'split' / name)
+        assert 'mmengine.logging.history_buffer.HistoryBuffer' in manifest['safe_globals']
+        assert manifest['world_size'] == nproc
+    final = root / 'split' / 'epoch_4.pth'
+    if final.is_dir():  # our state's file inside a directory checkpoint (FSDP, DeepSpeed)
+        final = next(
+            final / name
+            for name in ('extra.pth', 'stratagem_state.pth')
+            if (final / name).is_file()
+        )
+    _check_load_without_integration(final)
+
+
+def _check_load_without_integration(path):
+    """A process that has not imported the integration names what it lacks."""
+    from stratagem.checkpoint import UnsafeCheckpointError, get_safe_globals, load_checkpoint_file
+
+    if 'mmengine.logging.history_buffer.HistoryBuffer' in get_safe_globals():
+        probe = (
+            'from stratagem.checkpoint import load_checkpoint_file\n'
+            f'try:\n    load_checkpoint_file({str(path)!r})\n'
+            'except Exception as e:\n    print(type(e).__name__, e)'
+        )
+        out = subprocess.run(
+            [sys.executable, '-c', probe], capture_output=True, text=True, check=True
+        ).stdout
+    else:  # this process has not: check here, which saves starting an interpreter
+        with pytest.raises(UnsafeCheckpointError) as info:
+            load_checkpoint_file(path)
+        out = f'{type(info.value).__name__} {info.value}'
+    assert out.startswith('UnsafeCheckpointError')
+    assert 'holds mmengine.logging.history_buffer.HistoryBuffer' in out
+    assert 'import stratagem.integrations.mmengine' in out
