@@ -1,5 +1,6 @@
 # The two commands of the README: `make demo` and `make test` (and `make lint`, which CI runs first,
-# and `make docs`, the documentation site, which CI builds after the tests).
+# `make test-slow`, the second tier of tests, which CI runs after `make test`, `make test-all`,
+# both tiers, and `make docs`, the documentation site, which CI builds after the tests).
 # Both create .venv if missing and install torch first ($(TORCH_SPEC)), then the package;
 # a stamp file makes the second run skip the installs.
 PYTHON ?= python3
@@ -21,7 +22,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 QUIET := { grep -v "is ignored" || true; }
 
-.PHONY: demo test lint docs venv clean bench
+.PHONY: demo test test-slow test-all lint docs venv clean bench
 
 venv: $(STAMP)
 
@@ -38,8 +39,19 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m stratagem demo
 
+# two tiers (the `slow` marker, pyproject.toml): `make test` runs every behaviour at least once
+# within 10 minutes on 2 cores; `make test-slow` the rest (soaks, repetition-heavy variants,
+# the checks too slow for the first); `make test-all` both in one session
+PYTEST := OMP_NUM_THREADS=1 MPLBACKEND=Agg $(PY) -m pytest -q -p no:cacheprovider --durations=20
+
 test: $(STAMP)
-	OMP_NUM_THREADS=1 MPLBACKEND=Agg $(PY) -m pytest -q -p no:cacheprovider --durations=20 tests
+	$(PYTEST) -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(PYTEST) -m slow tests
+
+test-all: $(STAMP)
+	$(PYTEST) tests
 
 LINT_PATHS := stratagem tests benchmarks examples
 

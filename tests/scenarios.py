@@ -117,7 +117,10 @@ class Scenarios:
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator: the function is the scenario ``name`` (default: its own name) of
         ``spawn``, called as ``fn(tmp, **{need: that need's value on this rank})``. A need
-        is added before (in this spawn or an earlier one). Returns the function."""
+        is added before (in this spawn or an earlier one). A need of one rank (or of the test
+        process) gives its value to every rank; a rank that a need's spawn did not have (a
+        4-rank scenario needing a 2-rank one) gets None, once the need succeeded on all of
+        its ranks. Returns the function."""
 
         def register(fn: Callable[..., Any]) -> Callable[..., Any]:
             key = name or fn.__name__.lstrip('_')
@@ -312,7 +315,11 @@ def _run_one(scenarios: Scenarios, name: str, tmp: str, rank: int) -> None:
     values, missing = {}, []
     for need in scenario.needs:
         nproc = max(1, scenarios.spawns[scenarios.scenarios[need].spawn]['nproc'])
-        status, value = _read(tmp, need, rank if nproc > 1 else 0)
+        if nproc == 1 or rank < nproc:
+            status, value = _read(tmp, need, rank if nproc > 1 else 0)
+        else:  # the need ran on fewer ranks: this rank has no value of it
+            failed = [r for r in range(nproc) if _read(tmp, need, r)[0] != 'ok']
+            status, value = ('error' if failed else 'ok'), None
         if status != 'ok':
             missing.append(need)
         values[need] = value

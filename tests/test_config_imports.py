@@ -134,7 +134,7 @@ def test_dotted_type_builds_in_every_registry_without_registration(tmp_path, iso
     assert import_dotted('torch.nn.Linear') is torch.nn.Linear
 
 
-def test_dotted_type_errors_name_the_module(tmp_path, isolated_path):
+def test_dotted_type_errors_name_the_module(tmp_path, isolated_path, monkeypatch):
     name = isolated_path
     with pytest.raises(RegistryError) as err:
         MODELS.build(dict(type='no_such_pkg_xyz.models.Net'))
@@ -144,6 +144,6 @@ def test_dotted_type_errors_name_the_module(tmp_path, isolated_path):
     with pytest.raises(ImportError, match=r"'torch\.nn' has no attribute 'NoSuchLayer'"):
         MODELS.build(dict(type='torch.nn.NoSuchLayer'))
     write_package(tmp_path, name, extra='raise RuntimeError("broken on purpose")')
-    sys.path.append(str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ImportError, match=rf"importing module '{name}' failed in its own code"):
         MODELS.build(dict(type=f'{name}.Net'))

@@ -4,7 +4,6 @@ kept apart from retention, mmengine's hook keys read or refused."""
 
 import csv
 import importlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,14 +31,16 @@ def _column(rows, name):
     return {int(r['iter']): float(r[name]) for r in rows if r.get(name, '') != ''}
 
 
-def _byo_means(state_dict):
+@pytest.fixture
+def tinyproj(monkeypatch):
+    """examples/byo's ``tinyproj``, imported with its folder on sys.path for this test only."""
+    monkeypatch.syspath_prepend(str(BYO))
+    return importlib.import_module('tinyproj')
+
+
+def _byo_means(tinyproj, state_dict):
     """val loss and acc of tinyproj's TinyNet with ``state_dict`` over the whole 50-sample
     set of examples/byo/config.py, in one process, in one batch."""
-    sys.path.insert(0, str(BYO))
-    try:
-        tinyproj = importlib.import_module('tinyproj')
-    finally:
-        sys.path.remove(str(BYO))
     model = tinyproj.TinyNet(in_features=8, hidden=32, num_classes=3)
     model.load_state_dict(state_dict)
     data = tinyproj.Blobs(num_samples=50, seed=1)
@@ -50,7 +51,7 @@ def _byo_means(state_dict):
     return loss, acc
 
 
-def test_byo_two_processes_validation_means_best_checkpoint_and_tensorboard(tmp_path):
+def test_byo_two_processes_validation_means_best_checkpoint_and_tensorboard(tmp_path, tinyproj):
     """examples/byo/config.py under --nproc 2: 50 validation samples, batch 8: 25 per rank,
     batches of 8, 8, 8 and 1; every mean equals the one computed from the checkpoint's
     weights on the whole set in one process."""
@@ -63,7 +64,7 @@ def test_byo_two_processes_validation_means_best_checkpoint_and_tensorboard(tmp_
     assert list(val_acc) == [8, 16, 24]
     # the last validation, from the last checkpoint's weights
     final = torch.load(work / 'iter_24.pth', weights_only=True)
-    want_loss, want_acc = _byo_means(final['state_dict'])
+    want_loss, want_acc = _byo_means(tinyproj, final['state_dict'])
     assert val_loss[24] == pytest.approx(want_loss, abs=1e-6, rel=0)
     assert val_acc[24] == pytest.approx(want_acc, abs=1e-6, rel=0)
     assert f'val/loss {want_loss:.4f} val/acc {want_acc:.4f}' in out
@@ -86,7 +87,7 @@ def test_byo_two_processes_validation_means_best_checkpoint_and_tensorboard(tmp_
         'checkpoint': best_name,
     }
     assert final['meta']['best'] == best['meta']['best']
-    assert _byo_means(best['state_dict'])[1] == pytest.approx(best_acc, abs=1e-6, rel=0)
+    assert _byo_means(tinyproj, best['state_dict'])[1] == pytest.approx(best_acc, abs=1e-6, rel=0)
 
     # TensorBoard holds as many points as the CSV, per column
     pytest.importorskip('tensorboard')

@@ -28,11 +28,13 @@ from stratagem.checkpoint import (
 from stratagem.checkpoint._fs import is_temp_name, temp_pid
 
 HELPER = Path(__file__).with_name('_crash_writer.py')
-# kills per mode (benchmarks/checkpoint_soak.py: 120+). The default seed's 12 delays spread
-# over 0-0.43 s (0.0, 0.01 and 0.04 before or in a child's first save, the rest up to 0.43):
-# 5-7 kills per mode land mid-save on 2 cores. The last round's delay is 0.35 s, well past a
-# child's first commit (~0.1 s): `last` below holds
-KILLS = 12
+# kills per mode and the seed of their delays (benchmarks/checkpoint_soak.py: 120+). The first
+# tier: seed 1234's 12 delays spread over 0-0.43 s (0.0, 0.01 and 0.04 before or in a child's
+# first save, the rest up to 0.43): 5-7 kills per mode land mid-save on 2 cores (with 6, async
+# saw one: too few to rely on). The slow tier soaks: 48 per mode from seed 5678 (38 past
+# 0.12 s; 25-28 mid-save). Each last delay (0.355, 0.347 s) is past a child's first commit
+# (~0.1 s): `last` below holds
+ROUNDS = [(12, 1234), pytest.param(48, 5678, marks=pytest.mark.slow, id='soak')]
 ROUND_BASE = 1000  # child k counts from k * ROUND_BASE, so counters only grow
 
 
@@ -155,15 +157,16 @@ def zygote():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize(('kills', 'seed'), ROUNDS)
 @pytest.mark.parametrize('mode', ['sync', 'async', 'strategy'])
-def test_sigkill_during_saves(tmp_path, mode, zygote):
+def test_sigkill_during_saves(tmp_path, mode, kills, seed, zygote):
     # every mode's child saves from its first instant (the strategy's is built before the fork)
-    r = run_kill_rounds(tmp_path, KILLS, mode, zygote=zygote)
-    assert r['resumed'] >= KILLS // 2, f'only {r["resumed"]} rounds committed anything'
-    assert r['last'] >= (KILLS - 2) * ROUND_BASE  # progress reached the late rounds
+    r = run_kill_rounds(tmp_path, kills, mode, seed=seed, zygote=zygote)
+    assert r['resumed'] >= kills // 2, f'only {r["resumed"]} rounds committed anything'
+    assert r['last'] >= (kills - 2) * ROUND_BASE  # progress reached the late rounds
     assert r['mid_save'] >= 1, 'no kill landed mid-save; the test exercised no crash window'
     assert r['debris_after_cleanup'] == []
     print(
-        f'{mode}: {KILLS} kills in {r["elapsed"]:.1f}s; {r["mid_save"]} mid-save; '
+        f'{mode}: {kills} kills in {r["elapsed"]:.1f}s; {r["mid_save"]} mid-save; '
         f'last step {r["last"]}'
     )

@@ -2,7 +2,8 @@
 over (layout, mutation, file, offset, length, value, entry point) on copies of the frozen
 checkpoints in ``tests/data/legacy/``, fixed cases for each mutation and the absurd claims,
 and the safetensors library (behind our reader, ``checkpoint/huggingface.py``) fed junk
-headers. The long run is ``benchmarks/checkpoint_fuzz.py``.
+headers. The slow tier soaks the same property over 1,500 examples; the long run is
+``benchmarks/checkpoint_fuzz.py``.
 
 Every load either gives the original weights or raises one of our documented errors naming
 the checkpoint (``ckpt_fuzz_cases.run_case``). A ``*_resigned`` mutation also rewrites the
@@ -69,12 +70,25 @@ def cases(draw: st.DrawFn) -> tuple[tuple, str]:
     return (layout, mutation, target, offset, length, value), entry
 
 
-@FUZZ
-@given(case=cases())
-def test_damaged_checkpoints_load_exactly_or_raise_named_errors(case, tmp_path):
+def _load_damaged(case: tuple[tuple, str], tmp_path: Path) -> None:
     (layout, mutation, *_), entry = case
     outcome, detail = F.run_case(case[0], tmp_path / 'case', entry)
     _ok(outcome, detail, mutation)
+
+
+@FUZZ
+@given(case=cases())
+def test_damaged_checkpoints_load_exactly_or_raise_named_errors(case, tmp_path):
+    _load_damaged(case, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@settings(FUZZ, max_examples=1500)
+@given(case=cases())
+def test_damaged_checkpoints_soak(case, tmp_path):
+    """The property above over ten times the examples (its own derandomized sequence)."""
+    _load_damaged(case, tmp_path)
 
 
 @pytest.mark.parametrize('layout', F.LAYOUTS)

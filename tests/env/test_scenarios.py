@@ -180,3 +180,22 @@ def test_k_runs_only_the_selected_scenarios_and_their_needs(runs):
     records = tmp_path / 'base' / 'demo0' / '.scenarios'
     ran = {p.name.split('.')[0] for p in records.glob('*.pkl')}
     assert ran == {'ok_first', 'in_process'}
+
+
+def test_a_rank_beyond_a_needs_spawn_gets_none_once_the_need_succeeded(tmp_path):
+    """A 4-rank scenario needing a 2-rank one (in the test process: the records only)."""
+    from scenarios import Scenarios, _read, _record_path, _run_one, _write
+
+    s = Scenarios(two=dict(nproc=2), four=dict(nproc=4))
+    s.add('two', name='saved')(lambda tmp: None)
+    s.add('four', name='user', needs=['saved'])(lambda tmp, saved: saved)
+    _record_path(str(tmp_path), 'x', 0).parent.mkdir()
+    for rank in (0, 1):
+        _write(str(tmp_path), 'saved', rank, ('ok', f'rank {rank}'))
+    _run_one(s, 'user', str(tmp_path), rank=1)  # a rank the need had: its own value
+    assert _read(str(tmp_path), 'user', 1) == ('ok', 'rank 1')
+    _run_one(s, 'user', str(tmp_path), rank=3)  # beyond the need's ranks: None
+    assert _read(str(tmp_path), 'user', 3) == ('ok', None)
+    _write(str(tmp_path), 'saved', 1, ('error', 'broke'))
+    _run_one(s, 'user', str(tmp_path), rank=2)  # one of the need's ranks failed: not run
+    assert _read(str(tmp_path), 'user', 2) == ('error', "not run: it needs ['saved'], which failed")

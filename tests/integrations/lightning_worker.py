@@ -1,13 +1,15 @@
-"""One launch of the Lightning checks (test_fabric.py, test_lightning.py): Fabric and the
-Trainer, each on our StratagemStrategy and on Lightning's own 'ddp', one after the other in
-the same 2 processes (the second Fabric or Trainer finds the processes started and the
-process group up, and uses them).
+"""One launch of the Lightning checks (test_fabric.py, test_lightning.py,
+test_lightning_backends.py): Fabric and the Trainer, each on our StratagemStrategy and on
+Lightning's own 'ddp', one after the other in the same 2 processes (the second Fabric or
+Trainer finds the processes started and the process group up, and uses them).
 
     python lightning_worker.py OUT first    # Lightning's launcher: 10 steps, save at 5
     torchrun --nproc-per-node 2 lightning_worker.py OUT resume   # resume at 5, to 10
+    python lightning_worker.py OUT first fabric,trainer fsdp,ddp   # parts, then kinds
 
-Every rank writes ``OUT/{fabric,trainer}-{ours,ddp}-{phase}-rank{r}.pt``: the losses of the
-steps it ran and the final parameters.
+A kind is one of ``OURS`` (our strategy of that cfg) or ``'ddp'`` (Lightning's own). Every
+rank writes ``OUT/{fabric,trainer}-{kind}-{phase}-rank{r}.pt``: the losses of the steps it
+ran and the final parameters (whole, under the module's own names).
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ from stratagem.integrations.fabric import StratagemStrategy as FabricStratagem
 from stratagem.integrations.lightning import StratagemStrategy as TrainerStratagem
 
 STEPS, SAVE_AT, BATCH = 10, 5, 4
+# our strategies by kind; 'ddp' is Lightning's own, the reference
+OURS = {
+    'ours': dict(type='DDPStrategy'),
+    'fsdp': dict(type='FSDPStrategy'),
+    'deepspeed': dict(type='DeepSpeedStrategy', zero_optimization=dict(stage=2)),
+    'sharded': dict(type='ShardedDDPStrategy'),
+}
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,15 +52,19 @@ def net() -> nn.Module:
 
 
 def record(path: Path, losses: list, model: nn.Module) -> None:
-    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """Every rank calls it: FSDP's sharded parameters are gathered (a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    params = {}
+    for k, v in model.state_dict().items():
+        v = v.full_tensor() if isinstance(v, DTensor) else v
+        params[k.removeprefix('module.')] = v.detach().clone()  # a DDP wrapper's prefix
     torch.save({'losses': torch.stack(losses), 'params': params}, path)
 
 
 def fabric_run(out: Path, kind: str, phase: str) -> None:
     strategy = (
-        FabricStratagem(dict(type='DDPStrategy', work_dir=str(out / 'work')))
-        if kind == 'ours'
-        else 'ddp'
+        FabricStratagem(dict(OURS[kind], work_dir=str(out / 'work'))) if kind in OURS else 'ddp'
     )
     fabric = Fabric(accelerator='cpu', devices=2, strategy=strategy)
     fabric.launch()
@@ -100,9 +113,7 @@ class Regression(LightningModule):
 
 def trainer_run(out: Path, kind: str, phase: str) -> None:
     strategy = (
-        TrainerStratagem(dict(type='DDPStrategy', work_dir=str(out / 'work')))
-        if kind == 'ours'
-        else 'ddp'
+        TrainerStratagem(dict(OURS[kind], work_dir=str(out / 'work'))) if kind in OURS else 'ddp'
     )
     every = out / f'trainer-{kind}-every'  # keeps all: the resume reads step 5
     latest = out / f'trainer-{kind}-latest'  # keeps one: step 5 removed at step 10
@@ -131,22 +142,25 @@ def trainer_run(out: Path, kind: str, phase: str) -> None:
 if __name__ == '__main__':
     out, phase = Path(sys.argv[1]), sys.argv[2]
     parts = sys.argv[3].split(',') if len(sys.argv) > 3 else ['fabric', 'trainer']
+    kinds = sys.argv[4].split(',') if len(sys.argv) > 4 else ['ours', 'ddp']
     for part in parts:
-        for kind in ('ours', 'ddp'):
+        for kind in kinds:
             (fabric_run if part == 'fabric' else trainer_run)(out, kind, phase)
 
 
 _LAUNCHED: dict[str, Path] = {}
 
 
-def launch_both(tmp_path_factory: Any) -> Path:
-    """Both launches, once per test session (test_fabric.py and test_lightning.py read the
-    same files): ``first`` from a plain ``python`` (Lightning's launcher starts rank 1),
-    ``resume`` under torchrun. Returns the directory they wrote to."""
+def launch_both(tmp_path_factory: Any, kinds: tuple[str, ...] = ('ours', 'ddp')) -> Path:
+    """Both launches of Fabric and the Trainer on ``kinds``, once per test session and kinds
+    (test_fabric.py and test_lightning.py read the same files): ``first`` from a plain
+    ``python`` (Lightning's launcher starts rank 1), ``resume`` under torchrun. Returns the
+    directory they wrote to."""
     from launcher_env import without_launcher
 
-    if 'out' in _LAUNCHED:
-        return _LAUNCHED['out']
+    key = ','.join(kinds)
+    if key in _LAUNCHED:
+        return _LAUNCHED[key]
     out = Path(tmp_path_factory.mktemp('lightning'))
     root = Path(__file__).resolve().parents[2]
     env = without_launcher()
@@ -156,8 +170,8 @@ def launch_both(tmp_path_factory: Any) -> Path:
     torchrun = [sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', '2']
     torchrun.append('--standalone')  # a free port of its own
     for cmd in (
-        [sys.executable, script, str(out), 'first'],
-        [*torchrun, script, str(out), 'resume'],
+        [sys.executable, script, str(out), 'first', 'fabric,trainer', key],
+        [*torchrun, script, str(out), 'resume', 'fabric,trainer', key],
     ):
         done = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
@@ -165,15 +179,17 @@ def launch_both(tmp_path_factory: Any) -> Path:
                 f'{" ".join(cmd)} exited {done.returncode}:\n{done.stdout[-3000:]}\n'
                 f'{done.stderr[-6000:]}'
             )
-    _LAUNCHED['out'] = out
+    _LAUNCHED[key] = out
     return out
 
 
-def load_results(out: Path, name: str) -> dict[tuple[str, str, int], dict]:
+def load_results(
+    out: Path, name: str, kinds: tuple[str, ...] = ('ours', 'ddp')
+) -> dict[tuple[str, str, int], dict]:
     """``{(kind, phase, rank): {'losses', 'params'}}`` of ``name`` ('fabric' / 'trainer')."""
     return {
         (kind, phase, rank): torch.load(out / f'{name}-{kind}-{phase}-rank{rank}.pt')
-        for kind in ('ours', 'ddp')
+        for kind in kinds
         for phase in ('first', 'resume')
         for rank in (0, 1)
     }

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BYO = ROOT / 'examples' / 'byo'
 
 
-def test_a_flexible_runner_config_runs_its_metric_through_stratagem_train(tmp_path):
+def test_a_flexible_runner_config_runs_its_metric_through_stratagem_train(tmp_path, monkeypatch):
     """examples/byo/flexible_config.py: a BaseModel, a BaseMetric and a dataset of the user's
     own, in mmengine's registries; 2 processes (the torchrun workers take the same route),
     50 validation samples, batch 8. The metric mmengine logs equals the one computed here from
@@ -48,12 +48,10 @@ def test_a_flexible_runner_config_runs_its_metric_through_stratagem_train(tmp_pa
     import stratagem.integrations.mmengine  # noqa: F401  (the allow-list for the hub)
     from stratagem.checkpoint import load_checkpoint_file
 
-    sys.path.insert(0, str(BYO))
-    try:
-        from tinyproj import Blobs
-        from tinyproj_mm import TinyMMNet
-    finally:
-        sys.path.remove(str(BYO))
+    monkeypatch.syspath_prepend(str(BYO))  # undone after the test
+    from tinyproj import Blobs
+    from tinyproj_mm import TinyMMNet
+
     model = TinyMMNet()
     model.load_state_dict(load_checkpoint_file(str(work_dir / 'epoch_2.pth'))['state_dict'])
     data = Blobs(num_samples=50, seed=1)

@@ -7,6 +7,9 @@ safetensors).
 Processes are started at most twice for the module, for the scenarios the selected tests name
 (tests/scenarios.py): 4 ranks (training, resumes, reshards on 4), then 2 ranks
 (``dict(shard=2)`` resumes); the 1-process loads run in the test process.
+
+The first tier resumes and reshards from 2-D and HSDP at least once each way; the repetitions
+(the same checks from the other meshes: ``SLOW``) are the slow tier's.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ RESHARDS = {
     '2d_ac_to_flat': ('2d_ac', None),
 }
 SCENARIOS = Scenarios(four=dict(nproc=4, timeout=400), two=dict(nproc=2, timeout=200))
+SLOW = pytest.mark.slow  # a repetition of a first-tier check from another mesh
 
 
 def _plan(sequence):
@@ -321,7 +325,10 @@ def test_data_split_over_replicate_and_shard(scenario, name):
     assert [res['dp'] for res in scenario] == _SPLITS[name]
 
 
-@pytest.mark.parametrize('name', list(MESHES))
+@pytest.mark.parametrize(
+    'name',
+    ['hsdp', '2d', pytest.param('2d_sp', marks=SLOW), pytest.param('flat', marks=SLOW)],
+)
 @pytest.mark.scenario('resume_{name}')
 def test_resume_same_mesh_bit_exact(scenario, name):
     for rank, resumed in enumerate(scenario):
@@ -334,10 +341,10 @@ def test_resume_same_mesh_bit_exact(scenario, name):
 @pytest.mark.parametrize(
     'case, source',
     [
-        ('hsdp_to_flat', 'hsdp'),
+        pytest.param('hsdp_to_flat', 'hsdp', marks=SLOW),
         ('2d_to_flat', '2d'),
         ('flat_to_2d', 'flat'),
-        ('2d_to_hsdp', '2d'),
+        pytest.param('2d_to_hsdp', '2d', marks=SLOW),
         # activation checkpointing and an async save (the weights overwritten after the
         # call): the state of the plain 2-D run, bit for bit
         ('2d_ac_to_flat', '2d'),
@@ -355,14 +362,16 @@ def test_reshard_across_meshes_on_four(scenario, case, source):
         assert 'shard 2 × tensor 2' in first and 'this run has shard 4' in first
 
 
-@pytest.mark.parametrize('source', ['hsdp', '2d', '2d_sp'])
+@pytest.mark.parametrize(
+    'source', ['hsdp', pytest.param('2d', marks=SLOW), pytest.param('2d_sp', marks=SLOW)]
+)
 @pytest.mark.scenario('two_ranks_{source}')
 def test_reshard_to_two_processes(scenario, source):
     for out in scenario:
         _assert_equal(out['loaded'], scenario.needs[f'train_{source}'][0]['at_save'])
 
 
-@pytest.mark.parametrize('source', ['hsdp', '2d'])
+@pytest.mark.parametrize('source', [pytest.param('hsdp', marks=SLOW), '2d'])
 @pytest.mark.scenario('train_{source}')
 def test_reshard_to_one_process_and_convert(scenario, source, tmp_path):
     from stratagem.checkpoint.convert import convert_checkpoint

@@ -4,7 +4,9 @@ processes and ``pipeline=2 × shard=2`` on 4 train as one process does on the wh
 ``train_step`` returns is the reference's on every rank; a checkpoint saved at pipeline=2
 resumes bit-exactly at pipeline=2, and with its weights and optimizer state exactly with
 ``mesh=dict(shard=2)`` and on one process; ``stratagem convert`` reads it. The refusals run
-in the test process, and on every rank where they need the batch.
+in the test process, and on every rank where they need the batch. In the slow tier: the same
+checkpoint resumed at another stage count (``pipeline=4``) and at ``pipeline=2 × shard=2``,
+on 4 processes.
 
 Processes are started twice for the module (tests/scenarios.py): 2 ranks, then 4.
 """
@@ -51,7 +53,7 @@ def _batch(it):
     return seq[:, :-1], seq[:, 1:]
 
 
-def _strategy(work_dir, mesh, schedule='1F1B', **extra):
+def _strategy(work_dir, mesh, schedule='1F1B', splits=None, **extra):
     from stratagem.strategies import build_strategy
 
     pipeline = None
@@ -60,7 +62,8 @@ def _strategy(work_dir, mesh, schedule='1F1B', **extra):
 
         extra['tensor_parallel_plan'] = TENSOR_PARALLEL_PLAN  # each stage takes its share
     if mesh.get('pipeline', 1) > 1:
-        pipeline = dict(schedule=schedule, microbatches=MICRO, split_points=SPLITS[schedule])
+        splits = splits or SPLITS[schedule]
+        pipeline = dict(schedule=schedule, microbatches=MICRO, split_points=splits)
     return build_strategy(
         dict(
             type='FSDPStrategy',
@@ -171,16 +174,22 @@ SCENARIOS.add('four', name='pp2_tensor2_sgd')(
 )
 
 
-def _resume(work, mesh, name):
-    s = _strategy(Path(work) / f'resume_{name}', mesh)
+def _resume(work, mesh, name, splits=None):
+    s = _strategy(Path(work) / f'resume_{name}', mesh, splits=splits)
     torch.manual_seed(7)  # another init: everything must come from the checkpoint
     _, ow = s.prepare(
         _model(), optim_wrapper=OPTIMS['adamw'], dispatch_kwargs=dict(max_iters=STEPS)
     )
     ckpt = s.resume(str(Path(work) / '1F1B_adamw_saved'))
     loaded = _whole(s)
-    _train(s, ow, ckpt['meta']['iter'], STEPS)
-    return {'loaded': loaded, 'final': _whole(s)}
+    losses = _train(s, ow, ckpt['meta']['iter'], STEPS)
+    return {
+        'loaded': loaded,
+        'final': _whole(s),
+        'losses': losses,
+        'dp': (s.data_parallel_rank, s.data_parallel_size),
+        'stage': s.mesh_spec.pipeline_rank(s.rank),
+    }
 
 
 @SCENARIOS.add('two', needs=['pp2_1F1B_adamw'])
@@ -191,6 +200,17 @@ def resume_pp2(work, pp2_1F1B_adamw):
 @SCENARIOS.add('two', needs=['pp2_1F1B_adamw'])
 def resume_shard2(work, pp2_1F1B_adamw):
     return _resume(work, dict(shard=2), 'shard2')
+
+
+# slow tier: the pipeline=2 checkpoint at another stage count, and sharded within the stages
+@SCENARIOS.add('four', needs=['pp2_1F1B_adamw'])
+def resume_pp4(work, pp2_1F1B_adamw):
+    return _resume(work, dict(pipeline=4), 'pp4', splits=['blocks.1', 'blocks.2', 'blocks.3'])
+
+
+@SCENARIOS.add('four', needs=['pp2_1F1B_adamw'])
+def resume_pp2_shard2(work, pp2_1F1B_adamw):
+    return _resume(work, dict(pipeline=2, shard=2), 'pp2_shard2')
 
 
 @SCENARIOS.add('two')
@@ -292,6 +312,30 @@ def test_resume_without_a_pipeline_loads_weights_and_optimizer_exactly(scenario)
         _assert_equal(r['loaded'], saving['at_save'])
         weights, _ = r['final']  # trained on: the same maths, other reduction orders
         _close(weights, saving['final'][0], 1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ('name', 'stages', 'dp_size'), [('resume_pp4', 4, 1), ('resume_pp2_shard2', 2, 2)]
+)
+@pytest.mark.scenario('{name}')
+def test_resume_at_another_stage_count_or_shard_count(scenario, name, stages, dp_size):
+    """Saved at pipeline=2 on 2 processes, resumed on 4: the weights and AdamW state load bit
+    for bit; the resumed steps' losses are the saving run's, the same on every stage of a
+    data-parallel rank; trained on, the weights reach the saving run's (other stage cuts
+    and shards reduce the clipping norm in another order: 1e-9)."""
+    saving = scenario.needs['pp2_1F1B_adamw']
+    saved_losses = saving[0]['losses'][SAVE_AT:]
+    assert {r['stage'] for r in scenario} == set(range(stages))
+    assert {r['dp'][1] for r in scenario} == {dp_size}
+    for r in scenario:
+        _assert_equal(r['loaded'], saving[0]['at_save'])
+        _close(r['final'][0], saving[0]['final'][0], 1e-9)
+        same_batch = [q['losses'] for q in scenario if q['dp'] == r['dp']]
+        assert all(q == r['losses'] for q in same_batch)
+    per_dp = {r['dp'][0]: r['losses'] for r in scenario}
+    mean = [sum(v[i] for v in per_dp.values()) / dp_size for i in range(STEPS - SAVE_AT)]
+    assert mean == pytest.approx(saved_losses, abs=1e-12)
 
 
 @pytest.mark.scenario('pp2_1F1B_adamw')
