@@ -109,6 +109,15 @@ def _assert_interrupted(work, code, out, committed, latest):
     assert ckpt.verify_checkpoint(work / f'iter_{latest}.pth')['step'] == latest
 
 
+def test_sigint_to_the_process_group_stops_unsaved_naming_the_checkpoint_to_resume(tmp_path):
+    """Ctrl-C in the terminal (SIGINT to the process group, in iteration 7): exit 130, one
+    line naming iteration 5's checkpoint, nothing half-written. The slow tier goes on from
+    here through the other ways a signal arrives."""
+    _, work, code, out = _signal_group_mid_run(tmp_path, signal.SIGINT, 'group')
+    _assert_interrupted(work, code, out, ['iter_5.pth'], 5)
+
+
+@pytest.mark.slow
 def test_sigint_or_sigusr1_to_the_group_the_agent_or_every_process_in_turn(tmp_path):
     """One work_dir, four runs, each resuming the one before: SIGINT to the process group
     (in iteration 7), SIGINT to the agent only (in iteration 12, after resuming iteration
