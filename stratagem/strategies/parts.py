@@ -8,17 +8,17 @@ refuse, or ``context.replace`` the value), ``restore(value, context)``, ``load_s
 strategy's public state-dict methods, the optim wrapper, the run environment), never the
 strategy. ``BaseStrategy.checkpoint_state()`` builds them in the order a resume restores them:
 
-==================== ======================== ==========================================
-key                  part                     a backend's own
-==================== ======================== ==========================================
-``state_dict``       :class:`ModelPart`       ``fsdp/parts.py``: the mesh change said
-``optimizer``        :class:`OptimizerPart`   ``fsdp/parts.py``: a pipeline stage's groups
+==================== ========================= ==========================================
+key                  part                      a backend's own
+==================== ========================= ==========================================
+``state_dict``       :class:`ModelPart`        ``fsdp/parts.py``: the mesh change said
+``optimizer``        :class:`OptimizerPart`    ``fsdp/parts.py``: a pipeline stage's groups
 ``partial_grads``    :class:`PendingGradsPart` ``fsdp/parts.py`` (sharded gradients),
-                                              fairscale's (buckets rebound)
+                                               fairscale's (buckets rebound)
 ``meta``             :class:`PositionPart`
 ``param_schedulers`` :class:`SchedulersPart`
 ``rng_states``       :class:`RandomnessPart`
-==================== ======================== ==========================================
+==================== ========================= ==========================================
 
 A backend supplies its own part through the strategy's factory for it (``model_part``,
 ``optimizer_part``, ``pending_grads_part``), a subclass of the part here.
