@@ -3,13 +3,17 @@ passes. ``test_conformance.py`` runs it; each cell is a test of its own
 (``test_equals_one_process[fsdp]``, ``test_loads_weights_of[deepspeed_zero3->ddp]``, ...).
 
 Rows (``BACKENDS``): a strategy, its options, how many processes. A row whose extra is not
-installed is left out. A new backend is one more row; what it cannot do is a field of its
-row, asserted as such (DeepSpeed refuses a save inside an accumulation window), never a cell
-left out.
+installed is left out. A new backend is one more row, a mesh shape too (``fsdp_hsdp``:
+``mesh=dict(replicate=2, shard=2)``; ``fsdp_2d``: ``mesh=dict(shard=2, tensor=2)`` with a
+tensor-parallel plan for the MLP); what a row cannot do is a field of its row, asserted as
+such (DeepSpeed refuses a save inside an accumulation window), never a cell left out. A row
+of more than 2 processes (``Backend.slow``: the meshes, on 4) is the slow tier's: every cell
+that involves it is marked ``slow``, so the first tier never starts the 4-process spawn.
 
 Columns (the scenarios), on one recipe: a small MLP, Adam, accumulation 2 with a tail window
 (7 iterations: windows [0,2) [2,4) [4,6) [6,7)), clipping, a warm-up scheduler, 8 samples
-per iteration split over the ranks:
+per iteration split over the data-parallel ranks (a mesh's ``replicate × shard``: the tensor
+ranks of one data-parallel index compute on one batch):
 
 - ``equal.<row>``: the losses, pre-clip norms, learning rates and weights of one process on
   the whole batch (a plain torch loop), to ``Backend.equal_tol`` (0: bit for bit).
@@ -25,9 +29,12 @@ per iteration split over the ranks:
 - ``flexible.<row>``: mmengine's FlexibleRunner on the strategy trains 3 epochs, a new
   runner resumes to 4, and both land where an uninterrupted 4-epoch run lands.
 
-Spawns (tests/scenarios.py): the 1-process rows in one spawn of 1, the 2-process rows in one
-spawn of 2 (every column of every row), then the loads into the 1-process rows in the test
-process, which needs the 2-process rows' checkpoints: three spawns for the whole table.
+Spawns (tests/scenarios.py), in order: the 1-process rows in one spawn of 1, the 2-process
+rows in one spawn of 2 (every column of every row), the 4-process rows in one spawn of 4
+(every column, their loads of every other row's checkpoint too), then the 4-process rows'
+checkpoints loaded into the 2-process rows in a second spawn of 2 (``load_slow.<row>``), and
+the loads into the 1-process rows in the test process. The first tier's cells need the first
+two spawns and the test process; the 4-process rows' cells add the other two.
 """
 
 from __future__ import annotations
@@ -72,6 +79,11 @@ class Backend:
     equal_tol: float = 1e-6
     flexible: str | None = None
 
+    @property
+    def slow(self) -> bool:
+        """Its cells are the slow tier's: more than 2 processes."""
+        return self.nproc > 2
+
 
 def _zero(stage: int, **kw: Any) -> Backend:
     return Backend(
@@ -84,11 +96,27 @@ def _zero(stage: int, **kw: Any) -> Backend:
     )
 
 
+_WRAP = dict(model_wrapper=dict(auto_wrap_policy=['Linear']))
 _ALL = {
     'single': Backend('SingleDeviceStrategy', 1, equal_tol=0.0, flexible='name'),
     'ddp': Backend('DDPStrategy', 2, flexible='class'),
-    'fsdp': Backend(
-        'FSDPStrategy', 2, dict(model_wrapper=dict(auto_wrap_policy=['Linear'])), flexible='name'
+    'fsdp': Backend('FSDPStrategy', 2, _WRAP, flexible='name'),
+    # the mesh shapes, on 4 processes
+    'fsdp_hsdp': Backend(
+        'FSDPStrategy', 4, dict(_WRAP, mesh=dict(replicate=2, shard=2)), flexible='name'
+    ),
+    'fsdp_2d': Backend(
+        'FSDPStrategy',
+        4,
+        dict(
+            _WRAP,
+            mesh=dict(shard=2, tensor=2),
+            # the recipe's MLP: its hidden layer split over the tensor ranks
+            tensor_parallel_plan={'0': 'colwise', '3': 'rowwise'},
+        ),
+        # mmengine's DefaultSampler splits over every rank, tensor ranks included: the
+        # runner's batches are not a tensor-parallel run's
+        flexible=None,
     ),
     'deepspeed_zero1': _zero(1),
     'deepspeed_zero2': _zero(2, flexible='name'),
@@ -96,7 +124,18 @@ _ALL = {
     'sharded_ddp': Backend('ShardedDDPStrategy', 2, extra='fairscale', flexible='name'),
 }
 BACKENDS = {k: v for k, v in _ALL.items() if v.extra is None or importlib.util.find_spec(v.extra)}
-PAIRS = [(a, b) for b in BACKENDS for a in BACKENDS if a != b]  # (saved by, loaded into)
+
+
+def load_scenario(source: str, target: str) -> str:
+    """The scenario that loads ``source``'s checkpoint into ``target``: a row of the first
+    tier loads the slow rows' checkpoints in a scenario of their own, which alone waits for
+    the 4-process spawn."""
+    slow = BACKENDS[source].slow and not BACKENDS[target].slow
+    return f'load_slow.{target}' if slow else f'load.{target}'
+
+
+# (saved by, loaded into, its scenario)
+PAIRS = [(a, b, load_scenario(a, b)) for b in BACKENDS for a in BACKENDS if a != b]
 # DeepSpeed first: mmengine imports deepspeed when it can, and the non-DeepSpeed runners
 # block that import only where no DeepSpeed runner comes later in the process
 FLEXIBLE = (
@@ -110,6 +149,8 @@ FLEXIBLE = (
 SCENARIOS = Scenarios(
     one=dict(nproc=1, timeout=300),  # the 1-process rows
     two=dict(nproc=2, timeout=1200),  # the 2-process rows: every column
+    four=dict(nproc=4, timeout=1200),  # the 4-process rows (meshes): every column
+    two_slow=dict(nproc=2, timeout=600),  # the 4-process rows' checkpoints into 2-process rows
     here=dict(nproc=0),  # the loads into the 1-process rows, in the test process
 )
 
@@ -196,7 +237,9 @@ def _prepare(s: Any, dropout: float = 0.0) -> tuple[Any, Any, list]:
         _net(dropout),
         optim_wrapper=copy.deepcopy(OPTIM),
         param_scheduler=copy.deepcopy(SCHEDULER),
-        dispatch_kwargs=dict(max_iters=ITERS, train_micro_batch_size_per_gpu=BATCH // s.world_size),
+        dispatch_kwargs=dict(
+            max_iters=ITERS, train_micro_batch_size_per_gpu=BATCH // s.data_parallel_size
+        ),
     )
     return model, ow, scheds
 
@@ -214,7 +257,7 @@ def _train(s, model, ow, scheds, start, stop, batch, record=None) -> None:
     from torch.nn import functional as F
 
     for it in range(start, stop):
-        x, y = batch(it, s.rank, s.world_size)
+        x, y = _one_per_tensor_group(s, *batch(it, s.data_parallel_rank, s.data_parallel_size))
         with ow.optim_context(model):
             loss = F.cross_entropy(model(x), y)
         ow.update_params(loss)
@@ -225,6 +268,20 @@ def _train(s, model, ow, scheds, start, stop, batch, record=None) -> None:
                 record['lrs'].append(ow.param_groups[0]['lr'])
         for sch in scheds:
             sch.step()
+
+
+def _one_per_tensor_group(s: Any, *batch: torch.Tensor) -> tuple:
+    """The tensor ranks of one data-parallel index compute on one batch: its first rank's
+    (a batch drawn from the per-rank seeded RNG differs between them)."""
+    mesh = getattr(s, 'device_mesh', None)
+    if mesh is None or 'tensor' not in (mesh.mesh_dim_names or ()):
+        return batch
+    import torch.distributed as dist
+
+    group = mesh['tensor'].get_group()
+    for t in batch:
+        dist.broadcast(t, group_src=0, group=group)
+    return batch
 
 
 def _equal(tmp: str, backend: str) -> dict:
@@ -323,6 +380,12 @@ def _load(tmp: str, backend: str, **needs: Any) -> dict:
     untrained checkpoint, so that each load has to change every weight."""
     s = _build(backend, Path(tmp, backend, 'load'))
     _prepare(s)
+    if s.world_size > 2:  # a 2-process need's values are its ranks 0 and 1's only
+        import torch.distributed as dist
+
+        box = [needs if s.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        needs = box[0]
     init_path = s.save_checkpoint('init', extra_ckpt={'meta': {'iter': 0}})
     init = _weights(s)
     out = {}
@@ -476,7 +539,13 @@ def manifest_of(path: Path) -> dict:
 
 # ---------------------------------------------------------------------------- the table
 def _spawn(backend: str) -> str:
-    return 'one' if BACKENDS[backend].nproc == 1 else 'two'
+    return {1: 'one', 2: 'two', 4: 'four'}[BACKENDS[backend].nproc]
+
+
+def _load_spawn(scenario: str, target: str) -> str:
+    if BACKENDS[target].nproc == 1:
+        return 'here'
+    return 'two_slow' if scenario.startswith('load_slow.') else _spawn(target)
 
 
 for _name in BACKENDS:
@@ -485,12 +554,15 @@ for _name in BACKENDS:
     SCENARIOS.add(_spawn(_name), name=f'async.{_name}', needs=[f'resume.{_name}'])(
         functools.partial(_async, backend=_name)
     )
-for _name in BACKENDS:  # after every resume: each row's checkpoint is a load's source
+_LOADS: dict[tuple[str, str], list[str]] = {}  # (scenario, target) -> its sources
+for _source, _target, _scenario in PAIRS:
+    _LOADS.setdefault((_scenario, _target), []).append(_source)
+for (_scenario, _target), _sources in _LOADS.items():  # after every resume: their sources
     SCENARIOS.add(
-        'here' if BACKENDS[_name].nproc == 1 else 'two',
-        name=f'load.{_name}',
-        needs=[f'resume.{other}' for other in BACKENDS if other != _name],
-    )(functools.partial(_load, backend=_name))
+        _load_spawn(_scenario, _target),
+        name=_scenario,
+        needs=[f'resume.{source}' for source in _sources],
+    )(functools.partial(_load, backend=_target))
 for _name in FLEXIBLE:  # last in their spawn: mmengine's runner sets up process-wide state
     SCENARIOS.add(_spawn(_name), name=f'flexible.{_name}')(
         functools.partial(_flexible, backend=_name)

@@ -18,7 +18,26 @@ from conformance import (
 )
 
 # the module's spawns run in the setup of its first test: all of the table's rows at once
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = pytest.mark.timeout(2400)
+
+
+def _rows(names):
+    """The rows as parameters, those of more than 2 processes in the slow tier (the first
+    tier then never starts the 4-process spawn)."""
+    return [pytest.param(n, marks=pytest.mark.slow) if BACKENDS[n].slow else n for n in names]
+
+
+def _pairs():
+    return [
+        pytest.param(
+            a,
+            b,
+            name,
+            id=f'{a}->{b}',
+            marks=[pytest.mark.slow] if BACKENDS[a].slow or BACKENDS[b].slow else [],
+        )
+        for a, b, name in PAIRS
+    ]
 
 
 @pytest.fixture(scope='module')
@@ -35,7 +54,7 @@ def _same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize('backend', list(BACKENDS))
+@pytest.mark.parametrize('backend', _rows(BACKENDS))
 @pytest.mark.scenario('equal.{backend}')
 def test_equals_one_process(scenario, backend):
     ref, tol = reference(), BACKENDS[backend].equal_tol
@@ -53,7 +72,7 @@ def test_equals_one_process(scenario, backend):
     assert _max_diff(scenario[0]['weights'], ref['init']) > 1e-2  # it trained
 
 
-@pytest.mark.parametrize('backend', list(BACKENDS))
+@pytest.mark.parametrize('backend', _rows(BACKENDS))
 @pytest.mark.scenario('resume.{backend}')
 def test_resume_mid_accumulation_window_is_exact(scenario, backend):
     row = BACKENDS[backend]
@@ -72,7 +91,7 @@ def test_resume_mid_accumulation_window_is_exact(scenario, backend):
         assert not torch.equal(scenario[0]['probe'], scenario[1]['probe'])
 
 
-@pytest.mark.parametrize('backend', list(BACKENDS))
+@pytest.mark.parametrize('backend', _rows(BACKENDS))
 @pytest.mark.scenario('async.{backend}')
 def test_async_save_is_the_state_at_the_call(scenario, backend):
     for rank, r in enumerate(scenario):
@@ -86,15 +105,15 @@ def test_async_save_is_the_state_at_the_call(scenario, backend):
         assert _same(r['final'], run['final'])
 
 
-@pytest.mark.parametrize('source, target', PAIRS, ids=[f'{a}->{b}' for a, b in PAIRS])
-@pytest.mark.scenario('load.{target}')
-def test_loads_weights_of(scenario, source, target):
+@pytest.mark.parametrize('source, target, load', _pairs())
+@pytest.mark.scenario('{load}')
+def test_loads_weights_of(scenario, source, target, load):
     for r in scenario:
         got = r[source]
         assert got['reset'] and got['moved'] and got['equal'], got
 
 
-@pytest.mark.parametrize('backend', FLEXIBLE)
+@pytest.mark.parametrize('backend', _rows(FLEXIBLE))
 @pytest.mark.scenario('flexible.{backend}')
 def test_flexible_runner_resume_equals_uninterrupted_run(scenario, backend):
     nproc = BACKENDS[backend].nproc

@@ -112,7 +112,12 @@ def _fsdp_params(model: nn.Module) -> list[tuple[str, Any]]:
 
 
 def pending_grads(model: nn.Module) -> dict:
-    """This rank's gradients accumulated with sync off (FSDP2 keeps them unsharded)."""
+    """This rank's gradients accumulated with sync off (FSDP2 keeps them unsharded), as
+    plain tensors: on a tensor-parallel mesh a gradient is a DTensor, of which this rank's
+    slice is its own (a DTensor's storage is none that ``torch.save`` or a size estimate
+    can read)."""
+    from torch.distributed.tensor import DTensor
+
     grads = {}
     for name, fp in _fsdp_params(model):
         g = fp.unsharded_accumulated_grad
@@ -120,6 +125,7 @@ def pending_grads(model: nn.Module) -> dict:
         if g is None and param is not None:
             g = param.grad
         if g is not None:
+            g = g.to_local() if isinstance(g, DTensor) else g
             grads[name] = g.detach().clone()
     return grads
 
@@ -127,6 +133,7 @@ def pending_grads(model: nn.Module) -> dict:
 def set_pending_grads(model: nn.Module, grads: Mapping) -> None:
     """Put back gradients read by :func:`pending_grads` (by FQN), as FSDP2 keeps them."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
     if any(unsharded_param(fp) is None for _, fp in _fsdp_params(model)):
         for module in model.modules():  # FSDP2 creates the unsharded parameters lazily
@@ -139,10 +146,14 @@ def set_pending_grads(model: nn.Module, grads: Mapping) -> None:
             continue
         param = unsharded_param(fp)
         assert param is not None  # created above
-        if fp.reduce_dtype is not None and fp.reduce_dtype != param.dtype:
-            fp.unsharded_accumulated_grad = g.to(param.device, fp.reduce_dtype, copy=True)
+        accumulated = fp.reduce_dtype is not None and fp.reduce_dtype != param.dtype
+        g = g.to(param.device, fp.reduce_dtype if accumulated else param.dtype, copy=True)
+        if isinstance(param, DTensor):  # this rank's slice of a tensor-parallel gradient
+            g = DTensor.from_local(g, param.device_mesh, param.placements, run_check=False)
+        if accumulated:
+            fp.unsharded_accumulated_grad = g
         else:
-            param.grad = g.to(param.device, param.dtype, copy=True)
+            param.grad = g
 
 
 @contextlib.contextmanager
