@@ -33,10 +33,22 @@ TORCHRUN_NAMES = (
     'MASTER_ADDR',
     'MASTER_PORT',
 )
-#: every name: torchrun's, and ``LOCAL_SIZE``, which ``init_dist`` exports under Slurm and MPI
-NAMES = (*TORCHRUN_NAMES, 'LOCAL_SIZE')
-#: Slurm, Open MPI, MPICH / Intel MPI (PMI, Hydra's MPI_LOCAL*), PMIx, MVAPICH, torchelastic
-PREFIXES = ('SLURM_', 'OMPI_', 'PMI_', 'PMIX_', 'MV2_', 'MPI_LOCAL', 'TORCHELASTIC_')
+#: every name: torchrun's, ``LOCAL_SIZE``, which ``init_dist`` exports under Slurm and MPI, and
+#: an Indexed Job's (JobSet's) pod index
+NAMES = (*TORCHRUN_NAMES, 'LOCAL_SIZE', 'JOB_COMPLETION_INDEX')
+#: Slurm, Open MPI, MPICH / Intel MPI (PMI, Hydra's MPI_LOCAL*), PMIx, MVAPICH, torchelastic,
+#: torchrun's option defaults (Kubeflow's PET_*), SkyPilot
+PREFIXES = (
+    'SLURM_',
+    'OMPI_',
+    'PMI_',
+    'PMIX_',
+    'MV2_',
+    'MPI_LOCAL',
+    'TORCHELASTIC_',
+    'PET_',
+    'SKYPILOT_',
+)
 
 
 def is_launcher_variable(name: str) -> bool:
