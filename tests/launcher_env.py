@@ -1,9 +1,11 @@
 """The launcher variables that tests remove: the one list.
 
 A process that finds any of these believes a launcher started it: ``infer_launcher`` names
-torchrun, Slurm or an MPI, ``init_dist`` joins that launcher's group, the logger takes its
-rank. A test that starts a process as from a clean shell (``dist_harness``, the
-``stratagem train`` runs of ``failure_helpers``, the two-node runs), or empties the
+torchrun, Slurm or an MPI (or refuses a process alone that a scheduler's variables make one of
+several nodes), ``init_dist`` joins that launcher's group, the logger takes its rank,
+``stratagem train`` takes its nodes from Kubeflow's, JobSet's or SkyPilot's variables. A
+test that starts a process as from a clean shell (``dist_harness``, the ``stratagem train``
+runs of ``failure_helpers``, the two-node runs), or empties the
 environment for an in-process check (the ``clean_env`` fixture of ``tests/conftest.py``),
 removes exactly these.
 

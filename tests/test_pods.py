@@ -20,6 +20,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from dist_harness import free_port
 from failure_helpers import clean_env, equal, final_state
@@ -87,7 +88,9 @@ def test_two_pytorchjob_pods_equal_nproc_2_bit_for_bit(tmp_path, uninterrupted_r
     got = final_state(work)
     assert got['iter'] == want['iter'] == 32
     assert equal(got, want)
-    assert 'TORCHELASTIC' not in ''.join(outs)  # no torchrun of ours in between
+    meta = torch.load(work / 'iter_32.pth', weights_only=True)['meta']
+    assert meta['world_size'] == 2  # one run of two, not two runs of one
+    assert 'torch.distributed.run' not in ''.join(outs)  # no torchrun of ours in between
 
 
 @pytest.mark.slow

@@ -164,7 +164,12 @@ def _option_value(option: str, name: str, env: Mapping[str, str]) -> object:
 
 
 def _scheduled(env: Mapping[str, str]) -> bool:
-    return any(k in env for k in ('PET_NNODES', 'PET_NODE_RANK', 'JOB_COMPLETION_INDEX'))
+    # MASTER_ADDR/PORT count only beside a scheduler's node variables (a JobSet or SkyPilot
+    # task states them): alone they may be a shell's leftovers
+    return any(
+        k in env
+        for k in ('PET_NNODES', 'PET_NODE_RANK', 'JOB_COMPLETION_INDEX', 'SKYPILOT_NODE_RANK')
+    )
 
 
 def jobset_master(hostname: str, fqdn: str = '') -> str | None:

@@ -209,6 +209,11 @@ KUBEFLOW_OPTIONS = dict(
             [],
             dict(nnodes='2', node_rank=1, nproc=1, master_addr='10.0.0.5', master_port=None),
         ),
+        (  # a port the task states
+            {**SKYPILOT, 'MASTER_PORT': '8008'},
+            [],
+            dict(nnodes='2', node_rank=1, nproc=1, master_addr='10.0.0.5', master_port=8008),
+        ),
         (  # SkyPilot's count of GPUs is a default, not a demand
             {**SKYPILOT, 'SKYPILOT_NUM_GPUS_PER_NODE': '8'},
             [],
