@@ -1,9 +1,11 @@
 """The launcher variables that tests remove: the one list.
 
 A process that finds any of these believes a launcher started it: ``infer_launcher`` names
-torchrun, Slurm or an MPI, ``init_dist`` joins that launcher's group, the logger takes its
-rank. A test that starts a process as from a clean shell (``dist_harness``, the
-``stratagem train`` runs of ``failure_helpers``, the two-node runs), or empties the
+torchrun, Slurm or an MPI (or refuses a process alone that a scheduler's variables make one of
+several nodes), ``init_dist`` joins that launcher's group, the logger takes its rank,
+``stratagem train`` takes its nodes from Kubeflow's, JobSet's or SkyPilot's variables. A
+test that starts a process as from a clean shell (``dist_harness``, the ``stratagem train``
+runs of ``failure_helpers``, the two-node runs), or empties the
 environment for an in-process check (the ``clean_env`` fixture of ``tests/conftest.py``),
 removes exactly these.
 
@@ -33,10 +35,22 @@ TORCHRUN_NAMES = (
     'MASTER_ADDR',
     'MASTER_PORT',
 )
-#: every name: torchrun's, and ``LOCAL_SIZE``, which ``init_dist`` exports under Slurm and MPI
-NAMES = (*TORCHRUN_NAMES, 'LOCAL_SIZE')
-#: Slurm, Open MPI, MPICH / Intel MPI (PMI, Hydra's MPI_LOCAL*), PMIx, MVAPICH, torchelastic
-PREFIXES = ('SLURM_', 'OMPI_', 'PMI_', 'PMIX_', 'MV2_', 'MPI_LOCAL', 'TORCHELASTIC_')
+#: every name: torchrun's, ``LOCAL_SIZE``, which ``init_dist`` exports under Slurm and MPI, and
+#: an Indexed Job's (JobSet's) pod index
+NAMES = (*TORCHRUN_NAMES, 'LOCAL_SIZE', 'JOB_COMPLETION_INDEX')
+#: Slurm, Open MPI, MPICH / Intel MPI (PMI, Hydra's MPI_LOCAL*), PMIx, MVAPICH, torchelastic,
+#: torchrun's option defaults (Kubeflow's PET_*), SkyPilot
+PREFIXES = (
+    'SLURM_',
+    'OMPI_',
+    'PMI_',
+    'PMIX_',
+    'MV2_',
+    'MPI_LOCAL',
+    'TORCHELASTIC_',
+    'PET_',
+    'SKYPILOT_',
+)
 
 
 def is_launcher_variable(name: str) -> bool:

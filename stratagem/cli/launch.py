@@ -25,9 +25,16 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 
+from stratagem.env.cluster import NodeLaunch, read_node_launch
 from stratagem.env.launcher import resolve_master
 
-__all__ = ['add_launch_arguments', 'parse_nnodes', 'torchrun_command', 'relaunch']
+__all__ = [
+    'add_launch_arguments',
+    'launch_from_environment',
+    'parse_nnodes',
+    'torchrun_command',
+    'relaunch',
+]
 
 _LAUNCH_ONLY = (
     '--nproc', '--nnodes', '--node-rank', '--master-addr', '--master-port',
@@ -41,13 +48,14 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         '--nproc',
         type=int,
-        default=1,
-        help='processes on this machine; > 1 re-launches with torchrun',
+        default=None,
+        help='processes on this machine; > 1 re-launches with torchrun (default: a '
+        "scheduler's PET_NPROC_PER_NODE / SKYPILOT_NUM_GPUS_PER_NODE, else 1)",
     )
     parser.add_argument(
         '--max-restarts',
         type=int,
-        default=0,
+        default=None,
         metavar='K',
         help='restart every worker up to K times when one fails (torchrun); a restarted '
         'worker resumes from the last committed checkpoint by itself',
@@ -55,13 +63,15 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     node = parser.add_argument_group(
         'several machines',
         'run the same command on every node; static: --nnodes N with its own --node-rank '
-        'and node 0 as --master-addr; elastic: --nnodes MIN:MAX --rdzv-endpoint HOST:PORT',
+        'and node 0 as --master-addr; elastic: --nnodes MIN:MAX --rdzv-endpoint HOST:PORT. '
+        "Under Kubeflow (PET_*), JobSet or SkyPilot each comes from the scheduler's "
+        'variables (stratagem env shows them); a flag that contradicts one is refused',
     )
     node.add_argument(
-        '--nnodes', default='1', help='number of machines, N or MIN:MAX (elastic; default 1)'
+        '--nnodes', default=None, help='number of machines, N or MIN:MAX (elastic; default 1)'
     )
     node.add_argument(
-        '--node-rank', type=int, default=0, help='this machine, 0 .. nnodes-1 (static)'
+        '--node-rank', type=int, default=None, help='this machine, 0 .. nnodes-1 (static)'
     )
     node.add_argument(
         '--master-addr',
@@ -76,9 +86,114 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help='c10d rendezvous: the first agent to start on HOST serves it; nodes may come '
         'and go between MIN and MAX',
     )
-    node.add_argument('--rdzv-id', default='stratagem', help='the job id agents rendezvous under')
+    node.add_argument(
+        '--rdzv-id', default=None, help="the job id agents rendezvous under (default 'stratagem')"
+    )
     node.add_argument(
         '--rdzv-conf', help="torchrun's --rdzv-conf, e.g. last_call_timeout=5,join_timeout=600"
+    )
+
+
+_DEFAULTS = dict(nnodes='1', node_rank=0, rdzv_id='stratagem', max_restarts=0)
+# the options a scheduler's variables give, in the order they are taken (a rendezvous
+# endpoint first: it replaces the static master and node rank)
+_FROM_NODE = (
+    'rdzv_endpoint', 'rdzv_id', 'max_restarts', 'nnodes', 'node_rank', 'master_addr',
+    'master_port', 'nproc',
+)  # fmt: skip
+_STATIC = ('node_rank', 'master_addr', 'master_port')
+_POD = ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')
+
+
+def launch_from_environment(args: argparse.Namespace) -> NodeLaunch | None:
+    """Fill the launch options the user did not give (None) from a cluster scheduler's
+    variables (:func:`stratagem.env.cluster.read_node_launch`: Kubeflow ``PET_*``, JobSet,
+    SkyPilot), else from the defaults (one node, one process); return the node launch read,
+    or None. ValueError, naming the flag and the variable with both values, for a flag that
+    contradicts a variable, and for ``--nproc``/``--nnodes`` in a pod whose operator gave
+    this one process its rank (``RANK``, ``WORLD_SIZE``, no ``LOCAL_RANK``).
+
+    Nothing is read under ``--launcher none|slurm|mpi`` (the user says how this process was
+    started) or in a torchrun worker (``LOCAL_RANK``: its parent read them)."""
+    env = os.environ
+    node = None
+    if 'LOCAL_RANK' not in env and getattr(args, 'launcher', None) in (None, 'pytorch'):
+        node = read_node_launch()
+        if node is None and all(k in env for k in _POD):
+            _refuse_processes_in_a_pod(args)
+    if node is not None:
+        for option in _FROM_NODE:
+            _take(args, node, option)
+    for option, default in _DEFAULTS.items():
+        if getattr(args, option, None) is None:
+            setattr(args, option, default)
+    if args.nproc is None:
+        args.nproc = 1
+    return node
+
+
+def _take(args: argparse.Namespace, node: NodeLaunch, option: str) -> None:
+    """``args.<option>`` from ``node`` when not given; a given one that differs refused."""
+    value = getattr(node, option)
+    if value is None or (option in _STATIC and args.rdzv_endpoint is not None):
+        return
+    given = getattr(args, option)
+    if option == 'nproc':
+        # SkyPilot's count of GPUs is a default; auto/cpu/gpu a choice torchrun leaves to
+        # the machine: neither is a number the job demands
+        if given is not None and not (node.nproc_demanded and str(value).isdigit()):
+            return
+        value = _nproc(str(value), node)
+    if given is None:
+        setattr(args, option, value)
+        return
+    same = (
+        parse_nnodes(given) == parse_nnodes(value)
+        if option == 'nnodes'
+        else str(given) == str(value)
+    )
+    if not same:
+        flag = '--nproc' if option == 'nproc' else f'--{option.replace("_", "-")}'
+        name = node.origin[option]
+        read = node.source(option)
+        derived = '' if str(value) == node.read[name].strip() else f' (read as {value})'
+        raise ValueError(
+            f'{flag} {given} contradicts the environment: {read}{derived}, set by '
+            f'{node.operator} for this node. Drop {flag} (stratagem train takes it from '
+            f'{name}), or change the job so that both agree'
+        )
+
+
+def _nproc(value: str, node: NodeLaunch) -> int:
+    """torchrun's ``--nproc-per-node`` value (a number, or auto/cpu/gpu) as a count, as
+    torchrun resolves it on this machine."""
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    from torch.distributed.run import determine_local_world_size
+
+    try:
+        return determine_local_world_size(value)
+    except ValueError as err:
+        raise ValueError(
+            f'{node.source("nproc")} ({node.operator}) is not a number of processes on '
+            f'this machine: {err}'
+        ) from None
+
+
+def _refuse_processes_in_a_pod(args: argparse.Namespace) -> None:
+    """``--nproc``/``--nnodes`` > 1 where the operator already gave this process its rank."""
+    env = os.environ
+    nproc = args.nproc if args.nproc is not None else 1
+    nodes = parse_nnodes(args.nnodes)[1] if args.nnodes is not None else 1
+    if nproc == 1 and nodes == 1:
+        return
+    flag = f'--nproc {nproc}' if nproc != 1 else f'--nnodes {args.nnodes}'
+    seen = ', '.join(f'{k}={env[k]}' for k in _POD)
+    raise ValueError(
+        f'{flag} contradicts the environment: {seen} and no LOCAL_RANK (a Kubeflow '
+        'PyTorchJob pod: its operator gave this one process its rank in a world of '
+        'WORLD_SIZE pods). Drop it (each pod is one process), or give the job nprocPerNode '
+        "(its pods then get torchrun's PET_* variables, which stratagem train reads)"
     )
 
 
@@ -224,7 +339,7 @@ def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool 
 
     clear_marker(work_dir)
     marker = os.path.join(work_dir, MARKER_NAME)
-    with _forwarding(signals) as interrupted, _own_round_stores(cmd):
+    with _forwarding(signals) as interrupted, _own_round_stores(cmd), _command_only():
         code = run_torchrun(
             cmd, debug, lambda: bool(interrupted) or os.path.exists(marker), interrupted
         )
@@ -308,6 +423,22 @@ def _forwarding(signals: Sequence[str]) -> Iterator[list[int]]:
             signal.signal(sig, handler)  # type: ignore[arg-type]
         if previous_env is None:
             os.environ.pop(_AGENT_ENV, None)
+
+
+@contextlib.contextmanager
+def _command_only() -> Iterator[None]:
+    """torchrun without the ``PET_*`` variables a scheduler set: torchrun reads them as the
+    defaults of the options its command does not give (``PET_RDZV_BACKEND``, ``PET_STANDALONE``
+    ...), which would mix a second membership into the one the command states, and the
+    command already carries what ``launch_from_environment`` took from them. The signals
+    the agent handles (``PET_SIGNALS_TO_HANDLE``) stay."""
+    taken = {k: v for k, v in os.environ.items() if k.startswith('PET_') and k != _AGENT_ENV}
+    for name in taken:
+        del os.environ[name]
+    try:
+        yield
+    finally:
+        os.environ.update(taken)
 
 
 @contextlib.contextmanager

@@ -37,7 +37,13 @@ from stratagem.loop import train
 from stratagem.schema import runner_reasons
 
 from . import debug_enabled
-from .launch import add_launch_arguments, relaunch, torchrun_command, wants_torchrun
+from .launch import (
+    add_launch_arguments,
+    launch_from_environment,
+    relaunch,
+    torchrun_command,
+    wants_torchrun,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
     if mmengine_keys:
         _require_mmengine(cfg, mmengine_keys)  # before torchrun starts
     preemption = preemption_config(dict(cfg.get('train_cfg') or {}).get('preemption', True))
+    launch_from_environment(args)  # a scheduler's nodes, or the defaults
+    if not wants_torchrun(args) and args.launcher is None:
+        env.infer_launcher()  # alone, but the environment says one of several: refused here
     if wants_torchrun(args) and 'LOCAL_RANK' not in os.environ:
         # a config error in seconds, not after torchrun started every worker (a config for
         # mmengine's runner is mmengine's to check)

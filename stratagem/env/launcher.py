@@ -3,17 +3,64 @@
 ``infer_launcher`` reads the environment a launcher leaves behind; ``init_dist`` turns
 that environment into an initialised ``torch.distributed`` default group. Both are
 safe on a CPU-only machine: CUDA is touched only after ``torch.cuda.is_available()``.
+``describe_launch`` says what was inferred and from which variables (``stratagem env``).
 
-Launchers and the variables read (first match wins, in this order):
+Launchers that give each process its rank (``infer_launcher``; first match wins, in this
+order):
 
-=========  ===========================================================================
-pytorch    torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR/PORT``
-slurm      an ``srun`` task: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` (> 1),
-           ``SLURM_LOCALID``, ``SLURM_STEP_NODELIST`` (see :mod:`stratagem.env.slurm`)
-mpi        Open MPI ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``, MVAPICH
-           ``MV2_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``, MPICH / Intel MPI
-           ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``
-=========  ===========================================================================
+==================  ===========================================================  ========
+who starts it       variables read                                               launcher
+==================  ===========================================================  ========
+torchrun            ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,                    pytorch
+                    ``MASTER_ADDR/PORT`` (also torchrun under any scheduler
+                    below, and Ray Train's workers)
+Slurm ``srun``      ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` (> 1),            slurm
+                    ``SLURM_LOCALID``, ``SLURM_STEP_NODELIST``
+                    (:mod:`stratagem.env.slurm`)
+MPI                 Open MPI ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,            mpi
+                    LOCAL_SIZE}``, MVAPICH ``MV2_COMM_WORLD_{...}`` (the same),
+                    MPICH / Intel MPI ``PMI_RANK``, ``PMI_SIZE``,
+                    ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``
+Kubeflow            ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``   pytorch
+PyTorchJob pod      and no ``LOCAL_RANK``: a pod that runs ``python train.py``
+                    (or ``stratagem train``) is one process of the world;
+                    ``LOCAL_RANK`` becomes 0, ``LOCAL_WORLD_SIZE`` 1
+==================  ===========================================================  ========
+
+Schedulers that start one container per node, which must start that node's processes
+(:mod:`stratagem.env.cluster`): ``stratagem train CONFIG`` starts torchrun with these
+options, each from the first variable set; ``--nproc``, ``--nnodes``, ``--node-rank``,
+``--master-addr``, ``--master-port`` given on the command line must agree with them:
+
+====================  ========================================================================
+torchrun option       variables read, in order (who sets them)
+====================  ========================================================================
+``--nnodes``          ``PET_NNODES`` (Kubeflow Trainer v2 TrainJob; PyTorchJob with
+                      ``nprocPerNode`` or ``elasticPolicy``, ``MIN:MAX`` elastic),
+                      ``SKYPILOT_NUM_NODES``, the line count of ``SKYPILOT_NODE_IPS``
+                      (SkyPilot)
+``--node-rank``       ``PET_NODE_RANK`` (Kubeflow), ``SKYPILOT_NODE_RANK`` (SkyPilot),
+                      ``JOB_COMPLETION_INDEX`` (JobSet, any Indexed Job)
+``--nproc-per-node``  ``PET_NPROC_PER_NODE`` (Kubeflow; a number, or ``auto``/``cpu``/
+                      ``gpu`` resolved as torchrun does), else ``SKYPILOT_NUM_GPUS_PER_NODE``
+                      when > 0 (SkyPilot; a default, ``--nproc`` may differ), else 1
+``--master-addr``     ``PET_MASTER_ADDR`` (Kubeflow), the first line of ``SKYPILOT_NODE_IPS``
+                      (SkyPilot), ``MASTER_ADDR`` (a JobSet manifest's), else a JobSet pod's
+                      ``HOSTNAME`` ``<jobset>-<job>-<i>-<pod>`` as ``<jobset>-<job>-<i>-0``
+                      in the pod's DNS subdomain
+``--master-port``     ``PET_MASTER_PORT`` (Kubeflow), ``MASTER_PORT``, else torchrun's 29500
+``--rdzv-endpoint``   ``PET_RDZV_ENDPOINT`` (Kubeflow PyTorchJob ``elasticPolicy``)
+``--rdzv-id``         ``PET_RDZV_ID`` (the same)
+``--max-restarts``    ``PET_MAX_RESTARTS`` (the same)
+====================  ========================================================================
+
+JobSet sets no count of pods: its manifest states it as ``PET_NNODES`` (and
+``PET_NODE_RANK``, ``PET_MASTER_ADDR`` where it wants them named). A process started alone
+(no process group coming) whose environment says it is one of several is refused before
+anything trains, naming the variables: ``WORLD_SIZE`` > 1 without ``RANK``, ``MASTER_ADDR``
+and ``MASTER_PORT``; a node count > 1 or a node rank > 0 from the table above; a Slurm batch
+script of several tasks. ``launcher='none'`` (``stratagem train --launcher none``) trains
+alone on purpose.
 """
 
 from __future__ import annotations
@@ -30,6 +77,7 @@ import torch.distributed as dist
 
 from . import slurm as _slurm
 from .backend import resolve_backend
+from .cluster import NodeLaunch, read_node_launch
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +86,9 @@ LAUNCHERS = ('pytorch', 'slurm', 'mpi')
 DEFAULT_PORT = 29500
 # torchrun / torch.distributed.run sets all three for every worker.
 _TORCHRUN_VARS = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK')
+# what torch's env:// rendezvous needs: a launcher that sets these and no LOCAL_RANK (a
+# Kubeflow PyTorchJob pod) gave this one process its place in the world
+_POD_VARS = ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')
 # (implementation, rank, size, local rank candidates, local size candidates)
 _MPI_FAMILIES = (
     (
@@ -76,12 +127,19 @@ def infer_launcher() -> str:
     Returns ``'pytorch'`` when torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` are
     all set; ``'slurm'`` for a task of an ``srun`` step with more than one task; ``'mpi'``
     when an MPI launcher's rank and size are set (Open MPI, MVAPICH, MPICH / Intel MPI);
-    else ``'none'``. The order matters: torchrun inside a Slurm allocation is a torchrun
-    job; an mpirun whose daemons Slurm started (the srun step's size differs from the MPI
-    world's) is an MPI job.
+    ``'pytorch'`` when ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` are
+    set without ``LOCAL_RANK`` (a Kubeflow PyTorchJob pod: one process per pod); else
+    ``'none'``. The order matters: torchrun inside a Slurm allocation is a torchrun job; an
+    mpirun whose daemons Slurm started (the srun step's size differs from the MPI world's)
+    is an MPI job.
 
-    Raises RuntimeError in the batch script of a Slurm job with ``SLURM_NTASKS`` > 1 and
-    no srun step: that one process would wait for tasks that were never started.
+    Raises RuntimeError, before anything trains, when this process would be alone while
+    its environment says it is one of several (and no process group exists already): the
+    batch script of a Slurm job with ``SLURM_NTASKS`` > 1 and no srun step; ``WORLD_SIZE``
+    > 1 without the rest of env://'s variables; a node of a scheduler that starts one
+    container per node (Kubeflow ``PET_*``, JobSet, SkyPilot: the module's table) whose
+    node count is > 1 or node rank > 0. The message names the variables and the fix;
+    ``launcher='none'``, given rather than inferred, trains alone on purpose.
     """
     env = os.environ
     if all(k in env for k in _TORCHRUN_VARS):
@@ -93,9 +151,133 @@ def infer_launcher() -> str:
         return 'slurm'
     if family is not None:
         return 'mpi'
+    if all(k in env for k in _POD_VARS):
+        return 'pytorch'
     if 'SLURM_PROCID' in env and _slurm.step_ntasks() > 1:
         raise _slurm.batch_step_error()
+    if not (dist.is_available() and dist.is_initialized()):
+        error = alone_error()
+        if error is not None:
+            raise error
     return 'none'
+
+
+def alone_error(node: NodeLaunch | None = None) -> RuntimeError | None:
+    """The error for a process started alone whose environment says it is one of several
+    (``node``: the node launch read from it, default :func:`read_node_launch`), or None."""
+    env = os.environ
+    if _int_or(env.get('WORLD_SIZE'), 1) > 1:
+        seen = ', '.join(f'{k}={env[k]}' for k in (*_TORCHRUN_VARS, *_POD_VARS[2:]) if k in env)
+        missing = ', '.join(k for k in _POD_VARS if k not in env)
+        return RuntimeError(
+            f'this process would train alone, but its environment says it is one of '
+            f'{env["WORLD_SIZE"]} ({seen}) and {missing} are not set, so no process group '
+            "can form (torch's env:// needs RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). "
+            'Set all four (a Kubeflow PyTorchJob sets them in every pod), start it with '
+            "torchrun, or pass launcher='none' (`stratagem train --launcher none`) to train "
+            'alone on purpose'
+        )
+    node = read_node_launch() if node is None else node
+    if node is None or not node.one_of_several():
+        return None
+    count = (
+        ''
+        if node.max_nodes is not None
+        else ' The number of nodes is not among them (JobSet sets none): state it in the '
+        'manifest as PET_NNODES, or give `stratagem train --nnodes N`.'
+    )
+    return RuntimeError(
+        f'this process would train alone, but {node.operator} says this node is one of '
+        f'several: {node.variables()}.{count} Start the node with `stratagem train CONFIG` (it '
+        'starts torchrun with --nnodes, --node-rank, --nproc-per-node, --master-addr from '
+        "these variables; torchrun itself reads PET_*), or pass launcher='none' "
+        '(`stratagem train --launcher none`) to train alone on purpose'
+    )
+
+
+def describe_launch() -> dict[str, str]:
+    """What :func:`infer_launcher` infers here and why, as ``stratagem env`` prints it: the
+    launcher (or the refusal), who started this process, world size, rank, local rank, the
+    master, a scheduler's node launch (the torchrun options ``stratagem train`` takes from
+    it) and every launcher variable that is set."""
+    env = os.environ
+    out: dict[str, str] = {}
+    launcher: str | None = None
+    try:
+        launcher = out['launcher'] = infer_launcher()
+    except RuntimeError as err:
+        out['launcher'] = f'refused: {err}'
+    place = _place(launcher)
+    if place is not None:
+        who, world, rank, local, master = place
+        out.update({'started by': who, 'world size': world, 'rank': rank, 'local rank': local})
+        out['master'] = master
+    node = read_node_launch()
+    if node is not None:
+        out['node launch'] = node.operator
+        out['nodes'] = node.nnodes or 'not set'
+        out['node rank'] = '' if node.node_rank is None else str(node.node_rank)
+        options = [
+            f'{_FLAGS[option]} {getattr(node, option)} (from {node.source(option)})'
+            for option in ('nnodes', 'node_rank', 'nproc', 'master_addr', 'master_port')
+            if option in node.origin
+        ]
+        out['stratagem train starts torchrun with'] = '; '.join(options) or 'nothing from here'
+    seen = [k for k in sorted(env) if _is_launch_variable(k)]
+    out['variables read'] = ', '.join(f'{k}={env[k]!r}' for k in seen) or 'none set'
+    return out
+
+
+_FLAGS = {
+    'nnodes': '--nnodes',
+    'node_rank': '--node-rank',
+    'nproc': '--nproc-per-node',
+    'master_addr': '--master-addr',
+    'master_port': '--master-port',
+}
+
+
+def _place(launcher: str | None) -> tuple[str, str, str, str, str] | None:
+    """(who started it, world size, rank, local rank, master) of an inferred launcher."""
+    env = os.environ
+    master = f'{env.get("MASTER_ADDR", "?")}:{env.get("MASTER_PORT", "?")}'
+    if launcher == 'pytorch':
+        if 'LOCAL_RANK' in env:
+            who, local = 'torchrun (RANK, WORLD_SIZE, LOCAL_RANK)', env['LOCAL_RANK']
+        else:
+            who = (
+                'a pod with RANK, WORLD_SIZE, MASTER_ADDR/PORT and no LOCAL_RANK '
+                '(Kubeflow PyTorchJob)'
+            )
+            local = '0 (one process per pod)'
+        return who, env['WORLD_SIZE'], env['RANK'], local, master
+    if launcher == 'slurm':
+        return (
+            'srun (a task of a Slurm job step)',
+            str(_slurm.step_ntasks()),
+            env.get('SLURM_PROCID', '?'),
+            env.get('SLURM_LOCALID', '?'),
+            master if 'MASTER_ADDR' in env else 'the first host of the step node list',
+        )
+    if launcher == 'mpi':
+        family = _mpi_family()
+        assert family is not None
+        local = next((env[v] for v in family[3] if v in env), '?')
+        return f'mpirun ({family[0]})', env[family[2]], env[family[1]], local, master
+    return None
+
+
+def _is_launch_variable(name: str) -> bool:
+    from .cluster import NODE_VARIABLES
+
+    node = {n for names in NODE_VARIABLES.values() for n in names if n != 'HOSTNAME'}
+    mpi = {n for f in _MPI_FAMILIES for n in (f[1], f[2], *f[3], *f[4])}
+    return (
+        name in (*_TORCHRUN_VARS, *_POD_VARS, 'LOCAL_WORLD_SIZE', 'JOB_COMPLETION_INDEX')
+        or name in node
+        or name in mpi
+        or name.startswith(('SLURM_', 'PET_', 'SKYPILOT_'))
+    )
 
 
 def init_dist(
@@ -160,9 +342,8 @@ def init_dist(
     env_rendezvous = kwargs.get('init_method') in (None, 'env://') and kwargs.get('store') is None
     # each reader returns the variables to export; nothing changes until every check passed
     if launcher == 'pytorch':
-        rank, world_size, local_rank = _from_torchrun(env_rendezvous)
-        exports: dict[str, str] = {}
-        where, nodes = 'MASTER_ADDR, set by torchrun (--master-addr / --rdzv-endpoint)', 1
+        rank, world_size, local_rank, exports, where = _from_torchrun(env_rendezvous)
+        nodes = 1
     elif launcher == 'slurm':
         rank, world_size, local_rank, exports, where = _from_slurm(kwargs.pop('port', None))
         nodes = _slurm.num_nodes()
@@ -204,7 +385,14 @@ def init_dist(
     )
 
 
-def _from_torchrun(env_rendezvous: bool) -> tuple[int, int, int]:
+def _from_torchrun(env_rendezvous: bool) -> tuple[int, int, int, dict[str, str], str]:
+    if 'LOCAL_RANK' not in os.environ and all(k in os.environ for k in _POD_VARS):
+        # a PyTorchJob pod: the operator gave this one process its rank, one per pod
+        rank, world_size = _env_int('RANK'), _env_int('WORLD_SIZE')
+        _port(os.environ['MASTER_PORT'], 'MASTER_PORT')
+        exports = {'LOCAL_RANK': '0', 'LOCAL_WORLD_SIZE': '1', 'LOCAL_SIZE': '1'}
+        where = 'MASTER_ADDR, set in the environment (one process per pod: no LOCAL_RANK)'
+        return rank, world_size, 0, exports, where
     _require_env(_TORCHRUN_VARS, 'pytorch', 'start the script with torchrun')
     if env_rendezvous:
         _require_env(
@@ -213,7 +401,8 @@ def _from_torchrun(env_rendezvous: bool) -> tuple[int, int, int]:
             'start the script with torchrun or pass init_method=/store=',
         )
         _port(os.environ['MASTER_PORT'], 'MASTER_PORT')
-    return _env_int('RANK'), _env_int('WORLD_SIZE'), _env_int('LOCAL_RANK')
+    where = 'MASTER_ADDR, set by torchrun (--master-addr / --rdzv-endpoint)'
+    return _env_int('RANK'), _env_int('WORLD_SIZE'), _env_int('LOCAL_RANK'), {}, where
 
 
 def _from_slurm(port: int | None) -> tuple[int, int, int, dict[str, str], str]:

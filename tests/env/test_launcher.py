@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from stratagem.cli import main
 from stratagem.env import (
+    cluster,
     expand_slurm_nodelist,
     get_dist_info,
     infer_launcher,
@@ -83,7 +84,12 @@ MVAPICH = dict(
     [
         ({}, 'none'),
         (TORCHRUN, 'pytorch'),
-        (dict(RANK='0', WORLD_SIZE='2'), 'none'),  # LOCAL_RANK missing: not torchrun
+        (dict(RANK='0', WORLD_SIZE='1'), 'none'),  # a world of one, no master: alone
+        # a Kubeflow PyTorchJob pod: env://'s four variables and no LOCAL_RANK
+        (
+            dict(RANK='1', WORLD_SIZE='2', MASTER_ADDR='job-master-0', MASTER_PORT='23456'),
+            'pytorch',
+        ),
         (SLURM, 'slurm'),
         (dict(SLURM_PROCID='0', SLURM_NTASKS='1'), 'none'),  # one task: an interactive job
         (dict(SLURM_NTASKS='4'), 'none'),  # no task id: an salloc shell, one process
@@ -441,6 +447,8 @@ def test_the_tests_remove_every_launcher_variable_the_library_reads():
         read.update((rank, size, *local_ranks, *local_sizes))
     read.update(slurm._STEP_ID_VARS, slurm._NODELIST_VARS)
     read.update(env_logging._RANK_VARS, env_logging._SIZE_VARS)
+    # a scheduler's node variables; HOSTNAME is read only beside JOB_COMPLETION_INDEX
+    read.update(n for names in cluster.NODE_VARIABLES.values() for n in names if n != 'HOSTNAME')
     assert [name for name in sorted(read) if not is_launcher_variable(name)] == []
     # the test's own reading of the tuples is not empty: each family is there
     assert {'RANK', 'OMPI_COMM_WORLD_RANK', 'PMI_RANK', 'MV2_COMM_WORLD_RANK'} <= read
