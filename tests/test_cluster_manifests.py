@@ -14,6 +14,7 @@ command, and every command is parsed by ``stratagem train``'s own parser.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import types
@@ -21,12 +22,14 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import kubernetes.client
 import pytest
 import yaml
 from kubeflow_trainer_api import models as trainer_models
 
+from launcher_env import is_launcher_variable
 from stratagem.cli import build_sub_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,9 +62,9 @@ OPERATOR_SETS = {
         'SLURM_JOB_ID', 'SLURM_STEP_ID', 'SLURM_RESTART_COUNT',
     },
 }  # fmt: skip
-# The variables stratagem.env.launcher (and env/slurm.py) reads. PENDING: the names the
-# launcher inference of issue #43 adds (Kubeflow PET_*, JobSet, SkyPilot); a name leaves
-# PENDING once the launcher's source reads it, and the test below then holds it there.
+# The variables stratagem's launch code (env/launcher.py, env/cluster.py, env/slurm.py, cli/)
+# reads. PENDING: a name listed before the code reads it (none now); the test below holds
+# the rest to the code.
 LAUNCHER_READS = {
     'RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT',
     'SLURM_PROCID', 'SLURM_LOCALID', 'SLURM_STEP_NUM_TASKS', 'SLURM_STEP_NODELIST',
@@ -70,11 +73,7 @@ LAUNCHER_READS = {
     'JOB_COMPLETION_INDEX',
     'SKYPILOT_NODE_RANK', 'SKYPILOT_NODE_IPS', 'SKYPILOT_NUM_NODES', 'SKYPILOT_NUM_GPUS_PER_NODE',
 }  # fmt: skip
-PENDING = {
-    'PET_NNODES', 'PET_NPROC_PER_NODE', 'PET_NODE_RANK', 'PET_MASTER_ADDR', 'PET_MASTER_PORT',
-    'JOB_COMPLETION_INDEX',
-    'SKYPILOT_NODE_RANK', 'SKYPILOT_NODE_IPS', 'SKYPILOT_NUM_NODES', 'SKYPILOT_NUM_GPUS_PER_NODE',
-}  # fmt: skip
+PENDING: set[str] = set()
 
 
 # -- a strict reader: every key of a document must be a field of the type it is read as --
@@ -318,9 +317,23 @@ def pod_templates(name: str, doc: dict) -> list[dict]:
 
 
 def train_args(argv: list[str]):
-    """``python -m stratagem train ...`` parsed by the command's own parser."""
+    """``python -m stratagem train ...`` parsed by the command's own parser (the options the
+    command line gives; None where it gives none)."""
     assert argv[:4] == ['python', '-m', 'stratagem', 'train'], argv
     return build_sub_parser('train').parse_args(argv[4:])
+
+
+def launched(argv: list[str], operator_env: dict[str, str]):
+    """The launch options ``stratagem train`` runs with in a container where the operator
+    set ``operator_env`` (and no other launcher variable): the command's own filled in by
+    ``launch_from_environment``, which refuses a flag contradicting a variable."""
+    from stratagem.cli.launch import launch_from_environment
+
+    args = train_args(argv)
+    kept = {k: v for k, v in os.environ.items() if not is_launcher_variable(k)}
+    with mock.patch.dict(os.environ, {**kept, **operator_env}, clear=True):
+        launch_from_environment(args)
+    return args
 
 
 def expand_k8s(words: list[str], env: dict[str, str]) -> list[str]:
@@ -440,8 +453,11 @@ def test_pytorchjob_one_process_per_pod():
     doc = load('pytorchjob.yaml')
     specs = doc['spec']['pytorchReplicaSpecs']
     assert specs['Master']['replicas'] == 1 and sum(s['replicas'] for s in specs.values()) == 2
+    pod = dict(RANK='1', WORLD_SIZE='2', MASTER_ADDR='stratagem-classifier-master-0')
     for argv, container, resources in k8s_commands('pytorchjob.yaml', {}):
-        args = train_args(argv)
+        given = train_args(argv)
+        assert given.nproc is None and given.nnodes is None  # no flag: the pod is one rank
+        args = launched(argv, {**pod, 'MASTER_PORT': '23456'})
         assert args.nproc == 1 and args.nnodes == '1' and _gpus(resources) == 1
         # the operator reads MASTER_PORT from the port of this name on the container 'pytorch'
         assert container['name'] == 'pytorch'
@@ -451,11 +467,21 @@ def test_pytorchjob_one_process_per_pod():
 
 def test_pytorchjob_torchrun_nproc_matches_the_operator():
     doc = load('pytorchjob-torchrun.yaml')
+    pet = dict(
+        PET_NNODES='2',
+        PET_NPROC_PER_NODE=doc['spec']['nprocPerNode'],
+        PET_NODE_RANK='1',
+        PET_MASTER_ADDR='stratagem-classifier-master-0',
+        PET_MASTER_PORT='23456',
+    )
     for argv, container, resources in k8s_commands('pytorchjob-torchrun.yaml', {}):
-        args = train_args(argv)
-        assert str(args.nproc) == doc['spec']['nprocPerNode'] == str(_gpus(resources)) == '2'
+        given = train_args(argv)
+        assert str(given.nproc) == doc['spec']['nprocPerNode'] == str(_gpus(resources)) == '2'
         # the rendezvous is the operator's (PET_*): flags would only repeat it
-        assert args.nnodes == '1' and args.master_addr is None
+        assert given.nnodes is None and given.master_addr is None
+        args = launched(argv, pet)  # PET_* become torchrun's options; --nproc agrees
+        assert (args.nnodes, args.node_rank, args.nproc) == ('2', 1, 2)
+        assert (args.master_addr, str(args.master_port)) == (pet['PET_MASTER_ADDR'], '23456')
         assert container['name'] == 'pytorch'
 
 
@@ -517,7 +543,7 @@ def test_slurm_script_parses_and_srun_tasks_are_one_run(monkeypatch):
     commands = run_shell(text, {'SLURM_JOB_ID': '4242', 'SLURM_JOB_NODELIST': 'gpu[07-08]'})
     (argv,) = commands
     args = train_args(argv)
-    assert args.nproc == 1  # srun starts every rank: one task per GPU
+    assert args.nproc is None  # srun starts every rank: one task per GPU
     assert args.cfg_options == ['train_cfg.preemption=dict(signals=["SIGUSR1"],requeue=True)']
     # the environment srun gives the last task of this allocation, read by stratagem
     from stratagem.env import infer_launcher, slurm
@@ -605,7 +631,13 @@ def test_k8s_manifests_use_only_the_operators_variables(name):
 def test_operators_variables_are_what_the_launcher_reads():
     sources = ''.join(
         (ROOT / 'stratagem' / f).read_text()
-        for f in ('env/launcher.py', 'env/slurm.py', 'cli/train.py', 'cli/launch.py')
+        for f in (
+            'env/launcher.py',
+            'env/cluster.py',
+            'env/slurm.py',
+            'cli/train.py',
+            'cli/launch.py',
+        )
     )
     for name, variables in OPERATOR_SETS.items():
         assert variables <= LAUNCHER_READS, f'{name}: {variables - LAUNCHER_READS}'
