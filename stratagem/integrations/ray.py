@@ -275,6 +275,8 @@ class _Reporter:
             yield staging
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                staging.parent.rmdir()
 
 
 def _link(source: Any, target: Any) -> Any:
@@ -298,7 +300,7 @@ class RayPreemption(Preemption):
         self.check_every = check_every
 
     @classmethod
-    def from_config(  # type: ignore[override]
+    def from_config(
         cls, cfg: PreemptionConfig, lead: int = 2, check_every: int = 10
     ) -> RayPreemption:
         return cls(
@@ -353,7 +355,8 @@ def fit(
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=dict(config=cfg, work_dir=work_dir, load_from=load_from),
-        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
+        # ray.train's annotations are Train V1's; V2 (2.60's default) takes (min, max)
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),  # type: ignore[arg-type]
         run_config=RunConfig(
             name=trainer_name(work_dir, name),
             storage_path=storage_path,
@@ -365,7 +368,7 @@ def fit(
     except ray.train.TrainingFailedError as err:
         raise RuntimeError(
             f'the Ray Train run of {cfg.filename or "the config"} failed after '
-            f'{max_failures} restart(s) at most: {_last_line(err)} (the workers\' log is above; '
+            f"{max_failures} restart(s) at most: {_last_line(err)} (the workers' log is above; "
             f"Ray's run: {trainer_name(work_dir, name)} under {storage_path})"
         ) from err
 

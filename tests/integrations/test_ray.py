@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip('ray.train', reason='needs Ray Train: pip install "stratagem[ray]"')
 
-from failure_helpers import (  # noqa: E402
+from failure_helpers import (
     CONFIG,
     clean_env,
     equal,
@@ -35,8 +35,8 @@ from failure_helpers import (  # noqa: E402
     wait_reads,
     write_config,
 )
-from stratagem import checkpoint as ckpt  # noqa: E402
-from stratagem.cli import main  # noqa: E402
+from stratagem import checkpoint as ckpt
+from stratagem.cli import main
 
 pytestmark = pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='needs Linux /proc')
 
@@ -137,20 +137,22 @@ def ray_cluster(tmp_path_factory):
     os.environ.update(clean_env(COUNT_DIR=str(count)))
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        # a client of this cluster needs its address and its auth mode (token auth, the
+        # token in ~/.ray/auth_token, is the default of a local cluster)
+        client = {'RAY_ADDRESS': ray.get_runtime_context().gcs_address}
+        client.update((k, v) for k, v in os.environ.items() if k.startswith('RAY_AUTH'))
     finally:
         os.environ.clear()
         os.environ.update(saved)
     try:
-        yield ray.get_runtime_context().gcs_address, count
+        yield client, count
     finally:
         ray.shutdown()
 
 
 def _worlds(count: Path) -> dict[int, tuple[int, int]]:
     """``{pid: (rank, world size)}`` of every worker that read a sample so far."""
-    return {
-        int(p.stem): tuple(map(int, p.read_text().split())) for p in count.glob('*.world')
-    }
+    return {int(p.stem): tuple(map(int, p.read_text().split())) for p in count.glob('*.world')}
 
 
 def _new_worker(count: Path, known: set, rank: int, world: int, timeout: float = 120) -> int:
@@ -198,10 +200,10 @@ def _fit_in_thread(work: Path, cfg: Path, num_workers, max_failures: int, slow: 
 def test_ray_run_of_2_workers_equals_nproc_2_bit_for_bit(ray_cluster, uninterrupted_run, tmp_path):
     """``stratagem train --ray 2`` on the cluster at RAY_ADDRESS: the same final checkpoint
     as ``--nproc 2``, every committed checkpoint reported to Ray with its manifest."""
-    address, _ = ray_cluster
+    client, _ = ray_cluster
     cfg, reference = uninterrupted_run
     work = tmp_path / 'work'
-    code, out = finish(start(cfg, work, '--ray', '2', env=clean_env(RAY_ADDRESS=address)), 300)
+    code, out = finish(start(cfg, work, '--ray', '2', env=clean_env(**client)), 300)
     assert code == 0, out[-4000:]
     assert equal(final_state(work), reference)
     reported = sorted((work / 'ray').glob('*/checkpoint_iter_*'))
@@ -239,9 +241,7 @@ ELASTIC = (
 
 
 @pytest.mark.slow
-def test_an_elastic_run_restarts_at_1_worker_with_the_sample_position_exact(
-    ray_cluster, tmp_path
-):
+def test_an_elastic_run_restarts_at_1_worker_with_the_sample_position_exact(ray_cluster, tmp_path):
     """``num_workers=(1, 2)``: a worker is SIGKILLed and a CPU taken meanwhile, so Ray
     starts the run again at 1 worker; it resumes from the world-size-2 checkpoint and ends
     on the bits ``stratagem train --resume`` in one process ends on from that checkpoint."""
@@ -288,4 +288,3 @@ def ckpt_manifest(path: Path) -> Path:
     from stratagem.checkpoint.manifest import manifest_path
 
     return manifest_path(path)
-
