@@ -7,8 +7,9 @@ Slow tier: one local Ray cluster (2 CPUs) started by this module serves every ru
 of 2 workers equals ``stratagem train --nproc 2`` (conftest's ``uninterrupted_run``) bit for
 bit; a worker SIGKILLed mid-run (its pid from the file its dataset writes) is survived: Ray
 restarts the group, the run resumes and ends on the same bits; under ``num_workers=(1, 2)``
-with one CPU taken, the run restarts at 1 worker and continues exactly as ``stratagem train
---resume`` in one process does from the same checkpoint.
+on a cluster with room for one worker, a run that lost a worker starts again at 1 worker and
+continues exactly as ``stratagem train --resume`` in one process does from the same
+checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -36,6 +39,7 @@ from failure_helpers import (
     write_config,
 )
 from stratagem import checkpoint as ckpt
+from stratagem.checkpoint.manifest import manifest_path
 from stratagem.cli import main
 
 pytestmark = pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='needs Linux /proc')
@@ -240,13 +244,36 @@ ELASTIC = (
 )  # every checkpoint converts between world sizes 1 and 2 (tests/test_elastic.py)
 
 
+ELASTIC_RUN = """
+import sys
+import ray
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+from stratagem.integrations.ray import train_loop_per_worker
+
+cfg, work = sys.argv[1:]
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)  # room for one worker
+TorchTrainer(
+    train_loop_per_worker,
+    train_loop_config=dict(config=cfg, work_dir=work),
+    scaling_config=ScalingConfig(num_workers=(1, 2)),
+    run_config=RunConfig(name='elastic', storage_path=work + '/ray',
+                         failure_config=FailureConfig(max_failures=0)),
+).fit()
+"""
+
+
 @pytest.mark.slow
 def test_an_elastic_run_restarts_at_1_worker_with_the_sample_position_exact(ray_cluster, tmp_path):
-    """``num_workers=(1, 2)``: a worker is SIGKILLed and a CPU taken meanwhile, so Ray
-    starts the run again at 1 worker; it resumes from the world-size-2 checkpoint and ends
-    on the bits ``stratagem train --resume`` in one process ends on from that checkpoint."""
-    import ray
+    """``num_workers=(1, 2)``: a run of 2 workers loses one (SIGKILL); started again on a
+    cluster with room for one worker, Ray's elastic mode runs 1, which resumes from the
+    world-size-2 checkpoint and ends on the bits ``stratagem train --resume`` in one process
+    ends on from that checkpoint.
 
+    Not tested: Ray's own restart inside one ``fit`` shrinking the group. Ray 2.60 sizes an
+    elastic group by the resources its autoscaling coordinator reserves, which on a local
+    cluster are the node's total: a CPU taken by another actor after the kill still counts
+    as free, so Ray asks for 2 workers again and waits for the second."""
     _, count = ray_cluster
     cfg = write_config(tmp_path, ELASTIC)
     work = tmp_path / 'work'
@@ -263,28 +290,19 @@ def test_an_elastic_run_restarts_at_1_worker_with_the_sample_position_exact(ray_
     reference = tmp_path / 'reference'
     reference.mkdir()
     shutil.copy(resumed_from, reference / resumed_from.name)
-    shutil.copy(ckpt_manifest(resumed_from), reference)
+    shutil.copy(manifest_path(resumed_from), reference)
 
-    @ray.remote(num_cpus=1)
-    class Hog:
-        def ready(self) -> bool:
-            return True
-
-    hog = Hog.remote()
-    ray.get(hog.ready.remote(), timeout=60)  # one CPU of two taken
     known = set(_worlds(count))
-    thread, outcome = _fit_in_thread(work, cfg, (1, 2), max_failures=0, slow='0')
-    thread.join(300)
-    ray.kill(hog)
-    assert not thread.is_alive() and 'error' not in outcome, outcome.get('error')
+    elastic = subprocess.run(
+        [sys.executable, '-c', ELASTIC_RUN, str(cfg), str(work)],
+        env=clean_env(COUNT_DIR=str(count)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert elastic.returncode == 0, elastic.stderr[-4000:]
     assert sorted(rw for p, rw in _worlds(count).items() if p not in known) == [(0, 1)]
     code, out = finish(start(cfg, reference, '--resume'))
     assert code == 0, out[-4000:]
     # at world size 1 the 16 iterations of 2 are 32, the position converted
     assert equal(final_state(work, 32), final_state(reference, 32))
-
-
-def ckpt_manifest(path: Path) -> Path:
-    from stratagem.checkpoint.manifest import manifest_path
-
-    return manifest_path(path)
