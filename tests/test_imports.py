@@ -19,6 +19,7 @@ FORBIDDEN = (
     'accelerate',
     'lightning',
     'transformers',
+    'ray',
 )
 
 PROBE = r"""

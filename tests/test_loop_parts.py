@@ -186,3 +186,35 @@ def test_the_meter_reads_the_device_once_per_row(tmp_path, monkeypatch):
     assert meter.losses == [(5, 3.0), (10, 8.0)]  # means over each interval
     rows = (tmp_path / 'metrics.csv').read_text().splitlines()
     assert len(rows) == 3 and 'acc' in rows[0]
+
+
+@pytest.mark.parametrize('async_checkpoint', [False, True], ids=['sync', 'async'])
+def test_on_checkpoint_hears_of_each_save_once_committed(tmp_path, async_checkpoint):
+    """``train(on_checkpoint=)`` (Ray's report): every save, in order, each committed when
+    heard of; an asynchronous one once the next save (or the end) has waited for it."""
+    from stratagem.loop import train
+
+    heard = []
+
+    def on_checkpoint(path, iteration):
+        # committed when heard of: the manifest is there and verifies
+        assert ckpt.verify_checkpoint(path)['step'] == iteration
+        heard.append((path.rsplit('/', 1)[-1], iteration))
+
+    cfg = dict(
+        BASE,
+        model=dict(type='MLPClassifier', in_features=8, num_classes=3, hidden=8),
+        train_dataloader=dict(
+            dataset=dict(
+                type='SyntheticClassification', num_samples=32, num_features=8, num_classes=3
+            ),
+            batch_size=4,
+        ),
+        train_cfg=dict(max_iters=7, checkpoint_interval=3),
+        work_dir=str(tmp_path),
+        strategy=dict(type='SingleDeviceStrategy', async_checkpoint=async_checkpoint),
+    )
+    train(cfg, progress=False, on_checkpoint=on_checkpoint)
+    assert heard == [
+        ('iter_3.pth', 3), ('iter_6.pth', 6), ('iter_7.pth', 7)
+    ]  # fmt: skip

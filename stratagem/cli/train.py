@@ -113,6 +113,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='take the work_dir lock (work_dir/.stratagem.lock) that a run on another host '
         'claims, once you know that run has ended; a live holder on this host is never broken',
     )
+    parser.add_argument(
+        '--ray',
+        type=int,
+        default=None,
+        metavar='N',
+        help='run under Ray Train with N workers (GPU ones where this machine has GPUs): '
+        'the cluster at RAY_ADDRESS, else a local one; a killed worker restarts the run '
+        'from the last committed checkpoint (stratagem.integrations.ray; pip install '
+        '"stratagem[ray]")',
+    )
     add_launch_arguments(parser)
 
 
@@ -122,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
     if mmengine_keys:
         _require_mmengine(cfg, mmengine_keys)  # before torchrun starts
     preemption = preemption_config(dict(cfg.get('train_cfg') or {}).get('preemption', True))
+    if args.ray is not None:
+        return _run_ray(cfg, args, mmengine_keys)
     launch_from_environment(args)  # a scheduler's nodes, or the defaults
     if not wants_torchrun(args) and args.launcher is None:
         env.infer_launcher()  # alone, but the environment says one of several: refused here
@@ -166,6 +178,46 @@ def run(args: argparse.Namespace) -> int:
             _exit_torchrun_worker(result['strategy'], lock)
     if result.get('preempted') and preemption is not None:
         return preemption.exit_code
+    return 0
+
+
+def _run_ray(cfg: Config, args: argparse.Namespace, mmengine_keys: list[str]) -> int:
+    """``--ray N``: the reference loop under Ray Train's ``TorchTrainer`` of N workers
+    (:func:`stratagem.integrations.ray.fit`), this process holding the work_dir lock."""
+    if args.ray < 1:
+        raise ValueError(f'--ray {args.ray}: the number of Ray workers should be >= 1')
+    others = [
+        flag
+        for flag, given in (
+            # launch options not given are None (a scheduler's variables fill them later)
+            ('--nproc', args.nproc is not None),
+            ('--nnodes', args.nnodes is not None),
+            ('--max-restarts', args.max_restarts is not None),
+            ('--launcher', args.launcher is not None),
+            ('--resume', args.resume is not None),
+        )
+        if given
+    ]
+    if others:
+        raise ValueError(
+            f'--ray starts the workers itself (Ray places them and restarts them, resuming '
+            f'from the last checkpoint by itself); drop {", ".join(others)}'
+        )
+    if mmengine_keys:
+        raise ConfigError(
+            f"--ray runs the reference loop; {', '.join(mmengine_keys)} need mmengine's "
+            'runner, which --ray does not start: run this config without --ray'
+        )
+    import importlib.util
+
+    if importlib.util.find_spec('ray') is None:
+        raise ImportError('--ray needs Ray Train: pip install "stratagem[ray]"')
+    check_before_launch(cfg)
+    from stratagem.integrations.ray import fit
+
+    cfg['work_dir'] = osp.abspath(cfg['work_dir'])  # the workers' directory is not ours
+    with _work_dir_lock(cfg, args, parent=True):
+        fit(cfg, args.ray, load_from=args.load_from)
     return 0
 
 

@@ -5,13 +5,16 @@ goes through (the periodic ones, the last one, a preemption's, the best).
 interval), at the end and at a preemption stop; then ``max_keep_ckpts`` keeps the newest,
 never the one resumed from nor the best (the protected files). Each save's ``meta`` holds the
 position (``iter``, ``epoch``) and save_best's best so far, and its time on the loop's thread is
-the meter's stall.
+the meter's stall. ``on_commit(path, iteration)`` (a host's, e.g. Ray's report) hears of each
+save once it is committed: a synchronous save when it returns (every rank knows the vote's
+outcome), an asynchronous one when the next save or the end has waited for it.
 """
 
 from __future__ import annotations
 
 import os.path as osp
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from stratagem import checkpoint as ckpt
@@ -42,6 +45,8 @@ class Checkpoints:
         self.best, self.meter = best, meter
         self.main = strategy.rank == 0
         self.saved_at = -1
+        self.on_commit: Callable[[str, int], None] | None = None
+        self._uncommitted: tuple[str, int] | None = None  # an async save not yet waited for
 
     def save(self, name: str, it: int) -> str:
         """Save ``work_dir/name`` after iteration ``it``; returns its path."""
@@ -51,6 +56,15 @@ class Checkpoints:
         t_save = time.perf_counter()
         path = self.strategy.save_checkpoint(name, extra_ckpt={'meta': meta})
         self.meter.add_stall(time.perf_counter() - t_save)
+        if self.on_commit is not None:
+            # save_checkpoint waited for the previous asynchronous save: committed now
+            committed, self._uncommitted = self._uncommitted, None
+            if committed is not None:
+                self.on_commit(*committed)
+            if self.strategy.async_checkpoint:
+                self._uncommitted = (path, it)
+            else:
+                self.on_commit(path, it)
         return path
 
     def due(self, it: int, stop: bool) -> bool:
@@ -92,3 +106,6 @@ class Checkpoints:
         before its commit (it did not count that one yet)."""
         if self.strategy.async_checkpoint:
             self.retain()
+        if self._uncommitted is not None and self.on_commit is not None:
+            committed, self._uncommitted = self._uncommitted, None
+            self.on_commit(*committed)

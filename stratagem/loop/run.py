@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import os.path as osp
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from stratagem.config import Config, config_search_dirs, import_custom_modules
-from stratagem.env.preemption import Preemption, clear_marker
+from stratagem.env.preemption import Preemption, PreemptionConfig, clear_marker
 from stratagem.env.watchdog import Watchdog
 
 from .batches import Batches
@@ -32,11 +32,19 @@ def train(
     resume: bool | str = False,
     load_from: str | None = None,
     progress: bool = True,
+    on_checkpoint: Callable[[str, int], None] | None = None,
+    preemption: Callable[[PreemptionConfig], Preemption] | None = None,
 ) -> dict[str, Any]:
     """Train from ``cfg``; returns ``{'strategy', 'losses' (per logged iteration), 'val'
     (``(iter, {name: mean})`` per validation), 'best' (``save_best``'s metric, rule, score
     and checkpoint file name, else None), 'iter', 'preempted'}`` (``preempted``: the signal
-    that stopped the run early, else None)."""
+    that stopped the run early, else None).
+
+    For a host that runs the loop (``stratagem.integrations.ray``): ``on_checkpoint(path,
+    iteration)`` is called on every rank once each checkpoint the loop saves is committed
+    (an asynchronous save: when the next save or the end has waited for it), never before;
+    ``preemption`` builds the run's :class:`Preemption` from ``train_cfg.preemption`` (default
+    ``Preemption.from_config``: signal handlers, main thread only)."""
     cfg = cfg if isinstance(cfg, Config) else Config(cfg)
     # a config given as a dict has not been through Config.fromfile: its own modules now
     import_custom_modules(cfg.get('custom_imports'), config_search_dirs(cfg))
@@ -46,9 +54,11 @@ def train(
     load_from = load_from if load_from is not None else plan.load_from
     # handlers from the start: a signal while the strategy is built is not lost (the loop
     # stops after its first iteration); restored however train() ends
-    stops = Preemption.from_config(plan.preemption) if plan.preemption is not None else None
+    build_stops = preemption or Preemption.from_config
+    stops = build_stops(plan.preemption) if plan.preemption is not None else None
     with stops if stops is not None else contextlib.nullcontext():
         parts = _build(strategy_config(cfg), plan, resume, load_from, progress)
+        parts.checkpoints.on_commit = on_checkpoint
         return _loop(parts, stops)
 
 
