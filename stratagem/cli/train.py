@@ -115,12 +115,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         '--ray',
-        type=int,
         default=None,
-        metavar='N',
-        help='run under Ray Train with N workers (GPU ones where this machine has GPUs): '
-        'the cluster at RAY_ADDRESS, else a local one; a killed worker restarts the run '
-        'from the last committed checkpoint (stratagem.integrations.ray; pip install '
+        metavar='N|MIN:MAX',
+        help='run under Ray Train with N workers (GPU ones where this machine has GPUs), or '
+        "MIN:MAX for Ray's elastic mode (between MIN and MAX workers, as many as the cluster "
+        'has room for; each restart may run another count, resuming with the sample position '
+        'exact): the cluster at RAY_ADDRESS, else a local one; a killed worker restarts the '
+        'run from the last committed checkpoint (stratagem.integrations.ray; pip install '
         '"stratagem[ray]")',
     )
     add_launch_arguments(parser)
@@ -182,10 +183,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_ray(cfg: Config, args: argparse.Namespace, mmengine_keys: list[str]) -> int:
-    """``--ray N``: the reference loop under Ray Train's ``TorchTrainer`` of N workers
+    """``--ray N`` or ``--ray MIN:MAX``: the reference loop under Ray Train's
+    ``TorchTrainer`` of N workers, or of ``num_workers=(MIN, MAX)`` (Ray's elastic mode)
     (:func:`stratagem.integrations.ray.fit`), this process holding the work_dir lock."""
-    if args.ray < 1:
-        raise ValueError(f'--ray {args.ray}: the number of Ray workers should be >= 1')
+    workers = ray_workers(args.ray)
     others = [
         flag
         for flag, given in (
@@ -217,8 +218,35 @@ def _run_ray(cfg: Config, args: argparse.Namespace, mmengine_keys: list[str]) ->
 
     cfg['work_dir'] = osp.abspath(cfg['work_dir'])  # the workers' directory is not ours
     with _work_dir_lock(cfg, args, parent=True):
-        fit(cfg, args.ray, load_from=args.load_from)
+        fit(cfg, workers, load_from=args.load_from)
     return 0
+
+
+def ray_workers(value: str | int) -> int | tuple[int, int]:
+    """``--ray``'s value: ``N`` (a count) or ``MIN:MAX`` (Ray's elastic ``num_workers``,
+    ``1 <= MIN <= MAX``; ``N:N`` is ``N``), refused with the value and what would be right."""
+    text = str(value).strip()
+    parts = text.split(':')
+    try:
+        if len(parts) > 2:
+            raise ValueError
+        counts = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(
+            f'--ray {text}: expected a number of Ray workers N (e.g. --ray 2) or a range '
+            "MIN:MAX for Ray's elastic mode (e.g. --ray 1:4)"
+        ) from None
+    if len(counts) == 1:
+        if counts[0] < 1:
+            raise ValueError(f'--ray {text}: the number of Ray workers should be >= 1')
+        return counts[0]
+    low, high = counts
+    if low < 1 or high < low:
+        raise ValueError(
+            f'--ray {text}: an elastic range MIN:MAX needs 1 <= MIN <= MAX (the fewest and the '
+            f'most Ray workers), e.g. --ray {max(1, min(low, high))}:{max(1, low, high)}'
+        )
+    return low if low == high else (low, high)
 
 
 def _require_mmengine(cfg: Config, keys: list[str]) -> None:

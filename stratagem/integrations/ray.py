@@ -335,12 +335,13 @@ def fit(
     name: str | None = None,
     load_from: str | None = None,
 ) -> Any:
-    """``stratagem train CFG --ray N``: ``cfg`` under a ``TorchTrainer`` of ``num_workers``
-    workers (GPU ones when this machine has a GPU, unless ``use_gpu`` says), on the cluster
-    at ``RAY_ADDRESS``, else a local one started here; Ray's checkpoints under
-    ``storage_path`` (default ``work_dir/ray``), its run named ``name`` (default: the
-    work_dir's name). Returns Ray's ``Result``; a failed run raises ``RuntimeError`` with
-    Ray's message (the workers' error), once Ray gave up (``max_failures``)."""
+    """``stratagem train CFG --ray N`` (or ``MIN:MAX``, Ray's elastic ``(MIN, MAX)``):
+    ``cfg`` under a ``TorchTrainer`` of ``num_workers`` workers (GPU ones when this machine
+    has a GPU, unless ``use_gpu`` says), on the cluster at ``RAY_ADDRESS``, else a local one
+    started here; Ray's checkpoints under ``storage_path`` (default ``work_dir/ray``), its
+    run named ``name`` (default: the work_dir's name). Returns Ray's ``Result``; a failed
+    run raises ``RuntimeError`` with Ray's message (the workers' error), once Ray gave up
+    (``max_failures``)."""
     import torch
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer

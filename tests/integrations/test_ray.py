@@ -1,20 +1,23 @@
 """Ray Train (``stratagem.integrations.ray``, ``stratagem train --ray N``).
 
-First tier (no Ray cluster): the refusals, the drain notice as the preemption path, the
-checkpoint Ray hands back restored into work_dir only when it is the newer one.
+First tier (no Ray cluster): the refusals, ``--ray N`` / ``--ray MIN:MAX`` read and passed
+to ``fit``, the drain notice as the preemption path, the checkpoint Ray hands back restored
+into work_dir only when it is the newer one.
 
 Slow tier: one local Ray cluster (2 CPUs) started by this module serves every run. A Ray run
 of 2 workers equals ``stratagem train --nproc 2`` (conftest's ``uninterrupted_run``) bit for
-bit; a worker SIGKILLed mid-run (its pid from the file its dataset writes) is survived: Ray
-restarts the group, the run resumes and ends on the same bits; under ``num_workers=(1, 2)``
-on a cluster with room for one worker, a run that lost a worker starts again at 1 worker and
-continues exactly as ``stratagem train --resume`` in one process does from the same
-checkpoint.
+bit; so does one of FSDPStrategy (flat, and on a (shard 1, tensor 2) mesh) the same config
+under ``--nproc 2``, Ray keeping the sharded directory with its manifest; a worker SIGKILLed
+mid-run (its pid from the file its dataset writes) is survived: Ray restarts the group, the
+run resumes and ends on the same bits; under ``num_workers=(1, 2)`` on a cluster with room
+for one worker, a run that lost a worker starts again at 1 worker and continues exactly as
+``stratagem train --resume`` in one process does from the same checkpoint.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -40,6 +43,7 @@ from failure_helpers import (
 )
 from stratagem import checkpoint as ckpt
 from stratagem.checkpoint.manifest import manifest_path
+from stratagem.checkpoint.sharded import is_sharded_checkpoint
 from stratagem.cli import main
 
 pytestmark = pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='needs Linux /proc')
@@ -54,6 +58,41 @@ def test_ray_flag_refuses_torchrun_flags_before_starting_ray(tmp_path, capsys):
     assert '--ray starts the workers itself' in err and 'drop --nproc' in err
     assert main(['train', str(cfg), '--ray', '0']) == 1
     assert '--ray 0: the number of Ray workers should be >= 1' in capsys.readouterr().err
+
+
+def test_ray_flag_takes_a_count_or_an_elastic_range(tmp_path, capsys, monkeypatch):
+    from stratagem.cli.train import ray_workers
+
+    assert ray_workers('2') == 2 and ray_workers('1:4') == (1, 4) and ray_workers('3:3') == 3
+    refusals = {
+        '4:2': '--ray 4:2: an elastic range MIN:MAX needs 1 <= MIN <= MAX',
+        '0:2': '--ray 0:2: an elastic range MIN:MAX needs 1 <= MIN <= MAX',
+        '-1': '--ray -1: the number of Ray workers should be >= 1',
+        'two': '--ray two: expected a number of Ray workers N',
+        '1:': '--ray 1:: expected a number of Ray workers N',
+        '1:2:3': '--ray 1:2:3: expected a number of Ray workers N',
+    }
+    for value, message in refusals.items():
+        with pytest.raises(ValueError, match='^' + re.escape(message)):
+            ray_workers(value)
+    # the suggestion is the range the user meant
+    with pytest.raises(ValueError, match=r'e\.g\. --ray 2:4'):
+        ray_workers('4:2')
+
+    cfg = write_config(tmp_path)
+    assert main(['train', str(cfg), '--ray', '4:2', '--work-dir', str(tmp_path / 'w')]) == 1
+    assert '--ray 4:2: an elastic range MIN:MAX' in capsys.readouterr().err
+    # the range reaches fit as Ray's num_workers=(min, max); no Ray started here
+    import stratagem.integrations.ray as integration
+
+    given = []
+    monkeypatch.setattr(integration, 'fit', lambda cfg, workers, **kw: given.append(workers))
+    for value, workers in (('1:2', (1, 2)), ('2', 2)):
+        assert main(['train', str(cfg), '--ray', value, '--work-dir', str(tmp_path / 'w')]) == 0
+        assert given.pop() == workers
+    with pytest.raises(SystemExit):
+        main(['train', '--help'])
+    assert '--ray N|MIN:MAX' in capsys.readouterr().out
 
 
 def test_train_loop_config_keys_are_checked():
@@ -235,6 +274,67 @@ def test_a_sigkilled_ray_worker_is_survived_with_an_exact_resume(
     restarted = {p for p, rw in _worlds(count).items() if p not in known and rw[1] == 2}
     assert len(restarted) == 4  # two attempts of two workers
     assert equal(final_state(work), reference)
+
+
+FSDP_2D = CONFIG.replace(
+    "type='auto',",
+    "type='FSDPStrategy', mesh=dict(shard=1, tensor=2),\n"
+    "                tensor_parallel_plan={'backbone.0': 'colwise', 'backbone.3': 'rowwise'},",
+)  # the MLP's two hidden Linears split over 2 ranks (Megatron's pair), no data parallelism
+
+
+def _sharded_final(work: Path, it: int) -> dict:
+    from stratagem.checkpoint.sharded import read_sharded_checkpoint
+
+    full = read_sharded_checkpoint(work / f'iter_{it}.pth')
+    return {k: full[k] for k in ('state_dict', 'optimizer', 'param_schedulers')} | {
+        'iter': full['meta']['iter']
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ('text', 'options', 'mesh', 'shape', 'iters'),
+    [
+        # 2 ranks of data parallelism: the 32 iterations of the DDP test
+        (CONFIG, ['--cfg-options', 'strategy.type=FSDPStrategy'], 'mesh shard 2', (1, 2, 1), 32),
+        # one rank of data: 64 iterations of 4 samples
+        (FSDP_2D, [], 'mesh tensor 2', (1, 1, 2), 64),
+    ],
+    ids=['flat', '2d'],
+)
+def test_fsdp_under_ray_equals_nproc_2_bit_for_bit(
+    ray_cluster, tmp_path, text, options, mesh, shape, iters
+):
+    """FSDPStrategy, flat and on a (shard 1, tensor 2) mesh: ``--ray 2`` ends on the bits
+    ``--nproc 2`` ends on, and what Ray keeps of each save is the sharded directory with its
+    manifest, verified."""
+    client, _ = ray_cluster
+    cfg = write_config(tmp_path, text)
+    finals = {}
+    for how, args, env in (
+        ('nproc', ['--nproc', '2'], clean_env()),
+        ('ray', ['--ray', '2'], clean_env(**client)),
+    ):
+        work = tmp_path / how
+        code, out = finish(start(cfg, work, *args, *options, env=env), 300)
+        assert code == 0, out[-4000:]
+        assert f'FSDPStrategy: 0 block(s) + root sharded over 2 ranks (cpu), {mesh}' in out
+        assert is_sharded_checkpoint(work / f'iter_{iters}.pth')
+        finals[how] = _sharded_final(work, iters)
+    assert finals['ray']['iter'] == iters
+    assert equal(finals['ray'], finals['nproc'])
+    reported = sorted((tmp_path / 'ray' / 'ray').glob('*/checkpoint_iter_*'))
+    assert reported[-1].name == f'checkpoint_iter_{iters:09d}'
+    kept = reported[-1] / f'iter_{iters}.pth'
+    assert [p.name for p in reported[-1].iterdir()] == [kept.name] and kept.is_dir()
+    files = sorted(p.name for p in kept.iterdir())
+    assert 'manifest.json' in files and '.metadata' in files and 'extra.pth' in files
+    manifest = ckpt.verify_checkpoint(kept)
+    assert (manifest['step'], manifest['strategy']) == (iters, 'FSDPStrategy')
+    shape = dict(zip(('replicate', 'shard', 'tensor'), shape, strict=True))
+    assert manifest['world_size'] == 2 and manifest['mesh'] == shape
+    assert equal(_sharded_final(reported[-1], iters), finals['nproc'])
 
 
 ELASTIC = (
