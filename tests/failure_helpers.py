@@ -1,10 +1,14 @@
-"""Helpers for the failure tests (``tests/test_failures.py``, ``tests/test_elastic.py``) and
+"""Helpers for the failure tests (``tests/test_failures.py``, ``tests/test_elastic.py``), the
+runs of several nodes or pods (``tests/test_cli_multinode.py``, ``tests/test_pods.py``) and
 ``benchmarks/failure_soak.py``: a small 2-process ``stratagem train`` run, its worker
-processes by rank, and a comparison of final checkpoints."""
+processes by rank, processes that must end together, and a comparison of final
+checkpoints."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -71,6 +75,28 @@ def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
         out, _ = proc.communicate()
         raise AssertionError('run did not end in time:\n' + out[-4000:]) from None
     return proc.returncode, out
+
+
+def end_together(procs: dict, timeout: float = 240, grace: float = 5) -> dict:
+    """Wait for every process of ``procs`` (key -> Popen, each in a session of its own) and
+    return their exit codes by key (None: still running when the wait ended). One that fails
+    ends the wait ``grace`` seconds later: the others would wait for it up to their
+    rendezvous timeout. Every process group is killed at the end."""
+    deadline, failed_at = time.monotonic() + timeout, None
+    try:
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+            if failed_at is None and any(p.poll() for p in procs.values()):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() > failed_at + grace:
+                break
+            time.sleep(0.1)
+    finally:
+        codes = {key: p.poll() for key, p in procs.items()}
+        for proc in procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the process and what it started
+            proc.wait()
+    return codes
 
 
 def children(pid: int) -> list[int]:

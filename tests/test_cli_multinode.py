@@ -1,21 +1,18 @@
 """`stratagem train --nnodes N --node-rank R --master-addr A`: the torchrun command it builds,
 its errors, and two "nodes" on localhost (two commands started at once) training to the end."""
 
-import contextlib
-import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from dist_harness import free_port
+from failure_helpers import end_together
 from launcher_env import without_launcher
 from stratagem.cli import launch, main
 
@@ -168,20 +165,9 @@ def _two_nodes(tmp_path, config, work, attempt):
         )
         for r in (1, 0)
     }
-    deadline, failed_at = time.monotonic() + 240, None
     try:
-        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
-            if failed_at is None and any(p.poll() for p in procs.values()):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() > failed_at + 5:
-                break
-            time.sleep(0.2)
+        codes = end_together(procs)
     finally:
-        codes = {r: p.poll() for r, p in procs.items()}
-        for proc in procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # the node and the processes it started
-            proc.wait()
         for log in logs.values():
             log.close()
     return codes, {r: (tmp_path / f'node{r}.{attempt}.log').read_text() for r in (0, 1)}

@@ -12,18 +12,14 @@ in tests/conftest.py) bit for bit.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from dist_harness import free_port
-from failure_helpers import clean_env, equal, final_state
+from failure_helpers import clean_env, end_together, equal, final_state
 
 _PORT_TAKEN = ('address already in use', 'EADDRINUSE')
 
@@ -42,22 +38,12 @@ def _pods(cfg, work, tmp, envs, *extra):
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    deadline, failed_at = time.monotonic() + 240, None
     try:
-        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
-            if failed_at is None and any(p.poll() for p in procs.values()):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() > failed_at + 5:
-                break
-            time.sleep(0.1)
+        by_pod = end_together(procs)
     finally:
-        codes = [procs[i].poll() for i in range(len(envs))]
-        for proc in procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # the pod and what it started
-            proc.wait()
         for log in logs:
             log.close()
+    codes = [by_pod[i] for i in range(len(envs))]
     return codes, [(tmp / f'pod{i}.log').read_text() for i in range(len(envs))]
 
 
