@@ -27,6 +27,7 @@ A backend supplies its own part through the strategy's factory for it (``model_p
 from __future__ import annotations
 
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -66,20 +67,22 @@ def wrappers_of(optim_wrapper: Any) -> list[Any]:
     return [optim_wrapper]
 
 
-class CheckpointPart:
+class CheckpointPart(ABC):
     """The protocol's defaults: required, no check, ``load_state_dict`` is a restore without
-    a context (no path, no ``meta``)."""
+    a context (no path, no ``meta``). A part supplies ``state_dict`` and ``restore``."""
 
     required = True
 
+    @abstractmethod
     def state_dict(self) -> Any:
-        raise NotImplementedError
+        """The part's value as saved (collective where the part gathers across ranks)."""
 
-    def check(self, value: Any, context: LoadContext) -> None:
+    def check(self, value: Any, context: LoadContext) -> None:  # noqa: B027 (a part may check nothing)
         """Before anything loads: raise to refuse, or ``context.replace`` the value."""
 
+    @abstractmethod
     def restore(self, value: Any, context: LoadContext) -> None:
-        raise NotImplementedError
+        """Put ``value`` back; ``context`` is the load's (path, ``meta``, the checks' notes)."""
 
     def load_state_dict(self, state_dict: Any) -> None:
         self.restore(state_dict, LoadContext('', {}))

@@ -38,7 +38,7 @@ class MyFSDP(FSDPStrategy):
 
 
 class MyDeepSpeed(DeepSpeedStrategy):
-    pass
+    """A user's backend: another name, DeepSpeed's capabilities."""
 
 
 def test_every_registered_backend_declares_its_capabilities():
