@@ -154,7 +154,7 @@ class Registry:
         self._imported = False
         self.parent = parent
         self.children: dict[str, Registry] = {}
-        self._fallbacks: list[tuple[str, Callable[[str], Any]]] = []
+        self._fallbacks: list[tuple[str, Callable[[str], Any], Any]] = []
         if parent is not None:
             parent.children[name] = self
         self.build_func: Callable = build_func or (parent.build_func if parent else build_from_cfg)
@@ -261,26 +261,35 @@ class Registry:
             found = self.parent.get(name)
             if found is not None:
                 return found
-        for _, lookup in self._fallbacks:
+        for _, lookup, _ in self._fallbacks:
             found = lookup(name)
             if found is not None:
                 return found
         return import_dotted(name) if '.' in name else None
 
-    def add_fallback(self, lookup: Callable[[str], Any], label: str) -> None:
+    def add_fallback(
+        self,
+        lookup: Callable[[str], Any],
+        label: str,
+        names: Callable[[], Iterable[str]] | None = None,
+    ) -> None:
         """Search ``lookup(name)`` (an object, or None) for a name this registry and its
         parents do not hold, before a dotted name is imported; ``label`` names the place in
-        the unknown-name error. A host framework's registry, added by its integration
+        the unknown-name error, and ``names()`` (optional) what it holds, for the error's
+        close matches. A host framework's registry, added by its integration
         (``stratagem.integrations.mmengine``); adding the same ``label`` again replaces it."""
-        self._fallbacks = [(lab, f) for lab, f in self._fallbacks if lab != label]
-        self._fallbacks.append((label, lookup))
+        self._fallbacks = [f for f in self._fallbacks if f[0] != label]
+        self._fallbacks.append((label, lookup, names))
 
     def unknown_name_error(self, name: str) -> RegistryError:
-        """A RegistryError naming the registry, ``name``, close matches and the valid names;
-        for a dotted name, why it did not import."""
+        """A RegistryError naming the registry, ``name``, close matches (here and in the
+        fallbacks) and the valid names; for a dotted name, why it did not import."""
         names = self.names()
-        close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
-        lowered = [n for n in names if n.lower() == name.lower() and n not in close]
+        candidates = set(names)
+        for _, _, more in self._fallbacks:
+            candidates.update(more() if more is not None else ())
+        close = difflib.get_close_matches(name, sorted(candidates), n=3, cutoff=0.6)
+        lowered = [n for n in sorted(candidates) if n.lower() == name.lower() and n not in close]
         close = lowered + close
         parts = [f'unknown type {name!r} in the {self._name!r} registry']
         if '.' in name:
@@ -289,7 +298,7 @@ class Registry:
             parts.append(f'did you mean {" or ".join(repr(c) for c in close)}?')
         parts.append(f'registered names: {", ".join(names) or "(none)"}')
         if self._fallbacks:
-            parts.append('also searched: ' + ', '.join(label for label, _ in self._fallbacks))
+            parts.append('also searched: ' + ', '.join(f[0] for f in self._fallbacks))
         parts.append("or give a class by its import path: type='package.module.Class'")
         return RegistryError('; '.join(parts))
 

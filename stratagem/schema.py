@@ -7,8 +7,9 @@ cannot drift apart. This module imports nothing of stratagem: any layer may depe
 
 The top level of a config: :data:`LOOP_TOP_KEYS` (what ``stratagem train``'s reference loop
 reads), :data:`RUNNER_TOP_KEYS` (what mmengine's ``FlexibleRunner`` reads),
-:func:`runner_reasons` (why a config needs the runner) and :func:`unread_top_level_keys`
-(keys nothing reads, with the closest name).
+:func:`runner_reasons` (why a config needs the runner) and :func:`read_top_level_keys` (the
+one decision about the keys nothing reads: a typo of a known key is an error, plain data a
+helper variable of the config file, an imported object no key).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import difflib
 import types
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
@@ -28,10 +30,14 @@ __all__ = [
     'RUNNER_TOP_KEYS',
     'TRAIN_DATALOADER_KEYS',
     'TRAIN_CFG_KEYS',
+    'TRAIN_LOOP_TYPES',
     'VAL_CFG_KEYS',
     'VAL_DATALOADER_KEYS',
+    'TYPO_CUTOFF',
+    'TopLevelKeys',
+    'is_plain_data',
+    'read_top_level_keys',
     'runner_reasons',
-    'unread_top_level_keys',
 ]
 
 ENV_KEYS: frozenset[str] = frozenset(
@@ -70,6 +76,7 @@ or mmengine's ``dict(type='default_collate')``), ``persistent_workers``."""
 
 TRAIN_CFG_KEYS: frozenset[str] = frozenset(
     {
+        'type',
         'max_epochs',
         'max_iters',
         'checkpoint_interval',
@@ -97,9 +104,20 @@ default; None: off; see ``stratagem.env.preemption``), ``refit_schedulers`` (def
 resumed run keeps the saved length of a scheduler whose ``end`` was fitted to the earlier
 run's length, with a warning when this run's length differs; True: those schedulers take
 this run's length, and their values from the resumed iteration on are those of a fresh run
-of this length). mmengine's
+of this length), ``type`` (mmengine's loop names, :data:`TRAIN_LOOP_TYPES`:
+``'EpochBasedTrainLoop'`` is ``by_epoch=True`` and takes ``max_epochs``,
+``'IterBasedTrainLoop'`` is ``by_epoch=False`` and takes ``max_iters``). mmengine's
 ``default_hooks.checkpoint`` / ``default_hooks.logger`` give the same settings (see
 :data:`CHECKPOINT_HOOK_KEYS`)."""
+
+TRAIN_LOOP_TYPES: dict[str, tuple[bool, str]] = {
+    'EpochBasedTrainLoop': (True, 'max_epochs'),
+    'IterBasedTrainLoop': (False, 'max_iters'),
+}
+"""mmengine's training loops that ``train_cfg.type`` may name for the reference loop (also
+with the ``mmengine.`` scope): whether each counts in epochs (``by_epoch``) and the run
+length it takes (mmengine's ``EpochBasedTrainLoop(max_epochs, val_begin, val_interval)``,
+``IterBasedTrainLoop(max_iters, val_begin, val_interval)``)."""
 
 VAL_DATALOADER_KEYS: frozenset[str] = TRAIN_DATALOADER_KEYS
 """``val_dataloader`` (read by the reference loop; validation runs when it is given):
@@ -185,8 +203,9 @@ level, ``experiment_name`` its run name), ``auto_scale_lr`` the strategy's, ``co
 ``checkpoint`` and ``logger`` entries (and mmengine's other default entries, each its default
 type with no arguments: the loop does their work), ``default_scope`` only ``'mmengine'`` or
 ``'stratagem'``, ``runner_type`` only ``'FlexibleRunner'`` (which routes).
-``custom_imports`` is imported first (``stratagem.config.imports``). A key starting with ``_``
-is the config file's own helper variable and is never read nor reported."""
+``custom_imports`` is imported first (``stratagem.config.imports``). Any other top-level key
+is decided by :func:`read_top_level_keys`: a helper variable of the config file when it is
+plain data and no known key's typo, else an error."""
 
 RUNNER_TOP_KEYS: frozenset[str] = frozenset(
     {
@@ -301,29 +320,68 @@ def _default_hook(name: str, hook: Any) -> bool:
     return name in ('checkpoint', 'logger') or set(hook) <= {'type'}
 
 
-def unread_top_level_keys(cfg: Any, known: frozenset[str]) -> dict[str, str]:
-    """The top-level keys of ``cfg`` that a reader of ``known`` keys never reads, each with a
-    hint: the closest known name (``did you mean 'val_cfg'?``), or where an older config's
-    key went. A key starting with ``_`` (the config file's own helper variable) and a
-    class or function imported into a config file are not keys of the config."""
-    unread = {}
+_PLAIN = (str, int, float, bool, type(None))
+
+# how close an unread key must be to a known one to be its typo (difflib's ratio): 0.8 takes
+# 'tran_cfg' (0.94) and 'launch' (0.86), and leaves OpenMMLab's helper names alone
+# ('train_dataset' 0.76 to 'train_dataloader', 'norm_cfg' 0.67 to 'env_cfg')
+TYPO_CUTOFF = 0.8
+
+
+def is_plain_data(value: Any) -> bool:
+    """Whether ``value`` is data a config file writes: str, int, float, bool, None, and
+    lists, tuples and dicts (ConfigDicts) of those."""
+    if isinstance(value, _PLAIN):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(is_plain_data(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(isinstance(k, _PLAIN) and is_plain_data(v) for k, v in value.items())
+    return False
+
+
+@dataclass(frozen=True)
+class TopLevelKeys:
+    """What :func:`read_top_level_keys` found at a config's top level besides the known keys.
+
+    ``unknown``: the keys that are errors, each with its hint (the close known name, or where
+    an older config's key went); ``helpers``: plain data nothing reads and no known key's
+    typo, the config file's own variables (``data_root``, ``train_pipeline``, ...),
+    accepted; ``objects``: modules, classes, functions and other objects (an imported
+    registry), which are no keys at all."""
+
+    unknown: dict[str, str] = field(default_factory=dict)
+    helpers: tuple[str, ...] = ()
+    objects: tuple[str, ...] = ()
+
+
+def read_top_level_keys(cfg: Any, known: frozenset[str]) -> TopLevelKeys:
+    """The one decision about a config's top-level keys that a reader of ``known`` keys
+    does not read (``stratagem train``'s reference loop, its FlexibleRunner route and
+    ``stratagem doctor`` all ask it):
+
+    1. a key starting with ``_`` is the config file's own and is never reported;
+    2. a module, class or function is no key (mmengine's ``Config`` drops them);
+    3. a key of an older config (mmcv's ``optimizer``, ``lr_config``, ...) is an error saying
+       where its meaning went;
+    4. a key within did-you-mean distance of a known one (``tran_cfg``) is an error naming it;
+    5. any other key holding plain data (:func:`is_plain_data`) is a helper variable, as in
+       OpenMMLab's configs (``dataset_type``, ``data_root``, ``train_pipeline``): accepted;
+       any other object (an imported registry) is no key either."""
+    unknown: dict[str, str] = {}
+    helpers, objects = [], []
     for key in cfg:
         value = cfg[key]
-        if (
-            not isinstance(key, str)
-            or key.startswith('_')
-            or isinstance(value, (type, types.FunctionType))
+        if not isinstance(key, str) or key.startswith('_') or key in known:
+            continue
+        if isinstance(
+            value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
         ):
-            continue
-        if key in known:
-            continue
-        if key in _MOVED:
-            unread[key] = _MOVED[key]
-            continue
-        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
-        unread[key] = (
-            f'did you mean {close[0]!r}?'
-            if close
-            else 'a helper variable of the config file? name it with a leading underscore'
-        )
-    return unread
+            objects.append(key)
+        elif key in _MOVED:
+            unknown[key] = _MOVED[key]
+        elif close := difflib.get_close_matches(key, sorted(known), n=1, cutoff=TYPO_CUTOFF):
+            unknown[key] = f'did you mean {close[0]!r}?'
+        else:
+            (helpers if is_plain_data(value) else objects).append(key)
+    return TopLevelKeys(unknown, tuple(helpers), tuple(objects))

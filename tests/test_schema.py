@@ -4,7 +4,12 @@ the reference loop refusing both (``stratagem.schema``, ``stratagem.loop``)."""
 import pytest
 
 from stratagem.config import ConfigError
-from stratagem.schema import LOOP_TOP_KEYS, RUNNER_TOP_KEYS, runner_reasons, unread_top_level_keys
+from stratagem.schema import (
+    LOOP_TOP_KEYS,
+    RUNNER_TOP_KEYS,
+    read_top_level_keys,
+    runner_reasons,
+)
 
 # mmengine's default_runtime.py: its default hooks, each its default type
 DEFAULT_RUNTIME_HOOKS = dict(
@@ -50,20 +55,53 @@ def test_runner_reasons():
     )
 
 
-def test_unread_top_level_keys():
+def test_read_top_level_keys_tells_typos_from_helper_variables_and_objects():
+    """The one decision (train, its FlexibleRunner route and doctor ask it): a known key's
+    typo and an older config's key are errors; plain data nothing reads is the config
+    file's helper variable (OpenMMLab's dataset_type, data_root, train_pipeline, ...);
+    modules, classes, functions and other objects are no keys."""
+    import math
+
+    from stratagem.registry import DATASETS
+
     cfg = dict(
         model={},
         train_cgf={},
+        launch='pytorch',
         lr_config={},
-        data_root='data/',
+        dataset_type='CocoDataset',
+        data_root='data/coco/',
+        train_pipeline=[dict(type='LoadImageFromFile'), dict(type='Resize', scale=(1333, 800))],
+        train_dataset=dict(type='RepeatDataset', times=3),  # 0.76 to train_dataloader: kept
+        max_epochs=12,
+        base_lr=0.02,
+        backend_args=None,
         _helper=1,  # the config file's own variable
         SGD=type('SGD', (), {}),  # a class imported into a .py config
+        DATASETS=DATASETS,  # an imported registry
+        math=math,
+        sqrt=math.sqrt,
     )
-    assert unread_top_level_keys(cfg, LOOP_TOP_KEYS) == {
+    keys = read_top_level_keys(cfg, LOOP_TOP_KEYS)
+    assert keys.unknown == {
         'train_cgf': "did you mean 'train_cfg'?",
+        'launch': "did you mean 'launcher'?",
         'lr_config': "mmcv's; param_scheduler=[dict(type=...)] replaces it",
-        'data_root': 'a helper variable of the config file? name it with a leading underscore',
     }
+    assert keys.helpers == (
+        'dataset_type',
+        'data_root',
+        'train_pipeline',
+        'train_dataset',
+        'max_epochs',
+        'base_lr',
+        'backend_args',
+    )
+    assert keys.objects == ('SGD', 'DATASETS', 'math', 'sqrt')
+    # under the runner's keys too: max_epochs is no key there either, val_evalutor a typo
+    runner = read_top_level_keys({'val_evalutor': {}, 'max_epochs': 3}, RUNNER_TOP_KEYS)
+    assert runner.unknown == {'val_evalutor': "did you mean 'val_evaluator'?"}
+    assert runner.helpers == ('max_epochs',)
 
 
 def test_the_reference_loop_refuses_keys_it_does_not_read(tmp_path):

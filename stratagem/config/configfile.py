@@ -6,9 +6,12 @@ inheritance, :meth:`Config.merge_from_dict` applies ``--cfg-options`` style over
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import os
+import re
+import uuid
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,12 +19,127 @@ from typing import Any
 
 from .configdict import ConfigDict, to_config_value
 from .errors import ConfigError, ConfigWarning
-from .formats import _SUFFIXES, _exec_py_config, _to_py_text, _tuples_to_lists
+from .formats import (
+    _SUFFIXES,
+    _assigns_base,
+    _exec_py_config,
+    _parse_py,
+    _to_py_text,
+    _tuples_to_lists,
+)
 from .keys import _did_you_mean, _dotted_keys
 from .numeric import normalize_numbers
 from .overrides import merge_dicts
 
 BASE_KEY = '_base_'
+
+
+# {{ _base_.a.b }}: a value of the bases, written in place of the placeholder (mmengine's)
+_BASE_VAR = re.compile(r'\{\{\s*' + BASE_KEY + r'\.([\w.]+)\s*\}\}')
+
+
+def _read_text(path: Path) -> str:
+    if path.is_dir():
+        found = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _SUFFIXES)
+        raise ConfigError(
+            f'{path} is a directory, not a config file; give a '
+            f'{"/".join(_SUFFIXES)} file' + (f', e.g. {path / found[0]}' if found else '')
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f'config file not found: {path}')
+    suffix = path.suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise ConfigError(
+            f'{path}: unsupported config extension {suffix!r}; use one of {", ".join(_SUFFIXES)}'
+        )
+    return path.read_text()
+
+
+def _base_placeholders(text: str) -> tuple[str, dict[str, str]]:
+    """``text`` with each ``{{_base_.x}}`` replaced by a quoted token (a string in any of the
+    formats, on the same line), and the tokens' dotted names."""
+    placeholders: dict[str, str] = {}
+
+    def token(match: re.Match) -> str:
+        name = f'_base_var_{len(placeholders)}_{uuid.uuid4().hex[:8]}'
+        placeholders[name] = match.group(1)
+        return f'"{name}"'
+
+    return _BASE_VAR.sub(token, text), placeholders
+
+
+def _base_files(text: str, path: Path) -> list:
+    """The file's ``_base_`` (a path or a list of paths): a ``.py`` file's top-level
+    ``_base_ = ...`` evaluated alone (its code then sees the bases as ``_base_``), a
+    json/yaml file's key."""
+    if path.suffix.lower() == '.py':
+        bases: Any = []
+        for node in _parse_py(text, path).body:
+            if _assigns_base(node):
+                try:
+                    bases = ast.literal_eval(node.value)  # type: ignore[attr-defined]
+                except ValueError:
+                    raise ConfigError(
+                        f'{path}:{node.lineno}: _base_ must be a path or a list of paths '
+                        'written as literals'
+                    ) from None
+    elif path.suffix.lower() == '.json':
+        try:
+            bases = (json.loads(text) if text.strip() else {}).get(BASE_KEY, [])
+        except (json.JSONDecodeError, AttributeError):
+            bases = []  # the read proper says what is wrong with the file
+    else:
+        loaded = _load_yaml(text, path)
+        bases = loaded.get(BASE_KEY, []) if isinstance(loaded, dict) else []
+    if isinstance(bases, (str, os.PathLike)):
+        bases = [bases]
+    if not isinstance(bases, (list, tuple)):
+        raise ConfigError(f'{path}: _base_ must be a path or a list of paths, got {bases!r}')
+    return list(bases)
+
+
+def _load_yaml(text: str, path: Path) -> Any:
+    import yaml  # only yaml configs pay for it
+
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, 'problem_mark', None)
+        where = f':{mark.line + 1}:{mark.column + 1}' if mark else ''
+        raise ConfigError(f'{path}{where}: invalid YAML: {e}') from e
+
+
+def _substitute_base_vars(obj: Any, placeholders: dict[str, str], bases: dict, path: Path) -> Any:
+    """``obj`` with every placeholder token replaced by a copy of the bases' value."""
+    if not placeholders:
+        return obj
+    if isinstance(obj, str) and obj in placeholders:
+        return copy.deepcopy(_base_value(bases, placeholders[obj], path))
+    if isinstance(obj, Mapping):
+        return {k: _substitute_base_vars(v, placeholders, bases, path) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_substitute_base_vars(v, placeholders, bases, path) for v in obj)
+    return obj
+
+
+def _base_value(bases: dict, dotted: str, path: Path) -> Any:
+    node: Any = bases
+    for i, part in enumerate(dotted.split('.')):
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            where = '.'.join(dotted.split('.')[:i])
+            keys = sorted(map(str, node)) if isinstance(node, Mapping) else []
+            hint = _did_you_mean(part, set(keys)) if keys else ''
+            raise ConfigError(
+                f'{path}: {{{{_base_.{dotted}}}}}: the _base_ files have no '
+                f'{(where + "." if where else "") + part!r}'
+                + (f'; {hint}' if hint else '')
+                + (f'; they define: {", ".join(keys)}' if keys else '')
+            )
+    return node
 
 
 def config_search_dirs(cfg: Config | Mapping) -> list[str]:
@@ -70,15 +188,14 @@ class Config:
 
     @classmethod
     def _load_with_bases(cls, path: Path, chain: tuple[Path, ...]) -> dict:
+        """The file's dict merged over its bases', as mmengine's ``Config`` reads it: a
+        ``{{_base_.x}}`` placeholder (any format) takes the bases' value of ``x``, and a
+        ``.py`` file's code sees the merged bases as ``_base_`` (``_base_.max_epochs``)."""
         if path in chain:
             cycle = ' -> '.join(str(p) for p in (*chain, path))
             raise ConfigError(f'circular _base_ in config files: {cycle}')
-        raw = cls._read_file(path)
-        bases = raw.pop(BASE_KEY, [])
-        if isinstance(bases, (str, os.PathLike)):
-            bases = [bases]
-        if not isinstance(bases, (list, tuple)):
-            raise ConfigError(f'{path}: _base_ must be a path or a list of paths, got {bases!r}')
+        text, placeholders = _base_placeholders(_read_text(path))
+        bases = _base_files(text, path)
         merged: dict = {}
         for base in bases:
             base_path = (path.parent / base).absolute()
@@ -90,41 +207,23 @@ class Config:
                     f'_base_ file; define each key in one base only'
                 )
             merged.update(base_cfg)
+        raw = cls._read_file(path, text, merged)
+        raw.pop(BASE_KEY, None)
+        raw = _substitute_base_vars(raw, placeholders, merged, path)
         return merge_dicts(merged, raw)
 
     @staticmethod
-    def _read_file(path: Path) -> dict:
-        if path.is_dir():
-            found = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _SUFFIXES)
-            raise ConfigError(
-                f'{path} is a directory, not a config file; give a '
-                f'{"/".join(_SUFFIXES)} file' + (f', e.g. {path / found[0]}' if found else '')
-            )
-        if not path.is_file():
-            raise FileNotFoundError(f'config file not found: {path}')
+    def _read_file(path: Path, text: str, bases: dict) -> dict:
         suffix = path.suffix.lower()
-        if suffix not in _SUFFIXES:
-            raise ConfigError(
-                f'{path}: unsupported config extension {suffix!r}; '
-                f'use one of {", ".join(_SUFFIXES)}'
-            )
-        text = path.read_text()
         if suffix == '.py':
-            return _exec_py_config(text, path)
+            return _exec_py_config(text, path, ConfigDict(copy.deepcopy(bases)))
         if suffix == '.json':
             try:
                 data = json.loads(text) if text.strip() else {}
             except json.JSONDecodeError as e:
                 raise ConfigError(f'{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}') from e
         else:
-            import yaml  # only yaml configs pay for it
-
-            try:
-                data = yaml.safe_load(text) or {}
-            except yaml.YAMLError as e:
-                mark = getattr(e, 'problem_mark', None)
-                where = f':{mark.line + 1}:{mark.column + 1}' if mark else ''
-                raise ConfigError(f'{path}{where}: invalid YAML: {e}') from e
+            data = _load_yaml(text, path)
         if not isinstance(data, dict):
             raise ConfigError(
                 f'{path}: a config file must hold a mapping at the top level, '

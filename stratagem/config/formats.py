@@ -3,6 +3,7 @@ writing a config back as python text (only literals can be written)."""
 
 from __future__ import annotations
 
+import ast
 import pprint
 import types
 from pathlib import Path
@@ -45,14 +46,42 @@ def _to_py_text(data: dict, source: str | None) -> str:
     return '\n'.join(lines) + '\n'
 
 
-def _exec_py_config(text: str, path: Path) -> dict:
+def _parse_py(text: str, path: Path) -> ast.Module:
     try:
-        code = compile(text, str(path), 'exec')
+        return ast.parse(text, str(path))
     except SyntaxError as e:
         raise ConfigError(
             f'{path}:{e.lineno}: syntax error in config: {e.msg}\n    {(e.text or "").rstrip()}'
         ) from e
-    namespace: dict[str, Any] = {'__file__': str(path), '__name__': '__stratagem_config__'}
+
+
+def _assigns_base(node: ast.stmt) -> bool:
+    """Whether ``node`` is the file's ``_base_ = ...`` (read apart, as mmengine does)."""
+    return (
+        isinstance(node, ast.Assign)
+        and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Name)
+        and node.targets[0].id == '_base_'
+    )
+
+
+# what a config file's code defines or imports that is no config key (mmengine's Config
+# drops modules and functions; a class defined or imported for a registration is no key)
+_NOT_KEYS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
+
+
+def _exec_py_config(text: str, path: Path, bases: Any = None) -> dict:
+    """Run a ``.py`` config (its ``_base_ = ...`` line left out) with ``_base_`` bound to
+    ``bases``, the merged dict of its base files; returns its variables, without dunder
+    names, modules, classes and functions."""
+    tree = _parse_py(text, path)
+    tree.body = [node for node in tree.body if not _assigns_base(node)]
+    code = compile(tree, str(path), 'exec')
+    namespace: dict[str, Any] = {
+        '__file__': str(path),
+        '__name__': '__stratagem_config__',
+        '_base_': bases if bases is not None else {},
+    }
     try:
         exec(code, namespace)  # noqa: S102 - a config file is code the user asked us to run
     except Exception as e:
@@ -69,5 +98,5 @@ def _exec_py_config(text: str, path: Path) -> dict:
     return {
         k: v
         for k, v in namespace.items()
-        if not k.startswith('__') and not isinstance(v, (types.ModuleType, types.FunctionType))
+        if not k.startswith('__') and k != '_base_' and not isinstance(v, _NOT_KEYS)
     }

@@ -21,6 +21,7 @@ from stratagem.schema import (
     TRAIN_DATALOADER_KEYS,
     VAL_CFG_KEYS,
     VAL_DATALOADER_KEYS,
+    read_top_level_keys,
     runner_reasons,
 )
 
@@ -38,14 +39,13 @@ class KeyChecks:
 
     def check_keys(self) -> None:
         cfg = self.cfg
-        for key in cfg:
-            close = difflib.get_close_matches(str(key), sorted(_TOP_KEYS), n=1, cutoff=0.8)
-            if key not in _TOP_KEYS and close:
-                self.add(
-                    str(key),
-                    f'unknown top-level key {key!r} (nothing reads it)',
-                    f'did you mean {close[0]!r}? rename it',
-                )
+        # train's own decision: a typo or an older config's key, never a helper variable
+        for key, hint in read_top_level_keys(cfg, _TOP_KEYS).unknown.items():
+            self.add(
+                key,
+                f'unknown top-level key {key!r} (nothing reads it)',
+                f'{hint} rename it' if hint.startswith('did you mean') else hint,
+            )
         if not self._under_runner():  # mmengine's loops read these sections there
             self._keys(cfg.get('train_cfg') or {}, TRAIN_CFG_KEYS, 'train_cfg')
             loader = cfg.get('train_dataloader') or {}

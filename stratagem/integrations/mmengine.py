@@ -27,7 +27,12 @@ Importing this module (the only one in stratagem that imports mmengine) does thr
    stratagem strategy under ``FlexibleRunner``, which builds a config's ``model`` through
    stratagem's ``MODELS``. Metrics, hooks, visualizers and samplers are built by mmengine
    itself, from its own registries.
-5. Nothing else: a strategy's wrapped model already carries the inner module's
+5. **Lends stratagem's names to mmengine's builders** for a config its runner builds
+   (:func:`share_registered_types`, called by ``mmengine_runner.runner_config``): a dataset
+   registered in stratagem's ``DATASETS`` (as the own-model guide teaches) builds under
+   ``FlexibleRunner`` too, and a name neither registry holds is refused before mmengine
+   builds (or prints) anything, naming both registries and the closest names of both.
+6. Nothing else: a strategy's wrapped model already carries the inner module's
    ``train_step`` / ``val_step`` / ``test_step`` (``stratagem.strategies.model_api``),
    which mmengine's loops call.
 
@@ -45,6 +50,8 @@ into the strategy's own ``env_kwargs`` is the user's, and nccl there without CUD
 from __future__ import annotations
 
 import copyreg
+import importlib
+from collections.abc import Mapping
 from typing import Any
 
 try:
@@ -67,12 +74,14 @@ import numpy as np
 
 from stratagem import registry as ours
 from stratagem.checkpoint import add_safe_globals
+from stratagem.config import ConfigError
 
 from .mmengine_preemption import PreemptionHook
 
 __all__ = [
     'SCOPE',
     'numpy_safe_globals',
+    'share_registered_types',
     'mmengine_safe_globals',
     'STRATEGIES',
     'OPTIM_WRAPPERS',
@@ -184,35 +193,159 @@ HOOKS.register_module(name='PreemptionHook', module=PreemptionHook, force=True)
 
 
 # ------------------------------------------------------- 4. fall back to mmengine's
+def _scope_node(registry: MMRegistry, scope: str | None) -> MMRegistry:
+    """The node of mmengine's registry tree that a build under ``scope`` starts from (the
+    scope's child registry, its ``<scope>.registry`` module imported as mmengine does;
+    else the root), found without mmengine's messages."""
+    root = registry
+    while root.parent is not None:
+        root = root.parent
+    if scope is None or scope == root.scope:
+        return root
+    if scope not in root.children:
+        try:
+            importlib.import_module(f'{scope}.registry')
+        except ImportError:
+            return root
+    return root.children.get(scope, root)
+
+
+def _chain(registry: MMRegistry, scope: str | None = None):
+    """The nodes a build under ``scope`` (None: the current ``default_scope``) searches for
+    a name without a scope: the scope's node, then its parents."""
+    if scope is None:
+        with registry.switch_scope_and_registry(None) as node:
+            start = node
+    else:
+        start = _scope_node(registry, scope)
+    node = start
+    while node is not None:
+        node.import_from_location()
+        yield node
+        node = node.parent
+
+
+def _find(registry: MMRegistry, name: str, scope: str | None = None) -> Any:
+    """``name`` in mmengine's registry as its ``build`` finds it under ``scope`` (None: the
+    current ``default_scope``); a scoped ``'mmdet.X'`` in that scope's registry. Registered
+    names only: an import path is stratagem's to import (mmengine's ``get`` would import it
+    and turn its errors into 'Failed to get')."""
+    prefix, key = registry.split_scope_key(name)
+    if prefix is not None:
+        root = _scope_node(registry, None)
+        node = root if prefix == root.scope else root.children.get(prefix)
+        return None if node is None else node.module_dict.get(key)
+    for node in _chain(registry, scope):
+        if key in node.module_dict:
+            return node.module_dict[key]
+    return None
+
+
 def _lookup(registry: MMRegistry):
     def lookup(name: str) -> Any:
-        """``name`` in mmengine's registry as its ``build`` finds it: under the current
-        ``default_scope`` first, then the registry's parents; a scoped ``'mmdet.X'`` in that
-        scope's registry. Registered names only: an import path is stratagem's to import
-        (mmengine's ``get`` would import it and turn its errors into 'Failed to get')."""
-        scope, key = registry.split_scope_key(name)
-        with registry.switch_scope_and_registry(None) as node:
-            if scope is not None:
-                root = node
-                while root.parent is not None:
-                    root = root.parent
-                node = root if scope == root.scope else root.children.get(scope)
-            while node is not None:
-                node.import_from_location()
-                if key in node.module_dict:
-                    return node.module_dict[key]
-                node = node.parent
-        return None
+        return _find(registry, name)
 
     return lookup
 
 
-for _ours, _theirs in (
-    (ours.MODELS, MM_MODELS),
-    (ours.DATASETS, MM_DATASETS),
-    (ours.OPTIMIZERS, MM_OPTIMIZERS),
-    (ours.OPTIM_WRAPPERS, MM_OPTIM_WRAPPERS),
-    (ours.OPTIM_WRAPPER_CONSTRUCTORS, MM_OPTIM_WRAPPER_CONSTRUCTORS),
-    (ours.PARAM_SCHEDULERS, MM_PARAM_SCHEDULERS),
-):
-    _ours.add_fallback(_lookup(_theirs), f"mmengine's {_theirs.name!r} registry")
+def _names(registry: MMRegistry):
+    def names() -> list[str]:
+        return sorted({key for node in _chain(registry) for key in node.module_dict})
+
+    return names
+
+
+_PAIRS = {
+    'model': (ours.MODELS, MM_MODELS),
+    'dataset': (ours.DATASETS, MM_DATASETS),
+    'optimizer': (ours.OPTIMIZERS, MM_OPTIMIZERS),
+    'optim_wrapper': (ours.OPTIM_WRAPPERS, MM_OPTIM_WRAPPERS),
+    'optim_wrapper_constructor': (ours.OPTIM_WRAPPER_CONSTRUCTORS, MM_OPTIM_WRAPPER_CONSTRUCTORS),
+    'parameter scheduler': (ours.PARAM_SCHEDULERS, MM_PARAM_SCHEDULERS),
+}
+for _ours, _theirs in _PAIRS.values():
+    _ours.add_fallback(_lookup(_theirs), f"mmengine's {_theirs.name!r} registry", _names(_theirs))
+
+
+# ------------------------------------------ 5. stratagem's names seen by mmengine's builders
+def share_registered_types(cfg: Mapping) -> None:
+    """One registry space for a config that mmengine's runner builds: each ``type`` name at
+    a place mmengine builds from a registry stratagem has too (``model`` and its
+    ``data_preprocessor``, the dataloaders' ``dataset`` and the datasets a wrapper holds,
+    ``optim_wrapper`` with its ``optimizer`` and ``constructor``, ``param_scheduler``) that
+    only stratagem's registry holds (``stratagem.registry.DATASETS.register_module()``) is
+    registered, as that object, in mmengine's root registry, where its build under any
+    ``default_scope`` finds it. A name neither holds is a ConfigError naming the place, both
+    registries and the closest names of both, raised before mmengine builds anything
+    (one error listing them all). Scoped and dotted names are left to the registry they name."""
+    scope = cfg.get('default_scope') or 'mmengine'
+    missing = []
+    for where, name, kind in _typed_places(cfg):
+        mine, theirs = _PAIRS[kind]
+        if '.' in name or _find(theirs, name, scope) is not None:
+            continue
+        found = mine.get(name)
+        if found is None:
+            missing.append(f'{where}: {mine.unknown_name_error(name)}')
+        else:
+            _scope_node(theirs, None).register_module(name=name, module=found, force=True)
+    if missing:
+        raise ConfigError(
+            "neither stratagem's registries nor mmengine's "
+            f'(default_scope {scope!r}) hold: ' + '\n'.join(missing)
+        )
+
+
+def _typed_places(cfg: Mapping):
+    """``(where, type name, registry kind)`` for each place :func:`share_registered_types`
+    checks."""
+    model = cfg.get('model')
+    if isinstance(model, Mapping):
+        yield from _typed('model', model, 'model')
+        yield from _typed('model.data_preprocessor', model.get('data_preprocessor'), 'model')
+    yield from _typed('data_preprocessor', cfg.get('data_preprocessor'), 'model')
+    for split in ('train', 'val', 'test'):
+        loader = cfg.get(f'{split}_dataloader')
+        if isinstance(loader, Mapping):
+            yield from _datasets(f'{split}_dataloader.dataset', loader.get('dataset'))
+    yield from _optim_wrappers('optim_wrapper', cfg.get('optim_wrapper'))
+    schedulers = cfg.get('param_scheduler')
+    if isinstance(schedulers, Mapping) and 'type' not in schedulers:  # one list per optimizer
+        schedulers = [(f'param_scheduler.{k}', v) for k, v in schedulers.items()]
+    else:
+        schedulers = [('param_scheduler', schedulers)]
+    for where, entries in schedulers:
+        entries = entries if isinstance(entries, (list, tuple)) else [entries]
+        for i, entry in enumerate(entries):
+            yield from _typed(f'{where}[{i}]', entry, 'parameter scheduler')
+
+
+def _typed(where: str, section: Any, kind: str):
+    if isinstance(section, Mapping) and isinstance(section.get('type'), str):
+        yield f'{where}.type', section['type'], kind
+
+
+def _datasets(where: str, dataset: Any):
+    """A dataset cfg and those a wrapper holds (mmengine's ``ConcatDataset(datasets=[...])``,
+    ``RepeatDataset(dataset=...)``)."""
+    if not isinstance(dataset, Mapping):
+        return
+    yield from _typed(where, dataset, 'dataset')
+    yield from _datasets(f'{where}.dataset', dataset.get('dataset'))
+    inner = dataset.get('datasets')
+    for i, each in enumerate(inner if isinstance(inner, (list, tuple)) else []):
+        yield from _datasets(f'{where}.datasets[{i}]', each)
+
+
+def _optim_wrappers(where: str, wrapper: Any):
+    if not isinstance(wrapper, Mapping):
+        return
+    if not any(k in wrapper for k in ('type', 'optimizer', 'constructor')):
+        for name, each in wrapper.items():  # several optimizers: one wrapper per submodule
+            yield from _optim_wrappers(f'{where}.{name}', each)
+        return
+    yield from _typed(where, wrapper, 'optim_wrapper')
+    yield from _typed(f'{where}.optimizer', wrapper.get('optimizer'), 'optimizer')
+    constructor = wrapper.get('constructor')
+    if isinstance(constructor, str):
+        yield f'{where}.constructor', constructor, 'optim_wrapper_constructor'

@@ -10,8 +10,12 @@ mmengine's runner (``stratagem.schema.runner_reasons``: ``runner_type='FlexibleR
    falling back to mmengine's (a model registered in mmengine's ``MODELS`` builds).
 2. The config as mmengine's runner needs it (:func:`runner_config`): the strategy named as
    stratagem's, a missing ``env_cfg`` filled with one that runs here, the launcher and the
-   command line's ``--resume`` / ``--load-from``; a key that neither the runner nor stratagem
-   reads is an error when it is close to a valid one, else a warning naming it.
+   command line's ``--resume`` / ``--load-from``; the checks of :func:`check_runner_config`
+   first: a key that neither the runner nor stratagem reads is an error when it is close
+   to a valid one (``schema.read_top_level_keys``), else a helper variable of the config
+   file (kept, as mmengine keeps it); an object the config's code imported is dropped; a
+   ``type`` only stratagem's registry holds is lent to mmengine's, and one neither holds
+   is refused, before mmengine prints anything.
 3. ``FlexibleRunner.from_cfg(cfg).train()``.
 
 The config was loaded by stratagem's ``Config.fromfile`` (``--cfg-options`` merged, its
@@ -22,13 +26,13 @@ a dict has its ``custom_imports`` imported by the same function here.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-import stratagem.integrations.mmengine  # noqa: F401  (1: registrations and fallbacks)
 from stratagem import registry as ours
 from stratagem.config import (
     Config,
@@ -37,9 +41,15 @@ from stratagem.config import (
     config_search_dirs,
     import_custom_modules,
 )
-from stratagem.schema import LOOP_TOP_KEYS, RUNNER_TOP_KEYS, unread_top_level_keys
+from stratagem.integrations.mmengine import share_registered_types  # 1: registrations
+from stratagem.schema import LOOP_TOP_KEYS, RUNNER_TOP_KEYS, read_top_level_keys
 
-__all__ = ['runner_config', 'stratagem_strategy', 'train_with_flexible_runner']
+__all__ = [
+    'check_runner_config',
+    'runner_config',
+    'stratagem_strategy',
+    'train_with_flexible_runner',
+]
 
 # train_cfg keys of stratagem's reference loop that mmengine's loops do not take, and where
 # their meaning lives under the runner
@@ -71,14 +81,13 @@ def runner_config(
         load_from: Weights to load (not the training state); default: the config's.
 
     Raises:
-        ConfigError: a top-level key close to a valid one (a typo), or a ``train_cfg`` key
-            of the reference loop that mmengine's loops do not take (naming its place).
+        ConfigError: a top-level key close to a valid one (a typo), a ``train_cfg`` key
+            of the reference loop that mmengine's loops do not take (naming its place), a
+            ``type`` neither stratagem's registries nor mmengine's hold; all in one.
     """
     from stratagem.env import infer_launcher
 
-    out = dict(cfg.to_dict() if isinstance(cfg, Config) else cfg)
-    where = f'config {getattr(cfg, "filename", None) or ""}'.rstrip()
-    _check_keys(out, where)
+    out = check_runner_config(cfg)
     out['launcher'] = launcher or out.get('launcher') or infer_launcher()
     if out.get('env_cfg') is None:
         # FlexibleRunner's default says nccl, which a machine without CUDA cannot run
@@ -122,36 +131,55 @@ def stratagem_strategy(strategy: Any, launcher: str) -> Any:
     return cfg
 
 
-def _check_keys(cfg: dict, where: str) -> None:
-    unread = unread_top_level_keys(cfg, RUNNER_TOP_KEYS | LOOP_TOP_KEYS)
-    typos = {k: h for k, h in unread.items() if h.startswith('did you mean')}
-    if typos:
-        raise ConfigError(
-            f'{where}: unknown top-level key(s) '
-            + '; '.join(f'{k!r} ({h})' for k, h in typos.items())
+def check_runner_config(cfg: Config | Mapping) -> dict:
+    """The checks of a config that runs under mmengine's FlexibleRunner, before the runner
+    (or torchrun) starts: the top-level keys (``schema.read_top_level_keys``: a known key's
+    typo is an error, the config file's helper variables are kept, objects its code
+    imported are dropped), the reference loop's ``train_cfg`` keys, and each ``type`` found
+    in stratagem's registry or mmengine's (``integrations.mmengine.share_registered_types``).
+    Returns the config as a dict; raises one ConfigError listing what is wrong."""
+    out = dict(cfg.to_dict() if isinstance(cfg, Config) else cfg)
+    where = f'config {getattr(cfg, "filename", None) or ""}'.rstrip()
+    errors = _check_keys(out, where)
+    try:
+        share_registered_types(out)
+    except ConfigError as err:
+        errors.append(str(err))
+    if errors:
+        raise ConfigError(f'{where}: ' + '\n'.join(errors))
+    return out
+
+
+def _check_keys(cfg: dict, where: str) -> list[str]:
+    """The top-level and ``train_cfg`` keys' errors; the imported objects dropped."""
+    keys = read_top_level_keys(cfg, RUNNER_TOP_KEYS | LOOP_TOP_KEYS)
+    for name in keys.objects:  # mmengine would write them into its dumped config
+        del cfg[name]
+    if keys.helpers:
+        logging.getLogger('stratagem').debug(
+            '%s: helper variables of the config file (nothing reads them): %s',
+            where,
+            ', '.join(keys.helpers),
+        )
+    errors = (
+        [
+            'unknown top-level key(s) '
+            + '; '.join(f'{k!r} ({h})' for k, h in keys.unknown.items())
             + f'. valid: {", ".join(sorted(RUNNER_TOP_KEYS))}'
-        )
-    rest = {k: h for k, h in unread.items() if k not in typos}
-    if rest:
-        # mmengine's config files carry helper variables (data_root, train_pipeline,
-        # vis_backends, ...) that its runner never reads either: said, not refused
-        warnings.warn(
-            f'{where}: top-level key(s) {", ".join(repr(k) for k in rest)} are read by '
-            "neither mmengine's FlexibleRunner nor stratagem ("
-            + '; '.join(f'{k}: {h}' for k, h in rest.items())
-            + ')',
-            ConfigWarning,
-            stacklevel=3,
-        )
+        ]
+        if keys.unknown
+        else []
+    )
     train_cfg = cfg.get('train_cfg') or {}
     ours_only = [k for k in train_cfg if k in _LOOP_ONLY_TRAIN_CFG]
     if ours_only:
-        raise ConfigError(
-            f"{where}: train_cfg {', '.join(repr(k) for k in ours_only)} belong to stratagem's "
+        errors.append(
+            f"train_cfg {', '.join(repr(k) for k in ours_only)} belong to stratagem's "
             "reference loop; this config runs under mmengine's FlexibleRunner, whose loop "
             'does not take them. Use instead: '
             + '; '.join(f'{k} -> {_LOOP_ONLY_TRAIN_CFG[k]}' for k in ours_only)
         )
+    return errors
 
 
 def train_with_flexible_runner(

@@ -12,8 +12,10 @@ epochs) are methods of it, with their refusals.
 
 from __future__ import annotations
 
+import logging
+import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,7 @@ from stratagem.schema import (
     LOGGER_HOOK_KEYS,
     TRAIN_CFG_KEYS,
     TRAIN_DATALOADER_KEYS,
+    TRAIN_LOOP_TYPES,
     VAL_CFG_KEYS,
     VAL_DATALOADER_KEYS,
 )
@@ -33,9 +36,12 @@ __all__ = [
     'CheckpointPlan',
     'DataPlan',
     'RunPlan',
+    'NeedsRunnerError',
     'ValidationPlan',
+    'check_top_level_keys',
     'check_train_config',
     'infer_rule',
+    'join_host_registries',
     'strategy_config',
 ]
 
@@ -155,59 +161,151 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
     """The reference loop's checks of a config, in :func:`stratagem.loop.train`'s order,
     before anything is built (also ``stratagem doctor``'s and ``stratagem train --nproc``'s,
     before torchrun starts): the sections it needs, the top-level keys, the keys of
-    ``train_cfg``, ``train_dataloader``, ``val_dataloader``, ``val_cfg`` and
-    ``default_hooks`` (``stratagem.schema``), a run length, save_best's rule, the preemption
-    settings.
+    ``train_cfg`` (with mmengine's loop ``type``), ``train_dataloader``, ``val_dataloader``,
+    ``val_cfg`` and ``default_hooks`` (``stratagem.schema``), a run length, save_best's rule,
+    the preemption settings.
 
     Returns the :class:`RunPlan` (``default_hooks``' ``log_interval`` / ``max_keep_ckpts``
-    merged with ``train_cfg``'s). Raises ConfigError, ValueError or TypeError naming the key.
+    merged with ``train_cfg``'s). Raises the one error found (ConfigError, ValueError or
+    TypeError naming the key), or one ConfigError listing every error of the config when
+    there are several. A config that needs mmengine's runner is refused at once.
     ``top_level=False`` leaves the top-level keys to the caller (``doctor`` reports each one
     as a finding of its own)."""
     cfg = cfg if isinstance(cfg, Config) else Config(cfg)
+    join_host_registries()
+    problems = _Problems(f'config {cfg.filename or ""}'.rstrip())
     lacking = [k for k in ('model', 'optim_wrapper', 'train_dataloader') if k not in cfg]
     if lacking:
-        raise ConfigError(
-            f'config {cfg.filename or ""} has no {", ".join(lacking)}; '
-            'stratagem train needs model, optim_wrapper, train_dataloader and '
-            'train_cfg'
-            + (
-                ". mmcv's top-level optimizer=dict(...) goes in "
-                'optim_wrapper=dict(optimizer=dict(...))'
-                if 'optimizer' in cfg
-                else ''
+        problems.add(
+            ConfigError(
+                f'config {cfg.filename or ""} has no {", ".join(lacking)}; '
+                'stratagem train needs model, optim_wrapper, train_dataloader and '
+                'train_cfg'
+                + (
+                    ". mmcv's top-level optimizer=dict(...) goes in "
+                    'optim_wrapper=dict(optimizer=dict(...))'
+                    if 'optimizer' in cfg
+                    else ''
+                )
             )
         )
     if top_level:
-        _check_top_level_keys(cfg)
+        problems.attempt(check_top_level_keys, cfg)
     train_cfg = dict(cfg.get('train_cfg') or {})
-    check_keys(train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
-    data = _read_train_loader(cfg.train_dataloader)
+    problems.attempt(check_keys, train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
+    problems.attempt(_read_loop_type, train_cfg)
+    data = problems.attempt(_read_train_loader, cfg.get('train_dataloader') or {})
     if 'max_iters' not in train_cfg and 'max_epochs' not in train_cfg:
-        raise ValueError(
-            'train_cfg needs max_epochs or max_iters, e.g. train_cfg=dict(max_epochs=4)'
+        problems.add(
+            ValueError('train_cfg needs max_epochs or max_iters, e.g. train_cfg=dict(max_epochs=4)')
         )
     by_epoch = bool(train_cfg.get('by_epoch', 'max_iters' not in train_cfg))
-    checkpoints, best = _read_default_hooks(cfg.get('default_hooks'), train_cfg, by_epoch)
-    validation = _read_validation(cfg, train_cfg, best)
+    hooks = problems.attempt(_read_default_hooks, cfg.get('default_hooks'), train_cfg, by_epoch)
+    checkpoints, best = hooks or (CheckpointPlan(None, None, None), None)
+    validation = problems.attempt(_read_validation, cfg, train_cfg, best)
+    max_iters = problems.attempt(_run_length, train_cfg, 'max_iters')
+    max_epochs = None
+    if 'max_iters' not in train_cfg:  # max_iters wins
+        max_epochs = problems.attempt(_run_length, train_cfg, 'max_epochs')
+    preemption = problems.attempt(preemption_config, train_cfg.get('preemption', True))
+    problems.raise_any()
     return RunPlan(
         model=cfg.model,
         optim_wrapper=cfg.optim_wrapper,
         param_scheduler=cfg.get('param_scheduler'),
         compile=cfg.get('compile', False),
         data=data,
-        max_iters=_run_length(train_cfg, 'max_iters'),
-        max_epochs=None if 'max_iters' in train_cfg else _run_length(train_cfg, 'max_epochs'),
+        max_iters=max_iters,
+        max_epochs=max_epochs,
         by_epoch=by_epoch,
         log_interval=max(1, int(train_cfg.get('log_interval', 10))),
         refit_schedulers=bool(train_cfg.get('refit_schedulers', False)),
         metrics=train_cfg.get('metrics'),
-        preemption=preemption_config(train_cfg.get('preemption', True)),
+        preemption=preemption,
         checkpoints=checkpoints,
         best=best,
         validation=validation,
         resume=cfg.get('resume') or False,
         load_from=cfg.get('load_from'),
     )
+
+
+def join_host_registries() -> None:
+    """One registry space for the reference loop too: once mmengine's registries are
+    imported (a type can be registered there only then), stratagem's fall back to them
+    (``stratagem.integrations.mmengine``), so a dataset or model registered in mmengine's
+    builds here as under FlexibleRunner. Nothing is imported for a run that never loaded
+    mmengine."""
+    if 'mmengine.registry' in sys.modules:
+        import stratagem.integrations.mmengine  # noqa: F401  (the fallbacks)
+
+
+class _Problems:
+    """The errors of one config's reading, gathered so that one run shows them all."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.errors: list[Exception] = []
+
+    def add(self, err: Exception) -> None:
+        self.errors.append(err)
+
+    def attempt(self, read: Callable[..., Any], *args: Any) -> Any:
+        """``read(*args)``, or None with its ValueError / TypeError kept."""
+        try:
+            return read(*args)
+        except NeedsRunnerError:
+            raise  # a routing question, not a mistake to list with others
+        except (ValueError, TypeError) as err:  # ConfigError is a ValueError
+            self.errors.append(err)
+            return None
+
+    def raise_any(self) -> None:
+        """Raise the one error as it is, or a ConfigError listing several."""
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            raise ConfigError(
+                f'{self.where}: {len(self.errors)} errors:\n'
+                + '\n'.join(f'  - {err}' for err in self.errors)
+            )
+
+
+class NeedsRunnerError(ConfigError):
+    """A config whose keys only mmengine's runner reads, given to the reference loop."""
+
+
+def _read_loop_type(train_cfg: dict) -> None:
+    """mmengine's ``train_cfg.type`` (``schema.TRAIN_LOOP_TYPES``), popped: its ``by_epoch``
+    set in ``train_cfg``; the other loop's run length, a disagreeing ``by_epoch`` or another
+    loop is a ValueError naming the accepted ones."""
+    kind = train_cfg.pop('type', None)
+    if kind is None:
+        return
+    name = (
+        kind[len('mmengine.') :] if isinstance(kind, str) and kind.startswith('mmengine.') else kind
+    )
+    if name not in TRAIN_LOOP_TYPES:
+        raise ValueError(
+            f"train_cfg.type={kind!r}: the reference loop runs as mmengine's "
+            + ' or '.join(f'{n!r} ({length})' for n, (_, length) in TRAIN_LOOP_TYPES.items())
+            + ", or without a type (train_cfg.by_epoch); other loops run under mmengine's "
+            "runner (runner_type='FlexibleRunner')"
+        )
+    by_epoch, length = TRAIN_LOOP_TYPES[name]
+    other = 'max_iters' if length == 'max_epochs' else 'max_epochs'
+    if other in train_cfg:
+        raise ValueError(
+            f'train_cfg.type={kind!r} counts {"epochs" if by_epoch else "iterations"}: its run '
+            f"length is {length}, not {other} (mmengine's {name} takes {length}); use "
+            f'type={"IterBasedTrainLoop" if by_epoch else "EpochBasedTrainLoop"!r} for {other}'
+        )
+    if 'by_epoch' in train_cfg and bool(train_cfg['by_epoch']) != by_epoch:
+        raise ValueError(
+            f'train_cfg.type={kind!r} and train_cfg.by_epoch={train_cfg["by_epoch"]!r} '
+            'disagree; keep one of them'
+        )
+    train_cfg['by_epoch'] = by_epoch
 
 
 def _run_length(train_cfg: dict, key: str) -> int | None:
@@ -550,28 +648,38 @@ def _read_collate(loader: dict, where: str) -> None:
     )
 
 
-def _check_top_level_keys(cfg: Config | Mapping) -> None:
+def check_top_level_keys(cfg: Config | Mapping) -> None:
     """Refuse a config whose top level holds a key the reference loop does not read: one that
     only mmengine's runner reads (``stratagem.schema.runner_reasons``: run it under
-    ``FlexibleRunner``, which ``stratagem train`` does by itself), or one nothing reads
-    (named, with the closest valid key). Raises ConfigError."""
-    from stratagem.schema import LOOP_TOP_KEYS, runner_reasons, unread_top_level_keys
+    ``FlexibleRunner``, which ``stratagem train`` does by itself; a
+    :class:`NeedsRunnerError`), or a known key's typo or an older config's key
+    (``schema.read_top_level_keys``: a ConfigError naming each, with the closest valid key).
+    The config file's helper variables (plain data nothing reads) are accepted, listed in
+    one debug line; imported objects are no keys."""
+    from stratagem.schema import LOOP_TOP_KEYS, read_top_level_keys, runner_reasons
 
+    where = f'config {getattr(cfg, "filename", None) or ""}'.rstrip()
     reasons = runner_reasons(cfg)
     if reasons:
-        raise ConfigError(
-            f'config {getattr(cfg, "filename", None) or ""}: {", ".join(reasons)} '
+        raise NeedsRunnerError(
+            f'{where}: {", ".join(reasons)} '
             "are read only by mmengine's runner, not by stratagem's reference loop: run "
             "`stratagem train CONFIG` (it runs such a config under mmengine's FlexibleRunner "
             "on stratagem's strategies), or in Python `import stratagem.integrations.mmengine` "
             'and `FlexibleRunner.from_cfg(cfg).train()`'
         )
-    unread = unread_top_level_keys(cfg, LOOP_TOP_KEYS)
-    if unread:
+    keys = read_top_level_keys(cfg, LOOP_TOP_KEYS)
+    if keys.helpers:
+        logging.getLogger('stratagem').debug(
+            '%s: helper variables of the config file (nothing reads them): %s',
+            where,
+            ', '.join(keys.helpers),
+        )
+    if keys.unknown:
         raise ConfigError(
-            f'config {getattr(cfg, "filename", None) or ""}: unknown top-level key(s) '
-            + '; '.join(f'{k!r} ({hint})' for k, hint in unread.items())
-            + f'. Nothing reads them. valid: {", ".join(sorted(LOOP_TOP_KEYS))}'
+            f'{where}: unknown top-level key(s) '
+            + '; '.join(f'{k!r} ({hint})' for k, hint in keys.unknown.items())
+            + f'. valid: {", ".join(sorted(LOOP_TOP_KEYS))}'
         )
 
 

@@ -113,7 +113,7 @@ def test_runner_config_names_our_strategies_and_fills_what_mmengine_lacks(monkey
 
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
     monkeypatch.setattr(mr, '_SAID_STRATEGY', set())
-    base = dict(model=dict(type='M'), val_evaluator=dict(type='E'), work_dir='w')
+    base = dict(model=dict(type='MLPClassifier'), val_evaluator=dict(type='E'), work_dir='w')
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         one = mr.runner_config(
@@ -143,18 +143,33 @@ def test_runner_config_names_our_strategies_and_fills_what_mmengine_lacks(monkey
     assert mr.runner_config(base, load_from='a.pth')['load_from'] == 'a.pth'
 
 
-def test_runner_config_refuses_typos_and_says_unread_keys():
+def test_runner_config_refuses_typos_and_keeps_helper_variables(recwarn):
+    """Under FlexibleRunner as in the reference loop (``schema.read_top_level_keys``): a
+    typo is an error, plain data nothing reads a helper variable (kept, no warning), an
+    imported object dropped; every error of the config in one message."""
     from stratagem.integrations.mmengine_runner import runner_config
+    from stratagem.registry import DATASETS
 
-    base = dict(model=dict(type='M'), val_evaluator=dict(type='E'))
+    base = dict(model=dict(type='MLPClassifier'), val_evaluator=dict(type='E'))
     with pytest.raises(ConfigError, match=r"'val_evalutor' \(did you mean 'val_evaluator'\?\)"):
         runner_config({**base, 'val_evalutor': {}}, launcher='none')
-    with pytest.warns(ConfigWarning, match=r"'data_root' are read by neither .*leading underscore"):
-        runner_config({**base, 'data_root': 'data/', '_ok': 1}, launcher='none')
-    with pytest.raises(
-        ConfigError, match=r'checkpoint_interval -> default_hooks.checkpoint.interval'
-    ):
-        runner_config({**base, 'train_cfg': dict(max_epochs=1, checkpoint_interval=4)})
+    out = runner_config({**base, 'data_root': 'data/', '_ok': 1, 'DATASETS': DATASETS})
+    assert out['data_root'] == 'data/' and 'DATASETS' not in out
+    assert not [w for w in recwarn if issubclass(w.category, ConfigWarning)]
+    with pytest.raises(ConfigError) as caught:
+        runner_config(
+            {
+                **base,
+                'tran_cfg': {},
+                'train_cfg': dict(max_epochs=1, checkpoint_interval=4),
+                'train_dataloader': dict(dataset=dict(type='SyntheticClasification')),
+            }
+        )
+    message = str(caught.value)
+    assert "'tran_cfg' (did you mean 'train_cfg'?)" in message
+    assert 'checkpoint_interval -> default_hooks.checkpoint.interval' in message
+    assert "train_dataloader.dataset.type: unknown type 'SyntheticClasification'" in message
+    assert "did you mean 'SyntheticClassification'?" in message
 
 
 def test_without_mmengine_the_error_names_the_keys_and_the_extra(tmp_path, monkeypatch, capsys):
