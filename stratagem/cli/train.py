@@ -139,9 +139,12 @@ def run(args: argparse.Namespace) -> int:
     if not wants_torchrun(args) and args.launcher is None:
         env.infer_launcher()  # alone, but the environment says one of several: refused here
     if wants_torchrun(args) and 'LOCAL_RANK' not in os.environ:
-        # a config error in seconds, not after torchrun started every worker (a config for
-        # mmengine's runner is mmengine's to check)
-        if not mmengine_keys:
+        # a config error in seconds, not after torchrun started every worker
+        if mmengine_keys:
+            from stratagem.integrations.mmengine_runner import check_runner_config
+
+            check_runner_config(cfg)
+        else:
             check_before_launch(cfg)
         cmd = torchrun_command(args)
         debug = debug_enabled(list(getattr(args, 'cli_argv', [])))

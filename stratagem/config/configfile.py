@@ -34,8 +34,9 @@ from .overrides import merge_dicts
 BASE_KEY = '_base_'
 
 
-# {{ _base_.a.b }}: a value of the bases, written in place of the placeholder (mmengine's)
-_BASE_VAR = re.compile(r'\{\{\s*' + BASE_KEY + r'\.([\w.]+)\s*\}\}')
+# {{ _base_.a.b }}: a value of the bases, written in place of the placeholder (mmengine's);
+# also quoted, as a yaml file must write it to stay valid yaml before the substitution
+_BASE_VAR = re.compile(r'([\'"]?)\{\{\s*' + BASE_KEY + r'\.([\w.]+)\s*\}\}\1')
 
 
 def _read_text(path: Path) -> str:
@@ -62,7 +63,7 @@ def _base_placeholders(text: str) -> tuple[str, dict[str, str]]:
 
     def token(match: re.Match) -> str:
         name = f'_base_var_{len(placeholders)}_{uuid.uuid4().hex[:8]}'
-        placeholders[name] = match.group(1)
+        placeholders[name] = match.group(2)
         return f'"{name}"'
 
     return _BASE_VAR.sub(token, text), placeholders

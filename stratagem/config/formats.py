@@ -9,6 +9,8 @@ import types
 from pathlib import Path
 from typing import Any
 
+from stratagem.schema import is_plain_data
+
 from .errors import ConfigError
 
 _SUFFIXES = ('.py', '.json', '.yaml', '.yml')
@@ -95,8 +97,22 @@ def _exec_py_config(text: str, path: Path, bases: Any = None) -> dict:
         raise ConfigError(
             f'{path}{where}: error while executing config: {type(e).__name__}: {e}'
         ) from e
+    imported = _imported_names(tree)
     return {
         k: v
         for k, v in namespace.items()
-        if not k.startswith('__') and k != '_base_' and not isinstance(v, _NOT_KEYS)
+        if not k.startswith('__')
+        and k != '_base_'
+        and not isinstance(v, _NOT_KEYS)
+        and not (k in imported and not is_plain_data(v))
     }
+
+
+def _imported_names(tree: ast.Module) -> set[str]:
+    """The names a config file's top-level imports bind (an imported registry is no key;
+    an imported dict of settings still is)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split('.')[0] for a in node.names)
+    return names

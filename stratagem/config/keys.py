@@ -41,7 +41,17 @@ def _did_you_mean(key: str, known: set[str]) -> str:
 
 def check_keys(given: Mapping, allowed: Iterable[str], where: str) -> None:
     """Raise ValueError naming ``where``, the unknown keys of ``given`` and the valid ones."""
+    import difflib
+
     allowed = set(allowed)
     unknown = sorted(set(given) - allowed, key=str)
     if unknown:
-        raise ValueError(f'unknown key(s) {unknown} in {where}; valid keys: {sorted(allowed)}')
+        close = [
+            f'{k!r} -> {c[0]!r}'
+            for k in unknown
+            if (c := difflib.get_close_matches(str(k), sorted(allowed), n=1, cutoff=0.75))
+        ]
+        raise ValueError(
+            f'unknown key(s) {unknown} in {where}; valid keys: {sorted(allowed)}'
+            + (f'; did you mean {", ".join(close)}?' if close else '')
+        )

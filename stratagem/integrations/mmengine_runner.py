@@ -191,13 +191,14 @@ def train_with_flexible_runner(
 ) -> Any:
     """Build mmengine's ``FlexibleRunner`` from ``cfg`` (:func:`runner_config`) and train;
     returns the runner (its ``strategy`` is stratagem's)."""
-    from mmengine.config import Config as MMConfig
-    from mmengine.runner import FlexibleRunner
-
     # a config given as a dict has not been through Config.fromfile: its own modules now,
     # as loop.train does (imported once: a second call finds them loaded)
     import_custom_modules(cfg.get('custom_imports'), config_search_dirs(cfg))
     runner_cfg = runner_config(cfg, launcher=launcher, resume=resume, load_from=load_from)
+    # imported once the config passed: mmengine's runner imports DeepSpeed, which prints
+    from mmengine.config import Config as MMConfig
+    from mmengine.runner import FlexibleRunner
+
     filename = getattr(cfg, 'filename', None)
     mm_cfg = MMConfig(runner_cfg, filename=str(filename) if filename else None)
     runner = FlexibleRunner.from_cfg(mm_cfg)

@@ -265,9 +265,10 @@ class _Problems:
         if len(self.errors) == 1:
             raise self.errors[0]
         if self.errors:
+            prefix = f'{self.where}: '
             raise ConfigError(
                 f'{self.where}: {len(self.errors)} errors:\n'
-                + '\n'.join(f'  - {err}' for err in self.errors)
+                + '\n'.join(f'  - {str(err).removeprefix(prefix)}' for err in self.errors)
             )
 
 

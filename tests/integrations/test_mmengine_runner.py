@@ -227,3 +227,119 @@ def test_doctor_checks_a_routed_config_as_train_runs_it(tmp_path, monkeypatch):
     findings, _ = doctor.diagnose(cfg, 1, probe_disk=False)
     (missing,) = [f for f in findings if f.where == 'val_evaluator']
     assert 'pip install "stratagem[mmengine]"' in missing.fix
+
+
+class _Points(torch.utils.data.Dataset):
+    """Four points of 2 features, as mmengine's models take them (dicts)."""
+
+    def __init__(self, n=4):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return dict(inputs=torch.full((2,), float(i)))
+
+
+def test_one_registry_space_a_dataset_of_stratagems_under_flexible_runner(tmp_path):
+    """A dataset registered in stratagem's DATASETS (as the own-model guide teaches) builds
+    under FlexibleRunner, through stratagem train's route (runner_config)."""
+    from mmengine.model import BaseModel
+    from mmengine.registry import DATASETS as MM_DATASETS
+    from mmengine.registry import MODELS as MM_MODELS
+
+    from stratagem.integrations.mmengine_runner import train_with_flexible_runner
+    from stratagem.registry import DATASETS
+
+    class Squares(BaseModel):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 1)
+
+        def forward(self, inputs, mode='tensor'):
+            out = self.linear(inputs)
+            return {'loss': out.pow(2).mean()} if mode == 'loss' else out
+
+    name = f'OursOnlyPoints{os.getpid()}'
+    DATASETS.register_module(name=name, module=_Points)
+    MM_MODELS.register_module(name=f'Squares{os.getpid()}', module=Squares)
+    assert MM_DATASETS.get(name) is None
+    runner = train_with_flexible_runner(
+        dict(
+            model=dict(type=f'Squares{os.getpid()}'),
+            work_dir=str(tmp_path),
+            train_dataloader=dict(
+                dataset=dict(type=name, n=4),
+                batch_size=2,
+                sampler=dict(type='DefaultSampler', shuffle=False),
+                collate_fn=dict(type='default_collate'),
+            ),
+            optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
+            train_cfg=dict(by_epoch=False, max_iters=2),
+            default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=100)),
+            log_level='WARNING',
+            data_root='unused/',  # a helper variable: kept, nothing said
+        ),
+        launcher='none',
+    )
+    assert runner.iter == 2 and len(runner.train_dataloader.dataset) == 4
+    assert type(runner.train_dataloader.dataset) is _Points
+
+
+def test_one_registry_space_a_dataset_of_mmengines_in_the_reference_loop(tmp_path):
+    from mmengine.registry import DATASETS as MM_DATASETS
+
+    from stratagem.loop import train
+    from stratagem.registry import DATASETS
+
+    class Blobs(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return torch.full((4,), float(i % 2)), torch.tensor(i % 2)
+
+    name = f'MMEngineOnlyBlobs{os.getpid()}'
+    MM_DATASETS.register_module(name=name, module=Blobs)
+    result = train(
+        dict(
+            model=dict(type='MLPClassifier', in_features=4, num_classes=2, hidden=4),
+            optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
+            train_dataloader=dict(dataset=dict(type=name), batch_size=4),
+            train_cfg=dict(max_iters=2, preemption=None),
+            work_dir=str(tmp_path),
+        ),
+        progress=False,
+    )
+    assert result['iter'] == 2 and DATASETS.get(name) is Blobs
+
+
+def test_a_type_neither_registry_holds_is_refused_before_mmengine_prints(tmp_path, capfd):
+    """One line naming both registries and the closest names of both, before mmengine's
+    runner prints its banner (or anything)."""
+    from mmengine.registry import DATASETS as MM_DATASETS
+
+    name = f'MMEnginePoints{os.getpid()}'
+    MM_DATASETS.register_module(name=name, module=_Points)
+    path = tmp_path / 'cfg.py'
+    path.write_text(
+        "model = dict(type='MLPClassifier')\n"
+        "val_evaluator = dict(type='Accuracy')\n"
+        f"train_dataloader = dict(dataset=dict(type='{name[:-2]}x'), batch_size=2)\n"
+        "val_dataloader = dict(dataset=dict(type='SyntheticClasification'), batch_size=2)\n"
+        "optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.1))\n"
+        'train_cfg = dict(max_epochs=1)\n'
+        "dataset_type = 'Unused'\n"
+    )
+    assert main(['train', str(path), '--work-dir', str(tmp_path / 'w')]) == 1
+    out, err = capfd.readouterr()
+    assert out == ''
+    first, *rest = err.splitlines()
+    assert first.startswith('stratagem: error: config'), err
+    assert f"train_dataloader.dataset.type: unknown type '{name[:-2]}x'" in err
+    assert f"did you mean '{name}'" in err  # mmengine's name, from stratagem's side
+    assert "val_dataloader.dataset.type: unknown type 'SyntheticClasification'" in err
+    assert "did you mean 'SyntheticClassification'?" in err  # stratagem's name
+    assert "also searched: mmengine's 'dataset' registry" in err
+    assert 'Environment' not in err and 'Config:' not in err and len(rest) <= 3, err
