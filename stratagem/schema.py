@@ -369,7 +369,8 @@ def read_top_level_keys(cfg: Any, known: frozenset[str]) -> TopLevelKeys:
        OpenMMLab's configs (``dataset_type``, ``data_root``, ``train_pipeline``): accepted;
        any other object (an imported registry) is no key either."""
     unknown: dict[str, str] = {}
-    helpers, objects = [], []
+    helpers: list[str] = []
+    objects: list[str] = []
     for key in cfg:
         value = cfg[key]
         if not isinstance(key, str) or key.startswith('_') or key in known:

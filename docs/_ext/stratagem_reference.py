@@ -232,6 +232,12 @@ def config_reference() -> str:
     if functions:
         lines += title('Checks on these keys', '-')
         lines += [f'.. autofunction:: stratagem.schema.{n}\n' for n in functions]
+    schema = importlib.import_module('stratagem.schema')
+    lines += [  # what the checks return
+        f'.. autoclass:: stratagem.schema.{n}\n   :members:\n'
+        for n in schema.__all__
+        if inspect.isclass(getattr(schema, n))
+    ]
     lines += title('``strategy``', '-')
     lines += [
         "``strategy=dict(type=NAME, ...)``: ``type`` is one of the names below (or ``'auto'``:",

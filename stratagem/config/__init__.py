@@ -9,8 +9,10 @@ instead of silently creating an empty dict. :class:`Config` loads ``.py``,
 The numbers-as-strings rule is in ``stratagem.config.numeric``. Modules:
 
 - ``configdict.py``: the strict :class:`ConfigDict`;
-- ``configfile.py``: :class:`Config` (``fromfile`` with ``_base_``, ``merge_from_dict``, ``dump``);
-- ``formats.py``: config file suffixes, running ``.py`` configs, writing python text;
+- ``configfile.py``: :class:`Config` (``fromfile`` with ``_base_`` as mmengine reads it:
+  ``{{_base_.x}}`` placeholders and a ``.py`` file's ``_base_.x``; ``merge_from_dict``, ``dump``);
+- ``formats.py``: config file suffixes, running ``.py`` configs (their modules, classes,
+  functions and imported objects are no keys), writing python text;
 - ``overrides.py``: :func:`merge_dicts` and ``--cfg-options`` parsing (:func:`parse_cfg_options`);
 - ``numeric.py``: :data:`NUMERIC_KEYS` and :func:`normalize_numbers`;
 - ``keys.py``: :func:`check_keys` and the "did you mean" hint for overrides;

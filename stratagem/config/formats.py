@@ -111,7 +111,7 @@ def _exec_py_config(text: str, path: Path, bases: Any = None) -> dict:
 def _imported_names(tree: ast.Module) -> set[str]:
     """The names a config file's top-level imports bind (an imported registry is no key;
     an imported dict of settings still is)."""
-    names = set()
+    names: set[str] = set()
     for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names.update((a.asname or a.name).split('.')[0] for a in node.names)
