@@ -118,10 +118,12 @@ def test_tran_cfg_stays_an_error_and_every_error_comes_in_one_message():
         check_train_config(bad)
     message = str(caught.value)
     assert message.startswith('config: 4 errors:\n'), message
+    assert len(caught.value.errors) == 4  # each one, for a caller that lists them apart
     for part in (
         "'tran_cfg' (did you mean 'train_cfg'?)",
         "'lr_config' (mmcv's; param_scheduler=[dict(type=...)] replaces it)",
         "unknown key(s) ['max_epoch'] in train_cfg",
+        "did you mean 'max_epoch' -> 'max_epochs'?",
         "unknown key(s) ['batch_sise'] in train_dataloader",
         'val_cfg.fp16 must be True or False',
     ):

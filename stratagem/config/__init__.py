@@ -24,7 +24,13 @@ The numbers-as-strings rule is in ``stratagem.config.numeric``. Modules:
 from .configdict import ConfigDict
 from .configfile import BASE_KEY as BASE_KEY
 from .configfile import Config, config_search_dirs
-from .errors import ConfigAttributeError, ConfigError, ConfigKeyError, ConfigWarning
+from .errors import (
+    ConfigAttributeError,
+    ConfigError,
+    ConfigErrors,
+    ConfigKeyError,
+    ConfigWarning,
+)
 from .imports import import_custom_modules
 from .keys import check_keys
 from .numeric import NUMERIC_KEYS, normalize_numbers
@@ -35,6 +41,7 @@ __all__ = [
     'ConfigDict',
     'Config',
     'ConfigError',
+    'ConfigErrors',
     'ConfigKeyError',
     'ConfigAttributeError',
     'ConfigWarning',

@@ -1,11 +1,21 @@
 """The config exceptions and warning: :class:`ConfigError`, :class:`ConfigWarning`,
-:class:`ConfigAttributeError` and :class:`ConfigKeyError`."""
+:class:`ConfigAttributeError`, :class:`ConfigKeyError` and :class:`ConfigErrors` (several
+errors of one config in one)."""
 
 from __future__ import annotations
 
 
 class ConfigError(ValueError):
     """A config file that cannot be read, or a bad override; the message names the file/key."""
+
+
+class ConfigErrors(ConfigError):
+    """Several errors of one config, reported together: the message lists them all, and
+    ``errors`` holds each exception (for a caller that reports them one by one)."""
+
+    def __init__(self, message: str, errors: list[Exception]) -> None:
+        super().__init__(message)
+        self.errors = list(errors)
 
 
 class ConfigWarning(UserWarning):

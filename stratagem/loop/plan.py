@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from stratagem.config import Config, ConfigError, check_keys
+from stratagem.config import Config, ConfigError, ConfigErrors, check_keys
 from stratagem.env.preemption import PreemptionConfig, preemption_config
 from stratagem.schema import (
     CHECKPOINT_HOOK_KEYS,
@@ -167,8 +167,9 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
 
     Returns the :class:`RunPlan` (``default_hooks``' ``log_interval`` / ``max_keep_ckpts``
     merged with ``train_cfg``'s). Raises the one error found (ConfigError, ValueError or
-    TypeError naming the key), or one ConfigError listing every error of the config when
-    there are several. A config that needs mmengine's runner is refused at once.
+    TypeError naming the key), or one :class:`~stratagem.config.ConfigErrors` listing every
+    error of the config when there are several (its ``errors``: each one). A config that
+    needs mmengine's runner is refused at once.
     ``top_level=False`` leaves the top-level keys to the caller (``doctor`` reports each one
     as a finding of its own)."""
     cfg = cfg if isinstance(cfg, Config) else Config(cfg)
@@ -261,14 +262,15 @@ class _Problems:
             return None
 
     def raise_any(self) -> None:
-        """Raise the one error as it is, or a ConfigError listing several."""
+        """Raise the one error as it is, or a ConfigErrors listing several."""
         if len(self.errors) == 1:
             raise self.errors[0]
         if self.errors:
             prefix = f'{self.where}: '
-            raise ConfigError(
+            raise ConfigErrors(
                 f'{self.where}: {len(self.errors)} errors:\n'
-                + '\n'.join(f'  - {str(err).removeprefix(prefix)}' for err in self.errors)
+                + '\n'.join(f'  - {str(err).removeprefix(prefix)}' for err in self.errors),
+                self.errors,
             )
 
 
