@@ -429,7 +429,7 @@ def _read_default_hooks(
             'rule, greater_keys, less_keys) and default_hooks.logger.interval; hooks run under '
             "mmengine's runner (runner_type='FlexibleRunner', the mmengine extra)",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     explicit = train_cfg.get('checkpoint_interval')
     checkpoints = CheckpointPlan(
@@ -574,7 +574,7 @@ def _check_no_validation(val_cfg: dict | None, train_cfg: dict, best: BestPlan |
             f'{" and ".join(unused)} change nothing: the config has no val_dataloader, '
             'so nothing is validated',
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
 
