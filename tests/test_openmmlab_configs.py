@@ -150,3 +150,17 @@ def test_train_cfg_type_takes_mmengines_loop_names():
                        r"mmengine's 'EpochBasedTrainLoop' \(max_epochs\) or "
                        r"'IterBasedTrainLoop' \(max_iters\)"):  # fmt: skip
         plan(dict(type='MyLoop', max_epochs=2))
+
+
+def test_a_named_loop_validates_at_mmengines_default_interval():
+    """mmengine's IterBasedTrainLoop validates every 1000 iterations unless told; its
+    EpochBasedTrainLoop every epoch; without a type the reference loop's default is 1."""
+    base = Config.fromfile(DATA / 'mlp_2xb8_blobs.py').to_dict()
+
+    def interval(train_cfg):
+        return check_train_config({**base, 'train_cfg': train_cfg}).validation.interval
+
+    assert interval(dict(type='IterBasedTrainLoop', max_iters=5)) == 1000
+    assert interval(dict(type='IterBasedTrainLoop', max_iters=5, val_interval=7)) == 7
+    assert interval(dict(type='EpochBasedTrainLoop', max_epochs=2)) == 1
+    assert interval(dict(max_iters=5)) == 1

@@ -309,6 +309,14 @@ def _read_loop_type(train_cfg: dict) -> None:
             'disagree; keep one of them'
         )
     train_cfg['by_epoch'] = by_epoch
+    train_cfg[_DEFAULT_VAL_INTERVAL] = _MMENGINE_VAL_INTERVAL[name]
+
+
+# mmengine's loops differ in how often they validate when val_interval is not given:
+# EpochBasedTrainLoop every epoch, IterBasedTrainLoop every 1000 iterations. A ported config
+# that names its loop keeps that cadence; without a type, the reference loop's default is 1.
+_MMENGINE_VAL_INTERVAL = {'EpochBasedTrainLoop': 1, 'IterBasedTrainLoop': 1000}
+_DEFAULT_VAL_INTERVAL = '_default_val_interval'
 
 
 def _run_length(train_cfg: dict, key: str) -> int | None:
@@ -503,6 +511,7 @@ def _agree(train_cfg: dict, key: str, value: Any, where: str) -> None:
 def _read_validation(cfg: Any, train_cfg: dict, best: BestPlan | None) -> ValidationPlan | None:
     """``val_dataloader`` / ``val_cfg`` / ``train_cfg.val_interval``, ``val_begin`` checked
     (``schema.VAL_DATALOADER_KEYS``); None when the config has no validation."""
+    default_interval = train_cfg.pop(_DEFAULT_VAL_INTERVAL, 1)
     val_cfg = _read_val_cfg(cfg.get('val_cfg'))
     loader = cfg.get('val_dataloader')
     if loader is None:
@@ -520,8 +529,9 @@ def _read_validation(cfg: Any, train_cfg: dict, best: BestPlan | None) -> Valida
             'validation reads every sample once: remove drop_last'
         )
     when = {}
+    defaults = {'val_interval': default_interval, 'val_begin': 1}
     for key in ('val_interval', 'val_begin'):
-        value = train_cfg.get(key, 1)
+        value = train_cfg.get(key, defaults[key])
         if type(value) is not int or value < (1 if key == 'val_interval' else 0):
             raise ValueError(
                 f'train_cfg.{key} must be an int >= {1 if key == "val_interval" else 0}, '
