@@ -139,16 +139,19 @@ def _moved(value: Any, old: Optimizer, new: Optimizer) -> Any:
         return new
     if value is old.param_groups:
         return new.param_groups
-    index = next(i for i, group in enumerate(old.param_groups) if value is group)
-    return new.param_groups[index]
+    for index, group in enumerate(old.param_groups):
+        if value is group:
+            return new.param_groups[index]
+    return value  # moved already: a scheduler given twice, or also as another's child
 
 
 def rebind_schedulers(schedulers: Sequence[Any], old: Optimizer, new: Optimizer) -> None:
     """Move ``schedulers``, built over ``old``, onto ``new`` in place (see the module doc).
 
     ``new`` must have ``old``'s param groups in the same order (a rebuilt optimizer, or one
-    group each). Refused, before anything changes, for a scheduler that refers to ``old``
-    through no attribute (a closure, a ``__slots__`` class): the error names its class."""
+    group each). Refused, before anything changes, for a scheduler that holds ``old`` in a
+    closure or a bound method, or refers to it through no attribute (:func:`unmovable`):
+    the error names its class."""
     for scheduler in schedulers:
         why = unmovable(scheduler, old)
         if why:

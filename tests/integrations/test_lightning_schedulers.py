@@ -8,8 +8,8 @@ batches; 10 steps, a save at step 5, a resume from it).
 
 First tier: FSDPStrategy in this process, one process (sharded over one rank: the
 optimizer is still rebuilt over the DTensors). Slow tier: FSDPStrategy, DeepSpeedStrategy
-(ZeRO-2 over the torch optimizer) and ShardedDDPStrategy on 2 processes, each against
-'ddp' in the same launch.
+(ZeRO-2 over the torch optimizer) and ShardedDDPStrategy on 2 processes, against 'ddp' in
+the same launches (about 4 minutes here).
 """
 
 from __future__ import annotations
@@ -69,17 +69,23 @@ def test_fsdp_moves_the_schedulers_and_matches_ddp_and_its_resume(tmp_path, one_
     _assert_as_ddp_and_resumed(tmp_path, 'fsdp', ranks=1, tol=0.0)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize('kind', ['fsdp', 'deepspeed', 'sharded'])
-def test_sharding_backends_on_two_processes_match_ddp_and_resume(kind, tmp_path_factory):
-    pytest.importorskip('deepspeed' if kind == 'deepspeed' else 'torch')
-    pytest.importorskip('fairscale' if kind == 'sharded' else 'torch')
+@pytest.fixture(scope='module')
+def two_processes(tmp_path_factory):
+    """Both launches, every sharding backend and 'ddp' one after the other in them."""
+    pytest.importorskip('deepspeed')
+    pytest.importorskip('fairscale')
     from lightning_scheduler_worker import launch
 
-    out = tmp_path_factory.mktemp(f'schedulers-{kind}')
-    launch(out, (kind, 'ddp'))
-    _assert_as_ddp_and_resumed(out, kind, ranks=2, tol=TOL)
-    first = [_load(out, kind, 'first', rank) for rank in (0, 1)]
+    out = tmp_path_factory.mktemp('schedulers')
+    launch(out, ('fsdp', 'deepspeed', 'sharded', 'ddp'))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('kind', ['fsdp', 'deepspeed', 'sharded'])
+def test_sharding_backends_on_two_processes_match_ddp_and_resume(kind, two_processes):
+    _assert_as_ddp_and_resumed(two_processes, kind, ranks=2, tol=TOL)
+    first = [_load(two_processes, kind, 'first', rank) for rank in (0, 1)]
     assert not torch.equal(first[0]['losses'], first[1]['losses'])  # each rank its batches
     _assert_weights(first[0]['params'], first[1]['params'], 'the ranks hold one model')
 

@@ -180,6 +180,16 @@ def test_a_scheduler_that_cannot_be_moved_is_refused_naming_it_and_nothing_chang
     assert all('initial_lr' not in g for g in new.param_groups)
 
 
+def test_a_scheduler_given_twice_or_also_as_a_child_moves_once():
+    model = _model()
+    old = _optimizer(model)
+    child = lrs.StepLR(old, step_size=2)
+    chained = lrs.ChainedScheduler([child, lrs.ExponentialLR(old, gamma=0.9)])
+    new = _fresh(old)
+    rebind_schedulers([chained, child, chained], old, new)
+    assert chained.optimizer is child.optimizer is new
+
+
 def test_references_in_lists_and_dicts_are_moved():
     model = _model()
     old = _optimizer(model)
