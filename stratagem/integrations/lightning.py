@@ -19,7 +19,8 @@ accumulation; our strategy does the rest:
    ``OSS``), the lr schedulers of ``configure_optimizers`` are moved onto it with their
    state (``stratagem.scheduler.rebind``), and their ``interval``, ``frequency`` and
    ``monitor`` stay Lightning's; DeepSpeed's engine steps the optimizer they were built
-   over.
+   over. ``auto_scale_lr`` with a scheduler is refused: the scheduler's base lr is the
+   unscaled one, so its next step would undo the scaling.
 3. Each step: Lightning's closure and precision plugin; the backward is the optim wrapper's
    (under DeepSpeedStrategy the step too: ``engine.step``).
    ``is_distributed`` is True, so the Trainer gives every data-parallel rank its own
@@ -127,6 +128,23 @@ def _trainer_run(trainer: pl.Trainer, counts: int) -> HostRun:
         'it a DataLoader with batch_size=N',
         how_max_iters=f'accumulate_grad_batches={counts} with no end: set max_steps or max_epochs',
     )
+
+
+def _refuse_scaling_under(schedulers: list[Any], cfg: Mapping[str, Any]) -> None:
+    """``auto_scale_lr`` scales the optimizer's lr once ``configure_optimizers`` has built
+    its schedulers, which took the unscaled lr as their base: their next step would undo
+    the scaling, so the two are refused together."""
+    scale = cfg.get('auto_scale_lr') or {}
+    if schedulers and isinstance(scale, Mapping) and scale.get('enable', False):
+        names = ', '.join(sorted({type(s).__name__ for s in schedulers}))
+        raise ValueError(
+            f'StratagemStrategy: auto_scale_lr={dict(scale)} scales the lr after '
+            f'configure_optimizers built its lr scheduler(s) ({names}), which keep the '
+            'unscaled lr as their base, so their next step would undo the scaling; scale the '
+            'lr in configure_optimizers (x self.trainer.world_size x the batch size x '
+            'accumulate_grad_batches / base_batch_size) and drop auto_scale_lr, or return '
+            'no scheduler'
+        )
 
 
 class StratagemStrategy(ParallelStrategy):
@@ -254,9 +272,10 @@ class StratagemStrategy(ParallelStrategy):
                 f'{len(optimizers)}'
             )
         (optimizer,) = optimizers
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        _refuse_scaling_under(schedulers, self.cfg)
         # the backend steps an optimizer it builds: the schedulers are moved onto it; one
         # that cannot be is refused before anything is wrapped
-        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
         moved = schedulers if ours.capabilities.builds_optimizer else []
         for scheduler in moved:
             why = unmovable(scheduler, optimizer)

@@ -135,3 +135,28 @@ def test_a_scheduler_that_cannot_be_moved_is_refused_before_wrapping(tmp_path, o
     with pytest.raises(ValueError, match=why + r'.*self\.optimizer.*DDPStrategy'):
         trainer.fit(module)
     assert not any(type(p).__name__ == 'DTensor' for p in module.parameters())  # not wrapped
+
+
+def test_auto_scale_lr_with_a_scheduler_is_refused_saying_how_to_scale(tmp_path, one_process):
+    """The scheduler's base lr is the unscaled one: its next step would undo the scaling
+    (measured before: lrs 0.2, 0.1, 0.1 for a constant LambdaLR over lr=0.1 scaled x2)."""
+    from lightning.pytorch import Trainer
+    from lightning_scheduler_worker import Scheduled
+
+    from stratagem.integrations.lightning import StratagemStrategy
+
+    scale = dict(enable=True, base_batch_size=4)
+    cfg = dict(type='DDPStrategy', work_dir=str(tmp_path), auto_scale_lr=scale)
+    trainer = Trainer(
+        accelerator='cpu',
+        devices=1,
+        strategy=StratagemStrategy(cfg),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    why = r'auto_scale_lr=.* \(ReduceLROnPlateau, SequentialLR\), .* drop auto_scale_lr'
+    with pytest.raises(ValueError, match=why):
+        trainer.fit(Scheduled())
