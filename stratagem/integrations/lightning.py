@@ -14,7 +14,13 @@ accumulation; our strategy does the rest:
    optimizer of ``configure_optimizers`` (a backend whose wrapping replaces the parameters
    gets a fresh optimizer of the same class and groups over the wrapped ones), with
    ``prepare``'s post-steps: ``auto_scale_lr`` by the train loader's batch size and
-   ``accumulate_grad_batches`` (the wrapper's ``accumulative_counts``).
+   ``accumulate_grad_batches`` (the wrapper's ``accumulative_counts``). Where the backend
+   steps an optimizer it builds (``capabilities.builds_optimizer``: FSDP's, fairscale's
+   ``OSS``), the lr schedulers of ``configure_optimizers`` are moved onto it with their
+   state (``stratagem.scheduler.rebind``), and their ``interval``, ``frequency`` and
+   ``monitor`` stay Lightning's; DeepSpeed's engine steps the optimizer they were built
+   over. ``auto_scale_lr`` with a scheduler is refused: the scheduler's base lr is the
+   unscaled one, so its next step would undo the scaling.
 3. Each step: Lightning's closure and precision plugin; the backward is the optim wrapper's
    (under DeepSpeedStrategy the step too: ``engine.step``).
    ``is_distributed`` is True, so the Trainer gives every data-parallel rank its own
@@ -69,6 +75,7 @@ from typing_extensions import override
 from stratagem import env
 from stratagem.checkpoint import add_safe_globals, delete_checkpoint, list_checkpoints
 from stratagem.checkpoint.latest import POINTER_NAME, read_pointer, update_pointer
+from stratagem.scheduler.rebind import rebind_schedulers, unmovable
 from stratagem.strategies import BaseStrategy
 
 from .fabric import (
@@ -121,6 +128,23 @@ def _trainer_run(trainer: pl.Trainer, counts: int) -> HostRun:
         'it a DataLoader with batch_size=N',
         how_max_iters=f'accumulate_grad_batches={counts} with no end: set max_steps or max_epochs',
     )
+
+
+def _refuse_scaling_under(schedulers: list[Any], cfg: Mapping[str, Any]) -> None:
+    """``auto_scale_lr`` scales the optimizer's lr once ``configure_optimizers`` has built
+    its schedulers, which took the unscaled lr as their base: their next step would undo
+    the scaling, so the two are refused together."""
+    scale = cfg.get('auto_scale_lr') or {}
+    if schedulers and isinstance(scale, Mapping) and scale.get('enable', False):
+        names = ', '.join(sorted({type(s).__name__ for s in schedulers}))
+        raise ValueError(
+            f'StratagemStrategy: auto_scale_lr={dict(scale)} scales the lr after '
+            f'configure_optimizers built its lr scheduler(s) ({names}), which keep the '
+            'unscaled lr as their base, so their next step would undo the scaling; scale the '
+            'lr in configure_optimizers (x self.trainer.world_size x the batch size x '
+            'accumulate_grad_batches / base_batch_size) and drop auto_scale_lr, or return '
+            'no scheduler'
+        )
 
 
 class StratagemStrategy(ParallelStrategy):
@@ -248,12 +272,22 @@ class StratagemStrategy(ParallelStrategy):
                 f'{len(optimizers)}'
             )
         (optimizer,) = optimizers
-        if ours.capabilities.builds_optimizer and self.lr_scheduler_configs:
-            raise ValueError(
-                f'StratagemStrategy: {type(ours).__name__} builds a new optimizer (over the '
-                'sharded parameters, or from its cfg), so a scheduler from '
-                'configure_optimizers would drive the old one; use DDPStrategy, or no scheduler'
-            )
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        _refuse_scaling_under(schedulers, self.cfg)
+        # the backend steps an optimizer it builds: the schedulers are moved onto it; one
+        # that cannot be is refused before anything is wrapped
+        moved = schedulers if ours.capabilities.builds_optimizer else []
+        for scheduler in moved:
+            why = unmovable(scheduler, optimizer)
+            if why:
+                raise ValueError(
+                    f'StratagemStrategy: {type(ours).__name__} steps an optimizer it builds '
+                    '(over the sharded parameters, or from its cfg), onto which the lr '
+                    f'schedulers of configure_optimizers are moved, but {why}; keep it as '
+                    "an attribute, as torch's schedulers do (self.optimizer), or use "
+                    'DDPStrategy or DeepSpeedStrategy, which step the optimizer '
+                    'configure_optimizers returns'
+                )
         # Lightning accumulates (it divides the loss and steps every k batches); the optim
         # wrapper is told the window, so the real batch of auto_scale_lr counts it and
         # DeepSpeed's engine reduces once per window
@@ -262,6 +296,8 @@ class StratagemStrategy(ParallelStrategy):
         model, wrapper = setup_for_host(
             ours, self.cfg, module, optimizer, wrapper_cfg, _trainer_run(trainer, counts)
         )
+        if moved:
+            rebind_schedulers(moved, optimizer, wrapper.optimizer)
         return model, [wrapper.optimizer]
 
     @contextmanager

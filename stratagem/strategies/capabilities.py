@@ -69,7 +69,8 @@ class Capabilities:
     def builds_optimizer(self) -> bool:
         """The optimizer a host trainer built is not the one that steps (it is rebuilt over
         the wrapped parameters, or from its cfg), so what holds the old one (a scheduler)
-        would drive nothing."""
+        must be moved onto the new one (``stratagem.scheduler.rebind``: the Trainer's
+        adapter moves its schedulers), or it would drive nothing."""
         return self.replaces_parameters or self.optimizer_from_cfg
 
 

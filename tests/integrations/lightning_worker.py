@@ -10,6 +10,7 @@ Trainer finds the processes started and the process group up, and uses them).
 A kind is one of ``OURS`` (our strategy of that cfg) or ``'ddp'`` (Lightning's own). Every
 rank writes ``OUT/{fabric,trainer}-{kind}-{phase}-rank{r}.pt``: the losses of the steps it
 ran and the final parameters (whole, under the module's own names).
+``lightning_scheduler_worker.py`` runs its model, data and ``record`` with lr schedulers.
 """
 
 from __future__ import annotations
