@@ -87,9 +87,7 @@ def test_a_pipeline_that_fits_and_its_batch(tmp_path):
 def test_what_the_strategy_refuses_is_a_finding_at_its_key(tmp_path):
     f, _ = _diagnose(tmp_path, strategy__pipeline__split_points=['blocks.5'])
     problem = f['strategy.pipeline.split_points'].problem
-    assert (
-        "'blocks.5' names no module" in problem and 'candidates pos, blocks.0, blocks.1' in problem
-    )
+    assert "'blocks.5' names no module" in problem and 'candidates pos, blocks, blocks.0' in problem
     f, _ = _diagnose(tmp_path, strategy__pipeline__split_points=['blocks.1', 'norm'])
     assert 'give 1 split point(s) (2 stages)' in f['strategy.pipeline'].problem
     f, _ = _diagnose(tmp_path, strategy__pipeline__schedule='ZBVZeroBubble')
@@ -133,7 +131,7 @@ def test_a_forward_that_cannot_run_a_stage(tmp_path):
 
 def test_what_stratagem_train_refuses_under_a_pipeline(tmp_path):
     f, _ = _diagnose(tmp_path, val_dataloader=copy.deepcopy(CFG['train_dataloader']))
-    assert "stratagem train's validation runs whole models" in f['val_dataloader'].problem
+    assert f == {}  # validation runs under a pipeline (strategy.eval_step)
     f, _ = _diagnose(
         tmp_path,
         model=dict(type='test_doctor_pipeline.LossLess'),
