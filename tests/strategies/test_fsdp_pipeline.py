@@ -485,6 +485,26 @@ def eval_schedules(work):
     return out
 
 
+@SCENARIOS.add('four')
+def eval_shard2(work):
+    """``eval_step`` at ``pipeline=2 × shard=2``: each data-parallel rank's half of a batch
+    (4 and 4, then 3 and 2 of 5) against the whole model with the same weights."""
+    from stratagem.models import TransformerLM
+
+    s = _strategy(Path(work) / 'eval_shard2', dict(pipeline=2, shard=2))
+    model, ow = s.prepare(_model(), optim_wrapper=OPTIMS['sgd'])
+    _train(s, ow, 0, 2)
+    x, y = _batch(99)
+    dp, n = s.data_parallel_rank, s.data_parallel_size
+    tests = [(x.chunk(n)[dp], y.chunk(n)[dp]), (x[:5].chunk(n)[dp], y[:5].chunk(n)[dp])]
+    evals = _eval_losses(s.eval_step, model, tests, TransformerLM.loss)
+    whole = _model()
+    whole.load_state_dict(_whole(s)[0])
+    with torch.no_grad():
+        ref = [TransformerLM.loss(whole.eval()(a), b).item() for a, b in tests]
+    return {'evals': evals, 'reference': ref, 'dp': dp}
+
+
 @pytest.mark.slow
 @pytest.mark.scenario('sequential_splits')
 def test_a_sequential_split_point_trains_and_validates_as_one_process(scenario):
@@ -506,6 +526,18 @@ def test_eval_step_under_every_placement_is_the_whole_models(scenario):
             assert got['after'] == pytest.approx(got['reference'], abs=1e-12), schedule
             assert got['before'] != got['after']  # trained in between
     assert scenario[0] == scenario[1]  # the last stage's values on both ranks
+
+
+@pytest.mark.slow
+@pytest.mark.scenario('eval_shard2')
+def test_eval_step_with_sharded_stages_is_the_whole_models(scenario):
+    by_dp: dict[int, list] = {}
+    for r in scenario:
+        assert r['evals'] == pytest.approx(r['reference'], abs=1e-12)
+        by_dp.setdefault(r['dp'], []).append(r['evals'])
+    # the two stages of a data-parallel rank give its loss; the two ranks, their own halves
+    assert sorted(by_dp) == [0, 1] and all(a == b for a, b in by_dp.values())
+    assert by_dp[0][0] != by_dp[1][0]
 
 
 # examples/configs/transformer_pp.py, run by stratagem train's loop in the 2 ranks above

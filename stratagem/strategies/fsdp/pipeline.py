@@ -6,9 +6,11 @@ and skips any that is None, so a *stage* is the whole model with the other stage
 deleted, and parameter names stay the model's own (checkpoints keep the model's keys). The
 units a model splits into are its top-level modules, and the entries of a top-level
 ``ModuleList`` / ``ModuleDict`` / ``Sequential`` (``blocks.2``); ``split_points`` name the
-units where a new stage begins. A deleted top-level module becomes None; a deleted entry of a
-container is removed with the others keeping their names (``blocks.2`` stays ``blocks.2``),
-so the forward must iterate over a container, not index it.
+units where a new stage begins, or a top-level container (its first entry: ``split_positions``
+resolves the names, for the strategy and doctor alike). A deleted top-level module becomes
+None; a deleted entry of a container is removed with the others keeping their names
+(``blocks.2`` stays ``blocks.2``), so the forward must iterate over a container, not index
+it. A model that is an ``nn.Sequential`` is such a container itself: its entries are removed.
 
 Everything here is checked before the model passed in is touched (``stage_modules``,
 ``check_forward``); a forward the static check cannot read is checked at the first
@@ -257,8 +259,9 @@ _REFUSAL = (
 
 class PipelineRun:
     """A pipelined run's steps: this rank's stage modules (stage index → module), the
-    schedule over them (built at the first :meth:`step`, which checks the batch), and the
-    meta skeleton of the whole model for the first step's dry run."""
+    schedule over them (built at the first :meth:`step`, which checks the batch), the
+    forward-only ones of :meth:`evaluate`, and the meta skeleton of the whole model for the
+    first call's dry run."""
 
     def __init__(
         self,
@@ -281,7 +284,8 @@ class PipelineRun:
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._wrapper: Any = None
         self._losses: list[torch.Tensor] = []
-        self._eval_schedules: dict[int, Any] = {}  # batch size -> evaluate's schedule
+        # (batch, microbatches) -> evaluate's schedule
+        self._eval_schedules: dict[tuple[int, int], Any] = {}
 
     def merged_param_groups(self, groups: list[dict]) -> list[dict]:
         """The whole model's param groups from this rank's (FQN-keyed; collective over the
@@ -389,11 +393,11 @@ class PipelineRun:
         would; the training schedule is left as it is."""
         args, targets = self._tensors(inputs, targets, loss_fn, 'eval_step')
         batch = args[0].shape[0]
-        m = max(d for d in range(1, min(self.spec.microbatches, batch) + 1) if batch % d == 0)
+        m = self._eval_microbatches(batch)
         self._dry_run(args, targets, loss_fn, batch // m)
-        schedule = self._eval_schedules.get(batch)
+        schedule = self._eval_schedules.get((batch, m))
         if schedule is None:
-            schedule = self._eval_schedules[batch] = self._build(m, train=False)
+            schedule = self._eval_schedules[batch, m] = self._build(m, train=False)
         for stage in self.stages.values():  # several stages a rank: views with roots of
             stage.training = model.training  # their own, whose mode model.eval() misses
         first, last = 0 in self.stages, self.spec.stages - 1 in self.stages
@@ -402,6 +406,23 @@ class PipelineRun:
         with torch.no_grad():
             schedule.eval(*(args if first else ()), target=targets if last else None, losses=losses)
         return self._last_stage_mean(losses)
+
+    def _eval_microbatches(self, batch: int) -> int:
+        """The most microbatches, up to ``microbatches``, that divide this rank's batch and
+        every other rank's: the data-parallel ranks' batches may differ (a validation set's
+        shards differ by a sample), and every forward of a sharded stage is a collective over
+        them, so they run as many (one all-gather of the sizes when the mesh has more than
+        the pipeline)."""
+        import torch.distributed as dist
+
+        sizes = [batch]
+        if dist.get_world_size() > self.spec.ranks:
+            mine = torch.tensor([batch], device=self._device)
+            every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, mine)
+            sizes = [int(t) for t in every]
+        fits = range(1, min(self.spec.microbatches, *sizes) + 1)
+        return max(d for d in fits if all(n % d == 0 for n in sizes))
 
     def _tensors(
         self, inputs: Any, targets: Any, loss_fn: Any, what: str
