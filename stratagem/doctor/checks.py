@@ -259,7 +259,6 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
             self.batch,
             loader,
             self.dataset_length,
-            self.cfg.get('val_dataloader'),
         ):
             self.add(*finding)
 

@@ -6,8 +6,8 @@ The checks are the strategy's own (``strategies/fsdp/pipeline.py``): ``parse_pip
 keys, the schedule, the stage count against ``mesh.pipeline``), ``stage_modules`` (split
 points against the model), ``check_forward`` (a forward that calls a deleted module without
 skipping it) and ``dry_run`` (every stage run in order on one microbatch of meta tensors, the
-check of the first ``train_step``), and ``stratagem train``'s own refusals (``loop/step.py``: a
-model without a ``loss`` method, validation), so the doctor and a run agree on what is wrong.
+check of the first ``train_step``), and ``stratagem train``'s own refusal (``loop/step.py``: a
+model without a ``loss`` method), so the doctor and a run agree on what is wrong.
 Besides, what the first or a later ``train_step`` refuses about the batch: ``microbatches``
 must divide the micro batch the loader gives each rank, and every batch must have that size.
 """
@@ -67,12 +67,9 @@ def pipeline_findings(
     batch: Any,
     loader: Mapping,
     dataset_length: int | None,
-    val_loader: Any = None,
 ) -> list[tuple[str, str, str]]:
     """(where, problem, fix) for ``strategy.pipeline``; none without one, or when the mesh
-    does not fit ``nproc`` (the mesh check's finding). ``loader``: ``train_dataloader``;
-    ``val_loader``: ``val_dataloader`` (``stratagem train`` refuses validation under a
-    pipeline)."""
+    does not fit ``nproc`` (the mesh check's finding). ``loader``: ``train_dataloader``."""
     from stratagem.strategies.capabilities import capabilities_of
 
     if not capabilities_of(strategy.get('type'), nproc).pipeline or not _has_pipeline(strategy):
@@ -102,10 +99,9 @@ def pipeline_findings(
     from stratagem.loop import pipeline_loss_fn
 
     try:  # what stratagem train refuses before its first step: the strategy's pipeline_spec
-        pipeline_loss_fn(SimpleNamespace(pipeline_spec=spec), model, val_loader)
+        pipeline_loss_fn(SimpleNamespace(pipeline_spec=spec), model)
     except ValueError as err:
-        where = 'val_dataloader' if 'validation' in str(err) else 'model'
-        return [(where, str(err), 'stratagem train stops here: do as the message says')]
+        return [('model', str(err), 'stratagem train stops here: do as the message says')]
     out = _batch_findings(spec, mesh.data_parallel_size, loader, dataset_length)
     if out:
         return out

@@ -16,8 +16,9 @@ collaborator owns one trigger and its state; the loop calls them in this fixed o
    ends, as mmengine's ParamSchedulerHook does;
 4. the preemption's agreed stop (``train_cfg.preemption``, ``env/preemption.py``);
 5. ``validation.py``: when due (every ``train_cfg.val_interval`` epochs or iterations, and at
-   the end), whole-set means of the model's scalars across ranks; metric-driven schedulers
-   step with them; ``save_best`` saves a new best, then deletes the old one;
+   the end), whole-set means of the model's scalars across ranks (under a pipeline, ``loss``
+   through ``strategy.eval_step``); metric-driven schedulers step with them; ``save_best``
+   saves a new best, then deletes the old one;
 6. ``checkpoints.py``: every ``checkpoint_interval`` iterations, at the end and at a stop,
    with ``max_keep_ckpts``' retention (the best and the checkpoint resumed from kept);
 7. ``meter.py``: every ``log_interval`` iterations, one host sync, the row (log line,

@@ -196,7 +196,7 @@ def _build(
         start_iter=start_iter,
         max_iters=max_iters,
         batches=batches,
-        step=build_step(strategy, model, validation.loader if validation else None),
+        step=build_step(strategy, model),
         schedulers=Schedulers(prepared[2] if len(prepared) > 2 else [], epoch_length),
         validation=validation,
         best=best,

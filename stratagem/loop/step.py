@@ -2,7 +2,8 @@
 pipeline (FSDPStrategy's ``mesh.pipeline``) on ``(inputs, targets)`` with the model's ``loss``
 method as ``loss_fn`` (a stage returns outputs, not a loss; the schedule runs the
 microbatches). Either returns the loss (a tensor: no host sync) and the model's other scalars
-(``acc``, ...), which a pipeline's stages do not return."""
+(``acc``, ...), which a pipeline's stages do not return. Validation's per-batch values are
+decided the same way (:func:`eval_values`)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,16 @@ from typing import Any
 
 import torch
 
-__all__ = ['build_step', 'pipeline_batch', 'pipeline_loss_fn', 'scalars']
+__all__ = ['build_step', 'eval_values', 'pipeline_batch', 'pipeline_loss_fn', 'scalars']
 
 # (batch) -> (loss, {name: the model's other scalar})
 Step = Callable[[Any], tuple[torch.Tensor, dict[str, Any]]]
 
 
-def build_step(strategy: Any, model: torch.nn.Module, val_loader: Any) -> Step:
+def build_step(strategy: Any, model: torch.nn.Module) -> Step:
     """The step of this run: under a pipeline, ``train_step(inputs, targets, model.loss)``
     (refused as :func:`pipeline_loss_fn` says), else ``train_step(batch)``."""
-    loss_fn = pipeline_loss_fn(strategy, model, val_loader)
+    loss_fn = pipeline_loss_fn(strategy, model)
     if loss_fn is not None:
 
         def pipeline_step(batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -39,11 +40,26 @@ def build_step(strategy: Any, model: torch.nn.Module, val_loader: Any) -> Step:
     return step
 
 
-def pipeline_loss_fn(strategy: Any, model: torch.nn.Module, val_loader: Any) -> Any:
+def eval_values(strategy: Any, model: torch.nn.Module) -> Callable[[Any], dict[str, Any]] | None:
+    """Under a pipeline, one validation batch's values: ``{'loss': strategy.eval_step(inputs,
+    targets, model.loss)}`` (the stages return outputs; the last one's go to ``loss``, the
+    mean over the batch, on every pipeline rank); None without one (validation averages the
+    scalars of the model's own output)."""
+    loss_fn = pipeline_loss_fn(strategy, model)
+    if loss_fn is None:
+        return None
+
+    def values(batch: Any) -> dict[str, Any]:
+        inputs, targets = pipeline_batch(batch, 'validation')
+        return {'loss': strategy.eval_step(inputs, targets, loss_fn)}
+
+    return values
+
+
+def pipeline_loss_fn(strategy: Any, model: torch.nn.Module) -> Any:
     """Under a pipeline (FSDPStrategy's ``mesh.pipeline``): the model's ``loss(outputs,
-    targets)``, the ``loss_fn`` of ``strategy.train_step`` (a stage returns outputs, not a
-    loss); None without one. Validation is refused: the reference loop runs it on whole
-    models. ``stratagem doctor`` runs the same check."""
+    targets)``, the ``loss_fn`` of ``strategy.train_step`` and ``eval_step`` (a stage returns
+    outputs, not a loss); None without one. ``stratagem doctor`` runs the same check."""
     if getattr(strategy, 'pipeline_spec', None) is None:
         return None
     loss = getattr(model, 'loss', None)
@@ -54,23 +70,18 @@ def pipeline_loss_fn(strategy: Any, model: torch.nn.Module, val_loader: Any) -> 
             "returns its outputs; the last stage's go to loss). Or train it in your own "
             'loop with strategy.train_step(inputs, targets, loss_fn)'
         )
-    if val_loader is not None:
-        raise ValueError(
-            "stratagem train's validation runs whole models, and under a pipeline each rank "
-            'holds its stages only: leave out val_dataloader (and val_cfg), or validate the '
-            'checkpoints in another run without a pipeline'
-        )
     return loss
 
 
-def pipeline_batch(batch: Any) -> tuple[Any, Any]:
+def pipeline_batch(batch: Any, what: str = 'training') -> tuple[Any, Any]:
     """``(inputs, targets)`` of a loader's batch, which a pipeline's schedule splits into
-    microbatches; refuses another form (``stratagem doctor`` runs the same check)."""
+    microbatches; refuses another form (``stratagem doctor`` runs the same check).
+    ``what``: the loader, for the message."""
     if isinstance(batch, (list, tuple)) and len(batch) == 2:
         return batch[0], batch[1]
     raise ValueError(
-        'under a pipeline a batch is (inputs, targets), which the schedule splits into '
-        f'microbatches; the dataset gave {type(batch).__name__}'
+        f'under a pipeline a {what} batch is (inputs, targets), which the schedule splits '
+        f'into microbatches; the dataset gave {type(batch).__name__}'
         + (f' of {len(batch)}' if isinstance(batch, (list, tuple)) else '')
     )
 

@@ -9,12 +9,17 @@ row, as mmengine does. ``save_best`` (:class:`BestCheckpoint`) then keeps
 ``max_keep_ckpts``' count and never deleted by it; the previous best is deleted
 (``checkpoint.delete_checkpoint``) once the new one is committed. Every checkpoint's
 ``meta['best']`` carries the best so far, for a resume.
+
+Under a pipeline (FSDPStrategy's ``mesh.pipeline``) each rank holds its stages only: a batch's
+value is ``loss``, the model's ``loss(outputs, targets)`` on the last stage's outputs, through
+``strategy.eval_step`` (torch's ``schedule.eval``; ``step.eval_values``), the same on every
+pipeline rank, and averaged as above.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +29,7 @@ from stratagem.strategies.model_api import call_model
 
 from .batches import build_dataset
 from .plan import BestPlan, ValidationPlan, infer_rule
-from .step import scalars
+from .step import eval_values, scalars
 
 if TYPE_CHECKING:
     from .checkpoints import Checkpoints
@@ -38,6 +43,7 @@ def validate(
     weights: list[int],
     device: torch.device,
     autocast: bool = False,
+    values: Callable[[Any], Mapping[str, Any]] | None = None,
 ) -> dict[str, float]:
     """Means of every scalar the model returns over the whole validation set, on every rank.
 
@@ -47,6 +53,8 @@ def validate(
     by the total count, so every sample weighs the same, whatever the shard and batch sizes.
     The model runs in eval mode under ``torch.no_grad`` and is put back in train mode;
     ``autocast`` (``val_cfg.fp16``): under ``torch.autocast``, float16 on CUDA, else bfloat16.
+    ``values``: one batch's scalars (:func:`step.eval_values` under a pipeline); default: those
+    of the model's output.
     """
     from stratagem import env
 
@@ -57,13 +65,13 @@ def validate(
         half = torch.float16 if device.type == 'cuda' else torch.bfloat16
         with torch.no_grad(), torch.autocast(device.type, dtype=half, enabled=autocast):
             for batch, weight in zip(loader, weights):
-                values = scalars(call_model(model, batch, device))
-                if not values:
+                got = scalars(call_model(model, batch, device)) if values is None else values(batch)
+                if not got:
                     raise ValueError(
                         'the model returned no scalar in validation (a loss tensor or a dict '
                         'of scalars such as loss and acc is averaged and logged)'
                     )
-                for name, value in values.items():
+                for name, value in got.items():
                     total = sums.setdefault(name, torch.zeros((), dtype=dtype, device=device))
                     total.add_(torch.as_tensor(value, device=device).to(dtype), alpha=weight)
     finally:
@@ -92,7 +100,7 @@ class Validation:
     ) -> None:
         from stratagem.data import validation_batches
 
-        self.plan, self.device = plan, device
+        self.plan, self.device, self.strategy = plan, device, strategy
         self.epoch_length, self.max_iters, self.by_epoch = epoch_length, max_iters, by_epoch
         dataset = build_dataset(plan.dataset)
         batches = validation_batches(
@@ -124,7 +132,14 @@ class Validation:
     def run(self, model: torch.nn.Module, it: int) -> dict[str, float]:
         """Validate after iteration ``it``: the means, kept in :attr:`history`, and their log
         line, kept for :meth:`take`."""
-        values = validate(model, self.loader, self.weights, self.device, self.plan.autocast)
+        values = validate(
+            model,
+            self.loader,
+            self.weights,
+            self.device,
+            self.plan.autocast,
+            eval_values(self.strategy, model),
+        )
         self.history.append((it, values))
         n = len(self.weights)
         epoch = (it - 1) // self.epoch_length + 1

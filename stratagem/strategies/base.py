@@ -42,7 +42,8 @@ test_override_surface.py`` holds every registered backend to it):
       ``build_optim_wrapper``: the steps above.
     - ``unwrap_model()``: the plain module behind the wrapper (default: through DDP /
       DataParallel / ``torch.compile``).
-    - ``train_step``: one step (FSDP's pipeline runs its schedule).
+    - ``train_step``: one step; ``eval_step``: one batch's loss, forward only (FSDP's
+      pipeline runs its schedule for both).
     - ``data_parallel_size`` / ``data_parallel_rank``: the ranks that read different
       batches (a mesh's tensor groups read one).
     - ``model_state_dict()`` / ``load_model_state_dict()``, ``optim_state_dict()`` /
@@ -135,6 +136,7 @@ OVERRIDABLE: frozenset[str] = frozenset(
         'unwrap_model',
         # the step and the data split
         'train_step',
+        'eval_step',
         'data_parallel_size',
         'data_parallel_rank',
         # the state and where it goes
@@ -484,6 +486,29 @@ class BaseStrategy(ABC):
                 else loss_fn(out, _to_device(targets, self.device))
             )
         wrapper.update_params(loss)
+        return loss.detach()
+
+    def eval_step(
+        self,
+        inputs: Any,
+        targets: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One batch's loss without a step: the model's forward under ``torch.no_grad`` and
+        ``loss_fn(outputs, targets)`` (a mean over the batch), or without ``loss_fn`` the
+        model's own loss, as :meth:`train_step` takes them; returns it, detached. The
+        model's mode is the caller's (``model.eval()`` first for dropout and batch norm).
+        Under a pipeline (FSDPStrategy's ``mesh.pipeline``) the schedule runs the stages
+        forward only and the last stage's loss reaches every pipeline rank."""
+        if loss_fn is None and targets is not None:
+            inputs = _with_targets(inputs, targets)
+        with torch.no_grad():
+            out = call_model(self.model, inputs, self.device)
+            loss = (
+                parse_loss(out)
+                if loss_fn is None
+                else loss_fn(out, _to_device(targets, self.device))
+            )
         return loss.detach()
 
     def _step_wrapper(self) -> Any:

@@ -375,24 +375,205 @@ def test_refusals_on_every_rank(scenario):
         assert not r['saved']
 
 
+class _Net(torch.nn.Module):
+    """A body that is a top-level ``nn.Sequential``, called whole: split at ``'body'``."""
+
+    def __init__(self):
+        super().__init__()
+        lin = torch.nn.Linear
+        self.stem = lin(4, 16)
+        self.body = torch.nn.Sequential(lin(16, 16), torch.nn.Tanh(), lin(16, 16))
+        self.head = lin(16, 2)
+
+    def forward(self, x):
+        if self.stem is not None:
+            x = self.stem(x)
+        x = self.body(x)  # empty on the first stage: x as it is
+        return self.head(x) if self.head is not None else x
+
+
+def _net():
+    torch.manual_seed(0)
+    return _Net().double()
+
+
+def _sequential():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear
+    return torch.nn.Sequential(lin(4, 16), torch.nn.Tanh(), lin(16, 16), lin(16, 2)).double()
+
+
+def _regression(it, n=BATCH):
+    g = torch.Generator().manual_seed(2000 + it)
+    return torch.randn(n, 4, generator=g).double(), torch.randn(n, 2, generator=g).double()
+
+
+def _eval_losses(step, model, batches, loss_fn):
+    """``step(x, y, loss_fn)`` in eval mode on each batch (one of 8, one of 5: cut into 4
+    microbatches and into 1, the most up to 4 that divide it)."""
+    model.eval()
+    try:
+        return [step(x, y, loss_fn).item() for x, y in batches]
+    finally:
+        model.train()
+
+
+@SCENARIOS.add('two')
+def sequential_splits(work):
+    """A model split at its top-level Sequential (``'body'``) and a model that is a Sequential
+    split at an entry (``'2'``), each trained 4 SGD steps by 1F1B, then validated with
+    ``eval_step``; the same on one process with the whole batch, the oracle."""
+    from stratagem.optim import build_optim_wrapper
+    from stratagem.strategies import build_strategy
+
+    mse = torch.nn.functional.mse_loss
+    tests = [_regression(99, BATCH), _regression(99, 5)]
+    out = {}
+    for name, make, splits in (('net', _net, ['body']), ('sequential', _sequential, ['2'])):
+        s = build_strategy(
+            dict(
+                type='FSDPStrategy',
+                work_dir=str(Path(work) / name),
+                mesh=dict(pipeline=2),
+                pipeline=dict(schedule='1F1B', microbatches=MICRO, split_points=splits),
+            )
+        )
+        model, _ = s.prepare(make(), optim_wrapper=OPTIMS['sgd'])
+        losses = [s.train_step(*_regression(it), mse).item() for it in range(4)]
+        evals = _eval_losses(s.eval_step, model, tests, mse)
+        ref = make()
+        ow = build_optim_wrapper(ref, OPTIMS['sgd'])
+        ref_losses = []
+        for it in range(4):
+            x, y = _regression(it)
+            loss = mse(ref(x), y)
+            ow.update_params(loss)
+            ref_losses.append(loss.item())
+        with torch.no_grad():
+            ref_evals = [mse(ref(x), y).item() for x, y in tests]
+        out[name] = {
+            'losses': losses,
+            'evals': evals,
+            'weights': _whole(s)[0],
+            'reference': (ref_losses, ref_evals, dict(ref.state_dict())),
+        }
+    return out
+
+
+@SCENARIOS.add('two')
+def eval_schedules(work):
+    """``eval_step`` under GPipe and Interleaved1F1B (4 stages on 2 ranks), before and after
+    2 training steps, against the whole model with the same weights."""
+    from stratagem.models import TransformerLM
+
+    x, y = _batch(99)
+    tests = [(x, y), (x[:5], y[:5])]
+    out = {}
+    for schedule in ('GPipe', 'Interleaved1F1B'):
+        s = _strategy(Path(work) / f'eval_{schedule}', dict(pipeline=2), schedule)
+        model, _ = s.prepare(_model(), optim_wrapper=OPTIMS['sgd'])
+        before = _eval_losses(s.eval_step, model, tests, TransformerLM.loss)
+        for it in range(2):
+            s.train_step(*_batch(it), TransformerLM.loss)
+        after = _eval_losses(s.eval_step, model, tests, TransformerLM.loss)
+        whole = _model()
+        whole.load_state_dict(_whole(s)[0])
+        whole.eval()
+        with torch.no_grad():
+            ref = [TransformerLM.loss(whole(a), b).item() for a, b in tests]
+        out[schedule] = {'before': before, 'after': after, 'reference': ref}
+    return out
+
+
+@SCENARIOS.add('four')
+def eval_shard2(work):
+    """``eval_step`` at ``pipeline=2 × shard=2``: each data-parallel rank's half of a batch
+    (4 and 4, then 3 and 2 of 5) against the whole model with the same weights."""
+    from stratagem.models import TransformerLM
+
+    s = _strategy(Path(work) / 'eval_shard2', dict(pipeline=2, shard=2))
+    model, ow = s.prepare(_model(), optim_wrapper=OPTIMS['sgd'])
+    _train(s, ow, 0, 2)
+    x, y = _batch(99)
+    dp, n = s.data_parallel_rank, s.data_parallel_size
+    tests = [(x.chunk(n)[dp], y.chunk(n)[dp]), (x[:5].chunk(n)[dp], y[:5].chunk(n)[dp])]
+    evals = _eval_losses(s.eval_step, model, tests, TransformerLM.loss)
+    whole = _model()
+    whole.load_state_dict(_whole(s)[0])
+    with torch.no_grad():
+        ref = [TransformerLM.loss(whole.eval()(a), b).item() for a, b in tests]
+    return {'evals': evals, 'reference': ref, 'dp': dp}
+
+
+@pytest.mark.slow
+@pytest.mark.scenario('sequential_splits')
+def test_a_sequential_split_point_trains_and_validates_as_one_process(scenario):
+    for r in scenario:
+        for name in ('net', 'sequential'):
+            got = r[name]
+            ref_losses, ref_evals, ref_weights = got['reference']
+            assert got['losses'] == pytest.approx(ref_losses, abs=1e-12), name
+            assert got['evals'] == pytest.approx(ref_evals, abs=1e-12), name
+            _close(got['weights'], ref_weights, 1e-9)
+    assert scenario[0]['net']['evals'] == scenario[1]['net']['evals']
+
+
+@pytest.mark.slow
+@pytest.mark.scenario('eval_schedules')
+def test_eval_step_under_every_placement_is_the_whole_models(scenario):
+    for r in scenario:
+        for schedule, got in r.items():
+            assert got['after'] == pytest.approx(got['reference'], abs=1e-12), schedule
+            assert got['before'] != got['after']  # trained in between
+    assert scenario[0] == scenario[1]  # the last stage's values on both ranks
+
+
+@pytest.mark.slow
+@pytest.mark.scenario('eval_shard2')
+def test_eval_step_with_sharded_stages_is_the_whole_models(scenario):
+    by_dp: dict[int, list] = {}
+    for r in scenario:
+        assert r['evals'] == pytest.approx(r['reference'], abs=1e-12)
+        by_dp.setdefault(r['dp'], []).append(r['evals'])
+    # the two stages of a data-parallel rank give its loss; the two ranks, their own halves
+    assert sorted(by_dp) == [0, 1] and all(a == b for a, b in by_dp.values())
+    assert by_dp[0][0] != by_dp[1][0]
+
+
 # examples/configs/transformer_pp.py, run by stratagem train's loop in the 2 ranks above
 EXAMPLE = Path(__file__).resolve().parents[2] / 'examples' / 'configs' / 'transformer_pp.py'
 
 
 @SCENARIOS.add('two')
 def example_config(work):
-    """The example pipeline config through the reference loop: 2 iterations, one save."""
+    """The example pipeline config through the reference loop: 2 iterations, one save, and
+    a validation at the end, whose last batch (6 of 38 samples) 4 microbatches do not cut
+    evenly: it runs as 3."""
     from stratagem.config import Config
     from stratagem.loop import train
 
     cfg = Config.fromfile(str(EXAMPLE))
     out = Path(work) / 'example'
     cfg.merge_from_dict(
-        dict(train_cfg=dict(max_iters=2, checkpoint_interval=2, log_interval=1), work_dir=str(out))
+        dict(
+            train_cfg=dict(max_iters=2, checkpoint_interval=2, log_interval=1, val_interval=2),
+            work_dir=str(out),
+            val_dataloader=dict(
+                dataset={**cfg.train_dataloader.dataset.to_dict(), 'num_samples': 38},
+                batch_size=16,
+            ),
+            val_cfg=dict(),
+        )
     )
     result = train(cfg, progress=False)
     saved = sorted(p.name for p in out.glob('iter_*'))
-    return {'iter': result['iter'], 'losses': result['losses'], 'saved': saved}
+    return {
+        'iter': result['iter'],
+        'losses': result['losses'],
+        'saved': saved,
+        'val': result['val'],
+        'dir': str(out),
+    }
 
 
 @pytest.mark.scenario('example_config')
@@ -403,3 +584,31 @@ def test_example_config_trains(scenario):
     assert scenario[0]['losses'] == scenario[1]['losses']
     (_, first), (_, last) = scenario[0]['losses']
     assert 3.0 < first < 4.5 and last < first  # ln(64) = 4.16 at the start, then it learns
+
+
+@pytest.mark.scenario('example_config')
+def test_validation_under_a_pipeline_is_the_whole_models(scenario, tmp_path):
+    """The validation the pipelined run logged, on every rank, is the one a single process
+    computes with the whole model from the checkpoint saved at the same iteration."""
+    from stratagem.config import Config
+    from stratagem.data import validation_batches
+    from stratagem.loop.batches import build_dataset
+    from stratagem.loop.validation import validate
+    from stratagem.registry import MODELS
+    from stratagem.strategies import build_strategy
+
+    (it, values), *more = scenario[0]['val']
+    assert it == 2 and not more and list(values) == ['loss']
+    assert scenario[1]['val'] == scenario[0]['val']  # every rank logs the same
+    cfg = Config.fromfile(str(EXAMPLE))
+    s = build_strategy(dict(type='SingleDeviceStrategy', work_dir=str(tmp_path)))
+    model = s.prepare(MODELS.build(cfg.model.to_dict()))
+    s.load_checkpoint(str(Path(scenario[0]['dir']) / 'iter_2.pth'))
+    dataset = build_dataset({**cfg.train_dataloader.dataset.to_dict(), 'num_samples': 38})
+    batches = validation_batches(len(dataset), batch_size=16)
+    assert [w for _, w in batches] == [16, 16, 6]
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=[b for b, _ in batches])
+    whole = validate(model, loader, [w for _, w in batches], torch.device('cpu'))
+    assert list(whole) == ['loss']
+    assert values['loss'] == pytest.approx(whole['loss'], rel=1e-6)
+    assert 3.0 < whole['loss'] < 4.5

@@ -1,6 +1,9 @@
 """FSDPStrategy's pipeline config, in process: the mesh's pipeline dimension, the schedule,
 the split points against a model, the forward check, the stages cut from a model and the
-refusals, each naming the key and what would fit, before the model is touched."""
+refusals, each naming the key and what would fit, before the model is touched. A top-level
+``nn.Sequential`` is a split point (its first entry begins the stage), and a model that is an
+``nn.Sequential`` splits at its entries; a split point that names nothing gets a did-you-mean
+at the level it was written."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from stratagem.strategies.fsdp.pipeline import (
     meta_skeleton,
     model_units,
     parse_pipeline,
+    split_positions,
 )
 
 
@@ -133,7 +137,11 @@ def test_stages_follow_the_model_order():
             ['blocks.9'],
             "'blocks.9' names no module TransformerLM splits at; did you mean 'blocks.3'?",
         ),
-        (['blocks.2.q'], 'candidates pos, blocks.0, blocks.1, blocks.2, blocks.3, norm, head'),
+        (['blocks.2.q'], "did you mean 'blocks.2'?"),
+        (
+            ['blocks.2.q'],
+            'candidates pos, blocks, blocks.0, blocks.1, blocks.2, blocks.3, norm, head',
+        ),
         (
             ['tok'],
             "in TransformerLM (and not be its first module, 'tok')",
@@ -249,3 +257,93 @@ def test_the_dry_run_refuses_a_stage_that_fails_and_a_loss_that_is_not_a_scalar(
     assert ok == torch.float32
     with pytest.raises(ValueError, match=r'must return a scalar tensor .* of shape \(2, 8, 16\)'):
         _spec('blocks.2').dry_run(lm, (ids,), ids, lambda out, t: out)
+
+
+class _Net(nn.Module):
+    """A stem, a body that is an ``nn.Sequential`` its forward calls whole, and a head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(4, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        if self.stem is not None:
+            x = self.stem(x)
+        x = self.body(x)  # an empty Sequential (a stage without the body) passes x through
+        return self.head(x) if self.head is not None else x
+
+
+def _seq():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 2))
+    )
+
+
+def _run_stages(spec, make, x):
+    """The stages cut from fresh copies of ``make()``, run one after the other on ``x``."""
+    for index in range(spec.stages):
+        x = spec.keep_stages(make(), [index])(x)
+    return x
+
+
+def test_a_top_level_sequential_is_a_split_point():
+    model = _Net()
+    assert split_positions(model) == {
+        'stem': 0, 'body': 1, 'body.0': 1, 'body.1': 2, 'body.2': 3, 'head': 4
+    }  # fmt: skip
+    spec = _spec('body')
+    assert spec.stage_modules(model) == [['stem'], ['body.0', 'body.1', 'body.2', 'head']]
+    spec.check_forward(model, spec.stage_modules(model))
+    first = spec.keep_stages(_Net(), [0])
+    assert first.head is None and len(first.body) == 0
+    x = torch.randn(3, 4)
+    assert torch.equal(_run_stages(spec, _Net, x), model(x))
+    # the same stages as its first entry; a later entry splits the body
+    assert _spec('body.0').stage_modules(model) == spec.stage_modules(model)
+    assert torch.equal(_run_stages(_spec('body.2'), _Net, x), model(x))
+
+
+def test_a_model_that_is_a_sequential_splits_at_its_entries():
+    model = _seq()
+    assert model_units(model) == ['0', '1', '2', '3.0', '3.1']
+    spec = _spec('2', '3', ranks=3)
+    assert spec.stage_modules(model) == [['0', '1'], ['2'], ['3.0', '3.1']]
+    last = spec.keep_stages(_seq(), [2])
+    assert [n for n, _ in last.named_children()] == ['3']  # removed, not None: it iterates
+    assert set(last.state_dict()) == {'3.1.weight', '3.1.bias'}
+    x = torch.randn(3, 4)
+    assert torch.equal(_run_stages(spec, _seq, x), model(x))
+    # several stages a rank: views that share the modules
+    inter = _spec('1', '2', '3', schedule='Interleaved1F1B')
+    stages = inter.stage_modules(model)
+    held = inter.keep_stages(_seq(), [0, 2])
+    views = [inter.stage_view(held, i, stages) for i in (0, 2)]
+    assert views[1].get_submodule('2') is held.get_submodule('2')
+    assert [n for n, _ in views[0].named_children()] == ['0', '3']  # '3' empty: x as it is
+    assert torch.equal(views[0](x), held.get_submodule('0')(x))
+
+
+@pytest.mark.parametrize(
+    'point, meant',
+    [
+        ('bdy', 'body'),  # a top-level name: a top-level one
+        ('body.7', 'body.2'),  # an entry: an entry of the same container
+        ('body.1.weight', 'body.1'),  # inside a unit: the unit
+        ('stm', 'stem'),
+    ],
+)
+def test_the_did_you_mean_is_at_the_level_written(point, meant):
+    with pytest.raises(ValueError) as err:
+        _spec(point).stage_modules(_Net())
+    assert f"'{point}' names no module _Net splits at; did you mean '{meant}'?" in str(err.value)
+    assert 'candidates body, body.0, body.1, body.2, head' in str(err.value)
+
+
+def test_split_points_at_one_module_are_refused_saying_where_each_begins():
+    with pytest.raises(ValueError) as err:
+        _spec('body', 'body.0', 'head', schedule='Interleaved1F1B').stage_modules(_Net())
+    assert "'body' begins at 'body.0'; the model runs stem, body.0" in str(err.value)

@@ -302,3 +302,20 @@ def test_a_device_this_machine_lacks_is_refused_before_setup(tmp_path):
         SingleDeviceStrategy(device=beyond, work_dir=str(work))
     assert not work.exists()  # refused before the environment, the logger or any file
     assert SingleDeviceStrategy(device='cpu', work_dir=str(tmp_path)).device.type == 'cpu'
+
+
+def test_eval_step_is_the_loss_without_a_step(tmp_path):
+    s = make_strategy(tmp_path)
+    model, ow = s.prepare(nn.Linear(4, 3), optim_wrapper=OPTIM)
+    x, y = torch.randn(6, 4), torch.randint(3, (6,))
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = s.eval_step(x, y, nn.functional.cross_entropy)
+    with torch.no_grad():
+        assert torch.equal(loss, nn.functional.cross_entropy(model(x), y))
+    assert not loss.requires_grad and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # without loss_fn the model's own loss, as train_step takes it
+    s = make_strategy(tmp_path)
+    own = s.prepare(dict(type='MLPClassifier', in_features=4, num_classes=3, hidden=8))
+    with torch.no_grad():
+        assert torch.equal(s.eval_step(x, y), own(x, y)['loss'])

@@ -6,9 +6,11 @@ and skips any that is None, so a *stage* is the whole model with the other stage
 deleted, and parameter names stay the model's own (checkpoints keep the model's keys). The
 units a model splits into are its top-level modules, and the entries of a top-level
 ``ModuleList`` / ``ModuleDict`` / ``Sequential`` (``blocks.2``); ``split_points`` name the
-units where a new stage begins. A deleted top-level module becomes None; a deleted entry of a
-container is removed with the others keeping their names (``blocks.2`` stays ``blocks.2``),
-so the forward must iterate over a container, not index it.
+units where a new stage begins, or a top-level container (its first entry: ``split_positions``
+resolves the names, for the strategy and doctor alike). A deleted top-level module becomes
+None; a deleted entry of a container is removed with the others keeping their names
+(``blocks.2`` stays ``blocks.2``), so the forward must iterate over a container, not index
+it. A model that is an ``nn.Sequential`` is such a container itself: its entries are removed.
 
 Everything here is checked before the model passed in is touched (``stage_modules``,
 ``check_forward``); a forward the static check cannot read is checked at the first
@@ -106,23 +108,30 @@ class PipelineSpec:
                 'to no stage; hold them in a submodule'
             )
         units = model_units(model)
-        position = {u: i for i, u in enumerate(units)}
+        position = split_positions(model)
         bounds = []
         for point in self.split_points:
             if point not in position:
-                close = difflib.get_close_matches(point, units, n=1)
-                hint = f"did you mean '{close[0]}'? " if close else ''
                 raise ValueError(
                     f"pipeline.split_points: '{point}' names no module {name} splits at; "
-                    f'{hint}a split point is a top-level module or an entry of a top-level '
-                    f'ModuleList/ModuleDict/Sequential: candidates {", ".join(units[1:])}'
+                    f'{_did_you_mean(point, position)}a split point is a top-level module, a '
+                    'top-level ModuleList/ModuleDict/Sequential (its first entry begins the '
+                    'stage) or an entry of one: candidates '
+                    + ', '.join(n for n, i in position.items() if i > 0)
                 )
             bounds.append(position[point])
         if bounds[0] == 0 or any(b <= a for a, b in itertools.pairwise(bounds)):
+            named = [
+                f'{p!r} begins at {units[b]!r}'
+                for p, b in zip(self.split_points, bounds, strict=True)
+                if p != units[b]
+            ]
             raise ValueError(
                 f'pipeline.split_points={list(self.split_points)}: each must come after the '
                 f'previous one in {name} (and not be its first module, {units[0]!r}), so '
-                f'that no stage is empty; the model runs {", ".join(units)}'
+                f'that no stage is empty; '
+                + (f'{", ".join(named)}; ' if named else '')
+                + f'the model runs {", ".join(units)}'
             )
         edges = [0, *bounds, len(units)]
         return [units[a:b] for a, b in itertools.pairwise(edges)]
@@ -197,8 +206,9 @@ class PipelineSpec:
         view = copy.deepcopy(model, memo)
         for unit in (u for i, s in enumerate(stages) if i != index for u in s):
             parent, _, key = unit.rpartition('.')
+            owner = model.get_submodule(parent)
             # an entry of a container that ``model`` holds: deepcopy left it None
-            if parent and key in dict(model.get_submodule(parent).named_children()):
+            if isinstance(owner, _CONTAINERS) and key in dict(owner.named_children()):
                 _delete_unit(view, unit)
         return view
 
@@ -249,8 +259,9 @@ _REFUSAL = (
 
 class PipelineRun:
     """A pipelined run's steps: this rank's stage modules (stage index → module), the
-    schedule over them (built at the first :meth:`step`, which checks the batch), and the
-    meta skeleton of the whole model for the first step's dry run."""
+    schedule over them (built at the first :meth:`step`, which checks the batch), the
+    forward-only ones of :meth:`evaluate`, and the meta skeleton of the whole model for the
+    first call's dry run."""
 
     def __init__(
         self,
@@ -273,6 +284,8 @@ class PipelineRun:
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._wrapper: Any = None
         self._losses: list[torch.Tensor] = []
+        # (batch, microbatches) -> evaluate's schedule
+        self._eval_schedules: dict[tuple[int, int], Any] = {}
 
     def merged_param_groups(self, groups: list[dict]) -> list[dict]:
         """The whole model's param groups from this rank's (FQN-keyed; collective over the
@@ -333,37 +346,18 @@ class PipelineRun:
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     ) -> torch.Tensor:
         """One step over the schedule; see ``FSDPStrategy.train_step``."""
-        import torch.distributed as dist
-
         spec = self.spec
-        if loss_fn is None or targets is None:
-            raise ValueError(
-                'train_step under a pipeline needs targets and loss_fn: the last stage '
-                'computes loss_fn(outputs, targets) per microbatch'
-            )
-        args = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
-        if not args or not all(isinstance(a, torch.Tensor) for a in (*args, targets)):
-            raise TypeError(
-                'train_step under a pipeline takes tensors (inputs a tensor or a tuple of '
-                'them, targets a tensor), split into microbatches along dimension 0'
-            )
-        args = tuple(a.to(self._device) for a in args)
-        targets = targets.to(self._device)
+        args, targets = self._tensors(inputs, targets, loss_fn, 'train_step')
         batch, m = args[0].shape[0], spec.microbatches
-        if batch % m or any(a.shape[0] != batch for a in (*args, targets)):
+        if batch % m:
             raise ValueError(
                 f"pipeline.microbatches={m} must divide this rank's batch: inputs and "
-                f'targets have {sorted({a.shape[0] for a in (*args, targets)})} samples '
-                f'(dimension 0); use a batch size that {m} divides, or other microbatches'
+                f'targets have [{batch}] samples (dimension 0); use a batch size that {m} '
+                'divides, or other microbatches'
             )
+        self._dry_run(args, targets, loss_fn, batch // m)
         if self._schedule is None:
-            assert self._skeleton is not None
-            mb = batch // m
-            self._dtype = spec.dry_run(
-                self._skeleton, tuple(a[:mb] for a in args), targets[:mb], loss_fn
-            )
-            self._skeleton = None  # checked: release it
-            self._schedule = self._build()
+            self._schedule = self._build(m, train=True)
             self._batch = batch
         elif batch != self._batch:
             raise ValueError(
@@ -379,10 +373,99 @@ class PipelineRun:
         finally:
             wrapper.set_step_owner(_REFUSAL)
         wrapper.after_backward()
-        if last:
-            # the microbatches' losses: the last ones (the first step's shape inference
-            # computes one more on uninitialised tensors, which nothing backpropagates)
-            loss = torch.stack(self._losses[-spec.microbatches :]).mean().to(self._dtype)
+        # the microbatches' losses: the last ones (the first step's shape inference computes
+        # one more on uninitialised tensors, which nothing backpropagates)
+        return self._last_stage_mean(self._losses[-spec.microbatches :])
+
+    def evaluate(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """One batch's loss, forward only; see ``FSDPStrategy.eval_step``.
+
+        torch's ``schedule.eval`` under ``torch.no_grad`` on a schedule of its own per batch
+        size, over stages of its own around the same modules (a stage fixes its microbatch
+        shapes at its first batch, and the last validation batch is often shorter): GPipe,
+        or LoopedBFS for several stages a rank, which run the forwards as any schedule
+        would; the training schedule is left as it is."""
+        args, targets = self._tensors(inputs, targets, loss_fn, 'eval_step')
+        batch = args[0].shape[0]
+        m = self._eval_microbatches(batch)
+        self._dry_run(args, targets, loss_fn, batch // m)
+        schedule = self._eval_schedules.get((batch, m))
+        if schedule is None:
+            schedule = self._eval_schedules[batch, m] = self._build(m, train=False)
+        for stage in self.stages.values():  # several stages a rank: views with roots of
+            stage.training = model.training  # their own, whose mode model.eval() misses
+        first, last = 0 in self.stages, self.spec.stages - 1 in self.stages
+        losses: list[torch.Tensor] = []
+        self._loss_fn = loss_fn
+        with torch.no_grad():
+            schedule.eval(*(args if first else ()), target=targets if last else None, losses=losses)
+        return self._last_stage_mean(losses)
+
+    def _eval_microbatches(self, batch: int) -> int:
+        """The most microbatches, up to ``microbatches``, that divide this rank's batch and
+        every other rank's: the data-parallel ranks' batches may differ (a validation set's
+        shards differ by a sample), and every forward of a sharded stage is a collective over
+        them, so they run as many (one all-gather of the sizes when the mesh has more than
+        the pipeline)."""
+        import torch.distributed as dist
+
+        sizes = [batch]
+        if dist.get_world_size() > self.spec.ranks:
+            mine = torch.tensor([batch], device=self._device)
+            every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, mine)
+            sizes = [int(t) for t in every]
+        fits = range(1, min(self.spec.microbatches, *sizes) + 1)
+        return max(d for d in fits if all(n % d == 0 for n in sizes))
+
+    def _tensors(
+        self, inputs: Any, targets: Any, loss_fn: Any, what: str
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """``(inputs as a tuple, targets)`` on this rank's device, checked: tensors of one
+        size along dimension 0, and a ``loss_fn``."""
+        if loss_fn is None or targets is None:
+            raise ValueError(
+                f'{what} under a pipeline needs targets and loss_fn: the last stage '
+                'computes loss_fn(outputs, targets) per microbatch'
+            )
+        args = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+        if not args or not all(isinstance(a, torch.Tensor) for a in (*args, targets)):
+            raise TypeError(
+                f'{what} under a pipeline takes tensors (inputs a tensor or a tuple of '
+                'them, targets a tensor), split into microbatches along dimension 0'
+            )
+        args = tuple(a.to(self._device) for a in args)
+        targets = targets.to(self._device)
+        sizes = sorted({a.shape[0] for a in (*args, targets)})
+        if len(sizes) > 1:
+            raise ValueError(
+                f'{what} under a pipeline: inputs and targets have {sizes} samples '
+                '(dimension 0), which the schedule cuts into microbatches alike; give '
+                'them one batch size'
+            )
+        return args, targets
+
+    def _dry_run(self, args: tuple, targets: Any, loss_fn: Any, micro: int) -> None:
+        """The first call's check of every stage on meta tensors (``dry_run``), once."""
+        if self._skeleton is not None:
+            self._dtype = self.spec.dry_run(
+                self._skeleton, tuple(a[:micro] for a in args), targets[:micro], loss_fn
+            )
+            self._skeleton = None  # checked: release it
+
+    def _last_stage_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of the last stage's microbatch losses, on every pipeline rank."""
+        import torch.distributed as dist
+
+        spec = self.spec
+        if spec.stages - 1 in self.stages:
+            loss = torch.stack(losses).mean().to(self._dtype)
         else:
             loss = torch.zeros((), dtype=self._dtype, device=self._device)
         if spec.ranks > 1:
@@ -393,6 +476,10 @@ class PipelineRun:
             )
         return loss
 
+    def _eval_loss(self, output: Any, target: Any) -> torch.Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(output, target)
+
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         assert self._loss_fn is not None
         loss = self._loss_fn(output, target)
@@ -401,10 +488,12 @@ class PipelineRun:
         # divides every gradient, also those an accumulation window's earlier steps left
         return self._wrapper.scale_loss(loss) / self.spec.microbatches
 
-    def _build(self) -> Any:
+    def _build(self, microbatches: int, train: bool) -> Any:
+        """A schedule over new stages around this rank's modules: the configured one for
+        :meth:`step` (``train``), else GPipe or LoopedBFS for :meth:`evaluate`."""
         import warnings
 
-        from torch.distributed.pipelining import PipelineStage
+        import torch.distributed.pipelining as pipelining
 
         # a stage's output is often a view (a Linear over 3-D activations); FSDP warns about
         # in-place ops on it, which the schedule never does: the warning would only repeat
@@ -412,12 +501,17 @@ class PipelineRun:
         spec = self.spec
         group = self._mesh['pipeline'].get_group()
         stages = [
-            PipelineStage(module, index, spec.stages, self._device, group=group)
+            pipelining.PipelineStage(module, index, spec.stages, self._device, group=group)
             for index, module in sorted(self.stages.items())
         ]
-        cls = spec.schedule_class()
-        kwargs = dict(n_microbatches=spec.microbatches, loss_fn=self._loss, scale_grads=False)
-        return cls(stages[0], **kwargs) if spec.placement == 'one' else cls(stages, **kwargs)
+        one = spec.placement == 'one'
+        if train:
+            cls, loss = spec.schedule_class(), self._loss
+        else:
+            cls = pipelining.ScheduleGPipe if one else pipelining.ScheduleLoopedBFS
+            loss = self._eval_loss
+        kwargs = dict(n_microbatches=microbatches, loss_fn=loss, scale_grads=False)
+        return cls(stages[0], **kwargs) if one else cls(stages, **kwargs)
 
 
 def shard_stages(
@@ -474,7 +568,8 @@ def shard_stages(
 
 def model_units(model: nn.Module) -> list[str]:
     """The units a pipeline splits ``model`` into, in order: top-level modules, and the
-    entries of top-level containers."""
+    entries of top-level containers (a model that is an ``nn.Sequential``: its entries, and
+    the entries of those that are containers)."""
     units: list[str] = []
     for name, child in model.named_children():
         if isinstance(child, _CONTAINERS):
@@ -482,6 +577,42 @@ def model_units(model: nn.Module) -> list[str]:
         else:
             units.append(name)
     return units
+
+
+def split_positions(model: nn.Module) -> dict[str, int]:
+    """Every name a split point may take → the index, in :func:`model_units`, of the unit
+    where a stage beginning there begins: each unit, and each top-level container that holds
+    any (its first entry: ``'blocks'`` is ``'blocks.0'``). The one resolution of split points:
+    ``FSDPStrategy`` and ``stratagem doctor`` both read them through it."""
+    units = model_units(model)
+    index = {u: i for i, u in enumerate(units)}
+    positions: dict[str, int] = {}
+    for name, child in model.named_children():
+        if isinstance(child, _CONTAINERS):
+            entries = [f'{name}.{key}' for key, _ in child.named_children()]
+            if entries:  # the container, then its entries
+                positions[name] = index[entries[0]]
+            positions.update((e, index[e]) for e in entries)
+        else:
+            positions[name] = index[name]
+    return positions
+
+
+def _did_you_mean(point: str, names: Mapping[str, int]) -> str:
+    """``"did you mean 'x'? "`` for a split point that names no unit, at the level the user
+    wrote: the unit that holds the module named (``'blocks.2.mlp'``: ``'blocks.2'``), else
+    the closest name with as many dots (``'blocks.9'``: ``'blocks.3'``; ``'blok'``:
+    ``'blocks'``), else the closest of all; ``''`` for none."""
+    parts = point.split('.')
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = '.'.join(parts[:i])
+        if prefix in names and not any(n.startswith(prefix + '.') for n in names):
+            return f"did you mean '{prefix}'? "
+    level = [n for n in names if n.count('.') == point.count('.')]
+    close = difflib.get_close_matches(point, level, n=1) or difflib.get_close_matches(
+        point, list(names), n=1
+    )
+    return f"did you mean '{close[0]}'? " if close else ''
 
 
 def meta_skeleton(model: nn.Module) -> nn.Module:
@@ -592,10 +723,11 @@ def _schedule_name(value: Any, key: str) -> str:
 
 def _delete_unit(model: nn.Module, unit: str) -> None:
     parent, _, key = unit.rpartition('.')
-    if parent:  # an entry of a container: removed, the others keep their names
-        delattr(model.get_submodule(parent), key)
+    owner = model.get_submodule(parent)
+    if isinstance(owner, _CONTAINERS):  # an entry of a container: removed, the others keep
+        delattr(owner, key)  # their names (a model that is a Sequential: its own entries)
     else:  # a top-level module: None, which the forward skips
-        setattr(model, unit, None)
+        setattr(owner, key, None)
 
 
 def _is_self_attr(node: ast.AST) -> bool:

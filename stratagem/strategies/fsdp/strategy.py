@@ -258,6 +258,16 @@ class FSDPStrategy(BaseStrategy):
         return self._pipeline.step(self.model, self._step_wrapper(), inputs, targets, loss_fn)
 
     @override
+    def eval_step(self, inputs: Any, targets: Any = None, loss_fn: Any = None) -> torch.Tensor:
+        """BaseStrategy's; under a pipeline, torch's ``schedule.eval`` runs this rank's
+        stages forward only on the batch cut into the most microbatches, up to
+        ``microbatches``, that divide it evenly; ``loss_fn(outputs, targets)`` on the last
+        stage, and their mean, the batch's, reaches every pipeline rank."""
+        if self._pipeline is None:
+            return super().eval_step(inputs, targets, loss_fn)
+        return self._pipeline.evaluate(self.model, inputs, targets, loss_fn)
+
+    @override
     def build_optim_wrapper(self, optim_wrapper: Any, model: nn.Module | None = None) -> Any:
         """Refuse an optimizer built before sharding: it would hold the old parameters and
         silently update nothing."""
