@@ -63,14 +63,28 @@ def test_step_comparison_and_summary_on_the_cpu(tmp_path, monkeypatch, clean_env
     md, table = summary.write(tmp_path)
     text = md.read_text()
     assert '| bench: compile | 124 (timed out) | 70 |' in text
-    assert '| `tests/b.py::test_y` | SKIPPED | (needs a CUDA device) |' in text
+    assert '| `tests/b.py::test_y` | SKIPPED |  | (needs a CUDA device) |' in text
     assert 'passed 1, skipped 1' in text and '| steps | SingleDevice | 1 |' in text
     kinds = [r['kind'] for r in csv.DictReader(table.open())]
     assert kinds == ['part', 'part', 'test', 'test', 'figure', 'figure']
 
 
-def test_goals_and_scaling(monkeypatch):
+def test_goals_scaling_and_junit(monkeypatch, tmp_path):
     summary = _load('summary', monkeypatch)
+    (tmp_path / 'tests.xml').write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.env.test_x" name="test_a" time="1.5"/>'
+        '<testcase classname="tests.env.test_x" name="test_b" time="0.1">'
+        '<failure message="assert 1 == 2&#10;more">trace</failure></testcase>'
+        '<testcase classname="tests.test_y" name="test_c" time="0">'
+        '<skipped message="needs a CUDA device"/></testcase>'
+        '</testsuite></testsuites>'
+    )
+    assert [tuple(t.values()) for t in summary.read_tests(tmp_path / 'tests.log')] == [
+        ('tests/env/test_x.py::test_a', 'PASSED', '', '1.5'),
+        ('tests/env/test_x.py::test_b', 'FAILED', 'assert 1 == 2', '0.1'),
+        ('tests/test_y.py::test_c', 'SKIPPED', 'needs a CUDA device', '0'),
+    ]
     assert summary.met(dict(ratio=1.01, goal=1.02)) == 'yes'
     assert summary.met(dict(ratio=1.03, goal=1.02)) == 'no'
     assert summary.met(dict(ratio=1.12, goal='0.90-1.10')) == 'no'

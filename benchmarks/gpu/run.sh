@@ -33,6 +33,13 @@ candidates=()
 for name in python3 python; do command -v "$name" >/dev/null 2>&1 && candidates+=("$(command -v "$name")"); done
 PY=""
 for py in "${candidates[@]}"; do has_cuda "$py" && { PY="$py"; break; }; done
+# GPU_RUN_ON_CPU=1: the whole CUDA path on a CPU (the tests skip, bench.py runs --dry), to check
+# this script's own orchestration without a GPU
+ON_CPU=()
+if [ -z "$PY" ] && [ "${GPU_RUN_ON_CPU:-0}" = 1 ]; then
+  for py in "${candidates[@]}"; do has_torch "$py" && { PY="$py"; break; }; done
+  ON_CPU=(--dry)
+fi
 
 # the files that hold gpu-marked tests (collecting only these keeps the dry run to seconds)
 gpu_test_files() { grep -rlE 'mark\.gpu\b' "$ROOT/tests" --include='test_*.py' | sort; }
@@ -59,7 +66,7 @@ fi
 
 OUT="${OUT:-$HERE/results}"
 mkdir -p "$OUT"
-rm -f "$OUT"/{rows.jsonl,parts.tsv,tests.log,meta.json,summary.md,summary.csv}
+rm -f "$OUT"/{rows.jsonl,parts.tsv,tests.log,tests.xml,meta.json,summary.md,summary.csv}
 echo "gpu: $PY; results in $OUT"
 
 # dependencies: the package's and pytest, from this machine or from carried wheels
@@ -81,10 +88,14 @@ fi
 
 "$PY" - "$OUT/meta.json" <<'EOF'
 import datetime, json, platform, subprocess, sys, torch
-commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()
+try:  # the device machine may have no git, or a copy of the tree without .git
+    commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True, timeout=10).stdout.strip()
+except (OSError, subprocess.SubprocessError):
+    commit = ''
 json.dump(dict(
     date=datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
-    device=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
+    device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu (GPU_RUN_ON_CPU)',
+    gpus=torch.cuda.device_count(),
     torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
     commit=commit or 'unknown'), open(sys.argv[1], 'w'), indent=1)
 EOF
@@ -104,8 +115,8 @@ run() {
 
 mapfile -t files < <(gpu_test_files)
 # -o timeout: pytest-timeout (if installed) ends one hung test, so the rest still run
-run tests 190 bash -o pipefail -c 'py=$1 log=$2; shift 2; "$py" -m pytest -v -rs -p no:cacheprovider -m gpu -o timeout=120 "$@" 2>&1 | tee "$log"' _ "$PY" "$OUT/tests.log" "${files[@]}"
-BENCH=("$PY" "$HERE/bench.py" --out "$OUT")
+run tests 190 bash -o pipefail -c 'py=$1 log=$2; shift 2; "$py" -m pytest -v -rs -p no:cacheprovider -m gpu -o timeout=120 --junitxml="${log%.log}.xml" "$@" 2>&1 | tee "$log"' _ "$PY" "$OUT/tests.log" "${files[@]}"
+BENCH=("$PY" "$HERE/bench.py" --out "$OUT" "${ON_CPU[@]}")
 run 'bench: steps' 100 "${BENCH[@]}" --part steps
 [ "$GPUS" -gt 1 ] && run "bench: steps on $GPUS GPUs" 60 "${BENCH[@]}" --part steps --world "$GPUS" --cases DDP FSDP2 'DeepSpeed ZeRO-2'
 run 'bench: memory' 35 "${BENCH[@]}" --part memory

@@ -1,9 +1,10 @@
 """One summary of a ``make gpu`` run: ``summary.md`` (Markdown tables) and ``summary.csv``.
 
 Reads, in ``OUT``: ``meta.json`` (the machine, written by run.sh), ``parts.tsv`` (each part's
-name, exit status and seconds; 124 = cut by its timeout), ``tests.log`` (pytest ``-v`` of the
-gpu-marked tests) and ``rows.jsonl`` (bench.py's figures). Anything missing is reported as
-missing, never as passed.
+name, exit status and seconds; 124 = cut by its timeout), ``tests.xml`` (pytest's JUnit file
+of the gpu-marked tests; ``tests.log``, its ``-v`` output, where pytest was killed before
+writing it) and ``rows.jsonl`` (bench.py's figures). Anything missing is reported as missing,
+never as passed.
 
     python benchmarks/gpu/summary.py OUT
 """
@@ -23,7 +24,12 @@ CSV_FIELDS += ('tokens_per_s', 'mfu', 'spread', 'note')
 
 
 def read_tests(log: Path) -> list[dict[str, str]]:
-    """``[{'test', 'outcome', 'detail'}]`` from pytest's verbose output, in order."""
+    """``[{'test', 'outcome', 'detail', 'seconds'}]``: from pytest's JUnit file beside the
+    log (whole skip reasons and failure messages, durations), else, when pytest was killed
+    before writing it, from its verbose output, in order."""
+    junit = log.with_suffix('.xml')
+    if junit.is_file():
+        return _read_junit(junit)
     if not log.is_file():
         return []
     out = []
@@ -31,7 +37,29 @@ def read_tests(log: Path) -> list[dict[str, str]]:
         m = _TEST.match(line.strip())
         if m:
             detail = re.sub(r'\s*\[\s*\d+%\]\s*$', '', m.group(3)).strip()
-            out.append(dict(test=m.group(1), outcome=m.group(2), detail=detail))
+            out.append(dict(test=m.group(1), outcome=m.group(2), detail=detail, seconds=''))
+    return out
+
+
+def _read_junit(path: Path) -> list[dict[str, str]]:
+    import xml.etree.ElementTree as ET
+
+    out = []
+    for case in ET.parse(path).getroot().iter('testcase'):
+        module = case.get('classname', '').replace('.', '/')
+        test = f'{module}.py::{case.get("name")}'
+        outcome, detail = 'PASSED', ''
+        for tag, name in (('failure', 'FAILED'), ('error', 'ERROR'), ('skipped', 'SKIPPED')):
+            found = case.find(tag)
+            if found is not None:
+                outcome = name
+                detail = (
+                    (found.get('message') or '').splitlines()[0][:300]
+                    if found.get('message')
+                    else ''
+                )
+                break
+        out.append(dict(test=test, outcome=outcome, detail=detail, seconds=case.get('time', '')))
     return out
 
 
@@ -106,8 +134,11 @@ def write(out: Path) -> tuple[Path, Path]:
         counts[t['outcome']] = counts.get(t['outcome'], 0) + 1
     md += ['', '## gpu-marked tests', '']
     md.append(', '.join(f'{k.lower()} {v}' for k, v in sorted(counts.items())) or 'no results')
-    md += ['', '| test | outcome | detail |', '|---|---|---|']
-    md += [f'| `{t["test"]}` | {t["outcome"]} | {t["detail"]} |' for t in tests]
+    md += ['', '| test | outcome | seconds | detail |', '|---|---|---|---|']
+    md += [
+        f'| `{t["test"]}` | {t["outcome"]} | {t["seconds"]} | {t["detail"].replace("|", "/")} |'
+        for t in tests
+    ]
     md += ['', '## Figures (ours against the raw PyTorch loop of the same run)', '']
     md += [
         '| part | case | world | ours | raw | unit | ratio | goal | met | tokens/s | MFU | note |'
