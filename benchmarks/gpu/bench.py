@@ -524,8 +524,9 @@ def single_checkpoint(setup: Setup, runs: int) -> None:
     # the async call: the copies into pinned staging; committed: until the write is done
     async_s, amodel, aow = _prepared_single(setup, async_checkpoint=True)
     calls, commits = [], []
-    os.remove(async_s.save_checkpoint('warm.pth', extra_ckpt=meta))  # staging buffers pinned
+    warm = async_s.save_checkpoint('warm.pth', extra_ckpt=meta)  # the staging buffers pinned
     async_s.wait_for_checkpoints()
+    os.remove(warm)
     for i in range(runs):
         start = time.perf_counter()
         path = async_s.save_checkpoint(f'async_{i}.pth', extra_ckpt=meta)

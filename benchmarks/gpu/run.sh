@@ -6,7 +6,8 @@
 # importable through PYTHONPATH (no pip install of it; a missing dependency of it or pytest comes
 # from .gpu-wheels/ if that was carried along: `make gpu-wheels`, 7 MB), runs the gpu tests, then
 # bench.py's parts, each under its own timeout, and writes summary.md + summary.csv
-# (benchmarks/gpu/summary.py) into $OUT if set, else benchmarks/gpu/results/.
+# (benchmarks/gpu/summary.py) into $OUT if set, else benchmarks/gpu/results/; exits 1 when a
+# part failed, timed out or was not run (the summary says which), 0 when all passed.
 #
 # The budget (8 minutes of a 10-minute command; a device loan is ~15 minutes in all): setup
 # ~15 s; the gpu tests 180 s; bench.py steps 100 s (+60 s with several GPUs: the same pairs
@@ -101,6 +102,16 @@ json.dump(dict(
     commit=commit or 'unknown'), open(sys.argv[1], 'w'), indent=1)
 EOF
 cat "$OUT/meta.json"
+# stratagem/_torch.py wraps private torch APIs of the one release pyproject.toml allows: another
+# release may fail for that reason alone, which the summary should not hide
+"$PY" - "$ROOT/pyproject.toml" <<'EOF' || true
+import re, sys, torch
+pin = re.search(r'"torch>=([\d.]+),<([\d.]+)"', open(sys.argv[1]).read())
+have = tuple(int(x) for x in re.findall(r'\d+', torch.__version__)[:2])
+if pin and not tuple(map(int, pin[1].split('.')[:2])) <= have < tuple(map(int, pin[2].split('.')[:2])):
+    print(f'gpu: WARNING torch {torch.__version__} is outside pyproject.toml\'s >={pin[1]},<{pin[2]}: '
+          'a failure of a private-API wrapper (stratagem/_torch.py) may be that alone')
+EOF
 GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 
 # run NAME BUDGET_S CMD...: under min(budget, what is left of the deadline); one parts.tsv line
@@ -124,4 +135,6 @@ run 'bench: memory' 35 "${BENCH[@]}" --part memory
 run 'bench: checkpoint' 65 "${BENCH[@]}" --part checkpoint
 run 'bench: compile' 70 "${BENCH[@]}" --part compile
 "$PY" "$HERE/summary.py" "$OUT"
-echo "gpu: done in ${SECONDS} s; $OUT/summary.md, $OUT/summary.csv"
+failed=$(awk -F'\t' '$2 != "0" {print $1}' "$OUT/parts.tsv" | paste -sd, -)
+echo "gpu: done in ${SECONDS} s; $OUT/summary.md, $OUT/summary.csv${failed:+; not ok: $failed}"
+[ -z "$failed" ]
