@@ -56,10 +56,12 @@ if [ -z "$PY" ]; then
   "$PY" "$HERE/bench.py" --help >>"$dry/log" 2>&1 || fail 'bench.py --help'
   "$PY" "$HERE/summary.py" --help >>"$dry/log" 2>&1 || fail 'summary.py --help'
   mapfile -t files < <(gpu_test_files)
-  (cd "$ROOT" && timeout 120 "$PY" -m pytest -q -p no:cacheprovider --collect-only -m gpu "${files[@]}") >"$dry/collect" 2>&1 \
-    || { cat "$dry/collect" >>"$dry/log"; fail 'pytest --collect-only -m gpu'; }
-  collected=$(grep -Eo '^[0-9]+(/[0-9]+)? tests? collected' "$dry/collect" | grep -Eo '^[0-9]+' | head -1)
+  # the collection beside the benchmark's dry run: two processes, mostly imports
+  (cd "$ROOT" && timeout 120 "$PY" -m pytest -q -p no:cacheprovider --collect-only -m gpu "${files[@]}") >"$dry/collect" 2>&1 &
+  collecting=$!
   OMP_NUM_THREADS=1 timeout 300 "$PY" "$HERE/bench.py" --part all --dry --out "$dry/out" >>"$dry/log" 2>&1 || fail 'bench.py --part all --dry'
+  wait "$collecting" || { cat "$dry/collect" >>"$dry/log"; fail 'pytest --collect-only -m gpu'; }
+  collected=$(grep -Eo '^[0-9]+(/[0-9]+)? tests? collected' "$dry/collect" | grep -Eo '^[0-9]+' | head -1)
   "$PY" "$HERE/summary.py" "$dry/out" >>"$dry/log" 2>&1 || fail 'summary.py'
   rows=$(wc -l <"$dry/out/rows.jsonl")
   echo "gpu: no CUDA device here ($("$PY" -c 'import torch; print("torch", torch.__version__)')): nothing measured; dry run ok (run.sh syntax, ${collected:-0} gpu tests collected from ${#files[@]} files, bench.py's $rows rows and the summary on the CPU)"
