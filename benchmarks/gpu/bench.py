@@ -512,14 +512,18 @@ def single_checkpoint(setup: Setup, runs: int) -> None:
     raw_path = os.path.join(raw_dir, 'raw.pth')
     count = iter(range(10**6))
 
+    saved: list[str] = []  # removed after the timed runs (an unlink is not a save)
+
     def ours_save() -> None:
-        path = strategy.save_checkpoint(f'iter_{next(count)}.pth', extra_ckpt=meta)
-        os.remove(path)
+        saved.append(strategy.save_checkpoint(f'iter_{next(count)}.pth', extra_ckpt=meta))
 
     def raw_save() -> None:
-        _fsync_save(dict(state_dict=model.state_dict(), optimizer=ow.state_dict()), raw_path)
+        saved.append(os.path.join(raw_dir, f'raw_{next(count)}.pth'))
+        _fsync_save(dict(state_dict=model.state_dict(), optimizer=ow.state_dict()), saved[-1])
 
     t = interleave(setup, dict(ours=ours_save, raw=raw_save), runs)
+    for path in saved:
+        os.remove(path)
     _ckpt_row(setup, 'save (sync) vs torch.save + fsync', t['ours'], t['raw'])
     # the async call: the copies into pinned staging; committed: until the write is done
     async_s, amodel, aow = _prepared_single(setup, async_checkpoint=True)
@@ -602,15 +606,20 @@ def sharded_checkpoint(setup: Setup, runs: int) -> None:
     raw_dir = work_dir(setup)
     count = iter(range(10**6))
 
+    saved: list[str] = []  # removed after the timed runs (deleting ~1.5 GB is not a save)
+
     def ours_save() -> None:
-        strategy.save_checkpoint(f'iter_{next(count)}', extra_ckpt={'meta': {'iter': 1}})
+        saved.append(strategy.save_checkpoint(f'iter_{next(count)}', extra_ckpt={'meta': {}}))
 
     def raw_save() -> None:
         msd, osd = get_state_dict(model, opt)
-        dcp.save(dict(model=msd, optim=osd), checkpoint_id=f'{raw_dir}/{next(count)}')
+        saved.append(f'{raw_dir}/{next(count)}')
+        dcp.save(dict(model=msd, optim=osd), checkpoint_id=saved[-1])
 
     t = interleave(setup, dict(ours=ours_save, raw=raw_save), runs)
     _ckpt_row(setup, 'FSDP sharded save vs dcp.save', t['ours'], t['raw'])
+    for path in saved:
+        shutil.rmtree(path, ignore_errors=True)
     path = strategy.save_checkpoint('resume', extra_ckpt={'meta': {'iter': 1}})
     dcp.save(
         dict(zip(('model', 'optim'), get_state_dict(model, opt))), checkpoint_id=raw_dir + '/r'
