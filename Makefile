@@ -22,7 +22,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 QUIET := { grep -v "is ignored" || true; }
 
-.PHONY: demo test test-slow test-all lint docs venv clean bench
+.PHONY: demo test test-slow test-all lint docs venv clean bench gpu gpu-wheels
 
 venv: $(STAMP)
 
@@ -70,5 +70,21 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/optim_overhead.py
 
+# every gpu-marked test and the GPU benchmarks, then one summary (benchmarks/gpu/run.sh: its
+# budget, 8 minutes, is in its header). No venv step: a GPU machine may have no network, so the
+# script picks a Python whose torch sees CUDA and imports this checkout through PYTHONPATH.
+# Without CUDA it runs its dry part (CI does) and says so in one line.
+gpu:
+	bash benchmarks/gpu/run.sh
+
+# the pure-Python dependencies and pytest as wheels for Python 3.10-3.13, for a GPU machine
+# without network: carry .gpu-wheels/ with the checkout and `make gpu` installs what it lacks
+GPU_WHEELS := addict packaging pyyaml tqdm typing_extensions xxhash pytest pytest-timeout pluggy iniconfig pygments exceptiongroup tomli
+gpu-wheels:
+	for v in 3.10 3.11 3.12 3.13; do \
+	  $(PYTHON) -m pip download $(PIP_FLAGS) --only-binary=:all: --python-version $$v \
+	    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --no-deps -d .gpu-wheels $(GPU_WHEELS); \
+	done
+
 clean:
-	rm -rf $(VENV) work_dirs docs/_build docs/_generated
+	rm -rf $(VENV) work_dirs docs/_build docs/_generated .gpu-wheels benchmarks/gpu/results

@@ -71,8 +71,8 @@ def _recipe(makefile: str, target: str) -> str:
 
 def test_the_two_tiers_are_the_make_targets_ci_runs():
     """``make test`` is the first tier (not ``slow``), ``make test-slow`` the second,
-    ``make test-all`` both; ``.ci/run`` runs lint, the first tier, the second, then the docs;
-    the marker is declared, with its meaning."""
+    ``make test-all`` both; ``.ci/run`` runs lint, ``make gpu``'s dry part (no GPU in CI), the
+    first tier, the second, then the docs; the marker is declared, with its meaning."""
     tomllib = pytest.importorskip('tomllib')
     root = TESTS.parent
     makefile = (root / 'Makefile').read_text()
@@ -82,7 +82,8 @@ def test_the_two_tiers_are_the_make_targets_ci_runs():
     assert '$(PYTEST) -m slow tests' in _recipe(makefile, 'test-slow')
     assert _recipe(makefile, 'test-all').strip() == '$(PYTEST) tests'
     steps = [ln for ln in (root / '.ci' / 'run').read_text().splitlines() if ln.startswith('make')]
-    assert steps == ['make lint', 'make test', 'make test-slow', 'make docs']
+    assert steps == ['make lint', 'make gpu', 'make test', 'make test-slow', 'make docs']
+    assert _recipe(makefile, 'gpu').strip() == 'bash benchmarks/gpu/run.sh'
     pyproject = tomllib.loads((root / 'pyproject.toml').read_text())
     markers = pyproject['tool']['pytest']['ini_options']['markers']
     assert any(m.startswith('slow: ') for m in markers)

@@ -142,9 +142,9 @@ def _cuda_checks(work):
     resumed = _full(s2)
     out['fp16']['resume_exact'] = all(torch.equal(resumed[k], final[k]) for k in final)
     out['sharded'] = all(isinstance(q, DTensor) for q in m2.parameters())
-    # async sharded save on CUDA: the shards are staged in pinned memory (the copy of the
-    # parameters deferred to the writer's side stream, guarded by the next step) and DCP
-    # runs on a gloo group of the writer's own while training goes on under nccl
+    # async sharded save on CUDA: the shards are staged in pinned memory before the call
+    # returns (checkpoint/async_writer.py: no copy is deferred past it) and DCP runs on a
+    # gloo group of the writer's own while training goes on under nccl
     s3, m3, o3 = _build(work + '/async', 'float16', amp=True, async_checkpoint=True)
     _train(s3, m3, o3, 0, SAVE_AT)
     at_save = _full(s3)
