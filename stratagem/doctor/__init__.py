@@ -72,6 +72,8 @@ def diagnose(
     doctor.check_builds()
     doctor.check_sharding()
     doctor.load_batch()
+    doctor.check_data_size()
+    doctor.check_validation()
     doctor.check_pipeline()
     doctor.run_length()
     doctor.check_schedulers()
@@ -79,6 +81,8 @@ def diagnose(
     doctor.check_packages()
     if memory or device_memory is not None:
         doctor.check_memory()
+    for where in list(doctor.pending):  # a section never built: its signature findings stand
+        doctor.settle(where, 'not built')
     return doctor.findings, doctor.notes
 
 
