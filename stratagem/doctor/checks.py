@@ -407,6 +407,11 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
             self.max_epochs = None  # the loop: max_iters wins
         elif self.max_epochs and self.epoch_length:
             self.max_iters = int(self.max_epochs) * self.epoch_length
+        if self.plan is not None and self.epoch_length:
+            try:  # the settings train reads once it knows the epoch length
+                self.plan.checkpoints.every(self.epoch_length)
+            except ValueError as err:
+                self.add('default_hooks.checkpoint.interval', str(err), 'keep one of them')
 
     # ---------------------------------------------------------- 6. checkpoints
     def check_checkpoints(self) -> None:
