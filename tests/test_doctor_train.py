@@ -145,6 +145,22 @@ CASES = {
         {'train_dataloader.batch_size': 128},
         'the real batch 128 (batch_size=128 x 1 data-parallel rank(s)) exceeds the dataset',
     ),
+    'plateau monitor not a validation value': (
+        {
+            'param_scheduler': [dict(type='ReduceOnPlateauLR', monitor='val_loss', by_epoch=True)],
+            'train_cfg': dict(max_epochs=2),
+        },
+        "monitor 'val_loss' is not a validation value: the model's validation output has "
+        "['loss', 'acc']",
+    ),
+    'plateau monitor of the validation': (
+        {
+            'param_scheduler': [dict(type='ReduceOnPlateauLR', monitor='loss', by_epoch=True)],
+            'train_cfg': dict(max_epochs=2),
+        },
+        None,
+    ),
+    'metrics key typo': ({'train_cfg.metrics': dict(tensorbord=False)}, "['tensorbord']"),
     # helper variables and imported objects: whatever train decides, doctor says the same
     'helper variable': ({'data_root': 'data/blobs/'}, None),
     'private helper variable': ({'_data_root': 'data/blobs/'}, None),
@@ -269,3 +285,32 @@ def test_examples_are_ready_and_start(path, tmp_path, monkeypatch):
     cfg = Config.fromfile(str(ROOT / path)).to_dict()
     findings, refused = _agree(cfg, tmp_path, monkeypatch)
     assert findings == [] and refused is None
+
+
+# the examples that need several processes or mmengine's runner: doctor at the process count
+# their header documents, and a two-iteration `stratagem train` at the same count
+MULTI = [
+    ('examples/configs/transformer_fsdp.py', 2),
+    ('examples/configs/transformer_pp.py', 2),
+    ('examples/configs/transformer_2d.py', 4),
+    ('examples/configs/classifier_deepspeed.py', 2),
+    ('examples/byo/flexible_config.py', 1),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('path, nproc', MULTI)
+def test_multi_process_examples_are_ready_and_start(path, nproc, tmp_path, capsys, monkeypatch):
+    from failure_helpers import clean_env, finish, start
+
+    pytest.importorskip('deepspeed' if 'deepspeed' in path else 'torch')
+    pytest.importorskip('mmengine' if 'flexible' in path else 'torch')
+    monkeypatch.syspath_prepend(str(ROOT / 'examples' / 'byo'))
+    argv = ['doctor', str(ROOT / path), '--no-disk-probe', '--nproc', str(nproc)]
+    status = main(argv)
+    assert status == 0, capsys.readouterr().out
+    options = ['--cfg-options', 'train_cfg.max_iters=2'] if 'flexible' not in path else []
+    launch = ['--nproc', str(nproc)] if nproc > 1 else []
+    env = clean_env(PYTHONPATH=f'{ROOT / "examples" / "byo"}:{ROOT}:{ROOT / "tests"}')
+    code, out = finish(start(ROOT / path, tmp_path / 'work', *launch, *options, env=env), 600)
+    assert code == 0, out[-4000:]

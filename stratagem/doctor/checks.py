@@ -304,16 +304,37 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
             return
         self.settle('val_dataloader.dataset', None)
         names = self._validation_names(batch)
-        if names is None or plan.best is None:
+        if names is None:
             return
-        try:
-            BestCheckpoint(plan.best).check(names)
-        except ValueError as err:
-            self.add(
-                'default_hooks.checkpoint.save_best',
-                str(err),
-                'stratagem train stops here, before its first step: name one of them',
-            )
+        fix = 'stratagem train stops here, before its first step: name one of them'
+        if plan.best is not None:
+            try:
+                BestCheckpoint(plan.best).check(names)
+            except ValueError as err:
+                self.add('default_hooks.checkpoint.save_best', str(err), fix)
+        self._check_monitors(names, fix)
+
+    def _check_monitors(self, names: list[str], fix: str) -> None:
+        """Each metric-driven scheduler's ``monitor`` (``need_val_args``; its default when
+        not given) against the validation's names (``loop.schedulers.monitor_problem``)."""
+        import inspect
+
+        from stratagem.loop.schedulers import monitor_problem
+        from stratagem.registry import PARAM_SCHEDULERS
+
+        for i, sched in enumerate(self._schedulers()):
+            kind = sched.get('type')
+            try:
+                cls = PARAM_SCHEDULERS.get(kind) if isinstance(kind, str) else kind
+            except ImportError:  # the key check's finding
+                continue
+            if not getattr(cls, 'need_val_args', False):
+                continue
+            default = inspect.signature(cls).parameters.get('monitor')
+            monitor = sched.get('monitor', default.default if default is not None else None)
+            problem = monitor_problem(f'{kind}', monitor, names)
+            if problem is not None:
+                self.add(f'param_scheduler[{i}].monitor', problem, fix)
 
     def _validation_names(self, batch: Any) -> list[str] | None:
         """The names of the model's validation scalars for ``batch`` (``loop.validation

@@ -19,6 +19,7 @@ from typing import Any
 
 from stratagem.config import Config, ConfigError, check_keys
 from stratagem.env.preemption import PreemptionConfig, preemption_config
+from stratagem.metrics import check_metrics_cfg
 from stratagem.schema import (
     CHECKPOINT_HOOK_KEYS,
     LOGGER_HOOK_KEYS,
@@ -181,6 +182,7 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
         _check_top_level_keys(cfg)
     train_cfg = dict(cfg.get('train_cfg') or {})
     check_keys(train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
+    check_metrics_cfg(train_cfg.get('metrics'))
     data = _read_train_loader(cfg.train_dataloader)
     if 'max_iters' not in train_cfg and 'max_epochs' not in train_cfg:
         raise ValueError(
