@@ -224,6 +224,8 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
             if not routed:  # mmengine's runner reads such a config, with its own checks
                 self.plan = check_train_config(self.cfg, top_level=False)  # keys.py: each key
                 self._check_top_level()
+            elif _find_spec('mmengine') is not None:
+                self._check_runner_config()
         except (ValueError, TypeError, KeyError) as err:
             message = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
             where = next((k for k in ('train_dataloader', 'train_cfg') if k in message), 'config')
@@ -257,6 +259,20 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')  # said once already, by the first reading
             check_train_config(self.cfg)
+
+    def _check_runner_config(self) -> None:
+        """``train``'s reading of a config it runs under FlexibleRunner
+        (``integrations.mmengine_runner.runner_config``), when ``keys.py`` found no
+        top-level key."""
+        import warnings
+
+        from stratagem.integrations.mmengine_runner import runner_config
+
+        if any(f.where in self.cfg for f in self.findings):
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')  # keys.py noted the keys it warns about
+            runner_config(self.cfg, launcher='none')
 
     def check_data_size(self) -> None:
         """The real batch against the dataset (``loop.batches.batch_problem``, the check
