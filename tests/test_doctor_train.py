@@ -208,7 +208,7 @@ def test_doctor_finds_what_train_refuses_at_its_start(name, tmp_path, monkeypatc
     _agree(_changed(changes), tmp_path, monkeypatch, expected)
 
 
-def test_the_issue_cases_by_their_text(tmp_path, monkeypatch):
+def test_the_issue_cases_by_their_text(tmp_path, monkeypatch, capsys):
     findings, _ = _agree(
         _changed({'default_hooks.checkpoint.save_best': 'accuracy'}), tmp_path, monkeypatch
     )
@@ -231,6 +231,15 @@ def test_the_issue_cases_by_their_text(tmp_path, monkeypatch):
     assert 'every step would read 8 sample(s) a rank, not 32' in (
         f['train_dataloader.batch_size'].problem
     )
+    # the CLI: --nproc per node, as train's; --nnodes multiplies
+    path = tmp_path / 'big.py'
+    path.write_text(
+        '\n'.join(f'{k} = {v!r}' for k, v in {**cfg, 'work_dir': str(tmp_path)}.items())
+    )
+    argv = ['doctor', str(path), '--no-disk-probe', '--nproc', '32', '--nnodes', '2']
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert 'on 64 process(es)' in out and 'the real batch 2048' in ' '.join(out.split())
     from types import SimpleNamespace
 
     from stratagem.loop.batches import Batches
