@@ -344,11 +344,11 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
                 cls = PARAM_SCHEDULERS.get(kind) if isinstance(kind, str) else kind
             except ImportError:  # the key check's finding
                 continue
-            if not getattr(cls, 'need_val_args', False):
+            if cls is None or not getattr(cls, 'need_val_args', False):
                 continue
             default = inspect.signature(cls).parameters.get('monitor')
             monitor = sched.get('monitor', default.default if default is not None else None)
-            problem = monitor_problem(f'{kind}', monitor, names)
+            problem = monitor_problem(cls.__name__, monitor, names)
             if problem is not None:
                 self.add(f'param_scheduler[{i}].monitor', problem, fix)
 
