@@ -48,6 +48,7 @@ class Packed(nn.Module):
         return self.net(inputs, targets)
 
 
+@MODELS.register_module(name='test_doctor_train.Unpacked', force=True)
 class Unpacked(Packed):
     """``class TinyLlama(LlamaForCausalLM): def __init__(self, **kw)``: its keywords reach the
     parent as one dict, which no signature shows."""
@@ -134,7 +135,7 @@ CASES = {
         'widht',
     ),
     '**kwargs reaching the parent as one dict': (
-        {'model': dict(type=Unpacked, in_features=8, num_classes=3, hidden=4)},
+        {'model': dict(type='test_doctor_train.Unpacked', in_features=8, num_classes=3, hidden=4)},
         None,
     ),
     'no scalar in validation': (
@@ -218,7 +219,7 @@ def test_the_issue_cases_by_their_text(tmp_path, monkeypatch, capsys):
     # the registered function and the **kwargs model: built, so no signature finding
     for model in (
         dict(type='test_doctor_train.build_mlp', width=4),
-        dict(type=Unpacked, in_features=8, num_classes=3, hidden=4),
+        dict(type='test_doctor_train.Unpacked', in_features=8, num_classes=3, hidden=4),
     ):
         assert _agree(_changed({'model': model}), tmp_path / 'k', monkeypatch) == ([], None)
     # the real batch at 64 processes: 2048 > 512 samples, as train's Batches refuses it
@@ -323,3 +324,34 @@ def test_multi_process_examples_are_ready_and_start(path, nproc, tmp_path, capsy
     env = clean_env(PYTHONPATH=f'{ROOT / "examples" / "byo"}:{ROOT}:{ROOT / "tests"}')
     code, out = finish(start(ROOT / path, tmp_path / 'work', *launch, *options, env=env), 600)
     assert code == 0, out[-4000:]
+
+
+@pytest.mark.slow
+def test_a_hugging_face_subclass_with_kwargs_is_ready_and_starts(tmp_path, monkeypatch):
+    """The issue's ``class TinyLlama(LlamaForCausalLM): def __init__(self, **kw)``: 7 false
+    findings from the signature before; built, it has none, and train starts."""
+    transformers = pytest.importorskip('transformers')
+
+    class TinyLlama(transformers.LlamaForCausalLM):
+        def __init__(self, **kw):
+            super().__init__(transformers.LlamaConfig(**kw))
+
+        def forward(self, inputs, targets):
+            return {'loss': super().forward(input_ids=inputs, labels=targets).loss}
+
+    MODELS.register_module(name='test_doctor_train.TinyLlama', module=TinyLlama, force=True)
+    model = dict(
+        type='test_doctor_train.TinyLlama',
+        vocab_size=16,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+    )
+    data = dict(type='SyntheticLanguageModeling', num_samples=16, seq_len=8, vocab_size=16)
+    cfg = _changed({'model': model, 'train_dataloader.dataset': data})
+    cfg['val_dataloader']['dataset'] = data
+    cfg['default_hooks']['checkpoint']['save_best'] = 'loss'
+    assert _agree(cfg, tmp_path, monkeypatch) == ([], None)
