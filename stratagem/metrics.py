@@ -42,7 +42,14 @@ from typing import Any
 
 import torch
 
-__all__ = ['METRICS_KEYS', 'RunMetrics', 'format_row', 'peak_memory_mib', 'tokens_per_sample']
+__all__ = [
+    'METRICS_KEYS',
+    'RunMetrics',
+    'check_metrics_cfg',
+    'format_row',
+    'peak_memory_mib',
+    'tokens_per_sample',
+]
 
 #: the keys ``train_cfg.metrics`` accepts (each a bool, default True)
 METRICS_KEYS = frozenset({'csv', 'tensorboard'})
@@ -58,6 +65,18 @@ COLUMNS = (
     'peak_memory_mib',
     'checkpoint_stall_s',
 )
+
+
+def check_metrics_cfg(cfg: Mapping | None) -> dict:
+    """``train_cfg.metrics`` as a dict; a ValueError for a key it does not have (read by
+    ``loop.check_train_config``, before anything is built)."""
+    cfg = dict(cfg or {})
+    unknown = sorted(set(cfg) - METRICS_KEYS)
+    if unknown:
+        raise ValueError(
+            f'train_cfg.metrics: unknown key(s) {unknown}; valid: csv, tensorboard (bools)'
+        )
+    return cfg
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -129,12 +148,7 @@ class RunMetrics:
         cfg: Mapping | None = None,
         logger: logging.Logger | None = None,
     ) -> None:
-        cfg = dict(cfg or {})
-        unknown = sorted(set(cfg) - METRICS_KEYS)
-        if unknown:
-            raise ValueError(
-                f'train_cfg.metrics: unknown key(s) {unknown}; valid: csv, tensorboard (bools)'
-            )
+        cfg = check_metrics_cfg(cfg)
         self.samples_per_iter = samples_per_iter
         self.tokens: int | None = None
         self.stall = 0.0

@@ -106,7 +106,8 @@ def test_byo_two_processes_validation_means_best_checkpoint_and_tensorboard(tmp_
 class Scored(nn.Module):
     """A linear regression; in validation it returns the next of ``scores`` as ``score``
     (one batch per validation, so each validation's mean is that value), in training the
-    step's number as ``step``."""
+    step's number as ``step``. The forward train runs at its start, before any step (the
+    names save_best is checked against), takes no score."""
 
     def __init__(self, scores):
         super().__init__()
@@ -120,6 +121,8 @@ class Scored(nn.Module):
         if self.training:  # a training scalar beside the loss: the step's number
             self.steps += 1
             return {'loss': loss, 'step': torch.tensor(float(self.steps))}
+        if not self.steps:  # train's check at its start (also a resumed run's)
+            return {'loss': loss, 'score': torch.tensor(0.0)}
         self.seen += 1
         return {'loss': loss, 'score': torch.tensor(self.scores[self.seen - 1])}
 

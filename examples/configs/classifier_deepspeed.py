@@ -21,6 +21,13 @@ optim_wrapper = dict(
     clip_grad=dict(type='norm', max_norm=5.0),
 )
 
+# the base's cosine spans its 4 epochs; this run has 2 (stratagem doctor: the lr would never
+# reach its minimum)
+param_scheduler = [
+    dict(type='LinearLR', start_factor=0.1, by_epoch=False, begin=0, end=20),
+    dict(type='CosineAnnealingLR', by_epoch=True, begin=0, T_max=2, convert_to_iter_based=True),
+]
+
 # checkpoints are directories (DeepSpeed's files + stratagem's manifest), taken on window
 # boundaries: the interval is a multiple of accumulative_counts
 train_cfg = dict(max_epochs=2, checkpoint_interval=16, max_keep_ckpts=2, log_interval=8)

@@ -20,7 +20,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '--nproc',
         type=int,
         default=int(os.environ.get('WORLD_SIZE', 1)),
-        help='processes the run will use (default: $WORLD_SIZE or 1)',
+        help='processes the run will use (default: $WORLD_SIZE or 1); with --nnodes, '
+        "per node, as stratagem train's --nproc",
+    )
+    parser.add_argument(
+        '--nnodes',
+        type=int,
+        default=1,
+        help="nodes the run will use, as stratagem train's --nnodes: the world size is "
+        '--nproc x --nnodes (default 1)',
     )
     parser.add_argument(
         '--cfg-options',
@@ -43,9 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.nproc < 1:
-        print(f'stratagem doctor: --nproc must be >= 1, got {args.nproc}', file=sys.stderr)
-        return 2
+    for flag, value in (('--nproc', args.nproc), ('--nnodes', args.nnodes)):
+        if value < 1:
+            print(f'stratagem doctor: {flag} must be >= 1, got {value}', file=sys.stderr)
+            return 2
+    world = args.nproc * args.nnodes
     from stratagem.doctor.memory import parse_size
 
     try:
@@ -77,12 +87,12 @@ def run(args: argparse.Namespace) -> int:
             return 2
     findings, notes = diagnose(
         cfg.to_dict(),
-        args.nproc,
+        world,
         probe_disk=not args.no_disk_probe,
         device_memory=device_memory,
     )
     findings = refused + findings
-    print(f'stratagem doctor: {args.config} on {args.nproc} process(es)')
+    print(f'stratagem doctor: {args.config} on {world} process(es)')
     for note in notes:
         print(f'  - {note}')
     if not findings:

@@ -1,18 +1,24 @@
 """Pre-flight checks of a config against this machine (``stratagem doctor CONFIG [--nproc N]``).
 
 Runs no training and builds nothing heavy: no real process group, no real weights. The
-model is instantiated on the ``meta`` device (no memory, no weights) only to count parameters
-and list module classes; a model that cannot be built that way is reported and those checks
-skipped. Each check reads the config (and the machine: devices, packages, free disk, one
-32 MiB write to time the disk) and adds findings, each with its fix:
+model is instantiated on the ``meta`` device (no memory, no weights) to count parameters, list
+module classes and run validation's first batch (only when a data-dependent operation stops
+that there is a model of at most 256 MiB of parameters built on the CPU for it); a model that
+cannot be built is reported and those checks skipped. Each check reads the config (and the
+machine: devices, packages, free disk, one 32 MiB write to time the disk) and adds findings,
+each with its fix:
 
 1. keys (``keys.py``): unknown or misspelt keys anywhere the config is read (top
-   level, ``train_cfg``, ``train_dataloader``, ``strategy`` and its
+   level as ``train`` judges it, ``train_cfg``, ``train_dataloader``, ``strategy`` and its
    ``env_kwargs``/``randomness``, the model, dataset, optimizer, optim wrapper and scheduler
-   arguments, by their signatures), and ``type`` names no registry knows;
+   arguments, by their signatures; the model's and the datasets' only when they fail to
+   build), and ``type`` names no registry knows;
 2. batch: world size × micro batch × accumulation against ``auto_scale_lr.base_batch_size``
    and DeepSpeed's ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` /
-   ``gradient_accumulation_steps``;
+   ``gradient_accumulation_steps``; after the dataset is built, a rank's share of it against
+   the micro batch (``loop.batches.batch_problem``), and validation as ``train`` checks it
+   before its first step: the val loader, one forward of the meta model on its first batch,
+   ``save_best`` against the names returned (``loop.validation``);
 3. precision: bf16 with a GradScaler (``loss_scale``), fp16 or bf16 on a device without it;
 4. sharding (``sharding.py``, by the strategies' own parsers): FSDP's
    ``model_wrapper`` (every ``auto_wrap_policy`` / ``ignored_modules`` form, refused keys),
@@ -72,6 +78,8 @@ def diagnose(
     doctor.check_builds()
     doctor.check_sharding()
     doctor.load_batch()
+    doctor.check_data_size()
+    doctor.check_validation()
     doctor.check_pipeline()
     doctor.run_length()
     doctor.check_schedulers()
@@ -79,6 +87,8 @@ def diagnose(
     doctor.check_packages()
     if memory or device_memory is not None:
         doctor.check_memory()
+    for where in list(doctor.pending):  # a section never built: its signature findings stand
+        doctor.settle(where, 'not built')
     return doctor.findings, doctor.notes
 
 

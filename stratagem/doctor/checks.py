@@ -19,7 +19,7 @@ from typing import Any
 from .keys import KeyChecks
 from .memory import MemoryChecks
 from .mesh import data_parallel_size
-from .pipeline import pipeline_findings
+from .pipeline import pipeline_findings, pipeline_spec
 from .schedulers import SchedulerChecks
 from .sharding import deepspeed_config, sharding_findings
 
@@ -90,6 +90,8 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
         self.epoch_length: int | None = None
         self.dataset_length: int | None = None
         self.data_parallel = nproc
+        self.pending: dict[str, list[tuple[str, str, str]]] = {}
+        self.plan: Any = None  # the loop's RunPlan, once check_train_config read it
 
     def add(self, where: str, problem: str, fix: str) -> None:
         self.findings.append(Finding(where, problem, fix))
@@ -197,14 +199,14 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
             with torch.device('meta'):
                 self.model = MODELS.build(dict(model_cfg))
         except Exception as err:  # noqa: BLE001 - a finding of its own, checks go on
-            if any(f.where.startswith('model') for f in self.findings):
-                return  # already reported as a key finding
-            self.add(
+            self.settle(
                 'model',
-                f'cannot instantiate the model on the meta device to count '
-                f'its parameters: {type(err).__name__}: {err}',
+                'cannot instantiate the model on the meta device to count its parameters: '
+                f'{type(err).__name__}: {err}',
                 'fix the model config; the checks that need the parameter count were skipped',
             )
+            return
+        self.settle('model', None)  # it builds: the keys its signature hides are fine
 
     def check_builds(self) -> None:
         """What ``stratagem train`` checks and builds before its first iteration, through
@@ -220,7 +222,10 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
             routed = True  # a runner_type train refuses: the key check's finding
         try:
             if not routed:  # mmengine's runner reads such a config, with its own checks
-                check_train_config(self.cfg, top_level=False)  # keys.py: one finding each
+                self.plan = check_train_config(self.cfg, top_level=False)  # keys.py: each key
+                self._check_top_level()
+            elif _find_spec('mmengine') is not None:
+                self._check_runner_config()
         except (ValueError, TypeError, KeyError) as err:
             message = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
             where = next((k for k in ('train_dataloader', 'train_cfg') if k in message), 'config')
@@ -241,6 +246,154 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
                     f'cannot build the optim wrapper: {type(err).__name__}: {err}',
                     'stratagem train fails here: fix the key named',
                 )
+
+    def _check_top_level(self) -> None:
+        """The loop's own top-level refusal, when ``keys.py`` found no top-level key: the two
+        read the same function, and this keeps them from disagreeing if it changes."""
+        import warnings
+
+        from stratagem.loop import check_train_config
+
+        if any(f.where in self.cfg for f in self.findings):
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')  # said once already, by the first reading
+            check_train_config(self.cfg)
+
+    def _check_runner_config(self) -> None:
+        """``train``'s reading of a config it runs under FlexibleRunner
+        (``integrations.mmengine_runner.runner_config``), when ``keys.py`` found no
+        top-level key."""
+        import warnings
+
+        from stratagem.integrations.mmengine_runner import runner_config
+
+        if any(f.where in self.cfg for f in self.findings):
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')  # keys.py noted the keys it warns about
+            runner_config(self.cfg, launcher='none')
+
+    def check_data_size(self) -> None:
+        """The real batch against the dataset (``loop.batches.batch_problem``, the check
+        ``train`` stops with when it builds its batches, before the first step)."""
+        if self.dataset_length is None:
+            return
+        from stratagem.loop.batches import batch_problem
+
+        loader = self.cfg.get('train_dataloader') or {}
+        problem = batch_problem(
+            self.dataset_length,
+            int(loader.get('batch_size', 1)),
+            self.data_parallel,
+            bool(loader.get('drop_last', False)),
+        )
+        if problem is not None:
+            self.add('train_dataloader.batch_size', problem, 'stratagem train stops here')
+
+    def check_validation(self) -> None:
+        """What ``train`` runs before its first step when the config validates: the val
+        loader built (``loop.validation.Validation``, as data-parallel rank 0), one forward
+        of the model on its first batch (the meta model; the model on the CPU when a
+        data-dependent operation stops that and it is small), and ``save_best`` checked
+        against the names it returns (``BestCheckpoint.check``)."""
+        plan = self.plan
+        if plan is None or plan.validation is None:
+            return
+        from types import SimpleNamespace
+
+        import torch
+
+        from stratagem.loop.validation import BestCheckpoint, Validation
+
+        ranks = SimpleNamespace(data_parallel_rank=0, data_parallel_size=self.data_parallel)
+        cpu = torch.device('cpu')
+        try:
+            validation = Validation(plan.validation, ranks, 0, cpu, 1, 1, plan.by_epoch)
+            batch = next(iter(validation.loader))
+        except Exception as err:  # noqa: BLE001 - the run would fail the same way
+            self.settle(
+                'val_dataloader.dataset',
+                f'the validation loader cannot be built: {type(err).__name__}: {err}',
+                'stratagem train fails here, before its first step: fix val_dataloader',
+            )
+            return
+        self.settle('val_dataloader.dataset', None)
+        names = self._validation_names(batch)
+        if names is None:
+            return
+        fix = 'stratagem train stops here, before its first step: name one of them'
+        if plan.best is not None:
+            try:
+                BestCheckpoint(plan.best).check(names)
+            except ValueError as err:
+                self.add('default_hooks.checkpoint.save_best', str(err), fix)
+        self._check_monitors(names, fix)
+
+    def _check_monitors(self, names: list[str], fix: str) -> None:
+        """Each metric-driven scheduler's ``monitor`` (``need_val_args``; its default when
+        not given) against the validation's names (``loop.schedulers.monitor_problem``)."""
+        import inspect
+
+        from stratagem.loop.schedulers import monitor_problem
+        from stratagem.registry import PARAM_SCHEDULERS
+
+        for i, sched in enumerate(self._schedulers()):
+            kind = sched.get('type')
+            try:
+                cls = PARAM_SCHEDULERS.get(kind) if isinstance(kind, str) else kind
+            except ImportError:  # the key check's finding
+                continue
+            if cls is None or not getattr(cls, 'need_val_args', False):
+                continue
+            default = inspect.signature(cls).parameters.get('monitor')
+            monitor = sched.get('monitor', default.default if default is not None else None)
+            problem = monitor_problem(cls.__name__, monitor, names)
+            if problem is not None:
+                self.add(f'param_scheduler[{i}].monitor', problem, fix)
+
+    def _validation_names(self, batch: Any) -> list[str] | None:
+        """The names of the model's validation scalars for ``batch`` (``loop.validation
+        .batch_scalars``, eval mode, no grad): on the meta model, else (a data-dependent
+        operation stops it there) on a CPU copy of a model of at most 256 MiB of parameters.
+        None when neither tells (a note), or with a finding when the forward fails as it
+        would at the start of ``train``."""
+        if self.model is None:
+            return None
+        if pipeline_spec(dict(self.cfg.get('strategy') or {}), self.nproc) is not None:
+            # the stages return outputs: validation averages the model's loss alone
+            # (``loop.step.eval_values``)
+            return ['loss']
+        import torch
+
+        from stratagem.registry import MODELS
+
+        try:
+            return _scalar_names(self.model, batch, torch.device('meta'))
+        except _NoScalar as err:
+            self.add('model', str(err), 'return a loss tensor or a dict of scalars such as acc')
+            return None
+        except Exception as err:  # noqa: BLE001 - data-dependent on meta: try the CPU
+            on_meta = err
+        if sum(p.numel() * p.element_size() for p in self.model.parameters()) > 256 << 20:
+            self.notes.append(
+                "validation's first batch did not run on the meta model "
+                f'({type(on_meta).__name__}: {on_meta}); stratagem train runs it (and checks '
+                'save_best) before its first step'
+            )
+            return None
+        try:
+            return _scalar_names(MODELS.build(dict(self.cfg['model'])), batch, torch.device('cpu'))
+        except _NoScalar as err:
+            self.add('model', str(err), 'return a loss tensor or a dict of scalars such as acc')
+        except Exception as err:  # noqa: BLE001 - the run fails the same way, at its start
+            self.add(
+                'val_dataloader',
+                "the model's validation forward on the first batch fails: "
+                f'{type(err).__name__}: {err}',
+                'stratagem train fails here, before its first step: fix the model or the data',
+            )
+        return None
 
     def check_sharding(self) -> None:
         strategy = dict(self.cfg.get('strategy') or {})
@@ -294,6 +447,11 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
             self.max_epochs = None  # the loop: max_iters wins
         elif self.max_epochs and self.epoch_length:
             self.max_iters = int(self.max_epochs) * self.epoch_length
+        if self.plan is not None and self.epoch_length:
+            try:  # the settings train reads once it knows the epoch length
+                self.plan.checkpoints.every(self.epoch_length)
+            except ValueError as err:
+                self.add('default_hooks.checkpoint.interval', str(err), 'keep one of them')
 
     # ---------------------------------------------------------- 6. checkpoints
     def check_checkpoints(self) -> None:
@@ -361,6 +519,29 @@ class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
                     f'{package!r} package, which is not installed',
                     f'pip install {package} (or "stratagem[{package}]")',
                 )
+
+
+class _NoScalar(ValueError):
+    """The model returned no scalar in validation (``loop.validation.batch_scalars``)."""
+
+
+def _scalar_names(model: Any, batch: Any, device: Any) -> list[str]:
+    """The names of ``model``'s validation scalars for ``batch`` on ``device``, as the loop's
+    validation reads them; the model is left in train mode."""
+    import torch
+
+    from stratagem.loop.validation import batch_scalars
+
+    model.eval()
+    try:
+        with torch.no_grad():
+            return list(batch_scalars(model, batch, device))
+    except ValueError as err:
+        if 'returned no scalar' in str(err):
+            raise _NoScalar(str(err)) from None
+        raise
+    finally:
+        model.train()
 
 
 def _disk_write_speed(directory: Path) -> float:

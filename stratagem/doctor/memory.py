@@ -468,6 +468,7 @@ class MemoryChecks:
     dataset_length: int | None
     device_memory: int | None
     add: Callable[[str, str, str], None]
+    settle: Callable[..., None]
     notes: list[str]
     findings: list
 
@@ -475,24 +476,26 @@ class MemoryChecks:
         """One micro batch of the dataset (its shapes feed the memory estimate) and the
         dataset's length (the epoch length)."""
         loader = self.cfg.get('train_dataloader') or {}
-        if not isinstance(loader.get('dataset'), Mapping):
+        if loader.get('dataset') is None:
             return
         from torch.utils.data import default_collate
 
-        from stratagem.registry import DATASETS
+        from stratagem.loop.batches import build_dataset
 
         try:
-            dataset = DATASETS.build(dict(loader['dataset']))
-            self.dataset_length = len(dataset)
+            dataset = build_dataset(loader['dataset'])  # as the loop builds it
+            self.dataset_length = len(dataset)  # type: ignore[arg-type]
             n = min(int(loader.get('batch_size', 1)), self.dataset_length)
             self.batch = default_collate([dataset[i] for i in range(n)])
         except Exception as err:  # noqa: BLE001 - the run would fail the same way
-            self.add(
+            self.settle(
                 'train_dataloader.dataset',
                 f'the dataset cannot be built: {type(err).__name__}: {err}',
                 'stratagem train fails here: fix the dataset config (the checks that need '
                 'its length or a batch were skipped)',
             )
+            return
+        self.settle('train_dataloader.dataset', None)
 
     def check_memory(self) -> None:
         if (

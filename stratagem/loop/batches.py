@@ -20,7 +20,7 @@ from stratagem.registry import DATASETS
 
 from .plan import DataPlan
 
-__all__ = ['Batches', 'build_dataset', 'epoch_length_from_config']
+__all__ = ['Batches', 'batch_problem', 'build_dataset', 'epoch_length_from_config']
 
 
 def build_dataset(cfg: Any) -> Dataset:
@@ -46,6 +46,32 @@ def epoch_length_from_config(cfg: Mapping, world_size: int = 1) -> int | None:
     per_rank = n // world_size if loader.get('drop_last') else math.ceil(n / world_size)
     batch = int(loader.get('batch_size', 1))
     return per_rank // batch if loader.get('drop_last') else math.ceil(per_rank / batch)
+
+
+def batch_problem(samples: int, batch_size: int, data_parallel: int, drop_last: bool) -> str | None:
+    """Why ``train_dataloader`` cannot give the configured batch (None when it can): a rank's
+    shard of the dataset is smaller than ``batch_size``, so the real batch (``batch_size`` x
+    data-parallel ranks) exceeds the dataset, an epoch is one short step (none at all with
+    ``drop_last``) and the batch the lr was set for never occurs. ``stratagem doctor``
+    reports the same text."""
+    per_rank = samples // data_parallel if drop_last else math.ceil(samples / data_parallel)
+    if per_rank >= batch_size:
+        return None
+    where = (
+        f'{samples} samples over {data_parallel} data-parallel rank(s) with '
+        f'batch_size={batch_size} and drop_last={drop_last}'
+    )
+    if drop_last:
+        return (
+            f'train_dataloader yields no batch per epoch: {where}; use a smaller batch_size '
+            f'(at most {max(per_rank, 1)}) or drop_last=False'
+        )
+    return (
+        f'the real batch {batch_size * data_parallel} (batch_size={batch_size} x '
+        f'{data_parallel} data-parallel rank(s)) exceeds the dataset: {where}, so every step '
+        f'would read {per_rank} sample(s) a rank, not {batch_size}; use batch_size <= '
+        f'{per_rank} or fewer processes'
+    )
 
 
 class Batches:
@@ -77,14 +103,14 @@ class Batches:
             **plan.loader_kwargs,
         )
         self.epoch_length = len(self.loader)
-        if self.epoch_length == 0:
-            raise ValueError(
-                f'train_dataloader yields no batch per epoch: {len(dataset)} samples '  # type: ignore[arg-type]
-                f'over {strategy.data_parallel_size} data-parallel rank(s) with '
-                f'batch_size={plan.batch_size} '
-                f'and drop_last={plan.drop_last}; use a smaller '
-                'batch_size or drop_last=False'
-            )
+        problem = batch_problem(
+            len(dataset),  # type: ignore[arg-type]
+            plan.batch_size,
+            strategy.data_parallel_size,
+            plan.drop_last,
+        )
+        if problem is not None:
+            raise ValueError(problem)
         self.seed = 0
         self._iter: Iterator | None = None
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from stratagem.config import Config, ConfigError, ConfigErrors, check_keys
 from stratagem.env.preemption import PreemptionConfig, preemption_config
+from stratagem.metrics import check_metrics_cfg
 from stratagem.schema import (
     CHECKPOINT_HOOK_KEYS,
     LOGGER_HOOK_KEYS,
@@ -195,6 +196,7 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
     train_cfg = dict(cfg.get('train_cfg') or {})
     problems.attempt(check_keys, train_cfg, TRAIN_CFG_KEYS, 'train_cfg')
     problems.attempt(_read_loop_type, train_cfg)
+    problems.attempt(check_metrics_cfg, train_cfg.get('metrics'))
     data = problems.attempt(_read_train_loader, cfg.get('train_dataloader') or {})
     if 'max_iters' not in train_cfg and 'max_epochs' not in train_cfg:
         problems.add(

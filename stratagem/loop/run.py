@@ -140,7 +140,9 @@ def _build(
     strategy_cfg: dict, plan: RunPlan, resume: bool | str, load_from: str | None, progress: bool
 ) -> _Parts:
     """The strategy, the data, the prepared model, optim wrapper and schedulers, the resumed
-    position, and the collaborators over them."""
+    position, and the collaborators over them; with validation, one forward on its first batch
+    (the names it logs, ``save_best`` and a metric-driven scheduler's ``monitor`` checked
+    against them): every refusal before the first step."""
     from stratagem.strategies import build_strategy
 
     strategy = build_strategy(strategy_cfg)
@@ -176,6 +178,14 @@ def _build(
         validation = Validation(
             plan.validation, strategy, seed, device, epoch_length, max_iters, plan.by_epoch
         )
+    step = build_step(strategy, model)
+    schedulers = Schedulers(prepared[2] if len(prepared) > 2 else [], epoch_length)
+    if validation is not None:
+        # a validation error found before the first step, not after the first interval
+        names = validation.output_names(model)
+        if best is not None:
+            best.check(names)
+        schedulers.check_monitors(names)
     meter = Meter(
         strategy,
         optim_wrapper,
@@ -196,8 +206,8 @@ def _build(
         start_iter=start_iter,
         max_iters=max_iters,
         batches=batches,
-        step=build_step(strategy, model),
-        schedulers=Schedulers(prepared[2] if len(prepared) > 2 else [], epoch_length),
+        step=step,
+        schedulers=schedulers,
         validation=validation,
         best=best,
         checkpoints=Checkpoints(

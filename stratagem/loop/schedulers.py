@@ -7,7 +7,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ['Schedulers']
+__all__ = ['Schedulers', 'monitor_problem']
+
+
+def monitor_problem(where: str, monitor: Any, names: Any) -> str | None:
+    """Why a metric-driven scheduler at ``where`` would fail at the first validation (None when
+    it would not): its ``monitor`` is none of the validation's ``names``. ``train`` checks it
+    before its first step (:meth:`Schedulers.check_monitors`), ``stratagem doctor`` too."""
+    names = list(names)
+    if monitor in names:
+        return None
+    return (
+        f"{where}: monitor {monitor!r} is not a validation value: the model's validation "
+        f'output has {names}; set monitor= to one of them'
+    )
 
 
 class Schedulers:
@@ -31,6 +44,15 @@ class Schedulers:
             for s in self.all:
                 if s.by_epoch:
                     s.step()
+
+    def check_monitors(self, names: Any) -> None:
+        """Every metric-driven scheduler's ``monitor`` against the names validation returns
+        (from the forward at the start): a ValueError before the first step."""
+        for i, s in enumerate(self.all):
+            if getattr(s, 'need_val_args', False) and hasattr(s, 'monitor'):
+                problem = monitor_problem(f'{type(s).__name__} (scheduler {i})', s.monitor, names)
+                if problem is not None:
+                    raise ValueError(problem)
 
     def after_validation(self, values: Mapping[str, float]) -> None:
         """The metric-driven ones, with the validation's means."""

@@ -14,6 +14,10 @@ Under a pipeline (FSDPStrategy's ``mesh.pipeline``) each rank holds its stages o
 value is ``loss``, the model's ``loss(outputs, targets)`` on the last stage's outputs, through
 ``strategy.eval_step`` (torch's ``schedule.eval``; ``step.eval_values``), the same on every
 pipeline rank, and averaged as above.
+
+Both are checked before the first training step (:meth:`Validation.output_names`, one forward
+on the rank's first validation batch, then :meth:`BestCheckpoint.check`): a ``save_best`` that
+names no validation value, or a model that returns none, stops the run before it trains.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from .step import eval_values, scalars
 if TYPE_CHECKING:
     from .checkpoints import Checkpoints
 
-__all__ = ['BestCheckpoint', 'Validation', 'validate']
+__all__ = ['BestCheckpoint', 'Validation', 'batch_scalars', 'validate']
 
 
 def validate(
@@ -65,13 +69,7 @@ def validate(
         half = torch.float16 if device.type == 'cuda' else torch.bfloat16
         with torch.no_grad(), torch.autocast(device.type, dtype=half, enabled=autocast):
             for batch, weight in zip(loader, weights):
-                got = scalars(call_model(model, batch, device)) if values is None else values(batch)
-                if not got:
-                    raise ValueError(
-                        'the model returned no scalar in validation (a loss tensor or a dict '
-                        'of scalars such as loss and acc is averaged and logged)'
-                    )
-                for name, value in got.items():
+                for name, value in batch_scalars(model, batch, device, values).items():
                     total = sums.setdefault(name, torch.zeros((), dtype=dtype, device=device))
                     total.add_(torch.as_tensor(value, device=device).to(dtype), alpha=weight)
     finally:
@@ -80,6 +78,24 @@ def validate(
     reduced = env.all_reduce(torch.stack([*sums.values(), count]))
     means = (reduced[:-1] / reduced[-1]).tolist()
     return dict(zip(sums, means))
+
+
+def batch_scalars(
+    model: torch.nn.Module,
+    batch: Any,
+    device: torch.device,
+    values: Callable[[Any], Mapping[str, Any]] | None = None,
+) -> Mapping[str, Any]:
+    """The scalars the model returns for one validation batch (the caller sets eval mode and
+    no_grad), through ``values`` where given (:func:`validate`'s); a ValueError when there is
+    none. ``stratagem doctor`` runs it on the meta model."""
+    got = scalars(call_model(model, batch, device)) if values is None else values(batch)
+    if not got:
+        raise ValueError(
+            'the model returned no scalar in validation (a loss tensor or a dict '
+            'of scalars such as loss and acc is averaged and logged)'
+        )
+    return got
 
 
 class Validation:
@@ -117,6 +133,26 @@ class Validation:
         self.weights = [w for _, w in batches]
         self.history: list[tuple[int, dict[str, float]]] = []
         self.lines: list[str] = []
+
+    def output_names(self, model: torch.nn.Module) -> list[str]:
+        """The names validation will average, from one forward on this rank's first batch
+        through :func:`validate` (every rank runs it: a forward may be a collective). Run at
+        the start, so that a ``save_best`` naming none of them stops the run before it trains;
+        the RNG streams are left as they were (reading a batch draws a loader seed), so a
+        resumed run still equals an uninterrupted one."""
+        devices = [self.device] if self.device.type not in ('cpu', 'meta') else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            batch = next(iter(self.loader))
+            return list(
+                validate(
+                    model,
+                    [batch],
+                    [1],
+                    self.device,
+                    self.plan.autocast,
+                    eval_values(self.strategy, model),
+                )
+            )
 
     def due(self, it: int) -> bool:
         """After iteration ``it``: every ``val_interval`` epochs (``by_epoch``) or iterations
@@ -176,17 +212,25 @@ class BestCheckpoint:
             self.metric, self.rule = saved['metric'], saved['rule']
             self.score, self.filename = saved['score'], saved['checkpoint']
 
-    def due(self, values: Mapping[str, float]) -> bool:
-        """Whether ``values`` hold a new best (``'auto'`` becomes their first name)."""
+    def check(self, names: Any) -> None:
+        """``save_best`` against the names of the model's validation values (``'auto'``
+        becomes the first), its rule inferred when none is given: a ValueError naming the
+        key and the names there are. Run at the start (:meth:`Validation.output_names`) and
+        by ``stratagem doctor``, before any training."""
+        names = list(names)
         if self.metric == 'auto':
-            self.metric = next(iter(values))
-        if self.metric not in values:
+            self.metric = names[0]
+        if self.metric not in names:
             raise ValueError(
                 f'default_hooks.checkpoint.save_best={self.metric!r} is not a validation '
-                f"value: the model's validation output has {list(values)}"
+                f"value: the model's validation output has {names}"
             )
         if self.rule is None:
             self.rule = infer_rule(self.metric, *self.keys)
+
+    def due(self, values: Mapping[str, float]) -> bool:
+        """Whether ``values`` hold a new best (``'auto'`` becomes their first name)."""
+        self.check(values)
         value = values[self.metric]
         if math.isnan(value):
             return False
