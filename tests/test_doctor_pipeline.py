@@ -161,8 +161,18 @@ def test_a_forward_that_cannot_run_a_stage(tmp_path):
 
 
 def test_what_stratagem_train_refuses_under_a_pipeline(tmp_path):
-    f, _ = _diagnose(tmp_path, val_dataloader=copy.deepcopy(CFG['train_dataloader']))
+    val = copy.deepcopy(CFG['train_dataloader'])
+    f, _ = _diagnose(tmp_path, val_dataloader=val)
     assert f == {}  # validation runs under a pipeline (strategy.eval_step)
+    # under a pipeline validation averages the model's loss alone, whatever forward returns
+    best = dict(type='CheckpointHook', save_best='acc')
+    f, _ = _diagnose(tmp_path, val_dataloader=val, default_hooks=dict(checkpoint=best))
+    assert "'acc'" in f['default_hooks.checkpoint.save_best'].problem
+    assert "['loss']" in f['default_hooks.checkpoint.save_best'].problem
+    f, _ = _diagnose(
+        tmp_path, val_dataloader=val, default_hooks=dict(checkpoint={**best, 'save_best': 'loss'})
+    )
+    assert f == {}
     f, _ = _diagnose(
         tmp_path,
         model=dict(type='test_doctor_pipeline.LossLess'),
