@@ -101,7 +101,9 @@ def test_a_new_best_is_committed_before_the_old_one_is_deleted(tmp_path, monkeyp
     )
     strategy = _SavingStrategy(tmp_path, events)
     best = BestCheckpoint(BestPlan('acc', 'greater', (), (), by_epoch=True))
-    meter = SimpleNamespace(stalls=[], add_stall=lambda s: meter.stalls.append(s))
+    meter = SimpleNamespace(
+        stalls=[], add_stall=lambda s: meter.stalls.append(s), metrics_dir=str(tmp_path / 'log')
+    )
     checkpoints = Checkpoints(strategy, 4, None, 4, 12, best, meter)  # type: ignore[arg-type]
     assert best.due({'acc': 0.5})
     assert best.save(4, {'acc': 0.5}, checkpoints) == 'best acc 0.5000: best_acc_epoch_1.pth'
@@ -121,6 +123,7 @@ def test_a_new_best_is_committed_before_the_old_one_is_deleted(tmp_path, monkeyp
     assert strategy.metas['iter_8.pth'] == {
         'iter': 8,
         'epoch': 2,
+        'metrics_dir': 'log',  # where a resume appends the metrics, relative to work_dir
         'best': {
             'metric': 'acc',
             'rule': 'greater',

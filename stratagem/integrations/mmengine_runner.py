@@ -10,8 +10,10 @@ mmengine's runner (``stratagem.schema.runner_reasons``: ``runner_type='FlexibleR
    falling back to mmengine's (a model registered in mmengine's ``MODELS`` builds).
 2. The config as mmengine's runner needs it (:func:`runner_config`): the strategy named as
    stratagem's, a missing ``env_cfg`` filled with one that runs here, the launcher and the
-   command line's ``--resume`` / ``--load-from``; a key that neither the runner nor stratagem
-   reads is an error when it is close to a valid one, else a warning naming it.
+   command line's ``--resume`` / ``--load-from``, ``stratagem.CheckpointDebrisHook`` among the
+   custom hooks (a checkpoint mmengine deletes leaves no manifest behind); a key that neither
+   the runner nor stratagem reads is an error when it is close to a valid one, else a
+   warning naming it.
 3. ``FlexibleRunner.from_cfg(cfg).train()``.
 
 The config was loaded by stratagem's ``Config.fromfile`` (``--cfg-options`` merged, its
@@ -37,6 +39,7 @@ from stratagem.config import (
     config_search_dirs,
     import_custom_modules,
 )
+from stratagem.env.logging import run_end_logged
 from stratagem.schema import LOOP_TOP_KEYS, RUNNER_TOP_KEYS, unread_top_level_keys
 
 __all__ = ['runner_config', 'stratagem_strategy', 'train_with_flexible_runner']
@@ -91,6 +94,10 @@ def runner_config(
         out['resume'] = True
     if load_from is not None:
         out['load_from'] = load_from
+    hooks = list(out.get('custom_hooks') or [])
+    debris = 'stratagem.CheckpointDebrisHook'
+    if not any(isinstance(h, Mapping) and h.get('type') == debris for h in hooks):
+        out['custom_hooks'] = [*hooks, dict(type=debris)]  # no orphan manifest (mmengine.py)
     return out
 
 
@@ -173,5 +180,7 @@ def train_with_flexible_runner(
     filename = getattr(cfg, 'filename', None)
     mm_cfg = MMConfig(runner_cfg, filename=str(filename) if filename else None)
     runner = FlexibleRunner.from_cfg(mm_cfg)
-    runner.train()
+    with run_end_logged(runner.logger) as ended:  # the log file's last line: why it ended
+        runner.train()
+        ended.append(f'run ended: finished, iteration {runner.iter}/{runner.max_iters}')
     return runner

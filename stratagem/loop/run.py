@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from stratagem.config import Config, config_search_dirs, import_custom_modules
+from stratagem.env.logging import run_end_logged
 from stratagem.env.preemption import Preemption, PreemptionConfig, clear_marker
 from stratagem.env.watchdog import Watchdog
 
@@ -57,9 +58,27 @@ def train(
     build_stops = preemption or Preemption.from_config
     stops = build_stops(plan.preemption) if plan.preemption is not None else None
     with stops if stops is not None else contextlib.nullcontext():
-        parts = _build(strategy_config(cfg), plan, resume, load_from, progress)
-        parts.checkpoints.on_commit = on_checkpoint
-        return _loop(parts, stops)
+        from stratagem.strategies import build_strategy
+
+        strategy_cfg = strategy_config(cfg)
+        strategy = build_strategy(strategy_cfg)
+        with run_end_logged(strategy.logger) as ended:
+            parts = _build(strategy, strategy_cfg, plan, resume, load_from, progress)
+            parts.checkpoints.on_commit = on_checkpoint
+            result = _loop(parts, stops)
+            ended.append(_end_line(result, parts.max_iters))
+        return result
+
+
+def _end_line(result: dict[str, Any], max_iters: int) -> str:
+    """The end of a run that returned: finished, or stopped by a preemption signal."""
+    it = result['iter']
+    if result['preempted'] is not None:
+        return (
+            f'run ended: preempted by {result["preempted"]} after iteration {it}/{max_iters} '
+            f'(iter_{it}.pth committed; a resume continues from it)'
+        )
+    return f'run ended: finished, iteration {it}/{max_iters}'
 
 
 @dataclass
@@ -137,13 +156,15 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
 
 
 def _build(
-    strategy_cfg: dict, plan: RunPlan, resume: bool | str, load_from: str | None, progress: bool
+    strategy: Any,
+    strategy_cfg: dict,
+    plan: RunPlan,
+    resume: bool | str,
+    load_from: str | None,
+    progress: bool,
 ) -> _Parts:
-    """The strategy, the data, the prepared model, optim wrapper and schedulers, the resumed
-    position, and the collaborators over them."""
-    from stratagem.strategies import build_strategy
-
-    strategy = build_strategy(strategy_cfg)
+    """The data, the prepared model, optim wrapper and schedulers, the resumed position,
+    and the collaborators over them, on the built ``strategy``."""
     batches = Batches(plan.data, strategy)
     epoch_length = batches.epoch_length
     max_iters, max_epochs = plan.run_length(epoch_length)
@@ -166,6 +187,9 @@ def _build(
     )
     meta = (checkpoint.get('meta') or {}) if checkpoint is not None and resume else None
     start_iter, max_iters = _resumed_position(meta, max_iters)
+    strategy.logger.info(
+        _start_line(strategy, plan, optim_wrapper, batches.batch_size, start_iter, max_iters)
+    )
     seed = batches.seed_from(strategy)  # after a resume restored the run's seed
     device = _model_device(model)
     best = BestCheckpoint(plan.best) if plan.best is not None else None
@@ -188,6 +212,8 @@ def _build(
         by_epoch=plan.by_epoch,
         metrics=plan.metrics,
         progress=progress,
+        metrics_dir=_metrics_dir(strategy, meta),
+        resumed=meta is not None,
     )
     return _Parts(
         strategy=strategy,
@@ -218,6 +244,52 @@ def _resumed_position(meta: dict | None, max_iters: int) -> tuple[int, int]:
     change = meta.get('world_size_change') or {}
     converted = change.get('max_iters')
     return int(meta.get('iter', 0)), int(converted[1]) if converted else max_iters
+
+
+def _start_line(
+    strategy: Any, plan: RunPlan, optim_wrapper: Any, batch: int, start: int, max_iters: int
+) -> str:
+    """The run's start: its iterations, the real batch (every data-parallel process's
+    batch, accumulated: what one update sees) and the lr, with ``auto_scale_lr``'s
+    scaling from the configured lr to the one trained with."""
+    wrapper = next(iter(getattr(optim_wrapper, 'values', lambda: [optim_wrapper])()))
+    acc = int(getattr(wrapper, 'accumulative_counts', 1))
+    processes = strategy.data_parallel_size
+    real = processes * batch * acc
+    how = [f'{batch} per process']
+    if processes > 1:
+        how.insert(0, f'{processes} data-parallel processes')
+    if acc > 1:
+        how.append(f'{acc} accumulated')
+    resumed = f' (resumed after {start})' if start else ''
+    text = (
+        f'training: iterations {start + 1}-{max_iters}{resumed}; real batch {real}'
+        f'{" (" + " x ".join(how) + ")" if len(how) > 1 else ""}'
+    )
+    groups = getattr(wrapper, 'param_groups', None) or [{}]
+    lr = groups[0].get('initial_lr', groups[0].get('lr'))
+    scaling = strategy.auto_scale_lr or {}
+    if scaling.get('enable') and scaling.get('base_batch_size') and lr is not None:
+        configured = dict(dict(plan.optim_wrapper or {}).get('optimizer') or {}).get('lr')
+        ratio = real / scaling['base_batch_size']
+        before = configured if isinstance(configured, (int, float)) else lr / ratio
+        return (
+            f'{text}; lr {before:.6g} -> {before * ratio:.6g} (auto_scale_lr: real batch '
+            f'{real} / base_batch_size {scaling["base_batch_size"]})'
+        )
+    return f'{text}; lr {lr:.6g}' if lr is not None else text
+
+
+def _metrics_dir(strategy: Any, meta: dict | None) -> str:
+    """Where the run's metrics go: for a resume, the folder of the run it resumes (its
+    checkpoint's ``meta['metrics_dir']``, relative to work_dir, when it is there), so that
+    one CSV and one TensorBoard run cover the whole training; else this run's log_dir."""
+    name = (meta or {}).get('metrics_dir')
+    if isinstance(name, str) and name and not osp.isabs(name) and '..' not in name.split('/'):
+        path = osp.join(strategy.work_dir, name)
+        if osp.isdir(path):
+            return path
+    return strategy.log_dir
 
 
 def _arm_preemption(preemption: Preemption, p: _Parts) -> Any:
