@@ -221,3 +221,24 @@ def test_on_checkpoint_hears_of_each_save_once_committed(tmp_path, async_checkpo
     assert heard == [
         ('iter_3.pth', 3), ('iter_6.pth', 6), ('iter_7.pth', 7)
     ]  # fmt: skip
+
+
+def test_the_start_line_says_the_real_batch_and_the_lr_scaling():
+    from stratagem.loop.run import _start_line
+
+    # 2 data-parallel processes x 16 per process x 2 accumulated: 64, base 16 -> lr x 4
+    strategy = SimpleNamespace(
+        data_parallel_size=2, auto_scale_lr=dict(enable=True, base_batch_size=16)
+    )
+    plan = SimpleNamespace(optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.05)))
+    wrapper = SimpleNamespace(accumulative_counts=2, param_groups=[dict(lr=0.1, initial_lr=0.2)])
+    assert _start_line(strategy, plan, wrapper, 16, 0, 100) == (
+        'training: iterations 1-100; real batch 64 (2 data-parallel processes x 16 per process '
+        'x 2 accumulated); lr 0.05 -> 0.2 (auto_scale_lr: real batch 64 / base_batch_size 16)'
+    )
+    strategy.auto_scale_lr = None
+    wrapper.accumulative_counts = 1
+    assert _start_line(strategy, plan, wrapper, 16, 40, 100) == (
+        'training: iterations 41-100 (resumed after 40); real batch 32 (2 data-parallel '
+        'processes x 16 per process); lr 0.2'
+    )

@@ -40,10 +40,8 @@ COMMANDS = {
     'env': ('stratagem.cli.env', 'print the environment (python, torch, CUDA, extras)'),
     'convert': (
         'stratagem.cli.convert',
-        'convert a checkpoint between layouts: from a single file, a sharded (DCP) or '
-        'DeepSpeed directory, a Hugging Face directory or .safetensors file, to a single file, '
-        'a sharded directory, a Hugging Face directory or the weights as .safetensors '
-        '(--to file|sharded|hf|safetensors)',
+        'convert a checkpoint (a file, a sharded, DeepSpeed or Hugging Face directory, '
+        '.safetensors) to another layout: --to file|sharded|hf|safetensors',
     ),
     'doctor': (
         'stratagem.cli.doctor',

@@ -52,8 +52,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         '--nproc',
         type=int,
         default=None,
-        help='processes on this machine; > 1 re-launches with torchrun (default: a '
-        "scheduler's PET_NPROC_PER_NODE / SKYPILOT_NUM_GPUS_PER_NODE, else 1)",
+        help='processes on this machine, >= 1 (more than its CPU cores: a warning); > 1 '
+        "re-launches with torchrun (default: a scheduler's PET_NPROC_PER_NODE / "
+        'SKYPILOT_NUM_GPUS_PER_NODE, else 1)',
     )
     parser.add_argument(
         '--max-restarts',
