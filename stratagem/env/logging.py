@@ -200,7 +200,7 @@ class _LazyFileHandler(logging.FileHandler):
     """A file handler that makes the file's directory when it opens the file (the first
     record): a run that fails before it logs leaves no empty log directory."""
 
-    def _open(self):  # type: ignore[no-untyped-def]
+    def _open(self):
         Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
         return super()._open()
 

@@ -51,9 +51,12 @@ class Checkpoints:
 
     def save(self, name: str, it: int) -> str:
         """Save ``work_dir/name`` after iteration ``it``; returns its path."""
-        meta = {'iter': it, 'epoch': it // self.epoch_length}
-        # where a resume of this run appends its metrics (relative: the work_dir may move)
-        meta['metrics_dir'] = osp.relpath(self.meter.metrics_dir, self.strategy.work_dir)
+        meta: dict[str, Any] = {
+            'iter': it,
+            'epoch': it // self.epoch_length,
+            # where a resume of this run appends its metrics (relative: the work_dir may move)
+            'metrics_dir': osp.relpath(self.meter.metrics_dir, self.strategy.work_dir),
+        }
         if self.best is not None:
             meta.update(self.best.meta())
         t_save = time.perf_counter()
