@@ -242,3 +242,22 @@ def test_the_start_line_says_the_real_batch_and_the_lr_scaling():
         'training: iterations 41-100 (resumed after 40); real batch 32 (2 data-parallel '
         'processes x 16 per process); lr 0.2'
     )
+
+
+def test_a_resume_appends_to_the_metrics_folder_its_checkpoint_names(tmp_path):
+    from stratagem.loop.run import _metrics_dir
+
+    (tmp_path / 'first').mkdir()
+    strategy = SimpleNamespace(work_dir=str(tmp_path), log_dir=str(tmp_path / 'second'))
+    assert _metrics_dir(strategy, None) == strategy.log_dir  # a fresh run
+    assert _metrics_dir(strategy, {'metrics_dir': 'first'}) == str(tmp_path / 'first')
+    # gone, outside work_dir, or iterations renumbered by another world size: a new folder
+    for meta in (
+        {'metrics_dir': 'gone'},
+        {'metrics_dir': '../first'},
+        {'metrics_dir': str(tmp_path / 'first')},
+        {'metrics_dir': 'first', 'world_size_change': {'iter': [10, 5]}},
+    ):
+        assert _metrics_dir(strategy, meta) == strategy.log_dir, meta
+    same = {'metrics_dir': 'first', 'world_size_change': {'iter': [10, None]}}
+    assert _metrics_dir(strategy, same) == str(tmp_path / 'first')

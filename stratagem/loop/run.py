@@ -273,8 +273,9 @@ def _start_line(
         configured = dict(dict(plan.optim_wrapper or {}).get('optimizer') or {}).get('lr')
         ratio = real / scaling['base_batch_size']
         before = configured if isinstance(configured, (int, float)) else lr / ratio
+        # the lr trained with (a resume at another world size keeps the saving run's scaling)
         return (
-            f'{text}; lr {before:.6g} -> {before * ratio:.6g} (auto_scale_lr: real batch '
+            f'{text}; lr {before:.6g} -> {lr:.6g} (auto_scale_lr: real batch '
             f'{real} / base_batch_size {scaling["base_batch_size"]})'
         )
     return f'{text}; lr {lr:.6g}' if lr is not None else text
@@ -283,8 +284,12 @@ def _start_line(
 def _metrics_dir(strategy: Any, meta: dict | None) -> str:
     """Where the run's metrics go: for a resume, the folder of the run it resumes (its
     checkpoint's ``meta['metrics_dir']``, relative to work_dir, when it is there), so that
-    one CSV and one TensorBoard run cover the whole training; else this run's log_dir."""
+    one CSV and one TensorBoard run cover the whole training; else (also when a resume at
+    another world size renumbered the iterations) this run's log_dir."""
     name = (meta or {}).get('metrics_dir')
+    saved_iter, new_iter = ((meta or {}).get('world_size_change') or {}).get('iter') or (0, None)
+    if new_iter is not None and new_iter != saved_iter:
+        return strategy.log_dir  # another world size counts other iterations: a new folder
     if isinstance(name, str) and name and not osp.isabs(name) and '..' not in name.split('/'):
         path = osp.join(strategy.work_dir, name)
         if osp.isdir(path):
