@@ -20,11 +20,8 @@ Importing this module (the only one in stratagem that imports mmengine) does thr
    lazily (heavy backends) are registered as builder functions, imported on first build.
 3. **Registers ``stratagem.PreemptionHook``** in mmengine's HOOKS (``custom_hooks``): a
    preemption signal ends the run in one committed checkpoint (``mmengine_preemption.py``);
-   and ``stratagem.CheckpointDebrisHook``: mmengine's ``CheckpointHook`` deletes a checkpoint
-   it replaces (the previous best, one past ``max_keep_ckpts``) as a plain file, leaving its
-   stratagem manifest; after each save this hook has rank 0 sweep the checkpoint directory
-   (``checkpoint.sweep_debris``: manifests whose file is gone, older than the newest commit).
-   ``stratagem train`` adds it to every config it runs under FlexibleRunner.
+   and ``stratagem.CheckpointDebrisHook``, which sweeps the manifest of a checkpoint
+   mmengine's ``CheckpointHook`` deleted (``mmengine_debris.py``).
 4. **Falls back to mmengine's registries** for what stratagem's do not hold
    (``Registry.add_fallback``): a model, dataset, optimizer, optim wrapper (constructor) or
    parameter scheduler registered in mmengine's ``MODELS``, ``DATASETS``, ``OPTIMIZERS``, ...
@@ -53,7 +50,6 @@ import copyreg
 from typing import Any
 
 try:
-    from mmengine.hooks import CheckpointHook, Hook
     from mmengine.logging import HistoryBuffer
     from mmengine.registry import DATASETS as MM_DATASETS
     from mmengine.registry import HOOKS as MM_HOOKS
@@ -72,13 +68,13 @@ except ImportError as err:  # pragma: no cover - exercised only without mmengine
 import numpy as np
 
 from stratagem import registry as ours
-from stratagem.checkpoint import add_safe_globals, sweep_debris
+from stratagem.checkpoint import add_safe_globals
 
+from .mmengine_debris import CheckpointDebrisHook
 from .mmengine_preemption import PreemptionHook
 
 __all__ = [
     'SCOPE',
-    'CheckpointDebrisHook',
     'numpy_safe_globals',
     'mmengine_safe_globals',
     'STRATEGIES',
@@ -185,52 +181,7 @@ _mirror(ours.STRATEGIES, STRATEGIES)
 _mirror(ours.OPTIM_WRAPPERS, OPTIM_WRAPPERS)
 _mirror(ours.PARAM_SCHEDULERS, PARAM_SCHEDULERS)
 
-
-class CheckpointDebrisHook(Hook):
-    """After a save (``before_save_checkpoint`` marks it), at the end of the hook point that
-    saved: rank 0 sweeps the run's checkpoint directories (``work_dir`` and each
-    ``CheckpointHook``'s ``out_dir``) of the manifests mmengine's ``CheckpointHook`` left
-    when it deleted their checkpoint (``checkpoint.sweep_debris``'s rule: only orphan
-    stratagem manifests and dead saves' temp entries, older than the newest commit)."""
-
-    priority = 'LOWEST'  # after the CheckpointHook's save of the same hook point
-
-    def __init__(self) -> None:
-        self._saved = False
-
-    def before_save_checkpoint(self, runner: Any, checkpoint: dict) -> None:
-        self._saved = True
-
-    def after_train_iter(
-        self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None
-    ) -> None:
-        self._sweep(runner)
-
-    def after_train_epoch(self, runner: Any) -> None:
-        self._sweep(runner)
-
-    def after_val_epoch(self, runner: Any, metrics: Any = None) -> None:
-        self._sweep(runner)
-
-    def after_train(self, runner: Any) -> None:
-        self._sweep(runner)
-
-    def _sweep(self, runner: Any) -> None:
-        if not self._saved:
-            return
-        self._saved = False
-        if getattr(runner, 'rank', 0) != 0:
-            return
-        dirs = {str(runner.work_dir)}
-        dirs.update(
-            str(h.out_dir) for h in runner.hooks if isinstance(h, CheckpointHook) and h.out_dir
-        )
-        for directory in sorted(dirs):
-            sweep_debris(directory)
-
-
-# preemption for mmengine's loops: custom_hooks=[dict(type='stratagem.PreemptionHook')];
-# stratagem train adds CheckpointDebrisHook to every runner config
+# preemption for mmengine's loops: custom_hooks=[dict(type='stratagem.PreemptionHook')]
 HOOKS = _child(MM_HOOKS, 'hook')
 HOOKS.register_module(name='PreemptionHook', module=PreemptionHook, force=True)
 HOOKS.register_module(name='CheckpointDebrisHook', module=CheckpointDebrisHook, force=True)

@@ -10,10 +10,8 @@ mmengine's runner (``stratagem.schema.runner_reasons``: ``runner_type='FlexibleR
    falling back to mmengine's (a model registered in mmengine's ``MODELS`` builds).
 2. The config as mmengine's runner needs it (:func:`runner_config`): the strategy named as
    stratagem's, a missing ``env_cfg`` filled with one that runs here, the launcher and the
-   command line's ``--resume`` / ``--load-from``, ``stratagem.CheckpointDebrisHook`` among the
-   custom hooks (a checkpoint mmengine deletes leaves no manifest behind); a key that neither
-   the runner nor stratagem reads is an error when it is close to a valid one, else a
-   warning naming it.
+   command line's ``--resume`` / ``--load-from``; a key that neither the runner nor stratagem
+   reads is an error when it is close to a valid one, else a warning naming it.
 3. ``FlexibleRunner.from_cfg(cfg).train()``.
 
 The config was loaded by stratagem's ``Config.fromfile`` (``--cfg-options`` merged, its
@@ -39,7 +37,6 @@ from stratagem.config import (
     config_search_dirs,
     import_custom_modules,
 )
-from stratagem.env.logging import run_end_logged
 from stratagem.schema import LOOP_TOP_KEYS, RUNNER_TOP_KEYS, unread_top_level_keys
 
 __all__ = ['runner_config', 'stratagem_strategy', 'train_with_flexible_runner']
@@ -94,10 +91,11 @@ def runner_config(
         out['resume'] = True
     if load_from is not None:
         out['load_from'] = load_from
+    # the manifest of a checkpoint mmengine's CheckpointHook deletes goes too (mmengine_debris)
     hooks = list(out.get('custom_hooks') or [])
     debris = 'stratagem.CheckpointDebrisHook'
     if not any(isinstance(h, Mapping) and h.get('type') == debris for h in hooks):
-        out['custom_hooks'] = [*hooks, dict(type=debris)]  # no orphan manifest (mmengine.py)
+        out['custom_hooks'] = [*hooks, dict(type=debris)]
     return out
 
 
@@ -172,6 +170,8 @@ def train_with_flexible_runner(
     returns the runner (its ``strategy`` is stratagem's)."""
     from mmengine.config import Config as MMConfig
     from mmengine.runner import FlexibleRunner
+
+    from stratagem.env.logging import run_end_logged
 
     # a config given as a dict has not been through Config.fromfile: its own modules now,
     # as loop.train does (imported once: a second call finds them loaded)
