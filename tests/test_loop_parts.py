@@ -251,9 +251,8 @@ def test_a_resume_appends_to_the_metrics_folder_its_checkpoint_names(tmp_path):
     strategy = SimpleNamespace(work_dir=str(tmp_path), log_dir=str(tmp_path / 'second'))
     assert _metrics_dir(strategy, None) == strategy.log_dir  # a fresh run
     assert _metrics_dir(strategy, {'metrics_dir': 'first'}) == str(tmp_path / 'first')
-    # gone, outside work_dir, or iterations renumbered by another world size: a new folder
+    # outside work_dir, or iterations renumbered by another world size: a new folder
     for meta in (
-        {'metrics_dir': 'gone'},
         {'metrics_dir': '../first'},
         {'metrics_dir': str(tmp_path / 'first')},
         {'metrics_dir': 'first', 'world_size_change': {'iter': [10, 5]}},

@@ -283,17 +283,16 @@ def _start_line(
 
 def _metrics_dir(strategy: Any, meta: dict | None) -> str:
     """Where the run's metrics go: for a resume, the folder of the run it resumes (its
-    checkpoint's ``meta['metrics_dir']``, relative to work_dir, when it is there), so that
-    one CSV and one TensorBoard run cover the whole training; else (also when a resume at
-    another world size renumbered the iterations) this run's log_dir."""
+    checkpoint's ``meta['metrics_dir']``, a name under work_dir; made again if it was
+    removed), so that one CSV and one TensorBoard run cover the whole training; else (also
+    when a resume at another world size renumbered the iterations) this run's log_dir.
+    Decided from the checkpoint alone, so every rank decides alike."""
     name = (meta or {}).get('metrics_dir')
     saved_iter, new_iter = ((meta or {}).get('world_size_change') or {}).get('iter') or (0, None)
     if new_iter is not None and new_iter != saved_iter:
         return strategy.log_dir  # another world size counts other iterations: a new folder
     if isinstance(name, str) and name and not osp.isabs(name) and '..' not in name.split('/'):
-        path = osp.join(strategy.work_dir, name)
-        if osp.isdir(path):
-            return path
+        return osp.join(strategy.work_dir, name)
     return strategy.log_dir
 
 
