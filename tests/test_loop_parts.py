@@ -248,7 +248,9 @@ def test_a_resume_appends_to_the_metrics_folder_its_checkpoint_names(tmp_path):
     from stratagem.loop.run import _metrics_dir
 
     (tmp_path / 'first').mkdir()
-    strategy = SimpleNamespace(work_dir=str(tmp_path), log_dir=str(tmp_path / 'second'))
+    strategy = SimpleNamespace(
+        work_dir=str(tmp_path), log_dir=str(tmp_path / 'second'), resumed_from=None
+    )
     assert _metrics_dir(strategy, None) == strategy.log_dir  # a fresh run
     assert _metrics_dir(strategy, {'metrics_dir': 'first'}) == str(tmp_path / 'first')
     # outside work_dir, or iterations renumbered by another world size: a new folder
@@ -260,3 +262,7 @@ def test_a_resume_appends_to_the_metrics_folder_its_checkpoint_names(tmp_path):
         assert _metrics_dir(strategy, meta) == strategy.log_dir, meta
     same = {'metrics_dir': 'first', 'world_size_change': {'iter': [10, None]}}
     assert _metrics_dir(strategy, same) == str(tmp_path / 'first')
+    strategy.resumed_from = str(tmp_path / 'iter_10.pth')  # this work_dir's checkpoint
+    assert _metrics_dir(strategy, {'metrics_dir': 'first'}) == str(tmp_path / 'first')
+    strategy.resumed_from = str(tmp_path / 'elsewhere' / 'iter_10.pth')  # --resume PATH
+    assert _metrics_dir(strategy, {'metrics_dir': 'first'}) == strategy.log_dir

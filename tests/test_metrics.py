@@ -115,7 +115,6 @@ def test_stratagem_train_writes_the_rows(tmp_path):
         rows = list(csv.DictReader(f))
     assert [r['iter'] for r in rows] == ['4', '8', '12']
     assert float(rows[1]['loss']) == pytest.approx(again['losses'][0][1])
-    assert len(list(tmp_path.glob('*/*.log'))) == 2  # each part of the run logs on its own
 
 
 def test_a_resumed_run_drops_the_rows_it_redoes_from_csv_and_tensorboard(tmp_path):

@@ -284,16 +284,25 @@ def _start_line(
 def _metrics_dir(strategy: Any, meta: dict | None) -> str:
     """Where the run's metrics go: for a resume, the folder of the run it resumes (its
     checkpoint's ``meta['metrics_dir']``, a name under work_dir; made again if it was
-    removed), so that one CSV and one TensorBoard run cover the whole training; else (also
-    when a resume at another world size renumbered the iterations) this run's log_dir.
+    removed), so that one CSV and one TensorBoard run cover the whole training; else (a
+    checkpoint of another work_dir, or a resume at another world size that renumbered the
+    iterations) this run's log_dir.
     Decided from the checkpoint alone, so every rank decides alike."""
     name = (meta or {}).get('metrics_dir')
     saved_iter, new_iter = ((meta or {}).get('world_size_change') or {}).get('iter') or (0, None)
     if new_iter is not None and new_iter != saved_iter:
         return strategy.log_dir  # another world size counts other iterations: a new folder
+    resumed_from = getattr(strategy, 'resumed_from', None)
+    elsewhere = resumed_from is not None and not _same_dir(resumed_from, strategy.work_dir)
+    if elsewhere:  # another run's checkpoint (--resume PATH): this run's own folder
+        return strategy.log_dir
     if isinstance(name, str) and name and not osp.isabs(name) and '..' not in name.split('/'):
         return osp.join(strategy.work_dir, name)
     return strategy.log_dir
+
+
+def _same_dir(path: str, directory: str) -> bool:
+    return osp.realpath(osp.dirname(osp.abspath(str(path)))) == osp.realpath(directory)
 
 
 def _arm_preemption(preemption: Preemption, p: _Parts) -> Any:
