@@ -31,6 +31,7 @@ from typing import Any
 from stratagem import env
 from stratagem.config import Config, ConfigError, parse_cfg_options
 from stratagem.config.overrides import check_overrides
+from stratagem.env.logging import run_end_logged
 from stratagem.env.preemption import preemption_config
 from stratagem.env.workdir_lock import TOKEN_ENV, WorkDirLock
 from stratagem.loop import train
@@ -286,9 +287,12 @@ def _run_flexible_runner(cfg: Config, args: argparse.Namespace, resume: bool | s
     from stratagem.integrations.mmengine_runner import train_with_flexible_runner
 
     with _work_dir_lock(cfg, args) as lock:
-        runner = train_with_flexible_runner(
-            cfg, launcher=args.launcher, resume=resume, load_from=args.load_from
-        )
+        # the run's log file (its strategy opens it) ends with a line saying why it ended
+        with run_end_logged() as ended:
+            runner = train_with_flexible_runner(
+                cfg, launcher=args.launcher, resume=resume, load_from=args.load_from
+            )
+            ended.append(f'run ended: finished, iteration {runner.iter}/{runner.max_iters}')
         if os.environ.get('TORCHELASTIC_RUN_ID') is not None:
             _exit_torchrun_worker(runner.strategy, lock)
     return 0

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from .dist import get_rank, get_world_size, is_distributed
@@ -110,37 +110,48 @@ def remove_file_handlers(logger: logging.Logger) -> None:
             handler.close()
 
 
-def log_to_files(logger: logging.Logger, level: int, msg: str) -> None:
+def log_to_files(
+    logger: logging.Logger, level: int, msg: str, *, skip: Iterable[logging.Handler] = ()
+) -> None:
     """Log ``msg`` at ``level`` into the log files :func:`get_logger` opened for ``logger``
-    only, not to the console: for a file's reader, what the console says its own way (the
-    line saying why a run ended, where the command prints one error line)."""
+    (but those in ``skip``) only, not to the console: for a file's reader, what the console
+    says its own way (the line saying why a run ended, where the command prints one error
+    line)."""
     if not logger.isEnabledFor(level):
         return
     record = logger.makeRecord(logger.name, level, __file__, 0, msg, (), None)
+    skipped = {id(h) for h in skip}
     for handler in logger.handlers:
-        if str(getattr(handler, _MARK, '')).startswith('file:') and level >= handler.level:
+        ours = str(getattr(handler, _MARK, '')).startswith('file:')
+        if ours and id(handler) not in skipped and level >= handler.level:
             handler.handle(record)
 
 
 @contextlib.contextmanager
-def run_end_logged(logger: logging.Logger) -> Iterator[list[str]]:
-    """A run's body, its log files' last line saying why it ended: the line the body appends
-    to the yielded list when it finishes (``'run ended: finished, ...'``), else ``run ended:
+def run_end_logged(logger: logging.Logger | None = None) -> Iterator[list[str]]:
+    """A run's body (which builds its strategy, and so opens its log file), the last line of
+    the log files opened inside it saying why the run ended: the line the body appends to
+    the yielded list when it finishes (``'run ended: finished, ...'``), else ``run ended:
     interrupted (Ctrl-C, SIGINT)`` or ``run ended: error: <type>: <message on one line>``.
-    Into the files only (:func:`log_to_files`): the console has the command's own line for an
-    interrupt or an error."""
+    ``logger``: default ``'stratagem'``, the strategies' own. Into those files only
+    (:func:`log_to_files`): not a file a run before this one in the process left open, nor
+    the console, which has the command's own line for an interrupt or an error."""
+    logger = logger or logging.getLogger('stratagem')
+    before = list(logger.handlers)
     ended: list[str] = []
     try:
         yield ended
     except KeyboardInterrupt:
-        log_to_files(logger, logging.WARNING, 'run ended: interrupted (Ctrl-C, SIGINT)')
+        log_to_files(logger, logging.WARNING, 'run ended: interrupted (Ctrl-C, SIGINT)',
+                     skip=before)  # fmt: skip
         raise
     except BaseException as err:
         message = ' '.join(str(err).split()) or repr(err)
-        log_to_files(logger, logging.ERROR, f'run ended: error: {type(err).__name__}: {message}')
+        log_to_files(logger, logging.ERROR, f'run ended: error: {type(err).__name__}: {message}',
+                     skip=before)  # fmt: skip
         raise
     for line in ended:
-        log_to_files(logger, logging.INFO, line)
+        log_to_files(logger, logging.INFO, line, skip=before)
 
 
 def print_log(

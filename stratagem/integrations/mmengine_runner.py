@@ -171,8 +171,6 @@ def train_with_flexible_runner(
     from mmengine.config import Config as MMConfig
     from mmengine.runner import FlexibleRunner
 
-    from stratagem.env.logging import run_end_logged
-
     # a config given as a dict has not been through Config.fromfile: its own modules now,
     # as loop.train does (imported once: a second call finds them loaded)
     import_custom_modules(cfg.get('custom_imports'), config_search_dirs(cfg))
@@ -180,7 +178,5 @@ def train_with_flexible_runner(
     filename = getattr(cfg, 'filename', None)
     mm_cfg = MMConfig(runner_cfg, filename=str(filename) if filename else None)
     runner = FlexibleRunner.from_cfg(mm_cfg)
-    with run_end_logged(runner.logger) as ended:  # the log file's last line: why it ended
-        runner.train()
-        ended.append(f'run ended: finished, iteration {runner.iter}/{runner.max_iters}')
+    runner.train()
     return runner

@@ -57,16 +57,12 @@ def train(
     # stops after its first iteration); restored however train() ends
     build_stops = preemption or Preemption.from_config
     stops = build_stops(plan.preemption) if plan.preemption is not None else None
-    with stops if stops is not None else contextlib.nullcontext():
-        from stratagem.strategies import build_strategy
-
-        strategy_cfg = strategy_config(cfg)
-        strategy = build_strategy(strategy_cfg)
-        with run_end_logged(strategy.logger) as ended:
-            parts = _build(strategy, strategy_cfg, plan, resume, load_from, progress)
-            parts.checkpoints.on_commit = on_checkpoint
-            result = _loop(parts, stops)
-            ended.append(_end_line(result, parts.max_iters))
+    # the run's log file (the strategy opens it) ends with a line saying why the run ended
+    with stops if stops is not None else contextlib.nullcontext(), run_end_logged() as ended:
+        parts = _build(strategy_config(cfg), plan, resume, load_from, progress)
+        parts.checkpoints.on_commit = on_checkpoint
+        result = _loop(parts, stops)
+        ended.append(_end_line(result, parts.max_iters))
         return result
 
 
@@ -156,15 +152,13 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
 
 
 def _build(
-    strategy: Any,
-    strategy_cfg: dict,
-    plan: RunPlan,
-    resume: bool | str,
-    load_from: str | None,
-    progress: bool,
+    strategy_cfg: dict, plan: RunPlan, resume: bool | str, load_from: str | None, progress: bool
 ) -> _Parts:
-    """The data, the prepared model, optim wrapper and schedulers, the resumed position,
-    and the collaborators over them, on the built ``strategy``."""
+    """The strategy, the data, the prepared model, optim wrapper and schedulers, the resumed
+    position, and the collaborators over them."""
+    from stratagem.strategies import build_strategy
+
+    strategy = build_strategy(strategy_cfg)
     batches = Batches(plan.data, strategy)
     epoch_length = batches.epoch_length
     max_iters, max_epochs = plan.run_length(epoch_length)

@@ -250,3 +250,21 @@ def test_the_log_directory_is_made_with_the_first_record(clean_env, name, tmp_pa
     for handler in logger.handlers:
         handler.flush()
     assert log_file.read_text().splitlines()[-1].endswith('INFO: run ended: finished')
+
+
+def test_the_run_end_goes_to_the_files_the_run_opened(clean_env, name, tmp_path):
+    """The error line of a run goes to its own log file, not to one a run before it in the
+    process left open, nor to the console."""
+    from stratagem.env.logging import run_end_logged
+
+    with bare_root():
+        logger = get_logger(name, log_file=tmp_path / 'before.log')
+        logger.info('the run before')
+        with pytest.raises(ValueError), run_end_logged(logger):
+            get_logger(name, log_file=tmp_path / 'run.log').info('this run')
+            raise ValueError('a bad\n  value')
+    for handler in logger.handlers:
+        handler.flush()
+    assert 'run ended' not in (tmp_path / 'before.log').read_text()
+    last = (tmp_path / 'run.log').read_text().splitlines()[-1]
+    assert last.endswith('ERROR: run ended: error: ValueError: a bad value')
