@@ -32,7 +32,7 @@ from stratagem import env
 from stratagem.config import Config, ConfigError, parse_cfg_options
 from stratagem.config.overrides import check_overrides
 from stratagem.env.logging import run_end_logged
-from stratagem.env.preemption import preemption_config
+from stratagem.env.preemption import PreemptionConfig, preemption_config
 from stratagem.env.workdir_lock import TOKEN_ENV, WorkDirLock
 from stratagem.loop import train
 from stratagem.schema import runner_reasons
@@ -165,9 +165,9 @@ def run(args: argparse.Namespace) -> int:
     if os.environ.get('TORCHELASTIC_RUN_ID') is not None:
         # a torchrun worker: its parent (relaunch) prints the one line for every rank
         signal.signal(signal.SIGINT, _interrupt_once)
-        return _run_here(cfg, args, resume, mmengine_keys)
+        return _run_here(cfg, args, resume, mmengine_keys, preemption)
     try:
-        return _run_here(cfg, args, resume, mmengine_keys)
+        return _run_here(cfg, args, resume, mmengine_keys, preemption)
     except KeyboardInterrupt:
         if _launch_rank() == 0:  # one line for the run, however many processes it has
             print(interrupted_line(_work_dir(cfg)), file=sys.stderr)
@@ -177,10 +177,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_here(
-    cfg: Config, args: argparse.Namespace, resume: bool | str, mmengine_keys: list[str]
+    cfg: Config,
+    args: argparse.Namespace,
+    resume: bool | str,
+    mmengine_keys: list[str],
+    preemption: PreemptionConfig | None,
 ) -> int:
     """The run in this process: the reference loop, or mmengine's FlexibleRunner."""
-    preemption = preemption_config(dict(cfg.get('train_cfg') or {}).get('preemption', True))
     if mmengine_keys:
         return _run_flexible_runner(cfg, args, resume)
     if args.launcher:
