@@ -27,7 +27,9 @@ class Meter:
 
     ``batch_size``: per rank; ``start_iter``: where the bar starts (a resumed run's
     position); ``metrics``: ``train_cfg.metrics``; ``progress``: a bar on rank 0 (a bar on a
-    terminal, whole lines every 30 s when stderr is a file or a pipe)."""
+    terminal, whole lines every 30 s when stderr is a file or a pipe); ``metrics_dir``: where
+    the metrics go (default: the strategy's ``log_dir``; a resumed run's: the run's first
+    part's, ``resumed``: its rows after ``start_iter`` dropped)."""
 
     def __init__(
         self,
@@ -43,6 +45,8 @@ class Meter:
         by_epoch: bool,
         metrics: Any,
         progress: bool,
+        metrics_dir: str | None = None,
+        resumed: bool = False,
     ) -> None:
         self.strategy, self.optim_wrapper, self.device = strategy, optim_wrapper, device
         self.log = strategy.logger
@@ -50,6 +54,8 @@ class Meter:
         self.batch_size, self.epoch_length, self.max_iters = batch_size, epoch_length, max_iters
         self.log_interval, self.by_epoch = log_interval, by_epoch
         self.metrics_cfg, self.progress = metrics, progress
+        self.metrics_dir = metrics_dir or strategy.log_dir
+        self.resumed_at = start_iter if resumed else None
         wrappers = getattr(optim_wrapper, 'values', lambda: [optim_wrapper])()
         self.first_wrapper = next(iter(wrappers))
         self.losses: list[tuple[int, float]] = []
@@ -65,11 +71,12 @@ class Meter:
     def __enter__(self) -> Meter:
         with contextlib.ExitStack() as stack:
             self.metrics = RunMetrics(
-                self.strategy.log_dir,
+                self.metrics_dir,
                 self.strategy.data_parallel_size * self.batch_size,
                 enabled=self.main,
                 cfg=self.metrics_cfg,
                 logger=self.log,
+                resumed_at=self.resumed_at,
             )
             stack.callback(self.metrics.close)
             if self.progress and self.main:

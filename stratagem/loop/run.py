@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from stratagem.config import Config, config_search_dirs, import_custom_modules
+from stratagem.env.logging import run_end_logged
 from stratagem.env.preemption import Preemption, PreemptionConfig, clear_marker
 from stratagem.env.watchdog import Watchdog
 
@@ -56,10 +57,24 @@ def train(
     # stops after its first iteration); restored however train() ends
     build_stops = preemption or Preemption.from_config
     stops = build_stops(plan.preemption) if plan.preemption is not None else None
-    with stops if stops is not None else contextlib.nullcontext():
+    # the run's log file (the strategy opens it) ends with a line saying why the run ended
+    with stops if stops is not None else contextlib.nullcontext(), run_end_logged() as ended:
         parts = _build(strategy_config(cfg), plan, resume, load_from, progress)
         parts.checkpoints.on_commit = on_checkpoint
-        return _loop(parts, stops)
+        result = _loop(parts, stops)
+        ended.append(_end_line(result, parts.max_iters))
+        return result
+
+
+def _end_line(result: dict[str, Any], max_iters: int) -> str:
+    """The end of a run that returned: finished, or stopped by a preemption signal."""
+    it = result['iter']
+    if result['preempted'] is not None:
+        return (
+            f'run ended: preempted by {result["preempted"]} after iteration {it}/{max_iters} '
+            f'(iter_{it}.pth committed; a resume continues from it)'
+        )
+    return f'run ended: finished, iteration {it}/{max_iters}'
 
 
 @dataclass
@@ -168,6 +183,9 @@ def _build(
     )
     meta = (checkpoint.get('meta') or {}) if checkpoint is not None and resume else None
     start_iter, max_iters = _resumed_position(meta, max_iters)
+    strategy.logger.info(
+        _start_line(strategy, plan, optim_wrapper, batches.batch_size, start_iter, max_iters)
+    )
     seed = batches.seed_from(strategy)  # after a resume restored the run's seed
     device = _model_device(model)
     best = BestCheckpoint(plan.best) if plan.best is not None else None
@@ -198,6 +216,8 @@ def _build(
         by_epoch=plan.by_epoch,
         metrics=plan.metrics,
         progress=progress,
+        metrics_dir=_metrics_dir(strategy, meta),
+        resumed=meta is not None,
     )
     return _Parts(
         strategy=strategy,
@@ -228,6 +248,65 @@ def _resumed_position(meta: dict | None, max_iters: int) -> tuple[int, int]:
     change = meta.get('world_size_change') or {}
     converted = change.get('max_iters')
     return int(meta.get('iter', 0)), int(converted[1]) if converted else max_iters
+
+
+def _start_line(
+    strategy: Any, plan: RunPlan, optim_wrapper: Any, batch: int, start: int, max_iters: int
+) -> str:
+    """The run's start: its iterations, the real batch (every data-parallel process's
+    batch, accumulated: what one update sees) and the lr, with ``auto_scale_lr``'s
+    scaling from the configured lr to the one trained with."""
+    wrapper = next(iter(getattr(optim_wrapper, 'values', lambda: [optim_wrapper])()))
+    acc = int(getattr(wrapper, 'accumulative_counts', 1))
+    processes = strategy.data_parallel_size
+    real = processes * batch * acc
+    how = [f'{batch} per process']
+    if processes > 1:
+        how.insert(0, f'{processes} data-parallel processes')
+    if acc > 1:
+        how.append(f'{acc} accumulated')
+    resumed = f' (resumed after {start})' if start else ''
+    text = (
+        f'training: iterations {start + 1}-{max_iters}{resumed}; real batch {real}'
+        f'{" (" + " x ".join(how) + ")" if len(how) > 1 else ""}'
+    )
+    groups = getattr(wrapper, 'param_groups', None) or [{}]
+    lr = groups[0].get('initial_lr', groups[0].get('lr'))
+    scaling = strategy.auto_scale_lr or {}
+    if scaling.get('enable') and scaling.get('base_batch_size') and lr is not None:
+        configured = dict(dict(plan.optim_wrapper or {}).get('optimizer') or {}).get('lr')
+        ratio = real / scaling['base_batch_size']
+        before = configured if isinstance(configured, (int, float)) else lr / ratio
+        # the lr trained with (a resume at another world size keeps the saving run's scaling)
+        return (
+            f'{text}; lr {before:.6g} -> {lr:.6g} (auto_scale_lr: real batch '
+            f'{real} / base_batch_size {scaling["base_batch_size"]})'
+        )
+    return f'{text}; lr {lr:.6g}' if lr is not None else text
+
+
+def _metrics_dir(strategy: Any, meta: dict | None) -> str:
+    """Where the run's metrics go: for a resume, the folder of the run it resumes (its
+    checkpoint's ``meta['metrics_dir']``, a name under work_dir; made again if it was
+    removed), so that one CSV and one TensorBoard run cover the whole training; else (a
+    checkpoint of another work_dir, or a resume at another world size that renumbered the
+    iterations) this run's log_dir.
+    Decided from the checkpoint alone, so every rank decides alike."""
+    name = (meta or {}).get('metrics_dir')
+    saved_iter, new_iter = ((meta or {}).get('world_size_change') or {}).get('iter') or (0, None)
+    if new_iter is not None and new_iter != saved_iter:
+        return strategy.log_dir  # another world size counts other iterations: a new folder
+    resumed_from = getattr(strategy, 'resumed_from', None)
+    elsewhere = resumed_from is not None and not _same_dir(resumed_from, strategy.work_dir)
+    if elsewhere:  # another run's checkpoint (--resume PATH): this run's own folder
+        return strategy.log_dir
+    if isinstance(name, str) and name and not osp.isabs(name) and '..' not in name.split('/'):
+        return osp.join(strategy.work_dir, name)
+    return strategy.log_dir
+
+
+def _same_dir(path: str, directory: str) -> bool:
+    return osp.realpath(osp.dirname(osp.abspath(str(path)))) == osp.realpath(directory)
 
 
 def _arm_preemption(preemption: Preemption, p: _Parts) -> Any:
