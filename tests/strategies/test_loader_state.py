@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset, DistributedSampler, Subset
 
 pytest.importorskip('torchdata')
 
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from scenarios import Scenarios
 from stratagem.checkpoint import load_checkpoint_file
@@ -29,7 +30,7 @@ SAMPLES = 48
 GLOBAL_BATCH = 8  # per step, all ranks together: 6 steps an epoch
 EPOCHS = 2
 STOP = 9  # mid-way through the second epoch
-SCENARIOS = Scenarios(ranks=dict(nproc=2, timeout=180))
+SCENARIOS = Scenarios(ranks=dict(nproc=2, timeout=180), fabric=dict(nproc=2, timeout=240))
 
 
 class Indexed(Dataset):
@@ -146,10 +147,19 @@ def _saved(world, loaders, **kw):
     )
 
 
-def _loaders(world, epoch=1, workers=0, seed=7):
+SAMPLERS = {
+    'ours': lambda rank, world, seed: ResumableSampler(SAMPLES, rank, world, seed=seed),
+    'torch': lambda rank, world, seed: DistributedSampler(Indexed(), world, rank, seed=seed),
+    'torchdata': lambda rank, world, seed: StatefulDistributedSampler(
+        Indexed(), world, rank, seed=seed
+    ),
+}
+
+
+def _loaders(world, epoch=1, workers=0, seed=7, kind='ours'):
     out = []
     for rank in range(world):
-        sampler = ResumableSampler(SAMPLES, rank, world, seed=seed)
+        sampler = SAMPLERS[kind](rank, world, seed)
         sampler.set_epoch(epoch)
         out.append(
             StatefulDataLoader(
@@ -169,11 +179,20 @@ def _steps(loaders):
 
 
 @pytest.mark.parametrize(
-    ('old', 'new', 'workers'),
-    [(2, 1, 0), pytest.param(2, 4, 2, marks=pytest.mark.slow), (1, 4, 0)],
+    ('old', 'new', 'workers', 'kind'),
+    [
+        (2, 1, 0, 'ours'),
+        (1, 4, 0, 'ours'),
+        (4, 2, 0, 'torch'),
+        (2, 4, 0, 'torchdata'),
+        pytest.param(2, 4, 2, 'ours', marks=pytest.mark.slow),
+        pytest.param(4, 1, 2, 'torchdata', marks=pytest.mark.slow),
+    ],
 )
-def test_a_sample_position_over_our_sampler_converts_to_another_size(old, new, workers):
-    saving = _loaders(old, workers=workers)
+def test_a_sample_position_converts_to_another_size(old, new, workers, kind):
+    """Our sampler, torch's DistributedSampler, torchdata's StatefulDistributedSampler (whose
+    own state is the same count); in one process, with workers."""
+    saving = _loaders(old, workers=workers, kind=kind)
     iterators = [iter(loader) for loader in saving]
     for _ in range(2):  # 2 of the epoch's 6 steps
         for it in iterators:
@@ -182,7 +201,7 @@ def test_a_sample_position_over_our_sampler_converts_to_another_size(old, new, w
     rest = [
         set().union(*(set(next(it)[0].tolist()) for it in iterators)) for _ in range(4)
     ]  # the uninterrupted run's next 4 steps
-    resuming = _loaders(new, epoch=0, workers=workers)
+    resuming = _loaders(new, epoch=0, workers=workers, kind=kind)
     for rank, loader in enumerate(resuming):
         state = loader_state_for_rank(
             'train', loader, saved, rank=rank, world_size=new, data_parallel_size=new, path='p'
@@ -190,6 +209,21 @@ def test_a_sample_position_over_our_sampler_converts_to_another_size(old, new, w
         loader.load_state_dict(state)
         loader.sampler.set_epoch(1)
     assert _steps(resuming) == rest
+
+
+def test_an_epoch_read_to_its_end_converts_to_its_end():
+    saving = _loaders(2)
+    for loader in saving:
+        batches = iter(loader)
+        for _ in range(6):  # all of them, without reaching StopIteration
+            next(batches)
+    resumed = _loaders(4)[3]
+    state = loader_state_for_rank(
+        'train', resumed, _saved(2, saving), rank=3, world_size=4, data_parallel_size=4, path='p'
+    )
+    assert state['_sampler_iter_state'] == {'samples_yielded': 12}
+    resumed.load_state_dict(state)
+    assert list(resumed) == []
 
 
 def test_what_does_not_convert_is_refused_naming_the_loader():
@@ -315,3 +349,60 @@ def test_two_ranks_checkpoint_resumes_on_one_process_converted(scenario, tmp_pat
     assert [set(step[0]) for step in after] == [set(a[0]) | set(b[0]) for a, b in steps]
     for key, value in weights.items():
         torch.testing.assert_close(value, scenario[0]['weights'][key])
+
+
+def fabric_loop(work_dir, *, save_at=None, resume=False, epochs=EPOCHS):
+    """Fabric's own loop on our DDPStrategy, the StatefulDataLoader set up by Fabric (which
+    sets its DistributedSampler's epoch) and an entry of ``fabric.save``'s state. Returns this
+    rank's samples per step and the final weights. (Left to Fabric, the sampler of a
+    ``shuffle=True`` StatefulDataLoader, torchdata's own RandomSampler, would become a
+    DistributedSamplerWrapper around it, whose order a resume cannot find again.)"""
+    from lightning.fabric import Fabric
+
+    from stratagem.integrations.fabric import StratagemStrategy
+
+    strategy = StratagemStrategy(dict(type='DDPStrategy', work_dir=str(work_dir)))
+    fabric = Fabric(accelerator='cpu', devices=2, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    sampler = DistributedSampler(
+        Indexed(), num_replicas=fabric.world_size, rank=fabric.global_rank, seed=5
+    )
+    loader = fabric.setup_dataloaders(
+        StatefulDataLoader(Indexed(), batch_size=GLOBAL_BATCH // 2, sampler=sampler)
+    )
+    state = {'model': model, 'optimizer': optimizer, 'train_loader': loader, 'step': 0}
+    path = f'{work_dir}/stop.ckpt'
+    if resume:
+        fabric.load(path, state)
+    seen = []
+    while state['step'] < epochs * SAMPLES // GLOBAL_BATCH:
+        for index, x, y in loader:
+            fabric.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append(index.tolist())
+            state['step'] += 1
+            if state['step'] == save_at:
+                fabric.save(path, state)
+    return seen, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@SCENARIOS.add('fabric')
+def fabric_ranks(tmp):
+    import os
+
+    whole, weights = fabric_loop(os.path.join(tmp, 'fabric'), save_at=3, epochs=1)
+    after, resumed = fabric_loop(os.path.join(tmp, 'fabric'), resume=True, epochs=1)
+    return dict(whole=whole, weights=weights, after=after, resumed=resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.scenario('fabric_ranks')
+def test_fabric_two_ranks_resume_on_the_same_samples_and_weights(scenario):
+    for rank, r in enumerate(scenario):
+        assert r['after'] == r['whole'][3:], rank
+        assert _same(r['resumed'], r['weights'])
+    assert scenario[0]['whole'] != scenario[1]['whole']
