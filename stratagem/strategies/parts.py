@@ -412,6 +412,11 @@ class LoaderPart(CheckpointPart):
     def __init__(
         self, loaders: Mapping[str, Any], *, world_size: int, data_parallel_size: int
     ) -> None:
+        if not isinstance(loaders, Mapping):
+            raise TypeError(
+                f'loaders= takes a dict of named loaders, e.g. loaders={{"train": loader}}; got '
+                f'a {type(loaders).__name__}'
+            )
         for name, loader in loaders.items():
             check_loader(name, loader)
         self.loaders = dict(loaders)

@@ -135,6 +135,8 @@ def test_a_loader_state_that_would_not_load_fails_the_save_naming_it(tmp_path, c
     assert not (tmp_path / 'x.pth').exists()
     with pytest.raises(TypeError, match=r"loader 'plain' \(DataLoader\) has no state_dict"):
         strategy.save_checkpoint('y.pth', loaders={'plain': torch.utils.data.DataLoader([1])})
+    with pytest.raises(TypeError, match=r'loaders= takes a dict of named loaders'):
+        strategy.save_checkpoint('z.pth', loaders=[Cursor()])
 
 
 def _saved(world, loaders, **kw):
@@ -343,7 +345,10 @@ def test_two_ranks_resume_on_the_same_samples_and_weights(scenario):
 def test_two_ranks_checkpoint_resumes_on_one_process_converted(scenario, tmp_path, clean_env):
     """Saved by 2 ranks reading 4 samples a step, resumed by 1 reading 8: the same samples
     each step, and the weights up to the order of the batch's sum. (The 'aux' loader, a
-    rank's own shuffle, would be refused: test_what_does_not_convert_is_refused_...)"""
+    rank's own shuffle, is refused, naming it.)"""
+    refused = r"cannot resume loader 'aux' \(StatefulDataLoader\) from .*stop\.pth at data-"
+    with pytest.raises(WorldSizeChangeError, match=refused + r'parallel size 1 \(saved at 2\)'):
+        user_loop(tmp_path / 'refused', resume=scenario[0]['checkpoint'])
     after, weights = user_loop(tmp_path, resume=scenario[0]['checkpoint'], aux=False)
     steps = zip(scenario[0]['after'], scenario[1]['after'], strict=True)
     assert [set(step[0]) for step in after] == [set(a[0]) | set(b[0]) for a, b in steps]
