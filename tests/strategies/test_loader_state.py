@@ -79,7 +79,7 @@ def user_loop(work_dir, *, save_at=None, resume=None, aux=True):
         )
     step, first_epoch = 0, 0
     if resume is not None:
-        meta = strategy.resume(resume, loaders=loaders)['meta']
+        meta = strategy.load_or_resume(resume=resume, loaders=loaders)['meta']
         step, first_epoch = meta['iter'], meta['epoch']
     seen = []
     for epoch in range(first_epoch, EPOCHS):
