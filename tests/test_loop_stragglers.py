@@ -1,0 +1,157 @@
+"""Stragglers named (``stratagem/loop/stragglers.py``): the decision on plain numbers, the
+settings refused, and two processes where rank 1 loads its data slowly on purpose."""
+
+import csv
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset
+
+from dist_harness import run_distributed
+from stratagem.config import ConfigErrors
+from stratagem.loop import check_train_config
+from stratagem.loop.stragglers import SlowCounts, StragglerConfig, straggler_config
+
+
+def test_a_rank_is_named_after_the_configured_intervals_in_a_row():
+    counts = SlowCounts(StragglerConfig(factor=1.5, intervals=3))
+    # rank 2 at 2x the others' median twice, then an interval at 1.4x resets its count
+    assert counts.update([1.0, 1.1, 2.0, 0.9]) == []
+    assert counts.update([1.0, 1.0, 2.0, 1.0]) == []
+    assert counts.update([1.0, 1.0, 1.4, 1.0]) == [] and counts.counts[2] == 0
+    assert counts.update([1.0, 1.0, 3.0, 1.0]) == []
+    assert counts.update([1.0, 1.0, 3.0, 1.0]) == []
+    (slow,) = counts.update([1.0, 2.0, 3.0, 1.0])  # median of the others' (1, 2, 1): 1
+    assert (slow.rank, slow.ratio, slow.count, slow.first) == (2, 3.0, 3, True)
+    (again,) = counts.update([1.0, 1.0, 1.5, 1.0])  # exactly the factor is slow
+    assert (again.rank, again.ratio, again.count, again.first) == (2, 1.5, 4, False)
+    assert counts.recovered == []
+    assert counts.update([1.0, 1.0, 1.0, 1.0]) == [] and counts.recovered == [2]
+
+
+def test_ratios_against_the_median_of_the_other_ranks():
+    counts = SlowCounts(StragglerConfig())
+    # two ranks: each against the other (a median over both could never reach 2x)
+    assert counts.ratios([0.5, 1.5]) == [pytest.approx(1 / 3), 3.0]
+    assert counts.ratios([2.0, 1.0, 3.0]) == [1.0, 0.4, 2.0]
+    assert counts.ratios([0.0, 0.0, 0.2]) == [0.0, 0.0, float('inf')]
+    assert counts.ratios([0.0, 0.0]) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ('value', 'error'),
+    [
+        (dict(factor=1.0), 'train_cfg.straggler.factor should be a number > 1'),
+        (dict(factor='2'), 'train_cfg.straggler.factor should be a number > 1'),
+        (dict(intervals=0), 'train_cfg.straggler.intervals should be an int >= 1'),
+        (dict(intervals=2.0), 'train_cfg.straggler.intervals should be an int >= 1'),
+        (dict(factr=2), "unknown key(s) ['factr'] in train_cfg.straggler"),
+        ('on', 'train_cfg.straggler should be a dict'),
+    ],
+)
+def test_settings_are_checked(value, error):
+    with pytest.raises((TypeError, ValueError)) as info:
+        straggler_config(value)
+    assert error in str(info.value)
+
+
+def test_settings_default_on_and_turn_off(tmp_path):
+    assert straggler_config(True) == StragglerConfig(1.5, 3) == straggler_config({})
+    assert straggler_config(None) is None and straggler_config(False) is None
+    cfg = dict(
+        model=dict(type='MLPClassifier'),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
+        train_dataloader=dict(dataset=dict(type='SyntheticClassification')),
+        train_cfg=dict(max_iters=2),
+    )
+    assert check_train_config(cfg).straggler == StragglerConfig(1.5, 3)
+    cfg['train_cfg'] = dict(max_iters=2, straggler=dict(factor=3, intervals=1))
+    assert check_train_config(cfg).straggler == StragglerConfig(3.0, 1)
+    cfg['train_cfg'] = dict(max_iters=2, straggler=None)
+    assert check_train_config(cfg).straggler is None
+    cfg['train_cfg'] = dict(max_iters=2, straggler=dict(factor=0.5))
+    with pytest.raises((ValueError, ConfigErrors), match='straggler.factor'):
+        check_train_config(cfg)
+
+
+class Sleepy(Dataset):
+    """32 samples; each takes ``base`` s to load, and ``extra`` s more on rank ``slow``."""
+
+    def __init__(self, base, extra, slow):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(32, 4, generator=g), torch.randn(32, generator=g)
+        rank = int(os.environ.get('RANK', '0'))
+        self.delay = base + (extra if rank == slow else 0.0)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        time.sleep(self.delay)
+        return self.x[i], self.y[i]
+
+
+class Regression(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, inputs, targets):
+        return F.mse_loss(self.fc(inputs).squeeze(1), targets)
+
+
+def _cfg(work, extra):
+    return dict(
+        model=dict(type=Regression),
+        # 4 samples a batch: rank 1 loads for 4 x (base + extra) s
+        train_dataloader=dict(
+            dataset=dict(type=Sleepy, base=0.004, extra=extra, slow=1), batch_size=4
+        ),  # fmt: skip
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.01)),
+        train_cfg=dict(
+            max_iters=8,
+            log_interval=2,
+            straggler=dict(factor=1.5, intervals=2),
+            metrics=dict(tensorboard=False),
+        ),
+        work_dir=work,
+    )
+
+
+def _two_runs(root):
+    from stratagem.loop import train
+
+    slow = train(_cfg(os.path.join(root, 'slow'), extra=0.02), progress=False)
+    even = train(_cfg(os.path.join(root, 'even'), extra=0.0), progress=False)
+    return slow['stragglers'], even['stragglers']
+
+
+def test_a_rank_slow_on_purpose_is_the_one_named(tmp_path):
+    """Rank 1 sleeps 20 ms more per sample: timed at iterations 2, 4, 6, 8 (log_interval
+    2; the first step is not timed), slow in 2 intervals in a row from iteration 4 on, so
+    named at 4, 6 and 8 with a ratio above the factor; a run where every rank sleeps alike
+    names nobody."""
+    (slow, even), (rank1_slow, rank1_even) = run_distributed(
+        _two_runs, nproc=2, args=(str(tmp_path),), timeout=180
+    )
+    assert [(it, rank) for it, rank, _ in slow] == [(4, 1), (6, 1), (8, 1)]
+    assert all(ratio > 1.5 for _, _, ratio in slow), slow
+    assert even == []
+    assert rank1_slow == rank1_even == []  # rank 0 decides
+    (table,) = Path(tmp_path, 'slow').glob('*/metrics.csv')
+    with open(table) as f:
+        rows = [r for r in csv.DictReader(f) if r['straggler/rank']]
+    assert [(int(r['iter']), int(float(r['straggler/rank']))) for r in rows] == [
+        (4, 1),
+        (6, 1),
+        (8, 1),
+    ]
+    assert [float(r['straggler/ratio']) for r in rows] == pytest.approx([s[2] for s in slow])
+    (table,) = Path(tmp_path, 'even').glob('*/metrics.csv')
+    with open(table) as f:
+        assert 'straggler/rank' not in f.readline()
