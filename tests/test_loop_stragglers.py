@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 from dist_harness import run_distributed
 from stratagem.config import ConfigErrors
 from stratagem.loop import check_train_config
-from stratagem.loop.stragglers import SlowCounts, StragglerConfig, straggler_config
+from stratagem.loop.stragglers import SlowCounts, StragglerConfig, _PhaseTimer, straggler_config
 
 
 def test_a_rank_is_named_after_the_configured_intervals_in_a_row():
@@ -77,6 +77,43 @@ def test_settings_default_on_and_turn_off(tmp_path):
     cfg['train_cfg'] = dict(max_iters=2, straggler=dict(factor=0.5))
     with pytest.raises((ValueError, ConfigErrors), match='straggler.factor'):
         check_train_config(cfg)
+
+
+class SlowForward(nn.Module):
+    """Sleeps 30 ms in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x):
+        time.sleep(0.03)
+        return self.fc(x).sum()
+
+
+def test_one_step_phases_and_the_hooks_gone_after_it():
+    model = SlowForward()
+    timer = _PhaseTimer(model, cuda=False, compute=True)
+    timer.arm()
+    time.sleep(0.02)
+    timer.got_batch()
+    loss = model(torch.randn(2, 4))
+    time.sleep(0.04)
+    model(torch.randn(2, 4))  # a forward again (a recomputation) moves no mark
+    loss.backward()
+    phases = timer.finish()
+    assert 0.02 <= phases['data'] < 0.02 + 0.5
+    assert 0.03 <= phases['forward'] < 0.03 + 0.5
+    assert 0.07 <= phases['backward'] < 0.07 + 0.5  # from the first forward's end
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    # without compute (a backend whose forward holds collectives): data only, no hooks
+    timer = _PhaseTimer(model, cuda=False, compute=False)
+    timer.arm()
+    assert not model._forward_hooks
+    timer.got_batch()
+    model(torch.randn(2, 4)).backward()
+    assert timer.finish()['forward'] is None
 
 
 class Sleepy(Dataset):
