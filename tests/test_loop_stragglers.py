@@ -34,6 +34,14 @@ def test_a_rank_is_named_after_the_configured_intervals_in_a_row():
     assert counts.update([1.0, 1.0, 1.0, 1.0]) == [] and counts.recovered == [2]
 
 
+def test_a_rank_must_also_be_min_seconds_slower():
+    counts = SlowCounts(StragglerConfig(factor=1.5, intervals=1, min_seconds=0.01))
+    # 3x the other's time, but 2 ms of a tiny step's jitter: not slow
+    assert counts.update([0.001, 0.003]) == [] and counts.counts == {0: 0, 1: 0}
+    (slow,) = counts.update([0.005, 0.02])
+    assert (slow.rank, slow.ratio) == (1, pytest.approx(4.0))
+
+
 def test_ratios_against_the_median_of_the_other_ranks():
     counts = SlowCounts(StragglerConfig())
     # two ranks: each against the other (a median over both could never reach 2x)
@@ -50,6 +58,7 @@ def test_ratios_against_the_median_of_the_other_ranks():
         (dict(factor='2'), 'train_cfg.straggler.factor should be a number > 1'),
         (dict(intervals=0), 'train_cfg.straggler.intervals should be an int >= 1'),
         (dict(intervals=2.0), 'train_cfg.straggler.intervals should be an int >= 1'),
+        (dict(min_seconds=-1), 'train_cfg.straggler.min_seconds should be a number >= 0'),
         (dict(factr=2), "unknown key(s) ['factr'] in train_cfg.straggler"),
         ('on', 'train_cfg.straggler should be a dict'),
     ],
@@ -61,7 +70,7 @@ def test_settings_are_checked(value, error):
 
 
 def test_settings_default_on_and_turn_off(tmp_path):
-    assert straggler_config(True) == StragglerConfig(1.5, 3) == straggler_config({})
+    assert straggler_config(True) == StragglerConfig(1.5, 3, 0.01) == straggler_config({})
     assert straggler_config(None) is None and straggler_config(False) is None
     cfg = dict(
         model=dict(type='MLPClassifier'),
@@ -70,8 +79,8 @@ def test_settings_default_on_and_turn_off(tmp_path):
         train_cfg=dict(max_iters=2),
     )
     assert check_train_config(cfg).straggler == StragglerConfig(1.5, 3)
-    cfg['train_cfg'] = dict(max_iters=2, straggler=dict(factor=3, intervals=1))
-    assert check_train_config(cfg).straggler == StragglerConfig(3.0, 1)
+    cfg['train_cfg'] = dict(max_iters=2, straggler=dict(factor=3, intervals=1, min_seconds=0))
+    assert check_train_config(cfg).straggler == StragglerConfig(3.0, 1, 0.0)
     cfg['train_cfg'] = dict(max_iters=2, straggler=None)
     assert check_train_config(cfg).straggler is None
     cfg['train_cfg'] = dict(max_iters=2, straggler=dict(factor=0.5))

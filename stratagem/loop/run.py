@@ -118,7 +118,9 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
                 p.checkpoints.after_step(it)
             if p.meter.due(it, stop):
                 p.meter.log_row(it)
-            p.stragglers.after_step(it)
+            if p.stragglers.due(it):
+                watchdog.at(it, "comparing the ranks' step times")
+                p.stragglers.compare(it)
             p.meter.after_iteration(it, p.validation)
             if stop and it < p.max_iters:
                 assert preemption is not None and p.checkpoints.saved_at == it

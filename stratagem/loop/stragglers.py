@@ -22,13 +22,14 @@ wait inside their forward too and only ``data`` is compared.
 Then each rank posts its phases under its own key of the process group's store (the
 watchdog's store, ``env/store.py``; no collective), and rank 0 reads them all and decides
 (:class:`SlowCounts`): a rank whose total is ``factor`` × the median of the other ranks'
-totals is slow in that interval; slow in ``intervals`` consecutive intervals, it is named in
-a warning (its rank, host, phases and ratio) and a metrics row (``straggler/rank``,
-``straggler/ratio``) every interval it stays slow; a line says when it no longer is.
+totals, and ``min_seconds`` more, is slow in that interval; slow in ``intervals``
+consecutive intervals, it is named in a warning (its rank, host, phases and ratio) and a
+metrics row (``straggler/rank``, ``straggler/ratio``) every interval it stays slow; a line
+says when it no longer is.
 
-``train_cfg.straggler``: ``dict(factor=1.5, intervals=3)`` (the default; on in every run of
-two or more processes, off under a pipeline, whose stages do different work); None or False:
-off.
+``train_cfg.straggler``: ``dict(factor=1.5, intervals=3, min_seconds=0.01)`` (the default; on
+in every run of two or more processes, off under a pipeline, whose stages do different
+work); None or False: off.
 """
 
 from __future__ import annotations
@@ -47,29 +48,32 @@ from torch import nn
 __all__ = ['SlowCounts', 'StragglerConfig', 'Stragglers', 'straggler_config']
 
 PHASES = ('data', 'forward', 'backward')
-_KEYS = frozenset({'factor', 'intervals'})
+_KEYS = frozenset({'factor', 'intervals', 'min_seconds'})
 
 
 @dataclass(frozen=True)
 class StragglerConfig:
     """``factor``: how many times the other ranks' median time makes a rank slow (> 1);
-    ``intervals``: how many consecutive log intervals it must be slow to be named (>= 1)."""
+    ``intervals``: how many consecutive log intervals it must be slow to be named (>= 1);
+    ``min_seconds``: how much longer than that median it must take too (>= 0): a step of a
+    few milliseconds on a busy host jitters by more than any factor."""
 
     factor: float = 1.5
     intervals: int = 3
+    min_seconds: float = 0.01
 
 
 def straggler_config(value: Any, key: str = 'train_cfg.straggler') -> StragglerConfig | None:
-    """``value`` as settings: None/False: off; True: the defaults; a dict sets ``factor``
-    and ``intervals``. Errors name ``key``."""
+    """``value`` as settings: None/False: off; True: the defaults; a dict sets ``factor``,
+    ``intervals`` and ``min_seconds``. Errors name ``key``."""
     if value is None or value is False:
         return None
     if value is True:
         return StragglerConfig()
     if not isinstance(value, Mapping):
         raise TypeError(
-            f'{key} should be a dict such as dict(factor=1.5, intervals=3), True (these '
-            f'defaults) or None (off); got {value!r}'
+            f'{key} should be a dict such as dict(factor=1.5, intervals=3, min_seconds=0.01), '
+            f'True (these defaults) or None (off); got {value!r}'
         )
     unknown = sorted(set(value) - _KEYS)
     if unknown:
@@ -84,7 +88,13 @@ def straggler_config(value: Any, key: str = 'train_cfg.straggler') -> StragglerC
         raise ValueError(
             f'{key}.intervals should be an int >= 1 (consecutive log intervals), got {intervals!r}'
         )
-    return StragglerConfig(float(factor), intervals)
+    floor = value.get('min_seconds', StragglerConfig.min_seconds)
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not floor >= 0:
+        raise ValueError(
+            f"{key}.min_seconds should be a number >= 0 (seconds over the other ranks' "
+            f'median), got {floor!r}'
+        )
+    return StragglerConfig(float(factor), intervals, float(floor))
 
 
 @dataclass(frozen=True)
@@ -101,24 +111,26 @@ class Slow:
 
 class SlowCounts:
     """The decision, on plain numbers: per rank, the consecutive intervals its time was at
-    least ``factor`` × the median of the other ranks' times."""
+    least ``factor`` × the median of the other ranks' times, and ``min_seconds`` more."""
 
     def __init__(self, config: StragglerConfig) -> None:
         self.config = config
         self.counts: dict[int, int] = {}
         self.recovered: list[int] = []  # named ranks whose last interval was not slow
 
+    def medians(self, times: Sequence[float]) -> list[float]:
+        """For each rank, the median of the other ranks' times (a lone rank: its own)."""
+        return [
+            statistics.median([x for i, x in enumerate(times) if i != r] or [t])
+            for r, t in enumerate(times)
+        ]
+
     def ratios(self, times: Sequence[float]) -> list[float]:
         """Each rank's time over the median of the others' (a lone rank: 1)."""
-        out = []
-        for r, t in enumerate(times):
-            others = [x for i, x in enumerate(times) if i != r]
-            if not others:
-                out.append(1.0)
-                continue
-            median = statistics.median(others)
-            out.append(t / median if median > 0 else (math.inf if t > 0 else 1.0))
-        return out
+        return [
+            t / m if m > 0 else (math.inf if t > 0 else 1.0)
+            for t, m in zip(times, self.medians(times))
+        ]
 
     def update(self, times: Sequence[float]) -> list[Slow]:
         """One interval's times by rank; returns the ranks named in it (slow in
@@ -126,9 +138,11 @@ class SlowCounts:
         then lists the named ranks that were not slow in it."""
         named, self.recovered = [], []
         need = self.config.intervals
+        floor = self.config.min_seconds
+        medians = self.medians(times)
         for r, ratio in enumerate(self.ratios(times)):
             before = self.counts.get(r, 0)
-            if ratio >= self.config.factor:
+            if ratio >= self.config.factor and times[r] - medians[r] >= floor:
                 count = self.counts[r] = before + 1
                 if count >= need:
                     named.append(Slow(r, ratio, count, count == need))
@@ -277,11 +291,14 @@ class Stragglers:
         if self._timing is not None:
             self._timer.got_batch()
 
-    def after_step(self, it: int) -> None:
-        """After iteration ``it``'s step: when it was timed, its phases to the store; rank 0
-        compares every rank's and names the slow ones."""
-        if self._timing != it:
-            return
+    def due(self, it: int) -> bool:
+        """After iteration ``it``: whether its step was timed (then :meth:`compare`)."""
+        return self._timing == it
+
+    def compare(self, it: int) -> None:
+        """After the timed iteration ``it``: its phases to the store; rank 0 compares every
+        rank's and names the slow ones."""
+        assert self._timing == it, (self._timing, it)
         self._timing = None
         phases = self._timer.finish()
         store = self._client()
@@ -324,7 +341,7 @@ class Stragglers:
                     f"other ranks' median ({others:.4f} s) in {slow.count} log intervals in "
                     f'a row, at iteration {it}: {_phase_text(phases, self.compute)} '
                     f'(train_cfg.straggler: factor {self._config.factor:g}, intervals '
-                    f'{self._config.intervals})'
+                    f'{self._config.intervals}, min_seconds {self._config.min_seconds:g})'
                 )
         for rank in self._counts.recovered:
             log.info(f'straggler: rank {rank} is no longer slow at iteration {it}')
