@@ -19,8 +19,9 @@ collectives of its own (``Capabilities.fully_shards``: FSDP's parameter all-gath
 ``engine_steps``: DeepSpeed's engine; a model with ``SyncBatchNorm``), the peers of a slow rank
 wait inside their forward too and only ``data`` is compared.
 
-Then each rank posts its phases under its own key of the process group's store (the
-watchdog's store, ``env/store.py``; no collective), and rank 0 reads them all and decides
+Then each rank appends its phases to one key of the process group's store (the watchdog's
+store, ``env/store.py``; no collective) and counts itself in; the last one marks the
+interval done, and rank 0, waiting for that mark, reads them all and decides
 (:class:`SlowCounts`): a rank whose total is ``factor`` × the median of the other ranks'
 totals, and ``min_seconds`` more, is slow in that interval; slow in ``intervals``
 consecutive intervals, it is named in a warning (its rank, host, phases and ratio) and a
@@ -303,15 +304,19 @@ class Stragglers:
         phases = self._timer.finish()
         store = self._client()
         key = f'stratagem/straggler/{it}'
-        store.set(f'{key}/{self.rank}', _encode(phases, self._host))
+        # one key for all ranks, and a count: rank 0's round trips do not grow with the world
+        store.append(f'{key}/times', f'{self.rank} {_encode(phases, self._host)}\n')
+        if store.add(f'{key}/posted', 1) == self.world_size:
+            store.set(f'{key}/done', '1')
         if self.rank != 0:
             return
-        keys = [f'{key}/{r}' for r in range(self.world_size)]
         # every rank reaches this iteration's end: a wait of at most one step's imbalance
-        posted = [_decode(v.decode()) for v in store.multi_get(keys)]
-        for k in keys:
-            store.delete_key(k)
-        self._decide(it, posted)
+        store.wait([f'{key}/done'])
+        lines = store.get(f'{key}/times').decode().splitlines()
+        for name in ('times', 'posted', 'done'):
+            store.delete_key(f'{key}/{name}')
+        posted = dict(line.split(' ', 1) for line in lines)
+        self._decide(it, [_decode(posted[str(r)]) for r in range(self.world_size)])
 
     def _client(self) -> Any:
         if self._store is None:
