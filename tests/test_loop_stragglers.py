@@ -125,14 +125,17 @@ def test_one_step_phases_and_the_hooks_gone_after_it():
     assert timer.finish()['forward'] is None
 
 
-class Sleepy(Dataset):
-    """32 samples; each takes ``base`` s to load, and ``extra`` s more on rank ``slow``."""
+def _rank():
+    return int(os.environ.get('RANK', '0'))
 
-    def __init__(self, base, extra, slow):
+
+class Sleepy(Dataset):
+    """32 samples; on rank 1 each takes ``extra`` s more to load than ``base``."""
+
+    def __init__(self, base, extra):
         g = torch.Generator().manual_seed(0)
         self.x, self.y = torch.randn(32, 4, generator=g), torch.randn(32, generator=g)
-        rank = int(os.environ.get('RANK', '0'))
-        self.delay = base + (extra if rank == slow else 0.0)
+        self.delay = base + (extra if _rank() == 1 else 0.0)
 
     def __len__(self):
         return len(self.x)
@@ -142,22 +145,39 @@ class Sleepy(Dataset):
         return self.x[i], self.y[i]
 
 
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
 class Regression(nn.Module):
-    def __init__(self):
+    """Two layers; on rank 1 its forward takes ``forward`` s more, and its backward
+    ``backward`` s more between the second layer's gradients and the first's."""
+
+    def __init__(self, forward=0.0, backward=0.0):
         super().__init__()
-        self.fc = nn.Linear(4, 1)
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 1)
+        slow = _rank() == 1
+        self.forward_s, self.backward_s = (forward, backward) if slow else (0.0, 0.0)
 
     def forward(self, inputs, targets):
-        return F.mse_loss(self.fc(inputs).squeeze(1), targets)
+        time.sleep(self.forward_s)
+        h = _SleepInBackward.apply(self.fc1(inputs), self.backward_s)
+        return F.mse_loss(self.fc2(torch.relu(h)).squeeze(1), targets)
 
 
-def _cfg(work, extra):
+def _cfg(work, data=0.0, **model):
     return dict(
-        model=dict(type=Regression),
-        # 4 samples a batch: rank 1 loads for 4 x (base + extra) s
-        train_dataloader=dict(
-            dataset=dict(type=Sleepy, base=0.004, extra=extra, slow=1), batch_size=4
-        ),  # fmt: skip
+        model=dict(type=Regression, **model),
+        # 4 samples a batch: every rank loads for 4 x 4 ms, rank 1 for 4 x data s more
+        train_dataloader=dict(dataset=dict(type=Sleepy, base=0.004, extra=data), batch_size=4),
         optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.01)),
         train_cfg=dict(
             max_iters=8,
@@ -169,35 +189,52 @@ def _cfg(work, extra):
     )
 
 
-def _two_runs(root):
+def _runs(root, cases):
+    """``{name: train()'s stragglers}`` of one run per ``(name, slow phases)`` case."""
     from stratagem.loop import train
 
-    slow = train(_cfg(os.path.join(root, 'slow'), extra=0.02), progress=False)
-    even = train(_cfg(os.path.join(root, 'even'), extra=0.0), progress=False)
-    return slow['stragglers'], even['stragglers']
+    return {
+        name: train(_cfg(os.path.join(root, name), **slow), progress=False)['stragglers']
+        for name, slow in cases
+    }
+
+
+def _named(rows):
+    return [(r['iter'], r['rank']) for r in rows]
 
 
 def test_a_rank_slow_on_purpose_is_the_one_named(tmp_path):
-    """Rank 1 sleeps 20 ms more per sample: timed at iterations 2, 4, 6, 8 (log_interval
-    2; the first step is not timed), slow in 2 intervals in a row from iteration 4 on, so
-    named at 4, 6 and 8 with a ratio above the factor; a run where every rank sleeps alike
-    names nobody."""
-    (slow, even), (rank1_slow, rank1_even) = run_distributed(
-        _two_runs, nproc=2, args=(str(tmp_path),), timeout=180
-    )
-    assert [(it, rank) for it, rank, _ in slow] == [(4, 1), (6, 1), (8, 1)]
-    assert all(ratio > 1.5 for _, _, ratio in slow), slow
-    assert even == []
-    assert rank1_slow == rank1_even == []  # rank 0 decides
+    """Rank 1 loads each sample 20 ms more slowly: timed at iterations 2, 4, 6, 8
+    (log_interval 2; the first step is not timed), slow in 2 intervals in a row from
+    iteration 4 on, so named at 4, 6 and 8 with a ratio above the factor; a run where every
+    rank loads alike names nobody."""
+    cases = [('slow', dict(data=0.02)), ('even', {})]
+    result, rank1 = run_distributed(_runs, nproc=2, args=(str(tmp_path), cases), timeout=180)
+    slow = result['slow']
+    assert _named(slow) == [(4, 1), (6, 1), (8, 1)]
+    assert all(r['ratio'] > 1.5 and r['data'] >= 0.08 for r in slow), slow
+    assert result['even'] == []
+    assert rank1 == {'slow': [], 'even': []}  # rank 0 decides
     (table,) = Path(tmp_path, 'slow').glob('*/metrics.csv')
     with open(table) as f:
         rows = [r for r in csv.DictReader(f) if r['straggler/rank']]
-    assert [(int(r['iter']), int(float(r['straggler/rank']))) for r in rows] == [
-        (4, 1),
-        (6, 1),
-        (8, 1),
-    ]
-    assert [float(r['straggler/ratio']) for r in rows] == pytest.approx([s[2] for s in slow])
+    assert [(int(r['iter']), int(float(r['straggler/rank']))) for r in rows] == _named(slow)
+    assert [float(r['straggler/ratio']) for r in rows] == pytest.approx([r['ratio'] for r in slow])
     (table,) = Path(tmp_path, 'even').glob('*/metrics.csv')
     with open(table) as f:
         assert 'straggler/rank' not in f.readline()
+
+
+@pytest.mark.slow
+def test_a_slow_forward_or_backward_is_timed_before_the_all_reduce(tmp_path):
+    """Rank 1's forward, then its backward (between its two layers' gradients, so its last
+    gradient, and its entry into DDP's all-reduce, come 40 ms later) is slow: named, and
+    that phase is the one that took the time (rank 0 waits for rank 1's gradients inside
+    the all-reduce, after its own marks)."""
+    cases = [('forward', dict(forward=0.04)), ('backward', dict(backward=0.04))]
+    result, _ = run_distributed(_runs, nproc=2, args=(str(tmp_path), cases), timeout=240)
+    for phase, rows in result.items():
+        assert _named(rows) == [(4, 1), (6, 1), (8, 1)], (phase, rows)
+        for row in rows:
+            others = [p for p in ('data', 'forward', 'backward') if p != phase]
+            assert row[phase] >= 0.04 and all(row[p] < 0.04 for p in others), (phase, row)

@@ -40,7 +40,8 @@ def train(
     (``(iter, {name: mean})`` per validation), 'best' (``save_best``'s metric, rule, score
     and checkpoint file name, else None), 'iter', 'preempted', 'stragglers'}``
     (``preempted``: the signal that stopped the run early, else None; ``stragglers``: on rank
-    0, ``(iter, rank, ratio)`` each interval a rank was named, ``loop/stragglers.py``).
+    0, ``{iter, rank, ratio, host, data, forward, backward}`` each interval a rank was named,
+    ``loop/stragglers.py``).
 
     For a host that runs the loop (``stratagem.integrations.ray``): ``on_checkpoint(path,
     iteration)`` is called on every rank once each checkpoint the loop saves is committed

@@ -265,7 +265,9 @@ class Stragglers:
             and self.world_size > 1
             and getattr(strategy, 'pipeline_spec', None) is None
         )
-        self.named: list[tuple[int, int, float]] = []  # (iter, rank, ratio), rank 0
+        # rank 0: each interval a rank was named, {iter, rank, ratio, host, data, forward,
+        # backward} (seconds; None: not measured)
+        self.named: list[dict[str, Any]] = []
         self._timing: int | None = None
         if not self.active:
             return
@@ -335,7 +337,7 @@ class Stragglers:
         epoch = (it - 1) // self.epoch_length + 1
         for slow in self._counts.update(totals):
             phases, host = posted[slow.rank]
-            self.named.append((it, slow.rank, slow.ratio))
+            self.named.append(dict(iter=it, rank=slow.rank, ratio=slow.ratio, host=host, **phases))
             self.meter.metrics.write_scalars(
                 it, epoch, {'straggler/rank': slow.rank, 'straggler/ratio': slow.ratio}
             )
