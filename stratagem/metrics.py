@@ -11,7 +11,8 @@ accelerator's allocator peak, else the resident set's high-water mark),
 for an asynchronous save, the snapshot), then every other scalar the model returned in
 training (e.g. ``acc``; mean over the interval). Each validation writes a row of its own:
 ``iter``, ``epoch`` and ``val/<name>`` for every scalar of the model's validation output
-(means over the whole validation set). Each row goes to:
+(means over the whole validation set). A straggler named (``stratagem.loop.stragglers``)
+writes ``iter``, ``epoch``, ``straggler/rank`` and ``straggler/ratio``. Each row goes to:
 
 - ``<log_dir>/metrics.csv`` (the log directory of the run's first part: a resumed run
   appends to the metrics of the run it resumes, its rows after the resumed iteration dropped;
@@ -294,6 +295,13 @@ class RunMetrics:
         """One validation's row: ``iter``, ``epoch`` and ``val/<name>`` per value."""
         row: dict[str, Any] = {'iter': it, 'epoch': epoch}
         row.update((f'val/{name}', value) for name, value in values.items())
+        self._add(row)
+        return row
+
+    def write_scalars(self, it: int, epoch: int, values: Mapping[str, float]) -> dict:
+        """A row of other scalars under their own tags (``straggler/rank``, ...): ``iter``,
+        ``epoch`` and ``values`` as given."""
+        row: dict[str, Any] = {'iter': it, 'epoch': epoch, **values}
         self._add(row)
         return row
 

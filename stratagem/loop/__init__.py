@@ -22,7 +22,11 @@ collaborator owns one trigger and its state; the loop calls them in this fixed o
 6. ``checkpoints.py``: every ``checkpoint_interval`` iterations, at the end and at a stop,
    with ``max_keep_ckpts``' retention (the best and the checkpoint resumed from kept);
 7. ``meter.py``: every ``log_interval`` iterations, one host sync, the row (log line,
-   ``metrics.csv``, TensorBoard) and the progress bar; then the validation's rows and lines.
+   ``metrics.csv``, TensorBoard) and the progress bar;
+8. ``stragglers.py``: on the step that ended a log interval (timed before its gradient
+   all-reduce, hooks for that step only), the ranks' phases compared through the store and a
+   rank slower than the others' median by ``train_cfg.straggler``'s factor, interval after
+   interval, named; then the meter's validation rows and lines.
 
 A resumed run continues from the same sample and the same RNG state, so it ends where an
 uninterrupted run would.

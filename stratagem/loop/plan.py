@@ -32,6 +32,8 @@ from stratagem.schema import (
     VAL_DATALOADER_KEYS,
 )
 
+from .stragglers import StragglerConfig, straggler_config
+
 __all__ = [
     'BestPlan',
     'CheckpointPlan',
@@ -128,8 +130,8 @@ class RunPlan:
     ``model``, ``optim_wrapper``, ``param_scheduler`` and ``compile`` go to
     ``strategy.prepare`` as they are; ``by_epoch``: positions, validation and save_best's
     names count epochs; ``log_interval``: iterations per logged row (>= 1); ``metrics``:
-    ``train_cfg.metrics``; ``preemption``: None when off; ``resume`` / ``load_from``: the
-    config's top-level keys (the command line's win)."""
+    ``train_cfg.metrics``; ``preemption`` and ``straggler``: None when off; ``resume`` /
+    ``load_from``: the config's top-level keys (the command line's win)."""
 
     model: Any
     optim_wrapper: Any
@@ -143,6 +145,7 @@ class RunPlan:
     refit_schedulers: bool
     metrics: Any
     preemption: PreemptionConfig | None
+    straggler: StragglerConfig | None
     checkpoints: CheckpointPlan
     best: BestPlan | None
     validation: ValidationPlan | None
@@ -211,6 +214,7 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
     if 'max_iters' not in train_cfg:  # max_iters wins
         max_epochs = problems.attempt(_run_length, train_cfg, 'max_epochs')
     preemption = problems.attempt(preemption_config, train_cfg.get('preemption', True))
+    straggler = problems.attempt(straggler_config, train_cfg.get('straggler', True))
     problems.raise_any()
     return RunPlan(
         model=cfg.model,
@@ -225,6 +229,7 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
         refit_schedulers=bool(train_cfg.get('refit_schedulers', False)),
         metrics=train_cfg.get('metrics'),
         preemption=preemption,
+        straggler=straggler,
         checkpoints=checkpoints,
         best=best,
         validation=validation,

@@ -22,6 +22,7 @@ from .meter import Meter
 from .plan import RunPlan, check_train_config, dist_timeout, strategy_config
 from .schedulers import Schedulers
 from .step import Step, build_step
+from .stragglers import Stragglers
 from .validation import BestCheckpoint, Validation
 
 __all__ = ['train']
@@ -38,8 +39,10 @@ def train(
 ) -> dict[str, Any]:
     """Train from ``cfg``; returns ``{'strategy', 'losses' (per logged iteration), 'val'
     (``(iter, {name: mean})`` per validation), 'best' (``save_best``'s metric, rule, score
-    and checkpoint file name, else None), 'iter', 'preempted'}`` (``preempted``: the signal
-    that stopped the run early, else None).
+    and checkpoint file name, else None), 'iter', 'preempted', 'stragglers'}``
+    (``preempted``: the signal that stopped the run early, else None; ``stragglers``: on rank
+    0, ``{iter, rank, ratio, host, data, forward, backward}`` each interval a rank was named,
+    ``loop/stragglers.py``).
 
     For a host that runs the loop (``stratagem.integrations.ray``): ``on_checkpoint(path,
     iteration)`` is called on every rank once each checkpoint the loop saves is committed
@@ -93,13 +96,15 @@ class _Parts:
     best: BestCheckpoint | None
     checkpoints: Checkpoints
     meter: Meter
+    stragglers: Stragglers
     timeout: float
 
 
 def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
     """The iterations from ``p.start_iter`` to ``p.max_iters``, each followed by the
     collaborators in a fixed order: schedulers, (the agreed preemption stop), validation and
-    the best checkpoint, the periodic checkpoint, the meter's row, the validation's lines.
+    the best checkpoint, the periodic checkpoint, the meter's row, the stragglers' comparison
+    (of the step timed at a log interval), the validation's lines.
     A preemption stop ends the loop after its iteration's checkpoint."""
     signalled = _arm_preemption(preemption, p) if preemption is not None else None
     it, preempted = p.start_iter, None
@@ -108,7 +113,9 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
     with p.meter, Watchdog(p.timeout, signalled=signalled) as watchdog:
         while it < p.max_iters:
             watchdog.at(it + 1, 'loading data')
+            p.stragglers.start(it + 1)  # the step ending a log interval: this rank's phases
             batch = p.batches.at(it)
+            p.stragglers.got_batch()
             p.meter.saw_batch(batch)
             watchdog.at(it + 1, 'forward, backward, update')
             p.meter.after_step(*p.step(batch))
@@ -127,6 +134,9 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
                 p.checkpoints.after_step(it)
             if p.meter.due(it, stop):
                 p.meter.log_row(it)
+            if p.stragglers.due(it):
+                watchdog.at(it, "comparing the ranks' step times")
+                p.stragglers.compare(it)
             p.meter.after_iteration(it, p.validation)
             if stop and it < p.max_iters:
                 assert preemption is not None and p.checkpoints.saved_at == it
@@ -148,6 +158,7 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
         'best': None if p.best is None or p.best.filename is None else p.best.meta()['best'],
         'iter': it,
         'preempted': preempted,
+        'stragglers': p.stragglers.named,
     }
 
 
@@ -234,6 +245,14 @@ def _build(
             strategy, every, plan.checkpoints.max_keep, epoch_length, max_iters, best, meter
         ),
         meter=meter,
+        stragglers=Stragglers(
+            plan.straggler,
+            strategy,
+            meter,
+            log_interval=plan.log_interval,
+            start_iter=start_iter,
+            epoch_length=epoch_length,
+        ),
         timeout=dist_timeout(strategy_cfg),
     )
 
