@@ -257,6 +257,15 @@ class RunMetrics:
         self._add(row)
         return row
 
+    def write_anomaly(self, it: int, epoch: int, values: Mapping[str, float]) -> dict:
+        """A refused update's row (``train_cfg.anomaly``): ``iter``, ``epoch`` and
+        ``anomaly/<name>`` per value (``anomaly/nonfinite`` or ``anomaly/spike``, the action's
+        ``anomaly/skip`` / ``rollback`` / ``stop``, ``anomaly/loss``, ...)."""
+        row: dict[str, Any] = {'iter': it, 'epoch': epoch}
+        row.update((f'anomaly/{name}', value) for name, value in values.items())
+        self._add(row)
+        return row
+
     def _add(self, row: dict) -> None:
         # the file's buffer and TensorBoard's writer get the rows at most once a second (and
         # at the end): a flush or an event per row costs a tiny model's run whole percents

@@ -4,7 +4,8 @@
 ``train``'s order (``stratagem doctor`` and ``stratagem train --nproc`` run it too, before
 torchrun starts): the sections it needs, the top-level keys, the keys of ``train_cfg``,
 ``train_dataloader``, ``val_dataloader``, ``val_cfg`` and ``default_hooks``
-(``stratagem.schema``), a run length, save_best's rule, ``train_cfg.preemption``. What it
+(``stratagem.schema``), a run length, save_best's rule, ``train_cfg.preemption``,
+``train_cfg.anomaly`` (``rollback`` without periodic checkpoints). What it
 returns, a :class:`RunPlan`, is what the loop's collaborators are built from; the two
 settings that need the epoch length (the run length in epochs, a checkpoint interval in
 epochs) are methods of it, with their refusals.
@@ -22,6 +23,7 @@ from typing import Any
 from stratagem.config import Config, ConfigError, ConfigErrors, check_keys
 from stratagem.env.preemption import PreemptionConfig, preemption_config
 from stratagem.metrics import check_metrics_cfg
+from .anomaly import AnomalyPlan, anomaly_config, check_anomaly_checkpoints
 from stratagem.schema import (
     CHECKPOINT_HOOK_KEYS,
     LOGGER_HOOK_KEYS,
@@ -128,7 +130,8 @@ class RunPlan:
     ``model``, ``optim_wrapper``, ``param_scheduler`` and ``compile`` go to
     ``strategy.prepare`` as they are; ``by_epoch``: positions, validation and save_best's
     names count epochs; ``log_interval``: iterations per logged row (>= 1); ``metrics``:
-    ``train_cfg.metrics``; ``preemption``: None when off; ``resume`` / ``load_from``: the
+    ``train_cfg.metrics``; ``preemption``: None when off; ``anomaly``: ``train_cfg.anomaly``
+    (None when off; ``loop/anomaly.py``); ``resume`` / ``load_from``: the
     config's top-level keys (the command line's win)."""
 
     model: Any
@@ -148,6 +151,7 @@ class RunPlan:
     validation: ValidationPlan | None
     resume: bool | str = False
     load_from: str | None = None
+    anomaly: AnomalyPlan | None = None
 
     def run_length(self, epoch_length: int) -> tuple[int, int | None]:
         """``(max_iters, max_epochs)``: ``train_cfg.max_iters`` (max_epochs None), else
@@ -211,6 +215,10 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
     if 'max_iters' not in train_cfg:  # max_iters wins
         max_epochs = problems.attempt(_run_length, train_cfg, 'max_epochs')
     preemption = problems.attempt(preemption_config, train_cfg.get('preemption', True))
+    anomaly = problems.attempt(anomaly_config, train_cfg.get('anomaly'))
+    periodic = bool(checkpoints.interval) or bool(hooks and checkpoints.hook_interval
+                                                  and checkpoints.hook_interval[0] > 0)  # fmt: skip
+    problems.attempt(check_anomaly_checkpoints, anomaly, periodic)
     problems.raise_any()
     return RunPlan(
         model=cfg.model,
@@ -230,6 +238,7 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
         validation=validation,
         resume=cfg.get('resume') or False,
         load_from=cfg.get('load_from'),
+        anomaly=anomaly,
     )
 
 

@@ -17,6 +17,7 @@ from stratagem.env.watchdog import Watchdog
 
 from .batches import Batches
 from .checkpoints import Checkpoints
+from .anomaly import Anomalies
 from .meter import Meter
 from .plan import RunPlan, check_train_config, dist_timeout, strategy_config
 from .schedulers import Schedulers
@@ -79,6 +80,12 @@ class _Parts:
     checkpoints: Checkpoints
     meter: Meter
     timeout: float
+    anomalies: Anomalies | None = None
+    rolled_to: int | None = None  # where the last rollback went back to
+
+    @property
+    def skipped(self) -> set[int]:
+        return self.anomalies.skipped if self.anomalies is not None else set()
 
 
 def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
@@ -91,14 +98,16 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
     p.model.train()
     # the meter's bar and writers close, and the log redirection ends, however the loop ends
     with p.meter, Watchdog(p.timeout, signalled=signalled) as watchdog:
+        if p.anomalies is not None:
+            p.anomalies.before_first(it, p.checkpoints)
         while it < p.max_iters:
-            watchdog.at(it + 1, 'loading data')
-            batch = p.batches.at(it)
-            p.meter.saw_batch(batch)
-            watchdog.at(it + 1, 'forward, backward, update')
-            p.meter.after_step(*p.step(batch))
+            watchdog.at(it + 1, 'loading data' if it not in p.skipped else 'skipping a batch')
+            updated = _iteration(p, it)
             it += 1
-            p.schedulers.after_step(it)
+            if updated is None:  # a rollback: from the checkpoint's iteration on
+                it = _rolled_back(p, it)
+                continue
+            p.schedulers.after_step(it, updated)
             stop = preemption is not None and preemption.should_stop(it)
             if p.validation is not None and p.validation.due(it):
                 watchdog.at(it, 'validating')
@@ -134,6 +143,34 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
         'iter': it,
         'preempted': preempted,
     }
+
+
+def _iteration(p: _Parts, it: int) -> bool | None:
+    """Iteration ``it`` (0-based): its batch, the step; whether its update went ahead
+    (None: ``train_cfg.anomaly`` rolled back; the action runs here)."""
+    if p.anomalies is not None and p.anomalies.skips(it):
+        p.anomalies.pass_over(it, p.batches)
+        p.meter.dropped += 1
+        return False
+    batch = p.batches.at(it)
+    p.meter.saw_batch(batch)
+    loss, extras = p.step(batch)
+    event = p.anomalies.found() if p.anomalies is not None else None
+    if event is None:
+        p.meter.after_step(loss, extras)
+        return True
+    assert p.anomalies is not None
+    p.rolled_to = p.anomalies.act(event, it + 1, p.meter, p.checkpoints)
+    return None if p.rolled_to is not None else False
+
+
+def _rolled_back(p: _Parts, it: int) -> int:
+    """After a rollback: the data, the meter and the bar from the checkpoint's iteration."""
+    back, p.rolled_to = p.rolled_to, None
+    assert back is not None
+    p.batches.restart()
+    p.meter.rewind(back)
+    return back
 
 
 def _build(
@@ -199,6 +236,15 @@ def _build(
         metrics=plan.metrics,
         progress=progress,
     )
+    checkpoints = Checkpoints(
+        strategy, every, plan.checkpoints.max_keep, epoch_length, max_iters, best, meter
+    )
+    anomalies = None
+    if plan.anomaly is not None:
+        anomalies = Anomalies(plan.anomaly, strategy, optim_wrapper)
+        if meta is not None:
+            anomalies.restore(meta)
+        checkpoints.anomalies = anomalies
     return _Parts(
         strategy=strategy,
         model=model,
@@ -210,11 +256,10 @@ def _build(
         schedulers=schedulers,
         validation=validation,
         best=best,
-        checkpoints=Checkpoints(
-            strategy, every, plan.checkpoints.max_keep, epoch_length, max_iters, best, meter
-        ),
+        checkpoints=checkpoints,
         meter=meter,
         timeout=dist_timeout(strategy_cfg),
+        anomalies=anomalies,
     )
 
 

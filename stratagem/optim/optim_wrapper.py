@@ -91,8 +91,9 @@ class OptimWrapper(BaseOptimWrapper):
         # gradients set to None by zero_grad whose memory is released at the next step's start
         self._stale_grads: list[torch.Tensor] | None = None
         self._step_owner: str | None = None  # set_step_owner: who runs backward instead
+        self._guard: Any = None  # set_step_guard: decides whether an update goes ahead
         cls = type(self)
-        self._plain_step = accumulative_counts == 1 and all(
+        self._plain_step = self._plain_default = accumulative_counts == 1 and all(
             getattr(cls, name) is getattr(OptimWrapper, name)
             for name in ('scale_loss', 'backward', 'step', 'zero_grad', 'should_update')
         )
@@ -122,10 +123,14 @@ class OptimWrapper(BaseOptimWrapper):
             ]
             optimizer.zero_grad()
             return
+        if self._guard is not None:
+            self._guard.observe(loss)
         loss = self.scale_loss(loss)
         self.backward(loss)
         if self.should_update():
-            if step_kwargs:
+            if self._guard is not None and not self._guard.allow(self):
+                pass  # dropped on every rank alike; the gradients go below
+            elif step_kwargs:
                 self.step(**step_kwargs)
             else:
                 self.step()
@@ -135,15 +140,22 @@ class OptimWrapper(BaseOptimWrapper):
                 self.zero_grad()
 
     def after_backward(
-        self, step_kwargs: dict | None = None, zero_kwargs: dict | None = None
+        self,
+        step_kwargs: dict | None = None,
+        zero_kwargs: dict | None = None,
+        loss: torch.Tensor | None = None,
     ) -> None:
         """The rest of :meth:`update_params` when the backward ran elsewhere (a pipeline
         schedule runs it per microbatch, on losses scaled by :meth:`scale_loss`): count it;
-        when the window is complete, step and zero_grad."""
+        when the window is complete, step and zero_grad. ``loss``: the unscaled loss, where
+        this rank has one, for a step guard."""
         self._stale_grads = None
         self._inner_count += 1
+        if self._guard is not None and loss is not None:
+            self._guard.observe(loss)
         if self.should_update():
-            self.step(**(step_kwargs or {}))
+            if self._guard is None or self._guard.allow(self):
+                self.step(**(step_kwargs or {}))
             self.zero_grad(**(zero_kwargs or {}))
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -229,6 +241,19 @@ class OptimWrapper(BaseOptimWrapper):
         update. None (the default): ``model.no_sync()`` when the model has one (DDP)."""
         self._no_sync = no_sync
 
+    def set_step_guard(self, guard: Any) -> None:
+        """A step guard (:class:`stratagem.optim.anomaly.StepGuard`, or anything with its
+        ``observe(loss)`` and ``allow(wrapper) -> bool``): told each micro-batch's loss, and
+        asked before each update whether it goes ahead; a refused update is dropped (no
+        ``step``; the gradients zeroed). None (the default) removes it."""
+        self._guard = guard
+        self._plain_step = self._plain_default and guard is None
+
+    @property
+    def step_guard(self) -> Any:
+        """The guard :meth:`set_step_guard` set, or None."""
+        return self._guard
+
     def set_step_owner(self, message: str | None) -> None:
         """Refuse :meth:`optim_context` and :meth:`update_params` with ``message`` (a
         ``RuntimeError``): a strategy whose steps only it can run (a pipeline schedule)
@@ -278,6 +303,12 @@ class OptimWrapper(BaseOptimWrapper):
                 stacklevel=2,
             )
         _warn_batchnorm_accumulation(model, k)
+
+    def pass_over(self, counts: int = 1) -> None:
+        """Count ``counts`` micro-batches read but never trained on (the batches a rollback
+        takes out, whole windows), so the windows stay aligned to the loop's iterations."""
+        _check_count(counts, 'counts', 0)
+        self._inner_count += counts
 
     def _set_max_counts(self, max_counts: int) -> None:
         k = self._accumulative_counts
