@@ -23,7 +23,6 @@ from typing import Any
 from stratagem.config import Config, ConfigError, ConfigErrors, check_keys
 from stratagem.env.preemption import PreemptionConfig, preemption_config
 from stratagem.metrics import check_metrics_cfg
-from .anomaly import AnomalyPlan, anomaly_config, check_anomaly_checkpoints
 from stratagem.schema import (
     CHECKPOINT_HOOK_KEYS,
     LOGGER_HOOK_KEYS,
@@ -33,6 +32,8 @@ from stratagem.schema import (
     VAL_CFG_KEYS,
     VAL_DATALOADER_KEYS,
 )
+
+from .anomaly import AnomalyPlan, anomaly_config, check_anomaly_checkpoints
 
 __all__ = [
     'BestPlan',

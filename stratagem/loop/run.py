@@ -15,9 +15,9 @@ from stratagem.config import Config, config_search_dirs, import_custom_modules
 from stratagem.env.preemption import Preemption, PreemptionConfig, clear_marker
 from stratagem.env.watchdog import Watchdog
 
+from .anomaly import Anomalies
 from .batches import Batches
 from .checkpoints import Checkpoints
-from .anomaly import Anomalies
 from .meter import Meter
 from .plan import RunPlan, check_train_config, dist_timeout, strategy_config
 from .schedulers import Schedulers
