@@ -8,8 +8,8 @@ An optim wrapper with a guard (``OptimWrapper.set_step_guard``) calls, per call 
    no host sync);
 2. after the backward that completes an accumulation window (so under DDP the gradients
    are already reduced), ``guard.allow(wrapper)``: this rank's figures, the sum of its
-   losses, their count and its gradients' norm (its shards' under FSDP), go into its slot
-   of a ``3 x world`` vector, and **one** ``all_reduce`` (a sum: every slot but one is zero
+   losses, their count and its gradients' norm (its shards' under FSDP), go into its row
+   of a ``world x 3`` tensor, and **one** ``all_reduce`` (a sum: every row but one is zero
    on each rank) gives every rank every rank's figures. From that same vector each rank
    computes the same verdict: a non-finite loss or gradient norm on any rank, or (with a
    spike rule) the mean loss over the ranks more than ``zscore`` standard deviations above
@@ -71,6 +71,18 @@ class Anomaly:
         return '; '.join(parts)
 
 
+def _norm(grads: list[torch.Tensor], *more: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of ``grads`` (and of ``more``, 0-d tensors), as float32."""
+    tensors = [*grads, *more]
+    first = tensors[0]
+    if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
+        # torch's get_total_norm groups by device and dtype in Python first: twice the cost
+        # of the norm itself on a small model, paid every update
+        norms = torch._foreach_norm(tensors)  # noqa: SLF001
+        return torch.linalg.vector_norm(torch.stack(norms).float())
+    return torch.nn.utils.get_total_norm(tensors).float()
+
+
 def _ranks(found: list[tuple[int, float]]) -> str:
     return ', '.join(f'rank {r} ({v})' for r, v in found)
 
@@ -96,41 +108,49 @@ class StepGuard:
         self.nonfinite, self.window, self.zscore, self.grads = nonfinite, window, zscore, grads
         self.rank, self.world = get_dist_info()
         self.last: Anomaly | None = None
-        self._loss_sum: torch.Tensor | None = None
-        self._count = 0
+        self._losses: list[torch.Tensor] = []  # the window's micro-batch losses
         self._recent: torch.Tensor | None = None  # the last `window` accepted losses
         self._filled = 0  # how many of them are real (host-side: no sync)
 
     def observe(self, loss: torch.Tensor) -> None:
-        """Add one micro-batch's loss (on its device)."""
-        loss = loss.detach().float()
-        if self._loss_sum is None or self._loss_sum.device != loss.device:
-            self._loss_sum = torch.zeros((), device=loss.device)
-        self._loss_sum.add_(loss)
-        self._count += 1
+        """Keep one micro-batch's loss (a reference: added up at the update)."""
+        self._losses.append(loss.detach())
 
     def allow(self, wrapper: Any) -> bool:
         """Whether this update goes ahead: the same answer on every rank (one all_reduce,
         one host read). ``wrapper``: its gradients (``grad_holders``) and its loss scaler
         (a float16 scaler checks the gradients itself)."""
         grads = self._local_grads(wrapper) if self._checks_grads(wrapper) else None
-        device = self._device(grads)
-        figures = torch.zeros(3 * self.world, device=device)
-        mine = figures[3 * self.rank : 3 * self.rank + 3]
-        if self._loss_sum is not None:
-            mine[0] = self._loss_sum.to(device)
-            self._loss_sum.zero_()
-        mine[1] = float(self._count)
-        self._count = 0
-        if grads:
-            mine[2] = torch.nn.utils.get_total_norm(grads).float()
-        all_reduce(figures)
-        per_rank = figures.view(self.world, 3)
-        counts = per_rank[:, 1]
-        loss = per_rank[:, 0].sum() / counts.sum().clamp(min=1)
+        losses, self._losses = self._losses, []
+        device = losses[0].device if losses else self._device(grads)
+        loss_sum = (
+            (losses[0] if len(losses) == 1 else torch.stack(losses).sum()).float()
+            if losses
+            else torch.zeros((), device=device)
+        )
+        # one process, no spike rule: the norm of the losses' sum and the gradients is
+        # non-finite when one of them is; the fewest operations, the one host sync
+        if (
+            self.world == 1
+            and self.window is None
+            and bool(_norm(grads or [], loss_sum).isfinite())
+        ):
+            self.last = None
+            return True
+        norm = _norm(grads) if grads else None
+        mine = torch.stack([loss_sum.to(device), torch.full((), float(len(losses)), device=device),
+                            norm.to(device) if norm is not None
+                            else torch.zeros((), device=device)])  # fmt: skip
+        if self.world > 1:
+            figures = torch.zeros(self.world, 3, device=device)
+            figures[self.rank] = mine
+            all_reduce(figures)
+        else:
+            figures = mine.view(1, 3)
+        loss = figures[:, 0].sum() / figures[:, 1].sum().clamp(min=1)
         verdict = torch.zeros((), device=device)
         if self.nonfinite:
-            verdict = verdict + (~torch.isfinite(per_rank[:, [0, 2]])).any()
+            verdict = verdict + (~figures.isfinite()).any()
         spike_z = self._spike(loss) if self.window is not None else None
         if spike_z is not None:
             verdict = verdict + 2 * (spike_z > self.zscore)
@@ -139,7 +159,7 @@ class StepGuard:
             self._remember(loss)
             self.last = None
             return True
-        self.last = self._describe(code, per_rank, loss, spike_z, grads is not None)
+        self.last = self._describe(code, figures, loss, spike_z, grads is not None)
         return False
 
     def _checks_grads(self, wrapper: Any) -> bool:
@@ -158,9 +178,8 @@ class StepGuard:
             found.append(to_local() if callable(to_local) else g)
         return found
 
-    def _device(self, grads: list[torch.Tensor] | None) -> torch.device:
-        if self._loss_sum is not None:
-            return self._loss_sum.device
+    @staticmethod
+    def _device(grads: list[torch.Tensor] | None) -> torch.device:
         return grads[0].device if grads else torch.device('cpu')
 
     def _spike(self, loss: torch.Tensor) -> torch.Tensor | None:

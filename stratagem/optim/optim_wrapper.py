@@ -93,7 +93,7 @@ class OptimWrapper(BaseOptimWrapper):
         self._step_owner: str | None = None  # set_step_owner: who runs backward instead
         self._guard: Any = None  # set_step_guard: decides whether an update goes ahead
         cls = type(self)
-        self._plain_step = self._plain_default = accumulative_counts == 1 and all(
+        self._plain_step = accumulative_counts == 1 and all(
             getattr(cls, name) is getattr(OptimWrapper, name)
             for name in ('scale_loss', 'backward', 'step', 'zero_grad', 'should_update')
         )
@@ -109,12 +109,16 @@ class OptimWrapper(BaseOptimWrapper):
             # no accumulation, methods not overridden: what the calls below do, inlined (the
             # hot path of most runs; each call layer costs a hand-written loop nothing)
             self._stale_grads = None
+            guard = self._guard
+            if guard is not None:
+                guard.observe(loss)
             loss.backward()
             self._inner_count += 1
-            if self._clip_func is not None:
-                self._clip_grad()
             optimizer = self.optimizer
-            optimizer.step()
+            if guard is None or guard.allow(self):
+                if self._clip_func is not None:
+                    self._clip_grad()
+                optimizer.step()
             self._stale_grads = [
                 p.grad
                 for group in optimizer.param_groups
@@ -247,7 +251,6 @@ class OptimWrapper(BaseOptimWrapper):
         asked before each update whether it goes ahead; a refused update is dropped (no
         ``step``; the gradients zeroed). None (the default) removes it."""
         self._guard = guard
-        self._plain_step = self._plain_default and guard is None
 
     @property
     def step_guard(self) -> Any:

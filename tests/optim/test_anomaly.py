@@ -27,14 +27,19 @@ def _state(model, wrapper):
     return [p.detach().clone() for p in model.parameters()], repr(wrapper.optimizer.state_dict())
 
 
-def test_plain_path_only_without_a_guard():
+def test_plain_path_refuses_too():
     model = _model()
     wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
     guard = StepGuard()
     wrapper.set_step_guard(guard)
-    assert not wrapper._plain_step and wrapper.step_guard is guard
-    wrapper.set_step_guard(None)
-    assert wrapper._plain_step
+    assert wrapper._plain_step and wrapper.step_guard is guard  # the inlined update
+    before = [p.detach().clone() for p in model.parameters()]
+    wrapper.update_params(_loss(model, poison=True))
+    assert guard.last is not None and wrapper.inner_count == 1
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    wrapper.update_params(_loss(model))
+    assert guard.last is None and not torch.equal(before[0], model.weight)
 
 
 def test_refused_update_changes_nothing_and_counts_the_window():
