@@ -79,6 +79,10 @@ def test_config_read_strictly_with_close_names():
     base['train_cfg'].pop('log_intreval')
     base['train_cfg']['checkpoint_interval'] = 2
     assert check_train_config(base).anomaly.nonfinite == 'rollback'
+    # an engine that steps the optimizer itself: refused by its capabilities
+    base['strategy'] = dict(type='DeepSpeedStrategy')
+    with pytest.raises(ValueError, match='DeepSpeedStrategy steps the optimizer through its'):
+        check_train_config(base)
 
 
 def test_skip_equals_a_run_without_the_batch(tmp_path, oracle):

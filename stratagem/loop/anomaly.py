@@ -41,7 +41,15 @@ if TYPE_CHECKING:
     from .checkpoints import Checkpoints
     from .meter import Meter
 
-__all__ = ['ACTIONS', 'AnomalyPlan', 'AnomalyStop', 'Anomalies', 'anomaly_config']
+__all__ = [
+    'ACTIONS',
+    'AnomalyPlan',
+    'AnomalyStop',
+    'Anomalies',
+    'anomaly_config',
+    'check_anomaly_checkpoints',
+    'check_anomaly_strategy',
+]
 
 ACTIONS = ('skip', 'rollback', 'stop')
 ANOMALY_KEYS = frozenset({'nonfinite', 'spike'})
@@ -131,17 +139,30 @@ def check_anomaly_checkpoints(plan: AnomalyPlan | None, saves_periodically: bool
         )
 
 
+def check_anomaly_strategy(plan: AnomalyPlan | None, strategy_type: Any) -> None:
+    """A backend whose engine steps the optimizer (DeepSpeed's) decides the update itself:
+    refused, by its declared capabilities (``strategy.type``: a name, a class or 'auto')."""
+    from stratagem.strategies.capabilities import capabilities_of
+
+    if plan is not None and capabilities_of(strategy_type).engine_steps:
+        _refuse_engine(strategy_type if isinstance(strategy_type, str) else strategy_type.__name__)
+
+
+def _refuse_engine(name: str) -> None:
+    raise ValueError(
+        f'train_cfg.anomaly: {name} steps the optimizer through its engine, which decides the '
+        'update itself (its fp16 loss scaling skips inf/nan steps); the step guard has no '
+        'seam there: remove train_cfg.anomaly, or use DDPStrategy or FSDPStrategy'
+    )
+
+
 class Anomalies:
     """The loop's side of ``train_cfg.anomaly``: the guard on the optim wrapper, the action
     after a refused update, the batches a rollback skips."""
 
     def __init__(self, plan: AnomalyPlan, strategy: Any, optim_wrapper: Any) -> None:
         if strategy.capabilities.engine_steps:
-            raise ValueError(
-                f'train_cfg.anomaly: {type(strategy).__name__} steps through its engine, '
-                'which decides the update itself (its own fp16 loss scaling skips inf/nan '
-                'steps); remove train_cfg.anomaly or use DDPStrategy / FSDPStrategy'
-            )
+            _refuse_engine(type(strategy).__name__)
         if not hasattr(optim_wrapper, 'set_step_guard'):
             raise TypeError(
                 f'train_cfg.anomaly needs an OptimWrapper (set_step_guard), got '

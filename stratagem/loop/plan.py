@@ -33,7 +33,12 @@ from stratagem.schema import (
     VAL_DATALOADER_KEYS,
 )
 
-from .anomaly import AnomalyPlan, anomaly_config, check_anomaly_checkpoints
+from .anomaly import (
+    AnomalyPlan,
+    anomaly_config,
+    check_anomaly_checkpoints,
+    check_anomaly_strategy,
+)
 
 __all__ = [
     'BestPlan',
@@ -220,6 +225,7 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
     periodic = bool(checkpoints.interval) or bool(hooks and checkpoints.hook_interval
                                                   and checkpoints.hook_interval[0] > 0)  # fmt: skip
     problems.attempt(check_anomaly_checkpoints, anomaly, periodic)
+    problems.attempt(check_anomaly_strategy, anomaly, dict(cfg.get('strategy') or {}).get('type'))
     problems.raise_any()
     return RunPlan(
         model=cfg.model,
