@@ -11,7 +11,9 @@ accelerator's allocator peak, else the resident set's high-water mark),
 for an asynchronous save, the snapshot), then every other scalar the model returned in
 training (e.g. ``acc``; mean over the interval). Each validation writes a row of its own:
 ``iter``, ``epoch`` and ``val/<name>`` for every scalar of the model's validation output
-(means over the whole validation set). Each row goes to:
+(means over the whole validation set). Each update ``train_cfg.anomaly`` refused writes a
+row of its own: ``iter``, ``epoch`` and ``anomaly/<name>`` (``stratagem.loop.anomaly``).
+Each row goes to:
 
 - ``<log_dir>/metrics.csv`` (a header, then one line per row; flushed at most once a
   second and at the end). A column that appears later (a model's output, a validation

@@ -8,6 +8,10 @@ call sequence. ``update_params(loss)`` is, per call:
 2. ``backward(loss)``: ``loss.backward()``, then ``inner_count += 1``,
 3. if ``should_update()``: ``step()`` (clip first, if configured) and ``zero_grad()``.
 
+With a step guard (:meth:`OptimWrapper.set_step_guard`, ``train_cfg.anomaly``): the guard
+is shown each loss before 1 (``observe``), and at 3 ``allow(wrapper)`` decides, on every
+rank alike, whether ``step()`` runs; a refused update only zeroes the gradients.
+
 Accumulation windows are aligned to absolute iteration counts: window ``j`` covers
 iterations ``[j*k, (j+1)*k)``. After ``initialize_count_status(model, init_counts,
 max_counts)`` the last, incomplete window ``[max_counts // k * k, max_counts)`` is averaged
