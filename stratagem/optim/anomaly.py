@@ -55,9 +55,12 @@ class Anomaly:
     def describe(self) -> str:
         """One phrase: what was found, on which rank(s), the value(s)."""
         if self.kind == 'spike':
+            ranks = ', '.join(
+                f'rank {r} {v:.6g}' for r, v in enumerate(self.losses) if v is not None
+            )
             return (
                 f'loss spike: mean loss {self.loss:.6g} is {self.zscore:.3g} standard '
-                'deviations above the recent window'
+                f'deviations above the recent window ({ranks})'
             )
         parts = []
         bad = [(r, v) for r, v in enumerate(self.losses) if v is not None and not math.isfinite(v)]
