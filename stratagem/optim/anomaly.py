@@ -150,14 +150,16 @@ class StepGuard:
             all_reduce(figures)
         else:
             figures = mine.view(1, 3)
-        loss = figures[:, 0].sum() / figures[:, 1].sum().clamp(min=1)
-        verdict = torch.zeros((), device=device)
-        if self.nonfinite:
-            verdict = verdict + (~figures.isfinite()).any()
+        if self.world == 1:
+            loss = loss_sum / max(1, len(losses))
+        else:
+            loss = figures[:, 0].sum() / figures[:, 1].sum().clamp(min=1)
+        verdict = (~figures.isfinite()).any() if self.nonfinite else None
         spike_z = self._spike(loss) if self.window is not None else None
         if spike_z is not None:
-            verdict = verdict + 2 * (spike_z > self.zscore)
-        code = int(verdict.item())  # the one host sync of a checked step
+            spike = (spike_z > self.zscore) * 2
+            verdict = spike if verdict is None else verdict + spike
+        code = 0 if verdict is None else int(verdict.item())  # the one host sync of a check
         if code == 0:
             self._remember(loss)
             self.last = None
@@ -190,18 +192,20 @@ class StepGuard:
         assert self.window is not None
         if self._filled < self.window or self._recent is None:
             return None
-        recent = self._recent.to(loss.device)
-        std = recent.std(correction=0).clamp(min=1e-12)
-        return (loss - recent.mean()) / std
+        std, mean = torch.std_mean(self._recent, correction=0)
+        return (loss - mean) / std.clamp(min=1e-12)
 
     def _remember(self, loss: torch.Tensor) -> None:
         if self.window is None:
             return
-        if self._recent is None or self._recent.device != loss.device:
+        if self._recent is None:
             self._recent = torch.zeros(self.window, device=loss.device)
-        # without the non-finite check a nan loss goes ahead, but must not poison the window
-        fallback = self._recent.mean() if self._filled >= self.window else loss.new_zeros(())
-        self._recent[self._filled % self.window] = torch.where(loss.isfinite(), loss, fallback)
+        elif self._recent.device != loss.device:  # restored from a checkpoint: on the CPU
+            self._recent = self._recent.to(loss.device)
+        if not self.nonfinite:  # a nan loss went ahead, but must not poison the window
+            fallback = self._recent.mean() if self._filled >= self.window else loss.new_zeros(())
+            loss = torch.where(loss.isfinite(), loss, fallback)
+        self._recent[self._filled % self.window] = loss
         self._filled += 1
 
     def _describe(
