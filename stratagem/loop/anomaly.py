@@ -212,6 +212,7 @@ class Anomalies:
         if action == 'stop':
             path = checkpoints.save(f'iter_{it}.pth', it)
             self.strategy.wait_for_checkpoints()
+            self.strategy.logger.warning(f'{message}; stopping: {path} saved')
             raise AnomalyStop(
                 f'train_cfg.anomaly: stopped at {message}. {path} holds the state before that '
                 "update (resuming it continues after the batch, as 'skip' would)"
