@@ -132,6 +132,22 @@ def test_rollback_replays_without_the_batch(tmp_path, oracle):
     assert [int(r['iter']) for r in _rows(tmp_path) if r.get('anomaly/rollback')] == [BAD + 1]
 
 
+def test_rollback_with_accumulation_skips_the_whole_window(tmp_path):
+    """accumulative_counts=2: the NaN in iteration 3's batch is found at the window's update
+    (iteration 4); the replay passes over both of the window's batches."""
+    poison = [BAD * BATCH + 1]
+    accumulate = dict(optimizer=dict(type='AdamW', lr=0.05), accumulative_counts=2)
+    cfg = _cfg(tmp_path / 'run', PoisonedDataset(poison=poison),
+               anomaly=dict(nonfinite='rollback'), checkpoint_interval=2)  # fmt: skip
+    cfg['optim_wrapper'] = accumulate
+    result = train(cfg, progress=False)
+    drop = range(BAD * BATCH, (BAD + 2) * BATCH)
+    ref = _cfg(tmp_path / 'ref', PoisonedDataset(drop=drop), ITERS - 2)
+    ref['optim_wrapper'] = accumulate
+    _same(_weights(result), _weights(train(ref, progress=False)))
+    assert result['strategy'].optim_wrapper.inner_count == ITERS
+
+
 def test_spike_skipped_by_zscore(tmp_path, oracle):
     """Inputs x1000 at iteration BAD on a warm window: a spike, not a NaN."""
     poison = range(BAD * BATCH, (BAD + 1) * BATCH)
