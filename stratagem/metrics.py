@@ -12,7 +12,9 @@ for an asynchronous save, the snapshot), then every other scalar the model retur
 training (e.g. ``acc``; mean over the interval). Each validation writes a row of its own:
 ``iter``, ``epoch`` and ``val/<name>`` for every scalar of the model's validation output
 (means over the whole validation set). A straggler named (``stratagem.loop.stragglers``)
-writes ``iter``, ``epoch``, ``straggler/rank`` and ``straggler/ratio``. Each row goes to:
+writes ``iter``, ``epoch``, ``straggler/rank`` and ``straggler/ratio``. Each update
+``train_cfg.anomaly`` refused writes a row of its own: ``iter``, ``epoch`` and
+``anomaly/<name>`` (``stratagem.loop.anomaly``). Each row goes to:
 
 - ``<log_dir>/metrics.csv`` (the log directory of the run's first part: a resumed run
   appends to the metrics of the run it resumes, its rows after the resumed iteration dropped;
@@ -302,6 +304,15 @@ class RunMetrics:
         """A row of other scalars under their own tags (``straggler/rank``, ...): ``iter``,
         ``epoch`` and ``values`` as given."""
         row: dict[str, Any] = {'iter': it, 'epoch': epoch, **values}
+        self._add(row)
+        return row
+
+    def write_anomaly(self, it: int, epoch: int, values: Mapping[str, float]) -> dict:
+        """A refused update's row (``train_cfg.anomaly``): ``iter``, ``epoch`` and
+        ``anomaly/<name>`` per value (``anomaly/nonfinite`` or ``anomaly/spike``, the action's
+        ``anomaly/skip`` / ``rollback`` / ``stop``, ``anomaly/loss``, ...)."""
+        row: dict[str, Any] = {'iter': it, 'epoch': epoch}
+        row.update((f'anomaly/{name}', value) for name, value in values.items())
         self._add(row)
         return row
 

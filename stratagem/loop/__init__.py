@@ -11,9 +11,11 @@ collaborator owns one trigger and its state; the loop calls them in this fixed o
 1. ``batches.py``: the iteration's batch (the rank's shard, per-epoch seeding, the skip to
    a resumed position);
 2. ``step.py``: ``strategy.train_step`` (under a pipeline with the model's ``loss``; decided
-   once), its loss and other scalars added up by ``meter.py`` (no host sync);
-3. ``schedulers.py``: iteration-based schedulers every iteration, epoch-based ones at epoch
-   ends, as mmengine's ParamSchedulerHook does;
+   once), its loss and other scalars added up by ``meter.py`` (no host sync); with
+   ``train_cfg.anomaly``, ``anomaly.py``'s action when the optim wrapper's step guard refused
+   the update (skip, rollback to the last checkpoint, or stop with one);
+3. ``schedulers.py``: iteration-based schedulers every iteration (not after a refused
+   update), epoch-based ones at epoch ends, as mmengine's ParamSchedulerHook does;
 4. the preemption's agreed stop (``train_cfg.preemption``, ``env/preemption.py``);
 5. ``validation.py``: when due (every ``train_cfg.val_interval`` epochs or iterations, and at
    the end), whole-set means of the model's scalars across ranks (under a pipeline, ``loss``

@@ -48,6 +48,8 @@ class Checkpoints:
         self.saved_at = -1
         self.on_commit: Callable[[str, int], None] | None = None
         self._uncommitted: tuple[str, int] | None = None  # an async save not yet waited for
+        self.last_path: str | None = strategy.resumed_from  # a rollback's target
+        self.anomalies: Any = None  # train_cfg.anomaly's state, kept in every save's meta
 
     def save(self, name: str, it: int) -> str:
         """Save ``work_dir/name`` after iteration ``it``; returns its path."""
@@ -59,9 +61,12 @@ class Checkpoints:
         }
         if self.best is not None:
             meta.update(self.best.meta())
+        if self.anomalies is not None:
+            meta.update(self.anomalies.meta())
         t_save = time.perf_counter()
         path = self.strategy.save_checkpoint(name, extra_ckpt={'meta': meta})
         self.meter.add_stall(time.perf_counter() - t_save)
+        self.last_path = path
         if self.on_commit is not None:
             # save_checkpoint waited for the previous asynchronous save: committed now
             committed, self._uncommitted = self._uncommitted, None

@@ -63,6 +63,7 @@ class Meter:
         # the model's other training scalars (acc, ...): sums and counts since the last row
         self.extra_sums: dict[str, torch.Tensor] = {}
         self.extra_counts: dict[str, int] = {}
+        self.dropped = 0  # iterations since the last row whose loss is not in loss_sum
         self.logged_at, self.logged_t = start_iter, time.perf_counter()
         self.bar: Any = None
         self.metrics: RunMetrics
@@ -160,7 +161,9 @@ class Meter:
         the sums start again from zero."""
         sums = torch.stack([self.loss_sum.float(), *(v.float() for v in self.extra_sums.values())])
         loss, *extra_values = sums.tolist()
-        loss /= it - self.logged_at
+        trained = it - self.logged_at - self.dropped
+        loss = loss / trained if trained > 0 else float('nan')  # every update was dropped
+        self.dropped = 0
         extras = {
             name: v / self.extra_counts[name]
             for name, v in zip(self.extra_sums, extra_values)
@@ -171,6 +174,18 @@ class Meter:
             total.zero_()
         self.extra_counts.clear()
         return loss, extras
+
+    def write_anomaly(self, it: int, values: dict[str, float]) -> None:
+        """A refused update's row (``train_cfg.anomaly``); its loss stays out of the means."""
+        self.dropped += 1
+        self.metrics.write_anomaly(it, (it - 1) // self.epoch_length + 1, values)
+
+    def rewind(self, it: int) -> None:
+        """A rollback went back to iteration ``it``: the next row counts from there."""
+        self._means(max(it, self.logged_at) + 1)  # the sums start again
+        self.logged_at, self.logged_t = it, time.perf_counter()
+        if self.bar is not None:
+            self.bar.n = it
 
     def _position(self, it: int) -> str:
         """mmengine's ``Epoch(train) [2][4/6]`` (1-based epoch) or ``Iter(train) [10/24]``,

@@ -16,6 +16,7 @@ from stratagem.env.logging import run_end_logged
 from stratagem.env.preemption import Preemption, PreemptionConfig, clear_marker
 from stratagem.env.watchdog import Watchdog
 
+from .anomaly import Anomalies
 from .batches import Batches
 from .checkpoints import Checkpoints
 from .meter import Meter
@@ -98,6 +99,12 @@ class _Parts:
     meter: Meter
     stragglers: Stragglers
     timeout: float
+    anomalies: Anomalies | None = None
+    rolled_to: int | None = None  # where the last rollback went back to
+
+    @property
+    def skipped(self) -> set[int]:
+        return self.anomalies.skipped if self.anomalies is not None else set()
 
 
 def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
@@ -111,16 +118,16 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
     p.model.train()
     # the meter's bar and writers close, and the log redirection ends, however the loop ends
     with p.meter, Watchdog(p.timeout, signalled=signalled) as watchdog:
+        if p.anomalies is not None:
+            p.anomalies.before_first(it, p.checkpoints)
         while it < p.max_iters:
-            watchdog.at(it + 1, 'loading data')
-            p.stragglers.start(it + 1)  # the step ending a log interval: this rank's phases
-            batch = p.batches.at(it)
-            p.stragglers.got_batch()
-            p.meter.saw_batch(batch)
-            watchdog.at(it + 1, 'forward, backward, update')
-            p.meter.after_step(*p.step(batch))
+            watchdog.at(it + 1, 'loading data' if it not in p.skipped else 'skipping a batch')
+            updated = _iteration(p, it, watchdog)
             it += 1
-            p.schedulers.after_step(it)
+            if updated is None:  # a rollback: from the checkpoint's iteration on
+                it = _rolled_back(p, it)
+                continue
+            p.schedulers.after_step(it, updated)
             stop = preemption is not None and preemption.should_stop(it)
             if p.validation is not None and p.validation.due(it):
                 watchdog.at(it, 'validating')
@@ -160,6 +167,38 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
         'preempted': preempted,
         'stragglers': p.stragglers.named,
     }
+
+
+def _iteration(p: _Parts, it: int, watchdog: Watchdog) -> bool | None:
+    """Iteration ``it`` (0-based): its batch, the step; whether its update went ahead
+    (None: ``train_cfg.anomaly`` rolled back; the action runs here)."""
+    if p.anomalies is not None and p.anomalies.skips(it):
+        p.anomalies.pass_over(it, p.batches)
+        p.meter.dropped += 1
+        return False
+    p.stragglers.start(it + 1)  # the step ending a log interval: this rank's phases
+    batch = p.batches.at(it)
+    p.stragglers.got_batch()
+    p.meter.saw_batch(batch)
+    watchdog.at(it + 1, 'forward, backward, update')
+    loss, extras = p.step(batch)
+    event = p.anomalies.found() if p.anomalies is not None else None
+    if event is None:
+        p.meter.after_step(loss, extras)
+        return True
+    assert p.anomalies is not None
+    p.rolled_to = p.anomalies.act(event, it + 1, p.meter, p.checkpoints)
+    return None if p.rolled_to is not None else False
+
+
+def _rolled_back(p: _Parts, it: int) -> int:
+    """After a rollback: the data, the meter and the bar from the checkpoint's iteration."""
+    back, p.rolled_to = p.rolled_to, None
+    assert back is not None
+    p.batches.restart()
+    p.meter.rewind(back)
+    p.stragglers.cancel()
+    return back
 
 
 def _build(
@@ -230,6 +269,15 @@ def _build(
         metrics_dir=_metrics_dir(strategy, meta),
         resumed=meta is not None,
     )
+    checkpoints = Checkpoints(
+        strategy, every, plan.checkpoints.max_keep, epoch_length, max_iters, best, meter
+    )
+    anomalies = None
+    if plan.anomaly is not None:
+        anomalies = Anomalies(plan.anomaly, strategy, optim_wrapper)
+        if meta is not None:
+            anomalies.restore(meta)
+        checkpoints.anomalies = anomalies
     return _Parts(
         strategy=strategy,
         model=model,
@@ -241,9 +289,7 @@ def _build(
         schedulers=schedulers,
         validation=validation,
         best=best,
-        checkpoints=Checkpoints(
-            strategy, every, plan.checkpoints.max_keep, epoch_length, max_iters, best, meter
-        ),
+        checkpoints=checkpoints,
         meter=meter,
         stragglers=Stragglers(
             plan.straggler,
@@ -254,6 +300,7 @@ def _build(
             epoch_length=epoch_length,
         ),
         timeout=dist_timeout(strategy_cfg),
+        anomalies=anomalies,
     )
 
 

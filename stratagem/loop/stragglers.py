@@ -294,6 +294,13 @@ class Stragglers:
         if self._timing is not None:
             self._timer.got_batch()
 
+    def cancel(self) -> None:
+        """A timed step that will not be compared (``train_cfg.anomaly`` rolled back): its
+        hooks removed, nothing posted."""
+        if self._timing is not None:
+            self._timing = None
+            self._timer.finish()
+
     def due(self, it: int) -> bool:
         """After iteration ``it``: whether its step was timed (then :meth:`compare`)."""
         return self._timing == it
