@@ -337,7 +337,7 @@ def test_check_overrides_refuses_keys_that_would_change_nothing():
         "would change nothing; did you mean 'optim_wrapper.optimizer.lr'?",
         'optim_wrapper.optimizer.lrr': "did you mean 'optim_wrapper.optimizer.lr'?",
         'train_cfg.max_epoch': "train_cfg has no 'max_epoch'; did you mean "
-        "'train_cfg.max_epochs'? valid keys of train_cfg: by_epoch,",
+        "'train_cfg.max_epochs'? valid keys of train_cfg: anomaly, by_epoch,",
         'train_dataloader.num_worker': "did you mean 'train_dataloader.num_workers'?",
         'train_cfg.foo.bar': "train_cfg has no 'foo'; valid keys of train_cfg:",
         'optim_wrapper.optimzer.lr': "did you mean 'optim_wrapper.optimizer'?",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-_LOG = re.compile(r'^\d{8}_\d{6}/\d{8}_\d{6}\.log$')  # the run's log: <stamp>/<stamp>.log
+# the run's log: <stamp>/<stamp>.log, where a run of the same second gets <stamp>_1, _2, ...
+_LOG = re.compile(r'^(?P<stamp>\d{8}_\d{6}(_\d+)?)/(?P=stamp)\.log$')
 
 
 def snapshot(directory: str | Path) -> dict[str, bytes]:
@@ -24,13 +25,11 @@ def assert_unchanged(
     directory: str | Path, before: dict[str, bytes], *, allow_log: bool = True
 ) -> None:
     """Every file of ``before`` is still there, byte for byte, and nothing was added except,
-    with ``allow_log``, the failed run's own log file (``<stamp>/<stamp>.log``, which is not
-    compared: runs started in the same second share it)."""
+    with ``allow_log``, the failed run's own log file (``<stamp>/<stamp>.log``, its own
+    folder also for a run of the same second: ``<stamp>_1``)."""
     after = snapshot(directory)
     for name, data in before.items():
         assert name in after, f'{name} was removed'
-        # a run's log is named by the second it started in: runs started in the same second
-        # (as in these tests) share it and reopen it
         if not (allow_log and _LOG.match(name)):
             assert after[name] == data, f'{name} was changed'
     added = sorted(set(after) - set(before))
