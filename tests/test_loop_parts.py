@@ -101,7 +101,9 @@ def test_a_new_best_is_committed_before_the_old_one_is_deleted(tmp_path, monkeyp
     )
     strategy = _SavingStrategy(tmp_path, events)
     best = BestCheckpoint(BestPlan('acc', 'greater', (), (), by_epoch=True))
-    meter = SimpleNamespace(stalls=[], add_stall=lambda s: meter.stalls.append(s))
+    meter = SimpleNamespace(
+        stalls=[], add_stall=lambda s: meter.stalls.append(s), flush=lambda: None
+    )
     checkpoints = Checkpoints(strategy, 4, None, 4, 12, best, meter)  # type: ignore[arg-type]
     assert best.due({'acc': 0.5})
     assert best.save(4, {'acc': 0.5}, checkpoints) == 'best acc 0.5000: best_acc_epoch_1.pth'

@@ -198,6 +198,8 @@ def _build(
         by_epoch=plan.by_epoch,
         metrics=plan.metrics,
         progress=progress,
+        model=strategy.unwrap_model(),
+        dataset=batches.loader.dataset,
     )
     return _Parts(
         strategy=strategy,
@@ -206,7 +208,7 @@ def _build(
         start_iter=start_iter,
         max_iters=max_iters,
         batches=batches,
-        step=step,
+        step=meter.counted(step),
         schedulers=schedulers,
         validation=validation,
         best=best,
