@@ -161,10 +161,9 @@ def device_peak(
         entry = table_entry(torch.cuda.get_device_name(device))
         if entry is None:
             return None
-        half = dtype if dtype == torch.float16 or entry.bf16 is None else torch.bfloat16
-        flops = entry.fp16 if half == torch.float16 else entry.bf16
-        assert flops is not None
-        kind = 'fp16' if half == torch.float16 else 'bf16'
+        fp16 = dtype == torch.float16 or entry.bf16 is None  # Volta, Turing: no bf16 cores
+        flops = entry.fp16 if fp16 or entry.bf16 is None else entry.bf16
+        kind = 'fp16' if fp16 else 'bf16'
         return Peak(flops, f"{entry.name}'s dense {kind} peak, {flops / 1e12:.0f} TFLOP/s")
     if device.type == 'cpu':
         from stratagem.env.devices import measured_cpu_peak

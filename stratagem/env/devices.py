@@ -86,7 +86,7 @@ def peak_flops(name: str | None = None, dtype: torch.dtype = torch.bfloat16) -> 
 
 
 @functools.cache
-def measured_cpu_peak(size: int = 256, seconds: float = 0.05) -> float:
+def measured_cpu_peak(size: int = 256, seconds: float = 0.02) -> float:
     """This process's float32 matmul rate on the CPU, in FLOP/s: ``size`` x ``size`` matmuls
     timed for about ``seconds`` at torch's current thread count, the best of three blocks.
     Measured once per process (cached): about ``3 * seconds`` of CPU time."""
