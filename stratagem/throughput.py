@@ -29,6 +29,7 @@ dense bf16 peak, fp16 under fp16 AMP), a measured float32 matmul rate on a CPU (
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -128,7 +129,10 @@ def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any,
 
     # the counter looks its formulas up at each op: wrapped, they say which pass ran them
     counter.flop_registry = {op: tallied(f) for op, f in counter.flop_registry.items()}
-    with counter:
+    with counter, warnings.catch_warnings():
+        # the counter hooks every module for this one call; a compiled module's warning
+        # about global module hooks is about those, not about the user's
+        warnings.filterwarnings('ignore', message=r'Using `torch.compile\(module\)` when there')
         result = fn(*args, **kwargs)
     total = int(counter.get_total_flops())
     forward, back = total - backward[0], backward[0]

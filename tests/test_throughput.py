@@ -176,6 +176,20 @@ def test_every_row_is_written_after_a_run_that_fails(tmp_path):
     assert all(r['mfu'] == '' and float(r['tokens_per_s']) > 0 for r in rows)  # flops off
 
 
+def test_the_rows_are_on_disk_when_a_checkpoint_is_committed(tmp_path):
+    from stratagem.loop import train
+
+    cfg = _lm_cfg(tmp_path, flops=False, tensorboard=False)
+    cfg['train_cfg']['checkpoint_interval'] = 3
+    seen = {}
+
+    def on_checkpoint(path, iteration):  # the writer wakes once a second: this run is shorter
+        seen[iteration] = [r['iter'] for r in _rows(tmp_path)]
+
+    train(cfg, progress=False, on_checkpoint=on_checkpoint)
+    assert seen == {3: ['2'], 6: ['2', '4']}  # the row of the save's own iteration comes after
+
+
 def test_the_writer_writes_on_its_own_thread_every_row_in_order_and_raises_its_error():
     written, threads = [], set()
 
