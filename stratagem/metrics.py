@@ -23,8 +23,9 @@ training (e.g. ``acc``; mean over the interval). Each validation writes a row of
   second, at each checkpoint save and at the end, also when the run fails). A column that
   appears later (a model's output, a validation value) widens the header: the file is
   rewritten once with the new column, earlier rows left empty there;
-- TensorBoard event files in ``<log_dir>/tensorboard`` (``torch.utils.tensorboard``'s
-  ``SummaryWriter``; ``pip install tensorboard``): every row, one event each, tags
+- TensorBoard event files in ``<log_dir>/tensorboard`` (the file ``torch.utils.
+  tensorboard``'s ``SummaryWriter`` writes, by ``stratagem.event_file``; ``pip install
+  tensorboard``): every row, one event each, tags
   ``train/<name>`` and ``val/<name>`` at step ``iter``, never dropped;
   ``tensorboard --logdir work_dirs`` shows every run;
 - the log line and the progress bar (throughput and ETA) stay the loop's.
@@ -54,6 +55,7 @@ from typing import Any
 
 import torch
 
+from stratagem.event_file import EventFile
 from stratagem.throughput import FlopCount, Peak, num_tokens_hook
 
 __all__ = [
@@ -296,16 +298,13 @@ class RunMetrics:
             self._open()
         if cfg.get('tensorboard', True):
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                self._tb = EventFile(os.path.join(log_dir, 'tensorboard'))
             except ImportError:
                 if logger is not None:
                     logger.info(
                         'TensorBoard is not installed (pip install tensorboard): scalars go '
                         f'to {self._path} and the log only'
                     )
-            else:
-                # its own thread writes the events every 10 s (and at close)
-                self._tb = SummaryWriter(os.path.join(log_dir, 'tensorboard'), flush_secs=10)
         if self._csv is not None or self._tb is not None:
             self._writer = RowWriter(
                 self._write_rows, self._sync, every_s=self.flush_every_s, what=self._path
@@ -456,6 +455,7 @@ class RunMetrics:
             self._file.flush()
         if self._tb is not None:
             self._to_tensorboard(rows)
+            self._tb.flush()
 
     def _sync(self) -> None:
         if self._tb is not None:
@@ -463,15 +463,13 @@ class RunMetrics:
 
     def _to_tensorboard(self, rows: list[dict]) -> None:
         # one event per row, all its scalars in it, every row
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
         for row in rows:
-            values = [
-                Summary.Value(tag=k if '/' in k else f'train/{k}', simple_value=float(v))
+            scalars = {
+                k if '/' in k else f'train/{k}': float(v)
                 for k, v in row.items()
                 if k not in ('iter', 'epoch') and v is not None
-            ]
-            self._tb.file_writer.add_summary(Summary(value=values), row['iter'])
+            }
+            self._tb.add(row['iter'], scalars)
 
     def flush(self) -> None:
         """Wait until every row so far is in the CSV file and TensorBoard's (a checkpoint's

@@ -214,3 +214,25 @@ def test_the_writer_writes_on_its_own_thread_every_row_in_order_and_raises_its_e
     broken.put({'i': 0})
     with pytest.raises(RuntimeError, match='writing the run/metrics.csv failed: .*No space left'):
         broken.close()
+
+
+def test_the_event_file_s_checksum_is_tensorboard_s_and_tensorboard_reads_it(tmp_path):
+    pytest.importorskip('tensorboard')
+    import random
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as reference
+
+    from stratagem.event_file import EventFile, masked_crc32c
+
+    rng = random.Random(0)
+    for n in (0, 1, 7, 8, 300, 4096, 4097):  # 4097: past the position tables
+        data = bytes(rng.randrange(256) for _ in range(n))
+        assert masked_crc32c(data) == reference(data)
+    events = EventFile(str(tmp_path))
+    events.add(3, {'train/loss': 0.5, 'val/acc': 0.25})
+    events.close()
+    read = EventAccumulator(str(tmp_path))
+    read.Reload()
+    assert [(e.step, e.value) for e in read.Scalars('train/loss')] == [(3, 0.5)]
+    assert [(e.step, e.value) for e in read.Scalars('val/acc')] == [(3, 0.25)]
