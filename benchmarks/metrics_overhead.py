@@ -8,7 +8,8 @@ the figures: the time the training thread spends in ``RunMetrics.write`` per row
 share of the run; the same for the whole metrics path on that thread (``Meter.log_row``: the
 host sync, the row, tokens/s and MFU, the writers' hand-over, the log line; plus
 ``Meter.saw_batch``, the tokens counted every iteration) (medians over rounds); and the
-whole runs' times (which carry the machine's noise, and the writers' own thread).
+whole runs' times (which carry the machine's noise, and the writers' own thread) and CPU
+times (every thread of the process: the writers' cost without the noise of other programs).
 
     python benchmarks/metrics_overhead.py [--rounds 7] [--iters 3000]
 """
@@ -80,13 +81,15 @@ def main() -> None:
     per_row: dict[bool, list[float]] = {True: [], False: []}
     path: dict[bool, list[float]] = {True: [], False: []}
     whole: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
     with tempfile.TemporaryDirectory() as tmp:
         train(_cfg(f'{tmp}/warm', 50, True), progress=False)  # imports, first use
         for r in range(args.rounds):
             for on in (True, False) if r % 2 == 0 else (False, True):
                 spent.update(s=0.0, rows=0, path=0.0)
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 train(_cfg(f'{tmp}/{r}_{on}', args.iters, on), progress=False)
+                cpu[on].append(time.process_time() - cpu_start)
                 total = time.perf_counter() - start
                 whole[on].append(total)
                 share[on].append(spent['s'] / total)
@@ -103,7 +106,11 @@ def main() -> None:
         f'{med(path[False]) * 100:.2f}% off; whole runs '
         f'{med(whole[False]) / args.iters * 1e6:.1f} µs/it off, '
         f'{med(whole[True]) / args.iters * 1e6:.1f} on (median of {args.rounds} interleaved '
-        f'rounds: {(med(whole[True]) / med(whole[False]) - 1) * 100:+.2f}%, noise included)'
+        f'rounds: {(med(whole[True]) / med(whole[False]) - 1) * 100:+.2f}%, noise included); '
+        f'CPU time of the process, every thread: {med(cpu[False]) / args.iters * 1e6:.1f} '
+        f'µs/it off, {med(cpu[True]) / args.iters * 1e6:.1f} on '
+        f'({(med(cpu[True]) / med(cpu[False]) - 1) * 100:+.2f}%: what the writers cost on a '
+        f'machine whose other work makes wall times noisy)'
     )
 
 
