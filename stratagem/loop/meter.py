@@ -105,7 +105,12 @@ class Meter:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
+        try:
+            self._stack.close()
+        except RuntimeError as err:  # the metrics writer's: never in place of the run's error
+            if exc[0] is None:
+                raise
+            self.log.error(f'{err} (the run failed too: its error follows)')
 
     def saw_batch(self, batch: Any) -> None:
         """Count the batch's tokens (rank 0; its shape, or the hook's count)."""
