@@ -160,7 +160,8 @@ def test_mfu_and_tokens_in_every_row_from_the_row_s_own_numbers(tmp_path, caplog
     log = caplog.text
     assert 'tokens counted by train_cfg.metrics.num_tokens' in log
     assert "MFU against this CPU's float32 matmul rate, measured at start" in log
-    assert log.count('mfu(cpu-measured) ') == 3  # every row's line, labelled
+    assert log.count('mfu(cpu-measured) ') == 3 + 1  # every row's line, labelled; the end's
+    assert "throughput, the run's average: " in log
 
 
 def test_every_row_is_written_after_a_run_that_fails(tmp_path):

@@ -105,12 +105,27 @@ class Meter:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self._log_averages()
         try:
             self._stack.close()
         except RuntimeError as err:  # the metrics writer's: never in place of the run's error
             if exc[0] is None:
                 raise
             self.log.error(f'{err} (the run failed too: its error follows)')
+
+    def _log_averages(self) -> None:
+        """The run's averages, from the last row (the first row, the warm-up, left out)."""
+        row = self.metrics.last_row
+        if row is None:
+            return
+        text = f"throughput, the run's average: {row['samples_per_s_avg']:.1f} samples/s"
+        if row.get('tokens_per_s_avg') is not None:
+            text += f' ({row["tokens_per_s_avg"]:.0f} tokens/s)'
+        if row.get('mfu_avg') is not None:
+            label = self.metrics.peak.label if self.metrics.peak is not None else 'mfu'
+            text += f' {label} {row["mfu_avg"] * 100:.3g}%'
+        self.log.info(text)
 
     def saw_batch(self, batch: Any) -> None:
         """Count the batch's tokens (rank 0; its shape, or the hook's count)."""
