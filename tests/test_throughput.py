@@ -237,3 +237,34 @@ def test_the_event_file_s_checksum_is_tensorboard_s_and_tensorboard_reads_it(tmp
     read.Reload()
     assert [(e.step, e.value) for e in read.Scalars('train/loss')] == [(3, 0.5)]
     assert [(e.step, e.value) for e in read.Scalars('val/acc')] == [(3, 0.25)]
+
+
+def test_a_writer_s_error_is_raised_at_the_end_and_never_replaces_the_run_s_own(
+    tmp_path, monkeypatch, caplog
+):
+    from types import SimpleNamespace
+
+    from stratagem.loop.meter import Meter
+
+    def fails(self, rows):
+        raise OSError(28, 'No space left on device')
+
+    monkeypatch.setattr(RunMetrics, '_write_rows', fails)
+
+    def meter():
+        strategy = SimpleNamespace(rank=0, log_dir=str(tmp_path), data_parallel_size=1,
+                                   logger=logging.getLogger('stratagem.test'))  # fmt: skip
+        return Meter(strategy, SimpleNamespace(get_lr=lambda: {'lr': [0.1]}),
+                     torch.device('cpu'), batch_size=2, epoch_length=4, max_iters=4, start_iter=0,
+                     log_interval=1, by_epoch=False, metrics={'tensorboard': False, 'flops': False},
+                     progress=False)  # fmt: skip
+
+    with pytest.raises(RuntimeError, match=r'metrics.csv failed: .*No space left'), meter() as m:
+        m.after_step(torch.tensor(1.0), {})
+        m.log_row(1)
+    with caplog.at_level(logging.ERROR, logger='stratagem.test'):
+        with pytest.raises(ValueError, match='the run itself'), meter() as m:
+            m.after_step(torch.tensor(1.0), {})
+            m.log_row(1)
+            raise ValueError('the run itself')
+    assert 'No space left on device (the run failed too' in caplog.text
