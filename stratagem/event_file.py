@@ -75,12 +75,17 @@ class EventFile:
     (``events.out.tfevents.<time>.<host>.<pid>.<n>``, the name ``SummaryWriter`` gives).
 
     :meth:`add` writes one event of scalars at a step into the file's buffer; :meth:`flush`
-    and :meth:`close` put it on disk. Not thread-safe: one thread writes."""
+    and :meth:`close` put it on disk. Not thread-safe: one thread writes.
+
+    ``purge_step``: the step a resumed run goes on from; the file starts with the events
+    ``SummaryWriter(purge_step=)`` writes (the file version and a ``SessionLog.START`` at
+    that step), on which TensorBoard hides the events of the same run directory at that
+    step and after (the iterations the resume re-does)."""
 
     _count = 0
 
-    def __init__(self, log_dir: str) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event
+    def __init__(self, log_dir: str, purge_step: int | None = None) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         self._event, self._summary = Event, Summary
@@ -93,6 +98,11 @@ class EventFile:
         self.path = os.path.join(log_dir, name)
         self._file = open(self.path, 'wb')  # noqa: SIM115 - closed in close()
         self._record(Event(wall_time=time.time(), file_version='brain.Event:2'))
+        if purge_step is not None:
+            now = time.time()
+            self._record(Event(wall_time=now, step=purge_step, file_version='brain.Event:2'))
+            start = SessionLog(status=SessionLog.START)
+            self._record(Event(wall_time=now, step=purge_step, session_log=start))
         self._file.flush()
 
     def add(self, step: int, scalars: Mapping[str, float]) -> None:

@@ -17,40 +17,54 @@ backward on rank 0, counted once), ``samples_per_s_avg``, ``tokens_per_s_avg`` a
 there is a second), then every other scalar the model returned in
 training (e.g. ``acc``; mean over the interval). Each validation writes a row of its own:
 ``iter``, ``epoch`` and ``val/<name>`` for every scalar of the model's validation output
-(means over the whole validation set). Each row goes to:
+(means over the whole validation set). A straggler named (``stratagem.loop.stragglers``)
+writes ``iter``, ``epoch``, ``straggler/rank`` and ``straggler/ratio``. Each update
+``train_cfg.anomaly`` refused writes a row of its own: ``iter``, ``epoch`` and
+``anomaly/<name>`` (``stratagem.loop.anomaly``). Each row goes to:
 
-- ``<log_dir>/metrics.csv`` (a header, then one line per row; flushed at most once a
-  second, at each checkpoint save and at the end, also when the run fails). A column that
-  appears later (a model's output, a validation value) widens the header: the file is
-  rewritten once with the new column, earlier rows left empty there;
+- ``<log_dir>/metrics.csv`` (the log directory of the run's first part: a resumed run
+  appends to the metrics of the run it resumes, its rows after the resumed iteration dropped;
+  a header, then one line per row; flushed at most once a second, at each checkpoint save
+  and at the end, also when the run fails). A column that appears later (a model's output,
+  a validation value) widens the header: the file is rewritten once with the new column,
+  earlier rows left empty there;
 - TensorBoard event files in ``<log_dir>/tensorboard`` (the file ``torch.utils.
   tensorboard``'s ``SummaryWriter`` writes, by ``stratagem.event_file``; ``pip install
-  tensorboard``): every row, one event each, tags
-  ``train/<name>`` and ``val/<name>`` at step ``iter``, never dropped;
-  ``tensorboard --logdir work_dirs`` shows every run;
+  tensorboard``): every row, one event each, tags ``train/<name>`` and ``val/<name>`` at
+  step ``iter``, never dropped (one run across resumes: a resumed run's file starts with
+  the ``SessionLog.START`` event at the step after the resumed iteration, which
+  ``SummaryWriter(purge_step=)`` writes, so TensorBoard purges the events from that step on
+  that the run before wrote); ``tensorboard --logdir work_dirs`` shows every run;
 - the log line and the progress bar (throughput and ETA) stay the loop's.
 
 Both writers run on a thread of their own (:class:`RowWriter`): the training thread hands a
-row over (a queue's put) and goes on; the thread writes what it was handed at most once a
-second, and :meth:`RunMetrics.flush` / :meth:`RunMetrics.close` wait until every row so far
-is written (a write's error is raised there, naming the file). Nothing is done per iteration
-but adding the loss (and the other scalars) to tensors (no host sync) and counting the
-batch's tokens (its shape); a row costs one sync per ``log_interval``. Other ranks write
-nothing. ``train_cfg.metrics``: ``csv`` and ``tensorboard`` (bools, default True: the
-writers), ``flops`` (bool, default True: count the FLOPs for ``mfu``), ``peak_flops`` (FLOP/s
-of the device, for a card the table lacks), ``num_tokens`` (the tokens hook).
+row over (a queue's put) and goes on; the thread opens the files with the first row (a run
+that fails before it writes none), writes what it was handed at most once a second, and
+:meth:`RunMetrics.flush` / :meth:`RunMetrics.close` wait until every row so far is written
+(a write's error is raised there, naming the file). Nothing is done per iteration but adding
+the loss (and the other scalars) to tensors (no host sync) and counting the batch's tokens
+(its shape); a row costs one sync per ``log_interval``. Other ranks write nothing.
+``train_cfg.metrics``: ``csv`` and ``tensorboard`` (bools, default True: the writers),
+``flops`` (bool, default True: count the FLOPs for ``mfu``), ``peak_flops`` (FLOP/s of the
+device, for a card the table lacks), ``num_tokens`` (the tokens hook).
+
+Read back (``stratagem plot metrics WORK_DIR``): :func:`find_metrics_csv` (the newest run's
+file), :func:`metrics_curves` (loss, lr and each validation value over iterations), drawn by
+:func:`plot_metrics_png` (matplotlib) or :func:`metrics_ascii` (a terminal).
 """
 
 from __future__ import annotations
 
 import csv
 import logging
+import math
 import os
 import queue
 import resource
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,8 +77,12 @@ __all__ = [
     'RowWriter',
     'RunMetrics',
     'check_metrics_cfg',
+    'find_metrics_csv',
     'format_row',
+    'metrics_ascii',
+    'metrics_curves',
     'peak_memory_mib',
+    'plot_metrics_png',
 ]
 
 #: the keys ``train_cfg.metrics`` accepts
@@ -250,6 +268,13 @@ class RunMetrics:
         num_tokens: the tokens hook (default: ``cfg['num_tokens']``, else
             ``throughput.default_num_tokens``).
         peak: the device's peak for ``mfu`` (``throughput.device_peak``); None: no ``mfu``.
+        resumed_at: the iteration a resumed run continues from, whose metrics go on in the
+            log directory of the run it resumes: the CSV's rows after it are dropped and
+            TensorBoard's events after it purged (the resume re-does those iterations).
+            None: a fresh run.
+
+    The files are opened (by the writer's thread) with the first row, so a run that fails
+    before it writes none.
     """
 
     def __init__(
@@ -263,6 +288,7 @@ class RunMetrics:
         data_parallel_size: int = 1,
         num_tokens: Callable[[Any], Any] | None = None,
         peak: Peak | None = None,
+        resumed_at: int | None = None,
     ) -> None:
         cfg = check_metrics_cfg(cfg)
         self.samples_per_iter = samples_per_iter
@@ -277,6 +303,8 @@ class RunMetrics:
         self._totals = [0, 0.0, 0]  # iterations, seconds, tokens: the rows after the first
         self.stall = 0.0
         self.last_row: dict | None = None
+        self.log_dir = log_dir
+        self.resumed_at = resumed_at
         self._path = os.path.join(log_dir, 'metrics.csv')
         self._columns = list(COLUMNS)
         self._csv: Any = None
@@ -284,31 +312,41 @@ class RunMetrics:
         self._tb: Any = None
         self._writer: RowWriter | None = None
         self.flush_every_s = 1.0
-        if not enabled:
+        # the writers open with the first row: a run that fails before it leaves no files
+        self._want_csv = enabled and bool(cfg.get('csv', True))
+        self._want_tb = enabled and bool(cfg.get('tensorboard', True))
+        self._opened = False
+        self._logger = logger
+
+    def _open_writers(self) -> None:
+        """The CSV (appended to, under its header, when it exists: a resumed run's rows go
+        on in the file of the run it resumes, rows after ``resumed_at`` dropped, as they are
+        re-done) and the TensorBoard writer (its events from ``resumed_at + 1`` on purged)."""
+        self._opened = True
+        if not (self._want_csv or self._want_tb):
             return
-        os.makedirs(log_dir, exist_ok=True)
-        if cfg.get('csv', True):
-            if os.path.exists(self._path):  # a resumed run appends under the file's header
+        os.makedirs(self.log_dir, exist_ok=True)
+        if self._want_csv:
+            if os.path.exists(self._path):
                 with open(self._path, newline='') as f:
                     header = next(csv.reader(f), None)
                 if header:
                     self._columns = header + [c for c in COLUMNS if c not in header]
-                    if self._columns != header:
-                        self._widen()
+                    if self._columns != header or self.resumed_at is not None:
+                        self._widen(until=self.resumed_at)
             self._open()
-        if cfg.get('tensorboard', True):
+        if self._want_tb:
+            # the events of the iterations a resume re-does: hidden, as SummaryWriter's
+            # purge_step hides them (a SessionLog.START at the step, TensorBoard's mechanism)
+            purge = None if self.resumed_at is None else self.resumed_at + 1
             try:
-                self._tb = EventFile(os.path.join(log_dir, 'tensorboard'))
+                self._tb = EventFile(os.path.join(self.log_dir, 'tensorboard'), purge_step=purge)
             except ImportError:
-                if logger is not None:
-                    logger.info(
+                if self._logger is not None:
+                    self._logger.info(
                         'TensorBoard is not installed (pip install tensorboard): scalars go '
                         f'to {self._path} and the log only'
                     )
-        if self._csv is not None or self._tb is not None:
-            self._writer = RowWriter(
-                self._write_rows, self._sync, every_s=self.flush_every_s, what=self._path
-            )
 
     def _open(self) -> None:
         new = not os.path.exists(self._path)
@@ -317,13 +355,16 @@ class RunMetrics:
         if new:
             self._csv.writeheader()
 
-    def _widen(self) -> None:
+    def _widen(self, until: int | None = None) -> None:
         """Rewrite the CSV under ``self._columns`` (a temp file renamed over it): a column
-        that appears mid-run gets a header entry, and the earlier rows keep their values."""
+        that appears mid-run gets a header entry, and the earlier rows keep their values;
+        ``until``: the rows of later iterations dropped (a resume re-does them)."""
         if self._file is not None:
             self._file.close()
         with open(self._path, newline='') as f:
             rows = list(csv.DictReader(f))
+        if until is not None:
+            rows = [r for r in rows if not _after(r.get('iter'), until)]
         tmp = self._path + '.tmp'
         with open(tmp, 'w', newline='') as f:
             writer = csv.DictWriter(f, fieldnames=self._columns, restval='', extrasaction='ignore')
@@ -356,6 +397,11 @@ class RunMetrics:
     def add_stall(self, seconds: float) -> None:
         """Time the loop spent in ``save_checkpoint``."""
         self.stall += seconds
+
+    def drop_tokens(self) -> None:
+        """Forget the tokens counted since the last row (a rollback: its iterations are
+        trained again, timed from the rollback on)."""
+        self._take_tokens()
 
     def _take_tokens(self) -> int | None:
         tokens = self.tokens
@@ -437,13 +483,37 @@ class RunMetrics:
         self._add(row)
         return row
 
+    def write_scalars(self, it: int, epoch: int, values: Mapping[str, float]) -> dict:
+        """A row of other scalars under their own tags (``straggler/rank``, ...): ``iter``,
+        ``epoch`` and ``values`` as given."""
+        row: dict[str, Any] = {'iter': it, 'epoch': epoch, **values}
+        self._add(row)
+        return row
+
+    def write_anomaly(self, it: int, epoch: int, values: Mapping[str, float]) -> dict:
+        """A refused update's row (``train_cfg.anomaly``): ``iter``, ``epoch`` and
+        ``anomaly/<name>`` per value (``anomaly/nonfinite`` or ``anomaly/spike``, the action's
+        ``anomaly/skip`` / ``rollback`` / ``stop``, ``anomaly/loss``, ...)."""
+        row: dict[str, Any] = {'iter': it, 'epoch': epoch}
+        row.update((f'anomaly/{name}', value) for name, value in values.items())
+        self._add(row)
+        return row
+
     def _add(self, row: dict) -> None:
-        if self._writer is not None:
-            self._writer.put(row)
+        if self._writer is None:
+            if not (self._want_csv or self._want_tb):
+                return
+            self._writer = RowWriter(
+                self._write_rows, self._sync, every_s=self.flush_every_s, what=self._path
+            )
+        self._writer.put(row)
 
     def _write_rows(self, rows: list[dict]) -> None:
-        """On the writer's thread: the rows into the CSV (widened for a new column) and to
-        TensorBoard, then the file flushed (at most once a second)."""
+        """On the writer's thread: the files opened with the first rows, then the rows into
+        the CSV (widened for a new column) and to TensorBoard, then the files flushed (at
+        most once a second)."""
+        if not self._opened:
+            self._open_writers()
         if self._csv is not None:
             for row in rows:
                 new = [k for k in row if k not in self._columns]
@@ -485,9 +555,139 @@ class RunMetrics:
                 self._writer.close()
         finally:
             self._writer = None
+            self._want_csv = self._want_tb = False  # a row after the close is not written
             if self._file is not None:
                 self._file.close()
                 self._file = None
             if self._tb is not None:
                 self._tb.close()
                 self._tb = None
+
+
+def _after(value: str | None, iteration: int) -> bool:
+    """Whether a CSV row's ``iter`` is past ``iteration`` (a row without one is kept)."""
+    try:
+        return int(float(value or '')) > iteration
+    except ValueError:
+        return False
+
+
+def find_metrics_csv(path: str | os.PathLike) -> Path:
+    """The ``metrics.csv`` that ``path`` names: the file itself, a run's log directory
+    holding one, or a work_dir: the one of its log directories written last (a resumed run
+    writes into the folder of the run it resumed). FileNotFoundError naming what was looked
+    for."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if (path / 'metrics.csv').is_file():
+        return path / 'metrics.csv'
+    found = sorted(path.glob('*/metrics.csv'), key=lambda p: (p.stat().st_mtime, str(p)))
+    if not found:
+        where = 'does not exist' if not path.exists() else 'holds no */metrics.csv'
+        raise FileNotFoundError(
+            f'{path} {where}: give the work_dir of a `stratagem train` run (its metrics are '
+            'in work_dir/<timestamp>/metrics.csv), a log directory, or a metrics.csv'
+        )
+    return found[-1]
+
+
+def metrics_curves(csv_path: str | os.PathLike) -> dict[str, list[tuple[int, float]]]:
+    """The curves of a ``metrics.csv``: ``loss``, ``lr`` and every ``val/<name>``, each a
+    list of ``(iter, value)`` in file order (empty cells skipped)."""
+    with open(csv_path, newline='') as f:
+        rows = list(csv.DictReader(f))
+    names = ['loss', 'lr'] + sorted({k for r in rows for k in r if k.startswith('val/')})
+    curves: dict[str, list[tuple[int, float]]] = {name: [] for name in names}
+    for row in rows:
+        try:
+            it = int(float(row.get('iter') or ''))
+        except ValueError:
+            continue
+        for name in names:
+            value = row.get(name)
+            if value not in (None, ''):
+                curves[name].append((it, float(value)))
+    return {name: points for name, points in curves.items() if points}
+
+
+def plot_metrics_png(
+    curves: Mapping[str, Sequence[tuple[int, float]]], out: str | os.PathLike, title: str = ''
+) -> Path:
+    """Draw ``curves`` (:func:`metrics_curves`) to the PNG ``out``, one panel each over the
+    iterations: the loss (with ``val/loss`` on it), the lr, then each other validation
+    value; needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use('Agg')  # files only: never open a window or need a display
+    import matplotlib.pyplot as plt
+
+    panels: list[list[str]] = []
+    if 'loss' in curves or 'val/loss' in curves:
+        panels.append([n for n in ('loss', 'val/loss') if n in curves])
+    panels += [[n] for n in curves if n not in ('loss', 'val/loss')]
+    if not panels:
+        raise ValueError('no loss, lr or validation values to draw')
+    fig, grid = plt.subplots(
+        len(panels), 1, sharex=True, figsize=(10, 2.6 * len(panels) + 0.6), squeeze=False
+    )
+    for ax, names in zip((a[0] for a in grid), panels):
+        for name in names:
+            xs, ys = zip(*curves[name])
+            marker = 'o' if name.startswith('val/') else None
+            ax.plot(xs, ys, lw=1.4, marker=marker, ms=3, label=name)
+        ax.set_ylabel(names[0] if len(names) == 1 else 'loss')
+        ax.grid(True, axis='y', alpha=0.3)
+        if len(names) > 1:
+            ax.legend(loc='best', fontsize='small')
+    grid[-1][0].set_xlabel('iteration')
+    if title:
+        fig.suptitle(title, fontsize='medium')
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def metrics_ascii(
+    curves: Mapping[str, Sequence[tuple[int, float]]], width: int = 72, height: int = 10
+) -> str:
+    """Each of ``curves`` as a terminal chart over the iterations (one column spans
+    several iterations when there are more than ``width``; a column draws its points'
+    range), with the last value in its title."""
+    charts = []
+    for name, points in curves.items():
+        charts.append(_ascii_points(points, width, height, f'{name} (last {points[-1][1]:.4g})'))
+    return '\n\n'.join(charts)
+
+
+def _ascii_points(points: Sequence[tuple[int, float]], width: int, height: int, title: str) -> str:
+    xs = [x for x, _ in points]
+    ys = [y for _, y in points if math.isfinite(y)] or [0.0]
+    first, last = min(xs), max(xs)
+    lo, hi = min(ys), max(ys)
+    cols = max(1, min(width, last - first + 1))
+    grid = [[' '] * cols for _ in range(height)]
+
+    def row(v: float) -> int:
+        return height // 2 if hi == lo else round((v - lo) / (hi - lo) * (height - 1))
+
+    spans: dict[int, tuple[float, float]] = {}
+    for x, y in points:
+        if not math.isfinite(y):
+            continue
+        c = 0 if last == first else (x - first) * (cols - 1) // (last - first)
+        low, high = spans.get(c, (y, y))
+        spans[c] = (min(low, y), max(high, y))
+    for c, (low, high) in spans.items():
+        for r in range(row(low), row(high) + 1):
+            grid[r][c] = '*'
+    lines = [title]
+    for r in range(height - 1, -1, -1):
+        label = f'{hi:.4g}' if r == height - 1 else f'{lo:.4g}' if r == 0 else ''
+        lines.append(f'{label:>10} |' + ''.join(grid[r]))
+    lines.append(' ' * 10 + ' +' + '-' * cols)
+    lines.append(f'{"":>10}  iterations {first}..{last}')
+    return '\n'.join(lines)

@@ -85,9 +85,11 @@ TRAIN_CFG_KEYS: frozenset[str] = frozenset(
         'by_epoch',
         'preemption',
         'metrics',
+        'straggler',
         'refit_schedulers',
         'val_interval',
         'val_begin',
+        'anomaly',
     }
 )
 """``train_cfg`` (read by the reference loop, ``stratagem train``): ``max_epochs`` or
@@ -99,8 +101,14 @@ is given; ``stratagem plot-schedule`` reads it too), ``val_interval`` (epochs wh
 ``by_epoch``, else iterations, between validations; default 1; there is always one at the
 end), ``val_begin`` (the first epoch or iteration after which validation may run; default 1:
 none before training, as mmengine), ``metrics`` (see ``stratagem.metrics``),
+``anomaly`` (``dict(nonfinite='skip' | 'rollback' | 'stop', spike=dict(window=100,
+zscore=6.0, action='skip'))``; default None: off; see ``stratagem.loop.anomaly``),
 ``preemption`` (``dict(signals=['SIGTERM', 'SIGUSR1'], requeue=False, exit_code=75)``, the
-default; None: off; see ``stratagem.env.preemption``), ``refit_schedulers`` (default False: a
+default; None: off; see ``stratagem.env.preemption``), ``straggler`` (``dict(factor=1.5,
+intervals=3, min_seconds=0.01)``, the default: a rank ``factor`` × slower than the others'
+median, and ``min_seconds`` more, before the gradient all-reduce in ``intervals`` log
+intervals in a row is named; None: off; see
+``stratagem.loop.stragglers``), ``refit_schedulers`` (default False: a
 resumed run keeps the saved length of a scheduler whose ``end`` was fitted to the earlier
 run's length, with a warning when this run's length differs; True: those schedulers take
 this run's length, and their values from the resumed iteration on are those of a fresh run

@@ -109,7 +109,7 @@ def test_multi_node_command(config, calls):
         ),
         (
             ['--nproc', '0', '--nnodes', '2', '--master-addr', 'localhost'],
-            '--nproc and --nnodes must be >= 1',
+            '--nproc 0: the number of processes on this machine should be >= 1',
         ),
     ],
 )

@@ -340,3 +340,97 @@ def test_amp_trains_under_autocast(tmp_path, config, monkeypatch):
     assert main(['train', config, '--work-dir', work, '--amp', '--seed', '9', *options]) == 0
     assert type(seen['wrapper']).__name__ == 'AmpOptimWrapper'
     assert seen['wrapper'].cast_dtype == torch.bfloat16 and seen['seed'] == 9
+
+
+def test_ctrl_c_in_one_process_names_the_checkpoint_and_the_log_says_why(
+    tmp_path, config, monkeypatch, capsys
+):
+    """Ctrl-C in a single process prints the line ``--nproc 2`` prints (one function), exit
+    130; the run's .log ends saying it was interrupted."""
+    from stratagem.cli import train as train_cli
+
+    real_train = train_cli.train
+
+    def interrupted_at_5(cfg, **kwargs):
+        def stop(path, iteration):
+            if iteration == 5:
+                raise KeyboardInterrupt
+
+        return real_train(cfg, progress=False, on_checkpoint=stop, **kwargs)
+
+    monkeypatch.setattr(train_cli, 'train', interrupted_at_5)
+    work = tmp_path / 'w'
+    assert main(['train', config, '--work-dir', str(work)]) == 130
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if 'interrupted' in line]
+    assert lines == [
+        'stratagem train: interrupted (SIGINT); nothing half-written; --resume continues '
+        f'from {work / "iter_5.pth"}'
+    ]
+    assert 'Traceback' not in err and 'KeyboardInterrupt' not in err
+    (log,) = work.glob('*/*.log')
+    last = log.read_text().splitlines()[-1]
+    assert last.endswith('WARNING: run ended: interrupted (Ctrl-C, SIGINT)')
+
+
+def test_a_failed_run_leaves_its_reason_and_no_empty_folder(tmp_path, config, capsys):
+    """An error after the strategy was built: the .log's last line is the error on one line,
+    even under log_level='WARNING' (which once left an empty log folder); an error before
+    leaves no work_dir at all."""
+    work = tmp_path / 'w'
+    argv = ['train', config, '--work-dir', str(work), '--cfg-options']
+    assert main([*argv, 'optim_wrapper.optimizer.bogus=1', 'log_level=WARNING']) == 1
+    assert 'stratagem: error: ' in capsys.readouterr().err
+    (folder,) = [p for p in work.iterdir() if p.is_dir()]
+    (log,) = folder.iterdir()
+    lines = log.read_text().splitlines()
+    assert len(lines) == 1, lines  # WARNING: only the end line
+    assert (
+        lines[0]
+        .split(' stratagem ')[1]
+        .startswith(
+            "ERROR: run ended: error: TypeError: cannot build 'SGD' from the 'optimizer' registry"
+        )
+    )
+    # a config refused before anything is built: no work_dir at all
+    fresh, endless = tmp_path / 'v', tmp_path / 'endless.py'
+    endless.write_text(CONFIG.replace('max_epochs=4, ', ''))
+    assert main(['train', str(endless), '--work-dir', str(fresh)]) == 1
+    assert 'train_cfg needs max_epochs or max_iters' in capsys.readouterr().err
+    assert not fresh.exists()
+
+
+def test_nproc_below_one_is_refused_and_above_the_cores_warned(monkeypatch, config, capsys):
+    from stratagem.cli import launch
+
+    monkeypatch.delenv('LOCAL_RANK', raising=False)
+    assert main(['train', config, '--nproc', '0']) == 1
+    err = capsys.readouterr().err
+    assert (
+        'stratagem: error: --nproc 0: the number of processes on this machine should be >= 1' in err
+    )
+    monkeypatch.setattr(launch.os, 'sched_getaffinity', lambda pid: {0, 1}, raising=False)
+    with pytest.warns(UserWarning, match=r'--nproc 8 on a machine with 2 CPU cores') as said:
+        launch.check_nproc(8)
+    assert len(said) == 1
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        launch.check_nproc(2)  # as many as the cores: nothing said
+
+
+def test_convert_help_describes_every_layout(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(['convert', '--help'])
+    assert info.value.code == 0
+    text = ' '.join(capsys.readouterr().out.split())
+    for said in (
+        'DeepSpeed',
+        'Hugging Face',
+        '.safetensors',
+        'file|sharded|hf|safetensors',
+        "transformers' from_pretrained",
+        'the full model weights alone',
+    ):
+        assert said in text, said

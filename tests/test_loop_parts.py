@@ -102,7 +102,10 @@ def test_a_new_best_is_committed_before_the_old_one_is_deleted(tmp_path, monkeyp
     strategy = _SavingStrategy(tmp_path, events)
     best = BestCheckpoint(BestPlan('acc', 'greater', (), (), by_epoch=True))
     meter = SimpleNamespace(
-        stalls=[], add_stall=lambda s: meter.stalls.append(s), flush=lambda: None
+        stalls=[],
+        add_stall=lambda s: meter.stalls.append(s),
+        flush=lambda: None,
+        metrics_dir=str(tmp_path / 'log'),
     )
     checkpoints = Checkpoints(strategy, 4, None, 4, 12, best, meter)  # type: ignore[arg-type]
     assert best.due({'acc': 0.5})
@@ -123,6 +126,7 @@ def test_a_new_best_is_committed_before_the_old_one_is_deleted(tmp_path, monkeyp
     assert strategy.metas['iter_8.pth'] == {
         'iter': 8,
         'epoch': 2,
+        'metrics_dir': 'log',  # where a resume appends the metrics, relative to work_dir
         'best': {
             'metric': 'acc',
             'rule': 'greater',
@@ -220,3 +224,48 @@ def test_on_checkpoint_hears_of_each_save_once_committed(tmp_path, async_checkpo
     assert heard == [
         ('iter_3.pth', 3), ('iter_6.pth', 6), ('iter_7.pth', 7)
     ]  # fmt: skip
+
+
+def test_the_start_line_says_the_real_batch_and_the_lr_scaling():
+    from stratagem.loop.run import _start_line
+
+    # 2 data-parallel processes x 16 per process x 2 accumulated: 64, base 16 -> lr x 4
+    strategy = SimpleNamespace(
+        data_parallel_size=2, auto_scale_lr=dict(enable=True, base_batch_size=16)
+    )
+    plan = SimpleNamespace(optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.05)))
+    wrapper = SimpleNamespace(accumulative_counts=2, param_groups=[dict(lr=0.1, initial_lr=0.2)])
+    assert _start_line(strategy, plan, wrapper, 16, 0, 100) == (
+        'training: iterations 1-100; real batch 64 (2 data-parallel processes x 16 per process '
+        'x 2 accumulated); lr 0.05 -> 0.2 (auto_scale_lr: real batch 64 / base_batch_size 16)'
+    )
+    strategy.auto_scale_lr = None
+    wrapper.accumulative_counts = 1
+    assert _start_line(strategy, plan, wrapper, 16, 40, 100) == (
+        'training: iterations 41-100 (resumed after 40); real batch 32 (2 data-parallel '
+        'processes x 16 per process); lr 0.2'
+    )
+
+
+def test_a_resume_appends_to_the_metrics_folder_its_checkpoint_names(tmp_path):
+    from stratagem.loop.run import _metrics_dir
+
+    (tmp_path / 'first').mkdir()
+    strategy = SimpleNamespace(
+        work_dir=str(tmp_path), log_dir=str(tmp_path / 'second'), resumed_from=None
+    )
+    assert _metrics_dir(strategy, None) == strategy.log_dir  # a fresh run
+    assert _metrics_dir(strategy, {'metrics_dir': 'first'}) == str(tmp_path / 'first')
+    # outside work_dir, or iterations renumbered by another world size: a new folder
+    for meta in (
+        {'metrics_dir': '../first'},
+        {'metrics_dir': str(tmp_path / 'first')},
+        {'metrics_dir': 'first', 'world_size_change': {'iter': [10, 5]}},
+    ):
+        assert _metrics_dir(strategy, meta) == strategy.log_dir, meta
+    same = {'metrics_dir': 'first', 'world_size_change': {'iter': [10, None]}}
+    assert _metrics_dir(strategy, same) == str(tmp_path / 'first')
+    strategy.resumed_from = str(tmp_path / 'iter_10.pth')  # this work_dir's checkpoint
+    assert _metrics_dir(strategy, {'metrics_dir': 'first'}) == str(tmp_path / 'first')
+    strategy.resumed_from = str(tmp_path / 'elsewhere' / 'iter_10.pth')  # --resume PATH
+    assert _metrics_dir(strategy, {'metrics_dir': 'first'}) == strategy.log_dir

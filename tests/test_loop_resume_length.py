@@ -4,12 +4,12 @@ length with ``train_cfg.refit_schedulers=True``."""
 
 import csv
 import math
-import os
 import warnings
 
 import pytest
 
 from stratagem.loop import train
+from stratagem.metrics import find_metrics_csv
 
 # 32 samples / 8 = 4 iterations per epoch; the cosine cfg has no end: fitted to the run
 BASE = dict(
@@ -36,8 +36,9 @@ def _cfg(work_dir, max_epochs, **train_cfg):
 
 
 def _csv_lrs(strategy):
-    """``{iteration: lr}`` of the run's metrics.csv (rows of every run in the work_dir)."""
-    with open(os.path.join(strategy.log_dir, 'metrics.csv')) as f:
+    """``{iteration: lr}`` of the run's metrics.csv (one across resumes: a resumed run
+    appends to the file of the run it resumes)."""
+    with open(find_metrics_csv(strategy.work_dir)) as f:
         return {int(r['iter']): float(r['lr']) for r in csv.DictReader(f)}
 
 

@@ -104,6 +104,90 @@ def test_stratagem_train_writes_the_rows(tmp_path):
     assert [float(r['checkpoint_stall_s']) > 0 for r in rows] == [False, True, True]
     for r in rows:
         assert float(r['samples_per_s']) == pytest.approx(8 / float(r['step_time_s']), rel=1e-6)
+    # the start line says the real batch; the log's last line why the run ended
+    log = next(table.parent.glob('*.log')).read_text().splitlines()
+    assert any(line.endswith('training: iterations 1-10; real batch 8; lr 0.1') for line in log)
+    assert log[-1].endswith('INFO: run ended: finished, iteration 10/10')
+
+    # a resume from iteration 5 appends to the same file: the row of 8 and 10 re-done, once
+    cfg['train_cfg']['max_iters'] = 12
+    again = train(cfg, progress=False, resume=str(tmp_path / 'iter_5.pth'))
+    assert list(tmp_path.glob('*/metrics.csv')) == [table]
+    with open(table) as f:
+        rows = list(csv.DictReader(f))
+    assert [r['iter'] for r in rows] == ['4', '8', '12']
+    assert float(rows[1]['loss']) == pytest.approx(again['losses'][0][1])
+
+
+def test_a_resumed_run_drops_the_rows_it_redoes_from_csv_and_tensorboard(tmp_path):
+    cpu = torch.device('cpu')
+    first = RunMetrics(str(tmp_path), samples_per_iter=8, enabled=True)
+    for it in (2, 4, 6, 8):
+        first.write(it, 1, 10.0 - it, 0.1, None, 2, 0.01, cpu)
+    first.write_val(4, 1, {'acc': 0.5})
+    first.write_val(8, 1, {'acc': 0.7})
+    first.close()
+    # resumed from the checkpoint of iteration 5: 6 and 8 are trained again
+    second = RunMetrics(str(tmp_path), samples_per_iter=8, enabled=True, resumed_at=5)
+    second.write(6, 1, 3.5, 0.1, None, 1, 0.01, cpu)
+    second.write_val(6, 1, {'acc': 0.9})
+    second.close()
+    with open(tmp_path / 'metrics.csv') as f:
+        rows = [(r['iter'], r['loss'], r['val/acc']) for r in csv.DictReader(f)]
+    assert rows == [
+        ('2', '8.0', ''),
+        ('4', '6.0', ''),
+        ('4', '', '0.5'),
+        ('6', '3.5', ''),
+        ('6', '', '0.9'),
+    ]
+    pytest.importorskip('tensorboard')
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / 'tensorboard'))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars('train/loss')] == [
+        (2, 8.0),
+        (4, 6.0),
+        (6, 3.5),
+    ]
+    assert [(e.step, e.value) for e in events.Scalars('val/acc')] == [
+        (4, 0.5),
+        (6, pytest.approx(0.9)),
+    ]
+
+
+def test_a_run_that_writes_no_row_leaves_no_file(tmp_path):
+    RunMetrics(str(tmp_path / 'log'), samples_per_iter=8, enabled=True).close()
+    assert not (tmp_path / 'log').exists()
+
+
+def test_plot_metrics_draws_the_newest_runs_curves(tmp_path, capsys):
+    from stratagem.cli import main
+
+    cpu = torch.device('cpu')
+    metrics = RunMetrics(
+        str(tmp_path / '20260101_000000'), 8, enabled=True, cfg=dict(tensorboard=False)
+    )
+    for it in range(10, 101, 10):
+        metrics.write(it, 1, 1.0 / it, 0.1 * (1 - it / 100), None, 10, 0.1, cpu)
+        if it % 50 == 0:
+            metrics.write_val(it, 1, {'loss': 2.0 / it, 'acc': it / 100})
+    metrics.close()
+    assert main(['plot', 'metrics', str(tmp_path), '--ascii']) == 0
+    out = capsys.readouterr().out
+    for title in ('loss (last 0.01)', 'lr (last 0)', 'val/acc (last 1)', 'val/loss (last 0.02)'):
+        assert title in out
+    chart = out.split('loss (last 0.01)')[1].split('\n\n')[0].splitlines()
+    assert chart[1].strip().startswith('0.1 |*')  # the highest loss, first
+    assert chart[10].rstrip().endswith('*') and 'iterations 10..100' in chart[-1]
+    pytest.importorskip('matplotlib')
+    assert main(['plot', 'metrics', str(tmp_path)]) == 0
+    png = tmp_path / '20260101_000000' / 'metrics.png'
+    assert capsys.readouterr().out.strip() == f'wrote {png}'
+    assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    assert main(['plot', 'metrics', str(tmp_path / 'none')]) == 1
+    assert 'none does not exist' in capsys.readouterr().err
 
 
 def test_every_row_reaches_tensorboard_and_new_columns_widen_the_csv(tmp_path):

@@ -102,6 +102,11 @@ def test_tokens_per_s_counts_every_batch_by_default_and_by_a_custom_hook(tmp_pat
     for n in (3, 5):
         masked.saw_batch({'inputs': torch.zeros(2, 4), 'mask': torch.arange(8) < n})
     assert masked.write(2, 1, 1.0, 0.1, None, 2, 4.0, cpu)['tokens_per_s'] == 8 / 4.0
+    # a rollback (train_cfg.anomaly) re-does its iterations: their tokens counted once
+    masked.saw_batch({'inputs': torch.zeros(2, 4), 'mask': torch.arange(8) < 7})
+    masked.drop_tokens()
+    masked.saw_batch({'inputs': torch.zeros(2, 4), 'mask': torch.arange(8) < 2})
+    assert masked.write(3, 1, 1.0, 0.1, None, 1, 1.0, cpu)['tokens_per_s'] == 2.0
 
 
 class _Raises(torch.utils.data.Dataset):

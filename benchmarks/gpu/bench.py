@@ -148,13 +148,17 @@ Step = Callable[[tuple[torch.Tensor, torch.Tensor]], None]
 def raw_single(setup: Setup, compile: bool = False) -> Step:
     """The tutorial loop: zero_grad, autocast forward, backward, step."""
     model = build_model(setup).to(setup.device)
-    opt = torch.optim.AdamW(model.parameters(), **_hyper())
     run = torch.compile(model, **_compile_kwargs(setup)) if compile else model
+    return _raw_step(run, torch.optim.AdamW(model.parameters(), **_hyper()), setup)
+
+
+def _raw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, setup: Setup) -> Step:
+    """One raw step of ``model``: zero_grad, bf16 autocast forward, backward, step."""
 
     def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         opt.zero_grad()
         with torch.autocast(setup.device.type, dtype=torch.bfloat16):
-            loss = run(*batch)['loss']
+            loss = model(*batch)['loss']
         loss.backward()
         opt.step()
 
@@ -205,16 +209,7 @@ def raw_ddp(setup: Setup) -> Step:
 
     ids = [setup.device.index] if setup.cuda else None
     model = DDP(build_model(setup).to(setup.device), device_ids=ids)
-    opt = torch.optim.AdamW(model.parameters(), **_hyper())
-
-    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        opt.zero_grad()
-        with torch.autocast(setup.device.type, dtype=torch.bfloat16):
-            loss = model(*batch)['loss']
-        loss.backward()
-        opt.step()
-
-    return step
+    return _raw_step(model, torch.optim.AdamW(model.parameters(), **_hyper()), setup)
 
 
 def ours_ddp(setup: Setup) -> Step:

@@ -3,8 +3,8 @@
 Every sub-command's arguments, output and exit status live in this package, one module per
 sub-command exposing ``add_arguments(parser)`` and ``run(args) -> int``; the work is a plain
 function of the library module that owns it (``loop.train``, ``scheduler.plot``,
-``checkpoint.convert``, ``doctor.diagnose``, ``env.collect_env``), and no library module
-imports this package. This module only routes, and imports a sub-command's module only when
+``metrics``, ``checkpoint.convert``, ``doctor.diagnose``, ``env.collect_env``), and no library
+module imports this package. This module only routes, and imports a sub-command's module only when
 that sub-command runs.
 
 Errors a user can act on (a bad config key or value, a missing or damaged file, a checkpoint
@@ -33,10 +33,15 @@ COMMANDS = {
         'stratagem.cli.plot_schedule',
         'preview the lr / momentum schedule of a config (PNG or terminal chart)',
     ),
+    'plot': (
+        'stratagem.cli.plot',
+        "draw a run's loss, lr and validation curves (plot metrics WORK_DIR: PNG or terminal)",
+    ),
     'env': ('stratagem.cli.env', 'print the environment (python, torch, CUDA, extras)'),
     'convert': (
         'stratagem.cli.convert',
-        'convert a checkpoint: sharded directory <-> single file (--to sharded)',
+        'convert a checkpoint (a file, a sharded, DeepSpeed or Hugging Face directory, '
+        '.safetensors) to another layout: --to file|sharded|hf|safetensors',
     ),
     'doctor': (
         'stratagem.cli.doctor',
@@ -112,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog='stratagem',
         description='the stratagem command: train from a config, check a config before a run, '
-        'convert checkpoints, preview schedules, print the environment',
+        "convert checkpoints, preview schedules, plot a run's metrics, print the environment",
     )
     parser.add_argument('command', choices=sorted(COMMANDS), help='sub-command')
     add_common_arguments(parser)

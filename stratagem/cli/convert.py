@@ -1,5 +1,7 @@
 """``stratagem convert SRC DST``: :func:`stratagem.checkpoint.convert.convert_checkpoint`
-with a progress bar on stderr."""
+with a progress bar on stderr. SRC: any format ``checkpoint.formats`` detects (a single file,
+a sharded DCP directory, a DeepSpeed directory, a Hugging Face directory, a ``.safetensors``
+file); ``--to``: ``file``, ``sharded``, ``hf`` or ``safetensors`` (the weights alone)."""
 
 from __future__ import annotations
 
@@ -36,8 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '--to',
         choices=TARGETS,
         default=None,
-        help='target layout (default: safetensors for a .safetensors DST, else one file); '
-        'hf: model.safetensors (or shards and model.safetensors.index.json) and config.json',
+        help='target layout (default: safetensors for a .safetensors DST, else file). file: '
+        'one verified checkpoint file with its manifest; sharded: a DCP directory with its '
+        "manifest (what FSDP's sharded saves write); hf: a directory transformers' "
+        'from_pretrained loads, model.safetensors (or shards and model.safetensors.index.json) '
+        "and config.json when the checkpoint records the model's config; safetensors: the "
+        'full model weights alone, one file',
     )
     parser.add_argument(
         '--max-shard-size',

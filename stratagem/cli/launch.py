@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 from stratagem.env.cluster import NodeLaunch, read_node_launch
@@ -30,6 +31,8 @@ from stratagem.env.launcher import resolve_master
 
 __all__ = [
     'add_launch_arguments',
+    'check_nproc',
+    'interrupted_line',
     'launch_from_environment',
     'parse_nnodes',
     'torchrun_command',
@@ -49,8 +52,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         '--nproc',
         type=int,
         default=None,
-        help='processes on this machine; > 1 re-launches with torchrun (default: a '
-        "scheduler's PET_NPROC_PER_NODE / SKYPILOT_NUM_GPUS_PER_NODE, else 1)",
+        help='processes on this machine, >= 1 (more than its CPU cores: a warning); > 1 '
+        "re-launches with torchrun (default: a scheduler's PET_NPROC_PER_NODE / "
+        'SKYPILOT_NUM_GPUS_PER_NODE, else 1)',
     )
     parser.add_argument(
         '--max-restarts',
@@ -129,7 +133,28 @@ def launch_from_environment(args: argparse.Namespace) -> NodeLaunch | None:
             setattr(args, option, default)
     if args.nproc is None:
         args.nproc = 1
+    if 'LOCAL_RANK' not in env:  # the launching parent, once; a worker's parent said it
+        check_nproc(args.nproc)
     return node
+
+
+def check_nproc(nproc: int) -> None:
+    """``--nproc`` below 1 refused (ValueError); above this machine's CPU cores (those this
+    process may run on) a warning: the processes then share cores, each step slower."""
+    if nproc < 1:
+        raise ValueError(
+            f'--nproc {nproc}: the number of processes on this machine should be >= 1 '
+            '(1 trains in this process; N > 1 starts N under torchrun)'
+        )
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+    if cores and nproc > cores:
+        warnings.warn(
+            f'--nproc {nproc} on a machine with {cores} CPU core{"s" * (cores != 1)}: the '
+            f'processes share them (each step slower, on a CPU usually slower in all than '
+            f'--nproc {cores})',
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _take(args: argparse.Namespace, node: NodeLaunch, option: str) -> None:
@@ -355,12 +380,15 @@ def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool 
         )
         return int(info.get('exit_code', code))
     if interrupted:
-        sys.stderr.write(f'stratagem train: interrupted (SIGINT); {_resumable(work_dir)}\n')
+        sys.stderr.write(interrupted_line(work_dir) + '\n')
         return 130
     return code
 
 
-def _resumable(work_dir: str) -> str:
+def interrupted_line(work_dir: str) -> str:
+    """The one line ``stratagem train`` prints after Ctrl-C (SIGINT), in one process or
+    many: the checkpoint ``--resume`` continues from (a save is atomic: nothing half-written
+    is left), or that nothing was saved in ``work_dir``."""
     from stratagem.checkpoint import find_latest_checkpoint
 
     try:
@@ -368,8 +396,11 @@ def _resumable(work_dir: str) -> str:
     except (ValueError, OSError):  # a damaged pointer: the resume will say which
         latest = None
     if latest is None:
-        return f'nothing was saved in {work_dir}'
-    return f'nothing half-written; --resume continues from {latest}'
+        return f'stratagem train: interrupted (SIGINT); nothing was saved in {work_dir}'
+    return (
+        'stratagem train: interrupted (SIGINT); nothing half-written; --resume continues '
+        f'from {latest}'
+    )
 
 
 def run_torchrun(

@@ -31,7 +31,8 @@ from typing import Any
 from stratagem import env
 from stratagem.config import Config, ConfigError, parse_cfg_options
 from stratagem.config.overrides import check_overrides
-from stratagem.env.preemption import preemption_config
+from stratagem.env.logging import run_end_logged
+from stratagem.env.preemption import PreemptionConfig, preemption_config
 from stratagem.env.workdir_lock import TOKEN_ENV, WorkDirLock
 from stratagem.loop import train
 from stratagem.schema import runner_reasons
@@ -39,6 +40,7 @@ from stratagem.schema import runner_reasons
 from . import debug_enabled
 from .launch import (
     add_launch_arguments,
+    interrupted_line,
     launch_from_environment,
     relaunch,
     torchrun_command,
@@ -154,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
             os.environ.update(lock.child_env())
             try:
                 return relaunch(
-                    cmd, preemption.signals if preemption else (), cfg['work_dir'], debug
+                    cmd, preemption.signals if preemption else (), _work_dir(cfg), debug
                 )
             finally:
                 os.environ.pop(TOKEN_ENV, None)
@@ -164,7 +166,27 @@ def run(args: argparse.Namespace) -> int:
     elif args.resume:
         resume = args.resume
     if os.environ.get('TORCHELASTIC_RUN_ID') is not None:
+        # a torchrun worker: its parent (relaunch) prints the one line for every rank
         signal.signal(signal.SIGINT, _interrupt_once)
+        return _run_here(cfg, args, resume, mmengine_keys, preemption)
+    try:
+        return _run_here(cfg, args, resume, mmengine_keys, preemption)
+    except KeyboardInterrupt:
+        if _launch_rank() == 0:  # one line for the run, however many processes it has
+            print(interrupted_line(_work_dir(cfg)), file=sys.stderr)
+        if debug_enabled(list(getattr(args, 'cli_argv', []))):
+            raise
+        return 130
+
+
+def _run_here(
+    cfg: Config,
+    args: argparse.Namespace,
+    resume: bool | str,
+    mmengine_keys: list[str],
+    preemption: PreemptionConfig | None,
+) -> int:
+    """The run in this process: the reference loop, or mmengine's FlexibleRunner."""
     if mmengine_keys:
         return _run_flexible_runner(cfg, args, resume)
     if args.launcher:
@@ -271,9 +293,12 @@ def _run_flexible_runner(cfg: Config, args: argparse.Namespace, resume: bool | s
     from stratagem.integrations.mmengine_runner import train_with_flexible_runner
 
     with _work_dir_lock(cfg, args) as lock:
-        runner = train_with_flexible_runner(
-            cfg, launcher=args.launcher, resume=resume, load_from=args.load_from
-        )
+        # the run's log file (its strategy opens it) ends with a line saying why it ended
+        with run_end_logged() as ended:
+            runner = train_with_flexible_runner(
+                cfg, launcher=args.launcher, resume=resume, load_from=args.load_from
+            )
+            ended.append(f'run ended: finished, iteration {runner.iter}/{runner.max_iters}')
         if os.environ.get('TORCHELASTIC_RUN_ID') is not None:
             _exit_torchrun_worker(runner.strategy, lock)
     return 0
@@ -408,7 +433,7 @@ def _work_dir_lock(
     is ``stratagem train`` (``STRATAGEM_WORKDIR_LOCK`` set) and every other rank hold
     nothing: the run's holder does, for all of its ranks and torchrun attempts.
     """
-    work_dir = dict(cfg.get('strategy') or {}).get('work_dir') or cfg.get('work_dir', 'work_dirs')
+    work_dir = _work_dir(cfg)
     endpoint = getattr(args, 'rdzv_endpoint', None) if parent else None
     # elastic agents of one rendezvous start apart (one may join later): all of them take
     # part in the run's lock under a token each derives alike, none is refused by another
@@ -425,6 +450,11 @@ def _work_dir_lock(
         yield lock
     finally:
         lock.release()
+
+
+def _work_dir(cfg: Config) -> str:
+    """The run's work_dir as ``loop.train`` resolves it (the strategy's wins)."""
+    return str(dict(cfg.get('strategy') or {}).get('work_dir') or cfg.get('work_dir', 'work_dirs'))
 
 
 def _holds_for_the_run(args: argparse.Namespace) -> bool:

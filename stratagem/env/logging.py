@@ -16,10 +16,12 @@ leaves through another route (``warnings``, an exception, rank 0's own lines).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from .dist import get_rank, get_world_size, is_distributed
@@ -51,9 +53,12 @@ def get_logger(
         name: logger name. Default ``'stratagem'``, the parent of the package's loggers.
         log_file: also write to this file. Rank 0 writes ``log_file`` itself; rank r > 0
             writes ``<stem>_rank<r><suffix>`` next to it, at its own (by default WARNING)
-            level. Files are created on the first record, so quiet ranks leave none.
+            level. Files (and their directory) are created on the first record, so quiet
+            ranks, and a run that fails before it logs, leave none.
         log_level: level name or number. Default ``None``: INFO on rank 0 and WARNING on
-            the other ranks, unless an earlier call chose a level.
+            the other ranks, unless an earlier call chose a level. On a rank > 0 the console
+            shows WARNING and above whatever the level (as mmengine's ``MMLogger``: once per
+            rank is for what concerns that rank); its file follows the level.
         file_mode: 'w' (truncate) or 'a' (append), used when the file handler is added.
     """
     if file_mode not in ('w', 'a'):
@@ -75,6 +80,11 @@ def get_logger(
     if 'console' not in ours and not (parent is not None and parent.hasHandlers()):
         console = logging.StreamHandler(sys.stderr)
         console.setFormatter(_RankFormatter(rank))
+        if rank != 0:
+            # a level given to every rank alike (mmengine's runner passes its log_level,
+            # INFO by default) must not print rank 0's lines once per rank: the console of a
+            # rank > 0 shows its warnings and errors; its file has what the level lets in
+            console.setLevel(logging.WARNING)
         setattr(console, _MARK, 'console')
         logger.addHandler(console)
         logger.propagate = False
@@ -84,8 +94,7 @@ def get_logger(
             path = path.with_name(f'{path.stem}_rank{rank}{path.suffix}')
         path = path.resolve()
         if f'file:{path}' not in ours:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            handler = logging.FileHandler(path, mode=file_mode, encoding='utf-8', delay=True)
+            handler = _LazyFileHandler(path, mode=file_mode, encoding='utf-8', delay=True)
             handler.setFormatter(_RankFormatter(rank))
             setattr(handler, _MARK, f'file:{path}')
             logger.addHandler(handler)
@@ -99,6 +108,50 @@ def remove_file_handlers(logger: logging.Logger) -> None:
         if str(getattr(handler, _MARK, '')).startswith('file:'):
             logger.removeHandler(handler)
             handler.close()
+
+
+def log_to_files(
+    logger: logging.Logger, level: int, msg: str, *, skip: Iterable[logging.Handler] = ()
+) -> None:
+    """Log ``msg`` at ``level`` into the log files :func:`get_logger` opened for ``logger``
+    (but those in ``skip``) only, not to the console: for a file's reader, what the console
+    says its own way (the line saying why a run ended, where the command prints one error
+    line)."""
+    if not logger.isEnabledFor(level):
+        return
+    record = logger.makeRecord(logger.name, level, __file__, 0, msg, (), None)
+    skipped = {id(h) for h in skip}
+    for handler in logger.handlers:
+        ours = str(getattr(handler, _MARK, '')).startswith('file:')
+        if ours and id(handler) not in skipped and level >= handler.level:
+            handler.handle(record)
+
+
+@contextlib.contextmanager
+def run_end_logged(logger: logging.Logger | None = None) -> Iterator[list[str]]:
+    """A run's body (which builds its strategy, and so opens its log file), the last line of
+    the log files opened inside it saying why the run ended: the line the body appends to
+    the yielded list when it finishes (``'run ended: finished, ...'``), else ``run ended:
+    interrupted (Ctrl-C, SIGINT)`` or ``run ended: error: <type>: <message on one line>``.
+    ``logger``: default ``'stratagem'``, the strategies' own. Into those files only
+    (:func:`log_to_files`): not a file a run before this one in the process left open, nor
+    the console, which has the command's own line for an interrupt or an error."""
+    logger = logger or logging.getLogger('stratagem')
+    before = list(logger.handlers)
+    ended: list[str] = []
+    try:
+        yield ended
+    except KeyboardInterrupt:
+        log_to_files(logger, logging.WARNING, 'run ended: interrupted (Ctrl-C, SIGINT)',
+                     skip=before)  # fmt: skip
+        raise
+    except BaseException as err:
+        message = ' '.join(str(err).split()) or repr(err)
+        log_to_files(logger, logging.ERROR, f'run ended: error: {type(err).__name__}: {message}',
+                     skip=before)  # fmt: skip
+        raise
+    for line in ended:
+        log_to_files(logger, logging.INFO, line, skip=before)
 
 
 def print_log(
@@ -152,6 +205,15 @@ def warn_per_rank(message: str, category: type[Warning] = UserWarning, stackleve
 def rank_prefix() -> str:
     """``'[rank r] '`` in a run of several processes, ``''`` in a single process."""
     return f'[rank {_rank()}] ' if _world_size() > 1 else ''
+
+
+class _LazyFileHandler(logging.FileHandler):
+    """A file handler that makes the file's directory when it opens the file (the first
+    record): a run that fails before it logs leaves no empty log directory."""
+
+    def _open(self):
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
 
 
 class _RankFormatter(logging.Formatter):

@@ -1,4 +1,5 @@
-"""Store clients of our own for background threads (preemption, watchdog).
+"""Store clients of our own for background threads (preemption, watchdog) and the loop's
+straggler exchange.
 
 A store client is one socket: a thread that blocks on it (``store.wait``) must not share it
 with the training thread. ``clone()`` gives a new connection to the same server with the same

@@ -24,10 +24,13 @@ strategy:
    file, or a directory for sharded backends) exactly at ``path``, with a manifest and
    ``last_checkpoint`` in its directory. The model and optimizer go under our keys
    (``state_dict``, ``optimizer``), every other entry of ``state`` under its own key, plus
-   ``meta`` and every rank's RNG state.
+   ``meta`` and every rank's RNG state. A loader in ``state`` (torchdata's
+   ``StatefulDataLoader``: :func:`is_loader`) is saved per rank, under ``loaders``.
 5. ``fabric.load(path, state)`` → the same checkpoint verified and restored in place: model,
    optimizer, every other ``Stateful`` and plain value of ``state`` (``state['step']``),
-   RNG states last. Returns what ``state`` did not ask for, as Fabric does.
+   each rank's loader state (at another data-parallel size converted where it is a sample
+   position, else refused naming the loader), RNG states last. Returns what ``state`` did
+   not ask for, as Fabric does.
 
 Importing this module imports lightning; nothing else of stratagem does but
 ``stratagem.integrations.lightning`` (``pip install "stratagem[lightning]"``).
@@ -46,6 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 
 try:
     from lightning.fabric.accelerators import Accelerator
@@ -71,6 +75,7 @@ __all__ = [
     'StratagemStrategy',
     'build_on_cluster',
     'grad_sync_off',
+    'is_loader',
     'optimizer_cfg',
     'rebuild_optimizer',
     'reduce_tensor',
@@ -276,6 +281,16 @@ def _check_host_run(cfg: Mapping[str, Any], optim_wrapper: Mapping[str, Any], ru
             f'backward calls (the last window is averaged over its real length), which is not '
             f'known: {run.how_max_iters}'
         )
+
+
+def is_loader(obj: Any) -> bool:
+    """Whether an entry of Fabric's ``state`` is a data loader, whose state is each rank's
+    own (saved per rank, ``parts.LoaderPart``): a torch ``DataLoader`` (torchdata's
+    ``StatefulDataLoader``), or any other ``Stateful`` that is iterable (not a mapping, a
+    module or an optimizer)."""
+    if isinstance(obj, (nn.Module, Optimizer, Mapping)) or not isinstance(obj, Stateful):
+        return False
+    return isinstance(obj, DataLoader) or hasattr(type(obj), '__iter__')
 
 
 class _PlainValue:
@@ -547,13 +562,17 @@ class StratagemStrategy(ParallelStrategy):
         self, state: Mapping[str, Any], restored: dict[str, Any], meta: Mapping | None = None
     ) -> dict[str, Stateful]:
         """Our strategy's parts: the model and optimizer of ``state`` under our keys
-        (``state_dict``, ``optimizer``), every other entry under its own (a plain value is
-        put into ``restored`` on load), then ``meta`` and the RNG states."""
+        (``state_dict``, ``optimizer``), its loaders (:func:`is_loader`) every rank's own
+        under ``loaders``, every other entry under its own key (a plain value is put into
+        ``restored`` on load), then ``meta`` and the RNG states."""
         ours = self.stratagem
-        own = ours.checkpoint_state(meta=meta, schedulers=False)
+        loaders = {key: obj for key, obj in state.items() if is_loader(obj)}
+        own = ours.checkpoint_state(meta=meta, schedulers=False, loaders=loaders or None)
         model = ours.model
         parts: dict[str, Stateful] = {}
         for key, obj in state.items():
+            if key in loaders:
+                continue
             if obj is model or obj is getattr(model, 'module', None):
                 parts['state_dict'] = own['state_dict']
             elif isinstance(obj, Optimizer) and obj is ours.optim_wrapper.optimizer:
@@ -574,6 +593,8 @@ class StratagemStrategy(ParallelStrategy):
             else:
                 parts[key] = _PlainValue(key, obj, restored)
         parts['meta'] = own['meta']
+        if loaders:
+            parts['loaders'] = own['loaders']
         parts['rng_states'] = own['rng_states']
         return parts
 

@@ -19,7 +19,9 @@ Importing this module (the only one in stratagem that imports mmengine) does thr
    registries accept the ``stratagem.`` prefix too. Strategies that stratagem registers
    lazily (heavy backends) are registered as builder functions, imported on first build.
 3. **Registers ``stratagem.PreemptionHook``** in mmengine's HOOKS (``custom_hooks``): a
-   preemption signal ends the run in one committed checkpoint (``mmengine_preemption.py``).
+   preemption signal ends the run in one committed checkpoint (``mmengine_preemption.py``);
+   and ``stratagem.CheckpointDebrisHook``, which sweeps the manifest of a checkpoint
+   mmengine's ``CheckpointHook`` deleted (``mmengine_debris.py``).
 4. **Falls back to mmengine's registries** for what stratagem's do not hold
    (``Registry.add_fallback``): a model, dataset, optimizer, optim wrapper (constructor) or
    parameter scheduler registered in mmengine's ``MODELS``, ``DATASETS``, ``OPTIMIZERS``, ...
@@ -76,6 +78,7 @@ from stratagem import registry as ours
 from stratagem.checkpoint import add_safe_globals
 from stratagem.config import ConfigError
 
+from .mmengine_debris import CheckpointDebrisHook
 from .mmengine_preemption import PreemptionHook
 
 __all__ = [
@@ -190,6 +193,7 @@ _mirror(ours.PARAM_SCHEDULERS, PARAM_SCHEDULERS)
 # preemption for mmengine's loops: custom_hooks=[dict(type='stratagem.PreemptionHook')]
 HOOKS = _child(MM_HOOKS, 'hook')
 HOOKS.register_module(name='PreemptionHook', module=PreemptionHook, force=True)
+HOOKS.register_module(name='CheckpointDebrisHook', module=CheckpointDebrisHook, force=True)
 
 
 # ------------------------------------------------------- 4. fall back to mmengine's

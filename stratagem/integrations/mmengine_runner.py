@@ -100,6 +100,11 @@ def runner_config(
         out['resume'] = True
     if load_from is not None:
         out['load_from'] = load_from
+    # the manifest of a checkpoint mmengine's CheckpointHook deletes goes too (mmengine_debris)
+    hooks = list(out.get('custom_hooks') or [])
+    debris = 'stratagem.CheckpointDebrisHook'
+    if not any(isinstance(h, Mapping) and h.get('type') == debris for h in hooks):
+        out['custom_hooks'] = [*hooks, dict(type=debris)]
     return out
 
 

@@ -12,9 +12,11 @@ collaborator owns one trigger and its state; the loop calls them in this fixed o
    a resumed position);
 2. ``step.py``: ``strategy.train_step`` (under a pipeline with the model's ``loss``; decided
    once; the first on rank 0 under the FLOP counter, for MFU), its loss and other scalars
-   added up and the batch's tokens counted by ``meter.py`` (no host sync);
-3. ``schedulers.py``: iteration-based schedulers every iteration, epoch-based ones at epoch
-   ends, as mmengine's ParamSchedulerHook does;
+   added up and the batch's tokens counted by ``meter.py`` (no host sync); with
+   ``train_cfg.anomaly``, ``anomaly.py``'s action when the optim wrapper's step guard refused
+   the update (skip, rollback to the last checkpoint, or stop with one);
+3. ``schedulers.py``: iteration-based schedulers every iteration (not after a refused
+   update), epoch-based ones at epoch ends, as mmengine's ParamSchedulerHook does;
 4. the preemption's agreed stop (``train_cfg.preemption``, ``env/preemption.py``);
 5. ``validation.py``: when due (every ``train_cfg.val_interval`` epochs or iterations, and at
    the end), whole-set means of the model's scalars across ranks (under a pipeline, ``loss``
@@ -23,7 +25,11 @@ collaborator owns one trigger and its state; the loop calls them in this fixed o
 6. ``checkpoints.py``: every ``checkpoint_interval`` iterations, at the end and at a stop,
    with ``max_keep_ckpts``' retention (the best and the checkpoint resumed from kept);
 7. ``meter.py``: every ``log_interval`` iterations, one host sync, the row (log line,
-   ``metrics.csv``, TensorBoard) and the progress bar; then the validation's rows and lines.
+   ``metrics.csv``, TensorBoard) and the progress bar;
+8. ``stragglers.py``: on the step that ended a log interval (timed before its gradient
+   all-reduce, hooks for that step only), the ranks' phases compared through the store and a
+   rank slower than the others' median by ``train_cfg.straggler``'s factor, interval after
+   interval, named; then the meter's validation rows and lines.
 
 A resumed run continues from the same sample and the same RNG state, so it ends where an
 uninterrupted run would.

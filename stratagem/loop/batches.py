@@ -121,6 +121,10 @@ class Batches:
         self.sampler.seed = self.seed
         return self.seed
 
+    def restart(self) -> None:
+        """The next :meth:`at` starts an iterator at its position (a rollback went back)."""
+        self._iter = None
+
     def at(self, it: int) -> Any:
         """Iteration ``it``'s batch (0-based): a new epoch, or the first batch read, starts an
         iterator from the epoch's seed and position."""

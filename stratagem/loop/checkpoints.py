@@ -4,7 +4,8 @@ goes through (the periodic ones, the last one, a preemption's, the best).
 ``iter_{N}.pth`` every ``checkpoint_interval`` iterations (or ``default_hooks.checkpoint``'s
 interval), at the end and at a preemption stop; then ``max_keep_ckpts`` keeps the newest,
 never the one resumed from nor the best (the protected files). Each save's ``meta`` holds the
-position (``iter``, ``epoch``) and save_best's best so far, and its time on the loop's thread is
+position (``iter``, ``epoch``), the metrics' folder relative to work_dir (``metrics_dir``: a
+resume appends there) and save_best's best so far, and its time on the loop's thread is
 the meter's stall. ``on_commit(path, iteration)`` (a host's, e.g. Ray's report) hears of each
 save once it is committed: a synchronous save when it returns (every rank knows the vote's
 outcome), an asynchronous one when the next save or the end has waited for it.
@@ -47,16 +48,26 @@ class Checkpoints:
         self.saved_at = -1
         self.on_commit: Callable[[str, int], None] | None = None
         self._uncommitted: tuple[str, int] | None = None  # an async save not yet waited for
+        self.last_path: str | None = strategy.resumed_from  # a rollback's target
+        self.anomalies: Any = None  # train_cfg.anomaly's state, kept in every save's meta
 
     def save(self, name: str, it: int) -> str:
         """Save ``work_dir/name`` after iteration ``it``; returns its path."""
-        meta = {'iter': it, 'epoch': it // self.epoch_length}
+        meta: dict[str, Any] = {
+            'iter': it,
+            'epoch': it // self.epoch_length,
+            # where a resume of this run appends its metrics (relative: the work_dir may move)
+            'metrics_dir': osp.relpath(self.meter.metrics_dir, self.strategy.work_dir),
+        }
         if self.best is not None:
             meta.update(self.best.meta())
+        if self.anomalies is not None:
+            meta.update(self.anomalies.meta())
         t_save = time.perf_counter()
         path = self.strategy.save_checkpoint(name, extra_ckpt={'meta': meta})
         self.meter.add_stall(time.perf_counter() - t_save)
         self.meter.flush()  # the rows on disk as far as the checkpoint goes
+        self.last_path = path
         if self.on_commit is not None:
             # save_checkpoint waited for the previous asynchronous save: committed now
             committed, self._uncommitted = self._uncommitted, None

@@ -32,7 +32,9 @@ class Meter:
     position); ``metrics``: ``train_cfg.metrics``; ``progress``: a bar on rank 0 (a bar on a
     terminal, whole lines every 30 s when stderr is a file or a pipe); ``model`` (the plain
     module) and ``dataset`` (the training set): whose ``num_tokens`` may count a batch's
-    tokens (``stratagem.throughput``)."""
+    tokens (``stratagem.throughput``); ``metrics_dir``: where the metrics go (default: the
+    strategy's ``log_dir``; a resumed run's: the run's first part's, ``resumed``: its rows
+    after ``start_iter`` dropped)."""
 
     def __init__(
         self,
@@ -50,6 +52,8 @@ class Meter:
         progress: bool,
         model: Any = None,
         dataset: Any = None,
+        metrics_dir: str | None = None,
+        resumed: bool = False,
     ) -> None:
         self.strategy, self.optim_wrapper, self.device = strategy, optim_wrapper, device
         self.log = strategy.logger
@@ -58,6 +62,8 @@ class Meter:
         self.log_interval, self.by_epoch = log_interval, by_epoch
         self.metrics_cfg, self.progress = metrics, progress
         self.model, self.dataset = model, dataset
+        self.metrics_dir = metrics_dir or strategy.log_dir
+        self.resumed_at = start_iter if resumed else None
         wrappers = getattr(optim_wrapper, 'values', lambda: [optim_wrapper])()
         self.first_wrapper = next(iter(wrappers))
         self.losses: list[tuple[int, float]] = []
@@ -65,6 +71,7 @@ class Meter:
         # the model's other training scalars (acc, ...): sums and counts since the last row
         self.extra_sums: dict[str, torch.Tensor] = {}
         self.extra_counts: dict[str, int] = {}
+        self.dropped = 0  # iterations since the last row whose loss is not in loss_sum
         self.logged_at, self.logged_t = start_iter, time.perf_counter()
         self.bar: Any = None
         self.metrics: RunMetrics
@@ -84,7 +91,7 @@ class Meter:
             )  # fmt: skip
         with contextlib.ExitStack() as stack:
             self.metrics = RunMetrics(
-                self.strategy.log_dir,
+                self.metrics_dir,
                 self.strategy.data_parallel_size * self.batch_size,
                 enabled=self.main,
                 cfg=cfg,
@@ -92,6 +99,7 @@ class Meter:
                 data_parallel_size=self.strategy.data_parallel_size,
                 num_tokens=hook,
                 peak=peak,
+                resumed_at=self.resumed_at,
             )
             stack.callback(self.metrics.close)
             if self.progress and self.main:
@@ -223,7 +231,9 @@ class Meter:
         the sums start again from zero."""
         sums = torch.stack([self.loss_sum.float(), *(v.float() for v in self.extra_sums.values())])
         loss, *extra_values = sums.tolist()
-        loss /= it - self.logged_at
+        trained = it - self.logged_at - self.dropped
+        loss = loss / trained if trained > 0 else float('nan')  # every update was dropped
+        self.dropped = 0
         extras = {
             name: v / self.extra_counts[name]
             for name, v in zip(self.extra_sums, extra_values)
@@ -234,6 +244,20 @@ class Meter:
             total.zero_()
         self.extra_counts.clear()
         return loss, extras
+
+    def write_anomaly(self, it: int, values: dict[str, float]) -> None:
+        """A refused update's row (``train_cfg.anomaly``); its loss stays out of the means."""
+        self.dropped += 1
+        self.metrics.write_anomaly(it, (it - 1) // self.epoch_length + 1, values)
+
+    def rewind(self, it: int) -> None:
+        """A rollback went back to iteration ``it``: the next row counts from there."""
+        self._means(max(it, self.logged_at) + 1)  # the sums start again
+        if self.main:
+            self.metrics.drop_tokens()
+        self.logged_at, self.logged_t = it, time.perf_counter()
+        if self.bar is not None:
+            self.bar.n = it
 
     def _position(self, it: int) -> str:
         """mmengine's ``Epoch(train) [2][4/6]`` (1-based epoch) or ``Iter(train) [10/24]``,

@@ -4,7 +4,8 @@
 ``train``'s order (``stratagem doctor`` and ``stratagem train --nproc`` run it too, before
 torchrun starts): the sections it needs, the top-level keys, the keys of ``train_cfg``,
 ``train_dataloader``, ``val_dataloader``, ``val_cfg`` and ``default_hooks``
-(``stratagem.schema``), a run length, save_best's rule, ``train_cfg.preemption``. What it
+(``stratagem.schema``), a run length, save_best's rule, ``train_cfg.preemption``,
+``train_cfg.anomaly`` (``rollback`` without periodic checkpoints). What it
 returns, a :class:`RunPlan`, is what the loop's collaborators are built from; the two
 settings that need the epoch length (the run length in epochs, a checkpoint interval in
 epochs) are methods of it, with their refusals.
@@ -31,6 +32,14 @@ from stratagem.schema import (
     VAL_CFG_KEYS,
     VAL_DATALOADER_KEYS,
 )
+
+from .anomaly import (
+    AnomalyPlan,
+    anomaly_config,
+    check_anomaly_checkpoints,
+    check_anomaly_strategy,
+)
+from .stragglers import StragglerConfig, straggler_config
 
 __all__ = [
     'BestPlan',
@@ -128,7 +137,8 @@ class RunPlan:
     ``model``, ``optim_wrapper``, ``param_scheduler`` and ``compile`` go to
     ``strategy.prepare`` as they are; ``by_epoch``: positions, validation and save_best's
     names count epochs; ``log_interval``: iterations per logged row (>= 1); ``metrics``:
-    ``train_cfg.metrics``; ``preemption``: None when off; ``resume`` / ``load_from``: the
+    ``train_cfg.metrics``; ``preemption`` and ``straggler``: None when off; ``anomaly``:
+    ``train_cfg.anomaly`` (None when off; ``loop/anomaly.py``); ``resume`` / ``load_from``: the
     config's top-level keys (the command line's win)."""
 
     model: Any
@@ -143,11 +153,13 @@ class RunPlan:
     refit_schedulers: bool
     metrics: Any
     preemption: PreemptionConfig | None
+    straggler: StragglerConfig | None
     checkpoints: CheckpointPlan
     best: BestPlan | None
     validation: ValidationPlan | None
     resume: bool | str = False
     load_from: str | None = None
+    anomaly: AnomalyPlan | None = None
 
     def run_length(self, epoch_length: int) -> tuple[int, int | None]:
         """``(max_iters, max_epochs)``: ``train_cfg.max_iters`` (max_epochs None), else
@@ -211,6 +223,12 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
     if 'max_iters' not in train_cfg:  # max_iters wins
         max_epochs = problems.attempt(_run_length, train_cfg, 'max_epochs')
     preemption = problems.attempt(preemption_config, train_cfg.get('preemption', True))
+    straggler = problems.attempt(straggler_config, train_cfg.get('straggler', True))
+    anomaly = problems.attempt(anomaly_config, train_cfg.get('anomaly'))
+    periodic = bool(checkpoints.interval) or bool(hooks and checkpoints.hook_interval
+                                                  and checkpoints.hook_interval[0] > 0)  # fmt: skip
+    problems.attempt(check_anomaly_checkpoints, anomaly, periodic)
+    problems.attempt(check_anomaly_strategy, anomaly, dict(cfg.get('strategy') or {}).get('type'))
     problems.raise_any()
     return RunPlan(
         model=cfg.model,
@@ -225,11 +243,13 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
         refit_schedulers=bool(train_cfg.get('refit_schedulers', False)),
         metrics=train_cfg.get('metrics'),
         preemption=preemption,
+        straggler=straggler,
         checkpoints=checkpoints,
         best=best,
         validation=validation,
         resume=cfg.get('resume') or False,
         load_from=cfg.get('load_from'),
+        anomaly=anomaly,
     )
 
 

@@ -12,15 +12,18 @@ from typing import Any
 import torch
 
 from stratagem.config import Config, config_search_dirs, import_custom_modules
+from stratagem.env.logging import run_end_logged
 from stratagem.env.preemption import Preemption, PreemptionConfig, clear_marker
 from stratagem.env.watchdog import Watchdog
 
+from .anomaly import Anomalies
 from .batches import Batches
 from .checkpoints import Checkpoints
 from .meter import Meter
 from .plan import RunPlan, check_train_config, dist_timeout, strategy_config
 from .schedulers import Schedulers
 from .step import Step, build_step
+from .stragglers import Stragglers
 from .validation import BestCheckpoint, Validation
 
 __all__ = ['train']
@@ -37,8 +40,10 @@ def train(
 ) -> dict[str, Any]:
     """Train from ``cfg``; returns ``{'strategy', 'losses' (per logged iteration), 'val'
     (``(iter, {name: mean})`` per validation), 'best' (``save_best``'s metric, rule, score
-    and checkpoint file name, else None), 'iter', 'preempted'}`` (``preempted``: the signal
-    that stopped the run early, else None).
+    and checkpoint file name, else None), 'iter', 'preempted', 'stragglers'}``
+    (``preempted``: the signal that stopped the run early, else None; ``stragglers``: on rank
+    0, ``{iter, rank, ratio, host, data, forward, backward}`` each interval a rank was named,
+    ``loop/stragglers.py``).
 
     For a host that runs the loop (``stratagem.integrations.ray``): ``on_checkpoint(path,
     iteration)`` is called on every rank once each checkpoint the loop saves is committed
@@ -56,10 +61,24 @@ def train(
     # stops after its first iteration); restored however train() ends
     build_stops = preemption or Preemption.from_config
     stops = build_stops(plan.preemption) if plan.preemption is not None else None
-    with stops if stops is not None else contextlib.nullcontext():
+    # the run's log file (the strategy opens it) ends with a line saying why the run ended
+    with stops if stops is not None else contextlib.nullcontext(), run_end_logged() as ended:
         parts = _build(strategy_config(cfg), plan, resume, load_from, progress)
         parts.checkpoints.on_commit = on_checkpoint
-        return _loop(parts, stops)
+        result = _loop(parts, stops)
+        ended.append(_end_line(result, parts.max_iters))
+        return result
+
+
+def _end_line(result: dict[str, Any], max_iters: int) -> str:
+    """The end of a run that returned: finished, or stopped by a preemption signal."""
+    it = result['iter']
+    if result['preempted'] is not None:
+        return (
+            f'run ended: preempted by {result["preempted"]} after iteration {it}/{max_iters} '
+            f'(iter_{it}.pth committed; a resume continues from it)'
+        )
+    return f'run ended: finished, iteration {it}/{max_iters}'
 
 
 @dataclass
@@ -78,27 +97,37 @@ class _Parts:
     best: BestCheckpoint | None
     checkpoints: Checkpoints
     meter: Meter
+    stragglers: Stragglers
     timeout: float
+    anomalies: Anomalies | None = None
+    rolled_to: int | None = None  # where the last rollback went back to
+
+    @property
+    def skipped(self) -> set[int]:
+        return self.anomalies.skipped if self.anomalies is not None else set()
 
 
 def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
     """The iterations from ``p.start_iter`` to ``p.max_iters``, each followed by the
     collaborators in a fixed order: schedulers, (the agreed preemption stop), validation and
-    the best checkpoint, the periodic checkpoint, the meter's row, the validation's lines.
+    the best checkpoint, the periodic checkpoint, the meter's row, the stragglers' comparison
+    (of the step timed at a log interval), the validation's lines.
     A preemption stop ends the loop after its iteration's checkpoint."""
     signalled = _arm_preemption(preemption, p) if preemption is not None else None
     it, preempted = p.start_iter, None
     p.model.train()
     # the meter's bar and writers close, and the log redirection ends, however the loop ends
     with p.meter, Watchdog(p.timeout, signalled=signalled) as watchdog:
+        if p.anomalies is not None:
+            p.anomalies.before_first(it, p.checkpoints)
         while it < p.max_iters:
-            watchdog.at(it + 1, 'loading data')
-            batch = p.batches.at(it)
-            p.meter.saw_batch(batch)
-            watchdog.at(it + 1, 'forward, backward, update')
-            p.meter.after_step(*p.step(batch))
+            watchdog.at(it + 1, 'loading data' if it not in p.skipped else 'skipping a batch')
+            updated = _iteration(p, it, watchdog)
             it += 1
-            p.schedulers.after_step(it)
+            if updated is None:  # a rollback: from the checkpoint's iteration on
+                it = _rolled_back(p, it)
+                continue
+            p.schedulers.after_step(it, updated)
             stop = preemption is not None and preemption.should_stop(it)
             if p.validation is not None and p.validation.due(it):
                 watchdog.at(it, 'validating')
@@ -112,6 +141,9 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
                 p.checkpoints.after_step(it)
             if p.meter.due(it, stop):
                 p.meter.log_row(it)
+            if p.stragglers.due(it):
+                watchdog.at(it, "comparing the ranks' step times")
+                p.stragglers.compare(it)
             p.meter.after_iteration(it, p.validation)
             if stop and it < p.max_iters:
                 assert preemption is not None and p.checkpoints.saved_at == it
@@ -133,7 +165,40 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
         'best': None if p.best is None or p.best.filename is None else p.best.meta()['best'],
         'iter': it,
         'preempted': preempted,
+        'stragglers': p.stragglers.named,
     }
+
+
+def _iteration(p: _Parts, it: int, watchdog: Watchdog) -> bool | None:
+    """Iteration ``it`` (0-based): its batch, the step; whether its update went ahead
+    (None: ``train_cfg.anomaly`` rolled back; the action runs here)."""
+    if p.anomalies is not None and p.anomalies.skips(it):
+        p.anomalies.pass_over(it, p.batches)
+        p.meter.dropped += 1
+        return False
+    p.stragglers.start(it + 1)  # the step ending a log interval: this rank's phases
+    batch = p.batches.at(it)
+    p.stragglers.got_batch()
+    p.meter.saw_batch(batch)
+    watchdog.at(it + 1, 'forward, backward, update')
+    loss, extras = p.step(batch)
+    event = p.anomalies.found() if p.anomalies is not None else None
+    if event is None:
+        p.meter.after_step(loss, extras)
+        return True
+    assert p.anomalies is not None
+    p.rolled_to = p.anomalies.act(event, it + 1, p.meter, p.checkpoints)
+    return None if p.rolled_to is not None else False
+
+
+def _rolled_back(p: _Parts, it: int) -> int:
+    """After a rollback: the data, the meter and the bar from the checkpoint's iteration."""
+    back, p.rolled_to = p.rolled_to, None
+    assert back is not None
+    p.batches.restart()
+    p.meter.rewind(back)
+    p.stragglers.cancel()
+    return back
 
 
 def _build(
@@ -168,6 +233,9 @@ def _build(
     )
     meta = (checkpoint.get('meta') or {}) if checkpoint is not None and resume else None
     start_iter, max_iters = _resumed_position(meta, max_iters)
+    strategy.logger.info(
+        _start_line(strategy, plan, optim_wrapper, batches.batch_size, start_iter, max_iters)
+    )
     seed = batches.seed_from(strategy)  # after a resume restored the run's seed
     device = _model_device(model)
     best = BestCheckpoint(plan.best) if plan.best is not None else None
@@ -200,7 +268,18 @@ def _build(
         progress=progress,
         model=strategy.unwrap_model(),
         dataset=batches.loader.dataset,
+        metrics_dir=_metrics_dir(strategy, meta),
+        resumed=meta is not None,
     )
+    checkpoints = Checkpoints(
+        strategy, every, plan.checkpoints.max_keep, epoch_length, max_iters, best, meter
+    )
+    anomalies = None
+    if plan.anomaly is not None:
+        anomalies = Anomalies(plan.anomaly, strategy, optim_wrapper)
+        if meta is not None:
+            anomalies.restore(meta)
+        checkpoints.anomalies = anomalies
     return _Parts(
         strategy=strategy,
         model=model,
@@ -212,11 +291,18 @@ def _build(
         schedulers=schedulers,
         validation=validation,
         best=best,
-        checkpoints=Checkpoints(
-            strategy, every, plan.checkpoints.max_keep, epoch_length, max_iters, best, meter
-        ),
+        checkpoints=checkpoints,
         meter=meter,
+        stragglers=Stragglers(
+            plan.straggler,
+            strategy,
+            meter,
+            log_interval=plan.log_interval,
+            start_iter=start_iter,
+            epoch_length=epoch_length,
+        ),
         timeout=dist_timeout(strategy_cfg),
+        anomalies=anomalies,
     )
 
 
@@ -230,6 +316,65 @@ def _resumed_position(meta: dict | None, max_iters: int) -> tuple[int, int]:
     change = meta.get('world_size_change') or {}
     converted = change.get('max_iters')
     return int(meta.get('iter', 0)), int(converted[1]) if converted else max_iters
+
+
+def _start_line(
+    strategy: Any, plan: RunPlan, optim_wrapper: Any, batch: int, start: int, max_iters: int
+) -> str:
+    """The run's start: its iterations, the real batch (every data-parallel process's
+    batch, accumulated: what one update sees) and the lr, with ``auto_scale_lr``'s
+    scaling from the configured lr to the one trained with."""
+    wrapper = next(iter(getattr(optim_wrapper, 'values', lambda: [optim_wrapper])()))
+    acc = int(getattr(wrapper, 'accumulative_counts', 1))
+    processes = strategy.data_parallel_size
+    real = processes * batch * acc
+    how = [f'{batch} per process']
+    if processes > 1:
+        how.insert(0, f'{processes} data-parallel processes')
+    if acc > 1:
+        how.append(f'{acc} accumulated')
+    resumed = f' (resumed after {start})' if start else ''
+    text = (
+        f'training: iterations {start + 1}-{max_iters}{resumed}; real batch {real}'
+        f'{" (" + " x ".join(how) + ")" if len(how) > 1 else ""}'
+    )
+    groups = getattr(wrapper, 'param_groups', None) or [{}]
+    lr = groups[0].get('initial_lr', groups[0].get('lr'))
+    scaling = strategy.auto_scale_lr or {}
+    if scaling.get('enable') and scaling.get('base_batch_size') and lr is not None:
+        configured = dict(dict(plan.optim_wrapper or {}).get('optimizer') or {}).get('lr')
+        ratio = real / scaling['base_batch_size']
+        before = configured if isinstance(configured, (int, float)) else lr / ratio
+        # the lr trained with (a resume at another world size keeps the saving run's scaling)
+        return (
+            f'{text}; lr {before:.6g} -> {lr:.6g} (auto_scale_lr: real batch '
+            f'{real} / base_batch_size {scaling["base_batch_size"]})'
+        )
+    return f'{text}; lr {lr:.6g}' if lr is not None else text
+
+
+def _metrics_dir(strategy: Any, meta: dict | None) -> str:
+    """Where the run's metrics go: for a resume, the folder of the run it resumes (its
+    checkpoint's ``meta['metrics_dir']``, a name under work_dir; made again if it was
+    removed), so that one CSV and one TensorBoard run cover the whole training; else (a
+    checkpoint of another work_dir, or a resume at another world size that renumbered the
+    iterations) this run's log_dir.
+    Decided from the checkpoint alone, so every rank decides alike."""
+    name = (meta or {}).get('metrics_dir')
+    saved_iter, new_iter = ((meta or {}).get('world_size_change') or {}).get('iter') or (0, None)
+    if new_iter is not None and new_iter != saved_iter:
+        return strategy.log_dir  # another world size counts other iterations: a new folder
+    resumed_from = getattr(strategy, 'resumed_from', None)
+    elsewhere = resumed_from is not None and not _same_dir(resumed_from, strategy.work_dir)
+    if elsewhere:  # another run's checkpoint (--resume PATH): this run's own folder
+        return strategy.log_dir
+    if isinstance(name, str) and name and not osp.isabs(name) and '..' not in name.split('/'):
+        return osp.join(strategy.work_dir, name)
+    return strategy.log_dir
+
+
+def _same_dir(path: str, directory: str) -> bool:
+    return osp.realpath(osp.dirname(osp.abspath(str(path)))) == osp.realpath(directory)
 
 
 def _arm_preemption(preemption: Preemption, p: _Parts) -> Any:

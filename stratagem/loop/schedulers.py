@@ -34,11 +34,12 @@ class Schedulers:
             self.all = list(schedulers or [])
         self.epoch_length = epoch_length
 
-    def after_step(self, it: int) -> None:
-        """After iteration ``it`` (1-based): the iteration-based ones, then, at an epoch's
-        end, the epoch-based ones."""
+    def after_step(self, it: int, updated: bool = True) -> None:
+        """After iteration ``it`` (1-based): the iteration-based ones (unless its update was
+        dropped: ``updated=False``, ``train_cfg.anomaly``), then, at an epoch's end, the
+        epoch-based ones."""
         for s in self.all:
-            if not s.by_epoch:
+            if updated and not s.by_epoch:
                 s.step()
         if it % self.epoch_length == 0:
             for s in self.all:

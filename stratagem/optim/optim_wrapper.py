@@ -8,6 +8,10 @@ call sequence. ``update_params(loss)`` is, per call:
 2. ``backward(loss)``: ``loss.backward()``, then ``inner_count += 1``,
 3. if ``should_update()``: ``step()`` (clip first, if configured) and ``zero_grad()``.
 
+With a step guard (:meth:`OptimWrapper.set_step_guard`, ``train_cfg.anomaly``): the guard
+is shown each loss before 1 (``observe``), and at 3 ``allow(wrapper)`` decides, on every
+rank alike, whether ``step()`` runs; a refused update only zeroes the gradients.
+
 Accumulation windows are aligned to absolute iteration counts: window ``j`` covers
 iterations ``[j*k, (j+1)*k)``. After ``initialize_count_status(model, init_counts,
 max_counts)`` the last, incomplete window ``[max_counts // k * k, max_counts)`` is averaged
@@ -91,6 +95,7 @@ class OptimWrapper(BaseOptimWrapper):
         # gradients set to None by zero_grad whose memory is released at the next step's start
         self._stale_grads: list[torch.Tensor] | None = None
         self._step_owner: str | None = None  # set_step_owner: who runs backward instead
+        self._guard: Any = None  # set_step_guard: decides whether an update goes ahead
         cls = type(self)
         self._plain_step = accumulative_counts == 1 and all(
             getattr(cls, name) is getattr(OptimWrapper, name)
@@ -108,12 +113,16 @@ class OptimWrapper(BaseOptimWrapper):
             # no accumulation, methods not overridden: what the calls below do, inlined (the
             # hot path of most runs; each call layer costs a hand-written loop nothing)
             self._stale_grads = None
+            guard = self._guard
+            if guard is not None:
+                guard.observe(loss)
             loss.backward()
             self._inner_count += 1
-            if self._clip_func is not None:
-                self._clip_grad()
             optimizer = self.optimizer
-            optimizer.step()
+            if guard is None or guard.allow(self):
+                if self._clip_func is not None:
+                    self._clip_grad()
+                optimizer.step()
             self._stale_grads = [
                 p.grad
                 for group in optimizer.param_groups
@@ -122,10 +131,14 @@ class OptimWrapper(BaseOptimWrapper):
             ]
             optimizer.zero_grad()
             return
+        if self._guard is not None:
+            self._guard.observe(loss)
         loss = self.scale_loss(loss)
         self.backward(loss)
         if self.should_update():
-            if step_kwargs:
+            if self._guard is not None and not self._guard.allow(self):
+                pass  # dropped on every rank alike; the gradients go below
+            elif step_kwargs:
                 self.step(**step_kwargs)
             else:
                 self.step()
@@ -135,15 +148,22 @@ class OptimWrapper(BaseOptimWrapper):
                 self.zero_grad()
 
     def after_backward(
-        self, step_kwargs: dict | None = None, zero_kwargs: dict | None = None
+        self,
+        step_kwargs: dict | None = None,
+        zero_kwargs: dict | None = None,
+        loss: torch.Tensor | None = None,
     ) -> None:
         """The rest of :meth:`update_params` when the backward ran elsewhere (a pipeline
         schedule runs it per microbatch, on losses scaled by :meth:`scale_loss`): count it;
-        when the window is complete, step and zero_grad."""
+        when the window is complete, step and zero_grad. ``loss``: the unscaled loss, where
+        this rank has one, for a step guard."""
         self._stale_grads = None
         self._inner_count += 1
+        if self._guard is not None and loss is not None:
+            self._guard.observe(loss)
         if self.should_update():
-            self.step(**(step_kwargs or {}))
+            if self._guard is None or self._guard.allow(self):
+                self.step(**(step_kwargs or {}))
             self.zero_grad(**(zero_kwargs or {}))
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -229,6 +249,18 @@ class OptimWrapper(BaseOptimWrapper):
         update. None (the default): ``model.no_sync()`` when the model has one (DDP)."""
         self._no_sync = no_sync
 
+    def set_step_guard(self, guard: Any) -> None:
+        """A step guard (:class:`stratagem.optim.anomaly.StepGuard`, or anything with its
+        ``observe(loss)`` and ``allow(wrapper) -> bool``): told each micro-batch's loss, and
+        asked before each update whether it goes ahead; a refused update is dropped (no
+        ``step``; the gradients zeroed). None (the default) removes it."""
+        self._guard = guard
+
+    @property
+    def step_guard(self) -> Any:
+        """The guard :meth:`set_step_guard` set, or None."""
+        return self._guard
+
     def set_step_owner(self, message: str | None) -> None:
         """Refuse :meth:`optim_context` and :meth:`update_params` with ``message`` (a
         ``RuntimeError``): a strategy whose steps only it can run (a pipeline schedule)
@@ -278,6 +310,12 @@ class OptimWrapper(BaseOptimWrapper):
                 stacklevel=2,
             )
         _warn_batchnorm_accumulation(model, k)
+
+    def pass_over(self, counts: int = 1) -> None:
+        """Count ``counts`` micro-batches read but never trained on (the batches a rollback
+        takes out, whole windows), so the windows stay aligned to the loop's iterations."""
+        _check_count(counts, 'counts', 0)
+        self._inner_count += counts
 
     def _set_max_counts(self, max_counts: int) -> None:
         k = self._accumulative_counts

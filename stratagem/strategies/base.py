@@ -63,8 +63,8 @@ test_override_surface.py`` holds every registered backend to it):
     ``resume``, ``load_checkpoint``, ``load_or_resume``, ...) is written once, here.
 
 Checkpoints: the state is explicit. ``checkpoint_state()`` names the parts (model,
-optimizer, partial gradients, loop position, schedulers, RNG states), each a class of
-``parts.py`` that owns its state, its check and its restore; ``save_checkpoint`` /
+optimizer, partial gradients, loop position, schedulers, the caller's loaders, RNG states),
+each a class of ``parts.py`` that owns its state, its check and its restore; ``save_checkpoint`` /
 ``resume`` hand them to the ``Checkpointer`` (``checkpoint/checkpointer.py``), which holds
 no strategy. Loading is ``loading.py``.
 """
@@ -105,6 +105,7 @@ from .environment import (
 )
 from .model_api import call_model, expose_model_api, parse_loss, split_compile
 from .parts import (
+    LoaderPart,
     ModelPart,
     OptimizerPart,
     PendingGradsPart,
@@ -604,11 +605,13 @@ class BaseStrategy(ABC):
         optimizer: bool = True,
         schedulers: bool = True,
         refit_schedulers: bool = False,
+        loaders: Mapping[str, Any] | None = None,
     ) -> dict[str, Stateful]:
         """The parts of a checkpoint (``parts.py``), in the order a resume restores them: the
         model (``state_dict``), the optimizer (with its counters and scaler), every rank's
         partial gradients (``partial_grads``, inside an accumulation window), the loop's
         position (``meta``, with ``meta`` merged in on save), the schedulers, every rank's
+        state of ``loaders`` (``{name: loader}``: see :meth:`save_checkpoint`), every rank's
         RNG state last. ``optimizer`` / ``schedulers``: include them (when built);
         ``refit_schedulers``: see :meth:`resume`."""
         parts: dict[str, Stateful] = {'state_dict': self.model_part()}
@@ -631,6 +634,10 @@ class BaseStrategy(ABC):
                 epoch_length=self.dispatch_kwargs.get('epoch_length'),
                 refit=refit_schedulers,
                 logger=self.logger,
+            )
+        if loaders:
+            parts['loaders'] = LoaderPart(
+                loaders, world_size=self.world_size, data_parallel_size=self.data_parallel_size
             )
         parts['rng_states'] = RandomnessPart(
             self.environment, lambda seed: self._set_randomness(**{**self.randomness, 'seed': seed})
@@ -664,6 +671,7 @@ class BaseStrategy(ABC):
         save_param_scheduler: bool = True,
         extra_ckpt: Mapping | None = None,
         callback: Callable[[dict], None] | None = None,
+        loaders: Mapping[str, Any] | None = None,
     ) -> str:
         """Save model (+ optimizer, schedulers, RNG states) atomically; every rank calls it.
 
@@ -671,6 +679,9 @@ class BaseStrategy(ABC):
         ``extra_ckpt['meta']`` (e.g. ``iter``/``epoch``) merges into ``meta``;
         other ``extra_ckpt`` keys are stored as they are (tensors and plain values
         only). ``callback(checkpoint)`` may edit the dict before it is written.
+        ``loaders``: ``{name: loader}``, each with ``state_dict`` / ``load_state_dict``
+        (torchdata's ``StatefulDataLoader``): every rank's state is saved under
+        ``loaders``, and ``resume(..., loaders=)`` puts each rank's back (``LoaderPart``).
         Returns the final path (with ``async_checkpoint``, where the checkpoint will
         be once committed; ``wait_for_checkpoints`` waits for that). The sequence:
         :class:`~stratagem.checkpoint.Checkpointer`.
@@ -681,6 +692,7 @@ class BaseStrategy(ABC):
             meta=extra.pop('meta', None),
             optimizer=save_optimizer,
             schedulers=save_param_scheduler,
+            loaders=loaders,
         )
         return self.checkpointer.save(path, state, extra=extra, callback=callback)
 
@@ -788,6 +800,7 @@ class BaseStrategy(ABC):
         map_location: Any = 'default',
         callback: Callable[[dict], None] | None = None,
         refit_schedulers: bool = False,
+        loaders: Mapping[str, Any] | None = None,
     ) -> dict:
         """Continue exactly where ``filename`` stopped; returns the checkpoint (``meta`` has
         iter, and ``world_size_change`` after one): :func:`.loading.resume`."""
@@ -799,6 +812,7 @@ class BaseStrategy(ABC):
             map_location=map_location,
             callback=callback,
             refit_schedulers=refit_schedulers,
+            loaders=loaders,
         )
 
     def load_or_resume(
@@ -807,10 +821,13 @@ class BaseStrategy(ABC):
         resume: bool | str = False,
         *,
         refit_schedulers: bool = False,
+        loaders: Mapping[str, Any] | None = None,
     ) -> dict | None:
         """mmengine's runner logic: resume (latest in work_dir, or a path) or just load
         weights; returns the checkpoint or None (:func:`.loading.load_or_resume`)."""
-        return loading.load_or_resume(self, load_from, resume, refit_schedulers=refit_schedulers)
+        return loading.load_or_resume(
+            self, load_from, resume, refit_schedulers=refit_schedulers, loaders=loaders
+        )
 
     def __repr__(self) -> str:
         return (

@@ -109,8 +109,17 @@ class RunEnvironment:
         self._randomness.update(seed=base)
 
     def agree_on_timestamp(self) -> str:
-        """Rank 0's time, on every rank (collective)."""
-        self.timestamp = env.broadcast_object(time.strftime('%Y%m%d_%H%M%S'))
+        """Rank 0's time, on every rank (collective): ``%Y%m%d_%H%M%S``, with ``_1``, ``_2``, ...
+        where a run of the same second already holds that log folder in work_dir (a quick
+        restart would otherwise write into, and truncate, the earlier run's log)."""
+        stamp = time.strftime('%Y%m%d_%H%M%S')
+        if env.get_rank() == 0:
+            taken, n = stamp, 0
+            while osp.exists(osp.join(self.work_dir, taken)):
+                n += 1
+                taken = f'{stamp}_{n}'
+            stamp = taken
+        self.timestamp = env.broadcast_object(stamp)
         return self.timestamp
 
     def name(self, experiment_name: str | None) -> None:

@@ -126,13 +126,16 @@ def resume(
     map_location: Any = 'default',
     callback: Callable[[dict], None] | None = None,
     refit_schedulers: bool = False,
+    loaders: Mapping[str, Any] | None = None,
 ) -> dict:
     """Continue exactly where ``filename`` stopped; returns the checkpoint (``meta`` has iter).
 
-    Restores model, optimizer (with counters, scaler, partial gradients), schedulers, then
-    every rank's RNG state last; every check runs before anything is loaded, so a refused
-    resume changes nothing. Call after ``prepare``. A world-size change puts
-    ``world_size_change`` (with the converted ``max_iters``, when the run is counted in
+    Restores model, optimizer (with counters, scaler, partial gradients), schedulers, each
+    rank's state of ``loaders`` (``{name: loader}`` as saved: ``parts.LoaderPart``; at
+    another data-parallel size a sample position converted, any other state refused naming
+    the loader), then every rank's RNG state last; every check runs before anything is
+    loaded, so a refused resume changes nothing. Call after ``prepare``. A world-size change
+    puts ``world_size_change`` (with the converted ``max_iters``, when the run is counted in
     iterations) and the converted ``iter`` into the returned ``meta``. The sequence:
     :meth:`~stratagem.checkpoint.Checkpointer.load`.
 
@@ -152,6 +155,7 @@ def resume(
         optimizer=resume_optimizer,
         schedulers=resume_param_scheduler,
         refit_schedulers=refit_schedulers,
+        loaders=loaders,
     )
     context = strategy.checkpointer.load(
         filename,
@@ -181,6 +185,7 @@ def load_or_resume(
     resume: bool | str = False,
     *,
     refit_schedulers: bool = False,
+    loaders: Mapping[str, Any] | None = None,
 ) -> dict | None:
     """mmengine's runner logic: resume (latest in work_dir, or a path) or just load weights.
 
@@ -190,9 +195,12 @@ def load_or_resume(
     ``FileNotFoundError``, before anything is written; one this world size cannot continue
     from exactly: the newest that it can, with a warning); ``resume='path'`` or
     ``resume=True`` with ``load_from`` resumes from that file; ``load_from`` alone loads
-    weights only. Returns the checkpoint or None. ``refit_schedulers``: see :func:`resume`.
+    weights only. Returns the checkpoint or None. ``refit_schedulers``, ``loaders``: see
+    :func:`resume` (a fresh start leaves the loaders as they are).
     """
-    resume_fn = functools.partial(strategy.resume, refit_schedulers=refit_schedulers)
+    resume_fn = functools.partial(
+        strategy.resume, refit_schedulers=refit_schedulers, loaders=loaders
+    )
     strategy.wait_for_checkpoints()
     if strategy.rank == 0:  # debris of a killed run: its orphan manifests and temp entries
         ckpt.sweep_debris(strategy.work_dir)

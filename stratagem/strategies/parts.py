@@ -17,6 +17,7 @@ key                  part                      a backend's own
                                                fairscale's (buckets rebound)
 ``meta``             :class:`PositionPart`
 ``param_schedulers`` :class:`SchedulersPart`
+``loaders``          :class:`LoaderPart`       (the caller's loaders, every rank's state)
 ``rng_states``       :class:`RandomnessPart`
 ==================== ========================= ==========================================
 
@@ -39,11 +40,13 @@ from stratagem.checkpoint.checkpointer import LoadContext
 from stratagem.checkpoint.errors import CheckpointCorruptError
 
 from .environment import RunEnvironment, initialize_accumulation
+from .loader_state import check_loader, describe_loader, loader_record, loader_state_for_rank
 from .resume_checks import check_model_fits, check_optimizer_fits, check_scheduler_count
 from .world_change import WorldSizeChange, plan_world_size_change
 
 __all__ = [
     'CheckpointPart',
+    'LoaderPart',
     'ModelPart',
     'OptimizerPart',
     'PendingGradsPart',
@@ -389,6 +392,108 @@ class SchedulersPart(CheckpointPart):
             )
         if change is not None and change.new_iter is not None:
             change.replay_schedulers(self.schedulers, self.epoch_length)
+
+
+class LoaderPart(CheckpointPart):
+    """Every rank's state of the data loaders the caller names (``loaders``: ``{name:
+    {'world_size', 'data_parallel_size', 'states': [per rank], 'records': [per rank]}}``),
+    so a loop of its own resumes mid-epoch on the samples an uninterrupted run reads next;
+    at another data-parallel degree converted where it is a sample position, else refused
+    naming the loader (``loader_state.py``).
+
+    Args:
+        loaders: ``{name: loader}``, each with ``state_dict`` / ``load_state_dict``
+            (torchdata's ``StatefulDataLoader``, or one's own).
+        world_size, data_parallel_size: this run's.
+    """
+
+    required = False
+
+    def __init__(
+        self, loaders: Mapping[str, Any], *, world_size: int, data_parallel_size: int
+    ) -> None:
+        if not isinstance(loaders, Mapping):
+            raise TypeError(
+                f'loaders= takes a dict of named loaders, e.g. loaders={{"train": loader}}; got '
+                f'a {type(loaders).__name__}'
+            )
+        for name, loader in loaders.items():
+            check_loader(name, loader)
+        self.loaders = dict(loaders)
+        self.world_size, self.data_parallel_size = world_size, data_parallel_size
+
+    def state_dict(self) -> dict:
+        """Every rank's loader states (collective). A state that a ``weights_only`` load
+        could not read back fails the save on every rank, naming the loader and the rank."""
+        from stratagem.checkpoint.content import validate_checkpoint_content
+
+        mine: dict[str, Any] = {}
+        problem = None
+        for name, loader in self.loaders.items():
+            try:
+                state = loader.state_dict()
+                validate_checkpoint_content(state, root=f'loaders[{name!r}]')
+            except Exception as err:  # noqa: BLE001 - told to every rank below
+                problem = f'{describe_loader(name, loader)}: {type(err).__name__}: {err}'
+                break
+            mine[name] = (state, loader_record(loader))
+        # a rank whose state cannot be saved sends its reason instead: every rank raises
+        gathered = env.all_gather_object(problem if problem is not None else mine)
+        for rank, got in enumerate(gathered):
+            if isinstance(got, str):
+                raise TypeError(f'cannot save the loader state of rank {rank}: {got}')
+        return {
+            name: {
+                'world_size': self.world_size,
+                'data_parallel_size': self.data_parallel_size,
+                'states': [got[name][0] for got in gathered],
+                'records': [got[name][1] for got in gathered],
+            }
+            for name in self.loaders
+        }
+
+    def check(self, value: Any, context: LoadContext) -> None:
+        """Each loader's saved state, for this rank (converted or refused at another
+        degree), before anything loads (``context.notes['loaders']``)."""
+        context.notes['loaders'] = self._for_this_rank(value, context.path)
+
+    def restore(self, value: Any, context: LoadContext) -> None:
+        """Each loader's state; a sampler that counts epochs is set to the saved epoch."""
+        chosen = context.notes.get('loaders')
+        if chosen is None:
+            chosen = self._for_this_rank(value, context.path)
+        for name, loader in self.loaders.items():
+            state, record = chosen[name]
+            loader.load_state_dict(state)
+            epoch = (record.get('sampler') or {}).get('epoch')
+            set_epoch = getattr(getattr(loader, 'sampler', None), 'set_epoch', None)
+            if epoch is not None and callable(set_epoch):
+                set_epoch(epoch)
+
+    def _for_this_rank(self, value: Any, path: str) -> dict[str, tuple[Any, dict]]:
+        saved = value if isinstance(value, Mapping) else {}
+        rank = env.get_rank()
+        chosen = {}
+        for name, loader in self.loaders.items():
+            if name not in saved:
+                raise KeyError(
+                    f'cannot resume {describe_loader(name, loader)} from {path}: it holds no '
+                    f'state for it (loaders saved: {sorted(saved)}); resume without that '
+                    'loader, or from a checkpoint saved with loaders={' + repr(name) + ': ...}'
+                )
+            record = saved[name]
+            state = loader_state_for_rank(
+                name,
+                loader,
+                record,
+                rank=rank,
+                world_size=self.world_size,
+                data_parallel_size=self.data_parallel_size,
+                path=path,
+            )
+            records = record['records']
+            chosen[name] = (state, records[rank % len(records)])
+        return chosen
 
 
 class RandomnessPart(CheckpointPart):

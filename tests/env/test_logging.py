@@ -51,7 +51,8 @@ def test_no_duplicate_handlers(clean_env, name, tmp_path):
         logger = get_logger(name, log_file=tmp_path / 'a.log')
         assert get_logger(name, log_file=tmp_path / 'a.log') is logger
         get_logger(name)
-        assert [type(h) for h in logger.handlers] == [logging.StreamHandler, logging.FileHandler]
+        console, file = logger.handlers
+        assert type(console) is logging.StreamHandler and isinstance(file, logging.FileHandler)
         assert not logger.propagate  # root has no handlers: ours print, nothing twice
         get_logger(name, log_file=tmp_path / 'b.log')
         assert len(logger.handlers) == 3
@@ -216,3 +217,54 @@ def test_rank_prefix_is_not_doubled(clean_env, name, tmp_path):
     lines = (tmp_path / 'run_rank2.log').read_text().splitlines()
     assert lines[0].startswith('[rank 2] ') and lines[0].endswith('WARNING: plain')
     assert lines[1].endswith('WARNING: [rank 2] host-specific') and lines[1].count('[rank') == 1
+
+
+def test_a_level_given_to_every_rank_prints_rank_zeros_lines_once(
+    clean_env, name, tmp_path, capsys
+):
+    """mmengine's runner gives every rank log_level='INFO': its banner (config, hook table)
+    prints on rank 0's console only; a rank > 0 writes it to its own file and prints its
+    warnings."""
+    clean_env.update(RANK='1', WORLD_SIZE='2')
+    log_file = tmp_path / 'run.log'
+    with bare_root():
+        logger = get_logger(name, log_file=log_file, log_level='INFO')
+        logger.info('Config: ...')
+        logger.warning('about rank 1')
+    for handler in logger.handlers:
+        handler.flush()
+    err = capsys.readouterr().err
+    assert 'Config' not in err and '[rank 1]' in err and 'about rank 1' in err
+    assert 'Config: ...' in (tmp_path / 'run_rank1.log').read_text()
+
+
+def test_the_log_directory_is_made_with_the_first_record(clean_env, name, tmp_path):
+    from stratagem.env.logging import log_to_files
+
+    log_file = tmp_path / 'logs' / 'run.log'
+    with bare_root():
+        logger = get_logger(name, log_file=log_file)
+        assert not log_file.parent.exists()  # a run that fails before it logs leaves nothing
+        log_to_files(logger, logging.INFO, 'run ended: finished')
+        logger.debug('below the level')
+    for handler in logger.handlers:
+        handler.flush()
+    assert log_file.read_text().splitlines()[-1].endswith('INFO: run ended: finished')
+
+
+def test_the_run_end_goes_to_the_files_the_run_opened(clean_env, name, tmp_path):
+    """The error line of a run goes to its own log file, not to one a run before it in the
+    process left open, nor to the console."""
+    from stratagem.env.logging import run_end_logged
+
+    with bare_root():
+        logger = get_logger(name, log_file=tmp_path / 'before.log')
+        logger.info('the run before')
+        with pytest.raises(ValueError), run_end_logged(logger):
+            get_logger(name, log_file=tmp_path / 'run.log').info('this run')
+            raise ValueError('a bad\n  value')
+    for handler in logger.handlers:
+        handler.flush()
+    assert 'run ended' not in (tmp_path / 'before.log').read_text()
+    last = (tmp_path / 'run.log').read_text().splitlines()[-1]
+    assert last.endswith('ERROR: run ended: error: ValueError: a bad value')

@@ -31,12 +31,27 @@ def test_a_flexible_runner_config_runs_its_metric_through_stratagem_train(tmp_pa
     work_dir = tmp_path / 'work'
     env = {**os.environ, 'PYTHONPATH': str(ROOT), 'OMP_NUM_THREADS': '1'}
     env.pop('PYTHONWARNINGS', None)
+    # a best checkpoint replaced and one past max_keep_ckpts deleted by mmengine's hook
     proc = subprocess.run(
         [sys.executable, '-m', 'stratagem', 'train', str(BYO / 'flexible_config.py'),
-         '--work-dir', str(work_dir), '--nproc', '2'],
+         '--work-dir', str(work_dir), '--nproc', '2', '--cfg-options',
+         'default_hooks.checkpoint.save_best=tiny/nll', 'default_hooks.checkpoint.rule=less',
+         'default_hooks.checkpoint.max_keep_ckpts=1'],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # rank 0 alone prints mmengine's banner (the config, the hooks)
+    said = proc.stdout + proc.stderr
+    assert said.count('Hooks will be executed in the following order') == 1, said[-3000:]
+    assert said.count(' INFO: Config:\n') == 1, said[-3000:]
+    (log,) = [p for p in work_dir.glob('*/*.log') if '_rank' not in p.name]
+    assert log.read_text().splitlines()[-1].endswith('INFO: run ended: finished, iteration 8/8')
+    # no manifest without its checkpoint: mmengine deleted epoch_1.pth and the first best
+    names = sorted(p.name for p in work_dir.iterdir())
+    manifests = [n for n in names if n.endswith('.manifest.json')]
+    assert manifests == [
+        f'{n}.manifest.json' for n in ('best_tiny_nll_epoch_2.pth', 'epoch_2.pth')
+    ], names
     # the strategy mmengine's runner built is stratagem's, named so once
     dumped = (work_dir / 'flexible_config.py').read_text()
     assert "strategy = dict(type='stratagem.DDPStrategy')" in dumped
@@ -141,6 +156,12 @@ def test_runner_config_names_our_strategies_and_fills_what_mmengine_lacks(monkey
     assert (path['resume'], path['load_from']) == (True, 'w/epoch_1.pth')
     assert mr.runner_config(base, resume=True)['resume'] is True
     assert mr.runner_config(base, load_from='a.pth')['load_from'] == 'a.pth'
+    # the manifests of checkpoints mmengine's CheckpointHook deletes are swept, by one hook
+    debris = dict(type='stratagem.CheckpointDebrisHook')
+    assert plain['custom_hooks'] == [debris]
+    mine = dict(type='stratagem.PreemptionHook')
+    assert mr.runner_config({**base, 'custom_hooks': [mine]})['custom_hooks'] == [mine, debris]
+    assert mr.runner_config({**base, 'custom_hooks': [debris]})['custom_hooks'] == [debris]
 
 
 def test_runner_config_refuses_typos_and_keeps_helper_variables(recwarn):

@@ -1,5 +1,6 @@
 """SingleDeviceStrategy and the BaseStrategy sequence: prepare, state dicts, checkpoints, errors."""
 
+import logging
 import os
 
 import pytest
@@ -319,3 +320,18 @@ def test_eval_step_is_the_loss_without_a_step(tmp_path):
     own = s.prepare(dict(type='MLPClassifier', in_features=4, num_classes=3, hidden=8))
     with torch.no_grad():
         assert torch.equal(s.eval_step(x, y), own(x, y)['loss'])
+
+
+def test_runs_of_one_second_keep_their_own_logs(tmp_path, monkeypatch):
+    """A quick restart in the same second gets its own log folder, never the earlier run's
+    (whose .log it would truncate)."""
+    import time
+
+    monkeypatch.setattr(time, 'strftime', lambda fmt, *a: '20261128_101010')
+    first = make_strategy(tmp_path)
+    logging.getLogger('stratagem').warning('first run')
+    second = make_strategy(tmp_path)
+    logging.getLogger('stratagem').warning('second run')
+    assert (first.timestamp, second.timestamp) == ('20261128_101010', '20261128_101010_1')
+    with open(os.path.join(first.log_dir, f'{first.timestamp}.log')) as log:
+        assert 'first run' in log.read()

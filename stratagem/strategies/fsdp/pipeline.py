@@ -372,10 +372,12 @@ class PipelineRun:
                 self._schedule.step(*(args if first else ()), target=targets if last else None)
         finally:
             wrapper.set_step_owner(_REFUSAL)
-        wrapper.after_backward()
         # the microbatches' losses: the last ones (the first step's shape inference computes
         # one more on uninitialised tensors, which nothing backpropagates)
-        return self._last_stage_mean(self._losses[-spec.microbatches :])
+        loss = self._last_stage_mean(self._losses[-spec.microbatches :])
+        # a step guard counts the loss once, on the last stage's ranks
+        wrapper.after_backward(loss=loss if last else None)
+        return loss
 
     def evaluate(
         self,

@@ -1,0 +1,65 @@
+"""No orphan manifest under mmengine's runners: ``stratagem.CheckpointDebrisHook``.
+
+mmengine's ``CheckpointHook`` deletes a checkpoint it replaces (the previous best of
+``save_best``, one past ``max_keep_ckpts``) as a plain file, leaving the stratagem manifest
+beside it. The hook, registered in mmengine's HOOKS by ``stratagem.integrations.mmengine``
+and added by ``stratagem train`` to every config it runs under FlexibleRunner
+(``mmengine_runner.runner_config``):
+
+1. ``before_save_checkpoint``: a save is under way (the runner's ``save_checkpoint`` calls
+   it through the strategy's save).
+2. At the end of the hook point that saved (``after_train_iter``, ``after_train_epoch``,
+   ``after_val_epoch``, ``after_train``; priority ``LOWEST``, after the ``CheckpointHook``):
+   rank 0 sweeps ``work_dir`` and each ``CheckpointHook``'s ``out_dir`` with
+   ``stratagem.checkpoint.sweep_debris``, whose rule removes only stratagem manifests whose
+   file is gone and dead saves' temp entries, older than the newest commit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mmengine.hooks import CheckpointHook, Hook
+
+from stratagem.checkpoint import sweep_debris
+
+__all__ = ['CheckpointDebrisHook']
+
+
+class CheckpointDebrisHook(Hook):
+    """After each save, rank 0 sweeps the checkpoint directories (see module doc)."""
+
+    priority = 'LOWEST'  # after the CheckpointHook's save of the same hook point
+
+    def __init__(self) -> None:
+        self._saved = False
+
+    def before_save_checkpoint(self, runner: Any, checkpoint: dict) -> None:
+        self._saved = True
+
+    def after_train_iter(
+        self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None
+    ) -> None:
+        self._sweep(runner)
+
+    def after_train_epoch(self, runner: Any) -> None:
+        self._sweep(runner)
+
+    def after_val_epoch(self, runner: Any, metrics: Any = None) -> None:
+        self._sweep(runner)
+
+    def after_train(self, runner: Any) -> None:
+        self._sweep(runner)
+
+    def _sweep(self, runner: Any) -> None:
+        if not self._saved:
+            return
+        self._saved = False
+        if getattr(runner, 'rank', 0) != 0:
+            return
+        dirs = {str(runner.work_dir)}
+        dirs.update(
+            str(h.out_dir) for h in runner.hooks if isinstance(h, CheckpointHook) and h.out_dir
+        )
+        for directory in sorted(dirs):
+            sweep_debris(directory)
