@@ -4,8 +4,12 @@
 The tiny MLP of ``benchmarks/overhead.py`` (2×Linear(32), batch 8, SGD): the worst case,
 since its steps are the shortest. Each round trains ``--iters`` iterations (``log_interval``
 10, the default: a row every 10 iterations) with the writers on and off, the order alternating;
-the figures: the time the loop spends in ``RunMetrics.write`` per row and as a share of the
-run (medians over rounds), and the whole runs' times (which carry the machine's noise).
+the figures: the time the training thread spends in ``RunMetrics.write`` per row and as a
+share of the run; the same for the whole metrics path on that thread (``Meter.log_row``: the
+host sync, the row, tokens/s and MFU, the writers' hand-over, the log line; plus
+``Meter.saw_batch``, the tokens counted every iteration) (medians over rounds); and the
+whole runs' times (which carry the machine's noise, and the writers' own thread) and CPU
+times (every thread of the process: the writers' cost without the noise of other programs).
 
     python benchmarks/metrics_overhead.py [--rounds 7] [--iters 3000]
 """
@@ -48,45 +52,65 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.disable(logging.INFO)
+    import stratagem.loop.meter as meter_mod
     import stratagem.metrics as metrics_mod
     from stratagem.loop import train
 
-    # the time the loop spends in RunMetrics.write (everything a row costs the loop: the
-    # row itself, the CSV, TensorBoard), measured inside each run
-    spent = {'s': 0.0, 'rows': 0}
-    write = metrics_mod.RunMetrics.write
+    # the time the training thread spends in RunMetrics.write (the row, handed to the
+    # writers), and in the whole metrics path (Meter.log_row and Meter.saw_batch), measured
+    # inside each run
+    spent = {'s': 0.0, 'rows': 0, 'path': 0.0}
 
-    def timed_write(self: Any, *a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
-        row = write(self, *a, **k)
-        spent['s'] += time.perf_counter() - t
-        spent['rows'] += 1
-        return row
+    def timed(cls: Any, name: str, key: str, count: bool) -> None:
+        original = getattr(cls, name)
 
-    metrics_mod.RunMetrics.write = timed_write  # type: ignore[method-assign]
+        def wrapper(self: Any, *a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            out = original(self, *a, **k)
+            spent[key] += time.perf_counter() - t
+            if count:
+                spent['rows'] += 1
+            return out
+
+        setattr(cls, name, wrapper)
+
+    timed(metrics_mod.RunMetrics, 'write', 's', True)
+    timed(meter_mod.Meter, 'log_row', 'path', False)
+    timed(meter_mod.Meter, 'saw_batch', 'path', False)
     share: dict[bool, list[float]] = {True: [], False: []}
     per_row: dict[bool, list[float]] = {True: [], False: []}
+    path: dict[bool, list[float]] = {True: [], False: []}
     whole: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
     with tempfile.TemporaryDirectory() as tmp:
         train(_cfg(f'{tmp}/warm', 50, True), progress=False)  # imports, first use
         for r in range(args.rounds):
             for on in (True, False) if r % 2 == 0 else (False, True):
-                spent.update(s=0.0, rows=0)
-                start = time.perf_counter()
+                spent.update(s=0.0, rows=0, path=0.0)
+                start, cpu_start = time.perf_counter(), time.process_time()
                 train(_cfg(f'{tmp}/{r}_{on}', args.iters, on), progress=False)
+                cpu[on].append(time.process_time() - cpu_start)
                 total = time.perf_counter() - start
                 whole[on].append(total)
                 share[on].append(spent['s'] / total)
                 per_row[on].append(spent['s'] / spent['rows'])
+                path[on].append(spent['path'] / total)
     med = statistics.median
     print(
         f'tiny MLP, {args.iters} iterations, a row every 10: a row costs the loop '
         f'{med(per_row[True]) * 1e6:.1f} µs with the writers on '
         f'({med(share[True]) * 100:.2f}% of the run), {med(per_row[False]) * 1e6:.1f} µs '
         f'with them off ({med(share[False]) * 100:.2f}%: the row itself, the log line '
-        f'excluded); whole runs {med(whole[False]) / args.iters * 1e6:.1f} µs/it off, '
+        f'excluded); the whole metrics path on the training thread (sync, row, tokens, MFU, '
+        f'log line): {med(path[True]) * 100:.2f}% of the run on, '
+        f'{med(path[False]) * 100:.2f}% off; whole runs '
+        f'{med(whole[False]) / args.iters * 1e6:.1f} µs/it off, '
         f'{med(whole[True]) / args.iters * 1e6:.1f} on (median of {args.rounds} interleaved '
-        f'rounds: {(med(whole[True]) / med(whole[False]) - 1) * 100:+.2f}%, noise included)'
+        f'rounds: {(med(whole[True]) / med(whole[False]) - 1) * 100:+.2f}%, noise included); '
+        f'CPU time of the process, every thread: {med(cpu[False]) / args.iters * 1e6:.1f} '
+        f'µs/it off, {med(cpu[True]) / args.iters * 1e6:.1f} on '
+        f'({(med(cpu[True]) / med(cpu[False]) - 1) * 100:+.2f}%: what the writers cost on a '
+        f'machine whose other work makes wall times noisy)'
     )
 
 

@@ -4,11 +4,17 @@ Every ``log_interval`` iterations (and at the end), rank 0 writes one row: ``ite
 (1-based: the epoch the row's last iteration belongs to, as the log line shows it), ``loss``
 (mean over the interval), ``lr`` (the first param group's), ``grad_norm`` (the last update's,
 when the optim wrapper clips), ``samples_per_s`` (all data-parallel ranks together),
-``tokens_per_s`` (token data: batches whose inputs are integer (batch, time) tensors),
-``step_time_s`` (mean over the interval), ``peak_memory_mib`` (this process: the
-accelerator's allocator peak, else the resident set's high-water mark),
+``tokens_per_s`` (rank 0's tokens x the data-parallel size, per second: the tokens a batch
+holds as its hook says, ``stratagem.throughput``; empty for data that holds none), ``mfu``
+(the model FLOPs utilisation of rank 0's device: ``flops_per_iter`` / ``step_time_s`` /
+the device's peak, ``stratagem.throughput``), ``step_time_s`` (mean over the interval),
+``peak_memory_mib`` (this process: the accelerator's allocator peak, else the resident set's
+high-water mark),
 ``checkpoint_stall_s`` (time the loop spent inside ``save_checkpoint`` during the interval;
-for an asynchronous save, the snapshot), then every other scalar the model returned in
+for an asynchronous save, the snapshot), ``flops_per_iter`` (one iteration's forward and
+backward on rank 0, counted once), ``samples_per_s_avg``, ``tokens_per_s_avg`` and
+``mfu_avg`` (the run's averages so far, the first row, which holds the warm-up, left out once
+there is a second), then every other scalar the model returned in
 training (e.g. ``acc``; mean over the interval). Each validation writes a row of its own:
 ``iter``, ``epoch`` and ``val/<name>`` for every scalar of the model's validation output
 (means over the whole validation set). A straggler named (``stratagem.loop.stragglers``)
@@ -18,21 +24,29 @@ writes ``iter``, ``epoch``, ``straggler/rank`` and ``straggler/ratio``. Each upd
 
 - ``<log_dir>/metrics.csv`` (the log directory of the run's first part: a resumed run
   appends to the metrics of the run it resumes, its rows after the resumed iteration dropped;
-  a header, then one line per row; flushed at most once a
-  second and at the end). A column that appears later (a model's output, a validation
-  value) widens the header: the file is rewritten once with the new column, earlier rows
-  left empty there;
-- TensorBoard event files in ``<log_dir>/tensorboard`` (``torch.utils.tensorboard``'s
-  ``SummaryWriter``; ``pip install tensorboard``): every row, one event each, tags
-  ``train/<name>`` and ``val/<name>`` at step ``iter`` (one run across resumes: a resumed
-  run's writer purges the events after the resumed iteration, ``purge_step``); rows are
-  handed to the writer at most once a second (an event costs its thread's queue ~0.1 ms)
-  and at the end, never dropped; ``tensorboard --logdir work_dirs`` shows every run;
+  a header, then one line per row; flushed at most once a second, at each checkpoint save
+  and at the end, also when the run fails). A column that appears later (a model's output,
+  a validation value) widens the header: the file is rewritten once with the new column,
+  earlier rows left empty there;
+- TensorBoard event files in ``<log_dir>/tensorboard`` (the file ``torch.utils.
+  tensorboard``'s ``SummaryWriter`` writes, by ``stratagem.event_file``; ``pip install
+  tensorboard``): every row, one event each, tags ``train/<name>`` and ``val/<name>`` at
+  step ``iter``, never dropped (one run across resumes: a resumed run's file starts with
+  the ``SessionLog.START`` event at the step after the resumed iteration, which
+  ``SummaryWriter(purge_step=)`` writes, so TensorBoard purges the events from that step on
+  that the run before wrote); ``tensorboard --logdir work_dirs`` shows every run;
 - the log line and the progress bar (throughput and ETA) stay the loop's.
 
-Nothing is done per iteration but adding the loss (and the other scalars) to tensors (no host
-sync); the row costs one sync and a few microseconds of I/O per ``log_interval``. Other ranks
-write nothing. ``train_cfg.metrics=dict(csv=True, tensorboard=True)`` turns writers off.
+Both writers run on a thread of their own (:class:`RowWriter`): the training thread hands a
+row over (a queue's put) and goes on; the thread opens the files with the first row (a run
+that fails before it writes none), writes what it was handed at most once a second, and
+:meth:`RunMetrics.flush` / :meth:`RunMetrics.close` wait until every row so far is written
+(a write's error is raised there, naming the file). Nothing is done per iteration but adding
+the loss (and the other scalars) to tensors (no host sync) and counting the batch's tokens
+(its shape); a row costs one sync per ``log_interval``. Other ranks write nothing.
+``train_cfg.metrics``: ``csv`` and ``tensorboard`` (bools, default True: the writers),
+``flops`` (bool, default True: count the FLOPs for ``mfu``), ``peak_flops`` (FLOP/s of the
+device, for a card the table lacks), ``num_tokens`` (the tokens hook).
 
 Read back (``stratagem plot metrics WORK_DIR``): :func:`find_metrics_csv` (the newest run's
 file), :func:`metrics_curves` (loss, lr and each validation value over iterations), drawn by
@@ -45,17 +59,22 @@ import csv
 import logging
 import math
 import os
+import queue
 import resource
 import sys
-import time
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from stratagem.event_file import EventFile
+from stratagem.throughput import FlopCount, Peak, num_tokens_hook
+
 __all__ = [
     'METRICS_KEYS',
+    'RowWriter',
     'RunMetrics',
     'check_metrics_cfg',
     'find_metrics_csv',
@@ -64,11 +83,11 @@ __all__ = [
     'metrics_curves',
     'peak_memory_mib',
     'plot_metrics_png',
-    'tokens_per_sample',
 ]
 
-#: the keys ``train_cfg.metrics`` accepts (each a bool, default True)
-METRICS_KEYS = frozenset({'csv', 'tensorboard'})
+#: the keys ``train_cfg.metrics`` accepts
+METRICS_KEYS = frozenset({'csv', 'tensorboard', 'flops', 'peak_flops', 'num_tokens'})
+_BOOL_KEYS = ('csv', 'tensorboard', 'flops')
 COLUMNS = (
     'iter',
     'epoch',
@@ -77,9 +96,14 @@ COLUMNS = (
     'grad_norm',
     'samples_per_s',
     'tokens_per_s',
+    'mfu',
     'step_time_s',
     'peak_memory_mib',
     'checkpoint_stall_s',
+    'flops_per_iter',
+    'samples_per_s_avg',
+    'tokens_per_s_avg',
+    'mfu_avg',
 )
 
 
@@ -90,7 +114,26 @@ def check_metrics_cfg(cfg: Mapping | None) -> dict:
     unknown = sorted(set(cfg) - METRICS_KEYS)
     if unknown:
         raise ValueError(
-            f'train_cfg.metrics: unknown key(s) {unknown}; valid: csv, tensorboard (bools)'
+            f'train_cfg.metrics: unknown key(s) {unknown}; valid: csv, tensorboard, flops '
+            '(bools), peak_flops (FLOP/s), num_tokens (a function (batch) -> tokens or its '
+            'import path)'
+        )
+    for key in _BOOL_KEYS:
+        if not isinstance(cfg.get(key, True), bool):
+            raise TypeError(f'train_cfg.metrics.{key} must be True or False, got {cfg[key]!r}')
+    peak = cfg.get('peak_flops')
+    if peak is not None and (
+        isinstance(peak, bool) or not isinstance(peak, (int, float)) or not peak > 0
+    ):
+        raise ValueError(
+            f'train_cfg.metrics.peak_flops must be the device peak in FLOP/s (a number > 0, '
+            f'e.g. 989e12), got {peak!r}'
+        )
+    hook = cfg.get('num_tokens')
+    if hook is not None and not (callable(hook) or isinstance(hook, str)):
+        raise TypeError(
+            'train_cfg.metrics.num_tokens must be a function (batch) -> tokens or its import '
+            f"path 'package.module.function', got {type(hook).__name__}"
         )
     return cfg
 
@@ -104,30 +147,11 @@ def peak_memory_mib(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == 'darwin' else rss / 2**10
 
 
-def tokens_per_sample(batch: Any) -> int | None:
-    """Tokens in one sample when ``batch`` is token data: its inputs (the tensor itself, the
-    first of a tuple/list, or a dict's ``inputs`` / ``input_ids``) are an integer tensor of
-    shape (batch, time). None otherwise."""
-    inputs = batch
-    if isinstance(batch, Mapping):
-        inputs = batch.get('inputs', batch.get('input_ids'))
-    elif isinstance(batch, (tuple, list)) and batch:
-        inputs = batch[0]
-    if (
-        isinstance(inputs, torch.Tensor)
-        and inputs.dim() == 2
-        and not inputs.is_floating_point()
-        and not inputs.is_complex()
-        and inputs.dtype is not torch.bool
-    ):
-        return int(inputs.shape[1])
-    return None
-
-
-def format_row(row: Mapping) -> str:
+def format_row(row: Mapping, mfu_label: str = 'mfu') -> str:
     """A row as the log line's tail: ``loss 2.5000 [acc 0.7500 ...] lr 0.01 grad_norm 1.5
-    160 samples/s (1600 tokens/s) 0.200 s/it peak 812 MiB [checkpoint 0.25 s]`` (the model's
-    other training scalars after the loss)."""
+    160 samples/s (1600 tokens/s) mfu 41.2% 0.200 s/it peak 812 MiB [checkpoint 0.25 s]``
+    (the model's other training scalars after the loss; ``mfu_label``: the peak's,
+    ``mfu(cpu-measured)`` on a CPU)."""
     text = f'loss {row["loss"]:.4f}'
     for name, value in row.items():
         if name not in COLUMNS and value is not None:
@@ -138,10 +162,97 @@ def format_row(row: Mapping) -> str:
     text += f' {row["samples_per_s"]:.1f} samples/s'
     if row.get('tokens_per_s') is not None:
         text += f' ({row["tokens_per_s"]:.0f} tokens/s)'
+    if row.get('mfu') is not None:
+        text += f' {mfu_label} {row["mfu"] * 100:.3g}%'
     text += f' {row["step_time_s"]:.3f} s/it peak {row["peak_memory_mib"]:.0f} MiB'
     if row.get('checkpoint_stall_s'):
         text += f' checkpoint {row["checkpoint_stall_s"]:.2f} s'
     return text
+
+
+class RowWriter:
+    """A thread that writes rows off the training thread: :meth:`put` hands a row over (a
+    queue's put, a microsecond), the thread calls ``write(rows)`` with what it was handed at
+    most every ``every_s`` seconds; :meth:`flush` and :meth:`close` wait until every row
+    handed over before is written, and raise the error a write raised, if any (a failed
+    write stops the writing; the rows after it stay unwritten)."""
+
+    _STOP = object()
+
+    def __init__(
+        self,
+        write: Callable[[list[dict]], None],
+        sync: Callable[[], None],
+        *,
+        every_s: float = 1.0,
+        what: str = 'metrics',
+    ) -> None:
+        self._write, self._sync, self.every_s, self.what = write, sync, every_s, what
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name='stratagem-metrics', daemon=True)
+        self._thread.start()
+
+    def put(self, row: dict) -> None:
+        if self._error is not None:
+            self._raise()
+        self._queue.put(row)
+
+    def flush(self) -> None:
+        """Wait until every row put so far is written and the writers flushed."""
+        if not self._thread.is_alive():
+            return
+        done = threading.Event()
+        self._queue.put(done)
+        self._wake.set()
+        done.wait()
+        if self._error is not None:
+            self._raise()
+
+    def close(self) -> None:
+        """Write what is left, then end the thread."""
+        if self._thread.is_alive():
+            self._queue.put(self._STOP)
+            self._wake.set()
+            self._thread.join()
+        if self._error is not None:
+            self._raise()
+
+    def _raise(self) -> None:
+        err, self._error = self._error, None
+        raise RuntimeError(f'writing the {self.what} failed: {err}') from err
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            # woken once a second, or at once by a flush or the close: a wake per row
+            # would cost the training thread the GIL every log_interval
+            self._wake.wait(self.every_s)
+            self._wake.clear()
+            rows: list[dict] = []
+            waiting: list[threading.Event] = []
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is self._STOP:
+                    stop = True
+                elif isinstance(item, threading.Event):
+                    waiting.append(item)
+                else:
+                    rows.append(item)
+            if self._error is None and (rows or waiting or stop):
+                try:
+                    if rows:
+                        self._write(rows)
+                    if waiting or stop:
+                        self._sync()
+                except Exception as err:  # noqa: BLE001 - raised on the training thread, at flush/close
+                    self._error = err
+            for done in waiting:
+                done.set()
 
 
 class RunMetrics:
@@ -151,14 +262,19 @@ class RunMetrics:
         log_dir: the run's log directory (``strategy.log_dir``).
         samples_per_iter: samples one iteration reads over all data-parallel ranks.
         enabled: whether this process writes (rank 0).
-        cfg: ``train_cfg.metrics``: ``csv`` and ``tensorboard`` (bools, default True).
+        cfg: ``train_cfg.metrics`` (see the module's docstring).
         logger: where to say once that TensorBoard is not installed.
+        data_parallel_size: ranks that each read as many tokens as this one.
+        num_tokens: the tokens hook (default: ``cfg['num_tokens']``, else
+            ``throughput.default_num_tokens``).
+        peak: the device's peak for ``mfu`` (``throughput.device_peak``); None: no ``mfu``.
         resumed_at: the iteration a resumed run continues from, whose metrics go on in the
             log directory of the run it resumes: the CSV's rows after it are dropped and
             TensorBoard's events after it purged (the resume re-does those iterations).
             None: a fresh run.
 
-    The files are opened with the first row, so a run that fails before it writes none.
+    The files are opened (by the writer's thread) with the first row, so a run that fails
+    before it writes none.
     """
 
     def __init__(
@@ -169,11 +285,22 @@ class RunMetrics:
         enabled: bool,
         cfg: Mapping | None = None,
         logger: logging.Logger | None = None,
+        data_parallel_size: int = 1,
+        num_tokens: Callable[[Any], Any] | None = None,
+        peak: Peak | None = None,
         resumed_at: int | None = None,
     ) -> None:
         cfg = check_metrics_cfg(cfg)
         self.samples_per_iter = samples_per_iter
-        self.tokens: int | None = None
+        self.data_parallel_size = data_parallel_size
+        self.num_tokens = num_tokens or num_tokens_hook(cfg.get('num_tokens'))[0]
+        self.peak = peak
+        self.flops: FlopCount | None = None
+        self.tokens = 0  # this rank's, since the last row
+        self._token_tensor: torch.Tensor | None = None  # a hook's tensors, summed on device
+        self._counting_tokens, self._saw_tokens = True, False
+        self._first_row = True
+        self._totals = [0, 0.0, 0]  # iterations, seconds, tokens: the rows after the first
         self.stall = 0.0
         self.last_row: dict | None = None
         self.log_dir = log_dir
@@ -183,8 +310,7 @@ class RunMetrics:
         self._csv: Any = None
         self._file: Any = None
         self._tb: Any = None
-        self._pending: list[dict] = []
-        self._flushed_at = -float('inf')  # the first row is written through at once
+        self._writer: RowWriter | None = None
         self.flush_every_s = 1.0
         # the writers open with the first row: a run that fails before it leaves no files
         self._want_csv = enabled and bool(cfg.get('csv', True))
@@ -210,21 +336,17 @@ class RunMetrics:
                         self._widen(until=self.resumed_at)
             self._open()
         if self._want_tb:
+            # the events of the iterations a resume re-does: hidden, as SummaryWriter's
+            # purge_step hides them (a SessionLog.START at the step, TensorBoard's mechanism)
+            purge = None if self.resumed_at is None else self.resumed_at + 1
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                self._tb = EventFile(os.path.join(self.log_dir, 'tensorboard'), purge_step=purge)
             except ImportError:
                 if self._logger is not None:
                     self._logger.info(
                         'TensorBoard is not installed (pip install tensorboard): scalars go '
                         f'to {self._path} and the log only'
                     )
-            else:
-                # its own thread writes the events every 10 s (and at close); purge_step hides
-                # the events of the iterations a resume re-does (TensorBoard's own mechanism)
-                purge = None if self.resumed_at is None else self.resumed_at + 1
-                self._tb = SummaryWriter(
-                    os.path.join(self.log_dir, 'tensorboard'), flush_secs=10, purge_step=purge
-                )
 
     def _open(self) -> None:
         new = not os.path.exists(self._path)
@@ -251,13 +373,43 @@ class RunMetrics:
         os.replace(tmp, self._path)
 
     def saw_batch(self, batch: Any) -> None:
-        """Learn the tokens per sample from the first batch (token data only)."""
-        if self.tokens is None:
-            self.tokens = tokens_per_sample(batch) or 0
+        """Count one iteration's batch's tokens (every iteration; its hook's ``int``, or a
+        tensor summed where it is and read at the row). The default hook, finding no token
+        data in the first batch, is asked no more."""
+        if not self._counting_tokens:
+            return
+        n = self.num_tokens(batch)
+        if n is None:
+            self._counting_tokens = self._saw_tokens
+            return
+        self._saw_tokens = True
+        if isinstance(n, torch.Tensor):
+            if self._token_tensor is None:
+                self._token_tensor = torch.zeros((), dtype=torch.int64, device=n.device)
+            self._token_tensor.add_(n.detach().reshape(()))
+        else:
+            self.tokens += int(n)
+
+    def set_flops(self, count: FlopCount) -> None:
+        """One iteration's FLOPs on this rank (``throughput.count_flops``): ``mfu`` from now."""
+        self.flops = count
 
     def add_stall(self, seconds: float) -> None:
         """Time the loop spent in ``save_checkpoint``."""
         self.stall += seconds
+
+    def drop_tokens(self) -> None:
+        """Forget the tokens counted since the last row (a rollback: its iterations are
+        trained again, timed from the rollback on)."""
+        self._take_tokens()
+
+    def _take_tokens(self) -> int | None:
+        tokens = self.tokens
+        if self._token_tensor is not None:
+            tokens += int(self._token_tensor.item())
+            self._token_tensor.zero_()
+        self.tokens = 0
+        return tokens if self._saw_tokens else None
 
     def write(
         self,
@@ -274,6 +426,7 @@ class RunMetrics:
         """One row for the ``iters`` iterations that took ``seconds``; ``extras``: the model's
         other training scalars (means over the interval). Returns the row."""
         rate = iters / seconds if seconds > 0 else float('nan')
+        tokens = self._take_tokens()
         row = {
             'iter': it,
             'epoch': epoch,
@@ -281,17 +434,47 @@ class RunMetrics:
             'lr': lr,
             'grad_norm': None if grad_norm is None else float(grad_norm),
             'samples_per_s': rate * self.samples_per_iter,
-            'tokens_per_s': rate * self.samples_per_iter * self.tokens if self.tokens else None,
+            'tokens_per_s': None,
+            'mfu': self._mfu(rate),
             'step_time_s': seconds / iters if iters else float('nan'),
             'peak_memory_mib': peak_memory_mib(device),
             'checkpoint_stall_s': self.stall,
+            'flops_per_iter': None if self.flops is None else self.flops.total,
         }
+        if tokens is not None and seconds > 0:
+            row['tokens_per_s'] = tokens * self.data_parallel_size / seconds
+        row.update(self._averages(row, iters, seconds, tokens))
         for name, value in (extras or {}).items():
             row.setdefault(name, value)
         self.stall = 0.0
         self.last_row = row
         self._add(row)
         return row
+
+    def _mfu(self, rate: float) -> float | None:
+        if self.flops is None or self.peak is None or not self.flops.total:
+            return None
+        return self.flops.total * rate / self.peak.flops
+
+    def _averages(self, row: dict, iters: int, seconds: float, tokens: int | None) -> dict:
+        """The run's figures so far: the first row's own, then the rows after it (the first
+        holds the warm-up: allocations, compilation, the FLOP count)."""
+        if self._first_row:
+            self._first_row = False
+            rate, tokens_per_s = row['samples_per_s'], row['tokens_per_s']
+            mfu = row['mfu']
+        else:
+            totals = self._totals
+            totals[0] += iters
+            totals[1] += seconds
+            totals[2] += tokens or 0
+            it_rate = totals[0] / totals[1] if totals[1] > 0 else float('nan')
+            rate = it_rate * self.samples_per_iter
+            tokens_per_s = None
+            if tokens is not None and totals[1] > 0:
+                tokens_per_s = totals[2] * self.data_parallel_size / totals[1]
+            mfu = self._mfu(it_rate)
+        return {'samples_per_s_avg': rate, 'tokens_per_s_avg': tokens_per_s, 'mfu_avg': mfu}
 
     def write_val(self, it: int, epoch: int, values: Mapping[str, float]) -> dict:
         """One validation's row: ``iter``, ``epoch`` and ``val/<name>`` per value."""
@@ -317,52 +500,68 @@ class RunMetrics:
         return row
 
     def _add(self, row: dict) -> None:
-        # the file's buffer and TensorBoard's writer get the rows at most once a second (and
-        # at the end): a flush or an event per row costs a tiny model's run whole percents
+        if self._writer is None:
+            if not (self._want_csv or self._want_tb):
+                return
+            self._writer = RowWriter(
+                self._write_rows, self._sync, every_s=self.flush_every_s, what=self._path
+            )
+        self._writer.put(row)
+
+    def _write_rows(self, rows: list[dict]) -> None:
+        """On the writer's thread: the files opened with the first rows, then the rows into
+        the CSV (widened for a new column) and to TensorBoard, then the files flushed (at
+        most once a second)."""
         if not self._opened:
             self._open_writers()
-        now = time.monotonic()
-        due = now - self._flushed_at >= self.flush_every_s
         if self._csv is not None:
-            new = [k for k in row if k not in self._columns]
-            if new:
-                self._columns += new
-                self._widen()
-                self._open()
-            self._csv.writerow({k: '' if v is None else v for k, v in row.items()})
-            if due:
-                self._file.flush()
+            for row in rows:
+                new = [k for k in row if k not in self._columns]
+                if new:
+                    self._columns += new
+                    self._widen()
+                    self._open()
+                self._csv.writerow({k: '' if v is None else v for k, v in row.items()})
+            self._file.flush()
         if self._tb is not None:
-            self._pending.append(row)
-            if due:
-                self._to_tensorboard()
-        if due:
-            self._flushed_at = now
+            self._to_tensorboard(rows)
+            self._tb.flush()
 
-    def _to_tensorboard(self) -> None:
-        # one event per row, all its scalars in it, every row: handing an event to the
-        # writer's thread costs ~0.1 ms (its queue's lock), paid here once a second for the
-        # rows gathered since, not in the loop's step
-        from tensorboard.compat.proto.summary_pb2 import Summary
+    def _sync(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
 
-        rows, self._pending = self._pending, []
+    def _to_tensorboard(self, rows: list[dict]) -> None:
+        # one event per row, all its scalars in it, every row
         for row in rows:
-            values = [
-                Summary.Value(tag=k if '/' in k else f'train/{k}', simple_value=float(v))
+            scalars = {
+                k if '/' in k else f'train/{k}': float(v)
                 for k, v in row.items()
                 if k not in ('iter', 'epoch') and v is not None
-            ]
-            self._tb.file_writer.add_summary(Summary(value=values), row['iter'])
+            }
+            self._tb.add(row['iter'], scalars)
+
+    def flush(self) -> None:
+        """Wait until every row so far is in the CSV file and TensorBoard's (a checkpoint's
+        save calls it: the rows are as complete as the checkpoint)."""
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._to_tensorboard()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        """Write every row left, close the files (also when the run failed: the rows up to
+        the failure are kept)."""
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            self._writer = None
+            self._want_csv = self._want_tb = False  # a row after the close is not written
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
 
 
 def _after(value: str | None, iteration: int) -> bool:

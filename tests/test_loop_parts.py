@@ -102,7 +102,10 @@ def test_a_new_best_is_committed_before_the_old_one_is_deleted(tmp_path, monkeyp
     strategy = _SavingStrategy(tmp_path, events)
     best = BestCheckpoint(BestPlan('acc', 'greater', (), (), by_epoch=True))
     meter = SimpleNamespace(
-        stalls=[], add_stall=lambda s: meter.stalls.append(s), metrics_dir=str(tmp_path / 'log')
+        stalls=[],
+        add_stall=lambda s: meter.stalls.append(s),
+        flush=lambda: None,
+        metrics_dir=str(tmp_path / 'log'),
     )
     checkpoints = Checkpoints(strategy, 4, None, 4, 12, best, meter)  # type: ignore[arg-type]
     assert best.due({'acc': 0.5})

@@ -8,22 +8,24 @@ import csv
 import pytest
 import torch
 
-from stratagem.metrics import COLUMNS, RunMetrics, peak_memory_mib, tokens_per_sample
+from stratagem.metrics import COLUMNS, RunMetrics, peak_memory_mib
+from stratagem.throughput import default_num_tokens
 
 
-def test_tokens_per_sample():
-    assert tokens_per_sample(torch.zeros(4, 16, dtype=torch.long)) == 16
-    assert tokens_per_sample({'inputs': torch.zeros(4, 8, dtype=torch.int32)}) == 8
-    assert tokens_per_sample({'input_ids': torch.zeros(2, 5, dtype=torch.long)}) == 5
-    assert tokens_per_sample((torch.zeros(4, 7, dtype=torch.long), torch.zeros(4))) == 7
-    assert tokens_per_sample(torch.zeros(4, 16)) is None  # features, not tokens
-    assert tokens_per_sample({'inputs': torch.zeros(4, 3, 8, dtype=torch.long)}) is None
-    assert tokens_per_sample([]) is None
+def test_default_num_tokens_is_batch_times_time():
+    assert default_num_tokens(torch.zeros(4, 16, dtype=torch.long)) == 64
+    assert default_num_tokens({'inputs': torch.zeros(4, 8, dtype=torch.int32)}) == 32
+    assert default_num_tokens({'input_ids': torch.zeros(2, 5, dtype=torch.long)}) == 10
+    assert default_num_tokens((torch.zeros(4, 7, dtype=torch.long), torch.zeros(4))) == 28
+    assert default_num_tokens(torch.zeros(4, 16)) is None  # features, not tokens
+    assert default_num_tokens({'inputs': torch.zeros(4, 3, 8, dtype=torch.long)}) is None
+    assert default_num_tokens([]) is None
 
 
 def test_rows_go_to_csv_and_tensorboard(tmp_path):
-    metrics = RunMetrics(str(tmp_path), samples_per_iter=32, enabled=True)
-    metrics.saw_batch({'inputs': torch.zeros(16, 10, dtype=torch.long)})
+    metrics = RunMetrics(str(tmp_path), samples_per_iter=32, enabled=True, data_parallel_size=2)
+    for _ in range(10):  # 10 iterations of 16 x 10 tokens on this rank, as many on the other
+        metrics.saw_batch({'inputs': torch.zeros(16, 10, dtype=torch.long)})
     metrics.add_stall(0.25)
     row = metrics.write(10, 0, 2.5, 0.01, torch.tensor(1.5), 10, 2.0, torch.device('cpu'))
     metrics.write(20, 1, 2.0, 0.005, None, 10, 4.0, torch.device('cpu'))

@@ -41,6 +41,7 @@ PUBLIC_MODULES = (
     'stratagem.config',
     'stratagem.registry',
     'stratagem.metrics',
+    'stratagem.throughput',
 )
 # extra ``plot-schedule`` arguments per schedule config (by file stem); the schedulers page
 # shows the same commands, and tests/test_docs.py runs them

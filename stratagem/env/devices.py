@@ -6,17 +6,20 @@ table: the vendors' datasheet figures for dense (not 2:4-sparse) matrix maths wi
 accumulation, in FLOP/s. A card is found by its CUDA name (``torch.cuda.get_device_name``),
 the first pattern that matches in table order, so a variant (``H100 PCIe``) is listed before
 its family (``H100``). A card that is not listed has no peak (``None``): an MFU then is not
-shown rather than guessed.
+shown rather than guessed. A CPU has no datasheet figure that a training step could reach, so
+its peak is measured: :func:`measured_cpu_peak`, a short timed matmul, once per process.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+import time
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ['DEVICE_PEAKS', 'DevicePeak', 'device_peak', 'peak_flops']
+__all__ = ['DEVICE_PEAKS', 'DevicePeak', 'device_peak', 'measured_cpu_peak', 'peak_flops']
 
 _T = 1e12
 
@@ -80,3 +83,23 @@ def peak_flops(name: str | None = None, dtype: torch.dtype = torch.bfloat16) -> 
     if entry is None:
         return None
     return entry.bf16 if dtype == torch.bfloat16 else entry.fp16
+
+
+@functools.cache
+def measured_cpu_peak(size: int = 256, seconds: float = 0.02) -> float:
+    """This process's float32 matmul rate on the CPU, in FLOP/s: ``size`` x ``size`` matmuls
+    timed for about ``seconds`` at torch's current thread count, the best of three blocks.
+    Measured once per process (cached): about ``3 * seconds`` of CPU time."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    out = torch.empty(size, size)
+    torch.mm(a, b, out=out)  # first use: the BLAS's own set-up
+    start = time.perf_counter()
+    torch.mm(a, b, out=out)
+    reps = max(1, int(seconds / max(time.perf_counter() - start, 1e-6)))
+    best = float('inf')
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 * reps / best

@@ -11,7 +11,8 @@ collaborator owns one trigger and its state; the loop calls them in this fixed o
 1. ``batches.py``: the iteration's batch (the rank's shard, per-epoch seeding, the skip to
    a resumed position);
 2. ``step.py``: ``strategy.train_step`` (under a pipeline with the model's ``loss``; decided
-   once), its loss and other scalars added up by ``meter.py`` (no host sync); with
+   once; the first on rank 0 under the FLOP counter, for MFU), its loss and other scalars
+   added up and the batch's tokens counted by ``meter.py`` (no host sync); with
    ``train_cfg.anomaly``, ``anomaly.py``'s action when the optim wrapper's step guard refused
    the update (skip, rollback to the last checkpoint, or stop with one);
 3. ``schedulers.py``: iteration-based schedulers every iteration (not after a refused

@@ -66,6 +66,7 @@ class Checkpoints:
         t_save = time.perf_counter()
         path = self.strategy.save_checkpoint(name, extra_ckpt={'meta': meta})
         self.meter.add_stall(time.perf_counter() - t_save)
+        self.meter.flush()  # the rows on disk as far as the checkpoint goes
         self.last_path = path
         if self.on_commit is not None:
             # save_checkpoint waited for the previous asynchronous save: committed now

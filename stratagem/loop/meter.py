@@ -8,13 +8,16 @@ lines. Log lines show positions as mmengine does: ``Epoch(train) [1][16/64]`` (e
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stratagem.metrics import RunMetrics, format_row
+from stratagem.metrics import RunMetrics, check_metrics_cfg, format_row
+from stratagem.throughput import count_flops, device_peak, num_tokens_hook
 
 if TYPE_CHECKING:
     from .validation import Validation
@@ -27,9 +30,11 @@ class Meter:
 
     ``batch_size``: per rank; ``start_iter``: where the bar starts (a resumed run's
     position); ``metrics``: ``train_cfg.metrics``; ``progress``: a bar on rank 0 (a bar on a
-    terminal, whole lines every 30 s when stderr is a file or a pipe); ``metrics_dir``: where
-    the metrics go (default: the strategy's ``log_dir``; a resumed run's: the run's first
-    part's, ``resumed``: its rows after ``start_iter`` dropped)."""
+    terminal, whole lines every 30 s when stderr is a file or a pipe); ``model`` (the plain
+    module) and ``dataset`` (the training set): whose ``num_tokens`` may count a batch's
+    tokens (``stratagem.throughput``); ``metrics_dir``: where the metrics go (default: the
+    strategy's ``log_dir``; a resumed run's: the run's first part's, ``resumed``: its rows
+    after ``start_iter`` dropped)."""
 
     def __init__(
         self,
@@ -45,6 +50,8 @@ class Meter:
         by_epoch: bool,
         metrics: Any,
         progress: bool,
+        model: Any = None,
+        dataset: Any = None,
         metrics_dir: str | None = None,
         resumed: bool = False,
     ) -> None:
@@ -54,6 +61,7 @@ class Meter:
         self.batch_size, self.epoch_length, self.max_iters = batch_size, epoch_length, max_iters
         self.log_interval, self.by_epoch = log_interval, by_epoch
         self.metrics_cfg, self.progress = metrics, progress
+        self.model, self.dataset = model, dataset
         self.metrics_dir = metrics_dir or strategy.log_dir
         self.resumed_at = start_iter if resumed else None
         wrappers = getattr(optim_wrapper, 'values', lambda: [optim_wrapper])()
@@ -70,13 +78,27 @@ class Meter:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Meter:
+        cfg = check_metrics_cfg(self.metrics_cfg)
+        hook, source = num_tokens_hook(cfg.get('num_tokens'), self.model, self.dataset)
+        peak = None
+        if self.main and cfg.get('flops', True):
+            dtype = getattr(self.first_wrapper, 'cast_dtype', None)
+            peak = device_peak(self.device, dtype, cfg.get('peak_flops'))
+            self.log.info(
+                f'throughput: tokens counted by {source}; MFU against '
+                + (peak.source if peak is not None else 'no peak (a device the table of '
+                   'stratagem.env.devices lacks: give train_cfg.metrics.peak_flops)')
+            )  # fmt: skip
         with contextlib.ExitStack() as stack:
             self.metrics = RunMetrics(
                 self.metrics_dir,
                 self.strategy.data_parallel_size * self.batch_size,
                 enabled=self.main,
-                cfg=self.metrics_cfg,
+                cfg=cfg,
                 logger=self.log,
+                data_parallel_size=self.strategy.data_parallel_size,
+                num_tokens=hook,
+                peak=peak,
                 resumed_at=self.resumed_at,
             )
             stack.callback(self.metrics.close)
@@ -91,12 +113,58 @@ class Meter:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
+        if exc[0] is None:
+            self._log_averages()
+        try:
+            self._stack.close()
+        except RuntimeError as err:  # the metrics writer's: never in place of the run's error
+            if exc[0] is None:
+                raise
+            self.log.error(f'{err} (the run failed too: its error follows)')
+
+    def _log_averages(self) -> None:
+        """The run's averages, from the last row (the first row, the warm-up, left out)."""
+        row = self.metrics.last_row
+        if row is None:
+            return
+        text = f"throughput, the run's average: {row['samples_per_s_avg']:.1f} samples/s"
+        if row.get('tokens_per_s_avg') is not None:
+            text += f' ({row["tokens_per_s_avg"]:.0f} tokens/s)'
+        if row.get('mfu_avg') is not None:
+            label = self.metrics.peak.label if self.metrics.peak is not None else 'mfu'
+            text += f' {label} {row["mfu_avg"] * 100:.3g}%'
+        self.log.info(text)
 
     def saw_batch(self, batch: Any) -> None:
-        """The first batch tells the tokens per sample (token data only)."""
-        if self.metrics.tokens is None:
+        """Count the batch's tokens (rank 0; its shape, or the hook's count)."""
+        if self.main:
             self.metrics.saw_batch(batch)
+
+    def counted(self, step: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``step``, its first call on rank 0 under the FLOP counter (``train_cfg.metrics.
+        flops``, default on); the count goes to the rows' ``flops_per_iter`` and ``mfu``."""
+        if not self.main or not check_metrics_cfg(self.metrics_cfg).get('flops', True):
+            return step
+        first = [True]
+
+        def step_counted_once(batch: Any) -> Any:
+            if not first[0]:
+                return step(batch)
+            first[0] = False
+            result, count = count_flops(step, batch)
+            self.metrics.set_flops(count)
+            if count.method != 'counted':
+                self.log.info(
+                    f'throughput: no backward seen by the FLOP counter; flops_per_iter is '
+                    f'{count.method} ({count.forward:.3g} FLOPs forward)'
+                )
+            return result
+
+        return step_counted_once
+
+    def flush(self) -> None:
+        """Every row so far written (a checkpoint's save)."""
+        self.metrics.flush()
 
     def after_step(self, loss: torch.Tensor, extras: dict[str, Any]) -> None:
         """Add one iteration's loss and scalars, in place: no host sync."""
@@ -143,7 +211,9 @@ class Meter:
                 epoch=epoch,
                 samples_s=f'{row["samples_per_s"]:.0f}',
             )
-        self.log.info(self._position(it) + ' ' + format_row(row))
+        if self.log.isEnabledFor(logging.INFO):
+            label = self.metrics.peak.label if self.metrics.peak is not None else 'mfu'
+            self.log.info(self._position(it) + ' ' + format_row(row, label))
 
     def after_iteration(self, it: int, validation: Validation | None) -> None:
         """A validation of this iteration (rows and lines after its train row), the bar."""
@@ -183,6 +253,8 @@ class Meter:
     def rewind(self, it: int) -> None:
         """A rollback went back to iteration ``it``: the next row counts from there."""
         self._means(max(it, self.logged_at) + 1)  # the sums start again
+        if self.main:
+            self.metrics.drop_tokens()
         self.logged_at, self.logged_t = it, time.perf_counter()
         if self.bar is not None:
             self.bar.n = it

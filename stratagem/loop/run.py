@@ -266,6 +266,8 @@ def _build(
         by_epoch=plan.by_epoch,
         metrics=plan.metrics,
         progress=progress,
+        model=strategy.unwrap_model(),
+        dataset=batches.loader.dataset,
         metrics_dir=_metrics_dir(strategy, meta),
         resumed=meta is not None,
     )
@@ -285,7 +287,7 @@ def _build(
         start_iter=start_iter,
         max_iters=max_iters,
         batches=batches,
-        step=step,
+        step=meter.counted(step),
         schedulers=schedulers,
         validation=validation,
         best=best,
