@@ -90,7 +90,10 @@ def measured_cpu_peak(size: int = 256, seconds: float = 0.02) -> float:
     """This process's float32 matmul rate on the CPU, in FLOP/s: ``size`` x ``size`` matmuls
     timed for about ``seconds`` at torch's current thread count, the best of three blocks.
     Measured once per process (cached): about ``3 * seconds`` of CPU time."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    # a generator of its own: the global RNG streams are the run's (drawing from them here
+    # would shift every later draw of a resumed process, and its resume would not be exact)
+    rng = torch.Generator().manual_seed(0)
+    a, b = torch.randn(size, size, generator=rng), torch.randn(size, size, generator=rng)
     out = torch.empty(size, size)
     torch.mm(a, b, out=out)  # first use: the BLAS's own set-up
     start = time.perf_counter()

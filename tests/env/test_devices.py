@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from stratagem.env.devices import DEVICE_PEAKS, device_peak, peak_flops
+from stratagem.env.devices import DEVICE_PEAKS, device_peak, measured_cpu_peak, peak_flops
 
 
 @pytest.mark.parametrize(
@@ -42,3 +42,11 @@ def test_unknown_cards_have_no_peak_and_other_dtypes_are_refused():
     names = [e.name for e in DEVICE_PEAKS]
     assert names.index('H100 PCIe') < names.index('H100 SXM')
     assert names.index('H200 NVL') < names.index('H200 SXM')
+
+
+def test_the_measured_cpu_peak_leaves_the_runs_random_streams_alone():
+    """Measured in a resumed process after its RNG states are restored: a draw from the
+    global stream there would make the resume inexact."""
+    before = torch.get_rng_state()
+    assert measured_cpu_peak(size=32, seconds=0.001) > 0
+    assert torch.equal(torch.get_rng_state(), before)
