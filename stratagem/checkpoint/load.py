@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import io
 import os
 import pickle
 import re
@@ -164,6 +165,11 @@ def _sniff(path: Path) -> bool:
     """True for a zip checkpoint, False for a legacy pickle one; raise if neither."""
     with open(path, 'rb') as file:
         head = file.read(4)
+    return _sniff_bytes(head, path)
+
+
+def _sniff_bytes(head: bytes, path: Path | str) -> bool:
+    """``_sniff`` of a file's first 4 bytes ``head``."""
     if head == _ZIP_MAGIC:
         return True
     if head[:1] and head[0] == _PICKLE_PROTO:
@@ -174,9 +180,23 @@ def _sniff(path: Path) -> bool:
     )
 
 
-def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: bool) -> Any:
+def _torch_load(
+    path: Path | str,
+    map_location: Any,
+    trust: bool,
+    mmap: bool,
+    is_zip: bool,
+    source: io.BytesIO | None = None,
+) -> Any:
+    """``torch.load`` of ``path`` (or of ``source``, the verified bytes of ``path`` read from
+    a store: ``location.py``), its errors named as the module docstring says."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=not trust, mmap=mmap)
+        return torch.load(
+            path if source is None else source,
+            map_location=map_location,
+            weights_only=not trust,
+            mmap=mmap,
+        )
     except pickle.UnpicklingError as err:
         message = str(err)
         if 'Weights only load failed' not in message:
@@ -230,9 +250,10 @@ def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: 
             raise  # e.g. a map_location to a device this machine lacks: not about the file
         if isinstance(err, OSError) and err.errno != errno.EINVAL:
             raise  # a real I/O error (permissions, EIO); a truncated zip gives EINVAL (seek)
-        if is_zip and not _has_zip_end(path):
+        if is_zip and not _has_zip_end(path, source):
+            size = os.stat(path).st_size if source is None else len(source.getbuffer())
             raise CheckpointCorruptError(
-                f'{path} is truncated: it is {path.stat().st_size} bytes and lacks the '
+                f'{path} is truncated: it is {size} bytes and lacks the '
                 'end-of-archive record every complete torch.save file ends with (an '
                 'interrupted copy, download or save). Copy it again, or use an earlier '
                 'checkpoint'
@@ -263,8 +284,10 @@ def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: 
         ) from err
 
 
-def _allow_listed_when_saved(path: Path, refused: tuple[str, ...]) -> list[str]:
+def _allow_listed_when_saved(path: Path | str, refused: tuple[str, ...]) -> list[str]:
     """The manifest's allow-listed globals that this process lacks (the refused ones first)."""
+    if not isinstance(path, Path):  # a URL's manifest was read with its bytes: not kept
+        return []
     try:
         found = find_manifest(path)
     except (OSError, ValueError):
@@ -293,11 +316,13 @@ def _allow_hint(names: list[str]) -> str:
     return f'Fix: call {call} (the classes you trust) before loading.'
 
 
-def _has_zip_end(path: Path) -> bool:
+def _has_zip_end(path: Path | str, source: io.BytesIO | None = None) -> bool:
     """Whether the file's tail holds a zip end-of-central-directory record (a complete
     archive has one within its last 64 KiB + 22 bytes)."""
+    if source is not None:
+        return b'PK\x05\x06' in source.getbuffer()[-(1 << 16) - 22 :].tobytes()
     with open(path, 'rb') as file:
-        file.seek(max(0, path.stat().st_size - (1 << 16) - 22))
+        file.seek(max(0, os.stat(path).st_size - (1 << 16) - 22))
         return b'PK\x05\x06' in file.read()
 
 

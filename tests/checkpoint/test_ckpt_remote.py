@@ -1,0 +1,189 @@
+"""#42: checkpoints at an fsspec URL through the public API, against a real local S3 server
+(moto_server, reached by s3fs through AWS_ENDPOINT_URL as a user's client is) and fsspec's
+memory store: save, load and resume round trips (bit-equal), the order of the objects (the
+commit on a store without rename), what a reader trusts, and the failures named."""
+
+import io
+import secrets
+
+import pytest
+import torch
+from torch import nn
+
+from stratagem import checkpoint as ckpt
+from stratagem.checkpoint import location
+from stratagem.strategies import SingleDeviceStrategy
+
+OPTIM = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
+
+
+def _prepared(work_dir):
+    s = SingleDeviceStrategy(work_dir=str(work_dir), env_kwargs=dict(randomness=dict(seed=1)))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    out = s.prepare(
+        net,
+        optim_wrapper=OPTIM,
+        param_scheduler=[dict(type='ConstantLR')],
+        dispatch_kwargs=dict(max_iters=10),
+    )
+    return s, out[0], out[1]
+
+
+def _train(model, optim_wrapper, steps):
+    for _ in range(steps):
+        optim_wrapper.update_params(model(torch.randn(3, 4)).square().mean())
+
+
+def _state_bytes(model, optim_wrapper):
+    buffer = io.BytesIO()
+    torch.save({'model': model.state_dict(), 'optim': optim_wrapper.state_dict()}, buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def memory_url():
+    url = f'memory://stratagem-{secrets.token_hex(4)}'
+    yield url
+    fs, path = location.filesystem(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+@pytest.mark.parametrize('store', ['s3', 'memory'])
+def test_save_load_resume_round_trip_at_a_url(store, request, tmp_path):
+    """save_checkpoint(url) then resume(url) in a fresh strategy continues bit-equal to the
+    uninterrupted run; load_checkpoint(url) loads the weights; nothing is written locally
+    (no directory named 's3:' or 'memory:')."""
+    base = request.getfixturevalue('s3' if store == 's3' else 'memory_url')
+    url = f'{base}/api/iter_3.pth'
+    s, model, ow = _prepared(tmp_path / 'work')
+    _train(model, ow, 3)
+    returned = s.save_checkpoint(url, extra_ckpt={'meta': {'iter': 3}})
+    assert returned == url
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, ow, 2)
+    expected = _state_bytes(model, ow)
+
+    s2, model2, ow2 = _prepared(tmp_path / 'work2')
+    checkpoint = s2.resume(url)
+    assert checkpoint['meta']['iter'] == 3 and s2.resumed_from == url
+    _train(model2, ow2, 2)
+    assert _state_bytes(model2, ow2) == expected
+
+    s3_, model3, _ = _prepared(tmp_path / 'work3')
+    s3_.load_checkpoint(url)
+    loaded = model3.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in weights.items())
+    assert not any(p.name.endswith(':') for p in tmp_path.rglob('*'))
+    assert not (tmp_path / 'work' / 'last_checkpoint').exists()
+
+
+def test_the_objects_appear_in_commit_order_and_the_pointer_names_the_manifested_one(s3, tmp_path):
+    """After a save: the object, its manifest (listing its size and digest) and the pointer
+    naming it; an object no manifest lists is ignored by the scan and by load_or_resume."""
+    s, model, ow = _prepared(tmp_path / 'work')
+    prefix = f'{s3}/run'
+    s.save_checkpoint(f'{prefix}/iter_1.pth', extra_ckpt={'meta': {'iter': 1}})
+    fs, path = location.filesystem(prefix)
+    names = sorted(p.rsplit('/', 1)[-1] for p in fs.ls(path, refresh=True))
+    assert names == ['iter_1.pth', 'iter_1.pth.manifest.json', 'last_checkpoint']
+    assert fs.cat_file(f'{path}/last_checkpoint').decode() == f'{prefix}/iter_1.pth'
+    manifest = location.read_manifest_at(f'{prefix}/iter_1.pth')
+    assert manifest['files'][0]['size'] == fs.size(f'{path}/iter_1.pth')
+    assert manifest['step'] == 1
+
+    # debris of a killed upload: a newer object, no manifest; a pointer moved to it by hand
+    fs.pipe_file(f'{path}/iter_9.pth', b'PK\x03\x04 not a complete checkpoint')
+    assert [c.url for c in location.list_checkpoints(prefix)] == [f'{prefix}/iter_1.pth']
+    fs.pipe_file(f'{path}/last_checkpoint', f'{prefix}/iter_9.pth'.encode())
+    s2, _, _ = _prepared(tmp_path / 'work2')
+    with pytest.warns(ckpt.CheckpointWarning, match='iter_9.pth, which no manifest lists'):
+        checkpoint = s2.load_or_resume(resume=True, checkpoint_dir=prefix)
+    assert checkpoint['meta']['iter'] == 1 and s2.resumed_from == f'{prefix}/iter_1.pth'
+
+
+def test_a_damaged_object_is_refused_naming_the_url(memory_url, tmp_path):
+    s, _, _ = _prepared(tmp_path / 'work')
+    url = f'{memory_url}/iter_2.pth'
+    s.save_checkpoint(url, extra_ckpt={'meta': {'iter': 2}})
+    fs, path = location.filesystem(url)
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(path, bytes(data))
+    with pytest.raises(ckpt.CheckpointCorruptError, match=rf'{url} is damaged: xxh3_128'):
+        s.load_checkpoint(url)
+    fs.pipe_file(path, bytes(data[:-10]))
+    with pytest.raises(ckpt.CheckpointCorruptError, match=rf'{url} is damaged: it is \d+ bytes'):
+        s.load_checkpoint(url)
+
+
+def test_retention_at_a_url_keeps_the_newest_and_the_pointed(memory_url, tmp_path):
+    s, model, ow = _prepared(tmp_path / 'work')
+    for it in (1, 2, 3, 4):
+        s.save_checkpoint(f'{memory_url}/iter_{it}.pth', extra_ckpt={'meta': {'iter': it}})
+    removed = location.apply_retention(memory_url, 2, pattern='iter_*')
+    assert removed == [f'{memory_url}/iter_2.pth', f'{memory_url}/iter_1.pth']
+    assert [c.step for c in location.list_checkpoints(memory_url)] == [4, 3]
+    fs, path = location.filesystem(memory_url)
+    assert not fs.exists(f'{path}/iter_1.pth.manifest.json')
+    # the pointer moved back by hand: never deleted, even beyond max_keep
+    fs.pipe_file(f'{path}/last_checkpoint', f'{memory_url}/iter_3.pth'.encode())
+    assert location.apply_retention(memory_url, 1) == []
+
+
+def test_a_save_to_a_missing_bucket_or_with_refused_credentials_names_the_url(s3, tmp_path):
+    """One message naming the URL and the fix; the earlier checkpoint, its manifest and the
+    pointer are unchanged; no staging directory is left behind."""
+    s, model, ow = _prepared(tmp_path / 'work')
+    good = f'{s3}/run/iter_1.pth'
+    s.save_checkpoint(good, extra_ckpt={'meta': {'iter': 1}})
+    fs, path = location.filesystem(f'{s3}/run')
+    before = {p: fs.cat_file(p) for p in fs.ls(path, refresh=True)}
+    missing = f's3://no-such-bucket-{secrets.token_hex(3)}/run/iter_2.pth'
+    with pytest.raises(ckpt.CheckpointLocationError) as caught:
+        s.save_checkpoint(missing, extra_ckpt={'meta': {'iter': 2}})
+    message = str(caught.value)
+    assert missing in message and 'bucket does not exist' in message
+    assert 'previous checkpoint is unchanged' in message and '\n' not in message
+    s.checkpointer.backend_args = dict(key='wrong', secret='wrong')
+    with pytest.raises(ckpt.CheckpointLocationError, match='check the credentials') as caught:
+        s.save_checkpoint(f'{s3}/run/iter_2.pth', extra_ckpt={'meta': {'iter': 2}})
+    assert f'{s3}/run/iter_2.pth' in str(caught.value)
+    with pytest.raises(ckpt.CheckpointLocationError, match='check the credentials'):
+        s.load_checkpoint(good)
+    s.checkpointer.backend_args = None
+    assert {p: fs.cat_file(p) for p in fs.ls(path, refresh=True)} == before
+    s.load_checkpoint(good)
+
+
+def test_a_url_without_its_package_names_the_extra(monkeypatch, tmp_path):
+    import fsspec
+
+    def refuse(url, **kwargs):
+        raise ImportError('Install gcsfs to access Google Storage')
+
+    monkeypatch.setattr(fsspec.core, 'url_to_fs', refuse)
+    with pytest.raises(ImportError, match=r'pip install "stratagem\[gcs\]"'):
+        location.filesystem('gs://bucket/ckpt/iter_1.pth')
+
+
+def test_a_directory_layout_refuses_a_url_before_writing(tmp_path):
+    from stratagem.checkpoint.storage import CheckpointStorage
+
+    class Directory(CheckpointStorage):
+        urls = False
+
+    s, _, _ = _prepared(tmp_path / 'work')
+    s.checkpointer.storage = Directory()
+    with pytest.raises(NotImplementedError, match='cannot be saved to or read from a URL yet'):
+        s.save_checkpoint('memory://x/iter_1.pth')
+
+
+def test_url_helpers():
+    assert location.is_url('s3://b/k') and location.is_url('memory://x')
+    assert not location.is_url('file:///tmp/x') and not location.is_url('/tmp/x')
+    assert not location.is_url('C:/x') and not location.is_url('iter_1.pth')
+    assert location.absolute('file:///tmp/x.pth') == '/tmp/x.pth'
+    assert location.absolute('s3://b/p/') == 's3://b/p'
+    assert location.join('s3://b/p', 'iter_1.pth') == 's3://b/p/iter_1.pth'
