@@ -26,13 +26,12 @@ step numbers.
 
 from __future__ import annotations
 
-import os.path as osp
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from .agree import agree_on_checkpoint
-from .location import absolute, is_url
 from .async_writer import AsyncCheckpointWriter
+from .location import absolute, is_url
 from .storage import CheckpointStorage, SaveCommit
 from .vote import SaveVote
 

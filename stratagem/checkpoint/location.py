@@ -372,7 +372,11 @@ def identity(url: str, backend_args: Mapping | None = None) -> dict:
         except FileNotFoundError:
             raise FileNotFoundError(f'checkpoint not found: {url}') from None
     if manifest is not None:
-        return {'kind': 'file', 'size': size, 'digest': ':'.join(entry_digest(manifest['files'][0]))}
+        return {
+            'kind': 'file',
+            'size': size,
+            'digest': ':'.join(entry_digest(manifest['files'][0])),
+        }
     return {'kind': 'file', 'size': size}
 
 
@@ -387,7 +391,9 @@ def read_pointer(directory: str, backend_args: Mapping | None = None) -> str | N
             return None
     text = raw[:4097].decode('utf-8', errors='replace').strip()
     if not text or '\n' in text or len(raw) > 4096:
-        raise ValueError(f'{directory}/{POINTER_NAME} does not hold a checkpoint URL: {text[:80]!r}')
+        raise ValueError(
+            f'{directory}/{POINTER_NAME} does not hold a checkpoint URL: {text[:80]!r}'
+        )
     return text if is_url(text) else join(directory, text.rsplit('/', 1)[-1])
 
 
@@ -498,7 +504,9 @@ def apply_retention(
     directory = absolute(directory)
     committed = list_checkpoints(directory, backend_args)
     series = [
-        c for c in committed if pattern is None or fnmatch.fnmatch(c.url.rsplit('/', 1)[-1], pattern)
+        c
+        for c in committed
+        if pattern is None or fnmatch.fnmatch(c.url.rsplit('/', 1)[-1], pattern)
     ]
     keep = {c.url for c in series[:max_keep_ckpts]} | {absolute(p) for p in protect if p}
     try:
@@ -541,4 +549,3 @@ def _delete(url: str, backend_args: Mapping | None) -> None:
         for target in (path, path + SIDECAR_SUFFIX):
             with contextlib.suppress(FileNotFoundError):
                 fs.rm_file(target)
-

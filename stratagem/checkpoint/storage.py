@@ -204,9 +204,7 @@ class CheckpointStorage:
                 update_pointer=False,
                 before_commit=commit.gate,
             )
-            upload_file(
-                local, path, backend_args=commit.backend_args, also_point=commit.also_point
-            )
+            upload_file(local, path, backend_args=commit.backend_args, also_point=commit.also_point)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
