@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from stratagem.checkpoint import location
+from stratagem.checkpoint import CheckpointLocationError, location
 from stratagem.loop import train
 
 
@@ -98,3 +98,16 @@ def test_out_dir_and_backend_args_are_checked(tmp_path):
     cfg['default_hooks']['checkpoint'].update(out_dir=3, backend_args=None)
     with pytest.raises(TypeError, match='out_dir must be a path or a URL'):
         train(cfg, progress=False)
+
+
+def test_an_unusable_out_dir_is_named_before_training(s3, tmp_path):
+    missing = 's3://no-such-bucket-for-stratagem/runs'
+    with pytest.raises(CheckpointLocationError) as caught:
+        train(_cfg(tmp_path / 'w', missing), progress=False)
+    message = str(caught.value)
+    assert f'{missing}/w' in message and 'bucket does not exist' in message
+    cfg = _cfg(tmp_path / 'w', f'{s3}/runs')
+    cfg['default_hooks']['checkpoint']['backend_args'] = dict(key='wrong', secret='wrong')
+    with pytest.raises(CheckpointLocationError, match='check the credentials'):
+        train(cfg, progress=False)
+    assert not (tmp_path / 'w' / 'last_checkpoint').exists()

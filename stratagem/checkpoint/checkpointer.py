@@ -170,7 +170,7 @@ class Checkpointer:
         self.wait()
         path = env.broadcast_object(absolute(path))
         storage = self.storage
-        self._check_url(path)
+        self.check_location(path)
         storage.check_savable(path)
         content: dict[str, Any] = {}
         for key, part in state.items():
@@ -218,11 +218,13 @@ class Checkpointer:
         """Rank 0's ``filename``, verified to be the same bytes on every rank (collective).
         A pending asynchronous save is committed first (it may be that very file)."""
         self.wait()
-        self._check_url(filename)
+        self.check_location(filename)
         self.storage.backend_args = self.backend_args
         return str(agree_on_checkpoint(filename, backend_args=self.backend_args))
 
-    def _check_url(self, path: str) -> None:
+    def check_location(self, path: str) -> None:
+        """Raise NotImplementedError, before anything is written, when ``path`` is a URL
+        and this storage cannot save there."""
         if is_url(path) and not self.storage.urls:
             raise NotImplementedError(
                 f'{path}: checkpoints of {type(self.storage).__name__} (a directory layout) '

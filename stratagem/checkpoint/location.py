@@ -38,6 +38,7 @@ changes nothing the previous checkpoint needs.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import io
 import os
@@ -143,6 +144,7 @@ def store_errors(url: str, doing: str) -> Iterator[None]:
             f'{doing} {url}: the store refused the request ({err}); check the credentials '
             '(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or backend_args) and '
             'that they may read and write this bucket',
+            doing,
         ) from None
     except FileNotFoundError as err:
         if 'bucket' in str(err).lower():
@@ -150,6 +152,7 @@ def store_errors(url: str, doing: str) -> Iterator[None]:
                 err,
                 f'{doing} {url}: the bucket does not exist ({err}); create it, or fix the '
                 'URL (default_hooks.checkpoint.out_dir)',
+                doing,
             ) from None
         raise
     except Exception as err:
@@ -159,13 +162,30 @@ def store_errors(url: str, doing: str) -> Iterator[None]:
                 err,
                 f'{doing} {url} failed: {name}: {err}; check the endpoint (AWS_ENDPOINT_URL '
                 'or backend_args endpoint_url) and the network',
+                doing,
             ) from None
         raise
 
 
-def _error(err: BaseException, message: str) -> CheckpointLocationError:
-    code = err.errno if isinstance(err, OSError) and err.errno else 5  # EIO
-    return CheckpointLocationError(code, message + '; the previous checkpoint is unchanged')
+def _error(err: BaseException, message: str, doing: str) -> CheckpointLocationError:
+    code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
+    if doing == 'saving':
+        message += '; the previous checkpoint is unchanged'
+    return CheckpointLocationError(code, message)
+
+
+def check_reachable(directory: str, backend_args: Mapping | None = None) -> None:
+    """One listing of ``directory``: a missing bucket, refused credentials or an unreachable
+    endpoint raise ``CheckpointLocationError`` now, before a run trains toward its first
+    save (whether it may write is learnt at that save)."""
+    directory = absolute(directory)
+    fs, path = filesystem(directory, backend_args)
+    with store_errors(directory, 'checking'):
+        try:
+            fs.ls(path, refresh=True)
+        except FileNotFoundError as err:
+            if 'bucket' in str(err).lower():
+                raise
 
 
 # ------------------------------------------------------------------------------- save

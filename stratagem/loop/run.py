@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint.location import join
+from stratagem.checkpoint.location import check_reachable, is_url, join
 from stratagem.config import Config, config_search_dirs, import_custom_modules
 from stratagem.env.preemption import Preemption, PreemptionConfig, clear_marker
 from stratagem.env.watchdog import Watchdog
@@ -144,6 +144,8 @@ def _build(
     from stratagem.strategies import build_strategy
 
     strategy = build_strategy(strategy_cfg)
+    directory = plan.checkpoints.directory(strategy.work_dir)
+    strategy.checkpointer.check_location(directory)  # before anything is built or trained
     batches = Batches(plan.data, strategy)
     epoch_length = batches.epoch_length
     max_iters, max_epochs = plan.run_length(epoch_length)
@@ -161,10 +163,11 @@ def _build(
         ),
     )
     model, optim_wrapper = prepared[0], prepared[1]
-    directory = plan.checkpoints.directory(strategy.work_dir)
     if plan.checkpoints.out_dir is not None:  # mmengine's out_dir: a pointer in both places
         strategy.checkpointer.backend_args = plan.checkpoints.backend_args
         strategy.checkpointer.also_point = strategy.work_dir
+        if is_url(directory):
+            check_reachable(directory, plan.checkpoints.backend_args)
     checkpoint = strategy.load_or_resume(
         load_from=load_from,
         resume=resume,

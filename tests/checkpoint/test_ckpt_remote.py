@@ -187,3 +187,39 @@ def test_url_helpers():
     assert location.absolute('file:///tmp/x.pth') == '/tmp/x.pth'
     assert location.absolute('s3://b/p/') == 's3://b/p'
     assert location.join('s3://b/p', 'iter_1.pth') == 's3://b/p/iter_1.pth'
+
+
+def test_an_async_save_to_a_url_holds_the_state_at_the_call(memory_url, tmp_path):
+    """async_checkpoint: the snapshot at the call is uploaded on the writer thread; with
+    ``also_point`` the work_dir's pointer names the URL, and resume=True in that work_dir
+    (no checkpoint_dir) finds it there."""
+    work = tmp_path / 'work'
+    s = SingleDeviceStrategy(
+        work_dir=str(work), env_kwargs=dict(randomness=dict(seed=1)), async_checkpoint=True
+    )
+    torch.manual_seed(0)
+    model, ow, _ = s.prepare(
+        nn.Sequential(nn.Linear(4, 2)),
+        optim_wrapper=OPTIM,
+        param_scheduler=[dict(type='ConstantLR')],
+        dispatch_kwargs=dict(max_iters=10),
+    )
+    s.checkpointer.also_point = str(work)
+    _train(model, ow, 2)
+    at_call = {k: v.clone() for k, v in model.state_dict().items()}
+    url = f'{memory_url}/iter_2.pth'
+    assert s.save_checkpoint(url, extra_ckpt={'meta': {'iter': 2}}) == url
+    _train(model, ow, 2)  # while the upload may still run
+    s.wait_for_checkpoints()
+    assert (work / 'last_checkpoint').read_text() == url
+    s2b = SingleDeviceStrategy(work_dir=str(work), env_kwargs=dict(randomness=dict(seed=1)))
+    torch.manual_seed(0)
+    model3, _, _ = s2b.prepare(
+        nn.Sequential(nn.Linear(4, 2)),
+        optim_wrapper=OPTIM,
+        param_scheduler=[dict(type='ConstantLR')],
+        dispatch_kwargs=dict(max_iters=10),
+    )
+    checkpoint = s2b.load_or_resume(resume=True)
+    assert checkpoint['meta']['iter'] == 2 and s2b.resumed_from == url
+    assert all(torch.equal(model3.state_dict()[k], v) for k, v in at_call.items())
