@@ -9,15 +9,20 @@ starts one per session and gives each test a fresh bucket and the environment po
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 REGION = 'us-east-1'
 #: requests the server serves before it checks credentials: the three that make the tests'
@@ -36,6 +41,16 @@ def moto_server_command() -> str | None:
     return shutil.which('moto_server')
 
 
+def _die_with_parent() -> None:
+    """In the server's process before exec (Linux): SIGTERM when the test process dies, so a
+    killed test run leaves no server behind."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6', use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(('127.0.0.1', 0))
@@ -50,19 +65,24 @@ class S3Server:
         self.endpoint = ''
         self.start_seconds = 0.0
         self.credentials: dict[str, str] = {}
+        self.log: Any = None
 
     def start(self, timeout: float = 60.0) -> S3Server:
         command = moto_server_command()
         if command is None:
             raise RuntimeError('moto_server not found: pip install "moto[server]"')
         t0 = time.perf_counter()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - kept open while the server runs
         for _ in range(3):  # another process may take the free port before moto binds it
             port = _free_port()
             self.endpoint = f'http://127.0.0.1:{port}'
             self.process = subprocess.Popen(
                 [command, '-H', '127.0.0.1', '-p', str(port)],
+                # a log file, never a pipe nobody reads: the server logs every request, and a
+                # full pipe would stop it mid-request
                 stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
+                stderr=self.log,
+                preexec_fn=_die_with_parent if sys.platform == 'linux' else None,
                 env={**os.environ, 'INITIAL_NO_AUTH_ACTION_COUNT': str(_UNAUTHENTICATED)},
             )
             if self._wait_ready(t0 + timeout):
@@ -70,7 +90,9 @@ class S3Server:
                 self.start_seconds = time.perf_counter() - t0
                 return self
             self.stop()
-        raise RuntimeError(f'moto_server did not answer on 127.0.0.1 within {timeout} s')
+        self.log.seek(0)
+        tail = self.log.read()[-2000:].decode(errors='replace')
+        raise RuntimeError(f'moto_server did not answer on 127.0.0.1 within {timeout} s:\n{tail}')
 
     def _wait_ready(self, deadline: float) -> bool:
         assert self.process is not None
@@ -113,8 +135,6 @@ class S3Server:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        if process.stderr is not None:
-            process.stderr.close()
 
     def environment(self) -> dict[str, str]:
         """The variables a client needs to reach this server (botocore reads them)."""

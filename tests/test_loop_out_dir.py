@@ -111,3 +111,46 @@ def test_an_unusable_out_dir_is_named_before_training(s3, tmp_path):
     with pytest.raises(CheckpointLocationError, match='check the credentials'):
         train(cfg, progress=False)
     assert not (tmp_path / 'w' / 'last_checkpoint').exists()
+
+
+@pytest.mark.slow
+def test_a_killed_cli_run_resumes_from_the_bucket_in_an_empty_work_dir(s3, tmp_path):
+    """`stratagem train` with out_dir on S3, SIGKILLed once a checkpoint is committed there,
+    then `--resume` in an empty work_dir of the same name on a "new machine": the final
+    checkpoint equals the uninterrupted run's, bit for bit."""
+    import time
+
+    from failure_helpers import CONFIG, clean_env, equal, finish, start, write_config
+
+    def config(out_dir):
+        hook = f"default_hooks = dict(checkpoint=dict(type='CheckpointHook', out_dir='{out_dir}'))"
+        return write_config(tmp_path, CONFIG + hook + '\n')
+
+    def final(prefix, it=64):
+        got = location.load_file(f'{prefix}/iter_{it}.pth')
+        return {k: got[k] for k in ('state_dict', 'optimizer', 'param_schedulers')}
+
+    code, out = finish(start(config(f'{s3}/reference'), tmp_path / 'a' / 'exp'))
+    assert code == 0, out[-3000:]
+    reference = final(f'{s3}/reference/exp')
+
+    cfg = config(f'{s3}/runs')
+    run = start(cfg, tmp_path / 'b' / 'exp', env=clean_env(SLOW='0.02'))
+    prefix = f'{s3}/runs/exp'
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and run.poll() is None:
+            pointed = location.read_pointer(prefix)
+            if pointed is not None and pointed.endswith(('iter_20.pth', 'iter_25.pth')):
+                break
+            time.sleep(0.05)
+    finally:
+        run.kill()
+    code, out = finish(run)
+    assert code == -9, f'the run ended before it was killed: {out[-2000:]}'
+    assert location.find_latest(prefix) is not None
+
+    code, out = finish(start(cfg, tmp_path / 'c' / 'exp', '--resume'))
+    assert code == 0, out[-3000:]
+    assert 'resumed from s3://' in out, out[-3000:]
+    assert equal(final(prefix), reference)

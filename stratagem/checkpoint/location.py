@@ -167,6 +167,13 @@ def store_errors(url: str, doing: str) -> Iterator[None]:
         raise
 
 
+def _size(fs: Any, path: str) -> int:
+    """The object's size as the store says now: fsspec filesystems answer from a listing
+    they cached (another process may have written since), so that is dropped first."""
+    fs.invalidate_cache(path)
+    return int(fs.size(path))
+
+
 def _error(err: BaseException, message: str, doing: str) -> CheckpointLocationError:
     code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
     if doing == 'saving':
@@ -183,6 +190,7 @@ def check_reachable(directory: str, backend_args: Mapping | None = None) -> None
     with store_errors(directory, 'checking'):
         try:
             fs.ls(path, refresh=True)
+            fs.invalidate_cache(path)  # see _size
         except FileNotFoundError as err:
             if 'bucket' in str(err).lower():
                 raise
@@ -245,7 +253,7 @@ def _listed_manifest(fs: Any, path: str, url: str) -> dict | None:
     """The manifest of the object at ``path`` when one is there and lists its size."""
     try:
         raw = fs.cat_file(path + SIDECAR_SUFFIX)
-        size = fs.size(path)
+        size = _size(fs, path)
     except FileNotFoundError:
         return None
     try:
@@ -310,7 +318,7 @@ def load_file(
     manifest = read_manifest_at(url, backend_args)
     with store_errors(url, 'reading'):
         try:
-            size = fs.size(path)
+            size = _size(fs, path)
         except FileNotFoundError:
             raise FileNotFoundError(f'checkpoint not found: {url}') from None
         entries = _entries(manifest, url)
@@ -388,7 +396,7 @@ def identity(url: str, backend_args: Mapping | None = None) -> dict:
     manifest = read_manifest_at(url, backend_args)
     with store_errors(url, 'reading'):
         try:
-            size = fs.size(path)
+            size = _size(fs, path)
         except FileNotFoundError:
             raise FileNotFoundError(f'checkpoint not found: {url}') from None
     if manifest is not None:
@@ -426,6 +434,7 @@ def list_checkpoints(directory: str, backend_args: Mapping | None = None) -> lis
     with store_errors(directory, 'listing'):
         try:
             entries = fs.ls(path, detail=True, refresh=True)
+            fs.invalidate_cache(path)  # see _size
         except FileNotFoundError as err:
             if 'bucket' in str(err).lower():
                 raise
@@ -498,7 +507,7 @@ def _listed_elsewhere(target: str, backend_args: Mapping | None) -> bool:
         if manifest is None:
             return False
         fs, path = filesystem(target, backend_args)
-        size = fs.size(path)
+        size = _size(fs, path)
     except (OSError, ValueError):
         return False
     return any(f.get('size') == size for f in manifest['files'])
