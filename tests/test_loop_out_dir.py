@@ -90,6 +90,16 @@ def test_out_dir_on_s3_resumes_from_the_bucket_alone(s3, tmp_path):
     assert [c.step for c in location.list_checkpoints(prefix)] == [6, 4]
 
 
+def test_a_local_out_dir_holds_the_checkpoints_and_both_pointers_name_them(tmp_path):
+    cfg = _cfg(tmp_path / 'work' / 'exp', str(tmp_path / 'shared'))
+    cfg['train_cfg']['max_iters'] = 2
+    train(cfg, progress=False)
+    final = tmp_path / 'shared' / 'exp' / 'iter_2.pth'
+    assert (tmp_path / 'shared' / 'exp' / 'last_checkpoint').read_text() == str(final)
+    assert (tmp_path / 'work' / 'exp' / 'last_checkpoint').read_text() == str(final)
+    assert not list((tmp_path / 'work').rglob('*.pth'))
+
+
 def test_out_dir_and_backend_args_are_checked(tmp_path):
     cfg = _cfg(tmp_path / 'w', 'memory://x')
     cfg['default_hooks']['checkpoint']['backend_args'] = dict(backend='petrel')
