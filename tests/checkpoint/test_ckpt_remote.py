@@ -212,6 +212,8 @@ def test_an_async_save_to_a_url_holds_the_state_at_the_call(memory_url, tmp_path
     _train(model, ow, 2)  # while the upload may still run
     s.wait_for_checkpoints()
     assert (work / 'last_checkpoint').read_text() == url
+    with pytest.warns(ckpt.CheckpointWarning, match=f'names {url}, a checkpoint at a URL'):
+        assert ckpt.find_latest_checkpoint(work) is None  # the local scan: the URL unmangled
     s2b = SingleDeviceStrategy(work_dir=str(work), env_kwargs=dict(randomness=dict(seed=1)))
     torch.manual_seed(0)
     model3, _, _ = s2b.prepare(
