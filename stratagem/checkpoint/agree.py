@@ -95,7 +95,7 @@ def agree_on_checkpoint(
             [env.key_of(mine[1]), env.key_of(mine[2]), int(mine[3] is not None)], group
         )
         if all(k == keys[0] for k in keys) and keys[0][2] == 0:
-            return None if mine[1] is None else Path(mine[1])
+            return None if mine[1] is None else _as_target(mine[1])
         views = env.all_gather_object(mine, group)
     _, target, expected, error0 = views[0]
     if target is None:
@@ -136,6 +136,11 @@ def agree_on_checkpoint(
             'checkpoint to this same path on every node and pass it explicitly (stratagem '
             "train --resume PATH, or strategy.resume('PATH')). Nothing was loaded or written."
         )
+    return _as_target(target)
+
+
+def _as_target(target: str) -> Path | str:
+    """The agreed checkpoint: a local path, or a URL kept as its text."""
     return target if is_url(target) else Path(target)
 
 

@@ -225,3 +225,53 @@ def test_an_async_save_to_a_url_holds_the_state_at_the_call(memory_url, tmp_path
     checkpoint = s2b.load_or_resume(resume=True)
     assert checkpoint['meta']['iter'] == 2 and s2b.resumed_from == url
     assert all(torch.equal(model3.state_dict()[k], v) for k, v in at_call.items())
+
+
+def _ddp_round_trip(url, work_dir):
+    """In each of 2 gloo ranks: DDP trains, saves to ``url`` (rank 0 uploads), trains on;
+    a fresh DDPStrategy resumes ``url`` (every rank agrees on it through the store) and
+    trains the same steps: returns whether both end bit-equal."""
+    from stratagem.strategies import build_strategy
+
+    def make():
+        s = build_strategy(
+            dict(type='DDPStrategy', work_dir=work_dir, env_kwargs=dict(randomness=dict(seed=3)))
+        )
+        torch.manual_seed(0)
+        model, ow = s.prepare(
+            nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+            optim_wrapper=OPTIM,
+            dispatch_kwargs=dict(max_iters=10),
+        )
+        return s, model, ow
+
+    def steps(model, ow, seed):
+        g = torch.Generator().manual_seed(seed + 100 * torch.distributed.get_rank())
+        for _ in range(2):
+            ow.update_params(model(torch.randn(3, 4, generator=g)).square().mean())
+
+    s, model, ow = make()
+    steps(model, ow, 1)
+    assert s.save_checkpoint(url, extra_ckpt={'meta': {'iter': 2}}) == url
+    steps(model, ow, 2)
+    expected = _state_bytes(s.unwrap_model(), ow)
+    s2, model2, ow2 = make()
+    assert s2.resume(url)['meta']['iter'] == 2
+    steps(model2, ow2, 2)
+    return _state_bytes(s2.unwrap_model(), ow2) == expected
+
+
+@pytest.mark.slow
+def test_ddp_on_two_ranks_saves_to_s3_and_resumes_from_it(s3, tmp_path):
+    from dist_harness import run_distributed
+
+    url = f'{s3}/ddp/iter_2.pth'
+    assert run_distributed(
+        _ddp_round_trip, nproc=2, args=(url, str(tmp_path / 'work')), timeout=300
+    ) == [True, True]
+    fs, path = location.filesystem(f'{s3}/ddp')
+    assert sorted(p.rsplit('/', 1)[-1] for p in fs.ls(path, refresh=True)) == [
+        'iter_2.pth',
+        'iter_2.pth.manifest.json',
+        'last_checkpoint',
+    ]
