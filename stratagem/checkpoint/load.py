@@ -186,7 +186,7 @@ def _torch_load(
     trust: bool,
     mmap: bool,
     is_zip: bool,
-    source: io.BytesIO | None = None,
+    source: io.BufferedReader[Any] | None = None,
 ) -> Any:
     """``torch.load`` of ``path`` (or of ``source``, the verified bytes of ``path`` read from
     a store: ``location.py``), its errors named as the module docstring says."""
@@ -251,7 +251,7 @@ def _torch_load(
         if isinstance(err, OSError) and err.errno != errno.EINVAL:
             raise  # a real I/O error (permissions, EIO); a truncated zip gives EINVAL (seek)
         if is_zip and not _has_zip_end(path, source):
-            size = os.stat(path).st_size if source is None else len(source.getbuffer())
+            size = os.stat(path).st_size if source is None else len(_buffer(source))
             raise CheckpointCorruptError(
                 f'{path} is truncated: it is {size} bytes and lacks the '
                 'end-of-archive record every complete torch.save file ends with (an '
@@ -316,14 +316,19 @@ def _allow_hint(names: list[str]) -> str:
     return f'Fix: call {call} (the classes you trust) before loading.'
 
 
-def _has_zip_end(path: Path | str, source: io.BytesIO | None = None) -> bool:
+def _has_zip_end(path: Path | str, source: io.BufferedReader[Any] | None = None) -> bool:
     """Whether the file's tail holds a zip end-of-central-directory record (a complete
     archive has one within its last 64 KiB + 22 bytes)."""
     if source is not None:
-        return b'PK\x05\x06' in source.getbuffer()[-(1 << 16) - 22 :].tobytes()
+        return b'PK\x05\x06' in _buffer(source)[-(1 << 16) - 22 :].tobytes()
     with open(path, 'rb') as file:
         file.seek(max(0, os.stat(path).st_size - (1 << 16) - 22))
         return b'PK\x05\x06' in file.read()
+
+
+def _buffer(source: io.BufferedReader[Any]) -> memoryview:
+    """The whole content behind ``source`` (``location._BufferReader``'s bytes)."""
+    return source.raw.getbuffer()
 
 
 def _package_installed(dotted: str) -> bool:

@@ -340,9 +340,45 @@ def load_file(
             UnverifiedCheckpointWarning,
             stacklevel=3,
         )
-    source = io.BytesIO(data)
     is_zip = _sniff_bytes(bytes(data[:4]), url)
+    source = io.BufferedReader(_BufferReader(data), buffer_size=1 << 16)
     return _torch_load(url, map_location, trust_pickled_code, False, is_zip, source)
+
+
+class _BufferReader(io.RawIOBase):
+    """A read-only, seekable file over the verified bytes, without copying them (a
+    ``BytesIO`` would hold a second copy while ``torch.load`` builds the tensors)."""
+
+    def __init__(self, data: bytearray) -> None:
+        super().__init__()
+        self._view = memoryview(data)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), len(self._view) - self._pos)
+        if n <= 0:
+            return 0
+        memoryview(buffer).cast('B')[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def getbuffer(self) -> memoryview:
+        """The bytes (``load._has_zip_end`` reads the tail of a truncated archive)."""
+        return self._view
 
 
 def _entries(manifest: dict | None, url: str) -> list[dict]:

@@ -275,3 +275,26 @@ def test_ddp_on_two_ranks_saves_to_s3_and_resumes_from_it(s3, tmp_path):
         'iter_2.pth.manifest.json',
         'last_checkpoint',
     ]
+
+
+def test_foreign_objects_load_unverified_in_either_format_and_a_truncated_one_is_named(
+    memory_url,
+):
+    """A torch.save object with no manifest (mmengine's, on S3) loads with the warning a
+    local one gets, zip or legacy pickle; a truncated zip is named as truncated."""
+    fs, path = location.filesystem(memory_url)
+    tensors = {'w': torch.arange(6.0).reshape(2, 3)}
+    for name, zipped in (('zip.pth', True), ('legacy.pth', False)):
+        buffer = io.BytesIO()
+        torch.save(tensors, buffer, _use_new_zipfile_serialization=zipped)
+        fs.pipe_file(f'{path}/{name}', buffer.getvalue())
+        with pytest.warns(ckpt.UnverifiedCheckpointWarning, match='no stratagem manifest'):
+            got = location.load_file(f'{memory_url}/{name}')
+        assert torch.equal(got['w'], tensors['w'])
+    whole = fs.cat_file(f'{path}/zip.pth')
+    fs.pipe_file(f'{path}/cut.pth', whole[: len(whole) // 2])
+    with (
+        pytest.warns(ckpt.UnverifiedCheckpointWarning),
+        pytest.raises(ckpt.CheckpointCorruptError, match=rf'{memory_url}/cut.pth is truncated'),
+    ):
+        location.load_file(f'{memory_url}/cut.pth')
