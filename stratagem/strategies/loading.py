@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
-from stratagem.checkpoint.location import absolute, find_latest, is_url, parent
+from stratagem.checkpoint.location import absolute, find_latest, is_url, list_checkpoints, parent
 from stratagem.checkpoint.state_dict import describe_keys, find_model_weights
 
 from .resume_checks import previous_run_traces, resume_newest
@@ -224,6 +224,8 @@ def _resume_latest(
     rank = strategy.rank
     latest = _find_latest(strategy, checkpoint_dir) if rank == 0 else None
     latest = env.broadcast_object(None if latest is None else str(latest))
+    if latest is not None and is_url(latest):
+        return _resume_from_store(strategy, resume_fn, latest)
     if latest is not None:
         return resume_newest(resume_fn, str(latest), work_dir, strategy.logger)
     # a previous run left traces but nothing resumable: starting fresh would overwrite its
@@ -240,6 +242,33 @@ def _resume_latest(
         f'no checkpoint in {work_dir} to resume from; training starts from scratch'
     )
     return None
+
+
+def _resume_from_store(
+    strategy: BaseStrategy, resume_fn: Callable[[str], dict], latest: str
+) -> dict:
+    """``resume(latest)`` at a URL; when its bytes do not match its manifest (read while
+    loading: choosing it read only the manifests), the newest other committed checkpoint
+    there, with a warning, as ``find_latest_checkpoint`` does on disk. A refused resume has
+    changed nothing, so the next one starts clean."""
+    tried = [latest]
+    while True:
+        try:
+            return resume_fn(tried[-1])
+        except ckpt.CheckpointCorruptError as err:
+            older = None
+            if strategy.rank == 0:
+                found = list_checkpoints(parent(latest), strategy.checkpointer.backend_args)
+                older = next((c.url for c in found if c.url not in tried), None)
+            older = env.broadcast_object(older)
+            if older is None:
+                raise
+            env.warn_rank_zero(
+                f'{err}; resuming from the newest other committed checkpoint {older}',
+                ckpt.CheckpointWarning,
+                stacklevel=3,
+            )
+            tried.append(older)
 
 
 def _find_latest(strategy: BaseStrategy, checkpoint_dir: str | None) -> str | None:

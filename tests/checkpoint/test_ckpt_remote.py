@@ -298,3 +298,19 @@ def test_foreign_objects_load_unverified_in_either_format_and_a_truncated_one_is
         pytest.raises(ckpt.CheckpointCorruptError, match=rf'{memory_url}/cut.pth is truncated'),
     ):
         location.load_file(f'{memory_url}/cut.pth')
+
+
+def test_resume_at_a_url_passes_over_a_damaged_newest(memory_url, tmp_path):
+    """The newest object's bytes no longer match its manifest (same size): the automatic
+    resume warns and continues from the newest other committed one."""
+    s, _, _ = _prepared(tmp_path / 'work')
+    for it in (1, 2):
+        s.save_checkpoint(f'{memory_url}/iter_{it}.pth', extra_ckpt={'meta': {'iter': it}})
+    fs, path = location.filesystem(memory_url)
+    data = bytearray(fs.cat_file(f'{path}/iter_2.pth'))
+    data[-200] ^= 0xFF
+    fs.pipe_file(f'{path}/iter_2.pth', bytes(data))
+    s2, _, _ = _prepared(tmp_path / 'work2')
+    with pytest.warns(ckpt.CheckpointWarning, match=r'iter_2.pth is damaged.*iter_1.pth'):
+        checkpoint = s2.load_or_resume(resume=True, checkpoint_dir=memory_url)
+    assert checkpoint['meta']['iter'] == 1 and s2.resumed_from == f'{memory_url}/iter_1.pth'
