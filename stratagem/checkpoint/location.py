@@ -229,7 +229,6 @@ def upload_file(
     with store_errors(url, 'saving'):
         old = _listed_manifest(fs, path, url)
         if old is not None:  # step 1
-            old.pop('replaces', None)
             fs.pipe_file(path + SIDECAR_SUFFIX, dump_manifest({**manifest, 'replaces': old}))
         fs.put_file(os.fspath(local), path)  # step 2
         fs.pipe_file(path + SIDECAR_SUFFIX, dump_manifest(manifest))  # step 3
@@ -250,7 +249,12 @@ def write_local_pointer(directory: str | os.PathLike, url: str) -> None:
 
 
 def _listed_manifest(fs: Any, path: str, url: str) -> dict | None:
-    """The manifest of the object at ``path`` when one is there and lists its size."""
+    """The manifest that describes the object now at ``path`` (the one a same-name save
+    replaces), without its own ``replaces``; None when no manifest lists it.
+
+    Of the manifest and the one it replaces (a same-name save that died between its
+    manifest and its object), the one whose size matches; when both do, the object's bytes
+    decide (read once, only in that case)."""
     try:
         raw = fs.cat_file(path + SIDECAR_SUFFIX)
         size = _size(fs, path)
@@ -260,9 +264,25 @@ def _listed_manifest(fs: Any, path: str, url: str) -> dict | None:
         manifest = parse_manifest(raw, url + SIDECAR_SUFFIX)
     except CheckpointCorruptError:
         return None
-    if any(f.get('size') == size for f in manifest['files']):
-        return manifest
+    candidates = [{k: v for k, v in manifest.items() if k != 'replaces'}]
+    old = manifest.get('replaces')
+    if isinstance(old, dict) and old.get('files'):
+        candidates.append(old)
+    matching = [m for m in candidates if m['files'] and m['files'][0].get('size') == size]
+    if len(matching) <= 1:
+        return matching[0] if matching else None
+    for candidate in matching:
+        try:
+            _read_hashed(fs, path, size, [candidate['files'][0]], url)
+        except CheckpointCorruptError:
+            continue
+        return candidate
     return None
+
+
+def _lists(manifest: dict, size: int | None) -> bool:
+    """Whether ``manifest`` (or the one it replaces) lists an object of ``size`` bytes."""
+    return any(e.get('size') == size for e in _entries(manifest))
 
 
 # ------------------------------------------------------------------------------- read
@@ -321,7 +341,7 @@ def load_file(
             size = _size(fs, path)
         except FileNotFoundError:
             raise FileNotFoundError(f'checkpoint not found: {url}') from None
-        entries = _entries(manifest, url)
+        entries = _entries(manifest)
         if manifest is not None and not any(e['size'] == size for e in entries):
             raise CheckpointCorruptError(
                 f'checkpoint {url} is damaged: it is {size} bytes, its manifest '
@@ -381,7 +401,7 @@ class _BufferReader(io.RawIOBase):
         return self._view
 
 
-def _entries(manifest: dict | None, url: str) -> list[dict]:
+def _entries(manifest: dict | None) -> list[dict]:
     """The ``files`` entries the object may match: the manifest's, then the one it
     replaces (a same-name save that died between its manifest and its object)."""
     if manifest is None:
@@ -489,7 +509,7 @@ def list_checkpoints(directory: str, backend_args: Mapping | None = None) -> lis
                 )
             except (CheckpointCorruptError, FileNotFoundError):
                 continue
-            if any(f.get('size') == sizes[target] for f in manifest['files']):
+            if _lists(manifest, sizes[target]):
                 found.append(RemoteCheckpoint(join(directory, target), manifest, sizes[target]))
     found.sort(key=RemoteCheckpoint.sort_key, reverse=True)
     return found
@@ -546,7 +566,7 @@ def _listed_elsewhere(target: str, backend_args: Mapping | None) -> bool:
         size = _size(fs, path)
     except (OSError, ValueError):
         return False
-    return any(f.get('size') == size for f in manifest['files'])
+    return _lists(manifest, size)
 
 
 # --------------------------------------------------------------------------- retention

@@ -314,3 +314,30 @@ def test_resume_at_a_url_passes_over_a_damaged_newest(memory_url, tmp_path):
     with pytest.warns(ckpt.CheckpointWarning, match=r'iter_2.pth is damaged.*iter_1.pth'):
         checkpoint = s2.load_or_resume(resume=True, checkpoint_dir=memory_url)
     assert checkpoint['meta']['iter'] == 1 and s2.resumed_from == f'{memory_url}/iter_1.pth'
+
+
+def test_a_same_name_save_that_fails_mid_upload_leaves_the_old_object_verifiable(
+    memory_url, tmp_path, monkeypatch
+):
+    """Saving over ``latest.pth``: the new manifest (naming the old one it replaces) goes up
+    first; the object's upload fails (the store refuses it); the old object still loads and
+    is still listed, and the next save over it works."""
+    s, model, ow = _prepared(tmp_path / 'work')
+    url = f'{memory_url}/latest.pth'
+    s.save_checkpoint(url, extra_ckpt={'meta': {'iter': 1}})
+    fs, _ = location.filesystem(url)
+
+    def refuse(*args, **kwargs):
+        raise OSError(5, 'the store failed mid-upload')
+
+    with monkeypatch.context() as patch:
+        patch.setattr(type(fs), 'put_file', refuse)
+        _train(model, ow, 1)
+        with pytest.raises(ckpt.CheckpointLocationError, match='mid-upload'):
+            s.save_checkpoint(url, extra_ckpt={'meta': {'iter': 2}})
+    assert 'replaces' in location.read_manifest_at(url)
+    assert s.load_checkpoint(url)['meta']['iter'] == 1
+    assert [c.url for c in location.list_checkpoints(memory_url)] == [url]
+    s.save_checkpoint(url, extra_ckpt={'meta': {'iter': 3}})
+    assert 'replaces' not in location.read_manifest_at(url)
+    assert s.load_checkpoint(url)['meta']['iter'] == 3
