@@ -341,3 +341,12 @@ def test_a_same_name_save_that_fails_mid_upload_leaves_the_old_object_verifiable
     s.save_checkpoint(url, extra_ckpt={'meta': {'iter': 3}})
     assert 'replaces' not in location.read_manifest_at(url)
     assert s.load_checkpoint(url)['meta']['iter'] == 3
+
+
+def test_convert_refuses_a_url_instead_of_writing_a_local_s3_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(NotImplementedError, match='not s3://b/iter_1.pth'):
+        ckpt.convert_checkpoint('s3://b/iter_1.pth', tmp_path / 'out.pth')
+    with pytest.raises(NotImplementedError, match='not s3://b/out'):
+        ckpt.convert_checkpoint(tmp_path / 'x.pth', 's3://b/out', to='sharded')
+    assert not list(tmp_path.iterdir())
