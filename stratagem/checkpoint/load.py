@@ -37,6 +37,7 @@ from .errors import (
     UnsafeCheckpointError,
     UnverifiedCheckpointWarning,
 )
+from .location import is_url
 from .manifest import DIR_MANIFEST, find_manifest, read_manifest, verify_checkpoint, verify_file
 
 _ZIP_MAGIC = b'PK\x03\x04'
@@ -68,7 +69,8 @@ def load_checkpoint_file(
 
     Args:
         filename: a single-file checkpoint, or one file inside a directory checkpoint (it is
-            checked against that directory's manifest entry).
+            checked against that directory's manifest entry); or an fsspec URL of a file
+            (``location.load_file``: read once, verified, loaded from memory).
         map_location: anything ``torch.load`` accepts (str, ``torch.device``, dict, callable,
             None). Default ``'cpu'``.
         verify: check size and digest against the manifest (default True). With False only the
@@ -83,6 +85,10 @@ def load_checkpoint_file(
     """
     if type(trust_pickled_code) is not bool:  # 'false' from a config must not mean True
         raise TypeError(f'trust_pickled_code must be True or False, got {trust_pickled_code!r}')
+    if is_url(os.fspath(filename)):  # read from its store, verified (location.py)
+        from .location import load_file
+
+        return load_file(os.fspath(filename), map_location, trust_pickled_code=trust_pickled_code)
     path = Path(os.fspath(filename)).absolute()
     if not path.exists():
         raise FileNotFoundError(f'checkpoint not found: {path}')

@@ -343,8 +343,18 @@ def test_a_same_name_save_that_fails_mid_upload_leaves_the_old_object_verifiable
     assert s.load_checkpoint(url)['meta']['iter'] == 3
 
 
-def test_convert_refuses_a_url_instead_of_writing_a_local_s3_directory(tmp_path, monkeypatch):
+def test_the_file_functions_take_a_url_or_refuse_it_never_writing_an_s3_directory(
+    tmp_path, monkeypatch, memory_url
+):
     monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match='writes a local file, not s3://b/iter_1.pth'):
+        ckpt.save_checkpoint({'w': torch.ones(2)}, 's3://b/iter_1.pth')
+    local = ckpt.save_checkpoint({'w': torch.ones(2)}, tmp_path / 'iter_1.pth', step=1)
+    location.upload_file(local, f'{memory_url}/iter_1.pth')
+    assert torch.equal(ckpt.load_checkpoint_file(f'{memory_url}/iter_1.pth')['w'], torch.ones(2))
+    assert location.find_latest(memory_url) == f'{memory_url}/iter_1.pth'
+    for name in ('iter_1.pth', 'iter_1.pth.manifest.json', 'last_checkpoint'):
+        (tmp_path / name).unlink()
     with pytest.raises(NotImplementedError, match='not s3://b/iter_1.pth'):
         ckpt.convert_checkpoint('s3://b/iter_1.pth', tmp_path / 'out.pth')
     with pytest.raises(NotImplementedError, match='not s3://b/out'):
