@@ -156,6 +156,8 @@ CHECKPOINT_HOOK_KEYS: frozenset[str] = frozenset(
         'greater_keys',
         'less_keys',
         'save_last',
+        'out_dir',
+        'backend_args',
     }
 )
 """``default_hooks.checkpoint`` (mmengine's ``CheckpointHook``, read by the reference loop):
@@ -167,7 +169,13 @@ retention never deletes, and removes the previous best), ``rule`` (``'greater'``
 ``'less'``; default inferred from the name: ``'less'`` for names with loss or error,
 ``'greater'`` for acc, top, precision, recall, f1, map, auc, iou, dice), ``greater_keys`` /
 ``less_keys`` (replace those name lists), ``save_last`` (True: the loop always saves at the
-end). A key given both here and in ``train_cfg`` must agree."""
+end), ``out_dir`` (a local path or an fsspec URL, ``'s3://bucket/prefix'``: checkpoints go to
+``out_dir/<work_dir's last component>``, with a ``last_checkpoint`` pointer there and one in
+the work_dir; logs and metrics stay in the work_dir; ``resume=True`` resumes from there, so a
+new machine with an empty work_dir resumes from the bucket alone), ``backend_args`` (the
+store's options, e.g. ``dict(endpoint_url=..., key=..., secret=...)`` for S3; without them the
+client reads ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ... from the environment). A key
+given both here and in ``train_cfg`` must agree."""
 
 LOGGER_HOOK_KEYS: frozenset[str] = frozenset({'type', 'interval'})
 """``default_hooks.logger`` (mmengine's ``LoggerHook``, read by the reference loop):

@@ -55,3 +55,42 @@ def uninterrupted_run(tmp_path_factory):
     assert code == 0, out[-4000:]
     assert not (tmp / 'work' / LOCK_NAME).exists()  # released at the end
     return cfg, final_state(tmp / 'work')
+
+
+@pytest.fixture(scope='session')
+def s3_server():
+    """A local S3 server (``moto_server``, tests/s3_server.py) for the whole session; it
+    checks credentials (a wrong key is refused, as on AWS). Skips when moto is absent."""
+    pytest.importorskip('s3fs')
+    from s3_server import S3Server, moto_server_command
+
+    if moto_server_command() is None:
+        pytest.skip('moto_server is not installed (the test extra: moto[server])')
+    server = S3Server().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """A fresh bucket on the session's S3 server, and this test's environment pointing at it
+    the way a user's does (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...); the bucket's
+    URL, ``s3://<bucket>``."""
+    import secrets
+
+    import s3fs
+
+    for key in (
+        'AWS_PROFILE',
+        'AWS_SESSION_TOKEN',
+        'AWS_CONFIG_FILE',
+        'AWS_SHARED_CREDENTIALS_FILE',
+    ):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in s3_server.environment().items():
+        monkeypatch.setenv(key, value)
+    bucket = f'ckpt-{secrets.token_hex(4)}'
+    s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
+    return f's3://{bucket}'

@@ -326,11 +326,11 @@ def test_default_hooks_and_val_keys_are_read_or_refused(tmp_path):
         train(bad_loader, progress=False)
     ignored = _scored_cfg(tmp_path / 'z', [0.5, 0.5, 0.5, 0.5])
     ignored['default_hooks']['logger']['ignore_last'] = False
-    ignored['default_hooks']['checkpoint']['out_dir'] = '/elsewhere'
+    ignored['default_hooks']['checkpoint']['filename_tmpl'] = 'ckpt_{}.pth'
     with pytest.warns(
         UserWarning,
         match=r'does not honour default_hooks.logger.ignore_last, '
-        r'default_hooks.checkpoint.out_dir: ',
+        r'default_hooks.checkpoint.filename_tmpl: ',
     ) as caught:
         train(ignored, progress=False)
     assert len(caught) == 1 and 'timer' not in str(caught[0].message)  # the loop's own work

@@ -27,6 +27,7 @@ from .content import add_safe_globals, get_safe_globals, safe_globals
 from .convert import convert_checkpoint
 from .errors import (
     CheckpointCorruptError,
+    CheckpointLocationError,
     CheckpointNotShared,
     CheckpointVoteError,
     CheckpointWarning,
@@ -80,6 +81,7 @@ __all__ = [
     'NotACheckpointError',
     'UnsafeCheckpointError',
     'CheckpointWriteError',
+    'CheckpointLocationError',
     'CheckpointVoteError',
     'CheckpointNotShared',
     'StateDictMismatchError',

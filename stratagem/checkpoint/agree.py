@@ -7,13 +7,16 @@ its own argument back, so callers need no branch.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointNotShared
+from .errors import CheckpointLocationError, CheckpointNotShared
+from .location import absolute, identity, is_url
 
 _PROBE = 1 << 16  # bytes hashed at each end of a file that has no manifest
+_STORE_ERROR = f'{CheckpointLocationError.__name__}: '
 
 
 def checkpoint_identity(path: str | os.PathLike) -> dict:
@@ -51,8 +54,12 @@ def checkpoint_identity(path: str | os.PathLike) -> dict:
 
 
 def agree_on_checkpoint(
-    path: str | os.PathLike | None, *, what: str = 'checkpoint', group: Any = None
-) -> Path | None:
+    path: str | os.PathLike | None,
+    *,
+    what: str = 'checkpoint',
+    group: Any = None,
+    backend_args: Any = None,
+) -> Path | str | None:
     """Rank 0's choice of checkpoint, checked to be the same file on every rank.
 
     1. Every rank makes its ``path`` absolute and takes its :func:`checkpoint_identity` (or
@@ -67,6 +74,8 @@ def agree_on_checkpoint(
        anything is loaded. Otherwise the path is returned.
 
     Without a process group (or with one process) this only checks that ``path`` exists.
+    A URL (``location.is_url``) is returned as a ``str``, its identity read from the store
+    (``backend_args``: the filesystem's storage options).
     """
     import socket
 
@@ -77,7 +86,7 @@ def agree_on_checkpoint(
     # host, absolute path, identity, why it cannot be read
     mine: tuple[str, str | None, dict | None, str | None] = (host, None, None, None)
     if path is not None:
-        mine = (host, *_look(Path(path).absolute()))
+        mine = (host, *_look(path, backend_args))
     views = [mine]
     if distributed:
         # the common case in one small collective: every rank names the same readable path
@@ -86,14 +95,14 @@ def agree_on_checkpoint(
             [env.key_of(mine[1]), env.key_of(mine[2]), int(mine[3] is not None)], group
         )
         if all(k == keys[0] for k in keys) and keys[0][2] == 0:
-            return None if mine[1] is None else Path(mine[1])
+            return None if mine[1] is None else _as_target(mine[1])
         views = env.all_gather_object(mine, group)
     _, target, expected, error0 = views[0]
     if target is None:
         return None
     if any(view[1] != target for view in views):  # round 2: those ranks look at rank 0's
         if views[env.get_rank(group)][1] != target:
-            mine = (host, *_look(Path(target)))
+            mine = (host, *_look(target, backend_args))
         views = env.all_gather_object(mine, group)
         views[0] = (views[0][0], target, expected, error0)
     problems = [(host, error0)] + [
@@ -112,6 +121,8 @@ def agree_on_checkpoint(
     if bad:
         r, h, err = bad[0]
         others = f' (and {len(bad) - 1} more rank(s))' if len(bad) > 1 else ''
+        if r == 0 and err.startswith(_STORE_ERROR):  # the store's own message names the fix
+            raise CheckpointLocationError(errno.EIO, err[len(_STORE_ERROR) :])
         if r == 0:
             raise (
                 FileNotFoundError(f'{what} {target}: {err}')
@@ -125,15 +136,23 @@ def agree_on_checkpoint(
             'checkpoint to this same path on every node and pass it explicitly (stratagem '
             "train --resume PATH, or strategy.resume('PATH')). Nothing was loaded or written."
         )
-    return Path(target)
+    return _as_target(target)
 
 
-def _look(target: Path) -> tuple[str, dict | None, str | None]:
+def _as_target(target: str) -> Path | str:
+    """The agreed checkpoint: a local path, or a URL kept as its text."""
+    return target if is_url(target) else Path(target)
+
+
+def _look(target: str | os.PathLike, backend_args: Any) -> tuple[str, dict | None, str | None]:
     """``(absolute path, identity, None)``, or ``(path, None, why it cannot be read)``."""
+    text = absolute(target)
     try:
-        return os.fspath(target), checkpoint_identity(target), None
+        if is_url(text):
+            return text, identity(text, backend_args), None
+        return text, checkpoint_identity(text), None
     except OSError as err:
-        return os.fspath(target), None, _reason(err)
+        return text, None, _reason(err)
 
 
 def _reason(err: OSError) -> str:

@@ -26,12 +26,12 @@ step numbers.
 
 from __future__ import annotations
 
-import os.path as osp
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from .agree import agree_on_checkpoint
 from .async_writer import AsyncCheckpointWriter
+from .location import absolute, is_url
 from .storage import CheckpointStorage, SaveCommit
 from .vote import SaveVote
 
@@ -136,6 +136,14 @@ class Checkpointer:
                 f'checkpoint_timeout must be a positive number of seconds, got {timeout!r}'
             )
         self.storage = storage if storage is not None else CheckpointStorage()
+        #: storage options of the filesystem of a URL location (``location.py``), e.g.
+        #: ``dict(endpoint_url=..., key=..., secret=...)`` for S3; None: the client library
+        #: reads the environment
+        self.backend_args: dict | None = None
+        #: a local directory whose ``last_checkpoint`` also names each committed checkpoint
+        #: (a run's work_dir when its checkpoints go to ``out_dir``, as mmengine's
+        #: CheckpointHook does); None: only the pointer beside the checkpoint
+        self.also_point: str | None = None
         self.async_checkpoint = async_checkpoint
         self.timeout = float(timeout)
         self.writer: AsyncCheckpointWriter | None = None
@@ -155,13 +163,14 @@ class Checkpointer:
         extra: Mapping | None = None,
         callback: Callable[[dict], None] | None = None,
     ) -> str:
-        """Steps 0-7 of docs/architecture.md, 'Save'; returns rank 0's absolute path (with
-        ``async_checkpoint``, where the checkpoint will be once committed)."""
+        """Steps 0-7 of docs/architecture.md, 'Save'; returns rank 0's absolute path or URL
+        (with ``async_checkpoint``, where the checkpoint will be once committed)."""
         from stratagem import env  # see the package doc: env only when a checkpoint is written
 
         self.wait()
-        path = env.broadcast_object(osp.abspath(path))
+        path = env.broadcast_object(absolute(path))
         storage = self.storage
+        self.check_location(path)
         storage.check_savable(path)
         content: dict[str, Any] = {}
         for key, part in state.items():
@@ -179,7 +188,14 @@ class Checkpointer:
         meta = checkpoint.get('meta')
         step = meta.get('iter') if isinstance(meta, Mapping) else None
         vote = SaveVote.open(self.timeout, f'saving {path}')
-        commit = SaveCommit(vote, env.get_rank(), step if type(step) is int else None, held)
+        commit = SaveCommit(
+            vote,
+            env.get_rank(),
+            step if type(step) is int else None,
+            held,
+            backend_args=self.backend_args,
+            also_point=None if self.also_point is None else absolute(self.also_point),
+        )
         writer = None
         if self.async_checkpoint:
             if self.writer is None:
@@ -202,7 +218,19 @@ class Checkpointer:
         """Rank 0's ``filename``, verified to be the same bytes on every rank (collective).
         A pending asynchronous save is committed first (it may be that very file)."""
         self.wait()
-        return str(agree_on_checkpoint(filename))
+        self.check_location(filename)
+        self.storage.backend_args = self.backend_args
+        return str(agree_on_checkpoint(filename, backend_args=self.backend_args))
+
+    def check_location(self, path: str) -> None:
+        """Raise NotImplementedError, before anything is written, when ``path`` is a URL
+        and this storage cannot save there."""
+        if is_url(path) and not self.storage.urls:
+            raise NotImplementedError(
+                f'{path}: checkpoints of {type(self.storage).__name__} (a directory layout) '
+                'cannot be saved to or read from a URL yet; save to a local or shared path, '
+                'or use a single-file strategy (SingleDeviceStrategy, DDPStrategy)'
+            )
 
     def read(self, filename: str, map_location: Any = 'cpu') -> tuple[str, dict]:
         """Agree on ``filename`` and read it whole; returns (the agreed path, the dict)."""

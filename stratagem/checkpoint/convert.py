@@ -19,6 +19,7 @@ from pathlib import Path
 from .errors import NotACheckpointError
 from .formats import FORMATS, detect_format, read_whole
 from .huggingface import save_hf_directory, save_safetensors_file
+from .location import is_url
 from .sharded import save_sharded_checkpoint
 from .single_file import save_checkpoint
 
@@ -66,6 +67,12 @@ def convert_checkpoint(
         raise ValueError(
             f'max_shard_size (--max-shard-size) shards a Hugging Face directory; it needs '
             f"to='hf' (--to hf), not {to!r}"
+        )
+    remote = [str(p) for p in (src, dst) if is_url(os.fspath(p))]
+    if remote:  # never a local directory named 's3:'
+        raise NotImplementedError(
+            f'convert reads and writes local or shared paths only for now, not {remote[0]}; '
+            'copy the checkpoint and its .manifest.json locally first'
         )
     src, dst = Path(src).absolute(), Path(dst).absolute()
     if dst.exists() and not overwrite:

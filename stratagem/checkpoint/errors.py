@@ -75,3 +75,16 @@ class CheckpointWriteError(OSError):
 
     def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28]" prefix
         return self.strerror or super().__str__()
+
+
+class CheckpointLocationError(OSError):
+    """A checkpoint location (an fsspec URL: ``s3://``, ``gs://``, ...) cannot be used: the
+    bucket does not exist, the credentials are refused, the endpoint does not answer.
+
+    Raised once, with a message naming the URL, the store's answer and what to do; for a save,
+    after the save removed what it had staged: the previous checkpoint, its manifest and
+    ``last_checkpoint`` are as they were.
+    """
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import _fs
 from .errors import CheckpointWarning
+from .location import is_url
 from .manifest import DIR_MANIFEST, SIDECAR_SUFFIX, read_manifest, verify_checkpoint
 
 #: the name of the file in a work directory that names its latest committed checkpoint
@@ -96,6 +97,11 @@ def read_pointer(directory: str | os.PathLike) -> Path | None:
         or '\ufffd' in text
     ):
         raise ValueError(f'{pointer} does not hold a checkpoint path: {text[:80]!r}')
+    if is_url(text):  # mmengine's out_dir: the store's own pointer and scan decide there
+        raise ValueError(
+            f'{pointer} names {text}, a checkpoint at a URL: a resume with that out_dir (or '
+            'load_or_resume(checkpoint_dir=...)) finds it there'
+        )
     target = Path(text)
     name = target.name
     if (

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import io
 import os
 import pickle
 import re
@@ -36,6 +37,7 @@ from .errors import (
     UnsafeCheckpointError,
     UnverifiedCheckpointWarning,
 )
+from .location import is_url
 from .manifest import DIR_MANIFEST, find_manifest, read_manifest, verify_checkpoint, verify_file
 
 _ZIP_MAGIC = b'PK\x03\x04'
@@ -67,7 +69,8 @@ def load_checkpoint_file(
 
     Args:
         filename: a single-file checkpoint, or one file inside a directory checkpoint (it is
-            checked against that directory's manifest entry).
+            checked against that directory's manifest entry); or an fsspec URL of a file
+            (``location.load_file``: read once, verified, loaded from memory).
         map_location: anything ``torch.load`` accepts (str, ``torch.device``, dict, callable,
             None). Default ``'cpu'``.
         verify: check size and digest against the manifest (default True). With False only the
@@ -82,6 +85,10 @@ def load_checkpoint_file(
     """
     if type(trust_pickled_code) is not bool:  # 'false' from a config must not mean True
         raise TypeError(f'trust_pickled_code must be True or False, got {trust_pickled_code!r}')
+    if is_url(os.fspath(filename)):  # read from its store, verified (location.py)
+        from .location import load_file
+
+        return load_file(os.fspath(filename), map_location, trust_pickled_code=trust_pickled_code)
     path = Path(os.fspath(filename)).absolute()
     if not path.exists():
         raise FileNotFoundError(f'checkpoint not found: {path}')
@@ -164,6 +171,11 @@ def _sniff(path: Path) -> bool:
     """True for a zip checkpoint, False for a legacy pickle one; raise if neither."""
     with open(path, 'rb') as file:
         head = file.read(4)
+    return _sniff_bytes(head, path)
+
+
+def _sniff_bytes(head: bytes, path: Path | str) -> bool:
+    """``_sniff`` of a file's first 4 bytes ``head``."""
     if head == _ZIP_MAGIC:
         return True
     if head[:1] and head[0] == _PICKLE_PROTO:
@@ -174,9 +186,23 @@ def _sniff(path: Path) -> bool:
     )
 
 
-def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: bool) -> Any:
+def _torch_load(
+    path: Path | str,
+    map_location: Any,
+    trust: bool,
+    mmap: bool,
+    is_zip: bool,
+    source: io.BufferedReader[Any] | None = None,
+) -> Any:
+    """``torch.load`` of ``path`` (or of ``source``, the verified bytes of ``path`` read from
+    a store: ``location.py``), its errors named as the module docstring says."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=not trust, mmap=mmap)
+        return torch.load(
+            path if source is None else source,
+            map_location=map_location,
+            weights_only=not trust,
+            mmap=mmap,
+        )
     except pickle.UnpicklingError as err:
         message = str(err)
         if 'Weights only load failed' not in message:
@@ -230,9 +256,10 @@ def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: 
             raise  # e.g. a map_location to a device this machine lacks: not about the file
         if isinstance(err, OSError) and err.errno != errno.EINVAL:
             raise  # a real I/O error (permissions, EIO); a truncated zip gives EINVAL (seek)
-        if is_zip and not _has_zip_end(path):
+        if is_zip and not _has_zip_end(path, source):
+            size = os.stat(path).st_size if source is None else len(_buffer(source))
             raise CheckpointCorruptError(
-                f'{path} is truncated: it is {path.stat().st_size} bytes and lacks the '
+                f'{path} is truncated: it is {size} bytes and lacks the '
                 'end-of-archive record every complete torch.save file ends with (an '
                 'interrupted copy, download or save). Copy it again, or use an earlier '
                 'checkpoint'
@@ -263,8 +290,10 @@ def _torch_load(path: Path, map_location: Any, trust: bool, mmap: bool, is_zip: 
         ) from err
 
 
-def _allow_listed_when_saved(path: Path, refused: tuple[str, ...]) -> list[str]:
+def _allow_listed_when_saved(path: Path | str, refused: tuple[str, ...]) -> list[str]:
     """The manifest's allow-listed globals that this process lacks (the refused ones first)."""
+    if not isinstance(path, Path):  # a URL's manifest was read with its bytes: not kept
+        return []
     try:
         found = find_manifest(path)
     except (OSError, ValueError):
@@ -293,12 +322,19 @@ def _allow_hint(names: list[str]) -> str:
     return f'Fix: call {call} (the classes you trust) before loading.'
 
 
-def _has_zip_end(path: Path) -> bool:
+def _has_zip_end(path: Path | str, source: io.BufferedReader[Any] | None = None) -> bool:
     """Whether the file's tail holds a zip end-of-central-directory record (a complete
     archive has one within its last 64 KiB + 22 bytes)."""
+    if source is not None:
+        return b'PK\x05\x06' in _buffer(source)[-(1 << 16) - 22 :].tobytes()
     with open(path, 'rb') as file:
-        file.seek(max(0, path.stat().st_size - (1 << 16) - 22))
+        file.seek(max(0, os.stat(path).st_size - (1 << 16) - 22))
         return b'PK\x05\x06' in file.read()
+
+
+def _buffer(source: io.BufferedReader[Any]) -> memoryview:
+    """The whole content behind ``source`` (``location._BufferReader``'s bytes)."""
+    return source.raw.getbuffer()
 
 
 def _package_installed(dotted: str) -> bool:

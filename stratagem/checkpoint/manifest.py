@@ -121,6 +121,12 @@ def read_manifest(path: Path) -> dict | None:
         raw = Path(path).read_bytes()
     except FileNotFoundError:
         return None
+    return parse_manifest(raw, path)
+
+
+def parse_manifest(raw: bytes, path: str | os.PathLike) -> dict:
+    """The manifest in ``raw`` (the bytes of the manifest file ``path``, named in errors).
+    Raises CheckpointCorruptError if it is not one."""
     try:
         manifest = json.loads(raw)
     except ValueError as err:

@@ -14,6 +14,7 @@ from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
 from .digest import entry_digest, file_entry, hash_file
 from .disk import OVERHEAD_BYTES, check_free_space, payload_bytes, write_error
 from .latest import update_pointer as _update_pointer
+from .location import is_url
 from .manifest import (
     SIDECAR_SUFFIX,
     _identity,
@@ -69,6 +70,12 @@ def save_checkpoint(
     """
     if not isinstance(checkpoint, dict):
         raise TypeError(f'checkpoint must be a dict, got {type(checkpoint).__name__}')
+    if is_url(os.fspath(filename)):  # never a local directory named 's3:'
+        raise ValueError(
+            f'save_checkpoint writes a local file, not {filename}: save to a URL with '
+            'strategy.save_checkpoint(url), or save here and upload the committed file with '
+            'stratagem.checkpoint.location.upload_file(path, url)'
+        )
     check_step(step)
     check_extra_manifest(extra_manifest)
     held = validate_checkpoint_content(checkpoint)

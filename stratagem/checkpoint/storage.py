@@ -13,7 +13,8 @@ Save side (``Checkpointer.save`` calls them in this order):
        for an asynchronous write (or write in the foreground, as DeepSpeed's engine must);
        returns the write job.
     4. ``write(checkpoint, path, commit)`` (the default job): write, ``commit.gate()``,
-       commit.
+       commit. A URL target (``location.py``): the same into a local staging directory, then
+       the upload (no rename on a store: the order of the objects is the commit).
 Read side (``Checkpointer.load``):
     1. ``open(path, map_location, optimizer=, editable=)`` on the agreed path: what the
        checks need (``read`` reads a checkpoint whole), and what ``restore`` will need.
@@ -25,7 +26,10 @@ Read side (``Checkpointer.load``):
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +37,9 @@ import torch
 from .async_writer import AsyncCheckpointWriter
 from .content import validate_checkpoint_content
 from .errors import CheckpointVoteError
+from .latest import update_pointer
 from .load import load_checkpoint_file
+from .location import is_url, load_file, upload_file
 from .single_file import save_checkpoint
 from .vote import SaveVote
 
@@ -46,14 +52,27 @@ class SaveCommit:
     Attributes:
         vote: the save's ``SaveVote`` (None without a process group); a directory storage
             passes it to the directory protocol, which runs the whole vote.
+        backend_args, also_point: see ``__init__``.
         step: the iteration recorded in the manifest (``meta['iter']`` when an int).
         held: allow-listed classes the content holds (named in the manifest).
     """
 
-    def __init__(self, vote: SaveVote | None, rank: int, step: int | None, held: list[str]) -> None:
+    def __init__(
+        self,
+        vote: SaveVote | None,
+        rank: int,
+        step: int | None,
+        held: list[str],
+        *,
+        backend_args: Mapping | None = None,
+        also_point: str | None = None,
+    ) -> None:
         self.vote, self.step, self.held = vote, step, held
         self.rank = rank
         self.reached = False
+        #: a URL target's storage options; a local directory whose ``last_checkpoint`` also
+        #: names the committed checkpoint (a run's work_dir when checkpoints go elsewhere)
+        self.backend_args, self.also_point = backend_args, also_point
 
     def gate(self) -> None:
         """Between "this rank's files are written" and rank 0's commit: every rank reports
@@ -125,6 +144,11 @@ class CheckpointStorage:
     #: keys of the content this storage's own files hold, absent from what ``open`` returns
     #: (DeepSpeed's files hold the model: ``{'state_dict'}``)
     holds: frozenset[str] = frozenset()
+    #: whether this storage saves to and reads from a URL (``location.py``); the directory
+    #: layouts do not yet, and the checkpointer refuses a URL for them
+    urls: bool = True
+    #: a URL's storage options, set by the checkpointer before each load
+    backend_args: Mapping | None = None
 
     def __init__(self, extra_manifest: Callable[[], dict] | None = None) -> None:
         self.extra_manifest = extra_manifest or dict
@@ -154,15 +178,35 @@ class CheckpointStorage:
         return functools.partial(self.write, state, path, commit)
 
     def write(self, checkpoint: dict | None, path: str, commit: SaveCommit) -> None:
-        """Write and commit (rank 0: one atomic file; ``commit.gate()`` before the rename)."""
-        if checkpoint is not None:
-            save_checkpoint(
+        """Write and commit (rank 0: one atomic file; ``commit.gate()`` before the rename).
+        A URL: the same commit into a local staging directory, then the upload
+        (``location.upload_file``: the file, its manifest, the pointer, in that order)."""
+        if checkpoint is None:
+            return
+        if not is_url(path):
+            final = save_checkpoint(
                 checkpoint,
                 path,
                 step=commit.step,
                 extra_manifest=self.extra_manifest(),
                 before_commit=commit.gate,
             )
+            if commit.also_point is not None and Path(commit.also_point) != final.parent:
+                update_pointer(commit.also_point, final)
+            return
+        staging = Path(tempfile.mkdtemp(prefix='stratagem-upload-'))
+        try:
+            local = save_checkpoint(
+                checkpoint,
+                staging / path.rsplit('/', 1)[-1],
+                step=commit.step,
+                extra_manifest=self.extra_manifest(),
+                update_pointer=False,
+                before_commit=commit.gate,
+            )
+            upload_file(local, path, backend_args=commit.backend_args, also_point=commit.also_point)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     # ------------------------------------------------------------------- read side
     def open(
@@ -181,6 +225,8 @@ class CheckpointStorage:
         ``load_checkpoint_file``'s error."""
         from .formats import detect_format, read_whole
 
+        if is_url(path):
+            return load_file(path, map_location=map_location, backend_args=self.backend_args)
         name = detect_format(path)
         if name is None or name == 'file':
             return load_checkpoint_file(path, map_location=map_location)

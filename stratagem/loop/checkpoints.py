@@ -19,6 +19,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from stratagem import checkpoint as ckpt
+from stratagem.checkpoint import location
+from stratagem.checkpoint.location import is_url, join
 
 if TYPE_CHECKING:
     from .meter import Meter
@@ -29,7 +31,9 @@ __all__ = ['Checkpoints']
 
 class Checkpoints:
     """``every``: iterations between saves (0: only at the end and at a stop);
-    ``max_keep``: None or <= 0 keeps all; ``best``: save_best's state, or None."""
+    ``max_keep``: None or <= 0 keeps all; ``best``: save_best's state, or None;
+    ``directory``: where they go (default the work_dir; a path or URL for mmengine's
+    ``out_dir``, ``checkpoint/location.py``)."""
 
     def __init__(
         self,
@@ -40,8 +44,11 @@ class Checkpoints:
         max_iters: int,
         best: BestCheckpoint | None,
         meter: Meter,
+        *,
+        directory: str | None = None,
     ) -> None:
         self.strategy, self.every, self.max_keep = strategy, every, max_keep
+        self.directory = strategy.work_dir if directory is None else directory
         self.epoch_length, self.max_iters = epoch_length, max_iters
         self.best, self.meter = best, meter
         self.main = strategy.rank == 0
@@ -52,7 +59,7 @@ class Checkpoints:
         self.anomalies: Any = None  # train_cfg.anomaly's state, kept in every save's meta
 
     def save(self, name: str, it: int) -> str:
-        """Save ``work_dir/name`` after iteration ``it``; returns its path."""
+        """Save ``directory/name`` after iteration ``it``; returns its path."""
         meta: dict[str, Any] = {
             'iter': it,
             'epoch': it // self.epoch_length,
@@ -64,7 +71,9 @@ class Checkpoints:
         if self.anomalies is not None:
             meta.update(self.anomalies.meta())
         t_save = time.perf_counter()
-        path = self.strategy.save_checkpoint(name, extra_ckpt={'meta': meta})
+        in_work_dir = self.directory == self.strategy.work_dir  # relative: under work_dir
+        target = name if in_work_dir else join(self.directory, name)
+        path = self.strategy.save_checkpoint(target, extra_ckpt={'meta': meta})
         self.meter.add_stall(time.perf_counter() - t_save)
         self.meter.flush()  # the rows on disk as far as the checkpoint goes
         self.last_path = path
@@ -92,25 +101,41 @@ class Checkpoints:
 
     def retain(self) -> None:
         """``max_keep_ckpts`` (rank 0): the newest ``iter_*`` checkpoints, the protected kept."""
-        if self.main and self.max_keep:
-            ckpt.apply_retention(
-                self.strategy.work_dir,
+        if not (self.main and self.max_keep):
+            return
+        if is_url(self.directory):  # after the pointer moved: never the newest
+            location.apply_retention(
+                self.directory,
                 int(self.max_keep),
                 protect=self.protected(),
                 pattern='iter_*',
+                backend_args=self.strategy.checkpointer.backend_args,
+            )
+        else:
+            ckpt.apply_retention(
+                self.directory, int(self.max_keep), protect=self.protected(), pattern='iter_*'
             )
 
     def delete(self, name: str) -> None:
-        """Delete ``work_dir/name`` once every save started before is committed."""
+        """Delete ``directory/name`` once every save started before is committed."""
         self.strategy.wait_for_checkpoints()
-        if self.main:
-            ckpt.delete_checkpoint(osp.join(self.strategy.work_dir, name), protect=self.protected())
+        if not self.main:
+            return
+        path = join(self.directory, name)
+        if is_url(path):
+            location.delete_checkpoint(
+                path,
+                protect=self.protected(),
+                backend_args=self.strategy.checkpointer.backend_args,
+            )
+        else:
+            ckpt.delete_checkpoint(path, protect=self.protected())
 
     def protected(self) -> list[str]:
         """The checkpoint resumed from and the best: never deleted."""
         kept = [self.strategy.resumed_from] if self.strategy.resumed_from else []
         if self.best is not None and self.best.filename:
-            kept.append(osp.join(self.strategy.work_dir, self.best.filename))
+            kept.append(join(self.directory, self.best.filename))
         return kept
 
     def finish(self) -> None:

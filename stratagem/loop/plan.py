@@ -14,12 +14,14 @@ epochs) are methods of it, with their refusals.
 from __future__ import annotations
 
 import logging
+import os.path as osp
 import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from stratagem.checkpoint.location import join
 from stratagem.config import Config, ConfigError, ConfigErrors, check_keys
 from stratagem.env.preemption import PreemptionConfig, preemption_config
 from stratagem.metrics import check_metrics_cfg
@@ -111,6 +113,17 @@ class CheckpointPlan:
     interval: int | None
     hook_interval: tuple[int, bool] | None
     max_keep: int | None
+    #: ``default_hooks.checkpoint.out_dir`` (a path or URL; None: the work_dir) and its store's
+    #: ``backend_args``
+    out_dir: str | None = None
+    backend_args: dict | None = None
+
+    def directory(self, work_dir: str) -> str:
+        """Where the checkpoints go: ``out_dir/<work_dir's last component>`` (mmengine's
+        CheckpointHook), else ``work_dir``."""
+        if self.out_dir is None:
+            return work_dir
+        return join(self.out_dir, osp.basename(osp.abspath(work_dir).rstrip(osp.sep)))
 
     def every(self, epoch_length: int) -> int:
         """Iterations between saves (0: only at the end and at a preemption): the hook's
@@ -442,7 +455,7 @@ def _read_default_hooks(
         ignored += [f'default_hooks.logger.{k}' for k in logger if k not in LOGGER_HOOK_KEYS]
         if 'interval' in logger:
             _agree(train_cfg, 'log_interval', logger['interval'], 'default_hooks.logger.interval')
-    hook_interval, best = None, None
+    hook_interval, best, out_dir, backend_args = None, None, None, None
     ckpt_hook = hooks.get('checkpoint')
     if isinstance(ckpt_hook, Mapping):
         ckpt_hook = dict(ckpt_hook)
@@ -452,11 +465,13 @@ def _read_default_hooks(
             if k not in CHECKPOINT_HOOK_KEYS or (k == 'save_last' and not ckpt_hook[k])
         ]
         hook_interval, best = _read_checkpoint_hook(ckpt_hook, train_cfg, run_by_epoch)
+        out_dir, backend_args = _read_out_dir(ckpt_hook)
     if ignored:
         warnings.warn(
             f"stratagem train's reference loop does not honour {', '.join(ignored)}: it "
             'reads default_hooks.checkpoint (interval, by_epoch, max_keep_ckpts, save_best, '
-            'rule, greater_keys, less_keys) and default_hooks.logger.interval; hooks run under '
+            'rule, greater_keys, less_keys, out_dir, backend_args) and '
+            'default_hooks.logger.interval; hooks run under '
             "mmengine's runner (runner_type='FlexibleRunner', the mmengine extra)",
             UserWarning,
             stacklevel=4,
@@ -466,8 +481,38 @@ def _read_default_hooks(
         interval=int(explicit or 0) if 'checkpoint_interval' in train_cfg else None,
         hook_interval=hook_interval,
         max_keep=train_cfg.get('max_keep_ckpts'),
+        out_dir=out_dir,
+        backend_args=backend_args,
     )
     return checkpoints, best
+
+
+def _read_out_dir(hook: dict) -> tuple[str | None, dict | None]:
+    """``default_hooks.checkpoint.out_dir`` and ``backend_args``, checked."""
+    out_dir, backend_args = hook.get('out_dir'), hook.get('backend_args')
+    if out_dir is not None and (not isinstance(out_dir, str) or not out_dir.strip()):
+        raise TypeError(
+            'default_hooks.checkpoint.out_dir must be a path or a URL (e.g. '
+            f"'s3://bucket/checkpoints'), got {out_dir!r}"
+        )
+    if backend_args is not None and not isinstance(backend_args, Mapping):
+        raise TypeError(
+            "default_hooks.checkpoint.backend_args must be a dict of the store's options "
+            f'(e.g. dict(endpoint_url=...)), got {backend_args!r}'
+        )
+    if isinstance(backend_args, Mapping) and 'backend' in backend_args:
+        raise ValueError(
+            f'default_hooks.checkpoint.backend_args.backend={backend_args["backend"]!r} is '
+            "mmengine's file backend; here out_dir is an fsspec URL (s3://, gs://, ...) and "
+            "backend_args are its filesystem's options (e.g. dict(endpoint_url=...)); remove "
+            "'backend'"
+        )
+    if backend_args is not None and out_dir is None:
+        raise ValueError(
+            'default_hooks.checkpoint.backend_args is given without out_dir: they are the '
+            "options of out_dir's store; set out_dir (e.g. 's3://bucket/checkpoints') too"
+        )
+    return out_dir, None if backend_args is None else dict(backend_args)
 
 
 def _read_checkpoint_hook(

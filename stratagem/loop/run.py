@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from stratagem.checkpoint.location import check_reachable, is_url, join
 from stratagem.config import Config, config_search_dirs, import_custom_modules
 from stratagem.env.logging import run_end_logged
 from stratagem.env.preemption import Preemption, PreemptionConfig, clear_marker
@@ -156,7 +157,7 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
         p.strategy.wait_for_checkpoints()  # async saves: the last one committed, or its error
     if preempted is not None:
         assert preemption is not None
-        _finish_preempted(preemption, preempted, p.strategy, it)
+        _finish_preempted(preemption, preempted, p.strategy, it, p.checkpoints.directory)
     p.checkpoints.finish()
     return {
         'strategy': p.strategy,
@@ -211,6 +212,8 @@ def _build(
     from stratagem.strategies import build_strategy
 
     strategy = build_strategy(strategy_cfg)
+    directory = plan.checkpoints.directory(strategy.work_dir)
+    strategy.checkpointer.check_location(directory)  # before anything is built or trained
     batches = Batches(plan.data, strategy)
     epoch_length = batches.epoch_length
     max_iters, max_epochs = plan.run_length(epoch_length)
@@ -228,8 +231,16 @@ def _build(
         ),
     )
     model, optim_wrapper = prepared[0], prepared[1]
+    if plan.checkpoints.out_dir is not None:  # mmengine's out_dir: a pointer in both places
+        strategy.checkpointer.backend_args = plan.checkpoints.backend_args
+        strategy.checkpointer.also_point = strategy.work_dir
+        if is_url(directory):
+            check_reachable(directory, plan.checkpoints.backend_args)
     checkpoint = strategy.load_or_resume(
-        load_from=load_from, resume=resume, refit_schedulers=plan.refit_schedulers
+        load_from=load_from,
+        resume=resume,
+        refit_schedulers=plan.refit_schedulers,
+        checkpoint_dir=None if plan.checkpoints.out_dir is None else directory,
     )
     meta = (checkpoint.get('meta') or {}) if checkpoint is not None and resume else None
     start_iter, max_iters = _resumed_position(meta, max_iters)
@@ -272,7 +283,14 @@ def _build(
         resumed=meta is not None,
     )
     checkpoints = Checkpoints(
-        strategy, every, plan.checkpoints.max_keep, epoch_length, max_iters, best, meter
+        strategy,
+        every,
+        plan.checkpoints.max_keep,
+        epoch_length,
+        max_iters,
+        best,
+        meter,
+        directory=directory,
     )
     anomalies = None
     if plan.anomaly is not None:
@@ -389,10 +407,11 @@ def _arm_preemption(preemption: Preemption, p: _Parts) -> Any:
     return preemption.pending
 
 
-def _finish_preempted(preemption: Preemption, signal: str, strategy: Any, it: int) -> None:
+def _finish_preempted(
+    preemption: Preemption, signal: str, strategy: Any, it: int, directory: str
+) -> None:
     """After a preemption stop: requeue (Slurm) and the marker for the launching parent."""
-    preemption.finish(strategy.work_dir, osp.join(strategy.work_dir, f'iter_{it}.pth'),
-                      strategy.rank)  # fmt: skip
+    preemption.finish(strategy.work_dir, join(directory, f'iter_{it}.pth'), strategy.rank)
     strategy.logger.warning(
         f'preempted by {signal}: checkpoint iter_{it}.pth committed; exit status '
         f'{preemption.exit_code}'

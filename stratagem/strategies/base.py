@@ -85,6 +85,7 @@ from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.checkpointer import Checkpointer, Stateful
 from stratagem.checkpoint.huggingface import model_config_json
+from stratagem.checkpoint.location import is_url
 from stratagem.checkpoint.state_dict import unwrap_model as unwrap_module
 from stratagem.checkpoint.storage import CheckpointStorage
 from stratagem.config import check_keys
@@ -675,7 +676,11 @@ class BaseStrategy(ABC):
     ) -> str:
         """Save model (+ optimizer, schedulers, RNG states) atomically; every rank calls it.
 
-        ``filename`` is a path; relative paths are under ``work_dir``.
+        ``filename`` is a path (relative paths are under ``work_dir``) or an fsspec URL
+        (``s3://bucket/prefix/iter_3.pth``, ``gs://``, ``memory://``; the s3 / gcs extras):
+        committed locally, then uploaded in the order that makes it committed on a store
+        without rename (``checkpoint/location.py``); ``checkpointer.backend_args`` are the
+        store's options (default: the client library reads the environment).
         ``extra_ckpt['meta']`` (e.g. ``iter``/``epoch``) merges into ``meta``;
         other ``extra_ckpt`` keys are stored as they are (tensors and plain values
         only). ``callback(checkpoint)`` may edit the dict before it is written.
@@ -687,7 +692,11 @@ class BaseStrategy(ABC):
         :class:`~stratagem.checkpoint.Checkpointer`.
         """
         extra = dict(extra_ckpt or {})
-        path = filename if osp.isabs(filename) else osp.join(self.work_dir, filename)
+        path = (
+            filename
+            if is_url(filename) or osp.isabs(filename) or filename.lower().startswith('file://')
+            else osp.join(self.work_dir, filename)
+        )
         state = self.checkpoint_state(
             meta=extra.pop('meta', None),
             optimizer=save_optimizer,
@@ -822,11 +831,18 @@ class BaseStrategy(ABC):
         *,
         refit_schedulers: bool = False,
         loaders: Mapping[str, Any] | None = None,
+        checkpoint_dir: str | None = None,
     ) -> dict | None:
-        """mmengine's runner logic: resume (latest in work_dir, or a path) or just load
-        weights; returns the checkpoint or None (:func:`.loading.load_or_resume`)."""
+        """mmengine's runner logic: resume (latest in work_dir, or ``checkpoint_dir``: a path
+        or URL where the run's checkpoints go, or a path) or just load weights; returns the
+        checkpoint or None (:func:`.loading.load_or_resume`)."""
         return loading.load_or_resume(
-            self, load_from, resume, refit_schedulers=refit_schedulers, loaders=loaders
+            self,
+            load_from,
+            resume,
+            refit_schedulers=refit_schedulers,
+            loaders=loaders,
+            checkpoint_dir=checkpoint_dir,
         )
 
     def __repr__(self) -> str:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
+from stratagem.checkpoint.location import absolute, find_latest, is_url, list_checkpoints, parent
 from stratagem.checkpoint.state_dict import describe_keys, find_model_weights
 
 from .resume_checks import previous_run_traces, resume_newest
@@ -174,7 +175,7 @@ def resume(
             enabled = bool((strategy.auto_scale_lr or {}).get('enable'))
             strategy.logger.warning(change.describe(path, auto_scale_lr=enabled))
     check_same_step(meta.get('iter'), path)
-    strategy.resumed_from = osp.abspath(path)
+    strategy.resumed_from = absolute(path)
     strategy.logger.info(f'resumed from {path} (iter {meta.get("iter")})')
     return checkpoint
 
@@ -186,6 +187,7 @@ def load_or_resume(
     *,
     refit_schedulers: bool = False,
     loaders: Mapping[str, Any] | None = None,
+    checkpoint_dir: str | None = None,
 ) -> dict | None:
     """mmengine's runner logic: resume (latest in work_dir, or a path) or just load weights.
 
@@ -197,6 +199,11 @@ def load_or_resume(
     ``resume=True`` with ``load_from`` resumes from that file; ``load_from`` alone loads
     weights only. Returns the checkpoint or None. ``refit_schedulers``, ``loaders``: see
     :func:`resume` (a fresh start leaves the loaders as they are).
+
+    ``checkpoint_dir``: where the run's checkpoints go when not in ``work_dir`` (a local
+    path, or a URL: mmengine's ``out_dir``); ``resume=True`` looks there first, then at the
+    work_dir's ``last_checkpoint`` (which may name a URL), so a new machine with an empty
+    work_dir resumes from the bucket alone.
     """
     resume_fn = functools.partial(
         strategy.resume, refit_schedulers=refit_schedulers, loaders=loaders
@@ -207,7 +214,7 @@ def load_or_resume(
     if isinstance(resume, str):
         return resume_fn(resume)
     if resume and load_from is None:
-        return _resume_latest(strategy, resume_fn)
+        return _resume_latest(strategy, resume_fn, checkpoint_dir)
     if resume and load_from is not None:  # resume=True with a file: that file
         return resume_fn(load_from)
     if load_from is not None:
@@ -215,14 +222,18 @@ def load_or_resume(
     return None
 
 
-def _resume_latest(strategy: BaseStrategy, resume_fn: Callable[[str], dict]) -> dict | None:
-    """The newest committed checkpoint in ``work_dir``: rank 0 decides (other ranks may not
-    see this work_dir, or see another one); ``resume`` then checks every rank reads that
-    same checkpoint."""
+def _resume_latest(
+    strategy: BaseStrategy, resume_fn: Callable[[str], dict], checkpoint_dir: str | None = None
+) -> dict | None:
+    """The newest committed checkpoint in ``checkpoint_dir`` (when given), else in
+    ``work_dir``: rank 0 decides (other ranks may not see this work_dir, or see another
+    one); ``resume`` then checks every rank reads that same checkpoint."""
     work_dir = strategy.work_dir
     rank = strategy.rank
-    latest = ckpt.find_latest_checkpoint(work_dir) if rank == 0 else None
+    latest = _find_latest(strategy, checkpoint_dir) if rank == 0 else None
     latest = env.broadcast_object(None if latest is None else str(latest))
+    if latest is not None and is_url(latest):
+        return _resume_from_store(strategy, resume_fn, latest)
     if latest is not None:
         return resume_newest(resume_fn, str(latest), work_dir, strategy.logger)
     # a previous run left traces but nothing resumable: starting fresh would overwrite its
@@ -239,6 +250,63 @@ def _resume_latest(strategy: BaseStrategy, resume_fn: Callable[[str], dict]) -> 
         f'no checkpoint in {work_dir} to resume from; training starts from scratch'
     )
     return None
+
+
+def _resume_from_store(
+    strategy: BaseStrategy, resume_fn: Callable[[str], dict], latest: str
+) -> dict:
+    """``resume(latest)`` at a URL; when its bytes do not match its manifest (read while
+    loading: choosing it read only the manifests), the newest other committed checkpoint
+    there, with a warning, as ``find_latest_checkpoint`` does on disk. A refused resume has
+    changed nothing, so the next one starts clean."""
+    tried = [latest]
+    while True:
+        try:
+            return resume_fn(tried[-1])
+        except ckpt.CheckpointCorruptError as err:
+            older = None
+            if strategy.rank == 0:
+                found = list_checkpoints(parent(latest), strategy.checkpointer.backend_args)
+                older = next((c.url for c in found if c.url not in tried), None)
+            older = env.broadcast_object(older)
+            if older is None:
+                raise
+            env.warn_rank_zero(
+                f'{err}; resuming from the newest other committed checkpoint {older}',
+                ckpt.CheckpointWarning,
+                stacklevel=3,
+            )
+            tried.append(older)
+
+
+def _find_latest(strategy: BaseStrategy, checkpoint_dir: str | None) -> str | None:
+    """Rank 0's choice for ``_resume_latest``: the newest at ``checkpoint_dir`` (a URL:
+    ``location.find_latest``), else the work_dir's pointer (a URL it names: the newest at
+    that URL's prefix), else the newest in work_dir."""
+    backend_args = strategy.checkpointer.backend_args
+    where = [checkpoint_dir] if checkpoint_dir is not None else []
+    named = _pointer_text(strategy.work_dir)
+    if named is not None and is_url(named):
+        where.append(parent(named))
+    for directory in where:
+        found = (
+            find_latest(directory, backend_args)
+            if is_url(directory)
+            else ckpt.find_latest_checkpoint(directory)
+        )
+        if found is not None:
+            return str(found)
+    latest = ckpt.find_latest_checkpoint(strategy.work_dir)
+    return None if latest is None else str(latest)
+
+
+def _pointer_text(work_dir: str) -> str | None:
+    """What work_dir's ``last_checkpoint`` says, unchecked; None without one."""
+    try:
+        with open(osp.join(work_dir, ckpt.POINTER_NAME), 'rb') as file:
+            return file.read(4097).decode('utf-8', errors='replace').strip()
+    except OSError:
+        return None
 
 
 def check_same_step(step: Any, filename: str) -> None:

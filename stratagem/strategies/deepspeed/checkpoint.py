@@ -124,6 +124,7 @@ class ZeroStorage(CheckpointStorage):
     """
 
     holds = frozenset({'state_dict'})  # DeepSpeed's files hold the module's weights
+    urls = False  # its directory on a URL: not yet (issue #42)
 
     def __init__(
         self,

@@ -37,6 +37,8 @@ class FSDPStorage(CheckpointStorage):
         extra_manifest: the manifest's extra fields (strategy, world size, mesh).
     """
 
+    urls = False  # its directory on a URL: not yet (issue #42)
+
     def __init__(
         self,
         *,
