@@ -9,7 +9,6 @@ them to its logger (``logging.captureWarnings``).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,13 @@ from pathlib import Path
 from . import _fs
 from .errors import CheckpointWarning
 from .location import is_url
-from .manifest import DIR_MANIFEST, SIDECAR_SUFFIX, read_manifest, verify_checkpoint
+from .manifest import (
+    DIR_MANIFEST,
+    SIDECAR_SUFFIX,
+    ManifestOrder,
+    read_manifest,
+    verify_checkpoint,
+)
 
 #: the name of the file in a work directory that names its latest committed checkpoint
 POINTER_NAME = 'last_checkpoint'
@@ -25,23 +30,11 @@ _POINTER_MAX_BYTES = 4096
 
 
 @dataclass(frozen=True)
-class CheckpointInfo:
+class CheckpointInfo(ManifestOrder):
     """A checkpoint whose manifest is present (not yet hash-verified)."""
 
     path: Path
     manifest: dict
-
-    @property
-    def step(self) -> int | None:
-        return self.manifest.get('step')
-
-    @property
-    def created(self) -> float:
-        return float(self.manifest.get('created_unix') or 0.0)
-
-    def sort_key(self) -> tuple:
-        step = self.step
-        return (-math.inf if step is None else step, self.created)
 
 
 def update_pointer(directory: str | os.PathLike, checkpoint: str | os.PathLike) -> Path:

@@ -51,7 +51,7 @@ from typing import Any
 
 from .digest import entry_digest, new_hasher
 from .errors import CheckpointCorruptError, CheckpointLocationError
-from .manifest import SIDECAR_SUFFIX, dump_manifest, parse_manifest
+from .manifest import SIDECAR_SUFFIX, ManifestOrder, dump_manifest, parse_manifest
 
 __all__ = [
     'RemoteCheckpoint',
@@ -287,24 +287,12 @@ def _lists(manifest: dict, size: int | None) -> bool:
 
 # ------------------------------------------------------------------------------- read
 @dataclass(frozen=True)
-class RemoteCheckpoint:
+class RemoteCheckpoint(ManifestOrder):
     """A checkpoint at a URL whose manifest is present and lists its object's size."""
 
     url: str
     manifest: dict
     size: int
-
-    @property
-    def step(self) -> int | None:
-        return self.manifest.get('step')
-
-    @property
-    def created(self) -> float:
-        return float(self.manifest.get('created_unix') or 0.0)
-
-    def sort_key(self) -> tuple:
-        step = self.step
-        return (-float('inf') if step is None else step, self.created)
 
 
 def read_manifest_at(url: str, backend_args: Mapping | None = None) -> dict | None:

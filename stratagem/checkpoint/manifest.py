@@ -40,6 +40,27 @@ from ..version import __version__
 from .digest import HASH_ALGO, HASH_ALGOS, entry_digest, hash_file
 from .errors import CheckpointCorruptError
 
+
+class ManifestOrder:
+    """A found checkpoint's place in its run, from its manifest (``self.manifest``): its
+    ``step`` and creation time, and ``sort_key`` (newest last; a checkpoint with no step
+    before any with one). Shared by the scans of a directory and of a URL."""
+
+    manifest: dict
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.get('step')
+
+    @property
+    def created(self) -> float:
+        return float(self.manifest.get('created_unix') or 0.0)
+
+    def sort_key(self) -> tuple:
+        step = self.step
+        return (-float('inf') if step is None else step, self.created)
+
+
 FORMAT = 'stratagem-checkpoint'
 FORMAT_VERSION = 2
 SIDECAR_SUFFIX = '.manifest.json'
