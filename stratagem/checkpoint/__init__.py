@@ -40,7 +40,7 @@ from .errors import (
 )
 from .latest import POINTER_NAME, CheckpointInfo, find_latest_checkpoint, list_checkpoints
 from .load import load_checkpoint_file
-from .manifest import verify_checkpoint
+from .manifest import ManifestOrder, verify_checkpoint
 from .retention import apply_retention, delete_checkpoint, sweep_debris
 from .sharded import read_sharded_checkpoint
 from .single_file import save_checkpoint
@@ -60,6 +60,7 @@ __all__ = [
     'find_latest_checkpoint',
     'list_checkpoints',
     'CheckpointInfo',
+    'ManifestOrder',
     'POINTER_NAME',
     'verify_checkpoint',
     'load_checkpoint_file',
