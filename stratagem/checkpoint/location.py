@@ -322,13 +322,8 @@ def load_file(
     if type(trust_pickled_code) is not bool:
         raise TypeError(f'trust_pickled_code must be True or False, got {trust_pickled_code!r}')
     url = absolute(url)
-    fs, path = filesystem(url, backend_args)
-    manifest = read_manifest_at(url, backend_args)
+    fs, path, manifest, size = _found(url, backend_args)
     with store_errors(url, 'reading'):
-        try:
-            size = _size(fs, path)
-        except FileNotFoundError:
-            raise FileNotFoundError(f'checkpoint not found: {url}') from None
         entries = _entries(manifest)
         if manifest is not None and not any(e['size'] == size for e in entries):
             raise CheckpointCorruptError(
@@ -433,16 +428,22 @@ def _read_hashed(fs: Any, path: str, size: int, entries: list[dict], url: str) -
     return data
 
 
-def identity(url: str, backend_args: Mapping | None = None) -> dict:
-    """What makes ``url`` the same checkpoint for every rank (``agree.checkpoint_identity``):
-    its size and its manifest's digest (none: its size and ETag-like info)."""
+def _found(url: str, backend_args: Mapping | None) -> tuple[Any, str, dict | None, int]:
+    """The checkpoint object at ``url``: its filesystem and path, its manifest (None
+    without one) and its size; a FileNotFoundError naming ``url`` when it is not there."""
     fs, path = filesystem(url, backend_args)
     manifest = read_manifest_at(url, backend_args)
     with store_errors(url, 'reading'):
         try:
-            size = _size(fs, path)
+            return fs, path, manifest, _size(fs, path)
         except FileNotFoundError:
             raise FileNotFoundError(f'checkpoint not found: {url}') from None
+
+
+def identity(url: str, backend_args: Mapping | None = None) -> dict:
+    """What makes ``url`` the same checkpoint for every rank (``agree.checkpoint_identity``):
+    its size and its manifest's digest (none: its size and ETag-like info)."""
+    _, _, manifest, size = _found(url, backend_args)
     if manifest is not None:
         return {
             'kind': 'file',
