@@ -52,6 +52,7 @@ from typing import Any
 from .digest import entry_digest, new_hasher
 from .errors import CheckpointCorruptError, CheckpointLocationError
 from .manifest import SIDECAR_SUFFIX, ManifestOrder, dump_manifest, parse_manifest
+from .store_retry import call as _call
 
 __all__ = [
     'RemoteCheckpoint',
@@ -133,19 +134,15 @@ def filesystem(url: str, backend_args: Mapping | None = None) -> tuple[Any, str]
 @contextlib.contextmanager
 def store_errors(url: str, doing: str) -> Iterator[None]:
     """A failure of the store while ``doing`` (e.g. ``'saving'``) ``url`` becomes one
-    ``CheckpointLocationError`` naming the URL, the store's answer and the fix."""
+    ``CheckpointLocationError`` naming the URL, the store's answer and the fix: refused
+    credentials, a permission denied, a missing bucket, a store that kept throttling or
+    failing after the retries (``store_retry.py``), an unreachable endpoint."""
     try:
         yield
     except (CheckpointCorruptError, CheckpointLocationError):
         raise
     except PermissionError as err:
-        raise _error(
-            err,
-            f'{doing} {url}: the store refused the request ({err}); check the credentials '
-            '(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or backend_args) and '
-            'that they may read and write this bucket',
-            doing,
-        ) from None
+        raise _error(err, f'{doing} {url}: {_refusal(err, doing)}', doing) from None
     except FileNotFoundError as err:
         if 'bucket' in str(err).lower():
             raise _error(
@@ -156,6 +153,9 @@ def store_errors(url: str, doing: str) -> Iterator[None]:
             ) from None
         raise
     except Exception as err:
+        message = _transient_message(err, url, doing)
+        if message is not None:
+            raise _error(err, message, doing) from None
         name = type(err).__name__
         if isinstance(err, OSError) or 'Connection' in name or 'Endpoint' in name:
             raise _error(
@@ -167,15 +167,81 @@ def store_errors(url: str, doing: str) -> Iterator[None]:
         raise
 
 
+#: the store's codes for credentials it does not accept (any other refusal is a permission)
+_BAD_CREDENTIALS = (
+    'InvalidAccessKeyId',
+    'SignatureDoesNotMatch',
+    'ExpiredToken',
+    'InvalidToken',
+    'TokenRefreshRequired',
+    'InvalidClientTokenId',
+)
+
+
+def _refusal(err: PermissionError, doing: str) -> str:
+    """Why the store refused: credentials it does not accept, a permission they lack, or
+    (a bare ``403`` with no code: the answer to a HEAD request) either."""
+    from .store_retry import codes
+
+    found = codes(err)
+    action = {'saving': 'write (s3:PutObject)', 'deleting': 'delete (s3:DeleteObject)'}
+    may = action.get(doing, 'read and list (s3:GetObject, s3:ListBucket)')
+    if 'AccessDenied' in found:
+        return (
+            f'permission denied ({err}): the credentials were accepted but may not {may} '
+            'here; grant that to them (the bucket policy or their IAM policy), or use '
+            'credentials that may (AWS_PROFILE, AWS_ACCESS_KEY_ID, or backend_args)'
+        )
+    either = '' if any(c in found for c in _BAD_CREDENTIALS) else f', or they may not {may} here'
+    return (
+        f'the store refused the request ({err}); check the credentials '
+        f'(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or backend_args){either}'
+    )
+
+
+def _transient_message(err: BaseException, url: str, doing: str) -> str | None:
+    """The message for a store that kept throttling, failing or dropping the connection
+    after every retry; None for another error."""
+    from .store_retry import kind, retried
+
+    what = kind(err)
+    if what is None:
+        return None
+    spent = retried(err)
+    tries = (
+        f'after {spent[0]} attempt(s) over {spent[1]:.1f} s (each retried by the client too)'
+        if spent
+        else "after the client's retries"
+    )
+    if what == 'throttled':
+        return (
+            f'{doing} {url}: the store kept throttling the requests (SlowDown: {err}) {tries}; '
+            'save less often (the checkpoint interval), spread runs over other prefixes, or '
+            'let the client retry longer (AWS_MAX_ATTEMPTS, or backend_args '
+            "config_kwargs=dict(retries=dict(mode='adaptive', max_attempts=10)))"
+        )
+    if what == 'server':
+        return (
+            f'{doing} {url}: the store kept failing ({type(err).__name__}: {err}) {tries}; '
+            "it is the store's own error: check its status, then run again"
+        )
+    return (
+        f'{doing} {url}: the connection kept breaking ({type(err).__name__}: {err}) {tries}; '
+        'check the network and the endpoint (AWS_ENDPOINT_URL or backend_args endpoint_url)'
+    )
+
+
 def _size(fs: Any, path: str) -> int:
     """The object's size as the store says now: fsspec filesystems answer from a listing
     they cached (another process may have written since), so that is dropped first."""
     fs.invalidate_cache(path)
-    return int(fs.size(path))
+    return int(_call(fs.size, path))
 
 
 def _error(err: BaseException, message: str, doing: str) -> CheckpointLocationError:
     code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
+    if isinstance(err, PermissionError):
+        code = errno.EACCES
     if doing == 'saving':
         message += '; the previous checkpoint is unchanged'
     return CheckpointLocationError(code, message)
@@ -189,7 +255,7 @@ def check_reachable(directory: str, backend_args: Mapping | None = None) -> None
     fs, path = filesystem(directory, backend_args)
     with store_errors(directory, 'checking'):
         try:
-            fs.ls(path, refresh=True)
+            _call(fs.ls, path, refresh=True)
             fs.invalidate_cache(path)  # see _size
         except FileNotFoundError as err:
             if 'bucket' in str(err).lower():
@@ -229,11 +295,11 @@ def upload_file(
     with store_errors(url, 'saving'):
         old = _listed_manifest(fs, path, url)
         if old is not None:  # step 1
-            fs.pipe_file(path + SIDECAR_SUFFIX, dump_manifest({**manifest, 'replaces': old}))
+            _call(fs.pipe_file, path + SIDECAR_SUFFIX, dump_manifest({**manifest, 'replaces': old}))
         fs.put_file(os.fspath(local), path)  # step 2
-        fs.pipe_file(path + SIDECAR_SUFFIX, dump_manifest(manifest))  # step 3
+        _call(fs.pipe_file, path + SIDECAR_SUFFIX, dump_manifest(manifest))  # step 3
         if update_pointer:  # step 4
-            fs.pipe_file(f'{parent(path)}/{POINTER_NAME}', url.encode())
+            _call(fs.pipe_file, f'{parent(path)}/{POINTER_NAME}', url.encode())
     if also_point is not None:
         write_local_pointer(also_point, url)
     return url
@@ -300,7 +366,7 @@ def read_manifest_at(url: str, backend_args: Mapping | None = None) -> dict | No
     fs, path = filesystem(url, backend_args)
     with store_errors(url, 'reading'):
         try:
-            raw = fs.cat_file(path + SIDECAR_SUFFIX)
+            raw = _call(fs.cat_file, path + SIDECAR_SUFFIX)
         except FileNotFoundError:
             return None
     return parse_manifest(raw, url + SIDECAR_SUFFIX)
@@ -459,7 +525,7 @@ def read_pointer(directory: str, backend_args: Mapping | None = None) -> str | N
     fs, path = filesystem(directory, backend_args)
     with store_errors(directory, 'reading'):
         try:
-            raw = fs.cat_file(f'{path.rstrip("/")}/{POINTER_NAME}')
+            raw = _call(fs.cat_file, f'{path.rstrip("/")}/{POINTER_NAME}')
         except FileNotFoundError:
             return None
     text = raw[:4097].decode('utf-8', errors='replace').strip()
@@ -478,7 +544,7 @@ def list_checkpoints(directory: str, backend_args: Mapping | None = None) -> lis
     fs, path = filesystem(directory, backend_args)
     with store_errors(directory, 'listing'):
         try:
-            entries = fs.ls(path, detail=True, refresh=True)
+            entries = _call(fs.ls, path, detail=True, refresh=True)
             fs.invalidate_cache(path)  # see _size
         except FileNotFoundError as err:
             if 'bucket' in str(err).lower():
@@ -494,7 +560,7 @@ def list_checkpoints(directory: str, backend_args: Mapping | None = None) -> lis
                 continue
             try:
                 manifest = parse_manifest(
-                    fs.cat_file(f'{path.rstrip("/")}/{name}'), join(directory, name)
+                    _call(fs.cat_file, f'{path.rstrip("/")}/{name}'), join(directory, name)
                 )
             except (CheckpointCorruptError, FileNotFoundError):
                 continue
@@ -622,4 +688,4 @@ def _delete(url: str, backend_args: Mapping | None) -> None:
     with store_errors(url, 'deleting'):
         for target in (path, path + SIDECAR_SUFFIX):
             with contextlib.suppress(FileNotFoundError):
-                fs.rm_file(target)
+                _call(fs.rm_file, target)
