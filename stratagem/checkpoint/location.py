@@ -28,11 +28,13 @@ size and digest match: no temporary copy on local disk.
 
 Retention (``apply_retention``) deletes a checkpoint's object, then its manifest (a kill
 between leaves a manifest that lists a missing object: never listed, never loaded), never
-the newest, the pointed-to one, or a protected one.
+the newest, the pointed-to one, or a protected one; then the debris of interrupted uploads
+older than the newest commit (``store_debris.py``).
 
 Every failure of the store becomes one ``CheckpointLocationError`` naming the URL and what
-to do (a missing bucket, refused credentials, an unreachable endpoint); a failed save
-changes nothing the previous checkpoint needs.
+to do (a missing bucket, refused credentials or a permission denied, a store that kept
+throttling or failing after the retries of ``store_retry.py``, an unreachable endpoint); a
+failed save changes nothing the previous checkpoint needs.
 """
 
 from __future__ import annotations
@@ -184,7 +186,11 @@ def _refusal(err: PermissionError, doing: str) -> str:
     from .store_retry import codes
 
     found = codes(err)
-    action = {'saving': 'write (s3:PutObject)', 'deleting': 'delete (s3:DeleteObject)'}
+    action = {
+        'saving': 'write (s3:PutObject)',
+        'probing': 'write and delete (s3:PutObject, s3:DeleteObject)',
+        'deleting': 'delete (s3:DeleteObject)',
+    }
     may = action.get(doing, 'read and list (s3:GetObject, s3:ListBucket)')
     if 'AccessDenied' in found:
         return (
@@ -635,8 +641,9 @@ def apply_retention(
 ) -> list[str]:
     """Delete checkpoints at ``directory`` beyond the newest ``max_keep_ckpts``
     (``retention.apply_retention`` for a URL): never the newest ones, the pointed-to one, or
-    one in ``protect``; objects no manifest lists are never touched. Returns the URLs
-    removed. Call it after the newest checkpoint's pointer moved."""
+    one in ``protect``. Then the debris of interrupted uploads of that series
+    (``store_debris.remove_debris``: never anything a live upload may be writing). Returns
+    the checkpoints' URLs removed. Call it after the newest checkpoint's pointer moved."""
     if type(max_keep_ckpts) is not int:
         raise TypeError(f'max_keep_ckpts must be an int (<= 0 keeps all), got {max_keep_ckpts!r}')
     if max_keep_ckpts <= 0:
@@ -660,6 +667,9 @@ def apply_retention(
         if info.url not in keep:
             _delete(info.url, backend_args)
             removed.append(info.url)
+    from .store_debris import remove_debris  # it reads this module's listings
+
+    remove_debris(directory, backend_args, pattern=pattern)
     return removed
 
 

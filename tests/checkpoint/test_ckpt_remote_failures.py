@@ -8,6 +8,7 @@ InternalError`` or a dropped connection (tests/s3_faults.py): the client's own r
 import errno
 import random
 import socket
+import time
 
 import pytest
 import torch
@@ -168,3 +169,87 @@ def test_what_is_transient_and_the_backoff():
     bounds = [min(4.0, 2 ** (n - 1)) for n in range(1, 6)]
     delays = [policy.delay(n, rng) for n in range(1, 6)]
     assert all(0 <= d <= b for d, b in zip(delays, bounds)) and len(set(delays)) == 5
+
+
+def _next_second():
+    """Sleep into the next whole second: the store's times have a resolution of 1 s."""
+    time.sleep(1.02 - time.time() % 1)
+
+
+def test_debris_is_listed_and_retention_removes_only_what_began_before_the_newest_commit(
+    s3, tmp_path
+):
+    """Debris of interrupted uploads (an object whose manifest never went up, a manifest
+    whose object is gone, a probe object, an incomplete multipart upload) is listed;
+    retention removes what began before the newest commit and matches its series, never an
+    upload begun after it (a live one) nor another file."""
+    from stratagem.checkpoint.store_debris import find_debris
+
+    prefix = f'{s3}/run'
+    bucket = s3[len('s3://') :]
+    s = _strategy(tmp_path)
+    s.save_checkpoint(f'{prefix}/iter_1.pth', extra_ckpt={'meta': {'iter': 1}})
+    fs, path = location.filesystem(prefix)
+    client = fs.call_s3  # botocore's client, as s3fs holds it
+
+    def incomplete_upload(name):
+        upload = client('create_multipart_upload', Bucket=bucket, Key=f'run/{name}')['UploadId']
+        client(
+            'upload_part',
+            Bucket=bucket,
+            Key=f'run/{name}',
+            UploadId=upload,
+            PartNumber=1,
+            Body=b'x' * 1024,
+        )
+        return upload
+
+    fs.pipe_file(f'{path}/iter_2.pth', b'PK\x03\x04 an upload whose manifest never went up')
+    fs.pipe_file(
+        f'{path}/iter_0.pth.manifest.json', fs.cat_file(f'{path}/iter_1.pth.manifest.json')
+    )
+    fs.pipe_file(f'{path}/.stratagem-probe-dead', b'a killed probe')
+    fs.pipe_file(f'{path}/notes.txt', b'not ours')
+    dead = incomplete_upload('iter_3.pth')
+    _next_second()
+    s.save_checkpoint(f'{prefix}/iter_4.pth', extra_ckpt={'meta': {'iter': 4}})
+    live = incomplete_upload('iter_5.pth')  # begun after the newest commit: may be live
+
+    found = {(d.url.rsplit('/', 1)[-1], d.kind): d for d in find_debris(prefix)}
+    assert sorted(found) == [
+        ('.stratagem-probe-dead', 'unlisted object'),
+        ('iter_0.pth.manifest.json', 'orphan manifest'),
+        ('iter_2.pth', 'unlisted object'),
+        ('iter_3.pth', 'incomplete multipart upload'),
+        ('iter_5.pth', 'incomplete multipart upload'),
+        ('notes.txt', 'unlisted object'),
+    ]
+    assert found['iter_3.pth', 'incomplete multipart upload'].upload_id == dead
+
+    assert location.apply_retention(prefix, 5, pattern='iter_*') == []
+    left = {(d.url.rsplit('/', 1)[-1], d.upload_id) for d in find_debris(prefix)}
+    assert left == {('notes.txt', None), ('iter_5.pth', live)}
+    assert [c.step for c in location.list_checkpoints(prefix)] == [4, 1]
+    uploads = client('list_multipart_uploads', Bucket=bucket, Prefix='run/').get('Uploads', [])
+    assert [u['UploadId'] for u in uploads] == [live]
+
+
+def test_doctor_probes_the_out_dir_and_lists_its_debris(s3, s3_server, tmp_path):
+    from stratagem.doctor import diagnose
+    from test_loop_out_dir import _cfg
+
+    cfg = _cfg(tmp_path / 'exp', f'{s3}/runs')
+    fs, path = location.filesystem(f'{s3}/runs/exp')
+    fs.pipe_file(f'{path}/iter_9.pth', b'debris')
+    findings, notes = diagnose(cfg, probe_disk=False, memory=False)
+    assert findings == []
+    assert f'checkpoints go to {s3}/runs/exp: written and removed a probe object' in notes
+    assert any(f'{s3}/runs/exp/iter_9.pth (unlisted object, 6 bytes)' in n for n in notes)
+    assert sorted(p.rsplit('/', 1)[-1] for p in fs.ls(path, refresh=True)) == ['iter_9.pth']
+
+    cfg['default_hooks']['checkpoint']['backend_args'] = dict(s3_server.read_only)
+    findings, _ = diagnose(cfg, probe_disk=False, memory=False)
+    assert [f.where for f in findings] == ['default_hooks.checkpoint.out_dir']
+    assert findings[0].problem.startswith(f'probing {s3}/runs/exp/.stratagem-probe-')
+    assert 'permission denied' in findings[0].problem
+    assert 'may not write and delete (s3:PutObject' in findings[0].problem
