@@ -1,18 +1,18 @@
 """The process the kill-during-upload soak kills (tests/checkpoint/test_ckpt_remote_soak.py).
 
-``python soak_upload_child.py PREFIX MAX_ITERS WORK_DIR OUT``: resume from the newest committed
-checkpoint at ``PREFIX`` (an S3 URL; the environment points at the server), then train to
-``MAX_ITERS``, saving ``iter_N.pth`` there after every iteration (8 MiB: most of the time
-goes to the upload) with ``max_keep_ckpts=3``. Prints ``resumed N``, then ``saving N`` and
-``saved N`` around each save, flushed, so that the test knows where its SIGKILL fell; at the
-end writes the final state to ``OUT``. :func:`run` with ``prefix=None`` is the
-uninterrupted reference, in the test's own process.
+:func:`child` (forked from a server that imported torch and stratagem once, so a restart
+costs no import): resume from the newest committed checkpoint at ``prefix`` (an S3 URL; the
+environment points at the server), then train to ``max_iters``, saving ``iter_N.pth`` there
+after every iteration (8 MiB: most of the time goes to the upload) with
+``max_keep_ckpts=3``. It writes ``resumed N``, then ``saving N`` and ``saved N`` around each
+save to its log, so that the test knows where its SIGKILL fell; at the end the final state
+to ``out``. :func:`run` with ``prefix=None`` is the uninterrupted reference, in the test's
+own process.
 """
 
 from __future__ import annotations
 
 import io
-import sys
 
 import torch
 from torch import nn
@@ -56,13 +56,15 @@ def run(prefix: str | None, max_iters: int, work_dir: str, say=print) -> bytes:
     return state_bytes(model, optim_wrapper)
 
 
-if __name__ == '__main__':
-    prefix, max_iters, work_dir, out = sys.argv[1:5]
+def child(prefix: str, max_iters: int, work_dir: str, out: str, log: str) -> None:
+    """The killed process's body: :func:`run`, its lines appended to ``log`` as they happen
+    (a file, not a pipe: a SIGKILL leaves every written line readable)."""
+    with open(log, 'a', buffering=1) as file:
 
-    def say(line: str) -> None:
-        print(line, flush=True)
+        def say(line: str) -> None:
+            file.write(line + '\n')
 
-    final = run(prefix, int(max_iters), work_dir, say)
-    with open(out, 'wb') as file:
-        file.write(final)
-    say('done')
+        final = run(prefix, max_iters, work_dir, say)
+        with open(out, 'wb') as target:
+            target.write(final)
+        say('done')

@@ -411,7 +411,8 @@ def interrupted_line(
             if is_url(directory):
                 latest = find_latest(directory, backend_args)
             else:
-                latest = find_latest_checkpoint(directory)
+                found = find_latest_checkpoint(directory)
+                latest = None if found is None else str(found)
     except OSError as err:
         if is_url(directory):
             return (

@@ -167,12 +167,14 @@ class FsspecCheckpointHook(CheckpointHook):
         if not location.is_url(str(self.out_dir)):
             super().before_train(runner)
             return
-        self.backend_args = {'backend': BACKEND_NAME, **dict(self.backend_args or {})}
-        self.file_client_args = dict(self.backend_args)
+        options: dict = dict(getattr(self, 'backend_args', None) or {})
+        self.backend_args = {'backend': BACKEND_NAME, **options}
+        hook: Any = self  # mmengine types these attributes narrower than it uses them
+        hook.file_client_args = dict(self.backend_args)
         try:
             super().before_train(runner)
         finally:
-            self.file_client_args = None
+            hook.file_client_args = None
         self.file_backend = get_file_backend(self.out_dir, backend_args=self.backend_args)
 
 
@@ -189,7 +191,7 @@ def use_fsspec_for_urls(cfg: dict, resume: bool | str) -> None:
     docstring, 2). Changes ``cfg`` in place."""
     hook = dict((cfg.get('default_hooks') or {}).get('checkpoint') or {})
     out_dir = hook.get('out_dir')
-    if not location.is_url(out_dir):
+    if not isinstance(out_dir, str) or not location.is_url(out_dir):
         return
     backend_args = dict(hook.get('backend_args') or {})
     if backend_args.get('backend', BACKEND_NAME) != BACKEND_NAME:

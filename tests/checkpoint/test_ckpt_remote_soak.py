@@ -7,53 +7,39 @@ loads and verifies, the automatic resume picks the pointed one. Each restart res
 the bucket; the last one runs to the end, and its final state equals the uninterrupted
 run's byte for byte; no upload debris is left."""
 
-import os
+import multiprocessing
 import random
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from stratagem.checkpoint import location
 from stratagem.checkpoint.store_debris import find_debris
 
-ROOT = Path(__file__).resolve().parents[2]
-CHILD = ROOT / 'tests' / 'soak_upload_child.py'
 MID_SAVE_KILLS = 20
 
 
-def _start(prefix, max_iters, work_dir, out):
-    env = {**os.environ, 'PYTHONPATH': str(ROOT), 'OMP_NUM_THREADS': '1'}
-    proc = subprocess.Popen(
-        [sys.executable, str(CHILD), prefix, str(max_iters), str(work_dir), str(out)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
+def _start(ctx, prefix, max_iters, work_dir, out, log):
+    from soak_upload_child import child
 
-    def read():
-        for line in proc.stdout:
-            lines.append(line.rstrip('\n'))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    return proc, lines, reader
+    proc = ctx.Process(target=child, args=(prefix, max_iters, str(work_dir), str(out), str(log)))
+    proc.start()
+    return proc
 
 
-def _wait_for(lines, proc, prefix, timeout=180.0):
+def _lines(log):
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def _wait_for(log, proc, word, timeout=180.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(line.startswith(prefix) for line in lines):
+        if any(line.startswith(word) for line in _lines(log)):
             return
-        if proc.poll() is not None:
+        if not proc.is_alive():
             break
         time.sleep(0.02)
-    raise AssertionError(f'no {prefix!r} line from the child: {lines[-20:]}')
+    raise AssertionError(f'no {word!r} line from the child: {_lines(log)[-20:]}')
 
 
 def _protocol(lines):
@@ -74,9 +60,13 @@ def _check_untorn(prefix):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_sigkill_at_random_points_of_uploads_never_tears_a_checkpoint(s3, tmp_path):
     from soak_upload_child import run
 
+    # children forked from a server that imported torch, stratagem and s3fs once
+    ctx = multiprocessing.get_context('forkserver')
+    ctx.set_forkserver_preload(['torch', 's3fs', 'stratagem.strategies', 'soak_upload_child'])
     prefix = f'{s3}/soak'
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
@@ -84,17 +74,17 @@ def test_sigkill_at_random_points_of_uploads_never_tears_a_checkpoint(s3, tmp_pa
     mid_save, kills, positions = 0, 0, []
     while mid_save < MID_SAVE_KILLS:
         assert kills < 4 * MID_SAVE_KILLS, f'seed {seed}: too few kills inside a save {positions}'
-        proc, lines, reader = _start(prefix, 10_000, work_dir, out)
+        log = tmp_path / f'run{kills}.log'
+        proc = _start(ctx, prefix, 10_000, work_dir, out, log)
         try:
-            _wait_for(lines, proc, 'resumed')
+            _wait_for(log, proc, 'resumed')
             time.sleep(rng.uniform(0.0, 2.0))
         finally:
             proc.kill()
-            proc.wait()
-            reader.join(timeout=10)
-        assert proc.returncode == -9, lines[-20:]
+            proc.join()
+        assert proc.exitcode == -9, _lines(log)[-20:]
         kills += 1
-        said = _protocol(lines)
+        said = _protocol(_lines(log))
         last = said[-1] if said else ''
         positions.append(last)
         mid_save += last.startswith('saving')
@@ -103,11 +93,12 @@ def test_sigkill_at_random_points_of_uploads_never_tears_a_checkpoint(s3, tmp_pa
     pointer = _check_untorn(prefix)
     assert pointer is not None, f'seed {seed}: nothing was ever committed: {positions}'
     end = int(pointer.rsplit('_', 1)[1][:-4]) + 3
-    proc, lines, reader = _start(prefix, end, work_dir, out)
-    assert proc.wait(timeout=300) == 0, lines[-30:]
-    reader.join(timeout=10)
-    said = _protocol(lines)
-    assert said[0] == f'resumed {end - 3}' and said[-1] == 'done', lines
+    log = tmp_path / 'last.log'
+    proc = _start(ctx, prefix, end, work_dir, out, log)
+    proc.join(timeout=300)
+    assert proc.exitcode == 0, _lines(log)[-30:]
+    said = _protocol(_lines(log))
+    assert said[0] == f'resumed {end - 3}' and said[-1] == 'done', said
     assert out.read_bytes() == run(None, end, str(tmp_path / 'reference'))
     assert location.read_pointer(prefix) == f'{prefix}/iter_{end}.pth'
     assert find_debris(prefix) == []
