@@ -110,7 +110,7 @@ def test_out_dir_and_backend_args_are_checked(tmp_path):
         train(cfg, progress=False)
 
 
-def test_an_unusable_out_dir_is_named_before_training(s3, tmp_path):
+def test_an_unusable_out_dir_is_named_before_training(s3, s3_server, tmp_path):
     missing = 's3://no-such-bucket-for-stratagem/runs'
     with pytest.raises(CheckpointLocationError) as caught:
         train(_cfg(tmp_path / 'w', missing), progress=False)
@@ -120,7 +120,13 @@ def test_an_unusable_out_dir_is_named_before_training(s3, tmp_path):
     cfg['default_hooks']['checkpoint']['backend_args'] = dict(key='wrong', secret='wrong')
     with pytest.raises(CheckpointLocationError, match='check the credentials'):
         train(cfg, progress=False)
+    # credentials that may read but not write: named now, not at the first save
+    cfg['default_hooks']['checkpoint']['backend_args'] = dict(s3_server.read_only)
+    with pytest.raises(CheckpointLocationError, match=r'permission denied .* may not write'):
+        train(cfg, progress=False)
     assert not (tmp_path / 'w' / 'last_checkpoint').exists()
+    fs, path = location.filesystem(f'{s3}/runs')
+    assert not fs.exists(path)  # no probe object left behind
 
 
 @pytest.mark.slow

@@ -255,8 +255,8 @@ def _error(err: BaseException, message: str, doing: str) -> CheckpointLocationEr
 
 def check_reachable(directory: str, backend_args: Mapping | None = None) -> None:
     """One listing of ``directory``: a missing bucket, refused credentials or an unreachable
-    endpoint raise ``CheckpointLocationError`` now, before a run trains toward its first
-    save (whether it may write is learnt at that save)."""
+    endpoint raise ``CheckpointLocationError`` now (whether it may write:
+    ``store_debris.probe_writable``, which the loop runs before it trains)."""
     directory = absolute(directory)
     fs, path = filesystem(directory, backend_args)
     with store_errors(directory, 'checking'):
