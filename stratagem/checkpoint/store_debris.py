@@ -113,8 +113,19 @@ def _listing(directory: str, backend_args: Mapping | None) -> tuple[Any, str, di
 def find_debris(directory: str, backend_args: Mapping | None = None) -> list[Debris]:
     """The debris directly under ``directory`` (the module docstring), oldest first."""
     directory = absolute(directory)
+    return _debris(directory, *_survey(directory, backend_args))
+
+
+def _survey(directory: str, backend_args: Mapping | None) -> tuple[Any, str, dict, list]:
+    """The filesystem and path, the files directly under ``directory`` and the committed
+    checkpoints there (the files listed first: a checkpoint committed in between has no
+    listed manifest, so it neither is debris nor moves the cutoff)."""
     fs, path, files = _listing(directory, backend_args)
-    listed = {c.url.rsplit('/', 1)[-1] for c in list_checkpoints(directory, backend_args)}
+    return fs, path, files, list_checkpoints(directory, backend_args)
+
+
+def _debris(directory: str, fs: Any, path: str, files: dict, committed: list) -> list[Debris]:
+    listed = {c.url.rsplit('/', 1)[-1] for c in committed}
     found = []
     for name, entry in files.items():
         if name == POINTER_NAME or name in listed:
@@ -188,15 +199,14 @@ def remove_debris(
     only debris whose name (an orphan manifest's: its object's) matches it, and probe
     objects. Returns what was removed."""
     directory = absolute(directory)
-    fs, path, files = _listing(directory, backend_args)
-    committed = list_checkpoints(directory, backend_args)
+    fs, path, files, committed = _survey(directory, backend_args)
     commits = [_began(files.get(c.url.rsplit('/', 1)[-1] + SIDECAR_SUFFIX, {})) for c in committed]
     known = [t for t in commits if t is not None]
     if not known:
         return []
     cutoff = max(known)
     removed = []
-    for debris in find_debris(directory, backend_args):
+    for debris in _debris(directory, fs, path, files, committed):
         name = debris.url.rsplit('/', 1)[-1]
         base = name[: -len(SIDECAR_SUFFIX)] if debris.kind == 'orphan manifest' else name
         if debris.began is None or debris.began >= cutoff:
