@@ -195,9 +195,12 @@ def remove_debris(
     directory: str, backend_args: Mapping | None = None, *, pattern: str | None = None
 ) -> list[Debris]:
     """Delete the debris under ``directory`` that began before its newest committed
-    checkpoint's manifest was written (the module docstring's rule); with ``pattern``,
-    only debris whose name (an orphan manifest's: its object's) matches it, and probe
-    objects. Returns what was removed."""
+    checkpoint's manifest was written (the module docstring's rule), and only the debris
+    of checkpoints: an incomplete multipart upload, a probe object, or an object (an
+    orphan manifest: its object) whose name matches ``pattern`` (e.g. ``'iter_*'``; without
+    one, a checkpoint's suffix: ``.pth``, ``.pt``, ``.ckpt``, ``.bin``, ``.safetensors``),
+    so that another file kept in the prefix is listed, never removed. Returns what was
+    removed."""
     directory = absolute(directory)
     fs, path, files, committed = _survey(directory, backend_args)
     commits = [_began(files.get(c.url.rsplit('/', 1)[-1] + SIDECAR_SUFFIX, {})) for c in committed]
@@ -211,9 +214,7 @@ def remove_debris(
         base = name[: -len(SIDECAR_SUFFIX)] if debris.kind == 'orphan manifest' else name
         if debris.began is None or debris.began >= cutoff:
             continue
-        if pattern is not None and not (
-            fnmatch.fnmatch(base, pattern) or name.startswith(PROBE_PREFIX)
-        ):
+        if not _ours(debris, base, pattern):
             continue
         target = f'{path.rstrip("/")}/{name}'
         with store_errors(debris.url, 'deleting'):
@@ -231,6 +232,19 @@ def remove_debris(
                     call(fs.rm_file, target)
         removed.append(debris)
     return removed
+
+
+_CHECKPOINT_SUFFIXES = ('.pth', '.pt', '.ckpt', '.bin', '.safetensors')
+
+
+def _ours(debris: Debris, base: str, pattern: str | None) -> bool:
+    """Whether ``debris`` (of an object named ``base``) is a checkpoint's, which retention
+    may remove (:func:`remove_debris`)."""
+    if debris.upload_id is not None or base.startswith(PROBE_PREFIX):
+        return True
+    if pattern is None:
+        return base.endswith(_CHECKPOINT_SUFFIXES)
+    return fnmatch.fnmatch(base, pattern)
 
 
 def probe_writable(directory: str, backend_args: Mapping | None = None) -> str:

@@ -63,14 +63,17 @@ class CheckpointDebrisHook(Hook):
         if getattr(runner, 'rank', 0) != 0:
             return
         dirs = {str(runner.work_dir)}
-        urls = {}
+        urls: dict[str, tuple[dict | None, str]] = {}
         for hook in runner.hooks:
             if isinstance(hook, CheckpointHook) and hook.out_dir:
                 if is_url(str(hook.out_dir)):
-                    urls[str(hook.out_dir)] = storage_options({'backend_args': hook.backend_args})
+                    # its checkpoints' names only: a LoggerHook may copy logs to the prefix
+                    series = hook.filename_tmpl.replace('{}', '*')
+                    options = storage_options({'backend_args': hook.backend_args})
+                    urls[str(hook.out_dir)] = (options, series)
                 else:
                     dirs.add(str(hook.out_dir))
         for directory in sorted(dirs):
             sweep_debris(directory)
-        for url, options in sorted(urls.items()):
-            remove_debris(url, options)
+        for url, (options, series) in sorted(urls.items()):
+            remove_debris(url, options, pattern=series)

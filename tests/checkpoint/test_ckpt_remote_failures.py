@@ -232,6 +232,8 @@ def test_debris_is_listed_and_retention_removes_only_what_began_before_the_newes
     assert [c.step for c in location.list_checkpoints(prefix)] == [4, 1]
     uploads = client('list_multipart_uploads', Bucket=bucket, Prefix='run/').get('Uploads', [])
     assert [u['UploadId'] for u in uploads] == [live]
+    location.apply_retention(prefix, 5)  # no pattern: checkpoints' suffixes, never notes.txt
+    assert {d.url.rsplit('/', 1)[-1] for d in find_debris(prefix)} == {'notes.txt', 'iter_5.pth'}
 
 
 def test_doctor_probes_the_out_dir_and_lists_its_debris(s3, s3_server, tmp_path):
