@@ -67,6 +67,7 @@ __all__ = [
     'join',
     'list_checkpoints',
     'load_file',
+    'put_object',
     'read_pointer',
     'upload_file',
 ]
@@ -309,6 +310,13 @@ def upload_file(
     if also_point is not None:
         write_local_pointer(also_point, url)
     return url
+
+
+def put_object(fs: Any, local: str | os.PathLike, path: str) -> None:
+    """Upload the local file ``local`` to ``path`` of ``fs`` under its final name: one PUT,
+    or a multipart upload visible only once completed (a kill leaves no part under the
+    name). The one upload of a staged file (a directory checkpoint's, ``remote_directory``)."""
+    fs.put_file(os.fspath(local), path)
 
 
 def write_local_pointer(directory: str | os.PathLike, url: str) -> None:
@@ -557,7 +565,9 @@ def list_checkpoints(directory: str, backend_args: Mapping | None = None) -> lis
                 raise
             return []
         sizes = {e['name'].rstrip('/').rsplit('/', 1)[-1]: e.get('size') for e in entries}
-        found = []
+        from .remote_directory import list_directories
+
+        found = list_directories(fs, path.rstrip('/'), directory, entries)
         for name in sorted(sizes):
             if not name.endswith(SIDECAR_SUFFIX):
                 continue
@@ -693,6 +703,10 @@ def delete_checkpoint(
 
 
 def _delete(url: str, backend_args: Mapping | None) -> None:
+    from .remote_directory import delete_directory
+
+    if delete_directory(url, backend_args):
+        return
     # the object first: a kill before the manifest goes leaves a manifest listing nothing
     fs, path = filesystem(url, backend_args)
     with store_errors(url, 'deleting'):
