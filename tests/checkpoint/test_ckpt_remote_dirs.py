@@ -1,0 +1,321 @@
+"""#42: directory checkpoints (FSDP's DCP directory, DeepSpeed's, converted ones) at an fsspec URL,
+the same behaviour as on a local directory: retention, the latest pointer, auto-resume,
+world-size changes and `convert`, parametrised over a local directory and a real local S3
+server (moto_server through s3fs, tests/s3_server.py); what a reader trusts on a store without
+rename; a 2-rank FSDP save to S3 resumed on 2 processes and on 1 (slow tier)."""
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from stratagem import checkpoint as ckpt
+from stratagem.checkpoint import location
+from stratagem.checkpoint.location import is_url, join
+from stratagem.strategies import SingleDeviceStrategy
+
+OPTIM = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
+
+
+def _prepared(work_dir):
+    s = SingleDeviceStrategy(work_dir=str(work_dir), env_kwargs=dict(randomness=dict(seed=1)))
+    torch.manual_seed(0)
+    out = s.prepare(
+        nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+        optim_wrapper=OPTIM,
+        param_scheduler=[dict(type='ConstantLR')],
+        dispatch_kwargs=dict(max_iters=10),
+    )
+    return s, out[0], out[1]
+
+
+def _train(model, optim_wrapper, steps):
+    for _ in range(steps):
+        optim_wrapper.update_params(model(torch.randn(3, 4)).square().mean())
+
+
+def _state_bytes(model, optim_wrapper):
+    buffer = io.BytesIO()
+    torch.save({'model': model.state_dict(), 'optim': optim_wrapper.state_dict()}, buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture(params=['local', 's3'])
+def where(request, tmp_path):
+    """Where the run's directory checkpoints go: a local directory, or a prefix on S3."""
+    if request.param == 'local':
+        return str(tmp_path / 'ckpts')
+    return f'{request.getfixturevalue("s3")}/ckpts'
+
+
+def _names(where):
+    if is_url(where):
+        return [c.url.rsplit('/', 1)[-1] for c in location.list_checkpoints(where)]
+    return [Path(c.path).name for c in ckpt.list_checkpoints(where)]
+
+
+def _retain(where, keep):
+    if is_url(where):
+        return location.apply_retention(where, keep)
+    return ckpt.apply_retention(where, keep)
+
+
+def _pointer(where):
+    if is_url(where):
+        return location.read_pointer(where)
+    return (Path(where) / 'last_checkpoint').read_text().strip()
+
+
+def test_sharded_directories_retention_pointer_auto_resume_and_convert(where, tmp_path):
+    """Sharded directories written by `convert` (file -> sharded, one process) at ``where``:
+    the pointer names the newest, load_or_resume(checkpoint_dir=where) resumes it and trains
+    on bit-equal to the uninterrupted run, retention keeps the newest, and `convert` reads it
+    back (sharded -> file) to the same weights and optimizer state."""
+    s, model, ow = _prepared(tmp_path / 'work')
+    staged = tmp_path / 'staged'
+    for it in (1, 2):
+        _train(model, ow, 1)
+        local = s.save_checkpoint(str(staged / f'iter_{it}.pth'), extra_ckpt={'meta': {'iter': it}})
+        out = ckpt.convert_checkpoint(local, join(where, f'iter_{it}'), to='sharded')
+        assert str(out) == join(where, f'iter_{it}')
+    at_2 = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, ow, 2)
+    expected = _state_bytes(model, ow)
+
+    assert _pointer(where) == join(where, 'iter_2')
+    assert _names(where) == ['iter_2', 'iter_1']
+    s2, model2, ow2 = _prepared(tmp_path / 'work2')
+    checkpoint = s2.load_or_resume(resume=True, checkpoint_dir=where)
+    assert checkpoint['meta']['iter'] == 2 and s2.resumed_from == join(where, 'iter_2')
+    assert all(torch.equal(model2.state_dict()[k], v) for k, v in at_2.items())
+    _train(model2, ow2, 2)
+    assert _state_bytes(model2, ow2) == expected
+
+    assert [str(p) for p in _retain(where, 1)] == [join(where, 'iter_1')]
+    assert _names(where) == ['iter_2']
+    back = ckpt.convert_checkpoint(join(where, 'iter_2'), tmp_path / 'back.pth')
+    original = ckpt.load_checkpoint_file(staged / 'iter_2.pth')
+    read = ckpt.load_checkpoint_file(back)
+    assert read['state_dict'].keys() == original['state_dict'].keys()
+    assert all(torch.equal(read['state_dict'][k], v) for k, v in original['state_dict'].items())
+    assert read['optimizer']['state'].keys() == original['optimizer']['state'].keys()
+
+
+def test_convert_between_urls_and_what_it_refuses(s3, tmp_path):
+    """`stratagem convert` from a URL to a URL (file -> sharded -> hf -> safetensors), and
+    to a local file; a URL that holds a directory is never overwritten, a missing source is
+    named; nothing is written locally but the local target."""
+    from stratagem.cli import main
+
+    weights = {'w': torch.arange(6.0).reshape(2, 3), 'b': torch.ones(2)}
+    local = ckpt.save_checkpoint(
+        {'meta': {'iter': 5}, 'state_dict': weights}, tmp_path / 'm.pth', update_pointer=False
+    )
+    ckpt.convert_checkpoint(local, f'{s3}/m.pth')  # a local file -> an object with its manifest
+    assert main(['convert', f'{s3}/m.pth', f'{s3}/sharded', '--to', 'sharded']) == 0
+    with pytest.warns(UserWarning, match='no config.json'):
+        assert main(['convert', f'{s3}/sharded', f'{s3}/hf', '--to', 'hf']) == 0
+    assert main(['convert', f'{s3}/hf', f'{s3}/w.safetensors']) == 0
+    assert main(['convert', f'{s3}/sharded', str(tmp_path / 'out.pth')]) == 0
+    got = ckpt.load_checkpoint_file(tmp_path / 'out.pth')
+    assert got['meta']['iter'] == 5
+    assert all(torch.equal(got['state_dict'][k], v) for k, v in weights.items())
+    fs, root = location.filesystem(s3)
+    from safetensors.torch import load
+
+    st = load(fs.cat_file(f'{root}/w.safetensors'))
+    assert all(torch.equal(st[k], v) for k, v in weights.items())
+
+    with pytest.raises(FileExistsError, match='cannot be replaced at a URL'):
+        ckpt.convert_checkpoint(f'{s3}/m.pth', f'{s3}/sharded', to='sharded', overwrite=True)
+    with pytest.raises(FileExistsError, match='exists; choose a new name'):
+        ckpt.convert_checkpoint(f'{s3}/m.pth', f'{s3}/hf', to='hf')
+    with pytest.raises(FileNotFoundError, match=f'checkpoint not found: {s3}/none'):
+        ckpt.convert_checkpoint(f'{s3}/none', f'{s3}/none2')
+    # the same-name upload of a file keeps the old one verifiable: --overwrite may replace it
+    ckpt.convert_checkpoint(f'{s3}/sharded', f'{s3}/m.pth', overwrite=True)
+    assert location.read_manifest_at(f'{s3}/m.pth')['source_format'] == 'sharded'
+    assert sorted(os.listdir(tmp_path)) == [
+        'm.pth',
+        'm.pth.manifest.json',
+        'out.pth',
+        'out.pth.manifest.json',
+    ]
+
+
+def test_a_directory_at_a_url_trusts_only_its_manifest(s3, tmp_path, monkeypatch):
+    """Objects of an upload that died (no manifest) are no checkpoint, and the next save of
+    that name removes them first; a committed directory is never replaced; a failed upload
+    commits nothing and moves no pointer; a damaged or missing file is named on read."""
+    from stratagem.checkpoint.sharded import read_sharded_checkpoint, save_sharded_checkpoint
+
+    prefix = f'{s3}/run'
+    fs, root = location.filesystem(prefix)
+    state = {'meta': {'iter': 1}, 'state_dict': {'w': torch.arange(8.0)}}
+    save_sharded_checkpoint(f'{prefix}/iter_1', state, step=1, collective=False)
+    fs.pipe_file(f'{root}/iter_2/__0_0.distcp', b'half an upload')  # debris
+    assert _names(prefix) == ['iter_1']
+    save_sharded_checkpoint(
+        f'{prefix}/iter_2', {**state, 'meta': {'iter': 2}}, step=2, collective=False
+    )
+    assert sorted(p.rsplit('/', 1)[-1] for p in fs.find(f'{root}/iter_2')) == [
+        '.metadata',
+        '__0_0.distcp',
+        'extra.pth',
+        'manifest.json',
+    ]
+    with pytest.raises(FileExistsError, match='holds a committed checkpoint'):
+        save_sharded_checkpoint(f'{prefix}/iter_2', state, step=2, collective=False)
+    assert read_sharded_checkpoint(f'{prefix}/iter_2')['meta']['iter'] == 2
+
+    import tempfile
+
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))  # where staging dirs go
+    calls = []
+
+    def failing(fs_, local, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(5, 'the store failed mid-upload')
+        fs_.put_file(os.fspath(local), path)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(location, 'put_object', failing)
+        patch.setattr('stratagem.checkpoint.remote_directory.put_object', failing)
+        with pytest.raises(ckpt.CheckpointLocationError, match='mid-upload'):
+            save_sharded_checkpoint(f'{prefix}/iter_3', state, step=3, collective=False)
+    assert not fs.exists(f'{root}/iter_3/manifest.json') and _names(prefix) == ['iter_2', 'iter_1']
+    assert location.read_pointer(prefix) == f'{prefix}/iter_2'
+    assert not list(tmp_path.glob('stratagem-upload-*'))  # this rank's staging removed
+
+    data = bytearray(fs.cat_file(f'{root}/iter_2/__0_0.distcp'))
+    data[-100] ^= 0xFF
+    fs.pipe_file(f'{root}/iter_2/__0_0.distcp', bytes(data))
+    with pytest.raises(
+        ckpt.CheckpointCorruptError, match=rf'{prefix}/iter_2/__0_0.distcp is damaged'
+    ):
+        read_sharded_checkpoint(f'{prefix}/iter_2')
+    fs.rm_file(f'{root}/iter_1/extra.pth')
+    with pytest.raises(FileNotFoundError, match=rf'{prefix}/iter_1/extra.pth is missing'):
+        read_sharded_checkpoint(f'{prefix}/iter_1')
+
+
+# ------------------------------------------------------------------------- FSDP (slow)
+class Block(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) + x
+
+
+def _fsdp(work_dir, **kwargs):
+    from stratagem.strategies import build_strategy
+
+    s = build_strategy(
+        dict(
+            type='FSDPStrategy',
+            work_dir=str(work_dir),
+            env_kwargs=dict(randomness=dict(seed=7)),
+            model_wrapper=dict(auto_wrap_policy=['Block', 'Linear']),
+            **kwargs,
+        )
+    )
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(6, 8), Block(), Block(), nn.Linear(8, 2))
+    model, ow = s.prepare(
+        net,
+        optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01)),
+        dispatch_kwargs=dict(max_iters=8),
+    )
+    return s, model, ow
+
+
+def _fsdp_train(s, model, ow, start, stop):
+    world = torch.distributed.get_world_size()
+    for it in range(start, stop):
+        g = torch.Generator().manual_seed(100 + it)
+        x, y = torch.randn(8, 6, generator=g), torch.randint(2, (8,), generator=g)
+        per = 8 // world
+        x, y = x[s.rank * per : (s.rank + 1) * per], y[s.rank * per : (s.rank + 1) * per]
+        ow.update_params(nn.functional.cross_entropy(model(x), y))
+
+
+def _full(s):
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model = get_model_state_dict(s.model, options=opts)
+    optim = get_optimizer_state_dict(s.model, s.optim_wrapper.optimizer, options=opts)
+    buffer = io.BytesIO()
+    torch.save({'model': model, 'optim': optim['state']}, buffer)
+    return buffer.getvalue()
+
+
+def _fsdp_save(prefix, work_dir):
+    """2 ranks: an async sharded save to S3 at iter 3 (training goes on meanwhile), another
+    at iter 6; returns the full state at 3 and at 6."""
+    s, model, ow = _fsdp(work_dir, async_checkpoint=True)
+    _fsdp_train(s, model, ow, 0, 3)
+    at_3 = _full(s)
+    assert (
+        s.save_checkpoint(f'{prefix}/iter_3', extra_ckpt={'meta': {'iter': 3}})
+        == f'{prefix}/iter_3'
+    )
+    _fsdp_train(s, model, ow, 3, 6)
+    at_6 = _full(s)
+    s.save_checkpoint(f'{prefix}/iter_6', extra_ckpt={'meta': {'iter': 6}})
+    s.wait_for_checkpoints()
+    return at_3, at_6
+
+
+def _fsdp_resume(prefix, work_dir):
+    """Any world size: iter_3 resumed (in place, each rank reading its pieces) and trained to
+    6; the newest found by load_or_resume(checkpoint_dir=prefix); a save at this world size."""
+    s, model, ow = _fsdp(work_dir)
+    assert s.resume(f'{prefix}/iter_3')['meta']['iter'] == 3
+    loaded = _full(s)
+    _fsdp_train(s, model, ow, 3, 6)
+    trained = _full(s)
+    s2, _, _ = _fsdp(work_dir)
+    latest = s2.load_or_resume(resume=True, checkpoint_dir=prefix)
+    world = torch.distributed.get_world_size()
+    s2.save_checkpoint(f'{prefix}/world_{world}', extra_ckpt={'meta': {'iter': 6}})
+    return loaded, trained, latest['meta']['iter'], s2.resumed_from
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_save_to_s3_resumed_on_two_and_on_one(s3, tmp_path):
+    from dist_harness import run_distributed
+
+    prefix = f'{s3}/fsdp'
+    work = str(tmp_path / 'work')
+    (at_3, at_6), _ = run_distributed(_fsdp_save, nproc=2, args=(prefix, work), timeout=300)
+    fs, root = location.filesystem(prefix)
+    files = sorted(p[len(root) + 1 :] for p in fs.find(f'{root}/iter_3'))
+    assert files == ['.metadata', '__0_0.distcp', '__1_0.distcp', 'extra.pth', 'manifest.json']
+    assert location.read_pointer(prefix) == f'{prefix}/iter_6'
+    manifest = location.read_manifest_at(f'{prefix}/iter_3')  # a directory: no sidecar
+    assert manifest is None
+    from stratagem.checkpoint.remote_directory import read_remote_manifest
+
+    assert read_remote_manifest(f'{prefix}/iter_3')[0]['world_size'] == 2
+
+    two = run_distributed(_fsdp_resume, nproc=2, args=(prefix, work), timeout=300)
+    assert all(r[0] == at_3 and r[1] == at_6 for r in two)  # bit-equal on 2 ranks
+    assert all(r[2] == 6 and r[3] == f'{prefix}/iter_6' for r in two)
+    (one,) = run_distributed(_fsdp_resume, nproc=1, args=(prefix, work), timeout=300)
+    assert one[0] == at_3  # 2 -> 1: the same full state, resharded
+    assert one[2] == 6 and one[3] == f'{prefix}/world_2'  # the newest, by the pointer
+    assert location.read_pointer(prefix) == f'{prefix}/world_1'
+    # the newest two kept (all at step 6: by creation), the pointed-to among them
+    assert location.apply_retention(prefix, 2) == [f'{prefix}/iter_6', f'{prefix}/iter_3']
+    assert _names(prefix) == ['world_1', 'world_2']
