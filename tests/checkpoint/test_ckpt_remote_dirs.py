@@ -252,7 +252,7 @@ def _full(s):
         get_optimizer_state_dict,
     )
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    opts = StateDictOptions(full_state_dict=True)
     model = get_model_state_dict(s.model, options=opts)
     optim = get_optimizer_state_dict(s.model, s.optim_wrapper.optimizer, options=opts)
     buffer = io.BytesIO()
@@ -280,8 +280,44 @@ def _fsdp_save(prefix, work_dir):
 def _fsdp_resume(prefix, work_dir):
     """Any world size: iter_3 resumed (in place, each rank reading its pieces) and trained to
     6; the newest found by load_or_resume(checkpoint_dir=prefix); a save at this world size."""
+    import contextlib
+
+    from stratagem.checkpoint import remote_directory
+
     s, model, ow = _fsdp(work_dir)
-    assert s.resume(f'{prefix}/iter_3')['meta']['iter'] == 3
+    # what this rank read of each shard file from the store: whole (verified, then kept in
+    # memory for the read), or ranges of a file another rank verified
+    whole, ranged = set(), {}
+    read_hashed, open_ = remote_directory._read_hashed, remote_directory.RemoteDirectory.open
+
+    def spy_read(fs, path, size, entries, url):
+        whole.add(url.rsplit('/', 1)[-1])
+        return read_hashed(fs, path, size, entries, url)
+
+    class Counted:
+        def __init__(self, stream, name):
+            self.stream, self.name = stream, name
+
+        def read(self, n=-1):
+            data = self.stream.read(n)
+            ranged[self.name] = ranged.get(self.name, 0) + len(data)
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    @contextlib.contextmanager
+    def spy_open(self, relative):
+        with open_(self, relative) as stream:
+            yield stream if relative in self.cache else Counted(stream, relative)
+
+    remote_directory._read_hashed = spy_read
+    remote_directory.RemoteDirectory.open = spy_open
+    try:
+        assert s.resume(f'{prefix}/iter_3')['meta']['iter'] == 3
+    finally:
+        remote_directory._read_hashed = read_hashed
+        remote_directory.RemoteDirectory.open = open_
     loaded = _full(s)
     _fsdp_train(s, model, ow, 3, 6)
     trained = _full(s)
@@ -289,7 +325,13 @@ def _fsdp_resume(prefix, work_dir):
     latest = s2.load_or_resume(resume=True, checkpoint_dir=prefix)
     world = torch.distributed.get_world_size()
     s2.save_checkpoint(f'{prefix}/world_{world}', extra_ckpt={'meta': {'iter': 6}})
-    return loaded, trained, latest['meta']['iter'], s2.resumed_from
+    fs, root = location.filesystem(prefix)
+    sizes = {name: fs.size(f'{root}/iter_3/{name}') for name in ranged}
+    shards = (
+        sorted(name for name in whole if name.endswith('.distcp')),
+        {name: (n, sizes[name]) for name, n in ranged.items() if name.endswith('.distcp')},
+    )
+    return loaded, trained, latest['meta']['iter'], s2.resumed_from, shards
 
 
 @pytest.mark.slow
@@ -300,7 +342,7 @@ def test_fsdp_two_ranks_save_to_s3_resumed_on_two_and_on_one(s3, tmp_path):
     work = str(tmp_path / 'work')
     (at_3, at_6), _ = run_distributed(_fsdp_save, nproc=2, args=(prefix, work), timeout=300)
     fs, root = location.filesystem(prefix)
-    files = sorted(p[len(root) + 1 :] for p in fs.find(f'{root}/iter_3'))
+    files = sorted(p[len(root) + len('/iter_3/') :] for p in fs.find(f'{root}/iter_3'))
     assert files == ['.metadata', '__0_0.distcp', '__1_0.distcp', 'extra.pth', 'manifest.json']
     assert location.read_pointer(prefix) == f'{prefix}/iter_6'
     manifest = location.read_manifest_at(f'{prefix}/iter_3')  # a directory: no sidecar
@@ -312,8 +354,23 @@ def test_fsdp_two_ranks_save_to_s3_resumed_on_two_and_on_one(s3, tmp_path):
     two = run_distributed(_fsdp_resume, nproc=2, args=(prefix, work), timeout=300)
     assert all(r[0] == at_3 and r[1] == at_6 for r in two)  # bit-equal on 2 ranks
     assert all(r[2] == 6 and r[3] == f'{prefix}/iter_6' for r in two)
+    # at the saving world size each rank reads (and verifies) its own shard file once, and of
+    # the other rank's exactly the items DCP stored there once for all ranks (the optimizer's
+    # step counters and hyperparameters: one chunk, or bytes): none of the other's shards
+    import pickle
+
+    metadata = pickle.loads(fs.cat_file(f'{root}/iter_3/.metadata'))
+    replicated = {}
+    for index, info in metadata.storage_data.items():
+        if len(getattr(metadata.state_dict_metadata[index.fqn], 'chunks', [None])) == 1:
+            replicated[info.relative_path] = replicated.get(info.relative_path, 0) + info.length
+    for rank, (_, _, _, _, (own, others)) in enumerate(two):
+        other = f'__{1 - rank}_0.distcp'
+        assert own == [f'__{rank}_0.distcp']
+        assert others.get(other, (0, 0))[0] == replicated.get(other, 0), (others, replicated)
     (one,) = run_distributed(_fsdp_resume, nproc=1, args=(prefix, work), timeout=300)
     assert one[0] == at_3  # 2 -> 1: the same full state, resharded
+    assert one[4] == (['__0_0.distcp', '__1_0.distcp'], {})  # verified, then read from memory
     assert one[2] == 6 and one[3] == f'{prefix}/world_2'  # the newest, by the pointer
     assert location.read_pointer(prefix) == f'{prefix}/world_1'
     # the newest two kept (all at step 6: by creation), the pointed-to among them
