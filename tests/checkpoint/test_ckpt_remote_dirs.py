@@ -376,3 +376,83 @@ def test_fsdp_two_ranks_save_to_s3_resumed_on_two_and_on_one(s3, tmp_path):
     # the newest two kept (all at step 6: by creation), the pointed-to among them
     assert location.apply_retention(prefix, 2) == [f'{prefix}/iter_6', f'{prefix}/iter_3']
     assert _names(prefix) == ['world_1', 'world_2']
+
+
+# -------------------------------------------------------------------- DeepSpeed (slow)
+def _deepspeed_round_trip(prefix, work_dir):
+    """1 rank, ZeRO-2: save DeepSpeed's directory to S3 (async), resume it in a fresh
+    strategy (downloaded, verified, for DeepSpeed's engine) and train on; the newest found
+    by load_or_resume(checkpoint_dir=prefix); the weights alone by load_checkpoint."""
+    from torch.nn import functional as F
+
+    from stratagem.strategies import build_strategy
+
+    def make(**kwargs):
+        s = build_strategy(
+            dict(
+                type='DeepSpeedStrategy',
+                work_dir=work_dir,
+                env_kwargs=dict(randomness=dict(seed=7)),
+                zero_optimization=dict(stage=2),
+                **kwargs,
+            )
+        )
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        model, ow = s.prepare(
+            net,
+            optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05)),
+            dispatch_kwargs=dict(max_iters=8, train_micro_batch_size_per_gpu=4),
+        )
+        return s, model, ow
+
+    def train(model, ow, start, stop):
+        for it in range(start, stop):
+            g = torch.Generator().manual_seed(1000 + it)
+            x, y = torch.randn(4, 6, generator=g), torch.randint(3, (4,), generator=g)
+            ow.update_params(F.cross_entropy(model(x), y))
+
+    def weights(s):
+        return {k: v.detach().float().clone() for k, v in s.model_state_dict().items()}
+
+    s, model, ow = make(async_checkpoint=True)
+    train(model, ow, 0, 2)
+    at_2 = weights(s)
+    s.save_checkpoint(f'{prefix}/iter_2', extra_ckpt={'meta': {'iter': 2}})
+    train(model, ow, 2, 4)
+    at_4 = weights(s)
+    s.wait_for_checkpoints()
+
+    s2, model2, ow2 = make()
+    assert s2.load_or_resume(resume=True, checkpoint_dir=prefix)['meta']['iter'] == 2
+    resumed = weights(s2)
+    train(model2, ow2, 2, 4)
+    s3_, _, _ = make()
+    s3_.load_checkpoint(f'{prefix}/iter_2')
+    return (
+        all(torch.equal(resumed[k], v) for k, v in at_2.items()),
+        all(torch.equal(weights(s2)[k], v) for k, v in at_4.items()),
+        all(torch.equal(weights(s3_)[k], v) for k, v in at_2.items()),
+        s2.resumed_from,
+    )
+
+
+@pytest.mark.slow
+def test_deepspeed_directory_saved_to_s3_and_resumed(s3, tmp_path, monkeypatch):
+    pytest.importorskip('deepspeed')
+    from dist_harness import run_distributed
+
+    temp = tmp_path / 'tmp'  # the rank's staging and download directories go here
+    temp.mkdir()
+    monkeypatch.setenv('TMPDIR', str(temp))
+    prefix = f'{s3}/ds'
+    (result,) = run_distributed(
+        _deepspeed_round_trip, nproc=1, args=(prefix, str(tmp_path / 'work')), timeout=400
+    )
+    assert result == (True, True, True, f'{prefix}/iter_2')
+    fs, root = location.filesystem(prefix)
+    names = {p[len(root) + len('/iter_2/') :] for p in fs.find(f'{root}/iter_2')}
+    assert {'manifest.json', 'stratagem_state.pth'} <= names
+    assert any(n.startswith('deepspeed/') and 'optim_states' in n for n in names)
+    assert location.read_pointer(prefix) == f'{prefix}/iter_2'
+    assert not list(temp.glob('stratagem-*'))  # uploaded from, downloaded to: removed
