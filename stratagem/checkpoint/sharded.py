@@ -273,10 +273,10 @@ def read_sharded_header(
     in memory for the read."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path, manifest = _verified(path, backend_args)
+    source, manifest = _verified(path, backend_args)
     if manifest.get('optimizer_keys', 'fqn') != 'fqn':
         return None
-    dcp_metadata = _reader(path).read_metadata()
+    dcp_metadata = _reader(source).read_metadata()
     metadata = dcp_metadata.state_dict_metadata
     weights = {}
     for key, item in metadata.items():
@@ -287,7 +287,7 @@ def read_sharded_header(
                 item.size, dtype=item.properties.dtype, device='meta'
             )
     groups: list = []
-    extra = _read_extra(path, groups)
+    extra = _read_extra(source, groups)
     saved_optimizer = any(key.startswith('optimizer.') for key in metadata)
     if optimizer and saved_optimizer and not groups:
         return None
@@ -298,13 +298,13 @@ def read_sharded_header(
             'param_groups': groups,
             'state': {},
         }
-    partial = read_partial_grads(path)
+    partial = read_partial_grads(source)
     if partial:
         checkpoint['partial_grads'] = partial
     checkpoint.update(extra)
-    if isinstance(path, RemoteDirectory):
-        path.dcp_metadata = dcp_metadata
-        return checkpoint, path
+    if isinstance(source, RemoteDirectory):
+        source.dcp_metadata = dcp_metadata
+        return checkpoint, source
     return checkpoint, dcp_metadata
 
 
@@ -360,18 +360,18 @@ def load_sharded_checkpoint(
     read in full instead (``read_sharded_checkpoint``'s result). ``path`` may be a URL
     (``backend_args``: its storage options).
     """
-    path, manifest = _verified(path, backend_args)
+    source, manifest = _verified(path, backend_args)
     if manifest.get('optimizer_keys', 'fqn') != 'fqn':
-        return _read_full(path, manifest)
+        return _read_full(source, manifest)
     state = {'state_dict': _fresh_tensors(model_state)}
-    if optim_state is not None and 'optimizer' in (manifest.get('dcp_keys') or _dcp_keys(path)):
+    if optim_state is not None and 'optimizer' in (manifest.get('dcp_keys') or _dcp_keys(source)):
         state['optimizer'] = _fresh_tensors(optim_state)
-    _dcp_read(path, state)
-    extra = _read_extra(path)
+    _dcp_read(source, state)
+    extra = _read_extra(source)
     checkpoint = {'meta': extra.pop('meta', {}), 'state_dict': state['state_dict']}
     if 'optimizer' in state:
         checkpoint['optimizer'] = {**state['optimizer'], **extra.pop('optimizer_extra', {})}
-    partial = read_partial_grads(path)
+    partial = read_partial_grads(source)
     if partial:
         checkpoint['partial_grads'] = partial
     checkpoint.update(extra)
