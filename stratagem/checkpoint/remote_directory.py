@@ -6,9 +6,11 @@ listing every one of them (size, digest, the writing rank). The save (``director
 steps, the same vote) on such a store:
 
 1. Rank 0 checks the target: a committed checkpoint of that name (its ``manifest.json`` is
-   there) is refused (without rename nothing could replace it whole: a kill half-way would
-   lose it), and so is an object of that name; objects under the name that no manifest
-   lists (an upload that died) are removed. Every rank gets a local staging directory of
+   there) that ``last_checkpoint`` names is refused (without rename nothing could replace
+   it whole: a kill half-way would lose it); one the pointer does not name (a run resumed
+   from an earlier checkpoint saves that iteration again) is deleted first, with a warning;
+   an object of that name is refused; objects under the name that no manifest lists (an
+   upload that died) are removed. Every rank gets a local staging directory of
    its own (nodes need not share a filesystem).
 2. Every rank writes its files there, hashed as written (the local protocol's writers,
    unchanged), then uploads each under its final name (``location.put_object``: one PUT, or
@@ -115,12 +117,7 @@ def prepare_remote_target(url: str, backend_args: Mapping | None = None) -> None
         committed = fs.exists(f'{root}/{DIR_MANIFEST}')
         a_file = not committed and (fs.isfile(root) or fs.exists(root + SIDECAR_SUFFIX))
     if committed:
-        raise FileExistsError(
-            f'{url} holds a committed checkpoint; a directory checkpoint at a URL is never '
-            'replaced (the store has no rename: a failure half-way would lose both). Save '
-            'under a new name (iter_N), or delete it first '
-            '(stratagem.checkpoint.location.delete_checkpoint)'
-        )
+        _replace_committed(url, backend_args)
     if a_file:
         raise FileExistsError(
             f'{url} is a single-file checkpoint; a directory checkpoint cannot take its '
@@ -130,6 +127,36 @@ def prepare_remote_target(url: str, backend_args: Mapping | None = None) -> None
         if _listing(fs, root):  # an upload that died before its manifest: never a checkpoint
             fs.rm(root, recursive=True)
             fs.invalidate_cache(root)
+
+
+def _replace_committed(url: str, backend_args: Mapping | None) -> None:
+    """A committed directory of the target's name: refused when ``last_checkpoint`` names it
+    (replacing it could lose the checkpoint a resume would use); otherwise (a run resumed
+    from an older one saves that iteration again) deleted first, manifest first, with a
+    warning: until the new one commits, the pointer still names a complete checkpoint."""
+    from stratagem import env  # imported on use: see checkpoint/__init__.py
+
+    from .location import read_pointer
+
+    try:
+        pointed = read_pointer(parent(url), backend_args)
+    except ValueError:
+        pointed = None
+    if pointed == url:
+        raise FileExistsError(
+            f'{url} holds a committed checkpoint that {parent(url)}/{POINTER_NAME} names; a '
+            'directory checkpoint at a URL cannot be replaced whole (the store has no rename: '
+            'a failure half-way would lose it). Save under a new name (iter_N), or delete it '
+            'first (stratagem.checkpoint.location.delete_checkpoint)'
+        )
+    env.warn_rank_zero(
+        f'{url} holds a committed checkpoint, which this save replaces (it is not the one '
+        f'{POINTER_NAME} names: a run resumed from an earlier one saves that iteration '
+        'again); it is deleted first, so until the new one commits that name holds none',
+        CheckpointWarning,
+        stacklevel=4,
+    )
+    delete_directory(url, backend_args)
 
 
 def upload_directory_files(

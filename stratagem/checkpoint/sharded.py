@@ -127,7 +127,9 @@ def save_sharded_checkpoint(
         # byte. Rank 0's extra.pth (and a rank's pending gradients) are written on a thread
         # meanwhile, mostly overlapping DCP's planning collectives and its fsync.
         # a full disk is refused before anything is written (the staging dir is still empty)
-        check_free_space(staging, _bytes_needed(tensors, side_objects) * _ranks_sharing_disk())
+        # (at a URL the local disk that stages the files)
+        where = staging if is_url(os.fspath(final_dir)) else Path(final_dir).absolute()
+        check_free_space(where, _bytes_needed(tensors, side_objects) * _ranks_sharing_disk())
         writer = dcp.FileSystemWriter(staging, thread_count=1)
         side = []
         if partial_grads is not None:

@@ -148,8 +148,9 @@ def test_convert_between_urls_and_what_it_refuses(s3, tmp_path):
 
 def test_a_directory_at_a_url_trusts_only_its_manifest(s3, tmp_path, monkeypatch):
     """Objects of an upload that died (no manifest) are no checkpoint, and the next save of
-    that name removes them first; a committed directory is never replaced; a failed upload
-    commits nothing and moves no pointer; a damaged or missing file is named on read."""
+    that name removes them first; the committed directory the pointer names is never
+    replaced, another one is (with a warning); a failed upload commits nothing and moves no
+    pointer; a damaged or missing file is named on read."""
     from stratagem.checkpoint.sharded import read_sharded_checkpoint, save_sharded_checkpoint
 
     prefix = f'{s3}/run'
@@ -167,9 +168,16 @@ def test_a_directory_at_a_url_trusts_only_its_manifest(s3, tmp_path, monkeypatch
         'extra.pth',
         'manifest.json',
     ]
-    with pytest.raises(FileExistsError, match='holds a committed checkpoint'):
+    with pytest.raises(FileExistsError, match='holds a committed checkpoint that .* names'):
         save_sharded_checkpoint(f'{prefix}/iter_2', state, step=2, collective=False)
     assert read_sharded_checkpoint(f'{prefix}/iter_2')['meta']['iter'] == 2
+    # the pointer names iter_2: iter_1 saved again (a run resumed from an earlier one)
+    with pytest.warns(ckpt.CheckpointWarning, match='iter_1 holds a committed checkpoint, which'):
+        save_sharded_checkpoint(
+            f'{prefix}/iter_1', {**state, 'meta': {'iter': 7}}, step=1, collective=False
+        )
+    assert read_sharded_checkpoint(f'{prefix}/iter_1')['meta']['iter'] == 7
+    fs.pipe_file(f'{root}/last_checkpoint', f'{prefix}/iter_2'.encode())  # moved back
 
     import tempfile
 
@@ -456,3 +464,41 @@ def test_deepspeed_directory_saved_to_s3_and_resumed(s3, tmp_path, monkeypatch):
     assert any(n.startswith('deepspeed/') and 'optim_states' in n for n in names)
     assert location.read_pointer(prefix) == f'{prefix}/iter_2'
     assert not list(temp.glob('stratagem-*'))  # uploaded from, downloaded to: removed
+
+
+@pytest.mark.slow
+def test_stratagem_train_fsdp_with_out_dir_on_s3_resumes_in_an_empty_work_dir(s3, tmp_path):
+    """`stratagem train` of the FSDP example on 2 processes with mmengine's out_dir on S3:
+    sharded directories in the bucket, max_keep_ckpts applied there, the pointer in both
+    places; then `--resume` on a "new machine" (an empty work_dir of the same name) resumes
+    from the bucket alone and finishes the run."""
+    from stratagem.cli import main
+
+    example = Path(__file__).resolve().parents[2] / 'examples' / 'configs' / 'transformer_fsdp.py'
+    options = [
+        'train_cfg.max_iters=8',
+        'train_cfg.max_epochs=None',
+        'train_cfg.checkpoint_interval=2',
+        'train_cfg.max_keep_ckpts=2',
+        f'default_hooks.checkpoint.out_dir={s3}/runs',
+    ]
+
+    def train(work_dir, *extra, max_iters=6):
+        args = ['train', str(example), '--nproc', '2', '--work-dir', str(work_dir)]
+        return main(
+            [*args, *extra, '--cfg-options', *options[1:], f'train_cfg.max_iters={max_iters}']
+        )
+
+    assert train(tmp_path / 'a' / 'exp') == 0
+    prefix = f'{s3}/runs/exp'
+    assert _names(prefix) == ['iter_6.pth', 'iter_4.pth']  # retention in the bucket
+    assert location.read_pointer(prefix) == f'{prefix}/iter_6.pth'
+    assert (tmp_path / 'a' / 'exp' / 'last_checkpoint').read_text() == f'{prefix}/iter_6.pth'
+    from stratagem.checkpoint.remote_directory import read_remote_manifest
+
+    assert read_remote_manifest(f'{prefix}/iter_6.pth')[0]['world_size'] == 2
+
+    assert train(tmp_path / 'b' / 'exp', '--resume', max_iters=8) == 0
+    assert location.read_pointer(prefix) == f'{prefix}/iter_8.pth'
+    assert ckpt.convert_checkpoint(f'{prefix}/iter_8.pth', tmp_path / 'final.pth')
+    assert ckpt.load_checkpoint_file(tmp_path / 'final.pth')['meta']['iter'] == 8
