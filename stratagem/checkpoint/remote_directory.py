@@ -318,13 +318,15 @@ def verify_remote_directory(
     backend_args: Mapping | None = None,
     collective: bool = True,
     keep: bool = True,
+    hash_bytes: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> RemoteDirectory:
     """``directory.verify_directory`` at a URL: every listed file present at its size (one
     listing, every rank), each digest checked by one rank (reading the file once; ``keep``:
     its bytes kept for the read), the same manifest on every rank; any failure raises the
     same error on every rank, naming the file. Objects no manifest lists are ignored (a
-    ``CheckpointWarning`` names them)."""
+    ``CheckpointWarning`` names them). ``hash_bytes=False``: sizes and manifest only (a
+    caller that hashes every byte as it reads them: ``download_directory``)."""
     from stratagem import env  # imported on use: see checkpoint/__init__.py
 
     url = absolute(url)
@@ -363,7 +365,7 @@ def verify_remote_directory(
                     f'says {entry["size"]} (truncated or overwritten); it was not loaded'
                 )
             owner = entry.get('rank', i) if own else i
-            if owner % world == rank:
+            if hash_bytes and owner % world == rank:
                 with store_errors(where, 'reading'):
                     data = _read_hashed(
                         fs, f'{root}/{entry["path"]}', entry['size'], [entry], where
@@ -406,34 +408,57 @@ def download_directory(
     """A local copy of the directory checkpoint at ``url`` for readers of local files only
     (DeepSpeed's engine, Hugging Face directories): verified (``verify_remote_directory``;
     ``collective``: every rank calls it and each downloads), each file written to a new
-    temporary directory as it is hashed, with the manifest. The caller removes it."""
-    from .manifest import _identity, remember_verified
+    temporary directory as it is hashed, with the manifest; a failure on any rank raises on
+    every rank. The caller removes it."""
+    from stratagem import env  # imported on use: see checkpoint/__init__.py
 
     remote = verify_remote_directory(
-        url, backend_args=backend_args, collective=collective, keep=False, progress=progress
+        url,
+        backend_args=backend_args,
+        collective=collective,
+        hash_bytes=False,  # each byte is hashed below, as it arrives
+        progress=progress,
     )
     local = Path(tempfile.mkdtemp(prefix='stratagem-download-'))
+    error = None
     try:
-        for relative, entry in remote.entries.items():
-            target = local / relative
-            target.parent.mkdir(parents=True, exist_ok=True)
-            algo, expected = entry_digest(entry)
-            hasher = new_hasher(algo)
-            with remote.open(relative) as stream, open(target, 'wb') as out:
-                while chunk := stream.read(_CHUNK):
-                    hasher.update(chunk)
-                    out.write(chunk)
-            if hasher.hexdigest() != expected or target.stat().st_size != entry['size']:
-                raise CheckpointCorruptError(
-                    f'{url}/{relative} is damaged: its {algo} is {hasher.hexdigest()}, its '
-                    f'manifest says {expected}; it was not loaded'
-                )
-            remember_verified(target, expected, _identity(target), algo)
-        (local / DIR_MANIFEST).write_bytes(dump_manifest(remote.manifest))
-    except BaseException:
+        _download(remote, local)
+    except Exception as err:  # noqa: BLE001 - exchanged, raised on every rank
+        error = err
+    except BaseException:  # an interrupt: no half copy left behind
         shutil.rmtree(local, ignore_errors=True)
         raise
+    outcomes = [None if error is None else describe_error(error)]
+    if collective and not all_ok(error is not None):
+        outcomes = env.all_gather_object(outcomes[0])
+    if any(o is not None for o in outcomes):
+        shutil.rmtree(local, ignore_errors=True)
+        raise_first(outcomes, error, f'downloading {url}', CheckpointCorruptError)
     return local
+
+
+def _download(remote: RemoteDirectory, local: Path) -> None:
+    """Every file of ``remote`` into ``local``, each hashed as it arrives and checked against
+    the manifest, then the manifest itself."""
+    from .manifest import _identity, remember_verified
+
+    url = remote.url
+    for relative, entry in remote.entries.items():
+        target = local / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        algo, expected = entry_digest(entry)
+        hasher = new_hasher(algo)
+        with remote.open(relative) as stream, open(target, 'wb') as out:
+            while chunk := stream.read(_CHUNK):
+                hasher.update(chunk)
+                out.write(chunk)
+        if hasher.hexdigest() != expected or target.stat().st_size != entry['size']:
+            raise CheckpointCorruptError(
+                f'{url}/{relative} is damaged: its {algo} is {hasher.hexdigest()}, its '
+                f'manifest says {expected}; it was not loaded'
+            )
+        remember_verified(target, expected, _identity(target), algo)
+    (local / DIR_MANIFEST).write_bytes(dump_manifest(remote.manifest))
 
 
 def remote_format(url: str, backend_args: Mapping | None = None) -> str | None:

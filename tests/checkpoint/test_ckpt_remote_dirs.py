@@ -138,6 +138,12 @@ def test_convert_between_urls_and_what_it_refuses(s3, tmp_path):
     # the same-name upload of a file keeps the old one verifiable: --overwrite may replace it
     ckpt.convert_checkpoint(f'{s3}/sharded', f'{s3}/m.pth', overwrite=True)
     assert location.read_manifest_at(f'{s3}/m.pth')['source_format'] == 'sharded'
+    # a directory read through a local copy (Hugging Face's) is verified as it downloads
+    data = bytearray(fs.cat_file(f'{root}/hf/model.safetensors'))
+    data[-3] ^= 0xFF
+    fs.pipe_file(f'{root}/hf/model.safetensors', bytes(data))
+    with pytest.raises(ckpt.CheckpointCorruptError, match=f'{s3}/hf/model.safetensors is damaged'):
+        ckpt.convert_checkpoint(f'{s3}/hf', tmp_path / 'never.pth')
     assert sorted(os.listdir(tmp_path)) == [
         'm.pth',
         'm.pth.manifest.json',
