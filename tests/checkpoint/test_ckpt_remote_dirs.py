@@ -280,13 +280,12 @@ def _fsdp_save(prefix, work_dir):
     s, model, ow = _fsdp(work_dir, async_checkpoint=True)
     _fsdp_train(s, model, ow, 0, 3)
     at_3 = _full(s)
-    assert (
-        s.save_checkpoint(f'{prefix}/iter_3', extra_ckpt={'meta': {'iter': 3}})
-        == f'{prefix}/iter_3'
+    assert s.save_checkpoint(join(prefix, 'iter_3'), extra_ckpt={'meta': {'iter': 3}}) == join(
+        prefix, 'iter_3'
     )
     _fsdp_train(s, model, ow, 3, 6)
     at_6 = _full(s)
-    s.save_checkpoint(f'{prefix}/iter_6', extra_ckpt={'meta': {'iter': 6}})
+    s.save_checkpoint(join(prefix, 'iter_6'), extra_ckpt={'meta': {'iter': 6}})
     s.wait_for_checkpoints()
     return at_3, at_6
 
@@ -328,7 +327,7 @@ def _fsdp_resume(prefix, work_dir):
     remote_directory._read_hashed = spy_read
     remote_directory.RemoteDirectory.open = spy_open
     try:
-        assert s.resume(f'{prefix}/iter_3')['meta']['iter'] == 3
+        assert s.resume(join(prefix, 'iter_3'))['meta']['iter'] == 3
     finally:
         remote_directory._read_hashed = read_hashed
         remote_directory.RemoteDirectory.open = open_
@@ -338,58 +337,83 @@ def _fsdp_resume(prefix, work_dir):
     s2, _, _ = _fsdp(work_dir)
     latest = s2.load_or_resume(resume=True, checkpoint_dir=prefix)
     world = torch.distributed.get_world_size()
-    s2.save_checkpoint(f'{prefix}/world_{world}', extra_ckpt={'meta': {'iter': 6}})
-    fs, root = location.filesystem(prefix)
-    sizes = {name: fs.size(f'{root}/iter_3/{name}') for name in ranged}
-    shards = (
-        sorted(name for name in whole if name.endswith('.distcp')),
-        {name: (n, sizes[name]) for name, n in ranged.items() if name.endswith('.distcp')},
-    )
+    s2.save_checkpoint(join(prefix, f'world_{world}'), extra_ckpt={'meta': {'iter': 6}})
+    shards = None
+    if is_url(prefix):
+        fs, root = location.filesystem(prefix)
+        sizes = {name: fs.size(f'{root}/iter_3/{name}') for name in ranged}
+        shards = (
+            sorted(name for name in whole if name.endswith('.distcp')),
+            {name: (n, sizes[name]) for name, n in ranged.items() if name.endswith('.distcp')},
+        )
     return loaded, trained, latest['meta']['iter'], s2.resumed_from, shards
 
 
+def _files(where, name):
+    """The files of the directory checkpoint ``name`` at ``where``, relative to it."""
+    if is_url(where):
+        fs, root = location.filesystem(join(where, name))
+        return sorted(p[len(root) + 1 :] for p in fs.find(root))
+    top = Path(where, name)
+    return sorted(p.relative_to(top).as_posix() for p in top.rglob('*') if p.is_file())
+
+
+def _manifest(where, name):
+    if is_url(where):
+        from stratagem.checkpoint.remote_directory import read_remote_manifest
+
+        return read_remote_manifest(join(where, name))[0]
+    import json
+
+    return json.loads(Path(where, name, 'manifest.json').read_text())
+
+
 @pytest.mark.slow
-def test_fsdp_two_ranks_save_to_s3_resumed_on_two_and_on_one(s3, tmp_path):
+def test_fsdp_two_ranks_sharded_save_resumed_on_two_and_on_one(where, tmp_path):
+    """FSDP on 2 ranks saves sharded directories (async) to ``where``, a local directory or
+    S3; resumed on 2 processes bit-equal, and on 1 (the same full state, resharded); the
+    newest found by load_or_resume(checkpoint_dir=); retention and the pointer after."""
     from dist_harness import run_distributed
 
-    prefix = f'{s3}/fsdp'
     work = str(tmp_path / 'work')
-    (at_3, at_6), _ = run_distributed(_fsdp_save, nproc=2, args=(prefix, work), timeout=300)
-    fs, root = location.filesystem(prefix)
-    files = sorted(p[len(root) + len('/iter_3/') :] for p in fs.find(f'{root}/iter_3'))
-    assert files == ['.metadata', '__0_0.distcp', '__1_0.distcp', 'extra.pth', 'manifest.json']
-    assert location.read_pointer(prefix) == f'{prefix}/iter_6'
-    manifest = location.read_manifest_at(f'{prefix}/iter_3')  # a directory: no sidecar
-    assert manifest is None
-    from stratagem.checkpoint.remote_directory import read_remote_manifest
+    (at_3, at_6), _ = run_distributed(_fsdp_save, nproc=2, args=(where, work), timeout=300)
+    files = ['.metadata', '__0_0.distcp', '__1_0.distcp', 'extra.pth', 'manifest.json']
+    assert _files(where, 'iter_3') == files
+    assert _pointer(where) == join(where, 'iter_6')
+    assert _manifest(where, 'iter_3')['world_size'] == 2
 
-    assert read_remote_manifest(f'{prefix}/iter_3')[0]['world_size'] == 2
-
-    two = run_distributed(_fsdp_resume, nproc=2, args=(prefix, work), timeout=300)
+    two = run_distributed(_fsdp_resume, nproc=2, args=(where, work), timeout=300)
     assert all(r[0] == at_3 and r[1] == at_6 for r in two)  # bit-equal on 2 ranks
-    assert all(r[2] == 6 and r[3] == f'{prefix}/iter_6' for r in two)
-    # at the saving world size each rank reads (and verifies) its own shard file once, and of
-    # the other rank's exactly the items DCP stored there once for all ranks (the optimizer's
-    # step counters and hyperparameters: one chunk, or bytes): none of the other's shards
+    assert all(r[2] == 6 and r[3] == join(where, 'iter_6') for r in two)
+    if is_url(where):
+        _assert_own_pieces(where, [r[4] for r in two])
+    (one,) = run_distributed(_fsdp_resume, nproc=1, args=(where, work), timeout=300)
+    assert one[0] == at_3  # 2 -> 1: the same full state, resharded
+    assert one[2] == 6 and one[3] == join(where, 'world_2')  # the newest, by the pointer
+    if is_url(where):  # every file verified, then read from memory
+        assert one[4] == (['__0_0.distcp', '__1_0.distcp'], {})
+    assert _pointer(where) == join(where, 'world_1')
+    # the newest two kept (all at step 6: by creation), the pointed-to among them
+    assert [str(p) for p in _retain(where, 2)] == [join(where, 'iter_6'), join(where, 'iter_3')]
+    assert _names(where) == ['world_1', 'world_2']
+
+
+def _assert_own_pieces(prefix, reads):
+    """At the saving world size each rank reads (and verifies) its own shard file once, and
+    of the other rank's exactly the items DCP stored there once for all ranks (the
+    optimizer's step counters and hyperparameters: one chunk, or bytes): none of its shards."""
     import pickle
 
+    fs, root = location.filesystem(prefix)
     metadata = pickle.loads(fs.cat_file(f'{root}/iter_3/.metadata'))
     replicated = {}
     for index, info in metadata.storage_data.items():
         if len(getattr(metadata.state_dict_metadata[index.fqn], 'chunks', [None])) == 1:
             replicated[info.relative_path] = replicated.get(info.relative_path, 0) + info.length
-    for rank, (_, _, _, _, (own, others)) in enumerate(two):
+    for rank, (own, others) in enumerate(reads):
         other = f'__{1 - rank}_0.distcp'
         assert own == [f'__{rank}_0.distcp']
         assert others.get(other, (0, 0))[0] == replicated.get(other, 0), (others, replicated)
-    (one,) = run_distributed(_fsdp_resume, nproc=1, args=(prefix, work), timeout=300)
-    assert one[0] == at_3  # 2 -> 1: the same full state, resharded
-    assert one[4] == (['__0_0.distcp', '__1_0.distcp'], {})  # verified, then read from memory
-    assert one[2] == 6 and one[3] == f'{prefix}/world_2'  # the newest, by the pointer
-    assert location.read_pointer(prefix) == f'{prefix}/world_1'
-    # the newest two kept (all at step 6: by creation), the pointed-to among them
-    assert location.apply_retention(prefix, 2) == [f'{prefix}/iter_6', f'{prefix}/iter_3']
-    assert _names(prefix) == ['world_1', 'world_2']
 
 
 # -------------------------------------------------------------------- DeepSpeed (slow)
