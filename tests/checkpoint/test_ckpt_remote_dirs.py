@@ -417,82 +417,102 @@ def _assert_own_pieces(prefix, reads):
 
 
 # -------------------------------------------------------------------- DeepSpeed (slow)
-def _deepspeed_round_trip(prefix, work_dir):
-    """1 rank, ZeRO-2: save DeepSpeed's directory to S3 (async), resume it in a fresh
-    strategy (downloaded, verified, for DeepSpeed's engine) and train on; the newest found
-    by load_or_resume(checkpoint_dir=prefix); the weights alone by load_checkpoint."""
-    from torch.nn import functional as F
-
+def _deepspeed(work_dir, **kwargs):
     from stratagem.strategies import build_strategy
 
-    def make(**kwargs):
-        s = build_strategy(
-            dict(
-                type='DeepSpeedStrategy',
-                work_dir=work_dir,
-                env_kwargs=dict(randomness=dict(seed=7)),
-                zero_optimization=dict(stage=2),
-                **kwargs,
-            )
+    s = build_strategy(
+        dict(
+            type='DeepSpeedStrategy',
+            work_dir=work_dir,
+            env_kwargs=dict(randomness=dict(seed=7)),
+            zero_optimization=dict(stage=2),
+            **kwargs,
         )
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-        model, ow = s.prepare(
-            net,
-            optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05)),
-            dispatch_kwargs=dict(max_iters=8, train_micro_batch_size_per_gpu=4),
-        )
-        return s, model, ow
-
-    def train(model, ow, start, stop):
-        for it in range(start, stop):
-            g = torch.Generator().manual_seed(1000 + it)
-            x, y = torch.randn(4, 6, generator=g), torch.randint(3, (4,), generator=g)
-            ow.update_params(F.cross_entropy(model(x), y))
-
-    def weights(s):
-        return {k: v.detach().float().clone() for k, v in s.model_state_dict().items()}
-
-    s, model, ow = make(async_checkpoint=True)
-    train(model, ow, 0, 2)
-    at_2 = weights(s)
-    s.save_checkpoint(f'{prefix}/iter_2', extra_ckpt={'meta': {'iter': 2}})
-    train(model, ow, 2, 4)
-    at_4 = weights(s)
-    s.wait_for_checkpoints()
-
-    s2, model2, ow2 = make()
-    assert s2.load_or_resume(resume=True, checkpoint_dir=prefix)['meta']['iter'] == 2
-    resumed = weights(s2)
-    train(model2, ow2, 2, 4)
-    s3_, _, _ = make()
-    s3_.load_checkpoint(f'{prefix}/iter_2')
-    return (
-        all(torch.equal(resumed[k], v) for k, v in at_2.items()),
-        all(torch.equal(weights(s2)[k], v) for k, v in at_4.items()),
-        all(torch.equal(weights(s3_)[k], v) for k, v in at_2.items()),
-        s2.resumed_from,
     )
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    model, ow = s.prepare(
+        net,
+        optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05)),
+        dispatch_kwargs=dict(max_iters=8, train_micro_batch_size_per_gpu=4),
+    )
+    return s, model, ow
+
+
+def _deepspeed_train(s, model, ow, start, stop):
+    for it in range(start, stop):
+        g = torch.Generator().manual_seed(1000 + 10 * it + s.rank)
+        x, y = torch.randn(4, 6, generator=g), torch.randint(3, (4,), generator=g)
+        ow.update_params(nn.functional.cross_entropy(model(x), y))
+
+
+def _deepspeed_weights(s):
+    return {k: v.detach().float().clone() for k, v in s.model_state_dict().items()}
+
+
+def _deepspeed_save(prefix, work_dir):
+    """ZeRO-2 on this world size: an async save of DeepSpeed's directory to S3 at iteration
+    2; returns the weights at 2 and at 4."""
+    s, model, ow = _deepspeed(work_dir, async_checkpoint=True)
+    _deepspeed_train(s, model, ow, 0, 2)
+    at_2 = _deepspeed_weights(s)
+    s.save_checkpoint(f'{prefix}/iter_2', extra_ckpt={'meta': {'iter': 2}})
+    _deepspeed_train(s, model, ow, 2, 4)
+    at_4 = _deepspeed_weights(s)
+    s.wait_for_checkpoints()
+    return at_2, at_4
+
+
+def _deepspeed_resume(prefix, work_dir):
+    """The newest at ``prefix`` resumed (downloaded, verified, for DeepSpeed's engine; at
+    another world size through its universal checkpoint) and trained to 4; the weights
+    alone by load_checkpoint."""
+    s, model, ow = _deepspeed(work_dir)
+    at = s.load_or_resume(resume=True, checkpoint_dir=prefix)['meta']['iter']
+    resumed = _deepspeed_weights(s)
+    _deepspeed_train(s, model, ow, 2, 4)
+    weights_only, _, _ = _deepspeed(work_dir)
+    weights_only.load_checkpoint(f'{prefix}/iter_2')
+    return at, resumed, _deepspeed_weights(s), _deepspeed_weights(weights_only), s.resumed_from
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow
-def test_deepspeed_directory_saved_to_s3_and_resumed(s3, tmp_path, monkeypatch):
+def test_deepspeed_directory_saved_to_s3_resumed_on_one_and_from_two(s3, tmp_path, monkeypatch):
+    """DeepSpeed's directory on S3: saved on 1 rank and resumed on 1 bit-equal; saved on 2
+    ranks and resumed on 1 (a world-size change: DeepSpeed's universal checkpoint) with the
+    saved weights. Every rank's staging and download directories are removed."""
     pytest.importorskip('deepspeed')
     from dist_harness import run_distributed
 
-    temp = tmp_path / 'tmp'  # the rank's staging and download directories go here
+    temp = tmp_path / 'tmp'  # the ranks' staging and download directories go here
     temp.mkdir()
     monkeypatch.setenv('TMPDIR', str(temp))
+    work = str(tmp_path / 'work')
     prefix = f'{s3}/ds'
-    (result,) = run_distributed(
-        _deepspeed_round_trip, nproc=1, args=(prefix, str(tmp_path / 'work')), timeout=400
+    ((at_2, at_4),) = run_distributed(_deepspeed_save, nproc=1, args=(prefix, work), timeout=400)
+    ((at, resumed, trained, weights, resumed_from),) = run_distributed(
+        _deepspeed_resume, nproc=1, args=(prefix, work), timeout=400
     )
-    assert result == (True, True, True, f'{prefix}/iter_2')
-    fs, root = location.filesystem(prefix)
-    names = {p[len(root) + len('/iter_2/') :] for p in fs.find(f'{root}/iter_2')}
-    assert {'manifest.json', 'stratagem_state.pth'} <= names
+    assert at == 2
+    assert _equal(resumed, at_2) and _equal(trained, at_4) and _equal(weights, at_2)
+    assert resumed_from == f'{prefix}/iter_2'
+    names = _files(prefix, 'iter_2')
+    assert {'manifest.json', 'stratagem_state.pth'} <= set(names)
     assert any(n.startswith('deepspeed/') and 'optim_states' in n for n in names)
     assert location.read_pointer(prefix) == f'{prefix}/iter_2'
+
+    two = f'{s3}/ds2'
+    (at_2, _), _ = run_distributed(_deepspeed_save, nproc=2, args=(two, work), timeout=400)
+    assert _manifest(two, 'iter_2')['world_size'] == 2
+    ((at, resumed, _, weights, _),) = run_distributed(
+        _deepspeed_resume, nproc=1, args=(two, work), timeout=400
+    )
+    assert at == 4  # 2 iterations of 2 ranks: 4 of this one's (the samples seen)
+    assert _equal(resumed, at_2) and _equal(weights, at_2)
     assert not list(temp.glob('stratagem-*'))  # uploaded from, downloaded to: removed
 
 
