@@ -106,9 +106,10 @@ def _listing(fs: Any, root: str) -> dict[str, int]:
 
 # ------------------------------------------------------------------------------- save
 def prepare_remote_target(url: str, backend_args: Mapping | None = None) -> None:
-    """Step 1 at a URL (rank 0): refuse a name that holds a committed checkpoint or an
-    object; remove the objects an interrupted upload left under it (no manifest lists
-    them)."""
+    """Step 1 at a URL (rank 0): refuse a name that holds the committed checkpoint the
+    pointer names, or an object; delete another committed one of that name
+    (``_replace_committed``); remove the objects an interrupted upload left under it (no
+    manifest lists them)."""
     from .names import check_final_name
 
     check_final_name(url.rsplit('/', 1)[-1])
