@@ -61,6 +61,7 @@ from .location import (
 )
 from .manifest import DIR_MANIFEST, SIDECAR_SUFFIX, build_manifest, dump_manifest, parse_manifest
 from .rank_errors import all_ok, describe_error, raise_first
+from .store_retry import call
 
 __all__ = [
     'RemoteDirectory',
@@ -89,7 +90,7 @@ def _listing(fs: Any, root: str) -> dict[str, int]:
     """``{relative path: size}`` of every object under ``root`` (fresh: not a cached list)."""
     fs.invalidate_cache(root)
     try:
-        found = fs.find(root, detail=True)
+        found = call(fs.find, root, detail=True)
     except FileNotFoundError:
         return {}
     finally:
@@ -115,8 +116,8 @@ def prepare_remote_target(url: str, backend_args: Mapping | None = None) -> None
     check_final_name(url.rsplit('/', 1)[-1])
     fs, root = _root(url, backend_args)
     with store_errors(url, 'saving'):
-        committed = fs.exists(f'{root}/{DIR_MANIFEST}')
-        a_file = not committed and (fs.isfile(root) or fs.exists(root + SIDECAR_SUFFIX))
+        committed = call(fs.exists, f'{root}/{DIR_MANIFEST}')
+        a_file = not committed and (call(fs.isfile, root) or call(fs.exists, root + SIDECAR_SUFFIX))
     if committed:
         _replace_committed(url, backend_args)
     if a_file:
@@ -126,7 +127,7 @@ def prepare_remote_target(url: str, backend_args: Mapping | None = None) -> None
         )
     with store_errors(url, 'saving'):
         if _listing(fs, root):  # an upload that died before its manifest: never a checkpoint
-            fs.rm(root, recursive=True)
+            call(fs.rm, root, recursive=True)
             fs.invalidate_cache(root)
 
 
@@ -205,9 +206,9 @@ def commit_remote_directory(
     with store_errors(url, 'saving'):
         _check_uploaded(fs, root, url, files)
         manifest = build_manifest('directory', name, files, step, extra)
-        fs.pipe_file(f'{root}/{DIR_MANIFEST}', dump_manifest(manifest))
+        call(fs.pipe_file, f'{root}/{DIR_MANIFEST}', dump_manifest(manifest))
         if update_pointer:
-            fs.pipe_file(f'{parent(root)}/{POINTER_NAME}', url.encode())
+            call(fs.pipe_file, f'{parent(root)}/{POINTER_NAME}', url.encode())
     if also_point is not None:
         write_local_pointer(also_point, url)
     return url
@@ -232,7 +233,7 @@ def upload_directory(
     with store_errors(url, 'saving'):
         _check_uploaded(fs, root, url, manifest['files'])
         manifest['name'] = url.rsplit('/', 1)[-1]
-        fs.pipe_file(f'{root}/{DIR_MANIFEST}', dump_manifest(manifest))
+        call(fs.pipe_file, f'{root}/{DIR_MANIFEST}', dump_manifest(manifest))
     return url
 
 
@@ -242,7 +243,7 @@ def read_remote_manifest(url: str, backend_args: Mapping | None = None) -> tuple
     fs, root = _root(url, backend_args)
     with store_errors(url, 'reading'):
         try:
-            raw = fs.cat_file(f'{root}/{DIR_MANIFEST}')
+            raw = call(fs.cat_file, f'{root}/{DIR_MANIFEST}')
         except FileNotFoundError:
             return None
     manifest = parse_manifest(raw, f'{url}/{DIR_MANIFEST}')
@@ -470,7 +471,7 @@ def remote_format(url: str, backend_args: Mapping | None = None) -> str | None:
     found = read_remote_manifest(url, backend_args)
     if found is None:
         with store_errors(url, 'reading'):
-            return 'file' if fs.isfile(root) else None
+            return 'file' if call(fs.isfile, root) else None
     paths = {e['path'] for e in found[0]['files']}
     if any(p.startswith('deepspeed/') for p in paths):
         return 'zero'
@@ -507,7 +508,8 @@ def list_directories(
             continue
         try:
             manifest = parse_manifest(
-                fs.cat_file(f'{root}/{name}/{DIR_MANIFEST}'), join(directory, f'{name}/manifest')
+                call(fs.cat_file, f'{root}/{name}/{DIR_MANIFEST}'),
+                join(directory, f'{name}/manifest'),
             )
         except (CheckpointCorruptError, FileNotFoundError):
             continue
@@ -523,11 +525,11 @@ def delete_directory(url: str, backend_args: Mapping | None = None) -> bool:
     its files. False when ``url`` is no directory."""
     fs, root = _root(url, backend_args)
     with store_errors(url, 'deleting'):
-        if not fs.exists(f'{root}/{DIR_MANIFEST}'):
+        if not call(fs.exists, f'{root}/{DIR_MANIFEST}'):
             return False
-        fs.rm_file(f'{root}/{DIR_MANIFEST}')
+        call(fs.rm_file, f'{root}/{DIR_MANIFEST}')
         with contextlib.suppress(FileNotFoundError):
-            fs.rm(root, recursive=True)
+            call(fs.rm, root, recursive=True)
         fs.invalidate_cache(root)
     return True
 
@@ -538,4 +540,4 @@ def is_remote_directory(url: str, backend_args: Mapping | None = None) -> bool:
         return False
     fs, root = _root(url, backend_args)
     with store_errors(url, 'reading'):
-        return bool(fs.exists(f'{root}/{DIR_MANIFEST}'))
+        return bool(call(fs.exists, f'{root}/{DIR_MANIFEST}'))
