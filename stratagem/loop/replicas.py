@@ -61,6 +61,16 @@ class Replicas:
         self.flush(it)
         return it
 
+    def finish(self, it: int) -> None:
+        """The run's last line of the group: its step and its state's digest (every group
+        of a job ends with the same)."""
+        group = self.group
+        self.strategy.logger.info(
+            f'replica group {group.replica_id}: finished at iteration {it}, step {group.step}; '
+            f'state digest {group.digest()}'
+        )
+        group.shutdown()
+
     def writes_checkpoints(self) -> bool:
         """Whether this group saves the job's checkpoints (the lowest live one)."""
         return bool(self.group.writes_checkpoints())

@@ -167,6 +167,8 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
         assert preemption is not None
         _finish_preempted(preemption, preempted, p.strategy, it, p.checkpoints.directory)
     p.checkpoints.finish()
+    if p.replicas is not None:
+        p.replicas.finish(it)
     return {
         'strategy': p.strategy,
         'losses': p.meter.losses,

@@ -40,6 +40,7 @@ shapes, a replica id two live groups use.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -457,6 +458,22 @@ class ReplicaGroup:
             {'step': int(position['step']), 'batches_committed': int(position['batches_committed'])}
         )
 
+    def digest(self) -> str:
+        """A SHA-256 of the model's and the optimizer's state (every tensor's bytes and
+        every plain value, in order): equal in two groups exactly when their states are."""
+        assert self._module is not None
+        h = hashlib.sha256()
+        for value in _leaves(
+            {'model': self._module.state_dict(), 'optim': self._wrapper.state_dict()}
+        ):
+            if isinstance(value, torch.Tensor):
+                t = value.detach().cpu().contiguous()
+                h.update(f'{t.dtype}{tuple(t.shape)}'.encode())
+                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b'')
+            else:
+                h.update(repr(value).encode())
+        return h.hexdigest()
+
     def shutdown(self) -> None:
         """Leave the job (the Manager's servers stopped)."""
         if self.manager is not None:
@@ -497,6 +514,19 @@ class ReplicaGroup:
             if key in state:
                 shared.load(state[key])
         self.heals.append(Heal(peer=peer, step=self.step, seconds=0.0))
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    """The tensors and plain values of a nested state, keys included, in a fixed order."""
+    if isinstance(value, Mapping):
+        for key in sorted(value, key=repr):
+            yield key
+            yield from _leaves(value[key])
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
 
 
 def _signature_difference(mine: Mapping[str, list], theirs: Mapping[str, list]) -> str:
