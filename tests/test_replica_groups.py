@@ -263,18 +263,55 @@ def lighthouse():
         lh.close()
 
 
-def group(cfg: Path, work_dir: Path, replica: int, address: str, *args: str, **env: str):
-    return start(
-        cfg,
-        work_dir,
-        '--replica-id',
-        str(replica),
-        '--lighthouse',
-        address,
-        *args,
-        env=clean_env(**env),
-        start_new_session=True,
-    )
+class Group:
+    """One replica group's ``stratagem train`` in a session of its own, its output in a
+    file (a pipe nobody reads would fill and stall it, while its heartbeats go on)."""
+
+    count = 0
+
+    def __init__(
+        self, cfg: Path, work_dir: Path, replica: int, address: str, *args: str, **env: str
+    ) -> None:
+        Group.count += 1
+        self.out = Path(work_dir).parent / f'group{replica}_{Group.count}.out'
+        with self.out.open('w') as f:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    '-m',
+                    'stratagem',
+                    'train',
+                    str(cfg),
+                    '--work-dir',
+                    str(work_dir),
+                    '--replica-id',
+                    str(replica),
+                    '--lighthouse',
+                    address,
+                    *args,
+                ],
+                env=clean_env(**env),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        self.pid = self.proc.pid
+
+    def finish(self, timeout: float = 300) -> tuple[int, str]:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+            raise AssertionError('group did not end in time:\n' + self.text()[-4000:]) from None
+        return self.proc.returncode, self.text()
+
+    def text(self) -> str:
+        return self.out.read_text(errors='replace')
+
+
+group = Group
 
 
 def digest(out: str) -> tuple[int, str]:
@@ -295,7 +332,7 @@ def test_no_failure_equals_plain_ddp_of_the_same_global_batch(tmp_path, lighthou
     iters = 24
     cfg = write_cfg(tmp_path / 'ft.py', iters=iters, acc=2, min_replicas=2)
     procs = [group(cfg, tmp_path / 'ft', i, lh.address) for i in (0, 1)]
-    outs = [finish(p) for p in procs]
+    outs = [p.finish() for p in procs]
     for code, out in outs:
         assert code == 0, out[-3000:]
     assert digest(outs[0][1]) == digest(outs[1][1])
@@ -344,7 +381,7 @@ def _kill_and_heal(tmp_path: Path, lighthouse, *, iters: int, kills: int, every_
         victim = pid
         time.sleep(every_s)
         os.kill(victim, signal.SIGKILL)
-    outs = [finish(p, timeout=600) for p in (g0, g1)]
+    outs = [p.finish(timeout=600) for p in (g0, g1)]
     for code, out in outs:
         assert code == 0, out[-4000:]
     return wd, survivor, outs
@@ -393,32 +430,32 @@ def test_named_failures_of_the_machinery(tmp_path, lighthouse):
     # a quorum that cannot form: min_replicas 2, one group
     lh = lighthouse(min_replicas=2)
     cfg = write_cfg(tmp_path / 'alone.py', iters=10, min_replicas=2, quorum_timeout=3)
-    code, out = finish(group(cfg, tmp_path / 'alone', 0, lh.address))
+    code, out = group(cfg, tmp_path / 'alone', 0, lh.address).finish()
     assert code == 1
     assert 'replica group 0: no quorum within 3 s (fault_tolerance.quorum_timeout)' in out, out[
         -3000:
     ]
     # a peer with another model; and one replica id in two groups
     lh = lighthouse()
-    long_run = write_cfg(tmp_path / 'a.py', iters=400)
+    long_run = write_cfg(tmp_path / 'a.py', iters=4000)
     g0 = group(long_run, tmp_path / 'wd', 0, lh.address, SLOW='0.01')
     try:
         _wait_for(r'Iter\(train\) \[\d+/', tmp_path / 'wd', '*_replica0/*.log')
-        other = write_cfg(tmp_path / 'b.py', iters=400, hidden=32)
-        code, out = finish(group(other, tmp_path / 'wd', 1, lh.address))
-        assert code == 1
+        other = write_cfg(tmp_path / 'b.py', iters=4000, hidden=32)
+        code, out = group(other, tmp_path / 'wd', 1, lh.address).finish()
+        assert code == 1, out[-3000:]
         assert 'replica group 1 cannot heal from replica group 0: its model differs' in out, out[
             -3000:
         ]
         assert 'fc' in out or 'weight' in out
         # the same id in the same work_dir: the group's lock
-        code, out = finish(group(long_run, tmp_path / 'wd', 0, lh.address))
+        code, out = group(long_run, tmp_path / 'wd', 0, lh.address).finish()
         assert code == 1
         assert 'replica group 0 is already running in' in out, out[-3000:]
         # the same id elsewhere: the quorum holds it twice
-        code, out = finish(group(long_run, tmp_path / 'elsewhere', 0, lh.address))
+        code, out = group(long_run, tmp_path / 'elsewhere', 0, lh.address).finish()
         assert code == 1
         assert 'replica id 0 is used by two live replica groups' in out, out[-3000:]
     finally:
         kill_tree(g0.pid)
-        g0.wait()
+        g0.proc.wait()
