@@ -346,14 +346,15 @@ def test_no_failure_equals_plain_ddp_of_the_same_global_batch(tmp_path, lighthou
     assert ft_state['meta']['replica_group'] == {'step': iters // 2, 'batches_committed': iters}
 
 
+def _count(pattern: str, root: Path, logs: str) -> int:
+    return sum(len(re.findall(pattern, p.read_text(errors='replace'))) for p in root.glob(logs))
+
+
 def _wait_for(pattern: str, root: Path, logs: str, count: int = 1, timeout: float = 120) -> None:
     """Until the files ``root/logs`` (a glob) hold ``pattern`` ``count`` times."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = sum(
-            len(re.findall(pattern, log.read_text(errors='replace'))) for log in root.glob(logs)
-        )
-        if found >= count:
+        if _count(pattern, root, logs) >= count:
             return
         time.sleep(0.1)
     raise AssertionError(f'{pattern!r} not logged {count} time(s) in {root}/{logs}')
@@ -369,16 +370,19 @@ def _kill_and_heal(tmp_path: Path, lighthouse, *, iters: int, kills: int, every_
     g0 = group(cfg, wd, 0, lh.address, '--max-restarts', '1', COUNT_DIR=str(reads), **slow)
     g1 = group(cfg, wd, 1, lh.address, '--max-restarts', str(kills), **slow)
     survivor = workers(g0.pid, 1)[0]
-    victim = None
-    for k in range(kills):
-        # the victim trains with the survivor (a row logged; after a kill, it healed)
-        if k == 0:
+    victim, heals = None, 0
+    for _ in range(kills):
+        # the victim trains with the survivor: a row logged; after a kill, a new process
+        # that healed once more
+        if victim is None:
             _wait_for(r'Iter\(train\) \[\d+/', wd, '*_replica1/*.log')
         else:
-            _wait_for(r'healed from replica group 0', wd, '*_replica1/*.log', count=k)
-        pid = workers(g1.pid, 1)[0]
-        assert pid != victim
-        victim = pid
+            deadline = time.monotonic() + 120
+            while workers(g1.pid, 1)[0] == victim and time.monotonic() < deadline:
+                time.sleep(0.1)
+            _wait_for(r'healed from replica group 0', wd, '*_replica1/*.log', count=heals + 1)
+        heals = _count(r'healed from replica group 0', wd, '*_replica1/*.log')
+        victim = workers(g1.pid, 1)[0]
         time.sleep(every_s)
         os.kill(victim, signal.SIGKILL)
     outs = [p.finish(timeout=600) for p in (g0, g1)]
@@ -397,10 +401,12 @@ def test_a_killed_group_heals_from_its_peer_and_the_survivor_never_stops(tmp_pat
     assert sorted(p.name for p in (tmp_path / 'reads0').glob('*.txt')) == [f'{survivor}.txt']
     assert rows(out0) == list(range(5, iters + 1, 5)), out0[-3000:]
     # the relaunched group healed from group 0, a log line and a metrics row
-    healed = re.search(
+    # (the first attempt may have healed too: it started behind group 0)
+    heals = re.findall(
         r'replica group 1 healed from replica group 0 at step (\d+) in ([\d.]+) s', out1
     )
-    assert healed and int(healed.group(1)) > 0, out1[-4000:]
+    assert heals and int(heals[-1][0]) > 0, out1[-4000:]
+    print(f'heal after the kill: step {heals[-1][0]}, {heals[-1][1]} s (transfer and load)')
     metrics = [
         row
         for path in wd.glob('*_replica1/metrics.csv')
@@ -408,16 +414,16 @@ def test_a_killed_group_heals_from_its_peer_and_the_survivor_never_stops(tmp_pat
         if row.get('replica/healed_from')
     ]
     assert [float(r['replica/healed_from']) for r in metrics][-1] == 0.0
-    assert float(metrics[-1]['replica/heal_step']) == int(healed.group(1))
+    assert float(metrics[-1]['replica/heal_step']) == int(heals[-1][0])
     # every group ends with the same weights and optimizer state
     assert digest(out0) == digest(out1) and digest(out0)[0] == iters
 
 
 @pytest.mark.slow
 def test_soak_a_group_killed_every_few_seconds(tmp_path, lighthouse):
-    iters = 900
+    iters = 2000  # long enough for 4 kills, relaunches and heals on a loaded machine
     _, _, ((_, out0), (_, out1)) = _kill_and_heal(
-        tmp_path, lighthouse, iters=iters, kills=4, every_s=3.0
+        tmp_path, lighthouse, iters=iters, kills=4, every_s=2.0
     )
     assert len(list((tmp_path / 'reads0').glob('*.txt'))) == 1  # the survivor never restarted
     assert rows(out0) == list(range(5, iters + 1, 5))
