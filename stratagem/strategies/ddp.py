@@ -52,7 +52,7 @@ class DDPStrategy(BaseStrategy):
             of a fault-tolerant job over torchft (``replica_groups.py``; the ``torchft``
             extra): DDP inside the group, the gradients averaged over the live groups each
             step, a group that starts behind healing from a live peer. ``replica_group``
-            is its :class:`~stratagem.strategies.replica_groups.ReplicaGroup` (None
+            is its ``replica_groups.ReplicaGroup`` (None
             without). Its logs go to ``work_dir/<timestamp>_replica<I>``.
         **kwargs: BaseStrategy's (``work_dir``, ``env_kwargs``, ...). The launcher
             defaults to the inferred one, else ``'pytorch'``.
