@@ -102,7 +102,7 @@ class DDPStrategy(BaseStrategy):
         self._fault_tolerance = (
             None
             if fault_tolerance in (None, False)
-            else FaultTolerance.parse(fault_tolerance).resolved()  # type: ignore[arg-type]
+            else FaultTolerance.parse(fault_tolerance).resolved()
         )
         self.replica_group: ReplicaGroup | None = None
         env_kwargs = distributed_env_kwargs(kwargs, 'DDPStrategy')
