@@ -228,6 +228,11 @@ class ReplicaGroup:
     schedulers)."""
 
     def __init__(self, spec: FaultTolerance, logger: logging.Logger | None = None) -> None:
+        # torchft's Rust side logs two lines a step at INFO (read once, at its import); its
+        # Python side warns at each quorum that NCCL's flight recorder cannot be reset,
+        # also on gloo. Our own lines say what a person needs: a heal, a dropped step.
+        os.environ.setdefault('RUST_LOG', 'warn')
+        logging.getLogger('torchft.manager').setLevel(logging.ERROR)
         require_torchft()
         self.spec = spec.resolved()
         assert self.spec.replica_id is not None
