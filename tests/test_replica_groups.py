@@ -327,17 +327,18 @@ def rows(out: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_no_failure_equals_plain_ddp_of_the_same_global_batch(tmp_path, lighthouse):
+@pytest.mark.parametrize('nproc', [1, 2], ids=['2x1', '2x2'])
+def test_no_failure_equals_plain_ddp_of_the_same_global_batch(tmp_path, lighthouse, nproc):
     lh = lighthouse(min_replicas=2)
     iters = 24
     cfg = write_cfg(tmp_path / 'ft.py', iters=iters, acc=2, min_replicas=2)
-    procs = [group(cfg, tmp_path / 'ft', i, lh.address) for i in (0, 1)]
+    procs = [group(cfg, tmp_path / 'ft', i, lh.address, '--nproc', str(nproc)) for i in (0, 1)]
     outs = [p.finish() for p in procs]
     for code, out in outs:
         assert code == 0, out[-3000:]
     assert digest(outs[0][1]) == digest(outs[1][1])
     plain = write_cfg(tmp_path / 'ddp.py', iters=iters, acc=2, ft=False)
-    code, out = finish(start(plain, tmp_path / 'ddp', '--nproc', '2'))
+    code, out = finish(start(plain, tmp_path / 'ddp', '--nproc', str(2 * nproc)))
     assert code == 0, out[-3000:]
     ft_state = torch.load(tmp_path / 'ft' / f'iter_{iters}.pth', weights_only=True)
     ddp_state = torch.load(tmp_path / 'ddp' / f'iter_{iters}.pth', weights_only=True)
@@ -360,16 +361,19 @@ def _wait_for(pattern: str, root: Path, logs: str, count: int = 1, timeout: floa
     raise AssertionError(f'{pattern!r} not logged {count} time(s) in {root}/{logs}')
 
 
-def _kill_and_heal(tmp_path: Path, lighthouse, *, iters: int, kills: int, every_s: float):
+def _kill_and_heal(
+    tmp_path: Path, lighthouse, *, iters: int, kills: int, every_s: float, nproc: int = 1
+):
     lh = lighthouse()
     cfg = write_cfg(tmp_path / 'cfg.py', iters=iters, every=20)
     wd = tmp_path / 'wd'
     slow = dict(SLOW='0.01')
     reads = tmp_path / 'reads0'  # every process of group 0 that reads a sample leaves a file
     reads.mkdir()
-    g0 = group(cfg, wd, 0, lh.address, '--max-restarts', '1', COUNT_DIR=str(reads), **slow)
-    g1 = group(cfg, wd, 1, lh.address, '--max-restarts', str(kills), **slow)
-    survivor = workers(g0.pid, 1)[0]
+    n = ('--nproc', str(nproc))
+    g0 = group(cfg, wd, 0, lh.address, *n, '--max-restarts', '1', COUNT_DIR=str(reads), **slow)
+    g1 = group(cfg, wd, 1, lh.address, *n, '--max-restarts', str(kills), **slow)
+    survivors = sorted(workers(g0.pid, nproc).values())
     victim, heals = None, 0
     for _ in range(kills):
         # the victim trains with the survivor: a row logged; after a kill, a new process
@@ -378,27 +382,31 @@ def _kill_and_heal(tmp_path: Path, lighthouse, *, iters: int, kills: int, every_
             _wait_for(r'Iter\(train\) \[\d+/', wd, '*_replica1/*.log')
         else:
             deadline = time.monotonic() + 120
-            while workers(g1.pid, 1)[0] == victim and time.monotonic() < deadline:
+            while workers(g1.pid, nproc)[nproc - 1] == victim and time.monotonic() < deadline:
                 time.sleep(0.1)
             _wait_for(r'healed from replica group 0', wd, '*_replica1/*.log', count=heals + 1)
         heals = _count(r'healed from replica group 0', wd, '*_replica1/*.log')
-        victim = workers(g1.pid, 1)[0]
+        victim = workers(g1.pid, nproc)[nproc - 1]  # any process of the group: its last
         time.sleep(every_s)
         os.kill(victim, signal.SIGKILL)
     outs = [p.finish(timeout=600) for p in (g0, g1)]
     for code, out in outs:
         assert code == 0, out[-4000:]
-    return wd, survivor, outs
+    return wd, survivors, outs
 
 
 @pytest.mark.slow
-def test_a_killed_group_heals_from_its_peer_and_the_survivor_never_stops(tmp_path, lighthouse):
+@pytest.mark.parametrize('nproc', [1, 2], ids=['2x1', '2x2'])
+def test_a_killed_group_heals_from_its_peer_and_the_survivor_never_stops(
+    tmp_path, lighthouse, nproc
+):
     iters = 300
-    wd, survivor, ((_, out0), (_, out1)) = _kill_and_heal(
-        tmp_path, lighthouse, iters=iters, kills=1, every_s=1.0
+    wd, survivors, ((_, out0), (_, out1)) = _kill_and_heal(
+        tmp_path, lighthouse, iters=iters, kills=1, every_s=1.0, nproc=nproc
     )
-    # the survivor: one process the whole run, its rows continuous
-    assert sorted(p.name for p in (tmp_path / 'reads0').glob('*.txt')) == [f'{survivor}.txt']
+    # the survivor: its processes the whole run, its rows continuous
+    read = sorted(int(p.stem) for p in (tmp_path / 'reads0').glob('*.txt'))
+    assert read == survivors
     assert rows(out0) == list(range(5, iters + 1, 5)), out0[-3000:]
     # the relaunched group healed from group 0, a log line and a metrics row
     # (the first attempt may have healed too: it started behind group 0)
