@@ -31,6 +31,7 @@ from stratagem.strategies.replica_groups import (
     ReplicaStream,
     _signature_difference,
     require_torchft,
+    state_digest,
 )
 
 pytest.importorskip('torchft')
@@ -135,6 +136,19 @@ def test_a_peer_with_another_model_is_named():
     assert 'only here: fc.bias' in text and 'only in the peer: head.bias' in text
     assert 'fc.weight: [16, 8] torch.float32 here, [32, 8] torch.float32 in the peer' in text
     assert _signature_difference(mine, dict(mine)) == ''
+
+
+def test_state_digest_tells_states_apart():
+    from stratagem.optim import build_optim_wrapper
+
+    def trained(lr: float) -> str:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        wrapper = build_optim_wrapper(model, dict(optimizer=dict(type='AdamW', lr=lr)))
+        wrapper.update_params(model(torch.ones(4, 3)).sum())  # AdamW's 0-d step tensor
+        return state_digest(model, wrapper)
+
+    assert trained(0.1) == trained(0.1) != trained(0.2)
 
 
 def test_an_unreachable_lighthouse_is_named():

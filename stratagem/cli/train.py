@@ -36,7 +36,7 @@ from stratagem.env.preemption import PreemptionConfig, preemption_config
 from stratagem.env.workdir_lock import TOKEN_ENV, WorkDirBusyError, WorkDirLock
 from stratagem.loop import train
 from stratagem.schema import runner_reasons
-from stratagem.strategies.replica_groups import LIGHTHOUSE_ENV, REPLICA_ID_ENV
+from stratagem.strategies.replica_groups import LIGHTHOUSE_ENV, REPLICA_ID_ENV, FaultTolerance
 
 from . import debug_enabled
 from .launch import (
@@ -152,32 +152,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_launch_arguments(parser)
 
 
-def _replica_group_flags(cfg: Config, args: argparse.Namespace) -> None:
+def _replica_group_flags(cfg: Config, args: argparse.Namespace) -> bool:
     """``--replica-id`` / ``--lighthouse``: the environment the group's workers read, and
-    ``strategy.fault_tolerance`` turned on (a DDPStrategy's) when the config has none."""
+    ``strategy.fault_tolerance`` turned on (a DDPStrategy's) when the config has none; a
+    config with it is checked here (keys, the group's id and lighthouse), before torchrun
+    starts the workers. Returns whether this run is a replica group."""
     if args.lighthouse:
         os.environ[LIGHTHOUSE_ENV] = args.lighthouse
-    if args.replica_id is None:
-        return
-    if args.replica_id < 0:
-        raise ValueError(f'--replica-id {args.replica_id}: give an integer >= 0, one per group')
-    os.environ[REPLICA_ID_ENV] = str(args.replica_id)
     strategy = dict(cfg.get('strategy') or {'type': 'auto'})
+    if args.replica_id is not None:
+        if args.replica_id < 0:
+            raise ValueError(f'--replica-id {args.replica_id}: give an integer >= 0, one per group')
+        os.environ[REPLICA_ID_ENV] = str(args.replica_id)
+        if strategy.get('fault_tolerance') in (None, False):
+            kind = strategy.get('type', 'auto')
+            if kind not in ('auto', 'DDPStrategy'):
+                raise ValueError(
+                    f'--replica-id: strategy.type={kind!r} has no fault_tolerance; replica '
+                    "groups run DDPStrategy: set strategy=dict(type='DDPStrategy', "
+                    'fault_tolerance=dict(min_replicas=1))'
+                )
+            strategy.update(type='DDPStrategy', fault_tolerance={})
+            cfg['strategy'] = strategy
     if strategy.get('fault_tolerance') in (None, False):
-        kind = strategy.get('type', 'auto')
-        if kind not in ('auto', 'DDPStrategy'):
-            raise ValueError(
-                f'--replica-id: strategy.type={kind!r} has no fault_tolerance; replica groups '
-                "run DDPStrategy: set strategy=dict(type='DDPStrategy', "
-                'fault_tolerance=dict(min_replicas=1))'
-            )
-        strategy.update(type='DDPStrategy', fault_tolerance={})
-        cfg['strategy'] = strategy
+        return False
+    spec = FaultTolerance.parse(strategy['fault_tolerance']).resolved()
+    args.replica_id = spec.replica_id  # the group's own lock in the shared work_dir
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
-    _replica_group_flags(cfg, args)
+    replica_group = _replica_group_flags(cfg, args)
     mmengine_keys = runner_reasons(cfg)
     if mmengine_keys:
         _require_mmengine(cfg, mmengine_keys)  # before torchrun starts
@@ -185,10 +191,10 @@ def run(args: argparse.Namespace) -> int:
     if args.ray is not None:
         return _run_ray(cfg, args, mmengine_keys)
     launch_from_environment(args)  # a scheduler's nodes, or the defaults
-    if not (wants_torchrun(args) or args.replica_id is not None) and args.launcher is None:
+    if not (wants_torchrun(args) or replica_group) and args.launcher is None:
         env.infer_launcher()  # alone, but the environment says one of several: refused here
     # a replica group is a process group of its own even with one process: torchrun's
-    launch = wants_torchrun(args) or args.replica_id is not None
+    launch = wants_torchrun(args) or replica_group
     if launch and 'LOCAL_RANK' not in os.environ:
         # a config error in seconds, not after torchrun started every worker
         if mmengine_keys:

@@ -143,8 +143,9 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
                 if p.best is not None and p.best.due(values):
                     watchdog.at(it, 'saving the best checkpoint')
                     p.validation.lines.append(p.best.save(it, values, p.checkpoints))
+            # replica groups: the lowest live group saves; a group told to stop saves too
             if p.checkpoints.due(it, stop) and (
-                p.replicas is None or p.replicas.writes_checkpoints()
+                p.replicas is None or stop or p.replicas.writes_checkpoints()
             ):
                 watchdog.at(it, 'saving a checkpoint')
                 p.checkpoints.after_step(it)
@@ -248,6 +249,12 @@ def _build(
             check_reachable(directory, plan.checkpoints.backend_args)
     replicas, healed_at = None, None
     if strategy.replica_group is not None:
+        if plan.anomaly is not None:
+            raise ValueError(
+                f'replica group {strategy.replica_group.replica_id}: train_cfg.anomaly and '
+                'strategy.fault_tolerance both decide whether an update goes ahead (the '
+                "optim wrapper's one step guard); remove train_cfg.anomaly"
+            )
         replicas = Replicas(strategy, batches, optim_wrapper, _shared_seed(strategy_cfg, plan))
         healed_at = replicas.first_quorum()  # a live peer's state, before any storage
     checkpoint = None
@@ -299,7 +306,8 @@ def _build(
         progress=progress,
         model=strategy.unwrap_model(),
         dataset=batches.loader.dataset,
-        metrics_dir=_metrics_dir(strategy, meta),
+        # replica groups share the work_dir and its checkpoints, not a metrics folder
+        metrics_dir=strategy.log_dir if replicas is not None else _metrics_dir(strategy, meta),
         resumed=meta is not None,
     )
     checkpoints = Checkpoints(

@@ -64,6 +64,7 @@ __all__ = [
     'ReplicaGroupError',
     'ReplicaStream',
     'require_torchft',
+    'state_digest',
 ]
 
 #: torchft's own variable for the lighthouse address (``stratagem train --lighthouse``)
@@ -464,20 +465,9 @@ class ReplicaGroup:
         )
 
     def digest(self) -> str:
-        """A SHA-256 of the model's and the optimizer's state (every tensor's bytes and
-        every plain value, in order): equal in two groups exactly when their states are."""
+        """:func:`state_digest` of this group's model and optimizer."""
         assert self._module is not None
-        h = hashlib.sha256()
-        for value in _leaves(
-            {'model': self._module.state_dict(), 'optim': self._wrapper.state_dict()}
-        ):
-            if isinstance(value, torch.Tensor):
-                t = value.detach().cpu().contiguous()
-                h.update(f'{t.dtype}{tuple(t.shape)}'.encode())
-                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b'')
-            else:
-                h.update(repr(value).encode())
-        return h.hexdigest()
+        return state_digest(self._module, self._wrapper)
 
     def shutdown(self) -> None:
         """Leave the job (the Manager's servers stopped)."""
@@ -519,6 +509,21 @@ class ReplicaGroup:
             if key in state:
                 shared.load(state[key])
         self.heals.append(Heal(peer=peer, step=self.step, seconds=0.0))
+
+
+def state_digest(module: nn.Module, optim_wrapper: Any) -> str:
+    """A SHA-256 of a model's and an optimizer's state (every tensor's dtype, shape and
+    bytes, every plain value, in order): equal in two groups exactly when their states are."""
+    h = hashlib.sha256()
+    for value in _leaves({'model': module.state_dict(), 'optim': optim_wrapper.state_dict()}):
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            h.update(f'{t.dtype}{tuple(t.shape)}'.encode())
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(value).encode())
+    return h.hexdigest()
 
 
 def _leaves(value: Any) -> Iterator[Any]:
