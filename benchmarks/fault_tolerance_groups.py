@@ -184,6 +184,10 @@ def _workers(root: int) -> list[int]:
     return found
 
 
+def _heals(out: Path) -> int:
+    return len(re.findall(r'healed from replica group', out.read_text(errors='replace')))
+
+
 def _last_row(out: Path) -> int:
     rows = re.findall(r'Iter\(train\) \[(\d+)/', out.read_text(errors='replace'))
     return int(rows[-1]) if rows else 0
@@ -220,8 +224,14 @@ def goodput(runs: int, iters: int, kill_every: int) -> dict:
                     victims = _workers(g1.pid)
                     if not victims or g0.poll() is not None:
                         break
+                    healed = _heals(d / 'g1.out')
                     os.kill(victims[0], signal.SIGKILL)
-                    killed.append(time.time())
+                    killed.append(time.perf_counter())
+                    # recovery: until the relaunched group logs its heal
+                    while _heals(d / 'g1.out') == healed and g0.poll() is None:
+                        time.sleep(0.05)
+                    if _heals(d / 'g1.out') > healed:
+                        recoveries.append(time.perf_counter() - killed[-1])
                 _wait(g0, d / 'g0.out')
                 wall = time.perf_counter() - t0
                 _wait(g1, d / 'g1.out')
@@ -229,18 +239,6 @@ def goodput(runs: int, iters: int, kill_every: int) -> dict:
                 lh.close()
             text0 = (d / 'g0.out').read_text(errors='replace')
             text1 = (d / 'g1.out').read_text(errors='replace')
-            stamps = [
-                time.mktime(time.strptime(m[0], '%Y-%m-%d %H:%M:%S')) + int(m[1]) / 1e3
-                for m in re.findall(
-                    r'(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) stratagem INFO: replica group 1 '
-                    r'healed from',
-                    text1,
-                )
-            ]
-            for t in killed:
-                after = [s for s in stamps if s > t]
-                if after:
-                    recoveries.append(after[0] - t)
             heals += [
                 float(s)
                 for s in re.findall(

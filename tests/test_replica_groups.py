@@ -361,6 +361,38 @@ def test_no_failure_equals_plain_ddp_of_the_same_global_batch(tmp_path, lighthou
     assert ft_state['meta']['replica_group'] == {'step': iters // 2, 'batches_committed': iters}
 
 
+@pytest.mark.slow
+def test_resume_of_the_whole_job_from_a_checkpoint_is_exact(tmp_path, lighthouse):
+    lh = lighthouse(min_replicas=2)
+
+    def job(cfg: Path, work_dir: Path, *args: str) -> list[str]:
+        procs = [group(cfg, work_dir, i, lh.address, *args) for i in (0, 1)]
+        outs = [p.finish() for p in procs]
+        for code, out in outs:
+            assert code == 0, out[-3000:]
+        return [out for _, out in outs]
+
+    whole = write_cfg(tmp_path / 'whole.py', iters=30, every=10, min_replicas=2)
+    first = write_cfg(tmp_path / 'first.py', iters=20, every=10, min_replicas=2)
+    uninterrupted = job(whole, tmp_path / 'a')
+    job(first, tmp_path / 'b')
+    resumed = job(whole, tmp_path / 'b', '--resume')
+    assert all('replica group' in out and 'resumed after 20' in out for out in resumed)
+    assert digest(resumed[0]) == digest(resumed[1]) == digest(uninterrupted[0])
+    a = torch.load(tmp_path / 'a' / 'iter_30.pth', weights_only=True)
+    b = torch.load(tmp_path / 'b' / 'iter_30.pth', weights_only=True)
+    for name, tensor in a['state_dict'].items():
+        assert torch.equal(b['state_dict'][name], tensor), name
+    assert (
+        b['meta']['replica_group']
+        == a['meta']['replica_group']
+        == {
+            'step': 30,
+            'batches_committed': 60,
+        }
+    )
+
+
 def _count(pattern: str, root: Path, logs: str) -> int:
     return sum(len(re.findall(pattern, p.read_text(errors='replace'))) for p in root.glob(logs))
 
