@@ -44,7 +44,12 @@ class Replicas:
         """Join the job; the peer's iteration when this group healed from one, else None
         (resume from storage, or start)."""
         self.group.begin_step()
-        return self.jump if any(h.step > 0 for h in self.group.heals) else None
+        if any(h.step > 0 for h in self.group.heals):
+            return self.jump
+        # torchft's initial sync (every group at step 0) shipped a peer's start: the
+        # position is this group's own, or the checkpoint's it resumes next
+        self.jump = None
+        return None
 
     def resumed(self, checkpoint: Mapping | None) -> None:
         """After a resume from storage: the job's progress from its ``meta``."""
