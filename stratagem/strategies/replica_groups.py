@@ -40,13 +40,14 @@ shapes, a replica id two live groups use.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -218,14 +219,12 @@ class _Step:
     participants: int = 0
     rank: int | None = None
     begun: bool = False
-    started_at: float = 0.0
-    heals: list[Heal] = field(default_factory=list)
 
 
 class ReplicaGroup:
     """This process's part in a replica group: the torchft ``Manager`` and its per-step
-    protocol (see the module docstring). ``start(model, optim_wrapper)`` once they are
-    built; :meth:`share` registers more state a heal copies (the loop's position and
+    protocol (see the module docstring). ``start(model, module, optim_wrapper)`` once
+    they are built; :meth:`share` registers more state a heal copies (the loop's position and
     schedulers)."""
 
     def __init__(self, spec: FaultTolerance, logger: logging.Logger | None = None) -> None:
@@ -242,7 +241,6 @@ class ReplicaGroup:
         self.manager: Any = None
         self._extras: dict[str, _Shared] = {}
         self._step = _Step()
-        self._model: nn.Module | None = None
         self._module: nn.Module | None = None
         self._wrapper: Any = None
         self._flat: torch.Tensor | None = None
@@ -271,7 +269,7 @@ class ReplicaGroup:
                 f'({type(optim_wrapper.step_guard).__name__}, train_cfg.anomaly?); a replica '
                 'group commits each update through its own: remove train_cfg.anomaly'
             )
-        self._model, self._module, self._wrapper = model, module, optim_wrapper
+        self._module, self._wrapper = module, optim_wrapper
         self.manager = self._manager()
         model.register_forward_pre_hook(self._before_forward)
         optim_wrapper.set_step_guard(self)
@@ -301,7 +299,7 @@ class ReplicaGroup:
                 replica_id=str(self.replica_id),
             )
         except RuntimeError as err:
-            if 'failed to connect' in str(err) or 'connect' in str(err).lower():
+            if 'connect' in str(err).lower():  # torchft: 'failed to connect to ... within'
                 raise ReplicaGroupError(
                     f'replica group {self.replica_id}: the lighthouse at {spec.lighthouse} '
                     f'did not answer within {spec.connect_timeout:g} s '
@@ -341,7 +339,6 @@ class ReplicaGroup:
             return
         assert self.manager is not None, 'ReplicaGroup.start first'
         started = time.perf_counter()
-        self._step.started_at = started
         heals_before = len(self.heals)
         try:
             self.manager.start_quorum()
@@ -424,7 +421,8 @@ class ReplicaGroup:
         total = sum(p.numel() for p in params)
         flat = self._flat
         if flat is None or flat.numel() != total:
-            dtype = params[0].dtype if params else torch.float32
+            # one buffer in the widest dtype of the parameters: no gradient loses precision
+            dtype = functools.reduce(torch.promote_types, (p.dtype for p in params))
             flat = self._flat = torch.empty(total, dtype=dtype, device=params[0].device)
         return flat
 
