@@ -10,9 +10,10 @@ failure, and the goodput with one group SIGKILLed every K iterations.
   (``--iters`` / group 0's launch-to-exit time), updates dropped per failure (group 0's
   uncommitted steps: the only work a kill costs the survivor), and the recovery time (kill ->
   group 1's heal line: torchrun's restart, imports, the build and the transfer), the heal's
-  own transfer-and-load seconds.
+  own transfer-and-load seconds. A kill needs the run to outlast the relaunch (torchrun's
+  restart and the imports: several seconds on a loaded machine), hence the long default.
 
-    python benchmarks/fault_tolerance_groups.py [--runs 3] [--iters 200] [--kill-every 60]
+    python benchmarks/fault_tolerance_groups.py [--runs 3] [--iters 600] [--kill-every 150]
                                                 [--part all|overhead|goodput]
 """
 
@@ -265,8 +266,8 @@ def goodput(runs: int, iters: int, kill_every: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--runs', type=int, default=3)
-    parser.add_argument('--iters', type=int, default=200)
-    parser.add_argument('--kill-every', type=int, default=60)
+    parser.add_argument('--iters', type=int, default=600)
+    parser.add_argument('--kill-every', type=int, default=150)
     parser.add_argument('--part', choices=['all', 'overhead', 'goodput'], default='all')
     args = parser.parse_args()
     print(f'load: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores', flush=True)
