@@ -43,6 +43,10 @@ COMMANDS = {
         'convert a checkpoint (a file, a sharded, DeepSpeed or Hugging Face directory, '
         '.safetensors) to another layout: --to file|sharded|hf|safetensors',
     ),
+    'lighthouse': (
+        'stratagem.cli.lighthouse',
+        "start torchft's lighthouse for fault-tolerant replica groups (train --replica-id)",
+    ),
     'doctor': (
         'stratagem.cli.doctor',
         'check a config against this machine before a run (no training); exit 1 with findings',

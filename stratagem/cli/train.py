@@ -33,9 +33,10 @@ from stratagem.config import Config, ConfigError, parse_cfg_options
 from stratagem.config.overrides import check_overrides
 from stratagem.env.logging import run_end_logged
 from stratagem.env.preemption import PreemptionConfig, preemption_config
-from stratagem.env.workdir_lock import TOKEN_ENV, WorkDirLock
+from stratagem.env.workdir_lock import TOKEN_ENV, WorkDirBusyError, WorkDirLock
 from stratagem.loop import train
 from stratagem.schema import runner_reasons
+from stratagem.strategies.replica_groups import LIGHTHOUSE_ENV, REPLICA_ID_ENV, FaultTolerance
 
 from . import debug_enabled
 from .launch import (
@@ -126,11 +127,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         'run from the last committed checkpoint (stratagem.integrations.ray; pip install '
         '"stratagem[ray]")',
     )
+    group = parser.add_argument_group(
+        'replica groups',
+        'a fault-tolerant job over torchft (strategy.fault_tolerance; pip install '
+        '"stratagem[torchft]"): start `stratagem lighthouse`, then each group with '
+        '--replica-id I (its own I) and --nproc K; a killed group, relaunched by '
+        '--max-restarts, heals from a live peer',
+    )
+    group.add_argument(
+        '--replica-id',
+        type=int,
+        default=None,
+        metavar='I',
+        help='this run is replica group I (an integer >= 0, one per group) of a '
+        'fault-tolerant job; turns on strategy.fault_tolerance (DDPStrategy) when the config '
+        f'has none ({REPLICA_ID_ENV})',
+    )
+    group.add_argument(
+        '--lighthouse',
+        default=None,
+        metavar='ADDR',
+        help=f'the lighthouse address `stratagem lighthouse` printed (default ${LIGHTHOUSE_ENV})',
+    )
     add_launch_arguments(parser)
+
+
+def _replica_group_flags(cfg: Config, args: argparse.Namespace) -> bool:
+    """``--replica-id`` / ``--lighthouse``: the environment the group's workers read, and
+    ``strategy.fault_tolerance`` turned on (a DDPStrategy's) when the config has none; a
+    config with it is checked here (keys, the group's id and lighthouse), before torchrun
+    starts the workers. Returns whether this run is a replica group."""
+    if args.lighthouse:
+        os.environ[LIGHTHOUSE_ENV] = args.lighthouse
+    strategy = dict(cfg.get('strategy') or {'type': 'auto'})
+    if args.replica_id is not None:
+        if args.replica_id < 0:
+            raise ValueError(f'--replica-id {args.replica_id}: give an integer >= 0, one per group')
+        os.environ[REPLICA_ID_ENV] = str(args.replica_id)
+        if strategy.get('fault_tolerance') in (None, False):
+            kind = strategy.get('type', 'auto')
+            if kind not in ('auto', 'DDPStrategy'):
+                raise ValueError(
+                    f'--replica-id: strategy.type={kind!r} has no fault_tolerance; replica '
+                    "groups run DDPStrategy: set strategy=dict(type='DDPStrategy', "
+                    'fault_tolerance=dict(min_replicas=1))'
+                )
+            strategy.update(type='DDPStrategy', fault_tolerance={})
+            cfg['strategy'] = strategy
+    if strategy.get('fault_tolerance') in (None, False):
+        return False
+    spec = FaultTolerance.parse(strategy['fault_tolerance']).resolved()
+    args.replica_id = spec.replica_id  # the group's own lock in the shared work_dir
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
+    replica_group = _replica_group_flags(cfg, args)
     mmengine_keys = runner_reasons(cfg)
     if mmengine_keys:
         _require_mmengine(cfg, mmengine_keys)  # before torchrun starts
@@ -138,9 +191,11 @@ def run(args: argparse.Namespace) -> int:
     if args.ray is not None:
         return _run_ray(cfg, args, mmengine_keys)
     launch_from_environment(args)  # a scheduler's nodes, or the defaults
-    if not wants_torchrun(args) and args.launcher is None:
+    if not (wants_torchrun(args) or replica_group) and args.launcher is None:
         env.infer_launcher()  # alone, but the environment says one of several: refused here
-    if wants_torchrun(args) and 'LOCAL_RANK' not in os.environ:
+    # a replica group is a process group of its own even with one process: torchrun's
+    launch = wants_torchrun(args) or replica_group
+    if launch and 'LOCAL_RANK' not in os.environ:
         # a config error in seconds, not after torchrun started every worker
         if mmengine_keys:
             from stratagem.integrations.mmengine_runner import check_runner_config
@@ -438,6 +493,9 @@ def _work_dir_lock(
     nothing: the run's holder does, for all of its ranks and torchrun attempts.
     """
     work_dir = _work_dir(cfg)
+    replica_id = getattr(args, 'replica_id', None)
+    if replica_id is not None:  # the groups of a job share the work_dir, one lock each
+        work_dir = osp.join(work_dir, f'.replica{replica_id}')
     endpoint = getattr(args, 'rdzv_endpoint', None) if parent else None
     # elastic agents of one rendezvous start apart (one may join later): all of them take
     # part in the run's lock under a token each derives alike, none is refused by another
@@ -449,7 +507,16 @@ def _work_dir_lock(
     if not holder or TOKEN_ENV in os.environ:
         yield lock
         return
-    lock.acquire()  # WorkDirBusyError: `stratagem: error: ...`, exit status 1
+    try:
+        lock.acquire()  # WorkDirBusyError: `stratagem: error: ...`, exit status 1
+    except WorkDirBusyError as err:
+        if replica_id is None:
+            raise
+        raise WorkDirBusyError(
+            f'replica group {replica_id} is already running in {_work_dir(cfg)}: each group '
+            f'needs its own --replica-id; start this one with an id no other group uses '
+            f'({err})'
+        ) from err
     try:
         yield lock
     finally:

@@ -74,6 +74,17 @@ def batch_problem(samples: int, batch_size: int, data_parallel: int, drop_last: 
     )
 
 
+# a DataLoader given a batch sampler and no workers refuses these
+_NOT_WITH_BATCH_SAMPLER = (
+    'drop_last',
+    'shuffle',
+    'sampler',
+    'num_workers',
+    'persistent_workers',
+    'prefetch_factor',
+)
+
+
 class Batches:
     """This rank's training batches. ``epoch_length``: batches per epoch (a ValueError when
     there is none); :meth:`seed_from` sets the shuffling seed once a resume has restored the
@@ -113,6 +124,34 @@ class Batches:
             raise ValueError(problem)
         self.seed = 0
         self._iter: Iterator | None = None
+        self.stream: Any = None  # a replica group's (follow)
+
+    def follow(self, group: Any, optim_wrapper: Any, seed: int) -> None:
+        """Read the job's sample stream of a replica group instead of this rank's shard
+        (``strategies.replica_groups.ReplicaStream``): each batch is drawn after the
+        step's quorum, so the loader has no workers."""
+        from stratagem.strategies.replica_groups import ReplicaStream
+
+        if self.plan.loader_kwargs.get('num_workers'):
+            raise ValueError(
+                f'replica group {group.replica_id}: train_dataloader.num_workers='
+                f'{self.plan.loader_kwargs["num_workers"]}: under strategy.fault_tolerance a '
+                "batch is chosen by its step's quorum (which groups are live), so it cannot be "
+                'prefetched by workers; set num_workers=0'
+            )
+        kwargs = {
+            k: v for k, v in self.plan.loader_kwargs.items() if k not in _NOT_WITH_BATCH_SAMPLER
+        }
+        self.stream = ReplicaStream(
+            group,
+            len(self.loader.dataset),  # type: ignore[arg-type]
+            self.batch_size,
+            optim_wrapper,
+            shuffle=self.plan.shuffle,
+            seed=seed,
+        )
+        self.loader = DataLoader(self.loader.dataset, batch_sampler=self.stream, **kwargs)
+        self._iter = None
 
     def seed_from(self, strategy: Any) -> int:
         """The shuffling seed: ``sampler.seed`` of the config, else the run's seed (the same
@@ -128,6 +167,10 @@ class Batches:
     def at(self, it: int) -> Any:
         """Iteration ``it``'s batch (0-based): a new epoch, or the first batch read, starts an
         iterator from the epoch's seed and position."""
+        if self.stream is not None:  # the job's stream: where the group's quorum says
+            if self._iter is None:
+                self._iter = iter(self.loader)
+            return next(self._iter)
         epoch, pos = divmod(it, self.epoch_length)
         if self._iter is None or pos == 0:
             self.sampler.set_epoch(epoch)

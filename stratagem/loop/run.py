@@ -23,6 +23,7 @@ from .batches import Batches
 from .checkpoints import Checkpoints
 from .meter import Meter
 from .plan import RunPlan, check_train_config, dist_timeout, strategy_config
+from .replicas import Replicas
 from .schedulers import Schedulers
 from .step import Step, build_step
 from .stragglers import Stragglers
@@ -103,6 +104,7 @@ class _Parts:
     timeout: float
     anomalies: Anomalies | None = None
     rolled_to: int | None = None  # where the last rollback went back to
+    replicas: Replicas | None = None  # strategy.fault_tolerance's loop side
 
     @property
     def skipped(self) -> set[int]:
@@ -124,8 +126,12 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
             p.anomalies.before_first(it, p.checkpoints)
         while it < p.max_iters:
             watchdog.at(it + 1, 'loading data' if it not in p.skipped else 'skipping a batch')
+            if p.replicas is not None:
+                p.replicas.next_iter = it
             updated = _iteration(p, it, watchdog)
             it += 1
+            if p.replicas is not None:  # a heal during the iteration: the peer's position
+                it = p.replicas.iteration(it)
             if updated is None:  # a rollback: from the checkpoint's iteration on
                 it = _rolled_back(p, it)
                 continue
@@ -138,7 +144,10 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
                 if p.best is not None and p.best.due(values):
                     watchdog.at(it, 'saving the best checkpoint')
                     p.validation.lines.append(p.best.save(it, values, p.checkpoints))
-            if p.checkpoints.due(it, stop):
+            # replica groups: the lowest live group saves; a group told to stop saves too
+            if p.checkpoints.due(it, stop) and (
+                p.replicas is None or stop or p.replicas.writes_checkpoints()
+            ):
                 watchdog.at(it, 'saving a checkpoint')
                 p.checkpoints.after_step(it)
             if p.meter.due(it, stop):
@@ -160,6 +169,8 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
         assert preemption is not None
         _finish_preempted(preemption, preempted, p.strategy, it, p.checkpoints.directory)
     p.checkpoints.finish()
+    if p.replicas is not None:
+        p.replicas.finish(it)
     return {
         'strategy': p.strategy,
         'losses': p.meter.losses,
@@ -237,14 +248,30 @@ def _build(
         strategy.checkpointer.also_point = strategy.work_dir
         if is_url(directory):  # every rank: the same answer everywhere, before any training
             probe_writable(directory, plan.checkpoints.backend_args)
-    checkpoint = strategy.load_or_resume(
-        load_from=load_from,
-        resume=resume,
-        refit_schedulers=plan.refit_schedulers,
-        checkpoint_dir=None if plan.checkpoints.out_dir is None else directory,
-    )
+    replicas, healed_at = None, None
+    if strategy.replica_group is not None:
+        if plan.anomaly is not None:
+            raise ValueError(
+                f'replica group {strategy.replica_group.replica_id}: train_cfg.anomaly and '
+                'strategy.fault_tolerance both decide whether an update goes ahead (the '
+                "optim wrapper's one step guard); remove train_cfg.anomaly"
+            )
+        replicas = Replicas(strategy, batches, optim_wrapper, _shared_seed(strategy_cfg, plan))
+        healed_at = replicas.first_quorum()  # a live peer's state, before any storage
+    checkpoint = None
+    if healed_at is None:
+        checkpoint = strategy.load_or_resume(
+            load_from=load_from,
+            resume=resume,
+            refit_schedulers=plan.refit_schedulers,
+            checkpoint_dir=None if plan.checkpoints.out_dir is None else directory,
+        )
+        if replicas is not None and resume:
+            replicas.resumed(checkpoint)
     meta = (checkpoint.get('meta') or {}) if checkpoint is not None and resume else None
     start_iter, max_iters = _resumed_position(meta, max_iters)
+    if healed_at is not None:
+        start_iter = healed_at
     strategy.logger.info(
         _start_line(strategy, plan, optim_wrapper, batches.batch_size, start_iter, max_iters)
     )
@@ -280,7 +307,8 @@ def _build(
         progress=progress,
         model=strategy.unwrap_model(),
         dataset=batches.loader.dataset,
-        metrics_dir=_metrics_dir(strategy, meta),
+        # replica groups share the work_dir and its checkpoints, not a metrics folder
+        metrics_dir=strategy.log_dir if replicas is not None else _metrics_dir(strategy, meta),
         resumed=meta is not None,
     )
     checkpoints = Checkpoints(
@@ -293,6 +321,8 @@ def _build(
         meter,
         directory=directory,
     )
+    if replicas is not None:
+        replicas.meter = meter
     anomalies = None
     if plan.anomaly is not None:
         anomalies = Anomalies(plan.anomaly, strategy, optim_wrapper)
@@ -322,7 +352,18 @@ def _build(
         ),
         timeout=dist_timeout(strategy_cfg),
         anomalies=anomalies,
+        replicas=replicas,
     )
+
+
+def _shared_seed(strategy_cfg: Mapping, plan: RunPlan) -> int | None:
+    """The seed of the sample order the replica groups share: the sampler's, else the
+    configured ``randomness.seed`` (a drawn one differs between groups), else None."""
+    if plan.data.seed is not None:
+        return int(plan.data.seed)
+    randomness = dict(dict(strategy_cfg.get('env_kwargs') or {}).get('randomness') or {})
+    seed = randomness.get('seed')
+    return None if seed is None else int(seed)
 
 
 def _resumed_position(meta: dict | None, max_iters: int) -> tuple[int, int]:

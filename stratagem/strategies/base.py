@@ -202,6 +202,9 @@ class BaseStrategy(ABC):
     #: what this backend does that code outside it asks (``capabilities.py``); each backend
     #: declares its own, a subclass inherits its parent's
     capabilities: ClassVar[Capabilities] = Capabilities()
+    #: this run's part in a fault-tolerant job (``replica_groups.ReplicaGroup``), else None:
+    #: a backend that takes ``fault_tolerance=`` sets it
+    replica_group: Any = None
 
     def __init__(
         self,

@@ -10,11 +10,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from stratagem.checkpoint.state_dict import unwrap_model as unwrap_module
 from stratagem.registry import STRATEGIES
 
 from .base import BaseStrategy
 from .capabilities import Capabilities
 from .environment import distributed_env_kwargs
+from .replica_groups import FaultTolerance, ReplicaGroup
 from .sync_bn import convert_sync_batchnorm
 
 _MM_WRAPPER = 'MMDistributedDataParallel'
@@ -45,6 +47,13 @@ class DDPStrategy(BaseStrategy):
         sync_bn: ``'torch'`` converts BatchNorm layers to torch's SyncBatchNorm on
             CUDA and to :class:`~stratagem.strategies.sync_bn.CPUSyncBatchNorm` on CPU
             (torch's refuses CPU tensors).
+        fault_tolerance: ``dict(min_replicas=1, replica_id=, lighthouse=, timeout=,
+            quorum_timeout=, connect_timeout=)`` (or True): this run is one replica group
+            of a fault-tolerant job over torchft (``replica_groups.py``; the ``torchft``
+            extra): DDP inside the group, the gradients averaged over the live groups each
+            step, a group that starts behind healing from a live peer. ``replica_group``
+            is its ``replica_groups.ReplicaGroup`` (None
+            without). Its logs go to ``work_dir/<timestamp>_replica<I>``.
         **kwargs: BaseStrategy's (``work_dir``, ``env_kwargs``, ...). The launcher
             defaults to the inferred one, else ``'pytorch'``.
     """
@@ -52,7 +61,12 @@ class DDPStrategy(BaseStrategy):
     capabilities = Capabilities(gradient_buckets=True)
 
     def __init__(
-        self, *, model_wrapper: Mapping | None = None, sync_bn: str | None = None, **kwargs: Any
+        self,
+        *,
+        model_wrapper: Mapping | None = None,
+        sync_bn: str | None = None,
+        fault_tolerance: Mapping | bool | None = None,
+        **kwargs: Any,
     ) -> None:
         wrapper = dict(model_wrapper or {})
         wrapper_type = wrapper.pop('type', 'DistributedDataParallel')
@@ -84,8 +98,46 @@ class DDPStrategy(BaseStrategy):
             )
         self.model_wrapper = wrapper
         self.sync_bn = sync_bn
+        # checked, its id and lighthouse resolved, before the process group is set up
+        self._fault_tolerance = (
+            None
+            if fault_tolerance in (None, False)
+            else FaultTolerance.parse(fault_tolerance).resolved()
+        )
+        self.replica_group: ReplicaGroup | None = None
         env_kwargs = distributed_env_kwargs(kwargs, 'DDPStrategy')
         super().__init__(env_kwargs=env_kwargs, **kwargs)
+        if self._fault_tolerance is not None:
+            self.replica_group = ReplicaGroup(self._fault_tolerance, self.logger)
+
+    @override
+    def _setup_env(self, **env_kwargs: Any) -> None:
+        super()._setup_env(**env_kwargs)
+        if self._fault_tolerance is not None:
+            # the groups of a job share the work_dir; each logs in its own folder
+            run = self.environment
+            run.timestamp = f'{run.timestamp}_replica{self._fault_tolerance.replica_id}'
+
+    @override
+    def setup_module_and_optimizers(
+        self, model: nn.Module, optim_wrapper: Any, compile: bool | Mapping = False
+    ) -> tuple[nn.Module, Any]:
+        model, wrapper = super().setup_module_and_optimizers(model, optim_wrapper, compile)
+        if self.replica_group is not None:
+            if wrapper is None:
+                raise ValueError(
+                    'DDPStrategy(fault_tolerance=...): a replica group commits each update '
+                    'with the other groups, so prepare() needs optim_wrapper='
+                )
+            self.replica_group.start(model, unwrap_module(model), wrapper)
+        return model, wrapper
+
+    @override
+    def checkpoint_meta(self, extra_meta: Mapping | None = None) -> dict:
+        meta = super().checkpoint_meta(extra_meta)
+        if self.replica_group is not None:
+            meta['replica_group'] = self.replica_group.position()
+        return meta
 
     @override
     def _wrap_model(self, model: nn.Module) -> nn.Module:
