@@ -138,12 +138,17 @@ def check_metrics_cfg(cfg: Mapping | None) -> dict:
     return cfg
 
 
+# Linux gives the process's high-water mark (its memory map's) for the calling thread too,
+# without adding up every thread's CPU times as RUSAGE_SELF does
+_RUSAGE = getattr(resource, 'RUSAGE_THREAD', resource.RUSAGE_SELF)
+
+
 def peak_memory_mib(device: torch.device) -> float:
     """This process's peak memory in MiB: the CUDA allocator's peak on a CUDA device, else
     the peak resident set (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
     if device.type == 'cuda':
         return torch.cuda.max_memory_allocated(device) / 2**20
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss = resource.getrusage(_RUSAGE).ru_maxrss
     return rss / 2**20 if sys.platform == 'darwin' else rss / 2**10
 
 
@@ -297,7 +302,9 @@ class RunMetrics:
         self.peak = peak
         self.flops: FlopCount | None = None
         self.tokens = 0  # this rank's, since the last row
-        self._token_tensor: torch.Tensor | None = None  # a hook's tensors, summed on device
+        # a hook's tensors, summed on the device (float64: exact to 2**53, and read with the
+        # row's float scalars in one tensor)
+        self._token_tensor: torch.Tensor | None = None
         self._counting_tokens, self._saw_tokens = True, False
         self._first_row = True
         self._totals = [0, 0.0, 0]  # iterations, seconds, tokens: the rows after the first
@@ -372,23 +379,32 @@ class RunMetrics:
             writer.writerows(rows)
         os.replace(tmp, self._path)
 
-    def saw_batch(self, batch: Any) -> None:
+    def saw_batch(self, batch: Any) -> bool:
         """Count one iteration's batch's tokens (every iteration; its hook's ``int``, or a
         tensor summed where it is and read at the row). The default hook, finding no token
-        data in the first batch, is asked no more."""
+        data in the first batch, is asked no more. Returns whether to call again (False:
+        the batches hold no tokens)."""
         if not self._counting_tokens:
-            return
+            return False
         n = self.num_tokens(batch)
         if n is None:
             self._counting_tokens = self._saw_tokens
-            return
+            return self._counting_tokens
         self._saw_tokens = True
         if isinstance(n, torch.Tensor):
             if self._token_tensor is None:
-                self._token_tensor = torch.zeros((), dtype=torch.int64, device=n.device)
+                self._token_tensor = torch.zeros((), dtype=torch.float64, device=n.device)
             self._token_tensor.add_(n.detach().reshape(()))
         else:
             self.tokens += int(n)
+        return True
+
+    @property
+    def token_sum(self) -> torch.Tensor | None:
+        """The tokens a hook gave as tensors since the last row, summed on the device (None:
+        none given so): whoever reads the row's values may read it with them and hand the
+        value to :meth:`write` (``token_sum``), so the row costs one host read."""
+        return self._token_tensor
 
     def set_flops(self, count: FlopCount) -> None:
         """One iteration's FLOPs on this rank (``throughput.count_flops``): ``mfu`` from now."""
@@ -403,10 +419,10 @@ class RunMetrics:
         trained again, timed from the rollback on)."""
         self._take_tokens()
 
-    def _take_tokens(self) -> int | None:
+    def _take_tokens(self, read: float | None = None) -> int | None:
         tokens = self.tokens
         if self._token_tensor is not None:
-            tokens += int(self._token_tensor.item())
+            tokens += int(self._token_tensor.item() if read is None else read)
             self._token_tensor.zero_()
         self.tokens = 0
         return tokens if self._saw_tokens else None
@@ -422,11 +438,14 @@ class RunMetrics:
         seconds: float,
         device: torch.device,
         extras: Mapping[str, float] | None = None,
+        *,
+        token_sum: float | None = None,
     ) -> dict:
         """One row for the ``iters`` iterations that took ``seconds``; ``extras``: the model's
-        other training scalars (means over the interval). Returns the row."""
+        other training scalars (means over the interval); ``token_sum``: :attr:`token_sum`'s
+        value, read by the caller (None: read here). Returns the row."""
         rate = iters / seconds if seconds > 0 else float('nan')
-        tokens = self._take_tokens()
+        tokens = self._take_tokens(token_sum)
         row = {
             'iter': it,
             'epoch': epoch,
