@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 
 import torch
@@ -79,8 +80,16 @@ def main() -> None:
     parser.add_argument('--quick', action='store_true')
     parser.add_argument('--device', default='cpu')
     parser.add_argument('--case', choices=('tiny', 'medium', 'both'), default='both')
+    parser.add_argument('--rounds', type=int, default=41)
+    parser.add_argument(
+        '--clock',
+        choices=('wall', 'cpu'),
+        default='wall',
+        help="cpu: the thread's CPU time (steadier on a machine other programs load)",
+    )
     args = parser.parse_args()
-    rounds = 5 if args.quick else 41
+    rounds = 5 if args.quick else args.rounds
+    clock = time.thread_time if args.clock == 'cpu' else time.perf_counter
     sync = torch.cuda.synchronize if args.device.startswith('cuda') else lambda: None
     for title, kw, steps in (
         ('tiny MLP 2xLinear(32) batch 8, SGD', dict(width=32, depth=2, batch=8, opt='sgd'), 100),
@@ -101,10 +110,14 @@ def main() -> None:
             'nonfinite + spike window 100': guarded(**kw, guard=dict(window=100)),
         }
         timed = {name: _synced(fn, sync, steps) for name, fn in contestants.items()}
-        results = interleave(timed, rounds, 1)
+        results = interleave(timed, rounds, 1, clock)
         for times, _ in results.values():  # a block's ms -> a step's
             times[:] = [t / steps for t in times]
-        report(f'{title} on {args.device}: {rounds} rounds x {steps} steps, interleaved', results)
+        report(
+            f'{title} on {args.device}: {rounds} rounds x {steps} steps, interleaved, '
+            f'{args.clock} time',
+            results,
+        )
         _against_off(results, 'stratagem, no anomaly cfg')
 
 

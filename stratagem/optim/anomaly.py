@@ -100,6 +100,11 @@ def _norm(grads: list[torch.Tensor], *more: torch.Tensor) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(tensors).float()
 
 
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(grad, 'to_local', None)
+    return to_local() if callable(to_local) else grad
+
+
 def _ranks(found: list[tuple[int, float]]) -> str:
     return ', '.join(f'rank {r} ({v})' for r, v in found)
 
@@ -129,14 +134,14 @@ class StepGuard:
         self.rank, self.world = get_dist_info()
         self.last: Anomaly | None = None
         self._losses: list[torch.Tensor] = []  # the window's micro-batch losses
-        # per device: the flag the check sets (zeroed only after it was found set, so a
-        # clean step costs no fill) and the scale of 1; None: the device has no such kernel
-        self._flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._flags: dict[torch.device, _Flag | None] = {}  # None: no kernel there
         self._window = _Window(window) if window is not None else None
+        self._simple = nonfinite and window is None and self.world == 1
 
     def observe(self, loss: torch.Tensor) -> None:
-        """Keep one micro-batch's loss (a reference: added up at the update)."""
-        self._losses.append(loss.detach())
+        """Keep one micro-batch's loss (a reference, used after its backward: added up at
+        the update)."""
+        self._losses.append(loss)
 
     def allow(self, wrapper: Any) -> bool:
         """Whether this update goes ahead: the same answer on every rank (one all_reduce,
@@ -145,24 +150,28 @@ class StepGuard:
         checks = self._checks_grads(wrapper)
         grads = self._local_grads(wrapper) if checks else []
         losses, self._losses = self._losses, []
+        if self._simple and len(losses) == 1:
+            # the common case, and the one a tiny step feels: one kernel, one read
+            grads.append(losses[0])
+            flag = self._flag(grads)
+            grads.pop()
+            if not flag.read():
+                self.last = None
+                return True
+            flag.tensor.zero_()
+            rows = [[losses[0].item(), 1, 1.0]]
+            self.last = self._describe(1, rows, grads if checks else None, None)
+            return False
         loss_sum = None
         if losses:
-            loss_sum = (losses[0] if len(losses) == 1 else torch.stack(losses).sum()).float()
+            loss_sum = (losses[0] if len(losses) == 1 else torch.stack(losses).sum()).detach()
+            loss_sum = loss_sum.float()
         flag = None
         if self.nonfinite:
             flag = self._flag(grads if loss_sum is None else [*grads, loss_sum])
-        if self.world == 1 and self._window is None:
-            # the common case, and the one a tiny step feels: one kernel, one read
-            if flag is None or not flag.item():
-                self.last = None
-                return True
-            flag.zero_()
-            rows = [[0.0 if loss_sum is None else loss_sum.item(), len(losses), 1.0]]
-            self.last = self._describe(1, rows, grads if checks else None, None)
-            return False
         rows = self._figures(loss_sum, len(losses), flag, grads)
         if flag is not None and rows[self.rank][2]:
-            flag.zero_()
+            flag.tensor.zero_()
         total, count = sum(r[0] for r in rows), sum(r[1] for r in rows)
         loss = total / max(1, count)
         code = 0
@@ -185,48 +194,47 @@ class StepGuard:
         self,
         loss_sum: torch.Tensor | None,
         count: int,
-        flag: torch.Tensor | None,
+        flag: _Flag | None,
         grads: list[torch.Tensor],
     ) -> list[list[float]]:
         """Every rank's ``[loss sum, loss count, flag]``: one all_reduce, one host read."""
         if self.world == 1:  # two reads, the first the one sync: no device work between
             return [[0.0 if loss_sum is None else loss_sum.item(), float(count),
-                     0.0 if flag is None else flag.item()]]  # fmt: skip
+                     0.0 if flag is None else flag.read()]]  # fmt: skip
         if loss_sum is not None:
             device = loss_sum.device
         else:
-            device = flag.device if flag is not None else self._device(grads)
+            device = flag.tensor.device if flag is not None else self._device(grads)
         zero = torch.zeros((), device=device)
         mine = torch.stack([loss_sum.to(device) if loss_sum is not None else zero,
                             torch.full((), float(count), device=device),
-                            flag[0].to(device) if flag is not None else zero])  # fmt: skip
+                            flag.tensor[0].to(device) if flag is not None else zero])  # fmt: skip
         figures = torch.zeros(self.world, 3, device=device)
         figures[self.rank] = mine
         all_reduce(figures)
         return figures.tolist()
 
-    def _flag(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
-        """A 1-element float tensor, non-zero when one of ``tensors`` holds a non-finite
-        value (None: nothing to check)."""
+    def _flag(self, tensors: list[torch.Tensor]) -> _Flag | None:
+        """A flag, non-zero when one of ``tensors`` holds a non-finite value (None: nothing
+        to check)."""
         if not tensors:
             return None
         device = tensors[0].device
-        pair = self._flags.get(device, ())
-        if pair == ():
-            pair = (torch.zeros(1, device=device), torch.ones(1, device=device))
-            self._flags[device] = pair
-        if pair is not None:
+        flag = self._flags.get(device, _UNSET)
+        if flag is _UNSET:
+            flag = self._flags[device] = _Flag(torch.zeros(1, device=device))
+        if flag is not None:
             try:
-                torch._amp_foreach_non_finite_check_and_unscale_(tensors, *pair)
-                return pair[0]
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag.tensor, flag.one)
+                return flag
             except (RuntimeError, NotImplementedError):
-                # several devices, sparse gradients, gradients that need their graph: the
-                # norm decides (a device without the kernel is not tried again)
-                pair[0].zero_()
+                # several devices, sparse gradients: the norm decides (a device without the
+                # kernel is not tried again)
+                flag.tensor.zero_()
                 if device.type not in ('cpu', 'cuda'):
                     self._flags[device] = None
         with torch.no_grad():
-            return (~_norm(tensors).isfinite()).float().view(1)
+            return _Flag((~_norm(tensors).isfinite()).float().view(1))
 
     def _checks_grads(self, wrapper: Any) -> bool:
         return self.grads and self.nonfinite and getattr(wrapper, 'loss_scaler', None) is None
@@ -235,14 +243,11 @@ class StepGuard:
     def _local_grads(wrapper: Any) -> list[torch.Tensor]:
         """This rank's gradients (a DTensor's local shard: the ranks' checks together cover
         the whole)."""
-        found = []
-        for p in wrapper.grad_holders():
-            g = p.grad
-            if g is None:
-                continue
-            to_local = None if type(g) is torch.Tensor else getattr(g, 'to_local', None)
-            found.append(to_local() if callable(to_local) else g)
-        return found
+        return [
+            g if type(g) is torch.Tensor else _local(g)
+            for p in wrapper.grad_holders()
+            if (g := p.grad) is not None
+        ]
 
     @staticmethod
     def _device(grads: list[torch.Tensor] | None) -> torch.device:
@@ -289,6 +294,25 @@ class StepGuard:
     def load_state_dict(self, state: dict) -> None:
         if self._window is not None:
             self._window.load_state_dict(state)
+
+
+class _Flag:
+    """A flag the non-finite kernel sets (a device's is kept, and zeroed only after it was
+    found set: a clean step costs no fill), read on the host (on a CPU through a view of
+    its memory: no torch call)."""
+
+    __slots__ = ('one', 'tensor', 'view')
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.one = torch.ones(1, device=tensor.device)  # the kernel's scale
+        self.view = memoryview(tensor.numpy()) if tensor.device.type == 'cpu' else None
+
+    def read(self) -> float:
+        return self.view[0] if self.view is not None else self.tensor.item()
+
+
+_UNSET: Any = object()
 
 
 class _Window:
