@@ -186,7 +186,7 @@ class RowWriter:
 
     def __init__(
         self,
-        write: Callable[[list[dict]], None],
+        write: Callable[[list[Any]], None],
         sync: Callable[[], None],
         *,
         every_s: float = 1.0,
@@ -199,7 +199,7 @@ class RowWriter:
         self._thread = threading.Thread(target=self._run, name='stratagem-metrics', daemon=True)
         self._thread.start()
 
-    def put(self, row: dict) -> None:
+    def put(self, row: dict | tuple) -> None:
         if self._error is not None:
             self._raise()
         self._queue.put(row)
@@ -309,7 +309,8 @@ class RunMetrics:
         self._first_row = True
         self._totals = [0, 0.0, 0]  # iterations, seconds, tokens: the rows after the first
         self.stall = 0.0
-        self.last_row: dict | None = None
+        self._last_row: dict | None = None
+        self._deferred = False  # rows handed to the writer unbuilt (write_later) since a flush
         self.log_dir = log_dir
         self.resumed_at = resumed_at
         self._path = os.path.join(log_dir, 'metrics.csv')
@@ -444,38 +445,105 @@ class RunMetrics:
         """One row for the ``iters`` iterations that took ``seconds``; ``extras``: the model's
         other training scalars (means over the interval); ``token_sum``: :attr:`token_sum`'s
         value, read by the caller (None: read here). Returns the row."""
-        rate = iters / seconds if seconds > 0 else float('nan')
+        if self._deferred:  # the rows handed over unbuilt first: the averages go in order
+            self.flush()
+        capture = self._capture(
+            it, epoch, loss, lr, grad_norm, iters, seconds, device, extras, token_sum
+        )
+        row = self._build(capture)
+        self._add(row)
+        return row
+
+    def write_later(
+        self,
+        it: int,
+        epoch: int,
+        loss: float,
+        lr: float,
+        grad_norm: Any,
+        iters: int,
+        seconds: float,
+        device: torch.device,
+        extras: Mapping[str, float] | None = None,
+        *,
+        token_sum: float | None = None,
+    ) -> None:
+        """:meth:`write` for a row nobody on the training thread reads (no log line, no
+        bar): its values are taken here, the row is built on the writers' thread (without
+        writers: here, as :meth:`write` builds it)."""
+        if not (self._want_csv or self._want_tb):
+            self.write(
+                it, epoch, loss, lr, grad_norm, iters, seconds, device, extras,
+                token_sum=token_sum,
+            )  # fmt: skip
+            return
+        capture = self._capture(
+            it, epoch, loss, lr, grad_norm, iters, seconds, device, extras, token_sum
+        )
+        self._deferred = True
+        self._add(capture)
+
+    @property
+    def last_row(self) -> dict | None:
+        """The last training row (the rows handed over unbuilt are built first)."""
+        if self._deferred:
+            self.flush()
+        return self._last_row
+
+    def _capture(
+        self,
+        it: int,
+        epoch: int,
+        loss: float,
+        lr: float,
+        grad_norm: Any,
+        iters: int,
+        seconds: float,
+        device: torch.device,
+        extras: Mapping[str, float] | None,
+        token_sum: float | None,
+    ) -> tuple:
+        """A row's values, taken when it is due (the rest is arithmetic: :meth:`_build`)."""
         tokens = self._take_tokens(token_sum)
+        norm = None if grad_norm is None else float(grad_norm)
+        stall, self.stall = self.stall, 0.0
+        return (it, epoch, loss, lr, norm, iters, seconds, peak_memory_mib(device), stall,
+                tokens, self.flops, extras)  # fmt: skip
+
+    def _build(self, capture: tuple) -> dict:
+        """The row of :meth:`_capture`'s values (the run's averages moved on by it)."""
+        it, epoch, loss, lr, norm, iters, seconds, peak, stall, tokens, flops, extras = capture
+        rate = iters / seconds if seconds > 0 else float('nan')
         row = {
             'iter': it,
             'epoch': epoch,
             'loss': loss,
             'lr': lr,
-            'grad_norm': None if grad_norm is None else float(grad_norm),
+            'grad_norm': norm,
             'samples_per_s': rate * self.samples_per_iter,
             'tokens_per_s': None,
-            'mfu': self._mfu(rate),
+            'mfu': self._mfu(rate, flops),
             'step_time_s': seconds / iters if iters else float('nan'),
-            'peak_memory_mib': peak_memory_mib(device),
-            'checkpoint_stall_s': self.stall,
-            'flops_per_iter': None if self.flops is None else self.flops.total,
+            'peak_memory_mib': peak,
+            'checkpoint_stall_s': stall,
+            'flops_per_iter': None if flops is None else flops.total,
         }
         if tokens is not None and seconds > 0:
             row['tokens_per_s'] = tokens * self.data_parallel_size / seconds
-        row.update(self._averages(row, iters, seconds, tokens))
+        row.update(self._averages(row, iters, seconds, tokens, flops))
         for name, value in (extras or {}).items():
             row.setdefault(name, value)
-        self.stall = 0.0
-        self.last_row = row
-        self._add(row)
+        self._last_row = row
         return row
 
-    def _mfu(self, rate: float) -> float | None:
-        if self.flops is None or self.peak is None or not self.flops.total:
+    def _mfu(self, rate: float, flops: FlopCount | None) -> float | None:
+        if flops is None or self.peak is None or not flops.total:
             return None
-        return self.flops.total * rate / self.peak.flops
+        return flops.total * rate / self.peak.flops
 
-    def _averages(self, row: dict, iters: int, seconds: float, tokens: int | None) -> dict:
+    def _averages(
+        self, row: dict, iters: int, seconds: float, tokens: int | None, flops: FlopCount | None
+    ) -> dict:
         """The run's figures so far: the first row's own, then the rows after it (the first
         holds the warm-up: allocations, compilation, the FLOP count)."""
         if self._first_row:
@@ -492,7 +560,7 @@ class RunMetrics:
             tokens_per_s = None
             if tokens is not None and totals[1] > 0:
                 tokens_per_s = totals[2] * self.data_parallel_size / totals[1]
-            mfu = self._mfu(it_rate)
+            mfu = self._mfu(it_rate, flops)
         return {'samples_per_s_avg': rate, 'tokens_per_s_avg': tokens_per_s, 'mfu_avg': mfu}
 
     def write_val(self, it: int, epoch: int, values: Mapping[str, float]) -> dict:
@@ -518,7 +586,7 @@ class RunMetrics:
         self._add(row)
         return row
 
-    def _add(self, row: dict) -> None:
+    def _add(self, row: dict | tuple) -> None:
         if self._writer is None:
             if not (self._want_csv or self._want_tb):
                 return
@@ -527,12 +595,13 @@ class RunMetrics:
             )
         self._writer.put(row)
 
-    def _write_rows(self, rows: list[dict]) -> None:
+    def _write_rows(self, rows: list[dict | tuple]) -> None:
         """On the writer's thread: the files opened with the first rows, then the rows into
         the CSV (widened for a new column) and to TensorBoard, then the files flushed (at
         most once a second)."""
         if not self._opened:
             self._open_writers()
+        rows = [self._build(r) if isinstance(r, tuple) else r for r in rows]
         if self._csv is not None:
             for row in rows:
                 new = [k for k in row if k not in self._columns]
@@ -565,6 +634,7 @@ class RunMetrics:
         save calls it: the rows are as complete as the checkpoint)."""
         if self._writer is not None:
             self._writer.flush()
+        self._deferred = False
 
     def close(self) -> None:
         """Write every row left, close the files (also when the run failed: the rows up to

@@ -77,7 +77,11 @@ class Meter:
         # ... and every FOLD iterations, per name, the sum on the device and the count
         self._folded: dict[str, torch.Tensor] = {}
         self._counts: dict[str, int] = {}
-        self._numbers: dict[str, float] = {}  # scalars given as Python numbers: summed here
+        # scalars given as Python numbers, and on a CPU every scalar: summed here (a CPU
+        # tensor's value is in host memory: reading it waits for nothing, and costs less
+        # than any operation that would add it up)
+        self._numbers: dict[str, float] = {}
+        self._host = device.type == 'cpu'
         self._names: dict[str, None] = {}  # the scalars' names in the order first seen
         self._counting = self.main  # whether the batches' tokens are still counted
         self.dropped = 0  # iterations since the last row whose loss is not in the sums
@@ -177,7 +181,11 @@ class Meter:
 
     def after_step(self, loss: torch.Tensor, extras: Mapping[str, Any]) -> None:
         """Keep one iteration's loss (detached, ``strategy.train_step``'s) and scalars:
-        no host sync, no device work (the row adds them up in one operation)."""
+        no host sync, no device work (the row adds them up in one operation); on a CPU,
+        their values added up here."""
+        if self._host:
+            self._add_values(loss, extras)
+            return
         for value in extras.values():
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 # a loss term keeps its graph's nodes alive while it is held
@@ -208,19 +216,15 @@ class Meter:
         lr0 = next(iter(self.optim_wrapper.get_lr().values()))[0]
         now = time.perf_counter()
         epoch = (it - 1) // self.epoch_length + 1  # the 1-based epoch of this iteration
-        row = self.metrics.write(
-            it,
-            epoch,
-            loss,
-            lr0,
-            grad_norm,
-            it - self.logged_at,
-            now - self.logged_t,
-            self.device,
-            extras,
-            token_sum=read.pop(0) if type(tokens) is torch.Tensor else None,
-        )
+        values = (it, epoch, loss, lr0, grad_norm, it - self.logged_at, now - self.logged_t,
+                  self.device, extras)  # fmt: skip
+        token_sum = read.pop(0) if type(tokens) is torch.Tensor else None
         self.logged_at, self.logged_t = it, now
+        logs = self.log.isEnabledFor(logging.INFO)
+        if self.bar is None and not logs:  # nobody here reads the row: built off this thread
+            self.metrics.write_later(*values, token_sum=token_sum)
+            return
+        row = self.metrics.write(*values, token_sum=token_sum)
         if self.bar is not None:
             self.bar.set_postfix(
                 loss=f'{loss:.4f}',
@@ -228,7 +232,7 @@ class Meter:
                 epoch=epoch,
                 samples_s=f'{row["samples_per_s"]:.0f}',
             )
-        if self.log.isEnabledFor(logging.INFO):
+        if logs:
             label = self.metrics.peak.label if self.metrics.peak is not None else 'mfu'
             self.log.info(self._position(it) + ' ' + format_row(row, label))
 
@@ -254,7 +258,7 @@ class Meter:
         for name, values in groups.items():
             names += [name] * len(values)
             tensors += values
-        read = _values(tensors)
+        read = _values(tensors, self._host)
         sums = dict(self._numbers)
         for name, value in zip(names, read[len(more) :], strict=True):
             sums[name] = sums.get(name, 0.0) + value
@@ -286,6 +290,17 @@ class Meter:
                     numbers[name] = numbers.get(name, 0.0) + float(value)
         self._pending = []
         return groups
+
+    def _add_values(self, loss: Any, extras: Mapping[str, Any]) -> None:
+        numbers, counts, order = self._numbers, self._counts, self._names
+        value = loss.item() if isinstance(loss, torch.Tensor) else float(loss)
+        numbers['loss'] = numbers.get('loss', 0.0) + value
+        for name, v in extras.items():
+            value = v.item() if isinstance(v, torch.Tensor) else float(v)
+            numbers[name] = numbers.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
+            if name not in order:
+                order[name] = None
 
     def _fold(self) -> None:
         """The kept iterations summed on the device, per name: no host sync."""
@@ -336,10 +351,13 @@ def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
         return None
 
 
-def _values(tensors: list[torch.Tensor]) -> list[float]:
-    """The values of 1-element ``tensors``, in one host read."""
+def _values(tensors: list[torch.Tensor], host: bool) -> list[float]:
+    """The values of 1-element ``tensors``, in one host read (``host``: CPU tensors, each
+    read where it is, in host memory: no operation needed)."""
     if not tensors:
         return []
+    if host:
+        return [t.item() for t in tensors]
     stacked = _stacked(tensors)
     return stacked.tolist() if stacked is not None else [float(t) for t in tensors]
 
