@@ -601,9 +601,9 @@ class RunMetrics:
         most once a second)."""
         if not self._opened:
             self._open_writers()
-        rows = [self._build(r) if isinstance(r, tuple) else r for r in rows]
+        built = [self._build(r) if isinstance(r, tuple) else r for r in rows]
         if self._csv is not None:
-            for row in rows:
+            for row in built:
                 new = [k for k in row if k not in self._columns]
                 if new:
                     self._columns += new
@@ -612,7 +612,7 @@ class RunMetrics:
                 self._csv.writerow({k: '' if v is None else v for k, v in row.items()})
             self._file.flush()
         if self._tb is not None:
-            self._to_tensorboard(rows)
+            self._to_tensorboard(built)
             self._tb.flush()
 
     def _sync(self) -> None:

@@ -155,6 +155,7 @@ class StepGuard:
             grads.append(losses[0])
             flag = self._flag(grads)
             grads.pop()
+            assert flag is not None  # the loss at least was checked
             if not flag.read():
                 self.last = None
                 return True
@@ -306,7 +307,7 @@ class _Flag:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
         self.one = torch.ones(1, device=tensor.device)  # the kernel's scale
-        self.view = memoryview(tensor.numpy()) if tensor.device.type == 'cpu' else None
+        self.view = tensor.numpy().data if tensor.device.type == 'cpu' else None
 
     def read(self) -> float:
         return self.view[0] if self.view is not None else self.tensor.item()
