@@ -41,9 +41,11 @@ Both writers run on a thread of their own (:class:`RowWriter`): the training thr
 row over (a queue's put) and goes on; the thread opens the files with the first row (a run
 that fails before it writes none), writes what it was handed at most once a second, and
 :meth:`RunMetrics.flush` / :meth:`RunMetrics.close` wait until every row so far is written
-(a write's error is raised there, naming the file). Nothing is done per iteration but adding
-the loss (and the other scalars) to tensors (no host sync) and counting the batch's tokens
-(its shape); a row costs one sync per ``log_interval``. Other ranks write nothing.
+(a write's error is raised there, naming the file). A row the training thread does not read
+(no log line, no bar: :meth:`RunMetrics.write_later`) is only its values there, and is built
+on the writers' thread. Nothing is done per iteration but keeping the loss (and the other
+scalars) and counting the batch's tokens (its shape); a row costs one sync per
+``log_interval`` (``stratagem.loop.meter``). Other ranks write nothing.
 ``train_cfg.metrics``: ``csv`` and ``tensorboard`` (bools, default True: the writers),
 ``flops`` (bool, default True: count the FLOPs for ``mfu``), ``peak_flops`` (FLOP/s of the
 device, for a card the table lacks), ``num_tokens`` (the tokens hook).

@@ -1,8 +1,11 @@
-"""What a person watches: the loss and the model's other training scalars summed on the device
-each iteration, and, every ``log_interval`` iterations (and at the end and at a stop), their
-means read in one host sync: a row for ``metrics.py`` (log line, ``metrics.csv``,
-TensorBoard), the progress bar's figures (rank 0), and after it the validation's rows and
-lines. Log lines show positions as mmengine does: ``Epoch(train) [1][16/64]`` (epochs
+"""What a person watches: the loss and the model's other training scalars of each iteration
+(on an accelerator kept as they came, no device work, and every ``FOLD`` iterations summed
+there; on a CPU, whose tensors' values are in host memory, read and added up as they come),
+and, every ``log_interval`` iterations (and at the end and at a stop), their means (on an
+accelerator read in one host sync, with the clipping's norm and a tokens hook's tensors): a
+row for ``metrics.py`` (log line, ``metrics.csv``, TensorBoard; built on the writers' thread
+when nobody here reads it: no log line at INFO, no bar), the progress bar's figures (rank 0),
+and after it the validation's rows and lines. Log lines show positions as mmengine does: ``Epoch(train) [1][16/64]`` (epochs
 1-based)."""
 
 from __future__ import annotations
