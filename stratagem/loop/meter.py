@@ -5,8 +5,8 @@ and, every ``log_interval`` iterations (and at the end and at a stop), their mea
 accelerator read in one host sync, with the clipping's norm and a tokens hook's tensors): a
 row for ``metrics.py`` (log line, ``metrics.csv``, TensorBoard; built on the writers' thread
 when nobody here reads it: no log line at INFO, no bar), the progress bar's figures (rank 0),
-and after it the validation's rows and lines. Log lines show positions as mmengine does: ``Epoch(train) [1][16/64]`` (epochs
-1-based)."""
+and after it the validation's rows and lines. Log lines show positions as mmengine does:
+``Epoch(train) [1][16/64]`` (epochs 1-based)."""
 
 from __future__ import annotations
 
