@@ -256,6 +256,8 @@ class Meter:
         """The loss's and the other scalars' means since the last row, and the values of
         ``more`` (1-element tensors: the clipping's norm, the tokens' count), in one host
         read; the sums start again from zero."""
+        if self._host:  # every value already read and added up
+            return self._host_means(it, more)
         groups = self._grouped()
         names, tensors = [], list(more)
         for name, values in groups.items():
@@ -272,6 +274,17 @@ class Meter:
         extras = {name: sums[name] / self._counts[name] for name in self._names if name in sums}
         self._folded, self._counts, self._numbers = {}, {}, {}
         return loss, extras, read[: len(more)]
+
+    def _host_means(
+        self, it: int, more: Sequence[torch.Tensor]
+    ) -> tuple[float, dict[str, float], list[float]]:
+        sums, counts = self._numbers, self._counts
+        trained = it - self.logged_at - self.dropped
+        loss = sums.pop('loss', 0.0) / trained if trained > 0 else float('nan')
+        self.dropped = 0
+        extras = {name: sums[name] / counts[name] for name in self._names if name in sums}
+        self._counts, self._numbers = {}, {}
+        return loss, extras, [t.item() for t in more]
 
     def _grouped(self) -> dict[str, list[torch.Tensor]]:
         """The kept iterations' tensors by name (with the folded sums; numbers added to
