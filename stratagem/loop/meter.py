@@ -86,7 +86,9 @@ class Meter:
         self._numbers: dict[str, float] = {}
         self._host = device.type == 'cpu'
         self._names: dict[str, None] = {}  # the scalars' names in the order first seen
-        self._counting = self.main  # whether the batches' tokens are still counted
+        #: whether the batches' tokens are still counted (rank 0, until a batch has none):
+        #: the loop calls saw_batch only then
+        self.counting = self.main
         self.dropped = 0  # iterations since the last row whose loss is not in the sums
         self.logged_at, self.logged_t = start_iter, time.perf_counter()
         self.bar: Any = None
@@ -153,8 +155,8 @@ class Meter:
 
     def saw_batch(self, batch: Any) -> None:
         """Count the batch's tokens (rank 0; its shape, or the hook's count)."""
-        if self._counting:
-            self._counting = self.metrics.saw_batch(batch)
+        if self.counting:
+            self.counting = self.metrics.saw_batch(batch)
 
     def counted(self, step: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``step``, its first call on rank 0 under the FLOP counter (``train_cfg.metrics.
