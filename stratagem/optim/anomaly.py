@@ -229,11 +229,10 @@ class StepGuard:
                 torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag.tensor, flag.one)
                 return flag
             except (RuntimeError, NotImplementedError):
-                # several devices, sparse gradients: the norm decides (a device without the
-                # kernel is not tried again)
+                # several devices, sparse gradients, a device without the kernel: the norm
+                # decides, from now on (the gradients stay of one kind through a run)
                 flag.tensor.zero_()
-                if device.type not in ('cpu', 'cuda'):
-                    self._flags[device] = None
+                self._flags[device] = None
         with torch.no_grad():
             return _Flag((~_norm(tensors).isfinite()).float().view(1))
 
