@@ -131,9 +131,14 @@ def _faults() -> int:
 
 
 def interleave(
-    contestants: dict[str, Callable[[], None]], rounds: int, steps: int
+    contestants: dict[str, Callable[[], None]],
+    rounds: int,
+    steps: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, tuple[list[float], list[float]]]:
-    """{name: (ms/step per round, minor faults/step per round)}; blocks alternate order."""
+    """{name: (ms/step per round, minor faults/step per round)}; blocks alternate order.
+    ``clock``: wall time, or ``time.thread_time`` (this thread's CPU time: the time other
+    programs take the cores away does not count, on a machine they load)."""
     for fn in contestants.values():  # warm-up: optimizer state, allocator, caches
         for _ in range(max(2, steps // 2)):
             fn()
@@ -142,10 +147,10 @@ def interleave(
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             fn = contestants[name]
-            f0, t0 = _faults(), time.perf_counter()
+            f0, t0 = _faults(), clock()
             for _ in range(steps):
                 fn()
-            t1, f1 = time.perf_counter(), _faults()
+            t1, f1 = clock(), _faults()
             out[name][0].append((t1 - t0) / steps * 1e3)
             out[name][1].append((f1 - f0) / steps)
     return out

@@ -41,9 +41,11 @@ Both writers run on a thread of their own (:class:`RowWriter`): the training thr
 row over (a queue's put) and goes on; the thread opens the files with the first row (a run
 that fails before it writes none), writes what it was handed at most once a second, and
 :meth:`RunMetrics.flush` / :meth:`RunMetrics.close` wait until every row so far is written
-(a write's error is raised there, naming the file). Nothing is done per iteration but adding
-the loss (and the other scalars) to tensors (no host sync) and counting the batch's tokens
-(its shape); a row costs one sync per ``log_interval``. Other ranks write nothing.
+(a write's error is raised there, naming the file). A row the training thread does not read
+(no log line, no bar: :meth:`RunMetrics.write_later`) is only its values there, and is built
+on the writers' thread. Nothing is done per iteration but keeping the loss (and the other
+scalars) and counting the batch's tokens (its shape); a row costs one sync per
+``log_interval`` (``stratagem.loop.meter``). Other ranks write nothing.
 ``train_cfg.metrics``: ``csv`` and ``tensorboard`` (bools, default True: the writers),
 ``flops`` (bool, default True: count the FLOPs for ``mfu``), ``peak_flops`` (FLOP/s of the
 device, for a card the table lacks), ``num_tokens`` (the tokens hook).
@@ -138,12 +140,17 @@ def check_metrics_cfg(cfg: Mapping | None) -> dict:
     return cfg
 
 
+# Linux gives the process's high-water mark (its memory map's) for the calling thread too,
+# without adding up every thread's CPU times as RUSAGE_SELF does
+_RUSAGE = getattr(resource, 'RUSAGE_THREAD', resource.RUSAGE_SELF)
+
+
 def peak_memory_mib(device: torch.device) -> float:
     """This process's peak memory in MiB: the CUDA allocator's peak on a CUDA device, else
     the peak resident set (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
     if device.type == 'cuda':
         return torch.cuda.max_memory_allocated(device) / 2**20
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss = resource.getrusage(_RUSAGE).ru_maxrss
     return rss / 2**20 if sys.platform == 'darwin' else rss / 2**10
 
 
@@ -181,7 +188,7 @@ class RowWriter:
 
     def __init__(
         self,
-        write: Callable[[list[dict]], None],
+        write: Callable[[list[Any]], None],
         sync: Callable[[], None],
         *,
         every_s: float = 1.0,
@@ -194,7 +201,7 @@ class RowWriter:
         self._thread = threading.Thread(target=self._run, name='stratagem-metrics', daemon=True)
         self._thread.start()
 
-    def put(self, row: dict) -> None:
+    def put(self, row: dict | tuple) -> None:
         if self._error is not None:
             self._raise()
         self._queue.put(row)
@@ -297,12 +304,15 @@ class RunMetrics:
         self.peak = peak
         self.flops: FlopCount | None = None
         self.tokens = 0  # this rank's, since the last row
-        self._token_tensor: torch.Tensor | None = None  # a hook's tensors, summed on device
+        # a hook's tensors, summed on the device (float64: exact to 2**53, and read with the
+        # row's float scalars in one tensor)
+        self._token_tensor: torch.Tensor | None = None
         self._counting_tokens, self._saw_tokens = True, False
         self._first_row = True
         self._totals = [0, 0.0, 0]  # iterations, seconds, tokens: the rows after the first
         self.stall = 0.0
-        self.last_row: dict | None = None
+        self._last_row: dict | None = None
+        self._deferred = False  # rows handed to the writer unbuilt (write_later) since a flush
         self.log_dir = log_dir
         self.resumed_at = resumed_at
         self._path = os.path.join(log_dir, 'metrics.csv')
@@ -372,23 +382,32 @@ class RunMetrics:
             writer.writerows(rows)
         os.replace(tmp, self._path)
 
-    def saw_batch(self, batch: Any) -> None:
+    def saw_batch(self, batch: Any) -> bool:
         """Count one iteration's batch's tokens (every iteration; its hook's ``int``, or a
         tensor summed where it is and read at the row). The default hook, finding no token
-        data in the first batch, is asked no more."""
+        data in the first batch, is asked no more. Returns whether to call again (False:
+        the batches hold no tokens)."""
         if not self._counting_tokens:
-            return
+            return False
         n = self.num_tokens(batch)
         if n is None:
             self._counting_tokens = self._saw_tokens
-            return
+            return self._counting_tokens
         self._saw_tokens = True
         if isinstance(n, torch.Tensor):
             if self._token_tensor is None:
-                self._token_tensor = torch.zeros((), dtype=torch.int64, device=n.device)
+                self._token_tensor = torch.zeros((), dtype=torch.float64, device=n.device)
             self._token_tensor.add_(n.detach().reshape(()))
         else:
             self.tokens += int(n)
+        return True
+
+    @property
+    def token_sum(self) -> torch.Tensor | None:
+        """The tokens a hook gave as tensors since the last row, summed on the device (None:
+        none given so): whoever reads the row's values may read it with them and hand the
+        value to :meth:`write` (``token_sum``), so the row costs one host read."""
+        return self._token_tensor
 
     def set_flops(self, count: FlopCount) -> None:
         """One iteration's FLOPs on this rank (``throughput.count_flops``): ``mfu`` from now."""
@@ -403,10 +422,10 @@ class RunMetrics:
         trained again, timed from the rollback on)."""
         self._take_tokens()
 
-    def _take_tokens(self) -> int | None:
+    def _take_tokens(self, read: float | None = None) -> int | None:
         tokens = self.tokens
         if self._token_tensor is not None:
-            tokens += int(self._token_tensor.item())
+            tokens += int(self._token_tensor.item() if read is None else read)
             self._token_tensor.zero_()
         self.tokens = 0
         return tokens if self._saw_tokens else None
@@ -422,41 +441,111 @@ class RunMetrics:
         seconds: float,
         device: torch.device,
         extras: Mapping[str, float] | None = None,
+        *,
+        token_sum: float | None = None,
     ) -> dict:
         """One row for the ``iters`` iterations that took ``seconds``; ``extras``: the model's
-        other training scalars (means over the interval). Returns the row."""
+        other training scalars (means over the interval); ``token_sum``: :attr:`token_sum`'s
+        value, read by the caller (None: read here). Returns the row."""
+        if self._deferred:  # the rows handed over unbuilt first: the averages go in order
+            self.flush()
+        capture = self._capture(
+            it, epoch, loss, lr, grad_norm, iters, seconds, device, extras, token_sum
+        )
+        row = self._build(capture)
+        self._add(row)
+        return row
+
+    def write_later(
+        self,
+        it: int,
+        epoch: int,
+        loss: float,
+        lr: float,
+        grad_norm: Any,
+        iters: int,
+        seconds: float,
+        device: torch.device,
+        extras: Mapping[str, float] | None = None,
+        *,
+        token_sum: float | None = None,
+    ) -> None:
+        """:meth:`write` for a row nobody on the training thread reads (no log line, no
+        bar): its values are taken here, the row is built on the writers' thread (without
+        writers: here, as :meth:`write` builds it)."""
+        if not (self._want_csv or self._want_tb):
+            self.write(
+                it, epoch, loss, lr, grad_norm, iters, seconds, device, extras,
+                token_sum=token_sum,
+            )  # fmt: skip
+            return
+        capture = self._capture(
+            it, epoch, loss, lr, grad_norm, iters, seconds, device, extras, token_sum
+        )
+        self._deferred = True
+        self._add(capture)
+
+    @property
+    def last_row(self) -> dict | None:
+        """The last training row (the rows handed over unbuilt are built first)."""
+        if self._deferred:
+            self.flush()
+        return self._last_row
+
+    def _capture(
+        self,
+        it: int,
+        epoch: int,
+        loss: float,
+        lr: float,
+        grad_norm: Any,
+        iters: int,
+        seconds: float,
+        device: torch.device,
+        extras: Mapping[str, float] | None,
+        token_sum: float | None,
+    ) -> tuple:
+        """A row's values, taken when it is due (the rest is arithmetic: :meth:`_build`)."""
+        tokens = self._take_tokens(token_sum)
+        norm = None if grad_norm is None else float(grad_norm)
+        stall, self.stall = self.stall, 0.0
+        return (it, epoch, loss, lr, norm, iters, seconds, peak_memory_mib(device), stall,
+                tokens, self.flops, extras)  # fmt: skip
+
+    def _build(self, capture: tuple) -> dict:
+        """The row of :meth:`_capture`'s values (the run's averages moved on by it)."""
+        it, epoch, loss, lr, norm, iters, seconds, peak, stall, tokens, flops, extras = capture
         rate = iters / seconds if seconds > 0 else float('nan')
-        tokens = self._take_tokens()
         row = {
             'iter': it,
             'epoch': epoch,
             'loss': loss,
             'lr': lr,
-            'grad_norm': None if grad_norm is None else float(grad_norm),
+            'grad_norm': norm,
             'samples_per_s': rate * self.samples_per_iter,
             'tokens_per_s': None,
-            'mfu': self._mfu(rate),
+            'mfu': self._mfu(rate, flops),
             'step_time_s': seconds / iters if iters else float('nan'),
-            'peak_memory_mib': peak_memory_mib(device),
-            'checkpoint_stall_s': self.stall,
-            'flops_per_iter': None if self.flops is None else self.flops.total,
+            'peak_memory_mib': peak,
+            'checkpoint_stall_s': stall,
+            'flops_per_iter': None if flops is None else flops.total,
         }
         if tokens is not None and seconds > 0:
             row['tokens_per_s'] = tokens * self.data_parallel_size / seconds
-        row.update(self._averages(row, iters, seconds, tokens))
+        row.update(self._averages(row, iters, seconds, tokens, flops))
         for name, value in (extras or {}).items():
             row.setdefault(name, value)
-        self.stall = 0.0
-        self.last_row = row
-        self._add(row)
+        self._last_row = row
         return row
 
-    def _mfu(self, rate: float) -> float | None:
-        if self.flops is None or self.peak is None or not self.flops.total:
+    def _mfu(self, rate: float, flops: FlopCount | None) -> float | None:
+        if flops is None or self.peak is None or not flops.total:
             return None
-        return self.flops.total * rate / self.peak.flops
+        return flops.total * rate / self.peak.flops
 
-    def _averages(self, row: dict, iters: int, seconds: float, tokens: int | None) -> dict:
+    def _averages(
+        self, row: dict, iters: int, seconds: float, tokens: int | None, flops: FlopCount | None
+    ) -> dict:
         """The run's figures so far: the first row's own, then the rows after it (the first
         holds the warm-up: allocations, compilation, the FLOP count)."""
         if self._first_row:
@@ -473,7 +562,7 @@ class RunMetrics:
             tokens_per_s = None
             if tokens is not None and totals[1] > 0:
                 tokens_per_s = totals[2] * self.data_parallel_size / totals[1]
-            mfu = self._mfu(it_rate)
+            mfu = self._mfu(it_rate, flops)
         return {'samples_per_s_avg': rate, 'tokens_per_s_avg': tokens_per_s, 'mfu_avg': mfu}
 
     def write_val(self, it: int, epoch: int, values: Mapping[str, float]) -> dict:
@@ -499,7 +588,7 @@ class RunMetrics:
         self._add(row)
         return row
 
-    def _add(self, row: dict) -> None:
+    def _add(self, row: dict | tuple) -> None:
         if self._writer is None:
             if not (self._want_csv or self._want_tb):
                 return
@@ -508,14 +597,15 @@ class RunMetrics:
             )
         self._writer.put(row)
 
-    def _write_rows(self, rows: list[dict]) -> None:
+    def _write_rows(self, rows: list[dict | tuple]) -> None:
         """On the writer's thread: the files opened with the first rows, then the rows into
         the CSV (widened for a new column) and to TensorBoard, then the files flushed (at
         most once a second)."""
         if not self._opened:
             self._open_writers()
+        built = [self._build(r) if isinstance(r, tuple) else r for r in rows]
         if self._csv is not None:
-            for row in rows:
+            for row in built:
                 new = [k for k in row if k not in self._columns]
                 if new:
                     self._columns += new
@@ -524,7 +614,7 @@ class RunMetrics:
                 self._csv.writerow({k: '' if v is None else v for k, v in row.items()})
             self._file.flush()
         if self._tb is not None:
-            self._to_tensorboard(rows)
+            self._to_tensorboard(built)
             self._tb.flush()
 
     def _sync(self) -> None:
@@ -546,6 +636,7 @@ class RunMetrics:
         save calls it: the rows are as complete as the checkpoint)."""
         if self._writer is not None:
             self._writer.flush()
+        self._deferred = False
 
     def close(self) -> None:
         """Write every row left, close the files (also when the run failed: the rows up to

@@ -156,7 +156,10 @@ def test_a_bad_run_length_is_refused_naming_the_key():
         check_train_config(dict(BASE, train_cfg=dict(max_iters=None)))
 
 
-def test_the_meter_reads_the_device_once_per_row(tmp_path, monkeypatch):
+@pytest.mark.parametrize('device', ['meta', 'cpu'])
+def test_the_meter_reads_the_device_once_per_row(tmp_path, monkeypatch, device):
+    # 'meta' stands for an accelerator (the values stay where they are until the row's one
+    # read); on a CPU the values are in host memory and read as they come, no operation
     strategy = SimpleNamespace(
         rank=0, log_dir=str(tmp_path), data_parallel_size=1, logger=logging.getLogger('test')
     )
@@ -164,7 +167,7 @@ def test_the_meter_reads_the_device_once_per_row(tmp_path, monkeypatch):
     meter = Meter(
         strategy,
         optim_wrapper,
-        torch.device('cpu'),
+        torch.device(device),
         batch_size=2,
         epoch_length=4,
         max_iters=10,
@@ -186,9 +189,14 @@ def test_the_meter_reads_the_device_once_per_row(tmp_path, monkeypatch):
     with meter:
         for it in range(1, 11):
             meter.after_step(torch.tensor(float(it)), {'acc': torch.tensor(it / 10)})
+            if it == 3:
+                assert reads == ([] if device == 'meta' else ['item'] * 6)
             if meter.due(it, stop=False):
                 meter.log_row(it)
-    assert reads == ['tolist', 'tolist']  # one host sync per row, none per iteration
+    if device == 'meta':
+        assert reads == ['tolist', 'tolist']  # one host sync per row, none per iteration
+    else:
+        assert reads == ['item'] * 20  # the values, each once
     assert meter.losses == [(5, 3.0), (10, 8.0)]  # means over each interval
     rows = (tmp_path / 'metrics.csv').read_text().splitlines()
     assert len(rows) == 3 and 'acc' in rows[0]

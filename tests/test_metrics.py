@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stratagem.metrics import COLUMNS, RunMetrics, peak_memory_mib
-from stratagem.throughput import default_num_tokens
+from stratagem.throughput import FlopCount, default_num_tokens
 
 
 def test_default_num_tokens_is_batch_times_time():
@@ -50,6 +50,26 @@ def test_rows_go_to_csv_and_tensorboard(tmp_path):
     assert {'train/loss', 'train/lr', 'train/samples_per_s', 'train/tokens_per_s'} <= tags
     assert [(e.step, e.value) for e in events.Scalars('train/loss')] == [(10, 2.5), (20, 2.0)]
     assert [e.step for e in events.Scalars('train/grad_norm')] == [10]  # absent when None
+
+
+def test_a_row_built_off_the_thread_is_the_row_write_builds(tmp_path):
+    rows = {}
+    for how in ('write', 'write_later'):
+        metrics = RunMetrics(str(tmp_path / how), samples_per_iter=8, enabled=True,
+                             cfg=dict(tensorboard=False))  # fmt: skip
+        metrics.set_flops(FlopCount(400, 100, 300, 'counted'))
+        for it in (10, 20, 30):
+            metrics.add_stall(0.5 * it)
+            getattr(metrics, how)(it, 1, 1.0 / it, 0.1, 2.0, 10, 0.01 * it, torch.device('cpu'),
+                                  {'acc': it / 100})  # fmt: skip
+        metrics.flush()  # a checkpoint's commit: every row written, also those built later
+        rows[how] = (tmp_path / how / 'metrics.csv').read_text().splitlines()
+        last = metrics.last_row
+        metrics.close()
+        assert last['iter'] == 30 and last['checkpoint_stall_s'] == 15.0
+    strip = [[c for i, c in enumerate(r.split(',')) if i != 9] for r in rows['write']]  # peak
+    assert [[c for i, c in enumerate(r.split(',')) if i != 9] for r in rows['write_later']] == strip
+    assert len(rows['write']) == 4 and 'acc' in rows['write'][0]
 
 
 def test_other_ranks_write_nothing(tmp_path):

@@ -1,9 +1,12 @@
-"""What a person watches: the loss and the model's other training scalars summed on the device
-each iteration, and, every ``log_interval`` iterations (and at the end and at a stop), their
-means read in one host sync: a row for ``metrics.py`` (log line, ``metrics.csv``,
-TensorBoard), the progress bar's figures (rank 0), and after it the validation's rows and
-lines. Log lines show positions as mmengine does: ``Epoch(train) [1][16/64]`` (epochs
-1-based)."""
+"""What a person watches: the loss and the model's other training scalars of each iteration
+(on an accelerator kept as they came, no device work, and every ``FOLD`` iterations summed
+there; on a CPU, whose tensors' values are in host memory, read and added up as they come),
+and, every ``log_interval`` iterations (and at the end and at a stop), their means (on an
+accelerator read in one host sync, with the clipping's norm and a tokens hook's tensors): a
+row for ``metrics.py`` (log line, ``metrics.csv``, TensorBoard; built on the writers' thread
+when nobody here reads it: no log line at INFO, no bar), the progress bar's figures (rank 0),
+and after it the validation's rows and lines. Log lines show positions as mmengine does:
+``Epoch(train) [1][16/64]`` (epochs 1-based)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +26,10 @@ if TYPE_CHECKING:
     from .validation import Validation
 
 __all__ = ['Meter']
+
+#: iterations whose loss and scalars are kept as they came; then they are summed on the device
+#: (a few operations per this many iterations), so a long log interval holds little
+FOLD = 64
 
 
 class Meter:
@@ -67,11 +74,22 @@ class Meter:
         wrappers = getattr(optim_wrapper, 'values', lambda: [optim_wrapper])()
         self.first_wrapper = next(iter(wrappers))
         self.losses: list[tuple[int, float]] = []
-        self.loss_sum = torch.zeros((), device=device)
-        # the model's other training scalars (acc, ...): sums and counts since the last row
-        self.extra_sums: dict[str, torch.Tensor] = {}
-        self.extra_counts: dict[str, int] = {}
-        self.dropped = 0  # iterations since the last row whose loss is not in loss_sum
+        # since the last row: each iteration's loss and other training scalars (acc, ...),
+        # as they came (added up with the row's one read: no device work per iteration) ...
+        self._pending: list[tuple[torch.Tensor, Mapping[str, Any]]] = []
+        # ... and every FOLD iterations, per name, the sum on the device and the count
+        self._folded: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, int] = {}
+        # scalars given as Python numbers, and on a CPU every scalar: summed here (a CPU
+        # tensor's value is in host memory: reading it waits for nothing, and costs less
+        # than any operation that would add it up)
+        self._numbers: dict[str, float] = {}
+        self._host = device.type == 'cpu'
+        self._names: dict[str, None] = {}  # the scalars' names in the order first seen
+        #: whether the batches' tokens are still counted (rank 0, until a batch has none):
+        #: the loop calls saw_batch only then
+        self.counting = self.main
+        self.dropped = 0  # iterations since the last row whose loss is not in the sums
         self.logged_at, self.logged_t = start_iter, time.perf_counter()
         self.bar: Any = None
         self.metrics: RunMetrics
@@ -137,8 +155,8 @@ class Meter:
 
     def saw_batch(self, batch: Any) -> None:
         """Count the batch's tokens (rank 0; its shape, or the hook's count)."""
-        if self.main:
-            self.metrics.saw_batch(batch)
+        if self.counting:
+            self.counting = self.metrics.saw_batch(batch)
 
     def counted(self, step: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``step``, its first call on rank 0 under the FLOP counter (``train_cfg.metrics.
@@ -166,15 +184,21 @@ class Meter:
         """Every row so far written (a checkpoint's save)."""
         self.metrics.flush()
 
-    def after_step(self, loss: torch.Tensor, extras: dict[str, Any]) -> None:
-        """Add one iteration's loss and scalars, in place: no host sync."""
-        self.loss_sum.add_(loss)
-        for name, value in extras.items():
-            total = self.extra_sums.get(name)
-            if total is None:
-                total = self.extra_sums[name] = torch.zeros((), device=self.device)
-            total.add_(value.detach() if isinstance(value, torch.Tensor) else float(value))
-            self.extra_counts[name] = self.extra_counts.get(name, 0) + 1
+    def after_step(self, loss: torch.Tensor, extras: Mapping[str, Any]) -> None:
+        """Keep one iteration's loss (detached, ``strategy.train_step``'s) and scalars:
+        no host sync, no device work (the row adds them up in one operation); on a CPU,
+        their values added up here."""
+        if self._host:
+            self._add_values(loss, extras)
+            return
+        for value in extras.values():
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                # a loss term keeps its graph's nodes alive while it is held
+                extras = {k: _detached(v) for k, v in extras.items()}
+                break
+        self._pending.append((loss, extras))
+        if len(self._pending) >= FOLD:
+            self._fold()
 
     def add_stall(self, seconds: float) -> None:
         """Time the loop spent saving a checkpoint: the next row's ``checkpoint_stall_s``."""
@@ -187,23 +211,25 @@ class Meter:
     def log_row(self, it: int) -> None:
         """The row of the iterations since the last one: its means (the one host sync), the
         metrics writers, the bar's figures, the log line."""
-        loss, extras = self._means(it)
+        grad_norm = getattr(self.first_wrapper, 'last_grad_norm', None)
+        tokens = self.metrics.token_sum
+        more = [t for t in (grad_norm, tokens) if type(t) is torch.Tensor]
+        loss, extras, read = self._means(it, more)
+        if type(grad_norm) is torch.Tensor:
+            grad_norm = read.pop(0)
         self.losses.append((it, loss))
         lr0 = next(iter(self.optim_wrapper.get_lr().values()))[0]
         now = time.perf_counter()
         epoch = (it - 1) // self.epoch_length + 1  # the 1-based epoch of this iteration
-        row = self.metrics.write(
-            it,
-            epoch,
-            loss,
-            lr0,
-            getattr(self.first_wrapper, 'last_grad_norm', None),
-            it - self.logged_at,
-            now - self.logged_t,
-            self.device,
-            extras,
-        )
+        values = (it, epoch, loss, lr0, grad_norm, it - self.logged_at, now - self.logged_t,
+                  self.device, extras)  # fmt: skip
+        token_sum = read.pop(0) if type(tokens) is torch.Tensor else None
         self.logged_at, self.logged_t = it, now
+        logs = self.log.isEnabledFor(logging.INFO)
+        if self.bar is None and not logs:  # nobody here reads the row: built off this thread
+            self.metrics.write_later(*values, token_sum=token_sum)
+            return
+        row = self.metrics.write(*values, token_sum=token_sum)
         if self.bar is not None:
             self.bar.set_postfix(
                 loss=f'{loss:.4f}',
@@ -211,7 +237,7 @@ class Meter:
                 epoch=epoch,
                 samples_s=f'{row["samples_per_s"]:.0f}',
             )
-        if self.log.isEnabledFor(logging.INFO):
+        if logs:
             label = self.metrics.peak.label if self.metrics.peak is not None else 'mfu'
             self.log.info(self._position(it) + ' ' + format_row(row, label))
 
@@ -226,24 +252,77 @@ class Meter:
         if self.bar is not None:
             self.bar.update(1)
 
-    def _means(self, it: int) -> tuple[float, dict[str, float]]:
-        """The loss's and the other scalars' means since the last row, read in one host sync;
-        the sums start again from zero."""
-        sums = torch.stack([self.loss_sum.float(), *(v.float() for v in self.extra_sums.values())])
-        loss, *extra_values = sums.tolist()
+    def _means(
+        self, it: int, more: Sequence[torch.Tensor] = ()
+    ) -> tuple[float, dict[str, float], list[float]]:
+        """The loss's and the other scalars' means since the last row, and the values of
+        ``more`` (1-element tensors: the clipping's norm, the tokens' count), in one host
+        read; the sums start again from zero."""
+        if self._host:  # every value already read and added up
+            return self._host_means(it, more)
+        groups = self._grouped()
+        names, tensors = [], list(more)
+        for name, values in groups.items():
+            names += [name] * len(values)
+            tensors += values
+        read = _values(tensors, self._host)
+        sums = dict(self._numbers)
+        for name, value in zip(names, read[len(more) :], strict=True):
+            sums[name] = sums.get(name, 0.0) + value
         trained = it - self.logged_at - self.dropped
+        loss = sums.pop('loss', 0.0)
         loss = loss / trained if trained > 0 else float('nan')  # every update was dropped
         self.dropped = 0
-        extras = {
-            name: v / self.extra_counts[name]
-            for name, v in zip(self.extra_sums, extra_values)
-            if self.extra_counts.get(name)
-        }
-        self.loss_sum.zero_()
-        for total in self.extra_sums.values():
-            total.zero_()
-        self.extra_counts.clear()
-        return loss, extras
+        extras = {name: sums[name] / self._counts[name] for name in self._names if name in sums}
+        self._folded, self._counts, self._numbers = {}, {}, {}
+        return loss, extras, read[: len(more)]
+
+    def _host_means(
+        self, it: int, more: Sequence[torch.Tensor]
+    ) -> tuple[float, dict[str, float], list[float]]:
+        sums, counts = self._numbers, self._counts
+        trained = it - self.logged_at - self.dropped
+        loss = sums.pop('loss', 0.0) / trained if trained > 0 else float('nan')
+        self.dropped = 0
+        extras = {name: sums[name] / counts[name] for name in self._names if name in sums}
+        self._counts, self._numbers = {}, {}
+        return loss, extras, [t.item() for t in more]
+
+    def _grouped(self) -> dict[str, list[torch.Tensor]]:
+        """The kept iterations' tensors by name (with the folded sums; numbers added to
+        ``_numbers``, every name counted); the kept iterations let go."""
+        groups: dict[str, list[torch.Tensor]] = {k: [v] for k, v in self._folded.items()}
+        counts, numbers, order = self._counts, self._numbers, self._names
+        for loss, extras in self._pending:
+            if isinstance(loss, torch.Tensor):
+                groups.setdefault('loss', []).append(loss)
+            else:
+                numbers['loss'] = numbers.get('loss', 0.0) + float(loss)
+            for name, value in extras.items():
+                if name not in order:
+                    order[name] = None
+                counts[name] = counts.get(name, 0) + 1
+                if isinstance(value, torch.Tensor):
+                    groups.setdefault(name, []).append(value)
+                else:
+                    numbers[name] = numbers.get(name, 0.0) + float(value)
+        self._pending = []
+        return groups
+
+    def _add_values(self, loss: Any, extras: Mapping[str, Any]) -> None:
+        numbers, counts, order = self._numbers, self._counts, self._names
+        value = loss.item() if isinstance(loss, torch.Tensor) else float(loss)
+        numbers['loss'] = numbers.get('loss', 0.0) + value
+        for name, v in extras.items():
+            value = v.item() if isinstance(v, torch.Tensor) else float(v)
+            numbers[name] = numbers.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
+            if name not in order:
+                order[name] = None
+
+    def _fold(self) -> None:
+        """The kept iterations summed on the device, per name: no host sync."""
+        self._folded = {name: _sum(values) for name, values in self._grouped().items()}
 
     def write_anomaly(self, it: int, values: dict[str, float]) -> None:
         """A refused update's row (``train_cfg.anomaly``); its loss stays out of the means."""
@@ -252,7 +331,9 @@ class Meter:
 
     def rewind(self, it: int) -> None:
         """A rollback went back to iteration ``it``: the next row counts from there."""
-        self._means(max(it, self.logged_at) + 1)  # the sums start again
+        self._grouped()  # the sums start again
+        self._folded, self._counts, self._numbers = {}, {}, {}
+        self.dropped = 0
         if self.main:
             self.metrics.drop_tokens()
         self.logged_at, self.logged_t = it, time.perf_counter()
@@ -267,3 +348,42 @@ class Meter:
             at = it - (epoch - 1) * self.epoch_length
             return f'Epoch(train) [{epoch}][{at}/{self.epoch_length}] iter {it}/{self.max_iters}'
         return f'Iter(train) [{it}/{self.max_iters}] epoch {epoch}'
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """1-element ``tensors`` as one 1-D tensor: one operation where they share a device
+    and a shape (a loop's scalars do), else each moved to the first one's device; None
+    where even that fails (a tensor subclass)."""
+    try:
+        return torch.stack(tensors)
+    except (RuntimeError, TypeError):
+        pass
+    device = tensors[0].device
+    try:
+        return torch.stack([t.reshape(()).to(device, torch.float64) for t in tensors])
+    except (RuntimeError, TypeError):
+        return None
+
+
+def _values(tensors: list[torch.Tensor], host: bool) -> list[float]:
+    """The values of 1-element ``tensors``, in one host read (``host``: CPU tensors, each
+    read where it is, in host memory: no operation needed)."""
+    if not tensors:
+        return []
+    if host:
+        return [t.item() for t in tensors]
+    stacked = _stacked(tensors)
+    return stacked.tolist() if stacked is not None else [float(t) for t in tensors]
+
+
+def _sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of 1-element ``tensors``, on the device (one read per tensor where they
+    cannot be put together)."""
+    stacked = _stacked(tensors)
+    if stacked is None:
+        return torch.tensor(sum(float(t) for t in tensors), dtype=torch.float64)
+    return stacked.sum()

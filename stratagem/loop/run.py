@@ -192,7 +192,8 @@ def _iteration(p: _Parts, it: int, watchdog: Watchdog) -> bool | None:
     p.stragglers.start(it + 1)  # the step ending a log interval: this rank's phases
     batch = p.batches.at(it)
     p.stragglers.got_batch()
-    p.meter.saw_batch(batch)
+    if p.meter.counting:
+        p.meter.saw_batch(batch)
     watchdog.at(it + 1, 'forward, backward, update')
     loss, extras = p.step(batch)
     event = p.anomalies.found() if p.anomalies is not None else None

@@ -88,7 +88,7 @@ def test_float16_scaler_keeps_its_own_skips_and_a_nan_loss_is_ours():
     assert all(torch.equal(a, p) for a, p in zip(before[0], model.parameters(), strict=True))
 
 
-def test_spike_window_on_device_and_kept_in_state():
+def test_spike_window_and_its_state():
     guard = StepGuard(nonfinite=False, window=3, zscore=3.0)
     model = _model()
     wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.0))
@@ -104,3 +104,42 @@ def test_spike_window_on_device_and_kept_in_state():
     again = StepGuard(nonfinite=False, window=3)
     again.load_state_dict(state)
     assert again.state_dict() == state
+
+
+def test_sparse_gradients_are_checked_by_their_norm():
+    # the one-kernel check takes no sparse gradient: the norm of its values decides
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(6, 4, sparse=True), nn.Linear(4, 1)
+    params = [*emb.parameters(), *head.parameters()]
+    wrapper = OptimWrapper(torch.optim.SGD(params, lr=0.1))
+    guard = StepGuard()
+    wrapper.set_step_guard(guard)
+    wrapper.update_params(head(emb(torch.tensor([1, 2]))).sum())
+    assert guard.last is None
+    with torch.no_grad():
+        emb.weight[1, 0] = float('inf')
+    before = emb.weight.detach().clone()
+    wrapper.update_params(head(emb(torch.tensor([1, 2]))).sum())
+    assert guard.last is not None and not math.isfinite(guard.last.grad_norms[0])
+    assert torch.equal(before, emb.weight)
+
+
+def test_spike_window_matches_its_values_and_survives_another_size():
+    import statistics
+
+    from stratagem.optim.anomaly import _Window
+
+    window = _Window(5)
+    values = [1e4 + (i * 7919 % 13) / 10 for i in range(23)]  # a large mean: no cancellation
+    for v in values:
+        window.add(v, finite_only=True)
+    last = values[-5:]
+    expected = (1e4 + 3 - statistics.fmean(last)) / statistics.pstdev(last)
+    assert window.zscore(1e4 + 3) == pytest.approx(expected, rel=1e-9)
+    smaller = _Window(3)
+    smaller.load_state_dict(window.state_dict())  # the newest 3, in order
+    again = _Window(3)
+    for v in values[-3:]:
+        again.add(v, finite_only=True)
+    assert smaller.state_dict()['filled'] == 3
+    assert smaller.zscore(1e4) == pytest.approx(again.zscore(1e4), rel=1e-12)
