@@ -12,6 +12,8 @@ import ctypes.util
 import os
 import re
 import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,40 @@ def fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_new(path: Path, data: bytes) -> None:
+    """Create ``path`` (it must not exist) holding ``data``, not yet fsynced: for a file
+    nobody reads before the caller syncs it (``fsync_together``) and renames what holds it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+_SYNC_POOL: ThreadPoolExecutor | None = None
+_SYNC_POOL_LOCK = threading.Lock()
+
+
+def fsync_together(paths: list[Path]) -> None:
+    """Fsync every file and directory of ``paths`` at once, returning when all are durable.
+    Independent fsyncs issued together share the filesystem's journal commit (ext4 here: 3
+    in a row 12-14 ms, together 2 ms); the caller orders whatever must come after them."""
+    global _SYNC_POOL
+    if len(paths) < 2:
+        for path in paths:
+            (fsync_dir if path.is_dir() else fsync_file)(path)
+        return
+    with _SYNC_POOL_LOCK:
+        if _SYNC_POOL is None:
+            _SYNC_POOL = ThreadPoolExecutor(4, thread_name_prefix='stratagem-fsync')
+        pool = _SYNC_POOL
+    jobs = [pool.submit(fsync_dir if path.is_dir() else fsync_file, path) for path in paths]
+    for job in jobs:
+        job.result()
 
 
 def write_atomic(final: Path, data: bytes) -> None:

@@ -168,7 +168,7 @@ class Checkpointer:
         from stratagem import env  # see the package doc: env only when a checkpoint is written
 
         self.wait()
-        path = env.broadcast_object(absolute(path))
+        path = _rank0_path(absolute(path))
         storage = self.storage
         self.check_location(path)
         storage.check_savable(path)
@@ -293,3 +293,15 @@ class Checkpointer:
                 "dict (expected keys like 'state_dict', 'meta', 'optimizer')"
             )
         return checkpoint
+
+
+def _rank0_path(path: str) -> str:
+    """Rank 0's ``path`` on every rank (step 1: rank 0 decides). When every rank passed the
+    same one (nearly always), one small collective says so; rank 0's is broadcast only when
+    they differ."""
+    from stratagem import env
+
+    keys = env.all_gather_keys([env.key_of(path)])
+    if all(k == keys[0] for k in keys):
+        return path
+    return str(env.broadcast_object(path))

@@ -37,7 +37,7 @@ from . import _fs
 from ._fs import TEMP_RE
 from .digest import HASH_ALGO, entry_digest, file_entry, hash_file
 from .errors import CheckpointCorruptError, CheckpointVoteError, CheckpointWarning
-from .latest import update_pointer as _update_pointer
+from .latest import PendingPointer
 from .location import is_url
 from .manifest import (
     DIR_MANIFEST,
@@ -526,11 +526,23 @@ def finalize_directory(
     if not files:
         raise ValueError(f'staging directory {staging} is empty; nothing to commit for {final}')
     manifest = build_manifest('directory', final.name, files, step, extra_manifest)
-    _fs.write_atomic(staging / DIR_MANIFEST, dump_manifest(manifest))
-    _fs.fsync_dir(staging)
-    _rename_dir_into_place(staging, final)
-    if update_pointer:
-        _update_pointer(final.parent, final)
+    # nothing reads a staging directory, so its manifest needs no temp name; the manifest's
+    # fsync, the directory's and the new pointer's (a temp file until the rename below) are
+    # independent and issued together (one journal commit, not three); the renames after
+    # them keep their order: checkpoint, its parent fsynced, then the pointer
+    pointer = PendingPointer(final.parent, final) if update_pointer else None
+    try:
+        _fs.write_new(staging / DIR_MANIFEST, dump_manifest(manifest))
+        _fs.fsync_together(
+            [staging / DIR_MANIFEST, staging, *([pointer.temp] if pointer is not None else [])]
+        )
+        _rename_dir_into_place(staging, final)
+    except BaseException:
+        if pointer is not None:
+            pointer.discard()
+        raise
+    if pointer is not None:
+        pointer.commit()
     return final
 
 

@@ -45,6 +45,27 @@ def update_pointer(directory: str | os.PathLike, checkpoint: str | os.PathLike) 
     return pointer
 
 
+class PendingPointer:
+    """``update_pointer`` in two halves, so the new pointer's fsync joins the caller's
+    (``_fs.fsync_together``): ``temp`` holds the new content now (a temp name: never read,
+    removed by retention if a crash leaves it), ``commit()`` renames it into place once the
+    checkpoint it names is committed, ``discard()`` removes it when that fails."""
+
+    def __init__(self, directory: str | os.PathLike, checkpoint: str | os.PathLike) -> None:
+        self.pointer = Path(directory).absolute() / POINTER_NAME
+        self.temp = _fs.temp_name(self.pointer)
+        _fs.write_new(self.temp, os.fsencode(Path(checkpoint).absolute()))
+
+    def commit(self) -> Path:
+        """Rename the (fsynced) temp file over the pointer and make the rename durable."""
+        os.replace(self.temp, self.pointer)
+        _fs.fsync_dir(self.pointer.parent)
+        return self.pointer
+
+    def discard(self) -> None:
+        _fs.unlink_quietly(self.temp)
+
+
 def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
     """Checkpoints in ``directory`` (not recursive) that have a readable manifest and whose
     files exist, newest first (by manifest step, then creation time). Nothing is hashed."""

@@ -192,10 +192,11 @@ def _torch_load(
     trust: bool,
     mmap: bool,
     is_zip: bool,
-    source: io.BufferedReader[Any] | None = None,
+    source: io.BufferedReader[Any] | str | None = None,
 ) -> Any:
     """``torch.load`` of ``path`` (or of ``source``, the verified bytes of ``path`` read from
-    a store: ``location.py``), its errors named as the module docstring says."""
+    a store: ``location.py``; a str names the memory they were read into), its errors named
+    as the module docstring says."""
     try:
         return torch.load(
             path if source is None else source,
@@ -256,8 +257,11 @@ def _torch_load(
             raise  # e.g. a map_location to a device this machine lacks: not about the file
         if isinstance(err, OSError) and err.errno != errno.EINVAL:
             raise  # a real I/O error (permissions, EIO); a truncated zip gives EINVAL (seek)
-        if is_zip and not _has_zip_end(path, source):
-            size = os.stat(path).st_size if source is None else len(_buffer(source))
+        # a str source: the file the bytes were read into (location.py's memory file)
+        where = source if isinstance(source, str) else path
+        held = None if isinstance(source, str) else source
+        if is_zip and not _has_zip_end(where, held):
+            size = os.stat(where).st_size if held is None else len(_buffer(held))
             raise CheckpointCorruptError(
                 f'{path} is truncated: it is {size} bytes and lacks the '
                 'end-of-archive record every complete torch.save file ends with (an '

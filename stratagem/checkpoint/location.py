@@ -13,18 +13,20 @@ local staging directory (``storage.py``; the async snapshot path is the same):
 1. If an object already has the final name and a manifest that lists it, the new manifest
    with ``replaces: <that manifest>`` goes up first, so the object there verifies whichever
    of the two bytes it holds while step 2 runs (the same-name save of ``single_file.py``).
-2. The file goes up under its final name: one PUT, or a multipart upload that becomes visible
-   only when completed (s3fs's ``put_file``); a process killed meanwhile leaves the previous
-   object, or none, never a part.
+2. The file goes up under its final name: one PUT, or a multipart upload with several parts
+   in flight that becomes visible only when completed, and is aborted on a failure
+   (``transfer.put_file``); a process killed meanwhile leaves the previous object, or none,
+   never a part.
 3. The manifest (``NAME.manifest.json``) goes up: now the checkpoint exists.
 4. The ``last_checkpoint`` pointer beside it names the checkpoint's URL; then, when given,
    the local work directory's pointer.
 
 A reader trusts nothing that no manifest lists: the pointer's target is used only when its
 manifest is there and lists its size; a scan (no pointer, or a stale one) considers only
-objects with a manifest; loading (``load_file``) reads the object once, hashing the bytes as
-they arrive, and unpickles them (``torch.load(weights_only=True)`` from memory) only when
-size and digest match: no temporary copy on local disk.
+objects with a manifest; loading (``load_file``) reads the object once into memory (on S3 by
+parallel ranged GETs, ``transfer.read_into``), hashes it, and unpickles it
+(``torch.load(weights_only=True)`` from memory) only when size and digest match: no
+temporary copy on local disk.
 
 Retention (``apply_retention``) deletes a checkpoint's object, then its manifest (a kill
 between leaves a manifest that lists a missing object: never listed, never loaded), never
@@ -51,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import transfer
 from .digest import entry_digest, new_hasher
 from .errors import CheckpointCorruptError, CheckpointLocationError
 from .manifest import SIDECAR_SUFFIX, ManifestOrder, dump_manifest, parse_manifest
@@ -76,7 +79,6 @@ POINTER_NAME = 'last_checkpoint'  # latest.POINTER_NAME, mmengine's name
 _URL_RE = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+)://')
 # protocol -> the extra that installs its filesystem
 _EXTRAS = {'s3': 's3', 's3a': 's3', 'gs': 'gcs', 'gcs': 'gcs'}
-_READ_CHUNK = 16 << 20
 
 
 def is_url(path: Any) -> bool:
@@ -303,7 +305,7 @@ def upload_file(
         old = _listed_manifest(fs, path, url)
         if old is not None:  # step 1
             _call(fs.pipe_file, path + SIDECAR_SUFFIX, dump_manifest({**manifest, 'replaces': old}))
-        fs.put_file(os.fspath(local), path)  # step 2
+        put_object(fs, local, path)  # step 2
         _call(fs.pipe_file, path + SIDECAR_SUFFIX, dump_manifest(manifest))  # step 3
         if update_pointer:  # step 4
             _call(fs.pipe_file, f'{parent(path)}/{POINTER_NAME}', url.encode())
@@ -314,9 +316,11 @@ def upload_file(
 
 def put_object(fs: Any, local: str | os.PathLike, path: str) -> None:
     """Upload the local file ``local`` to ``path`` of ``fs`` under its final name: one PUT,
-    or a multipart upload visible only once completed (a kill leaves no part under the
-    name). The one upload of a staged file (a directory checkpoint's, ``remote_directory``)."""
-    fs.put_file(os.fspath(local), path)
+    or on S3 a multipart upload with several parts in flight, visible only once completed and
+    aborted on a failure (``transfer.put_file``: a kill leaves no part under the name). The
+    one upload of a staged file (a single file's, ``upload_file``; a directory
+    checkpoint's, ``remote_directory``)."""
+    transfer.put_file(fs, local, path)
 
 
 def write_local_pointer(directory: str | os.PathLike, url: str) -> None:
@@ -336,7 +340,7 @@ def _listed_manifest(fs: Any, path: str, url: str) -> dict | None:
     manifest and its object), the one whose size matches; when both do, the object's bytes
     decide (read once, only in that case)."""
     try:
-        raw = fs.cat_file(path + SIDECAR_SUFFIX)
+        raw = _read_small(fs, path + SIDECAR_SUFFIX)
         size = _size(fs, path)
     except FileNotFoundError:
         return None
@@ -380,10 +384,21 @@ def read_manifest_at(url: str, backend_args: Mapping | None = None) -> dict | No
     fs, path = filesystem(url, backend_args)
     with store_errors(url, 'reading'):
         try:
-            raw = _call(fs.cat_file, path + SIDECAR_SUFFIX)
+            raw = _call(_read_small, fs, path + SIDECAR_SUFFIX)
         except FileNotFoundError:
             return None
     return parse_manifest(raw, url + SIDECAR_SUFFIX)
+
+
+def _read_small(fs: Any, path: str) -> bytes:
+    """A small object's bytes (a manifest) in one request: a read from offset 0 spares
+    s3fs's size lookup first (a HEAD, and a listing when the object is missing)."""
+    try:
+        return bytes(fs.cat_file(path, start=0))
+    except FileNotFoundError:
+        raise
+    except OSError:  # an empty object has no range to read (S3: 416); read it plainly
+        return bytes(fs.cat_file(path))
 
 
 def load_file(
@@ -403,39 +418,68 @@ def load_file(
         raise TypeError(f'trust_pickled_code must be True or False, got {trust_pickled_code!r}')
     url = absolute(url)
     fs, path, manifest, size = _found(url, backend_args)
-    with store_errors(url, 'reading'):
-        entries = _entries(manifest)
-        if manifest is not None and not any(e['size'] == size for e in entries):
-            raise CheckpointCorruptError(
-                f'checkpoint {url} is damaged: it is {size} bytes, its manifest '
-                f'{url}{SIDECAR_SUFFIX} says {entries[0]["size"]} (truncated or '
-                'overwritten); it was not loaded'
+    memory = transfer.MemoryFile(size)
+    try:
+        with store_errors(url, 'reading'):
+            entries = _entries(manifest)
+            if manifest is not None and not any(e['size'] == size for e in entries):
+                raise CheckpointCorruptError(
+                    f'checkpoint {url} is damaged: it is {size} bytes, its manifest '
+                    f'{url}{SIDECAR_SUFFIX} says {entries[0]["size"]} (truncated or '
+                    'overwritten); it was not loaded'
+                )
+            _read_hashed(fs, path, size, entries, url, into=memory.data)
+        if manifest is None:
+            from stratagem import env
+
+            from .errors import UnverifiedCheckpointWarning
+
+            env.warn_rank_zero(
+                f'{url} has no stratagem manifest (written by mmengine or plain torch.save?), '
+                'so its integrity cannot be verified; loading it anyway',
+                UnverifiedCheckpointWarning,
+                stacklevel=3,
             )
-        data = _read_hashed(fs, path, size, entries, url)
-    if manifest is None:
-        from stratagem import env
+        is_zip = _sniff_bytes(bytes(memory.data[:4]), url)
+        if is_zip and memory.path is not None and _to_device(map_location):
+            # mapped, then copied to the device: one copy in host memory, not two, and no
+            # mapping outlives the load (on CPU the tensors would keep the whole memfd)
+            return _torch_load(url, map_location, trust_pickled_code, True, is_zip, memory.path)
+        raw = _BufferReader(memory.data)
+        try:
+            source = io.BufferedReader(raw, buffer_size=1 << 16)
+            return _torch_load(url, map_location, trust_pickled_code, False, is_zip, source)
+        finally:
+            raw.close()
+    finally:
+        memory.close()
 
-        from .errors import UnverifiedCheckpointWarning
 
-        env.warn_rank_zero(
-            f'{url} has no stratagem manifest (written by mmengine or plain torch.save?), '
-            'so its integrity cannot be verified; loading it anyway',
-            UnverifiedCheckpointWarning,
-            stacklevel=3,
-        )
-    is_zip = _sniff_bytes(bytes(data[:4]), url)
-    source = io.BufferedReader(_BufferReader(data), buffer_size=1 << 16)
-    return _torch_load(url, map_location, trust_pickled_code, False, is_zip, source)
+def _to_device(map_location: Any) -> bool:
+    """Whether ``map_location`` names one device other than the CPU (``'cuda:0'``)."""
+    import torch
+
+    if not isinstance(map_location, (str, torch.device)):
+        return False
+    try:
+        return torch.device(map_location).type != 'cpu'
+    except (RuntimeError, ValueError):
+        return False
 
 
 class _BufferReader(io.RawIOBase):
     """A read-only, seekable file over the verified bytes, without copying them (a
     ``BytesIO`` would hold a second copy while ``torch.load`` builds the tensors)."""
 
-    def __init__(self, data: bytearray) -> None:
+    def __init__(self, data: Any) -> None:
         super().__init__()
         self._view = memoryview(data)
         self._pos = 0
+
+    def close(self) -> None:
+        if not self.closed:
+            self._view.release()  # so a mapped buffer can be unmapped
+        super().close()
 
     def readable(self) -> bool:
         return True
@@ -476,21 +520,19 @@ def _entries(manifest: dict | None) -> list[dict]:
     return entries
 
 
-def _read_hashed(fs: Any, path: str, size: int, entries: list[dict], url: str) -> bytearray:
-    """The object's bytes, read once; checked against one of ``entries`` (any, when empty)."""
+def _read_hashed(
+    fs: Any, path: str, size: int, entries: list[dict], url: str, *, into: Any = None
+) -> Any:
+    """The object's bytes, read once (into ``into``, a writable buffer of ``size`` bytes,
+    else a new bytearray); checked against one of ``entries`` (any, when empty)."""
     algos = {entry_digest(e)[0] for e in entries}
     hashers = {algo: new_hasher(algo) for algo in algos}
-    data = bytearray(size)
-    view = memoryview(data)
-    done = 0
-    with fs.open(path, 'rb', block_size=_READ_CHUNK) as file:
-        while done < size:
-            n = file.readinto(view[done : done + _READ_CHUNK])
-            if not n:
-                break
-            for hasher in hashers.values():
-                hasher.update(view[done : done + n])
-            done += n
+    data = bytearray(size) if into is None else into
+    with memoryview(data) as view:
+        # parallel ranged GETs on S3 (transfer.py), each into its place; hashed once complete
+        done = transfer.read_into(fs, path, view)
+        for hasher in hashers.values():
+            hasher.update(view[:done])
     if done != size:
         raise CheckpointCorruptError(
             f'checkpoint {url} is damaged: reading it gave {done} of its {size} bytes; it was '

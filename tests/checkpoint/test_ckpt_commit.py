@@ -1,8 +1,10 @@
 """save_checkpoint, and save_directory in one process: round trip, manifest, validation, atomic
 replace."""
 
+import errno
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +225,26 @@ def test_zip_crc32_option_and_restore(tmp_path, state):
     with zipfile.ZipFile(fast) as archive:
         assert any(name.endswith('data.pkl') for name in archive.namelist())
     _assert_same(torch.load(fast, weights_only=True), torch.load(full, weights_only=True))
+
+
+def test_directory_commit_failing_at_its_rename_moves_no_pointer(tmp_path, monkeypatch):
+    """The new pointer is written (and fsynced with the manifest) before the directory's
+    rename, under a temp name: a rename that fails leaves the pointer on the previous
+    checkpoint and no temp file behind."""
+    first = save_directory(
+        tmp_path / 'iter_1', lambda s: [(s / 'w').write_bytes(b'1') and 'w'], collective=False
+    )
+    real_replace = os.replace
+
+    def failing_replace(src, dst):
+        if Path(dst).name == 'iter_2':
+            raise OSError(errno.EIO, 'rename failed (test)')
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, 'replace', failing_replace)
+    with pytest.raises(OSError, match='rename failed'):
+        save_directory(
+            tmp_path / 'iter_2', lambda s: [(s / 'w').write_bytes(b'2') and 'w'], collective=False
+        )
+    assert (tmp_path / POINTER_NAME).read_text() == str(first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['iter_1', POINTER_NAME]
