@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from stratagem.checkpoint.location import check_reachable, is_url, join
+from stratagem.checkpoint.peer import PeerCopies, peer_root
 from stratagem.config import Config, config_search_dirs, import_custom_modules
 from stratagem.env.logging import run_end_logged
 from stratagem.env.preemption import Preemption, PreemptionConfig, clear_marker
@@ -140,6 +141,9 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
             if p.checkpoints.due(it, stop):
                 watchdog.at(it, 'saving a checkpoint')
                 p.checkpoints.after_step(it)
+            if p.checkpoints.peer_due(it) and not stop:
+                watchdog.at(it, 'copying the state to a peer')
+                p.checkpoints.copy_to_peer(it)
             if p.meter.due(it, stop):
                 p.meter.log_row(it)
             if p.stragglers.due(it):
@@ -196,6 +200,7 @@ def _rolled_back(p: _Parts, it: int) -> int:
     """After a rollback: the data, the meter and the bar from the checkpoint's iteration."""
     back, p.rolled_to = p.rolled_to, None
     assert back is not None
+    p.checkpoints.forget_peer_copies()
     p.batches.restart()
     p.meter.rewind(back)
     p.stragglers.cancel()
@@ -236,11 +241,13 @@ def _build(
         strategy.checkpointer.also_point = strategy.work_dir
         if is_url(directory):
             check_reachable(directory, plan.checkpoints.backend_args)
+    peer = _peer_copies(strategy) if plan.checkpoints.peer_interval else None
     checkpoint = strategy.load_or_resume(
         load_from=load_from,
         resume=resume,
         refit_schedulers=plan.refit_schedulers,
         checkpoint_dir=None if plan.checkpoints.out_dir is None else directory,
+        peer=peer,
     )
     meta = (checkpoint.get('meta') or {}) if checkpoint is not None and resume else None
     start_iter, max_iters = _resumed_position(meta, max_iters)
@@ -292,6 +299,7 @@ def _build(
         meter,
         directory=directory,
     )
+    checkpoints.peer, checkpoints.peer_every = peer, plan.checkpoints.peer_interval
     anomalies = None
     if plan.anomaly is not None:
         anomalies = Anomalies(plan.anomaly, strategy, optim_wrapper)
@@ -321,6 +329,27 @@ def _build(
         ),
         timeout=dist_timeout(strategy_cfg),
         anomalies=anomalies,
+    )
+
+
+def _peer_copies(strategy: Any) -> PeerCopies:
+    """The run's peer copies (``checkpoint/peer.py``): under its work_dir's key in this node's
+    ``/dev/shm``, sent over a gloo group (the default one when it is gloo; the bytes are on
+    the CPU)."""
+    import os
+
+    import torch.distributed as dist
+
+    group = None
+    if strategy.distributed and dist.get_backend() != 'gloo':
+        group = dist.new_group(backend='gloo')  # every rank builds it, in the same order
+    world = strategy.world_size
+    return PeerCopies(
+        peer_root(strategy.work_dir),
+        strategy.rank,
+        world,
+        local_world_size=int(os.environ.get('LOCAL_WORLD_SIZE', world)),
+        group=group,
     )
 
 
