@@ -280,6 +280,44 @@ def resume_first_half(tmp):
     return {'resume_ckpt': path, 'diff_rank_seeds': seeds}
 
 
+@SCENARIOS.add('ranks')
+def peer_copies(tmp):
+    """Peer copies on 2 ranks: each rank's state committed in its own directory and at its
+    holder (the other rank); a storage checkpoint older; rank 0's own copy removed. A new
+    strategy's ``load_or_resume(resume=True, peer=)`` takes the peer tier, rank 0 getting its
+    copy from its holder."""
+    import logging
+    import shutil
+
+    from stratagem.checkpoint.peer import PeerCopies
+
+    work = os.path.join(tmp, 'peer')
+    s = _trained(work)
+    peer = PeerCopies(os.path.join(tmp, 'peer-shm'), s.rank, s.world_size)
+    s.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
+    s.save_peer_copy(peer, extra_ckpt={'meta': {'iter': 4}})
+    want = [p.detach().clone() for p in s.model.parameters()]
+    held = sorted(os.listdir(peer.held_dir))
+    if s.rank == 0:
+        shutil.rmtree(peer.own_dir)
+    torch.distributed.barrier()
+    again = _strategy(work)
+    again.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.5, momentum=0.9)))
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    again.logger.addHandler(handler)
+    checkpoint = again.load_or_resume(resume=True, peer=peer)
+    again.logger.removeHandler(handler)
+    return {
+        'held': held,
+        'iter': checkpoint['meta']['iter'],
+        'equal': all(torch.equal(a, b) for a, b in zip(want, again.model.parameters())),
+        'tier': [line for line in lines if 'resume tier' in line],
+        'own': sorted(os.listdir(peer.own_dir)),
+    }
+
+
 @pytest.fixture(scope='module')
 def scenarios(request, tmp_path_factory):
     return SCENARIOS.run(request, tmp_path_factory.mktemp('ddp'))
@@ -421,3 +459,16 @@ def test_stratagem_train_nproc_2(uninterrupted_run):
     assert ck['meta']['world_size'] == 2 and ck['meta']['strategy'] == 'DDPStrategy'
     assert ck['meta']['iter'] == ITERS_2
     assert len(ck['rng_states']) == 2 and (work / 'iter_5.pth').is_file()
+
+
+@pytest.mark.scenario('peer_copies')
+def test_peer_copies_travel_to_the_holder_and_come_back_for_a_lost_own_copy(scenario):
+    for r in scenario:
+        assert r['held'] == ['iter_4.pth', 'iter_4.pth.manifest.json']
+        assert r['own'] == ['iter_4.pth', 'iter_4.pth.manifest.json']  # rank 0's: fetched
+        assert (r['iter'], r['equal']) == (4, True)
+    (tier,) = scenario[0]['tier']  # rank 0's log (the others log warnings only)
+    assert tier.startswith(
+        'resume tier: peer (peer copies of iteration 4: at least as new as the newest '
+        'storage checkpoint iter_3.pth (iteration 3); rank(s) [0] from their holder)'
+    )
