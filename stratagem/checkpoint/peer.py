@@ -154,6 +154,8 @@ def choose(
     storage checkpoint of unknown iteration wins.
     """
     world = len(own)
+    if not any(own) and not any(held):
+        return PeerChoice(None, 'no peer copies')
     available = [set(own[r]) | set(held[holders[r]]) for r in range(world)]
     for r in range(world):
         if not available[r]:

@@ -303,7 +303,8 @@ def _resume_from_peer(
         storage = (osp.basename(latest.rstrip('/')), step)
     choice = peer.plan(storage)
     if choice.step is None:
-        strategy.logger.info(f'resume tier: storage ({choice.reason})')
+        if latest is not None or choice.reason != 'no peer copies':  # else: a fresh start
+            strategy.logger.info(f'resume tier: storage ({choice.reason})')
         peer.clear()
         return None
     path = peer.fetch(choice)
