@@ -31,6 +31,7 @@ never find a copy of another timeline.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import shutil
 import tempfile
@@ -41,9 +42,15 @@ from typing import Any
 import torch
 
 from . import _fs
-from .digest import entry_digest, hash_file
+from .digest import entry_digest, new_hasher
 from .errors import CheckpointCorruptError
-from .manifest import SIDECAR_SUFFIX, parse_manifest, verify_checkpoint
+from .manifest import (
+    SIDECAR_SUFFIX,
+    _identity,
+    parse_manifest,
+    remember_verified,
+    verify_checkpoint,
+)
 from .single_file import save_checkpoint
 
 __all__ = [
@@ -52,6 +59,7 @@ __all__ = [
     'PeerCopies',
     'choose',
     'commit_bytes',
+    'copy_committed',
     'manifest_step',
     'peer_root',
     'scan_copies',
@@ -91,9 +99,10 @@ class Scan:
     refused: list[str] = field(default_factory=list)
 
 
-def scan_copies(directory: Path, rank: int, world_size: int) -> Scan:
+def scan_copies(directory: Path, rank: int, world_size: int, *, hash_bytes: bool = True) -> Scan:
     """Every committed copy of rank ``rank``'s state in ``directory`` whose bytes match its
-    manifest and whose manifest says it is that rank's at this world size."""
+    manifest (``hash_bytes=False``: its size) and whose manifest says it is that rank's at
+    this world size."""
     steps: dict[int, str] = {}
     refused: list[str] = []
     try:
@@ -105,7 +114,7 @@ def scan_copies(directory: Path, rank: int, world_size: int) -> Scan:
             continue  # temporary names: a copy whose commit did not finish
         path = directory / name
         try:
-            manifest = verify_checkpoint(path)
+            manifest = verify_checkpoint(path, hash_bytes=hash_bytes)
         except (CheckpointCorruptError, OSError, ValueError) as err:
             refused.append(f'{path}: {err}')
             continue
@@ -198,6 +207,9 @@ class PeerCopies:
         local_world_size: processes per node (``LOCAL_WORLD_SIZE``); picks the holder.
         group: the process group the copies travel over (a gloo one: the bytes are on the
             CPU; None: the default group).
+        same_node: every rank runs on this node (one ``/dev/shm``): a holder copies the
+            committed file through the filesystem (the kernel's copy) instead of receiving
+            its bytes over the process group. Every rank must pass the same value.
     """
 
     def __init__(
@@ -208,16 +220,24 @@ class PeerCopies:
         *,
         local_world_size: int | None = None,
         group: Any = None,
+        same_node: bool = False,
     ) -> None:
         self.root = Path(root)
         self.rank, self.world_size, self.group = rank, world_size, group
+        self.same_node = same_node
         stride = ring_stride(world_size, local_world_size or world_size)
         self.holders = [(r + stride) % world_size for r in range(world_size)]
         self.holder = self.holders[rank]
         #: the rank whose copy this rank holds
         self.keeps = self.holders.index(rank)
-        self.own_dir = self.root / 'own' / f'rank{rank}'
-        self.held_dir = self.root / 'held' / f'rank{self.keeps}'
+        self.own_dir = self._own(rank)
+        self.held_dir = self._held(self.keeps)
+
+    def _own(self, rank: int) -> Path:
+        return self.root / 'own' / f'rank{rank}'
+
+    def _held(self, rank: int) -> Path:
+        return self.root / 'held' / f'rank{rank}'
 
     # ----------------------------------------------------------------------- save
     def commit(self, content: dict, step: int) -> Path:
@@ -232,25 +252,31 @@ class PeerCopies:
             update_pointer=False,
         )
         _prune(self.own_dir, keep=name)
-        if self.world_size > 1:
-            sidecar = own.with_name(own.name + SIDECAR_SUFFIX)
-            received = self._exchange(
-                (sidecar.read_bytes(), own.read_bytes()), self.holder, self.keeps
-            )
+        if self.world_size == 1:
+            return own
+        if self.same_node:
+            # the rank it holds for has committed: copy that file (and back: copied)
+            self._signal(self.holder, self.keeps)
+            copy_committed(self._own(self.keeps) / name, self.held_dir / name)
+            self._signal(self.keeps, self.holder)
+        else:
+            received = self._exchange(own, self.holder, self.keeps)
             assert received is not None
             commit_bytes(self.held_dir / name, *received)
-            _prune(self.held_dir, keep=name)
+        _prune(self.held_dir, keep=name)
         return own
 
     # ----------------------------------------------------------------------- load
     def plan(self, storage: tuple[str, int | None] | None) -> PeerChoice:
         """What a restart loads (collective): see :func:`choose`; ``storage``: the newest
-        storage checkpoint and its iteration, the same on every rank (None: none). The
-        copies refused on any rank are in the returned reason."""
+        storage checkpoint and its iteration, the same on every rank (None: none). Own
+        copies are hashed here (the load then reads verified bytes); a held copy only when
+        it is fetched (:meth:`fetch`), its size checked here. The copies refused on any
+        rank are in the returned reason."""
         from stratagem import env  # see the package doc: env only when a checkpoint is read
 
         own = scan_copies(self.own_dir, self.rank, self.world_size)
-        held = scan_copies(self.held_dir, self.keeps, self.world_size)
+        held = scan_copies(self.held_dir, self.keeps, self.world_size, hash_bytes=False)
         found = env.all_gather_object(
             (sorted(own.steps), sorted(held.steps), own.refused + held.refused), self.group
         )
@@ -261,24 +287,40 @@ class PeerCopies:
             return PeerChoice(choice.step, reason, choice.fetch)
         return choice
 
-    def fetch(self, choice: PeerChoice) -> str:
+    def fetch(self, choice: PeerChoice) -> tuple[str | None, str]:
         """This rank's own verified copy of ``choice.step`` (collective): the ranks of
-        ``choice.fetch`` get their holder's first, committed into their own directory."""
+        ``choice.fetch`` get their holder's first, verified against its manifest and
+        committed into their own directory. Returns ``(path, '')``, or ``(None, why)`` on
+        every rank when a fetched copy did not verify (the load then falls back)."""
+        from stratagem import env  # see the package doc: env only when a checkpoint is read
+
         assert choice.step is not None
         name = f'{_PREFIX}{choice.step}{_SUFFIX}'
+        failed = ''
         if choice.fetch:
-            sends = choice.fetch.get(self.keeps) == self.rank and self.keeps != self.rank
-            payload = None
-            if sends:
-                held = self.held_dir / name
-                payload = (held.with_name(name + SIDECAR_SUFFIX).read_bytes(), held.read_bytes())
             gets = self.rank in choice.fetch
-            received = self._exchange(
-                payload, self.keeps if sends else None, self.holder if gets else None
-            )
-            if received is not None:
-                commit_bytes(self.own_dir / name, *received)
-        return str(self.own_dir / name)
+            try:
+                if self.same_node:
+                    if gets:
+                        copy_committed(self._held(self.rank) / name, self.own_dir / name)
+                        verify_checkpoint(self.own_dir / name)
+                else:
+                    sends = choice.fetch.get(self.keeps) == self.rank and self.keeps != self.rank
+                    received = self._exchange(
+                        self.held_dir / name if sends else None,
+                        self.keeps if sends else None,
+                        self.holder if gets else None,
+                    )
+                    if received is not None:
+                        commit_bytes(self.own_dir / name, *received)
+            except (CheckpointCorruptError, OSError, ValueError) as err:
+                _fs.unlink_quietly(self.own_dir / name)  # a torn copy is never left to load
+                _fs.unlink_quietly(self.own_dir / (name + SIDECAR_SUFFIX))
+                failed = f'the copy of rank {self.rank} that rank {self.holder} holds: {err}'
+            failures = [f for f in env.all_gather_object(failed, self.group) if f]
+            if failures:
+                return None, '; '.join(failures)
+        return str(self.own_dir / name), ''
 
     def clear(self) -> None:
         """Remove this rank's copies (its own and those it holds): a fresh start, or a
@@ -286,49 +328,107 @@ class PeerCopies:
         for directory in (self.own_dir, self.held_dir):
             shutil.rmtree(directory, ignore_errors=True)
 
-    # ------------------------------------------------------------------- transport
-    def _exchange(
-        self, payload: tuple[bytes, bytes] | None, to: int | None, source: int | None
-    ) -> tuple[bytes, bytes] | None:
-        """Send ``payload`` (manifest, file) to rank ``to`` and receive one from rank
-        ``source`` (either may be None), both at once: every rank of a ring sends and
-        receives, and blocking sends in a ring would wait for each other."""
+    def _signal(self, to: int, source: int) -> None:
+        """One small message to rank ``to`` and one from rank ``source`` (a ring's step)."""
         import torch.distributed as dist
 
-        requests = []
+        got = torch.zeros(1, dtype=torch.int64)
+        _wait(
+            [
+                dist.isend(torch.ones(1, dtype=torch.int64), to, self.group),
+                dist.irecv(got, source, self.group),
+            ]
+        )
+
+    # ------------------------------------------------------------------- transport
+    def _exchange(
+        self, copy: Path | None, to: int | None, source: int | None
+    ) -> tuple[bytes, memoryview] | None:
+        """Send the committed ``copy`` (its manifest, then its bytes, mapped, not read) to
+        rank ``to`` and receive one from rank ``source`` (either may be None), both at once:
+        every rank of a ring sends and receives, and blocking sends in a ring would wait for
+        each other. Returns the manifest and the bytes received."""
+        import torch.distributed as dist
+
+        manifest, mapped, data = b'', None, torch.empty(0, dtype=torch.uint8)
         if to is not None:
-            assert payload is not None
-            sizes = torch.tensor([len(payload[0]), len(payload[1])], dtype=torch.int64)
-            requests.append(dist.isend(sizes, to, self.group))
-        got = torch.zeros(2, dtype=torch.int64)
-        if source is not None:
-            requests.append(dist.irecv(got, source, self.group))
-        for request in requests:
-            request.wait()
-        requests = []
-        if to is not None:
-            assert payload is not None
-            data = torch.frombuffer(bytearray(payload[0] + payload[1]), dtype=torch.uint8)
-            requests.append(dist.isend(data, to, self.group))
-        incoming = torch.empty(int(got.sum()), dtype=torch.uint8)
-        if source is not None:
-            requests.append(dist.irecv(incoming, source, self.group))
-        for request in requests:
-            request.wait()
+            assert copy is not None
+            manifest = copy.with_name(copy.name + SIDECAR_SUFFIX).read_bytes()
+            with open(copy, 'rb') as file:  # a private mapping: writable for torch, no copy
+                mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+            data = torch.frombuffer(mapped, dtype=torch.uint8)
+        try:
+            sizes = torch.tensor([len(manifest), data.numel()], dtype=torch.int64)
+            got = torch.zeros(2, dtype=torch.int64)
+            _wait(
+                ([dist.isend(sizes, to, self.group)] if to is not None else [])
+                + ([dist.irecv(got, source, self.group)] if source is not None else [])
+            )
+            incoming = torch.empty(int(got.sum()), dtype=torch.uint8)
+            requests = []
+            if to is not None:
+                head = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
+                requests += [dist.isend(head, to, self.group), dist.isend(data, to, self.group)]
+            if source is not None:
+                cut = int(got[0])
+                requests += [
+                    dist.irecv(incoming[:cut], source, self.group),
+                    dist.irecv(incoming[cut:], source, self.group),
+                ]
+            _wait(requests)
+        finally:
+            del data
+            if mapped is not None:
+                mapped.close()
         if source is None:
             return None
-        raw = incoming.numpy().tobytes()
-        return raw[: int(got[0])], raw[int(got[0]) :]
+        view = memoryview(incoming.numpy())
+        return bytes(view[: int(got[0])]), view[int(got[0]) :]
 
 
-def commit_bytes(final: Path, manifest: bytes, data: bytes) -> Path:
-    """Commit a copy received as bytes at ``final``: the bytes whole under a temporary name,
-    checked against ``manifest``'s digest (CheckpointCorruptError, nothing committed, when
-    they differ), then the manifest, then the rename."""
+def _wait(requests: list) -> None:
+    for request in requests:
+        request.wait()
+
+
+def copy_committed(source: Path, final: Path) -> Path:
+    """Copy the committed copy ``source`` (and its manifest) to ``final`` on this node, in
+    the commit's order: the file whole under a temporary name (the kernel's copy), the
+    manifest, the rename. Its bytes are verified when it is loaded, as every copy's."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    manifest = source.with_name(source.name + SIDECAR_SUFFIX).read_bytes()
+    tmp = _fs.temp_name(final)
+    try:
+        shutil.copyfile(source, tmp)
+        _fs.fsync_file(tmp)
+        _fs.write_atomic(final.with_name(final.name + SIDECAR_SUFFIX), manifest)
+        _fs.fsync_dir(final.parent)
+        os.replace(tmp, final)
+    except BaseException:
+        _fs.unlink_quietly(tmp)
+        raise
+    _fs.fsync_dir(final.parent)
+    return final
+
+
+def commit_bytes(final: Path, manifest: bytes, data: bytes | memoryview) -> Path:
+    """Commit a copy received as bytes at ``final``: checked against ``manifest``'s size and
+    digest (CheckpointCorruptError, nothing written, when they differ), the bytes whole
+    under a temporary name, then the manifest, then the rename."""
     parsed = parse_manifest(manifest, final)
     entry = next((f for f in parsed['files'] if f['path'] == final.name), None)
     if entry is None:
         raise CheckpointCorruptError(f'the manifest sent for {final} does not list {final.name}')
+    algo, expected = entry_digest(entry)
+    hasher = new_hasher(algo)
+    hasher.update(data)
+    size, actual = len(data), hasher.hexdigest()
+    if (size, actual) != (entry['size'], expected):
+        raise CheckpointCorruptError(
+            f'the copy received for {final} is damaged: {size} bytes with {algo} '
+            f'{actual}, its manifest says {entry["size"]} bytes with {expected}; '
+            'it was not kept'
+        )
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = _fs.temp_name(final)
     try:
@@ -336,14 +436,7 @@ def commit_bytes(final: Path, manifest: bytes, data: bytes) -> Path:
             file.write(data)
             file.flush()
             os.fsync(file.fileno())
-        algo, expected = entry_digest(entry)
-        size, actual = hash_file(tmp, algo=algo)
-        if (size, actual) != (entry['size'], expected):
-            raise CheckpointCorruptError(
-                f'the copy received for {final} is damaged: {size} bytes with {algo} '
-                f'{actual}, its manifest says {entry["size"]} bytes with {expected}; '
-                'it was not kept'
-            )
+        remember_verified(tmp, actual, _identity(tmp), algo)  # a rename keeps the identity
         _fs.write_atomic(final.with_name(final.name + SIDECAR_SUFFIX), manifest)
         _fs.fsync_dir(final.parent)
         os.replace(tmp, final)

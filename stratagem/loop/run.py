@@ -334,22 +334,27 @@ def _build(
 
 def _peer_copies(strategy: Any) -> PeerCopies:
     """The run's peer copies (``checkpoint/peer.py``): under its work_dir's key in this node's
-    ``/dev/shm``, sent over a gloo group (the default one when it is gloo; the bytes are on
-    the CPU)."""
+    ``/dev/shm``; copied through the filesystem when every rank runs on this node, else sent
+    over a gloo group (the default one when it is gloo; the bytes are on the CPU)."""
     import os
+    import socket
 
     import torch.distributed as dist
+
+    from stratagem import env
 
     group = None
     if strategy.distributed and dist.get_backend() != 'gloo':
         group = dist.new_group(backend='gloo')  # every rank builds it, in the same order
     world = strategy.world_size
+    hosts = env.all_gather_object(socket.gethostname(), group)
     return PeerCopies(
         peer_root(strategy.work_dir),
         strategy.rank,
         world,
         local_world_size=int(os.environ.get('LOCAL_WORLD_SIZE', world)),
         group=group,
+        same_node=len(set(hosts)) == 1,
     )
 
 

@@ -307,7 +307,11 @@ def _resume_from_peer(
             strategy.logger.info(f'resume tier: storage ({choice.reason})')
         peer.clear()
         return None
-    path = peer.fetch(choice)
+    path, failed = peer.fetch(choice)
+    if path is None:
+        strategy.logger.info(f'resume tier: storage ({choice.reason}; but {failed})')
+        peer.clear()
+        return None
     strategy.logger.info(f'resume tier: peer ({choice.reason}): {path}')
     checkpoint = resume_own(path)
     # the storage checkpoint of that very state, if there is one, is what the run resumed
