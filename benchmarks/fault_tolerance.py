@@ -402,7 +402,7 @@ def _load_worker(rank: int, world: int, port: int, args: tuple, scratch: str) ->
     )
     x, y = torch.randn(8, hidden), torch.randint(10, (8,))
     strategy.train_step(x, y, torch.nn.functional.cross_entropy)
-    peer = PeerCopies(peer_root(work), rank, world)
+    peer = PeerCopies(peer_root(work), rank, world, same_node=True)  # one machine
     meta = {'meta': {'iter': 1}}
     times: dict[str, list[float]] = {
         'save: checkpoint (disk)': [],

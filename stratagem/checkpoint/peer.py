@@ -60,7 +60,6 @@ __all__ = [
     'choose',
     'commit_bytes',
     'copy_committed',
-    'manifest_step',
     'peer_root',
     'scan_copies',
 ]
@@ -458,16 +457,3 @@ def _prune(directory: Path, keep: str) -> None:
         if name.startswith(_PREFIX) and name.endswith(_SUFFIX) and name != keep:
             _fs.unlink_quietly(directory / name)
             _fs.unlink_quietly(directory / (name + SIDECAR_SUFFIX))
-
-
-def manifest_step(path: str | os.PathLike) -> int | None:
-    """The iteration a committed checkpoint's manifest records (None: no manifest or no
-    iteration); nothing is hashed."""
-    from .manifest import manifest_path, read_manifest
-
-    try:
-        manifest = read_manifest(manifest_path(Path(path)))
-    except (ValueError, OSError):
-        return None
-    step = (manifest or {}).get('step')
-    return step if type(step) is int else None

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.location import absolute, find_latest, is_url, list_checkpoints, parent
-from stratagem.checkpoint.peer import PeerCopies, manifest_step
+from stratagem.checkpoint.peer import PeerCopies
 from stratagem.checkpoint.state_dict import describe_keys, find_model_weights
 
 from .resume_checks import previous_run_traces, resume_newest
@@ -253,12 +253,12 @@ def _resume_latest(
     (:func:`_resume_from_peer`)."""
     work_dir = strategy.work_dir
     rank = strategy.rank
-    latest = _find_latest(strategy, checkpoint_dir) if rank == 0 else None
-    latest = env.broadcast_object(None if latest is None else str(latest))
     if peer is not None:
-        resumed = _resume_from_peer(strategy, *peer, latest)
+        resumed = _resume_from_peer(strategy, *peer, _newest_stored(strategy, checkpoint_dir))
         if resumed is not None:
             return resumed
+    latest = _find_latest(strategy, checkpoint_dir) if rank == 0 else None
+    latest = env.broadcast_object(None if latest is None else str(latest))
     if latest is not None and is_url(latest):
         return _resume_from_store(strategy, resume_fn, latest)
     if latest is not None:
@@ -285,25 +285,44 @@ def _resume_own_copy(strategy: BaseStrategy, path: str, **kwargs: Any) -> dict:
     return resume(strategy, path, own_copy=True, **kwargs)
 
 
+def _newest_stored(
+    strategy: BaseStrategy, checkpoint_dir: str | None
+) -> tuple[str, str, int | None] | None:
+    """The newest committed checkpoint by the manifests (nothing hashed: a storage checkpoint
+    is verified when it is loaded), in ``checkpoint_dir`` (when given), else in work_dir:
+    ``(path, name, step)``, the same on every rank (rank 0 looks), or None."""
+    found = None
+    if strategy.rank == 0:
+        backend_args = strategy.checkpointer.backend_args
+        where = [checkpoint_dir] if checkpoint_dir is not None else []
+        for directory in [*where, strategy.work_dir]:
+            if is_url(directory):
+                remote = list_checkpoints(directory, backend_args)
+                if remote:
+                    found = (remote[0].url, remote[0].url.rsplit('/', 1)[-1], remote[0].step)
+            else:
+                local = ckpt.list_checkpoints(directory)
+                if local:
+                    found = (str(local[0].path), local[0].path.name, local[0].step)
+            if found is not None:
+                break
+    return env.broadcast_object(found)
+
+
 def _resume_from_peer(
     strategy: BaseStrategy,
     peer: PeerCopies,
     resume_own: Callable[[str], dict],
-    latest: str | None,
+    stored: tuple[str, str, int | None] | None,
 ) -> dict | None:
-    """Resume from the run's peer copies when they win over ``latest``, the newest storage
+    """Resume from the run's peer copies when they win over ``stored``, the newest storage
     checkpoint (``peer.choose``: a verified copy of one iteration on every rank, at least as
     new); returns None (the copies removed) when storage wins. Either way one log line says
     which tier and why."""
-    storage = None
-    if latest is not None:
-        step = env.broadcast_object(
-            (None if is_url(latest) else manifest_step(latest)) if strategy.rank == 0 else None
-        )
-        storage = (osp.basename(latest.rstrip('/')), step)
+    storage = None if stored is None else (stored[1], stored[2])
     choice = peer.plan(storage)
     if choice.step is None:
-        if latest is not None or choice.reason != 'no peer copies':  # else: a fresh start
+        if stored is not None or choice.reason != 'no peer copies':  # else: a fresh start
             strategy.logger.info(f'resume tier: storage ({choice.reason})')
         peer.clear()
         return None
@@ -316,8 +335,8 @@ def _resume_from_peer(
     checkpoint = resume_own(path)
     # the storage checkpoint of that very state, if there is one, is what the run resumed
     # from (retention keeps it; the metrics append to its folder); a copy in memory is not
-    same = storage is not None and storage[1] == choice.step
-    strategy.resumed_from = absolute(latest) if same and latest is not None else None
+    same = stored is not None and stored[2] == choice.step
+    strategy.resumed_from = absolute(stored[0]) if same and stored is not None else None
     return checkpoint
 
 
