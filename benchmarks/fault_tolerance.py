@@ -273,23 +273,115 @@ def replica_groups_missing() -> str | None:
 def arm_replica_groups(
     args: argparse.Namespace, tmp: Path, kills: list[int], index: int
 ) -> list[Run]:
-    """Arm (b): the same training as replica groups, with and without kills; [] (and a line
-    saying why) when this checkout has no replica groups."""
+    """Arm (b): the same training as 2 replica groups of 1 process (the same 2 processes and
+    global batch), with and without kills; [] (and a line saying why) when this checkout has
+    no replica groups."""
     missing = replica_groups_missing()
     if missing is not None:
         if index == 0:
             print(f'arm (b) replica groups: skipped: {missing}', flush=True)
         return []
-    # the lead adds the launch here once replica groups are merged: `stratagem lighthouse`,
-    # then one `stratagem train CFG --nproc 1 --replica-id I --max-restarts N` per group
-    print('arm (b) replica groups: supported, but its launch is not written yet', flush=True)
-    return []
+    cfg = write_config(tmp, args, 0, replicas=True)
+    runs = []
+    for arm, kill in (('b replica groups', kills), ('b replica groups, no kill', [])):
+        work = tmp / f'{arm.replace(" ", "_").replace(",", "")}-{index}'
+        run = launch_groups(cfg, work, arm, kill)
+        runs.append(run)
+        print(
+            f'run {index + 1} {arm:20s} kills at {kill}: ok={run.ok} wall {run.wall:6.1f} s '
+            f'lost {run.lost} recovery {[round(r, 2) for r in run.recoveries]} '
+            f'healed {run.tiers}',
+            flush=True,
+        )
+        shutil.rmtree(work, ignore_errors=True)
+    return runs
+
+
+def launch_groups(cfg: Path, work: Path, arm: str, kills: list[int]) -> Run:
+    """``stratagem lighthouse``, then 2 groups ``stratagem train cfg --nproc 1 --replica-id I
+    --lighthouse ADDR``; each of ``kills`` a SIGKILL of group 1's process once group 0 (the
+    survivor, never restarted) reads that iteration's batch. Group 1's torchrun relaunches
+    it (``--max-restarts``) and it heals from group 0."""
+    from failure_helpers import clean_env, kill_tree, workers
+
+    run = Run(arm, kills)
+    lighthouse = subprocess.Popen(
+        [sys.executable, '-m', 'stratagem', 'lighthouse', '--port', '0', '--min-replicas', '1']
+        + ['--join-timeout', '0.5', '--heartbeat-timeout', '1'],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    groups: list[subprocess.Popen] = []
+    outs = [work.parent / f'{work.name}-group{i}.out' for i in (0, 1)]
+    counts = [work.parent / f'{work.name}-count{i}' for i in (0, 1)]
+    try:
+        assert lighthouse.stdout is not None
+        found = re.match(r'lighthouse: (\S+)', lighthouse.stdout.readline())
+        assert found, 'the lighthouse printed no address'
+        t0 = time.monotonic()
+        for i in (0, 1):
+            counts[i].mkdir()
+            with outs[i].open('w') as out:
+                groups.append(
+                    subprocess.Popen(
+                        [sys.executable, '-m', 'stratagem', 'train', str(cfg)]
+                        + ['--work-dir', str(work), '--nproc', '1', '--replica-id', str(i)]
+                        + ['--lighthouse', found.group(1)]
+                        + ['--max-restarts', str(len(kills) + 1 if i else 1)],
+                        env=_env(counts[i], work.parent / f'{work.name}-shm'),
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        survivor = workers(groups[0].pid, 1)[0]
+        for at in kills:
+            if groups[0].poll() is not None or groups[1].poll() is not None:
+                break  # the survivor finished first: no more failures to inject
+            try:
+                victim = workers(groups[1].pid, 1, timeout=60)[0]
+            except AssertionError:  # group 1 ended between its attempts
+                break
+            # group 1 trains (joined, or healed after the last kill), then group 0 is there
+            while _batches(counts[1], victim) < 1 and groups[1].poll() is None:
+                time.sleep(0.002)
+            while _batches(counts[0], survivor) < at and groups[0].poll() is None:
+                time.sleep(0.002)
+            if groups[0].poll() is not None or groups[1].poll() is not None:
+                break  # the survivor finished first: no more failures to inject
+            seen = set(os.listdir(counts[1]))
+            os.kill(victim, signal.SIGKILL)
+            killed = time.monotonic()
+            while groups[1].poll() is None:
+                if set(os.listdir(counts[1])) - seen:  # the relaunched group, healed, reads
+                    run.recoveries.append(time.monotonic() - killed)
+                    break
+                time.sleep(0.002)
+            run.lost.append(0)  # the survivor's steps go on: no step is trained twice
+        codes = [g.wait(timeout=900) for g in groups]
+        run.wall = time.monotonic() - t0
+        run.ok = codes == [0, 0]
+        texts = [o.read_text(errors='replace') for o in outs]
+        run.tiers = re.findall(r'healed from replica group (\d+)', texts[1])
+        if not run.ok:
+            print(texts[0][-2000:], texts[1][-2000:], flush=True)
+    finally:
+        for proc in [*groups, lighthouse]:
+            kill_tree(proc.pid)
+            proc.wait()
+        if not run.ok:
+            for out in outs:
+                with contextlib.suppress(OSError):
+                    print(f'{out.name}:', out.read_text(errors='replace')[-2000:], flush=True)
+    return run
 
 
 # ------------------------------------------------------------------ the goodput part
 
 
-def write_config(tmp: Path, args: argparse.Namespace, peer: int) -> Path:
+def write_config(tmp: Path, args: argparse.Namespace, peer: int, *, replicas: bool = False) -> Path:
     text = CONFIG.format(
         features=FEATURES,
         classes=CLASSES,
@@ -302,7 +394,15 @@ def write_config(tmp: Path, args: argparse.Namespace, peer: int) -> Path:
     )
     if peer:
         text += f'default_hooks = dict(checkpoint=dict(peer_interval={peer}))\n'
-    path = tmp / f'cfg_{"peer" if peer else "storage"}.py'
+    if replicas:  # 2 groups of 1 process: the step's batch is 2 x 32, as the DDP arms'
+        text = text.replace(
+            "env_kwargs=dict(dist_cfg=dict(backend='gloo', timeout=60)))",
+            "env_kwargs=dict(dist_cfg=dict(backend='gloo', timeout=60)),\n"
+            '                fault_tolerance=dict(min_replicas=1, timeout=10, '
+            'quorum_timeout=60, connect_timeout=5))',
+        )
+        assert 'fault_tolerance' in text
+    path = tmp / f'cfg_{"replicas" if replicas else "peer" if peer else "storage"}.py'
     path.write_text(text)
     return path
 
@@ -320,12 +420,15 @@ def goodput(args: argparse.Namespace, tmp: Path) -> None:
         ]
         kills = [k for k in kills if k < args.iters]
         raw.append(raw_rate(max(20, args.iters // 2), tmp))
-        for arm, cfg, kill in (
+        arms = (
             ('a storage', storage_cfg, kills),
             ('c peer', peer_cfg, kills),
             ('a storage, no kill', storage_cfg, []),
             ('c peer, no kill', peer_cfg, []),
-        ):
+        )
+        for arm, cfg, kill in arms:
+            if arm[0] not in args.arms:
+                continue
             work = tmp / f'{arm.replace(" ", "_").replace(",", "")}-{i}'
             run = launch(cfg, work, arm, kill, restarts=len(kills) + 1)
             runs.append(run)
@@ -336,7 +439,8 @@ def goodput(args: argparse.Namespace, tmp: Path) -> None:
                 flush=True,
             )
             shutil.rmtree(work, ignore_errors=True)
-        runs += arm_replica_groups(args, tmp, kills, i)
+        if 'b' in args.arms:
+            runs += arm_replica_groups(args, tmp, kills, i)
     report(args, runs, raw)
 
 
@@ -469,6 +573,7 @@ def main() -> None:
     parser.add_argument('--load-hidden', type=int, default=2048)
     parser.add_argument('--load-rounds', type=int, default=5)
     parser.add_argument('--part', choices=['all', 'goodput', 'load'], default='all')
+    parser.add_argument('--arms', default='abc', help='the goodput arms to run (default abc)')
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix='fault-tolerance-', dir=os.environ.get('BENCH_DIR')))
     try:
