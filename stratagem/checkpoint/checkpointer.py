@@ -228,17 +228,19 @@ class Checkpointer:
 
     def save_peer(
         self, peer: PeerCopies, state: Mapping[str, Stateful], *, extra: Mapping | None = None
-    ) -> str:
+    ) -> str | None:
         """Commit this rank's content of ``state`` (steps 3-4 of 'Save', as ``save``
         captures it) as a peer copy, here and at its holder (``peer.py``; collective:
         every rank calls it at the same iteration, ``meta['iter']``); returns this rank's
-        own copy. A pending asynchronous save goes on: the copy is another file."""
+        own copy (None: not kept, a warning said why). A pending asynchronous save goes
+        on: the copy is another file."""
         checkpoint, _, step = self._capture(state, extra, None)
         if step is None:
             raise ValueError(
                 "a peer copy needs its iteration: pass extra_ckpt={'meta': {'iter': N}}"
             )
-        return str(peer.commit(checkpoint, step))
+        own = peer.commit(checkpoint, step)
+        return None if own is None else str(own)
 
     # ------------------------------------------------------------------------ load
     def agree(self, filename: str) -> str:

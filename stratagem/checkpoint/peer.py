@@ -43,7 +43,7 @@ import torch
 
 from . import _fs
 from .digest import entry_digest, new_hasher
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, CheckpointWarning
 from .manifest import (
     SIDECAR_SUFFIX,
     _identity,
@@ -239,31 +239,61 @@ class PeerCopies:
         return self.root / 'held' / f'rank{rank}'
 
     # ----------------------------------------------------------------------- save
-    def commit(self, content: dict, step: int) -> Path:
+    def commit(self, content: dict, step: int) -> Path | None:
         """Commit this rank's ``content`` of iteration ``step`` here and at its holder
-        (collective: every rank calls it at the same iteration); returns the own copy."""
+        (collective: every rank calls it at the same iteration); returns the own copy.
+
+        A copy that cannot be written (``/dev/shm`` full: ``CheckpointWriteError``) is a
+        warning on every rank, naming it, and the run goes on with the copies it has (the
+        tier is a shortcut; storage stays); returns None then."""
+        from stratagem import env  # see the package doc: env only when a checkpoint is written
+
         name = f'{_PREFIX}{step}{_SUFFIX}'
-        own = save_checkpoint(
-            content,
-            self.own_dir / name,
-            step=step,
-            extra_manifest={'peer_rank': self.rank, 'world_size': self.world_size},
-            update_pointer=False,
-        )
-        _prune(self.own_dir, keep=name)
-        if self.world_size == 1:
-            return own
-        if self.same_node:
-            # the rank it holds for has committed: copy that file (and back: copied)
-            self._signal(self.holder, self.keeps)
-            copy_committed(self._own(self.keeps) / name, self.held_dir / name)
-            self._signal(self.keeps, self.holder)
+        own, failed = None, ''
+        try:
+            own = save_checkpoint(
+                content,
+                self.own_dir / name,
+                step=step,
+                extra_manifest={'peer_rank': self.rank, 'world_size': self.world_size},
+                update_pointer=False,
+            )
+        except OSError as err:  # CheckpointWriteError too: it is an OSError
+            failed = f'rank {self.rank}: {err}'
+        if self.world_size > 1:  # every rank's own copy committed, or why not
+            failures = [f for f in env.all_gather_object(failed, self.group) if f]
         else:
-            received = self._exchange(own, self.holder, self.keeps)
-            assert received is not None
-            commit_bytes(self.held_dir / name, *received)
+            failures = [failed] if failed else []
+        if not failures:
+            try:
+                self._hold(name)
+            except (OSError, CheckpointCorruptError) as err:
+                failed = f'rank {self.rank} holding the copy of rank {self.keeps}: {err}'
+            if self.world_size > 1:
+                failures = [f for f in env.all_gather_object(failed, self.group) if f]
+        if failures:
+            env.warn_rank_zero(
+                f'peer copies of iteration {step} not kept ({"; ".join(failures)}); the '
+                'newest copies that were committed stay, storage checkpoints go on',
+                CheckpointWarning,
+                stacklevel=3,
+            )
+            return None
+        assert own is not None
+        _prune(self.own_dir, keep=name)
         _prune(self.held_dir, keep=name)
         return own
+
+    def _hold(self, name: str) -> None:
+        """The holder's copy of the rank it keeps (collective where it is sent)."""
+        if self.world_size == 1:
+            return
+        if self.same_node:
+            copy_committed(self._own(self.keeps) / name, self.held_dir / name)
+        else:
+            received = self._exchange(self.own_dir / name, self.holder, self.keeps)
+            assert received is not None
+            commit_bytes(self.held_dir / name, *received)
 
     # ----------------------------------------------------------------------- load
     def plan(self, storage: tuple[str, int | None] | None) -> PeerChoice:
@@ -327,18 +357,6 @@ class PeerCopies:
         for directory in (self.own_dir, self.held_dir):
             shutil.rmtree(directory, ignore_errors=True)
 
-    def _signal(self, to: int, source: int) -> None:
-        """One small message to rank ``to`` and one from rank ``source`` (a ring's step)."""
-        import torch.distributed as dist
-
-        got = torch.zeros(1, dtype=torch.int64)
-        _wait(
-            [
-                dist.isend(torch.ones(1, dtype=torch.int64), to, self.group),
-                dist.irecv(got, source, self.group),
-            ]
-        )
-
     # ------------------------------------------------------------------- transport
     def _exchange(
         self, copy: Path | None, to: int | None, source: int | None
@@ -381,7 +399,7 @@ class PeerCopies:
                 mapped.close()
         if source is None:
             return None
-        view = memoryview(incoming.numpy())
+        view = memoryview(incoming.numpy().data)  # the received bytes, not copied
         return bytes(view[: int(got[0])]), view[int(got[0]) :]
 
 

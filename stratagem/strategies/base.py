@@ -708,11 +708,12 @@ class BaseStrategy(ABC):
 
     def save_peer_copy(
         self, peer: PeerCopies, *, extra_ckpt: Mapping | None = None, loaders: Mapping | None = None
-    ) -> str:
+    ) -> str | None:
         """Commit each rank's state (what ``save_checkpoint`` holds for it, captured by the
         same parts) as a peer copy: in this node's ``/dev/shm`` and at its holder rank
         (``checkpoint/peer.py``); every rank calls it at the same iteration,
-        ``extra_ckpt['meta']['iter']``. Returns this rank's own copy. ``resume=True`` of
+        ``extra_ckpt['meta']['iter']``. Returns this rank's own copy (None: ``/dev/shm``
+        refused it, with a warning; the run goes on). ``resume=True`` of
         ``load_or_resume(..., peer=)`` prefers it to an older storage checkpoint. Refused
         (ValueError) where a rank does not hold the whole state
         (``Capabilities.whole_state_per_rank``)."""

@@ -118,6 +118,25 @@ def test_a_commit_keeps_the_newest_verified_copy_and_a_torn_one_is_never_used(tm
     assert 8 not in scan_copies(peer.own_dir, 0, 1).steps
 
 
+def test_a_full_dev_shm_is_a_warning_and_the_older_copy_stays(tmp_path, monkeypatch):
+    import errno
+
+    from stratagem.checkpoint import CheckpointWarning, CheckpointWriteError
+    from stratagem.checkpoint import peer as peer_module
+
+    peer = PeerCopies(tmp_path, rank=0, world_size=1)
+    kept = peer.commit(_content(1.0, 2), 2)
+
+    def full(*args, **kwargs):
+        raise CheckpointWriteError(errno.ENOSPC, f'no space left for {args[1]}')
+
+    monkeypatch.setattr(peer_module, 'save_checkpoint', full)
+    with pytest.warns(CheckpointWarning, match=r'peer copies of iteration 4 not kept \(rank 0: '
+                      'no space left'):  # fmt: skip
+        assert peer.commit(_content(2.0, 4), 4) is None
+    assert scan_copies(peer.own_dir, 0, 1).steps == {2: str(kept)}
+
+
 def test_a_received_copy_is_committed_only_when_its_bytes_match_the_manifest(tmp_path):
     sent = PeerCopies(tmp_path / 'a', rank=0, world_size=1).commit(_content(1.0, 3), 3)
     manifest = sent.with_name(sent.name + '.manifest.json').read_bytes()
