@@ -103,6 +103,7 @@ class Run:
     arm: str
     kills: list[int]
     wall: float = 0.0
+    start: float = 0.0  # launch -> the first batch (imports, process group, build)
     recoveries: list[float] = field(default_factory=list)
     lost: list[int] = field(default_factory=list)
     ok: bool = False
@@ -150,6 +151,7 @@ def launch(cfg: Path, work: Path, arm: str, kills: list[int], restarts: int) -> 
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, '')))
     reader.start()
     try:
+        run.start = _first_batch(count, proc) - t0
         for at in kills:
             pids = workers(proc.pid)
             # this attempt's workers started at the iteration the last restart resumed
@@ -178,6 +180,13 @@ def launch(cfg: Path, work: Path, arm: str, kills: list[int], restarts: int) -> 
     run.lost = [at - 1 - s for at, s in zip(kills, starts)]
     run.tiers = re.findall(r'resume tier: (\w+)', out)
     return run
+
+
+def _first_batch(count: Path, proc: subprocess.Popen) -> float:
+    """When a process first read a batch (``time.monotonic``)."""
+    while proc.poll() is None and not os.listdir(count):
+        time.sleep(0.002)
+    return time.monotonic()
 
 
 def _resumed_at(lines: list[str], attempt: int, proc: subprocess.Popen) -> int:
@@ -336,6 +345,7 @@ def launch_groups(cfg: Path, work: Path, arm: str, kills: list[int]) -> Run:
                         start_new_session=True,
                     )
                 )
+        run.start = _first_batch(counts[0], groups[0]) - t0
         survivor = workers(groups[0].pid, 1)[0]
         for at in kills:
             if groups[0].poll() is not None or groups[1].poll() is not None:
@@ -453,18 +463,25 @@ def report(args: argparse.Namespace, runs: list[Run], raw: list[float]) -> None:
     )
     print(f'raw DDP loop: {raw_rate_:.0f} steps/min (median of {len(raw)})')
     print(
-        f'{"arm":22s} {"steps/min":>10s} {"x raw":>7s} {"lost/failure":>13s} '
-        f'{"recovery s":>11s} {"finished":>9s}'
+        'steps/min: of the whole wall time; trained: from the first batch on (without the '
+        "launch's imports and set-up); failures: the kills made (a run whose survivor ends "
+        "first makes fewer); recovery: kill -> the restarted workers' first batch"
+    )
+    print(
+        f'{"arm":26s} {"steps/min":>9s} {"x raw":>6s} {"trained":>8s} {"x raw":>6s} '
+        f'{"failures":>8s} {"lost/failure":>12s} {"recovery s":>10s} {"finished":>8s}'
     )
     for arm in dict.fromkeys(r.arm for r in runs):
         mine = [r for r in runs if r.arm == arm]
         rate = statistics.median(args.iters / r.wall * 60 for r in mine)
+        trained = statistics.median(args.iters / (r.wall - r.start) * 60 for r in mine)
         lost = [x for r in mine for x in r.lost]
         rec = [x for r in mine for x in r.recoveries]
         print(
-            f'{arm:22s} {rate:10.0f} {rate / raw_rate_:7.3f} '
-            f'{statistics.median(lost) if lost else 0:13.1f} '
-            f'{statistics.median(rec) if rec else 0:11.2f} '
+            f'{arm:26s} {rate:9.0f} {rate / raw_rate_:6.3f} {trained:8.0f} '
+            f'{trained / raw_rate_:6.3f} {len(lost) / len(mine):8.1f} '
+            f'{statistics.median(lost) if lost else 0:12.1f} '
+            f'{statistics.median(rec) if rec else float("nan"):10.2f} '
             f'{sum(r.ok for r in mine):5d}/{len(mine)}'
         )
 
