@@ -104,6 +104,7 @@ class Run:
     kills: list[int]
     wall: float = 0.0
     start: float = 0.0  # launch -> the first batch (imports, process group, build)
+    samples: int = 0  # samples of the steps that count: every step's, for replica groups
     recoveries: list[float] = field(default_factory=list)
     lost: list[int] = field(default_factory=list)
     ok: bool = False
@@ -172,6 +173,7 @@ def launch(cfg: Path, work: Path, arm: str, kills: list[int], restarts: int) -> 
         proc.wait()
         reader.join()
     run.wall = time.monotonic() - t0
+    run.samples = int(re.search(r'max_iters=(\d+)', cfg.read_text())[1]) * 2 * BATCH
     out = ''.join(lines)
     run.ok = proc.returncode == 0
     if not run.ok:
@@ -372,6 +374,9 @@ def launch_groups(cfg: Path, work: Path, arm: str, kills: list[int]) -> Run:
             run.lost.append(0)  # the survivor's steps go on: no step is trained twice
         codes = [g.wait(timeout=900) for g in groups]
         run.wall = time.monotonic() - t0
+        # a step trains its participants' batches: the survivor's alone while the other is
+        # down (the batches a killed process read in its last, uncommitted step are in too)
+        run.samples = BATCH * sum(os.path.getsize(p) for c in counts for p in c.iterdir())
         run.ok = codes == [0, 0]
         texts = [o.read_text(errors='replace') for o in outs]
         run.tiers = re.findall(r'healed from replica group (\d+)', texts[1])
@@ -461,25 +466,31 @@ def report(args: argparse.Namespace, runs: list[Run], raw: list[float]) -> None:
         f'{args.kill_every}, checkpoints every {args.ckpt}, peer copies every {args.peer}); '
         f'load average {os.getloadavg()[0]:.1f}'
     )
-    print(f'raw DDP loop: {raw_rate_:.0f} steps/min (median of {len(raw)})')
+    print(
+        f'raw DDP loop: {raw_rate_:.0f} steps/min, {raw_rate_ * 2 * BATCH:.0f} samples/min '
+        f'(median of {len(raw)})'
+    )
     print(
         'steps/min: of the whole wall time; trained: from the first batch on (without the '
-        "launch's imports and set-up); failures: the kills made (a run whose survivor ends "
-        "first makes fewer); recovery: kill -> the restarted workers' first batch"
+        "launch's imports and set-up); samples/min: the samples the steps trained on, of the "
+        'whole wall time (raw: 2 x 32 a step); failures: the kills made (a run whose survivor '
+        "ends first makes fewer); recovery: kill -> the restarted workers' first batch"
     )
     print(
         f'{"arm":26s} {"steps/min":>9s} {"x raw":>6s} {"trained":>8s} {"x raw":>6s} '
-        f'{"failures":>8s} {"lost/failure":>12s} {"recovery s":>10s} {"finished":>8s}'
+        f'{"samples/min":>11s} {"failures":>8s} {"lost/failure":>12s} {"recovery s":>10s} '
+        f'{"finished":>8s}'
     )
     for arm in dict.fromkeys(r.arm for r in runs):
         mine = [r for r in runs if r.arm == arm]
         rate = statistics.median(args.iters / r.wall * 60 for r in mine)
         trained = statistics.median(args.iters / (r.wall - r.start) * 60 for r in mine)
+        samples = statistics.median(r.samples / r.wall * 60 for r in mine)
         lost = [x for r in mine for x in r.lost]
         rec = [x for r in mine for x in r.recoveries]
         print(
             f'{arm:26s} {rate:9.0f} {rate / raw_rate_:6.3f} {trained:8.0f} '
-            f'{trained / raw_rate_:6.3f} {len(lost) / len(mine):8.1f} '
+            f'{trained / raw_rate_:6.3f} {samples:11.0f} {len(lost) / len(mine):8.1f} '
             f'{statistics.median(lost) if lost else 0:12.1f} '
             f'{statistics.median(rec) if rec else float("nan"):10.2f} '
             f'{sum(r.ok for r in mine):5d}/{len(mine)}'
