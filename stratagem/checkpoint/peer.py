@@ -7,25 +7,30 @@ holds for it, captured by the same parts: ``Checkpointer.save_peer``) is committ
    of the node), as ``<root>/own/rank{r}/iter_{N}.pth``, by the file commit of
    ``single_file.py`` (the file whole under a temporary name, its manifest with the digest,
    then the rename);
-2. sent over the process group to its holder, rank ``(r + stride) % world`` (``stride``: the
-   processes per node, so the holder is on another node when the job has several; else 1,
-   the next rank of this node), which commits it under ``<root>/held/rank{r}/`` on its node
-   in the same order: the bytes whole under a temporary name, checked against the sent
-   manifest's digest, the manifest, the rename.
+2. at its holder, rank ``(r + stride) % world`` (``stride``: the processes per node, so the
+   holder is on another node when the job has several; else 1, the next rank of this node),
+   under ``<root>/held/rank{r}/`` on the holder's node, in the same order: the bytes whole
+   under a temporary name, the manifest, the rename. Across nodes the bytes travel over the
+   process group (a gloo one), mapped, not read, and are checked against the manifest's
+   digest before they are kept; on one node the holder copies the committed file through
+   the filesystem (the kernel's copy).
 
-Once a copy is committed, the older ones of that directory are removed. ``<root>`` is
+The ranks agree after each of the two commits (one small all-gather); a copy that cannot be
+written (``/dev/shm`` full) is a warning on every rank and the older copies stay. Once a copy
+is committed the older ones of its directory are removed. ``<root>`` is
 ``/dev/shm/stratagem-peer-<uid>-<hash of the work_dir>`` (``STRATAGEM_PEER_DIR`` replaces
 ``/dev/shm``): the same for every restart of one run, another for each work_dir.
 
 A restart of the whole job (``resume=True``) asks :meth:`PeerCopies.plan` (collective): every
-rank verifies the copies it finds (its own and the one it holds; a copy without a manifest,
-or whose bytes do not match it, is never used) and :func:`choose` takes the newest iteration
-of which every rank has a verified copy, its own or its holder's. That copy is used when it
-is at least as new as the newest storage checkpoint; otherwise the load falls back to
-storage. :meth:`PeerCopies.fetch` then sends each rank whose own copy is gone its holder's,
-and every rank loads its own file through the usual load sequence. A fresh start, or a
-fall back to storage, removes the copies (:meth:`PeerCopies.clear`): a later restart must
-never find a copy of another timeline.
+rank hashes its own copies against their manifests and checks the size of the ones it holds
+(a copy without a manifest, or whose bytes do not match it, is never used), and
+:func:`choose` takes the newest iteration of which every rank has a copy, its own or its
+holder's. That copy is used when it is at least as new as the newest storage checkpoint;
+otherwise the load falls back to storage. :meth:`PeerCopies.fetch` then gives each rank whose
+own copy is gone its holder's, verified before it is kept (one that fails: every rank falls
+back to storage), and every rank loads its own file through the usual load sequence. A fresh
+start, or a fall back to storage, removes the copies (:meth:`PeerCopies.clear`): a later
+restart must never find a copy of another timeline.
 """
 
 from __future__ import annotations
