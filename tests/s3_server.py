@@ -25,11 +25,20 @@ from pathlib import Path
 from typing import Any
 
 REGION = 'us-east-1'
-#: requests the server serves before it checks credentials: the three that make the tests'
-#: user (``_make_user``); from then on a wrong key is refused, as on AWS
-_UNAUTHENTICATED = 3
+#: requests the server serves before it checks credentials: the three that make each of the
+#: tests' two users (``_make_user``); from then on a wrong key is refused, as on AWS
+_UNAUTHENTICATED = 6
 _ALLOW_S3 = json.dumps(
     {'Version': '2012-10-17', 'Statement': [{'Effect': 'Allow', 'Action': 's3:*', 'Resource': '*'}]}
+)
+#: the second user's: it may read and list, not write or delete (a permission denied on save)
+_READ_ONLY = json.dumps(
+    {
+        'Version': '2012-10-17',
+        'Statement': [
+            {'Effect': 'Allow', 'Action': ['s3:Get*', 's3:List*', 's3:Head*'], 'Resource': '*'}
+        ],
+    }
 )
 
 
@@ -65,6 +74,7 @@ class S3Server:
         self.endpoint = ''
         self.start_seconds = 0.0
         self.credentials: dict[str, str] = {}
+        self.read_only: dict[str, str] = {}  # backend_args of a user that may only read
         self.log: Any = None
 
     def start(self, timeout: float = 60.0) -> S3Server:
@@ -86,7 +96,12 @@ class S3Server:
                 env={**os.environ, 'INITIAL_NO_AUTH_ACTION_COUNT': str(_UNAUTHENTICATED)},
             )
             if self._wait_ready(t0 + timeout):
-                self.credentials = self._make_user()
+                self.credentials = self._make_user('stratagem-tests', _ALLOW_S3)
+                read_only = self._make_user('stratagem-reader', _READ_ONLY)
+                self.read_only = {
+                    'key': read_only['AWS_ACCESS_KEY_ID'],
+                    'secret': read_only['AWS_SECRET_ACCESS_KEY'],
+                }
                 self.start_seconds = time.perf_counter() - t0
                 return self
             self.stop()
@@ -106,8 +121,8 @@ class S3Server:
                 time.sleep(0.05)
         return False
 
-    def _make_user(self) -> dict[str, str]:
-        """An IAM user allowed every S3 action, and its key pair: the server's only valid one."""
+    def _make_user(self, name: str, policy: str) -> dict[str, str]:
+        """An IAM user with ``policy``, and its key pair (the server's only valid ones)."""
         import boto3
 
         iam = boto3.client(
@@ -117,9 +132,9 @@ class S3Server:
             aws_access_key_id='bootstrap',
             aws_secret_access_key='bootstrap',
         )
-        iam.create_user(UserName='stratagem-tests')
-        iam.put_user_policy(UserName='stratagem-tests', PolicyName='s3', PolicyDocument=_ALLOW_S3)
-        key = iam.create_access_key(UserName='stratagem-tests')['AccessKey']
+        iam.create_user(UserName=name)
+        iam.put_user_policy(UserName=name, PolicyName='s3', PolicyDocument=policy)
+        key = iam.create_access_key(UserName=name)['AccessKey']
         return {
             'AWS_ACCESS_KEY_ID': key['AccessKeyId'],
             'AWS_SECRET_ACCESS_KEY': key['SecretAccessKey'],

@@ -110,7 +110,7 @@ def test_out_dir_and_backend_args_are_checked(tmp_path):
         train(cfg, progress=False)
 
 
-def test_an_unusable_out_dir_is_named_before_training(s3, tmp_path):
+def test_an_unusable_out_dir_is_named_before_training(s3, s3_server, tmp_path):
     missing = 's3://no-such-bucket-for-stratagem/runs'
     with pytest.raises(CheckpointLocationError) as caught:
         train(_cfg(tmp_path / 'w', missing), progress=False)
@@ -120,7 +120,13 @@ def test_an_unusable_out_dir_is_named_before_training(s3, tmp_path):
     cfg['default_hooks']['checkpoint']['backend_args'] = dict(key='wrong', secret='wrong')
     with pytest.raises(CheckpointLocationError, match='check the credentials'):
         train(cfg, progress=False)
+    # credentials that may read but not write: named now, not at the first save
+    cfg['default_hooks']['checkpoint']['backend_args'] = dict(s3_server.read_only)
+    with pytest.raises(CheckpointLocationError, match=r'permission denied .* may not write'):
+        train(cfg, progress=False)
     assert not (tmp_path / 'w' / 'last_checkpoint').exists()
+    fs, path = location.filesystem(f'{s3}/runs')
+    assert not fs.exists(path)  # no probe object left behind
 
 
 @pytest.mark.slow
@@ -164,3 +170,23 @@ def test_a_killed_cli_run_resumes_from_the_bucket_in_an_empty_work_dir(s3, tmp_p
     assert code == 0, out[-3000:]
     assert 'resumed from s3://' in out, out[-3000:]
     assert equal(final(prefix), reference)
+
+
+def test_the_ctrl_c_line_names_the_checkpoint_in_out_dir(s3, tmp_path):
+    """After Ctrl-C, `stratagem train` names the checkpoint `--resume` continues from: with
+    out_dir, the one in the bucket (the work_dir holds none), or says nothing is there."""
+    from stratagem import checkpoint as ckpt
+    from stratagem.cli.launch import interrupted_line
+    from stratagem.cli.train import _checkpoints_at
+
+    cfg = _cfg(tmp_path / 'exp', f'{s3}/runs')
+    where = _checkpoints_at(cfg)
+    assert where == (f'{s3}/runs/exp', None)
+    line = interrupted_line(str(tmp_path / 'exp'), *where)
+    assert line == f'stratagem train: interrupted (SIGINT); nothing was saved in {s3}/runs/exp'
+    local = ckpt.save_checkpoint({'w': torch.ones(2)}, tmp_path / 'stage' / 'iter_2.pth', step=2)
+    location.upload_file(local, f'{s3}/runs/exp/iter_2.pth')
+    line = interrupted_line(str(tmp_path / 'exp'), *where)
+    assert line.endswith(f'--resume continues from {s3}/runs/exp/iter_2.pth')
+    del cfg['default_hooks']['checkpoint']['out_dir']
+    assert _checkpoints_at(cfg) == (None, None)

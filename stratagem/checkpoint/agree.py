@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointLocationError, CheckpointNotShared
-from .location import absolute, identity, is_url
+from .location import absolute, is_url
 
 _PROBE = 1 << 16  # bytes hashed at each end of a file that has no manifest
 _STORE_ERROR = f'{CheckpointLocationError.__name__}: '
@@ -149,7 +149,9 @@ def _look(target: str | os.PathLike, backend_args: Any) -> tuple[str, dict | Non
     text = absolute(target)
     try:
         if is_url(text):
-            return text, identity(text, backend_args), None
+            from .remote_directory import remote_identity
+
+            return text, remote_identity(text, backend_args), None
         return text, checkpoint_identity(text), None
     except OSError as err:
         return text, None, _reason(err)

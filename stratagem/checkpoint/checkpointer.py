@@ -256,9 +256,8 @@ class Checkpointer:
         and this storage cannot save there."""
         if is_url(path) and not self.storage.urls:
             raise NotImplementedError(
-                f'{path}: checkpoints of {type(self.storage).__name__} (a directory layout) '
-                'cannot be saved to or read from a URL yet; save to a local or shared path, '
-                'or use a single-file strategy (SingleDeviceStrategy, DDPStrategy)'
+                f'{path}: checkpoints of {type(self.storage).__name__} cannot be saved to or '
+                'read from a URL yet; save to a local or shared path'
             )
 
     def read(self, filename: str, map_location: Any = 'cpu') -> tuple[str, dict]:

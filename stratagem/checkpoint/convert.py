@@ -7,7 +7,8 @@ DCP files, committed with a manifest), ``hf`` (a directory ``transformers``' ``f
 loads: the weights as ``model.safetensors`` or shards with their index, and ``config.json``
 when the checkpoint records the model's config) or ``safetensors`` (the full model weights
 alone, one file). The last two are written by the ``safetensors`` library
-(``huggingface.py``). No process group is needed.
+(``huggingface.py``). No process group is needed. A source or target may be an fsspec URL
+(``s3://...``): read verified from the store, written by its commit without rename.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from .errors import NotACheckpointError
 from .formats import FORMATS, detect_format, read_whole
 from .huggingface import save_hf_directory, save_safetensors_file
-from .location import is_url
+from .location import absolute, is_url
 from .sharded import save_sharded_checkpoint
 from .single_file import save_checkpoint
 
@@ -28,12 +29,12 @@ __all__ = ['TARGETS', 'convert_checkpoint', 'detect_source']
 TARGETS = ('file', 'sharded', 'hf', 'safetensors')
 
 
-def detect_source(path: Path) -> str:
+def detect_source(path: Path | str, backend_args: Mapping | None = None) -> str:
     """``path``'s format (``formats.FORMATS``), or an error naming the formats known."""
-    name = detect_format(path)
-    if name is not None:
+    name = detect_format(path, backend_args)
+    if name is not None and name in FORMATS:
         return name
-    if not path.exists():
+    if name is None and (is_url(path) or not Path(path).exists()):
         raise FileNotFoundError(f'checkpoint not found: {path}')
     raise NotACheckpointError(
         f'{path} is not a checkpoint this command can read (formats: '
@@ -50,7 +51,8 @@ def convert_checkpoint(
     progress: Callable[[int, int], None] | None = None,
     overwrite: bool = False,
     max_shard_size: str | int | None = None,
-) -> Path:
+    backend_args: Mapping | None = None,
+) -> Path | str:
     """Convert ``src`` (any format in ``formats.FORMATS``) to ``dst`` (``to='file'``,
     ``'sharded'``, ``'hf'`` or ``'safetensors'``: the weights only).
 
@@ -58,9 +60,17 @@ def convert_checkpoint(
     int of bytes; default: one ``model.safetensors``): the weights go to shards of at most
     this size, listed in ``model.safetensors.index.json``.
 
+    ``src`` and ``dst`` may be fsspec URLs (``s3://...``; ``backend_args``: the store's
+    options, else the environment's): a source is read from the store, verified; a target
+    is written by the commit of a store without rename (``location.py``,
+    ``remote_directory.py``; a ``safetensors`` target, which has no manifest, is one
+    object). The result is the path, or the URL.
+
     An existing ``dst`` is refused unless ``overwrite``: then it (and its sidecar manifest)
     is removed once ``src`` has been read and verified, and the new one written in its
-    place. ``dst`` may never be ``src``, nor inside it, nor hold it."""
+    place (at a URL only a file can be replaced, by the same-name upload that keeps the old
+    one verifiable; a directory there is refused: delete it first). ``dst`` may never be
+    ``src``, nor inside it, nor hold it."""
     if to not in TARGETS:
         raise ValueError(f'to={to!r}; use one of {", ".join(map(repr, TARGETS))}')
     if max_shard_size is not None and to != 'hf':
@@ -68,33 +78,75 @@ def convert_checkpoint(
             f'max_shard_size (--max-shard-size) shards a Hugging Face directory; it needs '
             f"to='hf' (--to hf), not {to!r}"
         )
-    remote = [str(p) for p in (src, dst) if is_url(os.fspath(p))]
-    if remote:  # never a local directory named 's3:'
-        raise NotImplementedError(
-            f'convert reads and writes local or shared paths only for now, not {remote[0]}; '
-            'copy the checkpoint and its .manifest.json locally first'
+    src_at, dst_at = _where(src), _where(dst)
+    _check_target(src_at, dst_at, to, overwrite, backend_args)
+    source = detect_source(src_at, backend_args)
+    checkpoint = read_whole(src_at, source, progress, backend_args)
+    step = (checkpoint.get('meta') or {}).get('iter')
+    step = step if type(step) is int else None
+    extra = {'converted_from': str(src_at), 'source_format': source}
+    if not isinstance(checkpoint.get('state_dict'), Mapping):
+        raise NotACheckpointError(
+            f"{src_at} has no model weights under 'state_dict' (its keys: "
+            f'{sorted(map(str, checkpoint))[:12]}); a {to} checkpoint is written from '
+            "mmengine's layout: {'state_dict': weights, 'optimizer': ..., 'meta': ...}"
         )
-    src, dst = Path(src).absolute(), Path(dst).absolute()
-    if dst.exists() and not overwrite:
+    if isinstance(dst_at, str):
+        return _write_remote(checkpoint, dst_at, to, step, extra, max_shard_size, backend_args)
+    if dst_at.exists():  # overwrite: only now that the source read whole and verified
+        _remove_target(dst_at)
+    return _write(checkpoint, dst_at, to, step, extra, max_shard_size)
+
+
+def _where(path: str | os.PathLike) -> Path | str:
+    """A URL as its text; a local path (or ``file://`` URL) made absolute."""
+    text = os.fspath(path)
+    return absolute(text) if is_url(text) else Path(absolute(text))
+
+
+def _check_target(
+    src: Path | str, dst: Path | str, to: str, overwrite: bool, backend_args: Mapping | None
+) -> None:
+    """Refuse, before anything is read or written: a target that exists (without
+    ``overwrite``; a directory at a URL even with it), the source as its own target."""
+    if isinstance(dst, Path) and dst.exists() and not overwrite:
         raise FileExistsError(
             f'{dst} exists; choose a new name, or pass --overwrite (API: overwrite=True) '
             'to replace it'
         )
-    if dst == src or src in dst.parents or dst in src.parents:
+    same = str(dst) == str(src)
+    nested = str(dst).startswith(str(src).rstrip('/') + '/') or str(src).startswith(
+        str(dst).rstrip('/') + '/'
+    )
+    if same or nested:
         raise ValueError(f'cannot convert {src} into {dst}: the target would replace the source')
-    source = detect_source(src)
-    checkpoint = read_whole(src, source, progress)
-    if dst.exists():  # overwrite: only now that the source read whole and verified
-        _remove_target(dst)
-    step = (checkpoint.get('meta') or {}).get('iter')
-    step = step if type(step) is int else None
-    extra = {'converted_from': str(src), 'source_format': source}
-    if not isinstance(checkpoint.get('state_dict'), Mapping):
-        raise NotACheckpointError(
-            f"{src} has no model weights under 'state_dict' (its keys: "
-            f'{sorted(map(str, checkpoint))[:12]}); a {to} checkpoint is written from '
-            "mmengine's layout: {'state_dict': weights, 'optimizer': ..., 'meta': ...}"
+    if isinstance(dst, Path):
+        return
+    found = detect_format(dst, backend_args)
+    if found is None:
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f'{dst} exists; choose a new name, or pass --overwrite (API: overwrite=True) '
+            'to replace it'
         )
+    if found != 'file' or to != 'file':
+        raise FileExistsError(
+            f'{dst} exists and cannot be replaced at a URL: a store has no rename, so a '
+            'directory (or a file by another layout) there is never overwritten; delete it '
+            'first (stratagem.checkpoint.location.delete_checkpoint), or choose a new name'
+        )
+
+
+def _write(
+    checkpoint: dict,
+    dst: Path,
+    to: str,
+    step: int | None,
+    extra: dict,
+    max_shard_size: str | int | None,
+) -> Path:
+    """Write ``checkpoint`` to the local ``dst`` in layout ``to``."""
     if to == 'file':
         for key in ('partial_grads', 'partial_grads_fqn'):  # per-rank: meaningful only sharded
             checkpoint.pop(key, None)
@@ -117,6 +169,53 @@ def convert_checkpoint(
     return save_sharded_checkpoint(
         dst, checkpoint, step=step, extra_manifest=extra, optimizer_keys='index', collective=False
     )
+
+
+def _write_remote(
+    checkpoint: dict,
+    url: str,
+    to: str,
+    step: int | None,
+    extra: dict,
+    max_shard_size: str | int | None,
+    backend_args: Mapping | None,
+) -> str:
+    """Write ``checkpoint`` to ``url`` in layout ``to``: a sharded directory straight through
+    the directory commit at a URL; the others written into a local staging directory, then
+    uploaded (a file with its manifest, a directory's files then its manifest)."""
+    import shutil
+    import tempfile
+
+    from .location import filesystem, put_object, store_errors, upload_file
+    from .remote_directory import upload_directory
+
+    if to == 'sharded':
+        return str(
+            save_sharded_checkpoint(
+                url,
+                checkpoint,
+                step=step,
+                extra_manifest=extra,
+                optimizer_keys='index',
+                collective=False,
+                backend_args=backend_args,
+            )
+        )
+    staging = Path(tempfile.mkdtemp(prefix='stratagem-convert-'))
+    try:
+        local = _write(
+            checkpoint, staging / url.rsplit('/', 1)[-1], to, step, extra, max_shard_size
+        )
+        if to == 'file':
+            return upload_file(local, url, backend_args=backend_args, update_pointer=False)
+        if to == 'hf':
+            return upload_directory(local, url, backend_args=backend_args)
+        fs, path = filesystem(url, backend_args)
+        with store_errors(url, 'saving'):
+            put_object(fs, local, path)  # safetensors: one object, complete or absent
+        return url
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _remove_target(dst: Path) -> None:

@@ -31,6 +31,7 @@ checks), so a load does not read ``.metadata`` twice.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import io
@@ -38,7 +39,8 @@ import os
 import pickle
 import sys
 import warnings
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 
@@ -304,12 +306,15 @@ def tensor_from_archive(blob: bytes) -> torch.Tensor | None:
     return flat.view(dtype).as_strided(size, stride, offset)
 
 
-def check_metadata(metadata: Any, path: str) -> None:
+def check_metadata(metadata: Any, path: str, size: Callable[[str], int] | None = None) -> None:
     """Refuse DCP ``metadata`` whose claims the files of ``path`` cannot hold (before a read
     allocates anything for them): every item's bytes inside its file, no tensor larger than all
-    the shards together, sizes that are whole non-negative numbers."""
+    the shards together, sizes that are whole non-negative numbers. ``size(relative)``: a
+    file's size (default: the local file's; raises OSError when it is not there)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    if size is None:
+        size = functools.partial(_local_size, path)
     where = os.path.join(path, '.metadata')
     sizes: dict[str, int] = {}
     storage = getattr(metadata, 'storage_data', None)
@@ -323,8 +328,8 @@ def check_metadata(metadata: Any, path: str) -> None:
             raise CheckpointCorruptError(f'{where} is damaged: a bad entry for {index}')
         if relative not in sizes:
             try:
-                sizes[relative] = os.path.getsize(os.path.join(path, relative))
-            except OSError:
+                sizes[relative] = size(relative)
+            except (OSError, KeyError):
                 raise CheckpointCorruptError(
                     f'{where} names {relative}, which {path} does not hold'
                 ) from None
@@ -355,6 +360,46 @@ def check_metadata(metadata: Any, path: str) -> None:
             )
 
 
+def _local_size(path: str, relative: str) -> int:
+    return os.path.getsize(os.path.join(path, relative))
+
+
+class StoreFiles(Protocol):
+    """The files of a verified checkpoint directory elsewhere than on a local disk
+    (``remote_directory.RemoteDirectory``): where they are, their sizes, their streams."""
+
+    url: str
+
+    def size(self, relative: str) -> int: ...
+    def open(self, relative: str) -> contextlib.AbstractContextManager[Any]: ...
+
+
+class _StoreFileSystem:
+    """DCP's ``FileSystemBase`` over ``StoreFiles`` (read only): a path is the directory's
+    URL joined with a file's relative path."""
+
+    def __init__(self, files: StoreFiles) -> None:
+        self.files = files
+
+    def concat_path(self, path: Any, suffix: str) -> str:
+        return f'{str(path).rstrip("/")}/{suffix}'
+
+    def init_path(self, path: Any) -> Any:
+        return path
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        if 'r' not in mode or any(c in mode for c in 'wa+'):
+            raise PermissionError(f'{path}: a checkpoint at a URL is read here, never written')
+        relative = str(path)[len(self.files.url.rstrip('/')) + 1 :]
+        try:
+            self.files.size(relative)
+        except KeyError:
+            raise FileNotFoundError(f'{path} is not listed in its manifest') from None
+        with self.files.open(relative) as stream:
+            yield stream
+
+
 def _numel(dims: list) -> int:
     n = 1
     for d in dims:
@@ -372,9 +417,17 @@ class ShardReader(_reader_base()):  # type: ignore[misc]
     """``FileSystemReader`` with a faster read of plain tensors (see the module docstring)
     and, optionally, the metadata already read."""
 
-    def __init__(self, path: str | os.PathLike, *, metadata: Any = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, metadata: Any = None, files: StoreFiles | None = None
+    ) -> None:
+        """``files``: the checkpoint is not on a local disk (a URL, verified): read it
+        through them; ``path`` is then their URL."""
         super().__init__(path)
         self._metadata = metadata
+        self._files = files
+        if files is not None:
+            self.fs = _StoreFileSystem(files)
+            self.path = files.url
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         if self._metadata is None or kwargs.get('rank') is not None:
@@ -389,7 +442,9 @@ class ShardReader(_reader_base()):  # type: ignore[misc]
                 raise CheckpointCorruptError(
                     f'{where} is damaged: {type(err).__name__}: {err}'
                 ) from None
-            check_metadata(metadata, str(self.path))
+            check_metadata(
+                metadata, str(self.path), None if self._files is None else self._files.size
+            )
             return metadata
         metadata, self._metadata = self._metadata, None  # once: a reused reader reads again
         return metadata
@@ -417,7 +472,7 @@ class ShardReader(_reader_base()):  # type: ignore[misc]
                 per_file.setdefault(info.relative_path, []).append(req)
         for relative, reqs in per_file.items():
             reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
-            with open(os.path.join(self.path, relative), 'rb') as stream:
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative), 'rb') as stream:
                 for req in reqs:
                     info = self.storage_data[req.storage_index]
                     stream.seek(info.offset)

@@ -22,20 +22,23 @@ file raises on every rank, naming it. Retention of whole directories is
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from . import _fs
 from ._fs import TEMP_RE
 from .digest import HASH_ALGO, entry_digest, file_entry, hash_file
 from .errors import CheckpointCorruptError, CheckpointVoteError, CheckpointWarning
 from .latest import update_pointer as _update_pointer
+from .location import is_url
 from .manifest import (
     DIR_MANIFEST,
     _identity,
@@ -90,10 +93,16 @@ def _check_vote(vote: SaveVote | None, what: str) -> None:
         )
 
 
-def begin_directory_save(final_dir: PathLike, vote: SaveVote | None = None) -> Path:
+def begin_directory_save(
+    final_dir: PathLike, vote: SaveVote | None = None, *, backend_args: Mapping | None = None
+) -> Path:
     """Step 1: rank 0 creates a staging dir beside ``final_dir`` and hands it to the others
-    through ``vote`` (required under a process group); every rank returns its path."""
+    through ``vote`` (required under a process group); every rank returns its path.
+
+    ``final_dir`` a URL (``remote_directory.py``; ``backend_args``: its storage options):
+    rank 0 checks the target there, and every rank gets a local staging dir of its own."""
     _check_vote(vote, 'begin_directory_save')
+    remote = is_url(os.fspath(final_dir))
     if vote is not None and vote.rank != 0:
         shared = json.loads(vote.receive('staging'))
         if 'error' in shared:
@@ -102,9 +111,15 @@ def begin_directory_save(final_dir: PathLike, vote: SaveVote | None = None) -> P
                 f'creating the staging directory for {final_dir} failed on '
                 f'rank 0: {shared["error"]}'
             )
-        return Path(shared['staging'])
+        return _local_staging() if remote else Path(shared['staging'])
     try:
-        path = new_staging_dir(final_dir)
+        if remote:
+            from .remote_directory import prepare_remote_target
+
+            prepare_remote_target(os.fspath(final_dir), backend_args)
+            path = _local_staging()
+        else:
+            path = new_staging_dir(final_dir)
     except Exception as err:
         if vote is not None:
             vote.publish('staging', json.dumps({'error': describe_error(err)}))
@@ -113,6 +128,14 @@ def begin_directory_save(final_dir: PathLike, vote: SaveVote | None = None) -> P
     if vote is not None:
         vote.publish('staging', json.dumps({'staging': os.fspath(path)}))
     return path
+
+
+def _local_staging() -> Path:
+    """A staging directory of this rank's own for a save to a URL (its files go up from
+    there; removed by ``finish_directory_save``)."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix='stratagem-upload-'))
 
 
 def write_directory_files(staging: PathLike, write_fn: WriteFn) -> DirectoryWriteResult:
@@ -172,15 +195,97 @@ def finish_directory_save(
     step: int | None = None,
     extra_manifest: dict | None = None,
     update_pointer: bool = True,
+    backend_args: Mapping | None = None,
+    also_point: PathLike | None = None,
 ) -> Path:
     """Step 3: post this rank's result, rank 0 commits, everyone learns the outcome
     (``vote``: required under a process group). Returns the committed directory's absolute
-    path on every rank."""
+    path on every rank (a URL: the URL).
+
+    ``final_dir`` a URL: first every rank uploads its files (an upload error is its failed
+    result), rank 0's commit is ``remote_directory.commit_remote_directory`` (the manifest
+    after every file, then the pointer; ``also_point``: a local directory whose
+    ``last_checkpoint`` names it too), and every rank removes its staging dir."""
     _check_vote(vote, 'finish_directory_save')
+    return _finish_directory(
+        staging,
+        final_dir,
+        written,
+        vote,
+        step=step,
+        extra_manifest=extra_manifest,
+        update_pointer=update_pointer,
+        backend_args=backend_args,
+        also_point=also_point,
+    )
+
+
+def _finish_directory(
+    staging: PathLike,
+    final_dir: PathLike,
+    written: DirectoryWriteResult,
+    vote: SaveVote | None,
+    *,
+    step: int | None,
+    extra_manifest: dict | None,
+    update_pointer: bool,
+    backend_args: Mapping | None,
+    also_point: PathLike | None,
+) -> Path:
+    """``finish_directory_save`` without its check of the vote (``save_directory``'s
+    ``collective=False`` commits without one under a process group)."""
     staging = Path(staging)
+    if not is_url(os.fspath(final_dir)):
+        return _finish(
+            staging,
+            final_dir,
+            written,
+            vote,
+            functools.partial(
+                _commit,
+                staging,
+                final_dir,
+                step=step,
+                extra_manifest=extra_manifest,
+                update_pointer=update_pointer,
+            ),
+        )
+    from .remote_directory import commit_remote_directory, upload_directory_files
+
+    url = os.fspath(final_dir)
+    try:
+        if written.ok:
+            try:
+                upload_directory_files(staging, url, written.files, backend_args)
+            except Exception as err:  # noqa: BLE001 - this rank's failed result, voted on
+                written = DirectoryWriteResult(error=err)
+        commit = functools.partial(
+            commit_remote_directory,
+            url,
+            step=step,
+            extra_manifest=extra_manifest,
+            backend_args=backend_args,
+            update_pointer=update_pointer,
+            also_point=also_point,
+        )
+        return _finish(
+            staging, url, written, vote, lambda per_rank, world: commit(per_rank, world=world)
+        )
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _finish(
+    staging: Path,
+    final_dir: PathLike,
+    written: DirectoryWriteResult,
+    vote: SaveVote | None,
+    commit: Callable[[list[list[dict]], int | None], Any],
+) -> Any:
+    """Step 3's vote around ``commit(per_rank_entries, world_size)`` (rank 0)."""
     what = f'saving checkpoint directory {final_dir}'
     if vote is None:
-        return _commit_alone(staging, final_dir, written, 1, step, extra_manifest, update_pointer)
+        return _commit_alone(staging, final_dir, written, 1, commit)
     vote.ready(
         None if written.ok else describe_error(written.error),  # type: ignore[arg-type]
         json.dumps(written.files) if written.ok else None,
@@ -190,6 +295,8 @@ def finish_directory_save(
             vote.concluded = True  # rank 0 learns it from the vote; close() acknowledges
             _raise_own(written.error, what)  # type: ignore[arg-type]
         vote.wait_outcome()
+        if is_url(os.fspath(final_dir)):
+            return final_dir
         return staging.parent / TEMP_RE.match(staging.name)['final']  # type: ignore[index]  # rank 0's final name
     try:
         if not written.ok:
@@ -199,15 +306,7 @@ def finish_directory_save(
                 raise err from written.error
             _raise_own(written.error, what)  # type: ignore[arg-type]
         payloads = vote.wait_ready()
-        final = _commit(
-            staging,
-            final_dir,
-            [json.loads(p) for p in payloads],
-            vote.world_size,
-            step,
-            extra_manifest,
-            update_pointer,
-        )
+        final = commit([json.loads(p) for p in payloads], vote.world_size)
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
         vote.post_outcome(str(err) if isinstance(err, CheckpointVoteError) else describe_error(err))
@@ -233,17 +332,13 @@ def _commit_alone(
     final_dir: PathLike,
     written: DirectoryWriteResult,
     world: int | None,
-    step: int | None,
-    extra_manifest: dict | None,
-    update_pointer: bool,
-) -> Path:
+    commit: Callable[[list[list[dict]], int | None], Any],
+) -> Any:
     """Commit what this process wrote (no vote); the staging dir is removed if it fails."""
     try:
         if not written.ok:
             _raise_own(written.error, f'saving checkpoint directory {final_dir}')  # type: ignore[arg-type]
-        return _commit(
-            staging, final_dir, [written.files], world, step, extra_manifest, update_pointer
-        )
+        return commit([written.files], world)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -254,6 +349,7 @@ def _commit(
     final_dir: PathLike,
     per_rank: list[list[dict]],
     world: int | None,
+    *,
     step: int | None,
     extra_manifest: dict | None,
     update_pointer: bool,
@@ -280,6 +376,8 @@ def save_directory(
     vote: SaveVote | None = None,
     timeout: float = 600.0,
     collective: bool = True,
+    backend_args: Mapping | None = None,
+    also_point: PathLike | None = None,
 ) -> Path:
     """Atomic save of a multi-file checkpoint, the one directory commit: steps 1-3 of
     docs/architecture.md, 'Save' (the directory commit).
@@ -302,6 +400,9 @@ def save_directory(
             exists (``stratagem convert``; ``vote`` unused), and ``world_size`` is only
             what ``extra_manifest`` says. In one process (no vote) the staging dir is
             removed on any failure, an interrupt included.
+        backend_args: ``final_dir`` a URL (``remote_directory.py``): its storage options.
+        also_point: a local directory whose ``last_checkpoint`` also names the checkpoint
+            (a URL target only).
 
     Returns:
         The committed directory's absolute path, on every rank.
@@ -312,7 +413,8 @@ def save_directory(
     if collective and vote is None:
         own = SaveVote.open(timeout, f'saving {final_dir}')  # None in one process
     vote = own or (vote if collective else None)
-    if vote is None:  # this process alone: no vote
+    remote = is_url(os.fspath(final_dir))
+    if vote is None and not remote:  # this process alone: no vote
         staging = new_staging_dir(final_dir)
         try:
             written = write_directory_files(staging, write_fn)
@@ -320,13 +422,26 @@ def save_directory(
             shutil.rmtree(staging, ignore_errors=True)
             raise
         world = 1 if collective else None
-        return _commit_alone(
-            staging, final_dir, written, world, step, extra_manifest, update_pointer
+        commit = functools.partial(
+            _commit,
+            staging,
+            final_dir,
+            step=step,
+            extra_manifest=extra_manifest,
+            update_pointer=update_pointer,
         )
+        return _commit_alone(staging, final_dir, written, world, commit)
     try:
-        staging = begin_directory_save(final_dir, vote)
-        written = write_directory_files(staging, write_fn)
-        return finish_directory_save(
+        if vote is None:  # a URL, this process alone
+            staging = _begin_alone(final_dir, backend_args)
+        else:
+            staging = begin_directory_save(final_dir, vote, backend_args=backend_args)
+        try:
+            written = write_directory_files(staging, write_fn)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return _finish_directory(
             staging,
             final_dir,
             written,
@@ -334,10 +449,20 @@ def save_directory(
             step=step,
             extra_manifest=extra_manifest,
             update_pointer=update_pointer,
+            backend_args=backend_args,
+            also_point=also_point,
         )
     finally:
         if own is not None:
             own.close()
+
+
+def _begin_alone(final_dir: PathLike, backend_args: Mapping | None) -> Path:
+    """Step 1 at a URL for this process alone (no vote, whatever process group exists)."""
+    from .remote_directory import prepare_remote_target
+
+    prepare_remote_target(os.fspath(final_dir), backend_args)
+    return _local_staging()
 
 
 # ---------------------------------------------------------------------------- the commit

@@ -24,6 +24,7 @@ from typing import Any
 from .errors import NotACheckpointError
 from .huggingface import is_hf_directory, is_safetensors_file, read_hf, read_hf_like
 from .load import load_checkpoint_file
+from .location import is_url
 from .sharded import is_sharded_checkpoint, read_sharded_checkpoint
 
 __all__ = ['FORMATS', 'PIECEWISE', 'register_format', 'detect_format', 'read_whole', 'read_like']
@@ -33,7 +34,10 @@ Reader = Callable[[Path, Progress | None], dict]
 
 
 def _read_file(path: Path, progress: Progress | None) -> dict:
-    checkpoint = load_checkpoint_file(path, map_location='cpu')
+    return _read_file_result(path, load_checkpoint_file(path, map_location='cpu'))
+
+
+def _read_file_result(path: Path | str, checkpoint: Any) -> dict:
     if not isinstance(checkpoint, dict):
         raise NotACheckpointError(
             f'{path} holds a {type(checkpoint).__name__}, not a checkpoint '
@@ -69,8 +73,14 @@ def register_format(name: str, detect: Callable[[Path], bool], read: Reader) -> 
     FORMATS.update({name: (detect, read), **dict(items)})
 
 
-def detect_format(path: str | Path) -> str | None:
-    """The name of ``path``'s format, or None when no format matches (or it is missing)."""
+def detect_format(path: str | Path, backend_args: Mapping | None = None) -> str | None:
+    """The name of ``path``'s format, or None when no format matches (or it is missing).
+    A URL (``backend_args``: its storage options): from its objects and manifest
+    (``remote_directory.remote_format``)."""
+    if is_url(path):
+        from .remote_directory import remote_format
+
+        return remote_format(str(path), backend_args)
     path = Path(path)
     for name, (detect, _) in FORMATS.items():
         if detect(path):
@@ -78,9 +88,40 @@ def detect_format(path: str | Path) -> str | None:
     return None
 
 
-def read_whole(path: str | Path, name: str, progress: Progress | None = None) -> dict:
-    """The checkpoint at ``path`` in format ``name`` as one mmengine-layout dict (CPU)."""
-    return FORMATS[name][1](Path(path), progress)
+def read_whole(
+    path: str | Path,
+    name: str,
+    progress: Progress | None = None,
+    backend_args: Mapping | None = None,
+) -> dict:
+    """The checkpoint at ``path`` in format ``name`` as one mmengine-layout dict (CPU).
+
+    A URL (``backend_args``: its storage options): a file or a sharded directory is read
+    from the store, verified, into memory; a directory whose reader reads only local files
+    (DeepSpeed's, Hugging Face's) is downloaded, verified, to a temporary directory first."""
+    if not is_url(path):
+        return FORMATS[name][1](Path(path), progress)
+    url = str(path)
+    if name == 'file':
+        from .location import load_file
+
+        return _read_file_result(url, load_file(url, backend_args=backend_args))
+    if name == 'sharded':
+        return read_sharded_checkpoint(url, progress=progress, backend_args=backend_args)
+    if name not in FORMATS:
+        raise NotACheckpointError(
+            f'{url} is a directory checkpoint in no format this reader knows (formats: '
+            f'{", ".join(FORMATS)})'
+        )
+    import shutil
+
+    from .remote_directory import download_directory
+
+    local = download_directory(url, backend_args=backend_args, progress=progress)
+    try:
+        return FORMATS[name][1](local, None)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
 
 
 def read_like(path: str | Path, name: str, model_state: Mapping[str, Any]) -> dict:

@@ -28,11 +28,13 @@ size and digest match: no temporary copy on local disk.
 
 Retention (``apply_retention``) deletes a checkpoint's object, then its manifest (a kill
 between leaves a manifest that lists a missing object: never listed, never loaded), never
-the newest, the pointed-to one, or a protected one.
+the newest, the pointed-to one, or a protected one; then the debris of interrupted uploads
+older than the newest commit (``store_debris.py``).
 
 Every failure of the store becomes one ``CheckpointLocationError`` naming the URL and what
-to do (a missing bucket, refused credentials, an unreachable endpoint); a failed save
-changes nothing the previous checkpoint needs.
+to do (a missing bucket, refused credentials or a permission denied, a store that kept
+throttling or failing after the retries of ``store_retry.py``, an unreachable endpoint); a
+failed save changes nothing the previous checkpoint needs.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from typing import Any
 from .digest import entry_digest, new_hasher
 from .errors import CheckpointCorruptError, CheckpointLocationError
 from .manifest import SIDECAR_SUFFIX, ManifestOrder, dump_manifest, parse_manifest
+from .store_retry import call as _call
 
 __all__ = [
     'RemoteCheckpoint',
@@ -64,6 +67,7 @@ __all__ = [
     'join',
     'list_checkpoints',
     'load_file',
+    'put_object',
     'read_pointer',
     'upload_file',
 ]
@@ -133,19 +137,15 @@ def filesystem(url: str, backend_args: Mapping | None = None) -> tuple[Any, str]
 @contextlib.contextmanager
 def store_errors(url: str, doing: str) -> Iterator[None]:
     """A failure of the store while ``doing`` (e.g. ``'saving'``) ``url`` becomes one
-    ``CheckpointLocationError`` naming the URL, the store's answer and the fix."""
+    ``CheckpointLocationError`` naming the URL, the store's answer and the fix: refused
+    credentials, a permission denied, a missing bucket, a store that kept throttling or
+    failing after the retries (``store_retry.py``), an unreachable endpoint."""
     try:
         yield
     except (CheckpointCorruptError, CheckpointLocationError):
         raise
     except PermissionError as err:
-        raise _error(
-            err,
-            f'{doing} {url}: the store refused the request ({err}); check the credentials '
-            '(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or backend_args) and '
-            'that they may read and write this bucket',
-            doing,
-        ) from None
+        raise _error(err, f'{doing} {url}: {_refusal(err, doing)}', doing) from None
     except FileNotFoundError as err:
         if 'bucket' in str(err).lower():
             raise _error(
@@ -156,6 +156,9 @@ def store_errors(url: str, doing: str) -> Iterator[None]:
             ) from None
         raise
     except Exception as err:
+        message = _transient_message(err, url, doing)
+        if message is not None:
+            raise _error(err, message, doing) from None
         name = type(err).__name__
         if isinstance(err, OSError) or 'Connection' in name or 'Endpoint' in name:
             raise _error(
@@ -167,15 +170,85 @@ def store_errors(url: str, doing: str) -> Iterator[None]:
         raise
 
 
+#: the store's codes for credentials it does not accept (any other refusal is a permission)
+_BAD_CREDENTIALS = (
+    'InvalidAccessKeyId',
+    'SignatureDoesNotMatch',
+    'ExpiredToken',
+    'InvalidToken',
+    'TokenRefreshRequired',
+    'InvalidClientTokenId',
+)
+
+
+def _refusal(err: PermissionError, doing: str) -> str:
+    """Why the store refused: credentials it does not accept, a permission they lack, or
+    (a bare ``403`` with no code: the answer to a HEAD request) either."""
+    from .store_retry import codes
+
+    found = codes(err)
+    action = {
+        'saving': 'write (s3:PutObject)',
+        'probing': 'write and delete (s3:PutObject, s3:DeleteObject)',
+        'deleting': 'delete (s3:DeleteObject)',
+    }
+    may = action.get(doing, 'read and list (s3:GetObject, s3:ListBucket)')
+    if 'AccessDenied' in found:
+        return (
+            f'permission denied ({err}): the credentials were accepted but may not {may} '
+            'here; grant that to them (the bucket policy or their IAM policy), or use '
+            'credentials that may (AWS_PROFILE, AWS_ACCESS_KEY_ID, or backend_args)'
+        )
+    either = '' if any(c in found for c in _BAD_CREDENTIALS) else f', or they may not {may} here'
+    return (
+        f'the store refused the request ({err}); check the credentials '
+        f'(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or backend_args){either}'
+    )
+
+
+def _transient_message(err: BaseException, url: str, doing: str) -> str | None:
+    """The message for a store that kept throttling, failing or dropping the connection
+    after every retry; None for another error."""
+    from .store_retry import kind, retried
+
+    what = kind(err)
+    if what is None:
+        return None
+    spent = retried(err)
+    tries = (
+        f'after {spent[0]} attempt(s) over {spent[1]:.1f} s (each retried by the client too)'
+        if spent
+        else "after the client's retries"
+    )
+    if what == 'throttled':
+        return (
+            f'{doing} {url}: the store kept throttling the requests (SlowDown: {err}) {tries}; '
+            'save less often (the checkpoint interval), spread runs over other prefixes, or '
+            'let the client retry longer (AWS_MAX_ATTEMPTS, or backend_args '
+            "config_kwargs=dict(retries=dict(mode='adaptive', max_attempts=10)))"
+        )
+    if what == 'server':
+        return (
+            f'{doing} {url}: the store kept failing ({type(err).__name__}: {err}) {tries}; '
+            "it is the store's own error: check its status, then run again"
+        )
+    return (
+        f'{doing} {url}: the connection kept breaking ({type(err).__name__}: {err}) {tries}; '
+        'check the network and the endpoint (AWS_ENDPOINT_URL or backend_args endpoint_url)'
+    )
+
+
 def _size(fs: Any, path: str) -> int:
     """The object's size as the store says now: fsspec filesystems answer from a listing
     they cached (another process may have written since), so that is dropped first."""
     fs.invalidate_cache(path)
-    return int(fs.size(path))
+    return int(_call(fs.size, path))
 
 
 def _error(err: BaseException, message: str, doing: str) -> CheckpointLocationError:
     code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
+    if isinstance(err, PermissionError):
+        code = errno.EACCES
     if doing == 'saving':
         message += '; the previous checkpoint is unchanged'
     return CheckpointLocationError(code, message)
@@ -183,13 +256,13 @@ def _error(err: BaseException, message: str, doing: str) -> CheckpointLocationEr
 
 def check_reachable(directory: str, backend_args: Mapping | None = None) -> None:
     """One listing of ``directory``: a missing bucket, refused credentials or an unreachable
-    endpoint raise ``CheckpointLocationError`` now, before a run trains toward its first
-    save (whether it may write is learnt at that save)."""
+    endpoint raise ``CheckpointLocationError`` now (whether it may write:
+    ``store_debris.probe_writable``, which the loop runs before it trains)."""
     directory = absolute(directory)
     fs, path = filesystem(directory, backend_args)
     with store_errors(directory, 'checking'):
         try:
-            fs.ls(path, refresh=True)
+            _call(fs.ls, path, refresh=True)
             fs.invalidate_cache(path)  # see _size
         except FileNotFoundError as err:
             if 'bucket' in str(err).lower():
@@ -229,14 +302,21 @@ def upload_file(
     with store_errors(url, 'saving'):
         old = _listed_manifest(fs, path, url)
         if old is not None:  # step 1
-            fs.pipe_file(path + SIDECAR_SUFFIX, dump_manifest({**manifest, 'replaces': old}))
+            _call(fs.pipe_file, path + SIDECAR_SUFFIX, dump_manifest({**manifest, 'replaces': old}))
         fs.put_file(os.fspath(local), path)  # step 2
-        fs.pipe_file(path + SIDECAR_SUFFIX, dump_manifest(manifest))  # step 3
+        _call(fs.pipe_file, path + SIDECAR_SUFFIX, dump_manifest(manifest))  # step 3
         if update_pointer:  # step 4
-            fs.pipe_file(f'{parent(path)}/{POINTER_NAME}', url.encode())
+            _call(fs.pipe_file, f'{parent(path)}/{POINTER_NAME}', url.encode())
     if also_point is not None:
         write_local_pointer(also_point, url)
     return url
+
+
+def put_object(fs: Any, local: str | os.PathLike, path: str) -> None:
+    """Upload the local file ``local`` to ``path`` of ``fs`` under its final name: one PUT,
+    or a multipart upload visible only once completed (a kill leaves no part under the
+    name). The one upload of a staged file (a directory checkpoint's, ``remote_directory``)."""
+    fs.put_file(os.fspath(local), path)
 
 
 def write_local_pointer(directory: str | os.PathLike, url: str) -> None:
@@ -300,7 +380,7 @@ def read_manifest_at(url: str, backend_args: Mapping | None = None) -> dict | No
     fs, path = filesystem(url, backend_args)
     with store_errors(url, 'reading'):
         try:
-            raw = fs.cat_file(path + SIDECAR_SUFFIX)
+            raw = _call(fs.cat_file, path + SIDECAR_SUFFIX)
         except FileNotFoundError:
             return None
     return parse_manifest(raw, url + SIDECAR_SUFFIX)
@@ -459,7 +539,7 @@ def read_pointer(directory: str, backend_args: Mapping | None = None) -> str | N
     fs, path = filesystem(directory, backend_args)
     with store_errors(directory, 'reading'):
         try:
-            raw = fs.cat_file(f'{path.rstrip("/")}/{POINTER_NAME}')
+            raw = _call(fs.cat_file, f'{path.rstrip("/")}/{POINTER_NAME}')
         except FileNotFoundError:
             return None
     text = raw[:4097].decode('utf-8', errors='replace').strip()
@@ -478,14 +558,16 @@ def list_checkpoints(directory: str, backend_args: Mapping | None = None) -> lis
     fs, path = filesystem(directory, backend_args)
     with store_errors(directory, 'listing'):
         try:
-            entries = fs.ls(path, detail=True, refresh=True)
+            entries = _call(fs.ls, path, detail=True, refresh=True)
             fs.invalidate_cache(path)  # see _size
         except FileNotFoundError as err:
             if 'bucket' in str(err).lower():
                 raise
             return []
         sizes = {e['name'].rstrip('/').rsplit('/', 1)[-1]: e.get('size') for e in entries}
-        found = []
+        from .remote_directory import list_directories
+
+        found = list_directories(fs, path.rstrip('/'), directory, entries)
         for name in sorted(sizes):
             if not name.endswith(SIDECAR_SUFFIX):
                 continue
@@ -494,7 +576,7 @@ def list_checkpoints(directory: str, backend_args: Mapping | None = None) -> lis
                 continue
             try:
                 manifest = parse_manifest(
-                    fs.cat_file(f'{path.rstrip("/")}/{name}'), join(directory, name)
+                    _call(fs.cat_file, f'{path.rstrip("/")}/{name}'), join(directory, name)
                 )
             except (CheckpointCorruptError, FileNotFoundError):
                 continue
@@ -569,8 +651,9 @@ def apply_retention(
 ) -> list[str]:
     """Delete checkpoints at ``directory`` beyond the newest ``max_keep_ckpts``
     (``retention.apply_retention`` for a URL): never the newest ones, the pointed-to one, or
-    one in ``protect``; objects no manifest lists are never touched. Returns the URLs
-    removed. Call it after the newest checkpoint's pointer moved."""
+    one in ``protect``. Then the debris of interrupted uploads of that series
+    (``store_debris.remove_debris``: never anything a live upload may be writing). Returns
+    the checkpoints' URLs removed. Call it after the newest checkpoint's pointer moved."""
     if type(max_keep_ckpts) is not int:
         raise TypeError(f'max_keep_ckpts must be an int (<= 0 keeps all), got {max_keep_ckpts!r}')
     if max_keep_ckpts <= 0:
@@ -594,6 +677,9 @@ def apply_retention(
         if info.url not in keep:
             _delete(info.url, backend_args)
             removed.append(info.url)
+    from .store_debris import remove_debris  # it reads this module's listings
+
+    remove_debris(directory, backend_args, pattern=pattern)
     return removed
 
 
@@ -617,9 +703,13 @@ def delete_checkpoint(
 
 
 def _delete(url: str, backend_args: Mapping | None) -> None:
+    from .remote_directory import delete_directory
+
+    if delete_directory(url, backend_args):
+        return
     # the object first: a kill before the manifest goes leaves a manifest listing nothing
     fs, path = filesystem(url, backend_args)
     with store_errors(url, 'deleting'):
         for target in (path, path + SIDECAR_SUFFIX):
             with contextlib.suppress(FileNotFoundError):
-                fs.rm_file(target)
+                _call(fs.rm_file, target)

@@ -43,7 +43,9 @@ from .directory import save_directory, verify_directory
 from .disk import OVERHEAD_BYTES, check_free_space, payload_bytes
 from .errors import CheckpointCorruptError
 from .load import load_checkpoint_file
+from .location import is_url
 from .rank_errors import all_ok, dcp_failures, describe_error, raise_first
+from .remote_directory import RemoteDirectory, verify_remote_directory
 from .torch_file import crc32_option, write_torch_file
 
 __all__ = [
@@ -84,6 +86,8 @@ def save_sharded_checkpoint(
     collective: bool = True,
     vote: Any = None,
     process_group: Any = None,
+    backend_args: Mapping | None = None,
+    also_point: str | os.PathLike | None = None,
 ) -> Path:
     """Collectively save ``checkpoint`` (mmengine's layout) as a sharded directory.
 
@@ -93,8 +97,10 @@ def save_sharded_checkpoint(
     calls this (``collective=False``: a single process without a process group, as
     ``stratagem convert`` does). ``vote``: the save's ``SaveVote`` (else ``save_directory``
     opens one); ``process_group``: the group DCP's planning runs on (default: the default
-    group; an asynchronous save passes a group of its writer's own). Returns the committed
-    path.
+    group; an asynchronous save passes a group of its writer's own). ``final_dir`` may be a
+    URL (``remote_directory.py``: each rank's files staged locally and uploaded; ``backend_args``
+    its storage options, ``also_point`` a local directory whose pointer names it too).
+    Returns the committed path (a URL: the URL).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -121,9 +127,9 @@ def save_sharded_checkpoint(
         # byte. Rank 0's extra.pth (and a rank's pending gradients) are written on a thread
         # meanwhile, mostly overlapping DCP's planning collectives and its fsync.
         # a full disk is refused before anything is written (the staging dir is still empty)
-        check_free_space(
-            Path(final_dir).absolute(), _bytes_needed(tensors, side_objects) * _ranks_sharing_disk()
-        )
+        # (at a URL the local disk that stages the files)
+        where = staging if is_url(os.fspath(final_dir)) else Path(final_dir).absolute()
+        check_free_space(where, _bytes_needed(tensors, side_objects) * _ranks_sharing_disk())
         writer = dcp.FileSystemWriter(staging, thread_count=1)
         side = []
         if partial_grads is not None:
@@ -166,7 +172,14 @@ def save_sharded_checkpoint(
     if not collective:
         manifest = {'world_size': 1, **manifest}
     return save_directory(
-        final_dir, write, step=step, extra_manifest=manifest, vote=vote, collective=collective
+        final_dir,
+        write,
+        step=step,
+        extra_manifest=manifest,
+        vote=vote,
+        collective=collective,
+        backend_args=backend_args,
+        also_point=also_point,
     )
 
 
@@ -179,20 +192,39 @@ def read_sharded_checkpoint(
     *,
     collective: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    backend_args: Mapping | None = None,
 ) -> dict:
     """Verify, then read a sharded directory into one full (unsharded) mmengine-layout dict.
 
     The optimizer comes back keyed by flat parameter index (``torch.optim``'s format), so a
     SingleDeviceStrategy / DDPStrategy / plain optimizer loads it. Needs no process group
     (each caller reads everything itself); ``collective=True`` shares the hashing across ranks.
-    ``progress(done, total)`` is called per file verified (for a progress bar).
+    ``progress(done, total)`` is called per file verified (for a progress bar). ``path`` may
+    be a URL (``backend_args``: its storage options): every file is read once.
     """
+    if is_url(os.fspath(path)):
+        remote = verify_remote_directory(
+            os.fspath(path), backend_args=backend_args, collective=collective, progress=progress
+        )
+        return _read_full(remote, remote.manifest)
     path = Path(path).absolute()
     manifest = verify_directory(path, collective=collective, progress=progress)
     return _read_full(path, manifest)
 
 
-def _read_full(path: Path, manifest: dict) -> dict:
+Source = Path | RemoteDirectory  # a verified sharded directory: on disk, or at a URL
+
+
+def _verified(path: str | os.PathLike, backend_args: Mapping | None) -> tuple[Source, dict]:
+    """Verify the sharded directory at ``path`` (collective): it and its manifest."""
+    if is_url(os.fspath(path)):
+        remote = verify_remote_directory(os.fspath(path), backend_args=backend_args)
+        return remote, remote.manifest
+    local = Path(path).absolute()
+    return local, verify_directory(local)
+
+
+def _read_full(path: Source, manifest: dict) -> dict:
     full = _read_dcp_full(path)
     extra = _read_extra(path)
     checkpoint = {'meta': extra.pop('meta', {}), 'state_dict': full.get('state_dict', {})}
@@ -210,18 +242,25 @@ def _read_full(path: Path, manifest: dict) -> dict:
     return checkpoint
 
 
-def _read_extra(path: Path, groups: list | None = None) -> dict:
+def _read_extra(path: Source, groups: list | None = None) -> dict:
     """``extra.pth`` (already verified); the param groups' copy goes to ``groups``."""
-    if not (path / EXTRA_FILE).is_file():
+    if isinstance(path, RemoteDirectory):
+        if not path.has(EXTRA_FILE):
+            return {}
+        extra = dict(path.load(EXTRA_FILE))
+    elif not (path / EXTRA_FILE).is_file():
         return {}
-    extra = dict(load_checkpoint_file(path / EXTRA_FILE, map_location='cpu', verify=False))
+    else:
+        extra = dict(load_checkpoint_file(path / EXTRA_FILE, map_location='cpu', verify=False))
     saved = extra.pop(GROUPS_KEY, None)
     if groups is not None and saved is not None:
         groups.extend(saved)
     return extra
 
 
-def read_sharded_header(path: str | os.PathLike, *, optimizer: bool) -> tuple[dict, Any] | None:
+def read_sharded_header(
+    path: str | os.PathLike, *, optimizer: bool, backend_args: Mapping | None = None
+) -> tuple[dict, Any] | None:
     """Verify a sharded directory (collective) and read all of it but the tensors, for a
     resume that reads them in place later (``load_sharded_in_place``), once every check
     passed. Returns ``(checkpoint, metadata)``: in ``checkpoint``, ``state_dict`` holds a
@@ -230,14 +269,16 @@ def read_sharded_header(path: str | os.PathLike, *, optimizer: bool) -> tuple[di
     as ``load_sharded_checkpoint`` reads it. ``metadata`` is DCP's, for the read (so it is
     not read twice). None when the checkpoint cannot be read that way (converted from a
     single file, saved before the param groups were kept in ``extra.pth``, or a model entry
-    that is not a tensor): read it with ``load_sharded_checkpoint`` then."""
+    that is not a tensor): read it with ``load_sharded_checkpoint`` then. At a URL
+    (``backend_args``: its storage options) ``metadata`` is the verified directory, its DCP
+    metadata read (``RemoteDirectory.dcp_metadata``), and the files this rank verified kept
+    in memory for the read."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = Path(path).absolute()
-    manifest = verify_directory(path)
+    source, manifest = _verified(path, backend_args)
     if manifest.get('optimizer_keys', 'fqn') != 'fqn':
         return None
-    dcp_metadata = _reader(path).read_metadata()
+    dcp_metadata = _reader(source).read_metadata()
     metadata = dcp_metadata.state_dict_metadata
     weights = {}
     for key, item in metadata.items():
@@ -248,7 +289,7 @@ def read_sharded_header(path: str | os.PathLike, *, optimizer: bool) -> tuple[di
                 item.size, dtype=item.properties.dtype, device='meta'
             )
     groups: list = []
-    extra = _read_extra(path, groups)
+    extra = _read_extra(source, groups)
     saved_optimizer = any(key.startswith('optimizer.') for key in metadata)
     if optimizer and saved_optimizer and not groups:
         return None
@@ -259,10 +300,13 @@ def read_sharded_header(path: str | os.PathLike, *, optimizer: bool) -> tuple[di
             'param_groups': groups,
             'state': {},
         }
-    partial = read_partial_grads(path)
+    partial = read_partial_grads(source)
     if partial:
         checkpoint['partial_grads'] = partial
     checkpoint.update(extra)
+    if isinstance(source, RemoteDirectory):
+        source.dcp_metadata = dcp_metadata
+        return checkpoint, source
     return checkpoint, dcp_metadata
 
 
@@ -273,12 +317,20 @@ def load_sharded_in_place(path: str | os.PathLike, state: dict, *, metadata: Any
 
     DCP plans the whole read before it reads a byte: a key or shape the checkpoint lacks
     fails there, with nothing changed. A read error after that (the files changed since they
-    were verified, a failing disk) leaves the state partly read."""
+    were verified, a failing disk) leaves the state partly read. At a URL ``metadata`` is
+    what ``read_sharded_header`` returned (the verified directory)."""
+    if isinstance(metadata, RemoteDirectory):
+        _dcp_read(metadata, state, metadata=metadata.dcp_metadata, what='into the model')
+        return
     _dcp_read(Path(path).absolute(), state, metadata=metadata, what='into the model')
 
 
-def read_partial_grads(path: str | os.PathLike) -> list[dict]:
+def read_partial_grads(path: str | os.PathLike | RemoteDirectory) -> list[dict]:
     """Every saving rank's pending gradients (``{fqn: tensor}``), in rank order; [] if none."""
+    if isinstance(path, RemoteDirectory):
+        names = [p for p in path.entries if re.fullmatch(rf'{PARTIAL_DIR}/rank_\d+\.pth', p)]
+        names.sort(key=lambda p: int(p.rsplit('_', 1)[1].split('.')[0]))
+        return [path.load(name) for name in names]
     folder = Path(path) / PARTIAL_DIR
     if not folder.is_dir():
         return []
@@ -287,7 +339,11 @@ def read_partial_grads(path: str | os.PathLike) -> list[dict]:
 
 
 def load_sharded_checkpoint(
-    path: str | os.PathLike, model_state: dict, optim_state: dict | None = None
+    path: str | os.PathLike,
+    model_state: dict,
+    optim_state: dict | None = None,
+    *,
+    backend_args: Mapping | None = None,
 ) -> dict:
     """Verify a sharded directory (collective), then load it into the current sharding.
 
@@ -303,21 +359,21 @@ def load_sharded_checkpoint(
     asked for and saved),
     ``partial_grads`` (every saving rank's pending gradients, if any) and the other keys
     of ``extra.pth``. A checkpoint converted from a single file (index-keyed optimizer) is
-    read in full instead (``read_sharded_checkpoint``'s result).
+    read in full instead (``read_sharded_checkpoint``'s result). ``path`` may be a URL
+    (``backend_args``: its storage options).
     """
-    path = Path(path).absolute()
-    manifest = verify_directory(path)
+    source, manifest = _verified(path, backend_args)
     if manifest.get('optimizer_keys', 'fqn') != 'fqn':
-        return _read_full(path, manifest)
+        return _read_full(source, manifest)
     state = {'state_dict': _fresh_tensors(model_state)}
-    if optim_state is not None and 'optimizer' in (manifest.get('dcp_keys') or _dcp_keys(path)):
+    if optim_state is not None and 'optimizer' in (manifest.get('dcp_keys') or _dcp_keys(source)):
         state['optimizer'] = _fresh_tensors(optim_state)
-    _dcp_read(path, state)
-    extra = _read_extra(path)
+    _dcp_read(source, state)
+    extra = _read_extra(source)
     checkpoint = {'meta': extra.pop('meta', {}), 'state_dict': state['state_dict']}
     if 'optimizer' in state:
         checkpoint['optimizer'] = {**state['optimizer'], **extra.pop('optimizer_extra', {})}
-    partial = read_partial_grads(path)
+    partial = read_partial_grads(source)
     if partial:
         checkpoint['partial_grads'] = partial
     checkpoint.update(extra)
@@ -414,14 +470,16 @@ def _hashing_fs(pool: ThreadPoolExecutor) -> Any:
 
 
 # ----------------------------------------------------------------------- DCP's reads
-def _reader(path: Path, metadata: Any = None) -> Any:
+def _reader(path: Source, metadata: Any = None) -> Any:
     """A ``ShardReader`` (imported here: DCP takes ~0.4 s to import)."""
     from .dcp_reader import ShardReader
 
+    if isinstance(path, RemoteDirectory):
+        return ShardReader(path.url, metadata=metadata, files=path)
     return ShardReader(path, metadata=metadata)
 
 
-def _read_dcp_full(path: Path) -> dict:
+def _read_dcp_full(path: Source) -> dict:
     from stratagem._torch import load_whole_dcp
 
     try:
@@ -439,7 +497,7 @@ def _read_dcp_full(path: Path) -> dict:
         ) from None
 
 
-def _dcp_read(path: Path, state: dict, *, metadata: Any = None, what: str = '') -> None:
+def _dcp_read(path: Source, state: dict, *, metadata: Any = None, what: str = '') -> None:
     """``dcp.load(state)`` of ``path`` on every rank (collective), through ``ShardReader``.
 
     Each rank plans and reads on its own (``no_dist``): a load's global plan is just the
@@ -474,7 +532,7 @@ def _dcp_read(path: Path, state: dict, *, metadata: Any = None, what: str = '') 
     raise_first(outcomes, error, f'reading {path} {what}'.rstrip())
 
 
-def _dcp_keys(path: Path) -> set[str]:
+def _dcp_keys(path: Source) -> set[str]:
     """Top-level keys of the DCP state (a checkpoint whose manifest predates ``dcp_keys``)."""
     metadata = _reader(path).read_metadata()
     return {key.split('.', 1)[0] for key in metadata.state_dict_metadata}

@@ -144,8 +144,8 @@ class CheckpointStorage:
     #: keys of the content this storage's own files hold, absent from what ``open`` returns
     #: (DeepSpeed's files hold the model: ``{'state_dict'}``)
     holds: frozenset[str] = frozenset()
-    #: whether this storage saves to and reads from a URL (``location.py``); the directory
-    #: layouts do not yet, and the checkpointer refuses a URL for them
+    #: whether this storage saves to and reads from a URL (``location.py``,
+    #: ``remote_directory.py``); the checkpointer refuses a URL for one that does not
     urls: bool = True
     #: a URL's storage options, set by the checkpointer before each load
     backend_args: Mapping | None = None
@@ -221,13 +221,15 @@ class CheckpointStorage:
     def read(self, path: str, map_location: Any) -> dict:
         """The whole checkpoint at ``path``: a file verified and read ``weights_only``; a
         directory in a known format (``checkpoint.formats``: FSDP's sharded one,
-        DeepSpeed's) verified and read unsharded; anything else gets
+        DeepSpeed's) verified and read unsharded, on a disk or at a URL; anything else gets
         ``load_checkpoint_file``'s error."""
         from .formats import detect_format, read_whole
 
+        name = detect_format(path, self.backend_args)
         if is_url(path):
-            return load_file(path, map_location=map_location, backend_args=self.backend_args)
-        name = detect_format(path)
+            if name in (None, 'file'):
+                return load_file(path, map_location=map_location, backend_args=self.backend_args)
+            return move_to(read_whole(path, name, backend_args=self.backend_args), map_location)
         if name is None or name == 'file':
             return load_checkpoint_file(path, map_location=map_location)
         return move_to(read_whole(path, name), map_location)

@@ -20,11 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         'src',
         help='the checkpoint to convert (a file, a sharded directory, a DeepSpeed (ZeRO) '
-        'directory, a Hugging Face directory or a .safetensors file)',
+        'directory, a Hugging Face directory or a .safetensors file), a path or an fsspec '
+        'URL (s3://bucket/run/iter_100.pth; credentials from the environment)',
     )
     parser.add_argument(
         'dst',
-        help='the new checkpoint (must not exist, unless --overwrite); DST.safetensors: '
+        help='the new checkpoint, a path or a URL (must not exist, unless --overwrite; a '
+        'directory at a URL is never replaced); DST.safetensors: '
         "the full weights; with --to hf, a directory that transformers' from_pretrained "
         'loads',
     )

@@ -85,8 +85,14 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as err:
             print(f'stratagem doctor: --cfg-options: {err}', file=sys.stderr)
             return 2
+    options = cfg.to_dict()
+    if not options.get('work_dir') and not dict(options.get('strategy') or {}).get('work_dir'):
+        # as stratagem train names it: out_dir/<this name> is where checkpoints go
+        options['work_dir'] = os.path.join(
+            'work_dirs', os.path.splitext(os.path.basename(args.config))[0]
+        )
     findings, notes = diagnose(
-        cfg.to_dict(),
+        options,
         world,
         probe_disk=not args.no_disk_probe,
         device_memory=device_memory,

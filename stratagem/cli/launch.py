@@ -354,12 +354,18 @@ def _without_launch_options(argv: list[str]) -> list[str]:
     return cleaned
 
 
-def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool = False) -> int:
+def relaunch(
+    cmd: list[str],
+    signals: Sequence[str],
+    work_dir: str,
+    debug: bool = False,
+    checkpoints: tuple[str | None, dict | None] = (None, None),
+) -> int:
     """Run torchrun's ``cmd``; forward ``signals`` to its workers meanwhile; return its exit
     status, or the preemption's when the workers recorded one in ``work_dir``, or 130 after
     Ctrl-C (SIGINT: the workers stop without saving, one line names the checkpoint to resume
-    from). A failure prints one message (``worker_errors.py``) unless ``debug``, which shows
-    everything."""
+    from, in ``checkpoints``: ``interrupted_line``'s arguments). A failure prints one message
+    (``worker_errors.py``) unless ``debug``, which shows everything."""
     from stratagem.env.preemption import MARKER_NAME, clear_marker, read_marker
 
     clear_marker(work_dir)
@@ -380,23 +386,44 @@ def relaunch(cmd: list[str], signals: Sequence[str], work_dir: str, debug: bool 
         )
         return int(info.get('exit_code', code))
     if interrupted:
-        sys.stderr.write(interrupted_line(work_dir) + '\n')
+        sys.stderr.write(interrupted_line(work_dir, *checkpoints) + '\n')
         return 130
     return code
 
 
-def interrupted_line(work_dir: str) -> str:
+def interrupted_line(
+    work_dir: str, checkpoints: str | None = None, backend_args: dict | None = None
+) -> str:
     """The one line ``stratagem train`` prints after Ctrl-C (SIGINT), in one process or
     many: the checkpoint ``--resume`` continues from (a save is atomic: nothing half-written
-    is left), or that nothing was saved in ``work_dir``."""
-    from stratagem.checkpoint import find_latest_checkpoint
+    is left), or that nothing was saved. ``checkpoints``: where the run saves when not in
+    ``work_dir`` (``default_hooks.checkpoint.out_dir/<name>``, a path or a URL, read with
+    ``backend_args``), where ``--resume`` looks first."""
+    import warnings
 
+    from stratagem.checkpoint import find_latest_checkpoint
+    from stratagem.checkpoint.location import find_latest, is_url
+
+    directory = checkpoints or work_dir
     try:
-        latest = find_latest_checkpoint(work_dir)
-    except (ValueError, OSError):  # a damaged pointer: the resume will say which
+        with warnings.catch_warnings():  # the resume will say which checkpoint it passed over
+            warnings.simplefilter('ignore')
+            if is_url(directory):
+                latest = find_latest(directory, backend_args)
+            else:
+                found = find_latest_checkpoint(directory)
+                latest = None if found is None else str(found)
+    except OSError as err:
+        if is_url(directory):
+            return (
+                f'stratagem train: interrupted (SIGINT); nothing half-written; {directory} '
+                f'could not be read now ({err}); --resume looks there'
+            )
+        latest = None
+    except ValueError:  # a damaged pointer: the resume will say which
         latest = None
     if latest is None:
-        return f'stratagem train: interrupted (SIGINT); nothing was saved in {work_dir}'
+        return f'stratagem train: interrupted (SIGINT); nothing was saved in {directory}'
     return (
         'stratagem train: interrupted (SIGINT); nothing half-written; --resume continues '
         f'from {latest}'

@@ -156,7 +156,11 @@ def run(args: argparse.Namespace) -> int:
             os.environ.update(lock.child_env())
             try:
                 return relaunch(
-                    cmd, preemption.signals if preemption else (), _work_dir(cfg), debug
+                    cmd,
+                    preemption.signals if preemption else (),
+                    _work_dir(cfg),
+                    debug,
+                    _checkpoints_at(cfg),
                 )
             finally:
                 os.environ.pop(TOKEN_ENV, None)
@@ -173,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_here(cfg, args, resume, mmengine_keys, preemption)
     except KeyboardInterrupt:
         if _launch_rank() == 0:  # one line for the run, however many processes it has
-            print(interrupted_line(_work_dir(cfg)), file=sys.stderr)
+            print(interrupted_line(_work_dir(cfg), *_checkpoints_at(cfg)), file=sys.stderr)
         if debug_enabled(list(getattr(args, 'cli_argv', []))):
             raise
         return 130
@@ -455,6 +459,20 @@ def _work_dir_lock(
 def _work_dir(cfg: Config) -> str:
     """The run's work_dir as ``loop.train`` resolves it (the strategy's wins)."""
     return str(dict(cfg.get('strategy') or {}).get('work_dir') or cfg.get('work_dir', 'work_dirs'))
+
+
+def _checkpoints_at(cfg: Config) -> tuple[str | None, dict | None]:
+    """Where the run saves when not in its work_dir (``default_hooks.checkpoint.out_dir``,
+    joined with the work_dir's name as the loop and mmengine's CheckpointHook do) and that
+    store's ``backend_args``; ``(None, None)`` without an ``out_dir``."""
+    from stratagem.loop.plan import CheckpointPlan
+
+    hook = (cfg.get('default_hooks') or {}).get('checkpoint') or {}
+    out_dir, backend_args = hook.get('out_dir'), hook.get('backend_args')
+    if not isinstance(out_dir, str) or not out_dir.strip():
+        return None, None
+    plan = CheckpointPlan(None, None, None, out_dir=out_dir)
+    return plan.directory(_work_dir(cfg)), dict(backend_args or {}) or None
 
 
 def _holds_for_the_run(args: argparse.Namespace) -> bool:

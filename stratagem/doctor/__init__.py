@@ -35,7 +35,9 @@ each with its fix:
    parameter and optimizer that overlap (mmengine multiplies them; a warmup over a main
    schedule is the expected overlap and not reported);
 6. checkpoints: the estimated save stall against the run (synchronous saves), free disk for
-   ``max_keep_ckpts`` (+1 being written) checkpoints;
+   ``max_keep_ckpts`` (+1 being written) checkpoints; then ``default_hooks.checkpoint.out_dir``
+   (``location.py``): written to (a probe object, removed) and, at a URL, the debris of
+   interrupted uploads there listed;
 7. packages the chosen strategy needs but this environment lacks;
 8. memory (``memory.py``): the peak per device of one training step at the world size
    (fake tensors, torch's fake process group, torch's memory trackers; under a pipeline,
@@ -84,6 +86,7 @@ def diagnose(
     doctor.run_length()
     doctor.check_schedulers()
     doctor.check_checkpoints()
+    doctor.check_location()
     doctor.check_packages()
     if memory or device_memory is not None:
         doctor.check_memory()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .keys import KeyChecks
+from .location import LocationChecks
 from .memory import MemoryChecks
 from .mesh import data_parallel_size
 from .pipeline import pipeline_findings, pipeline_spec
@@ -72,7 +73,7 @@ def key_named(section: Any, message: str, prefix: str) -> str:
     return best
 
 
-class Doctor(KeyChecks, SchedulerChecks, MemoryChecks):
+class Doctor(KeyChecks, SchedulerChecks, MemoryChecks, LocationChecks):
     """One diagnosis: the config, the world size, the model built on the meta device, and the
     findings and notes the checks add."""
 

@@ -21,7 +21,10 @@ Importing this module (the only one in stratagem that imports mmengine) does thr
 3. **Registers ``stratagem.PreemptionHook``** in mmengine's HOOKS (``custom_hooks``): a
    preemption signal ends the run in one committed checkpoint (``mmengine_preemption.py``);
    and ``stratagem.CheckpointDebrisHook``, which sweeps the manifest of a checkpoint
-   mmengine's ``CheckpointHook`` deleted (``mmengine_debris.py``).
+   mmengine's ``CheckpointHook`` deleted (``mmengine_debris.py``); and
+   ``stratagem.FsspecCheckpointHook`` with mmengine's file backend ``'stratagem_fsspec'``,
+   mmengine's ``CheckpointHook`` with its ``out_dir`` at an fsspec URL
+   (``mmengine_storage.py``).
 4. **Falls back to mmengine's registries** for what stratagem's do not hold
    (``Registry.add_fallback``): a model, dataset, optimizer, optim wrapper (constructor) or
    parameter scheduler registered in mmengine's ``MODELS``, ``DATASETS``, ``OPTIMIZERS``, ...
@@ -80,6 +83,7 @@ from stratagem.config import ConfigError
 
 from .mmengine_debris import CheckpointDebrisHook
 from .mmengine_preemption import PreemptionHook
+from .mmengine_storage import FsspecCheckpointHook
 
 __all__ = [
     'SCOPE',
@@ -194,6 +198,7 @@ _mirror(ours.PARAM_SCHEDULERS, PARAM_SCHEDULERS)
 HOOKS = _child(MM_HOOKS, 'hook')
 HOOKS.register_module(name='PreemptionHook', module=PreemptionHook, force=True)
 HOOKS.register_module(name='CheckpointDebrisHook', module=CheckpointDebrisHook, force=True)
+HOOKS.register_module(name='FsspecCheckpointHook', module=FsspecCheckpointHook, force=True)
 
 
 # ------------------------------------------------------- 4. fall back to mmengine's

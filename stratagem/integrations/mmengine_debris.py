@@ -12,7 +12,8 @@ and added by ``stratagem train`` to every config it runs under FlexibleRunner
    ``after_val_epoch``, ``after_train``; priority ``LOWEST``, after the ``CheckpointHook``):
    rank 0 sweeps ``work_dir`` and each ``CheckpointHook``'s ``out_dir`` with
    ``stratagem.checkpoint.sweep_debris``, whose rule removes only stratagem manifests whose
-   file is gone and dead saves' temp entries, older than the newest commit.
+   file is gone and dead saves' temp entries, older than the newest commit; an ``out_dir``
+   at a URL with ``store_debris.remove_debris`` (the same rule for a store's debris).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from typing import Any
 from mmengine.hooks import CheckpointHook, Hook
 
 from stratagem.checkpoint import sweep_debris
+from stratagem.checkpoint.location import is_url
+from stratagem.checkpoint.store_debris import remove_debris
+
+from .mmengine_storage import storage_options
 
 __all__ = ['CheckpointDebrisHook']
 
@@ -58,8 +63,17 @@ class CheckpointDebrisHook(Hook):
         if getattr(runner, 'rank', 0) != 0:
             return
         dirs = {str(runner.work_dir)}
-        dirs.update(
-            str(h.out_dir) for h in runner.hooks if isinstance(h, CheckpointHook) and h.out_dir
-        )
+        urls: dict[str, tuple[dict | None, str]] = {}
+        for hook in runner.hooks:
+            if isinstance(hook, CheckpointHook) and hook.out_dir:
+                if is_url(str(hook.out_dir)):
+                    # its checkpoints' names only: a LoggerHook may copy logs to the prefix
+                    series = hook.filename_tmpl.replace('{}', '*')
+                    options = storage_options({'backend_args': hook.backend_args})
+                    urls[str(hook.out_dir)] = (options, series)
+                else:
+                    dirs.add(str(hook.out_dir))
         for directory in sorted(dirs):
             sweep_debris(directory)
+        for url, (options, series) in sorted(urls.items()):
+            remove_debris(url, options, pattern=series)

@@ -10,7 +10,8 @@ mmengine's runner (``stratagem.schema.runner_reasons``: ``runner_type='FlexibleR
    falling back to mmengine's (a model registered in mmengine's ``MODELS`` builds).
 2. The config as mmengine's runner needs it (:func:`runner_config`): the strategy named as
    stratagem's, a missing ``env_cfg`` filled with one that runs here, the launcher and the
-   command line's ``--resume`` / ``--load-from``; the checks of :func:`check_runner_config`
+   command line's ``--resume`` / ``--load-from``, a ``CheckpointHook``'s URL ``out_dir``
+   reached through fsspec (``mmengine_storage.py``); the checks of :func:`check_runner_config`
    first: a key that neither the runner nor stratagem reads is an error when it is close
    to a valid one (``schema.read_top_level_keys``), else a helper variable of the config
    file (kept, as mmengine keeps it); an object the config's code imported is dropped; a
@@ -42,6 +43,7 @@ from stratagem.config import (
     import_custom_modules,
 )
 from stratagem.integrations.mmengine import share_registered_types  # 1: registrations
+from stratagem.integrations.mmengine_storage import storage_options, use_fsspec_for_urls
 from stratagem.schema import LOOP_TOP_KEYS, RUNNER_TOP_KEYS, read_top_level_keys
 
 __all__ = [
@@ -100,6 +102,7 @@ def runner_config(
         out['resume'] = True
     if load_from is not None:
         out['load_from'] = load_from
+    use_fsspec_for_urls(out, resume)  # an out_dir at a URL: committed as the loop commits
     # the manifest of a checkpoint mmengine's CheckpointHook deletes goes too (mmengine_debris)
     hooks = list(out.get('custom_hooks') or [])
     debris = 'stratagem.CheckpointDebrisHook'
@@ -207,5 +210,10 @@ def train_with_flexible_runner(
     filename = getattr(cfg, 'filename', None)
     mm_cfg = MMConfig(runner_cfg, filename=str(filename) if filename else None)
     runner = FlexibleRunner.from_cfg(mm_cfg)
+    hook = (runner_cfg.get('default_hooks') or {}).get('checkpoint') or {}
+    checkpointer = getattr(runner.strategy, 'checkpointer', None)
+    if checkpointer is not None and storage_options(hook) is not None:
+        # before the runner resumes: the strategy's upload and load reach the hook's store
+        checkpointer.backend_args = storage_options(hook)
     runner.train()
     return runner

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint.location import check_reachable, is_url, join
+from stratagem.checkpoint.location import is_url, join
 from stratagem.checkpoint.peer import PeerCopies, peer_root
+from stratagem.checkpoint.store_debris import probe_writable
 from stratagem.config import Config, config_search_dirs, import_custom_modules
 from stratagem.env.logging import run_end_logged
 from stratagem.env.preemption import Preemption, PreemptionConfig, clear_marker
@@ -239,8 +240,8 @@ def _build(
     if plan.checkpoints.out_dir is not None:  # mmengine's out_dir: a pointer in both places
         strategy.checkpointer.backend_args = plan.checkpoints.backend_args
         strategy.checkpointer.also_point = strategy.work_dir
-        if is_url(directory):
-            check_reachable(directory, plan.checkpoints.backend_args)
+        if is_url(directory):  # every rank: the same answer everywhere, before any training
+            probe_writable(directory, plan.checkpoints.backend_args)
     peer = _peer_copies(strategy) if plan.checkpoints.peer_interval else None
     checkpoint = strategy.load_or_resume(
         load_from=load_from,

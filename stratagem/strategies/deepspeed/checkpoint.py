@@ -63,6 +63,8 @@ from stratagem.checkpoint.directory import (
     write_directory_files,
 )
 from stratagem.checkpoint.formats import detect_format
+from stratagem.checkpoint.location import is_url
+from stratagem.checkpoint.remote_directory import download_directory
 from stratagem.checkpoint.storage import CheckpointStorage, SaveCommit
 
 from .capture import CapturingCheckpointEngine
@@ -124,7 +126,6 @@ class ZeroStorage(CheckpointStorage):
     """
 
     holds = frozenset({'state_dict'})  # DeepSpeed's files hold the module's weights
-    urls = False  # its directory on a URL: not yet (issue #42)
 
     def __init__(
         self,
@@ -140,6 +141,9 @@ class ZeroStorage(CheckpointStorage):
         self.optim_wrapper = optim_wrapper
         self.exclude_frozen_parameters = exclude_frozen_parameters
         self.logger = logger
+        # a checkpoint at a URL, downloaded (verified) for DeepSpeed's engine, which reads
+        # only local files: {url: local copy}, removed once restored
+        self._downloads: dict[str, Path] = {}
 
     # ------------------------------------------------------------------- save side
     @override
@@ -156,8 +160,11 @@ class ZeroStorage(CheckpointStorage):
         extra: dict[str, Any] = self.extra_manifest()
         if commit.held:
             extra[SAFE_GLOBALS_KEY] = commit.held
-        final = Path(path)
-        staging = begin_directory_save(final, commit.vote)  # raises on every rank
+        final: Path | str = path if is_url(path) else Path(path)
+        # raises on every rank
+        staging = begin_directory_save(final, commit.vote, backend_args=commit.backend_args)
+        if isinstance(final, str):  # each rank's own staging dir: DeepSpeed makes it on rank 0
+            (staging / DEEPSPEED_TAG).mkdir(exist_ok=True)
         # from here on the vote ends in _finish, on every path
         capture = CapturingCheckpointEngine(engine.checkpoint_engine, staging, writer)
         try:
@@ -181,8 +188,15 @@ class ZeroStorage(CheckpointStorage):
     # ------------------------------------------------------------------- read side
     def _verify(self, path: str) -> tuple[Path, dict]:
         """Collective: every file's size on every rank, its digest on one rank, the same
-        manifest everywhere; then the DeepSpeed layout. Raises on every rank."""
-        directory = Path(env.broadcast_object(osp.abspath(path)))
+        manifest everywhere; then the DeepSpeed layout. Raises on every rank. At a URL every
+        rank downloads it, verified (``remote_directory.download_directory``), and the
+        local copy is what DeepSpeed reads."""
+        if is_url(path):
+            self._drop_download(path)
+            directory = download_directory(path, backend_args=self.backend_args, collective=True)
+            self._downloads[path] = directory
+        else:
+            directory = Path(env.broadcast_object(osp.abspath(path)))
         manifest = verify_directory(directory, collective=True)
         check_zero_layout(directory)
         check_zero_archives(directory)  # the same verdict on every rank, before DeepSpeed's
@@ -201,7 +215,7 @@ class ZeroStorage(CheckpointStorage):
         freely); our state read, and the manifest kept for ``restore``. ``map_location`` is
         accepted for mmengine's signature: DeepSpeed places its tensors on the engine's
         device."""
-        if detect_format(path) != 'zero':
+        if detect_format(path, self.backend_args) != 'zero':
             raise ValueError(
                 f'{path} is not a DeepSpeed checkpoint directory (written by '
                 'DeepSpeedStrategy.save_checkpoint); load weights from other '
@@ -214,14 +228,22 @@ class ZeroStorage(CheckpointStorage):
     def read(self, path: str, map_location: Any) -> dict:
         """A DeepSpeed directory (verified on every rank): our state plus consolidated fp32
         weights (``state_dict``); any other format: the default read."""
-        if detect_format(path) != 'zero':
+        if detect_format(path, self.backend_args) != 'zero':
             return super().read(path, map_location)
-        directory, _ = self._verify(path)
-        state = self._read_state(directory)
-        state['state_dict'] = zero_to_state_dict(
-            directory, verify=False, exclude_frozen_parameters=self.exclude_frozen_parameters
-        )
+        try:
+            directory, _ = self._verify(path)
+            state = self._read_state(directory)
+            state['state_dict'] = zero_to_state_dict(
+                directory, verify=False, exclude_frozen_parameters=self.exclude_frozen_parameters
+            )
+        finally:
+            self._drop_download(path)
         return state
+
+    def _drop_download(self, path: str) -> None:
+        local = self._downloads.pop(path, None)
+        if local is not None:
+            shutil.rmtree(local, ignore_errors=True)
 
     @override
     def restore(self, path: str, checkpoint: dict, opened: Any, *, optimizer: bool) -> None:
@@ -230,10 +252,14 @@ class ZeroStorage(CheckpointStorage):
         world = env.get_world_size()
         meta = checkpoint.get('meta') or {}
         saved_world = int((opened or {}).get('world_size', meta.get('world_size', world)))
-        if saved_world == world:
-            self._engine_load(Path(path), DEEPSPEED_TAG, optimizer)
-        else:
-            self._load_resharded(Path(path), saved_world, optimizer)
+        directory = self._downloads.get(path, Path(path))
+        try:
+            if saved_world == world:
+                self._engine_load(directory, DEEPSPEED_TAG, optimizer)
+            else:
+                self._load_resharded(directory, saved_world, optimizer)
+        finally:
+            self._drop_download(path)
 
     def _engine_load(self, directory: Path, tag: str, optimizer: bool) -> None:
         loaded, _ = self.engine().load_checkpoint(
@@ -286,10 +312,21 @@ class ZeroStorage(CheckpointStorage):
 
 
 def _finish(
-    staging: Path, path: Path, capture: CapturingCheckpointEngine, commit: SaveCommit, extra: dict
+    staging: Path,
+    path: Path | str,
+    capture: CapturingCheckpointEngine,
+    commit: SaveCommit,
+    extra: dict,
 ) -> None:
     """Step 5: write what was staged, agree, commit; the vote ends here (no collective)."""
     written = write_directory_files(staging, capture.write)
     finish_directory_save(
-        staging, path, written, commit.vote, step=commit.step, extra_manifest=extra
+        staging,
+        path,
+        written,
+        commit.vote,
+        step=commit.step,
+        extra_manifest=extra,
+        backend_args=commit.backend_args,
+        also_point=commit.also_point,
     )

@@ -11,6 +11,7 @@ from typing_extensions import override
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.content import validate_checkpoint_content
 from stratagem.checkpoint.formats import PIECEWISE, detect_format, read_like
+from stratagem.checkpoint.location import is_url
 from stratagem.checkpoint.sharded import (
     load_sharded_checkpoint,
     load_sharded_in_place,
@@ -36,8 +37,6 @@ class FSDPStorage(CheckpointStorage):
             straight into them, a weights-only read reads them unsharded in their layout.
         extra_manifest: the manifest's extra fields (strategy, world size, mesh).
     """
-
-    urls = False  # its directory on a URL: not yet (issue #42)
 
     def __init__(
         self,
@@ -88,6 +87,8 @@ class FSDPStorage(CheckpointStorage):
             vote=commit.vote,
             process_group=self._writer_group,
             extra_manifest=self.extra_manifest(),
+            backend_args=commit.backend_args,
+            also_point=commit.also_point,
         )
 
     # ------------------------------------------------------------------- read side
@@ -102,8 +103,8 @@ class FSDPStorage(CheckpointStorage):
         checks (the files changed since they were verified) leaves the model partly read,
         and the resume raises. With a ``callback`` (``editable``: it may read or edit the
         tensors) they are read into new tensors first."""
-        if not editable and detect_format(path) == 'sharded':
-            header = read_sharded_header(path, optimizer=optimizer)
+        if not editable and detect_format(path, self.backend_args) == 'sharded':
+            header = read_sharded_header(path, optimizer=optimizer, backend_args=self.backend_args)
             if header is not None:
                 return header  # (the checkpoint without tensors, DCP's metadata)
         return self.read(path, map_location), None
@@ -113,13 +114,13 @@ class FSDPStorage(CheckpointStorage):
         """A sharded directory read whole into new tensors laid out like the live ones; a
         Hugging Face one (``formats.PIECEWISE``): each rank reads only its pieces; any other
         format: the default read."""
-        name = detect_format(path)
-        if name in PIECEWISE:
+        name = detect_format(path, self.backend_args)
+        if name in PIECEWISE and not is_url(path):
             return read_like(path, name, self.live_state(False)[0])
         if name != 'sharded':
             return super().read(path, map_location)
         model_sd, optim_sd = self.live_state(True)
-        return load_sharded_checkpoint(path, model_sd, optim_sd)
+        return load_sharded_checkpoint(path, model_sd, optim_sd, backend_args=self.backend_args)
 
     @override
     def restore(self, path: str, checkpoint: dict, opened: Any, *, optimizer: bool) -> None:

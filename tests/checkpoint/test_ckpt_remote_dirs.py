@@ -1,0 +1,554 @@
+"""#42: directory checkpoints (FSDP's DCP directory, DeepSpeed's, converted ones) at an fsspec URL,
+the same behaviour as on a local directory: retention, the latest pointer, auto-resume,
+world-size changes and `convert`, parametrised over a local directory and a real local S3
+server (moto_server through s3fs, tests/s3_server.py); what a reader trusts on a store without
+rename; a 2-rank FSDP save to S3 resumed on 2 processes and on 1 (slow tier)."""
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from stratagem import checkpoint as ckpt
+from stratagem.checkpoint import location
+from stratagem.checkpoint.location import is_url, join
+from stratagem.strategies import SingleDeviceStrategy
+
+OPTIM = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
+
+
+def _prepared(work_dir):
+    s = SingleDeviceStrategy(work_dir=str(work_dir), env_kwargs=dict(randomness=dict(seed=1)))
+    torch.manual_seed(0)
+    out = s.prepare(
+        nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+        optim_wrapper=OPTIM,
+        param_scheduler=[dict(type='ConstantLR')],
+        dispatch_kwargs=dict(max_iters=10),
+    )
+    return s, out[0], out[1]
+
+
+def _train(model, optim_wrapper, steps):
+    for _ in range(steps):
+        optim_wrapper.update_params(model(torch.randn(3, 4)).square().mean())
+
+
+def _state_bytes(model, optim_wrapper):
+    buffer = io.BytesIO()
+    torch.save({'model': model.state_dict(), 'optim': optim_wrapper.state_dict()}, buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture(params=['local', 's3'])
+def where(request, tmp_path):
+    """Where the run's directory checkpoints go: a local directory, or a prefix on S3."""
+    if request.param == 'local':
+        return str(tmp_path / 'ckpts')
+    return f'{request.getfixturevalue("s3")}/ckpts'
+
+
+def _names(where):
+    if is_url(where):
+        return [c.url.rsplit('/', 1)[-1] for c in location.list_checkpoints(where)]
+    return [Path(c.path).name for c in ckpt.list_checkpoints(where)]
+
+
+def _retain(where, keep):
+    if is_url(where):
+        return location.apply_retention(where, keep)
+    return ckpt.apply_retention(where, keep)
+
+
+def _pointer(where):
+    if is_url(where):
+        return location.read_pointer(where)
+    return (Path(where) / 'last_checkpoint').read_text().strip()
+
+
+def test_sharded_directories_retention_pointer_auto_resume_and_convert(where, tmp_path):
+    """Sharded directories written by `convert` (file -> sharded, one process) at ``where``:
+    the pointer names the newest, load_or_resume(checkpoint_dir=where) resumes it and trains
+    on bit-equal to the uninterrupted run, retention keeps the newest, and `convert` reads it
+    back (sharded -> file) to the same weights and optimizer state."""
+    s, model, ow = _prepared(tmp_path / 'work')
+    staged = tmp_path / 'staged'
+    for it in (1, 2):
+        _train(model, ow, 1)
+        local = s.save_checkpoint(str(staged / f'iter_{it}.pth'), extra_ckpt={'meta': {'iter': it}})
+        out = ckpt.convert_checkpoint(local, join(where, f'iter_{it}'), to='sharded')
+        assert str(out) == join(where, f'iter_{it}')
+    at_2 = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, ow, 2)
+    expected = _state_bytes(model, ow)
+
+    assert _pointer(where) == join(where, 'iter_2')
+    assert _names(where) == ['iter_2', 'iter_1']
+    s2, model2, ow2 = _prepared(tmp_path / 'work2')
+    checkpoint = s2.load_or_resume(resume=True, checkpoint_dir=where)
+    assert checkpoint['meta']['iter'] == 2 and s2.resumed_from == join(where, 'iter_2')
+    assert all(torch.equal(model2.state_dict()[k], v) for k, v in at_2.items())
+    _train(model2, ow2, 2)
+    assert _state_bytes(model2, ow2) == expected
+
+    assert [str(p) for p in _retain(where, 1)] == [join(where, 'iter_1')]
+    assert _names(where) == ['iter_2']
+    back = ckpt.convert_checkpoint(join(where, 'iter_2'), tmp_path / 'back.pth')
+    original = ckpt.load_checkpoint_file(staged / 'iter_2.pth')
+    read = ckpt.load_checkpoint_file(back)
+    assert read['state_dict'].keys() == original['state_dict'].keys()
+    assert all(torch.equal(read['state_dict'][k], v) for k, v in original['state_dict'].items())
+    assert read['optimizer']['state'].keys() == original['optimizer']['state'].keys()
+
+
+def test_convert_between_urls_and_what_it_refuses(s3, tmp_path):
+    """`stratagem convert` from a URL to a URL (file -> sharded -> hf -> safetensors), and
+    to a local file; a URL that holds a directory is never overwritten, a missing source is
+    named; nothing is written locally but the local target."""
+    from stratagem.cli import main
+
+    weights = {'w': torch.arange(6.0).reshape(2, 3), 'b': torch.ones(2)}
+    local = ckpt.save_checkpoint(
+        {'meta': {'iter': 5}, 'state_dict': weights}, tmp_path / 'm.pth', update_pointer=False
+    )
+    ckpt.convert_checkpoint(local, f'{s3}/m.pth')  # a local file -> an object with its manifest
+    assert main(['convert', f'{s3}/m.pth', f'{s3}/sharded', '--to', 'sharded']) == 0
+    with pytest.warns(UserWarning, match='no config.json'):
+        assert main(['convert', f'{s3}/sharded', f'{s3}/hf', '--to', 'hf']) == 0
+    assert main(['convert', f'{s3}/hf', f'{s3}/w.safetensors']) == 0
+    assert main(['convert', f'{s3}/sharded', str(tmp_path / 'out.pth')]) == 0
+    got = ckpt.load_checkpoint_file(tmp_path / 'out.pth')
+    assert got['meta']['iter'] == 5
+    assert all(torch.equal(got['state_dict'][k], v) for k, v in weights.items())
+    fs, root = location.filesystem(s3)
+    from safetensors.torch import load
+
+    st = load(fs.cat_file(f'{root}/w.safetensors'))
+    assert all(torch.equal(st[k], v) for k, v in weights.items())
+
+    with pytest.raises(FileExistsError, match='cannot be replaced at a URL'):
+        ckpt.convert_checkpoint(f'{s3}/m.pth', f'{s3}/sharded', to='sharded', overwrite=True)
+    with pytest.raises(FileExistsError, match='exists; choose a new name'):
+        ckpt.convert_checkpoint(f'{s3}/m.pth', f'{s3}/hf', to='hf')
+    with pytest.raises(FileNotFoundError, match=f'checkpoint not found: {s3}/none'):
+        ckpt.convert_checkpoint(f'{s3}/none', f'{s3}/none2')
+    # the same-name upload of a file keeps the old one verifiable: --overwrite may replace it
+    ckpt.convert_checkpoint(f'{s3}/sharded', f'{s3}/m.pth', overwrite=True)
+    assert location.read_manifest_at(f'{s3}/m.pth')['source_format'] == 'sharded'
+    # a directory read through a local copy (Hugging Face's) is verified as it downloads
+    data = bytearray(fs.cat_file(f'{root}/hf/model.safetensors'))
+    data[-3] ^= 0xFF
+    fs.pipe_file(f'{root}/hf/model.safetensors', bytes(data))
+    with pytest.raises(ckpt.CheckpointCorruptError, match=f'{s3}/hf/model.safetensors is damaged'):
+        ckpt.convert_checkpoint(f'{s3}/hf', tmp_path / 'never.pth')
+    assert sorted(os.listdir(tmp_path)) == [
+        'm.pth',
+        'm.pth.manifest.json',
+        'out.pth',
+        'out.pth.manifest.json',
+    ]
+
+
+def test_a_directory_at_a_url_trusts_only_its_manifest(s3, tmp_path, monkeypatch):
+    """Objects of an upload that died (no manifest) are no checkpoint, and the next save of
+    that name removes them first; the committed directory the pointer names is never
+    replaced, another one is (with a warning); a failed upload commits nothing and moves no
+    pointer; a damaged or missing file is named on read."""
+    from stratagem.checkpoint.sharded import read_sharded_checkpoint, save_sharded_checkpoint
+
+    prefix = f'{s3}/run'
+    fs, root = location.filesystem(prefix)
+    state = {'meta': {'iter': 1}, 'state_dict': {'w': torch.arange(8.0)}}
+    save_sharded_checkpoint(f'{prefix}/iter_1', state, step=1, collective=False)
+    fs.pipe_file(f'{root}/iter_2/__0_0.distcp', b'half an upload')  # debris
+    assert _names(prefix) == ['iter_1']
+    save_sharded_checkpoint(
+        f'{prefix}/iter_2', {**state, 'meta': {'iter': 2}}, step=2, collective=False
+    )
+    assert sorted(p.rsplit('/', 1)[-1] for p in fs.find(f'{root}/iter_2')) == [
+        '.metadata',
+        '__0_0.distcp',
+        'extra.pth',
+        'manifest.json',
+    ]
+    with pytest.raises(FileExistsError, match='holds a committed checkpoint that .* names'):
+        save_sharded_checkpoint(f'{prefix}/iter_2', state, step=2, collective=False)
+    assert read_sharded_checkpoint(f'{prefix}/iter_2')['meta']['iter'] == 2
+    # the pointer names iter_2: iter_1 saved again (a run resumed from an earlier one)
+    with pytest.warns(ckpt.CheckpointWarning, match='iter_1 holds a committed checkpoint, which'):
+        save_sharded_checkpoint(
+            f'{prefix}/iter_1', {**state, 'meta': {'iter': 7}}, step=1, collective=False
+        )
+    assert read_sharded_checkpoint(f'{prefix}/iter_1')['meta']['iter'] == 7
+    fs.pipe_file(f'{root}/last_checkpoint', f'{prefix}/iter_2'.encode())  # moved back
+
+    import tempfile
+
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))  # where staging dirs go
+    calls = []
+
+    def failing(fs_, local, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(5, 'the store failed mid-upload')
+        fs_.put_file(os.fspath(local), path)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(location, 'put_object', failing)
+        patch.setattr('stratagem.checkpoint.remote_directory.put_object', failing)
+        with pytest.raises(ckpt.CheckpointLocationError, match='mid-upload'):
+            save_sharded_checkpoint(f'{prefix}/iter_3', state, step=3, collective=False)
+    assert not fs.exists(f'{root}/iter_3/manifest.json') and _names(prefix) == ['iter_2', 'iter_1']
+    assert location.read_pointer(prefix) == f'{prefix}/iter_2'
+    assert not list(tmp_path.glob('stratagem-upload-*'))  # this rank's staging removed
+
+    data = bytearray(fs.cat_file(f'{root}/iter_2/__0_0.distcp'))
+    data[-100] ^= 0xFF
+    fs.pipe_file(f'{root}/iter_2/__0_0.distcp', bytes(data))
+    with pytest.raises(
+        ckpt.CheckpointCorruptError, match=rf'{prefix}/iter_2/__0_0.distcp is damaged'
+    ):
+        read_sharded_checkpoint(f'{prefix}/iter_2')
+    fs.rm_file(f'{root}/iter_1/extra.pth')
+    with pytest.raises(FileNotFoundError, match=rf'{prefix}/iter_1/extra.pth is missing'):
+        read_sharded_checkpoint(f'{prefix}/iter_1')
+
+
+# ------------------------------------------------------------------------- FSDP (slow)
+class Block(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) + x
+
+
+def _fsdp(work_dir, **kwargs):
+    from stratagem.strategies import build_strategy
+
+    s = build_strategy(
+        dict(
+            type='FSDPStrategy',
+            work_dir=str(work_dir),
+            env_kwargs=dict(randomness=dict(seed=7)),
+            model_wrapper=dict(auto_wrap_policy=['Block', 'Linear']),
+            **kwargs,
+        )
+    )
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(6, 8), Block(), Block(), nn.Linear(8, 2))
+    model, ow = s.prepare(
+        net,
+        optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01)),
+        dispatch_kwargs=dict(max_iters=8),
+    )
+    return s, model, ow
+
+
+def _fsdp_train(s, model, ow, start, stop):
+    world = torch.distributed.get_world_size()
+    for it in range(start, stop):
+        g = torch.Generator().manual_seed(100 + it)
+        x, y = torch.randn(8, 6, generator=g), torch.randint(2, (8,), generator=g)
+        per = 8 // world
+        x, y = x[s.rank * per : (s.rank + 1) * per], y[s.rank * per : (s.rank + 1) * per]
+        ow.update_params(nn.functional.cross_entropy(model(x), y))
+
+
+def _full(s):
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    model = get_model_state_dict(s.model, options=opts)
+    optim = get_optimizer_state_dict(s.model, s.optim_wrapper.optimizer, options=opts)
+    buffer = io.BytesIO()
+    torch.save({'model': model, 'optim': optim['state']}, buffer)
+    return buffer.getvalue()
+
+
+def _fsdp_save(prefix, work_dir):
+    """2 ranks: an async sharded save to S3 at iter 3 (training goes on meanwhile), another
+    at iter 6; returns the full state at 3 and at 6."""
+    s, model, ow = _fsdp(work_dir, async_checkpoint=True)
+    _fsdp_train(s, model, ow, 0, 3)
+    at_3 = _full(s)
+    assert s.save_checkpoint(join(prefix, 'iter_3'), extra_ckpt={'meta': {'iter': 3}}) == join(
+        prefix, 'iter_3'
+    )
+    _fsdp_train(s, model, ow, 3, 6)
+    at_6 = _full(s)
+    s.save_checkpoint(join(prefix, 'iter_6'), extra_ckpt={'meta': {'iter': 6}})
+    s.wait_for_checkpoints()
+    return at_3, at_6
+
+
+def _fsdp_resume(prefix, work_dir):
+    """Any world size: iter_3 resumed (in place, each rank reading its pieces) and trained to
+    6; the newest found by load_or_resume(checkpoint_dir=prefix); a save at this world size."""
+    import contextlib
+
+    from stratagem.checkpoint import remote_directory
+
+    s, model, ow = _fsdp(work_dir)
+    # what this rank read of each shard file from the store: whole (verified, then kept in
+    # memory for the read), or ranges of a file another rank verified
+    whole, ranged = set(), {}
+    read_hashed, open_ = remote_directory._read_hashed, remote_directory.RemoteDirectory.open
+
+    def spy_read(fs, path, size, entries, url):
+        whole.add(url.rsplit('/', 1)[-1])
+        return read_hashed(fs, path, size, entries, url)
+
+    class Counted:
+        def __init__(self, stream, name):
+            self.stream, self.name = stream, name
+
+        def read(self, n=-1):
+            data = self.stream.read(n)
+            ranged[self.name] = ranged.get(self.name, 0) + len(data)
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    @contextlib.contextmanager
+    def spy_open(self, relative):
+        with open_(self, relative) as stream:
+            yield stream if relative in self.cache else Counted(stream, relative)
+
+    remote_directory._read_hashed = spy_read
+    remote_directory.RemoteDirectory.open = spy_open
+    try:
+        assert s.resume(join(prefix, 'iter_3'))['meta']['iter'] == 3
+    finally:
+        remote_directory._read_hashed = read_hashed
+        remote_directory.RemoteDirectory.open = open_
+    loaded = _full(s)
+    _fsdp_train(s, model, ow, 3, 6)
+    trained = _full(s)
+    s2, _, _ = _fsdp(work_dir)
+    latest = s2.load_or_resume(resume=True, checkpoint_dir=prefix)
+    world = torch.distributed.get_world_size()
+    s2.save_checkpoint(join(prefix, f'world_{world}'), extra_ckpt={'meta': {'iter': 6}})
+    shards = None
+    if is_url(prefix):
+        fs, root = location.filesystem(prefix)
+        sizes = {name: fs.size(f'{root}/iter_3/{name}') for name in ranged}
+        shards = (
+            sorted(name for name in whole if name.endswith('.distcp')),
+            {name: (n, sizes[name]) for name, n in ranged.items() if name.endswith('.distcp')},
+        )
+    return loaded, trained, latest['meta']['iter'], s2.resumed_from, shards
+
+
+def _files(where, name):
+    """The files of the directory checkpoint ``name`` at ``where``, relative to it."""
+    if is_url(where):
+        fs, root = location.filesystem(join(where, name))
+        return sorted(p[len(root) + 1 :] for p in fs.find(root))
+    top = Path(where, name)
+    return sorted(p.relative_to(top).as_posix() for p in top.rglob('*') if p.is_file())
+
+
+def _manifest(where, name):
+    if is_url(where):
+        from stratagem.checkpoint.remote_directory import read_remote_manifest
+
+        return read_remote_manifest(join(where, name))[0]
+    import json
+
+    return json.loads(Path(where, name, 'manifest.json').read_text())
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_sharded_save_resumed_on_two_and_on_one(where, tmp_path):
+    """FSDP on 2 ranks saves sharded directories (async) to ``where``, a local directory or
+    S3; resumed on 2 processes bit-equal, and on 1 (the same full state, resharded); the
+    newest found by load_or_resume(checkpoint_dir=); retention and the pointer after."""
+    from dist_harness import run_distributed
+
+    work = str(tmp_path / 'work')
+    (at_3, at_6), _ = run_distributed(_fsdp_save, nproc=2, args=(where, work), timeout=300)
+    files = ['.metadata', '__0_0.distcp', '__1_0.distcp', 'extra.pth', 'manifest.json']
+    assert _files(where, 'iter_3') == files
+    assert _pointer(where) == join(where, 'iter_6')
+    assert _manifest(where, 'iter_3')['world_size'] == 2
+
+    two = run_distributed(_fsdp_resume, nproc=2, args=(where, work), timeout=300)
+    assert all(r[0] == at_3 and r[1] == at_6 for r in two)  # bit-equal on 2 ranks
+    assert all(r[2] == 6 and r[3] == join(where, 'iter_6') for r in two)
+    if is_url(where):
+        _assert_own_pieces(where, [r[4] for r in two])
+    (one,) = run_distributed(_fsdp_resume, nproc=1, args=(where, work), timeout=300)
+    assert one[0] == at_3  # 2 -> 1: the same full state, resharded
+    assert one[2] == 6 and one[3] == join(where, 'world_2')  # the newest, by the pointer
+    if is_url(where):  # every file verified, then read from memory
+        assert one[4] == (['__0_0.distcp', '__1_0.distcp'], {})
+    assert _pointer(where) == join(where, 'world_1')
+    # the newest two kept (all at step 6: by creation), the pointed-to among them
+    assert [str(p) for p in _retain(where, 2)] == [join(where, 'iter_6'), join(where, 'iter_3')]
+    assert _names(where) == ['world_1', 'world_2']
+
+
+def _assert_own_pieces(prefix, reads):
+    """At the saving world size each rank reads (and verifies) its own shard file once, and
+    of the other rank's exactly the items DCP stored there once for all ranks (the
+    optimizer's step counters and hyperparameters: one chunk, or bytes): none of its shards."""
+    import pickle
+
+    fs, root = location.filesystem(prefix)
+    metadata = pickle.loads(fs.cat_file(f'{root}/iter_3/.metadata'))
+    replicated = {}
+    for index, info in metadata.storage_data.items():
+        if len(getattr(metadata.state_dict_metadata[index.fqn], 'chunks', [None])) == 1:
+            replicated[info.relative_path] = replicated.get(info.relative_path, 0) + info.length
+    for rank, (own, others) in enumerate(reads):
+        other = f'__{1 - rank}_0.distcp'
+        assert own == [f'__{rank}_0.distcp']
+        assert others.get(other, (0, 0))[0] == replicated.get(other, 0), (others, replicated)
+
+
+# -------------------------------------------------------------------- DeepSpeed (slow)
+def _deepspeed(work_dir, **kwargs):
+    from stratagem.strategies import build_strategy
+
+    s = build_strategy(
+        dict(
+            type='DeepSpeedStrategy',
+            work_dir=work_dir,
+            env_kwargs=dict(randomness=dict(seed=7)),
+            zero_optimization=dict(stage=2),
+            **kwargs,
+        )
+    )
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    model, ow = s.prepare(
+        net,
+        optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.05)),
+        dispatch_kwargs=dict(max_iters=8, train_micro_batch_size_per_gpu=4),
+    )
+    return s, model, ow
+
+
+def _deepspeed_train(s, model, ow, start, stop):
+    for it in range(start, stop):
+        g = torch.Generator().manual_seed(1000 + 10 * it + s.rank)
+        x, y = torch.randn(4, 6, generator=g), torch.randint(3, (4,), generator=g)
+        ow.update_params(nn.functional.cross_entropy(model(x), y))
+
+
+def _deepspeed_weights(s):
+    return {k: v.detach().float().clone() for k, v in s.model_state_dict().items()}
+
+
+def _deepspeed_save(prefix, work_dir):
+    """ZeRO-2 on this world size: an async save of DeepSpeed's directory to S3 at iteration
+    2; returns the weights at 2 and at 4."""
+    s, model, ow = _deepspeed(work_dir, async_checkpoint=True)
+    _deepspeed_train(s, model, ow, 0, 2)
+    at_2 = _deepspeed_weights(s)
+    s.save_checkpoint(f'{prefix}/iter_2', extra_ckpt={'meta': {'iter': 2}})
+    _deepspeed_train(s, model, ow, 2, 4)
+    at_4 = _deepspeed_weights(s)
+    s.wait_for_checkpoints()
+    return at_2, at_4
+
+
+def _deepspeed_resume(prefix, work_dir):
+    """The newest at ``prefix`` resumed (downloaded, verified, for DeepSpeed's engine; at
+    another world size through its universal checkpoint) and trained to 4; the weights
+    alone by load_checkpoint."""
+    s, model, ow = _deepspeed(work_dir)
+    at = s.load_or_resume(resume=True, checkpoint_dir=prefix)['meta']['iter']
+    resumed = _deepspeed_weights(s)
+    _deepspeed_train(s, model, ow, 2, 4)
+    weights_only, _, _ = _deepspeed(work_dir)
+    weights_only.load_checkpoint(f'{prefix}/iter_2')
+    return at, resumed, _deepspeed_weights(s), _deepspeed_weights(weights_only), s.resumed_from
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_deepspeed_directory_saved_to_s3_resumed_on_one_and_from_two(s3, tmp_path, monkeypatch):
+    """DeepSpeed's directory on S3: saved on 1 rank and resumed on 1 bit-equal; saved on 2
+    ranks and resumed on 1 (a world-size change: DeepSpeed's universal checkpoint) with the
+    saved weights. Every rank's staging and download directories are removed."""
+    pytest.importorskip('deepspeed')
+    from dist_harness import run_distributed
+
+    temp = tmp_path / 'tmp'  # the ranks' staging and download directories go here
+    temp.mkdir()
+    monkeypatch.setenv('TMPDIR', str(temp))
+    work = str(tmp_path / 'work')
+    prefix = f'{s3}/ds'
+    ((at_2, at_4),) = run_distributed(_deepspeed_save, nproc=1, args=(prefix, work), timeout=400)
+    ((at, resumed, trained, weights, resumed_from),) = run_distributed(
+        _deepspeed_resume, nproc=1, args=(prefix, work), timeout=400
+    )
+    assert at == 2
+    assert _equal(resumed, at_2) and _equal(trained, at_4) and _equal(weights, at_2)
+    assert resumed_from == f'{prefix}/iter_2'
+    names = _files(prefix, 'iter_2')
+    assert {'manifest.json', 'stratagem_state.pth'} <= set(names)
+    assert any(n.startswith('deepspeed/') and 'optim_states' in n for n in names)
+    assert location.read_pointer(prefix) == f'{prefix}/iter_2'
+
+    two = f'{s3}/ds2'
+    (at_2, _), _ = run_distributed(_deepspeed_save, nproc=2, args=(two, work), timeout=400)
+    assert _manifest(two, 'iter_2')['world_size'] == 2
+    ((at, resumed, _, weights, _),) = run_distributed(
+        _deepspeed_resume, nproc=1, args=(two, work), timeout=400
+    )
+    assert at == 4  # 2 iterations of 2 ranks: 4 of this one's (the samples seen)
+    assert _equal(resumed, at_2) and _equal(weights, at_2)
+    assert not list(temp.glob('stratagem-*'))  # uploaded from, downloaded to: removed
+
+
+@pytest.mark.slow
+def test_stratagem_train_fsdp_with_out_dir_on_s3_resumes_in_an_empty_work_dir(s3, tmp_path):
+    """`stratagem train` of the FSDP example on 2 processes with mmengine's out_dir on S3:
+    sharded directories in the bucket, max_keep_ckpts applied there, the pointer in both
+    places; then `--resume` on a "new machine" (an empty work_dir of the same name) resumes
+    from the bucket alone and finishes the run."""
+    from stratagem.cli import main
+
+    example = Path(__file__).resolve().parents[2] / 'examples' / 'configs' / 'transformer_fsdp.py'
+    options = [
+        'train_cfg.max_iters=8',
+        'train_cfg.max_epochs=None',
+        'train_cfg.checkpoint_interval=2',
+        'train_cfg.max_keep_ckpts=2',
+        f'default_hooks.checkpoint.out_dir={s3}/runs',
+    ]
+
+    def train(work_dir, *extra, max_iters=6):
+        args = ['train', str(example), '--nproc', '2', '--work-dir', str(work_dir)]
+        return main(
+            [*args, *extra, '--cfg-options', *options[1:], f'train_cfg.max_iters={max_iters}']
+        )
+
+    assert train(tmp_path / 'a' / 'exp') == 0
+    prefix = f'{s3}/runs/exp'
+    assert _names(prefix) == ['iter_6.pth', 'iter_4.pth']  # retention in the bucket
+    assert location.read_pointer(prefix) == f'{prefix}/iter_6.pth'
+    assert (tmp_path / 'a' / 'exp' / 'last_checkpoint').read_text() == f'{prefix}/iter_6.pth'
+    from stratagem.checkpoint.remote_directory import read_remote_manifest
+
+    assert read_remote_manifest(f'{prefix}/iter_6.pth')[0]['world_size'] == 2
+
+    assert train(tmp_path / 'b' / 'exp', '--resume', max_iters=8) == 0
+    assert location.read_pointer(prefix) == f'{prefix}/iter_8.pth'
+    assert ckpt.convert_checkpoint(f'{prefix}/iter_8.pth', tmp_path / 'final.pth')
+    assert ckpt.load_checkpoint_file(tmp_path / 'final.pth')['meta']['iter'] == 8
