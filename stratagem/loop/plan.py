@@ -246,7 +246,9 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
     problems.attempt(check_anomaly_checkpoints, anomaly, periodic)
     strategy_type = dict(cfg.get('strategy') or {}).get('type')
     problems.attempt(check_anomaly_strategy, anomaly, strategy_type)
-    problems.attempt(check_peer_strategy, checkpoints.peer_interval, strategy_type)
+    problems.attempt(
+        check_peer_strategy, checkpoints.peer_interval, dict(cfg.get('strategy') or {})
+    )
     problems.raise_any()
     return RunPlan(
         model=cfg.model,
@@ -506,11 +508,21 @@ def _read_peer_interval(hook: dict) -> int:
     return n
 
 
-def check_peer_strategy(peer_interval: int, strategy_type: Any) -> None:
+def check_peer_strategy(peer_interval: int, strategy_cfg: Mapping) -> None:
     """Peer copies hold each rank's whole state: refused for a backend whose ranks do not
-    (``Capabilities.whole_state_per_rank``; ``strategy.type``: a name, a class or 'auto')."""
+    (``Capabilities.whole_state_per_rank``; ``strategy.type``: a name, a class or 'auto'),
+    and with replica groups (``strategy.fault_tolerance``), whose groups share a work_dir and
+    heal from a live peer's memory already."""
     from stratagem.strategies.capabilities import capabilities_of
 
+    if peer_interval and strategy_cfg.get('fault_tolerance'):
+        raise ValueError(
+            f'default_hooks.checkpoint.peer_interval={peer_interval} with '
+            "strategy.fault_tolerance: a replica group heals from a live group's memory "
+            'already, and the groups share one work_dir (their copies would meet in one '
+            '/dev/shm directory); remove peer_interval'
+        )
+    strategy_type = strategy_cfg.get('type')
     if peer_interval and not capabilities_of(strategy_type).whole_state_per_rank:
         name = strategy_type if isinstance(strategy_type, str) else strategy_type.__name__
         raise ValueError(

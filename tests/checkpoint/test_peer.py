@@ -237,3 +237,6 @@ def test_peer_interval_is_checked_before_anything_runs():
     with pytest.raises(ValueError, match="peer copies keep each rank's whole state, and "
                        'FSDPStrategy shards it'):  # fmt: skip
         check_train_config(cfg)
+    cfg['strategy'] = dict(type='DDPStrategy', fault_tolerance=dict(min_replicas=1))
+    with pytest.raises(ValueError, match='with strategy.fault_tolerance: a replica group heals'):
+        check_train_config(cfg)
