@@ -524,7 +524,11 @@ def check_peer_strategy(peer_interval: int, strategy_cfg: Mapping) -> None:
         )
     strategy_type = strategy_cfg.get('type')
     if peer_interval and not capabilities_of(strategy_type).whole_state_per_rank:
-        name = strategy_type if isinstance(strategy_type, str) else strategy_type.__name__
+        name = (
+            strategy_type
+            if isinstance(strategy_type, str)
+            else getattr(strategy_type, '__name__', repr(strategy_type))
+        )
         raise ValueError(
             f'default_hooks.checkpoint.peer_interval={peer_interval}: peer copies keep each '
             f"rank's whole state, and {name} shards it or an engine holds it; remove "
