@@ -158,6 +158,7 @@ CHECKPOINT_HOOK_KEYS: frozenset[str] = frozenset(
         'save_last',
         'out_dir',
         'backend_args',
+        'peer_interval',
     }
 )
 """``default_hooks.checkpoint`` (mmengine's ``CheckpointHook``, read by the reference loop):
@@ -174,8 +175,12 @@ end), ``out_dir`` (a local path or an fsspec URL, ``'s3://bucket/prefix'``: chec
 the work_dir; logs and metrics stay in the work_dir; ``resume=True`` resumes from there, so a
 new machine with an empty work_dir resumes from the bucket alone), ``backend_args`` (the
 store's options, e.g. ``dict(endpoint_url=..., key=..., secret=...)`` for S3; without them the
-client reads ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ... from the environment). A key
-given both here and in ``train_cfg`` must agree."""
+client reads ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ... from the environment),
+``peer_interval`` (ours; iterations between peer copies of each rank's state, in this node's
+``/dev/shm`` and at a holder rank on another node where there is one: a restart of the whole
+job (``--max-restarts``, ``--resume``) loads them when they are at least as new as the newest
+checkpoint and verify, else the checkpoint; default 0: none; ``stratagem.checkpoint.peer``).
+A key given both here and in ``train_cfg`` must agree."""
 
 LOGGER_HOOK_KEYS: frozenset[str] = frozenset({'type', 'interval'})
 """``default_hooks.logger`` (mmengine's ``LoggerHook``, read by the reference loop):

@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 from .agree import agree_on_checkpoint
 from .async_writer import AsyncCheckpointWriter
 from .location import absolute, is_url
+from .peer import PeerCopies
 from .storage import CheckpointStorage, SaveCommit
 from .vote import SaveVote
 
@@ -172,21 +173,7 @@ class Checkpointer:
         storage = self.storage
         self.check_location(path)
         storage.check_savable(path)
-        content: dict[str, Any] = {}
-        for key, part in state.items():
-            if key in storage.holds:  # the storage's own files hold it (DeepSpeed's model)
-                continue
-            value = part.state_dict()
-            if value is not None:
-                content[key] = value
-        # mmengine's order: meta first
-        checkpoint = {k: content[k] for k in sorted(content, key=lambda k: k != 'meta')}
-        checkpoint.update(extra or {})
-        if callback is not None:
-            callback(checkpoint)
-        held = storage.validate(checkpoint)
-        meta = checkpoint.get('meta')
-        step = meta.get('iter') if isinstance(meta, Mapping) else None
+        checkpoint, held, step = self._capture(state, extra, callback)
         vote = SaveVote.open(self.timeout, f'saving {path}')
         commit = SaveCommit(
             vote,
@@ -206,12 +193,54 @@ class Checkpointer:
         except BaseException as err:
             commit.abandon(f'{type(err).__name__}: {err}')
             raise
-        del checkpoint, content  # the live tensors may change from here on: async has a copy
+        del checkpoint  # the live tensors may change from here on: async has a copy
         if writer is None:
             commit.run(job)
         else:
             writer.submit(commit.run, job)
         return path
+
+    def _capture(
+        self,
+        state: Mapping[str, Stateful],
+        extra: Mapping | None,
+        callback: Callable[[dict], None] | None,
+    ) -> tuple[dict, list[str], int | None]:
+        """Steps 3-4 of 'Save': each part's state in order (but the keys the storage's own
+        files hold), ``extra``, ``callback``, the content validated; returns the content,
+        the allow-listed classes it holds and its iteration (``meta['iter']``, or None)."""
+        content: dict[str, Any] = {}
+        for key, part in state.items():
+            if key in self.storage.holds:  # the storage's own files hold it (DeepSpeed's model)
+                continue
+            value = part.state_dict()
+            if value is not None:
+                content[key] = value
+        # mmengine's order: meta first
+        checkpoint = {k: content[k] for k in sorted(content, key=lambda k: k != 'meta')}
+        checkpoint.update(extra or {})
+        if callback is not None:
+            callback(checkpoint)
+        held = self.storage.validate(checkpoint)
+        meta = checkpoint.get('meta')
+        step = meta.get('iter') if isinstance(meta, Mapping) else None
+        return checkpoint, held, step if type(step) is int else None
+
+    def save_peer(
+        self, peer: PeerCopies, state: Mapping[str, Stateful], *, extra: Mapping | None = None
+    ) -> str | None:
+        """Commit this rank's content of ``state`` (steps 3-4 of 'Save', as ``save``
+        captures it) as a peer copy, here and at its holder (``peer.py``; collective:
+        every rank calls it at the same iteration, ``meta['iter']``); returns this rank's
+        own copy (None: not kept, a warning said why). A pending asynchronous save goes
+        on: the copy is another file."""
+        checkpoint, _, step = self._capture(state, extra, None)
+        if step is None:
+            raise ValueError(
+                "a peer copy needs its iteration: pass extra_ckpt={'meta': {'iter': N}}"
+            )
+        own = peer.commit(checkpoint, step)
+        return None if own is None else str(own)
 
     # ------------------------------------------------------------------------ load
     def agree(self, filename: str) -> str:
@@ -244,11 +273,19 @@ class Checkpointer:
         map_location: Any = 'cpu',
         optimizer: bool = False,
         callback: Callable[[dict], None] | None = None,
+        own_copy: bool = False,
     ) -> LoadContext:
         """Steps 1-6 of docs/architecture.md, 'Load and resume'; returns the load's context
         (the agreed ``path``, the ``checkpoint`` as read, what the parts' checks noted).
-        ``optimizer``: ``state`` restores an optimizer (the storage reads its state too)."""
-        path = self.agree(filename)
+        ``optimizer``: ``state`` restores an optimizer (the storage reads its state too).
+        ``own_copy``: ``filename`` is this rank's own file, a peer copy the ranks agreed
+        on by its iteration (``peer.py``), so step 2's agreement on one file is skipped;
+        the file is verified against its manifest as it is read."""
+        if own_copy:
+            self.wait()
+            path = str(absolute(filename))
+        else:
+            path = self.agree(filename)
         storage = self.storage
         checkpoint, opened = storage.open(
             path, map_location, optimizer=optimizer, editable=callback is not None

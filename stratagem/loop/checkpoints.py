@@ -9,6 +9,10 @@ resume appends there) and save_best's best so far, and its time on the loop's th
 the meter's stall. ``on_commit(path, iteration)`` (a host's, e.g. Ray's report) hears of each
 save once it is committed: a synchronous save when it returns (every rank knows the vote's
 outcome), an asynchronous one when the next save or the end has waited for it.
+
+``default_hooks.checkpoint.peer_interval``: every that many iterations each rank's state,
+with the same ``meta``, is committed as a peer copy (``checkpoint/peer.py``), which a
+restart of the whole job prefers to an older checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from stratagem.checkpoint import location
 from stratagem.checkpoint.location import is_url, join
 
 if TYPE_CHECKING:
+    from stratagem.checkpoint.peer import PeerCopies
+
     from .meter import Meter
     from .validation import BestCheckpoint
 
@@ -57,9 +63,13 @@ class Checkpoints:
         self._uncommitted: tuple[str, int] | None = None  # an async save not yet waited for
         self.last_path: str | None = strategy.resumed_from  # a rollback's target
         self.anomalies: Any = None  # train_cfg.anomaly's state, kept in every save's meta
+        #: ``default_hooks.checkpoint.peer_interval``'s copies (``checkpoint/peer.py``), and
+        #: the iterations between them
+        self.peer: PeerCopies | None = None
+        self.peer_every = 0
 
-    def save(self, name: str, it: int) -> str:
-        """Save ``directory/name`` after iteration ``it``; returns its path."""
+    def meta(self, it: int) -> dict[str, Any]:
+        """A save's ``meta`` after iteration ``it`` (a peer copy's too: the same state)."""
         meta: dict[str, Any] = {
             'iter': it,
             'epoch': it // self.epoch_length,
@@ -70,6 +80,11 @@ class Checkpoints:
             meta.update(self.best.meta())
         if self.anomalies is not None:
             meta.update(self.anomalies.meta())
+        return meta
+
+    def save(self, name: str, it: int) -> str:
+        """Save ``directory/name`` after iteration ``it``; returns its path."""
+        meta = self.meta(it)
         t_save = time.perf_counter()
         in_work_dir = self.directory == self.strategy.work_dir  # relative: under work_dir
         target = name if in_work_dir else join(self.directory, name)
@@ -98,6 +113,26 @@ class Checkpoints:
         self.saved_at = it
         self.retain()
         self.strategy.logger.debug('saved %s', path)
+
+    def peer_due(self, it: int) -> bool:
+        """After iteration ``it``: every ``peer_every`` iterations, but at the end (the last
+        checkpoint is saved there)."""
+        return bool(self.peer is not None and self.peer_every and it % self.peer_every == 0) and (
+            it < self.max_iters
+        )
+
+    def copy_to_peer(self, it: int) -> None:
+        """Commit each rank's state after iteration ``it`` as a peer copy (here and at its
+        holder); its time on the loop's thread is the meter's stall."""
+        assert self.peer is not None
+        t_copy = time.perf_counter()
+        self.strategy.save_peer_copy(self.peer, extra_ckpt={'meta': self.meta(it)})
+        self.meter.add_stall(time.perf_counter() - t_copy)
+
+    def forget_peer_copies(self) -> None:
+        """After a rollback: the copies are of iterations the run no longer stands on."""
+        if self.peer is not None:
+            self.peer.clear()
 
     def retain(self) -> None:
         """``max_keep_ckpts`` (rank 0): the newest ``iter_*`` checkpoints, the protected kept."""

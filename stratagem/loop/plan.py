@@ -117,6 +117,9 @@ class CheckpointPlan:
     #: ``backend_args``
     out_dir: str | None = None
     backend_args: dict | None = None
+    #: ``default_hooks.checkpoint.peer_interval``: iterations between peer copies (0: none;
+    #: ``checkpoint/peer.py``)
+    peer_interval: int = 0
 
     def directory(self, work_dir: str) -> str:
         """Where the checkpoints go: ``out_dir/<work_dir's last component>`` (mmengine's
@@ -241,7 +244,11 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
     periodic = bool(checkpoints.interval) or bool(hooks and checkpoints.hook_interval
                                                   and checkpoints.hook_interval[0] > 0)  # fmt: skip
     problems.attempt(check_anomaly_checkpoints, anomaly, periodic)
-    problems.attempt(check_anomaly_strategy, anomaly, dict(cfg.get('strategy') or {}).get('type'))
+    strategy_type = dict(cfg.get('strategy') or {}).get('type')
+    problems.attempt(check_anomaly_strategy, anomaly, strategy_type)
+    problems.attempt(
+        check_peer_strategy, checkpoints.peer_interval, dict(cfg.get('strategy') or {})
+    )
     problems.raise_any()
     return RunPlan(
         model=cfg.model,
@@ -455,7 +462,7 @@ def _read_default_hooks(
         ignored += [f'default_hooks.logger.{k}' for k in logger if k not in LOGGER_HOOK_KEYS]
         if 'interval' in logger:
             _agree(train_cfg, 'log_interval', logger['interval'], 'default_hooks.logger.interval')
-    hook_interval, best, out_dir, backend_args = None, None, None, None
+    hook_interval, best, out_dir, backend_args, peer_interval = None, None, None, None, 0
     ckpt_hook = hooks.get('checkpoint')
     if isinstance(ckpt_hook, Mapping):
         ckpt_hook = dict(ckpt_hook)
@@ -466,11 +473,12 @@ def _read_default_hooks(
         ]
         hook_interval, best = _read_checkpoint_hook(ckpt_hook, train_cfg, run_by_epoch)
         out_dir, backend_args = _read_out_dir(ckpt_hook)
+        peer_interval = _read_peer_interval(ckpt_hook)
     if ignored:
         warnings.warn(
             f"stratagem train's reference loop does not honour {', '.join(ignored)}: it "
             'reads default_hooks.checkpoint (interval, by_epoch, max_keep_ckpts, save_best, '
-            'rule, greater_keys, less_keys, out_dir, backend_args) and '
+            'rule, greater_keys, less_keys, out_dir, backend_args, peer_interval) and '
             'default_hooks.logger.interval; hooks run under '
             "mmengine's runner (runner_type='FlexibleRunner', the mmengine extra)",
             UserWarning,
@@ -483,8 +491,49 @@ def _read_default_hooks(
         max_keep=train_cfg.get('max_keep_ckpts'),
         out_dir=out_dir,
         backend_args=backend_args,
+        peer_interval=peer_interval,
     )
     return checkpoints, best
+
+
+def _read_peer_interval(hook: dict) -> int:
+    """``default_hooks.checkpoint.peer_interval``: iterations between peer copies (an int
+    >= 0; 0, the default: none)."""
+    n = hook.get('peer_interval', 0)
+    if type(n) is not int or n < 0:
+        raise ValueError(
+            'default_hooks.checkpoint.peer_interval must be a number of iterations >= 0 '
+            f'(0: no peer copies), got {n!r}'
+        )
+    return n
+
+
+def check_peer_strategy(peer_interval: int, strategy_cfg: Mapping) -> None:
+    """Peer copies hold each rank's whole state: refused for a backend whose ranks do not
+    (``Capabilities.whole_state_per_rank``; ``strategy.type``: a name, a class or 'auto'),
+    and with replica groups (``strategy.fault_tolerance``), whose groups share a work_dir and
+    heal from a live peer's memory already."""
+    from stratagem.strategies.capabilities import capabilities_of
+
+    if peer_interval and strategy_cfg.get('fault_tolerance'):
+        raise ValueError(
+            f'default_hooks.checkpoint.peer_interval={peer_interval} with '
+            "strategy.fault_tolerance: a replica group heals from a live group's memory "
+            'already, and the groups share one work_dir (their copies would meet in one '
+            '/dev/shm directory); remove peer_interval'
+        )
+    strategy_type = strategy_cfg.get('type')
+    if peer_interval and not capabilities_of(strategy_type).whole_state_per_rank:
+        name = (
+            strategy_type
+            if isinstance(strategy_type, str)
+            else getattr(strategy_type, '__name__', repr(strategy_type))
+        )
+        raise ValueError(
+            f'default_hooks.checkpoint.peer_interval={peer_interval}: peer copies keep each '
+            f"rank's whole state, and {name} shards it or an engine holds it; remove "
+            'peer_interval, or train with DDPStrategy'
+        )
 
 
 def _read_out_dir(hook: dict) -> tuple[str | None, dict | None]:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from stratagem.checkpoint.location import is_url, join
+from stratagem.checkpoint.peer import PeerCopies, peer_root
 from stratagem.checkpoint.store_debris import probe_writable
 from stratagem.config import Config, config_search_dirs, import_custom_modules
 from stratagem.env.logging import run_end_logged
@@ -150,6 +151,9 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
             ):
                 watchdog.at(it, 'saving a checkpoint')
                 p.checkpoints.after_step(it)
+            if p.checkpoints.peer_due(it) and not stop:
+                watchdog.at(it, 'copying the state to a peer')
+                p.checkpoints.copy_to_peer(it)
             if p.meter.due(it, stop):
                 p.meter.log_row(it)
             if p.stragglers.due(it):
@@ -209,6 +213,7 @@ def _rolled_back(p: _Parts, it: int) -> int:
     """After a rollback: the data, the meter and the bar from the checkpoint's iteration."""
     back, p.rolled_to = p.rolled_to, None
     assert back is not None
+    p.checkpoints.forget_peer_copies()
     p.batches.restart()
     p.meter.rewind(back)
     p.stragglers.cancel()
@@ -259,6 +264,7 @@ def _build(
             )
         replicas = Replicas(strategy, batches, optim_wrapper, _shared_seed(strategy_cfg, plan))
         healed_at = replicas.first_quorum()  # a live peer's state, before any storage
+    peer = _peer_copies(strategy) if plan.checkpoints.peer_interval else None
     checkpoint = None
     if healed_at is None:
         checkpoint = strategy.load_or_resume(
@@ -266,6 +272,7 @@ def _build(
             resume=resume,
             refit_schedulers=plan.refit_schedulers,
             checkpoint_dir=None if plan.checkpoints.out_dir is None else directory,
+            peer=peer,
         )
         if replicas is not None and resume:
             replicas.resumed(checkpoint)
@@ -324,6 +331,7 @@ def _build(
     )
     if replicas is not None:
         replicas.meter = meter
+    checkpoints.peer, checkpoints.peer_every = peer, plan.checkpoints.peer_interval
     anomalies = None
     if plan.anomaly is not None:
         anomalies = Anomalies(plan.anomaly, strategy, optim_wrapper)
@@ -365,6 +373,32 @@ def _shared_seed(strategy_cfg: Mapping, plan: RunPlan) -> int | None:
     randomness = dict(dict(strategy_cfg.get('env_kwargs') or {}).get('randomness') or {})
     seed = randomness.get('seed')
     return None if seed is None else int(seed)
+
+
+def _peer_copies(strategy: Any) -> PeerCopies:
+    """The run's peer copies (``checkpoint/peer.py``): under its work_dir's key in this node's
+    ``/dev/shm``; copied through the filesystem when every rank runs on this node, else sent
+    over a gloo group (the default one when it is gloo; the bytes are on the CPU)."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    from stratagem import env
+
+    group = None
+    if strategy.distributed and dist.get_backend() != 'gloo':
+        group = dist.new_group(backend='gloo')  # every rank builds it, in the same order
+    world = strategy.world_size
+    hosts = env.all_gather_object(socket.gethostname(), group)
+    return PeerCopies(
+        peer_root(strategy.work_dir),
+        strategy.rank,
+        world,
+        local_world_size=int(os.environ.get('LOCAL_WORLD_SIZE', world)),
+        group=group,
+        same_node=len(set(hosts)) == 1,
+    )
 
 
 def _resumed_position(meta: dict | None, max_iters: int) -> tuple[int, int]:

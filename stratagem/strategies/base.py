@@ -86,6 +86,7 @@ from stratagem import env
 from stratagem.checkpoint.checkpointer import Checkpointer, Stateful
 from stratagem.checkpoint.huggingface import model_config_json
 from stratagem.checkpoint.location import is_url
+from stratagem.checkpoint.peer import PeerCopies
 from stratagem.checkpoint.state_dict import unwrap_model as unwrap_module
 from stratagem.checkpoint.storage import CheckpointStorage
 from stratagem.config import check_keys
@@ -708,6 +709,27 @@ class BaseStrategy(ABC):
         )
         return self.checkpointer.save(path, state, extra=extra, callback=callback)
 
+    def save_peer_copy(
+        self, peer: PeerCopies, *, extra_ckpt: Mapping | None = None, loaders: Mapping | None = None
+    ) -> str | None:
+        """Commit each rank's state (what ``save_checkpoint`` holds for it, captured by the
+        same parts) as a peer copy: in this node's ``/dev/shm`` and at its holder rank
+        (``checkpoint/peer.py``); every rank calls it at the same iteration,
+        ``extra_ckpt['meta']['iter']``. Returns this rank's own copy (None: ``/dev/shm``
+        refused it, with a warning; the run goes on). ``resume=True`` of
+        ``load_or_resume(..., peer=)`` prefers it to an older storage checkpoint. Refused
+        (ValueError) where a rank does not hold the whole state
+        (``Capabilities.whole_state_per_rank``)."""
+        if not self.capabilities.whole_state_per_rank:
+            raise ValueError(
+                f'peer checkpoints (default_hooks.checkpoint.peer_interval) keep each '
+                f"rank's whole state, and {type(self).__name__} shards it or an engine "
+                'holds it; remove peer_interval, or train with DDPStrategy'
+            )
+        extra = dict(extra_ckpt or {})
+        state = self.checkpoint_state(meta=extra.pop('meta', None), loaders=loaders)
+        return self.checkpointer.save_peer(peer, state, extra=extra)
+
     def wait_for_checkpoints(self) -> None:
         """Block until every pending (asynchronous) save is committed; raise its error if it
         failed, on every rank. A no-op when nothing is pending. ``save_checkpoint``,
@@ -835,10 +857,13 @@ class BaseStrategy(ABC):
         refit_schedulers: bool = False,
         loaders: Mapping[str, Any] | None = None,
         checkpoint_dir: str | None = None,
+        peer: PeerCopies | None = None,
     ) -> dict | None:
         """mmengine's runner logic: resume (latest in work_dir, or ``checkpoint_dir``: a path
         or URL where the run's checkpoints go, or a path) or just load weights; returns the
-        checkpoint or None (:func:`.loading.load_or_resume`)."""
+        checkpoint or None (:func:`.loading.load_or_resume`). ``peer``: the run's peer
+        copies (``save_peer_copy``): ``resume=True`` loads them when they are at least as
+        new as the newest storage checkpoint and verify, else storage."""
         return loading.load_or_resume(
             self,
             load_from,
@@ -846,6 +871,7 @@ class BaseStrategy(ABC):
             refit_schedulers=refit_schedulers,
             loaders=loaders,
             checkpoint_dir=checkpoint_dir,
+            peer=peer,
         )
 
     def __repr__(self) -> str:

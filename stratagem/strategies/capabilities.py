@@ -66,6 +66,20 @@ class Capabilities:
     requires: tuple[str, ...] = ()
 
     @property
+    def whole_state_per_rank(self) -> bool:
+        """Every rank holds the whole training state (model, optimizer), so the content
+        one rank captures for a checkpoint restores that rank alone: what peer checkpoints
+        (``default_hooks.checkpoint.peer_interval``, ``checkpoint/peer.py``) need. Not so
+        where a backend shards the state or an engine's files hold it."""
+        return not (
+            self.fully_shards
+            or self.zero_stage
+            or self.engine_steps
+            or self.deepspeed_config
+            or self.pipeline
+        )
+
+    @property
     def builds_optimizer(self) -> bool:
         """The optimizer a host trainer built is not the one that steps (it is rebuilt over
         the wrapped parameters, or from its cfg), so what holds the old one (a scheduler)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from stratagem import checkpoint as ckpt
 from stratagem import env
 from stratagem.checkpoint.location import absolute, find_latest, is_url, list_checkpoints, parent
+from stratagem.checkpoint.peer import PeerCopies
 from stratagem.checkpoint.state_dict import describe_keys, find_model_weights
 
 from .resume_checks import previous_run_traces, resume_newest
@@ -128,6 +129,7 @@ def resume(
     callback: Callable[[dict], None] | None = None,
     refit_schedulers: bool = False,
     loaders: Mapping[str, Any] | None = None,
+    own_copy: bool = False,
 ) -> dict:
     """Continue exactly where ``filename`` stopped; returns the checkpoint (``meta`` has iter).
 
@@ -146,6 +148,10 @@ def resume(
     ``refit_schedulers=True`` gives it this run's length instead (``T_max`` and other
     lengths derived from ``end`` follow), its values replayed from the first iteration to
     the resumed one, so they are those of a fresh run of this length.
+
+    ``own_copy``: ``filename`` is this rank's own peer copy (``checkpoint/peer.py``), the
+    ranks agreed on its iteration before (every rank loads its own file; the iteration is
+    still checked to be the same on every rank after).
     """
     if not strategy.prepared:
         raise RuntimeError(
@@ -164,6 +170,7 @@ def resume(
         map_location=resolve_map_location(strategy, map_location),
         optimizer='optimizer' in state,
         callback=callback,
+        own_copy=own_copy,
     )
     path, checkpoint = context.path, context.checkpoint
     meta = context.meta
@@ -188,6 +195,7 @@ def load_or_resume(
     refit_schedulers: bool = False,
     loaders: Mapping[str, Any] | None = None,
     checkpoint_dir: str | None = None,
+    peer: PeerCopies | None = None,
 ) -> dict | None:
     """mmengine's runner logic: resume (latest in work_dir, or a path) or just load weights.
 
@@ -204,6 +212,11 @@ def load_or_resume(
     path, or a URL: mmengine's ``out_dir``); ``resume=True`` looks there first, then at the
     work_dir's ``last_checkpoint`` (which may name a URL), so a new machine with an empty
     work_dir resumes from the bucket alone.
+
+    ``peer``: the run's peer copies (``checkpoint/peer.py``). ``resume=True`` without
+    ``load_from`` loads them when every rank has a verified copy of one iteration at least as
+    new as the newest storage checkpoint (:func:`_resume_from_peer`), else storage, with a
+    log line naming the tier and why; any other start removes them.
     """
     resume_fn = functools.partial(
         strategy.resume, refit_schedulers=refit_schedulers, loaders=loaders
@@ -211,10 +224,15 @@ def load_or_resume(
     strategy.wait_for_checkpoints()
     if strategy.rank == 0:  # debris of a killed run: its orphan manifests and temp entries
         ckpt.sweep_debris(strategy.work_dir)
+    if peer is not None and not (resume is True and load_from is None):
+        peer.clear()  # another start: a later restart must not find an older timeline's copy
     if isinstance(resume, str):
         return resume_fn(resume)
     if resume and load_from is None:
-        return _resume_latest(strategy, resume_fn, checkpoint_dir)
+        own_fn = functools.partial(
+            _resume_own_copy, strategy, refit_schedulers=refit_schedulers, loaders=loaders
+        )
+        return _resume_latest(strategy, resume_fn, checkpoint_dir, (peer, own_fn) if peer else None)
     if resume and load_from is not None:  # resume=True with a file: that file
         return resume_fn(load_from)
     if load_from is not None:
@@ -223,13 +241,22 @@ def load_or_resume(
 
 
 def _resume_latest(
-    strategy: BaseStrategy, resume_fn: Callable[[str], dict], checkpoint_dir: str | None = None
+    strategy: BaseStrategy,
+    resume_fn: Callable[[str], dict],
+    checkpoint_dir: str | None = None,
+    peer: tuple[PeerCopies, Callable[[str], dict]] | None = None,
 ) -> dict | None:
     """The newest committed checkpoint in ``checkpoint_dir`` (when given), else in
     ``work_dir``: rank 0 decides (other ranks may not see this work_dir, or see another
-    one); ``resume`` then checks every rank reads that same checkpoint."""
+    one); ``resume`` then checks every rank reads that same checkpoint. With ``peer`` (the
+    copies, and the resume of a rank's own copy), the peer copies first when they win
+    (:func:`_resume_from_peer`)."""
     work_dir = strategy.work_dir
     rank = strategy.rank
+    if peer is not None:
+        resumed = _resume_from_peer(strategy, *peer, _newest_stored(strategy, checkpoint_dir))
+        if resumed is not None:
+            return resumed
     latest = _find_latest(strategy, checkpoint_dir) if rank == 0 else None
     latest = env.broadcast_object(None if latest is None else str(latest))
     if latest is not None and is_url(latest):
@@ -250,6 +277,67 @@ def _resume_latest(
         f'no checkpoint in {work_dir} to resume from; training starts from scratch'
     )
     return None
+
+
+def _resume_own_copy(strategy: BaseStrategy, path: str, **kwargs: Any) -> dict:
+    """:func:`resume` of this rank's own peer copy (``load_or_resume``'s ``resume`` argument
+    hides the function there)."""
+    return resume(strategy, path, own_copy=True, **kwargs)
+
+
+def _newest_stored(
+    strategy: BaseStrategy, checkpoint_dir: str | None
+) -> tuple[str, str, int | None] | None:
+    """The newest committed checkpoint by the manifests (nothing hashed: a storage checkpoint
+    is verified when it is loaded), in ``checkpoint_dir`` (when given), else in work_dir:
+    ``(path, name, step)``, the same on every rank (rank 0 looks), or None."""
+    found = None
+    if strategy.rank == 0:
+        backend_args = strategy.checkpointer.backend_args
+        where = [checkpoint_dir] if checkpoint_dir is not None else []
+        for directory in [*where, strategy.work_dir]:
+            if is_url(directory):
+                remote = list_checkpoints(directory, backend_args)
+                if remote:
+                    found = (remote[0].url, remote[0].url.rsplit('/', 1)[-1], remote[0].step)
+            else:
+                local = ckpt.list_checkpoints(directory)
+                if local:
+                    found = (str(local[0].path), local[0].path.name, local[0].step)
+            if found is not None:
+                break
+    return env.broadcast_object(found)
+
+
+def _resume_from_peer(
+    strategy: BaseStrategy,
+    peer: PeerCopies,
+    resume_own: Callable[[str], dict],
+    stored: tuple[str, str, int | None] | None,
+) -> dict | None:
+    """Resume from the run's peer copies when they win over ``stored``, the newest storage
+    checkpoint (``peer.choose``: a verified copy of one iteration on every rank, at least as
+    new); returns None (the copies removed) when storage wins. Either way one log line says
+    which tier and why."""
+    storage = None if stored is None else (stored[1], stored[2])
+    choice = peer.plan(storage)
+    if choice.step is None:
+        if stored is not None or choice.reason != 'no peer copies':  # else: a fresh start
+            strategy.logger.info(f'resume tier: storage ({choice.reason})')
+        peer.clear()
+        return None
+    path, failed = peer.fetch(choice)
+    if path is None:
+        strategy.logger.info(f'resume tier: storage ({choice.reason}; but {failed})')
+        peer.clear()
+        return None
+    strategy.logger.info(f'resume tier: peer ({choice.reason}): {path}')
+    checkpoint = resume_own(path)
+    # the storage checkpoint of that very state, if there is one, is what the run resumed
+    # from (retention keeps it; the metrics append to its folder); a copy in memory is not
+    same = stored is not None and stored[2] == choice.step
+    strategy.resumed_from = absolute(stored[0]) if same and stored is not None else None
+    return checkpoint
 
 
 def _resume_from_store(

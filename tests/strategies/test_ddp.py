@@ -280,6 +280,72 @@ def resume_first_half(tmp):
     return {'resume_ckpt': path, 'diff_rank_seeds': seeds}
 
 
+def _resume_with_peer(work, peer):
+    """A new strategy's ``load_or_resume(resume=True, peer=)``: the checkpoint, rank 0's
+    'resume tier' lines, the strategy."""
+    import logging
+
+    again = _strategy(work)
+    again.prepare(_net(), optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.5, momentum=0.9)))
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    again.logger.addHandler(handler)
+    try:
+        checkpoint = again.load_or_resume(resume=True, peer=peer)
+    finally:
+        again.logger.removeHandler(handler)
+    return checkpoint, [line for line in lines if 'resume tier' in line], again
+
+
+@SCENARIOS.add('ranks')
+def peer_copies(tmp):
+    """Peer copies on 2 ranks, sent over the process group and copied on one node: each
+    rank's state committed in its own directory and at its holder (the other rank); a
+    storage checkpoint older; rank 0's own copy removed. ``load_or_resume(resume=True,
+    peer=)`` takes the peer tier, rank 0 getting its copy from its holder. Then (one node)
+    rank 0's copy lost again and the one rank 1 holds torn: storage."""
+    import shutil
+
+    from stratagem.checkpoint.manifest import forget_verified
+    from stratagem.checkpoint.peer import PeerCopies
+
+    out = {}
+    for same_node in (False, True):
+        work = os.path.join(tmp, f'peer-{same_node}')
+        s = _trained(work)
+        root = os.path.join(tmp, f'peer-shm-{same_node}')
+        peer = PeerCopies(root, s.rank, s.world_size, same_node=same_node)
+        s.save_checkpoint('iter_3.pth', extra_ckpt={'meta': {'iter': 3}})
+        s.save_peer_copy(peer, extra_ckpt={'meta': {'iter': 4}})
+        want = [p.detach().clone() for p in s.model.parameters()]
+        held = sorted(os.listdir(peer.held_dir))
+        if s.rank == 0:
+            shutil.rmtree(peer.own_dir)
+        torch.distributed.barrier()
+        checkpoint, tier, again = _resume_with_peer(work, peer)
+        out[same_node] = {
+            'held': held,
+            'iter': checkpoint['meta']['iter'],
+            'equal': all(torch.equal(a, b) for a, b in zip(want, again.model.parameters())),
+            'tier': tier,
+            'own': sorted(os.listdir(peer.own_dir)),
+        }
+    # one node, rank 0's own copy gone again and the copy rank 1 holds torn
+    if s.rank == 0:
+        shutil.rmtree(peer.own_dir)
+    else:
+        copy = peer.held_dir / 'iter_4.pth'
+        data = bytearray(copy.read_bytes())
+        data[-40] ^= 0xFF
+        copy.write_bytes(bytes(data))
+    forget_verified()
+    torch.distributed.barrier()
+    checkpoint, tier, _ = _resume_with_peer(work, peer)
+    out['torn'] = {'iter': checkpoint['meta']['iter'], 'tier': tier}
+    return out
+
+
 @pytest.fixture(scope='module')
 def scenarios(request, tmp_path_factory):
     return SCENARIOS.run(request, tmp_path_factory.mktemp('ddp'))
@@ -421,3 +487,30 @@ def test_stratagem_train_nproc_2(uninterrupted_run):
     assert ck['meta']['world_size'] == 2 and ck['meta']['strategy'] == 'DDPStrategy'
     assert ck['meta']['iter'] == ITERS_2
     assert len(ck['rng_states']) == 2 and (work / 'iter_5.pth').is_file()
+
+
+@pytest.mark.scenario('peer_copies')
+@pytest.mark.parametrize('same_node', [False, True], ids=['sent', 'copied'])
+def test_peer_copies_reach_the_holder_and_come_back_for_a_lost_own_copy(scenario, same_node):
+    for r in scenario:
+        r = r[same_node]
+        assert r['held'] == ['iter_4.pth', 'iter_4.pth.manifest.json']
+        assert r['own'] == ['iter_4.pth', 'iter_4.pth.manifest.json']  # rank 0's: fetched
+        assert (r['iter'], r['equal']) == (4, True)
+    (tier,) = scenario[0][same_node]['tier']  # rank 0's log (the others log warnings only)
+    assert tier.startswith(
+        'resume tier: peer (peer copies of iteration 4: at least as new as the newest '
+        'storage checkpoint iter_3.pth (iteration 3); rank(s) [0] from their holder)'
+    )
+
+
+@pytest.mark.scenario('peer_copies')
+def test_a_torn_copy_from_the_holder_falls_back_to_storage(scenario):
+    assert [r['torn']['iter'] for r in scenario] == [3, 3]
+    (tier,) = scenario[0]['torn']['tier']
+    assert tier.startswith(
+        'resume tier: storage (peer copies of iteration 4: at least as new as the newest '
+        'storage checkpoint iter_3.pth (iteration 3); rank(s) [0] from their holder; but the '
+        'copy of rank 0 that rank 1 holds: checkpoint '
+    )
+    assert 'is damaged' in tier
