@@ -40,6 +40,7 @@ import mmap
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -417,20 +418,13 @@ def copy_committed(source: Path, final: Path) -> Path:
     """Copy the committed copy ``source`` (and its manifest) to ``final`` on this node, in
     the commit's order: the file whole under a temporary name (the kernel's copy), the
     manifest, the rename. Its bytes are verified when it is loaded, as every copy's."""
-    final.parent.mkdir(parents=True, exist_ok=True)
     manifest = source.with_name(source.name + SIDECAR_SUFFIX).read_bytes()
-    tmp = _fs.temp_name(final)
-    try:
+
+    def write(tmp: Path) -> None:
         shutil.copyfile(source, tmp)
         _fs.fsync_file(tmp)
-        _fs.write_atomic(final.with_name(final.name + SIDECAR_SUFFIX), manifest)
-        _fs.fsync_dir(final.parent)
-        os.replace(tmp, final)
-    except BaseException:
-        _fs.unlink_quietly(tmp)
-        raise
-    _fs.fsync_dir(final.parent)
-    return final
+
+    return _commit_copy(final, manifest, write)
 
 
 def commit_bytes(final: Path, manifest: bytes, data: bytes | memoryview) -> Path:
@@ -451,14 +445,24 @@ def commit_bytes(final: Path, manifest: bytes, data: bytes | memoryview) -> Path
             f'{actual}, its manifest says {entry["size"]} bytes with {expected}; '
             'it was not kept'
         )
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _fs.temp_name(final)
-    try:
+
+    def write(tmp: Path) -> None:
         with open(tmp, 'wb') as file:
             file.write(data)
             file.flush()
             os.fsync(file.fileno())
         remember_verified(tmp, actual, _identity(tmp), algo)  # a rename keeps the identity
+
+    return _commit_copy(final, manifest, write)
+
+
+def _commit_copy(final: Path, manifest: bytes, write: Callable[[Path], None]) -> Path:
+    """The copy's commit: ``write`` fills a temporary name whole and synced, then the
+    manifest goes in place, then the rename."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _fs.temp_name(final)
+    try:
+        write(tmp)
         _fs.write_atomic(final.with_name(final.name + SIDECAR_SUFFIX), manifest)
         _fs.fsync_dir(final.parent)
         os.replace(tmp, final)
