@@ -10,35 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from remote_state import OPTIM, prepared, state_bytes, train
 from stratagem import checkpoint as ckpt
 from stratagem.checkpoint import location
 from stratagem.strategies import SingleDeviceStrategy
-
-OPTIM = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
-
-
-def _prepared(work_dir):
-    s = SingleDeviceStrategy(work_dir=str(work_dir), env_kwargs=dict(randomness=dict(seed=1)))
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    out = s.prepare(
-        net,
-        optim_wrapper=OPTIM,
-        param_scheduler=[dict(type='ConstantLR')],
-        dispatch_kwargs=dict(max_iters=10),
-    )
-    return s, out[0], out[1]
-
-
-def _train(model, optim_wrapper, steps):
-    for _ in range(steps):
-        optim_wrapper.update_params(model(torch.randn(3, 4)).square().mean())
-
-
-def _state_bytes(model, optim_wrapper):
-    buffer = io.BytesIO()
-    torch.save({'model': model.state_dict(), 'optim': optim_wrapper.state_dict()}, buffer)
-    return buffer.getvalue()
 
 
 @pytest.fixture
@@ -57,21 +32,21 @@ def test_save_load_resume_round_trip_at_a_url(store, request, tmp_path):
     (no directory named 's3:' or 'memory:')."""
     base = request.getfixturevalue('s3' if store == 's3' else 'memory_url')
     url = f'{base}/api/iter_3.pth'
-    s, model, ow = _prepared(tmp_path / 'work')
-    _train(model, ow, 3)
+    s, model, ow = prepared(tmp_path / 'work')
+    train(model, ow, 3)
     returned = s.save_checkpoint(url, extra_ckpt={'meta': {'iter': 3}})
     assert returned == url
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    _train(model, ow, 2)
-    expected = _state_bytes(model, ow)
+    train(model, ow, 2)
+    expected = state_bytes(model, ow)
 
-    s2, model2, ow2 = _prepared(tmp_path / 'work2')
+    s2, model2, ow2 = prepared(tmp_path / 'work2')
     checkpoint = s2.resume(url)
     assert checkpoint['meta']['iter'] == 3 and s2.resumed_from == url
-    _train(model2, ow2, 2)
-    assert _state_bytes(model2, ow2) == expected
+    train(model2, ow2, 2)
+    assert state_bytes(model2, ow2) == expected
 
-    s3_, model3, _ = _prepared(tmp_path / 'work3')
+    s3_, model3, _ = prepared(tmp_path / 'work3')
     s3_.load_checkpoint(url)
     loaded = model3.state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in weights.items())
@@ -82,7 +57,7 @@ def test_save_load_resume_round_trip_at_a_url(store, request, tmp_path):
 def test_the_objects_appear_in_commit_order_and_the_pointer_names_the_manifested_one(s3, tmp_path):
     """After a save: the object, its manifest (listing its size and digest) and the pointer
     naming it; an object no manifest lists is ignored by the scan and by load_or_resume."""
-    s, model, ow = _prepared(tmp_path / 'work')
+    s, model, ow = prepared(tmp_path / 'work')
     prefix = f'{s3}/run'
     s.save_checkpoint(f'{prefix}/iter_1.pth', extra_ckpt={'meta': {'iter': 1}})
     fs, path = location.filesystem(prefix)
@@ -97,14 +72,14 @@ def test_the_objects_appear_in_commit_order_and_the_pointer_names_the_manifested
     fs.pipe_file(f'{path}/iter_9.pth', b'PK\x03\x04 not a complete checkpoint')
     assert [c.url for c in location.list_checkpoints(prefix)] == [f'{prefix}/iter_1.pth']
     fs.pipe_file(f'{path}/last_checkpoint', f'{prefix}/iter_9.pth'.encode())
-    s2, _, _ = _prepared(tmp_path / 'work2')
+    s2, _, _ = prepared(tmp_path / 'work2')
     with pytest.warns(ckpt.CheckpointWarning, match='iter_9.pth, which no manifest lists'):
         checkpoint = s2.load_or_resume(resume=True, checkpoint_dir=prefix)
     assert checkpoint['meta']['iter'] == 1 and s2.resumed_from == f'{prefix}/iter_1.pth'
 
 
 def test_a_damaged_object_is_refused_naming_the_url(memory_url, tmp_path):
-    s, _, _ = _prepared(tmp_path / 'work')
+    s, _, _ = prepared(tmp_path / 'work')
     url = f'{memory_url}/iter_2.pth'
     s.save_checkpoint(url, extra_ckpt={'meta': {'iter': 2}})
     fs, path = location.filesystem(url)
@@ -119,7 +94,7 @@ def test_a_damaged_object_is_refused_naming_the_url(memory_url, tmp_path):
 
 
 def test_retention_at_a_url_keeps_the_newest_and_the_pointed(memory_url, tmp_path):
-    s, model, ow = _prepared(tmp_path / 'work')
+    s, model, ow = prepared(tmp_path / 'work')
     for it in (1, 2, 3, 4):
         s.save_checkpoint(f'{memory_url}/iter_{it}.pth', extra_ckpt={'meta': {'iter': it}})
     removed = location.apply_retention(memory_url, 2, pattern='iter_*')
@@ -135,7 +110,7 @@ def test_retention_at_a_url_keeps_the_newest_and_the_pointed(memory_url, tmp_pat
 def test_a_save_to_a_missing_bucket_or_with_refused_credentials_names_the_url(s3, tmp_path):
     """One message naming the URL and the fix; the earlier checkpoint, its manifest and the
     pointer are unchanged; no staging directory is left behind."""
-    s, model, ow = _prepared(tmp_path / 'work')
+    s, model, ow = prepared(tmp_path / 'work')
     good = f'{s3}/run/iter_1.pth'
     s.save_checkpoint(good, extra_ckpt={'meta': {'iter': 1}})
     fs, path = location.filesystem(f'{s3}/run')
@@ -174,7 +149,7 @@ def test_a_directory_layout_refuses_a_url_before_writing(tmp_path):
     class Directory(CheckpointStorage):
         urls = False
 
-    s, _, _ = _prepared(tmp_path / 'work')
+    s, _, _ = prepared(tmp_path / 'work')
     s.checkpointer.storage = Directory()
     with pytest.raises(NotImplementedError, match='cannot be saved to or read from a URL yet'):
         s.save_checkpoint('memory://x/iter_1.pth')
@@ -205,11 +180,11 @@ def test_an_async_save_to_a_url_holds_the_state_at_the_call(memory_url, tmp_path
         dispatch_kwargs=dict(max_iters=10),
     )
     s.checkpointer.also_point = str(work)
-    _train(model, ow, 2)
+    train(model, ow, 2)
     at_call = {k: v.clone() for k, v in model.state_dict().items()}
     url = f'{memory_url}/iter_2.pth'
     assert s.save_checkpoint(url, extra_ckpt={'meta': {'iter': 2}}) == url
-    _train(model, ow, 2)  # while the upload may still run
+    train(model, ow, 2)  # while the upload may still run
     s.wait_for_checkpoints()
     assert (work / 'last_checkpoint').read_text() == url
     with pytest.warns(ckpt.CheckpointWarning, match=f'names {url}, a checkpoint at a URL'):
@@ -254,11 +229,11 @@ def _ddp_round_trip(url, work_dir):
     steps(model, ow, 1)
     assert s.save_checkpoint(url, extra_ckpt={'meta': {'iter': 2}}) == url
     steps(model, ow, 2)
-    expected = _state_bytes(s.unwrap_model(), ow)
+    expected = state_bytes(s.unwrap_model(), ow)
     s2, model2, ow2 = make()
     assert s2.resume(url)['meta']['iter'] == 2
     steps(model2, ow2, 2)
-    return _state_bytes(s2.unwrap_model(), ow2) == expected
+    return state_bytes(s2.unwrap_model(), ow2) == expected
 
 
 @pytest.mark.slow
@@ -303,14 +278,14 @@ def test_foreign_objects_load_unverified_in_either_format_and_a_truncated_one_is
 def test_resume_at_a_url_passes_over_a_damaged_newest(memory_url, tmp_path):
     """The newest object's bytes no longer match its manifest (same size): the automatic
     resume warns and continues from the newest other committed one."""
-    s, _, _ = _prepared(tmp_path / 'work')
+    s, _, _ = prepared(tmp_path / 'work')
     for it in (1, 2):
         s.save_checkpoint(f'{memory_url}/iter_{it}.pth', extra_ckpt={'meta': {'iter': it}})
     fs, path = location.filesystem(memory_url)
     data = bytearray(fs.cat_file(f'{path}/iter_2.pth'))
     data[-200] ^= 0xFF
     fs.pipe_file(f'{path}/iter_2.pth', bytes(data))
-    s2, _, _ = _prepared(tmp_path / 'work2')
+    s2, _, _ = prepared(tmp_path / 'work2')
     with pytest.warns(ckpt.CheckpointWarning, match=r'iter_2.pth is damaged.*iter_1.pth'):
         checkpoint = s2.load_or_resume(resume=True, checkpoint_dir=memory_url)
     assert checkpoint['meta']['iter'] == 1 and s2.resumed_from == f'{memory_url}/iter_1.pth'
@@ -322,7 +297,7 @@ def test_a_same_name_save_that_fails_mid_upload_leaves_the_old_object_verifiable
     """Saving over ``latest.pth``: the new manifest (naming the old one it replaces) goes up
     first; the object's upload fails (the store refuses it); the old object still loads and
     is still listed, and the next save over it works."""
-    s, model, ow = _prepared(tmp_path / 'work')
+    s, model, ow = prepared(tmp_path / 'work')
     url = f'{memory_url}/latest.pth'
     s.save_checkpoint(url, extra_ckpt={'meta': {'iter': 1}})
     fs, _ = location.filesystem(url)
@@ -332,7 +307,7 @@ def test_a_same_name_save_that_fails_mid_upload_leaves_the_old_object_verifiable
 
     with monkeypatch.context() as patch:
         patch.setattr(type(fs), 'put_file', refuse)
-        _train(model, ow, 1)
+        train(model, ow, 1)
         with pytest.raises(ckpt.CheckpointLocationError, match='mid-upload'):
             s.save_checkpoint(url, extra_ckpt={'meta': {'iter': 2}})
     assert 'replaces' in location.read_manifest_at(url)

@@ -12,35 +12,10 @@ import pytest
 import torch
 from torch import nn
 
+from remote_state import prepared, state_bytes, train
 from stratagem import checkpoint as ckpt
 from stratagem.checkpoint import location
 from stratagem.checkpoint.location import is_url, join
-from stratagem.strategies import SingleDeviceStrategy
-
-OPTIM = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
-
-
-def _prepared(work_dir):
-    s = SingleDeviceStrategy(work_dir=str(work_dir), env_kwargs=dict(randomness=dict(seed=1)))
-    torch.manual_seed(0)
-    out = s.prepare(
-        nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
-        optim_wrapper=OPTIM,
-        param_scheduler=[dict(type='ConstantLR')],
-        dispatch_kwargs=dict(max_iters=10),
-    )
-    return s, out[0], out[1]
-
-
-def _train(model, optim_wrapper, steps):
-    for _ in range(steps):
-        optim_wrapper.update_params(model(torch.randn(3, 4)).square().mean())
-
-
-def _state_bytes(model, optim_wrapper):
-    buffer = io.BytesIO()
-    torch.save({'model': model.state_dict(), 'optim': optim_wrapper.state_dict()}, buffer)
-    return buffer.getvalue()
 
 
 @pytest.fixture(params=['local', 's3'])
@@ -74,25 +49,25 @@ def test_sharded_directories_retention_pointer_auto_resume_and_convert(where, tm
     the pointer names the newest, load_or_resume(checkpoint_dir=where) resumes it and trains
     on bit-equal to the uninterrupted run, retention keeps the newest, and `convert` reads it
     back (sharded -> file) to the same weights and optimizer state."""
-    s, model, ow = _prepared(tmp_path / 'work')
+    s, model, ow = prepared(tmp_path / 'work')
     staged = tmp_path / 'staged'
     for it in (1, 2):
-        _train(model, ow, 1)
+        train(model, ow, 1)
         local = s.save_checkpoint(str(staged / f'iter_{it}.pth'), extra_ckpt={'meta': {'iter': it}})
         out = ckpt.convert_checkpoint(local, join(where, f'iter_{it}'), to='sharded')
         assert str(out) == join(where, f'iter_{it}')
     at_2 = {k: v.clone() for k, v in model.state_dict().items()}
-    _train(model, ow, 2)
-    expected = _state_bytes(model, ow)
+    train(model, ow, 2)
+    expected = state_bytes(model, ow)
 
     assert _pointer(where) == join(where, 'iter_2')
     assert _names(where) == ['iter_2', 'iter_1']
-    s2, model2, ow2 = _prepared(tmp_path / 'work2')
+    s2, model2, ow2 = prepared(tmp_path / 'work2')
     checkpoint = s2.load_or_resume(resume=True, checkpoint_dir=where)
     assert checkpoint['meta']['iter'] == 2 and s2.resumed_from == join(where, 'iter_2')
     assert all(torch.equal(model2.state_dict()[k], v) for k, v in at_2.items())
-    _train(model2, ow2, 2)
-    assert _state_bytes(model2, ow2) == expected
+    train(model2, ow2, 2)
+    assert state_bytes(model2, ow2) == expected
 
     assert [str(p) for p in _retain(where, 1)] == [join(where, 'iter_1')]
     assert _names(where) == ['iter_2']
