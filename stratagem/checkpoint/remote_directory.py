@@ -50,6 +50,7 @@ from .location import (
     POINTER_NAME,
     RemoteCheckpoint,
     _read_hashed,
+    _read_small,
     absolute,
     filesystem,
     is_url,
@@ -243,7 +244,7 @@ def read_remote_manifest(url: str, backend_args: Mapping | None = None) -> tuple
     fs, root = _root(url, backend_args)
     with store_errors(url, 'reading'):
         try:
-            raw = call(fs.cat_file, f'{root}/{DIR_MANIFEST}')
+            raw = call(_read_small, fs, f'{root}/{DIR_MANIFEST}')
         except FileNotFoundError:
             return None
     manifest = parse_manifest(raw, f'{url}/{DIR_MANIFEST}')
@@ -508,7 +509,7 @@ def list_directories(
             continue
         try:
             manifest = parse_manifest(
-                call(fs.cat_file, f'{root}/{name}/{DIR_MANIFEST}'),
+                call(_read_small, fs, f'{root}/{name}/{DIR_MANIFEST}'),
                 join(directory, f'{name}/manifest'),
             )
         except (CheckpointCorruptError, FileNotFoundError):
