@@ -10,6 +10,7 @@ lighthouse, real SIGKILLs on gloo, 2 groups x 1 or 2 processes.
 from __future__ import annotations
 
 import csv
+import io
 import os
 import re
 import signal
@@ -151,6 +152,48 @@ def test_state_digest_tells_states_apart():
     assert trained(0.1) == trained(0.1) != trained(0.2)
 
 
+def test_a_sharded_group_heals_shard_by_shard(tmp_path):
+    # FSDP: a peer's state travels as plain shards and lands back on this rank's DTensors,
+    # the optimizer's buffers included (one process, a 1-rank mesh)
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, init_device_mesh
+
+    from stratagem.optim import build_optim_wrapper
+
+    dist.init_process_group(
+        'gloo', store=dist.FileStore(str(tmp_path / 'store'), 1), rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh('cpu', (1,))
+
+        def sharded(seed: int) -> ReplicaGroup:
+            torch.manual_seed(seed)
+            model = fully_shard(
+                torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)), mesh=mesh
+            )
+            cfg = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
+            g = ReplicaGroup(FaultTolerance(replica_id=seed, lighthouse='http://127.0.0.1:9'))
+            g._module, g._wrapper = model, build_optim_wrapper(model, cfg)
+            return g
+
+        peer, healed = sharded(1), sharded(2)
+        peer._wrapper.update_params(peer._module(torch.ones(2, 3)).sum())
+        buffer = io.BytesIO()  # through bytes, as torchft's transport sends it
+        torch.save(peer._state(), buffer)
+        state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+        assert not any(isinstance(t, DTensor) for t in state['model'].values())
+        healed._load_peer_state(state)
+        assert healed.digest() == peer.digest() and healed.heals[-1].peer == 1
+        momentum = healed._wrapper.optimizer.state_dict()['state'][0]['momentum_buffer']
+        assert isinstance(momentum, DTensor)
+        for g in (peer, healed):  # the next update alike
+            g._wrapper.update_params(g._module(torch.ones(2, 3)).sum())
+        assert healed.digest() == peer.digest()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_unreachable_lighthouse_is_named():
     group = ReplicaGroup(
         FaultTolerance(replica_id=4, lighthouse='http://127.0.0.1:9', connect_timeout=0.5)
@@ -198,7 +241,7 @@ optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.05, momentum=0.9),
 param_scheduler = [dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=6)]
 train_cfg = dict(max_iters={iters}, checkpoint_interval={every}, log_interval=5)
 randomness = dict(seed=7)
-strategy = dict(type='DDPStrategy', checkpoint_timeout=30,
+strategy = dict({strategy}, checkpoint_timeout=30,
                 env_kwargs=dict(dist_cfg=dict(backend='gloo', timeout=60)),
                 {ft})
 """
@@ -214,6 +257,7 @@ def write_cfg(
     every: int = 0,
     min_replicas: int = 1,
     quorum_timeout: float = 60,
+    strategy: str = "type='DDPStrategy'",
 ) -> Path:
     fault = (
         f'fault_tolerance=dict(min_replicas={min_replicas}, timeout=10, '
@@ -223,7 +267,14 @@ def write_cfg(
     )
     path.write_text(
         CONFIG.format(
-            hidden=hidden, n=N, batch=BATCH, acc=acc, iters=iters, every=every or iters, ft=fault
+            hidden=hidden,
+            n=N,
+            batch=BATCH,
+            acc=acc,
+            iters=iters,
+            every=every or iters,
+            ft=fault,
+            strategy=strategy,
         )
     )
     return path
@@ -389,6 +440,24 @@ def test_2x2_with_no_failure_equals_plain_ddp_of_the_same_global_batch(tmp_path,
 
 
 @pytest.mark.slow
+def test_fsdp_2x2_with_no_failure_equals_plain_fsdp_of_the_same_global_batch(tmp_path, lighthouse):
+    # each group shards the model over its 2 processes; torchft averages the shards'
+    # gradients across the groups (the mesh's replicate dimension)
+    lh = lighthouse(min_replicas=2)
+    iters = 24
+    # one consolidated checkpoint file: the groups' and the plain run's weights compared
+    kind = dict(strategy="type='FSDPStrategy', state_dict_type='full'", acc=2)
+    cfg = write_cfg(tmp_path / 'ft.py', iters=iters, min_replicas=2, **kind)
+    plain = write_cfg(tmp_path / 'fsdp.py', iters=iters, ft=False, **kind)
+    fsdp = group(plain, tmp_path / 'fsdp', None, '', '--nproc', '4')
+    outs = succeed(*(group(cfg, tmp_path / 'ft', i, lh.address, '--nproc', '2') for i in (0, 1)))
+    succeed(fsdp)
+    assert digest(outs[0]) == digest(outs[1])
+    meta = assert_weights_close(tmp_path / 'ft', tmp_path / 'fsdp', iters, atol=1e-6)
+    assert meta['replica_group'] == {'step': iters // 2, 'batches_committed': iters}
+
+
+@pytest.mark.slow
 def test_2x1_equals_plain_ddp_and_a_resume_of_the_whole_job_is_exact(tmp_path, lighthouse):
     # a: the whole job; b: its first 20 iterations, then --resume to the end; d: plain DDP
     # of the same global batch. a, b's first part and d at once, each job its lighthouse.
@@ -435,14 +504,20 @@ def _wait_for(pattern: str, root: Path, logs: str, count: int = 1, timeout: floa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    'strategy, kills',
+    [("type='DDPStrategy'", 3), ("type='FSDPStrategy', state_dict_type='full'", 1)],
+    ids=['ddp', 'fsdp'],
+)
 def test_a_group_killed_every_few_steps_heals_from_its_peer_the_survivor_never_stops(
-    tmp_path, lighthouse
+    tmp_path, lighthouse, strategy, kills
 ):
     # 2 groups x 2 processes; group 1 loses one process, alternately rank 1 and rank 0
     # (the one holding its torchft Manager and store), a second after it healed, 3 times
-    nproc, kills, iters = 2, 3, 600
+    # (FSDP: the heal copies each rank's shards from the peer's same rank; once)
+    nproc, iters = 2, 600
     lh = lighthouse()
-    cfg = write_cfg(tmp_path / 'cfg.py', iters=iters, every=iters)
+    cfg = write_cfg(tmp_path / 'cfg.py', iters=iters, every=iters, strategy=strategy)
     wd, fast = tmp_path / 'wd', tmp_path / 'fast'
     # paced until the last heal (enough steps for the kills on a loaded machine), then the
     # rest at full speed
