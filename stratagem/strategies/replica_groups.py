@@ -689,7 +689,7 @@ def _is_dtensor(t: Any) -> bool:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor; a plain tensor as it is."""
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
