@@ -440,21 +440,35 @@ def test_2x2_with_no_failure_equals_plain_ddp_of_the_same_global_batch(tmp_path,
 
 
 @pytest.mark.slow
-def test_fsdp_2x2_with_no_failure_equals_plain_fsdp_of_the_same_global_batch(tmp_path, lighthouse):
+def test_fsdp_2x2_equals_plain_fsdp_and_a_resume_of_the_whole_job_is_exact(tmp_path, lighthouse):
     # each group shards the model over its 2 processes; torchft averages the shards'
-    # gradients across the groups (the mesh's replicate dimension)
-    lh = lighthouse(min_replicas=2)
-    iters = 24
-    # one consolidated checkpoint file: the groups' and the plain run's weights compared
-    kind = dict(strategy="type='FSDPStrategy', state_dict_type='full'", acc=2)
-    cfg = write_cfg(tmp_path / 'ft.py', iters=iters, min_replicas=2, **kind)
+    # gradients across the groups (the mesh's replicate dimension). As the 2x1 DDP test
+    # below: a, the whole job; b, its first 20 iterations then --resume; the plain FSDP
+    # run of 4 processes. One consolidated checkpoint file, to compare the weights.
+    iters = 30
+    kind = dict(strategy="type='FSDPStrategy', state_dict_type='full'", acc=2, every=10)
+    whole = write_cfg(tmp_path / 'whole.py', iters=iters, min_replicas=2, **kind)
+    first = write_cfg(tmp_path / 'first.py', iters=20, min_replicas=2, **kind)
     plain = write_cfg(tmp_path / 'fsdp.py', iters=iters, ft=False, **kind)
+    lh_a, lh_b = lighthouse(min_replicas=2), lighthouse(min_replicas=2)
+    n = ('--nproc', '2')
     fsdp = group(plain, tmp_path / 'fsdp', None, '', '--nproc', '4')
-    outs = succeed(*(group(cfg, tmp_path / 'ft', i, lh.address, '--nproc', '2') for i in (0, 1)))
+    a = [group(whole, tmp_path / 'a', i, lh_a.address, *n) for i in (0, 1)]
+    b = [group(first, tmp_path / 'b', i, lh_b.address, *n) for i in (0, 1)]
+    uninterrupted = succeed(*a)
+    succeed(*b)
+    resumed = succeed(
+        *(group(whole, tmp_path / 'b', i, lh_b.address, '--resume', *n) for i in (0, 1))
+    )
     succeed(fsdp)
-    assert digest(outs[0]) == digest(outs[1])
-    meta = assert_weights_close(tmp_path / 'ft', tmp_path / 'fsdp', iters, atol=1e-6)
-    assert meta['replica_group'] == {'step': iters // 2, 'batches_committed': iters}
+    assert digest(uninterrupted[0]) == digest(uninterrupted[1])
+    position = {'step': iters // 2, 'batches_committed': iters}
+    meta = assert_weights_close(tmp_path / 'a', tmp_path / 'fsdp', iters, atol=1e-6)
+    assert meta['replica_group'] == position
+    assert all('resumed after 20' in out for out in resumed)
+    assert digest(resumed[0]) == digest(resumed[1]) == digest(uninterrupted[0])
+    meta = assert_weights_close(tmp_path / 'b', tmp_path / 'a', iters, atol=0)
+    assert meta['replica_group'] == position
 
 
 @pytest.mark.slow
