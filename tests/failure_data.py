@@ -2,7 +2,9 @@
 own process, or fail once, at a given read. Imported by test configs by name (tests/ on
 ``PYTHONPATH``).
 
-Environment (read on each sample): ``SLOW`` seconds per sample; ``SIGNAL_AT=N`` and
+Environment (read on each sample): ``SLOW`` seconds per sample (``FAST_FILE``: none once
+that file exists, so a test paces a run while it needs time and lets it finish at full
+speed); ``SIGNAL_AT=N`` and
 ``SIGNAL=SIGUSR1`` (default): the process that reads its N-th sample sends itself that
 signal (``SIGNAL_RANK``: only that rank); ``FAIL_AT=N`` with ``FAIL_RANK=R``: rank R raises
 at its N-th read in the first attempt of a torchrun job (``TORCHELASTIC_RESTART_COUNT=0``);
@@ -34,7 +36,7 @@ class FailureDataset(Dataset):
         self.reads += 1
         env = os.environ
         rank = env.get('RANK', '0')
-        if env.get('SLOW'):
+        if env.get('SLOW') and not (env.get('FAST_FILE') and os.path.exists(env['FAST_FILE'])):
             time.sleep(float(env['SLOW']))
         if env.get('COUNT_DIR'):
             if self.reads == 1:

@@ -4,12 +4,13 @@
 First tier: the config's checks, the sample stream's split, the messages of the named
 failures that need no second process (torchft missing, an unreachable lighthouse, a replica
 id the work_dir lock already holds). The second tier (slow): real processes, a real
-lighthouse, real SIGKILLs on gloo, 2 groups x 1 process.
+lighthouse, real SIGKILLs on gloo, 2 groups x 1 or 2 processes.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import os
 import re
 import signal
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from failure_helpers import clean_env, finish, kill_tree, start, workers
+from failure_helpers import clean_env, kill_tree, workers
 from stratagem.strategies.replica_groups import (
     LIGHTHOUSE_ENV,
     REPLICA_ID_ENV,
@@ -151,6 +152,48 @@ def test_state_digest_tells_states_apart():
     assert trained(0.1) == trained(0.1) != trained(0.2)
 
 
+def test_a_sharded_group_heals_shard_by_shard(tmp_path):
+    # FSDP: a peer's state travels as plain shards and lands back on this rank's DTensors,
+    # the optimizer's buffers included (one process, a 1-rank mesh)
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, init_device_mesh
+
+    from stratagem.optim import build_optim_wrapper
+
+    dist.init_process_group(
+        'gloo', store=dist.FileStore(str(tmp_path / 'store'), 1), rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh('cpu', (1,))
+
+        def sharded(seed: int) -> ReplicaGroup:
+            torch.manual_seed(seed)
+            model = fully_shard(
+                torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)), mesh=mesh
+            )
+            cfg = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
+            g = ReplicaGroup(FaultTolerance(replica_id=seed, lighthouse='http://127.0.0.1:9'))
+            g._module, g._wrapper = model, build_optim_wrapper(model, cfg)
+            return g
+
+        peer, healed = sharded(1), sharded(2)
+        peer._wrapper.update_params(peer._module(torch.ones(2, 3)).sum())
+        buffer = io.BytesIO()  # through bytes, as torchft's transport sends it
+        torch.save(peer._state(), buffer)
+        state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+        assert not any(isinstance(t, DTensor) for t in state['model'].values())
+        healed._load_peer_state(state)
+        assert healed.digest() == peer.digest() and healed.heals[-1].peer == 1
+        momentum = healed._wrapper.optimizer.state_dict()['state'][0]['momentum_buffer']
+        assert isinstance(momentum, DTensor)
+        for g in (peer, healed):  # the next update alike
+            g._wrapper.update_params(g._module(torch.ones(2, 3)).sum())
+        assert healed.digest() == peer.digest()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_unreachable_lighthouse_is_named():
     group = ReplicaGroup(
         FaultTolerance(replica_id=4, lighthouse='http://127.0.0.1:9', connect_timeout=0.5)
@@ -186,6 +229,8 @@ def test_lighthouse_options_are_checked(capsys):
 
 
 # ------------------------------------------------------------------------ processes
+# Each test starts its lighthouses and groups together where they do not depend on one
+# another: most of a run here is process start-up and waiting, not training.
 N, BATCH = 64, 4
 CONFIG = """
 model = dict(type='MLPClassifier', in_features=8, num_classes=3, hidden={hidden})
@@ -196,7 +241,7 @@ optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.05, momentum=0.9),
 param_scheduler = [dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=6)]
 train_cfg = dict(max_iters={iters}, checkpoint_interval={every}, log_interval=5)
 randomness = dict(seed=7)
-strategy = dict(type='DDPStrategy', checkpoint_timeout=30,
+strategy = dict({strategy}, checkpoint_timeout=30,
                 env_kwargs=dict(dist_cfg=dict(backend='gloo', timeout=60)),
                 {ft})
 """
@@ -212,6 +257,7 @@ def write_cfg(
     every: int = 0,
     min_replicas: int = 1,
     quorum_timeout: float = 60,
+    strategy: str = "type='DDPStrategy'",
 ) -> Path:
     fault = (
         f'fault_tolerance=dict(min_replicas={min_replicas}, timeout=10, '
@@ -221,14 +267,22 @@ def write_cfg(
     )
     path.write_text(
         CONFIG.format(
-            hidden=hidden, n=N, batch=BATCH, acc=acc, iters=iters, every=every or iters, ft=fault
+            hidden=hidden,
+            n=N,
+            batch=BATCH,
+            acc=acc,
+            iters=iters,
+            every=every or iters,
+            ft=fault,
+            strategy=strategy,
         )
     )
     return path
 
 
 class Lighthouse:
-    """``stratagem lighthouse`` in a process of its own; ``address`` once it serves."""
+    """``stratagem lighthouse`` in a process of its own; ``address`` once it serves (read
+    on first use, so that several start at once)."""
 
     def __init__(self, min_replicas: int = 1) -> None:
         self.proc = subprocess.Popen(
@@ -251,10 +305,16 @@ class Lighthouse:
             stderr=subprocess.DEVNULL,
             text=True,
         )
-        line = self.proc.stdout.readline()
-        match = re.match(r'lighthouse: (\S+)', line)
-        assert match, f'no address from the lighthouse: {line!r}'
-        self.address = match.group(1)
+        self._address: str | None = None
+
+    @property
+    def address(self) -> str:
+        if self._address is None:
+            line = self.proc.stdout.readline()
+            match = re.match(r'lighthouse: (\S+)', line)
+            assert match, f'no address from the lighthouse: {line!r}'
+            self._address = match.group(1)
+        return self._address
 
     def close(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -278,16 +338,24 @@ def lighthouse():
 
 
 class Group:
-    """One replica group's ``stratagem train`` in a session of its own, its output in a
-    file (a pipe nobody reads would fill and stall it, while its heartbeats go on)."""
+    """One replica group's ``stratagem train`` in a session of its own (``replica`` None: a
+    plain run), its output in a file (a pipe nobody reads would fill and stall it, while its
+    heartbeats go on)."""
 
     count = 0
 
     def __init__(
-        self, cfg: Path, work_dir: Path, replica: int, address: str, *args: str, **env: str
+        self,
+        cfg: Path,
+        work_dir: Path,
+        replica: int | None,
+        address: str = '',
+        *args: str,
+        **env: str,
     ) -> None:
         Group.count += 1
         self.out = Path(work_dir).parent / f'group{replica}_{Group.count}.out'
+        ft = () if replica is None else ('--replica-id', str(replica), '--lighthouse', address)
         with self.out.open('w') as f:
             self.proc = subprocess.Popen(
                 [
@@ -298,10 +366,7 @@ class Group:
                     str(cfg),
                     '--work-dir',
                     str(work_dir),
-                    '--replica-id',
-                    str(replica),
-                    '--lighthouse',
-                    address,
+                    *ft,
                     *args,
                 ],
                 env=clean_env(**env),
@@ -328,6 +393,14 @@ class Group:
 group = Group
 
 
+def succeed(*procs: Group) -> list[str]:
+    """The outputs of groups that all ended with 0."""
+    outs = [p.finish() for p in procs]
+    for code, out in outs:
+        assert code == 0, out[-3000:]
+    return [out for _, out in outs]
+
+
 def digest(out: str) -> tuple[int, str]:
     match = re.search(
         r'replica group \d+: finished at iteration (\d+), step \d+; state digest (\w+)', out
@@ -340,56 +413,93 @@ def rows(out: str) -> list[int]:
     return [int(m) for m in re.findall(r'Iter\(train\) \[(\d+)/\d+\]', out)]
 
 
+def assert_weights_close(work_dir: Path, reference: Path, iters: int, atol: float) -> dict:
+    """The two runs' final checkpoints hold the same weights; the first one's ``meta``."""
+    mine = torch.load(work_dir / f'iter_{iters}.pth', weights_only=True)
+    theirs = torch.load(reference / f'iter_{iters}.pth', weights_only=True)
+    assert mine['state_dict'].keys() == theirs['state_dict'].keys()
+    for name, tensor in theirs['state_dict'].items():
+        torch.testing.assert_close(mine['state_dict'][name], tensor, rtol=0, atol=atol)
+    return mine['meta']
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize('nproc', [1, 2], ids=['2x1', '2x2'])
-def test_no_failure_equals_plain_ddp_of_the_same_global_batch(tmp_path, lighthouse, nproc):
+def test_2x2_with_no_failure_equals_plain_ddp_of_the_same_global_batch(tmp_path, lighthouse):
+    # 2 groups x 2 processes: DDP inside a group, torchft across the groups, against one
+    # 4-process DDP run (the 2x1 case: the next test)
     lh = lighthouse(min_replicas=2)
     iters = 24
     cfg = write_cfg(tmp_path / 'ft.py', iters=iters, acc=2, min_replicas=2)
-    procs = [group(cfg, tmp_path / 'ft', i, lh.address, '--nproc', str(nproc)) for i in (0, 1)]
-    outs = [p.finish() for p in procs]
-    for code, out in outs:
-        assert code == 0, out[-3000:]
-    assert digest(outs[0][1]) == digest(outs[1][1])
     plain = write_cfg(tmp_path / 'ddp.py', iters=iters, acc=2, ft=False)
-    code, out = finish(start(plain, tmp_path / 'ddp', '--nproc', str(2 * nproc)))
-    assert code == 0, out[-3000:]
-    ft_state = torch.load(tmp_path / 'ft' / f'iter_{iters}.pth', weights_only=True)
-    ddp_state = torch.load(tmp_path / 'ddp' / f'iter_{iters}.pth', weights_only=True)
-    for name, tensor in ddp_state['state_dict'].items():
-        torch.testing.assert_close(ft_state['state_dict'][name], tensor, rtol=0, atol=1e-6)
-    assert ft_state['meta']['replica_group'] == {'step': iters // 2, 'batches_committed': iters}
+    ddp = group(plain, tmp_path / 'ddp', None, '', '--nproc', '4')
+    outs = succeed(*(group(cfg, tmp_path / 'ft', i, lh.address, '--nproc', '2') for i in (0, 1)))
+    succeed(ddp)
+    assert digest(outs[0]) == digest(outs[1])
+    meta = assert_weights_close(tmp_path / 'ft', tmp_path / 'ddp', iters, atol=1e-6)
+    assert meta['replica_group'] == {'step': iters // 2, 'batches_committed': iters}
 
 
 @pytest.mark.slow
-def test_resume_of_the_whole_job_from_a_checkpoint_is_exact(tmp_path, lighthouse):
-    lh = lighthouse(min_replicas=2)
+def test_fsdp_2x2_equals_plain_fsdp_and_a_resume_of_the_whole_job_is_exact(tmp_path, lighthouse):
+    # each group shards the model over its 2 processes; torchft averages the shards'
+    # gradients across the groups (the mesh's replicate dimension). As the 2x1 DDP test
+    # below: a, the whole job; b, its first 20 iterations then --resume; the plain FSDP
+    # run of 4 processes. One consolidated checkpoint file, to compare the weights.
+    iters = 30
+    kind = dict(strategy="type='FSDPStrategy', state_dict_type='full'", acc=2, every=10)
+    whole = write_cfg(tmp_path / 'whole.py', iters=iters, min_replicas=2, **kind)
+    first = write_cfg(tmp_path / 'first.py', iters=20, min_replicas=2, **kind)
+    plain = write_cfg(tmp_path / 'fsdp.py', iters=iters, ft=False, **kind)
+    lh_a, lh_b = lighthouse(min_replicas=2), lighthouse(min_replicas=2)
+    n = ('--nproc', '2')
+    fsdp = group(plain, tmp_path / 'fsdp', None, '', '--nproc', '4')
+    a = [group(whole, tmp_path / 'a', i, lh_a.address, *n) for i in (0, 1)]
+    b = [group(first, tmp_path / 'b', i, lh_b.address, *n) for i in (0, 1)]
+    uninterrupted = succeed(*a)
+    succeed(*b)
+    resumed = succeed(
+        *(group(whole, tmp_path / 'b', i, lh_b.address, '--resume', *n) for i in (0, 1))
+    )
+    succeed(fsdp)
+    assert digest(uninterrupted[0]) == digest(uninterrupted[1])
+    position = {'step': iters // 2, 'batches_committed': iters}
+    meta = assert_weights_close(tmp_path / 'a', tmp_path / 'fsdp', iters, atol=1e-6)
+    assert meta['replica_group'] == position
+    assert all('resumed after 20' in out for out in resumed)
+    assert digest(resumed[0]) == digest(resumed[1]) == digest(uninterrupted[0])
+    meta = assert_weights_close(tmp_path / 'b', tmp_path / 'a', iters, atol=0)
+    assert meta['replica_group'] == position
 
-    def job(cfg: Path, work_dir: Path, *args: str) -> list[str]:
-        procs = [group(cfg, work_dir, i, lh.address, *args) for i in (0, 1)]
-        outs = [p.finish() for p in procs]
-        for code, out in outs:
-            assert code == 0, out[-3000:]
-        return [out for _, out in outs]
 
-    whole = write_cfg(tmp_path / 'whole.py', iters=30, every=10, min_replicas=2)
-    first = write_cfg(tmp_path / 'first.py', iters=20, every=10, min_replicas=2)
-    uninterrupted = job(whole, tmp_path / 'a')
-    job(first, tmp_path / 'b')
-    resumed = job(whole, tmp_path / 'b', '--resume')
+@pytest.mark.slow
+def test_2x1_equals_plain_ddp_and_a_resume_of_the_whole_job_is_exact(tmp_path, lighthouse):
+    # a: the whole job; b: its first 20 iterations, then --resume to the end; d: plain DDP
+    # of the same global batch. a, b's first part and d at once, each job its lighthouse.
+    iters = 30
+    whole = write_cfg(tmp_path / 'whole.py', iters=iters, acc=2, every=10, min_replicas=2)
+    first = write_cfg(tmp_path / 'first.py', iters=20, acc=2, every=10, min_replicas=2)
+    plain = write_cfg(tmp_path / 'ddp.py', iters=iters, acc=2, ft=False)
+    lh_a, lh_b = lighthouse(min_replicas=2), lighthouse(min_replicas=2)
+    ddp = group(plain, tmp_path / 'd', None, '', '--nproc', '2')
+    a = [group(whole, tmp_path / 'a', i, lh_a.address) for i in (0, 1)]
+    b = [group(first, tmp_path / 'b', i, lh_b.address) for i in (0, 1)]
+    uninterrupted = succeed(*a)
+    succeed(*b)
+    resumed = succeed(*(group(whole, tmp_path / 'b', i, lh_b.address, '--resume') for i in (0, 1)))
+    succeed(ddp)
+    # no failure: the plain DDP run's weights
+    assert digest(uninterrupted[0]) == digest(uninterrupted[1])
+    position = {'step': iters // 2, 'batches_committed': iters}
+    assert (
+        assert_weights_close(tmp_path / 'a', tmp_path / 'd', iters, atol=1e-6)['replica_group']
+        == position
+    )
+    # the resume: every group from the checkpoint, then exactly the uninterrupted job
     assert all('replica group' in out and 'resumed after 20' in out for out in resumed)
     assert digest(resumed[0]) == digest(resumed[1]) == digest(uninterrupted[0])
-    a = torch.load(tmp_path / 'a' / 'iter_30.pth', weights_only=True)
-    b = torch.load(tmp_path / 'b' / 'iter_30.pth', weights_only=True)
-    for name, tensor in a['state_dict'].items():
-        assert torch.equal(b['state_dict'][name], tensor), name
     assert (
-        b['meta']['replica_group']
-        == a['meta']['replica_group']
-        == {
-            'step': 30,
-            'batches_committed': 60,
-        }
+        assert_weights_close(tmp_path / 'b', tmp_path / 'a', iters, atol=0)['replica_group']
+        == position
     )
 
 
@@ -407,109 +517,102 @@ def _wait_for(pattern: str, root: Path, logs: str, count: int = 1, timeout: floa
     raise AssertionError(f'{pattern!r} not logged {count} time(s) in {root}/{logs}')
 
 
-def _kill_and_heal(
-    tmp_path: Path, lighthouse, *, iters: int, kills: int, every_s: float, nproc: int = 1
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    'strategy, kills',
+    [("type='DDPStrategy'", 3), ("type='FSDPStrategy', state_dict_type='full'", 1)],
+    ids=['ddp', 'fsdp'],
+)
+def test_a_group_killed_every_few_steps_heals_from_its_peer_the_survivor_never_stops(
+    tmp_path, lighthouse, strategy, kills
 ):
+    # 2 groups x 2 processes; group 1 loses one process, alternately rank 1 and rank 0
+    # (the one holding its torchft Manager and store), a second after it healed, 3 times
+    # (FSDP: the heal copies each rank's shards from the peer's same rank; once)
+    nproc, iters = 2, 600
     lh = lighthouse()
-    cfg = write_cfg(tmp_path / 'cfg.py', iters=iters, every=20)
-    wd = tmp_path / 'wd'
-    slow = dict(SLOW='0.01')
+    cfg = write_cfg(tmp_path / 'cfg.py', iters=iters, every=iters, strategy=strategy)
+    wd, fast = tmp_path / 'wd', tmp_path / 'fast'
+    # paced until the last heal (enough steps for the kills on a loaded machine), then the
+    # rest at full speed
+    pace = dict(SLOW='0.05', FAST_FILE=str(fast))
     reads = tmp_path / 'reads0'  # every process of group 0 that reads a sample leaves a file
     reads.mkdir()
     n = ('--nproc', str(nproc))
-    g0 = group(cfg, wd, 0, lh.address, *n, '--max-restarts', '1', COUNT_DIR=str(reads), **slow)
-    g1 = group(cfg, wd, 1, lh.address, *n, '--max-restarts', str(kills), **slow)
-    survivors = sorted(workers(g0.pid, nproc).values())
-    victim, heals = None, 0
-    for _ in range(kills):
-        # the victim trains with the survivor: a row logged; after a kill, a new process
-        # that healed once more
-        if victim is None:
-            _wait_for(r'Iter\(train\) \[\d+/', wd, '*_replica1/*.log')
-        else:
+    g0 = group(cfg, wd, 0, lh.address, *n, '--max-restarts', '1', COUNT_DIR=str(reads), **pace)
+    g1 = group(cfg, wd, 1, lh.address, *n, '--max-restarts', str(kills), **pace)
+    try:
+        survivors = sorted(workers(g0.pid, nproc).values())
+        logs, healed = '*_replica1/*.log', r'healed from replica group 0'
+        _wait_for(r'Iter\(train\) \[\d+/', wd, logs)  # the victim trains with the survivor
+        for kill in range(kills):
+            heals = _count(healed, wd, logs)
+            rank = nproc - 1 - kill % nproc
+            victim = workers(g1.pid, nproc)[rank]
+            time.sleep(1.0)
+            os.kill(victim, signal.SIGKILL)
+            # a new attempt of the group, healed once more
             deadline = time.monotonic() + 120
-            while workers(g1.pid, nproc)[nproc - 1] == victim and time.monotonic() < deadline:
+            while workers(g1.pid, nproc)[rank] == victim and time.monotonic() < deadline:
                 time.sleep(0.1)
-            _wait_for(r'healed from replica group 0', wd, '*_replica1/*.log', count=heals + 1)
-        heals = _count(r'healed from replica group 0', wd, '*_replica1/*.log')
-        victim = workers(g1.pid, nproc)[nproc - 1]  # any process of the group: its last
-        time.sleep(every_s)
-        os.kill(victim, signal.SIGKILL)
-    outs = [p.finish(timeout=600) for p in (g0, g1)]
+            _wait_for(healed, wd, logs, count=heals + 1)
+        fast.touch()
+        outs = [p.finish(timeout=600) for p in (g0, g1)]
+    finally:
+        for p in (g0, g1):
+            if p.proc.poll() is None:
+                kill_tree(p.pid)
+                p.proc.wait()
     for code, out in outs:
         assert code == 0, out[-4000:]
-    return wd, survivors, outs
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize('nproc', [1, 2], ids=['2x1', '2x2'])
-def test_a_killed_group_heals_from_its_peer_and_the_survivor_never_stops(
-    tmp_path, lighthouse, nproc
-):
-    iters = 300
-    wd, survivors, ((_, out0), (_, out1)) = _kill_and_heal(
-        tmp_path, lighthouse, iters=iters, kills=1, every_s=1.0, nproc=nproc
-    )
-    # the survivor: its processes the whole run, its rows continuous
-    read = sorted(int(p.stem) for p in (tmp_path / 'reads0').glob('*.txt'))
-    assert read == survivors
-    assert rows(out0) == list(range(5, iters + 1, 5)), out0[-3000:]
-    # the relaunched group healed from group 0, a log line and a metrics row
-    # (the first attempt may have healed too: it started behind group 0)
+    (_, out0), (_, out1) = outs
+    # the survivor: its processes the whole run, its rows continuous (from its first one:
+    # on a loaded machine group 1 can start first, and group 0 then takes its state)
+    assert sorted(int(p.stem) for p in reads.glob('*.txt')) == survivors
+    logged = rows(out0)
+    assert logged and logged == list(range(logged[0], iters + 1, 5)), out0[-3000:]
+    # each relaunch healed from group 0: a log line each, a metrics row (the last one for
+    # sure); the first attempt may have healed too: it started behind group 0
     heals = re.findall(
         r'replica group 1 healed from replica group 0 at step (\d+) in ([\d.]+) s', out1
     )
-    assert heals and int(heals[-1][0]) > 0, out1[-4000:]
-    print(f'heal after the kill: step {heals[-1][0]}, {heals[-1][1]} s (transfer and load)')
+    assert len(heals) >= kills and all(int(step) > 0 for step, _ in heals[-kills:]), out1[-4000:]
+    print('heals after the kills (step, s):', heals[-kills:])
     metrics = [
         row
-        for path in wd.glob('*_replica1/metrics.csv')
+        for path in sorted(wd.glob('*_replica1/metrics.csv'))
         for row in csv.DictReader(path.open())
         if row.get('replica/healed_from')
     ]
-    assert [float(r['replica/healed_from']) for r in metrics][-1] == 0.0
+    # (an attempt killed a second after its heal may go before its row is written)
+    assert metrics and {float(r['replica/healed_from']) for r in metrics} == {0.0}
     assert float(metrics[-1]['replica/heal_step']) == int(heals[-1][0])
     # every group ends with the same weights and optimizer state
     assert digest(out0) == digest(out1) and digest(out0)[0] == iters
 
 
 @pytest.mark.slow
-def test_soak_a_group_killed_every_few_seconds(tmp_path, lighthouse):
-    iters = 2000  # long enough for 4 kills, relaunches and heals on a loaded machine
-    _, _, ((_, out0), (_, out1)) = _kill_and_heal(
-        tmp_path, lighthouse, iters=iters, kills=4, every_s=2.0
-    )
-    assert len(list((tmp_path / 'reads0').glob('*.txt'))) == 1  # the survivor never restarted
-    assert rows(out0) == list(range(5, iters + 1, 5))
-    assert len(re.findall(r'replica group 1 healed from replica group 0', out1)) >= 4
-    assert digest(out0) == digest(out1)
-
-
-@pytest.mark.slow
 def test_named_failures_of_the_machinery(tmp_path, lighthouse):
-    # a quorum that cannot form: min_replicas 2, one group
-    lh = lighthouse(min_replicas=2)
+    # a quorum that cannot form (min_replicas 2, one group), at its own lighthouse; the
+    # others beside a running group 0
+    lonely, lh = lighthouse(min_replicas=2), lighthouse()
     cfg = write_cfg(tmp_path / 'alone.py', iters=10, min_replicas=2, quorum_timeout=3)
-    code, out = group(cfg, tmp_path / 'alone', 0, lh.address).finish()
-    assert code == 1
-    assert 'replica group 0: no quorum within 3 s (fault_tolerance.quorum_timeout)' in out, out[
-        -3000:
-    ]
-    # a peer with another model; and one replica id in two groups
-    lh = lighthouse()
+    alone = group(cfg, tmp_path / 'alone', 0, lonely.address)
     long_run = write_cfg(tmp_path / 'a.py', iters=4000)
     g0 = group(long_run, tmp_path / 'wd', 0, lh.address, SLOW='0.01')
     try:
         _wait_for(r'Iter\(train\) \[\d+/', tmp_path / 'wd', '*_replica0/*.log')
+        # a peer with another model, and the same id in the same work_dir (the group's lock)
         other = write_cfg(tmp_path / 'b.py', iters=4000, hidden=32)
-        code, out = group(other, tmp_path / 'wd', 1, lh.address).finish()
+        other_model = group(other, tmp_path / 'wd', 1, lh.address)
+        locked = group(long_run, tmp_path / 'wd', 0, lh.address)
+        code, out = other_model.finish()
         assert code == 1, out[-3000:]
         assert 'replica group 1 cannot heal from replica group 0: its model differs' in out, out[
             -3000:
         ]
         assert 'fc' in out or 'weight' in out
-        # the same id in the same work_dir: the group's lock
-        code, out = group(long_run, tmp_path / 'wd', 0, lh.address).finish()
+        code, out = locked.finish()
         assert code == 1
         assert 'replica group 0 is already running in' in out, out[-3000:]
         # the same id elsewhere: the quorum holds it twice
@@ -519,3 +622,8 @@ def test_named_failures_of_the_machinery(tmp_path, lighthouse):
     finally:
         kill_tree(g0.pid)
         g0.proc.wait()
+    code, out = alone.finish()
+    assert code == 1
+    assert 'replica group 0: no quorum within 3 s (fault_tolerance.quorum_timeout)' in out, out[
+        -3000:
+    ]

@@ -169,8 +169,8 @@ def _replica_group_flags(cfg: Config, args: argparse.Namespace) -> bool:
             if kind not in ('auto', 'DDPStrategy'):
                 raise ValueError(
                     f'--replica-id: strategy.type={kind!r} has no fault_tolerance; replica '
-                    "groups run DDPStrategy: set strategy=dict(type='DDPStrategy', "
-                    'fault_tolerance=dict(min_replicas=1))'
+                    "groups run DDPStrategy or FSDPStrategy: set strategy=dict(type='DDPStrategy' "
+                    "(or 'FSDPStrategy'), fault_tolerance=dict(min_replicas=1))"
                 )
             strategy.update(type='DDPStrategy', fault_tolerance={})
             cfg['strategy'] = strategy

@@ -387,25 +387,28 @@ class ReplicaGroup:
         participants, then the commit vote; whether the update goes ahead."""
         self.begin_step()  # a loop whose forward ran outside train mode
         params = [p for g in wrapper.optimizer.param_groups for p in g['params']]
-        flat = self._flat_buffer(params)
+        # a sharded parameter (FSDP): this rank's shard, the same one in every group (the
+        # groups shard alike), so the all-reduce is the mesh's replicate dimension
+        flat = self._flat_buffer([_local(p) for p in params])
         offset = 0
         for p in params:
-            n = p.numel()
+            n = _local(p).numel()
             view = flat[offset : offset + n]
             if p.grad is None:
                 view.zero_()
             else:
-                view.copy_(p.grad.reshape(-1))
+                view.copy_(_local(p.grad).reshape(-1))
             offset += n
         self.manager.allreduce(flat).wait()
         offset = 0
         for p in params:
-            n = p.numel()
-            averaged = flat[offset : offset + n].view_as(p)
+            local = _local(p)
+            n = local.numel()
+            averaged = flat[offset : offset + n].view_as(local)
             if p.grad is None:
-                p.grad = averaged.clone()
+                p.grad = _like(p, averaged.clone())
             else:
-                p.grad.copy_(averaged)
+                _local(p.grad).copy_(averaged)
             offset += n
         committed = bool(self.manager.should_commit())
         self._step.begun = False
@@ -463,9 +466,15 @@ class ReplicaGroup:
         )
 
     def digest(self) -> str:
-        """:func:`state_digest` of this group's model and optimizer."""
+        """:func:`state_digest` of this group's model and optimizer; a sharded model's
+        (FSDP) over every rank's shards (collective: every rank of the group calls it)."""
         assert self._module is not None
-        return state_digest(self._module, self._wrapper)
+        own = state_digest(self._module, self._wrapper)
+        if env.get_world_size() == 1 or not any(
+            _is_dtensor(t) for t in self._module.state_dict().values()
+        ):
+            return own
+        return hashlib.sha256(' '.join(env.all_gather_object(own)).encode()).hexdigest()
 
     def shutdown(self) -> None:
         """Leave the job (the Manager's servers stopped)."""
@@ -476,17 +485,21 @@ class ReplicaGroup:
     # ------------------------------------------------------------------ heal's state
     def _signature(self) -> dict[str, list]:
         assert self._module is not None
+        # a shard's own shape too: a peer group of another size holds other shards
         return {
-            name: [list(t.shape), str(t.dtype)] for name, t in self._module.state_dict().items()
+            name: [list(t.shape), str(t.dtype)]
+            + ([list(_local(t).shape)] if _is_dtensor(t) else [])
+            for name, t in self._module.state_dict().items()
         }
 
     def _state(self) -> dict[str, Any]:
         assert self._module is not None
+        # shards as plain tensors: a DTensor would carry its mesh to the peer
         return {
             'group': self.replica_id,
             'signature': self._signature(),
-            'model': self._module.state_dict(),
-            'optimizer': self._wrapper.state_dict(),
+            'model': _locals(self._module.state_dict()),
+            'optimizer': _locals(self._wrapper.state_dict()),
             **{key: shared.state() for key, shared in self._extras.items()},
         }
 
@@ -501,8 +514,17 @@ class ReplicaGroup:
                 'config. Start this group with the config the others run (or give it another '
                 'lighthouse if it is another job)'
             )
-        self._module.load_state_dict(state['model'], strict=True)
-        self._wrapper.load_state_dict(state['optimizer'])
+        own = self._module.state_dict()
+        if any(_is_dtensor(t) for t in own.values()):
+            with torch.no_grad():  # into this rank's shards, which the peer's rank sent
+                for name, tensor in own.items():
+                    _local(tensor).copy_(state['model'][name])
+            self._wrapper.load_state_dict(
+                _sharded_optimizer_state(self._wrapper, state['optimizer'])
+            )
+        else:
+            self._module.load_state_dict(state['model'], strict=True)
+            self._wrapper.load_state_dict(state['optimizer'])
         for key, shared in self._extras.items():
             if key in state:
                 shared.load(state[key])
@@ -515,7 +537,7 @@ def state_digest(module: nn.Module, optim_wrapper: Any) -> str:
     h = hashlib.sha256()
     for value in _leaves({'model': module.state_dict(), 'optim': optim_wrapper.state_dict()}):
         if isinstance(value, torch.Tensor):
-            t = value.detach().cpu().contiguous()
+            t = _local(value).detach().cpu().contiguous()
             h.update(f'{t.dtype}{tuple(t.shape)}'.encode())
             if t.numel():
                 h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -657,3 +679,59 @@ class ReplicaStream:
             g.manual_seed(self.seed + epoch)
             self._order = (epoch, torch.randperm(self.samples, generator=g))
         return int(self._order[1][offset])
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
+    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a gradient of ``param``: a DTensor on its mesh when it is one."""
+    if not _is_dtensor(param):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local,
+        param.device_mesh,  # type: ignore[attr-defined]
+        param.placements,  # type: ignore[attr-defined]
+        shape=param.shape,
+        stride=param.stride(),
+        run_check=False,
+    )
+
+
+def _locals(value: Any) -> Any:
+    """A nested state with every DTensor replaced by this rank's shard."""
+    if isinstance(value, Mapping):
+        return {key: _locals(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_locals(item) for item in value)
+    return _local(value) if isinstance(value, torch.Tensor) else value
+
+
+def _sharded_optimizer_state(wrapper: Any, state: dict) -> dict:
+    """A peer's optimizer state of plain shards back on this rank's parameters' meshes:
+    each per-parameter tensor with a sharded parameter's local shape becomes a DTensor
+    like the parameter (the optimizer steps DTensor parameters with DTensor state)."""
+    params = [p for g in wrapper.optimizer.param_groups for p in g['params']]
+    out = dict(state)
+    out['state'] = {
+        index: {
+            key: _like(params[int(index)], value)
+            if isinstance(value, torch.Tensor)
+            and _is_dtensor(params[int(index)])
+            and value.shape == _local(params[int(index)]).shape
+            else value
+            for key, value in per_param.items()
+        }
+        for index, per_param in state.get('state', {}).items()
+    }
+    return out

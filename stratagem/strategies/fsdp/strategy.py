@@ -28,6 +28,7 @@ from stratagem.checkpoint.storage import CheckpointStorage
 from ..base import BaseStrategy
 from ..capabilities import Capabilities
 from ..environment import distributed_env_kwargs
+from ..replica_groups import FaultTolerance, ReplicaGroup
 from .config import parse_model_wrapper
 from .grad_sync import adapt_optim_wrapper, clean_name, keep_fresh, with_no_sync
 from .mesh import parse_mesh
@@ -77,6 +78,13 @@ class FSDPStrategy(BaseStrategy):
             microbatches=M, split_points=[...])`` (``pipeline.py``): ``prepare`` returns this
             rank's stage (the model with the other stages' modules deleted, parameters under
             the model's own names) and :meth:`train_step` runs the schedule.
+        fault_tolerance: as DDPStrategy's (``replica_groups.py``): this run is one replica
+            group of a fault-tolerant job over torchft, the model sharded over the group's
+            processes and each shard's gradients averaged over the live groups each step
+            (the mesh's replicate dimension across groups, torchft's all-reduce); a heal
+            copies each rank's shards from the peer group's same rank, so every group runs
+            the same number of processes and the same ``mesh``; tensor and pipeline
+            meshes are refused. Its logs go to ``work_dir/<timestamp>_replica<I>``.
         **kwargs: BaseStrategy's.
     """
 
@@ -95,8 +103,16 @@ class FSDPStrategy(BaseStrategy):
         mesh: Mapping | None = None,
         tensor_parallel_plan: Any = None,
         pipeline: Mapping | None = None,
+        fault_tolerance: Mapping | bool | None = None,
         **kwargs: Any,
     ) -> None:
+        # checked, its id and lighthouse resolved, before the process group is set up
+        self._fault_tolerance = (
+            None
+            if fault_tolerance in (None, False)
+            else FaultTolerance.parse(fault_tolerance).resolved()
+        )
+        self.replica_group: ReplicaGroup | None = None
         self.wrap_cfg = parse_model_wrapper(model_wrapper)
         self.state_dict_type = parse_state_dict_cfg(state_dict_type, state_dict_cfg)
         self.ac_check = parse_activation_checkpointing(activation_checkpointing)
@@ -119,6 +135,22 @@ class FSDPStrategy(BaseStrategy):
             )
         self.device_mesh: Any = None  # built in prepare
         self._pipeline: PipelineRun | None = None  # built in prepare, under a pipeline
+        if self._fault_tolerance is not None:
+            if self.mesh_spec.data_parallel_size != self.world_size:
+                raise ValueError(
+                    f'FSDPStrategy(fault_tolerance=...): mesh={self.mesh_spec.as_dict()} '
+                    'splits the model over tensor or pipeline ranks; a replica group shards '
+                    'data parallel only (mesh=dict(shard=N) or dict(replicate=R, shard=S))'
+                )
+            self.replica_group = ReplicaGroup(self._fault_tolerance, self.logger)
+
+    @override
+    def _setup_env(self, **env_kwargs: Any) -> None:
+        super()._setup_env(**env_kwargs)
+        if self._fault_tolerance is not None:
+            # the groups of a job share the work_dir; each logs in its own folder
+            run = self.environment
+            run.timestamp = f'{run.timestamp}_replica{self._fault_tolerance.replica_id}'
 
     @property
     @override
@@ -154,8 +186,17 @@ class FSDPStrategy(BaseStrategy):
     def setup_module_and_optimizers(
         self, model: nn.Module, optim_wrapper: Any, compile: bool | Mapping = False
     ) -> tuple[nn.Module, Any]:
-        """BaseStrategy's, with ``compile`` applied per block inside ``_wrap_model``."""
-        return super().setup_module_and_optimizers(model, optim_wrapper, compile=False)
+        """BaseStrategy's, with ``compile`` applied per block inside ``_wrap_model``; a
+        replica group started on the sharded model."""
+        model, wrapper = super().setup_module_and_optimizers(model, optim_wrapper, compile=False)
+        if self.replica_group is not None:
+            if wrapper is None:
+                raise ValueError(
+                    'FSDPStrategy(fault_tolerance=...): a replica group commits each update '
+                    'with the other groups, so prepare() needs optim_wrapper='
+                )
+            self.replica_group.start(model, model, wrapper)
+        return model, wrapper
 
     @override
     def build_model(self, model: nn.Module | Mapping) -> nn.Module:
@@ -409,7 +450,10 @@ class FSDPStrategy(BaseStrategy):
     @override
     def checkpoint_meta(self, extra_meta: Mapping | None = None) -> dict:
         """BaseStrategy's ``meta`` plus ``mesh`` (the sizes this run was sharded over)."""
-        return {'mesh': self.mesh_spec.as_dict(), **super().checkpoint_meta(extra_meta)}
+        meta = {'mesh': self.mesh_spec.as_dict(), **super().checkpoint_meta(extra_meta)}
+        if self.replica_group is not None:
+            meta['replica_group'] = self.replica_group.position()
+        return meta
 
     @property
     def _full(self) -> bool:
