@@ -206,6 +206,9 @@ class BaseStrategy(ABC):
     #: this run's part in a fault-tolerant job (``replica_groups.ReplicaGroup``), else None:
     #: a backend that takes ``fault_tolerance=`` sets it
     replica_group: Any = None
+    #: its checked ``replica_groups.FaultTolerance`` (None without one), set before the
+    #: environment is: the group's log folder is named after its replica id
+    _fault_tolerance: Any = None
 
     def __init__(
         self,
@@ -265,6 +268,10 @@ class BaseStrategy(ABC):
         )
         self._set_randomness(**self.environment.randomness)
         self.environment.agree_on_timestamp()
+        if self._fault_tolerance is not None:
+            # the groups of a job share the work_dir; each logs in its own folder
+            run = self.environment
+            run.timestamp = f'{run.timestamp}_replica{self._fault_tolerance.replica_id}'
 
     def _setup_distributed(self, launcher: str, **dist_cfg: Any) -> None:
         """Initialise the process group (``env.init_dist``; an initialised one is used)."""

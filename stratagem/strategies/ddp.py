@@ -99,24 +99,12 @@ class DDPStrategy(BaseStrategy):
         self.model_wrapper = wrapper
         self.sync_bn = sync_bn
         # checked, its id and lighthouse resolved, before the process group is set up
-        self._fault_tolerance = (
-            None
-            if fault_tolerance in (None, False)
-            else FaultTolerance.parse(fault_tolerance).resolved()
-        )
+        self._fault_tolerance = FaultTolerance.option(fault_tolerance)
         self.replica_group: ReplicaGroup | None = None
         env_kwargs = distributed_env_kwargs(kwargs, 'DDPStrategy')
         super().__init__(env_kwargs=env_kwargs, **kwargs)
         if self._fault_tolerance is not None:
             self.replica_group = ReplicaGroup(self._fault_tolerance, self.logger)
-
-    @override
-    def _setup_env(self, **env_kwargs: Any) -> None:
-        super()._setup_env(**env_kwargs)
-        if self._fault_tolerance is not None:
-            # the groups of a job share the work_dir; each logs in its own folder
-            run = self.environment
-            run.timestamp = f'{run.timestamp}_replica{self._fault_tolerance.replica_id}'
 
     @override
     def setup_module_and_optimizers(

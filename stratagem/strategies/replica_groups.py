@@ -153,6 +153,12 @@ class FaultTolerance:
             )
         return cls(**values)
 
+    @classmethod
+    def option(cls, cfg: Mapping | bool | None) -> FaultTolerance | None:
+        """A strategy's ``fault_tolerance=``: None (or False) for none, else checked, with
+        its id and lighthouse resolved (before the process group is set up)."""
+        return None if cfg in (None, False) else cls.parse(cfg).resolved()
+
     def resolved(self) -> FaultTolerance:
         """With ``replica_id`` and ``lighthouse`` taken from the environment where the config
         has none; refuses what is still missing, saying how to give it."""

@@ -107,11 +107,7 @@ class FSDPStrategy(BaseStrategy):
         **kwargs: Any,
     ) -> None:
         # checked, its id and lighthouse resolved, before the process group is set up
-        self._fault_tolerance = (
-            None
-            if fault_tolerance in (None, False)
-            else FaultTolerance.parse(fault_tolerance).resolved()
-        )
+        self._fault_tolerance = FaultTolerance.option(fault_tolerance)
         self.replica_group: ReplicaGroup | None = None
         self.wrap_cfg = parse_model_wrapper(model_wrapper)
         self.state_dict_type = parse_state_dict_cfg(state_dict_type, state_dict_cfg)
@@ -143,14 +139,6 @@ class FSDPStrategy(BaseStrategy):
                     'data parallel only (mesh=dict(shard=N) or dict(replicate=R, shard=S))'
                 )
             self.replica_group = ReplicaGroup(self._fault_tolerance, self.logger)
-
-    @override
-    def _setup_env(self, **env_kwargs: Any) -> None:
-        super()._setup_env(**env_kwargs)
-        if self._fault_tolerance is not None:
-            # the groups of a job share the work_dir; each logs in its own folder
-            run = self.environment
-            run.timestamp = f'{run.timestamp}_replica{self._fault_tolerance.replica_id}'
 
     @property
     @override
