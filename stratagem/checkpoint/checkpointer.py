@@ -27,14 +27,16 @@ step numbers.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .agree import agree_on_checkpoint
 from .async_writer import AsyncCheckpointWriter
 from .location import absolute, is_url
-from .peer import PeerCopies
 from .storage import CheckpointStorage, SaveCommit
 from .vote import SaveVote
+
+if TYPE_CHECKING:  # only an annotation: the module loads when a run makes peer copies
+    from .peer import PeerCopies
 
 __all__ = ['Checkpointer', 'LoadContext', 'StatePart', 'Stateful']
 

@@ -340,7 +340,7 @@ def _listed_manifest(fs: Any, path: str, url: str) -> dict | None:
     manifest and its object), the one whose size matches; when both do, the object's bytes
     decide (read once, only in that case)."""
     try:
-        raw = _read_small(fs, path + SIDECAR_SUFFIX)
+        raw = _call(_read_small, fs, path + SIDECAR_SUFFIX)
         size = _size(fs, path)
     except FileNotFoundError:
         return None

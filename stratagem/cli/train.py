@@ -174,9 +174,9 @@ def _replica_group_flags(cfg: Config, args: argparse.Namespace) -> bool:
                 )
             strategy.update(type='DDPStrategy', fault_tolerance={})
             cfg['strategy'] = strategy
-    if strategy.get('fault_tolerance') in (None, False):
+    spec = FaultTolerance.option(strategy.get('fault_tolerance'))
+    if spec is None:
         return False
-    spec = FaultTolerance.parse(strategy['fault_tolerance']).resolved()
     args.replica_id = spec.replica_id  # the group's own lock in the shared work_dir
     return True
 

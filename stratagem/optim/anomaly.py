@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from stratagem._torch import unscale_and_check_
 from stratagem.env.dist import all_reduce, get_dist_info
 
 __all__ = ['Anomaly', 'StepGuard']
@@ -226,7 +227,7 @@ class StepGuard:
             flag = self._flags[device] = _Flag(torch.zeros(1, device=device))
         if flag is not None:
             try:
-                torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag.tensor, flag.one)
+                unscale_and_check_(tensors, flag.tensor, flag.one)
                 return flag
             except (RuntimeError, NotImplementedError):
                 # several devices, sparse gradients, a device without the kernel: the norm
