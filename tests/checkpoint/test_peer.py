@@ -99,7 +99,7 @@ def test_a_commit_keeps_the_newest_verified_copy_and_a_torn_one_is_never_used(tm
     assert scan_copies(peer.own_dir, 0, 1).steps == {4: str(newest)}
     # another rank's or another world size's copy: refused, named
     assert scan_copies(peer.own_dir, 1, 1).steps == {}
-    assert 'not of rank 1' in scan_copies(peer.own_dir, 1, 1).refused[0]
+    assert 'not of rank 1' in scan_copies(peer.own_dir, 1, 1).refused[0][1]
     # torn: a byte changed after the commit
     data = bytearray(newest.read_bytes())
     data[-30] ^= 0xFF
@@ -108,7 +108,7 @@ def test_a_commit_keeps_the_newest_verified_copy_and_a_torn_one_is_never_used(tm
 
     forget_verified()  # as a restarted process: it hashes every byte
     found = scan_copies(peer.own_dir, 0, 1)
-    assert found.steps == {} and 'damaged' in found.refused[0]
+    assert found.steps == {} and 'damaged' in found.refused[0][1]
     # a copy whose manifest never came (killed mid-commit): not used either
     save_checkpoint(_content(3.0, 6), peer.own_dir / 'iter_6.pth', step=6, update_pointer=False)
     (peer.own_dir / 'iter_6.pth.manifest.json').unlink()
@@ -234,8 +234,10 @@ def test_peer_interval_is_checked_before_anything_runs():
         check_train_config(cfg)
     cfg['default_hooks']['checkpoint']['peer_interval'] = 2
     cfg['strategy'] = dict(type='FSDPStrategy')
-    with pytest.raises(ValueError, match="peer copies keep each rank's whole state, and "
-                       'FSDPStrategy shards it'):  # fmt: skip
+    check_train_config(cfg)  # its copies are each rank's shards and their layout
+    cfg['strategy'] = dict(type='DeepSpeedStrategy')
+    with pytest.raises(ValueError, match="peer copies keep what each rank captures, and "
+                       "DeepSpeedStrategy keeps its state in an engine's files"):  # fmt: skip
         check_train_config(cfg)
     cfg['strategy'] = dict(type='DDPStrategy', fault_tolerance=dict(min_replicas=1))
     with pytest.raises(ValueError, match='with strategy.fault_tolerance: a replica group heals'):
