@@ -60,6 +60,8 @@ import mmap
 import os
 import shutil
 import tempfile
+import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,7 +206,7 @@ def split_shards(content: dict) -> tuple[dict, list]:
                     path,
                     list(obj.shape),
                     list(obj.stride()),
-                    [str(p) for p in obj.placements],
+                    [repr(p) for p in obj.placements],
                     list(mesh.shape),
                     list(mesh.mesh_dim_names or ()),
                     list(mesh.get_coordinate() or ()),
@@ -275,7 +277,7 @@ def join_shards(content: dict, records: list, live: Mapping[str, Any], where: st
                 mesh = template.device_mesh
                 now = (
                     list(template.shape),
-                    [str(p) for p in template.placements],
+                    [repr(p) for p in template.placements],
                     list(mesh.shape),
                     list(mesh.mesh_dim_names or ()),
                     list(mesh.get_coordinate() or ()),
@@ -404,6 +406,9 @@ class PeerCopies:
         self.own_dir = self._own(rank)
         self.held_dir = self._held(self.keeps)
         self.writer: AsyncCheckpointWriter | None = AsyncCheckpointWriter() if background else None
+        _wait_for_earlier(self.root)
+        if self.writer is not None:
+            _WRITERS[self.root] = self.writer
 
     def _own(self, rank: int) -> Path:
         return self.root / 'own' / f'rank{rank}'
@@ -612,6 +617,27 @@ class PeerCopies:
             return None
         view = memoryview(incoming.numpy().data)  # the received bytes, not copied
         return bytes(view[: int(got[0])]), view[int(got[0]) :]
+
+
+#: the last background writer of each root in this process: a run that ended by an error left
+#: its copy in flight, which a later run over the same root (its restart in this process) waits
+#: for before it looks at, or removes, the copies
+_WRITERS: weakref.WeakValueDictionary[Path, AsyncCheckpointWriter] = weakref.WeakValueDictionary()
+
+
+def _wait_for_earlier(root: Path) -> None:
+    writer = _WRITERS.pop(root, None)
+    if writer is None:
+        return
+    try:
+        writer.wait()
+    except (OSError, RuntimeError, ValueError) as err:  # that run's, uncollected: said
+        warnings.warn(
+            f'an earlier peer copy under {root} failed: {type(err).__name__}: {err}; its '
+            'commit did not finish, so it is never used',
+            CheckpointWarning,
+            stacklevel=3,
+        )
 
 
 def _wait(requests: list) -> None:
