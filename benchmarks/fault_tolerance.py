@@ -676,9 +676,9 @@ def step_cost(args: argparse.Namespace, tmp: Path) -> None:
     numel, per_step, cpu, calls = json.loads(out.read_text())
     print(
         f'\nstep cost of peer copies on 2 ranks ({args.step_strategy}, {numel / 1e6:.1f}M '
-        f'parameters{" a rank" if args.step_strategy == "fsdp" else ""}, AdamW; a copy every '
-        f'{args.peer} steps), {args.step_rounds} interleaved rounds of {args.step_steps} '
-        f'steps; load average {os.getloadavg()[0]:.1f}'
+        f'parameters{", sharded over the 2" if args.step_strategy == "fsdp" else ""}, AdamW; '
+        f'a copy every {args.peer} steps), {args.step_rounds} interleaved rounds of '
+        f'{args.step_steps} steps; load average {os.getloadavg()[0]:.1f}'
     )
     base = statistics.median(per_step['no copies'])
     base_cpu = statistics.median(cpu['no copies'])
