@@ -1,9 +1,12 @@
 """Peer checkpoints (``stratagem/checkpoint/peer.py``): the rule that picks the tier, the
-commit of a copy and of a copy received as bytes, what a torn or missing copy leaves, and the
-reference loop resuming from one in one process (bit-equal to the uninterrupted run) or
-falling back to storage. Two ranks exchanging copies: ``tests/strategies/test_ddp.py``
-(``peer_copies``); killed ``stratagem train --nproc 2`` runs: ``tests/test_peer_restart.py``
-(slow tier)."""
+commit of a copy and of a copy received as bytes, what a torn or missing copy leaves, a copy
+of DTensor shards (their layout kept, restored on it only), the background writer (the state
+at the call, one copy in flight, its error raised at the next call), and the reference loop
+resuming from one in one process (bit-equal to the uninterrupted run) or falling back to
+storage. Two ranks exchanging copies: ``tests/strategies/test_ddp.py`` (``peer_copies``);
+FSDP's shards on 2 ranks: ``tests/strategies/test_fsdp.py``, on HSDP and 2-D meshes:
+``test_fsdp_mesh.py`` (``peer_copies``); killed ``stratagem train --nproc 2`` runs:
+``tests/test_peer_restart.py`` (slow tier)."""
 
 import logging
 import os

@@ -5,7 +5,8 @@ Processes are started at most four times for the module, each time for the scena
 selected tests name (tests/scenarios.py): the training checks (also compile, ignored_modules,
 skip_init_weights) and the first half of a run (2 ranks), a 1-rank FSDP resume,
 `stratagem train examples/configs/transformer_fsdp.py --nproc 2` (torchrun), and the resumes
-in new processes (2 ranks, also the example config's, through the reference loop). The exact
+in new processes (2 ranks, also the example config's, through the reference loop); peer copies
+of the shards in the first spawn. The exact
 resume mid window, the async save's state at the call and the weights crossing to every
 backend are its row of the conformance table (test_conformance.py).
 """
