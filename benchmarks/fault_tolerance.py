@@ -20,8 +20,15 @@ copy in ``/dev/shm`` vs from a checkpoint on local disk, in one process: the dis
 pages evicted from the page cache first (``posix_fadvise(DONTNEED)``: a read after a reboot or
 on a cold node), and warm (in the page cache), interleaved rounds, medians.
 
+``--part step``: what peer copies cost the training thread, on 2 ranks in one launch: the same
+steps (DDP, or FSDP with ``--step-strategy fsdp``) with no copies, with a copy every
+``--peer`` steps written synchronously (the copy, the exchange and the commit on the training
+thread), and written in the background (the snapshot into CPU memory on it, the rest on the
+peer writer's thread); arms interleaved round by round, medians of the time per step and of
+the copy call's time on the training thread.
+
     python benchmarks/fault_tolerance.py [--runs 3] [--iters 120] [--kill-every 40] [--ckpt 20]
-                                         [--peer 2] [--part all|goodput|load]
+                                         [--peer 2] [--part all|goodput|load|step]
 """
 
 from __future__ import annotations
@@ -590,6 +597,100 @@ def load_times(args: argparse.Namespace, tmp: Path) -> None:
         )
 
 
+# ------------------------------------------------------------------ the step part
+
+
+def _step_worker(rank: int, world: int, port: int, args: tuple, scratch: str) -> None:
+    """Each rank: one model; rounds of ``steps`` steps under each arm (no copies, copies
+    written synchronously, in the background), the arms interleaved; rank 0 writes, per arm,
+    the seconds per step of each round and of each copy call."""
+    from _spawn import as_torchrun_rank
+
+    as_torchrun_rank(rank, world, port)
+    import torch
+    import torch.distributed as dist
+
+    from stratagem.checkpoint.peer import PeerCopies
+    from stratagem.models import MLPClassifier
+    from stratagem.strategies import build_strategy
+
+    hidden, rounds, steps, every, kind, out = args
+    strategy = build_strategy(
+        dict(
+            type='FSDPStrategy' if kind == 'fsdp' else 'DDPStrategy',
+            work_dir=os.path.join(scratch, 'work'),
+            env_kwargs=dict(dist_cfg=dict(backend='gloo')),
+        )
+    )
+    torch.manual_seed(0)
+    strategy.prepare(
+        MLPClassifier(hidden, 10, hidden, 4),
+        optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-3)),
+    )
+    x, y = torch.randn(16, hidden), torch.randint(10, (16,))
+    loss = torch.nn.functional.cross_entropy
+    strategy.train_step(x, y, loss)  # the optimizer's state exists from here on
+    group = dist.new_group(backend='gloo')  # the background writer's own
+    arms = {
+        'no copies': None,
+        'copies, synchronous': PeerCopies(
+            os.path.join(scratch, 'sync'), rank, world, group=group, same_node=True
+        ),
+        'copies, background': PeerCopies(
+            os.path.join(scratch, 'bg'), rank, world, group=group, same_node=True, background=True
+        ),
+    }
+    per_step: dict[str, list[float]] = {name: [] for name in arms}
+    cpu: dict[str, list[float]] = {name: [] for name in arms}  # the training thread's own
+    calls: dict[str, list[float]] = {name: [] for name in arms}
+    it = 1
+    for _ in range(rounds):
+        for name, peer in arms.items():
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for _ in range(steps):
+                strategy.train_step(x, y, loss)
+                it += 1
+                if peer is not None and it % every == 0:
+                    t_call = time.perf_counter()
+                    strategy.save_peer_copy(peer, extra_ckpt={'meta': {'iter': it}})
+                    calls[name].append(time.perf_counter() - t_call)
+            if peer is not None:
+                peer.wait()  # the round's last copy is part of its cost
+            cpu[name].append((time.thread_time() - c0) / steps)
+            dist.barrier()
+            per_step[name].append((time.perf_counter() - t0) / steps)
+    arms['copies, background'].close()
+    if rank == 0:
+        numel = sum(p.numel() for p in strategy.model.parameters())
+        Path(out).write_text(json.dumps([numel, per_step, cpu, calls]))
+
+
+def step_cost(args: argparse.Namespace, tmp: Path) -> None:
+    """The time per step with no peer copies, synchronous ones and background ones."""
+    from _spawn import spawn_ranks
+
+    out = tmp / 'step.txt'
+    work = (args.load_hidden, args.step_rounds, args.step_steps, args.peer, args.step_strategy)
+    spawn_ranks(_step_worker, (*work, str(out)), world=2, base=str(tmp))
+    numel, per_step, cpu, calls = json.loads(out.read_text())
+    print(
+        f'\nstep cost of peer copies on 2 ranks ({args.step_strategy}, {numel / 1e6:.1f}M '
+        f'parameters{", sharded over the 2" if args.step_strategy == "fsdp" else ""}, AdamW; '
+        f'a copy every {args.peer} steps), {args.step_rounds} interleaved rounds of '
+        f'{args.step_steps} steps; load average {os.getloadavg()[0]:.1f}'
+    )
+    base = statistics.median(per_step['no copies'])
+    base_cpu = statistics.median(cpu['no copies'])
+    for name, values in per_step.items():
+        med, own = statistics.median(values), statistics.median(cpu[name])
+        call = f'  the copy call {statistics.median(calls[name]):.3f} s' if calls[name] else ''
+        print(
+            f'{name:20s} {med * 1e3:7.1f} ms a step  {med / base:5.2f}x   training thread '
+            f'{own * 1e3:6.1f} ms CPU a step  {own / base_cpu:5.2f}x{call}'
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--runs', type=int, default=3)
@@ -600,7 +701,10 @@ def main() -> None:
     parser.add_argument('--seed', type=int, default=1)
     parser.add_argument('--load-hidden', type=int, default=2048)
     parser.add_argument('--load-rounds', type=int, default=5)
-    parser.add_argument('--part', choices=['all', 'goodput', 'load'], default='all')
+    parser.add_argument('--step-rounds', type=int, default=5)
+    parser.add_argument('--step-steps', type=int, default=20)
+    parser.add_argument('--step-strategy', choices=['ddp', 'fsdp'], default='ddp')
+    parser.add_argument('--part', choices=['all', 'goodput', 'load', 'step'], default='all')
     parser.add_argument('--arms', default='abc', help='the goodput arms to run (default abc)')
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix='fault-tolerance-', dir=os.environ.get('BENCH_DIR')))
@@ -609,6 +713,8 @@ def main() -> None:
             goodput(args, tmp)
         if args.part in ('all', 'load'):
             load_times(args, tmp)
+        if args.part in ('all', 'step'):
+            step_cost(args, tmp)
     finally:
         with contextlib.suppress(OSError):
             subprocess.run(['rm', '-rf', str(tmp)], check=False)

@@ -26,7 +26,8 @@ step numbers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .agree import agree_on_checkpoint
@@ -150,6 +151,10 @@ class Checkpointer:
         self.async_checkpoint = async_checkpoint
         self.timeout = float(timeout)
         self.writer: AsyncCheckpointWriter | None = None
+        #: True while a peer copy's state is captured (``save_peer``, and its restore's live
+        #: templates): each rank's own shards, whatever a save to storage gathers (FSDP's
+        #: ``state_dict_type='full'`` asks it)
+        self.capturing_local = False
 
     def wait(self) -> None:
         """Block until the pending (asynchronous) save is committed; raise its error if it
@@ -236,13 +241,31 @@ class Checkpointer:
         every rank calls it at the same iteration, ``meta['iter']``); returns this rank's
         own copy (None: not kept, a warning said why). A pending asynchronous save goes
         on: the copy is another file."""
-        checkpoint, _, step = self._capture(state, extra, None)
+        with self.local_capture():
+            checkpoint, _, step = self._capture(state, extra, None)
         if step is None:
             raise ValueError(
                 "a peer copy needs its iteration: pass extra_ckpt={'meta': {'iter': N}}"
             )
-        own = peer.commit(checkpoint, step)
+        own = peer.save(checkpoint, step)
         return None if own is None else str(own)
+
+    @contextmanager
+    def local_capture(self) -> Iterator[None]:
+        """Within: :attr:`capturing_local` (a peer copy's capture)."""
+        self.capturing_local = True
+        try:
+            yield
+        finally:
+            self.capturing_local = False
+
+    def shard_meshes(self, state: Mapping[str, Stateful]) -> list:
+        """The meshes the DTensors of ``state``'s parts lie on as a peer copy captures them
+        (``peer.shard_meshes``; ``[]``: none): what a restart compares its copies' with."""
+        from .peer import shard_meshes
+
+        with self.local_capture():
+            return shard_meshes({key: part.state_dict() for key, part in state.items()})
 
     # ------------------------------------------------------------------------ load
     def agree(self, filename: str) -> str:
@@ -293,6 +316,8 @@ class Checkpointer:
             path, map_location, optimizer=optimizer, editable=callback is not None
         )
         checkpoint = self._as_dict(path, checkpoint)
+        if own_copy:
+            checkpoint = self._join_shards(path, checkpoint, state)
         if callback is not None:
             callback(checkpoint)
         missing = [
@@ -323,6 +348,20 @@ class Checkpointer:
             else:
                 part.load_state_dict(context.value(key))
         return context
+
+    def _join_shards(self, path: str, checkpoint: dict, state: Mapping[str, Stateful]) -> dict:
+        """A sharded peer copy's local shards put back around the live DTensors of the parts
+        that held them (``peer.join_shards``), captured as the copy was; an unsharded one
+        as it is."""
+        from .peer import LAYOUT_KEY, join_shards
+
+        if LAYOUT_KEY not in checkpoint:
+            return checkpoint
+        records = checkpoint.pop(LAYOUT_KEY)
+        keys = {r[0][0] for r in records if r[0] and r[0][0] in state}
+        with self.local_capture():
+            live = {key: state[key].state_dict() for key in keys}
+        return join_shards(checkpoint, records, live, path)
 
     @staticmethod
     def _as_dict(path: str, checkpoint: Any) -> dict:

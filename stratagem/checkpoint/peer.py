@@ -21,6 +21,26 @@ is committed the older ones of its directory are removed. ``<root>`` is
 ``/dev/shm/stratagem-peer-<uid>-<hash of the work_dir>`` (``STRATAGEM_PEER_DIR`` replaces
 ``/dev/shm``): the same for every restart of one run, another for each work_dir.
 
+Sharded state (FSDP's DTensors) is kept as each rank's local shards: :func:`split_shards`
+replaces every DTensor of the content by its local tensor and records, under
+``content['peer_layout']``, where it was and how it was laid out (global shape, stride,
+placements, mesh shape and dimension names, this rank's mesh coordinate); the manifest names
+the meshes (``meshes``). A restart uses such a copy only on the same world size and the same
+meshes (:meth:`PeerCopies.plan`'s ``meshes``; else storage, the log line saying why), and
+:func:`join_shards` puts each shard back around the live DTensor at the same place, checked
+against the record.
+
+With ``background=True`` (the loop's) :meth:`PeerCopies.save` copies the content into CPU
+staging buffers on the calling thread (``async_writer.AsyncCheckpointWriter.snapshot``, the
+one blocking part), and the write to ``/dev/shm``, the exchange with the holder and the
+commit run on the writer's thread, over a process group of their own (``group``: gloo
+collectives of two threads must not share one). At most one copy is in flight: the next
+``save`` waits for the previous one (a skip would have to be agreed by every rank, a
+collective on the training thread, or the writers' collectives would pair copies of
+different iterations), and raises its error, if it had one. ``wait`` / ``close`` at the end;
+a process killed while a copy is written leaves a temporary name or a file without its
+manifest, which is never used.
+
 A restart of the whole job (``resume=True``) asks :meth:`PeerCopies.plan` (collective): every
 rank hashes its own copies against their manifests and checks the size of the ones it holds
 (a copy without a manifest, or whose bytes do not match it, is never used), and
@@ -40,7 +60,9 @@ import mmap
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +70,7 @@ from typing import Any
 import torch
 
 from . import _fs
+from .async_writer import AsyncCheckpointWriter
 from .digest import entry_digest, new_hasher
 from .errors import CheckpointCorruptError, CheckpointWarning
 from .manifest import (
@@ -60,19 +83,26 @@ from .manifest import (
 from .single_file import save_checkpoint
 
 __all__ = [
+    'LAYOUT_KEY',
     'PEER_DIR_ENV',
     'PeerChoice',
     'PeerCopies',
     'choose',
     'commit_bytes',
     'copy_committed',
+    'describe_meshes',
+    'join_shards',
     'peer_root',
     'scan_copies',
+    'shard_meshes',
+    'split_shards',
 ]
 
 #: the directory under which peer copies go instead of ``/dev/shm``
 PEER_DIR_ENV = 'STRATAGEM_PEER_DIR'
 _PREFIX, _SUFFIX = 'iter_', '.pth'
+#: the content key of a copy's DTensor records (:func:`split_shards`)
+LAYOUT_KEY = 'peer_layout'
 
 
 def peer_root(work_dir: str | os.PathLike) -> Path:
@@ -101,15 +131,23 @@ class Scan:
     why the others there were not taken."""
 
     steps: dict[int, str] = field(default_factory=dict)
-    refused: list[str] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)  # (path, why)
 
 
-def scan_copies(directory: Path, rank: int, world_size: int, *, hash_bytes: bool = True) -> Scan:
+def scan_copies(
+    directory: Path,
+    rank: int,
+    world_size: int,
+    *,
+    hash_bytes: bool = True,
+    meshes: list | None = None,
+) -> Scan:
     """Every committed copy of rank ``rank``'s state in ``directory`` whose bytes match its
     manifest (``hash_bytes=False``: its size) and whose manifest says it is that rank's at
-    this world size."""
+    this world size, its shards on ``meshes`` (:func:`shard_meshes`; None: not checked; a
+    manifest without them: none, an unsharded state's)."""
     steps: dict[int, str] = {}
-    refused: list[str] = []
+    refused: list[tuple[str, str]] = []
     try:
         names = sorted(os.listdir(directory))
     except OSError:
@@ -121,20 +159,146 @@ def scan_copies(directory: Path, rank: int, world_size: int, *, hash_bytes: bool
         try:
             manifest = verify_checkpoint(path, hash_bytes=hash_bytes)
         except (CheckpointCorruptError, OSError, ValueError) as err:
-            refused.append(f'{path}: {err}')
+            refused.append((str(path), str(err)))
             continue
         if manifest is None:
-            refused.append(f'{path}: no manifest (its commit did not finish)')
+            refused.append((str(path), 'no manifest (its commit did not finish)'))
             continue
         whose = (manifest.get('peer_rank'), manifest.get('world_size'))
         if whose != (rank, world_size) or type(manifest.get('step')) is not int:
             refused.append(
-                f'{path}: a copy of rank {whose[0]} at world size {whose[1]}, not of rank '
-                f'{rank} at world size {world_size}'
+                (
+                    str(path),
+                    f'a copy of rank {whose[0]} at world size {whose[1]}, not of rank {rank} '
+                    f'at world size {world_size}',
+                )
+            )
+            continue
+        saved = manifest.get('meshes') or []
+        if meshes is not None and saved != meshes:
+            refused.append(
+                (
+                    str(path),
+                    f'a copy of the shards on {describe_meshes(saved)}; this run lays them '
+                    f'out on {describe_meshes(meshes)} (a copy restores only its own layout)',
+                )
             )
             continue
         steps[manifest['step']] = str(path)
     return Scan(steps, refused)
+
+
+# ------------------------------------------------------------------- sharded state
+def split_shards(content: dict) -> tuple[dict, list]:
+    """``content`` with every DTensor replaced by its local shard, and one record per DTensor:
+    ``[key path, global shape, stride, placements, mesh shape, mesh dimension names, this
+    rank's mesh coordinate]`` (plain values: what a restart checks before it puts the shard
+    back, :func:`join_shards`). Tensors are not copied."""
+    from torch.distributed.tensor import DTensor
+
+    records: list = []
+
+    def walk(obj: Any, path: list) -> Any:
+        if isinstance(obj, DTensor):
+            mesh = obj.device_mesh
+            records.append(
+                [
+                    path,
+                    list(obj.shape),
+                    list(obj.stride()),
+                    [repr(p) for p in obj.placements],
+                    list(mesh.shape),
+                    list(mesh.mesh_dim_names or ()),
+                    list(mesh.get_coordinate() or ()),
+                ]
+            )
+            return obj.to_local()
+        if isinstance(obj, dict):
+            return type(obj)((k, walk(v, [*path, k])) for k, v in obj.items())
+        if type(obj) in (list, tuple):
+            return type(obj)(walk(v, [*path, i]) for i, v in enumerate(obj))
+        return obj
+
+    return walk(content, []), records
+
+
+def shard_meshes(records_or_state: Any) -> list:
+    """The meshes a state's DTensors lie on, ``[[shape, dimension names], ...]`` sorted (the
+    manifest's ``meshes``; ``[]``: none): from :func:`split_shards`' records, or of a live
+    state."""
+    records = records_or_state
+    if not isinstance(records_or_state, list):
+        records = split_shards({'state': records_or_state})[1]
+    found = sorted({(tuple(r[4]), tuple(r[5])) for r in records})
+    return [[list(shape), list(names)] for shape, names in found]
+
+
+def describe_meshes(meshes: list) -> str:
+    """``the mesh (replicate=2, shard=1)``, or ``no mesh`` (an unsharded state)."""
+    if not meshes:
+        return 'no mesh (an unsharded state)'
+    shown = []
+    for shape, names in meshes:
+        if names:
+            shown.append('(' + ', '.join(f'{n}={s}' for n, s in zip(names, shape)) + ')')
+        else:
+            shown.append('(' + ' × '.join(str(s) for s in shape) + ')')
+    return ('the mesh ' if len(shown) == 1 else 'the meshes ') + ', '.join(shown)
+
+
+def join_shards(content: dict, records: list, live: Mapping[str, Any], where: str) -> dict:
+    """``content`` (a copy read back) with each local shard :func:`split_shards` recorded put
+    back around the live DTensor at the same key path in ``live`` (the same parts' state
+    now: mesh, placements, sharding), moved to that DTensor's device. ValueError naming
+    ``where`` and the key path when the live state has no DTensor there, or one laid out
+    otherwise (another model, or another sharding of it)."""
+    from torch.distributed.tensor import DTensor
+
+    from stratagem._torch import dtensor_like
+
+    wanted = {tuple(r[0]): r for r in records}
+
+    def find(path: tuple) -> Any:
+        obj: Any = live
+        for key in path:
+            obj = obj[key]
+        return obj
+
+    def walk(obj: Any, path: tuple) -> Any:
+        record = wanted.get(path)
+        if record is not None:
+            try:
+                template = find(path)
+            except (KeyError, IndexError, TypeError):
+                template = None
+            saved = (record[1], record[3], record[4], record[5], record[6])
+            now = None
+            if isinstance(template, DTensor):
+                mesh = template.device_mesh
+                now = (
+                    list(template.shape),
+                    [repr(p) for p in template.placements],
+                    list(mesh.shape),
+                    list(mesh.mesh_dim_names or ()),
+                    list(mesh.get_coordinate() or ()),
+                )
+                local = template.to_local()
+                if now == saved and tuple(local.shape) == tuple(obj.shape):
+                    return dtensor_like(template, obj.to(local.device))
+            label = '.'.join(str(k) for k in path)
+            raise ValueError(
+                f'{where}: {label} is a shard of {saved[0]} over placements {saved[1]} on the '
+                f'mesh {saved[2]} {saved[3]} at {saved[4]}, local shape {list(obj.shape)}; '
+                f'this run has {"no DTensor there" if now is None else now}: the copy is of '
+                'another model or sharding; resume from a storage checkpoint'
+            )
+        if isinstance(obj, dict):
+            return type(obj)((k, walk(v, (*path, k))) for k, v in obj.items())
+        if type(obj) in (list, tuple):
+            return type(obj)(walk(v, (*path, i)) for i, v in enumerate(obj))
+        return obj
+
+    return walk(content, ())
 
 
 @dataclass(frozen=True)
@@ -215,6 +379,9 @@ class PeerCopies:
         same_node: every rank runs on this node (one ``/dev/shm``): a holder copies the
             committed file through the filesystem (the kernel's copy) instead of receiving
             its bytes over the process group. Every rank must pass the same value.
+        background: :meth:`save` snapshots on the calling thread and writes, exchanges and
+            commits on a writer thread (``group`` must then be a group no other thread
+            uses); False: :meth:`save` is :meth:`commit`.
     """
 
     def __init__(
@@ -226,6 +393,7 @@ class PeerCopies:
         local_world_size: int | None = None,
         group: Any = None,
         same_node: bool = False,
+        background: bool = False,
     ) -> None:
         self.root = Path(root)
         self.rank, self.world_size, self.group = rank, world_size, group
@@ -237,6 +405,10 @@ class PeerCopies:
         self.keeps = self.holders.index(rank)
         self.own_dir = self._own(rank)
         self.held_dir = self._held(self.keeps)
+        self.writer: AsyncCheckpointWriter | None = AsyncCheckpointWriter() if background else None
+        _wait_for_earlier(self.root)
+        if self.writer is not None:
+            _WRITERS[self.root] = self.writer
 
     def _own(self, rank: int) -> Path:
         return self.root / 'own' / f'rank{rank}'
@@ -245,6 +417,30 @@ class PeerCopies:
         return self.root / 'held' / f'rank{rank}'
 
     # ----------------------------------------------------------------------- save
+    def save(self, content: dict, step: int) -> Path | None:
+        """Keep this rank's ``content`` of iteration ``step`` (collective: every rank calls
+        it at the same iteration): :meth:`commit` now, or in the background (``background``):
+        the previous copy waited for (its error raised here), ``content`` copied into the
+        writer's staging buffers before this returns, the commit submitted. Returns where
+        this rank's own copy is (in the background: will be, once committed)."""
+        if self.writer is None:
+            return self.commit(content, step)
+        self.writer.wait()
+        staged = self.writer.snapshot(content, key='peer')
+        self.writer.submit(self.commit, staged, step)
+        return self.own_dir / f'{_PREFIX}{step}{_SUFFIX}'
+
+    def wait(self) -> None:
+        """Block until the copy in flight (``background``) is committed or given up; raise
+        its error, if it had one. A no-op when none is."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    def close(self) -> None:
+        """:meth:`wait`, then free the staging buffers (the end of a run)."""
+        if self.writer is not None:
+            self.writer.release()
+
     def commit(self, content: dict, step: int) -> Path | None:
         """Commit this rank's ``content`` of iteration ``step`` here and at its holder
         (collective: every rank calls it at the same iteration); returns the own copy.
@@ -255,14 +451,15 @@ class PeerCopies:
         from stratagem import env  # see the package doc: env only when a checkpoint is written
 
         name = f'{_PREFIX}{step}{_SUFFIX}'
+        content, records = split_shards(content)
+        whose: dict[str, Any] = {'peer_rank': self.rank, 'world_size': self.world_size}
+        if records:  # sharded: the shards, where they go, and the meshes a restart checks
+            content[LAYOUT_KEY] = records
+            whose['meshes'] = shard_meshes(records)
         own, failed = None, ''
         try:
             own = save_checkpoint(
-                content,
-                self.own_dir / name,
-                step=step,
-                extra_manifest={'peer_rank': self.rank, 'world_size': self.world_size},
-                update_pointer=False,
+                content, self.own_dir / name, step=step, extra_manifest=whose, update_pointer=False
             )
         except OSError as err:  # CheckpointWriteError too: it is an OSError
             failed = f'rank {self.rank}: {err}'
@@ -302,24 +499,35 @@ class PeerCopies:
             commit_bytes(self.held_dir / name, *received)
 
     # ----------------------------------------------------------------------- load
-    def plan(self, storage: tuple[str, int | None] | None) -> PeerChoice:
+    def plan(
+        self, storage: tuple[str, int | None] | None, meshes: list | None = None
+    ) -> PeerChoice:
         """What a restart loads (collective): see :func:`choose`; ``storage``: the newest
-        storage checkpoint and its iteration, the same on every rank (None: none). Own
-        copies are hashed here (the load then reads verified bytes); a held copy only when
-        it is fetched (:meth:`fetch`), its size checked here. The copies refused on any
-        rank are in the returned reason."""
+        storage checkpoint and its iteration, the same on every rank (None: none);
+        ``meshes``: this run's (:func:`shard_meshes` of its model's state; None: not
+        checked): a copy of shards on other meshes is not used. Own copies are hashed here
+        (the load then reads verified bytes); a held copy only when it is fetched
+        (:meth:`fetch`), its size checked here. The copies refused on any rank are in the
+        returned reason."""
         from stratagem import env  # see the package doc: env only when a checkpoint is read
 
-        own = scan_copies(self.own_dir, self.rank, self.world_size)
-        held = scan_copies(self.held_dir, self.keeps, self.world_size, hash_bytes=False)
+        self.wait()  # this process's copy in flight (an API caller's): committed first
+        own = scan_copies(self.own_dir, self.rank, self.world_size, meshes=meshes)
+        held = scan_copies(
+            self.held_dir, self.keeps, self.world_size, hash_bytes=False, meshes=meshes
+        )
         found = env.all_gather_object(
             (sorted(own.steps), sorted(held.steps), own.refused + held.refused), self.group
         )
         choice = choose([f[0] for f in found], [f[1] for f in found], self.holders, storage)
-        refused = [text for f in found for text in f[2]]
+        refused: dict[str, list[str]] = {}  # why: the copies, so a reason shared is said once
+        for f in found:
+            for path, why in f[2]:
+                refused.setdefault(why, []).append(os.path.relpath(path, self.root))
         if refused:
-            reason = f'{choice.reason}; not used: {"; ".join(refused)}'
-            return PeerChoice(choice.step, reason, choice.fetch)
+            said = '; '.join(f'{why} ({", ".join(paths)})' for why, paths in refused.items())
+            head = 'no usable peer copy' if choice.reason == 'no peer copies' else choice.reason
+            return PeerChoice(choice.step, f'{head}; not used: {said}', choice.fetch)
         return choice
 
     def fetch(self, choice: PeerChoice) -> tuple[str | None, str]:
@@ -359,7 +567,9 @@ class PeerCopies:
 
     def clear(self) -> None:
         """Remove this rank's copies (its own and those it holds): a fresh start, or a
-        restart that fell back to storage, must never find them later."""
+        restart that fell back to storage, must never find them later. The copy in flight
+        is waited for first."""
+        self.wait()
         for directory in (self.own_dir, self.held_dir):
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -407,6 +617,27 @@ class PeerCopies:
             return None
         view = memoryview(incoming.numpy().data)  # the received bytes, not copied
         return bytes(view[: int(got[0])]), view[int(got[0]) :]
+
+
+#: the last background writer of each root in this process: a run that ended by an error left
+#: its copy in flight, which a later run over the same root (its restart in this process) waits
+#: for before it looks at, or removes, the copies
+_WRITERS: weakref.WeakValueDictionary[Path, AsyncCheckpointWriter] = weakref.WeakValueDictionary()
+
+
+def _wait_for_earlier(root: Path) -> None:
+    writer = _WRITERS.pop(root, None)
+    if writer is None:
+        return
+    try:
+        writer.wait()
+    except (OSError, RuntimeError, ValueError) as err:  # that run's, uncollected: said
+        warnings.warn(
+            f'an earlier peer copy under {root} failed: {type(err).__name__}: {err}; its '
+            'commit did not finish, so it is never used',
+            CheckpointWarning,
+            stacklevel=3,
+        )
 
 
 def _wait(requests: list) -> None:

@@ -12,7 +12,9 @@ outcome), an asynchronous one when the next save or the end has waited for it.
 
 ``default_hooks.checkpoint.peer_interval``: every that many iterations each rank's state,
 with the same ``meta``, is committed as a peer copy (``checkpoint/peer.py``), which a
-restart of the whole job prefers to an older checkpoint.
+restart of the whole job prefers to an older checkpoint; in the background: the loop's
+thread copies the state into CPU memory, a writer thread commits it (``close_peer`` waits
+for the last one).
 """
 
 from __future__ import annotations
@@ -123,11 +125,18 @@ class Checkpoints:
 
     def copy_to_peer(self, it: int) -> None:
         """Commit each rank's state after iteration ``it`` as a peer copy (here and at its
-        holder); its time on the loop's thread is the meter's stall."""
+        holder; the previous copy waited for, this one snapshotted, then written in the
+        background); its time on the loop's thread is the meter's stall."""
         assert self.peer is not None
         t_copy = time.perf_counter()
         self.strategy.save_peer_copy(self.peer, extra_ckpt={'meta': self.meta(it)})
         self.meter.add_stall(time.perf_counter() - t_copy)
+
+    def close_peer(self) -> None:
+        """At the end: the copy in flight committed (or its error raised), the peer
+        writer's staging memory freed."""
+        if self.peer is not None:
+            self.peer.close()
 
     def forget_peer_copies(self) -> None:
         """After a rollback: the copies are of iterations the run no longer stands on."""

@@ -509,8 +509,9 @@ def _read_peer_interval(hook: dict) -> int:
 
 
 def check_peer_strategy(peer_interval: int, strategy_cfg: Mapping) -> None:
-    """Peer copies hold each rank's whole state: refused for a backend whose ranks do not
-    (``Capabilities.whole_state_per_rank``; ``strategy.type``: a name, a class or 'auto'),
+    """Peer copies hold what each rank captures: refused for a backend where that does not
+    restore the rank (``Capabilities.peer_copies``; ``strategy.type``: a name, a class or
+    'auto'),
     and with replica groups (``strategy.fault_tolerance``), whose groups share a work_dir and
     heal from a live peer's memory already."""
     from stratagem.strategies.capabilities import capabilities_of
@@ -523,16 +524,17 @@ def check_peer_strategy(peer_interval: int, strategy_cfg: Mapping) -> None:
             '/dev/shm directory); remove peer_interval'
         )
     strategy_type = strategy_cfg.get('type')
-    if peer_interval and not capabilities_of(strategy_type).whole_state_per_rank:
+    if peer_interval and not capabilities_of(strategy_type).peer_copies:
         name = (
             strategy_type
             if isinstance(strategy_type, str)
             else getattr(strategy_type, '__name__', repr(strategy_type))
         )
         raise ValueError(
-            f'default_hooks.checkpoint.peer_interval={peer_interval}: peer copies keep each '
-            f"rank's whole state, and {name} shards it or an engine holds it; remove "
-            'peer_interval, or train with DDPStrategy'
+            f'default_hooks.checkpoint.peer_interval={peer_interval}: peer copies keep what '
+            f"each rank captures, and {name} keeps its state in an engine's files or "
+            'consolidates it on one rank to save it; remove peer_interval, or train with '
+            'DDPStrategy or FSDPStrategy'
         )
 
 

@@ -169,6 +169,7 @@ def _loop(p: _Parts, preemption: Preemption | None) -> dict[str, Any]:
                 break
         watchdog.at(it, 'waiting for the last checkpoint')
         p.strategy.wait_for_checkpoints()  # async saves: the last one committed, or its error
+        p.checkpoints.close_peer()  # the peer copy in flight: committed, or its error
     if preempted is not None:
         assert preemption is not None
         _finish_preempted(preemption, preempted, p.strategy, it, p.checkpoints.directory)
@@ -378,7 +379,8 @@ def _shared_seed(strategy_cfg: Mapping, plan: RunPlan) -> int | None:
 def _peer_copies(strategy: Any) -> PeerCopies:
     """The run's peer copies (``checkpoint/peer.py``): under its work_dir's key in this node's
     ``/dev/shm``; copied through the filesystem when every rank runs on this node, else sent
-    over a gloo group (the default one when it is gloo; the bytes are on the CPU)."""
+    over a gloo group (the bytes are on the CPU); written in the background, so over a gloo
+    group of their own (the writer's collectives must not meet the training thread's)."""
     import os
     import socket
 
@@ -387,7 +389,7 @@ def _peer_copies(strategy: Any) -> PeerCopies:
     from stratagem import env
 
     group = None
-    if strategy.distributed and dist.get_backend() != 'gloo':
+    if strategy.distributed:
         group = dist.new_group(backend='gloo')  # every rank builds it, in the same order
     world = strategy.world_size
     hosts = env.all_gather_object(socket.gethostname(), group)
@@ -398,6 +400,7 @@ def _peer_copies(strategy: Any) -> PeerCopies:
         local_world_size=int(os.environ.get('LOCAL_WORLD_SIZE', world)),
         group=group,
         same_node=len(set(hosts)) == 1,
+        background=True,
     )
 
 

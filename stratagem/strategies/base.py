@@ -723,15 +723,18 @@ class BaseStrategy(ABC):
         same parts) as a peer copy: in this node's ``/dev/shm`` and at its holder rank
         (``checkpoint/peer.py``); every rank calls it at the same iteration,
         ``extra_ckpt['meta']['iter']``. Returns this rank's own copy (None: ``/dev/shm``
-        refused it, with a warning; the run goes on). ``resume=True`` of
-        ``load_or_resume(..., peer=)`` prefers it to an older storage checkpoint. Refused
-        (ValueError) where a rank does not hold the whole state
-        (``Capabilities.whole_state_per_rank``)."""
-        if not self.capabilities.whole_state_per_rank:
+        refused it, with a warning; the run goes on; a background ``peer``: where it will
+        be once committed). ``resume=True`` of
+        ``load_or_resume(..., peer=)`` prefers it to an older storage checkpoint. Sharded
+        state is this rank's shards and their layout, whatever ``save_checkpoint`` gathers.
+        Refused (ValueError) where a rank's content does not restore it
+        (``Capabilities.peer_copies``)."""
+        if not self.capabilities.peer_copies:
             raise ValueError(
-                f'peer checkpoints (default_hooks.checkpoint.peer_interval) keep each '
-                f"rank's whole state, and {type(self).__name__} shards it or an engine "
-                'holds it; remove peer_interval, or train with DDPStrategy'
+                f'peer checkpoints (default_hooks.checkpoint.peer_interval) keep what each '
+                f"rank captures, and {type(self).__name__} keeps its state in an engine's "
+                'files or consolidates it on one rank to save it; remove peer_interval, or '
+                'train with DDPStrategy or FSDPStrategy'
             )
         extra = dict(extra_ckpt or {})
         state = self.checkpoint_state(meta=extra.pop('meta', None), loaders=loaders)

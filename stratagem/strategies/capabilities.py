@@ -66,18 +66,15 @@ class Capabilities:
     requires: tuple[str, ...] = ()
 
     @property
-    def whole_state_per_rank(self) -> bool:
-        """Every rank holds the whole training state (model, optimizer), so the content
-        one rank captures for a checkpoint restores that rank alone: what peer checkpoints
-        (``default_hooks.checkpoint.peer_interval``, ``checkpoint/peer.py``) need. Not so
-        where a backend shards the state or an engine's files hold it."""
-        return not (
-            self.fully_shards
-            or self.zero_stage
-            or self.engine_steps
-            or self.deepspeed_config
-            or self.pipeline
-        )
+    def peer_copies(self) -> bool:
+        """The content one rank captures for a checkpoint restores that rank alone, on the
+        same world size and mesh: the whole state, or its DTensor shards (``fully_shards``:
+        kept with their layout, ``checkpoint/peer.py``): what peer checkpoints
+        (``default_hooks.checkpoint.peer_interval``) need. Not so where an engine's files
+        hold the state (DeepSpeed: its model states are written by one rank, each rank's
+        optimizer partition by the engine's own save) or where the optimizer state is
+        consolidated on one rank to be saved (fairscale's OSS, ``zero_stage``)."""
+        return not (self.zero_stage or self.engine_steps or self.deepspeed_config)
 
     @property
     def builds_optimizer(self) -> bool:

@@ -317,10 +317,12 @@ def _resume_from_peer(
 ) -> dict | None:
     """Resume from the run's peer copies when they win over ``stored``, the newest storage
     checkpoint (``peer.choose``: a verified copy of one iteration on every rank, at least as
-    new); returns None (the copies removed) when storage wins. Either way one log line says
-    which tier and why."""
+    new, of shards on this run's meshes); returns None (the copies removed) when storage
+    wins. Either way one log line says which tier and why."""
     storage = None if stored is None else (stored[1], stored[2])
-    choice = peer.plan(storage)
+    # a copy of shards restores only the layout it was taken on: the model's meshes now
+    meshes = strategy.checkpointer.shard_meshes({'state_dict': strategy.model_part()})
+    choice = peer.plan(storage, meshes)
     if choice.step is None:
         if stored is not None or choice.reason != 'no peer copies':  # else: a fresh start
             strategy.logger.info(f'resume tier: storage ({choice.reason})')

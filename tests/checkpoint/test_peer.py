@@ -1,9 +1,12 @@
 """Peer checkpoints (``stratagem/checkpoint/peer.py``): the rule that picks the tier, the
-commit of a copy and of a copy received as bytes, what a torn or missing copy leaves, and the
-reference loop resuming from one in one process (bit-equal to the uninterrupted run) or
-falling back to storage. Two ranks exchanging copies: ``tests/strategies/test_ddp.py``
-(``peer_copies``); killed ``stratagem train --nproc 2`` runs: ``tests/test_peer_restart.py``
-(slow tier)."""
+commit of a copy and of a copy received as bytes, what a torn or missing copy leaves, a copy
+of DTensor shards (their layout kept, restored on it only), the background writer (the state
+at the call, one copy in flight, its error raised at the next call), and the reference loop
+resuming from one in one process (bit-equal to the uninterrupted run) or falling back to
+storage. Two ranks exchanging copies: ``tests/strategies/test_ddp.py`` (``peer_copies``);
+FSDP's shards on 2 ranks: ``tests/strategies/test_fsdp.py``, on HSDP and 2-D meshes:
+``test_fsdp_mesh.py`` (``peer_copies``); killed ``stratagem train --nproc 2`` runs:
+``tests/test_peer_restart.py`` (slow tier)."""
 
 import logging
 import os
@@ -99,7 +102,7 @@ def test_a_commit_keeps_the_newest_verified_copy_and_a_torn_one_is_never_used(tm
     assert scan_copies(peer.own_dir, 0, 1).steps == {4: str(newest)}
     # another rank's or another world size's copy: refused, named
     assert scan_copies(peer.own_dir, 1, 1).steps == {}
-    assert 'not of rank 1' in scan_copies(peer.own_dir, 1, 1).refused[0]
+    assert 'not of rank 1' in scan_copies(peer.own_dir, 1, 1).refused[0][1]
     # torn: a byte changed after the commit
     data = bytearray(newest.read_bytes())
     data[-30] ^= 0xFF
@@ -108,7 +111,7 @@ def test_a_commit_keeps_the_newest_verified_copy_and_a_torn_one_is_never_used(tm
 
     forget_verified()  # as a restarted process: it hashes every byte
     found = scan_copies(peer.own_dir, 0, 1)
-    assert found.steps == {} and 'damaged' in found.refused[0]
+    assert found.steps == {} and 'damaged' in found.refused[0][1]
     # a copy whose manifest never came (killed mid-commit): not used either
     save_checkpoint(_content(3.0, 6), peer.own_dir / 'iter_6.pth', step=6, update_pointer=False)
     (peer.own_dir / 'iter_6.pth.manifest.json').unlink()
@@ -149,6 +152,128 @@ def test_a_received_copy_is_committed_only_when_its_bytes_match_the_manifest(tmp
     commit_bytes(final, manifest, sent.read_bytes())
     assert torch.load(final, weights_only=True)['state_dict']['w'][0] == 1.0
     assert sorted(os.listdir(final.parent)) == ['iter_3.pth', 'iter_3.pth.manifest.json']
+
+
+# ------------------------------------------------------------------ sharded state
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    """A 1-rank gloo process group and a 1-D device mesh over it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group('gloo', store=dist.FileStore(str(tmp_path / 'store'), 1), rank=0,
+                            world_size=1)  # fmt: skip
+    yield init_device_mesh('cpu', (1,), mesh_dim_names=('shard',))
+    dist.destroy_process_group()
+
+
+def test_a_copy_of_shards_keeps_the_local_ones_and_their_layout_and_restores_on_it_only(
+    tmp_path, mesh
+):
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from stratagem.checkpoint.peer import LAYOUT_KEY, join_shards, shard_meshes, split_shards
+
+    weight = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
+    optimizer = {'state': {'w': {'exp_avg': weight * 2, 'step': torch.tensor(3.0)}}}
+    content = {'meta': {'iter': 2}, 'state_dict': {'w': weight, 'plain': torch.ones(2)}}
+    content['optimizer'] = optimizer
+    local, records = split_shards(content)
+    assert type(local['state_dict']['w']) is torch.Tensor and len(records) == 2
+    assert records[0] == [
+        ['state_dict', 'w'],
+        [3, 2],
+        [2, 1],
+        ['Shard(dim=0)'],
+        [1],
+        ['shard'],
+        [0],
+    ]
+    assert shard_meshes(records) == shard_meshes(content) == [[[1], ['shard']]]
+    assert shard_meshes({'w': torch.ones(1)}) == []  # an unsharded state: no mesh
+
+    peer = PeerCopies(tmp_path / 'peer', rank=0, world_size=1)
+    path = peer.commit(content, 2)
+    read = torch.load(path, weights_only=True)
+    assert read[LAYOUT_KEY] == records
+    # restored around the live DTensors: their sharding, the copy's values
+    live = {'state_dict': {'w': weight * 0, 'plain': torch.zeros(2)}}
+    live['optimizer'] = {'state': {'w': {'exp_avg': weight * 0, 'step': torch.tensor(0.0)}}}
+    back = join_shards({k: v for k, v in read.items() if k != LAYOUT_KEY}, records, live, 'copy')
+    assert isinstance(back['optimizer']['state']['w']['exp_avg'], DTensor)
+    assert torch.equal(
+        back['optimizer']['state']['w']['exp_avg'].full_tensor(), weight.full_tensor() * 2
+    )
+    # a restart on other meshes does not use it, and says why
+    assert scan_copies(peer.own_dir, 0, 1, meshes=[[[1], ['shard']]]).steps == {2: str(path)}
+    refused = scan_copies(peer.own_dir, 0, 1, meshes=[[[1, 1], ['replicate', 'shard']]])
+    assert refused.steps == {} and refused.refused[0][1] == (
+        'a copy of the shards on the mesh (shard=1); this run lays them out on the mesh '
+        '(replicate=1, shard=1) (a copy restores only its own layout)'
+    )
+    # another model behind the same mesh: named, nothing half restored
+    other = {'state_dict': {'w': distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])}}
+    with pytest.raises(
+        ValueError, match=r'copy: state_dict.w is a shard of \[3, 2\].*another model'
+    ):
+        join_shards(read, records[:1], other, 'copy')
+
+
+# ------------------------------------------------------------------ the background writer
+
+
+def test_a_background_copy_is_the_state_at_the_call_one_at_a_time_its_error_raised_next(
+    tmp_path, monkeypatch
+):
+    import threading
+
+    from stratagem.checkpoint import peer as peer_module
+
+    peer = PeerCopies(tmp_path, rank=0, world_size=1, background=True)
+    release, started = threading.Event(), threading.Event()
+    real = peer_module.save_checkpoint
+
+    def held(*args, **kwargs):  # the writer's commit, held until released
+        started.set()
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(peer_module, 'save_checkpoint', held)
+    live = _content(1.0, 2)
+    assert peer.save(live, 2) == peer.own_dir / 'iter_2.pth'  # returned before the commit
+    assert started.wait(30) and not (peer.own_dir / 'iter_2.pth').exists()
+    live['state_dict']['w'].fill_(9.0)  # after the call: never in the copy
+    second = threading.Thread(target=peer.save, args=(_content(3.0, 4), 4))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive()  # at most one copy in flight: the next one waits
+    release.set()
+    second.join(30)
+    peer.wait()
+    assert scan_copies(peer.own_dir, 0, 1).steps.keys() == {4}  # the newest kept
+    monkeypatch.setattr(peer_module, 'save_checkpoint', real)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError('injected: the writer failed')
+
+    monkeypatch.setattr(peer_module, 'save_checkpoint', broken)
+    peer.save(_content(5.0, 6), 6)  # its error is this copy's, raised at the next call
+    with pytest.raises(RuntimeError, match='injected: the writer failed'):
+        peer.save(_content(7.0, 8), 8)
+    monkeypatch.setattr(peer_module, 'save_checkpoint', real)
+    peer.save(_content(7.0, 8), 8)
+    peer.close()
+    assert scan_copies(peer.own_dir, 0, 1).steps.keys() == {8}
+    snapshot = PeerCopies(tmp_path / 'b', rank=0, world_size=1, background=True)
+    live = _content(1.0, 2)
+    snapshot.save(live, 2)
+    live['state_dict']['w'].fill_(9.0)
+    snapshot.close()
+    assert (
+        torch.load(snapshot.own_dir / 'iter_2.pth', weights_only=True)['state_dict']['w'][0] == 1.0
+    )
 
 
 # ------------------------------------------------------------------ the loop
@@ -199,6 +324,9 @@ def crashed_run(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match='crash'):
         train(_cfg(tmp_path / 'run'), progress=False)
     monkeypatch.setattr(_Crashing, 'fail_at', None)
+    # the crashed run's copy in flight outlives its error (in a killed process it would not):
+    # a PeerCopies over the same root waits for it
+    PeerCopies(peer_root(tmp_path / 'run'))
     return tmp_path / 'run', want
 
 
@@ -234,8 +362,10 @@ def test_peer_interval_is_checked_before_anything_runs():
         check_train_config(cfg)
     cfg['default_hooks']['checkpoint']['peer_interval'] = 2
     cfg['strategy'] = dict(type='FSDPStrategy')
-    with pytest.raises(ValueError, match="peer copies keep each rank's whole state, and "
-                       'FSDPStrategy shards it'):  # fmt: skip
+    check_train_config(cfg)  # its copies are each rank's shards and their layout
+    cfg['strategy'] = dict(type='DeepSpeedStrategy')
+    with pytest.raises(ValueError, match="peer copies keep what each rank captures, and "
+                       "DeepSpeedStrategy keeps its state in an engine's files"):  # fmt: skip
         check_train_config(cfg)
     cfg['strategy'] = dict(type='DDPStrategy', fault_tolerance=dict(min_replicas=1))
     with pytest.raises(ValueError, match='with strategy.fault_tolerance: a replica group heals'):

@@ -5,11 +5,14 @@ Processes are started at most four times for the module, each time for the scena
 selected tests name (tests/scenarios.py): the training checks (also compile, ignored_modules,
 skip_init_weights) and the first half of a run (2 ranks), a 1-rank FSDP resume,
 `stratagem train examples/configs/transformer_fsdp.py --nproc 2` (torchrun), and the resumes
-in new processes (2 ranks, also the example config's, through the reference loop). The exact
+in new processes (2 ranks, also the example config's, through the reference loop); peer copies
+of the shards in the first spawn. The exact
 resume mid window, the async save's state at the call and the weights crossing to every
 backend are its row of the conformance table (test_conformance.py).
 """
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -334,6 +337,68 @@ def first_half(work_dir):
 @SCENARIOS.add('ranks', needs=['first_half'])
 def resume_in_place(work_dir, first_half):
     return _in_place_checks(work_dir, first_half['state_3'])
+
+
+@SCENARIOS.add('ranks', needs=['first_half'])
+def peer_copies(work_dir, first_half):
+    """Peer copies of the sharded state (checkpoint/peer.py): first_half's run again, a
+    storage checkpoint at 3, a copy at 4 (mid window) taken in the background while
+    ``state_dict_type='full'`` (a copy is each rank's shards anyway). A new strategy on the
+    same mesh resumes from the copy and trains on to MAX_ITERS; one on another mesh of the
+    same world size (HSDP) falls back to storage."""
+    import logging
+
+    import torch.distributed as dist
+
+    from stratagem.checkpoint.peer import PeerCopies
+
+    work, root = Path(work_dir) / 'peer', Path(work_dir) / 'peer-shm'
+    group = dist.new_group(backend='gloo')  # the background writer's own
+
+    def copies():
+        return PeerCopies(root, dist.get_rank(), 2, group=group, same_node=True, background=True)
+
+    def restart(**kwargs):
+        again = _strategy(work, **kwargs)
+        model, ow, scheds = again.prepare(_net(), **COMPONENTS)
+        lines = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())
+        again.logger.addHandler(handler)
+        try:
+            ckpt = again.load_or_resume(resume=True, peer=copies())
+        finally:
+            again.logger.removeHandler(handler)
+        return again, (model, ow, scheds), ckpt, [x for x in lines if 'resume tier' in x]
+
+    s = _strategy(work)
+    model, ow, scheds = s.prepare(_net(), **COMPONENTS)
+    _train(s, model, ow, scheds, 0, 3, 2)
+    s.save_checkpoint('iter_3', extra_ckpt={'meta': {'iter': 3}})
+    _train(s, model, ow, scheds, 3, 4, 2)
+    s.state_dict_type = 'full'
+    peer = copies()
+    s.save_peer_copy(peer, extra_ckpt={'meta': {'iter': 4}})
+    state_4 = _full_state(s)
+    _train(s, model, ow, scheds, 4, 6, 2)  # on, while the copy is written
+    peer.close()
+    copy = torch.load(peer.own_dir / 'iter_4.pth', weights_only=True)
+    manifest = json.loads((peer.own_dir / 'iter_4.pth.manifest.json').read_text())
+    out = {
+        'local_shape': list(copy['state_dict']['0.weight'].shape),
+        'records': len(copy['peer_layout']),
+        'meshes': manifest['meshes'],
+        'held': sorted(os.listdir(peer.held_dir)),
+    }
+    again, (model, ow, scheds), ckpt, out['tier'] = restart()
+    out['iter'] = ckpt['meta']['iter']
+    out['loaded_equal'] = _state_equal(_full_state(again), state_4)
+    _train(again, model, ow, scheds, 4, MAX_ITERS, 2)
+    out['final'] = _full_state(again)
+    out['lr'] = [g['lr'] for g in ow.param_groups]
+    _, _, ckpt, out['hsdp_tier'] = restart(mesh=dict(replicate=2, shard=1))
+    out['hsdp_iter'] = ckpt['meta']['iter']
+    return out
 
 
 def _in_place_checks(work_dir, state_3):
@@ -861,6 +926,32 @@ def test_a_save_failed_at_its_commit_leaves_the_last_checkpoint(scenario):
     for out in first:
         assert out['latest_after_fail'] == str(scenario.tmp / 'iter_4')
         assert [n for n in out['listing'] if 'iter_4' in n] == ['iter_4']  # no staging left
+
+
+@pytest.mark.scenario('peer_copies')
+def test_peer_copies_of_shards_resume_bit_exact_on_the_same_mesh_only(scenario):
+    for rank, out in enumerate(scenario):
+        ref = scenario.needs['first_half'][rank]
+        # each rank's copy: its shards of the model and optimizer, and where they go
+        assert out['local_shape'] == [4, 6] and out['records'] > 0
+        assert out['meshes'] == [[[2], []]]  # FSDP's 1-D mesh has no dimension names
+        assert out['held'] == ['iter_4.pth', 'iter_4.pth.manifest.json']
+        assert out['iter'] == 4 and out['loaded_equal']
+        _assert_equal_states(out['final'], ref['final'])  # what a storage resume ends with
+        assert out['lr'] == ref['lr']
+        assert out['hsdp_iter'] == 3
+    (tier,) = scenario[0]['tier']
+    assert tier.startswith(
+        'resume tier: peer (peer copies of iteration 4: at least as new as the newest '
+        'storage checkpoint iter_3 (iteration 3))'
+    ), tier
+    (tier,) = scenario[0]['hsdp_tier']
+    assert tier == (
+        'resume tier: storage (no usable peer copy; not used: a copy of the shards on the '
+        'mesh (2); this run lays them out on the mesh (replicate=2, shard=1) (a copy '
+        'restores only its own layout) (own/rank0/iter_4.pth, held/rank1/iter_4.pth, '
+        'own/rank1/iter_4.pth, held/rank0/iter_4.pth))'
+    ), tier
 
 
 @pytest.mark.scenario('resume_two_ranks')

@@ -2,7 +2,7 @@
 2-D ``(shard 2, tensor 2)`` (with and without sequence parallelism) train a small transformer
 as one process does; a resume mid-run is bit-exact; sharded checkpoints reshard across mesh
 shapes (2-D / HSDP → flat 4, flat 4 → 2-D, → 2 processes, → 1 process, → one file and
-safetensors).
+safetensors); peer copies of the shards resume bit-exact on the same HSDP and 2-D meshes.
 
 Processes are started at most twice for the module, for the scenarios the selected tests name
 (tests/scenarios.py): 4 ranks (training, resumes, reshards on 4), then 2 ranks
@@ -253,6 +253,44 @@ for _case, (_source, _) in RESHARDS.items():
     )
 
 
+@SCENARIOS.add('four', needs=['train_hsdp', 'train_2d'])
+def peer_copies(work, **needs):
+    """Peer copies (checkpoint/peer.py) on HSDP and on the 2-D mesh: ``<name>_saved`` resumed
+    from storage, a copy of that state at SAVE_AT in the background, then a restart on the
+    same mesh resumes from the copy and trains on to STEPS."""
+    import torch.distributed as dist
+
+    from stratagem.checkpoint.peer import PeerCopies
+
+    group = dist.new_group(backend='gloo')  # the background writer's own
+    out = {}
+    for name in ('hsdp', '2d'):
+        mesh, sequence = MESHES[name]
+        root = Path(work) / f'peer_shm_{name}'
+        peer = PeerCopies(root, dist.get_rank(), 4, group=group, same_node=True, background=True)
+        s = _strategy(Path(work) / f'peer_{name}', mesh, sequence)
+        s.prepare(_model(), optim_wrapper=OPTIM, dispatch_kwargs=dict(max_iters=STEPS))
+        s.resume(str(Path(work) / f'{name}_saved'))
+        s.save_peer_copy(peer, extra_ckpt={'meta': {'iter': SAVE_AT}})
+        peer.close()
+        again = _strategy(Path(work) / f'peer_{name}_again', mesh, sequence)
+        model, ow = again.prepare(
+            _model(), optim_wrapper=OPTIM, dispatch_kwargs=dict(max_iters=STEPS)
+        )
+        said = _Said()
+        again.logger.addHandler(said)
+        again.load_or_resume(resume=True, peer=PeerCopies(root, dist.get_rank(), 4, group=group))
+        again.logger.removeHandler(said)
+        loaded = _full_state(again)
+        _train(again, model, ow, SAVE_AT, STEPS)
+        out[name] = {
+            'loaded': loaded,
+            'final': _full_state(again),
+            'tier': [x for x in said.lines if 'resume tier' in x],
+        }
+    return out
+
+
 def _to_two(work, source, **needs):
     """``<source>_saved`` on 2 ranks, ``dict(shard=2)`` (``needs``: the run that saved it)."""
     return _resume(work, f'{source}_saved', None)
@@ -336,6 +374,20 @@ def test_resume_same_mesh_bit_exact(scenario, name):
         _assert_equal(resumed['loaded'], res['at_save'])
         _assert_equal(resumed['final'], res['final'])
         assert not any('was saved on the mesh' in x for x in resumed['said'])
+
+
+@pytest.mark.scenario('peer_copies')
+def test_peer_copies_on_hsdp_and_2d_meshes_resume_bit_exact(scenario):
+    for rank, out in enumerate(scenario):
+        for name in ('hsdp', '2d'):
+            res = scenario.needs[f'train_{name}'][rank]
+            _assert_equal(out[name]['loaded'], res['at_save'])
+            _assert_equal(out[name]['final'], res['final'])
+    for name in ('hsdp', '2d'):
+        (tier,) = scenario[0][name]['tier']
+        assert tier.startswith(
+            f'resume tier: peer (peer copies of iteration {SAVE_AT}: no storage checkpoint)'
+        ), tier
 
 
 @pytest.mark.parametrize(

@@ -168,4 +168,7 @@ class FSDPPendingGradsPart(PendingGradsPart):
                     f'convert. Resume it with tensor={saved_tensor}, or from a checkpoint '
                     'saved at an update boundary'
                 )
+        if isinstance(value, Mapping):  # this rank's own, as its peer copy holds them
+            self.put(value)
+            return
         super().restore(value, context)

@@ -445,7 +445,8 @@ class FSDPStrategy(BaseStrategy):
 
     @property
     def _full(self) -> bool:
-        return self.state_dict_type == 'full'
+        # a peer copy is this rank's shards, whatever a save to storage gathers
+        return self.state_dict_type == 'full' and not self.checkpointer.capturing_local
 
     # -------------------------------------------------------------------- checkpoints
     @override
