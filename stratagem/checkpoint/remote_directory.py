@@ -75,6 +75,7 @@ __all__ = [
     'list_directories',
     'prepare_remote_target',
     'read_remote_manifest',
+    'remote_detect',
     'remote_format',
     'remote_identity',
     'upload_directory',
@@ -505,12 +506,21 @@ def remote_format(url: str, backend_args: Mapping | None = None) -> str | None:
     """The format of the checkpoint at ``url`` (``formats.FORMATS``' names): ``'file'`` for
     an object, a directory's from its manifest's files (``'sharded'``: DCP metadata,
     ``'zero'``: DeepSpeed's, ``'hf'``: safetensors weights); None when nothing is there."""
+    return remote_detect(url, backend_args)[0]
+
+
+def remote_detect(
+    url: str, backend_args: Mapping | None = None
+) -> tuple[str | None, tuple[dict, str] | None]:
+    """``remote_format``'s answer, and a directory's manifest it read with that manifest's
+    sha256 (None for an object or nothing): passed on as ``found=`` to the verification,
+    one load reads the manifest once."""
     fs, root = _root(url, backend_args)
     found = read_remote_manifest(url, backend_args)
     if found is None:
         with store_errors(url, 'reading'):
-            return 'file' if call(fs.isfile, root) else None
-    return directory_format(found[0])
+            return ('file' if call(fs.isfile, root) else None), None
+    return directory_format(found[0]), found
 
 
 def directory_format(manifest: dict) -> str:

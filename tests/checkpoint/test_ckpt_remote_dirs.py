@@ -44,11 +44,23 @@ def _pointer(where):
     return (Path(where) / 'last_checkpoint').read_text().strip()
 
 
-def test_sharded_directories_retention_pointer_auto_resume_and_convert(where, tmp_path):
+def test_sharded_directories_retention_pointer_auto_resume_and_convert(
+    where, tmp_path, monkeypatch
+):
     """Sharded directories written by `convert` (file -> sharded, one process) at ``where``:
-    the pointer names the newest, load_or_resume(checkpoint_dir=where) resumes it and trains
-    on bit-equal to the uninterrupted run, retention keeps the newest, and `convert` reads it
+    the pointer names the newest, load_or_resume(checkpoint_dir=where) resumes it (at a URL
+    reading its manifest once each to find it, agree on it and load it) and trains on
+    bit-equal to the uninterrupted run, retention keeps the newest, and `convert` reads it
     back (sharded -> file) to the same weights and optimizer state."""
+    from stratagem.checkpoint import remote_directory
+
+    manifests = []
+    read_small = remote_directory._read_small
+
+    def counted(fs, path):
+        manifests.append(path.rsplit('/', 2)[-2])
+        return read_small(fs, path)
+
     s, model, ow = prepared(tmp_path / 'work')
     staged = tmp_path / 'staged'
     for it in (1, 2):
@@ -63,8 +75,11 @@ def test_sharded_directories_retention_pointer_auto_resume_and_convert(where, tm
     assert _pointer(where) == join(where, 'iter_2')
     assert _names(where) == ['iter_2', 'iter_1']
     s2, model2, ow2 = prepared(tmp_path / 'work2')
-    checkpoint = s2.load_or_resume(resume=True, checkpoint_dir=where)
+    with monkeypatch.context() as patched:
+        patched.setattr(remote_directory, '_read_small', counted)
+        checkpoint = s2.load_or_resume(resume=True, checkpoint_dir=where)
     assert checkpoint['meta']['iter'] == 2 and s2.resumed_from == join(where, 'iter_2')
+    assert manifests.count('iter_2') == (3 if is_url(where) else 0), manifests
     assert all(torch.equal(model2.state_dict()[k], v) for k, v in at_2.items())
     train(model2, ow2, 2)
     assert state_bytes(model2, ow2) == expected

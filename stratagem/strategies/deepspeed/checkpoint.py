@@ -67,13 +67,11 @@ from stratagem.checkpoint.directory import (
     write_directory_files,
 )
 from stratagem.checkpoint.errors import CheckpointCorruptError
-from stratagem.checkpoint.formats import detect_format
+from stratagem.checkpoint.formats import detect
 from stratagem.checkpoint.location import is_url
 from stratagem.checkpoint.remote_directory import (
     RemoteDirectory,
-    directory_format,
     download_directory,
-    read_remote_manifest,
     verify_remote_directory,
 )
 from stratagem.checkpoint.storage import CheckpointStorage, SaveCommit
@@ -200,14 +198,6 @@ class ZeroStorage(CheckpointStorage):
         return finish
 
     # ------------------------------------------------------------------- read side
-    def _detect(self, path: str) -> tuple[bool, tuple[dict, str] | None]:
-        """Whether ``path`` is a DeepSpeed directory; at a URL also its manifest and that
-        manifest's sha256, read once (passed on to the verification)."""
-        if not is_url(path):
-            return detect_format(path) == 'zero', None
-        found = read_remote_manifest(path, self.backend_args)
-        return found is not None and directory_format(found[0]) == 'zero', found
-
     def _streams(self, found: tuple[dict, str], optimizer: bool) -> bool:
         """Whether DeepSpeed's engine can load the checkpoint at a URL from memory: at the
         world size that saved it (another goes through DeepSpeed's universal conversion,
@@ -280,8 +270,8 @@ class ZeroStorage(CheckpointStorage):
         memory (the ``RemoteDirectory`` kept for ``restore``). ``map_location`` is
         accepted for mmengine's signature: DeepSpeed places its tensors on the engine's
         device."""
-        zero, found = self._detect(path)
-        if not zero:
+        name, found = detect(path, self.backend_args)  # at a URL: the manifest, passed on
+        if name != 'zero':
             raise ValueError(
                 f'{path} is not a DeepSpeed checkpoint directory (written by '
                 'DeepSpeedStrategy.save_checkpoint); load weights from other '
@@ -298,8 +288,8 @@ class ZeroStorage(CheckpointStorage):
         """A DeepSpeed directory (verified on every rank): our state plus consolidated fp32
         weights (``state_dict``); any other format: the default read. At a URL it is
         downloaded first: DeepSpeed's consolidation reads every rank's files by path."""
-        zero, found = self._detect(path)
-        if not zero:
+        name, found = detect(path, self.backend_args)
+        if name != 'zero':
             return super().read(path, map_location)
         try:
             directory, _ = self._verify(path, found)
