@@ -239,9 +239,10 @@ class ZeroStorage(CheckpointStorage):
 
     def _verify(self, path: str, found: tuple[dict, str] | None = None) -> tuple[Path, dict]:
         """Collective: every file's size on every rank, its digest on one rank, the same
-        manifest everywhere; then the DeepSpeed layout. Raises on every rank. At a URL every
-        rank downloads it, verified (``remote_directory.download_directory``), and the
-        local copy is what DeepSpeed reads."""
+        manifest everywhere; then the DeepSpeed layout. Raises on every rank. At a URL
+        (where DeepSpeed reads every file by its path: ``_streams``) every rank downloads
+        it, verified (``remote_directory.download_directory``; ``found``: its manifest, read
+        already), and the local copy is what DeepSpeed reads."""
         if is_url(path):
             self._drop_download(path)
             directory = download_directory(
