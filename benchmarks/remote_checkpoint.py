@@ -16,10 +16,15 @@ about that many MB), interleaved rounds, the medians and ratios of:
 - resume: ``strategy.resume(url)`` (the object read once into memory by ranged GETs,
   verified, loaded) vs ``s3fs.get`` of the file and its manifest to a local directory +
   ``strategy.resume(local)`` (verified the same way; goal <= 1.0).
+- DeepSpeed resume (``--deepspeed-mb``, the model's MB; 0 skips): a ZeRO-2 directory of one
+  process (torch's Adam: model states plus about 3x their size of optimizer state), resumed
+  from the URL (each file DeepSpeed reads read into memory, verified, loaded from there) vs
+  ``s3fs.get`` of the directory + ``strategy.resume(local)`` (verified the same way).
 
 Objects are removed after each round (moto keeps them in memory).
 
     python benchmarks/remote_checkpoint.py [--mb 64 256] [--rounds 5] [--calls 3]
+        [--deepspeed-mb 64]
 """
 
 from __future__ import annotations
@@ -124,11 +129,70 @@ def _one_size(mb: int, rounds: int, calls: int, bucket: str, tmp: Path) -> dict[
     return times
 
 
+def _deepspeed_resume(mb: int, rounds: int, bucket: str, tmp: Path) -> dict[str, list[float]]:
+    """DeepSpeed's directory at a URL resumed, vs downloaded by s3fs and resumed locally."""
+    import socket
+
+    import s3fs
+
+    from stratagem.strategies import build_strategy
+
+    with socket.socket() as probe:  # a one-process group, as torchrun would start it
+        probe.bind(('127.0.0.1', 0))
+        port = probe.getsockname()[1]
+    os.environ.update(
+        RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', LOCAL_WORLD_SIZE='1',
+        MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port),
+    )  # fmt: skip
+    s = build_strategy(
+        dict(
+            type='DeepSpeedStrategy',
+            work_dir=str(tmp / 'ds'),
+            zero_optimization=dict(stage=2),
+            log_kwargs=dict(log_level='WARNING'),
+        )
+    )
+    model, ow = s.prepare(
+        _model(mb),
+        optim_wrapper=dict(optimizer=dict(type='Adam', lr=0.01)),
+        dispatch_kwargs=dict(max_iters=10, train_micro_batch_size_per_gpu=4),
+    )
+    ow.update_params(model(torch.randn(4, 2048)).square().mean())
+    key = f'{bucket}/deepspeed{mb}/iter_1'
+    s.save_checkpoint(f's3://{key}')
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    times: dict[str, list[float]] = {'resume': [], 'get_load': [], 'size': [fs.du(key)]}
+
+    def get_and_load(local: Path) -> None:
+        fs.get(key, str(local), recursive=True)
+        s.resume(str(local))
+
+    for i in range(rounds + 1):  # round 0 warms up
+        got: dict[str, float] = {}
+        for who in ('ours', 'get') if i % 2 else ('get', 'ours'):
+            gc.collect()
+            if who == 'ours':
+                got['resume'] = _timed(s.resume, f's3://{key}')
+            else:
+                got['get_load'] = _timed(get_and_load, tmp / f'ds_got{i}')
+        shutil.rmtree(tmp / f'ds_got{i}', ignore_errors=True)
+        if i:
+            for k, value in got.items():
+                times[k].append(value)
+    fs.rm(key, recursive=True)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--mb', type=int, nargs='+', default=[64, 256])
+    parser.add_argument(
+        '--mb', type=int, nargs='*', default=[64, 256], help='file sizes (none: skip)'
+    )
     parser.add_argument('--rounds', type=int, default=5)
     parser.add_argument('--calls', type=int, default=3, help='async save calls per round and side')
+    parser.add_argument(
+        '--deepspeed-mb', type=int, default=64, help="DeepSpeed resume's model MB (0: skip)"
+    )
     args = parser.parse_args()
     from s3_server import S3Server
 
@@ -147,6 +211,20 @@ def main() -> None:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             _report(mb, times, args.rounds)
+        if args.deepspeed_mb:
+            tmp = Path(tempfile.mkdtemp(prefix='remote_bench_', dir=base))
+            try:
+                times = _deepspeed_resume(args.deepspeed_mb, args.rounds, bucket, tmp)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            print(
+                f'--- DeepSpeed ZeRO-2 directory, {med["size"] / 2**20:.0f} MiB, medians of '
+                f'{args.rounds} interleaved rounds\nresume: ours {med["resume"]:.3f} s, '
+                f's3fs.get + local resume {med["get_load"]:.3f} s, ratio '
+                f'{med["resume"] / med["get_load"]:.2f} (goal <= 1.0); load average '
+                f'{os.getloadavg()[0]:.2f}'
+            )
     finally:
         server.stop()
 

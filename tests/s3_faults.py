@@ -6,7 +6,7 @@ store sends, through its own retry path, with nothing of ours mocked.
 
 ``FaultProxy(upstream).start()``; ``proxy.fail('PUT', r'iter_2\\.pth$', times=3)`` answers
 the next three matching requests with SlowDown; ``proxy.refused`` counts the requests it
-answered so; ``stop()``.
+answered so, ``proxy.requests`` lists every request's method and path; ``stop()``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class FaultProxy:
         self.rules: list[_Rule] = []
         self.refused = 0
         self.forwarded = 0
+        self.requests: list[tuple[str, str]] = []  # (method, path) of each, in order
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
         self.endpoint = ''
@@ -56,6 +57,7 @@ class FaultProxy:
 
     def _match(self, method: str, path: str) -> str | None:
         with self.lock:
+            self.requests.append((method, urllib.parse.urlsplit(path).path))
             for rule in self.rules:
                 if rule.times == 0 or (rule.method and rule.method != method):
                     continue

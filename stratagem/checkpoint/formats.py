@@ -27,7 +27,15 @@ from .load import load_checkpoint_file
 from .location import is_url
 from .sharded import is_sharded_checkpoint, read_sharded_checkpoint
 
-__all__ = ['FORMATS', 'PIECEWISE', 'register_format', 'detect_format', 'read_whole', 'read_like']
+__all__ = [
+    'FORMATS',
+    'PIECEWISE',
+    'register_format',
+    'detect',
+    'detect_format',
+    'read_whole',
+    'read_like',
+]
 
 Progress = Callable[[int, int], None]
 Reader = Callable[[Path, Progress | None], dict]
@@ -88,17 +96,32 @@ def detect_format(path: str | Path, backend_args: Mapping | None = None) -> str 
     return None
 
 
+def detect(
+    path: str | Path, backend_args: Mapping | None = None
+) -> tuple[str | None, tuple[dict, str] | None]:
+    """``detect_format``'s name, and for a directory at a URL the manifest it read with that
+    manifest's sha256 (else None): pass it on to the verification (``found=``), so that one
+    load reads the manifest once."""
+    if is_url(path):
+        from .remote_directory import remote_detect
+
+        return remote_detect(str(path), backend_args)
+    return detect_format(path), None
+
+
 def read_whole(
     path: str | Path,
     name: str,
     progress: Progress | None = None,
     backend_args: Mapping | None = None,
+    found: tuple[dict, str] | None = None,
 ) -> dict:
     """The checkpoint at ``path`` in format ``name`` as one mmengine-layout dict (CPU).
 
     A URL (``backend_args``: its storage options): a file or a sharded directory is read
     from the store, verified, into memory; a directory whose reader reads only local files
-    (DeepSpeed's, Hugging Face's) is downloaded, verified, to a temporary directory first."""
+    (DeepSpeed's, Hugging Face's) is downloaded, verified, to a temporary directory first.
+    ``found``: its manifest, read already (``detect``)."""
     if not is_url(path):
         return FORMATS[name][1](Path(path), progress)
     url = str(path)
@@ -107,7 +130,9 @@ def read_whole(
 
         return _read_file_result(url, load_file(url, backend_args=backend_args))
     if name == 'sharded':
-        return read_sharded_checkpoint(url, progress=progress, backend_args=backend_args)
+        return read_sharded_checkpoint(
+            url, progress=progress, backend_args=backend_args, found=found
+        )
     if name not in FORMATS:
         raise NotACheckpointError(
             f'{url} is a directory checkpoint in no format this reader knows (formats: '
@@ -117,7 +142,7 @@ def read_whole(
 
     from .remote_directory import download_directory
 
-    local = download_directory(url, backend_args=backend_args, progress=progress)
+    local = download_directory(url, backend_args=backend_args, progress=progress, found=found)
     try:
         return FORMATS[name][1](local, None)
     finally:

@@ -24,9 +24,11 @@ A reader trusts nothing no manifest lists (``verify_remote_directory``): the man
 once, every listed file's size from one listing on every rank, each file's digest by one
 rank (the rank that wrote it at the same world size, else round-robin) read once and kept in
 memory for the read that follows (``ShardReader`` over the store: a rank reads only the byte
-ranges of its own pieces, and the files it verified from memory). A directory format that
-only reads local files (DeepSpeed's engine, a Hugging Face directory) is downloaded, each
-file hashed as it arrives, into a local temporary directory (``download_directory``).
+ranges of its own pieces, and the files it verified from memory); or, where the caller knows
+which files each rank reads (``reads=``: DeepSpeed's engine), each rank verifies and keeps
+exactly those. A reader of local files only (a Hugging Face directory, DeepSpeed's
+consolidation and universal conversion) gets a download, each file hashed as it arrives,
+into a local temporary directory (``download_directory``).
 
 Retention deletes a directory's ``manifest.json`` first (it is then no checkpoint), then its
 files.
@@ -68,10 +70,12 @@ __all__ = [
     'RemoteDirectory',
     'commit_remote_directory',
     'delete_directory',
+    'directory_format',
     'download_directory',
     'list_directories',
     'prepare_remote_target',
     'read_remote_manifest',
+    'remote_detect',
     'remote_format',
     'remote_identity',
     'upload_directory',
@@ -294,7 +298,10 @@ class RemoteDirectory:
         """A readable, seekable stream over a listed file: from memory, or ranged reads of
         the store (the reader then reads only the byte ranges it needs)."""
         if relative in self.cache:
-            yield io.BytesIO(self.cache[relative])
+            from .location import _BufferReader
+
+            with _BufferReader(self.cache[relative]) as stream:
+                yield stream
             return
         where = f'{self.url}/{relative}'
         with (
@@ -303,16 +310,29 @@ class RemoteDirectory:
         ):
             yield stream
 
+    @contextlib.contextmanager
+    def open_verified(self, relative: str) -> Iterator[Any]:
+        """A readable, seekable stream over a listed file's verified bytes (``read``: from
+        memory when this rank verified it), for a reader that unpickles it (DeepSpeed's)."""
+        with _verified_stream(self.read(relative)) as stream:
+            yield stream
+
     def load(self, relative: str) -> Any:
         """``torch.load(weights_only=True)`` of a listed file, verified first."""
         from .load import _sniff_bytes, _torch_load
-        from .location import _BufferReader
 
         data = self.read(relative)
         where = f'{self.url}/{relative}'
         is_zip = _sniff_bytes(bytes(data[:4]), where)
-        source = io.BufferedReader(_BufferReader(bytearray(data)), buffer_size=1 << 16)
-        return _torch_load(where, 'cpu', False, False, is_zip, source)
+        with _verified_stream(data) as source:
+            return _torch_load(where, 'cpu', False, False, is_zip, source)
+
+
+def _verified_stream(data: bytes | bytearray) -> io.BufferedReader:
+    """A stream over ``data`` itself: a copy would double the memory while tensors build."""
+    from .location import _BufferReader
+
+    return io.BufferedReader(_BufferReader(data), buffer_size=1 << 16)
 
 
 def verify_remote_directory(
@@ -323,13 +343,24 @@ def verify_remote_directory(
     keep: bool = True,
     hash_bytes: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    found: tuple[dict, str] | None = None,
+    reads: Callable[[str], bool] | None = None,
+    check: Callable[[str, Any], None] | None = None,
 ) -> RemoteDirectory:
     """``directory.verify_directory`` at a URL: every listed file present at its size (one
     listing, every rank), each digest checked by one rank (reading the file once; ``keep``:
     its bytes kept for the read), the same manifest on every rank; any failure raises the
     same error on every rank, naming the file. Objects no manifest lists are ignored (a
     ``CheckpointWarning`` names them). ``hash_bytes=False``: sizes and manifest only (a
-    caller that hashes every byte as it reads them: ``download_directory``)."""
+    caller that hashes every byte as it reads them: ``download_directory``).
+
+    ``found``: ``read_remote_manifest``'s answer, when the caller read it already (it is not
+    read again). ``reads(path)``: whether this rank will read that file; then each rank
+    hashes (and keeps) exactly the files it reads, and a file no rank reads is checked by
+    its size only (DeepSpeed's load: each rank fetches its own files, and the model states
+    every rank reads). ``check(path, stream)``: a further check of
+    each file this rank read (``stream``: over its verified bytes), raising to refuse the
+    checkpoint (on every rank, like a digest)."""
     from stratagem import env  # imported on use: see checkpoint/__init__.py
 
     url = absolute(url)
@@ -338,7 +369,8 @@ def verify_remote_directory(
     cache: dict[str, bytes | bytearray] = {}
     sizes: dict[str, int] = {}
     try:
-        found = read_remote_manifest(url, backend_args)
+        if found is None:
+            found = read_remote_manifest(url, backend_args)
         if found is None:
             fs, root = _root(url, backend_args)
             with store_errors(url, 'reading'):
@@ -368,21 +400,25 @@ def verify_remote_directory(
                     f'says {entry["size"]} (truncated or overwritten); it was not loaded'
                 )
             owner = entry.get('rank', i) if own else i
-            if hash_bytes and owner % world == rank:
+            mine = owner % world == rank if reads is None else reads(entry['path'])
+            if hash_bytes and mine:
                 with store_errors(where, 'reading'):
                     data = _read_hashed(
                         fs, f'{root}/{entry["path"]}', entry['size'], [entry], where
                     )
+                if check is not None:
+                    with _verified_stream(data) as stream:
+                        check(entry['path'], stream)
                 if keep:
                     cache[entry['path']] = data
             if progress is not None:
                 progress(i + 1, total)
     except Exception as err:  # noqa: BLE001 - exchanged, raised on every rank
         error = err
-    mine = (digest, None if error is None else describe_error(error))
-    outcomes = [mine]
+    verdict = (digest, None if error is None else describe_error(error))
+    outcomes = [verdict]
     if collective and not all_ok(error is not None, digest):
-        outcomes = env.all_gather_object(mine)
+        outcomes = env.all_gather_object(verdict)
     raise_first([m for _, m in outcomes], error, f'verifying {url}', CheckpointCorruptError)
     if len({d for d, _ in outcomes}) > 1:
         raise CheckpointCorruptError(
@@ -407,12 +443,13 @@ def download_directory(
     backend_args: Mapping | None = None,
     collective: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    found: tuple[dict, str] | None = None,
 ) -> Path:
     """A local copy of the directory checkpoint at ``url`` for readers of local files only
-    (DeepSpeed's engine, Hugging Face directories): verified (``verify_remote_directory``;
-    ``collective``: every rank calls it and each downloads), each file written to a new
-    temporary directory as it is hashed, with the manifest; a failure on any rank raises on
-    every rank. The caller removes it."""
+    (a Hugging Face directory; DeepSpeed's consolidation and universal conversion): verified
+    (``verify_remote_directory``, ``found`` passed on; ``collective``: every rank calls it
+    and each downloads), each file written to a new temporary directory as it is hashed,
+    with the manifest; a failure on any rank raises on every rank. The caller removes it."""
     from stratagem import env  # imported on use: see checkpoint/__init__.py
 
     remote = verify_remote_directory(
@@ -421,6 +458,7 @@ def download_directory(
         collective=collective,
         hash_bytes=False,  # each byte is hashed below, as it arrives
         progress=progress,
+        found=found,
     )
     local = Path(tempfile.mkdtemp(prefix='stratagem-download-'))
     error = None
@@ -468,12 +506,26 @@ def remote_format(url: str, backend_args: Mapping | None = None) -> str | None:
     """The format of the checkpoint at ``url`` (``formats.FORMATS``' names): ``'file'`` for
     an object, a directory's from its manifest's files (``'sharded'``: DCP metadata,
     ``'zero'``: DeepSpeed's, ``'hf'``: safetensors weights); None when nothing is there."""
+    return remote_detect(url, backend_args)[0]
+
+
+def remote_detect(
+    url: str, backend_args: Mapping | None = None
+) -> tuple[str | None, tuple[dict, str] | None]:
+    """``remote_format``'s answer, and a directory's manifest it read with that manifest's
+    sha256 (None for an object or nothing): passed on as ``found=`` to the verification,
+    one load reads the manifest once."""
     fs, root = _root(url, backend_args)
     found = read_remote_manifest(url, backend_args)
     if found is None:
         with store_errors(url, 'reading'):
-            return 'file' if call(fs.isfile, root) else None
-    paths = {e['path'] for e in found[0]['files']}
+            return ('file' if call(fs.isfile, root) else None), None
+    return directory_format(found[0]), found
+
+
+def directory_format(manifest: dict) -> str:
+    """A directory manifest's format, from the files it lists (``remote_format``)."""
+    paths = {e['path'] for e in manifest['files']}
     if any(p.startswith('deepspeed/') for p in paths):
         return 'zero'
     if '.metadata' in paths:

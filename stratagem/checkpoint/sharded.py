@@ -193,6 +193,7 @@ def read_sharded_checkpoint(
     collective: bool = False,
     progress: Callable[[int, int], None] | None = None,
     backend_args: Mapping | None = None,
+    found: tuple[dict, str] | None = None,
 ) -> dict:
     """Verify, then read a sharded directory into one full (unsharded) mmengine-layout dict.
 
@@ -200,11 +201,16 @@ def read_sharded_checkpoint(
     SingleDeviceStrategy / DDPStrategy / plain optimizer loads it. Needs no process group
     (each caller reads everything itself); ``collective=True`` shares the hashing across ranks.
     ``progress(done, total)`` is called per file verified (for a progress bar). ``path`` may
-    be a URL (``backend_args``: its storage options): every file is read once.
+    be a URL (``backend_args``: its storage options; ``found``: its manifest, read already):
+    every file is read once.
     """
     if is_url(os.fspath(path)):
         remote = verify_remote_directory(
-            os.fspath(path), backend_args=backend_args, collective=collective, progress=progress
+            os.fspath(path),
+            backend_args=backend_args,
+            collective=collective,
+            progress=progress,
+            found=found,
         )
         return _read_full(remote, remote.manifest)
     path = Path(path).absolute()
@@ -215,10 +221,13 @@ def read_sharded_checkpoint(
 Source = Path | RemoteDirectory  # a verified sharded directory: on disk, or at a URL
 
 
-def _verified(path: str | os.PathLike, backend_args: Mapping | None) -> tuple[Source, dict]:
-    """Verify the sharded directory at ``path`` (collective): it and its manifest."""
+def _verified(
+    path: str | os.PathLike, backend_args: Mapping | None, found: tuple[dict, str] | None = None
+) -> tuple[Source, dict]:
+    """Verify the sharded directory at ``path`` (collective): it and its manifest (at a URL,
+    ``found``: the manifest read already, ``formats.detect``)."""
     if is_url(os.fspath(path)):
-        remote = verify_remote_directory(os.fspath(path), backend_args=backend_args)
+        remote = verify_remote_directory(os.fspath(path), backend_args=backend_args, found=found)
         return remote, remote.manifest
     local = Path(path).absolute()
     return local, verify_directory(local)
@@ -259,7 +268,11 @@ def _read_extra(path: Source, groups: list | None = None) -> dict:
 
 
 def read_sharded_header(
-    path: str | os.PathLike, *, optimizer: bool, backend_args: Mapping | None = None
+    path: str | os.PathLike,
+    *,
+    optimizer: bool,
+    backend_args: Mapping | None = None,
+    found: tuple[dict, str] | None = None,
 ) -> tuple[dict, Any] | None:
     """Verify a sharded directory (collective) and read all of it but the tensors, for a
     resume that reads them in place later (``load_sharded_in_place``), once every check
@@ -275,7 +288,7 @@ def read_sharded_header(
     in memory for the read."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    source, manifest = _verified(path, backend_args)
+    source, manifest = _verified(path, backend_args, found)
     if manifest.get('optimizer_keys', 'fqn') != 'fqn':
         return None
     dcp_metadata = _reader(source).read_metadata()
@@ -344,6 +357,7 @@ def load_sharded_checkpoint(
     optim_state: dict | None = None,
     *,
     backend_args: Mapping | None = None,
+    found: tuple[dict, str] | None = None,
 ) -> dict:
     """Verify a sharded directory (collective), then load it into the current sharding.
 
@@ -362,7 +376,7 @@ def load_sharded_checkpoint(
     read in full instead (``read_sharded_checkpoint``'s result). ``path`` may be a URL
     (``backend_args``: its storage options).
     """
-    source, manifest = _verified(path, backend_args)
+    source, manifest = _verified(path, backend_args, found)
     if manifest.get('optimizer_keys', 'fqn') != 'fqn':
         return _read_full(source, manifest)
     state = {'state_dict': _fresh_tensors(model_state)}

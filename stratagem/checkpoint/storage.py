@@ -223,13 +223,14 @@ class CheckpointStorage:
         directory in a known format (``checkpoint.formats``: FSDP's sharded one,
         DeepSpeed's) verified and read unsharded, on a disk or at a URL; anything else gets
         ``load_checkpoint_file``'s error."""
-        from .formats import detect_format, read_whole
+        from .formats import detect, read_whole
 
-        name = detect_format(path, self.backend_args)
+        name, found = detect(path, self.backend_args)
         if is_url(path):
             if name in (None, 'file'):
                 return load_file(path, map_location=map_location, backend_args=self.backend_args)
-            return move_to(read_whole(path, name, backend_args=self.backend_args), map_location)
+            whole = read_whole(path, name, backend_args=self.backend_args, found=found)
+            return move_to(whole, map_location)
         if name is None or name == 'file':
             return load_checkpoint_file(path, map_location=map_location)
         return move_to(read_whole(path, name), map_location)

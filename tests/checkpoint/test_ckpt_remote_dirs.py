@@ -44,11 +44,23 @@ def _pointer(where):
     return (Path(where) / 'last_checkpoint').read_text().strip()
 
 
-def test_sharded_directories_retention_pointer_auto_resume_and_convert(where, tmp_path):
+def test_sharded_directories_retention_pointer_auto_resume_and_convert(
+    where, tmp_path, monkeypatch
+):
     """Sharded directories written by `convert` (file -> sharded, one process) at ``where``:
-    the pointer names the newest, load_or_resume(checkpoint_dir=where) resumes it and trains
-    on bit-equal to the uninterrupted run, retention keeps the newest, and `convert` reads it
+    the pointer names the newest, load_or_resume(checkpoint_dir=where) resumes it (at a URL
+    reading its manifest once each to find it, agree on it and load it) and trains on
+    bit-equal to the uninterrupted run, retention keeps the newest, and `convert` reads it
     back (sharded -> file) to the same weights and optimizer state."""
+    from stratagem.checkpoint import remote_directory
+
+    manifests = []
+    read_small = remote_directory._read_small
+
+    def counted(fs, path):
+        manifests.append(path.rsplit('/', 2)[-2])
+        return read_small(fs, path)
+
     s, model, ow = prepared(tmp_path / 'work')
     staged = tmp_path / 'staged'
     for it in (1, 2):
@@ -63,8 +75,11 @@ def test_sharded_directories_retention_pointer_auto_resume_and_convert(where, tm
     assert _pointer(where) == join(where, 'iter_2')
     assert _names(where) == ['iter_2', 'iter_1']
     s2, model2, ow2 = prepared(tmp_path / 'work2')
-    checkpoint = s2.load_or_resume(resume=True, checkpoint_dir=where)
+    with monkeypatch.context() as patched:
+        patched.setattr(remote_directory, '_read_small', counted)
+        checkpoint = s2.load_or_resume(resume=True, checkpoint_dir=where)
     assert checkpoint['meta']['iter'] == 2 and s2.resumed_from == join(where, 'iter_2')
+    assert manifests.count('iter_2') == (3 if is_url(where) else 0), manifests
     assert all(torch.equal(model2.state_dict()[k], v) for k, v in at_2.items())
     train(model2, ow2, 2)
     assert state_bytes(model2, ow2) == expected
@@ -439,9 +454,9 @@ def _deepspeed_save(prefix, work_dir):
 
 
 def _deepspeed_resume(prefix, work_dir):
-    """The newest at ``prefix`` resumed (downloaded, verified, for DeepSpeed's engine; at
-    another world size through its universal checkpoint) and trained to 4; the weights
-    alone by load_checkpoint."""
+    """The newest at ``prefix`` resumed at another world size (through DeepSpeed's universal
+    checkpoint, from a verified download) and trained to 4; the weights alone by
+    load_checkpoint."""
     s, model, ow = _deepspeed(work_dir)
     at = s.load_or_resume(resume=True, checkpoint_dir=prefix)['meta']['iter']
     resumed = _deepspeed_weights(s)
@@ -451,43 +466,108 @@ def _deepspeed_resume(prefix, work_dir):
     return at, resumed, _deepspeed_weights(s), _deepspeed_weights(weights_only), s.resumed_from
 
 
+def _deepspeed_resume_streamed(prefix, work_dir, temp):
+    """The newest at ``prefix`` resumed at the world size that saved it, trained to 4. Also:
+    the bytes of the files under ``temp`` (TMPDIR, where a local copy would go) while
+    DeepSpeed's engine loads, and its checkpoint engine's class after the load."""
+    s, model, ow = _deepspeed(work_dir)
+    engine = s.model
+    load, on_disk = engine.load_checkpoint, []
+
+    def spy(*args, **kwargs):
+        on_disk.append(
+            sum(
+                p.stat().st_size
+                for p in Path(temp).rglob('*')
+                if p.is_file() and 'stratagem-dist-' not in str(p)
+            )
+        )
+        return load(*args, **kwargs)
+
+    engine.load_checkpoint = spy
+    at = s.load_or_resume(resume=True, checkpoint_dir=prefix)['meta']['iter']
+    del engine.load_checkpoint
+    resumed = _deepspeed_weights(s)
+    _deepspeed_train(s, model, ow, 2, 4)
+    checkpoint_engine = type(engine.checkpoint_engine).__name__
+    return at, resumed, _deepspeed_weights(s), on_disk, checkpoint_engine, s.resumed_from
+
+
 def _equal(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _gets(proxy, key):
+    """``{file: GETs}`` of the objects under ``key`` the proxy forwarded."""
+    counts = {}
+    for method, path in proxy.requests:
+        if method == 'GET' and f'/{key}/' in path:
+            name = path.split(f'/{key}/', 1)[1]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 @pytest.mark.slow
-def test_deepspeed_directory_saved_to_s3_resumed_on_one_and_from_two(s3, tmp_path, monkeypatch):
-    """DeepSpeed's directory on S3: saved on 1 rank and resumed on 1 bit-equal; saved on 2
-    ranks and resumed on 1 (a world-size change: DeepSpeed's universal checkpoint) with the
-    saved weights. Every rank's staging and download directories are removed."""
+def test_deepspeed_directory_saved_to_s3_resumed_on_two_and_on_one(
+    s3, s3_server, tmp_path, monkeypatch
+):
+    """DeepSpeed's ZeRO-2 directory saved to S3 by 2 ranks. Resumed on 2 bit-equal, from
+    memory: each rank GETs only the files DeepSpeed reads for it (the model states, its own
+    optimizer partition, our state), once each (counted by a proxy per rank), and no byte of
+    the checkpoint lands on the local disk while DeepSpeed loads; the engine's own
+    checkpoint engine is back after. Resumed on 1 (a world-size change: DeepSpeed's
+    universal checkpoint, from a download) with the saved weights. Every rank's staging and
+    download directories are removed."""
     pytest.importorskip('deepspeed')
     from dist_harness import run_distributed
+    from s3_faults import FaultProxy
 
     temp = tmp_path / 'tmp'  # the ranks' staging and download directories go here
     temp.mkdir()
     monkeypatch.setenv('TMPDIR', str(temp))
     work = str(tmp_path / 'work')
     prefix = f'{s3}/ds'
-    ((at_2, at_4),) = run_distributed(_deepspeed_save, nproc=1, args=(prefix, work), timeout=400)
-    ((at, resumed, trained, weights, resumed_from),) = run_distributed(
-        _deepspeed_resume, nproc=1, args=(prefix, work), timeout=400
-    )
-    assert at == 2
-    assert _equal(resumed, at_2) and _equal(trained, at_4) and _equal(weights, at_2)
-    assert resumed_from == f'{prefix}/iter_2'
+    saved = run_distributed(_deepspeed_save, nproc=2, args=(prefix, work), timeout=400)
+    assert _manifest(prefix, 'iter_2')['world_size'] == 2
     names = _files(prefix, 'iter_2')
     assert {'manifest.json', 'stratagem_state.pth'} <= set(names)
-    assert any(n.startswith('deepspeed/') and 'optim_states' in n for n in names)
     assert location.read_pointer(prefix) == f'{prefix}/iter_2'
 
-    two = f'{s3}/ds2'
-    (at_2, _), _ = run_distributed(_deepspeed_save, nproc=2, args=(two, work), timeout=400)
-    assert _manifest(two, 'iter_2')['world_size'] == 2
+    proxies = [FaultProxy(s3_server.endpoint).start() for _ in range(2)]
+    try:
+        streamed = run_distributed(
+            _deepspeed_resume_streamed,
+            nproc=2,
+            args=(prefix, work, str(temp)),
+            env={'AWS_ENDPOINT_URL': lambda rank: proxies[rank].endpoint},
+            timeout=400,
+        )
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+    bucket = s3.split('://', 1)[1]
+    for rank, ((at_2, at_4), (at, resumed, trained, on_disk, engine, fro)) in enumerate(
+        zip(saved, streamed)
+    ):
+        assert at == 2 and fro == f'{prefix}/iter_2'
+        assert _equal(resumed, at_2) and _equal(trained, at_4)
+        assert on_disk == [0], on_disk  # names only: no checkpoint byte on local disk
+        assert engine != 'StreamingCheckpointEngine'
+        got = _gets(proxies[rank], f'{bucket}/ds/iter_2')
+        assert got == {
+            # rank 0 lists the checkpoints (the newest); every rank agrees on its digest,
+            # then reads it once: the format detected, then verified from the same bytes
+            'manifest.json': 3 if rank == 0 else 2,
+            'stratagem_state.pth': 1,
+            'deepspeed/mp_rank_00_model_states.pt': 1,
+            f'deepspeed/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt': 1,
+        }, got
+
     ((at, resumed, _, weights, _),) = run_distributed(
-        _deepspeed_resume, nproc=1, args=(two, work), timeout=400
+        _deepspeed_resume, nproc=1, args=(prefix, work), timeout=400
     )
     assert at == 4  # 2 iterations of 2 ranks: 4 of this one's (the samples seen)
-    assert _equal(resumed, at_2) and _equal(weights, at_2)
+    assert _equal(resumed, saved[0][0]) and _equal(weights, saved[0][0])
     assert not list(temp.glob('stratagem-*'))  # uploaded from, downloaded to: removed
 
 
@@ -527,3 +607,94 @@ def test_stratagem_train_fsdp_with_out_dir_on_s3_resumes_in_an_empty_work_dir(s3
     assert location.read_pointer(prefix) == f'{prefix}/iter_8.pth'
     assert ckpt.convert_checkpoint(f'{prefix}/iter_8.pth', tmp_path / 'final.pth')
     assert ckpt.load_checkpoint_file(tmp_path / 'final.pth')['meta']['iter'] == 8
+
+
+# ------------------------------------------------- DeepSpeed's files read from memory (tier 1)
+def _zero_layout(staging):
+    """A directory laid out as DeepSpeed's (2 ranks, ZeRO-2) with our state beside it."""
+    from stratagem.strategies.deepspeed.files import DEEPSPEED_TAG, STATE_FILE
+
+    tag = staging / DEEPSPEED_TAG
+    tag.mkdir()
+    torch.save({'meta': {'iter': 2}}, staging / STATE_FILE)
+    torch.save({'module': {'w': torch.arange(4.0)}}, tag / 'mp_rank_00_model_states.pt')
+    for rank in range(2):
+        state = {'optimizer_state_dict': {'rank': rank, 'm': torch.full((3,), float(rank))}}
+        torch.save(state, tag / f'zero_pp_rank_{rank}_mp_rank_00_optim_states.pt')
+    (staging / 'zero_to_fp32.py').write_text('# DeepSpeed recovery script\n')
+    return [p for p in staging.rglob('*') if p.is_file()]
+
+
+def test_deepspeed_files_read_from_memory_only_what_the_rank_reads(s3, tmp_path):
+    """Rank 1 of a 2-rank DeepSpeed checkpoint at a URL verifies and keeps only the files
+    DeepSpeed's engine reads on it; the streaming checkpoint engine serves them by their
+    (empty) local names from memory, reads another file verified when asked, refuses a name
+    outside, and is swapped out again after; a damaged file this rank reads is refused
+    naming it, before anything is unpickled."""
+    import functools
+
+    from stratagem.checkpoint.directory import save_directory
+    from stratagem.checkpoint.errors import CheckpointCorruptError
+    from stratagem.checkpoint.remote_directory import verify_remote_directory
+    from stratagem.strategies.deepspeed.files import check_zero_archive, rank_reads
+    from stratagem.strategies.deepspeed.streaming import StreamingCheckpointEngine, file_names
+
+    url = f'{s3}/ds/iter_2'
+    save_directory(url, _zero_layout, collective=False, update_pointer=False)
+    reads = functools.partial(rank_reads, rank=1, optimizer=True)
+    checked = []
+
+    def check(relative, stream):
+        checked.append(relative)
+        if relative.endswith('.pt'):
+            check_zero_archive(relative, stream)
+
+    remote = verify_remote_directory(url, collective=False, reads=reads, check=check)
+    mine = {
+        'stratagem_state.pth',
+        'deepspeed/mp_rank_00_model_states.pt',
+        'deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt',
+    }
+    assert set(remote.cache) == set(checked) == mine
+    assert not rank_reads('deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt', 1, optimizer=False)
+
+    names = file_names(remote)
+    try:
+        assert sorted(p.relative_to(names).as_posix() for p in names.rglob('*.pt')) == sorted(
+            p for p in remote.entries if p.startswith('deepspeed/')
+        )
+        assert sum(p.stat().st_size for p in names.rglob('*') if p.is_file()) == 0
+
+        class Engine:
+            checkpoint_engine = 'original'
+
+        engine = Engine()
+        streaming = StreamingCheckpointEngine(engine.checkpoint_engine, remote, names)
+        with pytest.raises(RuntimeError), streaming.installed_on(engine):
+            assert engine.checkpoint_engine is streaming
+            own = streaming.load(names / 'deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt')
+            assert torch.equal(own['optimizer_state_dict']['m'], torch.ones(3))
+            other = streaming.load(
+                str(names / 'deepspeed/zero_pp_rank_0_mp_rank_00_optim_states.pt')
+            )
+            assert other['optimizer_state_dict']['rank'] == 0  # read, verified, when asked
+            with pytest.raises(FileNotFoundError, match='outside the checkpoint'):
+                streaming.load(tmp_path / 'elsewhere.pt')
+            raise RuntimeError('DeepSpeed failed')
+        assert engine.checkpoint_engine == 'original'
+        assert streaming.read == [
+            'deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt',
+            'deepspeed/zero_pp_rank_0_mp_rank_00_optim_states.pt',
+        ]
+    finally:
+        import shutil
+
+        shutil.rmtree(names)
+
+    fs, root = location.filesystem(url)
+    shard = f'{root}/deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt'
+    data = bytearray(fs.cat_file(shard))
+    data[-30] ^= 0xFF  # same size, one byte changed
+    fs.pipe_file(shard, bytes(data))
+    with pytest.raises(CheckpointCorruptError, match='zero_pp_rank_1_mp_rank_00_optim_states'):
+        verify_remote_directory(url, collective=False, reads=reads, check=check)

@@ -26,6 +26,10 @@ runs the sequence; :class:`ZeroStorage` is this backend's part of it:
     1. ``checkpoint.verify_directory``: every size on every rank, every digest on one rank,
        the same manifest everywhere (DeepSpeed unpickles with ``weights_only=False``: a
        tampered or foreign file must be refused before that). Any failure raises on all.
+       A resume from a URL at the world size that saved it: every size on every rank, and
+       each rank reads into memory, verified (digest, torch archive), the files DeepSpeed
+       reads on it (``files.rank_reads``); its engine loads them from there in step 4
+       (``streaming.py``). Anything else at a URL is downloaded first, verified.
     2. ``stratagem_state.pth`` loads with ``weights_only=True``; the keys asked for are
        checked before anything is restored.
     3. Another world size: BaseStrategy's plan (``world_change.py``) converts iteration
@@ -62,19 +66,27 @@ from stratagem.checkpoint.directory import (
     verify_directory,
     write_directory_files,
 )
-from stratagem.checkpoint.formats import detect_format
+from stratagem.checkpoint.errors import CheckpointCorruptError
+from stratagem.checkpoint.formats import detect
 from stratagem.checkpoint.location import is_url
-from stratagem.checkpoint.remote_directory import download_directory
+from stratagem.checkpoint.remote_directory import (
+    RemoteDirectory,
+    download_directory,
+    verify_remote_directory,
+)
 from stratagem.checkpoint.storage import CheckpointStorage, SaveCommit
 
 from .capture import CapturingCheckpointEngine
 from .files import (
     DEEPSPEED_TAG,
     STATE_FILE,
+    check_zero_archive,
     check_zero_archives,
     check_zero_layout,
+    rank_reads,
     zero_to_state_dict,
 )
+from .streaming import StreamingCheckpointEngine, file_names
 
 if TYPE_CHECKING:
     import logging
@@ -186,14 +198,56 @@ class ZeroStorage(CheckpointStorage):
         return finish
 
     # ------------------------------------------------------------------- read side
-    def _verify(self, path: str) -> tuple[Path, dict]:
+    def _streams(self, found: tuple[dict, str], optimizer: bool) -> bool:
+        """Whether DeepSpeed's engine can load the checkpoint at a URL from memory: at the
+        world size that saved it (another goes through DeepSpeed's universal conversion,
+        which reads and writes local files), and unless ZeRO-3 leaves its optimizer out
+        (DeepSpeed then consolidates the weights from every rank's files by their paths)."""
+        world = env.get_world_size()
+        if int(found[0].get('world_size', world)) != world:
+            return False
+        return optimizer or not self.engine().zero_optimization_partition_weights()
+
+    def _verify_streamed(
+        self, path: str, found: tuple[dict, str], optimizer: bool
+    ) -> RemoteDirectory:
+        """Collective, at a URL: every file's size on every rank (one listing), and each
+        rank reads the files DeepSpeed's engine will read on it (``files.rank_reads``: our
+        state, the model states, its own ZeRO partition) into memory, checks their digests
+        and that they open as torch archives; the same manifest everywhere. Raises on every
+        rank."""
+        rank = env.get_rank()
+
+        def archive(relative: str, stream: Any) -> None:
+            if relative.startswith(f'{DEEPSPEED_TAG}/') and relative.endswith('.pt'):
+                check_zero_archive(f'{path}/{relative}', stream)
+
+        remote = verify_remote_directory(
+            path,
+            backend_args=self.backend_args,
+            found=found,
+            reads=functools.partial(rank_reads, rank=rank, optimizer=optimizer),
+            check=archive,
+        )
+        listed = set(remote.entries)
+        if STATE_FILE not in listed or not any(p.startswith(f'{DEEPSPEED_TAG}/') for p in listed):
+            raise CheckpointCorruptError(
+                f'{path} is a stratagem checkpoint but not a DeepSpeed one '
+                f'(no {STATE_FILE} and {DEEPSPEED_TAG}/)'
+            )
+        return remote
+
+    def _verify(self, path: str, found: tuple[dict, str] | None = None) -> tuple[Path, dict]:
         """Collective: every file's size on every rank, its digest on one rank, the same
-        manifest everywhere; then the DeepSpeed layout. Raises on every rank. At a URL every
-        rank downloads it, verified (``remote_directory.download_directory``), and the
-        local copy is what DeepSpeed reads."""
+        manifest everywhere; then the DeepSpeed layout. Raises on every rank. At a URL
+        (where DeepSpeed reads every file by its path: ``_streams``) every rank downloads
+        it, verified (``remote_directory.download_directory``; ``found``: its manifest, read
+        already), and the local copy is what DeepSpeed reads."""
         if is_url(path):
             self._drop_download(path)
-            directory = download_directory(path, backend_args=self.backend_args, collective=True)
+            directory = download_directory(
+                path, backend_args=self.backend_args, collective=True, found=found
+            )
             self._downloads[path] = directory
         else:
             directory = Path(env.broadcast_object(osp.abspath(path)))
@@ -212,26 +266,34 @@ class ZeroStorage(CheckpointStorage):
         self, path: str, map_location: Any, *, optimizer: bool = False, editable: bool = True
     ) -> tuple[dict, Any]:
         """A DeepSpeed directory, every file verified on every rank (DeepSpeed unpickles
-        freely); our state read, and the manifest kept for ``restore``. ``map_location`` is
+        freely); our state read, and the manifest kept for ``restore``. At a URL at the
+        world size that saved it, each rank holds only the files it reads, verified, in
+        memory (the ``RemoteDirectory`` kept for ``restore``). ``map_location`` is
         accepted for mmengine's signature: DeepSpeed places its tensors on the engine's
         device."""
-        if detect_format(path, self.backend_args) != 'zero':
+        name, found = detect(path, self.backend_args)  # at a URL: the manifest, passed on
+        if name != 'zero':
             raise ValueError(
                 f'{path} is not a DeepSpeed checkpoint directory (written by '
                 'DeepSpeedStrategy.save_checkpoint); load weights from other '
                 'checkpoints with load_checkpoint()'
             )
-        directory, manifest = self._verify(path)
+        if found is not None and self._streams(found, optimizer):
+            remote = self._verify_streamed(path, found, optimizer)
+            return remote.load(STATE_FILE), remote
+        directory, manifest = self._verify(path, found)
         return self._read_state(directory), manifest
 
     @override
     def read(self, path: str, map_location: Any) -> dict:
         """A DeepSpeed directory (verified on every rank): our state plus consolidated fp32
-        weights (``state_dict``); any other format: the default read."""
-        if detect_format(path, self.backend_args) != 'zero':
+        weights (``state_dict``); any other format: the default read. At a URL it is
+        downloaded first: DeepSpeed's consolidation reads every rank's files by path."""
+        name, found = detect(path, self.backend_args)
+        if name != 'zero':
             return super().read(path, map_location)
         try:
-            directory, _ = self._verify(path)
+            directory, _ = self._verify(path, found)
             state = self._read_state(directory)
             state['state_dict'] = zero_to_state_dict(
                 directory, verify=False, exclude_frozen_parameters=self.exclude_frozen_parameters
@@ -248,7 +310,11 @@ class ZeroStorage(CheckpointStorage):
     @override
     def restore(self, path: str, checkpoint: dict, opened: Any, *, optimizer: bool) -> None:
         """Same world size: ``engine.load_checkpoint`` (model, optimizer partitions, engine
-        counters); another: through DeepSpeed's universal checkpoint."""
+        counters), at a URL from the verified bytes in memory (``streaming.py``); another:
+        through DeepSpeed's universal checkpoint."""
+        if isinstance(opened, RemoteDirectory):
+            self._engine_load_streamed(opened, optimizer)
+            return
         world = env.get_world_size()
         meta = checkpoint.get('meta') or {}
         saved_world = int((opened or {}).get('world_size', meta.get('world_size', world)))
@@ -261,7 +327,23 @@ class ZeroStorage(CheckpointStorage):
         finally:
             self._drop_download(path)
 
-    def _engine_load(self, directory: Path, tag: str, optimizer: bool) -> None:
+    def _engine_load_streamed(self, remote: RemoteDirectory, optimizer: bool) -> None:
+        """``engine.load_checkpoint`` of the checkpoint at a URL: DeepSpeed gets a directory
+        of empty names and the streaming checkpoint engine, which reads each file from
+        ``remote``; its own checkpoint engine is back afterwards."""
+        engine = self.engine()
+        names = file_names(remote)
+        try:
+            streaming = StreamingCheckpointEngine(engine.checkpoint_engine, remote, names)
+            with streaming.installed_on(engine):
+                self._engine_load(names, DEEPSPEED_TAG, optimizer, shown=remote.url)
+        finally:
+            shutil.rmtree(names, ignore_errors=True)
+            remote.cache.clear()
+
+    def _engine_load(
+        self, directory: Path, tag: str, optimizer: bool, shown: str | None = None
+    ) -> None:
         loaded, _ = self.engine().load_checkpoint(
             str(directory),
             tag=tag,
@@ -270,7 +352,8 @@ class ZeroStorage(CheckpointStorage):
             load_module_strict=not self.exclude_frozen_parameters,
         )
         if loaded is None:  # DeepSpeed only warns when it finds nothing
-            raise FileNotFoundError(f'DeepSpeed found no checkpoint in {directory / tag}')
+            where = directory if shown is None else shown
+            raise FileNotFoundError(f'DeepSpeed found no checkpoint in {where}/{tag}')
 
     def _load_resharded(self, path: Path, saved_world: int, optimizer: bool) -> None:
         """Resume a checkpoint of ``saved_world`` ranks in this world: rank 0 converts it to

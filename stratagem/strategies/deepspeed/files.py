@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -34,7 +36,9 @@ __all__ = [
     'STATE_FILE',
     'verify_zero_checkpoint',
     'check_zero_layout',
+    'check_zero_archive',
     'check_zero_archives',
+    'rank_reads',
     'zero_to_state_dict',
     'read_zero_checkpoint',
     'convert_zero_checkpoint',
@@ -67,17 +71,45 @@ def check_zero_archives(path: str | os.PathLike) -> None:
     tensor, nothing unpickled). Every rank checks every file, so all ranks reach the same
     verdict without a collective: DeepSpeed's load reads each rank's own files between
     collectives, and a rank failing there leaves the others waiting in the next one."""
+    for file in sorted((Path(path) / DEEPSPEED_TAG).glob('*.pt')):
+        with open(file, 'rb') as stream:
+            check_zero_archive(file, stream)
+
+
+def check_zero_archive(where: str | os.PathLike, stream: BinaryIO) -> None:
+    """Raise ``CheckpointCorruptError`` naming ``where`` unless ``stream`` (a DeepSpeed file's
+    bytes) opens as a torch zip archive; nothing unpickled (``check_zero_archives``)."""
     from stratagem._torch import zip_archive_reader
 
-    for file in sorted((Path(path) / DEEPSPEED_TAG).glob('*.pt')):
-        try:
-            with open(file, 'rb') as stream:
-                zip_archive_reader(stream).get_all_records()
-        except (RuntimeError, OSError, ValueError) as err:
-            raise CheckpointCorruptError(
-                f'{file} is damaged: it is no complete torch archive ({str(err).splitlines()[0]})'
-                '; it was not loaded'
-            ) from None
+    try:
+        zip_archive_reader(stream).get_all_records()
+    except (RuntimeError, OSError, ValueError) as err:
+        raise CheckpointCorruptError(
+            f'{where} is damaged: it is no complete torch archive ({str(err).splitlines()[0]})'
+            '; it was not loaded'
+        ) from None
+
+
+_RANK_FILE = re.compile(r'(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:model|optim)_states\.pt')
+_SHARED_FILE = re.compile(r'mp_rank_\d+_model_states\.pt')
+
+
+def rank_reads(path: str, rank: int, *, optimizer: bool) -> bool:
+    """Whether DeepSpeed's ``engine.load_checkpoint`` reads the file ``path`` (relative to a
+    checkpoint directory) on data-parallel rank ``rank`` of the world size that saved it, as
+    DeepSpeed 0.19 names them: our ``stratagem_state.pth`` and the model states every rank
+    reads (``mp_rank_00_model_states.pt``), and the rank's own ZeRO files
+    (``[bf16_]zero_pp_rank_<rank>_mp_rank_00_{model,optim}_states.pt``; its optimizer
+    partition only when ``optimizer``). A file it reads beyond these is read when it asks."""
+    if path == STATE_FILE:
+        return True
+    folder, _, name = path.rpartition('/')
+    if folder != DEEPSPEED_TAG:
+        return False
+    if _SHARED_FILE.fullmatch(name):
+        return True
+    own = _RANK_FILE.fullmatch(name)
+    return own is not None and int(own.group(1)) == rank and (optimizer or 'optim' not in name)
 
 
 def verify_zero_checkpoint(path: str | os.PathLike) -> dict:

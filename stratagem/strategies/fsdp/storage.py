@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from stratagem.checkpoint.async_writer import AsyncCheckpointWriter
 from stratagem.checkpoint.content import validate_checkpoint_content
-from stratagem.checkpoint.formats import PIECEWISE, detect_format, read_like
+from stratagem.checkpoint.formats import PIECEWISE, detect, read_like
 from stratagem.checkpoint.location import is_url
 from stratagem.checkpoint.sharded import (
     load_sharded_checkpoint,
@@ -102,25 +102,34 @@ class FSDPStorage(CheckpointStorage):
         tensors (no second copy). A refused resume changes nothing; a read error after the
         checks (the files changed since they were verified) leaves the model partly read,
         and the resume raises. With a ``callback`` (``editable``: it may read or edit the
-        tensors) they are read into new tensors first."""
-        if not editable and detect_format(path, self.backend_args) == 'sharded':
-            header = read_sharded_header(path, optimizer=optimizer, backend_args=self.backend_args)
+        tensors) they are read into new tensors first. At a URL the manifest is read once
+        (``formats.detect``, passed on)."""
+        detected = detect(path, self.backend_args)
+        if not editable and detected[0] == 'sharded':
+            header = read_sharded_header(
+                path, optimizer=optimizer, backend_args=self.backend_args, found=detected[1]
+            )
             if header is not None:
                 return header  # (the checkpoint without tensors, DCP's metadata)
-        return self.read(path, map_location), None
+        return self._read(path, map_location, detected), None
 
     @override
     def read(self, path: str, map_location: Any) -> dict:
         """A sharded directory read whole into new tensors laid out like the live ones; a
         Hugging Face one (``formats.PIECEWISE``): each rank reads only its pieces; any other
         format: the default read."""
-        name = detect_format(path, self.backend_args)
+        return self._read(path, map_location, detect(path, self.backend_args))
+
+    def _read(self, path: str, map_location: Any, detected: tuple[str | None, Any]) -> dict:
+        name, found = detected
         if name in PIECEWISE and not is_url(path):
             return read_like(path, name, self.live_state(False)[0])
         if name != 'sharded':
             return super().read(path, map_location)
         model_sd, optim_sd = self.live_state(True)
-        return load_sharded_checkpoint(path, model_sd, optim_sd, backend_args=self.backend_args)
+        return load_sharded_checkpoint(
+            path, model_sd, optim_sd, backend_args=self.backend_args, found=found
+        )
 
     @override
     def restore(self, path: str, checkpoint: dict, opened: Any, *, optimizer: bool) -> None:
