@@ -10,7 +10,8 @@ keep stepping; a group that starts (or restarts) behind the others copies the li
 a peer before its first step: it *heals*, from memory, not from storage.
 
 :class:`ReplicaGroup` owns the ``Manager``; the strategy composes it (``DDPStrategy``'s
-``fault_tolerance=``) and gives it the model and the optim wrapper once built. Per step:
+and ``FSDPStrategy``'s ``fault_tolerance=``) and ``BaseStrategy.prepare`` gives it the model
+and the optim wrapper once built. Per step:
 
 1. ``begin_step``: the quorum (synchronous: a group that heals has the peer's model, optimizer
    and registered extras loaded before its forward). Called by the reference loop's batch
@@ -262,6 +263,11 @@ class ReplicaGroup:
         on ``optim_wrapper``. ``module``: the plain module whose state a heal copies."""
         from stratagem.optim import OptimWrapperDict
 
+        if optim_wrapper is None:
+            raise ValueError(
+                f'strategy.fault_tolerance: replica group {self.replica_id} commits each '
+                'update with the other groups, so prepare() needs optim_wrapper='
+            )
         if isinstance(optim_wrapper, OptimWrapperDict) or not hasattr(
             optim_wrapper, 'set_step_guard'
         ):
