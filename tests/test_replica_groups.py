@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -190,6 +191,67 @@ def test_a_sharded_group_heals_shard_by_shard(tmp_path):
         for g in (peer, healed):  # the next update alike
             g._wrapper.update_params(g._module(torch.ones(2, 3)).sum())
         assert healed.digest() == peer.digest()
+    finally:
+        dist.destroy_process_group()
+
+
+class _PeerOfOnes:
+    """A Manager whose all-reduce averages this group's gradients with a peer's of ones."""
+
+    def allreduce(self, flat):
+        flat.add_(1).div_(2)
+        return SimpleNamespace(wait=lambda: None)
+
+    def should_commit(self):
+        return True
+
+
+class _OneHeadUsed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize('sharded', [False, True], ids=['plain', 'fsdp'])
+def test_allow_averages_every_gradient_with_the_peers_in_one_buffer(tmp_path, sharded):
+    # a parameter the forward left without a gradient gets the peer's half, like the
+    # parameter (a DTensor under FSDP); the buffer and its views serve every step
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, init_device_mesh
+
+    from stratagem.optim import build_optim_wrapper
+
+    dist.init_process_group(
+        'gloo', store=dist.FileStore(str(tmp_path / 'store'), 1), rank=0, world_size=1
+    )
+    try:
+        torch.manual_seed(0)
+        model = _OneHeadUsed()
+        if sharded:
+            model = fully_shard(model, mesh=init_device_mesh('cpu', (1,)))
+        wrapper = build_optim_wrapper(model, dict(optimizer=dict(type='SGD', lr=0.1)))
+        group = ReplicaGroup(FaultTolerance(replica_id=0, lighthouse='http://127.0.0.1:9'))
+        group.manager = _PeerOfOnes()
+        buffers = []
+        for _ in range(2):
+            wrapper.optimizer.zero_grad(set_to_none=True)
+            model(torch.ones(2, 3)).sum().backward()
+            mine = {n: (p.grad.full_tensor() if sharded else p.grad).clone()
+                    for n, p in model.named_parameters() if p.grad is not None}  # fmt: skip
+            group._step.begun = True  # the quorum said so
+            assert group.allow(wrapper)
+            buffers.append(group._flat[0])
+            buffers[-1].zero_()  # the group's buffer: no gradient is a view of it
+            for name, p in model.named_parameters():
+                assert isinstance(p.grad, DTensor) == sharded and p.grad.dtype == p.dtype
+                got = p.grad.full_tensor() if sharded else p.grad
+                expected = (mine[name] + 1) / 2 if name in mine else torch.full_like(got, 0.5)
+                torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        assert buffers[0] is buffers[1] and buffers[0].numel() == 3 * 4 + 4 + 4 * 2 + 2
     finally:
         dist.destroy_process_group()
 
