@@ -454,9 +454,12 @@ class RunMetrics:
         deferred = later and (self._want_csv or self._want_tb)
         if self._deferred and not deferred:  # the rows handed over unbuilt first: in order
             self.flush()
-        capture = self._capture(
-            it, epoch, loss, lr, grad_norm, iters, seconds, device, extras, token_sum
-        )
+        # the row's values, taken now (the rest is arithmetic: _build)
+        tokens = self._take_tokens(token_sum)
+        norm = None if grad_norm is None else float(grad_norm)
+        stall, self.stall = self.stall, 0.0
+        capture = (it, epoch, loss, lr, norm, iters, seconds, peak_memory_mib(device), stall,
+                   tokens, self.flops, extras)  # fmt: skip
         if deferred:
             self._deferred = True
             self._add(capture)
@@ -472,28 +475,8 @@ class RunMetrics:
             self.flush()
         return self._last_row
 
-    def _capture(
-        self,
-        it: int,
-        epoch: int,
-        loss: float,
-        lr: float,
-        grad_norm: Any,
-        iters: int,
-        seconds: float,
-        device: torch.device,
-        extras: Mapping[str, float] | None,
-        token_sum: float | None,
-    ) -> tuple:
-        """A row's values, taken when it is due (the rest is arithmetic: :meth:`_build`)."""
-        tokens = self._take_tokens(token_sum)
-        norm = None if grad_norm is None else float(grad_norm)
-        stall, self.stall = self.stall, 0.0
-        return (it, epoch, loss, lr, norm, iters, seconds, peak_memory_mib(device), stall,
-                tokens, self.flops, extras)  # fmt: skip
-
     def _build(self, capture: tuple) -> dict:
-        """The row of :meth:`_capture`'s values (the run's averages moved on by it)."""
+        """The row of the values :meth:`write` took (the run's averages moved on by it)."""
         it, epoch, loss, lr, norm, iters, seconds, peak, stall, tokens, flops, extras = capture
         rate = iters / seconds if seconds > 0 else float('nan')
         row = {

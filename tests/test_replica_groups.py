@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from failure_helpers import clean_env, kill_tree, workers
+from failure_helpers import Lighthouse, clean_env, kill_tree, start, workers
 from stratagem.strategies.replica_groups import (
     LIGHTHOUSE_ENV,
     REPLICA_ID_ENV,
@@ -342,50 +342,6 @@ def write_cfg(
     return path
 
 
-class Lighthouse:
-    """``stratagem lighthouse`` in a process of its own; ``address`` once it serves (read
-    on first use, so that several start at once)."""
-
-    def __init__(self, min_replicas: int = 1) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                '-m',
-                'stratagem',
-                'lighthouse',
-                '--port',
-                '0',
-                '--min-replicas',
-                str(min_replicas),
-                '--join-timeout',
-                '0.5',
-                '--heartbeat-timeout',
-                '1',
-            ],
-            env=clean_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        self._address: str | None = None
-
-    @property
-    def address(self) -> str:
-        if self._address is None:
-            line = self.proc.stdout.readline()
-            match = re.match(r'lighthouse: (\S+)', line)
-            assert match, f'no address from the lighthouse: {line!r}'
-            self._address = match.group(1)
-        return self._address
-
-    def close(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 @pytest.fixture()
 def lighthouse():
     made: list[Lighthouse] = []
@@ -418,25 +374,9 @@ class Group:
         Group.count += 1
         self.out = Path(work_dir).parent / f'group{replica}_{Group.count}.out'
         ft = () if replica is None else ('--replica-id', str(replica), '--lighthouse', address)
-        with self.out.open('w') as f:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    '-m',
-                    'stratagem',
-                    'train',
-                    str(cfg),
-                    '--work-dir',
-                    str(work_dir),
-                    *ft,
-                    *args,
-                ],
-                env=clean_env(**env),
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
+        self.proc = start(
+            cfg, work_dir, *ft, *args, env=clean_env(**env), out=self.out, start_new_session=True
+        )
         self.pid = self.proc.pid
 
     def finish(self, timeout: float = 300) -> tuple[int, str]:
