@@ -264,6 +264,8 @@ def test_an_unreachable_lighthouse_is_named():
     from stratagem.optim import build_optim_wrapper
 
     wrapper = build_optim_wrapper(model, dict(optimizer=dict(type='SGD', lr=0.1)))
+    with pytest.raises(ValueError, match=r'replica group 4 commits .* needs optim_wrapper='):
+        group.start(model, model, None)  # prepare(model) without one
     with pytest.raises(ReplicaGroupError) as err:
         group.start(model, model, wrapper)
     text = str(err.value)
