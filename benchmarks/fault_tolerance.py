@@ -320,40 +320,29 @@ def launch_groups(cfg: Path, work: Path, arm: str, kills: list[int]) -> Run:
     --lighthouse ADDR``; each of ``kills`` a SIGKILL of group 1's process once group 0 (the
     survivor, never restarted) reads that iteration's batch. Group 1's torchrun relaunches
     it (``--max-restarts``) and it heals from group 0."""
-    from failure_helpers import clean_env, kill_tree, workers
+    from failure_helpers import Lighthouse, kill_tree, start, workers
 
     run = Run(arm, kills)
-    lighthouse = subprocess.Popen(
-        [sys.executable, '-m', 'stratagem', 'lighthouse', '--port', '0', '--min-replicas', '1']
-        + ['--join-timeout', '0.5', '--heartbeat-timeout', '1'],
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    lighthouse = Lighthouse(1)
     groups: list[subprocess.Popen] = []
     outs = [work.parent / f'{work.name}-group{i}.out' for i in (0, 1)]
     counts = [work.parent / f'{work.name}-count{i}' for i in (0, 1)]
     try:
-        assert lighthouse.stdout is not None
-        found = re.match(r'lighthouse: (\S+)', lighthouse.stdout.readline())
-        assert found, 'the lighthouse printed no address'
+        address = lighthouse.address  # serving before the clock starts
         t0 = time.monotonic()
         for i in (0, 1):
             counts[i].mkdir()
-            with outs[i].open('w') as out:
-                groups.append(
-                    subprocess.Popen(
-                        [sys.executable, '-m', 'stratagem', 'train', str(cfg)]
-                        + ['--work-dir', str(work), '--nproc', '1', '--replica-id', str(i)]
-                        + ['--lighthouse', found.group(1)]
-                        + ['--max-restarts', str(len(kills) + 1 if i else 1)],
-                        env=_env(counts[i], work.parent / f'{work.name}-shm'),
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
+            groups.append(
+                start(
+                    cfg,
+                    work,
+                    *('--nproc', '1', '--replica-id', str(i), '--lighthouse', address),
+                    *('--max-restarts', str(len(kills) + 1 if i else 1)),
+                    env=_env(counts[i], work.parent / f'{work.name}-shm'),
+                    out=outs[i],
+                    start_new_session=True,
                 )
+            )
         run.start = _first_batch(counts[0], groups[0]) - t0
         survivor = workers(groups[0].pid, 1)[0]
         for at in kills:
@@ -390,9 +379,10 @@ def launch_groups(cfg: Path, work: Path, arm: str, kills: list[int]) -> Run:
         if not run.ok:
             print(texts[0][-2000:], texts[1][-2000:], flush=True)
     finally:
-        for proc in [*groups, lighthouse]:
+        for proc in groups:
             kill_tree(proc.pid)
             proc.wait()
+        lighthouse.close()
         if not run.ok:
             for out in outs:
                 with contextlib.suppress(OSError):

@@ -20,6 +20,7 @@ failure, and the goodput with one group SIGKILLed every K iterations.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import re
@@ -29,9 +30,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / 'tests'))
+from failure_helpers import Lighthouse, start, workers  # noqa: E402
 
 # the training of benchmarks/fault_tolerance.py: 2.4M parameters, AdamW, batch 32 a process
 CONFIG = """
@@ -48,12 +53,6 @@ strategy = dict(type='DDPStrategy', checkpoint_timeout=60,
 FT = ',\n                fault_tolerance=dict(min_replicas={min_replicas}, timeout=30)'
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK')}
-    env.update(OMP_NUM_THREADS='1', GLOO_SOCKET_IFNAME='lo', PYTHONPATH=str(ROOT))
-    return env
-
-
 def _config(directory: Path, iters: int, min_replicas: int | None) -> Path:
     ft = '' if min_replicas is None else FT.format(min_replicas=min_replicas)
     path = directory / ('ft.py' if ft else 'ddp.py')
@@ -61,55 +60,25 @@ def _config(directory: Path, iters: int, min_replicas: int | None) -> Path:
     return path
 
 
-class Lighthouse:
-    def __init__(self, min_replicas: int) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                '-m',
-                'stratagem',
-                'lighthouse',
-                '--port',
-                '0',
-                '--min-replicas',
-                str(min_replicas),
-                '--join-timeout',
-                '0.5',
-                '--heartbeat-timeout',
-                '1',
-            ],
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        match = re.match(r'lighthouse: (\S+)', self.proc.stdout.readline())  # type: ignore[union-attr]
-        assert match, 'the lighthouse printed no address'
-        self.address = match.group(1)
-
-    def close(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(10)
+@contextlib.contextmanager
+def _job(d: Path, iters: int, min_replicas: int) -> Iterator[tuple[Path, Lighthouse]]:
+    """The replica groups' config in ``d`` and a lighthouse, closed after."""
+    lighthouse = Lighthouse(min_replicas)
+    try:
+        yield _config(d, iters, min_replicas), lighthouse
+    finally:
+        lighthouse.close()
 
 
-def _train(cfg: Path, work_dir: Path, out: Path, *args: str) -> subprocess.Popen:
-    with out.open('w') as f:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                '-m',
-                'stratagem',
-                'train',
-                str(cfg),
-                '--work-dir',
-                str(work_dir),
-                *args,
-            ],
-            env=_env(),
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+def _group(cfg: Path, d: Path, i: int, lighthouse: Lighthouse, *args: str) -> subprocess.Popen:
+    """Replica group ``i`` in ``d/ft``, its output in ``d/g<i>.out``."""
+    return start(
+        cfg,
+        d / 'ft',
+        *('--replica-id', str(i), '--lighthouse', lighthouse.address, *args),
+        out=d / f'g{i}.out',
+        start_new_session=True,
+    )
 
 
 def _step_time(work_dir: Path, pattern: str = '*/metrics.csv') -> float:
@@ -135,27 +104,13 @@ def overhead(runs: int, iters: int) -> dict:
     for r in range(runs):
         with tempfile.TemporaryDirectory() as tmp:
             d = Path(tmp)
-            lh = Lighthouse(2)
-            try:
-                cfg = _config(d, iters, 2)
-                procs = [
-                    _train(
-                        cfg,
-                        d / 'ft',
-                        d / f'g{i}.out',
-                        '--replica-id',
-                        str(i),
-                        '--lighthouse',
-                        lh.address,
-                    )
-                    for i in (0, 1)
-                ]
+            with _job(d, iters, 2) as (cfg, lh):
+                procs = [_group(cfg, d, i, lh) for i in (0, 1)]
                 for i, p in enumerate(procs):
                     _wait(p, d / f'g{i}.out')
-            finally:
-                lh.close()
             groups.append(_step_time(d / 'ft', '*_replica0/metrics.csv'))
-            p = _train(_config(d, iters, None), d / 'ddp', d / 'ddp.out', '--nproc', '2')
+            ddp_cfg = _config(d, iters, None)
+            p = start(ddp_cfg, d / 'ddp', '--nproc', '2', out=d / 'ddp.out', start_new_session=True)
             _wait(p, d / 'ddp.out')
             ddp.append(_step_time(d / 'ddp'))
         print(
@@ -165,24 +120,6 @@ def overhead(runs: int, iters: int) -> dict:
         )
     g, p = statistics.median(groups), statistics.median(ddp)
     return {'groups_ms': g * 1e3, 'ddp_ms': p * 1e3, 'ratio': g / p}
-
-
-def _workers(root: int) -> list[int]:
-    found, stack = [], [root]
-    while stack:
-        pid = stack.pop()
-        try:
-            env = Path(f'/proc/{pid}/environ').read_bytes()
-            kids = []
-            for task in os.listdir(f'/proc/{pid}/task'):
-                kids += Path(f'/proc/{pid}/task/{task}/children').read_text().split()
-        except OSError:
-            continue
-        if b'LOCAL_RANK=' in env and b'TORCHELASTIC_RUN_ID=' in env:
-            found.append(pid)
-        else:
-            stack += [int(k) for k in kids]
-    return found
 
 
 def _heals(out: Path) -> int:
@@ -199,34 +136,20 @@ def goodput(runs: int, iters: int, kill_every: int) -> dict:
     for r in range(runs):
         with tempfile.TemporaryDirectory() as tmp:
             d = Path(tmp)
-            lh = Lighthouse(1)
-            try:
-                cfg = _config(d, iters, 1)
+            with _job(d, iters, 1) as (cfg, lh):
                 kills = max(1, iters // kill_every - 1)
                 t0 = time.perf_counter()
-                g0 = _train(
-                    cfg, d / 'ft', d / 'g0.out', '--replica-id', '0', '--lighthouse', lh.address
-                )
-                g1 = _train(
-                    cfg,
-                    d / 'ft',
-                    d / 'g1.out',
-                    '--replica-id',
-                    '1',
-                    '--lighthouse',
-                    lh.address,
-                    '--max-restarts',
-                    str(kills),
-                )
+                g0 = _group(cfg, d, 0, lh)
+                g1 = _group(cfg, d, 1, lh, '--max-restarts', str(kills))
                 killed = []
                 for k in range(1, kills + 1):
                     while _last_row(d / 'g0.out') < k * kill_every and g0.poll() is None:
                         time.sleep(0.05)
-                    victims = _workers(g1.pid)
-                    if not victims or g0.poll() is not None:
+                    if g0.poll() is not None or g1.poll() is not None:
                         break
+                    victim = workers(g1.pid, 1, timeout=60)[0]
                     healed = _heals(d / 'g1.out')
-                    os.kill(victims[0], signal.SIGKILL)
+                    os.kill(victim, signal.SIGKILL)
                     killed.append(time.perf_counter())
                     # recovery: until the relaunched group logs its heal
                     while _heals(d / 'g1.out') == healed and g0.poll() is None:
@@ -236,8 +159,6 @@ def goodput(runs: int, iters: int, kill_every: int) -> dict:
                 _wait(g0, d / 'g0.out')
                 wall = time.perf_counter() - t0
                 _wait(g1, d / 'g1.out')
-            finally:
-                lh.close()
             text0 = (d / 'g0.out').read_text(errors='replace')
             text1 = (d / 'g1.out').read_text(errors='replace')
             heals += [

@@ -85,7 +85,7 @@ def main() -> None:
         original = getattr(cls, name)
 
         def wrapper(self: Any, *a: Any, **k: Any) -> Any:
-            if inside[key]:  # write_later falls back to write without writers: once
+            if inside[key]:  # a call inside a timed one (an older write_later's): once
                 return original(self, *a, **k)
             inside[key] = True
             t = clock()
@@ -101,7 +101,7 @@ def main() -> None:
         setattr(cls, name, wrapper)
 
     timed(metrics_mod.RunMetrics, 'write', 's', True)
-    if hasattr(metrics_mod.RunMetrics, 'write_later'):  # the row built off the thread
+    if hasattr(metrics_mod.RunMetrics, 'write_later'):  # an older version's write(later=True)
         timed(metrics_mod.RunMetrics, 'write_later', 's', True)
     timed(meter_mod.Meter, 'log_row', 'path', False)
     timed(meter_mod.Meter, 'saw_batch', 'path', False)

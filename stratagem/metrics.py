@@ -42,8 +42,8 @@ row over (a queue's put) and goes on; the thread opens the files with the first 
 that fails before it writes none), writes what it was handed at most once a second, and
 :meth:`RunMetrics.flush` / :meth:`RunMetrics.close` wait until every row so far is written
 (a write's error is raised there, naming the file). A row the training thread does not read
-(no log line, no bar: :meth:`RunMetrics.write_later`) is only its values there, and is built
-on the writers' thread. Nothing is done per iteration but keeping the loss (and the other
+(no log line, no bar: :meth:`RunMetrics.write` with ``later``) is only its values there, and
+is built on the writers' thread. Nothing is done per iteration but keeping the loss (and the other
 scalars) and counting the batch's tokens (its shape); a row costs one sync per
 ``log_interval`` (``stratagem.loop.meter``). Other ranks write nothing.
 ``train_cfg.metrics``: ``csv`` and ``tensorboard`` (bools, default True: the writers),
@@ -312,7 +312,7 @@ class RunMetrics:
         self._totals = [0, 0.0, 0]  # iterations, seconds, tokens: the rows after the first
         self.stall = 0.0
         self._last_row: dict | None = None
-        self._deferred = False  # rows handed to the writer unbuilt (write_later) since a flush
+        self._deferred = False  # rows handed to the writer unbuilt (later=True) since a flush
         self.log_dir = log_dir
         self.resumed_at = resumed_at
         self._path = os.path.join(log_dir, 'metrics.csv')
@@ -443,47 +443,30 @@ class RunMetrics:
         extras: Mapping[str, float] | None = None,
         *,
         token_sum: float | None = None,
-    ) -> dict:
+        later: bool = False,
+    ) -> dict | None:
         """One row for the ``iters`` iterations that took ``seconds``; ``extras``: the model's
         other training scalars (means over the interval); ``token_sum``: :attr:`token_sum`'s
-        value, read by the caller (None: read here). Returns the row."""
-        if self._deferred:  # the rows handed over unbuilt first: the averages go in order
+        value, read by the caller (None: read here). Returns the row; with ``later`` (a row
+        nobody on the training thread reads: no log line, no bar) its values are taken here
+        and the row is built on the writers' thread, and None is returned (without writers
+        it is built here, as without ``later``)."""
+        deferred = later and (self._want_csv or self._want_tb)
+        if self._deferred and not deferred:  # the rows handed over unbuilt first: in order
             self.flush()
-        capture = self._capture(
-            it, epoch, loss, lr, grad_norm, iters, seconds, device, extras, token_sum
-        )
+        # the row's values, taken now (the rest is arithmetic: _build)
+        tokens = self._take_tokens(token_sum)
+        norm = None if grad_norm is None else float(grad_norm)
+        stall, self.stall = self.stall, 0.0
+        capture = (it, epoch, loss, lr, norm, iters, seconds, peak_memory_mib(device), stall,
+                   tokens, self.flops, extras)  # fmt: skip
+        if deferred:
+            self._deferred = True
+            self._add(capture)
+            return None
         row = self._build(capture)
         self._add(row)
         return row
-
-    def write_later(
-        self,
-        it: int,
-        epoch: int,
-        loss: float,
-        lr: float,
-        grad_norm: Any,
-        iters: int,
-        seconds: float,
-        device: torch.device,
-        extras: Mapping[str, float] | None = None,
-        *,
-        token_sum: float | None = None,
-    ) -> None:
-        """:meth:`write` for a row nobody on the training thread reads (no log line, no
-        bar): its values are taken here, the row is built on the writers' thread (without
-        writers: here, as :meth:`write` builds it)."""
-        if not (self._want_csv or self._want_tb):
-            self.write(
-                it, epoch, loss, lr, grad_norm, iters, seconds, device, extras,
-                token_sum=token_sum,
-            )  # fmt: skip
-            return
-        capture = self._capture(
-            it, epoch, loss, lr, grad_norm, iters, seconds, device, extras, token_sum
-        )
-        self._deferred = True
-        self._add(capture)
 
     @property
     def last_row(self) -> dict | None:
@@ -492,28 +475,8 @@ class RunMetrics:
             self.flush()
         return self._last_row
 
-    def _capture(
-        self,
-        it: int,
-        epoch: int,
-        loss: float,
-        lr: float,
-        grad_norm: Any,
-        iters: int,
-        seconds: float,
-        device: torch.device,
-        extras: Mapping[str, float] | None,
-        token_sum: float | None,
-    ) -> tuple:
-        """A row's values, taken when it is due (the rest is arithmetic: :meth:`_build`)."""
-        tokens = self._take_tokens(token_sum)
-        norm = None if grad_norm is None else float(grad_norm)
-        stall, self.stall = self.stall, 0.0
-        return (it, epoch, loss, lr, norm, iters, seconds, peak_memory_mib(device), stall,
-                tokens, self.flops, extras)  # fmt: skip
-
     def _build(self, capture: tuple) -> dict:
-        """The row of :meth:`_capture`'s values (the run's averages moved on by it)."""
+        """The row of the values :meth:`write` took (the run's averages moved on by it)."""
         it, epoch, loss, lr, norm, iters, seconds, peak, stall, tokens, flops, extras = capture
         rate = iters / seconds if seconds > 0 else float('nan')
         row = {

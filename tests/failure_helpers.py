@@ -2,12 +2,13 @@
 runs of several nodes or pods (``tests/test_cli_multinode.py``, ``tests/test_pods.py``) and
 ``benchmarks/failure_soak.py``: a small 2-process ``stratagem train`` run, its worker
 processes by rank, processes that must end together, and a comparison of final
-checkpoints."""
+checkpoints; a ``stratagem lighthouse`` for the replica groups' tests and benchmarks."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -55,16 +56,63 @@ def clean_env(**extra: str) -> dict:
     return env
 
 
-def start(cfg: Path, work_dir: Path, *args: str, env: dict | None = None, **kw) -> subprocess.Popen:
-    """``stratagem train cfg --work-dir work_dir *args`` started (output in a pipe)."""
-    return subprocess.Popen(
-        [sys.executable, '-m', 'stratagem', 'train', str(cfg), '--work-dir', str(work_dir), *args],
-        env=env or clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        **kw,
-    )
+def start(
+    cfg: Path,
+    work_dir: Path,
+    *args: str,
+    env: dict | None = None,
+    out: Path | None = None,
+    **kw,
+) -> subprocess.Popen:
+    """``stratagem train cfg --work-dir work_dir *args`` started, its output in a pipe or in
+    the file ``out`` (a long run's: a pipe nobody reads would fill and stall it)."""
+    command = [sys.executable, '-m', 'stratagem', 'train', str(cfg), '--work-dir', str(work_dir)]
+    with contextlib.ExitStack() as stack:
+        stdout = subprocess.PIPE if out is None else stack.enter_context(Path(out).open('w'))
+        return subprocess.Popen(
+            [*command, *args],
+            env=env or clean_env(),
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            text=True,
+            **kw,
+        )
+
+
+class Lighthouse:
+    """``stratagem lighthouse`` in a process of its own (a free port; a group that misses its
+    heartbeats for 1 s is dropped); ``address`` once it serves (read on first use, so that
+    several start at once)."""
+
+    def __init__(self, min_replicas: int = 1) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, '-m', 'stratagem', 'lighthouse', '--port', '0']
+            + ['--min-replicas', str(min_replicas), '--join-timeout', '0.5']
+            + ['--heartbeat-timeout', '1'],
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self._address: str | None = None
+
+    @property
+    def address(self) -> str:
+        if self._address is None:
+            assert self.proc.stdout is not None
+            line = self.proc.stdout.readline()
+            match = re.match(r'lighthouse: (\S+)', line)
+            assert match, f'no address from the lighthouse: {line!r}'
+            self._address = match.group(1)
+        return self._address
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:

@@ -60,8 +60,8 @@ def test_a_row_built_off_the_thread_is_the_row_write_builds(tmp_path):
         metrics.set_flops(FlopCount(400, 100, 300, 'counted'))
         for it in (10, 20, 30):
             metrics.add_stall(0.5 * it)
-            getattr(metrics, how)(it, 1, 1.0 / it, 0.1, 2.0, 10, 0.01 * it, torch.device('cpu'),
-                                  {'acc': it / 100})  # fmt: skip
+            metrics.write(it, 1, 1.0 / it, 0.1, 2.0, 10, 0.01 * it, torch.device('cpu'),
+                          {'acc': it / 100}, later=how == 'write_later')  # fmt: skip
         metrics.flush()  # a checkpoint's commit: every row written, also those built later
         rows[how] = (tmp_path / how / 'metrics.csv').read_text().splitlines()
         last = metrics.last_row

@@ -18,11 +18,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from failure_helpers import clean_env, kill_tree, workers
+from failure_helpers import Lighthouse, clean_env, kill_tree, start, workers
 from stratagem.strategies.replica_groups import (
     LIGHTHOUSE_ENV,
     REPLICA_ID_ENV,
@@ -194,6 +195,67 @@ def test_a_sharded_group_heals_shard_by_shard(tmp_path):
         dist.destroy_process_group()
 
 
+class _PeerOfOnes:
+    """A Manager whose all-reduce averages this group's gradients with a peer's of ones."""
+
+    def allreduce(self, flat):
+        flat.add_(1).div_(2)
+        return SimpleNamespace(wait=lambda: None)
+
+    def should_commit(self):
+        return True
+
+
+class _OneHeadUsed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize('sharded', [False, True], ids=['plain', 'fsdp'])
+def test_allow_averages_every_gradient_with_the_peers_in_one_buffer(tmp_path, sharded):
+    # a parameter the forward left without a gradient gets the peer's half, like the
+    # parameter (a DTensor under FSDP); the buffer and its views serve every step
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, init_device_mesh
+
+    from stratagem.optim import build_optim_wrapper
+
+    dist.init_process_group(
+        'gloo', store=dist.FileStore(str(tmp_path / 'store'), 1), rank=0, world_size=1
+    )
+    try:
+        torch.manual_seed(0)
+        model = _OneHeadUsed()
+        if sharded:
+            model = fully_shard(model, mesh=init_device_mesh('cpu', (1,)))
+        wrapper = build_optim_wrapper(model, dict(optimizer=dict(type='SGD', lr=0.1)))
+        group = ReplicaGroup(FaultTolerance(replica_id=0, lighthouse='http://127.0.0.1:9'))
+        group.manager = _PeerOfOnes()
+        buffers = []
+        for _ in range(2):
+            wrapper.optimizer.zero_grad(set_to_none=True)
+            model(torch.ones(2, 3)).sum().backward()
+            mine = {n: (p.grad.full_tensor() if sharded else p.grad).clone()
+                    for n, p in model.named_parameters() if p.grad is not None}  # fmt: skip
+            group._step.begun = True  # the quorum said so
+            assert group.allow(wrapper)
+            buffers.append(group._flat[0])
+            buffers[-1].zero_()  # the group's buffer: no gradient is a view of it
+            for name, p in model.named_parameters():
+                assert isinstance(p.grad, DTensor) == sharded and p.grad.dtype == p.dtype
+                got = p.grad.full_tensor() if sharded else p.grad
+                expected = (mine[name] + 1) / 2 if name in mine else torch.full_like(got, 0.5)
+                torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        assert buffers[0] is buffers[1] and buffers[0].numel() == 3 * 4 + 4 + 4 * 2 + 2
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_unreachable_lighthouse_is_named():
     group = ReplicaGroup(
         FaultTolerance(replica_id=4, lighthouse='http://127.0.0.1:9', connect_timeout=0.5)
@@ -202,6 +264,8 @@ def test_an_unreachable_lighthouse_is_named():
     from stratagem.optim import build_optim_wrapper
 
     wrapper = build_optim_wrapper(model, dict(optimizer=dict(type='SGD', lr=0.1)))
+    with pytest.raises(ValueError, match=r'replica group 4 commits .* needs optim_wrapper='):
+        group.start(model, model, None)  # prepare(model) without one
     with pytest.raises(ReplicaGroupError) as err:
         group.start(model, model, wrapper)
     text = str(err.value)
@@ -280,50 +344,6 @@ def write_cfg(
     return path
 
 
-class Lighthouse:
-    """``stratagem lighthouse`` in a process of its own; ``address`` once it serves (read
-    on first use, so that several start at once)."""
-
-    def __init__(self, min_replicas: int = 1) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                '-m',
-                'stratagem',
-                'lighthouse',
-                '--port',
-                '0',
-                '--min-replicas',
-                str(min_replicas),
-                '--join-timeout',
-                '0.5',
-                '--heartbeat-timeout',
-                '1',
-            ],
-            env=clean_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        self._address: str | None = None
-
-    @property
-    def address(self) -> str:
-        if self._address is None:
-            line = self.proc.stdout.readline()
-            match = re.match(r'lighthouse: (\S+)', line)
-            assert match, f'no address from the lighthouse: {line!r}'
-            self._address = match.group(1)
-        return self._address
-
-    def close(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 @pytest.fixture()
 def lighthouse():
     made: list[Lighthouse] = []
@@ -356,25 +376,9 @@ class Group:
         Group.count += 1
         self.out = Path(work_dir).parent / f'group{replica}_{Group.count}.out'
         ft = () if replica is None else ('--replica-id', str(replica), '--lighthouse', address)
-        with self.out.open('w') as f:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    '-m',
-                    'stratagem',
-                    'train',
-                    str(cfg),
-                    '--work-dir',
-                    str(work_dir),
-                    *ft,
-                    *args,
-                ],
-                env=clean_env(**env),
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
+        self.proc = start(
+            cfg, work_dir, *ft, *args, env=clean_env(**env), out=self.out, start_new_session=True
+        )
         self.pid = self.proc.pid
 
     def finish(self, timeout: float = 300) -> tuple[int, str]:

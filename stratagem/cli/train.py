@@ -35,6 +35,7 @@ from stratagem.env.logging import run_end_logged
 from stratagem.env.preemption import PreemptionConfig, preemption_config
 from stratagem.env.workdir_lock import TOKEN_ENV, WorkDirBusyError, WorkDirLock
 from stratagem.loop import train
+from stratagem.loop.plan import CheckpointPlan, run_work_dir
 from stratagem.schema import runner_reasons
 from stratagem.strategies.replica_groups import LIGHTHOUSE_ENV, REPLICA_ID_ENV, FaultTolerance
 
@@ -213,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
                 return relaunch(
                     cmd,
                     preemption.signals if preemption else (),
-                    _work_dir(cfg),
+                    run_work_dir(cfg),
                     debug,
                     _checkpoints_at(cfg),
                 )
@@ -232,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_here(cfg, args, resume, mmengine_keys, preemption)
     except KeyboardInterrupt:
         if _launch_rank() == 0:  # one line for the run, however many processes it has
-            print(interrupted_line(_work_dir(cfg), *_checkpoints_at(cfg)), file=sys.stderr)
+            print(interrupted_line(run_work_dir(cfg), *_checkpoints_at(cfg)), file=sys.stderr)
         if debug_enabled(list(getattr(args, 'cli_argv', []))):
             raise
         return 130
@@ -492,7 +493,7 @@ def _work_dir_lock(
     is ``stratagem train`` (``STRATAGEM_WORKDIR_LOCK`` set) and every other rank hold
     nothing: the run's holder does, for all of its ranks and torchrun attempts.
     """
-    work_dir = _work_dir(cfg)
+    work_dir = run_work_dir(cfg)
     replica_id = getattr(args, 'replica_id', None)
     if replica_id is not None:  # the groups of a job share the work_dir, one lock each
         work_dir = osp.join(work_dir, f'.replica{replica_id}')
@@ -513,7 +514,7 @@ def _work_dir_lock(
         if replica_id is None:
             raise
         raise WorkDirBusyError(
-            f'replica group {replica_id} is already running in {_work_dir(cfg)}: each group '
+            f'replica group {replica_id} is already running in {run_work_dir(cfg)}: each group '
             f'needs its own --replica-id; start this one with an id no other group uses '
             f'({err})'
         ) from err
@@ -523,23 +524,16 @@ def _work_dir_lock(
         lock.release()
 
 
-def _work_dir(cfg: Config) -> str:
-    """The run's work_dir as ``loop.train`` resolves it (the strategy's wins)."""
-    return str(dict(cfg.get('strategy') or {}).get('work_dir') or cfg.get('work_dir', 'work_dirs'))
-
-
 def _checkpoints_at(cfg: Config) -> tuple[str | None, dict | None]:
     """Where the run saves when not in its work_dir (``default_hooks.checkpoint.out_dir``,
     joined with the work_dir's name as the loop and mmengine's CheckpointHook do) and that
     store's ``backend_args``; ``(None, None)`` without an ``out_dir``."""
-    from stratagem.loop.plan import CheckpointPlan
-
     hook = (cfg.get('default_hooks') or {}).get('checkpoint') or {}
     out_dir, backend_args = hook.get('out_dir'), hook.get('backend_args')
     if not isinstance(out_dir, str) or not out_dir.strip():
         return None, None
-    plan = CheckpointPlan(None, None, None, out_dir=out_dir)
-    return plan.directory(_work_dir(cfg)), dict(backend_args or {}) or None
+    directory = CheckpointPlan(out_dir=out_dir).directory(run_work_dir(cfg))
+    return directory, dict(backend_args or {}) or None
 
 
 def _holds_for_the_run(args: argparse.Namespace) -> bool:

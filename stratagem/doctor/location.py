@@ -36,12 +36,9 @@ class LocationChecks:
         if self.plan is None or self.plan.checkpoints.out_dir is None:
             return
         from stratagem.checkpoint.location import is_url
+        from stratagem.loop.plan import run_work_dir
 
-        work_dir = str(
-            dict(self.cfg.get('strategy') or {}).get('work_dir')
-            or self.cfg.get('work_dir', 'work_dirs')
-        )
-        directory = self.plan.checkpoints.directory(work_dir)
+        directory = self.plan.checkpoints.directory(run_work_dir(self.cfg))
         if is_url(directory):
             self._check_url(directory, self.plan.checkpoints.backend_args)
         else:

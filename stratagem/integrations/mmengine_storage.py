@@ -201,7 +201,11 @@ def use_fsspec_for_urls(cfg: dict, resume: bool | str) -> None:
     hook['type'] = f'stratagem.{FsspecCheckpointHook.__name__}'
     cfg['default_hooks'] = {**dict(cfg['default_hooks']), 'checkpoint': hook}
     if resume is True and cfg.get('load_from') is None:
-        name = os.path.basename(os.path.abspath(str(cfg.get('work_dir', 'work_dirs'))))
-        latest = location.find_latest(location.join(out_dir, name), storage_options(hook))
+        from stratagem.loop.plan import CheckpointPlan
+
+        # mmengine's CheckpointHook names the folder after the runner's work_dir (the top
+        # level's), not the strategy's
+        directory = CheckpointPlan(out_dir=out_dir).directory(str(cfg.get('work_dir', 'work_dirs')))
+        latest = location.find_latest(directory, storage_options(hook))
         if latest is not None:
             cfg['load_from'] = latest

@@ -154,9 +154,9 @@ class Meter:
         self.log.info(text)
 
     def saw_batch(self, batch: Any) -> None:
-        """Count the batch's tokens (rank 0; its shape, or the hook's count)."""
-        if self.counting:
-            self.counting = self.metrics.saw_batch(batch)
+        """Count the batch's tokens (rank 0; its shape, or the hook's count). The loop calls
+        it only while :attr:`counting` (one call an iteration fewer once batches hold none)."""
+        self.counting = self.metrics.saw_batch(batch)
 
     def counted(self, step: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``step``, its first call on rank 0 under the FLOP counter (``train_cfg.metrics.
@@ -227,9 +227,10 @@ class Meter:
         self.logged_at, self.logged_t = it, now
         logs = self.log.isEnabledFor(logging.INFO)
         if self.bar is None and not logs:  # nobody here reads the row: built off this thread
-            self.metrics.write_later(*values, token_sum=token_sum)
+            self.metrics.write(*values, token_sum=token_sum, later=True)
             return
         row = self.metrics.write(*values, token_sum=token_sum)
+        assert row is not None
         if self.bar is not None:
             self.bar.set_postfix(
                 loss=f'{loss:.4f}',
@@ -258,35 +259,26 @@ class Meter:
         """The loss's and the other scalars' means since the last row, and the values of
         ``more`` (1-element tensors: the clipping's norm, the tokens' count), in one host
         read; the sums start again from zero."""
-        if self._host:  # every value already read and added up
-            return self._host_means(it, more)
-        groups = self._grouped()
+        groups = self._grouped()  # on a CPU none: every value already read and added up
         names, tensors = [], list(more)
         for name, values in groups.items():
             names += [name] * len(values)
             tensors += values
         read = _values(tensors, self._host)
-        sums = dict(self._numbers)
+        sums, counts = self._numbers, self._counts
         for name, value in zip(names, read[len(more) :], strict=True):
             sums[name] = sums.get(name, 0.0) + value
         trained = it - self.logged_at - self.dropped
         loss = sums.pop('loss', 0.0)
         loss = loss / trained if trained > 0 else float('nan')  # every update was dropped
-        self.dropped = 0
-        extras = {name: sums[name] / self._counts[name] for name in self._names if name in sums}
-        self._folded, self._counts, self._numbers = {}, {}, {}
+        extras = {name: sums[name] / counts[name] for name in self._names if name in sums}
+        self._reset()
         return loss, extras, read[: len(more)]
 
-    def _host_means(
-        self, it: int, more: Sequence[torch.Tensor]
-    ) -> tuple[float, dict[str, float], list[float]]:
-        sums, counts = self._numbers, self._counts
-        trained = it - self.logged_at - self.dropped
-        loss = sums.pop('loss', 0.0) / trained if trained > 0 else float('nan')
+    def _reset(self) -> None:
+        """The sums and counts start again from zero."""
+        self._folded, self._counts, self._numbers = {}, {}, {}
         self.dropped = 0
-        extras = {name: sums[name] / counts[name] for name in self._names if name in sums}
-        self._counts, self._numbers = {}, {}
-        return loss, extras, [t.item() for t in more]
 
     def _grouped(self) -> dict[str, list[torch.Tensor]]:
         """The kept iterations' tensors by name (with the folded sums; numbers added to
@@ -331,9 +323,8 @@ class Meter:
 
     def rewind(self, it: int) -> None:
         """A rollback went back to iteration ``it``: the next row counts from there."""
-        self._grouped()  # the sums start again
-        self._folded, self._counts, self._numbers = {}, {}, {}
-        self.dropped = 0
+        self._grouped()  # the kept iterations let go (their scalars' names keep their order)
+        self._reset()
         if self.main:
             self.metrics.drop_tokens()
         self.logged_at, self.logged_t = it, time.perf_counter()

@@ -54,6 +54,7 @@ __all__ = [
     'check_train_config',
     'infer_rule',
     'join_host_registries',
+    'run_work_dir',
     'strategy_config',
 ]
 
@@ -110,9 +111,9 @@ class CheckpointPlan:
     None when not given), ``default_hooks.checkpoint.interval`` as ``(n, by_epoch)`` (None
     when not given), ``max_keep_ckpts`` (None or <= 0: keep all)."""
 
-    interval: int | None
-    hook_interval: tuple[int, bool] | None
-    max_keep: int | None
+    interval: int | None = None
+    hook_interval: tuple[int, bool] | None = None
+    max_keep: int | None = None
     #: ``default_hooks.checkpoint.out_dir`` (a path or URL; None: the work_dir) and its store's
     #: ``backend_args``
     out_dir: str | None = None
@@ -232,7 +233,7 @@ def check_train_config(cfg: Config | Mapping, top_level: bool = True) -> RunPlan
         )
     by_epoch = bool(train_cfg.get('by_epoch', 'max_iters' not in train_cfg))
     hooks = problems.attempt(_read_default_hooks, cfg.get('default_hooks'), train_cfg, by_epoch)
-    checkpoints, best = hooks or (CheckpointPlan(None, None, None), None)
+    checkpoints, best = hooks or (CheckpointPlan(), None)
     validation = problems.attempt(_read_validation, cfg, train_cfg, best)
     max_iters = problems.attempt(_run_length, train_cfg, 'max_iters')
     max_epochs = None
@@ -373,6 +374,12 @@ def _run_length(train_cfg: dict, key: str) -> int | None:
         raise ValueError(
             f'train_cfg.{key} must be a whole number of {unit}, got {value!r}'
         ) from None
+
+
+def run_work_dir(cfg: Config | Mapping) -> str:
+    """The run's work_dir as :func:`strategy_config` gives it to the strategy: the
+    strategy's ``work_dir``, else the top level's (default ``work_dirs``)."""
+    return str(dict(cfg.get('strategy') or {}).get('work_dir') or cfg.get('work_dir', 'work_dirs'))
 
 
 def strategy_config(cfg: Config | Mapping) -> dict:

@@ -24,7 +24,8 @@ once for every backend:
        ``_wrap_model`` (placement and wrapping: DDP, ``fully_shard``, ...),
        ``compile_model``, ``build_optim_wrapper``. A backend that wraps model and optimizer
        together (DeepSpeed's engine, fairscale's ShardedDataParallel) overrides this hook,
-       never ``prepare``.
+       never ``prepare``. Then a ``replica_group`` (``fault_tolerance=``) is started on
+       the wrapped model, ``unwrap_model()`` and the optim wrapper.
     5. ``expose_model_api`` (``model_api.py``): the wrapper gets the inner module's
        (``unwrap_model()``) ``train_step`` / ``val_step`` / ``test_step``; then a
        ``compile`` whose target is one of them.
@@ -204,7 +205,8 @@ class BaseStrategy(ABC):
     #: declares its own, a subclass inherits its parent's
     capabilities: ClassVar[Capabilities] = Capabilities()
     #: this run's part in a fault-tolerant job (``replica_groups.ReplicaGroup``), else None:
-    #: a backend that takes ``fault_tolerance=`` sets it
+    #: a backend that takes ``fault_tolerance=`` sets it; ``prepare`` starts it (step 4) and
+    #: ``checkpoint_meta`` keeps its ``position()``
     replica_group: Any = None
     #: its checked ``replica_groups.FaultTolerance`` (None without one), set before the
     #: environment is: the group's log folder is named after its replica id
@@ -363,6 +365,8 @@ class BaseStrategy(ABC):
         model = self._init_model_weights(self.build_model(model))
         compile, compile_api = split_compile(compile)
         self.model, wrapper = self.setup_module_and_optimizers(model, optim_wrapper, compile)
+        if self.replica_group is not None:  # the job joined once the update's parts exist
+            self.replica_group.start(self.model, self.unwrap_model(), wrapper)
         expose_model_api(self.model, self.unwrap_model())
         self.model = self.compile_model(self.model, compile_api)
         if wrapper is not None:
@@ -748,7 +752,8 @@ class BaseStrategy(ABC):
 
     def checkpoint_meta(self, extra_meta: Mapping | None = None) -> dict:
         """A checkpoint's ``meta``: seed, time, experiment, world size, strategy, versions,
-        what a resume at another world size needs, then ``extra_meta`` (e.g. ``iter``)."""
+        what a resume at another world size needs, then ``extra_meta`` (e.g. ``iter``), and
+        a replica group's ``replica_group`` (the job's step and committed batches)."""
         from stratagem.version import __version__
 
         scaling = bool((self._auto_scale_lr or {}).get('enable'))
@@ -772,6 +777,8 @@ class BaseStrategy(ABC):
         if config is not None:
             meta['hf_config'] = config
         meta.update(extra_meta or {})
+        if self.replica_group is not None:
+            meta['replica_group'] = self.replica_group.position()
         return meta
 
     # ----------------------------------------------------------------- state dicts

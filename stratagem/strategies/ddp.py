@@ -10,7 +10,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from stratagem.checkpoint.state_dict import unwrap_model as unwrap_module
 from stratagem.registry import STRATEGIES
 
 from .base import BaseStrategy
@@ -105,27 +104,6 @@ class DDPStrategy(BaseStrategy):
         super().__init__(env_kwargs=env_kwargs, **kwargs)
         if self._fault_tolerance is not None:
             self.replica_group = ReplicaGroup(self._fault_tolerance, self.logger)
-
-    @override
-    def setup_module_and_optimizers(
-        self, model: nn.Module, optim_wrapper: Any, compile: bool | Mapping = False
-    ) -> tuple[nn.Module, Any]:
-        model, wrapper = super().setup_module_and_optimizers(model, optim_wrapper, compile)
-        if self.replica_group is not None:
-            if wrapper is None:
-                raise ValueError(
-                    'DDPStrategy(fault_tolerance=...): a replica group commits each update '
-                    'with the other groups, so prepare() needs optim_wrapper='
-                )
-            self.replica_group.start(model, unwrap_module(model), wrapper)
-        return model, wrapper
-
-    @override
-    def checkpoint_meta(self, extra_meta: Mapping | None = None) -> dict:
-        meta = super().checkpoint_meta(extra_meta)
-        if self.replica_group is not None:
-            meta['replica_group'] = self.replica_group.position()
-        return meta
 
     @override
     def _wrap_model(self, model: nn.Module) -> nn.Module:

@@ -174,17 +174,8 @@ class FSDPStrategy(BaseStrategy):
     def setup_module_and_optimizers(
         self, model: nn.Module, optim_wrapper: Any, compile: bool | Mapping = False
     ) -> tuple[nn.Module, Any]:
-        """BaseStrategy's, with ``compile`` applied per block inside ``_wrap_model``; a
-        replica group started on the sharded model."""
-        model, wrapper = super().setup_module_and_optimizers(model, optim_wrapper, compile=False)
-        if self.replica_group is not None:
-            if wrapper is None:
-                raise ValueError(
-                    'FSDPStrategy(fault_tolerance=...): a replica group commits each update '
-                    'with the other groups, so prepare() needs optim_wrapper='
-                )
-            self.replica_group.start(model, model, wrapper)
-        return model, wrapper
+        """BaseStrategy's, with ``compile`` applied per block inside ``_wrap_model``."""
+        return super().setup_module_and_optimizers(model, optim_wrapper, compile=False)
 
     @override
     def build_model(self, model: nn.Module | Mapping) -> nn.Module:
@@ -438,10 +429,7 @@ class FSDPStrategy(BaseStrategy):
     @override
     def checkpoint_meta(self, extra_meta: Mapping | None = None) -> dict:
         """BaseStrategy's ``meta`` plus ``mesh`` (the sizes this run was sharded over)."""
-        meta = {'mesh': self.mesh_spec.as_dict(), **super().checkpoint_meta(extra_meta)}
-        if self.replica_group is not None:
-            meta['replica_group'] = self.replica_group.position()
-        return meta
+        return {'mesh': self.mesh_spec.as_dict(), **super().checkpoint_meta(extra_meta)}
 
     @property
     def _full(self) -> bool:
