@@ -6,7 +6,8 @@ store sends, through its own retry path, with nothing of ours mocked.
 
 ``FaultProxy(upstream).start()``; ``proxy.fail('PUT', r'iter_2\\.pth$', times=3)`` answers
 the next three matching requests with SlowDown; ``proxy.refused`` counts the requests it
-answered so; ``stop()``.
+answered so, ``proxy.forwarded`` the others and ``proxy.seen`` lists them (method, path
+and query: what a test counts the store's requests by); ``stop()``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class FaultProxy:
         self.rules: list[_Rule] = []
         self.refused = 0
         self.forwarded = 0
+        self.seen: list[tuple[str, str]] = []  # the forwarded requests, in order
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
         self.endpoint = ''
@@ -64,6 +66,7 @@ class FaultProxy:
                     self.refused += 1
                     return rule.answer
             self.forwarded += 1
+            self.seen.append((method, path))
         return None
 
     def start(self) -> FaultProxy:

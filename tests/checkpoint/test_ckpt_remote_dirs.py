@@ -172,8 +172,7 @@ def test_a_directory_at_a_url_trusts_only_its_manifest(s3, tmp_path, monkeypatch
         fs_.put_file(os.fspath(local), path)
 
     with monkeypatch.context() as patch:
-        patch.setattr(location, 'put_object', failing)
-        patch.setattr('stratagem.checkpoint.remote_directory.put_object', failing)
+        patch.setattr('stratagem.checkpoint.transfer.put_file', failing)
         with pytest.raises(ckpt.CheckpointLocationError, match='mid-upload'):
             save_sharded_checkpoint(f'{prefix}/iter_3', state, step=3, collective=False)
     assert not fs.exists(f'{root}/iter_3/manifest.json') and _names(prefix) == ['iter_2', 'iter_1']
