@@ -138,7 +138,9 @@ class FaultProxy:
         self.server = ThreadingHTTPServer(('127.0.0.1', 0), Handler)
         self.server.daemon_threads = True
         self.endpoint = f'http://127.0.0.1:{self.server.server_address[1]}'
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(
+            target=self.server.serve_forever, kwargs={'poll_interval': 0.05}, daemon=True
+        ).start()  # a short poll: stop() waits for it
         return self
 
     def stop(self) -> None:

@@ -84,7 +84,8 @@ class Debris:
     objects: tuple[str, ...] = ()
 
     def describe(self) -> str:
-        count = f', {len(self.objects)} objects' if self.kind == 'unlisted directory' else ''
+        n = len(self.objects)
+        count = f', {n} object{"s" * (n != 1)}' if self.kind == 'unlisted directory' else ''
         size = '' if self.size is None else f', {self.size} bytes'
         return f'{self.url} ({self.kind}{count}{size})'
 
