@@ -6,7 +6,8 @@ store sends, through its own retry path, with nothing of ours mocked.
 
 ``FaultProxy(upstream).start()``; ``proxy.fail('PUT', r'iter_2\\.pth$', times=3)`` answers
 the next three matching requests with SlowDown; ``proxy.refused`` counts the requests it
-answered so, ``proxy.requests`` lists every request's method and path; ``stop()``.
+answered so, ``proxy.forwarded`` the others and ``proxy.seen`` lists them (method, path
+and query: what a test counts the store's requests by); ``stop()``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class FaultProxy:
         self.rules: list[_Rule] = []
         self.refused = 0
         self.forwarded = 0
-        self.requests: list[tuple[str, str]] = []  # (method, path) of each, in order
+        self.seen: list[tuple[str, str]] = []  # the forwarded requests, in order
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
         self.endpoint = ''
@@ -57,7 +58,6 @@ class FaultProxy:
 
     def _match(self, method: str, path: str) -> str | None:
         with self.lock:
-            self.requests.append((method, urllib.parse.urlsplit(path).path))
             for rule in self.rules:
                 if rule.times == 0 or (rule.method and rule.method != method):
                     continue
@@ -66,6 +66,7 @@ class FaultProxy:
                     self.refused += 1
                     return rule.answer
             self.forwarded += 1
+            self.seen.append((method, path))
         return None
 
     def start(self) -> FaultProxy:
@@ -137,7 +138,9 @@ class FaultProxy:
         self.server = ThreadingHTTPServer(('127.0.0.1', 0), Handler)
         self.server.daemon_threads = True
         self.endpoint = f'http://127.0.0.1:{self.server.server_address[1]}'
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(
+            target=self.server.serve_forever, kwargs={'poll_interval': 0.05}, daemon=True
+        ).start()  # a short poll: stop() waits for it
         return self
 
     def stop(self) -> None:

@@ -186,7 +186,8 @@ def _write_remote(
     import shutil
     import tempfile
 
-    from .location import filesystem, put_object, store_errors, upload_file
+    from . import transfer
+    from .location import filesystem, store_errors, upload_file
     from .remote_directory import upload_directory
 
     if to == 'sharded':
@@ -212,7 +213,7 @@ def _write_remote(
             return upload_directory(local, url, backend_args=backend_args)
         fs, path = filesystem(url, backend_args)
         with store_errors(url, 'saving'):
-            put_object(fs, local, path)  # safetensors: one object, complete or absent
+            transfer.put_file(fs, local, path)  # safetensors: one object, complete or absent
         return url
     finally:
         shutil.rmtree(staging, ignore_errors=True)

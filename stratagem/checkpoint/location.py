@@ -60,6 +60,7 @@ from .manifest import SIDECAR_SUFFIX, ManifestOrder, dump_manifest, parse_manife
 from .store_retry import call as _call
 
 __all__ = [
+    'Listing',
     'RemoteCheckpoint',
     'absolute',
     'apply_retention',
@@ -70,8 +71,8 @@ __all__ = [
     'join',
     'list_checkpoints',
     'load_file',
-    'put_object',
     'read_pointer',
+    'survey',
     'upload_file',
 ]
 
@@ -256,21 +257,6 @@ def _error(err: BaseException, message: str, doing: str) -> CheckpointLocationEr
     return CheckpointLocationError(code, message)
 
 
-def check_reachable(directory: str, backend_args: Mapping | None = None) -> None:
-    """One listing of ``directory``: a missing bucket, refused credentials or an unreachable
-    endpoint raise ``CheckpointLocationError`` now (whether it may write:
-    ``store_debris.probe_writable``, which the loop runs before it trains)."""
-    directory = absolute(directory)
-    fs, path = filesystem(directory, backend_args)
-    with store_errors(directory, 'checking'):
-        try:
-            _call(fs.ls, path, refresh=True)
-            fs.invalidate_cache(path)  # see _size
-        except FileNotFoundError as err:
-            if 'bucket' in str(err).lower():
-                raise
-
-
 # ------------------------------------------------------------------------------- save
 def upload_file(
     local: str | os.PathLike,
@@ -305,22 +291,13 @@ def upload_file(
         old = _listed_manifest(fs, path, url)
         if old is not None:  # step 1
             _call(fs.pipe_file, path + SIDECAR_SUFFIX, dump_manifest({**manifest, 'replaces': old}))
-        put_object(fs, local, path)  # step 2
+        transfer.put_file(fs, local, path)  # step 2
         _call(fs.pipe_file, path + SIDECAR_SUFFIX, dump_manifest(manifest))  # step 3
         if update_pointer:  # step 4
             _call(fs.pipe_file, f'{parent(path)}/{POINTER_NAME}', url.encode())
     if also_point is not None:
         write_local_pointer(also_point, url)
     return url
-
-
-def put_object(fs: Any, local: str | os.PathLike, path: str) -> None:
-    """Upload the local file ``local`` to ``path`` of ``fs`` under its final name: one PUT,
-    or on S3 a multipart upload with several parts in flight, visible only once completed and
-    aborted on a failure (``transfer.put_file``: a kill leaves no part under the name). The
-    one upload of a staged file (a single file's, ``upload_file``; a directory
-    checkpoint's, ``remote_directory``)."""
-    transfer.put_file(fs, local, path)
 
 
 def write_local_pointer(directory: str | os.PathLike, url: str) -> None:
@@ -581,7 +558,7 @@ def read_pointer(directory: str, backend_args: Mapping | None = None) -> str | N
     fs, path = filesystem(directory, backend_args)
     with store_errors(directory, 'reading'):
         try:
-            raw = _call(fs.cat_file, f'{path.rstrip("/")}/{POINTER_NAME}')
+            raw = _call(_read_small, fs, f'{path.rstrip("/")}/{POINTER_NAME}')
         except FileNotFoundError:
             return None
     text = raw[:4097].decode('utf-8', errors='replace').strip()
@@ -596,8 +573,31 @@ def list_checkpoints(directory: str, backend_args: Mapping | None = None) -> lis
     """Checkpoints directly under ``directory`` whose manifest is present and lists their
     object's size, newest first (by manifest step, then creation time); nothing is hashed,
     and an object no manifest lists is never one."""
+    return survey(directory, backend_args).committed
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One listing of a checkpoint location ``directory`` (``fs``, ``path`` in it): the
+    ``entries`` directly under it (``fs.ls(detail=True)``: objects and "directories") and the
+    ``committed`` checkpoints among them, newest first. Retention deletes and looks for
+    debris from the same listing (``store_debris.remove_debris``): a store charges each
+    listing and each manifest read."""
+
+    directory: str
+    fs: Any
+    path: str
+    entries: list[dict]
+    committed: list[RemoteCheckpoint]
+
+
+def survey(directory: str, backend_args: Mapping | None = None) -> Listing:
+    """One listing of ``directory`` and its committed checkpoints (``list_checkpoints``):
+    one LIST request, then one GET per manifest (a sidecar, or a directory's
+    ``manifest.json``)."""
     directory = absolute(directory)
     fs, path = filesystem(directory, backend_args)
+    path = path.rstrip('/')
     with store_errors(directory, 'listing'):
         try:
             entries = _call(fs.ls, path, detail=True, refresh=True)
@@ -605,11 +605,11 @@ def list_checkpoints(directory: str, backend_args: Mapping | None = None) -> lis
         except FileNotFoundError as err:
             if 'bucket' in str(err).lower():
                 raise
-            return []
+            return Listing(directory, fs, path, [], [])
         sizes = {e['name'].rstrip('/').rsplit('/', 1)[-1]: e.get('size') for e in entries}
         from .remote_directory import list_directories
 
-        found = list_directories(fs, path.rstrip('/'), directory, entries)
+        found = list_directories(fs, path, directory, entries)
         for name in sorted(sizes):
             if not name.endswith(SIDECAR_SUFFIX):
                 continue
@@ -618,14 +618,14 @@ def list_checkpoints(directory: str, backend_args: Mapping | None = None) -> lis
                 continue
             try:
                 manifest = parse_manifest(
-                    _call(fs.cat_file, f'{path.rstrip("/")}/{name}'), join(directory, name)
+                    _call(_read_small, fs, f'{path}/{name}'), join(directory, name)
                 )
             except (CheckpointCorruptError, FileNotFoundError):
                 continue
             if _lists(manifest, sizes[target]):
                 found.append(RemoteCheckpoint(join(directory, target), manifest, sizes[target]))
     found.sort(key=RemoteCheckpoint.sort_key, reverse=True)
-    return found
+    return Listing(directory, fs, path, entries, found)
 
 
 def find_latest(directory: str, backend_args: Mapping | None = None) -> str | None:
@@ -692,36 +692,37 @@ def apply_retention(
     backend_args: Mapping | None = None,
 ) -> list[str]:
     """Delete checkpoints at ``directory`` beyond the newest ``max_keep_ckpts``
-    (``retention.apply_retention`` for a URL): never the newest ones, the pointed-to one, or
-    one in ``protect``. Then the debris of interrupted uploads of that series
-    (``store_debris.remove_debris``: never anything a live upload may be writing). Returns
-    the checkpoints' URLs removed. Call it after the newest checkpoint's pointer moved."""
+    (``retention.apply_retention`` for a URL; ``<= 0`` keeps all): never the newest ones, the
+    pointed-to one, or one in ``protect``. Then the debris of interrupted uploads of that
+    series (``store_debris.remove_debris``: never anything a live upload may be writing, nor
+    anything under a name in ``protect``: pass a save still in flight there). One listing
+    serves both. Returns the checkpoints' URLs removed. Call it after the newest checkpoint's
+    pointer moved."""
     if type(max_keep_ckpts) is not int:
         raise TypeError(f'max_keep_ckpts must be an int (<= 0 keeps all), got {max_keep_ckpts!r}')
-    if max_keep_ckpts <= 0:
-        return []
-    directory = absolute(directory)
-    committed = list_checkpoints(directory, backend_args)
-    series = [
-        c
-        for c in committed
-        if pattern is None or fnmatch.fnmatch(c.url.rsplit('/', 1)[-1], pattern)
-    ]
-    keep = {c.url for c in series[:max_keep_ckpts]} | {absolute(p) for p in protect if p}
-    try:
-        pointed = read_pointer(directory, backend_args)
-    except ValueError:
-        pointed = None
-    if pointed is not None:
-        keep.add(pointed)
+    listing = survey(directory, backend_args)
+    kept = {absolute(p) for p in protect if p}
     removed = []
-    for info in series[max_keep_ckpts:]:
-        if info.url not in keep:
-            _delete(info.url, backend_args)
-            removed.append(info.url)
+    if max_keep_ckpts > 0:
+        series = [
+            c
+            for c in listing.committed
+            if pattern is None or fnmatch.fnmatch(c.url.rsplit('/', 1)[-1], pattern)
+        ]
+        keep = {c.url for c in series[:max_keep_ckpts]} | kept
+        try:
+            pointed = read_pointer(listing.directory, backend_args)
+        except ValueError:
+            pointed = None
+        if pointed is not None:
+            keep.add(pointed)
+        for info in series[max_keep_ckpts:]:
+            if info.url not in keep:
+                _delete(info, backend_args)
+                removed.append(info.url)
     from .store_debris import remove_debris  # it reads this module's listings
 
-    remove_debris(directory, backend_args, pattern=pattern)
+    remove_debris(listing.directory, backend_args, pattern=pattern, keep=kept, listing=listing)
     return removed
 
 
@@ -732,7 +733,8 @@ def delete_checkpoint(
     manifest lists it, when the pointer names it, or when it is in ``protect``."""
     url = absolute(url)
     directory = parent(url)
-    if not any(c.url == url for c in list_checkpoints(directory, backend_args)):
+    found = [c for c in list_checkpoints(directory, backend_args) if c.url == url]
+    if not found:
         return False
     try:
         pointed = read_pointer(directory, backend_args)
@@ -740,18 +742,20 @@ def delete_checkpoint(
         pointed = None
     if url == pointed or url in {absolute(p) for p in protect if p}:
         return False
-    _delete(url, backend_args)
+    _delete(found[0], backend_args)
     return True
 
 
-def _delete(url: str, backend_args: Mapping | None) -> None:
-    from .remote_directory import delete_directory
+def _delete(info: RemoteCheckpoint, backend_args: Mapping | None) -> None:
+    """Delete a listed checkpoint, routed by the manifest in hand (no request to ask)."""
+    if info.manifest.get('kind') == 'directory':
+        from .remote_directory import remove_directory
 
-    if delete_directory(url, backend_args):
+        remove_directory(info.url, backend_args)
         return
     # the object first: a kill before the manifest goes leaves a manifest listing nothing
-    fs, path = filesystem(url, backend_args)
-    with store_errors(url, 'deleting'):
+    fs, path = filesystem(info.url, backend_args)
+    with store_errors(info.url, 'deleting'):
         for target in (path, path + SIDECAR_SUFFIX):
             with contextlib.suppress(FileNotFoundError):
                 _call(fs.rm_file, target)

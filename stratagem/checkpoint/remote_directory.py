@@ -13,7 +13,7 @@ steps, the same vote) on such a store:
    upload that died) are removed. Every rank gets a local staging directory of
    its own (nodes need not share a filesystem).
 2. Every rank writes its files there, hashed as written (the local protocol's writers,
-   unchanged), then uploads each under its final name (``location.put_object``: one PUT, or
+   unchanged), then uploads each under its final name (``transfer.put_file``: one PUT, or
    a multipart upload visible only once completed, so a kill leaves no part under a final
    name), and posts the entries through the vote.
 3. Rank 0 checks that every file is there at its size (one listing), then writes
@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from . import transfer
 from .digest import entry_digest, new_hasher
 from .errors import CheckpointCorruptError, CheckpointWarning
 from .location import (
@@ -58,7 +59,6 @@ from .location import (
     is_url,
     join,
     parent,
-    put_object,
     store_errors,
     write_local_pointer,
 )
@@ -77,6 +77,7 @@ __all__ = [
     'read_remote_manifest',
     'remote_detect',
     'remote_format',
+    'remove_directory',
     'remote_identity',
     'upload_directory',
     'upload_directory_files',
@@ -174,7 +175,7 @@ def upload_directory_files(
     fs, root = _root(url, backend_args)
     with store_errors(url, 'saving'):
         for entry in entries:
-            put_object(fs, staging / entry['path'], f'{root}/{entry["path"]}')
+            transfer.put_file(fs, staging / entry['path'], f'{root}/{entry["path"]}')
 
 
 def _check_uploaded(fs: Any, root: str, url: str, files: list[dict]) -> None:
@@ -573,18 +574,27 @@ def list_directories(
 
 
 def delete_directory(url: str, backend_args: Mapping | None = None) -> bool:
-    """Delete the directory checkpoint at ``url``: its manifest first (then it is no
-    checkpoint: a kill part-way leaves unlisted objects, never a damaged checkpoint), then
-    its files. False when ``url`` is no directory."""
+    """Delete the directory checkpoint at ``url`` (``remove_directory``) when its manifest
+    is there; False when ``url`` is no directory."""
     fs, root = _root(url, backend_args)
     with store_errors(url, 'deleting'):
         if not call(fs.exists, f'{root}/{DIR_MANIFEST}'):
             return False
-        call(fs.rm_file, f'{root}/{DIR_MANIFEST}')
+    remove_directory(url, backend_args)
+    return True
+
+
+def remove_directory(url: str, backend_args: Mapping | None = None) -> None:
+    """Delete the directory checkpoint at ``url``, known to be one (retention has its
+    manifest in hand): its manifest first (then it is no checkpoint: a kill part-way leaves
+    unlisted objects, never a damaged checkpoint), then its files."""
+    fs, root = _root(url, backend_args)
+    with store_errors(url, 'deleting'):
+        with contextlib.suppress(FileNotFoundError):
+            call(fs.rm_file, f'{root}/{DIR_MANIFEST}')
         with contextlib.suppress(FileNotFoundError):
             call(fs.rm, root, recursive=True)
         fs.invalidate_cache(root)
-    return True
 
 
 def is_remote_directory(url: str, backend_args: Mapping | None = None) -> bool:

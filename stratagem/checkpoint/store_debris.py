@@ -1,26 +1,39 @@
 """What an interrupted upload leaves at a checkpoint URL, its removal, and the write probe.
 
-A save at a URL (``location.py``) uploads the object, then its manifest, then the pointer; a
-process killed or refused between leaves **debris**, which no reader trusts (nothing no
-manifest lists is ever loaded) but which costs storage:
+A save at a URL (``location.py``, ``remote_directory.py``) uploads the objects, then the
+manifest, then the pointer; a process killed or refused between leaves **debris**, which no
+reader trusts (nothing no manifest lists is ever loaded) but which costs storage:
 
 * an **unlisted object**: a file directly under the prefix that no manifest lists (its
   manifest never went up), or a probe object of a killed ``stratagem doctor``;
 * an **orphan manifest**: a manifest whose object is gone (a deletion killed between the
   object and its manifest);
+* an **unlisted directory**: a "directory" under the prefix holding objects but no
+  ``manifest.json`` (a directory save, FSDP's or DeepSpeed's, that died before its commit,
+  or a deletion killed after the manifest went);
 * an **incomplete multipart upload** (S3): parts stored, never completed, invisible to a
-  listing, billed until aborted.
+  listing, billed until aborted; directly under the prefix or under one of its
+  directories.
 
 :func:`find_debris` lists them (``stratagem doctor`` shows them); :func:`remove_debris`
 (retention at a URL runs it) deletes those that **began before the newest committed
-checkpoint's manifest was written**, by the store's own clock (``LastModified``; for a
-multipart upload its newest part's, or its ``Initiated`` without parts). The rule keeps every
-live upload: a run's saves at a URL upload one after another (a save waits for the previous
-one), so an upload still running began after the newest commit; what began before it belongs
-to a save that ended without committing.
+checkpoint's manifest was written**, by the store's own clock (``LastModified``; a directory's
+newest object; a multipart upload's newest part, or its ``Initiated`` without parts; the
+newest commit: the newest manifest beside the objects, and the ``manifest.json`` of the
+newest directory checkpoint by step), and **never anything under a name in** ``keep`` (the
+checkpoint a save is writing now: retention's ``protect``). The rule keeps every live
+upload, on any rank: a run's saves at a URL upload one after another (a save, on every rank,
+begins after the previous one committed), so an upload still running began after the newest
+commit; what began before it belongs to a save that ended without committing. A save in
+flight under the name of older debris (a run rolled back, saving an iteration again) is
+kept by ``keep``: deleting that debris could delete its new objects of the same names. An
+unlisted directory is removed object by object, the objects it held when listed, never by
+a fresh listing of its name.
 Two runs writing into one prefix at once break the rule (keep one run per prefix, as the
 work_dir name does). Nothing is removed while the prefix holds no committed checkpoint, and
-"directories" (the sharded layouts' prefixes) are never looked into.
+only debris of the checkpoint series: a name matching retention's ``pattern`` (without one:
+a single file's checkpoint suffix; an unlisted directory is then only listed), so another
+file or folder kept in the prefix (logs a logger copies there) is listed, never removed.
 
 :func:`probe_writable` writes a small object beside the checkpoints and removes it: a
 location that cannot be written is named before a run trains toward its first save.
@@ -32,19 +45,20 @@ import contextlib
 import datetime
 import fnmatch
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .location import (
     POINTER_NAME,
+    Listing,
     absolute,
     filesystem,
     join,
-    list_checkpoints,
     store_errors,
+    survey,
 )
-from .manifest import SIDECAR_SUFFIX
+from .manifest import DIR_MANIFEST, SIDECAR_SUFFIX
 from .store_retry import call
 
 __all__ = ['PROBE_PREFIX', 'Debris', 'find_debris', 'probe_writable', 'remove_debris']
@@ -56,19 +70,24 @@ PROBE_PREFIX = '.stratagem-probe-'
 @dataclass(frozen=True)
 class Debris:
     """One piece of debris: its URL, what it is, when it began (seconds since the epoch by
-    the store's clock: a multipart upload's newest part; None when the store does not say),
-    its size (None: unknown; a multipart upload's: its parts') and, for a multipart upload,
-    its id."""
+    the store's clock: a directory's newest object, a multipart upload's newest part; None
+    when the store does not say), its size (None: unknown; a multipart upload's: its parts';
+    a directory's: its objects'), for a multipart upload its id, and for a directory the
+    paths of its objects in the filesystem (what removing it deletes)."""
 
     url: str
-    kind: str  # 'unlisted object', 'orphan manifest', 'incomplete multipart upload'
+    #: 'unlisted object', 'orphan manifest', 'unlisted directory', 'incomplete multipart upload'
+    kind: str
     began: float | None
     size: int | None
     upload_id: str | None = None
+    objects: tuple[str, ...] = ()
 
     def describe(self) -> str:
+        n = len(self.objects)
+        count = f', {n} object{"s" * (n != 1)}' if self.kind == 'unlisted directory' else ''
         size = '' if self.size is None else f', {self.size} bytes'
-        return f'{self.url} ({self.kind}{size})'
+        return f'{self.url} ({self.kind}{count}{size})'
 
 
 def _seconds(value: Any) -> float | None:
@@ -92,60 +111,73 @@ def _began(entry: Mapping) -> float | None:
     return None
 
 
-def _listing(directory: str, backend_args: Mapping | None) -> tuple[Any, str, dict[str, dict]]:
-    fs, path = filesystem(directory, backend_args)
-    with store_errors(directory, 'listing'):
-        try:
-            entries = call(fs.ls, path, detail=True, refresh=True)
-        except FileNotFoundError as err:
-            if 'bucket' in str(err).lower():
-                raise
-            entries = []
-        fs.invalidate_cache(path)
-    files = {
-        e['name'].rstrip('/').rsplit('/', 1)[-1]: e
-        for e in entries
-        if e.get('type', 'file') == 'file'
-    }
-    return fs, path, files
-
-
 def find_debris(directory: str, backend_args: Mapping | None = None) -> list[Debris]:
-    """The debris directly under ``directory`` (the module docstring), oldest first."""
-    directory = absolute(directory)
-    return _debris(directory, *_survey(directory, backend_args))
+    """The debris under ``directory`` (the module docstring), oldest first: one listing of
+    the prefix, one of each unlisted directory, one of the multipart uploads."""
+    return _debris(survey(directory, backend_args))
 
 
-def _survey(directory: str, backend_args: Mapping | None) -> tuple[Any, str, dict, list]:
-    """The filesystem and path, the files directly under ``directory`` and the committed
-    checkpoints there (the files listed first: a checkpoint committed in between has no
-    listed manifest, so it neither is debris nor moves the cutoff)."""
-    fs, path, files = _listing(directory, backend_args)
-    return fs, path, files, list_checkpoints(directory, backend_args)
+def _name(entry: Mapping) -> str:
+    return str(entry['name']).rstrip('/').rsplit('/', 1)[-1]
 
 
-def _debris(directory: str, fs: Any, path: str, files: dict, committed: list) -> list[Debris]:
-    listed = {c.url.rsplit('/', 1)[-1] for c in committed}
+def _debris(listing: Listing) -> list[Debris]:
+    """The debris in ``listing`` (its committed checkpoints are never debris: a checkpoint
+    committed after the listing has no listed manifest, so it neither is debris nor moves
+    the cutoff)."""
+    directory, fs, path = listing.directory, listing.fs, listing.path
+    listed = {c.url.rsplit('/', 1)[-1] for c in listing.committed}
+    files = {_name(e): e for e in listing.entries if e.get('type', 'file') == 'file'}
     found = []
     for name, entry in files.items():
         if name == POINTER_NAME or name in listed:
             continue
         if name.endswith(SIDECAR_SUFFIX):
-            target = name[: -len(SIDECAR_SUFFIX)]
-            if target in files:  # a manifest of a present object: a checkpoint, or damaged
+            if name[: -len(SIDECAR_SUFFIX)] in files:  # beside its object: a checkpoint, or damaged
                 continue
             kind = 'orphan manifest'
         else:
             kind = 'unlisted object'
         found.append(Debris(join(directory, name), kind, _began(entry), entry.get('size')))
+    for entry in listing.entries:
+        name = _name(entry)
+        if entry.get('type') == 'directory' and name not in listed and not name.startswith('.'):
+            found.extend(_unlisted_directory(fs, f'{path}/{name}', join(directory, name)))
     found.extend(_incomplete_uploads(fs, path, directory))
     found.sort(key=lambda d: (d.began is None, d.began or 0.0, d.url))
     return found
 
 
+def _unlisted_directory(fs: Any, root: str, url: str) -> list[Debris]:
+    """The "directory" ``root`` as debris when it holds objects and no ``manifest.json`` (one
+    that does is a checkpoint, damaged, or another tool's: never debris)."""
+    fs.invalidate_cache(root)
+    with store_errors(url, 'listing'):
+        try:
+            objects = call(fs.find, root, detail=True)
+        except FileNotFoundError:
+            return []
+        finally:
+            fs.invalidate_cache(root)
+    objects = {k: v for k, v in objects.items() if v.get('type', 'file') == 'file'}
+    if not objects or any(k.rsplit('/', 1)[-1] == DIR_MANIFEST for k in objects):
+        return []
+    times = [_began(e) for e in objects.values()]
+    return [
+        Debris(
+            url,
+            'unlisted directory',
+            None if None in times else max(t for t in times if t is not None),
+            sum(int(e.get('size') or 0) for e in objects.values()),
+            objects=tuple(sorted(objects)),
+        )
+    ]
+
+
 def _incomplete_uploads(fs: Any, path: str, directory: str) -> list[Debris]:
-    """S3's multipart uploads begun directly under ``path`` and never completed (other
-    stores: none; a GCS resumable upload expires by itself within a week)."""
+    """S3's multipart uploads begun under ``path`` (directly, or under one of its
+    directories) and never completed (other stores: none; a GCS resumable upload expires by
+    itself within a week)."""
     if not hasattr(fs, 'call_s3') or not hasattr(fs, 'split_path'):
         return []
     bucket, key, _ = fs.split_path(path)
@@ -158,9 +190,6 @@ def _incomplete_uploads(fs: Any, path: str, directory: str) -> list[Debris]:
                 fs.call_s3, 'list_multipart_uploads', Bucket=bucket, Prefix=prefix, **marker
             )
             for upload in answer.get('Uploads') or []:
-                rest = upload['Key'][len(prefix) :]
-                if '/' in rest:  # under a deeper prefix: not this directory's
-                    continue
                 parts = (
                     call(
                         fs.call_s3,
@@ -176,7 +205,7 @@ def _incomplete_uploads(fs: Any, path: str, directory: str) -> list[Debris]:
                 known = [t for t in times if t is not None]
                 found.append(
                     Debris(
-                        join(directory, rest),
+                        join(directory, upload['Key'][len(prefix) :]),
                         'incomplete multipart upload',
                         max(known) if known else None,
                         sum(int(p.get('Size') or 0) for p in parts),
@@ -192,31 +221,44 @@ def _incomplete_uploads(fs: Any, path: str, directory: str) -> list[Debris]:
 
 
 def remove_debris(
-    directory: str, backend_args: Mapping | None = None, *, pattern: str | None = None
+    directory: str,
+    backend_args: Mapping | None = None,
+    *,
+    pattern: str | None = None,
+    keep: Iterable[str] = (),
+    listing: Listing | None = None,
 ) -> list[Debris]:
     """Delete the debris under ``directory`` that began before its newest committed
-    checkpoint's manifest was written (the module docstring's rule), and only the debris
-    of checkpoints: an incomplete multipart upload, a probe object, or an object (an
-    orphan manifest: its object) whose name matches ``pattern`` (e.g. ``'iter_*'``; without
-    one, a checkpoint's suffix: ``.pth``, ``.pt``, ``.ckpt``, ``.bin``, ``.safetensors``),
-    so that another file kept in the prefix is listed, never removed. Returns what was
+    checkpoint's manifest was written and lies under no name in ``keep`` (URLs or names:
+    the checkpoint a save is writing now), and only the debris of checkpoints: an incomplete
+    multipart upload directly under ``directory``, a probe object, or an object, directory or
+    upload under a directory whose name matches ``pattern`` (e.g. ``'iter_*'``; an orphan
+    manifest: its object's name); without ``pattern``, an object with a checkpoint's suffix
+    (``.pth``, ``.pt``, ``.ckpt``, ``.bin``, ``.safetensors``) and an upload under a
+    committed directory checkpoint; so that another file kept in the prefix is listed,
+    never removed (the module docstring). ``listing``: this directory's, when the caller
+    has one (``location.apply_retention``), spares listing it again. Returns what was
     removed."""
-    directory = absolute(directory)
-    fs, path, files, committed = _survey(directory, backend_args)
-    commits = [_began(files.get(c.url.rsplit('/', 1)[-1] + SIDECAR_SUFFIX, {})) for c in committed]
-    known = [t for t in commits if t is not None]
-    if not known:
+    listing = survey(directory, backend_args) if listing is None else listing
+    directory, fs, path = listing.directory, listing.fs, listing.path
+    kept = {str(k).rstrip('/').rsplit('/', 1)[-1] for k in keep if k}
+    committed = {c.url.rsplit('/', 1)[-1] for c in listing.committed}
+    candidates = []
+    for debris in _debris(listing):
+        relative = debris.url[len(directory) :].lstrip('/')
+        top = relative.split('/', 1)[0]
+        if debris.kind == 'orphan manifest':
+            top = top[: -len(SIDECAR_SUFFIX)]
+        mine = debris.began is not None and top not in kept
+        if mine and _ours(debris, top, '/' in relative, pattern, committed):
+            candidates.append((debris, f'{path}/{relative}'))
+    cutoff = _newest_commit(listing) if candidates else None
+    if cutoff is None:
         return []
-    cutoff = max(known)
     removed = []
-    for debris in _debris(directory, fs, path, files, committed):
-        name = debris.url.rsplit('/', 1)[-1]
-        base = name[: -len(SIDECAR_SUFFIX)] if debris.kind == 'orphan manifest' else name
+    for debris, target in candidates:
         if debris.began is None or debris.began >= cutoff:
             continue
-        if not _ours(debris, base, pattern):
-            continue
-        target = f'{path.rstrip("/")}/{name}'
         with store_errors(debris.url, 'deleting'):
             if debris.upload_id is not None:
                 bucket, key, _ = fs.split_path(target)
@@ -227,6 +269,10 @@ def remove_debris(
                     Key=key,
                     UploadId=debris.upload_id,
                 )
+            elif debris.objects:  # exactly what was listed, all older than the cutoff
+                with contextlib.suppress(FileNotFoundError):
+                    call(fs.rm, list(debris.objects))
+                fs.invalidate_cache(target)
             else:
                 with contextlib.suppress(FileNotFoundError):
                     call(fs.rm_file, target)
@@ -234,17 +280,45 @@ def remove_debris(
     return removed
 
 
+def _newest_commit(listing: Listing) -> float | None:
+    """When the newest committed checkpoint's manifest was written, by the store's clock:
+    the newest sidecar manifest in the listing, and (one request) the ``manifest.json`` of
+    the newest directory checkpoint by step. None without a committed checkpoint."""
+    files = {_name(e): e for e in listing.entries if e.get('type', 'file') == 'file'}
+    times = []
+    for info in listing.committed:
+        name = info.url.rsplit('/', 1)[-1]
+        if info.manifest.get('kind') != 'directory':
+            times.append(_began(files.get(name + SIDECAR_SUFFIX, {})))
+    newest_directory = next(
+        (c for c in listing.committed if c.manifest.get('kind') == 'directory'), None
+    )
+    if newest_directory is not None:
+        name = newest_directory.url.rsplit('/', 1)[-1]
+        where = f'{listing.path}/{name}/{DIR_MANIFEST}'
+        with store_errors(newest_directory.url, 'listing'):
+            try:
+                times.append(_began(call(listing.fs.info, where)))
+            except FileNotFoundError:  # deleted since it was listed
+                pass
+    known = [t for t in times if t is not None]
+    return max(known) if known else None
+
+
 _CHECKPOINT_SUFFIXES = ('.pth', '.pt', '.ckpt', '.bin', '.safetensors')
 
 
-def _ours(debris: Debris, base: str, pattern: str | None) -> bool:
-    """Whether ``debris`` (of an object named ``base``) is a checkpoint's, which retention
-    may remove (:func:`remove_debris`)."""
-    if debris.upload_id is not None or base.startswith(PROBE_PREFIX):
+def _ours(debris: Debris, top: str, nested: bool, pattern: str | None, committed: set) -> bool:
+    """Whether ``debris`` (under the name ``top`` directly under the prefix; ``nested``:
+    deeper) is a checkpoint's, which retention may remove (:func:`remove_debris`)."""
+    nested = nested or debris.kind == 'unlisted directory'
+    if not nested and (debris.upload_id is not None or top.startswith(PROBE_PREFIX)):
         return True
-    if pattern is None:
-        return base.endswith(_CHECKPOINT_SUFFIXES)
-    return fnmatch.fnmatch(base, pattern)
+    if pattern is not None:
+        return fnmatch.fnmatch(top, pattern)
+    if nested:
+        return debris.upload_id is not None and top in committed
+    return top.endswith(_CHECKPOINT_SUFFIXES)
 
 
 def probe_writable(directory: str, backend_args: Mapping | None = None) -> str:

@@ -5,8 +5,9 @@ resolves it: ``loop.plan.CheckpointPlan.directory``).
 At a URL: one small probe object written there and removed (``store_debris.probe_writable``);
 a missing bucket, refused credentials, a permission denied or an unreachable endpoint is a
 finding, named as the run would name it at its first save. Then the debris of interrupted
-uploads there (objects no manifest lists, orphan manifests, incomplete multipart uploads) is
-listed as notes, each with whether retention removes it. A local ``out_dir``: a probe file
+uploads there (objects no manifest lists, orphan manifests, directories a directory save
+left without its manifest, incomplete multipart uploads) is listed as notes, each with
+whether retention removes it. A local ``out_dir``: a probe file
 written and removed in the nearest existing directory.
 """
 

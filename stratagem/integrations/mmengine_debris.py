@@ -13,7 +13,8 @@ and added by ``stratagem train`` to every config it runs under FlexibleRunner
    rank 0 sweeps ``work_dir`` and each ``CheckpointHook``'s ``out_dir`` with
    ``stratagem.checkpoint.sweep_debris``, whose rule removes only stratagem manifests whose
    file is gone and dead saves' temp entries, older than the newest commit; an ``out_dir``
-   at a URL with ``store_debris.remove_debris`` (the same rule for a store's debris).
+   at a URL with ``store_debris.remove_debris`` (the same rule for a store's debris; never
+   under the name of the hook's last save, which an asynchronous save may still upload).
 """
 
 from __future__ import annotations
@@ -63,17 +64,18 @@ class CheckpointDebrisHook(Hook):
         if getattr(runner, 'rank', 0) != 0:
             return
         dirs = {str(runner.work_dir)}
-        urls: dict[str, tuple[dict | None, str]] = {}
+        urls: dict[str, tuple[dict | None, str, list[str]]] = {}
         for hook in runner.hooks:
             if isinstance(hook, CheckpointHook) and hook.out_dir:
                 if is_url(str(hook.out_dir)):
                     # its checkpoints' names only: a LoggerHook may copy logs to the prefix
                     series = hook.filename_tmpl.replace('{}', '*')
                     options = storage_options({'backend_args': hook.backend_args})
-                    urls[str(hook.out_dir)] = (options, series)
+                    last = [str(hook.last_ckpt)] if hook.last_ckpt else []
+                    urls[str(hook.out_dir)] = (options, series, last)
                 else:
                     dirs.add(str(hook.out_dir))
         for directory in sorted(dirs):
             sweep_debris(directory)
-        for url, (options, series) in sorted(urls.items()):
-            remove_debris(url, options, pattern=series)
+        for url, (options, series, last) in sorted(urls.items()):
+            remove_debris(url, options, pattern=series, keep=last)

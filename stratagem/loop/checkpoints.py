@@ -148,10 +148,11 @@ class Checkpoints:
         if not (self.main and self.max_keep):
             return
         if is_url(self.directory):  # after the pointer moved: never the newest
+            # an async save may still be uploading: its name's older debris is not touched
             location.apply_retention(
                 self.directory,
                 int(self.max_keep),
-                protect=self.protected(),
+                protect=[*self.protected(), *([self.last_path] if self.last_path else [])],
                 pattern='iter_*',
                 backend_args=self.strategy.checkpointer.backend_args,
             )

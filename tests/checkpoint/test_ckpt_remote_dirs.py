@@ -6,6 +6,7 @@ rename; a 2-rank FSDP save to S3 resumed on 2 processes and on 1 (slow tier)."""
 
 import io
 import os
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -187,8 +188,7 @@ def test_a_directory_at_a_url_trusts_only_its_manifest(s3, tmp_path, monkeypatch
         fs_.put_file(os.fspath(local), path)
 
     with monkeypatch.context() as patch:
-        patch.setattr(location, 'put_object', failing)
-        patch.setattr('stratagem.checkpoint.remote_directory.put_object', failing)
+        patch.setattr('stratagem.checkpoint.transfer.put_file', failing)
         with pytest.raises(ckpt.CheckpointLocationError, match='mid-upload'):
             save_sharded_checkpoint(f'{prefix}/iter_3', state, step=3, collective=False)
     assert not fs.exists(f'{root}/iter_3/manifest.json') and _names(prefix) == ['iter_2', 'iter_1']
@@ -500,7 +500,8 @@ def _equal(a, b):
 def _gets(proxy, key):
     """``{file: GETs}`` of the objects under ``key`` the proxy forwarded."""
     counts = {}
-    for method, path in proxy.requests:
+    for method, target in proxy.seen:
+        path = urllib.parse.urlsplit(target).path
         if method == 'GET' and f'/{key}/' in path:
             name = path.split(f'/{key}/', 1)[1]
             counts[name] = counts.get(name, 0) + 1

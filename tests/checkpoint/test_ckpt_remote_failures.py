@@ -243,11 +243,16 @@ def test_doctor_probes_the_out_dir_and_lists_its_debris(s3, s3_server, tmp_path)
     cfg = _cfg(tmp_path / 'exp', f'{s3}/runs')
     fs, path = location.filesystem(f'{s3}/runs/exp')
     fs.pipe_file(f'{path}/iter_9.pth', b'debris')
+    fs.pipe_file(f'{path}/iter_8/__0_0.distcp', b'a directory save that died')
     findings, notes = diagnose(cfg, probe_disk=False, memory=False)
     assert findings == []
     assert f'checkpoints go to {s3}/runs/exp: written and removed a probe object' in notes
     assert any(f'{s3}/runs/exp/iter_9.pth (unlisted object, 6 bytes)' in n for n in notes)
-    assert sorted(p.rsplit('/', 1)[-1] for p in fs.ls(path, refresh=True)) == ['iter_9.pth']
+    assert any(f'{s3}/runs/exp/iter_8 (unlisted directory, 1 object, 26 bytes)' in n for n in notes)
+    assert sorted(p.rsplit('/', 1)[-1] for p in fs.ls(path, refresh=True)) == [
+        'iter_8',
+        'iter_9.pth',
+    ]
 
     cfg['default_hooks']['checkpoint']['backend_args'] = dict(s3_server.read_only)
     findings, _ = diagnose(cfg, probe_disk=False, memory=False)

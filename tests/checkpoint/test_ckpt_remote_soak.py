@@ -1,11 +1,15 @@
 """#42: the kill-during-upload soak (slow tier). A process saving an 8 MiB checkpoint to the
 real local S3 server after every iteration is SIGKILLed at a random moment, again and
 again, until at least 20 kills fell inside a save (between its ``saving N`` and ``saved N``
-lines: the local commit, the upload, the manifest, the pointer, the retention). After every
-kill: the pointer names a checkpoint whose manifest lists it, every committed checkpoint
-loads and verifies, the automatic resume picks the pointed one. Each restart resumes from
-the bucket; the last one runs to the end, and its final state equals the uninterrupted
-run's byte for byte; no upload debris is left."""
+lines: the local commit, the upload, the manifest, the pointer, the retention) and at least
+one inside a multipart upload: every other process uploads in two parts, one after the
+other, so kills land between parts too. After every kill: the pointer names a checkpoint
+whose manifest lists it, every committed checkpoint loads and verifies (read again whenever
+its object or manifest changed), the automatic resume picks the pointed one, and ``stratagem
+doctor``'s listing (``find_debris``) names the incomplete multipart upload a kill left. Each
+restart resumes from the bucket, and its retention removes those uploads; the last one runs
+to the end, and its final state equals the uninterrupted run's byte for byte; no upload
+debris is left, no multipart upload either."""
 
 import multiprocessing
 import random
@@ -14,15 +18,18 @@ import time
 import pytest
 
 from stratagem.checkpoint import location
+from stratagem.checkpoint.manifest import SIDECAR_SUFFIX
 from stratagem.checkpoint.store_debris import find_debris
 
 MID_SAVE_KILLS = 20
 
 
-def _start(ctx, prefix, max_iters, work_dir, out, log):
+def _start(ctx, prefix, max_iters, work_dir, out, log, multipart=False):
     from soak_upload_child import child
 
-    proc = ctx.Process(target=child, args=(prefix, max_iters, str(work_dir), str(out), str(log)))
+    proc = ctx.Process(
+        target=child, args=(prefix, max_iters, str(work_dir), str(out), str(log), multipart)
+    )
     proc.start()
     return proc
 
@@ -47,16 +54,42 @@ def _protocol(lines):
     return [line for line in lines if line.split(' ')[0] in {'resumed', 'saving', 'saved', 'done'}]
 
 
-def _check_untorn(prefix):
-    """The pointer on a committed checkpoint; every committed one verifies and loads."""
-    committed = [c.url for c in location.list_checkpoints(prefix)]
+def _check_untorn(prefix, verified):
+    """The pointer on a committed checkpoint; every committed one verifies and loads. One
+    whose object and manifest are the very ones an earlier check verified (``verified``:
+    names with both ETags) is not read again: any write to either changes its ETag."""
+    listing = location.survey(prefix)
+    committed = [c.url for c in listing.committed]
     pointer = location.read_pointer(prefix)
     if pointer is not None:
         assert pointer in committed, (pointer, committed)
         assert location.find_latest(prefix) == pointer
+    tags = {e['name'].rsplit('/', 1)[-1]: e.get('ETag') for e in listing.entries}
     for url in committed:
-        assert location.load_file(url)['meta']['iter'] == int(url.rsplit('_', 1)[1][:-4])
+        name = url.rsplit('/', 1)[-1]
+        seen = (name, tags.get(name), tags.get(name + SIDECAR_SUFFIX))
+        if None in seen or seen not in verified:
+            assert location.load_file(url)['meta']['iter'] == int(name[len('iter_') : -4])
+            verified.add(seen)
     return pointer
+
+
+def _uploads(prefix):
+    """The incomplete multipart uploads under ``prefix`` (one request)."""
+    fs, path = location.filesystem(prefix)
+    bucket, key, _ = fs.split_path(path)
+    found = fs.call_s3('list_multipart_uploads', Bucket=bucket, Prefix=f'{key}/')
+    return {u['UploadId'] for u in found.get('Uploads') or []}
+
+
+def _listed_uploads(prefix):
+    """The incomplete multipart uploads a kill left, each listed by doctor's listing
+    (``find_debris``; asked only when there is one)."""
+    uploads = _uploads(prefix)
+    if uploads:
+        debris = find_debris(prefix)
+        assert {d.upload_id for d in debris if d.kind == 'incomplete multipart upload'} == uploads
+    return uploads
 
 
 @pytest.mark.slow
@@ -71,11 +104,11 @@ def test_sigkill_at_random_points_of_uploads_never_tears_a_checkpoint(s3, tmp_pa
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     work_dir, out = tmp_path / 'work', tmp_path / 'final.bin'
-    mid_save, kills, positions = 0, 0, []
-    while mid_save < MID_SAVE_KILLS:
+    mid_save, kills, positions, torn_uploads, verified = 0, 0, [], set(), set()
+    while mid_save < MID_SAVE_KILLS or not torn_uploads:
         assert kills < 4 * MID_SAVE_KILLS, f'seed {seed}: too few kills inside a save {positions}'
         log = tmp_path / f'run{kills}.log'
-        proc = _start(ctx, prefix, 10_000, work_dir, out, log)
+        proc = _start(ctx, prefix, 10_000, work_dir, out, log, multipart=kills % 2 == 1)
         try:
             _wait_for(log, proc, 'resumed')
             time.sleep(rng.uniform(0.0, 2.0))
@@ -88,9 +121,10 @@ def test_sigkill_at_random_points_of_uploads_never_tears_a_checkpoint(s3, tmp_pa
         last = said[-1] if said else ''
         positions.append(last)
         mid_save += last.startswith('saving')
-        _check_untorn(prefix)
+        _check_untorn(prefix, verified)
+        torn_uploads |= _listed_uploads(prefix)
 
-    pointer = _check_untorn(prefix)
+    pointer = _check_untorn(prefix, verified)
     assert pointer is not None, f'seed {seed}: nothing was ever committed: {positions}'
     end = int(pointer.rsplit('_', 1)[1][:-4]) + 3
     log = tmp_path / 'last.log'
@@ -101,5 +135,9 @@ def test_sigkill_at_random_points_of_uploads_never_tears_a_checkpoint(s3, tmp_pa
     assert said[0] == f'resumed {end - 3}' and said[-1] == 'done', said
     assert out.read_bytes() == run(None, end, str(tmp_path / 'reference'))
     assert location.read_pointer(prefix) == f'{prefix}/iter_{end}.pth'
-    assert find_debris(prefix) == []
-    print(f'soak: {kills} SIGKILLs, {mid_save} inside a save, 0 torn (seed {seed}): {positions}')
+    assert find_debris(prefix) == []  # retention removed every kill's debris
+    assert _uploads(prefix) == set()
+    print(
+        f'soak: {kills} SIGKILLs, {mid_save} inside a save, {len(torn_uploads)} inside a '
+        f'multipart upload, 0 torn (seed {seed}): {positions}'
+    )
