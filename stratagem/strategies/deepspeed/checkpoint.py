@@ -358,7 +358,8 @@ class ZeroStorage(CheckpointStorage):
         # ZeRO-3 without the optimizer: DeepSpeed consolidates the weights from every rank's
         # files and finds them through a `latest` file, not through `tag`
         consolidates = not optimizer and engine.zero_optimization_partition_weights()
-        with _latest_view(directory, tag) if consolidates else _as_is(directory) as load_dir:
+        view = _latest_view(directory, tag) if consolidates else contextlib.nullcontext(directory)
+        with view as load_dir:
             loaded, _ = engine.load_checkpoint(
                 str(load_dir),
                 tag=tag,
@@ -422,11 +423,6 @@ def _latest_view(directory: Path, tag: str) -> Iterator[Path]:
         yield view
     finally:
         shutil.rmtree(view, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _as_is(directory: Path) -> Iterator[Path]:
-    yield directory
 
 
 def _finish(
