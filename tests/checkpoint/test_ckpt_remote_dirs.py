@@ -407,7 +407,7 @@ def _assert_own_pieces(prefix, reads):
 
 
 # -------------------------------------------------------------------- DeepSpeed (slow)
-def _deepspeed(work_dir, **kwargs):
+def _deepspeed(work_dir, stage=2, **kwargs):
     from stratagem.strategies import build_strategy
 
     s = build_strategy(
@@ -415,7 +415,7 @@ def _deepspeed(work_dir, **kwargs):
             type='DeepSpeedStrategy',
             work_dir=work_dir,
             env_kwargs=dict(randomness=dict(seed=7)),
-            zero_optimization=dict(stage=2),
+            zero_optimization=dict(stage=stage),
             **kwargs,
         )
     )
@@ -442,7 +442,7 @@ def _deepspeed_weights(s):
 
 def _deepspeed_save(prefix, work_dir):
     """ZeRO-2 on this world size: an async save of DeepSpeed's directory to S3 at iteration
-    2; returns the weights at 2 and at 4."""
+    2; returns the weights at 2 and at 4. And ZeRO-3's at 2, saved to ``<prefix>3``."""
     s, model, ow = _deepspeed(work_dir, async_checkpoint=True)
     _deepspeed_train(s, model, ow, 0, 2)
     at_2 = _deepspeed_weights(s)
@@ -450,7 +450,10 @@ def _deepspeed_save(prefix, work_dir):
     _deepspeed_train(s, model, ow, 2, 4)
     at_4 = _deepspeed_weights(s)
     s.wait_for_checkpoints()
-    return at_2, at_4
+    s, model, ow = _deepspeed(f'{work_dir}3', stage=3)
+    _deepspeed_train(s, model, ow, 0, 1)  # one update: weights a fresh engine has not
+    s.save_checkpoint(f'{prefix}3/iter_2', extra_ckpt={'meta': {'iter': 2}})
+    return at_2, at_4, _deepspeed_weights(s)
 
 
 def _deepspeed_resume(prefix, work_dir):
@@ -490,7 +493,11 @@ def _deepspeed_resume_streamed(prefix, work_dir, temp):
     resumed = _deepspeed_weights(s)
     _deepspeed_train(s, model, ow, 2, 4)
     checkpoint_engine = type(engine.checkpoint_engine).__name__
-    return at, resumed, _deepspeed_weights(s), on_disk, checkpoint_engine, s.resumed_from
+    zero3, _, _ = _deepspeed(f'{work_dir}3', stage=3)  # DeepSpeed consolidates: a download
+    zero3.resume(f'{prefix}3/iter_2', resume_optimizer=False)
+    fresh = len(zero3.model.optimizer.optimizer.state) == 0
+    weights = (_deepspeed_weights(zero3), fresh)
+    return at, resumed, _deepspeed_weights(s), on_disk, checkpoint_engine, s.resumed_from, weights
 
 
 def _equal(a, b):
@@ -517,8 +524,10 @@ def test_deepspeed_directory_saved_to_s3_resumed_on_two_and_on_one(
     optimizer partition, our state), once each (counted by a proxy per rank), and no byte of
     the checkpoint lands on the local disk while DeepSpeed loads; the engine's own
     checkpoint engine is back after. Resumed on 1 (a world-size change: DeepSpeed's
-    universal checkpoint, from a download) with the saved weights. Every rank's staging and
-    download directories are removed."""
+    universal checkpoint, from a download) with the saved weights. A ZeRO-3 directory
+    resumed on 2 with resume_optimizer=False (DeepSpeed consolidates the weights from every
+    rank's files: a download) with the saved weights and a fresh optimizer. Every rank's
+    staging and download directories are removed."""
     pytest.importorskip('deepspeed')
     from dist_harness import run_distributed
     from s3_faults import FaultProxy
@@ -547,11 +556,12 @@ def test_deepspeed_directory_saved_to_s3_resumed_on_two_and_on_one(
         for proxy in proxies:
             proxy.stop()
     bucket = s3.split('://', 1)[1]
-    for rank, ((at_2, at_4), (at, resumed, trained, on_disk, engine, fro)) in enumerate(
+    for rank, ((at_2, at_4, zero3), (at, resumed, trained, on_disk, engine, fro, z3)) in enumerate(
         zip(saved, streamed)
     ):
         assert at == 2 and fro == f'{prefix}/iter_2'
         assert _equal(resumed, at_2) and _equal(trained, at_4)
+        assert _equal(z3[0], zero3) and z3[1]  # the saved weights, a fresh optimizer
         assert on_disk == [0], on_disk  # names only: no checkpoint byte on local disk
         assert engine != 'StreamingCheckpointEngine'
         got = _gets(proxies[rank], f'{bucket}/ds/iter_2')

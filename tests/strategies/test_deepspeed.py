@@ -315,6 +315,7 @@ def _save_resume_exact(tmp, stage):
     model, ow, scheds = b.prepare(_net(), **_COMPONENTS)
     state = b.resume(path)
     rng_resumed = torch.rand(2)
+    sched = b.scheduler_state_dict()
     _train(b, model, ow, scheds, SAVE_AT, MAX_ITERS, b.rank)
     out[f'resume{stage}'] = dict(
         path=path,
@@ -327,6 +328,7 @@ def _save_resume_exact(tmp, stage):
         saved=saved,
         final=final_a,
         work_listing=sorted(os.listdir(work)),
+        sched=sched,
     )
     return out
 
@@ -482,6 +484,7 @@ def _async_save_is_the_state_at_the_call(tmp, stage):
     sync_path = sync.save_checkpoint('sync_6', extra_ckpt=meta)
     r, path = _async_save_overlaps_training(runs, meta, at_save)
     _async_resumes_as_saved(tmp, stage, r, (path, sync_path), at_save)
+    r.update(sync_path=sync_path, saved=at_save['weights'], sched=at_save['sched'])
     return r
 
 
@@ -544,6 +547,50 @@ def _async_resumes_as_saved(tmp, stage, r, paths, at_save):
         resumed.append(_snap(reader))
     r['vs_save'] = _diff(resumed[0], at_save)
     r['vs_sync'] = _diff(resumed[0], resumed[1])
+
+
+def _resume_without_optimizer(work, stage, path, micro=4):
+    """A fresh ZeRO-``stage`` engine (``micro`` samples per rank) resumes ``path`` with
+    ``resume_optimizer=False``: the
+    weights and fp32 masters, a fresh optimizer, the schedulers and counters; the checkpoint's
+    listing and the temporary directory before and after (nothing written into either)."""
+    import tempfile
+
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    def temps():
+        return sorted(p.name for p in Path(tempfile.gettempdir()).glob('stratagem-latest-*'))
+
+    listing, before = sorted(os.listdir(path)), temps()
+    s = _strategy(work, zero_optimization=dict(stage=stage))
+    dispatch = dict(max_iters=MAX_ITERS, train_micro_batch_size_per_gpu=micro)
+    model, ow, scheds = s.prepare(_net(), **dict(_COMPONENTS, dispatch_kwargs=dispatch))
+    state = s.resume(path, resume_optimizer=False)
+    masters = {
+        name: safe_get_full_fp32_param(p).clone() for name, p in s.model.module.named_parameters()
+    }
+    return dict(
+        iter=state['meta']['iter'],
+        weights=_full_weights(s),
+        masters=masters,
+        adam_state=len(s.model.optimizer.optimizer.state),  # torch Adam's: none until a step
+        sched=s.scheduler_state_dict(),
+        inner=ow.inner_count,
+        listing=(listing, sorted(os.listdir(path))),
+        temps=(before, temps()),
+    )
+
+
+@SCENARIOS.add('ranks', needs=['save_resume_2', 'async_3'])
+def without_optimizer(tmp, save_resume_2, async_3):
+    """resume_optimizer=False of the 2-rank ZeRO-2 and ZeRO-3 checkpoints at 2 ranks (ZeRO-3:
+    DeepSpeed consolidates the weights through a `latest` file the checkpoint has not)."""
+    return {
+        2: _resume_without_optimizer(
+            os.path.join(tmp, 'noopt2'), 2, save_resume_2['resume2']['path']
+        ),
+        3: _resume_without_optimizer(os.path.join(tmp, 'noopt3'), 3, async_3['sync_path']),
+    }
 
 
 @SCENARIOS.add('ranks')
@@ -668,6 +715,20 @@ def resume_one_rank(tmp, save_resume_2):
         updates=b.model.global_steps,
         warnings=[str(w.message) for w in caught],
     )
+
+
+@SCENARIOS.add('one_rank', needs=['save_resume_2', 'async_3'])
+def without_optimizer_one_rank(tmp, save_resume_2, async_3):
+    """resume_optimizer=False of the 2-rank checkpoints on 1 rank, on the same global batch
+    (no universal conversion: the weights alone do not depend on the world size)."""
+    return {
+        2: _resume_without_optimizer(
+            os.path.join(tmp, 'noopt2_one'), 2, save_resume_2['resume2']['path'], micro=8
+        ),
+        3: _resume_without_optimizer(
+            os.path.join(tmp, 'noopt3_one'), 3, async_3['sync_path'], micro=8
+        ),
+    }
 
 
 @pytest.fixture(scope='module')
@@ -799,6 +860,41 @@ def test_async_save_overlaps_training_and_resumes_exactly(scenario, stage):
         # bit-exact: weights, optimizer partitions, schedulers, counters as at the save, and
         # as a synchronous save of the same state resumes them
         assert r['vs_save'] == [] and r['vs_sync'] == []
+
+
+def _assert_resumed_without_optimizer(out, saved, sched, iters):
+    assert out['iter'] == iters
+    # the saved weights bit for bit, in the module and in DeepSpeed's fp32 masters
+    assert saved.keys() == out['weights'].keys() == out['masters'].keys()
+    assert all(torch.equal(out['weights'][k], saved[k]) for k in saved)
+    assert all(torch.equal(out['masters'][k], saved[k]) for k in saved)
+    assert out['adam_state'] == 0  # a fresh optimizer, as asked
+    # the schedulers resumed; accumulation aligned to the resumed iteration
+    assert out['sched'] == sched and out['inner'] == iters
+    listed_before, listed_after = out['listing']
+    assert listed_before == listed_after and 'latest' not in listed_after
+    assert out['temps'][0] == out['temps'][1]  # the `latest` view removed
+
+
+@pytest.mark.scenario('without_optimizer')
+def test_resume_without_optimizer_loads_the_weights(scenario):
+    """ZeRO-2 and ZeRO-3 (whose DeepSpeed load without the optimizer reads a `latest` file
+    that no stratagem checkpoint has) at the saving world size."""
+    zero2, zero3 = scenario.needs['save_resume_2'], scenario.needs['async_3']
+    for rank, out in enumerate(scenario):
+        two, three = zero2[rank]['resume2'], zero3[rank]
+        _assert_resumed_without_optimizer(out[2], two['saved'], two['sched'], SAVE_AT)
+        _assert_resumed_without_optimizer(out[3], three['saved'], three['sched'], SAVE_AT)
+
+
+@pytest.mark.scenario('without_optimizer_one_rank')
+def test_resume_without_optimizer_at_another_world_size(scenario):
+    """2 ranks -> 1, on the same global batch."""
+    (out,) = scenario
+    zero2, zero3 = scenario.needs['save_resume_2'], scenario.needs['async_3']
+    two, three = zero2[0]['resume2'], zero3[0]
+    _assert_resumed_without_optimizer(out[2], two['saved'], two['sched'], SAVE_AT)
+    _assert_resumed_without_optimizer(out[3], three['saved'], three['sched'], SAVE_AT)
 
 
 @pytest.mark.scenario('async_errors')

@@ -34,10 +34,15 @@ runs the sequence; :class:`ZeroStorage` is this backend's part of it:
        checked before anything is restored.
     3. Another world size: BaseStrategy's plan (``world_change.py``) converts iteration
        counts and schedulers, or refuses, before anything is loaded.
-    4. ``restore``: same world size, ``engine.load_checkpoint`` (model, optimizer
-       partitions, engine counters); another world size, the checkpoint is converted to
+    4. ``restore``: same world size, or without the optimizer (the weights alone load at
+       any world size), ``engine.load_checkpoint`` (model, optimizer partitions, engine
+       counters); another world size with the optimizer, the checkpoint is converted to
        DeepSpeed's universal format beside it and loaded from there (resharding the
-       optimizer state).
+       optimizer state). ZeRO-3 without the optimizer: DeepSpeed consolidates the weights
+       from every rank's files, finding them by a ``latest`` file that our checkpoints do
+       not have (the commit is our pointer); it is given a new local directory holding
+       ``latest`` and a link to the checkpoint's ``deepspeed/`` (``_latest_view``), and
+       nothing is written into the checkpoint.
     5. The strategy's parts: counters, schedulers, then RNG states last.
 ``load_checkpoint`` loads weights only: a directory is consolidated to full fp32 weights
 (``files.py``), a file is read safely; both go through ``load_model_state_dict``,
@@ -46,10 +51,12 @@ which refreshes DeepSpeed's fp32 master copy so the next update starts from them
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os.path as osp
 import shutil
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -309,9 +316,10 @@ class ZeroStorage(CheckpointStorage):
 
     @override
     def restore(self, path: str, checkpoint: dict, opened: Any, *, optimizer: bool) -> None:
-        """Same world size: ``engine.load_checkpoint`` (model, optimizer partitions, engine
-        counters), at a URL from the verified bytes in memory (``streaming.py``); another:
-        through DeepSpeed's universal checkpoint."""
+        """Same world size, or the weights alone: ``engine.load_checkpoint`` (model,
+        optimizer partitions, engine counters), at a URL from the verified bytes in memory
+        (``streaming.py``); another world size with the optimizer: through DeepSpeed's
+        universal checkpoint."""
         if isinstance(opened, RemoteDirectory):
             self._engine_load_streamed(opened, optimizer)
             return
@@ -320,7 +328,9 @@ class ZeroStorage(CheckpointStorage):
         saved_world = int((opened or {}).get('world_size', meta.get('world_size', world)))
         directory = self._downloads.get(path, Path(path))
         try:
-            if saved_world == world:
+            # the weights alone load at any world size (ZeRO-1/2: the full model states,
+            # ZeRO-3: consolidated from every rank's files); only the optimizer reshards
+            if saved_world == world or not optimizer:
                 self._engine_load(directory, DEEPSPEED_TAG, optimizer)
             else:
                 self._load_resharded(directory, saved_world, optimizer)
@@ -344,13 +354,19 @@ class ZeroStorage(CheckpointStorage):
     def _engine_load(
         self, directory: Path, tag: str, optimizer: bool, shown: str | None = None
     ) -> None:
-        loaded, _ = self.engine().load_checkpoint(
-            str(directory),
-            tag=tag,
-            load_optimizer_states=optimizer,
-            load_lr_scheduler_states=False,
-            load_module_strict=not self.exclude_frozen_parameters,
-        )
+        engine = self.engine()
+        # ZeRO-3 without the optimizer: DeepSpeed consolidates the weights from every rank's
+        # files and finds them through a `latest` file, not through `tag`
+        consolidates = not optimizer and engine.zero_optimization_partition_weights()
+        view = _latest_view(directory, tag) if consolidates else contextlib.nullcontext(directory)
+        with view as load_dir:
+            loaded, _ = engine.load_checkpoint(
+                str(load_dir),
+                tag=tag,
+                load_optimizer_states=optimizer,
+                load_lr_scheduler_states=False,
+                load_module_strict=not self.exclude_frozen_parameters,
+            )
         if loaded is None:  # DeepSpeed only warns when it finds nothing
             where = directory if shown is None else shown
             raise FileNotFoundError(f'DeepSpeed found no checkpoint in {where}/{tag}')
@@ -392,6 +408,21 @@ class ZeroStorage(CheckpointStorage):
         finally:
             if env.is_main_process() and universal is not None:
                 shutil.rmtree(universal, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _latest_view(directory: Path, tag: str) -> Iterator[Path]:
+    """``directory`` for a DeepSpeed load that reads its ``latest`` file: a new local
+    directory holding ``latest`` (naming ``tag``) and ``tag``, a link to ``directory``'s.
+    Nothing is written into ``directory``: a committed checkpoint is only what its manifest
+    lists. Removed after the block (the link, not what it points to)."""
+    view = Path(tempfile.mkdtemp(prefix='stratagem-latest-'))
+    try:
+        (view / 'latest').write_text(tag)
+        (view / tag).symlink_to((directory / tag).absolute(), target_is_directory=True)
+        yield view
+    finally:
+        shutil.rmtree(view, ignore_errors=True)
 
 
 def _finish(
