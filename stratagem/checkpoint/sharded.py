@@ -33,8 +33,10 @@ import io
 import os
 import re
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,8 +145,9 @@ def save_sharded_checkpoint(
     def write(staging: Path) -> list[dict]:
         # every file is hashed as it is written and fsynced once: no second read. torch's
         # per-record zip CRC32 (DCP torch.saves each tensor) is off: our digest covers every
-        # byte. Rank 0's extra.pth (and a rank's pending gradients) are written on a thread
-        # meanwhile, mostly overlapping DCP's planning collectives and its fsync.
+        # byte. Rank 0's extra.pth and each rank's own files (its RNG state, its pending
+        # gradients) are written on a thread meanwhile, mostly overlapping DCP's planning
+        # collectives and its fsync.
         # a full disk is refused before anything is written (the staging dir is still empty)
         # (at a URL the local disk that stages the files)
         where = staging if is_url(os.fspath(final_dir)) else Path(final_dir).absolute()
@@ -155,12 +158,10 @@ def save_sharded_checkpoint(
         # .metadata at the commit, together with the manifest (one journal commit, not two
         # in a row: nothing reads the staging directory before the commit anyway)
         writer = dcp.FileSystemWriter(staging, thread_count=1, sync_files=False)
-        with (
-            ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool,
-            ThreadPoolExecutor(1, thread_name_prefix='stratagem-extra') as aside,
-        ):
-            pending = [aside.submit(_write_side, obj, staging / name) for obj, name in side]
-            writer.fs = fs = _hashing_fs(pool)
+        aside = _pool('side', 1)
+        pending = [aside.submit(_write_side, obj, staging / name) for obj, name in side]
+        try:
+            writer.fs = fs = _hashing_fs(_pool('hash', 2))
             with crc32_option(False), warnings.catch_warnings():
                 # one process on purpose (convert): not DCP's "assuming ..." guess
                 warnings.filterwarnings('ignore', message='torch.distributed is disabled')
@@ -180,6 +181,8 @@ def save_sharded_checkpoint(
                 or (rank == 0 and p.name == '.metadata')
             ]
             mine += [job.result() for job in pending]
+        finally:  # nothing writes into the staging directory once this returns
+            futures.wait(pending)
         return mine
 
     held = validate_checkpoint_content(extra)  # allow-listed classes: named to a loader lacking one
@@ -206,6 +209,22 @@ def save_sharded_checkpoint(
 
 def _entry(path: Path, size: int, digest: str) -> dict:
     return file_entry(path, size, digest)  # type: ignore[arg-type]
+
+
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """This process's pool ``name``, started on first use and kept: a save starts no
+    threads (each start, and each join at the end, costs the saving thread a GIL handoff)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = ThreadPoolExecutor(
+                workers, thread_name_prefix=f'stratagem-{name}'
+            )
+        return pool
 
 
 def _write_side(obj: Any, path: Path) -> dict:
@@ -247,7 +266,6 @@ def read_sharded_checkpoint(
     path = Path(path).absolute()
     manifest = verify_directory(path, collective=collective, progress=progress)
     return _read_full(path, manifest)
-
 
 
 def _verified(path: str | os.PathLike, backend_args: Mapping | None) -> tuple[Source, dict]:
@@ -406,10 +424,10 @@ def load_sharded_checkpoint(
     when a resume is refused after reading. Returns mmengine's layout: ``meta``,
     ``state_dict`` (shaped like ``model_state``), ``optimizer`` (like ``optim_state``, plus
     the wrapper's counters; only if
-    asked for and saved),
-    the keys saved per rank (``rng_states``; ``partial_grads``, if any: lists over the
-    saving ranks) and the other keys of ``extra.pth``. A checkpoint converted from a single file (index-keyed optimizer) is
-    read in full instead (``read_sharded_checkpoint``'s result). ``path`` may be a URL
+    asked for and saved), the keys saved per rank (``rng_states``; ``partial_grads``, if
+    any: lists over the saving ranks) and the other keys of ``extra.pth``. A checkpoint
+    converted from a single file (index-keyed optimizer) is read in full instead
+    (``read_sharded_checkpoint``'s result). ``path`` may be a URL
     (``backend_args``: its storage options).
     """
     source, manifest = _verified(path, backend_args)

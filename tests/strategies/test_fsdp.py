@@ -302,9 +302,8 @@ def first_half(work_dir):
     s = _strategy(work_dir)
     model, ow, scheds = s.prepare(_net(), **COMPONENTS)
     _train(s, model, ow, scheds, 0, 3, 2)
-    from stratagem.checkpoint import directory, manifest, single_file
-
     from stratagem import env
+    from stratagem.checkpoint import directory, manifest, single_file
 
     for _ in range(s.rank + 1):  # each rank's streams elsewhere: a rank's own must come back
         _draws()
