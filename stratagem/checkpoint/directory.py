@@ -520,14 +520,15 @@ def finalize_directory(
         )
     if final.exists() and not final.is_dir():
         raise FileExistsError(f'cannot commit directory checkpoint {final}: a file has that name')
-    files = _hash_tree(staging, {e['path']: e for e in known_files or ()})
+    files, folders = _hash_tree(staging, {e['path']: e for e in known_files or ()})
     if not files:
         raise ValueError(f'staging directory {staging} is empty; nothing to commit for {final}')
     manifest = build_manifest('directory', final.name, files, step, extra_manifest)
     # nothing reads a staging directory, so its manifest needs no temp name; the manifest's
-    # fsync, the directory's and the new pointer's (a temp file until the rename below) are
-    # independent and issued together (one journal commit, not three); the renames after
-    # them keep their order: checkpoint, its parent fsynced, then the pointer
+    # fsync, the directory's (and its folders'), the files' whose writers left theirs to
+    # the commit and the new pointer's (a temp file until the rename below) are independent
+    # and issued together (one journal commit, not several); the renames after them keep
+    # their order: checkpoint, its parent fsynced, then the pointer
     pointer = PendingPointer(final.parent, final) if update_pointer else None
     try:
         _fs.write_new(staging / DIR_MANIFEST, dump_manifest(manifest))
@@ -535,6 +536,7 @@ def finalize_directory(
             [
                 staging / DIR_MANIFEST,
                 staging,
+                *folders,
                 *(staging / p for p in unsynced),
                 *([pointer.temp] if pointer is not None else []),
             ]
@@ -549,9 +551,12 @@ def finalize_directory(
     return final
 
 
-def _hash_tree(root: Path, known: dict[str, dict] | None = None) -> list[dict]:
+def _hash_tree(root: Path, known: dict[str, dict] | None = None) -> tuple[list[dict], list[Path]]:
+    """The manifest entries of every file under ``root`` (fsynced and hashed here unless
+    ``known``), and the folders under it, whose fsync the caller issues with the root's."""
     known = known or {}
     files = []
+    folders = []
     with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool:
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames.sort()
@@ -581,9 +586,9 @@ def _hash_tree(root: Path, known: dict[str, dict] | None = None) -> list[dict]:
                 _fs.fsync_file(path)
                 size, digest = hash_file(path, pool)
                 files.append(file_entry(rel, size, digest))
-            if Path(dirpath) != root:  # the root is fsynced once its manifest is in it
-                _fs.fsync_dir(Path(dirpath))
-    return files
+            if Path(dirpath) != root:
+                folders.append(Path(dirpath))
+    return files, folders
 
 
 def _rename_dir_into_place(staging: Path, final: Path) -> None:
