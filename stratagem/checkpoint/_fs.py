@@ -81,7 +81,8 @@ def fsync_together(paths: list[Path]) -> None:
             (fsync_dir if path.is_dir() else fsync_file)(path)
         return
     pool = _sync_pool()
-    jobs = [pool.submit(fsync_dir if path.is_dir() else fsync_file, path) for path in paths]
+    jobs = [pool.submit(fsync_dir if path.is_dir() else fsync_file, path) for path in paths[1:]]
+    (fsync_dir if paths[0].is_dir() else fsync_file)(paths[0])  # one here: no handoff for it
     for job in jobs:
         job.result()
 
@@ -98,7 +99,9 @@ def _sync_pool() -> ThreadPoolExecutor:
     global _SYNC_POOL
     with _SYNC_POOL_LOCK:
         if _SYNC_POOL is None:
-            _SYNC_POOL = ThreadPoolExecutor(4, thread_name_prefix='stratagem-fsync')
+            # a directory commit's batch (manifest, directory, its folders, the files left
+            # to it, the pointer) fits at once
+            _SYNC_POOL = ThreadPoolExecutor(8, thread_name_prefix='stratagem-fsync')
         return _SYNC_POOL
 
 
