@@ -98,8 +98,10 @@ loaded = lambda: {m for m in FORBIDDEN if m in sys.modules}
 import torch
 from_torch = loaded()  # what torch itself brings (tqdm, through torch.hub) is not ours
 import stratagem.strategies, stratagem.optim, stratagem.scheduler, stratagem.checkpoint
-import stratagem.env, stratagem.config
+import stratagem.env, stratagem.config, stratagem.checkpoint.sharded
 after_import = loaded() - from_torch
+# the URL side of checkpoints (fsspec behind it) loads when a URL is used
+remote = 'stratagem.checkpoint.remote_directory' in sys.modules
 from stratagem.strategies import SingleDeviceStrategy
 with tempfile.TemporaryDirectory() as work_dir:
     strategy = SingleDeviceStrategy(work_dir=work_dir)
@@ -111,7 +113,7 @@ with tempfile.TemporaryDirectory() as work_dir:
     strategy.save_checkpoint('one.pth')
     strategy.load_checkpoint(work_dir + '/one.pth')
 print(json.dumps({'after_import': sorted(after_import),
-                  'after_use': sorted(loaded() - from_torch)}))
+                  'after_use': sorted(loaded() - from_torch), 'remote': remote}))
 """
 
 
@@ -126,4 +128,8 @@ def test_import_and_single_device_use_load_no_optional_package():
         text=True,
         timeout=120,
     ).stdout
-    assert json.loads(out.strip().splitlines()[-1]) == {'after_import': [], 'after_use': []}
+    assert json.loads(out.strip().splitlines()[-1]) == {
+        'after_import': [],
+        'after_use': [],
+        'remote': False,
+    }

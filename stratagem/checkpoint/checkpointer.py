@@ -176,17 +176,14 @@ class Checkpointer:
         from stratagem import env  # see the package doc: env only when a checkpoint is written
 
         self.wait()
-        path = _rank0_path(absolute(path))
+        path = absolute(path)
         storage = self.storage
-        self.check_location(path)
-        storage.check_savable(path)
-        checkpoint, held, step = self._capture(state, extra, callback)
         vote = SaveVote.open(self.timeout, f'saving {path}')
         commit = SaveCommit(
             vote,
             env.get_rank(),
-            step if type(step) is int else None,
-            held,
+            None,
+            [],
             backend_args=self.backend_args,
             also_point=None if self.also_point is None else absolute(self.also_point),
         )
@@ -196,6 +193,15 @@ class Checkpointer:
                 self.writer = AsyncCheckpointWriter()
             writer = self.writer
         try:
+            path = _rank0_path(path, vote)
+            self.check_location(path)
+            storage.check_savable(path)
+            commit.own_keys = frozenset(
+                k for k in storage.own_keys() if hasattr(state.get(k), 'own_state_dict')
+            )
+            checkpoint, commit.held, commit.step = self._capture(
+                state, extra, callback, commit.own_keys
+            )
             job = storage.stage(checkpoint, path, commit, writer)
         except BaseException as err:
             commit.abandon(f'{type(err).__name__}: {err}')
@@ -212,15 +218,17 @@ class Checkpointer:
         state: Mapping[str, Stateful],
         extra: Mapping | None,
         callback: Callable[[dict], None] | None,
+        own: frozenset[str] = frozenset(),
     ) -> tuple[dict, list[str], int | None]:
         """Steps 3-4 of 'Save': each part's state in order (but the keys the storage's own
-        files hold), ``extra``, ``callback``, the content validated; returns the content,
-        the allow-listed classes it holds and its iteration (``meta['iter']``, or None)."""
+        files hold; this rank's own value, ``own_state_dict``, for the keys of ``own``),
+        ``extra``, ``callback``, the content validated; returns the content, the
+        allow-listed classes it holds and its iteration (``meta['iter']``, or None)."""
         content: dict[str, Any] = {}
         for key, part in state.items():
             if key in self.storage.holds:  # the storage's own files hold it (DeepSpeed's model)
                 continue
-            value = part.state_dict()
+            value = part.own_state_dict() if key in own else part.state_dict()  # type: ignore[attr-defined]
             if value is not None:
                 content[key] = value
         # mmengine's order: meta first
@@ -373,13 +381,14 @@ class Checkpointer:
         return checkpoint
 
 
-def _rank0_path(path: str) -> str:
-    """Rank 0's ``path`` on every rank (step 1: rank 0 decides). When every rank passed the
-    same one (nearly always), one small collective says so; rank 0's is broadcast only when
-    they differ."""
-    from stratagem import env
-
-    keys = env.all_gather_keys([env.key_of(path)])
-    if all(k == keys[0] for k in keys):
+def _rank0_path(path: str, vote: SaveVote | None) -> str:
+    """Rank 0's ``path`` on every rank (step 1: rank 0 decides), handed out through the
+    save's vote (one key in the store: no collective, and rank 0 does not wait)."""
+    if vote is None:
         return path
-    return str(env.broadcast_object(path))
+    if vote.rank == 0:
+        vote.publish('path', path)
+        return path
+    path = vote.receive('path')
+    vote.what = f'saving {path}'
+    return path

@@ -71,10 +71,13 @@ _NOT_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 @dataclass
 class DirectoryWriteResult:
-    """What step 2 returns on one rank: the files it hashed, or the error it hit."""
+    """What step 2 returns on one rank: the files it hashed, or the error it hit;
+    ``unsynced``: those of its files (paths in the staging dir) whose writer left their fsync
+    to the commit, which issues it with the manifest's."""
 
     files: list[dict] = field(default_factory=list)
     error: BaseException | None = None
+    unsynced: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -139,16 +142,25 @@ def _local_staging() -> Path:
 
 
 def write_directory_files(staging: PathLike, write_fn: WriteFn) -> DirectoryWriteResult:
-    """Step 2 (this rank only): run ``write_fn(staging)``; fsync and hash the files it returns.
+    """Step 2 (this rank only): run ``write_fn(staging)``; fsync and hash the files it returns
+    (an entry the writer hashed with ``'synced': False``: fsynced by the commit instead, on
+    the rank that commits; see ``DirectoryWriteResult``).
 
     Never raises for a failed write (the error is returned, so step 3 can tell every rank).
     """
     staging = Path(staging)
     try:
-        written = write_fn(staging)
-        if written is None:
+        returned = write_fn(staging)
+        if returned is None:
             return DirectoryWriteResult()
-        return DirectoryWriteResult(files=[_hash_written(staging, p) for p in written])
+        written = list(returned)
+        result = DirectoryWriteResult(files=[_hash_written(staging, p) for p in written])
+        result.unsynced = [
+            entry['path']
+            for entry, item in zip(result.files, written)
+            if isinstance(item, dict) and item.get('synced') is False
+        ]
+        return result
     except _NOT_CAUGHT:
         raise
     except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
@@ -197,43 +209,19 @@ def finish_directory_save(
     update_pointer: bool = True,
     backend_args: Mapping | None = None,
     also_point: PathLike | None = None,
+    collective: bool = True,
 ) -> Path:
     """Step 3: post this rank's result, rank 0 commits, everyone learns the outcome
-    (``vote``: required under a process group). Returns the committed directory's absolute
-    path on every rank (a URL: the URL).
+    (``vote``: required under a process group, unless ``collective=False``: this process
+    alone commits, as ``save_directory`` does for it). Returns the committed directory's
+    absolute path on every rank (a URL: the URL).
 
     ``final_dir`` a URL: first every rank uploads its files (an upload error is its failed
     result), rank 0's commit is ``remote_directory.commit_remote_directory`` (the manifest
     after every file, then the pointer; ``also_point``: a local directory whose
     ``last_checkpoint`` names it too), and every rank removes its staging dir."""
-    _check_vote(vote, 'finish_directory_save')
-    return _finish_directory(
-        staging,
-        final_dir,
-        written,
-        vote,
-        step=step,
-        extra_manifest=extra_manifest,
-        update_pointer=update_pointer,
-        backend_args=backend_args,
-        also_point=also_point,
-    )
-
-
-def _finish_directory(
-    staging: PathLike,
-    final_dir: PathLike,
-    written: DirectoryWriteResult,
-    vote: SaveVote | None,
-    *,
-    step: int | None,
-    extra_manifest: dict | None,
-    update_pointer: bool,
-    backend_args: Mapping | None,
-    also_point: PathLike | None,
-) -> Path:
-    """``finish_directory_save`` without its check of the vote (``save_directory``'s
-    ``collective=False`` commits without one under a process group)."""
+    if collective:
+        _check_vote(vote, 'finish_directory_save')
     staging = Path(staging)
     if not is_url(os.fspath(final_dir)):
         return _finish(
@@ -248,6 +236,7 @@ def _finish_directory(
                 step=step,
                 extra_manifest=extra_manifest,
                 update_pointer=update_pointer,
+                unsynced=written.unsynced,
             ),
         )
     from .remote_directory import commit_remote_directory, upload_directory_files
@@ -286,6 +275,9 @@ def _finish(
     what = f'saving checkpoint directory {final_dir}'
     if vote is None:
         return _commit_alone(staging, final_dir, written, 1, commit)
+    if vote.rank != 0 and written.unsynced and not is_url(os.fspath(final_dir)):
+        # rank 0 commits: this rank's files are durable before it says they are written
+        _fs.fsync_together([staging / p for p in written.unsynced])
     vote.ready(
         None if written.ok else describe_error(written.error),  # type: ignore[arg-type]
         json.dumps(written.files) if written.ok else None,
@@ -353,6 +345,7 @@ def _commit(
     step: int | None,
     extra_manifest: dict | None,
     update_pointer: bool,
+    unsynced: list[str],
 ) -> Path:
     known = [{**entry, 'rank': r} for r, files in enumerate(per_rank) for entry in files]
     extra = extra_manifest if world is None else {'world_size': world, **(extra_manifest or {})}
@@ -363,6 +356,7 @@ def _commit(
         update_pointer=update_pointer,
         known_files=known,
         extra_manifest=extra,
+        unsynced=unsynced,
     )
 
 
@@ -429,6 +423,7 @@ def save_directory(
             step=step,
             extra_manifest=extra_manifest,
             update_pointer=update_pointer,
+            unsynced=written.unsynced,
         )
         return _commit_alone(staging, final_dir, written, world, commit)
     try:
@@ -441,7 +436,7 @@ def save_directory(
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        return _finish_directory(
+        return finish_directory_save(
             staging,
             final_dir,
             written,
@@ -451,6 +446,7 @@ def save_directory(
             update_pointer=update_pointer,
             backend_args=backend_args,
             also_point=also_point,
+            collective=vote is not None,
         )
     finally:
         if own is not None:
@@ -489,6 +485,7 @@ def finalize_directory(
     extra_manifest: dict | None = None,
     update_pointer: bool = True,
     known_files: list[dict] | None = None,
+    unsynced: Iterable[str] = (),
 ) -> Path:
     """Commit a staging directory filled by the strategy (rank 0 only, after a barrier).
 
@@ -500,7 +497,8 @@ def finalize_directory(
     ``known_files``: ``file_entry`` dicts (path, size, digest[, 'rank']; paths relative to
     the staging dir) already fsynced and hashed by the ranks that wrote them; those are not
     read again (their size is still checked; ``rank``, the writer, is kept in the manifest),
-    every other file is fsynced and hashed here.
+    every other file is fsynced and hashed here. ``unsynced``: known files (paths relative
+    to the staging dir) not fsynced yet, fsynced here together with the manifest.
     """
     staging = Path(staging_dir).absolute()
     final = check_final_name(final_dir)
@@ -522,19 +520,26 @@ def finalize_directory(
         )
     if final.exists() and not final.is_dir():
         raise FileExistsError(f'cannot commit directory checkpoint {final}: a file has that name')
-    files = _hash_tree(staging, {e['path']: e for e in known_files or ()})
+    files, folders = _hash_tree(staging, {e['path']: e for e in known_files or ()})
     if not files:
         raise ValueError(f'staging directory {staging} is empty; nothing to commit for {final}')
     manifest = build_manifest('directory', final.name, files, step, extra_manifest)
     # nothing reads a staging directory, so its manifest needs no temp name; the manifest's
-    # fsync, the directory's and the new pointer's (a temp file until the rename below) are
-    # independent and issued together (one journal commit, not three); the renames after
-    # them keep their order: checkpoint, its parent fsynced, then the pointer
+    # fsync, the directory's (and its folders'), the files' whose writers left theirs to
+    # the commit and the new pointer's (a temp file until the rename below) are independent
+    # and issued together (one journal commit, not several); the renames after them keep
+    # their order: checkpoint, its parent fsynced, then the pointer
     pointer = PendingPointer(final.parent, final) if update_pointer else None
     try:
         _fs.write_new(staging / DIR_MANIFEST, dump_manifest(manifest))
         _fs.fsync_together(
-            [staging / DIR_MANIFEST, staging, *([pointer.temp] if pointer is not None else [])]
+            [
+                staging / DIR_MANIFEST,
+                staging,
+                *folders,
+                *(staging / p for p in unsynced),
+                *([pointer.temp] if pointer is not None else []),
+            ]
         )
         _rename_dir_into_place(staging, final)
     except BaseException:
@@ -546,9 +551,12 @@ def finalize_directory(
     return final
 
 
-def _hash_tree(root: Path, known: dict[str, dict] | None = None) -> list[dict]:
+def _hash_tree(root: Path, known: dict[str, dict] | None = None) -> tuple[list[dict], list[Path]]:
+    """The manifest entries of every file under ``root`` (fsynced and hashed here unless
+    ``known``), and the folders under it, whose fsync the caller issues with the root's."""
     known = known or {}
     files = []
+    folders = []
     with ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool:
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames.sort()
@@ -578,9 +586,9 @@ def _hash_tree(root: Path, known: dict[str, dict] | None = None) -> list[dict]:
                 _fs.fsync_file(path)
                 size, digest = hash_file(path, pool)
                 files.append(file_entry(rel, size, digest))
-            if Path(dirpath) != root:  # the root is fsynced once its manifest is in it
-                _fs.fsync_dir(Path(dirpath))
-    return files
+            if Path(dirpath) != root:
+                folders.append(Path(dirpath))
+    return files, folders
 
 
 def _rename_dir_into_place(staging: Path, final: Path) -> None:

@@ -57,9 +57,12 @@ class PendingPointer:
         _fs.write_new(self.temp, os.fsencode(Path(checkpoint).absolute()))
 
     def commit(self) -> Path:
-        """Rename the (fsynced) temp file over the pointer and make the rename durable."""
+        """Rename the (fsynced) temp file over the pointer; the rename is made durable on a
+        helper thread (``_fs.fsync_dir_soon``): the save does not wait for a second fsync of
+        the directory, and a power cut before it leaves the pointer on the previous
+        checkpoint, which is complete."""
         os.replace(self.temp, self.pointer)
-        _fs.fsync_dir(self.pointer.parent)
+        _fs.fsync_dir_soon(self.pointer.parent)
         return self.pointer
 
     def discard(self) -> None:

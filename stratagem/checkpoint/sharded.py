@@ -7,10 +7,13 @@ Layout of ``NAME/`` (every file listed in ``NAME/manifest.json`` with size and d
   (``'fqn'``) or, in a checkpoint converted from a single file, by flat parameter index
   (``'index'``); the manifest's ``optimizer_keys`` says which.
 - ``extra.pth`` (rank 0): everything else, a ``torch.save`` dict of plain values loadable with
-  ``weights_only=True``: ``meta``, ``param_schedulers``, ``rng_states``, the optimizer's
-  non-tensor keys (``optimizer_extra``: counters, loss scaler) and any ``extra_ckpt`` keys.
-- ``partial_grads/rank_{r}.pth`` (each rank, only when saved inside an accumulation window):
-  that rank's unsynchronised gradients.
+  ``weights_only=True``: ``meta``, ``param_schedulers``, the optimizer's non-tensor keys
+  (``optimizer_extra``: counters, loss scaler) and any ``extra_ckpt`` keys.
+- ``{key}/rank_{r}.pth`` for each key saved per rank (``PER_RANK_KEYS``), each rank's own
+  value in its own file, read back as ``checkpoint[key]``, the list over the saving ranks:
+  ``rng_states/`` (every rank's RNG state; before, a list in ``extra.pth``, which is still
+  read) and ``partial_grads/`` (only when saved inside an accumulation window: that rank's
+  unsynchronised gradients).
 
 Every rank verifies before anything is read (``verify_directory``); DCP's own unpickler only
 ever sees files whose hashes matched.
@@ -29,11 +32,14 @@ import contextlib
 import io
 import os
 import re
+import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,8 +51,14 @@ from .errors import CheckpointCorruptError
 from .load import load_checkpoint_file
 from .location import is_url
 from .rank_errors import all_ok, dcp_failures, describe_error, raise_first
-from .remote_directory import RemoteDirectory, verify_remote_directory
 from .torch_file import crc32_option, write_torch_file
+
+if TYPE_CHECKING:  # remote_directory (and fsspec behind it) loads when a URL is used
+    from typing_extensions import TypeIs
+
+    from .remote_directory import RemoteDirectory
+
+    Source = Path | RemoteDirectory  # a verified sharded directory: on disk, or at a URL
 
 __all__ = [
     'save_sharded_checkpoint',
@@ -60,11 +72,13 @@ __all__ = [
     'optim_state_to_index',
     'EXTRA_FILE',
     'DCP_KEYS',
+    'PER_RANK_KEYS',
 ]
 
 EXTRA_FILE = 'extra.pth'
 GROUPS_KEY = 'optimizer_param_groups'  # extra.pth: a copy of the param groups (small)
-PARTIAL_DIR = 'partial_grads'
+#: keys saved per rank, each rank's value to ``{key}/rank_{r}.pth``: no gather at the save
+PER_RANK_KEYS = ('partial_grads', 'rng_states')
 DCP_KEYS = ('state_dict', 'optimizer')
 _OPTIM_TENSOR_KEYS = ('state', 'param_groups')  # an optimizer state's part saved by DCP
 _OVERLAP_BYTES = 1 << 20  # writes this large are hashed on a helper thread meanwhile
@@ -81,7 +95,7 @@ def save_sharded_checkpoint(
     *,
     step: int | None = None,
     extra_manifest: dict | None = None,
-    partial_grads: dict | None = None,
+    per_rank: Mapping[str, Any] | None = None,
     optimizer_keys: str = 'fqn',
     collective: bool = True,
     vote: Any = None,
@@ -93,7 +107,8 @@ def save_sharded_checkpoint(
 
     ``checkpoint['state_dict']`` and ``checkpoint['optimizer']``'s ``state``/``param_groups``
     go to DCP (DTensors are saved shard by shard); everything else to ``extra.pth`` (rank 0).
-    ``partial_grads``: this rank's pending gradients, written to its own file. Every rank
+    ``per_rank``: this rank's own value of keys saved per rank (``PER_RANK_KEYS``: its
+    pending gradients, its RNG state), each written to its own file. Every rank
     calls this (``collective=False``: a single process without a process group, as
     ``stratagem convert`` does). ``vote``: the save's ``SaveVote`` (else ``save_directory``
     opens one); ``process_group``: the group DCP's planning runs on (default: the default
@@ -117,32 +132,36 @@ def save_sharded_checkpoint(
     if 'param_groups' in tensors.get('optimizer', {}):  # checked before an in-place resume
         extra[GROUPS_KEY] = tensors['optimizer']['param_groups']
 
-    side_objects = ([partial_grads] if partial_grads is not None else []) + (
-        [extra] if rank == 0 else []
-    )
+    per_rank = dict(per_rank or {})
+    unknown = sorted(set(per_rank) - set(PER_RANK_KEYS))
+    if unknown:
+        raise ValueError(
+            f'per_rank keys {unknown} are not saved per rank; valid keys: {list(PER_RANK_KEYS)}'
+        )
+    side = [(value, Path(key, f'rank_{rank}.pth')) for key, value in per_rank.items()]
+    if rank == 0:
+        side.append((extra, Path(EXTRA_FILE)))
 
     def write(staging: Path) -> list[dict]:
         # every file is hashed as it is written and fsynced once: no second read. torch's
         # per-record zip CRC32 (DCP torch.saves each tensor) is off: our digest covers every
-        # byte. Rank 0's extra.pth (and a rank's pending gradients) are written on a thread
-        # meanwhile, mostly overlapping DCP's planning collectives and its fsync.
+        # byte. Rank 0's extra.pth and each rank's own files (its RNG state, its pending
+        # gradients) are written on a thread meanwhile, mostly overlapping DCP's planning
+        # collectives and its fsync.
         # a full disk is refused before anything is written (the staging dir is still empty)
         # (at a URL the local disk that stages the files)
         where = staging if is_url(os.fspath(final_dir)) else Path(final_dir).absolute()
-        check_free_space(where, _bytes_needed(tensors, side_objects) * _ranks_sharing_disk())
-        writer = dcp.FileSystemWriter(staging, thread_count=1)
-        side = []
-        if partial_grads is not None:
-            (staging / PARTIAL_DIR).mkdir(exist_ok=True)
-            side.append((partial_grads, staging / PARTIAL_DIR / f'rank_{rank}.pth'))
-        if rank == 0:
-            side.append((extra, staging / EXTRA_FILE))
-        with (
-            ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool,
-            ThreadPoolExecutor(1, thread_name_prefix='stratagem-extra') as aside,
-        ):
-            pending = [aside.submit(write_torch_file, obj, path) for obj, path in side]
-            writer.fs = fs = _hashing_fs(pool)
+        check_free_space(
+            where, _bytes_needed(tensors, [obj for obj, _ in side]) * _ranks_sharing_disk()
+        )
+        # DCP's fsyncs are ours (HashingFileSystem): each shard's as DCP would, rank 0's
+        # .metadata at the commit, together with the manifest (one journal commit, not two
+        # in a row: nothing reads the staging directory before the commit anyway)
+        writer = dcp.FileSystemWriter(staging, thread_count=1, sync_files=False)
+        aside = _pool('side', 1)
+        pending = [aside.submit(_write_side, obj, staging / name) for obj, name in side]
+        try:
+            writer.fs = fs = _hashing_fs(_pool('hash', 2))
             with crc32_option(False), warnings.catch_warnings():
                 # one process on purpose (convert): not DCP's "assuming ..." guess
                 warnings.filterwarnings('ignore', message='torch.distributed is disabled')
@@ -153,12 +172,17 @@ def save_sharded_checkpoint(
                     process_group=process_group,
                 )
             mine = [
-                _entry(p, *fs.written[os.fspath(p)])
+                {
+                    **_entry(p, *fs.written[os.fspath(p)]),
+                    **({'synced': False} if p.name == '.metadata' else {}),
+                }
                 for p in staging.iterdir()
                 if re.fullmatch(rf'__{rank}_\d+\.distcp', p.name)
                 or (rank == 0 and p.name == '.metadata')
             ]
-            mine += [{**job.result(), 'path': path} for job, (_, path) in zip(pending, side)]
+            mine += [job.result() for job in pending]
+        finally:  # nothing writes into the staging directory once this returns
+            futures.wait(pending)
         return mine
 
     held = validate_checkpoint_content(extra)  # allow-listed classes: named to a loader lacking one
@@ -187,6 +211,36 @@ def _entry(path: Path, size: int, digest: str) -> dict:
     return file_entry(path, size, digest)  # type: ignore[arg-type]
 
 
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """This process's pool ``name``, started on first use and kept: a save starts no
+    threads (each start, and each join at the end, costs the saving thread a GIL handoff)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = ThreadPoolExecutor(
+                workers, thread_name_prefix=f'stratagem-{name}'
+            )
+        return pool
+
+
+def _write_side(obj: Any, path: Path) -> dict:
+    """One of a rank's own files beside DCP's (``extra.pth``, ``{key}/rank_{r}.pth``):
+    written, hashed, fsynced; its entry."""
+    path.parent.mkdir(exist_ok=True)
+    return {**write_torch_file(obj, path), 'path': path}
+
+
+def _is_remote(source: Any) -> TypeIs[RemoteDirectory]:
+    """``source`` is a ``RemoteDirectory`` (its module is loaded only once a URL is read,
+    so without it there is none)."""
+    module = sys.modules.get(f'{__package__}.remote_directory')
+    return module is not None and isinstance(source, module.RemoteDirectory)
+
+
 def read_sharded_checkpoint(
     path: str | os.PathLike,
     *,
@@ -205,6 +259,8 @@ def read_sharded_checkpoint(
     every file is read once.
     """
     if is_url(os.fspath(path)):
+        from .remote_directory import verify_remote_directory
+
         remote = verify_remote_directory(
             os.fspath(path),
             backend_args=backend_args,
@@ -218,15 +274,14 @@ def read_sharded_checkpoint(
     return _read_full(path, manifest)
 
 
-Source = Path | RemoteDirectory  # a verified sharded directory: on disk, or at a URL
-
-
 def _verified(
     path: str | os.PathLike, backend_args: Mapping | None, found: tuple[dict, str] | None = None
 ) -> tuple[Source, dict]:
     """Verify the sharded directory at ``path`` (collective): it and its manifest (at a URL,
     ``found``: the manifest read already, ``formats.detect``)."""
     if is_url(os.fspath(path)):
+        from .remote_directory import verify_remote_directory
+
         remote = verify_remote_directory(os.fspath(path), backend_args=backend_args, found=found)
         return remote, remote.manifest
     local = Path(path).absolute()
@@ -244,16 +299,14 @@ def _read_full(path: Source, manifest: dict) -> dict:
         else:  # DCP flattening turned the int keys into strings
             optim['state'] = {int(k): v for k, v in optim.get('state', {}).items()}
         checkpoint['optimizer'] = optim
-    partial = read_partial_grads(path)
-    if partial:
-        checkpoint['partial_grads'] = partial
     checkpoint.update(extra)
+    checkpoint.update(read_per_rank(path))
     return checkpoint
 
 
 def _read_extra(path: Source, groups: list | None = None) -> dict:
     """``extra.pth`` (already verified); the param groups' copy goes to ``groups``."""
-    if isinstance(path, RemoteDirectory):
+    if _is_remote(path):
         if not path.has(EXTRA_FILE):
             return {}
         extra = dict(path.load(EXTRA_FILE))
@@ -313,11 +366,9 @@ def read_sharded_header(
             'param_groups': groups,
             'state': {},
         }
-    partial = read_partial_grads(source)
-    if partial:
-        checkpoint['partial_grads'] = partial
     checkpoint.update(extra)
-    if isinstance(source, RemoteDirectory):
+    checkpoint.update(read_per_rank(source))
+    if _is_remote(source):
         source.dcp_metadata = dcp_metadata
         return checkpoint, source
     return checkpoint, dcp_metadata
@@ -332,23 +383,40 @@ def load_sharded_in_place(path: str | os.PathLike, state: dict, *, metadata: Any
     fails there, with nothing changed. A read error after that (the files changed since they
     were verified, a failing disk) leaves the state partly read. At a URL ``metadata`` is
     what ``read_sharded_header`` returned (the verified directory)."""
-    if isinstance(metadata, RemoteDirectory):
+    if _is_remote(metadata):
         _dcp_read(metadata, state, metadata=metadata.dcp_metadata, what='into the model')
         return
     _dcp_read(Path(path).absolute(), state, metadata=metadata, what='into the model')
 
 
-def read_partial_grads(path: str | os.PathLike | RemoteDirectory) -> list[dict]:
-    """Every saving rank's pending gradients (``{fqn: tensor}``), in rank order; [] if none."""
-    if isinstance(path, RemoteDirectory):
-        names = [p for p in path.entries if re.fullmatch(rf'{PARTIAL_DIR}/rank_\d+\.pth', p)]
-        names.sort(key=lambda p: int(p.rsplit('_', 1)[1].split('.')[0]))
-        return [path.load(name) for name in names]
-    folder = Path(path) / PARTIAL_DIR
-    if not folder.is_dir():
-        return []
-    files = sorted(folder.glob('rank_*.pth'), key=lambda p: int(p.stem.split('_')[1]))
-    return [load_checkpoint_file(f, map_location='cpu', verify=False) for f in files]
+def read_per_rank(path: str | os.PathLike | RemoteDirectory) -> dict[str, list]:
+    """The keys saved per rank (``PER_RANK_KEYS``) found in a verified directory, each the
+    list of every saving rank's value in rank order: ``{'rng_states': [...], ...}``."""
+    found: dict[str, list[tuple[int, str]]] = {}
+    if _is_remote(path):
+        names = list(path.entries)
+    else:
+        names = [
+            f'{key}/{p.name}'
+            for key in PER_RANK_KEYS
+            if (Path(path) / key).is_dir()
+            for p in (Path(path) / key).iterdir()
+        ]
+    for name in names:
+        match = re.fullmatch(r'([a-z_]+)/rank_(\d+)\.pth', name)
+        if match is not None and match[1] in PER_RANK_KEYS:
+            found.setdefault(match[1], []).append((int(match[2]), name))
+    out = {}
+    for key, files in found.items():
+        files.sort()
+        if _is_remote(path):
+            out[key] = [path.load(name) for _, name in files]
+        else:
+            out[key] = [
+                load_checkpoint_file(Path(path) / name, map_location='cpu', verify=False)
+                for _, name in files
+            ]
+    return out
 
 
 def load_sharded_checkpoint(
@@ -370,10 +438,10 @@ def load_sharded_checkpoint(
     when a resume is refused after reading. Returns mmengine's layout: ``meta``,
     ``state_dict`` (shaped like ``model_state``), ``optimizer`` (like ``optim_state``, plus
     the wrapper's counters; only if
-    asked for and saved),
-    ``partial_grads`` (every saving rank's pending gradients, if any) and the other keys
-    of ``extra.pth``. A checkpoint converted from a single file (index-keyed optimizer) is
-    read in full instead (``read_sharded_checkpoint``'s result). ``path`` may be a URL
+    asked for and saved), the keys saved per rank (``rng_states``; ``partial_grads``, if
+    any: lists over the saving ranks) and the other keys of ``extra.pth``. A checkpoint
+    converted from a single file (index-keyed optimizer) is read in full instead
+    (``read_sharded_checkpoint``'s result). ``path`` may be a URL
     (``backend_args``: its storage options).
     """
     source, manifest = _verified(path, backend_args, found)
@@ -387,10 +455,8 @@ def load_sharded_checkpoint(
     checkpoint = {'meta': extra.pop('meta', {}), 'state_dict': state['state_dict']}
     if 'optimizer' in state:
         checkpoint['optimizer'] = {**state['optimizer'], **extra.pop('optimizer_extra', {})}
-    partial = read_partial_grads(source)
-    if partial:
-        checkpoint['partial_grads'] = partial
     checkpoint.update(extra)
+    checkpoint.update(read_per_rank(source))
     return checkpoint
 
 
@@ -457,7 +523,9 @@ def _hashing_fs(pool: ThreadPoolExecutor) -> Any:
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class HashingFileSystem(FileSystem):
-        """DCP's file system, recording ``{path: (size, digest)}`` of every file written."""
+        """DCP's file system, recording ``{path: (size, digest)}`` of every file written and
+        fsyncing each (DCP's writer is told not to), but DCP's metadata: the directory
+        commit fsyncs that with the manifest."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -473,6 +541,8 @@ def _hashing_fs(pool: ThreadPoolExecutor) -> Any:
                 stream = _HashingStream(raw, pool)
                 yield stream
                 raw.flush()
+                if not os.fspath(path).endswith('.metadata.tmp'):
+                    os.fsync(raw.fileno())
             self.written[os.fspath(path)] = (stream.size, stream.hasher.hexdigest())
 
         def rename(self, path: Any, new_path: Any) -> None:  # .metadata.tmp -> .metadata
@@ -488,7 +558,7 @@ def _reader(path: Source, metadata: Any = None) -> Any:
     """A ``ShardReader`` (imported here: DCP takes ~0.4 s to import)."""
     from .dcp_reader import ShardReader
 
-    if isinstance(path, RemoteDirectory):
+    if _is_remote(path):
         return ShardReader(path.url, metadata=metadata, files=path)
     return ShardReader(path, metadata=metadata)
 

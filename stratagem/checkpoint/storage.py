@@ -7,7 +7,8 @@ directory (``strategies/fsdp/storage.py``), DeepSpeed's directory
 (functions, never a strategy); the sequences stay the checkpointer's.
 
 Save side (``Checkpointer.save`` calls them in this order):
-    1. ``check_savable(path)``: refuse a moment this storage cannot hold.
+    1. ``check_savable(path)``: refuse a moment this storage cannot hold; ``own_keys()``:
+       the parts whose own value each rank hands over (``own_state_dict``), not every rank's.
     2. ``validate(checkpoint)``: tensors and plain values only; the allow-listed classes.
     3. ``stage(checkpoint, path, commit, writer)`` on the training thread: copy the content
        for an asynchronous write (or write in the foreground, as DeepSpeed's engine must);
@@ -55,6 +56,8 @@ class SaveCommit:
         backend_args, also_point: see ``__init__``.
         step: the iteration recorded in the manifest (``meta['iter']`` when an int).
         held: allow-listed classes the content holds (named in the manifest).
+        own_keys: keys of the content that hold this rank's own value (its part's
+            ``own_state_dict``), which the storage writes per rank (``own_keys()``).
     """
 
     def __init__(
@@ -66,9 +69,11 @@ class SaveCommit:
         *,
         backend_args: Mapping | None = None,
         also_point: str | None = None,
+        own_keys: frozenset[str] = frozenset(),
     ) -> None:
         self.vote, self.step, self.held = vote, step, held
         self.rank = rank
+        self.own_keys = own_keys
         self.reached = False
         #: a URL target's storage options; a local directory whose ``last_checkpoint`` also
         #: names the committed checkpoint (a run's work_dir when checkpoints go elsewhere)
@@ -159,6 +164,13 @@ class CheckpointStorage:
 
     def check_savable(self, path: str) -> None:
         """Raise (on every rank alike) when this moment cannot be saved in this storage."""
+
+    def own_keys(self) -> frozenset[str]:
+        """Keys whose every rank's value this storage writes to that rank's own file and
+        reads back as the list over the ranks: their parts hand over this rank's own value
+        (``own_state_dict``), so the save gathers nothing for them. None by default (rank 0
+        writes the one file: every rank's value is gathered)."""
+        return frozenset()
 
     def validate(self, checkpoint: dict) -> list[str]:
         """Check the content loads with ``weights_only`` (tensors and plain values); returns

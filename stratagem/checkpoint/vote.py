@@ -25,16 +25,20 @@ few store round trips (well under a millisecond each) to a save, no polling dela
 
 So an error on any rank, or a rank that died, ends the save on every surviving rank within
 about ``timeout`` s of the last sign of life, with the rank named, and nothing is committed.
-Once every rank has the outcome, each deletes its keys (rank 0 the shared ones): the store's
-server, in rank 0's process, keeps nothing of the saves of a long run.
+Once every rank has the outcome, each deletes its keys (rank 0 the shared ones), after the
+save returns, on a helper thread (``_tidy``; every save's keys have a prefix of their own,
+so no later save reads them): the store's server, in rank 0's process, keeps nothing of the
+saves of a long run, and no save waits for the deletions' round trips.
 """
 
 from __future__ import annotations
 
 import datetime
 import itertools
+import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .errors import CheckpointVoteError
@@ -48,6 +52,37 @@ _SAVES = itertools.count()  # every rank saves in the same order, so the ids agr
 
 _STORES: tuple[Any, _LockedStore, _LockedStore | Any] | None = None  # (inner, rw, waiter)
 _STORE_LOCK = threading.Lock()
+_TIDY: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # closed votes' cleanups
+_TIDIER: threading.Thread | None = None
+
+
+def _tidy(job: Callable[[], None]) -> None:
+    """Run ``job`` (a closed vote's cleanup) on the helper thread, in the order given. A
+    daemon thread: a process that exits leaves what is pending (a few keys in a store that
+    goes with the job)."""
+    global _TIDIER
+    with _STORE_LOCK:
+        if _TIDIER is None or not _TIDIER.is_alive():
+            _TIDIER = threading.Thread(target=_tidy_loop, daemon=True, name='stratagem-vote-tidy')
+            _TIDIER.start()
+    _TIDY.put(job)
+
+
+def _tidy_loop() -> None:
+    while True:
+        job = _TIDY.get()
+        try:
+            job()
+        except Exception:  # noqa: BLE001 - best effort: a key left costs a few bytes
+            pass
+
+
+def wait_tidied(timeout: float = 30.0) -> bool:
+    """Wait until the cleanups of every vote closed so far ran (tests count the store's
+    keys); False if that took longer than ``timeout`` s."""
+    done = threading.Event()
+    _tidy(done.set)
+    return done.wait(timeout)
 
 
 class _LockedStore:
@@ -243,18 +278,23 @@ class SaveVote:
             except Exception:  # noqa: BLE001 - the store is gone: rank 0 is not waiting
                 pass
         self._stop.set()
-        self._thread.join()
+        keys = []
         if self._settled:  # nobody reads these keys again: the store server keeps no trace
             keys = [f'ready/{self.rank}', f'alive/{self.rank}']
             if self.rank == 0:  # after every rank read the outcome
                 keys += ['outcome', *self._published] + [
                     f'read/{r}' for r in range(1, self.world_size)
                 ]
-            for key in keys:
-                try:
-                    self._store.delete_key(self._prefix + key)
-                except Exception:  # noqa: BLE001 - best effort: a key left costs a few bytes
-                    pass
+        _tidy(lambda: self._delete(keys))
+
+    def _delete(self, keys: list[str]) -> None:
+        """After the heartbeat stopped (it would post ``alive`` again), ``keys`` go."""
+        self._thread.join()
+        for key in keys:
+            try:
+                self._store.delete_key(self._prefix + key)
+            except Exception:  # noqa: BLE001 - best effort: a key left costs a few bytes
+                pass
 
     # --------------------------------------------------------------- internals
     def _heartbeat(self) -> None:

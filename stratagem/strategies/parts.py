@@ -497,8 +497,10 @@ class LoaderPart(CheckpointPart):
 
 
 class RandomnessPart(CheckpointPart):
-    """Every rank's RNG state (gathered), restored last; at another world size every rank is
-    re-seeded from the saved seed instead.
+    """Every rank's RNG state (gathered; or each rank's own, ``own_state_dict``, where the
+    storage writes each rank's to its own file and reads them back as the list over the
+    ranks), restored last; at another world size every rank is re-seeded from the saved seed
+    instead.
 
     Args:
         environment: the run's environment (its seed and randomness settings).
@@ -513,6 +515,10 @@ class RandomnessPart(CheckpointPart):
 
     def state_dict(self) -> list:
         return env.all_gather_object(env.get_rng_state())
+
+    def own_state_dict(self) -> dict:
+        """This rank's entry of ``state_dict()``, without the collective."""
+        return env.get_rng_state()
 
     def check(self, value: Any, context: LoadContext) -> None:
         """The RNG state this rank will restore is one: tried here, before anything loads,

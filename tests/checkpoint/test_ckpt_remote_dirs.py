@@ -368,6 +368,7 @@ def test_fsdp_two_ranks_sharded_save_resumed_on_two_and_on_one(where, tmp_path):
     work = str(tmp_path / 'work')
     (at_3, at_6), _ = run_distributed(_fsdp_save, nproc=2, args=(where, work), timeout=300)
     files = ['.metadata', '__0_0.distcp', '__1_0.distcp', 'extra.pth', 'manifest.json']
+    files += ['rng_states/rank_0.pth', 'rng_states/rank_1.pth']  # each rank's own
     assert _files(where, 'iter_3') == files
     assert _pointer(where) == join(where, 'iter_6')
     assert _manifest(where, 'iter_3')['world_size'] == 2

@@ -121,6 +121,40 @@ def test_prehashed_entries_are_not_read_again(tmp_path, monkeypatch):
     assert not (tmp_path / 'e').exists()
 
 
+def test_sharded_save_keeps_each_ranks_own_values_in_files_of_its_own(tmp_path, monkeypatch):
+    """Each rank's RNG state goes to ``rng_states/rank_{r}.pth`` (nothing gathered) and comes
+    back as the list over the ranks; DCP's ``.metadata`` is fsynced in the commit's one batch,
+    with the manifest, not before it."""
+    import torch
+
+    from stratagem import env
+    from stratagem.checkpoint import _fs
+    from stratagem.checkpoint.sharded import read_sharded_checkpoint, save_sharded_checkpoint
+
+    batches = []
+    together = _fs.fsync_together
+    monkeypatch.setattr(
+        _fs,
+        'fsync_together',
+        lambda paths: batches.append({p.name for p in paths}) or together(paths),
+    )
+    rng = env.get_rng_state()
+    content = {'state_dict': {'w': torch.arange(4.0)}, 'meta': {'iter': 1}}
+    path = save_sharded_checkpoint(
+        tmp_path / 'iter_1', content, step=1, per_rank={'rng_states': rng}, collective=False
+    )
+    assert 'rng_states/rank_0.pth' in [e['path'] for e in verify_directory(path)['files']]
+    assert [{'.metadata', 'manifest.json'} <= b for b in batches if '.metadata' in b] == [True]
+    (saved,) = read_sharded_checkpoint(path)['rng_states']
+    assert torch.equal(saved['torch'], rng['torch'])
+    assert torch.equal(saved['python']['state'], rng['python']['state'])
+    assert torch.equal(saved['numpy']['key'], rng['numpy']['key'])
+    with pytest.raises(ValueError, match=r"per_rank keys \['loaders'\] are not saved per rank"):
+        save_sharded_checkpoint(
+            tmp_path / 'iter_2', content, per_rank={'loaders': {}}, collective=False
+        )
+
+
 def test_write_fn_paths_outside_staging_are_refused(tmp_path):
     outside = tmp_path / 'elsewhere.bin'
     outside.write_bytes(b'z')
@@ -242,6 +276,9 @@ def _dist_checks(root):
     out['after_slow'] = verify_directory(
         save_directory(root / 'iter_4', per_rank('four'), step=4, timeout=8.0)
     )['step']
+    from stratagem.checkpoint.vote import wait_tidied
+
+    out['tidied'] = wait_tidied()  # a closed vote's keys go on a helper thread
     dist.barrier()
     out['keys_left'] = store.num_keys() - keys_before
     # agreeing on a checkpoint: rank 0's path wins; a rank that passed another path (or
@@ -293,7 +330,7 @@ def test_two_ranks(tmp_path):
             ]
         assert 'shard_1.bin' in out['verify'] and 'xxh3_128' in out['verify']
         assert out['slow_step'] == 3 and out['after_slow'] == 4
-        assert out['keys_left'] == 0
+        assert out['tidied'] and out['keys_left'] == 0
         assert 2.5 <= out['slow_s'] < 8.0, out['slow_s']
         assert (
             out['agree_same'] == out['agree_other'] == out['agree_none'] == str(tmp_path / 'iter_3')

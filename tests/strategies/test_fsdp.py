@@ -94,6 +94,15 @@ def _full_state(s):
     }
 
 
+def _draws():
+    """The next numbers of python's, numpy's and torch's global RNGs (an RNG state's mark)."""
+    import random
+
+    import numpy as np
+
+    return [random.random(), float(np.random.rand()), *torch.rand(2).tolist()]
+
+
 def _train(s, model, ow, scheds, start, stop, world):
     from torch.nn import functional as F
 
@@ -296,8 +305,11 @@ def first_half(work_dir):
     s = _strategy(work_dir)
     model, ow, scheds = s.prepare(_net(), **COMPONENTS)
     _train(s, model, ow, scheds, 0, 3, 2)
+    from stratagem import env
     from stratagem.checkpoint import directory, manifest, single_file
 
+    for _ in range(s.rank + 1):  # each rank's streams elsewhere: a rank's own must come back
+        _draws()
     reads = []
     hashers = {m: m.hash_file for m in (single_file, directory, manifest)}
     for module, func in hashers.items():  # count re-reads of written files
@@ -308,6 +320,9 @@ def first_half(work_dir):
         for module, func in hashers.items():
             module.hash_file = func
     out['reread_after_write'] = [str(p) for p in reads]
+    rng = env.get_rng_state()  # iter_3_full.pth below saves these streams too
+    out['draws_3'] = _draws()
+    env.set_rng_state(rng)
     out['state_3'] = _full_state(s)
     s.state_dict_type = 'full'
     s.save_checkpoint('iter_3_full.pth', extra_ckpt={'meta': {'iter': 3}})
@@ -684,6 +699,7 @@ def _resume(work_dir, name, world, stop=MAX_ITERS, save=None):
         warnings.simplefilter('always')
         ckpt = s.resume(str(Path(work_dir) / name))
     out = {
+        'draws': _draws(),
         'loaded': _full_state(s),
         'iter': ckpt['meta']['iter'],
         'resumed_lr': [g['lr'] for g in ow.param_groups],
@@ -963,6 +979,9 @@ def test_resume_two_ranks_bit_exact(scenario):
             assert out[name]['lr'] == ref['lr']
         _assert_equal_states(out['iter_3']['loaded'], ref['state_3'])
         assert out['iter_3']['rng_warning'] == []  # same world size: streams restored
+        # each rank's own streams, from its own file (sharded) or the gathered list (full)
+        assert out['iter_3']['draws'] == out['iter_3_full.pth']['draws'] == ref['draws_3']
+    assert scenario[0]['iter_3']['draws'] != scenario[1]['iter_3']['draws']
 
 
 @pytest.mark.scenario('two_to_one')

@@ -55,6 +55,11 @@ class FSDPStorage(CheckpointStorage):
         return not self.full()
 
     @override
+    def own_keys(self) -> frozenset[str]:
+        """Sharded: each rank's RNG state goes to its own file (``rng_states/rank_{r}.pth``)."""
+        return frozenset() if self.full() else frozenset({'rng_states'})
+
+    @override
     def validate(self, checkpoint: dict) -> list[str]:
         return validate_checkpoint_content(local_tensors(checkpoint))
 
@@ -78,12 +83,18 @@ class FSDPStorage(CheckpointStorage):
             super().write(checkpoint, path, commit)
             return
         assert checkpoint is not None  # every rank writes its shards
-        partial = checkpoint.pop('partial_grads', None)  # this rank's own, to its own file
+        # this rank's own values, each to its own file: the pending gradients (the part
+        # hands over this rank's alone when sharded) and the keys of own_keys()
+        per_rank = {
+            key: checkpoint.pop(key)
+            for key in ('partial_grads', *sorted(commit.own_keys))
+            if key in checkpoint
+        }
         save_sharded_checkpoint(
             path,
             checkpoint,
             step=commit.step,
-            partial_grads=partial,
+            per_rank=per_rank,
             vote=commit.vote,
             process_group=self._writer_group,
             extra_manifest=self.extra_manifest(),
