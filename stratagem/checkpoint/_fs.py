@@ -7,13 +7,14 @@ recognise (and only ever delete) what a crashed save of ours left behind.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import re
 import secrets
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,7 @@ def write_new(path: Path, data: bytes) -> None:
 
 _SYNC_POOL: ThreadPoolExecutor | None = None
 _SYNC_POOL_LOCK = threading.Lock()
+_SOON: list[Future] = []  # fsync_dir_soon's jobs not known to be done
 
 
 def fsync_together(paths: list[Path]) -> None:
@@ -88,11 +90,24 @@ def fsync_together(paths: list[Path]) -> None:
 
 
 def fsync_dir_soon(directory: Path) -> None:
-    """Fsync ``directory`` on the fsync pool's thread, without waiting: for a rename whose
-    durability nothing after it depends on (the latest pointer's: lost to a power cut, it
-    names the previous checkpoint, which is complete). The pool's threads finish their work
-    before the interpreter exits."""
-    _sync_pool().submit(fsync_dir, directory)
+    """Fsync ``directory`` on the fsync pool's thread, without waiting: for the latest
+    pointer's rename (lost to a power cut, it names the previous checkpoint, which is
+    complete). A deletion of a checkpoint waits for it first (``wait_soon``), so the previous
+    checkpoint cannot go while the pointer's rename may still be undone. The pool's threads
+    finish their work before the interpreter exits."""
+    job = _sync_pool().submit(fsync_dir, directory)
+    with _SYNC_POOL_LOCK:
+        _SOON[:] = [j for j in _SOON if not j.done()] + [job]
+
+
+def wait_soon() -> None:
+    """Return when every ``fsync_dir_soon`` issued so far is durable (its errors ignored: the
+    rename it made durable was already done, and the next commit fsyncs the directory again)."""
+    with _SYNC_POOL_LOCK:
+        pending, _SOON[:] = list(_SOON), []
+    for job in pending:
+        with contextlib.suppress(OSError):
+            job.result()
 
 
 def _sync_pool() -> ThreadPoolExecutor:

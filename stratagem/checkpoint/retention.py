@@ -147,7 +147,9 @@ def delete_checkpoint(
 
 
 def _delete_checkpoint(path: Path) -> None:
-    # Steps 1-3 of the module docstring: rename away, then the manifest, then the temp entry.
+    # Steps 1-3 of the module docstring: rename away, then the manifest, then the temp entry;
+    # after the pointer's last rename is durable (it may name the checkpoint kept instead).
+    _fs.wait_soon()
     doomed = path.with_name(f'.{path.name}.trash-{os.getpid()}-{secrets.token_hex(4)}')
     try:
         os.replace(path, doomed)

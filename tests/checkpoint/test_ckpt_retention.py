@@ -154,3 +154,32 @@ def test_delete_checkpoint_removes_one_of_ours_never_the_pointed_or_protected(tm
     assert not (tmp_path / 'epoch_1.pth.manifest.json').exists()
     assert not any(n.startswith('.') for n in os.listdir(tmp_path))  # no trash left
     assert not delete_checkpoint(old)  # already gone
+
+
+def test_deletion_waits_for_the_pointers_directory_fsync(tmp_path, monkeypatch):
+    # The pointer's rename is made durable off the save's path (_fs.fsync_dir_soon); until
+    # it is, a power cut could bring back a pointer naming the checkpoint retention deletes.
+    import threading
+
+    from stratagem.checkpoint import _fs
+
+    paths = [_save(tmp_path, s) for s in range(1, 4)]
+    release, started = threading.Event(), threading.Event()
+    real = _fs.fsync_dir
+
+    def slow_fsync_dir(directory):
+        started.set()
+        assert release.wait(10)
+        real(directory)
+
+    monkeypatch.setattr(_fs, 'fsync_dir', slow_fsync_dir)
+    _fs.fsync_dir_soon(tmp_path)
+    assert started.wait(10)
+    removed: list = []
+    deleter = threading.Thread(target=lambda: removed.extend(apply_retention(tmp_path, 1)))
+    deleter.start()
+    deleter.join(0.3)
+    assert deleter.is_alive() and removed == [] and all(p.exists() for p in paths)
+    release.set()
+    deleter.join(10)
+    assert sorted(removed) == sorted(paths[:2]) and paths[2].exists()
