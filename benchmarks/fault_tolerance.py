@@ -198,13 +198,14 @@ def launch(cfg: Path, work: Path, arm: str, kills: list[int], restarts: int) -> 
     return run
 
 
-def _attempts(out: Path) -> int:
-    """How many attempts of a launch logged their start (``training: iterations``) in
-    ``out`` so far."""
+def _attempts(out: Path) -> tuple[int, int]:
+    """How many attempts of a replica group logged their start (``training: iterations``)
+    in ``out`` so far, and how many healed from a peer."""
     try:
-        return out.read_text(errors='replace').count('training: iterations ')
+        text = out.read_text(errors='replace')
     except OSError:
-        return 0
+        return 0, 0
+    return text.count('training: iterations '), text.count(' healed from replica group ')
 
 
 def _first_batch(count: Path, proc: subprocess.Popen) -> float:
@@ -340,9 +341,9 @@ def launch_groups(cfg: Path, work: Path, arm: str, kills: list[int]) -> Run:
     Recovery: the kill -> the relaunched group's start line (``training: iterations``),
     written once it healed from group 0, ready to train. The job is done when group 0 exits
     (it holds the final state and wrote the last checkpoint), so the wall time ends there. A
-    kill whose group comes back after that (the survivor, alone, outran torchrun's relaunch:
-    a run too short for its kills) counts in ``unrecovered`` and ends the kills: that group
-    resumed the survivor's last checkpoint instead of healing, outside the wall time."""
+    kill whose group comes back without a heal (the survivor, alone, outran torchrun's
+    relaunch and finished: a run too short for its kills) counts in ``unrecovered`` and ends
+    the kills: that group resumed the survivor's last checkpoint instead."""
     import threading
 
     from failure_helpers import Lighthouse, kill_tree, start, workers
@@ -389,22 +390,25 @@ def launch_groups(cfg: Path, work: Path, arm: str, kills: list[int]) -> Run:
                 time.sleep(0.002)
             if ended or groups[1].poll() is not None:
                 break  # the survivor finished first: no more failures to inject
-            attempts = _attempts(outs[1])
+            attempts, heals = _attempts(outs[1])
             os.kill(victim, signal.SIGKILL)
             killed = time.monotonic()
             run.lost.append(0)  # the survivor's steps go on: no step is trained twice
             # back: the relaunched group's start line, after its heal (or its resume)
-            while groups[1].poll() is None and _attempts(outs[1]) == attempts:
+            while groups[1].poll() is None and _attempts(outs[1])[0] == attempts:
                 time.sleep(0.005)
-            if _attempts(outs[1]) > attempts:
-                run.recoveries.append(time.monotonic() - killed)
-            if ended:  # it came back to no peer: it resumed the survivor's last checkpoint
+            back = time.monotonic()
+            if _attempts(outs[1])[1] > heals:
+                run.recoveries.append(back - killed)
+            else:  # it came back to no peer: it resumed the survivor's last checkpoint
                 run.unrecovered += 1
                 print(
-                    f'{arm}: group 0 finished {ended[0] - killed:.1f} s after the kill at '
-                    f'iteration {at}, before group 1 came back (raise --iters for more kills)',
+                    f'{arm}: group 1 came back {back - killed:.1f} s after the kill at '
+                    f'iteration {at}, once group 0 had finished: no heal (raise --iters for '
+                    'more kills)',
                     flush=True,
                 )
+                break
         codes = [groups[0].wait(timeout=900)]
         watcher.join()
         run.wall = ended[0] - t0
