@@ -342,8 +342,8 @@ def launch_groups(cfg: Path, work: Path, arm: str, kills: list[int]) -> Run:
     written once it healed from group 0, ready to train. The job is done when group 0 exits
     (it holds the final state and wrote the last checkpoint), so the wall time ends there. A
     kill whose group comes back without a heal (the survivor, alone, outran torchrun's
-    relaunch and finished: a run too short for its kills) counts in ``unrecovered`` and ends
-    the kills: that group resumed the survivor's last checkpoint instead."""
+    relaunch and finished, or was finishing: a run too short for its kills) counts in
+    ``unrecovered`` and ends the kills: that group resumed the survivor's last checkpoint."""
     import threading
 
     from failure_helpers import Lighthouse, kill_tree, start, workers
@@ -404,8 +404,8 @@ def launch_groups(cfg: Path, work: Path, arm: str, kills: list[int]) -> Run:
                 run.unrecovered += 1
                 print(
                     f'{arm}: group 1 came back {back - killed:.1f} s after the kill at '
-                    f'iteration {at}, once group 0 had finished: no heal (raise --iters for '
-                    'more kills)',
+                    f'iteration {at} without a heal: group 0 had finished, or was finishing '
+                    '(raise --iters for more kills)',
                     flush=True,
                 )
                 break
@@ -540,8 +540,8 @@ def report(args: argparse.Namespace, runs: list[Run], raw: list[float]) -> None:
         late = sum(r.unrecovered for r in mine)
         if late:
             print(
-                f'  {arm}: {late} of {len(lost)} kills came back after the survivor finished '
-                '(resumed its last checkpoint, no heal; raise --iters)'
+                f'  {arm}: {late} of {len(lost)} kills came back as the survivor finished '
+                '(resumed its last checkpoint, no heal at the start; raise --iters)'
             )
 
 
