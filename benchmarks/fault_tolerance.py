@@ -13,7 +13,11 @@ medians of ``--runs`` runs (arms interleaved run by run, the kill iterations dra
 run and shared by the arms): useful steps per minute of wall time (``max_iters`` / the launch's
 wall time) and its ratio to the raw loop's, work lost per failure (iterations completed before
 the kill that the restart trained again), recovery time (kill -> the restarted workers' first
-batch: torchrun's restart, imports, the resume's load, the data's skip).
+batch: torchrun's restart, imports, the resume's load, the data's skip). Under (b) the job
+is done when the survivor, group 0, exits (its wall time ends there), and the recovery is
+the kill -> the relaunched group's start line, once healed; the survivor steps on alone
+meanwhile, so a run too short for torchrun's relaunch makes fewer kills (a line says so:
+raise ``--iters``, e.g. 600 with ``--kill-every 150`` and ``--arms b``).
 
 ``--part load``: time to resume the same state (a larger model, weights + AdamW) from a peer
 copy in ``/dev/shm`` vs from a checkpoint on local disk, in one process: the disk file's
@@ -116,6 +120,9 @@ class Run:
     lost: list[int] = field(default_factory=list)
     ok: bool = False
     tiers: list[str] = field(default_factory=list)
+    # (b): kills after which the survivor finished before the killed group came back (its
+    # relaunch then resumes the survivor's last checkpoint instead of healing)
+    unrecovered: int = 0
 
 
 def _env(count: Path, shm: Path) -> dict:
@@ -189,6 +196,16 @@ def launch(cfg: Path, work: Path, arm: str, kills: list[int], restarts: int) -> 
     run.lost = [at - 1 - s for at, s in zip(kills, starts)]
     run.tiers = re.findall(r'resume tier: (\w+)', out)
     return run
+
+
+def _attempts(out: Path) -> tuple[int, int]:
+    """How many attempts of a replica group logged their start (``training: iterations``)
+    in ``out`` so far, and how many healed from a peer."""
+    try:
+        text = out.read_text(errors='replace')
+    except OSError:
+        return 0, 0
+    return text.count('training: iterations '), text.count(' healed from replica group ')
 
 
 def _first_batch(count: Path, proc: subprocess.Popen) -> float:
@@ -308,7 +325,7 @@ def arm_replica_groups(
         print(
             f'run {index + 1} {arm:20s} kills at {kill}: ok={run.ok} wall {run.wall:6.1f} s '
             f'lost {run.lost} recovery {[round(r, 2) for r in run.recoveries]} '
-            f'healed {run.tiers}',
+            f'healed {run.tiers}' + (f' not back: {run.unrecovered}' if run.unrecovered else ''),
             flush=True,
         )
         shutil.rmtree(work, ignore_errors=True)
@@ -319,7 +336,16 @@ def launch_groups(cfg: Path, work: Path, arm: str, kills: list[int]) -> Run:
     """``stratagem lighthouse``, then 2 groups ``stratagem train cfg --nproc 1 --replica-id I
     --lighthouse ADDR``; each of ``kills`` a SIGKILL of group 1's process once group 0 (the
     survivor, never restarted) reads that iteration's batch. Group 1's torchrun relaunches
-    it (``--max-restarts``) and it heals from group 0."""
+    it (``--max-restarts``) and it heals from group 0.
+
+    Recovery: the kill -> the relaunched group's start line (``training: iterations``),
+    written once it healed from group 0, ready to train. The job is done when group 0 exits
+    (it holds the final state and wrote the last checkpoint), so the wall time ends there. A
+    kill whose group comes back without a heal (the survivor, alone, outran torchrun's
+    relaunch and finished, or was finishing: a run too short for its kills) counts in
+    ``unrecovered`` and ends the kills: that group resumed the survivor's last checkpoint."""
+    import threading
+
     from failure_helpers import Lighthouse, kill_tree, start, workers
 
     run = Run(arm, kills)
@@ -345,8 +371,13 @@ def launch_groups(cfg: Path, work: Path, arm: str, kills: list[int]) -> Run:
             )
         run.start = _first_batch(counts[0], groups[0]) - t0
         survivor = workers(groups[0].pid, 1)[0]
+        ended: list[float] = []  # group 0's exit, the job's end
+        watcher = threading.Thread(
+            target=lambda: (groups[0].wait(), ended.append(time.monotonic())), daemon=True
+        )
+        watcher.start()
         for at in kills:
-            if groups[0].poll() is not None or groups[1].poll() is not None:
+            if ended or groups[1].poll() is not None:
                 break  # the survivor finished first: no more failures to inject
             try:
                 victim = workers(groups[1].pid, 1, timeout=60)[0]
@@ -355,21 +386,33 @@ def launch_groups(cfg: Path, work: Path, arm: str, kills: list[int]) -> Run:
             # group 1 trains (joined, or healed after the last kill), then group 0 is there
             while _batches(counts[1], victim) < 1 and groups[1].poll() is None:
                 time.sleep(0.002)
-            while _batches(counts[0], survivor) < at and groups[0].poll() is None:
+            while _batches(counts[0], survivor) < at and not ended:
                 time.sleep(0.002)
-            if groups[0].poll() is not None or groups[1].poll() is not None:
+            if ended or groups[1].poll() is not None:
                 break  # the survivor finished first: no more failures to inject
-            seen = set(os.listdir(counts[1]))
+            attempts, heals = _attempts(outs[1])
             os.kill(victim, signal.SIGKILL)
             killed = time.monotonic()
-            while groups[1].poll() is None:
-                if set(os.listdir(counts[1])) - seen:  # the relaunched group, healed, reads
-                    run.recoveries.append(time.monotonic() - killed)
-                    break
-                time.sleep(0.002)
             run.lost.append(0)  # the survivor's steps go on: no step is trained twice
-        codes = [g.wait(timeout=900) for g in groups]
-        run.wall = time.monotonic() - t0
+            # back: the relaunched group's start line, after its heal (or its resume)
+            while groups[1].poll() is None and _attempts(outs[1])[0] == attempts:
+                time.sleep(0.005)
+            back = time.monotonic()
+            if _attempts(outs[1])[1] > heals:
+                run.recoveries.append(back - killed)
+            else:  # it came back to no peer: it resumed the survivor's last checkpoint
+                run.unrecovered += 1
+                print(
+                    f'{arm}: group 1 came back {back - killed:.1f} s after the kill at '
+                    f'iteration {at} without a heal: group 0 had finished, or was finishing '
+                    '(raise --iters for more kills)',
+                    flush=True,
+                )
+                break
+        codes = [groups[0].wait(timeout=900)]
+        watcher.join()
+        run.wall = ended[0] - t0
+        codes.append(groups[1].wait(timeout=900))
         # a step trains its participants' batches: the survivor's alone while the other is
         # down (the batches a killed process read in its last, uncommitted step are in too)
         run.samples = BATCH * sum(os.path.getsize(p) for c in counts for p in c.iterdir())
@@ -471,7 +514,9 @@ def report(args: argparse.Namespace, runs: list[Run], raw: list[float]) -> None:
         'steps/min: of the whole wall time; trained: from the first batch on (without the '
         "launch's imports and set-up); samples/min: the samples the steps trained on, of the "
         'whole wall time (raw: 2 x 32 a step); failures: the kills made (a run whose survivor '
-        "ends first makes fewer); recovery: kill -> the restarted workers' first batch"
+        "ends first makes fewer); recovery: kill -> the restarted workers' first batch, for "
+        "(b) the relaunched group's start line (healed); (b)'s wall time ends at group 0's "
+        "exit, the job's end"
     )
     print(
         f'{"arm":26s} {"steps/min":>9s} {"x raw":>6s} {"trained":>8s} {"x raw":>6s} '
@@ -492,6 +537,12 @@ def report(args: argparse.Namespace, runs: list[Run], raw: list[float]) -> None:
             f'{statistics.median(rec) if rec else float("nan"):10.2f} '
             f'{sum(r.ok for r in mine):5d}/{len(mine)}'
         )
+        late = sum(r.unrecovered for r in mine)
+        if late:
+            print(
+                f'  {arm}: {late} of {len(lost)} kills came back as the survivor finished '
+                '(resumed its last checkpoint, no heal at the start; raise --iters)'
+            )
 
 
 # ------------------------------------------------------------------ the load part

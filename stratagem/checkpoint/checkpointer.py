@@ -267,13 +267,16 @@ class Checkpointer:
         finally:
             self.capturing_local = False
 
-    def shard_meshes(self, state: Mapping[str, Stateful]) -> list:
-        """The meshes the DTensors of ``state``'s parts lie on as a peer copy captures them
-        (``peer.shard_meshes``; ``[]``: none): what a restart compares its copies' with."""
-        from .peer import shard_meshes
+    def shard_layout(self, state: Mapping[str, Stateful]) -> tuple[list, str | None]:
+        """The meshes the DTensors of ``state``'s parts lie on and which tensors this rank
+        holds shards of, as a peer copy captures them (``peer.shard_meshes``, ``[]``: none;
+        ``peer.shard_digest``, None: none): what a restart compares its copies' with."""
+        from .peer import shard_digest, shard_meshes, split_shards
 
         with self.local_capture():
-            return shard_meshes({key: part.state_dict() for key, part in state.items()})
+            live = {key: part.state_dict() for key, part in state.items()}
+        records = split_shards(live)[1]
+        return shard_meshes(records), shard_digest(records)
 
     # ------------------------------------------------------------------------ load
     def agree(self, filename: str) -> str:

@@ -25,8 +25,11 @@ Sharded state (FSDP's DTensors) is kept as each rank's local shards: :func:`spli
 replaces every DTensor of the content by its local tensor and records, under
 ``content['peer_layout']``, where it was and how it was laid out (global shape, stride,
 placements, mesh shape and dimension names, this rank's mesh coordinate); the manifest names
-the meshes (``meshes``). A restart uses such a copy only on the same world size and the same
-meshes (:meth:`PeerCopies.plan`'s ``meshes``; else storage, the log line saying why), and
+the meshes (``meshes``) and which of the model's tensors the rank holds shards of
+(``shards``, :func:`shard_digest`: a pipeline's ranks hold their stage's). A restart uses
+such a copy only on the same world size, the same meshes and the same shards per rank
+(:meth:`PeerCopies.plan`'s ``meshes`` and ``shards``; else storage, the log line saying why:
+another pipeline cut, another model), and
 :func:`join_shards` puts each shard back around the live DTensor at the same place, checked
 against the record.
 
@@ -94,6 +97,7 @@ __all__ = [
     'join_shards',
     'peer_root',
     'scan_copies',
+    'shard_digest',
     'shard_meshes',
     'split_shards',
 ]
@@ -141,11 +145,13 @@ def scan_copies(
     *,
     hash_bytes: bool = True,
     meshes: list | None = None,
+    shards: str | None = None,
 ) -> Scan:
     """Every committed copy of rank ``rank``'s state in ``directory`` whose bytes match its
     manifest (``hash_bytes=False``: its size) and whose manifest says it is that rank's at
     this world size, its shards on ``meshes`` (:func:`shard_meshes`; None: not checked; a
-    manifest without them: none, an unsharded state's)."""
+    manifest without them: none, an unsharded state's), of the model tensors ``shards`` says
+    (:func:`shard_digest` of what that rank holds now; None: not checked)."""
     steps: dict[int, str] = {}
     refused: list[tuple[str, str]] = []
     try:
@@ -181,6 +187,16 @@ def scan_copies(
                     str(path),
                     f'a copy of the shards on {describe_meshes(saved)}; this run lays them '
                     f'out on {describe_meshes(meshes)} (a copy restores only its own layout)',
+                )
+            )
+            continue
+        if shards is not None and manifest.get('shards', shards) != shards:
+            refused.append(
+                (
+                    str(path),
+                    f'a copy of the shards of other model tensors than rank {rank} holds in '
+                    'this run (another pipeline cut or another model: a copy restores only '
+                    'the tensors it holds)',
                 )
             )
             continue
@@ -231,6 +247,22 @@ def shard_meshes(records_or_state: Any) -> list:
         records = split_shards({'state': records_or_state})[1]
     found = sorted({(tuple(r[4]), tuple(r[5])) for r in records})
     return [[list(shape), list(names)] for shape, names in found]
+
+
+def shard_digest(records_or_state: Any) -> str | None:
+    """Which of the model's tensors (the content's ``state_dict``) a rank holds shards of,
+    and their global shapes, as a short digest (the manifest's ``shards``; None: no shard):
+    from :func:`split_shards`' records, or of a live state. Under a pipeline each rank's
+    names its stage's tensors, so a copy taken at another cut is told apart before a load."""
+    records = records_or_state
+    if not isinstance(records_or_state, list):
+        records = split_shards(records_or_state)[1]
+    held = sorted(
+        ('.'.join(str(k) for k in r[0][1:]), r[1]) for r in records if r[0][:1] == ['state_dict']
+    )
+    if not held:
+        return None
+    return hashlib.sha256(repr(held).encode()).hexdigest()[:16]
 
 
 def describe_meshes(meshes: list) -> str:
@@ -453,9 +485,10 @@ class PeerCopies:
         name = f'{_PREFIX}{step}{_SUFFIX}'
         content, records = split_shards(content)
         whose: dict[str, Any] = {'peer_rank': self.rank, 'world_size': self.world_size}
-        if records:  # sharded: the shards, where they go, and the meshes a restart checks
+        if records:  # sharded: the shards, where they go, and the layout a restart checks
             content[LAYOUT_KEY] = records
             whose['meshes'] = shard_meshes(records)
+            whose['shards'] = shard_digest(records)
         own, failed = None, ''
         try:
             own = save_checkpoint(
@@ -500,21 +533,34 @@ class PeerCopies:
 
     # ----------------------------------------------------------------------- load
     def plan(
-        self, storage: tuple[str, int | None] | None, meshes: list | None = None
+        self,
+        storage: tuple[str, int | None] | None,
+        meshes: list | None = None,
+        shards: str | None = None,
     ) -> PeerChoice:
         """What a restart loads (collective): see :func:`choose`; ``storage``: the newest
         storage checkpoint and its iteration, the same on every rank (None: none);
         ``meshes``: this run's (:func:`shard_meshes` of its model's state; None: not
-        checked): a copy of shards on other meshes is not used. Own copies are hashed here
-        (the load then reads verified bytes); a held copy only when it is fetched
+        checked): a copy of shards on other meshes is not used; ``shards``: this rank's
+        :func:`shard_digest` of its model's state (None: not checked): a copy of other
+        tensors' shards (another pipeline cut) is not used. Own copies are
+        hashed here (the load then reads verified bytes); a held copy only when it is fetched
         (:meth:`fetch`), its size checked here. The copies refused on any rank are in the
         returned reason."""
         from stratagem import env  # see the package doc: env only when a checkpoint is read
 
         self.wait()  # this process's copy in flight (an API caller's): committed first
-        own = scan_copies(self.own_dir, self.rank, self.world_size, meshes=meshes)
+        kept = shards  # the shards of the rank whose copy this one holds: that rank's now
+        if self.world_size > 1:
+            kept = env.all_gather_object(shards, self.group)[self.keeps]
+        own = scan_copies(self.own_dir, self.rank, self.world_size, meshes=meshes, shards=shards)
         held = scan_copies(
-            self.held_dir, self.keeps, self.world_size, hash_bytes=False, meshes=meshes
+            self.held_dir,
+            self.keeps,
+            self.world_size,
+            hash_bytes=False,
+            meshes=meshes,
+            shards=kept,
         )
         found = env.all_gather_object(
             (sorted(own.steps), sorted(held.steps), own.refused + held.refused), self.group

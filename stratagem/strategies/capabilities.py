@@ -69,8 +69,9 @@ class Capabilities:
     def peer_copies(self) -> bool:
         """The content one rank captures for a checkpoint restores that rank alone, on the
         same world size and mesh: the whole state, or its DTensor shards (``fully_shards``:
-        kept with their layout, ``checkpoint/peer.py``): what peer checkpoints
-        (``default_hooks.checkpoint.peer_interval``) need. Not so where an engine's files
+        kept with their layout, ``checkpoint/peer.py``; under a pipeline, its stage's):
+        what peer checkpoints (``default_hooks.checkpoint.peer_interval``) need. Not so
+        where an engine's files
         hold the state (DeepSpeed: its model states are written by one rank, each rank's
         optimizer partition by the engine's own save) or where the optimizer state is
         consolidated on one rank to be saved (fairscale's OSS, ``zero_stage``)."""

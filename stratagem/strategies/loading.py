@@ -320,9 +320,10 @@ def _resume_from_peer(
     new, of shards on this run's meshes); returns None (the copies removed) when storage
     wins. Either way one log line says which tier and why."""
     storage = None if stored is None else (stored[1], stored[2])
-    # a copy of shards restores only the layout it was taken on: the model's meshes now
-    meshes = strategy.checkpointer.shard_meshes({'state_dict': strategy.model_part()})
-    choice = peer.plan(storage, meshes)
+    # a copy of shards restores only the layout it was taken on: the model's meshes now, and
+    # which of its tensors this rank holds (a pipeline stage's)
+    meshes, shards = strategy.checkpointer.shard_layout({'state_dict': strategy.model_part()})
+    choice = peer.plan(storage, meshes, shards)
     if choice.step is None:
         if stored is not None or choice.reason != 'no peer copies':  # else: a fresh start
             strategy.logger.info(f'resume tier: storage ({choice.reason})')

@@ -174,7 +174,13 @@ def test_a_copy_of_shards_keeps_the_local_ones_and_their_layout_and_restores_on_
 ):
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from stratagem.checkpoint.peer import LAYOUT_KEY, join_shards, shard_meshes, split_shards
+    from stratagem.checkpoint.peer import (
+        LAYOUT_KEY,
+        join_shards,
+        shard_digest,
+        shard_meshes,
+        split_shards,
+    )
 
     weight = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
     optimizer = {'state': {'w': {'exp_avg': weight * 2, 'step': torch.tensor(3.0)}}}
@@ -212,6 +218,15 @@ def test_a_copy_of_shards_keeps_the_local_ones_and_their_layout_and_restores_on_
     assert refused.steps == {} and refused.refused[0][1] == (
         'a copy of the shards on the mesh (shard=1); this run lays them out on the mesh '
         '(replicate=1, shard=1) (a copy restores only its own layout)'
+    )
+    # the same mesh, other tensors sharded on this rank (a pipeline cut elsewhere): not used
+    mine = shard_digest(records)
+    assert mine == shard_digest(content) and shard_digest({'w': torch.ones(1)}) is None
+    assert scan_copies(peer.own_dir, 0, 1, shards=mine).steps == {2: str(path)}
+    refused = scan_copies(peer.own_dir, 0, 1, shards=shard_digest({'state_dict': {'v': weight}}))
+    assert refused.steps == {} and refused.refused[0][1] == (
+        'a copy of the shards of other model tensors than rank 0 holds in this run (another '
+        'pipeline cut or another model: a copy restores only the tensors it holds)'
     )
     # another model behind the same mesh: named, nothing half restored
     other = {'state_dict': {'w': distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])}}

@@ -3,7 +3,9 @@ processes and ``pipeline=2 × shard=2`` on 4 train as one process does on the wh
 (float64, SGD with momentum and AdamW with accumulation and clipping, 10 steps); the loss
 ``train_step`` returns is the reference's on every rank; a checkpoint saved at pipeline=2
 resumes bit-exactly at pipeline=2, and with its weights and optimizer state exactly with
-``mesh=dict(shard=2)`` and on one process; ``stratagem convert`` reads it. The refusals run
+``mesh=dict(shard=2)`` and on one process; ``stratagem convert`` reads it. The peer copies
+(written in the background) kept at the same iteration restore every stage's weights and
+AdamW state bit for bit, and are not used at another cut of the stages. The refusals run
 in the test process, and on every rank where they need the batch. In the slow tier: the same
 checkpoint resumed at another stage count (``pipeline=4``) and at ``pipeline=2 × shard=2``,
 on 4 processes.
@@ -118,7 +120,18 @@ def _whole(s):
     }
 
 
-def _train(s, ow, start, stop, save=None):
+def _peer(s, root):
+    """The run's peer copies under ``root``, as the loop keeps them: written in the
+    background over a gloo group of their own, every rank on this node."""
+    import torch.distributed as dist
+
+    from stratagem.checkpoint.peer import PeerCopies
+
+    group = dist.new_group(backend='gloo')
+    return PeerCopies(root, s.rank, s.world_size, group=group, same_node=True, background=True)
+
+
+def _train(s, ow, start, stop, save=None, peer=None):
     from stratagem.models import TransformerLM
 
     losses = []
@@ -129,6 +142,8 @@ def _train(s, ow, start, stop, save=None):
         losses.append(s.train_step(x, y, TransformerLM.loss).item())
         if save and it + 1 == SAVE_AT:
             s.save_checkpoint(save, extra_ckpt={'meta': {'iter': SAVE_AT}})
+            if peer is not None:  # each stage rank's own state, its shards and their layout
+                s.save_peer_copy(peer, extra_ckpt={'meta': {'iter': SAVE_AT}})
     return losses
 
 
@@ -139,9 +154,12 @@ def _run(work, mesh, schedule, optim, save=False):
     torch.manual_seed(1)  # prepare's init_weights draws as the reference's does
     _, ow = s.prepare(model, optim_wrapper=OPTIMS[optim], dispatch_kwargs=dict(max_iters=STEPS))
     saved = str(Path(work) / f'{name}_saved') if save else None
-    losses = _train(s, ow, 0, SAVE_AT, save=saved)
+    peer = _peer(s, Path(work) / f'{name}_peer') if save else None
+    losses = _train(s, ow, 0, SAVE_AT, save=saved, peer=peer)
     at_save = _whole(s) if save else None
     losses += _train(s, ow, SAVE_AT, STEPS)
+    if peer is not None:
+        peer.close()
     return {
         'final': _whole(s),
         'at_save': at_save,
@@ -194,7 +212,24 @@ def _resume(work, mesh, name, splits=None):
 
 @SCENARIOS.add('two', needs=['pp2_1F1B_adamw'])
 def resume_pp2(work, pp2_1F1B_adamw):
-    return _resume(work, dict(pipeline=2), 'pp2')
+    result = _resume(work, dict(pipeline=2), 'pp2')
+    # then a restart's resume from the peer copies the saving run kept at SAVE_AT (its work_dir
+    # holds no storage checkpoint): each stage rank restores its own stage from its own copy
+    s = _strategy(Path(work) / 'resume_peer_pp2', dict(pipeline=2))
+    torch.manual_seed(7)
+    s.prepare(_model(), optim_wrapper=OPTIMS['adamw'], dispatch_kwargs=dict(max_iters=STEPS))
+    peer = _peer(s, Path(work) / '1F1B_adamw_peer')
+    ckpt = s.load_or_resume(resume=True, peer=peer)
+    peer.close()
+    result['peer'] = (ckpt['meta']['iter'], _whole(s))
+    # a restart that cuts the stages elsewhere: each rank holds other tensors, copies not used
+    s = _strategy(Path(work) / 'resume_peer_cut', dict(pipeline=2), splits=['blocks.1'])
+    s.prepare(_model(), optim_wrapper=OPTIMS['adamw'], dispatch_kwargs=dict(max_iters=STEPS))
+    peer = _peer(s, Path(work) / '1F1B_adamw_peer')
+    choice = peer.plan(None, *s.checkpointer.shard_layout({'state_dict': s.model_part()}))
+    peer.close()
+    result['other_cut'] = (choice.step, choice.reason)
+    return result
 
 
 @SCENARIOS.add('two', needs=['pp2_1F1B_adamw'])
@@ -303,6 +338,14 @@ def test_resume_at_the_same_stage_count_is_bit_exact(scenario):
     for r in scenario:
         _assert_equal(r['loaded'], saving['at_save'])
         _assert_equal(r['final'], saving['final'])
+        # and from the peer copies: every stage's weights and AdamW state, bit for bit
+        step, loaded = r['peer']
+        assert step == SAVE_AT
+        _assert_equal(loaded, saving['at_save'])
+        # not at another cut of the stages: storage instead, saying why
+        step, reason = r['other_cut']
+        assert step is None and 'other model tensors than rank 0 holds' in reason, reason
+        assert 'other model tensors than rank 1 holds' in reason, reason
 
 
 @pytest.mark.scenario('resume_shard2')
