@@ -110,6 +110,17 @@ def wait_soon() -> None:
             job.result()
 
 
+def _forget_pool_in_child() -> None:
+    # A forked child has none of the pool's threads: its jobs in flight would never finish
+    # there (the parent finishes them), and new ones need a pool of the child's own.
+    global _SYNC_POOL, _SYNC_POOL_LOCK
+    _SYNC_POOL, _SYNC_POOL_LOCK = None, threading.Lock()
+    _SOON.clear()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 def _sync_pool() -> ThreadPoolExecutor:
     global _SYNC_POOL
     with _SYNC_POOL_LOCK:
