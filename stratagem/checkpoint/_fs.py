@@ -69,9 +69,34 @@ def write_new(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-_SYNC_POOL: ThreadPoolExecutor | None = None
-_SYNC_POOL_LOCK = threading.Lock()
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
 _SOON: list[Future] = []  # fsync_dir_soon's jobs not known to be done
+
+
+def process_pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """This process's pool ``name``, started on first use and kept: a save starts no
+    threads (each start, and each join at the end, costs the saving thread a GIL handoff).
+    A forked child gets pools of its own (``_forget_pools_in_child``)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = ThreadPoolExecutor(
+                workers, thread_name_prefix=f'stratagem-{name}'
+            )
+        return pool
+
+
+def _forget_pools_in_child() -> None:
+    # A forked child has none of the pools' threads: their jobs in flight would never finish
+    # there (the parent finishes them), and new jobs need threads of the child's own.
+    global _POOLS_LOCK
+    _POOLS.clear()
+    _SOON.clear()
+    _POOLS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
 def fsync_together(paths: list[Path]) -> None:
@@ -82,7 +107,9 @@ def fsync_together(paths: list[Path]) -> None:
         for path in paths:
             (fsync_dir if path.is_dir() else fsync_file)(path)
         return
-    pool = _sync_pool()
+    # a directory commit's batch (manifest, directory, its folders, the files left to it,
+    # the pointer) fits the pool at once
+    pool = process_pool('fsync', 8)
     jobs = [pool.submit(fsync_dir if path.is_dir() else fsync_file, path) for path in paths[1:]]
     (fsync_dir if paths[0].is_dir() else fsync_file)(paths[0])  # one here: no handoff for it
     for job in jobs:
@@ -95,40 +122,19 @@ def fsync_dir_soon(directory: Path) -> None:
     complete). A deletion of a checkpoint waits for it first (``wait_soon``), so the previous
     checkpoint cannot go while the pointer's rename may still be undone. The pool's threads
     finish their work before the interpreter exits."""
-    job = _sync_pool().submit(fsync_dir, directory)
-    with _SYNC_POOL_LOCK:
+    job = process_pool('fsync', 8).submit(fsync_dir, directory)
+    with _POOLS_LOCK:
         _SOON[:] = [j for j in _SOON if not j.done()] + [job]
 
 
 def wait_soon() -> None:
     """Return when every ``fsync_dir_soon`` issued so far is durable (its errors ignored: the
     rename it made durable was already done, and the next commit fsyncs the directory again)."""
-    with _SYNC_POOL_LOCK:
+    with _POOLS_LOCK:
         pending, _SOON[:] = list(_SOON), []
     for job in pending:
         with contextlib.suppress(OSError):
             job.result()
-
-
-def _forget_pool_in_child() -> None:
-    # A forked child has none of the pool's threads: its jobs in flight would never finish
-    # there (the parent finishes them), and new ones need a pool of the child's own.
-    global _SYNC_POOL, _SYNC_POOL_LOCK
-    _SYNC_POOL, _SYNC_POOL_LOCK = None, threading.Lock()
-    _SOON.clear()
-
-
-os.register_at_fork(after_in_child=_forget_pool_in_child)
-
-
-def _sync_pool() -> ThreadPoolExecutor:
-    global _SYNC_POOL
-    with _SYNC_POOL_LOCK:
-        if _SYNC_POOL is None:
-            # a directory commit's batch (manifest, directory, its folders, the files left
-            # to it, the pointer) fits at once
-            _SYNC_POOL = ThreadPoolExecutor(8, thread_name_prefix='stratagem-fsync')
-        return _SYNC_POOL
 
 
 def write_atomic(final: Path, data: bytes) -> None:

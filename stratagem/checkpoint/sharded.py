@@ -33,7 +33,6 @@ import io
 import os
 import re
 import sys
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
@@ -43,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._fs import process_pool
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
 from .digest import file_entry, new_hasher
 from .directory import save_directory, verify_directory
@@ -158,10 +158,10 @@ def save_sharded_checkpoint(
         # .metadata at the commit, together with the manifest (one journal commit, not two
         # in a row: nothing reads the staging directory before the commit anyway)
         writer = dcp.FileSystemWriter(staging, thread_count=1, sync_files=False)
-        aside = _pool('side', 1)
+        aside = process_pool('side', 1)
         pending = [aside.submit(_write_side, obj, staging / name) for obj, name in side]
         try:
-            writer.fs = fs = _hashing_fs(_pool('hash', 2))
+            writer.fs = fs = _hashing_fs(process_pool('hash', 2))
             with crc32_option(False), warnings.catch_warnings():
                 # one process on purpose (convert): not DCP's "assuming ..." guess
                 warnings.filterwarnings('ignore', message='torch.distributed is disabled')
@@ -209,22 +209,6 @@ def save_sharded_checkpoint(
 
 def _entry(path: Path, size: int, digest: str) -> dict:
     return file_entry(path, size, digest)  # type: ignore[arg-type]
-
-
-_POOLS: dict[str, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def _pool(name: str, workers: int) -> ThreadPoolExecutor:
-    """This process's pool ``name``, started on first use and kept: a save starts no
-    threads (each start, and each join at the end, costs the saving thread a GIL handoff)."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(name)
-        if pool is None:
-            pool = _POOLS[name] = ThreadPoolExecutor(
-                workers, thread_name_prefix=f'stratagem-{name}'
-            )
-        return pool
 
 
 def _write_side(obj: Any, path: Path) -> dict:

@@ -183,3 +183,40 @@ def test_deletion_waits_for_the_pointers_directory_fsync(tmp_path, monkeypatch):
     release.set()
     deleter.join(10)
     assert sorted(removed) == sorted(paths[:2]) and paths[2].exists()
+
+
+def test_a_forked_child_saves_and_deletes_with_pools_of_its_own(tmp_path, monkeypatch):
+    # A child forked while a pointer's fsync is in flight has none of the pool's threads:
+    # it must neither wait for that job nor queue work on a pool with no threads.
+    import threading
+
+    from stratagem.checkpoint import _fs
+
+    paths = [_save(tmp_path, s) for s in range(1, 3)]
+    release = threading.Event()
+    real = _fs.fsync_dir
+    monkeypatch.setattr(_fs, 'fsync_dir', lambda d: (release.wait(10), real(d)))
+    _fs.fsync_dir_soon(tmp_path)  # in flight in the parent until released
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            monkeypatch.setattr(_fs, 'fsync_dir', real)
+            _save(tmp_path, 3)
+            _fs.fsync_together([tmp_path, paths[0]])
+            code = 0 if sorted(apply_retention(tmp_path, 1)) == sorted(paths) else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        release.set()
+        pytest.fail('the forked child hung on its parent\'s fsync pool')
+    release.set()
+    assert os.waitstatus_to_exitcode(status) == 0
