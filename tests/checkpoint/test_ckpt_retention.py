@@ -217,6 +217,6 @@ def test_a_forked_child_saves_and_deletes_with_pools_of_its_own(tmp_path, monkey
         os.kill(pid, 9)
         os.waitpid(pid, 0)
         release.set()
-        pytest.fail('the forked child hung on its parent\'s fsync pool')
+        pytest.fail("the forked child hung on its parent's fsync pool")
     release.set()
     assert os.waitstatus_to_exitcode(status) == 0
