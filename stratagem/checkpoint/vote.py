@@ -33,6 +33,7 @@ saves of a long run, and no save waits for the deletions' round trips.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import queue
@@ -57,15 +58,23 @@ _TIDIER: threading.Thread | None = None
 
 
 def _tidy(job: Callable[[], None]) -> None:
-    """Run ``job`` (a closed vote's cleanup) on the helper thread, in the order given. A
-    daemon thread: a process that exits leaves what is pending (a few keys in a store that
-    goes with the job)."""
+    """Run ``job`` (a closed vote's cleanup) on the helper thread, in the order given. The
+    process waits for what is pending when it exits (``_drain``, at most 10 s): a daemon
+    thread still inside a store request while the interpreter tears the stores down aborts
+    the process ("terminate called without an active exception", seen after a run's last
+    save)."""
     global _TIDIER
     with _STORE_LOCK:
         if _TIDIER is None or not _TIDIER.is_alive():
+            if _TIDIER is None:
+                atexit.register(_drain)
             _TIDIER = threading.Thread(target=_tidy_loop, daemon=True, name='stratagem-vote-tidy')
             _TIDIER.start()
     _TIDY.put(job)
+
+
+def _drain() -> None:
+    wait_tidied(10.0)
 
 
 def _tidy_loop() -> None:

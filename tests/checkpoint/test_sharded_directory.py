@@ -358,3 +358,20 @@ def test_dcp_errors_are_described_by_their_first_rank():
         "CheckpointException: rank 0: KeyError: 'state_dict.w' (ranks [0, 1])"
     )
     assert describe_error(OSError('disk')) == 'OSError: disk'
+
+
+def test_a_process_exits_only_after_its_closed_votes_are_tidied(tmp_path):
+    # The tidy-up runs on a daemon thread; left inside a store request while the interpreter
+    # tears down, it aborted processes at exit. Exit now waits for the queue.
+    import subprocess
+    import sys
+
+    mark = tmp_path / 'tidied'
+    code = (
+        'import time\n'
+        'from stratagem.checkpoint import vote\n'
+        f'vote._tidy(lambda: (time.sleep(0.5), open({str(mark)!r}, "w").close()))\n'
+    )
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert mark.exists()
