@@ -7,7 +7,8 @@ change nothing in the training):
   copies (newer than the newest checkpoint), as rank 0's log line says;
 - a run killed without restarts, rank 0's own copy removed: ``--resume`` takes the peer tier,
   rank 0 getting its copy back from its holder; killed again, every copy removed from
-  ``/dev/shm``'s stand-in: ``--resume`` falls back to storage.
+  ``/dev/shm``'s stand-in: ``--resume`` falls back to storage;
+- the first case under FSDPStrategy, whose copies hold each rank's shards.
 """
 
 import os
@@ -100,4 +101,29 @@ def test_resume_takes_a_copy_from_its_holder_then_falls_back_to_storage(
     assert code == 0, out[-4000:]
     assert _tier_lines(out) == ['resume tier: storage (no peer copies)'], out[-4000:]
     assert 'training: iterations 16-32 (resumed after 15)' in out
+    assert equal(final_state(work), want)
+
+
+def test_a_killed_fsdp_worker_restarts_from_its_shards_peer_copies_bit_exact(tmp_path):
+    # FSDP's copies hold each rank's own shards (saved in full: state_dict_type='full', so
+    # the final checkpoint is one file to compare); the reference is the same run uninterrupted
+    fsdp = "strategy = dict(type='FSDPStrategy', state_dict_type='full',"
+    text = CONFIG.replace("strategy = dict(type='auto',", fsdp)
+    assert text != CONFIG
+    ref = tmp_path / 'ref'
+    ref.mkdir()
+    cfg = write_config(ref, text + 'default_hooks = dict(checkpoint=dict(peer_interval=3))\n')
+    env = clean_env(STRATAGEM_PEER_DIR=str(tmp_path / 'shm_ref'))
+    code, out = finish(start(cfg, ref / 'work', '--nproc', '2', env=env))
+    assert code == 0, out[-4000:]
+    want = final_state(ref / 'work')
+    work, count = tmp_path / 'work', tmp_path / 'count'
+    count.mkdir()
+    env = clean_env(COUNT_DIR=str(count), SLOW='0.01', STRATAGEM_PEER_DIR=str(tmp_path / 'shm'))
+    # killed in iteration 23: the newest checkpoint iter_20, the newest copies iteration 21
+    code, out = finish(_killed(cfg, work, env, 4 * 22 + 2, '--max-restarts', '1'))
+    assert code == 0, out[-4000:]
+    (tier,) = _tier_lines(out)
+    assert tier.startswith('resume tier: peer (peer copies of iteration 21'), out[-4000:]
+    assert 'training: iterations 22-32 (resumed after 21)' in out
     assert equal(final_state(work), want)
