@@ -84,16 +84,8 @@ def register_format(name: str, detect: Callable[[Path], bool], read: Reader) -> 
 def detect_format(path: str | Path, backend_args: Mapping | None = None) -> str | None:
     """The name of ``path``'s format, or None when no format matches (or it is missing).
     A URL (``backend_args``: its storage options): from its objects and manifest
-    (``remote_directory.remote_format``)."""
-    if is_url(path):
-        from .remote_directory import remote_format
-
-        return remote_format(str(path), backend_args)
-    path = Path(path)
-    for name, (detect, _) in FORMATS.items():
-        if detect(path):
-            return name
-    return None
+    (``remote_directory.remote_detect``)."""
+    return detect(path, backend_args)[0]
 
 
 def detect(
@@ -106,7 +98,11 @@ def detect(
         from .remote_directory import remote_detect
 
         return remote_detect(str(path), backend_args)
-    return detect_format(path), None
+    local = Path(path)
+    for name, (matches, _) in FORMATS.items():
+        if matches(local):
+            return name, None
+    return None, None
 
 
 def read_whole(

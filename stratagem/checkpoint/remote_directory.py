@@ -76,7 +76,6 @@ __all__ = [
     'prepare_remote_target',
     'read_remote_manifest',
     'remote_detect',
-    'remote_format',
     'remove_directory',
     'remote_identity',
     'upload_directory',
@@ -503,19 +502,14 @@ def _download(remote: RemoteDirectory, local: Path) -> None:
     (local / DIR_MANIFEST).write_bytes(dump_manifest(remote.manifest))
 
 
-def remote_format(url: str, backend_args: Mapping | None = None) -> str | None:
-    """The format of the checkpoint at ``url`` (``formats.FORMATS``' names): ``'file'`` for
-    an object, a directory's from its manifest's files (``'sharded'``: DCP metadata,
-    ``'zero'``: DeepSpeed's, ``'hf'``: safetensors weights); None when nothing is there."""
-    return remote_detect(url, backend_args)[0]
-
-
 def remote_detect(
     url: str, backend_args: Mapping | None = None
 ) -> tuple[str | None, tuple[dict, str] | None]:
-    """``remote_format``'s answer, and a directory's manifest it read with that manifest's
-    sha256 (None for an object or nothing): passed on as ``found=`` to the verification,
-    one load reads the manifest once."""
+    """The format of the checkpoint at ``url`` (``formats.FORMATS``' names): ``'file'`` for
+    an object, a directory's from its manifest's files (``'sharded'``: DCP metadata,
+    ``'zero'``: DeepSpeed's, ``'hf'``: safetensors weights), None when nothing is there; and
+    a directory's manifest it read with that manifest's sha256 (None for an object or
+    nothing): passed on as ``found=`` to the verification, one load reads the manifest once."""
     fs, root = _root(url, backend_args)
     found = read_remote_manifest(url, backend_args)
     if found is None:
@@ -525,7 +519,7 @@ def remote_detect(
 
 
 def directory_format(manifest: dict) -> str:
-    """A directory manifest's format, from the files it lists (``remote_format``)."""
+    """A directory manifest's format, from the files it lists (``remote_detect``)."""
     paths = {e['path'] for e in manifest['files']}
     if any(p.startswith('deepspeed/') for p in paths):
         return 'zero'

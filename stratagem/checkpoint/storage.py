@@ -69,11 +69,10 @@ class SaveCommit:
         *,
         backend_args: Mapping | None = None,
         also_point: str | None = None,
-        own_keys: frozenset[str] = frozenset(),
     ) -> None:
         self.vote, self.step, self.held = vote, step, held
         self.rank = rank
-        self.own_keys = own_keys
+        self.own_keys: frozenset[str] = frozenset()  # set by the save once it knows them
         self.reached = False
         #: a URL target's storage options; a local directory whose ``last_checkpoint`` also
         #: names the committed checkpoint (a run's work_dir when checkpoints go elsewhere)

@@ -99,7 +99,6 @@ class DDPStrategy(BaseStrategy):
         self.sync_bn = sync_bn
         # checked, its id and lighthouse resolved, before the process group is set up
         self._fault_tolerance = FaultTolerance.option(fault_tolerance)
-        self.replica_group: ReplicaGroup | None = None
         env_kwargs = distributed_env_kwargs(kwargs, 'DDPStrategy')
         super().__init__(env_kwargs=env_kwargs, **kwargs)
         if self._fault_tolerance is not None:

@@ -251,8 +251,8 @@ class ReplicaGroup:
         self._step = _Step()
         self._module: nn.Module | None = None
         self._wrapper: Any = None
-        # the all-reduce's buffer, the shards' shapes and its views shaped like them
-        self._flat: tuple[torch.Tensor, list[torch.Size], list[torch.Tensor]] | None = None
+        # the all-reduce's buffer and its views shaped like the shards
+        self._flat: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self._pg: Any = None
         self._store: Any = None
         self.heals: list[Heal] = []
@@ -439,15 +439,15 @@ class ReplicaGroup:
         """One buffer for the step's all-reduce and a view of it shaped like each shard, kept
         from step to step while the shapes stay (one buffer and its views a run)."""
         shapes = [shard.shape for shard in shards]
-        if self._flat is None or shapes != self._flat[1]:
+        if self._flat is None or shapes != [view.shape for view in self._flat[1]]:
             # the widest dtype of the parameters: no gradient loses precision
             dtype = functools.reduce(torch.promote_types, (shard.dtype for shard in shards))
             flat = torch.empty(
                 sum(shard.numel() for shard in shards), dtype=dtype, device=shards[0].device
             )
             views = flat.split([shard.numel() for shard in shards])
-            self._flat = (flat, shapes, [v.view(shape) for v, shape in zip(views, shapes)])
-        return self._flat[0], self._flat[2]
+            self._flat = (flat, [v.view(shape) for v, shape in zip(views, shapes)])
+        return self._flat
 
     # ------------------------------------------------------------------ what the step said
     @property
@@ -490,9 +490,7 @@ class ReplicaGroup:
         (FSDP) over every rank's shards (collective: every rank of the group calls it)."""
         assert self._module is not None
         own = state_digest(self._module, self._wrapper)
-        if env.get_world_size() == 1 or not any(
-            _is_dtensor(t) for t in self._module.state_dict().values()
-        ):
+        if env.get_world_size() == 1 or not any(_is_dtensor(p) for p in self._module.parameters()):
             return own
         return hashlib.sha256(' '.join(env.all_gather_object(own)).encode()).hexdigest()
 
@@ -503,22 +501,23 @@ class ReplicaGroup:
             self.manager = None
 
     # ------------------------------------------------------------------ heal's state
-    def _signature(self) -> dict[str, list]:
-        assert self._module is not None
+    @staticmethod
+    def _signature(model_state: dict[str, Any]) -> dict[str, list]:
         # a shard's own shape too: a peer group of another size holds other shards
         return {
             name: [list(t.shape), str(t.dtype)]
             + ([list(_local(t).shape)] if _is_dtensor(t) else [])
-            for name, t in self._module.state_dict().items()
+            for name, t in model_state.items()
         }
 
     def _state(self) -> dict[str, Any]:
         assert self._module is not None
+        model_state = self._module.state_dict()
         # shards as plain tensors: a DTensor would carry its mesh to the peer
         return {
             'group': self.replica_id,
-            'signature': self._signature(),
-            'model': local_tensors(self._module.state_dict()),
+            'signature': self._signature(model_state),
+            'model': local_tensors(model_state),
             'optimizer': local_tensors(self._wrapper.state_dict()),
             **{key: shared.state() for key, shared in self._extras.items()},
         }
@@ -526,7 +525,8 @@ class ReplicaGroup:
     def _load_peer_state(self, state: dict[str, Any]) -> None:
         assert self._module is not None
         peer = int(state['group'])
-        problem = _signature_difference(self._signature(), state['signature'])
+        own = self._module.state_dict()
+        problem = _signature_difference(self._signature(own), state['signature'])
         if problem:
             raise ReplicaGroupError(
                 f'replica group {self.replica_id} cannot heal from replica group {peer}: its '
@@ -534,7 +534,6 @@ class ReplicaGroup:
                 'config. Start this group with the config the others run (or give it another '
                 'lighthouse if it is another job)'
             )
-        own = self._module.state_dict()
         if any(_is_dtensor(t) for t in own.values()):
             with torch.no_grad():  # into this rank's shards, which the peer's rank sent
                 for name, tensor in own.items():

@@ -73,7 +73,6 @@ from stratagem.checkpoint.directory import (
     verify_directory,
     write_directory_files,
 )
-from stratagem.checkpoint.errors import CheckpointCorruptError
 from stratagem.checkpoint.formats import detect
 from stratagem.checkpoint.location import is_url
 from stratagem.checkpoint.remote_directory import (
@@ -213,7 +212,12 @@ class ZeroStorage(CheckpointStorage):
         world = env.get_world_size()
         if int(found[0].get('world_size', world)) != world:
             return False
-        return optimizer or not self.engine().zero_optimization_partition_weights()
+        return not self._consolidates(optimizer)
+
+    def _consolidates(self, optimizer: bool) -> bool:
+        """DeepSpeed's load consolidates the weights from every rank's files (by their paths,
+        found through a `latest` file): under ZeRO-3 when the optimizer is left out."""
+        return not optimizer and self.engine().zero_optimization_partition_weights()
 
     def _verify_streamed(
         self, path: str, found: tuple[dict, str], optimizer: bool
@@ -236,12 +240,7 @@ class ZeroStorage(CheckpointStorage):
             reads=functools.partial(rank_reads, rank=rank, optimizer=optimizer),
             check=archive,
         )
-        listed = set(remote.entries)
-        if STATE_FILE not in listed or not any(p.startswith(f'{DEEPSPEED_TAG}/') for p in listed):
-            raise CheckpointCorruptError(
-                f'{path} is a stratagem checkpoint but not a DeepSpeed one '
-                f'(no {STATE_FILE} and {DEEPSPEED_TAG}/)'
-            )
+        check_zero_layout(path, set(remote.entries))
         return remote
 
     def _verify(self, path: str, found: tuple[dict, str] | None = None) -> tuple[Path, dict]:
@@ -355,10 +354,12 @@ class ZeroStorage(CheckpointStorage):
         self, directory: Path, tag: str, optimizer: bool, shown: str | None = None
     ) -> None:
         engine = self.engine()
-        # ZeRO-3 without the optimizer: DeepSpeed consolidates the weights from every rank's
-        # files and finds them through a `latest` file, not through `tag`
-        consolidates = not optimizer and engine.zero_optimization_partition_weights()
-        view = _latest_view(directory, tag) if consolidates else contextlib.nullcontext(directory)
+        # a consolidating load finds the files through a `latest` file, not through `tag`
+        view = (
+            _latest_view(directory, tag)
+            if self._consolidates(optimizer)
+            else contextlib.nullcontext(directory)
+        )
         with view as load_dir:
             loaded, _ = engine.load_checkpoint(
                 str(load_dir),

@@ -55,10 +55,14 @@ def is_zero_checkpoint(path: str | os.PathLike) -> bool:
     return path.is_dir() and (path / STATE_FILE).is_file() and (path / DEEPSPEED_TAG).is_dir()
 
 
-def check_zero_layout(path: str | os.PathLike) -> None:
+def check_zero_layout(path: str | os.PathLike, listed: set[str] | None = None) -> None:
     """Raise ``CheckpointCorruptError`` unless the committed directory ``path`` is laid out as
-    a DeepSpeedStrategy checkpoint."""
-    if not is_zero_checkpoint(path):
+    a DeepSpeedStrategy checkpoint (at a URL: its manifest's ``listed`` file paths)."""
+    if listed is None:
+        laid_out = is_zero_checkpoint(path)
+    else:
+        laid_out = STATE_FILE in listed and any(p.startswith(f'{DEEPSPEED_TAG}/') for p in listed)
+    if not laid_out:
         raise CheckpointCorruptError(
             f'{path} is a stratagem checkpoint but not a DeepSpeed one '
             f'(no {STATE_FILE} and {DEEPSPEED_TAG}/)'

@@ -108,7 +108,6 @@ class FSDPStrategy(BaseStrategy):
     ) -> None:
         # checked, its id and lighthouse resolved, before the process group is set up
         self._fault_tolerance = FaultTolerance.option(fault_tolerance)
-        self.replica_group: ReplicaGroup | None = None
         self.wrap_cfg = parse_model_wrapper(model_wrapper)
         self.state_dict_type = parse_state_dict_cfg(state_dict_type, state_dict_cfg)
         self.ac_check = parse_activation_checkpointing(activation_checkpointing)
@@ -123,7 +122,7 @@ class FSDPStrategy(BaseStrategy):
         self.tp_plan = parse_tensor_parallel_plan(tensor_parallel_plan)
         check_plan_fits_mesh(self.tp_plan, self.mesh_spec, mesh)
         self.pipeline_spec = parse_pipeline(pipeline, self.mesh_spec)
-        if self.pipeline_spec is not None and self._full:
+        if self.pipeline_spec is not None and self.state_dict_type == 'full':
             raise ValueError(
                 "state_dict_type='full' writes one file from rank 0, which holds only its "
                 "stages under a pipeline: use 'sharded' (each stage writes its shards), and "
