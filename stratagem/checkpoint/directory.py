@@ -9,7 +9,9 @@ convert``). Its three steps can also be called one by one (an asynchronous saver
 DeepSpeed's storage do): ``begin_directory_save`` (rank 0 creates the staging directory and
 publishes it), ``write_directory_files`` (this rank's files, fsynced and hashed here; an
 error is returned, not raised), ``finish_directory_save`` (the vote, then rank 0's
-``finalize_directory``: manifest, rename into place, pointer). What each step does, and
+``finalize_directory``: manifest, rename into place, pointer); or carried by the
+collectives of a writer that has its own (``CollectiveCommit``: DCP's, for FSDP's sharded
+save to a local path; the vote then only names a rank that died). What each step does, and
 what a failure at each leaves, is told once: docs/architecture.md, 'Save' (the directory
 commit).
 
@@ -31,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import _fs
 from ._fs import TEMP_RE
@@ -50,7 +52,7 @@ from .manifest import (
     verify_file,
 )
 from .names import check_final_name, check_step
-from .rank_errors import all_ok, describe_error, raise_first
+from .rank_errors import all_ok, dcp_failures, describe_error, raise_first
 from .vote import SaveVote
 
 __all__ = [
@@ -62,11 +64,14 @@ __all__ = [
     'finalize_directory',
     'verify_directory',
     'DirectoryWriteResult',
+    'CollectiveCommit',
 ]
 
 PathLike = str | os.PathLike
 WriteFn = Callable[[Path], 'Iterable[PathLike | dict] | None']
 _NOT_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)
+#: seconds a rank may show no sign of life in a save's vote opened here (``SaveVote``)
+VOTE_TIMEOUT = 600.0
 
 
 @dataclass
@@ -275,28 +280,18 @@ def _finish(
     what = f'saving checkpoint directory {final_dir}'
     if vote is None:
         return _commit_alone(staging, final_dir, written, 1, commit)
+    if written.error is not None:
+        _fail_voted(staging, what, written.error, vote)
     if vote.rank != 0 and written.unsynced and not is_url(os.fspath(final_dir)):
         # rank 0 commits: this rank's files are durable before it says they are written
         _fs.fsync_together([staging / p for p in written.unsynced])
-    vote.ready(
-        None if written.ok else describe_error(written.error),  # type: ignore[arg-type]
-        json.dumps(written.files) if written.ok else None,
-    )
+    vote.ready(None, json.dumps(written.files))
     if vote.rank != 0:
-        if not written.ok:
-            vote.concluded = True  # rank 0 learns it from the vote; close() acknowledges
-            _raise_own(written.error, what)  # type: ignore[arg-type]
         vote.wait_outcome()
         if is_url(os.fspath(final_dir)):
             return final_dir
         return staging.parent / TEMP_RE.match(staging.name)['final']  # type: ignore[index]  # rank 0's final name
     try:
-        if not written.ok:
-            try:
-                vote.wait_others()  # a peer that died is named (it may be why this rank failed)
-            except CheckpointVoteError as err:
-                raise err from written.error
-            _raise_own(written.error, what)  # type: ignore[arg-type]
         payloads = vote.wait_ready()
         final = commit([json.loads(p) for p in payloads], vote.world_size)
     except BaseException as err:
@@ -307,7 +302,132 @@ def _finish(
     return final
 
 
-def _raise_own(error: BaseException, what: str) -> None:
+def _fail_voted(staging: Path | None, what: str, error: BaseException, vote: SaveVote) -> NoReturn:
+    """This rank's part of a save failed: every rank posts its error through the vote; rank
+    0 waits for the others (naming a peer that died: it may be why this rank failed),
+    removes ``staging`` (None: it made none) and posts the outcome, then raises."""
+    vote.ready(describe_error(error))
+    if vote.rank != 0:
+        vote.concluded = True  # rank 0 learns it from the vote; close() acknowledges
+        _raise_own(error, what)
+    try:
+        try:
+            vote.wait_others()
+        except CheckpointVoteError as err:
+            raise err from error
+        _raise_own(error, what)
+    except BaseException as err:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        vote.post_outcome(str(err) if isinstance(err, CheckpointVoteError) else describe_error(err))
+        raise
+
+
+class CollectiveCommit:
+    """Steps 1-3 carried by the collectives of a writer that has its own (DCP's save: the
+    planning gather and scatter, the write gather, the finish broadcast), which carry what
+    the vote would: rank 0's staging directory to every rank (``begin``, in DCP's global
+    plan), every rank's files or its error to rank 0 (``files``, in each rank's write
+    result), rank 0's commit and its outcome to every rank (``commit``, in DCP's finish). A
+    save that succeeds posts nothing to the store (``SaveVote.settle``); one that fails on
+    any rank fails on every rank, through DCP (``fail``: each rank's own error, or one naming
+    the rank that failed), and a rank that got a bare error (a peer died inside a collective)
+    goes through the vote, which names the dead (``vote``: None in one process).
+
+    ``collective=False``: this process alone (``world_size`` only what ``extra_manifest``
+    says), as ``save_directory``'s."""
+
+    def __init__(
+        self,
+        final_dir: PathLike,
+        vote: SaveVote | None,
+        *,
+        step: int | None = None,
+        extra_manifest: dict | None = None,
+        update_pointer: bool = True,
+        collective: bool = True,
+    ) -> None:
+        check_step(step)
+        check_extra_manifest(extra_manifest)
+        if collective:
+            _check_vote(vote, 'CollectiveCommit')
+        self.final = check_final_name(final_dir)
+        self.vote = vote if collective else None
+        self.collective = collective
+        self._step, self._extra, self._pointer = step, extra_manifest, update_pointer
+        #: rank 0's staging directory, on every rank once the writer handed it out
+        self.staging: Path | None = None
+        self._mine = False  # this rank created ``staging`` (and removes it on a failure)
+
+    @property
+    def what(self) -> str:
+        return f'saving checkpoint directory {self.final}'
+
+    def begin(self) -> Path:
+        """Step 1 (rank 0, once every rank's plan is in): the staging directory."""
+        self.staging, self._mine = new_staging_dir(self.final), True
+        return self.staging
+
+    def files(self, staging: PathLike, written: Iterable[PathLike | dict]) -> list[dict]:
+        """Step 2 (every rank, its files written into rank 0's ``staging``): their entries
+        (as ``write_directory_files`` makes them; raises instead of returning the error)."""
+        self.staging = Path(staging)
+        return [_hash_written(self.staging, item) for item in written]
+
+    def commit(self, per_rank: list[list[dict]], unsynced: list[str]) -> Path:
+        """Step 3 (rank 0, every rank's entries in hand): ``finalize_directory``; a failure
+        removes the staging directory before it reaches the other ranks."""
+        if self.staging is None:
+            raise RuntimeError('CollectiveCommit.commit before begin')
+        world = len(per_rank) if self.collective else None
+        try:
+            return _commit(
+                self.staging,
+                self.final,
+                per_rank,
+                world,
+                step=self._step,
+                extra_manifest=self._extra,
+                update_pointer=self._pointer,
+                unsynced=unsynced,
+            )
+        except BaseException:  # removed before the writer tells the other ranks
+            shutil.rmtree(self.staging, ignore_errors=True)
+            raise
+
+    def done(self) -> Path:
+        """After the writer returned on this rank: the committed directory (rank 0's name)."""
+        if self.vote is not None:
+            self.vote.settle()
+        assert self.staging is not None  # handed out before any rank wrote
+        return self.staging.parent / TEMP_RE.match(self.staging.name)['final']  # type: ignore[index]
+
+    def fail(self, error: BaseException) -> NoReturn:
+        """The writer raised ``error`` on this rank: raise on every rank, nothing committed
+        (rank 0 removes the staging directory)."""
+        if isinstance(error, _NOT_CAUGHT) or self.vote is None:
+            if self._mine:
+                shutil.rmtree(self.staging, ignore_errors=True)  # type: ignore[arg-type]
+            if isinstance(error, _NOT_CAUGHT):
+                raise error
+        failures = dcp_failures(error)
+        rank = 0 if self.vote is None else self.vote.rank
+        if rank in failures:  # its own error, as it raised it
+            error = failures[rank]
+        elif failures:  # every rank has this: another rank's error
+            other, cause = next(iter(failures.items()))
+            what = self.what if self.vote is None else self.vote.what  # as the vote says it
+            error = CheckpointVoteError(
+                f'{what} failed on rank {other}: {type(cause).__name__}: {cause}; '
+                'nothing was committed'
+            )
+            error.__cause__ = cause
+        if self.vote is None:
+            _raise_own(error, self.what)
+        _fail_voted(self.staging if self._mine else None, self.what, error, self.vote)
+
+
+def _raise_own(error: BaseException, what: str) -> NoReturn:
     if isinstance(error, Exception):
         raise error
     # a BaseException (DCP's CheckpointException) becomes an Exception, so that callers'
@@ -368,7 +488,7 @@ def save_directory(
     extra_manifest: dict | None = None,
     update_pointer: bool = True,
     vote: SaveVote | None = None,
-    timeout: float = 600.0,
+    timeout: float = VOTE_TIMEOUT,
     collective: bool = True,
     backend_args: Mapping | None = None,
     also_point: PathLike | None = None,

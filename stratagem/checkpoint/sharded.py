@@ -18,9 +18,10 @@ Layout of ``NAME/`` (every file listed in ``NAME/manifest.json`` with size and d
 Every rank verifies before anything is read (``verify_directory``); DCP's own unpickler only
 ever sees files whose hashes matched.
 
-This module owns the layout, the save (the files DCP writes are sized beforehand, checked
-against the free space, and hashed on their way to disk through a DCP ``FileSystem`` whose
-streams record each file's size and digest, so the manifest costs no second read), the reads
+This module owns the layout, the save (the files DCP writes are sized beforehand and
+checked against the free space; ``dcp_writer.DirectoryWriter`` hashes them on their way to
+disk, so the manifest costs no second read, and carries the directory commit in DCP's own
+collectives: ``directory.CollectiveCommit``), the reads
 (verified, through ``ShardReader``, ``dcp_reader.py``, into mmengine's layout), and the state
 dicts they move: an optimizer state converted between FQN keys (what is saved) and
 ``torch.optim``'s flat parameter indices, and the walks over a state's tensors.
@@ -28,15 +29,12 @@ dicts they move: an optimizer state converted between FQN keys (what is saved) a
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,14 +42,14 @@ import torch
 
 from ._fs import process_pool
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
-from .digest import file_entry, new_hasher
-from .directory import save_directory, verify_directory
+from .directory import VOTE_TIMEOUT, CollectiveCommit, save_directory, verify_directory
 from .disk import OVERHEAD_BYTES, check_free_space, payload_bytes
 from .errors import CheckpointCorruptError
 from .load import load_checkpoint_file
 from .location import is_url
 from .rank_errors import all_ok, dcp_failures, describe_error, raise_first
 from .torch_file import crc32_option, write_torch_file
+from .vote import SaveVote
 
 if TYPE_CHECKING:  # remote_directory (and fsspec behind it) loads when a URL is used
     from typing_extensions import TypeIs
@@ -81,7 +79,6 @@ GROUPS_KEY = 'optimizer_param_groups'  # extra.pth: a copy of the param groups (
 PER_RANK_KEYS = ('partial_grads', 'rng_states')
 DCP_KEYS = ('state_dict', 'optimizer')
 _OPTIM_TENSOR_KEYS = ('state', 'param_groups')  # an optimizer state's part saved by DCP
-_OVERLAP_BYTES = 1 << 20  # writes this large are hashed on a helper thread meanwhile
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -142,48 +139,18 @@ def save_sharded_checkpoint(
     if rank == 0:
         side.append((extra, Path(EXTRA_FILE)))
 
-    def write(staging: Path) -> list[dict]:
-        # every file is hashed as it is written and fsynced once: no second read. torch's
-        # per-record zip CRC32 (DCP torch.saves each tensor) is off: our digest covers every
-        # byte. Rank 0's extra.pth and each rank's own files (its RNG state, its pending
-        # gradients) are written on a thread meanwhile, mostly overlapping DCP's planning
-        # collectives and its fsync.
-        # a full disk is refused before anything is written (the staging dir is still empty)
-        # (at a URL the local disk that stages the files)
-        where = staging if is_url(os.fspath(final_dir)) else Path(final_dir).absolute()
+    def start_side(directory: Path) -> list[futures.Future]:
+        # rank 0's extra.pth and each rank's own files (its RNG state, its pending
+        # gradients), written on a thread while DCP writes the shards
+        aside = process_pool('side', 1)
+        return [aside.submit(_write_side, obj, directory / name) for obj, name in side]
+
+    def check_space(where: Path) -> None:
+        # a full disk is refused before anything is written (at a URL: the local disk that
+        # stages the files)
         check_free_space(
             where, _bytes_needed(tensors, [obj for obj, _ in side]) * _ranks_sharing_disk()
         )
-        # DCP's fsyncs are ours (HashingFileSystem): each shard's as DCP would, rank 0's
-        # .metadata at the commit, together with the manifest (one journal commit, not two
-        # in a row: nothing reads the staging directory before the commit anyway)
-        writer = dcp.FileSystemWriter(staging, thread_count=1, sync_files=False)
-        aside = process_pool('side', 1)
-        pending = [aside.submit(_write_side, obj, staging / name) for obj, name in side]
-        try:
-            writer.fs = fs = _hashing_fs(process_pool('hash', 2))
-            with crc32_option(False), warnings.catch_warnings():
-                # one process on purpose (convert): not DCP's "assuming ..." guess
-                warnings.filterwarnings('ignore', message='torch.distributed is disabled')
-                dcp.save(
-                    tensors,
-                    storage_writer=writer,
-                    no_dist=not collective,
-                    process_group=process_group,
-                )
-            mine = [
-                {
-                    **_entry(p, *fs.written[os.fspath(p)]),
-                    **({'synced': False} if p.name == '.metadata' else {}),
-                }
-                for p in staging.iterdir()
-                if re.fullmatch(rf'__{rank}_\d+\.distcp', p.name)
-                or (rank == 0 and p.name == '.metadata')
-            ]
-            mine += [job.result() for job in pending]
-        finally:  # nothing writes into the staging directory once this returns
-            futures.wait(pending)
-        return mine
 
     held = validate_checkpoint_content(extra)  # allow-listed classes: named to a loader lacking one
     manifest = {
@@ -195,20 +162,57 @@ def save_sharded_checkpoint(
     }
     if not collective:
         manifest = {'world_size': 1, **manifest}
-    return save_directory(
-        final_dir,
-        write,
-        step=step,
-        extra_manifest=manifest,
-        vote=vote,
-        collective=collective,
-        backend_args=backend_args,
-        also_point=also_point,
+
+    def dcp_save(writer: Any) -> None:
+        # torch's per-record zip CRC32 (DCP torch.saves each tensor) is off: our digest
+        # covers every byte
+        with crc32_option(False), warnings.catch_warnings():
+            # one process on purpose (convert): not DCP's "assuming ..." guess
+            warnings.filterwarnings('ignore', message='torch.distributed is disabled')
+            dcp.save(
+                tensors, storage_writer=writer, no_dist=not collective, process_group=process_group
+            )
+
+    from .dcp_writer import DirectoryWriter
+
+    if is_url(os.fspath(final_dir)):  # each rank's files staged locally, then uploaded
+
+        def write(staging: Path) -> list[dict]:
+            writer = DirectoryWriter(staging, side=start_side, check=lambda: check_space(staging))
+            dcp_save(writer)
+            return writer.entries()
+
+        return save_directory(
+            final_dir,
+            write,
+            step=step,
+            extra_manifest=manifest,
+            vote=vote,
+            collective=collective,
+            backend_args=backend_args,
+            also_point=also_point,
+        )
+    own = (
+        SaveVote.open(VOTE_TIMEOUT, f'saving {final_dir}') if collective and vote is None else None
     )
-
-
-def _entry(path: Path, size: int, digest: str) -> dict:
-    return file_entry(path, size, digest)  # type: ignore[arg-type]
+    try:
+        commit = CollectiveCommit(
+            final_dir, own or vote, step=step, extra_manifest=manifest, collective=collective
+        )
+        writer = DirectoryWriter(
+            commit.final,
+            side=start_side,
+            check=lambda: check_space(commit.final),
+            commit=commit,
+        )
+        try:
+            dcp_save(writer)
+        except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is one; fail re-raises
+            commit.fail(err)
+        return commit.done()
+    finally:
+        if own is not None:
+            own.close()
 
 
 def _write_side(obj: Any, path: Path) -> dict:
@@ -463,78 +467,6 @@ def _ranks_sharing_disk() -> int:
         return max(1, int(os.environ.get('LOCAL_WORLD_SIZE', '1')))
     except ValueError:
         return 1
-
-
-class _HashingStream(io.RawIOBase):
-    """A write-only stream over a DCP file that hashes the bytes on their way to it; a large
-    write (a tensor's storage) is hashed on ``pool``'s thread while this one writes it (both
-    release the GIL), as ``digest.HashingWriter`` does for single files."""
-
-    def __init__(self, raw: Any, pool: ThreadPoolExecutor) -> None:
-        super().__init__()
-        self._raw, self._pool, self.hasher, self.size = raw, pool, new_hasher(), 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        if view.format != 'B' or view.ndim != 1:
-            view = view.cast('B')
-        if view.nbytes >= _OVERLAP_BYTES:
-            hashed = self._pool.submit(self.hasher.update, view)
-            self._raw.write(view)  # a buffered file: writes it all
-            hashed.result()  # before returning: the caller may reuse the memory
-        else:
-            self.hasher.update(view)
-            self._raw.write(view)
-        self.size += view.nbytes
-        return view.nbytes
-
-    def tell(self) -> int:  # DCP records item offsets
-        return self._raw.tell()
-
-    def fileno(self) -> int:  # DCP fsyncs its files
-        return self._raw.fileno()
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-
-def _hashing_fs(pool: ThreadPoolExecutor) -> Any:
-    """A new HashingFileSystem (the class is defined on first use: importing DCP is not
-    cheap)."""
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    class HashingFileSystem(FileSystem):
-        """DCP's file system, recording ``{path: (size, digest)}`` of every file written and
-        fsyncing each (DCP's writer is told not to), but DCP's metadata: the directory
-        commit fsyncs that with the manifest."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.written: dict[str, tuple[int, str]] = {}
-
-        @contextlib.contextmanager
-        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-            if 'w' not in mode:
-                with super().create_stream(path, mode) as stream:
-                    yield stream
-                return
-            with super().create_stream(path, mode) as raw:
-                stream = _HashingStream(raw, pool)
-                yield stream
-                raw.flush()
-                if not os.fspath(path).endswith('.metadata.tmp'):
-                    os.fsync(raw.fileno())
-            self.written[os.fspath(path)] = (stream.size, stream.hasher.hexdigest())
-
-        def rename(self, path: Any, new_path: Any) -> None:  # .metadata.tmp -> .metadata
-            super().rename(path, new_path)
-            if os.fspath(path) in self.written:
-                self.written[os.fspath(new_path)] = self.written.pop(os.fspath(path))
-
-    return HashingFileSystem()
 
 
 # ----------------------------------------------------------------------- DCP's reads

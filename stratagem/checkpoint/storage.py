@@ -94,7 +94,9 @@ class SaveCommit:
         error = None
         try:
             job()
-            if not self.reached and not (vote is not None and vote.ready_posted):
+            if not self.reached and not (
+                vote is not None and (vote.ready_posted or vote.concluded)
+            ):
                 self.gate()  # a rank with nothing to commit
         except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
             error = e

@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import itertools
+import os
 import queue
 import threading
 import time
@@ -92,6 +93,57 @@ def wait_tidied(timeout: float = 30.0) -> bool:
     done = threading.Event()
     _tidy(done.set)
     return done.wait(timeout)
+
+
+# The heartbeats of this process's open votes, all on one thread (``_beat_loop``), so that
+# opening a vote starts no thread: a vote's first beat is due at once, the next every
+# ``vote.beat`` s. A beat is sent under ``_BEAT_LOCK``: once ``_unbeat`` returns, no beat of
+# that vote is in flight or to come (its keys may go).
+_BEATING: dict[SaveVote, float] = {}  # open vote -> when its next beat is due
+_BEAT_LOCK = threading.Lock()
+_BEAT_WAKE = threading.Event()
+_BEATER: threading.Thread | None = None
+
+
+def _beat(vote: SaveVote) -> None:
+    global _BEATER
+    with _BEAT_LOCK:
+        _BEATING[vote] = 0.0
+        if _BEATER is None or not _BEATER.is_alive():  # the first, or a forked child's
+            _BEATER = threading.Thread(
+                target=_beat_loop, daemon=True, name='stratagem-ckpt-heartbeat'
+            )
+            _BEATER.start()
+    _BEAT_WAKE.set()
+
+
+def _unbeat(vote: SaveVote) -> None:
+    with _BEAT_LOCK:
+        _BEATING.pop(vote, None)
+
+
+def _beat_loop() -> None:
+    while True:
+        _BEAT_WAKE.clear()
+        with _BEAT_LOCK:
+            now = time.monotonic()
+            for vote, due in list(_BEATING.items()):
+                if due <= now:
+                    if vote.heartbeat():
+                        _BEATING[vote] = now + vote.beat
+                    else:
+                        del _BEATING[vote]
+            wait = min(_BEATING.values(), default=now + 60.0) - now
+        _BEAT_WAKE.wait(max(0.0, wait))
+
+
+def _after_fork() -> None:  # the parent's beater (and a lock it held) are not in the child
+    global _BEAT_LOCK, _BEATER
+    _BEAT_LOCK, _BEATER = threading.Lock(), None
+    _BEATING.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 class _LockedStore:
@@ -178,22 +230,18 @@ class SaveVote:
         self._store, self._prefix = store, prefix
         self._waiter = waiter if waiter is not None else store
         self.rank, self.world_size, self.timeout, self.what = rank, world_size, timeout, what
-        self._beat = max(0.05, min(1.0, timeout / 8))
+        self.beat = max(0.05, min(1.0, timeout / 8))  # s between heartbeats
         # a blocking wait returns the moment its key is posted; it times out (and c10d logs
         # a warning) only after this long, to check the peers' heartbeats: a quarter of the
         # timeout, at most 30 s (so a rank that died is named within timeout + 30 s)
-        self._chunk = max(self._beat, min(timeout / 4, 30.0))
+        self._chunk = max(self.beat, min(timeout / 4, 30.0))
         self._seen: dict[int, tuple[int | None, float]] = {}  # rank -> (beats, when seen)
         self._dead: set[int] = set()  # ranks found dead: nobody waits for them again
         self._settled = False  # the outcome reached every rank: the keys can go
-        self._published: list[str] = []
+        self._posted: list[str] = []  # this rank's keys, deleted once settled
         self.ready_posted = False  # step 2 done on this rank
         self.concluded = False  # step 4 done on this rank: the outcome is known (or posted)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._heartbeat, daemon=True, name='stratagem-ckpt-heartbeat'
-        )
-        self._thread.start()
+        _beat(self)
 
     @classmethod
     def open(cls, timeout: float, what: str) -> SaveVote | None:
@@ -212,7 +260,6 @@ class SaveVote:
     def publish(self, name: str, value: str) -> None:
         """Rank 0 shares ``value`` (e.g. the staging directory) with the other ranks."""
         self._set(f'share/{name}', value)
-        self._published.append(f'share/{name}')
 
     def receive(self, name: str) -> str:
         """Another rank: the value rank 0 gave to ``publish`` (waits for it, watching rank 0)."""
@@ -277,6 +324,12 @@ class SaveVote:
                 value if value.startswith(self.what) else f'{self.what} failed on rank 0: {value}'
             )
 
+    def settle(self) -> None:
+        """Steps 2-4 happened elsewhere: the save's writer carried every rank's result and
+        rank 0's outcome in collectives of its own (``directory.CollectiveCommit``: DCP's),
+        so every rank has the outcome and no key of steps 2-4 was posted."""
+        self.concluded = self._settled = True
+
     def close(self) -> None:
         """Leave the vote: a rank other than 0 marks the outcome read (also when it failed on
         its own and never waited for it), then this rank's heartbeat stops."""
@@ -286,19 +339,18 @@ class SaveVote:
                 self._set(f'read/{self.rank}', _OK)
             except Exception:  # noqa: BLE001 - the store is gone: rank 0 is not waiting
                 pass
-        self._stop.set()
+        _unbeat(self)
         keys = []
         if self._settled:  # nobody reads these keys again: the store server keeps no trace
-            keys = [f'ready/{self.rank}', f'alive/{self.rank}']
-            if self.rank == 0:  # after every rank read the outcome
-                keys += ['outcome', *self._published] + [
-                    f'read/{r}' for r in range(1, self.world_size)
-                ]
+            # (a rank's ``read`` flag is rank 0's to delete: it may still be waiting for it)
+            keys = [k for k in self._posted if not k.startswith('read/')]
+            keys.append(f'alive/{self.rank}')
+            if 'outcome' in self._posted:  # rank 0, after every rank read it
+                keys += [f'read/{r}' for r in range(1, self.world_size)]
         _tidy(lambda: self._delete(keys))
 
     def _delete(self, keys: list[str]) -> None:
         """After the heartbeat stopped (it would post ``alive`` again), ``keys`` go."""
-        self._thread.join()
         for key in keys:
             try:
                 self._store.delete_key(self._prefix + key)
@@ -306,14 +358,14 @@ class SaveVote:
                 pass
 
     # --------------------------------------------------------------- internals
-    def _heartbeat(self) -> None:
-        key = f'{self._prefix}alive/{self.rank}'
-        while not self._stop.is_set():
-            try:
-                self._store.add(key, 1)
-            except Exception:  # noqa: BLE001 - the store went away: the waits report it
-                return
-            self._stop.wait(self._beat)
+    def heartbeat(self) -> bool:
+        """One beat (the beater's thread); False once the store is gone (the waits report
+        it)."""
+        try:
+            self._store.add(f'{self._prefix}alive/{self.rank}', 1)
+        except Exception:  # noqa: BLE001 - the store went away: the waits report it
+            return False
+        return True
 
     def _await(self, keys: list[str], watch: set, doing: str) -> None:
         """Block until every key in ``keys`` is posted. Between blocking waits (``_chunk``
@@ -371,6 +423,7 @@ class SaveVote:
 
     def _set(self, key: str, value: str) -> None:
         self._store.set(self._prefix + key, value)
+        self._posted.append(key)
 
     def _get(self, key: str) -> str:
         return self._store.get(self._prefix + key).decode()

@@ -2,7 +2,8 @@
 
 Single-process checks first, then one 2-rank gloo spawn for the collective paths (success,
 a failure on one rank after the shards are written, a BaseException from the writer, a
-corrupt shard refused on every rank).
+corrupt shard refused on every rank), and one for a sharded save's commit in DCP's own
+collectives (nothing posted to the store; a failure on one rank in its write or its checks).
 """
 
 import json
@@ -375,3 +376,74 @@ def test_a_process_exits_only_after_its_closed_votes_are_tidied(tmp_path):
     done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert mark.exists()
+
+
+def _dcp_commit_checks(root):
+    """A sharded save's commit rides DCP's own collectives: a success posts nothing to the
+    store; a failure on rank 1 (in its write, or in its checks before anything is written)
+    fails the save on both ranks, rank 1 named, nothing committed."""
+    import torch
+
+    from stratagem.checkpoint import sharded
+    from stratagem.checkpoint.errors import CheckpointWriteError
+    from stratagem.checkpoint.vote import SaveVote
+    from stratagem.env import init_dist
+
+    init_dist('pytorch')
+    import torch.distributed as dist
+
+    rank, root, out = dist.get_rank(), Path(root), {}
+    content = {'state_dict': {'w': torch.arange(4.0)}, 'meta': {'iter': 1}}
+
+    def save(name, step):
+        vote = SaveVote.open(30.0, f'saving {root / name}')
+        try:
+            sharded.save_sharded_checkpoint(
+                root / name, content, step=step, per_rank={'rng_states': {'r': rank}}, vote=vote
+            )
+            return vote._posted
+        except BaseException as err:  # noqa: BLE001
+            return f'{type(err).__name__}: {err}'
+        finally:
+            vote.close()
+            dist.barrier()  # both ranks done (rank 0's staging removed) before listing
+
+    out['posted'] = save('iter_1', 1)
+    out['per_rank'] = sharded.read_sharded_checkpoint(root / 'iter_1')['rng_states']
+    real_side, real_space = sharded._write_side, sharded.check_free_space
+    if rank == 1:
+        sharded._write_side = lambda obj, path: (_ for _ in ()).throw(OSError('side failed'))
+    out['write_failed'] = save('iter_2', 2)
+    out['listing_write'] = sorted(p.name for p in root.iterdir())
+    sharded._write_side = real_side
+    if rank == 1:
+
+        def full(where, needed):
+            raise CheckpointWriteError(28, f'no space left on device writing {where}')
+
+        sharded.check_free_space = full
+    out['check_failed'] = save('iter_3', 3)
+    out['listing_check'] = sorted(p.name for p in root.iterdir())
+    sharded.check_free_space = real_space
+    out['latest'] = str(find_latest_checkpoint(root))
+    return out
+
+
+def test_a_sharded_save_commits_in_dcps_collectives(tmp_path):
+    res = run_distributed(_dcp_commit_checks, nproc=2, args=(str(tmp_path),), timeout=120)
+    for out in res:
+        assert out['posted'] == [], out  # the outcome reached every rank through DCP
+        assert out['per_rank'] == [{'r': 0}, {'r': 1}]
+        assert out['listing_write'] == out['listing_check'] == ['iter_1', POINTER_NAME]
+        assert out['latest'] == str(tmp_path / 'iter_1')
+    assert res[1]['write_failed'] == 'OSError: side failed'  # its own error
+    assert res[0]['write_failed'] == (
+        f'CheckpointVoteError: saving {tmp_path / "iter_2"} failed on rank 1: OSError: side '
+        'failed; nothing was committed'
+    )
+    full = f'no space left on device writing {tmp_path / "iter_3"}'
+    assert res[1]['check_failed'] == f'CheckpointWriteError: {full}'
+    assert res[0]['check_failed'] == (
+        f'CheckpointVoteError: saving {tmp_path / "iter_3"} failed on rank 1: '
+        f'CheckpointWriteError: {full}; nothing was committed'
+    )
