@@ -206,8 +206,13 @@ def _allowed_names() -> set[str]:
     return names
 
 
-def validate_checkpoint_content(obj: Any, root: str = 'checkpoint') -> list[str]:
+def validate_checkpoint_content(
+    obj: Any, root: str = 'checkpoint', *, tensor_types: tuple[type, ...] = ()
+) -> list[str]:
     """Raise ``TypeError`` naming the first key path whose value ``weights_only`` cannot load.
+
+    ``tensor_types``: tensor subclasses also met (DTensors, which DCP saves shard by shard,
+    never pickled whole).
 
     Accepted as met: ``torch.Tensor`` / ``nn.Parameter`` (any dtype, layout, device),
     ``None``, bool, int, float, complex, str, bytes, bytearray, ``torch.dtype``,
@@ -223,7 +228,7 @@ def validate_checkpoint_content(obj: Any, root: str = 'checkpoint') -> list[str]
         for tensors and plain values only); a save records them in its manifest.
     """
     foreign: list[tuple[str, Any]] = []
-    _walk(obj, root, set(), foreign)
+    _walk(obj, root, set(), foreign, _TENSOR_TYPES.union(tensor_types))
     if not foreign:
         return []
     try:  # one round trip for all of them; only a refusal pays for finding the culprit
@@ -242,9 +247,11 @@ def validate_checkpoint_content(obj: Any, root: str = 'checkpoint') -> list[str]
     return sorted(name for name in referenced if name in allowed)
 
 
-def _walk(obj: Any, path: str, on_path: set[int], foreign: list[tuple[str, Any]]) -> None:
+def _walk(
+    obj: Any, path: str, on_path: set[int], foreign: list[tuple[str, Any]], tensors: frozenset
+) -> None:
     kind = type(obj)
-    if kind in _TENSOR_TYPES or kind in _SCALAR_TYPES:
+    if kind in tensors or kind in _SCALAR_TYPES:
         return
     if kind not in _CONTAINERS:
         foreign.append((path, obj))
@@ -259,14 +266,14 @@ def _walk(obj: Any, path: str, on_path: set[int], foreign: list[tuple[str, Any]]
                     f'{path} has a key {_describe(key)}; dict keys in a checkpoint '
                     f'must be str, int, float, bool, None or tuples of those'
                 )
-            _walk(value, f'{path}[{key!r}]', on_path, foreign)
+            _walk(value, f'{path}[{key!r}]', on_path, foreign, tensors)
     elif kind is set:
         for item in obj:
             if not _is_plain_key(item):
                 raise TypeError(f'{path} holds {_describe(item)}; {_RULE}')
     else:
         for index, value in enumerate(obj):
-            _walk(value, f'{path}[{index}]', on_path, foreign)
+            _walk(value, f'{path}[{index}]', on_path, foreign, tensors)
     on_path.discard(id(obj))
 
 

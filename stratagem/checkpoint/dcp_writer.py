@@ -3,9 +3,11 @@ directory commit carried by DCP's own collectives.
 
 ``DirectoryWriter`` is a ``FileSystemWriter`` (imported with DCP: this module loads when a
 sharded directory is saved). Its ``FileSystem`` (``HashingFileSystem``) records each file's
-size and digest as DCP writes it and fsyncs each shard (DCP's writer is told not to), so the
-manifest costs no second read; ``.metadata`` is left to the commit, which fsyncs it with the
-manifest (one journal commit, not two in a row).
+size and digest as DCP writes it, so the manifest costs no second read. Nothing is fsynced
+file by file (DCP's writer is told not to): a rank's files, its shards and its side files,
+are fsynced together once written (one journal commit, where one after another costs one
+each), rank 0's with the commit's own batch (``.metadata``, the manifest, the folders), and
+a save to a URL fsyncs nothing locally (its files go up from a temporary directory).
 
 With a ``directory.CollectiveCommit`` the save needs no exchange of its own: DCP's planning
 runs each rank's checks (``prepare_local_plan``: a failure there reaches every rank before
@@ -38,7 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ._fs import process_pool
+from ._fs import fsync_together, process_pool
 from .digest import file_entry, new_hasher
 from .directory import CollectiveCommit
 
@@ -96,9 +98,8 @@ class _HashingStream(io.RawIOBase):
 
 
 class HashingFileSystem(FileSystem):
-    """DCP's file system, recording ``{path: (size, digest)}`` of every file written and
-    fsyncing each (DCP's writer is told not to), but DCP's metadata: the directory commit
-    fsyncs that with the manifest."""
+    """DCP's file system, recording ``{path: (size, digest)}`` of every file written (the
+    writer fsyncs them)."""
 
     def __init__(self, pool: ThreadPoolExecutor) -> None:
         super().__init__()
@@ -114,9 +115,6 @@ class HashingFileSystem(FileSystem):
         with super().create_stream(path, mode) as raw:
             stream = _HashingStream(raw, self._pool)
             yield stream
-            raw.flush()
-            if not os.fspath(path).endswith(f'{METADATA}.tmp'):
-                os.fsync(raw.fileno())
         self.written[os.fspath(path)] = (stream.size, stream.hasher.hexdigest())
 
     def rename(self, path: Any, new_path: Any) -> None:  # .metadata.tmp -> .metadata
@@ -151,6 +149,13 @@ class DirectoryWriter(FileSystemWriter):
         self.fs: HashingFileSystem = HashingFileSystem(process_pool('hash', 2))
         self._side, self._check, self._commit = side, check, commit
         self._side_entries: list[dict] = []
+        self._coordinator = True
+        #: this rank's files (staging-relative) whose fsync is the commit's (rank 0's)
+        self.unsynced: list[str] = []
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self._coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # not DCP's: its mkdir and its look for an existing checkpoint concern the final
@@ -175,6 +180,11 @@ class DirectoryWriter(FileSystemWriter):
         finally:  # nothing writes into the staging directory once this returns
             futures.wait(pending)
         if self._commit is not None:
+            written = [Path(entry['path']) for entry in self.entries()]
+            if self._coordinator:  # with the commit's batch
+                self.unsynced = [p.relative_to(self.path).as_posix() for p in written]
+            else:  # durable before rank 0 hears they are written
+                fsync_together(written)
             entries = self._commit.files(self.path, self.entries())
             results = [*results, WriteResult(index=FILES, size_in_bytes=0, storage_data=entries)]
         done: Future[list[WriteResult]] = Future()
@@ -188,11 +198,11 @@ class DirectoryWriter(FileSystemWriter):
             return
         per_rank = [entries[0] if entries else [] for entries in per_rank]
         per_rank[0] = per_rank[0] + self._commit.files(self.path, self._metadata_entry())
-        self._commit.commit(per_rank, unsynced=[METADATA])
+        self._commit.commit(per_rank, unsynced=[*self.unsynced, METADATA])
 
     def entries(self) -> list[dict]:
-        """This rank's files written so far: its shards (rank 0's ``.metadata`` after the
-        save, marked for the commit to fsync) and its side files."""
+        """This rank's files written so far, none fsynced: its shards (rank 0's
+        ``.metadata`` after the save, marked for the commit to fsync) and its side files."""
         shards = [
             file_entry(path, size, digest)
             for path, (size, digest) in self.fs.written.items()

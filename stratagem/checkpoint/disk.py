@@ -21,12 +21,15 @@ _WRITE_ERRNOS = _FULL_ERRNOS + (errno.EIO, errno.EROFS)
 
 
 def payload_bytes(obj: Any) -> int:
-    """Bytes of tensor storage that ``torch.save(obj)`` writes (each storage once, whole)."""
+    """Bytes of tensor storage that ``torch.save(obj)`` writes (each storage once, whole; of
+    a DTensor, this rank's shard's)."""
     seen: dict[tuple, int] = {}
     stack = [obj]
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
+            # a DTensor: this rank's shard (the attribute every DTensor has; no autograd op)
+            item = getattr(item, '_local_tensor', item)
             storage = item.untyped_storage()
             seen[(item.device, storage.data_ptr())] = storage.nbytes()
         elif isinstance(item, dict):

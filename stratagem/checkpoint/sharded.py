@@ -217,9 +217,9 @@ def save_sharded_checkpoint(
 
 def _write_side(obj: Any, path: Path) -> dict:
     """One of a rank's own files beside DCP's (``extra.pth``, ``{key}/rank_{r}.pth``):
-    written, hashed, fsynced; its entry."""
+    written and hashed (the writer fsyncs it with the rank's other files); its entry."""
     path.parent.mkdir(exist_ok=True)
-    return {**write_torch_file(obj, path), 'path': path}
+    return {**write_torch_file(obj, path, fsync=False, pool=process_pool('hash', 2)), 'path': path}
 
 
 def _is_remote(source: Any) -> TypeIs[RemoteDirectory]:
@@ -451,11 +451,7 @@ def load_sharded_checkpoint(
 # ------------------------------------------------------- the files DCP writes, hashed
 def _bytes_needed(tensors: Mapping, side: list) -> int:
     """This rank's bytes of a sharded save: its shards, its side files, file overheads."""
-    return (
-        payload_bytes(local_tensors(tensors))
-        + sum(map(payload_bytes, side))
-        + OVERHEAD_BYTES * (1 + len(side))
-    )
+    return payload_bytes(tensors) + sum(map(payload_bytes, side)) + OVERHEAD_BYTES * (1 + len(side))
 
 
 def _ranks_sharing_disk() -> int:

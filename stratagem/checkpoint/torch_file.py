@@ -17,20 +17,30 @@ import torch
 from .digest import HashingWriter, file_entry
 
 
-def write_torch_file(checkpoint: Any, path: Path, zip_crc32: bool = False) -> dict:
-    """``torch.save`` to a new file at ``path``, hashed as written, fsynced; its manifest
-    entry (``file_entry``: path as given, size, digest)."""
-    size, digest, algo = _write_torch_file(checkpoint, Path(path), zip_crc32)
+def write_torch_file(
+    checkpoint: Any,
+    path: Path,
+    zip_crc32: bool = False,
+    *,
+    fsync: bool = True,
+    pool: ThreadPoolExecutor | None = None,
+) -> dict:
+    """``torch.save`` to a new file at ``path``, hashed as written, fsynced (``fsync=False``:
+    the caller fsyncs it, with others at once); its manifest entry (``file_entry``: path as
+    given, size, digest). ``pool``: the hashing thread (default: one of its own)."""
+    with contextlib.ExitStack() as stack:
+        if pool is None:
+            pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash'))
+        size, digest, algo = _write_torch_file(checkpoint, Path(path), zip_crc32, fsync, pool)
     return file_entry(str(path), size, digest, algo)
 
 
-def _write_torch_file(checkpoint: Any, path: Path, zip_crc32: bool) -> tuple[int, str, str]:
+def _write_torch_file(
+    checkpoint: Any, path: Path, zip_crc32: bool, fsync: bool, pool: ThreadPoolExecutor
+) -> tuple[int, str, str]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        with (
-            ThreadPoolExecutor(1, thread_name_prefix='stratagem-hash') as pool,
-            crc32_option(zip_crc32),
-        ):
+        with crc32_option(zip_crc32):
             writer = HashingWriter(fd, pool)
             try:
                 torch.save(checkpoint, writer)  # type: ignore[arg-type]
@@ -39,7 +49,8 @@ def _write_torch_file(checkpoint: Any, path: Path, zip_crc32: bool) -> tuple[int
                     raise writer.error from None
                 raise
         writer.flush()
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)
     return writer.size, writer.hasher.hexdigest(), writer.algo

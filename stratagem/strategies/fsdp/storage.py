@@ -15,7 +15,6 @@ from stratagem.checkpoint.location import is_url
 from stratagem.checkpoint.sharded import (
     load_sharded_checkpoint,
     load_sharded_in_place,
-    local_tensors,
     read_sharded_header,
     save_sharded_checkpoint,
 )
@@ -61,7 +60,9 @@ class FSDPStorage(CheckpointStorage):
 
     @override
     def validate(self, checkpoint: dict) -> list[str]:
-        return validate_checkpoint_content(local_tensors(checkpoint))
+        from torch.distributed.tensor import DTensor
+
+        return validate_checkpoint_content(checkpoint, tensor_types=(DTensor,))
 
     @override
     def stage(
