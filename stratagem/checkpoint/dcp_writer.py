@@ -6,8 +6,9 @@ sharded directory is saved). Its ``FileSystem`` (``HashingFileSystem``) records 
 size and digest as DCP writes it, so the manifest costs no second read. Nothing is fsynced
 file by file (DCP's writer is told not to): a rank's files, its shards and its side files,
 are fsynced together once written (one journal commit, where one after another costs one
-each), rank 0's with the commit's own batch (``.metadata``, the manifest, the folders), and
-a save to a URL fsyncs nothing locally (its files go up from a temporary directory).
+each; every rank at about the same time, so often the same one), but rank 0's
+``.metadata``, which the commit fsyncs with the manifest; a save to a URL fsyncs nothing
+locally (its files go up from a temporary directory).
 
 With a ``directory.CollectiveCommit`` the save needs no exchange of its own: DCP's planning
 runs each rank's checks (``prepare_local_plan``: a failure there reaches every rank before
@@ -41,7 +42,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ._fs import fsync_together, process_pool
-from .digest import file_entry, new_hasher
+from .digest import WRITEBACK_BYTES, file_entry, new_hasher, start_writeback
 from .directory import CollectiveCommit
 
 __all__ = ['DirectoryWriter', 'HashingFileSystem', 'FILES']
@@ -64,11 +65,14 @@ class Staged:
 class _HashingStream(io.RawIOBase):
     """A write-only stream over a DCP file that hashes the bytes on their way to it; a large
     write (a tensor's storage) is hashed on ``pool``'s thread while this one writes it (both
-    release the GIL), as ``digest.HashingWriter`` does for single files."""
+    release the GIL), and the disk's writeback of what is written is started every
+    ``WRITEBACK_BYTES`` (so the fsync after the last write waits for the tail only), as
+    ``digest.HashingWriter`` does for single files."""
 
     def __init__(self, raw: Any, pool: ThreadPoolExecutor) -> None:
         super().__init__()
         self._raw, self._pool, self.hasher, self.size = raw, pool, new_hasher(), 0
+        self._started = 0  # bytes whose writeback was started
 
     def writable(self) -> bool:
         return True
@@ -85,6 +89,10 @@ class _HashingStream(io.RawIOBase):
             self.hasher.update(view)
             self._raw.write(view)
         self.size += view.nbytes
+        if self.size - self._started >= WRITEBACK_BYTES:
+            self._raw.flush()
+            start_writeback(self._raw.fileno(), self._started, self.size - self._started)
+            self._started = self.size
         return view.nbytes
 
     def tell(self) -> int:  # DCP records item offsets
@@ -149,13 +157,6 @@ class DirectoryWriter(FileSystemWriter):
         self.fs: HashingFileSystem = HashingFileSystem(process_pool('hash', 2))
         self._side, self._check, self._commit = side, check, commit
         self._side_entries: list[dict] = []
-        self._coordinator = True
-        #: this rank's files (staging-relative) whose fsync is the commit's (rank 0's)
-        self.unsynced: list[str] = []
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-        self._coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # not DCP's: its mkdir and its look for an existing checkpoint concern the final
@@ -180,11 +181,8 @@ class DirectoryWriter(FileSystemWriter):
         finally:  # nothing writes into the staging directory once this returns
             futures.wait(pending)
         if self._commit is not None:
-            written = [Path(entry['path']) for entry in self.entries()]
-            if self._coordinator:  # with the commit's batch
-                self.unsynced = [p.relative_to(self.path).as_posix() for p in written]
-            else:  # durable before rank 0 hears they are written
-                fsync_together(written)
+            # durable before rank 0 hears they are written
+            fsync_together([Path(entry['path']) for entry in self.entries()])
             entries = self._commit.files(self.path, self.entries())
             results = [*results, WriteResult(index=FILES, size_in_bytes=0, storage_data=entries)]
         done: Future[list[WriteResult]] = Future()
@@ -198,7 +196,7 @@ class DirectoryWriter(FileSystemWriter):
             return
         per_rank = [entries[0] if entries else [] for entries in per_rank]
         per_rank[0] = per_rank[0] + self._commit.files(self.path, self._metadata_entry())
-        self._commit.commit(per_rank, unsynced=[*self.unsynced, METADATA])
+        self._commit.commit(per_rank, unsynced=[METADATA])
 
     def entries(self) -> list[dict]:
         """This rank's files written so far, none fsynced: its shards (rank 0's
