@@ -381,30 +381,26 @@ def read_per_rank(path: str | os.PathLike | RemoteDirectory) -> dict[str, list]:
     """The keys saved per rank (``PER_RANK_KEYS``) found in a verified directory, each the
     list of every saving rank's value in rank order: ``{'rng_states': [...], ...}``."""
     found: dict[str, list[tuple[int, str]]] = {}
+    load: Callable[[str], Any]
     if _is_remote(path):
-        names = list(path.entries)
+        names, load = list(path.entries), path.load
     else:
+        local = Path(path)
         names = [
             f'{key}/{p.name}'
             for key in PER_RANK_KEYS
-            if (Path(path) / key).is_dir()
-            for p in (Path(path) / key).iterdir()
+            if (local / key).is_dir()
+            for p in (local / key).iterdir()
         ]
+
+        def load(name: str) -> Any:
+            return load_checkpoint_file(local / name, map_location='cpu', verify=False)
+
     for name in names:
         match = re.fullmatch(r'([a-z_]+)/rank_(\d+)\.pth', name)
         if match is not None and match[1] in PER_RANK_KEYS:
             found.setdefault(match[1], []).append((int(match[2]), name))
-    out = {}
-    for key, files in found.items():
-        files.sort()
-        if _is_remote(path):
-            out[key] = [path.load(name) for _, name in files]
-        else:
-            out[key] = [
-                load_checkpoint_file(Path(path) / name, map_location='cpu', verify=False)
-                for _, name in files
-            ]
-    return out
+    return {key: [load(name) for _, name in sorted(files)] for key, files in found.items()}
 
 
 def load_sharded_checkpoint(
