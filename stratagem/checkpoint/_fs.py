@@ -117,10 +117,11 @@ def fsync_together(paths: list[Path]) -> None:
 
 
 def fsync_dir_soon(directory: Path) -> None:
-    """Fsync ``directory`` on the fsync pool's thread, without waiting: for the latest
-    pointer's rename (lost to a power cut, it names the previous checkpoint, which is
+    """Fsync ``directory`` on the fsync pool's thread, without waiting: for the renames of a
+    directory commit, the checkpoint's and the latest pointer's (lost to a power cut, the
+    new checkpoint is gone whole and the pointer names it or the previous one, which is
     complete). A deletion of a checkpoint waits for it first (``wait_soon``), so the previous
-    checkpoint cannot go while the pointer's rename may still be undone. The pool's threads
+    checkpoint cannot go while those renames may still be undone. The pool's threads
     finish their work before the interpreter exits."""
     job = process_pool('fsync', 8).submit(fsync_dir, directory)
     with _POOLS_LOCK:

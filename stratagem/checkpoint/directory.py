@@ -647,8 +647,9 @@ def finalize_directory(
     # nothing reads a staging directory, so its manifest needs no temp name; the manifest's
     # fsync, the directory's (and its folders'), the files' whose writers left theirs to
     # the commit and the new pointer's (a temp file until the rename below) are independent
-    # and issued together (one journal commit, not several); the renames after them keep
-    # their order: checkpoint, its parent fsynced, then the pointer
+    # and issued together (one journal commit, not several); then the renames, checkpoint
+    # first, then the pointer, both made durable by one fsync of their parent on a helper
+    # thread (see _rename_dir_into_place)
     pointer = PendingPointer(final.parent, final) if update_pointer else None
     try:
         _fs.write_new(staging / DIR_MANIFEST, dump_manifest(manifest))
@@ -667,7 +668,9 @@ def finalize_directory(
             pointer.discard()
         raise
     if pointer is not None:
-        pointer.commit()
+        pointer.commit()  # its parent's fsync, soon, covers the checkpoint's rename too
+    else:
+        _fs.fsync_dir_soon(final.parent)
     return final
 
 
@@ -712,9 +715,15 @@ def _hash_tree(root: Path, known: dict[str, dict] | None = None) -> tuple[list[d
 
 
 def _rename_dir_into_place(staging: Path, final: Path) -> None:
+    """A new name: the rename, made durable by the caller's fsync of the parent on a helper
+    thread (``_fs.fsync_dir_soon``), as the pointer's. Until then a power cut may undo it:
+    the checkpoint is lost, never torn (its files and manifest were fsynced before), the
+    pointer names it or the previous one (a reader falls back to the newest complete
+    checkpoint, ``find_latest_checkpoint``), and nothing was deleted meanwhile (retention
+    waits for that fsync, ``_fs.wait_soon``). A name taken: the old checkpoint is replaced,
+    and its files deleted only once the exchange is durable."""
     if not final.exists():
         os.replace(staging, final)
-        _fs.fsync_dir(final.parent)
         return
     if _fs.exchange(staging, final):
         # `staging` now holds the old checkpoint under a temp name: retention would also

@@ -248,3 +248,39 @@ def test_directory_commit_failing_at_its_rename_moves_no_pointer(tmp_path, monke
         )
     assert (tmp_path / POINTER_NAME).read_text() == str(first)
     assert sorted(p.name for p in tmp_path.iterdir()) == ['iter_1', POINTER_NAME]
+
+
+@pytest.mark.parametrize('pointer', [True, False])
+def test_directory_commit_makes_its_renames_durable_off_the_callers_thread(
+    tmp_path, monkeypatch, pointer
+):
+    """A new name: the directory's and the pointer's renames are made durable by one fsync
+    of their parent on a helper thread (the caller waits for none); ``wait_soon`` (what
+    retention waits for) returns once it is done. Replacing a name: the exchange is made
+    durable before the old checkpoint's files go, on the caller's thread."""
+    import threading
+
+    from stratagem.checkpoint import _fs
+
+    synced = []
+    real = _fs.fsync_dir
+    monkeypatch.setattr(
+        _fs,
+        'fsync_dir',
+        lambda d: synced.append((Path(d), threading.current_thread().name)) or real(d),
+    )
+
+    def commit(name, payload):
+        staging = new_staging_dir(tmp_path / name)
+        (staging / 'w').write_bytes(payload)
+        return finalize_directory(staging, tmp_path / name, update_pointer=pointer)
+
+    commit('iter_1', b'1')
+    _fs.wait_soon()
+    parent = [who for d, who in synced if d == tmp_path]
+    assert len(parent) == 1 and parent[0].startswith('stratagem-fsync'), synced
+    synced.clear()
+    commit('iter_1', b'2')  # the same name: an exchange, then the old one deleted
+    assert (tmp_path, threading.current_thread().name) in synced, synced
+    assert (tmp_path / 'iter_1' / 'w').read_bytes() == b'2'
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith('.')] == []
