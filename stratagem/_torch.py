@@ -144,6 +144,13 @@ def dtensor_like(template: Any, local: torch.Tensor) -> torch.Tensor:
     return type(template)(local, template._spec, requires_grad=False)
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``tensor`` if it is a DTensor (its ``_local_tensor``), else
+    ``tensor``: for sizing a state's bytes, where the public ``to_local()`` runs an autograd
+    function per tensor (17 us each, a state's thousands of them on every save)."""
+    return getattr(tensor, '_local_tensor', tensor)
+
+
 def load_whole_dcp(storage_reader: Any) -> dict:
     """Every entry of a DCP checkpoint, read by ``storage_reader`` in this process alone. The
     public ``dcp.load`` fills only the keys of the state dict it is given; torch's own

@@ -145,6 +145,9 @@ def test_distributed_private_apis(single_rank_group, tmp_path):
     copy = _torch.dtensor_like(dt, dt.to_local().clone())
     assert copy.placements == dt.placements and copy.shape == dt.shape
     assert not copy.requires_grad and copy.to_local().tolist() == [0.0, 1.0, 2.0, 3.0]
+    plain = torch.ones(3)
+    assert _torch.local_shard(dt).data_ptr() == dt.to_local().data_ptr()
+    assert _torch.local_shard(plain) is plain
 
     model = nn.Linear(2, 2)
     fully_shard(model, mesh=mesh)

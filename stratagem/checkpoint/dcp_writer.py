@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import os
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from concurrent.futures import Future as _Pending
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -42,15 +41,18 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ._fs import fsync_together, process_pool
-from .digest import WRITEBACK_BYTES, file_entry, new_hasher, start_writeback
+from .digest import HashingWriter, file_entry
 from .directory import CollectiveCommit
+from .errors import RankError
+from .rank_errors import describe_error
 
 __all__ = ['DirectoryWriter', 'HashingFileSystem', 'FILES']
+
+_T = TypeVar('_T')
 
 #: the index of the write result that carries a rank's manifest entries to rank 0
 FILES = MetadataIndex('stratagem/files')
 METADATA = '.metadata'
-_OVERLAP_BYTES = 1 << 20  # writes this large are hashed on a helper thread meanwhile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,52 +64,11 @@ class Staged:
     staging: str
 
 
-class _HashingStream(io.RawIOBase):
-    """A write-only stream over a DCP file that hashes the bytes on their way to it; a large
-    write (a tensor's storage) is hashed on ``pool``'s thread while this one writes it (both
-    release the GIL), and the disk's writeback of what is written is started every
-    ``WRITEBACK_BYTES`` (so the fsync after the last write waits for the tail only), as
-    ``digest.HashingWriter`` does for single files."""
-
-    def __init__(self, raw: Any, pool: ThreadPoolExecutor) -> None:
-        super().__init__()
-        self._raw, self._pool, self.hasher, self.size = raw, pool, new_hasher(), 0
-        self._started = 0  # bytes whose writeback was started
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        if view.format != 'B' or view.ndim != 1:
-            view = view.cast('B')
-        if view.nbytes >= _OVERLAP_BYTES:
-            hashed = self._pool.submit(self.hasher.update, view)
-            self._raw.write(view)  # a buffered file: writes it all
-            hashed.result()  # before returning: the caller may reuse the memory
-        else:
-            self.hasher.update(view)
-            self._raw.write(view)
-        self.size += view.nbytes
-        if self.size - self._started >= WRITEBACK_BYTES:
-            self._raw.flush()
-            start_writeback(self._raw.fileno(), self._started, self.size - self._started)
-            self._started = self.size
-        return view.nbytes
-
-    def tell(self) -> int:  # DCP records item offsets
-        return self._raw.tell()
-
-    def fileno(self) -> int:  # DCP fsyncs its files
-        return self._raw.fileno()
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-
 class HashingFileSystem(FileSystem):
-    """DCP's file system, recording ``{path: (size, digest)}`` of every file written (the
-    writer fsyncs them)."""
+    """DCP's file system, whose files are written through ``digest.HashingWriter`` (hashed
+    on their way to disk, a large write on ``pool``'s thread meanwhile, the disk's writeback
+    started as they grow), recording ``{path: (size, digest)}`` of each (the writer fsyncs
+    them)."""
 
     def __init__(self, pool: ThreadPoolExecutor) -> None:
         super().__init__()
@@ -120,10 +81,19 @@ class HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with super().create_stream(path, mode) as raw:
-            stream = _HashingStream(raw, self._pool)
-            yield stream
-        self.written[os.fspath(path)] = (stream.size, stream.hasher.hexdigest())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            writer = HashingWriter(fd, self._pool)
+            try:
+                yield writer
+                writer.flush()
+            except Exception:
+                if writer.error is not None:  # the real cause (ENOSPC, EIO), not torch's echo
+                    raise writer.error from None
+                raise
+        finally:
+            os.close(fd)
+        self.written[os.fspath(path)] = (writer.size, writer.hasher.hexdigest())
 
     def rename(self, path: Any, new_path: Any) -> None:  # .metadata.tmp -> .metadata
         super().rename(path, new_path)
@@ -157,21 +127,39 @@ class DirectoryWriter(FileSystemWriter):
         self.fs: HashingFileSystem = HashingFileSystem(process_pool('hash', 2))
         self._side, self._check, self._commit = side, check, commit
         self._side_entries: list[dict] = []
+        #: the error of this rank's own step, which DCP carried to the others as a RankError
+        self.own_error: BaseException | None = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # not DCP's: its mkdir and its look for an existing checkpoint concern the final
         # path, which nothing writes into (the staging directory is new)
-        self._check()
+        self._own(self._check)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        staging = os.fspath(self._commit.begin() if self._commit is not None else self.path)
+        begin = self._commit.begin if self._commit is not None else lambda: self.path
+        staging = os.fspath(self._own(begin))
         return [
             dataclasses.replace(plan, storage_data=Staged(f'__{i}_', staging))
             for i, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        return self._own(lambda: self._write(plan, planner))
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self._own(lambda: self._finish(metadata, results))
+
+    def _own(self, step: Callable[[], _T]) -> _T:
+        """One of this rank's steps; its error (kept in ``own_error``) reaches the other
+        ranks as a ``RankError``, which any error can become."""
+        try:
+            return step()
+        except BaseException as err:  # noqa: BLE001 - an interrupt too: raised again by fail
+            self.own_error = err
+            raise RankError(describe_error(err)) from None
+
+    def _write(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._commit is not None:
             self.path = Path(plan.storage_data.staging)
         pending = self._side(Path(self.path))
@@ -189,7 +177,7 @@ class DirectoryWriter(FileSystemWriter):
         done.set_result(results)
         return done
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         per_rank = [[r.storage_data for r in rank if r.index == FILES] for rank in results]
         super().finish(metadata, [[r for r in rank if r.index != FILES] for rank in results])
         if self._commit is None:

@@ -24,12 +24,13 @@ file raises on every rank, naming it. Retention of whole directories is
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -290,7 +291,7 @@ def _finish(
         vote.wait_outcome()
         if is_url(os.fspath(final_dir)):
             return final_dir
-        return staging.parent / TEMP_RE.match(staging.name)['final']  # type: ignore[index]  # rank 0's final name
+        return _final_of(staging)  # rank 0's final name
     try:
         payloads = vote.wait_ready()
         final = commit([json.loads(p) for p in payloads], vote.world_size)
@@ -400,35 +401,41 @@ class CollectiveCommit:
         if self.vote is not None:
             self.vote.settle()
         assert self.staging is not None  # handed out before any rank wrote
-        return self.staging.parent / TEMP_RE.match(self.staging.name)['final']  # type: ignore[index]
+        return _final_of(self.staging)
 
-    def fail(self, error: BaseException) -> NoReturn:
-        """The writer raised ``error`` on this rank: raise on every rank, nothing committed
-        (rank 0 removes the staging directory)."""
-        if isinstance(error, _NOT_CAUGHT) or self.vote is None:
+    def fail(self, error: BaseException, own: BaseException | None = None) -> NoReturn:
+        """The writer raised ``error`` on this rank (``own``: the error of this rank's own
+        step, which DCP carried to the others as a ``RankError``): raise on every rank,
+        nothing committed, rank 0's staging directory removed. DCP's ``CheckpointException``
+        reached every rank alike: each raises at once, this rank's own error, or one naming
+        the rank that failed. Any other error (a collective failed: a peer may have died
+        inside it) goes through the vote, which names the dead."""
+        failures = dcp_failures(error)
+        if failures or isinstance(error, _NOT_CAUGHT) or self.vote is None:
+            if self.vote is not None:
+                self.vote.settle()  # every rank has the outcome: no key of steps 2-4
             if self._mine:
                 shutil.rmtree(self.staging, ignore_errors=True)  # type: ignore[arg-type]
-            if isinstance(error, _NOT_CAUGHT):
-                raise error
-        failures = dcp_failures(error)
-        rank = 0 if self.vote is None else self.vote.rank
-        if rank in failures:  # its own error, as it raised it
-            error = failures[rank]
-        elif failures:  # every rank has this: another rank's error
+            rank = 0 if self.vote is None else self.vote.rank
+            if not failures or rank in failures:
+                _raise_own(own if own is not None else failures.get(rank, error), self.what)
             other, cause = next(iter(failures.items()))
             what = self.what if self.vote is None else self.vote.what  # as the vote says it
-            error = CheckpointVoteError(
-                f'{what} failed on rank {other}: {type(cause).__name__}: {cause}; '
-                'nothing was committed'
-            )
-            error.__cause__ = cause
-        if self.vote is None:
-            _raise_own(error, self.what)
-        _fail_voted(self.staging if self._mine else None, self.what, error, self.vote)
+            # (rank 0's failure may be its commit's, after the rename: say no more)
+            after = '' if other == 0 else '; nothing was committed'
+            raise CheckpointVoteError(
+                f'{what} failed on rank {other}: {describe_error(cause)}{after}'
+            ) from cause
+        _fail_voted(self.staging if self._mine else None, self.what, own or error, self.vote)
+
+
+def _final_of(staging: Path) -> Path:
+    """The final name a staging directory (``new_staging_dir``'s) was made for."""
+    return staging.parent / TEMP_RE.match(staging.name)['final']  # type: ignore[index]
 
 
 def _raise_own(error: BaseException, what: str) -> NoReturn:
-    if isinstance(error, Exception):
+    if isinstance(error, (Exception, *_NOT_CAUGHT)):
         raise error
     # a BaseException (DCP's CheckpointException) becomes an Exception, so that callers'
     # `except Exception` sees it on this rank as on the others
@@ -523,30 +530,26 @@ def save_directory(
     """
     check_step(step)
     check_extra_manifest(extra_manifest)
-    own = None
-    if collective and vote is None:
-        own = SaveVote.open(timeout, f'saving {final_dir}')  # None in one process
-    vote = own or (vote if collective else None)
-    remote = is_url(os.fspath(final_dir))
-    if vote is None and not remote:  # this process alone: no vote
-        staging = new_staging_dir(final_dir)
-        try:
-            written = write_directory_files(staging, write_fn)
-        except BaseException:  # an interrupt (write_directory_files returns any other error)
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        world = 1 if collective else None
-        commit = functools.partial(
-            _commit,
-            staging,
-            final_dir,
-            step=step,
-            extra_manifest=extra_manifest,
-            update_pointer=update_pointer,
-            unsynced=written.unsynced,
-        )
-        return _commit_alone(staging, final_dir, written, world, commit)
-    try:
+    with directory_vote(final_dir, vote, collective=collective, timeout=timeout) as vote:
+        remote = is_url(os.fspath(final_dir))
+        if vote is None and not remote:  # this process alone: no vote
+            staging = new_staging_dir(final_dir)
+            try:
+                written = write_directory_files(staging, write_fn)
+            except BaseException:  # an interrupt (write_directory_files returns any other error)
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            world = 1 if collective else None
+            commit = functools.partial(
+                _commit,
+                staging,
+                final_dir,
+                step=step,
+                extra_manifest=extra_manifest,
+                update_pointer=update_pointer,
+                unsynced=written.unsynced,
+            )
+            return _commit_alone(staging, final_dir, written, world, commit)
         if vote is None:  # a URL, this process alone
             staging = _begin_alone(final_dir, backend_args)
         else:
@@ -568,6 +571,25 @@ def save_directory(
             also_point=also_point,
             collective=vote is not None,
         )
+
+
+@contextlib.contextmanager
+def directory_vote(
+    final_dir: PathLike,
+    vote: SaveVote | None,
+    *,
+    collective: bool = True,
+    timeout: float = VOTE_TIMEOUT,
+) -> Iterator[SaveVote | None]:
+    """The vote of a directory save: ``vote`` (the caller's, e.g. a strategy's for its whole
+    save), or one opened here (every rank in the same order) and closed after; None for a
+    process alone (``collective=False``, or no process group)."""
+    if not collective or vote is not None:
+        yield vote if collective else None
+        return
+    own = SaveVote.open(timeout, f'saving {final_dir}')
+    try:
+        yield own
     finally:
         if own is not None:
             own.close()

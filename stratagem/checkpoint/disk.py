@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from stratagem._torch import local_shard
+
 from .errors import CheckpointWriteError
 
 # zip headers, pickle stream, alignment padding and the manifest, on top of the tensor bytes
@@ -28,9 +30,7 @@ def payload_bytes(obj: Any) -> int:
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            # a DTensor: this rank's shard (the attribute every DTensor has; no autograd op)
-            item = getattr(item, '_local_tensor', item)
-            storage = item.untyped_storage()
+            storage = local_shard(item).untyped_storage()
             seen[(item.device, storage.data_ptr())] = storage.nbytes()
         elif isinstance(item, dict):
             stack.extend(item.values())
@@ -40,8 +40,11 @@ def payload_bytes(obj: Any) -> int:
 
 
 def free_bytes(path: Path) -> int:
-    """Bytes an unprivileged writer may still use on the filesystem holding ``path``."""
-    st = os.statvfs(path if path.is_dir() else path.parent)
+    """Bytes an unprivileged writer may still use on the filesystem that holds, or will
+    hold, ``path`` (its nearest existing folder's: a first save creates the folders)."""
+    while not path.is_dir() and path.parent != path:
+        path = path.parent
+    st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
 
 

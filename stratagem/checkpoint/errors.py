@@ -60,6 +60,13 @@ class CheckpointVoteError(RuntimeError):
     every rank; nothing was committed."""
 
 
+class RankError(RuntimeError):
+    """Another rank's error as its description (``Type: message``), carried by a collective
+    that exchanges errors as pickles (DCP's save): an exception whose class cannot be pickled,
+    or not rebuilt from its arguments, would fail the exchange itself and leave the other
+    ranks waiting in it. The rank that raised it keeps and raises the original."""
+
+
 class CheckpointNotShared(RuntimeError):
     """The checkpoint rank 0 chose is missing or different on another rank (raised on all)."""
 

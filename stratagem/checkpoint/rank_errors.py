@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .errors import RankError
+
 __all__ = ['all_ok', 'dcp_failures', 'describe_error', 'raise_first']
 
 
@@ -39,7 +41,9 @@ def describe_error(error: BaseException) -> str:
     if failures:
         rank, cause = next(iter(failures.items()))
         more = f' (ranks {list(failures)})' if len(failures) > 1 else ''
-        return f'{type(error).__name__}: rank {rank}: {type(cause).__name__}: {cause}{more}'
+        return f'{type(error).__name__}: rank {rank}: {describe_error(cause)}{more}'
+    if isinstance(error, RankError):
+        return str(error)
     return f'{type(error).__name__}: {error}'
 
 

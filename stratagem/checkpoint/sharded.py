@@ -42,14 +42,13 @@ import torch
 
 from ._fs import process_pool
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
-from .directory import VOTE_TIMEOUT, CollectiveCommit, save_directory, verify_directory
+from .directory import CollectiveCommit, directory_vote, save_directory, verify_directory
 from .disk import OVERHEAD_BYTES, check_free_space, payload_bytes
 from .errors import CheckpointCorruptError
 from .load import load_checkpoint_file
 from .location import is_url
 from .rank_errors import all_ok, dcp_failures, describe_error, raise_first
 from .torch_file import crc32_option, write_torch_file
-from .vote import SaveVote
 
 if TYPE_CHECKING:  # remote_directory (and fsspec behind it) loads when a URL is used
     from typing_extensions import TypeIs
@@ -107,11 +106,12 @@ def save_sharded_checkpoint(
     ``per_rank``: this rank's own value of keys saved per rank (``PER_RANK_KEYS``: its
     pending gradients, its RNG state), each written to its own file. Every rank
     calls this (``collective=False``: a single process without a process group, as
-    ``stratagem convert`` does). ``vote``: the save's ``SaveVote`` (else ``save_directory``
-    opens one); ``process_group``: the group DCP's planning runs on (default: the default
-    group; an asynchronous save passes a group of its writer's own). ``final_dir`` may be a
-    URL (``remote_directory.py``: each rank's files staged locally and uploaded; ``backend_args``
-    its storage options, ``also_point`` a local directory whose pointer names it too).
+    ``stratagem convert`` does). ``vote``: the save's ``SaveVote`` (else one is opened
+    for it, ``directory_vote``); ``process_group``: the group DCP's planning runs on
+    (default: the default group; an asynchronous save passes a group of its writer's own).
+    ``final_dir`` may be a URL (``remote_directory.py``: each rank's files staged locally
+    and uploaded; ``backend_args`` its storage options, ``also_point`` a local directory
+    whose pointer names it too).
     Returns the committed path (a URL: the URL).
     """
     import torch.distributed.checkpoint as dcp
@@ -179,7 +179,10 @@ def save_sharded_checkpoint(
 
         def write(staging: Path) -> list[dict]:
             writer = DirectoryWriter(staging, side=start_side, check=lambda: check_space(staging))
-            dcp_save(writer)
+            try:
+                dcp_save(writer)
+            except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is one
+                raise writer.own_error or err from None  # this rank's own, as it raised it
             return writer.entries()
 
         return save_directory(
@@ -192,12 +195,9 @@ def save_sharded_checkpoint(
             backend_args=backend_args,
             also_point=also_point,
         )
-    own = (
-        SaveVote.open(VOTE_TIMEOUT, f'saving {final_dir}') if collective and vote is None else None
-    )
-    try:
+    with directory_vote(final_dir, vote, collective=collective) as vote:
         commit = CollectiveCommit(
-            final_dir, own or vote, step=step, extra_manifest=manifest, collective=collective
+            final_dir, vote, step=step, extra_manifest=manifest, collective=collective
         )
         writer = DirectoryWriter(
             commit.final,
@@ -208,11 +208,8 @@ def save_sharded_checkpoint(
         try:
             dcp_save(writer)
         except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is one; fail re-raises
-            commit.fail(err)
+            commit.fail(err, writer.own_error)
         return commit.done()
-    finally:
-        if own is not None:
-            own.close()
 
 
 def _write_side(obj: Any, path: Path) -> dict:

@@ -97,50 +97,65 @@ def wait_tidied(timeout: float = 30.0) -> bool:
 
 # The heartbeats of this process's open votes, all on one thread (``_beat_loop``), so that
 # opening a vote starts no thread: a vote's first beat is due at once, the next every
-# ``vote.beat`` s. A beat is sent under ``_BEAT_LOCK``: once ``_unbeat`` returns, no beat of
-# that vote is in flight or to come (its keys may go).
+# ``vote.beat`` s. Beats are sent outside the lock (a slow store holds up no vote's opening
+# or closing); a closed vote's keys are deleted only once no beat of it is in flight
+# (``_beaten``), which would post ``alive`` again.
 _BEATING: dict[SaveVote, float] = {}  # open vote -> when its next beat is due
-_BEAT_LOCK = threading.Lock()
-_BEAT_WAKE = threading.Event()
+_IN_FLIGHT: set[SaveVote] = set()
+_BEAT = threading.Condition()
 _BEATER: threading.Thread | None = None
 
 
 def _beat(vote: SaveVote) -> None:
     global _BEATER
-    with _BEAT_LOCK:
+    with _BEAT:
         _BEATING[vote] = 0.0
         if _BEATER is None or not _BEATER.is_alive():  # the first, or a forked child's
             _BEATER = threading.Thread(
                 target=_beat_loop, daemon=True, name='stratagem-ckpt-heartbeat'
             )
             _BEATER.start()
-    _BEAT_WAKE.set()
+        _BEAT.notify_all()
 
 
 def _unbeat(vote: SaveVote) -> None:
-    with _BEAT_LOCK:
+    with _BEAT:
         _BEATING.pop(vote, None)
+
+
+def _beaten(vote: SaveVote) -> None:
+    """Return once no beat of ``vote`` (closed) is in flight."""
+    with _BEAT:
+        _BEAT.wait_for(lambda: vote not in _IN_FLIGHT)
 
 
 def _beat_loop() -> None:
     while True:
-        _BEAT_WAKE.clear()
-        with _BEAT_LOCK:
+        with _BEAT:
             now = time.monotonic()
-            for vote, due in list(_BEATING.items()):
-                if due <= now:
-                    if vote.heartbeat():
-                        _BEATING[vote] = now + vote.beat
-                    else:
+            due = [vote for vote, when in _BEATING.items() if when <= now]
+            _IN_FLIGHT.update(due)
+        for vote in due:
+            alive = vote.heartbeat()
+            with _BEAT:
+                _IN_FLIGHT.discard(vote)
+                if vote in _BEATING:
+                    if alive:
+                        _BEATING[vote] = time.monotonic() + vote.beat
+                    else:  # the store is gone: the waits report it
                         del _BEATING[vote]
-            wait = min(_BEATING.values(), default=now + 60.0) - now
-        _BEAT_WAKE.wait(max(0.0, wait))
+                _BEAT.notify_all()
+        with _BEAT:
+            if not any(when <= time.monotonic() for when in _BEATING.values()):
+                nearest = min(_BEATING.values(), default=None)
+                _BEAT.wait(None if nearest is None else max(0.0, nearest - time.monotonic()))
 
 
 def _after_fork() -> None:  # the parent's beater (and a lock it held) are not in the child
-    global _BEAT_LOCK, _BEATER
-    _BEAT_LOCK, _BEATER = threading.Lock(), None
+    global _BEAT, _BEATER
+    _BEAT, _BEATER = threading.Condition(), None
     _BEATING.clear()
+    _IN_FLIGHT.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -334,23 +349,29 @@ class SaveVote:
         """Leave the vote: a rank other than 0 marks the outcome read (also when it failed on
         its own and never waited for it), then this rank's heartbeat stops."""
         self.concluded = True
+        _unbeat(self)
         if self.rank != 0 and not self._settled:
+            _beaten(self)  # rank 0 deletes this rank's keys once it has read: none after
             try:
                 self._set(f'read/{self.rank}', _OK)
             except Exception:  # noqa: BLE001 - the store is gone: rank 0 is not waiting
                 pass
-        _unbeat(self)
         keys = []
         if self._settled:  # nobody reads these keys again: the store server keeps no trace
             # (a rank's ``read`` flag is rank 0's to delete: it may still be waiting for it)
             keys = [k for k in self._posted if not k.startswith('read/')]
             keys.append(f'alive/{self.rank}')
-            if 'outcome' in self._posted:  # rank 0, after every rank read it
-                keys += [f'read/{r}' for r in range(1, self.world_size)]
+            if 'outcome' in self._posted:  # rank 0, after every rank read it: theirs too
+                keys += [
+                    f'{key}/{r}'
+                    for r in range(1, self.world_size)
+                    for key in ('read', 'ready', 'alive')
+                ]
         _tidy(lambda: self._delete(keys))
 
     def _delete(self, keys: list[str]) -> None:
         """After the heartbeat stopped (it would post ``alive`` again), ``keys`` go."""
+        _beaten(self)
         for key in keys:
             try:
                 self._store.delete_key(self._prefix + key)

@@ -408,6 +408,12 @@ def _dcp_commit_checks(root):
             vote.close()
             dist.barrier()  # both ranks done (rank 0's staging removed) before listing
 
+    from stratagem.checkpoint.vote import _own_store, wait_tidied
+
+    store = _own_store()[0]
+    dist.barrier()
+    keys_before = store.num_keys()
+    dist.barrier()
     out['posted'] = save('iter_1', 1)
     out['per_rank'] = sharded.read_sharded_checkpoint(root / 'iter_1')['rng_states']
     real_side, real_space = sharded._write_side, sharded.check_free_space
@@ -425,7 +431,27 @@ def _dcp_commit_checks(root):
     out['check_failed'] = save('iter_3', 3)
     out['listing_check'] = sorted(p.name for p in root.iterdir())
     sharded.check_free_space = real_space
+
+    class Unpicklable(Exception):  # rebuilt from its args it would fail: DCP carries text
+        def __init__(self, a, b):
+            super().__init__(f'{a} {b}')
+
+    if rank == 1:
+        sharded._write_side = lambda obj, path: (_ for _ in ()).throw(Unpicklable('odd', 1))
+    out['unpicklable'] = save('iter_4', 4)
+    sharded._write_side = real_side
+    from stratagem.checkpoint import directory
+
+    real_commit = directory._commit
+    if rank == 0:
+        directory._commit = lambda *a, **k: (_ for _ in ()).throw(OSError('commit failed'))
+    out['commit_failed'] = save('iter_5', 5)
+    directory._commit = real_commit
+    out['listing_end'] = sorted(p.name for p in root.iterdir())
     out['latest'] = str(find_latest_checkpoint(root))
+    out['tidied'] = wait_tidied()
+    dist.barrier()
+    out['keys_left'] = store.num_keys() - keys_before
     return out
 
 
@@ -435,7 +461,19 @@ def test_a_sharded_save_commits_in_dcps_collectives(tmp_path):
         assert out['posted'] == [], out  # the outcome reached every rank through DCP
         assert out['per_rank'] == [{'r': 0}, {'r': 1}]
         assert out['listing_write'] == out['listing_check'] == ['iter_1', POINTER_NAME]
+        assert out['listing_end'] == ['iter_1', POINTER_NAME]
         assert out['latest'] == str(tmp_path / 'iter_1')
+        assert out['tidied'] and out['keys_left'] == 0, out  # no save left a vote key
+    assert res[1]['unpicklable'] == 'Unpicklable: odd 1'
+    assert res[0]['unpicklable'] == (
+        f'CheckpointVoteError: saving {tmp_path / "iter_4"} failed on rank 1: Unpicklable: odd '
+        '1; nothing was committed'
+    )
+    assert res[0]['commit_failed'] == 'OSError: commit failed'
+    assert res[1]['commit_failed'] == (
+        f'CheckpointVoteError: saving {tmp_path / "iter_5"} failed on rank 0: OSError: commit '
+        'failed'
+    )
     assert res[1]['write_failed'] == 'OSError: side failed'  # its own error
     assert res[0]['write_failed'] == (
         f'CheckpointVoteError: saving {tmp_path / "iter_2"} failed on rank 1: OSError: side '
