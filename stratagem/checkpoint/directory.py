@@ -230,21 +230,8 @@ def finish_directory_save(
         _check_vote(vote, 'finish_directory_save')
     staging = Path(staging)
     if not is_url(os.fspath(final_dir)):
-        return _finish(
-            staging,
-            final_dir,
-            written,
-            vote,
-            functools.partial(
-                _commit,
-                staging,
-                final_dir,
-                step=step,
-                extra_manifest=extra_manifest,
-                update_pointer=update_pointer,
-                unsynced=written.unsynced,
-            ),
-        )
+        commit = _local_commit(staging, final_dir, written, step, extra_manifest, update_pointer)
+        return _finish(staging, final_dir, written, vote, commit)
     from .remote_directory import commit_remote_directory, upload_directory_files
 
     url = os.fspath(final_dir)
@@ -463,6 +450,26 @@ def _commit_alone(
         raise
 
 
+def _local_commit(
+    staging: Path,
+    final_dir: PathLike,
+    written: DirectoryWriteResult,
+    step: int | None,
+    extra_manifest: dict | None,
+    update_pointer: bool,
+) -> Callable[[list[list[dict]], int | None], Path]:
+    """Rank 0's commit of a local staging directory: ``commit(per_rank_entries, world)``."""
+    return functools.partial(
+        _commit,
+        staging,
+        final_dir,
+        step=step,
+        extra_manifest=extra_manifest,
+        update_pointer=update_pointer,
+        unsynced=written.unsynced,
+    )
+
+
 def _commit(
     staging: Path,
     final_dir: PathLike,
@@ -539,17 +546,10 @@ def save_directory(
             except BaseException:  # an interrupt (write_directory_files returns any other error)
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
-            world = 1 if collective else None
-            commit = functools.partial(
-                _commit,
-                staging,
-                final_dir,
-                step=step,
-                extra_manifest=extra_manifest,
-                update_pointer=update_pointer,
-                unsynced=written.unsynced,
+            commit = _local_commit(
+                staging, final_dir, written, step, extra_manifest, update_pointer
             )
-            return _commit_alone(staging, final_dir, written, world, commit)
+            return _commit_alone(staging, final_dir, written, 1 if collective else None, commit)
         if vote is None:  # a URL, this process alone
             staging = _begin_alone(final_dir, backend_args)
         else:
