@@ -230,8 +230,8 @@ def finish_directory_save(
         _check_vote(vote, 'finish_directory_save')
     staging = Path(staging)
     if not is_url(os.fspath(final_dir)):
-        commit = _local_commit(staging, final_dir, written, step, extra_manifest, update_pointer)
-        return _finish(staging, final_dir, written, vote, commit)
+        local = _local_commit(staging, final_dir, written, step, extra_manifest, update_pointer)
+        return _finish(staging, final_dir, written, vote, local)
     from .remote_directory import commit_remote_directory, upload_directory_files
 
     url = os.fspath(final_dir)
