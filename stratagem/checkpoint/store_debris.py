@@ -45,7 +45,7 @@ import contextlib
 import datetime
 import fnmatch
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,10 +121,11 @@ def _name(entry: Mapping) -> str:
     return str(entry['name']).rstrip('/').rsplit('/', 1)[-1]
 
 
-def _debris(listing: Listing) -> list[Debris]:
+def _debris(listing: Listing, explore: Callable[[str], bool] = lambda name: True) -> list[Debris]:
     """The debris in ``listing`` (its committed checkpoints are never debris: a checkpoint
     committed after the listing has no listed manifest, so it neither is debris nor moves
-    the cutoff)."""
+    the cutoff). A folder without a manifest is listed (one request) only if ``explore``
+    says so of its name (retention: only one it may remove)."""
     directory, fs, path = listing.directory, listing.fs, listing.path
     listed = {c.url.rsplit('/', 1)[-1] for c in listing.committed}
     files = {_name(e): e for e in listing.entries if e.get('type', 'file') == 'file'}
@@ -141,7 +142,12 @@ def _debris(listing: Listing) -> list[Debris]:
         found.append(Debris(join(directory, name), kind, _began(entry), entry.get('size')))
     for entry in listing.entries:
         name = _name(entry)
-        if entry.get('type') == 'directory' and name not in listed and not name.startswith('.'):
+        if (
+            entry.get('type') == 'directory'
+            and name not in listed
+            and not name.startswith('.')
+            and explore(name)
+        ):
             found.extend(_unlisted_directory(fs, f'{path}/{name}', join(directory, name)))
     found.extend(_incomplete_uploads(fs, path, directory))
     found.sort(key=lambda d: (d.began is None, d.began or 0.0, d.url))
@@ -244,7 +250,11 @@ def remove_debris(
     kept = {str(k).rstrip('/').rsplit('/', 1)[-1] for k in keep if k}
     committed = {c.url.rsplit('/', 1)[-1] for c in listing.committed}
     candidates = []
-    for debris in _debris(listing):
+
+    def removable(name: str) -> bool:  # an unlisted folder retention may remove
+        return name not in kept and pattern is not None and fnmatch.fnmatch(name, pattern)
+
+    for debris in _debris(listing, removable):
         relative = debris.url[len(directory) :].lstrip('/')
         top = relative.split('/', 1)[0]
         if debris.kind == 'orphan manifest':

@@ -166,7 +166,9 @@ def test_retention_at_a_url_lists_once_and_deletes_by_the_manifest_in_hand(s3, s
     and of the pointer, two deletes per file (object, then manifest), a directory's manifest
     then its objects (a listing, one batch delete), one listing of multipart uploads: 15
     requests (29 before: the listing and every manifest read twice, each read a HEAD first,
-    and a probe for a directory manifest before each delete)."""
+    and a probe for a directory manifest before each delete). A folder of another tool's
+    beside them (no manifest, not the series' name) costs none: retention could not remove
+    it, so it is not listed."""
     from s3_faults import FaultProxy
 
     prefix = f'{s3}/run'
@@ -181,6 +183,7 @@ def test_retention_at_a_url_lists_once_and_deletes_by_the_manifest_in_hand(s3, s
             location.upload_file(local, f'{prefix}/iter_{step}.pth')
         else:
             _save(prefix, step, collective=False)
+    location.filesystem(prefix)[0].pipe_file(f'{prefix}/notes/readme.txt'.split('://')[1], b'x')
     proxy = FaultProxy(s3_server.endpoint).start()
     try:
         args = dict(endpoint_url=proxy.endpoint, skip_instance_cache=True)
@@ -190,11 +193,14 @@ def test_retention_at_a_url_lists_once_and_deletes_by_the_manifest_in_hand(s3, s
         proxy.stop()
     assert [r.rsplit('/', 1)[-1] for r in removed] == ['iter_3.pth', 'iter_2', 'iter_1.pth']
     assert collections.Counter(method for method, _ in seen) == {
-        'GET': 9,  # the listing, 5 manifests, the pointer, the deleted directory's objects, uploads
+        # the listing, 5 manifests, the pointer, the deleted directory's objects, uploads;
+        # the foreign folder's manifest (the survey's: is it a checkpoint?), never a listing
+        'GET': 10,
         'DELETE': 5,
         'POST': 1,  # the directory's objects in one batch
     }
-    assert len(seen) == 15
+    assert len(seen) == 16
+    assert location.filesystem(prefix)[0].exists(f'{prefix}/notes/readme.txt'.split('://')[1])
     assert [c.url.rsplit('/', 1)[-1] for c in location.list_checkpoints(prefix)] == [
         'iter_5.pth',
         'iter_4',
