@@ -1039,26 +1039,23 @@ def test_json_config_file(tmp_path):
 def test_importing_strategies_does_not_import_deepspeed():
     import subprocess
 
+    # one interpreter for both checks: the import's, then (DeepSpeed still not imported)
+    # the error of a build without it, which names the extra
     probe = (
-        'import sys, stratagem.strategies, stratagem.optim, stratagem.strategies.deepspeed.files; '
-        'from stratagem.registry import STRATEGIES; '
-        "print('deepspeed' in sys.modules, 'DeepSpeedStrategy' in STRATEGIES)"
-    )
-    out = subprocess.run(
-        [sys.executable, '-c', probe], capture_output=True, text=True, check=True
-    ).stdout.split()
-    assert out == ['False', 'True']
-    # without DeepSpeed the error names the extra
-    missing = (
-        "import sys; sys.modules['deepspeed'] = None\n"
+        'import sys, stratagem.strategies, stratagem.optim, stratagem.strategies.deepspeed.files\n'
+        'from stratagem.registry import STRATEGIES\n'
+        "print('deepspeed' in sys.modules, 'DeepSpeedStrategy' in STRATEGIES)\n"
+        "sys.modules['deepspeed'] = None\n"
         'from stratagem.strategies import build_strategy\n'
         "try:\n    build_strategy(dict(type='DeepSpeedStrategy'))\n"
         'except ImportError as e:\n    print(e)'
     )
     out = subprocess.run(
-        [sys.executable, '-c', missing], capture_output=True, text=True, check=True
+        [sys.executable, '-c', probe], capture_output=True, text=True, check=True
     ).stdout
-    assert 'pip install "stratagem[deepspeed]"' in out
+    first, said = out.split('\n', 1)
+    assert first.split() == ['False', 'True']
+    assert 'pip install "stratagem[deepspeed]"' in said
 
 
 # ---------------------------------------------------------------- stratagem train --nproc 2
