@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 # Optional or heavy packages that importing stratagem, or building a SingleDeviceStrategy and
 # training a step, must not import: each costs tens of ms and MiB of RSS to users who never
 # touch it. A backend that needs one imports it inside the strategy that uses it.
@@ -120,13 +122,30 @@ with tempfile.TemporaryDirectory() as work_dir:
     strategy.load_checkpoint(work_dir + '/one.pth')
 print(json.dumps({'after_import': sorted(after_import),
                   'after_use': sorted(loaded() - from_torch), 'remote': remote}))
+# then the optional backends: registered without their packages imported; built with their
+# packages missing (hidden only now, after the checks above), an error naming the extra
+import stratagem.strategies.deepspeed.files
+from stratagem.registry import OPTIMIZERS, STRATEGIES
+from stratagem.strategies import build_strategy
+backends = {'imported': sorted(m for m in ('deepspeed', 'fairscale') if m in sys.modules),
+            'registered': ['DeepSpeedStrategy' in STRATEGIES, 'OSS' in OPTIMIZERS],
+            'errors': []}
+sys.modules['deepspeed'] = sys.modules['fairscale'] = None
+for make in (lambda: build_strategy(dict(type='DeepSpeedStrategy')),
+             lambda: OPTIMIZERS.get('OSS'), lambda: stratagem.strategies.ShardedDDPStrategy()):
+    try:
+        make()
+        backends['errors'].append(None)
+    except ImportError as e:
+        backends['errors'].append(str(e))
+print(json.dumps(backends))
 """
 
 
-def test_import_and_single_device_use_load_no_optional_package():
-    """`import stratagem.strategies` (and optim, scheduler, checkpoint, env, config), then a
-    SingleDeviceStrategy's prepare, one step and a checkpoint round trip, import none of
-    FORBIDDEN (cv2 included when OpenCV is installed; torch's own imports excepted)."""
+@pytest.fixture(scope='module')
+def use_probe():
+    """The two JSON lines USE_PROBE prints, from one interpreter (torch's import is paid once
+    for both tests of it)."""
     out = subprocess.run(
         [sys.executable, '-c', f'FORBIDDEN = {FORBIDDEN!r}\n{USE_PROBE}'],
         check=True,
@@ -134,8 +153,28 @@ def test_import_and_single_device_use_load_no_optional_package():
         text=True,
         timeout=120,
     ).stdout
-    assert json.loads(out.strip().splitlines()[-1]) == {
+    return [json.loads(line) for line in out.strip().splitlines()[-2:]]
+
+
+def test_import_and_single_device_use_load_no_optional_package(use_probe):
+    """`import stratagem.strategies` (and optim, scheduler, checkpoint, env, config), then a
+    SingleDeviceStrategy's prepare, one step and a checkpoint round trip, import none of
+    FORBIDDEN (cv2 included when OpenCV is installed; torch's own imports excepted)."""
+    assert use_probe[0] == {
         'after_import': [],
         'after_use': [],
         'remote': False,
     }
+
+
+def test_optional_backends_register_without_their_package_and_name_the_extra(use_probe):
+    """DeepSpeedStrategy and fairscale's OSS are registered without importing DeepSpeed or
+    fairscale (nor does DeepSpeed's file layout module); without the package, building one
+    names the extra to install."""
+    assert use_probe[1]['imported'] == [] and use_probe[1]['registered'] == [True, True]
+    deepspeed, oss, sharded = use_probe[1]['errors']
+    assert deepspeed is not None and 'pip install "stratagem[deepspeed]"' in deepspeed
+    assert [e.split(' (')[0] for e in (oss, sharded)] == [
+        'OSS and ShardedDDPStrategy need fairscale: pip install "stratagem[fairscale]"',
+        'ShardedDDPStrategy needs fairscale: pip install "stratagem[fairscale]"',
+    ]

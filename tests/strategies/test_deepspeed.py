@@ -16,7 +16,6 @@ import functools
 import os
 import pickle
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -1036,26 +1035,8 @@ def test_json_config_file(tmp_path):
         _parse_config(str(path))
 
 
-def test_importing_strategies_does_not_import_deepspeed():
-    import subprocess
-
-    # one interpreter for both checks: the import's, then (DeepSpeed still not imported)
-    # the error of a build without it, which names the extra
-    probe = (
-        'import sys, stratagem.strategies, stratagem.optim, stratagem.strategies.deepspeed.files\n'
-        'from stratagem.registry import STRATEGIES\n'
-        "print('deepspeed' in sys.modules, 'DeepSpeedStrategy' in STRATEGIES)\n"
-        "sys.modules['deepspeed'] = None\n"
-        'from stratagem.strategies import build_strategy\n'
-        "try:\n    build_strategy(dict(type='DeepSpeedStrategy'))\n"
-        'except ImportError as e:\n    print(e)'
-    )
-    out = subprocess.run(
-        [sys.executable, '-c', probe], capture_output=True, text=True, check=True
-    ).stdout
-    first, said = out.split('\n', 1)
-    assert first.split() == ['False', 'True']
-    assert 'pip install "stratagem[deepspeed]"' in said
+# DeepSpeed's laziness (registered, not imported) and the missing extra's error:
+# tests/test_imports.py, in the one interpreter that checks every optional package
 
 
 # ---------------------------------------------------------------- stratagem train --nproc 2
