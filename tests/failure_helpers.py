@@ -1,5 +1,5 @@
 """Helpers for the failure tests (``tests/test_failures.py``, ``tests/test_elastic.py``), the
-runs of several nodes or pods (``tests/test_cli_multinode.py``, ``tests/test_pods.py``) and
+runs of several pods (``tests/test_pods.py``) and
 ``benchmarks/failure_soak.py``: a small 2-process ``stratagem train`` run, its worker
 processes by rank, processes that must end together, and a comparison of final
 checkpoints; a ``stratagem lighthouse`` for the replica groups' tests and benchmarks."""

@@ -8,7 +8,9 @@ python block, also one that does not run, is checked for names it uses but never
 (ruff's F821). A
 page's ``bash`` blocks run in order in one such directory (a shell session: a command may read
 what an earlier one wrote), each as one script under ``set -euo pipefail`` with the venv's
-``stratagem`` on ``PATH``. The pages' runs and the python blocks' run are independent
+``stratagem`` on ``PATH``; a page whose blocks are the first blocks of another page's, word
+for word, is checked by that page's run (the same commands from the same empty directory).
+The pages' runs and the python blocks' run are independent
 processes, so they run two at a time (``PARALLEL``; the suite's pytest uses one core of
 CI's two), each test asserting on its own run. A block that must not run starts with
 ``# not run: <reason>``, and the reason shows in the page. Only ``python``, ``bash`` and
@@ -200,10 +202,11 @@ def _python_blocks_run(tmp_path: Path) -> str | None:
     return None if proc.returncode == 0 else proc.stderr[-8000:]
 
 
-def _bash_blocks_run(page: str, tmp_path: Path) -> str | None:
-    """``page``'s bash blocks in order in ``tmp_path``; the first failure, or None."""
+def _bash_blocks_run(page: str, tmp_path: Path) -> tuple[int, str] | None:
+    """``page``'s bash blocks in order in ``tmp_path``; the first failure (its index among
+    them, what it said), or None."""
     env = _workdir(tmp_path)
-    for b in _runnable(page, 'bash'):
+    for i, b in enumerate(_runnable(page, 'bash')):
         proc = subprocess.run(
             ['bash', '-euo', 'pipefail', '-c', b.code],
             cwd=tmp_path,
@@ -214,7 +217,18 @@ def _bash_blocks_run(page: str, tmp_path: Path) -> str | None:
         )
         if proc.returncode != 0:
             out = f'{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}'
-            return f'{b.page}:{b.line}: exit status {proc.returncode}\n{b.code}\n{out}'
+            return i, f'{b.page}:{b.line}: exit status {proc.returncode}\n{b.code}\n{out}'
+    return None
+
+
+def _opened_by(page: str, pages: list[str]) -> str | None:
+    """The page of ``pages`` whose bash blocks begin with all of ``page``'s, word for word
+    (its run runs them from the same empty directory first), or None."""
+    codes = [b.code for b in _runnable(page, 'bash')]
+    for other in pages:
+        theirs = [b.code for b in _runnable(other, 'bash')]
+        if other != page and len(theirs) > len(codes) and theirs[: len(codes)] == codes:
+            return other
     return None
 
 
@@ -234,10 +248,15 @@ def runs(request, tmp_path_factory):
             wanted.append(PYTHON_RUN)
         elif item.originalname == 'test_bash_blocks_run':
             wanted.append(item.callspec.params['page'])
+    # a page whose blocks open another page's is checked by that page's run: the same
+    # commands from the same empty directory (docs/backends/fsdp.md's doctor command opens
+    # docs/guides/doctor.md), one start-up less
+    pages = [k for k in dict.fromkeys(wanted) if k != PYTHON_RUN]
+    opened = {p: host for p in pages if (host := _opened_by(p, pages)) is not None}
     # the longest first (python blocks, then the pages by their number of bash lines): the
     # two workers end together
     order = sorted(
-        dict.fromkeys(wanted),
+        (k for k in dict.fromkeys(wanted) if k not in opened),
         key=lambda k: (
             float('-inf')
             if k == PYTHON_RUN
@@ -252,6 +271,8 @@ def runs(request, tmp_path_factory):
                 futures[key] = pool.submit(_python_blocks_run, tmp)
             else:
                 futures[key] = pool.submit(_bash_blocks_run, key, tmp)
+        for page, host in opened.items():
+            futures[page] = futures[host]
         yield futures
 
 
@@ -264,7 +285,17 @@ def test_python_blocks_run(runs):
 @pytest.mark.parametrize('page', _pages_with('bash'))
 def test_bash_blocks_run(page, runs):
     failed = runs[page].result()
-    assert failed is None, failed
+    # a run of a page that this page's blocks open: a failure among them is this page's
+    assert failed is None or failed[0] >= len(_runnable(page, 'bash')), failed[1]
+
+
+def test_a_page_is_checked_by_the_page_its_blocks_open():
+    """fsdp.md's doctor command opens doctor.md, which runs it first; a page does not open
+    itself, nor a page it opens, nor one it only shares blocks with."""
+    pages = _pages_with('bash')
+    assert _opened_by('docs/backends/fsdp.md', pages) == 'docs/guides/doctor.md'
+    assert _opened_by('docs/guides/doctor.md', pages) is None
+    assert _opened_by('docs/backends/ddp.md', pages) is None
 
 
 def _reference():

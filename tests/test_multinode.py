@@ -1,9 +1,12 @@
 """Several nodes on localhost (two torchrun "nodes" of one process each) and resuming at
 another world size through ``stratagem train``.
 
-One module-scoped 2-node training run serves every test: a shared-work-dir resume must be
-bit-exact against it, separate work dirs must fail on both nodes naming the fix, and its
-checkpoints resume on 1 process reading exactly the samples that were left.
+One module-scoped 2-node training run serves every test: started as a user starts it,
+``stratagem train --nnodes 2 --node-rank R --master-addr A`` on each node, it trains to the
+end (rank 0 alone says what every rank would say alike); a shared-work-dir resume (under
+torchrun itself, ``--launcher pytorch``) must be bit-exact against it, separate work dirs
+must fail on both nodes naming the fix, and its checkpoints resume on 1 process reading
+exactly the samples that were left.
 """
 
 import collections
@@ -65,39 +68,26 @@ def _private_mounts_work() -> bool:
 WARMUP_1 = ('--cfg-options', 'param_scheduler.0.end=4')
 
 
-def _two_nodes(cfg, work_dirs, cwds, count_dir, *extra, hide_from_node1=None):
+def _two_nodes(cfg, work_dirs, cwds, count_dir, *extra, hide_from_node1=None, command=False):
     """``stratagem train`` as two torchrun nodes (one process each) on localhost.
 
     ``hide_from_node1``: a directory node 1 sees as empty (an empty tmpfs mounted over it in
     node 1's own mount namespace), as a machine that does not share node 0's disk would.
+    ``command``: each node started as ``stratagem train --nnodes 2 --node-rank R`` (the
+    command builds torchrun's), else under ``torch.distributed.run`` with
+    ``--launcher pytorch``.
     """
     port = free_port()
     procs = []
     for r in range(2):
-        cmd = [
-            sys.executable,
-            '-m',
-            'torch.distributed.run',
-            '--nnodes',
-            '2',
-            '--node-rank',
-            str(r),
-            '--nproc-per-node',
-            '1',
-            '--master-addr',
-            '127.0.0.1',
-            '--master-port',
-            str(port),
-            '-m',
-            'stratagem',
-            'train',
-            str(cfg),
-            '--launcher',
-            'pytorch',
-            '--work-dir',
-            str(work_dirs[r]),
-            *extra,
-        ]
+        nodes = ['--nnodes', '2', '--node-rank', str(r)]
+        master = ['--master-addr', '127.0.0.1', '--master-port', str(port)]
+        train = ['-m', 'stratagem', 'train', str(cfg), '--work-dir', str(work_dirs[r])]
+        if command:
+            cmd = [sys.executable, *train, *nodes, '--nproc', '1', *master, *extra]
+        else:
+            torchrun = ['-m', 'torch.distributed.run', *nodes, '--nproc-per-node', '1', *master]
+            cmd = [sys.executable, *torchrun, *train, '--launcher', 'pytorch', *extra]
         if r == 1 and hide_from_node1 is not None:
             cmd = [
                 'unshare',
@@ -110,11 +100,13 @@ def _two_nodes(cfg, work_dirs, cwds, count_dir, *extra, hide_from_node1=None):
                 'node1',
                 *cmd,
             ]
+        env = _env(count_dir)
+        env.pop('MKL_NUM_THREADS', None)  # unset: the run sets it, and says so once
         procs.append(
             subprocess.Popen(
                 cmd,
                 cwd=cwds[r],
-                env=_env(count_dir),
+                env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -169,14 +161,35 @@ def _train(cfg, work_dir, count_dir, *extra, nproc=1):
 
 @pytest.fixture(scope='module')
 def nodes_run(tmp_path_factory):
-    """4 epochs on 2 nodes x 1 process: 64 samples / (2 x 8) = 4 iterations per epoch."""
+    """4 epochs on 2 nodes x 1 process: 64 samples / (2 x 8) = 4 iterations per epoch; the
+    nodes started by ``stratagem train --nnodes 2``. ``(folder, config, work_dir)``; the
+    nodes' outputs in ``folder / 'node<r>.log'``."""
     tmp = tmp_path_factory.mktemp('nodes')
     cfg = tmp / 'cfg.py'
     cfg.write_text(CONFIG)
     work = tmp / 'shared'
-    codes, outs = _two_nodes(cfg, [work, work], [tmp, tmp], tmp / 'count-full')
+    codes, outs = _two_nodes(cfg, [work, work], [tmp, tmp], tmp / 'count-full', command=True)
     assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    for r, out in enumerate(outs):
+        (tmp / f'node{r}.log').write_text(out)
     return tmp, cfg, work
+
+
+def test_two_nodes_started_by_the_command_train_to_the_end(nodes_run):
+    tmp, _, work = nodes_run
+    node0, node1 = ((tmp / f'node{r}.log').read_text() for r in (0, 1))
+    # 64 samples over 2 ranks, batch 8: 4 iterations per epoch, 16 in all
+    final = _state(work / 'iter_16.pth')
+    assert (final['meta']['iter'], final['meta']['epoch']) == (16, EPOCHS)
+    assert final['meta']['world_size'] == 2 and len(final['rng_states']) == 2
+    assert all(torch.isfinite(v).all() for v in final['state_dict'].values())
+    assert sorted(p.name for p in work.glob('iter_*.pth')) == sorted(
+        f'iter_{i}.pth' for i in range(2, 17, 2)
+    )
+    # a line every rank would print alike comes once, from rank 0 (torchrun set only OMP)
+    assert node0.count('set MKL_NUM_THREADS=1') == 1, node0
+    assert 'MKL_NUM_THREADS' not in node1, node1
+    assert 'iter 16/16' in node0 and 'iter 16/16' not in node1
 
 
 @pytest.fixture(scope='module')

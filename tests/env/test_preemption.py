@@ -41,6 +41,40 @@ def test_preemption_settings_errors_name_the_key(value, message):
     assert preemption_config(dict(signals='usr1')).signals == ('SIGUSR1',)
 
 
+@pytest.fixture(scope='module', autouse=True)
+def hook_run_started(request, tmp_path_factory):
+    """``hook_run`` in a process of its own (mmengine's runner changes process-wide logging
+    state), started at the module's first test when the session selected
+    test_flexible_runner_preemption_hook (the last of the module): it runs on the other core
+    while this process runs the module's other tests. ``(process, folder)``, or None."""
+    wanted = importlib.util.find_spec('mmengine') is not None and any(
+        getattr(item, 'module', None) is request.module
+        and item.originalname == 'test_flexible_runner_preemption_hook'
+        for item in request.session.items
+    )
+    if not wanted:
+        yield None
+        return
+    tmp = tmp_path_factory.mktemp('hook')
+    code = f'import test_preemption as t; t.hook_run({str(tmp)!r}); print("HOOK-OK")'
+    # this module, tests/ (failure_helpers) and tests/integrations/ (the runner's toy model)
+    here = os.path.dirname(__file__)
+    tests = os.path.dirname(here)
+    path = [here, tests, os.path.join(tests, 'integrations'), os.environ.get('PYTHONPATH', '')]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    proc = subprocess.Popen(
+        [sys.executable, '-c', code],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
 @pytest.fixture(scope='module')
 def straight(tmp_path_factory):
     tmp = tmp_path_factory.mktemp('straight')
@@ -107,21 +141,6 @@ def test_a_hand_written_loop_with_the_context_manager(tmp_path):
     a = torch.load(tmp_path / 'a' / 'iter_20.pth', weights_only=True)
     b = torch.load(tmp_path / 'b' / 'iter_20.pth', weights_only=True)
     assert equal([a['state_dict'], a['optimizer']], [b['state_dict'], b['optimizer']])
-
-
-@pytest.mark.skipif(importlib.util.find_spec('mmengine') is None, reason='needs mmengine')
-def test_flexible_runner_preemption_hook(tmp_path):
-    # in a process of its own: mmengine's runner changes process-wide logging state
-    code = f'import test_preemption as t; t.hook_run({str(tmp_path)!r}); print("HOOK-OK")'
-    # this module, tests/ (failure_helpers) and tests/integrations/ (the runner's toy model)
-    here = os.path.dirname(__file__)
-    tests = os.path.dirname(here)
-    path = [here, tests, os.path.join(tests, 'integrations'), os.environ.get('PYTHONPATH', '')]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    done = subprocess.run(
-        [sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0 and 'HOOK-OK' in done.stdout, done.stderr[-3000:]
 
 
 def hook_run(root):
@@ -211,3 +230,9 @@ def test_a_signal_is_known_to_other_threads_while_the_main_thread_waits_in_c():
     assert blocked >= 2.5  # the main thread sat in C meanwhile
     assert seen[0][0] == 'SIGUSR1' and seen[0][1] < 1.5, seen
     assert p.received == 'SIGUSR1'
+
+
+@pytest.mark.skipif(importlib.util.find_spec('mmengine') is None, reason='needs mmengine')
+def test_flexible_runner_preemption_hook(hook_run_started):
+    out, err = hook_run_started.communicate(timeout=300)
+    assert hook_run_started.returncode == 0 and 'HOOK-OK' in out, err[-3000:]

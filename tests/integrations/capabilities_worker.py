@@ -4,6 +4,9 @@ after the other, in the same 2 processes (each Fabric or Trainer finds the proce
 
     torchrun --nproc-per-node 2 capabilities_worker.py OUT
 
+The suite runs them after lightning_worker.py's ``resume`` runs, in its torchrun launch
+(``run_all``): Lightning's import costs each process seconds.
+
 - ``fabric-{FSDPStrategy,SubFSDP}``: plain training on FSDPStrategy and on a subclass of it
   that declares nothing of its own: both must take the FSDP path.
 - ``fabric-scaled-{DDPStrategy,FSDPStrategy}``: ``auto_scale_lr`` and ``accumulative_counts``
@@ -203,8 +206,8 @@ def trainer_scaled(out: Path, name: str) -> None:
     torch.save(result, out / f'trainer-scaled-{name}-rank{trainer.global_rank}.pt')
 
 
-if __name__ == '__main__':
-    out = Path(sys.argv[1])
+def run_all(out: Path) -> None:
+    """Every run, in order, in these processes."""
     for name in ('FSDPStrategy', 'SubFSDP'):
         fabric_plain(out, name)
     for name in ('DDPStrategy', 'FSDPStrategy'):
@@ -212,3 +215,7 @@ if __name__ == '__main__':
     fabric_no_micro_batch(out)
     for name in ('DDPStrategy', 'FSDPStrategy'):
         trainer_scaled(out, name)
+
+
+if __name__ == '__main__':
+    run_all(Path(sys.argv[1]))

@@ -6,6 +6,8 @@ Trainer finds the processes started and the process group up, and uses them).
     python lightning_worker.py OUT first    # Lightning's launcher: 10 steps, save at 5
     torchrun --nproc-per-node 2 lightning_worker.py OUT resume   # resume at 5, to 10
     python lightning_worker.py OUT first fabric,trainer fsdp,ddp   # parts, then kinds
+    torchrun ... lightning_worker.py OUT resume fabric,trainer ours,ddp CAPS   # and then
+        capabilities_worker.py's runs into CAPS (their failure there, in CAPS/failed.rank<r>.txt)
 
 A kind is one of ``OURS`` (our strategy of that cfg) or ``'ddp'`` (Lightning's own). Every
 rank writes ``OUT/{fabric,trainer}-{kind}-{phase}-rank{r}.pt``: the losses of the steps it
@@ -140,6 +142,21 @@ def trainer_run(out: Path, kind: str, phase: str) -> None:
     record(out / f'trainer-{kind}-{phase}-rank{trainer.global_rank}.pt', module.losses, module.net)
 
 
+def capabilities(out: Path) -> None:
+    """capabilities_worker.py's runs into ``out``; their failure into ``out/failed.txt``
+    (rank 0's), so that this launch's own checks stand apart from them."""
+    import traceback
+
+    from capabilities_worker import run_all
+
+    out.mkdir(exist_ok=True)
+    try:
+        run_all(out)
+    except Exception:  # noqa: BLE001 - test_lightning_capabilities.py reports it
+        rank = os.environ.get('RANK', '0')
+        (out / f'failed.rank{rank}.txt').write_text(traceback.format_exc())
+
+
 if __name__ == '__main__':
     out, phase = Path(sys.argv[1]), sys.argv[2]
     parts = sys.argv[3].split(',') if len(sys.argv) > 3 else ['fabric', 'trainer']
@@ -147,16 +164,23 @@ if __name__ == '__main__':
     for part in parts:
         for kind in kinds:
             (fabric_run if part == 'fabric' else trainer_run)(out, kind, phase)
+    if len(sys.argv) > 5:
+        capabilities(Path(sys.argv[5]))
 
 
 _LAUNCHED: dict[str, Path] = {}
+
+
+CAPABILITIES = 'capabilities'  # launch_both's folder of capabilities_worker.py's runs
 
 
 def launch_both(tmp_path_factory: Any, kinds: tuple[str, ...] = ('ours', 'ddp')) -> Path:
     """Both launches of Fabric and the Trainer on ``kinds``, once per test session and kinds
     (test_fabric.py and test_lightning.py read the same files): ``first`` from a plain
     ``python`` (Lightning's launcher starts rank 1), ``resume`` under torchrun. Returns the
-    directory they wrote to."""
+    directory they wrote to. The default kinds' torchrun launch then runs
+    capabilities_worker.py's runs (test_lightning_capabilities.py) into ``CAPABILITIES``
+    there: one launch of Lightning's processes less."""
     from launcher_env import without_launcher
 
     key = ','.join(kinds)
@@ -170,9 +194,10 @@ def launch_both(tmp_path_factory: Any, kinds: tuple[str, ...] = ('ours', 'ddp'))
     script = str(Path(__file__).resolve())
     torchrun = [sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', '2']
     torchrun.append('--standalone')  # a free port of its own
+    then = [str(out / CAPABILITIES)] if kinds == ('ours', 'ddp') else []
     for cmd in (
         [sys.executable, script, str(out), 'first', 'fabric,trainer', key],
-        [*torchrun, script, str(out), 'resume', 'fabric,trainer', key],
+        [*torchrun, script, str(out), 'resume', 'fabric,trainer', key, *then],
     ):
         done = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:

@@ -1,7 +1,9 @@
 """The Lightning adapters ask a backend's capabilities and share one set-up path
 (``stratagem.integrations.fabric.setup_for_host``), which runs ``prepare``'s post-steps.
 
-The run (``capabilities_worker.py``, one ``torchrun`` launch of 2 processes, gloo, CPU):
+The run (``capabilities_worker.py``, 2 processes under ``torchrun``, gloo, CPU; in the
+torchrun launch of lightning_worker.py that test_fabric.py and test_lightning.py read, after
+its runs):
 Fabric on FSDPStrategy and on a subclass of it; ``auto_scale_lr`` with accumulation under
 Fabric and under the Trainer, each on DDPStrategy and on FSDPStrategy; ``auto_scale_lr``
 with ``fabric.setup`` before the per-process batch is known.
@@ -9,9 +11,6 @@ with ``fabric.setup`` before the per-process batch is known.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,21 +31,12 @@ SCALED_LR = LR * WORLD * BATCH * ACC / BASE
 
 @pytest.fixture(scope='module')
 def out(tmp_path_factory) -> Path:
-    from launcher_env import without_launcher
+    from lightning_worker import CAPABILITIES, launch_both
 
-    out = Path(tmp_path_factory.mktemp('capabilities'))
-    here = Path(__file__).resolve()
-    env = without_launcher()
-    env['PYTHONPATH'] = os.pathsep.join([str(here.parents[2]), str(here.parents[1])])
-    env.setdefault('OMP_NUM_THREADS', '1')
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', str(WORLD)]
-    cmd += ['--standalone', str(here.parent / 'capabilities_worker.py'), str(out)]
-    done = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        raise RuntimeError(
-            f'{" ".join(cmd)} exited {done.returncode}:\n{done.stdout[-3000:]}\n'
-            f'{done.stderr[-6000:]}'
-        )
+    out = launch_both(tmp_path_factory) / CAPABILITIES
+    failed = sorted(out.glob('failed.rank*.txt'))
+    if failed:
+        raise RuntimeError('\n'.join(f'{p.name}:\n{p.read_text()}' for p in failed))
     return out
 
 

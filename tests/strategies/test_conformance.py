@@ -2,6 +2,7 @@
 names the backend and the check (``pytest -k 'resume and fsdp'`` runs that cell and what it
 needs)."""
 
+import json
 import subprocess
 import sys
 
@@ -115,7 +116,7 @@ def test_loads_weights_of(scenario, source, target, load):
 
 @pytest.mark.parametrize('backend', _rows(FLEXIBLE))
 @pytest.mark.scenario('flexible.{backend}')
-def test_flexible_runner_resume_equals_uninterrupted_run(scenario, backend):
+def test_flexible_runner_resume_equals_uninterrupted_run(scenario, backend, bare_load):
     nproc = BACKENDS[backend].nproc
     root = scenario.tmp / backend / 'flexible'
     iters_per_epoch = 32 // 4 // nproc
@@ -148,26 +149,67 @@ def test_flexible_runner_resume_equals_uninterrupted_run(scenario, backend):
             for name in ('extra.pth', 'stratagem_state.pth')
             if (final / name).is_file()
         )
-    _check_load_without_integration(final)
+    _check_load_without_integration(final, bare_load)
 
 
-def _check_load_without_integration(path):
+# loads checkpoints in a process that never imports the integration: one per module, not one
+# per row (an interpreter's start-up costs seconds on 2 cores); a path per line in, a JSON
+# line out: what the load raised, and whether the integration had been imported by then
+BARE_LOADER = """
+import json, sys
+from stratagem.checkpoint import load_checkpoint_file
+for line in sys.stdin:
+    try:
+        load_checkpoint_file(line.rstrip('\\n'))
+        said = 'loaded'
+    except Exception as e:
+        said = f'{type(e).__name__} {e}'
+    print(json.dumps([said, 'stratagem.integrations.mmengine' in sys.modules]), flush=True)
+"""
+
+
+@pytest.fixture(scope='module')
+def bare_load():
+    """``load(path)``: what loading ``path`` says in a process without the integration (this
+    one, while it has not imported it; else one loader process for the module's rows)."""
+    procs = []
+
+    def load(path):
+        from stratagem.checkpoint import get_safe_globals, load_checkpoint_file
+
+        if 'mmengine.logging.history_buffer.HistoryBuffer' not in get_safe_globals():
+            try:  # this process has not: check here, which saves starting an interpreter
+                load_checkpoint_file(path)
+            except Exception as e:  # noqa: BLE001 - the test reads what it raised
+                return f'{type(e).__name__} {e}'
+            return 'loaded'
+        if not procs:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, '-c', BARE_LOADER],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        proc = procs[0]
+        proc.stdin.write(f'{path}\n')
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        assert line, f'the loader process exited with {proc.wait()}'
+        said, integrated = json.loads(line)
+        assert not integrated, 'the loader process imported the integration'
+        return said
+
+    yield load
+    for proc in procs:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+
+
+def _check_load_without_integration(path, load):
     """A process that has not imported the integration names what it lacks."""
-    from stratagem.checkpoint import UnsafeCheckpointError, get_safe_globals, load_checkpoint_file
-
-    if 'mmengine.logging.history_buffer.HistoryBuffer' in get_safe_globals():
-        probe = (
-            'from stratagem.checkpoint import load_checkpoint_file\n'
-            f'try:\n    load_checkpoint_file({str(path)!r})\n'
-            'except Exception as e:\n    print(type(e).__name__, e)'
-        )
-        out = subprocess.run(
-            [sys.executable, '-c', probe], capture_output=True, text=True, check=True
-        ).stdout
-    else:  # this process has not: check here, which saves starting an interpreter
-        with pytest.raises(UnsafeCheckpointError) as info:
-            load_checkpoint_file(path)
-        out = f'{type(info.value).__name__} {info.value}'
+    out = load(path)
     assert out.startswith('UnsafeCheckpointError')
     assert 'holds mmengine.logging.history_buffer.HistoryBuffer' in out
     assert 'import stratagem.integrations.mmengine' in out

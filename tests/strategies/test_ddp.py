@@ -468,6 +468,10 @@ def _raise_on_rank1():
     return 'unreachable'
 
 
+# the slow tier's: the first tier ends a rank waiting for a raised one in the harness's own
+# tests (tests/env/test_dist_harness.py) and in a real gloo barrier (the desync scenario of
+# tests/env/test_scenarios.py)
+@pytest.mark.slow
 def test_a_failing_rank_ends_all_ranks_and_shows_its_error():
     with pytest.raises(RankFailure, match='^rank 1 raised') as info:
         run_distributed(_raise_on_rank1, nproc=2, timeout=60, grace=2)

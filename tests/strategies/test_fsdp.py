@@ -3,10 +3,10 @@ checkpointing, sharded checkpoints resumed exactly on 2 ranks, 2→1, 1→2, and
 
 Processes are started at most four times for the module, each time for the scenarios the
 selected tests name (tests/scenarios.py): the training checks (also compile, ignored_modules,
-skip_init_weights) and the first half of a run (2 ranks), a 1-rank FSDP resume,
-`stratagem train examples/configs/transformer_fsdp.py --nproc 2` (torchrun), and the resumes
-in new processes (2 ranks, also the example config's, through the reference loop); peer copies
-of the shards in the first spawn. The exact
+skip_init_weights, FSDP1's config forms from test_fsdp_config.py) and the first half of a run
+(2 ranks), a 1-rank FSDP resume, `stratagem train examples/configs/transformer_fsdp.py
+--nproc 2` (torchrun), and the resumes in new processes (2 ranks, also the example config's,
+through the reference loop); peer copies of the shards in the first spawn. The exact
 resume mid window, the async save's state at the call and the weights crossing to every
 backend are its row of the conformance table (test_conformance.py).
 """
@@ -414,6 +414,15 @@ def peer_copies(work_dir, first_half):
     _, _, ckpt, out['hsdp_tier'] = restart(mesh=dict(replicate=2, shard=1))
     out['hsdp_iter'] = ckpt['meta']['iter']
     return out
+
+
+@SCENARIOS.add('ranks')
+def mmengine_forms(work_dir):
+    """FSDP1's forms of model_wrapper through prepare (test_fsdp_config.py's model and
+    policies; in this spawn, one start of processes less)."""
+    from test_fsdp_config import prepare_mmengine_forms
+
+    return prepare_mmengine_forms(Path(work_dir) / 'mmengine_forms')
 
 
 def _in_place_checks(work_dir, state_3):
@@ -1129,3 +1138,23 @@ def test_transformer_config_resumed_from_iter_4_ends_bit_exact(scenario):
                 torch.as_tensor(value), torch.as_tensor(resumed['optimizer']['state'][index][key])
             )
     assert first['meta']['iter'] == resumed['meta']['iter'] == 8
+
+
+@pytest.mark.scenario('mmengine_forms')
+def test_prepare_with_mmengine_forms(scenario):
+    for out in scenario:
+        assert out['sharded'] == ['', 'blocks.0', 'blocks.1']
+        assert out['plain'] == ['head.0.bias', 'head.0.weight', 'head.1.bias', 'head.1.weight']
+        assert out['state_dict_type'] == 'sharded'
+        assert out['buffers'] == ['torch.float32', 'torch.int64']
+        assert out['reduce'] == 'torch.float32'
+        assert out['checkpointed'] == [
+            'blocks.0.fc',
+            'blocks.0.out',
+            'blocks.1.fc',
+            'blocks.1.out',
+            'embed',
+            'head.0',
+            'head.1',
+        ]
+        assert out['changed'] == [True, True]

@@ -1,5 +1,6 @@
 """FSDPStrategy's config boundary (``fsdp/config.py``, ``fsdp/wrap_policy.py``): mmengine's and
-FSDP1's forms of each key, mapped to FSDP2 or refused by name. Plain functions, one 2-rank prepare.
+FSDP1's forms of each key, mapped to FSDP2 or refused by name. Plain functions; the 2-rank
+prepare with these forms (``prepare_mmengine_forms``) runs in test_fsdp.py's spawn.
 
 The oracle for which modules an FSDP1 policy wraps is FSDP1's own recursive wrap
 (``torch.distributed.fsdp.wrap._recursive_wrap``) run with a wrapper that only records.
@@ -18,7 +19,6 @@ from torch.distributed.fsdp.wrap import (
     transformer_auto_wrap_policy,
 )
 
-from dist_harness import run_distributed
 from stratagem.strategies.fsdp.config import parse_model_wrapper
 from stratagem.strategies.fsdp.options import parse_activation_checkpointing, parse_state_dict_cfg
 
@@ -396,8 +396,9 @@ def test_sharding_strategy_typo():
     assert parse_model_wrapper(dict(sharding_strategy='FULL_SHARD')).reshard_after_forward is True
 
 
-def _prepare_mmengine_forms(work_dir):
-    """prepare() with FSDP1's forms: which modules are sharded, what stays plain, one step."""
+def prepare_mmengine_forms(work_dir):
+    """prepare() with FSDP1's forms: which modules are sharded, what stays plain, one step. In
+    every rank of test_fsdp.py's first spawn (its test is there: one start of processes less)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -448,23 +449,3 @@ def _prepare_mmengine_forms(work_dir):
         ),
         changed=[not torch.equal(a, b) for a, b in zip(before, after)],
     )
-
-
-def test_prepare_with_mmengine_forms(tmp_path):
-    outs = run_distributed(_prepare_mmengine_forms, nproc=2, args=(tmp_path,), timeout=120)
-    for out in outs:
-        assert out['sharded'] == ['', 'blocks.0', 'blocks.1']
-        assert out['plain'] == ['head.0.bias', 'head.0.weight', 'head.1.bias', 'head.1.weight']
-        assert out['state_dict_type'] == 'sharded'
-        assert out['buffers'] == ['torch.float32', 'torch.int64']
-        assert out['reduce'] == 'torch.float32'
-        assert out['checkpointed'] == [
-            'blocks.0.fc',
-            'blocks.0.out',
-            'blocks.1.fc',
-            'blocks.1.out',
-            'embed',
-            'head.0',
-            'head.1',
-        ]
-        assert out['changed'] == [True, True]
