@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import functools
 import io
 import os
 import os.path as osp
@@ -590,6 +591,21 @@ class Listing:
     entries: list[dict]
     committed: list[RemoteCheckpoint]
 
+    @functools.cached_property
+    def files(self) -> dict[str, dict]:
+        """The objects directly under the location (not its "directories"), by name."""
+        return {entry_name(e): e for e in self.entries if e.get('type', 'file') == 'file'}
+
+    @functools.cached_property
+    def committed_names(self) -> set[str]:
+        """The names of the ``committed`` checkpoints."""
+        return {c.url.rsplit('/', 1)[-1] for c in self.committed}
+
+
+def entry_name(entry: Mapping) -> str:
+    """The last part of a listing entry's name (an object's, or a "directory"'s)."""
+    return str(entry['name']).rstrip('/').rsplit('/', 1)[-1]
+
 
 def survey(directory: str, backend_args: Mapping | None = None) -> Listing:
     """One listing of ``directory`` and its committed checkpoints (``list_checkpoints``):
@@ -606,7 +622,7 @@ def survey(directory: str, backend_args: Mapping | None = None) -> Listing:
             if 'bucket' in str(err).lower():
                 raise
             return Listing(directory, fs, path, [], [])
-        sizes = {e['name'].rstrip('/').rsplit('/', 1)[-1]: e.get('size') for e in entries}
+        sizes = {entry_name(e): e.get('size') for e in entries}
         from .remote_directory import list_directories
 
         found = list_directories(fs, path, directory, entries)

@@ -55,6 +55,7 @@ from .location import (
     _read_hashed,
     _read_small,
     absolute,
+    entry_name,
     filesystem,
     is_url,
     join,
@@ -551,7 +552,7 @@ def list_directories(
     for entry in entries:
         if entry.get('type') != 'directory':
             continue
-        name = entry['name'].rstrip('/').rsplit('/', 1)[-1]
+        name = entry_name(entry)
         if name.startswith('.'):
             continue
         try:

@@ -53,6 +53,7 @@ from .location import (
     POINTER_NAME,
     Listing,
     absolute,
+    entry_name,
     filesystem,
     join,
     store_errors,
@@ -117,18 +118,13 @@ def find_debris(directory: str, backend_args: Mapping | None = None) -> list[Deb
     return _debris(survey(directory, backend_args))
 
 
-def _name(entry: Mapping) -> str:
-    return str(entry['name']).rstrip('/').rsplit('/', 1)[-1]
-
-
 def _debris(listing: Listing, explore: Callable[[str], bool] = lambda name: True) -> list[Debris]:
     """The debris in ``listing`` (its committed checkpoints are never debris: a checkpoint
     committed after the listing has no listed manifest, so it neither is debris nor moves
     the cutoff). A folder without a manifest is listed (one request) only if ``explore``
     says so of its name (retention: only one it may remove)."""
     directory, fs, path = listing.directory, listing.fs, listing.path
-    listed = {c.url.rsplit('/', 1)[-1] for c in listing.committed}
-    files = {_name(e): e for e in listing.entries if e.get('type', 'file') == 'file'}
+    listed, files = listing.committed_names, listing.files
     found = []
     for name, entry in files.items():
         if name == POINTER_NAME or name in listed:
@@ -141,7 +137,7 @@ def _debris(listing: Listing, explore: Callable[[str], bool] = lambda name: True
             kind = 'unlisted object'
         found.append(Debris(join(directory, name), kind, _began(entry), entry.get('size')))
     for entry in listing.entries:
-        name = _name(entry)
+        name = entry_name(entry)
         if (
             entry.get('type') == 'directory'
             and name not in listed
@@ -248,7 +244,7 @@ def remove_debris(
     listing = survey(directory, backend_args) if listing is None else listing
     directory, fs, path = listing.directory, listing.fs, listing.path
     kept = {str(k).rstrip('/').rsplit('/', 1)[-1] for k in keep if k}
-    committed = {c.url.rsplit('/', 1)[-1] for c in listing.committed}
+    committed = listing.committed_names
     candidates = []
 
     def removable(name: str) -> bool:  # an unlisted folder retention may remove
@@ -294,7 +290,7 @@ def _newest_commit(listing: Listing) -> float | None:
     """When the newest committed checkpoint's manifest was written, by the store's clock:
     the newest sidecar manifest in the listing, and (one request) the ``manifest.json`` of
     the newest directory checkpoint by step. None without a committed checkpoint."""
-    files = {_name(e): e for e in listing.entries if e.get('type', 'file') == 'file'}
+    files = listing.files
     times = []
     for info in listing.committed:
         name = info.url.rsplit('/', 1)[-1]
