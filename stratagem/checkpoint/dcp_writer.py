@@ -169,9 +169,9 @@ class DirectoryWriter(FileSystemWriter):
         finally:  # nothing writes into the staging directory once this returns
             futures.wait(pending)
         if self._commit is not None:
-            # durable before rank 0 hears they are written
-            fsync_together([Path(entry['path']) for entry in self.entries()])
-            entries = self._commit.files(self.path, self.entries())
+            mine = self.entries()
+            fsync_together([Path(entry['path']) for entry in mine])  # before rank 0 hears
+            entries = self._commit.files(self.path, mine)
             results = [*results, WriteResult(index=FILES, size_in_bytes=0, storage_data=entries)]
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
@@ -197,8 +197,6 @@ class DirectoryWriter(FileSystemWriter):
         return [*shards, *self._metadata_entry(), *self._side_entries]
 
     def _metadata_entry(self) -> list[dict]:
-        written = self.fs.written.get(os.fspath(Path(self.path) / METADATA))
-        if written is None:
-            return []
         path = os.fspath(Path(self.path) / METADATA)
-        return [{**file_entry(path, *written), 'synced': False}]
+        written = self.fs.written.get(path)
+        return [] if written is None else [{**file_entry(path, *written), 'synced': False}]

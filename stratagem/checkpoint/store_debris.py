@@ -302,11 +302,9 @@ def _newest_commit(listing: Listing) -> float | None:
     if newest_directory is not None:
         name = newest_directory.url.rsplit('/', 1)[-1]
         where = f'{listing.path}/{name}/{DIR_MANIFEST}'
-        with store_errors(newest_directory.url, 'listing'):
-            try:
-                times.append(_began(call(listing.fs.info, where)))
-            except FileNotFoundError:  # deleted since it was listed
-                pass
+        # (a FileNotFoundError: deleted since it was listed)
+        with store_errors(newest_directory.url, 'listing'), contextlib.suppress(FileNotFoundError):
+            times.append(_began(call(listing.fs.info, where)))
     known = [t for t in times if t is not None]
     return max(known) if known else None
 
