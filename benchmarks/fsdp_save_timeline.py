@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from _spawn import as_torchrun_rank, spawn_ranks  # benchmarks/, on the path as a script
-from torch import nn
+from fsdp_throughput import prepared
 
 _MARKS: list[tuple[str, float]] = []
 _START = [0.0]
@@ -58,23 +58,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from stratagem.checkpoint import checkpointer, dcp_writer, directory
-    from stratagem.strategies import build_strategy
 
-    strategy = build_strategy(
-        dict(
-            type='FSDPStrategy',
-            work_dir=tmp,
-            model_wrapper=dict(auto_wrap_policy=['Linear']),
-            log_kwargs=dict(log_level='WARNING'),
-        )
-    )
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(4):
-        layers += [nn.Linear(1024, 1024), nn.ReLU()]
-    model, wrapper = strategy.prepare(
-        nn.Sequential(*layers[:-1]), optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-4))
-    )
+    strategy, model, wrapper = prepared(tmp)
     with wrapper.optim_context(model):
         loss = model(torch.randn(8, 1024)).sum()
     wrapper.update_params(loss)  # the optimizer's state exists

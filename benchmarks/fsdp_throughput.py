@@ -23,6 +23,7 @@ import shutil
 import statistics
 import time
 import warnings
+from typing import Any
 
 import torch
 from _spawn import (  # benchmarks/, on the path when run as a script
@@ -41,14 +42,8 @@ def _mlp(width: int = 1024) -> nn.Module:
     return nn.Sequential(*layers[:-1])
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str) -> None:
-    as_torchrun_rank(rank, world, port)
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
+def prepared(tmp: str, width: int = 1024) -> tuple[Any, nn.Module, Any]:
+    """The FSDPStrategy (work_dir ``tmp``) and its prepared MLP and AdamW wrapper."""
     from stratagem.strategies import build_strategy
 
     strategy = build_strategy(
@@ -59,9 +54,21 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str
             log_kwargs=dict(log_level='WARNING'),
         )
     )
-    model, ow = strategy.prepare(
-        _mlp(args.width), optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-4))
+    model, wrapper = strategy.prepare(
+        _mlp(width), optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-4))
     )
+    return strategy, model, wrapper
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str) -> None:
+    as_torchrun_rank(rank, world, port)
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    strategy, model, ow = prepared(tmp, args.width)
     raw = _mlp(args.width)
     mesh = init_device_mesh('cpu', (world,))
     for layer in raw:
