@@ -452,6 +452,7 @@ def _dcp_commit_checks(root):
     out['tidied'] = wait_tidied()
     dist.barrier()
     out['keys_left'] = store.num_keys() - keys_before
+    dist.barrier()  # rank 0 serves the store: it stays until rank 1 has counted
     return out
 
 
