@@ -204,7 +204,7 @@ class Checkpointer:
             )
             job = storage.stage(checkpoint, path, commit, writer)
         except BaseException as err:
-            commit.abandon(f'{type(err).__name__}: {err}')
+            storage.abandon(path, commit, writer, err)
             raise
         del checkpoint  # the live tensors may change from here on: async has a copy
         if writer is None:

@@ -53,7 +53,7 @@ from .manifest import (
     verify_file,
 )
 from .names import check_final_name, check_step
-from .rank_errors import all_ok, dcp_failures, describe_error, raise_first
+from .rank_errors import all_ok, dcp_failures, describe_error, failed_elsewhere, raise_first
 from .vote import SaveVote
 
 __all__ = [
@@ -404,15 +404,11 @@ class CollectiveCommit:
             if self._mine:
                 shutil.rmtree(self.staging, ignore_errors=True)  # type: ignore[arg-type]
             rank = 0 if self.vote is None else self.vote.rank
-            if not failures or rank in failures:
-                _raise_own(own if own is not None else failures.get(rank, error), self.what)
-            other, cause = next(iter(failures.items()))
             what = self.what if self.vote is None else self.vote.what  # as the vote says it
-            # (rank 0's failure may be its commit's, after the rename: say no more)
-            after = '' if other == 0 else '; nothing was committed'
-            raise CheckpointVoteError(
-                f'{what} failed on rank {other}: {describe_error(cause)}{after}'
-            ) from cause
+            elsewhere = failed_elsewhere(error, rank, what)
+            if elsewhere is None:
+                _raise_own(own if own is not None else failures.get(rank, error), self.what)
+            raise elsewhere
         _fail_voted(self.staging if self._mine else None, self.what, own or error, self.vote)
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import RankError
+from .errors import CheckpointVoteError, RankError
 
-__all__ = ['all_ok', 'dcp_failures', 'describe_error', 'raise_first']
+__all__ = ['all_ok', 'dcp_failures', 'describe_error', 'failed_elsewhere', 'raise_first']
 
 
 def all_ok(failed: bool, *values: Any) -> bool:
@@ -32,6 +32,21 @@ def dcp_failures(error: BaseException) -> dict[int, BaseException]:
         rank: cause[0] if isinstance(cause, tuple) else cause
         for rank, cause in sorted(failures.items())
     }
+
+
+def failed_elsewhere(error: BaseException, rank: int, what: str) -> CheckpointVoteError | None:
+    """DCP's ``CheckpointException`` of other ranks' own steps, not this rank's (``rank``):
+    the error naming the first of them, as the vote would say it (``what``: the vote's);
+    None when this rank failed too, or the error is not DCP's."""
+    failures = dcp_failures(error)
+    if not failures or rank in failures:
+        return None
+    other, cause = next(iter(failures.items()))
+    # (rank 0's failure may be its commit's, after the rename: say no more)
+    after = '' if other == 0 else '; nothing was committed'
+    named = CheckpointVoteError(f'{what} failed on rank {other}: {describe_error(cause)}{after}')
+    named.__cause__ = cause
+    return named
 
 
 def describe_error(error: BaseException) -> str:

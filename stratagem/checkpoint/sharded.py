@@ -47,7 +47,7 @@ from .disk import OVERHEAD_BYTES, check_free_space, payload_bytes
 from .errors import CheckpointCorruptError
 from .load import load_checkpoint_file
 from .location import is_url
-from .rank_errors import all_ok, dcp_failures, describe_error, raise_first
+from .rank_errors import all_ok, dcp_failures, describe_error, failed_elsewhere, raise_first
 from .torch_file import crc32_option, write_torch_file
 
 if TYPE_CHECKING:  # remote_directory (and fsspec behind it) loads when a URL is used
@@ -175,27 +175,31 @@ def save_sharded_checkpoint(
 
     from .dcp_writer import DirectoryWriter
 
-    if is_url(os.fspath(final_dir)):  # each rank's files staged locally, then uploaded
-
-        def write(staging: Path) -> list[dict]:
-            writer = DirectoryWriter(staging, side=start_side, check=lambda: check_space(staging))
-            try:
-                dcp_save(writer)
-            except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is one
-                raise writer.own_error or err from None  # this rank's own, as it raised it
-            return writer.entries()
-
-        return save_directory(
-            final_dir,
-            write,
-            step=step,
-            extra_manifest=manifest,
-            vote=vote,
-            collective=collective,
-            backend_args=backend_args,
-            also_point=also_point,
-        )
     with directory_vote(final_dir, vote, collective=collective) as vote:
+        if is_url(os.fspath(final_dir)):  # each rank's files staged locally, then uploaded
+
+            def write(staging: Path) -> list[dict]:
+                writer = DirectoryWriter(
+                    staging, side=start_side, check=lambda: check_space(staging)
+                )
+                try:
+                    dcp_save(writer)
+                except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is one
+                    # this rank's own error as it raised it, or one naming the rank that failed
+                    elsewhere = None if vote is None else failed_elsewhere(err, rank, vote.what)
+                    raise writer.own_error or elsewhere or err from None
+                return writer.entries()
+
+            return save_directory(
+                final_dir,
+                write,
+                step=step,
+                extra_manifest=manifest,
+                vote=vote,
+                collective=collective,
+                backend_args=backend_args,
+                also_point=also_point,
+            )
         commit = CollectiveCommit(
             final_dir, vote, step=step, extra_manifest=manifest, collective=collective
         )
@@ -210,6 +214,42 @@ def save_sharded_checkpoint(
         except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is one; fail re-raises
             commit.fail(err, writer.own_error)
         return commit.done()
+
+
+def refuse_sharded_save(
+    final_dir: str | os.PathLike,
+    error: BaseException,
+    *,
+    vote: Any = None,
+    process_group: Any = None,
+) -> None:
+    """This rank failed before its part of a collective sharded save (``error``: its state
+    not read, its content refused) that the other ranks went on with: it takes part in DCP's
+    planning, where they are, refusing there, so that the save fails at once on every rank,
+    naming this rank and its error (``CollectiveCommit.fail``). Without this the others wait
+    in DCP's planning for this rank, and a collective this rank issues next (the training
+    loop's) meets theirs: a mismatch, which gloo ends by aborting the process.
+
+    ``process_group``: the group the others plan on (``save_sharded_checkpoint``'s). At a
+    path the outcome reached every rank through DCP, so ``vote`` is settled (nothing to post);
+    at a URL the others' failure goes on through the vote, to which the caller posts this
+    rank's error (``SaveCommit.abandon``). Never raises: the caller raises ``error``."""
+    import torch.distributed.checkpoint as dcp
+
+    from .dcp_writer import DirectoryWriter
+    from .errors import RankError
+
+    def refuse() -> None:  # a RankError of its own: ``error`` is raised once, by the caller
+        raise RankError(describe_error(error))
+
+    writer = DirectoryWriter(final_dir, side=lambda directory: [], check=refuse)
+    try:
+        dcp.save({}, storage_writer=writer, process_group=process_group)
+    except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is one
+        if not dcp_failures(err):  # the collective itself failed: the vote names the dead
+            return
+    if vote is not None and not is_url(os.fspath(final_dir)):
+        vote.settle()
 
 
 def _write_side(obj: Any, path: Path) -> dict:

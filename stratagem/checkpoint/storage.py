@@ -190,6 +190,19 @@ class CheckpointStorage:
             state = writer.snapshot(state)
         return functools.partial(self.write, state, path, commit)
 
+    def abandon(
+        self,
+        path: str,
+        commit: SaveCommit,
+        writer: AsyncCheckpointWriter | None,
+        error: BaseException,
+    ) -> None:
+        """This rank failed before its write (``error``; the caller raises it): it leaves the
+        save, telling the other ranks through the vote, which the ranks that write wait on
+        (``SaveCommit.abandon``). A storage whose write runs collectives of its own first
+        takes part in them, failing, so that the others do not wait there for this rank."""
+        commit.abandon(f'{type(error).__name__}: {error}')
+
     def write(self, checkpoint: dict | None, path: str, commit: SaveCommit) -> None:
         """Write and commit (rank 0: one atomic file; ``commit.gate()`` before the rename).
         A URL: the same commit into a local staging directory, then the upload

@@ -269,6 +269,19 @@ def _fsdp_save(prefix, work_dir):
     at iter 6; returns the full state at 3 and at 6."""
     s, model, ow = _fsdp(work_dir, async_checkpoint=True)
     _fsdp_train(s, model, ow, 0, 3)
+    # the first save fails on rank 1 before its write (its callback raises there alone),
+    # while rank 0 plans DCP's write: both fail at once, rank 1 named, nothing written
+    refused = None
+
+    def refuse(checkpoint):
+        if s.rank == 1:
+            raise ValueError('refused on rank 1')
+
+    try:
+        s.save_checkpoint(join(prefix, 'refused'), callback=refuse)
+        s.wait_for_checkpoints()
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        refused = f'{type(err).__name__}: {err}'
     at_3 = _full(s)
     assert s.save_checkpoint(join(prefix, 'iter_3'), extra_ckpt={'meta': {'iter': 3}}) == join(
         prefix, 'iter_3'
@@ -277,7 +290,7 @@ def _fsdp_save(prefix, work_dir):
     at_6 = _full(s)
     s.save_checkpoint(join(prefix, 'iter_6'), extra_ckpt={'meta': {'iter': 6}})
     s.wait_for_checkpoints()
-    return at_3, at_6
+    return at_3, at_6, refused
 
 
 def _fsdp_resume(prefix, work_dir):
@@ -366,7 +379,14 @@ def test_fsdp_two_ranks_sharded_save_resumed_on_two_and_on_one(where, tmp_path):
     from dist_harness import run_distributed
 
     work = str(tmp_path / 'work')
-    (at_3, at_6), _ = run_distributed(_fsdp_save, nproc=2, args=(where, work), timeout=300)
+    (at_3, at_6, refused_0), (_, _, refused_1) = run_distributed(
+        _fsdp_save, nproc=2, args=(where, work), timeout=300
+    )
+    assert refused_1 == 'ValueError: refused on rank 1'
+    assert refused_0 == (
+        f'CheckpointVoteError: saving {join(where, "refused")} failed on rank 1: ValueError: '
+        'refused on rank 1; nothing was committed'
+    )
     files = ['.metadata', '__0_0.distcp', '__1_0.distcp', 'extra.pth', 'manifest.json']
     files += ['rng_states/rank_0.pth', 'rng_states/rank_1.pth']  # each rank's own
     assert _files(where, 'iter_3') == files

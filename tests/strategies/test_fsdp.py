@@ -298,6 +298,11 @@ def async_sharded_save(work_dir):
 
 
 @SCENARIOS.add('ranks')
+def refused_on_one_rank(work_dir):
+    return _refused_checks(work_dir)
+
+
+@SCENARIOS.add('ranks')
 def first_half(work_dir):
     """The resumed run: checkpoints on a boundary (3, also one full file) and mid-window (4),
     a save that fails at its commit, then on to MAX_ITERS."""
@@ -569,6 +574,55 @@ def _async_checks(work_dir):
         'injected: async commit failed',
     )
     out['async_fail_exists'] = (Path(work_dir) / 'async_fail').exists()
+    return out
+
+
+def _refused_checks(work_dir):
+    """A save that fails on rank 1 before its write (its callback raises there alone) while
+    rank 0 is already in DCP's planning: it fails at once on both ranks, rank 1 named,
+    nothing written, no store key left, and the next save and the training collectives go
+    on in step. A synchronous save (DCP on the default group), then a first asynchronous one
+    (its writer's group made by that save)."""
+    import time
+
+    import torch.distributed as dist
+
+    from stratagem.checkpoint.vote import _own_store, wait_tidied
+
+    out = {}
+
+    def refuse(checkpoint):
+        if dist.get_rank() == 1:
+            raise ValueError('refused on rank 1')
+
+    comps = {k: v for k, v in COMPONENTS.items() if k != 'optim_wrapper'}
+    comps['optim_wrapper'] = dict(optimizer=dict(type='AdamW', lr=0.01))
+    for name, kwargs in (('sync', {}), ('async', {'async_checkpoint': True})):
+        s = _strategy(work_dir, **kwargs)
+        model, ow, scheds = s.prepare(_net(), **comps)
+        store = _own_store()[0]
+        _train(s, model, ow, scheds, 0, 2, 2)
+        dist.barrier()
+        keys_before = store.num_keys()
+        dist.barrier()
+        started = time.monotonic()
+        try:
+            s.save_checkpoint(f'refused_{name}', extra_ckpt={'meta': {'iter': 2}}, callback=refuse)
+            s.wait_for_checkpoints()
+            out[name] = None
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            out[name] = f'{type(err).__name__}: {err}'
+        out[f'{name}_s'] = time.monotonic() - started
+        out[f'{name}_written'] = (Path(work_dir) / f'refused_{name}').exists()
+        _train(s, model, ow, scheds, 2, 3, 2)  # FSDP's collectives, in step on both ranks
+        s.save_checkpoint(f'after_{name}', extra_ckpt={'meta': {'iter': 3}})
+        s.wait_for_checkpoints()
+        out[f'{name}_after'] = sorted(p.name for p in (Path(work_dir) / f'after_{name}').iterdir())
+        out[f'{name}_tidied'] = wait_tidied()
+        dist.barrier()
+        # the async save's writer group is made by the refused save: its keys are not ours
+        out[f'{name}_keys_left'] = store.num_keys() - keys_before
+        dist.barrier()
     return out
 
 
@@ -931,6 +985,30 @@ def test_async_sharded_save(scenario):
     assert scenario[0]['async_failed'] == 'OSError: injected: async commit failed'
     assert scenario[1]['async_failed'].startswith('CheckpointVoteError: saving ')
     assert 'failed on rank 0: OSError: injected: async commit failed' in scenario[1]['async_failed']
+
+
+@pytest.mark.scenario('refused_on_one_rank')
+def test_a_save_refused_on_one_rank_fails_at_once_on_every_rank(scenario):
+    for out in scenario:
+        for name in ('sync', 'async'):
+            assert out[f'{name}_s'] < 10  # not a wait for the vote's or the group's timeout
+            assert not out[f'{name}_written']
+            assert out[f'{name}_after'] == [
+                '.metadata',
+                '__0_0.distcp',
+                '__1_0.distcp',
+                'extra.pth',
+                'manifest.json',
+                'rng_states',
+            ]
+            assert out[f'{name}_tidied']
+        assert out['sync_keys_left'] == 0, out  # nothing posted to the store, or all removed
+    for name in ('sync', 'async'):
+        assert scenario[1][name] == 'ValueError: refused on rank 1'
+        assert scenario[0][name].startswith('CheckpointVoteError: saving ')
+        assert scenario[0][name].endswith(
+            f'refused_{name} failed on rank 1: ValueError: refused on rank 1; nothing was committed'
+        ), scenario[0][name]
 
 
 @pytest.mark.scenario('build_errors')

@@ -16,6 +16,7 @@ from stratagem.checkpoint.sharded import (
     load_sharded_checkpoint,
     load_sharded_in_place,
     read_sharded_header,
+    refuse_sharded_save,
     save_sharded_checkpoint,
 )
 from stratagem.checkpoint.storage import CheckpointStorage, SaveCommit
@@ -72,11 +73,32 @@ class FSDPStorage(CheckpointStorage):
         thread, so they get a gloo group of their own, created here (every rank saves in
         the same order): on the default group they would interleave with the training
         loop's collectives and deadlock."""
+        self._plan_on(writer)
+        return super().stage(checkpoint, path, commit, writer)
+
+    def _plan_on(self, writer: AsyncCheckpointWriter | None) -> Any:
+        """The group DCP's planning of a sharded save runs on (``write``'s; None: the
+        default group)."""
         if writer is not None and not self.full() and self._writer_group is None:
             import torch.distributed as dist
 
             self._writer_group = dist.new_group(backend='gloo')
-        return super().stage(checkpoint, path, commit, writer)
+        return self._writer_group
+
+    @override
+    def abandon(
+        self,
+        path: str,
+        commit: SaveCommit,
+        writer: AsyncCheckpointWriter | None,
+        error: BaseException,
+    ) -> None:
+        """Sharded: the other ranks' write is in DCP's planning (on the writer's group when
+        asynchronous, made here if this rank failed before its ``stage`` made it): this rank
+        refuses there (``refuse_sharded_save``), then leaves the vote."""
+        if not self.full() and commit.vote is not None:
+            refuse_sharded_save(path, error, vote=commit.vote, process_group=self._plan_on(writer))
+        super().abandon(path, commit, writer, error)
 
     @override
     def write(self, checkpoint: dict | None, path: str, commit: SaveCommit) -> None:
