@@ -41,6 +41,7 @@ from .errors import CheckpointVoteError
 from .latest import update_pointer
 from .load import load_checkpoint_file
 from .location import is_url, load_file, upload_file
+from .rank_errors import all_ok, describe_error
 from .single_file import save_checkpoint
 from .vote import SaveVote
 
@@ -74,9 +75,32 @@ class SaveCommit:
         self.rank = rank
         self.own_keys: frozenset[str] = frozenset()  # set by the save once it knows them
         self.reached = False
+        self.arrived = False  # this rank took part in ``arrive``
         #: a URL target's storage options; a local directory whose ``last_checkpoint`` also
         #: names the committed checkpoint (a run's work_dir when checkpoints go elsewhere)
         self.backend_args, self.also_point = backend_args, also_point
+
+    def arrive(self, error: BaseException | None = None) -> None:
+        """Before a write whose first steps are collectives not ours (DeepSpeed's engine:
+        its tag check, its gathers): every rank is here (one small collective on the
+        default group), or a rank that failed before its write takes part with its
+        ``error`` (``storage.abandon``; it then raises its own), and every other rank raises
+        ``CheckpointVoteError`` naming it, so that none waits in those collectives for a
+        rank that is not coming."""
+        self.arrived = True
+        if self.vote is None:
+            return
+        from stratagem import env  # see checkpoint/__init__.py: env only when saving
+
+        if all_ok(error is not None):
+            return
+        outcomes = env.all_gather_object(None if error is None else describe_error(error))
+        if error is not None:
+            return
+        rank, message = next((r, m) for r, m in enumerate(outcomes) if m is not None)
+        raise CheckpointVoteError(
+            f'{self.vote.what} failed on rank {rank}: {message}; nothing was committed'
+        )
 
     def gate(self) -> None:
         """Between "this rank's files are written" and rank 0's commit: every rank reports

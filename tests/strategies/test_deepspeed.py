@@ -631,19 +631,28 @@ def async_errors(tmp):
             lambda: asyn.rank == bad and setattr(writer, 'snapshot', _failing_snapshot),
             lambda: writer.__dict__.pop('snapshot', None),
         )
+    errors['callback_rank1'] = _attempt(  # before its write: the others are in DeepSpeed's
+        asyn, 'fail_callback', lambda: None, lambda: None, callback=_refused_on_rank1
+    )
     errors['after'] = _attempt(asyn, 'after_errors', lambda: None, lambda: None)
     return errors
 
 
-def _attempt(asyn, name, patch, undo):
-    """One async save under ``patch``: where it raised, what, and what it left behind."""
+def _refused_on_rank1(checkpoint):
+    if torch.distributed.get_rank() == 1:
+        raise ValueError('refused on rank 1')
+
+
+def _attempt(asyn, name, patch, undo, callback=None):
+    """One async save under ``patch`` (``callback``: the save's): where it raised, what,
+    and what it left behind."""
     from stratagem.checkpoint import find_latest_checkpoint
 
     work = Path(asyn.work_dir)
     patch()
     where, error = 'save', None  # the call that raised
     try:
-        asyn.save_checkpoint(name, extra_ckpt={'meta': {'iter': SAVE_AT + 3}})
+        asyn.save_checkpoint(name, extra_ckpt={'meta': {'iter': SAVE_AT + 3}}, callback=callback)
         where = 'wait'
         asyn.wait_for_checkpoints()
         where = None
@@ -901,7 +910,13 @@ def test_async_errors_reach_every_rank(scenario):
     outs = scenario
     for out in outs:
         errors = out
-        for name in ('commit_rank0', 'write_rank1', 'snapshot_rank1', 'snapshot_rank0'):
+        for name in (
+            'commit_rank0',
+            'write_rank1',
+            'snapshot_rank1',
+            'snapshot_rank0',
+            'callback_rank1',
+        ):
             e = errors[name]
             assert e['error'] is not None and not e['exists'], (name, e)
             assert e['latest'].endswith('async_6') and e['temps'] == [], (name, e)
@@ -909,6 +924,14 @@ def test_async_errors_reach_every_rank(scenario):
         assert after['error'] is None and after['exists']
         assert after['latest'].endswith('after_errors')
     zero, one = outs
+    # rank 1 failed before its write (its callback): rank 0 is told before DeepSpeed's
+    # collectives, in the call, naming it
+    assert zero['callback_rank1']['where'] == one['callback_rank1']['where'] == 'save'
+    assert one['callback_rank1']['error'] == 'ValueError: refused on rank 1'
+    assert zero['callback_rank1']['error'].startswith('CheckpointVoteError: saving ')
+    assert zero['callback_rank1']['error'].endswith(
+        'fail_callback failed on rank 1: ValueError: refused on rank 1; nothing was committed'
+    )
     # a failure on the writer thread surfaces at the next wait, on every rank
     assert zero['commit_rank0']['where'] == one['commit_rank0']['where'] == 'wait'
     assert zero['commit_rank0']['error'] == 'OSError: injected: commit failed'

@@ -174,6 +174,8 @@ class ZeroStorage(CheckpointStorage):
     def stage(
         self, checkpoint: dict, path: str, commit: SaveCommit, writer: AsyncCheckpointWriter | None
     ) -> Callable[[], None]:
+        # every rank here before DeepSpeed's collectives, or all raise naming one that failed
+        commit.arrive()
         engine = self.engine()
         extra: dict[str, Any] = self.extra_manifest()
         if commit.held:
@@ -202,6 +204,20 @@ class ZeroStorage(CheckpointStorage):
         if capture.error is not None:  # failed before anything was handed to a writer
             finish()
         return finish
+
+    @override
+    def abandon(
+        self,
+        path: str,
+        commit: SaveCommit,
+        writer: AsyncCheckpointWriter | None,
+        error: BaseException,
+    ) -> None:
+        """A rank that failed before ``stage``'s ``arrive`` takes part in it with its error
+        (the others would wait for it in DeepSpeed's collectives), then leaves the vote."""
+        if not commit.arrived:
+            commit.arrive(error)
+        super().abandon(path, commit, writer, error)
 
     # ------------------------------------------------------------------- read side
     def _streams(self, found: tuple[dict, str], optimizer: bool) -> bool:
