@@ -614,6 +614,19 @@ def _refused_checks(work_dir):
             out[name] = f'{type(err).__name__}: {err}'
         out[f'{name}_s'] = time.monotonic() - started
         out[f'{name}_written'] = (Path(work_dir) / f'refused_{name}').exists()
+        if name == 'async':  # rank 1's staging copy fails, in its stage (the group made)
+            writer = s.checkpointer.writer
+            if dist.get_rank() == 1:
+                writer.snapshot = lambda *a: (_ for _ in ()).throw(MemoryError('no staging'))
+            try:
+                s.save_checkpoint('refused_snapshot', extra_ckpt={'meta': {'iter': 2}})
+                s.wait_for_checkpoints()
+                out['snapshot'] = None
+            except Exception as err:  # noqa: BLE001 - reported to the test
+                out['snapshot'] = f'{type(err).__name__}: {err}'
+            finally:
+                writer.__dict__.pop('snapshot', None)
+            out['snapshot_written'] = (Path(work_dir) / 'refused_snapshot').exists()
         _train(s, model, ow, scheds, 2, 3, 2)  # FSDP's collectives, in step on both ranks
         s.save_checkpoint(f'after_{name}', extra_ckpt={'meta': {'iter': 3}})
         s.wait_for_checkpoints()
@@ -1003,6 +1016,11 @@ def test_a_save_refused_on_one_rank_fails_at_once_on_every_rank(scenario):
             ]
             assert out[f'{name}_tidied']
         assert out['sync_keys_left'] == 0, out  # nothing posted to the store, or all removed
+    assert scenario[1]['snapshot'] == 'MemoryError: no staging'
+    assert scenario[0]['snapshot'].endswith(
+        'refused_snapshot failed on rank 1: MemoryError: no staging; nothing was committed'
+    )
+    assert not scenario[0]['snapshot_written']
     for name in ('sync', 'async'):
         assert scenario[1][name] == 'ValueError: refused on rank 1'
         assert scenario[0][name].startswith('CheckpointVoteError: saving ')
