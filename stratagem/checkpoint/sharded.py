@@ -42,7 +42,13 @@ import torch
 
 from ._fs import process_pool
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
-from .directory import CollectiveCommit, directory_vote, save_directory, verify_directory
+from .directory import (
+    CollectiveCommit,
+    directory_vote,
+    others_went_on,
+    save_directory,
+    verify_directory,
+)
 from .disk import OVERHEAD_BYTES, check_free_space, payload_bytes
 from .errors import CheckpointCorruptError
 from .load import load_checkpoint_file
@@ -231,13 +237,21 @@ def refuse_sharded_save(
     loop's) meets theirs: a mismatch, which gloo ends by aborting the process.
 
     ``process_group``: the group the others plan on (``save_sharded_checkpoint``'s). At a
-    path the outcome reached every rank through DCP, so ``vote`` is settled (nothing to post);
-    at a URL the others' failure goes on through the vote, to which the caller posts this
-    rank's error (``SaveCommit.abandon``). Never raises: the caller raises ``error``."""
+    path the outcome reached every rank through DCP, so ``vote`` is settled (nothing to post).
+    At a URL the others but rank 0 wait for rank 0's staging directory first
+    (``save_directory``'s step 1): rank 0 hands its error out there instead, and another
+    rank joins DCP only if rank 0 went on (``directory.others_went_on``); the others'
+    failure goes on through the vote, to which the caller posts this rank's error
+    (``SaveCommit.abandon``).
+    Never raises: the caller raises ``error``."""
     import torch.distributed.checkpoint as dcp
 
     from .dcp_writer import DirectoryWriter
     from .errors import RankError
+
+    url = is_url(os.fspath(final_dir))
+    if url and vote is not None and not others_went_on(vote, error):
+        return
 
     def refuse() -> None:  # a RankError of its own: ``error`` is raised once, by the caller
         raise RankError(describe_error(error))
@@ -248,7 +262,7 @@ def refuse_sharded_save(
     except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is one
         if not dcp_failures(err):  # the collective itself failed: the vote names the dead
             return
-    if vote is not None and not is_url(os.fspath(final_dir)):
+    if vote is not None and not url:
         vote.settle()
 
 

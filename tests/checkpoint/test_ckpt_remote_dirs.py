@@ -269,19 +269,23 @@ def _fsdp_save(prefix, work_dir):
     at iter 6; returns the full state at 3 and at 6."""
     s, model, ow = _fsdp(work_dir, async_checkpoint=True)
     _fsdp_train(s, model, ow, 0, 3)
-    # the first save fails on rank 1 before its write (its callback raises there alone),
-    # while rank 0 plans DCP's write: both fail at once, rank 1 named, nothing written
-    refused = None
+    # saves that fail before their write on some ranks (their callback raises there) while
+    # the others go on (at a URL: rank 0 to DCP's planning, the others to rank 0's staging
+    # first): every rank fails at once, the failed rank named, nothing written. The first
+    # makes the writer's group (on rank 1 in its refusal)
+    refused = {}
+    for name, ranks in (('refused', {1}), ('refused_0', {0}), ('refused_all', {0, 1})):
 
-    def refuse(checkpoint):
-        if s.rank == 1:
-            raise ValueError('refused on rank 1')
+        def refuse(checkpoint, ranks=ranks):
+            if s.rank in ranks:
+                raise ValueError(f'refused on rank {s.rank}')
 
-    try:
-        s.save_checkpoint(join(prefix, 'refused'), callback=refuse)
-        s.wait_for_checkpoints()
-    except Exception as err:  # noqa: BLE001 - reported to the test
-        refused = f'{type(err).__name__}: {err}'
+        try:
+            s.save_checkpoint(join(prefix, name), callback=refuse)
+            s.wait_for_checkpoints()
+            refused[name] = None
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            refused[name] = f'{type(err).__name__}: {err}'
     at_3 = _full(s)
     assert s.save_checkpoint(join(prefix, 'iter_3'), extra_ckpt={'meta': {'iter': 3}}) == join(
         prefix, 'iter_3'
@@ -382,11 +386,22 @@ def test_fsdp_two_ranks_sharded_save_resumed_on_two_and_on_one(where, tmp_path):
     (at_3, at_6, refused_0), (_, _, refused_1) = run_distributed(
         _fsdp_save, nproc=2, args=(where, work), timeout=300
     )
-    assert refused_1 == 'ValueError: refused on rank 1'
-    assert refused_0 == (
-        f'CheckpointVoteError: saving {join(where, "refused")} failed on rank 1: ValueError: '
-        'refused on rank 1; nothing was committed'
-    )
+    assert refused_1 == {
+        'refused': 'ValueError: refused on rank 1',
+        'refused_0': (
+            f'CheckpointVoteError: saving {join(where, "refused_0")} failed on rank 0: '
+            'ValueError: refused on rank 0'
+        ),
+        'refused_all': 'ValueError: refused on rank 1',
+    }
+    assert refused_0 == {
+        'refused': (
+            f'CheckpointVoteError: saving {join(where, "refused")} failed on rank 1: '
+            'ValueError: refused on rank 1; nothing was committed'
+        ),
+        'refused_0': 'ValueError: refused on rank 0',
+        'refused_all': 'ValueError: refused on rank 0',
+    }
     files = ['.metadata', '__0_0.distcp', '__1_0.distcp', 'extra.pth', 'manifest.json']
     files += ['rng_states/rank_0.pth', 'rng_states/rank_1.pth']  # each rank's own
     assert _files(where, 'iter_3') == files
