@@ -204,7 +204,7 @@ class Checkpointer:
             )
             job = storage.stage(checkpoint, path, commit, writer)
         except BaseException as err:
-            storage.abandon(path, commit, writer, err)
+            commit.abandon(err, arrive=storage.all_ranks_write())
             raise
         del checkpoint  # the live tensors may change from here on: async has a copy
         if writer is None:

@@ -113,10 +113,9 @@ def begin_directory_save(
     _check_vote(vote, 'begin_directory_save')
     remote = is_url(os.fspath(final_dir))
     if vote is not None and vote.rank != 0:
-        shared = _staging_of_rank0(vote)
-        if 'failed' in shared:  # before the save's write: ``others_went_on``
-            raise CheckpointVoteError(f'{vote.what} failed on rank 0: {shared["failed"]}')
+        shared = json.loads(vote.receive('staging'))
         if 'error' in shared:
+            vote.concluded = True  # rank 0 gave up: there is nothing to vote on
             raise RuntimeError(
                 f'creating the staging directory for {final_dir} failed on '
                 f'rank 0: {shared["error"]}'
@@ -138,30 +137,6 @@ def begin_directory_save(
     if vote is not None:
         vote.publish('staging', json.dumps({'staging': os.fspath(path)}))
     return path
-
-
-def _staging_of_rank0(vote: SaveVote) -> dict:
-    """A rank other than 0, step 1: what rank 0 handed out, ``{'staging': path}``, or its
-    error (``'error'``: step 1's; ``'failed'``: before the save's write), after which
-    there is nothing to vote on."""
-    shared = json.loads(vote.receive('staging'))
-    if 'staging' not in shared:
-        vote.concluded = True
-    return shared
-
-
-def others_went_on(vote: SaveVote, error: BaseException) -> bool:
-    """This rank failed (``error``) before its part of a directory save at a URL, where
-    the other ranks but rank 0 wait in step 1 for rank 0's staging directory: rank 0 hands
-    its error out instead (they raise it, naming rank 0) and returns False; another rank
-    returns whether rank 0 went on to the save's write, where the others then are too."""
-    if vote.rank == 0:
-        vote.publish('staging', json.dumps({'failed': describe_error(error)}))
-        return False
-    try:
-        return 'staging' in _staging_of_rank0(vote)
-    except CheckpointVoteError:  # rank 0 gave up, and told the vote
-        return False
 
 
 def _local_staging() -> Path:

@@ -8,7 +8,18 @@ from typing import Any
 
 from .errors import CheckpointVoteError, RankError
 
-__all__ = ['all_ok', 'dcp_failures', 'describe_error', 'failed_elsewhere', 'raise_first']
+__all__ = [
+    'NOTHING_COMMITTED',
+    'all_ok',
+    'dcp_failures',
+    'describe_error',
+    'failed_elsewhere',
+    'failed_on',
+    'raise_first',
+]
+
+#: what a save's failure on a rank adds when it ended the save before any commit
+NOTHING_COMMITTED = '; nothing was committed'
 
 
 def all_ok(failed: bool, *values: Any) -> bool:
@@ -34,7 +45,7 @@ def dcp_failures(error: BaseException) -> dict[int, BaseException]:
     }
 
 
-def failed_elsewhere(error: BaseException, rank: int, what: str) -> CheckpointVoteError | None:
+def failed_elsewhere(error: BaseException, rank: int, what: str) -> Exception | None:
     """DCP's ``CheckpointException`` of other ranks' own steps, not this rank's (``rank``):
     the error naming the first of them, as the vote would say it (``what``: the vote's);
     None when this rank failed too, or the error is not DCP's."""
@@ -43,10 +54,27 @@ def failed_elsewhere(error: BaseException, rank: int, what: str) -> CheckpointVo
         return None
     other, cause = next(iter(failures.items()))
     # (rank 0's failure may be its commit's, after the rename: say no more)
-    after = '' if other == 0 else '; nothing was committed'
-    named = CheckpointVoteError(f'{what} failed on rank {other}: {describe_error(cause)}{after}')
+    named = failed_on(
+        what,
+        other,
+        describe_error(cause),
+        CheckpointVoteError,
+        '' if other == 0 else NOTHING_COMMITTED,
+    )
     named.__cause__ = cause
     return named
+
+
+def failed_on(
+    what: str,
+    rank: int,
+    message: str,
+    error_type: type[Exception] = RuntimeError,
+    after: str = '',
+) -> Exception:
+    """The error the other ranks raise for ``rank``'s failure (``message``, then ``after``,
+    e.g. ``NOTHING_COMMITTED``)."""
+    return error_type(f'{what} failed on rank {rank}: {message}{after}')
 
 
 def describe_error(error: BaseException) -> str:
@@ -67,8 +95,10 @@ def raise_first(
     mine: BaseException | None,
     what: str,
     error_type: type[Exception] = RuntimeError,
+    after: str = '',
 ) -> None:
-    """Raise on every rank if any rank failed: this rank's own error, else one naming the rank."""
+    """Raise on every rank if any rank failed: this rank's own error, else one naming the
+    rank (``failed_on``)."""
     failed = [(rank, msg) for rank, msg in enumerate(outcomes) if msg is not None]
     if not failed:
         return
@@ -77,4 +107,4 @@ def raise_first(
     rank, msg = failed[0]
     # a BaseException (DCP's CheckpointException) becomes an Exception, so that callers'
     # `except Exception` error exchange sees it on this rank as on the others
-    raise error_type(f'{what} failed on rank {rank}: {msg}') from mine
+    raise failed_on(what, rank, msg, error_type, after) from mine

@@ -42,13 +42,7 @@ import torch
 
 from ._fs import process_pool
 from .content import SAFE_GLOBALS_KEY, validate_checkpoint_content
-from .directory import (
-    CollectiveCommit,
-    directory_vote,
-    others_went_on,
-    save_directory,
-    verify_directory,
-)
+from .directory import CollectiveCommit, directory_vote, save_directory, verify_directory
 from .disk import OVERHEAD_BYTES, check_free_space, payload_bytes
 from .errors import CheckpointCorruptError
 from .load import load_checkpoint_file
@@ -191,9 +185,7 @@ def save_sharded_checkpoint(
                 try:
                     dcp_save(writer)
                 except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is one
-                    # this rank's own error as it raised it, or one naming the rank that failed
-                    elsewhere = None if vote is None else failed_elsewhere(err, rank, vote.what)
-                    raise writer.own_error or elsewhere or err from None
+                    raise _raised_for(err, writer.own_error, rank, vote)  # noqa: B904 - its cause kept
                 return writer.entries()
 
             return save_directory(
@@ -222,48 +214,17 @@ def save_sharded_checkpoint(
         return commit.done()
 
 
-def refuse_sharded_save(
-    final_dir: str | os.PathLike,
-    error: BaseException,
-    *,
-    vote: Any = None,
-    process_group: Any = None,
-) -> None:
-    """This rank failed before its part of a collective sharded save (``error``: its state
-    not read, its content refused) that the other ranks went on with: it takes part in DCP's
-    planning, where they are, refusing there, so that the save fails at once on every rank,
-    naming this rank and its error (``CollectiveCommit.fail``). Without this the others wait
-    in DCP's planning for this rank, and a collective this rank issues next (the training
-    loop's) meets theirs: a mismatch, which gloo ends by aborting the process.
-
-    ``process_group``: the group the others plan on (``save_sharded_checkpoint``'s). At a
-    path the outcome reached every rank through DCP, so ``vote`` is settled (nothing to post).
-    At a URL the others but rank 0 wait for rank 0's staging directory first
-    (``save_directory``'s step 1): rank 0 hands its error out there instead, and another
-    rank joins DCP only if rank 0 went on (``directory.others_went_on``); the others'
-    failure goes on through the vote, to which the caller posts this rank's error
-    (``SaveCommit.abandon``).
-    Never raises: the caller raises ``error``."""
-    import torch.distributed.checkpoint as dcp
-
-    from .dcp_writer import DirectoryWriter
-    from .errors import RankError
-
-    url = is_url(os.fspath(final_dir))
-    if url and vote is not None and not others_went_on(vote, error):
-        return
-
-    def refuse() -> None:  # a RankError of its own: ``error`` is raised once, by the caller
-        raise RankError(describe_error(error))
-
-    writer = DirectoryWriter(final_dir, side=lambda directory: [], check=refuse)
-    try:
-        dcp.save({}, storage_writer=writer, process_group=process_group)
-    except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is one
-        if not dcp_failures(err):  # the collective itself failed: the vote names the dead
-            return
-    if vote is not None and not url:
-        vote.settle()
+def _raised_for(error: BaseException, own: BaseException | None, rank: int, vote: Any) -> Any:
+    """What this rank raises when DCP's save raised ``error``: its own error as it raised it
+    (``own``), or one naming the rank whose step failed (``vote``'s wording), or ``error``."""
+    if own is not None:
+        raised: BaseException | None = own
+    else:
+        raised = None if vote is None else failed_elsewhere(error, rank, vote.what)
+    if raised is None:
+        return error
+    raised.__suppress_context__ = True  # DCP's wrapper of it says no more
+    return raised
 
 
 def _write_side(obj: Any, path: Path) -> dict:

@@ -26,6 +26,7 @@ Read side (``Checkpointer.load``):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import shutil
 import tempfile
@@ -41,7 +42,7 @@ from .errors import CheckpointVoteError
 from .latest import update_pointer
 from .load import load_checkpoint_file
 from .location import is_url, load_file, upload_file
-from .rank_errors import all_ok, describe_error
+from .rank_errors import NOTHING_COMMITTED, all_ok, describe_error, raise_first
 from .single_file import save_checkpoint
 from .vote import SaveVote
 
@@ -81,12 +82,14 @@ class SaveCommit:
         self.backend_args, self.also_point = backend_args, also_point
 
     def arrive(self, error: BaseException | None = None) -> None:
-        """Before a write whose first steps are collectives not ours (DeepSpeed's engine:
-        its tag check, its gathers): every rank is here (one small collective on the
-        default group), or a rank that failed before its write takes part with its
-        ``error`` (``storage.abandon``; it then raises its own), and every other rank raises
-        ``CheckpointVoteError`` naming it, so that none waits in those collectives for a
-        rank that is not coming."""
+        """The last step before a write whose every rank takes part in collectives (DCP's,
+        DeepSpeed's engine; ``storage.stage`` calls it): every rank is here (one small
+        collective on the default group), or a rank that failed before takes part with its
+        ``error`` (``abandon``; it then raises its own) and every other rank raises
+        ``CheckpointVoteError`` naming it, in the same call on every rank (an asynchronous
+        save's too), so that none waits in those collectives for a rank that is not coming,
+        and no rank's next collective meets theirs (a mismatch, which gloo ends by aborting
+        the process)."""
         self.arrived = True
         if self.vote is None:
             return
@@ -95,12 +98,8 @@ class SaveCommit:
         if all_ok(error is not None):
             return
         outcomes = env.all_gather_object(None if error is None else describe_error(error))
-        if error is not None:
-            return
-        rank, message = next((r, m) for r, m in enumerate(outcomes) if m is not None)
-        raise CheckpointVoteError(
-            f'{self.vote.what} failed on rank {rank}: {message}; nothing was committed'
-        )
+        if error is None:
+            raise_first(outcomes, None, self.vote.what, CheckpointVoteError, NOTHING_COMMITTED)
 
     def gate(self) -> None:
         """Between "this rank's files are written" and rank 0's commit: every rank reports
@@ -149,12 +148,20 @@ class SaveCommit:
         finally:
             vote.close()
 
-    def abandon(self, message: str) -> None:
-        """Staging failed on this rank: tell the others (who would otherwise wait for the
-        vote) and leave it."""
+    def abandon(self, error: BaseException, *, arrive: bool = False) -> None:
+        """This rank failed before its write (``error``; the caller raises it): tell the
+        others, who would otherwise wait for the vote, and leave it. ``arrive``: the others
+        meet at ``arrive`` before their write (a storage whose every rank writes), where
+        this rank takes part with its error first (not for an interrupt: the others may be
+        anywhere, and it must not wait for them)."""
         vote = self.vote
         if vote is None:
             return
+        message = f'{type(error).__name__}: {error}'
+        if arrive and not self.arrived and isinstance(error, Exception):
+            # a collective that fails here (a peer died) leaves the telling to the vote below
+            with contextlib.suppress(Exception):
+                self.arrive(error)
         if not vote.concluded:
             if not vote.ready_posted:
                 vote.ready(f'staging failed on rank {self.rank}: {message}')
@@ -184,7 +191,9 @@ class CheckpointStorage:
         self.extra_manifest = extra_manifest or dict
 
     def all_ranks_write(self) -> bool:
-        """Whether every rank writes files of its own (sharded), not only rank 0."""
+        """Whether every rank writes files of its own (sharded), not only rank 0, in a write
+        whose collectives every rank takes part in (DCP's, DeepSpeed's engine): ``stage``
+        ends with ``commit.arrive()``, before them."""
         return False
 
     def check_savable(self, path: str) -> None:
@@ -212,20 +221,9 @@ class CheckpointStorage:
         state: dict | None = checkpoint if writes else None
         if writer is not None and state is not None:
             state = writer.snapshot(state)
+        if self.all_ranks_write():  # every rank here before the write's collectives
+            commit.arrive()
         return functools.partial(self.write, state, path, commit)
-
-    def abandon(
-        self,
-        path: str,
-        commit: SaveCommit,
-        writer: AsyncCheckpointWriter | None,
-        error: BaseException,
-    ) -> None:
-        """This rank failed before its write (``error``; the caller raises it): it leaves the
-        save, telling the other ranks through the vote, which the ranks that write wait on
-        (``SaveCommit.abandon``). A storage whose write runs collectives of its own first
-        takes part in them, failing, so that the others do not wait there for this rank."""
-        commit.abandon(f'{type(error).__name__}: {error}')
 
     def write(self, checkpoint: dict | None, path: str, commit: SaveCommit) -> None:
         """Write and commit (rank 0: one atomic file; ``commit.gate()`` before the rename).

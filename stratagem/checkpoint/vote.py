@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import CheckpointVoteError
+from .rank_errors import NOTHING_COMMITTED, failed_on
 
 __all__ = ['SaveVote']
 
@@ -299,9 +300,12 @@ class SaveVote:
         for rank, key in enumerate(keys):
             value = self._get(key)
             if value.startswith(_ERROR_MARK):
-                raise CheckpointVoteError(
-                    f'{self.what} failed on rank {rank}: '
-                    f'{value[len(_ERROR_MARK) :]}; nothing was committed'
+                raise failed_on(
+                    self.what,
+                    rank,
+                    value[len(_ERROR_MARK) :],
+                    CheckpointVoteError,
+                    NOTHING_COMMITTED,
                 )
             payloads.append(value[len(_OK_MARK) :])
         return payloads

@@ -269,10 +269,9 @@ def _fsdp_save(prefix, work_dir):
     at iter 6; returns the full state at 3 and at 6."""
     s, model, ow = _fsdp(work_dir, async_checkpoint=True)
     _fsdp_train(s, model, ow, 0, 3)
-    # saves that fail before their write on some ranks (their callback raises there) while
-    # the others go on (at a URL: rank 0 to DCP's planning, the others to rank 0's staging
-    # first): every rank fails at once, the failed rank named, nothing written. The first
-    # makes the writer's group (on rank 1 in its refusal)
+    # saves that fail before their write on some ranks (their callback raises there): every
+    # rank fails in the call, the failed rank named, nothing written. The first would have
+    # made the writer's group
     refused = {}
     for name, ranks in (('refused', {1}), ('refused_0', {0}), ('refused_all', {0, 1})):
 
@@ -390,7 +389,7 @@ def test_fsdp_two_ranks_sharded_save_resumed_on_two_and_on_one(where, tmp_path):
         'refused': 'ValueError: refused on rank 1',
         'refused_0': (
             f'CheckpointVoteError: saving {join(where, "refused_0")} failed on rank 0: '
-            'ValueError: refused on rank 0'
+            'ValueError: refused on rank 0; nothing was committed'
         ),
         'refused_all': 'ValueError: refused on rank 1',
     }

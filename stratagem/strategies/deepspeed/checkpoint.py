@@ -165,6 +165,11 @@ class ZeroStorage(CheckpointStorage):
 
     # ------------------------------------------------------------------- save side
     @override
+    def all_ranks_write(self) -> bool:
+        """Every rank writes its ZeRO partition, in DeepSpeed's engine (collective)."""
+        return True
+
+    @override
     def check_savable(self, path: str) -> None:
         wrapper = self.optim_wrapper()
         if wrapper is not None and not wrapper.should_update():
@@ -204,20 +209,6 @@ class ZeroStorage(CheckpointStorage):
         if capture.error is not None:  # failed before anything was handed to a writer
             finish()
         return finish
-
-    @override
-    def abandon(
-        self,
-        path: str,
-        commit: SaveCommit,
-        writer: AsyncCheckpointWriter | None,
-        error: BaseException,
-    ) -> None:
-        """A rank that failed before ``stage``'s ``arrive`` takes part in it with its error
-        (the others would wait for it in DeepSpeed's collectives), then leaves the vote."""
-        if not commit.arrived:
-            commit.arrive(error)
-        super().abandon(path, commit, writer, error)
 
     # ------------------------------------------------------------------- read side
     def _streams(self, found: tuple[dict, str], optimizer: bool) -> bool:

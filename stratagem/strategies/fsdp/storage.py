@@ -16,7 +16,6 @@ from stratagem.checkpoint.sharded import (
     load_sharded_checkpoint,
     load_sharded_in_place,
     read_sharded_header,
-    refuse_sharded_save,
     save_sharded_checkpoint,
 )
 from stratagem.checkpoint.storage import CheckpointStorage, SaveCommit
@@ -72,33 +71,14 @@ class FSDPStorage(CheckpointStorage):
         """An asynchronous sharded save runs DCP's planning collectives on the writer
         thread, so they get a gloo group of their own, created here (every rank saves in
         the same order): on the default group they would interleave with the training
-        loop's collectives and deadlock."""
-        self._plan_on(writer)
-        return super().stage(checkpoint, path, commit, writer)
-
-    def _plan_on(self, writer: AsyncCheckpointWriter | None) -> Any:
-        """The group DCP's planning of a sharded save runs on (``write``'s; None: the
-        default group)."""
+        loop's collectives and deadlock. Created once every rank arrived (the default
+        stage's last step), which a rank that failed before joins instead."""
+        job = super().stage(checkpoint, path, commit, writer)
         if writer is not None and not self.full() and self._writer_group is None:
             import torch.distributed as dist
 
             self._writer_group = dist.new_group(backend='gloo')
-        return self._writer_group
-
-    @override
-    def abandon(
-        self,
-        path: str,
-        commit: SaveCommit,
-        writer: AsyncCheckpointWriter | None,
-        error: BaseException,
-    ) -> None:
-        """Sharded: the other ranks' write is in DCP's planning (on the writer's group when
-        asynchronous, made here if this rank failed before its ``stage`` made it): this rank
-        refuses there (``refuse_sharded_save``), then leaves the vote."""
-        if not self.full() and commit.vote is not None:
-            refuse_sharded_save(path, error, vote=commit.vote, process_group=self._plan_on(writer))
-        super().abandon(path, commit, writer, error)
+        return job
 
     @override
     def write(self, checkpoint: dict | None, path: str, commit: SaveCommit) -> None:
