@@ -581,8 +581,8 @@ def _refused_checks(work_dir):
     """A save that fails on rank 1 before its write (its callback raises there alone) while
     rank 0 is already in DCP's planning: it fails at once on both ranks, rank 1 named,
     nothing written, no store key left, and the next save and the training collectives go
-    on in step. A synchronous save (DCP on the default group), then a first asynchronous one
-    (its writer's group made by that save)."""
+    on in step. A synchronous save, then the first asynchronous ones (its writer's group
+    made by the save after them)."""
     import time
 
     import torch.distributed as dist
@@ -606,26 +606,32 @@ def _refused_checks(work_dir):
         keys_before = store.num_keys()
         dist.barrier()
         started = time.monotonic()
+        where = 'save'  # the call that raised: the same on both ranks, async too
         try:
             s.save_checkpoint(f'refused_{name}', extra_ckpt={'meta': {'iter': 2}}, callback=refuse)
+            where = 'wait'
             s.wait_for_checkpoints()
             out[name] = None
         except Exception as err:  # noqa: BLE001 - reported to the test
             out[name] = f'{type(err).__name__}: {err}'
+        out[f'{name}_where'] = where
         out[f'{name}_s'] = time.monotonic() - started
         out[f'{name}_written'] = (Path(work_dir) / f'refused_{name}').exists()
-        if name == 'async':  # rank 1's staging copy fails, in its stage (the group made)
+        if name == 'async':  # rank 1's staging copy fails, in its stage
             writer = s.checkpointer.writer
             if dist.get_rank() == 1:
                 writer.snapshot = lambda *a: (_ for _ in ()).throw(MemoryError('no staging'))
+            where = 'save'
             try:
                 s.save_checkpoint('refused_snapshot', extra_ckpt={'meta': {'iter': 2}})
+                where = 'wait'
                 s.wait_for_checkpoints()
                 out['snapshot'] = None
             except Exception as err:  # noqa: BLE001 - reported to the test
                 out['snapshot'] = f'{type(err).__name__}: {err}'
             finally:
                 writer.__dict__.pop('snapshot', None)
+            out['snapshot_where'] = where
             out['snapshot_written'] = (Path(work_dir) / 'refused_snapshot').exists()
         _train(s, model, ow, scheds, 2, 3, 2)  # FSDP's collectives, in step on both ranks
         s.save_checkpoint(f'after_{name}', extra_ckpt={'meta': {'iter': 3}})
@@ -1003,7 +1009,9 @@ def test_async_sharded_save(scenario):
 @pytest.mark.scenario('refused_on_one_rank')
 def test_a_save_refused_on_one_rank_fails_at_once_on_every_rank(scenario):
     for out in scenario:
+        assert out['snapshot_where'] == 'save'
         for name in ('sync', 'async'):
+            assert out[f'{name}_where'] == 'save'
             assert out[f'{name}_s'] < 10  # not a wait for the vote's or the group's timeout
             assert not out[f'{name}_written']
             assert out[f'{name}_after'] == [
