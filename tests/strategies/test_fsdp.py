@@ -639,7 +639,8 @@ def _refused_checks(work_dir):
         out[f'{name}_after'] = sorted(p.name for p in (Path(work_dir) / f'after_{name}').iterdir())
         out[f'{name}_tidied'] = wait_tidied()
         dist.barrier()
-        # the async save's writer group is made by the refused save: its keys are not ours
+        # the async save's writer group is made by the save after the refused ones: its keys
+        # are not ours (the count is asserted for the synchronous save)
         out[f'{name}_keys_left'] = store.num_keys() - keys_before
         dist.barrier()
     return out
