@@ -203,6 +203,12 @@ class Checkpointer:
                 state, extra, callback, commit.own_keys
             )
             job = storage.stage(checkpoint, path, commit, writer)
+            if storage.all_ranks_write() and vote is not None and not commit.arrived:
+                raise TypeError(
+                    f'{type(storage).__name__}.stage must call commit.arrive() before the '
+                    "write's collectives (its all_ranks_write() is True): a rank that failed "
+                    'before would leave the others waiting in them'
+                )
         except BaseException as err:
             commit.abandon(err, arrive=storage.all_ranks_write())
             raise

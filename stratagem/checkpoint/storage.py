@@ -153,12 +153,14 @@ class SaveCommit:
         others, who would otherwise wait for the vote, and leave it. ``arrive``: the others
         meet at ``arrive`` before their write (a storage whose every rank writes), where
         this rank takes part with its error first (not for an interrupt: the others may be
-        anywhere, and it must not wait for them)."""
+        anywhere, and it must not wait for them; rank 0 then posts the outcome without
+        waiting for them to read it)."""
         vote = self.vote
         if vote is None:
             return
-        message = f'{type(error).__name__}: {error}'
-        if arrive and not self.arrived and isinstance(error, Exception):
+        message = describe_error(error)
+        caught = isinstance(error, Exception)
+        if arrive and not self.arrived and caught:
             # a collective that fails here (a peer died) leaves the telling to the vote below
             with contextlib.suppress(Exception):
                 self.arrive(error)
@@ -166,7 +168,7 @@ class SaveCommit:
             if not vote.ready_posted:
                 vote.ready(f'staging failed on rank {self.rank}: {message}')
             if self.rank == 0:
-                vote.post_outcome(f'staging failed on rank 0: {message}')
+                vote.post_outcome(f'staging failed on rank 0: {message}', wait=caught)
         vote.close()
 
 

@@ -318,12 +318,16 @@ class SaveVote:
         others = set(range(self.world_size)) - {self.rank}
         self._await([f'ready/{r}' for r in sorted(others)], others, 'finish writing')
 
-    def post_outcome(self, error: str | None) -> None:
+    def post_outcome(self, error: str | None, *, wait: bool = True) -> None:
         """Step 4 (rank 0): the commit happened (``error`` None) or not. Returns once every
         live rank has read it: the store's server runs in rank 0's process, which may exit
-        right after the save, and a rank still polling would lose the outcome with it."""
+        right after the save, and a rank still polling would lose the outcome with it.
+        ``wait=False``: at once (rank 0 was interrupted: the others may be in a collective
+        it leaves, and learn it there when its process ends)."""
         self.concluded = True
         self._set('outcome', _OK if error is None else error)
+        if not wait:
+            return
         pending = set(range(1, self.world_size)) - self._dead
         try:
             self._await([f'read/{r}' for r in sorted(pending)], pending, 'read the outcome')

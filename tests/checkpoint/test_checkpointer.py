@@ -365,3 +365,77 @@ def test_checkpointer_arguments_are_checked():
     with pytest.raises(ValueError, match='checkpoint_timeout must be a positive number'):
         Checkpointer(timeout=0)
     assert type(Checkpointer().storage) is CheckpointStorage  # one file, by rank 0
+
+
+class ShardedFake(FakeStorage):
+    """Every rank writes (``all_ranks_write``): the default ``stage`` ends with the ranks'
+    arrival; ``skip_arrive``: a storage whose own ``stage`` forgets it."""
+
+    def __init__(self, calls, skip_arrive=False):
+        super().__init__(calls)
+        self.skip_arrive = skip_arrive
+
+    def all_ranks_write(self):
+        return True
+
+    def stage(self, checkpoint, path, commit, writer):
+        if self.skip_arrive:
+            return lambda: None
+        return super().stage(checkpoint, path, commit, writer)
+
+    def write(self, checkpoint, path, commit):
+        torch.distributed.barrier()  # a write in collectives of its own, as DCP's
+        super().write(checkpoint, path, commit)
+
+
+def _arrival_checks(root):
+    """2 ranks, a storage every rank writes to: a save that fails on rank 1 before its write
+    (its callback) raises in the call on both ranks, rank 1 named on rank 0, nothing
+    written; the next save writes on both; a storage whose ``stage`` skips the arrival is
+    refused on both ranks, naming it."""
+    from stratagem.env import init_dist
+
+    init_dist('pytorch')
+    import torch.distributed as dist
+
+    rank, out, calls = dist.get_rank(), {}, []
+    storage = ShardedFake(calls)
+    saver = Checkpointer(storage, timeout=30)
+
+    def refuse(checkpoint):
+        if rank == 1:
+            raise ValueError('refused on rank 1')
+
+    state = {'meta': Part('meta', calls, {'iter': 1})}
+    try:
+        saver.save(f'{root}/a_{rank}.pth', state, callback=refuse)
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        out['refused'] = f'{type(err).__name__}: {err}'
+    out['written'] = sorted(storage.written)
+    saver.save(f'{root}/b_{rank}.pth', state)
+    out['after'] = len(storage.written)
+    try:
+        Checkpointer(ShardedFake([], skip_arrive=True), timeout=30).save(f'{root}/c.pth', state)
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        out['no_arrival'] = f'{type(err).__name__}: {err}'
+    dist.barrier()
+    return out
+
+
+def test_a_rank_failing_before_its_write_meets_the_others_at_their_arrival(tmp_path):
+    from dist_harness import run_distributed
+
+    zero, one = run_distributed(_arrival_checks, nproc=2, args=(str(tmp_path),), timeout=120)
+    assert one['refused'] == 'ValueError: refused on rank 1'
+    # rank 0's path is every rank's (the vote hands it out)
+    assert zero['refused'] == (
+        f'CheckpointVoteError: saving {tmp_path}/a_0.pth failed on rank 1: ValueError: '
+        'refused on rank 1; nothing was committed'
+    )
+    for out in (zero, one):
+        assert out['written'] == [] and out['after'] == 1
+        assert out['no_arrival'] == (
+            'TypeError: ShardedFake.stage must call commit.arrive() before the '
+            "write's collectives (its all_ranks_write() is True): a rank that failed "
+            'before would leave the others waiting in them'
+        )
