@@ -285,6 +285,20 @@ def _fsdp_save(prefix, work_dir):
             refused[name] = None
         except Exception as err:  # noqa: BLE001 - reported to the test
             refused[name] = f'{type(err).__name__}: {err}'
+    # rank 1's own step inside DCP's write fails (a side file): named by rank 0 too
+    from stratagem.checkpoint import sharded
+
+    real_side = sharded._write_side
+    if s.rank == 1:
+        sharded._write_side = lambda obj, path: (_ for _ in ()).throw(OSError('side failed'))
+    try:
+        s.save_checkpoint(join(prefix, 'side_failed'))
+        s.wait_for_checkpoints()
+        refused['side_failed'] = None
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        refused['side_failed'] = f'{type(err).__name__}: {err}'
+    finally:
+        sharded._write_side = real_side
     at_3 = _full(s)
     assert s.save_checkpoint(join(prefix, 'iter_3'), extra_ckpt={'meta': {'iter': 3}}) == join(
         prefix, 'iter_3'
@@ -392,6 +406,7 @@ def test_fsdp_two_ranks_sharded_save_resumed_on_two_and_on_one(where, tmp_path):
             'ValueError: refused on rank 0; nothing was committed'
         ),
         'refused_all': 'ValueError: refused on rank 1',
+        'side_failed': 'OSError: side failed',
     }
     assert refused_0 == {
         'refused': (
@@ -400,6 +415,10 @@ def test_fsdp_two_ranks_sharded_save_resumed_on_two_and_on_one(where, tmp_path):
         ),
         'refused_0': 'ValueError: refused on rank 0',
         'refused_all': 'ValueError: refused on rank 0',
+        'side_failed': (
+            f'CheckpointVoteError: saving {join(where, "side_failed")} failed on rank 1: '
+            'OSError: side failed; nothing was committed'
+        ),
     }
     files = ['.metadata', '__0_0.distcp', '__1_0.distcp', 'extra.pth', 'manifest.json']
     files += ['rng_states/rank_0.pth', 'rng_states/rank_1.pth']  # each rank's own
