@@ -53,7 +53,7 @@ from .manifest import (
     verify_file,
 )
 from .names import check_final_name, check_step
-from .rank_errors import all_ok, dcp_failures, describe_error, failed_elsewhere, raise_first
+from .rank_errors import all_ok, dcp_failures, describe_error, raise_first, raised_here
 from .vote import SaveVote
 
 __all__ = [
@@ -405,10 +405,7 @@ class CollectiveCommit:
                 shutil.rmtree(self.staging, ignore_errors=True)  # type: ignore[arg-type]
             rank = 0 if self.vote is None else self.vote.rank
             what = self.what if self.vote is None else self.vote.what  # as the vote says it
-            elsewhere = failed_elsewhere(error, rank, what)
-            if elsewhere is None:
-                _raise_own(own if own is not None else failures.get(rank, error), self.what)
-            raise elsewhere
+            _raise_own(raised_here(error, own, rank, what), self.what)
         _fail_voted(self.staging if self._mine else None, self.what, own or error, self.vote)
 
 

@@ -13,9 +13,9 @@ __all__ = [
     'all_ok',
     'dcp_failures',
     'describe_error',
-    'failed_elsewhere',
     'failed_on',
     'raise_first',
+    'raised_here',
 ]
 
 #: what a save's failure on a rank adds when it ended the save before any commit
@@ -45,24 +45,27 @@ def dcp_failures(error: BaseException) -> dict[int, BaseException]:
     }
 
 
-def failed_elsewhere(error: BaseException, rank: int, what: str) -> Exception | None:
-    """DCP's ``CheckpointException`` of other ranks' own steps, not this rank's (``rank``):
-    the error naming the first of them, as the vote would say it (``what``: the vote's);
-    None when this rank failed too, or the error is not DCP's."""
+def raised_here(
+    error: BaseException, own: BaseException | None, rank: int, what: str
+) -> BaseException:
+    """What this rank (``rank``) raises when DCP's save raised ``error``: the error of its
+    own step as it raised it (``own``, which DCP carried to the others as a ``RankError``),
+    its own cause inside DCP's ``CheckpointException``, or, where only other ranks failed, a
+    ``CheckpointVoteError`` naming the first as the vote says it (``what``; that nothing was
+    committed, but for rank 0's failure, which may be its commit's, after the rename); else
+    ``error``. DCP's wrapper is left out of what it shows (its cause is kept)."""
     failures = dcp_failures(error)
-    if not failures or rank in failures:
-        return None
-    other, cause = next(iter(failures.items()))
-    # (rank 0's failure may be its commit's, after the rename: say no more)
-    named = failed_on(
-        what,
-        other,
-        describe_error(cause),
-        CheckpointVoteError,
-        '' if other == 0 else NOTHING_COMMITTED,
-    )
-    named.__cause__ = cause
-    return named
+    raised: BaseException
+    if own is None and failures and rank not in failures:
+        other, cause = next(iter(failures.items()))
+        after = '' if other == 0 else NOTHING_COMMITTED
+        raised = failed_on(what, other, describe_error(cause), CheckpointVoteError, after)
+        raised.__cause__ = cause
+    else:
+        raised = own if own is not None else failures.get(rank, error)
+    if raised is not error:
+        raised.__suppress_context__ = True
+    return raised
 
 
 def failed_on(

@@ -47,7 +47,7 @@ from .disk import OVERHEAD_BYTES, check_free_space, payload_bytes
 from .errors import CheckpointCorruptError
 from .load import load_checkpoint_file
 from .location import is_url
-from .rank_errors import all_ok, dcp_failures, describe_error, failed_elsewhere, raise_first
+from .rank_errors import all_ok, dcp_failures, describe_error, raise_first, raised_here
 from .torch_file import crc32_option, write_torch_file
 
 if TYPE_CHECKING:  # remote_directory (and fsspec behind it) loads when a URL is used
@@ -185,7 +185,8 @@ def save_sharded_checkpoint(
                 try:
                     dcp_save(writer)
                 except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is one
-                    raise _raised_for(err, writer.own_error, rank, vote)  # noqa: B904 - its cause kept
+                    what = f'saving {final_dir}' if vote is None else vote.what
+                    raise raised_here(err, writer.own_error, rank, what)  # noqa: B904 - cause kept
                 return writer.entries()
 
             return save_directory(
@@ -212,19 +213,6 @@ def save_sharded_checkpoint(
         except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is one; fail re-raises
             commit.fail(err, writer.own_error)
         return commit.done()
-
-
-def _raised_for(error: BaseException, own: BaseException | None, rank: int, vote: Any) -> Any:
-    """What this rank raises when DCP's save raised ``error``: its own error as it raised it
-    (``own``), or one naming the rank whose step failed (``vote``'s wording), or ``error``."""
-    if own is not None:
-        raised: BaseException | None = own
-    else:
-        raised = None if vote is None else failed_elsewhere(error, rank, vote.what)
-    if raised is None:
-        return error
-    raised.__suppress_context__ = True  # DCP's wrapper of it says no more
-    return raised
 
 
 def _write_side(obj: Any, path: Path) -> dict:
