@@ -175,30 +175,29 @@ def save_sharded_checkpoint(
 
     from .dcp_writer import DirectoryWriter
 
+    if is_url(os.fspath(final_dir)):  # each rank's files staged locally, then uploaded
+        # as the vote says it (``directory_vote``'s own says the same)
+        what = f'saving {final_dir}' if vote is None else vote.what
+
+        def write(staging: Path) -> list[dict]:
+            writer = DirectoryWriter(staging, side=start_side, check=lambda: check_space(staging))
+            try:
+                dcp_save(writer)
+            except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is one
+                raise raised_here(err, writer.own_error, rank, what)  # noqa: B904 - cause kept
+            return writer.entries()
+
+        return save_directory(
+            final_dir,
+            write,
+            step=step,
+            extra_manifest=manifest,
+            vote=vote,
+            collective=collective,
+            backend_args=backend_args,
+            also_point=also_point,
+        )
     with directory_vote(final_dir, vote, collective=collective) as vote:
-        if is_url(os.fspath(final_dir)):  # each rank's files staged locally, then uploaded
-
-            def write(staging: Path) -> list[dict]:
-                writer = DirectoryWriter(
-                    staging, side=start_side, check=lambda: check_space(staging)
-                )
-                try:
-                    dcp_save(writer)
-                except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is one
-                    what = f'saving {final_dir}' if vote is None else vote.what
-                    raise raised_here(err, writer.own_error, rank, what)  # noqa: B904 - cause kept
-                return writer.entries()
-
-            return save_directory(
-                final_dir,
-                write,
-                step=step,
-                extra_manifest=manifest,
-                vote=vote,
-                collective=collective,
-                backend_args=backend_args,
-                also_point=also_point,
-            )
         commit = CollectiveCommit(
             final_dir, vote, step=step, extra_manifest=manifest, collective=collective
         )
